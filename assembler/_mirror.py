@@ -1,0 +1,192 @@
+"""A mirror of the engine's prefix cache, by the same rules as vLLM's block pool.
+
+The mirror does not store KV; it replays what vLLM's v1 ``BlockPool`` does with block
+*hashes*, so the assembler can predict hits before a request is sent:
+
+* only full blocks have a hash (:mod:`promptsplice.blocks`, chained, salted at the root);
+* a request hits the longest run of leading cached blocks, but never its last prompt
+  token (``max_cache_hit_length = num_tokens - 1``), so at most
+  ``(num_tokens - 1) // block_size`` blocks;
+* a running request takes one slot per block it needs (the partial last block too) from
+  the head of the free queue, evicting whatever hash that slot held;
+* a finished request frees its blocks in *reverse* order to the tail of the free queue,
+  so its tail blocks are evicted before its head blocks.
+
+With ``capacity_blocks`` equal to the engine's block count and nothing else using the
+engine, predictions equal vLLM's ``num_cached_tokens`` exactly.  ``capacity_blocks=None``
+is an unbounded cache (slots are created on demand).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from promptsplice.blocks import BlockHash, cdiv
+from promptsplice.errors import ConfigError
+
+__all__ = ["PrefixCacheMirror", "Prediction", "BlockState"]
+
+
+class BlockState(enum.Enum):
+    """What the mirror knows about one block hash."""
+
+    CACHED = "cached"
+    ABSENT = "absent"
+
+
+class Prediction(NamedTuple):
+    """Predicted prefix-cache outcome of one request."""
+
+    cached_tokens: int
+    cached_blocks: int
+    full_blocks: int
+
+
+class PrefixCacheMirror:
+    """Thread-safe replay of vLLM's prefix-cache block pool over block hashes."""
+
+    def __init__(self, block_size: int, capacity_blocks: int | None = None) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be a positive number of tokens, got {block_size}")
+        if capacity_blocks is not None and capacity_blocks <= 0:
+            raise ConfigError(
+                f"capacity_blocks must be positive (or None for unbounded), got {capacity_blocks}"
+            )
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self._lock = threading.Lock()
+        # hash -> slots holding it (vLLM keeps a second copy when a block is recomputed).
+        self._cached: dict[BlockHash, list[int]] = {}
+        self._slot_hash: list[BlockHash | None] = []
+        # Free queue: slot id -> None, head (next evicted) first.
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._spare: list[int] = []  # unbounded mode: uncached slots to reuse
+        if capacity_blocks is not None:
+            self._slot_hash = [None] * capacity_blocks
+            self._free.update((i, None) for i in range(capacity_blocks))
+        self.queries_tokens = 0
+        self.hit_tokens = 0
+
+    # -- queries -------------------------------------------------------------------
+    def state(self, block_hash: BlockHash) -> BlockState:
+        with self._lock:
+            return BlockState.CACHED if block_hash in self._cached else BlockState.ABSENT
+
+    def has(self, block_hash: bytes) -> bool:
+        """Lock-free membership test (one atomic dict lookup), for hot loops."""
+        return block_hash in self._cached
+
+    def __contains__(self, block_hash: object) -> bool:
+        with self._lock:
+            return block_hash in self._cached
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._cached)
+
+    def match(self, hashes: Sequence[BlockHash]) -> int:
+        """Number of leading hashes that are cached (no side effect)."""
+        with self._lock:
+            return self._match(hashes)
+
+    def _match(self, hashes: Sequence[BlockHash]) -> int:
+        cached = self._cached
+        n = 0
+        for h in hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+    def predict(self, hashes: Sequence[BlockHash], num_tokens: int) -> Prediction:
+        """What a request of ``num_tokens`` tokens with these full-block hashes would hit."""
+        with self._lock:
+            return self._predict(hashes, num_tokens)
+
+    def _predict(self, hashes: Sequence[BlockHash], num_tokens: int) -> Prediction:
+        limit = max(0, (num_tokens - 1) // self.block_size)
+        hit = self._match(hashes[:limit])
+        return Prediction(hit * self.block_size, hit, len(hashes))
+
+    # -- updates -------------------------------------------------------------------
+    def admit(
+        self,
+        hashes: Sequence[BlockHash],
+        num_tokens: int,
+        *,
+        num_computed_tokens: int | None = None,
+        record: bool = True,
+    ) -> Prediction:
+        """Replay one request that runs to completion; returns its prediction.
+
+        ``num_tokens`` is the prompt length (the hit rule's limit).  ``hashes`` are the
+        full-block hashes of every token whose KV the request computes: the prompt, and
+        with ``max_tokens = k`` the first ``k - 1`` generated tokens (the last sampled
+        token is never computed).  ``num_computed_tokens`` (default: the prompt length)
+        sizes the slots the request holds while it runs: ``cdiv(num_computed_tokens,
+        block_size)``, the partial last block included.
+        """
+        bs = self.block_size
+        computed = num_tokens if num_computed_tokens is None else num_computed_tokens
+        with self._lock:
+            pred = self._predict(hashes, num_tokens)
+            if record:
+                self.queries_tokens += num_tokens
+                self.hit_tokens += pred.cached_tokens
+            total = cdiv(max(computed, len(hashes) * bs), bs)
+            slots: list[int] = []
+            for h in hashes[: pred.cached_blocks]:
+                slot = self._cached[h][0]
+                self._free.pop(slot, None)  # in use while the request runs
+                slots.append(slot)
+            for i in range(pred.cached_blocks, total):
+                slot = self._allocate()
+                if i < len(hashes):
+                    self._cached.setdefault(hashes[i], []).append(slot)
+                    self._slot_hash[slot] = hashes[i]
+                slots.append(slot)
+            for slot in reversed(slots):
+                if self.capacity_blocks is None and self._slot_hash[slot] is None:
+                    self._spare.append(slot)  # unbounded: an uncached slot is just reused
+                else:
+                    self._free[slot] = None
+            return pred
+
+    def _allocate(self) -> int:
+        if self.capacity_blocks is None:  # unbounded: never evict
+            if self._spare:
+                return self._spare.pop()
+            self._slot_hash.append(None)
+            return len(self._slot_hash) - 1
+        if not self._free:
+            raise ConfigError(
+                f"a request needs more than the mirror's {self.capacity_blocks} blocks; "
+                "raise capacity_blocks (the engine would refuse this request too)"
+            )
+        slot, _ = self._free.popitem(last=False)
+        old = self._slot_hash[slot]
+        if old is not None:
+            holders = self._cached[old]
+            holders.remove(slot)
+            if not holders:
+                del self._cached[old]
+            self._slot_hash[slot] = None
+        return slot
+
+    def clear(self) -> None:
+        """Forget every hash (like vLLM's ``reset_prefix_cache``)."""
+        with self._lock:
+            self._cached.clear()
+            if self.capacity_blocks is None:
+                self._slot_hash, self._free, self._spare = [], OrderedDict(), []
+            else:
+                self._slot_hash = [None] * self.capacity_blocks
+                self._free = OrderedDict((i, None) for i in range(self.capacity_blocks))
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queries_tokens if self.queries_tokens else 0.0

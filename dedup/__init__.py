@@ -1,0 +1,66 @@
+"""Byte-exact dedup of retrieved chunks, run before prompt assembly.
+
+Retrievers return redundant text: the same chunk from two indexes, a short chunk that
+sits inside a longer one, neighbouring windows of a sliding-window chunker, and
+boilerplate paragraphs repeated across documents.  Each repeat costs prefill tokens
+and changes the prompt bytes, so the engine's prefix cache misses.  :func:`dedup`
+removes them and keeps a full record of where every input went.
+
+Kinds, in the order they run (all on by default; switch each off in
+:class:`DedupConfig` or with ``dedup(chunks, overlap=False)``):
+
+* **empty**: a chunk with no bytes or only whitespace is dropped
+  (:class:`DroppedChunk`, ``reason="empty"``).
+* **exact**: byte-identical chunks (xxh3-128 digest, confirmed by comparing bytes)
+  become :attr:`Relation.DUPLICATE` origins of the first copy.
+* **overlap**: chunks of the same source document (``metadata["source"]``, see
+  ``source_key``) whose tail equals the next one's head over >= ``min_overlap`` (64)
+  bytes are merged into one chunk (:attr:`Relation.MERGED`), chains allowed.
+* **containment**: a chunk whose bytes occur inside another kept chunk becomes a
+  :attr:`Relation.CONTAINED` origin of it, with the byte span where it was found.
+* **passages**: a paragraph (split on ``b"\\n\\n"``) of >= ``min_passage`` (128) bytes
+  that already occurs in an earlier kept chunk is cut out of the later one
+  (:class:`RemovedPassage`); a chunk left empty is attached to the chunk holding its
+  first removed passage (:attr:`Relation.PASSAGES`).
+
+Nothing is lost: every input appears exactly once, as an :class:`Origin` of a
+:class:`KeptChunk` or as a :class:`DroppedChunk`, and ``Origin.span`` slices the kept
+bytes back to that input's bytes.  Kept chunks stay in retrieval order; a chunk with
+no redundancy comes back with the same id and bytes.  Inputs are str, UTF-8 bytes,
+dicts ``{"text", "id", "metadata"}`` or LangChain-style documents (duck-typed); bad
+input raises an error from :mod:`promptsplice.errors`.  Invalid UTF-8 raises by
+default (``on_invalid_utf8="replace"`` decodes it with U+FFFD and counts it).
+
+Cost: near-linear in total bytes for typical requests; worst cases are stated in
+:mod:`dedup._core`.
+"""
+
+from __future__ import annotations
+
+from ._core import dedup
+from ._normalize import normalize_chunks
+from ._types import (
+    DedupConfig,
+    DedupResult,
+    DedupStats,
+    DroppedChunk,
+    InputChunk,
+    KeptChunk,
+    Origin,
+    Relation,
+    RemovedPassage,
+)
+
+__all__ = [
+    "DedupConfig",
+    "DedupResult",
+    "DedupStats",
+    "DroppedChunk",
+    "InputChunk",
+    "KeptChunk",
+    "Origin",
+    "Relation",
+    "RemovedPassage",
+    "dedup",
+    "normalize_chunks",
+]

@@ -1,0 +1,182 @@
+"""Turn whatever a retriever returns into :class:`InputChunk` records.
+
+Accepted per chunk: ``str``; ``bytes``/``bytearray`` (UTF-8); a ``dict`` with ``"text"``
+(str or bytes) and optional ``"id"`` and ``"metadata"``; any object with
+``.page_content`` and ``.metadata`` (LangChain ``Document``, duck-typed so this package
+never imports LangChain; the id is ``doc.id`` if truthy, else ``metadata["id"]``).
+
+Ids: a str, or an int (turned into its str).  A chunk without one gets
+``"c:" + content_digest(data).hex()[:16]``, the same for the same text in every
+request.  One id may name one text only.  Metadata (a dict, or None for none) is
+copied, so callers' dicts are never mutated.  Everything is checked here, once, so the
+passes in :mod:`dedup._core` can assume valid UTF-8 bytes, str ids and dict metadata.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from promptsplice.blocks import content_digest
+from promptsplice.errors import (
+    ConfigError,
+    ConflictingChunkIdError,
+    InvalidChunkError,
+    InvalidUTF8Error,
+)
+
+from ._types import INVALID_UTF8_POLICIES, InputChunk
+
+__all__ = ["normalize_chunks"]
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_FIX_UTF8 = "pass valid UTF-8, or on_invalid_utf8='replace' to decode it with U+FFFD"
+
+
+def normalize_chunks(chunks: Iterable, *, on_invalid_utf8: str = "error") -> list[InputChunk]:
+    """Validate and normalize ``chunks`` (see the module docstring for accepted forms).
+
+    A chunk without an id gets ``"c:" + content_digest(data).hex()[:16]``, stable across
+    requests.  Raises :class:`InvalidChunkError`, :class:`InvalidUTF8Error` or
+    :class:`ConflictingChunkIdError` naming the offending chunk's index.
+    """
+    return [InputChunk(*t) for t in _normalize(chunks, on_invalid_utf8)[0]]
+
+
+def _bad_utf8_str(index: int, text: str, exc: UnicodeEncodeError) -> InvalidUTF8Error:
+    offset = len(text[: exc.start].encode("utf-8"))
+    return InvalidUTF8Error(
+        f"chunk {index}: str contains a lone surrogate {text[exc.start]!r} at character "
+        f"{exc.start} (UTF-8 byte offset {offset}), which has no UTF-8 encoding; {_FIX_UTF8}",
+        index=index,
+        offset=offset,
+    )
+
+
+def _bad_utf8_bytes(index: int, exc: UnicodeDecodeError) -> InvalidUTF8Error:
+    return InvalidUTF8Error(
+        f"chunk {index}: bytes are not valid UTF-8 ({exc.reason}) at byte offset "
+        f"{exc.start}; {_FIX_UTF8}",
+        index=index,
+        offset=exc.start,
+    )
+
+
+def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
+    """:func:`normalize_chunks` as plain tuples ``(index, id, text, data, digest,
+    metadata)`` (the InputChunk fields; cheaper to build), plus the number of inputs
+    decoded with U+FFFD."""
+    if policy not in INVALID_UTF8_POLICIES:
+        raise ConfigError(f"on_invalid_utf8 must be 'error' or 'replace', got {policy!r}")
+    if isinstance(chunks, (str, bytes, bytearray, dict)) or hasattr(chunks, "page_content"):
+        raise InvalidChunkError(
+            f"expected an iterable of chunks, got a single {type(chunks).__name__} chunk; "
+            f"wrap it in a list"
+        )
+    try:
+        iterator = iter(chunks)
+    except TypeError:
+        raise InvalidChunkError(
+            f"expected an iterable of chunks (list of str, bytes, dicts or Documents), "
+            f"got {type(chunks).__name__}"
+        ) from None
+
+    replace = policy == "replace"
+    digest_of = content_digest  # looked up per call so tests can substitute it
+    out: list[tuple] = []
+    append = out.append
+    by_id: dict[str, tuple] = {}
+    replaced = 0
+
+    for index, chunk in enumerate(iterator):
+        cid = None
+        metadata = None
+        raw = chunk
+        if type(chunk) is dict or isinstance(chunk, dict):
+            if "text" not in chunk:
+                raise InvalidChunkError(
+                    f"chunk {index}: dict has no 'text' key (keys: {sorted(map(str, chunk))}); "
+                    f"pass {{'text': ..., 'id': ..., 'metadata': {{...}}}}"
+                )
+            raw = chunk["text"]
+            cid = chunk.get("id")
+            metadata = chunk.get("metadata")
+            if not isinstance(raw, (str, bytes, bytearray)):
+                raise InvalidChunkError(
+                    f"chunk {index}: dict 'text' must be str or bytes, got {type(raw).__name__}"
+                )
+        elif not isinstance(chunk, (str, bytes, bytearray)):
+            try:
+                raw = chunk.page_content
+            except AttributeError:
+                raise InvalidChunkError(
+                    f"chunk {index}: unsupported chunk type {type(chunk).__name__}; pass str, "
+                    f"UTF-8 bytes, a dict with 'text', or a Document with .page_content"
+                ) from None
+            if not isinstance(raw, str):
+                raise InvalidChunkError(
+                    f"chunk {index}: {type(chunk).__name__}.page_content must be str, "
+                    f"got {type(raw).__name__}"
+                )
+            metadata = getattr(chunk, "metadata", None)
+            cid = getattr(chunk, "id", None) or None
+            if cid is None and isinstance(metadata, dict):
+                cid = metadata.get("id")
+
+        # text and its UTF-8 bytes (raw is str or bytes-like here)
+        if isinstance(raw, str):
+            text = raw if type(raw) is str else str(raw)
+            try:
+                data = text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                if not replace:
+                    raise _bad_utf8_str(index, text, exc) from None
+                text = _SURROGATE.sub("\ufffd", text)
+                data = text.encode("utf-8")
+                replaced += 1
+        else:
+            data = bytes(raw)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                if not replace:
+                    raise _bad_utf8_bytes(index, exc) from None
+                text = data.decode("utf-8", "replace")
+                data = text.encode("utf-8")
+                replaced += 1
+
+        if metadata is None:
+            metadata = {}
+        elif isinstance(metadata, dict):
+            metadata = dict(metadata)
+        else:
+            raise InvalidChunkError(
+                f"chunk {index}: metadata must be a dict, got {type(metadata).__name__}"
+            )
+
+        digest = digest_of(data)
+        if cid is None:
+            cid = "c:" + digest.hex()[:16]
+        elif type(cid) is not str:
+            if isinstance(cid, (int, str)) and not isinstance(cid, bool):
+                cid = str(cid)
+            else:
+                raise InvalidChunkError(
+                    f"chunk {index}: id must be a str (or int), got {type(cid).__name__} "
+                    f"{cid!r}; omit it to get a content-derived id"
+                )
+        if not cid:
+            raise InvalidChunkError(
+                f"chunk {index}: id is an empty string; omit it to get a content-derived id"
+            )
+
+        item = (index, cid, text, data, digest, metadata)
+        previous = by_id.setdefault(cid, item)
+        if previous is not item and previous[3] != data:
+            raise ConflictingChunkIdError(
+                f"id {cid!r} names two different texts: chunk {previous[0]} "
+                f"({len(previous[3])} bytes) and chunk {index} ({len(data)} bytes); "
+                f"give each distinct text its own id (or omit ids to derive them from content)"
+            )
+        append(item)
+    return out, replaced

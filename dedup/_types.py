@@ -1,0 +1,224 @@
+"""Records and the config of :mod:`dedup`: what goes in, what comes out, and why.
+
+Plain ``slots`` dataclasses (cheap to build: dedup creates one origin per input) and
+one enum for the outcome of each input.  Nothing here does any work beyond validating
+the config.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+
+from promptsplice.errors import ConfigError
+
+__all__ = [
+    "Relation",
+    "DedupConfig",
+    "InputChunk",
+    "Origin",
+    "RemovedPassage",
+    "KeptChunk",
+    "DroppedChunk",
+    "DedupStats",
+    "DedupResult",
+    "REMOVAL_KINDS",
+    "INVALID_UTF8_POLICIES",
+]
+
+#: Keys of :attr:`DedupStats.removed` / :attr:`DedupStats.removed_bytes`, always all present.
+REMOVAL_KINDS: tuple[str, ...] = ("duplicate", "contained", "overlap", "passage", "empty")
+
+#: Accepted values of ``on_invalid_utf8``.
+INVALID_UTF8_POLICIES: tuple[str, ...] = ("error", "replace")
+
+
+class Relation(enum.Enum):
+    """How an input chunk is represented in the kept chunk that stands for it."""
+
+    KEPT = "kept"
+    """It is (the first member of) the kept chunk."""
+    DUPLICATE = "duplicate"
+    """An exact byte duplicate of the kept chunk's first member."""
+    CONTAINED = "contained"
+    """Its bytes occur inside the kept chunk (at ``Origin.span``)."""
+    MERGED = "merged"
+    """Sliding-window overlap: merged into the kept chunk (2nd, 3rd... member)."""
+    PASSAGES = "passages"
+    """Every paragraph of it was already present earlier; see ``removed_passages``."""
+
+
+@dataclass(frozen=True, slots=True)
+class DedupConfig:
+    """Which kinds of redundancy :func:`dedup.dedup` removes, and their thresholds.
+
+    Every kind is on by default.  ``min_overlap`` / ``min_passage`` are byte lengths:
+    shorter matches are left alone because a short repeat (a heading, a boilerplate
+    line) is usually not redundancy worth rewriting a chunk for.
+    """
+
+    exact: bool = True
+    containment: bool = True
+    overlap: bool = True
+    passages: bool = True
+    min_overlap: int = 64
+    """Bytes; the tail of A must equal the head of B over at least this many bytes."""
+    min_passage: int = 128
+    """Bytes; a paragraph at least this long that is already present earlier is removed."""
+    source_key: str = "source"
+    """Metadata key naming the source document; overlap merges need the same source."""
+    on_invalid_utf8: str = "error"
+    """``"error"``: raise InvalidUTF8Error; ``"replace"``: decode with U+FFFD and count it."""
+
+    def __post_init__(self) -> None:
+        for name in ("exact", "containment", "overlap", "passages"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"DedupConfig.{name} must be True or False, got {value!r}")
+        for name in ("min_overlap", "min_passage"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"DedupConfig.{name} must be an int >= 1 (a length in bytes), got {value!r}"
+                )
+        if not isinstance(self.source_key, str) or not self.source_key:
+            raise ConfigError(
+                f"DedupConfig.source_key must be a non-empty str (a metadata key such as "
+                f"'source'), got {self.source_key!r}"
+            )
+        if self.on_invalid_utf8 not in INVALID_UTF8_POLICIES:
+            raise ConfigError(
+                f"DedupConfig.on_invalid_utf8 must be 'error' or 'replace', "
+                f"got {self.on_invalid_utf8!r}"
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The option names (valid ``**overrides`` of :func:`dedup.dedup`)."""
+        return tuple(f.name for f in fields(cls))
+
+
+@dataclass(slots=True)
+class InputChunk:
+    """One normalized input: its position, id, text, UTF-8 bytes, xxh3-128 digest, metadata.
+
+    ``metadata`` is a copy of the caller's dict, so dedup never mutates caller data.
+    """
+
+    index: int
+    id: str
+    text: str
+    data: bytes
+    digest: bytes
+    metadata: dict
+
+
+@dataclass(slots=True)
+class Origin:
+    """One input that a kept chunk stands for.
+
+    ``span`` is the byte range of this input's content inside the kept chunk's ``data``
+    (``None`` for :attr:`Relation.PASSAGES`).  If the kept chunk lost repeated passages,
+    the span covers what remains of this input's bytes (empty if nothing remains); an
+    input that lay inside one removed paragraph is moved, as CONTAINED, to the chunk
+    where that paragraph was found.
+    """
+
+    index: int
+    id: str
+    metadata: dict
+    relation: Relation
+    span: tuple[int, int] | None
+
+
+@dataclass(slots=True)
+class RemovedPassage:
+    """A repeated paragraph removed from chunk ``chunk_id`` because it is already present.
+
+    ``offset``/``length`` locate the paragraph in that chunk's bytes before passage
+    removal (the input's original bytes, or the merged bytes for an overlap merge);
+    ``found_in``/``found_at`` locate the same bytes in a kept chunk.  The separator that
+    was removed with it is not counted in ``length``.
+    """
+
+    chunk_id: str
+    offset: int
+    length: int
+    found_in: str
+    found_at: int
+
+
+@dataclass(slots=True)
+class KeptChunk:
+    """A chunk of the output.  ``id``/``metadata`` are those of its first (KEPT) input.
+
+    ``origins`` lists every input it stands for, the KEPT one first, then by input index.
+    ``removed_passages`` lists passages removed from it, and from chunks that were
+    emptied by passage removal and attached here (their ``chunk_id`` tells them apart).
+    """
+
+    id: str
+    text: str
+    data: bytes
+    digest: bytes
+    metadata: dict
+    origins: list[Origin]
+    removed_passages: list[RemovedPassage]
+
+
+@dataclass(slots=True)
+class DroppedChunk:
+    """An input that is not represented in any kept chunk: ``reason`` is ``"empty"``."""
+
+    index: int
+    id: str
+    metadata: dict
+    reason: str
+
+
+@dataclass(slots=True)
+class DedupStats:
+    """Counts and byte totals of one :func:`dedup.dedup` call.
+
+    ``bytes_in - bytes_out == removed_bytes_total`` always holds.  ``removed`` counts
+    events per kind: inputs that became duplicates, chunks absorbed by containment
+    (a merged chunk counts once), overlap joins (a chain of 3 counts 2), passages
+    removed, inputs dropped as empty.  ``removed_bytes`` is what each kind saved.
+    """
+
+    chunks_in: int
+    chunks_out: int
+    bytes_in: int
+    bytes_out: int
+    removed: dict[str, int]
+    removed_bytes: dict[str, int]
+    replaced_invalid_utf8: int
+    hash_collisions: int
+
+    @property
+    def removed_bytes_total(self) -> int:
+        """Bytes saved by all kinds together."""
+        return sum(self.removed_bytes.values())
+
+
+@dataclass(slots=True)
+class DedupResult:
+    """The kept chunks in retrieval order, the dropped inputs, and the stats."""
+
+    chunks: list[KeptChunk]
+    dropped: list[DroppedChunk]
+    stats: DedupStats
+
+    def input_ids(self) -> set[str]:
+        """Every input id reachable from the output (kept origins and dropped chunks)."""
+        ids = {o.id for k in self.chunks for o in k.origins}
+        ids.update(d.id for d in self.dropped)
+        return ids
+
+    def find(self, chunk_id: str) -> KeptChunk | None:
+        """The kept chunk that stands for input ``chunk_id`` (``None`` if dropped/unknown)."""
+        for kept in self.chunks:
+            for origin in kept.origins:
+                if origin.id == chunk_id:
+                    return kept
+        return None

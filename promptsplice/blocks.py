@@ -1,0 +1,124 @@
+"""Block identity: the one chain hash, content digests and the alignment helpers.
+
+Like vLLM's ``kv_cache_utils.py``, this module is the single owner of how a block of
+tokens is named.  The prefix-cache mirror, the tiered KV store's keys, the stable prefix
+key and the benches all import it; no other module hashes tokens or content.
+
+Rules (the same as vLLM's automatic prefix caching):
+
+* only *full* blocks of ``block_size`` tokens get a hash;
+* a block's hash covers its parent's hash, so a hash names the whole prefix up to and
+  including the block;
+* the tenant salt enters the root of the chain (vLLM puts ``cache_salt`` in the first
+  block's extra keys), so two tenants never share a single block hash.
+
+The digest is xxh3-128 over ``parent || token ids as little-endian uint32``.  xxh3 is
+fast but not collision-resistant: whoever serves data by these keys (the KV store) also
+compares the stored token ids before serving (vLLM moved off Python's ``hash`` after
+CVE-2025-25183 for the same reason).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import NewType
+
+import xxhash
+
+__all__ = [
+    "BlockHash",
+    "HASH_BYTES",
+    "cdiv",
+    "round_up",
+    "round_down",
+    "content_digest",
+    "root_hash",
+    "token_bytes",
+    "hash_block",
+    "chain_hashes",
+]
+
+BlockHash = NewType("BlockHash", bytes)
+"""16 bytes: the xxh3-128 digest naming a full block *and everything before it*."""
+
+HASH_BYTES = 16
+
+_ROOT_TAG = b"promptsplice/chain/v1\x00"
+_LITTLE = sys.byteorder == "little"
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ``a`` and positive ``b``."""
+    return -(-a // b)
+
+
+def round_up(x: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``x``."""
+    return cdiv(x, multiple) * multiple
+
+
+def round_down(x: int, multiple: int) -> int:
+    """Largest multiple of ``multiple`` that is <= ``x``."""
+    return (x // multiple) * multiple
+
+
+def content_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """xxh3-128 of raw bytes: the content key of chunks (dedup, token cache)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def root_hash(salt: str | bytes | None = None) -> BlockHash:
+    """The parent of the first block.  Differs per salt, so salts isolate whole chains."""
+    if salt is None:
+        salt_bytes = b""
+    elif isinstance(salt, str):
+        salt_bytes = b"s" + salt.encode("utf-8")
+    else:
+        salt_bytes = b"b" + bytes(salt)
+    return BlockHash(xxhash.xxh3_128_digest(_ROOT_TAG + salt_bytes))
+
+
+def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (the hashed representation)."""
+    arr = array("I", tokens)
+    if not _LITTLE:  # pragma: no cover - no big-endian CI machine
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
+    """Hash of one full block given its parent's hash."""
+    return BlockHash(xxhash.xxh3_128_digest(parent + token_bytes(tokens)))
+
+
+def chain_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    parent: BlockHash | None = None,
+    salt: str | bytes | None = None,
+) -> list[BlockHash]:
+    """Hashes of every full block of ``tokens``, chained from ``parent``.
+
+    ``parent`` defaults to :func:`root_hash` of ``salt``; pass the hash of the block
+    before ``tokens[0]`` to continue a chain (then ``salt`` must be ``None``).
+    A trailing partial block gets no hash.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if parent is None:
+        parent = root_hash(salt)
+    elif salt is not None:
+        raise ValueError("pass either parent or salt: the salt only enters the root")
+    data = memoryview(token_bytes(tokens))
+    step = 4 * block_size
+    full = (len(tokens) // block_size) * step
+    digest = xxhash.xxh3_128_digest
+    out: list[BlockHash] = []
+    h = parent
+    for start in range(0, full, step):
+        h = digest(h + data[start : start + step])
+        out.append(h)  # type: ignore[arg-type]
+    return out

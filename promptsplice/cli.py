@@ -1,0 +1,163 @@
+"""The ``promptsplice`` command line.
+
+Subcommands import their packages lazily, so ``promptsplice --help`` stays instant and a
+machine without vLLM can still run the assembly-only commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from promptsplice.errors import PromptspliceError
+
+__all__ = ["main", "build_parser"]
+
+
+def _cmd_model_prepare(args: argparse.Namespace) -> int:
+    from promptsplice.assets import ensure_default_model
+
+    folder = ensure_default_model()
+    if not args.quiet:
+        print(folder)
+    return 0
+
+
+def _cmd_model_path(args: argparse.Namespace) -> int:
+    from promptsplice.assets import default_model_dir
+
+    print(default_model_dir())
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from benchmarks.demo import run_demo
+
+    return run_demo(
+        requests=args.requests,
+        block_size=args.block_size,
+        seed=args.seed,
+        engine=not args.no_engine,
+        chart=args.chart,
+    )
+
+
+def _cmd_bench_assemble(args: argparse.Namespace) -> int:
+    from benchmarks.assemble import run_assemble_bench
+
+    return run_assemble_bench(
+        trace=args.trace,
+        json_out=args.json,
+        block_size=args.block_size,
+        tokenizer=args.tokenizer,
+        alignment=args.alignment,
+        requests=args.requests,
+    )
+
+
+def _cmd_bench_rag(args: argparse.Namespace) -> int:
+    from benchmarks.rag import run_rag_bench
+
+    return run_rag_bench(
+        trace=args.trace,
+        json_out=args.json,
+        requests=args.requests,
+        policy=args.policy,
+        alignment=args.alignment,
+        max_tokens=args.max_tokens,
+    )
+
+
+def _cmd_bench_ttft(args: argparse.Namespace) -> int:
+    from benchmarks.ttft import run_ttft_bench
+
+    return run_ttft_bench(json_out=args.json, repeats=args.repeats)
+
+
+def _cmd_bench_gen_trace(args: argparse.Namespace) -> int:
+    from benchmarks.traces import write_rag_trace
+
+    n = write_rag_trace(
+        args.out,
+        requests=args.requests,
+        seed=args.seed,
+        profile=args.profile,
+    )
+    print(f"wrote {n} requests to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="promptsplice",
+        description="Prompt assembly that makes the engine's prefix cache hit.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the built-in RAG sample: naive vs promptsplice")
+    demo.add_argument("--requests", type=int, default=60)
+    demo.add_argument("--block-size", type=int, default=None,
+                      help="KV block size (default: the engine's, 16 without one)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-engine", action="store_true",
+                      help="assembly only (tokenizer + mirror), no vLLM")
+    demo.add_argument("--chart", default="out/demo.png", help="where to write the PNG chart")
+    demo.set_defaults(func=_cmd_demo)
+
+    model = sub.add_parser("model", help="the default model asset")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    prep = msub.add_parser("prepare", help="convert the packaged GGUF once (cached)")
+    prep.add_argument("--quiet", action="store_true")
+    prep.set_defaults(func=_cmd_model_prepare)
+    path = msub.add_parser("path", help="print where the converted model lives")
+    path.set_defaults(func=_cmd_model_path)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    asm = bsub.add_parser("assemble", help="assembly policies on a RAG trace (no engine)")
+    asm.add_argument("--trace", required=True, help="RAG trace, JSONL")
+    asm.add_argument("--json", required=True, help="where to write the JSON report")
+    asm.add_argument("--block-size", type=int, default=16)
+    asm.add_argument("--tokenizer", default="default",
+                     help="'default' (SmolLM2), 'tiktoken:ENCODING' or a tokenizer.json path")
+    asm.add_argument("--alignment", default="auto", help="auto | none | all")
+    asm.add_argument("--requests", type=int, default=None, help="only the first N requests")
+    asm.set_defaults(func=_cmd_bench_assemble)
+
+    rag = bsub.add_parser("rag", help="a RAG trace through the embedded vLLM engine")
+    rag.add_argument("--trace", required=True, help="RAG trace, JSONL")
+    rag.add_argument("--json", required=True, help="where to write the JSON report")
+    rag.add_argument("--requests", type=int, default=None, help="only the first N requests")
+    rag.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
+    rag.add_argument("--alignment", default="auto", help="auto | none | all")
+    rag.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    rag.set_defaults(func=_cmd_bench_rag)
+
+    ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")
+    ttft.add_argument("--json", default=None)
+    ttft.add_argument("--repeats", type=int, default=3)
+    ttft.set_defaults(func=_cmd_bench_ttft)
+
+    gen = bsub.add_parser("gen-trace", help="write a RAG trace from real Wikipedia text")
+    gen.add_argument("--out", required=True)
+    gen.add_argument("--requests", type=int, default=400)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--profile", default="repeat-heavy",
+                     help="repeat-heavy | diverse")
+    gen.set_defaults(func=_cmd_bench_gen_trace)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PromptspliceError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

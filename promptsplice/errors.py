@@ -1,0 +1,108 @@
+"""The one exception hierarchy of promptsplice.
+
+Every error the library raises on purpose is a :class:`PromptspliceError`.  Input
+problems are also ``ValueError`` (so generic callers that catch ``ValueError`` keep
+working); environment problems (a missing model asset, an engine that cannot start) are
+``RuntimeError``.  Errors from third-party libraries (vLLM, httpx, tokenizers,
+LangChain) are translated at the boundary with ``raise ... from exc``.
+
+Expected outcomes (a cache hit, a miss, a stale entry) are never exceptions: they are
+enum values in the modules that produce them.
+
+This module imports nothing from the project, so every package may import it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PromptspliceError",
+    "InputError",
+    "InvalidChunkError",
+    "InvalidUTF8Error",
+    "ConflictingChunkIdError",
+    "ConfigError",
+    "UnknownPolicyError",
+    "ContextLengthError",
+    "TraceFormatError",
+    "TokenizerError",
+    "AssetError",
+    "EngineError",
+    "EngineStartError",
+    "EngineRequestError",
+]
+
+
+class PromptspliceError(Exception):
+    """Base class of every error raised by promptsplice."""
+
+
+class InputError(PromptspliceError, ValueError):
+    """The caller passed data the library cannot use as given."""
+
+
+class InvalidChunkError(InputError):
+    """A chunk is not text: not ``str``/``bytes``, a dict without ``text``, or a
+    document without ``page_content``.  The message names the chunk's position."""
+
+
+class InvalidUTF8Error(InputError):
+    """A ``bytes`` chunk is not valid UTF-8.
+
+    The default policy (``on_invalid_utf8="error"``) refuses it, because dedup is
+    byte-exact and a prompt must be text.  Pass ``on_invalid_utf8="replace"`` to decode
+    with U+FFFD instead; the replacement is then reported in the dedup stats.
+    """
+
+    def __init__(self, message: str, *, index: int, offset: int) -> None:
+        super().__init__(message)
+        self.index = index
+        self.offset = offset
+
+
+class ConflictingChunkIdError(InputError):
+    """Two chunks share one id but carry different texts."""
+
+
+class ConfigError(InputError):
+    """An option is out of range (for example ``block_size <= 0``)."""
+
+
+class UnknownPolicyError(ConfigError):
+    """An ordering or alignment policy name that does not exist."""
+
+
+class ContextLengthError(InputError):
+    """An assembled prompt does not fit the context it was given.
+
+    ``prompt_tokens`` and ``max_tokens`` carry both sizes; the message names them.
+    """
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+
+
+class TraceFormatError(InputError):
+    """A workload trace line is not valid (the message names file, line and field)."""
+
+
+class TokenizerError(PromptspliceError, RuntimeError):
+    """A tokenizer could not be loaded or used."""
+
+
+class AssetError(PromptspliceError, RuntimeError):
+    """The default model asset is missing or could not be prepared."""
+
+
+class EngineError(PromptspliceError, RuntimeError):
+    """The inference engine failed; the message says what to change."""
+
+
+class EngineStartError(EngineError):
+    """The engine could not start (for example a KV cache too small for one request:
+    the message names the knob, ``kv_cache_bytes``)."""
+
+
+class EngineRequestError(EngineError):
+    """One request failed inside the engine; the engine keeps serving others."""

@@ -1,0 +1,217 @@
+"""assemble_prompt on the real default tokenizer: segments, alignment, ordering, errors."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from assembler import (
+    AlignPolicy,
+    AssembledPrompt,
+    OrderPolicy,
+    SegmentKind,
+    assemble_prompt,
+)
+from promptsplice.blocks import chain_hashes
+from promptsplice.errors import (
+    ConfigError,
+    ContextLengthError,
+    InvalidChunkError,
+    UnknownPolicyError,
+)
+
+SYSTEM = "You are a careful assistant. Answer only from the documents below, and cite the documents you used."
+DOCS = {
+    "paris": "Paris is the capital and largest city of France, on the river Seine.",
+    "lyon": "Lyon is the third-largest city of France, at the confluence of the Rhone and Saone.",
+    "nice": "Nice is a city on the French Riviera, known for the Promenade des Anglais.",
+    "lille": "Lille is a city in northern France, close to the border with Belgium.",
+}
+
+
+def chunks(*names):
+    return [{"id": n, "text": DOCS[n], "metadata": {"source": n}} for n in names]
+
+
+def test_segments_are_exact_token_spans(make_assembler, default_tok):
+    asm = make_assembler(policy="retrieval", alignment="none")
+    res = asm.assemble(chunks("paris", "lyon"), query="Which city is the capital?", system=SYSTEM)
+    assert isinstance(res, AssembledPrompt)
+    kinds = [s.kind for s in res.segments]
+    assert kinds == [SegmentKind.SYSTEM, SegmentKind.CHUNK, SegmentKind.CHUNK, SegmentKind.QUERY]
+    toks = res.token_ids
+    assert toks[: res.segments[0].end] == default_tok.encode(SYSTEM)
+    assert toks[res.segments[1].start : res.segments[1].end] == default_tok.encode("\n\n" + DOCS["paris"])
+    assert toks[res.segments[3].start :] == default_tok.encode("\n\nQuestion: Which city is the capital?\nAnswer:")
+    assert res.segments[-1].end == len(toks) and res.padding_tokens == 0
+    assert res.chunk_order == ["paris", "lyon"]
+    assert res.block_hashes == chain_hashes(toks, 16)
+
+
+def test_text_form_retokenizes_to_the_same_ids_without_padding(make_assembler, default_tok):
+    # Separators lead each segment, so byte-level BPE splits the whole text at the same
+    # places as the segments: the text form re-tokenizes exactly when nothing is padded.
+    asm = make_assembler(policy="retrieval", alignment="none")
+    res = asm.assemble(chunks("paris", "lyon", "nice"), query="Where is Nice?", system=SYSTEM)
+    assert default_tok.encode(res.text) == res.token_ids
+    naive = asm.naive(chunks("paris", "lyon", "nice"), query="Where is Nice?", system=SYSTEM)
+    assert naive.text == res.text
+
+
+def test_padding_is_whitespace_and_merges_in_the_text_form(make_assembler, default_tok):
+    asm = make_assembler(policy="retrieval", alignment="all")
+    res = asm.assemble(chunks("paris", "lyon"), query="Where is Lyon?", system=SYSTEM)
+    assert res.padding_tokens > 0
+    for seg in res.segments[:-1]:
+        assert seg.end % 16 == 0
+        pad = res.token_ids[seg.content_end : seg.end]
+        assert pad == [default_tok.filler_token_id] * seg.padding
+    assert default_tok.decode(res.token_ids) == res.text
+    # Runs of filler spaces merge into multi-space tokens when the text is re-tokenized:
+    # servers that take text cannot reproduce the padding, which is why token ids are
+    # the primary output.  The difference stays inside the padded runs.
+    retok = default_tok.encode(res.text)
+    assert retok != res.token_ids
+    assert default_tok.decode(retok) == res.text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    texts=st.lists(st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=120), min_size=1, max_size=6),
+    bs=st.sampled_from([1, 3, 16, 32]),
+)
+def test_every_cacheable_boundary_is_block_aligned_under_all(make_assembler, texts, bs):
+    asm = make_assembler(block_size=bs, policy="stable", alignment="all")
+    items = [{"id": f"c{i}", "text": t} for i, t in enumerate(texts) if t.strip()]
+    if not items:
+        return
+    ids = {i["id"] for i in items}
+    if len({i["text"] for i in items}) < len(items):
+        return  # one id per text is enough for this property
+    res = asm.assemble(items, query="q?", system="sys")
+    for seg in res.segments[:-1]:
+        assert seg.end % bs == 0
+    assert res.segments[-1].kind is SegmentKind.QUERY and res.segments[-1].padding == 0
+    seen = {i for s in res.segments for i in s.chunk_ids}
+    assert seen | {i.id for i in res.dedup.dropped} == ids | seen
+
+
+def test_stable_order_is_canonical_and_learns_popularity(make_assembler):
+    asm = make_assembler(policy="stable")
+    a = asm.assemble(chunks("paris", "lyon", "nice"), query="q1", system=SYSTEM)
+    b = asm.assemble(chunks("nice", "paris", "lyon"), query="q2", system=SYSTEM)
+    assert a.chunk_order == b.chunk_order, "the same chunk set always gives the same order"
+    # lille becomes the most popular chunk; a new set puts it first
+    for i in range(4):
+        asm.assemble(chunks("lille"), query=f"q{i}", system=SYSTEM)
+    c = asm.assemble(chunks("lyon", "lille"), query="q3", system=SYSTEM)
+    assert c.chunk_order[0] == "lille"
+
+
+def test_repeated_request_hits_and_prefix_key_is_shared(make_assembler):
+    asm = make_assembler()
+    first = asm.assemble(chunks("paris", "lyon"), query="q", system=SYSTEM)
+    assert first.predicted_cached_tokens == 0
+    again = asm.assemble(chunks("lyon", "paris"), query="q", system=SYSTEM)
+    n = again.num_tokens
+    assert again.predicted_cached_tokens == (n - 1) // 16 * 16
+    other = asm.assemble(chunks("nice"), query="other", system=SYSTEM)
+    assert other.prefix_key == first.prefix_key
+    salted = asm.assemble(chunks("nice"), query="other", system=SYSTEM, salt="tenant-b")
+    assert salted.prefix_key != first.prefix_key
+    assert salted.predicted_cached_tokens == 0
+
+
+def test_auto_pads_a_proven_branch_point_and_the_next_branch_hits(make_assembler):
+    asm = make_assembler(policy="retrieval", alignment="auto")
+    r1 = asm.assemble(chunks("paris"), query="q", system=SYSTEM)
+    assert r1.padding_tokens == 0, "nothing cached yet: no padding past a miss"
+    for name in ("lyon", "nice"):
+        r = asm.assemble(chunks(name), query="q", system=SYSTEM)
+        assert r.padding_tokens == 0, "a divergence after the system prompt is only counted"
+    r4 = asm.assemble(chunks("lille"), query="q", system=SYSTEM)
+    sys_seg = r4.segments[0]
+    assert sys_seg.kind is SegmentKind.SYSTEM and sys_seg.padding == 12 and sys_seg.end == 32
+    assert r4.padding_tokens == 12, "one speculative pad, at the proven branch point only"
+    tours = [{"id": "tours", "text": "Tours is a city on the Loire river in central France."}]
+    r5 = asm.assemble(tours, query="q", system=SYSTEM)
+    assert r5.segments[0].padding == 12
+    assert r5.predicted_cached_tokens == 32
+    none = make_assembler(policy="retrieval", alignment="none")
+    for name in ("paris", "lyon", "nice", "lille"):
+        none.assemble(chunks(name), query="q", system=SYSTEM)
+    n5 = none.assemble(tours, query="q", system=SYSTEM)
+    assert n5.predicted_cached_tokens == 16 < r5.predicted_cached_tokens
+
+
+def test_auto_keeps_an_unpadded_layout_that_is_cached(make_assembler):
+    asm = make_assembler(policy="retrieval", alignment="auto")
+    asm.assemble(chunks("paris", "lyon"), query="q", system=SYSTEM)
+    again = asm.assemble(chunks("paris", "lyon"), query="q", system=SYSTEM)
+    assert again.padding_tokens == 0
+    assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
+
+
+def test_cache_aware_follows_the_cached_order(make_assembler):
+    asm = make_assembler(policy="cache_aware", alignment="none")
+    # Make lille the most popular so stable order would put it first.
+    for i in range(8):
+        asm.assemble(chunks("lille"), query=f"x{i}", system="other system")
+    asm.assemble(chunks("nice", "paris"), query="q", system=SYSTEM, policy="retrieval")
+    stable = asm.assemble(chunks("lille", "paris", "nice"), query="q2", system=SYSTEM, policy="stable", admit=False)
+    assert stable.chunk_order[0] == "lille"
+    res = asm.assemble(chunks("lille", "paris", "nice"), query="q2", system=SYSTEM)
+    assert res.chunk_order == ["nice", "paris", "lille"]
+    assert res.predicted_cached_tokens > stable.predicted_cached_tokens
+
+
+def test_dedup_report_is_attached(make_assembler):
+    asm = make_assembler()
+    dup = [{"id": "a", "text": DOCS["paris"]}, {"id": "b", "text": DOCS["paris"]}]
+    res = asm.assemble(dup, query="q", system=SYSTEM)
+    assert [s.chunk_ids for s in res.segments if s.kind is SegmentKind.CHUNK] == [("a", "b")]
+    assert res.dedup.stats.removed["duplicate"] == 1
+    assert res.dedup.stats.removed_bytes_total == len(DOCS["paris"].encode())
+
+
+def test_tools_are_canonical_json(make_assembler):
+    asm = make_assembler()
+    t1 = [{"name": "search", "parameters": {"q": "string", "k": "int"}}]
+    t2 = [{"parameters": {"k": "int", "q": "string"}, "name": "search"}]
+    a = asm.assemble(chunks("paris"), query="q", system=SYSTEM, tools=t1)
+    b = asm.assemble(chunks("paris"), query="q", system=SYSTEM, tools=t2)
+    assert a.token_ids == b.token_ids
+    assert a.segments[1].kind is SegmentKind.TOOLS
+
+
+def test_no_system_first_chunk_keeps_its_separator(make_assembler, default_tok):
+    asm = make_assembler(policy="retrieval", alignment="none")
+    res = asm.assemble(chunks("paris"), query="q")
+    assert res.token_ids[: res.segments[0].end] == default_tok.encode("\n\n" + DOCS["paris"])
+
+
+def test_bad_input(make_assembler, default_tok):
+    with pytest.raises(ConfigError, match="block_size"):
+        assemble_prompt(chunks("paris"), query="q", tokenizer=default_tok, block_size=0)
+    with pytest.raises(ConfigError, match="block_size"):
+        make_assembler(block_size=-16)
+    with pytest.raises(UnknownPolicyError, match="retrieval, stable, cache_aware"):
+        assemble_prompt(chunks("paris"), query="q", tokenizer=default_tok, policy="fastest")
+    with pytest.raises(UnknownPolicyError, match="none, all, auto"):
+        assemble_prompt(chunks("paris"), query="q", tokenizer=default_tok, alignment="some")
+    with pytest.raises(InvalidChunkError):
+        assemble_prompt([3.14], query="q", tokenizer=default_tok)
+    with pytest.raises(ContextLengthError) as err:
+        assemble_prompt(chunks("paris", "lyon"), query="q", tokenizer=default_tok, max_tokens=10)
+    assert err.value.max_tokens == 10 and err.value.prompt_tokens > 10
+    assert f"{err.value.prompt_tokens} tokens" in str(err.value) and "holds 10" in str(err.value)
+    with pytest.raises(ConfigError, match="query"):
+        make_assembler().assemble(chunks("paris"), query=None)  # type: ignore[arg-type]
+
+
+def test_assemble_prompt_function_keeps_state_per_tokenizer(default_tok):
+    a = assemble_prompt(chunks("lille", "nice"), query="fn-q", system="fn-sys", tokenizer=default_tok)
+    b = assemble_prompt(chunks("nice", "lille"), query="fn-q", system="fn-sys", tokenizer=default_tok)
+    assert a.policy is OrderPolicy.STABLE and a.alignment is AlignPolicy.AUTO
+    assert b.predicted_cached_tokens == (b.num_tokens - 1) // 16 * 16

@@ -1,0 +1,125 @@
+"""The prefix-cache mirror against vLLM's rules and a brute-force reference."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from assembler import BlockState, PrefixCacheMirror
+from promptsplice.blocks import cdiv, chain_hashes
+from promptsplice.errors import ConfigError
+
+
+class ReferencePool:
+    """Brute force: vLLM's block pool as plain lists (free queue head = index 0)."""
+
+    def __init__(self, bs, capacity):
+        self.bs = bs
+        self.slot = [None] * capacity  # hash held by each slot
+        self.free = list(range(capacity))
+
+    def cached(self, h):
+        return any(x == h for x in self.slot)
+
+    def run(self, tokens):
+        bs = self.bs
+        hashes = chain_hashes(tokens, bs)
+        limit = (len(tokens) - 1) // bs
+        hit = 0
+        while hit < min(limit, len(hashes)) and self.cached(hashes[hit]):
+            hit += 1
+        used = []
+        for h in hashes[:hit]:
+            s = min(i for i, x in enumerate(self.slot) if x == h)  # the first copy
+            if s in self.free:
+                self.free.remove(s)
+            used.append(s)
+        for i in range(hit, cdiv(len(tokens), bs)):
+            s = self.free.pop(0)
+            self.slot[s] = hashes[i] if i < len(hashes) else None
+            used.append(s)
+        self.free.extend(reversed(used))
+        return hit * bs
+
+
+def test_exact_numbers_and_last_token_rule():
+    bs = 4
+    m = PrefixCacheMirror(bs)
+    p = list(range(10))
+    h = chain_hashes(p, bs)
+    assert m.admit(h, 10).cached_tokens == 0
+    assert m.predict(h, 10).cached_tokens == 8  # 2 full blocks, last token excluded anyway
+    eight = p[:8]
+    # 8 tokens = 2 full blocks, but the last prompt token is never served from cache
+    assert m.predict(chain_hashes(eight, bs), 8).cached_tokens == 4
+    nine = p[:9]
+    assert m.predict(chain_hashes(nine, bs), 9).cached_tokens == 8
+    other = [99] + p[1:]
+    assert m.predict(chain_hashes(other, bs), 10).cached_tokens == 0
+    assert m.state(h[0]) is BlockState.CACHED
+    assert m.state(chain_hashes(other, bs)[0]) is BlockState.ABSENT
+
+
+def test_tail_blocks_are_evicted_first():
+    bs = 2
+    m = PrefixCacheMirror(bs, capacity_blocks=4)
+    a = [1, 2, 3, 4, 5, 6, 7]  # 3 full blocks + partial: takes all 4 slots
+    ha = chain_hashes(a, bs)
+    m.admit(ha, len(a))
+    assert [m.state(h) for h in ha] == [BlockState.CACHED] * 3
+    b = [9, 9, 8]  # needs 2 slots: the partial slot of a (uncached, freed first), then a's last block
+    m.admit(chain_hashes(b, bs), len(b))
+    assert [m.state(h) for h in ha] == [BlockState.CACHED, BlockState.CACHED, BlockState.ABSENT]
+
+
+def test_salted_chains_never_hit_each_other():
+    m = PrefixCacheMirror(16)
+    toks = list(range(100))
+    m.admit(chain_hashes(toks, 16, salt="tenant-a"), 100)
+    assert m.predict(chain_hashes(toks, 16, salt="tenant-b"), 100).cached_tokens == 0
+    assert m.predict(chain_hashes(toks, 16, salt="tenant-a"), 100).cached_tokens == 96
+
+
+def test_bad_config():
+    with pytest.raises(ConfigError, match="block_size"):
+        PrefixCacheMirror(0)
+    with pytest.raises(ConfigError, match="capacity_blocks"):
+        PrefixCacheMirror(16, capacity_blocks=0)
+    m = PrefixCacheMirror(4, capacity_blocks=2)
+    with pytest.raises(ConfigError, match="raise capacity_blocks"):
+        m.admit(chain_hashes(list(range(12)), 4), 12)
+
+
+prompts = st.lists(
+    st.lists(st.integers(0, 3), min_size=1, max_size=24), min_size=1, max_size=25
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompts, st.integers(1, 4), st.integers(6, 30))
+def test_mirror_matches_brute_force(seq, bs, capacity):
+    m = PrefixCacheMirror(bs, capacity_blocks=capacity)
+    ref = ReferencePool(bs, capacity)
+    for p in seq:
+        if cdiv(len(p), bs) > capacity:
+            continue
+        want = ref.run(p)
+        got = m.admit(chain_hashes(p, bs), len(p)).cached_tokens
+        assert got == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts, st.integers(1, 4))
+def test_unbounded_mirror_is_the_set_of_all_seen_blocks(seq, bs):
+    m = PrefixCacheMirror(bs)
+    seen = set()
+    for p in seq:
+        hashes = chain_hashes(p, bs)
+        limit = (len(p) - 1) // bs
+        want = 0
+        while want < min(limit, len(hashes)) and hashes[want] in seen:
+            want += 1
+        assert m.admit(hashes, len(p)).cached_tokens == want * bs
+        seen.update(hashes)
+    assert len(m) == len(seen)

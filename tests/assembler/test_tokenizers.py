@@ -1,0 +1,58 @@
+"""Tokenizer adapters on the real default tokenizer and real tiktoken encodings."""
+
+from __future__ import annotations
+
+import pytest
+
+from assembler import HFTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
+from promptsplice.errors import TokenizerError
+
+
+def test_default_tokenizer_is_smollm2(default_tok):
+    assert default_tok.name == "hf:SmolLM2-135M-Instruct"
+    assert default_tok.vocab_size == 49152
+    assert isinstance(default_tok, Tokenizer)
+    # no special tokens are added: assembly concatenates segments in token space
+    assert default_tok.encode("Hello world.") == [19556, 905, 30]
+    assert default_tok.decode([19556, 905, 30]) == "Hello world."
+    assert default_tok.decode([default_tok.filler_token_id]) == " "
+    assert default_tok.encode_batch(["Hello world.", "\n\nThe cat"]) == [[19556, 905, 30], [198, 198, 504, 2644]]
+    assert load_tokenizer("default") is default_tok and load_tokenizer(None) is default_tok
+
+
+@pytest.mark.parametrize(
+    ("encoding", "text", "ids"),
+    [("cl100k_base", "hello world", [15339, 1917]), ("o200k_base", "hello world", [24912, 2375])],
+)
+def test_tiktoken_offline_from_packaged_files(encoding, text, ids):
+    tok = load_tokenizer(f"tiktoken:{encoding}")
+    assert isinstance(tok, TiktokenTokenizer)
+    assert tok.name == f"tiktoken:{encoding}"
+    assert tok.encode(text) == ids
+    assert tok.decode(ids) == text
+    assert tok.decode([tok.filler_token_id]).isspace()
+    # special-token text is treated as plain text, never as a control token
+    assert tok.encode("<|endoftext|>") != [100257]
+
+
+def test_hf_tokenizer_from_path(default_tok, tmp_path):
+    from promptsplice.assets import default_model_dir
+
+    tok = load_tokenizer(str(default_model_dir() / "tokenizer.json"))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.encode("Paris is the capital of France.") == default_tok.encode(
+        "Paris is the capital of France."
+    )
+
+
+def test_bad_tokenizer_specs(tmp_path):
+    with pytest.raises(TokenizerError, match="unknown tokenizer"):
+        load_tokenizer("no-such-tokenizer")
+    with pytest.raises(TokenizerError, match="Tokenizer protocol"):
+        load_tokenizer(object())  # type: ignore[arg-type]
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(TokenizerError, match="cannot load"):
+        load_tokenizer(str(bad))
+    with pytest.raises(TokenizerError, match="not a Hugging Face fast tokenizer"):
+        HFTokenizer(object(), name="x")

@@ -1,0 +1,101 @@
+"""Public surface of ``dedup``: exported names, config validation, import isolation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dedup
+from dedup import DedupConfig
+from promptsplice.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_public_names_are_pinned():
+    assert dedup.__all__ == [
+        "DedupConfig",
+        "DedupResult",
+        "DedupStats",
+        "DroppedChunk",
+        "InputChunk",
+        "KeptChunk",
+        "Origin",
+        "Relation",
+        "RemovedPassage",
+        "dedup",
+        "normalize_chunks",
+    ]
+    for name in dedup.__all__:
+        assert getattr(dedup, name).__module__.startswith("dedup.")
+    assert [r.value for r in dedup.Relation] == [
+        "kept", "duplicate", "contained", "merged", "passages",
+    ]  # fmt: skip
+
+
+def test_defaults():
+    cfg = DedupConfig()
+    assert (cfg.exact, cfg.containment, cfg.overlap, cfg.passages) == (True, True, True, True)
+    assert (cfg.min_overlap, cfg.min_passage, cfg.source_key, cfg.on_invalid_utf8) == (
+        64, 128, "source", "error",
+    )  # fmt: skip
+    with pytest.raises(AttributeError):
+        cfg.exact = False  # type: ignore[misc]  # frozen
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"min_overlap": 0}, "DedupConfig.min_overlap must be an int >= 1"),
+        ({"min_overlap": 1.5}, "DedupConfig.min_overlap must be an int >= 1"),
+        ({"min_passage": -3}, "DedupConfig.min_passage must be an int >= 1"),
+        ({"min_passage": True}, "DedupConfig.min_passage must be an int >= 1"),
+        ({"on_invalid_utf8": "ignore"}, "must be 'error' or 'replace', got 'ignore'"),
+        ({"exact": "yes"}, "DedupConfig.exact must be True or False, got 'yes'"),
+        ({"source_key": ""}, "DedupConfig.source_key must be a non-empty str"),
+    ],
+)
+def test_bad_config_values_raise_config_error(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        DedupConfig(**kwargs)
+    with pytest.raises(ConfigError):  # the same through overrides
+        dedup.dedup(["text"], **kwargs)
+
+
+def test_unknown_override_lists_the_valid_options():
+    with pytest.raises(ConfigError) as err:
+        dedup.dedup(["text"], min_overlapp=10)
+    assert str(err.value) == (
+        "unknown dedup option(s) 'min_overlapp'; valid options: exact, containment, overlap, "
+        "passages, min_overlap, min_passage, source_key, on_invalid_utf8"
+    )
+
+
+def test_config_of_the_wrong_type_is_refused():
+    with pytest.raises(ConfigError, match="config must be a DedupConfig or None, got dict"):
+        dedup.dedup(["text"], {"exact": False})  # type: ignore[arg-type]
+
+
+def test_normalize_policy_is_validated():
+    with pytest.raises(ConfigError, match="on_invalid_utf8 must be 'error' or 'replace'"):
+        dedup.normalize_chunks(["x"], on_invalid_utf8="strict")
+
+
+def test_import_pulls_in_no_heavy_or_optional_dependency():
+    code = (
+        "import sys, dedup\n"
+        "dedup.dedup(['a', 'a', 'b'])\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('langchain_core', 'langchain', 'torch', 'numpy', 'assembler', 'engine_adapters', "
+        "'kernels', 'benchmarks'))\n"
+        "print('BAD', bad)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, check=True
+    )
+    assert out.stdout.strip() == "BAD []"

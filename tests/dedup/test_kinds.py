@@ -1,0 +1,433 @@
+"""Each kind of redundancy on hand-written text: exact spans, ids and stats numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+import dedup
+import dedup._normalize
+from dedup import DedupConfig, Origin, Relation, RemovedPassage, dedup as run_dedup
+from promptsplice.blocks import content_digest
+
+WESTPHALIA = (
+    "The Peace of Westphalia, signed in 1648, ended the Thirty Years' War. It established "
+    "the principle that each state has sovereignty over its territory and domestic affairs."
+)
+VIENNA = (
+    "The Congress of Vienna met in 1814 and 1815 to redraw the map of Europe after the "
+    "Napoleonic Wars. Its balance of power kept the continent largely at peace for decades."
+)
+VERSAILLES = (
+    "The Treaty of Versailles, signed on 28 June 1919, ended the state of war between "
+    "Germany and the Allied Powers. It required Germany to accept responsibility for the war."
+)
+UTRECHT = (
+    "The Peace of Utrecht of 1713 ended the War of the Spanish Succession. Philip V kept "
+    "the Spanish throne but renounced any claim to the French one for himself and his heirs."
+)
+LICENSE = (
+    "Text is available under the Creative Commons Attribution-ShareAlike License. "
+    "Additional terms may apply. By using this site, you agree to the Terms of Use and "
+    "the Privacy Policy."
+)
+# A sentence of WESTPHALIA, as a finer-grained chunker returns it.
+SENTENCE = "It established the principle that each state has sovereignty"
+# One source document, cut by a sliding-window chunker into 300-byte windows that
+# overlap by 100 bytes.
+DOC = "\n\n".join([WESTPHALIA, VIENNA, VERSAILLES, UTRECHT])
+W0, W1, W2 = DOC[0:300], DOC[200:500], DOC[400:]
+SRC = {"source": "treaties.txt"}
+
+
+def b(text: str) -> bytes:
+    return text.encode("utf-8")
+
+
+def test_text_fixture_sizes():
+    # The numbers the tests below are written against.
+    assert [len(b(t)) for t in (WESTPHALIA, VIENNA, VERSAILLES, UTRECHT, LICENSE)] == [
+        171, 168, 169, 171, 178,
+    ]  # fmt: skip
+    assert len(b(DOC)) == 685 and len(b(SENTENCE)) == 60
+    assert WESTPHALIA.find(SENTENCE) == 70
+
+
+def assert_accounting(result) -> None:
+    st = result.stats
+    assert st.bytes_in - st.bytes_out == st.removed_bytes_total
+    assert st.bytes_out == sum(len(k.data) for k in result.chunks)
+    assert st.chunks_out == len(result.chunks)
+    for k in result.chunks:
+        assert k.text.encode("utf-8") == k.data
+        assert k.digest == content_digest(k.data)
+
+
+# -- exact duplicates -------------------------------------------------------------------
+
+
+def test_exact_duplicates_become_duplicate_origins_of_the_first_copy():
+    result = run_dedup(
+        [
+            {"text": WESTPHALIA, "id": "w"},
+            {"text": VIENNA, "id": "v"},
+            {"text": WESTPHALIA, "id": "w-mirror"},
+            {"text": WESTPHALIA, "id": "w"},  # the same chunk retrieved twice
+        ]
+    )
+    assert [k.id for k in result.chunks] == ["w", "v"]
+    w = result.chunks[0]
+    assert w.text == WESTPHALIA and w.removed_passages == []
+    assert w.origins == [
+        Origin(0, "w", {}, Relation.KEPT, (0, 171)),
+        Origin(2, "w-mirror", {}, Relation.DUPLICATE, (0, 171)),
+        Origin(3, "w", {}, Relation.DUPLICATE, (0, 171)),
+    ]
+    assert result.chunks[1].origins == [Origin(1, "v", {}, Relation.KEPT, (0, 168))]
+    st = result.stats
+    assert (st.chunks_in, st.chunks_out, st.bytes_in, st.bytes_out) == (4, 2, 681, 339)
+    assert st.removed == {"duplicate": 2, "contained": 0, "overlap": 0, "passage": 0, "empty": 0}
+    assert st.removed_bytes["duplicate"] == 342 and st.removed_bytes_total == 342
+    assert result.find("w-mirror") is w
+    assert result.input_ids() == {"w", "v", "w-mirror"}
+    assert_accounting(result)
+
+
+def test_exact_off_leaves_duplicates_to_containment_or_keeps_them():
+    chunks = [{"text": WESTPHALIA, "id": "w"}, {"text": WESTPHALIA, "id": "w2"}]
+    # Containment still sees the second copy inside the first.
+    result = run_dedup(chunks, exact=False)
+    assert [k.id for k in result.chunks] == ["w"]
+    assert result.chunks[0].origins[1] == Origin(1, "w2", {}, Relation.CONTAINED, (0, 171))
+    assert result.stats.removed["duplicate"] == 0 and result.stats.removed["contained"] == 1
+    # With every kind off, both copies are kept unchanged.
+    off = run_dedup(chunks, exact=False, containment=False, overlap=False, passages=False)
+    assert [k.id for k in off.chunks] == ["w", "w2"]
+    assert off.stats.removed_bytes_total == 0
+
+
+def test_hash_collision_keeps_both_and_is_counted(monkeypatch):
+    # Force every digest to collide: only the byte comparison tells chunks apart.
+    monkeypatch.setattr(dedup._normalize, "content_digest", lambda data: b"\x00" * 16)
+    result = run_dedup(
+        [
+            {"text": WESTPHALIA, "id": "a"},
+            {"text": VIENNA, "id": "b"},
+            {"text": WESTPHALIA, "id": "c"},
+            {"text": UTRECHT, "id": "d"},
+            {"text": VIENNA, "id": "e"},
+        ]
+    )
+    assert [k.id for k in result.chunks] == ["a", "b", "d"]
+    assert [(o.id, o.relation) for o in result.chunks[0].origins] == [
+        ("a", Relation.KEPT), ("c", Relation.DUPLICATE),
+    ]  # fmt: skip
+    assert [(o.id, o.relation) for o in result.chunks[1].origins] == [
+        ("b", Relation.KEPT), ("e", Relation.DUPLICATE),
+    ]  # fmt: skip
+    assert result.stats.hash_collisions == 2
+    assert result.stats.removed["duplicate"] == 2
+
+
+# -- containment ------------------------------------------------------------------------
+
+
+def test_contained_chunk_becomes_an_origin_with_the_span_where_it_was_found():
+    result = run_dedup(
+        [
+            {"text": SENTENCE, "id": "s", "metadata": {"chunker": "sentence"}},
+            {"text": WESTPHALIA, "id": "w"},
+            {"text": VIENNA, "id": "v"},
+            {"text": SENTENCE, "id": "s-again"},
+        ]
+    )
+    assert [k.id for k in result.chunks] == ["w", "v"]
+    w = result.chunks[0]
+    assert w.text == WESTPHALIA
+    assert w.origins == [
+        Origin(1, "w", {}, Relation.KEPT, (0, 171)),
+        Origin(0, "s", {"chunker": "sentence"}, Relation.CONTAINED, (70, 130)),
+        Origin(3, "s-again", {}, Relation.CONTAINED, (70, 130)),
+    ]
+    assert w.data[70:130] == b(SENTENCE)
+    assert result.stats.removed["contained"] == 1 and result.stats.removed["duplicate"] == 1
+    assert result.stats.removed_bytes == {
+        "duplicate": 60, "contained": 60, "overlap": 0, "passage": 0, "empty": 0,
+    }  # fmt: skip
+    assert result.find("s") is w and result.find("s-again") is w
+    assert_accounting(result)
+
+
+def test_containment_off_keeps_the_contained_chunk():
+    result = run_dedup([SENTENCE, WESTPHALIA], containment=False)
+    assert [k.text for k in result.chunks] == [SENTENCE, WESTPHALIA]
+    assert result.stats.removed_bytes_total == 0
+
+
+def test_containment_follows_a_chain_to_the_outermost_chunk():
+    doc = WESTPHALIA + "\n\n" + VIENNA
+    result = run_dedup([{"text": SENTENCE, "id": "s"}, {"text": WESTPHALIA, "id": "w"},
+                        {"text": doc, "id": "d"}])  # fmt: skip
+    assert [k.id for k in result.chunks] == ["d"]
+    assert [(o.id, o.relation, o.span) for o in result.chunks[0].origins] == [
+        ("d", Relation.KEPT, (0, 341)),
+        ("s", Relation.CONTAINED, (70, 130)),
+        ("w", Relation.CONTAINED, (0, 171)),
+    ]
+    assert result.stats.removed["contained"] == 2
+
+
+# -- sliding-window overlap -------------------------------------------------------------
+
+
+def test_overlapping_windows_of_one_source_merge_into_one_chunk():
+    assert len(b(W0)) == len(b(W1)) == 300 and len(b(W2)) == 285
+    result = run_dedup(
+        [
+            {"text": W1, "id": "doc#1", "metadata": {**SRC, "window": 1}},
+            {"text": LICENSE, "id": "footer", "metadata": {"source": "footer.txt"}},
+            {"text": W0, "id": "doc#0", "metadata": {**SRC, "window": 0}},
+            {"text": W2, "id": "doc#2", "metadata": {**SRC, "window": 2}},
+        ]
+    )
+    assert [k.id for k in result.chunks] == ["doc#1", "footer"]
+    merged = result.chunks[0]
+    # The merged chunk stands where its earliest member was retrieved, under its id.
+    assert merged.text == DOC and merged.metadata == {**SRC, "window": 1}
+    assert [(o.index, o.id, o.relation, o.span) for o in merged.origins] == [
+        (0, "doc#1", Relation.KEPT, (200, 500)),
+        (2, "doc#0", Relation.MERGED, (0, 300)),
+        (3, "doc#2", Relation.MERGED, (400, 685)),
+    ]
+    for o, window in zip(merged.origins, [W1, W0, W2]):
+        assert merged.data[o.span[0] : o.span[1]] == b(window)
+    st = result.stats
+    assert st.removed["overlap"] == 2 and st.removed_bytes["overlap"] == 200
+    assert (st.bytes_in, st.bytes_out) == (1063, 863)
+    assert_accounting(result)
+
+
+@pytest.mark.parametrize(
+    "second_meta, overrides",
+    [
+        ({"source": "another.txt"}, {}),  # different source document
+        ({}, {}),  # no source at all
+        (SRC, {"min_overlap": 101}),  # the 100-byte overlap is below the threshold
+        (SRC, {"overlap": False}),  # the kind is switched off
+        ({"doc": "treaties.txt"}, {}),  # the source lives under another key...
+    ],
+)
+def test_overlap_is_not_merged(second_meta, overrides):
+    result = run_dedup(
+        [
+            {"text": W0, "id": "a", "metadata": SRC},
+            {"text": W1, "id": "b", "metadata": second_meta},
+        ],
+        **overrides,
+    )
+    assert [k.text for k in result.chunks] == [W0, W1]
+    assert result.stats.removed["overlap"] == 0
+
+
+def test_overlap_source_key_is_configurable():
+    meta = {"doc": "treaties.txt"}
+    result = run_dedup(
+        [{"text": W0, "id": "a", "metadata": meta}, {"text": W1, "id": "b", "metadata": meta}],
+        source_key="doc",
+    )
+    assert [k.text for k in result.chunks] == [DOC[:500]]
+
+
+def test_a_window_inside_another_is_containment_not_overlap():
+    tail = DOC[200:300]  # W0's last 100 bytes: overlap length would equal len(tail)
+    result = run_dedup(
+        [{"text": W0, "id": "a", "metadata": SRC}, {"text": tail, "id": "t", "metadata": SRC}]
+    )
+    assert [k.id for k in result.chunks] == ["a"]
+    assert result.chunks[0].origins[1] == Origin(1, "t", SRC, Relation.CONTAINED, (200, 300))
+    assert result.stats.removed == {
+        "duplicate": 0, "contained": 1, "overlap": 0, "passage": 0, "empty": 0,
+    }  # fmt: skip
+
+
+def test_overlap_merge_cuts_on_utf8_character_boundaries():
+    text = (
+        "Zürich ist die größte Stadt der Schweiz und liegt am Zürichsee. "
+        "Die Altstadt beiderseits der Limmat ist ein beliebtes Ziel für Besucher aus aller Welt. "
+        "東京都は日本の首都であり、世界最大級の都市圏を形成している。"
+    )
+    a, c = text[:160], text[17:]  # the overlap starts and ends on multibyte characters
+    assert (a[-1], c[0]) == ("首", "ö")
+    la, lc = len(b(a)), len(b(c))
+    overlap = len(b(text[17:160]))
+    assert (la, lc, overlap) == (181, 229, 163)
+    result = run_dedup([{"text": a, "metadata": SRC}, {"text": c, "metadata": SRC}])
+    [merged] = result.chunks
+    assert merged.text == text and merged.data.decode("utf-8") == text
+    assert [o.span for o in merged.origins] == [(0, la), (la - overlap, la - overlap + lc)]
+    assert result.stats.removed_bytes["overlap"] == overlap
+
+
+# -- repeated passages ------------------------------------------------------------------
+
+
+def test_repeated_paragraph_is_removed_with_one_separator():
+    a = WESTPHALIA + "\n\n" + LICENSE
+    c = VIENNA + "\n\n" + LICENSE + "\n\n" + VERSAILLES
+    result = run_dedup([{"text": a, "id": "a"}, {"text": c, "id": "c"}])
+    assert [k.id for k in result.chunks] == ["a", "c"]
+    first, second = result.chunks
+    assert first.text == a and first.removed_passages == []
+    assert second.text == VIENNA + "\n\n" + VERSAILLES
+    assert second.removed_passages == [RemovedPassage("c", 170, 178, "a", 173)]
+    assert first.data[173 : 173 + 178] == b(LICENSE)
+    assert second.origins == [Origin(1, "c", {}, Relation.KEPT, (0, 339))]
+    assert result.stats.removed["passage"] == 1 and result.stats.removed_bytes["passage"] == 180
+    assert_accounting(result)
+
+
+def test_trailing_repeated_paragraph_takes_the_separator_before_it():
+    result = run_dedup([WESTPHALIA + "\n\n" + LICENSE, VIENNA + "\n\n" + LICENSE])
+    assert result.chunks[1].text == VIENNA
+    assert result.chunks[1].removed_passages[0].offset == 170
+    assert result.stats.removed_bytes["passage"] == 180
+
+
+def test_chunk_made_only_of_repeated_paragraphs_is_attached_with_passages():
+    a = WESTPHALIA + "\n\n" + LICENSE
+    c = LICENSE + "\n\n" + WESTPHALIA  # both paragraphs are in a, in another order
+    result = run_dedup([{"text": a, "id": "a"}, {"text": VIENNA, "id": "v"},
+                        {"text": c, "id": "c", "metadata": {"page": 7}}])  # fmt: skip
+    assert [k.id for k in result.chunks] == ["a", "v"]
+    host = result.chunks[0]
+    assert host.text == a
+    assert host.origins == [
+        Origin(0, "a", {}, Relation.KEPT, (0, 351)),
+        Origin(2, "c", {"page": 7}, Relation.PASSAGES, None),
+    ]
+    assert host.removed_passages == [
+        RemovedPassage("c", 0, 178, "a", 173),
+        RemovedPassage("c", 180, 171, "a", 0),
+    ]
+    assert result.find("c") is host
+    st = result.stats
+    assert st.removed["passage"] == 2 and st.removed_bytes["passage"] == 351
+    assert st.chunks_out == 2
+    assert_accounting(result)
+
+
+def test_short_paragraphs_are_kept_and_min_passage_applies():
+    see_also = "See also: the Treaty of Utrecht."
+    c = see_also + "\n\n" + LICENSE
+    result = run_dedup([WESTPHALIA + "\n\n" + LICENSE, c, VIENNA])
+    assert [k.text for k in result.chunks] == [WESTPHALIA + "\n\n" + LICENSE, see_also, VIENNA]
+    # A passage must be at least min_passage bytes.
+    result = run_dedup([WESTPHALIA + "\n\n" + LICENSE, c], min_passage=179)
+    assert result.chunks[1].text == c
+
+
+def test_chunk_shortened_by_passages_is_absorbed_if_now_contained():
+    # After its repeated paragraph goes, the rest of the second chunk is a part of the
+    # third chunk; containment runs again so the output has no redundancy left.
+    see_also = "See also: the Treaty of Utrecht."
+    result = run_dedup(
+        [
+            {"text": WESTPHALIA + "\n\n" + LICENSE, "id": "a"},
+            {"text": see_also + "\n\n" + LICENSE, "id": "b"},
+            {"text": see_also + "\n\n" + VIENNA, "id": "c"},
+        ]
+    )
+    assert [k.id for k in result.chunks] == ["a", "c"]
+    c = result.chunks[1]
+    assert c.origins == [
+        Origin(2, "c", {}, Relation.KEPT, (0, 202)),
+        Origin(1, "b", {}, Relation.CONTAINED, (0, 32)),
+    ]
+    assert c.removed_passages == [RemovedPassage("b", 34, 178, "a", 173)]
+    st = result.stats
+    assert st.removed["passage"] == 1 and st.removed["contained"] == 1
+    assert st.removed_bytes["passage"] == 180 and st.removed_bytes["contained"] == 32
+    assert_accounting(result)
+
+
+def test_passages_off_keeps_repeated_paragraphs():
+    chunks = [WESTPHALIA + "\n\n" + LICENSE, VIENNA + "\n\n" + LICENSE]
+    result = run_dedup(chunks, passages=False)
+    assert [k.text for k in result.chunks] == chunks
+
+
+def test_paragraph_found_mid_paragraph_in_an_earlier_chunk():
+    # The repeated passage need not be a whole paragraph of the earlier chunk.
+    a = "Background. " + WESTPHALIA + " Later treaties built on it."
+    c = WESTPHALIA + "\n\n" + VIENNA
+    result = run_dedup([{"text": a, "id": "a"}, {"text": c, "id": "c"}])
+    assert result.chunks[1].text == VIENNA
+    assert result.chunks[1].removed_passages == [RemovedPassage("c", 0, 171, "a", 12)]
+
+
+def test_with_containment_off_a_whole_chunk_can_be_a_repeated_passage():
+    result = run_dedup(
+        [{"text": WESTPHALIA + "\n\n" + VIENNA, "id": "a"}, {"text": VIENNA, "id": "v"}],
+        containment=False,
+    )
+    assert [k.id for k in result.chunks] == ["a"]
+    assert result.chunks[0].origins[1] == Origin(1, "v", {}, Relation.PASSAGES, None)
+    assert result.chunks[0].removed_passages == [RemovedPassage("v", 0, 168, "a", 173)]
+
+
+# -- empty chunks -----------------------------------------------------------------------
+
+
+def test_empty_and_whitespace_chunks_are_dropped_and_reported():
+    result = run_dedup(
+        [
+            {"text": "", "id": "blank"},
+            WESTPHALIA,
+            {"text": "  \n\t", "id": "spaces", "metadata": {"page": 2}},
+            b"",
+            {"text": "\u3000", "id": "ideographic-space"},
+        ]
+    )
+    assert [k.text for k in result.chunks] == [WESTPHALIA]
+    assert [(d.index, d.id, d.metadata, d.reason) for d in result.dropped] == [
+        (0, "blank", {}, "empty"),
+        (2, "spaces", {"page": 2}, "empty"),
+        (3, "c:" + content_digest(b"").hex()[:16], {}, "empty"),
+        (4, "ideographic-space", {}, "empty"),
+    ]
+    assert result.stats.removed["empty"] == 4 and result.stats.removed_bytes["empty"] == 7
+    assert result.find("blank") is None
+    assert "spaces" in result.input_ids()
+    assert_accounting(result)
+
+
+def test_all_empty_input_gives_no_chunks():
+    result = run_dedup(["", " "])
+    assert result.chunks == [] and len(result.dropped) == 2
+    assert run_dedup([]).stats.chunks_in == 0
+
+
+# -- order, identity, config -------------------------------------------------------------
+
+
+def test_input_without_redundancy_comes_back_unchanged():
+    chunks = [
+        {"text": VIENNA, "id": "v", "metadata": {"score": 0.9}},
+        {"text": WESTPHALIA, "id": "w", "metadata": {"score": 0.8}},
+        {"text": UTRECHT, "id": "u", "metadata": {"score": 0.7}},
+    ]
+    result = run_dedup(chunks)
+    assert [(k.id, k.text, k.metadata) for k in result.chunks] == [
+        ("v", VIENNA, {"score": 0.9}), ("w", WESTPHALIA, {"score": 0.8}),
+        ("u", UTRECHT, {"score": 0.7}),
+    ]  # fmt: skip
+    for k in result.chunks:
+        assert len(k.origins) == 1 and k.origins[0].relation is Relation.KEPT
+    assert result.stats.removed_bytes_total == 0 and result.dropped == []
+
+
+def test_config_object_and_overrides_combine():
+    cfg = DedupConfig(passages=False)
+    chunks = [WESTPHALIA + "\n\n" + LICENSE, VIENNA + "\n\n" + LICENSE]
+    assert run_dedup(chunks, cfg).chunks[1].text == chunks[1]
+    assert run_dedup(chunks, cfg, passages=True).chunks[1].text == VIENNA
+    assert cfg.passages is False  # the caller's config is not changed

@@ -1,0 +1,213 @@
+"""Properties of dedup on generated retrieval results (hypothesis).
+
+Chunks are cut from a few generated documents the way retrievers return them: sliding
+windows (overlaps), single paragraphs, substrings (containment), copies, fresh text and
+blanks, with or without ids and source metadata, so every pass has work to do.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dedup import DedupConfig, Relation, dedup, normalize_chunks
+from promptsplice.blocks import content_digest
+
+WORDS = [
+    "treaty", "peace", "war", "signed", "the", "of", "and", "in", "1648", "state",
+    "Zürich", "état", "東京", "río", "sovereignty", "a", "e.g", "",
+]  # fmt: skip
+
+sentences = st.lists(st.sampled_from(WORDS), min_size=1, max_size=9).map(
+    lambda ws: " ".join(ws) + "."
+)
+paragraphs = st.lists(sentences, min_size=1, max_size=4).map(" ".join)
+documents = st.lists(paragraphs, min_size=1, max_size=5).map("\n\n".join)
+
+configs = st.builds(
+    DedupConfig,
+    min_overlap=st.sampled_from([1, 4, 16, 64]),
+    min_passage=st.sampled_from([1, 8, 32, 128]),
+)
+
+
+KINDS = ["windows", "window", "paragraph", "remix", "copy", "fresh", "blank"]
+
+
+@st.composite
+def retrievals(draw):
+    docs = draw(st.lists(documents, min_size=1, max_size=3))
+    paras = [p for doc in docs for p in doc.split("\n\n")]
+    chunks: list = []
+    n = draw(st.integers(1, 10))
+    while len(chunks) < n:
+        i = len(chunks)
+        kind = draw(st.sampled_from(KINDS))
+        d = draw(st.integers(0, len(docs) - 1))
+        doc = docs[d]
+        if kind == "copy" and chunks:
+            chunks.append(draw(st.sampled_from(chunks)))
+            continue
+        texts = []
+        if kind == "windows":  # a sliding-window chunker: 2-3 overlapping windows
+            cuts = sorted(draw(st.lists(st.integers(0, len(doc)), min_size=4, max_size=6)))
+            texts = [doc[cuts[j] : cuts[j + 2]] for j in range(len(cuts) - 2)]
+        elif kind == "window":
+            a = draw(st.integers(0, len(doc)))
+            texts = [doc[a : draw(st.integers(a, len(doc)))]]
+        elif kind == "paragraph":
+            texts = [draw(st.sampled_from(paras))]
+        elif kind == "remix":  # paragraphs of several documents: repeated passages
+            texts = ["\n\n".join(draw(st.lists(st.sampled_from(paras), min_size=1, max_size=4)))]
+        elif kind == "fresh":
+            texts = [draw(documents)]
+        else:
+            texts = [draw(st.sampled_from(["", " ", "\n\n", "\t \n"]))]
+        if draw(st.booleans()):
+            texts.reverse()  # retrieval order is not document order
+        for text in texts:
+            i = len(chunks)
+            sourced = kind == "windows" or draw(st.booleans())
+            meta = {"source": f"doc{d}", "rank": i} if sourced else {}
+            form = draw(st.sampled_from(["dict", "bytes", "str"]))
+            if form == "dict":
+                chunks.append({"text": text, "id": f"chunk-{i}", "metadata": meta})
+            elif form == "bytes":
+                chunks.append({"text": text.encode("utf-8"), "metadata": meta})
+            else:
+                chunks.append(text)
+    return chunks
+
+
+def is_subsequence(small: bytes, big: bytes) -> bool:
+    it = iter(big)
+    return all(c in it for c in small)
+
+
+def rebuild(new: bytes, records, by_id) -> bytes:
+    """Undo passage removal: put each removed paragraph back with its separator."""
+    cur = new
+    for r in sorted(records, key=lambda r: r.offset):
+        found = by_id[r.found_in].data[r.found_at : r.found_at + r.length]
+        if len(cur) == r.offset - 2:  # after the last kept paragraph
+            cur = cur + b"\n\n" + found
+        else:
+            cur = cur[: r.offset] + found + b"\n\n" + cur[r.offset :]
+    return cur
+
+
+def check_result(chunks, cfg, result) -> None:
+    inputs = normalize_chunks(chunks)
+    data_of = {c.index: c.data for c in inputs}
+    by_id = {k.id: k for k in result.chunks}
+
+    # Provenance: every input exactly once, reachable by id.
+    seen = [o.index for k in result.chunks for o in k.origins] + [d.index for d in result.dropped]
+    assert sorted(seen) == list(range(len(inputs)))
+    for c in inputs:
+        kept = result.find(c.id)
+        if c.data.strip() and not c.text.isspace():
+            assert kept is not None and c.id in {o.id for o in kept.origins}
+        else:
+            assert kept is None and c.index in {d.index for d in result.dropped}
+    assert result.input_ids() == {c.id for c in inputs}
+
+    # Accounting.
+    st_ = result.stats
+    assert st_.chunks_in == len(inputs) and st_.chunks_out == len(result.chunks)
+    assert st_.bytes_in == sum(len(c.data) for c in inputs)
+    assert st_.bytes_in - st_.bytes_out == st_.removed_bytes_total
+    assert all(v >= 0 for v in st_.removed_bytes.values())
+
+    positions = []
+    for k in result.chunks:
+        # Valid UTF-8, consistent text/digest, never blank.
+        assert k.data.decode("utf-8") == k.text and not k.text.isspace() and k.data
+        assert k.digest == content_digest(k.data)
+        # The KEPT origin first, once, carrying the chunk's id and metadata.
+        first = k.origins[0]
+        assert first.relation is Relation.KEPT and (first.id, first.metadata) == (k.id, k.metadata)
+        assert all(o.relation is not Relation.KEPT for o in k.origins[1:])
+        assert [o.index for o in k.origins[1:]] == sorted(o.index for o in k.origins[1:])
+        positions.append(first.index)
+
+        changed = {r.chunk_id for r in k.removed_passages}
+        span_ids = {o.id for o in k.origins if o.span is not None}
+        for o in k.origins:
+            if o.relation is Relation.PASSAGES:
+                assert o.span is None
+                continue
+            s, e = o.span
+            piece = k.data[s:e]
+            if changed & span_ids:
+                assert is_subsequence(piece, data_of[o.index])
+            else:  # nothing was cut from this chunk: the span is exactly the input
+                assert piece == data_of[o.index], (o, k)
+        # Removed passages: undo them and get the input bytes back.
+        own = [r for r in k.removed_passages if r.chunk_id == k.id]
+        if own:
+            old = rebuild(k.data, own, by_id)
+            assert data_of[first.index] in old  # (equal unless an overlap merge made it)
+            for r in own:
+                passage = old[r.offset : r.offset + r.length]
+                assert len(passage) == r.length >= cfg.min_passage and b"\n\n" not in passage
+                assert r.offset == 0 or old[r.offset - 2 : r.offset] == b"\n\n"
+                end = r.offset + r.length
+                assert end == len(old) or old[end : end + 2] == b"\n\n"
+        for r in k.removed_passages:
+            assert r.found_in in by_id and r.length >= cfg.min_passage
+            assert len(by_id[r.found_in].data) >= r.found_at + r.length
+    # Retrieval order of each kept chunk's first member.
+    assert positions == sorted(positions)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(retrievals(), configs)
+def test_provenance_spans_and_accounting(chunks, cfg):
+    check_result(chunks, cfg, dedup(chunks, cfg))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(retrievals(), configs)
+def test_dedup_is_idempotent_on_its_output(chunks, cfg):
+    first = dedup(chunks, cfg)
+    texts = [k.text for k in first.chunks]
+    again = dedup(texts, cfg)
+    assert [k.text for k in again.chunks] == texts
+    assert again.stats.removed_bytes_total == 0 and again.dropped == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(retrievals(), configs, st.sampled_from(["exact", "containment", "overlap", "passages"]))
+def test_invariants_hold_with_any_kind_switched_off(chunks, cfg, kind):
+    cfg = DedupConfig(**{**{f: getattr(cfg, f) for f in DedupConfig.field_names()}, kind: False})
+    result = dedup(chunks, cfg)
+    seen = [o.index for k in result.chunks for o in k.origins] + [d.index for d in result.dropped]
+    assert sorted(seen) == list(range(len(seen)))
+    st_ = result.stats
+    assert st_.bytes_in - st_.bytes_out == st_.removed_bytes_total
+    off = {"exact": "duplicate", "containment": "contained", "overlap": "overlap",
+           "passages": "passage"}[kind]  # fmt: skip
+    assert st_.removed[off] == 0 and st_.removed_bytes[off] == 0
+    for k in result.chunks:
+        assert k.data.decode("utf-8") == k.text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(paragraphs, min_size=1, max_size=3), min_size=1, max_size=8), configs)
+def test_input_without_redundancy_is_returned_unchanged(bodies, cfg):
+    # A unique marker in every paragraph: no chunk, window or paragraph can repeat.
+    chunks = [
+        {
+            "text": "\n\n".join(f"[{i}.{j}] {p}" for j, p in enumerate(body)),
+            "id": f"doc-{i}",
+            "metadata": {"source": f"file-{i}.txt", "rank": i},
+        }
+        for i, body in enumerate(bodies)
+    ]
+    result = dedup(chunks, cfg)
+    assert [(k.id, k.text, k.metadata) for k in result.chunks] == [
+        (c["id"], c["text"], c["metadata"]) for c in chunks
+    ]
+    assert all(k.origins[0].span == (0, len(k.data)) for k in result.chunks)
+    assert result.stats.removed_bytes_total == 0 and result.dropped == []

@@ -1,0 +1,91 @@
+"""Block identity: the one chain hash and the alignment helpers."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from promptsplice.blocks import (
+    HASH_BYTES,
+    cdiv,
+    chain_hashes,
+    content_digest,
+    hash_block,
+    root_hash,
+    round_down,
+    round_up,
+    token_bytes,
+)
+
+
+@pytest.mark.parametrize(
+    ("x", "m", "up", "down", "div"),
+    [(0, 16, 0, 0, 0), (1, 16, 16, 0, 1), (16, 16, 16, 16, 1), (17, 16, 32, 16, 2), (95, 32, 96, 64, 3)],
+)
+def test_alignment_helpers(x, m, up, down, div):
+    assert round_up(x, m) == up
+    assert round_down(x, m) == down
+    assert cdiv(x, m) == div
+
+
+@given(st.integers(0, 10**6), st.integers(1, 512))
+def test_alignment_properties(x, m):
+    assert round_down(x, m) <= x <= round_up(x, m)
+    assert round_up(x, m) % m == 0 and round_down(x, m) % m == 0
+    assert round_up(x, m) - round_down(x, m) in (0, m)
+
+
+def test_hash_format_is_pinned():
+    # Store keys persist on disk: the format must not drift silently.
+    root = root_hash(None)
+    assert root == xxhash.xxh3_128_digest(b"promptsplice/chain/v1\x00")
+    block = [1, 2, 3, 49151]
+    expected = xxhash.xxh3_128_digest(root + struct.pack("<4I", *block))
+    assert hash_block(root, block) == expected
+    assert chain_hashes(block, 4) == [expected]
+    assert len(expected) == HASH_BYTES
+    assert token_bytes([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    assert content_digest(b"abc") == xxhash.xxh3_128_digest(b"abc")
+
+
+def test_only_full_blocks_are_hashed():
+    assert chain_hashes(list(range(31)), 16) == chain_hashes(list(range(16)), 16)
+    assert len(chain_hashes(list(range(32)), 16)) == 2
+    assert chain_hashes([1, 2, 3], 16) == []
+
+
+def test_chain_covers_the_whole_prefix():
+    a = list(range(64))
+    b = [999] + a[1:]
+    ha, hb = chain_hashes(a, 16), chain_hashes(b, 16)
+    assert all(x != y for x, y in zip(ha, hb)), "a change in block 0 must change every later hash"
+    c = a[:48] + [7] * 16
+    assert chain_hashes(c, 16)[:3] == ha[:3] and chain_hashes(c, 16)[3] != ha[3]
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(1, 40), st.data())
+def test_continuing_a_chain_equals_hashing_whole(tokens, bs, data):
+    whole = chain_hashes(tokens, bs)
+    cut = data.draw(st.integers(0, len(whole))) * bs
+    head = chain_hashes(tokens[:cut], bs)
+    parent = head[-1] if head else root_hash(None)
+    assert head + chain_hashes(tokens[cut:], bs, parent=parent) == whole
+
+
+def test_salt_isolates_every_block():
+    toks = list(range(64))
+    plain, t1, t2 = chain_hashes(toks, 16), chain_hashes(toks, 16, salt="t1"), chain_hashes(toks, 16, salt="t2")
+    assert not set(plain) & set(t1) and not set(t1) & set(t2)
+    assert chain_hashes(toks, 16, salt="t1") == t1
+    assert root_hash("x") != root_hash(b"x"), "str and bytes salts are distinct namespaces"
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="positive"):
+        chain_hashes([1], 0)
+    with pytest.raises(ValueError, match="either parent or salt"):
+        chain_hashes([1], 1, parent=root_hash(None), salt="s")

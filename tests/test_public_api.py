@@ -1,0 +1,66 @@
+"""The public surface of each package is explicit, and dependencies point one way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import assembler
+import dedup
+
+ASSEMBLER_API = [
+    "AlignPolicy",
+    "AssembledPrompt",
+    "Assembler",
+    "BlockState",
+    "DEFAULT_CAPACITY_BLOCKS",
+    "HFTokenizer",
+    "NaivePrompt",
+    "OrderPolicy",
+    "PopularityTracker",
+    "Prediction",
+    "PrefixCacheMirror",
+    "PromptFormat",
+    "Segment",
+    "SegmentKind",
+    "TiktokenTokenizer",
+    "TokenCache",
+    "TokenCacheStats",
+    "Tokenizer",
+    "assemble_prompt",
+    "default_tokenizer",
+    "load_tokenizer",
+]
+
+
+def test_assembler_exports_are_pinned():
+    assert sorted(assembler.__all__) == sorted(ASSEMBLER_API)
+    for name in ASSEMBLER_API:
+        assert getattr(assembler, name) is not None
+    from assembler import assemble_prompt  # noqa: F401 - the documented entry point
+
+
+def test_every_error_comes_from_one_hierarchy():
+    from promptsplice import errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.PromptspliceError)
+
+
+def _modules_after_import(stmt: str) -> set[str]:
+    code = f"import sys; {stmt}; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return set(out.stdout.split())
+
+
+def test_assembler_is_light_and_never_imports_the_engine_side():
+    mods = _modules_after_import("import assembler")
+    heavy = {"vllm", "torch", "engine_adapters", "kernels", "tokenizers", "tiktoken", "transformers", "langchain_core", "numpy"}
+    assert not {m.split(".")[0] for m in mods} & heavy
+
+
+def test_dedup_is_a_leaf():
+    mods = {m.split(".")[0] for m in _modules_after_import("import dedup")}
+    assert not mods & {"assembler", "engine_adapters", "kernels", "benchmarks", "torch", "numpy", "langchain_core"}
+    assert dedup.__all__
