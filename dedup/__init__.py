@@ -15,13 +15,18 @@ Kinds, in the order they run (all on by default; switch each off in
   become :attr:`Relation.DUPLICATE` origins of the first copy.
 * **overlap**: chunks of the same source document (``metadata["source"]``, see
   ``source_key``) whose tail equals the next one's head over >= ``min_overlap`` (64)
-  bytes are merged into one chunk (:attr:`Relation.MERGED`), chains allowed.
-* **containment**: a chunk whose bytes occur inside another kept chunk becomes a
-  :attr:`Relation.CONTAINED` origin of it, with the byte span where it was found.
+  bytes are merged into one chunk (:attr:`Relation.MERGED`), chains allowed.  The
+  merged chunk stands where its earliest-retrieved member stood, under that member's
+  id and metadata (its KEPT origin).
+* **containment**: a chunk whose bytes occur inside another kept chunk (at least as
+  long, so an identical one too) becomes a :attr:`Relation.CONTAINED` origin of it,
+  with the byte span where it was found.
 * **passages**: a paragraph (split on ``b"\\n\\n"``) of >= ``min_passage`` (128) bytes
-  that already occurs in an earlier kept chunk is cut out of the later one
-  (:class:`RemovedPassage`); a chunk left empty is attached to the chunk holding its
-  first removed passage (:attr:`Relation.PASSAGES`).
+  that already occurs in an earlier kept chunk is cut out of the later one, with one
+  separator (:class:`RemovedPassage`); a chunk left empty is attached to the chunk
+  holding its first removed passage (:attr:`Relation.PASSAGES`).  Containment then
+  runs again over shortened chunks, so the output is a fixpoint: deduplicating the
+  output texts again changes nothing.
 
 Nothing is lost: every input appears exactly once, as an :class:`Origin` of a
 :class:`KeptChunk` or as a :class:`DroppedChunk`, and ``Origin.span`` slices the kept

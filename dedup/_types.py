@@ -66,7 +66,8 @@ class DedupConfig:
     min_passage: int = 128
     """Bytes; a paragraph at least this long that is already present earlier is removed."""
     source_key: str = "source"
-    """Metadata key naming the source document; overlap merges need the same source."""
+    """Metadata key naming the source document; overlap merges need the same source
+    (a missing or ``None`` value never merges)."""
     on_invalid_utf8: str = "error"
     """``"error"``: raise InvalidUTF8Error; ``"replace"``: decode with U+FFFD and count it."""
 

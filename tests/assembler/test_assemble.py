@@ -215,3 +215,24 @@ def test_assemble_prompt_function_keeps_state_per_tokenizer(default_tok):
     b = assemble_prompt(chunks("nice", "lille"), query="fn-q", system="fn-sys", tokenizer=default_tok)
     assert a.policy is OrderPolicy.STABLE and a.alignment is AlignPolicy.AUTO
     assert b.predicted_cached_tokens == (b.num_tokens - 1) // 16 * 16
+
+
+def test_chatml_format_matches_the_models_chat_template(make_assembler, default_tok):
+    from transformers import AutoTokenizer
+
+    from assembler import PromptFormat
+    from promptsplice.assets import default_model_dir
+
+    asm = make_assembler(policy="retrieval", alignment="none", prompt_format=PromptFormat.chatml())
+    res = asm.assemble(chunks("paris", "lyon"), query="What is the capital?", system=SYSTEM)
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Documents:\n\n{DOCS['paris']}\n\n{DOCS['lyon']}\n\nQuestion: What is the capital?"},
+    ]
+    want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert res.text == want
+    # the ChatML markers are single special tokens, not spelled out
+    im_start = hf.convert_tokens_to_ids("<|im_start|>")
+    assert res.token_ids[0] == im_start and res.token_ids.count(im_start) == 3
+    assert default_tok.encode(res.text) == res.token_ids
