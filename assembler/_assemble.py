@@ -205,12 +205,17 @@ class Assembler:
         alignment: str | AlignPolicy | None = None,
         max_tokens: int | None = None,
         admit: bool = True,
+        learn: bool | None = None,
     ) -> AssembledPrompt:
         """Assemble one prompt.
 
-        ``admit=False`` only predicts: the mirror and the popularity counts are left as
-        they were (use it to preview a prompt that will not be sent).
+        ``admit`` replays the prompt into the mirror (as if the engine ran it with one
+        output token); pass ``admit=False`` when the engine adapter admits what really
+        ran (``EmbeddedEngine.generate(..., mirror=asm.mirror)``).  ``learn`` (default:
+        ``admit``) updates the popularity counts, the order memo and the branch memory;
+        ``admit=False, learn=False`` previews a prompt that will not be sent.
         """
+        learn = admit if learn is None else learn
         if not isinstance(query, str):
             raise ConfigError(f"query must be a str, got {type(query).__name__}")
         order_policy = self.policy if policy is None else parse_order(policy)
@@ -249,7 +254,7 @@ class Assembler:
                 align,
                 self.mirror,
                 salt,
-                self.branches if admit else BranchMemory(),
+                self.branches if learn else BranchMemory(),
             )
             for (kind, _), t in zip(head, head_toks):
                 builder.append(kind, (), t, paddable=True)
@@ -273,7 +278,7 @@ class Assembler:
                 pred = self.mirror.admit(hashes, len(tokens))
             else:
                 pred = self.mirror.predict(hashes, len(tokens))
-            if admit:
+            if learn:
                 digests = [kept[i].digest for i in order]
                 self.popularity.observe(digests)
                 if order_policy is OrderPolicy.CACHE_AWARE:
@@ -409,6 +414,7 @@ def assemble_prompt(
     max_tokens: int | None = None,
     assembler: Assembler | None = None,
     admit: bool = True,
+    learn: bool | None = None,
 ) -> AssembledPrompt:
     """Dedup, order and tokenize ``chunks`` into a block-aligned prompt.
 
@@ -445,4 +451,5 @@ def assemble_prompt(
         alignment=alignment,
         max_tokens=max_tokens,
         admit=admit,
+        learn=learn,
     )

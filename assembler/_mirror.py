@@ -9,8 +9,10 @@ The mirror does not store KV; it replays what vLLM's v1 ``BlockPool`` does with 
   ``(num_tokens - 1) // block_size`` blocks;
 * a running request takes one slot per block it needs (the partial last block too) from
   the head of the free queue, evicting whatever hash that slot held;
-* a finished request frees its blocks in *reverse* order to the tail of the free queue,
-  so its tail blocks are evicted before its head blocks.
+* a finished request frees its blocks in *reverse* order: cached blocks to the tail of
+  the free queue (so its tail blocks are evicted before its head blocks), blocks without
+  a hash (the partial last block) to the *head*, reused before any cached block is
+  evicted (vLLM's ``BlockPool.free_blocks``).
 
 With ``capacity_blocks`` equal to the engine's block count and nothing else using the
 engine, predictions equal vLLM's ``num_cached_tokens`` exactly.  ``capacity_blocks=None``
@@ -149,11 +151,21 @@ class PrefixCacheMirror:
                     self._cached.setdefault(hashes[i], []).append(slot)
                     self._slot_hash[slot] = hashes[i]
                 slots.append(slot)
+            # Freed in reverse order (tail blocks first).  Like vLLM's
+            # BlockPool.free_blocks, slots without a hash (the partial last block) go to
+            # the *head* of the free queue, reused before any cached block is evicted;
+            # cached slots go to the tail (LRU).
+            uncached: list[int] = []
             for slot in reversed(slots):
-                if self.capacity_blocks is None and self._slot_hash[slot] is None:
+                if self._slot_hash[slot] is not None:
+                    self._free[slot] = None
+                elif self.capacity_blocks is None:
                     self._spare.append(slot)  # unbounded: an uncached slot is just reused
                 else:
-                    self._free[slot] = None
+                    uncached.append(slot)
+            for slot in reversed(uncached):  # prepend, keeping their order at the head
+                self._free[slot] = None
+                self._free.move_to_end(slot, last=False)
             return pred
 
     def _allocate(self) -> int:

@@ -104,7 +104,8 @@ def run_demo(
     *,
     engine: bool = True,
     chart: str | Path | None = "out/demo.png",
-    max_tokens: int = 32,
+    max_tokens: int = 8,
+    answer_tokens: int = 48,
 ) -> int:
     reqs = sample_rag_requests(requests, seed=seed)
     if not engine:
@@ -114,7 +115,7 @@ def run_demo(
         print(demo_table(report))
         return 0
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from assembler import PromptFormat
     from benchmarks.rag import format_modes, run_modes
     from engine_adapters import EmbeddedEngine
@@ -136,10 +137,21 @@ def run_demo(
     for r in reqs:
         counts[r.query] = counts.get(r.query, 0) + 1
     q = max(counts, key=lambda k: counts[k])
-    i = max(j for j, r in enumerate(reqs) if r.query == q)
+    req = next(r for r in reversed(reqs) if r.query == q)
+    fmt = PromptFormat.chatml()
+    naive = eng.generate(
+        fmt.naive_text([c.text for c in req.chunks], query=req.query, system=req.system or None),
+        max_tokens=answer_tokens,
+    )
+    asm = eng.make_assembler(prompt_format=fmt)
+    ours = eng.generate(
+        asm.assemble([{"id": c.id, "text": c.text, "metadata": c.metadata} for c in req.chunks],
+                     query=req.query, system=req.system or None),
+        max_tokens=answer_tokens,
+    )
     print(f"\nsample question: {q}")
-    print(f"  naive:        {outs['naive'][i].text.strip()!r}")
-    print(f"  promptsplice: {outs['promptsplice'][i].text.strip()!r}")
+    print(f"  naive:        {naive.text.strip()!r}")
+    print(f"  promptsplice: {ours.text.strip()!r}")
     if chart:
         path = write_chart(report, Path(chart))
         print(f"chart: {path}")

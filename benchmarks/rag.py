@@ -100,7 +100,9 @@ def run_modes(
     predicted = 0
     t0 = time.perf_counter()
     for req in requests:
-        prompt = asm.assemble(_chunks(req), query=req.query, system=req.system or None, admit=False)
+        prompt = asm.assemble(
+            _chunks(req), query=req.query, system=req.system or None, admit=False, learn=True
+        )
         comp = engine.generate(prompt, max_tokens=max_tokens, mirror=asm.mirror)
         predicted += prompt.predicted_cached_tokens
         completions.append(comp)

@@ -7,6 +7,7 @@ machine without vLLM can still run the assembly-only commands.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -153,10 +154,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
     except PromptspliceError as exc:
         print(f"promptsplice: error: {exc}", file=sys.stderr)
-        return 2
+        rc = 2
+    if argv is None and "vllm" in sys.modules:
+        # Run as the console script after an engine ran: vLLM's CPU platform imports
+        # triton, whose nanobind bindings print hundreds of "leaked" lines during
+        # interpreter teardown.  Output is complete and flushed: skip the teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -39,7 +39,10 @@ class ReferencePool:
             s = self.free.pop(0)
             self.slot[s] = hashes[i] if i < len(hashes) else None
             used.append(s)
-        self.free.extend(reversed(used))
+        freed = list(reversed(used))
+        # vLLM's free_blocks: uncached blocks to the head, cached ones to the tail.
+        head = [s for s in freed if self.slot[s] is None]
+        self.free = head + self.free + [s for s in freed if self.slot[s] is not None]
         return hit * bs
 
 

