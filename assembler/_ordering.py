@@ -30,36 +30,44 @@ from promptsplice.errors import UnknownPolicyError
 __all__ = ["OrderPolicy", "AlignPolicy", "PopularityTracker", "parse_order", "parse_align"]
 
 
-class OrderPolicy(enum.Enum):
+class _Policy(enum.Enum):
+    """A policy named by a string; :meth:`parse` names the valid values on error."""
+
+    @classmethod
+    def parse(cls, name: str | enum.Enum) -> _Policy:
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise UnknownPolicyError(
+                f"unknown {cls._what()} policy {name!r}; use one of: {names}"
+            ) from None
+
+    @classmethod
+    def _what(cls) -> str:
+        return "ordering" if cls is OrderPolicy else "alignment"
+
+
+class OrderPolicy(_Policy):
     RETRIEVAL = "retrieval"
     STABLE = "stable"
     CACHE_AWARE = "cache_aware"
 
 
-class AlignPolicy(enum.Enum):
+class AlignPolicy(_Policy):
     NONE = "none"
     ALL = "all"
     AUTO = "auto"
 
 
 def parse_order(policy: str | OrderPolicy) -> OrderPolicy:
-    if isinstance(policy, OrderPolicy):
-        return policy
-    try:
-        return OrderPolicy(policy)
-    except ValueError:
-        names = ", ".join(p.value for p in OrderPolicy)
-        raise UnknownPolicyError(f"unknown ordering policy {policy!r}; use one of: {names}") from None
+    return OrderPolicy.parse(policy)  # type: ignore[return-value]
 
 
 def parse_align(policy: str | AlignPolicy) -> AlignPolicy:
-    if isinstance(policy, AlignPolicy):
-        return policy
-    try:
-        return AlignPolicy(policy)
-    except ValueError:
-        names = ", ".join(p.value for p in AlignPolicy)
-        raise UnknownPolicyError(f"unknown alignment policy {policy!r}; use one of: {names}") from None
+    return AlignPolicy.parse(policy)  # type: ignore[return-value]
 
 
 class PopularityTracker:

@@ -170,8 +170,11 @@ def run_rag_bench(
     alignment: str = "auto",
     max_tokens: int = 8,
 ) -> int:
+    from assembler import AlignPolicy, OrderPolicy
     from engine_adapters import EmbeddedEngine
 
+    OrderPolicy.parse(policy)  # fail fast, before the engine starts
+    AlignPolicy.parse(alignment)
     reqs = read_rag_trace(trace, limit=requests)
     engine = EmbeddedEngine()
     report, _ = run_modes(engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens)

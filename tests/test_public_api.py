@@ -64,3 +64,32 @@ def test_dedup_is_a_leaf():
     mods = {m.split(".")[0] for m in _modules_after_import("import dedup")}
     assert not mods & {"assembler", "engine_adapters", "kernels", "benchmarks", "torch", "numpy", "langchain_core"}
     assert dedup.__all__
+
+
+def test_engine_adapters_exports_are_pinned():
+    import engine_adapters
+
+    assert sorted(engine_adapters.__all__) == sorted(
+        [
+            "CPU_BLOCK_MULTIPLE",
+            "Completion",
+            "DEFAULT_KV_CACHE_BYTES",
+            "DEFAULT_MAX_MODEL_LEN",
+            "EmbeddedEngine",
+            "EngineConfig",
+            "EngineCounters",
+            "PromptLike",
+        ]
+    )
+
+
+def test_policy_names_parse_with_a_helpful_error():
+    import pytest
+
+    from assembler import AlignPolicy, OrderPolicy
+    from promptsplice.errors import UnknownPolicyError
+
+    assert OrderPolicy.parse("cache_aware") is OrderPolicy.CACHE_AWARE
+    assert AlignPolicy.parse(AlignPolicy.ALL) is AlignPolicy.ALL
+    with pytest.raises(UnknownPolicyError, match="retrieval, stable, cache_aware"):
+        OrderPolicy.parse("fastest")

@@ -236,3 +236,22 @@ def test_chatml_format_matches_the_models_chat_template(make_assembler, default_
     im_start = hf.convert_tokens_to_ids("<|im_start|>")
     assert res.token_ids[0] == im_start and res.token_ids.count(im_start) == 3
     assert default_tok.encode(res.text) == res.token_ids
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_text_form_matches_tokens_at_every_boundary_for_real_text(make_assembler, default_tok, data):
+    """Decode/encode at segment boundaries: on real text (segments that start and end in
+    non-space characters) the unpadded text form re-tokenizes to the assembled ids, and
+    the ids always decode to the text form."""
+    from benchmarks.traces import load_wiki_leads
+
+    leads = load_wiki_leads()
+    picks = data.draw(st.lists(st.integers(0, len(leads) - 1), min_size=1, max_size=5, unique=True))
+    cut = data.draw(st.integers(40, 400))
+    texts = [leads[i][1][:cut].strip() for i in picks]
+    texts = [t for t in texts if t]
+    asm = make_assembler(policy="stable", alignment="none")
+    res = asm.assemble([{"id": f"w{i}", "text": t} for i, t in enumerate(texts)], query="Why?", system=SYSTEM)
+    assert default_tok.decode(res.token_ids) == res.text
+    assert default_tok.encode(res.text) == res.token_ids

@@ -1,0 +1,80 @@
+"""`promptsplice bench rag` and the engine demo on the real engine (vLLM's numbers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.rag import MODES, run_modes
+from benchmarks.traces import dump_rag_trace, sample_rag_requests
+
+MODE_FIELDS = {"requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "hit_rate", "wall_s", "ttft_p50_ms", "ttft_p99_ms"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_run_modes_reports_vllms_own_numbers(engine):
+    reqs = sample_rag_requests(16, seed=1)
+    before = engine.counters()
+    report, outs = run_modes(engine, reqs, max_tokens=2)
+    after = engine.counters()
+    assert set(report["modes"]) == set(MODES)
+    for mode in MODES:
+        m = report["modes"][mode]
+        assert set(m) == MODE_FIELDS
+        assert m["requests"] == 16
+        assert m["cached_tokens"] == sum(c.num_cached_tokens for c in outs[mode])
+        assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
+        assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"]
+    # vLLM's own counters moved by exactly what the two modes report
+    delta = after.since(before)
+    total_prompt = sum(report["modes"][m]["prompt_tokens"] for m in MODES)
+    total_cached = sum(report["modes"][m]["cached_tokens"] for m in MODES)
+    assert (delta.prefix_cache_queries, delta.prefix_cache_hits) == (total_prompt, total_cached)
+    # the mirror sized like the engine predicts vLLM exactly
+    assert report["mirror"]["predicted_cached_tokens"] == report["mirror"]["measured_cached_tokens"]
+    assert report["modes"]["promptsplice"]["prefill_tokens"] < report["modes"]["naive"]["prefill_tokens"]
+    assert report["block_size"] == engine.block_size == 32
+
+
+def _cli(*args, timeout=600):
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    return subprocess.run(
+        [sys.executable, "-m", "promptsplice.cli", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    dump_rag_trace(trace, sample_rag_requests(10, seed=2))
+    out = tmp_path / "rag.json"
+    proc = _cli("bench", "rag", "--trace", str(trace), "--json", str(out), "--requests", "6", "--max-tokens", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["modes"]) == {"naive", "promptsplice"}
+    for m in report["modes"].values():
+        assert set(m) == MODE_FIELDS and m["requests"] == 6
+    assert set(report["mirror"]) == {"predicted_cached_tokens", "measured_cached_tokens"}
+    assert report["mirror"]["predicted_cached_tokens"] == report["mirror"]["measured_cached_tokens"]
+    assert isinstance(report["radix_prefill_tokens"], int) and isinstance(report["oracle_prefill_tokens"], int)
+    assert "tokens prefilled" in proc.stdout
+
+
+def test_bench_rag_rejects_an_unknown_policy_before_starting_the_engine(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    dump_rag_trace(trace, sample_rag_requests(2))
+    proc = _cli("bench", "rag", "--trace", str(trace), "--json", str(tmp_path / "o.json"), "--policy", "fastest", timeout=120)
+    assert proc.returncode == 2
+    assert "unknown ordering policy 'fastest'" in proc.stderr
+
+
+def test_demo_runs_on_the_engine_and_writes_a_chart(tmp_path):
+    chart = tmp_path / "demo.png"
+    proc = _cli("demo", "--requests", "6", "--chart", str(chart))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("tokens prefilled", "cached tokens (vLLM)", "TTFT p50 (ms)", "wall time (s)", "sample question"):
+        assert row in proc.stdout
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
