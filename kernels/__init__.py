@@ -1,1 +1,51 @@
-"""(filled in by the foundation issue)"""
+"""Splice kernel: move cached KV blocks to a new position in a paged KV cache.
+
+RoPE rotates each key by its position, and ``K(p + d) = R(d) K(p)`` exactly, per
+frequency pair; values do not depend on position.  So a block of K/V computed at
+positions ``p..p+B-1`` becomes the block at ``p+d..`` by rotating its keys by ``d`` and
+copying its values: :func:`relocate_blocks` does that for whole blocks of one layer,
+writing them into given slots of the layer's paged cache.
+
+* :class:`RopeConfig` (with :meth:`RopeConfig.from_hf_config`) says which RoPE applies:
+  neox or GPT-J pairing, partial rotary, Llama-3 or linear frequency scaling; other
+  scalings are refused with :class:`~promptsplice.errors.ConfigError`.
+* Layouts (:class:`CpuAttnLayout`, :class:`FlashAttnLayout`, :class:`ConcatKVLayout`)
+  hold all knowledge of where K and V sit inside a backend's cache blocks.
+* One op, two implementations: a Triton kernel for CUDA tensors and torch code for the
+  rest, chosen by device.  Triton is optional (:data:`TRITON_AVAILABLE`).
+
+Pure tensor code: imports torch (Triton guarded), never vLLM.
+"""
+
+from __future__ import annotations
+
+from ._layout import (
+    VERIFIED_CPU_ATTN_ISAS,
+    ConcatKVLayout,
+    CpuAttnLayout,
+    FlashAttnLayout,
+    KVLayout,
+    detect_cpu_attn_isa,
+    gather_blocks,
+)
+from ._relocate import SUPPORTED_CACHE_DTYPES, relocate_blocks, rotate_keys, select_impl
+from ._rope import SUPPORTED_ROPE_TYPES, Llama3Scaling, RopeConfig
+from ._triton_impl import TRITON_AVAILABLE
+
+__all__ = [
+    "ConcatKVLayout",
+    "CpuAttnLayout",
+    "FlashAttnLayout",
+    "KVLayout",
+    "Llama3Scaling",
+    "RopeConfig",
+    "SUPPORTED_CACHE_DTYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "TRITON_AVAILABLE",
+    "VERIFIED_CPU_ATTN_ISAS",
+    "detect_cpu_attn_isa",
+    "gather_blocks",
+    "relocate_blocks",
+    "rotate_keys",
+    "select_impl",
+]

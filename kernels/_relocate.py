@@ -1,0 +1,184 @@
+"""The public relocation op: validate once, then dispatch by device to torch or Triton."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from promptsplice.errors import ConfigError, InputError
+
+from ._layout import KVLayout
+from ._rope import RopeConfig
+from ._torch_impl import cos_sin_table, relocate_torch, rotate_inplace
+from ._triton_impl import TRITON_AVAILABLE, relocate_triton
+
+__all__ = ["SUPPORTED_CACHE_DTYPES", "Impl", "rotate_keys", "relocate_blocks", "select_impl"]
+
+#: Cache dtypes relocation handles; quantized (fp8) caches need their scales and are refused.
+SUPPORTED_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+Impl = Literal["auto", "torch", "triton"]
+
+
+def select_impl(device: torch.device, impl: Impl = "auto") -> str:
+    """Which implementation runs for tensors on ``device``: ``"triton"`` for CUDA when
+    Triton is installed, else ``"torch"``.  Forcing ``"triton"`` on CPU tensors is only
+    possible under ``TRITON_INTERPRET=1`` (set before Triton is imported)."""
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and TRITON_AVAILABLE else "torch"
+    if impl == "torch":
+        return "torch"
+    if impl == "triton":
+        if not TRITON_AVAILABLE:
+            raise ConfigError("impl='triton' but Triton is not installed")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                f"impl='triton' on {device.type} tensors needs TRITON_INTERPRET=1 "
+                "(set before Triton is imported)"
+            )
+        return "triton"
+    raise ConfigError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+
+
+def _delta_tensor(delta: int | torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    """A position delta (int, integer tensor or sequence of ints) as an int64 tensor."""
+    if isinstance(delta, bool):
+        raise InputError("delta must be an integer number of positions, got a bool")
+    if isinstance(delta, numbers.Integral):
+        return torch.tensor(int(delta), dtype=torch.int64, device=device)
+    if isinstance(delta, torch.Tensor):
+        if delta.dtype.is_floating_point or delta.dtype.is_complex or delta.dtype == torch.bool:
+            raise InputError(f"delta must be an integer tensor, got {delta.dtype}")
+        return delta.to(device=device, dtype=torch.int64)
+    if isinstance(delta, Sequence) and all(
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in delta
+    ):
+        return torch.tensor([int(x) for x in delta], dtype=torch.int64, device=device)
+    raise InputError(f"delta must be an int or integer tensor, got {type(delta).__name__}")
+
+
+def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """``R(delta) k``: keys ``[..., head_size]`` moved by ``delta`` positions.
+
+    ``delta`` is an int or an integer tensor broadcasting against ``k.shape[:-1]``
+    (e.g. ``[tokens, 1]`` for ``k`` of ``[tokens, heads, head_size]``).  Rotating raw
+    (unrotated) keys by their positions applies RoPE itself.  Angles are formed in
+    float64, the arithmetic runs in float32 (float64 for float64 keys), and the result
+    comes back in ``k.dtype`` on ``k.device``.  A new tensor; ``k`` is not modified.
+    """
+    if not isinstance(k, torch.Tensor) or not k.dtype.is_floating_point:
+        raise InputError("k must be a floating-point tensor")
+    if k.dim() == 0 or k.shape[-1] != rope.head_size:
+        raise ConfigError(
+            f"k's last dimension must be rope.head_size={rope.head_size}, got shape "
+            f"{tuple(k.shape)}"
+        )
+    d = _delta_tensor(delta, k.device)
+    try:
+        if torch.broadcast_shapes(d.shape, k.shape[:-1]) != k.shape[:-1]:
+            raise ValueError
+    except (RuntimeError, ValueError) as exc:
+        raise InputError(
+            f"delta of shape {tuple(d.shape)} does not broadcast against k.shape[:-1]="
+            f"{tuple(k.shape[:-1])}"
+        ) from exc
+    compute = torch.float64 if k.dtype == torch.float64 else torch.float32
+    cos, sin = cos_sin_table(d, rope, compute)
+    out = k.to(compute, copy=True)
+    rotate_inplace(out, cos, sin, rope)
+    return out.to(k.dtype)
+
+
+def relocate_blocks(
+    dst_cache: torch.Tensor,
+    src_blocks: torch.Tensor,
+    dst_block_ids: torch.Tensor | Sequence[int],
+    delta: int | torch.Tensor | Sequence[int],
+    rope: RopeConfig,
+    layout: KVLayout,
+    *,
+    impl: Impl = "auto",
+) -> None:
+    """Write whole KV blocks into one layer's paged cache at a new position.
+
+    ``src_blocks`` holds ``n`` blocks in the cache's own per-block layout (what a block
+    store saved, e.g. ``gather_blocks(layout, cache, ids)``); block ``i`` goes to cache
+    block ``dst_block_ids[i]`` with its keys rotated by ``delta`` (an int for all, or
+    one int per block) positions, ``K(p + d) = R(d) K(p)``, and its values copied
+    unchanged.  Every other cache block is left untouched.
+
+    One signature, two implementations: CUDA tensors run the Triton kernel, others the
+    torch code (``impl`` forces one).  The destination ids must be distinct and in range;
+    ``src_blocks`` may alias ``dst_cache`` (it is copied first).  Raises
+    :class:`InputError` on mismatched tensors and :class:`ConfigError` on unsupported
+    dtypes, layouts or RoPE/cache disagreement.
+    """
+    if not (hasattr(layout, "kv_views") and hasattr(layout, "block_dim")):  # KVLayout, cheaply
+        raise ConfigError(f"layout must be a KVLayout (e.g. CpuAttnLayout), got {layout!r}")
+    for name, t in (("dst_cache", dst_cache), ("src_blocks", src_blocks)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_CACHE_DTYPES:
+            raise ConfigError(
+                f"{name} dtype {t.dtype} is not supported for relocation (supported: "
+                "bfloat16, float16, float32; quantized caches are not)"
+            )
+    if src_blocks.dtype != dst_cache.dtype:
+        raise InputError(
+            f"src_blocks dtype {src_blocks.dtype} != dst_cache dtype {dst_cache.dtype}"
+        )
+    if src_blocks.device != dst_cache.device:
+        raise InputError(f"src_blocks on {src_blocks.device}, dst_cache on {dst_cache.device}")
+    device = dst_cache.device
+    which = select_impl(device, impl)
+
+    if (
+        src_blocks.numel()
+        and dst_cache.numel()
+        and src_blocks.untyped_storage().data_ptr() == dst_cache.untyped_storage().data_ptr()
+    ):
+        src_blocks = src_blocks.clone()  # source and destination blocks could overlap
+
+    k_dst, v_dst = layout.kv_views(dst_cache)
+    k_src, v_src = layout.kv_views(src_blocks)
+    if k_src.shape[1:] != k_dst.shape[1:]:
+        raise InputError(
+            f"src_blocks blocks are [kv_heads, block_size, head_size]={tuple(k_src.shape[1:])}, "
+            f"the cache's are {tuple(k_dst.shape[1:])}"
+        )
+    if k_dst.shape[-1] != rope.head_size:
+        raise ConfigError(
+            f"rope.head_size={rope.head_size} does not match the cache's head size "
+            f"{k_dst.shape[-1]}"
+        )
+    n, num_blocks = k_src.shape[0], k_dst.shape[0]
+
+    ids = torch.as_tensor(dst_block_ids, dtype=torch.int64)
+    if ids.dim() != 1 or ids.shape[0] != n:
+        raise InputError(
+            f"dst_block_ids must be 1-D with {n} entries, got shape {tuple(ids.shape)}"
+        )
+    if n:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_blocks:
+            raise InputError(f"dst_block_ids must lie in [0, {num_blocks}), got [{lo}, {hi}]")
+        if ids.unique().numel() != n:
+            raise InputError("dst_block_ids must be distinct (two blocks cannot share a slot)")
+    ids = ids.to(device)
+
+    d = _delta_tensor(delta, device)
+    if d.dim() == 0:
+        d = d.reshape(1)
+    elif d.dim() != 1 or d.shape[0] != n:
+        raise InputError(
+            f"delta must be an int or have one entry per block ({n}), got {tuple(d.shape)}"
+        )
+    if n == 0:
+        return
+    cos, sin = cos_sin_table(d, rope, torch.float32)
+    run = relocate_triton if which == "triton" else relocate_torch
+    run(k_dst, v_dst, k_src, v_src, ids, cos.contiguous(), sin.contiguous(), rope)

@@ -1,0 +1,177 @@
+"""RopeConfig: validation, frequencies, and reading it from model configs."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from kernels import Llama3Scaling, RopeConfig
+from promptsplice.errors import ConfigError
+
+LLAMA31 = {  # the shape of Llama-3.1-8B's config.json (legacy rope_scaling form)
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+
+
+def test_the_real_default_model_reads_as_llama_neox_theta_1e5():
+    from promptsplice.assets import default_model_dir
+
+    path = default_model_dir() / "config.json"
+    if not path.exists():
+        pytest.skip(f"default model not converted yet ({path}); run `make setup`")
+    rope = RopeConfig.from_hf_config(path)
+    assert rope == RopeConfig(head_size=64, rotary_dim=64, theta=100000.0, is_neox_style=True)
+    # The same from the dict, and from the folder.
+    assert RopeConfig.from_hf_config(json.loads(path.read_text())) == rope
+    assert RopeConfig.from_hf_config(path.parent) == rope
+
+
+def test_default_inv_freq_is_the_textbook_formula():
+    rope = RopeConfig(head_size=64, rotary_dim=64, theta=100000.0)
+    inv = rope.inv_freq()
+    assert inv.dtype == torch.float32 and inv.shape == (32,)
+    expected = torch.tensor([100000.0 ** (-2 * i / 64) for i in range(32)], dtype=torch.float64)
+    torch.testing.assert_close(inv.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_llama3_scaling_keeps_high_divides_low_and_blends_between():
+    s = Llama3Scaling(8.0, 1.0, 4.0, 8192)
+    plain = RopeConfig(head_size=128, rotary_dim=128, theta=500000.0).inv_freq().double()
+    scaled = RopeConfig(head_size=128, rotary_dim=128, theta=500000.0, llama3_scaling=s)
+    scaled = scaled.inv_freq().double()
+    wavelen = 2 * math.pi / plain
+    high = wavelen < 8192 / 4
+    low = wavelen > 8192 / 1
+    mid = ~high & ~low
+    assert high.any() and low.any() and mid.any()
+    assert torch.equal(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / 8)
+    assert ((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 8)).all()
+
+
+def test_linear_scaling_divides_every_frequency():
+    plain = RopeConfig(head_size=64, rotary_dim=64).inv_freq()
+    lin = RopeConfig(head_size=64, rotary_dim=64, linear_factor=4.0).inv_freq()
+    torch.testing.assert_close(lin, plain / 4)
+
+
+def test_llama31_legacy_rope_scaling_and_transformers5_rope_parameters_agree():
+    legacy = RopeConfig.from_hf_config(LLAMA31)
+    assert legacy.head_size == 128 and legacy.rotary_dim == 128 and legacy.is_neox_style
+    assert legacy.theta == 500000.0
+    assert legacy.llama3_scaling == Llama3Scaling(8.0, 1.0, 4.0, 8192)
+    v5 = {k: v for k, v in LLAMA31.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = dict(LLAMA31["rope_scaling"], rope_theta=500000.0)
+    assert RopeConfig.from_hf_config(v5) == legacy
+    # The legacy "type" key names the scaling too.
+    old = dict(LLAMA31, rope_scaling={**LLAMA31["rope_scaling"], "type": "llama3"})
+    del old["rope_scaling"]["rope_type"]
+    assert RopeConfig.from_hf_config(old) == legacy
+
+
+def test_partial_rotary_and_pairing_by_model_type():
+    phi = {"model_type": "stablelm", "hidden_size": 2560, "num_attention_heads": 32,
+           "rope_theta": 10000, "partial_rotary_factor": 0.25}
+    rope = RopeConfig.from_hf_config(phi)
+    assert (rope.head_size, rope.rotary_dim, rope.is_neox_style) == (80, 20, True)
+    gptj = {"model_type": "gptj", "n_embd": 4096, "n_head": 16, "rotary_dim": 64}  # GPT-J-6B
+    rope = RopeConfig.from_hf_config(gptj)
+    assert (rope.head_size, rope.rotary_dim, rope.is_neox_style) == (256, 64, False)
+    glm = {"model_type": "glm4", "head_dim": 128, "hidden_size": 4096, "num_attention_heads": 32,
+           "partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default",
+                                                             "rope_theta": 10000.0}}
+    rope = RopeConfig.from_hf_config(glm)
+    assert (rope.rotary_dim, rope.is_neox_style) == (64, False)
+    # Aliases: gpt-neox's rotary_pct.
+    neox = {"model_type": "mistral", "head_dim": 128, "rotary_pct": 0.5, "rope_theta": 1e6}
+    assert RopeConfig.from_hf_config(neox).rotary_dim == 64
+
+
+def test_config_objects_and_nested_text_configs_are_read():
+    obj = types.SimpleNamespace(**LLAMA31)
+    assert RopeConfig.from_hf_config(obj) == RopeConfig.from_hf_config(LLAMA31)
+    wrapped = {"model_type": "llava", "text_config": LLAMA31}
+    assert RopeConfig.from_hf_config(wrapped) == RopeConfig.from_hf_config(LLAMA31)
+
+
+@pytest.mark.parametrize(
+    "rope_type", ["yarn", "dynamic", "longrope", "su", "deepseek_yarn", "ntk", "proportional"]
+)
+def test_unimplemented_scaling_types_are_refused_by_name(rope_type):
+    cfg = dict(LLAMA31, rope_scaling={"rope_type": rope_type, "factor": 4.0})
+    with pytest.raises(ConfigError) as err:
+        RopeConfig.from_hf_config(cfg)
+    named = "longrope" if rope_type == "su" else rope_type
+    assert named in str(err.value) and "supported" in str(err.value)
+
+
+def test_multimodal_and_unknown_models_are_refused():
+    mrope = dict(LLAMA31, rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
+    with pytest.raises(ConfigError, match="mrope"):
+        RopeConfig.from_hf_config(mrope)
+    unknown = {"model_type": "mystery", "head_dim": 64, "rope_theta": 10000.0}
+    with pytest.raises(ConfigError, match="is_neox_style"):
+        RopeConfig.from_hf_config(unknown)
+    assert not RopeConfig.from_hf_config(unknown, is_neox_style=False).is_neox_style
+    with pytest.raises(ConfigError, match="head size"):
+        RopeConfig.from_hf_config({"model_type": "llama", "rope_theta": 1.0})
+    with pytest.raises(ConfigError, match="cannot read"):
+        RopeConfig.from_hf_config("/nonexistent/config.json")
+
+
+def test_per_layer_type_rope_needs_a_layer_type():
+    gemma3 = {
+        "model_type": "gemma2",
+        "head_dim": 256,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
+    with pytest.raises(ConfigError, match="layer_type"):
+        RopeConfig.from_hf_config(gemma3)
+    full = RopeConfig.from_hf_config(gemma3, layer_type="full_attention")
+    assert (full.theta, full.linear_factor) == (1e6, 8.0)
+    local = RopeConfig.from_hf_config(gemma3, layer_type="sliding_attention")
+    assert (local.theta, local.linear_factor) == (1e4, 1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(head_size=0, rotary_dim=0),
+        dict(head_size=64, rotary_dim=65),
+        dict(head_size=64, rotary_dim=63),
+        dict(head_size=64, rotary_dim=128),
+        dict(head_size=64, rotary_dim=64, theta=0.0),
+        dict(head_size=64, rotary_dim=64, linear_factor=0.0),
+    ],
+)
+def test_invalid_configs_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        RopeConfig(**kwargs)
+
+
+def test_configs_are_frozen_slotted_values():
+    rope = RopeConfig(head_size=64, rotary_dim=64)
+    with pytest.raises(AttributeError):
+        rope.theta = 1.0  # type: ignore[misc]
+    assert not hasattr(rope, "__dict__")
+    assert hash(rope) == hash(RopeConfig(head_size=64, rotary_dim=64))
+    with pytest.raises(ConfigError):
+        Llama3Scaling(0.0, 1.0, 4.0, 8192)
