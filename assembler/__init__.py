@@ -4,7 +4,15 @@
 them canonically (``stable``) or by what the cache holds (``cache_aware``), tokenizes
 each segment once (bounded token cache), pads segment ends to KV block boundaries where
 that pays (``auto``), and predicts the cached tokens with a mirror of the engine's
-prefix cache.  This package never imports vLLM or the engine adapters, and it imports
+prefix cache.
+
+Agent context: :class:`ChatRenderer` renders chat messages through the model's chat
+template into one block-aligned segment per message, :func:`diff_renders` turns two
+successive renders into ``(span, replacement)`` directives, the context policies
+(:class:`TruncateToolOutputs`, :class:`DropFailedCalls`, :class:`SummarizeTurns`) make
+the edits agents make, and :class:`ContextHook` keeps the last render per session.
+
+This package never imports vLLM or the engine adapters, and it imports
 tokenizer backends only when a tokenizer is loaded.
 """
 
@@ -16,9 +24,31 @@ from assembler._assemble import (
     PromptFormat,
     assemble_prompt,
 )
+from assembler._directives import (
+    Diff,
+    DiffKind,
+    Directive,
+    Relocation,
+    apply_diff,
+    apply_directives,
+    diff_renders,
+)
+from assembler._hook import ContextHook, FallbackReason, PreparedContext, StepKind
 from assembler._layout import Segment, SegmentKind
 from assembler._mirror import BlockState, Prediction, PrefixCacheMirror
 from assembler._ordering import AlignPolicy, OrderPolicy, PopularityTracker
+from assembler._policies import (
+    ContextPolicy,
+    DropFailedCalls,
+    EditKind,
+    MessageEdit,
+    PolicyResult,
+    SummarizeTurns,
+    TruncateToolOutputs,
+    is_error_output,
+    summarize_turns,
+)
+from assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
 from assembler._token_cache import TokenCache, TokenCacheStats
 from assembler._tokenizers import (
     HFTokenizer,
@@ -33,21 +63,45 @@ __all__ = [
     "AssembledPrompt",
     "Assembler",
     "BlockState",
+    "ChatRenderer",
+    "ChatTemplate",
+    "ContextHook",
+    "ContextPolicy",
     "DEFAULT_CAPACITY_BLOCKS",
+    "Diff",
+    "DiffKind",
+    "Directive",
+    "DropFailedCalls",
+    "EditKind",
+    "FallbackReason",
     "HFTokenizer",
+    "MessageEdit",
+    "MessageSegment",
     "NaivePrompt",
     "OrderPolicy",
+    "PolicyResult",
     "PopularityTracker",
     "Prediction",
     "PrefixCacheMirror",
+    "PreparedContext",
     "PromptFormat",
+    "Relocation",
+    "Render",
     "Segment",
     "SegmentKind",
+    "StepKind",
+    "SummarizeTurns",
     "TiktokenTokenizer",
     "TokenCache",
     "TokenCacheStats",
     "Tokenizer",
+    "TruncateToolOutputs",
+    "apply_diff",
+    "apply_directives",
     "assemble_prompt",
     "default_tokenizer",
+    "diff_renders",
+    "is_error_output",
     "load_tokenizer",
+    "summarize_turns",
 ]

@@ -52,6 +52,10 @@ class SegmentKind(enum.Enum):
     TOOLS = "tools"
     CHUNK = "chunk"
     QUERY = "query"
+    MESSAGE = "message"
+    """One chat message of an agent render (:mod:`assembler._render`)."""
+    GENERATION = "generation"
+    """The chat template's generation prompt (e.g. ``<|im_start|>assistant\\n``)."""
 
 
 class BranchMemory:

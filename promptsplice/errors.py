@@ -24,6 +24,7 @@ __all__ = [
     "UnknownPolicyError",
     "ContextLengthError",
     "TraceFormatError",
+    "DirectiveError",
     "TokenizerError",
     "AssetError",
     "EngineError",
@@ -85,6 +86,19 @@ class ContextLengthError(InputError):
 
 class TraceFormatError(InputError):
     """A workload trace line is not valid (the message names file, line and field)."""
+
+
+class DirectiveError(InputError):
+    """Edit directives that cannot be applied to the tokens given: a span out of range
+    (``start < 0``, ``end < start`` or past the tokens), spans that overlap, or spans
+    that are not sorted by position.  ``problem`` is ``"out_of_range"``,
+    ``"overlapping"`` or ``"unsorted"``; ``index`` is the offending directive's
+    position in the list."""
+
+    def __init__(self, message: str, *, problem: str, index: int) -> None:
+        super().__init__(message)
+        self.problem = problem
+        self.index = index
 
 
 class TokenizerError(PromptspliceError, RuntimeError):

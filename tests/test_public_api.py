@@ -30,6 +30,31 @@ ASSEMBLER_API = [
     "assemble_prompt",
     "default_tokenizer",
     "load_tokenizer",
+    # agent context (render -> directives, policies, hook)
+    "ChatRenderer",
+    "ChatTemplate",
+    "ContextHook",
+    "ContextPolicy",
+    "Diff",
+    "DiffKind",
+    "Directive",
+    "DropFailedCalls",
+    "EditKind",
+    "FallbackReason",
+    "MessageEdit",
+    "MessageSegment",
+    "PolicyResult",
+    "PreparedContext",
+    "Relocation",
+    "Render",
+    "StepKind",
+    "SummarizeTurns",
+    "TruncateToolOutputs",
+    "apply_diff",
+    "apply_directives",
+    "diff_renders",
+    "is_error_output",
+    "summarize_turns",
 ]
 
 
@@ -71,6 +96,8 @@ def test_engine_adapters_exports_are_pinned():
 
     assert sorted(engine_adapters.__all__) == sorted(
         [
+            "BlockRef",
+            "BlockStore",
             "CPU_BLOCK_MULTIPLE",
             "Completion",
             "DEFAULT_KV_CACHE_BYTES",
@@ -78,7 +105,45 @@ def test_engine_adapters_exports_are_pinned():
             "EmbeddedEngine",
             "EngineConfig",
             "EngineCounters",
+            "Lookup",
+            "LookupStatus",
+            "Namespace",
             "PromptLike",
+            "PutStatus",
+            "SplicePlan",
+            "SpliceSegment",
+            "StoreConfig",
+            "StoreStats",
+            "chain_refs",
+            "plan_deletion",
+            "plan_relocation",
+            "shared_store",
+        ]
+    )
+    for name in engine_adapters.__all__:
+        assert getattr(engine_adapters, name) is not None
+
+
+def test_kernels_exports_are_pinned():
+    import kernels
+
+    assert sorted(kernels.__all__) == sorted(
+        [
+            "ConcatKVLayout",
+            "CpuAttnLayout",
+            "FlashAttnLayout",
+            "KVLayout",
+            "Llama3Scaling",
+            "RopeConfig",
+            "SUPPORTED_CACHE_DTYPES",
+            "SUPPORTED_ROPE_TYPES",
+            "TRITON_AVAILABLE",
+            "VERIFIED_CPU_ATTN_ISAS",
+            "detect_cpu_attn_isa",
+            "gather_blocks",
+            "relocate_blocks",
+            "rotate_keys",
+            "select_impl",
         ]
     )
 

@@ -1,0 +1,277 @@
+"""The generic harness hook: ``hook(session_id, messages, tools=None)``.
+
+An agent harness calls the hook with the full message list it is about to send.  The
+hook applies the context policies, renders the result into block-aligned per-message
+segments (:class:`~assembler.ChatRenderer`), diffs it against the session's previous
+render (:func:`~assembler.diff_renders`) and returns the prepared context: token ids,
+segment map, directives, and what kind of step this is (:class:`StepKind`).  It keeps
+the last render of each session, bounded (LRU over sessions) and thread-safe.
+
+Which steps fall back to a full prefill (``StepKind.FULL_PREFILL``, logged through
+:mod:`logging`), never a wrong splice:
+
+* ``SALT_CHANGED``: the session's cache salt changed, so none of the old KV is
+  reachable under the new chain;
+* ``NO_OVERLAP``: no old token survives at all (every message changed): nothing to
+  splice;
+* ``INVALID_DIFF``: the directives do not rebuild the new render from the old one
+  exactly (a safety check that runs on every step; it should never trigger).
+
+A different tools list or an edited system message is an ordinary edit (a directive).
+An unknown (or evicted) session starts a new one: no directives, full prefill.
+Steps of one session are serialized (a per-session lock), so every step's directives
+are relative to the render that the session's previous step returned.  Rendering runs
+outside every lock; a step in flight while its session is evicted completes against
+the state it started with, and the session's next call starts a new one.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from assembler._directives import Diff, Directive
+from assembler._ordering import AlignPolicy
+from assembler._policies import MessageEdit, PolicyResult
+from assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
+from promptsplice.errors import ConfigError, InputError
+
+__all__ = ["StepKind", "FallbackReason", "PreparedContext", "ContextHook"]
+
+logger = logging.getLogger(__name__)
+
+
+class StepKind(enum.Enum):
+    """What the engine has to do for a step."""
+
+    NEW_SESSION = "new_session"
+    """First render of the session (or the session was evicted): full prefill."""
+    APPEND = "append"
+    """The previous context is untouched: only the appended tokens are new."""
+    EDIT = "edit"
+    """Earlier context changed: carry out the directives (splice)."""
+    FULL_PREFILL = "full_prefill"
+    """The render cannot be spliced onto the session's state: full prefill."""
+
+
+class FallbackReason(enum.Enum):
+    SALT_CHANGED = "salt_changed"
+    NO_OVERLAP = "no_overlap"
+    INVALID_DIFF = "invalid_diff"
+
+
+@dataclass(slots=True)
+class PreparedContext:
+    """What the hook returns for one step.
+
+    ``render`` is the new render (token ids, segments, block hashes); ``diff`` is set
+    for ``APPEND`` and ``EDIT`` steps (relative to ``previous``, the session's previous
+    render); ``step`` counts the session's steps from 1.  ``messages`` is the list that
+    was rendered (after the policies) and ``policy_edits`` what each policy changed in
+    its input.
+    """
+
+    session_id: str
+    step: int
+    kind: StepKind
+    render: Render
+    messages: list[dict[str, Any]]
+    diff: Diff | None = None
+    previous: Render | None = None
+    fallback: FallbackReason | None = None
+    policy_edits: tuple[tuple[str, tuple[MessageEdit, ...]], ...] = field(default_factory=tuple)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.render.token_ids
+
+    @property
+    def segments(self) -> list[MessageSegment]:
+        return self.render.segments
+
+    @property
+    def directives(self) -> tuple[Directive, ...]:
+        return self.diff.directives if self.diff is not None else ()
+
+    @property
+    def is_append(self) -> bool:
+        return self.kind is StepKind.APPEND
+
+    @property
+    def first_changed_token(self) -> int:
+        """Where the previous render's tokens stop matching (0 without a usable diff)."""
+        return self.diff.first_changed_token if self.diff is not None else 0
+
+
+@dataclass(slots=True)
+class _Session:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    render: Render | None = None
+    steps: int = 0
+
+
+PolicyLike = Any  # ContextPolicy or a callable messages -> PolicyResult
+
+
+class ContextHook:
+    """``hook(session_id, messages, tools=None)`` -> :class:`PreparedContext`.
+
+    ``renderer`` is a :class:`ChatRenderer`, or what builds one: an
+    :class:`~assembler.Assembler` (its tokenizer, token cache and block size), a
+    tokenizer or a tokenizer spec, with ``block_size``, ``template`` and
+    ``alignment`` (default ``all``: see :mod:`assembler._render`).  ``policies`` run in
+    order on every step (objects with ``apply(messages) -> PolicyResult`` or such
+    callables).  ``max_sessions`` bounds the sessions kept (least recently used
+    evicted first).  ``salt`` is the default cache salt of every session.
+    """
+
+    def __init__(
+        self,
+        renderer: Any = None,
+        block_size: int | None = None,
+        *,
+        max_sessions: int = 1024,
+        policies: Sequence[PolicyLike] = (),
+        template: ChatTemplate | str | Path | None = None,
+        alignment: str | AlignPolicy = "all",
+        salt: str | None = None,
+    ) -> None:
+        if not isinstance(max_sessions, int) or isinstance(max_sessions, bool) or max_sessions <= 0:
+            raise ConfigError(f"max_sessions must be a positive int, got {max_sessions!r}")
+        if isinstance(renderer, ChatRenderer):
+            if block_size is not None and block_size != renderer.block_size:
+                raise ConfigError(f"block_size {block_size} differs from the renderer's {renderer.block_size}")
+            self.renderer = renderer
+        else:
+            self.renderer = ChatRenderer(renderer, block_size=block_size, template=template, alignment=alignment)
+        for p in policies:
+            if not (hasattr(p, "apply") or callable(p)):
+                raise ConfigError(f"a policy must have apply(messages) or be callable, got {p!r}")
+        self.policies = list(policies)
+        self.max_sessions = max_sessions
+        self.salt = salt
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def block_size(self) -> int:
+        return self.renderer.block_size
+
+    # -- public --------------------------------------------------------------------
+    def __call__(
+        self,
+        session_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        salt: str | None = None,
+    ) -> PreparedContext:
+        """Prepare one step of ``session_id`` (see the module docstring)."""
+        if not isinstance(session_id, str):
+            raise InputError(f"session_id must be a str, got {type(session_id).__name__}")
+        salt = self.salt if salt is None else salt
+        msgs, edits = self._apply_policies(messages)
+        # Rendering needs no session state: done outside the session's lock.
+        new = self.renderer.render(msgs, tools, salt=salt)
+        session = self._session(session_id)
+        with session.lock:
+            prev = session.render
+            session.steps += 1
+            step = session.steps
+            session.render = new
+        # The previous render is immutable once stored: diff outside the lock.
+        ctx = PreparedContext(session_id, step, StepKind.NEW_SESSION, new, msgs, previous=prev, policy_edits=edits)
+        if prev is None:
+            return ctx
+        self._classify(ctx, prev, new)
+        return ctx
+
+    def last_render(self, session_id: str) -> Render | None:
+        """The session's last render (``None`` for an unknown session)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        return None if s is None else s.render
+
+    def forget(self, session_id: str) -> bool:
+        """Drop a session's state; ``True`` if it existed."""
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
+    # -- internals -----------------------------------------------------------------
+    def _session(self, session_id: str) -> _Session:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                s = self._sessions[session_id] = _Session()
+                while len(self._sessions) > self.max_sessions:
+                    old_id, _ = self._sessions.popitem(last=False)
+                    logger.debug("context hook: evicted session %r (max_sessions=%d)", old_id, self.max_sessions)
+            else:
+                self._sessions.move_to_end(session_id)
+            return s
+
+    def _apply_policies(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[dict[str, Any]], tuple[tuple[str, tuple[MessageEdit, ...]], ...]]:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise InputError(f"messages must be a list of chat messages, got {type(messages).__name__}")
+        cur: Sequence[Mapping[str, Any]] = messages
+        edits: list[tuple[str, tuple[MessageEdit, ...]]] = []
+        for p in self.policies:
+            fn: Callable[[Any], Any] = p.apply if hasattr(p, "apply") else p
+            res = fn(cur)
+            if not isinstance(res, PolicyResult):
+                if isinstance(res, tuple) and len(res) == 2:
+                    res = PolicyResult(list(res[0]), tuple(res[1]))
+                else:
+                    raise ConfigError(f"policy {p!r} must return a PolicyResult, got {type(res).__name__}")
+            if res.edits:
+                edits.append((getattr(p, "name", type(p).__name__), res.edits))
+            cur = res.messages
+        return list(cur), tuple(edits)
+
+    def _classify(self, ctx: PreparedContext, prev: Render, new: Render) -> None:
+        sid = ctx.session_id
+        if prev.salt != new.salt:
+            self._fallback(ctx, FallbackReason.SALT_CHANGED, "the cache salt changed")
+            return
+        try:
+            diff = self.renderer.diff(prev, new)
+            ok = diff.apply(prev.token_ids) == new.token_ids
+        except InputError as exc:  # DirectiveError: should not happen, never splice then
+            logger.warning("context hook: session %r step %d: invalid directives (%s)", sid, ctx.step, exc)
+            ok = False
+        if not ok:
+            self._fallback(ctx, FallbackReason.INVALID_DIFF, "the directives do not rebuild the new render")
+            return
+        kept = diff.first_changed_token + sum(r.length for r in diff.relocations)
+        if diff.directives and kept == 0:
+            self._fallback(ctx, FallbackReason.NO_OVERLAP, "no token of the previous render survives")
+            return
+        ctx.diff = diff
+        ctx.kind = StepKind.APPEND if diff.is_append else StepKind.EDIT
+
+    @staticmethod
+    def _fallback(ctx: PreparedContext, reason: FallbackReason, why: str) -> None:
+        ctx.kind = StepKind.FULL_PREFILL
+        ctx.fallback = reason
+        level = logging.WARNING if reason is FallbackReason.INVALID_DIFF else logging.INFO
+        logger.log(level, "context hook: session %r step %d: full prefill (%s: %s)", ctx.session_id, ctx.step, reason.value, why)
+
+    def __repr__(self) -> str:
+        return f"ContextHook(block_size={self.block_size}, sessions={len(self)}/{self.max_sessions})"
+

@@ -1,0 +1,456 @@
+"""Context policies: the edits agents make to their own context, as explicit edits.
+
+An agent keeps its message list; a policy returns an edited copy and names what it
+changed (:class:`MessageEdit`: which input messages were replaced by which output
+messages).  The input is never mutated.  Rendering the edited list and diffing it
+against the previous render (:class:`~assembler.ContextHook` does both) turns the edit
+into token directives; the edits themselves say *why* a span changed (the benches
+report savings by edit kind).
+
+Three policies, as real agents apply them:
+
+* :class:`TruncateToolOutputs` (the "ten-line rule"): a tool output over ``max_lines``
+  lines keeps its first and last ``keep_lines`` lines around one marker line,
+  ``[... 37 lines truncated ...]``.  ``keep_lines`` defaults to ``(max_lines - 1) // 2``
+  (4 for the default 10), so a truncated output has at most ``max_lines`` lines and
+  truncating again changes nothing (idempotent: the same input always gives the same
+  tokens).  The latest ``keep_recent`` outputs (default 1) stay whole so the agent can
+  read what it just got; an output is truncated once a newer one arrives, which is the
+  edit that makes splicing pay.  Lines are ``"\\n"``-separated; a trailing newline is
+  kept.
+* :class:`DropFailedCalls`: a tool call whose output is an error, once the agent
+  retried, is dropped with its output.  *Failed*: the tool message has
+  ``status == "error"`` / ``"failed"`` or ``is_error: true``, or its text starts with an
+  error word (``Error``, ``error:``, ``TypeError: ...``, ``Exception``, ``Traceback (most
+  recent call last)``; case-insensitive, whole word, so ``Errors found: 0`` is not one),
+  or it is a JSON object with an ``"error"`` key (as BFCL's simulated APIs answer).
+  *Retried*: a later assistant message calls a function of the same name.  Outputs are
+  matched to calls by ``tool_call_id``, else by order among the tool messages that
+  follow the assistant message.  An assistant message left with no call and no text is
+  dropped too.
+* :class:`SummarizeTurns`: once the list is longer than ``max_messages``, the turns
+  after the leading system message and before the latest ``keep_recent`` messages are
+  replaced by one summary message from the user's ``summarize(messages) -> str``.  The
+  stretch never ends on a tool output (a call and its output stay together).
+  Summaries are memoized by the content of the stretch, so the next steps reuse the
+  same summary (the same tokens) until the list outgrows ``max_messages`` again; then a
+  longer stretch is summarized (the callable gets the raw messages).
+  :func:`summarize_turns` replaces a given stretch ``messages[start:end]`` once.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from assembler._render import canonical_json
+from promptsplice.blocks import content_digest
+from promptsplice.errors import ConfigError, InputError
+
+__all__ = [
+    "EditKind",
+    "MessageEdit",
+    "PolicyResult",
+    "ContextPolicy",
+    "TruncateToolOutputs",
+    "DropFailedCalls",
+    "SummarizeTurns",
+    "summarize_turns",
+    "is_error_output",
+]
+
+Message = dict[str, Any]
+
+
+class EditKind(enum.Enum):
+    TRUNCATE = "truncate"
+    DROP = "drop"
+    SUMMARIZE = "summarize"
+
+
+@dataclass(frozen=True, slots=True)
+class MessageEdit:
+    """``input[old[0]:old[1]]`` became ``output[new[0]:new[1]]`` (an empty ``new``
+    range: dropped)."""
+
+    kind: EditKind
+    old: tuple[int, int]
+    new: tuple[int, int]
+
+
+class PolicyResult(NamedTuple):
+    """The edited message list and the edits, in input/output index coordinates."""
+
+    messages: list[Message]
+    edits: tuple[MessageEdit, ...]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.edits)
+
+
+@runtime_checkable
+class ContextPolicy(Protocol):
+    """A context policy: ``apply(messages) -> PolicyResult``, never mutating its input."""
+
+    name: str
+
+    def apply(self, messages: Sequence[Mapping[str, Any]]) -> PolicyResult: ...
+
+
+def _check_messages(messages: Any) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InputError(f"messages must be a list of chat messages, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InputError(f"message {i} must be a dict with role and content, got {type(m).__name__}")
+
+
+def _text(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type", "text") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def _merge(edits: list[MessageEdit]) -> tuple[MessageEdit, ...]:
+    """Merge edits whose old ranges touch (then their new ranges touch too)."""
+    out: list[MessageEdit] = []
+    for e in edits:
+        if out and out[-1].kind is e.kind and out[-1].old[1] == e.old[0]:
+            prev = out.pop()
+            e = MessageEdit(e.kind, (prev.old[0], e.old[1]), (prev.new[0], e.new[1]))
+        out.append(e)
+    return tuple(out)
+
+
+# -- (a) the ten-line rule -----------------------------------------------------------
+
+
+class TruncateToolOutputs:
+    """Truncate tool outputs over ``max_lines`` lines to their first and last
+    ``keep_lines`` lines around a marker line (see the module docstring)."""
+
+    name = "truncate"
+
+    def __init__(
+        self,
+        max_lines: int = 10,
+        keep_lines: int | None = None,
+        *,
+        keep_recent: int = 1,
+        marker: str = "[... {n} lines truncated ...]",
+        roles: Sequence[str] = ("tool", "function"),
+    ) -> None:
+        if not isinstance(max_lines, int) or max_lines < 1:
+            raise ConfigError(f"max_lines must be a positive int, got {max_lines!r}")
+        keep = (max_lines - 1) // 2 if keep_lines is None else keep_lines
+        if not isinstance(keep, int) or keep < 0 or 2 * keep + 1 > max_lines:
+            raise ConfigError(
+                f"keep_lines must be an int in [0, (max_lines - 1) // 2] = [0, {(max_lines - 1) // 2}] so "
+                f"that a truncated output (2 * keep_lines + 1 lines) is not truncated again, got {keep!r}"
+            )
+        if not isinstance(keep_recent, int) or keep_recent < 0:
+            raise ConfigError(f"keep_recent must be a non-negative int, got {keep_recent!r}")
+        if "\n" in marker:
+            raise ConfigError("the marker must be one line")
+        self.max_lines = max_lines
+        self.keep_lines = keep
+        self.keep_recent = keep_recent
+        self.marker = marker
+        self.roles = tuple(roles)
+
+    def truncate(self, text: str) -> str:
+        """``text`` itself when it has at most ``max_lines`` lines, else its first and
+        last ``keep_lines`` lines around the marker line."""
+        lines = text.split("\n")
+        trailing = text.endswith("\n")
+        if trailing:
+            lines.pop()
+        n = len(lines)
+        if n <= self.max_lines:
+            return text
+        k = self.keep_lines
+        kept = lines[:k] + [self.marker.format(n=n - 2 * k)] + lines[n - k :]
+        return "\n".join(kept) + ("\n" if trailing else "")
+
+    def apply(self, messages: Sequence[Mapping[str, Any]]) -> PolicyResult:
+        _check_messages(messages)
+        outputs = [i for i, m in enumerate(messages) if m.get("role") in self.roles]
+        protected = set(outputs[max(0, len(outputs) - self.keep_recent) :])
+        out: list[Message] = []
+        edits: list[MessageEdit] = []
+        for i, m in enumerate(messages):
+            msg = dict(m)
+            if i in outputs and i not in protected:
+                text = _text(m.get("content"))
+                if text is not None:
+                    cut = self.truncate(text)
+                    if cut != text:
+                        msg["content"] = cut
+                        edits.append(MessageEdit(EditKind.TRUNCATE, (i, i + 1), (i, i + 1)))
+            out.append(msg)
+        return PolicyResult(out, tuple(edits))
+
+    __call__ = apply
+
+    def __repr__(self) -> str:
+        return f"TruncateToolOutputs(max_lines={self.max_lines}, keep_lines={self.keep_lines}, keep_recent={self.keep_recent})"
+
+
+# -- (b) drop failed calls once retried ----------------------------------------------
+
+_ERROR_RE = re.compile(r"\s*(?:\w*(?:error|exception)\b|traceback \(most recent call last\))", re.IGNORECASE)
+
+
+def is_error_output(message: Mapping[str, Any]) -> bool:
+    """The default failure rule for a tool message (see the module docstring)."""
+    status = message.get("status")
+    if isinstance(status, str) and status.lower() in ("error", "failed", "failure"):
+        return True
+    if message.get("is_error") is True:
+        return True
+    text = _text(message.get("content"))
+    if not text:
+        return False
+    if _ERROR_RE.match(text):
+        return True
+    stripped = text.strip()
+    if stripped.startswith("{") and '"error"' in stripped:
+        try:
+            obj = json.loads(stripped)
+        except ValueError:
+            return False
+        return isinstance(obj, dict) and "error" in obj
+    return False
+
+
+def _call_name(call: Any) -> str | None:
+    if not isinstance(call, Mapping):
+        return None
+    fn = call.get("function", call)
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    return name if isinstance(name, str) else None
+
+
+class DropFailedCalls:
+    """Drop a failed tool call and its output once a later call retried the function."""
+
+    name = "drop_failed"
+
+    def __init__(
+        self,
+        is_error: Callable[[Mapping[str, Any]], bool] = is_error_output,
+        *,
+        tool_roles: Sequence[str] = ("tool", "function"),
+    ) -> None:
+        self.is_error = is_error
+        self.tool_roles = tuple(tool_roles)
+
+    def _pairs(self, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, int, str]]:
+        """``(assistant index, call index, output index, function name)`` of every
+        answered call."""
+        pairs: list[tuple[int, int, int, str]] = []
+        for a, m in enumerate(messages):
+            calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+            if not calls or isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+                continue
+            outs: list[int] = []
+            j = a + 1
+            while j < len(messages) and messages[j].get("role") in self.tool_roles:
+                outs.append(j)
+                j += 1
+            by_id = {messages[t].get("tool_call_id"): t for t in outs if messages[t].get("tool_call_id")}
+            free = [t for t in outs if not messages[t].get("tool_call_id")]
+            for k, call in enumerate(calls):
+                name = _call_name(call)
+                if name is None:
+                    continue
+                cid = call.get("id") if isinstance(call, Mapping) else None
+                if cid and cid in by_id:
+                    pairs.append((a, k, by_id.pop(cid), name))
+                elif free:
+                    pairs.append((a, k, free.pop(0), name))
+        return pairs
+
+    def apply(self, messages: Sequence[Mapping[str, Any]]) -> PolicyResult:
+        _check_messages(messages)
+        # the first call of each function name per assistant message index, for "later"
+        calls_after: list[tuple[int, str]] = []
+        for a, m in enumerate(messages):
+            if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+                for call in m["tool_calls"]:
+                    name = _call_name(call)
+                    if name is not None:
+                        calls_after.append((a, name))
+        drop_calls: dict[int, set[int]] = {}
+        drop_msgs: set[int] = set()
+        for a, k, t, name in self._pairs(messages):
+            if not self.is_error(messages[t]):
+                continue
+            if any(a2 > t and n2 == name for a2, n2 in calls_after):
+                drop_calls.setdefault(a, set()).add(k)
+                drop_msgs.add(t)
+        if not drop_msgs:
+            return PolicyResult([dict(m) for m in messages], ())
+        out: list[Message] = []
+        edits: list[MessageEdit] = []
+        for i, m in enumerate(messages):
+            if i in drop_msgs:
+                edits.append(MessageEdit(EditKind.DROP, (i, i + 1), (len(out), len(out))))
+                continue
+            if i in drop_calls:
+                remaining = [c for k, c in enumerate(m["tool_calls"]) if k not in drop_calls[i]]
+                text = _text(m.get("content"))
+                if not remaining and not text:
+                    edits.append(MessageEdit(EditKind.DROP, (i, i + 1), (len(out), len(out))))
+                    continue
+                msg = dict(m)
+                if remaining:
+                    msg["tool_calls"] = remaining
+                else:
+                    msg.pop("tool_calls", None)
+                edits.append(MessageEdit(EditKind.DROP, (i, i + 1), (len(out), len(out) + 1)))
+                out.append(msg)
+                continue
+            out.append(dict(m))
+        return PolicyResult(out, _merge(edits))
+
+    __call__ = apply
+
+    def __repr__(self) -> str:
+        return "DropFailedCalls()"
+
+
+# -- (c) summaries ---------------------------------------------------------------------
+
+SUMMARY_TEMPLATE = "Summary of the earlier conversation:\n{summary}"
+
+
+def _summary_message(summary: Any, role: str, template: str) -> Message:
+    if not isinstance(summary, str):
+        raise InputError(f"summarize() must return a str, got {type(summary).__name__}")
+    return {"role": role, "content": template.format(summary=summary)}
+
+
+def summarize_turns(
+    messages: Sequence[Mapping[str, Any]],
+    start: int,
+    end: int,
+    summarize: Callable[[list[Message]], str],
+    *,
+    role: str = "user",
+    template: str = SUMMARY_TEMPLATE,
+) -> PolicyResult:
+    """Replace ``messages[start:end]`` by one summary message (``role``, ``template``
+    filled with ``summarize(messages[start:end])``).  The stretch may not end between a
+    tool call and its output (``messages[end]`` a tool message)."""
+    _check_messages(messages)
+    if not (isinstance(start, int) and isinstance(end, int)) or not 0 <= start < end <= len(messages):
+        raise InputError(f"summary stretch ({start}, {end}) is not a non-empty range of {len(messages)} messages")
+    if end < len(messages) and messages[end].get("role") in ("tool", "function"):
+        raise InputError(
+            f"summary stretch ({start}, {end}) ends between a tool call and its output "
+            f"(message {end} is a tool output); end the stretch after the outputs"
+        )
+    stretch = [dict(m) for m in messages[start:end]]
+    msg = _summary_message(summarize(stretch), role, template)
+    out = [dict(m) for m in messages[:start]] + [msg] + [dict(m) for m in messages[end:]]
+    return PolicyResult(out, (MessageEdit(EditKind.SUMMARIZE, (start, end), (start, start + 1)),))
+
+
+class SummarizeTurns:
+    """Summarize old turns once the list outgrows ``max_messages`` (module docstring).
+
+    Thread-safe; the summary memo is bounded (``max_memo`` stretches)."""
+
+    name = "summarize"
+
+    def __init__(
+        self,
+        summarize: Callable[[list[Message]], str],
+        *,
+        max_messages: int = 40,
+        keep_recent: int = 10,
+        keep_head: int | None = None,
+        role: str = "user",
+        template: str = SUMMARY_TEMPLATE,
+        max_memo: int = 4096,
+    ) -> None:
+        if not callable(summarize):
+            raise ConfigError("summarize must be a callable: summarize(messages) -> str")
+        if not isinstance(keep_recent, int) or keep_recent < 0:
+            raise ConfigError(f"keep_recent must be a non-negative int, got {keep_recent!r}")
+        if not isinstance(max_messages, int) or max_messages < keep_recent + 2:
+            raise ConfigError(
+                f"max_messages must be at least keep_recent + 2 = {keep_recent + 2} (head, summary, "
+                f"recent turns), got {max_messages!r}"
+            )
+        if keep_head is not None and (not isinstance(keep_head, int) or keep_head < 0):
+            raise ConfigError(f"keep_head must be a non-negative int or None, got {keep_head!r}")
+        self.summarize = summarize
+        self.max_messages = max_messages
+        self.keep_recent = keep_recent
+        self.keep_head = keep_head
+        self.role = role
+        self.template = template
+        self._memo: OrderedDict[bytes, str] = OrderedDict()
+        self._max_memo = max_memo
+        self._lock = threading.Lock()
+
+    def _head(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        if self.keep_head is not None:
+            return min(self.keep_head, len(messages))
+        return 1 if messages and messages[0].get("role") == "system" else 0
+
+    def apply(self, messages: Sequence[Mapping[str, Any]]) -> PolicyResult:
+        _check_messages(messages)
+        n = len(messages)
+        head = self._head(messages)
+        # rolling digests of messages[head:e] for every e: find the longest stretch
+        # summarized before
+        chain: list[bytes] = [b""] * (n + 1)
+        h = b"summary-stretch"
+        found_end, found = head, None
+        with self._lock:
+            for e in range(head + 1, n + 1):
+                h = content_digest(h + content_digest(canonical_json(messages[e - 1]).encode("utf-8")))
+                chain[e] = h
+                hit = self._memo.get(h)
+                if hit is not None:
+                    found_end, found = e, hit
+            if found is not None:
+                self._memo.move_to_end(chain[found_end])
+        size = n if found is None else head + 1 + (n - found_end)
+        if size > self.max_messages:
+            end = n - self.keep_recent
+            while head < end < n and messages[end].get("role") in ("tool", "function"):
+                end -= 1
+            if end > found_end and end - head >= 2:
+                summary = self.summarize([dict(m) for m in messages[head:end]])
+                if not isinstance(summary, str):
+                    raise InputError(f"summarize() must return a str, got {type(summary).__name__}")
+                with self._lock:
+                    self._memo[chain[end]] = summary
+                    while len(self._memo) > self._max_memo:
+                        self._memo.popitem(last=False)
+                found_end, found = end, summary
+        if found is None:
+            return PolicyResult([dict(m) for m in messages], ())
+        msg = _summary_message(found, self.role, self.template)
+        out = [dict(m) for m in messages[:head]] + [msg] + [dict(m) for m in messages[found_end:]]
+        return PolicyResult(out, (MessageEdit(EditKind.SUMMARIZE, (head, found_end), (head, head + 1)),))
+
+    __call__ = apply
+
+    def __repr__(self) -> str:
+        return f"SummarizeTurns(max_messages={self.max_messages}, keep_recent={self.keep_recent})"

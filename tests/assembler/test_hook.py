@@ -1,0 +1,226 @@
+"""The generic harness hook: sessions, step kinds, fallbacks, bounds, threads."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import defaultdict
+
+import pytest
+
+from assembler import (
+    ChatRenderer,
+    ChatTemplate,
+    ContextHook,
+    Diff,
+    Directive,
+    DropFailedCalls,
+    EditKind,
+    FallbackReason,
+    PreparedContext,
+    StepKind,
+    TruncateToolOutputs,
+    apply_diff,
+)
+from promptsplice.errors import ConfigError, InputError
+
+SYSTEM = {"role": "system", "content": "You are an agent."}
+TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def call(cid, name="ls"):
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+def rows(n, tag="f"):
+    return "\n".join(f"{tag}{i}.txt" for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def renderer(default_tok):
+    return ChatRenderer(default_tok, block_size=16)
+
+
+def test_a_session_goes_new_append_edit(renderer):
+    hook = ContextHook(renderer)
+    msgs = [SYSTEM, {"role": "user", "content": "List the files."}]
+    first = hook("s1", msgs, TOOLS)
+    assert isinstance(first, PreparedContext)
+    assert (first.kind, first.step, first.diff, first.directives, first.previous) == (StepKind.NEW_SESSION, 1, None, (), None)
+    assert first.token_ids == renderer.render(msgs, TOOLS).token_ids and first.segments == first.render.segments
+
+    msgs += [{"role": "assistant", "tool_calls": [call("a")]}, {"role": "tool", "tool_call_id": "a", "content": rows(3)}]
+    second = hook("s1", msgs, TOOLS)
+    assert second.kind is StepKind.APPEND and second.is_append and second.directives == ()
+    assert second.previous is first.render and second.step == 2
+    assert second.first_changed_token == first.render.num_tokens  # the old tokens are a prefix
+    assert apply_diff(first.token_ids, second.diff) == second.token_ids
+
+    edited = list(msgs)
+    edited[1] = {"role": "user", "content": "List the text files."}
+    third = hook("s1", edited, TOOLS)
+    assert third.kind is StepKind.EDIT and len(third.directives) == 1
+    d = third.directives[0]
+    # one token of padding less: the span runs into it
+    assert d.text == " text files.<|im_end|>\n" and third.first_changed_token == d.start
+    assert apply_diff(second.token_ids, third.diff) == third.token_ids
+    assert hook.last_render("s1") is third.render and "s1" in hook and len(hook) == 1
+    # another session is independent; an unknown one starts fresh
+    other = hook("s2", edited, TOOLS)
+    assert other.kind is StepKind.NEW_SESSION and other.token_ids == third.token_ids
+    assert hook.forget("s2") and not hook.forget("s2") and hook.last_render("s2") is None
+
+
+def test_policies_run_in_the_hook_and_their_edits_are_reported(default_tok):
+    hook = ContextHook(default_tok, 16, policies=[TruncateToolOutputs(), DropFailedCalls()])
+    msgs = [SYSTEM, {"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [call("a")]}]
+    msgs.append({"role": "tool", "tool_call_id": "a", "content": rows(30)})
+    first = hook("s", msgs)
+    assert first.policy_edits == () and first.messages[3]["content"] == rows(30)
+    msgs += [{"role": "assistant", "tool_calls": [call("b")]}, {"role": "tool", "tool_call_id": "b", "content": "Error: disk busy"}]
+    second = hook("s", msgs)
+    assert second.kind is StepKind.EDIT and [e.kind for _, es in second.policy_edits for e in es] == [EditKind.TRUNCATE]
+    assert second.policy_edits[0][0] == "truncate"
+    s, e = first.render.message_span(3)
+    assert len(second.directives) == 1 and s < second.directives[0].start < e
+    msgs += [{"role": "assistant", "tool_calls": [call("c")]}, {"role": "tool", "tool_call_id": "c", "content": rows(2)}]
+    third = hook("s", msgs)
+    assert [name for name, _ in third.policy_edits] == ["truncate", "drop_failed"]
+    # the failed call and its output go, the retry and its output come; call ids are not
+    # rendered, so the retry has the failed call's tokens and only the output's text
+    # changes (inside message 5's span, [160, 176))
+    (d,) = third.directives
+    assert second.render.message_span(5) == (160, 176)
+    assert (d.start, d.end, d.text, d.delta) == (163, 174, "f0.txt\nf1.txt<|im_end|>\n", 0)
+    assert apply_diff(second.token_ids, third.diff) == third.token_ids
+
+
+def test_sessions_are_bounded_lru(renderer):
+    hook = ContextHook(renderer, max_sessions=2)
+    msgs = [{"role": "user", "content": "hi"}]
+    hook("a", msgs)
+    hook("b", msgs)
+    hook("a", msgs)  # a is now the most recent
+    hook("c", msgs)  # evicts b
+    assert "b" not in hook and "a" in hook and len(hook) == 2
+    assert hook("b", msgs).kind is StepKind.NEW_SESSION
+    assert hook("c", msgs).kind is StepKind.APPEND  # a was evicted by b; c stayed
+
+
+def test_a_salt_change_falls_back_to_a_full_prefill(renderer, caplog):
+    hook = ContextHook(renderer, salt="tenant-1")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert hook("s", msgs).render.salt == "tenant-1"
+    with caplog.at_level(logging.INFO, logger="assembler._hook"):
+        step = hook("s", msgs, salt="tenant-2")
+    assert (step.kind, step.fallback, step.diff, step.directives) == (StepKind.FULL_PREFILL, FallbackReason.SALT_CHANGED, None, ())
+    assert "full prefill (salt_changed" in caplog.text
+
+
+def test_directives_that_do_not_rebuild_the_render_are_never_used(renderer, caplog, monkeypatch):
+    hook = ContextHook(renderer)
+    msgs = [{"role": "user", "content": "hi"}]
+    first = hook("s", msgs)
+    wrong = Diff((Directive(0, 1, (5,)),), (), "", first.render.body_end, first.render.num_tokens, 99, 0)
+    monkeypatch.setattr(renderer, "diff", lambda old, new: wrong)
+    with caplog.at_level(logging.WARNING, logger="assembler._hook"):
+        step = hook("s", msgs + [{"role": "user", "content": "more"}])
+    assert (step.kind, step.fallback, step.diff) == (StepKind.FULL_PREFILL, FallbackReason.INVALID_DIFF, None)
+    assert "invalid_diff" in caplog.text and caplog.records[-1].levelno == logging.WARNING
+    # out-of-range directives (a DirectiveError inside) fall back the same way
+    monkeypatch.setattr(renderer, "diff", lambda old, new: Diff((Directive(0, 10**6, ()),), (), "", 10**6, len(old.token_ids), 0, 0))
+    assert hook("s", msgs).fallback is FallbackReason.INVALID_DIFF
+
+
+def test_nothing_in_common_is_a_full_prefill(default_tok):
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", name="plain")
+    hook = ContextHook(default_tok, 16, template=plain)
+    hook("s", [{"role": "user", "content": "alpha beta"}])
+    step = hook("s", [{"role": "user", "content": "gamma delta"}])
+    assert (step.kind, step.fallback) == (StepKind.FULL_PREFILL, FallbackReason.NO_OVERLAP)
+
+
+def test_bad_calls(renderer):
+    hook = ContextHook(renderer)
+    with pytest.raises(InputError, match="session_id"):
+        hook(3, [{"role": "user", "content": "x"}])  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="empty"):
+        hook("s", [])
+    assert "s" not in hook  # a refused render leaves no session behind
+    with pytest.raises(ConfigError, match="max_sessions"):
+        ContextHook(renderer, max_sessions=0)
+    with pytest.raises(ConfigError, match="block_size"):
+        ContextHook(renderer, 32)
+    with pytest.raises(ConfigError, match="policy"):
+        ContextHook(renderer, policies=[42])
+    bad = ContextHook(renderer, policies=[lambda msgs: "nope"])
+    with pytest.raises(ConfigError, match="PolicyResult"):
+        bad("s", [{"role": "user", "content": "x"}])
+
+
+def test_threads_share_sessions_without_losing_or_duplicating_renders(renderer):
+    hook = ContextHook(renderer, max_sessions=8)
+    sessions = [f"s{i}" for i in range(8)]
+    results: list[PreparedContext] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(32)
+
+    def worker(seed):
+        rng = random.Random(seed)
+        barrier.wait()
+        for k in range(4):
+            sid = rng.choice(sessions)
+            msgs = [SYSTEM, {"role": "user", "content": f"task of {sid}"}]
+            for j in range(rng.randint(0, 3)):
+                msgs.append({"role": "assistant", "content": f"step {j} by {seed}" if rng.random() < 0.5 else f"step {j}"})
+            ctx = hook(sid, msgs)
+            with lock:
+                results.append(ctx)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 32 * 4
+    by_session: dict[str, list[PreparedContext]] = defaultdict(list)
+    for ctx in results:
+        by_session[ctx.session_id].append(ctx)
+    for sid, steps in by_session.items():
+        steps.sort(key=lambda c: c.step)
+        assert [c.step for c in steps] == list(range(1, len(steps) + 1))  # none lost, none twice
+        assert steps[0].kind is StepKind.NEW_SESSION
+        for prev, cur in zip(steps, steps[1:]):
+            assert cur.previous is prev.render  # each diff is against the session's own last render
+            assert cur.kind in (StepKind.APPEND, StepKind.EDIT)
+            assert apply_diff(prev.token_ids, cur.diff) == cur.token_ids
+        assert hook.last_render(sid) is steps[-1].render
+
+
+def test_padding_every_message_lets_more_blocks_move(default_tok):
+    """The measurement behind ``alignment="all"``, small: an early failed call dropped
+    and an old output truncated; prefill = prompt - block-rounded prefix hit - whole
+    blocks that can be relocated (shift a multiple of the block size)."""
+    bs = 16
+
+    def splice_prefill(align):
+        hook = ContextHook(default_tok, bs, alignment=align, policies=[TruncateToolOutputs(keep_recent=2), DropFailedCalls()])
+        msgs = [SYSTEM, {"role": "user", "content": "Inventory the disk."}]
+        total = 0
+        for i in range(8):
+            msgs += [{"role": "assistant", "tool_calls": [call(str(i))]}]
+            out = "Error: busy" if i == 1 else rows(12 + 3 * i, tag=f"d{i}/")
+            msgs += [{"role": "tool", "tool_call_id": str(i), "content": out}]
+            ctx = hook("s", msgs)
+            if ctx.kind is not StepKind.EDIT:
+                continue
+            d, n = ctx.diff, len(ctx.token_ids)
+            moved = sum(
+                max(0, r.old_end // bs - -(-r.old_start // bs)) * bs for r in d.relocations if r.delta % bs == 0
+            )
+            total += n - min(d.first_changed_token, n - 1) // bs * bs - moved
+        return total
+
+    padded, unpadded = splice_prefill("all"), splice_prefill("none")
+    assert (padded, unpadded) == (1476, 1862)  # 21% less to prefill with padding

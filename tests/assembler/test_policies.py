@@ -1,0 +1,242 @@
+"""Context policies: truncate long tool outputs, drop failed calls once retried,
+summarize old turns; each reports its edit, and the edit becomes token directives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from assembler import (
+    ChatRenderer,
+    ContextPolicy,
+    DropFailedCalls,
+    EditKind,
+    MessageEdit,
+    PolicyResult,
+    SummarizeTurns,
+    TruncateToolOutputs,
+    apply_diff,
+    is_error_output,
+    summarize_turns,
+)
+from promptsplice.errors import ConfigError, InputError
+
+
+def call(cid, name, args="{}"):
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def lines(n, prefix="row"):
+    return "\n".join(f"{prefix} {i}" for i in range(n))
+
+
+# -- the ten-line rule -----------------------------------------------------------------
+
+
+def test_truncate_keeps_first_and_last_lines_around_a_marker():
+    pol = TruncateToolOutputs()
+    assert (pol.max_lines, pol.keep_lines, pol.keep_recent) == (10, 4, 1)
+    assert pol.truncate(lines(45)) == "row 0\nrow 1\nrow 2\nrow 3\n[... 37 lines truncated ...]\nrow 41\nrow 42\nrow 43\nrow 44"
+    assert pol.truncate(lines(11) + "\n") == "row 0\nrow 1\nrow 2\nrow 3\n[... 3 lines truncated ...]\nrow 7\nrow 8\nrow 9\nrow 10\n"
+    assert pol.truncate(lines(10)) == lines(10)  # at most ten lines: untouched
+    assert pol.truncate(lines(10) + "\n") == lines(10) + "\n"
+    cut = pol.truncate(lines(200))
+    assert cut.count("\n") + 1 == 9 and pol.truncate(cut) == cut  # idempotent
+    assert TruncateToolOutputs(3, 0).truncate("a\nb\nc\nd") == "[... 4 lines truncated ...]"
+
+
+def test_truncate_spares_the_latest_outputs_and_reports_edits():
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "tool_calls": [call("a", "ls")]},
+        {"role": "tool", "tool_call_id": "a", "content": lines(30)},
+        {"role": "assistant", "tool_calls": [call("b", "ls")]},
+        {"role": "tool", "tool_call_id": "b", "content": lines(3)},
+        {"role": "assistant", "tool_calls": [call("c", "cat")]},
+        {"role": "tool", "tool_call_id": "c", "content": lines(40)},
+    ]
+    before = copy.deepcopy(msgs)
+    res = TruncateToolOutputs().apply(msgs)
+    assert isinstance(res, PolicyResult) and msgs == before  # the input is not mutated
+    assert res.edits == (MessageEdit(EditKind.TRUNCATE, (2, 3), (2, 3)),)
+    assert res.messages[2] == {"role": "tool", "tool_call_id": "a", "content": TruncateToolOutputs().truncate(lines(30))}
+    assert res.messages[6]["content"] == lines(40)  # the latest output stays whole
+    assert res.messages[4] == msgs[4]
+    everything = TruncateToolOutputs(keep_recent=0).apply(msgs)
+    assert [e.old for e in everything.edits] == [(2, 3), (6, 7)]
+    assert TruncateToolOutputs(keep_recent=5).apply(msgs).edits == ()
+    assert isinstance(TruncateToolOutputs(), ContextPolicy)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"max_lines": 0}, "max_lines"), ({"keep_lines": 5}, "keep_lines"), ({"keep_recent": -1}, "keep_recent"), ({"marker": "a\nb"}, "one line")],
+)
+def test_truncate_options(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TruncateToolOutputs(**kwargs)
+
+
+# -- failed calls ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "msg, failed",
+    [
+        ({"content": "Error: file not found"}, True),
+        ({"content": "  error: timeout"}, True),
+        ({"content": "TypeError: 'int' object is not iterable"}, True),
+        ({"content": "Traceback (most recent call last):\n  ..."}, True),
+        ({"content": '{"error": "No such city"}'}, True),
+        ({"content": "ok", "status": "error"}, True),
+        ({"content": "ok", "is_error": True}, True),
+        ({"content": "Errors found: 0"}, False),
+        ({"content": '{"result": "error-free"}'}, False),
+        ({"content": "The error was fixed."}, False),
+        ({"content": ""}, False),
+    ],
+)
+def test_failure_rule(msg, failed):
+    assert is_error_output({"role": "tool", **msg}) is failed
+
+
+FAILED_SESSION = [
+    {"role": "system", "content": "Agent."},
+    {"role": "user", "content": "weather in Lyon"},
+    {"role": "assistant", "content": None, "tool_calls": [call("1", "weather", '{"city": "Lyn"}')]},
+    {"role": "tool", "tool_call_id": "1", "content": "Error: unknown city Lyn"},
+    {"role": "assistant", "content": None, "tool_calls": [call("2", "weather", '{"city": "Lyon"}')]},
+    {"role": "tool", "tool_call_id": "2", "content": "21 C, sunny"},
+    {"role": "assistant", "content": "21 C and sunny."},
+]
+
+
+def test_a_failed_call_is_dropped_once_retried():
+    res = DropFailedCalls().apply(FAILED_SESSION)
+    assert res.edits == (MessageEdit(EditKind.DROP, (2, 4), (2, 2)),)
+    assert res.messages == [dict(m) for m in FAILED_SESSION[:2] + FAILED_SESSION[4:]]
+    # not retried yet: kept
+    assert DropFailedCalls().apply(FAILED_SESSION[:4]).edits == ()
+    # retried with another function: kept
+    other = copy.deepcopy(FAILED_SESSION)
+    other[4]["tool_calls"] = [call("2", "forecast")]
+    assert DropFailedCalls().apply(other).edits == ()
+
+
+def test_only_the_failed_call_of_several_goes():
+    msgs = [
+        {"role": "user", "content": "two things"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call("a", "weather"), call("b", "time")]},
+        # answered out of order, matched by tool_call_id
+        {"role": "tool", "tool_call_id": "b", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "a", "content": "Error: timeout"},
+        {"role": "assistant", "tool_calls": [call("c", "weather")]},
+        {"role": "tool", "tool_call_id": "c", "content": "21 C"},
+    ]
+    res = DropFailedCalls().apply(msgs)
+    assert res.messages[1] == {"role": "assistant", "content": "Checking.", "tool_calls": [call("b", "time")]}
+    assert [m.get("tool_call_id") for m in res.messages] == [None, None, "b", None, "c"]
+    assert res.edits == (MessageEdit(EditKind.DROP, (1, 2), (1, 2)), MessageEdit(EditKind.DROP, (3, 4), (3, 3)))
+    # without ids: matched by order
+    no_ids = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in msgs]
+    no_ids[2], no_ids[3] = no_ids[3], no_ids[2]
+    res = DropFailedCalls().apply(no_ids)
+    assert [m.get("content") for m in res.messages[2:]] == ["12:00", None, "21 C"]
+    # a text-less assistant message left without calls goes too; custom failure rule
+    res = DropFailedCalls(lambda m: "timeout" in (m.get("content") or "")).apply(msgs)
+    assert len(res.messages) == 5
+
+
+# -- summaries ---------------------------------------------------------------------------
+
+
+def test_summarize_turns_replaces_a_stretch():
+    seen = []
+
+    def summarize(stretch):
+        seen.append(stretch)
+        return f"{len(stretch)} messages about the weather."
+
+    res = summarize_turns(FAILED_SESSION, 1, 6, summarize)
+    assert res.messages == [
+        FAILED_SESSION[0],
+        {"role": "user", "content": "Summary of the earlier conversation:\n5 messages about the weather."},
+        FAILED_SESSION[6],
+    ]
+    assert res.edits == (MessageEdit(EditKind.SUMMARIZE, (1, 6), (1, 2)),)
+    assert seen == [[dict(m) for m in FAILED_SESSION[1:6]]]
+    with pytest.raises(InputError, match="between a tool call and its output"):
+        summarize_turns(FAILED_SESSION, 1, 3, summarize)
+    with pytest.raises(InputError, match="not a non-empty range"):
+        summarize_turns(FAILED_SESSION, 3, 3, summarize)
+    with pytest.raises(InputError, match="must return a str"):
+        summarize_turns(FAILED_SESSION, 1, 2, lambda s: None)
+
+
+def test_summaries_are_memoized_across_steps():
+    calls = []
+
+    def summarize(stretch):
+        calls.append(len(stretch))
+        return f"summary of {len(stretch)}"
+
+    pol = SummarizeTurns(summarize, max_messages=8, keep_recent=3)
+    msgs = [{"role": "system", "content": "Agent."}]
+    results = []
+    for i in range(14):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"})
+        results.append(pol.apply(msgs))
+    # 9 messages > 8: summarize [1, 6); later steps reuse it until the list outgrows 8 again
+    assert calls == [5, 9]
+    assert [len(r.messages) for r in results] == [2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    assert results[7].edits == (MessageEdit(EditKind.SUMMARIZE, (1, 6), (1, 2)),)
+    assert results[10].messages[1]["content"].endswith("summary of 5")
+    assert results[11].edits == (MessageEdit(EditKind.SUMMARIZE, (1, 10), (1, 2)),)
+    with pytest.raises(ConfigError, match="max_messages"):
+        SummarizeTurns(summarize, max_messages=4, keep_recent=3)
+
+
+def test_the_summary_stretch_keeps_calls_with_their_outputs():
+    msgs = [{"role": "system", "content": "Agent."}]
+    for i in range(4):
+        msgs += [{"role": "assistant", "tool_calls": [call(str(i), "ls")]}, {"role": "tool", "tool_call_id": str(i), "content": "x"}]
+    res = SummarizeTurns(lambda s: "s", max_messages=6, keep_recent=3).apply(msgs)
+    # n=9, keep 3 -> end 6 is a tool output: the stretch ends at 5 (before its call)
+    assert res.edits == (MessageEdit(EditKind.SUMMARIZE, (1, 5), (1, 2)),)
+    assert res.messages[2]["role"] == "assistant"
+
+
+# -- policy edits become directives ---------------------------------------------------------
+
+
+def test_a_policy_edit_becomes_directives_inside_the_edited_message(default_tok):
+    r = ChatRenderer(default_tok, block_size=16)
+    msgs = [
+        {"role": "system", "content": "Agent."},
+        {"role": "user", "content": "list"},
+        {"role": "assistant", "tool_calls": [call("a", "ls")]},
+        {"role": "tool", "tool_call_id": "a", "content": lines(30)},
+        {"role": "assistant", "tool_calls": [call("b", "ls")]},
+        {"role": "tool", "tool_call_id": "b", "content": lines(30, "file")},
+    ]
+    old = r.render(msgs[:4])  # the step before: output 3 was the latest, whole
+    res = TruncateToolOutputs().apply(msgs)
+    new = r.render(res.messages)
+    diff = r.diff(old, new)
+    (edit,) = res.edits
+    s, e = old.message_span(edit.old[0])
+    (d,) = diff.directives
+    assert s < d.start < d.end <= e  # inside the tool output, after its header
+    assert d.text.startswith("[... 22 lines truncated ...]\nrow 26\n")
+    assert d.delta % 16 == 0 and d.delta < 0
+    assert apply_diff(old.token_ids, diff) == new.token_ids
+    # dropping the failed call: one directive over exactly the two dropped messages
+    old = r.render(FAILED_SESSION)
+    res = DropFailedCalls().apply(FAILED_SESSION)
+    new = r.render(res.messages)
+    diff = r.diff(old, new)
+    (d,) = diff.directives
+    assert (d.start, d.end) == (old.message_span(2)[0], old.message_span(3)[1]) and d.replacement == ()
+    assert diff.relocations[0].delta == -(d.end - d.start)
+    assert apply_diff(old.token_ids, diff) == new.token_ids

@@ -1,0 +1,272 @@
+"""Chat renders in token space: one block-aligned segment per message, through the
+model's chat template (the real default tokenizer and template)."""
+
+from __future__ import annotations
+
+import pytest
+
+from assembler import ChatRenderer, ChatTemplate, Render, SegmentKind
+from promptsplice.blocks import chain_hashes, content_digest
+from promptsplice.errors import ConfigError, InputError, UnknownPolicyError
+
+IM_START, IM_END, NL, FILL = 1, 2, 198, 216
+# "<|im_start|>assistant\n"
+GEN = [IM_START, 520, 9531, NL]
+
+CHAT = [
+    {"role": "user", "content": "Find the population of Lyon."},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "Lyon", "k": 2}'}}],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "Lyon: 522,250 inhabitants (2021).\nMetropolis: 1.4 million."},
+    {"role": "assistant", "content": "Lyon has about 522,000 inhabitants."},
+    {"role": "user", "content": "And Nice?"},
+]
+SYSTEM = {"role": "system", "content": "You are a research agent. Answer briefly."}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the encyclopedia.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "k": {"type": "integer"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def renderer(default_tok):
+    return ChatRenderer(default_tok, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def unpadded(default_tok):
+    return ChatRenderer(default_tok, block_size=16, alignment="none")
+
+
+def as_template_input(messages):
+    """What the template gets for CHAT: tool calls folded into the content."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            out.append({"role": "assistant", "content": '<tool_call>\n{"arguments":{"k":2,"q":"Lyon"},"name":"search"}\n</tool_call>'})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def test_segments_concatenate_to_the_models_chat_template(unpadded, renderer, default_tok):
+    from transformers import AutoTokenizer
+
+    from promptsplice.assets import default_model_dir
+
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    for messages in (CHAT, [SYSTEM, *CHAT]):
+        want = hf.apply_chat_template(as_template_input(messages), add_generation_prompt=True, tokenize=False)
+        for r in (unpadded, renderer):
+            res = r.render(messages)
+            assert "".join(s.text for s in res.segments) == want
+        assert unpadded.template.render(as_template_input(messages), add_generation_prompt=True) == want
+        # unpadded, the text form re-tokenizes to exactly the render's ids
+        res = unpadded.render(messages)
+        assert default_tok.encode(res.text) == res.token_ids
+        assert res.text == want
+    # the template's default system turn is its own segment
+    res = unpadded.render(CHAT)
+    assert [(s.kind, s.message_index) for s in res.segments] == [
+        (SegmentKind.SYSTEM, None),
+        *[(SegmentKind.MESSAGE, i) for i in range(5)],
+        (SegmentKind.GENERATION, None),
+    ]
+    assert res.segments[0].text == "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    assert res.segments[-1].text == "<|im_start|>assistant\n"
+    assert res.token_ids[res.segments[-1].start :] == GEN
+    res = unpadded.render([SYSTEM, *CHAT])
+    assert [(s.kind, s.message_index) for s in res.segments][:2] == [(SegmentKind.MESSAGE, 0), (SegmentKind.MESSAGE, 1)]
+    assert res.segments[0].role == "system" and res.segments[1].role == "user"
+
+
+def test_each_message_is_tokenized_on_its_own_and_block_aligned(renderer, default_tok):
+    res = renderer.render([{"role": "user", "content": "Hi"}], salt="tenant-7")
+    assert isinstance(res, Render)
+    assert [(s.kind, s.span, s.padding) for s in res.segments] == [
+        (SegmentKind.SYSTEM, (0, 32), 11),
+        (SegmentKind.MESSAGE, (32, 48), 10),
+        (SegmentKind.GENERATION, (48, 52), 0),
+    ]
+    assert res.token_ids[32:48] == [IM_START, 4093, NL, 26843, IM_END, NL] + [FILL] * 10
+    assert res.token_ids[48:] == GEN
+    assert res.block_hashes == chain_hashes(res.token_ids, 16, salt="tenant-7")
+    assert res.body_end == 48 and res.padding_tokens == 21 and res.message_span(0) == (32, 48)
+
+    res = renderer.render([SYSTEM, *CHAT])
+    for seg in res.segments:
+        toks = res.token_ids[seg.start : seg.end]
+        assert toks == default_tok.encode(seg.text) + [FILL] * seg.padding
+        assert seg.key == content_digest(seg.text.encode("utf-8"))
+        if seg.kind is not SegmentKind.GENERATION:
+            assert seg.start % 16 == 0 and seg.end % 16 == 0
+    assert res.message_keys == [s.key for s in res.segments if s.kind is SegmentKind.MESSAGE]
+    assert default_tok.decode(res.token_ids) == res.text
+    with pytest.raises(IndexError):
+        res.message_span(6)
+
+
+def test_one_message_gives_the_same_tokens_wherever_it_stands(renderer):
+    a = renderer.render([SYSTEM, *CHAT])
+    b = renderer.render([SYSTEM, CHAT[4], CHAT[0]])
+    sa, sb = a.segments[5], b.segments[1]  # "And Nice?"
+    assert sa.key == sb.key == a.message_keys[5] == b.message_keys[1]
+    assert a.token_ids[sa.start : sa.end] == b.token_ids[sb.start : sb.end]
+
+
+def test_tool_calls_are_rendered_canonically(unpadded):
+    a = unpadded.render(CHAT)
+    swapped = [dict(m) for m in CHAT]
+    swapped[1] = {
+        "role": "assistant",
+        "tool_calls": [{"id": "other", "type": "function", "function": {"name": "search", "arguments": {"k": 2, "q": "Lyon"}}}],
+    }
+    b = unpadded.render(swapped)
+    assert a.segments[2].text == b.segments[2].text == (
+        '<|im_start|>assistant\n<tool_call>\n{"arguments":{"k":2,"q":"Lyon"},"name":"search"}\n</tool_call><|im_end|>\n'
+    )
+    assert a.token_ids == b.token_ids
+    both = [{"role": "assistant", "content": "Looking.", "tool_calls": [CHAT[1]["tool_calls"][0]] * 2}]
+    text = unpadded.render(both).segments[1].text
+    assert text.count("<tool_call>") == 2 and text.startswith("<|im_start|>assistant\nLooking.\n<tool_call>")
+
+
+def test_tools_are_their_own_segment_in_the_system_turn(unpadded, default_tok):
+    res = unpadded.render(CHAT, TOOLS)
+    kinds = [(s.kind, s.message_index) for s in res.segments]
+    assert kinds[:3] == [(SegmentKind.SYSTEM, None), (SegmentKind.TOOLS, None), (SegmentKind.MESSAGE, 0)]
+    assert res.segments[0].text == "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    tools_text = res.segments[1].text
+    assert tools_text.startswith("\n\n# Tools\n\n") and tools_text.endswith("</tool_call><|im_end|>\n")
+    assert '{"function":{"description":"Search the encyclopedia.","name":"search",' in tools_text
+    # the same text as the template rendering the system message that carries the tools
+    sys_msg = {"role": "system", "content": res.segments[0].text[len("<|im_start|>system\n") :] + tools_text[: -len("<|im_end|>\n")]}
+    want = unpadded.template.render([sys_msg, *as_template_input(CHAT)], add_generation_prompt=True)
+    assert res.text == want and default_tok.encode(res.text) == res.token_ids
+
+    # with a system message: its text, then the tools
+    res2 = unpadded.render([SYSTEM, *CHAT], TOOLS)
+    assert res2.segments[0].text == "<|im_start|>system\nYou are a research agent. Answer briefly."
+    assert res2.segments[1].kind is SegmentKind.TOOLS and res2.segments[1].text == tools_text
+    # other tools: only the tools segment changes
+    other = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": "Search."}}]
+    res3 = unpadded.render([SYSTEM, *CHAT], other)
+    changed = [i for i, (x, y) in enumerate(zip(res2.segments, res3.segments)) if x.key != y.key]
+    assert changed == [1]
+
+
+def test_native_tool_templates_get_the_tools_and_the_cut(default_tok):
+    src = (
+        "{% for m in messages %}{% if loop.first and tools %}<|im_start|>system\n"
+        "{% if m.role == 'system' %}{{ m.content }}{% else %}Default.{% endif %}\n<tools>{{ tools | tojson }}</tools><|im_end|>\n"
+        "{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+        "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tmpl = ChatTemplate(src, name="native")
+    assert tmpl.native_tools
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    res = r.render(msgs, TOOLS)
+    assert "".join(s.text for s in res.segments) == tmpl.render(msgs, tools=TOOLS, add_generation_prompt=True)
+    assert [s.kind for s in res.segments] == [SegmentKind.MESSAGE, SegmentKind.TOOLS, SegmentKind.MESSAGE, SegmentKind.GENERATION]
+    assert res.segments[0].text == "<|im_start|>system\nBe brief."
+    assert res.segments[1].text.startswith("<tools>[{")  # trim_blocks ate the newline
+
+
+def test_templates_that_look_beyond_the_previous_message(default_tok):
+    # loop.index: the pair renders disagree with the whole render -> prefix differences
+    numbered = ChatTemplate("{% for m in messages %}{{ loop.index }}. {{ m.content }}\n{% endfor %}", name="numbered")
+    r = ChatRenderer(default_tok, block_size=16, template=numbered, alignment="none")
+    msgs = [{"role": "user", "content": c} for c in ("a", "b", "c")]
+    res = r.render(msgs)
+    assert [s.text for s in res.segments] == ["1. a\n", "2. b\n", "3. c\n"]
+    # later messages change how earlier ones render: no per-message segments exist
+    reverse = ChatTemplate("{% for m in messages|reverse %}{{ m.content }}\n{% endfor %}", name="reverse")
+    r = ChatRenderer(default_tok, block_size=16, template=reverse)
+    with pytest.raises(ConfigError, match="not prefix-stable"):
+        r.render(msgs)
+
+
+def test_segments_go_through_the_token_cache(default_tok):
+    r = ChatRenderer(default_tok, block_size=16)
+    r.render([SYSTEM, *CHAT])
+    before = r.token_cache.stats()
+    r.render([SYSTEM, *CHAT, {"role": "user", "content": "More?"}])
+    after = r.token_cache.stats()
+    assert after.misses - before.misses == 1  # only the new message is tokenized
+    assert after.hits - before.hits == 7
+
+
+def test_an_assembler_lends_its_tokenizer_cache_and_block_size(make_assembler):
+    asm = make_assembler(block_size=32)
+    r = ChatRenderer(asm)
+    assert r.block_size == 32 and r.token_cache is asm.token_cache and r.tokenizer is asm.tokenizer
+    with pytest.raises(ConfigError, match="differs"):
+        ChatRenderer(asm, block_size=16)
+
+
+@pytest.mark.parametrize(
+    "messages, tools, match",
+    [
+        ([], None, "empty"),
+        ("hello", None, "list of chat messages"),
+        (["hello"], None, "message 0 must be a dict"),
+        ([{"content": "x"}], None, "message 0 has no role"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], None, "only text content"),
+        ([{"role": "user", "content": 3}], None, "content must be"),
+        ([{"role": "assistant", "tool_calls": [{"function": {}}]}], None, "function.name"),
+        ([{"role": "user", "content": "x"}], {"name": "f"}, "tools must be a list"),
+    ],
+)
+def test_bad_renders_are_input_errors(renderer, messages, tools, match):
+    with pytest.raises(InputError, match=match):
+        renderer.render(messages, tools)
+
+
+def test_bad_options(default_tok):
+    with pytest.raises(ConfigError, match="block_size"):
+        ChatRenderer(default_tok, block_size=0)
+    with pytest.raises(UnknownPolicyError):
+        ChatRenderer(default_tok, alignment="sometimes")
+    with pytest.raises(ConfigError, match="non-empty"):
+        ChatTemplate("  ")
+    assert ChatRenderer(default_tok, alignment="auto").alignment.value == "all"
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert ChatRenderer(default_tok).render(text_parts).token_ids[32:38] == [IM_START, 4093, NL, 26843, IM_END, NL]
+
+
+def test_a_template_preamble_and_injected_tools(default_tok):
+    # a template that puts a BOS text before everything: the preamble is its own
+    # segment and the tools are still cut out of the system message after it
+    src = (
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tmpl = ChatTemplate(src, special_tokens={"bos_token": "<|endoftext|>"}, name="bos")
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none", max_memo_chars=50)
+    res = r.render([SYSTEM, *CHAT[:1]], TOOLS)
+    assert [(s.kind, s.message_index) for s in res.segments] == [
+        (SegmentKind.SYSTEM, None),
+        (SegmentKind.MESSAGE, 0),
+        (SegmentKind.TOOLS, None),
+        (SegmentKind.MESSAGE, 1),
+        (SegmentKind.GENERATION, None),
+    ]
+    assert res.segments[0].text == "<|endoftext|>" and res.token_ids[0] == default_tok.encode("<|endoftext|>")[0]
+    assert res.segments[1].text == "<|im_start|>system\nYou are a research agent. Answer briefly."
+    assert res.segments[2].text.startswith("\n\n# Tools\n\n")
+    # no system message: the template has no default system text, so an empty one carries the tools
+    assert tmpl.default_system() is None
+    res = r.render(CHAT[:1], TOOLS)
+    assert [s.kind for s in res.segments][:3] == [SegmentKind.SYSTEM, SegmentKind.SYSTEM, SegmentKind.TOOLS]
+    assert res.segments[1].text == "<|im_start|>system\n"
