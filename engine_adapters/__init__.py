@@ -4,8 +4,15 @@
 eager mode on CPU), sends assembled token ids with their ``cache_salt``, and reports
 vLLM's own ``num_cached_tokens`` and TTFT per request; ``make_assembler()`` builds an
 ``assembler.Assembler`` whose prefix-cache mirror is sized like the engine, so its
-predictions equal what vLLM serves.  Importing this package starts nothing and does not
-import vLLM; the engine imports it when it starts.
+predictions equal what vLLM serves.
+
+The splice KV connector: ``EngineConfig(kv_store=StoreConfig(...))`` makes the engine
+save prefilled KV blocks to a tiered ``BlockStore`` (DRAM, then disk), serve them back
+when vLLM's own cache lost them (offload hits), and relocate stored blocks into an edited
+prompt: ``generate(new_tokens, splice=plan_deletion(old_tokens, new_tokens, span, ...))``.
+
+Importing this package starts nothing and does not import vLLM or torch; the engine
+imports them when it starts.
 """
 
 from engine_adapters._config import (
@@ -15,8 +22,23 @@ from engine_adapters._config import (
     EngineConfig,
 )
 from engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike
+from engine_adapters._splice import SplicePlan, SpliceSegment, plan_deletion, plan_relocation
+from engine_adapters._store import (
+    BlockRef,
+    BlockStore,
+    Lookup,
+    LookupStatus,
+    Namespace,
+    PutStatus,
+    StoreConfig,
+    StoreStats,
+    chain_refs,
+    shared_store,
+)
 
 __all__ = [
+    "BlockRef",
+    "BlockStore",
     "CPU_BLOCK_MULTIPLE",
     "Completion",
     "DEFAULT_KV_CACHE_BYTES",
@@ -24,5 +46,17 @@ __all__ = [
     "EmbeddedEngine",
     "EngineConfig",
     "EngineCounters",
+    "Lookup",
+    "LookupStatus",
+    "Namespace",
     "PromptLike",
+    "PutStatus",
+    "SplicePlan",
+    "SpliceSegment",
+    "StoreConfig",
+    "StoreStats",
+    "chain_refs",
+    "plan_deletion",
+    "plan_relocation",
+    "shared_store",
 ]

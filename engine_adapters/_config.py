@@ -14,6 +14,12 @@ config is actually made):
 * ``kv_cache_bytes``: always a bound on CPU.  Without ``kv_cache_memory_bytes`` the CPU
   engine reserves ~19 GiB for its KV cache; ``None`` is refused there.  On GPUs ``None``
   leaves the size to vLLM's ``gpu_memory_utilization``.
+
+``kv_store`` (a :class:`~engine_adapters.StoreConfig`) is the one switch for the splice
+KV connector (``engine_adapters._connector.SpliceConnector``): vLLM then saves prefilled
+blocks to that tiered store, serves offload hits from it and relocates blocks by splice
+plans.  It sets ``kv_transfer_config`` (with ``kv_load_failure_policy="recompute"``, so
+a block that fails to load is recomputed instead of failing the request).  CPU only.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_adapters._store import StoreConfig
 from promptsplice.errors import ConfigError
 
 __all__ = [
@@ -96,6 +103,8 @@ class EngineConfig:
     """More keyword arguments for ``vllm.LLM`` (not the ones the fields above own)."""
     platform: str | None = None
     """vLLM's device type (``"cpu"``, ``"cuda"``, ...); ``None``: detected."""
+    kv_store: StoreConfig | None = None
+    """The splice connector's block store (DRAM, then disk); ``None``: no connector."""
 
     def __post_init__(self) -> None:
         model = self.model
@@ -148,12 +157,26 @@ class EngineConfig:
                     f"field {_OWNED_KWARGS[key]} instead"
                 )
         object.__setattr__(self, "extra_kwargs", dict(self.extra_kwargs))
+        if self.kv_store is not None:
+            if not isinstance(self.kv_store, StoreConfig):
+                raise ConfigError(
+                    f"kv_store must be an engine_adapters.StoreConfig or None, got "
+                    f"{type(self.kv_store).__name__}"
+                )
+            if "kv_transfer_config" in self.extra_kwargs:
+                raise ConfigError(
+                    "extra_kwargs sets 'kv_transfer_config', which kv_store owns: pass one of them"
+                )
 
         platform = self.platform if self.platform is not None else detect_platform()
         if not isinstance(platform, str) or not platform:
             raise ConfigError(f"platform must be a vLLM device type such as 'cpu' or 'cuda', got {platform!r}")
         object.__setattr__(self, "platform", platform)
         on_cpu = platform == "cpu"
+        if self.kv_store is not None and not on_cpu:
+            raise ConfigError(
+                f"kv_store (the splice connector) runs on vLLM's CPU backend only, not on {platform!r}"
+            )
 
         block = self.block_size
         if block is None:
@@ -195,5 +218,15 @@ class EngineConfig:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
+        if self.kv_store is not None:
+            from engine_adapters._splice import store_config_to_extra
+
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "SpliceConnector",
+                "kv_connector_module_path": "engine_adapters._connector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": store_config_to_extra(self.kv_store),
+            }
         kwargs.update(self.extra_kwargs)
         return kwargs

@@ -13,6 +13,16 @@ first-token time is taken when the ``step()`` that returns the first output toke
 back (with chunked prefill that can be a later step than the first).  Batched serving
 is out of scope for this adapter.
 
+With ``EngineConfig(kv_store=StoreConfig(...))`` the engine runs the splice KV connector
+(``engine_adapters._connector``): prefilled blocks are saved to the tiered store, served
+back as offload hits after vLLM's own cache lost them, and ``generate(..., splice=plan)``
+relocates stored blocks into a new prompt.  vLLM's counters (``counters()``,
+``num_cached_tokens``) include the connector's tokens as external hits, which a prefix
+cache mirror (a model of vLLM's own cache) does not predict.  vLLM keeps the
+worker-side connector in one process-wide slot; each engine installs its own (or none)
+while it runs (``engine_adapters._kv_agent``), so engines with and without a connector
+can live in one process.
+
 Facts of vLLM's block pool that the adapter relies on (vllm 0.32.0,
 ``v1/core/block_pool.py``): the pool holds ``num_gpu_blocks`` blocks, but block 0 is
 taken at start as the *null block* and never holds KV, so ``num_gpu_blocks - 1`` blocks
@@ -35,6 +45,8 @@ from typing import Any, NamedTuple
 from assembler import AssembledPrompt, Assembler, HFTokenizer, PrefixCacheMirror, Tokenizer
 from engine_adapters import _vllm
 from engine_adapters._config import EngineConfig
+from engine_adapters._kv_agent import AgentBox, installed
+from engine_adapters._splice import SplicePlan
 from promptsplice.blocks import chain_hashes
 from promptsplice.errors import (
     ConfigError,
@@ -102,12 +114,14 @@ class EngineCounters(NamedTuple):
 
 
 class _Handle:
-    """Holds the vLLM object for the engine and its finalizer (never the engine)."""
+    """Holds the vLLM object for the engine and its finalizer (never the engine), and
+    the engine's worker-side KV connector (``None`` without one)."""
 
-    __slots__ = ("llm",)
+    __slots__ = ("llm", "kv")
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, kv: AgentBox) -> None:
         self.llm = llm
+        self.kv = kv
 
 
 _live_lock = threading.Lock()
@@ -123,7 +137,8 @@ def _release(handle: _Handle) -> None:
     with _live_lock:
         _live_engines -= 1
         last = _live_engines == 0
-    _vllm.shutdown_llm(llm, last_engine=last)
+    with installed(handle.kv, capture=True):  # vLLM shuts down the slot's connector
+        _vllm.shutdown_llm(llm, last_engine=last)
 
 
 def _is_default_model(folder: Path) -> bool:
@@ -177,14 +192,16 @@ class EmbeddedEngine:
 
         vllm = _vllm.import_vllm()
         kwargs = self._config.llm_kwargs(model)
+        kv = AgentBox()
         try:
-            llm = vllm.LLM(**kwargs)
+            with installed(kv, capture=True):  # a connector engine creates its agent here
+                llm = vllm.LLM(**kwargs)
         except Exception as exc:
             raise self._start_error(exc) from exc
         _vllm.detach_vllm_finalizer(llm)
         with _live_lock:
             _live_engines += 1
-        self._handle = _Handle(llm)
+        self._handle = _Handle(llm, kv)
         self._finalizer = weakref.finalize(self, _release, self._handle)
 
         from vllm import SamplingParams
@@ -251,6 +268,26 @@ class EmbeddedEngine:
         return llm
 
     @property
+    def kv_connector(self) -> Any:
+        """The worker-side splice connector (``None`` without ``kv_store``).
+
+        Its ``worker`` (:class:`engine_adapters._splice.SpliceWorker`) holds the KV
+        caches vLLM registered (``names``, ``caches``), load/save counters (``stats``)
+        and the recent loads and saves (``history``).
+        """
+        if self._config.kv_store is None:
+            return None
+        _ = self.llm  # raises when closed
+        return self._handle.kv.agent
+
+    @property
+    def kv_store(self) -> Any:
+        """The connector's :class:`~engine_adapters.BlockStore` (``None`` without
+        ``kv_store``): its ``stats()`` count DRAM/disk hits, evictions and damage."""
+        agent = self.kv_connector
+        return None if agent is None else agent.store
+
+    @property
     def tokenizer(self) -> Tokenizer:
         """An :class:`assembler.HFTokenizer` over the model's own ``tokenizer.json``, so
         prompts assembled with it tokenize exactly as the engine does."""
@@ -314,6 +351,7 @@ class EmbeddedEngine:
         cache_salt: str | None = None,
         stop: str | Sequence[str] | None = None,
         mirror: PrefixCacheMirror | None = None,
+        splice: SplicePlan | None = None,
     ) -> Completion:
         """Run one request to completion.
 
@@ -330,6 +368,16 @@ class EmbeddedEngine:
         are exact (tested) for requests that end by EOS or ``max_tokens``; a request
         cut by a stop *string* is replayed from the token ids vLLM returns for it.
 
+        ``splice``: a :class:`~engine_adapters.SplicePlan` (``plan_deletion`` /
+        ``plan_relocation``, made with this request's ``cache_salt``) for an engine
+        started with ``kv_store``: the planned old blocks are loaded from the store and
+        their keys re-rotated to their new positions, as long as they continue the
+        local prefix-cache hit (vLLM's rule: loaded tokens start exactly at the local
+        hit, and at least one prompt token is computed); blocks the store lacks are
+        computed.  vLLM counts the loaded tokens as external hits.  The loaded blocks
+        then enter vLLM's prefix cache under this prompt's hashes: a later identical
+        prompt reuses them (deep layers of relocated blocks are approximate).
+
         Raises :class:`~promptsplice.errors.ContextLengthError` (before submitting)
         when the prompt has ``max_model_len`` tokens or more, ``InputError`` for an
         empty or malformed prompt, ``ConfigError`` for bad options, and
@@ -338,7 +386,7 @@ class EmbeddedEngine:
         error: ``finish_reason == "length"``.
         """
         ids, salt, text, predicted = self._normalize(prompt, cache_salt)
-        params = self._sampling_params(max_tokens, temperature, stop)
+        params = self._sampling_params(max_tokens, temperature, stop, self._splice_params(splice))
         if mirror is not None and mirror.block_size != self.block_size:
             raise ConfigError(
                 f"the mirror's block_size {mirror.block_size} differs from the engine's "
@@ -445,8 +493,32 @@ class EmbeddedEngine:
         except Exception as exc:
             raise TokenizerError(f"vLLM's tokenizer could not encode the prompt: {exc}") from exc
 
+    def _splice_params(self, splice: SplicePlan | None) -> dict[str, Any] | None:
+        if splice is None:
+            return None
+        if not isinstance(splice, SplicePlan):
+            raise ConfigError(
+                f"splice must be a SplicePlan (plan_deletion / plan_relocation), got "
+                f"{type(splice).__name__}"
+            )
+        if self._config.kv_store is None:
+            raise ConfigError(
+                "splice plans need the splice connector: start the engine with "
+                "kv_store=StoreConfig(...)"
+            )
+        if splice.block_size != self.block_size:
+            raise ConfigError(
+                f"the splice plan was made for block_size {splice.block_size}, the engine's "
+                f"is {self.block_size}"
+            )
+        return splice.to_params()
+
     def _sampling_params(
-        self, max_tokens: int, temperature: float, stop: str | Sequence[str] | None
+        self,
+        max_tokens: int,
+        temperature: float,
+        stop: str | Sequence[str] | None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> Any:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
@@ -458,19 +530,26 @@ class EmbeddedEngine:
                 raise ConfigError(f"stop must be a str or a list of non-empty str, got {stop!r}")
         else:
             stops = None
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         try:
-            return self._SamplingParams(max_tokens=max_tokens, temperature=float(temperature), stop=stops)
+            return self._SamplingParams(
+                max_tokens=max_tokens, temperature=float(temperature), stop=stops, extra_args=extra
+            )
         except Exception as exc:  # vLLM validates its own ranges
             raise ConfigError(f"vLLM refused the sampling options: {exc}") from exc
 
     def _run(self, inputs: Any, params: Any) -> tuple[Any, float, float, str]:
         engine = self.llm.llm_engine
         rid = f"promptsplice-{next(self._ids)}"
-        if engine.has_unfinished_requests():  # a leftover from an interrupted call
-            self._abort_all(engine)
+        with installed(self._handle.kv):  # vLLM's worker sees this engine's connector (or none)
+            if engine.has_unfinished_requests():  # a leftover from an interrupted call
+                self._abort_all(engine)
+            return self._step_until_done(engine, rid, inputs, params)
+
+    def _step_until_done(self, engine: Any, rid: str, inputs: Any, params: Any) -> tuple[Any, float, float, str]:
+        t0 = time.perf_counter()
         final = None
         ttft: float | None = None
-        t0 = time.perf_counter()
         try:
             try:
                 engine.add_request(rid, inputs, params)
@@ -527,7 +606,7 @@ class EmbeddedEngine:
         """Empty vLLM's prefix cache and the mirrors of :meth:`make_assembler`'s
         assemblers.  Raises :class:`~promptsplice.errors.EngineError` if vLLM refuses
         (it does while a request holds blocks, which sequential use never leaves)."""
-        with self._lock:
+        with self._lock, installed(self._handle.kv):
             if not self.llm.reset_prefix_cache():
                 raise EngineError(
                     "vLLM refused to reset its prefix cache: a request still holds blocks"

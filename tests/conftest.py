@@ -47,6 +47,26 @@ def engine():
     eng.close()
 
 
+@pytest.fixture(scope="session")
+def kv_engine(tmp_path_factory):
+    """A second session engine, WITH the splice KV connector: a block store of 16 MiB of
+    DRAM (22 blocks of SmolLM2's 0.7 MB) over 256 MiB of disk in a temporary folder, and
+    a 128 MiB KV cache (182 blocks).  It coexists with ``engine`` (each engine installs
+    its own worker-side connector, or none, while it runs).  Tests isolate themselves
+    with their own ``cache_salt``."""
+    from engine_adapters import StoreConfig
+
+    store = StoreConfig(
+        dram_bytes=16 * 1024 * 1024,
+        disk_bytes=256 * 1024 * 1024,
+        disk_dir=str(tmp_path_factory.mktemp("kv-store")),
+        fsync=False,
+    )
+    eng = start_default_engine(kv_store=store, kv_cache_bytes=128 * 1024 * 1024)
+    yield eng
+    eng.close()
+
+
 @pytest.fixture
 def fresh_engine(engine):
     """The session's engine with an empty prefix cache (and empty engine mirrors)."""

@@ -12,32 +12,38 @@ from promptsplice.errors import ConfigError
 
 
 class ReferencePool:
-    """Brute force: vLLM's block pool as plain lists (free queue head = index 0)."""
+    """Brute force: vLLM's block pool as plain lists (free queue head = index 0).
+
+    ``copies[h]`` lists the slots holding hash ``h`` in insertion order: vLLM serves
+    a hit from the first inserted copy (``BlockHashToBlockMap.get_one_block``).
+    """
 
     def __init__(self, bs, capacity):
         self.bs = bs
         self.slot = [None] * capacity  # hash held by each slot
+        self.copies = {}
         self.free = list(range(capacity))
-
-    def cached(self, h):
-        return any(x == h for x in self.slot)
 
     def run(self, tokens):
         bs = self.bs
         hashes = chain_hashes(tokens, bs)
         limit = (len(tokens) - 1) // bs
         hit = 0
-        while hit < min(limit, len(hashes)) and self.cached(hashes[hit]):
+        while hit < min(limit, len(hashes)) and self.copies.get(hashes[hit]):
             hit += 1
         used = []
         for h in hashes[:hit]:
-            s = min(i for i, x in enumerate(self.slot) if x == h)  # the first copy
+            s = self.copies[h][0]
             if s in self.free:
                 self.free.remove(s)
             used.append(s)
         for i in range(hit, cdiv(len(tokens), bs)):
             s = self.free.pop(0)
+            if self.slot[s] is not None:
+                self.copies[self.slot[s]].remove(s)
             self.slot[s] = hashes[i] if i < len(hashes) else None
+            if self.slot[s] is not None:
+                self.copies.setdefault(self.slot[s], []).append(s)
             used.append(s)
         freed = list(reversed(used))
         # vLLM's free_blocks: uncached blocks to the head, cached ones to the tail.
