@@ -76,6 +76,17 @@ def _cmd_bench_ttft(args: argparse.Namespace) -> int:
     return run_ttft_bench(json_out=args.json, repeats=args.repeats)
 
 
+def _cmd_bench_offload(args: argparse.Namespace) -> int:
+    from benchmarks.offload import format_offload, run_offload_bench
+
+    report = run_offload_bench(
+        json_out=args.json, prompts=args.prompts, rounds=args.rounds, prompt_tokens=args.prompt_tokens
+    )
+    print(format_offload(report))
+    print(f"wrote {args.json}")
+    return 0
+
+
 def _cmd_bench_gen_trace(args: argparse.Namespace) -> int:
     from benchmarks.traces import write_rag_trace
 
@@ -139,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--json", default=None)
     ttft.add_argument("--repeats", type=int, default=3)
     ttft.set_defaults(func=_cmd_bench_ttft)
+
+    off = bsub.add_parser("offload", help="apc vs the tiered store after vLLM's pool evicted prefixes")
+    off.add_argument("--json", required=True)
+    off.add_argument("--prompts", type=int, default=8)
+    off.add_argument("--rounds", type=int, default=4)
+    off.add_argument("--prompt-tokens", type=int, default=1024)
+    off.set_defaults(func=_cmd_bench_offload)
 
     gen = bsub.add_parser("gen-trace", help="write a RAG trace from real Wikipedia text")
     gen.add_argument("--out", required=True)

@@ -78,3 +78,24 @@ def test_demo_runs_on_the_engine_and_writes_a_chart(tmp_path):
     for row in ("tokens prefilled", "cached tokens (vLLM)", "TTFT p50 (ms)", "wall time (s)", "sample question"):
         assert row in proc.stdout
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_offload_command(tmp_path):
+    out = tmp_path / "offload.json"
+    proc = _cli("bench", "offload", "--json", str(out), "--prompts", "3", "--rounds", "2", "--prompt-tokens", "256")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["modes"]) == {"apc", "tiered"}
+    for m in report["modes"].values():
+        assert {"prefill_tokens", "cached_tokens", "external_cached_tokens", "wall_s"} <= set(m)
+    apc, tiered = report["modes"]["apc"], report["modes"]["tiered"]
+    # the pool cannot keep 3 prompts: vLLM alone keeps only some head blocks (it evicts a
+    # finished request's tail blocks first) and never an external hit
+    assert apc["external_cached_tokens"] == 0 and apc["cached_tokens"] < 3 * 224
+    # with the store every revisit is served but its last block (7 of 8 blocks, vLLM's
+    # count): what the local pool still had, plus exactly the rest from the connector
+    assert tiered["cached_tokens"] == 3 * 224
+    assert tiered["external_cached_tokens"] == 3 * 224 - apc["cached_tokens"]
+    assert report["outputs_identical"] is True
+    assert set(report["load_vs_recompute"]) == {"dram", "disk"}
+    assert all(v > 0 for v in report["load_vs_recompute"].values())

@@ -1,0 +1,198 @@
+"""``promptsplice bench offload``: revisiting prefixes after vLLM's own pool evicted them.
+
+The trace: ``prompts`` prompts of real text (``prompt_tokens`` tokens each) visited
+round-robin for ``rounds`` rounds, on an engine whose KV pool is sized small on purpose
+(about ``pool_prompts`` prompts), so from the second round on vLLM's prefix cache has
+evicted every prefix it is asked for.  Two modes, each on its own engine, same trace:
+
+* ``apc``: vLLM alone (prefix caching only);
+* ``tiered``: vLLM with the splice connector and the tiered store (DRAM, then disk).
+
+Per mode: ``prefill_tokens`` (prompt tokens minus vLLM's cached tokens),
+``cached_tokens`` (vLLM's ``num_cached_tokens``, local + connector), ``external_cached_tokens``
+(vLLM's ``external_prefix_cache_hits`` counter) and ``wall_s``; ``outputs_identical``
+compares the greedy outputs of the two modes request by request.
+
+``load_vs_recompute``: recompute time / load time for the same blocks, in one run.
+Recompute time is the marginal prefill time of the prompt's full blocks (uncached TTFT
+minus TTFT when they are all cached, both measured by the engine); load time is what the
+connector's worker spends getting those blocks from the store tier and writing them into
+the paged cache (from DRAM; from disk via a second store whose DRAM tier holds one block,
+files written just before, so the OS page cache may hold them: the disk figure is an
+upper bound on what a cold disk gives).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.ttft import _text_tokens
+
+__all__ = ["run_offload_bench", "OFFLOAD_MODES"]
+
+OFFLOAD_MODES = ("apc", "tiered")
+
+
+def _bytes_per_block(engine_cfg: dict[str, Any]) -> int:
+    from promptsplice.assets import default_model_dir
+
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head * engine_cfg["block_size"] * 2
+
+
+def _run_trace(engine: Any, prompts: list[list[int]], rounds: int, max_tokens: int) -> tuple[dict[str, Any], list[list[int]]]:
+    before = engine.counters()
+    outs: list[list[int]] = []
+    prompt_tokens = cached = 0
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for p in prompts:
+            c = engine.generate(p, max_tokens=max_tokens)
+            outs.append(list(c.token_ids))
+            prompt_tokens += c.prompt_tokens
+            cached += c.num_cached_tokens
+    wall = time.perf_counter() - t0
+    delta = engine.counters().since(before)
+    return {
+        "requests": rounds * len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens": prompt_tokens - cached,
+        "cached_tokens": cached,
+        "external_cached_tokens": delta.external_hits,
+        "wall_s": round(wall, 3),
+    }, outs
+
+
+def _time_loads(engine: Any, tokens: list[int], repeats: int = 5) -> tuple[float, float, int]:
+    """Seconds to load ``tokens``' full blocks into the paged cache: (DRAM, disk, blocks)."""
+    import torch
+
+    from engine_adapters import BlockStore, LookupStatus, StoreConfig, chain_refs
+
+    worker = engine.kv_connector.worker
+    store = engine.kv_store
+    refs = chain_refs(tokens, engine.block_size)[: (len(tokens) - 1) // engine.block_size]
+    payloads = [store.get(r, salt=None).payload for r in refs]
+    if any(p is None for p in payloads):
+        raise RuntimeError("the tiered store lost blocks the bench just saved")
+    # Write into blocks 1..n of a cache that holds nothing of value (prefix cache reset).
+    engine.reset_prefix_cache()
+    block_ids = list(range(1, len(refs) + 1))
+
+    def load_from(s: BlockStore) -> float:
+        t0 = time.perf_counter()
+        got = [s.get(r, salt=None) for r in refs]
+        worker._write([g.payload for g in got], block_ids, [0] * len(refs), torch)
+        return time.perf_counter() - t0
+
+    dram = min(load_from(store) for _ in range(repeats))
+    disk_times = []
+    with tempfile.TemporaryDirectory(prefix="promptsplice-disk-") as folder:
+        one = int(payloads[0].numel() * payloads[0].element_size())
+        cfg = StoreConfig(dram_bytes=one, disk_bytes=4 * one * len(refs), disk_dir=folder, write_behind_bytes=0)
+        with BlockStore(cfg) as disk_store:
+            for r, p in zip(refs, payloads):
+                disk_store.put(r, p, salt=None)
+            disk_store.drain()
+            for _ in range(repeats):
+                # DRAM holds one block: every get but at most one reads its file
+                t0 = time.perf_counter()
+                got = [disk_store.get(r, salt=None) for r in refs]
+                worker._write([g.payload for g in got], block_ids, [0] * len(refs), torch)
+                disk_times.append(time.perf_counter() - t0)
+                from_disk = sum(g.status is LookupStatus.HIT_DISK for g in got)
+                if from_disk < len(refs) - 1:
+                    raise RuntimeError(f"only {from_disk} of {len(refs)} blocks came from disk")
+    engine.reset_prefix_cache()
+    return dram, min(disk_times), len(refs)
+
+
+def _recompute_time(engine: Any, make_prompt: Any, repeats: int = 3) -> tuple[float, list[int]]:
+    """Marginal prefill time of a prompt's full blocks: uncached TTFT - cached TTFT."""
+    times = []
+    prompt: list[int] = []
+    for i in range(repeats):
+        prompt = make_prompt(10_000 + 131 * i)
+        first = engine.generate(prompt, max_tokens=1)
+        second = engine.generate(prompt, max_tokens=1)
+        times.append(first.ttft_s - second.ttft_s)
+    return statistics.median(times), prompt
+
+
+def run_offload_bench(
+    *,
+    json_out: str | Path | None = None,
+    prompts: int = 8,
+    rounds: int = 4,
+    prompt_tokens: int = 1024,
+    pool_prompts: float = 2.5,
+    max_tokens: int = 8,
+) -> dict[str, Any]:
+    from engine_adapters import EmbeddedEngine, StoreConfig
+
+    max_len = 2 * prompt_tokens
+    cfg = {"block_size": 32}
+    per_block = _bytes_per_block(cfg)
+    pool_blocks = max(int(pool_prompts * prompt_tokens / 32), max_len // 32 + 2)
+    common = {"kv_cache_bytes": pool_blocks * per_block, "max_model_len": max_len}
+    report: dict[str, Any] = {"modes": {}}
+
+    with tempfile.TemporaryDirectory(prefix="promptsplice-store-") as folder:
+        store_cfg = StoreConfig(
+            dram_bytes=(prompts * prompt_tokens // 32 + 8) * per_block,
+            disk_bytes=2 * prompts * (prompt_tokens // 32 + 2) * per_block,
+            disk_dir=folder,
+        )
+        outputs: dict[str, list[list[int]]] = {}
+        for mode in OFFLOAD_MODES:
+            engine = EmbeddedEngine(**common, kv_store=store_cfg if mode == "tiered" else None)
+            try:
+                tok = engine.tokenizer
+                texts = [_text_tokens(tok, 7 * i + 1, prompt_tokens) for i in range(prompts)]
+                m, outs = _run_trace(engine, texts, rounds, max_tokens)
+                m["pool_blocks"] = engine.usable_blocks
+                report["modes"][mode] = m
+                outputs[mode] = outs
+                if mode == "tiered":
+                    rec, sample = _recompute_time(engine, lambda off: _text_tokens(tok, off, prompt_tokens))
+                    dram, disk, n = _time_loads(engine, sample)
+                    report["load_vs_recompute"] = {
+                        "dram": round(rec / dram, 1),
+                        "disk": round(rec / disk, 1),
+                    }
+                    report["load_timing"] = {
+                        "blocks": n,
+                        "recompute_ms": round(rec * 1e3, 2),
+                        "dram_load_ms": round(dram * 1e3, 2),
+                        "disk_load_ms": round(disk * 1e3, 2),
+                    }
+                    report["store"] = engine.kv_store.stats()._asdict()
+            finally:
+                engine.close()
+    report["outputs_identical"] = outputs["apc"] == outputs["tiered"]
+    apc, tiered = report["modes"]["apc"]["prefill_tokens"], report["modes"]["tiered"]["prefill_tokens"]
+    report["tiered_over_apc_prefill"] = round(tiered / apc, 4) if apc else None
+    report["trace"] = {"prompts": prompts, "rounds": rounds, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return report
+
+
+def format_offload(report: dict[str, Any]) -> str:
+    lines = ["| mode | prefill tokens | cached (vLLM) | external cached | wall s |", "|---|---|---|---|---|"]
+    for mode, m in report["modes"].items():
+        lines.append(f"| {mode} | {m['prefill_tokens']} | {m['cached_tokens']} | {m['external_cached_tokens']} | {m['wall_s']} |")
+    lt = report.get("load_timing", {})
+    lines.append(
+        f"tiered/apc prefill {report['tiered_over_apc_prefill']}; outputs identical: "
+        f"{report['outputs_identical']}; load vs recompute ({lt.get('blocks')} blocks, recompute "
+        f"{lt.get('recompute_ms')} ms): DRAM {report['load_vs_recompute']['dram']}x "
+        f"({lt.get('dram_load_ms')} ms), disk {report['load_vs_recompute']['disk']}x ({lt.get('disk_load_ms')} ms)"
+    )
+    return "\n".join(lines)
