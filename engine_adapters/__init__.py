@@ -11,6 +11,11 @@ save prefilled KV blocks to a tiered ``BlockStore`` (DRAM, then disk), serve the
 when vLLM's own cache lost them (offload hits), and relocate stored blocks into an edited
 prompt: ``generate(new_tokens, splice=plan_deletion(old_tokens, new_tokens, span, ...))``.
 
+``RemoteEngine`` talks to OpenAI-compatible servers (``vllm serve``, SGLang, OpenAI) over
+httpx, sync and async, streaming with client-side TTFT, retries with backoff on 429/5xx,
+and reads ``usage.prompt_tokens_details.cached_tokens`` (``None`` when the server does not
+report it: unknown, never 0) and the server's ``/metrics`` counters.
+
 Importing this package starts nothing and does not import vLLM or torch; the engine
 imports them when it starts.
 """
@@ -22,6 +27,7 @@ from engine_adapters._config import (
     EngineConfig,
 )
 from engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike
+from engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
 from engine_adapters._splice import SplicePlan, SpliceSegment, plan_deletion, plan_relocation
 from engine_adapters._store import (
     BlockRef,
@@ -51,6 +57,9 @@ __all__ = [
     "Namespace",
     "PromptLike",
     "PutStatus",
+    "RemoteCompletion",
+    "RemoteEngine",
+    "ServerCounters",
     "SplicePlan",
     "SpliceSegment",
     "StoreConfig",

