@@ -192,6 +192,19 @@ class Assembler:
         self.branches = BranchMemory()
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_openai(cls, encoding: str = "o200k_base", **kwargs: Any) -> Assembler:
+        """An assembler for OpenAI's prompt caching: the model's tiktoken encoding,
+        128-token blocks, and no hit predicted below 1,024 tokens (OpenAI caches
+        prompts of 1,024 tokens or more, in 128-token increments).  Send the text form
+        with ``prefix_key`` as ``prompt_cache_key``."""
+        kwargs.setdefault("block_size", 128)
+        if "mirror" not in kwargs:
+            kwargs["mirror"] = PrefixCacheMirror(
+                kwargs["block_size"], kwargs.pop("capacity_blocks", None), min_hit_tokens=1024
+            )
+        return cls(f"tiktoken:{encoding}", **kwargs)
+
     # -- public --------------------------------------------------------------------
     def assemble(
         self,

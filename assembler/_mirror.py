@@ -16,7 +16,9 @@ The mirror does not store KV; it replays what vLLM's v1 ``BlockPool`` does with 
 
 With ``capacity_blocks`` equal to the engine's block count and nothing else using the
 engine, predictions equal vLLM's ``num_cached_tokens`` exactly.  ``capacity_blocks=None``
-is an unbounded cache (slots are created on demand).
+is an unbounded cache (slots are created on demand).  ``min_hit_tokens`` models servers
+that serve no hit below a minimum prefix (OpenAI: 1,024 tokens, then 128-token steps:
+``PrefixCacheMirror(128, min_hit_tokens=1024)``, see ``Assembler.for_openai``).
 """
 
 from __future__ import annotations
@@ -51,9 +53,17 @@ class Prediction(NamedTuple):
 class PrefixCacheMirror:
     """Thread-safe replay of vLLM's prefix-cache block pool over block hashes."""
 
-    def __init__(self, block_size: int, capacity_blocks: int | None = None) -> None:
+    def __init__(
+        self, block_size: int, capacity_blocks: int | None = None, *, min_hit_tokens: int = 0
+    ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be a positive number of tokens, got {block_size}")
+        if min_hit_tokens < 0 or min_hit_tokens % block_size:
+            raise ConfigError(
+                f"min_hit_tokens must be a non-negative multiple of block_size {block_size}, "
+                f"got {min_hit_tokens}"
+            )
+        self.min_hit_tokens = min_hit_tokens
         if capacity_blocks is not None and capacity_blocks <= 0:
             raise ConfigError(
                 f"capacity_blocks must be positive (or None for unbounded), got {capacity_blocks}"
@@ -112,6 +122,8 @@ class PrefixCacheMirror:
     def _predict(self, hashes: Sequence[BlockHash], num_tokens: int) -> Prediction:
         limit = max(0, (num_tokens - 1) // self.block_size)
         hit = self._match(hashes[:limit])
+        if hit * self.block_size < self.min_hit_tokens:
+            hit = 0  # e.g. OpenAI: nothing is served from cache below 1024 tokens
         return Prediction(hit * self.block_size, hit, len(hashes))
 
     # -- updates -------------------------------------------------------------------

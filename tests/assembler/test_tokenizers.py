@@ -56,3 +56,28 @@ def test_bad_tokenizer_specs(tmp_path):
         load_tokenizer(str(bad))
     with pytest.raises(TokenizerError, match="not a Hugging Face fast tokenizer"):
         HFTokenizer(object(), name="x")
+
+
+@pytest.mark.parametrize("encoding", ["cl100k_base", "o200k_base"])
+def test_openai_caching_rules_with_real_tiktoken_files(encoding):
+    from assembler import Assembler
+    from benchmarks.traces import load_wiki_leads
+
+    asm = Assembler.for_openai(encoding, alignment="none")
+    assert asm.block_size == 128 and asm.tokenizer.name == f"tiktoken:{encoding}"
+    leads = [t for _, t in load_wiki_leads()[:80]]
+    short = [{"id": "s", "text": leads[0]}]
+    first = asm.assemble(short, query="q?", system="You answer questions.")
+    again = asm.assemble(short, query="q?", system="You answer questions.")
+    assert first.num_tokens < 1024 and again.predicted_cached_tokens == 0  # below the minimum
+    docs = [{"id": f"d{i}", "text": t} for i, t in enumerate(leads[1:40])]
+    long1 = asm.assemble(docs, query="q?", system="You answer questions.")
+    long2 = asm.assemble(docs, query="another question?", system="You answer questions.")
+    assert long1.num_tokens > 2048
+    cached = long2.predicted_cached_tokens
+    assert cached >= 1024 and cached % 128 == 0 and cached > long2.num_tokens - 2 * 128
+    # OpenAI tokenizes the text itself: tiktoken's pre-tokenizer merges punctuation with
+    # the "\n\n" separator (".\n\n" is one token), so the text form is the same string
+    # but not the same ids at segment boundaries; the prefix is still byte-stable.
+    assert asm.tokenizer.decode(long2.token_ids) == long2.text
+    assert long2.text.startswith(long1.text[: long1.text.index("Question:")])
