@@ -38,11 +38,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import xxhash
-
 from assembler._mirror import PrefixCacheMirror
 from assembler._ordering import AlignPolicy
-from promptsplice.blocks import BlockHash, chain_hashes, content_digest, root_hash, token_bytes
+from promptsplice.blocks import (
+    BlockHash,
+    chain_hashes,
+    content_digest,
+    iter_block_hashes,
+    root_hash,
+    token_bytes,
+)
 
 __all__ = ["SegmentKind", "Segment", "LayoutBuilder", "BranchMemory"]
 
@@ -163,14 +168,12 @@ class LayoutBuilder:
 
     def _count_hits(self, parent: bytes, data: memoryview, n_blocks: int, out: list | None = None) -> int:
         """Chain-hash ``n_blocks`` blocks of ``data`` from ``parent`` until one misses."""
-        step = 4 * self.block_size
-        digest = xxhash.xxh3_128_digest
         has = self.mirror.has  # type: ignore[union-attr]
-        for b in range(n_blocks):
-            parent = digest(parent + data[b * step : (b + 1) * step])
+        step = 4 * self.block_size
+        for b, h in enumerate(iter_block_hashes(parent, data[: n_blocks * step], self.block_size)):  # type: ignore[arg-type]
             if out is not None:
-                out.append(parent)
-            if not has(parent):
+                out.append(h)
+            if not has(h):
                 return b
         return n_blocks
 

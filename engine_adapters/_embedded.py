@@ -47,7 +47,7 @@ from engine_adapters import _vllm
 from engine_adapters._config import EngineConfig
 from engine_adapters._kv_agent import AgentBox, installed
 from engine_adapters._splice import SplicePlan
-from promptsplice.blocks import chain_hashes
+from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
@@ -406,7 +406,10 @@ class EmbeddedEngine:
             out, ttft, total, rid = self._run(inputs, params)
             gen = list(out.outputs[0].token_ids) if out.outputs else []
             if mirror is not None:
-                predicted = self._admit(mirror, ids, gen, salt)
+                known = None
+                if isinstance(prompt, AssembledPrompt) and prompt.salt == salt and prompt.block_size == self.block_size:
+                    known = prompt.block_hashes  # the assembler hashed the prompt already
+                predicted = self._admit(mirror, ids, gen, salt, known)
         return Completion(
             text=out.outputs[0].text if out.outputs else "",
             token_ids=gen,
@@ -590,10 +593,25 @@ class EmbeddedEngine:
         except Exception:  # best effort: the caller is already handling an error
             pass
 
-    def _admit(self, mirror: PrefixCacheMirror, ids: list[int], gen: list[int], salt: str | None) -> int:
+    def _admit(
+        self,
+        mirror: PrefixCacheMirror,
+        ids: list[int],
+        gen: list[int],
+        salt: str | None,
+        known: Sequence[BlockHash] | None = None,
+    ) -> int:
+        """Replay what ran into ``mirror``; ``known``: the prompt's full-block hashes
+        when the caller has them (the chain then continues over the generated tokens)."""
+        bs = self.block_size
         computed = len(ids) + max(0, len(gen) - 1)
         tokens = ids + gen[: max(0, len(gen) - 1)]
-        hashes = chain_hashes(tokens, self.block_size, salt=salt)
+        if known is None:
+            hashes = chain_hashes(tokens, bs, salt=salt)
+        else:
+            done = len(known) * bs
+            parent = known[-1] if known else root_hash(salt)
+            hashes = [*known, *chain_hashes(tokens[done:], bs, parent=parent)]
         pred = mirror.admit(hashes, len(ids), num_computed_tokens=computed)
         return pred.cached_tokens
 

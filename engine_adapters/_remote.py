@@ -28,10 +28,11 @@ httpx exceptions never escape: they are translated with ``raise ... from exc``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -621,16 +622,24 @@ class RemoteEngine:
                 time.sleep(self._delay(attempt, retry))
                 attempt += 1
 
+    @contextlib.contextmanager
+    def _translating(self, url: str) -> Iterator[None]:
+        """httpx's errors -> ours, at the boundary: connect errors and timeouts become
+        retryable (``_Retry``), every other transport error is final.  Plain ``with``
+        works inside the async twins too (nothing here awaits)."""
+        try:
+            yield
+        except (httpx.ConnectError, httpx.TimeoutException) as exc:
+            raise _Retry(self._chain(self._transport_error(exc, url), exc)) from exc
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, url) from exc
+
     def _get(self, path: str) -> httpx.Response:
         url = self._url(path)
 
         def once() -> httpx.Response:
-            try:
+            with self._translating(url):
                 response = self._sync_client().get(url)
-            except (httpx.ConnectError, httpx.TimeoutException) as exc:
-                raise _Retry(self._chain(self._transport_error(exc, url), exc)) from exc
-            except httpx.HTTPError as exc:
-                raise self._transport_error(exc, url) from exc
             self._check_response(response, url, None)
             return response
 
@@ -648,7 +657,7 @@ class RemoteEngine:
 
         def once() -> RemoteCompletion:
             client = self._sync_client()
-            try:
+            with self._translating(url):
                 if not req.body.get("stream"):
                     response = client.post(url, json=req.body)
                     self._check_response(response, url, req)
@@ -661,10 +670,6 @@ class RemoteEngine:
                     for line in response.iter_lines():
                         acc.feed(line, url)
                     return acc.result(req.prompt_len, url)
-            except (httpx.ConnectError, httpx.TimeoutException) as exc:
-                raise _Retry(self._chain(self._transport_error(exc, url), exc)) from exc
-            except httpx.HTTPError as exc:
-                raise self._transport_error(exc, url) from exc
 
         return self._with_retries(once)
 
@@ -735,12 +740,8 @@ class RemoteEngine:
         url = self._url(path)
 
         async def once() -> httpx.Response:
-            try:
+            with self._translating(url):
                 response = await self._async_client().get(url)
-            except (httpx.ConnectError, httpx.TimeoutException) as exc:
-                raise _Retry(self._chain(self._transport_error(exc, url), exc)) from exc
-            except httpx.HTTPError as exc:
-                raise self._transport_error(exc, url) from exc
             self._check_response(response, url, None)
             return response
 
@@ -758,7 +759,7 @@ class RemoteEngine:
 
         async def once() -> RemoteCompletion:
             client = self._async_client()
-            try:
+            with self._translating(url):
                 if not req.body.get("stream"):
                     response = await client.post(url, json=req.body)
                     self._check_response(response, url, req)
@@ -771,10 +772,6 @@ class RemoteEngine:
                     async for line in response.aiter_lines():
                         acc.feed(line, url)
                     return acc.result(req.prompt_len, url)
-            except (httpx.ConnectError, httpx.TimeoutException) as exc:
-                raise _Retry(self._chain(self._transport_error(exc, url), exc)) from exc
-            except httpx.HTTPError as exc:
-                raise self._transport_error(exc, url) from exc
 
         return await self._awith_retries(once)
 

@@ -49,7 +49,15 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from engine_adapters._store import BlockRef, BlockStore, StoreConfig, chain_refs
-from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, hash_block, root_hash
+from promptsplice.blocks import (
+    HASH_BYTES,
+    BlockHash,
+    cdiv,
+    chain_hashes,
+    hash_block,
+    root_hash,
+    round_down,
+)
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -578,7 +586,7 @@ class SpliceScheduler:
                 "splice connector: vLLM accepted %d external tokens for %s, the connector "
                 "offered %d in blocks of %d", num_external_tokens, req_id, lp.num_tokens, bs,
             )
-            n = -(-num_external_tokens // bs)
+            n = cdiv(num_external_tokens, bs)
         first = lp.start // bs
         dst = tuple(int(b) for b in block_ids[first : first + n])
         item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start)
@@ -611,7 +619,7 @@ class SpliceScheduler:
             if stop <= first:
                 continue
             if st.chain is None or len(st.chain) < stop:
-                st.chain = chain_refs(st.tokens[: (prompt_len // bs) * bs], bs, salt=st.salt)
+                st.chain = chain_refs(st.tokens[: round_down(prompt_len, bs)], bs, salt=st.salt)
             ids = None
             refs, dst = [], []
             for j in range(first, stop):

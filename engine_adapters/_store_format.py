@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from promptsplice.blocks import HASH_BYTES, content_digest
+from promptsplice.blocks import HASH_BYTES, content_digest, round_up
 
 if TYPE_CHECKING:
     import torch
@@ -181,7 +181,7 @@ def is_temp_name(name: str) -> bool:
 def header_size(meta: BlockMeta) -> int:
     """Bytes before the payload: header, header digest and padding."""
     raw = _FIXED.size + _DIM.size * len(meta.shape) + len(meta.salt) + len(meta.tokens) + HASH_BYTES
-    return -(-raw // ALIGN) * ALIGN
+    return round_up(raw, ALIGN)
 
 
 def record_size(meta: BlockMeta) -> int:

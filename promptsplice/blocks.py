@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NewType
 
 import xxhash
@@ -38,6 +38,7 @@ __all__ = [
     "token_bytes",
     "hash_block",
     "chain_hashes",
+    "iter_block_hashes",
 ]
 
 BlockHash = NewType("BlockHash", bytes)
@@ -112,13 +113,19 @@ def chain_hashes(
         parent = root_hash(salt)
     elif salt is not None:
         raise ValueError("pass either parent or salt: the salt only enters the root")
-    data = memoryview(token_bytes(tokens))
+    return list(iter_block_hashes(parent, memoryview(token_bytes(tokens)), block_size))
+
+
+def iter_block_hashes(parent: BlockHash, data: memoryview, block_size: int) -> Iterator[BlockHash]:
+    """Chain hashes of the full blocks of ``data`` (:func:`token_bytes` output), lazily.
+
+    For hot loops that stop at the first block a cache lacks (the assembler's layout
+    walk): they hash only up to the miss and convert the tokens to bytes only once.
+    """
     step = 4 * block_size
-    full = (len(tokens) // block_size) * step
+    full = (len(data) // step) * step
     digest = xxhash.xxh3_128_digest
-    out: list[BlockHash] = []
     h = parent
     for start in range(0, full, step):
         h = digest(h + data[start : start + step])
-        out.append(h)  # type: ignore[arg-type]
-    return out
+        yield h  # type: ignore[misc]

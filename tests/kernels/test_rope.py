@@ -29,11 +29,9 @@ LLAMA31 = {  # the shape of Llama-3.1-8B's config.json (legacy rope_scaling form
 
 
 def test_the_real_default_model_reads_as_llama_neox_theta_1e5():
-    from promptsplice.assets import default_model_dir
+    from promptsplice.assets import ensure_default_model
 
-    path = default_model_dir() / "config.json"
-    if not path.exists():
-        pytest.skip(f"default model not converted yet ({path}); run `make setup`")
+    path = ensure_default_model() / "config.json"
     rope = RopeConfig.from_hf_config(path)
     assert rope == RopeConfig(head_size=64, rotary_dim=64, theta=100000.0, is_neox_style=True)
     # The same from the dict, and from the folder.

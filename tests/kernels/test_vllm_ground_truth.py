@@ -1,4 +1,4 @@
-"""kernels/ against the installed vLLM itself (skipped where vLLM is not installed).
+"""kernels/ against the installed vLLM itself (a pinned dependency of the test set-up).
 
 * the frequencies are vLLM's, bit for bit, and a key vLLM rotated to ``p``, moved by
   ``d`` with :func:`rotate_keys`, is the key vLLM rotates to ``p + d``;
@@ -14,8 +14,6 @@ import json
 
 import pytest
 import torch
-
-pytest.importorskip("vllm")
 
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
@@ -93,11 +91,9 @@ def test_moving_vllms_key_by_d_gives_vllms_key_at_p_plus_d(vllm_config, ours, th
 
 
 def test_from_hf_config_on_the_real_model_is_what_vllm_applies(vllm_config):
-    from promptsplice.assets import default_model_dir
+    from promptsplice.assets import ensure_default_model
 
-    path = default_model_dir() / "config.json"
-    if not path.exists():
-        pytest.skip("default model not converted yet")
+    path = ensure_default_model() / "config.json"
     cfg = json.loads(path.read_text())
     ours = RopeConfig.from_hf_config(cfg)
     # LlamaAttention: get_rope(head_dim, max_position, rope_parameters, is_neox_style=True)
@@ -108,7 +104,7 @@ def test_from_hf_config_on_the_real_model_is_what_vllm_applies(vllm_config):
 
 
 def test_from_hf_config_reads_transformers_config_objects():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.LlamaConfig(
         hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
         rope_theta=500000.0, rope_scaling={k: v for k, v in LLAMA3.items() if k != "rope_theta"},
