@@ -20,6 +20,7 @@ Importing this package starts nothing and does not import vLLM or torch; the eng
 imports them when it starts.
 """
 
+from engine_adapters._agent import AgentMode, AgentRunner, AgentStep
 from engine_adapters._config import (
     CPU_BLOCK_MULTIPLE,
     DEFAULT_KV_CACHE_BYTES,
@@ -28,7 +29,15 @@ from engine_adapters._config import (
 )
 from engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike
 from engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
-from engine_adapters._splice import SplicePlan, SpliceSegment, plan_deletion, plan_relocation
+from engine_adapters._router import Lease, PrefixRouter, RoundRobinRouter, prefix_route_key
+from engine_adapters._splice import (
+    SplicePhase,
+    SplicePlan,
+    SpliceSegment,
+    plan_deletion,
+    plan_phases,
+    plan_relocation,
+)
 from engine_adapters._store import (
     BlockRef,
     BlockStore,
@@ -42,7 +51,28 @@ from engine_adapters._store import (
     shared_store,
 )
 
+# Framework integrations import their framework (LangChain ...) on first use only.
+_LAZY = {
+    "PromptspliceRetriever": "engine_adapters._langchain_retrieval",
+    "PromptspliceCompressor": "engine_adapters._langchain_retrieval",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine_adapters' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    "AgentMode",
+    "AgentRunner",
+    "AgentStep",
     "BlockRef",
     "BlockStore",
     "CPU_BLOCK_MULTIPLE",
@@ -52,20 +82,28 @@ __all__ = [
     "EmbeddedEngine",
     "EngineConfig",
     "EngineCounters",
+    "Lease",
     "Lookup",
     "LookupStatus",
     "Namespace",
+    "PrefixRouter",
     "PromptLike",
+    "PromptspliceCompressor",
+    "PromptspliceRetriever",
     "PutStatus",
     "RemoteCompletion",
     "RemoteEngine",
+    "RoundRobinRouter",
     "ServerCounters",
+    "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
     "StoreConfig",
     "StoreStats",
     "chain_refs",
     "plan_deletion",
+    "plan_phases",
     "plan_relocation",
+    "prefix_route_key",
     "shared_store",
 ]

@@ -37,7 +37,7 @@ import operator
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -59,7 +59,7 @@ from promptsplice.errors import (
     TokenizerError,
 )
 
-__all__ = ["EmbeddedEngine", "Completion", "EngineCounters", "PromptLike"]
+__all__ = ["EmbeddedEngine", "Completion", "EngineCounters", "PromptLike", "StreamDelta"]
 
 PromptLike = AssembledPrompt | Sequence[int] | str
 """What :meth:`EmbeddedEngine.generate` takes."""
@@ -88,11 +88,27 @@ class Completion:
     """The mirror's prediction for this request, where one was known: the assembled
     prompt's (same block size and salt), or the ``mirror`` passed to ``generate``."""
     request_id: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    """With ``generate(..., logprobs=k)``: per generated token, the log-probabilities
+    of the ``k`` most likely tokens (``k=-1``: the whole vocabulary, for an engine
+    started with ``extra_kwargs={"max_logprobs": -1}``) and of the sampled one."""
 
     @property
     def prefill_tokens(self) -> int:
         """Prompt tokens the engine computed (not served from the cache)."""
         return self.prompt_tokens - self.num_cached_tokens
+
+
+class StreamDelta(NamedTuple):
+    """What one engine step added to a streamed request (:meth:`EmbeddedEngine.stream`)."""
+
+    text: str
+    """New text since the previous delta (may be empty while vLLM holds text back
+    to check a stop string)."""
+    token_ids: list[int]
+    """New token ids since the previous delta."""
+    completion: Completion | None
+    """Set on the last delta only: the finished request, as ``generate`` returns it."""
 
 
 class EngineCounters(NamedTuple):
@@ -111,6 +127,12 @@ class EngineCounters(NamedTuple):
     def hit_rate(self) -> float:
         q = self.prefix_cache_queries
         return self.prefix_cache_hits / q if q else 0.0
+
+
+def _logprob_dicts(out: Any) -> list[dict[int, float]]:
+    """vLLM's per-token logprobs as plain ``{token_id: logprob}`` dicts."""
+    lps = out.outputs[0].logprobs if out.outputs else None
+    return [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (lps or [])]
 
 
 class _Handle:
@@ -352,6 +374,7 @@ class EmbeddedEngine:
         stop: str | Sequence[str] | None = None,
         mirror: PrefixCacheMirror | None = None,
         splice: SplicePlan | None = None,
+        logprobs: int | None = None,
     ) -> Completion:
         """Run one request to completion.
 
@@ -386,7 +409,7 @@ class EmbeddedEngine:
         error: ``finish_reason == "length"``.
         """
         ids, salt, text, predicted = self._normalize(prompt, cache_salt)
-        params = self._sampling_params(max_tokens, temperature, stop, self._splice_params(splice))
+        params = self._sampling_params(max_tokens, temperature, stop, self._splice_params(splice), logprobs)
         if mirror is not None and mirror.block_size != self.block_size:
             raise ConfigError(
                 f"the mirror's block_size {mirror.block_size} differs from the engine's "
@@ -421,6 +444,7 @@ class EmbeddedEngine:
             finish_reason=out.outputs[0].finish_reason if out.outputs else None,
             predicted_cached_tokens=predicted,
             request_id=rid,
+            logprobs=_logprob_dicts(out) if logprobs is not None else None,
         )
 
     def generate_many(
@@ -522,6 +546,7 @@ class EmbeddedEngine:
         temperature: float,
         stop: str | Sequence[str] | None,
         kv_transfer_params: dict[str, Any] | None = None,
+        logprobs: int | None = None,
     ) -> Any:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
@@ -534,9 +559,12 @@ class EmbeddedEngine:
         else:
             stops = None
         extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1):
+            raise ConfigError(f"logprobs must be None, -1 (all) or an int >= 0, got {logprobs!r}")
         try:
             return self._SamplingParams(
-                max_tokens=max_tokens, temperature=float(temperature), stop=stops, extra_args=extra
+                max_tokens=max_tokens, temperature=float(temperature), stop=stops, extra_args=extra,
+                logprobs=logprobs,
             )
         except Exception as exc:  # vLLM validates its own ranges
             raise ConfigError(f"vLLM refused the sampling options: {exc}") from exc
@@ -578,6 +606,111 @@ class EmbeddedEngine:
                 self._abort_all(engine)
         total = time.perf_counter() - t0
         return final, (total if ttft is None else ttft), total, rid
+
+    def stream(
+        self,
+        prompt: PromptLike,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        cache_salt: str | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[StreamDelta]:
+        """Run one request, yielding what each engine step adds.
+
+        Same prompt forms, options and errors as :meth:`generate`: invalid options and
+        prompts raise here, engine failures while the generator is advanced.  Each :class:`StreamDelta` carries the text
+        and token ids that step produced (vLLM's cumulative output, differenced); the
+        last one has ``completion`` set: the whole request as :meth:`generate` returns
+        it (vLLM's ``num_cached_tokens``, TTFT, finish reason).  The engine stays
+        locked from the first ``next()`` until the generator finishes or is closed, so
+        consume it in one thread and close it (or exhaust it) promptly: closing it
+        early aborts the request and frees its blocks.
+        """
+        ids, salt, text, predicted = self._normalize(prompt, cache_salt)
+        params = self._sampling_params(max_tokens, temperature, stop)
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens but the engine's max_model_len is "
+                f"{self.max_model_len} (a prompt may hold at most {self.max_model_len - 1}); "
+                "send a shorter prompt or start the engine with a larger max_model_len",
+                prompt_tokens=len(ids),
+                max_tokens=self.max_model_len,
+            )
+        inputs = self._tokens_input(ids, prompt=text, cache_salt=salt)
+        return self._stream_request(inputs, params, ids, predicted)
+
+    def _stream_request(
+        self, inputs: Any, params: Any, ids: list[int], predicted: int | None
+    ) -> Iterator[StreamDelta]:
+        with self._lock:
+            engine = self.llm.llm_engine
+            rid = f"promptsplice-{next(self._ids)}"
+            with installed(self._handle.kv):
+                if engine.has_unfinished_requests():  # a leftover from an interrupted call
+                    self._abort_all(engine)
+                t0 = time.perf_counter()
+                final = None
+                ttft: float | None = None
+                sent_text, sent_ids = "", 0
+                try:
+                    try:
+                        engine.add_request(rid, inputs, params)
+                    except Exception as exc:
+                        raise EngineRequestError(
+                            f"vLLM refused the request: {type(exc).__name__}: {exc}"
+                        ) from exc
+                    while final is None:
+                        try:
+                            if not engine.has_unfinished_requests():
+                                raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
+                            outputs = engine.step()
+                        except PromptspliceError:
+                            raise
+                        except Exception as exc:
+                            raise EngineRequestError(
+                                f"vLLM failed the request: {type(exc).__name__}: {exc}"
+                            ) from exc
+                        now = time.perf_counter()
+                        for out in outputs:
+                            gen = out.outputs[0] if out.outputs else None
+                            if gen is None:
+                                continue
+                            if ttft is None and len(gen.token_ids) >= 1:
+                                ttft = now - t0
+                            # cumulative output: send what is new since the last step
+                            new_text = gen.text[len(sent_text) :] if gen.text.startswith(sent_text) else ""
+                            new_ids = list(gen.token_ids[sent_ids:])
+                            if out.finished:
+                                final = out
+                                break
+                            if new_text or new_ids:
+                                sent_text += new_text
+                                sent_ids += len(new_ids)
+                                yield StreamDelta(new_text, new_ids, None)
+                finally:
+                    if final is None:  # an error, or the consumer closed the stream early
+                        self._abort_all(engine)
+        total = time.perf_counter() - t0
+        gen = final.outputs[0] if final.outputs else None
+        full_text = gen.text if gen is not None else ""
+        full_ids = list(gen.token_ids) if gen is not None else []
+        completion = Completion(
+            text=full_text,
+            token_ids=full_ids,
+            prompt_token_ids=list(ids),
+            prompt_tokens=len(ids),
+            num_cached_tokens=int(final.num_cached_tokens or 0),
+            ttft_s=total if ttft is None else ttft,
+            total_s=total,
+            finish_reason=gen.finish_reason if gen is not None else None,
+            predicted_cached_tokens=predicted,
+            request_id=rid,
+        )
+        # the final step's text (stop strings removed); a stop string can end the text
+        # before what was already sent, in which case nothing more is added
+        tail = full_text[len(sent_text) :] if full_text.startswith(sent_text) else ""
+        yield StreamDelta(tail, full_ids[sent_ids:], completion)
 
     def _abort_all(self, engine: Any) -> None:
         """Abort whatever is unfinished so the next request meets an idle engine (and the

@@ -29,6 +29,14 @@ JSON/msgpack-safe)::
                 "segments": [{"dst_start": 64, "num_blocks": 4, "delta": -64,
                               "src_parent": "<32 hex digits>"}]}}
 
+Two optional plan fields scope spliced KV (see ``engine_adapters._agent``):
+``"src_salt"`` is the salt the old prompt's blocks were stored under when it differs from
+this request's ``cache_salt`` (absent: the same), and ``"scope": true`` says this
+request's salt is a *splice scope* that only its session uses: the blocks it loads and
+the blocks it computes after relocated KV are then saved under that salt too (they are
+approximate, and only requests with the scope's salt can reach them), so later edits of
+the session can relocate them again.  Without a scope nothing approximate is saved.
+
 A segment says: the ``num_blocks`` blocks of the *new* prompt starting at token
 ``dst_start`` were computed before at ``dst_start - delta`` in an old prompt, right after
 the old block whose chain hash is ``src_parent`` (``root_hash(salt)`` when the old run
@@ -46,7 +54,7 @@ import numbers
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine_adapters._store import BlockRef, BlockStore, StoreConfig, chain_refs
 from promptsplice.blocks import (
@@ -57,6 +65,7 @@ from promptsplice.blocks import (
     hash_block,
     root_hash,
     round_down,
+    round_up,
 )
 from promptsplice.errors import ConfigError, InputError
 
@@ -68,6 +77,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PLAN_KEY",
     "PLAN_VERSION",
+    "SAME_SALT",
     "LoadItem",
     "LoadPlan",
     "SaveItem",
@@ -79,12 +89,26 @@ __all__ = [
     "WorkerStats",
     "plan_deletion",
     "plan_load",
+    "plan_phases",
     "plan_relocation",
+    "SplicePhase",
     "store_config_from_extra",
     "store_config_to_extra",
 ]
 
 _log = logging.getLogger(__name__)
+
+class _SameSalt:
+    """The default of :attr:`SplicePlan.src_salt`: the request's own ``cache_salt``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SAME_SALT"
+
+
+SAME_SALT: Any = _SameSalt()
+"""``SplicePlan.src_salt`` default: the old blocks were stored under the request's salt."""
 
 PLAN_KEY = "splice"
 """The key of a plan inside ``kv_transfer_params``."""
@@ -146,9 +170,18 @@ class SplicePlan:
 
     block_size: int
     segments: tuple[SpliceSegment, ...] = ()
+    src_salt: str | bytes | None = SAME_SALT
+    """The salt the old blocks were stored under (:data:`SAME_SALT`: the request's)."""
+    scope: bool = False
+    """The request's salt is a splice scope: save what it loads and what it computes
+    after relocated KV under it (see the module doc)."""
 
     def __post_init__(self) -> None:
         bs = self.block_size
+        if self.src_salt is not SAME_SALT and not isinstance(self.src_salt, (str, bytes, type(None))):
+            raise InputError(f"splice plan src_salt must be a str, bytes or None, got {self.src_salt!r:.80}")
+        if not isinstance(self.scope, bool):
+            raise InputError(f"splice plan scope must be a bool, got {self.scope!r}")
         if not _is_int(bs) or bs <= 0:
             raise InputError(f"splice plan block_size must be a positive int, got {bs!r}")
         segs = tuple(self.segments)
@@ -190,21 +223,25 @@ class SplicePlan:
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` dict that carries this plan (JSON-safe)."""
-        return {
-            PLAN_KEY: {
-                "version": PLAN_VERSION,
-                "block_size": self.block_size,
-                "segments": [
-                    {
-                        "dst_start": s.dst_start,
-                        "num_blocks": s.num_blocks,
-                        "delta": s.delta,
-                        "src_parent": s.src_parent.hex(),
-                    }
-                    for s in self.segments
-                ],
-            }
+        body: dict[str, Any] = {
+            "version": PLAN_VERSION,
+            "block_size": self.block_size,
+            "segments": [
+                {
+                    "dst_start": s.dst_start,
+                    "num_blocks": s.num_blocks,
+                    "delta": s.delta,
+                    "src_parent": s.src_parent.hex(),
+                }
+                for s in self.segments
+            ],
         }
+        if self.src_salt is not SAME_SALT:
+            salt = self.src_salt
+            body["src_salt"] = {"hex": salt.hex()} if isinstance(salt, bytes) else salt
+        if self.scope:
+            body["scope"] = True
+        return {PLAN_KEY: body}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> SplicePlan | None:
@@ -237,7 +274,15 @@ class SplicePlan:
                 raise InputError(f"splice plan segment {i} lacks {exc.args[0]!r}") from None
             except (TypeError, ValueError) as exc:
                 raise InputError(f"splice plan segment {i}: {exc}") from None
-        return cls(raw.get("block_size"), tuple(segs))
+        src_salt: Any = SAME_SALT
+        if "src_salt" in raw:
+            src_salt = raw["src_salt"]
+            if isinstance(src_salt, Mapping):
+                try:
+                    src_salt = bytes.fromhex(src_salt["hex"])
+                except (KeyError, TypeError, ValueError):
+                    raise InputError("splice plan 'src_salt' must be a str, null or {'hex': ...}") from None
+        return cls(raw.get("block_size"), tuple(segs), src_salt, raw.get("scope", False))
 
 
 def _as_token_list(tokens: Sequence[int], what: str) -> list[int]:
@@ -337,6 +382,118 @@ def plan_deletion(
     return plan_relocation(old, new, old_start=end, new_start=start, block_size=block_size, salt=salt)
 
 
+class SplicePhase(NamedTuple):
+    """One request of a multi-phase splice: prompt ``new_tokens[:end]``, loading
+    ``plan`` right after its local prefix-cache hit."""
+
+    end: int
+    plan: SplicePlan
+
+
+def plan_phases(
+    old_tokens: Sequence[int],
+    new_tokens: Sequence[int],
+    relocations: Iterable[tuple[int, int, int]],
+    *,
+    block_size: int,
+    recompute_blocks: int = 0,
+    salt: str | bytes | None = None,
+    src_salt: Any = SAME_SALT,
+    load_prefix: int = 0,
+    scope: bool = False,
+) -> list[SplicePhase]:
+    """The requests that carry out an edit: unchanged old runs are relocated, the rest
+    is computed, every request extending the prefix-cache hit of the one before.
+
+    ``relocations``: ``(old_start, old_end, delta)`` runs of old tokens that reappear at
+    ``old_start + delta`` in the new prompt (:attr:`assembler.Diff.relocations`), sorted.
+    Only whole blocks move, from old block boundaries to new ones (a run whose ``delta``
+    is not a block multiple is computed); the first ``recompute_blocks`` blocks of each
+    run are computed too (their attention to the edited context is fresh: the fix
+    for the attention-sink drift EPIC reports).  ``load_prefix`` tokens (a block
+    multiple, equal in both prompts) are loaded from the old chain instead of hitting
+    the prefix cache: the first request of a new splice scope, whose salt has nothing
+    cached yet.  ``salt`` is the requests' ``cache_salt``; ``src_salt`` the salt the old
+    prompt's blocks were stored under (:data:`SAME_SALT`: ``salt``).
+
+    vLLM loads one contiguous run right after the local hit and computes at least one
+    token per request, so each maximal run of contiguous loaded blocks is one request:
+    it loads the run and computes up to the next run (its blocks are then cached for
+    the next request); a first request without a plan computes what precedes the first
+    run when the prefix cache cannot reach it.  The last phase ends at
+    ``len(new_tokens)``.  Raises :class:`InputError` when a run's tokens differ between
+    the prompts or runs overlap.
+    """
+    bs = block_size
+    if not _is_int(bs) or bs <= 0:
+        raise ConfigError(f"block_size must be a positive int, got {bs!r}")
+    if not _is_int(recompute_blocks) or recompute_blocks < 0:
+        raise ConfigError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+    old = _as_token_list(old_tokens, "old_tokens")
+    new = _as_token_list(new_tokens, "new_tokens")
+    if not new:
+        raise InputError("the new prompt is empty")
+    src = salt if src_salt is SAME_SALT else src_salt
+    limit = round_down(len(new) - 1, bs)  # the last request computes at least one token
+    old_chain: list[BlockHash] = []
+
+    def parent(old_pos: int) -> BlockHash:
+        if old_pos == 0:
+            return root_hash(src)
+        if not old_chain:
+            old_chain.extend(chain_hashes(old[: round_down(len(old), bs)], bs, salt=src))
+        return old_chain[old_pos // bs - 1]
+
+    segs: list[SpliceSegment] = []
+    if load_prefix:
+        if not _is_int(load_prefix) or load_prefix < 0 or load_prefix % bs:
+            raise InputError(f"load_prefix must be a block multiple >= 0, got {load_prefix!r}")
+        if new[:load_prefix] != old[:load_prefix]:
+            raise InputError("load_prefix covers tokens on which the old and new prompts differ")
+        n = min(load_prefix, limit) // bs
+        if n:
+            segs.append(SpliceSegment(0, n, 0, root_hash(src)))
+    for i, run in enumerate(relocations):
+        try:
+            o_start, o_end, delta = (int(x) for x in run)
+        except (TypeError, ValueError):
+            raise InputError(f"relocation {i} must be (old_start, old_end, delta), got {run!r}") from None
+        if not 0 <= o_start <= o_end <= len(old) or not 0 <= o_start + delta <= o_end + delta <= len(new):
+            raise InputError(f"relocation {i} {run!r} is outside the prompts ({len(old)} / {len(new)} tokens)")
+        if delta % bs:
+            continue  # not block-aligned in both prompts: computed
+        a = round_up(o_start + delta, bs) + recompute_blocks * bs
+        e = min(round_down(o_end + delta, bs), limit)
+        if e - a < bs:
+            continue
+        if new[a:e] != old[a - delta : e - delta]:
+            raise InputError(f"relocation {i} {run!r}: the prompts differ inside the run")
+        if segs and a < segs[-1].dst_start + segs[-1].num_blocks * bs:
+            raise InputError(f"relocation {i} {run!r} overlaps the run before it (sort them, no overlaps)")
+        segs.append(SpliceSegment(a, (e - a) // bs, delta, parent(a - delta)))
+
+    groups: list[list[SpliceSegment]] = []
+    for seg in segs:
+        if groups and groups[-1][-1].dst_start + groups[-1][-1].num_blocks * bs == seg.dst_start:
+            groups[-1].append(seg)
+        else:
+            groups.append([seg])
+    phases: list[SplicePhase] = []
+    if groups:
+        hit = 0
+        while hit < min(len(old), len(new)) and old[hit] == new[hit]:
+            hit += 1
+        first = groups[0][0].dst_start
+        if first > round_down(hit, bs) and not (load_prefix and first == 0):
+            phases.append(SplicePhase(first, SplicePlan(bs, src_salt=src_salt, scope=scope)))
+    for k, group in enumerate(groups):
+        end = groups[k + 1][0].dst_start if k + 1 < len(groups) else len(new)
+        phases.append(SplicePhase(end, SplicePlan(bs, tuple(group), src_salt, scope)))
+    if not phases:
+        phases.append(SplicePhase(len(new), SplicePlan(bs, src_salt=src_salt, scope=scope)))
+    return phases
+
+
 # --------------------------------------------------------------------- planning loads
 
 
@@ -349,6 +506,8 @@ class LoadPlan:
     block_size: int
     refs: tuple[BlockRef, ...] = ()
     deltas: tuple[int, ...] = ()
+    salts: tuple[str | bytes | None, ...] | None = None
+    """Per-ref salts when some refs come from another salt (``None``: the request's)."""
 
     @property
     def num_blocks(self) -> int:
@@ -426,14 +585,24 @@ def plan_load(
             planned = {j: rd for j, rd in planned.items() if rd[1] == 0}
     if chain is None or len(chain) < last:
         chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
+    src_salt = salt if plan is None or plan.src_salt is SAME_SALT else plan.src_salt
     refs: list[BlockRef] = []
     deltas: list[int] = []
+    salts: list[str | bytes | None] = []
     for j in range(first, last):
-        ref, delta = planned.get(j, (chain[j], 0))
+        if j in planned:
+            ref, delta = planned[j]
+            salts.append(src_salt)
+        else:
+            ref, delta = chain[j], 0
+            salts.append(salt)
         refs.append(ref)
         deltas.append(delta)
-    count = store.match_prefix(refs, salt=salt, owner=owner)
-    return LoadPlan(start, bs, tuple(refs[:count]), tuple(deltas[:count]))
+    mixed = any(x != salt for x in salts)
+    count = store.match_prefix(refs, salt=salt, owner=owner, salts=salts if mixed else None)
+    return LoadPlan(
+        start, bs, tuple(refs[:count]), tuple(deltas[:count]), tuple(salts[:count]) if mixed else None
+    )
 
 
 # ------------------------------------------------------------------- metadata items
@@ -452,6 +621,11 @@ class LoadItem:
     block_ids: tuple[int, ...]
     start: int
     """The first loaded token (the request's local prefix-cache hit)."""
+    ref_salts: tuple[str | bytes | None, ...] | None = None
+    """Per-ref salts (``None``: every ref is stored under ``salt``)."""
+
+    def salt_of(self, index: int) -> str | bytes | None:
+        return self.salt if self.ref_salts is None else self.ref_salts[index]
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,6 +659,8 @@ class _ReqState:
     pending: LoadPlan | None = None
     no_save: bool = False
     """Set after a relocation: blocks computed after relocated KV are not exact."""
+    save_from: int | None = None
+    """Scoped requests: the first loaded block, saved (under the scope) with the step."""
 
 
 class SpliceScheduler:
@@ -589,8 +765,11 @@ class SpliceScheduler:
             n = cdiv(num_external_tokens, bs)
         first = lp.start // bs
         dst = tuple(int(b) for b in block_ids[first : first + n])
-        item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start)
-        if any(item.deltas):
+        salts = None if lp.salts is None else lp.salts[:n]
+        item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start, salts)
+        if st.plan is not None and st.plan.scope:
+            st.save_from = first  # approximate or not, the scope keeps what it loaded
+        elif any(item.deltas) or salts is not None:
             st.no_save = True
         self._loads.append(item)
         return item
@@ -616,6 +795,8 @@ class SpliceScheduler:
             prompt_len = len(st.tokens)
             end = min(computed + scheduled, prompt_len)
             first, stop = computed // bs, end // bs  # blocks [first, stop) complete now
+            if st.save_from is not None:
+                first, st.save_from = min(first, st.save_from), None
             if stop <= first:
                 continue
             if st.chain is None or len(st.chain) < stop:
@@ -752,8 +933,8 @@ class SpliceWorker:
 
         payloads = []
         try:
-            for ref in item.refs:
-                found = self.store.get(ref, salt=item.salt)
+            for i, ref in enumerate(item.refs):
+                found = self.store.get(ref, salt=item.salt_of(i))
                 p = found.payload
                 if not found.status.hit or p is None or tuple(p.shape) != self.payload_shape or p.dtype != self.dtype:
                     if found.status.hit:

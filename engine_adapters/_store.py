@@ -542,14 +542,22 @@ class BlockStore:
         salt: str | bytes | None = None,
         namespace: Namespace = Namespace.CHAIN,
         owner: Hashable | None = None,
+        salts: Sequence[str | bytes | None] | None = None,
     ) -> int:
         """How many *leading* ``refs`` are stored and valid (index only, reads no file).
 
         The counted blocks count as used (LRU).  With ``owner`` they are pinned for that
         owner until :meth:`release` (replacing the owner's earlier pins); see the module
-        doc for what a pin guarantees to the load that follows.
+        doc for what a pin guarantees to the load that follows.  ``salts``: one salt per
+        ref, overriding ``salt`` (a run that continues an old prompt stored under another
+        salt: the splice connector's scoped requests).
         """
-        queries = [self._query(ref, salt, namespace) for ref in refs]
+        refs = list(refs)
+        if salts is not None and len(salts) != len(refs):
+            raise InputError(f"salts has {len(salts)} entries for {len(refs)} refs: give one per ref")
+        queries = [
+            self._query(ref, salt if salts is None else salts[i], namespace) for i, ref in enumerate(refs)
+        ]
         with self._lock:
             self._check_open()
             count = 0

@@ -7,6 +7,7 @@ machine without vLLM can still run the assembly-only commands.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -100,6 +101,30 @@ def _cmd_bench_gen_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_agent(args: argparse.Namespace) -> int:
+    from benchmarks.agent import run_agent_bench
+
+    return run_agent_bench(
+        args.trace,
+        args.json,
+        recompute_blocks=args.recompute_blocks,
+        sessions=args.sessions,
+        max_tokens=args.max_tokens,
+        fidelity_steps=args.fidelity_steps,
+        scope=args.scope,
+    )
+
+
+def _cmd_bench_gen_agent_trace(args: argparse.Namespace) -> int:
+    from benchmarks.agent_traces import generate_agent_trace, trace_summary, write_agent_trace
+
+    sessions = generate_agent_trace(args.sessions, seed=args.seed)
+    write_agent_trace(args.out, sessions)
+    print(json.dumps(trace_summary(sessions)))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="promptsplice",
@@ -157,6 +182,23 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--rounds", type=int, default=4)
     off.add_argument("--prompt-tokens", type=int, default=1024)
     off.set_defaults(func=_cmd_bench_offload)
+
+    agent = bsub.add_parser("agent", help="agent sessions in modes full | apc | splice, with fidelity")
+    agent.add_argument("--trace", required=True, help="agent trace, JSONL: {id, tools, renders}")
+    agent.add_argument("--json", required=True, help="where to write the JSON report")
+    agent.add_argument("--recompute-blocks", type=int, default=None,
+                       help="blocks prefilled after each edit before relocation resumes (default: the runner's)")
+    agent.add_argument("--sessions", type=int, default=None, help="only the first N sessions")
+    agent.add_argument("--max-tokens", type=int, default=32, help="tokens generated per step")
+    agent.add_argument("--fidelity-steps", type=int, default=8, help="edit steps probed for fidelity")
+    agent.add_argument("--scope", default="session", help="session | none (spliced KV scope)")
+    agent.set_defaults(func=_cmd_bench_agent)
+
+    gat = bsub.add_parser("gen-agent-trace", help="write an agent trace from the BFCL multi-turn tasks")
+    gat.add_argument("--out", required=True)
+    gat.add_argument("--sessions", type=int, default=24)
+    gat.add_argument("--seed", type=int, default=0)
+    gat.set_defaults(func=_cmd_bench_gen_agent_trace)
 
     gen = bsub.add_parser("gen-trace", help="write a RAG trace from real Wikipedia text")
     gen.add_argument("--out", required=True)

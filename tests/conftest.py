@@ -36,6 +36,7 @@ def start_default_engine(**overrides):
     (728 blocks of 32 tokens), max_model_len 4096, greedy sampling by default."""
     from engine_adapters import EmbeddedEngine
 
+    overrides.setdefault("extra_kwargs", {"max_logprobs": -1})  # full-vocabulary logprobs for KL probes
     return EmbeddedEngine(**overrides)
 
 

@@ -85,6 +85,13 @@ def test_assembler_is_light_and_never_imports_the_engine_side():
     assert not {m.split(".")[0] for m in mods} & heavy
 
 
+def test_engine_adapters_imports_no_engine_or_framework_until_used():
+    mods = {m.split(".")[0] for m in _modules_after_import("import engine_adapters")}
+    assert not mods & {"vllm", "torch", "langchain_core", "langchain", "langgraph", "agents"}
+    lazy = {m.split(".")[0] for m in _modules_after_import("import engine_adapters; engine_adapters.PromptspliceRetriever")}
+    assert "langchain_core" in lazy
+
+
 def test_dedup_is_a_leaf():
     mods = {m.split(".")[0] for m in _modules_after_import("import dedup")}
     assert not mods & {"assembler", "engine_adapters", "kernels", "benchmarks", "torch", "numpy", "langchain_core"}
@@ -96,6 +103,9 @@ def test_engine_adapters_exports_are_pinned():
 
     assert sorted(engine_adapters.__all__) == sorted(
         [
+            "AgentMode",
+            "AgentRunner",
+            "AgentStep",
             "BlockRef",
             "BlockStore",
             "CPU_BLOCK_MULTIPLE",
@@ -105,21 +115,29 @@ def test_engine_adapters_exports_are_pinned():
             "EmbeddedEngine",
             "EngineConfig",
             "EngineCounters",
+            "Lease",
             "Lookup",
             "LookupStatus",
             "Namespace",
+            "PrefixRouter",
             "PromptLike",
+            "PromptspliceCompressor",
+            "PromptspliceRetriever",
             "PutStatus",
             "RemoteCompletion",
             "RemoteEngine",
+            "RoundRobinRouter",
             "ServerCounters",
+            "SplicePhase",
             "SplicePlan",
             "SpliceSegment",
             "StoreConfig",
             "StoreStats",
             "chain_refs",
             "plan_deletion",
+            "plan_phases",
             "plan_relocation",
+            "prefix_route_key",
             "shared_store",
         ]
     )

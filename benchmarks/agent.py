@@ -1,0 +1,352 @@
+"""``promptsplice bench agent``: agent sessions in three engine modes, with bounds and
+measured fidelity.
+
+Every session of an agent trace (:mod:`benchmarks.agent_traces`) is replayed step by
+step through :class:`assembler.ContextHook` (the renders already hold the agent's own
+edits, so the hook runs without policies) and :class:`engine_adapters.AgentRunner` in
+each mode: ``full`` (no cache) and ``apc`` (vLLM's prefix cache) on one engine,
+``splice`` on a second engine started with the splice connector (its store saves add
+their cost to ``splice``, never to the others).  Modes use different tenant salts, so
+none reads another's cache.  The steps of a session run interleaved: ``full``, ``apc``,
+``splice``, then the fidelity probes of that step when it is sampled.
+
+Bounds reported beside the modes:
+
+* ``ideal_prefill_tokens``: message-level reuse: per step, a segment is free when the
+  same message (same rendered text and padding) was in the session's previous render or
+  lies in the prefix the ``apc`` run served from its cache; everything else is
+  prefilled, with the renderer's block alignment.
+* per edit kind (:func:`benchmarks.agent_traces.classify_step`) the steps and each
+  mode's prefill, so users see where splicing pays (deep edits) and where it cannot
+  (an edit of the last message leaves nothing to relocate).
+
+Fidelity (sampled edit steps, measured on the real model against a one-pass full
+prefill ``R`` of the same render with 32 greedy tokens ``c``): teacher-forced top-1
+agreement (the context plus ``c[:k]`` predicts ``c[k]``, k < 32), the KL divergence
+``KL(R || mode)`` of the first-token distributions over the whole vocabulary (nats),
+and greedy agreement (the mode's own 32 greedy tokens: the fraction equal to ``c``
+before the first divergence).  ``control`` measures ``apc`` the same way: exact KV that
+differs from ``R`` only by bf16 rounding (cached vs one-pass attention).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
+
+__all__ = ["MODE_FIELDS", "FIDELITY_FIELDS", "run_agent_modes", "run_agent_bench", "format_agent"]
+
+_log = logging.getLogger(__name__)
+
+MODES = ("full", "apc", "splice")
+MODE_FIELDS = (
+    "steps",
+    "prompt_tokens",
+    "prefill_tokens",
+    "cached_tokens",
+    "relocated_tokens",
+    "hit_rate",
+    "wall_s",
+    "ttft_p50_ms",
+    "edit_steps_prefill_tokens",
+    "edit_steps_ttft_p50_ms",
+)
+FIDELITY_FIELDS = ("tf_top1_agreement", "first_token_kl", "greedy_agreement")
+PROBE_TOKENS = 32
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _kl(p: dict[int, float], q: dict[int, float]) -> float:
+    """KL(p || q) in nats from two full-vocabulary logprob dicts."""
+    floor = min(q.values()) if q else -100.0
+    return sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items())
+
+
+class _Totals:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.prompt = self.prefill = self.cached = self.relocated = 0
+        self.wall = 0.0
+        self.ttft: list[float] = []
+        self.edit_prefill = 0
+        self.edit_ttft: list[float] = []
+
+    def add(self, st: Any, edit: bool) -> None:
+        self.steps += 1
+        self.prompt += st.prompt_tokens
+        self.prefill += st.prefill_tokens
+        self.cached += st.cached_tokens
+        self.relocated += st.relocated_tokens
+        self.wall += st.wall_s
+        self.ttft.append(st.ttft_s)
+        if edit:
+            self.edit_prefill += st.prefill_tokens
+            self.edit_ttft.append(st.ttft_s)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "prompt_tokens": self.prompt,
+            "prefill_tokens": self.prefill,
+            "cached_tokens": self.cached,
+            "relocated_tokens": self.relocated,
+            "hit_rate": round(1 - self.prefill / self.prompt, 4) if self.prompt else 0.0,
+            "wall_s": round(self.wall, 3),
+            "ttft_p50_ms": round(_pct(self.ttft, 0.5) * 1e3, 2),
+            "edit_steps_prefill_tokens": self.edit_prefill,
+            "edit_steps_ttft_p50_ms": round(_pct(self.edit_ttft, 0.5) * 1e3, 2),
+        }
+
+
+class _Fidelity:
+    def __init__(self) -> None:
+        self.tf: list[float] = []
+        self.kl: list[float] = []
+        self.greedy: list[float] = []
+
+    def add(self, tf: float, kl: float, greedy: float) -> None:
+        self.tf.append(tf)
+        self.kl.append(kl)
+        self.greedy.append(greedy)
+
+    def report(self) -> dict[str, Any]:
+        mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
+        return {"tf_top1_agreement": mean(self.tf), "first_token_kl": mean(self.kl),
+                "greedy_agreement": mean(self.greedy), "steps": len(self.tf)}
+
+
+def _ideal_step(render: Any, prev: Any, apc_cached: int) -> int:
+    """Prefill of message-level reuse for one step (see the module doc)."""
+    seen = set()
+    if prev is not None:
+        seen = {(s.key, s.padding) for s in prev.body_segments}
+    out = 0
+    for seg in render.segments:
+        if seg.end <= apc_cached:
+            continue
+        if (seg.key, seg.padding) in seen:
+            continue
+        out += seg.end - max(seg.start, apc_cached)
+    return out
+
+
+def _probe(engine: Any, tokens: list[int], cont: list[int], salt: str | None, first: dict[int, float] | None) -> tuple[float, dict[int, float]]:
+    """Teacher-forced top-1 agreement of ``tokens + cont[:k]`` -> ``cont[k]`` under
+    ``salt``, and the first-token distribution (measured unless ``first`` is given)."""
+    if first is None:
+        first = engine.generate(tokens, max_tokens=1, cache_salt=salt, logprobs=-1).logprobs[0]
+    hits = int(max(first, key=first.get) == cont[0])
+    for k in range(1, len(cont)):
+        out = engine.generate(tokens + cont[:k], max_tokens=1, cache_salt=salt)
+        hits += int(out.token_ids[0] == cont[k])
+    return hits / len(cont), first
+
+
+def _greedy(tokens: list[int], ref: list[int]) -> float:
+    n = 0
+    for a, b in zip(tokens, ref):
+        if a != b:
+            break
+        n += 1
+    return n / len(ref) if ref else 1.0
+
+
+def run_agent_modes(
+    sessions: Sequence[AgentSession],
+    *,
+    engine: Any,
+    kv_engine: Any,
+    recompute_blocks: int | None = None,
+    max_tokens: int = PROBE_TOKENS,
+    fidelity_steps: int = 8,
+    scope: str = "session",
+    log: Any = None,
+) -> dict[str, Any]:
+    """Replay ``sessions`` in the three modes; returns the report dict (module doc).
+
+    ``engine``: a plain :class:`EmbeddedEngine` (``full`` and ``apc``); ``kv_engine``:
+    one with ``kv_store`` (``splice``); both started with ``max_logprobs=-1`` for the
+    KL probes.  ``fidelity_steps``: how many edit steps to probe (spread over the trace).
+    """
+    from assembler import ContextHook
+    from engine_adapters import AgentRunner
+    from engine_adapters._agent import DEFAULT_RECOMPUTE_BLOCKS
+    from promptsplice.errors import ContextLengthError
+
+    r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
+    salts = {m: f"bench-agent-{m}" for m in MODES}
+    runners = {
+        "full": AgentRunner(engine, mode="full", salt=salts["full"]),
+        "apc": AgentRunner(engine, mode="apc", salt=salts["apc"]),
+        "splice": AgentRunner(kv_engine, mode="splice", salt=salts["splice"], recompute_blocks=r, scope=scope),
+    }
+    hooks = {m: ContextHook(engine.tokenizer, block_size=engine.block_size, salt=salts[m]) for m in MODES}
+    totals = {m: _Totals() for m in MODES}
+    by_kind: dict[str, dict[str, Any]] = {}
+    fid = {"splice": _Fidelity(), "apc": _Fidelity()}
+    ideal = 0
+    skipped = 0
+    fallbacks = 0
+    edit_total = sum(
+        1 for s in sessions for i, rnd in enumerate(s.renders)
+        if classify_step(s.renders[i - 1] if i else None, rnd) not in ("first", "append")
+    )
+    every = max(1, edit_total // max(1, fidelity_steps)) if fidelity_steps else 0
+    edit_seen = 0
+    t_start = time.perf_counter()
+    for sess in sessions:
+        prev_render = None
+        for i, msgs in enumerate(sess.renders):
+            kind = classify_step(sess.renders[i - 1] if i else None, msgs)
+            edit = kind not in ("first", "append")
+            sid = f"{sess.id}"
+            prepared = {m: hooks[m](sid, msgs, sess.tools or None) for m in MODES}
+            steps = {}
+            try:
+                for m in MODES:
+                    steps[m] = runners[m].step(prepared[m], max_tokens=max_tokens)
+            except ContextLengthError as exc:
+                skipped += 1
+                _log.warning("bench agent: session %s step %d skipped: %s", sess.id, i, exc)
+                for m in MODES:
+                    hooks[m].forget(sid)
+                    runners[m].forget(sid)
+                prev_render = None
+                continue
+            fallbacks += int(steps["splice"].fallback is not None and edit)
+            for m in MODES:
+                totals[m].add(steps[m], edit)
+            render = prepared["apc"].render
+            ideal += _ideal_step(render, prev_render, steps["apc"].cached_tokens)
+            prev_render = render
+            k = by_kind.setdefault(kind, {"steps": 0, **{m: {"prefill_tokens": 0, "ttft_ms": []} for m in MODES}})
+            k["steps"] += 1
+            for m in MODES:
+                k[m]["prefill_tokens"] += steps[m].prefill_tokens
+                k[m]["ttft_ms"].append(steps[m].ttft_s * 1e3)
+            if edit:
+                edit_seen += 1
+                if every and edit_seen % every == 0 and len(fid["splice"].tf) < fidelity_steps:
+                    _measure(engine, kv_engine, prepared["apc"].token_ids, steps, runners, sid, fid)
+            if log is not None:
+                log(f"{sess.id} step {i} {kind:9s} prefill full {steps['full'].prefill_tokens:5d} "
+                    f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
+                    f"(relocated {steps['splice'].relocated_tokens}, {steps['splice'].requests} req)")
+    report: dict[str, Any] = {
+        "modes": {m: totals[m].report() for m in MODES},
+        "ideal_prefill_tokens": ideal,
+        "fidelity": {**{f: fid["splice"].report()[f] for f in FIDELITY_FIELDS},
+                     "control": {f: fid["apc"].report()[f] for f in FIDELITY_FIELDS},
+                     "steps": len(fid["splice"].tf), "tokens": PROBE_TOKENS},
+        "recompute_blocks": r,
+        "scope": scope,
+        "sessions": len(sessions),
+        "skipped_steps": skipped,
+        "splice_fallback_steps": fallbacks,
+        "by_kind": {
+            kind: {"steps": v["steps"], **{m: {"prefill_tokens": v[m]["prefill_tokens"],
+                                             "ttft_p50_ms": round(_pct(v[m]["ttft_ms"], 0.5), 2)} for m in MODES}}
+            for kind, v in sorted(by_kind.items())
+        },
+        "bench_wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    apc, spl = report["modes"]["apc"]["prefill_tokens"], report["modes"]["splice"]["prefill_tokens"]
+    report["gap_closed"] = round((apc - spl) / (apc - ideal), 4) if apc > ideal else None
+    return report
+
+
+def _measure(engine, kv_engine, tokens, steps, runners, sid, fid) -> None:
+    """Fidelity probes of one step (module doc): one-pass reference, then ``apc``
+    (control) and ``splice`` teacher-forced on the reference's continuation."""
+    import uuid
+
+    ref = engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=f"ref:{uuid.uuid4().hex}", logprobs=-1)
+    cont = ref.token_ids
+    if len(cont) < PROBE_TOKENS:  # EOS early: probe what there is
+        if not cont:
+            return
+    p_ref = ref.logprobs[0]
+    for m, eng, f in (("apc", engine, fid["apc"]), ("splice", kv_engine, fid["splice"])):
+        salt = runners[m].session_salt(sid)
+        tf, first = _probe(eng, tokens, cont, salt, None)
+        f.add(tf, _kl(p_ref, first), _greedy(steps[m].completion.token_ids, cont))
+
+
+def format_agent(report: dict[str, Any]) -> str:
+    lines = [f"{'mode':8s} {'prefill':>9s} {'relocated':>9s} {'hit':>6s} {'TTFT p50':>9s} {'edit TTFT p50':>13s}"]
+    for m in MODES:
+        x = report["modes"][m]
+        lines.append(f"{m:8s} {x['prefill_tokens']:9d} {x['relocated_tokens']:9d} {x['hit_rate']:6.3f} "
+                     f"{x['ttft_p50_ms']:7.0f}ms {x['edit_steps_ttft_p50_ms']:11.0f}ms")
+    lines.append(f"ideal prefill (message-level reuse): {report['ideal_prefill_tokens']}; "
+                 f"splice closes {report['gap_closed']} of the apc -> ideal gap")
+    f = report["fidelity"]
+    c = f["control"]
+    lines.append(f"fidelity over {f['steps']} edit steps: splice tf-top1 {f['tf_top1_agreement']} "
+                 f"KL {f['first_token_kl']} greedy {f['greedy_agreement']} | control (apc) tf-top1 "
+                 f"{c['tf_top1_agreement']} KL {c['first_token_kl']} greedy {c['greedy_agreement']}")
+    for kind, v in report["by_kind"].items():
+        lines.append(f"  {kind:9s} {v['steps']:4d} steps  prefill apc {v['apc']['prefill_tokens']:7d} "
+                     f"splice {v['splice']['prefill_tokens']:7d}  TTFT p50 apc {v['apc']['ttft_p50_ms']:6.0f} "
+                     f"splice {v['splice']['ttft_p50_ms']:6.0f} ms")
+    return "\n".join(lines)
+
+
+def start_engines(*, store_dir: str | None = None, dram_bytes: int = 1 << 30) -> tuple[Any, Any]:
+    """The bench's two engines: plain, and with the splice connector (DRAM then disk)."""
+    from engine_adapters import EmbeddedEngine, StoreConfig
+
+    extra = {"max_logprobs": -1}
+    engine = EmbeddedEngine(extra_kwargs=extra)
+    folder = store_dir or tempfile.mkdtemp(prefix="promptsplice-agent-store-")
+    store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=4 << 30, disk_dir=folder, fsync=False)
+    kv_engine = EmbeddedEngine(kv_store=store, extra_kwargs=extra)
+    return engine, kv_engine
+
+
+def run_agent_bench(
+    trace: str | Path,
+    json_out: str | Path,
+    *,
+    recompute_blocks: int | None = None,
+    sessions: int | None = None,
+    max_tokens: int = PROBE_TOKENS,
+    fidelity_steps: int = 8,
+    scope: str = "session",
+    verbose: bool = True,
+) -> int:
+    """The CLI's job: read the trace, run the modes, write the JSON, print a table."""
+    data = read_agent_trace(trace)
+    if sessions is not None:
+        data = data[:sessions]
+    engine, kv_engine = start_engines()
+    try:
+        report = run_agent_modes(
+            data, engine=engine, kv_engine=kv_engine, recompute_blocks=recompute_blocks,
+            max_tokens=max_tokens, fidelity_steps=fidelity_steps, scope=scope,
+            log=print if verbose else None,
+        )
+    finally:
+        kv_engine.close()
+        engine.close()
+    report["trace"] = str(trace)
+    out = Path(json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(format_agent(report))
+    print(f"wrote {out}")
+    return 0

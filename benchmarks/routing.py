@@ -1,0 +1,325 @@
+"""``promptsplice bench route``: prefix-affinity vs round-robin routing over real servers.
+
+Starts ``endpoints`` real ``vllm serve`` processes on loopback (the default model, block
+32, prefix caching, a small KV cache each), assembles the built-in RAG sample with a
+stable-order :class:`assembler.Assembler`, and sends the same prompts (token ids) through
+:class:`engine_adapters.PrefixRouter` and through :class:`engine_adapters.RoundRobinRouter`.
+Each router's run has its own ``cache_salt``, so both start from an empty cache on every
+server.  The cluster hit rate is the servers' own count: ``cached_tokens`` from each
+response's ``usage.prompt_tokens_details`` summed over requests, divided by prompt
+tokens; the servers' ``/metrics`` counters are read too and must agree.
+
+JSON written by ``--json``::
+
+    {"routers": {"affinity" | "round_robin": {"requests", "prompt_tokens",
+     "cached_tokens", "hit_rate", "per_endpoint_requests", "metrics_cached_tokens"}},
+     "endpoints": 2, "block_size": 32, "key_blocks": 4, "load_factor": 1.25,
+     "concurrency": 1}
+
+:func:`loopback_servers` is the one way this project starts such servers from Python
+(tests reuse it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from promptsplice.errors import ConfigError, EngineError, EngineStartError
+
+__all__ = [
+    "LoopbackServer",
+    "RoutedResult",
+    "assemble_trace",
+    "format_routing",
+    "loopback_servers",
+    "main",
+    "route_trace",
+    "run_routing_bench",
+    "write_report",
+]
+
+BLOCK_SIZE = 32
+STARTUP_DEADLINE_S = 300.0
+
+
+@dataclass(slots=True)
+class LoopbackServer:
+    """One ``vllm serve`` subprocess on 127.0.0.1 (in its own process group)."""
+
+    base_url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM the server's own process group, SIGKILL after 30 s."""
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model: Path, *, block_size: int, kv_cache_gib: int, max_model_len: int) -> LoopbackServer:
+    port = _free_port()
+    log = Path(tempfile.mkdtemp(prefix="route-vllm-")) / "server.log"
+    env = dict(os.environ)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # GiB; the default would take ~19 GiB
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--block-size", str(block_size), "--enable-prefix-caching",
+        "--max-model-len", str(max_model_len), "--enforce-eager",
+        "--enable-prompt-tokens-details", "--dtype", "bfloat16",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return LoopbackServer(f"http://127.0.0.1:{port}", proc, log)
+
+
+def _wait_healthy(servers: Sequence[LoopbackServer], deadline_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + deadline_s
+    pending = list(servers)
+    while pending:
+        for srv in list(pending):
+            if srv.proc.poll() is not None:
+                raise EngineStartError(
+                    f"vllm serve at {srv.base_url} exited with {srv.proc.returncode}:\n{srv.tail()}"
+                )
+            try:
+                if httpx.get(srv.base_url + "/health", timeout=2).status_code == 200:
+                    pending.remove(srv)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise EngineStartError(
+                f"vllm serve at {pending[0].base_url} not healthy after {deadline_s:.0f} s "
+                f"(raise the deadline on a busy machine):\n{pending[0].tail()}"
+            )
+        if pending:
+            time.sleep(1)
+
+
+@contextlib.contextmanager
+def loopback_servers(
+    n: int = 2,
+    *,
+    block_size: int = BLOCK_SIZE,
+    kv_cache_gib: int = 1,
+    max_model_len: int = 2048,
+    deadline_s: float = STARTUP_DEADLINE_S,
+) -> Iterator[list[LoopbackServer]]:
+    """Start ``n`` real ``vllm serve`` (default model) at once, wait until all answer
+    ``/health``, yield them, stop them all on exit (also on error)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"n must be an int >= 1 (servers to start), got {n!r}")
+    from promptsplice.assets import ensure_default_model
+
+    model = ensure_default_model()
+    servers: list[LoopbackServer] = []
+    try:
+        for _ in range(n):
+            servers.append(_start(model, block_size=block_size, kv_cache_gib=kv_cache_gib,
+                                  max_model_len=max_model_len))
+        _wait_healthy(servers, deadline_s)
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+def assemble_trace(requests: int, *, seed: int = 0, block_size: int = BLOCK_SIZE, tokenizer: Any = None) -> list:
+    """The built-in RAG sample, assembled (stable order, ChatML) at ``block_size``."""
+    from assembler import Assembler, PromptFormat
+    from benchmarks.traces import sample_rag_requests
+
+    asm = Assembler(tokenizer, block_size=block_size, policy="stable", prompt_format=PromptFormat.chatml())
+    return [
+        asm.assemble(
+            [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in r.chunks],
+            query=r.query, system=r.system or None, admit=False,
+        )
+        for r in sample_rag_requests(requests, seed=seed)
+    ]
+
+
+@dataclass(slots=True)
+class RoutedResult:
+    """One request's outcome: where it went and what the server reported."""
+
+    index: int
+    endpoint: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def route_trace(
+    router: Any,
+    engines: dict[str, Any],
+    prompts: Sequence[Any],
+    *,
+    salt: str,
+    max_tokens: int = 1,
+    concurrency: int = 1,
+) -> dict[str, Any]:
+    """Send ``prompts`` (token ids, under ``salt``) through ``router`` to ``engines``
+    (endpoint -> ``RemoteEngine``); return the router's totals and every result.
+
+    Raises :class:`EngineError` when a server does not report cached tokens (then the
+    hit rate is unknown, not 0).
+    """
+    before = {e: engines[e].server_counters() for e in engines}
+
+    def one(i: int) -> RoutedResult:
+        prompt = prompts[i]
+        with router.acquire(prompt) as lease:
+            done = engines[lease.endpoint].complete(list(prompt.token_ids), max_tokens=max_tokens, cache_salt=salt)
+        if done.cached_tokens is None or done.prompt_tokens is None:
+            raise EngineError(
+                f"{lease.endpoint} did not report usage.prompt_tokens_details.cached_tokens; "
+                "start vllm serve with --enable-prompt-tokens-details"
+            )
+        return RoutedResult(i, lease.endpoint, done.prompt_tokens, done.cached_tokens)
+
+    if concurrency <= 1:
+        results = [one(i) for i in range(len(prompts))]
+    else:
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(one, range(len(prompts))))
+    after = {e: engines[e].server_counters() for e in engines}
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    metrics = sum((after[e].prefix_cache_hits or 0) - (before[e].prefix_cache_hits or 0) for e in engines)
+    per_endpoint = {e: 0 for e in engines}
+    for r in results:
+        per_endpoint[r.endpoint] += 1
+    return {
+        "requests": len(results),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "per_endpoint_requests": per_endpoint,
+        "metrics_cached_tokens": metrics,
+        "results": results,
+    }
+
+
+def run_routing_bench(
+    requests: int = 40,
+    *,
+    endpoints: int = 2,
+    seed: int = 0,
+    key_blocks: int | None = None,
+    load_factor: float = 1.25,
+    max_tokens: int = 1,
+    concurrency: int = 1,
+    urls: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Run the trace under both routers; start ``endpoints`` loopback servers unless
+    ``urls`` of running servers (block 32, prefix caching, prompt-token details) are given."""
+    from engine_adapters import RemoteEngine
+    from engine_adapters._router import DEFAULT_KEY_BLOCKS, PrefixRouter, RoundRobinRouter
+
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise ConfigError(f"requests must be an int >= 1, got {requests!r}")
+    kb = DEFAULT_KEY_BLOCKS if key_blocks is None else key_blocks
+    prompts = assemble_trace(requests, seed=seed)
+    with contextlib.ExitStack() as stack:
+        if urls is None:
+            urls = [s.base_url for s in stack.enter_context(loopback_servers(endpoints))]
+        engines = {u: stack.enter_context(RemoteEngine(u)) for u in urls}
+        routers = {
+            "affinity": PrefixRouter(list(engines), load_factor=load_factor, key_blocks=kb, block_size=BLOCK_SIZE),
+            "round_robin": RoundRobinRouter(list(engines)),
+        }
+        run_id = uuid.uuid4().hex[:8]
+        report: dict[str, Any] = {"routers": {}}
+        for name, router in routers.items():
+            out = route_trace(router, engines, prompts, salt=f"route-{name}-{run_id}",
+                              max_tokens=max_tokens, concurrency=concurrency)
+            out.pop("results")
+            report["routers"][name] = out
+    report.update(endpoints=len(urls), block_size=BLOCK_SIZE, key_blocks=kb,
+                  load_factor=load_factor, concurrency=concurrency)
+    return report
+
+
+def format_routing(report: dict[str, Any]) -> str:
+    """A small table: one row per router."""
+    lines = [f"{'router':<12} {'requests':>8} {'prompt tok':>10} {'cached tok':>10} {'hit rate':>8}  per endpoint"]
+    for name, r in report["routers"].items():
+        spread = " ".join(str(v) for v in r["per_endpoint_requests"].values())
+        lines.append(
+            f"{name:<12} {r['requests']:>8} {r['prompt_tokens']:>10} {r['cached_tokens']:>10} "
+            f"{r['hit_rate']:>8.1%}  {spread}"
+        )
+    lines.append(
+        f"{report['endpoints']} loopback vllm serve, block {report['block_size']}, "
+        f"key {report['key_blocks']} blocks, load factor {report['load_factor']}"
+    )
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write ``report`` as JSON (parent folders created)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="promptsplice bench route", description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=40, help="RAG requests (built-in sample)")
+    parser.add_argument("--endpoints", type=int, default=2, help="loopback servers to start")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--key-blocks", type=int, default=None, help="blocks in the routing key")
+    parser.add_argument("--load-factor", type=float, default=1.25)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    parser.add_argument("--url", action="append", default=None, help="use a running server (repeat)")
+    parser.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    report = run_routing_bench(
+        args.requests, endpoints=args.endpoints, seed=args.seed, key_blocks=args.key_blocks,
+        load_factor=args.load_factor, concurrency=args.concurrency, urls=args.url,
+    )
+    print(format_routing(report))
+    if args.json:
+        print(f"json: {write_report(report, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""Agent steps on the embedded engine: carry out a render's edit directives.
+
+:class:`AgentRunner` takes the hook's :class:`~assembler.PreparedContext` for each step
+of an agent session and runs it in one of three modes:
+
+* ``full``: no cache at all (every request gets a fresh salt): the reference.
+* ``apc``: vLLM's prefix caching only: after an edit everything behind it is prefilled.
+* ``splice``: the unchanged prefix hits the prefix cache, the replacements and the first
+  ``recompute_blocks`` blocks after each edit are prefilled, the unchanged runs behind
+  them are *relocated* from the block store by the splice connector (keys re-rotated by
+  their position delta), and only the new tail is computed.  Runs separated by computed
+  tokens need one request each (:func:`~engine_adapters._splice.plan_phases`).
+
+**Scope of spliced KV.**  Relocated KV is approximate (its deep layers attended to the
+old context), and vLLM files the blocks it loads in its prefix cache under the new
+prompt's hashes, where any request with the same tokens and salt would reuse them.  A
+per-session ``cache_salt`` from the first step would keep that in the session but also
+stop sessions from sharing the system prompt and tool schemas (the salt enters the
+first block).  Here a session keeps the tenant's salt, sharing everything exact, until
+its first edit; from then on its requests use a *scope salt* of its own
+(``scope="session"``).  That first scoped request loads the unchanged prefix from the
+store (exact blocks, stored under the tenant's salt, copied without rotation) instead
+of hitting the prefix cache, and the scope keeps every block it loads or computes, so
+the session's later edits relocate them again.  Requests outside the session never
+meet spliced KV: they do not know the scope salt (a caller opts in with
+:meth:`AgentRunner.session_salt`).  The cost: one store copy of the prefix per session
+at its first edit, and the prefix cached twice in vLLM (tenant + scope).
+``scope="none"`` keeps the tenant's salt (spliced KV is then shared with any request
+of the same tokens: for measurements only).
+
+Fallbacks, never a wrong splice: a step whose previous render is not what this runner
+last sent for the session (another runner, a restart), or whose hook step is a
+``FULL_PREFILL``, is sent as a plain request (the prefix cache still serves whatever
+matches exactly), and the reason is logged and kept in :attr:`AgentStep.fallback`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from assembler import PreparedContext, StepKind
+from engine_adapters._splice import SAME_SALT, SplicePhase, plan_phases
+from promptsplice.blocks import round_down
+from promptsplice.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from engine_adapters._embedded import Completion, EmbeddedEngine
+
+__all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_RECOMPUTE_BLOCKS"]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_RECOMPUTE_BLOCKS = 1
+"""Blocks recomputed after each edit in ``splice`` mode (see the README's sweep)."""
+
+
+class AgentMode(enum.Enum):
+    FULL = "full"
+    APC = "apc"
+    SPLICE = "splice"
+
+
+@dataclass(slots=True)
+class AgentStep:
+    """What one step cost and returned.
+
+    Token counts cover every request of the step (a splice may take several):
+    ``prefill_tokens`` computed, ``cached_tokens`` served exactly (prefix cache and
+    unrotated store copies), ``relocated_tokens`` loaded with re-rotated keys;
+    ``prompt_tokens = prefill + cached + relocated``.  ``ttft_s`` runs from the step's
+    first request to the final request's first token.
+    """
+
+    session_id: str
+    step: int
+    kind: StepKind
+    mode: AgentMode
+    completion: Completion
+    prompt_tokens: int
+    prefill_tokens: int
+    cached_tokens: int
+    relocated_tokens: int
+    requests: int
+    ttft_s: float
+    wall_s: float
+    salt: str | None
+    """The ``cache_salt`` of the final request (a caller reusing this context uses it)."""
+    fallback: str | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.prefill_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _Session:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    tokens: list[int] | None = None
+    salt: str | None = None
+    scoped: bool = False
+
+
+class AgentRunner:
+    """Runs agent steps on an :class:`~engine_adapters.EmbeddedEngine` (see the module doc).
+
+    ``mode``: ``"full"``, ``"apc"`` or ``"splice"`` (needs an engine started with
+    ``kv_store``).  ``salt``: the tenant's ``cache_salt``.  ``recompute_blocks``: blocks
+    prefilled after each edit before relocation resumes.  ``scope``: ``"session"``
+    (default) or ``"none"``.  Sessions are kept LRU-bounded (``max_sessions``); steps of
+    one session are serialized.
+    """
+
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        *,
+        mode: str | AgentMode = AgentMode.SPLICE,
+        salt: str | None = None,
+        recompute_blocks: int = DEFAULT_RECOMPUTE_BLOCKS,
+        scope: str = "session",
+        max_sessions: int = 1024,
+    ) -> None:
+        try:
+            self.mode = AgentMode(mode)
+        except ValueError:
+            raise ConfigError(f"mode must be one of full, apc, splice; got {mode!r}") from None
+        if self.mode is AgentMode.SPLICE and engine.kv_store is None:
+            raise ConfigError(
+                "splice mode needs the splice connector: start the engine with "
+                "EngineConfig(kv_store=StoreConfig(...))"
+            )
+        if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 0:
+            raise ConfigError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+        if scope not in ("session", "none"):
+            raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
+        if salt is not None and not isinstance(salt, str):
+            raise ConfigError(f"salt must be a str or None, got {type(salt).__name__}")
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ConfigError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
+        self.engine = engine
+        self.salt = salt
+        self.recompute_blocks = recompute_blocks
+        self.scope = scope
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- sessions -------------------------------------------------------------------
+    def _session(self, session_id: str) -> _Session:
+        with self._lock:
+            st = self._sessions.get(session_id)
+            if st is None:
+                st = self._sessions[session_id] = _Session(salt=self.salt)
+                while len(self._sessions) > self.max_sessions:
+                    self._sessions.popitem(last=False)
+            else:
+                self._sessions.move_to_end(session_id)
+            return st
+
+    def session_salt(self, session_id: str) -> str | None:
+        """The salt that reaches the session's KV (its scope salt once it spliced):
+        the explicit opt-in for a request outside the session."""
+        with self._lock:
+            st = self._sessions.get(session_id)
+        return self.salt if st is None else st.salt
+
+    def forget(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    # -- steps ----------------------------------------------------------------------
+    def step(
+        self,
+        prepared: PreparedContext,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        stop: str | list[str] | None = None,
+        logprobs: int | None = None,
+    ) -> AgentStep:
+        """Run one step; raises what :meth:`EmbeddedEngine.generate` raises."""
+        if not isinstance(prepared, PreparedContext):
+            raise InputError(f"step takes the hook's PreparedContext, got {type(prepared).__name__}")
+        st = self._session(prepared.session_id)
+        gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
+        with st.lock:
+            new = list(prepared.token_ids)
+            fallback = None
+            if self.mode is AgentMode.FULL:
+                salt = f"full:{uuid.uuid4().hex}"
+                phases = [SplicePhase(len(new), None)]
+            elif self.mode is AgentMode.APC or prepared.kind is not StepKind.EDIT:
+                salt = st.salt
+                phases = [SplicePhase(len(new), None)]
+                if prepared.kind is StepKind.FULL_PREFILL:
+                    fallback = f"hook: {prepared.fallback.value if prepared.fallback else 'full prefill'}"
+            else:
+                salt, phases, fallback = self._splice_phases(st, prepared, new)
+            result = self._run(prepared, new, salt, phases, gen)
+            result.fallback = fallback
+            st.tokens = new
+            st.salt = salt if self.mode is not AgentMode.FULL else st.salt
+            return result
+
+    def _splice_phases(
+        self, st: _Session, prepared: PreparedContext, new: list[int]
+    ) -> tuple[str | None, list[SplicePhase], str | None]:
+        prev = prepared.previous
+        old = list(prev.token_ids) if prev is not None else None
+        plain = [SplicePhase(len(new), None)]
+        if old is None or prepared.diff is None:
+            return st.salt, plain, "no previous render"
+        if st.tokens is None or st.tokens != old:
+            why = "the session's previous render is not what this runner sent last"
+            _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why)
+            return st.salt, plain, why
+        bs = self.engine.block_size
+        scope_now = self.scope == "session" and not st.scoped
+        salt, src_salt, load_prefix = st.salt, SAME_SALT, 0
+        if scope_now:
+            salt = f"{self.salt or ''}\x1fsplice-scope:{prepared.session_id}:{uuid.uuid4().hex[:12]}"
+            src_salt = st.salt
+            load_prefix = round_down(prepared.first_changed_token, bs)
+        try:
+            phases = plan_phases(
+                old,
+                new,
+                prepared.diff.relocations,
+                block_size=bs,
+                recompute_blocks=self.recompute_blocks,
+                salt=salt,
+                src_salt=src_salt,
+                load_prefix=load_prefix,
+                scope=self.scope == "session",
+            )
+        except InputError as exc:  # a diff that does not fit the tokens: never splice it
+            _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, exc)
+            return st.salt, plain, f"invalid plan: {exc}"
+        if scope_now:
+            st.scoped = True
+        return salt, phases, None
+
+    def _run(
+        self,
+        prepared: PreparedContext,
+        new: list[int],
+        salt: str | None,
+        phases: list[SplicePhase],
+        gen: dict[str, Any],
+    ) -> AgentStep:
+        eng = self.engine
+        worker = eng.kv_connector.worker if eng.kv_connector is not None else None
+        reloc0 = worker.stats.relocated_blocks if worker is not None else 0
+        t0 = time.perf_counter()
+        prefill = 0
+        t_last = t0
+        out = None
+        for i, phase in enumerate(phases):
+            last = i == len(phases) - 1
+            kwargs = gen if last else {"max_tokens": 1}  # earlier phases only prefill
+            plan = phase.plan if phase.plan else None
+            t_last = time.perf_counter()
+            out = eng.generate(new[: phase.end], cache_salt=salt, splice=plan, **kwargs)
+            prefill += out.prefill_tokens
+        assert out is not None
+        wall = time.perf_counter() - t0
+        relocated = (worker.stats.relocated_blocks - reloc0) * eng.block_size if worker is not None else 0
+        cached = len(new) - prefill - relocated
+        return AgentStep(
+            session_id=prepared.session_id,
+            step=prepared.step,
+            kind=prepared.kind,
+            mode=self.mode,
+            completion=out,
+            prompt_tokens=len(new),
+            prefill_tokens=prefill,
+            cached_tokens=cached,
+            relocated_tokens=relocated,
+            requests=len(phases),
+            ttft_s=(t_last - t0) + out.ttft_s,
+            wall_s=wall,
+            salt=salt,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"AgentRunner(mode={self.mode.value!r}, recompute_blocks={self.recompute_blocks}, "
+            f"scope={self.scope!r}, sessions={len(self._sessions)})"
+        )

@@ -1,0 +1,291 @@
+"""LangChain retrieval that feeds a prefix cache: dedup + canonical order of documents.
+
+:class:`PromptspliceRetriever` wraps any ``BaseRetriever``; :class:`PromptspliceCompressor`
+does the same work as a ``BaseDocumentCompressor`` (for ``ContextualCompressionRetriever``
+pipelines).  Both run :func:`dedup.dedup` (byte-exact: duplicates, contained chunks,
+sliding-window overlap, repeated passages) and then let an :class:`assembler.Assembler`
+choose the order (``stable`` by default: the same document set in any retrieval order
+comes out in one canonical order, so the prompt built from it keeps one prefix and the
+engine's prefix cache hits).
+
+``k`` limits the output *after* dedup: the ``k`` best-ranked kept documents (rank = the
+retriever's rank of their earliest member) are chosen first, then ordered canonically,
+so a cut never drops a better-ranked document for a cache-friendlier one.
+
+Provenance (nothing is silently lost): each output ``Document`` keeps the id and
+metadata of the input it stands for, plus ``metadata["promptsplice"]``:
+``{"chunk_id", "relation": "kept", "origins": [{"index", "id", "relation", "span",
+"metadata"}...], "removed_passages": [...]}``.  The first output document also carries
+``"request": {"inputs", "dropped", "beyond_k"}``: the inputs dropped as empty and the
+kept documents cut by ``k`` (each with index, id and metadata).  If no document is left
+at all (every input empty), the drop is logged at WARNING level.
+
+Errors: a document that is not a ``Document`` or whose ``page_content`` is not ``str``
+raises :class:`~promptsplice.errors.InvalidChunkError` naming its position; bad options
+raise :class:`~promptsplice.errors.ConfigError` (pydantic's validation errors are
+translated).  Errors raised by the wrapped retriever itself propagate unchanged: they are
+the caller's own code's errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+    Callbacks,
+)
+from langchain_core.documents import BaseDocumentCompressor, Document
+from langchain_core.retrievers import BaseRetriever
+from pydantic import ConfigDict, Field, ValidationError
+
+from assembler import Assembler
+from dedup import DedupResult, KeptChunk, dedup
+from promptsplice.errors import ConfigError, InvalidChunkError
+
+__all__ = [
+    "PROVENANCE_KEY",
+    "PromptspliceCompressor",
+    "PromptspliceRetriever",
+    "splice_documents",
+]
+
+PROVENANCE_KEY = "promptsplice"
+"""The metadata key holding each output document's provenance."""
+
+_log = logging.getLogger(__name__)
+_DEFAULT_LOCK = threading.Lock()
+_DEFAULT_ASSEMBLER: Assembler | None = None
+
+
+def _default_assembler() -> Assembler:
+    """One shared stable-order assembler (default tokenizer, block 16) for the process,
+    so popularity and the order memo are learned across retrievers."""
+    global _DEFAULT_ASSEMBLER
+    with _DEFAULT_LOCK:
+        if _DEFAULT_ASSEMBLER is None:
+            _DEFAULT_ASSEMBLER = Assembler(None, block_size=16, policy="stable")
+        return _DEFAULT_ASSEMBLER
+
+
+def _check_k(k: Any, what: str) -> int | None:
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"{what} must be an int >= 1 or None (no limit), got {k!r}")
+    return k
+
+
+def _check_documents(documents: Any) -> list[Document]:
+    if isinstance(documents, (str, bytes, Document)) or not isinstance(documents, Sequence):
+        raise InvalidChunkError(
+            f"expected a list of Documents, got {type(documents).__name__}"
+        )
+    for i, doc in enumerate(documents):
+        if not isinstance(doc, Document):
+            raise InvalidChunkError(
+                f"document {i} is a {type(doc).__name__}, not a langchain Document"
+            )
+        if not isinstance(doc.page_content, str):
+            raise InvalidChunkError(
+                f"document {i} (id {doc.id!r}): page_content must be a str, got "
+                f"{type(doc.page_content).__name__}"
+            )
+        if doc.metadata is not None and not isinstance(doc.metadata, dict):
+            raise InvalidChunkError(
+                f"document {i} (id {doc.id!r}): metadata must be a dict, got "
+                f"{type(doc.metadata).__name__}"
+            )
+    return list(documents)
+
+
+def _origin_record(origin: Any) -> dict[str, Any]:
+    return {
+        "index": origin.index,
+        "id": origin.id,
+        "relation": origin.relation.value,
+        "span": None if origin.span is None else list(origin.span),
+        "metadata": origin.metadata,
+    }
+
+
+def _output_document(kept: KeptChunk, source: Document) -> Document:
+    meta = dict(source.metadata or {})
+    meta[PROVENANCE_KEY] = {
+        "chunk_id": kept.id,
+        "relation": "kept",
+        "origins": [_origin_record(o) for o in kept.origins],
+        "removed_passages": [
+            {
+                "chunk_id": p.chunk_id,
+                "offset": p.offset,
+                "length": p.length,
+                "found_in": p.found_in,
+                "found_at": p.found_at,
+            }
+            for p in kept.removed_passages
+        ],
+    }
+    return Document(page_content=kept.text, metadata=meta, id=source.id)
+
+
+def splice_documents(
+    documents: Sequence[Document],
+    query: str,
+    *,
+    assembler: Assembler | None = None,
+    k: int | None = None,
+    learn: bool = True,
+) -> list[Document]:
+    """Dedup ``documents`` byte-exactly and return them in the assembler's order.
+
+    ``k``: keep the ``k`` best-ranked documents after dedup.  ``learn``: let the
+    assembler learn popularity and remember the order of this document set (the
+    assembler's mirror is never touched: nothing is sent to an engine here).
+    """
+    docs = _check_documents(documents)
+    k = _check_k(k, "k")
+    if not isinstance(query, str):
+        raise ConfigError(f"query must be a str, got {type(query).__name__}")
+    if not docs:
+        return []
+    asm = assembler if assembler is not None else _default_assembler()
+    report: DedupResult = dedup(docs, asm.dedup_config)
+    kept = report.chunks  # retrieval order (rank of the earliest member)
+    chosen, beyond = (kept, []) if k is None else (kept[:k], kept[k:])
+    if not chosen:
+        _log.warning(
+            "promptsplice: all %d documents were empty and dropped (ids: %s)",
+            len(docs), [d.id for d in report.dropped],
+        )
+        return []
+    # The kept texts are a dedup fixpoint, so the assembler's own dedup keeps them as
+    # they are; its chunk order is the canonical (or cache-aware) order of this set.
+    prompt = asm.assemble(
+        [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in chosen],
+        query=query,
+        admit=False,
+        learn=learn,
+    )
+    by_id = {c.id: c for c in chosen}
+    order = prompt.chunk_order
+    if sorted(order) != sorted(by_id):
+        raise InvalidChunkError(  # pragma: no cover - dedup is a fixpoint (tested in dedup)
+            f"the assembler re-deduplicated the kept documents ({sorted(by_id)} -> "
+            f"{sorted(order)}); report this with the documents"
+        )
+    out = [_output_document(by_id[cid], docs[by_id[cid].origins[0].index]) for cid in order]
+    out[0].metadata[PROVENANCE_KEY]["request"] = {
+        "inputs": len(docs),
+        "dropped": [
+            {"index": d.index, "id": d.id, "reason": d.reason, "metadata": d.metadata}
+            for d in report.dropped
+        ],
+        "beyond_k": [
+            {"index": c.origins[0].index, "id": c.id, "metadata": c.metadata,
+             "origins": [_origin_record(o) for o in c.origins]}
+            for c in beyond
+        ],
+    }
+    return out
+
+
+class _SpliceOptions:
+    """Construction shared by the retriever and the compressor: pydantic errors become
+    :class:`ConfigError`, and ``k`` is checked."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)  # type: ignore[call-arg]
+        except ValidationError as exc:
+            raise ConfigError(f"{type(self).__name__}: invalid options: {exc}") from exc
+        _check_k(self.k, "k")  # type: ignore[attr-defined]
+        if self.assembler is not None and not isinstance(self.assembler, Assembler):  # type: ignore[attr-defined]
+            raise ConfigError(
+                f"assembler must be an assembler.Assembler, got {type(self.assembler).__name__}"  # type: ignore[attr-defined]
+            )
+
+    def _splice(self, documents: Sequence[Document], query: str, k: int | None) -> list[Document]:
+        return splice_documents(
+            documents,
+            query,
+            assembler=self.assembler,  # type: ignore[attr-defined]
+            k=self.k if k is None else k,  # type: ignore[attr-defined]
+            learn=self.learn,  # type: ignore[attr-defined]
+        )
+
+
+class PromptspliceRetriever(_SpliceOptions, BaseRetriever):
+    """Wrap ``retriever``: its documents, deduplicated and in a cache-friendly order.
+
+    ``k`` (constructor or ``invoke(query, k=...)``) limits the output after dedup;
+    ``assembler`` chooses the order (default: a shared ``stable`` assembler on the
+    default tokenizer); ``learn=False`` keeps the assembler's popularity untouched.
+    Other ``invoke`` keyword arguments go to the wrapped retriever.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: BaseRetriever
+    k: int | None = Field(default=None, strict=True)
+    assembler: Any = None
+    learn: bool = True
+
+    def _get_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: CallbackManagerForRetrieverRun,
+        k: int | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        k = _check_k(k, "k")
+        docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        return self._splice(docs, query, k)
+
+    async def _aget_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: AsyncCallbackManagerForRetrieverRun,
+        k: int | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        k = _check_k(k, "k")
+        docs = await self.retriever.ainvoke(
+            query, config={"callbacks": run_manager.get_child()}, **kwargs
+        )
+        return self._splice(docs, query, k)
+
+
+class PromptspliceCompressor(_SpliceOptions, BaseDocumentCompressor):
+    """The same dedup + ordering as a document compressor (for
+    ``ContextualCompressionRetriever(base_compressor=..., base_retriever=...)``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    k: int | None = Field(default=None, strict=True)
+    assembler: Any = None
+    learn: bool = True
+
+    def compress_documents(
+        self,
+        documents: Sequence[Document],
+        query: str,
+        callbacks: Callbacks | None = None,
+    ) -> Sequence[Document]:
+        """Dedup and order ``documents`` for ``query`` (``callbacks`` unused: no LLM runs)."""
+        return self._splice(documents, query, None)
+
+    async def acompress_documents(
+        self,
+        documents: Sequence[Document],
+        query: str,
+        callbacks: Callbacks | None = None,
+    ) -> Sequence[Document]:
+        """Async twin of :meth:`compress_documents` (pure CPU work, run inline)."""
+        return self._splice(documents, query, None)

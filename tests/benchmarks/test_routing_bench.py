@@ -1,0 +1,50 @@
+"""``benchmarks.routing``: a short REAL run (two loopback ``vllm serve``) through ``main``,
+checking the JSON report and the table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.routing import format_routing, main, write_report
+from promptsplice.errors import ConfigError
+
+KEYS = {"requests", "prompt_tokens", "cached_tokens", "hit_rate", "per_endpoint_requests"}
+
+
+def test_main_writes_the_report_of_a_real_run(tmp_path, capsys):
+    out = tmp_path / "sub" / "route.json"
+    assert main(["--requests", "6", "--endpoints", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["endpoints"] == 2 and report["block_size"] == 32
+    assert set(report["routers"]) == {"affinity", "round_robin"}
+    for name, r in report["routers"].items():
+        assert KEYS <= set(r), name
+        assert r["requests"] == 6
+        assert sum(r["per_endpoint_requests"].values()) == 6
+        assert len(r["per_endpoint_requests"]) == 2
+        assert 0 < r["cached_tokens"] < r["prompt_tokens"]  # the sample repeats its system prompt
+        assert r["hit_rate"] == pytest.approx(r["cached_tokens"] / r["prompt_tokens"])
+        assert r["metrics_cached_tokens"] == r["cached_tokens"]
+    assert report["routers"]["affinity"]["prompt_tokens"] == report["routers"]["round_robin"]["prompt_tokens"]
+    printed = capsys.readouterr().out
+    assert "affinity" in printed and "round_robin" in printed and str(out) in printed
+
+
+def test_table_and_json_from_a_report(tmp_path):
+    report = {
+        "routers": {
+            "affinity": {"requests": 4, "prompt_tokens": 1000, "cached_tokens": 500, "hit_rate": 0.5,
+                         "per_endpoint_requests": {"http://a": 3, "http://b": 1}, "metrics_cached_tokens": 500},
+            "round_robin": {"requests": 4, "prompt_tokens": 1000, "cached_tokens": 250, "hit_rate": 0.25,
+                            "per_endpoint_requests": {"http://a": 2, "http://b": 2}, "metrics_cached_tokens": 250},
+        },
+        "endpoints": 2, "block_size": 32, "key_blocks": 4, "load_factor": 1.25, "concurrency": 1,
+    }
+    table = format_routing(report)
+    assert "50.0%" in table and "25.0%" in table and "3 1" in table
+    path = write_report(report, tmp_path / "r.json")
+    assert json.loads(path.read_text()) == report
+    with pytest.raises(ConfigError):
+        main(["--requests", "0"])

@@ -1,0 +1,221 @@
+"""Agent steps on the engine: the phase planner (pure) and AgentRunner's three modes on
+the real engine, scoping of spliced KV, chained edits and fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from assembler import ContextHook, StepKind, TruncateToolOutputs
+from engine_adapters import AgentRunner, SplicePhase, SplicePlan, SpliceSegment, plan_phases
+from promptsplice.blocks import chain_hashes, root_hash
+from promptsplice.errors import ConfigError, InputError
+
+# -------------------------------------------------------------------- plan_phases (pure)
+
+BS4 = 4
+
+
+def seq(start, n):
+    return list(range(start, start + n))
+
+
+A, X, B, Y, C = seq(100, 8), seq(200, 4), seq(300, 8), seq(400, 4), seq(500, 8)
+R, T = seq(600, 4), seq(700, 3)
+
+
+def parent(tokens, salt=None):
+    return chain_hashes(tokens, BS4, salt=salt)[-1] if tokens else root_hash(salt)
+
+
+def test_a_deletion_is_one_request_that_relocates_after_the_hit():
+    old, new = A + X + B + C, A + B + C + T
+    phases = plan_phases(old, new, [(12, 28, -4)], block_size=BS4)
+    assert phases == [SplicePhase(27, SplicePlan(BS4, (SpliceSegment(8, 4, -4, parent(old[:12])),)))]
+
+
+def test_recomputed_blocks_after_an_edit_need_a_prefill_phase_first():
+    old, new = A + X + B + C, A + B + C + T
+    phases = plan_phases(old, new, [(12, 28, -4)], block_size=BS4, recompute_blocks=1)
+    assert phases == [
+        SplicePhase(12, SplicePlan(BS4)),  # computes B's first block after the hit A
+        SplicePhase(27, SplicePlan(BS4, (SpliceSegment(12, 3, -4, parent(old[:16])),))),
+    ]
+
+
+def test_a_replacement_then_two_runs_with_different_deltas():
+    old = A + X + B + Y + C
+    new = A + R + B + C + T  # X -> R (same length), Y deleted
+    phases = plan_phases(old, new, [(12, 20, 0), (24, 32, -4)], block_size=BS4, salt="s")
+    segs = (SpliceSegment(12, 2, 0, parent(old[:12], "s")), SpliceSegment(20, 2, -4, parent(old[:24], "s")))
+    assert phases == [SplicePhase(12, SplicePlan(BS4)), SplicePhase(31, SplicePlan(BS4, segs))]
+
+
+def test_a_new_scope_loads_the_prefix_from_the_old_salt():
+    old = A + X + B + Y + C
+    new = A + R + B + C + T
+    phases = plan_phases(
+        old, new, [(12, 20, 0), (24, 32, -4)], block_size=BS4, salt="scope", src_salt="tenant",
+        load_prefix=8, scope=True,
+    )
+    p0 = SpliceSegment(0, 2, 0, root_hash("tenant"))
+    rest = (SpliceSegment(12, 2, 0, parent(old[:12], "tenant")), SpliceSegment(20, 2, -4, parent(old[:24], "tenant")))
+    assert phases == [
+        SplicePhase(12, SplicePlan(BS4, (p0,), "tenant", True)),  # loads A, computes R
+        SplicePhase(31, SplicePlan(BS4, rest, "tenant", True)),
+    ]
+    assert phases[1].plan.to_params()["splice"]["src_salt"] == "tenant"
+    assert SplicePlan.from_params(phases[1].plan.to_params()) == phases[1].plan
+
+
+def test_runs_that_cannot_move_whole_blocks_are_computed():
+    old, new = A + X + B + C, A + X[:3] + B + C + T  # delta -1: not a block multiple
+    assert plan_phases(old, new, [(12, 28, -1)], block_size=BS4) == [SplicePhase(len(new), SplicePlan(BS4))]
+    # the last request keeps at least one token to compute: the run stops before it
+    old, new = A + X + B, A + B + [1]
+    (phase,) = plan_phases(old, new, [(12, 20, -4)], block_size=BS4)
+    assert phase.plan.segments == (SpliceSegment(8, 2, -4, parent(old[:12])),) and phase.end == 17
+
+
+def test_bad_relocations_are_refused():
+    old, new = A + X + B + C, A + B + C + T
+    with pytest.raises(InputError, match="differ inside the run"):
+        plan_phases(old, A + C + B + T, [(12, 28, -4)], block_size=BS4)
+    with pytest.raises(InputError, match="outside the prompts"):
+        plan_phases(old, new, [(12, 99, -4)], block_size=BS4)
+    with pytest.raises(InputError, match="overlaps"):
+        plan_phases(old, new, [(12, 28, -4), (16, 20, -4)], block_size=BS4)
+    with pytest.raises(InputError, match=r"\(old_start, old_end, delta\)"):
+        plan_phases(old, new, [(12, 28)], block_size=BS4)
+    with pytest.raises(ConfigError, match="recompute_blocks"):
+        plan_phases(old, new, [], block_size=BS4, recompute_blocks=-1)
+    with pytest.raises(InputError, match="load_prefix"):
+        plan_phases(old, new, [], block_size=BS4, load_prefix=12)
+
+
+# ------------------------------------------------------------------ the real engine
+
+TOOLS = [{"type": "function", "function": {"name": "grep", "description": "search files",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def call(cid, q):
+    return {"id": cid, "type": "function", "function": {"name": "grep", "arguments": f'{{"q": "{q}"}}'}}
+
+
+@pytest.fixture(scope="module")
+def renders(text_tokens_text):
+    """Three renders of one session: a long tool output, then more calls (appends),
+    then the ten-line rule truncates the first output: an edit with context after it."""
+    lines = text_tokens_text
+    system = {"role": "system", "content": "You are a code agent. Answer briefly."}
+    user = {"role": "user", "content": "Where is the scheduler configured?"}
+    out1 = "\n".join(lines[:40])
+    out2 = "\n".join(lines[40:52])
+    msgs = [system, user, {"role": "assistant", "content": "", "tool_calls": [call("c1", "sched")]},
+            {"role": "tool", "tool_call_id": "c1", "content": out1}]
+    r1 = list(msgs)
+    msgs += [{"role": "assistant", "content": "", "tool_calls": [call("c2", "config")]},
+             {"role": "tool", "tool_call_id": "c2", "content": out2}]
+    r2 = list(msgs)
+    r3 = TruncateToolOutputs(max_lines=10, keep_recent=1).apply(r2).messages + [
+        {"role": "user", "content": "Now in one sentence: what did you find?"}]
+    assert r3[3]["content"] != out1 and r3[5]["content"] == out2
+    return [r1, r2, r3]
+
+
+@pytest.fixture(scope="module")
+def text_tokens_text():
+    from benchmarks.traces import load_wiki_leads
+
+    return [lead.split(". ")[0][:160] for _, lead in load_wiki_leads()[300:360]]
+
+
+def run_session(runner, engine, sid, renders, salt):
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size, salt=salt)
+    out = []
+    for msgs in renders:
+        prepared = hook(sid, msgs, TOOLS)
+        out.append((prepared, runner.step(prepared, max_tokens=4)))
+    return out
+
+
+def test_splice_relocates_what_follows_the_edit_and_prefills_less_than_apc(engine, kv_engine, renders):
+    apc = run_session(AgentRunner(engine, mode="apc", salt="t-apc"), engine, "s1", renders, "t-apc")
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-splice", recompute_blocks=1)
+    spl = run_session(runner, kv_engine, "s1", renders, "t-splice")
+    kinds = [p.kind for p, _ in spl]
+    assert kinds == [StepKind.NEW_SESSION, StepKind.APPEND, StepKind.EDIT]
+    for (p, a), (_, s) in zip(apc, spl):
+        assert a.prompt_tokens == s.prompt_tokens == len(p.token_ids)
+        assert s.prompt_tokens == s.prefill_tokens + s.cached_tokens + s.relocated_tokens
+    prepared, step = spl[2]
+    bs = kv_engine.block_size
+    phases = plan_phases(
+        prepared.previous.token_ids, prepared.token_ids, prepared.diff.relocations, block_size=bs,
+        recompute_blocks=1, salt=step.salt, src_salt="t-splice",
+        load_prefix=prepared.first_changed_token // bs * bs, scope=True,
+    )
+    moved = sum(s.num_blocks * bs for ph in phases for s in ph.plan.segments if s.delta)
+    assert moved > 0 and step.relocated_tokens == moved and step.requests == len(phases)
+    assert step.fallback is None and step.salt != "t-splice"  # the session is scoped now
+    assert step.prefill_tokens < apc[2][1].prefill_tokens
+    assert apc[2][1].relocated_tokens == 0 and apc[1][1].prefill_tokens == spl[1][1].prefill_tokens
+
+
+def test_spliced_kv_never_reaches_a_request_outside_the_session(kv_engine, renders):
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-iso")
+    steps = run_session(runner, kv_engine, "s-iso", renders, "t-iso")
+    prepared, step = steps[2]
+    assert step.relocated_tokens > 0
+    bs = kv_engine.block_size
+    exact = prepared.first_changed_token // bs * bs  # what the tenant's exact blocks cover
+    before = kv_engine.counters()
+    outside = kv_engine.generate(prepared.token_ids, max_tokens=1, cache_salt="t-iso")
+    assert outside.num_cached_tokens == exact
+    assert kv_engine.counters().since(before).external_hits == 0
+    # opting in with the session's salt reuses the whole spliced context
+    inside = kv_engine.generate(prepared.token_ids, max_tokens=1, cache_salt=runner.session_salt("s-iso"))
+    assert inside.num_cached_tokens == (len(prepared.token_ids) - 1) // bs * bs
+
+
+def test_a_second_edit_relocates_blocks_the_scope_saved(kv_engine, renders):
+    """Chained edits: the scope keeps what it loaded and computed, so an edit of an
+    already spliced context relocates again."""
+    r4 = renders[2][:2] + renders[2][4:]  # drop the (truncated) first call and its output
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-chain", recompute_blocks=0)
+    steps = run_session(runner, kv_engine, "s-chain", [*renders, r4], "t-chain")
+    assert [p.kind for p, _ in steps][2:] == [StepKind.EDIT, StepKind.EDIT]
+    assert steps[2][1].relocated_tokens > 0 and steps[3][1].relocated_tokens > 0
+    assert steps[3][1].salt == steps[2][1].salt  # one scope for the session
+
+
+def test_full_mode_prefills_everything_every_step(engine, renders):
+    steps = run_session(AgentRunner(engine, mode="full", salt="t-full"), engine, "s-full", renders, "t-full")
+    assert all(s.prefill_tokens == s.prompt_tokens and s.cached_tokens == 0 for _, s in steps)
+
+
+def test_a_render_the_runner_did_not_send_falls_back_to_a_plain_request(kv_engine, renders, caplog):
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-fb")
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-fb")
+    hook("s-fb", renders[0], TOOLS)
+    hook("s-fb", renders[1], TOOLS)  # the runner never saw these two steps
+    prepared = hook("s-fb", renders[2], TOOLS)
+    with caplog.at_level(logging.WARNING, logger="engine_adapters._agent"):
+        step = runner.step(prepared, max_tokens=2)
+    assert prepared.kind is StepKind.EDIT and step.fallback is not None
+    assert step.requests == 1 and step.relocated_tokens == 0 and "full prefill" in caplog.text
+
+
+def test_runner_options_are_checked(engine, kv_engine):
+    with pytest.raises(ConfigError, match="kv_store"):
+        AgentRunner(engine, mode="splice")
+    with pytest.raises(ConfigError, match="mode"):
+        AgentRunner(kv_engine, mode="fast")
+    with pytest.raises(ConfigError, match="recompute_blocks"):
+        AgentRunner(kv_engine, recompute_blocks=-1)
+    with pytest.raises(ConfigError, match="scope"):
+        AgentRunner(kv_engine, scope="tenant")
+    with pytest.raises(InputError, match="PreparedContext"):
+        AgentRunner(kv_engine).step([1, 2, 3])

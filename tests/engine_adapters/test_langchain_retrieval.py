@@ -1,0 +1,303 @@
+"""PromptspliceRetriever / PromptspliceCompressor on real text and the real LangChain suite.
+
+The underlying retriever is a real keyword retriever over Wikipedia lead paragraphs
+(``benchmarks.traces.load_wiki_leads``), indexed twice the way RAG stacks do it: as
+overlapping sliding windows per article (``metadata["source"]``) and, from a second
+index, whole leads.  So its results carry real duplicates, contained chunks and
+window overlaps.  The standard ``RetrieversIntegrationTests`` run on the wrapper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+)
+from langchain_core.documents import BaseDocumentCompressor, Document
+from langchain_core.retrievers import BaseRetriever
+from langchain_tests.integration_tests import RetrieversIntegrationTests
+
+from engine_adapters._langchain_retrieval import (
+    PROVENANCE_KEY,
+    PromptspliceCompressor,
+    PromptspliceRetriever,
+    splice_documents,
+)
+from promptsplice.errors import ConfigError, InvalidChunkError, PromptspliceError
+
+N_ARTICLES = 40
+WINDOW = 240
+STRIDE = 160  # 80 characters of overlap between neighbouring windows
+
+
+def _corpus() -> list[Document]:
+    from benchmarks.traces import load_wiki_leads
+
+    docs: list[Document] = []
+    for n, (title, lead) in enumerate(load_wiki_leads()[:N_ARTICLES]):
+        starts = range(0, max(1, len(lead) - WINDOW + STRIDE), STRIDE)
+        for w, s in enumerate(starts):
+            docs.append(Document(
+                page_content=lead[s : s + WINDOW], id=f"win:{n}:{w}",
+                metadata={"source": title, "window": w, "index": "windows"},
+            ))
+        docs.append(Document(page_content=lead, id=f"lead:{n}", metadata={"source": title, "index": "leads"}))
+    return docs
+
+
+CORPUS = _corpus()
+
+
+class KeywordRetriever(BaseRetriever):
+    """Real retrieval: documents ranked by how many query words they contain."""
+
+    docs: list[Document]
+    top: int = 8
+    async_calls: int = 0
+
+    def _rank(self, query: str) -> list[Document]:
+        words = {w.lower().strip(".,?") for w in query.split() if len(w) > 2}
+        scored = [
+            (sum(w in d.page_content.lower() for w in words), -i, d)
+            for i, d in enumerate(self.docs)
+        ]
+        scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
+        return [d for s, _, d in scored[: self.top] if s > 0]
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        return self._rank(query)
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        self.async_calls += 1
+        await asyncio.sleep(0)
+        return self._rank(query)
+
+
+class FixedRetriever(BaseRetriever):
+    """Returns the given documents as they are (to control order and content)."""
+
+    docs: list[Any]
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Any]:
+        return list(self.docs)
+
+
+QUERY = "music century style modernism"
+
+
+# The suite's async test needs a loop (this repo has no asyncio_mode=auto); the class
+# mark also reaches its sync tests, which pytest-asyncio only warns about.
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:The test <Function .* is marked with '@pytest.mark.asyncio'")
+class TestPromptspliceRetrieverStandard(RetrieversIntegrationTests):
+    """LangChain's own retriever suite, on the wrapper over the keyword retriever."""
+
+    @property
+    def retriever_constructor(self) -> type[PromptspliceRetriever]:
+        return PromptspliceRetriever
+
+    @property
+    def retriever_constructor_params(self) -> dict:
+        return {"retriever": KeywordRetriever(docs=CORPUS, top=40), "k": 4}
+
+    @property
+    def retriever_query_example(self) -> str:
+        return QUERY
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def asm(default_tok):
+    from assembler import Assembler
+
+    return Assembler(default_tok, block_size=16, policy="stable")
+
+
+def _prov(doc: Document) -> dict:
+    return doc.metadata[PROVENANCE_KEY]
+
+
+def _reachable_ids(out: list[Document]) -> set[str]:
+    ids = {o["id"] for d in out for o in _prov(d)["origins"]}
+    if out:
+        req = _prov(out[0])["request"]
+        ids |= {d["id"] for d in req["dropped"]}
+        ids |= {o["id"] for c in req["beyond_k"] for o in c["origins"]}
+    return ids
+
+
+def _check_spans(out: list[Document], inputs: list[Document]) -> None:
+    """Every origin's span slices the kept bytes back to that input's bytes."""
+    for d in out:
+        data = d.page_content.encode("utf-8")
+        for o in _prov(d)["origins"]:
+            if o["span"] is not None and not _prov(d)["removed_passages"]:
+                s, e = o["span"]
+                assert data[s:e] == inputs[o["index"]].page_content.encode("utf-8")
+
+
+# --------------------------------------------------------------------------- behaviour
+
+
+def test_real_retrieval_results_are_deduplicated_with_provenance(asm):
+    base = KeywordRetriever(docs=CORPUS, top=12)
+    raw = base.invoke(QUERY)
+    out = PromptspliceRetriever(retriever=base, assembler=asm).invoke(QUERY)
+    assert len(out) < len(raw)  # the two indexes really overlap
+    assert _reachable_ids(out) == {d.id for d in raw}
+    assert sum(len(_prov(d)["origins"]) for d in out) == len(raw)
+    relations = {o["relation"] for d in out for o in _prov(d)["origins"]}
+    assert "contained" in relations or "merged" in relations
+    _check_spans(out, raw)
+    texts = [d.page_content for d in out]
+    assert not any(a != b and a in b for a, b in itertools.permutations(texts, 2))
+
+
+def test_duplicates_and_overlapping_windows_merge_with_provenance(asm):
+    from benchmarks.traces import load_wiki_leads
+
+    title, lead = load_wiki_leads()[3]
+    w0, w1 = lead[:200], lead[120:330]  # 80 characters of overlap
+    other_title, other = load_wiki_leads()[7]
+    docs = [
+        Document(page_content=w0, id="w0", metadata={"source": title, "rank": 0}),
+        Document(page_content=other, id="o", metadata={"source": other_title, "rank": 1}),
+        Document(page_content=w1, id="w1", metadata={"source": title, "rank": 2}),
+        Document(page_content=w0, id="w0-copy", metadata={"source": "mirror", "rank": 3}),
+    ]
+    out = PromptspliceRetriever(retriever=FixedRetriever(docs=docs), assembler=asm).invoke("q")
+    assert len(out) == 2
+    merged = next(d for d in out if d.id == "w0")
+    assert merged.page_content == lead[:330]
+    assert merged.metadata["source"] == title and merged.metadata["rank"] == 0
+    origins = {o["id"]: o for o in _prov(merged)["origins"]}
+    assert origins["w0"]["relation"] == "kept"
+    assert origins["w1"]["relation"] == "merged"
+    assert origins["w0-copy"]["relation"] == "duplicate"
+    assert origins["w0-copy"]["metadata"] == {"source": "mirror", "rank": 3}
+    data = merged.page_content.encode()
+    s, e = origins["w1"]["span"]
+    assert data[s:e] == w1.encode()
+    assert next(d for d in out if d.id == "o").page_content == other
+    _check_spans(out, docs)
+
+
+def test_order_is_canonical_across_permutations(default_tok):
+    from assembler import Assembler
+
+    docs = [Document(page_content=t, id=f"d{i}", metadata={"i": i})
+            for i, (_, t) in enumerate(__import__("benchmarks.traces", fromlist=["x"]).load_wiki_leads()[10:16])]
+    rng = random.Random(0)
+    for learn in (False, True):
+        asm = Assembler(default_tok, block_size=16, policy="stable")
+        orders = set()
+        for _ in range(6):
+            perm = docs[:]
+            rng.shuffle(perm)
+            out = PromptspliceRetriever(retriever=FixedRetriever(docs=perm), assembler=asm, learn=learn).invoke("q")
+            assert sorted(d.id for d in out) == sorted(d.id for d in docs)
+            orders.add(tuple(d.id for d in out))
+        assert len(orders) == 1, (learn, orders)
+    # the order the assembler would send is the order returned
+    prompt = asm.assemble([{"id": d.id, "text": d.page_content} for d in docs], query="q", admit=False, learn=False)
+    assert tuple(prompt.chunk_order) == orders.pop()
+
+
+def test_k_keeps_best_ranked_then_orders_and_names_the_rest(asm):
+    from benchmarks.traces import load_wiki_leads
+
+    leads = load_wiki_leads()[20:26]
+    docs = [Document(page_content=t, id=f"r{i}") for i, (_, t) in enumerate(leads)]
+    docs.insert(1, Document(page_content=leads[0][1], id="r0-dup"))
+    out = PromptspliceRetriever(retriever=FixedRetriever(docs=docs), assembler=asm).invoke("q", k=3)
+    assert sorted(d.id for d in out) == ["r0", "r1", "r2"]  # best-ranked after dedup
+    beyond = [c["id"] for c in _prov(out[0])["request"]["beyond_k"]]
+    assert beyond == ["r3", "r4", "r5"]
+    assert _reachable_ids(out) == {d.id for d in docs}
+    with pytest.raises(ConfigError):
+        PromptspliceRetriever(retriever=FixedRetriever(docs=docs), k=0)
+    with pytest.raises(ConfigError):
+        PromptspliceRetriever(retriever=FixedRetriever(docs=docs)).invoke("q", k=-1)
+    with pytest.raises(ConfigError):
+        PromptspliceRetriever(retriever="not a retriever")
+
+
+def test_async_path_delegates_to_the_wrapped_async_path(asm):
+    base = KeywordRetriever(docs=CORPUS, top=12)
+    wrapper = PromptspliceRetriever(retriever=base, assembler=asm, learn=False)
+    sync_out = wrapper.invoke(QUERY)
+    async_out = asyncio.run(wrapper.ainvoke(QUERY, k=2))
+    assert base.async_calls == 1
+    assert len(async_out) == 2
+    full = asyncio.run(wrapper.ainvoke(QUERY))
+    assert [(d.id, d.page_content) for d in full] == [(d.id, d.page_content) for d in sync_out]
+
+
+class CompressionRetriever(BaseRetriever):
+    """What ``ContextualCompressionRetriever`` does (``langchain_classic`` is not
+    installed here): retrieve, then ``compress_documents(docs, query)``."""
+
+    base_retriever: BaseRetriever
+    base_compressor: BaseDocumentCompressor
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        docs = self.base_retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+        return list(self.base_compressor.compress_documents(docs, query, callbacks=run_manager.get_child()))
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        docs = await self.base_retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        return list(await self.base_compressor.acompress_documents(docs, query, callbacks=run_manager.get_child()))
+
+
+def test_compressor_in_a_compression_pipeline(asm):
+    base = KeywordRetriever(docs=CORPUS, top=12)
+    compressor = PromptspliceCompressor(assembler=asm, learn=False)
+    pipeline = CompressionRetriever(base_retriever=base, base_compressor=compressor)
+    out = pipeline.invoke(QUERY)
+    direct = PromptspliceRetriever(retriever=base, assembler=asm, learn=False).invoke(QUERY)
+    assert [d.page_content for d in out] == [d.page_content for d in direct]
+    assert _reachable_ids(out) == {d.id for d in base.invoke(QUERY)}
+    aout = asyncio.run(pipeline.ainvoke(QUERY))
+    assert [d.page_content for d in aout] == [d.page_content for d in out]
+    assert len(PromptspliceCompressor(assembler=asm, k=2).compress_documents(base.invoke(QUERY), QUERY)) == 2
+    with pytest.raises(ConfigError):
+        PromptspliceCompressor(k="3")
+
+
+def test_empty_input_and_all_empty_documents(asm, caplog):
+    assert PromptspliceRetriever(retriever=FixedRetriever(docs=[]), assembler=asm).invoke("q") == []
+    assert PromptspliceCompressor(assembler=asm).compress_documents([], "q") == []
+    blanks = [Document(page_content="   ", id="b1"), Document(page_content="\n", id="b2")]
+    with caplog.at_level(logging.WARNING, logger="engine_adapters._langchain_retrieval"):
+        out = PromptspliceRetriever(retriever=FixedRetriever(docs=blanks), assembler=asm).invoke("q")
+    assert out == []
+    assert "b1" in caplog.text and "b2" in caplog.text  # not silent
+    mixed = [Document(page_content=" ", id="blank"), Document(page_content="Some text here.", id="t")]
+    out = splice_documents(mixed, "q", assembler=asm)
+    assert [d.id for d in out] == ["t"]
+    assert _prov(out[0])["request"]["dropped"] == [
+        {"index": 0, "id": "blank", "reason": "empty", "metadata": {}}
+    ]
+
+
+def test_non_str_page_content_is_rejected(asm):
+    bad = Document.model_construct(page_content=b"bytes, not str", metadata={}, id="x")
+    good = Document(page_content="fine", id="g")
+    with pytest.raises(InvalidChunkError, match="document 1.*page_content must be a str") as info:
+        PromptspliceRetriever(retriever=FixedRetriever(docs=[good, bad]), assembler=asm).invoke("q")
+    assert isinstance(info.value, PromptspliceError)
+    with pytest.raises(InvalidChunkError, match="not a langchain Document"):
+        PromptspliceCompressor(assembler=asm).compress_documents([good, "plain str"], "q")

@@ -1,0 +1,230 @@
+"""PrefixRouter / RoundRobinRouter: the ring and bounded loads, then TWO real loopback
+``vllm serve`` (default model, block 32) with a RAG trace through both routers, and the
+same trace on a real server and on the embedded engine (equal cached-token counts).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import Counter
+
+import pytest
+
+from engine_adapters._router import (
+    DEFAULT_KEY_BLOCKS,
+    Lease,
+    PrefixRouter,
+    RoundRobinRouter,
+    prefix_route_key,
+)
+from promptsplice.blocks import chain_hashes, content_digest
+from promptsplice.errors import ConfigError, InputError
+
+BS = 32
+TRACE_REQUESTS = 24
+EQUALITY_REQUESTS = 10
+
+
+def _keys(n: int) -> list[bytes]:
+    return [content_digest(f"key-{i}".encode()) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- the ring
+
+
+def test_key_is_the_chain_hash_of_the_first_k_blocks(make_assembler):
+    asm = make_assembler(block_size=BS)
+    docs = [f"Document {i}: the bridge was repainted in year {1900 + i}." for i in range(12)]
+    prompt = asm.assemble(docs, query="When?", system="Answer from the documents.", admit=False)
+    assert len(prompt.block_hashes) > DEFAULT_KEY_BLOCKS
+    key = prefix_route_key(prompt, key_blocks=DEFAULT_KEY_BLOCKS)
+    assert key == prompt.block_hashes[DEFAULT_KEY_BLOCKS - 1]
+    ids = prompt.token_ids
+    assert prefix_route_key(ids, key_blocks=4, block_size=BS) == chain_hashes(ids[: 4 * BS], BS)[-1]
+    # same first K blocks, different tail -> same key; a different first block -> another key
+    assert prefix_route_key(ids[:200] + [7, 8, 9], key_blocks=4, block_size=BS) == key
+    assert prefix_route_key([5] + ids[1:], key_blocks=4, block_size=BS) != key
+    # the salt isolates tenants' keys
+    salted = asm.assemble(docs, query="When?", system="Answer from the documents.", salt="t1", admit=False)
+    assert prefix_route_key(salted) != key
+    # text prompts: chained over UTF-8 bytes; short prompts: a digest of all of it
+    text = prompt.text
+    assert prefix_route_key(text, block_size=BS) == prefix_route_key(text[:600] + "X", block_size=BS)
+    assert prefix_route_key("short", block_size=BS) != prefix_route_key("shorter", block_size=BS)
+    with pytest.raises(InputError):
+        prefix_route_key([])
+    with pytest.raises(InputError):
+        prefix_route_key([1, -2, 3])
+    with pytest.raises(InputError):
+        prefix_route_key(b"bytes")
+    with pytest.raises(ConfigError):
+        prefix_route_key([1], key_blocks=0)
+
+
+def test_same_key_same_endpoint_and_keys_spread():
+    router = PrefixRouter([f"http://s{i}" for i in range(4)])
+    keys = _keys(4000)
+    owners = [router.owner(k) for k in keys]
+    assert owners == [router.owner(k) for k in keys]
+    share = Counter(owners)
+    assert len(share) == 4
+    assert all(700 < c < 1300 for c in share.values()), share  # ~1000 each
+
+
+def test_adding_or_removing_an_endpoint_moves_about_one_nth_of_keys():
+    keys = _keys(6000)
+    router = PrefixRouter([f"http://s{i}" for i in range(4)])
+    before = {k: router.owner(k) for k in keys}
+    router.add_endpoint("http://s4")
+    after = {k: router.owner(k) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == "http://s4" for k in moved)  # only to the new endpoint
+    assert 0.12 < len(moved) / len(keys) < 0.28  # ~1/5
+    router.remove_endpoint("http://s2")
+    again = {k: router.owner(k) for k in keys}
+    moved = [k for k in keys if after[k] != again[k]]
+    assert all(after[k] == "http://s2" for k in moved)  # only s2's keys move
+    assert 0.12 < len(moved) / len(keys) < 0.28
+    with pytest.raises(ConfigError):
+        router.add_endpoint("http://s0")
+    with pytest.raises(ConfigError):
+        router.remove_endpoint("http://nope")
+
+
+def test_bounded_loads_cap_every_endpoint_and_overflow_walks_on():
+    router = PrefixRouter(["a", "b", "c"], load_factor=1.25)
+    hot = _keys(1)[0]
+    leases = [router.acquire(key=hot) for _ in range(30)]
+    loads = router.loads()
+    assert sum(loads.values()) == 30
+    assert max(loads.values()) <= -(-1.25 * 30 // 3)  # ceil(1.25 * 30 / 3) = 13
+    assert loads[router.owner(hot)] == max(loads.values())  # the owner fills first
+    for lease in leases:
+        lease.release()
+        lease.release()  # idempotent
+    assert router.loads() == {"a": 0, "b": 0, "c": 0}
+    assert sum(router.requests().values()) == 30
+    with router.acquire(key=hot) as lease:
+        assert isinstance(lease, Lease) and lease.endpoint == router.owner(hot)
+        assert router.loads()[lease.endpoint] == 1
+    assert router.loads()[lease.endpoint] == 0
+
+
+def test_acquire_release_is_thread_safe():
+    router = PrefixRouter(["a", "b"], load_factor=1.5)
+    keys = _keys(64)
+    peak = []
+
+    def work(i: int) -> None:
+        for j in range(200):
+            with router.acquire(key=keys[(i * 7 + j) % 64]):
+                peak.append(max(router.loads().values()))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert router.loads() == {"a": 0, "b": 0}
+    assert sum(router.requests().values()) == 1600
+    assert max(peak) <= -(-1.5 * 8 // 2)  # never above ceil(1.5 * 8 / 2) = 6 in flight
+
+
+def test_round_robin_and_bad_options():
+    rr = RoundRobinRouter(["a", "b", "c"])
+    got = []
+    for _ in range(7):
+        with rr.acquire([1, 2, 3]) as lease:
+            got.append(lease.endpoint)
+    assert got == ["a", "b", "c", "a", "b", "c", "a"]
+    assert rr.requests() == {"a": 3, "b": 2, "c": 2} and rr.loads() == {"a": 0, "b": 0, "c": 0}
+    for bad in ([], "http://one", ["a", "a"], ["a", ""]):
+        with pytest.raises(ConfigError):
+            PrefixRouter(bad)
+    for kwargs in ({"load_factor": 1.0}, {"load_factor": True}, {"key_blocks": 0}, {"vnodes": 0}, {"block_size": 0}):
+        with pytest.raises(ConfigError):
+            PrefixRouter(["a"], **kwargs)
+    with pytest.raises(InputError):
+        PrefixRouter(["a"]).acquire()
+    with pytest.raises(ConfigError):
+        PrefixRouter(["a"]).remove_endpoint("a")
+
+
+# --------------------------------------------------------------------------- real servers
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Two real ``vllm serve`` on loopback (block 32, 1 GiB of KV cache each)."""
+    from benchmarks.routing import loopback_servers
+
+    with loopback_servers(2, block_size=BS) as srvs:
+        yield srvs
+
+
+@pytest.fixture(scope="module")
+def remotes(servers):
+    from engine_adapters import RemoteEngine
+
+    engines = {s.base_url: RemoteEngine(s.base_url) for s in servers}
+    yield engines
+    for eng in engines.values():
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def trace(default_tok):
+    from benchmarks.routing import assemble_trace
+
+    return assemble_trace(TRACE_REQUESTS, tokenizer=default_tok)
+
+
+def test_affinity_beats_round_robin_on_two_real_servers(remotes, trace):
+    from benchmarks.routing import route_trace
+
+    urls = list(remotes)
+    run = uuid.uuid4().hex[:8]
+    reports = {}
+    for name, router in (
+        ("affinity", PrefixRouter(urls, block_size=BS)),
+        ("round_robin", RoundRobinRouter(urls)),
+    ):
+        reports[name] = route_trace(router, remotes, trace, salt=f"t-{name}-{run}")
+    for name, rep in reports.items():
+        # every request got exactly one response
+        assert sorted(r.index for r in rep["results"]) == list(range(TRACE_REQUESTS)), name
+        assert rep["requests"] == TRACE_REQUESTS
+        assert rep["prompt_tokens"] == sum(p.num_tokens for p in trace)
+        assert sum(rep["per_endpoint_requests"].values()) == TRACE_REQUESTS
+        # the servers' own /metrics agree with the per-response usage
+        assert rep["metrics_cached_tokens"] == rep["cached_tokens"], name
+        assert all(r.cached_tokens % BS == 0 for r in rep["results"])
+    aff, rr = reports["affinity"], reports["round_robin"]
+    assert rr["per_endpoint_requests"] == {u: TRACE_REQUESTS // 2 for u in urls}
+    assert aff["hit_rate"] >= rr["hit_rate"], (aff["hit_rate"], rr["hit_rate"])
+    assert aff["cached_tokens"] > rr["cached_tokens"]  # on this trace affinity strictly wins
+    print(f"\ncluster hit rate: affinity {aff['hit_rate']:.3f} {aff['per_endpoint_requests']}, "
+          f"round robin {rr['hit_rate']:.3f}")
+
+
+def test_remote_and_embedded_engines_cache_the_same_tokens(remotes, fresh_engine, default_tok):
+    """Same prompts, same block size, both from an empty cache (a fresh salt on the
+    server, a reset embedded engine): per-request cached tokens must be equal."""
+    from benchmarks.routing import assemble_trace
+
+    prompts = assemble_trace(EQUALITY_REQUESTS, seed=1, tokenizer=default_tok)
+    total_blocks = sum(len(p.token_ids) // BS + 1 for p in prompts)
+    assert total_blocks < fresh_engine.usable_blocks  # nothing can be evicted
+    assert fresh_engine.block_size == BS
+    remote = next(iter(remotes.values()))
+    salt = f"eq-{uuid.uuid4().hex[:8]}"
+    remote_cached = [
+        remote.complete(list(p.token_ids), max_tokens=2, cache_salt=salt).cached_tokens for p in prompts
+    ]
+    embedded_cached = [
+        fresh_engine.generate(list(p.token_ids), max_tokens=2, cache_salt=salt).num_cached_tokens
+        for p in prompts
+    ]
+    assert sum(remote_cached) > 0  # the trace really repeats prefixes
+    assert remote_cached == embedded_cached
