@@ -94,12 +94,15 @@ def _start(model: Path, *, block_size: int, kv_cache_gib: int, max_model_len: in
     log = Path(tempfile.mkdtemp(prefix="route-vllm-")) / "server.log"
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # GiB; the default would take ~19 GiB
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # lets the CPU platform keep the uni executor
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--block-size", str(block_size), "--enable-prefix-caching",
         "--max-model-len", str(max_model_len), "--enforce-eager",
         "--enable-prompt-tokens-details", "--dtype", "bfloat16",
+        # one worker in the engine-core process: no third process importing torch+vLLM
+        "--distributed-executor-backend", "uni",
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

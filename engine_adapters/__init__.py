@@ -27,7 +27,7 @@ from engine_adapters._config import (
     DEFAULT_MAX_MODEL_LEN,
     EngineConfig,
 )
-from engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike
+from engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike, StreamDelta
 from engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
 from engine_adapters._router import Lease, PrefixRouter, RoundRobinRouter, prefix_route_key
 from engine_adapters._splice import (
@@ -55,6 +55,10 @@ from engine_adapters._store import (
 _LAZY = {
     "PromptspliceRetriever": "engine_adapters._langchain_retrieval",
     "PromptspliceCompressor": "engine_adapters._langchain_retrieval",
+    "PromptspliceChatModel": "engine_adapters._langchain_chat",
+    "PromptspliceMiddleware": "engine_adapters._agent_hooks",
+    "PromptsplicePreModelHook": "engine_adapters._agent_hooks",
+    "PromptspliceInputFilter": "engine_adapters._agent_hooks",
 }
 
 
@@ -88,7 +92,11 @@ __all__ = [
     "Namespace",
     "PrefixRouter",
     "PromptLike",
+    "PromptspliceChatModel",
     "PromptspliceCompressor",
+    "PromptspliceInputFilter",
+    "PromptspliceMiddleware",
+    "PromptsplicePreModelHook",
     "PromptspliceRetriever",
     "PutStatus",
     "RemoteCompletion",
@@ -100,6 +108,7 @@ __all__ = [
     "SpliceSegment",
     "StoreConfig",
     "StoreStats",
+    "StreamDelta",
     "chain_refs",
     "plan_deletion",
     "plan_phases",

@@ -15,8 +15,8 @@ Errors: 429, 5xx, connect errors and timeouts are retried ``max_retries`` times 
 exponential backoff (``backoff * 2**attempt`` seconds, or the server's ``Retry-After``
 when it is shorter than 60 s).  Then, or at once for anything else:
 
-* server unreachable -> :class:`EngineError` naming the URL;
-* timeout -> :class:`EngineError` saying which timeout (connect, read, write, pool);
+* server unreachable -> :class:`EngineUnavailableError` naming the URL;
+* timeout -> :class:`EngineTimeoutError` saying which timeout (connect, read, write, pool);
 * a body that is not the JSON expected -> :class:`EngineRequestError` with a snippet;
 * HTTP 4xx (and 429/5xx once retries are spent) -> :class:`EngineRequestError` with the
   server's message; a 400 saying the prompt exceeds the context ->
@@ -44,6 +44,9 @@ from promptsplice.errors import (
     ContextLengthError,
     EngineError,
     EngineRequestError,
+    EngineResponseError,
+    EngineTimeoutError,
+    EngineUnavailableError,
     InputError,
 )
 
@@ -242,11 +245,11 @@ class _Accumulator:
         try:
             chunk = json.loads(data)
         except ValueError as exc:
-            raise EngineRequestError(
+            raise EngineResponseError(
                 f"malformed stream chunk from {url}: {_snippet(data)!r}"
             ) from exc
         if not isinstance(chunk, Mapping):
-            raise EngineRequestError(f"malformed stream chunk from {url}: {_snippet(data)!r}")
+            raise EngineResponseError(f"malformed stream chunk from {url}: {_snippet(data)!r}")
         if isinstance(chunk.get("error"), Mapping):
             raise EngineRequestError(
                 f"{url} failed mid-stream: {chunk['error'].get('message', _snippet(data))}"
@@ -270,7 +273,7 @@ class _Accumulator:
 
     def result(self, prompt_len: int | None, url: str) -> RemoteCompletion:
         if not self.done and self.finish_reason is None:
-            raise EngineRequestError(
+            raise EngineResponseError(
                 f"the stream from {url} ended before a finish_reason or [DONE] "
                 f"(got {len(self.parts)} text chunks): the server closed it early"
             )
@@ -517,12 +520,12 @@ class RemoteEngine:
             name = _timeout_name(exc)
             seconds = getattr(self.timeout, name, None) if name != "request" else None
             limit = f" of {seconds:g} s" if isinstance(seconds, int | float) else ""
-            return EngineError(
+            return EngineTimeoutError(
                 f"{name} timeout{limit} talking to {url} "
                 f"(raise RemoteEngine(timeout=...) if the server is just slow)"
             )
         if isinstance(exc, httpx.ConnectError):
-            return EngineError(f"cannot connect to the remote engine at {url}: is it running? ({exc})")
+            return EngineUnavailableError(f"cannot connect to the remote engine at {url}: is it running? ({exc})")
         return EngineError(f"request to {url} failed: {type(exc).__name__}: {exc}")
 
     def _status_error(self, response: httpx.Response, url: str, req: _Request | None) -> Exception:
@@ -558,12 +561,12 @@ class RemoteEngine:
         try:
             data = response.json()
         except (ValueError, UnicodeDecodeError) as exc:
-            raise EngineRequestError(
+            raise EngineResponseError(
                 f"{url} answered HTTP {response.status_code} with a body that is not JSON: "
                 f"{_snippet(response.content)!r}"
             ) from exc
         if not isinstance(data, Mapping):
-            raise EngineRequestError(f"{url} answered JSON that is not an object: {_snippet(response.content)!r}")
+            raise EngineResponseError(f"{url} answered JSON that is not an object: {_snippet(response.content)!r}")
         return data
 
     def _completion_from_json(
@@ -571,7 +574,7 @@ class RemoteEngine:
     ) -> RemoteCompletion:
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
-            raise EngineRequestError(f"{url} answered without choices: {_snippet(json.dumps(data))!r}")
+            raise EngineResponseError(f"{url} answered without choices: {_snippet(json.dumps(data))!r}")
         choice = choices[0]
         if req.chat:
             message = choice.get("message")
@@ -581,7 +584,7 @@ class RemoteEngine:
         if text is None:
             text = ""
         if not isinstance(text, str):
-            raise EngineRequestError(f"{url} answered a non-text completion: {_snippet(json.dumps(data))!r}")
+            raise EngineResponseError(f"{url} answered a non-text completion: {_snippet(json.dumps(data))!r}")
         usage = data.get("usage")
         usage_map = usage if isinstance(usage, Mapping) else {}
         return RemoteCompletion(
@@ -606,7 +609,7 @@ class RemoteEngine:
         data = self._parse_json(response, url)
         models = data.get("data")
         if not isinstance(models, list) or not models or not isinstance(models[0], Mapping) or "id" not in models[0]:
-            raise EngineRequestError(
+            raise EngineResponseError(
                 f"{url} lists no model; pass RemoteEngine(model=...): {_snippet(response.content)!r}"
             )
         return str(models[0]["id"])

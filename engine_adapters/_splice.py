@@ -401,6 +401,7 @@ def plan_phases(
     src_salt: Any = SAME_SALT,
     load_prefix: int = 0,
     scope: bool = False,
+    min_group_blocks: int = 1,
 ) -> list[SplicePhase]:
     """The requests that carry out an edit: unchanged old runs are relocated, the rest
     is computed, every request extending the prefix-cache hit of the one before.
@@ -421,8 +422,10 @@ def plan_phases(
     it loads the run and computes up to the next run (its blocks are then cached for
     the next request); a first request without a plan computes what precedes the first
     run when the prefix cache cannot reach it.  The last phase ends at
-    ``len(new_tokens)``.  Raises :class:`InputError` when a run's tokens differ between
-    the prompts or runs overlap.
+    ``len(new_tokens)``.  A run of contiguous loads that would need a request of its
+    own but moves fewer than ``min_group_blocks`` blocks is computed instead (a request
+    costs more than prefilling a block or two).  Raises :class:`InputError` when a run's
+    tokens differ between the prompts or runs overlap.
     """
     bs = block_size
     if not _is_int(bs) or bs <= 0:
@@ -478,6 +481,9 @@ def plan_phases(
             groups[-1].append(seg)
         else:
             groups.append([seg])
+    groups = [
+        g for g in groups if g[0].dst_start == 0 or sum(x.num_blocks for x in g) >= min_group_blocks
+    ]
     phases: list[SplicePhase] = []
     if groups:
         hit = 0

@@ -30,6 +30,9 @@ __all__ = [
     "EngineError",
     "EngineStartError",
     "EngineRequestError",
+    "EngineUnavailableError",
+    "EngineTimeoutError",
+    "EngineResponseError",
 ]
 
 
@@ -120,3 +123,18 @@ class EngineStartError(EngineError):
 
 class EngineRequestError(EngineError):
     """One request failed inside the engine; the engine keeps serving others."""
+
+
+class EngineUnavailableError(EngineError):
+    """The remote engine cannot be reached (connection refused, DNS): start it or fix
+    the URL.  Retried with backoff before it is raised."""
+
+
+class EngineTimeoutError(EngineError):
+    """A remote call ran past its timeout (the message names which: connect, read,
+    write or pool); raise ``RemoteEngine(timeout=...)`` if the server is just slow."""
+
+
+class EngineResponseError(EngineRequestError):
+    """The server answered something that is not a valid OpenAI-compatible response
+    (not JSON, no choices, a malformed stream chunk, a stream cut before its end)."""

@@ -81,3 +81,23 @@ def rag_requests():
     from benchmarks.traces import sample_rag_requests
 
     return sample_rag_requests(40)
+
+
+@pytest.fixture(scope="session")
+def two_servers():
+    """Two real ``vllm serve`` on loopback (default model, block 32, 1 GiB of KV cache
+    each), started once for the session (the router tests and the routing bench share
+    them; every run uses a fresh ``cache_salt``, so sharing changes nothing measured)."""
+    from benchmarks.routing import BLOCK_SIZE, loopback_servers
+
+    with loopback_servers(2, block_size=BLOCK_SIZE) as servers:
+        yield servers
+
+
+@pytest.fixture
+def live_servers(two_servers):
+    """``two_servers``, checked to be still running."""
+    for srv in two_servers:
+        if srv.proc.poll() is not None:
+            pytest.fail(f"vllm serve at {srv.base_url} exited with {srv.proc.returncode}:\n{srv.tail()}")
+    return two_servers

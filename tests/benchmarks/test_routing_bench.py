@@ -1,5 +1,6 @@
-"""``benchmarks.routing``: a short REAL run (two loopback ``vllm serve``) through ``main``,
-checking the JSON report and the table."""
+"""``benchmarks.routing``: a short REAL run (two loopback ``vllm serve``, the session's
+pair shared with tests/engine_adapters/test_router.py, passed as ``--url``) through
+``main``, checking the JSON report and the table."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from promptsplice.errors import ConfigError
 KEYS = {"requests", "prompt_tokens", "cached_tokens", "hit_rate", "per_endpoint_requests"}
 
 
-def test_main_writes_the_report_of_a_real_run(tmp_path, capsys):
+def test_main_writes_the_report_of_a_real_run(tmp_path, capsys, live_servers):
     out = tmp_path / "sub" / "route.json"
-    assert main(["--requests", "6", "--endpoints", "2", "--json", str(out)]) == 0
+    urls = [arg for s in live_servers for arg in ("--url", s.base_url)]
+    assert main(["--requests", "6", *urls, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["endpoints"] == 2 and report["block_size"] == 32
     assert set(report["routers"]) == {"affinity", "round_robin"}
@@ -23,7 +25,7 @@ def test_main_writes_the_report_of_a_real_run(tmp_path, capsys):
         assert KEYS <= set(r), name
         assert r["requests"] == 6
         assert sum(r["per_endpoint_requests"].values()) == 6
-        assert len(r["per_endpoint_requests"]) == 2
+        assert set(r["per_endpoint_requests"]) == {s.base_url for s in live_servers}
         assert 0 < r["cached_tokens"] < r["prompt_tokens"]  # the sample repeats its system prompt
         assert r["hit_rate"] == pytest.approx(r["cached_tokens"] / r["prompt_tokens"])
         assert r["metrics_cached_tokens"] == r["cached_tokens"]

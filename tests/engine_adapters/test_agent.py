@@ -69,6 +69,17 @@ def test_a_new_scope_loads_the_prefix_from_the_old_salt():
     assert SplicePlan.from_params(phases[1].plan.to_params()) == phases[1].plan
 
 
+def test_a_short_run_is_not_worth_a_request_of_its_own():
+    old = A + X + B + Y + C
+    new = A + R + B + C + T
+    runs = [(12, 20, 0), (24, 32, -4)]  # one group of 4 blocks after the computed R
+    assert plan_phases(old, new, runs, block_size=BS4, min_group_blocks=5) == [SplicePhase(31, SplicePlan(BS4))]
+    assert len(plan_phases(old, new, runs, block_size=BS4, min_group_blocks=4)) == 2
+    # the prefix load of a new scope is never dropped: without it the prefix is computed
+    phases = plan_phases(old, new, runs, block_size=BS4, load_prefix=8, scope=True, min_group_blocks=5)
+    assert [ph.end for ph in phases] == [31] and phases[0].plan.segments[0].dst_start == 0
+
+
 def test_runs_that_cannot_move_whole_blocks_are_computed():
     old, new = A + X + B + C, A + X[:3] + B + C + T  # delta -1: not a block multiple
     assert plan_phases(old, new, [(12, 28, -1)], block_size=BS4) == [SplicePhase(len(new), SplicePlan(BS4))]
@@ -189,6 +200,30 @@ def test_a_second_edit_relocates_blocks_the_scope_saved(kv_engine, renders):
     assert [p.kind for p, _ in steps][2:] == [StepKind.EDIT, StepKind.EDIT]
     assert steps[2][1].relocated_tokens > 0 and steps[3][1].relocated_tokens > 0
     assert steps[3][1].salt == steps[2][1].salt  # one scope for the session
+
+
+def test_a_repeated_tool_output_is_relocated_on_an_append_step(kv_engine, renders):
+    """The agent repeats a call and gets the same output: that message equals one of
+    the previous render, so its blocks move from there instead of being prefilled."""
+    first = renders[1]
+    again = first + [{"role": "assistant", "content": "", "tool_calls": [call("c3", "sched")]},
+                     {"role": "tool", "tool_call_id": "c3", "content": first[3]["content"]}]
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-rep", recompute_blocks=0)
+    steps = run_session(runner, kv_engine, "s-rep", [first, again], "t-rep")
+    prepared, step = steps[1]
+    assert prepared.kind is StepKind.APPEND
+    seg = next(sg for sg in prepared.render.segments if sg.message_index == 7)
+    old = next(sg for sg in prepared.previous.segments if sg.message_index == 3)
+    assert (seg.key, seg.padding) == (old.key, old.padding)
+    seen = {(o.key, o.padding) for o in prepared.previous.body_segments}
+    repeated = [sg for sg in prepared.render.segments if sg.message_index in (6, 7) and (sg.key, sg.padding) in seen]
+    assert seg in repeated  # (the repeated call itself renders like the first one too)
+    assert step.relocated_tokens == sum(sg.end - sg.start for sg in repeated) and step.salt != "t-rep"
+    assert step.prompt_tokens == step.prefill_tokens + step.cached_tokens + step.relocated_tokens
+    plain = AgentRunner(kv_engine, mode="splice", salt="t-rep2", reuse_repeats=False)
+    steps2 = run_session(plain, kv_engine, "s-rep2", [first, again], "t-rep2")
+    assert steps2[1][1].relocated_tokens == 0
+    assert steps2[1][1].prefill_tokens - step.prefill_tokens == step.relocated_tokens
 
 
 def test_full_mode_prefills_everything_every_step(engine, renders):

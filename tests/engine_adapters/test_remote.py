@@ -32,8 +32,10 @@ from engine_adapters._remote import (
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
-    EngineError,
     EngineRequestError,
+    EngineResponseError,
+    EngineTimeoutError,
+    EngineUnavailableError,
     InputError,
 )
 
@@ -226,10 +228,10 @@ def test_http_4xx_carries_server_message(server):
 def test_server_down_names_the_url():
     port = _free_port()  # bound then closed: nothing listens there
     eng = RemoteEngine(f"http://127.0.0.1:{port}", model="m", max_retries=1, backoff=0)
-    with pytest.raises(EngineError, match=f"127.0.0.1:{port}") as info:
+    with pytest.raises(EngineUnavailableError, match=f"127.0.0.1:{port}") as info:
         eng.complete([1, 2, 3], max_tokens=1)
     assert isinstance(info.value.__cause__, httpx.ConnectError)
-    with pytest.raises(EngineError, match=f"127.0.0.1:{port}"):
+    with pytest.raises(EngineUnavailableError, match=f"127.0.0.1:{port}"):
         asyncio.run(eng.acomplete([1, 2, 3], max_tokens=1))
 
 
@@ -300,13 +302,13 @@ def test_400_is_not_retried():
 
 def test_malformed_json_gives_a_snippet():
     handler = lambda r: httpx.Response(200, text="<html>502 proxy error</html>")  # noqa: E731
-    with pytest.raises(EngineRequestError, match="not JSON.*proxy error"):
+    with pytest.raises(EngineResponseError, match="not JSON.*proxy error"):
         _mock(handler).complete([1], max_tokens=1)
     bad_stream = lambda r: httpx.Response(200, text="data: {oops\n\n")  # noqa: E731
-    with pytest.raises(EngineRequestError, match="malformed stream chunk.*oops"):
+    with pytest.raises(EngineResponseError, match="malformed stream chunk.*oops"):
         _mock(bad_stream).complete([1], max_tokens=1, stream=True)
     cut = lambda r: httpx.Response(200, text='data: {"choices": [{"text": "par"}]}\n\n')  # noqa: E731
-    with pytest.raises(EngineRequestError, match="ended before"):
+    with pytest.raises(EngineResponseError, match="ended before"):
         _mock(cut).complete([1], max_tokens=5, stream=True)
 
 
@@ -315,14 +317,14 @@ def test_timeout_says_which():
         raise httpx.ReadTimeout("timed out", request=request)
 
     eng = _mock(handler, timeout=httpx.Timeout(7.0, connect=2.0), max_retries=1)
-    with pytest.raises(EngineError, match="read timeout of 7 s") as info:
+    with pytest.raises(EngineTimeoutError, match="read timeout of 7 s") as info:
         eng.complete([1], max_tokens=1)
     assert isinstance(info.value.__cause__, httpx.ReadTimeout)
 
     def connect(request):
         raise httpx.ConnectTimeout("timed out", request=request)
 
-    with pytest.raises(EngineError, match="connect timeout of 2 s"):
+    with pytest.raises(EngineTimeoutError, match="connect timeout of 2 s"):
         asyncio.run(_mock(connect, timeout=httpx.Timeout(7.0, connect=2.0)).acomplete([1], max_tokens=1))
 
 

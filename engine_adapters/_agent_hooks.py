@@ -1,0 +1,404 @@
+"""Harness hooks: run :class:`assembler.ContextHook` inside real agent frameworks.
+
+Each adapter converts the framework's messages to OpenAI chat dicts, calls the hook
+(context policies, render, diff against the session's previous render), and gives the
+framework back the *policy-edited* messages, so any chat model sees the edited context.
+The :class:`~assembler.PreparedContext` is also handed to
+:class:`~engine_adapters._langchain_chat.PromptspliceChatModel` (per session, through
+``_langchain_chat.handoff``): when the model's own render of the messages it receives
+has the same token ids, it sends exactly those ids (and, with a runner, the
+directives); otherwise it renders anew and logs why.
+
+* :class:`PromptspliceMiddleware`: LangChain 1.x agent middleware (``wrap_model_call``).
+* :class:`PromptsplicePreModelHook`: LangGraph ``create_react_agent(pre_model_hook=...)``,
+  returning ``{"llm_input_messages": [...]}`` (the state's history is left alone).
+* :class:`PromptspliceInputFilter`: OpenAI Agents SDK ``RunConfig(call_model_input_filter=...)``
+  over Responses-API input items.
+
+Session ids: LangChain/LangGraph read ``config["configurable"][session_key]`` (default
+``thread_id``); without one, ``default_session`` is used, else ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+    convert_to_messages,
+)
+
+from assembler import ContextHook, PreparedContext
+from engine_adapters._langchain_chat import PromptspliceChatModel, format_tools, handoff, lc_messages_to_openai
+from promptsplice.errors import ConfigError, InputError
+
+__all__ = [
+    "PromptspliceMiddleware",
+    "PromptsplicePreModelHook",
+    "PromptspliceInputFilter",
+    "messages_from_openai",
+    "items_to_chat",
+    "chat_to_items",
+]
+
+
+def _check_hook(hook: Any) -> ContextHook:
+    if not isinstance(hook, ContextHook):
+        raise ConfigError(f"hook must be an assembler.ContextHook, got {type(hook).__name__}")
+    return hook
+
+
+def _config_session(session_key: str, default: str | None) -> str:
+    from langgraph.config import get_config
+
+    try:
+        cfg = get_config()
+    except RuntimeError:  # not inside a runnable context
+        cfg = {}
+    sid = (cfg.get("configurable") or {}).get(session_key)
+    if sid is None:
+        sid = default
+    if sid is None:
+        raise ConfigError(
+            f"no session id: pass config={{'configurable': {{'{session_key}': ...}}}} to the agent "
+            "or give the hook adapter a default_session"
+        )
+    return str(sid)
+
+
+def messages_from_openai(
+    dicts: Sequence[Mapping[str, Any]], originals: Sequence[BaseMessage], original_dicts: Sequence[Mapping[str, Any]]
+) -> list[BaseMessage]:
+    """Policy-edited OpenAI dicts -> LangChain messages.  A dict equal to an original's
+    dict gives that original message back (ids, names, metadata kept), matched in order;
+    an edited tool output keeps its original message with the new content; anything
+    else (a summary) is converted with ``convert_to_messages``."""
+    out: list[BaseMessage] = []
+    j = 0
+    by_call = {
+        getattr(m, "tool_call_id", None): m for m in originals if isinstance(m, ToolMessage)
+    }
+    for d in dicts:
+        k = j
+        while k < len(original_dicts) and original_dicts[k] != d:
+            k += 1
+        if k < len(original_dicts):
+            out.append(originals[k])
+            j = k + 1
+            continue
+        tid = d.get("tool_call_id")
+        if d.get("role") == "tool" and tid in by_call:
+            out.append(by_call[tid].model_copy(update={"content": d.get("content", "")}))
+            continue
+        clean = {k2: v for k2, v in d.items() if k2 != "status"}
+        try:
+            out.extend(convert_to_messages([clean]))
+        except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
+            raise InputError(f"cannot convert the edited message {d!r:.120} back to LangChain: {exc}") from exc
+    return out
+
+
+# -- LangChain 1.x middleware --------------------------------------------------------
+
+
+def _middleware_base() -> type:
+    from langchain.agents.middleware import AgentMiddleware
+
+    return AgentMiddleware
+
+
+class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
+    """LangChain agent middleware: ``create_agent(..., middleware=[PromptspliceMiddleware(hook)])``.
+
+    ``wrap_model_call`` runs the hook on the request's system message, messages and
+    tools, replaces the messages with the policy-edited ones and hands the prepared
+    context to a :class:`PromptspliceChatModel`.  ``on_prepared`` (optional) is called
+    with every :class:`PreparedContext` (observability); ``self.history`` keeps the
+    last ``keep_history`` of them.
+    """
+
+    def __init__(
+        self,
+        hook: ContextHook,
+        session_key: str = "thread_id",
+        *,
+        default_session: str | None = None,
+        on_prepared: Callable[[PreparedContext], None] | None = None,
+        keep_history: int = 64,
+    ) -> None:
+        super().__init__()
+        self.hook = _check_hook(hook)
+        self.session_key = session_key
+        self.default_session = default_session
+        self.on_prepared = on_prepared
+        self.keep_history = keep_history
+        self.history: list[PreparedContext] = []
+
+    def _prepare(self, request: Any) -> tuple[Any, PreparedContext]:
+        sid = _config_session(self.session_key, self.default_session)
+        originals: list[BaseMessage] = list(request.messages)
+        system = request.system_message
+        lc = ([system] if system is not None else []) + originals
+        dicts = lc_messages_to_openai(lc)
+        tools = format_tools([t for t in request.tools]) if request.tools else None
+        prepared = self.hook(sid, dicts, tools)
+        edited = prepared.messages
+        new_system = system
+        if system is not None:
+            if edited and edited[0].get("role") == "system":
+                if edited[0] != dicts[0]:
+                    new_system = SystemMessage(content=edited[0].get("content", ""))
+                edited = edited[1:]
+            else:  # a policy removed the system message
+                new_system = None
+        messages = messages_from_openai(edited, originals, dicts[1:] if system is not None else dicts)
+        self.history.append(prepared)
+        del self.history[: max(0, len(self.history) - self.keep_history)]
+        if self.on_prepared is not None:
+            self.on_prepared(prepared)
+        return request.override(messages=messages, system_message=new_system), prepared
+
+    def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        new, prepared = self._prepare(request)
+        give = isinstance(new.model, PromptspliceChatModel)
+        if give:
+            handoff.put(prepared)
+        try:
+            return handler(new)
+        finally:
+            if give:
+                handoff.discard(prepared)
+
+    async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        new, prepared = self._prepare(request)
+        give = isinstance(new.model, PromptspliceChatModel)
+        if give:
+            handoff.put(prepared)
+        try:
+            return await handler(new)
+        finally:
+            if give:
+                handoff.discard(prepared)
+
+
+# -- LangGraph pre_model_hook ----------------------------------------------------------
+
+
+class PromptsplicePreModelHook:
+    """``create_react_agent(model, tools, pre_model_hook=PromptsplicePreModelHook(hook, tools=tools))``.
+
+    Called with the graph state, it runs the hook on ``state["messages"]`` (and the
+    tools' schemas, so the render matches what a :class:`PromptspliceChatModel` bound
+    to the same tools renders) and returns ``{"llm_input_messages": edited}``: the model
+    sees the edited context while the state keeps the full history.  ``system`` (the
+    agent's ``prompt=``, if a string) is prepended for the render, as the agent does.
+    """
+
+    def __init__(
+        self,
+        hook: ContextHook,
+        *,
+        tools: Sequence[Any] | None = None,
+        system: str | None = None,
+        session_key: str = "thread_id",
+        default_session: str | None = None,
+    ) -> None:
+        self.hook = _check_hook(hook)
+        self.tools = format_tools(tools) if tools else None
+        self.system = system
+        self.session_key = session_key
+        self.default_session = default_session
+        self.history: list[PreparedContext] = []
+
+    def __call__(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        sid = _config_session(self.session_key, self.default_session)
+        msgs = state.get("messages") if isinstance(state, Mapping) else getattr(state, "messages", None)
+        if msgs is None:
+            raise InputError("the graph state has no 'messages'")
+        originals = list(convert_to_messages(msgs))
+        lc = ([SystemMessage(content=self.system)] if self.system else []) + originals
+        dicts = lc_messages_to_openai(lc)
+        prepared = self.hook(sid, dicts, self.tools)
+        edited = prepared.messages
+        if self.system and edited and edited[0].get("role") == "system":
+            edited = edited[1:]
+        self.history.append(prepared)
+        del self.history[:-64]
+        handoff.put(prepared)
+        return {"llm_input_messages": messages_from_openai(edited, originals, dicts[1:] if self.system else dicts)}
+
+
+# -- OpenAI Agents SDK call_model_input_filter -------------------------------------------
+
+
+def _item_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, Mapping) and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            elif isinstance(p, str):
+                parts.append(p)
+            else:
+                raise InputError(f"only text content can be rendered, got {p!r:.80}")
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise InputError(f"unsupported content {type(content).__name__}")
+
+
+def _as_dict(item: Any) -> dict[str, Any]:
+    if isinstance(item, Mapping):
+        return dict(item)
+    dump = getattr(item, "model_dump", None)
+    if callable(dump):
+        return dump(exclude_none=True)
+    raise InputError(f"an input item must be a dict or a pydantic model, got {type(item).__name__}")
+
+
+def items_to_chat(items: Sequence[Any], instructions: str | None) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """Responses-API input items -> chat dicts, and for each chat dict the indices of
+    the items it came from.  User/system/developer/assistant messages map to messages;
+    ``function_call`` items join the preceding assistant message (or start one) as
+    ``tool_calls``; ``function_call_output`` becomes a ``tool`` message.  Other items
+    (reasoning, hosted tool calls) are not rendered; they travel with the next message.
+    ``instructions`` become a leading system message (provenance ``[]``)."""
+    chat: list[dict[str, Any]] = []
+    prov: list[list[int]] = []
+    if instructions:
+        chat.append({"role": "system", "content": instructions})
+        prov.append([])
+    pending: list[int] = []
+    for i, raw in enumerate(items):
+        it = _as_dict(raw)
+        typ = it.get("type")
+        role = it.get("role")
+        if typ in (None, "message") and isinstance(role, str):
+            chat.append({"role": "system" if role == "developer" else role, "content": _item_text(it.get("content"))})
+            prov.append([*pending, i])
+            pending = []
+        elif typ == "function_call":
+            call = {"id": it.get("call_id"), "type": "function", "function": {"name": it.get("name"), "arguments": it.get("arguments", "{}")}}
+            if chat and chat[-1]["role"] == "assistant" and not pending and prov[-1]:
+                chat[-1].setdefault("tool_calls", []).append(call)
+                prov[-1].append(i)
+            else:
+                chat.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                prov.append([*pending, i])
+                pending = []
+        elif typ == "function_call_output":
+            out = it.get("output")
+            chat.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": out if isinstance(out, str) else json.dumps(out, ensure_ascii=False)})
+            prov.append([*pending, i])
+            pending = []
+        else:
+            pending.append(i)
+    if pending:  # trailing unrendered items: attach to the last message
+        if prov:
+            prov[-1].extend(pending)
+        else:
+            raise InputError("the input has no message the hook could render")
+    return chat, prov
+
+
+def chat_to_items(
+    edited: Sequence[Mapping[str, Any]],
+    chat: Sequence[Mapping[str, Any]],
+    prov: Sequence[Sequence[int]],
+    items: Sequence[Any],
+) -> list[Any]:
+    """Rebuild the input items from the policy-edited chat dicts: an unchanged message
+    gives its original items back (the same objects), an edited tool output its item
+    with the new ``output``, a message the policy dropped drops its items, and a new
+    message (a summary) becomes ``{"role": ..., "content": ...}``."""
+    out: list[Any] = []
+    j = 0
+    for d in edited:
+        k = j
+        while k < len(chat) and chat[k] != d:
+            k += 1
+        if k < len(chat):
+            out.extend(items[i] for i in prov[k])
+            j = k + 1
+            continue
+        if d.get("role") == "tool":
+            k = next((n for n in range(j, len(chat)) if chat[n].get("role") == "tool" and chat[n].get("tool_call_id") == d.get("tool_call_id")), None)
+            if k is not None:
+                for i in prov[k]:
+                    it = _as_dict(items[i])
+                    if it.get("type") == "function_call_output":
+                        new = copy.deepcopy(it)
+                        new["output"] = d.get("content", "")
+                        out.append(new)
+                    else:
+                        out.append(items[i])
+                j = k + 1
+                continue
+        out.append({"role": d.get("role", "user"), "content": d.get("content") or ""})
+    return out
+
+
+class PromptspliceInputFilter:
+    """``RunConfig(call_model_input_filter=PromptspliceInputFilter(hook, session_id=...))``.
+
+    Maps the SDK's Responses-API input items to chat messages (:func:`items_to_chat`),
+    runs the hook, and returns a ``ModelInputData`` with the edited items
+    (:func:`chat_to_items`); with no policy edit the original items come back as they
+    were.  ``session_id``: a str, or a callable ``(CallModelData) -> str``; default: the
+    run context's ``session_id`` (attribute or key), else ``ConfigError``.  ``tools``
+    (OpenAI tool dicts or LangChain tools) are rendered with the context.
+    """
+
+    def __init__(
+        self,
+        hook: ContextHook,
+        *,
+        session_id: str | Callable[[Any], str] | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> None:
+        self.hook = _check_hook(hook)
+        self.session_id = session_id
+        self.tools = format_tools(tools) if tools else None
+        self.history: list[PreparedContext] = []
+
+    def _session(self, data: Any) -> str:
+        if callable(self.session_id):
+            return str(self.session_id(data))
+        if self.session_id is not None:
+            return self.session_id
+        ctx = getattr(data, "context", None)
+        sid = ctx.get("session_id") if isinstance(ctx, Mapping) else getattr(ctx, "session_id", None)
+        if sid is None:
+            raise ConfigError("no session id: pass session_id= or run with a context that has session_id")
+        return str(sid)
+
+    def __call__(self, data: Any) -> Any:
+        from agents.run_config import ModelInputData
+
+        model_data = data.model_data
+        items = list(model_data.input)
+        chat, prov = items_to_chat(items, model_data.instructions)
+        prepared = self.hook(self._session(data), chat, self.tools)
+        self.history.append(prepared)
+        del self.history[:-64]
+        if not prepared.policy_edits:
+            return ModelInputData(input=items, instructions=model_data.instructions)
+        edited = list(prepared.messages)
+        instructions = model_data.instructions
+        if instructions:
+            if edited and edited[0].get("role") == "system" and prov and not prov[0]:
+                instructions = edited[0].get("content") or instructions
+                edited = edited[1:]
+            chat_body, prov_body = chat[1:], prov[1:]
+        else:
+            chat_body, prov_body = chat, prov
+        return ModelInputData(input=chat_to_items(edited, chat_body, prov_body, items), instructions=instructions)

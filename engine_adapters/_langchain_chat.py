@@ -1,0 +1,698 @@
+"""``PromptspliceChatModel``: a LangChain chat model over the embedded vLLM engine.
+
+Messages become OpenAI-style dicts, are rendered through the model's chat template in
+token space with block-aligned per-message segments (:class:`assembler.ChatRenderer`, or
+the model's :class:`assembler.ContextHook` when it has one: then the session's context
+policies run and the step is diffed against the session's previous render), and the
+token ids go to :class:`~engine_adapters.EmbeddedEngine` as they are, so what vLLM's
+prefix cache sees is exactly the aligned layout.  ``usage_metadata`` reports vLLM's own
+count of prompt tokens served from its cache (``input_token_details["cache_read"]``).
+
+Tools (``bind_tools``): SmolLM2's ChatML template has no tool format, so the renderer
+puts the schemas into the system turn the Hermes/Qwen way and asks for
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; those blocks are
+parsed out of the output into ``tool_calls`` (a block that does not parse stays text:
+never an exception).  ``tool_choice`` ``"any"``/``"required"``/a tool name *forces* a
+call by decoding after a fixed prefix (``<tool_call>\\n{"name": "`` or, for a named tool,
+``... "f", "arguments": {"<first parameter>": ``, or the whole call for a tool without
+parameters): small models rarely call tools on their own, and given only the
+``"arguments":`` key SmolLM2-135M copies the schema instead of filling it in.  ``"none"``
+keeps the schemas in the prompt (same tokens, same cache) but parses no calls.
+
+Session: ``session_id`` (call kwarg) > ``config["configurable"]["thread_id"]`` > the
+model's ``session_id`` field.  A context prepared by a harness hook
+(:mod:`engine_adapters._agent_hooks`) for the same session and the same tokens is
+used as is, directives included; with a ``runner`` (anything with
+``step(prepared, *, max_tokens, temperature, stop) -> obj.completion``) the model sends
+that prepared context to the runner (which may splice) instead of ``engine.generate``.
+
+The engine: ``engine=`` or the process default (:func:`set_default_engine`), looked up at
+call time, so constructing a model never starts vLLM.  The model is LangChain-serializable
+(``dumpd``): settings only, no engine/hook/runner; ``load`` it with
+``allowed_objects=[PromptspliceChatModel], valid_namespaces=["engine_adapters"]``.  Engine errors are
+:mod:`promptsplice.errors` already and propagate unchanged; LangChain conversion
+errors are translated to :class:`~promptsplice.errors.InputError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.chat_models import LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
+from langchain_core.messages import convert_to_openai_messages
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import ensure_config
+from langchain_core.tools import BaseTool
+from langchain_core.utils import from_env, secret_from_env
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+
+from assembler import ChatRenderer, ContextHook, PreparedContext, StepKind
+from promptsplice.errors import ConfigError, InputError, PromptspliceError
+
+__all__ = [
+    "PromptspliceChatModel",
+    "default_engine",
+    "set_default_engine",
+    "lc_messages_to_openai",
+    "format_tools",
+    "parse_tool_calls",
+    "TOOL_CALL_OPEN",
+    "TOOL_CALL_CLOSE",
+]
+
+logger = logging.getLogger(__name__)
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""The project's default model (what ``ls_model_name`` reports before an engine is known)."""
+
+# -- the process default engine ---------------------------------------------------------
+
+_default_lock = threading.Lock()
+_default_engine: Any = None
+
+
+def set_default_engine(engine: Any) -> Any:
+    """Make ``engine`` (an :class:`~engine_adapters.EmbeddedEngine`, or ``None`` to
+    clear) what models built without ``engine=`` use; returns the previous one."""
+    global _default_engine
+    if engine is not None and not callable(getattr(engine, "generate", None)):
+        raise ConfigError(f"the default engine must have generate(), got {type(engine).__name__}")
+    with _default_lock:
+        prev, _default_engine = _default_engine, engine
+    return prev
+
+
+def default_engine() -> Any:
+    """The engine set by :func:`set_default_engine`.  Raises ``ConfigError`` when none is
+    set: a model never starts a vLLM engine (~1 GiB) behind the caller's back."""
+    with _default_lock:
+        eng = _default_engine
+    if eng is None:
+        raise ConfigError(
+            "PromptspliceChatModel has no engine: pass engine=EmbeddedEngine(...) or call "
+            "engine_adapters._langchain_chat.set_default_engine(engine) first"
+        )
+    return eng
+
+
+# -- hand-off of prepared contexts from harness hooks ------------------------------------
+
+
+class _Handoff:
+    """The last :class:`PreparedContext` a harness hook made per session, for the chat
+    model to pick up (bounded LRU, thread-safe).  The model takes it only when its own
+    render of the messages it received has the same token ids, so a stale or foreign
+    entry is never sent."""
+
+    def __init__(self, max_sessions: int = 1024) -> None:
+        self._items: OrderedDict[str, PreparedContext] = OrderedDict()
+        self._lock = threading.Lock()
+        self._max = max_sessions
+
+    def put(self, prepared: PreparedContext) -> None:
+        with self._lock:
+            self._items[prepared.session_id] = prepared
+            self._items.move_to_end(prepared.session_id)
+            while len(self._items) > self._max:
+                self._items.popitem(last=False)
+
+    def take(self, session_id: str, token_ids: Sequence[int]) -> PreparedContext | None:
+        with self._lock:
+            p = self._items.get(session_id)
+            if p is None:
+                return None
+            del self._items[session_id]
+        if list(p.token_ids) != list(token_ids):
+            logger.warning(
+                "prepared context of session %r (step %d) does not match the messages the "
+                "model received (%d vs %d tokens): rendering them anew",
+                session_id, p.step, len(p.token_ids), len(token_ids),
+            )
+            return None
+        return p
+
+    def discard(self, prepared: PreparedContext) -> None:
+        with self._lock:
+            if self._items.get(prepared.session_id) is prepared:
+                del self._items[prepared.session_id]
+
+
+handoff = _Handoff()
+"""Process-wide hand-off used by :mod:`engine_adapters._agent_hooks`."""
+
+
+# -- conversions -----------------------------------------------------------------------
+
+
+def lc_messages_to_openai(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages -> OpenAI chat dicts (``convert_to_openai_messages``), keeping
+    a tool message's ``status="error"`` (which the failed-call policy reads)."""
+    try:
+        out = convert_to_openai_messages(list(messages))
+    except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
+        raise InputError(f"cannot convert the messages to chat dicts: {exc}") from exc
+    if isinstance(out, dict):
+        out = [out]
+    for m, d in zip(messages, out):
+        if isinstance(m, ToolMessage) and getattr(m, "status", None) == "error":
+            d["status"] = "error"
+    return list(out)
+
+
+def format_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """Tools (BaseTool, functions, pydantic models, dict schemas) -> OpenAI tool dicts."""
+    out = []
+    for t in tools:
+        try:
+            out.append(convert_to_openai_tool(t))
+        except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
+            raise InputError(f"cannot convert tool {t!r:.80} to an OpenAI tool schema: {exc}") from exc
+    return out
+
+
+_OPEN_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*")
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Split ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks out of
+    ``text``: returns the remaining text and LangChain tool calls (``name``, ``args``,
+    ``id``, ``type``).  A block whose JSON does not parse, or has no string ``name`` or
+    non-object ``arguments``, stays in the text; a missing closing tag is tolerated."""
+    decoder = json.JSONDecoder()
+    calls: list[dict[str, Any]] = []
+    parts: list[str] = []
+    pos = 0
+    while True:
+        m = _OPEN_RE.search(text, pos)
+        if m is None:
+            break
+        try:
+            obj, end = decoder.raw_decode(text, m.end())
+        except ValueError:
+            obj, end = None, m.end()
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                args = None
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict)):
+            parts.append(text[pos : m.end()])  # not a call: keep it as text
+            pos = m.end()
+            continue
+        parts.append(text[pos : m.start()])
+        rest = text[end:]
+        stripped = rest.lstrip()
+        end += len(rest) - len(stripped)
+        if stripped.startswith(TOOL_CALL_CLOSE):
+            end += len(TOOL_CALL_CLOSE)
+        calls.append({"name": obj["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "tool_call"})
+        pos = end
+    parts.append(text[pos:])
+    content = "".join(parts)
+    return ("" if calls and not content.strip() else content), calls
+
+
+def _forced_prefix(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
+    """The decoding prefix that forces a tool call (``None``: no forcing)."""
+    if tool_choice in (None, "auto", "none", False):
+        return None
+    names = [t.get("function", {}).get("name") for t in tools]
+    name: str | None = None
+    if tool_choice in ("any", "required", True):
+        name = names[0] if len(names) == 1 else None
+    elif isinstance(tool_choice, str):
+        name = tool_choice
+    elif isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if name is not None and name not in names:
+        raise ConfigError(f"tool_choice names {name!r}, which is not a bound tool ({names})")
+    if name is None:
+        return TOOL_CALL_OPEN + '\n{"name": "'
+    head = TOOL_CALL_OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+    fn = next(t.get("function", {}) for t in tools if t.get("function", {}).get("name") == name)
+    params = fn.get("parameters") or {}
+    props = list((params.get("properties") or {}))
+    if not props:
+        return head + "{}}"
+    required = [p for p in params.get("required") or [] if p in props]
+    first = required[0] if required else props[0]
+    return head + "{" + json.dumps(first, ensure_ascii=False) + ": "
+
+
+def _check_tool_choice(tool_choice: Any) -> Any:
+    if tool_choice is None or tool_choice is False or tool_choice is True:
+        return tool_choice
+    if isinstance(tool_choice, str) and tool_choice:
+        return tool_choice
+    if isinstance(tool_choice, Mapping):
+        return dict(tool_choice)
+    raise ConfigError(
+        f"tool_choice must be None, 'auto', 'none', 'any', 'required', a tool name or "
+        f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
+    )
+
+
+_KNOWN_CALL_KWARGS = frozenset(
+    {"tools", "tool_choice", "session_id", "max_tokens", "temperature", "model", "parallel_tool_calls", "cache_salt"}
+)
+
+
+# -- the model -------------------------------------------------------------------------
+
+
+class PromptspliceChatModel(BaseChatModel):
+    """A chat model that renders messages in token space and runs them on an
+    :class:`~engine_adapters.EmbeddedEngine` (see the module docstring).
+
+    ``timeout``, ``max_retries`` and ``api_key`` are accepted (and serialized) for
+    drop-in compatibility with remote chat models; the embedded engine has no network,
+    retries nothing and needs no key, so they have no effect.
+    """
+
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+
+    engine: Any = Field(default=None, exclude=True)
+    """An :class:`~engine_adapters.EmbeddedEngine`; ``None``: :func:`default_engine`."""
+    hook: Any = Field(default=None, exclude=True)
+    """An :class:`assembler.ContextHook` (policies, session diffs); ``None``: render with
+    a :class:`ChatRenderer` sized like the engine."""
+    runner: Any = Field(default=None, exclude=True)
+    """Anything with ``step(prepared, *, max_tokens, temperature, stop)`` returning an
+    object with ``.completion``; ``None``: ``engine.generate``."""
+    model_name: str | None = Field(default=None, alias="model")
+    """Reported name; ``None``: the engine's model folder name."""
+    max_tokens: int = 256
+    temperature: float = 0.0
+    stop: list[str] | None = None
+    session_id: str | None = None
+    """Default session (call kwarg ``session_id`` and config ``thread_id`` win)."""
+    cache_salt: str | None = Field(default_factory=from_env("PROMPTSPLICE_CACHE_SALT", default=None))
+    """The prompt's ``cache_salt`` (tenant isolation); default from ``PROMPTSPLICE_CACHE_SALT``."""
+    streaming: bool = False
+    """``invoke`` streams internally (callbacks get tokens) when true."""
+    timeout: float | None = None
+    max_retries: int | None = None
+    api_key: SecretStr | None = Field(default_factory=secret_from_env("PROMPTSPLICE_API_KEY", default=None))
+
+    _renderer: ChatRenderer | None = PrivateAttr(default=None)
+    _renderer_key: Any = PrivateAttr(default=None)
+    _renderer_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    # -- LangChain plumbing ---------------------------------------------------------------
+    @property
+    def _llm_type(self) -> str:
+        return "promptsplice"
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """``dumpd``/``dumps`` write the settings (never ``engine``, ``hook`` or
+        ``runner``: those are live objects, resolved again at call time; ``api_key`` as
+        a secret reference).  langchain-core's ``load`` revives only allowlisted
+        classes: pass this one, ``load(data, allowed_objects=[PromptspliceChatModel],
+        valid_namespaces=["engine_adapters"])``."""
+        return True
+
+    @property
+    def lc_attributes(self) -> dict[str, Any]:
+        # always written, None too: a revived model keeps the salt it was dumped with
+        # instead of taking PROMPTSPLICE_CACHE_SALT from the loading process (tenant
+        # isolation must not change on a round trip)
+        return {"cache_salt": self.cache_salt}
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "PROMPTSPLICE_API_KEY"}
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["engine_adapters", "_langchain_chat"]  # the importable module: load() imports it
+
+    def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
+        # serializable models key LangChain's LLM cache by their dumpd, which leaves the
+        # engine out: add the model the engine runs, so two engines never share entries
+        return super()._get_llm_string(stop=stop, **kwargs) + "---model=" + self._model_name()
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self._model_name(),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "stop": self.stop,
+            "cache_salt": self.cache_salt,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="promptsplice",
+            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self._model_name(),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+        )
+        stops = stop if stop is not None else self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | dict[str, Any] | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (rendered into the system turn; calls parsed from the output).
+        ``tool_choice``: ``None``/``"auto"`` (the model decides), ``"none"``,
+        ``"any"``/``"required"``/a name/an OpenAI dict (forced, see the module)."""
+        formatted = format_tools(tools)
+        choice = _check_tool_choice(tool_choice)
+        _forced_prefix(choice, formatted)  # validates a named choice now
+        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    # session ids from the config of direct calls (``_generate`` cannot see the config)
+    def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AIMessage:  # type: ignore[override]
+        return super().invoke(input, config, stop=stop, **_with_thread(config, kwargs))
+
+    async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AIMessage:  # type: ignore[override]
+        return await super().ainvoke(input, config, stop=stop, **_with_thread(config, kwargs))
+
+    def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:  # type: ignore[override]
+        return super().stream(input, config, stop=stop, **_with_thread(config, kwargs))
+
+    def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:  # type: ignore[override]
+        return super().astream(input, config, stop=stop, **_with_thread(config, kwargs))
+
+    # -- resolution ---------------------------------------------------------------------
+    def resolved_engine(self) -> Any:
+        """The engine this model runs on (``engine`` or :func:`default_engine`)."""
+        return self.engine if self.engine is not None else default_engine()
+
+    def _model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        eng = self.engine
+        if eng is None:
+            with _default_lock:
+                eng = _default_engine
+        model = getattr(getattr(eng, "config", None), "model", None)
+        return Path(model).name if isinstance(model, str) and model else DEFAULT_MODEL_NAME
+
+    def renderer(self) -> ChatRenderer:
+        """The renderer: the hook's, else one over the engine's tokenizer and block size."""
+        if self.hook is not None:
+            return self.hook.renderer
+        eng = self.resolved_engine()
+        key = id(eng)
+        with self._renderer_lock:
+            if self._renderer is None or self._renderer_key != key:
+                self._renderer = ChatRenderer(eng.tokenizer, block_size=eng.block_size)
+                self._renderer_key = key
+            return self._renderer
+
+    def _session(self, kwargs: Mapping[str, Any], run_manager: Any) -> str | None:
+        sid = kwargs.get("session_id")
+        if sid is None:
+            cfg = ensure_config()  # set inside LangGraph nodes and runnable sequences
+            sid = (cfg.get("configurable") or {}).get("thread_id")
+        if sid is None and run_manager is not None:
+            sid = (getattr(run_manager, "metadata", None) or {}).get("thread_id")
+        if sid is None:
+            sid = self.session_id
+        return None if sid is None else str(sid)
+
+    def prepare(self, messages: Sequence[BaseMessage], **kwargs: Any) -> tuple[PreparedContext, list[dict[str, Any]]]:
+        """The prepared context for ``messages`` (what would be sent) and the tools."""
+        return self._prepare(messages, kwargs, None)
+
+    def _prepare(
+        self, messages: Sequence[BaseMessage], kwargs: Mapping[str, Any], run_manager: Any
+    ) -> tuple[PreparedContext, list[dict[str, Any]]]:
+        unknown = set(kwargs) - _KNOWN_CALL_KWARGS
+        if unknown:
+            raise ConfigError(f"PromptspliceChatModel does not take {sorted(unknown)}")
+        model = kwargs.get("model")
+        if model is not None and model != self._model_name():
+            raise ConfigError(
+                f"model={model!r}: this model runs {self._model_name()!r} on its engine; "
+                "build another PromptspliceChatModel for another engine"
+            )
+        tools = list(kwargs.get("tools") or [])
+        dicts = lc_messages_to_openai(messages)
+        session = self._session(kwargs, run_manager)
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        renderer = self.renderer()
+        if self.hook is not None:
+            sid = session if session is not None else f"ephemeral-{uuid.uuid4().hex}"
+            pending = handoff.take(sid, renderer.render(dicts, tools or None, salt=salt).token_ids) if session else None
+            if pending is not None:
+                return pending, tools
+            prepared = self.hook(sid, dicts, tools or None, salt=salt)
+            if session is None:
+                self.hook.forget(sid)
+            return prepared, tools
+        render = renderer.render(dicts, tools or None, salt=salt)
+        if session is not None:
+            pending = handoff.take(session, render.token_ids)
+            if pending is not None:
+                return pending, tools
+        return PreparedContext(session or "", 1, StepKind.NEW_SESSION, render, dicts), tools
+
+    def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any) -> dict[str, Any]:
+        prepared, tools = self._prepare(messages, kwargs, run_manager)
+        choice = kwargs.get("tool_choice")
+        prefix = _forced_prefix(choice, tools) if tools else None
+        ids = list(prepared.token_ids)
+        if prefix:
+            eng = self.resolved_engine()
+            ids += list(eng.tokenizer.encode(prefix))
+        stops = stop if stop is not None else self.stop
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        temperature = kwargs.get("temperature", self.temperature)
+        return {
+            "prepared": prepared,
+            "ids": ids,
+            "prefix": prefix or "",
+            "parse": bool(tools) and choice not in ("none", False),
+            "stop": list(stops) if stops else None,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "salt": kwargs.get("cache_salt", self.cache_salt),
+        }
+
+    def _run(self, req: dict[str, Any]) -> Any:
+        prepared: PreparedContext = req["prepared"]
+        if self.runner is not None:
+            if req["prefix"]:  # the forcing prefix goes after the generation prompt
+                import dataclasses
+
+                render = dataclasses.replace(prepared.render, token_ids=req["ids"])
+                prepared = dataclasses.replace(prepared, render=render)
+            step = self.runner.step(prepared, max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"])
+            return step.completion
+        return self.resolved_engine().generate(
+            req["ids"], max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"], cache_salt=req["salt"]
+        )
+
+    # -- results --------------------------------------------------------------------------
+    def _metadata(self, req: dict[str, Any], completion: Any) -> tuple[dict[str, Any], UsageMetadata]:
+        prepared: PreparedContext = req["prepared"]
+        out = len(completion.token_ids)
+        usage = UsageMetadata(
+            input_tokens=completion.prompt_tokens,
+            output_tokens=out,
+            total_tokens=completion.prompt_tokens + out,
+            input_token_details={"cache_read": int(completion.num_cached_tokens)},
+        )
+        meta = {
+            "model_name": self._model_name(),
+            "model_provider": "promptsplice",
+            "finish_reason": completion.finish_reason,
+            "num_cached_tokens": int(completion.num_cached_tokens),
+            "predicted_cached_tokens": completion.predicted_cached_tokens,
+            "ttft_s": completion.ttft_s,
+            "session_id": prepared.session_id or None,
+            "step": prepared.step,
+            "step_kind": prepared.kind.value,
+            "request_id": completion.request_id,
+        }
+        return meta, usage
+
+    def _message(self, req: dict[str, Any], completion: Any) -> AIMessage:
+        text = req["prefix"] + completion.text
+        calls: list[dict[str, Any]] = []
+        if req["parse"]:
+            text, calls = parse_tool_calls(text)
+        meta, usage = self._metadata(req, completion)
+        return AIMessage(content=text, tool_calls=calls, response_metadata=meta, usage_metadata=usage)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        if self.streaming:
+            chunks = list(self._stream(messages, stop, run_manager, **kwargs))
+            full = chunks[0]
+            for c in chunks[1:]:
+                full = full + c
+            msg = full.message
+            return ChatResult(generations=[ChatGeneration(message=AIMessage(
+                content=msg.content, tool_calls=msg.tool_calls, response_metadata=msg.response_metadata,
+                usage_metadata=msg.usage_metadata, id=msg.id,
+            ))])
+        req = self._request(messages, stop, kwargs, run_manager)
+        completion = self._run(req)
+        return ChatResult(generations=[ChatGeneration(message=self._message(req, completion))])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        """Real streaming through :meth:`EmbeddedEngine.stream` (one chunk per engine
+        step).  With tools, text that may open a ``<tool_call>`` block is held back and
+        the calls arrive in the last chunk; with a ``runner`` the whole answer is one
+        chunk (runners do not stream)."""
+        req = self._request(messages, stop, kwargs, run_manager)
+        if self.runner is not None:
+            msg = self._message(req, self._run(req))
+            yield ChatGenerationChunk(message=AIMessageChunk(
+                content=msg.content, tool_call_chunks=_call_chunks(msg.tool_calls),
+                response_metadata=msg.response_metadata, usage_metadata=msg.usage_metadata, chunk_position="last",
+            ))
+            return
+        eng = self.resolved_engine()
+        stream = eng.stream(req["ids"], max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"], cache_salt=req["salt"])
+        seen = req["prefix"]
+        sent = 0  # characters of content already streamed
+        try:
+            for delta in stream:
+                seen += delta.text
+                if delta.completion is not None:
+                    completion = delta.completion
+                    break
+                safe = _streamable(seen, req["parse"])
+                if safe > sent:
+                    piece = seen[sent:safe]
+                    sent = safe
+                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+                    if run_manager is not None:
+                        run_manager.on_llm_new_token(piece, chunk=chunk)
+                    yield chunk
+            else:  # the engine always ends with a completion delta
+                raise PromptspliceError("the engine's stream ended without a completion")
+        finally:
+            stream.close()
+        msg = self._message(req, completion)
+        content = msg.content if isinstance(msg.content, str) else ""
+        if msg.tool_calls:
+            rest = content[sent:] if content.startswith(seen[:sent]) else ""
+        else:
+            rest = (req["prefix"] + completion.text)[sent:]
+        chunk = ChatGenerationChunk(message=AIMessageChunk(
+            content=rest, tool_call_chunks=_call_chunks(msg.tool_calls),
+            response_metadata=msg.response_metadata, usage_metadata=msg.usage_metadata, chunk_position="last",
+        ))
+        if run_manager is not None and rest:
+            run_manager.on_llm_new_token(rest, chunk=chunk)
+        yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """:meth:`_stream` in one worker thread (the engine's stream holds its lock in
+        the thread that started it), chunks handed over through a queue."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        stop_flag = threading.Event()
+        done = object()
+        ctx_cfg = ensure_config()
+
+        def produce() -> None:
+            from langchain_core.runnables.config import var_child_runnable_config
+
+            var_child_runnable_config.set(ctx_cfg)
+            try:
+                gen = self._stream(messages, stop, None, **kwargs)
+                try:
+                    for chunk in gen:
+                        loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                        if stop_flag.is_set():
+                            break
+                finally:
+                    gen.close()
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+            except BaseException as exc:  # handed to the consumer, raised there
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+        worker = threading.Thread(target=produce, name="promptsplice-astream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = await queue.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if run_manager is not None and item.message.content:
+                    await run_manager.on_llm_new_token(str(item.message.content), chunk=item)
+                yield item
+        finally:
+            stop_flag.set()
+            await asyncio.to_thread(worker.join)
+
+
+def _with_thread(config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if config and "session_id" not in kwargs:
+        tid = (config.get("configurable") or {}).get("thread_id")
+        if tid is not None:
+            return {**kwargs, "session_id": str(tid)}
+    return kwargs
+
+
+def _streamable(seen: str, parse: bool) -> int:
+    """How much of ``seen`` can be streamed as content: all of it without tools; with
+    tools, up to a ``<tool_call>`` (or a tail that could still become one)."""
+    if not parse:
+        return len(seen)
+    at = seen.find(TOOL_CALL_OPEN)
+    if at >= 0:
+        return at
+    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(seen)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(seen[-k:]):
+            return len(seen) - k
+    return len(seen)
+
+
+def _call_chunks(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False), "id": c["id"], "index": i, "type": "tool_call_chunk"}
+        for i, c in enumerate(calls)
+    ]

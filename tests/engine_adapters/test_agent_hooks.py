@@ -1,0 +1,152 @@
+"""Harness hooks on real frameworks and the real engine: LangChain ``create_agent``
+middleware, LangGraph ``create_react_agent`` pre_model_hook, OpenAI Agents SDK input
+filter (called with the SDK's own types; the SDK's Runner needs an OpenAI-compatible
+server and is not run here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+from assembler import ContextHook, StepKind, TruncateToolOutputs
+from engine_adapters._agent_hooks import (
+    PromptspliceInputFilter,
+    PromptspliceMiddleware,
+    PromptsplicePreModelHook,
+)
+from engine_adapters._langchain_chat import PromptspliceChatModel
+
+MARKER = "lines truncated ..."
+
+
+class RecordingRunner:
+    """A recorder around the real engine: keeps the prepared contexts, runs ``generate``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls = []
+
+    def step(self, prepared, *, max_tokens, temperature=0.0, stop=None):
+        self.calls.append(prepared)
+        c = self.engine.generate(list(prepared.token_ids), max_tokens=max_tokens, temperature=temperature, stop=stop)
+        return type("Step", (), {"completion": c})()
+
+
+def read_log() -> str:
+    """Read the application log (returns 40 lines)."""
+    return "\n".join(f"line {i}: status ok, app.log" for i in range(40))
+
+
+def _force_tool_calls(n: int):
+    """Test-only middleware: the first ``n`` model calls are forced to call ``read_log``
+    (tool_choice names it: the model decodes after a fixed call prefix); later calls get
+    ``tool_choice="none"`` so the loop ends.  Deterministic with greedy decoding."""
+    from langchain.agents.middleware import AgentMiddleware
+
+    class Force(AgentMiddleware):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def wrap_model_call(self, request, handler):
+            self.calls += 1
+            return handler(request.override(tool_choice="read_log" if self.calls <= n else "none"))
+
+    return Force()
+
+
+@pytest.mark.parametrize("keep_recent,calls", [(0, 2), (1, 3)])
+def test_middleware_agent_loop_truncates_and_classifies(engine, keep_recent, calls):
+    from langchain.agents import create_agent
+
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size, policies=[TruncateToolOutputs(10, keep_recent=keep_recent)])
+    mw = PromptspliceMiddleware(hook)
+    runner = RecordingRunner(engine)
+    model = PromptspliceChatModel(engine=engine, runner=runner, max_tokens=24)
+    agent = create_agent(model=model, tools=[read_log], middleware=[_force_tool_calls(calls - 1), mw])
+    sid = f"mw-loop-{keep_recent}"
+    state = agent.invoke({"messages": [HumanMessage("Read the log app.log")]}, config={"configurable": {"thread_id": sid}})
+
+    steps = mw.history
+    assert len(steps) == calls and {p.session_id for p in steps} == {sid}
+    assert [p.step for p in steps] == list(range(1, calls + 1))
+    # the model sent exactly the prepared contexts (handed off, not re-rendered); a
+    # forced call adds its fixed call prefix after the generation prompt
+    assert [(p.session_id, p.step) for p in runner.calls] == [(p.session_id, p.step) for p in steps]
+    assert all(r.token_ids[: len(p.token_ids)] == p.token_ids for r, p in zip(runner.calls, steps))
+    tool_msgs = [m for m in state["messages"] if isinstance(m, ToolMessage)]
+    assert len(tool_msgs) == calls - 1 and all(m.content.count("\n") == 39 for m in tool_msgs)  # state keeps them whole
+    sent = [engine.tokenizer.decode(p.token_ids) for p in runner.calls]
+    assert steps[0].kind is StepKind.NEW_SESSION
+    if keep_recent == 0:
+        # the only output is truncated the first time the model sees it: new tokens only
+        assert MARKER in sent[1] and "line 20:" not in sent[1]
+        assert steps[1].policy_edits and steps[1].kind is StepKind.APPEND and not steps[1].directives[:-1]
+    else:
+        # call 2 sees output 1 whole; call 3 truncates it (an edit of earlier context)
+        assert MARKER not in sent[1] and "line 20:" in sent[1] and steps[1].kind is StepKind.APPEND
+        assert not steps[1].policy_edits
+        assert MARKER in sent[2] and steps[2].policy_edits and steps[2].kind is StepKind.EDIT
+        assert steps[2].first_changed_token < steps[1].render.body_end
+    ai = [m for m in state["messages"] if isinstance(m, AIMessage)]
+    assert [m.response_metadata["step"] for m in ai] == list(range(1, calls + 1))
+
+
+def test_langgraph_pre_model_hook_edits_llm_input_only(engine):
+    from langgraph.prebuilt import create_react_agent
+
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size, policies=[TruncateToolOutputs(10, keep_recent=0)])
+    pre = PromptsplicePreModelHook(hook, tools=[read_log])
+    runner = RecordingRunner(engine)
+    model = PromptspliceChatModel(engine=engine, runner=runner, max_tokens=8)
+    graph = create_react_agent(model, [read_log], pre_model_hook=pre)
+    history = [
+        HumanMessage("Read the log app.log"),
+        AIMessage("", tool_calls=[{"name": "read_log", "args": {}, "id": "c1", "type": "tool_call"}]),
+        ToolMessage(read_log(), tool_call_id="c1", name="read_log"),
+        HumanMessage("Summarize it."),
+    ]
+    out = graph.invoke({"messages": history}, config={"configurable": {"thread_id": "lg-pre"}})
+    assert len(pre.history) == 1 and pre.history[0].policy_edits
+    assert runner.calls and runner.calls[0] is pre.history[0]  # the model sent the hook's ids
+    assert MARKER in engine.tokenizer.decode(runner.calls[0].token_ids)
+    whole = [m for m in out["messages"] if isinstance(m, ToolMessage)]
+    assert whole[0].content == read_log()  # the state keeps the full output
+    assert isinstance(out["messages"][-1], AIMessage)
+
+
+def _sdk_items() -> list[Any]:
+    return [
+        {"role": "user", "content": "Read the log app.log"},
+        {"type": "function_call", "call_id": "c1", "name": "read_log", "arguments": '{}'},
+        {"type": "function_call_output", "call_id": "c1", "output": read_log()},
+        {"role": "user", "content": "Summarize it."},
+    ]
+
+
+def test_openai_agents_input_filter(engine):
+    from agents import Agent
+    from agents.run_config import CallModelData, ModelInputData
+
+    agent = Agent(name="reader", instructions="You read logs.")
+    items = _sdk_items()
+    # no policy applies: the very same items come back
+    plain = PromptspliceInputFilter(ContextHook(engine.tokenizer, block_size=engine.block_size), session_id="sdk-plain")
+    out = plain(CallModelData(model_data=ModelInputData(input=items, instructions="You read logs."), agent=agent, context=None))
+    assert isinstance(out, ModelInputData)
+    assert out.instructions == "You read logs." and len(out.input) == len(items)
+    assert all(a is b for a, b in zip(out.input, items))
+    assert plain.history[0].kind is StepKind.NEW_SESSION
+
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size, policies=[TruncateToolOutputs(10, keep_recent=0)])
+    filt = PromptspliceInputFilter(hook)
+    data = CallModelData(model_data=ModelInputData(input=items, instructions="You read logs."), agent=agent, context={"session_id": "sdk-edit"})
+    out = filt(data)
+    assert [i.get("type", "message") for i in out.input] == ["message", "function_call", "function_call_output", "message"]
+    assert MARKER in out.input[2]["output"] and out.input[2]["call_id"] == "c1"
+    assert out.input[2]["output"].count("\n") == 8
+    assert items[2]["output"] == read_log()  # the caller's items are not mutated
+    assert out.input[0] is items[0] and out.input[1] is items[1] and out.input[3] is items[3]
+    assert filt.history[0].session_id == "sdk-edit" and MARKER in filt.history[0].render.text

@@ -1,0 +1,186 @@
+"""PromptspliceChatModel on the real engine: rendering, streaming, usage from vLLM's
+counters, tools (schemas in the prompt, forced calls, parsing), sessions through a
+ContextHook, a runner, and errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+
+from assembler import ChatRenderer, ContextHook, StepKind  # noqa: E402
+from engine_adapters._langchain_chat import (  # noqa: E402
+    PromptspliceChatModel,
+    default_engine,
+    parse_tool_calls,
+    set_default_engine,
+)
+from promptsplice.errors import ConfigError, ContextLengthError  # noqa: E402
+
+
+class RecordingRunner:
+    """A recorder around the real engine: keeps what ``step`` got, runs ``generate``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls = []
+
+    def step(self, prepared, *, max_tokens, temperature=0.0, stop=None):
+        self.calls.append(prepared)
+        completion = self.engine.generate(
+            list(prepared.token_ids), max_tokens=max_tokens, temperature=temperature, stop=stop,
+            cache_salt=prepared.render.salt,
+        )
+        return type("Step", (), {"completion": completion})()
+
+
+@tool
+def magic_function(input: int) -> int:
+    """Applies a magic function to an input."""
+    return input + 2
+
+
+def test_invoke_renders_aligned_ids_and_reports_vllm_cache_reads(engine):
+    model = PromptspliceChatModel(engine=engine, max_tokens=8, cache_salt="lc-chat-invoke")
+    msgs = [HumanMessage("Name one colour.")]
+    prepared, _ = model.prepare(msgs)
+    expect = ChatRenderer(engine.tokenizer, block_size=engine.block_size).render(
+        [{"role": "user", "content": "Name one colour."}], salt="lc-chat-invoke"
+    )
+    assert prepared.token_ids == expect.token_ids
+    first = model.invoke(msgs)
+    second = model.invoke(msgs)
+    assert isinstance(first, AIMessage) and first.content
+    assert second.content == first.content  # greedy
+    u = second.usage_metadata
+    assert u["input_tokens"] == len(expect.token_ids)
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
+    # vLLM's own count: the repeat hits every full block but never the last token
+    assert u["input_token_details"]["cache_read"] == second.response_metadata["num_cached_tokens"]
+    assert u["input_token_details"]["cache_read"] == (len(expect.token_ids) - 1) // engine.block_size * engine.block_size
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0
+    assert second.response_metadata["model_name"] == "SmolLM2-135M-Instruct"
+
+
+def test_stream_yields_engine_steps_and_matches_invoke(engine):
+    model = PromptspliceChatModel(engine=engine, max_tokens=10)
+    chunks = list(model.stream("Hello"))
+    assert len(chunks) >= 3  # one per engine step, not one final chunk
+    full = chunks[0]
+    for c in chunks[1:]:
+        full = full + c
+    assert chunks[-1].chunk_position == "last"
+    assert chunks[-1].usage_metadata["output_tokens"] == full.usage_metadata["output_tokens"] > 0
+    assert full.content == model.invoke("Hello").content
+
+    async def collect():
+        return [c async for c in model.astream("Hello")]
+
+    achunks = asyncio.run(collect())
+    assert "".join(c.content for c in achunks) == full.content
+
+
+def test_parse_tool_calls_and_plain_text():
+    text, calls = parse_tool_calls('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    assert calls[0]["name"] == "f" and calls[0]["args"] == {"a": 1} and calls[0]["id"]
+    assert text == "Sure.\n"
+    text, calls = parse_tool_calls("<tool_call>{not json</tool_call>")
+    assert calls == [] and text == "<tool_call>{not json</tool_call>"
+    text, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}')  # no close tag
+    assert calls[0]["args"] == {"x": 2}
+
+
+def test_bound_tools_are_rendered_and_forced_call_parsed(engine):
+    model = PromptspliceChatModel(engine=engine, max_tokens=24)
+    bound = model.bind_tools([magic_function], tool_choice="magic_function")
+    prepared, tools = model.prepare([HumanMessage("What is magic_function(3)?")], tools=bound.kwargs["tools"])
+    assert "magic_function" in engine.tokenizer.decode(prepared.token_ids)
+    assert "<tools>" in prepared.render.text
+    msg = bound.invoke("What is magic_function(3)? Use the tool.")
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "magic_function"
+    assert isinstance(msg.tool_calls[0]["args"], dict)
+    full = None
+    for c in bound.stream("What is magic_function(3)? Use the tool."):
+        full = c if full is None else full + c
+    assert [c["name"] for c in full.tool_calls] == ["magic_function"]
+    assert full.tool_calls[0]["args"] == msg.tool_calls[0]["args"]
+    with pytest.raises(ConfigError):
+        model.bind_tools([magic_function], tool_choice="no_such_tool")
+
+
+def test_session_steps_through_hook_and_runner(engine):
+    runner = RecordingRunner(engine)
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+    model = PromptspliceChatModel(engine=engine, hook=hook, runner=runner, max_tokens=6)
+    cfg = {"configurable": {"thread_id": "lc-chat-session"}}
+    history = [HumanMessage("Say hi.")]
+    a = model.invoke(history, config=cfg)
+    history += [a, HumanMessage("Again.")]
+    b = model.invoke(history, config=cfg)
+    assert [p.kind for p in runner.calls] == [StepKind.NEW_SESSION, StepKind.APPEND]
+    assert a.response_metadata["step_kind"] == "new_session" and b.response_metadata["step_kind"] == "append"
+    assert b.response_metadata["session_id"] == "lc-chat-session" and b.response_metadata["step"] == 2
+    assert b.usage_metadata["input_token_details"]["cache_read"] > 0  # the first turn's blocks
+    assert hook.last_render("lc-chat-session").token_ids == runner.calls[1].token_ids
+
+
+def test_tool_history_renders(engine):
+    model = PromptspliceChatModel(engine=engine, max_tokens=4)
+    msgs = [
+        HumanMessage("What is 1 + 2"),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1", "type": "tool_call"}]),
+        ToolMessage('{"result": 3}', tool_call_id="c1", name="add"),
+    ]
+    prepared, _ = model.prepare(msgs)
+    assert '<tool_call>\n{"arguments":{"a":1,"b":2},"name":"add"}\n</tool_call>' in prepared.render.text
+    assert "<|im_start|>tool\n{\"result\": 3}" in prepared.render.text
+    assert isinstance(model.invoke(msgs), AIMessage)
+
+
+def test_errors_propagate_untranslated(engine):
+    model = PromptspliceChatModel(engine=engine, max_tokens=4)
+    with pytest.raises(ContextLengthError):
+        model.invoke("word " * (engine.max_model_len + 10))
+    with pytest.raises(ConfigError):
+        model.invoke("hi", unknown_option=1)
+    with pytest.raises(ConfigError):
+        model.invoke("hi", model="another-model")
+    prev = set_default_engine(None)
+    try:
+        with pytest.raises(ConfigError):
+            default_engine()
+        with pytest.raises(ConfigError):
+            PromptspliceChatModel(max_tokens=4).invoke("hi")
+    finally:
+        set_default_engine(prev)
+
+
+def test_serializes_settings_only_and_loads_with_an_explicit_allowlist(engine, monkeypatch):
+    from langchain_core.load import dumpd, dumps, load
+
+    monkeypatch.setenv("PROMPTSPLICE_API_KEY", "sk-env")
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+    model = PromptspliceChatModel(engine=engine, hook=hook, max_tokens=7, stop=["\n"], cache_salt="tenant-a")
+    data = dumpd(model)
+    assert data["id"] == ["engine_adapters", "_langchain_chat", "PromptspliceChatModel"]
+    assert data["kwargs"] == {
+        "max_tokens": 7, "stop": ["\n"], "cache_salt": "tenant-a",
+        "api_key": {"lc": 1, "type": "secret", "id": ["PROMPTSPLICE_API_KEY"]},
+    }  # no engine, hook or runner; the key as a reference, never its value
+    assert "sk-env" not in dumps(model)
+    back = load(data, allowed_objects=[PromptspliceChatModel], valid_namespaces=["engine_adapters"],
+                secrets_from_env=True)
+    assert isinstance(back, PromptspliceChatModel) and back.engine is None and back.hook is None
+    assert back.dict() == model.dict() and back.api_key.get_secret_value() == "sk-env"
+    prev = set_default_engine(engine)  # the revived model finds the engine at call time
+    try:
+        plain = PromptspliceChatModel(engine=engine, max_tokens=7, stop=["\n"], cache_salt="tenant-a")
+        assert back.invoke("Hi").content == plain.invoke("Hi").content
+    finally:
+        set_default_engine(prev)
+    # LangChain's LLM cache key names the engine's model (the dump leaves the engine out)
+    assert model._get_llm_string().endswith("---model=SmolLM2-135M-Instruct")
