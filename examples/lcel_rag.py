@@ -9,8 +9,6 @@ it returns (provenance in each document's metadata) and orders it canonically, s
 questions that retrieve the same passages send the same prefix and hit the cache.
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import sys

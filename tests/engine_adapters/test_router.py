@@ -160,10 +160,10 @@ def test_round_robin_and_bad_options():
 
 
 @pytest.fixture(scope="module")
-def remotes(live_servers):
+def remotes(two_servers):
     from engine_adapters import RemoteEngine
 
-    engines = {s.base_url: RemoteEngine(s.base_url) for s in live_servers}
+    engines = {s.base_url: RemoteEngine(s.base_url) for s in two_servers}
     yield engines
     for eng in engines.values():
         eng.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 
@@ -10,6 +11,7 @@ def test_the_example_chain_reads_from_the_prefix_cache(fresh_engine):
     path = Path(__file__).resolve().parents[2] / "examples" / "lcel_rag.py"
     spec = importlib.util.spec_from_file_location("lcel_rag", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["lcel_rag"] = mod  # pydantic resolves the retriever's field types there
     spec.loader.exec_module(mod)
     q = mod.QUESTIONS
     assert q[0] == q[2]
