@@ -85,6 +85,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from benchmarks.traces import _reject_constant, _strict_object  # one strict JSON reader
 from promptsplice.errors import AssetError, ConfigError, TraceFormatError
 
 __all__ = [
@@ -132,19 +133,6 @@ def _type_name(value: Any) -> str:
         return "null"
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
             dict: "object"}.get(type(value), type(value).__name__)
-
-
-def _strict_object(pairs: list[tuple[str, Any]]) -> dict:
-    obj: dict = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ValueError(f"duplicate key {key!r}")
-        obj[key] = value
-    return obj
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 class _Where:
