@@ -196,7 +196,9 @@ def run_agent_modes(
         "apc": AgentRunner(engine, mode="apc", salt=salts["apc"]),
         "splice": AgentRunner(kv_engine, mode="splice", salt=salts["splice"], recompute_blocks=r, scope=scope),
     }
-    hooks = {m: ContextHook(engine.tokenizer, block_size=engine.block_size, salt=salts[m]) for m in MODES}
+    # One hook for all modes: the render does not depend on the mode (each runner sends
+    # it under its own salt), so every step is rendered and diffed once.
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
     totals = {m: _Totals() for m in MODES}
     by_kind: dict[str, dict[str, Any]] = {}
     fid = {"splice": _Fidelity(), "apc": _Fidelity()}
@@ -216,23 +218,23 @@ def run_agent_modes(
             kind = classify_step(sess.renders[i - 1] if i else None, msgs)
             edit = kind not in ("first", "append")
             sid = f"{sess.id}"
-            prepared = {m: hooks[m](sid, msgs, sess.tools or None) for m in MODES}
+            prepared = hook(sid, msgs, sess.tools or None)
             steps = {}
             try:
                 for m in MODES:
-                    steps[m] = runners[m].step(prepared[m], max_tokens=max_tokens)
+                    steps[m] = runners[m].step(prepared, max_tokens=max_tokens)
             except ContextLengthError as exc:
                 skipped += 1
                 _log.warning("bench agent: session %s step %d skipped: %s", sess.id, i, exc)
+                hook.forget(sid)
                 for m in MODES:
-                    hooks[m].forget(sid)
                     runners[m].forget(sid)
                 prev_render = None
                 continue
             fallbacks += int(steps["splice"].fallback is not None and edit)
             for m in MODES:
                 totals[m].add(steps[m], edit)
-            render = prepared["apc"].render
+            render = prepared.render
             ideal += _ideal_step(render, prev_render, steps["apc"].cached_tokens)
             prev_render = render
             k = by_kind.setdefault(kind, {"steps": 0, **{m: {"prefill_tokens": 0, "ttft_ms": []} for m in MODES}})
@@ -243,7 +245,7 @@ def run_agent_modes(
             if edit:
                 edit_seen += 1
                 if every and edit_seen % every == 0 and len(fid["splice"].tf) < fidelity_steps:
-                    _measure(engine, kv_engine, prepared["apc"].token_ids, steps, runners, sid, fid)
+                    _measure(engine, kv_engine, prepared.token_ids, steps, runners, sid, fid)
             if log is not None:
                 log(f"{sess.id} step {i} {kind:9s} prefill full {steps['full'].prefill_tokens:5d} "
                     f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
