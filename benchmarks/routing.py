@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine_adapters._config import auto_dtype
 from promptsplice.errors import ConfigError, EngineError, EngineStartError
 
 __all__ = [
@@ -100,7 +101,7 @@ def _start(model: Path, *, block_size: int, kv_cache_gib: int, max_model_len: in
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--block-size", str(block_size), "--enable-prefix-caching",
         "--max-model-len", str(max_model_len), "--enforce-eager",
-        "--enable-prompt-tokens-details", "--dtype", "bfloat16",
+        "--enable-prompt-tokens-details", "--dtype", auto_dtype(),
         # one worker in the engine-core process: no third process importing torch+vLLM
         "--distributed-executor-backend", "uni",
     ]

