@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import tempfile
 import time
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
+from benchmarks.fidelity import FIDELITY_FIELDS, PROBE_TOKENS, Fidelity, reference
 
 __all__ = ["MODE_FIELDS", "FIDELITY_FIELDS", "run_agent_modes", "run_agent_bench", "format_agent"]
 
@@ -59,8 +59,6 @@ MODE_FIELDS = (
     "edit_steps_prefill_tokens",
     "edit_steps_ttft_p50_ms",
 )
-FIDELITY_FIELDS = ("tf_top1_agreement", "first_token_kl", "greedy_agreement")
-PROBE_TOKENS = 32
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -68,12 +66,6 @@ def _pct(values: Sequence[float], q: float) -> float:
         return 0.0
     xs = sorted(values)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def _kl(p: dict[int, float], q: dict[int, float]) -> float:
-    """KL(p || q) in nats from two full-vocabulary logprob dicts."""
-    floor = min(q.values()) if q else -100.0
-    return sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items())
 
 
 class _Totals:
@@ -112,25 +104,6 @@ class _Totals:
         }
 
 
-class _Fidelity:
-    def __init__(self) -> None:
-        self.tf: list[float] = []
-        self.kl: list[float] = []
-        self.greedy: list[float] = []
-
-    def add(self, tf: float, kl: float, greedy: float) -> None:
-        self.tf.append(tf)
-        self.kl.append(kl)
-        self.greedy.append(greedy)
-
-    def report(self) -> dict[str, Any]:
-        mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
-        return {"tf_top1_agreement": mean(self.tf), "first_token_kl": mean(self.kl),
-                "greedy_agreement": mean(self.greedy), "steps": len(self.tf),
-                "first_token_kl_p50": round(_pct(self.kl, 0.5), 4) if self.kl else None,
-                "first_token_kl_max": round(max(self.kl), 4) if self.kl else None}
-
-
 def _ideal_step(render: Any, prev: Any, apc_cached: int) -> int:
     """Prefill of message-level reuse for one step (see the module doc)."""
     seen = set()
@@ -144,27 +117,6 @@ def _ideal_step(render: Any, prev: Any, apc_cached: int) -> int:
             continue
         out += seg.end - max(seg.start, apc_cached)
     return out
-
-
-def _probe(engine: Any, tokens: list[int], cont: list[int], salt: str | None, first: dict[int, float] | None) -> tuple[float, dict[int, float]]:
-    """Teacher-forced top-1 agreement of ``tokens + cont[:k]`` -> ``cont[k]`` under
-    ``salt``, and the first-token distribution (measured unless ``first`` is given)."""
-    if first is None:
-        first = engine.generate(tokens, max_tokens=1, cache_salt=salt, logprobs=-1).logprobs[0]
-    hits = int(max(first, key=first.get) == cont[0])
-    for k in range(1, len(cont)):
-        out = engine.generate(tokens + cont[:k], max_tokens=1, cache_salt=salt)
-        hits += int(out.token_ids[0] == cont[k])
-    return hits / len(cont), first
-
-
-def _greedy(tokens: list[int], ref: list[int]) -> float:
-    n = 0
-    for a, b in zip(tokens, ref):
-        if a != b:
-            break
-        n += 1
-    return n / len(ref) if ref else 1.0
 
 
 def run_agent_modes(
@@ -201,7 +153,7 @@ def run_agent_modes(
     hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
     totals = {m: _Totals() for m in MODES}
     by_kind: dict[str, dict[str, Any]] = {}
-    fid = {"splice": _Fidelity(), "apc": _Fidelity()}
+    fid = {"splice": Fidelity(), "apc": Fidelity()}
     ideal = 0
     skipped = 0
     fallbacks = 0
@@ -272,22 +224,13 @@ def run_agent_modes(
 
 
 def _measure(engine, kv_engine, tokens, steps, runners, sid, fid) -> None:
-    """Fidelity probes of one step (module doc): one-pass reference, then ``apc``
-    (control) and ``splice`` teacher-forced on the reference's continuation."""
-    import uuid
-
-    # Two one-pass prefills: vLLM turns every logprob into a token string, so asking for
-    # the whole vocabulary on all 32 tokens took ~1.4 s per token here; only the first
-    # token's distribution is needed.
-    ref = engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=f"ref:{uuid.uuid4().hex}")
-    cont = ref.token_ids
+    """Fidelity probes of one step (:mod:`benchmarks.fidelity`): one-pass reference,
+    then ``apc`` (control) and ``splice`` teacher-forced on its continuation."""
+    cont, p_ref = reference(engine, tokens)
     if not cont:  # EOS at once: nothing to probe
         return
-    p_ref = engine.generate(tokens, max_tokens=1, cache_salt=f"ref:{uuid.uuid4().hex}", logprobs=-1).logprobs[0]
-    for m, eng, f in (("apc", engine, fid["apc"]), ("splice", kv_engine, fid["splice"])):
-        salt = runners[m].session_salt(sid)
-        tf, first = _probe(eng, tokens, cont, salt, None)
-        f.add(tf, _kl(p_ref, first), _greedy(steps[m].completion.token_ids, cont))
+    for m, eng in (("apc", engine), ("splice", kv_engine)):
+        fid[m].measure(eng, tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids)
 
 
 def format_agent(report: dict[str, Any]) -> str:

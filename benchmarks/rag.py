@@ -19,23 +19,44 @@ JSON (names fixed)::
      "radix_prefill_tokens": int, "oracle_prefill_tokens": int, ...}
     M = {"requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "hit_rate",
          "wall_s", "ttft_p50_ms", "ttft_p99_ms"}
+
+With a second engine that runs the splice connector (``kv_engine``; the CLI always
+starts one), a third mode ``promptsplice_pic`` runs the same requests through
+:class:`engine_adapters.RagRunner` in mode ``position_independent``: after the prefix
+hit, every chunk computed before anywhere is relocated from the block store (new
+chunks are precomputed exactly, then relocated too).  Its ``prefill_tokens`` count
+every token the engine computed for a request (the precompute included), ``cached =
+prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
+
+    "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests",
+            "recompute_blocks", "gap_closed", "kv_cache_blocks", "store_dram_bytes"},
+    "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
+                 "first_token_kl_p50", "first_token_kl_max", "control": {...}}
+
+Fidelity (:mod:`benchmarks.fidelity`) is measured on requests that relocated chunks,
+spread over the trace, against a one-pass exact prefill of the same tokens; the
+control is a second exact prefill of them whose first half came from the prefix cache.
+Probes run after a request's timing and are not counted in any mode.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.assemble import _chunks, _oracle_segments, gap_closed
 from benchmarks.bounds import OracleCounter, RadixPrefill
+from benchmarks.fidelity import PROBE_TOKENS, Fidelity, reference
 from benchmarks.traces import RagRequest, read_rag_trace
 
-__all__ = ["run_modes", "run_rag_bench", "format_modes", "MODES"]
+__all__ = ["run_modes", "run_rag_bench", "format_modes", "MODES", "PIC_MODE"]
 
 MODES = ("naive", "promptsplice")
+PIC_MODE = "promptsplice_pic"
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -48,9 +69,12 @@ def _pct(values: Sequence[float], q: float) -> float:
 def _mode_metrics(completions: list[Any], wall: float) -> dict[str, Any]:
     prompt = sum(c.prompt_tokens for c in completions)
     cached = sum(c.num_cached_tokens for c in completions)
-    ttfts = [c.ttft_s * 1e3 for c in completions]
+    return _metrics(len(completions), prompt, cached, [c.ttft_s * 1e3 for c in completions], wall)
+
+
+def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float) -> dict[str, Any]:
     return {
-        "requests": len(completions),
+        "requests": n,
         "prompt_tokens": prompt,
         "prefill_tokens": prompt - cached,
         "cached_tokens": cached,
@@ -70,11 +94,16 @@ def run_modes(
     max_tokens: int = 8,
     progress: Callable[[str, int], None] | None = None,
     prompt_format: Any = None,
+    kv_engine: Any = None,
+    recompute_blocks: int | None = None,
+    fidelity_requests: int = 8,
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """Run naive then promptsplice on ``engine``; returns (report, completions by mode).
+    """Run naive then promptsplice on ``engine`` (then ``promptsplice_pic`` on
+    ``kv_engine`` when given); returns (report, completions by mode).
 
-    Both modes render the same pieces with the same :class:`assembler.PromptFormat`
-    (default: ChatML, the default model's chat format).
+    All modes render the same pieces with the same :class:`assembler.PromptFormat`
+    (default: ChatML, the default model's chat format).  Fidelity probes need both
+    engines started with ``extra_kwargs={"max_logprobs": -1}``.
     """
     from assembler import PromptFormat
 
@@ -131,7 +160,71 @@ def run_modes(
         report["modes"]["promptsplice"]["prefill_tokens"],
         oracle.prefill_tokens,
     )
+    if kv_engine is not None:
+        _run_pic(
+            report, outs, engine, kv_engine, requests, policy=policy, max_tokens=max_tokens,
+            progress=progress, prompt_format=fmt_obj, recompute_blocks=recompute_blocks,
+            fidelity_requests=fidelity_requests,
+        )
     return report, outs
+
+
+def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
+             prompt_format, recompute_blocks, fidelity_requests) -> None:
+    """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
+    from engine_adapters import RagRunner
+    from engine_adapters._pic import DEFAULT_PIC_RECOMPUTE_BLOCKS
+
+    r = DEFAULT_PIC_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
+    kv_engine.reset_prefix_cache()
+    runner = RagRunner(
+        kv_engine, mode="position_independent", salt="bench-rag-pic", recompute_blocks=r,
+        policy=policy, prompt_format=prompt_format,
+    )
+    fid, ctl = Fidelity(), Fidelity()
+    steps = []
+    n = len(requests)
+    next_probe = n / max(1, fidelity_requests) / 2 if fidelity_requests else float("inf")
+    for i, req in enumerate(requests):
+        st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=max_tokens)
+        steps.append(st)
+        if progress:
+            progress(PIC_MODE, 1)
+        if st.relocated_tokens and i >= next_probe and len(fid.tf) < fidelity_requests:
+            _probe_pic(engine, kv_engine, st.prompt.token_ids, runner.reuse_salt, fid, ctl)
+            next_probe = (len(fid.tf) + 0.5) * n / fidelity_requests
+    prompt = sum(st.prompt_tokens for st in steps)
+    prefill = sum(st.prefill_tokens for st in steps)
+    report["modes"][PIC_MODE] = _metrics(
+        len(steps), prompt, prompt - prefill, [st.ttft_s * 1e3 for st in steps], sum(st.wall_s for st in steps)
+    )
+    outs[PIC_MODE] = [st.completion for st in steps]
+    store = kv_engine.kv_store
+    report["pic"] = {
+        "relocated_tokens": sum(st.relocated_tokens for st in steps),
+        "precomputed_tokens": sum(st.precomputed_tokens for st in steps),
+        "engine_requests": sum(st.requests for st in steps),
+        "recompute_blocks": r,
+        "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
+        "kv_cache_blocks": kv_engine.num_blocks,
+        "store_dram_bytes": store.config.dram_bytes,
+    }
+    report["fidelity"] = {**fid.report(), "control": ctl.report(), "tokens": PROBE_TOKENS}
+
+
+def _probe_pic(engine: Any, kv_engine: Any, tokens: list[int], salt: str, fid: Fidelity, ctl: Fidelity) -> None:
+    """Fidelity of one request's relocated KV (reached through ``salt`` on ``kv_engine``)
+    and of the control (exact, half of it from the prefix cache) on ``engine``."""
+    cont, p_ref = reference(engine, tokens)
+    if not cont:
+        return
+    greedy = kv_engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=salt).token_ids
+    fid.measure(kv_engine, tokens, cont, p_ref, salt, greedy)
+    c_salt = f"control:{uuid.uuid4().hex}"
+    half = max(engine.block_size, (len(tokens) // 2) // engine.block_size * engine.block_size)
+    engine.generate(tokens[:half], max_tokens=1, cache_salt=c_salt)
+    greedy = engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=c_salt).token_ids
+    ctl.measure(engine, tokens, cont, p_ref, c_salt, greedy)
 
 
 def format_modes(report: dict[str, Any]) -> str:
@@ -149,6 +242,14 @@ def format_modes(report: dict[str, Any]) -> str:
     w = max(len(r[0]) for r in rows)
     lines = [f"{'':<{w}}  {'naive':>12}  {'promptsplice':>12}"]
     lines += [f"{name:<{w}}  {a!s:>12}  {b!s:>12}" for name, a, b in rows]
+    if PIC_MODE in report["modes"]:
+        q = report["modes"][PIC_MODE]
+        for i, (name, key) in enumerate((
+            ("tokens prefilled", "prefill_tokens"), ("wall time (s)", "wall_s"),
+            ("TTFT p50 (ms)", "ttft_p50_ms"), ("TTFT p99 (ms)", "ttft_p99_ms"),
+        )):
+            lines[1 + [r[0] for r in rows].index(name)] += f"  {q[key]!s:>12}"
+        lines[0] += f"  {PIC_MODE:>16}"
     gap = report["gap_closed"]
     lines.append(
         f"bounds on prefill: radix ideal {report['radix_prefill_tokens']}, oracle "
@@ -158,6 +259,21 @@ def format_modes(report: dict[str, Any]) -> str:
         f"measured {report['mirror']['measured_cached_tokens']} "
         f"(block {report['block_size']}, {report['policy']}, alignment {report['alignment']})"
     )
+    if PIC_MODE in report["modes"]:
+        p, f = report["pic"], report["fidelity"]
+        c = f["control"]
+        pg = p["gap_closed"]
+        lines.append(
+            f"{PIC_MODE} (recompute_blocks={p['recompute_blocks']}): closes "
+            f"{'n/a' if pg is None else f'{pg:.0%}'} of the gap; relocated {p['relocated_tokens']} tokens, "
+            f"precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests"
+        )
+        lines.append(
+            f"fidelity over {f['steps']} requests: tf-top1 {f['tf_top1_agreement']} KL "
+            f"{f['first_token_kl']} (p50 {f['first_token_kl_p50']}, max {f['first_token_kl_max']}) greedy "
+            f"{f['greedy_agreement']} | control tf-top1 {c['tf_top1_agreement']} KL {c['first_token_kl']} "
+            f"greedy {c['greedy_agreement']}"
+        )
     return "\n".join(lines)
 
 
@@ -169,15 +285,27 @@ def run_rag_bench(
     policy: str = "cache_aware",
     alignment: str = "auto",
     max_tokens: int = 8,
+    recompute_blocks: int | None = None,
+    fidelity_requests: int = 8,
 ) -> int:
     from assembler import AlignPolicy, OrderPolicy
-    from engine_adapters import EmbeddedEngine
+    from benchmarks.agent import start_engines
+    from promptsplice.errors import ConfigError
 
     OrderPolicy.parse(policy)  # fail fast, before the engine starts
     AlignPolicy.parse(alignment)
+    if recompute_blocks is not None and recompute_blocks < 0:
+        raise ConfigError(f"--recompute-blocks must be >= 0, got {recompute_blocks}")
     reqs = read_rag_trace(trace, limit=requests)
-    engine = EmbeddedEngine()
-    report, _ = run_modes(engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens)
+    engine, kv_engine = start_engines()
+    try:
+        report, _ = run_modes(
+            engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_engine,
+            recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
+        )
+    finally:
+        kv_engine.close()
+        engine.close()
     report["trace"] = str(trace)
     print(format_modes(report))
     Path(json_out).write_text(json.dumps(report, indent=2) + "\n")

@@ -28,6 +28,15 @@ from engine_adapters._config import (
     EngineConfig,
 )
 from engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike, StreamDelta
+from engine_adapters._pic import (
+    ChunkIndex,
+    ChunkLookup,
+    ChunkSource,
+    ChunkStatus,
+    RagRunner,
+    RagStep,
+    ReuseMode,
+)
 from engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
 from engine_adapters._router import Lease, PrefixRouter, RoundRobinRouter, prefix_route_key
 from engine_adapters._splice import (
@@ -37,6 +46,7 @@ from engine_adapters._splice import (
     plan_deletion,
     plan_phases,
     plan_relocation,
+    plan_segment_phases,
 )
 from engine_adapters._store import (
     BlockRef,
@@ -80,6 +90,10 @@ __all__ = [
     "BlockRef",
     "BlockStore",
     "CPU_BLOCK_MULTIPLE",
+    "ChunkIndex",
+    "ChunkLookup",
+    "ChunkSource",
+    "ChunkStatus",
     "Completion",
     "DEFAULT_KV_CACHE_BYTES",
     "DEFAULT_MAX_MODEL_LEN",
@@ -99,7 +113,10 @@ __all__ = [
     "PromptsplicePreModelHook",
     "PromptspliceRetriever",
     "PutStatus",
+    "RagRunner",
+    "RagStep",
     "RemoteCompletion",
+    "ReuseMode",
     "RemoteEngine",
     "RoundRobinRouter",
     "ServerCounters",
@@ -113,6 +130,7 @@ __all__ = [
     "plan_deletion",
     "plan_phases",
     "plan_relocation",
+    "plan_segment_phases",
     "prefix_route_key",
     "shared_store",
 ]

@@ -91,6 +91,7 @@ __all__ = [
     "plan_load",
     "plan_phases",
     "plan_relocation",
+    "plan_segment_phases",
     "SplicePhase",
     "store_config_from_extra",
     "store_config_to_extra",
@@ -475,8 +476,46 @@ def plan_phases(
             raise InputError(f"relocation {i} {run!r} overlaps the run before it (sort them, no overlaps)")
         segs.append(SpliceSegment(a, (e - a) // bs, delta, parent(a - delta)))
 
+    hit = 0
+    while hit < min(len(old), len(new)) and old[hit] == new[hit]:
+        hit += 1
+    return plan_segment_phases(
+        segs,
+        len(new),
+        block_size=bs,
+        hit=round_down(hit, bs),
+        src_salt=src_salt,
+        scope=scope,
+        min_group_blocks=min_group_blocks,
+    )
+
+
+def plan_segment_phases(
+    segments: Iterable[SpliceSegment],
+    num_tokens: int,
+    *,
+    block_size: int,
+    hit: int = 0,
+    src_salt: Any = SAME_SALT,
+    scope: bool = False,
+    min_group_blocks: int = 1,
+) -> list[SplicePhase]:
+    """The requests that load ``segments`` (sorted, non-overlapping, inside a prompt of
+    ``num_tokens`` tokens) and compute everything between them.
+
+    ``hit``: the prefix-cache hit expected for the first request (a block multiple).
+    Each maximal run of contiguous segments is one request that loads it right after
+    its local hit and computes up to the next run; a first plain request computes what
+    lies between ``hit`` and the first run.  A run that starts after 0 and moves fewer
+    than ``min_group_blocks`` blocks is dropped (computed).  Shared by the agent's
+    edits (:func:`plan_phases`) and position-independent chunk reuse
+    (:mod:`engine_adapters._pic`).
+    """
+    bs = block_size
     groups: list[list[SpliceSegment]] = []
-    for seg in segs:
+    for seg in segments:
+        if groups and seg.dst_start < groups[-1][-1].dst_start + groups[-1][-1].num_blocks * bs:
+            raise InputError(f"splice segment at {seg.dst_start} overlaps the one before it (sort them)")
         if groups and groups[-1][-1].dst_start + groups[-1][-1].num_blocks * bs == seg.dst_start:
             groups[-1].append(seg)
         else:
@@ -486,17 +525,14 @@ def plan_phases(
     ]
     phases: list[SplicePhase] = []
     if groups:
-        hit = 0
-        while hit < min(len(old), len(new)) and old[hit] == new[hit]:
-            hit += 1
         first = groups[0][0].dst_start
-        if first > round_down(hit, bs) and not (load_prefix and first == 0):
+        if first > hit:
             phases.append(SplicePhase(first, SplicePlan(bs, src_salt=src_salt, scope=scope)))
     for k, group in enumerate(groups):
-        end = groups[k + 1][0].dst_start if k + 1 < len(groups) else len(new)
+        end = groups[k + 1][0].dst_start if k + 1 < len(groups) else num_tokens
         phases.append(SplicePhase(end, SplicePlan(bs, tuple(group), src_salt, scope)))
     if not phases:
-        phases.append(SplicePhase(len(new), SplicePlan(bs, src_salt=src_salt, scope=scope)))
+        phases.append(SplicePhase(num_tokens, SplicePlan(bs, src_salt=src_salt, scope=scope)))
     return phases
 
 

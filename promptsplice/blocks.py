@@ -34,6 +34,7 @@ __all__ = [
     "round_up",
     "round_down",
     "content_digest",
+    "chunk_key",
     "root_hash",
     "token_bytes",
     "hash_block",
@@ -47,6 +48,7 @@ BlockHash = NewType("BlockHash", bytes)
 HASH_BYTES = 16
 
 _ROOT_TAG = b"promptsplice/chain/v1\x00"
+_CHUNK_TAG = b"promptsplice/chunk/pic/v1\x00"
 _LITTLE = sys.byteorder == "little"
 
 
@@ -70,15 +72,36 @@ def content_digest(data: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+def _salt_bytes(salt: str | bytes | None) -> bytes:
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return b"s" + salt.encode("utf-8")
+    return b"b" + bytes(salt)
+
+
+def chunk_key(
+    tokens: Sequence[int], *, block_size: int, salt: str | bytes | None = None, identity: str = ""
+) -> bytes:
+    """The *content* key of a block-aligned chunk: position-independent (no parent).
+
+    Covers the chunk's token ids, the block size, the tenant salt and ``identity``
+    (whatever else the KV depends on: the tokenizer, the model and its RoPE), each
+    length-prefixed, under a tag of its own, so it can never equal a chain hash.  Used
+    by the chunk index of position-independent reuse
+    (:class:`engine_adapters.ChunkIndex`).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    salt_b = _salt_bytes(salt)
+    ident = identity.encode("utf-8")
+    head = b"%d:%d:%d:" % (block_size, len(salt_b), len(ident))
+    return xxhash.xxh3_128_digest(_CHUNK_TAG + head + salt_b + ident + token_bytes(tokens))
+
+
 def root_hash(salt: str | bytes | None = None) -> BlockHash:
     """The parent of the first block.  Differs per salt, so salts isolate whole chains."""
-    if salt is None:
-        salt_bytes = b""
-    elif isinstance(salt, str):
-        salt_bytes = b"s" + salt.encode("utf-8")
-    else:
-        salt_bytes = b"b" + bytes(salt)
-    return BlockHash(xxhash.xxh3_128_digest(_ROOT_TAG + salt_bytes))
+    return BlockHash(xxhash.xxh3_128_digest(_ROOT_TAG + _salt_bytes(salt)))
 
 
 def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:

@@ -68,6 +68,8 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         policy=args.policy,
         alignment=args.alignment,
         max_tokens=args.max_tokens,
+        recompute_blocks=args.recompute_blocks,
+        fidelity_requests=args.fidelity_requests,
     )
 
 
@@ -169,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
     rag.add_argument("--alignment", default="auto", help="auto | none | all")
     rag.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    rag.add_argument("--recompute-blocks", type=int, default=None,
+                     help="promptsplice_pic: blocks recomputed at the start of each relocated chunk")
+    rag.add_argument("--fidelity-requests", type=int, default=8, help="promptsplice_pic requests probed for fidelity")
     rag.set_defaults(func=_cmd_bench_rag)
 
     ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")

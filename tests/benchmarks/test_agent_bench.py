@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from benchmarks.agent import FIDELITY_FIELDS, MODE_FIELDS, _kl, run_agent_modes
+from benchmarks.agent import FIDELITY_FIELDS, MODE_FIELDS, run_agent_modes
+from benchmarks.fidelity import kl as _kl
 from benchmarks.agent_traces import AgentSession, read_agent_trace, write_agent_trace
 
 SAMPLE = "benchmarks/data/agent-sample.jsonl"

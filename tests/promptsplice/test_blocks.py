@@ -13,6 +13,7 @@ from promptsplice.blocks import (
     HASH_BYTES,
     cdiv,
     chain_hashes,
+    chunk_key,
     content_digest,
     hash_block,
     root_hash,
@@ -89,3 +90,24 @@ def test_bad_arguments():
         chain_hashes([1], 0)
     with pytest.raises(ValueError, match="either parent or salt"):
         chain_hashes([1], 1, parent=root_hash(None), salt="s")
+
+
+def test_chunk_key_names_tokens_block_size_salt_and_identity():
+    toks = list(range(100, 164))
+    k = chunk_key(toks, block_size=32, salt="t", identity="m|rope")
+    assert len(k) == HASH_BYTES and k == chunk_key(list(toks), block_size=32, salt="t", identity="m|rope")
+    others = {
+        chunk_key(toks[:-1] + [1], block_size=32, salt="t", identity="m|rope"),
+        chunk_key(toks, block_size=16, salt="t", identity="m|rope"),
+        chunk_key(toks, block_size=32, salt="u", identity="m|rope"),
+        chunk_key(toks, block_size=32, salt=b"t", identity="m|rope"),
+        chunk_key(toks, block_size=32, salt=None, identity="m|rope"),
+        chunk_key(toks, block_size=32, salt="t", identity="m|rope2"),
+        # the length prefixes keep salt and identity apart
+        chunk_key(toks, block_size=32, salt="tm", identity="|rope"),
+    }
+    assert k not in others and len(others) == 7
+    # position-independent: no parent, and never a chain hash of the same tokens
+    assert k not in chain_hashes(toks, 32, salt="t") + chain_hashes(toks, 64, salt="t")
+    with pytest.raises(ValueError):
+        chunk_key(toks, block_size=0)

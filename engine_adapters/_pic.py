@@ -1,0 +1,469 @@
+"""Position-independent reuse of retrieved chunks' KV, in front of an unmodified vLLM.
+
+Prefix caching reuses a chunk only when everything before it matches.  In mode
+``position_independent`` a :class:`RagRunner` also reuses a chunk that was computed
+before *anywhere*: after the prefix-cache hit, every chunk whose exact KV is in the
+block store is loaded and its keys re-rotated to its new position by the splice
+connector (the agent's relocation machinery, :mod:`engine_adapters._splice`).
+
+How a request runs (``position_independent``):
+
+1. The assembler lays the prompt out with every segment block-aligned (``alignment
+   "all"``), so each chunk owns whole blocks, in cache-aware order (the chunks that
+   extend the prefix-cache hit first, under the runner's *reuse salt*).
+2. Each chunk after the predicted hit is looked up in the :class:`ChunkIndex` by its
+   *content key* (:func:`promptsplice.blocks.chunk_key`: its tokens, the block size,
+   the tenant salt and the engine identity: model, KV layout, RoPE, tokenizer).  The
+   index maps the key to where the chunk's exact KV lives in the store (the chain
+   parent and position it was computed at); every lookup checks the store, so an
+   evicted or damaged chunk answers :attr:`ChunkStatus.STALE`, never a load.
+3. Chunks the index lacks are *precomputed*: one exact request, under the tenant's
+   salt, holding the system/tool head and the missing chunks after it (the head hits
+   the prefix cache).  The connector saves their blocks like any exact prefill, and
+   the index records them.  Tried first: computing new chunks inline behind the
+   relocated ones (one request fewer).  Their KV then attended to relocated,
+   approximate KV, so it could not be stored as exact and the chunk could never be
+   reused again; precomputing costs the same prefill plus one request (~24 ms here)
+   and keeps the store exact.
+4. The prompt is sent under the reuse salt with a splice plan: the head (loaded from
+   the tenant's exact blocks on the salt's first use) and every chunk, each from its
+   own source, re-rotated by its position delta.  Only the query is prefilled.  With
+   ``recompute_blocks=r`` the first ``r`` blocks of each chunk are computed instead
+   (they then attend to their real neighbours: EPIC's attention-sink fix); vLLM only
+   extends its prefix hit contiguously, so each chunk behind a recomputed block needs
+   a request of its own (:func:`~engine_adapters._splice.plan_segment_phases`).
+
+Isolation: requests that reuse approximate KV run under a *reuse salt* derived from
+the tenant's salt (``RagRunner.reuse_salt``), so vLLM files the spliced blocks where
+only position-independent requests of the same tenant meet them; exact requests of
+the tenant never do.  The store keeps exact blocks only (the connector saves nothing
+a relocating request computes).
+
+Failures fall back to prefill, never to wrong KV: a block the store no longer serves
+when the request runs ends the load there and vLLM computes the rest of the prompt
+(the connector's load-error path); a plan that does not fit the prompt is logged and
+the prompt sent as a plain request (:attr:`RagStep.fallback`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from assembler import AssembledPrompt, SegmentKind
+from engine_adapters._splice import SplicePhase, SpliceSegment, plan_segment_phases
+from engine_adapters._store import BlockRef, BlockStore, chain_refs
+from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash, round_down
+from promptsplice.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from engine_adapters._embedded import Completion, EmbeddedEngine
+
+__all__ = [
+    "ChunkIndex",
+    "ChunkLookup",
+    "ChunkPlacement",
+    "ChunkSource",
+    "ChunkStatus",
+    "RagRunner",
+    "RagStep",
+    "ReuseMode",
+    "DEFAULT_PIC_RECOMPUTE_BLOCKS",
+    "plan_chunk_phases",
+]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_PIC_RECOMPUTE_BLOCKS = 0
+"""Blocks of each relocated chunk recomputed by default (see the README's sweep)."""
+
+
+class ReuseMode(enum.Enum):
+    EXACT = "exact"
+    """Prefix caching only: the assembler's stable, block-aligned prefix (the default)."""
+    POSITION_INDEPENDENT = "position_independent"
+    """Also relocate stored chunks after the prefix hit (approximate deep layers)."""
+
+
+class ChunkStatus(enum.Enum):
+    HIT = "hit"
+    """Indexed, and every block is in the store with the same tokens, parent and salt."""
+    MISS = "miss"
+    """Never indexed (or forgotten by the index's LRU bound)."""
+    STALE = "stale"
+    """Indexed, but the store no longer serves all its blocks (evicted, damaged)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSource:
+    """Where a chunk's exact KV lives: computed at token ``start`` of a prompt whose
+    block before it has chain hash ``parent``, stored under ``salt``."""
+
+    parent: bytes
+    start: int
+    num_blocks: int
+    salt: str | None
+
+
+class ChunkLookup(NamedTuple):
+    status: ChunkStatus
+    source: ChunkSource | None = None
+
+
+class ChunkIndex:
+    """Content key -> :class:`ChunkSource`, checked against the store on every lookup.
+
+    The index holds no KV: the payloads stay in the store under their chain keys (one
+    copy in DRAM, whichever way a block is reached); the content key is an alias that
+    finds them from the chunk's tokens alone.  ``identity`` names whatever else the KV
+    depends on (model, layout, RoPE, tokenizer) and enters every key.  LRU-bounded to
+    ``max_entries``; thread-safe.
+    """
+
+    def __init__(
+        self, store: BlockStore, *, block_size: int, identity: str = "", max_entries: int = 100_000
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ConfigError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        if not isinstance(identity, str):
+            raise ConfigError(f"identity must be a str, got {type(identity).__name__}")
+        self.store = store
+        self.block_size = block_size
+        self.identity = identity
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, ChunkSource] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def key(self, tokens: Sequence[int], *, salt: str | None) -> bytes:
+        return chunk_key(tokens, block_size=self.block_size, salt=salt, identity=self.identity)
+
+    def _check(self, tokens: Sequence[int]) -> list[int]:
+        toks = [int(t) for t in tokens]
+        if not toks or len(toks) % self.block_size:
+            raise InputError(
+                f"a chunk of {len(toks)} tokens is not whole blocks of {self.block_size}: "
+                "assemble with alignment='all' so every chunk owns whole blocks"
+            )
+        return toks
+
+    def record(self, tokens: Sequence[int], source: ChunkSource) -> None:
+        """Remember that ``tokens`` (whole blocks) were computed exactly at ``source``."""
+        toks = self._check(tokens)
+        if source.num_blocks != len(toks) // self.block_size:
+            raise InputError(f"source has {source.num_blocks} blocks, the chunk {len(toks) // self.block_size}")
+        k = self.key(toks, salt=source.salt)
+        with self._lock:
+            self._entries[k] = source
+            self._entries.move_to_end(k)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def refs(self, tokens: Sequence[int], source: ChunkSource) -> list[BlockRef]:
+        """The store refs of the chunk's blocks at ``source`` (chained from its parent)."""
+        return chain_refs(list(tokens), self.block_size, parent=BlockHash(source.parent))
+
+    def lookup(self, tokens: Sequence[int], *, salt: str | None) -> ChunkLookup:
+        """Is the chunk's exact KV stored?  Reads the store's index only (no file)."""
+        toks = self._check(tokens)
+        k = self.key(toks, salt=salt)
+        with self._lock:
+            source = self._entries.get(k)
+            if source is not None:
+                self._entries.move_to_end(k)
+        if source is None:
+            return ChunkLookup(ChunkStatus.MISS)
+        refs = self.refs(toks, source)
+        if self.store.match_prefix(refs, salt=source.salt) < len(refs):
+            with self._lock:
+                if self._entries.get(k) is source:
+                    del self._entries[k]
+            return ChunkLookup(ChunkStatus.STALE)
+        return ChunkLookup(ChunkStatus.HIT, source)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class ChunkPlacement(NamedTuple):
+    """A stored chunk placed at ``tokens[start:end]`` of the new prompt (block multiples)."""
+
+    start: int
+    end: int
+    source: ChunkSource
+
+
+def plan_chunk_phases(
+    tokens: Sequence[int],
+    chunks: Sequence[ChunkPlacement],
+    *,
+    block_size: int,
+    hit: int = 0,
+    head_end: int = 0,
+    recompute_blocks: int = 0,
+    src_salt: str | None = None,
+    min_group_blocks: int = 1,
+) -> list[SplicePhase]:
+    """The requests of a position-independent prompt (pure; see the module doc).
+
+    ``hit``: the prefix-cache hit expected under the reuse salt (a block multiple).
+    ``tokens[:head_end]`` (system prompt and tools) is loaded from the tenant's exact
+    blocks (``src_salt``, delta 0) where the hit does not cover it; each chunk after the
+    hit is loaded from its source, re-rotated by ``start - source.start``, except its
+    first ``recompute_blocks`` blocks, which are computed.  Raises
+    :class:`~promptsplice.errors.InputError` for chunks that are not sorted, not whole
+    blocks, overlapping, or not followed by at least one token.
+    """
+    bs = block_size
+    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 0:
+        raise ConfigError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+    if hit % bs or head_end % bs:
+        raise InputError(f"hit {hit} and head_end {head_end} must be multiples of block_size {bs}")
+    toks = list(tokens)
+    segs: list[SpliceSegment] = []
+    if head_end > hit:
+        segs.append(SpliceSegment(0, head_end // bs, 0, root_hash(src_salt)))
+    prev_end = head_end
+    for c in chunks:
+        if c.start % bs or c.end % bs or not prev_end <= c.start < c.end <= len(toks) - 1:
+            raise InputError(
+                f"chunk at [{c.start}, {c.end}) must be whole blocks of {bs}, sorted, after the "
+                f"head and before the prompt's last token ({len(toks)} tokens)"
+            )
+        if c.source.num_blocks != (c.end - c.start) // bs:
+            raise InputError(f"chunk at [{c.start}, {c.end}) has a source of {c.source.num_blocks} blocks")
+        prev_end = c.end
+        a = max(c.start + recompute_blocks * bs, hit)
+        if a >= c.end:
+            continue
+        parent = BlockHash(c.source.parent)
+        if a > c.start:
+            parent = chain_hashes(toks[c.start : a], bs, parent=parent)[-1]
+        segs.append(SpliceSegment(a, (c.end - a) // bs, c.start - c.source.start, parent))
+    return plan_segment_phases(
+        segs, len(toks), block_size=bs, hit=hit, src_salt=src_salt, min_group_blocks=min_group_blocks
+    )
+
+
+@dataclass(slots=True)
+class RagStep:
+    """One RAG request as it ran (all engine requests it took together).
+
+    ``prefill_tokens``: every token the engine computed for it (the precompute of new
+    chunks included); ``cached_tokens = prompt_tokens - prefill_tokens`` (at least 0):
+    served from the prefix cache or loaded from the store; ``relocated_tokens`` of
+    them were loaded at another position than they were computed at.
+    """
+
+    mode: ReuseMode
+    completion: Completion
+    prompt: AssembledPrompt
+    prompt_tokens: int
+    prefill_tokens: int
+    cached_tokens: int
+    relocated_tokens: int
+    precomputed_tokens: int
+    relocated_chunks: int
+    requests: int
+    ttft_s: float
+    wall_s: float
+    salt: str | None
+    fallback: str | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class RagRunner:
+    """Assembles and runs RAG requests on an :class:`~engine_adapters.EmbeddedEngine`.
+
+    ``mode``: ``"exact"`` (default: prefix caching of the assembled prompt) or
+    ``"position_independent"`` (needs an engine started with ``kv_store``; see the
+    module doc).  ``salt``: the tenant's ``cache_salt``.  ``recompute_blocks``: blocks
+    computed at the start of each relocated chunk.  ``policy``: the chunk order
+    (``cache_aware`` default).  ``index``: a :class:`ChunkIndex` to share between
+    runners of one engine (default: one per runner).  ``min_group_blocks``: a chunk
+    needing a request of its own must move at least this many blocks.
+    """
+
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        *,
+        mode: str | ReuseMode = ReuseMode.EXACT,
+        salt: str | None = None,
+        recompute_blocks: int = DEFAULT_PIC_RECOMPUTE_BLOCKS,
+        policy: str = "cache_aware",
+        prompt_format: Any = None,
+        index: ChunkIndex | None = None,
+        min_group_blocks: int = 1,
+    ) -> None:
+        try:
+            self.mode = ReuseMode(mode)
+        except ValueError:
+            raise ConfigError(f"mode must be 'exact' or 'position_independent', got {mode!r}") from None
+        pic = self.mode is ReuseMode.POSITION_INDEPENDENT
+        if pic and engine.kv_store is None:
+            raise ConfigError(
+                "position_independent reuse needs the splice connector: start the engine "
+                "with EngineConfig(kv_store=StoreConfig(...))"
+            )
+        if pic and not engine.kv_connector.worker.can_relocate:
+            raise ConfigError(
+                "this engine's splice connector cannot relocate KV (its log says why: an "
+                "unverified attention ISA or RoPE); use mode='exact'"
+            )
+        for name, value, low in (("recompute_blocks", recompute_blocks, 0), ("min_group_blocks", min_group_blocks, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        if salt is not None and not isinstance(salt, str):
+            raise ConfigError(f"salt must be a str or None, got {type(salt).__name__}")
+        self.engine = engine
+        self.salt = salt
+        self.recompute_blocks = recompute_blocks
+        self.min_group_blocks = min_group_blocks
+        bs = engine.block_size
+        self.assembler = engine.make_assembler(
+            policy=policy, alignment="all" if pic else "auto", prompt_format=prompt_format
+        )
+        if pic:
+            store = engine.kv_store
+            if index is None:
+                identity = f"{store.config.fingerprint}|tokenizer:{self.assembler.tokenizer.name}"
+                index = ChunkIndex(store, block_size=bs, identity=identity)
+            elif index.store is not store or index.block_size != bs:
+                raise ConfigError("the chunk index belongs to another engine's store or block size")
+        self.index = index
+        self._lock = threading.Lock()
+
+    @property
+    def reuse_salt(self) -> str:
+        """The ``cache_salt`` of requests that reuse relocated chunks (module doc): the
+        explicit opt-in for a request that may meet their approximate KV."""
+        return f"{self.salt or ''}\x1fpic"
+
+    # -- requests -------------------------------------------------------------------
+    def run(
+        self,
+        chunks: Iterable[Any],
+        *,
+        query: str,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        stop: str | list[str] | None = None,
+        logprobs: int | None = None,
+    ) -> RagStep:
+        """Assemble and run one request; raises what ``Assembler.assemble`` and
+        :meth:`EmbeddedEngine.generate` raise."""
+        gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
+        with self._lock:
+            if self.mode is ReuseMode.EXACT:
+                return self._run_exact(chunks, query, system, tools, gen)
+            return self._run_pic(chunks, query, system, tools, gen)
+
+    def _run_exact(self, chunks, query, system, tools, gen) -> RagStep:
+        asm = self.assembler
+        t0 = time.perf_counter()
+        prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=self.salt, admit=False, learn=True)
+        t_send = time.perf_counter()
+        out = self.engine.generate(prompt, mirror=asm.mirror, **gen)
+        return self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
+
+    def _run_pic(self, chunks, query, system, tools, gen) -> RagStep:
+        asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, self.recompute_blocks
+        t0 = time.perf_counter()
+        salt = self.reuse_salt
+        prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=salt, admit=False, learn=True)
+        toks = prompt.token_ids
+        hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
+        chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
+        head_end = chunk_segs[0].start if chunk_segs else 0
+        outs: list[Completion] = []
+
+        # Which chunks behind the hit are stored; precompute the others (exactly).
+        todo = [s for s in chunk_segs if s.end > hit and (s.end - s.start) // bs > r]
+        found = {s.start: self.index.lookup(toks[s.start : s.end], salt=self.salt) for s in todo}
+        missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT]
+        precomputed = 0
+        if missing:
+            pre = list(toks[:head_end])
+            places = []
+            for s in missing:
+                places.append((s, len(pre)))
+                pre.extend(toks[s.start : s.end])
+            out = eng.generate(pre, max_tokens=1, cache_salt=self.salt, mirror=asm.mirror)
+            outs.append(out)
+            precomputed = out.prefill_tokens
+            chain = chain_hashes(pre, bs, salt=self.salt)
+            for s, at in places:
+                parent = chain[at // bs - 1] if at else root_hash(self.salt)
+                n = (s.end - s.start) // bs
+                self.index.record(toks[s.start : s.end], ChunkSource(parent, at, n, self.salt))
+                found[s.start] = self.index.lookup(toks[s.start : s.end], salt=self.salt)
+
+            # The precompute ran under the tenant's salt and may have evicted blocks.
+            hit = round_down(min(asm.mirror.predict(prompt.block_hashes, len(toks)).cached_tokens, hit), bs)
+
+        placed = []
+        for s in todo:
+            look = found[s.start]
+            if look.status is ChunkStatus.HIT and look.source is not None:
+                placed.append(ChunkPlacement(s.start, s.end, look.source))
+            # else the store refused it: computed where it stands
+        fallback = None
+        try:
+            phases = plan_chunk_phases(
+                toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
+                src_salt=self.salt, min_group_blocks=self.min_group_blocks,
+            )
+        except InputError as exc:  # never splice a plan that does not fit the prompt
+            _log.warning("rag runner: %s; plain request", exc)
+            phases, fallback = [SplicePhase(len(toks), None)], f"invalid plan: {exc}"
+        worker = eng.kv_connector.worker
+        reloc0 = worker.stats.relocated_blocks
+        t_last = time.perf_counter()
+        out = None
+        for i, phase in enumerate(phases):
+            last = i == len(phases) - 1
+            kwargs = gen if last else {"max_tokens": 1}  # earlier phases only prefill
+            t_last = time.perf_counter()
+            out = eng.generate(
+                toks[: phase.end], cache_salt=salt, splice=phase.plan or None, mirror=asm.mirror, **kwargs
+            )
+            outs.append(out)
+        assert out is not None
+        relocated = (worker.stats.relocated_blocks - reloc0) * bs
+        return self._step(prompt, outs, out, t0, t_last, salt, relocated, precomputed, len(placed), fallback)
+
+    def _step(self, prompt, outs, out, t0, t_last, salt, relocated, precomputed, nchunks, fallback) -> RagStep:
+        n = len(prompt.token_ids)
+        prefill = sum(o.prefill_tokens for o in outs)
+        return RagStep(
+            mode=self.mode,
+            completion=out,
+            prompt=prompt,
+            prompt_tokens=n,
+            prefill_tokens=prefill,
+            cached_tokens=max(0, n - prefill),
+            relocated_tokens=relocated,
+            precomputed_tokens=precomputed,
+            relocated_chunks=nchunks,
+            requests=len(outs),
+            ttft_s=(t_last - t0) + out.ttft_s,
+            wall_s=time.perf_counter() - t0,
+            salt=salt,
+            fallback=fallback,
+        )
+
+    def __repr__(self) -> str:
+        return f"RagRunner(mode={self.mode.value!r}, recompute_blocks={self.recompute_blocks})"
