@@ -51,12 +51,26 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     trace = tmp_path / "trace.jsonl"
     dump_rag_trace(trace, sample_rag_requests(10, seed=2))
     out = tmp_path / "rag.json"
-    proc = _cli("bench", "rag", "--trace", str(trace), "--json", str(out), "--requests", "6", "--max-tokens", "1")
+    proc = _cli("bench", "rag", "--trace", str(trace), "--json", str(out), "--requests", "6", "--max-tokens", "1",
+                "--fidelity-requests", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["modes"]) == {"naive", "promptsplice"}
+    assert set(report["modes"]) == {"naive", "promptsplice", "promptsplice_pic"}
     for m in report["modes"].values():
         assert set(m) == MODE_FIELDS and m["requests"] == 6
+        assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
+    pic = report["pic"]
+    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "recompute_blocks",
+                        "gap_closed", "kv_cache_blocks", "store_dram_bytes"}
+    assert pic["recompute_blocks"] == 0 and pic["engine_requests"] > 6  # precomputes of new chunks
+    # chunks repeat in the sample: some were relocated, and fewer tokens prefilled than naive
+    assert pic["relocated_tokens"] > 0
+    assert report["modes"]["promptsplice_pic"]["prefill_tokens"] < report["modes"]["naive"]["prefill_tokens"]
+    fid = report["fidelity"]
+    assert {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "control"} <= set(fid)
+    assert fid["steps"] == fid["control"]["steps"] == 1
+    assert 0 <= fid["tf_top1_agreement"] <= 1 and fid["first_token_kl"] >= -1e-6
+    assert fid["control"]["first_token_kl"] <= fid["first_token_kl"] + 0.01  # exact KV: the noise floor
     assert set(report["mirror"]) == {"predicted_cached_tokens", "measured_cached_tokens"}
     assert report["mirror"]["predicted_cached_tokens"] == report["mirror"]["measured_cached_tokens"]
     assert isinstance(report["radix_prefill_tokens"], int) and isinstance(report["oracle_prefill_tokens"], int)

@@ -189,8 +189,10 @@ def docs(*names):
 
 @pytest.fixture
 def pic(kv_engine):
-    """Chunks in the order given (``retrieval``), so tests choose where they land."""
-    return RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}", policy="retrieval")
+    """Chunks in the order given (``retrieval``), so tests choose where they land;
+    nothing recomputed (``recompute_blocks=0``), so every count is exact."""
+    return RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                     policy="retrieval", recompute_blocks=0)
 
 
 def chunk_segments(step):
@@ -205,8 +207,9 @@ def test_a_chunk_seen_before_is_relocated_wherever_it_lands(kv_engine, pic):
     first = pic.run(docs("paris", "nile"), query="What is the capital of France?", system=SYSTEM, max_tokens=4)
     segs = chunk_segments(first)
     assert all(s.start % 32 == 0 and s.end % 32 == 0 for s in segs.values())  # alignment "all"
-    # nothing stored yet: head and both chunks are precomputed exactly (one request),
-    # then the head is loaded and both chunks relocated: only the query is computed
+    # nothing stored yet: head and both chunks are precomputed exactly (one request,
+    # "packed"), then the head is loaded and both chunks relocated: only the query is
+    # computed
     assert first.requests == 2 and first.relocated_chunks == 2
     assert first.precomputed_tokens == max(s.end for s in segs.values())
     assert first.prefill_tokens == first.precomputed_tokens + query_tail(first)
@@ -278,6 +281,37 @@ def test_a_chunk_evicted_from_the_store_is_precomputed_again(kv_engine, pic):
     assert pic.index.lookup(toks, salt=pic.salt).status is ChunkStatus.HIT
 
 
+def test_standalone_precompute_puts_every_new_chunk_right_after_the_head(kv_engine):
+    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", precompute="standalone", recompute_blocks=0)
+    step = runner.run(docs("everest", "paris", "nile"), query="q", system=SYSTEM, max_tokens=1)
+    segs = chunk_segments(step)
+    head = min(s.start for s in segs.values())
+    assert step.requests == 1 + 3 and step.relocated_chunks == 3
+    toks = step.prompt.token_ids
+    sources = [runner.index.lookup(toks[s.start : s.end], salt=runner.salt).source for s in segs.values()]
+    assert {src.start for src in sources} == {head}  # each computed after the system prompt only
+    assert len({src.parent for src in sources}) == 1
+    assert step.prefill_tokens == step.precomputed_tokens + query_tail(step)
+
+
+def test_recomputed_first_blocks_take_a_request_per_chunk(kv_engine):
+    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}", policy="retrieval")
+    assert runner.recompute_blocks == 1  # the default
+    def long_docs(*names):  # two blocks or more each, so every chunk has a block left to move
+        return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]}"} for n in names]
+
+    runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
+    step = runner.run(long_docs("everest", "nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)
+    assert all(s.end - s.start >= 64 for s in chunk_segments(step).values())
+    # the head hits; each chunk's first block is computed (it attends to its new
+    # neighbours), the rest relocated: a plain request up to everest's second block,
+    # then one per chunk, each loading a chunk and computing the next one's first block
+    assert step.precomputed_tokens == 0 and step.requests == 4
+    assert step.prefill_tokens == 3 * 32 + query_tail(step)
+    assert step.relocated_chunks == 3
+
+
 def test_exact_mode_is_the_default_and_never_relocates(kv_engine):
     runner = RagRunner(kv_engine, salt=f"exact-{uuid.uuid4().hex[:8]}")
     assert runner.mode is ReuseMode.EXACT and runner.index is None
@@ -294,6 +328,8 @@ def test_bad_configurations_are_refused(engine, kv_engine):
         RagRunner(kv_engine, mode="anywhere")
     with pytest.raises(ConfigError, match="recompute_blocks"):
         RagRunner(kv_engine, mode="position_independent", recompute_blocks=-1)
+    with pytest.raises(ConfigError, match="precompute"):
+        RagRunner(kv_engine, mode="position_independent", precompute="lazy")
     other = ChunkIndex(BlockStore(StoreConfig(dram_bytes=1 << 20)), block_size=32)
     with pytest.raises(ConfigError, match="another engine"):
         RagRunner(kv_engine, mode="position_independent", index=other)
