@@ -170,7 +170,8 @@ def run_modes(
 
 
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
-             prompt_format, recompute_blocks, fidelity_requests) -> None:
+             prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
+             salt="bench-rag-pic") -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
     from engine_adapters import RagRunner
     from engine_adapters._pic import DEFAULT_PIC_RECOMPUTE_BLOCKS
@@ -178,8 +179,8 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     r = DEFAULT_PIC_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     kv_engine.reset_prefix_cache()
     runner = RagRunner(
-        kv_engine, mode="position_independent", salt="bench-rag-pic", recompute_blocks=r,
-        policy=policy, prompt_format=prompt_format,
+        kv_engine, mode="position_independent", salt=salt, recompute_blocks=r,
+        policy=policy, prompt_format=prompt_format, precompute=precompute,
     )
     fid, ctl = Fidelity(), Fidelity()
     steps = []

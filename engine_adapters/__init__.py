@@ -11,6 +11,10 @@ save prefilled KV blocks to a tiered ``BlockStore`` (DRAM, then disk), serve the
 when vLLM's own cache lost them (offload hits), and relocate stored blocks into an edited
 prompt: ``generate(new_tokens, splice=plan_deletion(old_tokens, new_tokens, span, ...))``.
 
+``RagRunner`` assembles and runs RAG requests; in mode ``position_independent`` it also
+reuses a retrieved chunk's stored KV wherever the chunk lands (relocated after the
+prefix hit, found by its content key in a ``ChunkIndex``).
+
 ``RemoteEngine`` talks to OpenAI-compatible servers (``vllm serve``, SGLang, OpenAI) over
 httpx, sync and async, streaming with client-side TTFT, retries with backoff on 429/5xx,
 and reads ``usage.prompt_tokens_details.cached_tokens`` (``None`` when the server does not

@@ -1,0 +1,59 @@
+"""The r sweep of position-independent reuse: ``promptsplice_pic`` of ``bench rag`` once
+per configuration, on one pair of engines, each configuration under its own tenant salt
+(so none reads another's cache or chunk index).
+
+    python -m benchmarks.pic_sweep --trace T --baseline RAG.json --requests 40 \\
+        --fidelity-requests 6 packed:0 packed:1 packed:2 standalone:0
+
+``--baseline``: a ``bench rag`` JSON of the same trace and request count, for the naive
+prefill and the oracle (the gap's ends).  Prints one JSON line per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from assembler import PromptFormat
+from benchmarks.agent import start_engines
+from benchmarks.rag import PIC_MODE, _run_pic
+from benchmarks.traces import read_rag_trace
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.pic_sweep", description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--baseline", required=True)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--fidelity-requests", type=int, default=6)
+    ap.add_argument("configs", nargs="+", help="PRECOMPUTE:R, e.g. packed:1 or standalone:0")
+    args = ap.parse_args(argv)
+    base = json.loads(open(args.baseline).read())
+    reqs = read_rag_trace(args.trace, limit=args.requests)
+    engine, kv = start_engines()
+    try:
+        for cfg in args.configs:
+            precompute, r = cfg.split(":")
+            report = {"modes": {"naive": base["modes"]["naive"]}, "oracle_prefill_tokens": base["oracle_prefill_tokens"]}
+            t0 = time.time()
+            _run_pic(report, {}, engine, kv, reqs, policy="cache_aware", max_tokens=8, progress=None,
+                     prompt_format=PromptFormat.chatml(), recompute_blocks=int(r),
+                     fidelity_requests=args.fidelity_requests, precompute=precompute,
+                     salt=f"sweep-{cfg}-{time.time()}")
+            m, p, f = report["modes"][PIC_MODE], report["pic"], report["fidelity"]
+            print(json.dumps({
+                "config": cfg, "prefill_tokens": m["prefill_tokens"], "gap_closed": p["gap_closed"],
+                "ttft_p50_ms": m["ttft_p50_ms"], "engine_requests": p["engine_requests"],
+                "tf_top1_agreement": f["tf_top1_agreement"], "first_token_kl": f["first_token_kl"],
+                "first_token_kl_p50": f["first_token_kl_p50"], "first_token_kl_max": f["first_token_kl_max"],
+                "greedy_agreement": f["greedy_agreement"], "control": f["control"], "bench_s": round(time.time() - t0),
+            }), flush=True)
+    finally:
+        kv.close()
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
