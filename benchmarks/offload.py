@@ -39,11 +39,14 @@ OFFLOAD_MODES = ("apc", "tiered")
 
 
 def _bytes_per_block(engine_cfg: dict[str, Any]) -> int:
+    """KV bytes of one block of the default model in the dtype the engine picks."""
+    from engine_adapters import EngineConfig
     from promptsplice.assets import default_model_dir
 
     cfg = json.loads((default_model_dir() / "config.json").read_text())
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head * engine_cfg["block_size"] * 2
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[EngineConfig().dtype]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head * engine_cfg["block_size"] * itemsize
 
 
 def _run_trace(engine: Any, prompts: list[list[int]], rounds: int, max_tokens: int) -> tuple[dict[str, Any], list[list[int]]]:

@@ -62,7 +62,7 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     pic = report["pic"]
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "recompute_blocks",
                         "gap_closed", "kv_cache_blocks", "store_dram_bytes"}
-    assert pic["recompute_blocks"] == 0 and pic["engine_requests"] > 6  # precomputes of new chunks
+    assert pic["recompute_blocks"] == 1 and pic["engine_requests"] > 6  # the default r; precomputes, phases
     # chunks repeat in the sample: some were relocated, and fewer tokens prefilled than naive
     assert pic["relocated_tokens"] > 0
     assert report["modes"]["promptsplice_pic"]["prefill_tokens"] < report["modes"]["naive"]["prefill_tokens"]
