@@ -45,8 +45,10 @@ How a request runs (``position_independent``):
 Isolation: requests that reuse approximate KV run under a *reuse salt* derived from
 the tenant's salt (``RagRunner.reuse_salt``), so vLLM files the spliced blocks where
 only position-independent requests of the same tenant meet them; exact requests of
-the tenant never do.  The store keeps exact blocks only (the connector saves nothing
-a relocating request computes).
+the tenant never do.  Under tenant salts the store keeps exact blocks only (the
+connector saves nothing a relocating request computes); a plain phase of a
+position-independent request may save blocks under the reuse salt, where again only
+the tenant's position-independent requests reach them.
 
 Failures fall back to prefill, never to wrong KV: a block the store no longer serves
 when the request runs ends the load there and vLLM computes the rest of the prompt
