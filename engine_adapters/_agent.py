@@ -301,23 +301,11 @@ class AgentRunner:
         phases: list[SplicePhase],
         gen: dict[str, Any],
     ) -> AgentStep:
-        eng = self.engine
-        worker = eng.kv_connector.worker if eng.kv_connector is not None else None
-        reloc0 = worker.stats.relocated_blocks if worker is not None else 0
         t0 = time.perf_counter()
-        prefill = 0
-        t_last = t0
-        out = None
-        for i, phase in enumerate(phases):
-            last = i == len(phases) - 1
-            kwargs = gen if last else {"max_tokens": 1}  # earlier phases only prefill
-            plan = phase.plan if phase.plan else None
-            t_last = time.perf_counter()
-            out = eng.generate(new[: phase.end], cache_salt=salt, splice=plan, **kwargs)
-            prefill += out.prefill_tokens
-        assert out is not None
+        run = self.engine.generate_phases(new, phases, cache_salt=salt, **gen)
+        out, t_last, relocated = run.completions[-1], run.t_last, run.relocated_tokens
+        prefill = sum(o.prefill_tokens for o in run.completions)
         wall = time.perf_counter() - t0
-        relocated = (worker.stats.relocated_blocks - reloc0) * eng.block_size if worker is not None else 0
         cached = len(new) - prefill - relocated
         return AgentStep(
             session_id=prepared.session_id,

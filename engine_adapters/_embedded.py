@@ -46,7 +46,7 @@ from assembler import AssembledPrompt, Assembler, HFTokenizer, PrefixCacheMirror
 from engine_adapters import _vllm
 from engine_adapters._config import EngineConfig
 from engine_adapters._kv_agent import AgentBox, installed
-from engine_adapters._splice import SplicePlan
+from engine_adapters._splice import SplicePhase, SplicePlan
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice.errors import (
     ConfigError,
@@ -109,6 +109,17 @@ class StreamDelta(NamedTuple):
     """New token ids since the previous delta."""
     completion: Completion | None
     """Set on the last delta only: the finished request, as ``generate`` returns it."""
+
+
+class PhasedRun(NamedTuple):
+    """What :meth:`EmbeddedEngine.generate_phases` ran."""
+
+    completions: list[Completion]
+    """One per phase, in order; the last one carries the generation."""
+    t_last: float
+    """``time.perf_counter()`` when the last phase was submitted (TTFT = up to there + its ttft)."""
+    relocated_tokens: int
+    """Tokens the splice connector loaded at another position than they were computed at."""
 
 
 class EngineCounters(NamedTuple):
@@ -446,6 +457,37 @@ class EmbeddedEngine:
             request_id=rid,
             logprobs=_logprob_dicts(out) if logprobs is not None else None,
         )
+
+    def generate_phases(
+        self,
+        tokens: Sequence[int],
+        phases: Sequence[SplicePhase],
+        *,
+        cache_salt: str | None = None,
+        mirror: PrefixCacheMirror | None = None,
+        **gen: Any,
+    ) -> PhasedRun:
+        """Run a multi-phase splice (``plan_phases`` / ``plan_segment_phases``): each
+        phase's request is ``tokens[:phase.end]`` with its plan; every phase but the
+        last only prefills (``max_tokens=1``), the last takes ``gen`` (``generate``'s
+        keyword arguments)."""
+        agent = self.kv_connector
+        worker = agent.worker if agent is not None else None
+        reloc0 = worker.stats.relocated_blocks if worker is not None else 0
+        outs: list[Completion] = []
+        t_last = time.perf_counter()
+        for i, phase in enumerate(phases):
+            kwargs = gen if i == len(phases) - 1 else {"max_tokens": 1}  # earlier phases only prefill
+            t_last = time.perf_counter()
+            outs.append(
+                self.generate(
+                    list(tokens[: phase.end]), cache_salt=cache_salt, splice=phase.plan or None, mirror=mirror, **kwargs
+                )
+            )
+        if not outs:
+            raise InputError("generate_phases needs at least one phase")
+        moved = (worker.stats.relocated_blocks - reloc0) * self.block_size if worker is not None else 0
+        return PhasedRun(outs, t_last, moved)
 
     def generate_many(
         self,

@@ -450,21 +450,11 @@ class RagRunner:
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
             phases, fallback = [SplicePhase(len(toks), None)], f"invalid plan: {exc}"
-        worker = eng.kv_connector.worker
-        reloc0 = worker.stats.relocated_blocks
-        t_last = time.perf_counter()
-        out = None
-        for i, phase in enumerate(phases):
-            last = i == len(phases) - 1
-            kwargs = gen if last else {"max_tokens": 1}  # earlier phases only prefill
-            t_last = time.perf_counter()
-            out = eng.generate(
-                toks[: phase.end], cache_salt=salt, splice=phase.plan or None, mirror=asm.mirror, **kwargs
-            )
-            outs.append(out)
-        assert out is not None
-        relocated = (worker.stats.relocated_blocks - reloc0) * bs
-        return self._step(prompt, outs, out, t0, t_last, salt, relocated, precomputed, len(placed), fallback)
+        run = eng.generate_phases(toks, phases, cache_salt=salt, mirror=asm.mirror, **gen)
+        outs.extend(run.completions)
+        return self._step(
+            prompt, outs, outs[-1], t0, run.t_last, salt, run.relocated_tokens, precomputed, len(placed), fallback
+        )
 
     def _step(self, prompt, outs, out, t0, t_last, salt, relocated, precomputed, nchunks, fallback) -> RagStep:
         n = len(prompt.token_ids)
