@@ -120,6 +120,11 @@ class EngineConfig:
     """vLLM's device type (``"cpu"``, ``"cuda"``, ...); ``None``: detected."""
     kv_store: StoreConfig | None = None
     """The splice connector's block store (DRAM, then disk); ``None``: no connector."""
+    max_restarts: int = 0
+    """Restarts allowed over the engine's life when it dies (a failed step whose health
+    probe fails too); 0: a dead engine stays dead (:class:`EngineDeadError`)."""
+    require_salt: bool = False
+    """Refuse requests without a ``cache_salt`` (multi-tenant deployments)."""
 
     def __post_init__(self) -> None:
         model = self.model
@@ -156,6 +161,10 @@ class EngineConfig:
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         if self.max_num_seqs is not None and (not _is_int(self.max_num_seqs) or self.max_num_seqs <= 0):
             raise ConfigError(f"max_num_seqs must be a positive int or None, got {self.max_num_seqs!r}")
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        if not isinstance(self.require_salt, bool):
+            raise ConfigError(f"require_salt must be a bool, got {self.require_salt!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"

@@ -37,6 +37,7 @@ pass ``skip_reading_prefix_cache=False`` to keep them.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -205,8 +206,15 @@ class SpliceConnector(KVConnectorBase_V1):
         return  # saved whole (all layers of a block in one payload) in wait_for_save
 
     def wait_for_save(self) -> None:
-        if self.worker is not None and self.has_connector_metadata():
-            self.worker.save(self._work())
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        # vLLM calls this from a ``finally`` around the forward pass: when that raised,
+        # the step's blocks hold partial KV (some layers, or none), which must never be
+        # stored under their chain keys.
+        if sys.exc_info()[1] is not None:
+            self.worker.skip_saves(self._work())
+            return
+        self.worker.save(self._work())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

@@ -23,6 +23,16 @@ worker-side connector in one process-wide slot; each engine installs its own (or
 while it runs (``engine_adapters._kv_agent``), so engines with and without a connector
 can live in one process.
 
+Failures: when a step raises (the model's forward pass, the scheduler), the engine's
+state is unknown.  The adapter aborts what is left, empties the prefix cache (vLLM files
+a block's hash when it *allocates* the block, before the forward pass writes it, so the
+failed step's blocks would otherwise be served later with KV that was never written;
+the splice connector likewise skips the step's saves) and runs a one-token health
+probe.  A healthy engine keeps serving (the request raises
+:class:`~promptsplice.errors.EngineRequestError`); a dead one raises
+:class:`~promptsplice.errors.EngineDeadError`, after restarting vLLM if
+``EngineConfig.max_restarts`` allows.
+
 Facts of vLLM's block pool that the adapter relies on (vllm 0.32.0,
 ``v1/core/block_pool.py``): the pool holds ``num_gpu_blocks`` blocks, but block 0 is
 taken at start as the *null block* and never holds KV, so ``num_gpu_blocks - 1`` blocks
@@ -48,9 +58,11 @@ from engine_adapters._config import EngineConfig
 from engine_adapters._kv_agent import AgentBox, installed
 from engine_adapters._splice import SplicePhase, SplicePlan
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
+from promptsplice.tenancy import SaltGuard
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
+    EngineDeadError,
     EngineError,
     EngineRequestError,
     EngineStartError,
@@ -174,6 +186,10 @@ def _release(handle: _Handle) -> None:
         _vllm.shutdown_llm(llm, last_engine=last)
 
 
+_PROBE_STEPS = 8
+"""Steps a one-token health probe may take (it needs one prefill step)."""
+
+
 def _is_default_model(folder: Path) -> bool:
     from promptsplice.assets import default_model_dir
 
@@ -197,7 +213,6 @@ class EmbeddedEngine:
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
-        global _live_engines
         if config is None:
             try:
                 config = EngineConfig(**overrides)
@@ -222,9 +237,16 @@ class EmbeddedEngine:
         self._ids = itertools.count()
         self._mirrors: weakref.WeakSet[PrefixCacheMirror] = weakref.WeakSet()
         self._tokenizer: Tokenizer | None = None
+        self._salts = SaltGuard("EmbeddedEngine", require=self._config.require_salt)
+        self._restarts = 0
+        self._dead: str | None = None
+        self._start()
 
+    def _start(self) -> None:
+        """Start vLLM (at construction, and again on a restart)."""
+        global _live_engines
         vllm = _vllm.import_vllm()
-        kwargs = self._config.llm_kwargs(model)
+        kwargs = self._config.llm_kwargs(self._config.model)
         kv = AgentBox()
         try:
             with installed(kv, capture=True):  # a connector engine creates its agent here
@@ -297,8 +319,19 @@ class EmbeddedEngine:
         """The underlying ``vllm.LLM`` (for what this adapter does not wrap)."""
         llm = self._handle.llm
         if llm is None:
+            if self._dead is not None:
+                raise EngineDeadError(
+                    f"the engine died ({self._dead}) and its max_restarts="
+                    f"{self._config.max_restarts} restarts are used up: start a new EmbeddedEngine",
+                    restarted=False,
+                )
             raise EngineError("the engine is closed; start a new EmbeddedEngine")
         return llm
+
+    @property
+    def restarts(self) -> int:
+        """How many times the engine died and was restarted (``max_restarts``)."""
+        return self._restarts
 
     @property
     def kv_connector(self) -> Any:
@@ -435,6 +468,8 @@ class EmbeddedEngine:
                 prompt_tokens=len(ids),
                 max_tokens=self.max_model_len,
             )
+        if mirror is not None:
+            self._mirrors.add(mirror)  # emptied with the cache (reset, failure, restart)
         inputs = self._tokens_input(ids, prompt=text, cache_salt=salt)
         with self._lock:  # the mirror replays requests in the order they ran
             out, ttft, total, rid = self._run(inputs, params)
@@ -553,6 +588,7 @@ class EmbeddedEngine:
             salt = cache_salt
         if not ids:
             raise InputError("the prompt is empty: vLLM needs at least one prompt token")
+        self._salts.check(salt, stacklevel=4)
         return ids, salt, text, predicted
 
     def _encode_like_vllm(self, text: str) -> list[int]:
@@ -628,21 +664,19 @@ class EmbeddedEngine:
                 engine.add_request(rid, inputs, params)
             except Exception as exc:
                 raise EngineRequestError(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
-            try:
-                while final is None:
-                    if not engine.has_unfinished_requests():
-                        raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
+            while final is None:
+                if not engine.has_unfinished_requests():
+                    raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
+                try:
                     outputs = engine.step()
-                    now = time.perf_counter()
-                    for out in outputs:
-                        if ttft is None and out.outputs and len(out.outputs[0].token_ids) >= 1:
-                            ttft = now - t0
-                        if out.finished:
-                            final = out
-            except PromptspliceError:
-                raise
-            except Exception as exc:
-                raise EngineRequestError(f"vLLM failed the request: {type(exc).__name__}: {exc}") from exc
+                except Exception as exc:
+                    raise self._step_failed(engine, rid, exc) from exc
+                now = time.perf_counter()
+                for out in outputs:
+                    if ttft is None and out.outputs and len(out.outputs[0].token_ids) >= 1:
+                        ttft = now - t0
+                    if out.finished:
+                        final = out
         finally:
             if final is None:
                 self._abort_all(engine)
@@ -703,16 +737,12 @@ class EmbeddedEngine:
                             f"vLLM refused the request: {type(exc).__name__}: {exc}"
                         ) from exc
                     while final is None:
+                        if not engine.has_unfinished_requests():
+                            raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
                         try:
-                            if not engine.has_unfinished_requests():
-                                raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
                             outputs = engine.step()
-                        except PromptspliceError:
-                            raise
                         except Exception as exc:
-                            raise EngineRequestError(
-                                f"vLLM failed the request: {type(exc).__name__}: {exc}"
-                            ) from exc
+                            raise self._step_failed(engine, rid, exc) from exc
                         now = time.perf_counter()
                         for out in outputs:
                             gen = out.outputs[0] if out.outputs else None
@@ -767,6 +797,77 @@ class EmbeddedEngine:
                 engine.step()
         except Exception:  # best effort: the caller is already handling an error
             pass
+
+    # -- failures ------------------------------------------------------------------------
+    def _step_failed(self, engine: Any, rid: str, exc: BaseException) -> EngineError:
+        """A step raised: abort, empty the prefix cache, probe; the error to raise.
+
+        The cache must go: vLLM files a block's hash when it allocates the block, before
+        the forward pass writes it, so the failed step's blocks would be served later
+        with KV that was never computed (a wrong answer, not an error).
+        """
+        cause = f"{type(exc).__name__}: {exc}"
+        self._abort_all(engine)
+        if self._healthy(engine) and self._drop_cache():
+            return EngineRequestError(
+                f"vLLM failed request {rid} ({cause}); the engine passed its health probe and "
+                "keeps serving, with an empty prefix cache"
+            )
+        return self._die(cause)
+
+    def _healthy(self, engine: Any) -> bool:
+        """One one-token request (it fills no block: nothing enters the cache)."""
+        rid = f"promptsplice-probe-{next(self._ids)}"
+        try:
+            engine.add_request(rid, self._tokens_input([0]), self._SamplingParams(max_tokens=1, temperature=0.0))
+            for _ in range(_PROBE_STEPS):
+                if any(out.finished for out in engine.step()):
+                    return True
+                if not engine.has_unfinished_requests():
+                    return False
+        except Exception:  # noqa: BLE001 - any failure of the probe means dead
+            pass
+        self._abort_all(engine)
+        return False
+
+    def _drop_cache(self) -> bool:
+        """Empty vLLM's prefix cache and the mirrors that model it; False if vLLM refused."""
+        try:
+            if not self.llm.reset_prefix_cache():
+                return False
+        except Exception:  # noqa: BLE001
+            return False
+        for m in list(self._mirrors):
+            m.clear()
+        return True
+
+    def _die(self, cause: str) -> EngineDeadError:
+        """Shut the dead vLLM down; start a new one if ``max_restarts`` allows."""
+        for m in list(self._mirrors):
+            m.clear()  # whatever happens next, the old cache is gone
+        self._finalizer()
+        limit = self._config.max_restarts
+        if self._restarts < limit:
+            self._restarts += 1
+            try:
+                self._start()
+            except EngineStartError as exc:
+                self._dead = f"{cause}; the restart failed: {exc}"
+                return EngineDeadError(
+                    f"the engine died ({cause}) and could not be restarted ({exc}): start a new EmbeddedEngine",
+                    restarted=False,
+                )
+            return EngineDeadError(
+                f"the engine died ({cause}); restarted it (restart {self._restarts} of "
+                f"max_restarts={limit}) with an empty prefix cache: send the request again",
+                restarted=True,
+            )
+        self._dead = cause
+        return EngineDeadError(
+            f"the engine died ({cause}); max_restarts={limit}, so it stays down: start a new "
+            "EmbeddedEngine, or set EngineConfig(max_restarts=N) to restart automatically",
+            restarted=False,
+        )
 
     def _admit(
         self,

@@ -880,6 +880,8 @@ class WorkerStats:
     load_errors: int = 0
     saved_blocks: int = 0
     save_errors: int = 0
+    skipped_saves: int = 0
+    """Blocks not saved because the step's forward pass failed (their KV is partial)."""
 
 
 class SpliceWorker:
@@ -1039,6 +1041,14 @@ class SpliceWorker:
                 continue
             stored += self.save_item(item)
         return stored
+
+    def skip_saves(self, meta: SpliceMetadata) -> int:
+        """Count, and do not store, this step's blocks: its forward pass failed."""
+        n = sum(len(item.refs) for item in meta.saves)
+        if n:
+            _log.warning("splice connector: the forward pass failed; %d block(s) of this step not saved", n)
+        self.stats.skipped_saves += n
+        return n
 
     def save_item(self, item: SaveItem) -> int:
         import torch

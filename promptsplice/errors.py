@@ -23,6 +23,7 @@ __all__ = [
     "ConfigError",
     "UnknownPolicyError",
     "ContextLengthError",
+    "MissingSaltError",
     "TraceFormatError",
     "DirectiveError",
     "TokenizerError",
@@ -33,6 +34,9 @@ __all__ = [
     "EngineUnavailableError",
     "EngineTimeoutError",
     "EngineResponseError",
+    "EngineDeadError",
+    "PromptspliceWarning",
+    "UnsaltedTenantWarning",
 ]
 
 
@@ -87,6 +91,11 @@ class ContextLengthError(InputError):
         self.max_tokens = max_tokens
 
 
+class MissingSaltError(InputError):
+    """A request without a ``cache_salt`` reached an engine or router built with
+    ``require_salt=True``: pass the tenant's salt (``cache_salt=...``)."""
+
+
 class TraceFormatError(InputError):
     """A workload trace line is not valid (the message names file, line and field)."""
 
@@ -138,3 +147,29 @@ class EngineTimeoutError(EngineError):
 class EngineResponseError(EngineRequestError):
     """The server answered something that is not a valid OpenAI-compatible response
     (not JSON, no choices, a malformed stream chunk, a stream cut before its end)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine stopped working: a step failed and a one-token health probe right
+    after it failed too.  The request that met it failed.  ``restarted`` says whether
+    the adapter started a fresh engine in its place (``EngineConfig(max_restarts=N)``;
+    the prefix cache then starts empty); without a restart every later call raises this
+    error until a new engine is started."""
+
+    def __init__(self, message: str, *, restarted: bool) -> None:
+        super().__init__(message)
+        self.restarted = restarted
+
+
+class PromptspliceWarning(UserWarning):
+    """Base class of the warnings promptsplice issues."""
+
+
+class UnsaltedTenantWarning(PromptspliceWarning):
+    """One shared prefix cache served requests with and without a ``cache_salt``.
+
+    Salted requests are isolated from every other salt, but unsalted ones share one
+    chain root, so every unsalted caller can hit (and time) every other unsalted
+    caller's prefixes.  Give each tenant its own salt, or pass ``require_salt=True``
+    to refuse unsalted requests.  Issued once per engine, router or store.
+    """

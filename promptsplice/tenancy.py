@@ -1,0 +1,74 @@
+"""Tenant isolation by salt: the one check that every shared cache runs on its salts.
+
+A ``cache_salt`` enters the root of the chain hash (``promptsplice.blocks.root_hash``;
+vLLM puts it in the first block's extra keys), so two salts never share a block: not in
+vLLM's prefix cache, a prefix-cache mirror, the block store or the router's keys.
+Requests *without* a salt all share one root, so unsalted tenants can hit, and time,
+each other's prefixes.  A cache cannot know who its callers are, but it can see the
+one mix that is always a mistake: salted and unsalted requests on one cache (someone
+isolates tenants, someone else forgot).  :class:`SaltGuard` warns once on that mix
+(:class:`~promptsplice.errors.UnsaltedTenantWarning`) and, with ``require=True``,
+refuses unsalted requests (:class:`~promptsplice.errors.MissingSaltError`).
+
+This module imports nothing heavy: the assembler, the router and the engines share it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from promptsplice.errors import MissingSaltError, UnsaltedTenantWarning
+
+__all__ = ["SaltGuard"]
+
+
+class SaltGuard:
+    """Watches the salts that reach one shared cache (thread-safe).
+
+    ``owner`` names the cache in messages (``"EmbeddedEngine"``); ``require``: refuse
+    requests without a salt.
+    """
+
+    __slots__ = ("owner", "require", "_salted", "_unsalted", "_warned", "_lock")
+
+    def __init__(self, owner: str, *, require: bool = False) -> None:
+        self.owner = owner
+        self.require = require
+        self._salted = False
+        self._unsalted = False
+        self._warned = False
+        self._lock = threading.Lock()
+
+    @property
+    def mixed(self) -> bool:
+        """True once both salted and unsalted requests were seen."""
+        return self._salted and self._unsalted
+
+    def check(self, salt: object, *, stacklevel: int = 3) -> None:
+        """Record one request's salt (``None``: unsalted); warn on the first mix."""
+        if salt is None:
+            if self.require:
+                raise MissingSaltError(
+                    f"{self.owner} was built with require_salt=True and this request has no "
+                    "cache_salt: pass cache_salt=<the tenant's salt>"
+                )
+            if self._unsalted:
+                return
+            self._unsalted = True
+        else:
+            if self._salted:
+                return
+            self._salted = True
+        with self._lock:
+            if self._warned or not (self._salted and self._unsalted):
+                return
+            self._warned = True
+        warnings.warn(
+            f"{self.owner} serves requests with and without cache_salt: unsalted requests "
+            "share one prefix cache with every other unsalted caller (each can hit, and "
+            "time, the others' prefixes). Give every tenant its own cache_salt, or pass "
+            "require_salt=True to refuse unsalted requests.",
+            UnsaltedTenantWarning,
+            stacklevel=stacklevel,
+        )

@@ -1,0 +1,159 @@
+"""An engine that fails, or dies, mid-request: the error surfaces, nothing wrong is served.
+
+The fault is injected into the real model: one decoder layer's ``forward`` raises (a
+worker crash cannot be produced on demand inside this process).  Layer 15 of 30, so a
+failed prefill has written half of its layers' KV: exactly the partial state that must
+never be served (vLLM files a block's hash when it allocates the block, before the
+forward pass writes it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from promptsplice.errors import EngineDeadError, EngineError, EngineRequestError
+from tests.conftest import start_default_engine
+
+FAULT_LAYER = 15
+
+
+def _layer(eng, index: int = FAULT_LAYER):
+    runner = eng.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return runner.model.model.layers[index]
+
+
+@contextlib.contextmanager
+def layer_fault(eng, *, after_calls: int = 0, times: int | None = 1):
+    """Make one decoder layer raise: after ``after_calls`` good forward passes, for
+    ``times`` passes (``None``: for ever, a dead engine).  Yields the call counter."""
+    layer = _layer(eng)
+    orig = layer.forward
+    state = {"calls": 0, "raised": 0}
+
+    def forward(*args, **kwargs):
+        state["calls"] += 1
+        if state["calls"] > after_calls and (times is None or state["raised"] < times):
+            state["raised"] += 1
+            raise RuntimeError(f"injected fault in layer {FAULT_LAYER}")
+        return orig(*args, **kwargs)
+
+    layer.forward = forward
+    try:
+        yield state
+    finally:
+        layer.__dict__.pop("forward", None)
+
+
+def _prompt(seed: int, n: int = 330) -> list[int]:
+    return [(7 * i + 131 * seed) % 40000 + 50 for i in range(n)]
+
+
+@pytest.mark.reliability
+def test_a_failed_prefill_never_leaves_unwritten_blocks_in_the_cache(fresh_engine, make_assembler):
+    eng = fresh_engine
+    prompt = _prompt(1)
+    ref = eng.generate(prompt, max_tokens=8)
+    eng.reset_prefix_cache()
+    mirror = eng.make_assembler().mirror
+    with layer_fault(eng) as fault:
+        with pytest.raises(EngineRequestError, match="empty prefix cache") as info:
+            eng.generate(prompt, max_tokens=8, mirror=mirror)
+    assert fault["raised"] == 1
+    assert isinstance(info.value.__cause__, RuntimeError)
+    again = eng.generate(prompt, max_tokens=8, mirror=mirror)
+    # Without the adapter's cache drop vLLM served 320 of these tokens from blocks whose
+    # layers 15-29 were never written, and answered other tokens (measured).
+    assert again.num_cached_tokens == 0
+    assert again.predicted_cached_tokens == 0
+    assert again.token_ids == ref.token_ids
+
+
+@pytest.mark.reliability
+def test_a_failed_decode_step_surfaces_and_the_engine_keeps_serving(fresh_engine):
+    eng = fresh_engine
+    prompt = _prompt(2, 100)
+    ref = eng.generate(prompt, max_tokens=6)
+    # calls: 1 prefill + decode steps; fail the third pass (mid-generation)
+    with layer_fault(eng, after_calls=2):
+        with pytest.raises(EngineRequestError):
+            eng.generate(prompt, max_tokens=6)
+    assert not eng.llm.llm_engine.has_unfinished_requests()
+    assert eng.generate(prompt, max_tokens=6).token_ids == ref.token_ids
+
+
+@pytest.mark.reliability
+def test_a_failed_stream_raises_after_its_first_deltas(fresh_engine):
+    eng = fresh_engine
+    prompt = _prompt(3, 100)
+    got = []
+    with layer_fault(eng, after_calls=3):
+        with pytest.raises(EngineRequestError):
+            for delta in eng.stream(prompt, max_tokens=8):
+                got.append(delta)
+    assert got and all(d.completion is None for d in got)  # some text came, then the error
+    done = list(eng.stream(prompt, max_tokens=8))
+    assert done[-1].completion is not None and done[-1].completion.finish_reason == "length"
+
+
+@pytest.mark.reliability
+def test_a_dead_engine_restarts_once_then_stays_down(engine):
+    # `engine` is requested so this extra engine is never the last one alive (vLLM's
+    # process-wide state goes with the last engine).
+    mib = 1 << 20
+    eng = start_default_engine(kv_cache_bytes=96 * mib, max_model_len=2048, max_restarts=1)
+    try:
+        prompt = _prompt(4, 200)
+        ref = eng.generate(prompt, max_tokens=6)
+        with layer_fault(eng, after_calls=2, times=None):  # dies mid-decode; the probe fails too
+            with pytest.raises(EngineDeadError, match="restarted") as info:
+                eng.generate(prompt, max_tokens=6)
+        assert info.value.restarted is True and eng.restarts == 1
+        redo = eng.generate(prompt, max_tokens=6)
+        assert redo.token_ids == ref.token_ids
+        assert redo.num_cached_tokens == 0  # a fresh engine: empty prefix cache
+
+        with layer_fault(eng, times=None):
+            with pytest.raises(EngineDeadError, match="max_restarts=1") as info:
+                eng.generate(prompt, max_tokens=6)
+        assert info.value.restarted is False and eng.restarts == 1
+        with pytest.raises(EngineDeadError, match="start a new EmbeddedEngine"):
+            eng.generate(prompt, max_tokens=6)
+        assert eng.closed
+    finally:
+        eng.close()
+    assert engine.generate(_prompt(5, 40), max_tokens=2).token_ids  # the others live on
+
+
+@pytest.mark.reliability
+def test_a_failed_forward_pass_saves_no_partial_block(kv_engine):
+    eng = kv_engine
+    salt = "faults-partial-save"
+    prompt = _prompt(6, 330)  # 10 full blocks
+    worker = eng.kv_connector.worker
+    store = eng.kv_store
+    skipped0 = worker.stats.skipped_saves
+    from engine_adapters import chain_refs
+
+    refs = chain_refs(prompt, eng.block_size, salt=salt)
+    assert len(refs) == 10
+    with layer_fault(eng):
+        with pytest.raises(EngineRequestError):
+            eng.generate(prompt, max_tokens=4, cache_salt=salt)
+    assert worker.stats.skipped_saves - skipped0 == 10
+    assert store.match_prefix(refs, salt=salt) == 0  # nothing of the failed step stored
+    first = eng.generate(prompt, max_tokens=4, cache_salt=salt)
+    store.drain()
+    assert first.num_cached_tokens == 0
+    assert store.match_prefix(refs, salt=salt) == 10
+    eng.reset_prefix_cache()
+    served = eng.generate(prompt, max_tokens=4, cache_salt=salt)  # from the store
+    assert served.num_cached_tokens == 320
+    assert served.token_ids == first.token_ids
+
+
+def test_dead_engine_error_is_an_engine_error():
+    err = EngineDeadError("x", restarted=True)
+    assert isinstance(err, EngineError) and not isinstance(err, EngineRequestError)
+    assert err.restarted is True
