@@ -11,11 +11,13 @@ proxies) gives ``cached_tokens=None``: *unknown*, never reported as 0.
 ``server_counters()`` reads the server's Prometheus ``/metrics``
 (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``).
 
-Errors: 429, 5xx, connect errors and timeouts are retried ``max_retries`` times with
-exponential backoff (``backoff * 2**attempt`` seconds, or the server's ``Retry-After``
-when it is shorter than 60 s).  Then, or at once for anything else:
+Errors: 429, 5xx, connect errors, connections broken mid-response (a server that died
+while streaming) and timeouts are retried ``max_retries`` times with exponential
+backoff (``backoff * 2**attempt`` seconds, or the server's ``Retry-After`` when it is
+shorter than 60 s); a completion is only returned whole, so a retry never repeats
+output.  Then, or at once for anything else:
 
-* server unreachable -> :class:`EngineUnavailableError` naming the URL;
+* server unreachable, or the connection broke -> :class:`EngineUnavailableError` naming the URL;
 * timeout -> :class:`EngineTimeoutError` saying which timeout (connect, read, write, pool);
 * a body that is not the JSON expected -> :class:`EngineRequestError` with a snippet;
 * HTTP 4xx (and 429/5xx once retries are spent) -> :class:`EngineRequestError` with the
@@ -49,6 +51,7 @@ from promptsplice.errors import (
     EngineUnavailableError,
     InputError,
 )
+from promptsplice.tenancy import SaltGuard
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -303,7 +306,10 @@ class RemoteEngine:
     the prompt's text; ``True``/``False`` force it.  ``prompt_cache_key``: an
     assembled prompt's ``prefix_key`` is sent as ``prompt_cache_key`` where the server
     supports it (OpenAI); one passed explicitly is always sent.  ``transport``: an
-    ``httpx`` transport (tests).
+    ``httpx`` transport (tests).  ``require_salt``: refuse requests without a
+    ``cache_salt`` (:class:`~promptsplice.errors.MissingSaltError`); either way, mixing
+    salted and unsalted requests warns once
+    (:class:`~promptsplice.errors.UnsaltedTenantWarning`).
     """
 
     def __init__(
@@ -317,6 +323,7 @@ class RemoteEngine:
         backoff: float = 0.5,
         send_token_ids: SendTokenIds = "auto",
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+        require_salt: bool = False,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.strip():
             raise ConfigError("base_url must be a non-empty URL such as http://127.0.0.1:8000")
@@ -353,6 +360,9 @@ class RemoteEngine:
             headers["Authorization"] = f"Bearer {api_key}"
         self._headers = headers
         self._transport = transport
+        if not isinstance(require_salt, bool):
+            raise ConfigError(f"require_salt must be a bool, got {require_salt!r}")
+        self._salts = SaltGuard("RemoteEngine", require=require_salt)
         self._client: httpx.Client | None = None
         self._aclient: httpx.AsyncClient | None = None
 
@@ -505,6 +515,8 @@ class RemoteEngine:
                     "prompt_cache_key (or separate API keys) instead"
                 )
             body["cache_salt"] = cache_salt
+        if not self._is_openai:  # OpenAI isolates by API key; it takes no salt
+            self._salts.check(cache_salt, stacklevel=5)
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -526,6 +538,11 @@ class RemoteEngine:
             )
         if isinstance(exc, httpx.ConnectError):
             return EngineUnavailableError(f"cannot connect to the remote engine at {url}: is it running? ({exc})")
+        if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+            return EngineUnavailableError(
+                f"the connection to {url} broke before the response ended (the server died or "
+                f"closed it): {type(exc).__name__}: {exc}"
+            )
         return EngineError(f"request to {url} failed: {type(exc).__name__}: {exc}")
 
     def _status_error(self, response: httpx.Response, url: str, req: _Request | None) -> Exception:
@@ -632,7 +649,10 @@ class RemoteEngine:
         works inside the async twins too (nothing here awaits)."""
         try:
             yield
-        except (httpx.ConnectError, httpx.TimeoutException) as exc:
+        except (httpx.ConnectError, httpx.TimeoutException, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            # A connection broken mid-response (the server died or dropped it) is retried
+            # like a refused one: a completion is returned only whole, so a retry never
+            # repeats output.
             raise _Retry(self._chain(self._transport_error(exc, url), exc)) from exc
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, url) from exc

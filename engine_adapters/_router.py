@@ -55,6 +55,7 @@ from typing import Any
 
 from promptsplice.blocks import chain_hashes, content_digest, root_hash, token_bytes
 from promptsplice.errors import ConfigError, InputError
+from promptsplice.tenancy import SaltGuard
 
 __all__ = [
     "DEFAULT_KEY_BLOCKS",
@@ -203,6 +204,9 @@ class PrefixRouter(_Base):
     + 1) / n)`` requests at once.  ``key_blocks``: blocks that name the key (see
     :func:`prefix_route_key`).  ``block_size`` and ``salt`` apply to token-id and text
     prompts (an assembled prompt carries its own).  ``vnodes``: ring points per endpoint.
+    ``require_salt``: refuse to key a prompt without a salt
+    (:class:`~promptsplice.errors.MissingSaltError`); either way, keying salted and
+    unsalted prompts warns once (:class:`~promptsplice.errors.UnsaltedTenantWarning`).
     """
 
     def __init__(
@@ -213,6 +217,7 @@ class PrefixRouter(_Base):
         key_blocks: int = DEFAULT_KEY_BLOCKS,
         block_size: int = 16,
         vnodes: int = DEFAULT_VNODES,
+        require_salt: bool = False,
     ) -> None:
         if isinstance(load_factor, bool) or not isinstance(load_factor, int | float) or not load_factor > 1:
             raise ConfigError(
@@ -223,7 +228,10 @@ class PrefixRouter(_Base):
             raise ConfigError(f"key_blocks must be an int >= 1, got {key_blocks!r}")
         if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
             raise ConfigError(f"vnodes must be an int >= 1, got {vnodes!r}")
+        if not isinstance(require_salt, bool):
+            raise ConfigError(f"require_salt must be a bool, got {require_salt!r}")
         super().__init__(endpoints)
+        self._salts = SaltGuard("PrefixRouter", require=require_salt)
         self.load_factor = float(load_factor)
         self.key_blocks = key_blocks
         self.block_size = _check_block_size(block_size)
@@ -259,6 +267,8 @@ class PrefixRouter(_Base):
 
     def key(self, prompt: Any, *, salt: str | None = None) -> bytes:
         """The routing key of ``prompt`` (see :func:`prefix_route_key`)."""
+        assembled = hasattr(prompt, "block_hashes") and hasattr(prompt, "token_ids")
+        self._salts.check(prompt.salt if assembled else salt)
         return prefix_route_key(prompt, key_blocks=self.key_blocks, block_size=self.block_size, salt=salt)
 
     def capacity(self) -> int:

@@ -103,3 +103,33 @@ def live_servers(two_servers):
         if srv.proc.poll() is not None:
             pytest.fail(f"vllm serve at {srv.base_url} exited with {srv.proc.returncode}:\n{srv.tail()}")
     return two_servers
+
+
+# -- numbers the reliability tests measured (RELIABILITY.md quotes them) ---------------
+_MEASURED: dict[str, dict] = {}
+
+
+@pytest.fixture
+def measured(request):
+    """A dict a test fills with what it measured; the session writes them all to
+    ``out/reliability.json`` (merged with earlier runs, keyed by test id)."""
+    numbers: dict = {}
+    yield numbers
+    if numbers:
+        _MEASURED[request.node.nodeid] = numbers
+
+
+def pytest_sessionfinish(session):
+    if not _MEASURED:
+        return
+    import json
+    from pathlib import Path
+
+    path = Path(session.config.rootpath) / "out" / "reliability.json"
+    try:
+        old = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        old = {}
+    old.update(_MEASURED)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")

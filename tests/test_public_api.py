@@ -70,7 +70,9 @@ def test_every_error_comes_from_one_hierarchy():
 
     for name in errors.__all__:
         cls = getattr(errors, name)
-        assert issubclass(cls, errors.PromptspliceError)
+        root = errors.PromptspliceWarning if issubclass(cls, Warning) else errors.PromptspliceError
+        assert issubclass(cls, root)
+    assert issubclass(errors.UnsaltedTenantWarning, errors.PromptspliceWarning)
 
 
 def _modules_after_import(stmt: str) -> set[str]:

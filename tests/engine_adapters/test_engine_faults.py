@@ -51,7 +51,7 @@ def _prompt(seed: int, n: int = 330) -> list[int]:
 
 
 @pytest.mark.reliability
-def test_a_failed_prefill_never_leaves_unwritten_blocks_in_the_cache(fresh_engine, make_assembler):
+def test_a_failed_prefill_never_leaves_unwritten_blocks_in_the_cache(fresh_engine, measured):
     eng = fresh_engine
     prompt = _prompt(1)
     ref = eng.generate(prompt, max_tokens=8)
@@ -68,6 +68,7 @@ def test_a_failed_prefill_never_leaves_unwritten_blocks_in_the_cache(fresh_engin
     assert again.num_cached_tokens == 0
     assert again.predicted_cached_tokens == 0
     assert again.token_ids == ref.token_ids
+    measured.update(failed=1, cached_after_failure=again.num_cached_tokens, wrong=0)
 
 
 @pytest.mark.reliability
@@ -98,7 +99,7 @@ def test_a_failed_stream_raises_after_its_first_deltas(fresh_engine):
 
 
 @pytest.mark.reliability
-def test_a_dead_engine_restarts_once_then_stays_down(engine):
+def test_a_dead_engine_restarts_once_then_stays_down(engine, measured):
     # `engine` is requested so this extra engine is never the last one alive (vLLM's
     # process-wide state goes with the last engine).
     mib = 1 << 20
@@ -121,13 +122,14 @@ def test_a_dead_engine_restarts_once_then_stays_down(engine):
         with pytest.raises(EngineDeadError, match="start a new EmbeddedEngine"):
             eng.generate(prompt, max_tokens=6)
         assert eng.closed
+        measured.update(deaths=2, restarts=eng.restarts, wrong=0)
     finally:
         eng.close()
     assert engine.generate(_prompt(5, 40), max_tokens=2).token_ids  # the others live on
 
 
 @pytest.mark.reliability
-def test_a_failed_forward_pass_saves_no_partial_block(kv_engine):
+def test_a_failed_forward_pass_saves_no_partial_block(kv_engine, measured):
     eng = kv_engine
     salt = "faults-partial-save"
     prompt = _prompt(6, 330)  # 10 full blocks
@@ -151,6 +153,7 @@ def test_a_failed_forward_pass_saves_no_partial_block(kv_engine):
     served = eng.generate(prompt, max_tokens=4, cache_salt=salt)  # from the store
     assert served.num_cached_tokens == 320
     assert served.token_ids == first.token_ids
+    measured.update(blocks_skipped=10, partial_blocks_stored=0, served_from_store_after=served.num_cached_tokens)
 
 
 def test_dead_engine_error_is_an_engine_error():

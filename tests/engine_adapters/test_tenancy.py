@@ -1,0 +1,215 @@
+"""Tenant isolation by ``cache_salt``, measured over a mixed trace on the real engine.
+
+Every tenant sends the *same* RAG requests, interleaved (the worst case: any leak would
+hit).  A request may only hit what its own tenant's earlier requests put in a cache:
+the longest block-aligned prefix it shares with one of them (capped, as vLLM caps it,
+below the prompt's last token).  ``cross_tenant`` counts hits above that bound, in
+vLLM's prefix cache (APC), the prefix-cache mirror, the tiered block store and the
+router's keys.  The unsalted control runs the same measure and must find leaks, so the
+measure is shown to catch them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from engine_adapters import PrefixRouter, RemoteEngine, chain_refs
+from promptsplice.blocks import round_down
+from promptsplice.errors import EngineUnavailableError, MissingSaltError, UnsaltedTenantWarning
+from promptsplice.tenancy import SaltGuard
+
+TENANTS = ("tenant-a", "tenant-b", "tenant-c")
+
+
+def chunk_dicts(req):
+    return [{"id": c.id, "text": c.text, "metadata": dict(c.metadata)} for c in req.chunks]
+
+
+def mixed_trace(rag_requests, tenants, per_tenant):
+    """Round-robin over tenants: request 0 of every tenant, then request 1, ..."""
+    return [(t, req) for req in rag_requests[:per_tenant] for t in tenants]
+
+
+def own_bound(earlier: list[list[int]], ids: list[int], bs: int) -> int:
+    """Most tokens ``ids`` can hit from its own tenant's ``earlier`` prompts."""
+    best = 0
+    for prev in earlier:
+        n = 0
+        for a, b in zip(prev, ids):
+            if a != b:
+                break
+            n += 1
+        best = max(best, n)
+    return round_down(min(best, len(ids) - 1), bs)
+
+
+class Ledger:
+    """Per-tenant history and the hits measured above each request's own bound."""
+
+    def __init__(self, bs: int) -> None:
+        self.bs = bs
+        self.seen: dict[object, list[list[int]]] = {}
+        self.hits = 0
+        self.cross = {"apc": 0, "mirror": 0, "store": 0}
+        self.requests = 0
+
+    def record(self, tenant, ids, **hits: int) -> None:
+        bound = own_bound(self.seen.get(tenant, []), ids, self.bs)
+        for where, n in hits.items():
+            self.cross[where] += max(0, n - bound)
+        self.hits += max(hits.values())
+        self.seen.setdefault(tenant, []).append(list(ids))
+        self.requests += 1
+
+
+def run_apc(eng, trace, salt_of):
+    asm = eng.make_assembler()
+    led = Ledger(eng.block_size)
+    for tenant, req in trace:
+        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, salt=salt_of(tenant), admit=False)
+        predicted = asm.mirror.predict(prompt.block_hashes, len(prompt.token_ids)).cached_tokens
+        done = eng.generate(prompt, max_tokens=1, mirror=asm.mirror)
+        assert done.num_cached_tokens == predicted  # the mirror models the engine exactly
+        led.record(tenant, prompt.token_ids, apc=done.num_cached_tokens, mirror=predicted)
+    return led
+
+
+@pytest.mark.reliability
+def test_salts_isolate_tenants_in_vllms_cache_and_the_mirror(fresh_engine, rag_requests, measured):
+    led = run_apc(fresh_engine, mixed_trace(rag_requests, TENANTS, 6), salt_of=lambda t: t)
+    assert led.requests == 18
+    assert led.cross == {"apc": 0, "mirror": 0, "store": 0}
+    assert led.hits > 0  # tenants do hit their own earlier requests
+
+    # Control: the same tenants without salts leak (so the measure can see a leak).
+    fresh_engine.reset_prefix_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsaltedTenantWarning)
+        control = run_apc(fresh_engine, mixed_trace(rag_requests[6:], TENANTS[:2], 3), salt_of=lambda t: None)
+    assert control.cross["apc"] > 0 and control.cross["mirror"] == control.cross["apc"]
+    measured.update(requests=led.requests, own_hit_tokens=led.hits, cross_tenant_tokens=led.cross,
+                    control_requests=control.requests, control_cross_tenant_tokens=control.cross["apc"])
+
+
+@pytest.mark.reliability
+def test_salts_isolate_tenants_in_the_tiered_store(kv_engine, rag_requests, measured):
+    eng = kv_engine
+    store = eng.kv_store
+    asm = eng.make_assembler()
+    salt_of = {t: f"tenancy-store-{t}" for t in TENANTS}
+    trace = mixed_trace(rag_requests[10:], TENANTS, 4)
+    led = Ledger(eng.block_size)
+    ext0 = eng.counters()
+    for tenant, req in trace:
+        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, salt=salt_of[tenant], admit=False)
+        ids = list(prompt.token_ids)
+        eng.reset_prefix_cache()  # every hit below must come from the store
+        in_store = store.match_prefix(chain_refs(ids, eng.block_size, salt=salt_of[tenant]), salt=salt_of[tenant])
+        done = eng.generate(ids, max_tokens=1, cache_salt=salt_of[tenant])
+        store.drain()
+        led.record(tenant, ids, store=min(in_store * eng.block_size, len(ids) - 1), apc=done.num_cached_tokens)
+    assert led.requests == 12
+    assert led.cross == {"apc": 0, "mirror": 0, "store": 0}
+    store_hits = eng.counters().since(ext0).external_hits
+    assert led.hits > 0 and store_hits > 0  # served by the store
+    measured.update(requests=led.requests, store_hit_tokens=store_hits, cross_tenant_tokens=led.cross)
+
+    # Every stored prompt, asked for under every other tenant's salt: nothing.
+    for tenant, prompts in led.seen.items():
+        for other in TENANTS:
+            if other == tenant:
+                continue
+            for ids in prompts:
+                refs = chain_refs(ids, eng.block_size, salt=salt_of[other])
+                got = store.match_prefix(refs, salt=salt_of[other]) * eng.block_size
+                assert got <= own_bound(led.seen[other], ids + [0], eng.block_size)
+
+
+@pytest.mark.reliability
+def test_salts_give_tenants_disjoint_router_keys(rag_requests, make_assembler, measured):
+    asm = make_assembler(block_size=32)
+    keys: dict[str | None, set[bytes]] = {}
+    router = PrefixRouter(["http://a", "http://b"], block_size=32)
+    for tenant, req in mixed_trace(rag_requests, TENANTS, 20):
+        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, salt=tenant)
+        keys.setdefault(tenant, set()).add(router.key(prompt))
+    a, b, c = (keys[t] for t in TENANTS)
+    assert len(a) > 1 and not (a & b) and not (a & c) and not (b & c)
+    # Control: without salts the tenants' prompts get the same keys (a shared route).
+    bare = {tenant: {router.key(list(p.token_ids)) for p in prompts} for tenant, prompts in _prompts(asm, rag_requests).items()}
+    assert bare["tenant-a"] == bare["tenant-b"]
+    measured.update(requests=60, keys_per_tenant=len(a), shared_keys=0, control_shared_keys=len(bare["tenant-a"]))
+
+
+def _prompts(asm, rag_requests):
+    out: dict[str, list] = {}
+    for tenant, req in mixed_trace(rag_requests, TENANTS[:2], 20):
+        out.setdefault(tenant, []).append(asm.assemble(chunk_dicts(req), query=req.query, system=req.system))
+    return out
+
+
+# -- unsalted multi-tenant use warns ------------------------------------------------
+
+
+def test_salt_guard_warns_once_on_a_mix_and_refuses_when_required():
+    guard = SaltGuard("X")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard.check(None)
+        guard.check(None)
+    with pytest.warns(UnsaltedTenantWarning):
+        guard.check("t1")  # the first salted request after unsalted ones
+    with pytest.warns(UnsaltedTenantWarning, match="require_salt=True"):
+        g = SaltGuard("Y")
+        g.check("t1")
+        g.check(None)
+    assert g.mixed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g.check(None)  # once only
+        g.check("t2")
+    with pytest.raises(MissingSaltError, match="cache_salt"):
+        SaltGuard("Z", require=True).check(None)
+    SaltGuard("Z", require=True).check("t1")
+
+
+@pytest.mark.reliability
+def test_engine_router_and_remote_warn_on_unsalted_multi_tenant_use(engine, monkeypatch):
+    monkeypatch.setattr(engine, "_salts", SaltGuard("EmbeddedEngine"))  # the session engine saw mixes already
+    engine.generate([5, 6, 7], max_tokens=1, cache_salt="tenant-w")
+    with pytest.warns(UnsaltedTenantWarning, match="EmbeddedEngine"):
+        engine.generate([5, 6, 7], max_tokens=1)
+    monkeypatch.setattr(engine, "_salts", SaltGuard("EmbeddedEngine", require=True))
+    with pytest.raises(MissingSaltError):
+        engine.generate([5, 6, 7], max_tokens=1)
+
+    router = PrefixRouter(["http://a", "http://b"], block_size=32)
+    router.key(list(range(100)), salt="t")
+    with pytest.warns(UnsaltedTenantWarning, match="PrefixRouter"):
+        router.key(list(range(100)))
+    with pytest.raises(MissingSaltError):
+        PrefixRouter(["http://a"], block_size=32, require_salt=True).acquire(list(range(100)))
+
+    # RemoteEngine checks before it sends anything: a closed port is never reached.
+    remote = RemoteEngine("http://127.0.0.1:9", require_salt=True, model="m")
+    with pytest.raises(MissingSaltError):
+        remote.complete([1, 2, 3], max_tokens=1)
+    remote = RemoteEngine("http://127.0.0.1:9", model="m", max_retries=0)
+    with pytest.raises(EngineUnavailableError):
+        remote.complete([1, 2, 3], max_tokens=1, cache_salt="t")
+    with pytest.warns(UnsaltedTenantWarning, match="RemoteEngine"), pytest.raises(EngineUnavailableError):
+        remote.complete([1, 2, 3], max_tokens=1)
+
+
+def test_require_salt_is_validated():
+    from engine_adapters import EngineConfig
+    from promptsplice.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="require_salt"):
+        EngineConfig(require_salt="yes")
+    with pytest.raises(ConfigError, match="max_restarts"):
+        EngineConfig(max_restarts=-1)
+    with pytest.raises(ConfigError, match="require_salt"):
+        PrefixRouter(["http://a"], require_salt=1)
