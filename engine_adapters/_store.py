@@ -56,7 +56,7 @@ Faults
     wrong or whose size does not match it (counted in ``corrupt``), so a crash mid-write
     never serves a partial block; every load verifies the whole record's xxh3-128
     digest, and a damaged record is deleted, counted and answered ``CORRUPT``.  A
-    failing write (``ENOSPC``, an unwritable folder) logs one warning, drops that block
+    failing write (``ENOSPC``, an unwritable folder) logs one warning per outage (re-armed by the next successful write), drops that block
     (counted in ``dropped``), and suspends disk writes for ``disk_retry_s`` seconds:
     the store keeps serving from DRAM and from the records it has.  A folder that cannot
     be created or opened turns the disk tier off with one warning.
@@ -1146,7 +1146,8 @@ def _read_header(path: str) -> fmt.Header:
     with open(path, "rb") as f:
         data = f.read(4096)
         header = fmt.parse_header(data)
-        if isinstance(header, int) and header > len(data):
+        # A damaged count may claim gigabytes of header: never read past the file's end.
+        if isinstance(header, int) and len(data) < header <= os.fstat(f.fileno()).st_size:
             data += f.read(header - len(data))
             header = fmt.parse_header(data)
     if isinstance(header, int):

@@ -285,6 +285,9 @@ def decode_record(buf: bytearray) -> tuple[Header, torch.Tensor]:
     meta = header.meta
     dtype = getattr(torch, meta.dtype)
     if meta.nbytes == 0:
-        return header, torch.empty(meta.shape, dtype=dtype)
+        try:
+            return header, torch.empty(meta.shape, dtype=dtype)
+        except (RuntimeError, TypeError) as exc:  # zero bytes, but dimensions past int64
+            raise ValueError(f"shape {meta.shape} is not a tensor torch can hold: {exc}") from None
     flat = torch.frombuffer(buf, dtype=torch.uint8, count=meta.nbytes, offset=header.payload_offset)
     return header, flat.view(dtype).reshape(meta.shape)
