@@ -56,8 +56,9 @@ Faults
     wrong or whose size does not match it (counted in ``corrupt``), so a crash mid-write
     never serves a partial block; every load verifies the whole record's xxh3-128
     digest, and a damaged record is deleted, counted and answered ``CORRUPT``.  A
-    failing write (``ENOSPC``, an unwritable folder) logs one warning per outage (re-armed by the next successful write), drops that block
-    (counted in ``dropped``), and suspends disk writes for ``disk_retry_s`` seconds:
+    failing write (``ENOSPC``, an unwritable folder) logs one warning per outage
+    (re-armed by the next successful write), drops that block (counted in
+    ``dropped``), and suspends disk writes for ``disk_retry_s`` seconds:
     the store keeps serving from DRAM and from the records it has.  A folder that cannot
     be created or opened turns the disk tier off with one warning.
 
