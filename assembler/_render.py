@@ -82,7 +82,7 @@ from assembler._ordering import AlignPolicy, parse_align
 from assembler._token_cache import TokenCache
 from assembler._tokenizers import Tokenizer, load_tokenizer
 from promptsplice.blocks import BlockHash, content_digest
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, InvalidUTF8Error
 
 __all__ = [
     "ChatTemplate",
@@ -386,15 +386,37 @@ def _tool_call_text(call: Any, index: int) -> str:
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            pass  # not JSON: keep the string as the model wrote it
+            parsed = json.loads(args) if args.strip() else {}
+            return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": parsed}) + "\n</tool_call>"
+        except (ValueError, RecursionError):
+            pass  # not JSON, or nested too deeply to parse: keep the string as the model wrote it
     return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
 
 
 def tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
     """The tools text injected into the system turn of templates without tools."""
     return TOOLS_HEADER + "\n".join(canonical_json(t) for t in tools) + TOOLS_FOOTER
+
+
+def _lone_surrogate(norm: list[tuple[int | None, dict[str, Any]]], tools: Any) -> InvalidUTF8Error:
+    """InvalidUTF8Error naming the tools (``index=-1``) or else the first normalized
+    message (``index``: its position in the caller's list) holding a lone surrogate,
+    which has no UTF-8 encoding; ``offset`` is its UTF-8 byte offset in that value's
+    :func:`canonical_json`."""
+    for index, value in [(None, tools), *norm]:
+        text = canonical_json(value)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            offset = len(text[: exc.start].encode("utf-8"))
+            what = "the tools" if index is None else f"message {index}"
+            return InvalidUTF8Error(
+                f"{what} contains a lone surrogate {text[exc.start]!r} (no UTF-8 encoding) at "
+                f"byte {offset} of its JSON form; pass valid Unicode",
+                index=-1 if index is None else index,
+                offset=offset,
+            )
+    return InvalidUTF8Error("the chat template produced a lone surrogate", index=-1, offset=-1)
 
 
 # -- renderer ----------------------------------------------------------------------------
@@ -467,7 +489,10 @@ class ChatRenderer:
         salt: str | None = None,
         add_generation_prompt: bool = True,
     ) -> Render:
-        """Render ``messages`` (and ``tools``) into token ids, one segment per message."""
+        """Render ``messages`` (and ``tools``) into token ids, one segment per message.
+
+        Bad messages raise :class:`InputError`; a lone surrogate (no UTF-8 encoding) in
+        a message or the tools raises :class:`InvalidUTF8Error` naming it."""
         pieces = self.pieces(messages, tools, add_generation_prompt=add_generation_prompt)
         tok = self.tokenizer
         items = [("", content_digest(text.encode("utf-8")), text) for _, _, _, text in pieces]
@@ -518,7 +543,10 @@ class ChatRenderer:
         norm, norm_plain = self._normalize(messages, tools)
         native_tools = list(tools) if (tools and tmpl.native_tools) else None
         msgs = [m for _, m in norm]
-        texts = self._piece_texts(msgs, native_tools)
+        try:
+            texts = self._piece_texts(msgs, native_tools)  # encodes every message first
+        except UnicodeEncodeError:
+            raise _lone_surrogate(norm, tools) from None
         body = tmpl.render(msgs, tools=native_tools, add_generation_prompt=False)
         if "".join(texts) != body:
             texts = self._prefix_texts(msgs, native_tools, body)

@@ -17,9 +17,12 @@ same render*.  Unknown extra keys (top level, in messages, in schemas) are toler
 ignored, so traces from other harnesses load; :func:`write_agent_trace` writes only the
 three keys.  :func:`iter_agent_trace` raises
 :class:`~promptsplice.errors.TraceFormatError` (``FILE:LINE: field: what is wrong; how
-to fix it``) on invalid UTF-8 or JSON, a missing key, a wrong type, an empty ``renders``
+to fix it``) on invalid UTF-8 or JSON (a number out of the float range and nesting too
+deep to parse included), a lone surrogate anywhere (a ``\\udXXX`` escape without its
+pair), a missing key, a wrong type, an empty ``renders``
 or render, a message without or with an unknown role, a tool message without (or with a
 dangling) ``tool_call_id``, a duplicate session id, and a file with no session at all.
+So whatever it reads, :func:`write_agent_trace` writes back as a valid trace.
 
 Step labels
 -----------
@@ -85,7 +88,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from benchmarks.traces import _reject_constant, _strict_object  # one strict JSON reader
+from benchmarks.traces import (  # one strict JSON reader
+    _finite_float,
+    _lone_surrogate,
+    _reject_constant,
+    _strict_object,
+)
 from promptsplice.errors import AssetError, ConfigError, TraceFormatError
 
 __all__ = [
@@ -189,7 +197,7 @@ def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> None:
             args = w.typed(fn.get("arguments"), str, f"{cf}.function.arguments", "a string of JSON", fix)
             try:
                 json.loads(args)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise w.fail(f"{cf}.function.arguments", f"not JSON text ({exc})", fix) from None
             call_ids.add(cid)
     content = msg.get("content")
@@ -252,10 +260,16 @@ def iter_agent_trace(path: str | os.PathLike[str]) -> Iterator[AgentSession]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line, object_pairs_hook=_strict_object, parse_constant=_reject_constant)
-            except ValueError as exc:
+                obj = json.loads(line, object_pairs_hook=_strict_object, parse_constant=_reject_constant,
+                                 parse_float=_finite_float)
+            except (ValueError, RecursionError) as exc:
                 raise w.fail("line", f"not JSON ({exc})", "write one JSON object per line") from None
             session = _session_from_json(obj, w)
+            # Only a \udXXX escape makes a lone surrogate (UTF-8 bytes cannot), so only
+            # lines holding one are searched.
+            if "\\ud" in line.lower() and (bad := _lone_surrogate(obj)) is not None:
+                raise w.fail("line", f"lone surrogate at {bad}, which is not valid Unicode",
+                             "escape characters outside the BMP as a pair (\\ud83d\\ude00), never one half")
             if session.id in seen:
                 raise w.fail("id", f"duplicate session id {session.id!r} (first on line {seen[session.id]})",
                              "give every session its own id")

@@ -12,8 +12,10 @@ JSONL, one request per line (blank lines are skipped)::
 other key is allowed.  :func:`read_rag_trace` / :func:`iter_rag_trace` validate every
 line and raise :class:`~promptsplice.errors.TraceFormatError` with ``FILE:LINE: field:
 what was expected`` for invalid JSON, missing or unknown fields, wrong types, invalid
-UTF-8 bytes, lone surrogates, duplicate keys or request ids, and for a file with no
-requests at all.
+UTF-8 bytes, lone surrogates (metadata included), numbers out of the float range,
+nesting too deep to parse, duplicate keys or request ids, and for a file with no
+requests at all.  So whatever it reads, :func:`dump_rag_trace` writes back as a valid
+trace.
 
 Real text
 ---------
@@ -71,6 +73,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -212,6 +215,11 @@ class RagRequest:
                 raise _fail(
                     where, f"field '{prefix}.metadata': expected an object, got {_type_name(meta)}"
                 )
+            bad = _lone_surrogate(meta)
+            if bad is not None:
+                raise _fail(
+                    where, f"field '{prefix}.metadata': not valid Unicode (lone surrogate at {bad})"
+                )
             chunks.append(RagChunk(id=cid, text=text, metadata=dict(meta)))
         return cls(id=rid, system=system, chunks=chunks, query=query)
 
@@ -230,6 +238,37 @@ def _strict_object(pairs: list[tuple[str, Any]]) -> dict:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; one beyond the float range (``1e400``) would come back
+    as ``inf``, which JSON cannot hold, so it is refused like ``Infinity``."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:40]} is out of the float range")
+    return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where the first lone surrogate sits in parsed JSON (a key or a value), as a
+    subscript path such as ``['tags'][2]`` (keys as reprs, so the path itself is valid
+    Unicode; ``value`` itself: ``"the value"``), or None.  Iterative: any depth the
+    parser accepted is fine."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the value"
+        elif isinstance(v, dict):
+            for k, item in reversed(v.items()):
+                stack.append((f"{path}[{k!r}]", item))
+                stack.append((f"{path}[{k!r}]", k))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", v[i]) for i in reversed(range(len(v))))
+    return None
 
 
 def iter_rag_trace(path: str | os.PathLike[str]) -> Iterator[RagRequest]:
@@ -256,9 +295,10 @@ def iter_rag_trace(path: str | os.PathLike[str]) -> Iterator[RagRequest]:
                 continue
             try:
                 obj = json.loads(
-                    line, object_pairs_hook=_strict_object, parse_constant=_reject_constant
+                    line, object_pairs_hook=_strict_object, parse_constant=_reject_constant,
+                    parse_float=_finite_float,
                 )
-            except (json.JSONDecodeError, ValueError) as exc:
+            except (ValueError, RecursionError) as exc:
                 raise TraceFormatError(f"{where}: invalid JSON: {exc}") from None
             req = RagRequest.from_json(obj, where=where)
             if req.id in seen:

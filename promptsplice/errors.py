@@ -54,7 +54,10 @@ class InvalidChunkError(InputError):
 
 
 class InvalidUTF8Error(InputError):
-    """A ``bytes`` chunk is not valid UTF-8.
+    """A ``bytes`` chunk is not valid UTF-8, or a text (chunk, query, system prompt,
+    tools, chat message) holds a lone surrogate, which has no UTF-8 form.  ``index``:
+    the chunk's (or message's) position, -1 for the query, system prompt or tools;
+    ``offset``: the UTF-8 byte offset of the fault.
 
     The default policy (``on_invalid_utf8="error"``) refuses it, because dedup is
     byte-exact and a prompt must be text.  Pass ``on_invalid_utf8="replace"`` to decode
