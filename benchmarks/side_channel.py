@@ -26,23 +26,28 @@ from pathlib import Path
 
 from benchmarks.traces import load_wiki_leads
 
+DOC_TOKENS = 672
+"""Tokens of the private document (21 blocks of 32): right and wrong guesses hold
+exactly as many, so only the cache can make one faster than the other."""
 
-def _prompt(tok, text: str, question: str) -> list[int]:
-    return tok.encode(f"Private notes:\n{text}\n\nQuestion: {question}\nAnswer:")
 
-
-def run(engine, *, reps: int = 12, doc_chars: int = 3000) -> dict:
+def run(engine, *, reps: int = 12) -> dict:
     tok = engine.tokenizer
     leads = [t for _, t in load_wiki_leads()]
-    secret = " ".join(leads[:20])[:doc_chars]
-    other = " ".join(leads[20:40])[:doc_chars]
-    victim = _prompt(tok, secret, "What is this about?")
-    right = _prompt(tok, secret, "Summarize it in one line.")  # the guess shares the document
-    wrong = _prompt(tok, other, "Summarize it in one line.")
-    shared = 0
-    while shared < min(len(victim), len(right)) and victim[shared] == right[shared]:
-        shared += 1
-    out: dict = {"prompt_tokens": len(victim), "shared_prefix_tokens": shared, "reps": reps, "settings": {}}
+
+    def doc(texts: list[str]) -> list[int]:
+        ids = tok.encode("Private notes:\n" + " ".join(texts))[:DOC_TOKENS]
+        if len(ids) < DOC_TOKENS:
+            raise RuntimeError(f"the document has {len(ids)} tokens, fewer than {DOC_TOKENS}")
+        return ids
+
+    secret, other = doc(leads[:20]), doc(leads[20:40])
+    ask = tok.encode("\n\nQuestion: What is this about?\nAnswer:")
+    question = tok.encode("\n\nQuestion: Summarize it in one line.\nAnswer:")
+    victim, right, wrong = secret + ask, secret + question, other + question
+    shared = DOC_TOKENS + next(i for i, (a, b) in enumerate(zip(ask, question)) if a != b)
+    out: dict = {"prompt_tokens": len(victim), "guess_tokens": len(right), "shared_prefix_tokens": shared,
+                 "reps": reps, "settings": {}}
     for setting, (v_salt, a_salt) in {"shared": (None, None), "salted": ("tenant-victim", "tenant-attacker")}.items():
         ttft: dict[str, list[float]] = {"right": [], "wrong": []}
         cached: dict[str, list[int]] = {"right": [], "wrong": []}
