@@ -16,15 +16,12 @@ from collections import Counter
 import pytest
 
 from assembler import Assembler, ContextHook, StepKind, assemble_prompt
+from tests.engine_adapters.test_embedded import chunk_dicts
 
 THREADS = 32
 ENGINE_THREADS = 4
 PROMPTS_PER_THREAD = 3
 STEPS_PER_SESSION = 4
-
-
-def chunk_dicts(req):
-    return [{"id": c.id, "text": c.text, "metadata": dict(c.metadata)} for c in req.chunks]
 
 
 def work_items(rag_requests):

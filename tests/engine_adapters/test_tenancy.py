@@ -19,12 +19,9 @@ from engine_adapters import PrefixRouter, RemoteEngine, chain_refs
 from promptsplice.blocks import round_down
 from promptsplice.errors import EngineUnavailableError, MissingSaltError, UnsaltedTenantWarning
 from promptsplice.tenancy import SaltGuard
+from tests.engine_adapters.test_embedded import chunk_dicts
 
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
-
-
-def chunk_dicts(req):
-    return [{"id": c.id, "text": c.text, "metadata": dict(c.metadata)} for c in req.chunks]
 
 
 def mixed_trace(rag_requests, tenants, per_tenant):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +45,18 @@ def test_harness_finds_nothing(harness, runs, tmp_path, measured):
     runs, seconds and coverage it reached are recorded for RELIABILITY.md."""
     if importlib.util.find_spec("atheris") is None:
         pytest.fail("atheris is not installed in this environment: run `make setup`")
-    cmd = [sys.executable, str(HERE / harness), f"-runs={runs}", "-seed=1", f"-artifact_prefix={tmp_path}{os.sep}"]
+    # libFuzzer's RSS limit reads the peak RSS, which Linux carries across fork and exec:
+    # in a session that holds vLLM engines the harness starts "using" GiBs it never
+    # touched.  Allow that inheritance plus libFuzzer's own default of 2 GiB.
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    cmd = [
+        sys.executable, str(HERE / harness), f"-runs={runs}", "-seed=1",
+        f"-rss_limit_mb={inherited_mb + 2048}", f"-artifact_prefix={tmp_path}{os.sep}",
+    ]
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the trace harness's files go here too
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, errors="replace", timeout=300)
     out = proc.stdout + proc.stderr
-    crashes = sorted(p.name for p in tmp_path.glob("crash-*"))
+    crashes = sorted(p.name for p in tmp_path.glob("crash-*")) + sorted(p.name for p in tmp_path.glob("oom-*"))
     assert proc.returncode == 0 and not crashes, f"{harness} crashed ({crashes}):\n{out[-6000:]}"
     done = re.search(r"^Done (\d+) runs in (\d+) second", out, re.MULTILINE)
     assert done is not None and int(done.group(1)) == runs, out[-3000:]
