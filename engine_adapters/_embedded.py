@@ -449,7 +449,9 @@ class EmbeddedEngine:
         when the prompt has ``max_model_len`` tokens or more, ``InputError`` for an
         empty or malformed prompt, ``ConfigError`` for bad options, and
         :class:`~promptsplice.errors.EngineRequestError` when vLLM fails the request
-        (the engine keeps serving).  A generation cut by ``max_model_len`` is not an
+        (the engine keeps serving, with an empty prefix cache: see the module doc), and
+        :class:`~promptsplice.errors.EngineDeadError` when the engine died (restarted
+        if ``max_restarts`` allows).  A generation cut by ``max_model_len`` is not an
         error: ``finish_reason == "length"``.
         """
         ids, salt, text, predicted = self._normalize(prompt, cache_salt)
