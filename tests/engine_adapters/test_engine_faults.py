@@ -160,3 +160,31 @@ def test_dead_engine_error_is_an_engine_error():
     err = EngineDeadError("x", restarted=True)
     assert isinstance(err, EngineError) and not isinstance(err, EngineRequestError)
     assert err.restarted is True
+
+
+@pytest.mark.reliability
+def test_a_restart_keeps_the_exact_blocks_of_the_store(engine, tmp_path, measured):
+    from engine_adapters import EngineConfig, StoreConfig, chain_refs
+
+    mib = 1 << 20
+    scale = 1 if EngineConfig().dtype == "bfloat16" else 2
+    store = StoreConfig(dram_bytes=16 * mib * scale, disk_bytes=64 * mib * scale, disk_dir=str(tmp_path), fsync=False)
+    eng = start_default_engine(kv_store=store, kv_cache_bytes=96 * mib, max_model_len=2048, max_restarts=1)
+    try:
+        salt = "faults-restart"
+        prompt = _prompt(7, 330)
+        first = eng.generate(prompt, max_tokens=4, cache_salt=salt)
+        eng.kv_store.drain()
+        with layer_fault(eng, times=None):
+            with pytest.raises(EngineDeadError) as info:
+                eng.generate(_prompt(8, 330), max_tokens=4, cache_salt=salt)
+        assert info.value.restarted is True
+        refs = chain_refs(prompt, eng.block_size, salt=salt)
+        assert eng.kv_store.match_prefix(refs, salt=salt) == 10  # the store outlived vLLM
+        again = eng.generate(prompt, max_tokens=4, cache_salt=salt)
+        assert again.num_cached_tokens == 320  # all from the store: vLLM's cache is new
+        assert again.token_ids == first.token_ids
+        measured.update(restarts=eng.restarts, served_from_store_after_restart=again.num_cached_tokens)
+    finally:
+        eng.close()
+    assert engine.generate(_prompt(9, 40), max_tokens=2).token_ids
