@@ -80,6 +80,7 @@ read-only.  ``put`` copies by default (``copy=False`` hands the tensor over).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
@@ -1160,11 +1161,28 @@ _SHARED: dict[StoreConfig, BlockStore] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def _close_shared_stores() -> None:
+    """At interpreter exit: finish the shared stores' pending write-downs (the writer is
+    a daemon thread, so they would be dropped) and release their folders."""
+    with _SHARED_LOCK:
+        stores = list(_SHARED.values())
+        _SHARED.clear()
+    for store in stores:
+        try:
+            store.close()
+        except Exception:  # noqa: BLE001 - exiting anyway; say what was lost
+            _log.exception("block store: closing %s at exit failed", store.config.disk_dir)
+
+
+atexit.register(_close_shared_stores)
+
+
 def shared_store(config: StoreConfig) -> BlockStore:
     """The process's one open :class:`BlockStore` for ``config`` (opened on first use).
 
     The connector's scheduler and worker sides run in one process and must share a
-    store (a folder admits one store); a closed store is replaced by a fresh one.
+    store (a folder admits one store); a closed store is replaced by a fresh one.  The
+    shared stores are closed at interpreter exit, so write-downs in flight finish.
     """
     with _SHARED_LOCK:
         store = _SHARED.get(config)

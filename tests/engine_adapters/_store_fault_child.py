@@ -18,6 +18,9 @@ repository root:
     ``EFBIG`` after a short write, checks what the store serves, raises the limit again,
     lowers it again, prints one JSON line of what it saw and SIGKILLs itself (a crash
     while writes were failing; the parent then reopens the folder).
+``exit FOLDER PUTS``
+    Puts PUTS blocks through ``shared_store`` with a deep write-behind queue, prints
+    ``{"puts", "dram_blocks", "disk_writes"}`` and exits normally without closing.
 ``filler FOLDER WRITE_BEHIND``
     The same run with a real ``ENOSPC``: a filler file takes the rest of the folder's
     filesystem.  Needs a small filesystem, so it is not in the suite (a tmpfs mount needs
@@ -298,10 +301,26 @@ def run_full_disk(folder: str, write_behind: int, how: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def run_exit(folder: str, puts: int) -> None:
+    """Put ``puts`` blocks through the process's shared store with a deep write-behind
+    queue, print what is still pending, and leave by a normal interpreter exit, without
+    closing the store."""
+    from engine_adapters._store import shared_store
+
+    store = shared_store(writer_config(folder, 4 * 1024 * 1024))
+    for block, _ in zip(blocks(0), range(puts)):
+        store.put(block.ref, block.payload(), salt=block.salt, copy=False)
+    st = store.stats()
+    sys.stdout.write(json.dumps({"puts": puts, "dram_blocks": st.dram_blocks, "disk_writes": st.disk_writes}) + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: list[str]) -> None:
     mode, folder, *rest = argv
     if mode == "writer":
         run_writer(folder, int(rest[0]), int(rest[1]))
+    elif mode == "exit":
+        run_exit(folder, int(rest[0]))
     elif mode in ("fsize", "filler"):
         run_full_disk(folder, int(rest[0]), mode)
     else:  # pragma: no cover

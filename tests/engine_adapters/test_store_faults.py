@@ -652,3 +652,24 @@ def test_records_replaced_behind_the_store_are_never_served_as_another_block(tmp
             if got.status.hit:
                 assert raw_bytes(got.payload) == raw_bytes(blk.payload())
         assert again.stats().corrupt == 0
+
+
+@pytest.mark.reliability
+def test_write_downs_in_flight_finish_at_interpreter_exit(tmp_path, measured):
+    """The background writer is a daemon thread: without closing the shared stores at
+    exit, the evicted blocks still queued for the disk were dropped."""
+    folder = tmp_path / "store"
+    proc = _spawn("exit", folder, 400)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, _stderr(proc)
+    seen = json.loads(out.strip().splitlines()[-1])
+    evicted = seen["puts"] - seen["dram_blocks"]
+    assert seen["disk_writes"] < evicted  # writes were still queued when the child exited
+    store = BlockStore(writer_config(str(folder), 0))
+    try:
+        assert store.stats().disk_blocks == evicted
+        served = [b for b in _round_blocks(0, seen["puts"]) if _served(store, b)]
+        assert len(served) == evicted
+    finally:
+        store.close()
+    measured.update(puts=seen["puts"], evicted=evicted, pending_at_exit=evicted - seen["disk_writes"], lost=0)
