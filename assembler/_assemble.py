@@ -418,14 +418,7 @@ def _utf8(text: str, kind: SegmentKind) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        offset = len(text[: exc.start].encode("utf-8"))
-        raise InvalidUTF8Error(
-            f"the {kind.value} segment contains a lone surrogate {text[exc.start]!r} at "
-            f"character {exc.start} (UTF-8 byte offset {offset}), which has no UTF-8 "
-            f"encoding; pass valid Unicode",
-            index=-1,
-            offset=offset,
-        ) from None
+        raise InvalidUTF8Error.lone_surrogate(f"the {kind.value} segment", text, exc, index=-1) from None
 
 
 _DEFAULTS: dict[tuple[str, int], Assembler] = {}

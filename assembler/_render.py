@@ -408,14 +408,8 @@ def _lone_surrogate(norm: list[tuple[int | None, dict[str, Any]]], tools: Any) -
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            offset = len(text[: exc.start].encode("utf-8"))
             what = "the tools" if index is None else f"message {index}"
-            return InvalidUTF8Error(
-                f"{what} contains a lone surrogate {text[exc.start]!r} (no UTF-8 encoding) at "
-                f"byte {offset} of its JSON form; pass valid Unicode",
-                index=-1 if index is None else index,
-                offset=offset,
-            )
+            return InvalidUTF8Error.lone_surrogate(f"{what} (as JSON)", text, exc, index=-1 if index is None else index)
     return InvalidUTF8Error("the chat template produced a lone surrogate", index=-1, offset=-1)
 
 

@@ -43,16 +43,6 @@ def normalize_chunks(chunks: Iterable, *, on_invalid_utf8: str = "error") -> lis
     return [InputChunk(*t) for t in _normalize(chunks, on_invalid_utf8)[0]]
 
 
-def _bad_utf8_str(index: int, text: str, exc: UnicodeEncodeError) -> InvalidUTF8Error:
-    offset = len(text[: exc.start].encode("utf-8"))
-    return InvalidUTF8Error(
-        f"chunk {index}: str contains a lone surrogate {text[exc.start]!r} at character "
-        f"{exc.start} (UTF-8 byte offset {offset}), which has no UTF-8 encoding; {_FIX_UTF8}",
-        index=index,
-        offset=offset,
-    )
-
-
 def _bad_utf8_bytes(index: int, exc: UnicodeDecodeError) -> InvalidUTF8Error:
     return InvalidUTF8Error(
         f"chunk {index}: bytes are not valid UTF-8 ({exc.reason}) at byte offset "
@@ -130,7 +120,9 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
                 data = text.encode("utf-8")
             except UnicodeEncodeError as exc:
                 if not replace:
-                    raise _bad_utf8_str(index, text, exc) from None
+                    raise InvalidUTF8Error.lone_surrogate(
+                        f"chunk {index}: str", text, exc, index=index, fix=_FIX_UTF8
+                    ) from None
                 text = _SURROGATE.sub("\ufffd", text)
                 data = text.encode("utf-8")
                 replaced += 1

@@ -58,7 +58,6 @@ from engine_adapters._config import EngineConfig
 from engine_adapters._kv_agent import AgentBox, installed
 from engine_adapters._splice import SplicePhase, SplicePlan
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
-from promptsplice.tenancy import SaltGuard
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
@@ -70,6 +69,7 @@ from promptsplice.errors import (
     PromptspliceError,
     TokenizerError,
 )
+from promptsplice.tenancy import SaltGuard
 
 __all__ = ["EmbeddedEngine", "Completion", "EngineCounters", "PromptLike", "StreamDelta"]
 
@@ -810,7 +810,11 @@ class EmbeddedEngine:
         """
         cause = f"{type(exc).__name__}: {exc}"
         self._abort_all(engine)
-        if self._healthy(engine) and self._drop_cache():
+        try:
+            usable = self._healthy(engine) and self._reset_cache()
+        except Exception:  # noqa: BLE001 - vLLM failing to reset its cache: dead too
+            usable = False
+        if usable:
             return EngineRequestError(
                 f"vLLM failed request {rid} ({cause}); the engine passed its health probe and "
                 "keeps serving, with an empty prefix cache"
@@ -832,21 +836,20 @@ class EmbeddedEngine:
         self._abort_all(engine)
         return False
 
-    def _drop_cache(self) -> bool:
+    def _reset_cache(self) -> bool:
         """Empty vLLM's prefix cache and the mirrors that model it; False if vLLM refused."""
-        try:
-            if not self.llm.reset_prefix_cache():
-                return False
-        except Exception:  # noqa: BLE001
+        if not self.llm.reset_prefix_cache():
             return False
+        self._clear_mirrors()
+        return True
+
+    def _clear_mirrors(self) -> None:
         for m in list(self._mirrors):
             m.clear()
-        return True
 
     def _die(self, cause: str) -> EngineDeadError:
         """Shut the dead vLLM down; start a new one if ``max_restarts`` allows."""
-        for m in list(self._mirrors):
-            m.clear()  # whatever happens next, the old cache is gone
+        self._clear_mirrors()  # whatever happens next, the old cache is gone
         self._finalizer()
         limit = self._config.max_restarts
         if self._restarts < limit:
@@ -903,12 +906,10 @@ class EmbeddedEngine:
         assemblers.  Raises :class:`~promptsplice.errors.EngineError` if vLLM refuses
         (it does while a request holds blocks, which sequential use never leaves)."""
         with self._lock, installed(self._handle.kv):
-            if not self.llm.reset_prefix_cache():
+            if not self._reset_cache():
                 raise EngineError(
                     "vLLM refused to reset its prefix cache: a request still holds blocks"
                 )
-            for m in list(self._mirrors):
-                m.clear()
 
     # -- lifetime ------------------------------------------------------------------------
     def close(self) -> None:

@@ -66,6 +66,8 @@ DEFAULT_TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _MAX_RETRY_AFTER_S = 60.0
+_BROKEN = (httpx.RemoteProtocolError, httpx.ReadError)
+"""A connection that broke before the response ended (the server died or dropped it)."""
 _SNIPPET = 200
 _CONTEXT_RE = re.compile(
     r"maximum context length|context length|max_model_len|too long|context window",
@@ -538,7 +540,7 @@ class RemoteEngine:
             )
         if isinstance(exc, httpx.ConnectError):
             return EngineUnavailableError(f"cannot connect to the remote engine at {url}: is it running? ({exc})")
-        if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        if isinstance(exc, _BROKEN):
             return EngineUnavailableError(
                 f"the connection to {url} broke before the response ended (the server died or "
                 f"closed it): {type(exc).__name__}: {exc}"
@@ -649,7 +651,7 @@ class RemoteEngine:
         works inside the async twins too (nothing here awaits)."""
         try:
             yield
-        except (httpx.ConnectError, httpx.TimeoutException, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        except (httpx.ConnectError, httpx.TimeoutException, *_BROKEN) as exc:
             # A connection broken mid-response (the server died or dropped it) is retried
             # like a refused one: a completion is returned only whole, so a retry never
             # repeats output.

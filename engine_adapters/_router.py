@@ -79,6 +79,11 @@ def _check_block_size(block_size: Any) -> int:
     return block_size
 
 
+def _is_assembled(prompt: Any) -> bool:
+    """An ``AssembledPrompt`` (or alike): it carries its own block hashes and salt."""
+    return hasattr(prompt, "block_hashes") and hasattr(prompt, "token_ids")
+
+
 def prefix_route_key(
     prompt: Any,
     *,
@@ -95,7 +100,7 @@ def prefix_route_key(
     if isinstance(key_blocks, bool) or not isinstance(key_blocks, int) or key_blocks < 1:
         raise ConfigError(f"key_blocks must be an int >= 1, got {key_blocks!r}")
     _check_block_size(block_size)
-    if hasattr(prompt, "block_hashes") and hasattr(prompt, "token_ids"):
+    if _is_assembled(prompt):
         hashes = list(prompt.block_hashes[:key_blocks])
         if hashes:
             return bytes(hashes[-1])
@@ -267,8 +272,7 @@ class PrefixRouter(_Base):
 
     def key(self, prompt: Any, *, salt: str | None = None) -> bytes:
         """The routing key of ``prompt`` (see :func:`prefix_route_key`)."""
-        assembled = hasattr(prompt, "block_hashes") and hasattr(prompt, "token_ids")
-        self._salts.check(prompt.salt if assembled else salt)
+        self._salts.check(prompt.salt if _is_assembled(prompt) else salt)
         return prefix_route_key(prompt, key_blocks=self.key_blocks, block_size=self.block_size, salt=salt)
 
     def capacity(self) -> int:

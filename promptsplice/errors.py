@@ -69,6 +69,20 @@ class InvalidUTF8Error(InputError):
         self.index = index
         self.offset = offset
 
+    @classmethod
+    def lone_surrogate(
+        cls, what: str, text: str, exc: UnicodeEncodeError, *, index: int, fix: str = "pass valid Unicode"
+    ) -> InvalidUTF8Error:
+        """The error for ``text`` (named ``what`` in the message) whose UTF-8 encoding
+        failed with ``exc``: the lone surrogate by character and UTF-8 byte offset."""
+        offset = len(text[: exc.start].encode("utf-8"))
+        return cls(
+            f"{what} contains a lone surrogate {text[exc.start]!r} at character {exc.start} "
+            f"(UTF-8 byte offset {offset}), which has no UTF-8 encoding; {fix}",
+            index=index,
+            offset=offset,
+        )
+
 
 class ConflictingChunkIdError(InputError):
     """Two chunks share one id but carry different texts."""
@@ -174,5 +188,5 @@ class UnsaltedTenantWarning(PromptspliceWarning):
     Salted requests are isolated from every other salt, but unsalted ones share one
     chain root, so every unsalted caller can hit (and time) every other unsalted
     caller's prefixes.  Give each tenant its own salt, or pass ``require_salt=True``
-    to refuse unsalted requests.  Issued once per engine, router or store.
+    to refuse unsalted requests.  Issued once per engine, remote engine or router.
     """

@@ -10,7 +10,7 @@ isolates tenants, someone else forgot).  :class:`SaltGuard` warns once on that m
 (:class:`~promptsplice.errors.UnsaltedTenantWarning`) and, with ``require=True``,
 refuses unsalted requests (:class:`~promptsplice.errors.MissingSaltError`).
 
-This module imports nothing heavy: the assembler, the router and the engines share it.
+This module imports nothing heavy: the router and the engines share it.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ repository root:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import itertools
@@ -232,17 +233,8 @@ def run_full_disk(folder: str, write_behind: int, how: str) -> None:
     logging.getLogger("engine_adapters._store").addHandler(warned)
     shape, dtype = FSIZE_LAYOUT
     p = math.prod(shape) * getattr(torch, dtype).itemsize
-    store = BlockStore(
-        StoreConfig(
-            dram_bytes=FSIZE_DRAM_BLOCKS * p,
-            disk_bytes=DISK_BYTES,
-            disk_dir=folder,
-            fingerprint=FINGERPRINT,
-            fsync=True,
-            disk_retry_s=FSIZE_RETRY_S,
-            write_behind_bytes=write_behind,
-        )
-    )
+    config = writer_config(folder, write_behind)
+    store = BlockStore(dataclasses.replace(config, dram_bytes=FSIZE_DRAM_BLOCKS * p, disk_retry_s=FSIZE_RETRY_S))
     by_index = {b.index: b for b in fsize_blocks()}
     todo = iter(by_index.values())
     report: dict[str, object] = {"put": {}, "phases": {}}
