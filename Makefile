@@ -13,4 +13,4 @@ test: setup
 	$(VENV)/bin/python -m pytest
 
 bench: setup
-	$(VENV)/bin/python -m benchmarks.run_all
+	$(VENV)/bin/python -m promptsplice.benchmarks.run_all

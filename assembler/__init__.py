@@ -16,7 +16,7 @@ This package never imports vLLM or the engine adapters, and it imports
 tokenizer backends only when a tokenizer is loaded.
 """
 
-from assembler._assemble import (
+from promptsplice.assembler._assemble import (
     DEFAULT_CAPACITY_BLOCKS,
     AssembledPrompt,
     Assembler,
@@ -24,7 +24,7 @@ from assembler._assemble import (
     PromptFormat,
     assemble_prompt,
 )
-from assembler._directives import (
+from promptsplice.assembler._directives import (
     Diff,
     DiffKind,
     Directive,
@@ -33,11 +33,11 @@ from assembler._directives import (
     apply_directives,
     diff_renders,
 )
-from assembler._hook import ContextHook, FallbackReason, PreparedContext, StepKind
-from assembler._layout import Segment, SegmentKind
-from assembler._mirror import BlockState, Prediction, PrefixCacheMirror
-from assembler._ordering import AlignPolicy, OrderPolicy, PopularityTracker
-from assembler._policies import (
+from promptsplice.assembler._hook import ContextHook, FallbackReason, PreparedContext, StepKind
+from promptsplice.assembler._layout import Segment, SegmentKind
+from promptsplice.assembler._mirror import BlockState, Prediction, PrefixCacheMirror
+from promptsplice.assembler._ordering import AlignPolicy, OrderPolicy, PopularityTracker
+from promptsplice.assembler._policies import (
     ContextPolicy,
     DropFailedCalls,
     EditKind,
@@ -48,9 +48,9 @@ from assembler._policies import (
     is_error_output,
     summarize_turns,
 )
-from assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
-from assembler._token_cache import TokenCache, TokenCacheStats
-from assembler._tokenizers import (
+from promptsplice.assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
+from promptsplice.assembler._token_cache import TokenCache, TokenCacheStats
+from promptsplice.assembler._tokenizers import (
     HFTokenizer,
     TiktokenTokenizer,
     Tokenizer,

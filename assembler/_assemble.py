@@ -22,18 +22,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from assembler._layout import BranchMemory, LayoutBuilder, Segment, SegmentKind
-from assembler._mirror import PrefixCacheMirror
-from assembler._ordering import (
+from promptsplice.assembler._layout import BranchMemory, LayoutBuilder, Segment, SegmentKind
+from promptsplice.assembler._mirror import PrefixCacheMirror
+from promptsplice.assembler._ordering import (
     AlignPolicy,
     OrderPolicy,
     PopularityTracker,
     parse_align,
     parse_order,
 )
-from assembler._token_cache import TokenCache
-from assembler._tokenizers import Tokenizer, load_tokenizer
-from dedup import DedupConfig, DedupResult, KeptChunk, dedup, normalize_chunks
+from promptsplice.assembler._token_cache import TokenCache
+from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
+from promptsplice.dedup import DedupConfig, DedupResult, KeptChunk, dedup, normalize_chunks
 from promptsplice.blocks import BlockHash, content_digest, root_hash, token_bytes
 from promptsplice.errors import ConfigError, ContextLengthError, InvalidUTF8Error
 
@@ -230,7 +230,7 @@ class Assembler:
         ``max_tokens`` (default: the assembler's) is the context the prompt must fit, a
         positive int (else :class:`ConfigError`); a longer prompt raises
         :class:`ContextLengthError`.  A lone surrogate in the query, system prompt or
-        tools raises :class:`InvalidUTF8Error` (in a chunk: see :func:`dedup.dedup`).
+        tools raises :class:`InvalidUTF8Error` (in a chunk: see :func:`promptsplice.dedup.dedup`).
         """
         learn = admit if learn is None else learn
         if not isinstance(query, str):

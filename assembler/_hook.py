@@ -2,8 +2,8 @@
 
 An agent harness calls the hook with the full message list it is about to send.  The
 hook applies the context policies, renders the result into block-aligned per-message
-segments (:class:`~assembler.ChatRenderer`), diffs it against the session's previous
-render (:func:`~assembler.diff_renders`) and returns the prepared context: token ids,
+segments (:class:`~promptsplice.assembler.ChatRenderer`), diffs it against the session's previous
+render (:func:`~promptsplice.assembler.diff_renders`) and returns the prepared context: token ids,
 segment map, directives, and what kind of step this is (:class:`StepKind`).  It keeps
 the last render of each session, bounded (LRU over sessions) and thread-safe.
 
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from assembler._directives import Diff, Directive
-from assembler._ordering import AlignPolicy
-from assembler._policies import MessageEdit, PolicyResult
-from assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
+from promptsplice.assembler._directives import Diff, Directive
+from promptsplice.assembler._ordering import AlignPolicy
+from promptsplice.assembler._policies import MessageEdit, PolicyResult
+from promptsplice.assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = ["StepKind", "FallbackReason", "PreparedContext", "ContextHook"]
@@ -123,9 +123,9 @@ class ContextHook:
     """``hook(session_id, messages, tools=None)`` -> :class:`PreparedContext`.
 
     ``renderer`` is a :class:`ChatRenderer`, or what builds one: an
-    :class:`~assembler.Assembler` (its tokenizer, token cache and block size), a
+    :class:`~promptsplice.assembler.Assembler` (its tokenizer, token cache and block size), a
     tokenizer or a tokenizer spec, with ``block_size``, ``template`` and
-    ``alignment`` (default ``all``: see :mod:`assembler._render`).  ``policies`` run in
+    ``alignment`` (default ``all``: see :mod:`promptsplice.assembler._render`).  ``policies`` run in
     order on every step (objects with ``apply(messages) -> PolicyResult`` or such
     callables).  ``max_sessions`` bounds the sessions kept (least recently used
     evicted first).  ``salt`` is the default cache salt of every session.

@@ -38,8 +38,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from assembler._mirror import PrefixCacheMirror
-from assembler._ordering import AlignPolicy
+from promptsplice.assembler._mirror import PrefixCacheMirror
+from promptsplice.assembler._ordering import AlignPolicy
 from promptsplice.blocks import (
     BlockHash,
     chain_hashes,
@@ -58,7 +58,7 @@ class SegmentKind(enum.Enum):
     CHUNK = "chunk"
     QUERY = "query"
     MESSAGE = "message"
-    """One chat message of an agent render (:mod:`assembler._render`)."""
+    """One chat message of an agent render (:mod:`promptsplice.assembler._render`)."""
     GENERATION = "generation"
     """The chat template's generation prompt (e.g. ``<|im_start|>assistant\\n``)."""
 

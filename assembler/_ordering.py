@@ -14,7 +14,7 @@ count doubles), and a chunk set seen before keeps the order it got the first tim
 
 ``cache_aware`` is a greedy walk over the mirror: it starts from the stable order and
 repeatedly takes the remaining chunk that extends the cached prefix by the most blocks
-(see :mod:`assembler._layout`), then falls back to the stable order.
+(see :mod:`promptsplice.assembler._layout`), then falls back to the stable order.
 """
 
 from __future__ import annotations

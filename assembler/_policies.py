@@ -3,7 +3,7 @@
 An agent keeps its message list; a policy returns an edited copy and names what it
 changed (:class:`MessageEdit`: which input messages were replaced by which output
 messages).  The input is never mutated.  Rendering the edited list and diffing it
-against the previous render (:class:`~assembler.ContextHook` does both) turns the edit
+against the previous render (:class:`~promptsplice.assembler.ContextHook` does both) turns the edit
 into token directives; the edits themselves say *why* a span changed (the benches
 report savings by edit kind).
 
@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from assembler._render import canonical_json
+from promptsplice.assembler._render import canonical_json
 from promptsplice.blocks import content_digest
 from promptsplice.errors import ConfigError, InputError
 

@@ -4,7 +4,7 @@ An agent sends its whole context every step: OpenAI-style chat messages (``role`
 ``content``, optional ``tool_calls``, ``tool_call_id``, ``name``) plus tool schemas.
 :class:`ChatRenderer` turns such a *render* into token ids through the model's chat
 template, one segment per message, so that two successive renders can be diffed message
-by message (:mod:`assembler._directives`) and unchanged messages keep identical tokens.
+by message (:mod:`promptsplice.assembler._directives`) and unchanged messages keep identical tokens.
 
 How a message's text is found.  The chat template renders a whole conversation, not one
 message, so the text of message ``i`` is taken as the template's rendering of
@@ -44,7 +44,7 @@ Segments, in order:
 * ``GENERATION``: the generation prompt (``<|im_start|>assistant\\n``), never padded.
 
 Every segment is tokenized on its own (through the token cache) and the ids are
-concatenated, as in :mod:`assembler._assemble`.  ChatML segments start with a special
+concatenated, as in :mod:`promptsplice.assembler._assemble`.  ChatML segments start with a special
 token (``<|im_start|>``) and end with ``"\\n"``, so for byte-level BPE the whole text
 re-tokenizes to the same ids when nothing is padded (tested).
 
@@ -56,7 +56,7 @@ blocks and every unchanged block keeps its content.  Without padding the delta i
 arbitrary, the blocks after an edit straddle message boundaries and none can be moved
 whole.  Measured on 30-step agent sessions with real text (Wikipedia sentences as
 tool outputs, one call in five failing and retried; the ten-line rule with
-``keep_recent=3`` and :class:`~assembler.DropFailedCalls`; seeds 0-2; prefill counted
+``keep_recent=3`` and :class:`~promptsplice.assembler.DropFailedCalls`; seeds 0-2; prefill counted
 as prompt minus the block-rounded prefix hit minus the whole blocks that can be
 relocated): padding costs 5-6% more prompt tokens at block 16 and 11-14% at block 32,
 and 4-5% (block 16) or 9-12% (block 32) more prefill under prefix caching alone, but
@@ -77,10 +77,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from assembler._layout import LayoutBuilder, SegmentKind
-from assembler._ordering import AlignPolicy, parse_align
-from assembler._token_cache import TokenCache
-from assembler._tokenizers import Tokenizer, load_tokenizer
+from promptsplice.assembler._layout import LayoutBuilder, SegmentKind
+from promptsplice.assembler._ordering import AlignPolicy, parse_align
+from promptsplice.assembler._token_cache import TokenCache
+from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
 from promptsplice.blocks import BlockHash, content_digest
 from promptsplice.errors import ConfigError, InputError, InvalidUTF8Error
 
@@ -421,8 +421,8 @@ _Piece = tuple[SegmentKind, "int | None", "str | None", str]  # kind, message in
 class ChatRenderer:
     """Renders chat messages into block-aligned per-message segments in token space.
 
-    ``tokenizer`` is an :class:`~assembler.Assembler` (its tokenizer, token cache and
-    block size are used), a :class:`~assembler.Tokenizer` or a tokenizer spec
+    ``tokenizer`` is an :class:`~promptsplice.assembler.Assembler` (its tokenizer, token cache and
+    block size are used), a :class:`~promptsplice.assembler.Tokenizer` or a tokenizer spec
     (``"default"``...).  ``template`` is a :class:`ChatTemplate` or a model folder;
     default: the default model's.  Thread-safe; memoizes piece renders (LRU bounded by
     ``max_memo_chars`` characters of text).
@@ -438,7 +438,7 @@ class ChatRenderer:
         token_cache: TokenCache | None = None,
         max_memo_chars: int = 8_000_000,
     ) -> None:
-        from assembler._assemble import Assembler
+        from promptsplice.assembler._assemble import Assembler
 
         if isinstance(tokenizer, Assembler):
             if block_size is not None and block_size != tokenizer.block_size:
@@ -520,8 +520,8 @@ class ChatRenderer:
     __call__ = render
 
     def diff(self, old: Render, new: Render) -> Any:
-        """:func:`~assembler.diff_renders` with this renderer's tokenizer for the texts."""
-        from assembler._directives import diff_renders
+        """:func:`~promptsplice.assembler.diff_renders` with this renderer's tokenizer for the texts."""
+        from promptsplice.assembler._directives import diff_renders
 
         return diff_renders(old, new, decode=self.tokenizer.decode)
 

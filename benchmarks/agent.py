@@ -1,9 +1,9 @@
 """``promptsplice bench agent``: agent sessions in three engine modes, with bounds and
 measured fidelity.
 
-Every session of an agent trace (:mod:`benchmarks.agent_traces`) is replayed step by
-step through :class:`assembler.ContextHook` (the renders already hold the agent's own
-edits, so the hook runs without policies) and :class:`engine_adapters.AgentRunner` in
+Every session of an agent trace (:mod:`promptsplice.benchmarks.agent_traces`) is replayed step by
+step through :class:`promptsplice.assembler.ContextHook` (the renders already hold the agent's own
+edits, so the hook runs without policies) and :class:`promptsplice.engine_adapters.AgentRunner` in
 each mode: ``full`` (no cache) and ``apc`` (vLLM's prefix cache) on one engine,
 ``splice`` on a second engine started with the splice connector (its store saves add
 their cost to ``splice``, never to the others).  Modes use different tenant salts, so
@@ -16,7 +16,7 @@ Bounds reported beside the modes:
   same message (same rendered text and padding) was in the session's previous render or
   lies in the prefix the ``apc`` run served from its cache; everything else is
   prefilled, with the renderer's block alignment.
-* per edit kind (:func:`benchmarks.agent_traces.classify_step`) the steps and each
+* per edit kind (:func:`promptsplice.benchmarks.agent_traces.classify_step`) the steps and each
   mode's prefill, so users see where splicing pays (deep edits) and where it cannot
   (an edit of the last message leaves nothing to relocate).
 
@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
-from benchmarks.fidelity import FIDELITY_FIELDS, PROBE_TOKENS, Fidelity, reference
+from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
+from promptsplice.benchmarks.fidelity import FIDELITY_FIELDS, PROBE_TOKENS, Fidelity, reference
 
 __all__ = ["MODE_FIELDS", "FIDELITY_FIELDS", "run_agent_modes", "run_agent_bench", "format_agent"]
 
@@ -136,9 +136,9 @@ def run_agent_modes(
     one with ``kv_store`` (``splice``); both started with ``max_logprobs=-1`` for the
     KL probes.  ``fidelity_steps``: how many edit steps to probe (spread over the trace).
     """
-    from assembler import ContextHook
-    from engine_adapters import AgentRunner
-    from engine_adapters._agent import DEFAULT_RECOMPUTE_BLOCKS
+    from promptsplice.assembler import ContextHook
+    from promptsplice.engine_adapters import AgentRunner
+    from promptsplice.engine_adapters.runners._agent import DEFAULT_RECOMPUTE_BLOCKS
     from promptsplice.errors import ContextLengthError
 
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
@@ -224,7 +224,7 @@ def run_agent_modes(
 
 
 def _measure(engine, kv_engine, tokens, steps, runners, sid, fid) -> None:
-    """Fidelity probes of one step (:mod:`benchmarks.fidelity`): one-pass reference,
+    """Fidelity probes of one step (:mod:`promptsplice.benchmarks.fidelity`): one-pass reference,
     then ``apc`` (control) and ``splice`` teacher-forced on its continuation."""
     cont, p_ref = reference(engine, tokens)
     if not cont:  # EOS at once: nothing to probe
@@ -255,7 +255,7 @@ def format_agent(report: dict[str, Any]) -> str:
 
 def start_engines(*, store_dir: str | None = None, dram_bytes: int = 1 << 30) -> tuple[Any, Any]:
     """The bench's two engines: plain, and with the splice connector (DRAM then disk)."""
-    from engine_adapters import EmbeddedEngine, StoreConfig
+    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
     extra = {"max_logprobs": -1}
     engine = EmbeddedEngine(extra_kwargs=extra)

@@ -28,7 +28,7 @@ Step labels
 -----------
 :func:`classify_step` labels a step from two successive renders alone: ``first``,
 ``append``, or by what changed at the first changed message: ``truncate`` (the ten-line
-rule's marker, as :class:`assembler.TruncateToolOutputs` writes it), ``mask`` (a tool
+rule's marker, as :class:`promptsplice.assembler.TruncateToolOutputs` writes it), ``mask`` (a tool
 output replaced by a short one-line placeholder), ``drop`` (messages removed, nothing
 put in), ``summarize`` (several messages replaced by one), else ``other``.
 
@@ -52,13 +52,13 @@ drawn from one seeded ``random.Random``:
   reported as BFCL's executor does: ``Error during execution: ...``); the failed call and
   its output are dropped once retried, immediately or one or two user turns later (the
   first failure sits at the session's first call: an early failure dropped late);
-* context policies per session: the ten-line rule (:class:`assembler.TruncateToolOutputs`,
+* context policies per session: the ten-line rule (:class:`promptsplice.assembler.TruncateToolOutputs`,
   defaults), observation masking (all but the two latest tool outputs become
   ``[output omitted]``; in half the masking sessions a new user turn masks all earlier
   outputs, as context editing that clears old tool results does), forgetting (in some
   sessions a new user turn drops the earlier turns' calls and outputs, keeping the
   requests and answers, as chat front-ends do), and a summary of the completed first half of the turns
-  (:func:`assembler.summarize_turns`, deterministic text listing the replaced calls and
+  (:func:`promptsplice.assembler.summarize_turns`, deterministic text listing the replaced calls and
   short results), also forced whenever a render would exceed ``max_tokens``.
 
 Edits persist (a truncated output stays truncated), as in a real agent.  Tools are the
@@ -88,7 +88,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from benchmarks.traces import (  # one strict JSON reader
+from promptsplice.benchmarks.traces import (  # one strict JSON reader
     _finite_float,
     _lone_surrogate,
     _reject_constant,
@@ -626,7 +626,7 @@ def _mistake(env: _Env, name: str, kwargs: dict, rng: random.Random, indent: int
 
 
 def _is_error(text: str) -> bool:
-    from assembler import is_error_output
+    from promptsplice.assembler import is_error_output
 
     return is_error_output({"role": "tool", "content": text})
 
@@ -649,7 +649,7 @@ def _build_session(
     sid: str, task: dict, truth: list[list[str]], rng: random.Random, *, indent: int | None,
     max_tokens: int, count_tokens: Callable[[list[dict], list[dict]], int],
 ) -> AgentSession:
-    from assembler import TruncateToolOutputs, summarize_turns
+    from promptsplice.assembler import TruncateToolOutputs, summarize_turns
 
     env = _Env(task, rng, enlarge=True)
     use_trunc = rng.random() < 0.85

@@ -5,7 +5,7 @@ retrieval order, no dedup, plain text joined, tokenized whole, no alignment) and
 the ordering policies ``retrieval``, ``stable`` and ``cache_aware``; each feeds its own
 prefix-cache mirror as it goes, so ``predicted_cached_tokens`` is what an engine with
 that block size (and an unbounded cache unless ``capacity_blocks`` is given) would hit.
-Beside them the report carries the two bounds of :mod:`benchmarks.bounds`, computed with
+Beside them the report carries the two bounds of :mod:`promptsplice.benchmarks.bounds`, computed with
 the same tokenizer: the radix ideal on the naive prompts and the exact-content oracle.
 
 JSON (names fixed; outside checks read them)::
@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from assembler import Assembler, PrefixCacheMirror, load_tokenizer
-from benchmarks.bounds import OracleCounter, RadixPrefill
-from benchmarks.traces import RagRequest, read_rag_trace
-from dedup import dedup
+from promptsplice.assembler import Assembler, PrefixCacheMirror, load_tokenizer
+from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill
+from promptsplice.benchmarks.traces import RagRequest, read_rag_trace
+from promptsplice.dedup import dedup
 from promptsplice.blocks import chain_hashes, content_digest
 
 __all__ = ["POLICIES", "bench_policies", "run_assemble_bench", "format_table", "gap_closed"]

@@ -1,4 +1,4 @@
-"""Throughput of :func:`dedup.dedup` on realistic RAG requests, against a hash baseline.
+"""Throughput of :func:`promptsplice.dedup.dedup` on realistic RAG requests, against a hash baseline.
 
 Workload: synthetic documents of Zipf-distributed words (some non-ASCII, paragraphs
 split by blank lines, a shared boilerplate paragraph in some documents), cut by a
@@ -13,7 +13,7 @@ The baseline, measured in the same run over the same bytes, is ``content_digest`
 timed ``_REPEATS`` times over the whole set and the best run is reported (shared
 machines are noisy; the best run is the one least disturbed).
 
-Run:  ``python -m benchmarks.dedup_bench [total_mb] [chunk_bytes] [seed]``
+Run:  ``python -m promptsplice.benchmarks.dedup_bench [total_mb] [chunk_bytes] [seed]``
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import random
 import sys
 import time
 
-from dedup import dedup
+from promptsplice.dedup import dedup
 from promptsplice.blocks import content_digest
 
 __all__ = ["run_dedup_bench", "make_requests"]

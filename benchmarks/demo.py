@@ -1,7 +1,7 @@
 """``promptsplice demo``: the built-in RAG sample, naive vs promptsplice, on real vLLM.
 
 The sample is made from real text (Wikipedia lead paragraphs, see
-:mod:`benchmarks.traces`) with a real retriever's noise: duplicate chunks from two
+:mod:`promptsplice.benchmarks.traces`) with a real retriever's noise: duplicate chunks from two
 indexes, sentence chunks contained in window chunks, overlapping sliding windows,
 reordered results, Zipf-popular questions.  Both modes run on the embedded vLLM engine
 with the default model (SmolLM2-135M-Instruct), each from an empty prefix cache, in the
@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.assemble import bench_policies
-from benchmarks.traces import sample_rag_requests
+from promptsplice.benchmarks.assemble import bench_policies
+from promptsplice.benchmarks.traces import sample_rag_requests
 
 __all__ = ["run_demo", "demo_table", "write_chart"]
 
@@ -116,9 +116,9 @@ def run_demo(
         return 0
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from assembler import PromptFormat
-    from benchmarks.rag import format_modes, run_modes
-    from engine_adapters import EmbeddedEngine
+    from promptsplice.assembler import PromptFormat
+    from promptsplice.benchmarks.rag import format_modes, run_modes
+    from promptsplice.engine_adapters import EmbeddedEngine
 
     print(f"promptsplice demo: {len(reqs)} RAG requests over real Wikipedia text on vLLM "
           "(SmolLM2-135M-Instruct); starting the engine...", flush=True)

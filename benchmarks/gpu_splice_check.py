@@ -3,7 +3,7 @@ bandwidth against a plain device copy of the same bytes.  Not part of CI.
 
 Run on a machine with an NVIDIA GPU and Triton::
 
-    python -m benchmarks.gpu_splice_check [--json OUT.json] [--quick]
+    python -m promptsplice.benchmarks.gpu_splice_check [--json OUT.json] [--quick]
 
 1. Correctness: for bf16/fp16/fp32 caches, neox and GPT-J pairing, partial rotary,
    Llama-3 and linear scaling, positive/negative/per-block deltas and every layout
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels import (
+from promptsplice.kernels import (
     TRITON_AVAILABLE,
     ConcatKVLayout,
     CpuAttnLayout,
@@ -187,8 +187,8 @@ def time_op(fn, device, min_time: float = 0.2, max_iters: int = 50) -> float:
 
 
 def bench(sizes: list[int], device, heads: int = 8) -> list[dict]:
-    from kernels._torch_impl import cos_sin_table
-    from kernels._triton_impl import relocate_triton
+    from promptsplice.kernels._torch_impl import cos_sin_table
+    from promptsplice.kernels._triton_impl import relocate_triton
 
     c = Case("llama3-8b-layer", "bfloat16", 128, 128, True, 500000.0, llama3=True,
              heads=heads, delta=-1024)

@@ -6,7 +6,7 @@
   the baseline, measured in the same run, is tokenizing the same prompt text once,
   whole, with the same tokenizer (what user code pays today).
 
-Run: ``python -m benchmarks.latency [--iters N]``.  Prints a table and JSON.
+Run: ``python -m promptsplice.benchmarks.latency [--iters N]``.  Prints a table and JSON.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import statistics
 import time
 from typing import Any
 
-from assembler import Assembler, load_tokenizer
-from benchmarks.traces import load_wiki_leads
+from promptsplice.assembler import Assembler, load_tokenizer
+from promptsplice.benchmarks.traces import load_wiki_leads
 
 __all__ = ["build_request", "run_latency_bench"]
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ttft import _text_tokens
+from promptsplice.benchmarks.ttft import _text_tokens
 
 __all__ = ["run_offload_bench", "OFFLOAD_MODES"]
 
@@ -40,7 +40,7 @@ OFFLOAD_MODES = ("apc", "tiered")
 
 def _bytes_per_block(engine_cfg: dict[str, Any]) -> int:
     """KV bytes of one block of the default model in the dtype the engine picks."""
-    from engine_adapters import EngineConfig
+    from promptsplice.engine_adapters import EngineConfig
     from promptsplice.assets import default_model_dir
 
     cfg = json.loads((default_model_dir() / "config.json").read_text())
@@ -76,7 +76,7 @@ def _time_loads(engine: Any, tokens: list[int], repeats: int = 5) -> tuple[float
     """Seconds to load ``tokens``' full blocks into the paged cache: (DRAM, disk, blocks)."""
     import torch
 
-    from engine_adapters import BlockStore, LookupStatus, StoreConfig, chain_refs
+    from promptsplice.engine_adapters import BlockStore, LookupStatus, StoreConfig, chain_refs
 
     worker = engine.kv_connector.worker
     store = engine.kv_store
@@ -137,7 +137,7 @@ def run_offload_bench(
     pool_prompts: float = 2.5,
     max_tokens: int = 8,
 ) -> dict[str, Any]:
-    from engine_adapters import EmbeddedEngine, StoreConfig
+    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
     max_len = 2 * prompt_tokens
     cfg = {"block_size": 32}

@@ -2,7 +2,7 @@
 per configuration, on one pair of engines, each configuration under its own tenant salt
 (so none reads another's cache or chunk index).
 
-    python -m benchmarks.pic_sweep --trace T --baseline RAG.json --requests 40 \\
+    python -m promptsplice.benchmarks.pic_sweep --trace T --baseline RAG.json --requests 40 \\
         --fidelity-requests 6 packed:0 packed:1 packed:2 standalone:0
 
 ``--baseline``: a ``bench rag`` JSON of the same trace and request count, for the naive
@@ -15,14 +15,14 @@ import argparse
 import json
 import time
 
-from assembler import PromptFormat
-from benchmarks.agent import start_engines
-from benchmarks.rag import PIC_MODE, _run_pic
-from benchmarks.traces import read_rag_trace
+from promptsplice.assembler import PromptFormat
+from promptsplice.benchmarks.agent import start_engines
+from promptsplice.benchmarks.rag import PIC_MODE, _run_pic
+from promptsplice.benchmarks.traces import read_rag_trace
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.pic_sweep", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.pic_sweep", description=__doc__.splitlines()[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--baseline", required=True)
     ap.add_argument("--requests", type=int, default=40)

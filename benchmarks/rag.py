@@ -4,13 +4,13 @@ Two modes run the same requests on the same engine, each from an empty prefix ca
 
 * ``naive``: what user code does today: the retrieved chunks in retrieval order, no
   dedup, joined as plain text and sent as text (vLLM tokenizes it);
-* ``promptsplice``: :class:`assembler.Assembler` with the engine's block size and a
+* ``promptsplice``: :class:`promptsplice.assembler.Assembler` with the engine's block size and a
   mirror as large as the engine's KV cache, sent as token ids.
 
 ``cached_tokens`` is vLLM's own ``num_cached_tokens`` per request (summed), and
 ``prefill_tokens = prompt_tokens - cached_tokens``.  The mirror block compares what the
 assembler predicted with what vLLM measured (they are equal when nothing else uses the
-engine).  The bounds are those of :mod:`benchmarks.bounds`, with the engine's tokenizer.
+engine).  The bounds are those of :mod:`promptsplice.benchmarks.bounds`, with the engine's tokenizer.
 
 JSON (names fixed)::
 
@@ -22,7 +22,7 @@ JSON (names fixed)::
 
 With a second engine that runs the splice connector (``kv_engine``; the CLI always
 starts one), a third mode ``promptsplice_pic`` runs the same requests through
-:class:`engine_adapters.RagRunner` in mode ``position_independent``: after the prefix
+:class:`promptsplice.engine_adapters.RagRunner` in mode ``position_independent``: after the prefix
 hit, every chunk computed before anywhere is relocated from the block store (new
 chunks are precomputed exactly, then relocated too).  Its ``prefill_tokens`` count
 every token the engine computed for a request (the precompute included), ``cached =
@@ -33,7 +33,7 @@ prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside 
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_max", "control": {...}}
 
-Fidelity (:mod:`benchmarks.fidelity`) is measured on requests that relocated chunks,
+Fidelity (:mod:`promptsplice.benchmarks.fidelity`) is measured on requests that relocated chunks,
 spread over the trace, against a one-pass exact prefill of the same tokens; the
 control is a second exact prefill of them whose first half came from the prefix cache.
 Probes run after a request's timing and are not counted in any mode.
@@ -48,10 +48,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.assemble import _chunks, _oracle_segments, gap_closed
-from benchmarks.bounds import OracleCounter, RadixPrefill
-from benchmarks.fidelity import PROBE_TOKENS, Fidelity, reference
-from benchmarks.traces import RagRequest, read_rag_trace
+from promptsplice.benchmarks.assemble import _chunks, _oracle_segments, gap_closed
+from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill
+from promptsplice.benchmarks.fidelity import PROBE_TOKENS, Fidelity, reference
+from promptsplice.benchmarks.traces import RagRequest, read_rag_trace
 
 __all__ = ["run_modes", "run_rag_bench", "format_modes", "MODES", "PIC_MODE"]
 
@@ -101,11 +101,11 @@ def run_modes(
     """Run naive then promptsplice on ``engine`` (then ``promptsplice_pic`` on
     ``kv_engine`` when given); returns (report, completions by mode).
 
-    All modes render the same pieces with the same :class:`assembler.PromptFormat`
+    All modes render the same pieces with the same :class:`promptsplice.assembler.PromptFormat`
     (default: ChatML, the default model's chat format).  Fidelity probes need both
     engines started with ``extra_kwargs={"max_logprobs": -1}``.
     """
-    from assembler import PromptFormat
+    from promptsplice.assembler import PromptFormat
 
     fmt_obj = prompt_format if prompt_format is not None else PromptFormat.chatml()
     asm = engine.make_assembler(policy=policy, alignment=alignment, prompt_format=fmt_obj)
@@ -173,8 +173,8 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
              salt="bench-rag-pic") -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
-    from engine_adapters import RagRunner
-    from engine_adapters._pic import DEFAULT_PIC_RECOMPUTE_BLOCKS
+    from promptsplice.engine_adapters import RagRunner
+    from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
 
     r = DEFAULT_PIC_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     kv_engine.reset_prefix_cache()
@@ -289,8 +289,8 @@ def run_rag_bench(
     recompute_blocks: int | None = None,
     fidelity_requests: int = 8,
 ) -> int:
-    from assembler import AlignPolicy, OrderPolicy
-    from benchmarks.agent import start_engines
+    from promptsplice.assembler import AlignPolicy, OrderPolicy
+    from promptsplice.benchmarks.agent import start_engines
     from promptsplice.errors import ConfigError
 
     OrderPolicy.parse(policy)  # fail fast, before the engine starts

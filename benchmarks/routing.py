@@ -2,8 +2,8 @@
 
 Starts ``endpoints`` real ``vllm serve`` processes on loopback (the default model, block
 32, prefix caching, a small KV cache each), assembles the built-in RAG sample with a
-stable-order :class:`assembler.Assembler`, and sends the same prompts (token ids) through
-:class:`engine_adapters.PrefixRouter` and through :class:`engine_adapters.RoundRobinRouter`.
+stable-order :class:`promptsplice.assembler.Assembler`, and sends the same prompts (token ids) through
+:class:`promptsplice.engine_adapters.PrefixRouter` and through :class:`promptsplice.engine_adapters.RoundRobinRouter`.
 Each router's run has its own ``cache_salt``, so both start from an empty cache on every
 server.  The cluster hit rate is the servers' own count: ``cached_tokens`` from each
 response's ``usage.prompt_tokens_details`` summed over requests, divided by prompt
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_adapters._config import auto_dtype
+from promptsplice.engine_adapters._config import auto_dtype
 from promptsplice.errors import ConfigError, EngineError, EngineStartError
 
 __all__ = [
@@ -165,8 +165,8 @@ def loopback_servers(
 
 def assemble_trace(requests: int, *, seed: int = 0, block_size: int = BLOCK_SIZE, tokenizer: Any = None) -> list:
     """The built-in RAG sample, assembled (stable order, ChatML) at ``block_size``."""
-    from assembler import Assembler, PromptFormat
-    from benchmarks.traces import sample_rag_requests
+    from promptsplice.assembler import Assembler, PromptFormat
+    from promptsplice.benchmarks.traces import sample_rag_requests
 
     asm = Assembler(tokenizer, block_size=block_size, policy="stable", prompt_format=PromptFormat.chatml())
     return [
@@ -252,8 +252,8 @@ def run_routing_bench(
 ) -> dict[str, Any]:
     """Run the trace under both routers; start ``endpoints`` loopback servers unless
     ``urls`` of running servers (block 32, prefix caching, prompt-token details) are given."""
-    from engine_adapters import RemoteEngine
-    from engine_adapters._router import DEFAULT_KEY_BLOCKS, PrefixRouter, RoundRobinRouter
+    from promptsplice.engine_adapters import RemoteEngine
+    from promptsplice.engine_adapters._router import DEFAULT_KEY_BLOCKS, PrefixRouter, RoundRobinRouter
 
     if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
         raise ConfigError(f"requests must be an int >= 1, got {requests!r}")

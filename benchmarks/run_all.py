@@ -1,4 +1,4 @@
-"""Every number the README reports, in one run: ``make bench`` (or ``python -m benchmarks.run_all``).
+"""Every number the README reports, in one run: ``make bench`` (or ``python -m promptsplice.benchmarks.run_all``).
 
 Writes the traces and JSON reports under ``--out`` (default ``out/bench``) and prints
 the README's tables as Markdown.  Ratios are against baselines measured in the same run.
@@ -10,8 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.assemble import bench_policies
-from benchmarks.traces import read_rag_trace, write_rag_trace
+from promptsplice.benchmarks.assemble import bench_policies
+from promptsplice.benchmarks.traces import read_rag_trace, write_rag_trace
 
 __all__ = ["main"]
 
@@ -52,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     print("## Assembly: predicted prefill tokens (SmolLM2 tokenizer, mirror with vLLM's rules)\n")
     print("\n".join(_assembly_rows(out, args.requests)))
 
-    from benchmarks.latency import run_latency_bench
+    from promptsplice.benchmarks.latency import run_latency_bench
 
     lat = run_latency_bench()
     (out / "latency.json").write_text(json.dumps(lat, indent=2))
     print("\n## assemble_prompt latency (20 chunks)\n")
     print(json.dumps(lat, indent=2))
 
-    from benchmarks.dedup_bench import run_dedup_bench
+    from promptsplice.benchmarks.dedup_bench import run_dedup_bench
 
     dd = run_dedup_bench()
     (out / "dedup.json").write_text(json.dumps(dd, indent=2))

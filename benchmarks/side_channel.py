@@ -7,7 +7,7 @@ both) a right guess hits the victim's blocks and answers faster: the attacker le
 that the victim sent that prefix.  With a salt per tenant a guess can only hit its own
 tenant's blocks, so right and wrong guesses take the same time.
 
-    python -m benchmarks.side_channel --json out/bench/side-channel.json
+    python -m promptsplice.benchmarks.side_channel --json out/bench/side-channel.json
 
 Reports per setting (``shared``: no salts; ``salted``: victim and attacker under their
 own salts) the attacker's TTFT p50 for right and wrong guesses, their ratio, the
@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.traces import load_wiki_leads
+from promptsplice.benchmarks.traces import load_wiki_leads
 
 DOC_TOKENS = 672
 """Tokens of the private document (21 blocks of 32): right and wrong guesses hold
@@ -72,11 +72,11 @@ def run(engine, *, reps: int = 12) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.side_channel", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.side_channel", description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--reps", type=int, default=12)
     args = ap.parse_args(argv)
-    from engine_adapters import EmbeddedEngine
+    from promptsplice.engine_adapters import EmbeddedEngine
 
     t0 = time.time()
     with EmbeddedEngine() as engine:

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.traces import load_wiki_leads
+from promptsplice.benchmarks.traces import load_wiki_leads
 
 __all__ = ["run_ttft_table", "format_ttft", "run_ttft_bench"]
 
@@ -70,7 +70,7 @@ def format_ttft(rows: list[dict[str, Any]]) -> str:
 
 
 def run_ttft_bench(*, json_out: str | Path | None = None, repeats: int = 3) -> int:
-    from engine_adapters import EmbeddedEngine
+    from promptsplice.engine_adapters import EmbeddedEngine
 
     engine = EmbeddedEngine()
     rows = run_ttft_table(engine, repeats=repeats)

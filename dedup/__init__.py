@@ -37,7 +37,7 @@ input raises an error from :mod:`promptsplice.errors`.  Invalid UTF-8 raises by
 default (``on_invalid_utf8="replace"`` decodes it with U+FFFD and counts it).
 
 Cost: near-linear in total bytes for typical requests; worst cases are stated in
-:mod:`dedup._core`.
+:mod:`promptsplice.dedup._core`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Ids: a str, or an int (turned into its str).  A chunk without one gets
 ``"c:" + content_digest(data).hex()[:16]``, the same for the same text in every
 request.  One id may name one text only.  Metadata (a dict, or None for none) is
 copied, so callers' dicts are never mutated.  Everything is checked here, once, so the
-passes in :mod:`dedup._core` can assume valid UTF-8 bytes, str ids and dict metadata.
+passes in :mod:`promptsplice.dedup._core` can assume valid UTF-8 bytes, str ids and dict metadata.
 """
 
 from __future__ import annotations

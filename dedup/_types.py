@@ -50,7 +50,7 @@ class Relation(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class DedupConfig:
-    """Which kinds of redundancy :func:`dedup.dedup` removes, and their thresholds.
+    """Which kinds of redundancy :func:`promptsplice.dedup.dedup` removes, and their thresholds.
 
     Every kind is on by default.  ``min_overlap`` / ``min_passage`` are byte lengths:
     shorter matches are left alone because a short repeat (a heading, a boilerplate
@@ -95,7 +95,7 @@ class DedupConfig:
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        """The option names (valid ``**overrides`` of :func:`dedup.dedup`)."""
+        """The option names (valid ``**overrides`` of :func:`promptsplice.dedup.dedup`)."""
         return tuple(f.name for f in fields(cls))
 
 
@@ -179,7 +179,7 @@ class DroppedChunk:
 
 @dataclass(slots=True)
 class DedupStats:
-    """Counts and byte totals of one :func:`dedup.dedup` call.
+    """Counts and byte totals of one :func:`promptsplice.dedup.dedup` call.
 
     ``bytes_in - bytes_out == removed_bytes_total`` always holds.  ``removed`` counts
     events per kind: inputs that became duplicates, chunks absorbed by containment

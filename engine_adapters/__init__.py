@@ -3,7 +3,7 @@
 ``EmbeddedEngine`` starts vLLM in this process (prefix caching on, a bounded KV cache,
 eager mode on CPU), sends assembled token ids with their ``cache_salt``, and reports
 vLLM's own ``num_cached_tokens`` and TTFT per request; ``make_assembler()`` builds an
-``assembler.Assembler`` whose prefix-cache mirror is sized like the engine, so its
+``promptsplice.assembler.Assembler`` whose prefix-cache mirror is sized like the engine, so its
 predictions equal what vLLM serves.
 
 The splice KV connector: ``EngineConfig(kv_store=StoreConfig(...))`` makes the engine
@@ -24,15 +24,17 @@ Importing this package starts nothing and does not import vLLM or torch; the eng
 imports them when it starts.
 """
 
-from engine_adapters._agent import AgentMode, AgentRunner, AgentStep
-from engine_adapters._config import (
+from promptsplice.engine_adapters._config import (
     CPU_BLOCK_MULTIPLE,
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_MODEL_LEN,
     EngineConfig,
 )
-from engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike, StreamDelta
-from engine_adapters._pic import (
+from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike, StreamDelta
+from promptsplice.engine_adapters.runners import (
+    AgentMode,
+    AgentRunner,
+    AgentStep,
     ChunkIndex,
     ChunkLookup,
     ChunkSource,
@@ -41,9 +43,9 @@ from engine_adapters._pic import (
     RagStep,
     ReuseMode,
 )
-from engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
-from engine_adapters._router import Lease, PrefixRouter, RoundRobinRouter, prefix_route_key
-from engine_adapters._splice import (
+from promptsplice.engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
+from promptsplice.engine_adapters._router import Lease, PrefixRouter, RoundRobinRouter, prefix_route_key
+from promptsplice.engine_adapters.connector import (
     SplicePhase,
     SplicePlan,
     SpliceSegment,
@@ -52,7 +54,7 @@ from engine_adapters._splice import (
     plan_relocation,
     plan_segment_phases,
 )
-from engine_adapters._store import (
+from promptsplice.engine_adapters.store import (
     BlockRef,
     BlockStore,
     Lookup,
@@ -66,23 +68,24 @@ from engine_adapters._store import (
 )
 
 # Framework integrations import their framework (LangChain ...) on first use only.
-_LAZY = {
-    "PromptspliceRetriever": "engine_adapters._langchain_retrieval",
-    "PromptspliceCompressor": "engine_adapters._langchain_retrieval",
-    "PromptspliceChatModel": "engine_adapters._langchain_chat",
-    "PromptspliceMiddleware": "engine_adapters._agent_hooks",
-    "PromptsplicePreModelHook": "engine_adapters._agent_hooks",
-    "PromptspliceInputFilter": "engine_adapters._agent_hooks",
-}
+_INTEGRATIONS = frozenset(
+    {
+        "PromptspliceRetriever",
+        "PromptspliceCompressor",
+        "PromptspliceChatModel",
+        "PromptspliceMiddleware",
+        "PromptsplicePreModelHook",
+        "PromptspliceInputFilter",
+    }
+)
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'engine_adapters' has no attribute {name!r}")
-    import importlib
+    if name not in _INTEGRATIONS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from promptsplice.engine_adapters import integrations
 
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(integrations, name)
     globals()[name] = value
     return value
 

@@ -21,8 +21,8 @@ config is actually made):
   engine reserves ~19 GiB for its KV cache; ``None`` is refused there.  On GPUs ``None``
   leaves the size to vLLM's ``gpu_memory_utilization``.
 
-``kv_store`` (a :class:`~engine_adapters.StoreConfig`) is the one switch for the splice
-KV connector (``engine_adapters._connector.SpliceConnector``): vLLM then saves prefilled
+``kv_store`` (a :class:`~promptsplice.engine_adapters.StoreConfig`) is the one switch for the splice
+KV connector (``promptsplice.engine_adapters.connector._connector.SpliceConnector``): vLLM then saves prefilled
 blocks to that tiered store, serves offload hits from it and relocates blocks by splice
 plans.  It sets ``kv_transfer_config`` (with ``kv_load_failure_policy="recompute"``, so
 a block that fails to load is recomputed instead of failing the request).  CPU only.
@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_adapters._store import StoreConfig
+from promptsplice.engine_adapters.store._store import StoreConfig
 from promptsplice.errors import ConfigError
 
 __all__ = [
@@ -77,7 +77,7 @@ def _is_int(value: object) -> bool:
 
 def detect_platform() -> str:
     """vLLM's device type for this machine (``"cpu"``, ``"cuda"``, ...)."""
-    from engine_adapters._vllm import import_vllm_platform
+    from promptsplice.engine_adapters._vllm import import_vllm_platform
 
     return import_vllm_platform().device_type
 
@@ -92,7 +92,7 @@ def auto_dtype() -> str:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Configuration of :class:`~engine_adapters.EmbeddedEngine` (validated, frozen).
+    """Configuration of :class:`~promptsplice.engine_adapters.EmbeddedEngine` (validated, frozen).
 
     ``None`` fields are resolved from the platform when the config is built, so a built
     config always holds the values the engine starts with (except ``model``: ``None``
@@ -246,11 +246,11 @@ class EngineConfig:
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
         if self.kv_store is not None:
-            from engine_adapters._splice import store_config_to_extra
+            from promptsplice.engine_adapters.connector._splice import store_config_to_extra
 
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "SpliceConnector",
-                "kv_connector_module_path": "engine_adapters._connector",
+                "kv_connector_module_path": "promptsplice.engine_adapters.connector._connector",
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": store_config_to_extra(self.kv_store),

@@ -14,13 +14,13 @@ back (with chunked prefill that can be a later step than the first).  Batched se
 is out of scope for this adapter.
 
 With ``EngineConfig(kv_store=StoreConfig(...))`` the engine runs the splice KV connector
-(``engine_adapters._connector``): prefilled blocks are saved to the tiered store, served
+(``promptsplice.engine_adapters.connector._connector``): prefilled blocks are saved to the tiered store, served
 back as offload hits after vLLM's own cache lost them, and ``generate(..., splice=plan)``
 relocates stored blocks into a new prompt.  vLLM's counters (``counters()``,
 ``num_cached_tokens``) include the connector's tokens as external hits, which a prefix
 cache mirror (a model of vLLM's own cache) does not predict.  vLLM keeps the
 worker-side connector in one process-wide slot; each engine installs its own (or none)
-while it runs (``engine_adapters._kv_agent``), so engines with and without a connector
+while it runs (``promptsplice.engine_adapters._kv_agent``), so engines with and without a connector
 can live in one process.
 
 Failures: when a step raises (the model's forward pass, the scheduler), the engine's
@@ -52,11 +52,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from assembler import AssembledPrompt, Assembler, HFTokenizer, PrefixCacheMirror, Tokenizer
-from engine_adapters import _vllm
-from engine_adapters._config import EngineConfig
-from engine_adapters._kv_agent import AgentBox, installed
-from engine_adapters._splice import SplicePhase, SplicePlan
+from promptsplice.assembler import AssembledPrompt, Assembler, HFTokenizer, PrefixCacheMirror, Tokenizer
+from promptsplice.engine_adapters import _vllm
+from promptsplice.engine_adapters._config import EngineConfig
+from promptsplice.engine_adapters._kv_agent import AgentBox, installed
+from promptsplice.engine_adapters.connector._splice import SplicePhase, SplicePlan
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice.errors import (
     ConfigError,
@@ -337,7 +337,7 @@ class EmbeddedEngine:
     def kv_connector(self) -> Any:
         """The worker-side splice connector (``None`` without ``kv_store``).
 
-        Its ``worker`` (:class:`engine_adapters._splice.SpliceWorker`) holds the KV
+        Its ``worker`` (:class:`promptsplice.engine_adapters.connector._splice.SpliceWorker`) holds the KV
         caches vLLM registered (``names``, ``caches``), load/save counters (``stats``)
         and the recent loads and saves (``history``).
         """
@@ -348,14 +348,14 @@ class EmbeddedEngine:
 
     @property
     def kv_store(self) -> Any:
-        """The connector's :class:`~engine_adapters.BlockStore` (``None`` without
+        """The connector's :class:`~promptsplice.engine_adapters.BlockStore` (``None`` without
         ``kv_store``): its ``stats()`` count DRAM/disk hits, evictions and damage."""
         agent = self.kv_connector
         return None if agent is None else agent.store
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """An :class:`assembler.HFTokenizer` over the model's own ``tokenizer.json``, so
+        """An :class:`promptsplice.assembler.HFTokenizer` over the model's own ``tokenizer.json``, so
         prompts assembled with it tokenize exactly as the engine does."""
         if self._tokenizer is None:
             self._tokenizer = self._load_tokenizer()
@@ -365,7 +365,7 @@ class EmbeddedEngine:
         folder = Path(self._config.model)  # type: ignore[arg-type]
         if folder.is_dir():
             if _is_default_model(folder):
-                from assembler import default_tokenizer
+                from promptsplice.assembler import default_tokenizer
 
                 return default_tokenizer()  # shares the default assembler's token cache
             if (folder / "tokenizer.json").is_file():
@@ -381,7 +381,7 @@ class EmbeddedEngine:
 
     # -- assembly --------------------------------------------------------------------
     def make_assembler(self, **kwargs: Any) -> Assembler:
-        """An :class:`assembler.Assembler` sized like this engine.
+        """An :class:`promptsplice.assembler.Assembler` sized like this engine.
 
         Block size = the engine's, mirror capacity = :attr:`usable_blocks` (so, with
         nothing else using the engine, predictions equal vLLM's ``num_cached_tokens``),
@@ -422,7 +422,7 @@ class EmbeddedEngine:
     ) -> Completion:
         """Run one request to completion.
 
-        ``prompt``: an :class:`assembler.AssembledPrompt` (its token ids, and its salt
+        ``prompt``: an :class:`promptsplice.assembler.AssembledPrompt` (its token ids, and its salt
         unless ``cache_salt`` is given), a list of token ids, or a ``str`` (tokenized by
         vLLM's tokenizer like a plain completion prompt).  ``temperature=0`` is greedy.
 
@@ -435,7 +435,7 @@ class EmbeddedEngine:
         are exact (tested) for requests that end by EOS or ``max_tokens``; a request
         cut by a stop *string* is replayed from the token ids vLLM returns for it.
 
-        ``splice``: a :class:`~engine_adapters.SplicePlan` (``plan_deletion`` /
+        ``splice``: a :class:`~promptsplice.engine_adapters.SplicePlan` (``plan_deletion`` /
         ``plan_relocation``, made with this request's ``cache_salt``) for an engine
         started with ``kv_store``: the planned old blocks are loaded from the store and
         their keys re-rotated to their new positions, as long as they continue the

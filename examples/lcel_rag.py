@@ -22,8 +22,8 @@ from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
 
-from benchmarks.traces import load_wiki_leads  # noqa: E402
-from engine_adapters import EmbeddedEngine, PromptspliceChatModel, PromptspliceRetriever  # noqa: E402
+from promptsplice.benchmarks.traces import load_wiki_leads  # noqa: E402
+from promptsplice.engine_adapters import EmbeddedEngine, PromptspliceChatModel, PromptspliceRetriever  # noqa: E402
 
 
 class KeywordRetriever(BaseRetriever):

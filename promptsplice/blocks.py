@@ -89,7 +89,7 @@ def chunk_key(
     (whatever else the KV depends on: the tokenizer, the model and its RoPE), each
     length-prefixed, under a tag of its own, so it can never equal a chain hash.  Used
     by the chunk index of position-independent reuse
-    (:class:`engine_adapters.ChunkIndex`).
+    (:class:`promptsplice.engine_adapters.ChunkIndex`).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

@@ -13,7 +13,7 @@ import pytest
 @pytest.fixture(scope="session")
 def default_tok():
     """SmolLM2-135M-Instruct's tokenizer (the real default; converted once by setup)."""
-    from assembler import default_tokenizer
+    from promptsplice.assembler import default_tokenizer
 
     return default_tokenizer()
 
@@ -21,7 +21,7 @@ def default_tok():
 @pytest.fixture
 def make_assembler(default_tok):
     """Factory for fresh assemblers on the default tokenizer."""
-    from assembler import Assembler
+    from promptsplice.assembler import Assembler
 
     def make(**kwargs):
         kwargs.setdefault("block_size", 16)
@@ -34,7 +34,7 @@ def make_assembler(default_tok):
 def start_default_engine(**overrides):
     """The default model on vLLM in this process: block 32 on CPU, 512 MiB of KV cache
     (728 blocks of 32 tokens), max_model_len 4096, greedy sampling by default."""
-    from engine_adapters import EmbeddedEngine
+    from promptsplice.engine_adapters import EmbeddedEngine
 
     overrides.setdefault("extra_kwargs", {"max_logprobs": -1})  # full-vocabulary logprobs for KL probes
     return EmbeddedEngine(**overrides)
@@ -55,7 +55,7 @@ def kv_engine(tmp_path_factory):
     folder, and a 128 MiB KV cache (182 blocks); twice the bytes in float32.  It coexists with ``engine`` (each engine installs
     its own worker-side connector, or none, while it runs).  Tests isolate themselves
     with their own ``cache_salt``."""
-    from engine_adapters import EngineConfig, StoreConfig
+    from promptsplice.engine_adapters import EngineConfig, StoreConfig
 
     # The same block counts in float32 (dtype "auto" on a CPU without AVX-512): twice the bytes.
     mib = 1024 * 1024 * (1 if EngineConfig().dtype == "bfloat16" else 2)
@@ -80,7 +80,7 @@ def fresh_engine(engine):
 @pytest.fixture(scope="session")
 def rag_requests():
     """The demo's built-in RAG sample: 40 requests (repeat-heavy: chunks recur)."""
-    from benchmarks.traces import sample_rag_requests
+    from promptsplice.benchmarks.traces import sample_rag_requests
 
     return sample_rag_requests(40)
 
@@ -90,7 +90,7 @@ def two_servers():
     """Two real ``vllm serve`` on loopback (default model, block 32, 1 GiB of KV cache
     each), started once for the session (the router tests and the routing bench share
     them; every run uses a fresh ``cache_salt``, so sharing changes nothing measured)."""
-    from benchmarks.routing import BLOCK_SIZE, loopback_servers
+    from promptsplice.benchmarks.routing import BLOCK_SIZE, loopback_servers
 
     with loopback_servers(2, block_size=BLOCK_SIZE) as servers:
         yield servers

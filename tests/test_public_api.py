@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from promptsplice import assembler
+from promptsplice import dedup
 
-import assembler
-import dedup
+from tests._imports import rooms_after
 
 ASSEMBLER_API = [
     "AlignPolicy",
@@ -62,7 +61,7 @@ def test_assembler_exports_are_pinned():
     assert sorted(assembler.__all__) == sorted(ASSEMBLER_API)
     for name in ASSEMBLER_API:
         assert getattr(assembler, name) is not None
-    from assembler import assemble_prompt  # noqa: F401 - the documented entry point
+    from promptsplice.assembler import assemble_prompt  # noqa: F401 - the documented entry point
 
 
 def test_every_error_comes_from_one_hierarchy():
@@ -75,33 +74,35 @@ def test_every_error_comes_from_one_hierarchy():
     assert issubclass(errors.UnsaltedTenantWarning, errors.PromptspliceWarning)
 
 
-def _modules_after_import(stmt: str) -> set[str]:
-    code = f"import sys; {stmt}; print('\\n'.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return set(out.stdout.split())
 
 
 def test_assembler_is_light_and_never_imports_the_engine_side():
-    mods = _modules_after_import("import assembler")
-    heavy = {"vllm", "torch", "engine_adapters", "kernels", "tokenizers", "tiktoken", "transformers", "langchain_core", "numpy"}
-    assert not {m.split(".")[0] for m in mods} & heavy
+    rooms = rooms_after("import promptsplice.assembler")
+    heavy = {
+        "vllm", "torch", "promptsplice.engine_adapters", "promptsplice.kernels", "promptsplice.benchmarks",
+        "tokenizers", "tiktoken", "transformers", "langchain_core", "numpy",
+    }
+    assert not rooms & heavy
 
 
 def test_engine_adapters_imports_no_engine_or_framework_until_used():
-    mods = {m.split(".")[0] for m in _modules_after_import("import engine_adapters")}
-    assert not mods & {"vllm", "torch", "langchain_core", "langchain", "langgraph", "agents"}
-    lazy = {m.split(".")[0] for m in _modules_after_import("import engine_adapters; engine_adapters.PromptspliceRetriever")}
+    mods = rooms_after("import promptsplice.engine_adapters")
+    assert not mods & {"vllm", "torch", "langchain_core", "langchain", "langgraph", "agents", "promptsplice.benchmarks"}
+    lazy = rooms_after("import promptsplice.engine_adapters as e; e.PromptspliceRetriever")
     assert "langchain_core" in lazy
 
 
 def test_dedup_is_a_leaf():
-    mods = {m.split(".")[0] for m in _modules_after_import("import dedup")}
-    assert not mods & {"assembler", "engine_adapters", "kernels", "benchmarks", "torch", "numpy", "langchain_core"}
+    mods = rooms_after("import promptsplice.dedup")
+    assert not mods & {
+        "promptsplice.assembler", "promptsplice.engine_adapters", "promptsplice.kernels",
+        "promptsplice.benchmarks", "torch", "numpy", "langchain_core",
+    }
     assert dedup.__all__
 
 
 def test_engine_adapters_exports_are_pinned():
-    import engine_adapters
+    from promptsplice import engine_adapters
 
     assert sorted(engine_adapters.__all__) == sorted(
         [
@@ -166,7 +167,7 @@ def test_engine_adapters_exports_are_pinned():
 def test_policy_names_parse_with_a_helpful_error():
     import pytest
 
-    from assembler import AlignPolicy, OrderPolicy
+    from promptsplice.assembler import AlignPolicy, OrderPolicy
     from promptsplice.errors import UnknownPolicyError
 
     assert OrderPolicy.parse("cache_aware") is OrderPolicy.CACHE_AWARE

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from assembler import (
+from promptsplice.assembler import (
     AlignPolicy,
     AssembledPrompt,
     OrderPolicy,
@@ -220,7 +220,7 @@ def test_assemble_prompt_function_keeps_state_per_tokenizer(default_tok):
 def test_chatml_format_matches_the_models_chat_template(make_assembler, default_tok):
     from transformers import AutoTokenizer
 
-    from assembler import PromptFormat
+    from promptsplice.assembler import PromptFormat
     from promptsplice.assets import default_model_dir
 
     asm = make_assembler(policy="retrieval", alignment="none", prompt_format=PromptFormat.chatml())
@@ -244,7 +244,7 @@ def test_text_form_matches_tokens_at_every_boundary_for_real_text(make_assembler
     """Decode/encode at segment boundaries: on real text (segments that start and end in
     non-space characters) the unpadded text form re-tokenizes to the assembled ids, and
     the ids always decode to the text form."""
-    from benchmarks.traces import load_wiki_leads
+    from promptsplice.benchmarks.traces import load_wiki_leads
 
     leads = load_wiki_leads()
     picks = data.draw(st.lists(st.integers(0, len(leads) - 1), min_size=1, max_size=5, unique=True))

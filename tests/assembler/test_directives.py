@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from assembler import (
+from promptsplice.assembler import (
     ChatRenderer,
     Diff,
     DiffKind,

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from assembler import Assembler, ChatRenderer, Directive, apply_diff, assemble_prompt
+from promptsplice.assembler import Assembler, ChatRenderer, Directive, apply_diff, assemble_prompt
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,

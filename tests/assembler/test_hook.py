@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from assembler import (
+from promptsplice.assembler import (
     ChatRenderer,
     ChatTemplate,
     ContextHook,
@@ -112,7 +112,7 @@ def test_a_salt_change_falls_back_to_a_full_prefill(renderer, caplog):
     hook = ContextHook(renderer, salt="tenant-1")
     msgs = [{"role": "user", "content": "hi"}]
     assert hook("s", msgs).render.salt == "tenant-1"
-    with caplog.at_level(logging.INFO, logger="assembler._hook"):
+    with caplog.at_level(logging.INFO, logger="promptsplice.assembler._hook"):
         step = hook("s", msgs, salt="tenant-2")
     assert (step.kind, step.fallback, step.diff, step.directives) == (StepKind.FULL_PREFILL, FallbackReason.SALT_CHANGED, None, ())
     assert "full prefill (salt_changed" in caplog.text
@@ -124,7 +124,7 @@ def test_directives_that_do_not_rebuild_the_render_are_never_used(renderer, capl
     first = hook("s", msgs)
     wrong = Diff((Directive(0, 1, (5,)),), (), "", first.render.body_end, first.render.num_tokens, 99, 0)
     monkeypatch.setattr(renderer, "diff", lambda old, new: wrong)
-    with caplog.at_level(logging.WARNING, logger="assembler._hook"):
+    with caplog.at_level(logging.WARNING, logger="promptsplice.assembler._hook"):
         step = hook("s", msgs + [{"role": "user", "content": "more"}])
     assert (step.kind, step.fallback, step.diff) == (StepKind.FULL_PREFILL, FallbackReason.INVALID_DIFF, None)
     assert "invalid_diff" in caplog.text and caplog.records[-1].levelno == logging.WARNING

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from assembler import BlockState, PrefixCacheMirror
+from promptsplice.assembler import BlockState, PrefixCacheMirror
 from promptsplice.blocks import cdiv, chain_hashes
 from promptsplice.errors import ConfigError
 

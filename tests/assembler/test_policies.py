@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from assembler import (
+from promptsplice.assembler import (
     ChatRenderer,
     ContextPolicy,
     DropFailedCalls,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from assembler import ChatRenderer, ChatTemplate, Render, SegmentKind
+from promptsplice.assembler import ChatRenderer, ChatTemplate, Render, SegmentKind
 from promptsplice.blocks import chain_hashes, content_digest
 from promptsplice.errors import ConfigError, InputError, UnknownPolicyError
 

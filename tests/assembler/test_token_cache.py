@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from assembler import Assembler, TokenCache
+from promptsplice.assembler import Assembler, TokenCache
 from promptsplice.blocks import content_digest
 from promptsplice.errors import ConfigError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from assembler import HFTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
+from promptsplice.assembler import HFTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
 from promptsplice.errors import TokenizerError
 
 
@@ -60,8 +60,8 @@ def test_bad_tokenizer_specs(tmp_path):
 
 @pytest.mark.parametrize("encoding", ["cl100k_base", "o200k_base"])
 def test_openai_caching_rules_with_real_tiktoken_files(encoding):
-    from assembler import Assembler
-    from benchmarks.traces import load_wiki_leads
+    from promptsplice.assembler import Assembler
+    from promptsplice.benchmarks.traces import load_wiki_leads
 
     asm = Assembler.for_openai(encoding, alignment="none")
     assert asm.block_size == 128 and asm.tokenizer.name == f"tiktoken:{encoding}"

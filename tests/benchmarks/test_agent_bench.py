@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from benchmarks.agent import FIDELITY_FIELDS, MODE_FIELDS, run_agent_modes
-from benchmarks.fidelity import kl as _kl
-from benchmarks.agent_traces import AgentSession, read_agent_trace, write_agent_trace
+from promptsplice.benchmarks.agent import FIDELITY_FIELDS, MODE_FIELDS, run_agent_modes
+from promptsplice.benchmarks.fidelity import kl as _kl
+from promptsplice.benchmarks.agent_traces import AgentSession, read_agent_trace, write_agent_trace
 
 SAMPLE = "benchmarks/data/agent-sample.jsonl"
 
@@ -62,7 +62,7 @@ def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
 
 def test_the_cli_runs_on_a_trace_file(tmp_path, monkeypatch, engine, kv_engine):
     """The command's own path: trace file in, JSON out (engines injected: the session's)."""
-    import benchmarks.agent as bench
+    import promptsplice.benchmarks.agent as bench
 
     sess = read_agent_trace(SAMPLE)[1]
     trace = tmp_path / "t.jsonl"
@@ -70,7 +70,7 @@ def test_the_cli_runs_on_a_trace_file(tmp_path, monkeypatch, engine, kv_engine):
     monkeypatch.setattr(bench, "start_engines", lambda **kw: (engine, kv_engine))
     monkeypatch.setattr(engine, "close", lambda: None)
     monkeypatch.setattr(kv_engine, "close", lambda: None)
-    from promptsplice.cli import main
+    from promptsplice.benchmarks.cli import main
 
     out = tmp_path / "r.json"
     assert main(["bench", "agent", "--trace", str(trace), "--json", str(out), "--max-tokens", "2",

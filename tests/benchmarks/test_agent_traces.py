@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from assembler import TruncateToolOutputs, is_error_output
-from benchmarks.agent_traces import (
+from promptsplice.assembler import TruncateToolOutputs, is_error_output
+from promptsplice.benchmarks.agent_traces import (
     MASK_PLACEHOLDER,
     STEP_KINDS,
     AgentSession,

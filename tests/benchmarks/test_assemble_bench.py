@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.bounds import OracleCounter, RadixPrefill, radix_prefill_tokens
-from benchmarks.traces import dump_rag_trace, sample_rag_requests
-from promptsplice.cli import main
+from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill, radix_prefill_tokens
+from promptsplice.benchmarks.traces import dump_rag_trace, sample_rag_requests
+from promptsplice.benchmarks.cli import main
 
 METRICS = {
     "requests",

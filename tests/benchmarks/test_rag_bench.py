@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.rag import MODES, run_modes
-from benchmarks.traces import dump_rag_trace, sample_rag_requests
+from promptsplice.benchmarks.rag import MODES, run_modes
+from promptsplice.benchmarks.traces import dump_rag_trace, sample_rag_requests
 
 MODE_FIELDS = {"requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "hit_rate", "wall_s", "ttft_p50_ms", "ttft_p99_ms"}
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def test_run_modes_reports_vllms_own_numbers(engine):
 def _cli(*args, timeout=600):
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
     return subprocess.run(
-        [sys.executable, "-m", "promptsplice.cli", *args],
+        [sys.executable, "-m", "promptsplice.benchmarks.cli", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )
 

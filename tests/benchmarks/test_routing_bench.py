@@ -1,4 +1,4 @@
-"""``benchmarks.routing``: a short REAL run (two loopback ``vllm serve``, the session's
+"""``promptsplice.benchmarks.routing``: a short REAL run (two loopback ``vllm serve``, the session's
 pair shared with tests/engine_adapters/test_router.py, passed as ``--url``) through
 ``main``, checking the JSON report and the table."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.routing import format_routing, main, write_report
+from promptsplice.benchmarks.routing import format_routing, main, write_report
 from promptsplice.errors import ConfigError
 
 KEYS = {"requests", "prompt_tokens", "cached_tokens", "hit_rate", "per_endpoint_requests"}

@@ -1,11 +1,11 @@
-"""benchmarks.side_channel on the real engine: the cache signal it measures is there
+"""promptsplice.benchmarks.side_channel on the real engine: the cache signal it measures is there
 without salts and gone with them (cached tokens; the timings are the bench's to report)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.side_channel import DOC_TOKENS, run
+from promptsplice.benchmarks.side_channel import DOC_TOKENS, run
 
 
 @pytest.mark.reliability

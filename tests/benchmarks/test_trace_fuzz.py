@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.agent_traces import AgentSession, read_agent_trace, write_agent_trace
-from benchmarks.traces import RagChunk, RagRequest, dump_rag_trace, read_rag_trace
+from promptsplice.benchmarks.agent_traces import AgentSession, read_agent_trace, write_agent_trace
+from promptsplice.benchmarks.traces import RagChunk, RagRequest, dump_rag_trace, read_rag_trace
 from tests.fuzz._checks import (
     VALID_AGENT_LINE,
     VALID_RAG_LINE,

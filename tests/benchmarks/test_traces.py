@@ -9,8 +9,8 @@ from itertools import combinations
 
 import pytest
 
-from benchmarks import traces
-from benchmarks.traces import (
+from promptsplice.benchmarks import traces
+from promptsplice.benchmarks.traces import (
     PROFILES,
     RagChunk,
     RagRequest,

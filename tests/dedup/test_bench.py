@@ -1,6 +1,6 @@
 """Smoke test of the dedup benchmark on a tiny workload."""
 
-from benchmarks.dedup_bench import make_requests, run_dedup_bench
+from promptsplice.benchmarks.dedup_bench import make_requests, run_dedup_bench
 
 
 def test_workload_has_the_advertised_shape():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from langchain_core.documents import Document
 
-from dedup import InputChunk, Relation, dedup, normalize_chunks
+from promptsplice.dedup import InputChunk, Relation, dedup, normalize_chunks
 from promptsplice.blocks import content_digest
 from promptsplice.errors import (
     ConflictingChunkIdError,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import dedup
-import dedup._normalize
-from dedup import DedupConfig, Origin, Relation, RemovedPassage, dedup as run_dedup
+from promptsplice import dedup
+import promptsplice.dedup._normalize
+from promptsplice.dedup import DedupConfig, Origin, Relation, RemovedPassage, dedup as run_dedup
 from promptsplice.blocks import content_digest
 
 WESTPHALIA = (
@@ -107,7 +107,7 @@ def test_exact_off_leaves_duplicates_to_containment_or_keeps_them():
 
 def test_hash_collision_keeps_both_and_is_counted(monkeypatch):
     # Force every digest to collide: only the byte comparison tells chunks apart.
-    monkeypatch.setattr(dedup._normalize, "content_digest", lambda data: b"\x00" * 16)
+    monkeypatch.setattr(promptsplice.dedup._normalize, "content_digest", lambda data: b"\x00" * 16)
     result = run_dedup(
         [
             {"text": WESTPHALIA, "id": "a"},

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dedup import DedupConfig, Relation, dedup, normalize_chunks
+from promptsplice.dedup import DedupConfig, Relation, dedup, normalize_chunks
 from promptsplice.blocks import content_digest
 
 WORDS = [

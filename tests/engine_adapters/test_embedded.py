@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from assembler import PrefixCacheMirror
-from engine_adapters import (
+from promptsplice.assembler import PrefixCacheMirror
+from promptsplice.engine_adapters import (
     DEFAULT_KV_CACHE_BYTES,
     Completion,
     EmbeddedEngine,
@@ -77,7 +77,7 @@ def chat_text(engine, question):
 
 # -- package and configuration (no engine start) ----------------------------------------
 def test_import_is_light_and_starts_nothing():
-    code = "import sys, engine_adapters; print('\\n'.join(sorted(sys.modules)))"
+    code = "import sys, promptsplice.engine_adapters; print('\\n'.join(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     mods = {m.split(".")[0] for m in out.stdout.split()}
     assert not mods & {"vllm", "torch", "transformers", "tokenizers", "numpy"}

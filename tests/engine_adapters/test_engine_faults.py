@@ -102,7 +102,7 @@ def test_a_failed_stream_raises_after_its_first_deltas(fresh_engine):
 def test_a_dead_engine_restarts_once_then_stays_down(engine, tmp_path, measured):
     """One extra engine (with the splice connector: its store outlives vLLM) dies
     twice: restarted the first time, down for good the second."""
-    from engine_adapters import EngineConfig, StoreConfig, chain_refs
+    from promptsplice.engine_adapters import EngineConfig, StoreConfig, chain_refs
 
     # `engine` is requested so this extra engine is never the last one alive (vLLM's
     # process-wide state goes with the last engine).
@@ -147,7 +147,7 @@ def test_a_failed_forward_pass_saves_no_partial_block(kv_engine, measured):
     worker = eng.kv_connector.worker
     store = eng.kv_store
     skipped0 = worker.stats.skipped_saves
-    from engine_adapters import chain_refs
+    from promptsplice.engine_adapters import chain_refs
 
     refs = chain_refs(prompt, eng.block_size, salt=salt)
     assert len(refs) == 10

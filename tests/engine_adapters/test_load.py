@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from assembler import Assembler, ContextHook, StepKind, assemble_prompt
+from promptsplice.assembler import Assembler, ContextHook, StepKind, assemble_prompt
 from tests.engine_adapters.test_embedded import chunk_dicts
 
 THREADS = 32

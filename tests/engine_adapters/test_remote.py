@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_adapters._config import auto_dtype
-from engine_adapters._remote import (
+from promptsplice.engine_adapters._config import auto_dtype
+from promptsplice.engine_adapters._remote import (
     RemoteCompletion,
     RemoteEngine,
     ServerCounters,
@@ -145,7 +145,7 @@ def test_same_prompt_twice_hits_the_cache_and_moves_metrics(remote):
 
 
 def test_assembled_prompt_sends_ids_and_salt(remote, default_tok):
-    from assembler import assemble_prompt
+    from promptsplice.assembler import assemble_prompt
 
     docs = [f"Document {i}: the tower was painted in shade number {i * 3}." for i in range(8)]
     prompt = assemble_prompt(
@@ -339,7 +339,7 @@ def test_no_prompt_tokens_details_means_unknown_not_zero():
 
 
 def test_openai_gets_text_and_prompt_cache_key():
-    from assembler import assemble_prompt
+    from promptsplice.assembler import assemble_prompt
 
     seen = []
 

@@ -24,8 +24,8 @@ import tracemalloc
 import httpx
 import pytest
 
-from benchmarks.routing import loopback_servers
-from engine_adapters import RemoteEngine
+from promptsplice.benchmarks.routing import loopback_servers
+from promptsplice.engine_adapters import RemoteEngine
 from promptsplice.errors import EngineUnavailableError
 
 STREAMS = 64

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from engine_adapters._router import (
+from promptsplice.engine_adapters._router import (
     DEFAULT_KEY_BLOCKS,
     Lease,
     PrefixRouter,
@@ -161,7 +161,7 @@ def test_round_robin_and_bad_options():
 
 @pytest.fixture(scope="module")
 def remotes(two_servers):
-    from engine_adapters import RemoteEngine
+    from promptsplice.engine_adapters import RemoteEngine
 
     engines = {s.base_url: RemoteEngine(s.base_url) for s in two_servers}
     yield engines
@@ -171,13 +171,13 @@ def remotes(two_servers):
 
 @pytest.fixture(scope="module")
 def trace(default_tok):
-    from benchmarks.routing import assemble_trace
+    from promptsplice.benchmarks.routing import assemble_trace
 
     return assemble_trace(TRACE_REQUESTS, tokenizer=default_tok)
 
 
 def test_affinity_beats_round_robin_on_two_real_servers(remotes, trace):
-    from benchmarks.routing import route_trace
+    from promptsplice.benchmarks.routing import route_trace
 
     urls = list(remotes)
     run = uuid.uuid4().hex[:8]
@@ -207,7 +207,7 @@ def test_affinity_beats_round_robin_on_two_real_servers(remotes, trace):
 def test_remote_and_embedded_engines_cache_the_same_tokens(remotes, fresh_engine, default_tok):
     """Same prompts, same block size, both from an empty cache (a fresh salt on the
     server, a reset embedded engine): per-request cached tokens must be equal."""
-    from benchmarks.routing import assemble_trace
+    from promptsplice.benchmarks.routing import assemble_trace
 
     prompts = assemble_trace(EQUALITY_REQUESTS, seed=1, tokenizer=default_tok)
     total_blocks = sum(len(p.token_ids) // BS + 1 for p in prompts)

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from engine_adapters import PrefixRouter, RemoteEngine, chain_refs
+from promptsplice.engine_adapters import PrefixRouter, RemoteEngine, chain_refs
 from promptsplice.blocks import round_down
 from promptsplice.errors import EngineUnavailableError, MissingSaltError, UnsaltedTenantWarning
 from promptsplice.tenancy import SaltGuard
@@ -201,7 +201,7 @@ def test_engine_router_and_remote_warn_on_unsalted_multi_tenant_use(engine, monk
 
 
 def test_require_salt_is_validated():
-    from engine_adapters import EngineConfig
+    from promptsplice.engine_adapters import EngineConfig
     from promptsplice.errors import ConfigError
 
     with pytest.raises(ConfigError, match="require_salt"):

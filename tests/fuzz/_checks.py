@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from assembler import Diff, Directive, Render, SegmentKind, apply_diff, apply_directives, diff_renders
-from assembler._render import MessageSegment
-from benchmarks.agent_traces import read_agent_trace, write_agent_trace
-from benchmarks.traces import dump_rag_trace, read_rag_trace
-from dedup import DedupConfig, DedupResult, Relation, dedup
+from promptsplice.assembler import Diff, Directive, Render, SegmentKind, apply_diff, apply_directives, diff_renders
+from promptsplice.assembler._render import MessageSegment
+from promptsplice.benchmarks.agent_traces import read_agent_trace, write_agent_trace
+from promptsplice.benchmarks.traces import dump_rag_trace, read_rag_trace
+from promptsplice.dedup import DedupConfig, DedupResult, Relation, dedup
 from promptsplice.blocks import content_digest
 from promptsplice.errors import (
     ConflictingChunkIdError,
@@ -83,7 +83,7 @@ class DedupExpectation(NamedTuple):
 
 def dedup_oracle(chunks: Any, policy: str) -> DedupExpectation:
     """The documented contract of ``dedup(chunks, on_invalid_utf8=policy)``
-    (:mod:`dedup._normalize`'s docstring), written independently of its code."""
+    (:mod:`promptsplice.dedup._normalize`'s docstring), written independently of its code."""
     if isinstance(chunks, (str, bytes, bytearray, dict)) or hasattr(chunks, "page_content"):
         return DedupExpectation([], 0, -1, (InvalidChunkError,))
     try:

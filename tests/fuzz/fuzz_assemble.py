@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import atheris  # noqa: E402
 
 with atheris.instrument_imports(include=["assembler", "dedup"]):
-    import assembler  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
+    from promptsplice import assembler  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
 
-from assembler import Assembler, default_tokenizer  # noqa: E402
+from promptsplice.assembler import Assembler, default_tokenizer  # noqa: E402
 from tests.fuzz import _fdp  # noqa: E402
 from tests.fuzz._checks import run_assembly  # noqa: E402
 

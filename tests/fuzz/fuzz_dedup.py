@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import atheris  # noqa: E402
 
 with atheris.instrument_imports(include=["dedup", "promptsplice"]):
-    import dedup  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
+    from promptsplice import dedup  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
 
 from tests.fuzz import _fdp  # noqa: E402
 from tests.fuzz._checks import run_dedup  # noqa: E402

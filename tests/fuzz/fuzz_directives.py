@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import atheris  # noqa: E402
 
 with atheris.instrument_imports(include=["assembler"]):
-    import assembler  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
+    from promptsplice import assembler  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
 
-from assembler import Directive  # noqa: E402
+from promptsplice.assembler import Directive  # noqa: E402
 from tests.fuzz import _fdp  # noqa: E402
 from tests.fuzz._checks import check_apply_directives, check_diff, synthetic_render  # noqa: E402
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import atheris  # noqa: E402
 
 with atheris.instrument_imports(include=["benchmarks"]):
-    import benchmarks.agent_traces  # noqa: F401  (instrumented, so their coverage
-    import benchmarks.traces  # noqa: F401  guides the fuzzer)
+    import promptsplice.benchmarks.agent_traces  # noqa: F401  (instrumented, so their coverage
+    import promptsplice.benchmarks.traces  # noqa: F401  guides the fuzzer)
 
 from tests.fuzz import _fdp  # noqa: E402
 from tests.fuzz._checks import VALID_AGENT_LINE, VALID_RAG_LINE, check_trace_bytes, mutate_bytes, mutate_json  # noqa: E402

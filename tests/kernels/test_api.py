@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kernels
+from promptsplice import kernels
+from tests._imports import rooms_after
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,15 +51,17 @@ def _run(code: str) -> str:
 
 
 def test_kernels_never_imports_vllm_or_other_project_packages():
-    mods = set(_run("import sys, kernels; print('\\n'.join(sys.modules))").split())
-    tops = {m.split(".")[0] for m in mods}
-    assert not tops & {"vllm", "engine_adapters", "assembler", "dedup", "benchmarks", "transformers"}
+    rooms = rooms_after("import promptsplice.kernels")
+    assert not rooms & {
+        "vllm", "promptsplice.engine_adapters", "promptsplice.assembler", "promptsplice.dedup",
+        "promptsplice.benchmarks", "transformers",
+    }
 
 
 def test_package_works_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
-        "import torch, kernels\n"
+        "import torch\nfrom promptsplice import kernels\n"
         "from promptsplice.errors import ConfigError\n"
         "assert kernels.TRITON_AVAILABLE is False\n"
         "rope = kernels.RopeConfig(head_size=64, rotary_dim=64)\n"

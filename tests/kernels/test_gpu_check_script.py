@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import gpu_splice_check as script
+from promptsplice.benchmarks import gpu_splice_check as script
 
 
 def test_exits_clearly_without_cuda(capsys, monkeypatch):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import (
+from promptsplice.kernels import (
     ConcatKVLayout,
     CpuAttnLayout,
     FlashAttnLayout,
@@ -348,7 +348,7 @@ def test_rotate_keys_refuses_bad_arguments():
 _TRITON_SCRIPT = """
 import json, sys, traceback
 from tests.kernels import test_relocate as t
-import kernels
+from promptsplice import kernels
 assert kernels.TRITON_AVAILABLE
 results = []
 for i, case in enumerate(t.CASES):

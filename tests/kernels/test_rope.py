@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from kernels import Llama3Scaling, RopeConfig
+from promptsplice.kernels import Llama3Scaling, RopeConfig
 from promptsplice.errors import ConfigError
 
 LLAMA31 = {  # the shape of Llama-3.1-8B's config.json (legacy rope_scaling form)

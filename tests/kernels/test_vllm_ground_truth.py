@@ -20,7 +20,7 @@ from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
-from kernels import (  # noqa: E402
+from promptsplice.kernels import (  # noqa: E402
     ConcatKVLayout,
     CpuAttnLayout,
     Llama3Scaling,

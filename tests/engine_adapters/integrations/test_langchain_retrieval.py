@@ -1,7 +1,7 @@
 """PromptspliceRetriever / PromptspliceCompressor on real text and the real LangChain suite.
 
 The underlying retriever is a real keyword retriever over Wikipedia lead paragraphs
-(``benchmarks.traces.load_wiki_leads``), indexed twice the way RAG stacks do it: as
+(``promptsplice.benchmarks.traces.load_wiki_leads``), indexed twice the way RAG stacks do it: as
 overlapping sliding windows per article (``metadata["source"]``) and, from a second
 index, whole leads.  So its results carry real duplicates, contained chunks and
 window overlaps.  The standard ``RetrieversIntegrationTests`` run on the wrapper.
@@ -24,7 +24,7 @@ from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_tests.integration_tests import RetrieversIntegrationTests
 
-from engine_adapters._langchain_retrieval import (
+from promptsplice.engine_adapters.integrations._langchain_retrieval import (
     PROVENANCE_KEY,
     PromptspliceCompressor,
     PromptspliceRetriever,
@@ -38,7 +38,7 @@ STRIDE = 160  # 80 characters of overlap between neighbouring windows
 
 
 def _corpus() -> list[Document]:
-    from benchmarks.traces import load_wiki_leads
+    from promptsplice.benchmarks.traces import load_wiki_leads
 
     docs: list[Document] = []
     for n, (title, lead) in enumerate(load_wiki_leads()[:N_ARTICLES]):
@@ -119,7 +119,7 @@ class TestPromptspliceRetrieverStandard(RetrieversIntegrationTests):
 
 @pytest.fixture
 def asm(default_tok):
-    from assembler import Assembler
+    from promptsplice.assembler import Assembler
 
     return Assembler(default_tok, block_size=16, policy="stable")
 
@@ -165,7 +165,7 @@ def test_real_retrieval_results_are_deduplicated_with_provenance(asm):
 
 
 def test_duplicates_and_overlapping_windows_merge_with_provenance(asm):
-    from benchmarks.traces import load_wiki_leads
+    from promptsplice.benchmarks.traces import load_wiki_leads
 
     title, lead = load_wiki_leads()[3]
     w0, w1 = lead[:200], lead[120:330]  # 80 characters of overlap
@@ -194,10 +194,10 @@ def test_duplicates_and_overlapping_windows_merge_with_provenance(asm):
 
 
 def test_order_is_canonical_across_permutations(default_tok):
-    from assembler import Assembler
+    from promptsplice.assembler import Assembler
 
     docs = [Document(page_content=t, id=f"d{i}", metadata={"i": i})
-            for i, (_, t) in enumerate(__import__("benchmarks.traces", fromlist=["x"]).load_wiki_leads()[10:16])]
+            for i, (_, t) in enumerate(__import__("promptsplice.benchmarks.traces", fromlist=["x"]).load_wiki_leads()[10:16])]
     rng = random.Random(0)
     for learn in (False, True):
         asm = Assembler(default_tok, block_size=16, policy="stable")
@@ -215,7 +215,7 @@ def test_order_is_canonical_across_permutations(default_tok):
 
 
 def test_k_keeps_best_ranked_then_orders_and_names_the_rest(asm):
-    from benchmarks.traces import load_wiki_leads
+    from promptsplice.benchmarks.traces import load_wiki_leads
 
     leads = load_wiki_leads()[20:26]
     docs = [Document(page_content=t, id=f"r{i}") for i, (_, t) in enumerate(leads)]
@@ -281,7 +281,7 @@ def test_empty_input_and_all_empty_documents(asm, caplog):
     assert PromptspliceRetriever(retriever=FixedRetriever(docs=[]), assembler=asm).invoke("q") == []
     assert PromptspliceCompressor(assembler=asm).compress_documents([], "q") == []
     blanks = [Document(page_content="   ", id="b1"), Document(page_content="\n", id="b2")]
-    with caplog.at_level(logging.WARNING, logger="engine_adapters._langchain_retrieval"):
+    with caplog.at_level(logging.WARNING, logger="promptsplice.engine_adapters.integrations._langchain_retrieval"):
         out = PromptspliceRetriever(retriever=FixedRetriever(docs=blanks), assembler=asm).invoke("q")
     assert out == []
     assert "b1" in caplog.text and "b2" in caplog.text  # not silent

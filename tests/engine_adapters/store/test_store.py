@@ -24,9 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_adapters import _store
-from engine_adapters import _store_format as fmt
-from engine_adapters._store import (
+from promptsplice.engine_adapters.store import _store
+from promptsplice.engine_adapters.store import _format as fmt
+from promptsplice.engine_adapters.store._store import (
     BlockRef,
     BlockStore,
     Lookup,
@@ -135,7 +135,7 @@ def test_config_normalizes_the_folder_and_is_frozen(tmp_path):
 
 
 def test_store_module_imports_neither_vllm_nor_torch():
-    code = "import sys, engine_adapters._store; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    code = "import sys, promptsplice.engine_adapters.store; print(sorted({m.split('.')[0] for m in sys.modules}))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert "'vllm'" not in out
     assert "'torch'" not in out

@@ -1,10 +1,10 @@
 """``PromptspliceChatModel``: a LangChain chat model over the embedded vLLM engine.
 
 Messages become OpenAI-style dicts, are rendered through the model's chat template in
-token space with block-aligned per-message segments (:class:`assembler.ChatRenderer`, or
-the model's :class:`assembler.ContextHook` when it has one: then the session's context
+token space with block-aligned per-message segments (:class:`promptsplice.assembler.ChatRenderer`, or
+the model's :class:`promptsplice.assembler.ContextHook` when it has one: then the session's context
 policies run and the step is diffed against the session's previous render), and the
-token ids go to :class:`~engine_adapters.EmbeddedEngine` as they are, so what vLLM's
+token ids go to :class:`~promptsplice.engine_adapters.EmbeddedEngine` as they are, so what vLLM's
 prefix cache sees is exactly the aligned layout.  ``usage_metadata`` reports vLLM's own
 count of prompt tokens served from its cache (``input_token_details["cache_read"]``).
 
@@ -21,7 +21,7 @@ keeps the schemas in the prompt (same tokens, same cache) but parses no calls.
 
 Session: ``session_id`` (call kwarg) > ``config["configurable"]["thread_id"]`` > the
 model's ``session_id`` field.  A context prepared by a harness hook
-(:mod:`engine_adapters._agent_hooks`) for the same session and the same tokens is
+(:mod:`promptsplice.engine_adapters.integrations._hooks`) for the same session and the same tokens is
 used as is, directives included; with a ``runner`` (anything with
 ``step(prepared, *, max_tokens, temperature, stop) -> obj.completion``) the model sends
 that prepared context to the runner (which may splice) instead of ``engine.generate``.
@@ -61,7 +61,7 @@ from langchain_core.utils import from_env, secret_from_env
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from assembler import ChatRenderer, ContextHook, PreparedContext, StepKind
+from promptsplice.assembler import ChatRenderer, ContextHook, PreparedContext, StepKind
 from promptsplice.errors import ConfigError, InputError, PromptspliceError
 
 __all__ = [
@@ -89,7 +89,7 @@ _default_engine: Any = None
 
 
 def set_default_engine(engine: Any) -> Any:
-    """Make ``engine`` (an :class:`~engine_adapters.EmbeddedEngine`, or ``None`` to
+    """Make ``engine`` (an :class:`~promptsplice.engine_adapters.EmbeddedEngine`, or ``None`` to
     clear) what models built without ``engine=`` use; returns the previous one."""
     global _default_engine
     if engine is not None and not callable(getattr(engine, "generate", None)):
@@ -107,7 +107,7 @@ def default_engine() -> Any:
     if eng is None:
         raise ConfigError(
             "PromptspliceChatModel has no engine: pass engine=EmbeddedEngine(...) or call "
-            "engine_adapters._langchain_chat.set_default_engine(engine) first"
+            "promptsplice.engine_adapters.integrations._langchain_chat.set_default_engine(engine) first"
         )
     return eng
 
@@ -155,7 +155,7 @@ class _Handoff:
 
 
 handoff = _Handoff()
-"""Process-wide hand-off used by :mod:`engine_adapters._agent_hooks`."""
+"""Process-wide hand-off used by :mod:`promptsplice.engine_adapters.integrations._hooks`."""
 
 
 # -- conversions -----------------------------------------------------------------------
@@ -280,7 +280,7 @@ _KNOWN_CALL_KWARGS = frozenset(
 
 class PromptspliceChatModel(BaseChatModel):
     """A chat model that renders messages in token space and runs them on an
-    :class:`~engine_adapters.EmbeddedEngine` (see the module docstring).
+    :class:`~promptsplice.engine_adapters.EmbeddedEngine` (see the module docstring).
 
     ``timeout``, ``max_retries`` and ``api_key`` are accepted (and serialized) for
     drop-in compatibility with remote chat models; the embedded engine has no network,
@@ -290,9 +290,9 @@ class PromptspliceChatModel(BaseChatModel):
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
     engine: Any = Field(default=None, exclude=True)
-    """An :class:`~engine_adapters.EmbeddedEngine`; ``None``: :func:`default_engine`."""
+    """An :class:`~promptsplice.engine_adapters.EmbeddedEngine`; ``None``: :func:`default_engine`."""
     hook: Any = Field(default=None, exclude=True)
-    """An :class:`assembler.ContextHook` (policies, session diffs); ``None``: render with
+    """An :class:`promptsplice.assembler.ContextHook` (policies, session diffs); ``None``: render with
     a :class:`ChatRenderer` sized like the engine."""
     runner: Any = Field(default=None, exclude=True)
     """Anything with ``step(prepared, *, max_tokens, temperature, stop)`` returning an

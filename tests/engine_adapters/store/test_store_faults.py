@@ -42,9 +42,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine_adapters import _store
-from engine_adapters import _store_format as fmt
-from engine_adapters._store import BlockStore, LookupStatus, StoreConfig
+from promptsplice.engine_adapters.store import _store
+from promptsplice.engine_adapters.store import _format as fmt
+from promptsplice.engine_adapters.store._store import BlockStore, LookupStatus, StoreConfig
 from promptsplice.blocks import content_digest, round_up
 
 from ._store_fault_child import (
@@ -59,8 +59,8 @@ from ._store_fault_child import (
     writer_config,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-CHILD = "tests.engine_adapters._store_fault_child"
+REPO = Path(__file__).resolve().parents[3]
+CHILD = "tests.engine_adapters.store._store_fault_child"
 FP = content_digest(FINGERPRINT.encode("utf-8"))
 HIT_DISK = LookupStatus.HIT_DISK
 MISS, MISMATCH, CORRUPT = LookupStatus.MISS, LookupStatus.MISMATCH, LookupStatus.CORRUPT

@@ -3,21 +3,21 @@
 Load it with::
 
     kv_transfer_config={"kv_connector": "SpliceConnector",
-                        "kv_connector_module_path": "engine_adapters._connector",
+                        "kv_connector_module_path": "promptsplice.engine_adapters.connector._connector",
                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                         "kv_connector_extra_config": {"dram_bytes": ..., ...StoreConfig fields}}
 
 (``EngineConfig(kv_store=StoreConfig(...))`` does exactly that).  vLLM builds one
 instance per role: the scheduler-side one answers ``get_num_new_matched_tokens`` and
-builds each step's metadata (:class:`~engine_adapters._splice.SpliceScheduler`), the
+builds each step's metadata (:class:`~promptsplice.engine_adapters.connector._splice.SpliceScheduler`), the
 worker-side one loads, relocates and saves blocks in the paged cache
-(:class:`~engine_adapters._splice.SpliceWorker`).  Both open the same process-wide
-:class:`~engine_adapters._store.BlockStore` through ``shared_store`` (the scheduler and
+(:class:`~promptsplice.engine_adapters.connector._splice.SpliceWorker`).  Both open the same process-wide
+:class:`~promptsplice.engine_adapters.store._store.BlockStore` through ``shared_store`` (the scheduler and
 the worker live in one process: the engine core's).
 
 Scope: vLLM's CPU backend (``CPU_ATTN``).  Offload hits (delta 0) copy whole cache
 blocks and work for any CPU attention ISA; relocation needs a verified block layout
-(``kernels.VERIFIED_CPU_ATTN_ISAS``) and a RoPE that ``kernels.RopeConfig`` implements,
+(``promptsplice.kernels.VERIFIED_CPU_ATTN_ISAS``) and a RoPE that ``promptsplice.kernels.RopeConfig`` implements,
 otherwise plans fall back to computing.  ``kv_load_failure_policy="recompute"`` is what
 makes a block that fails to load be recomputed instead of failing the request.
 
@@ -47,13 +47,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from engine_adapters._splice import (
+from promptsplice.engine_adapters.connector._splice import (
     SpliceMetadata,
     SpliceScheduler,
     SpliceWorker,
     store_config_from_extra,
 )
-from engine_adapters._store import BlockStore, StoreConfig, shared_store
+from promptsplice.engine_adapters.store._store import BlockStore, StoreConfig, shared_store
 from promptsplice.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from kernels import RopeConfig
+    from promptsplice.kernels import RopeConfig
 
 __all__ = ["SpliceConnector", "SpliceConnectorMetadata", "ConnectorSettings", "connector_settings"]
 
@@ -90,7 +90,7 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     RoPE of an engine; :class:`ConfigError` when the connector cannot serve it."""
     from vllm.platforms import current_platform
 
-    from kernels import VERIFIED_CPU_ATTN_ISAS, RopeConfig, detect_cpu_attn_isa
+    from promptsplice.kernels import VERIFIED_CPU_ATTN_ISAS, RopeConfig, detect_cpu_attn_isa
 
     if not current_platform.is_cpu():
         raise ConfigError(
@@ -172,7 +172,7 @@ class SpliceConnector(KVConnectorBase_V1):
     # ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kernels import CpuAttnLayout
+        from promptsplice.kernels import CpuAttnLayout
 
         ctx = self._vllm_config.compilation_config.static_forward_context
         isas = {getattr(ctx.get(name), "isa", self.settings.isa) for name in kv_caches}

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from engine_adapters import (
+from promptsplice.engine_adapters import (
     BlockStore,
     ChunkIndex,
     ChunkSource,
@@ -23,7 +23,7 @@ from engine_adapters import (
     StoreConfig,
     chain_refs,
 )
-from engine_adapters._pic import ChunkPlacement, plan_chunk_phases
+from promptsplice.engine_adapters.runners._rag import ChunkPlacement, plan_chunk_phases
 from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.errors import ConfigError, InputError
 

@@ -1,10 +1,10 @@
-"""Harness hooks: run :class:`assembler.ContextHook` inside real agent frameworks.
+"""Harness hooks: run :class:`promptsplice.assembler.ContextHook` inside real agent frameworks.
 
 Each adapter converts the framework's messages to OpenAI chat dicts, calls the hook
 (context policies, render, diff against the session's previous render), and gives the
 framework back the *policy-edited* messages, so any chat model sees the edited context.
-The :class:`~assembler.PreparedContext` is also handed to
-:class:`~engine_adapters._langchain_chat.PromptspliceChatModel` (per session, through
+The :class:`~promptsplice.assembler.PreparedContext` is also handed to
+:class:`~promptsplice.engine_adapters.integrations._langchain_chat.PromptspliceChatModel` (per session, through
 ``_langchain_chat.handoff``): when the model's own render of the messages it receives
 has the same token ids, it sends exactly those ids (and, with a runner, the
 directives); otherwise it renders anew and logs why.
@@ -35,8 +35,8 @@ from langchain_core.messages import (
     convert_to_messages,
 )
 
-from assembler import ContextHook, PreparedContext
-from engine_adapters._langchain_chat import PromptspliceChatModel, format_tools, handoff, lc_messages_to_openai
+from promptsplice.assembler import ContextHook, PreparedContext
+from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel, format_tools, handoff, lc_messages_to_openai
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [

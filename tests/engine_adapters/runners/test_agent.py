@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from assembler import ContextHook, StepKind, TruncateToolOutputs
-from engine_adapters import AgentRunner, SplicePhase, SplicePlan, SpliceSegment, plan_phases
+from promptsplice.assembler import ContextHook, StepKind, TruncateToolOutputs
+from promptsplice.engine_adapters import AgentRunner, SplicePhase, SplicePlan, SpliceSegment, plan_phases
 from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.errors import ConfigError, InputError
 
@@ -138,7 +138,7 @@ def renders(text_tokens_text):
 
 @pytest.fixture(scope="module")
 def text_tokens_text():
-    from benchmarks.traces import load_wiki_leads
+    from promptsplice.benchmarks.traces import load_wiki_leads
 
     return [lead.split(". ")[0][:160] for _, lead in load_wiki_leads()[300:360]]
 
@@ -237,7 +237,7 @@ def test_a_render_the_runner_did_not_send_falls_back_to_a_plain_request(kv_engin
     hook("s-fb", renders[0], TOOLS)
     hook("s-fb", renders[1], TOOLS)  # the runner never saw these two steps
     prepared = hook("s-fb", renders[2], TOOLS)
-    with caplog.at_level(logging.WARNING, logger="engine_adapters._agent"):
+    with caplog.at_level(logging.WARNING, logger="promptsplice.engine_adapters.runners._agent"):
         step = runner.step(prepared, max_tokens=2)
     assert prepared.kind is StepKind.EDIT and step.fallback is not None
     assert step.requests == 1 and step.relocated_tokens == 0 and "full prefill" in caplog.text

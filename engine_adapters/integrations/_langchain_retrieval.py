@@ -2,8 +2,8 @@
 
 :class:`PromptspliceRetriever` wraps any ``BaseRetriever``; :class:`PromptspliceCompressor`
 does the same work as a ``BaseDocumentCompressor`` (for ``ContextualCompressionRetriever``
-pipelines).  Both run :func:`dedup.dedup` (byte-exact: duplicates, contained chunks,
-sliding-window overlap, repeated passages) and then let an :class:`assembler.Assembler`
+pipelines).  Both run :func:`promptsplice.dedup.dedup` (byte-exact: duplicates, contained chunks,
+sliding-window overlap, repeated passages) and then let an :class:`promptsplice.assembler.Assembler`
 choose the order (``stable`` by default: the same document set in any retrieval order
 comes out in one canonical order, so the prompt built from it keeps one prefix and the
 engine's prefix cache hits).
@@ -43,8 +43,8 @@ from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, ValidationError
 
-from assembler import Assembler
-from dedup import DedupResult, KeptChunk, dedup
+from promptsplice.assembler import Assembler
+from promptsplice.dedup import DedupResult, KeptChunk, dedup
 from promptsplice.errors import ConfigError, InvalidChunkError
 
 __all__ = [

@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine_adapters._store import BlockRef, BlockStore, StoreConfig, chain_refs
+from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, StoreConfig, chain_refs
 
 BS = 16
 BLOCKS_PER_SEQ = 6
@@ -230,7 +230,7 @@ def run_full_disk(folder: str, write_behind: int, how: str) -> None:
     """Writes with room, with a full disk, retries, recovers, and crashes while full."""
     disk = _FileSizeLimit(folder) if how == "fsize" else _Filler(folder)
     warned = _Warnings()
-    logging.getLogger("engine_adapters._store").addHandler(warned)
+    logging.getLogger("promptsplice.engine_adapters.store._store").addHandler(warned)
     shape, dtype = FSIZE_LAYOUT
     p = math.prod(shape) * getattr(torch, dtype).itemsize
     config = writer_config(folder, write_behind)
@@ -297,7 +297,7 @@ def run_exit(folder: str, puts: int) -> None:
     """Put ``puts`` blocks through the process's shared store with a deep write-behind
     queue, print what is still pending, and leave by a normal interpreter exit, without
     closing the store."""
-    from engine_adapters._store import shared_store
+    from promptsplice.engine_adapters.store._store import shared_store
 
     store = shared_store(writer_config(folder, 4 * 1024 * 1024))
     for block, _ in zip(blocks(0), range(puts)):

@@ -92,7 +92,7 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
-from engine_adapters import _store_format as fmt
+from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.blocks import (
     HASH_BYTES,
     BlockHash,

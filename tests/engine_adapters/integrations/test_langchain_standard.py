@@ -33,7 +33,7 @@ from langchain_core.messages import AIMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from engine_adapters._langchain_chat import PromptspliceChatModel, set_default_engine
+from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel, set_default_engine
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ def _cmd_model_path(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from benchmarks.demo import run_demo
+    from promptsplice.benchmarks.demo import run_demo
 
     return run_demo(
         requests=args.requests,
@@ -46,7 +46,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_assemble(args: argparse.Namespace) -> int:
-    from benchmarks.assemble import run_assemble_bench
+    from promptsplice.benchmarks.assemble import run_assemble_bench
 
     return run_assemble_bench(
         trace=args.trace,
@@ -59,7 +59,7 @@ def _cmd_bench_assemble(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_rag(args: argparse.Namespace) -> int:
-    from benchmarks.rag import run_rag_bench
+    from promptsplice.benchmarks.rag import run_rag_bench
 
     return run_rag_bench(
         trace=args.trace,
@@ -74,13 +74,13 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_ttft(args: argparse.Namespace) -> int:
-    from benchmarks.ttft import run_ttft_bench
+    from promptsplice.benchmarks.ttft import run_ttft_bench
 
     return run_ttft_bench(json_out=args.json, repeats=args.repeats)
 
 
 def _cmd_bench_offload(args: argparse.Namespace) -> int:
-    from benchmarks.offload import format_offload, run_offload_bench
+    from promptsplice.benchmarks.offload import format_offload, run_offload_bench
 
     report = run_offload_bench(
         json_out=args.json, prompts=args.prompts, rounds=args.rounds, prompt_tokens=args.prompt_tokens
@@ -91,7 +91,7 @@ def _cmd_bench_offload(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_gen_trace(args: argparse.Namespace) -> int:
-    from benchmarks.traces import write_rag_trace
+    from promptsplice.benchmarks.traces import write_rag_trace
 
     n = write_rag_trace(
         args.out,
@@ -104,7 +104,7 @@ def _cmd_bench_gen_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_agent(args: argparse.Namespace) -> int:
-    from benchmarks.agent import run_agent_bench
+    from promptsplice.benchmarks.agent import run_agent_bench
 
     return run_agent_bench(
         args.trace,
@@ -118,7 +118,7 @@ def _cmd_bench_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_gen_agent_trace(args: argparse.Namespace) -> int:
-    from benchmarks.agent_traces import generate_agent_trace, trace_summary, write_agent_trace
+    from promptsplice.benchmarks.agent_traces import generate_agent_trace, trace_summary, write_agent_trace
 
     sessions = generate_agent_trace(args.sessions, seed=args.seed)
     write_agent_trace(args.out, sessions)

@@ -2,7 +2,7 @@
 worker-side executor.  Pure Python + torch (imported lazily); never imports vLLM, so
 tests drive it with plain tensors shaped like the engine's cache.
 
-Three jobs, one store (:mod:`engine_adapters._store`, keyed by the chain hash of
+Three jobs, one store (:mod:`promptsplice.engine_adapters.store._store`, keyed by the chain hash of
 :mod:`promptsplice.blocks` with the request's ``cache_salt``):
 
 * **Save**: every full prompt block a request computes is saved, all layers in one
@@ -15,7 +15,7 @@ Three jobs, one store (:mod:`engine_adapters._store`, keyed by the chain hash of
   instead of computed.
 * **Relocation**: a request that carries a :class:`SplicePlan` gets the planned old
   blocks (stored under the *old* prompt's chain hashes) loaded and their keys re-rotated
-  by the position delta (``kernels.relocate_blocks``).
+  by the position delta (``promptsplice.kernels.relocate_blocks``).
 
 vLLM's contiguity rule shapes the planner: the loaded tokens start exactly at the local
 hit and at least one prompt token is left to compute, so one request loads one
@@ -29,7 +29,7 @@ JSON/msgpack-safe)::
                 "segments": [{"dst_start": 64, "num_blocks": 4, "delta": -64,
                               "src_parent": "<32 hex digits>"}]}}
 
-Two optional plan fields scope spliced KV (see ``engine_adapters._agent``):
+Two optional plan fields scope spliced KV (see ``promptsplice.engine_adapters.runners._agent``):
 ``"src_salt"`` is the salt the old prompt's blocks were stored under when it differs from
 this request's ``cache_salt`` (absent: the same), and ``"scope": true`` says this
 request's salt is a *splice scope* that only its session uses: the blocks it loads and
@@ -56,7 +56,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from engine_adapters._store import BlockRef, BlockStore, StoreConfig, chain_refs
+from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, StoreConfig, chain_refs
 from promptsplice.blocks import (
     HASH_BYTES,
     BlockHash,
@@ -72,7 +72,7 @@ from promptsplice.errors import ConfigError, InputError
 if TYPE_CHECKING:
     import torch
 
-    from kernels import KVLayout, RopeConfig
+    from promptsplice.kernels import KVLayout, RopeConfig
 
 __all__ = [
     "PLAN_KEY",
@@ -408,7 +408,7 @@ def plan_phases(
     is computed, every request extending the prefix-cache hit of the one before.
 
     ``relocations``: ``(old_start, old_end, delta)`` runs of old tokens that reappear at
-    ``old_start + delta`` in the new prompt (:attr:`assembler.Diff.relocations`), sorted.
+    ``old_start + delta`` in the new prompt (:attr:`promptsplice.assembler.Diff.relocations`), sorted.
     Only whole blocks move, from old block boundaries to new ones (a run whose ``delta``
     is not a block multiple is computed); the first ``recompute_blocks`` blocks of each
     run are computed too (their attention to the edited context is fresh: the fix
@@ -509,7 +509,7 @@ def plan_segment_phases(
     lies between ``hit`` and the first run.  A run that starts after 0 and moves fewer
     than ``min_group_blocks`` blocks is dropped (computed).  Shared by the agent's
     edits (:func:`plan_phases`) and position-independent chunk reuse
-    (:mod:`engine_adapters._pic`).
+    (:mod:`promptsplice.engine_adapters.runners._rag`).
     """
     bs = block_size
     groups: list[list[SpliceSegment]] = []
@@ -893,7 +893,7 @@ class SpliceWorker:
     indexes its blocks (0 for vLLM's CPU_ATTN and its unified GPU caches).
     ``kernel_block_size``: tokens per cache-tensor block when vLLM splits its
     ``block_size`` blocks into smaller kernel blocks (``None``: the same).  ``layout``
-    and ``rope`` enable relocation (``kernels.relocate_blocks``); without them only
+    and ``rope`` enable relocation (``promptsplice.kernels.relocate_blocks``); without them only
     delta-0 loads (offload hits) are possible.
     """
 
@@ -1010,7 +1010,7 @@ class SpliceWorker:
         return n
 
     def _write(self, payloads, block_ids, deltas, torch) -> None:
-        from kernels import relocate_blocks
+        from promptsplice.kernels import relocate_blocks
 
         r = self.blocks_per_block
         kids = torch.tensor(self.kernel_ids(block_ids), dtype=torch.int64, device=self.caches[0].device)
@@ -1053,7 +1053,7 @@ class SpliceWorker:
     def save_item(self, item: SaveItem) -> int:
         import torch
 
-        from engine_adapters._store import PutStatus
+        from promptsplice.engine_adapters.store._store import PutStatus
 
         n = len(item.refs)
         if n == 0:

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
-from assembler import ContextHook, StepKind, TruncateToolOutputs
-from engine_adapters._agent_hooks import (
+from promptsplice.assembler import ContextHook, StepKind, TruncateToolOutputs
+from promptsplice.engine_adapters.integrations._hooks import (
     PromptspliceInputFilter,
     PromptspliceMiddleware,
     PromptsplicePreModelHook,
 )
-from engine_adapters._langchain_chat import PromptspliceChatModel
+from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
 
 MARKER = "lines truncated ..."
 

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from engine_adapters import (
+from promptsplice.engine_adapters import (
     BlockStore,
     LookupStatus,
     SplicePlan,
@@ -23,7 +23,7 @@ from engine_adapters import (
     plan_deletion,
     plan_relocation,
 )
-from engine_adapters._splice import (
+from promptsplice.engine_adapters.connector._splice import (
     LoadItem,
     SaveItem,
     SpliceMetadata,
@@ -33,7 +33,7 @@ from engine_adapters._splice import (
     store_config_from_extra,
     store_config_to_extra,
 )
-from kernels import CpuAttnLayout, RopeConfig, gather_blocks, rotate_keys
+from promptsplice.kernels import CpuAttnLayout, RopeConfig, gather_blocks, rotate_keys
 from promptsplice.blocks import chain_hashes, hash_block, root_hash
 from promptsplice.errors import ConfigError, InputError
 

@@ -12,8 +12,8 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 
-from assembler import ChatRenderer, ContextHook, StepKind  # noqa: E402
-from engine_adapters._langchain_chat import (  # noqa: E402
+from promptsplice.assembler import ChatRenderer, ContextHook, StepKind  # noqa: E402
+from promptsplice.engine_adapters.integrations._langchain_chat import (  # noqa: E402
     PromptspliceChatModel,
     default_engine,
     parse_tool_calls,

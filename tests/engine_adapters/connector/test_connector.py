@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_adapters import (
+from promptsplice.engine_adapters import (
     EngineConfig,
     SplicePlan,
     SpliceSegment,
@@ -23,7 +23,7 @@ from engine_adapters import (
     plan_deletion,
     plan_relocation,
 )
-from kernels import CpuAttnLayout
+from promptsplice.kernels import CpuAttnLayout
 from promptsplice.errors import ConfigError
 
 BS = 32
@@ -77,7 +77,7 @@ def test_kv_store_is_one_option_that_sets_the_connector():
     kwargs = EngineConfig(kv_store=store).llm_kwargs("/m")
     kv = kwargs["kv_transfer_config"]
     assert kv["kv_connector"] == "SpliceConnector"
-    assert kv["kv_connector_module_path"] == "engine_adapters._connector"
+    assert kv["kv_connector_module_path"] == "promptsplice.engine_adapters.connector._connector"
     assert kv["kv_role"] == "kv_both" and kv["kv_load_failure_policy"] == "recompute"
     assert kv["kv_connector_extra_config"]["dram_bytes"] == 1 << 26
     assert "kv_transfer_config" not in EngineConfig().llm_kwargs("/m")

@@ -1,6 +1,6 @@
 """Agent steps on the embedded engine: carry out a render's edit directives.
 
-:class:`AgentRunner` takes the hook's :class:`~assembler.PreparedContext` for each step
+:class:`AgentRunner` takes the hook's :class:`~promptsplice.assembler.PreparedContext` for each step
 of an agent session and runs it in one of three modes:
 
 * ``full``: no cache at all (every request gets a fresh salt): the reference.
@@ -9,7 +9,7 @@ of an agent session and runs it in one of three modes:
   ``recompute_blocks`` blocks after each edit are prefilled, the unchanged runs behind
   them are *relocated* from the block store by the splice connector (keys re-rotated by
   their position delta), and only the new tail is computed.  Runs separated by computed
-  tokens need one request each (:func:`~engine_adapters._splice.plan_phases`); a run
+  tokens need one request each (:func:`~promptsplice.engine_adapters.connector._splice.plan_phases`); a run
   too short to pay for its request is computed.  New messages identical to one of the
   previous render (a repeated call's output) are relocated from there too
   (``reuse_repeats``), on append steps as well.
@@ -48,13 +48,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from assembler import PreparedContext, StepKind
-from engine_adapters._splice import SAME_SALT, SplicePhase, plan_phases
+from promptsplice.assembler import PreparedContext, StepKind
+from promptsplice.engine_adapters.connector._splice import SAME_SALT, SplicePhase, plan_phases
 from promptsplice.blocks import round_down
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
-    from engine_adapters._embedded import Completion, EmbeddedEngine
+    from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
 
 __all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_RECOMPUTE_BLOCKS"]
 
@@ -138,7 +138,7 @@ class _Session:
 
 
 class AgentRunner:
-    """Runs agent steps on an :class:`~engine_adapters.EmbeddedEngine` (see the module doc).
+    """Runs agent steps on an :class:`~promptsplice.engine_adapters.EmbeddedEngine` (see the module doc).
 
     ``mode``: ``"full"``, ``"apc"`` or ``"splice"`` (needs an engine started with
     ``kv_store``).  ``salt``: the tenant's ``cache_salt``.  ``recompute_blocks``: blocks

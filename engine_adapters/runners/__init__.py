@@ -1,0 +1,25 @@
+"""Runners: what turns an application's request into engine requests (RAG, agent)."""
+
+from promptsplice.engine_adapters.runners._agent import AgentMode, AgentRunner, AgentStep
+from promptsplice.engine_adapters.runners._rag import (
+    ChunkIndex,
+    ChunkLookup,
+    ChunkSource,
+    ChunkStatus,
+    RagRunner,
+    RagStep,
+    ReuseMode,
+)
+
+__all__ = [
+    "AgentMode",
+    "AgentRunner",
+    "AgentStep",
+    "ChunkIndex",
+    "ChunkLookup",
+    "ChunkSource",
+    "ChunkStatus",
+    "RagRunner",
+    "RagStep",
+    "ReuseMode",
+]

@@ -1,0 +1,31 @@
+"""The tiered KV block store the splice connector forwards to (torch-free interface).
+
+Keys are the chain hash of a block plus the tenant salt; every lookup compares the stored
+token ids and parent key, so a hash collision never serves wrong KV.
+"""
+
+from promptsplice.engine_adapters.store._store import (
+    BlockRef,
+    BlockStore,
+    Lookup,
+    LookupStatus,
+    Namespace,
+    PutStatus,
+    StoreConfig,
+    StoreStats,
+    chain_refs,
+    shared_store,
+)
+
+__all__ = [
+    "BlockRef",
+    "BlockStore",
+    "Lookup",
+    "LookupStatus",
+    "Namespace",
+    "PutStatus",
+    "StoreConfig",
+    "StoreStats",
+    "chain_refs",
+    "shared_store",
+]

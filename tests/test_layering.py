@@ -1,0 +1,164 @@
+"""The house: one import name, no cycle, every arrow pointing down.
+
+Layers (bottom to top): the base (``promptsplice.errors``, ``blocks``, ``tenancy``,
+``assets``, ...), ``dedup`` (a leaf over the base), ``assembler`` and ``kernels``, the
+engine side, then ``benchmarks`` with the CLI.  Read from the source with ``ast`` (every
+import, function-level ones included), so a lazy import cannot hide an upward arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = {
+    "promptsplice": "promptsplice",
+    "promptsplice.dedup": "dedup",
+    "promptsplice.assembler": "assembler",
+    "promptsplice.engine_adapters": "engine_adapters",
+    "promptsplice.kernels": "kernels",
+    "promptsplice.benchmarks": "benchmarks",
+}
+# What each room may import from the project (besides itself).
+ALLOWED = {
+    "base": set(),
+    "dedup": {"base"},
+    "assembler": {"base", "dedup"},
+    "kernels": {"base"},
+    "engine_adapters": {"base", "dedup", "assembler", "kernels"},
+    "benchmarks": {"base", "dedup", "assembler", "kernels", "engine_adapters"},
+}
+FORBIDDEN_THIRD_PARTY = {
+    "base": {"vllm", "torch", "transformers", "langchain_core"},
+    "dedup": {"vllm", "torch", "numpy", "transformers", "langchain_core", "tokenizers"},
+    "assembler": {"vllm", "torch", "transformers", "langchain_core"},
+    "kernels": {"vllm", "transformers", "langchain_core"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = path.relative_to(REPO / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            if package == "promptsplice" and parts and f"promptsplice.{parts[0]}" in FOLDERS:
+                continue
+            found[name] = path
+    return found
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and f"promptsplice.{parts[1]}" in FOLDERS:
+        return parts[1]
+    return "base"
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.add(target)
+            out.update(f"{target}.{a.name}" for a in node.names)
+    return out
+
+
+MODULES = _modules()
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def test_every_project_import_points_down():
+    upward = []
+    for module, targets in GRAPH.items():
+        room = _room(module)
+        for t in targets:
+            if t.split(".")[0] in set(FOLDERS.values()) - {"promptsplice"}:
+                upward.append(f"{module} imports {t}: the old top-level name")
+            if not t.startswith("promptsplice."):
+                continue
+            if t not in MODULES:
+                continue  # `from pkg import name` also lists pkg.name
+            other = _room(t)
+            if other != room and other not in ALLOWED[room]:
+                upward.append(f"{module} ({room}) imports {t} ({other})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_no_room_imports_what_it_must_not():
+    bad = []
+    for module, targets in GRAPH.items():
+        room = _room(module)
+        for t in targets:
+            if t.split(".")[0] in FORBIDDEN_THIRD_PARTY.get(room, ()):
+                bad.append(f"{module} imports {t}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_module_graph_has_no_cycle():
+    edges = {m: {t for t in ts if t in MODULES and t != m} for m, ts in GRAPH.items()}
+    # A package's __init__ re-exporting its own private modules is not a cycle of rooms;
+    # drop edges from a module to a package that contains it.
+    for m in edges:
+        edges[m] = {t for t in edges[m] if not m.startswith(t + ".")}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_modules_over_600_lines_say_why():
+    long = []
+    for module, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        if len(lines) > 600:
+            doc = ast.get_docstring(ast.parse("\n".join(lines))) or ""
+            if "one module" not in doc and "one room" not in doc:
+                long.append(f"{module}: {len(lines)} lines, no reason in its opening docstring")
+    assert not long, "\n".join(long)
+
+
+@pytest.mark.timeout(300)
+def test_the_wheel_adds_only_the_promptsplice_name(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, text=True, cwd=tmp_path,
+    )
+    (wheel,) = tmp_path.glob("promptsplice-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"promptsplice"}
+    for room in ("dedup", "assembler", "engine_adapters/store", "engine_adapters/integrations", "kernels", "benchmarks"):
+        assert f"promptsplice/{room}/__init__.py" in names
+    assert "promptsplice/benchmarks/data/agent-sample.jsonl" in names
