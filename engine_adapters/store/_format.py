@@ -20,7 +20,9 @@ File name ``{namespace:02x}-{key hex}.kvb``; a record is first written to
 record, or a ``.tmp`` file that the next open deletes.  Both digests use
 ``promptsplice.blocks.content_digest``: this module hashes no tokens itself.
 
-This module holds no state and does not import torch at import time.
+This module holds no state and does not import torch at import time; only the disk tier
+(``_disk``) uses it.  The block identity it writes (:class:`BlockMeta`, the salt
+encoding, the dtypes) is owned by ``_tier`` and re-exported here.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from promptsplice.blocks import HASH_BYTES, content_digest, round_up
+from promptsplice.engine_adapters.store._tier import BlockMeta, dtype_name, salt_bytes, supported_dtypes
 
 if TYPE_CHECKING:
     import torch
@@ -80,44 +83,9 @@ _DTYPE_CODES: dict[str, int] = {
     "float8_e5m2": 11,
 }
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
-_ITEMSIZE = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1,
-    "int16": 2, "int32": 4, "int64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}  # fmt: skip
-
+assert set(_DTYPE_CODES) == set(supported_dtypes()), "every dtype a store holds needs a code"
 _RECORD_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})\.kvb$")
 _TEMP_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}\.kvb\.[0-9a-z_-]+\.tmp$")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """What identifies one stored block, besides its payload bytes.
-
-    ``salt`` is in the encoding of :func:`salt_bytes`, ``tokens`` the block's token ids as
-    ``token_bytes`` (little-endian uint32), so comparisons are plain byte comparisons.
-    """
-
-    namespace: int
-    key: bytes
-    salt: bytes
-    parent: bytes
-    tokens: bytes
-    shape: tuple[int, ...]
-    dtype: str
-    """torch dtype name without ``torch.`` (``"bfloat16"``)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes (shape x item size)."""
-        n = _ITEMSIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def num_layers(self) -> int:
-        """Size of the payload's first dimension (the layer dimension by convention)."""
-        return self.shape[0] if self.shape else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,31 +96,6 @@ class Header:
     fingerprint: bytes
     payload_offset: int
     total_size: int
-
-
-def salt_bytes(salt: str | bytes | None) -> bytes:
-    """The stored form of a tenant salt; ``None``, ``""`` and ``b""`` stay distinct.
-
-    Same tagging as ``promptsplice.blocks.root_hash`` (``s`` + UTF-8 for text, ``b`` +
-    raw for bytes), so two salts are equal here exactly when their chain roots are.
-    """
-    if salt is None:
-        return b""
-    if isinstance(salt, str):
-        return b"s" + salt.encode("utf-8")
-    if isinstance(salt, (bytes, bytearray, memoryview)):
-        return b"b" + bytes(salt)
-    raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
-
-
-def dtype_name(dtype: torch.dtype) -> str | None:
-    """``torch.bfloat16`` -> ``"bfloat16"``; ``None`` when records cannot hold it."""
-    name = str(dtype).removeprefix("torch.")
-    return name if name in _DTYPE_CODES else None
-
-
-def supported_dtypes() -> tuple[str, ...]:
-    return tuple(_DTYPE_CODES)
 
 
 def record_name(namespace: int, key: bytes) -> str:

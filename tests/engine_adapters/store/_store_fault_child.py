@@ -230,7 +230,7 @@ def run_full_disk(folder: str, write_behind: int, how: str) -> None:
     """Writes with room, with a full disk, retries, recovers, and crashes while full."""
     disk = _FileSizeLimit(folder) if how == "fsize" else _Filler(folder)
     warned = _Warnings()
-    logging.getLogger("promptsplice.engine_adapters.store._store").addHandler(warned)
+    logging.getLogger("promptsplice.engine_adapters.store").addHandler(warned)
     shape, dtype = FSIZE_LAYOUT
     p = math.prod(shape) * getattr(torch, dtype).itemsize
     config = writer_config(folder, write_behind)

@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from promptsplice.engine_adapters.store import _store
+from promptsplice.engine_adapters.store import _disk
 from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._store import (
     BlockRef,
@@ -46,6 +46,7 @@ SALT = "tenant-a"
 SHAPE = (2, 2, BS, 4)
 P = 1024  # payload bytes of one block: 2*2*16*4 float32
 
+STORE_LOGGER = "promptsplice.engine_adapters.store"  # the policy's and every tier's logs
 HIT_DRAM, HIT_DISK = LookupStatus.HIT_DRAM, LookupStatus.HIT_DISK
 MISS, MISMATCH, CORRUPT = LookupStatus.MISS, LookupStatus.MISMATCH, LookupStatus.CORRUPT
 
@@ -72,7 +73,12 @@ def rec_path(folder, ref: BlockRef, ns: int = 0):
 
 
 def record_files(folder) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if n != _store.LOCK_NAME)
+    return sorted(n for n in os.listdir(folder) if n != _disk.LOCK_NAME)
+
+
+def disk_keys(store: BlockStore) -> list[tuple[int, bytes]]:
+    """Keys the store's storage tiers hold, least recently used first."""
+    return [k for tier in store._lower for k in tier.keys()]
 
 
 def names(*refs: BlockRef) -> list[str]:
@@ -499,8 +505,8 @@ def _disk_full(fd, data):
 def test_full_disk_keeps_serving_from_dram_with_one_warning(tmp_path, monkeypatch, caplog):
     store = open_store(tmp_path, dram_blocks=2, disk_bytes=10 * REC)
     a, b, c, d = make_refs(4)
-    monkeypatch.setattr(_store, "_write_all", _disk_full)
-    with caplog.at_level(logging.WARNING, logger=_store.__name__):
+    monkeypatch.setattr(_disk, "_write_all", _disk_full)
+    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
         assert put_all(store, [a, b, c]) == [PutStatus.STORED] * 3  # a's write-down fails
         assert store.put(d, kv(3), salt=SALT) is PutStatus.STORED  # writes paused: b dropped
     warnings = [r for r in caplog.records if "serving from DRAM only" in r.getMessage()]
@@ -516,7 +522,7 @@ def test_disk_writes_resume_after_the_retry_interval(tmp_path, monkeypatch):
     store = open_store(tmp_path, dram_blocks=1, disk_bytes=10 * REC, disk_retry_s=0)
     a, b, c = make_refs(3)
     with monkeypatch.context() as m:
-        m.setattr(_store, "_write_all", _disk_full)
+        m.setattr(_disk, "_write_all", _disk_full)
         put_all(store, [a, b])  # a lost
     store.put(c, kv(2), salt=SALT)  # b written: the disk has room again
     assert [status(store, r) for r in (a, b, c)] == [MISS, HIT_DISK, HIT_DISK]
@@ -527,7 +533,7 @@ def test_disk_writes_resume_after_the_retry_interval(tmp_path, monkeypatch):
 def test_unusable_folder_means_dram_only_with_one_warning(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the folder should be")
-    with caplog.at_level(logging.WARNING, logger=_store.__name__):
+    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
         store = BlockStore(StoreConfig(dram_bytes=P, disk_bytes=4 * REC, disk_dir=str(blocker / "kv")))
     assert len([r for r in caplog.records if "disk tier off" in r.getMessage()]) == 1
     a, b = make_refs(2)
@@ -652,7 +658,7 @@ def test_sixteen_threads_put_and_get_concurrently(tmp_path):
     assert s.disk_hits + s.disk_misses == s.dram_misses
     assert (s.corrupt, s.mismatches, s.write_errors, s.pinned_blocks, s.pending_writes) == (0, 0, 0, 0, 0)
     present = [i for i, r in enumerate(refs) if store.contains(r, salt=SALT)]
-    assert len(present) == len(store._dram.keys() | store._disk.keys())
+    assert len(present) == len(set(store._dram.keys()) | set(disk_keys(store)))
     for i in present:  # pinned, every present block must load with its own payload
         assert store.match_prefix([refs[i]], salt=SALT, owner=("final", i)) == 1
     for i in present:
@@ -694,8 +700,8 @@ def test_close_finishes_pending_writes_for_the_next_start(tmp_path):
 def test_full_disk_on_the_background_writer(tmp_path, monkeypatch, caplog):
     store = open_store(tmp_path, dram_blocks=2, disk_bytes=10 * REC, write_behind_bytes=8 * P)
     a, b, c = make_refs(3)
-    monkeypatch.setattr(_store, "_write_all", _disk_full)
-    with caplog.at_level(logging.WARNING, logger=_store.__name__):
+    monkeypatch.setattr(_disk, "_write_all", _disk_full)
+    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
         assert put_all(store, [a, b, c]) == [PutStatus.STORED] * 3
         store.drain()
     assert len([r for r in caplog.records if "serving from DRAM only" in r.getMessage()]) == 1
@@ -851,13 +857,13 @@ def test_store_matches_a_two_tier_lru_model(layers, dram_units, disk_recs, write
                     model.dram.clear()
                 store.drain()
                 s = store.stats()
-                assert [by_key[k] for _, k in store._dram] == list(model.dram)
-                assert [by_key[k] for _, k in store._disk] == list(model.disk)
+                assert [by_key[k] for _, k in store._dram.keys()] == list(model.dram)
+                assert [by_key[k] for _, k in disk_keys(store)] == list(model.disk)
                 assert s.dram_bytes == sum(psize[k] for k in model.dram) <= dram_budget
                 assert s.disk_bytes == sum(rsize[k] for k in model.disk) <= disk_budget
                 if disk_budget:
                     assert sorted(os.listdir(folder)) == sorted(
-                        [_store.LOCK_NAME] + [fmt.record_name(0, refs[k].key) for k in model.disk]
+                        [_disk.LOCK_NAME] + [fmt.record_name(0, refs[k].key) for k in model.disk]
                     )
         finally:
             store.close()

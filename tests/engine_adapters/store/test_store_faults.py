@@ -42,7 +42,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from promptsplice.engine_adapters.store import _store
+from promptsplice.engine_adapters.store import _disk
 from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._store import BlockStore, LookupStatus, StoreConfig
 from promptsplice.blocks import content_digest, round_up
@@ -62,6 +62,7 @@ from ._store_fault_child import (
 REPO = Path(__file__).resolve().parents[3]
 CHILD = "tests.engine_adapters.store._store_fault_child"
 FP = content_digest(FINGERPRINT.encode("utf-8"))
+STORE_LOGGER = "promptsplice.engine_adapters.store"  # the policy's and every tier's logs
 HIT_DISK = LookupStatus.HIT_DISK
 MISS, MISMATCH, CORRUPT = LookupStatus.MISS, LookupStatus.MISMATCH, LookupStatus.CORRUPT
 
@@ -87,7 +88,7 @@ def _stderr(proc: subprocess.Popen) -> str:
 
 
 def _files(folder) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if n != _store.LOCK_NAME)
+    return sorted(n for n in os.listdir(folder) if n != _disk.LOCK_NAME)
 
 
 def _served(store: BlockStore, block: Block) -> bool:
@@ -257,7 +258,7 @@ def test_torn_records_at_every_length_and_every_flipped_byte_are_never_served(tm
     name and under a temporary name.  Each case opens the store on the folder and loads
     the block: it is never served (MISS or CORRUPT), the intact neighbour always is,
     and no temporary file survives the open."""
-    caplog.set_level(logging.ERROR, logger=_store.__name__)  # thousands of "deleted damaged"
+    caplog.set_level(logging.ERROR, logger=STORE_LOGGER)  # thousands of "deleted damaged"
     folder = tmp_path / "kv"
     victim, neighbour, last = sequence(7, 0)[:3]
     cfg = StoreConfig(
@@ -458,7 +459,7 @@ def test_a_zero_size_record_whose_shape_torch_cannot_hold_is_corrupt_not_an_exce
     """A self-consistent record (both digests valid) of zero payload bytes whose
     dimensions overflow torch's int64 sizes or strides: the load answers CORRUPT and
     deletes it (it used to raise torch's TypeError/RuntimeError out of ``get``)."""
-    caplog.set_level(logging.ERROR, logger=_store.__name__)
+    caplog.set_level(logging.ERROR, logger=STORE_LOGGER)
     folder = tmp_path / "kv"
     block = sequence(12, 0)[0]
     cfg = writer_config(str(folder), 0)
@@ -599,7 +600,7 @@ def test_records_replaced_behind_the_store_are_never_served_as_another_block(tmp
     blocks even pinned by ``match_prefix``) the load answers CORRUPT and deletes the
     file; after a restart the open removes what is inconsistent and the rest answers
     MISMATCH/MISS.  The other block's payload is never served under the wrong name."""
-    caplog.set_level(logging.ERROR, logger=_store.__name__)
+    caplog.set_level(logging.ERROR, logger=STORE_LOGGER)
     folder = tmp_path / "kv"
     A, B, C = sequence(11, 0)[:3]
     cfg = writer_config(str(folder), 0)
@@ -607,7 +608,7 @@ def test_records_replaced_behind_the_store_are_never_served_as_another_block(tmp
     filler = sequence(11, 1)  # 6 blocks of 2 KiB: push A, B and C out of the 8 KiB of DRAM
     for blk in (A, B, C, *filler):
         store.put(blk.ref, blk.payload(), salt=blk.salt)
-    assert store.stats().dram_blocks and not any(k[1] in (A.ref.key, B.ref.key) for k in store._dram)
+    assert store.stats().dram_blocks and not any(k[1] in (A.ref.key, B.ref.key) for k in store._dram.keys())
     a = folder / fmt.record_name(0, A.ref.key)
     b = folder / fmt.record_name(0, B.ref.key)
     orig_b = b.read_bytes()
