@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import stat
 import subprocess
 import sys
 import tempfile
@@ -528,6 +529,80 @@ def test_disk_writes_resume_after_the_retry_interval(tmp_path, monkeypatch):
     assert [status(store, r) for r in (a, b, c)] == [MISS, HIT_DISK, HIT_DISK]
     s = store.stats()
     assert (s.write_errors, s.dropped, s.disk_writes, s.disk_writable) == (1, 1, 2, True)
+
+
+def _watch_fsyncs(monkeypatch, folder, writes=lambda: None) -> list[tuple[str, list[str], object]]:
+    """Wrap the real ``os.fsync``: log each call as ("dir"|"file", the record files under
+    their final names, ``writes()``) at that moment.  A power cut cannot be produced on
+    demand; the order of what makes a record survive one can be checked."""
+    real = os.fsync
+    calls: list[tuple[str, list[str], object]] = []
+
+    def fsync(fd: int) -> None:
+        st_fd = os.fstat(fd)
+        records = [n for n in record_files(folder) if fmt.parse_record_name(n)]
+        if stat.S_ISDIR(st_fd.st_mode):
+            assert st_fd.st_ino == os.stat(folder).st_ino  # the store's folder, no other
+            calls.append(("dir", records, writes()))
+        else:
+            calls.append(("file", records, writes()))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+@pytest.mark.parametrize("write_behind", [0, 8 * P])
+def test_each_rename_is_followed_by_a_folder_fsync_before_the_write_counts(tmp_path, monkeypatch, write_behind):
+    # A rename lives in the folder's entries: without an fsync of the folder, a power
+    # cut may lose a record the store already counted as written.
+    opened: list[BlockStore] = []
+    calls = _watch_fsyncs(monkeypatch, tmp_path / "kv", lambda: opened[0].stats().disk_writes)
+    opened.append(open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC, write_behind_bytes=write_behind))
+    store = opened[0]
+    a, b, c = make_refs(3)
+    put_all(store, [a, b, c])  # a, then b written down
+    store.drain()
+    assert store.stats().disk_writes == 2
+    # fsync the temporary file, rename it, fsync the folder; only then count the write
+    assert calls == [
+        ("file", [], 0),
+        ("dir", names(a), 0),
+        ("file", names(a), 1),
+        ("dir", names(a, b), 1),
+    ]
+    assert store.flush() == 1  # c: the same steps
+    assert calls[4:] == [("file", names(a, b), 2), ("dir", names(a, b, c), 2)]
+    store.close()
+
+
+def test_no_fsync_at_all_when_the_config_says_so(tmp_path, monkeypatch):
+    calls = _watch_fsyncs(monkeypatch, tmp_path / "kv")
+    store = open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC, fsync=False)
+    put_all(store, make_refs(3))
+    assert (store.stats().disk_writes, calls) == (2, [])
+
+
+def test_a_failed_folder_fsync_is_a_write_error_not_a_write(tmp_path, monkeypatch, caplog):
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    store = open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC, disk_retry_s=0)
+    a, b, c = make_refs(3)
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+        m.setattr(os, "fsync", fsync)
+        put_all(store, [a, b])  # a renamed into place, its folder fsync fails
+    assert len([r for r in caplog.records if "Input/output error" in r.getMessage()]) == 1
+    s = store.stats()
+    assert (s.write_errors, s.disk_writes, s.dropped, s.disk_blocks) == (1, 0, 0, 1)
+    # The record is in place and verified on load like any other; the next write counts.
+    assert status(store, a) is HIT_DISK and torch.equal(store.get(a, salt=SALT).payload, kv(0))
+    store.put(c, kv(2), salt=SALT)
+    assert store.stats().disk_writes == 1
 
 
 def test_unusable_folder_means_dram_only_with_one_warning(tmp_path, caplog):
