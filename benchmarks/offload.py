@@ -20,6 +20,12 @@ connector's worker spends getting those blocks from the store tier and writing t
 the paged cache (from DRAM; from disk via a second store whose DRAM tier holds one block,
 files written just before, so the OS page cache may hold them: the disk figure is an
 upper bound on what a cold disk gives).
+
+``write_down``: what durability costs the disk tier's writer, in one run: records per
+second written inline (encode, write, fsync the file, rename) with the fsync of the
+folder after each rename (what the store does: a power cut cannot lose a record counted
+as written) and without it, same payload (one block of the bench's engine), same
+filesystem, the two modes interleaved; ``dir_fsync_slowdown`` is the ratio of the two.
 """
 
 from __future__ import annotations
@@ -116,6 +122,47 @@ def _time_loads(engine: Any, tokens: list[int], repeats: int = 5) -> tuple[float
     return dram, min(disk_times), len(refs)
 
 
+def _write_down(payload: Any, blocks: int = 32, repeats: int = 3) -> dict[str, Any]:
+    """Inline write-down rate of the disk tier with and without the folder fsync."""
+    from promptsplice.blocks import token_bytes
+    from promptsplice.engine_adapters import chain_refs
+    from promptsplice.engine_adapters.store._disk import DiskTier
+    from promptsplice.engine_adapters.store._format import record_size
+    from promptsplice.engine_adapters.store._tier import BlockMeta, Held, dtype_name, salt_bytes
+
+    shape, dtype = tuple(payload.shape), dtype_name(payload.dtype)
+    held = [
+        Held(BlockMeta(0, r.key, salt_bytes(None), r.parent, token_bytes(r.tokens), shape, dtype), payload)
+        for r in chain_refs(list(range(16 * blocks)), 16)
+    ]
+    size = record_size(held[0].meta)
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for fsync_dir in (True, False):
+            with tempfile.TemporaryDirectory(prefix="promptsplice-write-") as folder:
+                tier = DiskTier(folder, budget=size * blocks, fingerprint=bytes(16), fsync=True, fsync_dir=fsync_dir)
+                try:
+                    t0 = time.perf_counter()
+                    for h in held:
+                        job = tier.put((0, h.meta.key), h)
+                        if job is None or tier.write(job) is not True:
+                            raise RuntimeError(f"the disk tier failed to write a record in {folder}")
+                    seconds[fsync_dir].append(time.perf_counter() - t0)
+                    if tier.stats().writes != blocks:
+                        raise RuntimeError("the disk tier counted another number of writes")
+                finally:
+                    tier.close()
+    with_dir = blocks / statistics.median(seconds[True])
+    without = blocks / statistics.median(seconds[False])
+    return {
+        "blocks": blocks,
+        "record_bytes": size,
+        "records_per_s": round(with_dir, 1),
+        "records_per_s_without_dir_fsync": round(without, 1),
+        "dir_fsync_slowdown": round(without / with_dir, 3),
+    }
+
+
 def _recompute_time(engine: Any, make_prompt: Any, repeats: int = 3) -> tuple[float, list[int]]:
     """Marginal prefill time of a prompt's full blocks: uncached TTFT - cached TTFT."""
     times = []
@@ -137,7 +184,7 @@ def run_offload_bench(
     pool_prompts: float = 2.5,
     max_tokens: int = 8,
 ) -> dict[str, Any]:
-    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
+    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig, chain_refs
 
     max_len = 2 * prompt_tokens
     cfg = {"block_size": 32}
@@ -176,6 +223,10 @@ def run_offload_bench(
                         "disk_load_ms": round(disk * 1e3, 2),
                     }
                     report["store"] = engine.kv_store.stats()._asdict()
+                    one = engine.kv_store.get(chain_refs(sample, engine.block_size)[0]).payload
+                    if one is None:
+                        raise RuntimeError("the tiered store lost a block the bench just loaded")
+                    report["write_down"] = _write_down(one)
             finally:
                 engine.close()
     report["outputs_identical"] = outputs["apc"] == outputs["tiered"]
@@ -198,4 +249,11 @@ def format_offload(report: dict[str, Any]) -> str:
         f"{lt.get('recompute_ms')} ms): DRAM {report['load_vs_recompute']['dram']}x "
         f"({lt.get('dram_load_ms')} ms), disk {report['load_vs_recompute']['disk']}x ({lt.get('disk_load_ms')} ms)"
     )
+    wd = report.get("write_down")
+    if wd:
+        lines.append(
+            f"write-down ({wd['blocks']} records of {wd['record_bytes']} bytes, inline): "
+            f"{wd['records_per_s']} records/s with the folder fsync, "
+            f"{wd['records_per_s_without_dir_fsync']} without ({wd['dir_fsync_slowdown']}x)"
+        )
     return "\n".join(lines)

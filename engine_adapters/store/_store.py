@@ -153,6 +153,7 @@ class BlockStore:
         self._misses = [0, 0]
         self._mismatches = 0
         self._dropped = 0
+        self._deferred: list[Key] | None = None
         self._closed = False
         if config.disk_bytes > 0:
             assert config.disk_dir is not None
@@ -490,17 +491,24 @@ class BlockStore:
     def _write_down(self, k: Key, held: Held) -> list[tuple[StorageTier, object]]:
         """Plan the write of ``held`` to every storage tier that does not hold it yet."""
         jobs = []
-        for tier in self._lower:
-            if tier.find(k) is not None:
-                continue
-            job = tier.put(k, held)
-            if job is not None:
-                jobs.append((tier, job))
+        self._deferred = []  # a tier's refusal counts only if no other tier takes it
+        try:
+            for tier in self._lower:
+                if tier.find(k) is None:
+                    job = tier.put(k, held)
+                    if job is not None:
+                        jobs.append((tier, job))
+        finally:
+            refused, self._deferred = self._deferred, None
+        if refused:
+            self._lost(k, held)
         return jobs
 
     def _lost(self, k: Key, held: Held) -> None:
         """A storage tier will not write ``held``: dropped, unless another tier keeps it."""
-        if not self._dram.holds(k, held) and not any(t.find(k) is not None for t in self._lower):
+        if self._deferred is not None:
+            self._deferred.append(k)
+        elif not self._dram.holds(k, held) and not any(t.find(k) is not None for t in self._lower):
             self._dropped += 1
 
     def _writes(self) -> int:
