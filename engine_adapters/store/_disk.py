@@ -160,16 +160,19 @@ class DiskTier:
         self._tick = time.time_ns()
         self._closed = False
         self._evictions = self._writes = self._write_errors = self._corrupt = self._foreign = 0
+        self.folder = folder
         os.makedirs(folder, exist_ok=True)
         self._lock_file = open(os.path.join(folder, LOCK_NAME), "a+b")  # noqa: SIM115 - held open
+        self._dir_fd = -1
         try:
             self._lock_folder(folder)
             self._dir_fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        except BaseException:
+            self._load_index()
+        except BaseException:  # let the folder go: another store may use it
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
             self._lock_file.close()
             raise
-        self.folder = folder
-        self._load_index()
 
     def _lock_folder(self, folder: str) -> None:
         if fcntl is None:  # pragma: no cover - not POSIX

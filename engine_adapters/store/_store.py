@@ -22,6 +22,8 @@ Tiers and policy
       down are held outside the DRAM budget (``write_behind_bytes`` of them at most);
     * lookups are counted here (``*_hits``/``*_misses``, ``mismatches``, ``dropped``);
       what happens to a tier's storage (evictions, writes, damaged copies) by the tier.
+      A hit in any storage tier answers ``HIT_DISK`` and counts in ``disk_hits``; the
+      ``disk_*`` block, byte and storage counts are the disk tier's.
 
 Identity and collision safety
     A block is stored under ``(namespace, key)``.  In :attr:`Namespace.CHAIN` the key is

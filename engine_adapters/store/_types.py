@@ -141,7 +141,8 @@ class StoreConfig:
     """The model and KV layout that write the blocks (e.g. model, dtype, block size,
     cache layout); records of another fingerprint are not served."""
     fsync: bool = True
-    """fsync each record before its rename (off only for throwaway folders)."""
+    """fsync each record before its rename, and the folder after it, so a record
+    counted as written survives a power cut (off only for throwaway folders)."""
     disk_retry_s: float = 30.0
     """After a failed write, disk writes pause this long (then are tried again)."""
     write_behind_bytes: int = 64 * 1024 * 1024
