@@ -84,7 +84,7 @@ import threading
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from promptsplice.blocks import HASH_BYTES, BlockHash, content_digest, hash_block, token_bytes
+from promptsplice.blocks import BlockHash, content_digest, hash_block
 from promptsplice.engine_adapters.store._disk import DiskTier
 from promptsplice.engine_adapters.store._dram import DramTier
 from promptsplice.engine_adapters.store._tier import (
@@ -94,19 +94,20 @@ from promptsplice.engine_adapters.store._tier import (
     Loaded,
     Namespace,
     StorageTier,
-    dtype_name,
     new_condition,
-    salt_bytes,
-    supported_dtypes,
 )
 from promptsplice.engine_adapters.store._types import (
     BlockRef,
     Lookup,
     LookupStatus,
     PutStatus,
+    Ref,
     StoreConfig,
     StoreStats,
+    block_key,
     chain_refs,
+    own_payload,
+    parse_ref,
 )
 from promptsplice.errors import ConfigError, InputError
 
@@ -127,17 +128,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-_Ref = BlockRef | tuple[bytes, bytes, Sequence[int]]
-
-
-def _as_hash(value: object, what: str) -> bytes:
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        b = bytes(value)
-        if len(b) == HASH_BYTES:
-            return b
-    raise InputError(f"{what} must be {HASH_BYTES} bytes (a BlockHash), got {value!r:.80}")
-
 
 class BlockStore:
     """A tiered store of KV blocks (see the module doc for tiers, checks and contracts)."""
@@ -185,7 +175,7 @@ class BlockStore:
 
     def put(
         self,
-        ref: _Ref,
+        ref: Ref,
         payload: torch.Tensor,
         *,
         salt: str | bytes | None = None,
@@ -200,14 +190,14 @@ class BlockStore:
         and that nobody modifies).  Blocks this evicts from DRAM go to the background
         writer (written before ``put`` returns when ``write_behind_bytes`` is 0).
         """
-        k, salt_b, parent, tok = self._query(ref, salt, namespace)
+        k, salt_b, parent, tok = parse_ref(ref, salt, namespace)
         if k[0] == Namespace.CHAIN and hash_block(BlockHash(parent), ref[2]) != k[1]:
             raise InputError(
                 "ref.key is not the chain hash of (ref.parent, ref.tokens): build refs with "
                 "promptsplice.blocks.chain_hashes (or chain_refs), or use Namespace.CONTENT "
                 "for keys of your own"
             )
-        tensor, dtype = self._own_payload(payload, copy)
+        tensor, dtype = own_payload(payload, copy)
         held = Held(BlockMeta(k[0], k[1], salt_b, parent, tok, tuple(tensor.shape), dtype), tensor)
         with self._cond:
             self._check_open()
@@ -231,13 +221,13 @@ class BlockStore:
             return PutStatus.STORED
         return PutStatus.REJECTED
 
-    def get(self, ref: _Ref, *, salt: str | bytes | None = None, namespace: Namespace = Namespace.CHAIN) -> Lookup:
+    def get(self, ref: Ref, *, salt: str | bytes | None = None, namespace: Namespace = Namespace.CHAIN) -> Lookup:
         """Load one block, if it is stored with exactly these tokens, parent and salt.
 
         A hit in a storage tier reads and verifies the whole stored copy, then promotes
         the block to DRAM.  The payload is shared with the store: do not modify it.
         """
-        k, salt_b, parent, tok = self._query(ref, salt, namespace)
+        k, salt_b, parent, tok = parse_ref(ref, salt, namespace)
         with self._cond:
             self._check_open()
             held = self._dram.get(k)
@@ -278,12 +268,12 @@ class BlockStore:
         self._run(jobs)
         return Lookup(LookupStatus.HIT_DISK, fetched.payload)
 
-    def contains(self, ref: _Ref, *, salt: str | bytes | None = None, namespace: Namespace = Namespace.CHAIN) -> bool:
+    def contains(self, ref: Ref, *, salt: str | bytes | None = None, namespace: Namespace = Namespace.CHAIN) -> bool:
         """True when the block is stored (any tier) with these tokens, parent and salt.
 
         Index only: no file is read, no counter or LRU order changes.
         """
-        k, salt_b, parent, tok = self._query(ref, salt, namespace)
+        k, salt_b, parent, tok = parse_ref(ref, salt, namespace)
         with self._cond:
             self._check_open()
             meta = self._find(k)
@@ -291,7 +281,7 @@ class BlockStore:
 
     def match_prefix(
         self,
-        refs: Iterable[_Ref],
+        refs: Iterable[Ref],
         *,
         salt: str | bytes | None = None,
         namespace: Namespace = Namespace.CHAIN,
@@ -310,7 +300,7 @@ class BlockStore:
         if salts is not None and len(salts) != len(refs):
             raise InputError(f"salts has {len(salts)} entries for {len(refs)} refs: give one per ref")
         queries = [
-            self._query(ref, salt if salts is None else salts[i], namespace) for i, ref in enumerate(refs)
+            parse_ref(ref, salt if salts is None else salts[i], namespace) for i, ref in enumerate(refs)
         ]
         with self._cond:
             self._check_open()
@@ -340,7 +330,7 @@ class BlockStore:
 
     def discard(self, key: bytes, *, namespace: Namespace = Namespace.CHAIN) -> bool:
         """Remove the block stored under ``key`` from every tier (even if pinned)."""
-        k = (self._namespace(namespace), _as_hash(key, "key"))
+        k = block_key(key, namespace)
         with self._cond:
             self._check_open()
             found = self._dram.remove(k)
@@ -520,55 +510,6 @@ class BlockStore:
     def _run(jobs: list[tuple[StorageTier, object]]) -> list[bool | None]:
         """Carry out write-downs, in order, without the lock (see ``StorageTier.write``)."""
         return [tier.write(job) for tier, job in jobs]
-
-    # ------------------------------------------------------------------ inputs
-
-    @staticmethod
-    def _namespace(namespace: object) -> int:
-        try:
-            return int(Namespace(namespace))
-        except ValueError:
-            raise InputError(f"namespace must be a Namespace, got {namespace!r}") from None
-
-    def _query(self, ref: _Ref, salt: str | bytes | None, namespace: object) -> tuple[Key, bytes, bytes, bytes]:
-        try:
-            key, parent, tokens = ref
-        except (TypeError, ValueError):
-            raise InputError(f"a block ref is (key, parent, tokens), got {ref!r:.80}") from None
-        try:
-            tok = token_bytes(tokens)
-        except (TypeError, OverflowError, ValueError) as exc:
-            raise InputError(f"block tokens must be token ids in [0, 2**32): {exc}") from exc
-        try:
-            salt_b = salt_bytes(salt)
-        except TypeError as exc:
-            raise InputError(str(exc)) from None
-        return (self._namespace(namespace), _as_hash(key, "key")), salt_b, _as_hash(parent, "parent"), tok
-
-    @staticmethod
-    def _own_payload(payload: object, copy: bool) -> tuple[torch.Tensor, str]:
-        import torch
-
-        if not isinstance(payload, torch.Tensor):
-            raise InputError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
-        if payload.device.type != "cpu" or payload.layout != torch.strided:
-            raise InputError(
-                f"payload must be a dense CPU tensor (copy it off the device first), got "
-                f"{payload.layout} on {payload.device}"
-            )
-        name = dtype_name(payload.dtype)
-        if name is None:
-            raise InputError(f"payload dtype {payload.dtype} cannot be stored; use one of {supported_dtypes()}")
-        tensor = payload.detach()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        elif copy:
-            # A plain memcpy in this thread: torch's clone() goes through its intra-op
-            # thread pool, which the model's forward pass is using (measured 5-20 ms for
-            # a 0.7 MB block on a busy 2-core machine, vs 0.02 ms for this copy).
-            raw = tensor.reshape(-1).view(torch.uint8).numpy().copy()
-            tensor = torch.from_numpy(raw).view(tensor.dtype).reshape(tensor.shape)
-        return tensor, name
 
 
 _SHARED: dict[StoreConfig, BlockStore] = {}

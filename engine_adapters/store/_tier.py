@@ -15,9 +15,14 @@ What a storage tier must guarantee, so the policy needs no change for a new one:
   salt, parent, token ids, layout; and the store's fingerprint) against its index.
   Anything else is answered :attr:`Loaded.CORRUPT` (the bad copy removed and counted in
   ``corrupt``) or :attr:`Loaded.MISS` (gone behind the store's back): never a payload.
-* Never raising on an outage.  A failing backend (full disk, unreachable server) is
+* Never raising on an outage.  A failing write (full disk, unreachable server) is
   counted in ``write_errors``, logged once per outage, and pauses that tier's writes
-  (``writable`` false); lookups then miss in it and the other tiers keep serving.
+  (``writable`` false); a failing read answers ``MISS`` or ``CORRUPT``.  The other
+  tiers keep serving.
+* Pins and losses.  Eviction never removes a key the store's ``pinned`` test names,
+  and every planned write-down that will not happen (no room, writes paused, failed)
+  is reported through the store's ``on_lost`` callback, which counts it ``dropped``
+  unless another tier keeps the block.
 * Non-blocking writes.  :meth:`StorageTier.put` only plans a write-down (no I/O); the
   write itself (:meth:`StorageTier.write`) runs in the tier's background writer, or in
   the calling thread when write-behind is off, and the block is served from memory
@@ -27,7 +32,9 @@ What a storage tier must guarantee, so the policy needs no change for a new one:
   consult the tier's in-memory index only (``match_prefix`` reads no file and makes no
   network call); a tier indexes what it holds when it opens.
 
-Locking: a tier shares the store's lock (a :class:`threading.Condition` handed to it).
+A storage tier is built with the store's lock (``cond``), ``pinned`` test and
+``on_lost`` callback, its byte ``budget`` and the store's ``fingerprint``.
+Locking: a tier shares the store's lock (a :class:`threading.Condition`).
 The policy calls the index methods with that lock held; they never block on I/O.
 ``get``, ``write``, ``drain`` and ``close`` are called without it and take it around
 their index updates.
