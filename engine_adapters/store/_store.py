@@ -129,6 +129,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
+
 class BlockStore:
     """A tiered store of KV blocks (see the module doc for tiers, checks and contracts)."""
 

@@ -1,0 +1,51 @@
+"""``bench offload``'s ``write_down`` field: the disk tier's inline write rate with and
+without the folder fsync, measured in one run on real files (no engine needed)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import torch
+
+from promptsplice.benchmarks.offload import _write_down, format_offload
+
+
+def test_write_down_times_both_modes_and_only_one_fsyncs_the_folder(monkeypatch):
+    real = os.fsync
+    kinds: list[str] = []
+
+    def fsync(fd: int) -> None:
+        kinds.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    wd = _write_down(torch.ones(2, 2, 32, 4, dtype=torch.bfloat16), blocks=4, repeats=1)
+    assert set(wd) == {"blocks", "record_bytes", "records_per_s", "records_per_s_without_dir_fsync", "dir_fsync_slowdown"}
+    assert wd["blocks"] == 4 and wd["record_bytes"] > 2 * 2 * 32 * 4 * 2  # payload + header
+    # with the folder fsync: file, folder per record; without: the file only
+    assert kinds == ["file", "dir"] * 4 + ["file"] * 4
+    assert wd["records_per_s"] > 0 and wd["records_per_s_without_dir_fsync"] > 0
+    ratio = wd["records_per_s_without_dir_fsync"] / wd["records_per_s"]
+    assert abs(wd["dir_fsync_slowdown"] - ratio) < 0.01 * ratio + 0.01
+
+
+def test_the_offload_table_reports_the_write_down_line():
+    report = {
+        "modes": {"apc": {"prefill_tokens": 1, "cached_tokens": 0, "external_cached_tokens": 0, "wall_s": 1.0}},
+        "tiered_over_apc_prefill": 1.0,
+        "outputs_identical": True,
+        "load_vs_recompute": {"dram": 2.0, "disk": 1.5},
+        "write_down": {
+            "blocks": 32,
+            "record_bytes": 983312,
+            "records_per_s": 28.5,
+            "records_per_s_without_dir_fsync": 73.2,
+            "dir_fsync_slowdown": 2.572,
+        },
+    }
+    line = format_offload(report).splitlines()[-1]
+    assert line == (
+        "write-down (32 records of 983312 bytes, inline): 28.5 records/s with the folder fsync, "
+        "73.2 without (2.572x)"
+    )
