@@ -14,8 +14,11 @@ keys through vLLM's cache-write op and reading them back, see tests/kernels):
   ``2 * block_size * head_size`` elements holds K first, then V.  With the ``vec`` and
   ``vec16`` ISAs, K is stored *column-major* (``[head_size, block_size]``: element ``i``
   of the token at offset ``o`` is at ``o + i * block_size``) and V row-major
-  (``[block_size, head_size]``).  Other ISAs (``amx``, ``neon``, ...) store K
-  differently and are refused until verified.
+  (``[block_size, head_size]``).  With the ``amx`` ISA (bf16 on CPUs with AMX tiles)
+  both halves are tiled for the AMX dot products: K as ``[block_size/16, head_size/2,
+  16, 2]`` (channel pairs of 16-token groups) and V as ``[head_size/16, block_size/2,
+  16, 2]`` (token pairs of 16-channel groups); verified element by element through
+  vLLM's own write op.  Other ISAs (``neon``, ...) are refused until verified.
 * :class:`FlashAttnLayout`: the classic FlashAttention paged cache
   ``[2, num_blocks, block_size, kv_heads, head_size]`` (K then V on dim 0).
 * :class:`ConcatKVLayout`: vLLM's unified per-layer cache of the GPU backends (logical
@@ -43,8 +46,9 @@ __all__ = [
     "gather_blocks",
 ]
 
-#: CPU_ATTN ISAs whose block layout is verified (source + vLLM's write op, bf16/fp16/fp32).
-VERIFIED_CPU_ATTN_ISAS = ("vec", "vec16")
+#: CPU_ATTN ISAs whose block layout is verified through vLLM's write op (``vec``/``vec16``:
+#: bf16, fp16, fp32; ``amx``: bf16, the only dtype vLLM picks it for).
+VERIFIED_CPU_ATTN_ISAS = ("vec", "vec16", "amx")
 
 
 @runtime_checkable
@@ -52,16 +56,40 @@ class KVLayout(Protocol):
     """How one layer's paged KV cache stores K and V.
 
     ``block_dim`` is the axis of the cache tensor that indexes blocks (a stack of saved
-    blocks uses the same axis).  ``kv_views`` returns strided, aliasing views
-    ``K, V`` of shape ``[num_blocks, kv_heads, block_size, head_size]``.
+    blocks uses the same axis).  ``kv_views`` returns aliasing views ``K, V`` with the
+    block axis first; for most layouts they are strided views of the logical shape
+    ``[num_blocks, kv_heads, block_size, head_size]``.  A tiled layout (CPU_ATTN ``amx``)
+    cannot be one strided view: its views keep the storage's tile axes, and
+    ``to_logical`` / ``from_logical`` convert a K or V view to the logical shape (a copy)
+    and back (a view of the given tensor in storage form, for ``index_copy_``).
     """
 
     name: ClassVar[str]
     block_dim: ClassVar[int]
 
     def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every block as ``[num_blocks, kv_heads, block_size, head_size]``."""
+        """K and V of every block, block axis first (see the class docstring)."""
         ...
+
+    def to_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """A K (``which="k"``) or V view as ``[blocks, kv_heads, block_size, head_size]``."""
+        ...
+
+    def from_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """The inverse of :meth:`to_logical`: ``x`` in the storage form of the views."""
+        ...
+
+
+class _StridedLayout:
+    """Mixin of the layouts whose views already have the logical shape."""
+
+    __slots__ = ()
+
+    def to_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        return x
+
+    def from_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        return x
 
 
 def gather_blocks(layout: KVLayout, cache: torch.Tensor, block_ids) -> torch.Tensor:
@@ -85,14 +113,16 @@ class CpuAttnLayout:
 
     ``isa`` is the attention ISA vLLM chose for the layer: read it from the engine
     (``layer.isa``, set by ``CPUAttentionMetadataBuilder``) or, outside the engine, from
-    :func:`detect_cpu_attn_isa`.  Only :data:`VERIFIED_CPU_ATTN_ISAS` are accepted: the
-    AMX path, for one, writes K in another order, and rotating a wrongly read K corrupts
-    it (relative error above 1, worse than not rotating at all).
+    :func:`detect_cpu_attn_isa`.  Only :data:`VERIFIED_CPU_ATTN_ISAS` are accepted: each
+    ISA orders K its own way (``vec`` transposed, ``amx`` tiled), and rotating a wrongly
+    read K corrupts it (relative error above 1, worse than not rotating at all).
     """
 
     isa: str = "vec"
     name: ClassVar[str] = "cpu_attn"
     block_dim: ClassVar[int] = 0
+    #: Tile edge of the ``amx`` layout (tokens of a K tile, channels of a V tile).
+    AMX_TILE: ClassVar[int] = 16
 
     def __post_init__(self) -> None:
         if self.isa not in VERIFIED_CPU_ATTN_ISAS:
@@ -119,13 +149,45 @@ class CpuAttnLayout:
                 "CPU_ATTN cache blocks must be dense per (block, head): "
                 f"strides {cache.stride()} do not allow it"
             ) from exc
+        if self.isa == "amx":
+            tile = self.AMX_TILE
+            if cache.dtype != torch.bfloat16 or bs % tile or hd % tile:
+                raise InputError(
+                    f"CPU_ATTN amx cache must be bfloat16 with block_size and head_size "
+                    f"multiples of {tile}, got {cache.dtype}, block_size {bs}, head_size {hd}"
+                )
+            # K: [bs/16, hd/2, 16 tokens, 2 channels]; V: [hd/16, bs/2, 16 channels, 2 tokens].
+            k = flat[..., : bs * hd].unflatten(-1, (bs // tile, hd // 2, tile, 2))
+            v = flat[..., bs * hd :].unflatten(-1, (hd // tile, bs // 2, tile, 2))
+            return k, v
         k = flat[..., : bs * hd].unflatten(-1, (hd, bs)).transpose(-1, -2)
         v = flat[..., bs * hd :].unflatten(-1, (bs, hd))
         return k, v
 
+    def to_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """``[n, H, bs, hd]``: the view itself (``vec``), a copy out of the tiles (``amx``)."""
+        if self.isa != "amx":
+            return x
+        n, heads = x.shape[:2]
+        if which == "k":  # [n, H, bs/16, hd/2, 16, 2] -> [n, H, bs/16, 16, hd/2, 2]
+            g, p, t, two = x.shape[2:]
+            return x.permute(0, 1, 2, 4, 3, 5).reshape(n, heads, g * t, p * two)
+        cg, tp, c, two = x.shape[2:]  # [n, H, hd/16, bs/2, 16, 2] -> [n, H, bs/2, 2, hd/16, 16]
+        return x.permute(0, 1, 3, 5, 2, 4).reshape(n, heads, tp * two, cg * c)
+
+    def from_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """``x`` (``[n, H, bs, hd]``) viewed in the storage form of :meth:`kv_views`."""
+        if self.isa != "amx":
+            return x
+        n, heads, bs, hd = x.shape
+        tile = self.AMX_TILE
+        if which == "k":
+            return x.reshape(n, heads, bs // tile, tile, hd // 2, 2).permute(0, 1, 2, 4, 3, 5)
+        return x.reshape(n, heads, bs // 2, 2, hd // tile, tile).permute(0, 1, 4, 2, 5, 3)
+
 
 @dataclass(frozen=True, slots=True)
-class FlashAttnLayout:
+class FlashAttnLayout(_StridedLayout):
     """The classic FlashAttention paged cache ``[2, num_blocks, block_size, kv_heads,
     head_size]``: K at index 0, V at index 1 (vLLM's FlashAttention backend before the
     unified per-layer cache)."""
@@ -145,7 +207,7 @@ class FlashAttnLayout:
 
 
 @dataclass(frozen=True, slots=True)
-class ConcatKVLayout:
+class ConcatKVLayout(_StridedLayout):
     """vLLM's unified per-layer cache of its GPU backends: logical ``[num_blocks,
     kv_heads, block_size, 2 * head_size]`` with K in channels ``[0, head_size)`` and V
     in ``[head_size, 2 * head_size)``.  The tensor's own strides give the physical

@@ -150,10 +150,11 @@ def relocate_blocks(
             f"src_blocks blocks are [kv_heads, block_size, head_size]={tuple(k_src.shape[1:])}, "
             f"the cache's are {tuple(k_dst.shape[1:])}"
         )
-    if k_dst.shape[-1] != rope.head_size:
+    head_size = layout.to_logical(k_dst[:0], "k").shape[-1]  # an empty slice: no copy
+    if head_size != rope.head_size:
         raise ConfigError(
             f"rope.head_size={rope.head_size} does not match the cache's head size "
-            f"{k_dst.shape[-1]}"
+            f"{head_size}"
         )
     n, num_blocks = k_src.shape[0], k_dst.shape[0]
 
@@ -180,5 +181,12 @@ def relocate_blocks(
     if n == 0:
         return
     cos, sin = cos_sin_table(d, rope, torch.float32)
-    run = relocate_triton if which == "triton" else relocate_torch
-    run(k_dst, v_dst, k_src, v_src, ids, cos.contiguous(), sin.contiguous(), rope)
+    if which == "triton":
+        if k_dst.dim() != 4:
+            raise ConfigError(
+                f"the Triton kernel takes strided layouts; {layout!r} is tiled (CPU only): "
+                "use impl='torch'"
+            )
+        relocate_triton(k_dst, v_dst, k_src, v_src, ids, cos.contiguous(), sin.contiguous(), rope)
+    else:
+        relocate_torch(k_dst, v_dst, k_src, v_src, ids, cos.contiguous(), sin.contiguous(), rope, layout)

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from ._layout import KVLayout
 from ._rope import RopeConfig
 
 __all__ = ["cos_sin_table", "rotate_inplace", "relocate_torch"]
@@ -65,16 +66,21 @@ def relocate_torch(
     cos: torch.Tensor,
     sin: torch.Tensor,
     rope: RopeConfig,
+    layout: KVLayout | None = None,
 ) -> None:
     """Write rotated ``k_src`` and unchanged ``v_src`` into blocks ``dst_ids``.
 
-    All four K/V tensors are ``[blocks, kv_heads, block_size, head_size]`` views (any
-    strides); ``cos``/``sin`` are float32 ``[n or 1, P]``.  Validation is the caller's.
+    The four K/V tensors are ``layout.kv_views`` (block axis first; without a layout,
+    ``[blocks, kv_heads, block_size, head_size]`` views of any strides); K is rotated in
+    the logical shape and written back in the storage form.  ``cos``/``sin`` are float32
+    ``[n or 1, P]``.  Validation is the caller's.
     Passes over the data: one copy to float32, the rotation in place on it, one cast
     back, and the scatter of K and V into the cache.
     """
     compute = torch.float64 if k_src.dtype == torch.float64 else torch.float32
-    k = k_src.to(compute, copy=True)
+    logical = layout.to_logical(k_src, "k") if layout is not None else k_src
+    k = logical.to(compute, copy=True)
     rotate_inplace(k, cos.to(compute)[:, None, None, :], sin.to(compute)[:, None, None, :], rope)
-    k_dst.index_copy_(0, dst_ids, k.to(k_dst.dtype))
+    k = k.to(k_dst.dtype)
+    k_dst.index_copy_(0, dst_ids, layout.from_logical(k, "k") if layout is not None else k)
     v_dst.index_copy_(0, dst_ids, v_src)
