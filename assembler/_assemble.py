@@ -27,9 +27,11 @@ from promptsplice.assembler._mirror import PrefixCacheMirror
 from promptsplice.assembler._ordering import (
     AlignPolicy,
     OrderPolicy,
+    PeekBranches,
     PopularityTracker,
     parse_align,
     parse_order,
+    pick_best,
 )
 from promptsplice.assembler._token_cache import TokenCache
 from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
@@ -264,23 +266,12 @@ class Assembler:
         query_toks = toks[-1]
 
         with self._lock:
-            order = self._order(kept, order_policy)
-            builder = LayoutBuilder(
-                self.block_size,
-                self.tokenizer.filler_token_id,
-                align,
-                self.mirror,
-                salt,
-                self.branches if learn else BranchMemory(),
-            )
-            for (kind, _), t in zip(head, head_toks):
-                builder.append(kind, (), t, paddable=True)
+            branches = self.branches if learn else BranchMemory()
             if order_policy is OrderPolicy.CACHE_AWARE:
-                order = self._cache_aware(builder, kept, chunk_toks, order)
+                builder, order = self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks)
             else:
-                for idx in order:
-                    self._append_chunk(builder, kept[idx], chunk_toks[idx])
-            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+                order = self._order(kept, order_policy)
+                builder = self._layout(branches, salt, align, head, head_toks, kept, chunk_toks, order, query_toks)
             hashes = builder.finish()
             tokens = builder.tokens
             if limit is not None and len(tokens) > limit:
@@ -347,7 +338,73 @@ class Assembler:
         ids = tuple(o.id for o in chunk.origins)
         builder.append(SegmentKind.CHUNK, ids, toks, paddable=True, pad_prev=pad_prev)
 
+    def _layout(
+        self,
+        branches: Any,
+        salt: str | None,
+        align: AlignPolicy,
+        head: list[tuple[SegmentKind, str]],
+        head_toks: Sequence[Sequence[int]],
+        kept: list[KeptChunk],
+        chunk_toks: Sequence[Sequence[int]],
+        order: Sequence[int] | None,
+        query_toks: Sequence[int] | None,
+    ) -> LayoutBuilder:
+        """Lay out the head, the chunks in ``order`` (none when None) and the query (none
+        when None) on the mirror; the builder is not finished."""
+        builder = LayoutBuilder(
+            self.block_size, self.tokenizer.filler_token_id, align, self.mirror, salt, branches
+        )
+        for (kind, _), t in zip(head, head_toks):
+            builder.append(kind, (), t, paddable=True)
+        for idx in order or ():
+            self._append_chunk(builder, kept[idx], chunk_toks[idx])
+        if query_toks is not None:
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+        return builder
+
+    def _cached_tokens(self, builder: LayoutBuilder) -> int:
+        """Cached tokens the mirror predicts for a complete, unfinished layout."""
+        bs = self.block_size
+        hit = min(builder.hit_blocks, max(0, (len(builder.tokens) - 1) // bs))
+        return 0 if hit * bs < self.mirror.min_hit_tokens else hit * bs
+
     def _cache_aware(
+        self,
+        branches: BranchMemory,
+        salt: str | None,
+        align: AlignPolicy,
+        head: list[tuple[SegmentKind, str]],
+        head_toks: Sequence[Sequence[int]],
+        kept: list[KeptChunk],
+        chunk_toks: Sequence[Sequence[int]],
+        query_toks: Sequence[int],
+    ) -> tuple[LayoutBuilder, list[int]]:
+        """Lay out every candidate order on the mirror and keep the best (see
+        :mod:`promptsplice.assembler._ordering`): the last-sent order, the stable order,
+        the retrieval order, and -- unless one of those is cached to its last full
+        block -- the greedy walk.  The winner's branch-memory queries are replayed."""
+        stable = self._order(kept, OrderPolicy.STABLE)
+        orders: list[list[int]] = []
+        last = self.popularity.last_sent([k.digest for k in kept]) if len(kept) > 1 else None
+        for order in (last, stable, list(range(len(kept)))):
+            if order is not None and order not in orders:
+                orders.append(order)
+        trials: list[tuple[LayoutBuilder, list[int], PeekBranches]] = []
+        for order in orders:
+            peek = PeekBranches(branches)
+            trials.append((self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, order, query_toks), order, peek))
+        if len(kept) > 1 and not any(b.hitting for b, _, _ in trials):
+            peek = PeekBranches(branches)
+            builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
+            order = self._greedy(builder, kept, chunk_toks, stable)
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+            trials.append((builder, order, peek))
+        builder, order, peek = trials[pick_best([self._cached_tokens(b) for b, _, _ in trials])]
+        peek.replay()
+        return builder, order
+
+    def _greedy(
         self,
         builder: LayoutBuilder,
         kept: list[KeptChunk],
