@@ -266,7 +266,8 @@ class Assembler:
         query_toks = toks[-1]
 
         with self._lock:
-            branches = self.branches if learn else BranchMemory()
+            # A preview (learn=False) pads as the real send would, without counting.
+            branches = self.branches if learn else PeekBranches(self.branches)
             if order_policy is OrderPolicy.CACHE_AWARE:
                 builder, order = self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks)
             else:
@@ -363,15 +364,16 @@ class Assembler:
             builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
         return builder
 
-    def _cached_tokens(self, builder: LayoutBuilder) -> int:
-        """Cached tokens the mirror predicts for a complete, unfinished layout."""
+    def _cached_tokens(self, builder: LayoutBuilder, num_tokens: int) -> int:
+        """Cached tokens the mirror predicts for a layout of ``num_tokens`` tokens whose
+        first blocks are in ``builder`` (unfinished)."""
         bs = self.block_size
-        hit = min(builder.hit_blocks, max(0, (len(builder.tokens) - 1) // bs))
+        hit = min(builder.hit_blocks, max(0, (num_tokens - 1) // bs))
         return 0 if hit * bs < self.mirror.min_hit_tokens else hit * bs
 
     def _cache_aware(
         self,
-        branches: BranchMemory,
+        branches: BranchMemory | PeekBranches,
         salt: str | None,
         align: AlignPolicy,
         head: list[tuple[SegmentKind, str]],
@@ -383,24 +385,44 @@ class Assembler:
         """Lay out every candidate order on the mirror and keep the best (see
         :mod:`promptsplice.assembler._ordering`): the last-sent order, the stable order,
         the retrieval order, and -- unless one of those is cached to its last full
-        block -- the greedy walk.  The winner's branch-memory queries are replayed."""
+        block -- the greedy walk.  The winner's branch-memory queries are replayed.
+
+        A trial stops appending at its first miss (nothing after it hits, and ``auto``
+        and ``none`` add no padding there): only the winner is completed."""
         stable = self._order(kept, OrderPolicy.STABLE)
         orders: list[list[int]] = []
         last = self.popularity.last_sent([k.digest for k in kept]) if len(kept) > 1 else None
         for order in (last, stable, list(range(len(kept)))):
             if order is not None and order not in orders:
                 orders.append(order)
-        trials: list[tuple[LayoutBuilder, list[int], PeekBranches]] = []
+        lazy = align is not AlignPolicy.ALL
+        trials: list[tuple[LayoutBuilder, list[int], PeekBranches, int, int]] = []  # ..., chunks laid, tokens
         for order in orders:
             peek = PeekBranches(branches)
-            trials.append((self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, order, query_toks), order, peek))
-        if len(kept) > 1 and not any(b.hitting for b, _, _ in trials):
+            builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
+            done = 0
+            for idx in order:
+                if lazy and not builder.hitting:
+                    break
+                self._append_chunk(builder, kept[idx], chunk_toks[idx])
+                done += 1
+            if done == len(order):
+                builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+                n = len(builder.tokens)
+            else:
+                n = len(builder.tokens) + sum(len(chunk_toks[i]) for i in order[done:]) + len(query_toks)
+            trials.append((builder, order, peek, done, n))
+        if len(kept) > 1 and not any(t[0].hitting for t in trials):
             peek = PeekBranches(branches)
             builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
             order = self._greedy(builder, kept, chunk_toks, stable)
             builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
-            trials.append((builder, order, peek))
-        builder, order, peek = trials[pick_best([self._cached_tokens(b) for b, _, _ in trials])]
+            trials.append((builder, order, peek, len(order), len(builder.tokens)))
+        builder, order, peek, done, _ = trials[pick_best([self._cached_tokens(t[0], t[4]) for t in trials])]
+        if done < len(order):  # complete the winner
+            for idx in order[done:]:
+                self._append_chunk(builder, kept[idx], chunk_toks[idx])
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
         peek.replay()
         return builder, order
 

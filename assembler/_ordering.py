@@ -181,6 +181,9 @@ class PeekBranches:
         self.branches = branches
         self.keys: list[bytes] = []
 
+    def peek(self, key: bytes) -> bool:
+        return self.branches.peek(key)  # type: ignore[attr-defined]
+
     def check_and_record(self, key: bytes) -> bool:
         self.keys.append(key)
         return self.branches.peek(key)  # type: ignore[attr-defined]

@@ -288,7 +288,7 @@ def generate_family(
         raise ConfigError(f"trace family {spec.name!r}: its source has no documents")
     rng = random.Random(f"promptsplice-rag:{spec.name}:{seed}")
     nrng = np.random.default_rng(rng.getrandbits(128))
-    docs = list(docs)
+    docs = _unique_titles(docs)
     prim: list[_Chunk] = []
     sents: dict[int, list[_Chunk]] = {}
     slugs: set[str] = set()
@@ -331,6 +331,17 @@ def generate_family(
         out.append(RagRequest(id=f"r{n:05d}", system=spec.systems[int(system_of[n])],
                               chunks=[RagChunk(c.id, c.text, dict(c.metadata)) for c in results[query]],
                               query=query))
+    return out
+
+
+def _unique_titles(docs: Sequence[SourceDoc]) -> list[SourceDoc]:
+    """A title names one text (it is the chunks' ``source``): later namesakes get `` (n)``."""
+    seen: dict[str, int] = {}
+    out = []
+    for doc in docs:
+        n = seen.get(doc.title, 0) + 1
+        seen[doc.title] = n
+        out.append(doc if n == 1 else SourceDoc(f"{doc.title} ({n})", doc.text, doc.url))
     return out
 
 
