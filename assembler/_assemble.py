@@ -522,7 +522,7 @@ def assemble_prompt(
     tools: Sequence[Mapping[str, Any]] | None = None,
     tokenizer: Tokenizer | str | None = None,
     block_size: int | None = None,
-    policy: str | OrderPolicy = "stable",
+    policy: str | OrderPolicy = "cache_aware",
     alignment: str | AlignPolicy = "auto",
     salt: str | None = None,
     max_tokens: int | None = None,
@@ -534,7 +534,8 @@ def assemble_prompt(
 
     ``chunks`` are str, bytes, dicts with ``text``/``id``/``metadata`` or LangChain
     ``Document``s.  ``block_size`` defaults to 16 (the assembler's when one is
-    given; take it from the engine).  ``policy`` is ``retrieval``, ``stable`` or ``cache_aware``;
+    given; take it from the engine).  ``policy`` is ``retrieval``, ``stable`` or ``cache_aware``
+    (the default: best on the worst trace family of ``promptsplice bench assemble --suite``);
     ``alignment`` is ``auto``, ``none`` or ``all``.  ``salt`` isolates a tenant's
     cache entries (pass the same value to the engine as ``cache_salt``).  Without an
     ``assembler``, a process-wide default per ``(tokenizer, block_size)`` keeps the
