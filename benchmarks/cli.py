@@ -75,7 +75,19 @@ def _cmd_bench_assemble(args: argparse.Namespace) -> int:
 
 def _cmd_bench_rag(args: argparse.Namespace) -> int:
     from promptsplice.benchmarks.rag import run_rag_bench
+    from promptsplice.errors import ConfigError
 
+    if args.suite:
+        from promptsplice.benchmarks.rag_suite import run_rag_suite
+
+        return run_rag_suite(
+            json_out=args.json, families=args.families.split(",") if args.families else None,
+            requests=args.requests, seed=args.seed, trace_dir=args.trace_dir, policy=args.policy,
+            alignment=args.alignment, max_tokens=args.max_tokens,
+            recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
+        )
+    if not args.trace:
+        raise ConfigError("bench rag needs --trace FILE (or --suite for every trace family)")
     return run_rag_bench(
         trace=args.trace,
         json_out=args.json,
@@ -186,7 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     asm.set_defaults(func=_cmd_bench_assemble)
 
     rag = bsub.add_parser("rag", help="a RAG trace through the embedded vLLM engine")
-    rag.add_argument("--trace", required=True, help="RAG trace, JSONL")
+    rag.add_argument("--trace", default=None, help="RAG trace, JSONL")
+    rag.add_argument("--suite", action="store_true", help="every trace family (--requests each, default 60)")
+    rag.add_argument("--families", default=None, help="--suite: comma-separated families (default: all)")
+    rag.add_argument("--seed", type=int, default=0, help="--suite: trace seed")
+    rag.add_argument("--trace-dir", default=None, help="--suite: where the family traces are written")
     rag.add_argument("--json", required=True, help="where to write the JSON report")
     rag.add_argument("--requests", type=int, default=None, help="only the first N requests")
     rag.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")

@@ -29,10 +29,14 @@ from promptsplice.benchmarks.traces_families import (
     generate_support,
     generate_tools,
 )
-from promptsplice.benchmarks.traces_format import (
+from promptsplice.benchmarks.traces_format import (  # the strict JSON helpers: agent_traces reads them here
     BYTE_SPAN,
     RagChunk,
     RagRequest,
+    _finite_float,
+    _lone_surrogate,
+    _reject_constant,
+    _strict_object,
     dump_rag_trace,
     iter_rag_trace,
     read_rag_trace,
@@ -63,7 +67,8 @@ __all__ = [
     "shape_stats",
 ]
 
-_ = _wiki_records  # re-exported for tests that clear its cache
+# re-exported: tests clear the leads cache here; agent_traces shares the strict reader
+_ = (_wiki_records, _finite_float, _lone_surrogate, _reject_constant, _strict_object)
 
 
 def _wiki(profile: str) -> Callable[..., list[RagRequest]]:

@@ -144,3 +144,4 @@ def test_suite_reports_each_family_and_the_worst_and_survives_broken_ones(tmp_pa
     assert "| tools | 32 |" in text and "**worst**" in text and "failed: empty" in text
     assert set(json.loads(out.read_text())["families"]) == {"tools", "empty"}
     assert main(["bench", "assemble", "--json", str(out)]) == 2  # neither --trace nor --suite
+
