@@ -77,6 +77,27 @@ def test_an_exact_repeat_keeps_the_order_whose_blocks_are_cached(default_tok):
     assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
 
 
+def test_a_longer_cached_branch_does_not_reorder_an_exact_repeat(default_tok):
+    """The greedy walk alone re-ordered this repeat: the set {short, long} was sent as
+    [short, long]; a later request cached [long, ...] right after the system prompt, so
+    for the repeat the walk took ``long`` first (more cached blocks) and lost the rest."""
+    system = "You are a careful assistant. Answer from the passages and cite them by number."
+    short = {"id": "short", "text": "Passage S: " + " ".join(WORDS[:20]) + "."}
+    for k in range(8):
+        long = {"id": "long", "text": f"Passage L{k}: " + " ".join(WORDS * 3) + "."}
+        probe = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
+        if probe.assemble([long, short], query="q", system=system, admit=False, learn=False).chunk_order[0] == "short":
+            break
+    asm = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
+    first = asm.assemble([long, short], query="which?", system=system)
+    assert first.chunk_order == ["short", "long"]
+    other = asm.assemble([POOL[3], long], query="other?", system=system)
+    assert other.chunk_order[0] == "long"  # more popular now: it comes first
+    again = asm.assemble([long, short], query="which?", system=system)
+    assert again.chunk_order == ["short", "long"]
+    assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
+
+
 def test_remember_keeps_the_stable_order_apart_from_the_sent_order():
     tracker = PopularityTracker()
     digests = [content_digest(bytes([i])) for i in range(4)]
