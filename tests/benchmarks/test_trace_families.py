@@ -113,3 +113,19 @@ def test_gen_trace_cli_takes_a_family(tmp_path, capsys):
     assert read_rag_trace(wiki) == generate_family_trace("wiki-diverse", requests=20, seed=0)
     assert main(["bench", "gen-trace", "--family", "bogus", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_families_do_not_depend_on_the_hash_seed(suite):
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    code = ("import hashlib, json\nfrom promptsplice.benchmarks.traces import generate_family_trace as g\n"
+            "print(' '.join(hashlib.sha256(json.dumps([r.to_json() for r in g(f, requests=120, seed=0)]).encode())"
+            ".hexdigest() for f in %r))" % (NEW,))
+    want = " ".join(hashlib.sha256(json.dumps([r.to_json() for r in suite[f]]).encode()).hexdigest() for f in NEW)
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
