@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from promptsplice.errors import ConfigError, TraceFormatError
 
 __all__ = [
@@ -237,10 +235,11 @@ def _check_span(meta: dict, text: str, where: str, prefix: str) -> None:
 
 
 class _SourceBytes:
-    """What the chunks read so far say about each source document's bytes."""
+    """What the chunks read so far say about each source document's bytes: the distinct
+    spans of each source (sparse, so a huge offset costs nothing)."""
 
     def __init__(self) -> None:
-        self._docs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # bytes, line that set them
+        self._docs: dict[str, dict[tuple[int, int], tuple[bytes, int]]] = {}
 
     def check(self, req: RagRequest, where: str, lineno: int) -> None:
         for i, c in enumerate(req.chunks):
@@ -248,22 +247,19 @@ class _SourceBytes:
             if BYTE_SPAN not in c.metadata or not isinstance(src, str):
                 continue
             a, b = c.metadata[BYTE_SPAN]
-            data = np.frombuffer(c.text.encode("utf-8"), dtype=np.uint8)
-            buf, line = self._docs.get(src, (np.zeros(0, np.uint8), np.zeros(0, np.int64)))
-            if len(buf) < b:
-                grow = max(b, 2 * len(buf))
-                buf = np.concatenate([buf, np.zeros(grow - len(buf), np.uint8)])
-                line = np.concatenate([line, np.zeros(grow - len(line), np.int64)])
-            known = line[a:b] > 0
-            bad = np.flatnonzero(known & (buf[a:b] != data))
-            if len(bad):
-                k = int(bad[0])
-                raise _fail(where, f"field 'chunks[{i}].metadata.{BYTE_SPAN}': byte {a + k} of "
-                                   f"source {src!r} differs from what line {int(line[a + k])} "
-                                   f"gave for it; the offsets do not match the text")
-            buf[a:b] = data
-            line[a:b] = np.where(known, line[a:b], lineno)
-            self._docs[src] = (buf, line)
+            data = c.text.encode("utf-8")
+            spans = self._docs.setdefault(src, {})
+            same = spans.get((a, b))
+            if same is not None and same[0] == data:
+                continue
+            for (x, y), (old, line) in ([((a, b), same)] if same is not None else spans.items()):
+                lo, hi = max(a, x), min(b, y)
+                if lo < hi and data[lo - a : hi - a] != old[lo - x : hi - x]:
+                    k = next(k for k in range(hi - lo) if data[lo - a + k] != old[lo - x + k])
+                    raise _fail(where, f"field 'chunks[{i}].metadata.{BYTE_SPAN}': byte {lo + k} of "
+                                       f"source {src!r} differs from what line {line} gave for it; "
+                                       f"the offsets do not match the text")
+            spans[(a, b)] = (data, lineno)
 
 
 def iter_rag_trace(path: str | os.PathLike[str]) -> Iterator[RagRequest]:

@@ -129,3 +129,15 @@ def test_families_do_not_depend_on_the_hash_seed(suite):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
+
+
+def test_a_huge_offset_costs_nothing(tmp_path):
+    """Spans are kept sparse: an offset of 10**15 is checked without a buffer that large."""
+    path = tmp_path / "t.jsonl"
+    far = {"id": "c", "text": "hello", "metadata": {"source": "D", BYTE_SPAN: [10**15, 10**15 + 5]}}
+    clash = {"id": "d", "text": "jello", "metadata": {"source": "D", BYTE_SPAN: [10**15, 10**15 + 5]}}
+    path.write_text(_line("r1", [far]) + "\n")
+    assert len(read_rag_trace(path)) == 1
+    path.write_text(_line("r1", [far]) + "\n" + _line("r2", [clash]) + "\n")
+    with pytest.raises(TraceFormatError, match=f":2: .*byte {10**15} of source 'D' differs from what line 1"):
+        read_rag_trace(path)
