@@ -27,9 +27,11 @@ from promptsplice.assembler._mirror import PrefixCacheMirror
 from promptsplice.assembler._ordering import (
     AlignPolicy,
     OrderPolicy,
+    PeekBranches,
     PopularityTracker,
     parse_align,
     parse_order,
+    pick_best,
 )
 from promptsplice.assembler._token_cache import TokenCache
 from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
@@ -264,23 +266,13 @@ class Assembler:
         query_toks = toks[-1]
 
         with self._lock:
-            order = self._order(kept, order_policy)
-            builder = LayoutBuilder(
-                self.block_size,
-                self.tokenizer.filler_token_id,
-                align,
-                self.mirror,
-                salt,
-                self.branches if learn else BranchMemory(),
-            )
-            for (kind, _), t in zip(head, head_toks):
-                builder.append(kind, (), t, paddable=True)
+            # A preview (learn=False) pads as the real send would, without counting.
+            branches = self.branches if learn else PeekBranches(self.branches)
             if order_policy is OrderPolicy.CACHE_AWARE:
-                order = self._cache_aware(builder, kept, chunk_toks, order)
+                builder, order = self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks)
             else:
-                for idx in order:
-                    self._append_chunk(builder, kept[idx], chunk_toks[idx])
-            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+                order = self._order(kept, order_policy)
+                builder = self._layout(branches, salt, align, head, head_toks, kept, chunk_toks, order, query_toks)
             hashes = builder.finish()
             tokens = builder.tokens
             if limit is not None and len(tokens) > limit:
@@ -347,7 +339,94 @@ class Assembler:
         ids = tuple(o.id for o in chunk.origins)
         builder.append(SegmentKind.CHUNK, ids, toks, paddable=True, pad_prev=pad_prev)
 
+    def _layout(
+        self,
+        branches: Any,
+        salt: str | None,
+        align: AlignPolicy,
+        head: list[tuple[SegmentKind, str]],
+        head_toks: Sequence[Sequence[int]],
+        kept: list[KeptChunk],
+        chunk_toks: Sequence[Sequence[int]],
+        order: Sequence[int] | None,
+        query_toks: Sequence[int] | None,
+    ) -> LayoutBuilder:
+        """Lay out the head, the chunks in ``order`` (none when None) and the query (none
+        when None) on the mirror; the builder is not finished."""
+        builder = LayoutBuilder(
+            self.block_size, self.tokenizer.filler_token_id, align, self.mirror, salt, branches
+        )
+        for (kind, _), t in zip(head, head_toks):
+            builder.append(kind, (), t, paddable=True)
+        for idx in order or ():
+            self._append_chunk(builder, kept[idx], chunk_toks[idx])
+        if query_toks is not None:
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+        return builder
+
+    def _cached_tokens(self, builder: LayoutBuilder, num_tokens: int) -> int:
+        """Cached tokens the mirror predicts for a layout of ``num_tokens`` tokens whose
+        first blocks are in ``builder`` (unfinished)."""
+        bs = self.block_size
+        hit = min(builder.hit_blocks, max(0, (num_tokens - 1) // bs))
+        return 0 if hit * bs < self.mirror.min_hit_tokens else hit * bs
+
     def _cache_aware(
+        self,
+        branches: BranchMemory | PeekBranches,
+        salt: str | None,
+        align: AlignPolicy,
+        head: list[tuple[SegmentKind, str]],
+        head_toks: Sequence[Sequence[int]],
+        kept: list[KeptChunk],
+        chunk_toks: Sequence[Sequence[int]],
+        query_toks: Sequence[int],
+    ) -> tuple[LayoutBuilder, list[int]]:
+        """Lay out every candidate order on the mirror and keep the best (see
+        :mod:`promptsplice.assembler._ordering`): the last-sent order, the stable order,
+        the retrieval order, and -- unless one of those is cached to its last full
+        block -- the greedy walk.  The winner's branch-memory queries are replayed.
+
+        A trial stops appending at its first miss (nothing after it hits, and ``auto``
+        and ``none`` add no padding there): only the winner is completed."""
+        stable = self._order(kept, OrderPolicy.STABLE)
+        orders: list[list[int]] = []
+        last = self.popularity.last_sent([k.digest for k in kept]) if len(kept) > 1 else None
+        for order in (last, stable, list(range(len(kept)))):
+            if order is not None and order not in orders:
+                orders.append(order)
+        lazy = align is not AlignPolicy.ALL
+        trials: list[tuple[LayoutBuilder, list[int], PeekBranches, int, int]] = []  # ..., chunks laid, tokens
+        for order in orders:
+            peek = PeekBranches(branches)
+            builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
+            done = 0
+            for idx in order:
+                if lazy and not builder.hitting:
+                    break
+                self._append_chunk(builder, kept[idx], chunk_toks[idx])
+                done += 1
+            if done == len(order):
+                builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+                n = len(builder.tokens)
+            else:
+                n = len(builder.tokens) + sum(len(chunk_toks[i]) for i in order[done:]) + len(query_toks)
+            trials.append((builder, order, peek, done, n))
+        if len(kept) > 1 and not any(t[0].hitting for t in trials):
+            peek = PeekBranches(branches)
+            builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
+            order = self._greedy(builder, kept, chunk_toks, stable)
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+            trials.append((builder, order, peek, len(order), len(builder.tokens)))
+        builder, order, peek, done, _ = trials[pick_best([self._cached_tokens(t[0], t[4]) for t in trials])]
+        if done < len(order):  # complete the winner
+            for idx in order[done:]:
+                self._append_chunk(builder, kept[idx], chunk_toks[idx])
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+        peek.replay()
+        return builder, order
+
+    def _greedy(
         self,
         builder: LayoutBuilder,
         kept: list[KeptChunk],
@@ -443,7 +522,7 @@ def assemble_prompt(
     tools: Sequence[Mapping[str, Any]] | None = None,
     tokenizer: Tokenizer | str | None = None,
     block_size: int | None = None,
-    policy: str | OrderPolicy = "stable",
+    policy: str | OrderPolicy = "cache_aware",
     alignment: str | AlignPolicy = "auto",
     salt: str | None = None,
     max_tokens: int | None = None,
@@ -455,7 +534,8 @@ def assemble_prompt(
 
     ``chunks`` are str, bytes, dicts with ``text``/``id``/``metadata`` or LangChain
     ``Document``s.  ``block_size`` defaults to 16 (the assembler's when one is
-    given; take it from the engine).  ``policy`` is ``retrieval``, ``stable`` or ``cache_aware``;
+    given; take it from the engine).  ``policy`` is ``retrieval``, ``stable`` or ``cache_aware``
+    (the default: best on the worst trace family of ``promptsplice bench assemble --suite``);
     ``alignment`` is ``auto``, ``none`` or ``all``.  ``salt`` isolates a tenant's
     cache entries (pass the same value to the engine as ``cache_salt``).  Without an
     ``assembler``, a process-wide default per ``(tokenizer, block_size)`` keeps the

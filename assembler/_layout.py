@@ -79,6 +79,11 @@ class BranchMemory:
         self._max = max_entries
         self._lock = threading.Lock()
 
+    def peek(self, key: bytes) -> bool:
+        """What :meth:`check_and_record` would answer, without counting."""
+        with self._lock:
+            return self._seen.get(key, 0) >= self.min_divergences
+
     def check_and_record(self, key: bytes) -> bool:
         """True if this boundary is a proven branch point; counts this divergence."""
         with self._lock:

@@ -12,9 +12,19 @@ are therefore bucketed into log2 *tiers* (hysteresis: a chunk changes rank only 
 count doubles), and a chunk set seen before keeps the order it got the first time
 (bounded memo), so the same set always gives the same prefix.
 
-``cache_aware`` is a greedy walk over the mirror: it starts from the stable order and
-repeatedly takes the remaining chunk that extends the cached prefix by the most blocks
-(see :mod:`promptsplice.assembler._layout`), then falls back to the stable order.
+``cache_aware`` cannot lose to the orders it could have sent: it lays out each candidate
+order on the mirror -- the order this chunk set was last sent in, the ``stable`` order,
+the retrieval order and a greedy walk (repeatedly take the remaining chunk that extends
+the cached prefix by the most blocks, see :mod:`promptsplice.assembler._layout`, then
+the stable order) -- and sends the one with the most predicted cached tokens, ties going
+to that list's order.  So it never predicts fewer cached tokens than ``stable`` or
+``retrieval`` on the same mirror state, and an exact repeat keeps the order whose blocks
+are still cached.
+
+Tried and dropped: the greedy walk alone.  On a customer-support trace (long system
+prompt, overlapping windows, most requests re-asking an earlier question) it re-ordered
+exact repeats whenever another chunk's blocks happened to be cached first, and lost to
+plain canonical order (``promptsplice bench assemble --suite``; README "Trace suite").
 """
 
 from __future__ import annotations
@@ -27,7 +37,16 @@ from collections.abc import Sequence
 from promptsplice.blocks import content_digest
 from promptsplice.errors import UnknownPolicyError
 
-__all__ = ["OrderPolicy", "AlignPolicy", "PopularityTracker", "parse_order", "parse_align"]
+__all__ = [
+    "OrderPolicy",
+    "AlignPolicy",
+    "PopularityTracker",
+    "OrderSource",
+    "PeekBranches",
+    "pick_best",
+    "parse_order",
+    "parse_align",
+]
 
 
 class _Policy(enum.Enum):
@@ -76,6 +95,7 @@ class PopularityTracker:
     def __init__(self, max_chunks: int = 1_000_000, max_sets: int = 100_000) -> None:
         self._counts: OrderedDict[bytes, int] = OrderedDict()
         self._orders: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+        self._sent: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
         self._max_chunks = max_chunks
         self._max_sets = max_sets
         self._lock = threading.Lock()
@@ -108,13 +128,27 @@ class PopularityTracker:
         return idx
 
     def remember(self, digests_in_order: Sequence[bytes]) -> None:
-        """Pin the order a chunk set was actually sent in (used by cache_aware)."""
+        """Record the order a chunk set was actually sent in (used by cache_aware); the
+        stable order of the set is left as it was."""
         key = content_digest(b"".join(sorted(digests_in_order)))
         with self._lock:
-            self._orders[key] = tuple(digests_in_order)
-            self._orders.move_to_end(key)
-            while len(self._orders) > self._max_sets:
-                self._orders.popitem(last=False)
+            self._sent[key] = tuple(digests_in_order)
+            self._sent.move_to_end(key)
+            while len(self._sent) > self._max_sets:
+                self._sent.popitem(last=False)
+
+    def last_sent(self, digests: Sequence[bytes]) -> list[int] | None:
+        """Indices of ``digests`` in the order this set was last sent in, or None."""
+        key = content_digest(b"".join(sorted(digests)))
+        with self._lock:
+            memo = self._sent.get(key)
+            if memo is None or len(memo) != len(digests):
+                return None
+            self._sent.move_to_end(key)
+        pos = {d: i for i, d in enumerate(digests)}
+        if len(pos) != len(digests) or not all(d in pos for d in memo):
+            return None
+        return [pos[d] for d in memo]
 
     def observe(self, digests: Sequence[bytes]) -> None:
         """Learn from one request's chunks (after it was assembled)."""
@@ -125,3 +159,45 @@ class PopularityTracker:
                 counts.move_to_end(d)
             while len(counts) > self._max_chunks:
                 counts.popitem(last=False)
+
+
+class OrderSource(enum.Enum):
+    """Where a ``cache_aware`` candidate order came from, in tie-break priority."""
+
+    LAST_SENT = "last_sent"
+    STABLE = "stable"
+    RETRIEVAL = "retrieval"
+    GREEDY = "greedy"
+
+
+class PeekBranches:
+    """A read-only view of a branch memory for trial layouts.
+
+    Answers ``check_and_record`` as the memory would, without counting; the keys asked
+    are kept, so the layout that is finally sent can :meth:`replay` them into the memory.
+    """
+
+    def __init__(self, branches: object) -> None:
+        self.branches = branches
+        self.keys: list[bytes] = []
+
+    def peek(self, key: bytes) -> bool:
+        return self.branches.peek(key)  # type: ignore[attr-defined]
+
+    def check_and_record(self, key: bytes) -> bool:
+        self.keys.append(key)
+        return self.branches.peek(key)  # type: ignore[attr-defined]
+
+    def replay(self) -> None:
+        for key in self.keys:
+            self.branches.check_and_record(key)  # type: ignore[attr-defined]
+
+
+def pick_best(cached_tokens: Sequence[int]) -> int:
+    """Index of the candidate with the most predicted cached tokens; ties go to the
+    earliest (candidates come in :class:`OrderSource` priority)."""
+    best = 0
+    for i, c in enumerate(cached_tokens):
+        if c > cached_tokens[best]:
+            best = i
+    return best

@@ -5,8 +5,18 @@ retrieval order, no dedup, plain text joined, tokenized whole, no alignment) and
 the ordering policies ``retrieval``, ``stable`` and ``cache_aware``; each feeds its own
 prefix-cache mirror as it goes, so ``predicted_cached_tokens`` is what an engine with
 that block size (and an unbounded cache unless ``capacity_blocks`` is given) would hit.
-Beside them the report carries the two bounds of :mod:`promptsplice.benchmarks.bounds`, computed with
-the same tokenizer: the radix ideal on the naive prompts and the exact-content oracle.
+Beside them the report carries the bounds of :mod:`promptsplice.benchmarks.bounds`, computed with
+the same tokenizer: the radix ideal on the naive prompts and the exact-content oracle on
+the segments dedup keeps (so ``gap_closed <= 1`` by construction), each unbounded and
+under the engine's cache capacity (``*_bounded``: LRU over ``bound_capacity_blocks``
+blocks; default the embedded engine's 512 MiB KV cache, 23,296 tokens).
+
+``--suite`` (:func:`run_suite_bench`) generates every trace family of
+:data:`promptsplice.benchmarks.traces.SUITE`, writes each as JSONL and reads it back
+(validated), runs each at every block size, and reports each family, the worst family
+per policy and the policy whose worst family is best (choose defaults by the worst
+family, never by the mean).  A family that fails (generation error, a malformed trace
+file) is reported under ``failed`` and the others still run.
 
 JSON (names fixed; outside checks read them)::
 
@@ -17,7 +27,14 @@ JSON (names fixed; outside checks read them)::
      "radix_prefill_tokens": int, "oracle_prefill_tokens": int, ...}
 
 Extra keys: ``block_size``, ``alignment``, ``tokenizer``, ``gap_closed`` (per policy,
-``(naive - policy) / (naive - oracle)`` on prefill tokens) and ``best_policy``.
+``(naive - policy) / (naive - oracle)`` on prefill tokens), ``best_policy``,
+``radix_prefill_tokens_bounded``, ``oracle_prefill_tokens_bounded`` and
+``bound_capacity_blocks``.  A suite report::
+
+    {"suite": {...}, "families": {FAMILY: {"trace", "shape", "blocks": {"16": REPORT, ...}}
+                                  | {"error": str}},
+     "worst": {"16": {POLICY: {"gap_closed", "family"}, "cached_margin": {...}}, ...},
+     "failed": {FAMILY: str}, "default_policy": POLICY}
 """
 
 from __future__ import annotations
@@ -30,13 +47,26 @@ from typing import Any
 
 from promptsplice.assembler import Assembler, PrefixCacheMirror, load_tokenizer
 from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill
-from promptsplice.benchmarks.traces import RagRequest, read_rag_trace
-from promptsplice.dedup import dedup
-from promptsplice.blocks import chain_hashes, content_digest
+from promptsplice.benchmarks.traces import SUITE, RagRequest, read_rag_trace, shape_stats, write_rag_trace
+from promptsplice.blocks import chain_hashes, content_digest, token_bytes
+from promptsplice.errors import ConfigError, PromptspliceError
 
-__all__ = ["POLICIES", "bench_policies", "run_assemble_bench", "format_table", "gap_closed"]
+__all__ = [
+    "POLICIES",
+    "ENGINE_CACHE_TOKENS",
+    "bench_policies",
+    "bench_suite",
+    "run_assemble_bench",
+    "run_suite_bench",
+    "format_table",
+    "format_suite_table",
+    "gap_closed",
+]
 
 POLICIES = ("retrieval", "stable", "cache_aware")
+ENGINE_CACHE_TOKENS = 728 * 32
+"""The embedded engine's default KV cache (512 MiB: 728 blocks of 32 tokens for
+SmolLM2-135M in bf16): the capacity of the ``*_bounded`` bounds."""
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -86,13 +116,15 @@ def bench_policies(
     """Run naive and each policy over ``requests``; returns the report dict."""
     tok = load_tokenizer(tokenizer)
     report: dict[str, Any] = {"policies": {}}
-
-    # naive + the two bounds (same tokenizer, same separators)
-    naive_asm = Assembler(tok, block_size=block_size, capacity_blocks=capacity_blocks)
+    # naive + the bounds (same tokenizer, same separators)
+    naive_asm = Assembler(tok, block_size=block_size, capacity_blocks=capacity_blocks)  # checks block_size
+    cap_blocks = capacity_blocks if capacity_blocks is not None else max(1, ENGINE_CACHE_TOKENS // block_size)
+    cap_tokens = cap_blocks * block_size
     naive_mirror = PrefixCacheMirror(block_size, capacity_blocks)
-    radix = RadixPrefill()
-    oracle = OracleCounter()
-    fmt = naive_asm.format
+    oracle_asm = Assembler(tok, block_size=block_size, policy="retrieval", alignment="none",
+                           capacity_blocks=None, token_cache=naive_asm.token_cache)
+    radix, radix_b = RadixPrefill(), RadixPrefill(cap_tokens)
+    oracle, oracle_b = OracleCounter(), OracleCounter(cap_tokens)
     times: list[float] = []
     prompt = cached = 0
     for req in requests:
@@ -104,7 +136,10 @@ def bench_policies(
         prompt += len(naive.token_ids)
         cached += pred.cached_tokens
         radix.add(naive.token_ids)
-        oracle.add(*_oracle_segments(req, tok, fmt))
+        radix_b.add(naive.token_ids)
+        segs = _oracle_segments(oracle_asm, req)
+        oracle.add(segs)
+        oracle_b.add(segs)
     report["policies"]["naive"] = _metrics(len(requests), prompt, 0, 0, cached, times)
 
     for name in policies:
@@ -129,6 +164,9 @@ def bench_policies(
 
     report["radix_prefill_tokens"] = radix.prefill_tokens
     report["oracle_prefill_tokens"] = oracle.prefill_tokens
+    report["radix_prefill_tokens_bounded"] = radix_b.prefill_tokens
+    report["oracle_prefill_tokens_bounded"] = oracle_b.prefill_tokens
+    report["bound_capacity_blocks"] = cap_blocks
     report["block_size"] = block_size
     report["alignment"] = alignment
     report["tokenizer"] = tok.name
@@ -147,19 +185,15 @@ def bench_policies(
     return report
 
 
-def _oracle_segments(req: RagRequest, tok: Any, fmt: Any) -> tuple[list[tuple[bytes, int]], int]:
-    """(digest, tokens) of the system prompt and each exact-deduped chunk; query tokens."""
-    sep = fmt.separator
-    segs: list[tuple[bytes, int]] = []
-    if req.system:
-        data = req.system.encode("utf-8")
-        segs.append((b"S" + content_digest(data), len(tok.encode(req.system))))
-    exact = dedup(_chunks(req), exact=True, containment=False, overlap=False, passages=False)
-    texts = [sep + k.text for k in exact.chunks]
-    for k, ids in zip(exact.chunks, tok.encode_batch(texts)):
-        segs.append((b"C" + k.digest, len(ids)))
-    q = len(tok.encode(sep + fmt.query_text(req.query)))
-    return segs, q
+def _oracle_segments(asm: Assembler, req: RagRequest) -> list[tuple[bytes, list[int]]]:
+    """The segments an assembly sends for ``req`` (system, the chunks dedup keeps after
+    trimming, the query), each as (content digest, its tokens), unpadded."""
+    res = asm.assemble(_chunks(req), query=req.query, system=req.system or None, admit=False, learn=False)
+    out = []
+    for seg in res.segments:
+        toks = res.token_ids[seg.start : seg.content_end]
+        out.append((content_digest(token_bytes(toks)), toks))
+    return out
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -193,7 +227,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("".join(row))
     lines.append(
         f"bounds: radix ideal prefill {report['radix_prefill_tokens']}, "
-        f"oracle prefill {report['oracle_prefill_tokens']} "
+        f"oracle prefill {report['oracle_prefill_tokens']}; under the engine's cache "
+        f"({report['bound_capacity_blocks']} blocks, LRU): radix {report['radix_prefill_tokens_bounded']}, "
+        f"oracle {report['oracle_prefill_tokens_bounded']} "
         f"(block {report['block_size']}, alignment {report['alignment']})"
     )
     return "\n".join(lines)
@@ -222,3 +258,153 @@ def run_assemble_bench(
     Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {json_out}")
     return 0
+
+
+# --------------------------------------------------------------------------- the suite
+
+
+def _summarize(report: dict[str, Any], policies: Sequence[str], default: str) -> None:
+    """Fill ``worst`` (per block size: each policy's worst family by gap closed, and the
+    worst margin of ``default`` over the better of retrieval and stable in cached
+    tokens) and ``default_policy`` (the policy whose worst family is best)."""
+    worst: dict[str, Any] = {}
+    for bs in report["suite"]["block_sizes"]:
+        key = str(bs)
+        row: dict[str, Any] = {}
+        ok = {f: e["blocks"][key] for f, e in report["families"].items() if "blocks" in e}
+        for pol in policies:
+            gaps = [(r["gap_closed"].get(pol), f) for f, r in ok.items() if r["gap_closed"].get(pol) is not None]
+            g, f = min(gaps, default=(None, None))
+            row[pol] = {"gap_closed": g, "family": f}
+        margins = []
+        for f, r in ok.items():
+            pol = r["policies"]
+            if default in pol and "retrieval" in pol and "stable" in pol:
+                base = max(pol["retrieval"]["predicted_cached_tokens"], pol["stable"]["predicted_cached_tokens"])
+                margins.append((pol[default]["predicted_cached_tokens"] - base, f))
+        m, f = min(margins, default=(None, None))
+        row["cached_margin"] = {"policy": default, "tokens": m, "family": f}
+        worst[key] = row
+    report["worst"] = worst
+    scores = {
+        pol: min((worst[k][pol]["gap_closed"] for k in worst if worst[k][pol]["gap_closed"] is not None), default=None)
+        for pol in policies
+    }
+    ranked = [p for p in policies if scores[p] is not None]
+    report["default_policy"] = max(ranked, key=lambda p: scores[p]) if ranked else None
+
+
+def bench_suite(
+    *,
+    families: Sequence[str] = SUITE,
+    traces: Sequence[str | Path] = (),
+    requests: int = 200,
+    seed: int = 0,
+    block_sizes: Sequence[int] = (16, 32),
+    tokenizer: Any = "default",
+    alignment: str = "auto",
+    trace_dir: str | Path,
+    default_policy: str = "cache_aware",
+) -> dict[str, Any]:
+    """Every family (and every extra trace file) at every block size (module docstring)."""
+    if not block_sizes:
+        raise ConfigError("block_sizes must name at least one block size, e.g. 16,32")
+    out_dir = Path(trace_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(tokenizer)
+    report: dict[str, Any] = {
+        "suite": {"families": list(families), "traces": [str(t) for t in traces], "requests": requests,
+                  "seed": seed, "block_sizes": list(block_sizes), "tokenizer": tok.name,
+                  "alignment": alignment},
+        "families": {},
+        "failed": {},
+    }
+    jobs: list[tuple[str, Path, bool]] = [(f, out_dir / f"{f}.jsonl", True) for f in families]
+    jobs += [(f"file:{Path(t).stem}", Path(t), False) for t in traces]
+    for name, path, generate in jobs:
+        try:
+            if generate:
+                write_rag_trace(path, requests=requests, seed=seed, family=name)
+            reqs = read_rag_trace(path, limit=requests)
+            entry: dict[str, Any] = {"trace": str(path), "shape": shape_stats(reqs), "blocks": {}}
+            for bs in block_sizes:
+                entry["blocks"][str(bs)] = bench_policies(reqs, tokenizer=tok, block_size=bs, alignment=alignment)
+        except (PromptspliceError, OSError) as exc:
+            report["failed"][name] = f"{type(exc).__name__}: {exc}"
+            report["families"][name] = {"error": report["failed"][name]}
+            continue
+        report["families"][name] = entry
+    _summarize(report, POLICIES, default_policy)
+    return report
+
+
+def format_suite_table(report: dict[str, Any]) -> str:
+    """One row per family and block size: prefill tokens and gap closed per policy, the
+    bounds; then the worst family per policy."""
+    lines = [
+        "| family | block | naive | retrieval | stable | cache_aware | oracle | radix | "
+        "oracle (cache) | radix (cache) | gap retrieval | gap stable | gap cache_aware |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fam, entry in report["families"].items():
+        if "error" in entry:
+            lines.append(f"| {fam} | failed: {entry['error']} |")
+            continue
+        for bs, r in entry["blocks"].items():
+            p = r["policies"]
+            gaps = " | ".join(
+                "-" if r["gap_closed"].get(n) is None else f"{r['gap_closed'][n]:.2f}" for n in POLICIES
+            )
+            lines.append(
+                f"| {fam} | {bs} | {p['naive']['predicted_prefill_tokens']} | "
+                + " | ".join(str(p[n]["predicted_prefill_tokens"]) for n in POLICIES)
+                + f" | {r['oracle_prefill_tokens']} | {r['radix_prefill_tokens']} | "
+                f"{r['oracle_prefill_tokens_bounded']} | {r['radix_prefill_tokens_bounded']} | {gaps} |"
+            )
+    for bs, row in report["worst"].items():
+        cells = []
+        for n in POLICIES:
+            g = row[n]["gap_closed"]
+            cells.append("-" if g is None else f"{g:.2f} ({row[n]['family']})")
+        lines.append(f"| **worst** | {bs} | | | | | | | | | " + " | ".join(cells) + " |")
+    lines.append(f"default policy by the worst family: {report['default_policy']}")
+    for bs, row in report["worst"].items():
+        m = row["cached_margin"]
+        lines.append(
+            f"block {bs}: {m['policy']} minus the better of retrieval and stable, cached tokens, "
+            f"worst family: {m['tokens']} ({m['family']})"
+        )
+    if report["failed"]:
+        lines.append("failed: " + "; ".join(f"{k}: {v}" for k, v in report["failed"].items()))
+    return "\n".join(lines)
+
+
+def run_suite_bench(
+    *,
+    json_out: str | Path,
+    families: Sequence[str] | None = None,
+    traces: Sequence[str | Path] = (),
+    requests: int | None = None,
+    seed: int = 0,
+    block_sizes: Sequence[int] = (16, 32),
+    tokenizer: str = "default",
+    alignment: str = "auto",
+    trace_dir: str | Path | None = None,
+) -> int:
+    """``promptsplice bench assemble --suite``: prints the table, writes the JSON; exit
+    status 1 when a family failed (the others are reported)."""
+    out = Path(json_out)
+    report = bench_suite(
+        families=SUITE if families is None else families,
+        traces=traces,
+        requests=200 if requests is None else requests,
+        seed=seed,
+        block_sizes=block_sizes,
+        tokenizer=tokenizer,
+        alignment=alignment,
+        trace_dir=trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces"),
+    )
+    print(format_suite_table(report))
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 1 if report["failed"] else 0

@@ -1,17 +1,27 @@
 """Reference bounds a bench reports beside its own numbers, so a trace cannot flatter it.
 
-* :func:`radix_prefill_tokens`: what a token-granular radix tree (SGLang's ideal, no
-  eviction) leaves to prefill on a sequence of prompts: each prompt minus its longest
-  common prefix with any earlier prompt (at least one token is always computed, as in
-  vLLM and SGLang).
-* :class:`OracleCounter`: the bound for any reuse of exact content: after exact dedup,
-  only the query and the chunk texts never seen in an earlier request are prefilled; the
-  system prompt and the tool schemas after their first use are free.
+* :class:`RadixPrefill` / :func:`radix_prefill_tokens`: what a token-granular radix tree
+  (SGLang's ideal) leaves to prefill on a sequence of prompts: each prompt minus its
+  longest common prefix with any earlier prompt (at least one token is always computed,
+  as in vLLM and SGLang).  With ``capacity_tokens`` the tree holds at most that many
+  tokens and evicts least-recently-used leaves, as SGLang does.
+* :class:`OracleCounter`: the bound for any reuse of exact content.  It is fed the
+  segments an assembly would send -- the system prompt, the chunks *after dedup's
+  trimming* (exact duplicates, containment, overlap, repeated passages) and the query,
+  each as the very tokens the assembler gives it -- and counts to prefill only what an
+  earlier request never held: a segment seen before is free, a new segment is free for
+  its longest token prefix shared with a segment seen before, and at least one token per
+  request is computed.  An assembled prompt's cached tokens are a block-aligned prefix
+  equal to an earlier prompt's prefix, made of the same segments (or token prefixes of
+  them) plus padding, so no assembly prefills less than the oracle: ``gap closed <= 1``
+  by construction (tested as a property over random traces).  With ``capacity_tokens``
+  the seen segments live in an LRU of that many tokens.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -19,64 +29,175 @@ import numpy as np
 __all__ = ["radix_prefill_tokens", "RadixPrefill", "OracleCounter"]
 
 
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    neq = np.flatnonzero(a[:n] != b[:n])
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    neq = np.flatnonzero(x != y)
     return int(neq[0]) if len(neq) else n
 
 
-class RadixPrefill:
-    """Online radix-ideal prefill: feed prompts in arrival order."""
+class _SortedSet:
+    """Token sequences kept sorted: the longest common prefix of a query with any member
+    is reached at a neighbour of its insertion point."""
 
     def __init__(self) -> None:
-        self._sorted: list[tuple[int, ...]] = []
-        self._arrays: dict[tuple[int, ...], np.ndarray] = {}
+        self._keys: list[tuple[int, ...]] = []
+
+    def lcp(self, key: tuple[int, ...]) -> int:
+        pos = bisect.bisect_left(self._keys, key)
+        return max((_lcp(key, self._keys[j]) for j in (pos - 1, pos) if 0 <= j < len(self._keys)), default=0)
+
+    def add(self, key: tuple[int, ...]) -> None:
+        pos = bisect.bisect_left(self._keys, key)
+        if pos == len(self._keys) or self._keys[pos] != key:
+            self._keys.insert(pos, key)
+
+    def discard(self, key: tuple[int, ...]) -> None:
+        pos = bisect.bisect_left(self._keys, key)
+        if pos < len(self._keys) and self._keys[pos] == key:
+            del self._keys[pos]
+
+
+class _Node:
+    __slots__ = ("edge", "children", "parent", "last")
+
+    def __init__(self, edge: tuple[int, ...], parent: _Node | None) -> None:
+        self.edge = edge
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.last = 0
+
+
+class RadixPrefill:
+    """Online radix-ideal prefill: feed prompts in arrival order.
+
+    ``capacity_tokens=None``: unbounded.  Otherwise the tree keeps at most that many
+    tokens, evicting least-recently-used leaves after each prompt.
+    """
+
+    def __init__(self, capacity_tokens: int | None = None) -> None:
+        self.capacity_tokens = capacity_tokens
+        self._root = _Node((), None)
+        self._size = 0
+        self._clock = 0
         self.prefill_tokens = 0
         self.prompt_tokens = 0
 
     def add(self, tokens: Sequence[int]) -> int:
         """Tokens this prompt leaves to prefill; records the prompt."""
         key = tuple(tokens)
-        arr = np.asarray(key, dtype=np.int64)
-        pos = bisect.bisect_left(self._sorted, key)
-        best = 0
-        # The longest common prefix with any member of a sorted set is reached at a
-        # neighbour of the insertion point.
-        for j in (pos - 1, pos):
-            if 0 <= j < len(self._sorted):
-                best = max(best, _lcp(arr, self._arrays[self._sorted[j]]))
-        cached = min(best, max(len(key) - 1, 0))
-        if key not in self._arrays:
-            self._sorted.insert(pos, key)
-            self._arrays[key] = arr
+        self._clock += 1
+        matched = self._insert(key)
+        cached = min(matched, max(len(key) - 1, 0))
+        if self.capacity_tokens is not None:
+            self._evict()
         prefill = len(key) - cached
         self.prefill_tokens += prefill
         self.prompt_tokens += len(key)
         return prefill
 
+    def _insert(self, key: tuple[int, ...]) -> int:
+        """Insert ``key``; returns how many leading tokens were already in the tree."""
+        node, i = self._root, 0
+        node.last = self._clock
+        while i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                leaf = _Node(key[i:], node)
+                leaf.last = self._clock
+                node.children[key[i]] = leaf
+                self._size += len(key) - i
+                return i
+            n = _lcp(child.edge, key[i:])
+            if n < len(child.edge):  # split the edge
+                mid = _Node(child.edge[:n], node)
+                node.children[key[i]] = mid
+                child.edge = child.edge[n:]
+                child.parent = mid
+                mid.children[child.edge[0]] = child
+                mid.last = child.last
+                child = mid
+            child.last = self._clock
+            node, i = child, i + n
+            if n < len(child.edge):
+                break
+        return i
 
-def radix_prefill_tokens(prompts: Iterable[Sequence[int]]) -> int:
-    radix = RadixPrefill()
+    def _evict(self) -> None:
+        cap = self.capacity_tokens or 0
+        while self._size > cap:
+            leaves: list[_Node] = []
+            stack = [self._root]
+            while stack:
+                nd = stack.pop()
+                if nd.children:
+                    stack.extend(nd.children.values())
+                elif nd is not self._root:
+                    leaves.append(nd)
+            if not leaves:
+                return
+            leaves.sort(key=lambda nd: nd.last)
+            for leaf in leaves:
+                if self._size <= cap:
+                    break
+                parent = leaf.parent
+                assert parent is not None
+                del parent.children[leaf.edge[0]]
+                self._size -= len(leaf.edge)
+
+
+def radix_prefill_tokens(prompts: Iterable[Sequence[int]], capacity_tokens: int | None = None) -> int:
+    radix = RadixPrefill(capacity_tokens)
     for p in prompts:
         radix.add(p)
     return radix.prefill_tokens
 
 
 class OracleCounter:
-    """Exact-content oracle: new content is prefilled once, the query always."""
+    """Exact-content oracle over trimmed segments (see the module docstring).
 
-    def __init__(self) -> None:
-        self._seen: set[bytes] = set()
+    ``add`` takes ``(digest, tokens)`` pairs: ``tokens`` is either the segment's token
+    ids (prefix credit applies) or just its token count (whole-segment reuse only).
+    """
+
+    def __init__(self, capacity_tokens: int | None = None) -> None:
+        self.capacity_tokens = capacity_tokens
+        self._seen: OrderedDict[bytes, tuple[int, ...] | int] = OrderedDict()
+        self._prefixes = _SortedSet()
+        self._size = 0
         self.prefill_tokens = 0
 
-    def add(self, segments: Iterable[tuple[bytes, int]], query_tokens: int) -> int:
-        """``segments``: (content digest, token count) of system, tools and chunks."""
+    def add(self, segments: Iterable[tuple[bytes, Sequence[int] | int]], query_tokens: int = 0) -> int:
+        """Tokens this request leaves to prefill (at least 1 with ``query_tokens`` 0 and
+        nothing new); ``query_tokens``: tokens always computed (legacy callers)."""
         total = query_tokens
-        for digest, n in segments:
+        new: list[tuple[bytes, tuple[int, ...] | int]] = []
+        for digest, toks in segments:
+            if digest in self._seen:
+                self._seen.move_to_end(digest)
+                continue
+            if isinstance(toks, int):
+                total += toks
+                new.append((digest, toks))
+            else:
+                key = tuple(toks)
+                total += len(key) - self._prefixes.lcp(key)
+                new.append((digest, key))
+        for digest, key in new:
             if digest not in self._seen:
-                self._seen.add(digest)
-                total += n
+                self._seen[digest] = key
+                self._size += key if isinstance(key, int) else len(key)
+                if not isinstance(key, int):
+                    self._prefixes.add(key)
+        if self.capacity_tokens is not None:
+            while self._size > self.capacity_tokens and self._seen:
+                _, old = self._seen.popitem(last=False)
+                self._size -= old if isinstance(old, int) else len(old)
+                if not isinstance(old, int):
+                    self._prefixes.discard(old)
+        total = max(total, 1)
         self.prefill_tokens += total
         return total

@@ -46,8 +46,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_assemble(args: argparse.Namespace) -> int:
-    from promptsplice.benchmarks.assemble import run_assemble_bench
+    from promptsplice.benchmarks.assemble import run_assemble_bench, run_suite_bench
+    from promptsplice.errors import ConfigError
 
+    if args.suite:
+        return run_suite_bench(
+            json_out=args.json,
+            families=args.families.split(",") if args.families else None,
+            traces=[args.trace] if args.trace else (),
+            requests=args.requests,
+            seed=args.seed,
+            block_sizes=[int(b) for b in args.block_sizes.split(",") if b.strip()],
+            tokenizer=args.tokenizer,
+            alignment=args.alignment,
+            trace_dir=args.trace_dir,
+        )
+    if not args.trace:
+        raise ConfigError("bench assemble needs --trace FILE (or --suite for every trace family)")
     return run_assemble_bench(
         trace=args.trace,
         json_out=args.json,
@@ -60,7 +75,19 @@ def _cmd_bench_assemble(args: argparse.Namespace) -> int:
 
 def _cmd_bench_rag(args: argparse.Namespace) -> int:
     from promptsplice.benchmarks.rag import run_rag_bench
+    from promptsplice.errors import ConfigError
 
+    if args.suite:
+        from promptsplice.benchmarks.rag_suite import run_rag_suite
+
+        return run_rag_suite(
+            json_out=args.json, families=args.families.split(",") if args.families else None,
+            requests=args.requests, seed=args.seed, trace_dir=args.trace_dir, policy=args.policy,
+            alignment=args.alignment, max_tokens=args.max_tokens,
+            recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
+        )
+    if not args.trace:
+        raise ConfigError("bench rag needs --trace FILE (or --suite for every trace family)")
     return run_rag_bench(
         trace=args.trace,
         json_out=args.json,
@@ -98,6 +125,7 @@ def _cmd_bench_gen_trace(args: argparse.Namespace) -> int:
         requests=args.requests,
         seed=args.seed,
         profile=args.profile,
+        family=args.family,
     )
     print(f"wrote {n} requests to {args.out}")
     return 0
@@ -155,17 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     asm = bsub.add_parser("assemble", help="assembly policies on a RAG trace (no engine)")
-    asm.add_argument("--trace", required=True, help="RAG trace, JSONL")
+    asm.add_argument("--trace", default=None, help="RAG trace, JSONL (with --suite: one more family)")
     asm.add_argument("--json", required=True, help="where to write the JSON report")
     asm.add_argument("--block-size", type=int, default=16)
     asm.add_argument("--tokenizer", default="default",
                      help="'default' (SmolLM2), 'tiktoken:ENCODING' or a tokenizer.json path")
     asm.add_argument("--alignment", default="auto", help="auto | none | all")
     asm.add_argument("--requests", type=int, default=None, help="only the first N requests")
+    asm.add_argument("--suite", action="store_true", help="every trace family; reports each and the worst")
+    asm.add_argument("--families", default=None, help="--suite: comma-separated families (default: all)")
+    asm.add_argument("--block-sizes", default="16,32", help="--suite: comma-separated block sizes")
+    asm.add_argument("--seed", type=int, default=0, help="--suite: trace seed")
+    asm.add_argument("--trace-dir", default=None, help="--suite: where the family traces are written")
     asm.set_defaults(func=_cmd_bench_assemble)
 
     rag = bsub.add_parser("rag", help="a RAG trace through the embedded vLLM engine")
-    rag.add_argument("--trace", required=True, help="RAG trace, JSONL")
+    rag.add_argument("--trace", default=None, help="RAG trace, JSONL")
+    rag.add_argument("--suite", action="store_true", help="every trace family (--requests each, default 60)")
+    rag.add_argument("--families", default=None, help="--suite: comma-separated families (default: all)")
+    rag.add_argument("--seed", type=int, default=0, help="--suite: trace seed")
+    rag.add_argument("--trace-dir", default=None, help="--suite: where the family traces are written")
     rag.add_argument("--json", required=True, help="where to write the JSON report")
     rag.add_argument("--requests", type=int, default=None, help="only the first N requests")
     rag.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
@@ -209,8 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", required=True)
     gen.add_argument("--requests", type=int, default=400)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--profile", default="repeat-heavy",
-                     help="repeat-heavy | diverse")
+    gen.add_argument("--family", default="wiki",
+                     help="wiki | wiki-diverse | support | pydocs | apidocs | tools")
+    gen.add_argument("--profile", default=None,
+                     help="the wiki family's profile: repeat-heavy (default) | diverse")
     gen.set_defaults(func=_cmd_bench_gen_trace)
     return parser
 

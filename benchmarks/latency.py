@@ -44,12 +44,15 @@ def _p(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def run_latency_bench(iters: int = 200, block_size: int = 16, tokenizer: str = "default") -> dict[str, Any]:
+def run_latency_bench(
+    iters: int = 200, block_size: int = 16, tokenizer: str = "default", policy: str = "cache_aware"
+) -> dict[str, Any]:
+    """``policy``: ``assemble_prompt``'s default unless told otherwise."""
     tok = load_tokenizer(tokenizer)
     req = build_request(tok)
     system = "You are a helpful assistant. Answer from the documents and cite them by number."
     query = "Summarise what these documents say about the history of each place."
-    asm = Assembler(tok, block_size=block_size)
+    asm = Assembler(tok, block_size=block_size, policy=policy)
     first = asm.assemble(req, query=query, system=system)
     warm: list[float] = []
     for _ in range(iters):
@@ -73,6 +76,7 @@ def run_latency_bench(iters: int = 200, block_size: int = 16, tokenizer: str = "
         "chunks": len(req),
         "prompt_tokens": first.num_tokens,
         "block_size": block_size,
+        "policy": policy,
         "warm_p50_ms": round(_p(warm, 0.5), 4),
         "warm_p99_ms": round(_p(warm, 0.99), 4),
         "cold_p50_ms": round(_p(cold, 0.5), 4),
@@ -86,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
     args = ap.parse_args(argv)
-    r = run_latency_bench(args.iters, args.block_size)
+    r = run_latency_bench(args.iters, args.block_size, policy=args.policy)
     print(
-        f"assemble_prompt, {r['chunks']} chunks, {r['prompt_tokens']} tokens: warm p50 "
+        f"assemble_prompt ({r['policy']}), {r['chunks']} chunks, {r['prompt_tokens']} tokens: warm p50 "
         f"{r['warm_p50_ms']} ms (p99 {r['warm_p99_ms']}); cold p50 {r['cold_p50_ms']} ms vs "
         f"tokenizing the text once {r['tokenize_whole_p50_ms']} ms: "
         f"{r['cold_over_tokenize']}x"

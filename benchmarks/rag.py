@@ -148,7 +148,7 @@ def run_modes(
     for comp in outs["naive"]:
         radix.add(comp.prompt_token_ids)
     for req in requests:
-        oracle.add(*_oracle_segments(req, asm.tokenizer, fmt))
+        oracle.add(_oracle_segments(asm, req))  # the trimmed segments (a preview: learns nothing)
     report["radix_prefill_tokens"] = radix.prefill_tokens
     report["oracle_prefill_tokens"] = oracle.prefill_tokens
     report["block_size"] = engine.block_size

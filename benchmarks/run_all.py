@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from promptsplice.benchmarks.assemble import bench_policies
+from promptsplice.benchmarks.assemble import bench_policies, bench_suite, format_suite_table
 from promptsplice.benchmarks.traces import read_rag_trace, write_rag_trace
 
 __all__ = ["main"]
@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print("## Assembly: predicted prefill tokens (SmolLM2 tokenizer, mirror with vLLM's rules)\n")
     print("\n".join(_assembly_rows(out, args.requests)))
+
+    suite_requests = min(args.requests, 200)
+    print(f"\n## Trace suite: every family, {suite_requests} requests, blocks 16 and 32\n")
+    suite = bench_suite(requests=suite_requests, block_sizes=(16, 32), trace_dir=out / "suite")
+    (out / "suite.json").write_text(json.dumps(suite, indent=2))
+    print(format_suite_table(suite))
 
     from promptsplice.benchmarks.latency import run_latency_bench
 

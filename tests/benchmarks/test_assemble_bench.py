@@ -84,3 +84,64 @@ def test_demo_prints_the_side_by_side_table(capsys):
     for row in ("prompt tokens", "bytes removed by dedup", "padding tokens", "predicted cached tokens", "predicted hit rate"):
         assert row in out
     assert "naive" in out and "promptsplice" in out and "oracle" in out
+
+
+def test_bench_reports_the_bounds_under_the_engine_cache(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    dump_rag_trace(trace, sample_rag_requests(60, seed=2))
+    out = tmp_path / "r.json"
+    assert main(["bench", "assemble", "--trace", str(trace), "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["bound_capacity_blocks"] == 728 * 32 // 16
+    assert rep["radix_prefill_tokens"] <= rep["radix_prefill_tokens_bounded"]
+    assert rep["oracle_prefill_tokens"] <= rep["oracle_prefill_tokens_bounded"]
+    assert all(g is None or g <= 1 for g in rep["gap_closed"].values())
+
+
+def test_suite_reports_each_family_and_the_worst_and_survives_broken_ones(tmp_path, monkeypatch, capsys):
+    from promptsplice.benchmarks import traces
+    from promptsplice.benchmarks.assemble import POLICIES, bench_suite
+
+    monkeypatch.setitem(traces._FAMILIES, "empty", lambda **kw: [])
+    malformed = tmp_path / "malformed.jsonl"
+    dump_rag_trace(malformed, sample_rag_requests(3))
+    with open(malformed, "a") as fh:
+        fh.write('{"id": "x", "system": "s", "chunks": [], "query": 3}\n')
+    offsets = tmp_path / "offsets.jsonl"
+    offsets.write_text(json.dumps({"id": "r", "system": "s", "query": "q", "chunks": [
+        {"id": "c", "text": "hello", "metadata": {"source": "D", "byte_span": [0, 9]}}]}) + "\n")
+    rep = bench_suite(families=["support", "tools", "empty"], traces=[malformed, offsets], requests=40,
+                      block_sizes=(16, 32), trace_dir=tmp_path / "tr")
+    assert list(rep["families"]) == ["support", "tools", "empty", "file:malformed", "file:offsets"]
+    assert set(rep["failed"]) == {"empty", "file:malformed", "file:offsets"}
+    assert "'empty'" in rep["failed"]["empty"]
+    assert f"{malformed}:4:" in rep["failed"]["file:malformed"] and "query" in rep["failed"]["file:malformed"]
+    assert f"{offsets}:1:" in rep["failed"]["file:offsets"] and "chunks[0].metadata.byte_span" in rep["failed"]["file:offsets"]
+    ok = {f: e for f, e in rep["families"].items() if "blocks" in e}
+    assert set(ok) == {"support", "tools"}
+    for entry in ok.values():
+        assert entry["shape"]["requests"] == 40 and set(entry["blocks"]) == {"16", "32"}
+        for r in entry["blocks"].values():
+            assert set(r["policies"]) == {"naive", *POLICIES}
+            assert all(set(m) == METRICS for m in r["policies"].values())
+            assert all(g is None or g <= 1 for g in r["gap_closed"].values())
+            pol = r["policies"]  # the default cannot lose to the baselines it considers
+            assert pol["cache_aware"]["predicted_cached_tokens"] >= max(
+                pol["retrieval"]["predicted_cached_tokens"], pol["stable"]["predicted_cached_tokens"])
+    for bs in ("16", "32"):
+        for p in POLICIES:
+            worst = min((e["blocks"][bs]["gap_closed"][p], f) for f, e in ok.items())
+            assert (rep["worst"][bs][p]["gap_closed"], rep["worst"][bs][p]["family"]) == worst
+        assert rep["worst"][bs]["cached_margin"]["tokens"] >= 0
+    scores = {p: min(rep["worst"][bs][p]["gap_closed"] for bs in ("16", "32")) for p in POLICIES}
+    assert scores[rep["default_policy"]] == max(scores.values())
+
+    out = tmp_path / "suite.json"
+    rc = main(["bench", "assemble", "--suite", "--families", "tools,empty", "--requests", "20",
+               "--block-sizes", "32", "--json", str(out), "--trace-dir", str(tmp_path / "tr2")])
+    assert rc == 1  # a family failed; the others were reported
+    text = capsys.readouterr().out
+    assert "| tools | 32 |" in text and "**worst**" in text and "failed: empty" in text
+    assert set(json.loads(out.read_text())["families"]) == {"tools", "empty"}
+    assert main(["bench", "assemble", "--json", str(out)]) == 2  # neither --trace nor --suite
+

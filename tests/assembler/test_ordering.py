@@ -1,0 +1,117 @@
+"""Ordering policies: ``cache_aware`` never predicts fewer cached tokens than ``stable`` or
+``retrieval`` on the same mirror state, and an exact repeat keeps its cached order."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from promptsplice.assembler import Assembler, PopularityTracker
+from promptsplice.assembler._ordering import OrderSource, pick_best
+from promptsplice.blocks import content_digest
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+         "sigma tau upsilon phi chi psi omega river mountain city harbor bridge castle forest").split()
+
+
+def _pool(n: int) -> list[dict]:
+    """``n`` chunks of real-looking text of different lengths (some shorter than a block)."""
+    out = []
+    for i in range(n):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(4 + (i * 5) % 23)]
+        out.append({"id": f"c{i}", "text": f"Passage {i}: " + " ".join(words) + "."})
+    return out
+
+
+POOL = _pool(12)
+requests = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=6, unique=True),
+        st.integers(0, 2),  # query
+        st.integers(0, 1),  # system prompt
+    ),
+    min_size=2,
+    max_size=14,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests, st.sampled_from([4, 16]), st.sampled_from(["auto", "none", "all"]))
+def test_cache_aware_never_predicts_fewer_cached_tokens_than_stable_or_retrieval(default_tok, reqs, bs, align):
+    asm = Assembler(default_tok, block_size=bs, policy="cache_aware", alignment=align, capacity_blocks=None)
+    systems = ("You answer from the passages.", None)
+    for chunk_ids, q, sys_i in reqs:
+        chunks = [POOL[i] for i in chunk_ids]
+        kw = {"query": f"question {q}?", "system": systems[sys_i]}
+        previews = {
+            p: asm.assemble(chunks, policy=p, admit=False, learn=False, **kw).predicted_cached_tokens
+            for p in ("stable", "retrieval")
+        }
+        sent = asm.assemble(chunks, **kw)
+        assert sent.predicted_cached_tokens >= max(previews.values()), (previews, sent.predicted_cached_tokens)
+
+
+def test_the_prediction_matches_the_mirror(default_tok):
+    asm = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [0, 1, 2, 3], [1, 4, 0]):
+        chunks = [POOL[i] for i in order]
+        preview = asm.assemble(chunks, query="q?", admit=False, learn=False)
+        again = asm.assemble(chunks, query="q?", admit=False, learn=False)
+        assert asm.mirror.predict(preview.block_hashes, preview.num_tokens).cached_tokens == preview.predicted_cached_tokens
+        assert (again.token_ids, again.chunk_order) == (preview.token_ids, preview.chunk_order)  # previews learn nothing
+        sent = asm.assemble(chunks, query="q?")
+        assert sent.predicted_cached_tokens == preview.predicted_cached_tokens
+
+
+def test_an_exact_repeat_keeps_the_order_whose_blocks_are_cached(default_tok):
+    asm = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
+    system = "You are a careful assistant. Answer from the passages and cite them by number."
+    first = asm.assemble([POOL[i] for i in (5, 2, 7, 1)], query="where?", system=system)
+    # other traffic: the same chunks in other combinations and orders fill the mirror
+    for order in ((1, 2), (7, 5, 3), (2, 1, 5, 7, 9), (1, 7)):
+        asm.assemble([POOL[i] for i in order], query="other?", system=system)
+    # the same set comes back in another retrieval order: it goes out as it was sent
+    again = asm.assemble([POOL[i] for i in (1, 7, 2, 5)], query="where?", system=system)
+    assert again.chunk_order == first.chunk_order
+    assert again.token_ids == first.token_ids
+    assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
+
+
+def test_a_longer_cached_branch_does_not_reorder_an_exact_repeat(default_tok):
+    """The greedy walk alone re-ordered this repeat: the set {short, long} was sent as
+    [short, long]; a later request cached [long, ...] right after the system prompt, so
+    for the repeat the walk took ``long`` first (more cached blocks) and lost the rest."""
+    system = "You are a careful assistant. Answer from the passages and cite them by number."
+    short = {"id": "short", "text": "Passage S: " + " ".join(WORDS[:20]) + "."}
+    for k in range(8):
+        long = {"id": "long", "text": f"Passage L{k}: " + " ".join(WORDS * 3) + "."}
+        probe = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
+        if probe.assemble([long, short], query="q", system=system, admit=False, learn=False).chunk_order[0] == "short":
+            break
+    asm = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
+    first = asm.assemble([long, short], query="which?", system=system)
+    assert first.chunk_order == ["short", "long"]
+    other = asm.assemble([POOL[3], long], query="other?", system=system)
+    assert other.chunk_order[0] == "long"  # more popular now: it comes first
+    again = asm.assemble([long, short], query="which?", system=system)
+    assert again.chunk_order == ["short", "long"]
+    assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
+
+
+def test_remember_keeps_the_stable_order_apart_from_the_sent_order():
+    tracker = PopularityTracker()
+    digests = [content_digest(bytes([i])) for i in range(4)]
+    stable = tracker.order(digests)
+    assert tracker.last_sent(digests) is None
+    sent = [digests[i] for i in (3, 0, 2, 1)]
+    tracker.remember(sent)
+    assert tracker.order(digests) == stable  # the stable order is not what was sent
+    rev = list(reversed(digests))
+    assert [rev[i] for i in tracker.last_sent(rev)] == sent  # whatever order the set comes in
+    assert tracker.last_sent(digests[:3]) is None  # another set
+
+
+def test_pick_best_prefers_the_most_cached_then_the_earliest():
+    assert pick_best([0, 32, 32, 16]) == 1
+    assert pick_best([48, 48]) == 0
+    assert [s.value for s in OrderSource] == ["last_sent", "stable", "retrieval", "greedy"]

@@ -1,0 +1,81 @@
+"""The bounds: a radix tree with LRU eviction, the trimmed exact-content oracle, and the
+property that no assembly beats the oracle (gap closed <= 1 by construction)."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from promptsplice.benchmarks.assemble import bench_policies
+from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill, radix_prefill_tokens
+from promptsplice.benchmarks.traces import RagChunk, RagRequest
+
+
+def test_bounded_radix_evicts_least_recently_used_leaves():
+    assert radix_prefill_tokens([[1, 2, 3, 4], [1, 2, 3, 4]], capacity_tokens=None) == 4 + 1
+    r = RadixPrefill(capacity_tokens=6)
+    assert r.add([1, 2, 3, 4]) == 4
+    assert r.add([9, 8, 7]) == 3  # 7 tokens > 6: the LRU leaf [1, 2, 3, 4] goes
+    assert r.add([1, 2, 3, 4]) == 4  # evicted: computed again
+    assert r.add([1, 2, 3, 5]) == 1  # shares [1, 2, 3]
+    assert r.prompt_tokens == 15 and r.prefill_tokens == 12
+    unbounded = RadixPrefill()
+    assert [unbounded.add(p) for p in ([1, 2, 3, 4], [9, 8, 7], [1, 2, 3, 4], [1, 2, 3, 5])] == [4, 3, 1, 1]
+
+
+def test_oracle_credits_seen_segments_shared_prefixes_and_repeats():
+    o = OracleCounter()
+    assert o.add([(b"s", [1, 2, 3]), (b"a", [4, 5, 6, 7]), (b"q", [8, 9])]) == 9
+    # a new chunk that starts like a seen one only pays for its new tail; a re-asked
+    # query is free; one token is always computed
+    assert o.add([(b"s", [1, 2, 3]), (b"b", [4, 5, 0]), (b"q", [8, 9])]) == 1
+    assert o.add([(b"s", [1, 2, 3]), (b"q", [8, 9])]) == 1
+    bounded = OracleCounter(capacity_tokens=5)
+    assert bounded.add([(b"a", [1, 2, 3]), (b"b", [4, 5, 6])]) == 6  # a is evicted (6 > 5)
+    assert bounded.add([(b"a", [1, 2, 3])]) == 3
+    assert bounded.add([(b"b", [4, 5, 6])]) == 3  # evicted by a's return
+
+
+# -- the property ---------------------------------------------------------------------
+
+WORDS = ("the river city bridge north harbor old castle was built in by king queen and of a "
+         "trade market church tower wall gate").split()
+
+
+@st.composite
+def traces(draw):
+    """Random RAG traces with the shapes dedup trims: windows of one document that
+    overlap, sentences inside windows, exact duplicates under a second id, re-asked
+    questions, shuffled orders and two system prompts."""
+    doc_words = draw(st.lists(st.sampled_from(WORDS), min_size=40, max_size=120))
+    doc = " ".join(doc_words)
+    words = doc.split(" ")
+    win, stride = draw(st.integers(6, 20)), draw(st.integers(3, 12))
+    pool = []
+    for k, start in enumerate(range(0, len(words), stride)):
+        pool.append(RagChunk(f"w{k}", " ".join(words[start:start + win])))
+    sentences = [RagChunk(f"s{k}", " ".join(words[a:a + 5])) for k, a in enumerate(range(0, len(words) - 5, 9))]
+    reqs = []
+    for n in range(draw(st.integers(2, 10))):
+        picks = draw(st.lists(st.integers(0, len(pool) - 1), min_size=1, max_size=6, unique=True))
+        chunks = [pool[i] for i in picks]
+        if draw(st.booleans()):
+            chunks.append(RagChunk("mirror:" + chunks[0].id, chunks[0].text))
+        if draw(st.booleans()) and sentences:
+            chunks.insert(draw(st.integers(0, len(chunks))), sentences[draw(st.integers(0, len(sentences) - 1))])
+        reqs.append(RagRequest(f"r{n}", draw(st.sampled_from(["Answer briefly.", "You are a guide. Cite passages."])),
+                               chunks, draw(st.sampled_from(["Who built it?", "When?", "Where is the gate?"]))))
+    return reqs
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(traces(), st.sampled_from([4, 16]), st.sampled_from(["auto", "none", "all"]))
+def test_no_policy_beats_the_oracle(reqs, bs, align):
+    rep = bench_policies(reqs, block_size=bs, alignment=align)
+    oracle = rep["oracle_prefill_tokens"]
+    for name, m in rep["policies"].items():
+        assert m["predicted_prefill_tokens"] >= oracle, (name, m["predicted_prefill_tokens"], oracle)
+    for name, gap in rep["gap_closed"].items():
+        assert gap is None or gap <= 1.0, (name, gap)
+    assert rep["radix_prefill_tokens"] <= rep["radix_prefill_tokens_bounded"]
+    assert rep["oracle_prefill_tokens"] <= rep["oracle_prefill_tokens_bounded"]
