@@ -350,9 +350,9 @@ def _default_template() -> ChatTemplate:
     global _DEFAULT_TEMPLATE
     with _DEFAULT_LOCK:
         if _DEFAULT_TEMPLATE is None:
-            from promptsplice.assets import ensure_default_model
+            from promptsplice.assets import ensure_default_tokenizer
 
-            _DEFAULT_TEMPLATE = ChatTemplate.from_dir(ensure_default_model())
+            _DEFAULT_TEMPLATE = ChatTemplate.from_dir(ensure_default_tokenizer())
         return _DEFAULT_TEMPLATE
 
 

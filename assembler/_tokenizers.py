@@ -179,10 +179,11 @@ class TiktokenTokenizer:
 
 @functools.lru_cache(maxsize=1)
 def default_tokenizer() -> HFTokenizer:
-    """The default model's tokenizer (SmolLM2-135M-Instruct), converted once if needed."""
-    from promptsplice.assets import DEFAULT_MODEL_NAME, ensure_default_model
+    """The default model's tokenizer (SmolLM2-135M-Instruct), read from the packaged
+    GGUF's metadata once and cached (:mod:`promptsplice.assets`): no weights, no torch."""
+    from promptsplice.assets import DEFAULT_MODEL_NAME, ensure_default_tokenizer
 
-    folder = ensure_default_model()
+    folder = ensure_default_tokenizer()
     return HFTokenizer.from_file(folder / "tokenizer.json", name=f"hf:{DEFAULT_MODEL_NAME}")
 
 

@@ -81,3 +81,23 @@ def test_openai_caching_rules_with_real_tiktoken_files(encoding):
     # but not the same ids at segment boundaries; the prefix is still byte-stable.
     assert asm.tokenizer.decode(long2.token_ids) == long2.text
     assert long2.text.startswith(long1.text[: long1.text.index("Question:")])
+
+
+def test_assembling_with_the_default_tokenizer_never_imports_torch():
+    """The default tokenizer comes from the GGUF's metadata: a process that only
+    assembles never loads torch, transformers or vLLM."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, promptsplice\n"
+        "p = promptsplice.assemble_prompt(['Paris is in France.', 'Rome is in Italy.'], query='Where?')\n"
+        "assert p.num_tokens > 10 and p.segments\n"
+        "from promptsplice.assembler import ChatRenderer\n"
+        "r = ChatRenderer().render([{'role': 'user', 'content': 'hi'}])\n"
+        "assert r.num_tokens > 5\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
