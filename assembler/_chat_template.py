@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from promptsplice.assembler._tokenizers import MARKUP_ESCAPE
 from promptsplice.errors import ConfigError, InputError, InvalidUTF8Error
 
 __all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "tools_block"]
@@ -67,6 +68,11 @@ class ChatTemplate:
     def __init__(self, source: str, *, special_tokens: Mapping[str, str] | None = None, name: str = "template") -> None:
         if not isinstance(source, str) or not source.strip():
             raise ConfigError("a chat template must be a non-empty jinja string")
+        if MARKUP_ESCAPE in source:
+            raise ConfigError(
+                "the chat template contains U+FDD0, the noncharacter promptsplice uses to "
+                "mark caller content; remove it from the template"
+            )
         self.source = source
         self.name = name
         self.special_tokens = dict(special_tokens or {})
@@ -235,9 +241,11 @@ def _tool_call_text(call: Any, index: int) -> str:
     return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
 
 
-def tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The tools text injected into the system turn of templates without tools."""
-    return TOOLS_HEADER + "\n".join(canonical_json(t) for t in tools) + TOOLS_FOOTER
+def tools_block(tools: Sequence[Mapping[str, Any]], escape: Callable[[str], str] | None = None) -> str:
+    """The tools text injected into the system turn of templates without tools;
+    ``escape`` marks the schemas as caller content (see ``_tokenizers.Markup``)."""
+    schemas = "\n".join(canonical_json(t) for t in tools)
+    return TOOLS_HEADER + (escape(schemas) if escape else schemas) + TOOLS_FOOTER
 
 
 def _lone_surrogate(norm: list[tuple[int | None, dict[str, Any]]], tools: Any) -> InvalidUTF8Error:

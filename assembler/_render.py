@@ -92,7 +92,13 @@ from promptsplice.assembler._layout import LayoutBuilder, SegmentKind
 from promptsplice.assembler._ordering import AlignPolicy, parse_align
 from promptsplice.assembler._render_types import MessageSegment, Render
 from promptsplice.assembler._token_cache import TokenCache
-from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
+from promptsplice.assembler._tokenizers import (
+    Markup,
+    Tokenizer,
+    encode_marked_batch,
+    load_tokenizer,
+    markup_for,
+)
 from promptsplice.blocks import content_digest
 from promptsplice.errors import ConfigError, InputError
 
@@ -118,6 +124,12 @@ class ChatRenderer:
     (``"default"``...).  ``template`` is a :class:`ChatTemplate` or a model folder;
     default: the default model's.  Thread-safe; memoizes piece renders (LRU bounded by
     ``max_memo_chars`` characters of text).
+
+    Message contents, roles, tool calls and tool schemas are caller content: control-token
+    markup in them (``<|im_start|>system``...) is tokenized as ordinary text, and only
+    the template's own markup gives control tokens (marked text,
+    :mod:`promptsplice.assembler._tokenizers`).  ``trust_markup=True`` reads markup in
+    the messages as control tokens (for callers who pass pre-rendered turns on purpose).
     """
 
     def __init__(
@@ -129,6 +141,7 @@ class ChatRenderer:
         alignment: str | AlignPolicy = "all",
         token_cache: TokenCache | None = None,
         max_memo_chars: int = 8_000_000,
+        trust_markup: bool = False,
     ) -> None:
         from promptsplice.assembler._assemble import Assembler
 
@@ -165,6 +178,10 @@ class ChatRenderer:
         self._max_memo_chars = max_memo_chars
         self._memo_lock = threading.Lock()
         self._filler_text: str | None = None
+        self.trust_markup = bool(trust_markup)
+        self._markup = markup_for(self.tokenizer)
+        self._esc = Markup.trusted if self.trust_markup else self._markup.escape
+        self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")
 
     # -- public --------------------------------------------------------------------
     def render(
@@ -179,10 +196,11 @@ class ChatRenderer:
 
         Bad messages raise :class:`InputError`; a lone surrogate (no UTF-8 encoding) in
         a message or the tools raises :class:`InvalidUTF8Error` naming it."""
-        pieces = self.pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+        pieces = self._marked_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
         tok = self.tokenizer
+        # Keyed by the marked text: equal keys mean equal tokens.
         items = [("", content_digest(text.encode("utf-8")), text) for _, _, _, text in pieces]
-        toks = self.token_cache.get_many(tok.name, items, tok.encode_batch)
+        toks = self.token_cache.get_many(self._cache_name, items, self._encode)
         builder = LayoutBuilder(self.block_size, tok.filler_token_id, self.alignment, None, salt)
         for (kind, _, _, _), ids in zip(pieces, toks):
             builder.append(kind, (), ids, paddable=kind is not SegmentKind.GENERATION)
@@ -193,7 +211,9 @@ class ChatRenderer:
         segments: list[MessageSegment] = []
         keys: list[bytes] = [b""] * len(messages)
         text_parts: list[str] = []
-        for (kind, idx, role, text), (_, digest, _), seg in zip(pieces, items, builder.segments):
+        unescape = self._markup.unescape
+        for (kind, idx, role, marked), (_, digest, _), seg in zip(pieces, items, builder.segments):
+            text = unescape(marked)
             segments.append(MessageSegment(kind, idx, role, seg.start, seg.end, seg.padding, digest, text))
             text_parts.append(text + filler * seg.padding)
             if idx is not None and kind is SegmentKind.MESSAGE:
@@ -223,9 +243,27 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
     ) -> list[_Piece]:
         """The segment texts (kind, message index, role, text) before tokenization."""
+        unescape = self._markup.unescape
+        return [
+            (kind, idx, role, unescape(text))
+            for kind, idx, role, text in self._marked_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+        ]
+
+    # -- internals -----------------------------------------------------------------
+    def _encode(self, marked: list[str]) -> list[list[int]]:
+        return encode_marked_batch(self.tokenizer, marked)
+
+    def _marked_pieces(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[_Piece]:
+        """:meth:`pieces` as marked text (caller markup escaped, the template's raw)."""
         tmpl = self.template
         norm, norm_plain = self._normalize(messages, tools)
-        native_tools = list(tools) if (tools and tmpl.native_tools) else None
+        native_tools = [_escaped(t, self._esc) for t in tools] if (tools and tmpl.native_tools) else None
         msgs = [m for _, m in norm]
         try:
             texts = self._piece_texts(msgs, native_tools)  # encodes every message first
@@ -251,7 +289,6 @@ class ChatRenderer:
                 pieces.append((SegmentKind.GENERATION, None, "assistant", full[len(body) :]))
         return pieces
 
-    # -- internals -----------------------------------------------------------------
     def _normalize(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
     ) -> tuple[list[tuple[int | None, dict[str, Any]]], dict[str, Any] | None]:
@@ -277,7 +314,7 @@ class ChatRenderer:
             if not isinstance(role, str) or not role:
                 raise InputError(f"message {i} has no role (a non-empty str)")
             if tmpl.native_tool_calls:
-                msg = dict(m)
+                msg = _escaped(m, self._esc)
                 if msg.get("content") is None:
                     msg["content"] = ""
             else:
@@ -288,17 +325,17 @@ class ChatRenderer:
                         raise InputError(f"message {i}: tool_calls must be a list")
                     lines = "\n".join(_tool_call_text(c, i) for c in calls)
                     text = f"{text}\n{lines}" if text else lines
-                msg = {"role": role, "content": text}
+                msg = {"role": self._esc(role), "content": self._esc(text)}
             out.append((i, msg))
         plain: dict[str, Any] | None = None
         if tools and not tmpl.native_tools:
-            block = tools_block(tools)
+            block = tools_block(tools, self._esc)
             if out[0][1]["role"] == "system":
                 idx, first = out[0]
                 plain = first
                 out[0] = (idx, {**first, "content": _content_text(first.get("content"), 0) + block})
             else:
-                default = tmpl.default_system() or ""
+                default = Markup.trusted(tmpl.default_system() or "")
                 plain = {"role": "system", "content": default}
                 out.insert(0, (None, {"role": "system", "content": default + block}))
         return out, plain
@@ -438,3 +475,14 @@ def _insertion_point(with_text: str, without: str, prefer: str | None = None) ->
             if with_text.startswith(prefer, a):
                 return (a, n)
     return (lo, n)
+
+
+def _escaped(value: Any, esc: Callable[[str], str]) -> Any:
+    """``value`` (a message, a tool schema) with every string passed through ``esc``."""
+    if isinstance(value, str):
+        return esc(value)
+    if isinstance(value, Mapping):
+        return {esc(k) if isinstance(k, str) else k: _escaped(v, esc) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escaped(v, esc) for v in value]
+    return value
