@@ -6,7 +6,9 @@ ids concatenated, so segment boundaries are exact and a chunk's tokens never dep
 its neighbours.  Segments after the first start with the format's separator (``"\\n\\n"``);
 a separator at the *start* of a segment re-tokenizes identically inside a whole text
 for byte-level BPE tokenizers when the previous segment ends in a non-space character,
-which keeps the text form close to the token form (see the tests).
+which keeps the text form close to the token form (:attr:`AssembledPrompt.text_is_exact`
+says when it is exact).  Caller content is tokenized as text: its control-token markup
+never becomes control tokens (marked text, :mod:`promptsplice.assembler._tokenizers`).
 
 An :class:`Assembler` holds the state that makes ordering stable and cache-aware: the
 token cache, the online popularity tracker and the prefix-cache mirror.  The module
