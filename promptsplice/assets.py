@@ -94,15 +94,22 @@ def is_complete(folder: Path) -> bool:
 
 def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
     """Run ``build(source, tmp)`` into a temporary sibling of ``folder``, mark it
-    complete and rename it into place; any failure becomes :class:`AssetError`."""
+    complete and rename it into place; any failure becomes :class:`AssetError`.  When
+    a concurrent build completes ``folder`` first, its copy is kept and ours dropped."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         build(source, tmp)
         (tmp / _MARKER).write_text(json.dumps({"source": str(source)}) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        if not is_complete(folder):  # else another process finished first: use its copy
+            if folder.exists():
+                shutil.rmtree(folder)  # an interrupted build's leftovers
+            try:
+                os.replace(tmp, folder)
+            except OSError:
+                if not is_complete(folder):
+                    raise
+        shutil.rmtree(tmp, ignore_errors=True)
     except AssetError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

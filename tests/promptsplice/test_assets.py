@@ -82,3 +82,19 @@ def test_a_non_byte_level_gguf_is_refused(monkeypatch, tmp_path):
     with pytest.raises(AssetError, match="not a GPT-2 byte-level BPE"):
         assets.ensure_default_tokenizer(tmp_path / "t")
     assert not (tmp_path / "t").exists()
+
+
+def test_a_concurrent_build_that_finishes_first_wins(tmp_path):
+    """Two processes building one folder: the one that finishes second keeps the
+    first one's complete copy (it never deletes a folder that readers may be using)."""
+    folder = tmp_path / "shared"
+
+    def other_process_finishes_first(source, out):
+        (out / "tokenizer.json").write_text("second")
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text("first")
+        (folder / ".complete").write_text("{}")
+
+    assert assets.build_folder(folder, tmp_path / "src", other_process_finishes_first) == folder
+    assert (folder / "tokenizer.json").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["shared"]  # our temporary copy is gone
