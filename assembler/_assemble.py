@@ -36,7 +36,6 @@ from promptsplice.assembler._ordering import (
 )
 from promptsplice.assembler._token_cache import TokenCache
 from promptsplice.assembler._tokenizers import (
-    MARKUP_ESCAPE,
     Markup,
     Tokenizer,
     encode_marked_batch,
@@ -306,6 +305,7 @@ class Assembler:
         if sys_value:
             head.append((SegmentKind.SYSTEM, fmt.system_template.format(system=sys_value)))
             m_head.append(fmt.marked(fmt.system_template, esc, system=sys_value))
+        tools_text = ""
         if tools:
             tools_text = fmt.tools_text(tools)
             head.append((SegmentKind.TOOLS, tools_text))
@@ -323,7 +323,11 @@ class Assembler:
         _utf8(q_text, SegmentKind.QUERY)
         m_query = m_sep + fmt.marked(fmt.query_template, esc, query=query)
         items.append((sep, content_digest(m_query.encode("utf-8")), m_query))
-        markup_as_text = any(MARKUP_ESCAPE in item[2] for item in items)
+        holds = self._markup.holds
+        markup_as_text = not self.trust_markup and (
+            any(holds(v) for v in (sys_value or "", tools_text, query))
+            or any(holds(k.text) for k in kept)
+        )
         toks = self.token_cache.get_many(self._cache_name, items, self._encode)
         head_toks = toks[: len(head)]
         chunk_toks = toks[len(head) : len(head) + len(kept)]

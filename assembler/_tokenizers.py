@@ -290,28 +290,59 @@ class Markup:
 
     In marked text a control-token string written raw is a control token; ``U+FDD0``
     followed by ``chr(0xF0000 + k)`` is control token ``k``'s string as ordinary text,
-    and ``U+FDD0 U+FDD0`` is a literal ``U+FDD0``.
+    and ``U+FDD0`` followed by any other character is that character as ordinary text
+    (``U+FDD0 U+FDD0``: a literal ``U+FDD0``).  Escaped characters never take part in
+    a control token, so caller content cannot complete one that a template starts or
+    ends next to it (``'<|' + role + '|>'``).
     """
 
-    __slots__ = ("specials", "ids", "_index", "_firsts", "_find", "_split")
+    __slots__ = ("specials", "ids", "_index", "_by_id", "_firsts", "_find", "_split", "_heads", "_tails", "_maxlen")
 
     def __init__(self, special_tokens: Mapping[str, int]) -> None:
         self.specials = sorted((s for s in special_tokens if s), key=lambda s: (-len(s), s))
         self.ids = [special_tokens[s] for s in self.specials]
         self._index = {s: k for k, s in enumerate(self.specials)}
+        self._by_id = dict(zip(self.ids, self.specials))
         self._firsts = "".join(sorted({s[0] for s in self.specials} | {MARKUP_ESCAPE}))
         alts = [re.escape(s) for s in self.specials]
         self._find = re.compile("|".join([*alts, MARKUP_ESCAPE]))
         self._split = re.compile("|".join([*alts, MARKUP_ESCAPE + "."]), re.S)
+        # Proper suffixes (by first character) and prefixes (by last character) of the
+        # control tokens: content that starts or ends with one (or lies inside one)
+        # could complete a control token with the template text next to it.
+        self._maxlen = max((len(t) for t in self.specials), default=0)
+        self._heads: dict[str, set[str]] = {}
+        self._tails: dict[str, set[str]] = {}
+        for t in self.specials:
+            for j in range(1, len(t)):
+                self._heads.setdefault(t[j], set()).add(t[j:])
+                self._tails.setdefault(t[j - 1], set()).add(t[:j])
 
     def _may_hold(self, text: str) -> bool:
         return any(c in text for c in self._firsts)
 
     def escape(self, text: str) -> str:
-        """Untrusted ``text`` as marked text: its control-token strings stay text."""
-        if not self._may_hold(text):
+        """Untrusted ``text`` as marked text: its control-token strings stay text, and
+        so do its edges where they could complete a control token with a neighbour."""
+        if not text:
             return text
-        return self._find.sub(self._escape_one, text)
+        head = tail = ""
+        inside = len(text) < self._maxlen and any(text in t[1:] for t in self.specials)
+        if (inside or any(text.startswith(x) for x in self._heads.get(text[0], ()))) and self._plain(text[0]):
+            head, text = MARKUP_ESCAPE + text[0], text[1:]
+        if text and any(text.endswith(x) for x in self._tails.get(text[-1], ())) and self._plain(text[-1]):
+            tail, text = MARKUP_ESCAPE + text[-1], text[:-1]
+        if self._may_hold(text):
+            text = self._find.sub(self._escape_one, text)
+        return head + text + tail if head or tail else text
+
+    def holds(self, text: str) -> bool:
+        """Whether ``text`` contains a control-token string."""
+        return self._may_hold(text) and any(s in text for s in self.specials)
+
+    def _plain(self, c: str) -> bool:
+        """Whether ``U+FDD0 + c`` reads back as the literal ``c``."""
+        return c != MARKUP_ESCAPE and not 0 <= ord(c) - _INDEX_BASE < len(self.specials)
 
     def _escape_one(self, m: re.Match[str]) -> str:
         s = m.group()
@@ -336,12 +367,7 @@ class Markup:
             pos = m.end()
             if s[0] == MARKUP_ESCAPE and len(s) == 2 and s not in self._index:
                 k = ord(s[1]) - _INDEX_BASE
-                if s[1] == MARKUP_ESCAPE:
-                    buf.append(MARKUP_ESCAPE)
-                elif 0 <= k < len(self.specials):
-                    buf.append(self.specials[k])
-                else:  # not an escape this module writes: keep it as text
-                    buf.append(s)
+                buf.append(self.specials[k] if 0 <= k < len(self.specials) else s[1])
                 continue
             if buf:
                 text = "".join(buf)
@@ -359,7 +385,7 @@ class Markup:
         """The real text of ``marked`` (what the tokens decode to)."""
         if MARKUP_ESCAPE not in marked:
             return marked
-        return "".join(p if isinstance(p, str) else self.specials[self.ids.index(p)] for p in self.split(marked))
+        return "".join(p if isinstance(p, str) else self._by_id[p] for p in self.split(marked))
 
 
 _MARKUPS: dict[str, Markup] = {}
