@@ -318,7 +318,8 @@ class Assembler:
             items.append((prefix, content_digest(marked.encode("utf-8")), marked))
         # Every chunk carries the separator, also when it comes first (no system/tools):
         # its tokens then never depend on its position.
-        items.extend((sep, k.digest, m_sep + esc(k.text)) for k in kept)
+        chunk_marks = [esc(k.text) for k in kept]
+        items.extend((sep, k.digest, m_sep + m) for k, m in zip(kept, chunk_marks))
         q_text = sep + fmt.query_text(query)
         _utf8(q_text, SegmentKind.QUERY)
         m_query = m_sep + fmt.marked(fmt.query_template, esc, query=query)
@@ -326,7 +327,7 @@ class Assembler:
         holds = self._markup.holds
         markup_as_text = not self.trust_markup and (
             any(holds(v) for v in (sys_value or "", tools_text, query))
-            or any(holds(k.text) for k in kept)
+            or any(m is not k.text and holds(k.text) for k, m in zip(kept, chunk_marks))
         )
         toks = self.token_cache.get_many(self._cache_name, items, self._encode)
         head_toks = toks[: len(head)]

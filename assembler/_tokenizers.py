@@ -311,12 +311,11 @@ class Markup:
         # control tokens: content that starts or ends with one (or lies inside one)
         # could complete a control token with the template text next to it.
         self._maxlen = max((len(t) for t in self.specials), default=0)
-        self._heads: dict[str, set[str]] = {}
-        self._tails: dict[str, set[str]] = {}
-        for t in self.specials:
-            for j in range(1, len(t)):
-                self._heads.setdefault(t[j], set()).add(t[j:])
-                self._tails.setdefault(t[j - 1], set()).add(t[:j])
+        heads = {t[j:] for t in self.specials for j in range(1, len(t))}
+        tails = {t[:j][::-1] for t in self.specials for j in range(1, len(t))}  # reversed
+        never = re.compile(r"(?!)")
+        self._heads = re.compile("|".join(map(re.escape, sorted(heads, key=len)))) if heads else never
+        self._tails = re.compile("|".join(map(re.escape, sorted(tails, key=len)))) if tails else never
 
     def _may_hold(self, text: str) -> bool:
         return any(c in text for c in self._firsts)
@@ -328,9 +327,9 @@ class Markup:
             return text
         head = tail = ""
         inside = len(text) < self._maxlen and any(text in t[1:] for t in self.specials)
-        if (inside or any(text.startswith(x) for x in self._heads.get(text[0], ()))) and self._plain(text[0]):
+        if (inside or self._heads.match(text)) and self._plain(text[0]):
             head, text = MARKUP_ESCAPE + text[0], text[1:]
-        if text and any(text.endswith(x) for x in self._tails.get(text[-1], ())) and self._plain(text[-1]):
+        if text and self._tails.match(text[: -self._maxlen - 1 : -1]) and self._plain(text[-1]):
             tail, text = MARKUP_ESCAPE + text[-1], text[:-1]
         if self._may_hold(text):
             text = self._find.sub(self._escape_one, text)
