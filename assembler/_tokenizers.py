@@ -1,4 +1,5 @@
-"""Tokenizer protocol and adapters (Hugging Face ``tokenizers``, ``tiktoken``).
+"""Tokenizer protocol and adapters (Hugging Face ``tokenizers``, ``tiktoken``), and
+*marked text*: untrusted text is tokenized as text.
 
 Assembly happens in token space, so every adapter encodes *without* special tokens
 (no BOS): segments are tokenized separately and concatenated, and the chat template or
@@ -6,6 +7,19 @@ the engine adds what the model needs.  Each adapter names a ``filler_token_id``:
 token that decodes to whitespace, used to pad a segment to a block boundary.
 
 Backends are imported lazily so that ``import assembler`` stays light.
+
+Untrusted text is text.  A retrieved chunk, a query, a tool output or a user message
+that contains ``<|im_start|>system`` must not become the model's control tokens (a
+poisoned document would speak as the system).  The assembler and the renderer therefore
+tokenize *marked text* (:class:`Markup`): control-token strings written raw come from a
+template or format (trusted) and become control tokens; in caller content they are
+escaped (:meth:`Markup.escape`, a noncharacter ``U+FDD0`` plus the token's index) and
+are encoded as ordinary text (:func:`encode_marked_batch`).  Marked text without an
+escape is encoded whole, exactly as before.  The adapters name their control tokens
+(``special_tokens``) and encode text with markup kept as text (``encode_text_batch``:
+``encode_special_tokens`` for HF, ``encode_ordinary`` for tiktoken) or recognized
+(``encode_markup_batch``).  A tokenizer without these attributes is used through its
+``encode_batch`` alone (no protection: wrap it in an adapter).
 """
 
 from __future__ import annotations
@@ -13,8 +27,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,6 +42,10 @@ __all__ = [
     "load_tokenizer",
     "default_tokenizer",
     "tiktoken_cache_dir",
+    "Markup",
+    "markup_for",
+    "encode_marked_batch",
+    "MARKUP_ESCAPE",
 ]
 
 
@@ -60,7 +79,7 @@ def _single_token(encode: Any, candidates: Sequence[str], who: str) -> int:
 class HFTokenizer:
     """Adapter over a Hugging Face fast tokenizer (``tokenizers.Tokenizer``)."""
 
-    __slots__ = ("name", "filler_token_id", "_tok")
+    __slots__ = ("name", "filler_token_id", "_tok", "_text_tok", "_lock")
 
     def __init__(self, tokenizer: Any, *, name: str, filler_token_id: int | None = None):
         # Accept a transformers PreTrainedTokenizerFast too: use its backend.
@@ -71,6 +90,8 @@ class HFTokenizer:
                 "tokenizers.Tokenizer, a PreTrainedTokenizerFast or a tokenizer.json path"
             )
         self._tok = backend
+        self._text_tok: Any = None
+        self._lock = threading.Lock()
         self.name = name
         self.filler_token_id = (
             filler_token_id
@@ -98,6 +119,27 @@ class HFTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_markup_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Special-token markup in ``texts`` becomes control tokens (trusted text)."""
+        return self.encode_batch(texts)
+
+    def encode_text_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Special-token markup in ``texts`` stays ordinary text (untrusted text)."""
+        if self._text_tok is None:
+            with self._lock:
+                if self._text_tok is None:
+                    from tokenizers import Tokenizer as _HFTok
+
+                    copy = _HFTok.from_str(self._tok.to_str())
+                    copy.encode_special_tokens = True
+                    self._text_tok = copy
+        return [e.ids for e in self._text_tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The control tokens (added tokens marked special): text -> id."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -166,6 +208,19 @@ class TiktokenTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._enc.encode_ordinary_batch(list(texts))
 
+    def encode_markup_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Special-token markup in ``texts`` becomes control tokens (trusted text)."""
+        return self._enc.encode_batch(list(texts), allowed_special="all")
+
+    def encode_text_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Special-token markup in ``texts`` stays ordinary text (untrusted text)."""
+        return self._enc.encode_ordinary_batch(list(texts))
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The encoding's special tokens: text -> id."""
+        return {t: self._enc.encode_single_token(t) for t in self._enc.special_tokens_set}
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._enc.decode(list(ids))
 
@@ -179,10 +234,11 @@ class TiktokenTokenizer:
 
 @functools.lru_cache(maxsize=1)
 def default_tokenizer() -> HFTokenizer:
-    """The default model's tokenizer (SmolLM2-135M-Instruct), converted once if needed."""
-    from promptsplice.assets import DEFAULT_MODEL_NAME, ensure_default_model
+    """The default model's tokenizer (SmolLM2-135M-Instruct), read from the packaged
+    GGUF's metadata once and cached (:mod:`promptsplice.assets`): no weights, no torch."""
+    from promptsplice.assets import DEFAULT_MODEL_NAME, ensure_default_tokenizer
 
-    folder = ensure_default_model()
+    folder = ensure_default_tokenizer()
     return HFTokenizer.from_file(folder / "tokenizer.json", name=f"hf:{DEFAULT_MODEL_NAME}")
 
 
@@ -220,3 +276,156 @@ def _tiktoken(name: str) -> TiktokenTokenizer:
 @functools.lru_cache(maxsize=8)
 def _hf_file(path: str) -> HFTokenizer:
     return HFTokenizer.from_file(path)
+
+
+# -- marked text -------------------------------------------------------------------------
+
+MARKUP_ESCAPE = "\ufdd0"
+"""Starts an escape in marked text (a Unicode noncharacter, reserved for internal use)."""
+_INDEX_BASE = 0xF0000  # escaped control token k is MARKUP_ESCAPE + chr(_INDEX_BASE + k)
+
+
+class Markup:
+    """Marked text for one tokenizer's control tokens (see the module docstring).
+
+    In marked text a control-token string written raw is a control token; ``U+FDD0``
+    followed by ``chr(0xF0000 + k)`` is control token ``k``'s string as ordinary text,
+    and ``U+FDD0`` followed by any other character is that character as ordinary text
+    (``U+FDD0 U+FDD0``: a literal ``U+FDD0``).  Escaped characters never take part in
+    a control token, so caller content cannot complete one that a template starts or
+    ends next to it (``'<|' + role + '|>'``).
+    """
+
+    __slots__ = ("specials", "ids", "_index", "_by_id", "_firsts", "_find", "_split", "_heads", "_tails", "_maxlen")
+
+    def __init__(self, special_tokens: Mapping[str, int]) -> None:
+        self.specials = sorted((s for s in special_tokens if s), key=lambda s: (-len(s), s))
+        self.ids = [special_tokens[s] for s in self.specials]
+        self._index = {s: k for k, s in enumerate(self.specials)}
+        self._by_id = dict(zip(self.ids, self.specials))
+        self._firsts = "".join(sorted({s[0] for s in self.specials} | {MARKUP_ESCAPE}))
+        alts = [re.escape(s) for s in self.specials]
+        self._find = re.compile("|".join([*alts, MARKUP_ESCAPE]))
+        self._split = re.compile("|".join([*alts, MARKUP_ESCAPE + "."]), re.S)
+        # Proper suffixes (by first character) and prefixes (by last character) of the
+        # control tokens: content that starts or ends with one (or lies inside one)
+        # could complete a control token with the template text next to it.
+        self._maxlen = max((len(t) for t in self.specials), default=0)
+        heads = {t[j:] for t in self.specials for j in range(1, len(t))}
+        tails = {t[:j][::-1] for t in self.specials for j in range(1, len(t))}  # reversed
+        never = re.compile(r"(?!)")
+        self._heads = re.compile("|".join(map(re.escape, sorted(heads, key=len)))) if heads else never
+        self._tails = re.compile("|".join(map(re.escape, sorted(tails, key=len)))) if tails else never
+
+    def _may_hold(self, text: str) -> bool:
+        return any(c in text for c in self._firsts)
+
+    def escape(self, text: str) -> str:
+        """Untrusted ``text`` as marked text: its control-token strings stay text, and
+        so do its edges where they could complete a control token with a neighbour."""
+        if not text:
+            return text
+        head = tail = ""
+        inside = len(text) < self._maxlen and any(text in t[1:] for t in self.specials)
+        if (inside or self._heads.match(text)) and self._plain(text[0]):
+            head, text = MARKUP_ESCAPE + text[0], text[1:]
+        if text and self._tails.match(text[: -self._maxlen - 1 : -1]) and self._plain(text[-1]):
+            tail, text = MARKUP_ESCAPE + text[-1], text[:-1]
+        if self._may_hold(text):
+            text = self._find.sub(self._escape_one, text)
+        return head + text + tail if head or tail else text
+
+    def holds(self, text: str) -> bool:
+        """Whether ``text`` contains a control-token string."""
+        return self._may_hold(text) and any(s in text for s in self.specials)
+
+    def _plain(self, c: str) -> bool:
+        """Whether ``U+FDD0 + c`` reads back as the literal ``c``."""
+        return c != MARKUP_ESCAPE and not 0 <= ord(c) - _INDEX_BASE < len(self.specials)
+
+    def _escape_one(self, m: re.Match[str]) -> str:
+        s = m.group()
+        if s == MARKUP_ESCAPE:
+            return MARKUP_ESCAPE + MARKUP_ESCAPE
+        return MARKUP_ESCAPE + chr(_INDEX_BASE + self._index[s])
+
+    @staticmethod
+    def trusted(text: str) -> str:
+        """Trusted ``text`` (a template's) as marked text: its control-token strings
+        are control tokens."""
+        return text.replace(MARKUP_ESCAPE, MARKUP_ESCAPE + MARKUP_ESCAPE) if MARKUP_ESCAPE in text else text
+
+    def split(self, marked: str) -> list[str | int]:
+        """Marked text as pieces: ``str`` (ordinary text) and ``int`` (a control id)."""
+        out: list[str | int] = []
+        buf: list[str] = []
+        pos = 0
+        for m in self._split.finditer(marked):
+            buf.append(marked[pos : m.start()])
+            s = m.group()
+            pos = m.end()
+            if s[0] == MARKUP_ESCAPE and len(s) == 2 and s not in self._index:
+                k = ord(s[1]) - _INDEX_BASE
+                buf.append(self.specials[k] if 0 <= k < len(self.specials) else s[1])
+                continue
+            if buf:
+                text = "".join(buf)
+                if text:
+                    out.append(text)
+                buf = []
+            out.append(self.ids[self._index[s]])
+        buf.append(marked[pos:])
+        text = "".join(buf)
+        if text:
+            out.append(text)
+        return out
+
+    def unescape(self, marked: str) -> str:
+        """The real text of ``marked`` (what the tokens decode to)."""
+        if MARKUP_ESCAPE not in marked:
+            return marked
+        return "".join(p if isinstance(p, str) else self._by_id[p] for p in self.split(marked))
+
+
+_MARKUPS: dict[str, Markup] = {}
+_MARKUPS_LOCK = threading.Lock()
+
+
+def markup_for(tokenizer: Tokenizer) -> Markup:
+    """The :class:`Markup` of ``tokenizer``'s control tokens (none for a tokenizer
+    without ``special_tokens``), one per tokenizer name."""
+    hit = _MARKUPS.get(tokenizer.name)
+    if hit is None:
+        specials = getattr(tokenizer, "special_tokens", None) or {}
+        hit = Markup(specials)
+        with _MARKUPS_LOCK:
+            hit = _MARKUPS.setdefault(tokenizer.name, hit)
+    return hit
+
+
+def encode_marked_batch(tokenizer: Tokenizer, marked: Sequence[str]) -> list[list[int]]:
+    """Token ids of marked texts: raw control-token strings (a template's) become
+    control tokens, escaped ones (caller content) ordinary text.  A text without an
+    escape is encoded whole, so its ids equal those of encoding the plain text."""
+    markup = markup_for(tokenizer)
+    whole = getattr(tokenizer, "encode_markup_batch", tokenizer.encode_batch)
+    as_text = getattr(tokenizer, "encode_text_batch", tokenizer.encode_batch)
+    out: list[list[int]] = [[] for _ in marked]
+    plain = [i for i, t in enumerate(marked) if MARKUP_ESCAPE not in t]
+    if plain:
+        for i, ids in zip(plain, whole([marked[i] for i in plain])):
+            out[i] = list(ids)
+    if len(plain) == len(marked):
+        return out
+    split = {i: markup.split(t) for i, t in enumerate(marked) if MARKUP_ESCAPE in t}
+    texts = [p for pieces in split.values() for p in pieces if isinstance(p, str)]
+    encoded = iter(as_text(texts) if texts else [])
+    for i, pieces in split.items():
+        ids: list[int] = []
+        for p in pieces:
+            if isinstance(p, str):
+                ids.extend(next(encoded))
+            else:
+                ids.append(p)
+        out[i] = ids
+    return out

@@ -18,7 +18,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
-    from promptsplice.assets import ensure_default_model
+    from promptsplice.engine_adapters._model import ensure_default_model
 
     folder = ensure_default_model()
     if not args.quiet:

@@ -148,7 +148,7 @@ def loopback_servers(
     ``/health``, yield them, stop them all on exit (also on error)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"n must be an int >= 1 (servers to start), got {n!r}")
-    from promptsplice.assets import ensure_default_model
+    from promptsplice.engine_adapters._model import ensure_default_model
 
     model = ensure_default_model()
     servers: list[LoopbackServer] = []

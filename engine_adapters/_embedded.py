@@ -227,7 +227,7 @@ class EmbeddedEngine:
                 raise ConfigError(f"unknown EngineConfig option: {exc}") from exc
 
         if config.model is None:
-            from promptsplice.assets import ensure_default_model
+            from promptsplice.engine_adapters._model import ensure_default_model
 
             model = str(ensure_default_model())  # AssetError when it cannot be prepared
         else:

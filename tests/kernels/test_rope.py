@@ -29,7 +29,7 @@ LLAMA31 = {  # the shape of Llama-3.1-8B's config.json (legacy rope_scaling form
 
 
 def test_the_real_default_model_reads_as_llama_neox_theta_1e5():
-    from promptsplice.assets import ensure_default_model
+    from promptsplice.engine_adapters._model import ensure_default_model
 
     path = ensure_default_model() / "config.json"
     rope = RopeConfig.from_hf_config(path)

@@ -1,0 +1,263 @@
+"""Chat templates and messages as text: the first half of a render.
+
+:class:`ChatTemplate` renders a Hugging Face chat template (jinja) the way transformers'
+``apply_chat_template`` does; the helpers here turn OpenAI-style messages, tool calls
+and tool schemas into the text the template receives (canonical JSON, so equal values
+give equal bytes).  :mod:`promptsplice.assembler._render` cuts that text into
+per-message segments and tokenizes them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from promptsplice.assembler._tokenizers import MARKUP_ESCAPE
+from promptsplice.errors import ConfigError, InputError, InvalidUTF8Error
+
+__all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "tools_block"]
+
+TOOLS_HEADER = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query. "
+    "The function signatures are within <tools></tools> XML tags:\n<tools>\n"
+)
+"""Start of the tools block injected into the system turn of templates without tools."""
+TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a JSON object with the function name "
+    'and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n'
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def canonical_json(obj: Any) -> str:
+    """Sorted keys, compact separators, UTF-8 kept: the same value always gives the
+    same bytes (and so the same tokens and blocks)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+# -- chat template ---------------------------------------------------------------------
+
+
+def _raise_exception(message: str) -> None:
+    raise InputError(f"the chat template refused the messages: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # Same as transformers' override (jinja's own tojson escapes HTML characters).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A Hugging Face chat template (jinja), rendered the way ``apply_chat_template`` does.
+
+    The environment matches transformers' (sandboxed, ``trim_blocks``,
+    ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception`` and
+    ``strftime_now``), and ``special_tokens`` (``bos_token``, ``eos_token``, ...) are
+    passed as template variables.  jinja2 is imported on first use.
+    """
+
+    def __init__(self, source: str, *, special_tokens: Mapping[str, str] | None = None, name: str = "template") -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise ConfigError("a chat template must be a non-empty jinja string")
+        if MARKUP_ESCAPE in source:
+            raise ConfigError(
+                "the chat template contains U+FDD0, the noncharacter promptsplice uses to "
+                "mark caller content; remove it from the template"
+            )
+        self.source = source
+        self.name = name
+        self.special_tokens = dict(special_tokens or {})
+        # Whether the template renders tool schemas / assistant tool calls itself.
+        self.native_tools = "tools" in source.replace("tool_calls", "")
+        self.native_tool_calls = "tool_calls" in source
+        self._compiled: Any = None
+        self._lock = threading.Lock()
+        self._default_system: str | None | bool = False  # False: not derived yet
+
+    @classmethod
+    def from_dir(cls, folder: str | Path) -> ChatTemplate:
+        """``chat_template.jinja`` in ``folder``, else ``tokenizer_config.json``'s
+        ``chat_template``; special tokens from ``tokenizer_config.json``."""
+        folder = Path(folder)
+        cfg_path = folder / "tokenizer_config.json"
+        cfg: dict[str, Any] = {}
+        if cfg_path.is_file():
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        jinja_path = folder / "chat_template.jinja"
+        if jinja_path.is_file():
+            source = jinja_path.read_text(encoding="utf-8")
+        elif isinstance(cfg.get("chat_template"), str):
+            source = cfg["chat_template"]
+        else:
+            raise ConfigError(f"no chat template in {folder} (chat_template.jinja or tokenizer_config.json)")
+        special = {
+            k: v
+            for k, v in cfg.items()
+            if k.endswith("_token") and isinstance(v, str)
+        }
+        return cls(source, special_tokens=special, name=str(folder))
+
+    @classmethod
+    def default(cls) -> ChatTemplate:
+        """The default model's template (SmolLM2-135M-Instruct, ChatML)."""
+        return _default_template()
+
+    def _template(self) -> Any:
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    import jinja2
+                    import jinja2.ext
+                    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+                    env = ImmutableSandboxedEnvironment(
+                        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+                    )
+                    env.filters["tojson"] = _tojson
+                    env.globals["raise_exception"] = _raise_exception
+                    env.globals["strftime_now"] = _strftime_now
+                    try:
+                        self._compiled = env.from_string(self.source)
+                    except jinja2.TemplateError as exc:
+                        raise ConfigError(f"chat template {self.name} does not compile: {exc}") from exc
+        return self._compiled
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        """The template's text for ``messages`` (as given: no normalization)."""
+        import jinja2
+
+        try:
+            return self._template().render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except InputError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as exc:
+            raise InputError(f"chat template {self.name} cannot render these messages: {exc}") from exc
+
+    def default_system(self) -> str | None:
+        """The system text the template inserts when the first message is not a system
+        message (read off the template), or ``None`` if it inserts none."""
+        if self._default_system is False:
+            self._default_system = self._derive_default_system()
+        return self._default_system  # type: ignore[return-value]
+
+    def _derive_default_system(self) -> str | None:
+        user = {"role": "user", "content": "x"}
+        try:
+            alone = self.render([user])
+            twice = self.render([user, user])
+            mark = "\x00promptsplice-system\x00"
+            sys_text = self.render([{"role": "system", "content": mark}])
+        except InputError:
+            return None
+        if not twice.startswith(alone):
+            return None
+        turn = twice[len(alone) :]
+        if not alone.endswith(turn) or alone == turn:
+            return None
+        preamble = alone[: len(alone) - len(turn)]
+        head, _, tail = sys_text.partition(mark)
+        if not (preamble.startswith(head) and preamble.endswith(tail)) or len(head) + len(tail) > len(preamble):
+            return None
+        text = preamble[len(head) : len(preamble) - len(tail)]
+        try:
+            ok = self.render([{"role": "system", "content": text}]) == preamble
+        except InputError:
+            ok = False
+        return text if ok else None
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({self.name!r})"
+
+
+_DEFAULT_TEMPLATE: ChatTemplate | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def _default_template() -> ChatTemplate:
+    global _DEFAULT_TEMPLATE
+    with _DEFAULT_LOCK:
+        if _DEFAULT_TEMPLATE is None:
+            from promptsplice.assets import ensure_default_tokenizer
+
+            _DEFAULT_TEMPLATE = ChatTemplate.from_dir(ensure_default_tokenizer())
+        return _DEFAULT_TEMPLATE
+
+
+# -- message normalization -------------------------------------------------------------
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise InputError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
+        return "".join(parts)
+    raise InputError(f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}")
+
+
+def _tool_call_text(call: Any, index: int) -> str:
+    if not isinstance(call, Mapping):
+        raise InputError(f"message {index}: a tool call must be a dict, got {type(call).__name__}")
+    fn = call.get("function", call)
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise InputError(f"message {index}: a tool call needs function.name, got {call!r:.120}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+            return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": parsed}) + "\n</tool_call>"
+        except (ValueError, RecursionError):
+            pass  # not JSON, or nested too deeply to parse: keep the string as the model wrote it
+    return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
+
+
+def tools_block(tools: Sequence[Mapping[str, Any]], escape: Callable[[str], str] | None = None) -> str:
+    """The tools text injected into the system turn of templates without tools;
+    ``escape`` marks the schemas as caller content (see ``_tokenizers.Markup``)."""
+    schemas = "\n".join(canonical_json(t) for t in tools)
+    return TOOLS_HEADER + (escape(schemas) if escape else schemas) + TOOLS_FOOTER
+
+
+def _lone_surrogate(norm: list[tuple[int | None, dict[str, Any]]], tools: Any) -> InvalidUTF8Error:
+    """InvalidUTF8Error naming the tools (``index=-1``) or else the first normalized
+    message (``index``: its position in the caller's list) holding a lone surrogate,
+    which has no UTF-8 encoding; ``offset`` is its UTF-8 byte offset in that value's
+    :func:`canonical_json`."""
+    for index, value in [(None, tools), *norm]:
+        text = canonical_json(value)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            what = "the tools" if index is None else f"message {index}"
+            return InvalidUTF8Error.lone_surrogate(f"{what} (as JSON)", text, exc, index=-1 if index is None else index)
+    return InvalidUTF8Error("the chat template produced a lone surrogate", index=-1, offset=-1)

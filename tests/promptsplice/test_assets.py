@@ -1,0 +1,100 @@
+"""The default tokenizer built from the packaged GGUF's metadata (no weights, no torch)
+tokenizes exactly like the tokenizer of the converted model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from promptsplice import assets
+from promptsplice.errors import AssetError
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A fresh build from the GGUF into a temporary cache (not the shared one)."""
+    folder = tmp_path_factory.mktemp("tok") / "SmolLM2.tokenizer"
+    assert assets.ensure_default_tokenizer(folder) == folder
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted():
+    from promptsplice.engine_adapters._model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def test_gguf_tokenizer_matches_the_converted_model(built, converted):
+    from tokenizers import Tokenizer
+
+    from promptsplice.benchmarks.traces import load_wiki_leads
+
+    ours = Tokenizer.from_file(str(built / "tokenizer.json"))
+    theirs = Tokenizer.from_file(str(converted / "tokenizer.json"))
+    assert json.loads(ours.to_str()) == json.loads(theirs.to_str())
+    texts = [t for _, t in load_wiki_leads()[:300]]
+    texts += ["  leading spaces\n\n\ttabs\r\n", "naïve café 東京 🙂 ĠĊ \u00a0", "x" * 3000, ""]
+    specials = [t["content"] for t in json.loads(theirs.to_str())["added_tokens"]]
+    assert len(specials) == 17 and "<|im_start|>" in specials
+    texts += [f"a{s}b {s}\n" for s in specials] + ["".join(specials)]
+    a = [e.ids for e in ours.encode_batch(texts, add_special_tokens=False)]
+    b = [e.ids for e in theirs.encode_batch(texts, add_special_tokens=False)]
+    assert a == b
+    for s in specials:
+        (only,) = ours.encode(s, add_special_tokens=False).ids
+        assert only == theirs.token_to_id(s) and ours.decode([only], skip_special_tokens=False) == s
+    assert ours.get_vocab_size() == theirs.get_vocab_size() == 49152
+
+
+def test_gguf_chat_template_and_special_tokens_match(built, converted):
+    from promptsplice.assembler import ChatTemplate
+
+    ours, theirs = ChatTemplate.from_dir(built), ChatTemplate.from_dir(converted)
+    assert ours.source == theirs.source
+    want = {k: v for k, v in theirs.special_tokens.items() if k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    assert ours.special_tokens == want and want["bos_token"] == "<|im_start|>"
+    cfg = json.loads((built / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "GPT2TokenizerFast"
+
+
+def test_a_complete_folder_is_reused_and_an_incomplete_one_rebuilt(built, tmp_path):
+    stamp = (built / "tokenizer.json").stat().st_mtime_ns
+    assert assets.ensure_default_tokenizer(built) == built
+    assert (built / "tokenizer.json").stat().st_mtime_ns == stamp
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "tokenizer.json").write_text("{partial")  # no .complete marker: redone
+    assets.ensure_default_tokenizer(half)
+    assert assets.is_complete(half) and json.loads((half / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+
+
+def test_cache_locations_follow_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMPTSPLICE_HOME", str(tmp_path))
+    monkeypatch.delenv("PROMPTSPLICE_MODEL_DIR", raising=False)
+    assert assets.default_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct"
+    assert assets.default_tokenizer_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct.tokenizer"
+
+
+def test_a_non_byte_level_gguf_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(assets, "_read_gguf_tokenizer", lambda source: {"tokenizer.ggml.model": "llama"})
+    with pytest.raises(AssetError, match="not a GPT-2 byte-level BPE"):
+        assets.ensure_default_tokenizer(tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+
+
+def test_a_concurrent_build_that_finishes_first_wins(tmp_path):
+    """Two processes building one folder: the one that finishes second keeps the
+    first one's complete copy (it never deletes a folder that readers may be using)."""
+    folder = tmp_path / "shared"
+
+    def other_process_finishes_first(source, out):
+        (out / "tokenizer.json").write_text("second")
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text("first")
+        (folder / ".complete").write_text("{}")
+
+    assert assets.build_folder(folder, tmp_path / "src", other_process_finishes_first) == folder
+    assert (folder / "tokenizer.json").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["shared"]  # our temporary copy is gone
