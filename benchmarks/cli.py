@@ -146,7 +146,8 @@ def _cmd_bench_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_gen_agent_trace(args: argparse.Namespace) -> int:
-    from promptsplice.benchmarks.agent_traces import generate_agent_trace, trace_summary, write_agent_trace
+    from promptsplice.benchmarks.agent_traces import trace_summary, write_agent_trace
+    from promptsplice.benchmarks.agent_traces_bfcl import generate_agent_trace
 
     sessions = generate_agent_trace(args.sessions, seed=args.seed)
     write_agent_trace(args.out, sessions)

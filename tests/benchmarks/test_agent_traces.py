@@ -16,16 +16,14 @@ from promptsplice.benchmarks.agent_traces import (
     MASK_PLACEHOLDER,
     STEP_KINDS,
     AgentSession,
-    _bfcl_tasks,
-    _Env,
     classify_step,
     edit_depth,
-    generate_agent_trace,
     iter_agent_trace,
     read_agent_trace,
     trace_summary,
     write_agent_trace,
 )
+from promptsplice.benchmarks.agent_traces_bfcl import _bfcl_tasks, _Env, generate_agent_trace
 from promptsplice.errors import TraceFormatError
 
 SAMPLE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "agent-sample.jsonl"
