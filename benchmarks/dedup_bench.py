@@ -82,12 +82,15 @@ def _windows(doc: str, size: int) -> list[str]:
     return out
 
 
-def make_requests(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0) -> list[list]:
-    """Requests of 20 chunk dicts totalling about ``total_mb`` MB of chunk text."""
+def make_requests(
+    total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0, n_docs: int = 400
+) -> list[list]:
+    """Requests of 20 chunk dicts totalling about ``total_mb`` MB of chunk text, drawn
+    from ``n_docs`` documents."""
     rng = random.Random(seed)
     words, weights = _vocabulary(rng)
     docs = []
-    for d in range(400):
+    for d in range(n_docs):
         windows = _windows(_document(rng, words, weights, 12 * chunk_bytes), chunk_bytes)
         docs.append((f"doc{d}", windows))
     target = int(total_mb * 1e6)
