@@ -27,43 +27,67 @@ _MAX_CANDIDATES = 256  # false candidates per query before the caller searches p
 
 
 class GridIndex:
-    """Grid grams of chunks added in order; queries return slots (insertion numbers)."""
+    """Grid grams of chunks added in order; queries return slots (insertion numbers).
 
-    __slots__ = ("grams", "datas")
+    ``grams`` maps a gram to the first slot holding it, ``more`` to the later ones (in
+    ascending order): most grams are held by one chunk, and an int shared by all of
+    one chunk's grams is cheaper to store than a list per gram.
+    """
+
+    __slots__ = ("grams", "more", "datas")
 
     def __init__(self) -> None:
-        self.grams: dict[bytes, list[int]] = {}
+        self.grams: dict[bytes, int] = {}
+        self.more: dict[bytes, list[int]] = {}
         self.datas: list[bytes] = []
 
     def add(self, data: bytes) -> None:
-        """Index ``data`` as the next slot (posting lists stay ascending, no repeats)."""
+        """Index ``data`` as the next slot."""
         slot = len(self.datas)
         self.datas.append(data)
+        stop = len(data) - K + 1
+        if stop <= 0:
+            return
+        new = dict.fromkeys(
+            map(data.__getitem__, map(slice, range(0, stop, S), range(K, stop + K, S))), slot
+        )
         grams = self.grams
-        for p in range(0, len(data) - K + 1, S):
-            gram = data[p : p + K]
-            lst = grams.get(gram)
-            if lst is None:
-                grams[gram] = [slot]
-            elif lst[-1] != slot:
-                lst.append(slot)
+        common = new.keys() & grams.keys()
+        if common:
+            more = self.more
+            for gram in common:
+                del new[gram]
+                lst = more.get(gram)
+                if lst is None:
+                    more[gram] = [slot]
+                else:
+                    lst.append(slot)
+        grams.update(new)
+
+    def _slots(self, gram: bytes, first: int) -> list[int]:
+        lst = self.more.get(gram)
+        return [first] if lst is None else [first, *lst]
 
     def _classes(self, needle: bytes):
         """Per grid phase ``j``: the slots holding both the needle's gram at ``j`` and its
         last gram of the same phase (candidates for an occurrence at ``o = -j mod S``)."""
-        grams = self.grams
+        get = self.grams.get
+        heads = list(map(get, map(needle.__getitem__, map(slice, range(S), range(K, K + S)))))
+        if heads.count(None) == S:
+            return
         last_start = len(needle) - K
-        for j in range(S):
-            lst = grams.get(needle[j : j + K])
-            if lst is None:
+        for j, first in enumerate(heads):
+            if first is None:
                 continue
             last = j + (last_start - j) // S * S
+            lst = self._slots(needle[j : j + K], first)
             if last != j:
-                other = grams.get(needle[last : last + K])
+                gram = needle[last : last + K]
+                other = get(gram)
                 if other is None:
                     continue
                 if len(lst) > 1:
-                    lst = sorted(set(lst).intersection(other))
+                    lst = sorted(set(lst).intersection(self._slots(gram, other)))
             yield lst
 
     def first(self, needle: bytes) -> tuple[int, int] | None | bool:
