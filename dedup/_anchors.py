@@ -1,55 +1,53 @@
 """Grid anchors: which indexed chunks can contain a needle, found by dict look-ups.
 
 Each indexed chunk contributes its ``K``-byte grams at offsets 0, S, 2S, ... (a grid),
-each mapped to the slots (insertion numbers) of the chunks holding it.  A needle of at
-least ``MIN_NEEDLE = K + S - 1`` bytes that occurs in a chunk at offset ``o`` covers
-the grid point ``o + j`` with ``j = (-o) mod S < S``, and the gram there lies entirely
-inside the needle: it is ``needle[j:j + K]``.  So looking up the needle's first ``S``
-grams reaches every chunk that contains it, and the needle's grams ``j + S``,
-``j + 2S``, ... must be in that chunk too (one of them prunes the candidates).  Every
-candidate is confirmed with ``bytes.find``: matches are exact by construction.
+each mapped to the keys of the chunks holding it.  A needle of at least
+``MIN_NEEDLE = K + S - 1`` bytes that occurs in a chunk at offset ``o`` covers the grid
+point ``o + j`` with ``j = (-o) mod S < S``, and the gram there lies entirely inside the
+needle: it is ``needle[j:j + K]``.  So looking up the needle's first ``S`` grams reaches
+every chunk that contains it, and the needle's last gram of the same phase ``j`` must be
+in that chunk too (it prunes the candidates).  Callers confirm every candidate with a
+byte search, so matches are exact by construction.
 
 Cost: ``len / S`` dict insertions per indexed chunk, ``S`` to ``2S`` look-ups per
-needle plus one C search per surviving candidate, instead of one search through every
-indexed byte.  Shorter needles (or queries with too many candidates) get ``None``
-from :meth:`GridIndex.first` / :meth:`GridIndex.hosts` so callers search the joined
-bytes as before.
+needle, instead of one search through every indexed byte.  Shorter needles, and needles
+with very many candidates (periodic text), get ``None``: the caller searches plainly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 __all__ = ["GridIndex", "MIN_NEEDLE"]
 
 K = 16  # gram length
 S = 16  # grid stride
 MIN_NEEDLE = K + S - 1
-_MAX_CANDIDATES = 256  # false candidates per query before the caller searches plainly
+_MAX_CANDIDATES = 256  # per needle; beyond this a plain search is as cheap
 
 
 class GridIndex:
-    """Grid grams of chunks added in order; queries return slots (insertion numbers).
+    """Grid grams of chunks under caller-chosen keys.
 
-    ``grams`` maps a gram to the first slot holding it, ``more`` to the later ones (in
-    ascending order): most grams are held by one chunk, and an int shared by all of
-    one chunk's grams is cheaper to store than a list per gram.
+    A key may be added again with new bytes (a chunk that was cut): its old grams stay
+    behind as harmless extra candidates.  ``grams`` maps a gram to the first key holding
+    it and ``more`` to the later ones: most grams are held by one chunk, and one key
+    object shared by all of a chunk's grams is cheaper to store than a list per gram.
     """
 
-    __slots__ = ("grams", "more", "datas")
+    __slots__ = ("grams", "more")
 
     def __init__(self) -> None:
-        self.grams: dict[bytes, int] = {}
-        self.more: dict[bytes, list[int]] = {}
-        self.datas: list[bytes] = []
+        self.grams: dict[bytes, Hashable] = {}
+        self.more: dict[bytes, list] = {}
 
-    def add(self, data: bytes) -> None:
-        """Index ``data`` as the next slot."""
-        slot = len(self.datas)
-        self.datas.append(data)
+    def add(self, key: Hashable, data: bytes) -> None:
+        """Index the grid grams of ``data`` under ``key``."""
         stop = len(data) - K + 1
         if stop <= 0:
             return
         new = dict.fromkeys(
-            map(data.__getitem__, map(slice, range(0, stop, S), range(K, stop + K, S))), slot
+            map(data.__getitem__, map(slice, range(0, stop, S), range(K, stop + K, S))), key
         )
         grams = self.grams
         common = new.keys() & grams.keys()
@@ -59,69 +57,43 @@ class GridIndex:
                 del new[gram]
                 lst = more.get(gram)
                 if lst is None:
-                    more[gram] = [slot]
+                    more[gram] = [key]
                 else:
-                    lst.append(slot)
+                    lst.append(key)
         grams.update(new)
 
-    def _slots(self, gram: bytes, first: int) -> list[int]:
+    def _keys(self, gram: bytes, first: Hashable) -> list:
         lst = self.more.get(gram)
         return [first] if lst is None else [first, *lst]
 
-    def _classes(self, needle: bytes):
-        """Per grid phase ``j``: the slots holding both the needle's gram at ``j`` and its
-        last gram of the same phase (candidates for an occurrence at ``o = -j mod S``)."""
+    def candidates(self, needle: bytes) -> set | None:
+        """Keys of every indexed chunk that may hold ``needle`` (a superset of those that
+        do), or ``None`` when the index cannot tell: the needle is shorter than
+        MIN_NEEDLE, or more than a few hundred chunks qualify."""
+        if len(needle) < MIN_NEEDLE:
+            return None
         get = self.grams.get
         heads = list(map(get, map(needle.__getitem__, map(slice, range(S), range(K, K + S)))))
+        found: set = set()
         if heads.count(None) == S:
-            return
+            return found
         last_start = len(needle) - K
         for j, first in enumerate(heads):
             if first is None:
                 continue
+            keys = self._keys(needle[j : j + K], first)
             last = j + (last_start - j) // S * S
-            lst = self._slots(needle[j : j + K], first)
             if last != j:
                 gram = needle[last : last + K]
                 other = get(gram)
                 if other is None:
                     continue
-                if len(lst) > 1:
-                    lst = sorted(set(lst).intersection(self._slots(gram, other)))
-            yield lst
-
-    def first(self, needle: bytes) -> tuple[int, int] | None | bool:
-        """``(slot, offset)`` of the needle's first occurrence in the lowest slot holding
-        it; ``False`` when no indexed chunk holds it; ``None`` when the index cannot
-        tell (needle shorter than MIN_NEEDLE, or too many candidates)."""
-        if len(needle) < MIN_NEEDLE:
-            return None
-        datas = self.datas
-        best = -1
-        misses = 0
-        for lst in self._classes(needle):
-            for h in lst:  # ascending
-                if best >= 0 and h >= best:
-                    break
-                if needle in datas[h]:
-                    best = h
-                    break
-                misses += 1
-            if misses > _MAX_CANDIDATES:
-                return None
-        if best < 0:
-            return False
-        return best, datas[best].find(needle)
-
-    def hosts(self, needle: bytes) -> list[int] | None:
-        """Every slot whose chunk holds ``needle`` (ascending), or ``None`` when the
-        index cannot tell (see :meth:`first`)."""
-        if len(needle) < MIN_NEEDLE:
-            return None
-        found: set[int] = set()
-        for lst in self._classes(needle):
-            found.update(lst)
+                if len(keys) > 1:
+                    found.update(set(keys).intersection(self._keys(gram, other)))
+                    if len(found) > _MAX_CANDIDATES:
+                        return None
+                    continue
+            found.update(keys)
             if len(found) > _MAX_CANDIDATES:
                 return None
-        datas = self.datas
-        return [h for h in sorted(found) if needle in datas[h]]
+        return found

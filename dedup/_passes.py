@@ -60,34 +60,49 @@ def _starts(datas: list[bytes]) -> list[int]:
 
 
 class _Finder:
-    """The first occurrence of a needle in ``datas[:limit]`` (a list the caller may
-    append to; ``limit`` never decreases): ``(item, offset)`` or ``None``.
+    """The first occurrence of a needle in ``datas[:limit]``: ``(item, offset)`` or None.
 
-    Searches the joined bytes until ``_SWITCH`` searches (or rebuilds of the joined
-    bytes) were made, then a :class:`GridIndex` of ``datas[:limit]``; needles the index
-    cannot answer still go through the joined bytes.
+    ``chunks`` are the KeptChunks whose bytes ``datas`` holds; the caller may append to
+    both, and ``limit`` never decreases.  Searches the joined bytes until ``_SWITCH``
+    searches (or rebuilds of the joined bytes) were made, then the call's grid index,
+    shared by every pass (a chunk is indexed again only when its bytes changed);
+    needles the index cannot answer still go through the joined bytes.
     """
 
-    __slots__ = ("datas", "hay", "starts", "grid", "searches")
+    __slots__ = ("passes", "chunks", "datas", "hay", "starts", "rank", "searches")
 
-    def __init__(self, datas: list[bytes]) -> None:
+    def __init__(self, passes: Passes, chunks: list[KeptChunk], datas: list[bytes]) -> None:
+        self.passes = passes
+        self.chunks = chunks
         self.datas = datas
         self.hay = b""
         self.starts: list[int] = []
-        self.grid: GridIndex | None = None
+        self.rank: dict[int, int] | None = None  # id(chunk) -> item, once indexing
         self.searches = 0
 
     def first(self, needle: bytes, limit: int) -> tuple[int, int] | None:
-        grid = self.grid
-        if grid is None and self.searches >= _SWITCH and len(needle) >= MIN_NEEDLE:
-            grid = self.grid = GridIndex()
-        if grid is not None:
-            datas = self.datas
-            for i in range(len(grid.datas), limit):
-                grid.add(datas[i])
-            found = grid.first(needle)
-            if found is not None:
-                return found or None
+        if self.rank is None and self.searches >= _SWITCH and len(needle) >= MIN_NEEDLE:
+            self.rank = {}
+        rank = self.rank
+        if rank is not None:
+            grid, indexed = self.passes.grid()
+            chunks = self.chunks
+            for i in range(len(rank), limit):
+                k = chunks[i]
+                key = id(k)
+                if indexed.get(key) is not k.data:
+                    indexed[key] = k.data
+                    grid.add(key, k.data)
+                rank[key] = i
+            keys = grid.candidates(needle)
+            if keys is not None:
+                datas = self.datas
+                best = limit
+                for key in keys:
+                    i = rank.get(key, limit)
+                    if i < best and needle in datas[i]:
+                        best = i
+                return None if best == limit else (best, datas[best].find(needle))
         self.searches += 1
         starts = self.starts
         if len(starts) <= limit:  # the joined bytes do not cover datas[:limit]
@@ -105,7 +120,7 @@ class _Finder:
 class Passes:
     """Overlap, containment and passage passes over the kept chunks of one call."""
 
-    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "shared", "pieces")
+    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "shared", "pieces", "_grid")
 
     def __init__(self, cfg: DedupConfig, removed: dict, removed_bytes: dict) -> None:
         self.cfg = cfg
@@ -116,6 +131,13 @@ class Passes:
         self.refs: dict[int, list[RemovedPassage]] = {}
         self.shared: set[bytes] | None = None  # interior pieces of >= 2 chunks
         self.pieces: list[set[bytes]] = []  # each chunk's interior pieces
+        self._grid: tuple[GridIndex, dict[int, bytes]] | None = None
+
+    def grid(self) -> tuple[GridIndex, dict[int, bytes]]:
+        """The call's grid index of chunks by ``id``, and the bytes indexed for each."""
+        if self._grid is None:
+            self._grid = (GridIndex(), {})
+        return self._grid
 
     # -- sentence-piece filter -----------------------------------------------------------
 
@@ -184,15 +206,15 @@ class Passes:
         everyone = range(len(datas))
         grid = None
         if len(datas) > _GROUP_GRID and m >= MIN_NEEDLE:
-            grid = GridIndex()  # partners are the chunks holding A's tail
-            for d in datas:
-                grid.add(d)
+            grid = GridIndex()  # partners are the chunks that may hold A's tail
+            for b, d in enumerate(datas):
+                grid.add(b, d)
         for a, A in enumerate(datas):
             la = lens[a]
             if la <= m:
                 continue
             tail = A[la - m :]
-            partners = everyone if grid is None else grid.hosts(tail)
+            partners = None if grid is None else grid.candidates(tail)
             for b in everyone if partners is None else partners:
                 B = datas[b]
                 lb = lens[b]
@@ -281,7 +303,7 @@ class Passes:
         lens = [len(k.data) for k in kept]
         order = sorted(range(len(kept)), key=lens.__getitem__, reverse=True)  # stable
         datas = [kept[i].data for i in order]
-        finder = _Finder(datas)
+        finder = _Finder(self, [kept[i] for i in order], datas)
         host: dict[int, tuple[int, int]] = {}  # rank in order -> (host rank, offset)
         for r in range(1, len(order)):
             own = pieces[order[r]]
@@ -339,7 +361,7 @@ class Passes:
         # A search for chunk j's paragraphs only sees the chunks before it, which are
         # final by then.
         out_datas: list[bytes] = []
-        finder = _Finder(out_datas)
+        finder = _Finder(self, out, out_datas)
         changed = False
         for k in kept:
             d = k.data
