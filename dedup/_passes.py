@@ -24,6 +24,9 @@ the same answer: the first occurrence in the earliest chunk searched.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import Counter
+from itertools import chain
+from operator import attrgetter
 
 from ._anchors import MIN_NEEDLE, GridIndex
 from ._types import DedupConfig, KeptChunk, Origin, Relation, RemovedPassage
@@ -38,6 +41,7 @@ _DOT = b"."
 _SWITCH = 32  # plain searches (or haystack rebuilds) of one pass before it indexes
 _GROUP_GRID = 16  # same-source groups larger than this find overlap partners by index
 
+_DATA = attrgetter("data")
 _KEPT = Relation.KEPT
 _CONTAINED = Relation.CONTAINED
 _MERGED = Relation.MERGED
@@ -59,6 +63,16 @@ def _starts(datas: list[bytes]) -> list[int]:
     return out
 
 
+def _probe(pieces: list[bytes]) -> bytes | None:
+    """An interior piece of a dot-split needle (preferably a long one), or None."""
+    if len(pieces) < 3:
+        return None
+    p = pieces[1]
+    if len(p) >= 24 or len(pieces) == 3:
+        return p
+    return max(pieces[1:-1], key=len)
+
+
 class _Finder:
     """The first occurrence of a needle in ``datas[:limit]``: ``(item, offset)`` or None.
 
@@ -69,16 +83,20 @@ class _Finder:
     needles the index cannot answer still go through the joined bytes.
     """
 
-    __slots__ = ("passes", "chunks", "datas", "hay", "starts", "rank", "searches")
+    __slots__ = ("passes", "chunks", "datas", "joined", "hay", "starts", "rank", "searches")
 
-    def __init__(self, passes: Passes, chunks: list[KeptChunk], datas: list[bytes]) -> None:
+    def __init__(self, passes: Passes, chunks: list[KeptChunk], datas: list[bytes], joined=None):
         self.passes = passes
         self.chunks = chunks
         self.datas = datas
+        self.joined = joined  # () -> the byte strings to join, datas[:limit] first
         self.hay = b""
         self.starts: list[int] = []
         self.rank: dict[int, int] | None = None  # id(chunk) -> item, once indexing
         self.searches = 0
+
+    def reset(self) -> None:
+        self.starts = []
 
     def first(self, needle: bytes, limit: int) -> tuple[int, int] | None:
         if self.rank is None and self.searches >= _SWITCH and len(needle) >= MIN_NEEDLE:
@@ -107,8 +125,9 @@ class _Finder:
         starts = self.starts
         if len(starts) <= limit:  # the joined bytes do not cover datas[:limit]
             self.searches += 1
-            self.hay = _SEP.join(self.datas)
-            starts = self.starts = _starts(self.datas)
+            items = self.datas if self.joined is None else self.joined()
+            self.hay = _SEP.join(items)
+            starts = self.starts = _starts(items)
             starts.append(len(self.hay) + 1)
         pos = self.hay.find(needle, 0, starts[limit] - 1)
         if pos < 0:
@@ -120,7 +139,7 @@ class _Finder:
 class Passes:
     """Overlap, containment and passage passes over the kept chunks of one call."""
 
-    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "shared", "pieces", "_grid")
+    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "counts", "_grid")
 
     def __init__(self, cfg: DedupConfig, removed: dict, removed_bytes: dict) -> None:
         self.cfg = cfg
@@ -129,8 +148,7 @@ class Passes:
         # RemovedPassage records whose found_in is a given chunk, by id(chunk): fixed up
         # if that chunk is later absorbed by containment.
         self.refs: dict[int, list[RemovedPassage]] = {}
-        self.shared: set[bytes] | None = None  # interior pieces of >= 2 chunks
-        self.pieces: list[set[bytes]] = []  # each chunk's interior pieces
+        self.counts: Counter | None = None  # piece -> occurrences (see module doc)
         self._grid: tuple[GridIndex, dict[int, bytes]] | None = None
 
     def grid(self) -> tuple[GridIndex, dict[int, bytes]]:
@@ -141,54 +159,47 @@ class Passes:
 
     # -- sentence-piece filter -----------------------------------------------------------
 
-    def index(self, kept: list[KeptChunk]) -> tuple[set[bytes], list[set[bytes]]]:
-        """Each chunk's interior dot-pieces (aligned with ``kept`` as it was when the
-        index was built) and the pieces that are interior pieces of two chunks or more.
+    def index(self, kept: list[KeptChunk]) -> tuple[Counter, list[list[bytes]]]:
+        """Split every chunk on b"." and count the pieces; the split is aligned with
+        ``kept`` as it was when the index was built (empty if it was built before).
 
-        Built once and reset whenever a chunk's bytes change.  Chunks absorbed since
-        still count, which only makes the filter search more, never less.
+        Built once and reset whenever a chunk's bytes change.  Counts only ever
+        over-approximate (a piece repeated inside one chunk), which makes the filter
+        search more, never less.
         """
-        if self.shared is None:
-            pieces = [set(k.data.split(_DOT)[1:-1]) for k in kept]
-            shared: set[bytes] = set()
-            if len(set().union(*pieces)) < sum(map(len, pieces)):
-                seen: set[bytes] = set()
-                for p in pieces:
-                    if not seen.isdisjoint(p):
-                        shared.update(seen.intersection(p))
-                    seen.update(p)
-            self.shared = shared
-            self.pieces = pieces
-        return self.shared, self.pieces
-
+        split: list[list[bytes]] = []
+        if self.counts is None:
+            split = [k.data.split(_DOT) for k in kept]
+            self.counts = Counter(chain.from_iterable(split))
+        return self.counts, split
 
     # -- overlap ---------------------------------------------------------------------
 
     def merge_overlaps(self, kept: list[KeptChunk]) -> list[KeptChunk]:
         """Merge chains of same-source chunks whose tail/head overlap by >= min_overlap."""
         key = self.cfg.source_key
+        sources = [k.metadata.get(key) for k in kept]
+        try:
+            counts = Counter(sources)
+        except TypeError:  # an unhashable source value (a list): compare by ==
+            counts = None
+        else:
+            if len(counts) + counts[None] - (None in counts) == len(sources):
+                return kept  # all sources distinct (or missing): nothing to merge
         groups: dict = {}
         unhashable: list[tuple[object, list[KeptChunk]]] = []
-        n_sourced = 0
-        for k in kept:
-            md = k.metadata
-            if not md:
+        for k, source in zip(kept, sources):
+            if source is None or (counts is not None and counts[source] < 2):
                 continue
-            source = md.get(key)
-            if source is None:
-                continue
-            n_sourced += 1
             try:
                 groups.setdefault(source, []).append(k)
-            except TypeError:  # an unhashable source value (a list): compare by ==
+            except TypeError:
                 for value, members in unhashable:
                     if value == source:
                         members.append(k)
                         break
                 else:
                     unhashable.append((source, [k]))
-        if len(groups) == n_sourced:  # all sources distinct: nothing to merge
-            return kept
         multi = [g for g in groups.values() if len(g) >= 2]
         multi.extend(g for _, g in unhashable if len(g) >= 2)
         gone: set[int] = set()
@@ -283,7 +294,7 @@ class Passes:
             keeper.origins.extend(shifted)
             keeper.data = b"".join(parts)
             keeper.text = keeper.digest = None  # type: ignore[assignment]
-            self.shared = None
+            self.counts = None
             self.removed["overlap"] += len(chain_) - 1
             self.removed_bytes["overlap"] += saved
 
@@ -298,18 +309,21 @@ class Passes:
         before it (at least as long, so an identical chunk left by an overlap merge or
         with ``exact=False`` is caught too).
         """
-        self.shared = None  # containment always indexes the chunks it is given
-        shared, pieces = self.index(kept)
-        lens = [len(k.data) for k in kept]
+        self.counts = None  # containment always indexes the chunks it is given
+        counts, split = self.index(kept)
+        lens = list(map(len, map(_DATA, kept)))
         order = sorted(range(len(kept)), key=lens.__getitem__, reverse=True)  # stable
-        datas = [kept[i].data for i in order]
-        finder = _Finder(self, [kept[i] for i in order], datas)
+        finder = datas = None
         host: dict[int, tuple[int, int]] = {}  # rank in order -> (host rank, offset)
         for r in range(1, len(order)):
-            own = pieces[order[r]]
-            if own and not own <= shared:
-                continue  # an interior piece held by this chunk only: inside no other
-            found = finder.first(datas[r], r)
+            pl = split[order[r]]
+            if len(pl) >= 3 and counts[pl[1] if len(pl[1]) >= 24 else _probe(pl)] < 2:
+                continue  # an interior piece seen only here: not inside another chunk
+            if finder is None:
+                chunks = list(map(kept.__getitem__, order))
+                datas = list(map(_DATA, chunks))
+                finder = _Finder(self, chunks, datas)
+            found = finder.first(datas[r], r)  # type: ignore[index]
             if found is None:
                 continue
             h, offset = found
@@ -322,6 +336,7 @@ class Passes:
         gone = set()
         for r, (h, offset) in host.items():
             z = kept[order[r]]
+            counts.subtract(split[order[r]])  # keep the filter exact for what is left
             self._absorb(kept[order[h]], z, offset)
             gone.add(id(z))
             self.removed["contained"] += 1
@@ -353,17 +368,18 @@ class Passes:
         """Remove paragraphs (>= min_passage bytes) already present in an earlier chunk."""
         cfg = self.cfg
         mp = cfg.min_passage
-        shared = self.index(kept)[0]
+        counts = self.index(kept)[0]
         # After containment no chunk sits inside another, so a chunk that is a single
         # paragraph cannot be found in an earlier one: only split chunks can match.
         whole_chunks = not cfg.containment
         out: list[KeptChunk] = []
-        # A search for chunk j's paragraphs only sees the chunks before it, which are
-        # final by then.
+        # A search for chunk j's paragraphs only sees the chunks before it, final by
+        # then; the joined bytes also hold the chunks after them, unchanged until cut.
         out_datas: list[bytes] = []
-        finder = _Finder(self, out, out_datas)
+        j = 0
+        finder = _Finder(self, out, out_datas, lambda: out_datas + list(map(_DATA, kept[j:])))
         changed = False
-        for k in kept:
+        for j, k in enumerate(kept):
             d = k.data
             if not out or len(d) < mp:
                 out.append(k)
@@ -378,11 +394,9 @@ class Passes:
             for i, p in enumerate(paras):
                 if len(p) < mp:
                     continue
-                a = p.find(_DOT)
-                if a >= 0:
-                    b = p.find(_DOT, a + 1)
-                    if b >= 0 and p[a + 1 : b] not in shared:
-                        continue  # its first interior piece occurs in no other chunk
+                first, dot, _ = p.partition(_DOT)[2].partition(_DOT)
+                if dot and counts[first] < 2:
+                    continue  # its first interior piece occurs in no other chunk
                 found = finder.first(p, len(out))
                 if found is not None:
                     f, at = found
@@ -392,12 +406,13 @@ class Passes:
                     hits.append((i, offset, len(p), out[f], at))
             if hits is not None:
                 changed = True
+                finder.reset()  # bytes change (or a chunk goes): join again when needed
                 if not self._cut(k, paras, hits):
                     continue  # emptied: attached to an earlier chunk
             out.append(k)
             out_datas.append(k.data)
         if changed:
-            self.shared = None  # some bytes changed: the piece index is stale
+            self.counts = None  # some bytes changed: the piece index is stale
         if changed and cfg.containment and len(out) >= 2:
             # A shortened chunk may now sit inside another one (or contain one, through
             # a new paragraph junction): absorb those too, so that the output is a
