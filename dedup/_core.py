@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from operator import attrgetter
 
 from promptsplice import blocks as _blocks
 from promptsplice.errors import ConfigError
@@ -55,6 +56,7 @@ __all__ = ["dedup"]
 _KEPT = Relation.KEPT
 _DUPLICATE = Relation.DUPLICATE
 
+_BY_INDEX = attrgetter("index")
 _DEFAULT = DedupConfig()
 _FIELDS = DedupConfig.field_names()
 
@@ -143,8 +145,9 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     removed["duplicate"] = n_dup
     removed_bytes["duplicate"] = dup_bytes
 
-    # From here on a KeptChunk whose ``data`` changes gets ``text = digest = None``;
-    # both are recomputed at the end.  ``origins[0]`` is always the KEPT origin.
+    # From here on a KeptChunk whose ``data`` changes gets ``digest = None`` (and
+    # ``text = None`` unless the pass rebuilt it); both are recomputed at the end.
+    # ``origins[0]`` is always the KEPT origin.
     ctx = Passes(cfg, removed, removed_bytes)
     if cfg.overlap and len(kept) >= 2:
         kept = ctx.merge_overlaps(kept)
@@ -158,11 +161,12 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     bytes_out = 0
     for k in kept:
         if k.digest is None:
-            k.text = k.data.decode("utf-8")
+            if k.text is None:
+                k.text = k.data.decode("utf-8")
             k.digest = digest_of(k.data)
         origins = k.origins
         if len(origins) > 2:
-            origins[1:] = sorted(origins[1:], key=_by_index)
+            origins[1:] = sorted(origins[1:], key=_BY_INDEX)
         bytes_out += len(k.data)
 
     stats = DedupStats(
@@ -176,7 +180,3 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
         hash_collisions=collisions,
     )
     return DedupResult(kept, dropped, stats)
-
-
-def _by_index(origin: Origin) -> int:
-    return origin.index

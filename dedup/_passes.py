@@ -180,16 +180,16 @@ class Passes:
         key = self.cfg.source_key
         sources = [k.metadata.get(key) for k in kept]
         try:
-            counts = Counter(sources)
-        except TypeError:  # an unhashable source value (a list): compare by ==
-            counts = None
-        else:
-            if len(counts) + counts[None] - (None in counts) == len(sources):
-                return kept  # all sources distinct (or missing): nothing to merge
+            distinct = set(sources)
+        except TypeError:  # an unhashable source value (a list): grouped by == below
+            pass
+        else:  # all sources distinct (or missing): nothing to merge
+            if len(distinct) - (None in distinct) == len(sources) - sources.count(None):
+                return kept
         groups: dict = {}
         unhashable: list[tuple[object, list[KeptChunk]]] = []
         for k, source in zip(kept, sources):
-            if source is None or (counts is not None and counts[source] < 2):
+            if source is None:
                 continue
             try:
                 groups.setdefault(source, []).append(k)
@@ -269,6 +269,7 @@ class Passes:
             # character boundary and the merged bytes A[:-L] + B are valid UTF-8.
             chain_ = [(head, 0)]
             parts = [datas[head]]
+            texts = [group[head].text]  # B[L:] decodes to B's text after B[:L]'s chars
             size = lens[head]
             saved = 0
             x = head
@@ -276,6 +277,7 @@ class Passes:
                 y, L = succ[x]
                 chain_.append((y, size - L))
                 parts.append(datas[y][L:])
+                texts.append(group[y].text[len(datas[y][:L].decode("utf-8")) :])
                 size += lens[y] - L
                 saved += L
                 x = y
@@ -293,7 +295,8 @@ class Passes:
                     gone.add(id(member))
             keeper.origins.extend(shifted)
             keeper.data = b"".join(parts)
-            keeper.text = keeper.digest = None  # type: ignore[assignment]
+            keeper.text = "".join(texts)
+            keeper.digest = None  # type: ignore[assignment]
             self.counts = None
             self.removed["overlap"] += len(chain_) - 1
             self.removed_bytes["overlap"] += saved
