@@ -13,17 +13,18 @@ m = min_overlap):
 
 * normalize + empty + exact: O(N) (one encode and one xxh3 per input, dict look-ups);
 * overlap: only for groups with >= 2 same-source chunks; per ordered pair one reverse
-  search of A's m-byte tail in B, O(g^2 * max_len) in C, or, for large groups, only the
-  pairs found through the anchor index, O(N_g) on average; each candidate is verified
-  by one comparison, and periodic text can give O(max_len) candidates per pair, so the
-  degenerate worst case is O(g^2 * max_len^2);
+  search of A's m-byte tail in B, O(g^2 * max_len) in C; groups of more than 16 chunks
+  (with m >= 31) only try the pairs the anchor index finds, O(N_g) on average.  Each
+  candidate is verified by one comparison, and periodic text can give O(max_len)
+  candidates per pair, so the degenerate worst case is O(g^2 * max_len^2);
 * piece filter (only when containment or passages can apply): O(N);
-* containment and passages: each needle not excluded by the filter is searched; after
-  the first few searches, through the anchor index: O(1) look-ups per needle on average
-  plus a C search of each surviving candidate, so O(N) in total for typical text.
-  Needles shorter than the index's minimum (31 bytes), or whose grams are held by very
-  many chunks (periodic text), are searched in the joined bytes: O(n * N) in C in
-  the worst case.  If passages shortened a chunk, containment runs once more.
+* containment and passages: each needle not excluded by the filter is searched, first
+  in the joined bytes (O(N) in C each), and once a pass has made 32 such searches
+  through the anchor index: N/16 dict insertions once per call, then 16 to 32 look-ups
+  per needle and a C search of each surviving candidate, so O(N) in total for typical
+  text.  Needles shorter than 31 bytes, or whose grams are held by a few hundred
+  chunks (periodic text), are still searched in the joined bytes: O(n * N) in C in the
+  worst case.  If passages shortened a chunk, containment runs once more.
 
 The Python-level work is O(n + pieces + edges + paragraphs) per call, a few
 microseconds per chunk, which is what bounds the throughput (benchmarks/dedup_bench.py).

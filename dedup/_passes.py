@@ -6,19 +6,22 @@ move there, with their spans shifted), so provenance is carried through every pa
 Every match comes from ``bytes.find`` / ``bytes.rfind`` or is confirmed by one, so it
 is exact by construction.
 
-**Sentence-piece filter.**  Every chunk is split into pieces on the byte ``b"."``.  If
-a needle occurs inside another chunk H, each *interior* piece of the needle (one with a
-dot on both sides inside the needle) is also an interior piece of H, because a one-byte
-delimiter cannot be misaligned; so it is an interior piece of at least two chunks (the
-needle's own and H).  A needle with an interior piece held by one chunk only cannot
-occur in another chunk and is not searched.  Needles with fewer than two dots have no
-interior piece and are always searched.
+**Sentence-piece filter.**  Every chunk is split into pieces on the byte ``b"."`` and
+the pieces are counted.  If a needle occurs inside another chunk H, each *interior*
+piece of the needle (one with a dot on both sides inside the needle) is also a whole
+piece of H, because a one-byte delimiter cannot be misaligned; so that piece is counted
+at least twice (the needle's own chunk and H).  A needle with an interior piece counted
+once cannot occur in another chunk, and is not searched.  Needles with fewer than two
+dots have no interior piece and are always searched.
 
-**Search.**  The first searches of a pass go through the joined bytes of the candidate
-chunks (one C search each); once a pass has made ``_SWITCH`` of them, it indexes the
-chunks' grid anchors (:mod:`promptsplice.dedup._anchors`) and finds candidates by dict
+**Search.**  The first searches of a pass go through the joined bytes of the chunks it
+may find the needle in (one C search each, linear in their bytes); once a pass has made
+``_SWITCH`` of them, it switches to the call's grid anchor index
+(:mod:`promptsplice.dedup._anchors`), where a needle finds its candidate chunks by dict
 look-ups, so the cost per needle no longer grows with the number of chunks.  Both give
-the same answer: the first occurrence in the earliest chunk searched.
+the same answer: the first occurrence in the earliest chunk searched.  Same-source
+groups of more than ``_GROUP_GRID`` chunks find overlap partners (the chunks holding a
+chunk's tail) through an index of their own instead of trying every pair.
 """
 
 from __future__ import annotations
