@@ -26,8 +26,8 @@ m = min_overlap):
   chunks (periodic text), are still searched in the joined bytes: O(n * N) in C in the
   worst case.  If passages shortened a chunk, containment runs once more.
 
-The Python-level work is O(n + pieces + edges + paragraphs) per call, a few
-microseconds per chunk, which is what bounds the throughput (benchmarks/dedup_bench.py).
+The Python-level work is O(n + pieces + edges + paragraphs) per call, and it is what
+bounds the throughput (benchmarks/dedup_bench.py).
 """
 
 from __future__ import annotations
