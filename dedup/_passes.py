@@ -27,6 +27,7 @@ chunk's tail) through an index of their own instead of trying every pair.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from collections import Counter
 from itertools import chain
 from operator import attrgetter
@@ -88,7 +89,13 @@ class _Finder:
 
     __slots__ = ("passes", "chunks", "datas", "joined", "hay", "starts", "rank", "searches")
 
-    def __init__(self, passes: Passes, chunks: list[KeptChunk], datas: list[bytes], joined=None):
+    def __init__(
+        self,
+        passes: Passes,
+        chunks: list[KeptChunk],
+        datas: list[bytes],
+        joined: Callable[[], list[bytes]] | None = None,
+    ) -> None:
         self.passes = passes
         self.chunks = chunks
         self.datas = datas
@@ -99,6 +106,7 @@ class _Finder:
         self.searches = 0
 
     def reset(self) -> None:
+        """Bytes in the joined haystack changed: join again at the next plain search."""
         self.starts = []
 
     def first(self, needle: bytes, limit: int) -> tuple[int, int] | None:
