@@ -13,7 +13,17 @@ The baseline, measured in the same run over the same bytes, is ``content_digest`
 timed ``_REPEATS`` times over the whole set and the best run is reported (shared
 machines are noisy; the best run is the one least disturbed).
 
+**Scaling** (``--scaling``): one request of n chunks of about 200 bytes, the same mix
+drawn from n/5 documents (so the share of duplicates, contained pieces and overlaps is
+the same at every n), deduplicated at a small and a large n.  The reference is
+:func:`normalize_chunks` over the same chunks, linear by construction: on a shared
+machine even linear code slows down as the data outgrows the caches, so the ratio of
+the two sizes is reported next to the reference's.  Times are CPU seconds of this
+process (best of ``_REPEATS``, sizes interleaved), which waiting for a busy CPU does
+not inflate.
+
 Run:  ``python -m promptsplice.benchmarks.dedup_bench [total_mb] [chunk_bytes] [seed]``
+      ``python -m promptsplice.benchmarks.dedup_bench --scaling [n_small n_large]``
 """
 
 from __future__ import annotations
@@ -23,10 +33,10 @@ import random
 import sys
 import time
 
-from promptsplice.dedup import dedup
+from promptsplice.dedup import dedup, normalize_chunks
 from promptsplice.blocks import content_digest
 
-__all__ = ["run_dedup_bench", "make_requests"]
+__all__ = ["run_dedup_bench", "make_requests", "run_scaling_bench", "scaling_workload"]
 
 _REQUEST_CHUNKS = 20
 _REPEATS = 3
@@ -82,12 +92,15 @@ def _windows(doc: str, size: int) -> list[str]:
     return out
 
 
-def make_requests(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0) -> list[list]:
-    """Requests of 20 chunk dicts totalling about ``total_mb`` MB of chunk text."""
+def make_requests(
+    total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0, n_docs: int = 400
+) -> list[list]:
+    """Requests of 20 chunk dicts totalling about ``total_mb`` MB of chunk text, drawn
+    from ``n_docs`` documents."""
     rng = random.Random(seed)
     words, weights = _vocabulary(rng)
     docs = []
-    for d in range(400):
+    for d in range(n_docs):
         windows = _windows(_document(rng, words, weights, 12 * chunk_bytes), chunk_bytes)
         docs.append((f"doc{d}", windows))
     target = int(total_mb * 1e6)
@@ -195,6 +208,74 @@ def run_dedup_bench(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0
     }
 
 
+def scaling_workload(n: int, chunk_bytes: int = 200, seed: int = 0) -> list[dict]:
+    """One request of ``n`` chunk dicts: :func:`make_requests`' mix from n/5 documents."""
+    total_mb = n * chunk_bytes * 1.2 / 1e6
+    while True:
+        requests = make_requests(total_mb, chunk_bytes, seed, n_docs=max(2, n // 5))
+        chunks = [c for req in requests for c in req]
+        if len(chunks) >= n:
+            return chunks[:n]
+        total_mb *= 1.5
+
+
+def run_scaling_bench(
+    sizes: tuple[int, int] = (2000, 20000), chunk_bytes: int = 200, seed: int = 0
+) -> dict:
+    """CPU seconds of one ``dedup()`` call at each size, and the time ratio of the large
+    to the small size next to the same ratio for ``normalize_chunks`` (linear)."""
+    workloads = {n: scaling_workload(n, chunk_bytes, seed) for n in sizes}
+    clock = time.process_time
+    best: dict[tuple[str, int], float] = {}
+    stats = {}
+    for _ in range(_REPEATS):
+        for n, chunks in workloads.items():
+            for name, fn in (("dedup", dedup), ("reference", normalize_chunks)):
+                start = clock()
+                out = fn(chunks)
+                elapsed = clock() - start
+                best[name, n] = min(best.get((name, n), elapsed), elapsed)
+                if name == "dedup":
+                    stats[n] = out.stats  # type: ignore[union-attr]
+    small, large = sizes
+    ratio = best["dedup", large] / best["dedup", small]
+    reference = best["reference", large] / best["reference", small]
+    return {
+        "chunk_bytes": chunk_bytes,
+        "sizes": {
+            n: {
+                "chunks": n,
+                "bytes": stats[n].bytes_in,
+                "dedup_cpu_s": round(best["dedup", n], 4),
+                "reference_cpu_s": round(best["reference", n], 4),
+                "removed": stats[n].removed,
+            }
+            for n in sizes
+        },
+        "ratio": round(ratio, 2),
+        "reference_ratio": round(reference, 2),
+        "ratio_over_reference": round(ratio / reference, 2),
+        "size_ratio": large / small,
+        "target_ratio": 12,
+        "meets_target": ratio <= 12,
+    }
+
+
+def _scaling_table(r: dict) -> str:
+    (small, a), (large, b) = r["sizes"].items()
+    rows = [
+        ("workload", f"one request of n chunks of ~{r['chunk_bytes']} B (n/5 documents)"),
+        (f"dedup, n = {small}", f"{a['dedup_cpu_s']} s CPU ({a['bytes'] / 1e6:.2f} MB)"),
+        (f"dedup, n = {large}", f"{b['dedup_cpu_s']} s CPU ({b['bytes'] / 1e6:.2f} MB)"),
+        (f"time ratio ({r['size_ratio']:g}x the chunks)", f"{r['ratio']}"),
+        ("normalize_chunks alone (linear)", f"{r['reference_ratio']}"),
+        ("ratio / reference", f"{r['ratio_over_reference']}"),
+        (f"target ratio <= {r['target_ratio']}", "met" if r["meets_target"] else "NOT met"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def _table(r: dict) -> str:
     rows = [
         ("workload", f"{r['total_mb']} MB, {r['chunks']} chunks of ~{r['chunk_bytes']} B, "
@@ -212,8 +293,13 @@ def _table(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    args = [float(sys.argv[1]) if len(sys.argv) > 1 else 64.0]
-    args += [int(a) for a in sys.argv[2:4]]
-    result = run_dedup_bench(*args)
-    print(_table(result))
+    if sys.argv[1:2] == ["--scaling"]:
+        sizes = tuple(int(a) for a in sys.argv[2:4]) or (2000, 20000)
+        result = run_scaling_bench(sizes)  # type: ignore[arg-type]
+        print(_scaling_table(result))
+    else:
+        args = [float(sys.argv[1]) if len(sys.argv) > 1 else 64.0]
+        args += [int(a) for a in sys.argv[2:4]]
+        result = run_dedup_bench(*args)
+        print(_table(result))
     print(json.dumps(result, indent=2))

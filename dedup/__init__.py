@@ -36,8 +36,8 @@ dicts ``{"text", "id", "metadata"}`` or LangChain-style documents (duck-typed); 
 input raises an error from :mod:`promptsplice.errors`.  Invalid UTF-8 raises by
 default (``on_invalid_utf8="replace"`` decodes it with U+FFFD and counts it).
 
-Cost: near-linear in total bytes for typical requests; worst cases are stated in
-:mod:`promptsplice.dedup._core`.
+Cost: near-linear in the number of chunks and their bytes for typical requests; worst
+cases are stated in :mod:`promptsplice.dedup._core`.
 """
 
 from __future__ import annotations

@@ -79,6 +79,27 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
     replaced = 0
 
     for index, chunk in enumerate(iterator):
+        if type(chunk) is dict:  # the common form, checked in fewer steps
+            text = chunk.get("text")
+            cid = chunk.get("id")
+            metadata = chunk.get("metadata")
+            if (
+                type(text) is str
+                and type(cid) is str
+                and cid
+                and (metadata is None or type(metadata) is dict)
+            ):
+                try:
+                    data = text.encode("utf-8")
+                except UnicodeEncodeError:
+                    pass  # the general path below raises or replaces
+                else:
+                    item = (index, cid, text, data, digest_of(data), dict(metadata or ()))
+                    previous = by_id.setdefault(cid, item)
+                    if previous is not item and previous[3] != data:
+                        raise _conflict(previous, index, cid, data)
+                    append(item)
+                    continue
         cid = None
         metadata = None
         raw = chunk
@@ -165,10 +186,14 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
         item = (index, cid, text, data, digest, metadata)
         previous = by_id.setdefault(cid, item)
         if previous is not item and previous[3] != data:
-            raise ConflictingChunkIdError(
-                f"id {cid!r} names two different texts: chunk {previous[0]} "
-                f"({len(previous[3])} bytes) and chunk {index} ({len(data)} bytes); "
-                f"give each distinct text its own id (or omit ids to derive them from content)"
-            )
+            raise _conflict(previous, index, cid, data)
         append(item)
     return out, replaced
+
+
+def _conflict(previous: tuple, index: int, cid: str, data: bytes) -> ConflictingChunkIdError:
+    return ConflictingChunkIdError(
+        f"id {cid!r} names two different texts: chunk {previous[0]} "
+        f"({len(previous[3])} bytes) and chunk {index} ({len(data)} bytes); "
+        f"give each distinct text its own id (or omit ids to derive them from content)"
+    )

@@ -1,6 +1,6 @@
 """Smoke test of the dedup benchmark on a tiny workload."""
 
-from promptsplice.benchmarks.dedup_bench import make_requests, run_dedup_bench
+from promptsplice.benchmarks.dedup_bench import make_requests, run_dedup_bench, run_scaling_bench
 
 
 def test_workload_has_the_advertised_shape():
@@ -22,3 +22,15 @@ def test_bench_reports_throughput_baseline_and_removals():
     assert removed["duplicate"] >= result["requests"]  # ~4 per request
     assert removed["contained"] >= 1 and removed["overlap"] >= 1
     assert 0.5 < result["bytes_out_fraction"] < 1.0
+
+
+def test_dedup_time_grows_near_linearly_with_the_chunks():
+    # 10x the chunks: a quadratic search would take ~100x (it took ~60x at 2,000 vs
+    # 20,000 before the anchor index).  The bound is generous for CI; on a loaded
+    # machine even linear code (the reference) can show more than 10x, so the bound
+    # also accepts a ratio close to the reference's.
+    result = run_scaling_bench((1000, 10000), chunk_bytes=200, seed=2)
+    small, large = result["sizes"].values()
+    assert large["removed"]["contained"] > 0 and large["removed"]["overlap"] > 0
+    assert result["size_ratio"] == 10
+    assert result["ratio"] <= 16 or result["ratio_over_reference"] <= 1.6, result

@@ -1,0 +1,102 @@
+"""The grid anchor index (dedup/_anchors.py) and the passes' switch to it.
+
+The index must reach every chunk that holds a needle, and dedup must give the same
+result whichever search answers: the plain search of the joined bytes (what small
+requests use) or the index (what a pass switches to after a few dozen searches).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import promptsplice.dedup._passes as passes
+from promptsplice.benchmarks.dedup_bench import scaling_workload
+from promptsplice.dedup import Relation, dedup
+from promptsplice.dedup._anchors import MIN_NEEDLE, GridIndex
+from tests.dedup.test_properties import check_result, configs, retrievals
+
+# Few distinct bytes (one of them multi-byte UTF-8): grams repeat across chunks.
+texts = st.lists(st.sampled_from(["ab", "a", "b", ". ", "é", "\n\n", "abba"]), max_size=60).map(
+    lambda parts: "".join(parts).encode("utf-8")
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(texts, min_size=1, max_size=12), st.data())
+def test_candidates_reach_every_chunk_holding_the_needle(datas, data):
+    grid = GridIndex()
+    for key, d in enumerate(datas):
+        grid.add(key, d)
+    source = data.draw(st.sampled_from(datas))
+    a = data.draw(st.integers(0, len(source)))
+    needle = source[a : data.draw(st.integers(a, len(source)))]
+    holders = {key for key, d in enumerate(datas) if needle in d}
+    got = grid.candidates(needle)
+    if len(needle) < MIN_NEEDLE:
+        assert got is None
+    elif got is not None:  # None only when very many chunks qualify
+        assert holders <= got
+
+
+def test_needle_held_nowhere_has_no_candidates():
+    grid = GridIndex()
+    grid.add("x", b"The treaty was signed in 1648 at Osnabrueck and Muenster.")
+    assert grid.candidates(b"The treaty was signed in 1649 at Osnabrueck.") == set()
+    assert grid.candidates(b"treaty was signed in 1648 at Osnabrueck and") == {"x"}
+
+
+def _canon(result):
+    chunks = [
+        (k.id, k.text, k.data, k.digest, k.metadata,
+         [(o.index, o.id, o.relation, o.span) for o in k.origins],
+         [(r.chunk_id, r.offset, r.length, r.found_in, r.found_at) for r in k.removed_passages])
+        for k in result.chunks
+    ]  # fmt: skip
+    return chunks, [(d.index, d.id, d.reason) for d in result.dropped], result.stats
+
+
+def _plain(chunks, **options):
+    """dedup with the index switched off: every search goes through the joined bytes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(passes, "_SWITCH", 10**9)
+        mp.setattr(passes, "_GROUP_GRID", 10**9)
+        return dedup(chunks, **options)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"exact": False}, {"containment": False}, {"min_passage": 40}]
+)
+def test_large_request_uses_the_index_and_matches_the_plain_search(options, monkeypatch):
+    chunks = scaling_workload(1500, chunk_bytes=200, seed=3)
+    # One long document seen through 60 overlapping windows: a same-source group above
+    # _GROUP_GRID, whose overlap partners are found through the index.
+    doc = " ".join(c["text"] for c in chunks[:100])
+    chunks += [
+        {"text": doc[a : a + 300], "id": f"one/{a}", "metadata": {"source": "one"}}
+        for a in range(0, 200 * 60, 200)
+    ]
+    plain = _plain(chunks, **options)
+    queries = []
+    real = GridIndex.candidates
+    monkeypatch.setattr(GridIndex, "candidates", lambda self, n: queries.append(n) or real(self, n))
+    indexed = dedup(chunks, **options)
+    assert len(queries) > 100  # the passes did switch to the index
+    assert _canon(indexed) == _canon(plain)
+    removed = indexed.stats.removed
+    assert removed["contained"] > 0 or options.get("containment") is False
+    merged = {o.id for k in indexed.chunks for o in k.origins if o.relation is Relation.MERGED}
+    assert len({m for m in merged if m.startswith("one/")}) > 10  # the long group merged
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(retrievals(), configs)
+def test_index_from_the_first_search_gives_the_same_result(chunks, cfg):
+    plain = _plain(chunks, config=cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(passes, "_SWITCH", 0)
+        mp.setattr(passes, "_GROUP_GRID", 0)
+        indexed = dedup(chunks, cfg)
+    check_result(chunks, cfg, indexed)
+    assert _canon(indexed) == _canon(plain)
