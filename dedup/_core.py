@@ -37,8 +37,9 @@ m = min_overlap):
   filter is searched in the earlier chunks: O(p * N) in C for p such paragraphs.  If a
   chunk was shortened, containment runs once more over the kept chunks.
 
-The Python-level work is O(n + pieces + edges + paragraphs) per call: about 2-8 us per
-1 KB chunk, which is what bounds the throughput (benchmarks/dedup_bench.py).
+The Python-level work is O(n + pieces + edges + paragraphs) per call, and it is what
+bounds the throughput (measured by ``python -m promptsplice.benchmarks.dedup_bench``;
+the figure is in the README).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def set_default_engine(engine: Any) -> Any:
 
 def default_engine() -> Any:
     """The engine set by :func:`set_default_engine`.  Raises ``ConfigError`` when none is
-    set: a model never starts a vLLM engine (~1 GiB) behind the caller's back."""
+    set: a model never starts a vLLM engine behind the caller's back."""
     with _default_lock:
         eng = _default_engine
     if eng is None:
