@@ -32,7 +32,7 @@ that prepared context to the runner (which may splice) instead of ``engine.gener
 The engine: ``engine=`` or the process default (:func:`set_default_engine`), looked up at
 call time, so constructing a model never starts vLLM.  The model is LangChain-serializable
 (``dumpd``): settings only, no engine/hook/runner; ``load`` it with
-``allowed_objects=[PromptspliceChatModel], valid_namespaces=["engine_adapters"]``.  Engine errors are
+``allowed_objects=[PromptspliceChatModel], valid_namespaces=["promptsplice"]``.  Engine errors are
 :mod:`promptsplice.errors` already and propagate unchanged; LangChain conversion
 errors are translated to :class:`~promptsplice.errors.InputError`.
 """
@@ -174,7 +174,7 @@ class PromptspliceChatModel(BaseChatModel):
         ``runner``: those are live objects, resolved again at call time; ``api_key`` as
         a secret reference).  langchain-core's ``load`` revives only allowlisted
         classes: pass this one, ``load(data, allowed_objects=[PromptspliceChatModel],
-        valid_namespaces=["engine_adapters"])``."""
+        valid_namespaces=["promptsplice"])``."""
         return True
 
     @property
@@ -190,7 +190,7 @@ class PromptspliceChatModel(BaseChatModel):
 
     @classmethod
     def get_lc_namespace(cls) -> list[str]:
-        return ["engine_adapters", "_langchain_chat"]  # the importable module: load() imports it
+        return ["promptsplice", "engine_adapters", "integrations", "_langchain_chat"]  # the importable module: load() imports it
 
     def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
         # serializable models key LangChain's LLM cache by their dumpd, which leaves the
