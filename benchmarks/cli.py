@@ -33,15 +33,27 @@ def _cmd_model_path(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_CHART = "out/demo.png"
+
+
+class UsageError(Exception):
+    """A combination of options the command cannot honour (exit code 2, one line)."""
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from promptsplice.benchmarks.demo import run_demo
 
+    if args.no_engine and args.chart is not None:
+        # The chart plots what vLLM measured (prefill, cached tokens, TTFT): without the
+        # engine there is nothing to draw, and writing nothing silently would mislead.
+        raise UsageError("demo: --chart needs the engine run (it plots vLLM's measured cached tokens "
+                         "and TTFT); drop --chart or --no-engine")
     return run_demo(
         requests=args.requests,
         block_size=args.block_size,
         seed=args.seed,
         engine=not args.no_engine,
-        chart=args.chart,
+        chart=None if args.no_engine else (args.chart or DEFAULT_CHART),
     )
 
 
@@ -161,22 +173,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="promptsplice",
         description="Prompt assembly that makes the engine's prefix cache hit.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the built-in RAG sample: naive vs promptsplice")
-    demo.add_argument("--requests", type=int, default=60)
+    demo.add_argument("--requests", type=int, default=60, help="RAG requests in the sample (default: 60)")
     demo.add_argument("--block-size", type=int, default=None,
                       help="KV block size (default: the engine's, 16 without one)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the sample's generator (default: 0)")
     demo.add_argument("--no-engine", action="store_true",
                       help="assembly only (tokenizer + mirror), no vLLM")
-    demo.add_argument("--chart", default="out/demo.png", help="where to write the PNG chart")
+    demo.add_argument("--chart", default=None,
+                      help=f"where to write the PNG chart of the engine run (default: {DEFAULT_CHART}; "
+                           "refused with --no-engine, which measures nothing to plot)")
     demo.set_defaults(func=_cmd_demo)
 
     model = sub.add_parser("model", help="the default model asset")
     msub = model.add_subparsers(dest="model_command", required=True)
     prep = msub.add_parser("prepare", help="convert the packaged GGUF once (cached)")
-    prep.add_argument("--quiet", action="store_true")
+    prep.add_argument("--quiet", action="store_true", help="do not print the model folder")
     prep.set_defaults(func=_cmd_model_prepare)
     path = msub.add_parser("path", help="print where the converted model lives")
     path.set_defaults(func=_cmd_model_path)
@@ -186,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     asm = bsub.add_parser("assemble", help="assembly policies on a RAG trace (no engine)")
     asm.add_argument("--trace", default=None, help="RAG trace, JSONL (with --suite: one more family)")
     asm.add_argument("--json", required=True, help="where to write the JSON report")
-    asm.add_argument("--block-size", type=int, default=16)
+    asm.add_argument("--block-size", type=int, default=16, help="KV block size the prompts are aligned to (default: 16)")
     asm.add_argument("--tokenizer", default="default",
                      help="'default' (SmolLM2), 'tiktoken:ENCODING' or a tokenizer.json path")
     asm.add_argument("--alignment", default="auto", help="auto | none | all")
@@ -215,15 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     rag.set_defaults(func=_cmd_bench_rag)
 
     ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")
-    ttft.add_argument("--json", default=None)
-    ttft.add_argument("--repeats", type=int, default=3)
+    ttft.add_argument("--json", default=None, help="where to write the JSON report (default: print only)")
+    ttft.add_argument("--repeats", type=int, default=3, help="runs per prompt length; the median is reported")
     ttft.set_defaults(func=_cmd_bench_ttft)
 
     off = bsub.add_parser("offload", help="apc vs the tiered store after vLLM's pool evicted prefixes")
-    off.add_argument("--json", required=True)
-    off.add_argument("--prompts", type=int, default=8)
-    off.add_argument("--rounds", type=int, default=4)
-    off.add_argument("--prompt-tokens", type=int, default=1024)
+    off.add_argument("--json", required=True, help="where to write the JSON report")
+    off.add_argument("--prompts", type=int, default=8, help="distinct prompts visited round-robin (default: 8)")
+    off.add_argument("--rounds", type=int, default=4, help="visits of each prompt (default: 4)")
+    off.add_argument("--prompt-tokens", type=int, default=1024, help="tokens per prompt (default: 1024)")
     off.set_defaults(func=_cmd_bench_offload)
 
     agent = bsub.add_parser("agent", help="agent sessions in modes full | apc | splice, with fidelity")
@@ -238,30 +254,58 @@ def build_parser() -> argparse.ArgumentParser:
     agent.set_defaults(func=_cmd_bench_agent)
 
     gat = bsub.add_parser("gen-agent-trace", help="write an agent trace from the BFCL multi-turn tasks")
-    gat.add_argument("--out", required=True)
-    gat.add_argument("--sessions", type=int, default=24)
-    gat.add_argument("--seed", type=int, default=0)
+    gat.add_argument("--out", required=True, help="where to write the trace, JSONL")
+    gat.add_argument("--sessions", type=int, default=24, help="sessions to generate (default: 24)")
+    gat.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     gat.set_defaults(func=_cmd_bench_gen_agent_trace)
 
     gen = bsub.add_parser("gen-trace", help="write a RAG trace from real Wikipedia text")
-    gen.add_argument("--out", required=True)
-    gen.add_argument("--requests", type=int, default=400)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--out", required=True, help="where to write the trace, JSONL")
+    gen.add_argument("--requests", type=int, default=400, help="requests to generate (default: 400)")
+    gen.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     gen.add_argument("--family", default="wiki",
-                     help="wiki | wiki-diverse | support | pydocs | apidocs | tools")
+                     help="wiki | wiki-diverse | support | pydocs | apidocs | tools (default: wiki)")
     gen.add_argument("--profile", default=None,
                      help="the wiki family's profile: repeat-heavy (default) | diverse")
     gen.set_defaults(func=_cmd_bench_gen_trace)
     return parser
 
 
+def _version() -> str:
+    from promptsplice import __version__
+
+    return __version__
+
+
+def _check_trace(args: argparse.Namespace) -> None:
+    """A trace that is missing or cannot be read fails here, in one line naming the file,
+    before any engine starts."""
+    trace = getattr(args, "trace", None)
+    if trace is None:
+        return
+    if not os.path.exists(trace):
+        raise UsageError(f"--trace {trace}: no such file")
+    if not os.path.isfile(trace):
+        raise UsageError(f"--trace {trace}: not a regular file")
+    try:
+        with open(trace, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise UsageError(f"--trace {trace}: cannot be read ({exc.strerror or exc})") from exc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_trace(args)
         rc = int(args.func(args) or 0)
-    except PromptspliceError as exc:
+    except (PromptspliceError, UsageError) as exc:
         print(f"promptsplice: error: {exc}", file=sys.stderr)
+        rc = 2
+    except OSError as exc:  # a file the command reads or writes (--json, --out, ...)
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"promptsplice: error:{where}: {exc.strerror or exc}", file=sys.stderr)
         rc = 2
     if argv is None and "vllm" in sys.modules:
         # Run as the console script after an engine ran: vLLM's CPU platform imports

@@ -22,7 +22,6 @@ Run on a machine with an NVIDIA GPU and Triton::
 
 Prints a table, then one JSON document (also written to ``--json``).  Exit status: 0 all
 checks passed, 1 a correctness check failed, 2 nothing run (no CUDA device or no Triton).
-Takes well under 5 minutes on one GPU (mostly Triton compiles).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ m = min_overlap):
   worst case.  If passages shortened a chunk, containment runs once more.
 
 The Python-level work is O(n + pieces + edges + paragraphs) per call, and it is what
-bounds the throughput (benchmarks/dedup_bench.py).
+bounds the throughput (measured by ``python -m promptsplice.benchmarks.dedup_bench``;
+the figure is in the README).
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """RELIABILITY.md and the tests stay in step.
 
-Every test the table names exists, and every test marked ``@pytest.mark.reliability``
-is named in the table: a scenario cannot be listed without a test that runs it, and a
-reliability test cannot be added without a row saying what it found.
+Every test the table names exists, and ``pytest -m reliability`` (the command the page
+gives) collects exactly the tests the table names: a scenario cannot be listed without
+a test that runs it, and a reliability test cannot be added without a row saying what
+it found.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,28 +19,23 @@ DOC = ROOT / "RELIABILITY.md"
 REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
 
 
-def _is_reliability_mark(node: ast.expr) -> bool:
-    if isinstance(node, ast.Call):
-        node = node.func
-    return isinstance(node, ast.Attribute) and node.attr == "reliability" and ast.unparse(node).endswith("mark.reliability")
+def table_tests() -> set[str]:
+    """``FILE::NAME`` of every test the table names."""
+    return {f"{rel}::{name}" for rel, name in REF.findall(DOC.read_text())}
 
 
-def marked_tests() -> set[tuple[str, str]]:
-    found = set()
-    for path in sorted((ROOT / "tests").rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        rel = path.relative_to(ROOT).as_posix()
-        module_marked = any(
-            isinstance(n, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
-            and "mark.reliability" in ast.unparse(n.value)
-            for n in tree.body
-        )
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                if module_marked or any(_is_reliability_mark(d) for d in node.decorator_list):
-                    found.add((rel, node.name))
-    return found
+def collected_reliability_tests() -> set[str]:
+    """``FILE::NAME`` of every test ``pytest -m reliability`` collects (parameters dropped):
+    what the documented command really runs, markers on classes, modules and
+    parametrizations included."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "reliability"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"pytest -m reliability does not collect cleanly:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+    ids = {line.split("[", 1)[0] for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" ")}
+    assert ids, f"pytest -m reliability collected nothing:\n{proc.stdout[-2000:]}"
+    return ids
 
 
 def test_every_test_the_table_names_exists():
@@ -51,10 +49,12 @@ def test_every_test_the_table_names_exists():
         assert name in names, f"RELIABILITY.md names {rel}::{name}, which does not exist"
 
 
-def test_every_reliability_test_is_in_the_table():
-    listed = set(REF.findall(DOC.read_text()))
-    missing = sorted(f"{rel}::{name}" for rel, name in marked_tests() - listed)
-    assert not missing, f"reliability tests missing from RELIABILITY.md: {missing}"
+def test_pytest_m_reliability_runs_exactly_the_tables_tests():
+    listed, collected = table_tests(), collected_reliability_tests()
+    unmarked = sorted(listed - collected)
+    unlisted = sorted(collected - listed)
+    assert not unmarked, f"RELIABILITY.md names tests that `pytest -m reliability` does not run (mark them): {unmarked}"
+    assert not unlisted, f"`pytest -m reliability` runs tests RELIABILITY.md does not name (add a row): {unlisted}"
 
 
 def test_the_table_has_a_row_for_each_scenario_the_issue_names():

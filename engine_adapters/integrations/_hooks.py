@@ -5,7 +5,7 @@ Each adapter converts the framework's messages to OpenAI chat dicts, calls the h
 framework back the *policy-edited* messages, so any chat model sees the edited context.
 The :class:`~promptsplice.assembler.PreparedContext` is also handed to
 :class:`~promptsplice.engine_adapters.integrations._langchain_chat.PromptspliceChatModel` (per session, through
-``_langchain_chat.handoff``): when the model's own render of the messages it receives
+``_handoff.handoff``): when the model's own render of the messages it receives
 has the same token ids, it sends exactly those ids (and, with a runner, the
 directives); otherwise it renders anew and logs why.
 
@@ -36,7 +36,9 @@ from langchain_core.messages import (
 )
 
 from promptsplice.assembler import ContextHook, PreparedContext
-from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel, format_tools, handoff, lc_messages_to_openai
+from promptsplice.engine_adapters.integrations._handoff import handoff
+from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
+from promptsplice.engine_adapters.integrations._langchain_convert import format_tools, lc_messages_to_openai
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [

@@ -8,7 +8,10 @@ token ids go to :class:`~promptsplice.engine_adapters.EmbeddedEngine` as they ar
 prefix cache sees is exactly the aligned layout.  ``usage_metadata`` reports vLLM's own
 count of prompt tokens served from its cache (``input_token_details["cache_read"]``).
 
-Tools (``bind_tools``): SmolLM2's ChatML template has no tool format, so the renderer
+Tools (``bind_tools``; the conversions and the tool-call format live in
+:mod:`~promptsplice.engine_adapters.integrations._langchain_convert`, the hand-off from
+the harness hooks in :mod:`~promptsplice.engine_adapters.integrations._handoff`):
+SmolLM2's ChatML template has no tool format, so the renderer
 puts the schemas into the system turn the Hermes/Qwen way and asks for
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; those blocks are
 parsed out of the output into ``tool_calls`` (a block that does not parse stays text:
@@ -29,7 +32,7 @@ that prepared context to the runner (which may splice) instead of ``engine.gener
 The engine: ``engine=`` or the process default (:func:`set_default_engine`), looked up at
 call time, so constructing a model never starts vLLM.  The model is LangChain-serializable
 (``dumpd``): settings only, no engine/hook/runner; ``load`` it with
-``allowed_objects=[PromptspliceChatModel], valid_namespaces=["engine_adapters"]``.  Engine errors are
+``allowed_objects=[PromptspliceChatModel], valid_namespaces=["promptsplice"]``.  Engine errors are
 :mod:`promptsplice.errors` already and propagate unchanged; LangChain conversion
 errors are translated to :class:`~promptsplice.errors.InputError`.
 """
@@ -37,12 +40,8 @@ errors are translated to :class:`~promptsplice.errors.InputError`.
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-import re
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,19 +49,29 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.chat_models import LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
-from langchain_core.messages import convert_to_openai_messages
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils import from_env, secret_from_env
-from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
 from promptsplice.assembler import ChatRenderer, ContextHook, PreparedContext, StepKind
-from promptsplice.errors import ConfigError, InputError, PromptspliceError
+from promptsplice.engine_adapters.integrations._handoff import handoff
+from promptsplice.engine_adapters.integrations._langchain_convert import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    call_chunks,
+    check_tool_choice,
+    forced_prefix,
+    format_tools,
+    lc_messages_to_openai,
+    parse_tool_calls,
+    streamable,
+)
+from promptsplice.errors import ConfigError, PromptspliceError
 
 __all__ = [
     "PromptspliceChatModel",
@@ -75,10 +84,6 @@ __all__ = [
     "TOOL_CALL_CLOSE",
 ]
 
-logger = logging.getLogger(__name__)
-
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 """The project's default model (what ``ls_model_name`` reports before an engine is known)."""
 
@@ -101,7 +106,7 @@ def set_default_engine(engine: Any) -> Any:
 
 def default_engine() -> Any:
     """The engine set by :func:`set_default_engine`.  Raises ``ConfigError`` when none is
-    set: a model never starts a vLLM engine (~1 GiB) behind the caller's back."""
+    set: a model never starts a vLLM engine behind the caller's back."""
     with _default_lock:
         eng = _default_engine
     if eng is None:
@@ -110,164 +115,6 @@ def default_engine() -> Any:
             "promptsplice.engine_adapters.integrations._langchain_chat.set_default_engine(engine) first"
         )
     return eng
-
-
-# -- hand-off of prepared contexts from harness hooks ------------------------------------
-
-
-class _Handoff:
-    """The last :class:`PreparedContext` a harness hook made per session, for the chat
-    model to pick up (bounded LRU, thread-safe).  The model takes it only when its own
-    render of the messages it received has the same token ids, so a stale or foreign
-    entry is never sent."""
-
-    def __init__(self, max_sessions: int = 1024) -> None:
-        self._items: OrderedDict[str, PreparedContext] = OrderedDict()
-        self._lock = threading.Lock()
-        self._max = max_sessions
-
-    def put(self, prepared: PreparedContext) -> None:
-        with self._lock:
-            self._items[prepared.session_id] = prepared
-            self._items.move_to_end(prepared.session_id)
-            while len(self._items) > self._max:
-                self._items.popitem(last=False)
-
-    def take(self, session_id: str, token_ids: Sequence[int]) -> PreparedContext | None:
-        with self._lock:
-            p = self._items.get(session_id)
-            if p is None:
-                return None
-            del self._items[session_id]
-        if list(p.token_ids) != list(token_ids):
-            logger.warning(
-                "prepared context of session %r (step %d) does not match the messages the "
-                "model received (%d vs %d tokens): rendering them anew",
-                session_id, p.step, len(p.token_ids), len(token_ids),
-            )
-            return None
-        return p
-
-    def discard(self, prepared: PreparedContext) -> None:
-        with self._lock:
-            if self._items.get(prepared.session_id) is prepared:
-                del self._items[prepared.session_id]
-
-
-handoff = _Handoff()
-"""Process-wide hand-off used by :mod:`promptsplice.engine_adapters.integrations._hooks`."""
-
-
-# -- conversions -----------------------------------------------------------------------
-
-
-def lc_messages_to_openai(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages -> OpenAI chat dicts (``convert_to_openai_messages``), keeping
-    a tool message's ``status="error"`` (which the failed-call policy reads)."""
-    try:
-        out = convert_to_openai_messages(list(messages))
-    except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
-        raise InputError(f"cannot convert the messages to chat dicts: {exc}") from exc
-    if isinstance(out, dict):
-        out = [out]
-    for m, d in zip(messages, out):
-        if isinstance(m, ToolMessage) and getattr(m, "status", None) == "error":
-            d["status"] = "error"
-    return list(out)
-
-
-def format_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
-    """Tools (BaseTool, functions, pydantic models, dict schemas) -> OpenAI tool dicts."""
-    out = []
-    for t in tools:
-        try:
-            out.append(convert_to_openai_tool(t))
-        except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
-            raise InputError(f"cannot convert tool {t!r:.80} to an OpenAI tool schema: {exc}") from exc
-    return out
-
-
-_OPEN_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*")
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Split ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks out of
-    ``text``: returns the remaining text and LangChain tool calls (``name``, ``args``,
-    ``id``, ``type``).  A block whose JSON does not parse, or has no string ``name`` or
-    non-object ``arguments``, stays in the text; a missing closing tag is tolerated."""
-    decoder = json.JSONDecoder()
-    calls: list[dict[str, Any]] = []
-    parts: list[str] = []
-    pos = 0
-    while True:
-        m = _OPEN_RE.search(text, pos)
-        if m is None:
-            break
-        try:
-            obj, end = decoder.raw_decode(text, m.end())
-        except ValueError:
-            obj, end = None, m.end()
-        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                args = None
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict)):
-            parts.append(text[pos : m.end()])  # not a call: keep it as text
-            pos = m.end()
-            continue
-        parts.append(text[pos : m.start()])
-        rest = text[end:]
-        stripped = rest.lstrip()
-        end += len(rest) - len(stripped)
-        if stripped.startswith(TOOL_CALL_CLOSE):
-            end += len(TOOL_CALL_CLOSE)
-        calls.append({"name": obj["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "tool_call"})
-        pos = end
-    parts.append(text[pos:])
-    content = "".join(parts)
-    return ("" if calls and not content.strip() else content), calls
-
-
-def _forced_prefix(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
-    """The decoding prefix that forces a tool call (``None``: no forcing)."""
-    if tool_choice in (None, "auto", "none", False):
-        return None
-    names = [t.get("function", {}).get("name") for t in tools]
-    name: str | None = None
-    if tool_choice in ("any", "required", True):
-        name = names[0] if len(names) == 1 else None
-    elif isinstance(tool_choice, str):
-        name = tool_choice
-    elif isinstance(tool_choice, Mapping):
-        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-    if name is not None and name not in names:
-        raise ConfigError(f"tool_choice names {name!r}, which is not a bound tool ({names})")
-    if name is None:
-        return TOOL_CALL_OPEN + '\n{"name": "'
-    head = TOOL_CALL_OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-    fn = next(t.get("function", {}) for t in tools if t.get("function", {}).get("name") == name)
-    params = fn.get("parameters") or {}
-    props = list((params.get("properties") or {}))
-    if not props:
-        return head + "{}}"
-    required = [p for p in params.get("required") or [] if p in props]
-    first = required[0] if required else props[0]
-    return head + "{" + json.dumps(first, ensure_ascii=False) + ": "
-
-
-def _check_tool_choice(tool_choice: Any) -> Any:
-    if tool_choice is None or tool_choice is False or tool_choice is True:
-        return tool_choice
-    if isinstance(tool_choice, str) and tool_choice:
-        return tool_choice
-    if isinstance(tool_choice, Mapping):
-        return dict(tool_choice)
-    raise ConfigError(
-        f"tool_choice must be None, 'auto', 'none', 'any', 'required', a tool name or "
-        f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
-    )
 
 
 _KNOWN_CALL_KWARGS = frozenset(
@@ -327,7 +174,7 @@ class PromptspliceChatModel(BaseChatModel):
         ``runner``: those are live objects, resolved again at call time; ``api_key`` as
         a secret reference).  langchain-core's ``load`` revives only allowlisted
         classes: pass this one, ``load(data, allowed_objects=[PromptspliceChatModel],
-        valid_namespaces=["engine_adapters"])``."""
+        valid_namespaces=["promptsplice"])``."""
         return True
 
     @property
@@ -343,7 +190,7 @@ class PromptspliceChatModel(BaseChatModel):
 
     @classmethod
     def get_lc_namespace(cls) -> list[str]:
-        return ["engine_adapters", "_langchain_chat"]  # the importable module: load() imports it
+        return ["promptsplice", "engine_adapters", "integrations", "_langchain_chat"]  # the importable module: load() imports it
 
     def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
         # serializable models key LangChain's LLM cache by their dumpd, which leaves the
@@ -384,8 +231,8 @@ class PromptspliceChatModel(BaseChatModel):
         ``tool_choice``: ``None``/``"auto"`` (the model decides), ``"none"``,
         ``"any"``/``"required"``/a name/an OpenAI dict (forced, see the module)."""
         formatted = format_tools(tools)
-        choice = _check_tool_choice(tool_choice)
-        _forced_prefix(choice, formatted)  # validates a named choice now
+        choice = check_tool_choice(tool_choice)
+        forced_prefix(choice, formatted)  # validates a named choice now
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
 
     # session ids from the config of direct calls (``_generate`` cannot see the config)
@@ -479,7 +326,7 @@ class PromptspliceChatModel(BaseChatModel):
     def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any) -> dict[str, Any]:
         prepared, tools = self._prepare(messages, kwargs, run_manager)
         choice = kwargs.get("tool_choice")
-        prefix = _forced_prefix(choice, tools) if tools else None
+        prefix = forced_prefix(choice, tools) if tools else None
         ids = list(prepared.token_ids)
         if prefix:
             eng = self.resolved_engine()
@@ -580,7 +427,7 @@ class PromptspliceChatModel(BaseChatModel):
         if self.runner is not None:
             msg = self._message(req, self._run(req))
             yield ChatGenerationChunk(message=AIMessageChunk(
-                content=msg.content, tool_call_chunks=_call_chunks(msg.tool_calls),
+                content=msg.content, tool_call_chunks=call_chunks(msg.tool_calls),
                 response_metadata=msg.response_metadata, usage_metadata=msg.usage_metadata, chunk_position="last",
             ))
             return
@@ -594,7 +441,7 @@ class PromptspliceChatModel(BaseChatModel):
                 if delta.completion is not None:
                     completion = delta.completion
                     break
-                safe = _streamable(seen, req["parse"])
+                safe = streamable(seen, req["parse"])
                 if safe > sent:
                     piece = seen[sent:safe]
                     sent = safe
@@ -613,7 +460,7 @@ class PromptspliceChatModel(BaseChatModel):
         else:
             rest = (req["prefix"] + completion.text)[sent:]
         chunk = ChatGenerationChunk(message=AIMessageChunk(
-            content=rest, tool_call_chunks=_call_chunks(msg.tool_calls),
+            content=rest, tool_call_chunks=call_chunks(msg.tool_calls),
             response_metadata=msg.response_metadata, usage_metadata=msg.usage_metadata, chunk_position="last",
         ))
         if run_manager is not None and rest:
@@ -675,24 +522,3 @@ def _with_thread(config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[
         if tid is not None:
             return {**kwargs, "session_id": str(tid)}
     return kwargs
-
-
-def _streamable(seen: str, parse: bool) -> int:
-    """How much of ``seen`` can be streamed as content: all of it without tools; with
-    tools, up to a ``<tool_call>`` (or a tail that could still become one)."""
-    if not parse:
-        return len(seen)
-    at = seen.find(TOOL_CALL_OPEN)
-    if at >= 0:
-        return at
-    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(seen)), 0, -1):
-        if TOOL_CALL_OPEN.startswith(seen[-k:]):
-            return len(seen) - k
-    return len(seen)
-
-
-def _call_chunks(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False), "id": c["id"], "index": i, "type": "tool_call_chunk"}
-        for i, c in enumerate(calls)
-    ]

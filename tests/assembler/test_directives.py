@@ -215,6 +215,7 @@ def check_diff(old, new, diff):
     assert n == min(old.num_tokens, new.num_tokens) or old.token_ids[n] != new.token_ids[n]
 
 
+@pytest.mark.reliability
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(step=session_step())
 def test_apply_of_diff_rebuilds_the_new_render(renderer, step):

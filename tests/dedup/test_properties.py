@@ -7,6 +7,7 @@ blanks, with or without ids and source metadata, so every pass has work to do.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -161,6 +162,7 @@ def check_result(chunks, cfg, result) -> None:
     assert positions == sorted(positions)
 
 
+@pytest.mark.reliability
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(retrievals(), configs)
 def test_provenance_spans_and_accounting(chunks, cfg):

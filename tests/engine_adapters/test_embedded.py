@@ -350,6 +350,7 @@ def test_bad_prompts_and_options(engine):
         engine.make_assembler(block_size=16)
 
 
+@pytest.mark.reliability
 def test_a_request_vllm_fails_does_not_stop_the_engine(engine):
     with pytest.raises(EngineRequestError, match="out of vocabulary") as info:
         engine.generate([1, 2, 10**7], max_tokens=1)

@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 
+from promptsplice.blocks import chain_hashes
 from promptsplice.errors import EngineDeadError, EngineError, EngineRequestError
 from tests.conftest import start_default_engine
 
@@ -137,6 +138,42 @@ def test_a_dead_engine_restarts_once_then_stays_down(engine, tmp_path, measured)
     finally:
         eng.close()
     assert engine.generate(_prompt(5, 40), max_tokens=2).token_ids  # the others live on
+
+
+@pytest.mark.reliability
+def test_an_engine_without_a_store_restarts_with_a_consistent_cache_and_mirror(engine, measured):
+    """The plain engine (no connector, no store) dies mid-decode and comes back: vLLM's
+    new cache is empty, the mirror was emptied with it, and both agree again from the
+    first request on."""
+    mib = 1 << 20
+    eng = start_default_engine(kv_cache_bytes=96 * mib, max_model_len=2048, max_restarts=1)
+    assert eng.kv_store is None
+    try:
+        mirror = eng.make_assembler().mirror
+        prompt = _prompt(10, 330)  # 10 full blocks
+        ref = eng.generate(prompt, max_tokens=6, mirror=mirror)
+        warm = eng.generate(prompt, max_tokens=6, mirror=mirror)
+        assert warm.num_cached_tokens == warm.predicted_cached_tokens == 320
+        assert warm.token_ids == ref.token_ids
+        assert mirror.match(chain_hashes(prompt, eng.block_size)) == 10
+        with layer_fault(eng, after_calls=2, times=None):  # dies mid-decode; the probe fails too
+            with pytest.raises(EngineDeadError, match="restarted") as info:
+                eng.generate(_prompt(11, 330), max_tokens=6, mirror=mirror)
+        assert info.value.restarted is True and eng.restarts == 1 and not eng.closed
+        assert mirror.match(chain_hashes(prompt, eng.block_size)) == 0  # emptied with the old cache
+        before = eng.counters()
+        redo = eng.generate(prompt, max_tokens=6, mirror=mirror)
+        assert redo.num_cached_tokens == redo.predicted_cached_tokens == 0  # a new vLLM: empty cache
+        assert redo.token_ids == ref.token_ids
+        again = eng.generate(prompt, max_tokens=6, mirror=mirror)
+        assert again.num_cached_tokens == again.predicted_cached_tokens == 320
+        assert again.token_ids == ref.token_ids
+        delta = eng.counters().since(before)
+        assert delta.prefix_cache_hits == 320 and delta.external_hits == 0  # vLLM's own counters agree
+        measured.update(deaths=1, restarts=eng.restarts, wrong=0, cached_after_restart=redo.num_cached_tokens)
+    finally:
+        eng.close()
+    assert engine.generate(_prompt(12, 40), max_tokens=2).token_ids  # the others live on
 
 
 @pytest.mark.reliability

@@ -226,6 +226,7 @@ def test_http_4xx_carries_server_message(server):
             eng.complete([5, 6, 7], max_tokens=1)
 
 
+@pytest.mark.reliability
 def test_server_down_names_the_url():
     port = _free_port()  # bound then closed: nothing listens there
     eng = RemoteEngine(f"http://127.0.0.1:{port}", model="m", max_retries=1, backoff=0)
@@ -252,6 +253,7 @@ def _mock(handler, **kwargs):
     return RemoteEngine("http://mock.invalid", model="m", transport=httpx.MockTransport(handler), **kwargs)
 
 
+@pytest.mark.reliability
 def test_503_then_success_is_retried():
     calls = []
 
@@ -276,6 +278,7 @@ def test_retries_back_off_exponentially(monkeypatch):
     assert sleeps == [0.5, 1.0, 2.0]
 
 
+@pytest.mark.reliability
 def test_429_retried_then_reported():
     calls = []
 
@@ -301,6 +304,7 @@ def test_400_is_not_retried():
     assert len(calls) == 1
 
 
+@pytest.mark.reliability
 def test_malformed_json_gives_a_snippet():
     handler = lambda r: httpx.Response(200, text="<html>502 proxy error</html>")  # noqa: E731
     with pytest.raises(EngineResponseError, match="not JSON.*proxy error"):
@@ -313,6 +317,7 @@ def test_malformed_json_gives_a_snippet():
         _mock(cut).complete([1], max_tokens=5, stream=True)
 
 
+@pytest.mark.reliability
 def test_timeout_says_which():
     def handler(request):
         raise httpx.ReadTimeout("timed out", request=request)

@@ -150,6 +150,7 @@ def _prompts(asm, rag_requests):
 # -- unsalted multi-tenant use warns ------------------------------------------------
 
 
+@pytest.mark.reliability
 def test_salt_guard_warns_once_on_a_mix_and_refuses_when_required():
     guard = SaltGuard("X")
     with warnings.catch_warnings():

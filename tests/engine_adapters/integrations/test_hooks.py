@@ -117,6 +117,103 @@ def test_langgraph_pre_model_hook_edits_llm_input_only(engine):
     assert isinstance(out["messages"][-1], AIMessage)
 
 
+def read_app_log() -> str:
+    """Read the application log (returns 40 lines)."""
+    return "\n".join(f"app {i}: request served in {10 + i % 7} ms, status ok" for i in range(40))
+
+
+def read_db_log() -> str:
+    """Read the database log (returns 40 lines)."""
+    return "\n".join(f"db {i}: query plan cached, {3 + i % 5} rows, status ok" for i in range(40))
+
+
+class CountingRunner:
+    """The real ``AgentRunner``, with vLLM's own counters read around each step."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.steps = []
+
+    def step(self, prepared, **kwargs):
+        before = self.runner.engine.counters()
+        step = self.runner.step(prepared, **kwargs)
+        self.steps.append((prepared, step, self.runner.engine.counters().since(before)))
+        return step
+
+
+@pytest.fixture(scope="module")
+def splice_engine(kv_engine, tmp_path_factory):
+    """An engine with the splice connector that can relocate: the session's
+    ``kv_engine`` where it can; on a CPU whose bf16 cache takes the AMX layout (which
+    the connector refuses to rotate, unverified) one in float32, which takes the
+    verified ``vec`` layout.  ``kv_engine`` is requested either way so this engine is
+    never the last one alive."""
+    if kv_engine.kv_connector.worker.can_relocate:
+        yield kv_engine
+        return
+    from promptsplice.engine_adapters import StoreConfig
+    from tests.conftest import start_default_engine
+
+    mib = 1 << 20
+    store = StoreConfig(dram_bytes=64 * mib, disk_bytes=256 * mib, disk_dir=str(tmp_path_factory.mktemp("lg-store")), fsync=False)
+    eng = start_default_engine(dtype="float32", kv_store=store, kv_cache_bytes=256 * mib)
+    assert eng.kv_connector.worker.can_relocate
+    yield eng
+    eng.close()
+
+
+def test_langgraph_agent_loop_splices_through_the_agent_runner(splice_engine):
+    """A LangGraph ReAct loop on the engine with the splice connector: the ten-line rule
+    truncates the earlier log once a newer one arrives, and what followed it in the last
+    render (the agent's answer, the user's next request) is relocated, not prefilled."""
+    from langgraph.prebuilt import create_react_agent
+
+    from promptsplice.engine_adapters import AgentRunner
+
+    eng = splice_engine
+    tools = [read_app_log, read_db_log]
+    hook = ContextHook(eng.tokenizer, block_size=eng.block_size, policies=[TruncateToolOutputs(10, keep_recent=1)])
+    pre = PromptsplicePreModelHook(hook, tools=tools)
+    runner = CountingRunner(AgentRunner(eng, mode="splice", salt="lg-splice"))
+    model = PromptspliceChatModel(engine=eng, runner=runner, max_tokens=16)
+    # Greedy SmolLM2-135M rarely calls tools unprompted: the first model call is forced
+    # to read the database log, the next one may not call a tool, so the loop ends.
+    choices = iter([model.bind_tools(tools, tool_choice="read_db_log")])
+    answer = model.bind_tools(tools, tool_choice="none")
+    graph = create_react_agent(lambda state, runtime: next(choices, answer), tools, pre_model_hook=pre)
+    history = [
+        HumanMessage("Read the application log."),
+        AIMessage("", tool_calls=[{"name": "read_app_log", "args": {}, "id": "c1", "type": "tool_call"}]),
+        ToolMessage(read_app_log(), tool_call_id="c1", name="read_app_log"),
+        AIMessage("The application log has 40 lines; every request was served and every status is ok."),
+        HumanMessage("Now read the database log, then compare it with the application log: do both "
+                     "logs report only ok statuses, and which one shows slower operations? Answer in "
+                     "one short sentence that names both logs."),
+    ]
+    out = graph.invoke({"messages": history}, config={"configurable": {"thread_id": "lg-splice"}})
+
+    assert [p.kind for p in pre.history] == [StepKind.NEW_SESSION, StepKind.EDIT]
+    assert [(p.session_id, p.step) for p, _, _ in runner.steps] == [(p.session_id, p.step) for p in pre.history]
+    first, edit = runner.steps[0][1], runner.steps[1]
+    assert first.relocated_tokens == 0
+    prepared, step, counted = edit
+    assert prepared is pre.history[1]  # no forcing prefix on this call: the very context the hook made
+    assert prepared.policy_edits and MARKER in eng.tokenizer.decode(prepared.token_ids)
+    assert step.fallback is None and step.requests >= 2 and step.salt != "lg-splice"  # spliced, scoped
+    assert step.relocated_tokens > 0
+    assert step.prompt_tokens == step.prefill_tokens + step.cached_tokens + step.relocated_tokens
+    # vLLM's own counters: the relocated blocks (and the scope's prefix copy) were loaded
+    # by the connector, and every computed token is one vLLM did not serve from a cache.
+    assert counted.external_hits >= step.relocated_tokens > 0
+    assert counted.prefix_cache_queries - counted.prefix_cache_hits - counted.external_hits == step.prefill_tokens
+    assert step.prefill_tokens < step.prompt_tokens - prepared.first_changed_token  # less than apc would prefill
+    # the graph ran its loop: model -> tool -> model, the state keeps both logs whole
+    tool_msgs = [m for m in out["messages"] if isinstance(m, ToolMessage)]
+    assert [m.content for m in tool_msgs] == [read_app_log(), read_db_log()]
+    assert isinstance(out["messages"][-1], AIMessage) and not out["messages"][-1].tool_calls
+    assert out["messages"][-1].usage_metadata["input_token_details"]["cache_read"] == step.completion.num_cached_tokens
+
+
 def _sdk_items() -> list[Any]:
     return [
         {"role": "user", "content": "Read the log app.log"},

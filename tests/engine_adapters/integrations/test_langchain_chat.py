@@ -166,13 +166,13 @@ def test_serializes_settings_only_and_loads_with_an_explicit_allowlist(engine, m
     hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
     model = PromptspliceChatModel(engine=engine, hook=hook, max_tokens=7, stop=["\n"], cache_salt="tenant-a")
     data = dumpd(model)
-    assert data["id"] == ["engine_adapters", "_langchain_chat", "PromptspliceChatModel"]
+    assert data["id"] == ["promptsplice", "engine_adapters", "integrations", "_langchain_chat", "PromptspliceChatModel"]
     assert data["kwargs"] == {
         "max_tokens": 7, "stop": ["\n"], "cache_salt": "tenant-a",
         "api_key": {"lc": 1, "type": "secret", "id": ["PROMPTSPLICE_API_KEY"]},
     }  # no engine, hook or runner; the key as a reference, never its value
     assert "sk-env" not in dumps(model)
-    back = load(data, allowed_objects=[PromptspliceChatModel], valid_namespaces=["engine_adapters"],
+    back = load(data, allowed_objects=[PromptspliceChatModel], valid_namespaces=["promptsplice"],
                 secrets_from_env=True)
     assert isinstance(back, PromptspliceChatModel) and back.engine is None and back.hook is None
     assert back.dict() == model.dict() and back.api_key.get_secret_value() == "sk-env"

@@ -175,6 +175,7 @@ def test_splice_relocates_what_follows_the_edit_and_prefills_less_than_apc(engin
     assert apc[2][1].relocated_tokens == 0 and apc[1][1].prefill_tokens == spl[1][1].prefill_tokens
 
 
+@pytest.mark.reliability
 def test_spliced_kv_never_reaches_a_request_outside_the_session(kv_engine, renders):
     runner = AgentRunner(kv_engine, mode="splice", salt="t-iso")
     steps = run_session(runner, kv_engine, "s-iso", renders, "t-iso")

@@ -248,6 +248,7 @@ def test_relocated_chunks_stay_close_to_exact_prefill(kv_engine, engine, pic):
     assert kl < 0.3
 
 
+@pytest.mark.reliability
 def test_exact_requests_of_the_tenant_never_meet_relocated_kv(kv_engine, pic):
     first = pic.run(docs("paris", "nile"), query="q1", system=SYSTEM, max_tokens=1)
     step = pic.run(docs("nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)

@@ -410,6 +410,7 @@ def _flip(path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.reliability
 def test_flipped_payload_byte_is_corrupt_deleted_and_counted(tmp_path):
     store, a, path = _evicted_to_disk(tmp_path)
     _flip(path, REC - 16 - 100)  # inside the payload
@@ -422,6 +423,7 @@ def test_flipped_payload_byte_is_corrupt_deleted_and_counted(tmp_path):
     assert store.match_prefix([a], salt=SALT) == 0
 
 
+@pytest.mark.reliability
 def test_flipped_payload_byte_is_caught_after_a_restart_too(tmp_path):
     store, a, path = _evicted_to_disk(tmp_path)
     store.close()
@@ -432,6 +434,7 @@ def test_flipped_payload_byte_is_caught_after_a_restart_too(tmp_path):
     assert (again.stats().corrupt, path.exists()) == (1, False)
 
 
+@pytest.mark.reliability
 def test_truncated_record_while_open_and_at_open(tmp_path):
     store, a, path = _evicted_to_disk(tmp_path)
     os.truncate(path, REC - 1)
@@ -452,6 +455,7 @@ def test_truncated_record_while_open_and_at_open(tmp_path):
     ("field", "value"),
     [("MAGIC", b"NOTAKVB\x00"), ("VERSION", 2)],
 )
+@pytest.mark.reliability
 def test_record_with_wrong_magic_or_version_is_removed_at_open(tmp_path, monkeypatch, field, value):
     # A record written by "another format" (digests valid, only the field differs).
     with monkeypatch.context() as m:
@@ -464,6 +468,7 @@ def test_record_with_wrong_magic_or_version_is_removed_at_open(tmp_path, monkeyp
     assert status(again, a) is MISS
 
 
+@pytest.mark.reliability
 def test_damaged_header_is_removed_at_open(tmp_path):
     store, a, path = _evicted_to_disk(tmp_path)
     store.close()
@@ -473,6 +478,7 @@ def test_damaged_header_is_removed_at_open(tmp_path):
     assert status(again, a) is MISS
 
 
+@pytest.mark.reliability
 def test_leftover_partial_writes_are_never_served(tmp_path):
     store, a, path = _evicted_to_disk(tmp_path)
     store.close()
@@ -503,6 +509,7 @@ def _disk_full(fd, data):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+@pytest.mark.reliability
 def test_full_disk_keeps_serving_from_dram_with_one_warning(tmp_path, monkeypatch, caplog):
     store = open_store(tmp_path, dram_blocks=2, disk_bytes=10 * REC)
     a, b, c, d = make_refs(4)
@@ -688,6 +695,7 @@ def test_pinned_disk_records_stay_and_new_blocks_go_around_them(tmp_path):
 # ------------------------------------------------------------------------ threads
 
 
+@pytest.mark.reliability
 def test_sixteen_threads_put_and_get_concurrently(tmp_path):
     store = open_store(tmp_path, dram_blocks=8, disk_bytes=16 * REC, fsync=False, write_behind_bytes=4 * P)
     refs = make_refs(48)
@@ -772,6 +780,7 @@ def test_close_finishes_pending_writes_for_the_next_start(tmp_path):
     assert again.match_prefix(refs, salt=SALT) == 4
 
 
+@pytest.mark.reliability
 def test_full_disk_on_the_background_writer(tmp_path, monkeypatch, caplog):
     store = open_store(tmp_path, dram_blocks=2, disk_bytes=10 * REC, write_behind_bytes=8 * P)
     a, b, c = make_refs(3)

@@ -1,0 +1,66 @@
+"""The hand-off of prepared contexts from the harness hooks to the chat model.
+
+A hook (:mod:`promptsplice.engine_adapters.integrations._hooks`) runs the
+:class:`~promptsplice.assembler.ContextHook` before the framework calls the model and puts
+the :class:`~promptsplice.assembler.PreparedContext` here, per session;
+:class:`~promptsplice.engine_adapters.integrations._langchain_chat.PromptspliceChatModel`
+takes it when its own render of the messages it received has the same token ids, and so
+sends exactly the hook's ids (and directives).  Its own module because both sides use
+it and neither should import the other for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from promptsplice.assembler import PreparedContext
+
+__all__ = ["handoff"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Handoff:
+    """The last :class:`PreparedContext` a harness hook made per session, for the chat
+    model to pick up (bounded LRU, thread-safe).  The model takes it only when its own
+    render of the messages it received has the same token ids, so a stale or foreign
+    entry is never sent."""
+
+    def __init__(self, max_sessions: int = 1024) -> None:
+        self._items: OrderedDict[str, PreparedContext] = OrderedDict()
+        self._lock = threading.Lock()
+        self._max = max_sessions
+
+    def put(self, prepared: PreparedContext) -> None:
+        with self._lock:
+            self._items[prepared.session_id] = prepared
+            self._items.move_to_end(prepared.session_id)
+            while len(self._items) > self._max:
+                self._items.popitem(last=False)
+
+    def take(self, session_id: str, token_ids: Sequence[int]) -> PreparedContext | None:
+        with self._lock:
+            p = self._items.get(session_id)
+            if p is None:
+                return None
+            del self._items[session_id]
+        if list(p.token_ids) != list(token_ids):
+            logger.warning(
+                "prepared context of session %r (step %d) does not match the messages the "
+                "model received (%d vs %d tokens): rendering them anew",
+                session_id, p.step, len(p.token_ids), len(token_ids),
+            )
+            return None
+        return p
+
+    def discard(self, prepared: PreparedContext) -> None:
+        with self._lock:
+            if self._items.get(prepared.session_id) is prepared:
+                del self._items[prepared.session_id]
+
+
+handoff = _Handoff()
+"""Process-wide hand-off used by :mod:`promptsplice.engine_adapters.integrations._hooks`."""

@@ -1,0 +1,170 @@
+"""Conversions between LangChain objects and the chat dicts the renderer takes, and the
+Hermes-style tool-call text format SmolLM2's ChatML template lacks.
+
+* :func:`lc_messages_to_openai`, :func:`format_tools`: LangChain messages and tools to
+  OpenAI chat dicts and tool schemas (conversion errors become ``InputError``).
+* :func:`parse_tool_calls`: ``<tool_call>{...}</tool_call>`` blocks out of generated
+  text into LangChain tool calls (a block that does not parse stays text).
+* :func:`forced_prefix`, :func:`check_tool_choice`: the decoding prefix that forces a
+  call for a ``tool_choice``, and the check of the choice itself.
+* :func:`streamable`, :func:`call_chunks`: what of a partial output may be streamed as
+  content, and tool calls as stream chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from langchain_core.messages import BaseMessage, ToolMessage, convert_to_openai_messages
+from langchain_core.utils.function_calling import convert_to_openai_tool
+
+from promptsplice.errors import ConfigError, InputError
+
+__all__ = [
+    "TOOL_CALL_OPEN",
+    "TOOL_CALL_CLOSE",
+    "lc_messages_to_openai",
+    "format_tools",
+    "parse_tool_calls",
+    "forced_prefix",
+    "check_tool_choice",
+    "streamable",
+    "call_chunks",
+]
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+def lc_messages_to_openai(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages -> OpenAI chat dicts (``convert_to_openai_messages``), keeping
+    a tool message's ``status="error"`` (which the failed-call policy reads)."""
+    try:
+        out = convert_to_openai_messages(list(messages))
+    except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
+        raise InputError(f"cannot convert the messages to chat dicts: {exc}") from exc
+    if isinstance(out, dict):
+        out = [out]
+    for m, d in zip(messages, out):
+        if isinstance(m, ToolMessage) and getattr(m, "status", None) == "error":
+            d["status"] = "error"
+    return list(out)
+
+
+def format_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """Tools (BaseTool, functions, pydantic models, dict schemas) -> OpenAI tool dicts."""
+    out = []
+    for t in tools:
+        try:
+            out.append(convert_to_openai_tool(t))
+        except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
+            raise InputError(f"cannot convert tool {t!r:.80} to an OpenAI tool schema: {exc}") from exc
+    return out
+
+
+_OPEN_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*")
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Split ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks out of
+    ``text``: returns the remaining text and LangChain tool calls (``name``, ``args``,
+    ``id``, ``type``).  A block whose JSON does not parse, or has no string ``name`` or
+    non-object ``arguments``, stays in the text; a missing closing tag is tolerated."""
+    decoder = json.JSONDecoder()
+    calls: list[dict[str, Any]] = []
+    parts: list[str] = []
+    pos = 0
+    while True:
+        m = _OPEN_RE.search(text, pos)
+        if m is None:
+            break
+        try:
+            obj, end = decoder.raw_decode(text, m.end())
+        except ValueError:
+            obj, end = None, m.end()
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                args = None
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict)):
+            parts.append(text[pos : m.end()])  # not a call: keep it as text
+            pos = m.end()
+            continue
+        parts.append(text[pos : m.start()])
+        rest = text[end:]
+        stripped = rest.lstrip()
+        end += len(rest) - len(stripped)
+        if stripped.startswith(TOOL_CALL_CLOSE):
+            end += len(TOOL_CALL_CLOSE)
+        calls.append({"name": obj["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "tool_call"})
+        pos = end
+    parts.append(text[pos:])
+    content = "".join(parts)
+    return ("" if calls and not content.strip() else content), calls
+
+
+def forced_prefix(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
+    """The decoding prefix that forces a tool call (``None``: no forcing)."""
+    if tool_choice in (None, "auto", "none", False):
+        return None
+    names = [t.get("function", {}).get("name") for t in tools]
+    name: str | None = None
+    if tool_choice in ("any", "required", True):
+        name = names[0] if len(names) == 1 else None
+    elif isinstance(tool_choice, str):
+        name = tool_choice
+    elif isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if name is not None and name not in names:
+        raise ConfigError(f"tool_choice names {name!r}, which is not a bound tool ({names})")
+    if name is None:
+        return TOOL_CALL_OPEN + '\n{"name": "'
+    head = TOOL_CALL_OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+    fn = next(t.get("function", {}) for t in tools if t.get("function", {}).get("name") == name)
+    params = fn.get("parameters") or {}
+    props = list((params.get("properties") or {}))
+    if not props:
+        return head + "{}}"
+    required = [p for p in params.get("required") or [] if p in props]
+    first = required[0] if required else props[0]
+    return head + "{" + json.dumps(first, ensure_ascii=False) + ": "
+
+
+def check_tool_choice(tool_choice: Any) -> Any:
+    if tool_choice is None or tool_choice is False or tool_choice is True:
+        return tool_choice
+    if isinstance(tool_choice, str) and tool_choice:
+        return tool_choice
+    if isinstance(tool_choice, Mapping):
+        return dict(tool_choice)
+    raise ConfigError(
+        f"tool_choice must be None, 'auto', 'none', 'any', 'required', a tool name or "
+        f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
+    )
+
+
+def streamable(seen: str, parse: bool) -> int:
+    """How much of ``seen`` can be streamed as content: all of it without tools; with
+    tools, up to a ``<tool_call>`` (or a tail that could still become one)."""
+    if not parse:
+        return len(seen)
+    at = seen.find(TOOL_CALL_OPEN)
+    if at >= 0:
+        return at
+    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(seen)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(seen[-k:]):
+            return len(seen) - k
+    return len(seen)
+
+
+def call_chunks(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False), "id": c["id"], "index": i, "type": "tool_call_chunk"}
+        for i, c in enumerate(calls)
+    ]

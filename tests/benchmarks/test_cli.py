@@ -1,0 +1,95 @@
+"""The ``promptsplice`` command line: version, help on every option, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+import promptsplice
+from promptsplice.benchmarks.cli import build_parser, main
+
+
+def _all_parsers(parser: argparse.ArgumentParser, path: str = "promptsplice"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_parsers(sub, f"{path} {name}")
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"promptsplice {promptsplice.__version__}"
+    assert promptsplice.__version__ != "0+unknown"  # the installed distribution's version
+
+
+def test_every_option_of_every_command_has_help_text():
+    parsers = dict(_all_parsers(build_parser()))
+    assert {"promptsplice demo", "promptsplice bench rag", "promptsplice bench gen-trace"} <= parsers.keys()
+    missing = [
+        f"{path} {'/'.join(a.option_strings)}"
+        for path, p in parsers.items()
+        for a in p._actions
+        if a.option_strings and not (a.help and a.help.strip())
+    ]
+    assert not missing, f"options without help text: {missing}"
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "assemble", "--json", "{out}"],
+    ["bench", "rag", "--json", "{out}"],
+    ["bench", "agent", "--json", "{out}"],
+])
+@pytest.mark.parametrize("trace, says", [
+    ("{missing}", "no such file"),
+    ("{folder}", "not a regular file"),
+    ("/proc/self/mem", "cannot be read"),  # a regular file whose first read fails (EIO), even for root
+])
+def test_a_trace_that_is_missing_or_unreadable_fails_in_one_line(tmp_path, capsys, command, trace, says):
+    fill = {"out": str(tmp_path / "r.json"), "missing": str(tmp_path / "nope.jsonl"), "folder": str(tmp_path)}
+    argv = [c.format(**fill) for c in command] + ["--trace", trace.format(**fill)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("promptsplice: error: --trace ") and says in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_missing_trace_from_the_console_has_no_traceback(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "promptsplice.benchmarks.cli", "bench", "assemble",
+         "--trace", str(missing), "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == f"promptsplice: error: --trace {missing}: no such file\n"
+    assert proc.stdout == ""
+
+
+def test_an_output_that_cannot_be_written_fails_in_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "trace.jsonl"  # a path under a regular file
+    assert main(["bench", "gen-trace", "--out", str(out), "--requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out.parent) in err and "Traceback" not in err
+
+
+def test_demo_refuses_a_chart_without_the_engine(tmp_path, capsys):
+    chart = tmp_path / "demo.png"
+    assert main(["demo", "--no-engine", "--chart", str(chart), "--requests", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--chart needs the engine run" in err
+    assert not chart.exists()
+
+
+def test_demo_without_the_engine_runs_the_assembly_side(capsys):
+    assert main(["demo", "--no-engine", "--requests", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "assembly only" in out and "predicted cached tokens" in out and "chart" not in out
