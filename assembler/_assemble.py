@@ -344,6 +344,9 @@ class Assembler:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> NaivePrompt:
         """The baseline: retrieval order, no dedup, plain text joined, tokenized whole."""
+        check_text(query, "query")
+        check_text(system, "system", optional=True)
+        tools = check_tools(tools)
         texts = [c.text for c in normalize_chunks(chunks, on_invalid_utf8=self.dedup_config.on_invalid_utf8)]
         text = self.format.naive_text(texts, query=query, system=system, tools=tools)
         return NaivePrompt(text=text, token_ids=self.tokenizer.encode(text))
@@ -448,11 +451,7 @@ class Assembler:
 
 def _check_max_tokens(max_tokens: Any) -> Any:
     """``max_tokens`` (the context the prompt must fit): None or a positive int."""
-    if max_tokens is not None and (
-        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0
-    ):
-        raise ConfigError(f"max_tokens must be a positive int (or None), got {max_tokens!r}")
-    return max_tokens
+    return check_optional_int(max_tokens, "max_tokens")
 
 
 _CAPACITY_FIX = (

@@ -58,6 +58,7 @@ from promptsplice.engine_adapters._config import EngineConfig
 from promptsplice.engine_adapters._kv_agent import AgentBox, installed
 from promptsplice.engine_adapters.connector._splice import SplicePhase, SplicePlan
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
+from promptsplice._validate import check_salt
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
@@ -553,8 +554,7 @@ class EmbeddedEngine:
     def _normalize(
         self, prompt: Any, cache_salt: str | None
     ) -> tuple[list[int], str | None, str | None, int | None]:
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ConfigError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
+        check_salt(cache_salt)
         text: str | None = None
         predicted: int | None = None
         if isinstance(prompt, AssembledPrompt):

@@ -41,6 +41,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from promptsplice._validate import (
+    check_bool,
+    check_int,
+    check_messages,
+    check_number,
+    check_salt,
+    check_text,
+)
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
@@ -50,6 +58,7 @@ from promptsplice.errors import (
     EngineTimeoutError,
     EngineUnavailableError,
     InputError,
+    InvalidSaltError,
 )
 from promptsplice.tenancy import SaltGuard
 
@@ -337,18 +346,16 @@ class RemoteEngine:
             root = root[: -len("/v1")]
         self.base_url = root
         self._host = (parts.hostname or "").lower()
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise ConfigError(f"max_retries must be an int >= 0, got {max_retries!r}")
-        if isinstance(backoff, bool) or not isinstance(backoff, int | float) or backoff < 0:
-            raise ConfigError(f"backoff must be a number >= 0, got {backoff!r}")
+        check_int(max_retries, "max_retries", minimum=0)
+        check_number(backoff, "backoff")
+        check_text(model, "model", optional=True)
+        check_text(api_key, "api_key", optional=True)
         if send_token_ids not in ("auto", True, False):
             raise ConfigError(f"send_token_ids must be 'auto', True or False, got {send_token_ids!r}")
         if isinstance(timeout, bool):
             raise ConfigError(f"timeout must be seconds or an httpx.Timeout, got {timeout!r}")
         if isinstance(timeout, int | float):
-            if timeout <= 0:
-                raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
-            timeout = httpx.Timeout(float(timeout))
+            timeout = httpx.Timeout(float(check_number(timeout, "timeout (seconds)", strict=True)))
         if not isinstance(timeout, httpx.Timeout):
             raise ConfigError(f"timeout must be seconds or an httpx.Timeout, got {timeout!r}")
         self.timeout = timeout
@@ -362,8 +369,6 @@ class RemoteEngine:
             headers["Authorization"] = f"Bearer {api_key}"
         self._headers = headers
         self._transport = transport
-        if not isinstance(require_salt, bool):
-            raise ConfigError(f"require_salt must be a bool, got {require_salt!r}")
         self._salts = SaltGuard("RemoteEngine", require=require_salt)
         self._client: httpx.Client | None = None
         self._aclient: httpx.AsyncClient | None = None
@@ -436,11 +441,12 @@ class RemoteEngine:
         elif hasattr(prompt, "token_ids"):
             ids = self._check_ids(prompt.token_ids, "prompt.token_ids")
             text = getattr(prompt, "text", None)
-            salt = getattr(prompt, "salt", None)
+            salt = check_salt(getattr(prompt, "salt", None), "the prompt's salt")
             if salt is not None:
-                if cache_salt is not None and cache_salt != salt:
-                    raise InputError(
-                        f"cache_salt={cache_salt!r} differs from the prompt's salt {salt!r}"
+                if check_salt(cache_salt) is not None and cache_salt != salt:
+                    raise InvalidSaltError(
+                        f"cache_salt={cache_salt!r} differs from the prompt's salt {salt!r}: "
+                        "assemble the prompt with the tenant's salt and leave cache_salt unset"
                     )
                 cache_salt = salt
             derived_key = getattr(prompt, "prefix_key", None) or None
@@ -458,7 +464,7 @@ class RemoteEngine:
                 f"{self.base_url} is not sent token ids (send_token_ids=False or OpenAI) "
                 "and the prompt has no text: pass a str or an AssembledPrompt"
             )
-        body = self._common_body(max_tokens, temperature, cache_salt, stream)
+        body = self._common_body(max_tokens, temperature, cache_salt, stream, prompt_cache_key)
         body["prompt"] = payload
         key = prompt_cache_key if prompt_cache_key is not None else (
             derived_key if self._is_openai else None
@@ -477,14 +483,9 @@ class RemoteEngine:
         prompt_cache_key: str | None,
         stream: bool,
     ) -> _Request:
-        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
-            raise InputError("messages must be a non-empty list of {'role', 'content'} dicts")
-        clean: list[dict[str, Any]] = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-                raise InputError(f"messages[{i}] must be a dict with 'role' and 'content'")
-            clean.append(dict(message))
-        body = self._common_body(max_tokens, temperature, cache_salt, stream)
+        check_messages(messages, allow_empty=False, require_content=True)
+        clean = [dict(message) for message in messages]
+        body = self._common_body(max_tokens, temperature, cache_salt, stream, prompt_cache_key)
         body["messages"] = clean
         if prompt_cache_key is not None:
             body["prompt_cache_key"] = prompt_cache_key
@@ -501,16 +502,15 @@ class RemoteEngine:
         return out
 
     def _common_body(
-        self, max_tokens: int, temperature: float, cache_salt: str | None, stream: bool
+        self, max_tokens: int, temperature: float, cache_salt: str | None, stream: bool,
+        prompt_cache_key: str | None = None,
     ) -> dict[str, Any]:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
-            raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+        check_int(max_tokens, "max_tokens")
+        check_number(temperature, "temperature")
+        check_bool(stream, "stream")
+        check_text(prompt_cache_key, "prompt_cache_key", optional=True)
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature}
-        if cache_salt is not None:
-            if not isinstance(cache_salt, str) or not cache_salt:
-                raise InputError(f"cache_salt must be a non-empty str, got {cache_salt!r}")
+        if check_salt(cache_salt) is not None:
             if self._is_openai:
                 raise ConfigError(
                     "OpenAI does not accept cache_salt; isolate tenants with "

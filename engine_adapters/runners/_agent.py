@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from promptsplice.assembler import PreparedContext, StepKind
 from promptsplice.engine_adapters.connector._splice import SAME_SALT, SplicePhase, plan_phases
 from promptsplice.blocks import round_down
+from promptsplice._validate import check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -172,8 +173,7 @@ class AgentRunner:
             raise ConfigError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
-        if salt is not None and not isinstance(salt, str):
-            raise ConfigError(f"salt must be a str or None, got {type(salt).__name__}")
+        check_salt(salt, "salt")
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ConfigError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.engine = engine

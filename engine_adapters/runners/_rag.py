@@ -71,6 +71,7 @@ from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.engine_adapters.connector._splice import SplicePhase, SpliceSegment, plan_segment_phases
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash, round_down
+from promptsplice._validate import check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -340,8 +341,7 @@ class RagRunner:
         for name, value, low in (("recompute_blocks", recompute_blocks, 0), ("min_group_blocks", min_group_blocks, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
-        if salt is not None and not isinstance(salt, str):
-            raise ConfigError(f"salt must be a str or None, got {type(salt).__name__}")
+        check_salt(salt, "salt")
         self.engine = engine
         self.salt = salt
         self.recompute_blocks = recompute_blocks
