@@ -16,9 +16,9 @@ from promptsplice.assembler import (
 from promptsplice.blocks import chain_hashes
 from promptsplice.errors import (
     ConfigError,
-    InvalidTextError,
     ContextLengthError,
     InvalidChunkError,
+    InvalidTextError,
     UnknownPolicyError,
 )
 
