@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from promptsplice.engine_adapters._config import auto_dtype
+from promptsplice.engine_adapters._wire import counters_from
 from promptsplice.engine_adapters._remote import (
     RemoteCompletion,
     RemoteEngine,
@@ -276,6 +277,41 @@ def test_retries_back_off_exponentially(monkeypatch):
     assert sleeps == [0.5, 1.0, 2.0]
 
 
+def test_sync_and_async_share_one_exchange(monkeypatch):
+    """The same retries, pauses and parse on both halves (one exchange, two drivers)."""
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+
+    async def fake_sleep(seconds):
+        sleeps.append(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+
+    def flaky():
+        calls = []
+
+        def handler(request):
+            calls.append(request.url.path)
+            if request.url.path == "/v1/models":
+                return httpx.Response(200, json={"data": [{"id": "served-model"}]})
+            if len(calls) < 4:
+                return httpx.Response(503, text="busy", headers={"Retry-After": "0.25"})
+            return httpx.Response(200, json=_ok_body({"prompt_tokens": 2}, text="sync-or-async"))
+
+        eng = RemoteEngine("http://mock.invalid", transport=httpx.MockTransport(handler), backoff=0.1)
+        return eng, calls
+
+    eng, sync_calls = flaky()
+    done = eng.complete([1, 2], max_tokens=1)
+    sync_sleeps, sleeps[:] = list(sleeps), []
+    eng, async_calls = flaky()
+    adone = asyncio.run(eng.acomplete([1, 2], max_tokens=1))
+    assert done.text == adone.text == "sync-or-async" and done.prompt_tokens == adone.prompt_tokens == 2
+    assert sync_calls == async_calls == ["/v1/models"] + ["/v1/completions"] * 3
+    assert sync_sleeps == sleeps == [0.25, 0.25]  # max(backoff * 2**attempt, Retry-After)
+    assert eng.model == "served-model"
+
+
 def test_429_retried_then_reported():
     calls = []
 
@@ -384,5 +420,5 @@ def test_parse_prometheus_counters_sums_label_sets():
     )
     got = parse_prometheus_counters(text, ["vllm:prefix_cache_hits_total", "missing"])
     assert got == {"vllm:prefix_cache_hits_total": 12.0}
-    counters = RemoteEngine._counters_from(httpx.Response(200, text=text))
+    counters = counters_from(httpx.Response(200, text=text))
     assert counters.prefix_cache_hits == 12 and counters.prefix_cache_queries is None
