@@ -162,6 +162,7 @@ def test_a_huge_chunk_is_refused_before_it_is_tokenized(default_tok, make_assemb
         assert "raise max_tokens" in str(info.value) or "capacity_blocks=N" in str(info.value)
 
 
+@pytest.mark.reliability
 def test_a_prompt_over_the_mirror_names_an_argument_assemble_prompt_takes(default_tok):
     asm = Assembler(default_tok, block_size=16, capacity_blocks=4)
     with pytest.raises(ContextLengthError, match=r"assembler=Assembler\(.*capacity_blocks=N\)") as info:

@@ -287,6 +287,7 @@ def test_every_door_holds_the_one_salt_rule(engine, default_tok):
     assert len(doors) == 15
 
 
+@pytest.mark.reliability
 def test_an_empty_salt_never_reaches_vllm(engine, default_tok):
     """The leak the rule closes: an assembled prompt carrying ``salt=""`` would be sent
     as vLLM's "no salt" and hit every unsalted tenant's blocks."""
@@ -299,6 +300,7 @@ def test_an_empty_salt_never_reaches_vllm(engine, default_tok):
         engine.generate(dataclasses.replace(prompt, salt=""), max_tokens=1)
 
 
+@pytest.mark.reliability
 def test_router_refuses_a_salt_that_contradicts_the_prompts(default_tok):
     from promptsplice.assembler import Assembler
     from promptsplice.errors import InvalidSaltError
