@@ -118,7 +118,7 @@ def check_enum(value: Any, enum_cls: type[_E], what: str, *, error: type[ConfigE
             if key in (str(member.value).lower(), member.name.lower()):
                 return member
     names = ", ".join(str(m.value) for m in enum_cls)
-    raise error(f"unknown {what} {value!r}; choose one of {names}")
+    raise error(f"{what} must be one of {names}; got {value!r}")
 
 
 def check_salt(salt: Any, what: str = "cache_salt") -> str | None:

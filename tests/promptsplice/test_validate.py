@@ -59,7 +59,7 @@ def test_enums_by_name_or_value():
     assert v.check_enum("red", Color, "color") is Color.RED
     assert v.check_enum(" DARK_BLUE ", Color, "color") is Color.DARK_BLUE
     assert v.check_enum(Color.RED, Color, "color") is Color.RED
-    with pytest.raises(ConfigError, match="unknown color 'green'; choose one of red, dark_blue"):
+    with pytest.raises(ConfigError, match="color must be one of red, dark_blue; got 'green'"):
         v.check_enum("green", Color, "color")
     with pytest.raises(UnknownPolicyError):
         v.check_enum(3, Color, "color", error=UnknownPolicyError)
