@@ -53,6 +53,7 @@ from promptsplice._validate import (
     check_number,
     check_salt,
     check_text,
+    check_token_ids,
 )
 from promptsplice.engine_adapters._wire import (
     Accumulator,
@@ -176,8 +177,8 @@ class RemoteEngine:
         self._host = (parts.hostname or "").lower()
         check_int(max_retries, "max_retries", minimum=0)
         check_number(backoff, "backoff")
-        check_text(model, "model", optional=True)
-        check_text(api_key, "api_key", optional=True)
+        check_text(model, "model", optional=True, error=ConfigError)
+        check_text(api_key, "api_key", optional=True, error=ConfigError)
         if send_token_ids != "auto" and not isinstance(send_token_ids, bool):
             raise ConfigError(f"send_token_ids must be 'auto', True or False, got {send_token_ids!r}")
         if isinstance(timeout, bool):
@@ -265,9 +266,9 @@ class RemoteEngine:
                 raise InputError("prompt is an empty string")
             text = prompt
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            ids = self._check_ids(prompt, "prompt")
+            ids = check_token_ids(prompt, "prompt")
         elif hasattr(prompt, "token_ids"):
-            ids = self._check_ids(prompt.token_ids, "prompt.token_ids")
+            ids = check_token_ids(prompt.token_ids, "prompt.token_ids")
             text = getattr(prompt, "text", None)
             salt = check_salt(getattr(prompt, "salt", None), "the prompt's salt")
             if salt is not None:
@@ -318,16 +319,6 @@ class RemoteEngine:
         if prompt_cache_key is not None:
             body["prompt_cache_key"] = prompt_cache_key
         return Request("/v1/chat/completions", body, True, None)
-
-    @staticmethod
-    def _check_ids(ids: Any, what: str) -> list[int]:
-        out = list(ids)
-        if not out:
-            raise InputError(f"{what} is empty")
-        for i, t in enumerate(out):
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InputError(f"{what}[{i}] is not a token id (an int >= 0): {t!r}")
-        return out
 
     def _common_body(
         self, max_tokens: int, temperature: float, cache_salt: str | None, stream: bool,

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptsplice.blocks import chain_hashes, content_digest, root_hash, token_bytes
-from promptsplice._validate import check_block_size, check_int, check_number, check_salt
+from promptsplice._validate import check_block_size, check_int, check_number, check_salt, check_token_ids
 from promptsplice.errors import ConfigError, InputError, InvalidSaltError
 from promptsplice.tenancy import SaltGuard
 
@@ -111,12 +111,7 @@ def prefix_route_key(
         raise InputError(
             f"cannot route a {type(prompt).__name__}: pass an AssembledPrompt, token ids or a str"
         )
-    ids = list(prompt[: key_blocks * block_size])
-    if not ids:
-        raise InputError("cannot route an empty prompt")
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise InputError(f"prompt[{i}] is not a token id (an int >= 0): {t!r}")
+    ids = check_token_ids(prompt[: key_blocks * block_size], "prompt")
     hashes = chain_hashes(ids, block_size, salt=salt)
     return bytes(hashes[-1]) if hashes else content_digest(root_hash(salt) + token_bytes(ids))
 

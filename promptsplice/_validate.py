@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
+    InputError,
     InvalidMessageError,
     InvalidSaltError,
     InvalidTextError,
@@ -47,6 +48,7 @@ __all__ = [
     "check_text",
     "check_tools",
     "check_messages",
+    "check_token_ids",
     "check_fits",
 ]
 
@@ -140,14 +142,17 @@ def check_salt(salt: Any, what: str = "cache_salt") -> str | None:
     )
 
 
-def check_text(value: Any, what: str, *, optional: bool = False) -> str | None:
-    """A ``str`` (or ``None`` if ``optional``); else :class:`InvalidTextError`.  Bytes are
+def check_text(
+    value: Any, what: str, *, optional: bool = False, error: type[InputError] = InvalidTextError
+) -> str | None:
+    """A ``str`` (or ``None`` if ``optional``); else ``error`` (:class:`InvalidTextError`
+    for data; pass :class:`ConfigError` for an option such as a model name).  Bytes are
     refused rather than decoded: ``b'sys'`` would otherwise render as its repr."""
     if isinstance(value, str) or (optional and value is None):
         return value
     hint = " (decode bytes first: value.decode('utf-8'))" if isinstance(value, bytes | bytearray) else ""
     allowed = "a str or None" if optional else "a str"
-    raise InvalidTextError(f"{what} must be {allowed}, got {type(value).__name__} {_short(value)}{hint}")
+    raise error(f"{what} must be {allowed}, got {type(value).__name__} {_short(value)}{hint}")
 
 
 def check_tools(tools: Any, what: str = "tools") -> list[Mapping[str, Any]] | None:
@@ -202,6 +207,20 @@ def check_messages(
                 f"{what}[{i}]['content'] must be a str, a list of parts or None, got {type(content).__name__}"
             )
     return messages
+
+
+def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
+    """A non-empty sequence of token ids (ints >= 0, not bools) as a list; else
+    :class:`InputError` naming the first bad position."""
+    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Sequence):
+        raise InputError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+    out = list(ids)
+    if not out:
+        raise InputError(f"{what} is empty: pass at least one token id")
+    for i, t in enumerate(out):
+        if not _is_int(t) or t < 0:
+            raise InputError(f"{what}[{i}] is not a token id (an int >= 0): {_short(t)}")
+    return out
 
 
 def check_fits(

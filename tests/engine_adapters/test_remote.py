@@ -422,3 +422,38 @@ def test_parse_prometheus_counters_sums_label_sets():
     assert got == {"vllm:prefix_cache_hits_total": 12.0}
     counters = counters_from(httpx.Response(200, text=text))
     assert counters.prefix_cache_hits == 12 and counters.prefix_cache_queries is None
+
+
+def test_requests_are_checked_before_anything_is_sent():
+    """Refused by the one request builder (both halves), so the server never sees them."""
+    from promptsplice.errors import InvalidMessageError, InvalidSaltError, InvalidTextError
+
+    sent = []
+    eng = _mock(lambda r: sent.append(r) or httpx.Response(200, json=_ok_body()))
+    cases = [
+        (InputError, {"prompt": [1, -1]}, r"prompt\[1\] is not a token id"),
+        (InputError, {"prompt": []}, "empty"),
+        (InputError, {"prompt": b"ids"}, "must be an AssembledPrompt"),
+        (ConfigError, {"prompt": [1], "max_tokens": True}, "max_tokens"),
+        (ConfigError, {"prompt": [1], "temperature": float("nan")}, "temperature"),
+        (ConfigError, {"prompt": [1], "stream": "yes"}, "stream"),
+        (InvalidTextError, {"prompt": [1], "prompt_cache_key": 5}, "prompt_cache_key"),
+        (InvalidSaltError, {"prompt": [1], "cache_salt": ""}, "empty str"),
+    ]
+    for error, kwargs, match in cases:
+        kwargs.setdefault("max_tokens", 1)
+        with pytest.raises(error, match=match):
+            eng.complete(**kwargs)
+        with pytest.raises(error, match=match):
+            asyncio.run(eng.acomplete(**kwargs))
+    for messages, match in (([], "empty"), ([{"role": "user"}], "content"), ("hi", "list of chat messages"),
+                            ([{"role": 1, "content": "x"}], "role")):
+        with pytest.raises(InvalidMessageError, match=match):
+            eng.chat(messages, max_tokens=1)
+        with pytest.raises(InvalidMessageError, match=match):
+            asyncio.run(eng.achat(messages, max_tokens=1))
+    assert sent == []
+    for kwargs in ({"max_retries": True}, {"backoff": -1}, {"timeout": 0}, {"timeout": float("nan")},
+                   {"send_token_ids": 1}, {"require_salt": "yes"}, {"model": 5}):
+        with pytest.raises(ConfigError):
+            RemoteEngine("http://x", **kwargs)

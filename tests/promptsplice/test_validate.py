@@ -154,3 +154,17 @@ def test_validate_imports_only_the_errors():
         n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("promptsplice")
     }
     assert project == {"promptsplice.errors"}
+
+
+def test_token_ids():
+    assert v.check_token_ids((1, 0, 7)) == [1, 0, 7]
+    for bad, match in (([], "empty"), ([1, -1], r"prompt\[1\] is not a token id"), ([True], r"prompt\[0\]"),
+                       ([1.0], r"prompt\[0\]"), ("abc", "list of token ids"), (b"ab", "list of token ids"),
+                       ({1: 2}, "list of token ids")):
+        with pytest.raises(InputError, match=match):
+            v.check_token_ids(bad)
+
+
+def test_text_as_an_option():
+    with pytest.raises(ConfigError, match="model must be a str or None"):
+        v.check_text(5, "model", optional=True, error=ConfigError)
