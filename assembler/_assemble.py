@@ -357,9 +357,11 @@ class Assembler:
         return None if cap is None else cap * self.block_size
 
     def _check_size(self, items: list[tuple[str, bytes, str]], kept: list[KeptChunk], limit: int | None) -> None:
-        """Refuse, before tokenizing, a prompt whose UTF-8 size alone proves it cannot fit
-        the context (``max_tokens``) or the mirror: a 20 MB chunk fails in milliseconds
-        instead of after seconds of tokenization and gigabytes of token lists."""
+        """Refuse, before tokenizing, a prompt over ``_EARLY_REFUSAL_BYTES`` whose UTF-8
+        size alone proves it cannot fit the context (``max_tokens``) or the mirror: a
+        20 MB chunk fails in milliseconds instead of after seconds of tokenization and
+        gigabytes of token lists.  Its error's ``prompt_tokens`` is then a lower bound
+        (the message says "at least"); smaller prompts are tokenized and get the exact size."""
         room = self._capacity_tokens()
         bounds = [b for b in (limit, room) if b is not None]
         if not bounds:
@@ -368,7 +370,7 @@ class Assembler:
         n_head = len(items) - len(kept) - 1
         nbytes = sum(len(k.data) + sep for k in kept)
         nbytes += sum(len(text.encode("utf-8")) for _, _, text in (*items[:n_head], items[-1]))
-        if nbytes <= min(bounds):  # no token is shorter than one byte: it may fit
+        if nbytes <= max(min(bounds), _EARLY_REFUSAL_BYTES):  # cheap to tokenize, or may fit
             return
         per_token = _max_token_bytes(self.tokenizer)
         if limit is not None:
@@ -459,6 +461,10 @@ _CAPACITY_FIX = (
     "assemble_prompt(..., assembler=Assembler(tokenizer, block_size=..., capacity_blocks=N)) "
     "with the engine's block count"
 )
+
+_EARLY_REFUSAL_BYTES = 1 << 20
+"""Texts up to 1 MiB are tokenized (well under a second) before a size error, so the
+error carries the exact prompt size; larger ones may be refused from their bytes."""
 
 _TOKEN_BYTES: dict[str, int] = {}
 

@@ -124,7 +124,9 @@ class UnknownPolicyError(ConfigError):
 class ContextLengthError(InputError):
     """An assembled prompt does not fit the context it was given.
 
-    ``prompt_tokens`` and ``max_tokens`` carry both sizes; the message names them.
+    ``prompt_tokens`` and ``max_tokens`` carry both sizes; the message names them.  A
+    text over 1 MiB that is refused from its byte size before tokenization carries a
+    lower bound in ``prompt_tokens`` (the message says "at least").
     """
 
     def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int) -> None:

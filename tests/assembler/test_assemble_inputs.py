@@ -138,7 +138,7 @@ def test_a_huge_chunk_is_refused_before_it_is_tokenized(default_tok, make_assemb
     argument to change."""
     big = big_text()
     with pytest.raises(ContextLengthError):  # the one-time vocabulary scan (~30 ms), outside tracemalloc
-        make_assembler(max_tokens=1).assemble(["x" * 1000], query="q")
+        make_assembler(max_tokens=1).assemble(["x" * (2 << 20)], query="q")
     small_mirror, small_context = make_assembler(capacity_blocks=512), make_assembler(max_tokens=4096)
     doors = {
         "max_tokens": lambda: assemble_prompt([big], query="q", tokenizer=default_tok, max_tokens=8192),
@@ -172,10 +172,14 @@ def test_a_prompt_over_the_mirror_names_an_argument_assemble_prompt_takes(defaul
 
 
 def test_sizes_that_fit_are_not_refused(make_assembler):
-    """The byte bound never refuses a prompt that fits: 80 KB of text in a 32K context."""
+    """The byte bound never refuses a prompt that fits (80 KB of text in a 32K context),
+    and a prompt under 1 MiB that does not fit is tokenized, so its error has the exact size."""
     text = "Paris is the capital of France. " * 2500
     out = make_assembler(max_tokens=32_768).assemble([text], query="q", admit=False)
     assert out.num_tokens <= 32_768
+    with pytest.raises(ContextLengthError, match="the assembled prompt has") as info:
+        make_assembler(max_tokens=100).assemble([text], query="q", admit=False)
+    assert info.value.prompt_tokens == make_assembler().assemble([text], query="q", admit=False).num_tokens
 
 
 def test_input_errors_are_value_errors():
