@@ -9,6 +9,7 @@ mistake gets the same error class and message wherever it is made:
   ``None``: vLLM treats ``""`` as *no* salt, so accepting it would silently share a
   tenant's cache with every unsalted caller);
 * a text argument that is not a ``str`` -> :class:`InvalidTextError`;
+* token ids that are not a non-empty list of ints >= 0 -> :class:`InputError`;
 * tool schemas that are not a list of JSON objects -> :class:`InvalidToolsError`;
 * chat messages that are not a list of ``{"role", "content"}`` dicts ->
   :class:`InvalidMessageError`;
