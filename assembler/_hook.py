@@ -40,6 +40,7 @@ from promptsplice.assembler._directives import Diff, Directive
 from promptsplice.assembler._ordering import AlignPolicy
 from promptsplice.assembler._policies import MessageEdit, PolicyResult
 from promptsplice.assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
+from promptsplice._validate import check_block_size, check_int, check_messages, check_salt, check_text, check_tools
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = ["StepKind", "FallbackReason", "PreparedContext", "ContextHook"]
@@ -142,8 +143,12 @@ class ContextHook:
         alignment: str | AlignPolicy = "all",
         salt: str | None = None,
     ) -> None:
-        if not isinstance(max_sessions, int) or isinstance(max_sessions, bool) or max_sessions <= 0:
-            raise ConfigError(f"max_sessions must be a positive int, got {max_sessions!r}")
+        check_int(max_sessions, "max_sessions")
+        if block_size is not None:
+            check_block_size(block_size)
+        salt = check_salt(salt, "salt")
+        if isinstance(policies, str | bytes | Mapping) or not isinstance(policies, Sequence):
+            raise ConfigError(f"policies must be a list of policies, got {type(policies).__name__}")
         if isinstance(renderer, ChatRenderer):
             if block_size is not None and block_size != renderer.block_size:
                 raise ConfigError(f"block_size {block_size} differs from the renderer's {renderer.block_size}")
@@ -173,9 +178,10 @@ class ContextHook:
         salt: str | None = None,
     ) -> PreparedContext:
         """Prepare one step of ``session_id`` (see the module docstring)."""
-        if not isinstance(session_id, str):
-            raise InputError(f"session_id must be a str, got {type(session_id).__name__}")
-        salt = self.salt if salt is None else salt
+        check_text(session_id, "session_id")
+        salt = self.salt if check_salt(salt, "salt") is None else salt
+        check_messages(messages, allow_empty=False)
+        tools = check_tools(tools)
         msgs, edits = self._apply_policies(messages)
         # Rendering needs no session state: done outside the session's lock.
         new = self.renderer.render(msgs, tools, salt=salt)
@@ -227,8 +233,6 @@ class ContextHook:
     def _apply_policies(
         self, messages: Sequence[Mapping[str, Any]]
     ) -> tuple[list[dict[str, Any]], tuple[tuple[str, tuple[MessageEdit, ...]], ...]]:
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise InputError(f"messages must be a list of chat messages, got {type(messages).__name__}")
         cur: Sequence[Mapping[str, Any]] = messages
         edits: list[tuple[str, tuple[MessageEdit, ...]]] = []
         for p in self.policies:

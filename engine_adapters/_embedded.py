@@ -58,6 +58,7 @@ from promptsplice.engine_adapters._config import EngineConfig
 from promptsplice.engine_adapters._kv_agent import AgentBox, installed
 from promptsplice.engine_adapters.connector._splice import SplicePhase, SplicePlan
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
+from promptsplice._validate import check_int, check_number, check_salt
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
@@ -553,8 +554,7 @@ class EmbeddedEngine:
     def _normalize(
         self, prompt: Any, cache_salt: str | None
     ) -> tuple[list[int], str | None, str | None, int | None]:
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ConfigError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
+        check_salt(cache_salt)
         text: str | None = None
         predicted: int | None = None
         if isinstance(prompt, AssembledPrompt):
@@ -628,10 +628,8 @@ class EmbeddedEngine:
         kv_transfer_params: dict[str, Any] | None = None,
         logprobs: int | None = None,
     ) -> Any:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+        check_int(max_tokens, "max_tokens")
+        check_number(temperature, "temperature")
         if stop is not None:
             stops = [stop] if isinstance(stop, str) else list(stop)
             if not all(isinstance(s, str) and s for s in stops):

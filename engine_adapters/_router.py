@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptsplice.blocks import chain_hashes, content_digest, root_hash, token_bytes
-from promptsplice.errors import ConfigError, InputError
+from promptsplice._validate import check_block_size, check_int, check_number, check_salt, check_token_ids
+from promptsplice.errors import ConfigError, InputError, InvalidSaltError
 from promptsplice.tenancy import SaltGuard
 
 __all__ = [
@@ -71,12 +72,6 @@ DEFAULT_KEY_BLOCKS = 4
 
 DEFAULT_VNODES = 160
 """Ring points per endpoint (more points: a more even share of keys)."""
-
-
-def _check_block_size(block_size: Any) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ConfigError(f"block_size must be an int >= 1 (the engine's KV block size), got {block_size!r}")
-    return block_size
 
 
 def _is_assembled(prompt: Any) -> bool:
@@ -97,9 +92,9 @@ def prefix_route_key(
     sequence of token ids (chained at ``block_size`` under ``salt``) or a ``str``
     (UTF-8 bytes chained in blocks of ``4 * block_size`` bytes under ``salt``).
     """
-    if isinstance(key_blocks, bool) or not isinstance(key_blocks, int) or key_blocks < 1:
-        raise ConfigError(f"key_blocks must be an int >= 1, got {key_blocks!r}")
-    _check_block_size(block_size)
+    check_int(key_blocks, "key_blocks")
+    check_block_size(block_size)
+    salt = _prompt_salt(prompt, salt)
     if _is_assembled(prompt):
         hashes = list(prompt.block_hashes[:key_blocks])
         if hashes:
@@ -116,14 +111,24 @@ def prefix_route_key(
         raise InputError(
             f"cannot route a {type(prompt).__name__}: pass an AssembledPrompt, token ids or a str"
         )
-    ids = list(prompt[: key_blocks * block_size])
-    if not ids:
-        raise InputError("cannot route an empty prompt")
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise InputError(f"prompt[{i}] is not a token id (an int >= 0): {t!r}")
+    ids = check_token_ids(prompt[: key_blocks * block_size], "prompt")
     hashes = chain_hashes(ids, block_size, salt=salt)
     return bytes(hashes[-1]) if hashes else content_digest(root_hash(salt) + token_bytes(ids))
+
+
+def _prompt_salt(prompt: Any, salt: Any) -> str | None:
+    """The salt that keys ``prompt``: an assembled prompt's own (an explicit ``salt``
+    must then be the same), else ``salt``; both under the one salt rule."""
+    check_salt(salt, "salt")
+    if not _is_assembled(prompt):
+        return salt
+    own = check_salt(prompt.salt, "the prompt's salt")
+    if salt is not None and salt != own:
+        raise InvalidSaltError(
+            f"salt={salt!r} differs from the assembled prompt's salt {own!r}: assemble the "
+            "prompt with the tenant's salt and leave salt unset here"
+        )
+    return own
 
 
 def _ring_pos(digest: bytes) -> int:
@@ -224,22 +229,15 @@ class PrefixRouter(_Base):
         vnodes: int = DEFAULT_VNODES,
         require_salt: bool = False,
     ) -> None:
-        if isinstance(load_factor, bool) or not isinstance(load_factor, int | float) or not load_factor > 1:
-            raise ConfigError(
-                f"load_factor must be a number > 1 (1.25 lets a server take 25% over its "
-                f"share), got {load_factor!r}"
-            )
-        if isinstance(key_blocks, bool) or not isinstance(key_blocks, int) or key_blocks < 1:
-            raise ConfigError(f"key_blocks must be an int >= 1, got {key_blocks!r}")
-        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
-            raise ConfigError(f"vnodes must be an int >= 1, got {vnodes!r}")
-        if not isinstance(require_salt, bool):
-            raise ConfigError(f"require_salt must be a bool, got {require_salt!r}")
+        check_number(load_factor, "load_factor (1.25 lets a server take 25% over its share)",
+                     minimum=1, strict=True)
+        check_int(key_blocks, "key_blocks")
+        check_int(vnodes, "vnodes")
         super().__init__(endpoints)
         self._salts = SaltGuard("PrefixRouter", require=require_salt)
         self.load_factor = float(load_factor)
         self.key_blocks = key_blocks
-        self.block_size = _check_block_size(block_size)
+        self.block_size = check_block_size(block_size)
         self.vnodes = vnodes
         self._ring: list[tuple[int, str]] = []
         for e in self._load:
@@ -272,7 +270,7 @@ class PrefixRouter(_Base):
 
     def key(self, prompt: Any, *, salt: str | None = None) -> bytes:
         """The routing key of ``prompt`` (see :func:`prefix_route_key`)."""
-        self._salts.check(prompt.salt if _is_assembled(prompt) else salt)
+        self._salts.check(_prompt_salt(prompt, salt))
         return prefix_route_key(prompt, key_blocks=self.key_blocks, block_size=self.block_size, salt=salt)
 
     def capacity(self) -> int:

@@ -21,6 +21,10 @@ __all__ = [
     "InvalidUTF8Error",
     "ConflictingChunkIdError",
     "ConfigError",
+    "InvalidSaltError",
+    "InvalidTextError",
+    "InvalidToolsError",
+    "InvalidMessageError",
     "UnknownPolicyError",
     "ContextLengthError",
     "MissingSaltError",
@@ -92,6 +96,27 @@ class ConfigError(InputError):
     """An option is out of range (for example ``block_size <= 0``)."""
 
 
+class InvalidSaltError(ConfigError):
+    """A ``cache_salt`` (or ``salt``) that is not a non-empty ``str`` or ``None``.  The one
+    salt rule (:func:`promptsplice._validate.check_salt`), the same at every door: ``""``
+    is refused because vLLM treats it as no salt (shared with every unsalted caller)."""
+
+
+class InvalidTextError(InputError):
+    """A text argument (``query``, ``system``, a session id...) that is not a ``str``:
+    bytes or numbers are refused, never rendered as their ``repr``."""
+
+
+class InvalidToolsError(InputError):
+    """``tools`` is not a list of tool schemas, each a JSON object (a dict that
+    ``json.dumps`` takes as is); the message names the tool."""
+
+
+class InvalidMessageError(InputError):
+    """Chat messages that are not a list of dicts with a ``role`` (a non-empty ``str``)
+    and a ``content`` (a ``str``, a list of parts or ``None``)."""
+
+
 class UnknownPolicyError(ConfigError):
     """An ordering or alignment policy name that does not exist."""
 
@@ -99,7 +124,9 @@ class UnknownPolicyError(ConfigError):
 class ContextLengthError(InputError):
     """An assembled prompt does not fit the context it was given.
 
-    ``prompt_tokens`` and ``max_tokens`` carry both sizes; the message names them.
+    ``prompt_tokens`` and ``max_tokens`` carry both sizes; the message names them.  A
+    text over 1 MiB that is refused from its byte size before tokenization carries a
+    lower bound in ``prompt_tokens`` (the message says "at least").
     """
 
     def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int) -> None:

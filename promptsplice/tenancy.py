@@ -8,7 +8,10 @@ each other's prefixes.  A cache cannot know who its callers are, but it can see 
 one mix that is always a mistake: salted and unsalted requests on one cache (someone
 isolates tenants, someone else forgot).  :class:`SaltGuard` warns once on that mix
 (:class:`~promptsplice.errors.UnsaltedTenantWarning`) and, with ``require=True``,
-refuses unsalted requests (:class:`~promptsplice.errors.MissingSaltError`).
+refuses unsalted requests (:class:`~promptsplice.errors.MissingSaltError`).  It also
+enforces the one salt rule (:func:`promptsplice._validate.check_salt`: a non-empty
+``str`` or ``None``), so a salt that slipped past a door (one carried by a prompt
+object) is refused before it reaches a cache.
 
 This module imports nothing heavy: the router and the engines share it.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import threading
 import warnings
 
+from promptsplice._validate import check_bool, check_salt
 from promptsplice.errors import MissingSaltError, UnsaltedTenantWarning
 
 __all__ = ["SaltGuard"]
@@ -27,14 +31,15 @@ class SaltGuard:
     """Watches the salts that reach one shared cache (thread-safe).
 
     ``owner`` names the cache in messages (``"EmbeddedEngine"``); ``require``: refuse
-    requests without a salt.
+    requests without a salt (a bool, else :class:`~promptsplice.errors.ConfigError`
+    naming ``require_salt``).
     """
 
     __slots__ = ("owner", "require", "_salted", "_unsalted", "_warned", "_lock")
 
     def __init__(self, owner: str, *, require: bool = False) -> None:
         self.owner = owner
-        self.require = require
+        self.require = check_bool(require, "require_salt")
         self._salted = False
         self._unsalted = False
         self._warned = False
@@ -46,7 +51,9 @@ class SaltGuard:
         return self._salted and self._unsalted
 
     def check(self, salt: object, *, stacklevel: int = 3) -> None:
-        """Record one request's salt (``None``: unsalted); warn on the first mix."""
+        """Record one request's salt (``None``: unsalted); warn on the first mix.  A salt
+        that breaks the salt rule raises :class:`~promptsplice.errors.InvalidSaltError`."""
+        check_salt(salt)
         if salt is None:
             if self.require:
                 raise MissingSaltError(

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from promptsplice.assembler import PreparedContext, StepKind
 from promptsplice.engine_adapters.connector._splice import SAME_SALT, SplicePhase, plan_phases
 from promptsplice.blocks import round_down
+from promptsplice._validate import check_enum, check_int, check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -159,31 +160,24 @@ class AgentRunner:
         reuse_repeats: bool = True,
         min_group_blocks: int = DEFAULT_MIN_GROUP_BLOCKS,
     ) -> None:
-        try:
-            self.mode = AgentMode(mode)
-        except ValueError:
-            raise ConfigError(f"mode must be one of full, apc, splice; got {mode!r}") from None
+        self.mode = check_enum(mode, AgentMode, "mode")
         if self.mode is AgentMode.SPLICE and engine.kv_store is None:
             raise ConfigError(
                 "splice mode needs the splice connector: start the engine with "
                 "EngineConfig(kv_store=StoreConfig(...))"
             )
-        if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 0:
-            raise ConfigError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+        check_int(recompute_blocks, "recompute_blocks", minimum=0)
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
-        if salt is not None and not isinstance(salt, str):
-            raise ConfigError(f"salt must be a str or None, got {type(salt).__name__}")
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
-            raise ConfigError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
+        check_salt(salt, "salt")
+        check_int(max_sessions, "max_sessions")
         self.engine = engine
         self.salt = salt
         self.recompute_blocks = recompute_blocks
         self.scope = scope
         self.max_sessions = max_sessions
         self.reuse_repeats = bool(reuse_repeats)
-        if isinstance(min_group_blocks, bool) or not isinstance(min_group_blocks, int) or min_group_blocks < 1:
-            raise ConfigError(f"min_group_blocks must be an int >= 1, got {min_group_blocks!r}")
+        check_int(min_group_blocks, "min_group_blocks")
         self.min_group_blocks = min_group_blocks
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._lock = threading.Lock()

@@ -71,6 +71,7 @@ from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.engine_adapters.connector._splice import SplicePhase, SpliceSegment, plan_segment_phases
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash, round_down
+from promptsplice._validate import check_enum, check_int, check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -322,10 +323,7 @@ class RagRunner:
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
         self.precompute = precompute
-        try:
-            self.mode = ReuseMode(mode)
-        except ValueError:
-            raise ConfigError(f"mode must be 'exact' or 'position_independent', got {mode!r}") from None
+        self.mode = check_enum(mode, ReuseMode, "mode")
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
         if pic and engine.kv_store is None:
             raise ConfigError(
@@ -337,11 +335,9 @@ class RagRunner:
                 "this engine's splice connector cannot relocate KV (its log says why: an "
                 "unverified attention ISA or RoPE); use mode='exact'"
             )
-        for name, value, low in (("recompute_blocks", recompute_blocks, 0), ("min_group_blocks", min_group_blocks, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
-        if salt is not None and not isinstance(salt, str):
-            raise ConfigError(f"salt must be a str or None, got {type(salt).__name__}")
+        check_int(recompute_blocks, "recompute_blocks", minimum=0)
+        check_int(min_group_blocks, "min_group_blocks")
+        check_salt(salt, "salt")
         self.engine = engine
         self.salt = salt
         self.recompute_blocks = recompute_blocks

@@ -18,6 +18,7 @@ from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
     InvalidChunkError,
+    InvalidTextError,
     UnknownPolicyError,
 )
 
@@ -206,7 +207,7 @@ def test_bad_input(make_assembler, default_tok):
         assemble_prompt(chunks("paris", "lyon"), query="q", tokenizer=default_tok, max_tokens=10)
     assert err.value.max_tokens == 10 and err.value.prompt_tokens > 10
     assert f"{err.value.prompt_tokens} tokens" in str(err.value) and "holds 10" in str(err.value)
-    with pytest.raises(ConfigError, match="query"):
+    with pytest.raises(InvalidTextError, match="query"):
         make_assembler().assemble(chunks("paris"), query=None)  # type: ignore[arg-type]
 
 

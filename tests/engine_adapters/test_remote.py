@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from promptsplice.engine_adapters._config import auto_dtype
+from promptsplice.engine_adapters._wire import counters_from
 from promptsplice.engine_adapters._remote import (
     RemoteCompletion,
     RemoteEngine,
@@ -278,6 +279,41 @@ def test_retries_back_off_exponentially(monkeypatch):
     assert sleeps == [0.5, 1.0, 2.0]
 
 
+def test_sync_and_async_share_one_exchange(monkeypatch):
+    """The same retries, pauses and parse on both halves (one exchange, two drivers)."""
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+
+    async def fake_sleep(seconds):
+        sleeps.append(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+
+    def flaky():
+        calls = []
+
+        def handler(request):
+            calls.append(request.url.path)
+            if request.url.path == "/v1/models":
+                return httpx.Response(200, json={"data": [{"id": "served-model"}]})
+            if len(calls) < 4:
+                return httpx.Response(503, text="busy", headers={"Retry-After": "0.25"})
+            return httpx.Response(200, json=_ok_body({"prompt_tokens": 2}, text="sync-or-async"))
+
+        eng = RemoteEngine("http://mock.invalid", transport=httpx.MockTransport(handler), backoff=0.1)
+        return eng, calls
+
+    eng, sync_calls = flaky()
+    done = eng.complete([1, 2], max_tokens=1)
+    sync_sleeps, sleeps[:] = list(sleeps), []
+    eng, async_calls = flaky()
+    adone = asyncio.run(eng.acomplete([1, 2], max_tokens=1))
+    assert done.text == adone.text == "sync-or-async" and done.prompt_tokens == adone.prompt_tokens == 2
+    assert sync_calls == async_calls == ["/v1/models"] + ["/v1/completions"] * 3
+    assert sync_sleeps == sleeps == [0.25, 0.25]  # max(backoff * 2**attempt, Retry-After)
+    assert eng.model == "served-model"
+
+
 @pytest.mark.reliability
 def test_429_retried_then_reported():
     calls = []
@@ -389,5 +425,40 @@ def test_parse_prometheus_counters_sums_label_sets():
     )
     got = parse_prometheus_counters(text, ["vllm:prefix_cache_hits_total", "missing"])
     assert got == {"vllm:prefix_cache_hits_total": 12.0}
-    counters = RemoteEngine._counters_from(httpx.Response(200, text=text))
+    counters = counters_from(httpx.Response(200, text=text))
     assert counters.prefix_cache_hits == 12 and counters.prefix_cache_queries is None
+
+
+def test_requests_are_checked_before_anything_is_sent():
+    """Refused by the one request builder (both halves), so the server never sees them."""
+    from promptsplice.errors import InvalidMessageError, InvalidSaltError, InvalidTextError
+
+    sent = []
+    eng = _mock(lambda r: sent.append(r) or httpx.Response(200, json=_ok_body()))
+    cases = [
+        (InputError, {"prompt": [1, -1]}, r"prompt\[1\] is not a token id"),
+        (InputError, {"prompt": []}, "empty"),
+        (InputError, {"prompt": b"ids"}, "must be an AssembledPrompt"),
+        (ConfigError, {"prompt": [1], "max_tokens": True}, "max_tokens"),
+        (ConfigError, {"prompt": [1], "temperature": float("nan")}, "temperature"),
+        (ConfigError, {"prompt": [1], "stream": "yes"}, "stream"),
+        (InvalidTextError, {"prompt": [1], "prompt_cache_key": 5}, "prompt_cache_key"),
+        (InvalidSaltError, {"prompt": [1], "cache_salt": ""}, "empty str"),
+    ]
+    for error, kwargs, match in cases:
+        kwargs.setdefault("max_tokens", 1)
+        with pytest.raises(error, match=match):
+            eng.complete(**kwargs)
+        with pytest.raises(error, match=match):
+            asyncio.run(eng.acomplete(**kwargs))
+    for messages, match in (([], "empty"), ([{"role": "user"}], "content"), ("hi", "list of chat messages"),
+                            ([{"role": 1, "content": "x"}], "role")):
+        with pytest.raises(InvalidMessageError, match=match):
+            eng.chat(messages, max_tokens=1)
+        with pytest.raises(InvalidMessageError, match=match):
+            asyncio.run(eng.achat(messages, max_tokens=1))
+    assert sent == []
+    for kwargs in ({"max_retries": True}, {"backoff": -1}, {"timeout": 0}, {"timeout": float("nan")},
+                   {"send_token_ids": 1}, {"require_salt": "yes"}, {"model": 5}):
+        with pytest.raises(ConfigError):
+            RemoteEngine("http://x", **kwargs)

@@ -224,3 +224,22 @@ def test_remote_and_embedded_engines_cache_the_same_tokens(remotes, fresh_engine
     ]
     assert sum(remote_cached) > 0  # the trace really repeats prefixes
     assert remote_cached == embedded_cached
+
+
+def test_bad_prompts_and_options_are_refused_before_routing():
+    from promptsplice.errors import InvalidSaltError
+
+    router = PrefixRouter(["a", "b"], block_size=16)
+    for bad in ([], [1, -1], [1, True], [1, 2.0], b"ids", {"ids": [1]}, ""):
+        with pytest.raises(InputError):
+            router.acquire(bad)
+    assert router.requests() == {"a": 0, "b": 0}  # nothing was routed
+    with pytest.raises(InputError, match=r"prompt\[1\] is not a token id"):
+        prefix_route_key([1, -1])
+    for bad in (10**9, True, 1.5):
+        with pytest.raises(ConfigError, match="block_size"):
+            PrefixRouter(["a"], block_size=bad)
+    with pytest.raises(ConfigError, match="load_factor"):
+        PrefixRouter(["a"], load_factor=float("inf"))
+    with pytest.raises(InvalidSaltError):
+        router.acquire([1, 2, 3], salt="")

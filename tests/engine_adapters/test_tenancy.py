@@ -211,3 +211,103 @@ def test_require_salt_is_validated():
         EngineConfig(max_restarts=-1)
     with pytest.raises(ConfigError, match="require_salt"):
         PrefixRouter(["http://a"], require_salt=1)
+
+
+# -- the one salt rule, at every door ------------------------------------------------
+
+BAD_SALTS = ["", b"x", 5]
+GOOD_SALTS = [None, "t"]
+
+
+def salt_doors(engine, default_tok):
+    """Every public door that takes a salt, as ``salt -> None`` (raises if refused).
+
+    The remote doors talk to a closed port with no retries: a salt that passes the rule
+    goes on to the connection and meets :class:`EngineUnavailableError`, which the door
+    catches (the rule is checked before anything is sent)."""
+    import dataclasses
+
+    from promptsplice import assemble_prompt
+    from promptsplice.assembler import Assembler, ContextHook
+    from promptsplice.engine_adapters import AgentRunner, RagRunner, prefix_route_key
+
+    asm = Assembler(default_tok, block_size=32)
+    base = asm.assemble(["a salted document"], query="q?", admit=False, learn=False)
+    hook = ContextHook(asm)
+    msgs = [{"role": "user", "content": "hello"}]
+    remote = RemoteEngine("http://127.0.0.1:9", model="m", max_retries=0)
+
+    def carried(salt):  # an assembled prompt that carries the salt (built by hand)
+        return dataclasses.replace(base, salt=salt)
+
+    def remote_call(fn):
+        try:
+            fn()
+        except EngineUnavailableError:
+            pass
+
+    def generate(**kw):
+        engine.generate(max_tokens=1, **kw)
+
+    return {
+        "assemble_prompt": lambda s: assemble_prompt(["doc"], query="q", tokenizer=default_tok, salt=s, admit=False),
+        "Assembler.assemble": lambda s: asm.assemble(["doc"], query="q", salt=s, admit=False, learn=False),
+        "ContextHook()": lambda s: ContextHook(asm, salt=s),
+        "ContextHook call": lambda s: hook("session", msgs, salt=s),
+        "RagRunner": lambda s: RagRunner(engine, salt=s),
+        "AgentRunner": lambda s: AgentRunner(engine, mode="apc", salt=s),
+        "generate(cache_salt=)": lambda s: generate(prompt=[5, 6, 7], cache_salt=s),
+        "generate(prompt.salt)": lambda s: generate(prompt=carried(s)),
+        "RemoteEngine cache_salt": lambda s: remote_call(lambda: remote.complete([1, 2], max_tokens=1, cache_salt=s)),
+        "RemoteEngine prompt.salt": lambda s: remote_call(lambda: remote.complete(carried(s), max_tokens=1)),
+        "RemoteEngine chat": lambda s: remote_call(lambda: remote.chat(msgs, max_tokens=1, cache_salt=s)),
+        "prefix_route_key": lambda s: prefix_route_key([1, 2, 3], block_size=32, salt=s),
+        "PrefixRouter.acquire": lambda s: PrefixRouter(["a", "b"], block_size=32).acquire([1, 2, 3], salt=s).release(),
+        "PrefixRouter prompt.salt": lambda s: PrefixRouter(["a", "b"], block_size=32).key(carried(s)),
+        "SaltGuard": lambda s: SaltGuard("X").check(s),
+    }
+
+
+@pytest.mark.reliability
+def test_every_door_holds_the_one_salt_rule(engine, default_tok):
+    """A salt is a non-empty str or None, at every door: ``""`` (which vLLM treats as no
+    salt: a cross-tenant leak), bytes and ints are :class:`InvalidSaltError`, with the
+    same message wherever they are passed."""
+    from promptsplice.errors import ConfigError, InvalidSaltError
+
+    doors = salt_doors(engine, default_tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsaltedTenantWarning)
+        for name, door in doors.items():
+            for bad in BAD_SALTS:
+                with pytest.raises(InvalidSaltError, match="non-empty str|empty str") as info:
+                    door(bad)
+                assert isinstance(info.value, ConfigError), name  # one class, a ConfigError everywhere
+            for good in GOOD_SALTS:
+                door(good)  # accepted (remote doors: refused connection, after the check)
+    assert len(doors) == 15
+
+
+@pytest.mark.reliability
+def test_an_empty_salt_never_reaches_vllm(engine, default_tok):
+    """The leak the rule closes: an assembled prompt carrying ``salt=""`` would be sent
+    as vLLM's "no salt" and hit every unsalted tenant's blocks."""
+    import dataclasses
+
+    from promptsplice.errors import InvalidSaltError
+
+    prompt = engine.make_assembler().assemble(["victim text " * 40], query="q?", admit=False, learn=False)
+    with pytest.raises(InvalidSaltError):
+        engine.generate(dataclasses.replace(prompt, salt=""), max_tokens=1)
+
+
+@pytest.mark.reliability
+def test_router_refuses_a_salt_that_contradicts_the_prompts(default_tok):
+    from promptsplice.assembler import Assembler
+    from promptsplice.errors import InvalidSaltError
+
+    prompt = Assembler(default_tok, block_size=32).assemble(["doc"], query="q", salt="a", admit=False)
+    router = PrefixRouter(["x", "y"], block_size=32)
+    assert router.key(prompt, salt="a") == router.key(prompt)
+    with pytest.raises(InvalidSaltError, match="differs"):
+        router.key(prompt, salt="b")

@@ -1,0 +1,321 @@
+"""The OpenAI-compatible wire format, without I/O: what a response means.
+
+:class:`~promptsplice.engine_adapters.RemoteEngine` sends the requests; this module
+reads what comes back, the same for its sync and async halves: a JSON completion, a
+streamed (SSE) one chunk by chunk, an error body (a 400 saying the prompt is too long
+becomes :class:`ContextLengthError`), a model list, and Prometheus ``/metrics``
+counters.  A body that is not what the format promises is an
+:class:`EngineResponseError` carrying a snippet of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from promptsplice.errors import ContextLengthError, EngineRequestError, EngineResponseError
+
+__all__ = [
+    "RemoteCompletion",
+    "ServerCounters",
+    "parse_prometheus_counters",
+]
+
+MAX_RETRY_AFTER_S = 60.0
+"""A server's ``Retry-After`` is honoured up to this many seconds."""
+_SNIPPET = 200
+_CONTEXT_RE = re.compile(
+    r"maximum context length|context length|max_model_len|too long|context window",
+    re.IGNORECASE,
+)
+
+@dataclass(frozen=True, slots=True)
+class RemoteCompletion:
+    """One completion from a remote server.
+
+    ``cached_tokens`` is ``None`` when the server did not report it (unknown, not 0).
+    ``prompt_tokens``/``completion_tokens`` are ``None`` when the server sent no usage.
+    ``ttft_s`` (time to first token, measured client-side from sending the request to
+    the first streamed text) is ``None`` for non-streaming requests; ``total_s`` is the
+    client-side wall time of the whole request (retries included).
+    """
+
+    text: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    ttft_s: float | None
+    total_s: float
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerCounters:
+    """The server's prefix-cache counters (token counts), summed over label sets.
+
+    A field is ``None`` when the server's ``/metrics`` does not expose that counter.
+    """
+
+    prefix_cache_queries: int | None
+    prefix_cache_hits: int | None
+
+    @property
+    def hit_rate(self) -> float | None:
+        if not self.prefix_cache_queries or self.prefix_cache_hits is None:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+def parse_prometheus_counters(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Sum the samples of each metric in ``names`` over all its label sets.
+
+    Names absent from ``text`` are absent from the result.
+    """
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        if brace >= 0:
+            name = line[:brace]
+            rest = line[line.rfind("}") + 1 :]
+        else:
+            name, _, rest = line.partition(" ")
+        if name not in wanted:
+            continue
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+
+def snippet(body: str | bytes) -> str:
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", errors="replace")
+    body = body.strip()
+    return body if len(body) <= _SNIPPET else body[:_SNIPPET] + "..."
+
+
+def server_message(response: httpx.Response) -> str:
+    """The error message a server put in its body (OpenAI / vLLM / SGLang shapes)."""
+    try:
+        data = response.json()
+    except (ValueError, UnicodeDecodeError):
+        return snippet(response.content) or response.reason_phrase
+    if isinstance(data, Mapping):
+        err = data.get("error")
+        if isinstance(err, Mapping) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if data.get(key):
+                return str(data[key])
+    return snippet(response.content)
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
+
+
+def _cached_from_usage(usage: Any) -> int | None:
+    if not isinstance(usage, Mapping):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, Mapping):
+        return None
+    return _int_or_none(details.get("cached_tokens"))
+
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds <= MAX_RETRY_AFTER_S else None
+
+
+@dataclass(slots=True)
+class Request:
+    """One request as built from the caller's arguments: the path, the JSON body,
+    whether it is a chat request, and the prompt's length (for error messages)."""
+
+    path: str
+    body: dict[str, Any]
+    chat: bool
+    prompt_len: int | None
+
+
+class Accumulator:
+    """Collects a streamed (SSE) response chunk by chunk."""
+
+    def __init__(self, chat: bool, start: float) -> None:
+        self.chat = chat
+        self.start = start
+        self.parts: list[str] = []
+        self.ttft: float | None = None
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+        self.done = False
+
+    def feed(self, line: str, url: str) -> None:
+        line = line.strip()
+        if not line or line.startswith(":") or not line.startswith("data:"):
+            return
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise EngineResponseError(
+                f"malformed stream chunk from {url}: {snippet(data)!r}"
+            ) from exc
+        if not isinstance(chunk, Mapping):
+            raise EngineResponseError(f"malformed stream chunk from {url}: {snippet(data)!r}")
+        if isinstance(chunk.get("error"), Mapping):
+            raise EngineRequestError(
+                f"{url} failed mid-stream: {chunk['error'].get('message', snippet(data))}"
+            )
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, Mapping):
+                continue
+            if self.chat:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") if isinstance(delta, Mapping) else None
+            else:
+                text = choice.get("text")
+            if text:
+                if self.ttft is None:
+                    self.ttft = time.perf_counter() - self.start
+                self.parts.append(text)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+    def result(self, prompt_len: int | None, url: str) -> RemoteCompletion:
+        if not self.done and self.finish_reason is None:
+            raise EngineResponseError(
+                f"the stream from {url} ended before a finish_reason or [DONE] "
+                f"(got {len(self.parts)} text chunks): the server closed it early"
+            )
+        usage = self.usage if isinstance(self.usage, Mapping) else {}
+        total = time.perf_counter() - self.start
+        return RemoteCompletion(
+            text="".join(self.parts),
+            prompt_tokens=_int_or_none(usage.get("prompt_tokens")) or prompt_len,
+            completion_tokens=_int_or_none(usage.get("completion_tokens")),
+            cached_tokens=_cached_from_usage(self.usage),
+            ttft_s=self.ttft,
+            total_s=total,
+            finish_reason=self.finish_reason,
+        )
+
+
+
+
+def status_error(response: httpx.Response, url: str, req: Request | None) -> Exception:
+    """The error for an HTTP status >= 400: :class:`ContextLengthError` for a 400 that
+    says the prompt is too long (sizes read from the message), else
+    :class:`EngineRequestError` with the server's message."""
+    message = server_message(response)
+    if response.status_code == 400 and _CONTEXT_RE.search(message):
+        nums = [int(n) for n in re.findall(r"\d+", message)]
+        m = re.search(r"context length is (\d+)", message)
+        limit = int(m.group(1)) if m else (nums[0] if nums else -1)
+        m = re.search(r"(\d+) (?:input|prompt) tokens", message)
+        prompt_len = int(m.group(1)) if m else (req.prompt_len if req and req.prompt_len else -1)
+        return ContextLengthError(
+            f"{url} refused the prompt as too long: {message}",
+            prompt_tokens=prompt_len,
+            max_tokens=limit,
+        )
+    return EngineRequestError(f"{url} answered HTTP {response.status_code}: {message}")
+
+
+def parse_json(response: httpx.Response, url: str) -> Mapping[str, Any]:
+    """The response's JSON object, else :class:`EngineResponseError` with a snippet."""
+    try:
+        data = response.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise EngineResponseError(
+            f"{url} answered HTTP {response.status_code} with a body that is not JSON: "
+            f"{snippet(response.content)!r}"
+        ) from exc
+    if not isinstance(data, Mapping):
+        raise EngineResponseError(f"{url} answered JSON that is not an object: {snippet(response.content)!r}")
+    return data
+
+
+def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start: float) -> RemoteCompletion:
+    """A non-streamed completion (``/v1/completions`` or ``/v1/chat/completions``)."""
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        raise EngineResponseError(f"{url} answered without choices: {snippet(json.dumps(data))!r}")
+    choice = choices[0]
+    if req.chat:
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, Mapping) else None
+    else:
+        text = choice.get("text")
+    if text is None:
+        text = ""
+    if not isinstance(text, str):
+        raise EngineResponseError(f"{url} answered a non-text completion: {snippet(json.dumps(data))!r}")
+    usage = data.get("usage")
+    usage_map = usage if isinstance(usage, Mapping) else {}
+    return RemoteCompletion(
+        text=text,
+        prompt_tokens=_int_or_none(usage_map.get("prompt_tokens")) or req.prompt_len,
+        completion_tokens=_int_or_none(usage_map.get("completion_tokens")),
+        cached_tokens=_cached_from_usage(usage),
+        ttft_s=None,
+        total_s=time.perf_counter() - start,
+        finish_reason=choice.get("finish_reason"),
+    )
+
+
+def model_from_list(response: httpx.Response, url: str) -> str:
+    """The first model id of a ``/v1/models`` answer."""
+    data = parse_json(response, url)
+    models = data.get("data")
+    if not isinstance(models, list) or not models or not isinstance(models[0], Mapping) or "id" not in models[0]:
+        raise EngineResponseError(
+            f"{url} lists no model; pass RemoteEngine(model=...): {snippet(response.content)!r}"
+        )
+    return str(models[0]["id"])
+
+
+def counters_from(response: httpx.Response) -> ServerCounters:
+    """The prefix-cache counters of a ``/metrics`` answer."""
+    values = parse_prometheus_counters(
+        response.text, ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    )
+    q = values.get("vllm:prefix_cache_queries_total")
+    h = values.get("vllm:prefix_cache_hits_total")
+    return ServerCounters(
+        prefix_cache_queries=None if q is None else int(q),
+        prefix_cache_hits=None if h is None else int(h),
+    )

