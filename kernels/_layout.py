@@ -18,16 +18,24 @@ keys through vLLM's cache-write op and reading them back, see tests/kernels):
   differently and are refused until verified.
 * :class:`FlashAttnLayout`: the classic FlashAttention paged cache
   ``[2, num_blocks, block_size, kv_heads, head_size]`` (K then V on dim 0).
+* :class:`FlashInferLayout`: FlashInfer's paged cache ``[num_blocks, 2, block_size,
+  kv_heads, head_size]`` (K then V on dim 1; the HND order is the same logical shape
+  with other strides).
 * :class:`ConcatKVLayout`: vLLM's unified per-layer cache of the GPU backends (logical
   ``[num_blocks, kv_heads, block_size, 2 * head_size]``, K in the first ``head_size``
   channels, V in the last; any physical stride order, e.g. ``LBHNC`` or ``LBNHC``).
+
+:func:`paged_kv` is the one place that maps an attention backend's name and a layer's
+cache tensor to its layout: the splice connector's worker side reads every layout
+through it, and any backend not listed in :data:`SUPPORTED_ATTN_BACKENDS` is refused
+by name.
 """
 
 from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -37,10 +45,14 @@ __all__ = [
     "KVLayout",
     "CpuAttnLayout",
     "FlashAttnLayout",
+    "FlashInferLayout",
     "ConcatKVLayout",
+    "PagedKV",
+    "SUPPORTED_ATTN_BACKENDS",
     "VERIFIED_CPU_ATTN_ISAS",
     "detect_cpu_attn_isa",
     "gather_blocks",
+    "paged_kv",
 ]
 
 #: CPU_ATTN ISAs whose block layout is verified (source + vLLM's write op, bf16/fp16/fp32).
@@ -145,6 +157,27 @@ class FlashAttnLayout:
 
 
 @dataclass(frozen=True, slots=True)
+class FlashInferLayout:
+    """FlashInfer's paged cache ``[num_blocks, 2, block_size, kv_heads, head_size]``: K
+    at index 0 of dim 1, V at index 1 (vLLM's FlashInfer backend before the unified
+    per-layer cache).  Its ``HND`` variant is the same logical shape with permuted
+    strides, so both read correctly."""
+
+    name: ClassVar[str] = "flashinfer"
+    block_dim: ClassVar[int] = 0
+
+    def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[nb, H, bs, hd]`` (a head/token transpose of the storage)."""
+        _check_tensor(cache)
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise InputError(
+                "FlashInfer cache must be [num_blocks, 2, block_size, kv_heads, "
+                f"head_size], got shape {tuple(cache.shape)}"
+            )
+        return cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
+
+
+@dataclass(frozen=True, slots=True)
 class ConcatKVLayout:
     """vLLM's unified per-layer cache of its GPU backends: logical ``[num_blocks,
     kv_heads, block_size, 2 * head_size]`` with K in channels ``[0, head_size)`` and V
@@ -202,3 +235,64 @@ def detect_cpu_attn_isa(
     if machine.startswith("ppc"):
         return "vsx"
     return "vec"
+
+
+#: vLLM attention backends (their ``get_name()``) whose paged caches :func:`paged_kv` reads.
+SUPPORTED_ATTN_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER")
+
+
+class PagedKV(NamedTuple):
+    """How one layer's paged cache is indexed: blocks on axis ``block_dim``, each of
+    ``block_size`` tokens; ``layout`` reads K and V for relocation, or is ``None`` when
+    only whole blocks can be copied (``why_not`` says why)."""
+
+    backend: str
+    block_dim: int
+    block_size: int
+    layout: KVLayout | None
+    why_not: str = ""
+
+
+def paged_kv(backend: str, cache: torch.Tensor, *, isa: str | None = None) -> PagedKV:
+    """The layout of ``cache``, one layer's paged KV cache of attention backend
+    ``backend`` (vLLM's backend name; ``isa``: the layer's CPU attention ISA, needed for
+    ``CPU_ATTN``).
+
+    ``CPU_ATTN``: ``[num_blocks, kv_heads, block_size, 2 * head_size]``; an ISA whose K
+    order is not verified still copies whole blocks (``layout`` ``None``).
+    ``FLASH_ATTN``: ``[2, num_blocks, block_size, kv_heads, head_size]``; ``FLASHINFER``:
+    ``[num_blocks, 2, block_size, kv_heads, head_size]``; either as vLLM's unified
+    per-layer cache ``[num_blocks, kv_heads, block_size, 2 * head_size]``
+    (:class:`ConcatKVLayout`).  Raises :class:`ConfigError` for any other backend (by
+    name) or a cache of another shape.
+    """
+    _check_tensor(cache)
+    shape = tuple(cache.shape)
+    layout: KVLayout | None
+    if backend == "CPU_ATTN":
+        if len(shape) != 4 or shape[-1] % 2:
+            raise ConfigError(
+                f"CPU_ATTN cache must be [num_blocks, kv_heads, block_size, 2*head_size], got {shape}"
+            )
+        if not isinstance(isa, str) or not isa:
+            raise ConfigError("CPU_ATTN: pass the layer's attention ISA (isa=...), its K order depends on it")
+        try:
+            layout = CpuAttnLayout(isa)
+        except ConfigError as exc:
+            return PagedKV(backend, 0, shape[2], None, str(exc))
+        return PagedKV(backend, 0, shape[2], layout)
+    if backend in ("FLASH_ATTN", "FLASHINFER"):
+        if len(shape) == 4 and shape[-1] % 2 == 0:
+            return PagedKV(backend, 0, shape[2], ConcatKVLayout())
+        if backend == "FLASH_ATTN" and len(shape) == 5 and shape[0] == 2:
+            return PagedKV(backend, 1, shape[2], FlashAttnLayout())
+        if backend == "FLASHINFER" and len(shape) == 5 and shape[1] == 2:
+            return PagedKV(backend, 0, shape[2], FlashInferLayout())
+        raise ConfigError(
+            f"{backend} cache of shape {shape}: expected vLLM's unified [num_blocks, kv_heads, "
+            "block_size, 2*head_size] or the backend's own 5-D paged layout"
+        )
+    raise ConfigError(
+        f"attention backend {backend!r}: its KV cache layout is not supported "
+        f"(supported: {', '.join(SUPPORTED_ATTN_BACKENDS)}); run the engine with one of those"
+    )

@@ -11,10 +11,10 @@ import torch
 
 from promptsplice.errors import ConfigError, InputError
 
-from ._layout import KVLayout
-from ._rope import RopeConfig
-from ._torch_impl import cos_sin_table, relocate_torch, rotate_inplace
-from ._triton_impl import TRITON_AVAILABLE, relocate_triton
+from promptsplice.kernels._layout import KVLayout
+from promptsplice.kernels._rope import RopeConfig
+from promptsplice.kernels._torch_impl import cos_sin_table, relocate_torch, rotate_inplace
+from promptsplice.kernels._triton_impl import TRITON_AVAILABLE, relocate_triton
 
 __all__ = ["SUPPORTED_CACHE_DTYPES", "Impl", "rotate_keys", "relocate_blocks", "select_impl"]
 

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ._rope import RopeConfig
+from promptsplice.kernels._rope import RopeConfig
 
 __all__ = ["cos_sin_table", "rotate_inplace", "relocate_torch"]
 

@@ -25,6 +25,7 @@ from promptsplice.kernels import (
     ConcatKVLayout,
     CpuAttnLayout,
     FlashAttnLayout,
+    FlashInferLayout,
     Llama3Scaling,
     RopeConfig,
     gather_blocks,
@@ -128,7 +129,7 @@ CASES = [
     Case("bf16-gptj-odd-block", torch.bfloat16, 96, 96, False, heads=1, block_size=48,
          per_block_delta=True),
 ]
-LAYOUTS = ["cpu_attn", "flash_attn", "concat_kv", "concat_kv_lbnhc"]
+LAYOUTS = ["cpu_attn", "flash_attn", "flashinfer", "flashinfer_hnd", "concat_kv", "concat_kv_lbnhc"]
 
 
 def make_cache(layout_name: str, nb: int, case: Case, fill: torch.Tensor | float):
@@ -141,6 +142,12 @@ def make_cache(layout_name: str, nb: int, case: Case, fill: torch.Tensor | float
     elif layout_name == "flash_attn":
         layout = FlashAttnLayout()
         cache = torch.empty(2, nb, bs, h, hd, dtype=case.dtype)
+    elif layout_name == "flashinfer":
+        layout = FlashInferLayout()
+        cache = torch.empty(nb, 2, bs, h, hd, dtype=case.dtype)
+    elif layout_name == "flashinfer_hnd":  # heads outside tokens in memory
+        layout = FlashInferLayout()
+        cache = torch.empty(nb, 2, h, bs, hd, dtype=case.dtype).transpose(2, 3)
     elif layout_name == "concat_kv":
         layout = ConcatKVLayout()
         cache = torch.empty(nb, h, bs, 2 * hd, dtype=case.dtype)
