@@ -98,6 +98,9 @@ def test_the_connector_is_loaded_with_the_engines_caches(kv_engine):
     assert type(conn).__name__ == "SpliceConnector" and conn.settings.relocation
     assert len(w.caches) == 30 and w.payload_shape == (30, 1, 3, BS, 128)
     assert w.caches[0].shape[0] == kv_engine.num_blocks and w.can_relocate
+    # The layout is read from the layers' backend and ISA (this machine: vec).
+    assert tuple(w.paged) == ("CPU_ATTN", 0, BS, LAYOUT, "")
+    assert (conn.settings.backend, conn.settings.isa) == ("CPU_ATTN", LAYOUT.isa)
     assert kv_engine.kv_store is conn.store
 
 

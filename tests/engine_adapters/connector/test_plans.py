@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from promptsplice.blocks import chain_hashes, hash_block, root_hash
-from promptsplice.engine_adapters import SplicePlan, SpliceSegment, plan_deletion, plan_relocation
+from promptsplice.engine_adapters import (
+    SplicePhase,
+    SplicePlan,
+    SpliceSegment,
+    plan_deletion,
+    plan_phases,
+    plan_relocation,
+    plan_segment_phases,
+)
 from promptsplice.errors import InputError
 from tests._imports import modules_after
 from tests.engine_adapters.connector._kv import BS, SALT, toks
@@ -90,3 +98,50 @@ def test_plan_relocation_rules():
         plan_relocation(old, new, old_start=32, new_start=32, num_tokens=32, block_size=BS)
     with pytest.raises(InputError, match="does not start with"):
         plan_deletion(toks(96), toks(64, 1) + toks(32), (32, 64), block_size=BS)
+
+
+# ------------------------------------------------------------------- the phases of an edit
+
+
+def test_plan_segment_phases_one_request_per_contiguous_run():
+    a, b, c = (SpliceSegment(64, 2, -32, bytes(16)), SpliceSegment(128, 1, -32, bytes(16)),
+               SpliceSegment(256, 1, 64, bytes(16)))
+    phases = plan_segment_phases([a, b, c], 300, block_size=BS)
+    # A plain request computes up to the first run, each run loads and computes up to the next.
+    assert phases == [
+        SplicePhase(64, SplicePlan(BS)),
+        SplicePhase(256, SplicePlan(BS, (a, b))),
+        SplicePhase(300, SplicePlan(BS, (c,))),
+    ]
+    # A run of fewer than min_group_blocks blocks after 0 is computed instead.
+    assert plan_segment_phases([a, b, c], 300, block_size=BS, min_group_blocks=2) == phases[:1] + [
+        SplicePhase(300, SplicePlan(BS, (a, b)))
+    ]
+    # The prefix cache already reaches the first run: no plain request.
+    assert plan_segment_phases([c], 300, block_size=BS, hit=256) == [SplicePhase(300, SplicePlan(BS, (c,)))]
+    assert plan_segment_phases([], 300, block_size=BS, scope=True) == [SplicePhase(300, SplicePlan(BS, scope=True))]
+    with pytest.raises(InputError, match="overlaps"):
+        plan_segment_phases([b, a], 300, block_size=BS)
+
+
+def test_plan_phases_relocates_whole_blocks_and_recomputes_the_first_r():
+    P, X, S = toks(64), toks(64, 5000), toks(128, 9000)
+    old, new = P + X + S + [1], P + S + [2]
+    old_keys = chain_hashes(old, BS, salt=SALT)
+    (only,) = plan_phases(old, new, [(128, 256, -64)], block_size=BS, salt=SALT)
+    # P hits the prefix cache, S's 4 blocks move by -64, the last token is computed.
+    assert only == SplicePhase(len(new), SplicePlan(BS, (SpliceSegment(64, 4, -64, old_keys[3]),)))
+    # r=1: S's first block is computed by a request of its own, the other 3 relocate.
+    first, second = plan_phases(old, new, [(128, 256, -64)], block_size=BS, salt=SALT, recompute_blocks=1)
+    assert first == SplicePhase(96, SplicePlan(BS))
+    assert second.plan.segments == (SpliceSegment(96, 3, -64, old_keys[4]),)
+    # A delta that is not a block multiple cannot move whole blocks: all computed.
+    assert plan_phases(old, new[:32] + new[36:], [(128, 256, -68)], block_size=BS, salt=SALT) == [
+        SplicePhase(len(new) - 4, SplicePlan(BS))
+    ]
+    # Scoped plans name the source salt and the scope on every phase.
+    (scoped,) = plan_phases(old, new, [(128, 256, -64)], block_size=BS, salt="scope", src_salt=SALT, scope=True)
+    assert scoped.plan.src_salt == SALT and scoped.plan.scope
+    assert scoped.plan.segments[0].src_parent == old_keys[3]  # the old chain, under its own salt
+    with pytest.raises(InputError, match="differ inside"):
+        plan_phases(old, P + toks(128, 7000) + [2], [(128, 256, -64)], block_size=BS, salt=SALT)
