@@ -9,8 +9,8 @@ writing them into given slots of the layer's paged cache.
 * :class:`RopeConfig` (with :meth:`RopeConfig.from_hf_config`) says which RoPE applies:
   neox or GPT-J pairing, partial rotary, Llama-3 or linear frequency scaling; other
   scalings are refused with :class:`~promptsplice.errors.ConfigError`.
-* Layouts (:class:`CpuAttnLayout`, :class:`FlashAttnLayout`, :class:`FlashInferLayout`,
-  :class:`ConcatKVLayout`) hold all knowledge of where K and V sit inside a backend's
+* Layouts (:class:`CpuAttnLayout`, :class:`CpuAttnAmxLayout`, :class:`FlashAttnLayout`,
+  :class:`FlashInferLayout`, :class:`ConcatKVLayout`) hold all knowledge of where K and V sit inside a backend's
   cache blocks; :func:`paged_kv` picks one from a backend's name and cache tensor.
 * One op, two implementations: a Triton kernel for CUDA tensors and torch code for the
   rest, chosen by device.  Triton is optional (:data:`TRITON_AVAILABLE`).
@@ -24,10 +24,12 @@ from promptsplice.kernels._layout import (
     SUPPORTED_ATTN_BACKENDS,
     VERIFIED_CPU_ATTN_ISAS,
     ConcatKVLayout,
+    CpuAttnAmxLayout,
     CpuAttnLayout,
     FlashAttnLayout,
     FlashInferLayout,
     KVLayout,
+    PackedKVLayout,
     PagedKV,
     detect_cpu_attn_isa,
     gather_blocks,
@@ -39,11 +41,13 @@ from promptsplice.kernels._triton_impl import TRITON_AVAILABLE
 
 __all__ = [
     "ConcatKVLayout",
+    "CpuAttnAmxLayout",
     "CpuAttnLayout",
     "FlashAttnLayout",
     "FlashInferLayout",
     "KVLayout",
     "Llama3Scaling",
+    "PackedKVLayout",
     "PagedKV",
     "RopeConfig",
     "SUPPORTED_ATTN_BACKENDS",

@@ -14,8 +14,13 @@ keys through vLLM's cache-write op and reading them back, see tests/kernels):
   ``2 * block_size * head_size`` elements holds K first, then V.  With the ``vec`` and
   ``vec16`` ISAs, K is stored *column-major* (``[head_size, block_size]``: element ``i``
   of the token at offset ``o`` is at ``o + i * block_size``) and V row-major
-  (``[block_size, head_size]``).  Other ISAs (``amx``, ``neon``, ...) store K
-  differently and are refused until verified.
+  (``[block_size, head_size]``).
+* :class:`CpuAttnAmxLayout`: the same cache with the ``amx`` ISA, where K and V are
+  packed in VNNI tiles: per (block, head), K is ``[block_size/16, head_size/2, 16, 2]``
+  (tokens in tiles of 16, channel pairs innermost) and V ``[head_size/16,
+  block_size/2, 16, 2]`` (token pairs innermost).  No strided view reads that as
+  ``[block_size, head_size]``, so this layout *packs*: it copies K out, and writes it
+  back packed.  Other ISAs (``neon``, ``vsx``, ...) are refused until verified.
 * :class:`FlashAttnLayout`: the classic FlashAttention paged cache
   ``[2, num_blocks, block_size, kv_heads, head_size]`` (K then V on dim 0).
 * :class:`FlashInferLayout`: FlashInfer's paged cache ``[num_blocks, 2, block_size,
@@ -47,6 +52,8 @@ __all__ = [
     "FlashAttnLayout",
     "FlashInferLayout",
     "ConcatKVLayout",
+    "CpuAttnAmxLayout",
+    "PackedKVLayout",
     "PagedKV",
     "SUPPORTED_ATTN_BACKENDS",
     "VERIFIED_CPU_ATTN_ISAS",
@@ -55,8 +62,10 @@ __all__ = [
     "paged_kv",
 ]
 
-#: CPU_ATTN ISAs whose block layout is verified (source + vLLM's write op, bf16/fp16/fp32).
-VERIFIED_CPU_ATTN_ISAS = ("vec", "vec16")
+#: CPU_ATTN ISAs whose block layout is verified against vLLM's write op: ``vec`` and
+#: ``vec16`` (:class:`CpuAttnLayout`; bf16/fp16/fp32), ``amx`` (:class:`CpuAttnAmxLayout`; bf16).
+VERIFIED_CPU_ATTN_ISAS = ("vec", "vec16", "amx")
+_STRIDED_CPU_ATTN_ISAS = ("vec", "vec16")
 
 
 @runtime_checkable
@@ -97,9 +106,9 @@ class CpuAttnLayout:
 
     ``isa`` is the attention ISA vLLM chose for the layer: read it from the engine
     (``layer.isa``, set by ``CPUAttentionMetadataBuilder``) or, outside the engine, from
-    :func:`detect_cpu_attn_isa`.  Only :data:`VERIFIED_CPU_ATTN_ISAS` are accepted: the
-    AMX path, for one, writes K in another order, and rotating a wrongly read K corrupts
-    it (relative error above 1, worse than not rotating at all).
+    :func:`detect_cpu_attn_isa`.  Only ``vec`` and ``vec16`` are accepted (``amx`` packs
+    its tiles: :class:`CpuAttnAmxLayout`): rotating a wrongly read K corrupts it
+    (relative error above 1, worse than not rotating at all).
     """
 
     isa: str = "vec"
@@ -107,7 +116,9 @@ class CpuAttnLayout:
     block_dim: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        if self.isa not in VERIFIED_CPU_ATTN_ISAS:
+        if self.isa == "amx":
+            raise ConfigError("CPU_ATTN ISA 'amx' packs K and V in tiles: use CpuAttnAmxLayout")
+        if self.isa not in _STRIDED_CPU_ATTN_ISAS:
             raise ConfigError(
                 f"CPU_ATTN ISA {self.isa!r}: its KV block layout is not verified for "
                 f"relocation (verified: {', '.join(VERIFIED_CPU_ATTN_ISAS)})"
@@ -134,6 +145,79 @@ class CpuAttnLayout:
         k = flat[..., : bs * hd].unflatten(-1, (hd, bs)).transpose(-1, -2)
         v = flat[..., bs * hd :].unflatten(-1, (bs, hd))
         return k, v
+
+
+@runtime_checkable
+class PackedKVLayout(Protocol):
+    """A cache layout no strided view can read (tiles): K and V are copied out
+    (``unpack``) and K written back packed (``write_blocks``)."""
+
+    name: ClassVar[str]
+    block_dim: ClassVar[int]
+
+    def unpack(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V as ``[num_blocks, kv_heads, block_size, head_size]``."""
+        ...
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Blocks in this layout holding K and V (``[n, kv_heads, block_size, head_size]``)."""
+        ...
+
+    def write_blocks(self, cache: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, src: torch.Tensor) -> None:
+        """Cache blocks ``ids`` get K ``k`` (logical) packed, and the V of ``src``
+        (blocks in this layout) unchanged."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAttnAmxLayout:
+    """vLLM's CPU attention cache with the ``amx`` ISA (bf16): per (block, head), K as
+    ``[block_size/16, head_size/2, 16, 2]`` and V as ``[head_size/16, block_size/2, 16,
+    2]`` (VNNI tiles; see the module doc).  A :class:`PackedKVLayout`."""
+
+    name: ClassVar[str] = "cpu_attn_amx"
+    block_dim: ClassVar[int] = 0
+
+    @staticmethod
+    def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        _check_tensor(cache)
+        if cache.dim() != 4 or cache.shape[-1] % 32 or cache.shape[2] % 16:
+            raise InputError(
+                "CPU_ATTN (amx) cache must be [num_blocks, kv_heads, block_size, 2*head_size] with "
+                f"block_size a multiple of 16 and head_size of 16, got shape {tuple(cache.shape)}"
+            )
+        nb, heads, bs, two_hd = cache.shape
+        hd = two_hd // 2
+        try:
+            flat = cache.view(nb, heads, bs * two_hd)
+        except RuntimeError as exc:
+            raise InputError(
+                f"CPU_ATTN cache blocks must be dense per (block, head): strides {cache.stride()}"
+            ) from exc
+        return flat[..., : bs * hd], flat[..., bs * hd :], bs, hd
+
+    def unpack(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kr, vr, bs, hd = self._halves(blocks)
+        nb, heads = kr.shape[:2]
+        k = kr.unflatten(-1, (bs // 16, hd // 2, 16, 2)).permute(0, 1, 2, 4, 3, 5)
+        v = vr.unflatten(-1, (hd // 16, bs // 2, 16, 2)).permute(0, 1, 3, 5, 2, 4)
+        return k.reshape(nb, heads, bs, hd), v.reshape(nb, heads, bs, hd)
+
+    @staticmethod
+    def _pack_k(k: torch.Tensor) -> torch.Tensor:
+        n, heads, bs, hd = k.shape
+        return k.reshape(n, heads, bs // 16, 16, hd // 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(n, heads, bs * hd)
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, heads, bs, hd = k.shape
+        pv = v.reshape(n, heads, bs // 2, 2, hd // 16, 16).permute(0, 1, 4, 2, 5, 3).reshape(n, heads, bs * hd)
+        return torch.cat([self._pack_k(k), pv], dim=-1).view(n, heads, bs, 2 * hd)
+
+    def write_blocks(self, cache: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, src: torch.Tensor) -> None:
+        kr, vr, _, _ = self._halves(cache)
+        _, src_v, _, _ = self._halves(src)
+        kr.index_copy_(0, ids, self._pack_k(k).to(cache.dtype))
+        vr.index_copy_(0, ids, src_v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +295,7 @@ def detect_cpu_attn_isa(
     the engine at hand; inside the engine prefer the layer's own ``isa`` attribute
     (the ground truth).  Returns ``"vec16"``, ``"amx"``, ``"neon"``, ``"vec"``, or on
     RISC-V / s390x / POWER ``"rvv"`` / ``"vxe"`` / ``"vsx"`` (conservatively: those are
-    refused by :class:`CpuAttnLayout` anyway).  Raises :class:`ConfigError` for a
+    refused by :func:`paged_kv` for relocation anyway).  Raises :class:`ConfigError` for a
     quantized (fp8) KV cache, whose scales relocation does not handle.
     """
     if str(kv_cache_dtype).startswith("fp8"):
@@ -249,7 +333,7 @@ class PagedKV(NamedTuple):
     backend: str
     block_dim: int
     block_size: int
-    layout: KVLayout | None
+    layout: KVLayout | PackedKVLayout | None
     why_not: str = ""
 
 
@@ -258,7 +342,8 @@ def paged_kv(backend: str, cache: torch.Tensor, *, isa: str | None = None) -> Pa
     ``backend`` (vLLM's backend name; ``isa``: the layer's CPU attention ISA, needed for
     ``CPU_ATTN``).
 
-    ``CPU_ATTN``: ``[num_blocks, kv_heads, block_size, 2 * head_size]``; an ISA whose K
+    ``CPU_ATTN``: ``[num_blocks, kv_heads, block_size, 2 * head_size]``
+    (:class:`CpuAttnLayout`, :class:`CpuAttnAmxLayout` for ``amx``); an ISA whose K
     order is not verified still copies whole blocks (``layout`` ``None``).
     ``FLASH_ATTN``: ``[2, num_blocks, block_size, kv_heads, head_size]``; ``FLASHINFER``:
     ``[num_blocks, 2, block_size, kv_heads, head_size]``; either as vLLM's unified
@@ -268,7 +353,7 @@ def paged_kv(backend: str, cache: torch.Tensor, *, isa: str | None = None) -> Pa
     """
     _check_tensor(cache)
     shape = tuple(cache.shape)
-    layout: KVLayout | None
+    layout: KVLayout | PackedKVLayout | None
     if backend == "CPU_ATTN":
         if len(shape) != 4 or shape[-1] % 2:
             raise ConfigError(
@@ -277,7 +362,7 @@ def paged_kv(backend: str, cache: torch.Tensor, *, isa: str | None = None) -> Pa
         if not isinstance(isa, str) or not isa:
             raise ConfigError("CPU_ATTN: pass the layer's attention ISA (isa=...), its K order depends on it")
         try:
-            layout = CpuAttnLayout(isa)
+            layout = CpuAttnAmxLayout() if isa == "amx" else CpuAttnLayout(isa)
         except ConfigError as exc:
             return PagedKV(backend, 0, shape[2], None, str(exc))
         return PagedKV(backend, 0, shape[2], layout)

@@ -12,9 +12,10 @@ import functools
 
 import torch
 
+from promptsplice.kernels._layout import PackedKVLayout
 from promptsplice.kernels._rope import RopeConfig
 
-__all__ = ["cos_sin_table", "rotate_inplace", "relocate_torch"]
+__all__ = ["cos_sin_table", "rotate_inplace", "relocate_packed_torch", "relocate_torch"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -78,3 +79,21 @@ def relocate_torch(
     rotate_inplace(k, cos.to(compute)[:, None, None, :], sin.to(compute)[:, None, None, :], rope)
     k_dst.index_copy_(0, dst_ids, k.to(k_dst.dtype))
     v_dst.index_copy_(0, dst_ids, v_src)
+
+
+def relocate_packed_torch(
+    dst_cache: torch.Tensor,
+    src_blocks: torch.Tensor,
+    k_src: torch.Tensor,
+    dst_ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope: RopeConfig,
+    layout: PackedKVLayout,
+) -> None:
+    """:func:`relocate_torch` for a layout that packs its blocks: ``k_src`` (unpacked
+    from ``src_blocks``) is rotated and written back packed, V is copied as stored."""
+    compute = torch.float64 if k_src.dtype == torch.float64 else torch.float32
+    k = k_src.to(compute)
+    rotate_inplace(k, cos.to(compute)[:, None, None, :], sin.to(compute)[:, None, None, :], rope)
+    layout.write_blocks(dst_cache, dst_ids, k.to(dst_cache.dtype), src_blocks)

@@ -13,11 +13,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 KERNELS_API = [
     "ConcatKVLayout",
+    "CpuAttnAmxLayout",
     "CpuAttnLayout",
     "FlashAttnLayout",
     "FlashInferLayout",
     "KVLayout",
     "Llama3Scaling",
+    "PackedKVLayout",
     "PagedKV",
     "RopeConfig",
     "SUPPORTED_ATTN_BACKENDS",

@@ -10,9 +10,12 @@ from promptsplice.errors import ConfigError
 from promptsplice.kernels import (
     SUPPORTED_ATTN_BACKENDS,
     ConcatKVLayout,
+    CpuAttnAmxLayout,
     CpuAttnLayout,
     FlashAttnLayout,
     FlashInferLayout,
+    KVLayout,
+    PackedKVLayout,
     PagedKV,
     gather_blocks,
     paged_kv,
@@ -27,9 +30,33 @@ def test_cpu_attn_with_a_verified_isa_relocates():
 
 
 def test_cpu_attn_with_an_unverified_isa_copies_whole_blocks_only():
-    got = paged_kv("CPU_ATTN", torch.zeros(NB, H, 32, 2 * HD), isa="amx")
+    got = paged_kv("CPU_ATTN", torch.zeros(NB, H, 32, 2 * HD), isa="neon")
     assert (got.block_dim, got.block_size, got.layout) == (0, 32, None)
-    assert "'amx'" in got.why_not and "not verified" in got.why_not
+    assert "'neon'" in got.why_not and "not verified" in got.why_not
+
+
+def test_cpu_attn_amx_packs_its_tiles():
+    got = paged_kv("CPU_ATTN", torch.zeros(NB, H, 32, 2 * 64, dtype=torch.bfloat16), isa="amx")
+    assert got == PagedKV("CPU_ATTN", 0, 32, CpuAttnAmxLayout(), "")
+    assert isinstance(got.layout, PackedKVLayout) and not isinstance(got.layout, KVLayout)
+    with pytest.raises(ConfigError, match="use CpuAttnAmxLayout"):
+        CpuAttnLayout("amx")
+
+
+def test_amx_tiles_element_by_element():
+    """K of token t, channel c sits at (t//16)*16*hd + (c//2)*32 + (t%16)*2 + c%2 of its
+    (block, head) region; V at (c//16)*16*bs + (t//2)*32 + (c%16)*2 + t%2."""
+    bs, hd = 32, 64
+    k = torch.randn(2, H, bs, hd)
+    v = torch.randn(2, H, bs, hd)
+    blocks = CpuAttnAmxLayout().pack(k, v)
+    assert blocks.shape == (2, H, bs, 2 * hd)
+    flat = blocks.reshape(2, H, 2 * bs * hd)
+    for t, c in ((0, 0), (1, 0), (0, 1), (17, 5), (31, 63), (16, 32)):
+        assert flat[1, 1, (t // 16) * 16 * hd + (c // 2) * 32 + (t % 16) * 2 + c % 2] == k[1, 1, t, c]
+        assert flat[0, 1, bs * hd + (c // 16) * 16 * bs + (t // 2) * 32 + (c % 16) * 2 + t % 2] == v[0, 1, t, c]
+    k2, v2 = CpuAttnAmxLayout().unpack(blocks)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
 def test_cpu_attn_needs_the_isa_and_its_own_shape():

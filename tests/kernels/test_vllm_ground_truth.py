@@ -2,9 +2,10 @@
 
 * the frequencies are vLLM's, bit for bit, and a key vLLM rotated to ``p``, moved by
   ``d`` with :func:`rotate_keys`, is the key vLLM rotates to ``p + d``;
-* the CPU_ATTN layout adapter reads what vLLM's own cache-write op
-  (``cpu_attn_reshape_and_cache``, the op ``CPUAttentionBackendImpl`` stores K/V with)
-  wrote, and a block relocated through it is the block vLLM writes for ``p + d``;
+* the CPU_ATTN layout adapters (strided ``vec``/``vec16``, tiled ``amx``) read what
+  vLLM's own cache-write op (``cpu_attn_reshape_and_cache``, the op
+  ``CPUAttentionBackendImpl`` stores K/V with) wrote, and a block relocated through
+  them is the block vLLM writes for ``p + d``;
 * the ISA mirror agrees with ``cpu_attn._get_attn_isa`` on this machine.
 """
 
@@ -22,6 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from promptsplice.kernels import (  # noqa: E402
     ConcatKVLayout,
+    CpuAttnAmxLayout,
     CpuAttnLayout,
     Llama3Scaling,
     RopeConfig,
@@ -143,12 +145,31 @@ def test_cpu_attn_adapter_reads_what_vllm_writes(isa, head_size, dtype):
     assert int((~torch.isnan(cache)).sum()) == tokens * heads * 2 * head_size
 
 
-def test_block_relocated_through_the_adapter_is_the_block_vllm_writes_at_p_plus_d():
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("bs", [32, 64])
+def test_amx_adapter_reads_what_vllm_writes(bs, head_size):
+    """The AMX tiles (bf16): what vLLM's write op stores with ISA amx, unpacked."""
+    nb, heads, dtype = 4, 3, torch.bfloat16
+    cache = torch.full((nb, heads, bs, 2 * head_size), float("nan"), dtype=dtype)
+    tokens = bs + 13  # block 1 whole, block 2 partly, starting mid-block 0
+    k = torch.randn(tokens, heads, head_size, generator=gen(15)).to(dtype)
+    v = torch.randn(tokens, heads, head_size, generator=gen(16)).to(dtype)
+    slots = torch.arange(tokens) + bs // 2 + 3
+    vllm_write(cache, k, v, slots, "amx")
+    kv, vv = CpuAttnAmxLayout().unpack(cache)
+    for t in range(tokens):
+        b, o = divmod(int(slots[t]), bs)
+        assert torch.equal(kv[b, :, o], k[t]) and torch.equal(vv[b, :, o], v[t]), t
+    assert int((~torch.isnan(cache)).sum()) == tokens * heads * 2 * head_size
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_block_relocated_through_the_adapter_is_the_block_vllm_writes_at_p_plus_d(isa):
     """Layer-0 in miniature: keys rotated to p, stored by vLLM, relocated by d, equal the
     keys rotated to p + d stored by vLLM (to bf16 rounding); values bit for bit.  The
     comparison is on raw cache memory, so it does not trust the adapter's reading."""
     rope = RopeConfig(head_size=64, rotary_dim=64, theta=100000.0)  # SmolLM2-135M
-    nb, heads, bs, isa = 6, 3, 32, "vec"
+    nb, heads, bs = 6, 3, 32
     raw = torch.randn(bs, heads, 64, generator=gen(13), dtype=torch.float64)
     v = torch.randn(bs, heads, 64, generator=gen(14)).bfloat16()
     p = torch.arange(bs) + 4 * bs
@@ -161,7 +182,7 @@ def test_block_relocated_through_the_adapter_is_the_block_vllm_writes_at_p_plus_
     expected = torch.zeros_like(store)
     vllm_write(expected, k_pd, v, torch.arange(bs) + 4 * bs, isa)  # vLLM's own at block 4
 
-    layout = CpuAttnLayout(isa)
+    layout = CpuAttnAmxLayout() if isa == "amx" else CpuAttnLayout(isa)
     dst = torch.full_like(store, float("nan"))
     relocate_blocks(dst, gather_blocks(layout, store, [1]), [4], d, rope, layout)
 
@@ -188,7 +209,7 @@ def test_isa_mirror_agrees_with_vllm_here():
 
 
 def test_unverified_isas_and_fp8_are_refused():
-    for isa in ("amx", "neon", "vsx", "vxe", "rvv"):
+    for isa in ("amx", "neon", "vsx", "vxe", "rvv"):  # amx: CpuAttnAmxLayout's
         with pytest.raises(ConfigError, match=isa):
             CpuAttnLayout(isa)
     with pytest.raises(ConfigError, match="fp8"):

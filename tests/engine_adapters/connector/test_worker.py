@@ -18,7 +18,7 @@ from promptsplice.engine_adapters.connector._scheduler import (
     plan_load,
 )
 from promptsplice.errors import ConfigError
-from promptsplice.kernels import gather_blocks, rotate_keys
+from promptsplice.kernels import CpuAttnAmxLayout, gather_blocks, rotate_keys
 from tests.engine_adapters.connector._kv import (
     BS,
     HD,
@@ -174,11 +174,33 @@ def test_the_layout_is_read_from_the_backend_and_others_are_refused_by_name(stor
         worker(store, random_caches(), isa=None)
 
 
+def test_relocating_load_into_amx_tiles(store):
+    """ISA amx packs K and V in tiles: the relocated K unpacks to the rotated K, the V
+    tiles are the stored ones bit for bit."""
+    old, new, plan, payloads = deletion_case(store)
+    lp = plan_load(store, new, 2 * BS, block_size=BS, salt=SALT, plan=plan, owner="r")
+    caches = poisoned_caches()
+    w = worker(store, caches, isa="amx")
+    assert w.paged.layout == CpuAttnAmxLayout() and w.can_relocate
+    dst = (5, 0, 9)
+    assert w.load(LoadItem("r", SALT, lp.refs, lp.deltas, dst, lp.start)) == 3
+    amx = CpuAttnAmxLayout()
+    for layer, cache in enumerate(caches.values()):
+        k_dst, _ = amx.unpack(cache)
+        for j, b in zip((4, 5, 6), dst):
+            src = payloads[j][layer]  # [1, H, BS, 2*HD] in amx tiles
+            want = rotate_keys(amx.unpack(src)[0][0].transpose(0, 1), -64, ROPE).transpose(0, 1)
+            torch.testing.assert_close(k_dst[b], want, rtol=0, atol=0)
+            half = BS * HD
+            assert torch.equal(cache[b].reshape(HEADS, -1)[:, half:], src[0].reshape(HEADS, -1)[:, half:])
+        assert torch.isnan(cache[[i for i in range(NB) if i not in dst]]).all()
+
+
 @pytest.mark.parametrize("why", ["no rope", "unverified isa"])
 def test_a_load_with_a_delta_needs_relocation_support(store, why):
     old, new, plan, _ = deletion_case(store)
     lp = plan_load(store, new, 2 * BS, block_size=BS, salt=SALT, plan=plan)
-    kw = {"rope": None} if why == "no rope" else {"isa": "amx"}
+    kw = {"rope": None} if why == "no rope" else {"isa": "neon"}
     w = worker(store, poisoned_caches(), **kw)
     assert not w.can_relocate
     assert w.load(LoadItem("r", SALT, lp.refs, lp.deltas, (1, 2, 3), lp.start)) == 0
@@ -186,12 +208,12 @@ def test_a_load_with_a_delta_needs_relocation_support(store, why):
 
 
 def test_an_unverified_isa_still_serves_offload_hits_bit_for_bit(store):
-    """AMX's K order is unverified: no relocation, but whole blocks copy as stored."""
+    """NEON's K order is unverified: no relocation, but whole blocks copy as stored."""
     prompt = toks(3 * BS)
     payloads = fill_store(store, prompt)
     caches = poisoned_caches()
-    w = worker(store, caches, isa="amx")
-    assert w.paged.layout is None and "'amx'" in w.paged.why_not
+    w = worker(store, caches, isa="neon")
+    assert w.paged.layout is None and "'neon'" in w.paged.why_not
     refs = chain_refs(prompt, BS, salt=SALT)
     assert w.load(LoadItem("r", SALT, tuple(refs), (0, 0, 0), (4, 9, 2), 0)) == 3
     for layer, cache in enumerate(caches.values()):
