@@ -246,7 +246,7 @@ class EngineConfig:
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
         if self.kv_store is not None:
-            from promptsplice.engine_adapters.connector._splice import store_config_to_extra
+            from promptsplice.engine_adapters.connector._settings import store_config_to_extra
 
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "SpliceConnector",

@@ -56,7 +56,7 @@ from promptsplice.assembler import AssembledPrompt, Assembler, HFTokenizer, Pref
 from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters._config import EngineConfig
 from promptsplice.engine_adapters._kv_agent import AgentBox, installed
-from promptsplice.engine_adapters.connector._splice import SplicePhase, SplicePlan
+from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice._validate import check_int, check_number, check_salt
 from promptsplice.errors import (
@@ -338,7 +338,7 @@ class EmbeddedEngine:
     def kv_connector(self) -> Any:
         """The worker-side splice connector (``None`` without ``kv_store``).
 
-        Its ``worker`` (:class:`promptsplice.engine_adapters.connector._splice.SpliceWorker`) holds the KV
+        Its ``worker`` (:class:`promptsplice.engine_adapters.connector._worker.SpliceWorker`) holds the KV
         caches vLLM registered (``names``, ``caches``), load/save counters (``stats``)
         and the recent loads and saves (``history``).
         """

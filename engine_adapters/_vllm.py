@@ -160,3 +160,82 @@ def shutdown_llm(llm: Any, *, last_engine: bool) -> None:
         gc.unfreeze()
     finally:
         gc.collect()
+
+
+# ---------------------------------------------------------------- the splice connector
+# vLLM internals the connector (``engine_adapters/connector``) reads beyond the public
+# ``KVConnectorBase_V1`` API it subclasses.
+
+__all__ += [
+    "allocated_block_ids",
+    "attention_layers",
+    "bound_block_ids",
+    "cpu_attn_isa",
+    "request_fields",
+    "scheduled_steps",
+]
+
+
+def cpu_attn_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The CPU attention ISA vLLM picks for these settings (its own
+    ``cpu_attn._get_attn_isa``, the ground truth inside the engine)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from promptsplice.errors import ConfigError
+
+    try:
+        return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
+    except NotImplementedError as exc:
+        raise ConfigError(f"vLLM's CPU attention refuses these KV cache settings: {exc}") from exc
+
+
+def attention_layers(vllm_config: Any, layer_names: Any) -> dict[str, tuple[str, str | None]]:
+    """``{layer: (attention backend name, CPU attention ISA or None)}`` of the given KV
+    cache layers, read from the compilation config's forward context (the ISA is set on
+    each layer by ``CPUAttentionMetadataBuilder``; ``None`` where it is not set yet)."""
+    from promptsplice.errors import ConfigError
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    out: dict[str, tuple[str, str | None]] = {}
+    for name in layer_names:
+        layer = ctx.get(name)
+        get_backend = getattr(layer, "get_attn_backend", None)
+        if get_backend is None:
+            raise ConfigError(f"KV cache layer {name!r} is not an attention layer vLLM registered")
+        isa = getattr(layer, "isa", None)
+        out[name] = (str(get_backend().get_name()), None if isa is None else str(isa))
+    return out
+
+
+def request_fields(request: Any) -> tuple[str, Any, str | bytes | None, Any]:
+    """``(request_id, prompt_token_ids, cache_salt, kv_transfer_params)`` of a scheduler
+    ``Request``."""
+    return request.request_id, request.prompt_token_ids, request.cache_salt, request.kv_transfer_params
+
+
+def allocated_block_ids(blocks: Any) -> list[int]:
+    """The block ids of ``KVCacheBlocks`` (the single KV cache group's)."""
+    return list(blocks.get_block_ids()[0])
+
+
+def scheduled_steps(scheduler_output: Any) -> tuple[list[tuple[str, int, int]], dict[str, list[int]]]:
+    """A ``SchedulerOutput`` as ``(req_id, num_computed_tokens, num_scheduled_tokens)``
+    per scheduled request (new ones first, computed tokens *before* this step) and the
+    new requests' block ids (all of them, the local prefix-cache hit's included)."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    new = scheduler_output.scheduled_new_reqs
+    steps = [(r.req_id, r.num_computed_tokens, scheduled.get(r.req_id, 0)) for r in new]
+    cached = scheduler_output.scheduled_cached_reqs
+    steps += [(rid, computed, scheduled.get(rid, 0)) for rid, computed in zip(cached.req_ids, cached.num_computed_tokens)]
+    return steps, {r.req_id: list(r.block_ids[0]) for r in new}
+
+
+def bound_block_ids(connector: Any, req_id: str) -> list[int]:
+    """A running request's block ids, from the KV cache manager vLLM bound to a
+    scheduler-side connector (``KVConnectorBase_V1._kv_cache_manager``)."""
+    from promptsplice.errors import EngineError
+
+    manager = connector._kv_cache_manager
+    if manager is None:
+        raise EngineError("vLLM bound no KV cache manager to the splice connector (vLLM's API changed?)")
+    return list(manager.get_block_ids(req_id)[0])

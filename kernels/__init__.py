@@ -9,8 +9,9 @@ writing them into given slots of the layer's paged cache.
 * :class:`RopeConfig` (with :meth:`RopeConfig.from_hf_config`) says which RoPE applies:
   neox or GPT-J pairing, partial rotary, Llama-3 or linear frequency scaling; other
   scalings are refused with :class:`~promptsplice.errors.ConfigError`.
-* Layouts (:class:`CpuAttnLayout`, :class:`FlashAttnLayout`, :class:`ConcatKVLayout`)
-  hold all knowledge of where K and V sit inside a backend's cache blocks.
+* Layouts (:class:`CpuAttnLayout`, :class:`CpuAttnAmxLayout`, :class:`FlashAttnLayout`,
+  :class:`FlashInferLayout`, :class:`ConcatKVLayout`) hold all knowledge of where K and V sit inside a backend's
+  cache blocks; :func:`paged_kv` picks one from a backend's name and cache tensor.
 * One op, two implementations: a Triton kernel for CUDA tensors and torch code for the
   rest, chosen by device.  Triton is optional (:data:`TRITON_AVAILABLE`).
 
@@ -19,32 +20,44 @@ Pure tensor code: imports torch (Triton guarded), never vLLM.
 
 from __future__ import annotations
 
-from ._layout import (
+from promptsplice.kernels._layout import (
+    SUPPORTED_ATTN_BACKENDS,
     VERIFIED_CPU_ATTN_ISAS,
     ConcatKVLayout,
+    CpuAttnAmxLayout,
     CpuAttnLayout,
     FlashAttnLayout,
+    FlashInferLayout,
     KVLayout,
+    PackedKVLayout,
+    PagedKV,
     detect_cpu_attn_isa,
     gather_blocks,
+    paged_kv,
 )
-from ._relocate import SUPPORTED_CACHE_DTYPES, relocate_blocks, rotate_keys, select_impl
-from ._rope import SUPPORTED_ROPE_TYPES, Llama3Scaling, RopeConfig
-from ._triton_impl import TRITON_AVAILABLE
+from promptsplice.kernels._relocate import SUPPORTED_CACHE_DTYPES, relocate_blocks, rotate_keys, select_impl
+from promptsplice.kernels._rope import SUPPORTED_ROPE_TYPES, Llama3Scaling, RopeConfig
+from promptsplice.kernels._triton_impl import TRITON_AVAILABLE
 
 __all__ = [
     "ConcatKVLayout",
+    "CpuAttnAmxLayout",
     "CpuAttnLayout",
     "FlashAttnLayout",
+    "FlashInferLayout",
     "KVLayout",
     "Llama3Scaling",
+    "PackedKVLayout",
+    "PagedKV",
     "RopeConfig",
+    "SUPPORTED_ATTN_BACKENDS",
     "SUPPORTED_CACHE_DTYPES",
     "SUPPORTED_ROPE_TYPES",
     "TRITON_AVAILABLE",
     "VERIFIED_CPU_ATTN_ISAS",
     "detect_cpu_attn_isa",
     "gather_blocks",
+    "paged_kv",
     "relocate_blocks",
     "rotate_keys",
     "select_impl",

@@ -14,23 +14,33 @@ keys through vLLM's cache-write op and reading them back, see tests/kernels):
   ``2 * block_size * head_size`` elements holds K first, then V.  With the ``vec`` and
   ``vec16`` ISAs, K is stored *column-major* (``[head_size, block_size]``: element ``i``
   of the token at offset ``o`` is at ``o + i * block_size``) and V row-major
-  (``[block_size, head_size]``).  With the ``amx`` ISA (bf16 on CPUs with AMX tiles)
-  both halves are tiled for the AMX dot products: K as ``[block_size/16, head_size/2,
-  16, 2]`` (channel pairs of 16-token groups) and V as ``[head_size/16, block_size/2,
-  16, 2]`` (token pairs of 16-channel groups); verified element by element through
-  vLLM's own write op.  Other ISAs (``neon``, ...) are refused until verified.
+  (``[block_size, head_size]``).
+* :class:`CpuAttnAmxLayout`: the same cache with the ``amx`` ISA, where K and V are
+  packed in VNNI tiles: per (block, head), K is ``[block_size/16, head_size/2, 16, 2]``
+  (tokens in tiles of 16, channel pairs innermost) and V ``[head_size/16,
+  block_size/2, 16, 2]`` (token pairs innermost).  No strided view reads that as
+  ``[block_size, head_size]``, so this layout *packs*: it copies K out, and writes it
+  back packed.  Other ISAs (``neon``, ``vsx``, ...) are refused until verified.
 * :class:`FlashAttnLayout`: the classic FlashAttention paged cache
   ``[2, num_blocks, block_size, kv_heads, head_size]`` (K then V on dim 0).
+* :class:`FlashInferLayout`: FlashInfer's paged cache ``[num_blocks, 2, block_size,
+  kv_heads, head_size]`` (K then V on dim 1; the HND order is the same logical shape
+  with other strides).
 * :class:`ConcatKVLayout`: vLLM's unified per-layer cache of the GPU backends (logical
   ``[num_blocks, kv_heads, block_size, 2 * head_size]``, K in the first ``head_size``
   channels, V in the last; any physical stride order, e.g. ``LBHNC`` or ``LBNHC``).
+
+:func:`paged_kv` is the one place that maps an attention backend's name and a layer's
+cache tensor to its layout: the splice connector's worker side reads every layout
+through it, and any backend not listed in :data:`SUPPORTED_ATTN_BACKENDS` is refused
+by name.
 """
 
 from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -40,15 +50,22 @@ __all__ = [
     "KVLayout",
     "CpuAttnLayout",
     "FlashAttnLayout",
+    "FlashInferLayout",
     "ConcatKVLayout",
+    "CpuAttnAmxLayout",
+    "PackedKVLayout",
+    "PagedKV",
+    "SUPPORTED_ATTN_BACKENDS",
     "VERIFIED_CPU_ATTN_ISAS",
     "detect_cpu_attn_isa",
     "gather_blocks",
+    "paged_kv",
 ]
 
-#: CPU_ATTN ISAs whose block layout is verified through vLLM's write op (``vec``/``vec16``:
-#: bf16, fp16, fp32; ``amx``: bf16, the only dtype vLLM picks it for).
+#: CPU_ATTN ISAs whose block layout is verified against vLLM's write op: ``vec`` and
+#: ``vec16`` (:class:`CpuAttnLayout`; bf16/fp16/fp32), ``amx`` (:class:`CpuAttnAmxLayout`; bf16).
 VERIFIED_CPU_ATTN_ISAS = ("vec", "vec16", "amx")
+_STRIDED_CPU_ATTN_ISAS = ("vec", "vec16")
 
 
 @runtime_checkable
@@ -56,40 +73,16 @@ class KVLayout(Protocol):
     """How one layer's paged KV cache stores K and V.
 
     ``block_dim`` is the axis of the cache tensor that indexes blocks (a stack of saved
-    blocks uses the same axis).  ``kv_views`` returns aliasing views ``K, V`` with the
-    block axis first; for most layouts they are strided views of the logical shape
-    ``[num_blocks, kv_heads, block_size, head_size]``.  A tiled layout (CPU_ATTN ``amx``)
-    cannot be one strided view: its views keep the storage's tile axes, and
-    ``to_logical`` / ``from_logical`` convert a K or V view to the logical shape (a copy)
-    and back (a view of the given tensor in storage form, for ``index_copy_``).
+    blocks uses the same axis).  ``kv_views`` returns strided, aliasing views
+    ``K, V`` of shape ``[num_blocks, kv_heads, block_size, head_size]``.
     """
 
     name: ClassVar[str]
     block_dim: ClassVar[int]
 
     def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every block, block axis first (see the class docstring)."""
+        """K and V of every block as ``[num_blocks, kv_heads, block_size, head_size]``."""
         ...
-
-    def to_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        """A K (``which="k"``) or V view as ``[blocks, kv_heads, block_size, head_size]``."""
-        ...
-
-    def from_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        """The inverse of :meth:`to_logical`: ``x`` in the storage form of the views."""
-        ...
-
-
-class _StridedLayout:
-    """Mixin of the layouts whose views already have the logical shape."""
-
-    __slots__ = ()
-
-    def to_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        return x
-
-    def from_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        return x
 
 
 def gather_blocks(layout: KVLayout, cache: torch.Tensor, block_ids) -> torch.Tensor:
@@ -113,19 +106,19 @@ class CpuAttnLayout:
 
     ``isa`` is the attention ISA vLLM chose for the layer: read it from the engine
     (``layer.isa``, set by ``CPUAttentionMetadataBuilder``) or, outside the engine, from
-    :func:`detect_cpu_attn_isa`.  Only :data:`VERIFIED_CPU_ATTN_ISAS` are accepted: each
-    ISA orders K its own way (``vec`` transposed, ``amx`` tiled), and rotating a wrongly
-    read K corrupts it (relative error above 1, worse than not rotating at all).
+    :func:`detect_cpu_attn_isa`.  Only ``vec`` and ``vec16`` are accepted (``amx`` packs
+    its tiles: :class:`CpuAttnAmxLayout`): rotating a wrongly read K corrupts it
+    (relative error above 1, worse than not rotating at all).
     """
 
     isa: str = "vec"
     name: ClassVar[str] = "cpu_attn"
     block_dim: ClassVar[int] = 0
-    #: Tile edge of the ``amx`` layout (tokens of a K tile, channels of a V tile).
-    AMX_TILE: ClassVar[int] = 16
 
     def __post_init__(self) -> None:
-        if self.isa not in VERIFIED_CPU_ATTN_ISAS:
+        if self.isa == "amx":
+            raise ConfigError("CPU_ATTN ISA 'amx' packs K and V in tiles: use CpuAttnAmxLayout")
+        if self.isa not in _STRIDED_CPU_ATTN_ISAS:
             raise ConfigError(
                 f"CPU_ATTN ISA {self.isa!r}: its KV block layout is not verified for "
                 f"relocation (verified: {', '.join(VERIFIED_CPU_ATTN_ISAS)})"
@@ -149,45 +142,86 @@ class CpuAttnLayout:
                 "CPU_ATTN cache blocks must be dense per (block, head): "
                 f"strides {cache.stride()} do not allow it"
             ) from exc
-        if self.isa == "amx":
-            tile = self.AMX_TILE
-            if cache.dtype != torch.bfloat16 or bs % tile or hd % tile:
-                raise InputError(
-                    f"CPU_ATTN amx cache must be bfloat16 with block_size and head_size "
-                    f"multiples of {tile}, got {cache.dtype}, block_size {bs}, head_size {hd}"
-                )
-            # K: [bs/16, hd/2, 16 tokens, 2 channels]; V: [hd/16, bs/2, 16 channels, 2 tokens].
-            k = flat[..., : bs * hd].unflatten(-1, (bs // tile, hd // 2, tile, 2))
-            v = flat[..., bs * hd :].unflatten(-1, (hd // tile, bs // 2, tile, 2))
-            return k, v
         k = flat[..., : bs * hd].unflatten(-1, (hd, bs)).transpose(-1, -2)
         v = flat[..., bs * hd :].unflatten(-1, (bs, hd))
         return k, v
 
-    def to_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        """``[n, H, bs, hd]``: the view itself (``vec``), a copy out of the tiles (``amx``)."""
-        if self.isa != "amx":
-            return x
-        n, heads = x.shape[:2]
-        if which == "k":  # [n, H, bs/16, hd/2, 16, 2] -> [n, H, bs/16, 16, hd/2, 2]
-            g, p, t, two = x.shape[2:]
-            return x.permute(0, 1, 2, 4, 3, 5).reshape(n, heads, g * t, p * two)
-        cg, tp, c, two = x.shape[2:]  # [n, H, hd/16, bs/2, 16, 2] -> [n, H, bs/2, 2, hd/16, 16]
-        return x.permute(0, 1, 3, 5, 2, 4).reshape(n, heads, tp * two, cg * c)
 
-    def from_logical(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        """``x`` (``[n, H, bs, hd]``) viewed in the storage form of :meth:`kv_views`."""
-        if self.isa != "amx":
-            return x
-        n, heads, bs, hd = x.shape
-        tile = self.AMX_TILE
-        if which == "k":
-            return x.reshape(n, heads, bs // tile, tile, hd // 2, 2).permute(0, 1, 2, 4, 3, 5)
-        return x.reshape(n, heads, bs // 2, 2, hd // tile, tile).permute(0, 1, 4, 2, 5, 3)
+@runtime_checkable
+class PackedKVLayout(Protocol):
+    """A cache layout no strided view can read (tiles): K and V are copied out
+    (``unpack``) and K written back packed (``write_blocks``)."""
+
+    name: ClassVar[str]
+    block_dim: ClassVar[int]
+
+    def unpack(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V as ``[num_blocks, kv_heads, block_size, head_size]``."""
+        ...
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Blocks in this layout holding K and V (``[n, kv_heads, block_size, head_size]``)."""
+        ...
+
+    def write_blocks(self, cache: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, src: torch.Tensor) -> None:
+        """Cache blocks ``ids`` get K ``k`` (logical) packed, and the V of ``src``
+        (blocks in this layout) unchanged."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
-class FlashAttnLayout(_StridedLayout):
+class CpuAttnAmxLayout:
+    """vLLM's CPU attention cache with the ``amx`` ISA (bf16): per (block, head), K as
+    ``[block_size/16, head_size/2, 16, 2]`` and V as ``[head_size/16, block_size/2, 16,
+    2]`` (VNNI tiles; see the module doc).  A :class:`PackedKVLayout`."""
+
+    name: ClassVar[str] = "cpu_attn_amx"
+    block_dim: ClassVar[int] = 0
+
+    @staticmethod
+    def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        _check_tensor(cache)
+        if cache.dim() != 4 or cache.shape[-1] % 32 or cache.shape[2] % 16:
+            raise InputError(
+                "CPU_ATTN (amx) cache must be [num_blocks, kv_heads, block_size, 2*head_size] with "
+                f"block_size a multiple of 16 and head_size of 16, got shape {tuple(cache.shape)}"
+            )
+        nb, heads, bs, two_hd = cache.shape
+        hd = two_hd // 2
+        try:
+            flat = cache.view(nb, heads, bs * two_hd)
+        except RuntimeError as exc:
+            raise InputError(
+                f"CPU_ATTN cache blocks must be dense per (block, head): strides {cache.stride()}"
+            ) from exc
+        return flat[..., : bs * hd], flat[..., bs * hd :], bs, hd
+
+    def unpack(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kr, vr, bs, hd = self._halves(blocks)
+        nb, heads = kr.shape[:2]
+        k = kr.unflatten(-1, (bs // 16, hd // 2, 16, 2)).permute(0, 1, 2, 4, 3, 5)
+        v = vr.unflatten(-1, (hd // 16, bs // 2, 16, 2)).permute(0, 1, 3, 5, 2, 4)
+        return k.reshape(nb, heads, bs, hd), v.reshape(nb, heads, bs, hd)
+
+    @staticmethod
+    def _pack_k(k: torch.Tensor) -> torch.Tensor:
+        n, heads, bs, hd = k.shape
+        return k.reshape(n, heads, bs // 16, 16, hd // 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(n, heads, bs * hd)
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, heads, bs, hd = k.shape
+        pv = v.reshape(n, heads, bs // 2, 2, hd // 16, 16).permute(0, 1, 4, 2, 5, 3).reshape(n, heads, bs * hd)
+        return torch.cat([self._pack_k(k), pv], dim=-1).view(n, heads, bs, 2 * hd)
+
+    def write_blocks(self, cache: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, src: torch.Tensor) -> None:
+        kr, vr, _, _ = self._halves(cache)
+        _, src_v, _, _ = self._halves(src)
+        kr.index_copy_(0, ids, self._pack_k(k).to(cache.dtype))
+        vr.index_copy_(0, ids, src_v)
+
+
+@dataclass(frozen=True, slots=True)
+class FlashAttnLayout:
     """The classic FlashAttention paged cache ``[2, num_blocks, block_size, kv_heads,
     head_size]``: K at index 0, V at index 1 (vLLM's FlashAttention backend before the
     unified per-layer cache)."""
@@ -207,7 +241,28 @@ class FlashAttnLayout(_StridedLayout):
 
 
 @dataclass(frozen=True, slots=True)
-class ConcatKVLayout(_StridedLayout):
+class FlashInferLayout:
+    """FlashInfer's paged cache ``[num_blocks, 2, block_size, kv_heads, head_size]``: K
+    at index 0 of dim 1, V at index 1 (vLLM's FlashInfer backend before the unified
+    per-layer cache).  Its ``HND`` variant is the same logical shape with permuted
+    strides, so both read correctly."""
+
+    name: ClassVar[str] = "flashinfer"
+    block_dim: ClassVar[int] = 0
+
+    def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[nb, H, bs, hd]`` (a head/token transpose of the storage)."""
+        _check_tensor(cache)
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise InputError(
+                "FlashInfer cache must be [num_blocks, 2, block_size, kv_heads, "
+                f"head_size], got shape {tuple(cache.shape)}"
+            )
+        return cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class ConcatKVLayout:
     """vLLM's unified per-layer cache of its GPU backends: logical ``[num_blocks,
     kv_heads, block_size, 2 * head_size]`` with K in channels ``[0, head_size)`` and V
     in ``[head_size, 2 * head_size)``.  The tensor's own strides give the physical
@@ -240,7 +295,7 @@ def detect_cpu_attn_isa(
     the engine at hand; inside the engine prefer the layer's own ``isa`` attribute
     (the ground truth).  Returns ``"vec16"``, ``"amx"``, ``"neon"``, ``"vec"``, or on
     RISC-V / s390x / POWER ``"rvv"`` / ``"vxe"`` / ``"vsx"`` (conservatively: those are
-    refused by :class:`CpuAttnLayout` anyway).  Raises :class:`ConfigError` for a
+    refused by :func:`paged_kv` for relocation anyway).  Raises :class:`ConfigError` for a
     quantized (fp8) KV cache, whose scales relocation does not handle.
     """
     if str(kv_cache_dtype).startswith("fp8"):
@@ -264,3 +319,65 @@ def detect_cpu_attn_isa(
     if machine.startswith("ppc"):
         return "vsx"
     return "vec"
+
+
+#: vLLM attention backends (their ``get_name()``) whose paged caches :func:`paged_kv` reads.
+SUPPORTED_ATTN_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER")
+
+
+class PagedKV(NamedTuple):
+    """How one layer's paged cache is indexed: blocks on axis ``block_dim``, each of
+    ``block_size`` tokens; ``layout`` reads K and V for relocation, or is ``None`` when
+    only whole blocks can be copied (``why_not`` says why)."""
+
+    backend: str
+    block_dim: int
+    block_size: int
+    layout: KVLayout | PackedKVLayout | None
+    why_not: str = ""
+
+
+def paged_kv(backend: str, cache: torch.Tensor, *, isa: str | None = None) -> PagedKV:
+    """The layout of ``cache``, one layer's paged KV cache of attention backend
+    ``backend`` (vLLM's backend name; ``isa``: the layer's CPU attention ISA, needed for
+    ``CPU_ATTN``).
+
+    ``CPU_ATTN``: ``[num_blocks, kv_heads, block_size, 2 * head_size]``
+    (:class:`CpuAttnLayout`, :class:`CpuAttnAmxLayout` for ``amx``); an ISA whose K
+    order is not verified still copies whole blocks (``layout`` ``None``).
+    ``FLASH_ATTN``: ``[2, num_blocks, block_size, kv_heads, head_size]``; ``FLASHINFER``:
+    ``[num_blocks, 2, block_size, kv_heads, head_size]``; either as vLLM's unified
+    per-layer cache ``[num_blocks, kv_heads, block_size, 2 * head_size]``
+    (:class:`ConcatKVLayout`).  Raises :class:`ConfigError` for any other backend (by
+    name) or a cache of another shape.
+    """
+    _check_tensor(cache)
+    shape = tuple(cache.shape)
+    layout: KVLayout | PackedKVLayout | None
+    if backend == "CPU_ATTN":
+        if len(shape) != 4 or shape[-1] % 2:
+            raise ConfigError(
+                f"CPU_ATTN cache must be [num_blocks, kv_heads, block_size, 2*head_size], got {shape}"
+            )
+        if not isinstance(isa, str) or not isa:
+            raise ConfigError("CPU_ATTN: pass the layer's attention ISA (isa=...), its K order depends on it")
+        try:
+            layout = CpuAttnAmxLayout() if isa == "amx" else CpuAttnLayout(isa)
+        except ConfigError as exc:
+            return PagedKV(backend, 0, shape[2], None, str(exc))
+        return PagedKV(backend, 0, shape[2], layout)
+    if backend in ("FLASH_ATTN", "FLASHINFER"):
+        if len(shape) == 4 and shape[-1] % 2 == 0:
+            return PagedKV(backend, 0, shape[2], ConcatKVLayout())
+        if backend == "FLASH_ATTN" and len(shape) == 5 and shape[0] == 2:
+            return PagedKV(backend, 1, shape[2], FlashAttnLayout())
+        if backend == "FLASHINFER" and len(shape) == 5 and shape[1] == 2:
+            return PagedKV(backend, 0, shape[2], FlashInferLayout())
+        raise ConfigError(
+            f"{backend} cache of shape {shape}: expected vLLM's unified [num_blocks, kv_heads, "
+            "block_size, 2*head_size] or the backend's own 5-D paged layout"
+        )
+    raise ConfigError(
+        f"attention backend {backend!r}: its KV cache layout is not supported "
+        f"(supported: {', '.join(SUPPORTED_ATTN_BACKENDS)}); run the engine with one of those"
+    )

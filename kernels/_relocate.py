@@ -11,10 +11,10 @@ import torch
 
 from promptsplice.errors import ConfigError, InputError
 
-from ._layout import KVLayout
-from ._rope import RopeConfig
-from ._torch_impl import cos_sin_table, relocate_torch, rotate_inplace
-from ._triton_impl import TRITON_AVAILABLE, relocate_triton
+from promptsplice.kernels._layout import KVLayout, PackedKVLayout
+from promptsplice.kernels._rope import RopeConfig
+from promptsplice.kernels._torch_impl import cos_sin_table, relocate_packed_torch, relocate_torch, rotate_inplace
+from promptsplice.kernels._triton_impl import TRITON_AVAILABLE, relocate_triton
 
 __all__ = ["SUPPORTED_CACHE_DTYPES", "Impl", "rotate_keys", "relocate_blocks", "select_impl"]
 
@@ -99,7 +99,7 @@ def relocate_blocks(
     dst_block_ids: torch.Tensor | Sequence[int],
     delta: int | torch.Tensor | Sequence[int],
     rope: RopeConfig,
-    layout: KVLayout,
+    layout: KVLayout | PackedKVLayout,
     *,
     impl: Impl = "auto",
 ) -> None:
@@ -112,12 +112,14 @@ def relocate_blocks(
     unchanged.  Every other cache block is left untouched.
 
     One signature, two implementations: CUDA tensors run the Triton kernel, others the
-    torch code (``impl`` forces one).  The destination ids must be distinct and in range;
+    torch code (``impl`` forces one); a tiled layout (:class:`PackedKVLayout`, e.g.
+    ``CpuAttnAmxLayout``) runs the torch code, which unpacks K, rotates it and packs it.  The destination ids must be distinct and in range;
     ``src_blocks`` may alias ``dst_cache`` (it is copied first).  Raises
     :class:`InputError` on mismatched tensors and :class:`ConfigError` on unsupported
     dtypes, layouts or RoPE/cache disagreement.
     """
-    if not (hasattr(layout, "kv_views") and hasattr(layout, "block_dim")):  # KVLayout, cheaply
+    packed = hasattr(layout, "unpack") and hasattr(layout, "write_blocks")  # PackedKVLayout
+    if not (packed or hasattr(layout, "kv_views")) or not hasattr(layout, "block_dim"):  # KVLayout, cheaply
         raise ConfigError(f"layout must be a KVLayout (e.g. CpuAttnLayout), got {layout!r}")
     for name, t in (("dst_cache", dst_cache), ("src_blocks", src_blocks)):
         if not isinstance(t, torch.Tensor):
@@ -135,6 +137,8 @@ def relocate_blocks(
         raise InputError(f"src_blocks on {src_blocks.device}, dst_cache on {dst_cache.device}")
     device = dst_cache.device
     which = select_impl(device, impl)
+    if packed and which == "triton":
+        raise ConfigError(f"layout {layout.name!r} packs its blocks in tiles: the Triton kernel needs a strided layout")
 
     if (
         src_blocks.numel()
@@ -143,18 +147,21 @@ def relocate_blocks(
     ):
         src_blocks = src_blocks.clone()  # source and destination blocks could overlap
 
-    k_dst, v_dst = layout.kv_views(dst_cache)
-    k_src, v_src = layout.kv_views(src_blocks)
+    if packed:  # K and V copied out: the shapes are what the checks below read
+        k_src, v_src = layout.unpack(src_blocks)
+        k_dst = layout.unpack(dst_cache[:1])[0].expand(dst_cache.shape[layout.block_dim], -1, -1, -1)
+    else:
+        k_dst, v_dst = layout.kv_views(dst_cache)
+        k_src, v_src = layout.kv_views(src_blocks)
     if k_src.shape[1:] != k_dst.shape[1:]:
         raise InputError(
             f"src_blocks blocks are [kv_heads, block_size, head_size]={tuple(k_src.shape[1:])}, "
             f"the cache's are {tuple(k_dst.shape[1:])}"
         )
-    head_size = layout.to_logical(k_dst[:0], "k").shape[-1]  # an empty slice: no copy
-    if head_size != rope.head_size:
+    if k_dst.shape[-1] != rope.head_size:
         raise ConfigError(
             f"rope.head_size={rope.head_size} does not match the cache's head size "
-            f"{head_size}"
+            f"{k_dst.shape[-1]}"
         )
     n, num_blocks = k_src.shape[0], k_dst.shape[0]
 
@@ -181,12 +188,8 @@ def relocate_blocks(
     if n == 0:
         return
     cos, sin = cos_sin_table(d, rope, torch.float32)
-    if which == "triton":
-        if k_dst.dim() != 4:
-            raise ConfigError(
-                f"the Triton kernel takes strided layouts; {layout!r} is tiled (CPU only): "
-                "use impl='torch'"
-            )
-        relocate_triton(k_dst, v_dst, k_src, v_src, ids, cos.contiguous(), sin.contiguous(), rope)
-    else:
-        relocate_torch(k_dst, v_dst, k_src, v_src, ids, cos.contiguous(), sin.contiguous(), rope, layout)
+    if packed:
+        relocate_packed_torch(dst_cache, src_blocks, k_src, ids, cos, sin, rope, layout)
+        return
+    run = relocate_triton if which == "triton" else relocate_torch
+    run(k_dst, v_dst, k_src, v_src, ids, cos.contiguous(), sin.contiguous(), rope)

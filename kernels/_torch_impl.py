@@ -12,10 +12,10 @@ import functools
 
 import torch
 
-from ._layout import KVLayout
-from ._rope import RopeConfig
+from promptsplice.kernels._layout import PackedKVLayout
+from promptsplice.kernels._rope import RopeConfig
 
-__all__ = ["cos_sin_table", "rotate_inplace", "relocate_torch"]
+__all__ = ["cos_sin_table", "rotate_inplace", "relocate_packed_torch", "relocate_torch"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -66,21 +66,34 @@ def relocate_torch(
     cos: torch.Tensor,
     sin: torch.Tensor,
     rope: RopeConfig,
-    layout: KVLayout | None = None,
 ) -> None:
     """Write rotated ``k_src`` and unchanged ``v_src`` into blocks ``dst_ids``.
 
-    The four K/V tensors are ``layout.kv_views`` (block axis first; without a layout,
-    ``[blocks, kv_heads, block_size, head_size]`` views of any strides); K is rotated in
-    the logical shape and written back in the storage form.  ``cos``/``sin`` are float32
-    ``[n or 1, P]``.  Validation is the caller's.
+    All four K/V tensors are ``[blocks, kv_heads, block_size, head_size]`` views (any
+    strides); ``cos``/``sin`` are float32 ``[n or 1, P]``.  Validation is the caller's.
     Passes over the data: one copy to float32, the rotation in place on it, one cast
     back, and the scatter of K and V into the cache.
     """
     compute = torch.float64 if k_src.dtype == torch.float64 else torch.float32
-    logical = layout.to_logical(k_src, "k") if layout is not None else k_src
-    k = logical.to(compute, copy=True)
+    k = k_src.to(compute, copy=True)
     rotate_inplace(k, cos.to(compute)[:, None, None, :], sin.to(compute)[:, None, None, :], rope)
-    k = k.to(k_dst.dtype)
-    k_dst.index_copy_(0, dst_ids, layout.from_logical(k, "k") if layout is not None else k)
+    k_dst.index_copy_(0, dst_ids, k.to(k_dst.dtype))
     v_dst.index_copy_(0, dst_ids, v_src)
+
+
+def relocate_packed_torch(
+    dst_cache: torch.Tensor,
+    src_blocks: torch.Tensor,
+    k_src: torch.Tensor,
+    dst_ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope: RopeConfig,
+    layout: PackedKVLayout,
+) -> None:
+    """:func:`relocate_torch` for a layout that packs its blocks: ``k_src`` (unpacked
+    from ``src_blocks``) is rotated and written back packed, V is copied as stored."""
+    compute = torch.float64 if k_src.dtype == torch.float64 else torch.float32
+    k = k_src.to(compute)
+    rotate_inplace(k, cos.to(compute)[:, None, None, :], sin.to(compute)[:, None, None, :], rope)
+    layout.write_blocks(dst_cache, dst_ids, k.to(dst_cache.dtype), src_blocks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._rope import RopeConfig
+from promptsplice.kernels._rope import RopeConfig
 
 __all__ = ["TRITON_AVAILABLE", "relocate_triton"]
 

@@ -1,10 +1,16 @@
-"""The splice KV connector: torch-free plans, vLLM's scheduler side, the worker side.
+"""The splice KV connector, in rooms by audience:
 
-Importing this package imports neither vLLM nor torch: the plans are what the runners
-build; vLLM loads the connector class itself by module path.
+* ``_plans``: the plans the runners build (torch-free, vLLM-free) -- re-exported here;
+* ``_scheduler``: vLLM's scheduler side (how much to load, where, what to save; no torch);
+* ``_worker``: the worker side (loads, relocation and saves in the paged KV cache; torch);
+* ``_settings``: what both roles read from vLLM's config; ``_connector``: the thin
+  ``KVConnectorBase_V1`` glue vLLM loads by module path.
+
+Importing this package imports neither vLLM nor torch.
 """
 
-from promptsplice.engine_adapters.connector._splice import (
+from promptsplice.engine_adapters.connector._plans import (
+    SAME_SALT,
     SplicePhase,
     SplicePlan,
     SpliceSegment,
@@ -15,6 +21,7 @@ from promptsplice.engine_adapters.connector._splice import (
 )
 
 __all__ = [
+    "SAME_SALT",
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",

@@ -1,4 +1,7 @@
-"""``SpliceConnector``: the thin vLLM ``KVConnectorBase_V1`` that forwards to the core.
+"""``SpliceConnector``: the thin vLLM ``KVConnectorBase_V1`` that forwards to the
+scheduler side and the worker side.  Whatever it needs from vLLM beyond that base API
+(request and scheduler-output fields, the attention layers, the bound KV cache
+manager) goes through :mod:`promptsplice.engine_adapters._vllm`.
 
 Load it with::
 
@@ -9,9 +12,9 @@ Load it with::
 
 (``EngineConfig(kv_store=StoreConfig(...))`` does exactly that).  vLLM builds one
 instance per role: the scheduler-side one answers ``get_num_new_matched_tokens`` and
-builds each step's metadata (:class:`~promptsplice.engine_adapters.connector._splice.SpliceScheduler`), the
-worker-side one loads, relocates and saves blocks in the paged cache
-(:class:`~promptsplice.engine_adapters.connector._splice.SpliceWorker`).  Both open the same process-wide
+builds each step's metadata (:class:`~promptsplice.engine_adapters.connector._scheduler.SpliceScheduler`),
+the worker-side one loads, relocates and saves blocks in the paged cache
+(:class:`~promptsplice.engine_adapters.connector._worker.SpliceWorker`).  Both open the same process-wide
 :class:`~promptsplice.engine_adapters.store._store.BlockStore` through ``shared_store`` (the scheduler and
 the worker live in one process: the engine core's).
 
@@ -47,13 +50,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from promptsplice.engine_adapters.connector._splice import (
-    SpliceMetadata,
-    SpliceScheduler,
-    SpliceWorker,
-    store_config_from_extra,
-)
-from promptsplice.engine_adapters.store._store import BlockStore, StoreConfig, shared_store
+from promptsplice.engine_adapters import _vllm
+from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
+from promptsplice.engine_adapters.connector._settings import connector_settings
+from promptsplice.engine_adapters.connector._worker import SpliceWorker
+from promptsplice.engine_adapters.store._store import BlockStore, shared_store
 from promptsplice.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,75 +67,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from promptsplice.kernels import RopeConfig
-
-__all__ = ["SpliceConnector", "SpliceConnectorMetadata", "ConnectorSettings", "connector_settings"]
+__all__ = ["SpliceConnector", "SpliceConnectorMetadata"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorSettings:
-    """What both roles derive from vLLM's config (identically, so they share a store)."""
-
-    store_config: StoreConfig
-    block_size: int
-    isa: str
-    rope: RopeConfig | None
-    relocation: bool
-    why_no_relocation: str = ""
-
-
-def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
-    """The store config (with the engine's fingerprint), block size, attention ISA and
-    RoPE of an engine; :class:`ConfigError` when the connector cannot serve it."""
-    from vllm.platforms import current_platform
-
-    from promptsplice.kernels import VERIFIED_CPU_ATTN_ISAS, RopeConfig, detect_cpu_attn_isa
-
-    if not current_platform.is_cpu():
-        raise ConfigError(
-            "SpliceConnector supports vLLM's CPU backend (CPU_ATTN) only; on "
-            f"{current_platform.device_type} use vLLM's own offloading connectors"
-        )
-    kv = vllm_config.kv_transfer_config
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    cache_dtype = str(cache.cache_dtype)
-    if cache_dtype.startswith("fp8"):
-        raise ConfigError(f"SpliceConnector: kv_cache_dtype {cache_dtype!r} (quantized) is not supported")
-    block_size = int(cache.block_size)
-    head_size = int(model.get_head_size())
-    isa = detect_cpu_attn_isa(model.dtype, block_size, head_size, cache_dtype)
-    rope = None
-    why = ""
-    try:
-        rope = RopeConfig.from_hf_config(model.hf_config)
-    except ConfigError as exc:
-        why = f"RoPE: {exc}"
-    # The RoPE is part of the identity: relocated keys are rotated with it, so blocks
-    # written under another RoPE configuration must never be served.
-    fingerprint = "|".join(
-        [
-            "promptsplice-kv/1",
-            str(model.model),
-            str(model.dtype),
-            cache_dtype,
-            f"block{block_size}",
-            f"cpu_attn:{isa}",
-            f"layers{model.get_num_layers(parallel)}",
-            f"kv_heads{model.get_num_kv_heads(parallel)}",
-            f"head{head_size}",
-            f"rope:{rope!r}",
-        ]
-    )
-    extra = kv.kv_connector_extra_config if kv is not None else {}
-    store_config = store_config_from_extra(extra, fingerprint=fingerprint)
-    if rope is not None and isa not in VERIFIED_CPU_ATTN_ISAS:
-        why = f"CPU_ATTN ISA {isa!r} has an unverified K layout"
-    relocation = rope is not None and not why
-    return ConnectorSettings(store_config, block_size, isa, rope, relocation, why)
 
 
 @dataclass
@@ -172,25 +107,21 @@ class SpliceConnector(KVConnectorBase_V1):
     # ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from promptsplice.kernels import CpuAttnLayout
-
-        ctx = self._vllm_config.compilation_config.static_forward_context
-        isas = {getattr(ctx.get(name), "isa", self.settings.isa) for name in kv_caches}
-        if isas != {self.settings.isa}:
+        expected = (self.settings.backend, self.settings.isa)
+        layers = _vllm.attention_layers(self._vllm_config, kv_caches)
+        found = {(backend, expected[1] if isa is None else isa) for backend, isa in layers.values()}
+        if found != {expected}:
             raise ConfigError(
-                f"SpliceConnector: the attention layers use ISA {sorted(isas)}, the connector "
-                f"expected {self.settings.isa!r} (vLLM's _get_attn_isa changed?)"
+                f"SpliceConnector: the attention layers use (backend, ISA) {sorted(found)}, the "
+                f"connector expected {expected} (vLLM's _get_attn_isa changed?)"
             )
-        first = next(iter(kv_caches.values()))
-        relocation = self.settings.relocation
         self.worker = SpliceWorker(
             self.store,
             block_size=self.settings.block_size,
             caches=kv_caches,
-            block_dim=0,  # CPU_ATTN: [num_blocks, kv_heads, block_size, 2 * head_size]
-            kernel_block_size=int(first.shape[2]),
-            layout=CpuAttnLayout(self.settings.isa) if relocation else None,
-            rope=self.settings.rope if relocation else None,
+            backend=self.settings.backend,
+            isa=self.settings.isa,
+            rope=self.settings.rope if self.settings.relocation else None,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -234,39 +165,22 @@ class SpliceConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        n = self.scheduler.get_num_new_matched_tokens(
-            request.request_id,
-            request.prompt_token_ids,
-            request.cache_salt,
-            num_computed_tokens,
-            request.kv_transfer_params,
-        )
+        req_id, tokens, salt, params = _vllm.request_fields(request)
+        n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params)
         return n, False  # synchronous: loaded in start_load_kv before this step's forward
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        ids = _vllm.allocated_block_ids(blocks) if num_external_tokens > 0 else ()
         self.scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        new_ids = {r.req_id: r.block_ids[0] for r in scheduler_output.scheduled_new_reqs}
-        steps = [
-            (r.req_id, r.num_computed_tokens, scheduler_output.num_scheduled_tokens.get(r.req_id, 0))
-            for r in scheduler_output.scheduled_new_reqs
-        ]
-        cached = scheduler_output.scheduled_cached_reqs
-        steps += [
-            (rid, computed, scheduler_output.num_scheduled_tokens.get(rid, 0))
-            for rid, computed in zip(cached.req_ids, cached.num_computed_tokens)
-        ]
+        steps, new_ids = _vllm.scheduled_steps(scheduler_output)
 
         def block_ids(req_id: str) -> list[int]:
             ids = new_ids.get(req_id)
-            if ids is None:
-                assert self._kv_cache_manager is not None
-                ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            return ids
+            return ids if ids is not None else _vllm.bound_block_ids(self, req_id)
 
         return SpliceConnectorMetadata(self.scheduler.build_connector_meta(steps, block_ids))
 

@@ -9,7 +9,7 @@ of an agent session and runs it in one of three modes:
   ``recompute_blocks`` blocks after each edit are prefilled, the unchanged runs behind
   them are *relocated* from the block store by the splice connector (keys re-rotated by
   their position delta), and only the new tail is computed.  Runs separated by computed
-  tokens need one request each (:func:`~promptsplice.engine_adapters.connector._splice.plan_phases`); a run
+  tokens need one request each (:func:`~promptsplice.engine_adapters.connector._plans.plan_phases`); a run
   too short to pay for its request is computed.  New messages identical to one of the
   previous render (a repeated call's output) are relocated from there too
   (``reuse_repeats``), on append steps as well.
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from promptsplice.assembler import PreparedContext, StepKind
-from promptsplice.engine_adapters.connector._splice import SAME_SALT, SplicePhase, plan_phases
+from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePhase, plan_phases
 from promptsplice.blocks import round_down
 from promptsplice._validate import check_enum, check_int, check_salt
 from promptsplice.errors import ConfigError, InputError

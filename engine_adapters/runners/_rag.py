@@ -4,7 +4,7 @@ Prefix caching reuses a chunk only when everything before it matches.  In mode
 ``position_independent`` a :class:`RagRunner` also reuses a chunk that was computed
 before *anywhere*: after the prefix-cache hit, every chunk whose exact KV is in the
 block store is loaded and its keys re-rotated to its new position by the splice
-connector (the agent's relocation machinery, :mod:`promptsplice.engine_adapters.connector._splice`).
+connector (the agent's relocation machinery, :mod:`promptsplice.engine_adapters.connector._plans`).
 
 How a request runs (``position_independent``):
 
@@ -40,7 +40,7 @@ How a request runs (``position_independent``):
    ``recompute_blocks=r`` the first ``r`` blocks of each chunk are computed instead
    (they then attend to their real neighbours: EPIC's attention-sink fix); vLLM only
    extends its prefix hit contiguously, so each chunk behind a recomputed block needs
-   a request of its own (:func:`~promptsplice.engine_adapters.connector._splice.plan_segment_phases`).
+   a request of its own (:func:`~promptsplice.engine_adapters.connector._plans.plan_segment_phases`).
 
 Isolation: requests that reuse approximate KV run under a *reuse salt* derived from
 the tenant's salt (``RagRunner.reuse_salt``), so vLLM files the spliced blocks where
@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from promptsplice.assembler import AssembledPrompt, SegmentKind
-from promptsplice.engine_adapters.connector._splice import SplicePhase, SpliceSegment, plan_segment_phases
+from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash, round_down
 from promptsplice._validate import check_enum, check_int, check_salt

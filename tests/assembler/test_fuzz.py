@@ -54,7 +54,7 @@ any_unicode = st.one_of(
     *[valid_unicode] * 3, *[st.text(st.characters(codec=None), max_size=30)] * 3, with_surrogate
 )
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | valid_unicode,
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | valid_unicode,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(valid_unicode, inner, max_size=3),
     max_leaves=6,
 )

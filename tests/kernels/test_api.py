@@ -13,17 +13,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 KERNELS_API = [
     "ConcatKVLayout",
+    "CpuAttnAmxLayout",
     "CpuAttnLayout",
     "FlashAttnLayout",
+    "FlashInferLayout",
     "KVLayout",
     "Llama3Scaling",
+    "PackedKVLayout",
+    "PagedKV",
     "RopeConfig",
+    "SUPPORTED_ATTN_BACKENDS",
     "SUPPORTED_CACHE_DTYPES",
     "SUPPORTED_ROPE_TYPES",
     "TRITON_AVAILABLE",
     "VERIFIED_CPU_ATTN_ISAS",
     "detect_cpu_attn_isa",
     "gather_blocks",
+    "paged_kv",
     "relocate_blocks",
     "rotate_keys",
     "select_impl",
@@ -38,7 +44,8 @@ def test_public_names_are_pinned():
 
 
 def test_layouts_satisfy_the_protocol():
-    for layout in (kernels.CpuAttnLayout("vec"), kernels.FlashAttnLayout(), kernels.ConcatKVLayout()):
+    for layout in (kernels.CpuAttnLayout("vec"), kernels.FlashAttnLayout(), kernels.FlashInferLayout(),
+                   kernels.ConcatKVLayout()):
         assert isinstance(layout, kernels.KVLayout)
 
 

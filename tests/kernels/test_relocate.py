@@ -23,8 +23,10 @@ import torch
 
 from promptsplice.kernels import (
     ConcatKVLayout,
+    CpuAttnAmxLayout,
     CpuAttnLayout,
     FlashAttnLayout,
+    FlashInferLayout,
     Llama3Scaling,
     RopeConfig,
     gather_blocks,
@@ -128,7 +130,13 @@ CASES = [
     Case("bf16-gptj-odd-block", torch.bfloat16, 96, 96, False, heads=1, block_size=48,
          per_block_delta=True),
 ]
-LAYOUTS = ["cpu_attn", "flash_attn", "concat_kv", "concat_kv_lbnhc"]
+LAYOUTS = ["cpu_attn", "flash_attn", "flashinfer", "flashinfer_hnd", "concat_kv", "concat_kv_lbnhc"]
+PACKED_LAYOUTS = ["cpu_attn_amx"]  # tiles: torch only (the Triton kernel needs strides)
+
+
+def views(layout, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every block as [nb, H, bs, hd] (copies for a packed layout)."""
+    return layout.unpack(cache) if hasattr(layout, "unpack") else layout.kv_views(cache)
 
 
 def make_cache(layout_name: str, nb: int, case: Case, fill: torch.Tensor | float):
@@ -141,6 +149,17 @@ def make_cache(layout_name: str, nb: int, case: Case, fill: torch.Tensor | float
     elif layout_name == "flash_attn":
         layout = FlashAttnLayout()
         cache = torch.empty(2, nb, bs, h, hd, dtype=case.dtype)
+    elif layout_name == "flashinfer":
+        layout = FlashInferLayout()
+        cache = torch.empty(nb, 2, bs, h, hd, dtype=case.dtype)
+    elif layout_name == "flashinfer_hnd":  # heads outside tokens in memory
+        layout = FlashInferLayout()
+        cache = torch.empty(nb, 2, h, bs, hd, dtype=case.dtype).transpose(2, 3)
+    elif layout_name == "cpu_attn_amx":
+        layout = CpuAttnAmxLayout()
+        cache = torch.empty(nb, h, bs, 2 * hd, dtype=case.dtype)
+        if isinstance(fill, torch.Tensor):
+            return layout, layout.pack(fill[0], fill[1])
     elif layout_name == "concat_kv":
         layout = ConcatKVLayout()
         cache = torch.empty(nb, h, bs, 2 * hd, dtype=case.dtype)
@@ -176,7 +195,7 @@ def run_case(case: Case, layout_name: str, impl: str, offset: int = 0) -> torch.
     _, dst = make_cache(layout_name, 7, case, float("nan"))
     relocate_blocks(dst, src, dst_ids, delta, rope, layout, impl=impl)
 
-    k_dst, v_dst = layout.kv_views(dst)
+    k_dst, v_dst = views(layout, dst)
     d = torch.as_tensor(delta).reshape(-1, 1, 1).expand(3, 1, 1)
     for i, (s, t) in enumerate(zip(src_ids, dst_ids)):
         k_in = store_kv[0, s]
@@ -205,7 +224,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- torch
 
 
-@pytest.mark.parametrize("layout_name", LAYOUTS)
+@pytest.mark.parametrize("layout_name", LAYOUTS + PACKED_LAYOUTS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_torch_relocation_matches_float64_reference(case, layout_name):
     run_case(case, layout_name, "torch")
@@ -234,6 +253,22 @@ def test_source_may_alias_the_destination_cache():
     k_new = layout.kv_views(cache)[0]
     for s, t in ((0, 1), (1, 2)):
         assert_matches_ref(k_new[t], ref_rotate(k_old[s], 10, case.rope()), k_old[s], "alias")
+
+
+def test_packed_layout_reads_an_aliased_source_and_stays_off_triton(monkeypatch):
+    case = CASES[0]
+    kv = torch.randn(2, 4, case.heads, case.block_size, case.head_size, generator=gen(4))
+    layout, cache = make_cache("cpu_attn_amx", 4, case, kv.to(case.dtype))
+    k_old, v_old = views(layout, cache)
+    relocate_blocks(cache, cache[0:2], [1, 2], 10, case.rope(), layout)
+    k_new, v_new = views(layout, cache)
+    for s, t in ((0, 1), (1, 2)):
+        assert_matches_ref(k_new[t], ref_rotate(k_old[s].double(), 10, case.rope()), k_old[s], "amx alias")
+        assert torch.equal(v_new[t], v_old[s])
+    assert torch.equal(k_new[[0, 3]], k_old[[0, 3]])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton is a pinned dependency of the tests
+    with pytest.raises(ConfigError, match="strided layout"):
+        relocate_blocks(cache, cache[0:1], [3], 10, case.rope(), layout, impl="triton")
 
 
 def test_delta_zero_is_a_plain_copy():

@@ -2,9 +2,10 @@
 
 * the frequencies are vLLM's, bit for bit, and a key vLLM rotated to ``p``, moved by
   ``d`` with :func:`rotate_keys`, is the key vLLM rotates to ``p + d``;
-* the CPU_ATTN layout adapter reads what vLLM's own cache-write op
-  (``cpu_attn_reshape_and_cache``, the op ``CPUAttentionBackendImpl`` stores K/V with)
-  wrote, and a block relocated through it is the block vLLM writes for ``p + d``;
+* the CPU_ATTN layout adapters (strided ``vec``/``vec16``, tiled ``amx``) read what
+  vLLM's own cache-write op (``cpu_attn_reshape_and_cache``, the op
+  ``CPUAttentionBackendImpl`` stores K/V with) wrote, and a block relocated through
+  them is the block vLLM writes for ``p + d``;
 * the ISA mirror agrees with ``cpu_attn._get_attn_isa`` on this machine.
 """
 
@@ -22,6 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from promptsplice.kernels import (  # noqa: E402
     ConcatKVLayout,
+    CpuAttnAmxLayout,
     CpuAttnLayout,
     Llama3Scaling,
     RopeConfig,
@@ -91,7 +93,7 @@ def test_moving_vllms_key_by_d_gives_vllms_key_at_p_plus_d(vllm_config, ours, th
 
 
 def test_from_hf_config_on_the_real_model_is_what_vllm_applies(vllm_config):
-    from promptsplice.engine_adapters._model import ensure_default_model
+    from promptsplice.assets import ensure_default_model
 
     path = ensure_default_model() / "config.json"
     cfg = json.loads(path.read_text())
@@ -125,33 +127,39 @@ def vllm_write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots, isa
                                    torch.as_tensor(slots, dtype=torch.int64), isa)
 
 
-ISA_CASES = [
-    *[(isa, hd, dt, bs) for isa, hd in [("vec", 64), ("vec", 128), ("vec16", 80)]
-      for dt in (torch.bfloat16, torch.float16, torch.float32) for bs in (32,)],
-    # amx: bf16 only (the only dtype vLLM picks it for); the tiles depend on both sizes.
-    *[("amx", hd, torch.bfloat16, bs) for hd in (64, 128) for bs in (32, 64, 128)],
-]
-
-
-@pytest.mark.parametrize("isa,head_size,dtype,bs", ISA_CASES, ids=str)
-def test_cpu_attn_adapter_reads_what_vllm_writes(isa, head_size, dtype, bs):
-    nb, heads = 4, 3
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("isa,head_size", [("vec", 64), ("vec", 128), ("vec16", 80)])
+def test_cpu_attn_adapter_reads_what_vllm_writes(isa, head_size, dtype):
+    nb, heads, bs = 4, 3, 32
     cache = torch.full((nb, heads, bs, 2 * head_size), float("nan"), dtype=dtype)
-    tokens = bs + 13  # block 1 whole, block 2 partly, starting mid-block 0
+    tokens = 45  # block 1 whole, block 2 partly, starting mid-block 0
     k = torch.randn(tokens, heads, head_size, generator=gen(11)).to(dtype)
     v = torch.randn(tokens, heads, head_size, generator=gen(12)).to(dtype)
     slots = torch.arange(tokens) + 19
     vllm_write(cache, k, v, slots, isa)
-    layout = CpuAttnLayout(isa)
-    k_view, v_view = layout.kv_views(cache)
-    kv, vv = layout.to_logical(k_view, "k"), layout.to_logical(v_view, "v")
-    # from_logical is the exact inverse (the storage form relocation writes back).
-    assert torch.equal(torch.nan_to_num(layout.from_logical(kv, "k")), torch.nan_to_num(k_view))
-    assert torch.equal(torch.nan_to_num(layout.from_logical(vv, "v")), torch.nan_to_num(v_view))
+    kv, vv = CpuAttnLayout(isa).kv_views(cache)
     for t in range(tokens):
         b, o = divmod(int(slots[t]), bs)
         assert torch.equal(kv[b, :, o], k[t]) and torch.equal(vv[b, :, o], v[t])
     # Nothing else was written: exactly the written tokens are non-poison.
+    assert int((~torch.isnan(cache)).sum()) == tokens * heads * 2 * head_size
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("bs", [32, 64])
+def test_amx_adapter_reads_what_vllm_writes(bs, head_size):
+    """The AMX tiles (bf16): what vLLM's write op stores with ISA amx, unpacked."""
+    nb, heads, dtype = 4, 3, torch.bfloat16
+    cache = torch.full((nb, heads, bs, 2 * head_size), float("nan"), dtype=dtype)
+    tokens = bs + 13  # block 1 whole, block 2 partly, starting mid-block 0
+    k = torch.randn(tokens, heads, head_size, generator=gen(15)).to(dtype)
+    v = torch.randn(tokens, heads, head_size, generator=gen(16)).to(dtype)
+    slots = torch.arange(tokens) + bs // 2 + 3
+    vllm_write(cache, k, v, slots, "amx")
+    kv, vv = CpuAttnAmxLayout().unpack(cache)
+    for t in range(tokens):
+        b, o = divmod(int(slots[t]), bs)
+        assert torch.equal(kv[b, :, o], k[t]) and torch.equal(vv[b, :, o], v[t]), t
     assert int((~torch.isnan(cache)).sum()) == tokens * heads * 2 * head_size
 
 
@@ -174,7 +182,7 @@ def test_block_relocated_through_the_adapter_is_the_block_vllm_writes_at_p_plus_
     expected = torch.zeros_like(store)
     vllm_write(expected, k_pd, v, torch.arange(bs) + 4 * bs, isa)  # vLLM's own at block 4
 
-    layout = CpuAttnLayout(isa)
+    layout = CpuAttnAmxLayout() if isa == "amx" else CpuAttnLayout(isa)
     dst = torch.full_like(store, float("nan"))
     relocate_blocks(dst, gather_blocks(layout, store, [1]), [4], d, rope, layout)
 
@@ -201,7 +209,7 @@ def test_isa_mirror_agrees_with_vllm_here():
 
 
 def test_unverified_isas_and_fp8_are_refused():
-    for isa in ("neon", "vsx", "vxe", "rvv"):
+    for isa in ("amx", "neon", "vsx", "vxe", "rvv"):  # amx: CpuAttnAmxLayout's
         with pytest.raises(ConfigError, match=isa):
             CpuAttnLayout(isa)
     with pytest.raises(ConfigError, match="fp8"):

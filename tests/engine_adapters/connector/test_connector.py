@@ -23,11 +23,10 @@ from promptsplice.engine_adapters import (
     plan_deletion,
     plan_relocation,
 )
-from promptsplice.kernels import CpuAttnLayout
+from promptsplice.kernels import VERIFIED_CPU_ATTN_ISAS, CpuAttnAmxLayout, CpuAttnLayout
 from promptsplice.errors import ConfigError
 
 BS = 32
-LAYOUT = CpuAttnLayout("vec")  # this machine's CPU_ATTN ISA (AVX-512 without AMX)
 _salts = itertools.count()
 
 
@@ -64,6 +63,13 @@ def layer0_blocks(engine, block_ids) -> torch.Tensor:
     return w.caches[0][list(block_ids)].clone()
 
 
+def kv(engine, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of cache blocks as [n, kv_heads, block_size, head_size], read through the
+    layout the engine's worker uses (strided for ISA vec, tiles for amx)."""
+    layout = engine.kv_connector.worker.paged.layout
+    return layout.unpack(blocks) if hasattr(layout, "unpack") else layout.kv_views(blocks)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
@@ -98,6 +104,11 @@ def test_the_connector_is_loaded_with_the_engines_caches(kv_engine):
     assert type(conn).__name__ == "SpliceConnector" and conn.settings.relocation
     assert len(w.caches) == 30 and w.payload_shape == (30, 1, 3, BS, 128)
     assert w.caches[0].shape[0] == kv_engine.num_blocks and w.can_relocate
+    # The layout is read from the layers' backend and ISA (vec without AMX, amx with it).
+    isa = conn.settings.isa
+    assert conn.settings.backend == "CPU_ATTN" and isa in VERIFIED_CPU_ATTN_ISAS
+    expected = CpuAttnAmxLayout() if isa == "amx" else CpuAttnLayout(isa)
+    assert tuple(w.paged) == ("CPU_ATTN", 0, BS, expected, "")
     assert kv_engine.kv_store is conn.store
 
 
@@ -186,16 +197,16 @@ def test_layer0_of_a_relocated_block_is_what_vllm_computes_there(kv_engine, text
     assert ref_item.block_ids and len(ref_item.block_ids) == len(new) // BS
     ref = layer0_blocks(kv_engine, ref_item.block_ids[7:11])
 
-    k_s, v_s = LAYOUT.kv_views(spliced)
-    k_r, v_r = LAYOUT.kv_views(ref)
+    k_s, v_s = kv(kv_engine, spliced)
+    k_r, v_r = kv(kv_engine, ref)
     assert torch.equal(v_s, v_r), "layer-0 V must not depend on the position"
     err = rel(k_s, k_r)
     assert err < 0.01, f"relocated layer-0 K relative error {err:.4f}"
     # Without the rotation (a delta-0 load writes the stored block as it is): far off.
     stored = [kv_engine.kv_store.get(ref, salt=s) for ref in item.refs]
     assert all(x.status.hit for x in stored)
-    k_old = LAYOUT.kv_views(torch.cat([x.payload[0] for x in stored]))[0]
-    assert torch.equal(LAYOUT.kv_views(torch.cat([x.payload[0] for x in stored]))[1], v_r)
+    k_old, v_old = kv(kv_engine, torch.cat([x.payload[0] for x in stored]))
+    assert torch.equal(v_old, v_r)
     assert rel(k_old, k_r) > 0.3
 
 
@@ -226,16 +237,16 @@ def test_deletion_splice_end_to_end(kv_engine, text_tokens, record_property):
     item, n = loads(kv_engine)[-1]
     assert n == 6 and item.deltas == (-96,) * 6 and item.start == len(P)
     assert kv_engine.kv_connector.worker.stats.relocated_blocks >= 6
-    k_spliced = LAYOUT.kv_views(layer0_blocks(kv_engine, item.block_ids))[0]
+    k_spliced = kv(kv_engine, layer0_blocks(kv_engine, item.block_ids))[0]
 
     full = kv_engine.generate(new, max_tokens=24, cache_salt=salt("deletion-ref"))
     assert full.num_cached_tokens == 0
     ref_item, _ = saves(kv_engine)[-1]
-    k_full = LAYOUT.kv_views(layer0_blocks(kv_engine, ref_item.block_ids[2:8]))[0]
+    k_full = kv(kv_engine, layer0_blocks(kv_engine, ref_item.block_ids[2:8]))[0]
     assert rel(k_spliced, k_full) < 0.01
     # The same blocks without the rotation (delta forced to 0) differ from the recompute.
     stored = torch.cat([kv_engine.kv_store.get(r, salt=s).payload[0] for r in item.refs])
-    assert rel(LAYOUT.kv_views(stored)[0], k_full) > 0.3
+    assert rel(kv(kv_engine, stored)[0], k_full) > 0.3
 
     # Fidelity, teacher-forced: both contexts are fed the full run's continuation and
     # predict each next token (the spliced context stays in vLLM's prefix cache under

@@ -1,0 +1,373 @@
+"""The connector's scheduler side: how many tokens the store can serve after the local
+prefix-cache hit, where they go, and which computed blocks to save.  Plain values in,
+plain records out (:class:`SpliceMetadata`, the step's work for the worker side); no
+torch, no vLLM (the glue in ``_connector`` translates vLLM's objects).
+
+Three jobs, one store (:mod:`promptsplice.engine_adapters.store._store`, keyed by the
+chain hash of :mod:`promptsplice.blocks` with the request's ``cache_salt``):
+
+* **Save**: every full prompt block a request computes is saved, all layers in one
+  payload.  Loaded blocks are not saved again, and neither is anything a request
+  computes after relocated KV (its deep layers attended to approximate KV): the store
+  holds exact blocks only, except under a splice scope (:mod:`._plans`).  Generated
+  tokens' blocks are not saved.
+* **Offload hits**: on a local prefix-cache miss, the blocks that follow the local hit
+  and are really in the store (``match_prefix``, pinned for the request) are loaded
+  instead of computed.
+* **Relocation**: a request that carries a :class:`~._plans.SplicePlan` gets the planned
+  old blocks (stored under the *old* prompt's chain hashes) loaded, and the worker side
+  re-rotates their keys by the position delta.
+
+vLLM's contiguity rule: the loaded tokens start exactly at the local hit and at least
+one prompt token is left to compute, so one request loads one contiguous run of blocks;
+each block of the run is either an offload hit (delta 0) or a relocated block of a plan
+segment (delta ``d``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from promptsplice.blocks import BlockHash, cdiv, hash_block, round_down
+from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, _is_int
+from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
+from promptsplice.errors import ConfigError, InputError
+
+__all__ = [
+    "LoadItem",
+    "LoadPlan",
+    "SaveItem",
+    "SpliceMetadata",
+    "SpliceScheduler",
+    "plan_load",
+]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """What the connector will load for a request: blocks ``refs`` (with per-block
+    position ``deltas``) into the request's blocks from token ``start`` on."""
+
+    start: int
+    block_size: int
+    refs: tuple[BlockRef, ...] = ()
+    deltas: tuple[int, ...] = ()
+    salts: tuple[str | bytes | None, ...] | None = None
+    """Per-ref salts when some refs come from another salt (``None``: the request's)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.refs)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.refs) * self.block_size
+
+
+def _plan_refs(
+    tokens: Sequence[int], plan: SplicePlan, block_size: int
+) -> dict[int, tuple[BlockRef, int]]:
+    """Block index in the new prompt -> (ref of the old block, delta), per segment."""
+    out: dict[int, tuple[BlockRef, int]] = {}
+    for seg in plan.segments:
+        parent = BlockHash(seg.src_parent)
+        first = seg.dst_start // block_size
+        for j in range(first, first + seg.num_blocks):
+            blk = tuple(tokens[j * block_size : (j + 1) * block_size])
+            if len(blk) < block_size:
+                return out  # the plan runs past the prompt: the rest cannot be whole blocks
+            key = hash_block(parent, blk)
+            out[j] = (BlockRef(key, parent, blk), seg.delta)
+            parent = key
+    return out
+
+
+def plan_load(
+    store: BlockStore,
+    prompt_tokens: Sequence[int],
+    num_computed_tokens: int,
+    *,
+    block_size: int,
+    salt: str | bytes | None = None,
+    plan: SplicePlan | None = None,
+    owner: Hashable | None = None,
+    relocation: bool = True,
+    chain: Sequence[BlockRef] | None = None,
+) -> LoadPlan:
+    """How many blocks after the local hit the store can serve, and which.
+
+    Candidates run from block ``num_computed_tokens // block_size`` up to the last full
+    block that still leaves one prompt token to compute (``(len - 1) // block_size``
+    blocks in all): a block covered by ``plan`` is its old block (delta of its segment),
+    any other block is the new prompt's own chain block (an offload hit, delta 0).  The
+    count is the leading run present in the store (``match_prefix``), pinned for
+    ``owner`` until ``store.release(owner)``.  ``relocation=False`` ignores plan
+    segments with a non-zero delta (the engine cannot rotate keys).  ``chain`` may pass
+    the prompt's precomputed ``chain_refs``.  A local hit that is not a block multiple
+    loads nothing.
+    """
+    bs = block_size
+    start = int(num_computed_tokens)
+    empty = LoadPlan(start, bs)
+    if start % bs or start < 0:
+        if owner is not None:
+            store.release(owner)
+        return empty
+    first, last = start // bs, (len(prompt_tokens) - 1) // bs
+    if first >= last:
+        if owner is not None:
+            store.release(owner)
+        return empty
+    planned: dict[int, tuple[BlockRef, int]] = {}
+    if plan:
+        if plan.block_size != bs:
+            raise InputError(f"the splice plan is for block_size {plan.block_size}, the engine's is {bs}")
+        planned = _plan_refs(prompt_tokens, plan, bs)
+        if not relocation:
+            planned = {j: rd for j, rd in planned.items() if rd[1] == 0}
+    if chain is None or len(chain) < last:
+        chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
+    src_salt = salt if plan is None or plan.src_salt is SAME_SALT else plan.src_salt
+    refs: list[BlockRef] = []
+    deltas: list[int] = []
+    salts: list[str | bytes | None] = []
+    for j in range(first, last):
+        if j in planned:
+            ref, delta = planned[j]
+            salts.append(src_salt)
+        else:
+            ref, delta = chain[j], 0
+            salts.append(salt)
+        refs.append(ref)
+        deltas.append(delta)
+    mixed = any(x != salt for x in salts)
+    count = store.match_prefix(refs, salt=salt, owner=owner, salts=salts if mixed else None)
+    return LoadPlan(
+        start, bs, tuple(refs[:count]), tuple(deltas[:count]), tuple(salts[:count]) if mixed else None
+    )
+
+
+# ------------------------------------------------------------------- metadata items
+
+
+@dataclass(frozen=True, slots=True)
+class LoadItem:
+    """Load ``refs`` into vLLM blocks ``block_ids`` (keys rotated by ``deltas``).
+
+    Blocks of ``block_ids`` past the end of ``refs`` have no source: load errors."""
+
+    req_id: str
+    salt: str | bytes | None
+    refs: tuple[BlockRef, ...]
+    deltas: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    start: int
+    """The first loaded token (the request's local prefix-cache hit)."""
+    ref_salts: tuple[str | bytes | None, ...] | None = None
+    """Per-ref salts (``None``: every ref is stored under ``salt``)."""
+
+    def salt_of(self, index: int) -> str | bytes | None:
+        return self.salt if self.ref_salts is None else self.ref_salts[index]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveItem:
+    """Save vLLM blocks ``block_ids`` (just computed) under ``refs``."""
+
+    req_id: str
+    salt: str | bytes | None
+    refs: tuple[BlockRef, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class SpliceMetadata:
+    """One engine step's work for the worker side: loads before the forward pass,
+    saves after it."""
+
+    loads: list[LoadItem] = field(default_factory=list)
+    saves: list[SaveItem] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ scheduler side
+
+
+@dataclass(slots=True)
+class _ReqState:
+    tokens: Sequence[int]
+    salt: str | bytes | None
+    plan: SplicePlan | None = None
+    chain: list[BlockRef] | None = None
+    pending: LoadPlan | None = None
+    no_save: bool = False
+    """Set after a relocation: blocks computed after relocated KV are not exact."""
+    save_from: int | None = None
+    """Scoped requests: the first loaded block, saved (under the scope) with the step."""
+
+
+class SpliceScheduler:
+    """The scheduler-side half of the connector (one per engine).
+
+    The connector forwards vLLM's scheduler calls here with plain values:
+    :meth:`get_num_new_matched_tokens` (count and pin), :meth:`update_state_after_alloc`
+    (turn the count into a :class:`LoadItem` with the destination block ids),
+    :meth:`build_connector_meta` (this step's loads and saves) and
+    :meth:`request_finished`.
+    """
+
+    def __init__(self, store: BlockStore, block_size: int, *, relocation: bool = True) -> None:
+        if not _is_int(block_size) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+        self.store = store
+        self.block_size = int(block_size)
+        self.relocation = bool(relocation)
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: list[LoadItem] = []
+        self._warned_plan = False
+
+    def _state(self, req_id: str, tokens: Sequence[int], salt, params) -> _ReqState:
+        st = self._reqs.get(req_id)
+        if st is None or st.tokens is not tokens:
+            try:
+                plan = SplicePlan.from_params(params)
+            except InputError as exc:
+                # A bad plan must not fail the engine: the request is computed instead.
+                _log.warning("splice connector: ignoring the splice plan of %s: %s", req_id, exc)
+                plan = None
+            if plan is not None and plan.block_size != self.block_size:
+                _log.warning(
+                    "splice connector: ignoring the splice plan of %s: made for block_size %d, "
+                    "the engine's is %d", req_id, plan.block_size, self.block_size,
+                )
+                plan = None
+            if plan and not self.relocation and not self._warned_plan:
+                self._warned_plan = True
+                _log.warning(
+                    "splice connector: relocation is unavailable on this engine (RoPE or KV "
+                    "layout not supported); splice plans fall back to computing"
+                )
+            st = _ReqState(tokens, salt, plan)
+            self._reqs[req_id] = st
+        return st
+
+    def get_num_new_matched_tokens(
+        self,
+        req_id: str,
+        prompt_tokens: Sequence[int] | None,
+        salt: str | bytes | None,
+        num_computed_tokens: int,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Tokens to load after the local hit ``num_computed_tokens`` (block multiple).
+
+        Idempotent: asking again replaces the earlier answer and its pins.
+        """
+        if not prompt_tokens:
+            return 0
+        st = self._state(req_id, prompt_tokens, salt, kv_transfer_params)
+        bs = self.block_size
+        last = (len(prompt_tokens) - 1) // bs
+        if st.chain is None and num_computed_tokens // bs < last:
+            st.chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
+        lp = plan_load(
+            self.store,
+            prompt_tokens,
+            num_computed_tokens,
+            block_size=bs,
+            salt=salt,
+            plan=st.plan,
+            owner=req_id,
+            relocation=self.relocation,
+            chain=st.chain,
+        )
+        st.pending = lp if lp.num_blocks else None
+        return lp.num_tokens
+
+    def update_state_after_alloc(
+        self, req_id: str, block_ids: Sequence[int], num_external_tokens: int
+    ) -> LoadItem | None:
+        """vLLM allocated the request's blocks (``block_ids``: all of them, the local
+        hit's included) and accepted ``num_external_tokens`` (0: load nothing)."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return None
+        lp, st.pending = st.pending, None
+        bs = self.block_size
+        n = num_external_tokens // bs if num_external_tokens > 0 else 0
+        if lp is None or n == 0:
+            self.store.release(req_id)
+            return None
+        if num_external_tokens % bs or n > lp.num_blocks:
+            # Not what was offered (vLLM trims only to 0 or to whole blocks): the blocks
+            # without a source are reported as load errors, so vLLM recomputes them.
+            _log.error(
+                "splice connector: vLLM accepted %d external tokens for %s, the connector "
+                "offered %d in blocks of %d", num_external_tokens, req_id, lp.num_tokens, bs,
+            )
+            n = cdiv(num_external_tokens, bs)
+        first = lp.start // bs
+        dst = tuple(int(b) for b in block_ids[first : first + n])
+        salts = None if lp.salts is None else lp.salts[:n]
+        item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start, salts)
+        if st.plan is not None and st.plan.scope:
+            st.save_from = first  # approximate or not, the scope keeps what it loaded
+        elif any(item.deltas) or salts is not None:
+            st.no_save = True
+        self._loads.append(item)
+        return item
+
+    def build_connector_meta(
+        self,
+        steps: Iterable[tuple[str, int, int]],
+        block_ids: Callable[[str], Sequence[int]],
+    ) -> SpliceMetadata:
+        """This step's work: the pending loads, and a save of every full prompt block
+        the step completes that the store lacks.
+
+        ``steps``: ``(req_id, num_computed_tokens, num_scheduled_tokens)`` of each
+        scheduled request (computed tokens *before* this step, loaded ones included);
+        ``block_ids(req_id)``: all of the request's vLLM block ids.
+        """
+        bs = self.block_size
+        saves: list[SaveItem] = []
+        for req_id, computed, scheduled in steps:
+            st = self._reqs.get(req_id)
+            if st is None or st.no_save:
+                continue
+            prompt_len = len(st.tokens)
+            end = min(computed + scheduled, prompt_len)
+            first, stop = computed // bs, end // bs  # blocks [first, stop) complete now
+            if st.save_from is not None:
+                first, st.save_from = min(first, st.save_from), None
+            if stop <= first:
+                continue
+            if st.chain is None or len(st.chain) < stop:
+                st.chain = chain_refs(st.tokens[: round_down(prompt_len, bs)], bs, salt=st.salt)
+            ids = None
+            refs, dst = [], []
+            for j in range(first, stop):
+                ref = st.chain[j]
+                if self.store.contains(ref, salt=st.salt):
+                    continue
+                if ids is None:
+                    ids = block_ids(req_id)
+                refs.append(ref)
+                dst.append(int(ids[j]))
+            if refs:
+                saves.append(SaveItem(req_id, st.salt, tuple(refs), tuple(dst)))
+        loads, self._loads = self._loads, []
+        return SpliceMetadata(loads, saves)
+
+    def request_finished(self, req_id: str) -> None:
+        """Forget the request and drop its pins."""
+        self._reqs.pop(req_id, None)
+        self.store.release(req_id)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._reqs)

@@ -1,0 +1,123 @@
+"""What the connector derives from vLLM's config, identically in both roles (so they
+open the same store): the store config in ``kv_connector_extra_config``, the block size,
+the attention ISA and RoPE, and whether relocation is possible.
+
+``store_config_to_extra`` is what ``EngineConfig(kv_store=...)`` writes into vLLM's
+config; ``connector_settings`` reads it back inside the engine.  Importing this module
+imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from promptsplice.engine_adapters.store._store import StoreConfig
+from promptsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from promptsplice.kernels import RopeConfig
+
+__all__ = ["ConnectorSettings", "connector_settings", "store_config_from_extra", "store_config_to_extra"]
+
+_STORE_FIELDS = tuple(f.name for f in fields(StoreConfig))
+
+
+def store_config_to_extra(config: StoreConfig) -> dict[str, Any]:
+    """A :class:`StoreConfig` as ``kv_connector_extra_config`` (plain values)."""
+    if not isinstance(config, StoreConfig):
+        raise ConfigError(f"expected a StoreConfig, got {type(config).__name__}")
+    return {name: getattr(config, name) for name in _STORE_FIELDS}
+
+
+def store_config_from_extra(extra: Mapping[str, Any], *, fingerprint: str = "") -> StoreConfig:
+    """The :class:`StoreConfig` named by ``kv_connector_extra_config``.
+
+    ``fingerprint`` (the engine's model and KV layout) is prepended to the one given,
+    so blocks of another model or layout are never served.
+    """
+    if not isinstance(extra, Mapping):
+        raise ConfigError("kv_connector_extra_config must be a mapping of StoreConfig fields")
+    unknown = sorted(set(extra) - set(_STORE_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config has unknown keys {unknown}; the splice connector "
+            f"takes StoreConfig fields: {', '.join(_STORE_FIELDS)}"
+        )
+    if "dram_bytes" not in extra:
+        raise ConfigError("kv_connector_extra_config needs dram_bytes (the store's DRAM budget)")
+    values = dict(extra)
+    user = values.get("fingerprint") or ""
+    values["fingerprint"] = fingerprint if not user else f"{fingerprint}|{user}"
+    try:
+        return StoreConfig(**values)
+    except TypeError as exc:
+        raise ConfigError(f"bad store configuration: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What both roles derive from vLLM's config (identically, so they share a store)."""
+
+    store_config: StoreConfig
+    block_size: int
+    backend: str
+    isa: str
+    rope: RopeConfig | None
+    relocation: bool
+    why_no_relocation: str = ""
+
+
+def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
+    """The store config (with the engine's fingerprint), block size, attention ISA and
+    RoPE of an engine; :class:`ConfigError` when the connector cannot serve it."""
+    from promptsplice.engine_adapters._vllm import cpu_attn_isa, import_vllm_platform
+    from promptsplice.kernels import VERIFIED_CPU_ATTN_ISAS, RopeConfig
+
+    platform = import_vllm_platform()
+    if not platform.is_cpu():
+        raise ConfigError(
+            "SpliceConnector supports vLLM's CPU backend (CPU_ATTN) only; on "
+            f"{platform.device_type} use vLLM's own offloading connectors"
+        )
+    kv = vllm_config.kv_transfer_config
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    cache_dtype = str(cache.cache_dtype)
+    if cache_dtype.startswith("fp8"):
+        raise ConfigError(f"SpliceConnector: kv_cache_dtype {cache_dtype!r} (quantized) is not supported")
+    block_size = int(cache.block_size)
+    head_size = int(model.get_head_size())
+    isa = cpu_attn_isa(model.dtype, block_size, head_size, cache_dtype)
+    rope = None
+    why = ""
+    try:
+        rope = RopeConfig.from_hf_config(model.hf_config)
+    except ConfigError as exc:
+        why = f"RoPE: {exc}"
+    # The RoPE is part of the identity: relocated keys are rotated with it, so blocks
+    # written under another RoPE configuration must never be served.
+    fingerprint = "|".join(
+        [
+            "promptsplice-kv/1",
+            str(model.model),
+            str(model.dtype),
+            cache_dtype,
+            f"block{block_size}",
+            f"cpu_attn:{isa}",
+            f"layers{model.get_num_layers(parallel)}",
+            f"kv_heads{model.get_num_kv_heads(parallel)}",
+            f"head{head_size}",
+            f"rope:{rope!r}",
+        ]
+    )
+    extra = kv.kv_connector_extra_config if kv is not None else {}
+    store_config = store_config_from_extra(extra, fingerprint=fingerprint)
+    if rope is not None and isa not in VERIFIED_CPU_ATTN_ISAS:
+        why = f"CPU_ATTN ISA {isa!r} has an unverified K layout"
+    relocation = rope is not None and not why
+    return ConnectorSettings(store_config, block_size, "CPU_ATTN", isa, rope, relocation, why)

@@ -1,0 +1,147 @@
+"""Splice plans without an engine: the wire format, the plan builders, the phases of
+an edit, and the module's promise to import neither torch nor vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from promptsplice.blocks import chain_hashes, hash_block, root_hash
+from promptsplice.engine_adapters import (
+    SplicePhase,
+    SplicePlan,
+    SpliceSegment,
+    plan_deletion,
+    plan_phases,
+    plan_relocation,
+    plan_segment_phases,
+)
+from promptsplice.errors import InputError
+from tests._imports import modules_after
+from tests.engine_adapters.connector._kv import BS, SALT, toks
+
+
+def test_plans_import_neither_torch_nor_vllm():
+    for stmt in (
+        "import promptsplice.engine_adapters.connector._plans",
+        "import promptsplice.engine_adapters.connector",
+    ):
+        mods = modules_after(stmt)
+        assert "promptsplice.engine_adapters.connector._plans" in mods
+        assert not {m.split(".")[0] for m in mods} & {"torch", "vllm", "numpy"}, stmt
+
+
+def test_plan_params_round_trip_and_are_json_safe():
+    import json
+
+    seg = SpliceSegment(64, 4, -64, root_hash("x"))
+    plan = SplicePlan(BS, (seg, SpliceSegment(192, 1, -96, bytes(16))))
+    params = plan.to_params()
+    assert json.loads(json.dumps(params)) == params
+    assert params["splice"]["segments"][0] == {
+        "dst_start": 64, "num_blocks": 4, "delta": -64, "src_parent": root_hash("x").hex()
+    }
+    assert SplicePlan.from_params(params) == plan
+    assert SplicePlan.from_params({"other": 1}) is None and SplicePlan.from_params(None) is None
+    assert (plan.dst_start, plan.dst_end, plan.num_tokens) == (64, 224, 160)
+    assert seg.src_start == 128 and not SplicePlan(BS)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"splice": {"version": 2, "block_size": 32, "segments": []}}, "version"),
+        ({"splice": {"version": 1, "block_size": 32, "segments": {}}}, "list"),
+        ({"splice": {"version": 1, "block_size": 32, "segments": [{"dst_start": 0}]}}, "lacks"),
+        ({"splice": {"version": 1, "block_size": 32, "segments": [
+            {"dst_start": 0, "num_blocks": 1, "delta": 0, "src_parent": "zz"}]}}, "segment 0"),
+        ({"splice": {"version": 1, "block_size": 32, "segments": [
+            {"dst_start": 16, "num_blocks": 1, "delta": 0, "src_parent": "00" * 16}]}}, "multiples"),
+        ({"splice": {"version": 1, "block_size": 32, "segments": [
+            {"dst_start": 0, "num_blocks": 1, "delta": 32, "src_parent": "00" * 16}]}}, "negative"),
+        ({"splice": {"version": 1, "block_size": 32, "segments": [
+            {"dst_start": 0, "num_blocks": 1, "delta": 0, "src_parent": "00" * 16},
+            {"dst_start": 64, "num_blocks": 1, "delta": 0, "src_parent": "00" * 16}]}}, "contiguous"),
+        ({"splice": "yes"}, "mapping"),
+    ],
+)
+def test_malformed_plans_are_refused_naming_the_field(params, match):
+    with pytest.raises(InputError, match=match):
+        SplicePlan.from_params(params)
+
+
+def test_plan_deletion_points_at_the_old_chain():
+    P, X, S = toks(64), toks(64, 5000), toks(100, 9000)  # S: 3 whole blocks + 4 tokens
+    old, new = P + X + S + [7], P + S + [8, 9]
+    plan = plan_deletion(old, new, (64, 128), block_size=BS, salt=SALT)
+    (seg,) = plan.segments
+    assert (seg.dst_start, seg.num_blocks, seg.delta, seg.src_start) == (64, 3, -64, 128)
+    old_keys = chain_hashes(old, BS, salt=SALT)
+    assert seg.src_parent == old_keys[3]  # the block that ends where S started (P + X)
+    # The keys rebuilt from the new prompt's tokens are the old prompt's keys of S.
+    parent, rebuilt = seg.src_parent, []
+    for j in range(2, 5):
+        parent = hash_block(parent, new[j * BS : (j + 1) * BS])
+        rebuilt.append(parent)
+    assert rebuilt == old_keys[4:7]
+
+
+def test_plan_relocation_rules():
+    old, new = toks(128), toks(32, 7) + toks(128)
+    plan = plan_relocation(old, new, old_start=0, new_start=32, block_size=BS)
+    assert plan.segments == (SpliceSegment(32, 4, 32, root_hash(None)),)
+    half = plan_relocation(old, new, old_start=0, new_start=32, num_tokens=70, block_size=BS, salt="s")
+    assert half.segments[0].num_blocks == 2 and half.segments[0].src_parent == root_hash("s")
+    assert not plan_relocation(old, new, old_start=0, new_start=32, num_tokens=31, block_size=BS)
+    with pytest.raises(InputError, match="multiple of block_size"):
+        plan_relocation(old, new, old_start=0, new_start=16, block_size=BS)
+    with pytest.raises(InputError, match="differ inside"):
+        plan_relocation(old, new, old_start=32, new_start=32, num_tokens=32, block_size=BS)
+    with pytest.raises(InputError, match="does not start with"):
+        plan_deletion(toks(96), toks(64, 1) + toks(32), (32, 64), block_size=BS)
+
+
+# ------------------------------------------------------------------- the phases of an edit
+
+
+def test_plan_segment_phases_one_request_per_contiguous_run():
+    a, b, c = (SpliceSegment(64, 2, -32, bytes(16)), SpliceSegment(128, 1, -32, bytes(16)),
+               SpliceSegment(256, 1, 64, bytes(16)))
+    phases = plan_segment_phases([a, b, c], 300, block_size=BS)
+    # A plain request computes up to the first run, each run loads and computes up to the next.
+    assert phases == [
+        SplicePhase(64, SplicePlan(BS)),
+        SplicePhase(256, SplicePlan(BS, (a, b))),
+        SplicePhase(300, SplicePlan(BS, (c,))),
+    ]
+    # A run of fewer than min_group_blocks blocks after 0 is computed instead.
+    assert plan_segment_phases([a, b, c], 300, block_size=BS, min_group_blocks=2) == phases[:1] + [
+        SplicePhase(300, SplicePlan(BS, (a, b)))
+    ]
+    # The prefix cache already reaches the first run: no plain request.
+    assert plan_segment_phases([c], 300, block_size=BS, hit=256) == [SplicePhase(300, SplicePlan(BS, (c,)))]
+    assert plan_segment_phases([], 300, block_size=BS, scope=True) == [SplicePhase(300, SplicePlan(BS, scope=True))]
+    with pytest.raises(InputError, match="overlaps"):
+        plan_segment_phases([b, a], 300, block_size=BS)
+
+
+def test_plan_phases_relocates_whole_blocks_and_recomputes_the_first_r():
+    P, X, S = toks(64), toks(64, 5000), toks(128, 9000)
+    old, new = P + X + S + [1], P + S + [2]
+    old_keys = chain_hashes(old, BS, salt=SALT)
+    (only,) = plan_phases(old, new, [(128, 256, -64)], block_size=BS, salt=SALT)
+    # P hits the prefix cache, S's 4 blocks move by -64, the last token is computed.
+    assert only == SplicePhase(len(new), SplicePlan(BS, (SpliceSegment(64, 4, -64, old_keys[3]),)))
+    # r=1: S's first block is computed by a request of its own, the other 3 relocate.
+    first, second = plan_phases(old, new, [(128, 256, -64)], block_size=BS, salt=SALT, recompute_blocks=1)
+    assert first == SplicePhase(96, SplicePlan(BS))
+    assert second.plan.segments == (SpliceSegment(96, 3, -64, old_keys[4]),)
+    # A delta that is not a block multiple cannot move whole blocks: all computed.
+    assert plan_phases(old, new[:32] + new[36:], [(128, 256, -68)], block_size=BS, salt=SALT) == [
+        SplicePhase(len(new) - 4, SplicePlan(BS))
+    ]
+    # Scoped plans name the source salt and the scope on every phase.
+    (scoped,) = plan_phases(old, new, [(128, 256, -64)], block_size=BS, salt="scope", src_salt=SALT, scope=True)
+    assert scoped.plan.src_salt == SALT and scoped.plan.scope
+    assert scoped.plan.segments[0].src_parent == old_keys[3]  # the old chain, under its own salt
+    with pytest.raises(InputError, match="differ inside"):
+        plan_phases(old, P + toks(128, 7000) + [2], [(128, 256, -64)], block_size=BS, salt=SALT)

@@ -1,0 +1,121 @@
+"""The connector's scheduler side without an engine: how many tokens the store serves
+after the local hit, the exact destination block ids, what each step saves; and the
+module's promise to import neither torch nor vLLM."""
+
+from __future__ import annotations
+
+import torch
+
+from promptsplice.blocks import chain_hashes
+from promptsplice.engine_adapters import SplicePlan, SpliceSegment, chain_refs
+from promptsplice.engine_adapters.connector._scheduler import SaveItem, SpliceScheduler, plan_load
+from tests._imports import modules_after
+from tests.engine_adapters.connector._kv import BS, SALT, deletion_case, fill_store, toks
+
+
+def test_the_scheduler_side_imports_neither_torch_nor_vllm():
+    mods = modules_after("import promptsplice.engine_adapters.connector._scheduler")
+    assert "promptsplice.engine_adapters.connector._scheduler" in mods
+    assert not {m.split(".")[0] for m in mods} & {"torch", "vllm"}
+
+
+def test_offload_hits_count_the_blocks_really_stored_and_leave_one_token(store):
+    prompt = toks(6 * BS)  # exactly 6 blocks: the 6th cannot be served (one token to compute)
+    fill_store(store, prompt)
+    lp = plan_load(store, prompt, 0, block_size=BS, salt=SALT)
+    assert lp.num_tokens == 5 * BS == (len(prompt) - 1) // BS * BS and set(lp.deltas) == {0}
+    assert [r.key for r in lp.refs] == chain_hashes(prompt, BS, salt=SALT)[:5]
+    # After a local hit of 2 blocks: the following ones.
+    lp = plan_load(store, prompt, 2 * BS, block_size=BS, salt=SALT)
+    assert (lp.start, lp.num_tokens) == (64, 3 * BS)
+    assert plan_load(store, prompt + [1], 0, block_size=BS, salt=SALT).num_tokens == 6 * BS
+    # A hole stops the run; other salts and unaligned hits get nothing.
+    store.discard(chain_hashes(prompt, BS, salt=SALT)[3])
+    assert plan_load(store, prompt, 0, block_size=BS, salt=SALT).num_tokens == 3 * BS
+    assert plan_load(store, prompt, 0, block_size=BS, salt="tenant-b").num_tokens == 0
+    assert plan_load(store, prompt, 0, block_size=BS, salt=None).num_tokens == 0
+    assert plan_load(store, prompt, 16, block_size=BS, salt=SALT).num_tokens == 0
+
+
+def test_planner_pins_for_the_request(store):
+    prompt = toks(4 * BS + 1)
+    fill_store(store, prompt)
+    lp = plan_load(store, prompt, 0, block_size=BS, salt=SALT, owner="req-1")
+    assert lp.num_blocks == 4 and store.stats().pinned_blocks == 4
+    plan_load(store, prompt, 2 * BS, block_size=BS, salt=SALT, owner="req-1")  # asked again
+    assert store.stats().pinned_blocks == 2
+    assert store.release("req-1") == 2 and store.stats().pinned_blocks == 0
+
+
+def test_planner_relocates_the_planned_blocks_after_the_local_hit(store):
+    old, new, plan, _ = deletion_case(store)
+    lp = plan_load(store, new, 2 * BS, block_size=BS, salt=SALT, plan=plan)
+    assert (lp.start, lp.num_blocks, lp.deltas) == (64, 3, (-64, -64, -64))
+    assert [r.key for r in lp.refs] == chain_hashes(old, BS, salt=SALT)[4:7]
+    # P lost from vLLM's cache: P comes from the store too (delta 0), then S relocated.
+    lp = plan_load(store, new, 0, block_size=BS, salt=SALT, plan=plan)
+    assert lp.deltas == (0, 0, -64, -64, -64)
+    # No relocation on this engine: the planned blocks are not offered.
+    assert plan_load(store, new, 0, block_size=BS, salt=SALT, plan=plan, relocation=False).deltas == (0, 0)
+    # The plan under another salt finds nothing to relocate.
+    assert plan_load(store, new, 2 * BS, block_size=BS, salt="tenant-b", plan=plan).num_blocks == 0
+    # A plan that points at blocks not in the store: nothing loaded (computed instead).
+    bogus = SplicePlan(BS, (SpliceSegment(64, 3, -64, bytes(16)),))
+    assert plan_load(store, new, 2 * BS, block_size=BS, salt=SALT, plan=bogus).num_blocks == 0
+
+
+def test_scheduler_turns_the_count_into_exact_destination_blocks(store):
+    old, new, plan, _ = deletion_case(store)
+    sched = SpliceScheduler(store, BS)
+    n = sched.get_num_new_matched_tokens("r1", new, SALT, 2 * BS, plan.to_params())
+    assert n == 3 * BS and store.stats().pinned_blocks == 3
+    # vLLM's list holds the local-hit blocks first: the load goes after them.
+    block_ids = [17, 4, 9, 12, 3, 21]  # 2 hit + 3 loaded + 1 computed (the tail)
+    item = sched.update_state_after_alloc("r1", block_ids, n)
+    assert item.block_ids == (9, 12, 3) and item.deltas == (-64,) * 3 and item.start == 64
+    meta = sched.build_connector_meta([("r1", 2 * BS + n, len(new) - 5 * BS)], lambda rid: block_ids)
+    assert meta.loads == [item]
+    assert meta.saves == []  # after a relocation the tail is approximate: not stored
+    assert sched.build_connector_meta([], lambda rid: block_ids).loads == []  # loads go once
+    sched.request_finished("r1")
+    assert store.stats().pinned_blocks == 0 and sched.num_tracked == 0
+
+
+def test_scheduler_saves_what_each_step_completes(store):
+    sched = SpliceScheduler(store, BS)
+    prompt = toks(5 * BS + 7)
+    assert sched.get_num_new_matched_tokens("r2", prompt, SALT, 0) == 0
+    assert sched.update_state_after_alloc("r2", [], 0) is None
+    ids = [5, 6, 7, 8, 9, 10]
+    refs = chain_refs(prompt, BS, salt=SALT)
+    # Chunked prefill: 70 tokens, then the rest, then a decode step.
+    meta = sched.build_connector_meta([("r2", 0, 70)], lambda rid: ids)
+    assert meta.saves == [SaveItem("r2", SALT, tuple(refs[:2]), (5, 6))]
+    store.put(refs[2], torch.zeros(1), salt=SALT)  # already stored: skipped
+    meta = sched.build_connector_meta([("r2", 70, len(prompt) - 70)], lambda rid: ids)
+    assert meta.saves == [SaveItem("r2", SALT, (refs[3], refs[4]), (8, 9))]
+    assert sched.build_connector_meta([("r2", len(prompt), 1)], lambda rid: ids).saves == []
+
+
+def test_scheduler_offload_hit_and_vllm_declining_it(store):
+    prompt = toks(4 * BS + 3)
+    fill_store(store, prompt, blocks={0, 1, 2})
+    sched = SpliceScheduler(store, BS)
+    assert sched.get_num_new_matched_tokens("r3", prompt, SALT, 0) == 3 * BS
+    # vLLM took 0 external tokens (e.g. skip_reading_prefix_cache): nothing loads, pins go.
+    assert sched.update_state_after_alloc("r3", [1, 2, 3, 4, 5], 0) is None
+    assert store.stats().pinned_blocks == 0
+    meta = sched.build_connector_meta([("r3", 0, len(prompt))], lambda rid: [1, 2, 3, 4, 5])
+    assert meta.loads == [] and [s.block_ids for s in meta.saves] == [(4,)]  # only block 3 is missing
+    # Asked again (a new request, same prompt): blocks 0-2 load into the first three ids.
+    assert sched.get_num_new_matched_tokens("r4", prompt, SALT, 0) == 3 * BS
+    assert sched.update_state_after_alloc("r4", [30, 31, 32, 33, 34], 3 * BS).block_ids == (30, 31, 32)
+
+
+def test_a_bad_plan_is_ignored_not_fatal(store, caplog):
+    prompt = toks(3 * BS + 1)
+    fill_store(store, prompt)
+    sched = SpliceScheduler(store, BS)
+    bad = {"splice": {"version": 1, "block_size": 16, "segments": []}}
+    assert sched.get_num_new_matched_tokens("r5", prompt, SALT, 0, bad) == 3 * BS  # offload still
+    assert "ignoring the splice plan" in caplog.text

@@ -1,0 +1,233 @@
+"""The connector's worker side on plain tensors laid out like vLLM's CPU_ATTN cache
+(poisoned first): saves of every layer, offload loads bit for bit, relocating loads
+(K rotated, V copied), kernel blocks smaller than vLLM's, load errors by block id, and
+the KV layout read from the backend's name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptsplice.blocks import chain_hashes
+from promptsplice.engine_adapters import BlockStore, LookupStatus, StoreConfig, chain_refs
+from promptsplice.engine_adapters.connector._scheduler import (
+    LoadItem,
+    SaveItem,
+    SpliceMetadata,
+    SpliceScheduler,
+    plan_load,
+)
+from promptsplice.errors import ConfigError
+from promptsplice.kernels import CpuAttnAmxLayout, gather_blocks, rotate_keys
+from tests.engine_adapters.connector._kv import (
+    BS,
+    HD,
+    HEADS,
+    LAYERS,
+    LAYOUT,
+    NB,
+    PAYLOAD,
+    ROPE,
+    SALT,
+    deletion_case,
+    fill_store,
+    poisoned_caches,
+    random_caches,
+    toks,
+    worker,
+)
+
+
+def test_save_stores_exactly_the_blocks_of_every_layer(store):
+    caches = random_caches()
+    w = worker(store, caches)
+    prompt = toks(3 * BS)
+    refs = chain_refs(prompt, BS, salt=SALT)
+    assert w.save(SpliceMetadata(saves=[SaveItem("r", SALT, tuple(refs), (7, 2, 19))])) == 3
+    for ref, b in zip(refs, (7, 2, 19)):
+        got = store.get(ref, salt=SALT)
+        assert got.status is LookupStatus.HIT_DRAM and got.payload.shape == (LAYERS, 1, HEADS, BS, 2 * HD)
+        for layer, cache in enumerate(caches.values()):
+            assert torch.equal(got.payload[layer], gather_blocks(LAYOUT, cache, [b]))
+    assert w.stats.saved_blocks == 3
+
+
+def test_offload_load_writes_exactly_the_stored_blocks(store):
+    prompt = toks(4 * BS)
+    payloads = fill_store(store, prompt)
+    caches = poisoned_caches()
+    w = worker(store, caches)
+    refs = chain_refs(prompt, BS, salt=SALT)
+    item = LoadItem("r", SALT, tuple(refs[:3]), (0, 0, 0), (11, 3, 20), 0)
+    w.start_load(SpliceMetadata(loads=[item]))
+    assert w.take_load_errors() == set()
+    for layer, cache in enumerate(caches.values()):
+        for j, b in enumerate((11, 3, 20)):
+            assert torch.equal(cache[b], payloads[j][layer, 0])  # bit for bit
+        others = [i for i in range(NB) if i not in (11, 3, 20)]
+        assert torch.isnan(cache[others]).all()  # nothing else written
+    assert (w.stats.loaded_blocks, w.stats.relocated_blocks) == (3, 0)
+
+
+def test_relocating_load_rotates_k_and_copies_v(store):
+    old, new, plan, payloads = deletion_case(store)
+    lp = plan_load(store, new, 2 * BS, block_size=BS, salt=SALT, plan=plan, owner="r")
+    caches = poisoned_caches()
+    w = worker(store, caches)
+    dst = (5, 0, 9)
+    w.load(LoadItem("r", SALT, lp.refs, lp.deltas, dst, lp.start))
+    assert w.take_load_errors() == set() and w.stats.relocated_blocks == 3
+    assert store.stats().pinned_blocks == 0  # released after the load
+    for layer, cache in enumerate(caches.values()):
+        k_dst, v_dst = LAYOUT.kv_views(cache)
+        for j, b in zip((4, 5, 6), dst):  # old blocks 4-6 are S
+            src = payloads[j][layer]  # [1, H, BS, 2*HD]
+            k_src, v_src = LAYOUT.kv_views(src)
+            want = rotate_keys(k_src[0].transpose(0, 1), -64, ROPE).transpose(0, 1)  # [H, BS, HD]
+            torch.testing.assert_close(k_dst[b], want, rtol=0, atol=0)
+            assert torch.equal(v_dst[b], v_src[0])
+            assert not torch.equal(k_dst[b], k_src[0])  # it did rotate
+        assert torch.isnan(cache[[i for i in range(NB) if i not in dst]]).all()
+
+
+def test_kernel_blocks_smaller_than_vllm_blocks_are_mapped(store):
+    """vLLM block of 64 tokens = 2 cache blocks of 32: ids b -> 2b, 2b+1."""
+    caches = random_caches(3)
+    w = worker(store, caches, block_size=64)  # the caches' blocks are 32 tokens
+    assert w.paged.block_size == 32 and w.kernel_ids([3, 1]) == [6, 7, 2, 3] and w.payload_shape == (LAYERS, 2, HEADS, 32, 2 * HD)
+    prompt = toks(128)
+    refs = chain_refs(prompt, 64, salt=SALT)
+    assert w.save(SpliceMetadata(saves=[SaveItem("r", SALT, tuple(refs), (3, 1))])) == 2
+    dst = poisoned_caches()
+    w2 = worker(store, dst, block_size=64)
+    w2.load(LoadItem("r", SALT, tuple(refs), (64, 64), (5, 10), 0))
+    for src, out in zip(caches.values(), dst.values()):
+        for sb, db in ((6, 10), (7, 11), (2, 20), (3, 21)):
+            assert torch.equal(LAYOUT.kv_views(out)[1][db], LAYOUT.kv_views(src)[1][sb])
+            want = rotate_keys(LAYOUT.kv_views(src)[0][sb].transpose(0, 1), 64, ROPE).transpose(0, 1)
+            assert torch.equal(LAYOUT.kv_views(out)[0][db], want)
+        assert torch.isnan(out[[i for i in range(NB) if i not in (10, 11, 20, 21)]]).all()
+
+
+def test_blocks_that_fail_to_load_are_reported_by_block_id(store):
+    prompt = toks(4 * BS + 1)
+    payloads = fill_store(store, prompt)
+    sched = SpliceScheduler(store, BS)
+    n = sched.get_num_new_matched_tokens("r", prompt, SALT, 0)
+    assert n == 4 * BS
+    item = sched.update_state_after_alloc("r", [8, 6, 4, 2, 1], n)
+    meta = sched.build_connector_meta([("r", n, 1)], lambda rid: [8, 6, 4, 2, 1])
+    store.discard(chain_hashes(prompt, BS, salt=SALT)[2])  # gone behind the pin's back
+    caches = poisoned_caches()
+    w = worker(store, caches)
+    w.start_load(meta)
+    assert w.take_load_errors() == {4, 2} and w.take_load_errors() == set()
+    assert w.stats.load_errors == 2 and w.stats.loaded_blocks == 2
+    first = next(iter(caches.values()))
+    assert torch.equal(first[8], payloads[0][0, 0]) and torch.equal(first[6], payloads[1][0, 0])
+    assert torch.isnan(first[[4, 2]]).all()  # vLLM recomputes them
+    # This step's saves of the failed request are skipped (its forward pass was wrong).
+    bad_save = SaveItem("r", SALT, (chain_refs(prompt, BS, salt=SALT)[2],), (4,))
+    assert w.save(SpliceMetadata(saves=[bad_save])) == 0
+    assert item.block_ids == (8, 6, 4, 2)
+
+
+def test_a_damaged_disk_record_is_a_load_error(tmp_path):
+    cfg = StoreConfig(dram_bytes=PAYLOAD, disk_bytes=16 * PAYLOAD + 65536, disk_dir=str(tmp_path),
+                      fsync=False, write_behind_bytes=0)
+    with BlockStore(cfg) as store:
+        prompt = toks(3 * BS + 1)
+        payloads = fill_store(store, prompt)  # DRAM holds one block: the others went to disk
+        refs = chain_refs(prompt, BS, salt=SALT)
+        records = sorted(p for p in tmp_path.iterdir() if p.name.endswith(".kvb"))
+        assert len(records) >= 2
+        lp = plan_load(store, prompt, 0, block_size=BS, salt=SALT, owner="r")
+        assert lp.num_blocks == 3  # counted from the index: no file read
+        victim = refs[1].key.hex()
+        path = next(p for p in tmp_path.iterdir() if victim in p.name)
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+        caches = poisoned_caches()
+        w = worker(store, caches)
+        w.load(LoadItem("r", SALT, lp.refs, lp.deltas, (1, 2, 3), 0))
+        assert w.take_load_errors() == {2, 3}
+        assert store.stats().corrupt == 1
+        assert torch.equal(next(iter(caches.values()))[1], payloads[0][0, 0])
+
+
+def test_worker_refuses_mismatched_layers(store):
+    caches = random_caches()
+    caches["odd"] = torch.zeros(NB, HEADS, BS, 2 * HD, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="equal layers"):
+        worker(store, caches)
+    with pytest.raises(ConfigError, match="not a multiple of the cache's kernel block size 32"):
+        worker(store, random_caches(), block_size=48)
+
+
+def test_the_layout_is_read_from_the_backend_and_others_are_refused_by_name(store):
+    w = worker(store, random_caches())
+    assert w.paged.layout == LAYOUT and (w.block_dim, w.blocks_per_block) == (0, 1) and w.can_relocate
+    with pytest.raises(ConfigError, match="'TRITON_ATTN'.*supported: CPU_ATTN, FLASH_ATTN, FLASHINFER"):
+        worker(store, random_caches(), backend="TRITON_ATTN")
+    with pytest.raises(ConfigError, match="isa="):
+        worker(store, random_caches(), isa=None)
+
+
+def test_relocating_load_into_amx_tiles(store):
+    """ISA amx packs K and V in tiles: the relocated K unpacks to the rotated K, the V
+    tiles are the stored ones bit for bit."""
+    old, new, plan, payloads = deletion_case(store)
+    lp = plan_load(store, new, 2 * BS, block_size=BS, salt=SALT, plan=plan, owner="r")
+    caches = poisoned_caches()
+    w = worker(store, caches, isa="amx")
+    assert w.paged.layout == CpuAttnAmxLayout() and w.can_relocate
+    dst = (5, 0, 9)
+    assert w.load(LoadItem("r", SALT, lp.refs, lp.deltas, dst, lp.start)) == 3
+    amx = CpuAttnAmxLayout()
+    for layer, cache in enumerate(caches.values()):
+        k_dst, _ = amx.unpack(cache)
+        for j, b in zip((4, 5, 6), dst):
+            src = payloads[j][layer]  # [1, H, BS, 2*HD] in amx tiles
+            want = rotate_keys(amx.unpack(src)[0][0].transpose(0, 1), -64, ROPE).transpose(0, 1)
+            torch.testing.assert_close(k_dst[b], want, rtol=0, atol=0)
+            half = BS * HD
+            assert torch.equal(cache[b].reshape(HEADS, -1)[:, half:], src[0].reshape(HEADS, -1)[:, half:])
+        assert torch.isnan(cache[[i for i in range(NB) if i not in dst]]).all()
+
+
+@pytest.mark.parametrize("why", ["no rope", "unverified isa"])
+def test_a_load_with_a_delta_needs_relocation_support(store, why):
+    old, new, plan, _ = deletion_case(store)
+    lp = plan_load(store, new, 2 * BS, block_size=BS, salt=SALT, plan=plan)
+    kw = {"rope": None} if why == "no rope" else {"isa": "neon"}
+    w = worker(store, poisoned_caches(), **kw)
+    assert not w.can_relocate
+    assert w.load(LoadItem("r", SALT, lp.refs, lp.deltas, (1, 2, 3), lp.start)) == 0
+    assert w.take_load_errors() == {1, 2, 3}
+
+
+def test_an_unverified_isa_still_serves_offload_hits_bit_for_bit(store):
+    """NEON's K order is unverified: no relocation, but whole blocks copy as stored."""
+    prompt = toks(3 * BS)
+    payloads = fill_store(store, prompt)
+    caches = poisoned_caches()
+    w = worker(store, caches, isa="neon")
+    assert w.paged.layout is None and "'neon'" in w.paged.why_not
+    refs = chain_refs(prompt, BS, salt=SALT)
+    assert w.load(LoadItem("r", SALT, tuple(refs), (0, 0, 0), (4, 9, 2), 0)) == 3
+    for layer, cache in enumerate(caches.values()):
+        for j, b in enumerate((4, 9, 2)):
+            assert torch.equal(cache[b], payloads[j][layer, 0])
+
+
+def test_tokens_vllm_takes_beyond_the_offer_become_load_errors(store, caplog):
+    prompt = toks(4 * BS + 1)
+    fill_store(store, prompt, blocks={0, 1})
+    sched = SpliceScheduler(store, BS)
+    assert sched.get_num_new_matched_tokens("r", prompt, SALT, 0) == 2 * BS
+    item = sched.update_state_after_alloc("r", [4, 5, 6, 7, 8], 3 * BS)  # never happens in 0.32
+    assert "offered" in caplog.text
+    assert (len(item.refs), item.block_ids) == (2, (4, 5, 6))
+    w = worker(store, poisoned_caches())
+    assert w.load(item) == 2 and w.take_load_errors() == {6}  # recomputed by vLLM
