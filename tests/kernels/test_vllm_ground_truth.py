@@ -93,7 +93,7 @@ def test_moving_vllms_key_by_d_gives_vllms_key_at_p_plus_d(vllm_config, ours, th
 
 
 def test_from_hf_config_on_the_real_model_is_what_vllm_applies(vllm_config):
-    from promptsplice.assets import ensure_default_model
+    from promptsplice.engine_adapters._model import ensure_default_model
 
     path = ensure_default_model() / "config.json"
     cfg = json.loads(path.read_text())
