@@ -87,6 +87,7 @@ from typing import TYPE_CHECKING
 from promptsplice.blocks import BlockHash, content_digest, hash_block
 from promptsplice.engine_adapters.store._disk import DiskTier
 from promptsplice.engine_adapters.store._dram import DramTier
+from promptsplice.engine_adapters.store._redis import RedisTier
 from promptsplice.engine_adapters.store._tier import (
     BlockMeta,
     Held,
@@ -163,6 +164,22 @@ class BlockStore:
             )
             if disk is not None:
                 self._lower.append(disk)
+        if config.remote_bytes > 0:
+            assert config.remote_url is not None
+            self._lower.append(
+                RedisTier(
+                    config.remote_url,
+                    budget=config.remote_bytes,
+                    fingerprint=content_digest(config.fingerprint.encode("utf-8")),
+                    timeout_s=config.remote_timeout_s,
+                    retry_s=config.remote_retry_s,
+                    write_behind_bytes=config.write_behind_bytes,
+                    cond=self._cond,
+                    pinned=self._pinned,
+                    on_lost=self._lost,
+                )
+            )
+        self._tier_hits = [0] * len(self._lower)
 
     # ------------------------------------------------------------------ public API
 
@@ -217,6 +234,8 @@ class BlockStore:
                     if not self._lower:
                         self._dropped += 1
                     return PutStatus.REJECTED
+            else:  # other engines read the shared tiers: write them now
+                jobs += self._write_down(k, held, shared_only=True)
         results = self._run(jobs)
         if admitted or any(r is not False for r in results):
             return PutStatus.STORED
@@ -243,7 +262,7 @@ class BlockStore:
                 self._mismatches += 1
                 return Lookup(LookupStatus.MISMATCH)
             self._misses[0] += 1
-            for tier in self._lower:
+            for index, tier in enumerate(self._lower):
                 entry = tier.locate(k)
                 if entry is not None:
                     break
@@ -263,6 +282,7 @@ class BlockStore:
                 miss = fetched.outcome is Loaded.MISS
                 return Lookup(LookupStatus.MISS if miss else LookupStatus.CORRUPT)
             self._hits[1] += 1
+            self._tier_hits[index] += 1
             if not self._closed and self._dram.get(k) is None:
                 assert fetched.payload is not None
                 jobs = self._admit(k, Held(entry.meta, fetched.payload)) or []
@@ -367,6 +387,8 @@ class BlockStore:
         with self._cond:
             dram = self._dram.stats()
             disk = next((t.stats() for t in self._lower if t.name == "disk"), None)
+            i_remote = next((i for i, t in enumerate(self._lower) if t.name == "remote"), None)
+            remote = None if i_remote is None else self._lower[i_remote].stats()
             return StoreStats(
                 dram_blocks=dram.blocks,
                 dram_bytes=dram.bytes,
@@ -387,6 +409,15 @@ class BlockStore:
                 pinned_blocks=sum(1 for c in self._pin_count.values() if c > 0),
                 pending_writes=disk.pending if disk else 0,
                 disk_writable=disk.writable if disk else False,
+                remote_blocks=remote.blocks if remote else 0,
+                remote_hits=self._tier_hits[i_remote] if i_remote is not None else 0,
+                remote_writes=remote.writes if remote else 0,
+                remote_write_errors=remote.write_errors if remote else 0,
+                remote_corrupt=remote.corrupt if remote else 0,
+                remote_foreign=remote.foreign if remote else 0,
+                remote_outages=remote.outages if remote else 0,
+                remote_skipped=remote.skipped if remote else 0,
+                remote_available=remote.writable if remote else False,
             )
 
     def clear(self) -> None:
@@ -429,6 +460,8 @@ class BlockStore:
         c = self._cfg
         disk = next((t for t in self._lower if isinstance(t, DiskTier)), None)
         where = f", disk_bytes={c.disk_bytes}, disk_dir={disk.folder!r}" if disk else ""
+        if c.remote_bytes:
+            where += f", remote_bytes={c.remote_bytes}"
         return f"BlockStore(dram_bytes={c.dram_bytes}{where}{', closed' if self._closed else ''})"
 
     # ------------------------------------------------------------ policy (under lock)
@@ -481,12 +514,15 @@ class BlockStore:
             jobs += self._write_down(vk, gone)
         return jobs
 
-    def _write_down(self, k: Key, held: Held) -> list[tuple[StorageTier, object]]:
-        """Plan the write of ``held`` to every storage tier that does not hold it yet."""
+    def _write_down(self, k: Key, held: Held, *, shared_only: bool = False) -> list[tuple[StorageTier, object]]:
+        """Plan the write of ``held`` to every storage tier that does not hold it yet
+        (``shared_only``: only to the shared ones)."""
         jobs = []
         self._deferred = []  # a tier's refusal counts only if no other tier takes it
         try:
             for tier in self._lower:
+                if shared_only and not getattr(tier, "shared", False):
+                    continue
                 if tier.find(k) is None:
                     job = tier.put(k, held)
                     if job is not None:
