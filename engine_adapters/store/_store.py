@@ -1,4 +1,5 @@
-"""The tiered KV block store: a policy over DRAM, then disk, keyed by the chain hash.
+"""The tiered KV block store: a policy over DRAM, disk, then a shared Redis, keyed by
+the chain hash.
 
 The splice connector saves the KV of every full block it prefills here, and asks for
 blocks back when vLLM's own prefix cache misses (offload hits) or when an agent edit
@@ -10,12 +11,15 @@ Tiers and policy
     ``KVCacheManager``, of LMCache's storage backends from its cache policy): the memory
     tier (``_dram``: payload tensors, at most ``dram_bytes``), then the storage tiers
     (``_tier.StorageTier``: the disk tier of ``_disk`` when ``disk_bytes > 0``, at most
-    ``disk_bytes`` of record files; a remote tier would follow it).  Each tier is an LRU
+    ``disk_bytes`` of record files; then the shared tier of ``_redis`` when
+    ``remote_bytes > 0``, on a Redis server other engines use too).  Each tier is an LRU
     bounded in bytes; this module decides what moves between them:
 
     * the storage tiers are *inclusive*: a block evicted from DRAM is written down to
       every storage tier that does not hold it yet; a hit in a storage tier is promoted
       back into DRAM and keeps its copy there, so evicting it again costs no write;
+    * a *shared* tier (``shared`` true: Redis) is also written when a block is stored,
+      not only when DRAM evicts it, since other engines can only load what reached it;
     * budgets are never exceeded: a block that does not fit in DRAM (larger than the
       budget, or the budget held by pinned blocks) goes straight to the storage tiers;
       one that fits nowhere is refused (:attr:`PutStatus.REJECTED`); blocks on their way
@@ -23,7 +27,8 @@ Tiers and policy
     * lookups are counted here (``*_hits``/``*_misses``, ``mismatches``, ``dropped``);
       what happens to a tier's storage (evictions, writes, damaged copies) by the tier.
       A hit in any storage tier answers ``HIT_DISK`` and counts in ``disk_hits``; the
-      ``disk_*`` block, byte and storage counts are the disk tier's.
+      ``disk_*`` block, byte and storage counts are the disk tier's, the ``remote_*``
+      ones the shared tier's (``remote_hits`` is the part of ``disk_hits`` it served).
 
 Identity and collision safety
     A block is stored under ``(namespace, key)``.  In :attr:`Namespace.CHAIN` the key is
@@ -179,7 +184,7 @@ class BlockStore:
                     on_lost=self._lost,
                 )
             )
-        self._tier_hits = [0] * len(self._lower)
+        self._tier_hits: dict[str, int] = {}  # storage-tier hits by tier name
 
     # ------------------------------------------------------------------ public API
 
@@ -262,7 +267,7 @@ class BlockStore:
                 self._mismatches += 1
                 return Lookup(LookupStatus.MISMATCH)
             self._misses[0] += 1
-            for index, tier in enumerate(self._lower):
+            for tier in self._lower:
                 entry = tier.locate(k)
                 if entry is not None:
                     break
@@ -282,7 +287,7 @@ class BlockStore:
                 miss = fetched.outcome is Loaded.MISS
                 return Lookup(LookupStatus.MISS if miss else LookupStatus.CORRUPT)
             self._hits[1] += 1
-            self._tier_hits[index] += 1
+            self._tier_hits[tier.name] = self._tier_hits.get(tier.name, 0) + 1
             if not self._closed and self._dram.get(k) is None:
                 assert fetched.payload is not None
                 jobs = self._admit(k, Held(entry.meta, fetched.payload)) or []
@@ -387,8 +392,7 @@ class BlockStore:
         with self._cond:
             dram = self._dram.stats()
             disk = next((t.stats() for t in self._lower if t.name == "disk"), None)
-            i_remote = next((i for i, t in enumerate(self._lower) if t.name == "remote"), None)
-            remote = None if i_remote is None else self._lower[i_remote].stats()
+            remote = next((t.stats() for t in self._lower if t.name == "remote"), None)
             return StoreStats(
                 dram_blocks=dram.blocks,
                 dram_bytes=dram.bytes,
@@ -410,7 +414,7 @@ class BlockStore:
                 pending_writes=disk.pending if disk else 0,
                 disk_writable=disk.writable if disk else False,
                 remote_blocks=remote.blocks if remote else 0,
-                remote_hits=self._tier_hits[i_remote] if i_remote is not None else 0,
+                remote_hits=self._tier_hits.get("remote", 0),
                 remote_writes=remote.writes if remote else 0,
                 remote_write_errors=remote.write_errors if remote else 0,
                 remote_corrupt=remote.corrupt if remote else 0,
