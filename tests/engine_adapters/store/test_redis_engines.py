@@ -30,7 +30,7 @@ def _store(url: str, dram_blocks: int, mib: int) -> StoreConfig:
 def test_engine_b_loads_the_blocks_engine_a_computed(redis_url, rag_requests):
     mib = 1024 * 1024 * (1 if EngineConfig().dtype == "bfloat16" else 2)
     text = "\n\n".join(dict.fromkeys(c.text for r in rag_requests for c in r.chunks))
-    engine_a = start_default_engine(kv_store=_store(redis_url, 16, mib), kv_cache_bytes=64 * mib)
+    engine_a = start_default_engine(kv_store=_store(redis_url, 16, mib), kv_cache_bytes=64 * mib, max_model_len=1024)
     try:
         prompt = list(engine_a.tokenizer.encode(text))[:203]
         first = engine_a.generate(prompt, max_tokens=8, cache_salt="shared-tier")
@@ -39,7 +39,7 @@ def test_engine_b_loads_the_blocks_engine_a_computed(redis_url, rag_requests):
         assert engine_a.kv_store.stats().remote_writes >= 6
     finally:
         engine_a.close()
-    engine_b = start_default_engine(kv_store=_store(redis_url, 20, mib), kv_cache_bytes=64 * mib)
+    engine_b = start_default_engine(kv_store=_store(redis_url, 20, mib), kv_cache_bytes=64 * mib, max_model_len=1024)
     try:
         store_b = engine_b.kv_store
         deadline = time.monotonic() + 10
