@@ -1,11 +1,14 @@
 """``python -m promptsplice.benchmarks.shared_tier``: two engines sharing blocks on Redis.
 
-Two engines (the default model, each with the splice connector, the same small KV cache
-and the same DRAM store) serve one repeat-heavy RAG trace round-robin (request ``i``
-goes to engine ``i % 2``), in up to three modes on fresh engines, same prompts:
+Two engines (the default model, each with the splice connector, the same small KV cache,
+the same DRAM store and the same Redis tier) serve one repeat-heavy RAG trace
+round-robin (request ``i`` goes to engine ``i % 2``), in up to three modes, same prompts,
+caches and stores emptied between modes:
 
-* ``local``: each engine has only its own store;
-* ``shared``: both stores also use one Redis server (the shared tier) on loopback;
+* ``local``: each engine uses its own ``cache_salt``, so neither can load the other's
+  blocks (tenants never meet): the pair without sharing, at equal capacity (each
+  engine's own blocks still come back from Redis, as in the other modes);
+* ``shared``: one salt, so an engine loads the blocks the other computed;
 * ``outage``: as ``shared``, but the server is SIGKILLed after a third of the trace and
   restarted (empty) after two thirds.
 
@@ -14,11 +17,11 @@ engines), ``external_hits`` (vLLM's ``external_prefix_cache_hits``), ``failed``
 (requests that raised), the stores' remote counters, and the outputs compared with
 ``local`` request by request (greedy: a wrong block would change them).
 
-``coverage`` (shared mode): of the blocks engine B needed beyond its own prefix cache
-that engine A had already computed (the leading blocks of B's prompt whose chain hashes
-A prefilled earlier), the share B's connector loaded.  ``shared_over_local_prefill``:
-the pair's prefill, shared / local.  The outage mode reports the hit share before, during
-and after the outage.
+``coverage_of_a_blocks``: of the blocks engine B needed beyond its own prefix cache that
+engine A had already computed (the leading blocks of B's prompt whose chain hashes A
+prefilled earlier in the mode), the share B's connector loaded.
+``shared_over_local_prefill``: the pair's prefill, shared / local.  The outage mode
+reports the share of cacheable tokens served from cache before, during and after it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from promptsplice.errors import ConfigError
 
 __all__ = ["run_shared_tier_bench", "format_shared_tier", "MODES"]
 
@@ -58,78 +63,60 @@ def _leading_run(hashes: Sequence[bytes], known: set[bytes]) -> int:
 
 def _run_mode(
     mode: str,
-    prompts: list[list[int]] | None,
-    requests: Sequence[Any],
+    engines: Sequence[Any],
+    prompts: list[list[int]],
     *,
-    url: str | None,
     server: Any,
-    kv_cache_blocks: int,
-    dram_blocks: int,
     max_tokens: int,
-) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
+) -> tuple[dict[str, Any], list[list[int]]]:
     from promptsplice.blocks import chain_hashes
-    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
-    from promptsplice.benchmarks.offload import _bytes_per_block
 
-    bs = 32
-    per_block = _bytes_per_block({"block_size": bs})
-    remote = {"remote_bytes": 1 << 30, "remote_url": url} if url else {}
-    engines = []
-    try:
-        for i in range(2):
-            # dram_bytes differ by a byte: two configs, so the process opens two stores
-            # (one per "machine") instead of sharing one through shared_store().
-            store = StoreConfig(dram_bytes=dram_blocks * per_block + i, **remote)
-            engines.append(
-                EmbeddedEngine(kv_store=store, kv_cache_bytes=kv_cache_blocks * per_block, max_model_len=4096)
-            )
-        if prompts is None:
-            prompts = _prompts(engines[0], requests)
-        n = len(prompts)
-        kill_at, back_at = (n // 3, 2 * n // 3) if mode == "outage" else (-1, -1)
-        computed: set[bytes] = set()  # blocks engine A prefilled (chain hashes)
-        eligible = covered = failed = 0
-        prompt_tokens = cached = external = 0
-        per_request: list[tuple[int, int]] = []  # (cacheable tokens, cached tokens)
-        outputs: list[list[int]] = []
-        t0 = time.perf_counter()
-        for i, tokens in enumerate(prompts):
-            if i == kill_at:
-                server.kill()
-            if i == back_at:
-                server.start()
-            engine = engines[i % 2]
-            before = engine.counters()
-            try:
-                comp = engine.generate(tokens, max_tokens=max_tokens)
-            except Exception:  # noqa: BLE001 - the bench counts failures
-                failed += 1
-                outputs.append([])
-                per_request.append(((len(tokens) - 1) // bs * bs, 0))
-                continue
-            seen = engine.counters().since(before)
-            outputs.append(list(comp.token_ids))
-            prompt_tokens += len(tokens)
-            cached += comp.num_cached_tokens
-            external += seen.external_hits
-            per_request.append(((len(tokens) - 1) // bs * bs, comp.num_cached_tokens))
-            full = (len(tokens) - 1) // bs
-            hashes = chain_hashes(tokens, bs)[:full]
-            local = seen.prefix_cache_hits // bs
-            loaded = seen.external_hits // bs
-            if i % 2 == 0:
-                computed.update(hashes[local + loaded :])
-            else:
-                run = _leading_run(hashes, computed)
-                eligible += max(0, run - local)
-                covered += max(0, min(local + loaded, run) - local)
-        wall = time.perf_counter() - t0
-        stores = [e.kv_store.stats()._asdict() for e in engines]
-    finally:
-        for e in engines:
-            e.close()
+    bs = engines[0].block_size
+    salts = (f"{mode}-a", f"{mode}-b") if mode == "local" else (mode, mode)
+    n = len(prompts)
+    kill_at, back_at = (n // 3, 2 * n // 3) if mode == "outage" else (-1, -1)
+    computed: set[bytes] = set()  # blocks engine A prefilled (chain hashes)
+    eligible = covered = failed = 0
+    prompt_tokens = cached = external = 0
+    per_request: list[tuple[int, int]] = []  # (cacheable tokens, cached tokens)
+    outputs: list[list[int]] = []
+    stats0 = [e.kv_store.stats() for e in engines]
+    t0 = time.perf_counter()
+    for i, tokens in enumerate(prompts):
+        if i == kill_at:
+            server.kill()
+        if i == back_at:
+            server.start()
+        engine = engines[i % 2]
+        before = engine.counters()
+        try:
+            comp = engine.generate(tokens, max_tokens=max_tokens, cache_salt=salts[i % 2])
+        except Exception:  # noqa: BLE001 - the bench counts failures
+            failed += 1
+            outputs.append([])
+            per_request.append(((len(tokens) - 1) // bs * bs, 0))
+            continue
+        seen = engine.counters().since(before)
+        outputs.append(list(comp.token_ids))
+        prompt_tokens += len(tokens)
+        cached += comp.num_cached_tokens
+        external += seen.external_hits
+        per_request.append(((len(tokens) - 1) // bs * bs, comp.num_cached_tokens))
+        full = (len(tokens) - 1) // bs
+        hashes = chain_hashes(tokens, bs)[:full]
+        local = seen.prefix_cache_hits // bs
+        loaded = seen.external_hits // bs
+        if i % 2 == 0:
+            computed.update(hashes[local + loaded :])
+        else:
+            run = _leading_run(hashes, computed)
+            eligible += max(0, run - local)
+            covered += max(0, min(local + loaded, run) - local)
+    wall = time.perf_counter() - t0
+    stats = [e.kv_store.stats() for e in engines]
+    keys = ("remote_hits", "remote_writes", "remote_outages", "remote_corrupt", "remote_skipped")
     report: dict[str, Any] = {
-        "requests": len(prompts),
+        "requests": n,
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
         "prefill_tokens": prompt_tokens - cached,
@@ -138,19 +125,32 @@ def _run_mode(
         "wall_s": round(wall, 2),
         "coverage_of_a_blocks": round(covered / eligible, 4) if eligible else None,
         "eligible_blocks": eligible,
-        "stores": [
-            {k: s[k] for k in ("remote_hits", "remote_writes", "remote_outages", "remote_corrupt", "remote_skipped")}
-            for s in stores
-        ],
+        "stores": [{k: getattr(b, k) - getattr(a, k) for k in keys} for a, b in zip(stats0, stats)],
     }
     if mode == "outage":
+
         def share(lo: int, hi: int) -> float | None:
             part = per_request[lo:hi]
             total = sum(p for p, _ in part)
             return round(sum(c for _, c in part) / total, 4) if total else None
 
         report["hit_share"] = {"before": share(0, kill_at), "during": share(kill_at, back_at), "after": share(back_at, n)}
-    return report, prompts, outputs
+    return report, outputs
+
+
+def _empty(engines: Sequence[Any], url: str) -> None:
+    """Empty both engines' prefix caches and stores, and the server."""
+    import redis
+
+    for e in engines:
+        e.reset_prefix_cache()
+        e.kv_store.clear()
+        e.kv_store.drain()
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
 
 
 def run_shared_tier_bench(
@@ -164,27 +164,43 @@ def run_shared_tier_bench(
     max_tokens: int = 4,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Run the modes (``local`` first: the reference outputs); returns the report."""
+    """Run the modes on one pair of engines; returns the report."""
     from promptsplice.benchmarks._redis_server import RedisServer
+    from promptsplice.benchmarks.offload import _bytes_per_block
     from promptsplice.benchmarks.traces import generate_rag_trace, read_rag_trace
+    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
-    reqs = read_rag_trace(trace, limit=requests) if trace else generate_rag_trace(requests=requests, seed=seed, profile="repeat-heavy")
+    for mode in modes:
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}: use some of {', '.join(MODES)}")
+    if trace:
+        reqs = read_rag_trace(trace, limit=requests)
+    else:
+        reqs = generate_rag_trace(requests=requests, seed=seed, profile="repeat-heavy")
+    per_block = _bytes_per_block({"block_size": 32})
     report: dict[str, Any] = {"modes": {}}
-    prompts = None
     outputs: dict[str, list[list[int]]] = {}
     with RedisServer(maxmemory="1gb") as server:
-        for mode in modes:
-            if mode not in MODES:
-                raise ValueError(f"unknown mode {mode!r}; expected some of {MODES}")
-            if mode != "local":
-                server.restart()  # every shared mode starts from an empty server
-            url = None if mode == "local" else server.url
-            m, prompts, outs = _run_mode(
-                mode, prompts, reqs, url=url, server=server, kv_cache_blocks=kv_cache_blocks,
-                dram_blocks=dram_blocks, max_tokens=max_tokens,
-            )  # fmt: skip
-            outputs[mode] = outs
-            report["modes"][mode] = m
+        engines = []
+        try:
+            for i in range(2):
+                # dram_bytes differ by a byte: two configs, so the process opens two
+                # stores (one per "machine") instead of sharing one (shared_store()).
+                store = StoreConfig(
+                    dram_bytes=dram_blocks * per_block + i, remote_bytes=1 << 30, remote_url=server.url
+                )
+                engines.append(
+                    EmbeddedEngine(kv_store=store, kv_cache_bytes=kv_cache_blocks * per_block, max_model_len=4096)
+                )
+            prompts = _prompts(engines[0], reqs)
+            for mode in modes:
+                _empty(engines, server.url)
+                report["modes"][mode], outputs[mode] = _run_mode(
+                    mode, engines, prompts, server=server, max_tokens=max_tokens
+                )
+        finally:
+            for e in engines:
+                e.close()
     ref = outputs.get("local")
     for mode, outs in outputs.items():
         if ref is not None and mode != "local":
@@ -192,7 +208,7 @@ def run_shared_tier_bench(
     local, shared = report["modes"].get("local"), report["modes"].get("shared")
     if local and shared and local["prefill_tokens"]:
         report["shared_over_local_prefill"] = round(shared["prefill_tokens"] / local["prefill_tokens"], 4)
-    report["trace"] = {"requests": len(reqs), "profile": "repeat-heavy" if not trace else str(trace)}
+    report["trace"] = {"requests": len(reqs), "source": str(trace) if trace else "generated repeat-heavy"}
     report["engines"] = {"kv_cache_blocks": kv_cache_blocks, "dram_blocks": dram_blocks, "block_size": 32}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2, default=str) + "\n")
