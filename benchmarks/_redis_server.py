@@ -22,6 +22,17 @@ from promptsplice.errors import ConfigError
 __all__ = ["RedisServer", "free_port"]
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL the server when the process that started it dies (Linux),
+    so a killed bench or test run leaves no server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -54,7 +65,9 @@ class RedisServer:
             "--appendonly", "no", "--maxmemory", self.maxmemory,
             "--maxmemory-policy", "allkeys-lru", "--dir", self.dir, "--protected-mode", "yes",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
