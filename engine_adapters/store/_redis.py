@@ -166,6 +166,7 @@ class RedisTier:
         self._writing: dict[Key, Held] = {}
         self._queue: deque[WriteJob] = deque()
         self._queue_bytes = 0
+        self._deletes: list[str] = []
         self._writer: threading.Thread | None = None
         self._down_until: float | None = None
         self._up = True
@@ -336,7 +337,7 @@ class RedisTier:
             elif current:
                 self._lru.touch(k)
         if payload is None:
-            self._delete_later(name)
+            self._delete_now([name])  # before anyone else loads it
             return Fetched(Loaded.CORRUPT)
         return Fetched(Loaded.HIT, payload)
 
@@ -361,10 +362,7 @@ class RedisTier:
                 return False
             self._queue.append(job)
             self._queue_bytes += job.held.meta.nbytes
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_behind, name="promptsplice-kv-redis-writer", daemon=True)
-                self._writer.start()
-            self._cond.notify_all()
+            self._start_writer()
         return None
 
     def _write_job(self, job: WriteJob) -> bool:
@@ -418,15 +416,19 @@ class RedisTier:
             self._on_lost(k, held)
 
     def _write_behind(self) -> None:
-        """The background writer: writes queued jobs in order; exits when idle."""
+        """The background writer: deletes, then queued jobs in order; exits when idle."""
         while True:
             with self._cond:
-                if not self._queue and not self._closed:
+                if not self._queue and not self._deletes and not self._closed:
                     self._cond.wait(timeout=1.0)
-                if not self._queue:
+                deletes, self._deletes = self._deletes, []
+                if not self._queue and not deletes:
                     self._writer = None
                     return
-                job = self._queue[0]
+                job = self._queue[0] if self._queue else None
+            self._delete_now(deletes)
+            if job is None:
+                continue
             self._write_job(job)
             with self._cond:
                 self._queue.popleft()
@@ -434,15 +436,30 @@ class RedisTier:
                 self._cond.notify_all()
 
     def _delete_later(self, *names: str) -> None:
-        """Delete values on the server, best effort (never raises, never waits long)."""
-        if not names or not self._reachable():
+        """Under the lock: have the writer thread delete these values (no I/O here)."""
+        if not names or self._closed:
             return
+        self._deletes.extend(names)
+        self._start_writer()
+
+    def _delete_now(self, names: list[str]) -> None:
+        """Delete values on the server, best effort (without the lock; never raises)."""
+        with self._cond:
+            if not names or not self._reachable():
+                return
         try:
             self._client.delete(*names)
+        except self._errors as exc:
+            with self._cond:
+                self._outage(exc)
         except self._refused:
             pass
-        except Exception:  # noqa: BLE001 - best effort; the breaker opens on the next call
-            pass
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_behind, name="promptsplice-kv-redis-writer", daemon=True)
+            self._writer.start()
+        self._cond.notify_all()
 
     def drain(self) -> None:
         with self._cond:

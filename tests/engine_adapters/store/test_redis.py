@@ -108,6 +108,10 @@ def test_round_trip_through_the_server(redis_url):
         assert b.get(refs[2], salt=SALT).status is HIT_DRAM  # promoted (DRAM: 2 blocks)
         st = b.stats()
         assert (st.remote_hits, st.disk_hits, st.remote_blocks, st.remote_corrupt) == (3, 3, 3, 0)
+        # discard() removes the server's copy too (by the writer thread: no I/O under the lock).
+        assert b.discard(refs[0].key)
+        assert wait_for(lambda: client(redis_url).exists(value_key(refs[0])) == 0)
+        assert client(redis_url).exists(value_key(refs[1])) == 1
 
 
 def test_two_stores_on_one_server_load_each_others_blocks(redis_url):
