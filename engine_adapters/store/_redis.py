@@ -230,10 +230,6 @@ class RedisTier:
     def writable(self) -> bool:
         return self._reachable()
 
-    @property
-    def outages(self) -> int:
-        return self._outages
-
     def stats(self) -> TierStats:
         return TierStats(
             blocks=len(self._lru),
@@ -407,13 +403,9 @@ class RedisTier:
                     self._index(meta, len(data))
                     return True
                 return False
-            if current:
-                self._on_lost_call(job.key, job.held)
+            if current and self._on_lost is not None:
+                self._on_lost(job.key, job.held)
             return False
-
-    def _on_lost_call(self, k: Key, held: Held) -> None:
-        if self._on_lost is not None:
-            self._on_lost(k, held)
 
     def _write_behind(self) -> None:
         """The background writer: deletes, then queued jobs in order; exits when idle."""
