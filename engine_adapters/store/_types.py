@@ -174,7 +174,9 @@ class StoreConfig:
     write_behind_bytes: int = 64 * 1024 * 1024
     """Payload bytes of evicted blocks that may wait in memory for the background
     writer (so a put or a load never waits for an fsync); a caller waits only when it
-    is full.  0: write in the calling thread (deterministic; tests and tools)."""
+    is full (the shared tier never waits: what does not fit its queue is not written,
+    counted in ``remote_skipped``).  0: write in the calling thread (deterministic;
+    tests and tools)."""
     remote_bytes: int = 0
     """Bytes of records on the shared Redis tier that this store indexes (LRU); 0: no
     shared tier.  The server's own ``maxmemory`` LRU bounds what it holds."""
