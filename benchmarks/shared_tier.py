@@ -17,9 +17,9 @@ engines), ``external_hits`` (vLLM's ``external_prefix_cache_hits``), ``failed``
 (requests that raised), the stores' remote counters, and the outputs compared with
 ``local`` request by request (greedy: a wrong block would change them).
 
-``coverage_of_a_blocks``: of the blocks engine B needed beyond its own prefix cache that
-engine A had already computed (the leading blocks of B's prompt whose chain hashes A
-prefilled earlier in the mode), the share B's connector loaded.
+``coverage_of_other_blocks``: of the blocks an engine needed beyond its own prefix cache
+that the other engine had already computed (the leading blocks of its prompt whose
+chain hashes the other prefilled earlier in the mode), the share its connector loaded.
 ``shared_over_local_prefill``: the pair's prefill, shared / local.  After each request
 the bench waits for that engine's write-behind to reach the server (plus 50 ms for the
 other engine's listener): it measures the tier, not thread scheduling.  The outage mode
@@ -80,7 +80,7 @@ def _run_mode(
     salts = (f"{mode}-a", f"{mode}-b") if mode == "local" else (mode, mode)
     n = len(prompts)
     kill_at, back_at = (n // 3, 2 * n // 3) if mode == "outage" else (-1, -1)
-    computed: set[bytes] = set()  # blocks engine A prefilled (chain hashes)
+    computed: tuple[set[bytes], set[bytes]] = (set(), set())  # chain hashes each engine prefilled
     eligible = covered = failed = 0
     prompt_tokens = cached = external = 0
     per_request: list[tuple[int, int]] = []  # (cacheable tokens, cached tokens)
@@ -118,12 +118,10 @@ def _run_mode(
         hashes = chain_hashes(tokens, bs)[:full]
         local = seen.prefix_cache_hits // bs
         loaded = seen.external_hits // bs
-        if i % 2 == 0:
-            computed.update(hashes[local + loaded :])
-        else:
-            run = _leading_run(hashes, computed)
-            eligible += max(0, run - local)
-            covered += max(0, min(local + loaded, run) - local)
+        run = _leading_run(hashes, computed[1 - i % 2])
+        eligible += max(0, run - local)
+        covered += max(0, min(local + loaded, run) - local)
+        computed[i % 2].update(hashes[local + loaded :])
     wall = time.perf_counter() - t0
     stats = [e.kv_store.stats() for e in engines]
     keys = ("remote_hits", "remote_writes", "remote_outages", "remote_corrupt", "remote_skipped")
@@ -135,7 +133,7 @@ def _run_mode(
         "external_hits": external,
         "failed": failed,
         "wall_s": round(wall, 2),
-        "coverage_of_a_blocks": round(covered / eligible, 4) if eligible else None,
+        "coverage_of_other_blocks": round(covered / eligible, 4) if eligible else None,
         "eligible_blocks": eligible,
         "stores": [{k: getattr(b, k) - getattr(a, k) for k in keys} for a, b in zip(stats0, stats)],
     }
@@ -230,14 +228,14 @@ def run_shared_tier_bench(
 
 def format_shared_tier(report: dict[str, Any]) -> str:
     lines = [
-        "| mode | prefill tokens | cached | external hits | failed | same output as local | coverage of A's blocks |",
+        "| mode | prefill tokens | cached | external hits | failed | same output as local | coverage of the other's blocks |",
         "|---|---|---|---|---|---|---|",
     ]
     for mode, m in report["modes"].items():
         same = m.get("outputs_identical_to_local", "-")
         lines.append(
             f"| {mode} | {m['prefill_tokens']} | {m['cached_tokens']} | {m['external_hits']} | {m['failed']} "
-            f"| {same} | {m['coverage_of_a_blocks']} |"
+            f"| {same} | {m['coverage_of_other_blocks']} |"
         )
     if "shared_over_local_prefill" in report:
         lines.append(f"pair prefill shared/local: {report['shared_over_local_prefill']}")

@@ -64,8 +64,7 @@ __all__ = ["RedisTier", "check_redis_url", "key_prefix", "record_key"]
 
 _log = logging.getLogger(__name__)
 
-_HEAD_READ = 4096
-"""Bytes of a value read when the listener indexes it (a header is far shorter)."""
+_HEAD_READ = 4096  # bytes of a value the listener reads to index it (headers are shorter)
 
 
 def check_redis_url(url: object) -> str | None:
@@ -136,6 +135,7 @@ class RedisTier:
         cond: threading.Condition | None = None,
         pinned: Callable[[Key], bool] = never_pinned,
         on_lost: Callable[[Key, Held], None] | None = None,
+        on_back: Callable[[], None] | None = None,
     ) -> None:
         """Connect lazily to ``url`` (no I/O here: a server that is down at start-up
         is an outage like any other) and start the listener that fills the index."""
@@ -162,6 +162,7 @@ class RedisTier:
         self._cond = cond if cond is not None else new_condition()
         self._pinned = pinned
         self._on_lost = on_lost
+        self._on_back = on_back  # after an outage: the store writes its DRAM blocks again
         self._lru: ByteLru[Record] = ByteLru(budget, _record_size)
         self._writing: dict[Key, Held] = {}
         self._queue: deque[WriteJob] = deque()
@@ -314,7 +315,7 @@ class RedisTier:
         except self._refused as exc:
             _log.warning("KV block store: Redis refused a read (%s)", exc)
             return Fetched(Loaded.MISS)
-        payload, problem, foreign = (None, None, False) if value is None else self._verify(value, entry.meta)
+        payload, problem, foreign = self._verify(value, entry.meta) if value is not None else (None, None, False)
         with self._cond:
             self._back()
             current = self._lru.get(k) is entry
@@ -496,8 +497,10 @@ class RedisTier:
             try:
                 pubsub = self._client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self._channel)
-                self._rescan()  # after subscribing: nothing announced meanwhile is missed
+                recovered = self._rescan()  # after subscribing: nothing announced meanwhile is missed
                 self._synced.set()
+                if recovered and self._on_back is not None:
+                    self._on_back()  # the server may have come back empty
                 while not self._closed:
                     msg = pubsub.get_message(timeout=0.25)
                     if msg is not None and msg.get("type") == "message":
@@ -531,10 +534,11 @@ class RedisTier:
             else:
                 self._corrupt += 1
 
-    def _rescan(self) -> None:
+    def _rescan(self) -> bool:
         """Index every value of this fingerprint on the server (headers only); delete
-        damaged ones (counted)."""
+        damaged ones (counted).  True when this ends an outage."""
         with self._cond:
+            recovered = not self._up
             self._back()
         cursor = 0
         while not self._closed:
@@ -584,13 +588,12 @@ class RedisTier:
                 if bad:
                     self._client.delete(*(name for name, _ in bad))
             if cursor == 0:
-                return
+                break
+        return recovered
 
 
 def _redact(url: str) -> str:
     """``url`` without its password (for log lines)."""
     parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"***@{netloc}"))
+    hidden = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[-1])
+    return url if parts.password is None else urllib.parse.urlunsplit(hidden)

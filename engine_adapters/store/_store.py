@@ -182,6 +182,7 @@ class BlockStore:
                     cond=self._cond,
                     pinned=self._pinned,
                     on_lost=self._lost,
+                    on_back=self._reshare,
                 )
             )
         self._tier_hits: dict[str, int] = {}  # storage-tier hits by tier name
@@ -381,6 +382,17 @@ class BlockStore:
         self.drain()
         with self._cond:
             return self._writes() - before
+
+    def _reshare(self) -> None:
+        """A shared tier is back after an outage (maybe empty): write the DRAM blocks it
+        lacks, so other engines find them again (called from the tier's listener)."""
+        with self._cond:
+            if self._closed:
+                return
+            jobs = []
+            for k, held in list(self._dram.items()):
+                jobs += self._write_down(k, held, shared_only=True)
+        self._run(jobs)
 
     def drain(self) -> None:
         """Wait until every block handed to a background writer is written (or failed)."""

@@ -35,7 +35,7 @@ def test_two_engines_share_blocks_and_survive_an_outage(tmp_path):
     # Salted apart, neither engine loads the other's blocks; sharing loads them.
     assert shared["prefill_tokens"] < local["prefill_tokens"]
     assert sum(s["remote_hits"] for s in shared["stores"]) > 0
-    assert shared["eligible_blocks"] > 0 and shared["coverage_of_a_blocks"] >= 0.5
+    assert shared["eligible_blocks"] > 0 and shared["coverage_of_other_blocks"] >= 0.5
     assert shared["outputs_identical_to_local"] == 9 and outage["outputs_identical_to_local"] == 9
     assert all(s["remote_outages"] >= 1 for s in outage["stores"])
     assert report["shared_over_local_prefill"] < 1.0

@@ -231,9 +231,13 @@ def test_redis_killed_mid_run_fails_nothing_and_hits_recover(redis_server, redis
                     wrong += not torch.equal(got.payload, kv(step + i))
         assert wrong == 0 and served > 0
         assert a.stats().remote_outages >= 1 and b.stats().remote_outages >= 1
+        kept = make_refs(2, start=10_000 + 100 * 59)  # still in A's DRAM, lost by the server
         redis_server.start()  # back, empty
         time.sleep(0.35)  # past the back-off
         assert wait_for(lambda: remote(a).wait_synced(0.01) and remote(b).wait_synced(0.01))
+        # A writes its DRAM blocks again when the server is back: B finds them.
+        assert wait_for(lambda: b.match_prefix(kept, salt=SALT) == 2)
+        assert all(torch.equal(b.get(r, salt=SALT).payload, kv(59 + i)) for i, r in enumerate(kept))
         refs = make_refs(3, start=90_000)
         put_all(a, refs, first=3)
         a.drain()
