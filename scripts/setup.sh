@@ -23,5 +23,13 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
     "${PIP[@]}" install -q --progress-bar off --no-deps --no-build-isolation -e .
     echo "$want" > "$STAMP"
 fi
+# The shared KV tier's tests and benches start their own Redis server on loopback.
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "[setup] installing redis-server (Debian package)"
+    if [[ $(id -u) -eq 0 ]]; then SUDO=(); else SUDO=(sudo); fi
+    "${SUDO[@]}" apt-get update -qq && "${SUDO[@]}" apt-get install -y -qq --no-install-recommends redis-server
+    # The package starts a system service on port 6379; the tests do not use it.
+    "${SUDO[@]}" service redis-server stop >/dev/null 2>&1 || true
+fi
 # Convert the packaged GGUF model once (a no-op when the cached folder is complete).
 "$VENV/bin/promptsplice" model prepare --quiet

@@ -1,4 +1,5 @@
-"""The tiered KV block store: a policy over DRAM, then disk, keyed by the chain hash.
+"""The tiered KV block store: a policy over DRAM, disk, then a shared Redis, keyed by
+the chain hash.
 
 The splice connector saves the KV of every full block it prefills here, and asks for
 blocks back when vLLM's own prefix cache misses (offload hits) or when an agent edit
@@ -10,12 +11,15 @@ Tiers and policy
     ``KVCacheManager``, of LMCache's storage backends from its cache policy): the memory
     tier (``_dram``: payload tensors, at most ``dram_bytes``), then the storage tiers
     (``_tier.StorageTier``: the disk tier of ``_disk`` when ``disk_bytes > 0``, at most
-    ``disk_bytes`` of record files; a remote tier would follow it).  Each tier is an LRU
+    ``disk_bytes`` of record files; then the shared tier of ``_redis`` when
+    ``remote_bytes > 0``, on a Redis server other engines use too).  Each tier is an LRU
     bounded in bytes; this module decides what moves between them:
 
     * the storage tiers are *inclusive*: a block evicted from DRAM is written down to
       every storage tier that does not hold it yet; a hit in a storage tier is promoted
       back into DRAM and keeps its copy there, so evicting it again costs no write;
+    * a *shared* tier (``shared`` true: Redis) is also written when a block is stored,
+      not only when DRAM evicts it, since other engines can only load what reached it;
     * budgets are never exceeded: a block that does not fit in DRAM (larger than the
       budget, or the budget held by pinned blocks) goes straight to the storage tiers;
       one that fits nowhere is refused (:attr:`PutStatus.REJECTED`); blocks on their way
@@ -23,7 +27,8 @@ Tiers and policy
     * lookups are counted here (``*_hits``/``*_misses``, ``mismatches``, ``dropped``);
       what happens to a tier's storage (evictions, writes, damaged copies) by the tier.
       A hit in any storage tier answers ``HIT_DISK`` and counts in ``disk_hits``; the
-      ``disk_*`` block, byte and storage counts are the disk tier's.
+      ``disk_*`` block, byte and storage counts are the disk tier's, the ``remote_*``
+      ones the shared tier's (``remote_hits`` is the part of ``disk_hits`` it served).
 
 Identity and collision safety
     A block is stored under ``(namespace, key)``.  In :attr:`Namespace.CHAIN` the key is
@@ -87,6 +92,7 @@ from typing import TYPE_CHECKING
 from promptsplice.blocks import BlockHash, content_digest, hash_block
 from promptsplice.engine_adapters.store._disk import DiskTier
 from promptsplice.engine_adapters.store._dram import DramTier
+from promptsplice.engine_adapters.store._redis import RedisTier
 from promptsplice.engine_adapters.store._tier import (
     BlockMeta,
     Held,
@@ -163,6 +169,23 @@ class BlockStore:
             )
             if disk is not None:
                 self._lower.append(disk)
+        if config.remote_bytes > 0:
+            assert config.remote_url is not None
+            self._lower.append(
+                RedisTier(
+                    config.remote_url,
+                    budget=config.remote_bytes,
+                    fingerprint=content_digest(config.fingerprint.encode("utf-8")),
+                    timeout_s=config.remote_timeout_s,
+                    retry_s=config.remote_retry_s,
+                    write_behind_bytes=config.write_behind_bytes,
+                    cond=self._cond,
+                    pinned=self._pinned,
+                    on_lost=self._lost,
+                    on_back=self._reshare,
+                )
+            )
+        self._tier_hits: dict[str, int] = {}  # storage-tier hits by tier name
 
     # ------------------------------------------------------------------ public API
 
@@ -217,6 +240,8 @@ class BlockStore:
                     if not self._lower:
                         self._dropped += 1
                     return PutStatus.REJECTED
+            else:  # other engines read the shared tiers: write them now
+                jobs += self._write_down(k, held, shared_only=True)
         results = self._run(jobs)
         if admitted or any(r is not False for r in results):
             return PutStatus.STORED
@@ -263,6 +288,7 @@ class BlockStore:
                 miss = fetched.outcome is Loaded.MISS
                 return Lookup(LookupStatus.MISS if miss else LookupStatus.CORRUPT)
             self._hits[1] += 1
+            self._tier_hits[tier.name] = self._tier_hits.get(tier.name, 0) + 1
             if not self._closed and self._dram.get(k) is None:
                 assert fetched.payload is not None
                 jobs = self._admit(k, Held(entry.meta, fetched.payload)) or []
@@ -357,6 +383,17 @@ class BlockStore:
         with self._cond:
             return self._writes() - before
 
+    def _reshare(self) -> None:
+        """A shared tier is back after an outage (maybe empty): write the DRAM blocks it
+        lacks, so other engines find them again (called from the tier's listener)."""
+        with self._cond:
+            if self._closed:
+                return
+            jobs = []
+            for k, held in list(self._dram.items()):
+                jobs += self._write_down(k, held, shared_only=True)
+        self._run(jobs)
+
     def drain(self) -> None:
         """Wait until every block handed to a background writer is written (or failed)."""
         for tier in self._lower:
@@ -367,6 +404,7 @@ class BlockStore:
         with self._cond:
             dram = self._dram.stats()
             disk = next((t.stats() for t in self._lower if t.name == "disk"), None)
+            remote = next((t.stats() for t in self._lower if t.name == "remote"), None)
             return StoreStats(
                 dram_blocks=dram.blocks,
                 dram_bytes=dram.bytes,
@@ -387,6 +425,15 @@ class BlockStore:
                 pinned_blocks=sum(1 for c in self._pin_count.values() if c > 0),
                 pending_writes=disk.pending if disk else 0,
                 disk_writable=disk.writable if disk else False,
+                remote_blocks=remote.blocks if remote else 0,
+                remote_hits=self._tier_hits.get("remote", 0),
+                remote_writes=remote.writes if remote else 0,
+                remote_write_errors=remote.write_errors if remote else 0,
+                remote_corrupt=remote.corrupt if remote else 0,
+                remote_foreign=remote.foreign if remote else 0,
+                remote_outages=remote.outages if remote else 0,
+                remote_skipped=remote.skipped if remote else 0,
+                remote_available=remote.writable if remote else False,
             )
 
     def clear(self) -> None:
@@ -429,6 +476,8 @@ class BlockStore:
         c = self._cfg
         disk = next((t for t in self._lower if isinstance(t, DiskTier)), None)
         where = f", disk_bytes={c.disk_bytes}, disk_dir={disk.folder!r}" if disk else ""
+        if c.remote_bytes:
+            where += f", remote_bytes={c.remote_bytes}"
         return f"BlockStore(dram_bytes={c.dram_bytes}{where}{', closed' if self._closed else ''})"
 
     # ------------------------------------------------------------ policy (under lock)
@@ -481,12 +530,15 @@ class BlockStore:
             jobs += self._write_down(vk, gone)
         return jobs
 
-    def _write_down(self, k: Key, held: Held) -> list[tuple[StorageTier, object]]:
-        """Plan the write of ``held`` to every storage tier that does not hold it yet."""
+    def _write_down(self, k: Key, held: Held, *, shared_only: bool = False) -> list[tuple[StorageTier, object]]:
+        """Plan the write of ``held`` to every storage tier that does not hold it yet
+        (``shared_only``: only to the shared ones)."""
         jobs = []
         self._deferred = []  # a tier's refusal counts only if no other tier takes it
         try:
             for tier in self._lower:
+                if shared_only and not getattr(tier, "shared", False):
+                    continue
                 if tier.find(k) is None:
                     job = tier.put(k, held)
                     if job is not None:

@@ -2,8 +2,8 @@
 
 The :class:`~promptsplice.engine_adapters.store.BlockStore` is a policy over an ordered
 list of tiers: first the memory tier (``_dram.DramTier``: the payload tensors), then the
-storage tiers (:class:`StorageTier`: today ``_disk.DiskTier``; a remote tier such as
-Redis plugs in after it).  The policy decides *what* goes *where* (promotion on a hit,
+storage tiers (:class:`StorageTier`: ``_disk.DiskTier``, then the shared
+``_redis.RedisTier``).  The policy decides *what* goes *where* (promotion on a hit,
 write-down on an eviction, pins, lookup counters); a tier only keeps blocks, evicts its
 least recently used unpinned ones to stay within its byte budget (:class:`ByteLru`, the
 one eviction rule), and counts what happens to its storage (:class:`TierStats`).
@@ -31,6 +31,11 @@ What a storage tier must guarantee, so the policy needs no change for a new one:
 * Answers from memory.  :meth:`~StorageTier.find` and :meth:`~StorageTier.locate`
   consult the tier's in-memory index only (``match_prefix`` reads no file and makes no
   network call); a tier indexes what it holds when it opens.
+
+* Shared tiers.  A tier whose ``shared`` attribute is true (a server other engines
+  read) is written when a block is stored, not only when DRAM evicts it; its index
+  also learns of blocks other stores wrote, and may name a block the server has since
+  evicted (its ``get`` answers ``MISS``).
 
 A storage tier is built with the store's lock (``cond``), ``pinned`` test and
 ``on_lost`` callback, its byte ``budget`` and the store's ``fingerprint``.
@@ -275,6 +280,10 @@ class TierStats(NamedTuple):
     pending: int = 0
     """Write-downs waiting for the tier's writer."""
     writable: bool = False
+    outages: int = 0
+    """Times the tier's backend went out of reach (a remote tier's server)."""
+    skipped: int = 0
+    """Write-downs not attempted: backend out of reach, or the write-behind queue full."""
 
 
 class Located(Protocol):

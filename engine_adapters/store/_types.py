@@ -14,6 +14,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, root_hash, token_bytes
+from promptsplice.engine_adapters.store._redis import check_redis_url
 from promptsplice.engine_adapters.store._tier import Key, Namespace, dtype_name, salt_bytes, supported_dtypes
 from promptsplice.errors import ConfigError, InputError
 
@@ -110,6 +111,21 @@ class StoreStats(NamedTuple):
     pending_writes: int
     """Evicted blocks waiting for the background writer (still served from memory)."""
     disk_writable: bool
+    remote_blocks: int = 0
+    """Blocks the shared tier's index knows on the server (theirs and ours)."""
+    remote_hits: int = 0
+    """Lookups the shared tier served (counted in ``disk_hits`` too)."""
+    remote_writes: int = 0
+    remote_write_errors: int = 0
+    remote_corrupt: int = 0
+    """Damaged values on the server (bad digest, wrong length, header) deleted, not served."""
+    remote_foreign: int = 0
+    """Values of another fingerprint under this store's keys: deleted, not served."""
+    remote_outages: int = 0
+    """Times the server went out of reach (each costs hits, never a request)."""
+    remote_skipped: int = 0
+    """Writes not attempted: server out of reach, or the write-behind queue full."""
+    remote_available: bool = False
 
 
 def chain_refs(
@@ -139,7 +155,7 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    """Budgets and folder of a :class:`BlockStore` (validated when built)."""
+    """Budgets, folder and shared server of a :class:`BlockStore` (validated when built)."""
 
     dram_bytes: int
     """Payload bytes kept in memory (> 0)."""
@@ -158,7 +174,18 @@ class StoreConfig:
     write_behind_bytes: int = 64 * 1024 * 1024
     """Payload bytes of evicted blocks that may wait in memory for the background
     writer (so a put or a load never waits for an fsync); a caller waits only when it
-    is full.  0: write in the calling thread (deterministic; tests and tools)."""
+    is full (the shared tier never waits: what does not fit its queue is not written,
+    counted in ``remote_skipped``).  0: write in the calling thread (deterministic;
+    tests and tools)."""
+    remote_bytes: int = 0
+    """Bytes of records on the shared Redis tier that this store indexes (LRU); 0: no
+    shared tier.  The server's own ``maxmemory`` LRU bounds what it holds."""
+    remote_url: str | None = None
+    """``redis://host:port/db`` of the shared tier; required when ``remote_bytes > 0``."""
+    remote_timeout_s: float = 0.2
+    """Connect and socket timeout of each call to the shared tier's server."""
+    remote_retry_s: float = 5.0
+    """After the server went out of reach, the shared tier is skipped this long."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -200,6 +227,34 @@ class StoreConfig:
         retry = self.disk_retry_s
         if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not retry >= 0:
             raise ConfigError(f"disk_retry_s must be a number of seconds >= 0, got {retry!r}")
+        self._validate_remote()
+
+    def _validate_remote(self) -> None:
+        if not _is_int(self.remote_bytes) or self.remote_bytes < 0:
+            raise ConfigError(
+                f"remote_bytes must be an int >= 0 (bytes of records indexed on the shared "
+                f"Redis tier; 0 turns it off), got {self.remote_bytes!r}"
+            )
+        if self.remote_url is not None:
+            problem = check_redis_url(self.remote_url)
+            if problem is not None:
+                raise ConfigError(f"remote_url {problem}: pass e.g. redis://127.0.0.1:6379/0")
+        if self.remote_bytes > 0 and self.remote_url is None:
+            raise ConfigError(
+                "remote_bytes > 0 needs remote_url: pass the shared tier's redis://host:port, "
+                "or remote_bytes=0 to keep blocks local"
+            )
+        if self.remote_url is not None and self.remote_bytes == 0:
+            raise ConfigError(
+                "remote_url needs remote_bytes > 0 (bytes of records indexed on the server, "
+                "e.g. its maxmemory), or drop remote_url"
+            )
+        for name in ("remote_timeout_s", "remote_retry_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        if not self.remote_timeout_s > 0:
+            raise ConfigError(f"remote_timeout_s must be > 0 seconds (e.g. 0.2), got {self.remote_timeout_s!r}")
 
 
 def _as_hash(value: object, what: str) -> bytes:

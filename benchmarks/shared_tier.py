@@ -1,0 +1,264 @@
+"""``python -m promptsplice.benchmarks.shared_tier``: two engines sharing blocks on Redis.
+
+Two engines (the default model, each with the splice connector, the same small KV cache,
+the same DRAM store and the same Redis tier) serve one repeat-heavy RAG trace
+round-robin (request ``i`` goes to engine ``i % 2``), in up to three modes, same prompts,
+caches and stores emptied between modes:
+
+* ``local``: each engine uses its own ``cache_salt``, so neither can load the other's
+  blocks (tenants never meet): the pair without sharing, at equal capacity (each
+  engine's own blocks still come back from Redis, as in the other modes);
+* ``shared``: one salt, so an engine loads the blocks the other computed;
+* ``outage``: as ``shared``, but the server is SIGKILLed after a third of the trace and
+  restarted (empty) after two thirds.
+
+Per mode: ``prefill_tokens`` (prompt tokens minus vLLM's ``num_cached_tokens``, both
+engines), ``external_hits`` (vLLM's ``external_prefix_cache_hits``), ``failed``
+(requests that raised), the stores' remote counters, and the outputs compared with
+``local`` request by request (greedy: a wrong block would change them).
+
+``coverage_of_other_blocks``: of the blocks an engine needed beyond its own prefix cache
+that the other engine had already computed (the leading blocks of its prompt whose
+chain hashes the other prefilled earlier in the mode), the share its connector loaded.
+``shared_over_local_prefill``: the pair's prefill, shared / local.  After each request
+the bench waits for that engine's write-behind to reach the server (plus 50 ms for the
+other engine's listener): it measures the tier, not thread scheduling.  The outage mode
+reports the share of cacheable tokens served from cache before, during and after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from promptsplice.errors import ConfigError
+
+__all__ = ["run_shared_tier_bench", "format_shared_tier", "MODES"]
+
+MODES = ("local", "shared", "outage")
+
+
+def _prompts(engine: Any, requests: Sequence[Any]) -> list[list[int]]:
+    from promptsplice.assembler import PromptFormat
+    from promptsplice.benchmarks.assemble import _chunks
+
+    asm = engine.make_assembler(prompt_format=PromptFormat.chatml())
+    out = []
+    for req in requests:
+        prompt = asm.assemble(_chunks(req), query=req.query, system=req.system or None, admit=False, learn=True)
+        out.append(list(prompt.token_ids))
+    return out
+
+
+def _leading_run(hashes: Sequence[bytes], known: set[bytes]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in known:
+            break
+        n += 1
+    return n
+
+
+def _run_mode(
+    mode: str,
+    engines: Sequence[Any],
+    prompts: list[list[int]],
+    *,
+    server: Any,
+    max_tokens: int,
+    settle_s: float = 0.05,
+    progress: bool = False,
+) -> tuple[dict[str, Any], list[list[int]]]:
+    from promptsplice.blocks import chain_hashes
+
+    bs = engines[0].block_size
+    salts = (f"{mode}-a", f"{mode}-b") if mode == "local" else (mode, mode)
+    n = len(prompts)
+    kill_at, back_at = (n // 3, 2 * n // 3) if mode == "outage" else (-1, -1)
+    computed: tuple[set[bytes], set[bytes]] = (set(), set())  # chain hashes each engine prefilled
+    eligible = covered = failed = 0
+    prompt_tokens = cached = external = 0
+    per_request: list[tuple[int, int]] = []  # (cacheable tokens, cached tokens)
+    outputs: list[list[int]] = []
+    stats0 = [e.kv_store.stats() for e in engines]
+    t0 = time.perf_counter()
+    for i, tokens in enumerate(prompts):
+        if i == kill_at:
+            server.kill()
+        if i == back_at:
+            server.start()
+        engine = engines[i % 2]
+        before = engine.counters()
+        try:
+            comp = engine.generate(tokens, max_tokens=max_tokens, cache_salt=salts[i % 2])
+        except Exception:  # noqa: BLE001 - the bench counts failures
+            failed += 1
+            outputs.append([])
+            per_request.append(((len(tokens) - 1) // bs * bs, 0))
+            continue
+        seen = engine.counters().since(before)
+        # The blocks it saved reach the server (and the other engine's index) before
+        # the next request: requests on two machines are not a millisecond apart, and
+        # this measures the tier, not thread scheduling on a loaded bench machine.
+        engine.kv_store.drain()
+        time.sleep(settle_s)
+        if progress:
+            print(f"[shared_tier] {mode} {i + 1}/{n}", file=sys.stderr, flush=True)
+        outputs.append(list(comp.token_ids))
+        prompt_tokens += len(tokens)
+        cached += comp.num_cached_tokens
+        external += seen.external_hits
+        per_request.append(((len(tokens) - 1) // bs * bs, comp.num_cached_tokens))
+        full = (len(tokens) - 1) // bs
+        hashes = chain_hashes(tokens, bs)[:full]
+        local = seen.prefix_cache_hits // bs
+        loaded = seen.external_hits // bs
+        run = _leading_run(hashes, computed[1 - i % 2])
+        eligible += max(0, run - local)
+        covered += max(0, min(local + loaded, run) - local)
+        computed[i % 2].update(hashes[local + loaded :])
+    wall = time.perf_counter() - t0
+    stats = [e.kv_store.stats() for e in engines]
+    keys = ("remote_hits", "remote_writes", "remote_outages", "remote_corrupt", "remote_skipped")
+    report: dict[str, Any] = {
+        "requests": n,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "prefill_tokens": prompt_tokens - cached,
+        "external_hits": external,
+        "failed": failed,
+        "wall_s": round(wall, 2),
+        "coverage_of_other_blocks": round(covered / eligible, 4) if eligible else None,
+        "eligible_blocks": eligible,
+        "stores": [{k: getattr(b, k) - getattr(a, k) for k in keys} for a, b in zip(stats0, stats)],
+    }
+    if mode == "outage":
+
+        def share(lo: int, hi: int) -> float | None:
+            part = per_request[lo:hi]
+            total = sum(p for p, _ in part)
+            return round(sum(c for _, c in part) / total, 4) if total else None
+
+        report["hit_share"] = {"before": share(0, kill_at), "during": share(kill_at, back_at), "after": share(back_at, n)}
+    return report, outputs
+
+
+def _empty(engines: Sequence[Any], url: str) -> None:
+    """Empty both engines' prefix caches and stores, and the server."""
+    import redis
+
+    for e in engines:
+        e.reset_prefix_cache()
+        e.kv_store.clear()
+        e.kv_store.drain()
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+
+
+def run_shared_tier_bench(
+    *,
+    json_out: str | Path | None = None,
+    requests: int = 40,
+    trace: str | Path | None = None,
+    modes: Sequence[str] = MODES,
+    kv_cache_blocks: int = 160,
+    dram_blocks: int = 64,
+    max_tokens: int = 4,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run the modes on one pair of engines; returns the report."""
+    from promptsplice.benchmarks._redis_server import RedisServer
+    from promptsplice.benchmarks.offload import _bytes_per_block
+    from promptsplice.benchmarks.traces import generate_rag_trace, read_rag_trace
+    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
+
+    for mode in modes:
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}: use some of {', '.join(MODES)}")
+    if trace:
+        reqs = read_rag_trace(trace, limit=requests)
+    else:
+        reqs = generate_rag_trace(requests=requests, seed=seed, profile="repeat-heavy")
+    per_block = _bytes_per_block({"block_size": 32})
+    report: dict[str, Any] = {"modes": {}}
+    outputs: dict[str, list[list[int]]] = {}
+    with RedisServer(maxmemory="1gb") as server:
+        engines = []
+        try:
+            for i in range(2):
+                # dram_bytes differ by a byte: two configs, so the process opens two
+                # stores (one per "machine") instead of sharing one (shared_store()).
+                store = StoreConfig(
+                    dram_bytes=dram_blocks * per_block + i, remote_bytes=1 << 30, remote_url=server.url
+                )
+                engines.append(
+                    EmbeddedEngine(kv_store=store, kv_cache_bytes=kv_cache_blocks * per_block, max_model_len=4096)
+                )
+            prompts = _prompts(engines[0], reqs)
+            for mode in modes:
+                _empty(engines, server.url)
+                report["modes"][mode], outputs[mode] = _run_mode(
+                    mode, engines, prompts, server=server, max_tokens=max_tokens, progress=progress
+                )
+        finally:
+            for e in engines:
+                e.close()
+    ref = outputs.get("local")
+    for mode, outs in outputs.items():
+        if ref is not None and mode != "local":
+            report["modes"][mode]["outputs_identical_to_local"] = sum(a == b for a, b in zip(outs, ref) if a)
+    local, shared = report["modes"].get("local"), report["modes"].get("shared")
+    if local and shared and local["prefill_tokens"]:
+        report["shared_over_local_prefill"] = round(shared["prefill_tokens"] / local["prefill_tokens"], 4)
+    report["trace"] = {"requests": len(reqs), "source": str(trace) if trace else "generated repeat-heavy"}
+    report["engines"] = {"kv_cache_blocks": kv_cache_blocks, "dram_blocks": dram_blocks, "block_size": 32}
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return report
+
+
+def format_shared_tier(report: dict[str, Any]) -> str:
+    lines = [
+        "| mode | prefill tokens | cached | external hits | failed | same output as local | coverage of the other's blocks |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode, m in report["modes"].items():
+        same = m.get("outputs_identical_to_local", "-")
+        lines.append(
+            f"| {mode} | {m['prefill_tokens']} | {m['cached_tokens']} | {m['external_hits']} | {m['failed']} "
+            f"| {same} | {m['coverage_of_other_blocks']} |"
+        )
+    if "shared_over_local_prefill" in report:
+        lines.append(f"pair prefill shared/local: {report['shared_over_local_prefill']}")
+    out = report["modes"].get("outage")
+    if out:
+        lines.append(f"outage hit share before/during/after: {out['hit_share']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.shared_tier", description=__doc__.splitlines()[0])
+    p.add_argument("--json", required=True, help="where to write the report")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--trace", default=None, help="a RAG trace (promptsplice bench gen-trace); default: generated")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
+    args = p.parse_args(argv)
+    report = run_shared_tier_bench(
+        json_out=args.json, requests=args.requests, trace=args.trace, modes=args.modes.split(","), progress=True
+    )
+    print(format_shared_tier(report))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

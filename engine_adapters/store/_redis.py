@@ -1,0 +1,599 @@
+"""The shared tier of the block store: checked records on a Redis server, written behind.
+
+Engines on different machines point their stores at one Redis: a block one engine
+computed is loaded by another that misses locally.  A :class:`RedisTier` keeps the
+storage-tier contract of ``_tier`` the same way the disk tier does, and reuses its
+record format (``_format``: header, token ids, payload, xxh3-128 digests):
+
+* Keys.  ``psk:{fingerprint}:{salt digest}:{namespace}:{key}``: the model/layout
+  fingerprint and the tenant salt are in the key name, so tenants and models never
+  read each other's values; the record's header repeats both and is checked on load.
+* Index from memory.  ``find``/``locate`` answer from an in-memory index (``match_prefix``
+  makes no network call).  A listener thread fills it: every write is announced with
+  the record's header on the channel ``psk:{fingerprint}:blocks``, and on every
+  (re)connection the listener scans the server's keys of this fingerprint (headers
+  only).  The index is bounded by ``budget`` bytes of records (LRU, pins kept); the
+  server's own ``maxmemory`` LRU bounds what the server holds, so an indexed block may
+  be gone: its load answers ``MISS``.
+* Verified loads.  A value is served only if its length, digests, fingerprint and
+  header (key, salt, parent, token ids, layout) match; anything else is deleted,
+  counted (``corrupt``, or ``foreign`` for another fingerprint) and answered ``CORRUPT``.
+* Write-behind that never blocks.  Write-downs go to a bounded queue (at most
+  ``write_behind_bytes`` of payload) and a writer thread; when it is full the block is
+  not written (counted in ``skipped``, reported lost), the caller never waits.
+* Outages.  Connect and socket timeouts are short; a connection error or timeout opens
+  a circuit breaker: the tier counts one outage, logs one warning, forgets its index
+  (the server may come back empty) and refuses reads and writes for ``retry_s`` seconds,
+  so a dead server costs at most one short timeout per back-off period.  The listener
+  then reconnects and rescans.  A server that refuses a write (out of memory) counts a
+  write error and drops the block, without opening the breaker.
+
+The ``redis`` client is imported when a tier is built, never at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from promptsplice.blocks import content_digest
+from promptsplice.engine_adapters.store import _format as fmt
+from promptsplice.engine_adapters.store._tier import (
+    NAMESPACES,
+    BlockMeta,
+    ByteLru,
+    Fetched,
+    Held,
+    Key,
+    Loaded,
+    TierStats,
+    never_pinned,
+    new_condition,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RedisTier", "check_redis_url", "key_prefix", "record_key"]
+
+_log = logging.getLogger(__name__)
+
+_HEAD_READ = 4096  # bytes of a value the listener reads to index it (headers are shorter)
+
+
+def check_redis_url(url: object) -> str | None:
+    """Why ``url`` is not a usable Redis URL (``None`` when it is)."""
+    if not isinstance(url, str) or not url:
+        return f"must be a redis:// URL string, got {type(url).__name__}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        return f"is not a valid URL ({exc})"
+    if parts.scheme != "redis":
+        return f"must start with redis:// (got scheme {parts.scheme or 'none'!r})"
+    if not parts.hostname:
+        return "names no host (e.g. redis://127.0.0.1:6379/0)"
+    return None
+
+
+def key_prefix(fingerprint: bytes) -> str:
+    """The prefix of every key (and of the channel) of one fingerprint."""
+    return f"psk:{fingerprint.hex()}:"
+
+
+def record_key(fingerprint: bytes, meta: BlockMeta) -> str:
+    """The Redis key of one block: fingerprint, salt digest, namespace, chain key."""
+    salt = content_digest(meta.salt)[:8].hex()
+    return f"{key_prefix(fingerprint)}{salt}:{meta.namespace:02x}:{meta.key.hex()}"
+
+
+@dataclass(slots=True)
+class Record:
+    """A block the server holds (as far as the index knows); ``size``: the value's bytes."""
+
+    meta: BlockMeta
+    size: int
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """A planned write-down: ``held`` is served from memory until it lands."""
+
+    key: Key
+    held: Held
+    size: int
+
+
+def _record_size(record: Record) -> int:
+    return record.size
+
+
+class RedisTier:
+    """Records on one Redis server, indexed in memory (see the module doc)."""
+
+    name = "remote"
+    shared = True
+    """Written when a block is stored, not only when DRAM evicts it: other engines can
+    only use what reached the server."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        budget: int,
+        fingerprint: bytes,
+        timeout_s: float = 0.2,
+        retry_s: float = 5.0,
+        write_behind_bytes: int = 0,
+        cond: threading.Condition | None = None,
+        pinned: Callable[[Key], bool] = never_pinned,
+        on_lost: Callable[[Key, Held], None] | None = None,
+        on_back: Callable[[], None] | None = None,
+    ) -> None:
+        """Connect lazily to ``url`` (no I/O here: a server that is down at start-up
+        is an outage like any other) and start the listener that fills the index."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._refused: type[BaseException] = redis.RedisError
+        options: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+            "health_check_interval": 0,
+        }
+        self._client = redis.Redis.from_url(url, **options)
+        self._url = url
+        self._fp = fingerprint
+        self._prefix = key_prefix(fingerprint)
+        self._channel = self._prefix + "blocks"
+        self._retry_s = retry_s
+        self._timeout_s = timeout_s
+        self._limit = write_behind_bytes
+        self._cond = cond if cond is not None else new_condition()
+        self._pinned = pinned
+        self._on_lost = on_lost
+        self._on_back = on_back  # after an outage: the store writes its DRAM blocks again
+        self._lru: ByteLru[Record] = ByteLru(budget, _record_size)
+        self._writing: dict[Key, Held] = {}
+        self._queue: deque[WriteJob] = deque()
+        self._queue_bytes = 0
+        self._deletes: list[str] = []
+        self._writer: threading.Thread | None = None
+        self._down_until: float | None = None
+        self._up = True
+        self._warned = False
+        self._synced = threading.Event()
+        self._closed = False
+        self._evictions = self._writes = self._write_errors = self._corrupt = self._foreign = 0
+        self._outages = self._skipped = 0
+        self._listener = threading.Thread(target=self._listen, name="promptsplice-kv-redis", daemon=True)
+        self._listener.start()
+
+    # ------------------------------------------------------ index (under the lock)
+
+    def find(self, k: Key) -> BlockMeta | None:
+        entry = self._writing.get(k) or self._lru.get(k)
+        return None if entry is None else entry.meta
+
+    def pending(self, k: Key) -> Held | None:
+        return self._writing.get(k)
+
+    def locate(self, k: Key) -> Record | None:
+        return self._lru.get(k)
+
+    def touch(self, k: Key) -> bool:
+        if k not in self._lru:
+            return False
+        self._lru.touch(k)
+        return True
+
+    def put(self, k: Key, held: Held) -> WriteJob | None:
+        """Plan a write-down; ``None`` (reported lost) when the server is out of reach
+        or the write-behind queue is full."""
+        size = fmt.record_size(held.meta)
+        if self._closed or not self._reachable() or size > self._lru.budget:
+            self._skip(k, held)
+            return None
+        if self._limit and self._queue_bytes + held.meta.nbytes > self._limit:
+            self._skip(k, held)  # never block the engine's step on the network
+            return None
+        self._writing[k] = held
+        return WriteJob(k, held, size)
+
+    def remove(self, k: Key) -> bool:
+        found = self._writing.pop(k, None) is not None
+        record = self._lru.pop(k)
+        if record is not None:
+            found = True
+            self._delete_later(record_key(self._fp, record.meta))
+        return found
+
+    def clear(self) -> None:
+        names = [record_key(self._fp, r.meta) for _, r in self._lru.items()]
+        self._lru.clear()
+        self._writing.clear()
+        self._delete_later(*names)
+
+    def keys(self) -> Iterator[Key]:
+        return iter(self._lru)
+
+    @property
+    def writable(self) -> bool:
+        return self._reachable()
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            blocks=len(self._lru),
+            bytes=self._lru.used,
+            evictions=self._evictions,
+            writes=self._writes,
+            write_errors=self._write_errors,
+            corrupt=self._corrupt,
+            foreign=self._foreign,
+            pending=len(self._queue),
+            writable=self.writable,
+            outages=self._outages,
+            skipped=self._skipped,
+        )
+
+    def _reachable(self) -> bool:
+        return self._down_until is None or time.monotonic() >= self._down_until
+
+    def _skip(self, k: Key, held: Held) -> None:
+        self._skipped += 1
+        if self._on_lost is not None:
+            self._on_lost(k, held)
+
+    def _index(self, meta: BlockMeta, size: int) -> None:
+        """Add a block the server holds to the index (evicting LRU entries of it)."""
+        k = (meta.namespace, meta.key)
+        old = self._lru.get(k)
+        if old is not None:
+            if old.meta == meta:
+                return
+            if self._pinned(k):
+                return  # another block under the key (another tenant's content key)
+            self._lru.pop(k)
+        victims = self._lru.victims(size, self._pinned)
+        if victims is None:
+            return
+        for vk in victims:  # forgotten here; the server keeps the value for others
+            self._lru.pop(vk)
+            self._evictions += 1
+        self._lru.add(k, Record(meta, size))
+
+    def _outage(self, err: BaseException) -> None:
+        """Under the lock: the server is out of reach; open the breaker."""
+        self._down_until = time.monotonic() + self._retry_s
+        self._lru.clear()  # it may come back empty: the listener rescans it
+        self._synced.clear()
+        if self._up:
+            self._up = False
+            self._outages += 1
+        if not self._warned:
+            self._warned = True
+            _log.warning(
+                "KV block store: Redis at %s is out of reach (%s); serving from the local "
+                "tiers, retried in %g s",
+                _redact(self._url),
+                err,
+                self._retry_s,
+            )
+        self._cond.notify_all()
+
+    def _back(self) -> None:
+        """Under the lock: a call reached the server."""
+        if not self._up:
+            self._up = True
+            self._down_until = None
+            self._warned = False
+
+    # ------------------------------------------------------ I/O (without the lock)
+
+    def get(self, k: Key, entry: Record) -> Fetched:
+        """Fetch and verify the value ``locate`` returned ``entry`` for."""
+        name = record_key(self._fp, entry.meta)
+        with self._cond:
+            if not self._reachable():
+                return Fetched(Loaded.MISS)
+        try:
+            value = self._client.get(name)
+        except self._errors as exc:
+            with self._cond:
+                self._outage(exc)
+            return Fetched(Loaded.MISS)
+        except self._refused as exc:
+            _log.warning("KV block store: Redis refused a read (%s)", exc)
+            return Fetched(Loaded.MISS)
+        payload, problem, foreign = self._verify(value, entry.meta) if value is not None else (None, None, False)
+        with self._cond:
+            self._back()
+            current = self._lru.get(k) is entry
+            if value is None:  # evicted by the server's maxmemory, or deleted
+                if current:
+                    self._lru.pop(k)
+                return Fetched(Loaded.MISS)
+            if payload is None:
+                if current:
+                    self._lru.pop(k)
+                if foreign:
+                    self._foreign += 1
+                else:
+                    self._corrupt += 1
+                _log.warning("KV block store: deleted damaged Redis value %s (%s)", name, problem)
+            elif current:
+                self._lru.touch(k)
+        if payload is None:
+            self._delete_now([name])  # before anyone else loads it
+            return Fetched(Loaded.CORRUPT)
+        return Fetched(Loaded.HIT, payload)
+
+    def _verify(self, value: bytes, meta: BlockMeta) -> tuple[torch.Tensor | None, str | None, bool]:
+        """``(payload, None, False)``, or ``(None, reason, foreign)``."""
+        try:
+            header, payload = fmt.decode_record(bytearray(value))
+        except ValueError as exc:
+            return None, str(exc), False
+        if header.fingerprint != self._fp:
+            return None, "written by another model or layout", True
+        if header.meta != meta:
+            return None, "header does not match the index", False
+        return payload, None, False
+
+    def write(self, job: WriteJob) -> bool | None:
+        """Write inline (no write-behind), or queue for the writer; never waits."""
+        if not self._limit:
+            return self._write_job(job)
+        with self._cond:
+            if self._closed or self._writing.get(job.key) is not job.held:
+                return False
+            self._queue.append(job)
+            self._queue_bytes += job.held.meta.nbytes
+            self._start_writer()
+        return None
+
+    def _write_job(self, job: WriteJob) -> bool:
+        import torch
+
+        with self._cond:
+            if self._writing.get(job.key) is not job.held:
+                return False  # removed or cleared meanwhile
+            if not self._reachable():
+                del self._writing[job.key]
+                self._skip(job.key, job.held)
+                return False
+        meta = job.held.meta
+        payload = job.held.payload.reshape(-1).view(torch.uint8).numpy()
+        data = fmt.encode_record(meta, memoryview(payload), self._fp)
+        name = record_key(self._fp, meta)
+        err: BaseException | None = None
+        refused: BaseException | None = None
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(name, bytes(data))
+            pipe.publish(self._channel, bytes(data[: fmt.header_size(meta)]))
+            pipe.execute()
+        except self._errors as exc:
+            err = exc
+        except self._refused as exc:  # e.g. OOM: the value does not fit the server
+            refused = exc
+        with self._cond:
+            current = self._writing.get(job.key) is job.held
+            if current:
+                del self._writing[job.key]
+            if err is not None:
+                self._write_errors += 1
+                self._outage(err)
+            elif refused is not None:
+                self._write_errors += 1
+                _log.warning("KV block store: Redis refused a write (%s)", refused)
+            else:
+                self._back()
+                self._writes += 1
+                if current and not self._closed:
+                    self._index(meta, len(data))
+                    return True
+                return False
+            if current and self._on_lost is not None:
+                self._on_lost(job.key, job.held)
+            return False
+
+    def _write_behind(self) -> None:
+        """The background writer: deletes, then queued jobs in order; exits when idle."""
+        while True:
+            with self._cond:
+                if not self._queue and not self._deletes and not self._closed:
+                    self._cond.wait(timeout=1.0)
+                deletes, self._deletes = self._deletes, []
+                if not self._queue and not deletes:
+                    self._writer = None
+                    return
+                job = self._queue[0] if self._queue else None
+            self._delete_now(deletes)
+            if job is None:
+                continue
+            self._write_job(job)
+            with self._cond:
+                self._queue.popleft()
+                self._queue_bytes -= job.held.meta.nbytes
+                self._cond.notify_all()
+
+    def _delete_later(self, *names: str) -> None:
+        """Under the lock: have the writer thread delete these values (no I/O here)."""
+        if not names or self._closed:
+            return
+        self._deletes.extend(names)
+        self._start_writer()
+
+    def _delete_now(self, names: list[str]) -> None:
+        """Delete values on the server, best effort (without the lock; never raises)."""
+        with self._cond:
+            if not names or not self._reachable():
+                return
+        try:
+            self._client.delete(*names)
+        except self._errors as exc:
+            with self._cond:
+                self._outage(exc)
+        except self._refused:
+            pass
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_behind, name="promptsplice-kv-redis-writer", daemon=True)
+            self._writer.start()
+        self._cond.notify_all()
+
+    def drain(self) -> None:
+        with self._cond:
+            while self._queue:
+                self._cond.wait()
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Wait until the listener has scanned the server since it (re)connected."""
+        return self._synced.wait(timeout)
+
+    def close(self) -> None:
+        """Finish queued writes (each bounded by the timeout), stop the threads.
+        The server keeps the values.  Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            while self._queue:
+                self._cond.wait()
+            self._closed = True
+            self._lru.clear()
+            self._writing.clear()
+            self._cond.notify_all()
+            writer = self._writer
+        for thread in (writer, self._listener):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
+        self._client.close()
+
+    # ------------------------------------------------------ the listener thread
+
+    def _listen(self) -> None:
+        """Keep the index in step with the server: subscribe, scan, then apply the
+        announcements; on an outage wait for the back-off and start again."""
+        while True:
+            with self._cond:
+                while not self._closed and not self._reachable():
+                    assert self._down_until is not None
+                    self._cond.wait(max(0.01, self._down_until - time.monotonic()))
+                if self._closed:
+                    return
+            pubsub = None
+            try:
+                pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self._channel)
+                recovered = self._rescan()  # after subscribing: nothing announced meanwhile is missed
+                self._synced.set()
+                if recovered and self._on_back is not None:
+                    self._on_back()  # the server may have come back empty
+                while not self._closed:
+                    msg = pubsub.get_message(timeout=0.25)
+                    if msg is not None and msg.get("type") == "message":
+                        self._announced(msg["data"])
+            except self._errors as exc:
+                with self._cond:
+                    if not self._closed:
+                        self._outage(exc)
+            except Exception:  # noqa: BLE001 - a bug must not stop the index for good
+                _log.exception("KV block store: the Redis listener failed")
+                with self._cond:
+                    self._down_until = time.monotonic() + self._retry_s
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:  # noqa: BLE001 - closing a broken connection
+                        pass
+
+    def _announced(self, data: bytes) -> None:
+        """Index a block another store (or this one) announced."""
+        try:
+            header = fmt.parse_header(data)
+        except ValueError:
+            header = None
+        with self._cond:
+            if isinstance(header, fmt.Header) and header.fingerprint == self._fp and header.meta.namespace in NAMESPACES:
+                self._index(header.meta, header.total_size)
+            elif isinstance(header, fmt.Header) and header.fingerprint != self._fp:
+                self._foreign += 1
+            else:
+                self._corrupt += 1
+
+    def _rescan(self) -> bool:
+        """Index every value of this fingerprint on the server (headers only); delete
+        damaged ones (counted).  True when this ends an outage."""
+        with self._cond:
+            recovered = not self._up
+            self._back()
+        cursor = 0
+        while not self._closed:
+            cursor, names = self._client.scan(cursor, match=self._prefix + "*", count=500)
+            if names:
+                pipe = self._client.pipeline(transaction=False)
+                for name in names:
+                    pipe.getrange(name, 0, _HEAD_READ - 1)
+                    pipe.strlen(name)
+                replies = pipe.execute()
+                bad = []
+                found = []
+                for i, name in enumerate(names):
+                    head, size = replies[2 * i], replies[2 * i + 1]
+                    if not head:
+                        continue  # gone meanwhile
+                    problem = None
+                    try:
+                        header = fmt.parse_header(head)
+                        if isinstance(header, int):
+                            head = self._client.getrange(name, 0, header - 1)
+                            header = fmt.parse_header(head)
+                    except ValueError as exc:
+                        header, problem = None, str(exc)
+                    if isinstance(header, fmt.Header):
+                        if header.fingerprint != self._fp:
+                            problem = "foreign"
+                        elif header.total_size != size:
+                            problem = f"{size} bytes, the header says {header.total_size}"
+                        elif name.decode() != record_key(self._fp, header.meta):
+                            problem = "key name does not match the header"
+                    elif problem is None:
+                        problem = "truncated header"
+                    if problem is None:
+                        assert isinstance(header, fmt.Header)
+                        found.append(header)
+                    else:
+                        bad.append((name, problem))
+                with self._cond:
+                    for header in found:
+                        self._index(header.meta, header.total_size)
+                    for _, problem in bad:
+                        if problem == "foreign":
+                            self._foreign += 1
+                        else:
+                            self._corrupt += 1
+                if bad:
+                    self._client.delete(*(name for name, _ in bad))
+            if cursor == 0:
+                break
+        return recovered
+
+
+def _redact(url: str) -> str:
+    """``url`` without its password (for log lines)."""
+    parts = urllib.parse.urlsplit(url)
+    hidden = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[-1])
+    return url if parts.password is None else urllib.parse.urlunsplit(hidden)

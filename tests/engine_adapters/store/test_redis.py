@@ -1,0 +1,295 @@
+"""The shared tier (``_redis``) on a real ``redis-server`` on loopback, no mocks.
+
+Two ``BlockStore`` instances on one server stand for two engines.  Same blocks as
+``test_store.py``: 16 tokens, float32 payload ``[2, 2, 16, 4]`` = 1024 bytes.  Faults are
+real: values damaged with the redis client, the server SIGKILLed, SIGSTOPped (slow) or
+filled past its ``maxmemory``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import redis
+import torch
+
+from promptsplice.benchmarks._redis_server import RedisServer, free_port
+from promptsplice.blocks import content_digest, token_bytes
+from promptsplice.engine_adapters.store import _format as fmt
+from promptsplice.engine_adapters.store._redis import RedisTier, record_key
+from promptsplice.engine_adapters.store._store import (
+    BlockStore,
+    LookupStatus,
+    Namespace,
+    PutStatus,
+    StoreConfig,
+    chain_refs,
+)
+from promptsplice.errors import ConfigError
+
+from .test_store import HIT_DISK, HIT_DRAM, MISS, P, SALT, kv, make_refs, put_all
+
+FP_TEXT = "smollm2/bf16/block16/test"
+FP = content_digest(FP_TEXT.encode())
+CORRUPT, MISMATCH = LookupStatus.CORRUPT, LookupStatus.MISMATCH
+
+
+def open_store(url: str, dram_blocks: int = 2, **kw) -> BlockStore:
+    kw.setdefault("write_behind_bytes", 0)
+    kw.setdefault("remote_bytes", 64 * 1024 * 1024)
+    kw.setdefault("fingerprint", FP_TEXT)
+    return BlockStore(StoreConfig(dram_bytes=dram_blocks * P, remote_url=url, **kw))
+
+
+def remote(store: BlockStore) -> RedisTier:
+    tier = store._lower[-1]
+    assert isinstance(tier, RedisTier)
+    return tier
+
+
+def wait_for(check, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.01)
+    return check()
+
+
+def client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url)
+
+
+def value_key(ref, salt=SALT, ns: int = 0, fp: bytes = FP) -> str:
+    """The Redis key of ``ref``'s block (to damage its value with the client)."""
+    meta = fmt.BlockMeta(ns, ref.key, fmt.salt_bytes(salt), ref.parent, token_bytes(ref.tokens), (2, 2, 16, 4), "float32")
+    return record_key(fp, meta)
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"remote_bytes": 1024}, "remote_bytes > 0 needs remote_url"),
+        ({"remote_bytes": 1024, "remote_url": "http://127.0.0.1:6379"}, "remote_url must start with redis://"),
+        ({"remote_bytes": 1024, "remote_url": "redis://"}, "remote_url names no host"),
+        ({"remote_bytes": 1024, "remote_url": "redis://127.0.0.1:notaport"}, "remote_url is not a valid URL"),
+        ({"remote_bytes": 1024, "remote_url": 6379}, "remote_url must be a redis:// URL"),
+        ({"remote_url": "redis://127.0.0.1:6379"}, "remote_url needs remote_bytes > 0"),
+        ({"remote_bytes": -1}, "remote_bytes must be an int >= 0"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1", "remote_timeout_s": 0}, "remote_timeout_s must be > 0"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1", "remote_retry_s": -1}, "remote_retry_s must be"),
+    ],
+)
+def test_config_names_the_remote_field_to_fix(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        StoreConfig(dram_bytes=P, **kwargs)
+
+
+# ---------------------------------------------------------------------------- sharing
+
+
+def test_round_trip_through_the_server(redis_url):
+    refs = make_refs(3)
+    with open_store(redis_url) as a:
+        assert put_all(a, refs) == [PutStatus.STORED] * 3
+        assert a.stats().remote_writes == 3  # written when stored, not only on eviction
+    with open_store(redis_url) as b:  # a restart: the listener scans the server
+        assert remote(b).wait_synced(5.0)
+        assert b.match_prefix(refs, salt=SALT) == 3
+        for i, ref in enumerate(refs):
+            got = b.get(ref, salt=SALT)
+            assert got.status is HIT_DISK and torch.equal(got.payload, kv(i))
+        assert b.get(refs[2], salt=SALT).status is HIT_DRAM  # promoted (DRAM: 2 blocks)
+        st = b.stats()
+        assert (st.remote_hits, st.disk_hits, st.remote_blocks, st.remote_corrupt) == (3, 3, 3, 0)
+        # discard() removes the server's copy too (by the writer thread: no I/O under the lock).
+        assert b.discard(refs[0].key)
+        assert wait_for(lambda: client(redis_url).exists(value_key(refs[0])) == 0)
+        assert client(redis_url).exists(value_key(refs[1])) == 1
+
+
+def test_two_stores_on_one_server_load_each_others_blocks(redis_url):
+    refs_a, refs_b = make_refs(4, start=0), make_refs(4, start=5000)
+    with open_store(redis_url, write_behind_bytes=8 * P) as a, open_store(redis_url, write_behind_bytes=8 * P) as b:
+        assert remote(a).wait_synced(5.0) and remote(b).wait_synced(5.0)
+        put_all(a, refs_a)
+        put_all(b, refs_b, first=10)
+        a.drain()
+        b.drain()
+        # Announcements reach the other store's index: its match_prefix makes no call.
+        assert wait_for(lambda: b.match_prefix(refs_a, salt=SALT) == 4)
+        assert wait_for(lambda: a.match_prefix(refs_b, salt=SALT) == 4)
+        for i, ref in enumerate(refs_a):
+            got = b.get(ref, salt=SALT)
+            assert got.status is HIT_DISK and torch.equal(got.payload, kv(i))
+        for i, ref in enumerate(refs_b):
+            got = a.get(ref, salt=SALT)
+            assert got.status is HIT_DISK and torch.equal(got.payload, kv(10 + i))
+        assert a.stats().remote_hits == 4 and b.stats().remote_hits == 4
+        assert a.stats().remote_writes == 4 and b.stats().remote_writes == 4
+
+
+def test_tenant_salts_never_meet(redis_url):
+    tokens = list(range(300, 300 + 32))
+    mine, theirs = chain_refs(tokens, 16, salt="tenant-a"), chain_refs(tokens, 16, salt="tenant-b")
+    with open_store(redis_url) as a, open_store(redis_url) as b:
+        assert remote(b).wait_synced(5.0)
+        put_all(a, mine, salt="tenant-a")
+        assert wait_for(lambda: b.match_prefix(mine, salt="tenant-a") == 2)
+        assert b.match_prefix(theirs, salt="tenant-b") == 0
+        assert b.get(theirs[0], salt="tenant-b").status is MISS
+        # Content keys: the same 16-byte key under two salts is two Redis keys, and
+        # the other tenant's block under it is never served.
+        key = bytes(range(16))
+        ref = (key, bytes(16), list(range(16)))
+        assert a.put(ref, kv(7), salt="tenant-a", namespace=Namespace.CONTENT) is PutStatus.STORED
+        assert wait_for(lambda: b.contains(ref, salt="tenant-a", namespace=Namespace.CONTENT))
+        assert b.get(ref, salt="tenant-b", namespace=Namespace.CONTENT).status is MISMATCH
+        names = sorted(n.decode() for n in client(redis_url).keys("psk:*"))
+        assert len(names) == 3 and len({n.split(":")[2] for n in names}) == 1  # one salt's keys
+
+
+# ---------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.reliability
+def test_damaged_foreign_and_short_values_are_counted_never_served(redis_url):
+    refs = make_refs(4)
+    r = client(redis_url)
+    with open_store(redis_url) as a, open_store(redis_url, dram_blocks=8) as b:
+        assert remote(b).wait_synced(5.0)
+        put_all(a, refs)
+        assert wait_for(lambda: b.match_prefix(refs, salt=SALT) == 4)
+        names = [value_key(ref) for ref in refs]
+        good = r.get(names[0])
+        flipped = bytearray(good)
+        flipped[-100] ^= 0x01  # one payload bit
+        r.set(names[0], bytes(flipped))
+        r.set(names[1], good[: len(good) - 8])  # wrong length
+        meta = fmt.parse_header(r.get(names[2])).meta
+        other = fmt.encode_record(meta, memoryview(kv(2).numpy()).cast("B"), content_digest(b"another model"))
+        r.set(names[2], bytes(other))  # written by another model or layout
+        assert [b.get(ref, salt=SALT).status for ref in refs] == [CORRUPT, CORRUPT, CORRUPT, HIT_DISK]
+        st = b.stats()
+        assert (st.remote_corrupt, st.remote_foreign, st.remote_hits) == (2, 1, 1)
+        assert r.exists(*names[:3]) == 0  # deleted, so no one else loads them
+        assert b.match_prefix(refs, salt=SALT) == 0  # forgotten by the index
+        # A damaged value the listener finds when it scans is deleted and counted too.
+        r.set(names[3], good[:40])
+    with open_store(redis_url) as c:
+        assert remote(c).wait_synced(5.0)
+        assert c.match_prefix(refs, salt=SALT) == 0
+        assert (c.stats().remote_corrupt, r.exists(names[3]), r.keys("*")) == (1, 0, [])
+
+
+@pytest.mark.reliability
+def test_a_url_that_does_not_answer_costs_one_timeout_per_back_off(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    refs = make_refs(20)
+    with open_store(url, dram_blocks=4, remote_retry_s=30.0) as store:
+        t0 = time.monotonic()
+        statuses = put_all(store, refs)
+        looked = [store.get(ref, salt=SALT).status for ref in refs]
+        elapsed = time.monotonic() - t0
+        assert statuses == [PutStatus.STORED] * 20  # kept in DRAM: the request goes on
+        assert looked[-4:] == [HIT_DRAM] * 4 and set(looked[:-4]) == {MISS}
+        st = store.stats()
+        assert st.remote_outages == 1 and not st.remote_available
+        assert st.remote_writes == 0 and st.remote_skipped >= 19
+        assert elapsed < 1.0  # one refused connect, then the breaker skips the server
+
+
+# ---------------------------------------------------------------------------- outages
+
+
+@pytest.mark.reliability
+def test_redis_killed_mid_run_fails_nothing_and_hits_recover(redis_server, redis_url):
+    """SIGKILL the server halfway through two stores' puts and lookups: every call
+    answers, every payload served is the right one, the outage is counted, and after
+    the restart (empty) and the back-off the stores share blocks again."""
+    fast = {"remote_retry_s": 0.3, "write_behind_bytes": 64 * P}
+    with open_store(redis_url, **fast) as a, open_store(redis_url, **fast) as b:
+        assert remote(a).wait_synced(5.0) and remote(b).wait_synced(5.0)
+        wrong = served = 0
+        for step in range(60):
+            if step == 30:
+                redis_server.kill()
+            refs = make_refs(2, start=10_000 + 100 * step)
+            put_all(a, refs, first=step)
+            a.drain()
+            time.sleep(0.02)
+            for i, ref in enumerate(refs):
+                got = b.get(ref, salt=SALT)
+                if got.status.hit:
+                    served += 1
+                    wrong += not torch.equal(got.payload, kv(step + i))
+        assert wrong == 0 and served > 0
+        assert a.stats().remote_outages >= 1 and b.stats().remote_outages >= 1
+        kept = make_refs(2, start=10_000 + 100 * 59)  # still in A's DRAM, lost by the server
+        redis_server.start()  # back, empty
+        time.sleep(0.35)  # past the back-off
+        assert wait_for(lambda: remote(a).wait_synced(0.01) and remote(b).wait_synced(0.01))
+        # A writes its DRAM blocks again when the server is back: B finds them.
+        assert wait_for(lambda: b.match_prefix(kept, salt=SALT) == 2)
+        assert all(torch.equal(b.get(r, salt=SALT).payload, kv(59 + i)) for i, r in enumerate(kept))
+        refs = make_refs(3, start=90_000)
+        put_all(a, refs, first=3)
+        a.drain()
+        assert wait_for(lambda: b.match_prefix(refs, salt=SALT) == 3)
+        got = [b.get(ref, salt=SALT) for ref in refs]
+        assert [g.status for g in got] == [HIT_DISK] * 3
+        assert all(torch.equal(g.payload, kv(3 + i)) for i, g in enumerate(got))
+        assert a.stats().remote_available and b.stats().remote_available
+
+
+@pytest.mark.reliability
+def test_a_stopped_server_never_blocks_a_put(redis_server, redis_url):
+    """SIGSTOP (a server that stops answering): puts return at once, the writer's one
+    timeout opens the breaker, and what it could not write is counted as skipped."""
+    with open_store(redis_url, dram_blocks=64, write_behind_bytes=2 * P, remote_retry_s=30.0) as store:
+        assert remote(store).wait_synced(5.0)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            slowest = 0.0
+            for i, ref in enumerate(make_refs(40)):
+                t0 = time.monotonic()
+                assert store.put(ref, kv(i), salt=SALT) is PutStatus.STORED
+                slowest = max(slowest, time.monotonic() - t0)
+            store.drain()
+            st = store.stats()
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert slowest < 0.1  # the timeout is 0.2 s: no put waited for the server
+        assert st.remote_outages == 1 and st.remote_skipped >= 30 and st.remote_writes == 0
+        assert st.dram_blocks == 40 and st.dropped == 0  # DRAM kept every block
+
+
+@pytest.mark.reliability
+def test_blocks_the_server_evicts_miss_never_wrong():
+    """A server bounded by 4 MB of ``maxmemory`` (allkeys-lru) given ~6.5 MB of blocks:
+    what it evicted answers MISS, everything served is the block asked for."""
+    with RedisServer(maxmemory="4mb") as server:
+        refs = make_refs(5000, start=0)
+        with open_store(server.url) as a, open_store(server.url) as b:
+            assert remote(b).wait_synced(5.0)
+            put_all(a, refs)
+            assert wait_for(lambda: remote(b).stats().blocks >= 5000)
+            counts = {"hit": 0, "miss": 0, "other": 0}
+            for i, ref in enumerate(refs):
+                got = b.get(ref, salt=SALT)
+                if got.status is HIT_DISK:
+                    counts["hit"] += 1
+                    assert torch.equal(got.payload, kv(i))
+                elif got.status is MISS:
+                    counts["miss"] += 1
+                else:
+                    counts["other"] += 1
+            assert counts["other"] == 0
+            assert counts["miss"] > 1000 and counts["hit"] > 1000  # evicted by the server, not lost
+            assert a.stats().remote_write_errors == 0
