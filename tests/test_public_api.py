@@ -14,6 +14,7 @@ ASSEMBLER_API = [
     "BlockState",
     "DEFAULT_CAPACITY_BLOCKS",
     "HFTokenizer",
+    "MirrorView",
     "NaivePrompt",
     "OrderPolicy",
     "PopularityTracker",
