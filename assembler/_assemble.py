@@ -187,13 +187,13 @@ class Assembler:
         self.block_size = block_size
         self.policy = parse_order(policy)
         self.alignment = parse_align(alignment)
+        if mirror is not None and not isinstance(mirror, (PrefixCacheMirror, MirrorView)):
+            raise ConfigError(f"mirror must be a PrefixCacheMirror or a MirrorView, got {type(mirror).__name__}")
         if mirror is not None and mirror.block_size != block_size:
             raise ConfigError(
                 f"the mirror's block_size {mirror.block_size} differs from block_size "
                 f"{block_size}; build both from the engine's block size"
             )
-        if mirror is not None and not isinstance(mirror, (PrefixCacheMirror, MirrorView)):
-            raise ConfigError(f"mirror must be a PrefixCacheMirror or a MirrorView, got {type(mirror).__name__}")
         self.mirror = mirror if mirror is not None else PrefixCacheMirror(block_size, capacity_blocks)
         self._admits = isinstance(self.mirror, PrefixCacheMirror)  # owner, not a reader
         self.token_cache = token_cache if token_cache is not None else TokenCache()

@@ -42,6 +42,7 @@ from promptsplice.engine_adapters.runners import (
     RagRunner,
     RagStep,
     ReuseMode,
+    StepFallback,
 )
 from promptsplice.engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
 from promptsplice.engine_adapters._router import Lease, PrefixRouter, RoundRobinRouter, prefix_route_key
@@ -132,6 +133,7 @@ __all__ = [
     "SpliceSegment",
     "StoreConfig",
     "StoreStats",
+    "StepFallback",
     "StreamDelta",
     "chain_refs",
     "plan_deletion",

@@ -148,6 +148,7 @@ def test_engine_adapters_exports_are_pinned():
             "SpliceSegment",
             "StoreConfig",
             "StoreStats",
+            "StepFallback",
             "StreamDelta",
             "chain_refs",
             "plan_deletion",
