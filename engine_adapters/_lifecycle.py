@@ -50,6 +50,7 @@ def start_llm(config: EngineConfig) -> Handle:
             llm = vllm.LLM(**kwargs)
     except Exception as exc:
         raise _start_error(config, exc) from exc
+    _vllm.quiet_logs()
     _vllm.detach_vllm_finalizer(llm)
     with _live_lock:
         _live_engines += 1

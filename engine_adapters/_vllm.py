@@ -13,8 +13,8 @@ is measured without inter-process hops.
 vLLM's logs: by default vLLM prints ~90 INFO lines per engine start on *stdout*.  The
 adapter sends them to stderr and keeps only warnings and errors
 (``VLLM_LOGGING_STREAM`` / ``VLLM_LOGGING_LEVEL``, set before vLLM is imported unless
-the user set them; applied to vLLM's logger again at every engine start, in case vLLM
-was imported first).  ``PROMPTSPLICE_VLLM_LOGS=1`` keeps vLLM's INFO lines (or name a
+the user set them; vLLM reads them when it configures its logging, at each engine
+start, and :func:`quiet_logs` re-applies them after the start).  ``PROMPTSPLICE_VLLM_LOGS=1`` keeps vLLM's INFO lines (or name a
 level: ``debug``, ``info``, ``warning``, ``error``), still on stderr.
 """
 
@@ -90,7 +90,7 @@ def _prepare_env() -> None:
 
 def quiet_logs() -> None:
     """Apply the log level to vLLM's logger and move its stdout handlers to stderr
-    (for a vLLM imported before the adapter set its environment)."""
+    (after an engine start, which reconfigures vLLM's logging)."""
     logger = logging.getLogger("vllm")
     logger.setLevel(vllm_log_level())
     for handler in logger.handlers:
@@ -104,7 +104,6 @@ def import_vllm() -> Any:
         _prepare_env()
         import vllm
 
-        quiet_logs()
     return vllm
 
 

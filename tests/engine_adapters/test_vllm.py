@@ -48,11 +48,15 @@ def test_a_started_engine_prints_nothing_from_vllm_on_stdout():
     assert 0 < times["ttft_s"] <= times["first_request_s"]
 
 
+# vLLM configures its logging when an engine is built (``EngineArgs.create_logging_config``
+# -> ``configure_logging_if_needed``); the child does just that, without a model.
 _LOG_LINE = """
-import logging
 from promptsplice.engine_adapters import _vllm
 _vllm.import_vllm()
-from vllm.logger import init_logger
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging_if_needed, init_logger
+configure_logging_if_needed(LoggingConfig())
+_vllm.quiet_logs()
 init_logger("vllm.promptsplice_test").info("PROMPTSPLICE-PROBE info line")
 init_logger("vllm.promptsplice_test").warning("PROMPTSPLICE-PROBE warning line")
 """
