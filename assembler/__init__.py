@@ -35,7 +35,7 @@ from promptsplice.assembler._directives import (
 )
 from promptsplice.assembler._hook import ContextHook, FallbackReason, PreparedContext, StepKind
 from promptsplice.assembler._layout import Segment, SegmentKind
-from promptsplice.assembler._mirror import BlockState, Prediction, PrefixCacheMirror
+from promptsplice.assembler._mirror import BlockState, MirrorView, Prediction, PrefixCacheMirror
 from promptsplice.assembler._ordering import AlignPolicy, OrderPolicy, PopularityTracker
 from promptsplice.assembler._policies import (
     ContextPolicy,
@@ -82,6 +82,7 @@ __all__ = [
     "PolicyResult",
     "PopularityTracker",
     "Prediction",
+    "MirrorView",
     "PrefixCacheMirror",
     "PreparedContext",
     "PromptFormat",

@@ -14,6 +14,12 @@ An :class:`Assembler` holds the state that makes ordering stable and cache-aware
 token cache, the online popularity tracker and the prefix-cache mirror.  The module
 function :func:`assemble_prompt` uses one shared default assembler per
 ``(tokenizer, block_size)``, so popularity is learned across calls in one process.
+
+Who updates the mirror: a standalone assembler owns its mirror and admits every prompt
+it assembles (it models an engine that receives each of them); an assembler made by an
+engine (``EmbeddedEngine.make_assembler()``) holds a read-only
+:class:`~promptsplice.assembler.MirrorView` of the engine's mirror, asks it for
+predictions and never admits: the engine admits what really ran.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptsplice.assembler._layout import BranchMemory, LayoutBuilder, Segment, SegmentKind
-from promptsplice.assembler._mirror import PrefixCacheMirror
+from promptsplice.assembler._mirror import MirrorView, PrefixCacheMirror
 from promptsplice.assembler._ordering import (
     AlignPolicy,
     OrderPolicy,
@@ -48,7 +54,6 @@ from promptsplice.dedup import DedupConfig, DedupResult, KeptChunk, dedup, norma
 from promptsplice.blocks import BlockHash, content_digest, root_hash, token_bytes
 from promptsplice._validate import (
     check_block_size,
-    check_bool,
     check_fits,
     check_optional_int,
     check_salt,
@@ -207,6 +212,10 @@ class NaivePrompt:
 class Assembler:
     """Stateful prompt assembler (token cache, popularity, prefix-cache mirror).
 
+    ``mirror``: a :class:`PrefixCacheMirror` the assembler owns and admits each
+    assembled prompt into (default: a new one of ``capacity_blocks``), or a
+    :class:`MirrorView` of an engine's mirror, only read (the engine admits).
+
     Thread-safe: tokenization and dedup run outside the lock; ordering, layout and the
     mirror update of one request run under it, so concurrent requests see a consistent
     mirror.  ``trust_markup`` (default ``False``): see :func:`assemble_prompt`.
@@ -219,7 +228,7 @@ class Assembler:
         block_size: int = 16,
         policy: str | OrderPolicy = "stable",
         alignment: str | AlignPolicy = "auto",
-        mirror: PrefixCacheMirror | None = None,
+        mirror: PrefixCacheMirror | MirrorView | None = None,
         capacity_blocks: int | None = DEFAULT_CAPACITY_BLOCKS,
         token_cache: TokenCache | None = None,
         prompt_format: PromptFormat | None = None,
@@ -234,12 +243,15 @@ class Assembler:
         self.block_size = block_size
         self.policy = parse_order(policy)
         self.alignment = parse_align(alignment)
+        if mirror is not None and not isinstance(mirror, (PrefixCacheMirror, MirrorView)):
+            raise ConfigError(f"mirror must be a PrefixCacheMirror or a MirrorView, got {type(mirror).__name__}")
         if mirror is not None and mirror.block_size != block_size:
             raise ConfigError(
                 f"the mirror's block_size {mirror.block_size} differs from block_size "
                 f"{block_size}; build both from the engine's block size"
             )
         self.mirror = mirror if mirror is not None else PrefixCacheMirror(block_size, capacity_blocks)
+        self._admits = isinstance(self.mirror, PrefixCacheMirror)  # owner, not a reader
         self.token_cache = token_cache if token_cache is not None else TokenCache()
         self.format = prompt_format or PromptFormat()
         self.dedup_config = dedup_config or DedupConfig()
@@ -278,28 +290,61 @@ class Assembler:
         policy: str | OrderPolicy | None = None,
         alignment: str | AlignPolicy | None = None,
         max_tokens: int | None = None,
-        admit: bool = True,
-        learn: bool | None = None,
     ) -> AssembledPrompt:
-        """Assemble one prompt.
+        """Assemble one prompt that will be sent.
 
-        ``admit`` replays the prompt into the mirror (as if the engine ran it with one
-        output token); pass ``admit=False`` when the engine adapter admits what really
-        ran (``EmbeddedEngine.generate(..., mirror=asm.mirror)``).  ``learn`` (default:
-        ``admit``) updates the popularity counts, the order memo and the branch memory;
-        ``admit=False, learn=False`` previews a prompt that will not be sent.
+        It updates the popularity counts, the order memo and the branch memory, and,
+        when the assembler owns its mirror, admits the prompt there (as if an engine ran
+        it with one output token); with an engine's read-only view the engine admits
+        what really ran.
 
         ``max_tokens`` (default: the assembler's) is the context the prompt must fit, a
         positive int (else :class:`ConfigError`); a longer prompt raises
         :class:`ContextLengthError`.  A lone surrogate in the query, system prompt or
         tools raises :class:`InvalidUTF8Error` (in a chunk: see :func:`promptsplice.dedup.dedup`).
         """
+        return self._assemble(
+            chunks, query=query, system=system, tools=tools, salt=salt, policy=policy, alignment=alignment,
+            max_tokens=max_tokens, commit=True
+        )
+
+    def preview(
+        self,
+        chunks: Iterable[Any],
+        *,
+        query: str,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        salt: str | None = None,
+        policy: str | OrderPolicy | None = None,
+        alignment: str | AlignPolicy | None = None,
+        max_tokens: int | None = None,
+    ) -> AssembledPrompt:
+        """The prompt :meth:`assemble` would build now, changing no state (nothing
+        learned, nothing admitted): for a prompt that will not be sent as such."""
+        return self._assemble(
+            chunks, query=query, system=system, tools=tools, salt=salt, policy=policy, alignment=alignment,
+            max_tokens=max_tokens, commit=False
+        )
+
+    def _assemble(
+        self,
+        chunks: Iterable[Any],
+        *,
+        commit: bool,
+        query: str,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        salt: str | None = None,
+        policy: str | OrderPolicy | None = None,
+        alignment: str | AlignPolicy | None = None,
+        max_tokens: int | None = None,
+    ) -> AssembledPrompt:
+        learn, admit = commit, commit and self._admits
         check_text(query, "query")
         check_text(system, "system", optional=True)
         tools = check_tools(tools)
         salt = check_salt(salt, "salt")
-        check_bool(admit, "admit")
-        learn = admit if learn is None else check_bool(learn, "learn")
         order_policy = self.policy if policy is None else parse_order(policy)
         align = self.alignment if alignment is None else parse_align(alignment)
         limit = self.max_tokens if max_tokens is None else _check_max_tokens(max_tokens)
@@ -373,7 +418,7 @@ class Assembler:
                     max_tokens=room,
                 )
             if admit:
-                pred = self.mirror.admit(hashes, len(tokens))
+                pred = self.mirror.admit(hashes, len(tokens))  # type: ignore[union-attr]
             else:
                 pred = self.mirror.predict(hashes, len(tokens))
             if learn:
@@ -686,14 +731,14 @@ def assemble_prompt(
     salt: str | None = None,
     max_tokens: int | None = None,
     assembler: Assembler | None = None,
-    admit: bool = True,
-    learn: bool | None = None,
     trust_markup: bool = False,
 ) -> AssembledPrompt:
     """Dedup, order and tokenize ``chunks`` into a block-aligned prompt.
 
     ``chunks`` are str, bytes, dicts with ``text``/``id``/``metadata`` or LangChain
-    ``Document``s.  ``block_size`` defaults to 16 (take it from the engine).  ``policy``
+    ``Document``s.  ``block_size`` defaults to 16 (take it from the engine).  It is
+    :meth:`Assembler.assemble`: a prompt to send (learned, and admitted where the
+    assembler owns its mirror).  ``policy``
     is ``retrieval``, ``stable`` or ``cache_aware`` (the default: best on the worst trace
     family of ``promptsplice bench assemble --suite``); ``alignment`` is ``auto``
     (default), ``none`` or ``all``.  ``salt`` isolates a tenant's cache entries (a
@@ -737,8 +782,6 @@ def assemble_prompt(
         policy=policy,
         alignment=alignment,
         max_tokens=max_tokens,
-        admit=admit,
-        learn=learn,
     )
 
 

@@ -19,6 +19,11 @@ engine, predictions equal vLLM's ``num_cached_tokens`` exactly.  ``capacity_bloc
 is an unbounded cache (slots are created on demand).  ``min_hit_tokens`` models servers
 that serve no hit below a minimum prefix (OpenAI: 1,024 tokens, then 128-token steps:
 ``PrefixCacheMirror(128, min_hit_tokens=1024)``, see ``Assembler.for_openai``).
+
+One owner updates a mirror: the engine whose cache it models (``EmbeddedEngine`` admits
+every request it ran), or a standalone ``Assembler`` (it models an engine that receives
+every prompt it assembles).  Others read it through a :class:`MirrorView`, which has
+the queries and none of the updates.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import NamedTuple
 from promptsplice.blocks import BlockHash, cdiv
 from promptsplice.errors import ConfigError
 
-__all__ = ["PrefixCacheMirror", "Prediction", "BlockState"]
+__all__ = ["PrefixCacheMirror", "MirrorView", "Prediction", "BlockState"]
 
 
 class BlockState(enum.Enum):
@@ -201,9 +206,17 @@ class PrefixCacheMirror:
             self._slot_hash[slot] = None
         return slot
 
-    def clear(self) -> None:
-        """Forget every hash (like vLLM's ``reset_prefix_cache``)."""
+    def clear(self, *, capacity_blocks: int | None | object = ...) -> None:
+        """Forget every hash (like vLLM's ``reset_prefix_cache``); ``capacity_blocks``
+        (optional): the new pool size, for an engine restarted with another one."""
+        if capacity_blocks is not ... and capacity_blocks is not None:
+            if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
+                raise ConfigError(
+                    f"capacity_blocks must be positive (or None for unbounded), got {capacity_blocks}"
+                )
         with self._lock:
+            if capacity_blocks is not ...:
+                self.capacity_blocks = capacity_blocks  # type: ignore[assignment]
             self._cached.clear()
             if self.capacity_blocks is None:
                 self._slot_hash, self._free, self._spare = [], OrderedDict(), []
@@ -214,3 +227,60 @@ class PrefixCacheMirror:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queries_tokens if self.queries_tokens else 0.0
+
+    def view(self) -> MirrorView:
+        """A read-only view of this mirror (what an engine lends its assemblers)."""
+        return MirrorView(self)
+
+
+class MirrorView:
+    """Read-only access to a :class:`PrefixCacheMirror` owned by someone else.
+
+    It answers the same queries (``predict``, ``match``, ``has``, ``len``, the sizes),
+    always from the owner's current state, and has no ``admit`` or ``clear``: an
+    assembler holding a view predicts hits and never updates the engine's mirror.
+    """
+
+    __slots__ = ("_mirror",)
+
+    def __init__(self, mirror: PrefixCacheMirror) -> None:
+        if not isinstance(mirror, PrefixCacheMirror):
+            raise ConfigError(f"a MirrorView wraps a PrefixCacheMirror, got {type(mirror).__name__}")
+        self._mirror = mirror
+
+    @property
+    def block_size(self) -> int:
+        return self._mirror.block_size
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        return self._mirror.capacity_blocks
+
+    @property
+    def min_hit_tokens(self) -> int:
+        return self._mirror.min_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self._mirror.hit_rate
+
+    def state(self, block_hash: BlockHash) -> BlockState:
+        return self._mirror.state(block_hash)
+
+    def has(self, block_hash: bytes) -> bool:
+        return self._mirror.has(block_hash)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._mirror
+
+    def __len__(self) -> int:
+        return len(self._mirror)
+
+    def match(self, hashes: Sequence[BlockHash]) -> int:
+        return self._mirror.match(hashes)
+
+    def predict(self, hashes: Sequence[BlockHash], num_tokens: int) -> Prediction:
+        return self._mirror.predict(hashes, num_tokens)
+
+    def __repr__(self) -> str:
+        return f"MirrorView(block_size={self.block_size}, capacity_blocks={self.capacity_blocks}, cached={len(self)})"

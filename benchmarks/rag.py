@@ -129,10 +129,8 @@ def run_modes(
     predicted = 0
     t0 = time.perf_counter()
     for req in requests:
-        prompt = asm.assemble(
-            _chunks(req), query=req.query, system=req.system or None, admit=False, learn=True
-        )
-        comp = engine.generate(prompt, max_tokens=max_tokens, mirror=asm.mirror)
+        prompt = asm.assemble(_chunks(req), query=req.query, system=req.system or None)
+        comp = engine.generate(prompt, max_tokens=max_tokens)
         predicted += prompt.predicted_cached_tokens
         completions.append(comp)
         if progress:

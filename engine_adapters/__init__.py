@@ -2,9 +2,10 @@
 
 ``EmbeddedEngine`` starts vLLM in this process (prefix caching on, a bounded KV cache,
 eager mode on CPU), sends assembled token ids with their ``cache_salt``, and reports
-vLLM's own ``num_cached_tokens`` and TTFT per request; ``make_assembler()`` builds an
-``promptsplice.assembler.Assembler`` whose prefix-cache mirror is sized like the engine, so its
-predictions equal what vLLM serves.
+vLLM's own ``num_cached_tokens`` and TTFT per request.  The engine owns the mirror of
+its prefix cache and admits every request it ran; ``make_assembler()`` builds an
+``promptsplice.assembler.Assembler`` that predicts from that mirror, so its predictions
+equal what vLLM serves.
 
 The splice KV connector: ``EngineConfig(kv_store=StoreConfig(...))`` makes the engine
 save prefilled KV blocks to a tiered ``BlockStore`` (DRAM, then disk), serve them back
@@ -42,6 +43,7 @@ from promptsplice.engine_adapters.runners import (
     RagRunner,
     RagStep,
     ReuseMode,
+    StepFallback,
 )
 from promptsplice.engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
 from promptsplice.engine_adapters._router import Lease, PrefixRouter, RoundRobinRouter, prefix_route_key
@@ -132,6 +134,7 @@ __all__ = [
     "SpliceSegment",
     "StoreConfig",
     "StoreStats",
+    "StepFallback",
     "StreamDelta",
     "chain_refs",
     "plan_deletion",

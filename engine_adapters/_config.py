@@ -77,9 +77,9 @@ def _is_int(value: object) -> bool:
 
 def detect_platform() -> str:
     """vLLM's device type for this machine (``"cpu"``, ``"cuda"``, ...)."""
-    from promptsplice.engine_adapters._vllm import import_vllm_platform
+    from promptsplice.engine_adapters._vllm import device_type
 
-    return import_vllm_platform().device_type
+    return device_type()
 
 
 def auto_dtype() -> str:

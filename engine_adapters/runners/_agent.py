@@ -34,7 +34,8 @@ of the same tokens: for measurements only).
 Fallbacks, never a wrong splice: a step whose previous render is not what this runner
 last sent for the session (another runner, a restart), or whose hook step is a
 ``FULL_PREFILL``, is sent as a plain request (the prefix cache still serves whatever
-matches exactly), and the reason is logged and kept in :attr:`AgentStep.fallback`.
+matches exactly), and the reason is logged and kept in :attr:`AgentStep.fallback`
+(a :class:`~promptsplice.engine_adapters.runners.StepFallback`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from promptsplice.assembler import PreparedContext, StepKind
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePhase, plan_phases
+from promptsplice.engine_adapters.runners._steps import StepFallback, cached_tokens
 from promptsplice.blocks import round_down
 from promptsplice._validate import check_enum, check_int, check_salt
 from promptsplice.errors import ConfigError, InputError
@@ -102,11 +104,12 @@ class AgentMode(enum.Enum):
 class AgentStep:
     """What one step cost and returned.
 
-    Token counts cover every request of the step (a splice may take several):
-    ``prefill_tokens`` computed, ``cached_tokens`` served exactly (prefix cache and
-    unrotated store copies), ``relocated_tokens`` loaded with re-rotated keys;
-    ``prompt_tokens = prefill + cached + relocated``.  ``ttft_s`` runs from the step's
-    first request to the final request's first token.
+    Token counts cover every request of the step (a splice may take several) and mean
+    what they mean on ``RagStep`` (:mod:`~promptsplice.engine_adapters.runners._steps`):
+    ``prefill_tokens`` computed, ``cached_tokens = prompt_tokens - prefill_tokens`` not
+    computed (vLLM's ``num_cached_tokens``: its prefix cache plus connector loads), of
+    which ``relocated_tokens`` were loaded with re-rotated keys.  ``ttft_s`` runs from
+    the step's first request to the final request's first token.
     """
 
     session_id: str
@@ -123,7 +126,8 @@ class AgentStep:
     wall_s: float
     salt: str | None
     """The ``cache_salt`` of the final request (a caller reusing this context uses it)."""
-    fallback: str | None = None
+    fallback: StepFallback | None = None
+    """Why the step was sent as a plain request (``None``: as planned)."""
 
     @property
     def hit_rate(self) -> float:
@@ -230,7 +234,7 @@ class AgentRunner:
                 salt = st.salt
                 phases = [SplicePhase(len(new), None)]
                 if prepared.kind is StepKind.FULL_PREFILL:
-                    fallback = f"hook: {prepared.fallback.value if prepared.fallback else 'full prefill'}"
+                    fallback = StepFallback.HOOK_FULL_PREFILL
             else:
                 salt, phases, fallback = self._splice_phases(st, prepared, new)
             result = self._run(prepared, new, salt, phases, gen)
@@ -241,18 +245,18 @@ class AgentRunner:
 
     def _splice_phases(
         self, st: _Session, prepared: PreparedContext, new: list[int]
-    ) -> tuple[str | None, list[SplicePhase], str | None]:
+    ) -> tuple[str | None, list[SplicePhase], StepFallback | None]:
         prev = prepared.previous
         old = list(prev.token_ids) if prev is not None else None
         plain = [SplicePhase(len(new), None)]
         if old is None or prepared.diff is None:
-            return st.salt, plain, "no previous render"
+            return st.salt, plain, StepFallback.NO_PREVIOUS_RENDER
         # What was sent may extend the render (a chat model's forced tool-call prefix):
         # its KV then starts with the old render, which is all the plan reads.
         if st.tokens is None or st.tokens[: len(old)] != old:
             why = "the session's previous render is not what this runner sent last"
             _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why)
-            return st.salt, plain, why
+            return st.salt, plain, StepFallback.FOREIGN_RENDER
         bs = self.engine.block_size
         scope_now = self.scope == "session" and not st.scoped
         salt, src_salt, load_prefix = st.salt, SAME_SALT, 0
@@ -280,7 +284,7 @@ class AgentRunner:
             )
         except InputError as exc:  # a diff that does not fit the tokens: never splice it
             _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, exc)
-            return st.salt, plain, f"invalid plan: {exc}"
+            return st.salt, plain, StepFallback.INVALID_PLAN
         if prepared.kind is StepKind.APPEND and not any(ph.plan for ph in phases):
             return st.salt, plain, None  # nothing to move: a plain request, no scope needed
         if scope_now:
@@ -300,7 +304,6 @@ class AgentRunner:
         out, t_last, relocated = run.completions[-1], run.t_last, run.relocated_tokens
         prefill = sum(o.prefill_tokens for o in run.completions)
         wall = time.perf_counter() - t0
-        cached = len(new) - prefill - relocated
         return AgentStep(
             session_id=prepared.session_id,
             step=prepared.step,
@@ -309,7 +312,7 @@ class AgentRunner:
             completion=out,
             prompt_tokens=len(new),
             prefill_tokens=prefill,
-            cached_tokens=cached,
+            cached_tokens=cached_tokens(len(new), prefill),
             relocated_tokens=relocated,
             requests=len(phases),
             ttft_s=(t_last - t0) + out.ttft_s,

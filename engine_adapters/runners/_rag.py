@@ -53,7 +53,8 @@ the tenant's position-independent requests reach them.
 Failures fall back to prefill, never to wrong KV: a block the store no longer serves
 when the request runs ends the load there and vLLM computes the rest of the prompt
 (the connector's load-error path); a plan that does not fit the prompt is logged and
-the prompt sent as a plain request (:attr:`RagStep.fallback`).
+the prompt sent as a plain request (:attr:`RagStep.fallback`, a
+:class:`~promptsplice.engine_adapters.runners.StepFallback`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
+from promptsplice.engine_adapters.runners._steps import StepFallback, cached_tokens
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash, round_down
 from promptsplice._validate import check_enum, check_int, check_salt
@@ -268,10 +270,12 @@ def plan_chunk_phases(
 class RagStep:
     """One RAG request as it ran (all engine requests it took together).
 
-    ``prefill_tokens``: every token the engine computed for it (the precompute of new
-    chunks included); ``cached_tokens = prompt_tokens - prefill_tokens`` (at least 0):
-    served from the prefix cache or loaded from the store; ``relocated_tokens`` of
-    them were loaded at another position than they were computed at.
+    Token counts mean what they mean on ``AgentStep``
+    (:mod:`~promptsplice.engine_adapters.runners._steps`): ``prefill_tokens``: every
+    token the engine computed for it (the precompute of new chunks included);
+    ``cached_tokens = prompt_tokens - prefill_tokens`` (at least 0): not computed
+    (vLLM's ``num_cached_tokens``: its prefix cache plus connector loads), of which
+    ``relocated_tokens`` were loaded at another position than they were computed at.
     """
 
     mode: ReuseMode
@@ -287,7 +291,8 @@ class RagStep:
     ttft_s: float
     wall_s: float
     salt: str | None
-    fallback: str | None = None
+    fallback: StepFallback | None = None
+    """Why the request was sent as a plain request (``None``: as planned)."""
 
     @property
     def hit_rate(self) -> float:
@@ -386,16 +391,16 @@ class RagRunner:
     def _run_exact(self, chunks, query, system, tools, gen) -> RagStep:
         asm = self.assembler
         t0 = time.perf_counter()
-        prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=self.salt, admit=False, learn=True)
+        prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=self.salt)
         t_send = time.perf_counter()
-        out = self.engine.generate(prompt, mirror=asm.mirror, **gen)
+        out = self.engine.generate(prompt, **gen)
         return self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
 
     def _run_pic(self, chunks, query, system, tools, gen) -> RagStep:
         asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, self.recompute_blocks
         t0 = time.perf_counter()
         salt = self.reuse_salt
-        prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=salt, admit=False, learn=True)
+        prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=salt)
         toks = prompt.token_ids
         hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
         chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
@@ -418,7 +423,7 @@ class RagRunner:
                 for s in group:
                     places.append((s, len(pre)))
                     pre.extend(toks[s.start : s.end])
-                out = eng.generate(pre, max_tokens=1, cache_salt=self.salt, mirror=asm.mirror)
+                out = eng.generate(pre, max_tokens=1, cache_salt=self.salt)
                 outs.append(out)
                 precomputed += out.prefill_tokens
                 chain = chain_hashes(pre, bs, salt=self.salt)
@@ -429,7 +434,7 @@ class RagRunner:
                     found[s.start] = self.index.lookup(toks[s.start : s.end], salt=self.salt)
 
             # The precompute ran under the tenant's salt and may have evicted blocks.
-            hit = round_down(min(asm.mirror.predict(prompt.block_hashes, len(toks)).cached_tokens, hit), bs)
+            hit = round_down(min(eng.mirror.predict(prompt.block_hashes, len(toks)).cached_tokens, hit), bs)
 
         placed = []
         for s in todo:
@@ -445,8 +450,8 @@ class RagRunner:
             )
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
-            phases, fallback = [SplicePhase(len(toks), None)], f"invalid plan: {exc}"
-        run = eng.generate_phases(toks, phases, cache_salt=salt, mirror=asm.mirror, **gen)
+            phases, fallback = [SplicePhase(len(toks), None)], StepFallback.INVALID_PLAN
+        run = eng.generate_phases(toks, phases, cache_salt=salt, **gen)
         outs.extend(run.completions)
         return self._step(
             prompt, outs, outs[-1], t0, run.t_last, salt, run.relocated_tokens, precomputed, len(placed), fallback
@@ -461,7 +466,7 @@ class RagRunner:
             prompt=prompt,
             prompt_tokens=n,
             prefill_tokens=prefill,
-            cached_tokens=max(0, n - prefill),
+            cached_tokens=cached_tokens(n, prefill),
             relocated_tokens=relocated,
             precomputed_tokens=precomputed,
             relocated_chunks=nchunks,

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from promptsplice.assembler import (
     AlignPolicy,
     AssembledPrompt,
+    Assembler,
     OrderPolicy,
+    PrefixCacheMirror,
     SegmentKind,
     assemble_prompt,
 )
@@ -124,6 +126,29 @@ def test_repeated_request_hits_and_prefix_key_is_shared(make_assembler):
     assert salted.predicted_cached_tokens == 0
 
 
+def test_a_standalone_assembler_admits_what_it_assembles_and_preview_changes_nothing(make_assembler):
+    asm = make_assembler()
+    seen = asm.preview(chunks("paris", "lyon"), query="q", system=SYSTEM)
+    assert len(asm.mirror) == 0  # nothing admitted
+    sent = asm.assemble(chunks("paris", "lyon"), query="q", system=SYSTEM)
+    assert sent.token_ids == seen.token_ids and len(asm.mirror) == len(sent.block_hashes)
+    again = asm.preview(chunks("paris", "lyon"), query="q", system=SYSTEM)
+    assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
+    assert len(asm.mirror) == len(sent.block_hashes)  # the preview admitted nothing
+
+
+def test_an_assembler_over_a_mirror_view_only_reads_it(default_tok):
+    owner = PrefixCacheMirror(16, 64)
+    asm = Assembler(default_tok, block_size=16, mirror=owner.view())
+    first = asm.assemble(chunks("paris", "lyon"), query="q", system=SYSTEM)
+    assert len(owner) == 0 and not hasattr(asm.mirror, "admit")
+    owner.admit(first.block_hashes, first.num_tokens)  # what the engine does after the run
+    again = asm.assemble(chunks("paris", "lyon"), query="q", system=SYSTEM)
+    assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
+    with pytest.raises(ConfigError, match="PrefixCacheMirror or a MirrorView"):
+        Assembler(default_tok, block_size=16, mirror=object())
+
+
 def test_auto_pads_a_proven_branch_point_and_the_next_branch_hits(make_assembler):
     asm = make_assembler(policy="retrieval", alignment="auto")
     r1 = asm.assemble(chunks("paris"), query="q", system=SYSTEM)
@@ -160,7 +185,7 @@ def test_cache_aware_follows_the_cached_order(make_assembler):
     for i in range(8):
         asm.assemble(chunks("lille"), query=f"x{i}", system="other system")
     asm.assemble(chunks("nice", "paris"), query="q", system=SYSTEM, policy="retrieval")
-    stable = asm.assemble(chunks("lille", "paris", "nice"), query="q2", system=SYSTEM, policy="stable", admit=False)
+    stable = asm.preview(chunks("lille", "paris", "nice"), query="q2", system=SYSTEM, policy="stable")
     assert stable.chunk_order[0] == "lille"
     res = asm.assemble(chunks("lille", "paris", "nice"), query="q2", system=SYSTEM)
     assert res.chunk_order == ["nice", "paris", "lille"]

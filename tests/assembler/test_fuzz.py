@@ -154,10 +154,10 @@ def test_max_tokens_is_a_positive_int_or_config_error(default_tok, measured, val
             out = Assembler(default_tok, max_tokens=value).assemble(["Paris is in France."], query="Where?")
         elif where == "call":
             asm = assembler_for(default_tok, 16)
-            out = asm.assemble(["Paris is in France."], query="Where?", max_tokens=value, admit=False)
+            out = asm.preview(["Paris is in France."], query="Where?", max_tokens=value)
         else:
             out = assemble_prompt(
-                ["Paris."], query="Where?", tokenizer=default_tok, max_tokens=value, admit=False, learn=False
+                ["Paris."], query="Where?", tokenizer=default_tok, block_size=48, max_tokens=value  # a private default
             )
     except ConfigError as err:
         assert not valid, err

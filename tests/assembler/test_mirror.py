@@ -132,3 +132,30 @@ def test_unbounded_mirror_is_the_set_of_all_seen_blocks(seq, bs):
         assert m.admit(hashes, len(p)).cached_tokens == want * bs
         seen.update(hashes)
     assert len(m) == len(seen)
+
+
+def test_a_view_reads_the_owner_and_cannot_update_it():
+    m = PrefixCacheMirror(4, 8)
+    view = m.view()
+    hashes = chain_hashes(list(range(12)), 4)
+    assert view.predict(hashes, 12).cached_tokens == 0
+    m.admit(hashes, 12)
+    assert view.predict(hashes, 12) == m.predict(hashes, 12) and view.predict(hashes, 12).cached_tokens == 8
+    assert len(view) == len(m) == 3 and view.match(hashes) == 3 and hashes[0] in view
+    assert view.state(hashes[0]) is BlockState.CACHED and view.has(hashes[2])
+    assert (view.block_size, view.capacity_blocks, view.min_hit_tokens) == (4, 8, 0)
+    assert not hasattr(view, "admit") and not hasattr(view, "clear")
+    m.clear()
+    assert len(view) == 0
+
+
+def test_clear_can_resize_the_pool():
+    m = PrefixCacheMirror(4, 2)
+    with pytest.raises(ConfigError):
+        m.admit(chain_hashes(list(range(12)), 4), 12)  # 3 blocks do not fit 2
+    m.clear(capacity_blocks=3)
+    assert m.capacity_blocks == 3
+    assert m.admit(chain_hashes(list(range(12)), 4), 12).cached_tokens == 0
+    with pytest.raises(ConfigError, match="capacity_blocks"):
+        m.clear(capacity_blocks=0)
+

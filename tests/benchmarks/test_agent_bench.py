@@ -38,7 +38,8 @@ def test_modes_and_bounds_are_consistent(report):
     assert spl["prefill_tokens"] <= apc["prefill_tokens"] < full["prefill_tokens"]
     assert report["ideal_prefill_tokens"] <= spl["prefill_tokens"]
     for m in (apc, spl):
-        assert m["prompt_tokens"] == m["prefill_tokens"] + m["cached_tokens"] + m["relocated_tokens"]
+        # cached_tokens: vLLM's num_cached_tokens (prefix cache + connector loads), relocated a part
+        assert m["prompt_tokens"] == m["prefill_tokens"] + m["cached_tokens"] >= m["prefill_tokens"] + m["relocated_tokens"]
     assert apc["relocated_tokens"] == 0 and spl["relocated_tokens"] > 0
     assert sum(k["steps"] for k in report["by_kind"].values()) == 6
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from promptsplice.assembler import PrefixCacheMirror
+from promptsplice.assembler import MirrorView, PrefixCacheMirror
 from promptsplice.engine_adapters import (
     DEFAULT_KV_CACHE_BYTES,
     Completion,
@@ -36,13 +36,10 @@ def chunk_dicts(req):
     return [{"id": c.id, "text": c.text, "metadata": dict(c.metadata)} for c in req.chunks]
 
 
-def run_trace(engine, requests, *, max_tokens, replay):
-    """Run a RAG trace from an empty cache, one request after the other.
-
-    ``replay=False``: the assembler admits each prompt when it assembles it (a one-token
-    request, exact for ``max_tokens=1``).  ``replay=True``: assemble with
-    ``admit=False`` and let ``generate(mirror=...)`` admit what really ran (the prompt
-    and the generated tokens' blocks).  Returns ``(prompt, completion)`` pairs.
+def run_trace(engine, requests, *, max_tokens):
+    """Run a RAG trace from an empty cache, one request after the other: the engine's
+    assembler predicts from the engine's mirror, and the engine admits what really ran
+    (the prompt and the generated tokens' blocks).  Returns ``(prompt, completion)`` pairs.
     """
     engine.reset_prefix_cache()
     asm = engine.make_assembler()
@@ -50,8 +47,8 @@ def run_trace(engine, requests, *, max_tokens, replay):
     assert len(asm.mirror) == 0
     rows = []
     for req in requests:
-        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, admit=not replay)
-        done = engine.generate(prompt, max_tokens=max_tokens, mirror=asm.mirror if replay else None)
+        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system)
+        done = engine.generate(prompt, max_tokens=max_tokens)
         rows.append((prompt, done))
     return rows
 
@@ -248,36 +245,56 @@ def test_reset_clears_the_cache_and_the_engine_mirrors(engine, rag_requests):
     assert again.predicted_cached_tokens == 0 == engine.generate(again, max_tokens=1).num_cached_tokens
 
 
+def test_the_engine_owns_its_mirror_and_its_assemblers_only_read_it(fresh_engine, rag_requests):
+    eng = fresh_engine
+    asm = eng.make_assembler()
+    assert isinstance(asm.mirror, MirrorView) and not hasattr(asm.mirror, "admit")
+    req = rag_requests[2]
+    first = asm.assemble(chunk_dicts(req), query=req.query, system=req.system)
+    second = asm.assemble(chunk_dicts(req), query=req.query, system=req.system)
+    assert len(eng.mirror) == 0  # assembling admits nothing into the engine's mirror
+    assert first.predicted_cached_tokens == second.predicted_cached_tokens == 0
+    done = eng.generate(second, max_tokens=1)
+    assert done.num_cached_tokens == 0 == done.predicted_cached_tokens
+    assert len(eng.mirror) == len(second.block_hashes)  # the engine admitted what ran
+    third = asm.assemble(chunk_dicts(req), query=req.query, system=req.system)
+    assert third.predicted_cached_tokens == eng.generate(third, max_tokens=1).num_cached_tokens > 0
+    # Raw token ids and text prompts are admitted too (no assembler involved).
+    ids = list(range(9000, 9100))
+    eng.generate(ids, max_tokens=1)
+    assert eng.generate(ids, max_tokens=1).predicted_cached_tokens == 96
+
+
 # -- mirror fidelity ------------------------------------------------------------------
 def test_mirror_predicts_vllm_exactly_on_a_rag_trace(engine, rag_requests):
-    rows = run_trace(engine, rag_requests, max_tokens=1, replay=False)
+    rows = run_trace(engine, rag_requests, max_tokens=1)
     assert_exact(rows)
 
 
 def test_mirror_replay_of_generated_tokens_is_exact(engine, rag_requests):
-    rows = run_trace(engine, rag_requests, max_tokens=4, replay=True)
+    rows = run_trace(engine, rag_requests, max_tokens=4)
     assert_exact(rows)
     assert all(1 <= len(c.token_ids) <= 4 for _, c in rows)  # EOS may come first
 
 
 def test_blocks_filled_by_generated_tokens_are_cached_and_mirrored(fresh_engine):
     eng = fresh_engine
-    mirror = PrefixCacheMirror(BS, eng.usable_blocks)  # empty, like the reset engine
+    assert len(eng.mirror) == 0  # emptied with the cache
     ids = list(range(7000, 7062))  # 62 tokens: the first 2 generated tokens fill block 1
-    first = eng.generate(ids, max_tokens=4, mirror=mirror)
+    first = eng.generate(ids, max_tokens=4)
     assert len(first.token_ids) == 4
     # A follow-up turn that starts with the answer hits block 1 too (62 prompt + 2
     # generated tokens): the engine computed the KV of the first k - 1 = 3 generated
     # tokens, and the mirror was fed their hashes.
     follow = ids + first.token_ids[:3] + [5, 6, 7]
-    second = eng.generate(follow, max_tokens=1, mirror=mirror)
+    second = eng.generate(follow, max_tokens=1)
     assert second.num_cached_tokens == 64 == second.predicted_cached_tokens
     # The last sampled token's KV is never computed: 60 prompt + 3 computed generated
     # tokens leave block 1 one token short, so a follow-up with all 4 tokens hits block 0 only.
     ids2 = list(range(8000, 8060))
-    third = eng.generate(ids2, max_tokens=4, mirror=mirror)
+    third = eng.generate(ids2, max_tokens=4)
     assert len(third.token_ids) == 4
-    fourth = eng.generate(ids2 + third.token_ids + [9] * 10, max_tokens=1, mirror=mirror)
+    fourth = eng.generate(ids2 + third.token_ids + [9] * 10, max_tokens=1)
     assert fourth.num_cached_tokens == 32 == fourth.predicted_cached_tokens
 
 
@@ -294,8 +311,8 @@ def test_mirror_is_exact_with_evictions_in_a_small_cache(engine, rag_requests):
         assert 38 <= small.num_blocks <= 44
         assert small.usable_blocks == small.num_blocks - 1
         queried = hit = 0
-        for max_tokens, replay in ((1, False), (4, True)):
-            rows = run_trace(small, rag_requests, max_tokens=max_tokens, replay=replay)
+        for max_tokens in (1, 4):
+            rows = run_trace(small, rag_requests, max_tokens=max_tokens)
             assert_exact(rows)
             # Evictions happened: an unbounded cache would have served more.
             unbounded = PrefixCacheMirror(BS)
@@ -344,8 +361,8 @@ def test_bad_prompts_and_options(engine):
         engine.generate([1, 2], temperature=-1)
     with pytest.raises(ConfigError, match="cache_salt"):
         engine.generate([1, 2], cache_salt="")
-    with pytest.raises(ConfigError, match="block_size"):
-        engine.generate([1, 2], mirror=PrefixCacheMirror(16))
+    with pytest.raises(ConfigError, match="own mirror"):
+        engine.make_assembler(mirror=PrefixCacheMirror(BS))
     with pytest.raises(ConfigError, match="block_size"):
         engine.make_assembler(block_size=16)
 

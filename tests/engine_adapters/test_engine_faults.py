@@ -57,13 +57,13 @@ def test_a_failed_prefill_never_leaves_unwritten_blocks_in_the_cache(fresh_engin
     prompt = _prompt(1)
     ref = eng.generate(prompt, max_tokens=8)
     eng.reset_prefix_cache()
-    mirror = eng.make_assembler().mirror
     with layer_fault(eng) as fault:
         with pytest.raises(EngineRequestError, match="empty prefix cache") as info:
-            eng.generate(prompt, max_tokens=8, mirror=mirror)
+            eng.generate(prompt, max_tokens=8)
     assert fault["raised"] == 1
     assert isinstance(info.value.__cause__, RuntimeError)
-    again = eng.generate(prompt, max_tokens=8, mirror=mirror)
+    assert len(eng.mirror) == 0  # the engine emptied its mirror with the cache
+    again = eng.generate(prompt, max_tokens=8)
     # Without the adapter's cache drop vLLM served 320 of these tokens from blocks whose
     # layers 15-29 were never written, and answered other tokens (measured).
     assert again.num_cached_tokens == 0
@@ -120,12 +120,14 @@ def test_a_dead_engine_restarts_once_then_stays_down(engine, tmp_path, measured)
             with pytest.raises(EngineDeadError, match="restarted") as info:
                 eng.generate(_prompt(8, 330), max_tokens=6, cache_salt=salt)
         assert info.value.restarted is True and eng.restarts == 1
+        assert len(eng.mirror) == 0  # the restarted engine's mirror is empty, like its cache
         refs = chain_refs(prompt, eng.block_size, salt=salt)
         assert eng.kv_store.match_prefix(refs, salt=salt) == 10  # the store outlived vLLM
         before = eng.counters()
         redo = eng.generate(prompt, max_tokens=6, cache_salt=salt)
         assert redo.token_ids == ref.token_ids
         assert redo.num_cached_tokens == 320 == eng.counters().since(before).external_hits  # new vLLM cache: all from the store
+        assert redo.predicted_cached_tokens == 0  # the mirror models vLLM's own cache only
 
         with layer_fault(eng, times=None):
             with pytest.raises(EngineDeadError, match="max_restarts=1") as info:

@@ -1,10 +1,10 @@
-"""Load: ``assemble_prompt`` and the harness hook from 32 threads next to engine calls.
+"""Load: ``Assembler.preview`` and the harness hook from 32 threads next to engine calls.
 
 Every output is compared with the same call made single-threaded (nothing lost,
 duplicated or crossed between threads), and the shared state is checked after: the
 token cache did exactly the sequential run's lookups, the hook counted every step of
-every session, the mirror predicted every engine request exactly (it is replayed under
-the engine's lock in the order the requests ran) and vLLM's counters add up to the
+every session, the engine's mirror predicted every engine request exactly (the engine
+admits under its lock in the order the requests ran) and vLLM's counters add up to the
 requests' own numbers.
 """
 
@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from promptsplice.assembler import Assembler, ContextHook, StepKind, assemble_prompt
+from promptsplice.assembler import Assembler, ContextHook, StepKind
 from tests.engine_adapters.test_embedded import chunk_dicts
 
 THREADS = 32
@@ -46,7 +46,7 @@ def work_items(rag_requests):
 
 def run_one(t, reqs, steps, assembler, hook, salt):
     prompts = [
-        assemble_prompt(chunk_dicts(r), query=r.query, system=r.system, salt=salt, assembler=assembler, admit=False, learn=False)
+        assembler.preview(chunk_dicts(r), query=r.query, system=r.system, salt=salt)
         for r in reqs
     ]
     contexts = [hook(f"session-{t}", m, salt=salt) for m in steps]
@@ -67,7 +67,6 @@ def test_32_threads_assemble_and_hook_next_to_engine_calls(fresh_engine, rag_req
 
     asm = Assembler(default_tok, block_size=eng.block_size)
     hook = ContextHook(asm)
-    engine_asm = eng.make_assembler()  # its mirror follows the engine
     results: list = [None] * THREADS
     completions: list = []
     errors: list = []
@@ -80,7 +79,7 @@ def test_32_threads_assemble_and_hook_next_to_engine_calls(fresh_engine, rag_req
             results[t] = run_one(t, *items[t], asm, hook, salts[t])
             if t < ENGINE_THREADS:
                 for prompt in results[t][0]:
-                    done = eng.generate(prompt, max_tokens=1, mirror=engine_asm.mirror)
+                    done = eng.generate(prompt, max_tokens=1)
                     completions.append((t, prompt, done))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append((t, exc))

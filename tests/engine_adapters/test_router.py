@@ -41,7 +41,7 @@ def _keys(n: int) -> list[bytes]:
 def test_key_is_the_chain_hash_of_the_first_k_blocks(make_assembler):
     asm = make_assembler(block_size=BS)
     docs = [f"Document {i}: the bridge was repainted in year {1900 + i}." for i in range(12)]
-    prompt = asm.assemble(docs, query="When?", system="Answer from the documents.", admit=False)
+    prompt = asm.preview(docs, query="When?", system="Answer from the documents.")
     assert len(prompt.block_hashes) > DEFAULT_KEY_BLOCKS
     key = prefix_route_key(prompt, key_blocks=DEFAULT_KEY_BLOCKS)
     assert key == prompt.block_hashes[DEFAULT_KEY_BLOCKS - 1]
@@ -51,7 +51,7 @@ def test_key_is_the_chain_hash_of_the_first_k_blocks(make_assembler):
     assert prefix_route_key(ids[:200] + [7, 8, 9], key_blocks=4, block_size=BS) == key
     assert prefix_route_key([5] + ids[1:], key_blocks=4, block_size=BS) != key
     # the salt isolates tenants' keys
-    salted = asm.assemble(docs, query="When?", system="Answer from the documents.", salt="t1", admit=False)
+    salted = asm.preview(docs, query="When?", system="Answer from the documents.", salt="t1")
     assert prefix_route_key(salted) != key
     # text prompts: chained over UTF-8 bytes; short prompts: a digest of all of it
     text = prompt.text

@@ -65,9 +65,9 @@ def run_apc(eng, trace, salt_of):
     asm = eng.make_assembler()
     led = Ledger(eng.block_size)
     for tenant, req in trace:
-        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, salt=salt_of(tenant), admit=False)
+        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, salt=salt_of(tenant))
         predicted = asm.mirror.predict(prompt.block_hashes, len(prompt.token_ids)).cached_tokens
-        done = eng.generate(prompt, max_tokens=1, mirror=asm.mirror)
+        done = eng.generate(prompt, max_tokens=1)
         assert done.num_cached_tokens == predicted  # the mirror models the engine exactly
         led.record(tenant, prompt.token_ids, apc=done.num_cached_tokens, mirror=predicted)
     return led
@@ -100,7 +100,7 @@ def test_salts_isolate_tenants_in_the_tiered_store(kv_engine, rag_requests, meas
     led = Ledger(eng.block_size)
     ext0 = eng.counters()
     for tenant, req in trace:
-        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, salt=salt_of[tenant], admit=False)
+        prompt = asm.preview(chunk_dicts(req), query=req.query, system=req.system, salt=salt_of[tenant])
         ids = list(prompt.token_ids)
         eng.reset_prefix_cache()  # every hit below must come from the store
         in_store = store.match_prefix(chain_refs(ids, eng.block_size, salt=salt_of[tenant]), salt=salt_of[tenant])

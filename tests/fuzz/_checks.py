@@ -269,7 +269,7 @@ def run_assembly(asm: Any, chunks: Any, kwargs: dict, limit: int) -> str:
     if want is not None:
         assert got is None, f"expected {want}, got a prompt"
         try:
-            asm.assemble(chunks, admit=False, learn=False, **kwargs)
+            asm.preview(chunks, **kwargs)
         except PromptspliceError as err:
             assert isinstance(err, want), (err, want)
             return f"refused: {type(err).__name__}"
@@ -284,21 +284,21 @@ def run_assembly(asm: Any, chunks: Any, kwargs: dict, limit: int) -> str:
 def check_assembly(asm: Any, chunks: Any, *, limit: int, **kwargs: Any) -> Any:
     """No assembled prompt exceeds the context it was given: with ``max_tokens=limit``
     the prompt is the one assembled without a limit when that fits, else
-    ContextLengthError carries both sizes.  Both calls are previews (``admit=False,
-    learn=False``), so the assembler's state, and with it the layout, is the same."""
+    ContextLengthError carries both sizes.  Both calls are previews (``Assembler.preview``),
+    so the assembler's state, and with it the layout, is the same."""
     try:
-        free = asm.assemble(chunks, admit=False, learn=False, **kwargs)
+        free = asm.preview(chunks, **kwargs)
     except PromptspliceError as err:
         assert not isinstance(err, ContextLengthError), "no limit was given"
         try:
-            asm.assemble(chunks, admit=False, learn=False, max_tokens=limit, **kwargs)
+            asm.preview(chunks, max_tokens=limit, **kwargs)
         except PromptspliceError as again:
             assert type(again) is type(err), (err, again)
             return None
         raise AssertionError(f"refused without a limit ({err!r}) but accepted with one")
     check_prompt(free, chunks)
     try:
-        got = asm.assemble(chunks, admit=False, learn=False, max_tokens=limit, **kwargs)
+        got = asm.preview(chunks, max_tokens=limit, **kwargs)
     except ContextLengthError as err:
         assert free.num_tokens > limit, f"a prompt of {free.num_tokens} tokens fits {limit}"
         assert (err.prompt_tokens, err.max_tokens) == (free.num_tokens, limit)

@@ -210,7 +210,7 @@ def test_order_is_canonical_across_permutations(default_tok):
             orders.add(tuple(d.id for d in out))
         assert len(orders) == 1, (learn, orders)
     # the order the assembler would send is the order returned
-    prompt = asm.assemble([{"id": d.id, "text": d.page_content} for d in docs], query="q", admit=False, learn=False)
+    prompt = asm.preview([{"id": d.id, "text": d.page_content} for d in docs], query="q")
     assert tuple(prompt.chunk_order) == orders.pop()
 
 

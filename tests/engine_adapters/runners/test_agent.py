@@ -8,7 +8,14 @@ import logging
 import pytest
 
 from promptsplice.assembler import ContextHook, StepKind, TruncateToolOutputs
-from promptsplice.engine_adapters import AgentRunner, SplicePhase, SplicePlan, SpliceSegment, plan_phases
+from promptsplice.engine_adapters import (
+    AgentRunner,
+    SplicePhase,
+    SplicePlan,
+    SpliceSegment,
+    StepFallback,
+    plan_phases,
+)
 from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.errors import ConfigError, InputError
 
@@ -160,7 +167,9 @@ def test_splice_relocates_what_follows_the_edit_and_prefills_less_than_apc(engin
     assert kinds == [StepKind.NEW_SESSION, StepKind.APPEND, StepKind.EDIT]
     for (p, a), (_, s) in zip(apc, spl):
         assert a.prompt_tokens == s.prompt_tokens == len(p.token_ids)
-        assert s.prompt_tokens == s.prefill_tokens + s.cached_tokens + s.relocated_tokens
+        # cached_tokens means what RagStep's means: vLLM's num_cached_tokens (prefix
+        # cache + connector loads), the relocated tokens a part of it
+        assert s.prompt_tokens == s.prefill_tokens + s.cached_tokens and s.relocated_tokens <= s.cached_tokens
     prepared, step = spl[2]
     bs = kv_engine.block_size
     phases = plan_phases(
@@ -220,7 +229,7 @@ def test_a_repeated_tool_output_is_relocated_on_an_append_step(kv_engine, render
     repeated = [sg for sg in prepared.render.segments if sg.message_index in (6, 7) and (sg.key, sg.padding) in seen]
     assert seg in repeated  # (the repeated call itself renders like the first one too)
     assert step.relocated_tokens == sum(sg.end - sg.start for sg in repeated) and step.salt != "t-rep"
-    assert step.prompt_tokens == step.prefill_tokens + step.cached_tokens + step.relocated_tokens
+    assert step.prompt_tokens == step.prefill_tokens + step.cached_tokens and 0 < step.relocated_tokens <= step.cached_tokens
     plain = AgentRunner(kv_engine, mode="splice", salt="t-rep2", reuse_repeats=False)
     steps2 = run_session(plain, kv_engine, "s-rep2", [first, again], "t-rep2")
     assert steps2[1][1].relocated_tokens == 0
@@ -240,7 +249,7 @@ def test_a_render_the_runner_did_not_send_falls_back_to_a_plain_request(kv_engin
     prepared = hook("s-fb", renders[2], TOOLS)
     with caplog.at_level(logging.WARNING, logger="promptsplice.engine_adapters.runners._agent"):
         step = runner.step(prepared, max_tokens=2)
-    assert prepared.kind is StepKind.EDIT and step.fallback is not None
+    assert prepared.kind is StepKind.EDIT and step.fallback is StepFallback.FOREIGN_RENDER
     assert step.requests == 1 and step.relocated_tokens == 0 and "full prefill" in caplog.text
 
 

@@ -1,0 +1,114 @@
+"""The embedded engine's lifetime: starting vLLM in this process, shutting it down (also
+from a finalizer), and the tokenizer that matches the loaded model.
+
+Several in-process engines share process-wide vLLM state (torch.distributed groups, the
+worker-side KV connector slot), so the full shutdown runs only with the last live engine
+(:func:`promptsplice.engine_adapters._vllm.shutdown_llm`); a count of live engines
+decides.  The handle holds the vLLM object and the engine's connector agent, never the
+engine itself, so a forgotten engine is still collected and shut down.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from promptsplice.assembler import HFTokenizer, Tokenizer
+from promptsplice.engine_adapters import _vllm
+from promptsplice.engine_adapters._config import EngineConfig
+from promptsplice.errors import EngineStartError, TokenizerError
+
+__all__ = ["Handle", "load_tokenizer", "release", "start_llm"]
+
+
+class Handle:
+    """The vLLM object of one engine start and its worker-side KV connector (``None``
+    without one); ``llm`` is ``None`` once shut down."""
+
+    __slots__ = ("llm", "kv")
+
+    def __init__(self, llm: Any, kv: _vllm.AgentBox) -> None:
+        self.llm = llm
+        self.kv = kv
+
+
+_live_lock = threading.Lock()
+_live_engines = 0
+
+
+def start_llm(config: EngineConfig) -> Handle:
+    """Start ``vllm.LLM`` for ``config`` (``model`` resolved); :class:`EngineStartError`
+    when vLLM cannot start (a KV cache too small names ``kv_cache_bytes``)."""
+    global _live_engines
+    vllm = _vllm.import_vllm()
+    kwargs = config.llm_kwargs(config.model)  # type: ignore[arg-type]
+    kv = _vllm.AgentBox()
+    try:
+        with _vllm.agent_installed(kv, capture=True):  # a connector engine creates its agent here
+            llm = vllm.LLM(**kwargs)
+    except Exception as exc:
+        raise _start_error(config, exc) from exc
+    _vllm.quiet_logs()
+    _vllm.detach_vllm_finalizer(llm)
+    with _live_lock:
+        _live_engines += 1
+    return Handle(llm, kv)
+
+
+def _start_error(cfg: EngineConfig, exc: BaseException) -> EngineStartError:
+    if _vllm.is_kv_cache_too_small(exc):
+        size = (
+            "vLLM's default size"
+            if cfg.kv_cache_bytes is None
+            else f"kv_cache_bytes={cfg.kv_cache_bytes} ({cfg.kv_cache_bytes / 2**20:.1f} MiB)"
+        )
+        return EngineStartError(
+            f"the KV cache ({size}) cannot hold one request of max_model_len="
+            f"{cfg.max_model_len} tokens: raise kv_cache_bytes or lower max_model_len. "
+            f"vLLM said: {exc}"
+        )
+    return EngineStartError(f"vLLM could not start {cfg.model!r}: {type(exc).__name__}: {exc}")
+
+
+def release(handle: Handle) -> None:
+    """Shut the engine's vLLM down; the process-wide state goes with the last one."""
+    global _live_engines
+    llm, handle.llm = handle.llm, None
+    if llm is None:
+        return
+    with _live_lock:
+        _live_engines -= 1
+        last = _live_engines == 0
+    with _vllm.agent_installed(handle.kv, capture=True):  # vLLM shuts down the slot's connector
+        _vllm.shutdown_llm(llm, last_engine=last)
+
+
+def _is_default_model(folder: Path) -> bool:
+    from promptsplice.assets import default_model_dir
+
+    try:
+        return folder.resolve() == default_model_dir().resolve()
+    except OSError:
+        return False
+
+
+def load_tokenizer(model: str, get_llm: Callable[[], Any]) -> Tokenizer:
+    """An assembler tokenizer that tokenizes exactly as the engine: the model folder's
+    own ``tokenizer.json`` (the default model shares the default tokenizer and its token
+    cache), else the fast tokenizer vLLM loaded for a hub model."""
+    folder = Path(model)
+    if folder.is_dir():
+        if _is_default_model(folder):
+            from promptsplice.assembler import default_tokenizer
+
+            return default_tokenizer()
+        if (folder / "tokenizer.json").is_file():
+            return HFTokenizer.from_file(folder / "tokenizer.json")
+    try:
+        return HFTokenizer(get_llm().get_tokenizer(), name=f"hf:{model}")
+    except TokenizerError:
+        raise
+    except Exception as exc:
+        raise TokenizerError(f"cannot build an assembler tokenizer for {model!r}: {exc}") from exc

@@ -1,0 +1,244 @@
+"""What a request to :class:`~promptsplice.engine_adapters.EmbeddedEngine` takes and
+returns: the result records, and the checks that turn a prompt and options into token
+ids and sampling arguments before anything reaches vLLM.
+
+Kept apart from the engine (``_embedded``), which owns vLLM's lifetime and the one step
+loop: nothing here imports vLLM or holds engine state, so every check is plain Python
+and raises the documented error with the fix in its message.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from promptsplice.assembler import AssembledPrompt
+from promptsplice.blocks import BlockHash
+from promptsplice.engine_adapters.connector._plans import SplicePlan
+from promptsplice._validate import check_int, check_number, check_salt
+from promptsplice.errors import ConfigError, ContextLengthError, InputError
+
+__all__ = [
+    "Completion",
+    "EngineCounters",
+    "NormalizedPrompt",
+    "PhasedRun",
+    "PromptLike",
+    "StreamDelta",
+    "check_context",
+    "check_sampling",
+    "check_splice",
+    "logprob_dicts",
+    "normalize_prompt",
+    "stream_deltas",
+]
+
+PromptLike = AssembledPrompt | Sequence[int] | str
+"""What :meth:`EmbeddedEngine.generate` takes."""
+
+
+@dataclass(slots=True)
+class Completion:
+    """One finished request."""
+
+    text: str
+    """The generated text (vLLM's detokenization, stop strings removed)."""
+    token_ids: list[int]
+    """The generated token ids."""
+    prompt_token_ids: list[int]
+    prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens vLLM did not compute: served from its prefix cache or loaded by the
+    KV connector (its own ``num_cached_tokens``)."""
+    ttft_s: float
+    """Seconds from submitting the request to the step that returned its first token."""
+    total_s: float
+    """Seconds from submitting the request until it finished."""
+    finish_reason: str | None
+    """vLLM's reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens``
+    reached, or the context ``max_model_len`` filled up)."""
+    predicted_cached_tokens: int | None = None
+    """The engine's mirror's prediction for this request (its own prefix cache only:
+    tokens the connector loads are not predicted); ``None`` with prefix caching off."""
+    request_id: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    """With ``generate(..., logprobs=k)``: per generated token, the log-probabilities
+    of the ``k`` most likely tokens (``k=-1``: the whole vocabulary, for an engine
+    started with ``extra_kwargs={"max_logprobs": -1}``) and of the sampled one."""
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the engine computed (not served from the cache)."""
+        return self.prompt_tokens - self.num_cached_tokens
+
+
+class StreamDelta(NamedTuple):
+    """What one engine step added to a streamed request (:meth:`EmbeddedEngine.stream`)."""
+
+    text: str
+    """New text since the previous delta (may be empty while vLLM holds text back
+    to check a stop string)."""
+    token_ids: list[int]
+    """New token ids since the previous delta."""
+    completion: Completion | None
+    """Set on the last delta only: the finished request, as ``generate`` returns it."""
+
+
+class PhasedRun(NamedTuple):
+    """What :meth:`EmbeddedEngine.generate_phases` ran."""
+
+    completions: list[Completion]
+    """One per phase, in order; the last one carries the generation."""
+    t_last: float
+    """``time.perf_counter()`` when the last phase was submitted (TTFT = up to there + its ttft)."""
+    relocated_tokens: int
+    """Tokens the splice connector loaded at another position than they were computed at."""
+
+
+class EngineCounters(NamedTuple):
+    """vLLM's prefix-cache counters (tokens, cumulative since the engine started)."""
+
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    external_queries: int
+    external_hits: int
+
+    def since(self, earlier: EngineCounters) -> EngineCounters:
+        """The counts between ``earlier`` and this reading."""
+        return EngineCounters(*(a - b for a, b in zip(self, earlier)))
+
+    @property
+    def hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+
+class NormalizedPrompt(NamedTuple):
+    """A prompt as the engine sends it."""
+
+    ids: list[int]
+    salt: str | None
+    text: str | None
+    """The text of a ``str`` prompt (vLLM keeps it for its output), else ``None``."""
+    known_hashes: list[BlockHash] | None
+    """The full-block hashes an assembled prompt already carries (same salt and block
+    size as the engine's), so the mirror need not hash the prompt again."""
+
+
+def normalize_prompt(
+    prompt: Any, cache_salt: str | None, *, block_size: int, encode: Callable[[str], list[int]]
+) -> NormalizedPrompt:
+    """Token ids and salt of an :class:`AssembledPrompt`, a list of token ids or a
+    ``str`` (``encode``: vLLM's tokenizer).  ``InputError`` for an empty or malformed
+    prompt, ``ConfigError`` for a bad ``cache_salt``."""
+    check_salt(cache_salt, "cache_salt")
+    text: str | None = None
+    known: list[BlockHash] | None = None
+    if isinstance(prompt, AssembledPrompt):
+        ids = list(prompt.token_ids)
+        salt = prompt.salt if cache_salt is None else cache_salt
+        if prompt.block_size == block_size and salt == prompt.salt:
+            known = prompt.block_hashes  # the assembler hashed the prompt already
+    elif isinstance(prompt, str):
+        if not prompt:
+            raise InputError("the prompt is empty: pass at least one token of text")
+        ids = encode(prompt)
+        text = prompt
+        salt = cache_salt
+    elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+        raise InputError(
+            f"prompt must be an AssembledPrompt, a list of token ids or a str, got {type(prompt).__name__}"
+        )
+    else:
+        ids = []
+        for i, tok in enumerate(prompt):
+            if isinstance(tok, bool):
+                raise InputError(f"prompt token {i} is a bool, not a token id")
+            try:
+                value = operator.index(tok)
+            except TypeError as exc:
+                raise InputError(f"prompt token {i} is {type(tok).__name__}, not an int token id") from exc
+            if value < 0:
+                raise InputError(f"prompt token {i} is negative ({value})")
+            ids.append(value)
+        salt = cache_salt
+    if not ids:
+        raise InputError("the prompt is empty: vLLM needs at least one prompt token")
+    return NormalizedPrompt(ids, salt, text, known)
+
+
+def check_context(num_tokens: int, max_model_len: int) -> None:
+    """:class:`ContextLengthError` unless one position is left for a generated token."""
+    if num_tokens >= max_model_len:
+        raise ContextLengthError(
+            f"the prompt has {num_tokens} tokens but the engine's max_model_len is "
+            f"{max_model_len} (a prompt may hold at most {max_model_len - 1}: one position "
+            "is left for the first generated token); send fewer or shorter chunks, or start "
+            "the engine with a larger max_model_len",
+            prompt_tokens=num_tokens,
+            max_tokens=max_model_len,
+        )
+
+
+def check_sampling(
+    max_tokens: Any, temperature: Any, stop: Any, logprobs: Any = None
+) -> dict[str, Any]:
+    """The sampling options, checked: keyword arguments for ``_vllm.make_sampling_params``."""
+    check_int(max_tokens, "max_tokens")
+    check_number(temperature, "temperature")
+    stops = None
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if not all(isinstance(s, str) and s for s in stops):
+            raise ConfigError(f"stop must be a str or a list of non-empty str, got {stop!r}")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1):
+        raise ConfigError(f"logprobs must be None, -1 (all) or an int >= 0, got {logprobs!r}")
+    return {"max_tokens": max_tokens, "temperature": float(temperature), "stop": stops, "logprobs": logprobs}
+
+
+def check_splice(splice: Any, *, has_store: bool, block_size: int) -> dict[str, Any] | None:
+    """A splice plan's ``kv_transfer_params`` (``None`` without a plan)."""
+    if splice is None:
+        return None
+    if not isinstance(splice, SplicePlan):
+        raise ConfigError(
+            f"splice must be a SplicePlan (plan_deletion / plan_relocation), got {type(splice).__name__}"
+        )
+    if not has_store:
+        raise ConfigError("splice plans need the splice connector: start the engine with kv_store=StoreConfig(...)")
+    if splice.block_size != block_size:
+        raise ConfigError(
+            f"the splice plan was made for block_size {splice.block_size}, the engine's is {block_size}"
+        )
+    return splice.to_params()
+
+
+def logprob_dicts(out: Any) -> list[dict[int, float]]:
+    """vLLM's per-token logprobs as plain ``{token_id: logprob}`` dicts."""
+    lps = out.outputs[0].logprobs if out.outputs else None
+    return [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (lps or [])]
+
+
+def stream_deltas(steps: Iterator[tuple[Any, Completion | None]]) -> Iterator[StreamDelta]:
+    """The engine step loop's cumulative outputs as deltas (``EmbeddedEngine.stream``)."""
+    sent_text, sent_ids = "", 0
+    for out, completion in steps:
+        if completion is not None:
+            # the final step's text (stop strings removed); a stop string can end the
+            # text before what was already sent, in which case nothing more is added
+            full = completion.text
+            tail = full[len(sent_text) :] if full.startswith(sent_text) else ""
+            yield StreamDelta(tail, completion.token_ids[sent_ids:], completion)
+            continue  # the step loop ends after its completion
+        gen = out.outputs[0] if out.outputs else None
+        if gen is None:
+            continue
+        # cumulative output: send what is new since the last step
+        new_text = gen.text[len(sent_text) :] if gen.text.startswith(sent_text) else ""
+        new_ids = list(gen.token_ids[sent_ids:])
+        if new_text or new_ids:
+            sent_text += new_text
+            sent_ids += len(new_ids)
+            yield StreamDelta(new_text, new_ids, None)

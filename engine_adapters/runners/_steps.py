@@ -1,0 +1,41 @@
+"""What the runners' step records share: the meaning of their token counts, and why a
+step fell back to a plain request.
+
+Token counts mean the same on :class:`~promptsplice.engine_adapters.RagStep` and
+:class:`~promptsplice.engine_adapters.AgentStep`, over every engine request a step took:
+
+* ``prefill_tokens``: tokens the engine computed (each request's ``prefill_tokens``,
+  summed; a RAG step's precompute of new chunks included);
+* ``cached_tokens = max(0, prompt_tokens - prefill_tokens)``: prompt tokens the engine
+  did not compute, by vLLM's meaning of ``num_cached_tokens``: served from its prefix
+  cache *or* loaded by the splice connector (for a one-request step it is that
+  request's ``num_cached_tokens``);
+* ``relocated_tokens``: the part of ``cached_tokens`` the connector loaded at another
+  position than it was computed at (keys re-rotated: approximate deep layers).
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["StepFallback", "cached_tokens"]
+
+
+class StepFallback(enum.Enum):
+    """Why a runner sent a step as one plain request instead of its splice plan (the
+    prefix cache still serves whatever matches exactly; the details are logged)."""
+
+    HOOK_FULL_PREFILL = "hook_full_prefill"
+    """The hook made the step a ``FULL_PREFILL`` (its reason: ``PreparedContext.fallback``)."""
+    NO_PREVIOUS_RENDER = "no_previous_render"
+    """The hook's step has no previous render or diff to plan from."""
+    FOREIGN_RENDER = "foreign_render"
+    """The session's previous render is not what this runner sent last (another
+    runner, a restart, a forgotten session)."""
+    INVALID_PLAN = "invalid_plan"
+    """The plan did not fit the prompt's tokens (never spliced)."""
+
+
+def cached_tokens(prompt_tokens: int, prefill_tokens: int) -> int:
+    """A step's ``cached_tokens`` (module doc)."""
+    return max(0, prompt_tokens - prefill_tokens)
