@@ -210,6 +210,9 @@ class SpliceWorker:
         self._failed: set[str] = set()
         self._jobs: list[_LoadJob] = []
         self._saves: deque[tuple[Any, list[torch.Tensor], SaveItem, Any]] = deque()
+        self._gathered: Any = None
+        """Event after the last save's gather: the next step's writes wait on it (a block
+        freed by vLLM may be rewritten then), the host-bound copy does not."""
 
     @property
     def can_relocate(self) -> bool:
@@ -231,6 +234,8 @@ class SpliceWorker:
         """
         self.flush_saves()
         self.finish_loads()
+        self.io.wait_on(self._gathered)  # this step's writes come after the last gather
+        self._gathered = None
         self._failed = set()
         for item in meta.loads:
             self.load(item, defer=per_layer)
@@ -350,9 +355,12 @@ class SpliceWorker:
         except Exception:  # noqa: BLE001 - a failed load is recomputed, never fatal
             _log.exception("splice connector: writing loaded blocks for %s failed", job.item.req_id)
             job.failed = True
+            n = len(job.kids) // self.blocks_per_block
             self._errors.update(job.item.block_ids)
             self._failed.add(job.item.req_id)
-            self.stats.load_errors += len(job.kids) // self.blocks_per_block
+            self.stats.load_errors += n
+            self.stats.loaded_blocks -= n
+            self.stats.relocated_blocks -= sum(1 for d in job.item.deltas[:n] if d)
 
     def take_load_errors(self) -> set[int]:
         """vLLM block ids that failed to load since the last call (then cleared)."""
@@ -406,6 +414,7 @@ class SpliceWorker:
             for layer, cache in enumerate(self.caches):
                 g = cache.index_select(bd, kids).unflatten(bd, (n, r)).movedim(bd, 0)
                 gathered[:, layer].copy_(g)
+            self._gathered = io.mark(io.side)
             if io.cuda:
                 hosts = [io.host_empty(self.payload_shape, self.dtype) for _ in range(n)]
                 for i, h in enumerate(hosts):

@@ -92,6 +92,7 @@ def test_a_deferred_load_that_fails_is_a_load_error(store):
     assert loader.take_load_errors() == {NB + 3}
     loader.save(SpliceMetadata(saves=[SaveItem("r", SALT, refs, (NB + 3,))]))  # a failed request is not saved
     assert loader.stats.saved_blocks == 0 and loader.stats.load_errors == 1
+    assert (loader.stats.loaded_blocks, loader.stats.relocated_blocks) == (0, 0)
 
 
 def test_the_connector_reads_these_backends_and_refuses_others_by_name():
