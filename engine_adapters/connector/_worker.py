@@ -13,7 +13,9 @@ Device-generic (:class:`_DeviceIO`): on CPU every copy runs inline.  With CUDA c
 save gathers the blocks on a side stream that first waits on an event recorded after
 the forward pass's writes, copies them into page-locked host buffers without blocking
 the host, and hands them to the store only once the copy's event has completed
-(:meth:`SpliceWorker.flush_saves`, polled at every step: never on the forward path).
+(:meth:`SpliceWorker.flush_saves`, polled at every step: never on the forward path);
+the next step's cache writes wait on the device for the gather only (a block vLLM
+freed may be rewritten then), not for the host-bound copy.
 A load copies each stored block (page-locked when this worker saved it) into a device
 staging buffer on a load stream; the relocation kernel then reads the staged blocks and
 writes rotated K / copied V into the destination blocks (the relocation *is* the copy
@@ -21,7 +23,9 @@ into the cache).  ``start_load(meta, per_layer=True)`` leaves each layer's reloc
 :meth:`SpliceWorker.wait_for_layer` (vLLM's ``wait_for_layer_load``), so layer ``l+1``'s
 relocation is queued only when layer ``l`` is reached; the host-to-device copies are
 whole blocks (one DMA of all layers) issued by ``start_load``, because per-layer copies
-(64 KiB for an 8B model) run far below the link's bandwidth.
+(64 KiB for an 8B model) run far below the link's bandwidth.  The connector calls
+``start_load`` without ``per_layer`` (all layers before the forward pass) until the
+per-layer hooks are verified on a CUDA vLLM (its CUDA graphs may skip them).
 """
 
 from __future__ import annotations
