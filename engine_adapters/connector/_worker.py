@@ -254,6 +254,7 @@ class SpliceWorker:
         """
         payloads = []
         job = None
+        stage = None
         try:
             for i, ref in enumerate(item.refs):
                 found = self.store.get(ref, salt=item.salt_of(i))
@@ -266,13 +267,15 @@ class SpliceWorker:
                         )
                     break
                 payloads.append(p)
+                # On CUDA each block's DMA starts while the next one is looked up.
+                stage = self._copy_in(stage, len(item.refs), i, p)
             n = len(payloads)
             deltas = list(item.deltas[:n])
             if n and any(deltas) and not self.can_relocate:
                 _log.warning("splice connector: cannot relocate on this engine; recomputing")
                 n = 0
             if n:
-                job = self._stage(item, payloads[:n], item.block_ids[:n], deltas[:n])
+                job = self._stage(item, payloads[:n], stage, item.block_ids[:n], deltas[:n])
                 if not defer:
                     self._write_layers(job, range(len(self.caches)))
         except Exception:  # noqa: BLE001 - a failed load is recomputed, never fatal
@@ -291,21 +294,27 @@ class SpliceWorker:
         self.history.append(("load", item, n))
         return n
 
-    def _stage(self, item: LoadItem, payloads: list[torch.Tensor], block_ids: Sequence[int], deltas: list[int]) -> _LoadJob:
-        """Copy the blocks to the caches' device (a load-stream DMA per block on CUDA)."""
+    def _copy_in(self, stage: torch.Tensor | None, size: int, i: int, payload: torch.Tensor) -> torch.Tensor:
+        """Block ``i`` into the device staging buffer (allocated for ``size`` blocks on
+        first use), a non-blocking copy on the load stream."""
         import torch
 
         io = self.io
-        r = self.blocks_per_block
-        if io.cuda:
-            with io.on(io.load_stream):
-                stage = torch.empty((len(payloads), *self.payload_shape), dtype=self.dtype, device=io.device)
-                for i, p in enumerate(payloads):
-                    stage[i].copy_(p, non_blocking=True)
-                ready = io.mark(io.load_stream)
-        else:
-            stage, ready = torch.stack(payloads), None
-        kdeltas = [d for d in deltas for _ in range(r)]
+        with io.on(io.load_stream):
+            if stage is None:
+                stage = torch.empty((size, *self.payload_shape), dtype=self.dtype, device=io.device)
+            stage[i].copy_(payload, non_blocking=True)
+        return stage
+
+    def _stage(
+        self, item: LoadItem, payloads: list[torch.Tensor], stage: torch.Tensor | None,
+        block_ids: Sequence[int], deltas: list[int],
+    ) -> _LoadJob:
+        """The job of the staged blocks (their copies issued: ready after an event on
+        the load stream, at once on CPU)."""
+        assert stage is not None
+        stage, ready = stage[: len(payloads)], self.io.mark(self.io.load_stream)
+        kdeltas = [d for d in deltas for _ in range(self.blocks_per_block)]
         return _LoadJob(item, stage, ready, self.kernel_ids(block_ids), kdeltas)
 
     def _write_layers(self, job: _LoadJob, layers) -> None:
