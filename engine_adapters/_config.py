@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from promptsplice.engine_adapters.connector._settings import CONNECTOR_BACKENDS
 from promptsplice.engine_adapters.store._store import StoreConfig
 from promptsplice.errors import ConfigError
 
@@ -197,9 +198,10 @@ class EngineConfig:
             raise ConfigError(f"platform must be a vLLM device type such as 'cpu' or 'cuda', got {platform!r}")
         object.__setattr__(self, "platform", platform)
         on_cpu = platform == "cpu"
-        if self.kv_store is not None and not on_cpu:
+        if self.kv_store is not None and platform not in CONNECTOR_BACKENDS:
             raise ConfigError(
-                f"kv_store (the splice connector) runs on vLLM's CPU backend only, not on {platform!r}"
+                f"kv_store (the splice connector) runs on vLLM's {' and '.join(CONNECTOR_BACKENDS)} "
+                f"platforms only, not on {platform!r}"
             )
 
         block = self.block_size

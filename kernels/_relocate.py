@@ -61,6 +61,14 @@ def _delta_tensor(delta: int | torch.Tensor | Sequence[int], device: torch.devic
     raise InputError(f"delta must be an int or integer tensor, got {type(delta).__name__}")
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the host) on ``device``: through page-locked memory without blocking
+    the host on CUDA, as is elsewhere."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.contiguous().pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     """``R(delta) k``: keys ``[..., head_size]`` moved by ``delta`` positions.
 
@@ -176,9 +184,11 @@ def relocate_blocks(
             raise InputError(f"dst_block_ids must lie in [0, {num_blocks}), got [{lo}, {hi}]")
         if ids.unique().numel() != n:
             raise InputError("dst_block_ids must be distinct (two blocks cannot share a slot)")
-    ids = ids.to(device)
+    ids = _to_device(ids, device)
 
-    d = _delta_tensor(delta, device)
+    # The delta and its cos/sin table are formed on the host and shipped without a
+    # blocking copy: on CUDA no host sync stalls the stream this runs on.
+    d = _delta_tensor(delta, torch.device("cpu"))
     if d.dim() == 0:
         d = d.reshape(1)
     elif d.dim() != 1 or d.shape[0] != n:
@@ -187,7 +197,7 @@ def relocate_blocks(
         )
     if n == 0:
         return
-    cos, sin = cos_sin_table(d, rope, torch.float32)
+    cos, sin = (_to_device(t, device) for t in cos_sin_table(d, rope, torch.float32))
     if packed:
         relocate_packed_torch(dst_cache, src_blocks, k_src, ids, cos, sin, rope, layout)
         return

@@ -107,9 +107,12 @@ class SpliceConnector(KVConnectorBase_V1):
     # ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        expected = (self.settings.backend, self.settings.isa)
         layers = _vllm.attention_layers(self._vllm_config, kv_caches)
-        found = {(backend, expected[1] if isa is None else isa) for backend, isa in layers.values()}
+        backend = self.settings.backend
+        if backend == "auto":  # vLLM picked at startup: the layers say (the worker refuses others by name)
+            backend = next(iter(layers.values()))[0]
+        expected = (backend, self.settings.isa)
+        found = {(b, expected[1] if isa is None else isa) for b, isa in layers.values()}
         if found != {expected}:
             raise ConfigError(
                 f"SpliceConnector: the attention layers use (backend, ISA) {sorted(found)}, the "
@@ -119,8 +122,8 @@ class SpliceConnector(KVConnectorBase_V1):
             self.store,
             block_size=self.settings.block_size,
             caches=kv_caches,
-            backend=self.settings.backend,
-            isa=self.settings.isa,
+            backend=backend,
+            isa=self.settings.isa or None,
             rope=self.settings.rope if self.settings.relocation else None,
         )
 

@@ -21,7 +21,23 @@ if TYPE_CHECKING:
 
     from promptsplice.kernels import RopeConfig
 
-__all__ = ["ConnectorSettings", "connector_settings", "store_config_from_extra", "store_config_to_extra"]
+__all__ = [
+    "CONNECTOR_BACKENDS",
+    "ConnectorSettings",
+    "connector_backend",
+    "connector_settings",
+    "store_config_from_extra",
+    "store_config_to_extra",
+]
+
+#: Per vLLM platform (``device_type``), the attention backends whose KV cache layout
+#: the worker reads (``promptsplice.kernels.paged_kv``); anything else is refused.
+CONNECTOR_BACKENDS: dict[str, tuple[str, ...]] = {
+    "cpu": ("CPU_ATTN",),
+    "cuda": ("FLASH_ATTN", "FLASHINFER"),
+}
+AUTO_BACKEND = "auto"
+"""The backend when vLLM picks it at startup: the worker checks the layers' own."""
 
 _STORE_FIELDS = tuple(f.name for f in fields(StoreConfig))
 
@@ -71,6 +87,34 @@ class ConnectorSettings:
     why_no_relocation: str = ""
 
 
+def connector_backend(device_type: str, backend: str | None) -> str:
+    """The attention backend the connector serves on platform ``device_type`` (vLLM's
+    ``current_platform.device_type``) with the configured ``backend`` (``None`` or
+    ``"auto"``: vLLM picks; the CPU platform has one, ``CPU_ATTN``).
+
+    Raises :class:`ConfigError` naming the platform or backend that differs from what
+    the connector reads, and what it accepts there.
+    """
+    device_type = str(device_type).lower()
+    accepted = CONNECTOR_BACKENDS.get(device_type)
+    if accepted is None:
+        raise ConfigError(
+            f"SpliceConnector does not run on vLLM platform {device_type!r} (supported: "
+            f"{', '.join(sorted(CONNECTOR_BACKENDS))}); use vLLM's own offloading connectors"
+        )
+    name = getattr(backend, "name", backend)  # vLLM's AttentionBackendEnum or a str
+    if name is None or str(name).lower() == AUTO_BACKEND:
+        return accepted[0] if len(accepted) == 1 else AUTO_BACKEND
+    name = str(name).upper()
+    if name not in accepted:
+        raise ConfigError(
+            f"SpliceConnector: attention backend {name!r} on {device_type}: its KV cache "
+            f"layout is not one the connector reads (on {device_type}: {', '.join(accepted)}); "
+            "choose one of those or run without kv_store"
+        )
+    return name
+
+
 def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     """The store config (with the engine's fingerprint), block size, attention ISA and
     RoPE of an engine; :class:`ConfigError` when the connector cannot serve it."""
@@ -78,11 +122,8 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     from promptsplice.kernels import VERIFIED_CPU_ATTN_ISAS, RopeConfig
 
     platform = import_vllm_platform()
-    if not platform.is_cpu():
-        raise ConfigError(
-            "SpliceConnector supports vLLM's CPU backend (CPU_ATTN) only; on "
-            f"{platform.device_type} use vLLM's own offloading connectors"
-        )
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = connector_backend(platform.device_type, getattr(attention, "backend", None))
     kv = vllm_config.kv_transfer_config
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -92,7 +133,7 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
         raise ConfigError(f"SpliceConnector: kv_cache_dtype {cache_dtype!r} (quantized) is not supported")
     block_size = int(cache.block_size)
     head_size = int(model.get_head_size())
-    isa = cpu_attn_isa(model.dtype, block_size, head_size, cache_dtype)
+    isa = cpu_attn_isa(model.dtype, block_size, head_size, cache_dtype) if backend == "CPU_ATTN" else ""
     rope = None
     why = ""
     try:
@@ -108,7 +149,7 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
             str(model.dtype),
             cache_dtype,
             f"block{block_size}",
-            f"cpu_attn:{isa}",
+            f"cpu_attn:{isa}" if backend == "CPU_ATTN" else f"{platform.device_type}:{backend}",
             f"layers{model.get_num_layers(parallel)}",
             f"kv_heads{model.get_num_kv_heads(parallel)}",
             f"head{head_size}",
@@ -117,7 +158,7 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     )
     extra = kv.kv_connector_extra_config if kv is not None else {}
     store_config = store_config_from_extra(extra, fingerprint=fingerprint)
-    if rope is not None and isa not in VERIFIED_CPU_ATTN_ISAS:
+    if rope is not None and backend == "CPU_ATTN" and isa not in VERIFIED_CPU_ATTN_ISAS:
         why = f"CPU_ATTN ISA {isa!r} has an unverified K layout"
     relocation = rope is not None and not why
-    return ConnectorSettings(store_config, block_size, "CPU_ATTN", isa, rope, relocation, why)
+    return ConnectorSettings(store_config, block_size, backend, isa, rope, relocation, why)

@@ -1,21 +1,41 @@
 """The connector's worker side: loads (and relocates) stored blocks into the paged KV
 cache before the forward pass, saves newly computed blocks after it.  Torch and the
-kernels; never vLLM: tests drive it with plain tensors shaped like the engine's cache.
+kernels; never vLLM: tests and ``benchmarks/gpu_connector_check`` drive it with plain
+tensors shaped like the engine's cache.
 
 A stored block is one payload ``[layers, r, *block]`` (``r`` cache-tensor blocks per
 vLLM block, 1 on CPU) in the cache's own per-block layout.  Where the blocks sit in a
 cache tensor and where K and V sit in a block is read once, through
 :func:`promptsplice.kernels.paged_kv` (the backend's name and the cache tensor); the
 worker itself only indexes the block axis it names.
+
+Device-generic (:class:`_DeviceIO`): on CPU every copy runs inline.  With CUDA caches a
+save gathers the blocks on a side stream that first waits on an event recorded after
+the forward pass's writes, copies them into page-locked host buffers without blocking
+the host, and hands them to the store only once the copy's event has completed
+(:meth:`SpliceWorker.flush_saves`, polled at every step: never on the forward path);
+the next step's cache writes wait on the device for the gather only (a block vLLM
+freed may be rewritten then), not for the host-bound copy.
+A load copies each stored block (page-locked when this worker saved it) into a device
+staging buffer on a load stream; the relocation kernel then reads the staged blocks and
+writes rotated K / copied V into the destination blocks (the relocation *is* the copy
+into the cache).  ``start_load(meta, per_layer=True)`` leaves each layer's relocation to
+:meth:`SpliceWorker.wait_for_layer` (vLLM's ``wait_for_layer_load``), so layer ``l+1``'s
+relocation is queued only when layer ``l`` is reached; the host-to-device copies are
+whole blocks (one DMA of all layers) issued by ``start_load``, because per-layer copies
+(64 KiB for an 8B model) run far below the link's bandwidth.  The connector calls
+``start_load`` without ``per_layer`` (all layers before the forward pass) until the
+per-layer hooks are verified on a CUDA vLLM (its CUDA graphs may skip them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from promptsplice.engine_adapters.connector._scheduler import LoadItem, SaveItem, SpliceMetadata
 from promptsplice.engine_adapters.store._store import BlockStore, PutStatus
@@ -44,16 +64,97 @@ class WorkerStats:
     """Blocks not saved because the step's forward pass failed (their KV is partial)."""
 
 
+class _DeviceIO:
+    """Streams, events and host buffers for the caches' device.
+
+    CUDA: a side stream for saves, a load stream for host-to-device copies, events
+    between them and the compute (current) stream, page-locked host buffers.  CPU: no
+    streams, events complete at once, plain host memory: the same call sequence runs
+    inline, so CPU tests walk the code paths the GPU runs.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.side: Any = None
+        self.load_stream: Any = None
+        if self.cuda:
+            try:
+                torch.empty(1, pin_memory=True)
+            except RuntimeError as exc:
+                raise ConfigError(
+                    f"the KV caches are on {device}, whose blocks reach the store through "
+                    f"page-locked (pinned) host memory, and this platform cannot pin memory "
+                    f"({exc}); run the engine without kv_store"
+                ) from exc
+            self.side = torch.cuda.Stream(device)
+            self.load_stream = torch.cuda.Stream(device)
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+
+    def mark(self, stream: Any = None) -> Any:
+        """An event after the work queued so far on ``stream`` (default: the current
+        one); ``None`` on CPU, where that work is already done."""
+        if not self.cuda:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return ev
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        import torch
+
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def wait_on(self, ev: Any) -> None:
+        """The current stream waits (on the device, not the host) for ``ev``."""
+        if ev is not None:
+            import torch
+
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    @staticmethod
+    def done(ev: Any, *, block: bool) -> bool:
+        if ev is None:
+            return True
+        if block:
+            ev.synchronize()
+            return True
+        return bool(ev.query())
+
+
+@dataclass(slots=True)
+class _LoadJob:
+    """One item's staged blocks: ``stage`` ``[n, layers, ...]`` on the device, ready
+    after ``ready``; ``layers_done`` relocated so far."""
+
+    item: LoadItem
+    stage: Any
+    ready: Any
+    kids: list[int]
+    kdeltas: list[int]
+    layers_done: set[int] = field(default_factory=set)
+    failed: bool = False
+
+
 class SpliceWorker:
     """The worker-side half: loads (and relocates) stored blocks into the paged cache
     before the forward pass, saves newly computed blocks after it.
 
     ``caches``: every attention layer's cache tensor, in layer order (the order the
     payload's first axis follows), all of attention backend ``backend`` (vLLM's name,
-    e.g. ``"CPU_ATTN"``; ``isa``: the layers' CPU attention ISA).  vLLM may split its
-    ``block_size`` blocks into smaller cache-tensor blocks; the cache's shape says.
-    ``rope`` enables relocation (``promptsplice.kernels.relocate_blocks``) where the
-    layout is readable; without it only delta-0 loads (offload hits) are possible.
+    e.g. ``"CPU_ATTN"``, ``"FLASH_ATTN"``, ``"FLASHINFER"``; ``isa``: the layers' CPU
+    attention ISA).  vLLM may split its ``block_size`` blocks into smaller cache-tensor
+    blocks; the cache's shape says.  ``rope`` enables relocation
+    (``promptsplice.kernels.relocate_blocks``, implementation ``impl``) where the layout
+    is readable; without it only delta-0 loads (offload hits) are possible.
     """
 
     def __init__(
@@ -66,6 +167,7 @@ class SpliceWorker:
         isa: str | None = None,
         rope: RopeConfig | None = None,
         history: int = 32,
+        impl: str = "auto",
     ) -> None:
         import torch
 
@@ -77,6 +179,7 @@ class SpliceWorker:
         self.block_size = int(block_size)
         self.names = list(caches)
         self.caches = [caches[n] for n in self.names]
+        self._layer_of = {n: i for i, n in enumerate(self.names)}
         first = self.caches[0]
         for name, t in zip(self.names, self.caches):
             if not isinstance(t, torch.Tensor):
@@ -101,12 +204,19 @@ class SpliceWorker:
         self.payload_shape = (len(self.caches), *per_layer)
         self.dtype = first.dtype
         self.rope = rope
+        self.impl = impl
+        self.io = _DeviceIO(first.device)
         self.stats = WorkerStats()
         self.history: deque[tuple[str, LoadItem | SaveItem, int]] = deque(maxlen=history)
         """Recent work: ``("load", item, blocks loaded)`` and ``("save", item, blocks
         stored)`` (for tests and debugging)."""
         self._errors: set[int] = set()
         self._failed: set[str] = set()
+        self._jobs: list[_LoadJob] = []
+        self._saves: deque[tuple[Any, list[torch.Tensor], SaveItem, Any]] = deque()
+        self._gathered: Any = None
+        """Event after the last save's gather: the next step's writes wait on it (a block
+        freed by vLLM may be rewritten then), the host-bound copy does not."""
 
     @property
     def can_relocate(self) -> bool:
@@ -118,21 +228,33 @@ class SpliceWorker:
         return [b * r + i for b in block_ids for i in range(r)]
 
     # -- loads ------------------------------------------------------------------
-    def start_load(self, meta: SpliceMetadata) -> None:
-        """Carry out every load of this step (before the forward pass)."""
+    def start_load(self, meta: SpliceMetadata, *, per_layer: bool = False) -> None:
+        """Start every load of this step (before the forward pass).
+
+        ``per_layer``: leave each layer's write to :meth:`wait_for_layer` (every layer
+        must be waited on, or :meth:`finish_loads` called, before the forward pass
+        reads it); otherwise every layer is written before this returns (as ordered
+        work on the compute stream, on CUDA).
+        """
+        self.flush_saves()
+        self.finish_loads()
+        self.io.wait_on(self._gathered)  # this step's writes come after the last gather
+        self._gathered = None
         self._failed = set()
         for item in meta.loads:
-            self.load(item)
+            self.load(item, defer=per_layer)
 
-    def load(self, item: LoadItem) -> int:
-        """Load one item; returns the blocks written.
+    def load(self, item: LoadItem, *, defer: bool = False) -> int:
+        """Load one item; returns the blocks staged (written, unless ``defer``).
 
-        The leading blocks the store serves are written; from the first block it does
+        The leading blocks the store serves are loaded; from the first block it does
         not serve (gone, damaged, wrong shape) on, every block of the item is reported
         by :meth:`take_load_errors` and vLLM recomputes from there.  Pins of the
         request are released.
         """
         payloads = []
+        job = None
+        stage = None
         try:
             for i, ref in enumerate(item.refs):
                 found = self.store.get(ref, salt=item.salt_of(i))
@@ -145,18 +267,24 @@ class SpliceWorker:
                         )
                     break
                 payloads.append(p)
+                # On CUDA each block's DMA starts while the next one is looked up.
+                stage = self._copy_in(stage, len(item.refs), i, p)
             n = len(payloads)
             deltas = list(item.deltas[:n])
             if n and any(deltas) and not self.can_relocate:
                 _log.warning("splice connector: cannot relocate on this engine; recomputing")
                 n = 0
             if n:
-                self._write(payloads[:n], item.block_ids[:n], deltas[:n])
+                job = self._stage(item, payloads[:n], stage, item.block_ids[:n], deltas[:n])
+                if not defer:
+                    self._write_layers(job, range(len(self.caches)))
         except Exception:  # noqa: BLE001 - a failed load is recomputed, never fatal
             _log.exception("splice connector: loading blocks for %s failed", item.req_id)
-            n = 0
+            n, job = 0, None
         finally:
             self.store.release(item.req_id)
+        if job is not None and defer:
+            self._jobs.append(job)
         if n < len(item.block_ids):
             self._errors.update(item.block_ids[n:])
             self._failed.add(item.req_id)
@@ -166,21 +294,86 @@ class SpliceWorker:
         self.history.append(("load", item, n))
         return n
 
-    def _write(self, payloads: list[torch.Tensor], block_ids: Sequence[int], deltas: list[int]) -> None:
+    def _copy_in(self, stage: torch.Tensor | None, size: int, i: int, payload: torch.Tensor) -> torch.Tensor:
+        """Block ``i`` into the device staging buffer (allocated for ``size`` blocks on
+        first use), a non-blocking copy on the load stream."""
         import torch
 
+        io = self.io
+        with io.on(io.load_stream):
+            if stage is None:
+                stage = torch.empty((size, *self.payload_shape), dtype=self.dtype, device=io.device)
+            stage[i].copy_(payload, non_blocking=True)
+        return stage
+
+    def _stage(
+        self, item: LoadItem, payloads: list[torch.Tensor], stage: torch.Tensor | None,
+        block_ids: Sequence[int], deltas: list[int],
+    ) -> _LoadJob:
+        """The job of the staged blocks (their copies issued: ready after an event on
+        the load stream, at once on CPU)."""
+        assert stage is not None
+        stage, ready = stage[: len(payloads)], self.io.mark(self.io.load_stream)
+        kdeltas = [d for d in deltas for _ in range(self.blocks_per_block)]
+        return _LoadJob(item, stage, ready, self.kernel_ids(block_ids), kdeltas)
+
+    def _write_layers(self, job: _LoadJob, layers) -> None:
+        """Relocate (or copy) the staged blocks of ``layers`` into their caches, on the
+        current stream, after the staging copy."""
         from promptsplice.kernels import relocate_blocks
 
-        r = self.blocks_per_block
-        kids = torch.tensor(self.kernel_ids(block_ids), dtype=torch.int64, device=self.caches[0].device)
-        kdeltas = [d for d in deltas for _ in range(r)]
-        moved = any(kdeltas)
-        for layer, cache in enumerate(self.caches):
-            src = torch.cat([p[layer] for p in payloads], dim=self.block_dim).to(cache.device)
+        import torch
+
+        if job.ready is not None:
+            self.io.wait_on(job.ready)
+            job.stage.record_stream(torch.cuda.current_stream(self.io.device))
+        bd = self.block_dim
+        moved = any(job.kdeltas)
+        kids = torch.tensor(job.kids, dtype=torch.int64)
+        kids_dev = kids if not moved else None
+        for layer in layers:
+            if layer in job.layers_done:
+                continue
+            cache = self.caches[layer]
+            # [n, *per_layer] -> blocks stacked on the cache's block axis (a view when r == 1)
+            src = job.stage[:, layer].movedim(0, bd).flatten(bd, bd + 1)
             if moved:
-                relocate_blocks(cache, src, kids, kdeltas, self.rope, self.paged.layout)
+                relocate_blocks(cache, src, kids, job.kdeltas, self.rope, self.paged.layout, impl=self.impl)
             else:
-                cache.index_copy_(self.block_dim, kids, src)
+                if kids_dev is None or kids_dev.device != cache.device:
+                    kids_dev = kids.to(cache.device, non_blocking=True)
+                cache.index_copy_(bd, kids_dev, src)
+            job.layers_done.add(layer)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Write layer ``layer_name``'s share of this step's deferred loads (vLLM's
+        ``wait_for_layer_load``); a failure is reported as load errors of its items."""
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        for job in self._jobs:
+            self._guarded(job, (layer,))
+
+    def finish_loads(self) -> None:
+        """Write every layer of the deferred loads not written yet."""
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            self._guarded(job, range(len(self.caches)))
+
+    def _guarded(self, job: _LoadJob, layers) -> None:
+        if job.failed:
+            return
+        try:
+            self._write_layers(job, layers)
+        except Exception:  # noqa: BLE001 - a failed load is recomputed, never fatal
+            _log.exception("splice connector: writing loaded blocks for %s failed", job.item.req_id)
+            job.failed = True
+            n = len(job.kids) // self.blocks_per_block
+            self._errors.update(job.item.block_ids)
+            self._failed.add(job.item.req_id)
+            self.stats.load_errors += n
+            self.stats.loaded_blocks -= n
+            self.stats.relocated_blocks -= sum(1 for d in job.item.deltas[:n] if d)
 
     def take_load_errors(self) -> set[int]:
         """vLLM block ids that failed to load since the last call (then cleared)."""
@@ -191,45 +384,86 @@ class SpliceWorker:
     def save(self, meta: SpliceMetadata) -> int:
         """Store this step's newly computed blocks (after the forward pass).
 
-        Requests whose load failed in this step are skipped: vLLM recomputes them.
-        Returns the blocks stored.
+        Requests whose load failed in this step are skipped: vLLM recomputes them.  On
+        CUDA the copies run on the side stream and the blocks reach the store in a
+        later :meth:`flush_saves`; returns the blocks stored by this call (on CPU:
+        all of this step's).
         """
-        stored = 0
+        self.finish_loads()
         for item in meta.saves:
-            if item.req_id in self._failed:
+            if item.req_id in self._failed or not item.refs:
                 continue
-            stored += self._save_item(item)
-        return stored
+            try:
+                self._queue_save(item)
+            except Exception:  # noqa: BLE001 - a save is best effort
+                _log.exception("splice connector: saving blocks of %s failed", item.req_id)
+                self.stats.save_errors += len(item.refs)
+        return self.flush_saves()
 
     def skip_saves(self, meta: SpliceMetadata) -> int:
         """Count, and do not store, this step's blocks: its forward pass failed."""
+        self.finish_loads()
         n = sum(len(item.refs) for item in meta.saves)
         if n:
             _log.warning("splice connector: the forward pass failed; %d block(s) of this step not saved", n)
         self.stats.skipped_saves += n
         return n
 
-    def _save_item(self, item: SaveItem) -> int:
+    def _queue_save(self, item: SaveItem) -> None:
+        """Gather ``item``'s blocks into host buffers: on CUDA after an event that marks
+        the forward pass's writes, on the side stream, without blocking the host."""
         import torch
 
+        io = self.io
         n = len(item.refs)
-        if n == 0:
-            return 0
-        stored = 0
-        try:
-            kids = torch.tensor(self.kernel_ids(item.block_ids), dtype=torch.int64, device=self.caches[0].device)
-            out = torch.empty((n, *self.payload_shape), dtype=self.dtype)
-            r, bd = self.blocks_per_block, self.block_dim
+        r, bd = self.blocks_per_block, self.block_dim
+        written = io.mark()
+        with io.on(io.side):
+            if written is not None:
+                io.side.wait_event(written)
+            device = self.caches[0].device
+            kids = torch.tensor(self.kernel_ids(item.block_ids), dtype=torch.int64).to(device, non_blocking=True)
+            gathered = torch.empty((n, *self.payload_shape), dtype=self.dtype, device=device)
             for layer, cache in enumerate(self.caches):
                 g = cache.index_select(bd, kids).unflatten(bd, (n, r)).movedim(bd, 0)
-                out[:, layer].copy_(g)
-            for i, ref in enumerate(item.refs):
-                status = self.store.put(ref, out[i], salt=item.salt)
-                if status in (PutStatus.STORED, PutStatus.EXISTS):
-                    stored += 1
-        except Exception:  # noqa: BLE001 - a save is best effort
-            _log.exception("splice connector: saving blocks of %s failed", item.req_id)
-            self.stats.save_errors += n - stored
-        self.stats.saved_blocks += stored
-        self.history.append(("save", item, stored))
-        return stored
+                gathered[:, layer].copy_(g)
+            self._gathered = io.mark(io.side)
+            if io.cuda:
+                hosts = [io.host_empty(self.payload_shape, self.dtype) for _ in range(n)]
+                for i, h in enumerate(hosts):
+                    h.copy_(gathered[i], non_blocking=True)
+            else:
+                hosts = list(gathered)
+            done = io.mark(io.side)
+        # ``gathered`` is kept alive with the entry until its copies completed.
+        self._saves.append((done, hosts, item, gathered))
+
+    def flush_saves(self, *, wait: bool = False) -> int:
+        """Hand to the store the pending saves whose copies completed (all of them,
+        waiting, with ``wait``); returns the blocks stored."""
+        stored_all = 0
+        while self._saves:
+            done, hosts, item, _ = self._saves[0]
+            if not self.io.done(done, block=wait):
+                break
+            self._saves.popleft()
+            stored = 0
+            try:
+                for i, ref in enumerate(item.refs):
+                    # Pinned host buffers are the store's own (no copy): its DRAM tier
+                    # then holds page-locked memory, ready for the next load's DMA.
+                    status = self.store.put(ref, hosts[i], salt=item.salt, copy=not self.io.cuda)
+                    if status in (PutStatus.STORED, PutStatus.EXISTS):
+                        stored += 1
+            except Exception:  # noqa: BLE001 - a save is best effort
+                _log.exception("splice connector: saving blocks of %s failed", item.req_id)
+                self.stats.save_errors += len(item.refs) - stored
+            self.stats.saved_blocks += stored
+            self.history.append(("save", item, stored))
+            stored_all += stored
+        return stored_all
+
+    @property
+    def pending_saves(self) -> int:
+        """Saves copied or copying, not in the store yet."""
+        return len(self._saves)

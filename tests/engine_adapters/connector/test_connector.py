@@ -91,8 +91,9 @@ def test_kv_store_is_one_option_that_sets_the_connector():
         EngineConfig(kv_store={"dram_bytes": 1})
     with pytest.raises(ConfigError, match="kv_store owns"):
         EngineConfig(kv_store=store, extra_kwargs={"kv_transfer_config": {}})
-    with pytest.raises(ConfigError, match="CPU backend only"):
-        EngineConfig(kv_store=store, platform="cuda", kv_cache_bytes=None)
+    assert EngineConfig(kv_store=store, platform="cuda", kv_cache_bytes=None).kv_store is store
+    with pytest.raises(ConfigError, match="cpu and cuda platforms only, not on 'rocm'"):
+        EngineConfig(kv_store=store, platform="rocm", kv_cache_bytes=None)
 
 
 # --------------------------------------------------------------------------- engine
