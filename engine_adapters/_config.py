@@ -26,6 +26,12 @@ KV connector (``promptsplice.engine_adapters.connector._connector.SpliceConnecto
 blocks to that tiered store, serves offload hits from it and relocates blocks by splice
 plans.  It sets ``kv_transfer_config`` (with ``kv_load_failure_policy="recompute"``, so
 a block that fails to load is recomputed instead of failing the request).  CPU only.
+
+``kv_events_endpoint`` turns on vLLM's KV-event publisher (``kv_events_config``, ZMQ PUB
+at that endpoint, e.g. ``tcp://127.0.0.1:5557``) for prefix-aware routers outside the
+process (llm-d's scorer, Dynamo's KV router).  Blocks the splice connector loads (offload
+hits, relocations) are committed to vLLM's prefix cache like computed ones, so they are
+published as ``BlockStored`` too.
 """
 
 from __future__ import annotations
@@ -126,6 +132,12 @@ class EngineConfig:
     probe fails too); 0: a dead engine stays dead (:class:`EngineDeadError`)."""
     require_salt: bool = False
     """Refuse requests without a ``cache_salt`` (multi-tenant deployments)."""
+    kv_events_endpoint: str | None = None
+    """ZMQ endpoint where vLLM publishes KV events (``BlockStored``/``BlockRemoved``);
+    ``None``: no publisher.  vLLM binds a wildcard (``tcp://*:5557``) or ``ipc://``
+    endpoint and connects to any other (a subscriber that binds, as llm-d's does)."""
+    kv_events_topic: str = ""
+    """The publisher's ZMQ topic (llm-d expects ``kv@<pod>@<model>``)."""
 
     def __post_init__(self) -> None:
         model = self.model
@@ -166,6 +178,18 @@ class EngineConfig:
             raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if not isinstance(self.require_salt, bool):
             raise ConfigError(f"require_salt must be a bool, got {self.require_salt!r}")
+        if self.kv_events_endpoint is not None:
+            ep = self.kv_events_endpoint
+            if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(
+                    f"kv_events_endpoint must be a ZMQ endpoint such as 'tcp://127.0.0.1:5557', got {ep!r}"
+                )
+            if not isinstance(self.kv_events_topic, str):
+                raise ConfigError(f"kv_events_topic must be a str, got {self.kv_events_topic!r}")
+            if "kv_events_config" in self.extra_kwargs:
+                raise ConfigError(
+                    "extra_kwargs sets 'kv_events_config', which kv_events_endpoint owns: pass one of them"
+                )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
@@ -256,6 +280,13 @@ class EngineConfig:
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": store_config_to_extra(self.kv_store),
+            }
+        if self.kv_events_endpoint is not None:
+            kwargs["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": self.kv_events_endpoint,
+                "topic": self.kv_events_topic,
             }
         kwargs.update(self.extra_kwargs)
         return kwargs

@@ -1,0 +1,326 @@
+"""``python -m promptsplice.benchmarks.gateway``: a real gateway (smg) in front of real servers.
+
+Starts two loopback ``vllm serve`` (:func:`promptsplice.benchmarks.routing.loopback_servers`)
+unless ``--url`` names running ones, and for each RAG trace family (``--profile``) sends
+the same requests twice, as *naive* prompts (retrieval order, no dedup, tokenized whole)
+and as promptsplice-*assembled* prompts (stable order, block-aligned), through:
+
+* the Shepherd Model Gateway (PyPI ``smg``, a Rust router; one fresh gateway per run, so
+  no policy starts with another run's tree) with ``--policy cache_aware``,
+  ``prefix_hash`` and ``consistent_hashing`` (header ``X-SMG-Routing-Key`` carrying the
+  prompt's ``prefix_key``; for a naive prompt, ``prefix_route_key(...).hex()``);
+* :class:`promptsplice.engine_adapters.PrefixRouter` and ``RoundRobinRouter`` direct.
+
+Every prompt is sent as *text* to ``/v1/completions`` in every mode: smg 1.13 refuses
+token-id prompts (its ``prompt`` is a string or strings), so the server tokenizes, and
+the bench checks that it got exactly the assembled token ids (``prompt_tokens`` equals
+their count; the assembled text re-tokenizes to the same ids).  Every run has its own
+``cache_salt``, so it starts from an empty cache on every server.  The judge is the
+servers' own ``/metrics`` (``vllm:prefix_cache_hits_total``, ``vllm:prompt_tokens_total``,
+``vllm:request_success_total``), read before and after each request, so each request is
+attributed to the server that ran it; the responses' ``cached_tokens`` must agree.
+
+JSON written by ``--json``::
+
+    {"families": {profile: {"naive" | "assembled": {mode: {"requests", "prompt_tokens",
+     "cached_tokens", "prefill_tokens", "cluster_hit_rate", "response_cached_tokens",
+     "per_server": {url: {"requests", "prompt_tokens", "cached_tokens"}}}}}},
+     "modes": [...], "servers": 2, "block_size": 32, "requests": n, "max_tokens": 1}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from promptsplice.benchmarks.routing import BLOCK_SIZE, LoopbackServer, _free_port, loopback_servers, write_report
+from promptsplice.errors import ConfigError, EngineError, EngineStartError
+
+__all__ = [
+    "GATEWAY_POLICIES",
+    "MODES",
+    "ROUTING_KEY_HEADER",
+    "format_gateway",
+    "gateway",
+    "main",
+    "run_gateway_bench",
+    "send_through",
+    "server_totals",
+]
+
+GATEWAY_POLICIES: tuple[str, ...] = ("cache_aware", "prefix_hash", "consistent_hashing")
+"""smg policies the bench runs (``smg launch --policy``)."""
+
+MODES: tuple[str, ...] = (*(f"smg:{p}" for p in GATEWAY_POLICIES), "affinity", "round_robin")
+"""Every mode of a run: the gateway policies, then promptsplice's routers direct."""
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+"""The header smg's ``consistent_hashing`` policy hashes (its session-affinity key)."""
+
+_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:request_success_total")
+GATEWAY_DEADLINE_S = 60.0
+
+
+@contextlib.contextmanager
+def gateway(
+    worker_urls: Sequence[str],
+    policy: str,
+    *,
+    block_size: int = BLOCK_SIZE,
+    deadline_s: float = GATEWAY_DEADLINE_S,
+) -> Iterator[LoopbackServer]:
+    """Start ``smg launch`` on 127.0.0.1 in front of ``worker_urls`` with ``policy``; wait
+    until it answers ``/readiness`` with every worker healthy; stop it on exit.
+
+    Loopback only: router and metrics bound to 127.0.0.1, no tokenizer download (the
+    gateway routes on the request as sent), no tracing, no mesh, HF offline.
+    """
+    import httpx
+
+    if policy not in GATEWAY_POLICIES + ("round_robin", "random", "power_of_two"):
+        raise ConfigError(f"unknown smg policy {policy!r}; expected one of {', '.join(GATEWAY_POLICIES)}")
+    if len(worker_urls) < 1:
+        raise ConfigError("gateway needs at least one worker url")
+    port, metrics_port = _free_port(), _free_port()
+    log = Path(tempfile.mkdtemp(prefix="smg-")) / "gateway.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
+    cmd = [
+        sys.executable, "-m", "smg", "launch",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--worker-urls", *worker_urls,
+        "--policy", policy,
+        "--block-size", str(block_size),
+        "--disable-tokenizer-autoload",
+        "--log-level", "warn",
+    ]
+    if policy == "consistent_hashing":
+        cmd += ["--routing-key-headers", ROUTING_KEY_HEADER]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    gw = LoopbackServer(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            if proc.poll() is not None:
+                raise EngineStartError(f"smg ({policy}) exited with {proc.returncode}:\n{gw.tail()}")
+            try:
+                if httpx.get(gw.base_url + "/readiness", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"smg ({policy}) not ready after {deadline_s:.0f} s:\n{gw.tail()}")
+            time.sleep(0.5)
+        yield gw
+    finally:
+        gw.stop()
+
+
+def server_totals(client: Any, url: str) -> dict[str, int]:
+    """``url``'s counters that judge a run: prefix-cache hits, prompt tokens, requests."""
+    from promptsplice.engine_adapters._remote import parse_prometheus_counters
+
+    try:
+        text = client.get(url + "/metrics").raise_for_status().text
+    except Exception as exc:  # httpx errors: translated at the boundary
+        raise EngineError(f"cannot read {url}/metrics: {exc}") from exc
+    values = parse_prometheus_counters(text, _COUNTERS)
+    missing = [n for n in _COUNTERS if n not in values]
+    if missing:
+        raise EngineError(f"{url}/metrics lacks {', '.join(missing)} (is it a vLLM server?)")
+    return {
+        "cached_tokens": int(values["vllm:prefix_cache_hits_total"]),
+        "prompt_tokens": int(values["vllm:prompt_tokens_total"]),
+        "requests": int(values["vllm:request_success_total"]),
+    }
+
+
+def send_through(
+    client: Any,
+    servers: Sequence[str],
+    items: Sequence[tuple[str, int, str]],
+    *,
+    route: Any,
+    salt: str,
+    model: str,
+    max_tokens: int = 1,
+) -> dict[str, Any]:
+    """Send ``items`` (prompt text, its token count, routing key) one at a time;
+    ``route(text, key)`` returns ``(url, headers)`` of where to post.  Each request is attributed to the one server
+    whose ``/metrics`` counted it.  Returns the run's totals (see the module doc) and
+    ``served_by``: the server of each request, in order."""
+    per_server = {u: {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0} for u in servers}
+    served_by: list[str] = []
+    response_cached = 0
+    before = {u: server_totals(client, u) for u in servers}
+    for text, n_tokens, key in items:
+        url, headers = route(text, key)
+        body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                "cache_salt": salt}
+        try:
+            resp = client.post(url + "/v1/completions", json=body, headers=headers)
+        except Exception as exc:
+            raise EngineError(f"POST {url}/v1/completions failed: {exc}") from exc
+        if resp.status_code != 200:
+            raise EngineError(f"{url}/v1/completions answered {resp.status_code}: {resp.text[:300]}")
+        usage = resp.json().get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is None:
+            raise EngineError(f"{url} did not report usage.prompt_tokens_details.cached_tokens; "
+                              "start vllm serve with --enable-prompt-tokens-details")
+        if usage.get("prompt_tokens") != n_tokens:
+            raise EngineError(f"request {len(served_by)}: the server counted {usage.get('prompt_tokens')} "
+                              f"prompt tokens, the assembler {n_tokens}: the text did not re-tokenize "
+                              "to the same ids")
+        response_cached += int(cached)
+        after = {u: server_totals(client, u) for u in servers}
+        moved = [u for u in servers if after[u]["requests"] > before[u]["requests"]]
+        if len(moved) != 1:
+            raise EngineError(f"request {len(served_by)} was counted by {len(moved)} servers, expected 1")
+        u = moved[0]
+        for k in per_server[u]:
+            per_server[u][k] += after[u][k] - before[u][k]
+        served_by.append(u)
+        before = after
+    prompt = sum(s["prompt_tokens"] for s in per_server.values())
+    cached = sum(s["cached_tokens"] for s in per_server.values())
+    return {
+        "requests": len(items),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefill_tokens": prompt - cached,
+        "cluster_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "response_cached_tokens": response_cached,
+        "per_server": per_server,
+        "served_by": served_by,
+    }
+
+
+def _prompts(profile: str, requests: int, seed: int) -> dict[str, list[tuple[str, int, str]]]:
+    """(text, token count, routing key) per request, naive and assembled, for one family."""
+    from promptsplice.assembler import Assembler, PromptFormat, default_tokenizer
+    from promptsplice.benchmarks.traces import generate_rag_trace
+    from promptsplice.engine_adapters._router import prefix_route_key
+
+    tok = default_tokenizer()
+    fmt = PromptFormat.chatml()
+    asm = Assembler(tok, block_size=BLOCK_SIZE, policy="stable", prompt_format=fmt)
+    naive_asm = Assembler(tok, block_size=BLOCK_SIZE, prompt_format=fmt)
+    naive, assembled = [], []
+    for r in generate_rag_trace(requests=requests, seed=seed, profile=profile):
+        chunks = [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in r.chunks]
+        n = naive_asm.naive(chunks, query=r.query, system=r.system or None)
+        naive.append((n.text, len(n.token_ids), prefix_route_key(list(n.token_ids), block_size=BLOCK_SIZE).hex()))
+        a = asm.assemble(chunks, query=r.query, system=r.system or None, admit=False)
+        if tok.encode(a.text) != list(a.token_ids):
+            raise EngineError(f"{profile} request {r.id}: the assembled text does not re-tokenize "
+                              "to its token ids, so it cannot travel as text")
+        assembled.append((a.text, len(a.token_ids), a.prefix_key))
+    return {"naive": naive, "assembled": assembled}
+
+
+def run_gateway_bench(
+    requests: int = 30,
+    *,
+    profiles: Sequence[str] = ("repeat-heavy", "diverse"),
+    seed: int = 0,
+    max_tokens: int = 1,
+    modes: Sequence[str] = MODES,
+    urls: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Run every mode over naive and assembled prompts of each family; see the module doc."""
+    import httpx
+
+    from promptsplice.engine_adapters._router import PrefixRouter, RoundRobinRouter
+
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise ConfigError(f"requests must be an int >= 1, got {requests!r}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ConfigError(f"unknown modes {unknown!r}; choose from {', '.join(MODES)}")
+    prompts = {p: _prompts(p, requests, seed) for p in profiles}
+    report: dict[str, Any] = {"families": {}}
+    run_id = uuid.uuid4().hex[:8]
+    with contextlib.ExitStack() as stack:
+        if urls is None:
+            urls = [s.base_url for s in stack.enter_context(loopback_servers(2))]
+        urls = [u.rstrip("/") for u in urls]
+        client = stack.enter_context(httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)))
+        model = client.get(urls[0] + "/v1/models").raise_for_status().json()["data"][0]["id"]
+        for profile, kinds in prompts.items():
+            fam = report["families"].setdefault(profile, {})
+            for kind, items in kinds.items():
+                for mode in modes:
+                    salt = f"gw-{run_id}-{profile}-{kind}-{mode}"
+                    with contextlib.ExitStack() as run:
+                        if mode.startswith("smg:"):
+                            gw = run.enter_context(gateway(urls, mode[4:]))
+
+                            def route(text: str, key: str, _gw: str = gw.base_url) -> tuple[str, dict]:
+                                return _gw, {ROUTING_KEY_HEADER: key}
+                        else:
+                            router = (PrefixRouter(list(urls), block_size=BLOCK_SIZE) if mode == "affinity"
+                                      else RoundRobinRouter(list(urls)))
+
+                            def route(text: str, key: str, _r: Any = router) -> tuple[str, dict]:
+                                with _r.acquire(text, salt=salt) as lease:
+                                    return lease.endpoint, {}
+                        out = send_through(client, urls, items, route=route, salt=salt,
+                                           model=model, max_tokens=max_tokens)
+                    out.pop("served_by")
+                    fam.setdefault(kind, {})[mode] = out
+    report.update(modes=list(modes), servers=len(urls), block_size=BLOCK_SIZE,
+                  requests=requests, max_tokens=max_tokens, seed=seed)
+    return report
+
+
+def format_gateway(report: dict[str, Any]) -> str:
+    """One row per (family, mode): hit rate and prefill, naive vs assembled."""
+    lines = [f"{'family':<13} {'mode':<23} {'naive hit':>9} {'assembled hit':>13} "
+             f"{'naive prefill':>13} {'assembled prefill':>17}  per server (assembled)"]
+    for fam, kinds in report["families"].items():
+        for mode in report["modes"]:
+            n, a = kinds["naive"][mode], kinds["assembled"][mode]
+            spread = " ".join(str(s["requests"]) for s in a["per_server"].values())
+            lines.append(f"{fam:<13} {mode:<23} {n['cluster_hit_rate']:>9.1%} {a['cluster_hit_rate']:>13.1%} "
+                         f"{n['prefill_tokens']:>13} {a['prefill_tokens']:>17}  {spread}")
+    lines.append(f"{report['servers']} loopback vllm serve, block {report['block_size']}, "
+                 f"{report['requests']} requests per family, max_tokens {report['max_tokens']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.gateway",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=30, help="RAG requests per family")
+    parser.add_argument("--profile", action="append", default=None,
+                        help="trace family (repeat; default: repeat-heavy and diverse)")
+    parser.add_argument("--mode", action="append", default=None, help=f"repeat; default all: {', '.join(MODES)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--url", action="append", default=None, help="use a running server (repeat)")
+    parser.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    report = run_gateway_bench(
+        args.requests, profiles=args.profile or ("repeat-heavy", "diverse"), seed=args.seed,
+        max_tokens=args.max_tokens, modes=args.mode or MODES, urls=args.url,
+    )
+    print(format_gateway(report))
+    if args.json:
+        print(f"json: {write_report(report, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

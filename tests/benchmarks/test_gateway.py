@@ -1,0 +1,82 @@
+"""``promptsplice.benchmarks.gateway``: the real Shepherd Model Gateway (``smg``) in front of
+the session's two real loopback ``vllm serve`` (shared with the routing tests), a
+handful of requests.  The servers' ``/metrics`` are the judge."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from promptsplice.benchmarks.gateway import (
+    MODES,
+    ROUTING_KEY_HEADER,
+    format_gateway,
+    gateway,
+    main,
+    send_through,
+)
+from promptsplice.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def model(two_servers):
+    return httpx.get(two_servers[0].base_url + "/v1/models").json()["data"][0]["id"]
+
+
+def test_consistent_hashing_pins_each_prefix_key_to_one_worker(live_servers, model, default_tok):
+    urls = [s.base_url for s in live_servers]
+    text = " ".join(f"Row {i} of the gateway probe holds {i * 11}." for i in range(30))
+    n = len(default_tok.encode(text))
+    keys = ["k-alpha", "k-beta", "k-gamma", "k-delta"]
+    items = [(f"{k}: {text}", len(default_tok.encode(f"{k}: {text}")), k) for k in keys]
+    items += items  # every key twice
+    with gateway(urls, "consistent_hashing") as gw, httpx.Client(timeout=300) as client:
+        out = send_through(client, urls, items, route=lambda _t, k: (gw.base_url, {ROUTING_KEY_HEADER: k}),
+                           salt=f"gw-test-{id(items)}", model=model)
+    served = out["served_by"]
+    assert len(served) == 8 and set(served) <= set(urls)
+    for i, k in enumerate(keys):
+        assert served[i] == served[i + 4], k  # the same key went to the same worker
+    # the second copy of each prompt hit the cache its first copy left on that worker
+    assert out["cached_tokens"] >= 4 * (n // 32 - 1) * 32
+    assert out["cached_tokens"] == out["response_cached_tokens"]  # /metrics == the responses
+    assert sum(s["requests"] for s in out["per_server"].values()) == 8
+    assert out["prompt_tokens"] == sum(n_tok for _, n_tok, _ in items)
+
+
+def test_main_writes_the_report_of_a_real_run(tmp_path, capsys, live_servers):
+    out = tmp_path / "gw.json"
+    urls = [arg for s in live_servers for arg in ("--url", s.base_url)]
+    assert main(["--requests", "3", "--profile", "repeat-heavy", "--mode", "smg:prefix_hash",
+                 "--mode", "affinity", *urls, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    fam = report["families"]["repeat-heavy"]
+    assert set(fam) == {"naive", "assembled"} and report["servers"] == 2
+    for kind in fam.values():
+        assert set(kind) == {"smg:prefix_hash", "affinity"}
+        for r in kind.values():
+            assert r["requests"] == 3
+            assert r["cached_tokens"] == r["response_cached_tokens"]
+            assert r["prefill_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
+            assert set(r["per_server"]) == {s.base_url for s in live_servers}
+            assert sum(s["requests"] for s in r["per_server"].values()) == 3
+    assert "smg:prefix_hash" in capsys.readouterr().out
+
+
+def test_table_from_a_report_and_bad_arguments():
+    row = {"requests": 2, "prompt_tokens": 100, "cached_tokens": 40, "prefill_tokens": 60,
+           "cluster_hit_rate": 0.4, "per_server": {"a": {"requests": 1}, "b": {"requests": 1}}}
+    report = {"families": {"diverse": {"naive": {"affinity": row}, "assembled": {"affinity": dict(row, cluster_hit_rate=0.5)}}},
+              "modes": ["affinity"], "servers": 2, "block_size": 32, "requests": 2, "max_tokens": 1}
+    table = format_gateway(report)
+    assert "40.0%" in table and "50.0%" in table and "diverse" in table
+    with pytest.raises(ConfigError):
+        main(["--requests", "0"])
+    with pytest.raises(ConfigError, match="unknown modes"):
+        main(["--mode", "smg:nope"])
+    with pytest.raises(ConfigError, match="unknown smg policy"):
+        with gateway(["http://127.0.0.1:1"], "bogus"):
+            pass
+    assert MODES[:3] == ("smg:cache_aware", "smg:prefix_hash", "smg:consistent_hashing")
