@@ -16,14 +16,9 @@ This package never imports vLLM or the engine adapters, and it imports
 tokenizer backends only when a tokenizer is loaded.
 """
 
-from promptsplice.assembler._assemble import (
-    DEFAULT_CAPACITY_BLOCKS,
-    AssembledPrompt,
-    Assembler,
-    NaivePrompt,
-    PromptFormat,
-    assemble_prompt,
-)
+from promptsplice.assembler._assemble import DEFAULT_CAPACITY_BLOCKS, Assembler
+from promptsplice.assembler._front import assemble_prompt
+from promptsplice.assembler._prompt import AssembledPrompt, NaivePrompt, PromptFormat
 from promptsplice.assembler._directives import (
     Diff,
     DiffKind,

@@ -24,15 +24,13 @@ predictions and never admits: the engine admits what really ran.
 
 from __future__ import annotations
 
-import json
-import string
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from promptsplice.assembler._layout import BranchMemory, LayoutBuilder, Segment, SegmentKind
 from promptsplice.assembler._mirror import MirrorView, PrefixCacheMirror
+from promptsplice.assembler._prompt import AssembledPrompt, NaivePrompt, PromptFormat
 from promptsplice.assembler._ordering import (
     AlignPolicy,
     OrderPolicy,
@@ -50,8 +48,8 @@ from promptsplice.assembler._tokenizers import (
     load_tokenizer,
     markup_for,
 )
-from promptsplice.dedup import DedupConfig, DedupResult, KeptChunk, dedup, normalize_chunks
-from promptsplice.blocks import BlockHash, content_digest, root_hash, token_bytes
+from promptsplice.dedup import DedupConfig, KeptChunk, dedup, normalize_chunks
+from promptsplice.blocks import content_digest, root_hash, token_bytes
 from promptsplice._validate import (
     check_block_size,
     check_fits,
@@ -62,151 +60,10 @@ from promptsplice._validate import (
 )
 from promptsplice.errors import ConfigError, ContextLengthError, InvalidUTF8Error
 
-__all__ = [
-    "PromptFormat",
-    "AssembledPrompt",
-    "NaivePrompt",
-    "Assembler",
-    "assemble_prompt",
-    "DEFAULT_CAPACITY_BLOCKS",
-]
+__all__ = ["Assembler", "DEFAULT_CAPACITY_BLOCKS"]
 
 DEFAULT_CAPACITY_BLOCKS = 262_144
 """Default mirror size when no engine tells us its own (4M tokens at block 16)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PromptFormat:
-    """How segments are rendered to text before tokenization."""
-
-    separator: str = "\n\n"
-    tools_header: str = "Tools:\n"
-    query_template: str = "Question: {query}\nAnswer:"
-    system_template: str = "{system}"
-    default_system: str | None = None
-
-    @classmethod
-    def chatml(cls, default_system: str = "You are a helpful assistant.") -> PromptFormat:
-        """ChatML turns (SmolLM2, Qwen): system turn, documents and question in one user
-        turn, then the assistant's header.  The system segment always exists."""
-        return cls(
-            system_template="<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nDocuments:",
-            query_template="Question: {query}<|im_end|>\n<|im_start|>assistant\n",
-            default_system=default_system,
-        )
-
-    def system_text(self, system: str | None) -> str | None:
-        text = system or self.default_system
-        return self.system_template.format(system=text) if text else None
-
-    def tools_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        # Canonical JSON: the same schemas always give the same bytes (and blocks).
-        lines = [json.dumps(t, sort_keys=True, separators=(",", ":"), ensure_ascii=False) for t in tools]
-        return self.tools_header + "\n".join(lines)
-
-    def query_text(self, query: str) -> str:
-        return self.query_template.format(query=query)
-
-    def marked(self, template: str, escape: Any, **values: str) -> str:
-        """``template.format(**values)`` as marked text: the template's own text is
-        trusted (its control-token strings are control tokens), each value is passed
-        through ``escape`` (caller content: its markup stays text)."""
-        out: list[str] = []
-        for literal, field_name, spec, conv in string.Formatter().parse(template):
-            out.append(Markup.trusted(literal))
-            if field_name is not None:
-                value = values[field_name]
-                if conv:
-                    value = {"r": repr, "s": str, "a": ascii}[conv](value)
-                out.append(escape(format(value, spec or "")))
-        return "".join(out)
-
-    def naive_text(
-        self,
-        chunks: Sequence[str],
-        *,
-        query: str,
-        system: str | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> str:
-        """The same content joined as plain text, retrieval order, no dedup."""
-        parts: list[str] = []
-        sys_text = self.system_text(system)
-        if sys_text:
-            parts.append(sys_text)
-        if tools:
-            parts.append(self.tools_text(tools))
-        parts.extend(chunks)
-        parts.append(self.query_text(query))
-        return self.separator.join(parts)
-
-
-@dataclass(slots=True)
-class AssembledPrompt:
-    """The result of :func:`assemble_prompt`."""
-
-    token_ids: list[int]
-    text: str
-    segments: list[Segment]
-    dedup: DedupResult
-    predicted_cached_tokens: int
-    prefix_key: str
-    block_size: int
-    block_hashes: list[BlockHash]
-    policy: OrderPolicy
-    alignment: AlignPolicy
-    salt: str | None = None
-    markup_as_text: bool = False
-    """Caller content held control-token markup that was tokenized as ordinary text;
-    the text form cannot carry that (a server reads the markup as control tokens)."""
-    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
-    _text_is_exact: bool | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def padding_tokens(self) -> int:
-        return sum(s.padding for s in self.segments)
-
-    @property
-    def text_is_exact(self) -> bool:
-        """Whether :attr:`text`, tokenized whole (control-token markup recognized, as a
-        server that takes text does), gives exactly :attr:`token_ids`.
-
-        Computed on first access (one tokenization of the text, so it is exact).  It
-        is ``False`` when caller content held control-token markup
-        (:attr:`markup_as_text`), and in practice when a segment was padded (runs of
-        filler spaces merge) or BPE merges across a segment boundary: for byte-level
-        BPE when a segment ends in whitespace (``" "`` or ``"\\n"`` before the
-        ``"\\n\\n"`` separator), for tiktoken also after punctuation (``".\\n\\n"`` is
-        one token).  Send ``token_ids`` where the server takes them."""
-        if self._text_is_exact is None:
-            self._text_is_exact = (
-                not self.markup_as_text
-                and self.tokenizer is not None
-                and _reencodes(self.tokenizer, self.text, self.token_ids)
-            )
-        return self._text_is_exact
-
-    @property
-    def predicted_prefill_tokens(self) -> int:
-        return len(self.token_ids) - self.predicted_cached_tokens
-
-    @property
-    def chunk_order(self) -> list[str]:
-        """Ids of the kept chunks, in prompt order."""
-        return [s.chunk_ids[0] for s in self.segments if s.kind is SegmentKind.CHUNK]
-
-
-@dataclass(slots=True)
-class NaivePrompt:
-    """What user code does today: plain text joined in retrieval order, tokenized whole."""
-
-    text: str
-    token_ids: list[int]
-    block_hashes: list[BlockHash] = field(default_factory=list)
 
 
 class Assembler:
@@ -651,12 +508,6 @@ class Assembler:
         return "".join(t + filler * seg.padding for t, seg in zip(texts, segments))
 
 
-def _reencodes(tokenizer: Tokenizer, text: str, token_ids: list[int]) -> bool:
-    """Whether ``text`` tokenized whole (markup recognized) gives ``token_ids``."""
-    whole = getattr(tokenizer, "encode_markup_batch", tokenizer.encode_batch)
-    return list(whole([text])[0]) == list(token_ids)
-
-
 def _check_max_tokens(max_tokens: Any) -> Any:
     """``max_tokens`` (the context the prompt must fit): None or a positive int."""
     return check_optional_int(max_tokens, "max_tokens")
@@ -702,106 +553,3 @@ def _utf8(text: str, kind: SegmentKind) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidUTF8Error.lone_surrogate(f"the {kind.value} segment", text, exc, index=-1) from None
-
-
-_DEFAULTS: dict[tuple[str, int, bool], Assembler] = {}
-_DEFAULTS_LOCK = threading.Lock()
-
-
-def _default_assembler(tokenizer: Tokenizer | str | None, block_size: int, trust_markup: bool = False) -> Assembler:
-    tok = load_tokenizer(tokenizer)
-    key = (tok.name, block_size, bool(trust_markup))
-    with _DEFAULTS_LOCK:
-        asm = _DEFAULTS.get(key)
-        if asm is None:
-            asm = _DEFAULTS[key] = Assembler(tok, block_size=block_size, trust_markup=trust_markup)
-        return asm
-
-
-def assemble_prompt(
-    chunks: Iterable[Any],
-    *,
-    query: str,
-    system: str | None = None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    tokenizer: Tokenizer | str | None = None,
-    block_size: int | None = None,
-    policy: str | OrderPolicy | None = None,
-    alignment: str | AlignPolicy | None = None,
-    salt: str | None = None,
-    max_tokens: int | None = None,
-    assembler: Assembler | None = None,
-    trust_markup: bool = False,
-) -> AssembledPrompt:
-    """Dedup, order and tokenize ``chunks`` into a block-aligned prompt.
-
-    ``chunks`` are str, bytes, dicts with ``text``/``id``/``metadata`` or LangChain
-    ``Document``s.  ``block_size`` defaults to 16 (take it from the engine).  It is
-    :meth:`Assembler.assemble`: a prompt to send (learned, and admitted where the
-    assembler owns its mirror).  ``policy``
-    is ``retrieval``, ``stable`` or ``cache_aware`` (the default: best on the worst trace
-    family of ``promptsplice bench assemble --suite``); ``alignment`` is ``auto``
-    (default), ``none`` or ``all``.  ``salt`` isolates a tenant's cache entries (a
-    non-empty str; pass the same value to the engine as ``cache_salt``).  Without an
-    ``assembler``, a process-wide default per ``(tokenizer, block_size)`` keeps the
-    popularity and mirror state between calls.  With one, its tokenizer, block size,
-    policy, alignment and ``trust_markup`` apply, and a different ``tokenizer``,
-    ``block_size``, ``policy`` or ``alignment`` (or ``trust_markup=True`` against an
-    assembler without it) is a :class:`ConfigError` (per-call overrides:
-    ``assembler.assemble(...)``).
-
-    Caller content is text: control-token markup (``<|im_start|>``...) in chunks, the
-    query, the system prompt or the tools is tokenized as ordinary text, so a poisoned
-    document cannot speak as the system; only the prompt format's own markup gives
-    control tokens.  ``trust_markup=True`` (for callers who pass markup on purpose,
-    e.g. a pre-rendered system turn) reads it as control tokens.
-    """
-    if assembler is not None:
-        if not isinstance(assembler, Assembler):
-            raise ConfigError(f"assembler must be an Assembler, got {type(assembler).__name__}")
-        _check_same_as_assembler(assembler, tokenizer=tokenizer, block_size=block_size,
-                                 policy=policy, alignment=alignment)
-        if trust_markup and not assembler.trust_markup:
-            raise ConfigError(
-                "trust_markup=True differs from the assembler's trust_markup=False; build "
-                "the assembler with Assembler(..., trust_markup=True)"
-            )
-        asm = assembler
-    else:
-        size = 16 if block_size is None else check_block_size(block_size)
-        # Parsed here so a bad name fails before the default assembler is built.
-        policy = "cache_aware" if policy is None else parse_order(policy)
-        alignment = "auto" if alignment is None else parse_align(alignment)
-        asm = _default_assembler(tokenizer, size, trust_markup)
-    return asm.assemble(
-        chunks,
-        query=query,
-        system=system,
-        tools=tools,
-        salt=salt,
-        policy=policy,
-        alignment=alignment,
-        max_tokens=max_tokens,
-    )
-
-
-def _check_same_as_assembler(asm: Assembler, **given: Any) -> None:
-    """``assemble_prompt(assembler=asm, ...)``: every setting passed must be the assembler's."""
-    own = {"block_size": asm.block_size, "policy": asm.policy, "alignment": asm.alignment}
-    parse = {"block_size": lambda v: v, "policy": parse_order, "alignment": parse_align}
-    for name, value in given.items():
-        if value is None:
-            continue
-        if name == "tokenizer":
-            tok = load_tokenizer(value)
-            if tok.name != asm.tokenizer.name:
-                raise ConfigError(
-                    f"tokenizer {tok.name!r} differs from the assembler's {asm.tokenizer.name!r}; "
-                    "leave tokenizer unset when passing an assembler"
-                )
-            continue
-        if parse[name](value) != own[name]:
-            raise ConfigError(
-                f"{name}={value!r} differs from the assembler's {own[name]!r}; leave {name} unset "
-                f"when passing an assembler (or call assembler.assemble(..., {name}=...) for one call)"
-            )

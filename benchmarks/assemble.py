@@ -188,7 +188,7 @@ def bench_policies(
 def _oracle_segments(asm: Assembler, req: RagRequest) -> list[tuple[bytes, list[int]]]:
     """The segments an assembly sends for ``req`` (system, the chunks dedup keeps after
     trimming, the query), each as (content digest, its tokens), unpadded."""
-    res = asm.assemble(_chunks(req), query=req.query, system=req.system or None, admit=False, learn=False)
+    res = asm.preview(_chunks(req), query=req.query, system=req.system or None)
     out = []
     for seg in res.segments:
         toks = res.token_ids[seg.start : seg.content_end]

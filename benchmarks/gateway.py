@@ -221,7 +221,7 @@ def _prompts(profile: str, requests: int, seed: int) -> dict[str, list[tuple[str
         chunks = [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in r.chunks]
         n = naive_asm.naive(chunks, query=r.query, system=r.system or None)
         naive.append((n.text, len(n.token_ids), prefix_route_key(list(n.token_ids), block_size=BLOCK_SIZE).hex()))
-        a = asm.assemble(chunks, query=r.query, system=r.system or None, admit=False)
+        a = asm.preview(chunks, query=r.query, system=r.system or None)
         if tok.encode(a.text) != list(a.token_ids):
             raise EngineError(f"{profile} request {r.id}: the assembled text does not re-tokenize "
                               "to its token ids, so it cannot travel as text")

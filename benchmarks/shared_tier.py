@@ -50,7 +50,7 @@ def _prompts(engine: Any, requests: Sequence[Any]) -> list[list[int]]:
     asm = engine.make_assembler(prompt_format=PromptFormat.chatml())
     out = []
     for req in requests:
-        prompt = asm.assemble(_chunks(req), query=req.query, system=req.system or None, admit=False, learn=True)
+        prompt = asm.assemble(_chunks(req), query=req.query, system=req.system or None)
         out.append(list(prompt.token_ids))
     return out
 

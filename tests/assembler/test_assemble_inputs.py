@@ -43,8 +43,6 @@ def big_text() -> str:
         ("tools", [{"name": {1, 2}}], InvalidToolsError),
         ("tools", [{"limit": float("nan")}], InvalidToolsError),
         ("tools", [{1: "a", "b": 2}], InvalidToolsError),  # keys json.dumps cannot sort
-        ("admit", "yes", ConfigError),
-        ("learn", 1, ConfigError),
     ],
 )
 def test_types_are_checked_before_any_work(make_assembler, default_tok, field, value, error):
@@ -59,8 +57,8 @@ def test_types_are_checked_before_any_work(make_assembler, default_tok, field, v
 
 def test_valid_json_tools_still_render_canonically(make_assembler):
     asm = make_assembler(alignment="none")
-    a = asm.assemble(["doc"], query="q", tools=[{"b": 1, "a": [1.5, None, True]}], admit=False)
-    b = asm.assemble(["doc"], query="q", tools=({"a": [1.5, None, True], "b": 1},), admit=False)
+    a = asm.preview(["doc"], query="q", tools=[{"b": 1, "a": [1.5, None, True]}])
+    b = asm.preview(["doc"], query="q", tools=({"a": [1.5, None, True], "b": 1},))
     assert a.token_ids == b.token_ids
     assert '{"a":[1.5,null,true],"b":1}' in a.text
 
@@ -90,11 +88,11 @@ def test_the_hook_checks_types_and_json_tools(default_tok):
 @pytest.mark.reliability
 def test_assemble_prompt_takes_the_assemblers_settings(make_assembler, default_tok):
     asm = make_assembler(policy="retrieval", alignment="none")
-    out = assemble_prompt(["b doc", "a doc"], query="q", assembler=asm, admit=False)
+    out = assemble_prompt(["b doc", "a doc"], query="q", assembler=asm)
     assert out.policy is OrderPolicy.RETRIEVAL and out.alignment is AlignPolicy.NONE  # were replaced by defaults
     assert out.padding_tokens == 0
     same = assemble_prompt(["b doc"], query="q", assembler=asm, policy="retrieval", block_size=16,
-                           tokenizer=default_tok, admit=False)
+                           tokenizer=default_tok)
     assert same.policy is OrderPolicy.RETRIEVAL
     for conflict in ({"policy": "stable"}, {"alignment": "all"}, {"block_size": 32},
                      {"tokenizer": "tiktoken:cl100k_base"}):
@@ -123,7 +121,7 @@ def test_block_size_is_bounded_at_every_door(default_tok, block_size):
 def test_padding_is_bounded_by_the_largest_block(default_tok):
     asm = Assembler(default_tok, block_size=16_384, alignment="all", capacity_blocks=None)
     t0 = time.perf_counter()
-    out = asm.assemble(["a", "b"], query="q", admit=False)
+    out = asm.preview(["a", "b"], query="q")
     assert time.perf_counter() - t0 < 1.0
     for seg in out.segments[:-1]:  # every segment but the query padded to a boundary
         assert seg.end % 16_384 == 0 and 0 <= seg.padding < 16_384
@@ -143,9 +141,9 @@ def test_a_huge_chunk_is_refused_before_it_is_tokenized(default_tok, make_assemb
     doors = {
         "max_tokens": lambda: assemble_prompt([big], query="q", tokenizer=default_tok, max_tokens=8192),
         "capacity_blocks": lambda: small_mirror.assemble([big], query="q"),
-        "max_tokens ": lambda: small_context.assemble(["small", big], query="q", admit=False),
+        "max_tokens ": lambda: small_context.preview(["small", big], query="q"),
     }
-    assemble_prompt(["w"], query="q", tokenizer=default_tok, admit=False, learn=False)  # the default assembler
+    assemble_prompt(["w"], query="q", tokenizer=default_tok)  # the default assembler
     for name, door in doors.items():
         t0 = time.perf_counter()
         with pytest.raises(ContextLengthError, match=name.strip()):
@@ -175,11 +173,11 @@ def test_sizes_that_fit_are_not_refused(make_assembler):
     """The byte bound never refuses a prompt that fits (80 KB of text in a 32K context),
     and a prompt under 1 MiB that does not fit is tokenized, so its error has the exact size."""
     text = "Paris is the capital of France. " * 2500
-    out = make_assembler(max_tokens=32_768).assemble([text], query="q", admit=False)
+    out = make_assembler(max_tokens=32_768).preview([text], query="q")
     assert out.num_tokens <= 32_768
     with pytest.raises(ContextLengthError, match="the assembled prompt has") as info:
-        make_assembler(max_tokens=100).assemble([text], query="q", admit=False)
-    assert info.value.prompt_tokens == make_assembler().assemble([text], query="q", admit=False).num_tokens
+        make_assembler(max_tokens=100).preview([text], query="q")
+    assert info.value.prompt_tokens == make_assembler().preview([text], query="q").num_tokens
 
 
 def test_input_errors_are_value_errors():

@@ -44,7 +44,7 @@ def test_cache_aware_never_predicts_fewer_cached_tokens_than_stable_or_retrieval
         chunks = [POOL[i] for i in chunk_ids]
         kw = {"query": f"question {q}?", "system": systems[sys_i]}
         previews = {
-            p: asm.assemble(chunks, policy=p, admit=False, learn=False, **kw).predicted_cached_tokens
+            p: asm.preview(chunks, policy=p, **kw).predicted_cached_tokens
             for p in ("stable", "retrieval")
         }
         sent = asm.assemble(chunks, **kw)
@@ -55,8 +55,8 @@ def test_the_prediction_matches_the_mirror(default_tok):
     asm = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
     for order in ([0, 1, 2, 3], [3, 1, 0, 2], [0, 1, 2, 3], [1, 4, 0]):
         chunks = [POOL[i] for i in order]
-        preview = asm.assemble(chunks, query="q?", admit=False, learn=False)
-        again = asm.assemble(chunks, query="q?", admit=False, learn=False)
+        preview = asm.preview(chunks, query="q?")
+        again = asm.preview(chunks, query="q?")
         assert asm.mirror.predict(preview.block_hashes, preview.num_tokens).cached_tokens == preview.predicted_cached_tokens
         assert (again.token_ids, again.chunk_order) == (preview.token_ids, preview.chunk_order)  # previews learn nothing
         sent = asm.assemble(chunks, query="q?")
@@ -86,7 +86,7 @@ def test_a_longer_cached_branch_does_not_reorder_an_exact_repeat(default_tok):
     for k in range(8):
         long = {"id": "long", "text": f"Passage L{k}: " + " ".join(WORDS * 3) + "."}
         probe = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
-        if probe.assemble([long, short], query="q", system=system, admit=False, learn=False).chunk_order[0] == "short":
+        if probe.preview([long, short], query="q", system=system).chunk_order[0] == "short":
             break
     asm = Assembler(default_tok, block_size=16, policy="cache_aware", capacity_blocks=None)
     first = asm.assemble([long, short], query="which?", system=system)

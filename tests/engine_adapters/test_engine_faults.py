@@ -151,23 +151,22 @@ def test_an_engine_without_a_store_restarts_with_a_consistent_cache_and_mirror(e
     eng = start_default_engine(kv_cache_bytes=96 * mib, max_model_len=2048, max_restarts=1)
     assert eng.kv_store is None
     try:
-        mirror = eng.make_assembler().mirror
         prompt = _prompt(10, 330)  # 10 full blocks
-        ref = eng.generate(prompt, max_tokens=6, mirror=mirror)
-        warm = eng.generate(prompt, max_tokens=6, mirror=mirror)
+        ref = eng.generate(prompt, max_tokens=6)
+        warm = eng.generate(prompt, max_tokens=6)
         assert warm.num_cached_tokens == warm.predicted_cached_tokens == 320
         assert warm.token_ids == ref.token_ids
-        assert mirror.match(chain_hashes(prompt, eng.block_size)) == 10
+        assert eng.mirror.match(chain_hashes(prompt, eng.block_size)) == 10  # the engine's own mirror
         with layer_fault(eng, after_calls=2, times=None):  # dies mid-decode; the probe fails too
             with pytest.raises(EngineDeadError, match="restarted") as info:
-                eng.generate(_prompt(11, 330), max_tokens=6, mirror=mirror)
+                eng.generate(_prompt(11, 330), max_tokens=6)
         assert info.value.restarted is True and eng.restarts == 1 and not eng.closed
-        assert mirror.match(chain_hashes(prompt, eng.block_size)) == 0  # emptied with the old cache
+        assert eng.mirror.match(chain_hashes(prompt, eng.block_size)) == 0  # emptied with the old cache
         before = eng.counters()
-        redo = eng.generate(prompt, max_tokens=6, mirror=mirror)
+        redo = eng.generate(prompt, max_tokens=6)
         assert redo.num_cached_tokens == redo.predicted_cached_tokens == 0  # a new vLLM: empty cache
         assert redo.token_ids == ref.token_ids
-        again = eng.generate(prompt, max_tokens=6, mirror=mirror)
+        again = eng.generate(prompt, max_tokens=6)
         assert again.num_cached_tokens == again.predicted_cached_tokens == 320
         assert again.token_ids == ref.token_ids
         delta = eng.counters().since(before)

@@ -232,7 +232,7 @@ def salt_doors(engine, default_tok):
     from promptsplice.engine_adapters import AgentRunner, RagRunner, prefix_route_key
 
     asm = Assembler(default_tok, block_size=32)
-    base = asm.assemble(["a salted document"], query="q?", admit=False, learn=False)
+    base = asm.preview(["a salted document"], query="q?")
     hook = ContextHook(asm)
     msgs = [{"role": "user", "content": "hello"}]
     remote = RemoteEngine("http://127.0.0.1:9", model="m", max_retries=0)
@@ -250,8 +250,8 @@ def salt_doors(engine, default_tok):
         engine.generate(max_tokens=1, **kw)
 
     return {
-        "assemble_prompt": lambda s: assemble_prompt(["doc"], query="q", tokenizer=default_tok, salt=s, admit=False),
-        "Assembler.assemble": lambda s: asm.assemble(["doc"], query="q", salt=s, admit=False, learn=False),
+        "assemble_prompt": lambda s: assemble_prompt(["doc"], query="q", tokenizer=default_tok, salt=s),
+        "Assembler.assemble": lambda s: asm.preview(["doc"], query="q", salt=s),
         "ContextHook()": lambda s: ContextHook(asm, salt=s),
         "ContextHook call": lambda s: hook("session", msgs, salt=s),
         "RagRunner": lambda s: RagRunner(engine, salt=s),
@@ -296,7 +296,7 @@ def test_an_empty_salt_never_reaches_vllm(engine, default_tok):
 
     from promptsplice.errors import InvalidSaltError
 
-    prompt = engine.make_assembler().assemble(["victim text " * 40], query="q?", admit=False, learn=False)
+    prompt = engine.make_assembler().preview(["victim text " * 40], query="q?")
     with pytest.raises(InvalidSaltError):
         engine.generate(dataclasses.replace(prompt, salt=""), max_tokens=1)
 
@@ -306,7 +306,7 @@ def test_router_refuses_a_salt_that_contradicts_the_prompts(default_tok):
     from promptsplice.assembler import Assembler
     from promptsplice.errors import InvalidSaltError
 
-    prompt = Assembler(default_tok, block_size=32).assemble(["doc"], query="q", salt="a", admit=False)
+    prompt = Assembler(default_tok, block_size=32).preview(["doc"], query="q", salt="a")
     router = PrefixRouter(["x", "y"], block_size=32)
     assert router.key(prompt, salt="a") == router.key(prompt)
     with pytest.raises(InvalidSaltError, match="differs"):
