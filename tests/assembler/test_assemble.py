@@ -343,6 +343,7 @@ def test_trust_markup_is_an_explicit_opt_in(default_tok):
         assemble_prompt([text], query="q", assembler=strict, trust_markup=True)
 
 
+@pytest.mark.reliability
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzz_assembled_prompts_get_control_tokens_only_from_the_format(default_tok, data):
@@ -363,6 +364,7 @@ def test_fuzz_assembled_prompts_get_control_tokens_only_from_the_format(default_
 # -- the text form ------------------------------------------------------------------------
 
 
+@pytest.mark.reliability
 def test_text_form_is_not_exact_after_a_chunk_ending_in_whitespace(make_assembler, default_tok):
     """Byte-level BPE merges a chunk's trailing space or newline with the next
     separator when the text is tokenized whole: the flag says so, the ids still decode

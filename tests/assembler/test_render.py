@@ -286,6 +286,7 @@ def _poisoned(messages):
     return [{**m, "content": (m.get("content") or "") + POISON} for m in messages]
 
 
+@pytest.mark.reliability
 def test_markup_in_messages_and_tools_stays_text(renderer, default_tok):
     """User messages, tool outputs, tool-call arguments and tool schemas carrying
     ChatML markup: the render has exactly the control tokens of the clean render (the

@@ -110,6 +110,7 @@ def test_assembling_with_the_default_tokenizer_never_imports_torch():
 TOKENIZERS = ["default", "tiktoken:cl100k_base", "tiktoken:o200k_base"]
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("spec", TOKENIZERS)
 def test_every_control_token_is_text_in_caller_content(spec):
     """Each control token of the default model and of the tiktoken encodings: written
@@ -145,6 +146,7 @@ def test_markup_escapes_round_trip_including_the_escape_character(default_tok):
     assert markup.split(Markup.trusted("<|im_start|>a") + marked) == [1, "a" + nasty]
 
 
+@pytest.mark.reliability
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_fuzz_caller_content_never_yields_a_control_token(data):

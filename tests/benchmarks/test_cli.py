@@ -61,6 +61,7 @@ def test_a_trace_that_is_missing_or_unreadable_fails_in_one_line(tmp_path, capsy
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.reliability
 def test_a_missing_trace_from_the_console_has_no_traceback(tmp_path):
     missing = tmp_path / "nope.jsonl"
     proc = subprocess.run(

@@ -33,6 +33,7 @@ def _child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.reliability
 def test_a_started_engine_prints_nothing_from_vllm_on_stdout():
     out = subprocess.run(
         [sys.executable, "-c", _ENGINE_RUN], capture_output=True, text=True, timeout=900, env=_child_env()

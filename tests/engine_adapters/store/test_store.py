@@ -559,6 +559,7 @@ def _watch_fsyncs(monkeypatch, folder, writes=lambda: None) -> list[tuple[str, l
     return calls
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("write_behind", [0, 8 * P])
 def test_each_rename_is_followed_by_a_folder_fsync_before_the_write_counts(tmp_path, monkeypatch, write_behind):
     # A rename lives in the folder's entries: without an fsync of the folder, a power
