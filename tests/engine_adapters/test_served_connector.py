@@ -60,9 +60,19 @@ def deletion_prompts(text_tokens):
     return P, X, S, old, new
 
 
-def test_connector_loads_in_vllm_serve_and_serves_offload_hits(remote, served_kv, text_tokens):
-    s = salt("offload")
+def test_connector_loads_in_vllm_serve_and_serves_offload_hits(remote, served_kv, kv_engine, text_tokens):
     prompt = text_tokens[:10 * BS + 7]  # 10 full blocks + 7 tokens
+    # The embedded engine on the same steps: compute, empty vLLM's cache, again.
+    s = salt("offload-embedded")
+    kv_engine.generate(prompt, max_tokens=1, cache_salt=s)
+    kv_engine.reset_prefix_cache()
+    before = kv_engine.counters()
+    again = kv_engine.generate(prompt, max_tokens=1, cache_salt=s)
+    seen = kv_engine.counters().since(before)
+    embedded = (again.num_cached_tokens, seen.prefix_cache_hits, seen.external_hits)
+    assert embedded == (10 * BS, 0, 10 * BS)
+
+    s = salt("offload")
     first = remote.complete(prompt, max_tokens=1, cache_salt=s)
     assert first.cached_tokens == 0
     reset_local_cache(served_kv.base_url)
@@ -70,9 +80,9 @@ def test_connector_loads_in_vllm_serve_and_serves_offload_hits(remote, served_kv
     again = remote.complete(prompt, max_tokens=1, cache_salt=s)
     seen = remote.server_counters()
     # vLLM's own cache is empty: every full block comes from the connector's store.
-    assert again.cached_tokens == 10 * BS
-    assert seen.external_hits - before.external_hits == 10 * BS
-    assert seen.prefix_cache_hits - before.prefix_cache_hits == 0
+    served = (again.cached_tokens, seen.prefix_cache_hits - before.prefix_cache_hits,
+              seen.external_hits - before.external_hits)
+    assert served == embedded
     assert again.splice is None  # no plan sent: no ack asked for
 
 
