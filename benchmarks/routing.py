@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,12 +90,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model: Path, *, block_size: int, kv_cache_gib: int, max_model_len: int) -> LoopbackServer:
+def _start(
+    model: Path, *, block_size: int, kv_cache_gib: int, max_model_len: int,
+    extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,
+) -> LoopbackServer:
     port = _free_port()
     log = Path(tempfile.mkdtemp(prefix="route-vllm-")) / "server.log"
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # GiB; the default would take ~19 GiB
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # lets the CPU platform keep the uni executor
+    env.update(extra_env or {})
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -104,6 +108,7 @@ def _start(model: Path, *, block_size: int, kv_cache_gib: int, max_model_len: in
         "--enable-prompt-tokens-details", "--dtype", auto_dtype(),
         # one worker in the engine-core process: no third process importing torch+vLLM
         "--distributed-executor-backend", "uni",
+        *extra_args,
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -143,9 +148,13 @@ def loopback_servers(
     kv_cache_gib: int = 1,
     max_model_len: int = 2048,
     deadline_s: float = STARTUP_DEADLINE_S,
+    extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[list[LoopbackServer]]:
     """Start ``n`` real ``vllm serve`` (default model) at once, wait until all answer
-    ``/health``, yield them, stop them all on exit (also on error)."""
+    ``/health``, yield them, stop them all on exit (also on error).  ``extra_args`` /
+    ``extra_env``: more ``vllm serve`` arguments / environment (e.g. the splice
+    connector's ``--kv-transfer-config``)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"n must be an int >= 1 (servers to start), got {n!r}")
     from promptsplice.engine_adapters._model import ensure_default_model
@@ -155,7 +164,8 @@ def loopback_servers(
     try:
         for _ in range(n):
             servers.append(_start(model, block_size=block_size, kv_cache_gib=kv_cache_gib,
-                                  max_model_len=max_model_len))
+                                  max_model_len=max_model_len, extra_args=extra_args,
+                                  extra_env=extra_env))
         _wait_healthy(servers, deadline_s)
         yield servers
     finally:

@@ -272,15 +272,9 @@ class EngineConfig:
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
         if self.kv_store is not None:
-            from promptsplice.engine_adapters.connector._settings import store_config_to_extra
+            from promptsplice.engine_adapters.connector._settings import kv_transfer_config
 
-            kwargs["kv_transfer_config"] = {
-                "kv_connector": "SpliceConnector",
-                "kv_connector_module_path": "promptsplice.engine_adapters.connector._connector",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": store_config_to_extra(self.kv_store),
-            }
+            kwargs["kv_transfer_config"] = kv_transfer_config(self.kv_store)  # as vllm serve takes it
         if self.kv_events_endpoint is not None:
             kwargs["kv_events_config"] = {
                 "enable_kv_cache_events": True,

@@ -9,7 +9,12 @@ Cached tokens are read from ``usage.prompt_tokens_details.cached_tokens``.  A se
 that does not report them (vLLM without ``--enable-prompt-tokens-details``, many
 proxies) gives ``cached_tokens=None``: *unknown*, never reported as 0.
 ``server_counters()`` reads the server's Prometheus ``/metrics``
-(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``).
+(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``, and the KV
+connector's ``vllm:external_prefix_cache_*``).
+
+``complete(..., splice=plan)`` sends a splice plan to a ``vllm serve`` running the
+splice connector (:mod:`promptsplice.engine_adapters.connector._served` has the wire
+format); the connector's answer comes back as ``RemoteCompletion.splice``.
 
 Errors: 429, 5xx, connect errors, connections broken mid-response (a server that died
 while streaming) and timeouts are retried ``max_retries`` times with exponential
@@ -60,6 +65,7 @@ from promptsplice.engine_adapters._wire import (
     RemoteCompletion,
     Request,
     ServerCounters,
+    check_splice_ack,
     completion_from_json,
     counters_from,
     model_from_list,
@@ -68,6 +74,8 @@ from promptsplice.engine_adapters._wire import (
     retry_after,
     status_error,
 )
+from promptsplice.engine_adapters.connector._plans import SplicePlan
+from promptsplice.engine_adapters.connector._served import splice_params
 from promptsplice.errors import (
     ConfigError,
     EngineError,
@@ -257,6 +265,7 @@ class RemoteEngine:
         cache_salt: str | None,
         prompt_cache_key: str | None,
         stream: bool,
+        splice: SplicePlan | None = None,
     ) -> Request:
         derived_key: str | None = None
         text: str | None = None
@@ -300,7 +309,9 @@ class RemoteEngine:
         )
         if key is not None:
             body["prompt_cache_key"] = key
-        return Request("/v1/completions", body, False, len(ids) if ids is not None else None)
+        if splice is not None:
+            body["kv_transfer_params"] = splice_params(splice, ids if payload is ids else None, stream)
+        return Request("/v1/completions", body, False, len(ids) if ids is not None else None, splice is not None)
 
     def _chat_request(
         self,
@@ -419,7 +430,10 @@ class RemoteEngine:
         req.body["model"] = self.model
         call = _Call("POST", self._url(req.path), req, time.perf_counter())
         out = yield from self._attempts(call)
-        return out if call.stream else completion_from_json(parse_json(out, call.url), req, call.url, call.start)
+        if call.stream:
+            return out
+        completion = completion_from_json(parse_json(out, call.url), req, call.url, call.start)
+        return check_splice_ack(completion, call.url) if req.splice else completion
 
     # ----------------------------------------------------------------- drivers
 
@@ -502,11 +516,23 @@ class RemoteEngine:
         cache_salt: str | None = None,
         prompt_cache_key: str | None = None,
         stream: bool = False,
+        splice: SplicePlan | None = None,
     ) -> RemoteCompletion:
-        """Complete ``prompt`` (an ``AssembledPrompt``, token ids or a str) via ``/v1/completions``."""
+        """Complete ``prompt`` (an ``AssembledPrompt``, token ids or a str) via ``/v1/completions``.
+
+        ``splice``: a :class:`~promptsplice.engine_adapters.SplicePlan` for a ``vllm
+        serve`` started with the splice connector (``--kv-transfer-config
+        kv_transfer_config_json(...)``), sent in ``kv_transfer_params`` with a check of
+        the prompt's token ids (the prompt must go as token ids, non-streamed).  The
+        result's ``splice`` is the connector's answer: a plan that does not match the
+        request (other token ids, more blocks than the prompt holds, another block size)
+        is dropped and the request runs as plain prefill, with ``splice.applied`` False
+        and ``splice.reason`` naming what differs.  A server without the connector:
+        :class:`~promptsplice.errors.EngineRequestError` saying so.
+        """
         req = self._completion_request(
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
-            prompt_cache_key=prompt_cache_key, stream=stream,
+            prompt_cache_key=prompt_cache_key, stream=stream, splice=splice,
         )
         return self._run(self._completion(req))
 
@@ -540,11 +566,12 @@ class RemoteEngine:
         cache_salt: str | None = None,
         prompt_cache_key: str | None = None,
         stream: bool = False,
+        splice: SplicePlan | None = None,
     ) -> RemoteCompletion:
         """Async twin of :meth:`complete`."""
         req = self._completion_request(
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
-            prompt_cache_key=prompt_cache_key, stream=stream,
+            prompt_cache_key=prompt_cache_key, stream=stream, splice=splice,
         )
         return await self._arun(self._completion(req))
 

@@ -3,8 +3,8 @@
 :class:`~promptsplice.engine_adapters.RemoteEngine` sends the requests; this module
 reads what comes back, the same for its sync and async halves: a JSON completion, a
 streamed (SSE) one chunk by chunk, an error body (a 400 saying the prompt is too long
-becomes :class:`ContextLengthError`), a model list, and Prometheus ``/metrics``
-counters.  A body that is not what the format promises is an
+becomes :class:`ContextLengthError`), a model list, Prometheus ``/metrics``
+counters, and the splice connector's answer in ``kv_transfer_params``.  A body that is not what the format promises is an
 :class:`EngineResponseError` carrying a snippet of it.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from promptsplice.engine_adapters.connector._served import SpliceAck
 from promptsplice.errors import ContextLengthError, EngineRequestError, EngineResponseError
 
 __all__ = [
@@ -53,6 +54,12 @@ class RemoteCompletion:
     ttft_s: float | None
     total_s: float
     finish_reason: str | None
+    kv_transfer_params: Mapping[str, Any] | None = None
+    """What the server returned in the response's ``kv_transfer_params`` (non-streamed)."""
+    splice: SpliceAck | None = None
+    """The splice connector's answer to a request sent with ``splice=plan``: whether the
+    plan was applied (``reason`` says what differed when it was not: the request then ran
+    as plain prefill) and the tokens it loaded and relocated."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +67,13 @@ class ServerCounters:
     """The server's prefix-cache counters (token counts), summed over label sets.
 
     A field is ``None`` when the server's ``/metrics`` does not expose that counter.
+    ``external_*``: the KV connector's lookups and hits (tokens it loaded).
     """
 
     prefix_cache_queries: int | None
     prefix_cache_hits: int | None
+    external_queries: int | None = None
+    external_hits: int | None = None
 
     @property
     def hit_rate(self) -> float | None:
@@ -158,12 +168,14 @@ def retry_after(response: httpx.Response) -> float | None:
 @dataclass(slots=True)
 class Request:
     """One request as built from the caller's arguments: the path, the JSON body,
-    whether it is a chat request, and the prompt's length (for error messages)."""
+    whether it is a chat request, the prompt's length (for error messages), and whether
+    it carries a splice plan (the answer must then hold the connector's ack)."""
 
     path: str
     body: dict[str, Any]
     chat: bool
     prompt_len: int | None
+    splice: bool = False
 
 
 class Accumulator:
@@ -286,6 +298,8 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
         raise EngineResponseError(f"{url} answered a non-text completion: {snippet(json.dumps(data))!r}")
     usage = data.get("usage")
     usage_map = usage if isinstance(usage, Mapping) else {}
+    kv_params = data.get("kv_transfer_params")
+    kv_params = kv_params if isinstance(kv_params, Mapping) else None
     return RemoteCompletion(
         text=text,
         prompt_tokens=_int_or_none(usage_map.get("prompt_tokens")) or req.prompt_len,
@@ -294,7 +308,22 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
         ttft_s=None,
         total_s=time.perf_counter() - start,
         finish_reason=choice.get("finish_reason"),
+        kv_transfer_params=kv_params,
+        splice=SpliceAck.from_params(kv_params),
     )
+
+
+def check_splice_ack(completion: RemoteCompletion, url: str) -> RemoteCompletion:
+    """A completion of a request sent with a splice plan must carry the connector's ack;
+    none means the server ignored the plan: it was not started with the connector."""
+    if completion.splice is None:
+        raise EngineRequestError(
+            f"{url} ignored the splice plan: the server was not started with the splice "
+            "connector (start vllm serve with --kv-transfer-config "
+            "kv_transfer_config_json(StoreConfig(...)) from "
+            "promptsplice.engine_adapters.connector._settings)"
+        )
+    return completion
 
 
 def model_from_list(response: httpx.Response, url: str) -> str:
@@ -310,12 +339,11 @@ def model_from_list(response: httpx.Response, url: str) -> str:
 
 def counters_from(response: httpx.Response) -> ServerCounters:
     """The prefix-cache counters of a ``/metrics`` answer."""
-    values = parse_prometheus_counters(
-        response.text, ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    names = (
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:external_prefix_cache_queries_total",
+        "vllm:external_prefix_cache_hits_total",
     )
-    q = values.get("vllm:prefix_cache_queries_total")
-    h = values.get("vllm:prefix_cache_hits_total")
-    return ServerCounters(
-        prefix_cache_queries=None if q is None else int(q),
-        prefix_cache_hits=None if h is None else int(h),
-    )
+    values = parse_prometheus_counters(response.text, names)
+    return ServerCounters(*(None if values.get(n) is None else int(values[n]) for n in names))

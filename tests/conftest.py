@@ -105,6 +105,33 @@ def live_servers(two_servers):
     return two_servers
 
 
+@pytest.fixture(scope="session")
+def served_kv(tmp_path_factory):
+    """One real ``vllm serve`` on loopback that loads the splice connector by module
+    path (``--kv-transfer-config``): the same store as ``kv_engine`` (16 MiB of DRAM
+    over 256 MiB of disk, in bf16 blocks; twice the bytes in float32), block 32, 1 GiB
+    of KV cache, dev mode on (``/reset_prefix_cache`` empties vLLM's own cache and
+    leaves the connector's store alone)."""
+    from promptsplice.benchmarks.routing import BLOCK_SIZE, loopback_servers
+    from promptsplice.engine_adapters import EngineConfig, StoreConfig
+    from promptsplice.engine_adapters.connector._settings import kv_transfer_config_json
+
+    mib = 1024 * 1024 * (1 if EngineConfig().dtype == "bfloat16" else 2)
+    store = StoreConfig(
+        dram_bytes=16 * mib,
+        disk_bytes=256 * mib,
+        disk_dir=str(tmp_path_factory.mktemp("served-kv-store")),
+        fsync=False,
+    )
+    with loopback_servers(
+        1,
+        block_size=BLOCK_SIZE,
+        extra_args=["--kv-transfer-config", kv_transfer_config_json(store)],
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    ) as servers:
+        yield servers[0]
+
+
 # -- numbers the reliability tests measured (RELIABILITY.md quotes them) ---------------
 _MEASURED: dict[str, dict] = {}
 

@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
+from promptsplice.engine_adapters.connector._served import SpliceAck, ack_params, plan_verdict
 from promptsplice.engine_adapters.connector._settings import connector_settings
 from promptsplice.engine_adapters.connector._worker import SpliceWorker
 from promptsplice.engine_adapters.store._store import BlockStore, shared_store
@@ -97,6 +98,8 @@ class SpliceConnector(KVConnectorBase_V1):
             self.scheduler = SpliceScheduler(
                 self.store, self.settings.block_size, relocation=self.settings.relocation
             )
+        self._acks: dict[str, list] = {}
+        """Requests that carry a plan: [reason, planned, loaded, relocated tokens] (``_served``)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -169,13 +172,26 @@ class SpliceConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         req_id, tokens, salt, params = _vllm.request_fields(request)
+        ack = self._acks.get(req_id)
+        if ack is None:
+            verdict = plan_verdict(params, tokens or (), self.settings.block_size)
+            if verdict.has_plan:
+                if verdict.reason:
+                    _log.warning("splice connector: plain prefill for %s: %s", req_id, verdict.reason)
+                ack = self._acks[req_id] = [verdict.reason, verdict.planned_tokens, 0, 0]
+        if ack is not None and ack[0]:
+            params = None  # the plan does not match the request: plain prefill
         n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params)
         return n, False  # synchronous: loaded in start_load_kv before this step's forward
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         ids = _vllm.allocated_block_ids(blocks) if num_external_tokens > 0 else ()
-        self.scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens)
+        item = self.scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens)
+        ack = self._acks.get(request.request_id)
+        if item is not None and ack is not None:
+            ack[2] += len(item.refs) * self.settings.block_size
+            ack[3] += sum(1 for d in item.deltas if d) * self.settings.block_size
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -190,7 +206,12 @@ class SpliceConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self.scheduler.request_finished(request.request_id)
-        return False, None
+        ack = self._acks.pop(request.request_id, None)
+        if ack is None:
+            return False, None
+        # The answer vLLM's OpenAI server returns in the response's kv_transfer_params.
+        reason, planned, loaded, relocated = ack
+        return False, ack_params(SpliceAck(not reason, reason, planned, loaded, relocated))
 
     def reset_cache(self) -> bool | None:
         """``reset_prefix_cache(reset_connector=True)``: empty the block store."""

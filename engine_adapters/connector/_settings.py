@@ -3,12 +3,15 @@ open the same store): the store config in ``kv_connector_extra_config``, the blo
 the attention ISA and RoPE, and whether relocation is possible.
 
 ``store_config_to_extra`` is what ``EngineConfig(kv_store=...)`` writes into vLLM's
-config; ``connector_settings`` reads it back inside the engine.  Importing this module
+config, ``kv_transfer_config`` the whole entry (``kv_transfer_config_json`` the
+``vllm serve --kv-transfer-config`` argument); ``connector_settings`` reads it back
+inside the engine.  Importing this module
 imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -23,9 +26,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONNECTOR_BACKENDS",
+    "CONNECTOR_CLASS",
+    "CONNECTOR_MODULE",
     "ConnectorSettings",
     "connector_backend",
     "connector_settings",
+    "kv_transfer_config",
+    "kv_transfer_config_json",
     "store_config_from_extra",
     "store_config_to_extra",
 ]
@@ -39,6 +46,9 @@ CONNECTOR_BACKENDS: dict[str, tuple[str, ...]] = {
 AUTO_BACKEND = "auto"
 """The backend when vLLM picks it at startup: the worker checks the layers' own."""
 
+CONNECTOR_CLASS = "SpliceConnector"
+CONNECTOR_MODULE = "promptsplice.engine_adapters.connector._connector"
+
 _STORE_FIELDS = tuple(f.name for f in fields(StoreConfig))
 
 
@@ -47,6 +57,24 @@ def store_config_to_extra(config: StoreConfig) -> dict[str, Any]:
     if not isinstance(config, StoreConfig):
         raise ConfigError(f"expected a StoreConfig, got {type(config).__name__}")
     return {name: getattr(config, name) for name in _STORE_FIELDS}
+
+
+def kv_transfer_config(config: StoreConfig) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` that loads the splice connector over the store
+    ``config`` (``kv_load_failure_policy="recompute"``: a block that fails to load is
+    recomputed instead of failing the request)."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": store_config_to_extra(config),
+    }
+
+
+def kv_transfer_config_json(config: StoreConfig) -> str:
+    """:func:`kv_transfer_config` as ``vllm serve --kv-transfer-config`` takes it."""
+    return json.dumps(kv_transfer_config(config), sort_keys=True)
 
 
 def store_config_from_extra(extra: Mapping[str, Any], *, fingerprint: str = "") -> StoreConfig:

@@ -462,3 +462,53 @@ def test_requests_are_checked_before_anything_is_sent():
                    {"send_token_ids": 1}, {"require_salt": "yes"}, {"model": 5}):
         with pytest.raises(ConfigError):
             RemoteEngine("http://x", **kwargs)
+
+
+def test_splice_plans_are_checked_before_anything_is_sent():
+    """A plan needs token ids, a non-streamed request, and a prompt it fits; the async
+    twin refuses the same."""
+    from promptsplice.engine_adapters import SplicePlan, SpliceSegment
+
+    sent = []
+    eng = _mock(lambda r: sent.append(r) or httpx.Response(200, json=_ok_body()))
+    plan = SplicePlan(32, (SpliceSegment(32, 2, -32, bytes(16)),))
+    ids = list(range(100, 200))
+    cases = [
+        (ConfigError, {"prompt": ids, "splice": {"splice": {}}}, "must be a SplicePlan"),
+        (InputError, {"prompt": "some text", "splice": plan}, "needs the prompt sent as token ids"),
+        (InputError, {"prompt": ids, "splice": plan, "stream": True}, "stream=False"),
+        (InputError, {"prompt": ids[:90], "splice": plan}, r"covers tokens \[32, 96\) but the prompt has 90"),
+    ]
+    for error, kwargs, match in cases:
+        with pytest.raises(error, match=match):
+            eng.complete(max_tokens=1, **kwargs)
+        with pytest.raises(error, match=match):
+            asyncio.run(eng.acomplete(max_tokens=1, **kwargs))
+    assert sent == []
+
+
+def test_splice_plan_rides_in_kv_transfer_params_and_needs_an_ack():
+    """The body carries the plan and the prompt's check; a 200 without the connector's
+    ack (a server that ignored kv_transfer_params) is an EngineRequestError, an ack
+    comes back as ``completion.splice`` (mocked: a real one is in test_served_connector)."""
+    from promptsplice.engine_adapters import SplicePlan, SpliceSegment
+    from promptsplice.engine_adapters.connector._served import plan_check
+
+    plan = SplicePlan(32, (SpliceSegment(32, 2, -32, bytes(16)),))
+    ids = list(range(100, 200))
+    bodies = []
+    ack = {"splice_ack": {"applied": False, "reason": "other ids", "planned_tokens": 64,
+                          "loaded_tokens": 0, "relocated_tokens": 0}}
+    replies = iter([_ok_body(), {**_ok_body(), "kv_transfer_params": ack}])
+
+    def answer(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=next(replies))
+
+    eng = _mock(answer)
+    with pytest.raises(EngineRequestError, match="not started with the splice connector"):
+        eng.complete(ids, max_tokens=1, splice=plan)
+    assert bodies[0]["kv_transfer_params"] == {**plan.to_params(), "splice_check": plan_check(ids)}
+    out = eng.complete(ids, max_tokens=1, splice=plan)
+    assert out.splice is not None and not out.splice.applied and out.splice.reason == "other ids"
+    assert out.kv_transfer_params == ack
