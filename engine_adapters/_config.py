@@ -11,7 +11,12 @@ config is actually made):
   answers garbage* (a list of French landmarks instead of "The capital of France is
   Paris."); eager mode starts in ~4 s and answers correctly.  On GPUs vLLM's default
   (compile + CUDA graphs) is kept.
-* ``dtype="auto"``: bfloat16, except on a CPU without AVX-512 or AMX, where float32.
+* ``dtype="auto"``: bfloat16 on a CPU with AVX-512 and without AMX tiles, else float32.
+  On a CPU with AMX tiles vLLM 0.32 runs bf16 through its AMX paths, and there the
+  default model answers "What is the capital of France?" with a list of French words
+  where float32 answers "The capital of France is Paris." (``tests/engine_adapters/
+  test_embedded.py::test_the_model_answers`` with ``dtype="bfloat16"``; relocation on
+  the AMX KV layout itself is verified, see ``promptsplice.kernels``).
   Measured on an AVX2-only AMD EPYC (2 cores): a bf16 matmul runs at 1.2 GFLOP/s there
   (no native bf16: emulated) against 127 GFLOP/s in float32, and a 1,000-token prefill
   took 13.3 s in bf16 against 2.6 s in float32.  On AVX-512 machines bf16 prefilled
@@ -90,11 +95,13 @@ def detect_platform() -> str:
 
 
 def auto_dtype() -> str:
-    """bfloat16 where the CPU computes it natively or fast (AVX-512, AMX), else float32."""
+    """bfloat16 where the CPU computes it natively and vLLM's bf16 keeps the model's
+    answers (AVX-512 without AMX tiles), else float32 (see the module docstring)."""
     import torch
 
-    fast = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
-    return "bfloat16" if fast else "float32"
+    if torch.cpu._is_amx_tile_supported():
+        return "float32"  # vLLM's AMX bf16 path changes the default model's answers
+    return "bfloat16" if torch.cpu._is_avx512_supported() else "float32"
 
 
 @dataclass(frozen=True, slots=True)

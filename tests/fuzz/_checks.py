@@ -289,7 +289,9 @@ def check_assembly(asm: Any, chunks: Any, *, limit: int, **kwargs: Any) -> Any:
     try:
         free = asm.preview(chunks, **kwargs)
     except PromptspliceError as err:
-        assert not isinstance(err, ContextLengthError), "no limit was given"
+        if isinstance(err, ContextLengthError):  # no limit given: only the mirror's capacity
+            cap = asm.mirror.capacity_blocks
+            assert cap is not None and err.max_tokens == cap * asm.block_size, ("no limit was given", err)
         try:
             asm.preview(chunks, max_tokens=limit, **kwargs)
         except PromptspliceError as again:
