@@ -39,11 +39,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._tier import (
+    StoredRecord,
+    WriteJob,
+    record_size,
     NAMESPACES,
     BlockMeta,
     ByteLru,
@@ -72,27 +74,6 @@ _log = logging.getLogger(__name__)
 LOCK_NAME = ".promptsplice-store.lock"
 _MISSING = "missing"
 
-
-@dataclass(slots=True)
-class Record:
-    """A block whose record file is in the folder; ``size`` is the file's size."""
-
-    meta: BlockMeta
-    size: int
-
-
-@dataclass(slots=True)
-class WriteJob:
-    """A planned write-down: ``held`` waits in the tier's pending map until it lands."""
-
-    key: Key
-    held: Held
-    size: int
-    reserved: bool = False
-
-
-def _record_size(record: Record) -> int:
-    return record.size
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -141,7 +122,7 @@ class DiskTier:
         store's lock, ``pinned`` says which keys eviction must skip, ``on_lost`` hears
         of every planned write-down that will not happen (all called under the lock).
         """
-        self._lru: ByteLru[Record] = ByteLru(budget, _record_size)
+        self._lru: ByteLru[StoredRecord] = ByteLru(budget, record_size)
         self._fp = fingerprint
         self._fsync = fsync
         self._fsync_dir = fsync if fsync_dir is None else fsync_dir
@@ -197,7 +178,7 @@ class DiskTier:
     def pending(self, k: Key) -> Held | None:
         return self._writing.get(k)
 
-    def locate(self, k: Key) -> Record | None:
+    def locate(self, k: Key) -> StoredRecord | None:
         return self._lru.get(k)
 
     def touch(self, k: Key) -> bool:
@@ -310,7 +291,7 @@ class DiskTier:
                     os.utime(path, ns=(t, t))
                 except OSError:
                     pass
-                self._lru.add(job.key, Record(job.held.meta, job.size))
+                self._lru.add(job.key, StoredRecord(job.held.meta, job.size))
                 return True
         if current:
             self._lost(job.key, job.held)
@@ -337,7 +318,7 @@ class DiskTier:
 
     # ------------------------------------------------------ I/O (without the lock)
 
-    def get(self, k: Key, entry: Record) -> Fetched:
+    def get(self, k: Key, entry: StoredRecord) -> Fetched:
         """Read and verify the record ``locate`` returned; a damaged one is deleted."""
         path = self._path(k)
         payload, problem = self._read_record(path, entry)
@@ -475,7 +456,7 @@ class DiskTier:
             return tmp, exc
         return tmp, None
 
-    def _read_record(self, path: str, entry: Record) -> tuple[torch.Tensor | None, str | None]:
+    def _read_record(self, path: str, entry: StoredRecord) -> tuple[torch.Tensor | None, str | None]:
         """Read and verify a whole record: ``(payload, None)`` or ``(None, reason)``."""
         try:
             with open(path, "rb", buffering=0) as f:
@@ -504,7 +485,7 @@ class DiskTier:
 
     def _load_index(self) -> None:
         """Rebuild the index from the folder: headers only, LRU order by mtime."""
-        found: list[tuple[int, str, Key, Record]] = []
+        found: list[tuple[int, str, Key, StoredRecord]] = []
         with os.scandir(self.folder) as it:
             entries = list(it)
         for item in entries:
@@ -535,7 +516,7 @@ class DiskTier:
                 self._remove_file(item.path)
                 self._foreign += 1
                 continue
-            found.append((st.st_mtime_ns, name, k, Record(meta, header.total_size)))
+            found.append((st.st_mtime_ns, name, k, StoredRecord(meta, header.total_size)))
         found.sort(key=lambda f: (f[0], f[1]))
         for mtime, _, k, record in found:
             self._lru.add(k, record)

@@ -39,12 +39,14 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from promptsplice.blocks import content_digest
 from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._tier import (
+    StoredRecord,
+    WriteJob,
+    record_size,
     NAMESPACES,
     BlockMeta,
     ByteLru,
@@ -93,26 +95,6 @@ def record_key(fingerprint: bytes, meta: BlockMeta) -> str:
     salt = content_digest(meta.salt)[:8].hex()
     return f"{key_prefix(fingerprint)}{salt}:{meta.namespace:02x}:{meta.key.hex()}"
 
-
-@dataclass(slots=True)
-class Record:
-    """A block the server holds (as far as the index knows); ``size``: the value's bytes."""
-
-    meta: BlockMeta
-    size: int
-
-
-@dataclass(slots=True)
-class WriteJob:
-    """A planned write-down: ``held`` is served from memory until it lands."""
-
-    key: Key
-    held: Held
-    size: int
-
-
-def _record_size(record: Record) -> int:
-    return record.size
 
 
 class RedisTier:
@@ -163,7 +145,7 @@ class RedisTier:
         self._pinned = pinned
         self._on_lost = on_lost
         self._on_back = on_back  # after an outage: the store writes its DRAM blocks again
-        self._lru: ByteLru[Record] = ByteLru(budget, _record_size)
+        self._lru: ByteLru[StoredRecord] = ByteLru(budget, record_size)
         self._writing: dict[Key, Held] = {}
         self._queue: deque[WriteJob] = deque()
         self._queue_bytes = 0
@@ -188,7 +170,7 @@ class RedisTier:
     def pending(self, k: Key) -> Held | None:
         return self._writing.get(k)
 
-    def locate(self, k: Key) -> Record | None:
+    def locate(self, k: Key) -> StoredRecord | None:
         return self._lru.get(k)
 
     def touch(self, k: Key) -> bool:
@@ -270,7 +252,7 @@ class RedisTier:
         for vk in victims:  # forgotten here; the server keeps the value for others
             self._lru.pop(vk)
             self._evictions += 1
-        self._lru.add(k, Record(meta, size))
+        self._lru.add(k, StoredRecord(meta, size))
 
     def _outage(self, err: BaseException) -> None:
         """Under the lock: the server is out of reach; open the breaker."""
@@ -300,7 +282,7 @@ class RedisTier:
 
     # ------------------------------------------------------ I/O (without the lock)
 
-    def get(self, k: Key, entry: Record) -> Fetched:
+    def get(self, k: Key, entry: StoredRecord) -> Fetched:
         """Fetch and verify the value ``locate`` returned ``entry`` for."""
         name = record_key(self._fp, entry.meta)
         with self._cond:

@@ -73,6 +73,9 @@ __all__ = [
     "TierStats",
     "Located",
     "StorageTier",
+    "StoredRecord",
+    "WriteJob",
+    "record_size",
     "salt_bytes",
     "dtype_name",
     "supported_dtypes",
@@ -351,3 +354,28 @@ def never_pinned(_k: Key) -> bool:
 def new_condition() -> threading.Condition:
     """The lock of a tier used on its own (a store hands its tiers its own)."""
     return threading.Condition(threading.Lock())
+
+
+@dataclass(slots=True)
+class StoredRecord:
+    """A block a storage tier holds (as far as its index knows); ``size``: its bytes
+    there (a record file, a server value)."""
+
+    meta: BlockMeta
+    size: int
+
+
+def record_size(record: StoredRecord) -> int:
+    """The LRU size of a :class:`StoredRecord`."""
+    return record.size
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """A planned write-down: ``held`` waits in the tier's pending map (served from
+    memory) until it lands; ``reserved``: its bytes were reserved (disk)."""
+
+    key: Key
+    held: Held
+    size: int
+    reserved: bool = False
