@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING
 
 from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._tier import (
+    IndexedTier,
     StoredRecord,
     WriteJob,
     record_size,
     NAMESPACES,
-    BlockMeta,
     ByteLru,
     Fetched,
     Held,
@@ -84,7 +84,7 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[n:]
 
 
-class DiskTier:
+class DiskTier(IndexedTier):
     """Record files under one folder, at most ``budget`` bytes of them, LRU."""
 
     name = "disk"
@@ -170,16 +170,6 @@ class DiskTier:
             _log.warning("KV block store: cannot lock %s (%s); use it from one store only", folder, exc)
 
     # ------------------------------------------------------ index (under the lock)
-
-    def find(self, k: Key) -> BlockMeta | None:
-        entry = self._writing.get(k) or self._lru.get(k)
-        return None if entry is None else entry.meta
-
-    def pending(self, k: Key) -> Held | None:
-        return self._writing.get(k)
-
-    def locate(self, k: Key) -> StoredRecord | None:
-        return self._lru.get(k)
 
     def touch(self, k: Key) -> bool:
         if k not in self._lru:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from promptsplice.blocks import content_digest
 from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._tier import (
+    IndexedTier,
     StoredRecord,
     WriteJob,
     record_size,
@@ -97,7 +98,7 @@ def record_key(fingerprint: bytes, meta: BlockMeta) -> str:
 
 
 
-class RedisTier:
+class RedisTier(IndexedTier):
     """Records on one Redis server, indexed in memory (see the module doc)."""
 
     name = "remote"
@@ -162,16 +163,6 @@ class RedisTier:
         self._listener.start()
 
     # ------------------------------------------------------ index (under the lock)
-
-    def find(self, k: Key) -> BlockMeta | None:
-        entry = self._writing.get(k) or self._lru.get(k)
-        return None if entry is None else entry.meta
-
-    def pending(self, k: Key) -> Held | None:
-        return self._writing.get(k)
-
-    def locate(self, k: Key) -> StoredRecord | None:
-        return self._lru.get(k)
 
     def touch(self, k: Key) -> bool:
         if k not in self._lru:

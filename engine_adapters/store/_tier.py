@@ -73,6 +73,7 @@ __all__ = [
     "TierStats",
     "Located",
     "StorageTier",
+    "IndexedTier",
     "StoredRecord",
     "WriteJob",
     "record_size",
@@ -379,3 +380,23 @@ class WriteJob:
     held: Held
     size: int
     reserved: bool = False
+
+
+class IndexedTier:
+    """The index half shared by storage tiers that keep an in-memory LRU of what they
+    hold (``_lru``: key -> :class:`StoredRecord`) and of planned writes (``_writing``:
+    key -> :class:`Held`); answers lookups from memory, as the contract asks."""
+
+    __slots__ = ()
+    _lru: ByteLru[StoredRecord]
+    _writing: dict[Key, Held]
+
+    def find(self, k: Key) -> BlockMeta | None:
+        entry = self._writing.get(k) or self._lru.get(k)
+        return None if entry is None else entry.meta
+
+    def pending(self, k: Key) -> Held | None:
+        return self._writing.get(k)
+
+    def locate(self, k: Key) -> StoredRecord | None:
+        return self._lru.get(k)
