@@ -118,7 +118,7 @@ def test_piece_filter_only_skips_searches_that_find_nothing(chunks, cfg):
 
 
 def test_piece_filter_skips_most_searches_on_the_bench_workload(monkeypatch):
-    requests = make_requests(total_mb=0.1, chunk_bytes=1024, seed=4)
+    requests = make_requests(total_mb=0.1, chunk_bytes=1024, seed=4, n_docs=20)
     searches = []
     real = passes._Finder.first
     monkeypatch.setattr(passes._Finder, "first", lambda self, *a: searches.append(1) or real(self, *a))
