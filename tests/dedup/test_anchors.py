@@ -111,7 +111,7 @@ def _unfiltered(chunks, cfg):
         return dedup(chunks, cfg)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(retrievals(), configs)
 def test_piece_filter_only_skips_searches_that_find_nothing(chunks, cfg):
     assert _canon(dedup(chunks, cfg)) == _canon(_unfiltered(chunks, cfg))
