@@ -42,6 +42,9 @@ __all__ = ["Passes"]
 _SEP = b"\xff"
 _PARA = b"\n\n"
 _DOT = b"."
+# False: search every needle the filter would skip.  The filter only skips searches that
+# cannot find anything, so the result must not change (tests/dedup checks it).
+_FILTER = True
 _SWITCH = 32  # plain searches (or haystack rebuilds) of one pass before it indexes
 _GROUP_GRID = 16  # same-source groups larger than this find overlap partners by index
 
@@ -314,8 +317,6 @@ class Passes:
 
     # -- containment -----------------------------------------------------------------
 
-    # -- containment -----------------------------------------------------------------
-
     def absorb_contained(self, kept: list[KeptChunk]) -> list[KeptChunk]:
         """Absorb every chunk whose bytes occur inside another kept chunk.
 
@@ -331,7 +332,11 @@ class Passes:
         host: dict[int, tuple[int, int]] = {}  # rank in order -> (host rank, offset)
         for r in range(1, len(order)):
             pl = split[order[r]]
-            if len(pl) >= 3 and counts[pl[1] if len(pl[1]) >= 24 else _probe(pl)] < 2:
+            if (
+                len(pl) >= 3
+                and counts[pl[1] if len(pl[1]) >= 24 else _probe(pl)] < 2
+                and _FILTER
+            ):
                 continue  # an interior piece seen only here: not inside another chunk
             if finder is None:
                 chunks = list(map(kept.__getitem__, order))
@@ -375,9 +380,6 @@ class Passes:
 
     # -- repeated passages -----------------------------------------------------------
 
-
-    # -- repeated passages -----------------------------------------------------------
-
     def remove_passages(self, kept: list[KeptChunk]) -> list[KeptChunk]:
         """Remove paragraphs (>= min_passage bytes) already present in an earlier chunk."""
         cfg = self.cfg
@@ -409,7 +411,7 @@ class Passes:
                 if len(p) < mp:
                     continue
                 first, dot, _ = p.partition(_DOT)[2].partition(_DOT)
-                if dot and counts[first] < 2:
+                if dot and counts[first] < 2 and _FILTER:
                     continue  # its first interior piece occurs in no other chunk
                 found = finder.first(p, len(out))
                 if found is not None:

@@ -1,8 +1,10 @@
-"""The grid anchor index (dedup/_anchors.py) and the passes' switch to it.
+"""The passes' search shortcuts: the grid anchor index (dedup/_anchors.py), the switch
+to it, and the sentence-piece filter (dedup/_passes.py).
 
 The index must reach every chunk that holds a needle, and dedup must give the same
 result whichever search answers: the plain search of the joined bytes (what small
-requests use) or the index (what a pass switches to after a few dozen searches).
+requests use) or the index (what a pass switches to after a few dozen searches).  The
+filter must only skip searches that find nothing: the result with it off is the same.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import promptsplice.dedup._passes as passes
-from promptsplice.benchmarks.dedup_bench import scaling_workload
-from promptsplice.dedup import Relation, dedup
+from promptsplice.benchmarks.dedup_bench import make_requests, scaling_workload
+from promptsplice.dedup import DedupConfig, Relation, dedup
 from promptsplice.dedup._anchors import MIN_NEEDLE, GridIndex
 from tests.dedup.test_properties import check_result, configs, retrievals
 
@@ -100,3 +102,32 @@ def test_index_from_the_first_search_gives_the_same_result(chunks, cfg):
         indexed = dedup(chunks, cfg)
     check_result(chunks, cfg, indexed)
     assert _canon(indexed) == _canon(plain)
+
+
+def _unfiltered(chunks, cfg):
+    """dedup with the sentence-piece filter off: every needle is searched."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(passes, "_FILTER", False)
+        return dedup(chunks, cfg)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(retrievals(), configs)
+def test_piece_filter_only_skips_searches_that_find_nothing(chunks, cfg):
+    assert _canon(dedup(chunks, cfg)) == _canon(_unfiltered(chunks, cfg))
+
+
+def test_piece_filter_skips_most_searches_on_the_bench_workload(monkeypatch):
+    requests = make_requests(total_mb=0.1, chunk_bytes=1024, seed=4, n_docs=20)
+    searches = []
+    real = passes._Finder.first
+    monkeypatch.setattr(passes._Finder, "first", lambda self, *a: searches.append(1) or real(self, *a))
+    cfg = DedupConfig()
+    filtered = [_canon(dedup(r, cfg)) for r in requests]
+    n_filtered = len(searches)
+    searches.clear()
+    plain = [_canon(_unfiltered(r, cfg)) for r in requests]
+    assert filtered == plain
+    removed = sum(c[2].removed["contained"] + c[2].removed["passage"] for c in filtered)
+    assert removed >= len(requests)  # the workload has hits for the filter to keep
+    assert 0 < n_filtered * 5 < len(searches), (n_filtered, len(searches))

@@ -15,6 +15,7 @@ def test_bench_reports_throughput_baseline_and_removals():
     result = run_dedup_bench(total_mb=0.2, chunk_bytes=512, seed=1)
     assert result["chunks"] == 20 * result["requests"]
     assert result["dedup_mb_s"] > 0 and result["baseline_digest_mb_s"] > 0
+    assert result["dedup_cpu_mb_s"] > 0 and result["dedup_cpu_s"] > 0
     assert result["ratio_dedup_to_baseline"] == round(
         result["dedup_mb_s"] / result["baseline_digest_mb_s"], 4
     )
