@@ -1,12 +1,14 @@
 """``python -m promptsplice.benchmarks.gateway``: a real gateway (smg) in front of real servers.
 
 Starts two loopback ``vllm serve`` (:func:`promptsplice.benchmarks.routing.loopback_servers`)
-unless ``--url`` names running ones, and for each RAG trace family (``--profile``) sends
+unless ``--url`` names running ones, and for each RAG trace family (``--family`` of the
+suite, ``--suite`` for all of them, or a wiki ``--profile``) sends
 the same requests twice, as *naive* prompts (retrieval order, no dedup, tokenized whole)
 and as promptsplice-*assembled* prompts (stable order, block-aligned), through:
 
-* the Shepherd Model Gateway (PyPI ``smg``, a Rust router; one fresh gateway per run, so
-  no policy starts with another run's tree) with ``--policy cache_aware``,
+* the Shepherd Model Gateway (PyPI ``smg``, a Rust router; a fresh gateway per
+  ``cache_aware`` run, so it never starts with another run's tree; one gateway for all
+  runs of each stateless policy) with ``--policy cache_aware``,
   ``prefix_hash`` and ``consistent_hashing`` (header ``X-SMG-Routing-Key`` carrying the
   prompt's ``prefix_key``; for a naive prompt, ``prefix_route_key(...).hex()``);
 * :class:`promptsplice.engine_adapters.PrefixRouter` and ``RoundRobinRouter`` direct.
@@ -68,6 +70,10 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
 _COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:request_success_total")
 GATEWAY_DEADLINE_S = 60.0
+_WIKI_PROFILES = ("repeat-heavy", "diverse")
+_STATELESS = ("prefix_hash", "consistent_hashing")  # route by the request alone: no state to reset
+MAX_MODEL_LEN = 4096
+"""The servers' context: the longest prompt of the suite (pydocs, naive) is ~2.4K tokens."""
 
 
 @contextlib.contextmanager
@@ -206,10 +212,12 @@ def send_through(
     }
 
 
-def _prompts(profile: str, requests: int, seed: int) -> dict[str, list[tuple[str, int, str]]]:
-    """(text, token count, routing key) per request, naive and assembled, for one family."""
+def _prompts(family: str, requests: int, seed: int) -> dict[str, list[tuple[str, int, str]]]:
+    """(text, token count, routing key) per request, naive and assembled, for one family:
+    a name of the suite (``wiki``, ``support``, ...) or a wiki profile (``repeat-heavy``,
+    ``diverse``)."""
     from promptsplice.assembler import Assembler, PromptFormat, default_tokenizer
-    from promptsplice.benchmarks.traces import generate_rag_trace
+    from promptsplice.benchmarks.traces import generate_family_trace
     from promptsplice.engine_adapters._router import prefix_route_key
 
     tok = default_tokenizer()
@@ -217,13 +225,17 @@ def _prompts(profile: str, requests: int, seed: int) -> dict[str, list[tuple[str
     asm = Assembler(tok, block_size=BLOCK_SIZE, policy="stable", prompt_format=fmt)
     naive_asm = Assembler(tok, block_size=BLOCK_SIZE, prompt_format=fmt)
     naive, assembled = [], []
-    for r in generate_rag_trace(requests=requests, seed=seed, profile=profile):
+    if family in _WIKI_PROFILES:
+        trace = generate_family_trace("wiki", requests=requests, seed=seed, profile=family)
+    else:
+        trace = generate_family_trace(family, requests=requests, seed=seed)
+    for r in trace:
         chunks = [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in r.chunks]
         n = naive_asm.naive(chunks, query=r.query, system=r.system or None)
         naive.append((n.text, len(n.token_ids), prefix_route_key(list(n.token_ids), block_size=BLOCK_SIZE).hex()))
         a = asm.preview(chunks, query=r.query, system=r.system or None)
         if tok.encode(a.text) != list(a.token_ids):
-            raise EngineError(f"{profile} request {r.id}: the assembled text does not re-tokenize "
+            raise EngineError(f"{family} request {r.id}: the assembled text does not re-tokenize "
                               "to its token ids, so it cannot travel as text")
         assembled.append((a.text, len(a.token_ids), a.prefix_key))
     return {"naive": naive, "assembled": assembled}
@@ -232,13 +244,17 @@ def _prompts(profile: str, requests: int, seed: int) -> dict[str, list[tuple[str
 def run_gateway_bench(
     requests: int = 30,
     *,
-    profiles: Sequence[str] = ("repeat-heavy", "diverse"),
+    profiles: Sequence[str] = _WIKI_PROFILES,
     seed: int = 0,
     max_tokens: int = 1,
     modes: Sequence[str] = MODES,
     urls: Sequence[str] | None = None,
+    progress: bool = False,
+    json_out: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Run every mode over naive and assembled prompts of each family; see the module doc."""
+    """Run every mode over naive and assembled prompts of each family in ``profiles`` (wiki
+    profiles or suite families, :data:`promptsplice.benchmarks.traces.SUITE`); see the
+    module doc."""
     import httpx
 
     from promptsplice.engine_adapters._router import PrefixRouter, RoundRobinRouter
@@ -248,25 +264,39 @@ def run_gateway_bench(
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise ConfigError(f"unknown modes {unknown!r}; choose from {', '.join(MODES)}")
+    from promptsplice.benchmarks.traces import SUITE
+
+    unknown = [p for p in profiles if p not in SUITE and p not in _WIKI_PROFILES]
+    if unknown or not profiles:
+        raise ConfigError(f"unknown trace families {unknown!r}; choose from {', '.join(SUITE + _WIKI_PROFILES)}")
     prompts = {p: _prompts(p, requests, seed) for p in profiles}
     report: dict[str, Any] = {"families": {}}
     run_id = uuid.uuid4().hex[:8]
     with contextlib.ExitStack() as stack:
         if urls is None:
-            urls = [s.base_url for s in stack.enter_context(loopback_servers(2))]
+            urls = [s.base_url for s in stack.enter_context(loopback_servers(2, max_model_len=MAX_MODEL_LEN))]
         urls = [u.rstrip("/") for u in urls]
         client = stack.enter_context(httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)))
         model = client.get(urls[0] + "/v1/models").raise_for_status().json()["data"][0]["id"]
+        kept: dict[str, str] = {}  # stateless policies: one gateway for every run
+
+        def smg_url(policy: str, run: contextlib.ExitStack) -> str:
+            if policy in _STATELESS:
+                if policy not in kept:
+                    kept[policy] = stack.enter_context(gateway(urls, policy)).base_url
+                return kept[policy]
+            return run.enter_context(gateway(urls, policy)).base_url
+
         for profile, kinds in prompts.items():
             fam = report["families"].setdefault(profile, {})
             for kind, items in kinds.items():
                 for mode in modes:
                     salt = f"gw-{run_id}-{profile}-{kind}-{mode}"
+                    t0 = time.perf_counter()
                     with contextlib.ExitStack() as run:
                         if mode.startswith("smg:"):
-                            gw = run.enter_context(gateway(urls, mode[4:]))
 
-                            def route(text: str, key: str, _gw: str = gw.base_url) -> tuple[str, dict]:
+                            def route(text: str, key: str, _gw: str = smg_url(mode[4:], run)) -> tuple[str, dict]:
                                 return _gw, {ROUTING_KEY_HEADER: key}
                         else:
                             router = (PrefixRouter(list(urls), block_size=BLOCK_SIZE) if mode == "affinity"
@@ -277,8 +307,14 @@ def run_gateway_bench(
                                     return lease.endpoint, {}
                         out = send_through(client, urls, items, route=route, salt=salt,
                                            model=model, max_tokens=max_tokens)
+                    if progress:
+                        print(f"[gateway] {profile} {kind} {mode}: hit {out['cluster_hit_rate']:.1%} "
+                              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
                     out.pop("served_by")
                     fam.setdefault(kind, {})[mode] = out
+            if json_out:  # after each family: a long run interrupted keeps what it measured
+                write_report(dict(report, modes=list(modes), servers=len(urls), block_size=BLOCK_SIZE,
+                                  requests=requests, max_tokens=max_tokens, seed=seed), json_out)
     report.update(modes=list(modes), servers=len(urls), block_size=BLOCK_SIZE,
                   requests=requests, max_tokens=max_tokens, seed=seed)
     return report
@@ -294,6 +330,11 @@ def format_gateway(report: dict[str, Any]) -> str:
             spread = " ".join(str(s["requests"]) for s in a["per_server"].values())
             lines.append(f"{fam:<13} {mode:<23} {n['cluster_hit_rate']:>9.1%} {a['cluster_hit_rate']:>13.1%} "
                          f"{n['prefill_tokens']:>13} {a['prefill_tokens']:>17}  {spread}")
+    margins = [(kinds["assembled"][m]["cluster_hit_rate"] - kinds["naive"][m]["cluster_hit_rate"], fam, m)
+               for fam, kinds in report["families"].items() for m in report["modes"]]
+    if margins:
+        d, fam, m = min(margins)
+        lines.append(f"worst case: {fam} {m}, assembled - naive hit rate = {d:+.1%}")
     lines.append(f"{report['servers']} loopback vllm serve, block {report['block_size']}, "
                  f"{report['requests']} requests per family, max_tokens {report['max_tokens']}")
     return "\n".join(lines)
@@ -304,7 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=30, help="RAG requests per family")
     parser.add_argument("--profile", action="append", default=None,
-                        help="trace family (repeat; default: repeat-heavy and diverse)")
+                        help="wiki trace profile (repeat-heavy | diverse; repeat; default: both)")
+    parser.add_argument("--family", action="append", default=None,
+                        help="a trace family of the suite (wiki | wiki-diverse | support | pydocs | apidocs | tools; repeat)")
+    parser.add_argument("--suite", action="store_true", help="every family of the suite")
     parser.add_argument("--mode", action="append", default=None, help=f"repeat; default all: {', '.join(MODES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=1)
@@ -312,9 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from promptsplice.benchmarks.traces import SUITE
+
+    families = [*(args.profile or ()), *(args.family or ()), *(SUITE if args.suite else ())]
     report = run_gateway_bench(
-        args.requests, profiles=args.profile or ("repeat-heavy", "diverse"), seed=args.seed,
-        max_tokens=args.max_tokens, modes=args.mode or MODES, urls=args.url,
+        args.requests, profiles=families or _WIKI_PROFILES, seed=args.seed,
+        max_tokens=args.max_tokens, modes=args.mode or MODES, urls=args.url, progress=True,
+        json_out=args.json,
     )
     print(format_gateway(report))
     if args.json:

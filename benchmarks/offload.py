@@ -25,7 +25,10 @@ upper bound on what a cold disk gives).
 second written inline (encode, write, fsync the file, rename) with the fsync of the
 folder after each rename (what the store does: a power cut cannot lose a record counted
 as written) and without it, same payload (one block of the bench's engine), same
-filesystem, the two modes interleaved; ``dir_fsync_slowdown`` is the ratio of the two.
+filesystem, the modes interleaved; ``dir_fsync_slowdown`` is the ratio of the two.
+``records_per_s_write_behind``: the same records queued to the background writer, which
+commits in groups (one folder fsync per batch), until drained; ``write_behind_over_inline``
+its ratio to ``records_per_s``.
 """
 
 from __future__ import annotations
@@ -145,30 +148,36 @@ def _write_down(payload: Any, blocks: int = 32, repeats: int = 3) -> dict[str, A
         for r in chain_refs(list(range(16 * blocks)), 16)
     ]
     size = record_size(held[0].meta)
-    seconds: dict[bool, list[float]] = {True: [], False: []}
+    seconds: dict[str, list[float]] = {"inline": [], "no_dir_fsync": [], "behind": []}
     for _ in range(repeats):
-        for fsync_dir in (True, False):
+        for mode in seconds:
             with tempfile.TemporaryDirectory(prefix="promptsplice-write-") as folder:
-                tier = DiskTier(folder, budget=size * blocks, fingerprint=bytes(16), fsync=True, fsync_dir=fsync_dir)
+                tier = DiskTier(folder, budget=size * blocks, fingerprint=bytes(16), fsync=True,
+                                fsync_dir=mode != "no_dir_fsync",
+                                write_behind_bytes=size * blocks if mode == "behind" else 0)
                 try:
                     t0 = time.perf_counter()
                     for h in held:
                         job = tier.put((0, h.meta.key), h)
-                        if job is None or tier.write(job) is not True:
+                        if job is None or tier.write(job) is not (None if mode == "behind" else True):
                             raise RuntimeError(f"the disk tier failed to write a record in {folder}")
-                    seconds[fsync_dir].append(time.perf_counter() - t0)
+                    tier.drain()
+                    seconds[mode].append(time.perf_counter() - t0)
                     if tier.stats().writes != blocks:
                         raise RuntimeError("the disk tier counted another number of writes")
                 finally:
                     tier.close()
-    with_dir = blocks / statistics.median(seconds[True])
-    without = blocks / statistics.median(seconds[False])
+    with_dir = blocks / statistics.median(seconds["inline"])
+    without = blocks / statistics.median(seconds["no_dir_fsync"])
+    behind = blocks / statistics.median(seconds["behind"])
     return {
         "blocks": blocks,
         "record_bytes": size,
         "records_per_s": round(with_dir, 1),
         "records_per_s_without_dir_fsync": round(without, 1),
         "dir_fsync_slowdown": round(without / with_dir, 3),
+        "records_per_s_write_behind": round(behind, 1),
+        "write_behind_over_inline": round(behind / with_dir, 3),
     }
 
 
@@ -264,5 +273,7 @@ def format_offload(report: dict[str, Any]) -> str:
             f"write-down ({wd['blocks']} records of {wd['record_bytes']} bytes, inline): "
             f"{wd['records_per_s']} records/s with the folder fsync, "
             f"{wd['records_per_s_without_dir_fsync']} without ({wd['dir_fsync_slowdown']}x)"
+            + (f"; write-behind, one folder fsync per batch: {wd['records_per_s_write_behind']} records/s "
+               f"({wd['write_behind_over_inline']}x inline)" if "records_per_s_write_behind" in wd else "")
         )
     return "\n".join(lines)

@@ -38,7 +38,7 @@ from typing import Any
 
 from promptsplice.errors import ConfigError
 
-__all__ = ["run_shared_tier_bench", "format_shared_tier", "MODES"]
+__all__ = ["run_shared_tier_bench", "format_shared_tier", "prefix_bound", "suite_bounds", "MODES"]
 
 MODES = ("local", "shared", "outage")
 
@@ -62,6 +62,58 @@ def _leading_run(hashes: Sequence[bytes], known: set[bytes]) -> int:
             break
         n += 1
     return n
+
+
+def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int = 2) -> dict[str, Any]:
+    """The least prefill the pair can reach, with caches that never evict: request ``i``
+    on engine ``i % engines`` computes every token after the longest leading run of
+    whole blocks (never the last token) already computed by that engine (``local``) or
+    by any engine (``shared``).  A prefix cache, and a connector that extends it, reuse
+    nothing else, so no mode may prefill less than its bound."""
+    from promptsplice.blocks import chain_hashes
+
+    own: list[set[bytes]] = [set() for _ in range(engines)]
+    union: set[bytes] = set()
+    local = shared = total = 0
+    for i, tokens in enumerate(prompts):
+        hashes = chain_hashes(list(tokens), block_size)[: (len(tokens) - 1) // block_size]
+        total += len(tokens)
+        local += len(tokens) - _leading_run(hashes, own[i % engines]) * block_size
+        shared += len(tokens) - _leading_run(hashes, union) * block_size
+        own[i % engines].update(hashes)
+        union.update(hashes)
+    return {
+        "prompt_tokens": total,
+        "local_prefill": local,
+        "shared_prefill": shared,
+        "shared_over_local": round(shared / local, 4) if local else None,
+    }
+
+
+def _family_requests(family: str | None, requests: int, seed: int, trace: str | Path | None) -> list[Any]:
+    from promptsplice.benchmarks.traces import generate_family_trace, generate_rag_trace, read_rag_trace
+
+    if trace:
+        return read_rag_trace(trace, limit=requests)
+    if family is None:
+        return generate_rag_trace(requests=requests, seed=seed, profile="repeat-heavy")
+    return generate_family_trace(family, requests=requests, seed=seed)
+
+
+def suite_bounds(requests: int = 200, *, seed: int = 0, block_size: int = 32) -> dict[str, dict[str, Any]]:
+    """:func:`prefix_bound` of every family of the suite, on the prompts the bench sends
+    (ChatML, assembled at ``block_size``); no engine needed."""
+    from promptsplice.assembler import Assembler, PromptFormat, default_tokenizer
+    from promptsplice.benchmarks.assemble import _chunks
+    from promptsplice.benchmarks.traces import SUITE
+
+    asm = Assembler(default_tokenizer(), block_size=block_size, prompt_format=PromptFormat.chatml(), max_tokens=4095)
+    out = {}
+    for family in SUITE:
+        reqs = _family_requests(family, requests, seed, None)
+        prompts = [list(asm.assemble(_chunks(r), query=r.query, system=r.system or None).token_ids) for r in reqs]
+        out[family] = dict(prefix_bound(prompts, block_size), requests=len(reqs))
+    return out
 
 
 def _run_mode(
@@ -168,6 +220,7 @@ def run_shared_tier_bench(
     json_out: str | Path | None = None,
     requests: int = 40,
     trace: str | Path | None = None,
+    family: str | None = None,
     modes: Sequence[str] = MODES,
     kv_cache_blocks: int = 160,
     dram_blocks: int = 64,
@@ -178,16 +231,12 @@ def run_shared_tier_bench(
     """Run the modes on one pair of engines; returns the report."""
     from promptsplice.benchmarks._redis_server import RedisServer
     from promptsplice.benchmarks.offload import _bytes_per_block
-    from promptsplice.benchmarks.traces import generate_rag_trace, read_rag_trace
     from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
     for mode in modes:
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}: use some of {', '.join(MODES)}")
-    if trace:
-        reqs = read_rag_trace(trace, limit=requests)
-    else:
-        reqs = generate_rag_trace(requests=requests, seed=seed, profile="repeat-heavy")
+    reqs = _family_requests(family, requests, seed, trace)
     per_block = _bytes_per_block({"block_size": 32})
     report: dict[str, Any] = {"modes": {}}
     outputs: dict[str, list[list[int]]] = {}
@@ -212,6 +261,7 @@ def run_shared_tier_bench(
         finally:
             for e in engines:
                 e.close()
+    report["bound"] = prefix_bound(prompts, 32)
     ref = outputs.get("local")
     for mode, outs in outputs.items():
         if ref is not None and mode != "local":
@@ -219,7 +269,8 @@ def run_shared_tier_bench(
     local, shared = report["modes"].get("local"), report["modes"].get("shared")
     if local and shared and local["prefill_tokens"]:
         report["shared_over_local_prefill"] = round(shared["prefill_tokens"] / local["prefill_tokens"], 4)
-    report["trace"] = {"requests": len(reqs), "source": str(trace) if trace else "generated repeat-heavy"}
+    source = str(trace) if trace else (f"family {family}" if family else "generated repeat-heavy")
+    report["trace"] = {"requests": len(reqs), "source": source}
     report["engines"] = {"kv_cache_blocks": kv_cache_blocks, "dram_blocks": dram_blocks, "block_size": 32}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -238,7 +289,10 @@ def format_shared_tier(report: dict[str, Any]) -> str:
             f"| {same} | {m['coverage_of_other_blocks']} |"
         )
     if "shared_over_local_prefill" in report:
-        lines.append(f"pair prefill shared/local: {report['shared_over_local_prefill']}")
+        b = report.get("bound") or {}
+        lines.append(f"pair prefill shared/local: {report['shared_over_local_prefill']} (bound with caches that "
+                     f"never evict: {b.get('shared_over_local')}, local {b.get('local_prefill')}, "
+                     f"shared {b.get('shared_prefill')} tokens)")
     out = report["modes"].get("outage")
     if out:
         lines.append(f"outage hit share before/during/after: {out['hit_share']}")
@@ -250,10 +304,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", required=True, help="where to write the report")
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--trace", default=None, help="a RAG trace (promptsplice bench gen-trace); default: generated")
+    p.add_argument("--family", default=None, help="a trace family of the suite (default: wiki's repeat-heavy)")
+    p.add_argument("--bounds-only", action="store_true",
+                   help="only the prefill bounds of every family of the suite (no engine)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     args = p.parse_args(argv)
+    if args.bounds_only:
+        bounds = suite_bounds(args.requests)
+        Path(args.json).write_text(json.dumps({"bounds": bounds}, indent=2) + "\n")
+        print("| family | requests | prompt tokens | local prefill | shared prefill | shared/local |")
+        print("|---|---|---|---|---|---|")
+        for fam, b in bounds.items():
+            print(f"| {fam} | {b['requests']} | {b['prompt_tokens']} | {b['local_prefill']} | "
+                  f"{b['shared_prefill']} | {b['shared_over_local']} |")
+        print(f"wrote {args.json}")
+        return 0
     report = run_shared_tier_bench(
-        json_out=args.json, requests=args.requests, trace=args.trace, modes=args.modes.split(","), progress=True
+        json_out=args.json, requests=args.requests, trace=args.trace, family=args.family,
+        modes=args.modes.split(","), progress=True,
     )
     print(format_shared_tier(report))
     print(f"wrote {args.json}")

@@ -12,7 +12,8 @@ storage-tier contract of ``_tier``:
   answered ``CORRUPT``.
 * Durable writes.  A record is written to a temporary file in the folder, fsynced,
   renamed into place (atomic), and the folder is fsynced, so the rename itself survives
-  a power cut; only then is it counted in ``writes``.  A crash at any point leaves the
+  a power cut; only then is it counted in ``writes``.  The writer commits in groups:
+  one folder fsync covers every rename of the write-downs queued when it started.  A crash at any point leaves the
   old state, the whole record, or a ``.tmp`` file the next open deletes.
 * Outages.  A failing write (``ENOSPC``, an unwritable folder) logs one warning per
   outage (re-armed by the next successful write), reports the block lost, and suspends
@@ -118,7 +119,7 @@ class DiskTier(IndexedTier):
         """Open ``folder`` (created if missing) and index its records.
 
         ``fingerprint``: digest of the writer's model and KV layout; ``fsync_dir``
-        (default: ``fsync``) fsyncs the folder after each rename.  ``cond`` is the
+        (default: ``fsync``) fsyncs the folder after each batch of renames.  ``cond`` is the
         store's lock, ``pinned`` says which keys eviction must skip, ``on_lost`` hears
         of every planned write-down that will not happen (all called under the lock).
         """
@@ -214,17 +215,7 @@ class DiskTier(IndexedTier):
         return not self._writes_blocked()
 
     def stats(self) -> TierStats:
-        return TierStats(
-            blocks=len(self._lru),
-            bytes=self._lru.used,
-            evictions=self._evictions,
-            writes=self._writes,
-            write_errors=self._write_errors,
-            corrupt=self._corrupt,
-            foreign=self._foreign,
-            pending=len(self._queue),
-            writable=self.writable,
-        )
+        return self.base_stats()
 
     def _next_tick(self) -> int:
         self._tick = max(time.time_ns(), self._tick + 1)
@@ -373,45 +364,58 @@ class DiskTier(IndexedTier):
             writer.join()
 
     def _write_job(self, job: WriteJob) -> bool:
-        """One write-down: reserve room, write the temporary file, rename, fsync the
-        folder, count it."""
-        with self._cond:
-            if not self._reserve(job):
-                return False
-        tmp: str | None = None
-        err: BaseException | None = None
-        try:
-            tmp, err = self._write_temp(job)
-        except Exception as exc:  # noqa: BLE001 - a bug must not lose the reservation
-            _log.exception("KV block store: writing a record failed")
-            err = exc
-        with self._cond:
-            if not self._finish(job, tmp, err):
-                return False
-            if not self._fsync_dir:
-                self._landed()
-                return True
-            try:  # a duplicate: close() may close the tier's descriptor meanwhile
-                dir_fd = os.dup(self._dir_fd)
+        """One write-down inline: a batch of one."""
+        return self._write_batch([job])[0]
+
+    def _write_batch(self, jobs: list[WriteJob]) -> list[bool]:
+        """Group commit: for each job reserve room, write and fsync the temporary file,
+        rename it into place; then fsync the folder *once* for every rename of the batch,
+        and only then count the records as written.  Per job: written or not."""
+        renamed: list[int] = []
+        for i, job in enumerate(jobs):
+            with self._cond:
+                if not self._reserve(job):
+                    continue
+            tmp: str | None = None
+            err: BaseException | None = None
+            try:
+                tmp, err = self._write_temp(job)
+            except Exception as exc:  # noqa: BLE001 - a bug must not lose the reservation
+                _log.exception("KV block store: writing a record failed")
+                err = exc
+            with self._cond:
+                if self._finish(job, tmp, err):
+                    renamed.append(i)
+        done = [False] * len(jobs)
+        if not renamed:
+            return done
+        if self._fsync_dir:
+            with self._cond:
+                try:  # a duplicate: close() may close the tier's descriptor meanwhile
+                    dir_fd = os.dup(self._dir_fd)
+                except OSError as exc:
+                    self._failed(exc)
+                    return done
+            err = None
+            try:
+                os.fsync(dir_fd)  # the renames reach the disk: only now are they written
             except OSError as exc:
-                self._failed(exc)
-                return False
-        err = None
-        try:
-            os.fsync(dir_fd)  # the rename reaches the disk: only now is it written
-        except OSError as exc:
-            err = exc
-        finally:
-            os.close(dir_fd)
-        with self._cond:
+                err = exc
+            finally:
+                os.close(dir_fd)
             if err is not None:
-                self._failed(err)  # the record stays indexed (verified on load), uncounted
-                return False
-            self._landed()
-            return True
+                with self._cond:
+                    self._failed(err)  # the records stay indexed (verified on load), uncounted
+                return done
+        with self._cond:
+            for i in renamed:
+                self._landed()
+                done[i] = True
+        return done
 
     def _write_behind(self) -> None:
-        """The background writer: writes queued jobs in order; exits when idle."""
+        """The background writer: writes what is queued, in order, one batch (one
+        folder fsync) at a time; exits when idle."""
         while True:
             with self._cond:
                 if not self._queue and not self._closed:
@@ -419,11 +423,12 @@ class DiskTier(IndexedTier):
                 if not self._queue:
                     self._writer = None  # restarted by the next job; lets the tier be freed
                     return
-                job = self._queue[0]  # stays queued until done, so drain() waits for it
-            self._write_job(job)
+                batch = list(self._queue)  # stays queued until done, so drain() waits for it
+            self._write_batch(batch)
             with self._cond:
-                self._queue.popleft()
-                self._queue_bytes -= job.held.meta.nbytes
+                for job in batch:
+                    self._queue.popleft()
+                    self._queue_bytes -= job.held.meta.nbytes
                 self._cond.notify_all()
 
     def _write_temp(self, job: WriteJob) -> tuple[str, OSError | None]:

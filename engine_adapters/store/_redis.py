@@ -205,19 +205,7 @@ class RedisTier(IndexedTier):
         return self._reachable()
 
     def stats(self) -> TierStats:
-        return TierStats(
-            blocks=len(self._lru),
-            bytes=self._lru.used,
-            evictions=self._evictions,
-            writes=self._writes,
-            write_errors=self._write_errors,
-            corrupt=self._corrupt,
-            foreign=self._foreign,
-            pending=len(self._queue),
-            writable=self.writable,
-            outages=self._outages,
-            skipped=self._skipped,
-        )
+        return self.base_stats(outages=self._outages, skipped=self._skipped)
 
     def _reachable(self) -> bool:
         return self._down_until is None or time.monotonic() >= self._down_until

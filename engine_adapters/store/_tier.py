@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
@@ -390,6 +390,13 @@ class IndexedTier:
     __slots__ = ()
     _lru: ByteLru[StoredRecord]
     _writing: dict[Key, Held]
+    _queue: Sized  # the planned write-downs waiting for the writer
+    _evictions: int
+    _writes: int
+    _write_errors: int
+    _corrupt: int
+    _foreign: int
+    writable: bool
 
     def find(self, k: Key) -> BlockMeta | None:
         entry = self._writing.get(k) or self._lru.get(k)
@@ -400,3 +407,20 @@ class IndexedTier:
 
     def locate(self, k: Key) -> StoredRecord | None:
         return self._lru.get(k)
+
+    def base_stats(self, **extra: int | bool) -> TierStats:
+        """The counters every indexed tier keeps (``_evictions``, ``_writes``,
+        ``_write_errors``, ``_corrupt``, ``_foreign``, ``_queue``, ``writable``) as a
+        :class:`TierStats`; ``extra`` adds a tier's own fields (``outages=...``)."""
+        return TierStats(
+            blocks=len(self._lru),
+            bytes=self._lru.used,
+            evictions=self._evictions,
+            writes=self._writes,
+            write_errors=self._write_errors,
+            corrupt=self._corrupt,
+            foreign=self._foreign,
+            pending=len(self._queue),
+            writable=self.writable,
+            **extra,
+        )

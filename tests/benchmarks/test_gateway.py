@@ -49,10 +49,10 @@ def test_consistent_hashing_pins_each_prefix_key_to_one_worker(live_servers, mod
 def test_main_writes_the_report_of_a_real_run(tmp_path, capsys, live_servers):
     out = tmp_path / "gw.json"
     urls = [arg for s in live_servers for arg in ("--url", s.base_url)]
-    assert main(["--requests", "3", "--profile", "repeat-heavy", "--mode", "smg:prefix_hash",
+    assert main(["--requests", "3", "--family", "support", "--mode", "smg:prefix_hash",
                  "--mode", "affinity", *urls, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    fam = report["families"]["repeat-heavy"]
+    fam = report["families"]["support"]
     assert set(fam) == {"naive", "assembled"} and report["servers"] == 2
     for kind in fam.values():
         assert set(kind) == {"smg:prefix_hash", "affinity"}
@@ -72,6 +72,9 @@ def test_table_from_a_report_and_bad_arguments():
               "modes": ["affinity"], "servers": 2, "block_size": 32, "requests": 2, "max_tokens": 1}
     table = format_gateway(report)
     assert "40.0%" in table and "50.0%" in table and "diverse" in table
+    assert "worst case: diverse affinity, assembled - naive hit rate = +10.0%" in table
+    with pytest.raises(ConfigError, match="unknown trace families"):
+        main(["--family", "nope"])
     with pytest.raises(ConfigError):
         main(["--requests", "0"])
     with pytest.raises(ConfigError, match="unknown modes"):

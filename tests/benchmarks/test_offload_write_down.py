@@ -21,10 +21,17 @@ def test_write_down_times_both_modes_and_only_one_fsyncs_the_folder(monkeypatch)
 
     monkeypatch.setattr(os, "fsync", fsync)
     wd = _write_down(torch.ones(2, 2, 32, 4, dtype=torch.bfloat16), blocks=4, repeats=1)
-    assert set(wd) == {"blocks", "record_bytes", "records_per_s", "records_per_s_without_dir_fsync", "dir_fsync_slowdown"}
+    assert set(wd) == {"blocks", "record_bytes", "records_per_s", "records_per_s_without_dir_fsync",
+                       "dir_fsync_slowdown", "records_per_s_write_behind", "write_behind_over_inline"}
     assert wd["blocks"] == 4 and wd["record_bytes"] > 2 * 2 * 32 * 4 * 2  # payload + header
-    # with the folder fsync: file, folder per record; without: the file only
-    assert kinds == ["file", "dir"] * 4 + ["file"] * 4
+    # with the folder fsync: file, folder per record; without: the file only; behind the
+    # forward pass: every file, and a folder fsync after each batch (how many records a
+    # batch holds depends on when the writer thread wakes: 1 to 4 batches)
+    assert kinds[:12] == ["file", "dir"] * 4 + ["file"] * 4
+    behind = kinds[12:]
+    assert behind.count("file") == 4 and 1 <= behind.count("dir") <= 4 and behind[-1] == "dir"
+    assert wd["records_per_s_write_behind"] > 0
+    assert abs(wd["write_behind_over_inline"] - wd["records_per_s_write_behind"] / wd["records_per_s"]) < 0.02
     assert wd["records_per_s"] > 0 and wd["records_per_s_without_dir_fsync"] > 0
     ratio = wd["records_per_s_without_dir_fsync"] / wd["records_per_s"]
     assert abs(wd["dir_fsync_slowdown"] - ratio) < 0.01 * ratio + 0.01
@@ -48,4 +55,8 @@ def test_the_offload_table_reports_the_write_down_line():
     assert line == (
         "write-down (32 records of 983312 bytes, inline): 28.5 records/s with the folder fsync, "
         "73.2 without (2.572x)"
+    )
+    report["write_down"].update(records_per_s_write_behind=61.0, write_behind_over_inline=2.14)
+    assert format_offload(report).splitlines()[-1].endswith(
+        "(2.572x); write-behind, one folder fsync per batch: 61.0 records/s (2.14x inline)"
     )

@@ -560,13 +560,12 @@ def _watch_fsyncs(monkeypatch, folder, writes=lambda: None) -> list[tuple[str, l
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("write_behind", [0, 8 * P])
-def test_each_rename_is_followed_by_a_folder_fsync_before_the_write_counts(tmp_path, monkeypatch, write_behind):
+def test_each_rename_is_followed_by_a_folder_fsync_before_the_write_counts(tmp_path, monkeypatch):
     # A rename lives in the folder's entries: without an fsync of the folder, a power
     # cut may lose a record the store already counted as written.
     opened: list[BlockStore] = []
     calls = _watch_fsyncs(monkeypatch, tmp_path / "kv", lambda: opened[0].stats().disk_writes)
-    opened.append(open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC, write_behind_bytes=write_behind))
+    opened.append(open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC))
     store = opened[0]
     a, b, c = make_refs(3)
     put_all(store, [a, b, c])  # a, then b written down
@@ -581,6 +580,42 @@ def test_each_rename_is_followed_by_a_folder_fsync_before_the_write_counts(tmp_p
     ]
     assert store.flush() == 1  # c: the same steps
     assert calls[4:] == [("file", names(a, b), 2), ("dir", names(a, b, c), 2)]
+    store.close()
+
+
+@pytest.mark.reliability
+def test_the_background_writer_commits_what_queued_meanwhile_with_one_folder_fsync(tmp_path, monkeypatch):
+    # Group commit: while the writer is busy with a, the write-downs of b, c, d queue;
+    # its next batch fsyncs each file, renames them, fsyncs the folder once, and only
+    # then counts the three writes.
+    opened: list[BlockStore] = []
+    calls = _watch_fsyncs(monkeypatch, tmp_path / "kv", lambda: opened[0].stats().disk_writes)
+    watched, gate, busy = os.fsync, threading.Event(), threading.Event()
+
+    def fsync(fd: int) -> None:
+        if not busy.is_set():  # the writer's first fsync (a's file) waits for the gate
+            busy.set()
+            assert gate.wait(30)
+        watched(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    opened.append(open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC, write_behind_bytes=8 * P))
+    store = opened[0]
+    a, b, c, d, e = make_refs(5)
+    put_all(store, [a, b])  # a written down: the writer starts and waits in a's fsync
+    assert busy.wait(30)
+    put_all(store, [c, d, e], first=2)  # b, c, d queue behind it
+    gate.set()
+    store.drain()
+    assert store.stats().disk_writes == 4
+    assert calls == [
+        ("file", [], 0),
+        ("dir", names(a), 0),
+        ("file", names(a), 1),
+        ("file", names(a, b), 1),
+        ("file", names(a, b, c), 1),
+        ("dir", names(a, b, c, d), 1),  # one folder fsync for the batch; then 4 writes
+    ]
     store.close()
 
 
