@@ -98,7 +98,7 @@ def _kl_stats(kls: Sequence[float]) -> dict[str, Any]:
 
 def run_deviation_curve(
     sessions: Sequence[Any], kv_engine: Any, *, thresholds: Sequence[float] | None = None,
-    max_steps: int | None = None, log: Any = None,
+    max_steps: int | None = None, log: Any = None, with_r2: bool = True, raw_out: str | None = None,
 ) -> dict[str, Any]:
     """Replay ``sessions`` in every configuration (module doc); returns the report.
 
@@ -152,13 +152,25 @@ def run_deviation_curve(
         return {"rows": rows, "probe_s": probe_s, "wall_s": wall_s, "unverified": unverified}
 
     results = {"r1": replay("r1", AgentRunner(kv_engine, salt="dev-r1", max_deviation=_PROBE_ALL))}
-    results["r2"] = replay("r2", AgentRunner(kv_engine, salt="dev-r2", recompute_blocks=2))
+    if raw_out is not None:
+        Path(raw_out).write_text(json.dumps(results) + "\n")
     d1 = [r["dev"]["mean_kv"] for r in results["r1"]["rows"] if r["dev"]["mean_kv"] is not None]
     if thresholds is None:
         thresholds = sorted({round(_pct(d1, q), 4) for q in (0.5, 0.75, 0.9)}) if d1 else []
     for t in thresholds:
         results[f"t={t:g}"] = replay(f"t={t:g}", AgentRunner(kv_engine, salt=f"dev-t{t:g}", max_deviation=t))
+        if raw_out is not None:
+            Path(raw_out).write_text(json.dumps(results) + "\n")
+    if with_r2:
+        results["r2"] = replay("r2", AgentRunner(kv_engine, salt="dev-r2", recompute_blocks=2))
+    if raw_out is not None:
+        Path(raw_out).write_text(json.dumps(results) + "\n")
+    return curve_report(results, thresholds, bs)
 
+
+def curve_report(results: dict[str, Any], thresholds: Sequence[float], bs: int) -> dict[str, Any]:
+    """The report (module doc) from the configs' probed rows."""
+    d1 = [r["dev"]["mean_kv"] for r in results["r1"]["rows"] if r["dev"]["mean_kv"] is not None]
     base = {(r["session"], r["step"]): r["prefill_tokens"] for r in results["r1"]["rows"]}
     configs = {}
     for name, res in results.items():
@@ -210,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=None, help="probe at most N edit steps per config")
     parser.add_argument("--thresholds", default=None, help="comma-separated max_deviation values (default: r1 quantiles)")
     parser.add_argument("--max-model-len", type=int, default=8192, help="engine context (default 8192, the model's)")
+    parser.add_argument("--no-r2", action="store_true", help="skip the fixed r=2 config")
+    parser.add_argument("--raw", default=None, help="also write the configs' rows here as they finish")
     args = parser.parse_args(argv)
     from promptsplice.benchmarks.agent_traces import read_agent_trace
     from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
@@ -219,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     eng = EmbeddedEngine(kv_store=StoreConfig(dram_bytes=1 << 30), max_model_len=args.max_model_len,
                          extra_kwargs={"max_logprobs": -1})
     try:
-        report = run_deviation_curve(sessions, eng, thresholds=thresholds, max_steps=args.max_steps, log=print)
+        report = run_deviation_curve(sessions, eng, thresholds=thresholds, max_steps=args.max_steps, log=print,
+                                     with_r2=not args.no_r2, raw_out=args.raw)
     finally:
         eng.close()
     report["trace"] = args.trace

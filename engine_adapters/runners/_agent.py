@@ -41,7 +41,6 @@ matches exactly), and the reason is logged and kept in :attr:`AgentStep.fallback
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import threading
 import time
@@ -51,8 +50,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from promptsplice.assembler import PreparedContext, StepKind
-from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePhase, extend_recompute, plan_phases
-from promptsplice.engine_adapters.runners._steps import StepFallback, cached_tokens
+from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePhase, plan_phases
+from promptsplice.engine_adapters.runners._steps import AdaptiveRecompute, StepFallback, cached_tokens
 from promptsplice.blocks import round_down
 from promptsplice._validate import check_enum, check_int, check_number, check_salt
 from promptsplice.errors import ConfigError, InputError
@@ -325,10 +324,9 @@ class AgentRunner:
         gen: dict[str, Any],
     ) -> AgentStep:
         t0 = time.perf_counter()
-        extra = [0]
         adapt = None
         if self.max_deviation is not None and len(phases) > 1:
-            adapt = functools.partial(self._adapt, new=new, extra=extra)
+            adapt = AdaptiveRecompute(self.max_deviation, new)
         run = self.engine.generate_phases(new, phases, cache_salt=salt, adapt=adapt, **gen)
         out, t_last, relocated = run.completions[-1], run.t_last, run.relocated_tokens
         prefill = sum(o.prefill_tokens for o in run.completions)
@@ -348,23 +346,8 @@ class AgentRunner:
             wall_s=wall,
             salt=salt,
             deviations=tuple(d.value for d in run.deviations),
-            extra_recompute_blocks=extra[0],
+            extra_recompute_blocks=adapt.extra if adapt is not None else 0,
         )
-
-    def _adapt(self, seen: list[Any], nxt: SplicePhase, new: list[int], extra: list[int]) -> list[SplicePhase] | None:
-        """The adaptive recompute: when the block right before ``nxt``'s loaded run
-        deviated more than ``max_deviation``, compute it first (one more request)."""
-        plan = nxt.plan
-        if plan is None or not plan.segments:
-            return None
-        start = plan.dst_start - plan.block_size
-        dev = next((d for d in reversed(seen) if d.dst_start == start), None)
-        if dev is None or dev.value <= self.max_deviation:
-            return None
-        phases = extend_recompute(nxt, new)
-        if phases:
-            extra[0] += 1
-        return phases
 
     def __repr__(self) -> str:
         return (
