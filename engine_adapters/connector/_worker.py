@@ -26,6 +26,12 @@ whole blocks (one DMA of all layers) issued by ``start_load``, because per-layer
 (64 KiB for an 8B model) run far below the link's bandwidth.  The connector calls
 ``start_load`` without ``per_layer`` (all layers before the forward pass) until the
 per-layer hooks are verified on a CUDA vLLM (its CUDA graphs may skip them).
+
+Probes (:meth:`SpliceWorker.probe`): after the forward pass, in ``save``, each probed
+block's fresh KV (all layers) is compared with its old KV from the store, the old keys
+re-rotated by the delta (:func:`promptsplice.kernels.kv_deviation`); the forward pass
+itself is untouched.  Measured on CPU only: on CUDA the result's ``tolist`` waits for
+the comparison on the host.
 """
 
 from __future__ import annotations
