@@ -216,7 +216,7 @@ def curve_report(results: dict[str, Any], thresholds: Sequence[float], bs: int) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.deviation_curve", description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", required=True, help="agent trace JSONL (promptsplice bench gen-agent-trace)")
+    parser.add_argument("--trace", default=None, help="agent trace JSONL (promptsplice bench gen-agent-trace)")
     parser.add_argument("--json", required=True, help="where to write the report")
     parser.add_argument("--sessions", type=int, default=None, help="only the first N sessions")
     parser.add_argument("--max-steps", type=int, default=None, help="probe at most N edit steps per config")
@@ -224,7 +224,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=8192, help="engine context (default 8192, the model's)")
     parser.add_argument("--no-r2", action="store_true", help="skip the fixed r=2 config")
     parser.add_argument("--raw", default=None, help="also write the configs' rows here as they finish")
+    parser.add_argument("--report-from", default=None, help="rebuild the report from a --raw file (no engine)")
+    parser.add_argument("--block-size", type=int, default=32, help="with --report-from: the engine's block size")
     args = parser.parse_args(argv)
+    if args.report_from:
+        results = json.loads(Path(args.report_from).read_text())
+        ts = [float(k[2:]) for k in results if k.startswith("t=")]
+        report = curve_report(results, ts, args.block_size)
+        report["from_raw"] = args.report_from
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        _print(report)
+        return 0
+    if not args.trace:
+        parser.error("--trace is required (or --report-from)")
     from promptsplice.benchmarks.agent_traces import read_agent_trace
     from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
@@ -239,10 +251,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         eng.close()
     report["trace"] = args.trace
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    _print(report)
+    return 0
+
+
+def _print(report: dict[str, Any]) -> None:
     for name, c in report["configs"].items():
         print(f"{name:10s} {c}")
-    print(f"curve (r1): {report['curve_r1']}\nspearman: {report['spearman_r1']}\nchosen: {report['chosen_max_deviation']}")
-    return 0
+    print(f"curve (r1): {report['curve_r1']}\nspearman: {report['spearman_r1']}\nby kind: {report['by_kind_r1']}")
+    print(f"chosen max_deviation: {report['chosen_max_deviation']}")
 
 
 if __name__ == "__main__":
