@@ -53,7 +53,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from promptsplice.assembler import Assembler, MirrorView, PrefixCacheMirror, Tokenizer
@@ -343,25 +343,40 @@ class EmbeddedEngine:
         phases: Sequence[SplicePhase],
         *,
         cache_salt: str | None = None,
+        adapt: Callable[[list[Any], SplicePhase], list[SplicePhase] | None] | None = None,
         **gen: Any,
     ) -> PhasedRun:
         """Run a multi-phase splice (``plan_phases`` / ``plan_segment_phases``): each
         phase's request is ``tokens[:phase.end]`` with its plan; every phase but the
         last only prefills (``max_tokens=1``), the last takes ``gen`` (``generate``'s
-        keyword arguments)."""
+        keyword arguments).  ``adapt(deviations, next_phase)``, called after each phase
+        but the last with what its probes measured, may return phases replacing
+        ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``)."""
         if not phases:
             raise InputError("generate_phases needs at least one phase")
         agent = self.kv_connector
         worker = agent.worker if agent is not None else None
         reloc0 = worker.stats.relocated_blocks if worker is not None else 0
         outs: list[Completion] = []
-        t_last = time.perf_counter()
-        for i, phase in enumerate(phases):
-            kwargs = gen if i == len(phases) - 1 else {"max_tokens": 1}  # earlier phases only prefill
+        devs: list[Any] = []
+        pending, t_last, i = list(phases), time.perf_counter(), 0
+        while i < len(pending):
+            phase = pending[i]
+            last = i == len(pending) - 1
+            kwargs = gen if last else {"max_tokens": 1}  # earlier phases only prefill
+            probed = worker.stats.probed_blocks if worker is not None else 0
+            plan = phase.plan if phase.plan is not None and (phase.plan or phase.plan.probes) else None
             t_last = time.perf_counter()
-            outs.append(self.generate(list(tokens[: phase.end]), cache_salt=cache_salt, splice=phase.plan or None, **kwargs))
+            outs.append(self.generate(list(tokens[: phase.end]), cache_salt=cache_salt, splice=plan, **kwargs))
+            new = min(worker.stats.probed_blocks - probed, len(worker.deviations)) if worker is not None else 0
+            devs += (seen := list(worker.deviations)[len(worker.deviations) - new :] if new else [])
+            if adapt is not None and not last:
+                repl = adapt(seen, pending[i + 1])
+                if repl:
+                    pending[i + 1 : i + 2] = repl
+            i += 1
         moved = (worker.stats.relocated_blocks - reloc0) * self.block_size if worker is not None else 0
-        return PhasedRun(outs, t_last, moved)
+        return PhasedRun(outs, t_last, moved, tuple(devs))
 
     def generate_many(
         self,

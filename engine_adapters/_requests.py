@@ -95,6 +95,9 @@ class PhasedRun(NamedTuple):
     """``time.perf_counter()`` when the last phase was submitted (TTFT = up to there + its ttft)."""
     relocated_tokens: int
     """Tokens the splice connector loaded at another position than they were computed at."""
+    deviations: tuple[Any, ...] = ()
+    """The probes' :class:`~promptsplice.engine_adapters.connector._plans.BlockDeviation`
+    records, in the order the phases measured them."""
 
 
 class EngineCounters(NamedTuple):

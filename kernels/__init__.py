@@ -35,7 +35,7 @@ from promptsplice.kernels._layout import (
     gather_blocks,
     paged_kv,
 )
-from promptsplice.kernels._relocate import SUPPORTED_CACHE_DTYPES, relocate_blocks, rotate_keys, select_impl
+from promptsplice.kernels._relocate import SUPPORTED_CACHE_DTYPES, kv_deviation, relocate_blocks, rotate_keys, select_impl
 from promptsplice.kernels._rope import SUPPORTED_ROPE_TYPES, Llama3Scaling, RopeConfig
 from promptsplice.kernels._triton_impl import TRITON_AVAILABLE
 
@@ -57,6 +57,7 @@ __all__ = [
     "VERIFIED_CPU_ATTN_ISAS",
     "detect_cpu_attn_isa",
     "gather_blocks",
+    "kv_deviation",
     "paged_kv",
     "relocate_blocks",
     "rotate_keys",

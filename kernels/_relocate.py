@@ -16,7 +16,7 @@ from promptsplice.kernels._rope import RopeConfig
 from promptsplice.kernels._torch_impl import cos_sin_table, relocate_packed_torch, relocate_torch, rotate_inplace
 from promptsplice.kernels._triton_impl import TRITON_AVAILABLE, relocate_triton
 
-__all__ = ["SUPPORTED_CACHE_DTYPES", "Impl", "rotate_keys", "relocate_blocks", "select_impl"]
+__all__ = ["SUPPORTED_CACHE_DTYPES", "Impl", "kv_deviation", "rotate_keys", "relocate_blocks", "select_impl"]
 
 #: Cache dtypes relocation handles; quantized (fp8) caches need their scales and are refused.
 SUPPORTED_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -203,3 +203,35 @@ def relocate_blocks(
         return
     run = relocate_triton if which == "triton" else relocate_torch
     run(k_dst, v_dst, k_src, v_src, ids, cos.contiguous(), sin.contiguous(), rope)
+
+
+def kv_deviation(
+    fresh: torch.Tensor,
+    old: torch.Tensor,
+    delta: int,
+    rope: RopeConfig | None,
+    layout: KVLayout | PackedKVLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relative L2 distance, per block, between freshly computed blocks and old blocks
+    of the same tokens computed ``delta`` positions earlier.
+
+    ``fresh`` and ``old``: ``n`` blocks each in ``layout``'s per-block layout (stacked on
+    its ``block_dim``).  The old keys are rotated by ``delta`` first (``rope`` needed when
+    ``delta != 0``).  Returns ``(k, v)``, float32 tensors of ``n`` values
+    ``||fresh - old|| / ||fresh||`` (0 where the fresh block is all zeros).
+    """
+    packed = hasattr(layout, "unpack")
+    kf, vf = layout.unpack(fresh) if packed else layout.kv_views(fresh)
+    ko, vo = layout.unpack(old) if packed else layout.kv_views(old)
+    if delta:
+        if rope is None:
+            raise ConfigError("kv_deviation of blocks moved by a delta needs the model's RopeConfig")
+        ko = rotate_keys(ko, int(delta), rope)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a32 = a.float()
+        num = (a32 - b.float()).flatten(1).norm(dim=1)
+        den = a32.flatten(1).norm(dim=1)
+        return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+
+    return rel(kf, ko), rel(vf, vo)

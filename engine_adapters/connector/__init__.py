@@ -11,9 +11,11 @@ Importing this package imports neither vLLM nor torch.
 
 from promptsplice.engine_adapters.connector._plans import (
     SAME_SALT,
+    BlockDeviation,
     SplicePhase,
     SplicePlan,
     SpliceSegment,
+    extend_recompute,
     plan_deletion,
     plan_phases,
     plan_relocation,
@@ -22,9 +24,11 @@ from promptsplice.engine_adapters.connector._plans import (
 
 __all__ = [
     "SAME_SALT",
+    "BlockDeviation",
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
+    "extend_recompute",
     "plan_deletion",
     "plan_phases",
     "plan_relocation",

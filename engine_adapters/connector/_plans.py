@@ -18,6 +18,11 @@ finds nothing in the store and those blocks are computed: a plan can never load 
 other tokens (the store compares tokens, parent and salt on every lookup).  Segments are
 contiguous in the new prompt (each starts where the previous ends).
 
+``"probes"`` (optional, same segment shape) names blocks the request *computes* whose
+old KV is in the store (the blocks recomputed after an edit or at a chunk start): the
+connector compares the fresh KV with the relocated old KV of the same tokens as it saves
+them and reports a :class:`BlockDeviation` per block (embedded engine only, for now).
+
 Two optional fields scope spliced KV (see ``promptsplice.engine_adapters.runners._agent``):
 ``"src_salt"`` is the salt the old prompt's blocks were stored under when it differs from
 this request's ``cache_salt`` (absent: the same), and ``"scope": true`` says this
@@ -29,6 +34,9 @@ the session can relocate them again.  Without a scope nothing approximate is sav
 vLLM's contiguity rule shapes the phases: the loaded tokens start exactly at the local
 prefix-cache hit and at least one prompt token is left to compute, so one request loads
 one contiguous run of blocks (:func:`plan_phases`, :func:`plan_segment_phases`).
+
+Kept as one module: the wire format, the phases built from it and the probes that
+extend them (:func:`extend_recompute`) share the segment record and its checks.
 """
 
 from __future__ import annotations
@@ -38,16 +46,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, root_hash, round_down, round_up
+from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, hash_block, root_hash, round_down, round_up
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [
+    "BlockDeviation",
     "PLAN_KEY",
     "PLAN_VERSION",
     "SAME_SALT",
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
+    "extend_recompute",
     "plan_deletion",
     "plan_phases",
     "plan_relocation",
@@ -129,6 +139,9 @@ class SplicePlan:
     scope: bool = False
     """The request's salt is a splice scope: save what it loads and what it computes
     after relocated KV under it (see the module doc)."""
+    probes: tuple[SpliceSegment, ...] = ()
+    """Blocks this request computes whose old KV is in the store: the connector measures
+    how far the fresh KV is from the relocated old KV (:class:`BlockDeviation`)."""
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -139,7 +152,8 @@ class SplicePlan:
         if not _is_int(bs) or bs <= 0:
             raise InputError(f"splice plan block_size must be a positive int, got {bs!r}")
         segs = tuple(self.segments)
-        for seg in segs:
+        probes = tuple(self.probes)
+        for seg in segs + probes:
             if not isinstance(seg, SpliceSegment):
                 raise InputError(f"splice plan segments must be SpliceSegment, got {type(seg).__name__}")
             if seg.dst_start % bs or seg.delta % bs:
@@ -154,6 +168,7 @@ class SplicePlan:
                     f"{a.dst_start + a.num_blocks * bs}, the next starts at {b.dst_start}"
                 )
         object.__setattr__(self, "segments", segs)
+        object.__setattr__(self, "probes", probes)
 
     def __bool__(self) -> bool:
         return bool(self.segments)
@@ -180,16 +195,10 @@ class SplicePlan:
         body: dict[str, Any] = {
             "version": PLAN_VERSION,
             "block_size": self.block_size,
-            "segments": [
-                {
-                    "dst_start": s.dst_start,
-                    "num_blocks": s.num_blocks,
-                    "delta": s.delta,
-                    "src_parent": s.src_parent.hex(),
-                }
-                for s in self.segments
-            ],
+            "segments": [_seg_params(s) for s in self.segments],
         }
+        if self.probes:
+            body["probes"] = [_seg_params(s) for s in self.probes]
         if self.src_salt is not SAME_SALT:
             salt = self.src_salt
             body["src_salt"] = {"hex": salt.hex()} if isinstance(salt, bytes) else salt
@@ -214,20 +223,8 @@ class SplicePlan:
             raise InputError(f"kv_transfer_params[{PLAN_KEY!r}] must be a mapping, got {type(raw).__name__}")
         if raw.get("version") != PLAN_VERSION:
             raise InputError(f"splice plan version {raw.get('version')!r} is not supported (expected {PLAN_VERSION})")
-        segments = raw.get("segments")
-        if not isinstance(segments, (list, tuple)):
-            raise InputError("splice plan 'segments' must be a list")
-        segs = []
-        for i, s in enumerate(segments):
-            if not isinstance(s, Mapping):
-                raise InputError(f"splice plan segment {i} must be a mapping")
-            try:
-                parent = bytes.fromhex(s["src_parent"])
-                segs.append(SpliceSegment(s["dst_start"], s["num_blocks"], s["delta"], parent))
-            except KeyError as exc:
-                raise InputError(f"splice plan segment {i} lacks {exc.args[0]!r}") from None
-            except (TypeError, ValueError) as exc:
-                raise InputError(f"splice plan segment {i}: {exc}") from None
+        segs = _segs_from(raw.get("segments"), "segments", "segment")
+        probes = _segs_from(raw.get("probes", []), "probes", "probe")
         src_salt: Any = SAME_SALT
         if "src_salt" in raw:
             src_salt = raw["src_salt"]
@@ -236,7 +233,57 @@ class SplicePlan:
                     src_salt = bytes.fromhex(src_salt["hex"])
                 except (KeyError, TypeError, ValueError):
                     raise InputError("splice plan 'src_salt' must be a str, null or {'hex': ...}") from None
-        return cls(raw.get("block_size"), tuple(segs), src_salt, raw.get("scope", False))
+        return cls(raw.get("block_size"), segs, src_salt, raw.get("scope", False), probes)
+
+
+def _seg_params(s: SpliceSegment) -> dict[str, Any]:
+    return {"dst_start": s.dst_start, "num_blocks": s.num_blocks, "delta": s.delta, "src_parent": s.src_parent.hex()}
+
+
+def _segs_from(raw: Any, key: str, what: str) -> tuple[SpliceSegment, ...]:
+    if not isinstance(raw, (list, tuple)):
+        raise InputError(f"splice plan {key!r} must be a list")
+    segs = []
+    for i, s in enumerate(raw):
+        if not isinstance(s, Mapping):
+            raise InputError(f"splice plan {what} {i} must be a mapping")
+        try:
+            parent = bytes.fromhex(s["src_parent"])
+            segs.append(SpliceSegment(s["dst_start"], s["num_blocks"], s["delta"], parent))
+        except KeyError as exc:
+            raise InputError(f"splice plan {what} {i} lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"splice plan {what} {i}: {exc}") from None
+    return tuple(segs)
+
+
+class BlockDeviation(NamedTuple):
+    """How far a recomputed block's fresh KV is from its relocated old KV (a probe).
+
+    ``k`` and ``v``: per attention layer, ``||fresh - old|| / ||fresh||`` of the block's
+    keys (the old keys re-rotated by ``delta``) and values.  Layer 0 depends only on the
+    token and its position, so it is ~0 (rounding) for any probe; deeper layers grow as
+    the context before the block differs from the one the old KV attended to.
+    """
+
+    dst_start: int
+    """First token of the block in the new prompt."""
+    delta: int
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+    @property
+    def value(self) -> float:
+        """The signal the adaptive recompute compares with ``max_deviation``: the mean
+        over layers of the K and V relative errors (every aggregate tried ranked
+        first-token KL weakly on the calibration, Spearman 0.09-0.23: README)."""
+        n = len(self.k) + len(self.v)
+        return (sum(self.k) + sum(self.v)) / n if n else 0.0
+
+    @property
+    def max_layer(self) -> float:
+        """The largest K or V relative error of any layer."""
+        return max((*self.k, *self.v), default=0.0)
 
 
 def _as_token_list(tokens: Sequence[int], what: str) -> list[int]:
@@ -356,6 +403,7 @@ def plan_phases(
     load_prefix: int = 0,
     scope: bool = False,
     min_group_blocks: int = 1,
+    probe: bool = False,
 ) -> list[SplicePhase]:
     """The requests that carry out an edit: unchanged old runs are relocated, the rest
     is computed, every request extending the prefix-cache hit of the one before.
@@ -378,7 +426,9 @@ def plan_phases(
     run when the prefix cache cannot reach it.  The last phase ends at
     ``len(new_tokens)``.  A run of contiguous loads that would need a request of its
     own but moves fewer than ``min_group_blocks`` blocks is computed instead (a request
-    costs more than prefilling a block or two).  Raises :class:`InputError` when a run's
+    costs more than prefilling a block or two).  ``probe``: the recomputed blocks of
+    each relocated run become probes of the request that computes them (the connector
+    measures their deviation from the old KV).  Raises :class:`InputError` when a run's
     tokens differ between the prompts or runs overlap.
     """
     bs = block_size
@@ -402,6 +452,7 @@ def plan_phases(
         return old_chain[old_pos // bs - 1]
 
     segs: list[SpliceSegment] = []
+    probes: list[SpliceSegment] = []
     if load_prefix:
         if not _is_int(load_prefix) or load_prefix < 0 or load_prefix % bs:
             raise InputError(f"load_prefix must be a block multiple >= 0, got {load_prefix!r}")
@@ -428,6 +479,9 @@ def plan_phases(
         if segs and a < segs[-1].dst_start + segs[-1].num_blocks * bs:
             raise InputError(f"relocation {i} {run!r} overlaps the run before it (sort them, no overlaps)")
         segs.append(SpliceSegment(a, (e - a) // bs, delta, parent(a - delta)))
+        a0 = a - recompute_blocks * bs
+        if probe and recompute_blocks and new[a0:a] == old[a0 - delta : a - delta]:
+            probes.append(SpliceSegment(a0, recompute_blocks, delta, parent(a0 - delta)))
 
     hit = 0
     while hit < min(len(old), len(new)) and old[hit] == new[hit]:
@@ -440,6 +494,7 @@ def plan_phases(
         src_salt=src_salt,
         scope=scope,
         min_group_blocks=min_group_blocks,
+        probes=probes,
     )
 
 
@@ -452,6 +507,7 @@ def plan_segment_phases(
     src_salt: Any = SAME_SALT,
     scope: bool = False,
     min_group_blocks: int = 1,
+    probes: Iterable[SpliceSegment] = (),
 ) -> list[SplicePhase]:
     """The requests that load ``segments`` (sorted, non-overlapping, inside a prompt of
     ``num_tokens`` tokens) and compute everything between them.
@@ -462,7 +518,9 @@ def plan_segment_phases(
     lies between ``hit`` and the first run.  A run that starts after 0 and moves fewer
     than ``min_group_blocks`` blocks is dropped (computed).  Shared by the agent's
     edits (:func:`plan_phases`) and position-independent chunk reuse
-    (:mod:`promptsplice.engine_adapters.runners._rag`).
+    (:mod:`promptsplice.engine_adapters.runners._rag`).  ``probes``: blocks computed
+    right before a run (its recomputed blocks, ending where the run starts), attached
+    to the request that computes them; probes of a dropped run are dropped.
     """
     bs = block_size
     groups: list[list[SpliceSegment]] = []
@@ -486,5 +544,64 @@ def plan_segment_phases(
         phases.append(SplicePhase(end, SplicePlan(bs, tuple(group), src_salt, scope)))
     if not phases:
         phases.append(SplicePhase(num_tokens, SplicePlan(bs, src_salt=src_salt, scope=scope)))
-    return phases
+    return _attach_probes(phases, probes, groups, hit)
+
+
+def _attach_probes(
+    phases: list[SplicePhase], probes: Iterable[SpliceSegment], groups: list[list[SpliceSegment]], hit: int
+) -> list[SplicePhase]:
+    """Each probe ending where a run starts goes into the request that computes it."""
+    starts = {g[0].dst_start for g in groups}
+    bs = phases[0].plan.block_size
+    extra: dict[int, list[SpliceSegment]] = {}
+    for p in probes:
+        end = p.dst_start + p.num_blocks * bs
+        if end not in starts:
+            continue
+        prev_end = hit
+        for i, ph in enumerate(phases):
+            lo = ph.plan.dst_end if ph.plan else prev_end
+            if lo <= p.dst_start and end <= ph.end:
+                extra.setdefault(i, []).append(p)
+                break
+            prev_end = ph.end
+    out = []
+    for i, ph in enumerate(phases):
+        if i in extra:
+            pl = ph.plan
+            ph = SplicePhase(ph.end, SplicePlan(pl.block_size, pl.segments, pl.src_salt, pl.scope, pl.probes + tuple(extra[i])))
+        out.append(ph)
+    return out
+
+
+def extend_recompute(phase: SplicePhase, tokens: Sequence[int]) -> list[SplicePhase] | None:
+    """Recompute one more block in front of ``phase``'s loaded run (the adaptive
+    recompute: the last recomputed block still deviated too much).
+
+    Returns the requests that replace ``phase``: one that computes the run's first
+    block (a probe of it, so its deviation is measured in turn), then ``phase`` with
+    the run starting one block later (its first segment's ``src_parent`` moves along
+    the old chain).  When the run was that one block, a single plain request computes
+    it all.  ``None`` when ``phase`` loads nothing.
+    """
+    plan = phase.plan
+    if plan is None or not plan.segments:
+        return None
+    bs = plan.block_size
+    seg = plan.segments[0]
+    a = seg.dst_start
+    blk = [int(t) for t in tokens[a : a + bs]]
+    if len(blk) < bs:
+        return None
+    probe = SpliceSegment(a, 1, seg.delta, seg.src_parent)
+    rest = plan.segments[1:]
+    if seg.num_blocks > 1:
+        moved = hash_block(BlockHash(seg.src_parent), blk)
+        rest = (SpliceSegment(a + bs, seg.num_blocks - 1, seg.delta, bytes(moved)),) + rest
+    if not rest:
+        return [SplicePhase(phase.end, SplicePlan(bs, (), plan.src_salt, plan.scope, (probe,) + plan.probes))]
+    return [
+        SplicePhase(a + bs, SplicePlan(bs, (), plan.src_salt, plan.scope, (probe,))),
+        SplicePhase(phase.end, SplicePlan(bs, rest, plan.src_salt, plan.scope, plan.probes)),
+    ]
 

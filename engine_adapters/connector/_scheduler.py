@@ -39,6 +39,7 @@ from promptsplice.errors import ConfigError, InputError
 __all__ = [
     "LoadItem",
     "LoadPlan",
+    "ProbeItem",
     "SaveItem",
     "SpliceMetadata",
     "SpliceScheduler",
@@ -70,11 +71,12 @@ class LoadPlan:
 
 
 def _plan_refs(
-    tokens: Sequence[int], plan: SplicePlan, block_size: int
+    tokens: Sequence[int], plan: SplicePlan, block_size: int, *, probes: bool = False
 ) -> dict[int, tuple[BlockRef, int]]:
-    """Block index in the new prompt -> (ref of the old block, delta), per segment."""
+    """Block index in the new prompt -> (ref of the old block, delta), per segment (per
+    probe with ``probes``)."""
     out: dict[int, tuple[BlockRef, int]] = {}
-    for seg in plan.segments:
+    for seg in plan.probes if probes else plan.segments:
         parent = BlockHash(seg.src_parent)
         first = seg.dst_start // block_size
         for j in range(first, first + seg.num_blocks):
@@ -185,13 +187,27 @@ class SaveItem:
     block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeItem:
+    """Compare vLLM blocks ``block_ids`` (just computed, first tokens ``starts``) with
+    the old blocks ``refs`` (stored under ``salt``, keys rotated by ``deltas``)."""
+
+    req_id: str
+    salt: str | bytes | None
+    refs: tuple[BlockRef, ...]
+    deltas: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    starts: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class SpliceMetadata:
     """One engine step's work for the worker side: loads before the forward pass,
-    saves after it."""
+    saves (and probes) after it."""
 
     loads: list[LoadItem] = field(default_factory=list)
     saves: list[SaveItem] = field(default_factory=list)
+    probes: list[ProbeItem] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ scheduler side
@@ -335,8 +351,13 @@ class SpliceScheduler:
         """
         bs = self.block_size
         saves: list[SaveItem] = []
+        probes: list[ProbeItem] = []
         for req_id, computed, scheduled in steps:
             st = self._reqs.get(req_id)
+            if st is not None and st.plan is not None and st.plan.probes:
+                item = self._probe_item(req_id, st, computed, scheduled, block_ids)
+                if item is not None:
+                    probes.append(item)
             if st is None or st.no_save:
                 continue
             prompt_len = len(st.tokens)
@@ -361,7 +382,26 @@ class SpliceScheduler:
             if refs:
                 saves.append(SaveItem(req_id, st.salt, tuple(refs), tuple(dst)))
         loads, self._loads = self._loads, []
-        return SpliceMetadata(loads, saves)
+        return SpliceMetadata(loads, saves, probes)
+
+    def _probe_item(
+        self, req_id: str, st: _ReqState, computed: int, scheduled: int, block_ids: Callable[[str], Sequence[int]]
+    ) -> ProbeItem | None:
+        """The plan's probe blocks this step computes (whole blocks in ``[computed,
+        computed + scheduled)``)."""
+        bs, plan = self.block_size, st.plan
+        assert plan is not None
+        end = min(computed + scheduled, len(st.tokens))
+        planned = _plan_refs(st.tokens, plan, bs, probes=True)
+        js = [j for j in sorted(planned) if j * bs >= computed and (j + 1) * bs <= end]
+        if not js or (any(planned[j][1] for j in js) and not self.relocation):
+            return None
+        ids = block_ids(req_id)
+        salt = st.salt if plan.src_salt is SAME_SALT else plan.src_salt
+        return ProbeItem(
+            req_id, salt, tuple(planned[j][0] for j in js), tuple(planned[j][1] for j in js),
+            tuple(int(ids[j]) for j in js), tuple(j * bs for j in js),
+        )
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request and drop its pins."""

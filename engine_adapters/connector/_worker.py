@@ -26,18 +26,26 @@ whole blocks (one DMA of all layers) issued by ``start_load``, because per-layer
 (64 KiB for an 8B model) run far below the link's bandwidth.  The connector calls
 ``start_load`` without ``per_layer`` (all layers before the forward pass) until the
 per-layer hooks are verified on a CUDA vLLM (its CUDA graphs may skip them).
+
+Probes (:meth:`SpliceWorker.probe`): after the forward pass, in ``save``, each probed
+block's fresh KV (all layers) is compared with its old KV from the store, the old keys
+re-rotated by the delta (:func:`promptsplice.kernels.kv_deviation`); the forward pass
+itself is untouched.  Measured on CPU only: on CUDA the result's ``tolist`` waits for
+the comparison on the host.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from promptsplice.engine_adapters.connector._scheduler import LoadItem, SaveItem, SpliceMetadata
+from promptsplice.engine_adapters.connector._plans import BlockDeviation
+from promptsplice.engine_adapters.connector._scheduler import LoadItem, ProbeItem, SaveItem, SpliceMetadata
 from promptsplice.engine_adapters.store._store import BlockStore, PutStatus
 from promptsplice.errors import ConfigError
 
@@ -62,6 +70,10 @@ class WorkerStats:
     save_errors: int = 0
     skipped_saves: int = 0
     """Blocks not saved because the step's forward pass failed (their KV is partial)."""
+    probed_blocks: int = 0
+    """Recomputed blocks compared with their relocated old KV (:attr:`SpliceWorker.deviations`)."""
+    probe_s: float = 0.0
+    """Host time spent on those comparisons (after the forward pass, in ``save``)."""
 
 
 class _DeviceIO:
@@ -210,6 +222,8 @@ class SpliceWorker:
         self.history: deque[tuple[str, LoadItem | SaveItem, int]] = deque(maxlen=history)
         """Recent work: ``("load", item, blocks loaded)`` and ``("save", item, blocks
         stored)`` (for tests and debugging)."""
+        self.deviations: deque[BlockDeviation] = deque(maxlen=1024)
+        """The latest probes' results, oldest first (``stats.probed_blocks`` counts all)."""
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._jobs: list[_LoadJob] = []
@@ -398,7 +412,50 @@ class SpliceWorker:
             except Exception:  # noqa: BLE001 - a save is best effort
                 _log.exception("splice connector: saving blocks of %s failed", item.req_id)
                 self.stats.save_errors += len(item.refs)
+        for probe in meta.probes:
+            if probe.req_id not in self._failed:
+                self.probe(probe)
         return self.flush_saves()
+
+    def probe(self, item: ProbeItem) -> int:
+        """Compare ``item``'s freshly computed blocks with their old KV in the store (the
+        old keys re-rotated by the delta); appends a :class:`BlockDeviation` per block
+        found to :attr:`deviations`.  Best effort: a block the store lacks, or a failure,
+        is skipped.  Returns the blocks compared."""
+        import torch
+
+        from promptsplice.kernels import kv_deviation
+
+        t0 = time.perf_counter()
+        done = 0
+        layout, bd, r = self.paged.layout, self.block_dim, self.blocks_per_block
+        try:
+            for i, ref in enumerate(item.refs):
+                delta = item.deltas[i]
+                if layout is None or (delta and self.rope is None):
+                    break
+                found = self.store.get(ref, salt=item.salt)
+                p = found.payload
+                if not found.status.hit or p is None or tuple(p.shape) != self.payload_shape:
+                    continue
+                kids = torch.tensor(self.kernel_ids([item.block_ids[i]]), dtype=torch.int64, device=self.io.device)
+                fresh = torch.stack([c.index_select(bd, kids) for c in self.caches])  # [layers, *per_layer]
+                old = p.to(self.io.device, self.dtype)
+                k, v = kv_deviation(
+                    fresh.movedim(0, bd).flatten(bd, bd + 1),
+                    old.movedim(0, bd).flatten(bd, bd + 1),
+                    delta, self.rope, layout,
+                )
+                n = len(self.caches)
+                k = k.view(n, r).mean(dim=1).tolist()
+                v = v.view(n, r).mean(dim=1).tolist()
+                self.deviations.append(BlockDeviation(item.starts[i], delta, tuple(k), tuple(v)))
+                done += 1
+        except Exception:  # noqa: BLE001 - a probe is a measurement, never fatal
+            _log.exception("splice connector: probing blocks of %s failed", item.req_id)
+        self.stats.probed_blocks += done
+        self.stats.probe_s += time.perf_counter() - t0
+        return done
 
     def skip_saves(self, meta: SpliceMetadata) -> int:
         """Count, and do not store, this step's blocks: its forward pass failed."""

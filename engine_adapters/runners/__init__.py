@@ -1,6 +1,6 @@
 """Runners: what turns an application's request into engine requests (RAG, agent)."""
 
-from promptsplice.engine_adapters.runners._agent import AgentMode, AgentRunner, AgentStep
+from promptsplice.engine_adapters.runners._agent import DEFAULT_MAX_DEVIATION, AgentMode, AgentRunner, AgentStep
 from promptsplice.engine_adapters.runners._rag import (
     ChunkIndex,
     ChunkLookup,
@@ -13,6 +13,7 @@ from promptsplice.engine_adapters.runners._rag import (
 from promptsplice.engine_adapters.runners._steps import StepFallback
 
 __all__ = [
+    "DEFAULT_MAX_DEVIATION",
     "AgentMode",
     "AgentRunner",
     "AgentStep",

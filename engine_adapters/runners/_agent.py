@@ -51,20 +51,27 @@ from typing import TYPE_CHECKING, Any
 
 from promptsplice.assembler import PreparedContext, StepKind
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePhase, plan_phases
-from promptsplice.engine_adapters.runners._steps import StepFallback, cached_tokens
+from promptsplice.engine_adapters.runners._steps import AdaptiveRecompute, StepFallback, cached_tokens
 from promptsplice.blocks import round_down
-from promptsplice._validate import check_enum, check_int, check_salt
+from promptsplice._validate import check_enum, check_int, check_number, check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
     from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
 
-__all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_RECOMPUTE_BLOCKS"]
+__all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_MAX_DEVIATION", "DEFAULT_RECOMPUTE_BLOCKS"]
 
 _log = logging.getLogger(__name__)
 
 DEFAULT_RECOMPUTE_BLOCKS = 1
 """Blocks recomputed after each edit in ``splice`` mode (see the README's sweep)."""
+DEFAULT_MAX_DEVIATION = 0.25
+"""``max_deviation`` for ``recompute_blocks=1`` (README's agent section,
+``python -m promptsplice.benchmarks.deviation_curve``): on the calibration trace ``r=1``
+alone kept first-token KL p90 at 0.0095 <= 0.02 with deviations 0.096-0.231, so the
+fewest extra blocks is none; 0.25 recomputes only runs that deviate beyond anything
+calibrated.  Not applied by default (``max_deviation=None``): the lead wires it into
+the ``bounded`` fidelity level."""
 DEFAULT_MIN_GROUP_BLOCKS = 1
 """A run of relocated blocks that needs a request of its own must move at least this
 many blocks.  Measured here (SmolLM2 on 2 CPU cores, 1,024 cached tokens): one more
@@ -128,6 +135,12 @@ class AgentStep:
     """The ``cache_salt`` of the final request (a caller reusing this context uses it)."""
     fallback: StepFallback | None = None
     """Why the step was sent as a plain request (``None``: as planned)."""
+    deviations: tuple[float, ...] = ()
+    """With ``max_deviation``: each probed (recomputed) block's deviation from its
+    relocated old KV (``BlockDeviation.value``), in the order measured."""
+    extra_recompute_blocks: int = 0
+    """Blocks recomputed beyond ``recompute_blocks`` because a deviation exceeded
+    ``max_deviation``."""
 
     @property
     def hit_rate(self) -> float:
@@ -149,7 +162,11 @@ class AgentRunner:
     ``kv_store``).  ``salt``: the tenant's ``cache_salt``.  ``recompute_blocks``: blocks
     prefilled after each edit before relocation resumes.  ``scope``: ``"session"``
     (default) or ``"none"``.  Sessions are kept LRU-bounded (``max_sessions``); steps of
-    one session are serialized.
+    one session are serialized.  ``max_deviation`` (``None``: a fixed
+    ``recompute_blocks``): while the last recomputed block in front of a relocated run
+    deviates from its old KV by more than this (``BlockDeviation.value``, measured by the
+    connector), the next block is recomputed too (one more request), up to the run's
+    end; embedded engine only.
     """
 
     def __init__(
@@ -163,6 +180,7 @@ class AgentRunner:
         max_sessions: int = 1024,
         reuse_repeats: bool = True,
         min_group_blocks: int = DEFAULT_MIN_GROUP_BLOCKS,
+        max_deviation: float | None = None,
     ) -> None:
         self.mode = check_enum(mode, AgentMode, "mode")
         if self.mode is AgentMode.SPLICE and engine.kv_store is None:
@@ -183,6 +201,14 @@ class AgentRunner:
         self.reuse_repeats = bool(reuse_repeats)
         check_int(min_group_blocks, "min_group_blocks")
         self.min_group_blocks = min_group_blocks
+        if max_deviation is not None:
+            check_number(max_deviation, "max_deviation", strict=True)
+            if recompute_blocks < 1:
+                raise ConfigError(
+                    "max_deviation measures the recomputed blocks: set recompute_blocks >= 1 "
+                    f"(got {recompute_blocks}) or max_deviation=None"
+                )
+        self.max_deviation = max_deviation
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -281,6 +307,7 @@ class AgentRunner:
                 load_prefix=load_prefix,
                 scope=self.scope == "session",
                 min_group_blocks=self.min_group_blocks,
+                probe=self.max_deviation is not None,
             )
         except InputError as exc:  # a diff that does not fit the tokens: never splice it
             _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, exc)
@@ -300,7 +327,10 @@ class AgentRunner:
         gen: dict[str, Any],
     ) -> AgentStep:
         t0 = time.perf_counter()
-        run = self.engine.generate_phases(new, phases, cache_salt=salt, **gen)
+        adapt = None
+        if self.max_deviation is not None and len(phases) > 1:
+            adapt = AdaptiveRecompute(self.max_deviation, new)
+        run = self.engine.generate_phases(new, phases, cache_salt=salt, adapt=adapt, **gen)
         out, t_last, relocated = run.completions[-1], run.t_last, run.relocated_tokens
         prefill = sum(o.prefill_tokens for o in run.completions)
         wall = time.perf_counter() - t0
@@ -314,14 +344,17 @@ class AgentRunner:
             prefill_tokens=prefill,
             cached_tokens=cached_tokens(len(new), prefill),
             relocated_tokens=relocated,
-            requests=len(phases),
+            requests=len(run.completions),
             ttft_s=(t_last - t0) + out.ttft_s,
             wall_s=wall,
             salt=salt,
+            deviations=tuple(d.value for d in run.deviations),
+            extra_recompute_blocks=adapt.extra if adapt is not None else 0,
         )
 
     def __repr__(self) -> str:
         return (
             f"AgentRunner(mode={self.mode.value!r}, recompute_blocks={self.recompute_blocks}, "
+            f"max_deviation={self.max_deviation}, "
             f"scope={self.scope!r}, sessions={len(self._sessions)})"
         )

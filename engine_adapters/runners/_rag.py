@@ -70,10 +70,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
-from promptsplice.engine_adapters.runners._steps import StepFallback, cached_tokens
+from promptsplice.engine_adapters.runners._steps import AdaptiveRecompute, StepFallback, cached_tokens
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash, round_down
-from promptsplice._validate import check_enum, check_int, check_salt
+from promptsplice._validate import check_enum, check_int, check_number, check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -224,6 +224,7 @@ def plan_chunk_phases(
     recompute_blocks: int = 0,
     src_salt: str | None = None,
     min_group_blocks: int = 1,
+    probe: bool = False,
 ) -> list[SplicePhase]:
     """The requests of a position-independent prompt (pure; see the module doc).
 
@@ -231,7 +232,8 @@ def plan_chunk_phases(
     ``tokens[:head_end]`` (system prompt and tools) is loaded from the tenant's exact
     blocks (``src_salt``, delta 0) where the hit does not cover it; each chunk after the
     hit is loaded from its source, re-rotated by ``start - source.start``, except its
-    first ``recompute_blocks`` blocks, which are computed.  Raises
+    first ``recompute_blocks`` blocks, which are computed (``probe``: and compared with
+    the chunk's stored KV by the connector, ``BlockDeviation``).  Raises
     :class:`~promptsplice.errors.InputError` for chunks that are not sorted, not whole
     blocks, overlapping, or not followed by at least one token.
     """
@@ -242,6 +244,7 @@ def plan_chunk_phases(
         raise InputError(f"hit {hit} and head_end {head_end} must be multiples of block_size {bs}")
     toks = list(tokens)
     segs: list[SpliceSegment] = []
+    probes: list[SpliceSegment] = []
     if head_end > hit:
         segs.append(SpliceSegment(0, head_end // bs, 0, root_hash(src_salt)))
     prev_end = head_end
@@ -259,10 +262,13 @@ def plan_chunk_phases(
             continue
         parent = BlockHash(c.source.parent)
         if a > c.start:
+            if probe and hit <= c.start:
+                probes.append(SpliceSegment(c.start, (a - c.start) // bs, c.start - c.source.start, parent))
             parent = chain_hashes(toks[c.start : a], bs, parent=parent)[-1]
         segs.append(SpliceSegment(a, (c.end - a) // bs, c.start - c.source.start, parent))
     return plan_segment_phases(
-        segs, len(toks), block_size=bs, hit=hit, src_salt=src_salt, min_group_blocks=min_group_blocks
+        segs, len(toks), block_size=bs, hit=hit, src_salt=src_salt, min_group_blocks=min_group_blocks,
+        probes=probes,
     )
 
 
@@ -292,6 +298,11 @@ class RagStep:
     wall_s: float
     salt: str | None
     fallback: StepFallback | None = None
+    deviations: tuple[float, ...] = ()
+    """With ``max_deviation``: each probed (recomputed) block's deviation from the
+    chunk's stored KV, in the order measured (``AgentStep.deviations``)."""
+    extra_recompute_blocks: int = 0
+    """Blocks recomputed beyond ``recompute_blocks`` (a deviation over ``max_deviation``)."""
     """Why the request was sent as a plain request (``None``: as planned)."""
 
     @property
@@ -309,7 +320,9 @@ class RagRunner:
     (``cache_aware`` default).  ``index``: a :class:`ChunkIndex` to share between
     runners of one engine (default: one per runner).  ``min_group_blocks``: a chunk
     needing a request of its own must move at least this many blocks.  ``precompute``:
-    ``"packed"`` (default) or ``"standalone"`` (module doc).
+    ``"packed"`` (default) or ``"standalone"`` (module doc).  ``max_deviation``: the
+    adaptive recompute of ``AgentRunner`` at each chunk start (needs
+    ``recompute_blocks >= 1``; ``None``: fixed).
     """
 
     def __init__(
@@ -324,6 +337,7 @@ class RagRunner:
         index: ChunkIndex | None = None,
         min_group_blocks: int = 1,
         precompute: str = "packed",
+        max_deviation: float | None = None,
     ) -> None:
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
@@ -347,6 +361,11 @@ class RagRunner:
         self.salt = salt
         self.recompute_blocks = recompute_blocks
         self.min_group_blocks = min_group_blocks
+        if max_deviation is not None:
+            check_number(max_deviation, "max_deviation", strict=True)
+            if recompute_blocks < 1:
+                raise ConfigError(f"max_deviation needs recompute_blocks >= 1 (got {recompute_blocks}) or max_deviation=None")
+        self.max_deviation = max_deviation
         bs = engine.block_size
         self.assembler = engine.make_assembler(
             policy=policy, alignment="all" if pic else "auto", prompt_format=prompt_format
@@ -446,16 +465,20 @@ class RagRunner:
         try:
             phases = plan_chunk_phases(
                 toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
-                src_salt=self.salt, min_group_blocks=self.min_group_blocks,
+                src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=self.max_deviation is not None,
             )
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
             phases, fallback = [SplicePhase(len(toks), None)], StepFallback.INVALID_PLAN
-        run = eng.generate_phases(toks, phases, cache_salt=salt, **gen)
+        adapt = AdaptiveRecompute(self.max_deviation, toks) if self.max_deviation is not None else None
+        run = eng.generate_phases(toks, phases, cache_salt=salt, adapt=adapt, **gen)
         outs.extend(run.completions)
-        return self._step(
+        step = self._step(
             prompt, outs, outs[-1], t0, run.t_last, salt, run.relocated_tokens, precomputed, len(placed), fallback
         )
+        step.deviations = tuple(d.value for d in run.deviations)
+        step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
+        return step
 
     def _step(self, prompt, outs, out, t0, t_last, salt, relocated, precomputed, nchunks, fallback) -> RagStep:
         n = len(prompt.token_ids)

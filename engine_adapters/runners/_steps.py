@@ -17,8 +17,12 @@ Token counts mean the same on :class:`~promptsplice.engine_adapters.RagStep` and
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["StepFallback", "cached_tokens"]
+from promptsplice.engine_adapters.connector._plans import SplicePhase, extend_recompute
+
+__all__ = ["AdaptiveRecompute", "StepFallback", "cached_tokens"]
 
 
 class StepFallback(enum.Enum):
@@ -39,3 +43,32 @@ class StepFallback(enum.Enum):
 def cached_tokens(prompt_tokens: int, prefill_tokens: int) -> int:
     """A step's ``cached_tokens`` (module doc)."""
     return max(0, prompt_tokens - prefill_tokens)
+
+
+class AdaptiveRecompute:
+    """``EmbeddedEngine.generate_phases``'s ``adapt`` for a runner's ``max_deviation``:
+    when the block right before the next phase's loaded run (the last recomputed one)
+    deviated from its old KV by more than ``max_deviation`` (``BlockDeviation.value``),
+    that run's first block is computed first, by one more request
+    (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`);
+    ``extra`` counts those blocks."""
+
+    __slots__ = ("max_deviation", "tokens", "extra")
+
+    def __init__(self, max_deviation: float, tokens: Sequence[int]) -> None:
+        self.max_deviation = max_deviation
+        self.tokens = tokens
+        self.extra = 0
+
+    def __call__(self, seen: list[Any], nxt: SplicePhase) -> list[SplicePhase] | None:
+        plan = nxt.plan
+        if plan is None or not plan.segments:
+            return None
+        start = plan.dst_start - plan.block_size
+        dev = next((d for d in reversed(seen) if d.dst_start == start), None)
+        if dev is None or dev.value <= self.max_deviation:
+            return None
+        phases = extend_recompute(nxt, self.tokens)
+        if phases:
+            self.extra += 1
+        return phases

@@ -29,6 +29,7 @@ KERNELS_API = [
     "VERIFIED_CPU_ATTN_ISAS",
     "detect_cpu_attn_isa",
     "gather_blocks",
+    "kv_deviation",
     "paged_kv",
     "relocate_blocks",
     "rotate_keys",

@@ -418,3 +418,28 @@ def test_triton_kernel_under_interpreter_matches_reference():
     assert len(results) == len(CASES) * len(LAYOUTS)
     failed = [r for r in results if r[2] != "ok"]
     assert not failed, "\n".join(f"{c}/{lay}:\n{tb}" for c, lay, tb in failed)
+
+
+@pytest.mark.parametrize("layout", [CpuAttnLayout("vec"), CpuAttnAmxLayout()], ids=["vec", "amx"])
+def test_kv_deviation_rotates_the_old_keys_then_compares(layout):
+    """Blocks computed at p and the same blocks at p + d: after the rotation ~0; a V
+    perturbed by 10% reads 0.1; without rope for a moved block: refused."""
+    from promptsplice.kernels import kv_deviation
+
+    rope = RopeConfig(head_size=64, rotary_dim=64, theta=10000.0)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 2, 32, 64, generator=g)
+    v = torch.randn(2, 2, 32, 64, generator=g)
+    pack = (lambda kk, vv: layout.pack(kk, vv)) if hasattr(layout, "pack") else (
+        lambda kk, vv: torch.cat([kk.transpose(-1, -2).flatten(-2), vv.flatten(-2)], -1).view(2, 2, 32, 128))
+    old = pack(k, v)
+    fresh = pack(rotate_keys(k, 96, rope), v * 1.1)
+    dk, dv = kv_deviation(fresh, old, 96, rope, layout)
+    assert dk.shape == dv.shape == (2,)
+    assert float(dk.max()) < 1e-5 and torch.allclose(dv, torch.full((2,), 0.1 / 1.1), atol=1e-5)
+    dk0, _ = kv_deviation(fresh, old, 0, rope, layout)  # no rotation: far off
+    assert float(dk0.min()) > 0.3
+    same_k, same_v = kv_deviation(old, old, 0, None, layout)
+    assert float(same_k.abs().max()) == float(same_v.abs().max()) == 0.0
+    with pytest.raises(ConfigError, match="RopeConfig"):
+        kv_deviation(fresh, old, 96, None, layout)

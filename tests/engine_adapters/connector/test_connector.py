@@ -303,3 +303,38 @@ def test_engines_with_and_without_the_connector_coexist(engine, kv_engine, text_
         kv_engine.generate(prompt, splice=SplicePlan(64))
     with pytest.raises(ConfigError, match="SplicePlan"):
         kv_engine.generate(prompt, splice={"splice": {}})
+
+
+def test_probes_measure_how_far_recomputed_blocks_are_from_their_relocated_old_kv(kv_engine, text_tokens):
+    """old = A + X + S: S's first two blocks recomputed in new prompts and compared, by
+    the connector as it saves them, with S's stored old KV.  Same tokens at the same
+    positions after the same context: ~0.  After X is deleted (S moves by -64, the
+    context before it changed): layer 0 still ~0 (position-only, keys re-rotated), the
+    deep layers deviate, and the block's deviation is far above the exact one."""
+    from promptsplice.blocks import chain_hashes
+    from promptsplice.engine_adapters import SplicePhase
+
+    s = salt("probe-old")
+    A, X, S = text_tokens[3000:3064], text_tokens[3064:3128], text_tokens[3128:3256]
+    old = A + X + S + text_tokens[3300:3310]
+    kv_engine.generate(old, max_tokens=1, cache_salt=s)  # S computed at 128, saved
+    parent = chain_hashes(old[:128], BS, salt=s)[-1]
+    worker = kv_engine.kv_connector.worker
+
+    def probe(new, dst, delta):
+        plan = SplicePlan(BS, src_salt=s, probes=(SpliceSegment(dst, 2, delta, parent),))
+        before = worker.stats.probed_blocks
+        run = kv_engine.generate_phases(new, [SplicePhase(len(new), plan)], cache_salt=salt("probe-new"), max_tokens=1)
+        assert worker.stats.probed_blocks - before == 2 and run.relocated_tokens == 0
+        assert [d.dst_start for d in run.deviations] == [dst, dst + BS]
+        assert all(d.delta == delta and len(d.k) == len(d.v) == len(worker.caches) for d in run.deviations)
+        return run.deviations
+
+    exact = probe(A + X + S + text_tokens[3400:3405], 128, 0)
+    moved = probe(A + S + text_tokens[3400:3405], 64, -64)
+    assert max(d.max_layer for d in exact) < 1e-3, exact
+    for d in moved:
+        assert d.k[0] < 0.01 and d.v[0] < 1e-3  # layer 0: the token at its position
+        assert max(d.v[1:]) > 0.01
+        assert d.value > 20 * max(e.value for e in exact) and d.value > 0.005
+    assert worker.stats.probe_s > 0

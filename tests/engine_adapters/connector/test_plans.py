@@ -145,3 +145,54 @@ def test_plan_phases_relocates_whole_blocks_and_recomputes_the_first_r():
     assert scoped.plan.segments[0].src_parent == old_keys[3]  # the old chain, under its own salt
     with pytest.raises(InputError, match="differ inside"):
         plan_phases(old, P + toks(128, 7000) + [2], [(128, 256, -64)], block_size=BS, salt=SALT)
+
+
+# ------------------------------------------------------------ probes (adaptive recompute)
+
+
+def test_probe_segments_round_trip_through_the_wire_format():
+    import json
+
+    probe = SpliceSegment(32, 1, -64, root_hash("x"))
+    plan = SplicePlan(BS, (SpliceSegment(64, 2, -64, bytes(16)),), "old", True, (probe,))
+    params = plan.to_params()
+    assert json.loads(json.dumps(params)) == params
+    assert params["splice"]["probes"] == [{"dst_start": 32, "num_blocks": 1, "delta": -64, "src_parent": root_hash("x").hex()}]
+    assert SplicePlan.from_params(params) == plan and SplicePlan.from_params(params).probes == (probe,)
+    # A probe-only plan loads nothing (falsy) but still carries its probes.
+    only = SplicePlan(BS, probes=(probe,))
+    assert not only and SplicePlan.from_params(only.to_params()).probes == (probe,)
+    assert "probes" not in SplicePlan(BS).to_params()["splice"]  # absent unless used
+    bad = {"splice": {"version": 1, "block_size": 32, "segments": [], "probes": [{"dst_start": 16, "num_blocks": 1,
+           "delta": 0, "src_parent": "00" * 16}]}}
+    with pytest.raises(InputError, match="multiples"):
+        SplicePlan.from_params(bad)
+    with pytest.raises(InputError, match="probe 0 lacks"):
+        SplicePlan.from_params({"splice": {"version": 1, "block_size": 32, "segments": [], "probes": [{}]}})
+
+
+def test_plan_phases_probes_the_recomputed_blocks_in_the_request_that_computes_them():
+    from promptsplice.engine_adapters.connector import extend_recompute
+
+    P, X, S = toks(64), toks(64, 5000), toks(160, 9000)
+    old, new = P + X + S + [1], P + S + [2]
+    keys = chain_hashes(old, BS, salt=SALT)
+    first, second = plan_phases(old, new, [(128, 288, -64)], block_size=BS, salt=SALT, recompute_blocks=2, probe=True)
+    # Blocks 64..128 of the new prompt are recomputed by the first request: it probes them
+    # against the old blocks at 128..192 (parent: the old block ending at 128).
+    assert first == SplicePhase(128, SplicePlan(BS, probes=(SpliceSegment(64, 2, -64, keys[3]),)))
+    assert second.plan.segments == (SpliceSegment(128, 3, -64, keys[5]),) and not second.plan.probes
+    # Without probe=True the phases are today's.
+    assert plan_phases(old, new, [(128, 288, -64)], block_size=BS, salt=SALT, recompute_blocks=2) == [
+        SplicePhase(128, SplicePlan(BS)), second
+    ]
+    # One more block recomputed: a request computes block 128 (probed), the run starts at 160.
+    extra, rest = extend_recompute(second, new)
+    assert extra == SplicePhase(160, SplicePlan(BS, probes=(SpliceSegment(128, 1, -64, keys[5]),)))
+    assert rest == SplicePhase(len(new), SplicePlan(BS, (SpliceSegment(160, 2, -64, keys[6]),)))
+    extra2, rest2 = extend_recompute(rest, new)
+    assert extra2.end == 192 and rest2.plan.segments == (SpliceSegment(192, 1, -64, keys[7]),)
+    # The run's last block: one plain request computes the rest, probing it.
+    (last,) = extend_recompute(rest2, new)
+    assert last == SplicePhase(len(new), SplicePlan(BS, probes=(SpliceSegment(192, 1, -64, keys[7]),)))
+    assert extend_recompute(last, new) is None

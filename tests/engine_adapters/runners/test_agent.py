@@ -264,3 +264,47 @@ def test_runner_options_are_checked(engine, kv_engine):
         AgentRunner(kv_engine, scope="tenant")
     with pytest.raises(InputError, match="PreparedContext"):
         AgentRunner(kv_engine).step([1, 2, 3])
+    for bad in (0, -0.1, float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(ConfigError, match="max_deviation"):
+            AgentRunner(kv_engine, max_deviation=bad)
+    with pytest.raises(ConfigError, match="recompute_blocks >= 1"):
+        AgentRunner(kv_engine, max_deviation=0.1, recompute_blocks=0)
+
+
+def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(kv_engine, renders):
+    """The same session under two thresholds.  Above every deviation (1e6): the planned
+    phases, each recomputed block probed, nothing extra.  Below every deviation (1e-12):
+    each run's next block is recomputed by one more request, up to the run's end, so
+    nothing is relocated and exactly those blocks are prefilled on top."""
+    from promptsplice.engine_adapters.connector import extend_recompute
+
+    bs = kv_engine.block_size
+    hi = run_session(AgentRunner(kv_engine, salt="t-dev-hi", max_deviation=1e6), kv_engine, "s-dev", renders, "t-dev-hi")
+    lo = run_session(AgentRunner(kv_engine, salt="t-dev-lo", max_deviation=1e-12), kv_engine, "s-dev", renders, "t-dev-lo")
+    prepared, step_hi = hi[2]
+    _, step_lo = lo[2]
+    phases = plan_phases(
+        prepared.previous.token_ids, prepared.token_ids, prepared.diff.relocations, block_size=bs,
+        recompute_blocks=1, salt=step_hi.salt, src_salt="t-dev-hi",
+        load_prefix=prepared.first_changed_token // bs * bs, scope=True, probe=True,
+    )
+    probes = [p for ph in phases for p in ph.plan.probes]
+    runs = [s for ph in phases if ph.plan.dst_start > 0 for s in ph.plan.segments]
+    assert probes and runs and all(s.delta for s in runs)
+    assert step_hi.requests == len(phases) and step_hi.extra_recompute_blocks == 0
+    assert len(step_hi.deviations) == sum(p.num_blocks for p in probes)
+    assert all(d > 0 for d in step_hi.deviations)
+    # Below every deviation: every relocated run is recomputed block by block.
+    new, expected = prepared.token_ids, []
+    for ph in phases:
+        while ph.plan.dst_start > 0 and (out := extend_recompute(ph, new)) is not None:
+            expected += out[:-1]  # the request that computes the run's next block
+            ph = out[-1]
+        expected.append(ph)
+    extra = sum(s.num_blocks for s in runs)
+    assert step_lo.extra_recompute_blocks == extra and step_lo.requests == len(expected)
+    assert step_lo.relocated_tokens == 0 < step_hi.relocated_tokens == extra * bs
+    assert step_lo.prefill_tokens == step_hi.prefill_tokens + extra * bs
+    assert len(step_lo.deviations) == len(step_hi.deviations) + extra
+    # Steps without an edit probe nothing.
+    assert hi[0][1].deviations == hi[1][1].deviations == () and lo[1][1].extra_recompute_blocks == 0

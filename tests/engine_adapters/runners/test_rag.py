@@ -148,6 +148,21 @@ def test_recomputed_first_blocks_split_the_request_per_chunk():
     ]
 
 
+def test_probes_name_each_chunks_recomputed_blocks_and_their_stored_source():
+    new = HEAD + B + A + Q
+    sa, sb = src(HEAD, 8, 2), src(HEAD + A, 16, 3)
+    chunks = [ChunkPlacement(8, 20, sb), ChunkPlacement(20, 28, sa)]
+    plain = plan_chunk_phases(new, chunks, block_size=BS, hit=8, head_end=8, recompute_blocks=1, src_salt="t")
+    probed = plan_chunk_phases(new, chunks, block_size=BS, hit=8, head_end=8, recompute_blocks=1, src_salt="t",
+                               probe=True)
+    # Same requests; each chunk's first block is probed against its source, in the
+    # request that computes it.
+    assert [(p.end, p.plan.segments) for p in probed] == [(p.end, p.plan.segments) for p in plain]
+    assert [p.plan.probes for p in probed] == [
+        (SpliceSegment(8, 1, -8, sb.parent),), (SpliceSegment(20, 1, 12, sa.parent),), ()
+    ]
+
+
 def test_chunks_inside_the_prefix_hit_are_left_to_the_cache():
     new = HEAD + B + A + Q
     sa, sb = src(HEAD, 8, 2), src(HEAD + A, 16, 3)
@@ -313,6 +328,29 @@ def test_recomputed_first_blocks_take_a_request_per_chunk(kv_engine):
     assert step.relocated_chunks == 3
 
 
+def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
+    def long_docs(*names):
+        return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]}"} for n in names]
+
+    steps = {}
+    for name, t in (("hi", 1e6), ("lo", 1e-12)):
+        runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{name}-{uuid.uuid4().hex[:8]}",
+                           policy="retrieval", max_deviation=t)
+        runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
+        steps[name] = runner.run(long_docs("everest", "nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)
+    hi, lo = steps["hi"], steps["lo"]
+    # Above every deviation: the fixed r=1 requests, each chunk's first block probed.
+    assert hi.requests == 4 and hi.extra_recompute_blocks == 0 and len(hi.deviations) == 3
+    assert all(d > 0 for d in hi.deviations) and hi.relocated_tokens > 0
+    # Below every deviation: every block of every chunk is recomputed (those after the
+    # first one by one more request each), nothing is relocated.
+    loaded = sum((s.end - s.start) // 32 - 1 for s in chunk_segments(hi).values())
+    assert loaded >= hi.relocated_tokens // 32 > 0  # a chunk at its old position loads with delta 0
+    assert lo.relocated_tokens == 0 and lo.extra_recompute_blocks == loaded
+    assert lo.requests == 1 + loaded  # the first plain request, then one per recomputed block
+    assert lo.prefill_tokens == hi.prefill_tokens + loaded * 32 and len(lo.deviations) == 3 + loaded
+
+
 def test_exact_mode_is_the_default_and_never_relocates(kv_engine):
     runner = RagRunner(kv_engine, salt=f"exact-{uuid.uuid4().hex[:8]}")
     assert runner.mode is ReuseMode.EXACT and runner.index is None
@@ -331,6 +369,11 @@ def test_bad_configurations_are_refused(engine, kv_engine):
         RagRunner(kv_engine, mode="position_independent", recompute_blocks=-1)
     with pytest.raises(ConfigError, match="precompute"):
         RagRunner(kv_engine, mode="position_independent", precompute="lazy")
+    for bad in (0, float("nan"), -1.0):
+        with pytest.raises(ConfigError, match="max_deviation"):
+            RagRunner(kv_engine, mode="position_independent", max_deviation=bad)
+    with pytest.raises(ConfigError, match="recompute_blocks >= 1"):
+        RagRunner(kv_engine, mode="position_independent", max_deviation=0.1, recompute_blocks=0)
     other = ChunkIndex(BlockStore(StoreConfig(dram_bytes=1 << 20)), block_size=32)
     with pytest.raises(ConfigError, match="another engine"):
         RagRunner(kv_engine, mode="position_independent", index=other)

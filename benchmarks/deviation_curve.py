@@ -1,0 +1,272 @@
+"""The deviation -> first-token KL curve behind ``AgentRunner(max_deviation=...)`` and
+:data:`~promptsplice.engine_adapters.runners._agent.DEFAULT_MAX_DEVIATION`.
+
+Replays an agent trace (BFCL-derived: ``promptsplice bench gen-agent-trace``) on one
+engine with the splice connector, in several *configurations* of the splice runner,
+each under its own tenant salt (same engine, same capacity, same steps):
+
+* ``r1``: one recomputed block per relocated run, probed (``max_deviation`` above any
+  deviation: the connector measures each recomputed block, nothing more is recomputed);
+* ``r2``: two fixed recomputed blocks (today's knob, for the cost comparison);
+* ``t=<x>``: ``recompute_blocks=1, max_deviation=x`` (adaptive).
+
+Every edit step is probed (up to ``max_steps``): first-token ``KL(reference || config)``
+(:func:`promptsplice.benchmarks.fidelity.kl`) against a one-pass exact prefill of the
+same prompt under a fresh salt, each config's distribution read from a request under
+its session salt (so it meets the config's spliced KV; the probe checks vLLM served all
+but the last block from cache).  From ``r1`` the report pairs each step's deviation
+(the largest over its runs' recomputed blocks, several aggregates over layers) with its
+KL: the curve (quartile bins), Spearman's rank correlation of each aggregate with KL,
+and KL by edit kind.  Per config: KL mean/p50/p90/max, extra blocks prefilled over
+``r1`` on edit steps, requests.  ``chosen`` is the threshold with the fewest extra
+blocks whose KL p90 stays <= ``KL_BAR`` (``r1`` counts as the next 0.05 above its
+largest deviation: nothing extended).  The probe cost: the worker's time comparing
+blocks over the splice steps' wall time, in the same run.
+
+    python -m promptsplice.benchmarks.deviation_curve --trace T.jsonl --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AGGREGATES", "KL_BAR", "aggregate", "run_deviation_curve", "spearman"]
+
+KL_BAR = 0.02
+"""First-token KL p90 (nats) the chosen threshold must keep (issue #16's bar)."""
+AGGREGATES = ("mean_kv", "mean_v", "mean_k", "max_layer", "last_layer")
+_PROBE_ALL = 1e6  # above any relative deviation: probe, never extend
+
+
+def aggregate(dev: Any, how: str) -> float:
+    """One number per :class:`BlockDeviation` (``how`` in :data:`AGGREGATES`)."""
+    if how == "mean_kv":
+        return dev.value
+    if how == "mean_v":
+        return sum(dev.v) / len(dev.v)
+    if how == "mean_k":
+        return sum(dev.k) / len(dev.k)
+    if how == "max_layer":
+        return dev.max_layer
+    if how == "last_layer":
+        return (dev.k[-1] + dev.v[-1]) / 2
+    raise ValueError(f"unknown aggregate {how!r}")
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def _ranks(xs: Sequence[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2
+        i = j + 1
+    return r
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (``None`` under 3 pairs or a constant side)."""
+    if len(a) < 3:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
+    return round(cov / math.sqrt(va * vb), 4) if va and vb else None
+
+
+def _kl_stats(kls: Sequence[float]) -> dict[str, Any]:
+    if not kls:
+        return {"steps": 0}
+    return {"steps": len(kls), "kl_mean": round(sum(kls) / len(kls), 4), "kl_p50": round(_pct(kls, 0.5), 4),
+            "kl_p90": round(_pct(kls, 0.9), 4), "kl_max": round(max(kls), 4)}
+
+
+def run_deviation_curve(
+    sessions: Sequence[Any], kv_engine: Any, *, thresholds: Sequence[float] | None = None,
+    max_steps: int | None = None, log: Any = None, with_r2: bool = True, raw_out: str | None = None,
+) -> dict[str, Any]:
+    """Replay ``sessions`` in every configuration (module doc); returns the report.
+
+    ``thresholds``: the adaptive configs (``None``: the r1 deviations' 50th, 75th and
+    90th percentiles, measured in a first pass).  ``kv_engine``: an engine with
+    ``kv_store``, started with ``max_logprobs=-1``.
+    """
+    from promptsplice.benchmarks.agent_traces import classify_step
+    from promptsplice.benchmarks.fidelity import kl
+    from promptsplice.engine_adapters import AgentRunner
+
+    worker = kv_engine.kv_connector.worker
+    bs = kv_engine.block_size
+    refs: dict[tuple[str, int], dict[int, float]] = {}
+
+    def replay(name: str, runner: Any) -> dict[str, Any]:
+        from promptsplice.assembler import ContextHook
+
+        hook = ContextHook(kv_engine.tokenizer, block_size=bs)
+        rows, probe_s, wall_s, unverified, n = [], 0.0, 0.0, 0, 0
+        for sess in sessions:
+            for i, msgs in enumerate(sess.renders):
+                kind = classify_step(sess.renders[i - 1] if i else None, msgs)
+                prepared = hook(sess.id, msgs, sess.tools or None)
+                seen0, p0 = worker.stats.probed_blocks, worker.stats.probe_s
+                t0 = time.perf_counter()
+                step = runner.step(prepared, max_tokens=1)
+                wall_s += time.perf_counter() - t0
+                probe_s += worker.stats.probe_s - p0
+                new = min(worker.stats.probed_blocks - seen0, len(worker.deviations))
+                devs = list(worker.deviations)[len(worker.deviations) - new:] if new else []
+                if kind in ("first", "append") or (max_steps is not None and n >= max_steps):
+                    continue
+                n += 1
+                toks = list(prepared.token_ids)
+                key = (sess.id, i)
+                if key not in refs:
+                    refs[key] = kv_engine.generate(toks, max_tokens=1, cache_salt=f"ref:{uuid.uuid4().hex}",
+                                                   logprobs=-1).logprobs[0]
+                out = kv_engine.generate(toks, max_tokens=1, cache_salt=runner.session_salt(sess.id), logprobs=-1)
+                if out.num_cached_tokens < (len(toks) - 1) // bs * bs:
+                    unverified += 1  # the probe did not meet the config's KV
+                rows.append({
+                    "session": sess.id, "step": i, "kind": kind, "kl": kl(refs[key], out.logprobs[0]),
+                    "prefill_tokens": step.prefill_tokens, "relocated_tokens": step.relocated_tokens,
+                    "requests": step.requests, "extra_blocks": step.extra_recompute_blocks,
+                    "dev": {a: max((aggregate(d, a) for d in devs), default=None) for a in AGGREGATES},
+                })
+        if log:
+            log(f"{name}: {len(rows)} edit steps probed, KL p90 {_kl_stats([r['kl'] for r in rows]).get('kl_p90')}")
+        return {"rows": rows, "probe_s": probe_s, "wall_s": wall_s, "unverified": unverified}
+
+    results = {"r1": replay("r1", AgentRunner(kv_engine, salt="dev-r1", max_deviation=_PROBE_ALL))}
+    if raw_out is not None:
+        Path(raw_out).write_text(json.dumps(results) + "\n")
+    d1 = [r["dev"]["mean_kv"] for r in results["r1"]["rows"] if r["dev"]["mean_kv"] is not None]
+    if thresholds is None:
+        thresholds = sorted({round(_pct(d1, q), 4) for q in (0.5, 0.75, 0.9)}) if d1 else []
+    for t in thresholds:
+        results[f"t={t:g}"] = replay(f"t={t:g}", AgentRunner(kv_engine, salt=f"dev-t{t:g}", max_deviation=t))
+        if raw_out is not None:
+            Path(raw_out).write_text(json.dumps(results) + "\n")
+    if with_r2:
+        results["r2"] = replay("r2", AgentRunner(kv_engine, salt="dev-r2", recompute_blocks=2))
+    if raw_out is not None:
+        Path(raw_out).write_text(json.dumps(results) + "\n")
+    return curve_report(results, thresholds, bs)
+
+
+def curve_report(results: dict[str, Any], thresholds: Sequence[float], bs: int) -> dict[str, Any]:
+    """The report (module doc) from the configs' probed rows."""
+    d1 = [r["dev"]["mean_kv"] for r in results["r1"]["rows"] if r["dev"]["mean_kv"] is not None]
+    base = {(r["session"], r["step"]): r["prefill_tokens"] for r in results["r1"]["rows"]}
+    configs = {}
+    for name, res in results.items():
+        rows = res["rows"]
+        extra = sum(r["prefill_tokens"] - base.get((r["session"], r["step"]), r["prefill_tokens"]) for r in rows)
+        configs[name] = {
+            **_kl_stats([r["kl"] for r in rows]),
+            "extra_prefill_blocks": extra // bs,
+            "adaptive_extra_blocks": sum(r["extra_blocks"] for r in rows),
+            "requests": sum(r["requests"] for r in rows),
+            "relocated_tokens": sum(r["relocated_tokens"] for r in rows),
+            "unverified_probes": res["unverified"],
+            "probe_cost_ratio": round(res["probe_s"] / res["wall_s"], 4) if res["wall_s"] else None,
+        }
+    r1 = [r for r in results["r1"]["rows"] if r["dev"]["mean_kv"] is not None]
+    curve = []
+    if r1:
+        qs = [_pct(d1, q) for q in (0.25, 0.5, 0.75)]
+        edges = [-math.inf, *qs, math.inf]
+        for lo, hi in zip(edges, edges[1:]):
+            b = [r for r in r1 if lo < r["dev"]["mean_kv"] <= hi]
+            if b:
+                curve.append({"deviation_min": round(min(r["dev"]["mean_kv"] for r in b), 4),
+                              "deviation_max": round(max(r["dev"]["mean_kv"] for r in b), 4),
+                              **_kl_stats([r["kl"] for r in b])})
+    by_kind: dict[str, Any] = {}
+    for kind in sorted({r["kind"] for r in r1}):
+        b = [r for r in r1 if r["kind"] == kind]
+        by_kind[kind] = {**_kl_stats([r["kl"] for r in b]),
+                         "deviation_mean": round(sum(r["dev"]["mean_kv"] for r in b) / len(b), 4),
+                         "spearman_within_kind": spearman([r["dev"]["mean_kv"] for r in b], [r["kl"] for r in b])}
+    # r1 is the threshold above every deviation it saw (no extra block): the next 0.05 up.
+    above = math.ceil(max(d1) * 20) / 20 if d1 else None
+    cands = [(t, configs[f"t={t:g}"]) for t in thresholds]
+    if above is not None:
+        cands.append((above, configs["r1"]))
+    ok = [c for c in cands if c[1].get("kl_p90", math.inf) <= KL_BAR]
+    chosen = max(ok, key=lambda x: (-x[1]["extra_prefill_blocks"], x[0]))[0] if ok else None
+    return {
+        "kl_bar": KL_BAR, "thresholds": list(thresholds), "chosen_max_deviation": chosen,
+        "configs": configs, "curve_r1": curve, "by_kind_r1": by_kind,
+        "spearman_r1": {a: spearman([r["dev"][a] for r in r1], [r["kl"] for r in r1]) for a in AGGREGATES},
+        "pairs_r1": [{"kind": r["kind"], "deviation": round(r["dev"]["mean_kv"], 5), "kl": round(r["kl"], 5)}
+                     for r in r1],
+        "block_size": bs,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.deviation_curve", description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", default=None, help="agent trace JSONL (promptsplice bench gen-agent-trace)")
+    parser.add_argument("--json", required=True, help="where to write the report")
+    parser.add_argument("--sessions", type=int, default=None, help="only the first N sessions")
+    parser.add_argument("--max-steps", type=int, default=None, help="probe at most N edit steps per config")
+    parser.add_argument("--thresholds", default=None, help="comma-separated max_deviation values (default: r1 quantiles)")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="engine context (default 8192, the model's)")
+    parser.add_argument("--no-r2", action="store_true", help="skip the fixed r=2 config")
+    parser.add_argument("--raw", default=None, help="also write the configs' rows here as they finish")
+    parser.add_argument("--report-from", default=None, help="rebuild the report from a --raw file (no engine)")
+    parser.add_argument("--block-size", type=int, default=32, help="with --report-from: the engine's block size")
+    args = parser.parse_args(argv)
+    if args.report_from:
+        results = json.loads(Path(args.report_from).read_text())
+        ts = [float(k[2:]) for k in results if k.startswith("t=")]
+        report = curve_report(results, ts, args.block_size)
+        report["from_raw"] = args.report_from
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        _print(report)
+        return 0
+    if not args.trace:
+        parser.error("--trace is required (or --report-from)")
+    from promptsplice.benchmarks.agent_traces import read_agent_trace
+    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
+
+    sessions = read_agent_trace(args.trace)[: args.sessions]
+    thresholds = [float(x) for x in args.thresholds.split(",")] if args.thresholds else None
+    eng = EmbeddedEngine(kv_store=StoreConfig(dram_bytes=1 << 30), max_model_len=args.max_model_len,
+                         extra_kwargs={"max_logprobs": -1})
+    try:
+        report = run_deviation_curve(sessions, eng, thresholds=thresholds, max_steps=args.max_steps, log=print,
+                                     with_r2=not args.no_r2, raw_out=args.raw)
+    finally:
+        eng.close()
+    report["trace"] = args.trace
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    _print(report)
+    return 0
+
+
+def _print(report: dict[str, Any]) -> None:
+    for name, c in report["configs"].items():
+        print(f"{name:10s} {c}")
+    print(f"curve (r1): {report['curve_r1']}\nspearman: {report['spearman_r1']}\nby kind: {report['by_kind_r1']}")
+    print(f"chosen max_deviation: {report['chosen_max_deviation']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
