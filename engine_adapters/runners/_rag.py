@@ -50,6 +50,13 @@ connector saves nothing a relocating request computes); a plain phase of a
 position-independent request may save blocks under the reuse salt, where again only
 the tenant's position-independent requests reach them.
 
+Fidelity (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
+runner (default ``bounded``) or per request picks the recompute (``recompute_blocks``
+overrides the level's).  A position-independent request at ``exact`` relocates nothing:
+it is assembled the same way (whole-block chunks) and sent as one plain request under
+the tenant's salt, whose cache and store hold exact blocks only; its
+``recomputed_tokens`` count the stored chunks it computed instead.
+
 Failures fall back to prefill, never to wrong KV: a block the store no longer serves
 when the request runs ends the load there and vLLM computes the rest of the prompt
 (the connector's load-error path); a plan that does not fit the prompt is logged and
@@ -70,7 +77,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
-from promptsplice.engine_adapters.runners._steps import StepFallback, cached_tokens
+from promptsplice.engine_adapters.runners._fidelity import (
+    DEFAULT_FIDELITY,
+    FIDELITY_TABLE,
+    FidelityLevel,
+    FidelitySettings,
+    check_fidelity,
+    fidelity_settings,
+)
+from promptsplice.engine_adapters.runners._steps import StepFallback, cached_tokens, planned_relocated_tokens
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash, round_down
 from promptsplice._validate import check_enum, check_int, check_salt
@@ -94,8 +109,8 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_PIC_RECOMPUTE_BLOCKS = 1
-"""Blocks of each relocated chunk recomputed by default (see the README's sweep)."""
+DEFAULT_PIC_RECOMPUTE_BLOCKS = FIDELITY_TABLE[DEFAULT_FIDELITY].recompute_blocks
+"""Blocks of each relocated chunk recomputed at the default fidelity."""
 
 
 class ReuseMode(enum.Enum):
@@ -293,6 +308,14 @@ class RagStep:
     salt: str | None
     fallback: StepFallback | None = None
     """Why the request was sent as a plain request (``None``: as planned)."""
+    fidelity: FidelityLevel = FidelityLevel.EXACT
+    """The level the request ran at (``exact`` for an ``exact``-mode runner)."""
+    planned_relocated_tokens: int = 0
+    """Tokens the plan relocates; ``relocated_tokens`` below it means the store did not
+    serve some of them (they were computed: exact)."""
+    recomputed_tokens: int = 0
+    """Tokens of stored chunks computed for fidelity (the level's recompute at each
+    chunk start; at ``exact``, every stored chunk after the prefix hit)."""
 
     @property
     def hit_rate(self) -> float:
@@ -309,7 +332,9 @@ class RagRunner:
     (``cache_aware`` default).  ``index``: a :class:`ChunkIndex` to share between
     runners of one engine (default: one per runner).  ``min_group_blocks``: a chunk
     needing a request of its own must move at least this many blocks.  ``precompute``:
-    ``"packed"`` (default) or ``"standalone"`` (module doc).
+    ``"packed"`` (default) or ``"standalone"`` (module doc).  ``fidelity``: ``"exact"``,
+    ``"bounded"`` (default) or ``"fast"`` for ``position_independent`` (module doc),
+    per request too; ``recompute_blocks`` (when given) overrides the level's.
     """
 
     def __init__(
@@ -318,12 +343,13 @@ class RagRunner:
         *,
         mode: str | ReuseMode = ReuseMode.EXACT,
         salt: str | None = None,
-        recompute_blocks: int = DEFAULT_PIC_RECOMPUTE_BLOCKS,
+        recompute_blocks: int | None = None,
         policy: str = "cache_aware",
         prompt_format: Any = None,
         index: ChunkIndex | None = None,
         min_group_blocks: int = 1,
         precompute: str = "packed",
+        fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
     ) -> None:
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
@@ -340,12 +366,15 @@ class RagRunner:
                 "this engine's splice connector cannot relocate KV (its log says why: an "
                 "unverified attention ISA or RoPE); use mode='exact'"
             )
-        check_int(recompute_blocks, "recompute_blocks", minimum=0)
+        self.fidelity = check_fidelity(fidelity)
+        if recompute_blocks is not None:
+            check_int(recompute_blocks, "recompute_blocks", minimum=0)
+        self._recompute_override = recompute_blocks
         check_int(min_group_blocks, "min_group_blocks")
         check_salt(salt, "salt")
         self.engine = engine
         self.salt = salt
-        self.recompute_blocks = recompute_blocks
+        self.recompute_blocks = self.settings(self.fidelity).recompute_blocks
         self.min_group_blocks = min_group_blocks
         bs = engine.block_size
         self.assembler = engine.make_assembler(
@@ -360,6 +389,11 @@ class RagRunner:
                 raise ConfigError("the chunk index belongs to another engine's store or block size")
         self.index = index
         self._lock = threading.Lock()
+
+    def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
+        """The settings a request at ``fidelity`` (default: the runner's) runs with."""
+        level = self.fidelity if fidelity is None else check_fidelity(fidelity)
+        return fidelity_settings(level, recompute_blocks=self._recompute_override)
 
     @property
     def reuse_salt(self) -> str:
@@ -379,14 +413,17 @@ class RagRunner:
         temperature: float = 0.0,
         stop: str | list[str] | None = None,
         logprobs: int | None = None,
+        fidelity: str | FidelityLevel | None = None,
     ) -> RagStep:
-        """Assemble and run one request; raises what ``Assembler.assemble`` and
-        :meth:`EmbeddedEngine.generate` raise."""
+        """Assemble and run one request (``fidelity``: this request's level, default the
+        runner's); raises what ``Assembler.assemble`` and :meth:`EmbeddedEngine.generate`
+        raise."""
         gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
+        cfg = self.settings(fidelity)
         with self._lock:
-            if self.mode is ReuseMode.EXACT:
+            if self.mode is ReuseMode.EXACT or not cfg.relocate:
                 return self._run_exact(chunks, query, system, tools, gen)
-            return self._run_pic(chunks, query, system, tools, gen)
+            return self._run_pic(chunks, query, system, tools, gen, cfg)
 
     def _run_exact(self, chunks, query, system, tools, gen) -> RagStep:
         asm = self.assembler
@@ -394,10 +431,20 @@ class RagRunner:
         prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=self.salt)
         t_send = time.perf_counter()
         out = self.engine.generate(prompt, **gen)
-        return self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
+        step = self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
+        if self.mode is ReuseMode.POSITION_INDEPENDENT:  # what relocation would have served
+            bs, toks = self.engine.block_size, prompt.token_ids
+            hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
+            step.recomputed_tokens = sum(
+                s.end - max(s.start, hit)
+                for s in prompt.segments
+                if s.kind is SegmentKind.CHUNK and s.end > hit
+                and self.index.lookup(toks[s.start : s.end], salt=self.salt).status is ChunkStatus.HIT
+            )
+        return step
 
-    def _run_pic(self, chunks, query, system, tools, gen) -> RagStep:
-        asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, self.recompute_blocks
+    def _run_pic(self, chunks, query, system, tools, gen, cfg: FidelitySettings) -> RagStep:
+        asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, cfg.recompute_blocks
         t0 = time.perf_counter()
         salt = self.reuse_salt
         prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=salt)
@@ -442,7 +489,7 @@ class RagRunner:
             if look.status is ChunkStatus.HIT and look.source is not None:
                 placed.append(ChunkPlacement(s.start, s.end, look.source))
             # else the store refused it: computed where it stands
-        fallback = None
+        fallback, recomputed = None, 0
         try:
             phases = plan_chunk_phases(
                 toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
@@ -451,11 +498,29 @@ class RagRunner:
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
             phases, fallback = [SplicePhase(len(toks), None)], StepFallback.INVALID_PLAN
+        if r and fallback is None:  # what r = 0 would have relocated, for the record
+            every = list(placed)
+            for s in chunk_segs:  # chunks no longer than r blocks were not looked up
+                if s.end > hit and s.start not in found and s.start >= head_end:
+                    look = self.index.lookup(toks[s.start : s.end], salt=self.salt)
+                    if look.status is ChunkStatus.HIT and look.source is not None:
+                        every.append(ChunkPlacement(s.start, s.end, look.source))
+            every.sort(key=lambda c: c.start)
+            try:
+                full = plan_chunk_phases(toks, every, block_size=bs, hit=hit, head_end=head_end,
+                                         src_salt=self.salt, min_group_blocks=self.min_group_blocks)
+                recomputed = max(0, planned_relocated_tokens(full) - planned_relocated_tokens(phases))
+            except InputError:
+                recomputed = 0
         run = eng.generate_phases(toks, phases, cache_salt=salt, **gen)
         outs.extend(run.completions)
-        return self._step(
+        step = self._step(
             prompt, outs, outs[-1], t0, run.t_last, salt, run.relocated_tokens, precomputed, len(placed), fallback
         )
+        step.fidelity = cfg.level
+        step.planned_relocated_tokens = planned_relocated_tokens(phases)
+        step.recomputed_tokens = recomputed
+        return step
 
     def _step(self, prompt, outs, out, t0, t_last, salt, relocated, precomputed, nchunks, fallback) -> RagStep:
         n = len(prompt.token_ids)
@@ -478,4 +543,7 @@ class RagRunner:
         )
 
     def __repr__(self) -> str:
-        return f"RagRunner(mode={self.mode.value!r}, recompute_blocks={self.recompute_blocks})"
+        return (
+            f"RagRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
+            f"recompute_blocks={self.recompute_blocks})"
+        )
