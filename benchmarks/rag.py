@@ -291,8 +291,9 @@ def format_modes(report: dict[str, Any]) -> str:
             f"precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests"
         )
         lines.append(
-            f"fidelity over {f['steps']} requests: tf-top1 {f['tf_top1_agreement']} KL "
-            f"{f['first_token_kl']} (p50 {f['first_token_kl_p50']}, max {f['first_token_kl_max']}) greedy "
+            f"fidelity over {f['steps']} verified requests: tf-top1 {f['tf_top1_agreement']} {f['tf_top1_ci95']} "
+            f"(p10 {f['tf_top1_p10']}) KL {f['first_token_kl']} {f['first_token_kl_ci95']} (p50 "
+            f"{f['first_token_kl_p50']}, p90 {f['first_token_kl_p90']}, max {f['first_token_kl_max']}) greedy "
             f"{f['greedy_agreement']} | control tf-top1 {c['tf_top1_agreement']} KL {c['first_token_kl']} "
             f"greedy {c['greedy_agreement']}"
         )
