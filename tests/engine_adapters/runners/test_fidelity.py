@@ -139,7 +139,6 @@ def _p90(xs):
     return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
 
 
-@pytest.mark.reliability
 def test_the_default_fidelity_keeps_first_token_kl_p90_within_the_bar(engine, kv_engine, measured):
     """Fixed sample: the edit steps of two sample agent sessions and 8 requests of
     the RAG sample, every one at the default fidelity (``bounded``), each probe
