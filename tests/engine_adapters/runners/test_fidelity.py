@@ -157,7 +157,7 @@ def test_the_default_fidelity_keeps_first_token_kl_p90_within_the_bar(engine, kv
         if st.planned_relocated_tokens:
             verify_step(st)
             kls["rag"].append(_first_token_kl(engine, kv_engine, list(st.prompt.token_ids), runner.reuse_salt))
-    assert len(kls["agent"]) >= 3 and len(kls["rag"]) >= 3
+    assert len(kls["agent"]) >= 3 and len(kls["rag"]) >= 2
     for what, xs in kls.items():
         measured[f"{what}_probes"] = len(xs)
         measured[f"{what}_first_token_kl_p90"] = round(_p90(xs), 4)
