@@ -9,10 +9,10 @@ default) or per request:
   cache and exact loads from the block store (offload hits, delta 0); nothing is
   relocated, nothing position-independent.  A request at this level runs under a salt
   whose cache holds exact blocks only (the tenant's salt; see the runners).
-* ``bounded`` (the default): relocation with the recompute that met first-token KL p90
-  <= :data:`BOUNDED_KL_P90` nats and teacher-forced top-1 >= control - 0.01 on the
-  fidelity probes of ``bench agent`` / ``bench rag`` (the README's table gives the
-  commands and numbers).
+* ``bounded`` (the default): relocation with the recompute chosen to meet first-token
+  KL p90 <= :data:`BOUNDED_KL_P90` nats and teacher-forced top-1 >= control - 0.01 on
+  the fidelity probes of ``bench agent`` / ``bench rag`` (r=1 until that sweep runs; the
+  README gives what was measured).
 * ``fast``: relocation with the least recompute (the most reuse, the largest error).
 
 :data:`FIDELITY_TABLE` maps each level to its :class:`FidelitySettings`.
