@@ -20,7 +20,9 @@ Bounds reported beside the modes:
   mode's prefill, so users see where splicing pays (deep edits) and where it cannot
   (an edit of the last message leaves nothing to relocate).
 
-Fidelity (sampled edit steps, measured on the real model against a one-pass full
+Fidelity (edit steps that relocate KV, at least 32 by default, sampled across edit
+kinds and depths: :func:`probe_ranks`; each probe verified to have measured relocated
+KV, :func:`promptsplice.benchmarks.fidelity.verify_step`; measured on the real model against a one-pass full
 prefill ``R`` of the same render with 32 greedy tokens ``c``): teacher-forced top-1
 agreement (the context plus ``c[:k]`` predicts ``c[k]``, k < 32), the KL divergence
 ``KL(R || mode)`` of the first-token distributions over the whole vocabulary (nats),
@@ -39,10 +41,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
-from promptsplice.benchmarks.fidelity import FIDELITY_FIELDS, PROBE_TOKENS, Fidelity, reference
+from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, edit_depth, read_agent_trace
+from promptsplice.benchmarks.fidelity import (
+    DEFAULT_PROBES,
+    FIDELITY_FIELDS,
+    PROBE_TOKENS,
+    Fidelity,
+    full_blocks,
+    reference,
+    verify_step,
+)
 
-__all__ = ["MODE_FIELDS", "FIDELITY_FIELDS", "run_agent_modes", "run_agent_bench", "format_agent"]
+__all__ = ["MODE_FIELDS", "FIDELITY_FIELDS", "run_agent_modes", "run_agent_bench", "format_agent", "probe_ranks"]
 
 _log = logging.getLogger(__name__)
 
@@ -119,6 +129,60 @@ def _ideal_step(render: Any, prev: Any, apc_cached: int) -> int:
     return out
 
 
+def _depth_bucket(messages_after: int) -> str:
+    """Depth of an edit: messages from the first changed one to the end, in powers of 2."""
+    for hi, name in ((1, "1"), (3, "2-3"), (7, "4-7")):
+        if messages_after <= hi:
+            return name
+    return "8+"
+
+
+def _spread(n: int) -> list[int]:
+    """0..n-1 in an order that spreads any prefix over the range (bisection order)."""
+    out: list[int] = []
+    seen: set[int] = set()
+    parts = 1
+    while len(out) < n:
+        for j in range(parts):
+            i = min(n - 1, (2 * j + 1) * n // (2 * parts))
+            if i not in seen:
+                seen.add(i)
+                out.append(i)
+        parts *= 2
+        if parts > 2 * n:
+            out += [i for i in range(n) if i not in seen]
+    return out
+
+
+def probe_ranks(sessions: Sequence[AgentSession]) -> dict[tuple[int, int], tuple[int, str]]:
+    """The probe order of every edit step, ``(session index, step) -> (rank, stratum)``.
+
+    Strata are (edit kind, depth: messages from the first changed one to the end of the
+    render, 1 / 2-3 / 4-7 / 8+); rank ``r`` takes the ``r // strata``-th pick of each
+    stratum in turn, each stratum's picks spread over its steps.  The bench probes the
+    steps of lowest rank that relocate KV (a step that relocates nothing is not
+    approximate and passes its turn to the next rank)."""
+    strata: dict[str, list[tuple[int, int]]] = {}
+    for si, sess in enumerate(sessions):
+        for i, rnd in enumerate(sess.renders):
+            prev = sess.renders[i - 1] if i else None
+            kind = classify_step(prev, rnd)
+            if kind in ("first", "append"):
+                continue
+            label = f"{kind}/{_depth_bucket(len(rnd) - edit_depth(prev, rnd))}"
+            strata.setdefault(label, []).append((si, i))
+    queues = {k: [v[j] for j in _spread(len(v))] for k, v in sorted(strata.items())}
+    ranks: dict[tuple[int, int], tuple[int, str]] = {}
+    r = 0
+    while queues:
+        for k in list(queues):
+            ranks[queues[k].pop(0)] = (r, k)
+            r += 1
+            if not queues[k]:
+                del queues[k]
+    return ranks
+
+
 def run_agent_modes(
     sessions: Sequence[AgentSession],
     *,
@@ -126,7 +190,7 @@ def run_agent_modes(
     kv_engine: Any,
     recompute_blocks: int | None = None,
     max_tokens: int = PROBE_TOKENS,
-    fidelity_steps: int = 8,
+    fidelity_steps: int = DEFAULT_PROBES,
     scope: str = "session",
     log: Any = None,
 ) -> dict[str, Any]:
@@ -134,7 +198,9 @@ def run_agent_modes(
 
     ``engine``: a plain :class:`EmbeddedEngine` (``full`` and ``apc``); ``kv_engine``:
     one with ``kv_store`` (``splice``); both started with ``max_logprobs=-1`` for the
-    KL probes.  ``fidelity_steps``: how many edit steps to probe (spread over the trace).
+    KL probes.  ``fidelity_steps``: how many edit steps that relocate KV to probe
+    (:func:`probe_ranks`); a probe that did not measure relocated KV raises
+    :class:`~promptsplice.benchmarks.fidelity.FidelityError`.
     """
     from promptsplice.assembler import ContextHook
     from promptsplice.engine_adapters import AgentRunner
@@ -157,14 +223,11 @@ def run_agent_modes(
     ideal = 0
     skipped = 0
     fallbacks = 0
-    edit_total = sum(
-        1 for s in sessions for i, rnd in enumerate(s.renders)
-        if classify_step(s.renders[i - 1] if i else None, rnd) not in ("first", "append")
-    )
-    every = max(1, edit_total // max(1, fidelity_steps)) if fidelity_steps else 0
-    edit_seen = 0
+    ranks = probe_ranks(sessions) if fidelity_steps else {}
+    limit = fidelity_steps  # ranks below it are probed; one that relocates nothing passes its turn on
+    passed = 0
     t_start = time.perf_counter()
-    for sess in sessions:
+    for si, sess in enumerate(sessions):
         prev_render = None
         for i, msgs in enumerate(sess.renders):
             kind = classify_step(sess.renders[i - 1] if i else None, msgs)
@@ -194,10 +257,13 @@ def run_agent_modes(
             for m in MODES:
                 k[m]["prefill_tokens"] += steps[m].prefill_tokens
                 k[m]["ttft_ms"].append(steps[m].ttft_s * 1e3)
-            if edit:
-                edit_seen += 1
-                if every and edit_seen % every == 0 and len(fid["splice"].tf) < fidelity_steps:
-                    _measure(engine, kv_engine, prepared.token_ids, steps, runners, sid, fid)
+            rank, label = ranks.get((si, i), (limit, ""))
+            if rank < limit:
+                if steps["splice"].planned_relocated_tokens > 0:
+                    _measure(engine, kv_engine, prepared.token_ids, steps, runners, sid, fid, label=label)
+                else:
+                    limit += 1
+                    passed += 1
             if log is not None:
                 log(f"{sess.id} step {i} {kind:9s} prefill full {steps['full'].prefill_tokens:5d} "
                     f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
@@ -205,7 +271,8 @@ def run_agent_modes(
     report: dict[str, Any] = {
         "modes": {m: totals[m].report() for m in MODES},
         "ideal_prefill_tokens": ideal,
-        "fidelity": {**fid["splice"].report(), "control": fid["apc"].report(), "tokens": PROBE_TOKENS},
+        "fidelity": {**fid["splice"].report(), "control": fid["apc"].report(), "tokens": PROBE_TOKENS,
+                     "requested": fidelity_steps, "passed_without_relocation": passed},
         "recompute_blocks": r,
         "scope": scope,
         "sessions": len(sessions),
@@ -223,14 +290,19 @@ def run_agent_modes(
     return report
 
 
-def _measure(engine, kv_engine, tokens, steps, runners, sid, fid) -> None:
+def _measure(engine, kv_engine, tokens, steps, runners, sid, fid, *, label=None) -> None:
     """Fidelity probes of one step (:mod:`promptsplice.benchmarks.fidelity`): one-pass reference,
-    then ``apc`` (control) and ``splice`` teacher-forced on its continuation."""
+    then ``apc`` (control) and ``splice`` teacher-forced on its continuation.  The splice
+    step must have relocated what its plan did, and each of its probes must be served
+    the step's KV (else :class:`~promptsplice.benchmarks.fidelity.FidelityError`)."""
+    verify_step(steps["splice"], f"agent step {sid}/{steps['splice'].step}")
     cont, p_ref = reference(engine, tokens)
     if not cont:  # EOS at once: nothing to probe
         return
+    need = {"apc": None, "splice": full_blocks(kv_engine, tokens)}
     for m, eng in (("apc", engine), ("splice", kv_engine)):
-        fid[m].measure(eng, tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids)
+        fid[m].measure(eng, tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids,
+                       need_cached=need[m], label=label)
 
 
 def format_agent(report: dict[str, Any]) -> str:
@@ -243,9 +315,11 @@ def format_agent(report: dict[str, Any]) -> str:
                  f"splice closes {report['gap_closed']} of the apc -> ideal gap")
     f = report["fidelity"]
     c = f["control"]
-    lines.append(f"fidelity over {f['steps']} edit steps: splice tf-top1 {f['tf_top1_agreement']} "
-                 f"KL {f['first_token_kl']} greedy {f['greedy_agreement']} | control (apc) tf-top1 "
-                 f"{c['tf_top1_agreement']} KL {c['first_token_kl']} greedy {c['greedy_agreement']}")
+    lines.append(f"fidelity over {f['steps']} verified edit steps: splice tf-top1 {f['tf_top1_agreement']} "
+                 f"{f['tf_top1_ci95']} (p10 {f['tf_top1_p10']}) KL {f['first_token_kl']} {f['first_token_kl_ci95']} "
+                 f"(p50 {f['first_token_kl_p50']}, p90 {f['first_token_kl_p90']}, max {f['first_token_kl_max']}) "
+                 f"greedy {f['greedy_agreement']} | control (apc) tf-top1 {c['tf_top1_agreement']} KL "
+                 f"{c['first_token_kl']} (p90 {c['first_token_kl_p90']}) greedy {c['greedy_agreement']}")
     for kind, v in report["by_kind"].items():
         lines.append(f"  {kind:9s} {v['steps']:4d} steps  prefill apc {v['apc']['prefill_tokens']:7d} "
                      f"splice {v['splice']['prefill_tokens']:7d}  TTFT p50 apc {v['apc']['ttft_p50_ms']:6.0f} "
@@ -272,7 +346,7 @@ def run_agent_bench(
     recompute_blocks: int | None = None,
     sessions: int | None = None,
     max_tokens: int = PROBE_TOKENS,
-    fidelity_steps: int = 8,
+    fidelity_steps: int = DEFAULT_PROBES,
     scope: str = "session",
     verbose: bool = True,
 ) -> int:

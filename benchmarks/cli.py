@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     rag.add_argument("--recompute-blocks", type=int, default=None,
                      help="promptsplice_pic: blocks recomputed at the start of each relocated chunk")
-    rag.add_argument("--fidelity-requests", type=int, default=8, help="promptsplice_pic requests probed for fidelity")
+    rag.add_argument("--fidelity-requests", type=int, default=32,
+                     help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.set_defaults(func=_cmd_bench_rag)
 
     ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")
@@ -249,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="blocks prefilled after each edit before relocation resumes (default: the runner's)")
     agent.add_argument("--sessions", type=int, default=None, help="only the first N sessions")
     agent.add_argument("--max-tokens", type=int, default=32, help="tokens generated per step")
-    agent.add_argument("--fidelity-steps", type=int, default=8, help="edit steps probed for fidelity")
+    agent.add_argument("--fidelity-steps", type=int, default=32,
+                       help="edit steps that relocate KV probed for fidelity (default: 32)")
     agent.add_argument("--scope", default="session", help="session | none (spliced KV scope)")
     agent.set_defaults(func=_cmd_bench_agent)
 

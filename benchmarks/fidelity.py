@@ -14,19 +14,67 @@ judged by:
 Always beside a ``control``: exact KV that differs from ``R`` only by bf16 rounding
 (part of the prompt served from the prefix cache, the rest computed), the noise floor
 of each measure.
+
+Probes prove what they measure: a probed step must have relocated exactly what its plan
+relocated (the connector's count, :func:`verify_step`), and every probe request must
+have been served that step's KV from vLLM's cache (its ``num_cached_tokens`` covers
+every full block of the prompt, :func:`probe`); otherwise :class:`FidelityError` fails
+the bench: an approximate mode silently measured on exact KV would score as exact.
+
+Reported per configuration (:meth:`Fidelity.report`): the means (fixed field names)
+and the distributions: first-token KL mean, p50, p90, max; teacher-forced top-1 mean,
+p50, p10 and min (its bad tail is the low one); each mean with a bootstrap 95% interval
+(seeded, so the same probes give the same interval).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PROBE_TOKENS", "FIDELITY_FIELDS", "Fidelity", "kl", "probe", "greedy_agreement", "reference"]
+from promptsplice.errors import PromptspliceError
+
+__all__ = [
+    "PROBE_TOKENS",
+    "FIDELITY_FIELDS",
+    "DEFAULT_PROBES",
+    "Fidelity",
+    "FidelityError",
+    "bootstrap_ci",
+    "full_blocks",
+    "kl",
+    "probe",
+    "greedy_agreement",
+    "reference",
+    "verify_step",
+]
 
 PROBE_TOKENS = 32
 FIDELITY_FIELDS = ("tf_top1_agreement", "first_token_kl", "greedy_agreement")
+DEFAULT_PROBES = 32
+"""Probed steps (agent) / requests (RAG) per configuration by default: fewer is noise."""
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+class FidelityError(PromptspliceError, RuntimeError):
+    """A fidelity probe did not measure approximate KV: the probed step relocated less
+    than its plan, or a probe request was not served the step's KV (module doc)."""
+
+
+def verify_step(step: Any, what: str = "probed step") -> None:
+    """The step relocated KV, exactly what its plan relocated (the connector's count
+    against the plan's), else :class:`FidelityError`."""
+    planned, moved = step.planned_relocated_tokens, step.relocated_tokens
+    if planned <= 0 or moved != planned:
+        raise FidelityError(
+            f"{what}: the plan relocates {planned} tokens but the connector relocated {moved}: "
+            "its probes would measure exact KV (a store that no longer holds the blocks, an "
+            "engine that cannot relocate); fix the store size or the engine, not the probe"
+        )
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -61,38 +109,86 @@ def reference(engine: Any, tokens: list[int]) -> tuple[list[int], dict[int, floa
     return list(cont), first
 
 
-def probe(engine: Any, tokens: list[int], cont: list[int], salt: str | None) -> tuple[float, dict[int, float]]:
+def full_blocks(engine: Any, tokens: Sequence[int]) -> int:
+    """What a repeat of ``tokens`` is served from cache: every full block but the one
+    holding the last token (vLLM always computes the last prompt token)."""
+    bs = engine.block_size
+    return (len(tokens) - 1) // bs * bs
+
+
+def _served(out: Any, need: int | None, what: str) -> None:
+    if need is not None and out.num_cached_tokens < need:
+        raise FidelityError(
+            f"{what}: vLLM served {out.num_cached_tokens} of the prompt's tokens from cache, "
+            f"the probed KV covers {need}: the probe would have measured recomputed (exact) "
+            "KV; the engine's KV cache evicted the step's blocks before the probe"
+        )
+
+
+def probe(
+    engine: Any, tokens: list[int], cont: list[int], salt: str | None, *, need_cached: int | None = None
+) -> tuple[float, dict[int, float]]:
     """Teacher-forced top-1 agreement of ``tokens + cont[:k]`` -> ``cont[k]`` under
-    ``salt``, and the first-token distribution there."""
-    first = engine.generate(tokens, max_tokens=1, cache_salt=salt, logprobs=-1).logprobs[0]
+    ``salt``, and the first-token distribution there.  ``need_cached``: every probe
+    request must be served at least that many tokens from cache (else
+    :class:`FidelityError`)."""
+    out = engine.generate(tokens, max_tokens=1, cache_salt=salt, logprobs=-1)
+    _served(out, need_cached, "fidelity probe")
+    first = out.logprobs[0]
     hits = int(max(first, key=first.get) == cont[0])
     for k in range(1, len(cont)):
         out = engine.generate(tokens + cont[:k], max_tokens=1, cache_salt=salt)
+        _served(out, need_cached, f"fidelity probe (teacher-forced token {k})")
         hits += int(out.token_ids[0] == cont[k])
     return hits / len(cont), first
 
 
+def bootstrap_ci(values: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
+                 seed: int = BOOTSTRAP_SEED) -> list[float] | None:
+    """The bootstrap 95% interval of the mean of ``values`` (percentile method, seeded:
+    deterministic for the same values)."""
+    xs = list(values)
+    if not xs:
+        return None
+    rng = random.Random(seed)
+    n = len(xs)
+    means = sorted(sum(xs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return [round(means[int(0.025 * resamples)], 4), round(means[min(resamples - 1, int(0.975 * resamples))], 4)]
+
+
 class Fidelity:
-    """Running means of the three measures over the probed prompts."""
+    """The three measures over the probed prompts (module doc)."""
 
     def __init__(self) -> None:
         self.tf: list[float] = []
         self.kl: list[float] = []
         self.greedy: list[float] = []
+        self.labels: dict[str, int] = {}
 
-    def add(self, tf: float, kl_value: float, greedy: float) -> None:
+    def add(self, tf: float, kl_value: float, greedy: float, label: str | None = None) -> None:
         self.tf.append(tf)
         self.kl.append(kl_value)
         self.greedy.append(greedy)
+        if label is not None:
+            self.labels[label] = self.labels.get(label, 0) + 1
 
     def measure(self, engine: Any, tokens: list[int], cont: list[int], p_ref: dict[int, float],
-                salt: str | None, greedy_tokens: Sequence[int]) -> None:
-        tf, first = probe(engine, tokens, cont, salt)
-        self.add(tf, kl(p_ref, first), greedy_agreement(greedy_tokens, cont))
+                salt: str | None, greedy_tokens: Sequence[int], *, need_cached: int | None = None,
+                label: str | None = None) -> None:
+        tf, first = probe(engine, tokens, cont, salt, need_cached=need_cached)
+        self.add(tf, kl(p_ref, first), greedy_agreement(greedy_tokens, cont), label)
 
     def report(self) -> dict[str, Any]:
         mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
-        return {"tf_top1_agreement": mean(self.tf), "first_token_kl": mean(self.kl),
-                "greedy_agreement": mean(self.greedy), "steps": len(self.tf),
-                "first_token_kl_p50": round(_pct(self.kl, 0.5), 4) if self.kl else None,
-                "first_token_kl_max": round(max(self.kl), 4) if self.kl else None}
+        q = lambda xs, p: round(_pct(xs, p), 4) if xs else None  # noqa: E731
+        out = {"tf_top1_agreement": mean(self.tf), "first_token_kl": mean(self.kl),
+               "greedy_agreement": mean(self.greedy), "steps": len(self.tf),
+               "first_token_kl_p50": q(self.kl, 0.5), "first_token_kl_p90": q(self.kl, 0.9),
+               "first_token_kl_max": round(max(self.kl), 4) if self.kl else None,
+               "first_token_kl_ci95": bootstrap_ci(self.kl),
+               "tf_top1_p50": q(self.tf, 0.5), "tf_top1_p10": q(self.tf, 0.1),
+               "tf_top1_min": round(min(self.tf), 4) if self.tf else None,
+               "tf_top1_ci95": bootstrap_ci(self.tf)}
+        if self.labels:
+            out["probes_by"] = dict(sorted(self.labels.items()))
+        return out

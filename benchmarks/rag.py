@@ -31,12 +31,17 @@ prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside 
     "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests",
             "recompute_blocks", "gap_closed", "kv_cache_blocks", "store_dram_bytes"},
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
-                 "first_token_kl_p50", "first_token_kl_max", "control": {...}}
+                 "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
+                 "first_token_kl_ci95", "tf_top1_p50", "tf_top1_p10", "tf_top1_min",
+                 "tf_top1_ci95", "requested", "control": {...}}
 
-Fidelity (:mod:`promptsplice.benchmarks.fidelity`) is measured on requests that relocated chunks,
-spread over the trace, against a one-pass exact prefill of the same tokens; the
-control is a second exact prefill of them whose first half came from the prefix cache.
-Probes run after a request's timing and are not counted in any mode.
+Fidelity (:mod:`promptsplice.benchmarks.fidelity`) is measured on requests whose plan
+relocates chunks (32 by default), spread over the trace, against a one-pass exact
+prefill of the same tokens; the control is a second exact prefill of them whose first
+half came from the prefix cache.  Each probed request must have relocated what its
+plan did and each probe request must be served its KV from the cache, else
+:class:`~promptsplice.benchmarks.fidelity.FidelityError` fails the bench.  Probes run
+after a request's timing and are not counted in any mode.
 """
 
 from __future__ import annotations
@@ -50,7 +55,15 @@ from typing import Any
 
 from promptsplice.benchmarks.assemble import _chunks, _oracle_segments, gap_closed
 from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill
-from promptsplice.benchmarks.fidelity import PROBE_TOKENS, Fidelity, reference
+from promptsplice.benchmarks.fidelity import (
+    DEFAULT_PROBES,
+    PROBE_TOKENS,
+    Fidelity,
+    FidelityError,
+    full_blocks,
+    reference,
+    verify_step,
+)
 from promptsplice.benchmarks.traces import RagRequest, read_rag_trace
 
 __all__ = ["run_modes", "run_rag_bench", "format_modes", "MODES", "PIC_MODE"]
@@ -96,7 +109,7 @@ def run_modes(
     prompt_format: Any = None,
     kv_engine: Any = None,
     recompute_blocks: int | None = None,
-    fidelity_requests: int = 8,
+    fidelity_requests: int = DEFAULT_PROBES,
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Run naive then promptsplice on ``engine`` (then ``promptsplice_pic`` on
     ``kv_engine`` when given); returns (report, completions by mode).
@@ -183,15 +196,15 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     fid, ctl = Fidelity(), Fidelity()
     steps = []
     n = len(requests)
-    next_probe = n / max(1, fidelity_requests) / 2 if fidelity_requests else float("inf")
     for i, req in enumerate(requests):
         st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=max_tokens)
         steps.append(st)
         if progress:
             progress(PIC_MODE, 1)
-        if st.relocated_tokens and i >= next_probe and len(fid.tf) < fidelity_requests:
-            _probe_pic(engine, kv_engine, st.prompt.token_ids, runner.reuse_salt, fid, ctl)
-            next_probe = (len(fid.tf) + 0.5) * n / fidelity_requests
+        # Requests whose plan relocates, spread over the trace: probe while behind the
+        # pro-rata quota (a stretch without relocation is caught up after it).
+        if st.planned_relocated_tokens and len(fid.tf) < min(fidelity_requests, fidelity_requests * (i + 1) / n + 0.5):
+            _probe_pic(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"request {i}")
     prompt = sum(st.prompt_tokens for st in steps)
     prefill = sum(st.prefill_tokens for st in steps)
     report["modes"][PIC_MODE] = _metrics(
@@ -208,17 +221,27 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "kv_cache_blocks": kv_engine.num_blocks,
         "store_dram_bytes": store.config.dram_bytes,
     }
-    report["fidelity"] = {**fid.report(), "control": ctl.report(), "tokens": PROBE_TOKENS}
+    report["fidelity"] = {**fid.report(), "control": ctl.report(), "tokens": PROBE_TOKENS,
+                          "requested": fidelity_requests}
 
 
-def _probe_pic(engine: Any, kv_engine: Any, tokens: list[int], salt: str, fid: Fidelity, ctl: Fidelity) -> None:
+def _probe_pic(engine: Any, kv_engine: Any, step: Any, salt: str, fid: Fidelity, ctl: Fidelity,
+               what: str = "request") -> None:
     """Fidelity of one request's relocated KV (reached through ``salt`` on ``kv_engine``)
-    and of the control (exact, half of it from the prefix cache) on ``engine``."""
+    and of the control (exact, half of it from the prefix cache) on ``engine``.  The
+    request must have relocated what its plan did and every probe must be served its
+    KV (else :class:`~promptsplice.benchmarks.fidelity.FidelityError`)."""
+    verify_step(step, f"{PIC_MODE} {what}")
+    tokens = list(step.prompt.token_ids)
     cont, p_ref = reference(engine, tokens)
     if not cont:
         return
-    greedy = kv_engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=salt).token_ids
-    fid.measure(kv_engine, tokens, cont, p_ref, salt, greedy)
+    need = full_blocks(kv_engine, tokens)
+    out = kv_engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=salt)
+    if out.num_cached_tokens < need:
+        raise FidelityError(f"{PIC_MODE} {what}: the greedy probe was served {out.num_cached_tokens} "
+                            f"cached tokens of the {need} the relocated KV covers")
+    fid.measure(kv_engine, tokens, cont, p_ref, salt, out.token_ids, need_cached=need)
     c_salt = f"control:{uuid.uuid4().hex}"
     half = max(engine.block_size, (len(tokens) // 2) // engine.block_size * engine.block_size)
     engine.generate(tokens[:half], max_tokens=1, cache_salt=c_salt)
@@ -268,8 +291,9 @@ def format_modes(report: dict[str, Any]) -> str:
             f"precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests"
         )
         lines.append(
-            f"fidelity over {f['steps']} requests: tf-top1 {f['tf_top1_agreement']} KL "
-            f"{f['first_token_kl']} (p50 {f['first_token_kl_p50']}, max {f['first_token_kl_max']}) greedy "
+            f"fidelity over {f['steps']} verified requests: tf-top1 {f['tf_top1_agreement']} {f['tf_top1_ci95']} "
+            f"(p10 {f['tf_top1_p10']}) KL {f['first_token_kl']} {f['first_token_kl_ci95']} (p50 "
+            f"{f['first_token_kl_p50']}, p90 {f['first_token_kl_p90']}, max {f['first_token_kl_max']}) greedy "
             f"{f['greedy_agreement']} | control tf-top1 {c['tf_top1_agreement']} KL {c['first_token_kl']} "
             f"greedy {c['greedy_agreement']}"
         )
@@ -285,7 +309,7 @@ def run_rag_bench(
     alignment: str = "auto",
     max_tokens: int = 8,
     recompute_blocks: int | None = None,
-    fidelity_requests: int = 8,
+    fidelity_requests: int = DEFAULT_PROBES,
 ) -> int:
     from promptsplice.assembler import AlignPolicy, OrderPolicy
     from promptsplice.benchmarks.agent import start_engines

@@ -109,7 +109,7 @@ def run_rag_suite(
     alignment: str = "auto",
     max_tokens: int = 8,
     recompute_blocks: int | None = None,
-    fidelity_requests: int = 8,
+    fidelity_requests: int = 32,
 ) -> int:
     """The CLI's job: start the two engines once, run the suite, print, write the JSON;
     exit status 1 when a family failed."""

@@ -1,6 +1,7 @@
 """Runners: what turns an application's request into engine requests (RAG, agent)."""
 
-from promptsplice.engine_adapters.runners._agent import DEFAULT_MAX_DEVIATION, AgentMode, AgentRunner, AgentStep
+from promptsplice.engine_adapters.runners._agent import AgentMode, AgentRunner, AgentStep
+from promptsplice.engine_adapters.runners._fidelity import DEFAULT_MAX_DEVIATION, FIDELITY_TABLE, FidelityLevel, FidelitySettings
 from promptsplice.engine_adapters.runners._rag import (
     ChunkIndex,
     ChunkLookup,
@@ -21,6 +22,9 @@ __all__ = [
     "ChunkLookup",
     "ChunkSource",
     "ChunkStatus",
+    "FIDELITY_TABLE",
+    "FidelityLevel",
+    "FidelitySettings",
     "RagRunner",
     "RagStep",
     "ReuseMode",

@@ -36,6 +36,16 @@ last sent for the session (another runner, a restart), or whose hook step is a
 ``FULL_PREFILL``, is sent as a plain request (the prefix cache still serves whatever
 matches exactly), and the reason is logged and kept in :attr:`AgentStep.fallback`
 (a :class:`~promptsplice.engine_adapters.runners.StepFallback`).
+
+**Fidelity** (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
+runner (default ``bounded``) or per step picks the recompute (``recompute_blocks``
+overrides the level's).  At ``exact`` a splice runner relocates nothing: the step runs
+as one plain request under a salt whose cache holds exact blocks only (the tenant's
+salt with ``scope="session"``, whose spliced KV lives under scope salts; a salt of its
+own with ``scope="none"``), and a scoped session starts a new scope at its next edit.
+Every step says what it relocated (``relocated_tokens``, measured by the connector, and
+``planned_relocated_tokens``, the plan's), what it computed that could have been
+relocated (``recomputed_tokens``) and at which level (``fidelity``).
 """
 
 from __future__ import annotations
@@ -51,27 +61,34 @@ from typing import TYPE_CHECKING, Any
 
 from promptsplice.assembler import PreparedContext, StepKind
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePhase, plan_phases
-from promptsplice.engine_adapters.runners._steps import AdaptiveRecompute, StepFallback, cached_tokens
+from promptsplice.engine_adapters.runners._fidelity import (
+    DEFAULT_FIDELITY,
+    FIDELITY_TABLE,
+    FidelityLevel,
+    FidelitySettings,
+    check_fidelity,
+    check_max_deviation,
+    fidelity_settings,
+)
+from promptsplice.engine_adapters.runners._steps import (
+    AdaptiveRecompute,
+    StepFallback,
+    cached_tokens,
+    planned_relocated_tokens,
+)
 from promptsplice.blocks import round_down
-from promptsplice._validate import check_enum, check_int, check_number, check_salt
+from promptsplice._validate import check_enum, check_int, check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
     from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
 
-__all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_MAX_DEVIATION", "DEFAULT_RECOMPUTE_BLOCKS"]
+__all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_RECOMPUTE_BLOCKS"]
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_RECOMPUTE_BLOCKS = 1
-"""Blocks recomputed after each edit in ``splice`` mode (see the README's sweep)."""
-DEFAULT_MAX_DEVIATION = 0.25
-"""``max_deviation`` for ``recompute_blocks=1`` (README's agent section,
-``python -m promptsplice.benchmarks.deviation_curve``): on the calibration trace ``r=1``
-alone kept first-token KL p90 at 0.0095 <= 0.02 with deviations 0.096-0.231, so the
-fewest extra blocks is none; 0.25 recomputes only runs that deviate beyond anything
-calibrated.  Not applied by default (``max_deviation=None``): the lead wires it into
-the ``bounded`` fidelity level."""
+DEFAULT_RECOMPUTE_BLOCKS = FIDELITY_TABLE[DEFAULT_FIDELITY].recompute_blocks
+"""Blocks recomputed after each edit in ``splice`` mode at the default fidelity."""
 DEFAULT_MIN_GROUP_BLOCKS = 1
 """A run of relocated blocks that needs a request of its own must move at least this
 many blocks.  Measured here (SmolLM2 on 2 CPU cores, 1,024 cached tokens): one more
@@ -136,11 +153,19 @@ class AgentStep:
     fallback: StepFallback | None = None
     """Why the step was sent as a plain request (``None``: as planned)."""
     deviations: tuple[float, ...] = ()
-    """With ``max_deviation``: each probed (recomputed) block's deviation from its
+    """With a deviation threshold: each probed (recomputed) block's deviation from its
     relocated old KV (``BlockDeviation.value``), in the order measured."""
     extra_recompute_blocks: int = 0
     """Blocks recomputed beyond ``recompute_blocks`` because a deviation exceeded
-    ``max_deviation``."""
+    the threshold."""
+    fidelity: FidelityLevel = FidelityLevel.EXACT
+    """The level the step ran at (``exact`` for ``full``/``apc``, which never relocate)."""
+    planned_relocated_tokens: int = 0
+    """Tokens the step's plan relocates; ``relocated_tokens`` below it means the store
+    did not serve some of them (they were computed: exact)."""
+    recomputed_tokens: int = 0
+    """Tokens computed for fidelity that the plan could have relocated (the recompute
+    after each edit; at ``exact``, everything relocatable)."""
 
     @property
     def hit_rate(self) -> float:
@@ -153,20 +178,25 @@ class _Session:
     tokens: list[int] | None = None
     salt: str | None = None
     scoped: bool = False
+    kv_salt: str | None = None
+    """The salt the last step's KV was computed under (differs from ``salt`` after an
+    ``exact`` step under another salt)."""
 
 
 class AgentRunner:
     """Runs agent steps on an :class:`~promptsplice.engine_adapters.EmbeddedEngine` (see the module doc).
 
     ``mode``: ``"full"``, ``"apc"`` or ``"splice"`` (needs an engine started with
-    ``kv_store``).  ``salt``: the tenant's ``cache_salt``.  ``recompute_blocks``: blocks
-    prefilled after each edit before relocation resumes.  ``scope``: ``"session"``
+    ``kv_store``).  ``salt``: the tenant's ``cache_salt``.  ``fidelity``: ``"exact"``,
+    ``"bounded"`` (default) or ``"fast"`` (module doc), per step too.
+    ``recompute_blocks``: blocks prefilled after each edit before relocation resumes
+    (``None``: the fidelity level's).  ``scope``: ``"session"``
     (default) or ``"none"``.  Sessions are kept LRU-bounded (``max_sessions``); steps of
-    one session are serialized.  ``max_deviation`` (``None``: a fixed
-    ``recompute_blocks``): while the last recomputed block in front of a relocated run
-    deviates from its old KV by more than this (``BlockDeviation.value``, measured by the
-    connector), the next block is recomputed too (one more request), up to the run's
-    end; embedded engine only.
+    one session are serialized.  ``max_deviation`` (``None``: the fidelity level's):
+    while the last recomputed block in front of a relocated run deviates from its old KV
+    by more than this (``BlockDeviation.value``, measured by the connector), the next
+    block is recomputed too (one more request), up to the run's end; embedded engine
+    only.
     """
 
     def __init__(
@@ -175,12 +205,13 @@ class AgentRunner:
         *,
         mode: str | AgentMode = AgentMode.SPLICE,
         salt: str | None = None,
-        recompute_blocks: int = DEFAULT_RECOMPUTE_BLOCKS,
+        recompute_blocks: int | None = None,
         scope: str = "session",
         max_sessions: int = 1024,
         reuse_repeats: bool = True,
         min_group_blocks: int = DEFAULT_MIN_GROUP_BLOCKS,
         max_deviation: float | None = None,
+        fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
     ) -> None:
         self.mode = check_enum(mode, AgentMode, "mode")
         if self.mode is AgentMode.SPLICE and engine.kv_store is None:
@@ -188,36 +219,45 @@ class AgentRunner:
                 "splice mode needs the splice connector: start the engine with "
                 "EngineConfig(kv_store=StoreConfig(...))"
             )
-        check_int(recompute_blocks, "recompute_blocks", minimum=0)
+        self.fidelity = check_fidelity(fidelity)
+        if recompute_blocks is not None:
+            check_int(recompute_blocks, "recompute_blocks", minimum=0)
+        self._recompute_override = recompute_blocks
+        self._deviation_override = check_max_deviation(max_deviation)
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
         check_salt(salt, "salt")
         check_int(max_sessions, "max_sessions")
         self.engine = engine
         self.salt = salt
-        self.recompute_blocks = recompute_blocks
+        default = self.settings(self.fidelity)
+        self.recompute_blocks = default.recompute_blocks
+        self.max_deviation = default.max_deviation
         self.scope = scope
         self.max_sessions = max_sessions
         self.reuse_repeats = bool(reuse_repeats)
         check_int(min_group_blocks, "min_group_blocks")
         self.min_group_blocks = min_group_blocks
-        if max_deviation is not None:
-            check_number(max_deviation, "max_deviation", strict=True)
-            if recompute_blocks < 1:
-                raise ConfigError(
-                    "max_deviation measures the recomputed blocks: set recompute_blocks >= 1 "
-                    f"(got {recompute_blocks}) or max_deviation=None"
-                )
-        self.max_deviation = max_deviation
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._lock = threading.Lock()
+
+    def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
+        """The settings a step at ``fidelity`` (default: the runner's) runs with."""
+        level = self.fidelity if fidelity is None else check_fidelity(fidelity)
+        return fidelity_settings(
+            level, recompute_blocks=self._recompute_override, max_deviation=self._deviation_override
+        )
+
+    def _exact_salt(self) -> str | None:
+        """A salt whose cache holds exact blocks only (module doc)."""
+        return self.salt if self.scope == "session" else f"{self.salt or ''}\x1fexact"
 
     # -- sessions -------------------------------------------------------------------
     def _session(self, session_id: str) -> _Session:
         with self._lock:
             st = self._sessions.get(session_id)
             if st is None:
-                st = self._sessions[session_id] = _Session(salt=self.salt)
+                st = self._sessions[session_id] = _Session(salt=self.salt, kv_salt=self.salt)
                 while len(self._sessions) > self.max_sessions:
                     self._sessions.popitem(last=False)
             else:
@@ -244,34 +284,62 @@ class AgentRunner:
         temperature: float = 0.0,
         stop: str | list[str] | None = None,
         logprobs: int | None = None,
+        fidelity: str | FidelityLevel | None = None,
     ) -> AgentStep:
-        """Run one step; raises what :meth:`EmbeddedEngine.generate` raises."""
+        """Run one step (``fidelity``: this step's level, default the runner's); raises
+        what :meth:`EmbeddedEngine.generate` raises."""
         if not isinstance(prepared, PreparedContext):
             raise InputError(f"step takes the hook's PreparedContext, got {type(prepared).__name__}")
+        cfg = self.settings(fidelity)
         st = self._session(prepared.session_id)
         gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
         with st.lock:
             new = list(prepared.token_ids)
-            fallback = None
+            plain = [SplicePhase(len(new), None)]
+            fallback, level, recomputed = None, cfg.level, 0
             if self.mode is AgentMode.FULL:
-                salt = f"full:{uuid.uuid4().hex}"
-                phases = [SplicePhase(len(new), None)]
-            elif self.mode is AgentMode.APC or prepared.kind not in (StepKind.EDIT, StepKind.APPEND):
-                salt = st.salt
-                phases = [SplicePhase(len(new), None)]
+                salt, phases, level = f"full:{uuid.uuid4().hex}", plain, FidelityLevel.EXACT
+            elif self.mode is AgentMode.APC:
+                salt, phases, level = st.salt, plain, FidelityLevel.EXACT
+            elif not cfg.relocate:  # exact: what could be relocated is computed
+                salt, phases = self._exact_salt(), plain
+                if prepared.kind in (StepKind.EDIT, StepKind.APPEND):
+                    recomputed = planned_relocated_tokens(self._plan(st, prepared, new, 0, dry=True)[1])
+            elif prepared.kind not in (StepKind.EDIT, StepKind.APPEND):
+                salt, phases = st.salt, plain
                 if prepared.kind is StepKind.FULL_PREFILL:
                     fallback = StepFallback.HOOK_FULL_PREFILL
             else:
-                salt, phases, fallback = self._splice_phases(st, prepared, new)
-            result = self._run(prepared, new, salt, phases, gen)
+                salt, phases, fallback = self._plan(
+                    st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None
+                )
+                if cfg.recompute_blocks and fallback is None:
+                    every = planned_relocated_tokens(self._plan(st, prepared, new, 0, dry=True)[1])
+                    recomputed = max(0, every - planned_relocated_tokens(phases))
+            result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation)
             result.fallback = fallback
+            result.fidelity = level
+            result.recomputed_tokens = recomputed
             st.tokens = new
-            st.salt = salt if self.mode is not AgentMode.FULL else st.salt
+            if self.mode is AgentMode.SPLICE and not cfg.relocate:
+                # The exact salt's KV is the session's now; a scoped session rescopes from it.
+                st.salt, st.scoped = self.salt, False
+            elif self.mode is not AgentMode.FULL:
+                st.salt = salt
+            st.kv_salt = salt if self.mode is not AgentMode.FULL else st.kv_salt
             return result
 
-    def _splice_phases(
-        self, st: _Session, prepared: PreparedContext, new: list[int]
+    def _plan(
+        self,
+        st: _Session,
+        prepared: PreparedContext,
+        new: list[int],
+        recompute_blocks: int,
+        dry: bool = False,
+        probe: bool = False,
     ) -> tuple[str | None, list[SplicePhase], StepFallback | None]:
+        """The step's salt and phases at ``recompute_blocks`` (``dry``: only to count what
+        a plan would relocate; the session is left as it is)."""
         prev = prepared.previous
         old = list(prev.token_ids) if prev is not None else None
         plain = [SplicePhase(len(new), None)]
@@ -280,15 +348,19 @@ class AgentRunner:
         # What was sent may extend the render (a chat model's forced tool-call prefix):
         # its KV then starts with the old render, which is all the plan reads.
         if st.tokens is None or st.tokens[: len(old)] != old:
-            why = "the session's previous render is not what this runner sent last"
-            _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why)
+            if not dry:
+                why = "the session's previous render is not what this runner sent last"
+                _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why)
             return st.salt, plain, StepFallback.FOREIGN_RENDER
         bs = self.engine.block_size
         scope_now = self.scope == "session" and not st.scoped
         salt, src_salt, load_prefix = st.salt, SAME_SALT, 0
         if scope_now:
             salt = f"{self.salt or ''}\x1fsplice-scope:{prepared.session_id}:{uuid.uuid4().hex[:12]}"
-            src_salt = st.salt
+            src_salt = st.kv_salt
+            load_prefix = round_down(prepared.first_changed_token, bs)
+        elif st.kv_salt != salt:  # the last step ran exact under a salt of its own
+            src_salt = st.kv_salt
             load_prefix = round_down(prepared.first_changed_token, bs)
         runs = list(prepared.diff.relocations)
         if self.reuse_repeats:
@@ -301,20 +373,21 @@ class AgentRunner:
                 new,
                 runs,
                 block_size=bs,
-                recompute_blocks=self.recompute_blocks,
+                recompute_blocks=recompute_blocks,
                 salt=salt,
                 src_salt=src_salt,
                 load_prefix=load_prefix,
                 scope=self.scope == "session",
                 min_group_blocks=self.min_group_blocks,
-                probe=self.max_deviation is not None,
+                probe=probe,
             )
         except InputError as exc:  # a diff that does not fit the tokens: never splice it
-            _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, exc)
+            if not dry:
+                _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, exc)
             return st.salt, plain, StepFallback.INVALID_PLAN
         if prepared.kind is StepKind.APPEND and not any(ph.plan for ph in phases):
             return st.salt, plain, None  # nothing to move: a plain request, no scope needed
-        if scope_now:
+        if scope_now and not dry:
             st.scoped = True
         return salt, phases, None
 
@@ -325,11 +398,12 @@ class AgentRunner:
         salt: str | None,
         phases: list[SplicePhase],
         gen: dict[str, Any],
+        max_deviation: float | None = None,
     ) -> AgentStep:
         t0 = time.perf_counter()
         adapt = None
-        if self.max_deviation is not None and len(phases) > 1:
-            adapt = AdaptiveRecompute(self.max_deviation, new)
+        if max_deviation is not None and len(phases) > 1:
+            adapt = AdaptiveRecompute(max_deviation, new)
         run = self.engine.generate_phases(new, phases, cache_salt=salt, adapt=adapt, **gen)
         out, t_last, relocated = run.completions[-1], run.t_last, run.relocated_tokens
         prefill = sum(o.prefill_tokens for o in run.completions)
@@ -350,11 +424,12 @@ class AgentRunner:
             salt=salt,
             deviations=tuple(d.value for d in run.deviations),
             extra_recompute_blocks=adapt.extra if adapt is not None else 0,
+            planned_relocated_tokens=planned_relocated_tokens(phases),
         )
 
     def __repr__(self) -> str:
         return (
-            f"AgentRunner(mode={self.mode.value!r}, recompute_blocks={self.recompute_blocks}, "
-            f"max_deviation={self.max_deviation}, "
+            f"AgentRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
+            f"recompute_blocks={self.recompute_blocks}, max_deviation={self.max_deviation}, "
             f"scope={self.scope!r}, sessions={len(self._sessions)})"
         )

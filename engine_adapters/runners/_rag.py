@@ -50,6 +50,13 @@ connector saves nothing a relocating request computes); a plain phase of a
 position-independent request may save blocks under the reuse salt, where again only
 the tenant's position-independent requests reach them.
 
+Fidelity (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
+runner (default ``bounded``) or per request picks the recompute (``recompute_blocks``
+overrides the level's).  A position-independent request at ``exact`` relocates nothing:
+it is assembled the same way (whole-block chunks) and sent as one plain request under
+the tenant's salt, whose cache and store hold exact blocks only; its
+``recomputed_tokens`` count the stored chunks it computed instead.
+
 Failures fall back to prefill, never to wrong KV: a block the store no longer serves
 when the request runs ends the load there and vLLM computes the rest of the prompt
 (the connector's load-error path); a plan that does not fit the prompt is logged and
@@ -70,10 +77,24 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
-from promptsplice.engine_adapters.runners._steps import AdaptiveRecompute, StepFallback, cached_tokens
+from promptsplice.engine_adapters.runners._fidelity import (
+    DEFAULT_FIDELITY,
+    FIDELITY_TABLE,
+    FidelityLevel,
+    FidelitySettings,
+    check_fidelity,
+    check_max_deviation,
+    fidelity_settings,
+)
+from promptsplice.engine_adapters.runners._steps import (
+    AdaptiveRecompute,
+    StepFallback,
+    cached_tokens,
+    planned_relocated_tokens,
+)
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash, round_down
-from promptsplice._validate import check_enum, check_int, check_number, check_salt
+from promptsplice._validate import check_enum, check_int, check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -94,8 +115,8 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_PIC_RECOMPUTE_BLOCKS = 1
-"""Blocks of each relocated chunk recomputed by default (see the README's sweep)."""
+DEFAULT_PIC_RECOMPUTE_BLOCKS = FIDELITY_TABLE[DEFAULT_FIDELITY].recompute_blocks
+"""Blocks of each relocated chunk recomputed at the default fidelity."""
 
 
 class ReuseMode(enum.Enum):
@@ -298,12 +319,20 @@ class RagStep:
     wall_s: float
     salt: str | None
     fallback: StepFallback | None = None
+    """Why the request was sent as a plain request (``None``: as planned)."""
     deviations: tuple[float, ...] = ()
-    """With ``max_deviation``: each probed (recomputed) block's deviation from the
+    """With a deviation threshold: each probed (recomputed) block's deviation from the
     chunk's stored KV, in the order measured (``AgentStep.deviations``)."""
     extra_recompute_blocks: int = 0
-    """Blocks recomputed beyond ``recompute_blocks`` (a deviation over ``max_deviation``)."""
-    """Why the request was sent as a plain request (``None``: as planned)."""
+    """Blocks recomputed beyond ``recompute_blocks`` (a deviation over the threshold)."""
+    fidelity: FidelityLevel = FidelityLevel.EXACT
+    """The level the request ran at (``exact`` for an ``exact``-mode runner)."""
+    planned_relocated_tokens: int = 0
+    """Tokens the plan relocates; ``relocated_tokens`` below it means the store did not
+    serve some of them (they were computed: exact)."""
+    recomputed_tokens: int = 0
+    """Tokens of stored chunks computed for fidelity (the level's recompute at each
+    chunk start; at ``exact``, every stored chunk after the prefix hit)."""
 
     @property
     def hit_rate(self) -> float:
@@ -320,9 +349,11 @@ class RagRunner:
     (``cache_aware`` default).  ``index``: a :class:`ChunkIndex` to share between
     runners of one engine (default: one per runner).  ``min_group_blocks``: a chunk
     needing a request of its own must move at least this many blocks.  ``precompute``:
-    ``"packed"`` (default) or ``"standalone"`` (module doc).  ``max_deviation``: the
-    adaptive recompute of ``AgentRunner`` at each chunk start (needs
-    ``recompute_blocks >= 1``; ``None``: fixed).
+    ``"packed"`` (default) or ``"standalone"`` (module doc).  ``fidelity``: ``"exact"``,
+    ``"bounded"`` (default) or ``"fast"`` for ``position_independent`` (module doc),
+    per request too; ``recompute_blocks`` (when given) overrides the level's.
+    ``max_deviation`` (``None``: the level's): the adaptive recompute of ``AgentRunner``
+    at each chunk start (needs ``recompute_blocks >= 1``).
     """
 
     def __init__(
@@ -331,13 +362,14 @@ class RagRunner:
         *,
         mode: str | ReuseMode = ReuseMode.EXACT,
         salt: str | None = None,
-        recompute_blocks: int = DEFAULT_PIC_RECOMPUTE_BLOCKS,
+        recompute_blocks: int | None = None,
         policy: str = "cache_aware",
         prompt_format: Any = None,
         index: ChunkIndex | None = None,
         min_group_blocks: int = 1,
         precompute: str = "packed",
         max_deviation: float | None = None,
+        fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
     ) -> None:
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
@@ -354,18 +386,19 @@ class RagRunner:
                 "this engine's splice connector cannot relocate KV (its log says why: an "
                 "unverified attention ISA or RoPE); use mode='exact'"
             )
-        check_int(recompute_blocks, "recompute_blocks", minimum=0)
+        self.fidelity = check_fidelity(fidelity)
+        if recompute_blocks is not None:
+            check_int(recompute_blocks, "recompute_blocks", minimum=0)
+        self._recompute_override = recompute_blocks
+        self._deviation_override = check_max_deviation(max_deviation)
         check_int(min_group_blocks, "min_group_blocks")
         check_salt(salt, "salt")
         self.engine = engine
         self.salt = salt
-        self.recompute_blocks = recompute_blocks
+        default = self.settings(self.fidelity)
+        self.recompute_blocks = default.recompute_blocks
+        self.max_deviation = default.max_deviation
         self.min_group_blocks = min_group_blocks
-        if max_deviation is not None:
-            check_number(max_deviation, "max_deviation", strict=True)
-            if recompute_blocks < 1:
-                raise ConfigError(f"max_deviation needs recompute_blocks >= 1 (got {recompute_blocks}) or max_deviation=None")
-        self.max_deviation = max_deviation
         bs = engine.block_size
         self.assembler = engine.make_assembler(
             policy=policy, alignment="all" if pic else "auto", prompt_format=prompt_format
@@ -379,6 +412,13 @@ class RagRunner:
                 raise ConfigError("the chunk index belongs to another engine's store or block size")
         self.index = index
         self._lock = threading.Lock()
+
+    def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
+        """The settings a request at ``fidelity`` (default: the runner's) runs with."""
+        level = self.fidelity if fidelity is None else check_fidelity(fidelity)
+        return fidelity_settings(
+            level, recompute_blocks=self._recompute_override, max_deviation=self._deviation_override
+        )
 
     @property
     def reuse_salt(self) -> str:
@@ -398,14 +438,17 @@ class RagRunner:
         temperature: float = 0.0,
         stop: str | list[str] | None = None,
         logprobs: int | None = None,
+        fidelity: str | FidelityLevel | None = None,
     ) -> RagStep:
-        """Assemble and run one request; raises what ``Assembler.assemble`` and
-        :meth:`EmbeddedEngine.generate` raise."""
+        """Assemble and run one request (``fidelity``: this request's level, default the
+        runner's); raises what ``Assembler.assemble`` and :meth:`EmbeddedEngine.generate`
+        raise."""
         gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
+        cfg = self.settings(fidelity)
         with self._lock:
-            if self.mode is ReuseMode.EXACT:
+            if self.mode is ReuseMode.EXACT or not cfg.relocate:
                 return self._run_exact(chunks, query, system, tools, gen)
-            return self._run_pic(chunks, query, system, tools, gen)
+            return self._run_pic(chunks, query, system, tools, gen, cfg)
 
     def _run_exact(self, chunks, query, system, tools, gen) -> RagStep:
         asm = self.assembler
@@ -413,10 +456,20 @@ class RagRunner:
         prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=self.salt)
         t_send = time.perf_counter()
         out = self.engine.generate(prompt, **gen)
-        return self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
+        step = self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
+        if self.mode is ReuseMode.POSITION_INDEPENDENT:  # what relocation would have served
+            bs, toks = self.engine.block_size, prompt.token_ids
+            hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
+            step.recomputed_tokens = sum(
+                s.end - max(s.start, hit)
+                for s in prompt.segments
+                if s.kind is SegmentKind.CHUNK and s.end > hit
+                and self.index.lookup(toks[s.start : s.end], salt=self.salt).status is ChunkStatus.HIT
+            )
+        return step
 
-    def _run_pic(self, chunks, query, system, tools, gen) -> RagStep:
-        asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, self.recompute_blocks
+    def _run_pic(self, chunks, query, system, tools, gen, cfg: FidelitySettings) -> RagStep:
+        asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, cfg.recompute_blocks
         t0 = time.perf_counter()
         salt = self.reuse_salt
         prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=salt)
@@ -461,16 +514,30 @@ class RagRunner:
             if look.status is ChunkStatus.HIT and look.source is not None:
                 placed.append(ChunkPlacement(s.start, s.end, look.source))
             # else the store refused it: computed where it stands
-        fallback = None
+        fallback, recomputed = None, 0
         try:
             phases = plan_chunk_phases(
                 toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
-                src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=self.max_deviation is not None,
+                src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=cfg.max_deviation is not None,
             )
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
             phases, fallback = [SplicePhase(len(toks), None)], StepFallback.INVALID_PLAN
-        adapt = AdaptiveRecompute(self.max_deviation, toks) if self.max_deviation is not None else None
+        adapt = AdaptiveRecompute(cfg.max_deviation, toks) if cfg.max_deviation is not None else None
+        if r and fallback is None:  # what r = 0 would have relocated, for the record
+            every = list(placed)
+            for s in chunk_segs:  # chunks no longer than r blocks were not looked up
+                if s.end > hit and s.start not in found and s.start >= head_end:
+                    look = self.index.lookup(toks[s.start : s.end], salt=self.salt)
+                    if look.status is ChunkStatus.HIT and look.source is not None:
+                        every.append(ChunkPlacement(s.start, s.end, look.source))
+            every.sort(key=lambda c: c.start)
+            try:
+                full = plan_chunk_phases(toks, every, block_size=bs, hit=hit, head_end=head_end,
+                                         src_salt=self.salt, min_group_blocks=self.min_group_blocks)
+                recomputed = max(0, planned_relocated_tokens(full) - planned_relocated_tokens(phases))
+            except InputError:
+                recomputed = 0
         run = eng.generate_phases(toks, phases, cache_salt=salt, adapt=adapt, **gen)
         outs.extend(run.completions)
         step = self._step(
@@ -478,6 +545,9 @@ class RagRunner:
         )
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
+        step.fidelity = cfg.level
+        step.planned_relocated_tokens = planned_relocated_tokens(phases)
+        step.recomputed_tokens = recomputed
         return step
 
     def _step(self, prompt, outs, out, t0, t_last, salt, relocated, precomputed, nchunks, fallback) -> RagStep:
@@ -501,4 +571,7 @@ class RagRunner:
         )
 
     def __repr__(self) -> str:
-        return f"RagRunner(mode={self.mode.value!r}, recompute_blocks={self.recompute_blocks})"
+        return (
+            f"RagRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
+            f"recompute_blocks={self.recompute_blocks})"
+        )

@@ -11,18 +11,27 @@ Token counts mean the same on :class:`~promptsplice.engine_adapters.RagStep` and
   cache *or* loaded by the splice connector (for a one-request step it is that
   request's ``num_cached_tokens``);
 * ``relocated_tokens``: the part of ``cached_tokens`` the connector loaded at another
-  position than it was computed at (keys re-rotated: approximate deep layers).
+  position than it was computed at (keys re-rotated: approximate deep layers), counted
+  by the connector's worker;
+* ``planned_relocated_tokens``: what the step's plan asked the connector to relocate
+  (:func:`planned_relocated_tokens`); below it, the store did not serve some blocks
+  and vLLM computed them (exact);
+* ``recomputed_tokens``: tokens computed for fidelity although stored KV could have been
+  relocated there (the fidelity level's recompute; at ``exact``, all of them).
+
+Both records also carry ``fidelity``: the :class:`~promptsplice.engine_adapters.runners.FidelityLevel`
+the step ran at (``exact`` whenever the runner's mode never relocates).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from promptsplice.engine_adapters.connector._plans import SplicePhase, extend_recompute
 
-__all__ = ["AdaptiveRecompute", "StepFallback", "cached_tokens"]
+__all__ = ["AdaptiveRecompute", "StepFallback", "cached_tokens", "planned_relocated_tokens"]
 
 
 class StepFallback(enum.Enum):
@@ -72,3 +81,16 @@ class AdaptiveRecompute:
         if phases:
             self.extra += 1
         return phases
+
+
+def planned_relocated_tokens(phases: Iterable[Any]) -> int:
+    """Tokens a step's :class:`~promptsplice.engine_adapters.connector._plans.SplicePhase` list
+    relocates: its plans' segments with a non-zero position delta (a delta-0 segment
+    loads exact blocks)."""
+    return sum(
+        seg.num_blocks * ph.plan.block_size
+        for ph in phases
+        if ph.plan is not None
+        for seg in ph.plan.segments
+        if seg.delta
+    )

@@ -272,14 +272,14 @@ def test_runner_options_are_checked(engine, kv_engine):
 
 
 def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(kv_engine, renders):
-    """The same session under two thresholds.  Above every deviation (1e6): the planned
+    """The same session under two thresholds.  Above every deviation (1.0, the largest threshold allowed): the planned
     phases, each recomputed block probed, nothing extra.  Below every deviation (1e-12):
     each run's next block is recomputed by one more request, up to the run's end, so
     nothing is relocated and exactly those blocks are prefilled on top."""
     from promptsplice.engine_adapters.connector import extend_recompute
 
     bs = kv_engine.block_size
-    hi = run_session(AgentRunner(kv_engine, salt="t-dev-hi", max_deviation=1e6), kv_engine, "s-dev", renders, "t-dev-hi")
+    hi = run_session(AgentRunner(kv_engine, salt="t-dev-hi", max_deviation=1.0), kv_engine, "s-dev", renders, "t-dev-hi")
     lo = run_session(AgentRunner(kv_engine, salt="t-dev-lo", max_deviation=1e-12), kv_engine, "s-dev", renders, "t-dev-lo")
     prepared, step_hi = hi[2]
     _, step_lo = lo[2]

@@ -333,7 +333,7 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
         return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]}"} for n in names]
 
     steps = {}
-    for name, t in (("hi", 1e6), ("lo", 1e-12)):
+    for name, t in (("hi", 1.0), ("lo", 1e-12)):
         runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{name}-{uuid.uuid4().hex[:8]}",
                            policy="retrieval", max_deviation=t)
         runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)

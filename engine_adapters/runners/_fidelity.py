@@ -1,0 +1,160 @@
+"""Fidelity levels: how much approximate KV a runner may use, in one table.
+
+Splice (agent edits) and position-independent reuse (RAG) load KV that was computed at
+another position or next to other content: its deep layers are approximate.  A user
+chooses how much of that to accept with one setting, on the runner (constructor
+default) or per request:
+
+* ``exact``: no approximate KV at all.  Only exact blocks are reused: vLLM's prefix
+  cache and exact loads from the block store (offload hits, delta 0); nothing is
+  relocated, nothing position-independent.  A request at this level runs under a salt
+  whose cache holds exact blocks only (the tenant's salt; see the runners).
+* ``bounded`` (the default): relocation with the recompute chosen to meet first-token
+  KL p90 <= :data:`BOUNDED_KL_P90` nats and teacher-forced top-1 >= control - 0.01 on
+  the fidelity probes of ``bench agent`` / ``bench rag`` (r=1 until that sweep runs; the
+  README gives what was measured).
+* ``fast``: relocation with the least recompute (the most reuse, the largest error).
+
+:data:`FIDELITY_TABLE` maps each level to its :class:`FidelitySettings`.
+``max_deviation`` is the threshold of the measured-deviation recompute (recompute the
+next block while the fresh KV of the last recomputed block deviates from its relocated
+KV by more than it; the connector measures it, embedded engine only).  ``bounded``
+uses :data:`DEFAULT_MAX_DEVIATION` as a guard: on the calibration trace r=1 alone met
+the KL bar and the deviation barely predicted KL (README, agent section), so the
+threshold only catches runs that deviate beyond anything calibrated.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from promptsplice._validate import check_enum, check_int, check_number
+from promptsplice.errors import ConfigError
+
+__all__ = [
+    "BOUNDED_KL_P90",
+    "DEFAULT_FIDELITY",
+    "DEFAULT_MAX_DEVIATION",
+    "FIDELITY_TABLE",
+    "MAX_DEVIATION_LIMIT",
+    "FidelityLevel",
+    "FidelitySettings",
+    "check_fidelity",
+    "check_kl_budget",
+    "check_max_deviation",
+    "fidelity_settings",
+]
+
+BOUNDED_KL_P90 = 0.02
+"""The bar ``bounded`` is chosen to meet: first-token KL p90 (nats) against exact prefill."""
+MAX_DEVIATION_LIMIT = 1.0
+"""A deviation threshold is a relative deviation (``|fresh - relocated| / |fresh|``) in
+``(0, MAX_DEVIATION_LIMIT]``: above 1 it would accept KV off by more than its own size."""
+
+
+DEFAULT_MAX_DEVIATION = 0.25
+"""``bounded``'s deviation guard (``python -m promptsplice.benchmarks.deviation_curve``):
+on the calibration trace ``r=1`` alone kept first-token KL p90 at 0.0095 <= 0.02 with
+deviations 0.096-0.231 and Spearman(deviation, KL) <= 0.23, so the fewest extra blocks
+is none; 0.25 recomputes only runs that deviate beyond anything calibrated, at a
+measured probe cost of 1.1% of a splice step's wall time."""
+
+
+class FidelityLevel(enum.Enum):
+    """How much approximate KV a request may use (module doc)."""
+
+    EXACT = "exact"
+    BOUNDED = "bounded"
+    FAST = "fast"
+
+
+DEFAULT_FIDELITY = FidelityLevel.BOUNDED
+
+
+def check_fidelity(value: Any, what: str = "fidelity") -> FidelityLevel:
+    """A :class:`FidelityLevel` or its name (else :class:`ConfigError` naming the value)."""
+    return check_enum(value, FidelityLevel, what)
+
+
+def check_kl_budget(value: Any, what: str = "kl_budget") -> float:
+    """A first-token KL budget in nats: a finite number > 0 (``ConfigError`` for 0, a
+    negative number, NaN or infinity)."""
+    return float(check_number(value, what, minimum=0.0, strict=True))
+
+
+def check_max_deviation(value: Any, what: str = "max_deviation") -> float | None:
+    """``None`` (no measured-deviation recompute) or a threshold in ``(0, 1]``."""
+    if value is None:
+        return None
+    v = check_number(value, what, minimum=0.0, strict=True)
+    if v > MAX_DEVIATION_LIMIT:
+        raise ConfigError(
+            f"{what} must be a relative deviation in (0, {MAX_DEVIATION_LIMIT:g}], got {value!r}: "
+            "a threshold above 1 accepts KV off by more than its own size"
+        )
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)
+class FidelitySettings:
+    """What a fidelity level does (module doc)."""
+
+    level: FidelityLevel
+    relocate: bool
+    """Whether approximate (relocated) KV may be loaded at all."""
+    recompute_blocks: int
+    """Blocks computed after each edit (agent) / at the start of each relocated chunk
+    (RAG) before relocated KV resumes."""
+    max_deviation: float | None = None
+    """Measured-deviation threshold (``None``: not used; see the module doc)."""
+    kl_p90_budget: float | None = None
+    """The first-token KL p90 (nats) the level was chosen to meet (``None``: no bound
+    claimed, or nothing approximate to bound)."""
+
+    def __post_init__(self) -> None:
+        check_fidelity(self.level, "level")
+        if not isinstance(self.relocate, bool):
+            raise ConfigError(f"relocate must be True or False, got {self.relocate!r}")
+        check_int(self.recompute_blocks, "recompute_blocks", minimum=0)
+        check_max_deviation(self.max_deviation)
+        if self.kl_p90_budget is not None:
+            check_kl_budget(self.kl_p90_budget, "kl_p90_budget")
+
+
+FIDELITY_TABLE: dict[FidelityLevel, FidelitySettings] = {
+    FidelityLevel.EXACT: FidelitySettings(FidelityLevel.EXACT, relocate=False, recompute_blocks=0),
+    FidelityLevel.BOUNDED: FidelitySettings(
+        FidelityLevel.BOUNDED, relocate=True, recompute_blocks=1, max_deviation=DEFAULT_MAX_DEVIATION, kl_p90_budget=BOUNDED_KL_P90
+    ),
+    FidelityLevel.FAST: FidelitySettings(FidelityLevel.FAST, relocate=True, recompute_blocks=0),
+}
+"""The one mapping from level to settings (the README's fidelity table measured it)."""
+
+
+def fidelity_settings(
+    level: Any, *, recompute_blocks: int | None = None, max_deviation: float | None = None
+) -> FidelitySettings:
+    """The table's settings for ``level``.  ``recompute_blocks`` / ``max_deviation``
+    (when given) replace the table's for the approximate levels (a caller's own sweep:
+    the level's KL claim then no longer applies, ``kl_p90_budget`` is ``None``);
+    ``exact`` ignores them.  The deviation threshold measures recomputed blocks: with
+    ``recompute_blocks=0`` the table's is dropped, and an explicit one is a
+    :class:`ConfigError`."""
+    lvl = check_fidelity(level)
+    base = FIDELITY_TABLE[lvl]
+    dev = check_max_deviation(max_deviation)
+    if recompute_blocks is not None:
+        check_int(recompute_blocks, "recompute_blocks", minimum=0)
+    if not base.relocate or (
+        recompute_blocks in (None, base.recompute_blocks) and dev in (None, base.max_deviation)
+    ):
+        return base
+    r = base.recompute_blocks if recompute_blocks is None else recompute_blocks
+    if r == 0 and dev is not None:
+        raise ConfigError(
+            "max_deviation measures the recomputed blocks: set recompute_blocks >= 1 "
+            f"(got {r}) or leave max_deviation unset"
+        )
+    return FidelitySettings(lvl, True, r, (dev if dev is not None else base.max_deviation) if r else None, None)

@@ -1,0 +1,61 @@
+"""The fidelity probes prove what they measure: a probe not served the step's KV, or a
+step that relocated nothing, is a bench failure; the distributions and the seeded
+bootstrap interval are deterministic."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from promptsplice.assembler import ContextHook
+from promptsplice.benchmarks.agent import probe_ranks
+from promptsplice.benchmarks.agent_traces import classify_step, read_agent_trace
+from promptsplice.benchmarks.fidelity import Fidelity, FidelityError, bootstrap_ci, full_blocks, probe, verify_step
+from promptsplice.engine_adapters import AgentRunner
+
+SAMPLE = "benchmarks/data/agent-sample.jsonl"
+
+
+def test_the_distribution_fields_and_a_seeded_bootstrap_interval():
+    f = Fidelity()
+    kls = [0.001 * i for i in range(40)]
+    for i, v in enumerate(kls):
+        f.add(1.0 - v, v, 1.0, label="mask/1" if i % 2 else "drop/2-3")
+    rep = f.report()
+    assert rep["steps"] == 40 and rep["probes_by"] == {"drop/2-3": 20, "mask/1": 20}
+    assert rep["first_token_kl_p50"] == 0.02 and rep["first_token_kl_p90"] == 0.036 and rep["first_token_kl_max"] == 0.039
+    lo, hi = rep["first_token_kl_ci95"]
+    assert lo < rep["first_token_kl"] < hi and hi - lo < 0.02
+    assert rep["tf_top1_p10"] == pytest.approx(1 - 0.035) and rep["tf_top1_min"] == pytest.approx(1 - 0.039)
+    assert bootstrap_ci(kls) == bootstrap_ci(list(kls)) == [lo, hi]  # same values, same interval
+    assert bootstrap_ci([]) is None and Fidelity().report()["first_token_kl_p90"] is None
+
+
+def test_probes_are_spread_over_edit_kinds_and_depths():
+    sessions = read_agent_trace(SAMPLE)
+    ranks = probe_ranks(sessions)
+    edits = {(si, i) for si, s in enumerate(sessions) for i, r in enumerate(s.renders)
+             if classify_step(s.renders[i - 1] if i else None, r) not in ("first", "append")}
+    assert set(ranks) == edits and sorted(r for r, _ in ranks.values()) == list(range(len(edits)))
+    strata = {label for _, label in ranks.values()}
+    first = {label for r, label in ranks.values() if r < len(strata)}
+    assert first == strata  # the first picks visit every (kind, depth) stratum once
+    assert {label.split("/")[0] for label in strata} >= {"mask", "drop", "truncate"}
+
+
+def test_a_probe_not_served_the_steps_kv_fails_loudly(engine):
+    toks = engine.tokenizer.encode("The capital of France is Paris. " * 20)
+    # a fresh salt: nothing cached, so the probe would measure recomputed (exact) KV
+    with pytest.raises(FidelityError, match="served 0"):
+        probe(engine, toks, [1, 2], f"fresh-{uuid.uuid4().hex}", need_cached=full_blocks(engine, toks))
+
+
+def test_a_step_that_relocated_nothing_cannot_be_probed(engine):
+    sess = read_agent_trace(SAMPLE)[0]
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+    runner = AgentRunner(engine, mode="apc", salt=f"t-{uuid.uuid4().hex[:8]}")
+    for msgs in sess.renders[:4]:  # ... truncate, mask: edits, but apc relocates nothing
+        step = runner.step(hook(sess.id, msgs, sess.tools or None), max_tokens=1)
+    with pytest.raises(FidelityError, match="relocates 0 tokens but the connector relocated 0"):
+        verify_step(step)

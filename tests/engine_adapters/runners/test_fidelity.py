@@ -1,0 +1,165 @@
+"""Fidelity levels: the table, bad input, what a step says at each level, and the bar
+(the default's first-token KL p90 <= 0.02 on a fixed sample of agent steps and RAG
+requests, each probe verified to have used relocated KV)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import pytest
+
+from promptsplice.assembler import ContextHook
+from promptsplice.benchmarks.agent_traces import read_agent_trace
+from promptsplice.benchmarks.fidelity import full_blocks, kl, verify_step
+from promptsplice.benchmarks.traces import sample_rag_requests
+from promptsplice.benchmarks.assemble import _chunks
+from promptsplice.engine_adapters import FIDELITY_TABLE, AgentRunner, FidelityLevel, RagRunner
+from promptsplice.engine_adapters.runners._fidelity import (
+    BOUNDED_KL_P90,
+    DEFAULT_FIDELITY,
+    DEFAULT_MAX_DEVIATION,
+    FidelitySettings,
+    check_kl_budget,
+    check_max_deviation,
+    fidelity_settings,
+)
+from promptsplice.errors import ConfigError
+
+SAMPLE = "benchmarks/data/agent-sample.jsonl"
+
+
+# ------------------------------------------------------------------ the table, bad input
+
+def test_one_table_maps_every_level_and_bounded_is_the_default():
+    assert set(FIDELITY_TABLE) == set(FidelityLevel) and DEFAULT_FIDELITY is FidelityLevel.BOUNDED
+    exact, bounded, fast = (FIDELITY_TABLE[x] for x in FidelityLevel)
+    assert not exact.relocate and bounded.relocate and fast.relocate
+    assert fast.recompute_blocks <= bounded.recompute_blocks
+    assert bounded.kl_p90_budget == BOUNDED_KL_P90 == 0.02
+    assert bounded.max_deviation == DEFAULT_MAX_DEVIATION and exact.max_deviation is fast.max_deviation is None
+    # a caller's own recompute replaces the level's, and the level's KL claim with it
+    own = fidelity_settings("bounded", recompute_blocks=bounded.recompute_blocks + 3)
+    assert own.recompute_blocks == bounded.recompute_blocks + 3 and own.kl_p90_budget is None
+    assert fidelity_settings("exact", recompute_blocks=5) is exact
+
+
+@pytest.mark.parametrize("bad", ["medium", "EXACTLY", "", 1, None, 0.5])
+def test_a_level_that_is_not_one_of_the_three_is_refused(bad, engine):
+    with pytest.raises(ConfigError, match="exact, bounded, fast"):
+        fidelity_settings(bad)
+    with pytest.raises(ConfigError, match=repr(bad).replace("(", r"\(").replace(")", r"\)") if bad else "fidelity"):
+        AgentRunner(engine, mode="apc", fidelity=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -0.01, math.nan, math.inf, "0.02", True])
+def test_a_kl_budget_must_be_a_finite_positive_number(bad):
+    with pytest.raises(ConfigError, match="kl_budget"):
+        check_kl_budget(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, math.nan, math.inf])
+def test_a_deviation_threshold_out_of_range_is_refused(bad):
+    with pytest.raises(ConfigError, match="max_deviation"):
+        check_max_deviation(bad)
+    with pytest.raises(ConfigError, match="max_deviation"):
+        FidelitySettings(FidelityLevel.BOUNDED, True, 1, max_deviation=bad)
+    assert check_max_deviation(0.25) == 0.25 and check_max_deviation(None) is None
+
+
+# ------------------------------------------------------------------ the runners, per step
+
+def _session(engine, runner, sess, *, fidelity=None, stop=None):
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+    out = []
+    for msgs in sess.renders[:stop]:
+        prepared = hook(sess.id, msgs, sess.tools or None)
+        f = fidelity(len(out)) if callable(fidelity) else fidelity
+        out.append((prepared, runner.step(prepared, max_tokens=1, fidelity=f)))
+    return out
+
+
+def test_an_exact_step_relocates_nothing_and_says_what_it_computed_instead(kv_engine):
+    """The same session twice: at the default level, and with one edit step at
+    ``exact``: that step relocates nothing and counts as recomputed what the default
+    planned to relocate (plus its own recompute); the next edit rescopes and relocates."""
+    sess = read_agent_trace(SAMPLE)[0]  # first, append, truncate, mask, mask, append, truncate, mask
+    bounded = AgentRunner(kv_engine, mode="splice", salt=f"t-{uuid.uuid4().hex[:8]}")
+    ref = [st for _, st in _session(kv_engine, bounded, sess, stop=5)]
+    k = max(i for i, st in enumerate(ref) if st.planned_relocated_tokens)  # the last edit that relocates
+    runner = AgentRunner(kv_engine, mode="splice", salt=f"t-{uuid.uuid4().hex[:8]}")
+    steps = [st for _, st in _session(kv_engine, runner, sess, fidelity=lambda i: "exact" if i == k else None, stop=8)]
+    e = steps[k]
+    assert e.fidelity is FidelityLevel.EXACT and e.relocated_tokens == e.planned_relocated_tokens == 0
+    assert e.requests == 1 and e.salt == runner.salt  # the tenant's salt: exact blocks only
+    assert e.recomputed_tokens == ref[k].planned_relocated_tokens + ref[k].recomputed_tokens > 0
+    for st in steps[:k] + steps[k + 1:]:
+        assert st.fidelity is FidelityLevel.BOUNDED and st.relocated_tokens == st.planned_relocated_tokens
+        assert st.prompt_tokens == st.prefill_tokens + st.cached_tokens >= st.prefill_tokens + st.relocated_tokens
+    later = [st for st in steps[k + 1:] if st.planned_relocated_tokens]
+    assert later and all(st.salt != runner.salt for st in later)  # a new scope, relocating again
+    bs, r = kv_engine.block_size, FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks
+    assert all(st.recomputed_tokens % bs == 0 for st in steps) and (r > 0) == any(st.recomputed_tokens for st in later)
+
+
+def test_apc_and_full_steps_are_exact_and_a_bad_per_step_level_is_refused(engine):
+    sess = read_agent_trace(SAMPLE)[1]
+    runner = AgentRunner(engine, mode="apc", salt=f"t-{uuid.uuid4().hex[:8]}")
+    steps = _session(engine, runner, sess, fidelity="fast", stop=2)
+    assert all(st.fidelity is FidelityLevel.EXACT and st.planned_relocated_tokens == 0 for _, st in steps)
+    with pytest.raises(ConfigError, match="'medium'"):
+        runner.step(steps[-1][0], max_tokens=1, fidelity="medium")
+
+
+def test_a_pic_request_at_exact_computes_its_stored_chunks(kv_engine):
+    reqs = sample_rag_requests(6, seed=3)
+    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval")
+    req = next(r for r in reqs if len(r.chunks) >= 2)
+    runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=1)
+    # the same chunks in reverse: behind the head's hit, every chunk is stored elsewhere
+    e = runner.run(_chunks(req)[::-1], query=req.query, system=req.system or None, max_tokens=1, fidelity="exact")
+    assert e.fidelity is FidelityLevel.EXACT and e.relocated_tokens == e.planned_relocated_tokens == 0
+    assert e.salt == runner.salt and e.requests == 1 and e.recomputed_tokens > 0
+    with pytest.raises(ConfigError, match="'sloppy'"):
+        runner.run(_chunks(req), query="q", max_tokens=1, fidelity="sloppy")
+
+
+# ------------------------------------------------------------------ the bar
+
+def _first_token_kl(engine, kv_engine, tokens, salt):
+    ref = engine.generate(tokens, max_tokens=1, cache_salt=f"ref:{uuid.uuid4().hex}", logprobs=-1).logprobs[0]
+    out = kv_engine.generate(tokens, max_tokens=1, cache_salt=salt, logprobs=-1)
+    # the probe read the step's KV (relocated blocks included), not a recomputation
+    assert out.num_cached_tokens >= full_blocks(kv_engine, tokens)
+    return kl(ref, out.logprobs[0])
+
+
+def _p90(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+
+
+def test_the_default_fidelity_keeps_first_token_kl_p90_within_the_bar(engine, kv_engine, measured):
+    """Fixed sample: the edit steps of two sample agent sessions and 8 requests of
+    the RAG sample, every one at the default fidelity (``bounded``), each probe
+    verified to have used relocated KV (the connector's count equals the plan's, and
+    vLLM served the whole spliced context from cache)."""
+    kls = {"agent": [], "rag": []}
+    for sess in read_agent_trace(SAMPLE)[:2]:
+        runner = AgentRunner(kv_engine, mode="splice", salt=f"bar-{uuid.uuid4().hex[:8]}")
+        for prepared, st in _session(kv_engine, runner, sess, stop=7):
+            if st.planned_relocated_tokens:
+                verify_step(st)
+                kls["agent"].append(_first_token_kl(engine, kv_engine, prepared.token_ids, st.salt))
+    runner = RagRunner(kv_engine, mode="position_independent", salt=f"bar-{uuid.uuid4().hex[:8]}")
+    for req in sample_rag_requests(40)[:8]:
+        st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=1)
+        if st.planned_relocated_tokens:
+            verify_step(st)
+            kls["rag"].append(_first_token_kl(engine, kv_engine, list(st.prompt.token_ids), runner.reuse_salt))
+    assert len(kls["agent"]) >= 3 and len(kls["rag"]) >= 2
+    for what, xs in kls.items():
+        measured[f"{what}_probes"] = len(xs)
+        measured[f"{what}_first_token_kl_p90"] = round(_p90(xs), 4)
+        assert _p90(xs) <= BOUNDED_KL_P90, (what, sorted(xs))
