@@ -63,6 +63,8 @@ from promptsplice._validate import (
 from promptsplice.engine_adapters._served_engine import ServedEngineSurface
 from promptsplice.engine_adapters._wire import (
     Accumulator,
+    Call as _Call,
+    Retry as _Retry,
     RemoteCompletion,
     Request,
     ServerCounters,
@@ -111,31 +113,6 @@ def _timeout_name(exc: httpx.TimeoutException) -> str:
         if isinstance(exc, cls):
             return name
     return "request"
-
-
-class _Retry(Exception):
-    """Internal: this attempt failed in a retryable way."""
-
-    def __init__(self, error: Exception, retry_after: float | None = None) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.retry_after = retry_after
-
-
-@dataclass(slots=True)
-class _Call:
-    """One HTTP call the exchange asks its driver to make.  ``req`` is set for a
-    completion (``stream``: read it as SSE into an :class:`Accumulator` started at
-    ``start``); a plain ``GET`` returns the response."""
-
-    method: str
-    url: str
-    req: Request | None = None
-    start: float = 0.0
-
-    @property
-    def stream(self) -> bool:
-        return self.req is not None and bool(self.req.body.get("stream"))
 
 
 _Exchange = Generator["_Call | float", Any, Any]

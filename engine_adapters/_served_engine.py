@@ -52,7 +52,9 @@ from promptsplice.assembler import Assembler, Tokenizer, load_tokenizer
 from promptsplice.engine_adapters._requests import Completion, PhasedRun, StreamDelta
 from promptsplice.engine_adapters._wire import (
     Accumulator,
+    Call,
     RemoteCompletion,
+    Retry,
     Request,
     completion_from_json,
     model_from_list,
@@ -70,13 +72,6 @@ TOKENIZER_PROBE_TEXT = "Hello, world! Prompt assembly: 12345 tokens, ünïcode �
 """The text a served engine's tokenizer is checked on (words, digits, unicode, spaces)."""
 
 _UNSET = object()
-
-
-def _remote() -> Any:
-    """The client module (imported late: it imports this one)."""
-    from promptsplice.engine_adapters import _remote as module
-
-    return module
 
 
 class ServedEngineSurface:
@@ -105,7 +100,7 @@ class ServedEngineSurface:
             body = {"model": self._model_id(), "prompt": [0], "max_tokens": 1, "temperature": 0,
                     "kv_transfer_params": {PROBE_KEY: True}}
             req = Request("/v1/completions", body, False, 1)
-            call = _remote()._Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
+            call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
             out = self._run(self._attempts(call))  # type: ignore[attr-defined]
             ack = completion_from_json(parse_json(out, call.url), req, call.url, call.start).splice
             if ack is not None and self._given_block_size not in (None, ack.block_size) and ack.block_size:
@@ -169,7 +164,7 @@ class ServedEngineSurface:
         url = self._url("/tokenize")  # type: ignore[attr-defined]
         body = {"model": self._model_id(), "prompt": TOKENIZER_PROBE_TEXT, "add_special_tokens": False}
         req = Request("/tokenize", body, False, None)
-        out = self._run(self._attempts(_remote()._Call("POST", url, req)))  # type: ignore[attr-defined]
+        out = self._run(self._attempts(Call("POST", url, req)))  # type: ignore[attr-defined]
         server = parse_json(out, url).get("tokens")
         mine = list(tok.encode(TOKENIZER_PROBE_TEXT))
         if not isinstance(server, list):
@@ -258,7 +253,7 @@ class ServedEngineSurface:
         return self._stream_deltas(req)
 
     def _stream_deltas(self, req: Request) -> Iterator[StreamDelta]:
-        call = _remote()._Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
+        call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
         client = self._sync_client()  # type: ignore[attr-defined]
         try:
             with self._translating(call.url):  # type: ignore[attr-defined]
@@ -272,7 +267,7 @@ class ServedEngineSurface:
                         if text or ids:
                             yield StreamDelta(text, ids, None)
                     rc = acc.result(req.prompt_len, call.url)
-        except _remote()._Retry as retry:  # type: ignore[attr-defined]
+        except Retry as retry:  # type: ignore[attr-defined]
             raise retry.error from retry.error.__cause__
         yield StreamDelta("", [], self._completion_record(rc, req))
 

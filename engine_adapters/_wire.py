@@ -183,6 +183,31 @@ class Request:
     splice: bool = False
 
 
+class Retry(Exception):
+    """Internal: this attempt failed in a retryable way."""
+
+    def __init__(self, error: Exception, retry_after: float | None = None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True)
+class Call:
+    """One HTTP call the exchange asks its driver to make.  ``req`` is set for a
+    completion (``stream``: read it as SSE into an :class:`Accumulator` started at
+    ``start``); a plain ``GET`` returns the response."""
+
+    method: str
+    url: str
+    req: Request | None = None
+    start: float = 0.0
+
+    @property
+    def stream(self) -> bool:
+        return self.req is not None and bool(self.req.body.get("stream"))
+
+
 class Accumulator:
     """Collects a streamed (SSE) response chunk by chunk."""
 

@@ -69,6 +69,7 @@ def agent_counts(engine, renders, tenant):
     return rows, last
 
 
+@pytest.mark.reliability
 def test_the_served_engine_says_its_block_size_and_checks_its_tokenizer(remote, served_kv, default_tok):
     assert remote.can_splice and remote.block_size == BS
     assert remote.tokenizer.encode("Hello world") == default_tok.encode("Hello world")
