@@ -30,7 +30,7 @@ def salt(name: str) -> str:
 def remote(served_kv):
     if served_kv.proc.poll() is not None:
         pytest.fail(f"vllm serve exited with {served_kv.proc.returncode}:\n{served_kv.tail()}")
-    with RemoteEngine(served_kv.base_url, max_retries=0) as eng:
+    with RemoteEngine(served_kv.base_url, max_retries=0, timeout=600) as eng:  # a loaded CI machine is slow
         yield eng
 
 

@@ -18,7 +18,7 @@ from promptsplice.engine_adapters.integrations._langchain_chat import Promptspli
 
 @pytest.fixture(scope="module")
 def served_engine(served_kv):
-    with RemoteEngine(served_kv.base_url, max_retries=0) as eng:
+    with RemoteEngine(served_kv.base_url, max_retries=0, timeout=600) as eng:  # a loaded CI machine is slow
         yield eng
 
 
