@@ -218,6 +218,12 @@ class EmbeddedEngine:
         return self._handle.kv.agent
 
     @property
+    def can_splice(self) -> bool:
+        """Whether splice plans can run here (started with ``kv_store``); what the
+        runners check, as on a served engine (``RemoteEngine.can_splice``)."""
+        return self._config.kv_store is not None
+
+    @property
     def kv_store(self) -> Any:
         """The connector's :class:`~promptsplice.engine_adapters.BlockStore` (``None`` without
         ``kv_store``): its ``stats()`` count DRAM/disk hits, evictions and damage."""

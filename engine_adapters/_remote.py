@@ -12,9 +12,9 @@ proxies) gives ``cached_tokens=None``: *unknown*, never reported as 0.
 (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``, and the KV
 connector's ``vllm:external_prefix_cache_*``).
 
-``complete(..., splice=plan)`` sends a splice plan to a ``vllm serve`` running the
-splice connector (:mod:`promptsplice.engine_adapters.connector._served` has the wire
-format); the connector's answer comes back as ``RemoteCompletion.splice``.
+``complete(..., splice=plan)`` sends a splice plan to a ``vllm serve`` running the splice
+connector (wire format: ``connector._served``; its answer: ``RemoteCompletion.splice``).
+What runners and the chat model use (``generate``, ``generate_phases``...): ``_served_engine``.
 
 Errors: 429, 5xx, connect errors, connections broken mid-response (a server that died
 while streaming) and timeouts are retried ``max_retries`` times with exponential
@@ -60,8 +60,11 @@ from promptsplice._validate import (
     check_text,
     check_token_ids,
 )
+from promptsplice.engine_adapters._served_engine import ServedEngineSurface
 from promptsplice.engine_adapters._wire import (
     Accumulator,
+    Call as _Call,
+    Retry as _Retry,
     RemoteCompletion,
     Request,
     ServerCounters,
@@ -112,31 +115,6 @@ def _timeout_name(exc: httpx.TimeoutException) -> str:
     return "request"
 
 
-class _Retry(Exception):
-    """Internal: this attempt failed in a retryable way."""
-
-    def __init__(self, error: Exception, retry_after: float | None = None) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.retry_after = retry_after
-
-
-@dataclass(slots=True)
-class _Call:
-    """One HTTP call the exchange asks its driver to make.  ``req`` is set for a
-    completion (``stream``: read it as SSE into an :class:`Accumulator` started at
-    ``start``); a plain ``GET`` returns the response."""
-
-    method: str
-    url: str
-    req: Request | None = None
-    start: float = 0.0
-
-    @property
-    def stream(self) -> bool:
-        return self.req is not None and bool(self.req.body.get("stream"))
-
-
 _Exchange = Generator["_Call | float", Any, Any]
 """An exchange: yields HTTP calls (sent back their result) and pauses in seconds."""
 
@@ -144,7 +122,7 @@ _Exchange = Generator["_Call | float", Any, Any]
 # --------------------------------------------------------------------------- engine
 
 
-class RemoteEngine:
+class RemoteEngine(ServedEngineSurface):
     """A client for one OpenAI-compatible server.
 
     ``base_url``: the server root or its ``/v1`` (``http://127.0.0.1:8000``,
@@ -157,7 +135,8 @@ class RemoteEngine:
     ``httpx`` transport (tests).  ``require_salt``: refuse requests without a
     ``cache_salt`` (:class:`~promptsplice.errors.MissingSaltError`); either way, mixing
     salted and unsalted requests warns once
-    (:class:`~promptsplice.errors.UnsaltedTenantWarning`).
+    (:class:`~promptsplice.errors.UnsaltedTenantWarning`).  ``tokenizer``/``block_size``: for
+    runners and the chat model, checked against the server (``_served_engine``).
     """
 
     def __init__(
@@ -172,6 +151,7 @@ class RemoteEngine:
         send_token_ids: SendTokenIds = "auto",
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
         require_salt: bool = False,
+        tokenizer: Any = None, block_size: int | None = None,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.strip():
             raise ConfigError("base_url must be a non-empty URL such as http://127.0.0.1:8000")
@@ -209,6 +189,7 @@ class RemoteEngine:
         self._salts = SaltGuard("RemoteEngine", require=require_salt)
         self._client: httpx.Client | None = None
         self._aclient: httpx.AsyncClient | None = None
+        self._init_served(tokenizer, block_size)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -353,7 +334,6 @@ class RemoteEngine:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         return body
-
 
     # ----------------------------------------------------------------- errors
 

@@ -60,6 +60,11 @@ class RemoteCompletion:
     """The splice connector's answer to a request sent with ``splice=plan``: whether the
     plan was applied (``reason`` says what differed when it was not: the request then ran
     as plain prefill) and the tokens it loaded and relocated."""
+    token_ids: list[int] | None = None
+    """The generated token ids, when the request asked for them (vLLM's
+    ``return_token_ids``, sent by :meth:`RemoteEngine.generate`); else ``None``."""
+    request_id: str = ""
+    """The server's id of the completion (empty when it sent none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +183,31 @@ class Request:
     splice: bool = False
 
 
+class Retry(Exception):
+    """Internal: this attempt failed in a retryable way."""
+
+    def __init__(self, error: Exception, retry_after: float | None = None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True)
+class Call:
+    """One HTTP call the exchange asks its driver to make.  ``req`` is set for a
+    completion (``stream``: read it as SSE into an :class:`Accumulator` started at
+    ``start``); a plain ``GET`` returns the response."""
+
+    method: str
+    url: str
+    req: Request | None = None
+    start: float = 0.0
+
+    @property
+    def stream(self) -> bool:
+        return self.req is not None and bool(self.req.body.get("stream"))
+
+
 class Accumulator:
     """Collects a streamed (SSE) response chunk by chunk."""
 
@@ -189,15 +219,19 @@ class Accumulator:
         self.finish_reason: str | None = None
         self.usage: Any = None
         self.done = False
+        self.ids: list[int] | None = None
+        self.request_id = ""
 
-    def feed(self, line: str, url: str) -> None:
+    def feed(self, line: str, url: str) -> tuple[str, list[int]]:
+        """Take one SSE line; returns the text and token ids it added."""
+        added: tuple[str, list[int]] = ("", [])
         line = line.strip()
         if not line or line.startswith(":") or not line.startswith("data:"):
-            return
+            return added
         data = line[5:].strip()
         if data == "[DONE]":
             self.done = True
-            return
+            return added
         try:
             chunk = json.loads(data)
         except ValueError as exc:
@@ -212,6 +246,7 @@ class Accumulator:
             )
         if chunk.get("usage"):
             self.usage = chunk["usage"]
+        self.request_id = self.request_id or str(chunk.get("id") or "")
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, Mapping):
                 continue
@@ -220,12 +255,19 @@ class Accumulator:
                 text = delta.get("content") if isinstance(delta, Mapping) else None
             else:
                 text = choice.get("text")
+            ids = choice.get("token_ids")
+            ids = [int(t) for t in ids] if isinstance(ids, list) else []
+            if ids:
+                self.ids = (self.ids or []) + ids
             if text:
                 if self.ttft is None:
                     self.ttft = time.perf_counter() - self.start
                 self.parts.append(text)
+            if text or ids:
+                added = (added[0] + (text or ""), added[1] + ids)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+        return added
 
     def result(self, prompt_len: int | None, url: str) -> RemoteCompletion:
         if not self.done and self.finish_reason is None:
@@ -243,6 +285,8 @@ class Accumulator:
             ttft_s=self.ttft,
             total_s=total,
             finish_reason=self.finish_reason,
+            token_ids=self.ids,
+            request_id=self.request_id,
         )
 
 
@@ -310,6 +354,8 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
         finish_reason=choice.get("finish_reason"),
         kv_transfer_params=kv_params,
         splice=SpliceAck.from_params(kv_params),
+        token_ids=[int(t) for t in choice["token_ids"]] if isinstance(choice.get("token_ids"), list) else None,
+        request_id=str(data.get("id") or ""),
     )
 
 

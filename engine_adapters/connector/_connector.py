@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
-from promptsplice.engine_adapters.connector._served import SpliceAck, ack_params, plan_verdict
+from promptsplice.engine_adapters.connector._served import PROBE_REASON, SpliceAck, ack_params, plan_verdict
 from promptsplice.engine_adapters.connector._settings import connector_settings
 from promptsplice.engine_adapters.connector._worker import SpliceWorker
 from promptsplice.engine_adapters.store._store import BlockStore, shared_store
@@ -176,7 +176,7 @@ class SpliceConnector(KVConnectorBase_V1):
         if ack is None:
             verdict = plan_verdict(params, tokens or (), self.settings.block_size)
             if verdict.has_plan:
-                if verdict.reason:
+                if verdict.reason and verdict.reason != PROBE_REASON:
                     _log.warning("splice connector: plain prefill for %s: %s", req_id, verdict.reason)
                 ack = self._acks[req_id] = [verdict.reason, verdict.planned_tokens, 0, 0]
         if ack is not None and ack[0]:
@@ -211,7 +211,7 @@ class SpliceConnector(KVConnectorBase_V1):
             return False, None
         # The answer vLLM's OpenAI server returns in the response's kv_transfer_params.
         reason, planned, loaded, relocated = ack
-        return False, ack_params(SpliceAck(not reason, reason, planned, loaded, relocated))
+        return False, ack_params(SpliceAck(not reason, reason, planned, loaded, relocated, self.settings.block_size))
 
     def reset_cache(self) -> bool | None:
         """``reset_prefix_cache(reset_connector=True)``: empty the block store."""

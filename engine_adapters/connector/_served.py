@@ -16,9 +16,13 @@ returns :func:`ack_params`, which vLLM's OpenAI server puts in the response body
 ``kv_transfer_params``::
 
     {"splice_ack": {"applied": true, "reason": "", "planned_tokens": 192,
-                    "loaded_tokens": 192, "relocated_tokens": 192}}
+                    "loaded_tokens": 192, "relocated_tokens": 192, "block_size": 32}}
 
 No ``splice_ack`` in the response means the server was not started with the connector.
+A request carrying only ``{"splice_probe": true}`` (:data:`PROBE_KEY`) asks just that:
+the connector answers an ack with ``applied`` False, reason :data:`PROBE_REASON` and
+its ``block_size`` (how :class:`~promptsplice.engine_adapters.RemoteEngine` learns the
+server's block size and that it runs the connector).
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ from typing import Any, NamedTuple
 from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SplicePlan
 from promptsplice.errors import ConfigError, InputError
 
-__all__ = ["ACK_KEY", "CHECK_KEY", "SpliceAck", "ack_params", "Verdict", "plan_check", "plan_verdict", "splice_params", "token_digest"]
+__all__ = ["ACK_KEY", "CHECK_KEY", "PROBE_KEY", "PROBE_REASON", "SpliceAck", "ack_params", "Verdict", "plan_check", "plan_verdict", "splice_params", "token_digest"]
 
 CHECK_KEY = "splice_check"
 """``kv_transfer_params`` key of the prompt check sent with a plan."""
 ACK_KEY = "splice_ack"
 """``kv_transfer_params`` key of the connector's answer in the response."""
+PROBE_KEY = "splice_probe"
+"""``kv_transfer_params`` key of a request that only asks whether the connector runs."""
+PROBE_REASON = "a probe: no plan sent"
+"""The ack's reason for a probe."""
 
 
 def token_digest(tokens: Sequence[int]) -> str:
@@ -85,8 +93,10 @@ def plan_verdict(params: Mapping[str, Any] | None, tokens: Sequence[int], block_
     """Whether a request's ``kv_transfer_params`` carry a plan, and whether it matches the
     request: a non-empty ``reason`` names what differs (the connector then drops the
     plan: plain prefill)."""
-    if not isinstance(params, Mapping) or (PLAN_KEY not in params and CHECK_KEY not in params):
+    if not isinstance(params, Mapping):
         return Verdict(False, "")
+    if PLAN_KEY not in params and CHECK_KEY not in params:
+        return Verdict(True, PROBE_REASON) if params.get(PROBE_KEY) is True else Verdict(False, "")
     reason = _mismatch(params, tokens, block_size)
     if reason:
         return Verdict(True, reason)
@@ -137,6 +147,8 @@ class SpliceAck(NamedTuple):
     """Tokens the connector loaded for the request (offload hits and relocated blocks)."""
     relocated_tokens: int
     """Loaded tokens that moved (a non-zero position delta)."""
+    block_size: int = 0
+    """The connector's (and so the server's) block size; 0 from a connector that did not say."""
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> SpliceAck | None:
@@ -147,7 +159,7 @@ class SpliceAck(NamedTuple):
         try:
             return cls(
                 bool(raw["applied"]), str(raw.get("reason") or ""), int(raw["planned_tokens"]),
-                int(raw["loaded_tokens"]), int(raw["relocated_tokens"]),
+                int(raw["loaded_tokens"]), int(raw["relocated_tokens"]), int(raw.get("block_size") or 0),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -260,7 +260,7 @@ class PromptspliceChatModel(BaseChatModel):
         if eng is None:
             with _default_lock:
                 eng = _default_engine
-        model = getattr(getattr(eng, "config", None), "model", None)
+        model = getattr(getattr(eng, "config", None), "model", None) or getattr(eng, "model", None)
         return Path(model).name if isinstance(model, str) and model else DEFAULT_MODEL_NAME
 
     def renderer(self) -> ChatRenderer:

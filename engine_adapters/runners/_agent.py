@@ -1,4 +1,9 @@
-"""Agent steps on the embedded engine: carry out a render's edit directives.
+"""Agent steps on an engine: carry out a render's edit directives.
+
+The engine is an :class:`~promptsplice.engine_adapters.EmbeddedEngine` or a
+:class:`~promptsplice.engine_adapters.RemoteEngine` over a ``vllm serve`` that loads the
+splice connector: one code path, through the surface both have (``block_size``,
+``can_splice``, ``generate_phases``: :mod:`~promptsplice.engine_adapters._served_engine`).
 
 :class:`AgentRunner` takes the hook's :class:`~promptsplice.assembler.PreparedContext` for each step
 of an agent session and runs it in one of three modes:
@@ -82,6 +87,7 @@ from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
     from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
+    from promptsplice.engine_adapters._remote import RemoteEngine
 
 __all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_RECOMPUTE_BLOCKS"]
 
@@ -184,7 +190,8 @@ class _Session:
 
 
 class AgentRunner:
-    """Runs agent steps on an :class:`~promptsplice.engine_adapters.EmbeddedEngine` (see the module doc).
+    """Runs agent steps on an :class:`~promptsplice.engine_adapters.EmbeddedEngine` or a
+    :class:`~promptsplice.engine_adapters.RemoteEngine` (see the module doc).
 
     ``mode``: ``"full"``, ``"apc"`` or ``"splice"`` (needs an engine started with
     ``kv_store``).  ``salt``: the tenant's ``cache_salt``.  ``fidelity``: ``"exact"``,
@@ -201,7 +208,7 @@ class AgentRunner:
 
     def __init__(
         self,
-        engine: EmbeddedEngine,
+        engine: EmbeddedEngine | RemoteEngine,
         *,
         mode: str | AgentMode = AgentMode.SPLICE,
         salt: str | None = None,
@@ -214,10 +221,11 @@ class AgentRunner:
         fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
     ) -> None:
         self.mode = check_enum(mode, AgentMode, "mode")
-        if self.mode is AgentMode.SPLICE and engine.kv_store is None:
+        if self.mode is AgentMode.SPLICE and not engine.can_splice:
             raise ConfigError(
                 "splice mode needs the splice connector: start the engine with "
-                "EngineConfig(kv_store=StoreConfig(...))"
+                "EngineConfig(kv_store=StoreConfig(...)), or the server with "
+                "--kv-transfer-config kv_transfer_config_json(StoreConfig(...))"
             )
         self.fidelity = check_fidelity(fidelity)
         if recompute_blocks is not None:

@@ -340,7 +340,8 @@ class RagStep:
 
 
 class RagRunner:
-    """Assembles and runs RAG requests on an :class:`~promptsplice.engine_adapters.EmbeddedEngine`.
+    """Assembles and runs RAG requests on an :class:`~promptsplice.engine_adapters.EmbeddedEngine`
+    (or, in ``exact`` mode, a :class:`~promptsplice.engine_adapters.RemoteEngine`).
 
     ``mode``: ``"exact"`` (default: prefix caching of the assembled prompt) or
     ``"position_independent"`` (needs an engine started with ``kv_store``; see the
@@ -378,8 +379,10 @@ class RagRunner:
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
         if pic and engine.kv_store is None:
             raise ConfigError(
-                "position_independent reuse needs the splice connector: start the engine "
-                "with EngineConfig(kv_store=StoreConfig(...))"
+                "position_independent reuse needs the splice connector's block store in this "
+                "process (its chunk index checks every chunk there): start an EmbeddedEngine "
+                "with EngineConfig(kv_store=StoreConfig(...)); over a served engine use "
+                "mode='exact' (or relocation plans sent with RemoteEngine.generate(splice=...))"
             )
         if pic and not engine.kv_connector.worker.can_relocate:
             raise ConfigError(

@@ -116,6 +116,7 @@ def test_served_deletion_splice_matches_the_embedded_engine(remote, kv_engine, t
     assert out.splice.relocated_tokens == out.splice.loaded_tokens == len(S)
 
 
+@pytest.mark.reliability
 def test_plan_for_other_tokens_falls_back_to_plain_prefill(remote, text_tokens):
     P, X, S, old, new = deletion_prompts(text_tokens)
     s = salt("mismatch")
@@ -139,6 +140,7 @@ def test_plan_for_other_tokens_falls_back_to_plain_prefill(remote, text_tokens):
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(P)  # vLLM's own hit only
 
 
+@pytest.mark.reliability
 def test_plan_with_more_blocks_than_the_prompt_is_refused(remote, text_tokens):
     P, X, S, old, new = deletion_prompts(text_tokens)
     s = salt("blocks")
@@ -182,6 +184,7 @@ def test_relocation_plan_over_the_served_engine_reports_its_counts(remote, text_
     assert out.cached_tokens == 5 * BS
 
 
+@pytest.mark.reliability
 def test_server_without_the_connector_refuses_a_plan(plain_server, text_tokens):
     P, X, S, old, new = deletion_prompts(text_tokens)
     plan = plan_deletion(old, new, (len(P), len(P) + len(X)), block_size=BS)

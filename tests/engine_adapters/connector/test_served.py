@@ -7,6 +7,8 @@ from __future__ import annotations
 from promptsplice.engine_adapters import plan_deletion
 from promptsplice.engine_adapters.connector._served import (
     CHECK_KEY,
+    PROBE_KEY,
+    PROBE_REASON,
     SpliceAck,
     ack_params,
     plan_check,
@@ -56,3 +58,14 @@ def test_ack_round_trip():
     assert SpliceAck.from_params(ack_params(ack)) == ack
     assert SpliceAck.from_params({"splice_ack": {"applied": True}}) is None
     assert SpliceAck.from_params(None) is None
+    with_bs = SpliceAck(True, "", 96, 96, 96, 32)
+    assert SpliceAck.from_params(ack_params(with_bs)) == with_bs
+    # an ack from a connector that did not send its block size reads as 0 (unknown)
+    raw = {k: v for k, v in ack_params(with_bs)["splice_ack"].items() if k != "block_size"}
+    assert SpliceAck.from_params({"splice_ack": raw}).block_size == 0
+
+
+def test_a_probe_is_answered_without_a_plan():
+    new, _ = case()
+    assert plan_verdict({PROBE_KEY: True}, new, BS) == (True, PROBE_REASON, 0)
+    assert plan_verdict({PROBE_KEY: "yes"}, new, BS) == (False, "", 0)  # only a literal true asks

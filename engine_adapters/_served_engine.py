@@ -1,0 +1,298 @@
+"""What the runners and the chat model use of an engine, for a served one.
+
+:class:`~promptsplice.engine_adapters.AgentRunner`,
+:class:`~promptsplice.engine_adapters.RagRunner` (exact mode) and
+:class:`~promptsplice.engine_adapters.integrations.PromptspliceChatModel` call an engine
+through one small surface, which :class:`~promptsplice.engine_adapters.EmbeddedEngine`
+has and :class:`ServedEngineSurface` gives :class:`~promptsplice.engine_adapters.RemoteEngine`:
+
+* ``block_size``, ``tokenizer``, ``can_splice``, ``make_assembler(**kwargs)``;
+* ``generate(prompt, *, max_tokens, temperature, cache_salt, stop, splice)`` returning a
+  :class:`~promptsplice.engine_adapters.Completion` (vLLM's ``num_cached_tokens`` is the
+  server's ``usage.prompt_tokens_details.cached_tokens``; the generated token ids come
+  from vLLM's ``return_token_ids``);
+* ``stream(...)`` yielding :class:`~promptsplice.engine_adapters.StreamDelta` (SSE);
+* ``generate_phases(tokens, phases, *, cache_salt, **gen)`` returning a
+  :class:`~promptsplice.engine_adapters.PhasedRun`: each phase one completion request
+  carrying its plan in ``kv_transfer_params``; ``relocated_tokens`` is the sum of the
+  connector's acks (``splice_ack.relocated_tokens``).
+
+Where a served engine's facts come from:
+
+* **block size**: the splice connector says it.  The first use sends one probe request
+  (one token, ``max_tokens=1``, ``kv_transfer_params={"splice_probe": true}``); the
+  connector's ack carries its ``block_size``.  ``RemoteEngine(block_size=...)`` is
+  checked against it (:class:`ConfigError` naming both); a server without the
+  connector needs ``block_size=`` given (vLLM's API does not expose it).
+* **tokenizer**: ``RemoteEngine(tokenizer=...)`` (anything ``Assembler`` takes), else
+  the server's model when its id is a local model folder.  Either way it is checked
+  once against the server's ``/tokenize`` on a probe text; a tokenizer that splits it
+  differently is a :class:`ConfigError` (a splice plan or an assembled prompt made with
+  other token ids than the server's would never hit its cache).
+* **can_splice**: the probe got an ack (the server runs the splice connector).
+
+Requirements on the server: ``--enable-prompt-tokens-details`` (cached-token counts;
+without it ``generate`` raises :class:`EngineResponseError` rather than report 0) and
+vLLM's ``return_token_ids`` (vLLM >= 0.10).  ``logprobs`` are not carried (vLLM's
+OpenAI answer keys them by text, not token id): :class:`InputError`.  ``ttft_s`` of a
+non-streamed completion is its whole time (the server does not report its first-token
+time); :meth:`stream` measures it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from promptsplice._validate import check_int
+from promptsplice.assembler import Assembler, Tokenizer, load_tokenizer
+from promptsplice.engine_adapters._requests import Completion, PhasedRun, StreamDelta
+from promptsplice.engine_adapters._wire import (
+    Accumulator,
+    Call,
+    RemoteCompletion,
+    Retry,
+    Request,
+    completion_from_json,
+    model_from_list,
+    parse_json,
+)
+from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
+from promptsplice.engine_adapters.connector._served import PROBE_KEY, SpliceAck
+from promptsplice.errors import ConfigError, EngineResponseError, InputError, TokenizerError
+
+__all__ = ["ServedEngineSurface", "TOKENIZER_PROBE_TEXT"]
+
+_log = logging.getLogger(__name__)
+
+TOKENIZER_PROBE_TEXT = "Hello, world! Prompt assembly: 12345 tokens, ünïcode — and   spaces.\n\tdone"
+"""The text a served engine's tokenizer is checked on (words, digits, unicode, spaces)."""
+
+_UNSET = object()
+
+
+class ServedEngineSurface:
+    """The runner/chat-model surface of :class:`~promptsplice.engine_adapters.RemoteEngine`
+    (module doc).  A mixin: it drives the engine's own exchange machinery."""
+
+    def _init_served(self, tokenizer: Any, block_size: int | None) -> None:
+        if block_size is not None:
+            check_int(block_size, "block_size")
+        self._given_block_size = block_size
+        self._given_tokenizer = tokenizer
+        self._probe: Any = _UNSET  # SpliceAck | None once asked
+        self._tok: Tokenizer | None = None
+
+    # -- facts from the server -------------------------------------------------------
+    def _model_id(self) -> str:
+        if self.model is None:  # type: ignore[attr-defined]
+            url = self._url("/v1/models")  # type: ignore[attr-defined]
+            self.model = model_from_list(self._run(self._get("/v1/models")), url)  # type: ignore[attr-defined]
+        return self.model  # type: ignore[attr-defined]
+
+    def splice_probe(self) -> SpliceAck | None:
+        """The splice connector's ack to a probe request (once; module doc), ``None``
+        when the server does not run the connector."""
+        if self._probe is _UNSET:
+            body = {"model": self._model_id(), "prompt": [0], "max_tokens": 1, "temperature": 0,
+                    "kv_transfer_params": {PROBE_KEY: True}}
+            req = Request("/v1/completions", body, False, 1)
+            call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
+            out = self._run(self._attempts(call))  # type: ignore[attr-defined]
+            ack = completion_from_json(parse_json(out, call.url), req, call.url, call.start).splice
+            if ack is not None and self._given_block_size not in (None, ack.block_size) and ack.block_size:
+                raise ConfigError(
+                    f"RemoteEngine(block_size={self._given_block_size}) but the splice connector "
+                    f"at {self.base_url} runs block_size {ack.block_size}: drop block_size= or "  # type: ignore[attr-defined]
+                    "pass the server's --block-size"
+                )
+            self._probe = ack
+        return self._probe
+
+    @property
+    def can_splice(self) -> bool:
+        """Whether the server runs the splice connector (asks it once)."""
+        return self.splice_probe() is not None
+
+    @property
+    def kv_store(self) -> None:
+        """The block store lives in the server's process: not reachable from here."""
+        return None
+
+    @property
+    def block_size(self) -> int:
+        """The server's KV block size (module doc)."""
+        ack = self.splice_probe()
+        if ack is not None and ack.block_size:
+            return ack.block_size
+        if self._given_block_size is None:
+            raise ConfigError(
+                f"{self.base_url} does not say its block size (no splice connector): pass "  # type: ignore[attr-defined]
+                "RemoteEngine(block_size=...) with the server's --block-size"
+            )
+        return self._given_block_size
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The server's tokenizer (module doc), checked against its ``/tokenize`` once."""
+        if self._tok is None:
+            given = self._given_tokenizer
+            if given is None:
+                model = self._model_id()
+                if not Path(model).is_dir():
+                    raise ConfigError(
+                        f"the server's model {model!r} is not a local folder: pass "
+                        "RemoteEngine(tokenizer=...) with its tokenizer (a tokenizer.json path, "
+                        "an HFTokenizer, or 'default')"
+                    )
+                from promptsplice.engine_adapters._lifecycle import load_tokenizer as load_model_tokenizer
+
+                def no_llm() -> Any:
+                    raise TokenizerError(f"{model} has no tokenizer.json")
+
+                tok = load_model_tokenizer(model, no_llm)
+            else:
+                tok = load_tokenizer(given)
+            self._check_tokenizer(tok)
+            self._tok = tok
+        return self._tok
+
+    def _check_tokenizer(self, tok: Tokenizer) -> None:
+        url = self._url("/tokenize")  # type: ignore[attr-defined]
+        body = {"model": self._model_id(), "prompt": TOKENIZER_PROBE_TEXT, "add_special_tokens": False}
+        req = Request("/tokenize", body, False, None)
+        out = self._run(self._attempts(Call("POST", url, req)))  # type: ignore[attr-defined]
+        server = parse_json(out, url).get("tokens")
+        mine = list(tok.encode(TOKENIZER_PROBE_TEXT))
+        if not isinstance(server, list):
+            raise EngineResponseError(f"{url} answered no token list")
+        if [int(t) for t in server] != mine:
+            raise ConfigError(
+                f"the tokenizer {getattr(tok, 'name', type(tok).__name__)!r} splits the probe text into "
+                f"{len(mine)} tokens, the server's model {self.model!r} into {len(server)} "  # type: ignore[attr-defined]
+                "(or other ids): pass RemoteEngine(tokenizer=...) with the served model's tokenizer"
+            )
+
+    def make_assembler(self, **kwargs: Any) -> Assembler:
+        """An :class:`~promptsplice.assembler.Assembler` for this server: its tokenizer and
+        block size (no mirror: the server's cache is not observed from here)."""
+        tokenizer = kwargs.pop("tokenizer", None) or self.tokenizer
+        return Assembler(tokenizer, block_size=self.block_size, **kwargs)
+
+    # -- requests --------------------------------------------------------------------
+    def _served_request(
+        self, prompt: Any, max_tokens: int, temperature: float, cache_salt: str | None,
+        stop: str | Sequence[str] | None, splice: SplicePlan | None, logprobs: int | None, stream: bool,
+    ) -> Request:
+        if logprobs is not None:
+            raise InputError("logprobs are not carried over a served engine (module doc of _served_engine)")
+        req = self._completion_request(  # type: ignore[attr-defined]
+            prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
+            prompt_cache_key=None, stream=stream, splice=splice,
+        )
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else list(stop)
+            if not all(isinstance(s, str) and s for s in stops):
+                raise ConfigError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+            if stops:
+                req.body["stop"] = stops
+        req.body["return_token_ids"] = True
+        return req
+
+    def _completion_record(self, rc: RemoteCompletion, req: Request) -> Completion:
+        if rc.cached_tokens is None:
+            raise EngineResponseError(
+                f"{self.base_url} does not report cached tokens: start vllm serve with "  # type: ignore[attr-defined]
+                "--enable-prompt-tokens-details (counts are never guessed)"
+            )
+        prompt = req.body["prompt"]
+        ids = list(prompt) if isinstance(prompt, list) else []
+        return Completion(
+            text=rc.text,
+            token_ids=list(rc.token_ids or []),
+            prompt_token_ids=ids,
+            prompt_tokens=rc.prompt_tokens if rc.prompt_tokens is not None else len(ids),
+            num_cached_tokens=rc.cached_tokens,
+            ttft_s=rc.ttft_s if rc.ttft_s is not None else rc.total_s,
+            total_s=rc.total_s,
+            finish_reason=rc.finish_reason,
+            request_id=rc.request_id,
+        )
+
+    def _generate_served(
+        self, prompt: Any, *, max_tokens: int = 16, temperature: float = 0.0, cache_salt: str | None = None,
+        stop: str | Sequence[str] | None = None, splice: SplicePlan | None = None, logprobs: int | None = None,
+    ) -> tuple[Completion, RemoteCompletion]:
+        req = self._served_request(prompt, max_tokens, temperature, cache_salt, stop, splice, logprobs, False)
+        rc = self._run(self._completion(req))  # type: ignore[attr-defined]
+        return self._completion_record(rc, req), rc
+
+    def generate(
+        self, prompt: Any, *, max_tokens: int = 16, temperature: float = 0.0, cache_salt: str | None = None,
+        stop: str | Sequence[str] | None = None, splice: SplicePlan | None = None, logprobs: int | None = None,
+    ) -> Completion:
+        """:meth:`EmbeddedEngine.generate <promptsplice.engine_adapters.EmbeddedEngine.generate>`
+        over the server (module doc); a plan the connector dropped runs as plain prefill."""
+        return self._generate_served(
+            prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
+            stop=stop, splice=splice, logprobs=logprobs,
+        )[0]
+
+    def stream(
+        self, prompt: Any, *, max_tokens: int = 16, temperature: float = 0.0, cache_salt: str | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[StreamDelta]:
+        """What the server streams (SSE), one :class:`StreamDelta` per chunk; the last
+        has ``completion`` set.  Invalid options raise here, server errors while it is
+        advanced (no retries once streaming started)."""
+        req = self._served_request(prompt, max_tokens, temperature, cache_salt, stop, None, None, True)
+        req.body["model"] = self._model_id()
+        return self._stream_deltas(req)
+
+    def _stream_deltas(self, req: Request) -> Iterator[StreamDelta]:
+        call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
+        client = self._sync_client()  # type: ignore[attr-defined]
+        try:
+            with self._translating(call.url):  # type: ignore[attr-defined]
+                with client.stream("POST", call.url, json=req.body) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        self._check_response(response, call)  # type: ignore[attr-defined]
+                    acc = Accumulator(False, call.start)
+                    for line in response.iter_lines():
+                        text, ids = acc.feed(line, call.url)
+                        if text or ids:
+                            yield StreamDelta(text, ids, None)
+                    rc = acc.result(req.prompt_len, call.url)
+        except Retry as retry:  # type: ignore[attr-defined]
+            raise retry.error from retry.error.__cause__
+        yield StreamDelta("", [], self._completion_record(rc, req))
+
+    def generate_phases(
+        self, tokens: Sequence[int], phases: Sequence[SplicePhase], *, cache_salt: str | None = None, **gen: Any,
+    ) -> PhasedRun:
+        """:meth:`EmbeddedEngine.generate_phases
+        <promptsplice.engine_adapters.EmbeddedEngine.generate_phases>` over the server:
+        each phase is ``tokens[:phase.end]`` with its plan, every phase but the last only
+        prefills; relocated tokens are the connector's acks summed."""
+        if not phases:
+            raise InputError("generate_phases needs at least one phase")
+        outs: list[Completion] = []
+        moved = 0
+        t_last = time.perf_counter()
+        for i, phase in enumerate(phases):
+            kwargs = gen if i == len(phases) - 1 else {"max_tokens": 1}
+            t_last = time.perf_counter()
+            out, rc = self._generate_served(
+                list(tokens[: phase.end]), cache_salt=cache_salt, splice=phase.plan or None, **kwargs
+            )
+            outs.append(out)
+            if rc.splice is not None:
+                if rc.splice.reason:
+                    _log.warning("served splice phase %d ran as plain prefill: %s", i, rc.splice.reason)
+                moved += rc.splice.relocated_tokens
+        return PhasedRun(outs, t_last, moved)
+

@@ -1,0 +1,162 @@
+"""The runners over a served engine: ``AgentRunner`` and ``RagRunner`` (exact) run on a
+``RemoteEngine`` pointed at a real ``vllm serve`` on loopback that loads the splice
+connector (``served_kv``), through the same code path as on the embedded engine
+(``kv_engine``, same store sizes), and give the same cached, relocated and prefilled
+token counts on the same steps; a PIC-style relocation sent through ``generate`` too.
+The engine surface itself: block size from the connector's probe, the tokenizer
+checked against the server's ``/tokenize``, bad values refused by name."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from promptsplice.assembler import ContextHook, StepKind, load_tokenizer
+from promptsplice.engine_adapters import AgentRunner, RagRunner, RemoteEngine, plan_phases, plan_relocation
+from promptsplice.errors import ConfigError, InputError
+
+from tests.engine_adapters.runners.test_agent import TOOLS, call  # noqa: F401  (shared render helpers)
+
+BS = 32
+_n = itertools.count()
+
+
+def salt(name: str) -> str:
+    return f"served-eng-{name}-{next(_n)}"
+
+
+@pytest.fixture
+def remote(served_kv):
+    if served_kv.proc.poll() is not None:
+        pytest.fail(f"vllm serve exited with {served_kv.proc.returncode}:\n{served_kv.tail()}")
+    with RemoteEngine(served_kv.base_url, max_retries=0, timeout=600) as eng:  # a loaded CI machine is slow
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def renders():
+    """Three renders of one agent session: a long tool output, an append, then the
+    first output truncated (an edit with context behind it)."""
+    from promptsplice.assembler import TruncateToolOutputs
+    from promptsplice.benchmarks.traces import load_wiki_leads
+
+    lines = [lead.split(". ")[0][:160] for _, lead in load_wiki_leads()[300:360]]
+    system = {"role": "system", "content": "You are a code agent. Answer briefly."}
+    user = {"role": "user", "content": "Where is the scheduler configured?"}
+    msgs = [system, user, {"role": "assistant", "content": "", "tool_calls": [call("c1", "sched")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "\n".join(lines[:40])}]
+    r1 = list(msgs)
+    msgs += [{"role": "assistant", "content": "", "tool_calls": [call("c2", "config")]},
+             {"role": "tool", "tool_call_id": "c2", "content": "\n".join(lines[40:52])}]
+    r2 = list(msgs)
+    r3 = TruncateToolOutputs(max_lines=10, keep_recent=1).apply(r2).messages + [
+        {"role": "user", "content": "Now in one sentence: what did you find?"}]
+    return [r1, r2, r3]
+
+
+def agent_counts(engine, renders, tenant):
+    """Per step: kind, prompt, prefilled, cached, relocated tokens, requests, output."""
+    runner = AgentRunner(engine, mode="splice", salt=tenant, recompute_blocks=1)
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size, salt=tenant)
+    rows, last = [], None
+    for msgs in renders:
+        prepared = hook("s", msgs, TOOLS)
+        step = runner.step(prepared, max_tokens=4)
+        rows.append((prepared.kind, step.prompt_tokens, step.prefill_tokens, step.cached_tokens,
+                     step.relocated_tokens, step.requests, step.completion.token_ids))
+        last = (prepared, step)
+    return rows, last
+
+
+@pytest.mark.reliability
+def test_the_served_engine_says_its_block_size_and_checks_its_tokenizer(remote, served_kv, default_tok):
+    assert remote.can_splice and remote.block_size == BS
+    assert remote.tokenizer.encode("Hello world") == default_tok.encode("Hello world")
+    with RemoteEngine(served_kv.base_url, block_size=16) as wrong:
+        with pytest.raises(ConfigError, match=r"block_size=16\) but the splice connector .* runs block_size 32"):
+            _ = wrong.block_size
+
+    class Shifted:  # a tokenizer of another model: same text, other ids
+        name = "shifted"
+        filler_token_id = default_tok.filler_token_id
+
+        def encode(self, text):
+            return [t + 1 for t in default_tok.encode(text)]
+
+        def encode_batch(self, texts):
+            return [self.encode(t) for t in texts]
+
+        def decode(self, ids):
+            return default_tok.decode([t - 1 for t in ids])
+
+    with RemoteEngine(served_kv.base_url, tokenizer=Shifted()) as other:
+        with pytest.raises(ConfigError, match="'shifted' splits the probe text into .* pass RemoteEngine\\(tokenizer=...\\)"):
+            _ = other.tokenizer
+    with pytest.raises(InputError, match="logprobs are not carried"):
+        remote.generate([1, 2, 3], max_tokens=1, logprobs=2)
+
+
+def test_agent_runner_over_the_served_engine_gives_the_embedded_counts(remote, kv_engine, renders):
+    embedded, _ = agent_counts(kv_engine, renders, salt("agent-emb"))
+    tenant = salt("agent-srv")
+    served, (prepared, step) = agent_counts(remote, renders, tenant)
+    assert [r[0] for r in served] == [StepKind.NEW_SESSION, StepKind.APPEND, StepKind.EDIT]
+    # kind, prompt, prefilled, cached, relocated tokens, requests, greedy output: equal
+    assert served == embedded
+    print("agent counts (kind, prompt, prefill, cached, relocated, requests):", [r[:6] for r in served])
+    phases = plan_phases(
+        prepared.previous.token_ids, prepared.token_ids, prepared.diff.relocations, block_size=BS,
+        recompute_blocks=1, salt=step.salt, src_salt=tenant,
+        load_prefix=prepared.first_changed_token // BS * BS, scope=True,
+    )
+    moved = sum(s.num_blocks * BS for ph in phases for s in ph.plan.segments if s.delta)
+    assert moved > 0 and served[2][4] == moved and served[2][5] == len(phases)
+    assert served[2][2] < served[2][1] - moved  # the edit prefilled less than all but the moved blocks
+
+
+def test_rag_runner_exact_over_the_served_engine_gives_the_embedded_counts(remote, kv_engine, rag_requests):
+    reqs = rag_requests[:3]
+    counts = {}
+    for name, eng in (("embedded", kv_engine), ("served", remote)):
+        runner = RagRunner(eng, mode="exact", salt=salt(f"rag-{name}"), policy="stable")
+        counts[name] = [
+            (s.prompt_tokens, s.prefill_tokens, s.cached_tokens, s.requests, s.completion.token_ids)
+            for s in (runner.run(chunks(r), query=r.query, system=r.system or None, max_tokens=4) for r in reqs)
+        ]
+    assert counts["served"] == counts["embedded"]
+    print("rag exact counts (prompt, prefill, cached, requests):", [c[:4] for c in counts["served"]])
+    assert counts["served"][0][2] == 0 and any(c[2] > 0 for c in counts["served"][1:])
+    with pytest.raises(ConfigError, match="block store in this process"):
+        RagRunner(remote, mode="position_independent")
+
+
+def test_a_pic_relocation_through_generate_gives_the_embedded_counts(remote, kv_engine, default_tok, rag_requests):
+    text = "\n\n".join(dict.fromkeys(c.text for r in rag_requests for c in r.chunks))
+    toks = list(default_tok.encode(text))
+    chunk, head_a, head_b = toks[700 : 700 + 4 * BS], toks[: 3 * BS], toks[1000 : 1000 + BS]
+    old = head_a + chunk + toks[1300:1310]
+    new = head_b + chunk + toks[1400:1412]
+    counts = {}
+    for name, eng in (("embedded", kv_engine), ("served", remote)):
+        s = salt(f"pic-{name}")
+        eng.generate(old, max_tokens=1, cache_salt=s)
+        eng.generate(head_b + [1, 2, 3], max_tokens=1, cache_salt=s)  # head_b in the prefix cache
+        plan = plan_relocation(old, new, old_start=3 * BS, new_start=BS, num_tokens=4 * BS, block_size=BS, salt=s)
+        run = eng.generate_phases(new, [plan_phase(new, plan)], cache_salt=s, max_tokens=4)
+        out = run.completions[-1]
+        counts[name] = (out.num_cached_tokens, out.prefill_tokens, run.relocated_tokens, out.token_ids)
+    assert counts["served"] == counts["embedded"]
+    assert counts["served"][:3] == (5 * BS, len(new) - 5 * BS, 4 * BS)
+
+
+def chunks(req):
+    from promptsplice.benchmarks.assemble import _chunks
+
+    return _chunks(req)
+
+
+def plan_phase(tokens, plan):
+    from promptsplice.engine_adapters import SplicePhase
+
+    return SplicePhase(len(tokens), plan)
