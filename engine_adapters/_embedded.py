@@ -53,7 +53,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from promptsplice.assembler import Assembler, MirrorView, PrefixCacheMirror, Tokenizer
@@ -62,10 +62,12 @@ from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters._config import EngineConfig
 from promptsplice.engine_adapters._lifecycle import load_tokenizer, release, start_llm
 from promptsplice.engine_adapters._requests import (
+    Adapt,
     Completion,
     EngineCounters,
     NormalizedPrompt,
     PhasedRun,
+    PhaseResult,
     PromptLike,
     StreamDelta,
     check_context,
@@ -73,6 +75,7 @@ from promptsplice.engine_adapters._requests import (
     check_splice,
     logprob_dicts,
     normalize_prompt,
+    run_phases,
     stream_deltas,
 )
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
@@ -82,7 +85,6 @@ from promptsplice.errors import (
     EngineError,
     EngineRequestError,
     EngineStartError,
-    InputError,
     TokenizerError,
 )
 from promptsplice.tenancy import SaltGuard
@@ -349,7 +351,7 @@ class EmbeddedEngine:
         phases: Sequence[SplicePhase],
         *,
         cache_salt: str | None = None,
-        adapt: Callable[[list[Any], SplicePhase], list[SplicePhase] | None] | None = None,
+        adapt: Adapt | None = None,
         **gen: Any,
     ) -> PhasedRun:
         """Run a multi-phase splice (``plan_phases`` / ``plan_segment_phases``): each
@@ -358,31 +360,19 @@ class EmbeddedEngine:
         keyword arguments).  ``adapt(deviations, next_phase)``, called after each phase
         but the last with what its probes measured, may return phases replacing
         ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``)."""
-        if not phases:
-            raise InputError("generate_phases needs at least one phase")
         agent = self.kv_connector
         worker = agent.worker if agent is not None else None
-        reloc0 = worker.stats.relocated_blocks if worker is not None else 0
-        outs: list[Completion] = []
-        devs: list[Any] = []
-        pending, t_last, i = list(phases), time.perf_counter(), 0
-        while i < len(pending):
-            phase = pending[i]
-            last = i == len(pending) - 1
-            kwargs = gen if last else {"max_tokens": 1}  # earlier phases only prefill
-            probed = worker.stats.probed_blocks if worker is not None else 0
-            plan = phase.plan if phase.plan is not None and (phase.plan or phase.plan.probes) else None
-            t_last = time.perf_counter()
-            outs.append(self.generate(list(tokens[: phase.end]), cache_salt=cache_salt, splice=plan, **kwargs))
-            new = min(worker.stats.probed_blocks - probed, len(worker.deviations)) if worker is not None else 0
-            devs += (seen := list(worker.deviations)[len(worker.deviations) - new :] if new else [])
-            if adapt is not None and not last:
-                repl = adapt(seen, pending[i + 1])
-                if repl:
-                    pending[i + 1 : i + 2] = repl
-            i += 1
-        moved = (worker.stats.relocated_blocks - reloc0) * self.block_size if worker is not None else 0
-        return PhasedRun(outs, t_last, moved, tuple(devs))
+
+        def run_one(prompt: list[int], plan: SplicePlan | None, kwargs: dict[str, Any]) -> PhaseResult:
+            if worker is None:
+                return PhaseResult(self.generate(prompt, cache_salt=cache_salt, splice=plan, **kwargs), 0)
+            reloc, probed = worker.stats.relocated_blocks, worker.stats.probed_blocks
+            out = self.generate(prompt, cache_salt=cache_salt, splice=plan, **kwargs)
+            new = min(worker.stats.probed_blocks - probed, len(worker.deviations))
+            seen = tuple(list(worker.deviations)[len(worker.deviations) - new :]) if new else ()
+            return PhaseResult(out, (worker.stats.relocated_blocks - reloc) * self.block_size, seen)
+
+        return run_phases(tokens, phases, run_one, gen, adapt)
 
     def generate_many(
         self,

@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 

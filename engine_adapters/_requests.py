@@ -10,21 +10,25 @@ and raises the documented error with the fix in its message.
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from promptsplice.assembler import AssembledPrompt
 from promptsplice.blocks import BlockHash
-from promptsplice.engine_adapters.connector._plans import SplicePlan
+from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
 from promptsplice._validate import check_int, check_number, check_salt
 from promptsplice.errors import ConfigError, ContextLengthError, InputError
 
 __all__ = [
+    "Adapt",
     "Completion",
     "EngineCounters",
     "NormalizedPrompt",
     "PhasedRun",
+    "PhaseResult",
+    "run_phases",
     "PromptLike",
     "StreamDelta",
     "check_context",
@@ -98,6 +102,51 @@ class PhasedRun(NamedTuple):
     deviations: tuple[Any, ...] = ()
     """The probes' :class:`~promptsplice.engine_adapters.connector._plans.BlockDeviation`
     records, in the order the phases measured them."""
+
+
+class PhaseResult(NamedTuple):
+    """What one phase's request returned, as an engine reports it to :func:`run_phases`."""
+
+    completion: Completion
+    relocated_tokens: int
+    deviations: tuple[Any, ...] = ()
+
+
+Adapt = Callable[[list[Any], SplicePhase], "list[SplicePhase] | None"]
+
+
+def run_phases(
+    tokens: Sequence[int],
+    phases: Sequence[SplicePhase],
+    run_one: Callable[[list[int], SplicePlan | None, dict[str, Any]], PhaseResult],
+    gen: dict[str, Any],
+    adapt: Adapt | None = None,
+) -> PhasedRun:
+    """The one phase loop of a multi-phase splice (``plan_phases`` /
+    ``plan_segment_phases``), for every engine: each phase's request is
+    ``tokens[:phase.end]`` with its plan (``run_one``: the engine's request); every
+    phase but the last only prefills (``max_tokens=1``), the last takes ``gen``.
+    ``adapt(deviations, next_phase)``, called after each phase but the last with what
+    its probes measured, may return phases replacing ``next_phase`` (adaptive
+    recompute: ``_plans.extend_recompute``)."""
+    if not phases:
+        raise InputError("generate_phases needs at least one phase")
+    outs: list[Completion] = []
+    devs: list[Any] = []
+    pending, moved, i = list(phases), 0, 0
+    t_last = time.perf_counter()
+    while i < len(pending):
+        phase, last = pending[i], i == len(pending) - 1
+        plan = phase.plan if phase.plan is not None and (phase.plan or phase.plan.probes) else None
+        t_last = time.perf_counter()
+        res = run_one(list(tokens[: phase.end]), plan, gen if last else {"max_tokens": 1})
+        outs.append(res.completion)
+        moved += res.relocated_tokens
+        devs += res.deviations
+        if adapt is not None and not last and (repl := adapt(list(res.deviations), pending[i + 1])):
+            pending[i + 1 : i + 2] = repl
+        i += 1
+    return PhasedRun(outs, t_last, moved, tuple(devs))
 
 
 class EngineCounters(NamedTuple):

@@ -49,7 +49,7 @@ from typing import Any
 
 from promptsplice._validate import check_int
 from promptsplice.assembler import Assembler, Tokenizer, load_tokenizer
-from promptsplice.engine_adapters._requests import Completion, PhasedRun, StreamDelta
+from promptsplice.engine_adapters._requests import Adapt, Completion, PhasedRun, PhaseResult, StreamDelta, run_phases
 from promptsplice.engine_adapters._wire import (
     Accumulator,
     Call,
@@ -272,27 +272,28 @@ class ServedEngineSurface:
         yield StreamDelta("", [], self._completion_record(rc, req))
 
     def generate_phases(
-        self, tokens: Sequence[int], phases: Sequence[SplicePhase], *, cache_salt: str | None = None, **gen: Any,
+        self,
+        tokens: Sequence[int],
+        phases: Sequence[SplicePhase],
+        *,
+        cache_salt: str | None = None,
+        adapt: Adapt | None = None,
+        **gen: Any,
     ) -> PhasedRun:
         """:meth:`EmbeddedEngine.generate_phases
-        <promptsplice.engine_adapters.EmbeddedEngine.generate_phases>` over the server:
-        each phase is ``tokens[:phase.end]`` with its plan, every phase but the last only
-        prefills; relocated tokens are the connector's acks summed."""
-        if not phases:
-            raise InputError("generate_phases needs at least one phase")
-        outs: list[Completion] = []
-        moved = 0
-        t_last = time.perf_counter()
-        for i, phase in enumerate(phases):
-            kwargs = gen if i == len(phases) - 1 else {"max_tokens": 1}
-            t_last = time.perf_counter()
-            out, rc = self._generate_served(
-                list(tokens[: phase.end]), cache_salt=cache_salt, splice=phase.plan or None, **kwargs
-            )
-            outs.append(out)
-            if rc.splice is not None:
-                if rc.splice.reason:
-                    _log.warning("served splice phase %d ran as plain prefill: %s", i, rc.splice.reason)
-                moved += rc.splice.relocated_tokens
-        return PhasedRun(outs, t_last, moved)
+        <promptsplice.engine_adapters.EmbeddedEngine.generate_phases>` over the server
+        (the same loop, :func:`~promptsplice.engine_adapters._requests.run_phases`):
+        relocated tokens are the connector's acks summed.  The server's probes measure
+        nothing that comes back (deviations stay in the server process), so ``adapt``
+        never extends a plan here: the fidelity level's fixed recompute applies."""
+
+        def run_one(prompt: list[int], plan: SplicePlan | None, kwargs: dict[str, Any]) -> PhaseResult:
+            out, rc = self._generate_served(prompt, cache_salt=cache_salt, splice=plan or None, **kwargs)
+            if rc.splice is None:
+                return PhaseResult(out, 0)
+            if rc.splice.reason:
+                _log.warning("served splice phase ran as plain prefill: %s", rc.splice.reason)
+            return PhaseResult(out, rc.splice.relocated_tokens)
+
+        return run_phases(tokens, phases, run_one, gen, adapt)
 
