@@ -97,6 +97,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             requests=args.requests, seed=args.seed, trace_dir=args.trace_dir, policy=args.policy,
             alignment=args.alignment, max_tokens=args.max_tokens,
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
+            allow_skips=args.allow_skips,
         )
     if not args.trace:
         raise ConfigError("bench rag needs --trace FILE (or --suite for every trace family)")
@@ -109,6 +110,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         recompute_blocks=args.recompute_blocks,
         fidelity_requests=args.fidelity_requests,
+        allow_skips=args.allow_skips,
     )
 
 
@@ -228,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--recompute-blocks", type=int, default=None,
                      help="promptsplice_pic: blocks recomputed at the start of each relocated chunk")
     rag.add_argument("--fidelity-requests", type=int, default=8, help="promptsplice_pic requests probed for fidelity")
+    rag.add_argument("--allow-skips", action="store_true",
+                     help="accept a run that skipped more than 5%% of the requests (prompts over max_model_len)")
     rag.set_defaults(func=_cmd_bench_rag)
 
     ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")
