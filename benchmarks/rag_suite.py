@@ -7,7 +7,10 @@ two engines (each mode starts from an empty prefix cache).  The report holds eac
 family's ``rag`` report, the worst family per mode by gap closed (vLLM's own cached
 tokens), and the families that failed; one broken family does not stop the others.
 With a ``kv_engine`` factory (the CLI) every family's two store modes get fresh
-engines and stores (:mod:`promptsplice.benchmarks.rag`: equal capacity, no shared traffic).
+engines and stores (:mod:`promptsplice.benchmarks.rag`: equal capacity, no shared traffic);
+``--one-store-engine`` starts one store engine for the whole suite instead (each mode
+of each family under salts no other used; they share the store's budget), which saves
+two engine starts per family.
 
 Per family the report carries ``coverage`` and the bound checks of ``bench rag``; the
 suite's ``checks`` say, per family, whether promptsplice prefilled no more than the
@@ -70,10 +73,12 @@ def rag_suite(
     requests: int = 60,
     seed: int = 0,
     trace_dir: str | Path,
+    on_family: Any = None,
     **modes: Any,
 ) -> dict[str, Any]:
-    """Run every family on ``engine`` (and ``kv_engine``: the splice mode); ``modes``
-    go to :func:`run_modes` (policy, alignment, max_tokens, ...)."""
+    """Run every family on ``engine`` (and ``kv_engine``: the store modes, an engine or a
+    factory); ``modes`` go to :func:`run_modes` (policy, alignment, max_tokens, ...).
+    ``on_family(report)`` is called after each family (the CLI writes a partial JSON)."""
     out_dir = Path(trace_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -92,6 +97,8 @@ def rag_suite(
             report["families"][fam] = {"error": report["failed"][fam]}
             continue
         report["families"][fam] = {"trace": str(path), "shape": shape_stats(reqs), "report": rep}
+        if on_family is not None:
+            on_family(report)
     report["checks"] = {f: family_checks(e["report"]) for f, e in report["families"].items() if "report" in e}
     worst: dict[str, Any] = {}
     for mode in ("promptsplice", "promptsplice_pic", "promptsplice_pic_vs_store"):
@@ -175,6 +182,7 @@ def run_rag_suite(
     recompute_blocks: int | None = None,
     fidelity_requests: int = 8,
     allow_skips: bool = False,
+    one_store_engine: bool = False,
 ) -> int:
     """The CLI's job: start the plain engine once (and fresh store engines per family and
     mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""
@@ -187,16 +195,20 @@ def run_rag_suite(
     AlignPolicy.parse(alignment)
     out = Path(json_out)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
-    engine, kv_engine = start_rag_engines(root)
+    engine, kv_factory = start_rag_engines(root)
+    kv_engine = kv_factory() if one_store_engine else kv_factory
+    partial = out.with_name(out.stem + ".partial.json")
     try:
         report = rag_suite(
-            engine, kv_engine=kv_engine, families=SUITE if families is None else families,
+            engine, kv_engine=kv_engine, on_family=lambda r: partial.write_text(json.dumps(r, indent=2) + "\n"), families=SUITE if families is None else families,
             requests=60 if requests is None else requests, seed=seed,
             trace_dir=trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces"),
             policy=policy, alignment=alignment, max_tokens=max_tokens,
             recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
         )
     finally:
+        if one_store_engine:
+            kv_engine.close()
         engine.close()
         shutil.rmtree(root, ignore_errors=True)
     for fam, e in report["families"].items():
