@@ -16,17 +16,25 @@
   them) plus padding, so no assembly prefills less than the oracle: ``gap closed <= 1``
   by construction (tested as a property over random traces).  With ``capacity_tokens``
   the seen segments live in an LRU of that many tokens.
+
+Only the unbounded figures are lower bounds for *every* cache: an LRU over N blocks is
+not the best N blocks can do (Belady's eviction keeps more), so the capacity-matched
+ones are like-for-like references.  :func:`check_bounds` fails a bench (``BoundError``,
+exit status :data:`BOUND_EXIT`) when a mode prefilled less than its bound.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["radix_prefill_tokens", "RadixPrefill", "OracleCounter"]
+from promptsplice.errors import PromptspliceError
+
+__all__ = ["radix_prefill_tokens", "RadixPrefill", "OracleCounter", "BoundError", "BOUND_EXIT", "check_bounds"]
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -201,3 +209,29 @@ class OracleCounter:
         total = max(total, 1)
         self.prefill_tokens += total
         return total
+
+
+BOUND_EXIT = 4
+"""The CLI's exit status when a mode prefilled less than its lower bound."""
+
+
+class BoundError(PromptspliceError, RuntimeError):
+    """A mode prefilled fewer tokens than its lower bound: a bug in the bound or the bench
+    (a cache shared between modes, a bound that does not apply), never a result."""
+
+
+def check_bounds(checks: Mapping[str, Mapping[str, Any]], *, what: str = "bench") -> None:
+    """Raise :class:`BoundError` naming every mode whose ``prefill_tokens`` is below its
+    ``bound_prefill_tokens`` (``checks``: mode -> {"bound", "bound_prefill_tokens",
+    "prefill_tokens"}, as the benches report them)."""
+    bad = [
+        f"{mode} prefilled {c['prefill_tokens']} tokens, below its bound ({c['bound']}) of "
+        f"{c['bound_prefill_tokens']}"
+        for mode, c in checks.items()
+        if c["prefill_tokens"] < c["bound_prefill_tokens"]
+    ]
+    if bad:
+        raise BoundError(
+            f"{what}: " + "; ".join(bad) + ": no mode can beat its lower bound, so the bound or the "
+            "bench is wrong (a cache or store shared between modes, a bound that does not apply to the mode)"
+        )

@@ -97,6 +97,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             requests=args.requests, seed=args.seed, trace_dir=args.trace_dir, policy=args.policy,
             alignment=args.alignment, max_tokens=args.max_tokens,
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
+            allow_skips=args.allow_skips, one_store_engine=args.one_store_engine,
         )
     if not args.trace:
         raise ConfigError("bench rag needs --trace FILE (or --suite for every trace family)")
@@ -109,6 +110,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         recompute_blocks=args.recompute_blocks,
         fidelity_requests=args.fidelity_requests,
+        allow_skips=args.allow_skips,
     )
 
 
@@ -229,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="promptsplice_pic: blocks recomputed at the start of each relocated chunk")
     rag.add_argument("--fidelity-requests", type=int, default=32,
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
+    rag.add_argument("--allow-skips", action="store_true",
+                     help="accept a run that skipped more than 5%% of the requests (prompts over max_model_len)")
+    rag.add_argument("--one-store-engine", action="store_true",
+                     help="--suite: one store engine for every family and both store modes (salts that cannot "
+                          "meet; they share the store's budget) instead of a fresh one per mode and family")
     rag.set_defaults(func=_cmd_bench_rag)
 
     ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")

@@ -42,6 +42,52 @@ half came from the prefix cache.  Each probed request must have relocated what i
 plan did and each probe request must be served its KV from the cache, else
 :class:`~promptsplice.benchmarks.fidelity.FidelityError` fails the bench.  Probes run
 after a request's timing and are not counted in any mode.
+
+**Equal capacity.**  ``promptsplice_store`` is the control for PIC: the ``promptsplice``
+assembly (same policy, alignment, format) sent as token ids under its own salt to an
+engine with the *same* tiered block store as ``promptsplice_pic`` (offload hits served
+by the connector count as cached, as vLLM counts them).  PIC's gain over it is
+position-independent reuse alone, not extra offload capacity.  Every engine has the same
+KV cache (``kv_cache_blocks``; a different size is a ``ConfigError``).  No mode sees
+another's traffic: ``naive`` and ``promptsplice`` run one after the other on the plain
+engine, its prefix cache emptied in between; with a ``kv_engine`` *factory* (the CLI)
+each store mode gets a fresh engine and an empty store, closed after it; with one
+``kv_engine`` instance (the tests) the two store modes run under salts that cannot meet
+and share the store's budget.  Beside the modes::
+
+    "store": {"predicted_cached_tokens", "measured_cached_tokens", "external_cached_tokens",
+              "kv_cache_blocks", "store_dram_bytes", "store_disk_bytes"}
+    "pic": {..., "gap_closed_vs_store"}   # share of the promptsplice_store -> oracle gap
+
+(the engine's mirror predicts its own prefix cache; the store adds the external hits).
+
+**Bounds.**  ``"bounds"`` holds the radix ideal and the oracle of
+:mod:`promptsplice.benchmarks.bounds`, unbounded and *capacity-matched* (LRU over the
+engine's usable KV blocks, in tokens: ``capacity_tokens``), and per mode the bound it is
+checked against (``"checks"``).  A bound a mode may not beat must hold for every cache
+of every size, so it is the unbounded one: an LRU over N blocks is not the best a cache
+of N blocks can do (Belady's eviction keeps more), and vLLM's block pool does not evict
+in the radix tree's order, so a capacity-matched LRU figure is a like-for-like
+*reference* (the target "promptsplice prefills no more than the capacity-matched radix
+ideal"), never a floor.  The modes with a store hold more than the KV cache, which is
+one more reason they are checked against the unbounded bounds.  Per mode:
+
+* ``naive``: the unbounded radix ideal over naive's own prompts (vLLM reuses a prompt
+  only up to a block-aligned prefix it shares with an earlier one, never its last token);
+* ``promptsplice``, ``promptsplice_store``: the unbounded oracle (exact reuse of the
+  trimmed segments anywhere is at least as good as a prefix hit);
+* ``promptsplice_pic``: the unbounded oracle (relocation reuses whole stored chunks at
+  new positions, which the oracle already credits, and PIC counts its precompute).
+
+A mode that prefills fewer tokens than its bound is a bug in the bound or the bench:
+:func:`promptsplice.benchmarks.bounds.check_bounds` fails the bench (exit status
+``BOUND_EXIT``) after the report is written.
+
+**Coverage.**  A request whose prompt (naive text or assembly, plus a small margin)
+would not fit the engine's ``max_model_len`` is skipped in every mode (so the modes stay
+comparable); the report carries ``coverage``, ``steps_run``, ``steps_total``,
+``skipped_steps`` (:mod:`promptsplice.benchmarks.coverage`) and ``skipped_requests``
+(trace indices), and the CLI exits ``COVERAGE_EXIT`` below 0.95 unless ``--allow-skips``.
 """
 
 from __future__ import annotations
@@ -54,7 +100,8 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.benchmarks.assemble import _chunks, _oracle_segments, gap_closed
-from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill
+from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, OracleCounter, RadixPrefill, check_bounds
+from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
 from promptsplice.benchmarks.fidelity import (
     DEFAULT_PROBES,
     PROBE_TOKENS,
@@ -65,11 +112,17 @@ from promptsplice.benchmarks.fidelity import (
     verify_step,
 )
 from promptsplice.benchmarks.traces import RagRequest, read_rag_trace
+from promptsplice.errors import ConfigError, ContextLengthError
 
-__all__ = ["run_modes", "run_rag_bench", "format_modes", "MODES", "PIC_MODE"]
+__all__ = ["run_modes", "run_rag_bench", "format_modes", "mode_bounds", "MODES", "STORE_MODE", "PIC_MODE",
+           "FIT_MARGIN",
+           "start_rag_engines", "bench_status"]
 
 MODES = ("naive", "promptsplice")
+STORE_MODE = "promptsplice_store"
 PIC_MODE = "promptsplice_pic"
+FIT_MARGIN = 8
+"""Tokens kept free below ``max_model_len`` when deciding that a request fits."""
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -98,6 +151,33 @@ def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float) 
     }
 
 
+def _fitting(engine: Any, asm: Any, fmt: Any, requests: Sequence[RagRequest]) -> list[int]:
+    """Indices of the requests whose naive text and assembly both fit ``max_model_len``
+    (with a margin of :data:`FIT_MARGIN` tokens for tokenizer differences)."""
+    limit = engine.max_model_len - FIT_MARGIN
+    tok = engine.tokenizer
+    keep = []
+    for i, req in enumerate(requests):
+        text = fmt.naive_text([c.text for c in req.chunks], query=req.query, system=req.system or None)
+        if len(tok.encode(text)) >= limit:
+            continue
+        try:
+            res = asm.preview(_chunks(req), query=req.query, system=req.system or None)
+        except ContextLengthError:
+            continue
+        if len(res.token_ids) < limit:
+            keep.append(i)
+    return keep
+
+
+def _check_capacity(engine: Any, kv: Any) -> None:
+    if kv.num_blocks != engine.num_blocks:
+        raise ConfigError(
+            f"kv_engine has {kv.num_blocks} KV blocks, the plain engine {engine.num_blocks}: "
+            "modes must run at equal KV cache capacity; start both with the same kv_cache_bytes"
+        )
+
+
 def run_modes(
     engine: Any,
     requests: Sequence[RagRequest],
@@ -111,8 +191,10 @@ def run_modes(
     recompute_blocks: int | None = None,
     fidelity_requests: int = DEFAULT_PROBES,
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """Run naive then promptsplice on ``engine`` (then ``promptsplice_pic`` on
-    ``kv_engine`` when given); returns (report, completions by mode).
+    """Run naive then promptsplice on ``engine`` (then ``promptsplice_store`` and
+    ``promptsplice_pic`` when ``kv_engine`` is given: an engine with the splice connector,
+    or a zero-argument factory that starts a fresh one per mode, closed after it);
+    returns (report, completions by mode).
 
     All modes render the same pieces with the same :class:`promptsplice.assembler.PromptFormat`
     (default: ChatML, the default model's chat format).  Fidelity probes need both
@@ -120,11 +202,20 @@ def run_modes(
     """
     from promptsplice.assembler import PromptFormat
 
+    factory = kv_engine is not None and callable(kv_engine) and not hasattr(kv_engine, "generate")
+    if kv_engine is not None and not factory:
+        _check_capacity(engine, kv_engine)  # before anything runs
     fmt_obj = prompt_format if prompt_format is not None else PromptFormat.chatml()
     asm = engine.make_assembler(policy=policy, alignment=alignment, prompt_format=fmt_obj)
     fmt = asm.format
     report: dict[str, Any] = {"modes": {}}
     outs: dict[str, list[Any]] = {}
+
+    keep = _fitting(engine, asm, fmt, requests)
+    report.update(Coverage(len(keep), len(requests)).report())
+    kept = set(keep)
+    report["skipped_requests"] = [i for i in range(len(requests)) if i not in kept]
+    requests = [requests[i] for i in keep]
 
     engine.reset_prefix_cache()
     completions = []
@@ -155,13 +246,26 @@ def run_modes(
         "measured_cached_tokens": report["modes"]["promptsplice"]["cached_tokens"],
     }
 
+    capacity = engine.usable_blocks * engine.block_size
     radix, oracle = RadixPrefill(), OracleCounter()
+    radix_cap, oracle_cap = RadixPrefill(capacity), OracleCounter(capacity)
     for comp in outs["naive"]:
         radix.add(comp.prompt_token_ids)
+        radix_cap.add(comp.prompt_token_ids)
     for req in requests:
-        oracle.add(_oracle_segments(asm, req))  # the trimmed segments (a preview: learns nothing)
+        segs = _oracle_segments(asm, req)  # the trimmed segments (a preview: learns nothing)
+        oracle.add(segs)
+        oracle_cap.add(segs)
     report["radix_prefill_tokens"] = radix.prefill_tokens
     report["oracle_prefill_tokens"] = oracle.prefill_tokens
+    report["bounds"] = {
+        "radix_prefill_tokens": radix.prefill_tokens,
+        "oracle_prefill_tokens": oracle.prefill_tokens,
+        "radix_capacity_prefill_tokens": radix_cap.prefill_tokens,
+        "oracle_capacity_prefill_tokens": oracle_cap.prefill_tokens,
+        "capacity_tokens": capacity,
+        "kv_cache_blocks": engine.num_blocks,
+    }
     report["block_size"] = engine.block_size
     report["policy"] = policy
     report["alignment"] = alignment
@@ -172,12 +276,67 @@ def run_modes(
         oracle.prefill_tokens,
     )
     if kv_engine is not None:
-        _run_pic(
-            report, outs, engine, kv_engine, requests, policy=policy, max_tokens=max_tokens,
-            progress=progress, prompt_format=fmt_obj, recompute_blocks=recompute_blocks,
-            fidelity_requests=fidelity_requests,
-        )
+        run_id = uuid.uuid4().hex[:12]  # salts no earlier run (or other mode) used
+        for mode in (STORE_MODE, PIC_MODE):
+            kv = kv_engine() if factory else kv_engine
+            try:
+                _check_capacity(engine, kv)
+                if mode == STORE_MODE:
+                    _run_store(report, outs, kv, requests, policy=policy, alignment=alignment, max_tokens=max_tokens,
+                               progress=progress, prompt_format=fmt_obj, salt=f"bench-rag-store-{run_id}")
+                else:
+                    _run_pic(
+                        report, outs, engine, kv, requests, policy=policy, max_tokens=max_tokens,
+                        progress=progress, prompt_format=fmt_obj, recompute_blocks=recompute_blocks,
+                        fidelity_requests=fidelity_requests, salt=f"bench-rag-pic-{run_id}",
+                    )
+            finally:
+                if factory:
+                    kv.close()
+    report["bounds"]["checks"] = mode_bounds(report)
     return report, outs
+
+
+def mode_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each mode's lower bound on prefill (module doc) and whether it holds."""
+    b = report["bounds"]
+    out = {}
+    for mode, m in report["modes"].items():
+        name = "radix" if mode == "naive" else "oracle"
+        bound = b[f"{name}_prefill_tokens"]
+        out[mode] = {"bound": name, "bound_prefill_tokens": bound, "prefill_tokens": m["prefill_tokens"],
+                     "holds": m["prefill_tokens"] >= bound}
+    return out
+
+
+def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, progress, prompt_format,
+               salt) -> None:
+    """The ``promptsplice_store`` mode: exact assembly on the store engine (module doc)."""
+    kv.reset_prefix_cache()
+    asm = kv.make_assembler(policy=policy, alignment=alignment, prompt_format=prompt_format)
+    before = kv.counters()
+    completions = []
+    predicted = 0
+    t0 = time.perf_counter()
+    for req in requests:
+        prompt = asm.assemble(_chunks(req), query=req.query, system=req.system or None, salt=salt)
+        comp = kv.generate(prompt, max_tokens=max_tokens)
+        predicted += prompt.predicted_cached_tokens
+        completions.append(comp)
+        if progress:
+            progress(STORE_MODE, 1)
+    report["modes"][STORE_MODE] = _mode_metrics(completions, time.perf_counter() - t0)
+    outs[STORE_MODE] = completions
+    delta = kv.counters().since(before)
+    store = kv.kv_store
+    report["store"] = {
+        "predicted_cached_tokens": predicted,
+        "measured_cached_tokens": report["modes"][STORE_MODE]["cached_tokens"],
+        "external_cached_tokens": delta.external_hits,
+        "kv_cache_blocks": kv.num_blocks,
+        "store_dram_bytes": store.config.dram_bytes,
+        "store_disk_bytes": store.config.disk_bytes,
+    }
 
 
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
@@ -218,6 +377,8 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "engine_requests": sum(st.requests for st in steps),
         "recompute_blocks": r,
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
+        "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
+                                          report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,
         "kv_cache_blocks": kv_engine.num_blocks,
         "store_dram_bytes": store.config.dram_bytes,
     }
@@ -250,45 +411,55 @@ def _probe_pic(engine: Any, kv_engine: Any, step: Any, salt: str, fid: Fidelity,
 
 
 def format_modes(report: dict[str, Any]) -> str:
-    n, p = report["modes"]["naive"], report["modes"]["promptsplice"]
+    modes = [m for m in (*MODES, STORE_MODE, PIC_MODE) if m in report["modes"]]
     rows = [
-        ("requests", n["requests"], p["requests"]),
-        ("prompt tokens", n["prompt_tokens"], p["prompt_tokens"]),
-        ("tokens prefilled", n["prefill_tokens"], p["prefill_tokens"]),
-        ("cached tokens (vLLM)", n["cached_tokens"], p["cached_tokens"]),
-        ("hit rate", f"{n['hit_rate']:.1%}", f"{p['hit_rate']:.1%}"),
-        ("wall time (s)", n["wall_s"], p["wall_s"]),
-        ("TTFT p50 (ms)", n["ttft_p50_ms"], p["ttft_p50_ms"]),
-        ("TTFT p99 (ms)", n["ttft_p99_ms"], p["ttft_p99_ms"]),
+        ("requests", "requests"), ("prompt tokens", "prompt_tokens"), ("tokens prefilled", "prefill_tokens"),
+        ("cached tokens (vLLM)", "cached_tokens"), ("hit rate", "hit_rate"), ("wall time (s)", "wall_s"),
+        ("TTFT p50 (ms)", "ttft_p50_ms"), ("TTFT p99 (ms)", "ttft_p99_ms"),
     ]
     w = max(len(r[0]) for r in rows)
-    lines = [f"{'':<{w}}  {'naive':>12}  {'promptsplice':>12}"]
-    lines += [f"{name:<{w}}  {a!s:>12}  {b!s:>12}" for name, a, b in rows]
-    if PIC_MODE in report["modes"]:
-        q = report["modes"][PIC_MODE]
-        for i, (name, key) in enumerate((
-            ("tokens prefilled", "prefill_tokens"), ("wall time (s)", "wall_s"),
-            ("TTFT p50 (ms)", "ttft_p50_ms"), ("TTFT p99 (ms)", "ttft_p99_ms"),
-        )):
-            lines[1 + [r[0] for r in rows].index(name)] += f"  {q[key]!s:>12}"
-        lines[0] += f"  {PIC_MODE:>16}"
+    lines = [f"{'':<{w}}" + "".join(f"  {m:>18}" for m in modes)]
+    for name, key in rows:
+        cells = []
+        for m in modes:
+            v = report["modes"][m][key]
+            cells.append(f"{v:.1%}" if key == "hit_rate" else str(v))
+        lines.append(f"{name:<{w}}" + "".join(f"  {c:>18}" for c in cells))
     gap = report["gap_closed"]
+    b = report.get("bounds", {})
     lines.append(
         f"bounds on prefill: radix ideal {report['radix_prefill_tokens']}, oracle "
-        f"{report['oracle_prefill_tokens']}; promptsplice closes "
-        f"{'n/a' if gap is None else f'{gap:.0%}'} of the naive->oracle gap. Mirror "
+        f"{report['oracle_prefill_tokens']}; under the engine's cache ({b.get('capacity_tokens')} tokens, LRU): "
+        f"radix {b.get('radix_capacity_prefill_tokens')}, oracle {b.get('oracle_capacity_prefill_tokens')}; "
+        f"promptsplice closes {'n/a' if gap is None else f'{gap:.0%}'} of the naive->oracle gap. Mirror "
         f"predicted {report['mirror']['predicted_cached_tokens']} cached tokens, vLLM "
         f"measured {report['mirror']['measured_cached_tokens']} "
         f"(block {report['block_size']}, {report['policy']}, alignment {report['alignment']})"
     )
+    lines.append(
+        f"coverage {report.get('coverage')} ({report.get('steps_run')} of {report.get('steps_total')} requests); "
+        "bounds: " + ", ".join(
+            f"{m} >= {c['bound']} {c['bound_prefill_tokens']} {'ok' if c['holds'] else 'VIOLATED'}"
+            for m, c in b.get("checks", {}).items()
+        )
+    )
+    if STORE_MODE in report["modes"]:
+        st = report["store"]
+        lines.append(
+            f"{STORE_MODE}: same store as {PIC_MODE} ({st['store_dram_bytes']} B DRAM over "
+            f"{st['store_disk_bytes']} B disk, {st['kv_cache_blocks']} KV blocks); vLLM cached "
+            f"{st['measured_cached_tokens']} tokens, {st['external_cached_tokens']} of them from the store "
+            f"(mirror of the KV cache alone: {st['predicted_cached_tokens']})"
+        )
     if PIC_MODE in report["modes"]:
         p, f = report["pic"], report["fidelity"]
         c = f["control"]
-        pg = p["gap_closed"]
+        pg, ps = p["gap_closed"], p.get("gap_closed_vs_store")
         lines.append(
             f"{PIC_MODE} (recompute_blocks={p['recompute_blocks']}): closes "
-            f"{'n/a' if pg is None else f'{pg:.0%}'} of the gap; relocated {p['relocated_tokens']} tokens, "
-            f"precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests"
+            f"{'n/a' if pg is None else f'{pg:.0%}'} of the naive->oracle gap and "
+            f"{'n/a' if ps is None else f'{ps:.0%}'} of the {STORE_MODE}->oracle gap; relocated "
+            f"{p['relocated_tokens']} tokens, precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests"
         )
         lines.append(
             f"fidelity over {f['steps']} verified requests: tf-top1 {f['tf_top1_agreement']} {f['tf_top1_ci95']} "
@@ -298,6 +469,52 @@ def format_modes(report: dict[str, Any]) -> str:
             f"greedy {c['greedy_agreement']}"
         )
     return "\n".join(lines)
+
+
+STORE_DRAM_BYTES = 1 << 30
+STORE_DISK_BYTES = 4 << 30
+
+
+def start_rag_engines(store_root: str | Path, *, dram_bytes: int = STORE_DRAM_BYTES,
+                      disk_bytes: int = STORE_DISK_BYTES) -> tuple[Any, Callable[[], Any]]:
+    """The plain engine, and a factory of fresh engines with the splice connector over a
+    fresh tiered store (``dram_bytes`` of DRAM over ``disk_bytes`` of disk, a new folder
+    under ``store_root`` each), with the plain engine's KV cache size."""
+    import itertools
+    import os
+
+    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
+
+    extra = {"max_logprobs": -1}
+    engine = EmbeddedEngine(extra_kwargs=extra)
+    ids = itertools.count()
+
+    def fresh_kv_engine() -> Any:
+        folder = os.path.join(str(store_root), f"store-{next(ids)}")
+        os.makedirs(folder, exist_ok=True)
+        store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=disk_bytes, disk_dir=folder, fsync=False)
+        return EmbeddedEngine(kv_store=store, kv_cache_bytes=engine.config.kv_cache_bytes, extra_kwargs=extra)
+
+    return engine, fresh_kv_engine
+
+
+def bench_status(report: dict[str, Any], *, allow_skips: bool = False, what: str = "bench rag") -> int:
+    """0, or the exit status of a failed check (printed): a mode below its bound
+    (``BOUND_EXIT``), then coverage below the bar (``COVERAGE_EXIT``)."""
+    import sys
+
+    rc = 0
+    try:
+        check_coverage(Coverage(report["steps_run"], report["steps_total"]), allow_skips=allow_skips, what=what)
+    except CoverageError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        rc = COVERAGE_EXIT
+    try:
+        check_bounds(report["bounds"]["checks"], what=what)
+    except BoundError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        rc = BOUND_EXIT
+    return rc
 
 
 def run_rag_bench(
@@ -310,27 +527,34 @@ def run_rag_bench(
     max_tokens: int = 8,
     recompute_blocks: int | None = None,
     fidelity_requests: int = DEFAULT_PROBES,
+    allow_skips: bool = False,
 ) -> int:
+    """The CLI's job: run the trace, print, write the JSON; exit status from
+    :func:`bench_status`."""
+    import shutil
+    import tempfile
+
     from promptsplice.assembler import AlignPolicy, OrderPolicy
-    from promptsplice.benchmarks.agent import start_engines
-    from promptsplice.errors import ConfigError
 
     OrderPolicy.parse(policy)  # fail fast, before the engine starts
     AlignPolicy.parse(alignment)
     if recompute_blocks is not None and recompute_blocks < 0:
         raise ConfigError(f"--recompute-blocks must be >= 0, got {recompute_blocks}")
     reqs = read_rag_trace(trace, limit=requests)
-    engine, kv_engine = start_engines()
+    root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     try:
-        report, _ = run_modes(
-            engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_engine,
-            recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
-        )
+        engine, kv_factory = start_rag_engines(root)
+        try:
+            report, _ = run_modes(
+                engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_factory,
+                recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
+            )
+        finally:
+            engine.close()
     finally:
-        kv_engine.close()
-        engine.close()
+        shutil.rmtree(root, ignore_errors=True)
     report["trace"] = str(trace)
     print(format_modes(report))
     Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {json_out}")
-    return 0
+    return bench_status(report, allow_skips=allow_skips)

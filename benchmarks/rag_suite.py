@@ -6,11 +6,26 @@ back (validated), then run by :func:`promptsplice.benchmarks.rag.run_modes` on t
 two engines (each mode starts from an empty prefix cache).  The report holds each
 family's ``rag`` report, the worst family per mode by gap closed (vLLM's own cached
 tokens), and the families that failed; one broken family does not stop the others.
+With a ``kv_engine`` factory (the CLI) every family's two store modes get fresh
+engines and stores (:mod:`promptsplice.benchmarks.rag`: equal capacity, no shared traffic);
+``--one-store-engine`` starts one store engine for the whole suite instead (each mode
+of each family under salts no other used; they share the store's budget), which saves
+two engine starts per family.
+
+Per family the report carries ``coverage`` and the bound checks of ``bench rag``; the
+suite's ``checks`` say, per family, whether promptsplice prefilled no more than the
+capacity-matched radix ideal (the target), whether the mirror equalled vLLM's count, and
+PIC's share of the ``promptsplice_store`` -> oracle gap.  Exit status: a mode below its
+bound (``BOUND_EXIT``), then a family below the coverage bar without ``--allow-skips``
+(``COVERAGE_EXIT``), then a failed family (1).
 
 JSON::
 
     {"suite": {...}, "families": {FAMILY: {"trace", "shape", "report": RAG_REPORT} | {"error": str}},
-     "worst": {"promptsplice": {"gap_closed", "family"}, "promptsplice_pic": {...}},
+     "worst": {"promptsplice": {"gap_closed", "family"}, "promptsplice_pic": {...},
+               "promptsplice_pic_vs_store": {...}, "coverage": {"coverage", "family"}},
+     "checks": {FAMILY: {"coverage", "le_radix_capacity", "mirror_equal", "bounds_hold",
+                         "pic_gap_closed_vs_store"}},
      "failed": {FAMILY: str}}
 """
 
@@ -21,17 +36,33 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.benchmarks.rag import format_modes, run_modes
+from promptsplice.benchmarks.bounds import BOUND_EXIT
+from promptsplice.benchmarks.coverage import MIN_COVERAGE
+from promptsplice.benchmarks.rag import PIC_MODE, format_modes, run_modes, start_rag_engines
 from promptsplice.benchmarks.traces import SUITE, read_rag_trace, shape_stats, write_rag_trace
 from promptsplice.errors import PromptspliceError
 
-__all__ = ["rag_suite", "run_rag_suite"]
+__all__ = ["rag_suite", "run_rag_suite", "format_suite", "family_checks", "suite_status"]
 
 
 def _gap(report: dict[str, Any], mode: str) -> float | None:
     if mode == "promptsplice":
         return report.get("gap_closed")
+    if mode == "promptsplice_pic_vs_store":
+        return (report.get("pic") or {}).get("gap_closed_vs_store")
     return (report.get("pic") or {}).get("gap_closed")
+
+
+def family_checks(r: dict[str, Any]) -> dict[str, Any]:
+    """The suite's per-family verdicts (module doc) from one ``bench rag`` report."""
+    m, b = r["modes"], r["bounds"]
+    return {
+        "coverage": r["coverage"],
+        "le_radix_capacity": m["promptsplice"]["prefill_tokens"] <= b["radix_capacity_prefill_tokens"],
+        "mirror_equal": r["mirror"]["predicted_cached_tokens"] == r["mirror"]["measured_cached_tokens"],
+        "bounds_hold": all(c["holds"] for c in b["checks"].values()),
+        "pic_gap_closed_vs_store": (r.get("pic") or {}).get("gap_closed_vs_store"),
+    }
 
 
 def rag_suite(
@@ -42,10 +73,12 @@ def rag_suite(
     requests: int = 60,
     seed: int = 0,
     trace_dir: str | Path,
+    on_family: Any = None,
     **modes: Any,
 ) -> dict[str, Any]:
-    """Run every family on ``engine`` (and ``kv_engine``: the splice mode); ``modes``
-    go to :func:`run_modes` (policy, alignment, max_tokens, ...)."""
+    """Run every family on ``engine`` (and ``kv_engine``: the store modes, an engine or a
+    factory); ``modes`` go to :func:`run_modes` (policy, alignment, max_tokens, ...).
+    ``on_family(report)`` is called after each family (the CLI writes a partial JSON)."""
     out_dir = Path(trace_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -64,35 +97,73 @@ def rag_suite(
             report["families"][fam] = {"error": report["failed"][fam]}
             continue
         report["families"][fam] = {"trace": str(path), "shape": shape_stats(reqs), "report": rep}
+        if on_family is not None:
+            on_family(report)
+    report["checks"] = {f: family_checks(e["report"]) for f, e in report["families"].items() if "report" in e}
     worst: dict[str, Any] = {}
-    for mode in ("promptsplice", "promptsplice_pic"):
+    for mode in ("promptsplice", "promptsplice_pic", "promptsplice_pic_vs_store"):
         gaps = [(_gap(e["report"], mode), f) for f, e in report["families"].items() if "report" in e]
         gaps = [(g, f) for g, f in gaps if g is not None]
         if gaps:
             g, f = min(gaps)
             worst[mode] = {"gap_closed": g, "family": f}
+    covs = [(c["coverage"], f) for f, c in report["checks"].items()]
+    if covs:
+        c, f = min(covs)
+        worst["coverage"] = {"coverage": c, "family": f}
     report["worst"] = worst
     return report
 
 
+def suite_status(report: dict[str, Any], *, allow_skips: bool = False) -> int:
+    """The suite's exit status (module doc), each failure printed."""
+    import sys
+
+    from promptsplice.benchmarks.rag import bench_status
+
+    rc = 0
+    for fam, e in report["families"].items():
+        if "report" in e:
+            frc = bench_status(e["report"], allow_skips=allow_skips, what=f"bench rag --suite, family {fam}")
+            if frc == BOUND_EXIT or (frc and rc != BOUND_EXIT):
+                rc = frc
+    if report["failed"] and not rc:
+        rc = 1
+    if report["failed"]:
+        print("promptsplice: error: failed families: " + ", ".join(report["failed"]), file=sys.stderr)
+    return rc
+
+
 def format_suite(report: dict[str, Any]) -> str:
     lines = [
-        "| family | naive prefill | promptsplice | promptsplice_pic | oracle | gap promptsplice | gap pic |",
-        "|---|---|---|---|---|---|---|",
+        "| family | naive | promptsplice | promptsplice_store | promptsplice_pic | radix (cache) | oracle "
+        "| oracle (cache) | gap promptsplice | gap pic | pic vs store | mirror = vLLM | coverage |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for fam, e in report["families"].items():
         if "error" in e:
             lines.append(f"| {fam} | failed: {e['error']} |")
             continue
-        r, m = e["report"], e["report"]["modes"]
-        pic = m.get("promptsplice_pic", {}).get("prefill_tokens", "-")
-        g1, g2 = _gap(r, "promptsplice"), _gap(r, "promptsplice_pic")
+        r, m, b, c = e["report"], e["report"]["modes"], e["report"]["bounds"], report["checks"][fam]
+        pic = m.get(PIC_MODE, {}).get("prefill_tokens", "-")
+        sto = m.get("promptsplice_store", {}).get("prefill_tokens", "-")
+        g = [_gap(r, k) for k in ("promptsplice", "promptsplice_pic", "promptsplice_pic_vs_store")]
+        g1, g2, g3 = ("-" if x is None else f"{x:.2f}" for x in g)
         lines.append(
-            f"| {fam} | {m['naive']['prefill_tokens']} | {m['promptsplice']['prefill_tokens']} | {pic} | "
-            f"{r['oracle_prefill_tokens']} | {'-' if g1 is None else f'{g1:.2f}'} | {'-' if g2 is None else f'{g2:.2f}'} |"
+            f"| {fam} | {m['naive']['prefill_tokens']} | {m['promptsplice']['prefill_tokens']} | {sto} | {pic} | "
+            f"{b['radix_capacity_prefill_tokens']} | {r['oracle_prefill_tokens']} | "
+            f"{b['oracle_capacity_prefill_tokens']} | {g1} | {g2} | {g3} | "
+            f"{'yes' if c['mirror_equal'] else 'NO'} | {c['coverage']:.2f} |"
         )
     for mode, w in report["worst"].items():
-        lines.append(f"worst {mode}: gap {w['gap_closed']:.2f} ({w['family']})")
+        if mode == "coverage":
+            flag = "" if w["coverage"] >= MIN_COVERAGE else " (below the bar)"
+            lines.append(f"worst coverage: {w['coverage']:.2f} ({w['family']}){flag}")
+        else:
+            lines.append(f"worst {mode}: gap {w['gap_closed']:.2f} ({w['family']})")
+    for fam, c in report["checks"].items():
+        if not c["le_radix_capacity"]:
+            lines.append(f"{fam}: promptsplice prefilled more than the capacity-matched radix ideal")
     if report["failed"]:
         lines.append("failed: " + "; ".join(f"{k}: {v}" for k, v in report["failed"].items()))
     return "\n".join(lines)
@@ -110,31 +181,40 @@ def run_rag_suite(
     max_tokens: int = 8,
     recompute_blocks: int | None = None,
     fidelity_requests: int = 32,
+    allow_skips: bool = False,
+    one_store_engine: bool = False,
 ) -> int:
-    """The CLI's job: start the two engines once, run the suite, print, write the JSON;
-    exit status 1 when a family failed."""
+    """The CLI's job: start the plain engine once (and fresh store engines per family and
+    mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""
+    import shutil
+    import tempfile
+
     from promptsplice.assembler import AlignPolicy, OrderPolicy
-    from promptsplice.benchmarks.agent import start_engines
 
     OrderPolicy.parse(policy)  # fail fast, before the engines start
     AlignPolicy.parse(alignment)
     out = Path(json_out)
-    engine, kv_engine = start_engines()
+    root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
+    engine, kv_factory = start_rag_engines(root)
+    kv_engine = kv_factory() if one_store_engine else kv_factory
+    partial = out.with_name(out.stem + ".partial.json")
     try:
         report = rag_suite(
-            engine, kv_engine=kv_engine, families=SUITE if families is None else families,
+            engine, kv_engine=kv_engine, on_family=lambda r: partial.write_text(json.dumps(r, indent=2) + "\n"), families=SUITE if families is None else families,
             requests=60 if requests is None else requests, seed=seed,
             trace_dir=trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces"),
             policy=policy, alignment=alignment, max_tokens=max_tokens,
             recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
         )
     finally:
-        kv_engine.close()
+        if one_store_engine:
+            kv_engine.close()
         engine.close()
+        shutil.rmtree(root, ignore_errors=True)
     for fam, e in report["families"].items():
         if "report" in e:
             print(f"## {fam}\n{format_modes(e['report'])}\n")
     print(format_suite(report))
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
-    return 1 if report["failed"] else 0
+    return suite_status(report, allow_skips=allow_skips)

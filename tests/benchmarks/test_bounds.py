@@ -79,3 +79,17 @@ def test_no_policy_beats_the_oracle(reqs, bs, align):
         assert gap is None or gap <= 1.0, (name, gap)
     assert rep["radix_prefill_tokens"] <= rep["radix_prefill_tokens_bounded"]
     assert rep["oracle_prefill_tokens"] <= rep["oracle_prefill_tokens_bounded"]
+
+
+def test_a_mode_below_its_bound_fails_the_bench():
+    import pytest
+
+    from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, check_bounds
+
+    ok = {"naive": {"bound": "radix", "bound_prefill_tokens": 100, "prefill_tokens": 100},
+          "promptsplice": {"bound": "oracle", "bound_prefill_tokens": 40, "prefill_tokens": 70}}
+    check_bounds(ok)  # at or above the bound: fine
+    bad = {**ok, "promptsplice_store": {"bound": "oracle", "bound_prefill_tokens": 40, "prefill_tokens": 39}}
+    with pytest.raises(BoundError, match=r"promptsplice_store prefilled 39 tokens, below its bound \(oracle\) of 40"):
+        check_bounds(bad, what="bench rag")
+    assert BOUND_EXIT not in (0, 1, 2, 3)  # distinct from usage errors and coverage

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from promptsplice.benchmarks.rag import MODES, run_modes
 from promptsplice.benchmarks.traces import dump_rag_trace, sample_rag_requests
 
@@ -52,16 +54,20 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     dump_rag_trace(trace, sample_rag_requests(10, seed=2))
     out = tmp_path / "rag.json"
     proc = _cli("bench", "rag", "--trace", str(trace), "--json", str(out), "--requests", "6", "--max-tokens", "1",
-                "--fidelity-requests", "1")
+                "--fidelity-requests", "1", "--allow-skips")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["modes"]) == {"naive", "promptsplice", "promptsplice_pic"}
+    assert set(report["modes"]) == {"naive", "promptsplice", "promptsplice_store", "promptsplice_pic"}
+    # fresh store engines per mode, at the plain engine's KV size, with the same store
+    assert report["store"]["kv_cache_blocks"] == report["pic"]["kv_cache_blocks"] == report["bounds"]["kv_cache_blocks"]
+    assert report["store"]["store_dram_bytes"] == report["pic"]["store_dram_bytes"]
+    assert report["coverage"] == 1.0 and all(c["holds"] for c in report["bounds"]["checks"].values())
     for m in report["modes"].values():
         assert set(m) == MODE_FIELDS and m["requests"] == 6
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "recompute_blocks",
-                        "gap_closed", "kv_cache_blocks", "store_dram_bytes"}
+                        "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store"}
     assert pic["recompute_blocks"] == 1 and pic["engine_requests"] > 6  # the default r; precomputes, phases
     # chunks repeat in the sample: some were relocated, and fewer tokens prefilled than naive
     assert pic["relocated_tokens"] > 0
@@ -113,3 +119,56 @@ def test_bench_offload_command(tmp_path):
     assert report["outputs_identical"] is True
     assert set(report["load_vs_recompute"]) == {"dram", "disk"}
     assert all(v > 0 for v in report["load_vs_recompute"].values())
+
+
+
+@pytest.fixture(scope="module")
+def small_plain(kv_engine):
+    """A plain engine with ``kv_engine``'s KV cache size (182 blocks): the pair runs
+    every mode at equal capacity."""
+    from tests.conftest import start_default_engine
+
+    eng = start_default_engine(kv_cache_bytes=kv_engine.config.kv_cache_bytes)
+    yield eng
+    eng.close()
+
+
+def test_store_mode_runs_at_equal_capacity_and_every_mode_holds_its_bound(small_plain, kv_engine):
+    """``promptsplice_store``: the promptsplice assembly on an engine with PIC's store, at
+    the KV cache size of the plain engine; every mode at or above its bound."""
+    from promptsplice.benchmarks.rag import PIC_MODE, STORE_MODE, bench_status
+
+    reqs = sample_rag_requests(6, seed=3)
+    report, outs = run_modes(small_plain, reqs, kv_engine=kv_engine, max_tokens=1, fidelity_requests=0)
+    assert set(report["modes"]) == {*MODES, STORE_MODE, PIC_MODE}
+    st = report["store"]
+    assert st["kv_cache_blocks"] == report["bounds"]["kv_cache_blocks"] == kv_engine.num_blocks == small_plain.num_blocks
+    assert st["store_dram_bytes"] == report["pic"]["store_dram_bytes"] == kv_engine.kv_store.config.dram_bytes
+    # the same assembly as promptsplice, sent as the same tokens
+    assert [c.prompt_token_ids for c in outs[STORE_MODE]] == [c.prompt_token_ids for c in outs["promptsplice"]]
+    m = report["modes"][STORE_MODE]
+    assert m["requests"] == 6 and m["cached_tokens"] == sum(c.num_cached_tokens for c in outs[STORE_MODE])
+    # same cache size, same prompts, its own salt: the store can only add hits
+    assert m["prefill_tokens"] <= report["modes"]["promptsplice"]["prefill_tokens"]
+    assert 0 <= st["external_cached_tokens"] <= st["measured_cached_tokens"] == m["cached_tokens"]
+    checks = report["bounds"]["checks"]
+    assert checks["naive"]["bound"] == "radix" and {c["bound"] for m_, c in checks.items() if m_ != "naive"} == {"oracle"}
+    assert all(c["holds"] for c in checks.values()), checks
+    assert report["coverage"] == 1.0 and report["skipped_requests"] == []
+    assert bench_status(report) == 0
+    assert report["pic"]["gap_closed_vs_store"] is None or report["pic"]["gap_closed_vs_store"] <= 1
+
+
+def test_a_request_over_the_context_is_skipped_and_fails_coverage(small_plain):
+    from promptsplice.benchmarks.coverage import COVERAGE_EXIT
+    from promptsplice.benchmarks.rag import bench_status
+    from promptsplice.benchmarks.traces import RagChunk, RagRequest
+
+    reqs = sample_rag_requests(1, seed=4)
+    huge = RagRequest("huge", "Answer.", [RagChunk("big", "the harbor wall was old " * 1200)], "Who built it?")
+    reqs.insert(0, huge)  # ~6K tokens: over the engine's max_model_len of 4,096
+    report, outs = run_modes(small_plain, reqs, max_tokens=1)
+    assert (report["coverage"], report["steps_run"], report["steps_total"]) == (0.5, 1, 2)
+    assert report["skipped_requests"] == [0] and report["modes"]["naive"]["requests"] == 1
+    assert bench_status(report) == COVERAGE_EXIT
+    assert bench_status(report, allow_skips=True) == 0
