@@ -4,18 +4,30 @@ measured fidelity.
 Every session of an agent trace (:mod:`promptsplice.benchmarks.agent_traces`) is replayed step by
 step through :class:`promptsplice.assembler.ContextHook` (the renders already hold the agent's own
 edits, so the hook runs without policies) and :class:`promptsplice.engine_adapters.AgentRunner` in
-each mode: ``full`` (no cache) and ``apc`` (vLLM's prefix cache) on one engine,
-``splice`` on a second engine started with the splice connector (its store saves add
-their cost to ``splice``, never to the others).  Modes use different tenant salts, so
-none reads another's cache.  The steps of a session run interleaved: ``full``, ``apc``,
-``splice``, then the fidelity probes of that step when it is sampled.
+each mode, **each mode on an engine of its own, all of the same capacity**: ``full`` (no
+cache: a fresh salt per request) on a plain engine; ``apc`` (vLLM's prefix cache *plus
+the same block store* through the splice connector, serving offload hits of exact
+prefixes; plain requests, nothing relocated) and ``splice`` (the same store, relocating
+by the hook's directives) on two engines started with identical ``kv_store`` configs.
+So ``apc`` vs ``splice`` measures relocation, never store capacity (a ``splice`` with a
+store against an ``apc`` without one once prefilled *below* the ideal).  No engine sees
+another mode's traffic; :func:`run_agent_modes` refuses ``apc``/``splice`` engines of
+different KV caches or stores.  The steps of a session run interleaved: ``full``,
+``apc``, ``splice``, then the fidelity probes of that step when it is sampled.
 
 Bounds reported beside the modes:
 
-* ``ideal_prefill_tokens``: message-level reuse: per step, a segment is free when the
-  same message (same rendered text and padding) was in the session's previous render or
-  lies in the prefix the ``apc`` run served from its cache; everything else is
-  prefilled, with the renderer's block alignment.
+* ``ideal_prefill_tokens``: a lower bound for every mode at equal capacity.  Per step,
+  a token is free when (a) it lies in the longest exact prefix any mode's cache or store
+  served (or the prefix the render shares with the session's previous one), (b) it lies
+  in an unchanged run of the token diff against the previous render (what relocation
+  can move), or (c) its message (same rendered text and padding) was in the previous
+  render (a repeated output); everything else is prefilled, and at least the last
+  block's tokens are (vLLM never serves the last prompt token from cache and both the
+  cache and the store work in whole blocks).  A mode's total prefill below it is a bug
+  in the bench or the bound: the bench fails (:class:`BoundError`, exit status 2) naming
+  the mode and both numbers; ``steps_below_ideal`` counts the steps where a mode went
+  below the step's bound.
 * per edit kind (:func:`promptsplice.benchmarks.agent_traces.classify_step`) the steps and each
   mode's prefill, so users see where splicing pays (deep edits) and where it cannot
   (an edit of the last message leaves nothing to relocate).
@@ -40,9 +52,20 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
+from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
 from promptsplice.benchmarks.fidelity import FIDELITY_FIELDS, PROBE_TOKENS, Fidelity, reference
+from promptsplice.errors import ConfigError, PromptspliceError
 
-__all__ = ["MODE_FIELDS", "FIDELITY_FIELDS", "run_agent_modes", "run_agent_bench", "format_agent"]
+__all__ = [
+    "MODE_FIELDS",
+    "FIDELITY_FIELDS",
+    "BoundError",
+    "run_agent_modes",
+    "run_agent_bench",
+    "format_agent",
+    "start_engines",
+    "check_bounds",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -59,6 +82,11 @@ MODE_FIELDS = (
     "edit_steps_prefill_tokens",
     "edit_steps_ttft_p50_ms",
 )
+
+
+class BoundError(PromptspliceError, RuntimeError):
+    """A mode prefilled less than the ideal, its lower bound: the bench or the bound is
+    wrong, so its numbers are not reported as a result."""
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -104,26 +132,51 @@ class _Totals:
         }
 
 
-def _ideal_step(render: Any, prev: Any, apc_cached: int) -> int:
-    """Prefill of message-level reuse for one step (see the module doc)."""
-    seen = set()
+def _ideal_step(prepared: Any, exact_prefix: int, block_size: int) -> int:
+    """The step's lower bound at equal capacity (see the module doc): tokens outside
+    the exact prefix, the diff's unchanged runs and the previous render's messages,
+    and at least the last block's."""
+    render, prev, diff = prepared.render, prepared.previous, prepared.diff
+    n = len(render.token_ids)
+    free: list[tuple[int, int]] = [(0, max(exact_prefix, prepared.first_changed_token))]
+    if diff is not None:
+        free += [(r.new_start, r.new_start + r.length) for r in diff.relocations]
     if prev is not None:
         seen = {(s.key, s.padding) for s in prev.body_segments}
-    out = 0
-    for seg in render.segments:
-        if seg.end <= apc_cached:
-            continue
-        if (seg.key, seg.padding) in seen:
-            continue
-        out += seg.end - max(seg.start, apc_cached)
-    return out
+        free += [(s.start, s.end) for s in render.segments if (s.key, s.padding) in seen]
+    covered, end = 0, 0
+    for a, b in sorted(free):
+        a, b = max(a, end), min(b, n)
+        if b > a:
+            covered += b - a
+            end = b
+    tail = n - ((n - 1) // block_size) * block_size if n else 0
+    return max(n - covered, tail)
+
+
+def _store_shape(eng: Any) -> tuple[Any, ...]:
+    store = eng.config.kv_store
+    sizes = None if store is None else (store.dram_bytes, store.disk_bytes)
+    return eng.num_blocks, eng.block_size, eng.config.dtype, sizes
+
+
+def check_bounds(report: dict[str, Any]) -> None:
+    """:class:`BoundError` when a mode's prefill is below the ideal (module doc)."""
+    ideal = report["ideal_prefill_tokens"]
+    low = {m: v["prefill_tokens"] for m, v in report["modes"].items() if v["prefill_tokens"] < ideal}
+    if low:
+        what = ", ".join(f"{m} prefilled {n}" for m, n in low.items())
+        raise BoundError(
+            f"bench agent: {what} tokens, below the ideal of {ideal} (a lower bound at equal "
+            f"capacity): the bench or the bound is wrong; steps below the step's bound: "
+            f"{ {m: report['modes'][m]['steps_below_ideal'] for m in low} }"
+        )
 
 
 def run_agent_modes(
     sessions: Sequence[AgentSession],
     *,
-    engine: Any,
-    kv_engine: Any,
+    engines: dict[str, Any],
     recompute_blocks: int | None = None,
     max_tokens: int = PROBE_TOKENS,
     fidelity_steps: int = 8,
@@ -132,20 +185,35 @@ def run_agent_modes(
 ) -> dict[str, Any]:
     """Replay ``sessions`` in the three modes; returns the report dict (module doc).
 
-    ``engine``: a plain :class:`EmbeddedEngine` (``full`` and ``apc``); ``kv_engine``:
-    one with ``kv_store`` (``splice``); both started with ``max_logprobs=-1`` for the
-    KL probes.  ``fidelity_steps``: how many edit steps to probe (spread over the trace).
+    ``engines``: one :class:`EmbeddedEngine` per mode (``full``, ``apc``, ``splice``),
+    three distinct engines; ``apc`` and ``splice`` started with the same KV cache and
+    the same ``kv_store`` sizes (:class:`ConfigError` otherwise), all with
+    ``max_logprobs=-1`` for the KL probes (:func:`start_engines` makes such a set).
+    ``fidelity_steps``: how many edit steps to probe (spread over the trace).  The
+    report's ``coverage``/``steps_run``/``steps_total``/``skipped_steps`` say how much
+    of the trace ran (a step over an engine's context is skipped and logged).
     """
     from promptsplice.assembler import ContextHook
     from promptsplice.engine_adapters import AgentRunner
     from promptsplice.engine_adapters.runners._agent import DEFAULT_RECOMPUTE_BLOCKS
     from promptsplice.errors import ContextLengthError
 
+    if not isinstance(engines, dict) or set(engines) != set(MODES):
+        raise ConfigError(f"engines must map each of {MODES} to an engine, got {engines!r}")
+    if len({id(e) for e in engines.values()}) != len(MODES):
+        raise ConfigError("engines: each mode needs an engine of its own (no mode may see another's traffic)")
+    if engines["apc"].config.kv_store is None or _store_shape(engines["apc"]) != _store_shape(engines["splice"]):
+        raise ConfigError(
+            "engines: apc and splice must run at equal capacity (same KV blocks, dtype and "
+            f"kv_store sizes), got apc {_store_shape(engines['apc'])} and splice "
+            f"{_store_shape(engines['splice'])}; start them with start_engines()"
+        )
+    engine, kv_engine = engines["full"], engines["splice"]
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     salts = {m: f"bench-agent-{m}" for m in MODES}
     runners = {
         "full": AgentRunner(engine, mode="full", salt=salts["full"]),
-        "apc": AgentRunner(engine, mode="apc", salt=salts["apc"]),
+        "apc": AgentRunner(engines["apc"], mode="apc", salt=salts["apc"]),
         "splice": AgentRunner(kv_engine, mode="splice", salt=salts["splice"], recompute_blocks=r, scope=scope),
     }
     # One hook for all modes: the render does not depend on the mode (each runner sends
@@ -155,6 +223,8 @@ def run_agent_modes(
     by_kind: dict[str, dict[str, Any]] = {}
     fid = {"splice": Fidelity(), "apc": Fidelity()}
     ideal = 0
+    below = {m: 0 for m in MODES}
+    steps_total = sum(len(s.renders) for s in sessions)
     skipped = 0
     fallbacks = 0
     edit_total = sum(
@@ -165,7 +235,6 @@ def run_agent_modes(
     edit_seen = 0
     t_start = time.perf_counter()
     for sess in sessions:
-        prev_render = None
         for i, msgs in enumerate(sess.renders):
             kind = classify_step(sess.renders[i - 1] if i else None, msgs)
             edit = kind not in ("first", "append")
@@ -181,14 +250,15 @@ def run_agent_modes(
                 hook.forget(sid)
                 for m in MODES:
                     runners[m].forget(sid)
-                prev_render = None
                 continue
             fallbacks += int(steps["splice"].fallback is not None and edit)
             for m in MODES:
                 totals[m].add(steps[m], edit)
-            render = prepared.render
-            ideal += _ideal_step(render, prev_render, steps["apc"].cached_tokens)
-            prev_render = render
+            exact = max(steps["apc"].cached_tokens, steps["splice"].cached_tokens - steps["splice"].relocated_tokens)
+            step_ideal = _ideal_step(prepared, exact, engine.block_size)
+            ideal += step_ideal
+            for m in MODES:
+                below[m] += int(steps[m].prefill_tokens < step_ideal)
             k = by_kind.setdefault(kind, {"steps": 0, **{m: {"prefill_tokens": 0, "ttft_ms": []} for m in MODES}})
             k["steps"] += 1
             for m in MODES:
@@ -197,19 +267,21 @@ def run_agent_modes(
             if edit:
                 edit_seen += 1
                 if every and edit_seen % every == 0 and len(fid["splice"].tf) < fidelity_steps:
-                    _measure(engine, kv_engine, prepared.token_ids, steps, runners, sid, fid)
+                    _measure(engines, prepared.token_ids, steps, runners, sid, fid)
             if log is not None:
                 log(f"{sess.id} step {i} {kind:9s} prefill full {steps['full'].prefill_tokens:5d} "
                     f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
                     f"(relocated {steps['splice'].relocated_tokens}, {steps['splice'].requests} req)")
     report: dict[str, Any] = {
-        "modes": {m: totals[m].report() for m in MODES},
+        "modes": {m: {**totals[m].report(), "steps_below_ideal": below[m]} for m in MODES},
         "ideal_prefill_tokens": ideal,
         "fidelity": {**fid["splice"].report(), "control": fid["apc"].report(), "tokens": PROBE_TOKENS},
         "recompute_blocks": r,
         "scope": scope,
         "sessions": len(sessions),
-        "skipped_steps": skipped,
+        **Coverage(steps_total - skipped, steps_total).report(),
+        "max_model_len": min(e.max_model_len for e in engines.values()),
+        "kv_cache_blocks": engines["apc"].num_blocks,
         "splice_fallback_steps": fallbacks,
         "by_kind": {
             kind: {"steps": v["steps"], **{m: {"prefill_tokens": v[m]["prefill_tokens"],
@@ -223,13 +295,14 @@ def run_agent_modes(
     return report
 
 
-def _measure(engine, kv_engine, tokens, steps, runners, sid, fid) -> None:
-    """Fidelity probes of one step (:mod:`promptsplice.benchmarks.fidelity`): one-pass reference,
-    then ``apc`` (control) and ``splice`` teacher-forced on its continuation."""
-    cont, p_ref = reference(engine, tokens)
+def _measure(engines, tokens, steps, runners, sid, fid) -> None:
+    """Fidelity probes of one step (:mod:`promptsplice.benchmarks.fidelity`): one-pass reference
+    (on the ``full`` engine), then ``apc`` (control) and ``splice`` teacher-forced on its
+    continuation, each on its own engine."""
+    cont, p_ref = reference(engines["full"], tokens)
     if not cont:  # EOS at once: nothing to probe
         return
-    for m, eng in (("apc", engine), ("splice", kv_engine)):
+    for m, eng in (("apc", engines["apc"]), ("splice", engines["splice"])):
         fid[m].measure(eng, tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids)
 
 
@@ -239,8 +312,10 @@ def format_agent(report: dict[str, Any]) -> str:
         x = report["modes"][m]
         lines.append(f"{m:8s} {x['prefill_tokens']:9d} {x['relocated_tokens']:9d} {x['hit_rate']:6.3f} "
                      f"{x['ttft_p50_ms']:7.0f}ms {x['edit_steps_ttft_p50_ms']:11.0f}ms")
-    lines.append(f"ideal prefill (message-level reuse): {report['ideal_prefill_tokens']}; "
+    lines.append(f"ideal prefill (lower bound at equal capacity): {report['ideal_prefill_tokens']}; "
                  f"splice closes {report['gap_closed']} of the apc -> ideal gap")
+    lines.append(f"coverage {report['coverage']} ({report['steps_run']} of {report['steps_total']} steps, "
+                 f"{report['skipped_steps']} skipped; max_model_len {report['max_model_len']})")
     f = report["fidelity"]
     c = f["control"]
     lines.append(f"fidelity over {f['steps']} edit steps: splice tf-top1 {f['tf_top1_agreement']} "
@@ -253,16 +328,26 @@ def format_agent(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def start_engines(*, store_dir: str | None = None, dram_bytes: int = 1 << 30) -> tuple[Any, Any]:
-    """The bench's two engines: plain, and with the splice connector (DRAM then disk)."""
+def start_engines(*, store_dir: str | None = None, dram_bytes: int = 1 << 30) -> dict[str, Any]:
+    """The bench's three engines, one per mode, each with the default KV cache: ``full``
+    plain, ``apc`` and ``splice`` each with its own store of the same sizes (DRAM then
+    disk, in folders of their own under ``store_dir``)."""
     from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
     extra = {"max_logprobs": -1}
-    engine = EmbeddedEngine(extra_kwargs=extra)
-    folder = store_dir or tempfile.mkdtemp(prefix="promptsplice-agent-store-")
-    store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=4 << 30, disk_dir=folder, fsync=False)
-    kv_engine = EmbeddedEngine(kv_store=store, extra_kwargs=extra)
-    return engine, kv_engine
+    root = Path(store_dir or tempfile.mkdtemp(prefix="promptsplice-agent-store-"))
+    engines: dict[str, Any] = {}
+    try:
+        engines["full"] = EmbeddedEngine(extra_kwargs=extra)
+        for m in ("apc", "splice"):
+            (root / m).mkdir(parents=True, exist_ok=True)
+            store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=4 << 30, disk_dir=str(root / m), fsync=False)
+            engines[m] = EmbeddedEngine(kv_store=store, extra_kwargs=extra)
+    except BaseException:
+        for eng in engines.values():
+            eng.close()
+        raise
+    return engines
 
 
 def run_agent_bench(
@@ -274,26 +359,40 @@ def run_agent_bench(
     max_tokens: int = PROBE_TOKENS,
     fidelity_steps: int = 8,
     scope: str = "session",
+    allow_skips: bool = False,
     verbose: bool = True,
 ) -> int:
-    """The CLI's job: read the trace, run the modes, write the JSON, print a table."""
+    """The CLI's job: read the trace, run the modes, write the JSON, print a table.
+
+    The JSON is written in every case.  Then a mode below the ideal raises
+    :class:`BoundError` (exit 2), and coverage below ``MIN_COVERAGE`` returns
+    ``COVERAGE_EXIT`` (3) unless ``allow_skips``."""
+    import sys
+
     data = read_agent_trace(trace)
     if sessions is not None:
         data = data[:sessions]
-    engine, kv_engine = start_engines()
+    engines = start_engines()
     try:
         report = run_agent_modes(
-            data, engine=engine, kv_engine=kv_engine, recompute_blocks=recompute_blocks,
+            data, engines=engines, recompute_blocks=recompute_blocks,
             max_tokens=max_tokens, fidelity_steps=fidelity_steps, scope=scope,
             log=print if verbose else None,
         )
     finally:
-        kv_engine.close()
-        engine.close()
+        for eng in engines.values():
+            eng.close()
     report["trace"] = str(trace)
     out = Path(json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(format_agent(report))
     print(f"wrote {out}")
+    check_bounds(report)
+    try:
+        check_coverage(Coverage(report["steps_run"], report["steps_total"]), allow_skips=allow_skips,
+                       what="bench agent")
+    except CoverageError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        return COVERAGE_EXIT
     return 0
