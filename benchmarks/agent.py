@@ -13,7 +13,9 @@ So ``apc`` vs ``splice`` measures relocation, never store capacity (a ``splice``
 store against an ``apc`` without one once prefilled *below* the ideal).  No engine sees
 another mode's traffic; :func:`run_agent_modes` refuses ``apc``/``splice`` engines of
 different KV caches or stores.  The steps of a session run interleaved: ``full``,
-``apc``, ``splice``, then the fidelity probes of that step when it is sampled.
+``apc``, ``splice``, then the fidelity probes of that step when it is sampled; or, with
+``--sequential`` (machines short of memory), one mode after the other, each on its
+engine started for it, one engine alive at a time (no fidelity probes).
 
 Bounds reported beside the modes:
 
@@ -64,6 +66,7 @@ __all__ = [
     "run_agent_bench",
     "format_agent",
     "start_engines",
+    "start_mode_engine",
     "check_bounds",
 ]
 
@@ -173,10 +176,54 @@ def check_bounds(report: dict[str, Any]) -> None:
         )
 
 
+def _check_capacity(shapes: dict[str, tuple[Any, ...]], has_store: bool) -> None:
+    if not has_store or shapes["apc"] != shapes["splice"]:
+        raise ConfigError(
+            "engines: apc and splice must run at equal capacity (same KV blocks, dtype and "
+            f"kv_store sizes), got apc {shapes['apc']} and splice {shapes['splice']}; start "
+            "them with start_engines()"
+        )
+
+
+def _replay(sessions, runners, tokenizer, block_size, max_tokens, on_step=None) -> list[Any]:
+    """Every step of ``sessions`` through one hook and ``runners`` (mode -> runner), in
+    order: ``(kind, edit, prepared, {mode: AgentStep})`` or ``None`` for a skipped step
+    (a prompt over an engine's context: the session is forgotten, its next step starts
+    afresh)."""
+    from promptsplice.assembler import ContextHook
+    from promptsplice.errors import ContextLengthError
+
+    # One hook for the modes: the render does not depend on the mode (each runner sends
+    # it under its own salt), so every step is rendered and diffed once.
+    hook = ContextHook(tokenizer, block_size=block_size)
+    out: list[Any] = []
+    for sess in sessions:
+        for i, msgs in enumerate(sess.renders):
+            kind = classify_step(sess.renders[i - 1] if i else None, msgs)
+            prepared = hook(sess.id, msgs, sess.tools or None)
+            steps = {}
+            try:
+                for m, runner in runners.items():
+                    steps[m] = runner.step(prepared, max_tokens=max_tokens)
+            except ContextLengthError as exc:
+                _log.warning("bench agent: session %s step %d skipped: %s", sess.id, i, exc)
+                hook.forget(sess.id)
+                for runner in runners.values():
+                    runner.forget(sess.id)
+                out.append(None)
+                continue
+            rec = (kind, kind not in ("first", "append"), prepared, steps)
+            out.append(rec)
+            if on_step is not None:
+                on_step(sess.id, rec)
+    return out
+
+
 def run_agent_modes(
     sessions: Sequence[AgentSession],
     *,
-    engines: dict[str, Any],
+    engines: dict[str, Any] | None = None,
+    start_engine: Any = None,
     recompute_blocks: int | None = None,
     max_tokens: int = PROBE_TOKENS,
     fidelity_steps: int = 8,
@@ -188,90 +235,106 @@ def run_agent_modes(
     ``engines``: one :class:`EmbeddedEngine` per mode (``full``, ``apc``, ``splice``),
     three distinct engines; ``apc`` and ``splice`` started with the same KV cache and
     the same ``kv_store`` sizes (:class:`ConfigError` otherwise), all with
-    ``max_logprobs=-1`` for the KL probes (:func:`start_engines` makes such a set).
-    ``fidelity_steps``: how many edit steps to probe (spread over the trace).  The
-    report's ``coverage``/``steps_run``/``steps_total``/``skipped_steps`` say how much
-    of the trace ran (a step over an engine's context is skipped and logged).
+    ``max_logprobs=-1`` for the KL probes (:func:`start_engines` makes such a set); the
+    steps of the modes run interleaved.  Or ``start_engine`` (``mode -> engine``): the
+    modes run one after the other, each on an engine started for it and closed after
+    it, so only one engine is alive at a time (for machines short of memory; no
+    fidelity probes then: ``fidelity_steps`` must be 0).  ``fidelity_steps``: how many
+    edit steps to probe (spread over the trace).  The report's ``coverage``/
+    ``steps_run``/``steps_total``/``skipped_steps`` say how much of the trace ran.
     """
-    from promptsplice.assembler import ContextHook
     from promptsplice.engine_adapters import AgentRunner
     from promptsplice.engine_adapters.runners._agent import DEFAULT_RECOMPUTE_BLOCKS
-    from promptsplice.errors import ContextLengthError
 
-    if not isinstance(engines, dict) or set(engines) != set(MODES):
-        raise ConfigError(f"engines must map each of {MODES} to an engine, got {engines!r}")
-    if len({id(e) for e in engines.values()}) != len(MODES):
-        raise ConfigError("engines: each mode needs an engine of its own (no mode may see another's traffic)")
-    if engines["apc"].config.kv_store is None or _store_shape(engines["apc"]) != _store_shape(engines["splice"]):
-        raise ConfigError(
-            "engines: apc and splice must run at equal capacity (same KV blocks, dtype and "
-            f"kv_store sizes), got apc {_store_shape(engines['apc'])} and splice "
-            f"{_store_shape(engines['splice'])}; start them with start_engines()"
-        )
-    engine, kv_engine = engines["full"], engines["splice"]
+    if (engines is None) == (start_engine is None):
+        raise ConfigError("pass engines (interleaved modes) or start_engine (one mode at a time), not both")
+    if start_engine is not None and fidelity_steps:
+        raise ConfigError(f"fidelity_steps={fidelity_steps} needs the three engines alive together: "
+                          "pass engines, or fidelity_steps=0 with start_engine")
+    if engines is not None:
+        if not isinstance(engines, dict) or set(engines) != set(MODES):
+            raise ConfigError(f"engines must map each of {MODES} to an engine, got {engines!r}")
+        if len({id(e) for e in engines.values()}) != len(MODES):
+            raise ConfigError("engines: each mode needs an engine of its own (no mode may see another's traffic)")
+        _check_capacity({m: _store_shape(engines[m]) for m in ("apc", "splice")},
+                        engines["apc"].config.kv_store is not None)
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     salts = {m: f"bench-agent-{m}" for m in MODES}
-    runners = {
-        "full": AgentRunner(engine, mode="full", salt=salts["full"]),
-        "apc": AgentRunner(engines["apc"], mode="apc", salt=salts["apc"]),
-        "splice": AgentRunner(kv_engine, mode="splice", salt=salts["splice"], recompute_blocks=r, scope=scope),
-    }
-    # One hook for all modes: the render does not depend on the mode (each runner sends
-    # it under its own salt), so every step is rendered and diffed once.
-    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+
+    def runner(m: str, eng: Any) -> Any:
+        if m == "splice":
+            return AgentRunner(eng, mode="splice", salt=salts[m], recompute_blocks=r, scope=scope)
+        return AgentRunner(eng, mode=m, salt=salts[m])
+
+    steps_total = sum(len(s.renders) for s in sessions)
+    fid = {"splice": Fidelity(), "apc": Fidelity()}
+    t_start = time.perf_counter()
+    if engines is not None:
+        runners = {m: runner(m, engines[m]) for m in MODES}
+        edit_total = sum(
+            1 for s in sessions for i, rnd in enumerate(s.renders)
+            if classify_step(s.renders[i - 1] if i else None, rnd) not in ("first", "append")
+        )
+        every = max(1, edit_total // max(1, fidelity_steps)) if fidelity_steps else 0
+        edit_seen = [0]
+
+        def probe(sid: str, rec: Any) -> None:
+            _, edit, prepared, steps = rec
+            if edit:
+                edit_seen[0] += 1
+                if every and edit_seen[0] % every == 0 and len(fid["splice"].tf) < fidelity_steps:
+                    _measure(engines, prepared.token_ids, steps, runners, sid, fid)
+
+        eng0 = engines["full"]
+        recs = _replay(sessions, runners, eng0.tokenizer, eng0.block_size, max_tokens, probe)
+        block_size, max_len, kv_blocks = eng0.block_size, min(e.max_model_len for e in engines.values()), engines["apc"].num_blocks
+    else:
+        recs, shapes, lens, has_store = None, {}, [], True
+        for m in MODES:
+            eng = start_engine(m)
+            try:
+                if m in ("apc", "splice"):
+                    shapes[m] = _store_shape(eng)
+                    has_store = has_store and eng.config.kv_store is not None
+                lens.append(eng.max_model_len)
+                block_size, kv_blocks = eng.block_size, eng.num_blocks
+                one = _replay(sessions, {m: runner(m, eng)}, eng.tokenizer, eng.block_size, max_tokens)
+            finally:
+                eng.close()
+            if recs is None:
+                recs = one
+            else:  # merge: a step counts when every mode ran it
+                recs = [None if a is None or b is None else (a[0], a[1], a[2], {**a[3], **b[3]})
+                        for a, b in zip(recs, one)]
+        _check_capacity(shapes, has_store)
+        max_len = min(lens)
+
     totals = {m: _Totals() for m in MODES}
     by_kind: dict[str, dict[str, Any]] = {}
-    fid = {"splice": Fidelity(), "apc": Fidelity()}
-    ideal = 0
+    ideal = skipped = fallbacks = 0
     below = {m: 0 for m in MODES}
-    steps_total = sum(len(s.renders) for s in sessions)
-    skipped = 0
-    fallbacks = 0
-    edit_total = sum(
-        1 for s in sessions for i, rnd in enumerate(s.renders)
-        if classify_step(s.renders[i - 1] if i else None, rnd) not in ("first", "append")
-    )
-    every = max(1, edit_total // max(1, fidelity_steps)) if fidelity_steps else 0
-    edit_seen = 0
-    t_start = time.perf_counter()
-    for sess in sessions:
-        for i, msgs in enumerate(sess.renders):
-            kind = classify_step(sess.renders[i - 1] if i else None, msgs)
-            edit = kind not in ("first", "append")
-            sid = f"{sess.id}"
-            prepared = hook(sid, msgs, sess.tools or None)
-            steps = {}
-            try:
-                for m in MODES:
-                    steps[m] = runners[m].step(prepared, max_tokens=max_tokens)
-            except ContextLengthError as exc:
-                skipped += 1
-                _log.warning("bench agent: session %s step %d skipped: %s", sess.id, i, exc)
-                hook.forget(sid)
-                for m in MODES:
-                    runners[m].forget(sid)
-                continue
-            fallbacks += int(steps["splice"].fallback is not None and edit)
-            for m in MODES:
-                totals[m].add(steps[m], edit)
-            exact = max(steps["apc"].cached_tokens, steps["splice"].cached_tokens - steps["splice"].relocated_tokens)
-            step_ideal = _ideal_step(prepared, exact, engine.block_size)
-            ideal += step_ideal
-            for m in MODES:
-                below[m] += int(steps[m].prefill_tokens < step_ideal)
-            k = by_kind.setdefault(kind, {"steps": 0, **{m: {"prefill_tokens": 0, "ttft_ms": []} for m in MODES}})
-            k["steps"] += 1
-            for m in MODES:
-                k[m]["prefill_tokens"] += steps[m].prefill_tokens
-                k[m]["ttft_ms"].append(steps[m].ttft_s * 1e3)
-            if edit:
-                edit_seen += 1
-                if every and edit_seen % every == 0 and len(fid["splice"].tf) < fidelity_steps:
-                    _measure(engines, prepared.token_ids, steps, runners, sid, fid)
-            if log is not None:
-                log(f"{sess.id} step {i} {kind:9s} prefill full {steps['full'].prefill_tokens:5d} "
-                    f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
-                    f"(relocated {steps['splice'].relocated_tokens}, {steps['splice'].requests} req)")
+    for rec in recs:
+        if rec is None:
+            skipped += 1
+            continue
+        kind, edit, prepared, steps = rec
+        fallbacks += int(steps["splice"].fallback is not None and edit)
+        for m in MODES:
+            totals[m].add(steps[m], edit)
+        exact = max(steps["apc"].cached_tokens, steps["splice"].cached_tokens - steps["splice"].relocated_tokens)
+        step_ideal = _ideal_step(prepared, exact, block_size)
+        ideal += step_ideal
+        for m in MODES:
+            below[m] += int(steps[m].prefill_tokens < step_ideal)
+        k = by_kind.setdefault(kind, {"steps": 0, **{m: {"prefill_tokens": 0, "ttft_ms": []} for m in MODES}})
+        k["steps"] += 1
+        for m in MODES:
+            k[m]["prefill_tokens"] += steps[m].prefill_tokens
+            k[m]["ttft_ms"].append(steps[m].ttft_s * 1e3)
+        if log is not None:
+            log(f"{prepared.session_id} step {prepared.step} {kind:9s} prefill full {steps['full'].prefill_tokens:5d} "
+                f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
+                f"ideal {step_ideal:5d} (relocated {steps['splice'].relocated_tokens}, {steps['splice'].requests} req)")
     report: dict[str, Any] = {
         "modes": {m: {**totals[m].report(), "steps_below_ideal": below[m]} for m in MODES},
         "ideal_prefill_tokens": ideal,
@@ -280,8 +343,9 @@ def run_agent_modes(
         "scope": scope,
         "sessions": len(sessions),
         **Coverage(steps_total - skipped, steps_total).report(),
-        "max_model_len": min(e.max_model_len for e in engines.values()),
-        "kv_cache_blocks": engines["apc"].num_blocks,
+        "max_model_len": max_len,
+        "kv_cache_blocks": kv_blocks,
+        "sequential": engines is None,
         "splice_fallback_steps": fallbacks,
         "by_kind": {
             kind: {"steps": v["steps"], **{m: {"prefill_tokens": v[m]["prefill_tokens"],
@@ -332,22 +396,28 @@ def start_engines(*, store_dir: str | None = None, dram_bytes: int = 1 << 30) ->
     """The bench's three engines, one per mode, each with the default KV cache: ``full``
     plain, ``apc`` and ``splice`` each with its own store of the same sizes (DRAM then
     disk, in folders of their own under ``store_dir``)."""
-    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
-
-    extra = {"max_logprobs": -1}
-    root = Path(store_dir or tempfile.mkdtemp(prefix="promptsplice-agent-store-"))
     engines: dict[str, Any] = {}
     try:
-        engines["full"] = EmbeddedEngine(extra_kwargs=extra)
-        for m in ("apc", "splice"):
-            (root / m).mkdir(parents=True, exist_ok=True)
-            store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=4 << 30, disk_dir=str(root / m), fsync=False)
-            engines[m] = EmbeddedEngine(kv_store=store, extra_kwargs=extra)
+        for m in MODES:
+            engines[m] = start_mode_engine(m, store_dir=store_dir, dram_bytes=dram_bytes)
     except BaseException:
         for eng in engines.values():
             eng.close()
         raise
     return engines
+
+
+def start_mode_engine(mode: str, *, store_dir: str | None = None, dram_bytes: int = 1 << 30) -> Any:
+    """The engine of one mode (see :func:`start_engines`)."""
+    from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
+
+    extra = {"max_logprobs": -1}
+    if mode == "full":
+        return EmbeddedEngine(extra_kwargs=extra)
+    root = Path(store_dir or tempfile.mkdtemp(prefix="promptsplice-agent-store-"))
+    (root / mode).mkdir(parents=True, exist_ok=True)
+    store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=4 << 30, disk_dir=str(root / mode), fsync=False)
+    return EmbeddedEngine(kv_store=store, extra_kwargs=extra)
 
 
 def run_agent_bench(
@@ -360,6 +430,7 @@ def run_agent_bench(
     fidelity_steps: int = 8,
     scope: str = "session",
     allow_skips: bool = False,
+    sequential: bool = False,
     verbose: bool = True,
 ) -> int:
     """The CLI's job: read the trace, run the modes, write the JSON, print a table.
@@ -372,16 +443,18 @@ def run_agent_bench(
     data = read_agent_trace(trace)
     if sessions is not None:
         data = data[:sessions]
-    engines = start_engines()
-    try:
-        report = run_agent_modes(
-            data, engines=engines, recompute_blocks=recompute_blocks,
-            max_tokens=max_tokens, fidelity_steps=fidelity_steps, scope=scope,
-            log=print if verbose else None,
-        )
-    finally:
-        for eng in engines.values():
-            eng.close()
+    common = {"recompute_blocks": recompute_blocks, "max_tokens": max_tokens, "fidelity_steps": fidelity_steps,
+              "scope": scope, "log": print if verbose else None}
+    if sequential:
+        store_dir = tempfile.mkdtemp(prefix="promptsplice-agent-store-")
+        report = run_agent_modes(data, start_engine=lambda m: start_mode_engine(m, store_dir=store_dir), **common)
+    else:
+        engines = start_engines()
+        try:
+            report = run_agent_modes(data, engines=engines, **common)
+        finally:
+            for eng in engines.values():
+                eng.close()
     report["trace"] = str(trace)
     out = Path(json_out)
     out.parent.mkdir(parents=True, exist_ok=True)

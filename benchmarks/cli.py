@@ -155,6 +155,7 @@ def _cmd_bench_agent(args: argparse.Namespace) -> int:
         fidelity_steps=args.fidelity_steps,
         scope=args.scope,
         allow_skips=args.allow_skips,
+        sequential=args.sequential,
     )
 
 
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--allow-skips", action="store_true",
                        help="accept a run that skipped more than 5%% of the trace's steps (default: "
                             "exit 3 below coverage 0.95)")
+    agent.add_argument("--sequential", action="store_true",
+                       help="run the modes one after the other, one engine alive at a time (less memory; "
+                            "needs --fidelity-steps 0)")
     agent.set_defaults(func=_cmd_bench_agent)
 
     gat = bsub.add_parser("gen-agent-trace",

@@ -133,3 +133,20 @@ def test_the_cli_runs_on_a_trace_file_and_fails_below_the_coverage_bar(tmp_path,
     write_agent_trace(only_huge, [AgentSession("huge", [], huge)])
     assert main(["bench", "agent", "--trace", str(only_huge), "--json", str(out), "--allow-skips"]) == 0
     assert json.loads(out.read_text())["coverage"] == 0.0
+
+
+def test_modes_one_after_the_other(engines, monkeypatch):
+    """``--sequential``: each mode alone on its engine (here the module's, not closed), the
+    same report fields, bounds and coverage."""
+    for eng in engines.values():
+        monkeypatch.setattr(eng, "close", lambda: None)
+    sess = read_agent_trace(SAMPLE)[2]
+    short = AgentSession(sess.id, sess.tools, sess.renders[:4])
+    with pytest.raises(ConfigError, match="fidelity_steps=1"):
+        run_agent_modes([short], start_engine=engines.__getitem__, fidelity_steps=1)
+    rep = run_agent_modes([short], start_engine=engines.__getitem__, fidelity_steps=0, max_tokens=2)
+    assert rep["sequential"] is True and rep["coverage"] == 1.0 and rep["steps_run"] == 4
+    assert {m["steps"] for m in rep["modes"].values()} == {4}
+    full, apc, spl = (rep["modes"][m] for m in ("full", "apc", "splice"))
+    assert full["prefill_tokens"] == full["prompt_tokens"] > apc["prefill_tokens"] >= rep["ideal_prefill_tokens"]
+    check_bounds(rep)
