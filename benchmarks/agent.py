@@ -4,18 +4,32 @@ measured fidelity.
 Every session of an agent trace (:mod:`promptsplice.benchmarks.agent_traces`) is replayed step by
 step through :class:`promptsplice.assembler.ContextHook` (the renders already hold the agent's own
 edits, so the hook runs without policies) and :class:`promptsplice.engine_adapters.AgentRunner` in
-each mode: ``full`` (no cache) and ``apc`` (vLLM's prefix cache) on one engine,
-``splice`` on a second engine started with the splice connector (its store saves add
-their cost to ``splice``, never to the others).  Modes use different tenant salts, so
-none reads another's cache.  The steps of a session run interleaved: ``full``, ``apc``,
-``splice``, then the fidelity probes of that step when it is sampled.
+each mode, **each mode on an engine of its own, all of the same capacity**: ``full`` (no
+cache: a fresh salt per request) on a plain engine; ``apc`` (vLLM's prefix cache *plus
+the same block store* through the splice connector, serving offload hits of exact
+prefixes; plain requests, nothing relocated) and ``splice`` (the same store, relocating
+by the hook's directives) on two engines started with identical ``kv_store`` configs.
+So ``apc`` vs ``splice`` measures relocation, never store capacity (a ``splice`` with a
+store against an ``apc`` without one once prefilled *below* the ideal).  No engine sees
+another mode's traffic; :func:`run_agent_modes` refuses ``apc``/``splice`` engines of
+different KV caches or stores.  The steps of a session run interleaved: ``full``,
+``apc``, ``splice``, then the fidelity probes of that step when it is sampled; or, with
+``--sequential`` (machines short of memory), one mode after the other, each on its
+engine started for it, one engine alive at a time (no fidelity probes).
 
 Bounds reported beside the modes:
 
-* ``ideal_prefill_tokens``: message-level reuse: per step, a segment is free when the
-  same message (same rendered text and padding) was in the session's previous render or
-  lies in the prefix the ``apc`` run served from its cache; everything else is
-  prefilled, with the renderer's block alignment.
+* ``ideal_prefill_tokens``: a lower bound for every mode at equal capacity.  Per step,
+  a token is free when (a) it lies in the longest exact prefix any mode's cache or store
+  served (or the prefix the render shares with the session's previous one), (b) it lies
+  in an unchanged run of the token diff against the previous render (what relocation
+  can move), or (c) its message (same rendered text and padding) was in the previous
+  render (a repeated output); everything else is prefilled, and at least the last
+  block's tokens are (vLLM never serves the last prompt token from cache and both the
+  cache and the store work in whole blocks).  A mode's total prefill below it is a bug
+  in the bench or the bound: the bench fails (:class:`BoundError`, exit status 2) naming
+  the mode and both numbers; ``steps_below_ideal`` counts the steps where a mode went
+  below the step's bound.
 * per edit kind (:func:`promptsplice.benchmarks.agent_traces.classify_step`) the steps and each
   mode's prefill, so users see where splicing pays (deep edits) and where it cannot
   (an edit of the last message leaves nothing to relocate).
@@ -42,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, edit_depth, read_agent_trace
+from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
 from promptsplice.benchmarks.fidelity import (
     DEFAULT_PROBES,
     FIDELITY_FIELDS,
@@ -51,8 +66,20 @@ from promptsplice.benchmarks.fidelity import (
     reference,
     verify_step,
 )
+from promptsplice.errors import ConfigError, PromptspliceError
 
-__all__ = ["MODE_FIELDS", "FIDELITY_FIELDS", "run_agent_modes", "run_agent_bench", "format_agent", "probe_ranks"]
+__all__ = [
+    "MODE_FIELDS",
+    "FIDELITY_FIELDS",
+    "BoundError",
+    "run_agent_modes",
+    "run_agent_bench",
+    "format_agent",
+    "start_engines",
+    "start_mode_engine",
+    "check_bounds",
+    "probe_ranks",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -69,6 +96,11 @@ MODE_FIELDS = (
     "edit_steps_prefill_tokens",
     "edit_steps_ttft_p50_ms",
 )
+
+
+class BoundError(PromptspliceError, RuntimeError):
+    """A mode prefilled less than the ideal, its lower bound: the bench or the bound is
+    wrong, so its numbers are not reported as a result."""
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -114,18 +146,87 @@ class _Totals:
         }
 
 
-def _ideal_step(render: Any, prev: Any, apc_cached: int) -> int:
-    """Prefill of message-level reuse for one step (see the module doc)."""
-    seen = set()
+def _ideal_step(prepared: Any, exact_prefix: int, block_size: int) -> int:
+    """The step's lower bound at equal capacity (see the module doc): tokens outside
+    the exact prefix, the diff's unchanged runs and the previous render's messages,
+    and at least the last block's."""
+    render, prev, diff = prepared.render, prepared.previous, prepared.diff
+    n = len(render.token_ids)
+    free: list[tuple[int, int]] = [(0, max(exact_prefix, prepared.first_changed_token))]
+    if diff is not None:
+        free += [(r.new_start, r.new_start + r.length) for r in diff.relocations]
     if prev is not None:
         seen = {(s.key, s.padding) for s in prev.body_segments}
-    out = 0
-    for seg in render.segments:
-        if seg.end <= apc_cached:
-            continue
-        if (seg.key, seg.padding) in seen:
-            continue
-        out += seg.end - max(seg.start, apc_cached)
+        free += [(s.start, s.end) for s in render.segments if (s.key, s.padding) in seen]
+    covered, end = 0, 0
+    for a, b in sorted(free):
+        a, b = max(a, end), min(b, n)
+        if b > a:
+            covered += b - a
+            end = b
+    tail = n - ((n - 1) // block_size) * block_size if n else 0
+    return max(n - covered, tail)
+
+
+def _store_shape(eng: Any) -> tuple[Any, ...]:
+    store = eng.config.kv_store
+    sizes = None if store is None else (store.dram_bytes, store.disk_bytes)
+    return eng.num_blocks, eng.block_size, eng.config.dtype, sizes
+
+
+def check_bounds(report: dict[str, Any]) -> None:
+    """:class:`BoundError` when a mode's prefill is below the ideal (module doc)."""
+    ideal = report["ideal_prefill_tokens"]
+    low = {m: v["prefill_tokens"] for m, v in report["modes"].items() if v["prefill_tokens"] < ideal}
+    if low:
+        what = ", ".join(f"{m} prefilled {n}" for m, n in low.items())
+        raise BoundError(
+            f"bench agent: {what} tokens, below the ideal of {ideal} (a lower bound at equal "
+            f"capacity): the bench or the bound is wrong; steps below the step's bound: "
+            f"{ {m: report['modes'][m]['steps_below_ideal'] for m in low} }"
+        )
+
+
+def _check_capacity(shapes: dict[str, tuple[Any, ...]], has_store: bool) -> None:
+    if not has_store or shapes["apc"] != shapes["splice"]:
+        raise ConfigError(
+            "engines: apc and splice must run at equal capacity (same KV blocks, dtype and "
+            f"kv_store sizes), got apc {shapes['apc']} and splice {shapes['splice']}; start "
+            "them with start_engines()"
+        )
+
+
+def _replay(sessions, runners, tokenizer, block_size, max_tokens, on_step=None) -> list[Any]:
+    """Every step of ``sessions`` through one hook and ``runners`` (mode -> runner), in
+    order: ``(kind, edit, prepared, {mode: AgentStep})`` or ``None`` for a skipped step
+    (a prompt over an engine's context: the session is forgotten, its next step starts
+    afresh)."""
+    from promptsplice.assembler import ContextHook
+    from promptsplice.errors import ContextLengthError
+
+    # One hook for the modes: the render does not depend on the mode (each runner sends
+    # it under its own salt), so every step is rendered and diffed once.
+    hook = ContextHook(tokenizer, block_size=block_size)
+    out: list[Any] = []
+    for si, sess in enumerate(sessions):
+        for i, msgs in enumerate(sess.renders):
+            kind = classify_step(sess.renders[i - 1] if i else None, msgs)
+            prepared = hook(sess.id, msgs, sess.tools or None)
+            steps = {}
+            try:
+                for m, runner in runners.items():
+                    steps[m] = runner.step(prepared, max_tokens=max_tokens)
+            except ContextLengthError as exc:
+                _log.warning("bench agent: session %s step %d skipped: %s", sess.id, i, exc)
+                hook.forget(sess.id)
+                for runner in runners.values():
+                    runner.forget(sess.id)
+                out.append(None)
+                continue
+            rec = (kind, kind not in ("first", "append"), prepared, steps)
+            out.append(rec)
+            if on_step is not None:
+                on_step(si, i, rec)
     return out
 
 
@@ -186,8 +287,8 @@ def probe_ranks(sessions: Sequence[AgentSession]) -> dict[tuple[int, int], tuple
 def run_agent_modes(
     sessions: Sequence[AgentSession],
     *,
-    engine: Any,
-    kv_engine: Any,
+    engines: dict[str, Any] | None = None,
+    start_engine: Any = None,
     recompute_blocks: int | None = None,
     max_tokens: int = PROBE_TOKENS,
     fidelity_steps: int = DEFAULT_PROBES,
@@ -196,87 +297,122 @@ def run_agent_modes(
 ) -> dict[str, Any]:
     """Replay ``sessions`` in the three modes; returns the report dict (module doc).
 
-    ``engine``: a plain :class:`EmbeddedEngine` (``full`` and ``apc``); ``kv_engine``:
-    one with ``kv_store`` (``splice``); both started with ``max_logprobs=-1`` for the
-    KL probes.  ``fidelity_steps``: how many edit steps that relocate KV to probe
-    (:func:`probe_ranks`); a probe that did not measure relocated KV raises
-    :class:`~promptsplice.benchmarks.fidelity.FidelityError`.
+    ``engines``: one :class:`EmbeddedEngine` per mode (``full``, ``apc``, ``splice``),
+    three distinct engines; ``apc`` and ``splice`` started with the same KV cache and
+    the same ``kv_store`` sizes (:class:`ConfigError` otherwise), all with
+    ``max_logprobs=-1`` for the KL probes (:func:`start_engines` makes such a set); the
+    steps of the modes run interleaved.  Or ``start_engine`` (``mode -> engine``): the
+    modes run one after the other, each on an engine started for it and closed after
+    it, so only one engine is alive at a time (for machines short of memory; no
+    fidelity probes then: ``fidelity_steps`` must be 0).  ``fidelity_steps``: how many
+    edit steps that relocate KV to probe (:func:`probe_ranks`); a probe that did not
+    measure relocated KV raises :class:`~promptsplice.benchmarks.fidelity.FidelityError`.  The report's ``coverage``/
+    ``steps_run``/``steps_total``/``skipped_steps`` say how much of the trace ran.
     """
-    from promptsplice.assembler import ContextHook
     from promptsplice.engine_adapters import AgentRunner
     from promptsplice.engine_adapters.runners._agent import DEFAULT_RECOMPUTE_BLOCKS
-    from promptsplice.errors import ContextLengthError
 
+    if (engines is None) == (start_engine is None):
+        raise ConfigError("pass engines (interleaved modes) or start_engine (one mode at a time), not both")
+    if start_engine is not None and fidelity_steps:
+        raise ConfigError(f"fidelity_steps={fidelity_steps} needs the three engines alive together: "
+                          "pass engines, or fidelity_steps=0 with start_engine")
+    if engines is not None:
+        if not isinstance(engines, dict) or set(engines) != set(MODES):
+            raise ConfigError(f"engines must map each of {MODES} to an engine, got {engines!r}")
+        if len({id(e) for e in engines.values()}) != len(MODES):
+            raise ConfigError("engines: each mode needs an engine of its own (no mode may see another's traffic)")
+        _check_capacity({m: _store_shape(engines[m]) for m in ("apc", "splice")},
+                        engines["apc"].config.kv_store is not None)
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     salts = {m: f"bench-agent-{m}" for m in MODES}
-    runners = {
-        "full": AgentRunner(engine, mode="full", salt=salts["full"]),
-        "apc": AgentRunner(engine, mode="apc", salt=salts["apc"]),
-        "splice": AgentRunner(kv_engine, mode="splice", salt=salts["splice"], recompute_blocks=r, scope=scope),
-    }
-    # One hook for all modes: the render does not depend on the mode (each runner sends
-    # it under its own salt), so every step is rendered and diffed once.
-    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+
+    def runner(m: str, eng: Any) -> Any:
+        if m == "splice":
+            return AgentRunner(eng, mode="splice", salt=salts[m], recompute_blocks=r, scope=scope)
+        return AgentRunner(eng, mode=m, salt=salts[m])
+
+    steps_total = sum(len(s.renders) for s in sessions)
+    probing = {"limit": fidelity_steps, "passed": 0}  # probe ranks below limit are probed
+    fid = {"splice": Fidelity(), "apc": Fidelity()}
+    t_start = time.perf_counter()
+    if engines is not None:
+        runners = {m: runner(m, engines[m]) for m in MODES}
+        ranks = probe_ranks(sessions) if fidelity_steps else {}
+
+        def probe(si: int, i: int, rec: Any) -> None:
+            _, _, prepared, steps = rec
+            rank, label = ranks.get((si, i), (probing["limit"], ""))
+            if rank >= probing["limit"]:
+                return
+            if steps["splice"].planned_relocated_tokens > 0:
+                _measure(engines, prepared.token_ids, steps, runners, prepared.session_id, fid, label=label)
+            else:  # a step that relocates nothing passes its turn on
+                probing["limit"] += 1
+                probing["passed"] += 1
+
+        eng0 = engines["full"]
+        recs = _replay(sessions, runners, eng0.tokenizer, eng0.block_size, max_tokens, probe)
+        block_size, max_len, kv_blocks = eng0.block_size, min(e.max_model_len for e in engines.values()), engines["apc"].num_blocks
+    else:
+        recs, shapes, lens, has_store = None, {}, [], True
+        for m in MODES:
+            eng = start_engine(m)
+            try:
+                if m in ("apc", "splice"):
+                    shapes[m] = _store_shape(eng)
+                    has_store = has_store and eng.config.kv_store is not None
+                lens.append(eng.max_model_len)
+                block_size, kv_blocks = eng.block_size, eng.num_blocks
+                one = _replay(sessions, {m: runner(m, eng)}, eng.tokenizer, eng.block_size, max_tokens)
+            finally:
+                eng.close()
+            if recs is None:
+                recs = one
+            else:  # merge: a step counts when every mode ran it
+                recs = [None if a is None or b is None else (a[0], a[1], a[2], {**a[3], **b[3]})
+                        for a, b in zip(recs, one)]
+        _check_capacity(shapes, has_store)
+        max_len = min(lens)
+
     totals = {m: _Totals() for m in MODES}
     by_kind: dict[str, dict[str, Any]] = {}
-    fid = {"splice": Fidelity(), "apc": Fidelity()}
-    ideal = 0
-    skipped = 0
-    fallbacks = 0
-    ranks = probe_ranks(sessions) if fidelity_steps else {}
-    limit = fidelity_steps  # ranks below it are probed; one that relocates nothing passes its turn on
-    passed = 0
-    t_start = time.perf_counter()
-    for si, sess in enumerate(sessions):
-        prev_render = None
-        for i, msgs in enumerate(sess.renders):
-            kind = classify_step(sess.renders[i - 1] if i else None, msgs)
-            edit = kind not in ("first", "append")
-            sid = f"{sess.id}"
-            prepared = hook(sid, msgs, sess.tools or None)
-            steps = {}
-            try:
-                for m in MODES:
-                    steps[m] = runners[m].step(prepared, max_tokens=max_tokens)
-            except ContextLengthError as exc:
-                skipped += 1
-                _log.warning("bench agent: session %s step %d skipped: %s", sess.id, i, exc)
-                hook.forget(sid)
-                for m in MODES:
-                    runners[m].forget(sid)
-                prev_render = None
-                continue
-            fallbacks += int(steps["splice"].fallback is not None and edit)
-            for m in MODES:
-                totals[m].add(steps[m], edit)
-            render = prepared.render
-            ideal += _ideal_step(render, prev_render, steps["apc"].cached_tokens)
-            prev_render = render
-            k = by_kind.setdefault(kind, {"steps": 0, **{m: {"prefill_tokens": 0, "ttft_ms": []} for m in MODES}})
-            k["steps"] += 1
-            for m in MODES:
-                k[m]["prefill_tokens"] += steps[m].prefill_tokens
-                k[m]["ttft_ms"].append(steps[m].ttft_s * 1e3)
-            rank, label = ranks.get((si, i), (limit, ""))
-            if rank < limit:
-                if steps["splice"].planned_relocated_tokens > 0:
-                    _measure(engine, kv_engine, prepared.token_ids, steps, runners, sid, fid, label=label)
-                else:
-                    limit += 1
-                    passed += 1
-            if log is not None:
-                log(f"{sess.id} step {i} {kind:9s} prefill full {steps['full'].prefill_tokens:5d} "
-                    f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
-                    f"(relocated {steps['splice'].relocated_tokens}, {steps['splice'].requests} req)")
+    ideal = skipped = fallbacks = 0
+    below = {m: 0 for m in MODES}
+    for rec in recs:
+        if rec is None:
+            skipped += 1
+            continue
+        kind, edit, prepared, steps = rec
+        fallbacks += int(steps["splice"].fallback is not None and edit)
+        for m in MODES:
+            totals[m].add(steps[m], edit)
+        exact = max(steps["apc"].cached_tokens, steps["splice"].cached_tokens - steps["splice"].relocated_tokens)
+        step_ideal = _ideal_step(prepared, exact, block_size)
+        ideal += step_ideal
+        for m in MODES:
+            below[m] += int(steps[m].prefill_tokens < step_ideal)
+        k = by_kind.setdefault(kind, {"steps": 0, **{m: {"prefill_tokens": 0, "ttft_ms": []} for m in MODES}})
+        k["steps"] += 1
+        for m in MODES:
+            k[m]["prefill_tokens"] += steps[m].prefill_tokens
+            k[m]["ttft_ms"].append(steps[m].ttft_s * 1e3)
+        if log is not None:
+            log(f"{prepared.session_id} step {prepared.step} {kind:9s} prefill full {steps['full'].prefill_tokens:5d} "
+                f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
+                f"ideal {step_ideal:5d} (relocated {steps['splice'].relocated_tokens}, {steps['splice'].requests} req)")
     report: dict[str, Any] = {
-        "modes": {m: totals[m].report() for m in MODES},
+        "modes": {m: {**totals[m].report(), "steps_below_ideal": below[m]} for m in MODES},
         "ideal_prefill_tokens": ideal,
         "fidelity": {**fid["splice"].report(), "control": fid["apc"].report(), "tokens": PROBE_TOKENS,
-                     "requested": fidelity_steps, "passed_without_relocation": passed},
+                     "requested": fidelity_steps, "passed_without_relocation": probing["passed"]},
         "recompute_blocks": r,
         "scope": scope,
         "sessions": len(sessions),
-        "skipped_steps": skipped,
+        **Coverage(steps_total - skipped, steps_total).report(),
+        "max_model_len": max_len,
+        "kv_cache_blocks": kv_blocks,
+        "sequential": engines is None,
         "splice_fallback_steps": fallbacks,
         "by_kind": {
             kind: {"steps": v["steps"], **{m: {"prefill_tokens": v[m]["prefill_tokens"],
@@ -290,18 +426,19 @@ def run_agent_modes(
     return report
 
 
-def _measure(engine, kv_engine, tokens, steps, runners, sid, fid, *, label=None) -> None:
-    """Fidelity probes of one step (:mod:`promptsplice.benchmarks.fidelity`): one-pass reference,
-    then ``apc`` (control) and ``splice`` teacher-forced on its continuation.  The splice
-    step must have relocated what its plan did, and each of its probes must be served
-    the step's KV (else :class:`~promptsplice.benchmarks.fidelity.FidelityError`)."""
+def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> None:
+    """Fidelity probes of one step (:mod:`promptsplice.benchmarks.fidelity`): one-pass reference
+    (on the ``full`` engine), then ``apc`` (control) and ``splice`` teacher-forced on its
+    continuation, each on its own engine.  The splice step must have relocated what its
+    plan did, and each of its probes must be served the step's KV (else
+    :class:`~promptsplice.benchmarks.fidelity.FidelityError`)."""
     verify_step(steps["splice"], f"agent step {sid}/{steps['splice'].step}")
-    cont, p_ref = reference(engine, tokens)
+    cont, p_ref = reference(engines["full"], tokens)
     if not cont:  # EOS at once: nothing to probe
         return
-    need = {"apc": None, "splice": full_blocks(kv_engine, tokens)}
-    for m, eng in (("apc", engine), ("splice", kv_engine)):
-        fid[m].measure(eng, tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids,
+    need = {"apc": None, "splice": full_blocks(engines["splice"], tokens)}
+    for m in ("apc", "splice"):
+        fid[m].measure(engines[m], tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids,
                        need_cached=need[m], label=label)
 
 
@@ -311,8 +448,10 @@ def format_agent(report: dict[str, Any]) -> str:
         x = report["modes"][m]
         lines.append(f"{m:8s} {x['prefill_tokens']:9d} {x['relocated_tokens']:9d} {x['hit_rate']:6.3f} "
                      f"{x['ttft_p50_ms']:7.0f}ms {x['edit_steps_ttft_p50_ms']:11.0f}ms")
-    lines.append(f"ideal prefill (message-level reuse): {report['ideal_prefill_tokens']}; "
+    lines.append(f"ideal prefill (lower bound at equal capacity): {report['ideal_prefill_tokens']}; "
                  f"splice closes {report['gap_closed']} of the apc -> ideal gap")
+    lines.append(f"coverage {report['coverage']} ({report['steps_run']} of {report['steps_total']} steps, "
+                 f"{report['skipped_steps']} skipped; max_model_len {report['max_model_len']})")
     f = report["fidelity"]
     c = f["control"]
     lines.append(f"fidelity over {f['steps']} verified edit steps: splice tf-top1 {f['tf_top1_agreement']} "
@@ -327,16 +466,32 @@ def format_agent(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def start_engines(*, store_dir: str | None = None, dram_bytes: int = 1 << 30) -> tuple[Any, Any]:
-    """The bench's two engines: plain, and with the splice connector (DRAM then disk)."""
+def start_engines(*, store_dir: str | None = None, dram_bytes: int = 1 << 30) -> dict[str, Any]:
+    """The bench's three engines, one per mode, each with the default KV cache: ``full``
+    plain, ``apc`` and ``splice`` each with its own store of the same sizes (DRAM then
+    disk, in folders of their own under ``store_dir``)."""
+    engines: dict[str, Any] = {}
+    try:
+        for m in MODES:
+            engines[m] = start_mode_engine(m, store_dir=store_dir, dram_bytes=dram_bytes)
+    except BaseException:
+        for eng in engines.values():
+            eng.close()
+        raise
+    return engines
+
+
+def start_mode_engine(mode: str, *, store_dir: str | None = None, dram_bytes: int = 1 << 30) -> Any:
+    """The engine of one mode (see :func:`start_engines`)."""
     from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
     extra = {"max_logprobs": -1}
-    engine = EmbeddedEngine(extra_kwargs=extra)
-    folder = store_dir or tempfile.mkdtemp(prefix="promptsplice-agent-store-")
-    store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=4 << 30, disk_dir=folder, fsync=False)
-    kv_engine = EmbeddedEngine(kv_store=store, extra_kwargs=extra)
-    return engine, kv_engine
+    if mode == "full":
+        return EmbeddedEngine(extra_kwargs=extra)
+    root = Path(store_dir or tempfile.mkdtemp(prefix="promptsplice-agent-store-"))
+    (root / mode).mkdir(parents=True, exist_ok=True)
+    store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=4 << 30, disk_dir=str(root / mode), fsync=False)
+    return EmbeddedEngine(kv_store=store, extra_kwargs=extra)
 
 
 def run_agent_bench(
@@ -348,26 +503,43 @@ def run_agent_bench(
     max_tokens: int = PROBE_TOKENS,
     fidelity_steps: int = DEFAULT_PROBES,
     scope: str = "session",
+    allow_skips: bool = False,
+    sequential: bool = False,
     verbose: bool = True,
 ) -> int:
-    """The CLI's job: read the trace, run the modes, write the JSON, print a table."""
+    """The CLI's job: read the trace, run the modes, write the JSON, print a table.
+
+    The JSON is written in every case.  Then a mode below the ideal raises
+    :class:`BoundError` (exit 2), and coverage below ``MIN_COVERAGE`` returns
+    ``COVERAGE_EXIT`` (3) unless ``allow_skips``."""
+    import sys
+
     data = read_agent_trace(trace)
     if sessions is not None:
         data = data[:sessions]
-    engine, kv_engine = start_engines()
-    try:
-        report = run_agent_modes(
-            data, engine=engine, kv_engine=kv_engine, recompute_blocks=recompute_blocks,
-            max_tokens=max_tokens, fidelity_steps=fidelity_steps, scope=scope,
-            log=print if verbose else None,
-        )
-    finally:
-        kv_engine.close()
-        engine.close()
+    common = {"recompute_blocks": recompute_blocks, "max_tokens": max_tokens, "fidelity_steps": fidelity_steps,
+              "scope": scope, "log": print if verbose else None}
+    if sequential:
+        store_dir = tempfile.mkdtemp(prefix="promptsplice-agent-store-")
+        report = run_agent_modes(data, start_engine=lambda m: start_mode_engine(m, store_dir=store_dir), **common)
+    else:
+        engines = start_engines()
+        try:
+            report = run_agent_modes(data, engines=engines, **common)
+        finally:
+            for eng in engines.values():
+                eng.close()
     report["trace"] = str(trace)
     out = Path(json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(format_agent(report))
     print(f"wrote {out}")
+    check_bounds(report)
+    try:
+        check_coverage(Coverage(report["steps_run"], report["steps_total"]), allow_skips=allow_skips,
+                       what="bench agent")
+    except CoverageError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        return COVERAGE_EXIT
     return 0

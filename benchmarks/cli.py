@@ -156,14 +156,23 @@ def _cmd_bench_agent(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         fidelity_steps=args.fidelity_steps,
         scope=args.scope,
+        allow_skips=args.allow_skips,
+        sequential=args.sequential,
     )
 
 
 def _cmd_bench_gen_agent_trace(args: argparse.Namespace) -> int:
     from promptsplice.benchmarks.agent_traces import trace_summary, write_agent_trace
-    from promptsplice.benchmarks.agent_traces_bfcl import generate_agent_trace
+    if args.family == "bfcl":
+        from promptsplice.benchmarks.agent_traces_bfcl import generate_agent_trace
 
-    sessions = generate_agent_trace(args.sessions, seed=args.seed)
+        sessions = generate_agent_trace(args.sessions, seed=args.seed)
+    elif args.family == "coding":
+        from promptsplice.benchmarks.agent_traces_coding import generate_coding_trace
+
+        sessions = generate_coding_trace(args.sessions, seed=args.seed)
+    else:
+        raise UsageError(f"--family {args.family!r}: use bfcl or coding")
     write_agent_trace(args.out, sessions)
     print(json.dumps(trace_summary(sessions)))
     print(f"wrote {args.out}")
@@ -260,12 +269,22 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--fidelity-steps", type=int, default=32,
                        help="edit steps that relocate KV probed for fidelity (default: 32)")
     agent.add_argument("--scope", default="session", help="session | none (spliced KV scope)")
+    agent.add_argument("--allow-skips", action="store_true",
+                       help="accept a run that skipped more than 5%% of the trace's steps (default: "
+                            "exit 3 below coverage 0.95)")
+    agent.add_argument("--sequential", action="store_true",
+                       help="run the modes one after the other, one engine alive at a time (less memory; "
+                            "needs --fidelity-steps 0)")
     agent.set_defaults(func=_cmd_bench_agent)
 
-    gat = bsub.add_parser("gen-agent-trace", help="write an agent trace from the BFCL multi-turn tasks")
+    gat = bsub.add_parser("gen-agent-trace",
+                          help="write an agent trace: BFCL multi-turn tasks, or a coding agent on stdlib source")
     gat.add_argument("--out", required=True, help="where to write the trace, JSONL")
     gat.add_argument("--sessions", type=int, default=24, help="sessions to generate (default: 24)")
     gat.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
+    gat.add_argument("--family", default="bfcl",
+                     help="bfcl (multi-turn tool use) | coding (file reads, grep, test logs; masks, "
+                          "truncations, summaries) (default: bfcl)")
     gat.set_defaults(func=_cmd_bench_gen_agent_trace)
 
     gen = bsub.add_parser("gen-trace", help="write a RAG trace from real Wikipedia text")

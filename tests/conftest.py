@@ -33,7 +33,8 @@ def make_assembler(default_tok):
 
 def start_default_engine(**overrides):
     """The default model on vLLM in this process: block 32 on CPU, 512 MiB of KV cache
-    (728 blocks of 32 tokens), max_model_len 4096, greedy sampling by default."""
+    (728 blocks of 32 tokens), max_model_len the model's own (8,192; the smaller ``kv_engine``
+    below holds less and gets what fits), greedy sampling by default."""
     from promptsplice.engine_adapters import EmbeddedEngine
 
     overrides.setdefault("extra_kwargs", {"max_logprobs": -1})  # full-vocabulary logprobs for KL probes

@@ -1,5 +1,9 @@
 """``promptsplice bench agent`` on a short real session: the JSON fields (fixed: outside
-checks read them), the bounds and the fidelity probes."""
+checks read them), equal capacity, the bounds, coverage and the fidelity probes.
+
+Three engines, one per mode: ``full`` on the session's plain engine, ``splice`` on the
+session's ``kv_engine`` and ``apc`` on one more engine started here with the same KV
+cache and store sizes as ``kv_engine`` (the one engine this module adds)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,15 @@ import json
 
 import pytest
 
-from promptsplice.benchmarks.agent import FIDELITY_FIELDS, MODE_FIELDS, run_agent_modes
+from promptsplice.benchmarks.agent import (
+    FIDELITY_FIELDS,
+    MODE_FIELDS,
+    BoundError,
+    check_bounds,
+    run_agent_modes,
+)
+from promptsplice.benchmarks.coverage import COVERAGE_EXIT
+from promptsplice.errors import ConfigError
 from promptsplice.benchmarks.fidelity import kl as _kl
 from promptsplice.benchmarks.agent_traces import AgentSession, read_agent_trace, write_agent_trace
 
@@ -15,16 +27,31 @@ SAMPLE = "benchmarks/data/agent-sample.jsonl"
 
 
 @pytest.fixture(scope="module")
-def report(engine, kv_engine):
+def engines(engine, kv_engine, tmp_path_factory):
+    """One engine per mode; ``apc`` gets the same KV cache and store sizes as ``splice``."""
+    import dataclasses
+
+    from tests.conftest import start_default_engine
+
+    store = dataclasses.replace(kv_engine.config.kv_store, disk_dir=str(tmp_path_factory.mktemp("apc-store")))
+    apc = start_default_engine(kv_store=store, kv_cache_bytes=kv_engine.config.kv_cache_bytes)
+    yield {"full": engine, "apc": apc, "splice": kv_engine}
+    apc.close()
+
+
+@pytest.fixture(scope="module")
+def report(engines):
     sess = read_agent_trace(SAMPLE)[0]
     short = AgentSession(sess.id, sess.tools, sess.renders[:6])
-    return run_agent_modes([short], engine=engine, kv_engine=kv_engine, max_tokens=4, fidelity_steps=1)
+    return run_agent_modes([short], engines=engines, max_tokens=4, fidelity_steps=1)
 
 
 def test_the_report_has_the_fixed_fields(report):
     assert set(report["modes"]) == {"full", "apc", "splice"}
     for m in report["modes"].values():
-        assert set(MODE_FIELDS) <= set(m) and m["steps"] == 6
+        assert set(MODE_FIELDS) <= set(m) and m["steps"] == 6 and m["steps_below_ideal"] == 0
+    assert report["coverage"] == 1.0 and report["steps_run"] == report["steps_total"] == 6
+    assert report["skipped_steps"] == 0
     assert isinstance(report["ideal_prefill_tokens"], int)
     fid = report["fidelity"]
     assert set(FIDELITY_FIELDS) <= set(fid) and set(FIDELITY_FIELDS) <= set(fid["control"])
@@ -37,6 +64,9 @@ def test_modes_and_bounds_are_consistent(report):
     assert full["prefill_tokens"] == full["prompt_tokens"] and full["hit_rate"] == 0.0
     assert spl["prefill_tokens"] <= apc["prefill_tokens"] < full["prefill_tokens"]
     assert report["ideal_prefill_tokens"] <= spl["prefill_tokens"]
+    check_bounds(report)  # no mode below its bound
+    # equal capacity: apc had the same store, so the first step (nothing to splice) costs the same
+    assert report["by_kind"]["first"]["apc"]["prefill_tokens"] == report["by_kind"]["first"]["splice"]["prefill_tokens"]
     for m in (apc, spl):
         # cached_tokens: vLLM's num_cached_tokens (prefix cache + connector loads), relocated a part
         assert m["prompt_tokens"] == m["prefill_tokens"] + m["cached_tokens"] >= m["prefill_tokens"] + m["relocated_tokens"]
@@ -61,21 +91,62 @@ def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
     assert _kl(p, q) == pytest.approx(0.9 * (-0.1053605 + 0.6931472) + 0.1 * (-2.3025851 + 0.6931472), rel=1e-6)
 
 
-def test_the_cli_runs_on_a_trace_file(tmp_path, monkeypatch, engine, kv_engine):
-    """The command's own path: trace file in, JSON out (engines injected: the session's)."""
+def test_a_mode_below_the_ideal_fails_the_bench():
+    rep = {"ideal_prefill_tokens": 1000,
+           "modes": {"apc": {"prefill_tokens": 1500, "steps_below_ideal": 0},
+                     "splice": {"prefill_tokens": 900, "steps_below_ideal": 2}}}
+    with pytest.raises(BoundError, match=r"splice prefilled 900 tokens, below the ideal of 1000"):
+        check_bounds(rep)
+
+
+def test_modes_must_run_at_equal_capacity_on_engines_of_their_own(engines):
+    sess = read_agent_trace(SAMPLE)[0]
+    with pytest.raises(ConfigError, match="engine of its own"):
+        run_agent_modes([sess], engines={**engines, "apc": engines["splice"]})
+    with pytest.raises(ConfigError, match="equal capacity"):  # apc without the store
+        run_agent_modes([sess], engines={**engines, "apc": engines["full"], "full": engines["apc"]})
+
+
+def test_the_cli_runs_on_a_trace_file_and_fails_below_the_coverage_bar(tmp_path, monkeypatch, engines):
+    """The command's own path: trace file in, JSON out (engines injected: the session's).
+    A session whose prompt exceeds every engine's context is skipped: 3 of 4 steps is
+    coverage 0.75, exit 3 unless --allow-skips."""
     import promptsplice.benchmarks.agent as bench
 
     sess = read_agent_trace(SAMPLE)[1]
+    huge = [[{"role": "user", "content": "word " * 9000}]]  # > 8,192 tokens: refused before any compute
     trace = tmp_path / "t.jsonl"
-    write_agent_trace(trace, [AgentSession(sess.id, sess.tools, sess.renders[:3])])
-    monkeypatch.setattr(bench, "start_engines", lambda **kw: (engine, kv_engine))
-    monkeypatch.setattr(engine, "close", lambda: None)
-    monkeypatch.setattr(kv_engine, "close", lambda: None)
+    write_agent_trace(trace, [AgentSession(sess.id, sess.tools, sess.renders[:3]), AgentSession("huge", [], huge)])
+    monkeypatch.setattr(bench, "start_engines", lambda **kw: engines)
+    for eng in engines.values():
+        monkeypatch.setattr(eng, "close", lambda: None)
     from promptsplice.benchmarks.cli import main
 
     out = tmp_path / "r.json"
     assert main(["bench", "agent", "--trace", str(trace), "--json", str(out), "--max-tokens", "2",
-                 "--fidelity-steps", "0", "--recompute-blocks", "0"]) == 0
+                 "--fidelity-steps", "0", "--recompute-blocks", "0"]) == COVERAGE_EXIT
     rep = json.loads(out.read_text())
     assert rep["recompute_blocks"] == 0 and rep["modes"]["splice"]["steps"] == 3
     assert rep["fidelity"]["steps"] == 0 and rep["fidelity"]["tf_top1_agreement"] is None
+    assert (rep["coverage"], rep["steps_run"], rep["steps_total"], rep["skipped_steps"]) == (0.75, 3, 4, 1)
+    only_huge = tmp_path / "h.jsonl"
+    write_agent_trace(only_huge, [AgentSession("huge", [], huge)])
+    assert main(["bench", "agent", "--trace", str(only_huge), "--json", str(out), "--allow-skips"]) == 0
+    assert json.loads(out.read_text())["coverage"] == 0.0
+
+
+def test_modes_one_after_the_other(engines, monkeypatch):
+    """``--sequential``: each mode alone on its engine (here the module's, not closed), the
+    same report fields, bounds and coverage."""
+    for eng in engines.values():
+        monkeypatch.setattr(eng, "close", lambda: None)
+    sess = read_agent_trace(SAMPLE)[2]
+    short = AgentSession(sess.id, sess.tools, sess.renders[:4])
+    with pytest.raises(ConfigError, match="fidelity_steps=1"):
+        run_agent_modes([short], start_engine=engines.__getitem__, fidelity_steps=1)
+    rep = run_agent_modes([short], start_engine=engines.__getitem__, fidelity_steps=0, max_tokens=2)
+    assert rep["sequential"] is True and rep["coverage"] == 1.0 and rep["steps_run"] == 4
+    assert {m["steps"] for m in rep["modes"].values()} == {4}
+    full, apc, spl = (rep["modes"][m] for m in ("full", "apc", "splice"))
+    assert full["prefill_tokens"] == full["prompt_tokens"] > apc["prefill_tokens"] >= rep["ideal_prefill_tokens"]
+    check_bounds(rep)

