@@ -102,6 +102,9 @@ class PhasedRun(NamedTuple):
     deviations: tuple[Any, ...] = ()
     """The probes' :class:`~promptsplice.engine_adapters.connector._plans.BlockDeviation`
     records, in the order the phases measured them."""
+    phases: tuple[SplicePhase, ...] = ()
+    """The phases that ran: the plan's, with any an ``adapt`` inserted (a recompute
+    extended past a deviating block relocates one block less per extension)."""
 
 
 class PhaseResult(NamedTuple):
@@ -146,7 +149,7 @@ def run_phases(
         if adapt is not None and not last and (repl := adapt(list(res.deviations), pending[i + 1])):
             pending[i + 1 : i + 2] = repl
         i += 1
-    return PhasedRun(outs, t_last, moved, tuple(devs))
+    return PhasedRun(outs, t_last, moved, tuple(devs), tuple(pending))
 
 
 class EngineCounters(NamedTuple):

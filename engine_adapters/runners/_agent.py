@@ -327,7 +327,8 @@ class AgentRunner:
             result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation)
             result.fallback = fallback
             result.fidelity = level
-            result.recomputed_tokens = recomputed
+            # blocks the deviation guard recomputed were relocatable too
+            result.recomputed_tokens = recomputed + planned_relocated_tokens(phases) - result.planned_relocated_tokens
             st.tokens = new
             if self.mode is AgentMode.SPLICE and not cfg.relocate:
                 # The exact salt's KV is the session's now; a scoped session rescopes from it.
@@ -432,7 +433,7 @@ class AgentRunner:
             salt=salt,
             deviations=tuple(d.value for d in run.deviations),
             extra_recompute_blocks=adapt.extra if adapt is not None else 0,
-            planned_relocated_tokens=planned_relocated_tokens(phases),
+            planned_relocated_tokens=planned_relocated_tokens(run.phases),
         )
 
     def __repr__(self) -> str:

@@ -549,8 +549,9 @@ class RagRunner:
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
         step.fidelity = cfg.level
-        step.planned_relocated_tokens = planned_relocated_tokens(phases)
-        step.recomputed_tokens = recomputed
+        step.planned_relocated_tokens = planned_relocated_tokens(run.phases)
+        # blocks the deviation guard recomputed were relocatable too
+        step.recomputed_tokens = recomputed + planned_relocated_tokens(phases) - step.planned_relocated_tokens
         return step
 
     def _step(self, prompt, outs, out, t0, t_last, salt, relocated, precomputed, nchunks, fallback) -> RagStep:

@@ -43,7 +43,8 @@ def engines(engine, kv_engine, tmp_path_factory):
 def report(engines):
     sess = read_agent_trace(SAMPLE)[0]
     short = AgentSession(sess.id, sess.tools, sess.renders[:6])
-    return run_agent_modes([short], engines=engines, max_tokens=4, fidelity_steps=1)
+    # r=1: this short session's relocated runs are 2-3 blocks, so r=1 leaves one to probe
+    return run_agent_modes([short], engines=engines, max_tokens=4, fidelity_steps=1, recompute_blocks=1)
 
 
 def test_the_report_has_the_fixed_fields(report):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from promptsplice.engine_adapters import FIDELITY_TABLE, FidelityLevel
+
 from promptsplice.benchmarks.rag import MODES, run_modes
 from promptsplice.benchmarks.traces import dump_rag_trace, sample_rag_requests
 
@@ -68,7 +70,9 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     pic = report["pic"]
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "recompute_blocks",
                         "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store"}
-    assert pic["recompute_blocks"] == 1 and pic["engine_requests"] > 6  # the default r; precomputes, phases
+    # the default fidelity's r; precomputes, phases
+    assert pic["recompute_blocks"] == FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks
+    assert pic["engine_requests"] > 6
     # chunks repeat in the sample: some were relocated, and fewer tokens prefilled than naive
     assert pic["relocated_tokens"] > 0
     assert report["modes"]["promptsplice_pic"]["prefill_tokens"] < report["modes"]["naive"]["prefill_tokens"]

@@ -279,8 +279,8 @@ def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(
     from promptsplice.engine_adapters.connector import extend_recompute
 
     bs = kv_engine.block_size
-    hi = run_session(AgentRunner(kv_engine, salt="t-dev-hi", max_deviation=1.0), kv_engine, "s-dev", renders, "t-dev-hi")
-    lo = run_session(AgentRunner(kv_engine, salt="t-dev-lo", max_deviation=1e-12), kv_engine, "s-dev", renders, "t-dev-lo")
+    hi = run_session(AgentRunner(kv_engine, salt="t-dev-hi", max_deviation=1.0, recompute_blocks=1), kv_engine, "s-dev", renders, "t-dev-hi")
+    lo = run_session(AgentRunner(kv_engine, salt="t-dev-lo", max_deviation=1e-12, recompute_blocks=1), kv_engine, "s-dev", renders, "t-dev-lo")
     prepared, step_hi = hi[2]
     _, step_lo = lo[2]
     phases = plan_phases(
@@ -306,5 +306,8 @@ def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(
     assert step_lo.relocated_tokens == 0 < step_hi.relocated_tokens == extra * bs
     assert step_lo.prefill_tokens == step_hi.prefill_tokens + extra * bs
     assert len(step_lo.deviations) == len(step_hi.deviations) + extra
+    # what the step says it planned is what ran: the guard's blocks count as recomputed
+    assert step_lo.planned_relocated_tokens == 0 and step_hi.planned_relocated_tokens == extra * bs
+    assert step_lo.recomputed_tokens == step_hi.recomputed_tokens + extra * bs
     # Steps without an edit probe nothing.
     assert hi[0][1].deviations == hi[1][1].deviations == () and lo[1][1].extra_recompute_blocks == 0

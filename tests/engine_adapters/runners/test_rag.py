@@ -312,8 +312,9 @@ def test_standalone_precompute_puts_every_new_chunk_right_after_the_head(kv_engi
 
 
 def test_recomputed_first_blocks_take_a_request_per_chunk(kv_engine):
-    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}", policy="retrieval")
-    assert runner.recompute_blocks == 1  # the default
+    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}", policy="retrieval",
+                       recompute_blocks=1)
+    assert runner.recompute_blocks == 1
     def long_docs(*names):  # two blocks or more each, so every chunk has a block left to move
         return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]}"} for n in names]
 
@@ -335,7 +336,7 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
     steps = {}
     for name, t in (("hi", 1.0), ("lo", 1e-12)):
         runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{name}-{uuid.uuid4().hex[:8]}",
-                           policy="retrieval", max_deviation=t)
+                           policy="retrieval", max_deviation=t, recompute_blocks=1)
         runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
         steps[name] = runner.run(long_docs("everest", "nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)
     hi, lo = steps["hi"], steps["lo"]
@@ -347,6 +348,7 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
     loaded = sum((s.end - s.start) // 32 - 1 for s in chunk_segments(hi).values())
     assert loaded >= hi.relocated_tokens // 32 > 0  # a chunk at its old position loads with delta 0
     assert lo.relocated_tokens == 0 and lo.extra_recompute_blocks == loaded
+    assert lo.planned_relocated_tokens == 0 and hi.planned_relocated_tokens == hi.relocated_tokens
     assert lo.requests == 1 + loaded  # the first plain request, then one per recomputed block
     assert lo.prefill_tokens == hi.prefill_tokens + loaded * 32 and len(lo.deviations) == 3 + loaded
 
