@@ -9,9 +9,11 @@ from promptsplice.engine_adapters import connector
 
 CONNECTOR_API = [
     "SAME_SALT",
+    "BlockDeviation",
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
+    "extend_recompute",
     "plan_deletion",
     "plan_phases",
     "plan_relocation",
