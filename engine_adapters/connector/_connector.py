@@ -130,12 +130,17 @@ class SpliceConnector(KVConnectorBase_V1):
             rope=self.settings.rope if self.settings.relocation else None,
         )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # per-layer loads: a full CUDA graph's replay would skip wait_for_layer_load
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self.worker is not None:
-            self.worker.start_load(self._work())
+        if self.worker is not None:  # reads from the store, copies in; layers written per layer
+            self.worker.start_load(self._work(), per_layer=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous: done in start_load_kv
+        if self.worker is not None:  # layer l's relocation runs as the forward pass reaches it
+            self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any

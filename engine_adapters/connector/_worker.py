@@ -23,9 +23,10 @@ into the cache).  ``start_load(meta, per_layer=True)`` leaves each layer's reloc
 :meth:`SpliceWorker.wait_for_layer` (vLLM's ``wait_for_layer_load``), so layer ``l+1``'s
 relocation is queued only when layer ``l`` is reached; the host-to-device copies are
 whole blocks (one DMA of all layers) issued by ``start_load``, because per-layer copies
-(64 KiB for an 8B model) run far below the link's bandwidth.  The connector calls
-``start_load`` without ``per_layer`` (all layers before the forward pass) until the
-per-layer hooks are verified on a CUDA vLLM (its CUDA graphs may skip them).
+(64 KiB for an 8B model) run far below the link's bandwidth.  The connector loads per
+layer (and asks vLLM for piecewise CUDA graphs, whose replays keep the hooks); a layer
+whose hook never came is written after the forward pass and its blocks are reported as
+load errors, so a skipped hook costs a recompute, never a wrong answer.
 
 Probes (:meth:`SpliceWorker.probe`): after the forward pass, in ``save``, each probed
 block's fresh KV (all layers) is compared with its old KV from the store, the old keys
@@ -74,6 +75,9 @@ class WorkerStats:
     """Recomputed blocks compared with their relocated old KV (:attr:`SpliceWorker.deviations`)."""
     probe_s: float = 0.0
     """Host time spent on those comparisons (after the forward pass, in ``save``)."""
+    late_layers: int = 0
+    """Deferred layer loads no ``wait_for_layer`` asked for before the forward pass
+    ended: their blocks were reported as load errors (vLLM recomputes them)."""
 
 
 class _DeviceIO:
@@ -251,7 +255,7 @@ class SpliceWorker:
         work on the compute stream, on CUDA).
         """
         self.flush_saves()
-        self.finish_loads()
+        self.finish_loads(late=True)
         self.io.wait_on(self._gathered)  # this step's writes come after the last gather
         self._gathered = None
         self._failed = set()
@@ -368,11 +372,35 @@ class SpliceWorker:
         for job in self._jobs:
             self._guarded(job, (layer,))
 
-    def finish_loads(self) -> None:
-        """Write every layer of the deferred loads not written yet."""
+    def finish_loads(self, *, late: bool = False) -> None:
+        """Write every layer of the deferred loads not written yet.
+
+        ``late``: the forward pass is over (``save``, ``skip_saves``, the next
+        ``start_load``), so a layer written now was read unwritten: its blocks are
+        reported as load errors and vLLM recomputes them (the request is not saved).
+        That happens only when vLLM skipped a layer's ``wait_for_layer_load``."""
         jobs, self._jobs = self._jobs, []
+        n_layers = len(self.caches)
         for job in jobs:
-            self._guarded(job, range(len(self.caches)))
+            missed = n_layers - len(job.layers_done)
+            self._guarded(job, range(n_layers))
+            if late and missed and not job.failed:
+                _log.error(
+                    "splice connector: %d layer(s) of %s were loaded after the forward pass "
+                    "(no wait_for_layer_load); recomputing its blocks", missed, job.item.req_id,
+                )
+                self.stats.late_layers += missed
+                self._fail(job)
+
+    def _fail(self, job: _LoadJob) -> None:
+        """Report ``job``'s blocks as load errors (vLLM recomputes them)."""
+        job.failed = True
+        n = len(job.kids) // self.blocks_per_block
+        self._errors.update(job.item.block_ids)
+        self._failed.add(job.item.req_id)
+        self.stats.load_errors += n
+        self.stats.loaded_blocks -= n
+        self.stats.relocated_blocks -= sum(1 for d in job.item.deltas[:n] if d)
 
     def _guarded(self, job: _LoadJob, layers) -> None:
         if job.failed:
@@ -381,13 +409,7 @@ class SpliceWorker:
             self._write_layers(job, layers)
         except Exception:  # noqa: BLE001 - a failed load is recomputed, never fatal
             _log.exception("splice connector: writing loaded blocks for %s failed", job.item.req_id)
-            job.failed = True
-            n = len(job.kids) // self.blocks_per_block
-            self._errors.update(job.item.block_ids)
-            self._failed.add(job.item.req_id)
-            self.stats.load_errors += n
-            self.stats.loaded_blocks -= n
-            self.stats.relocated_blocks -= sum(1 for d in job.item.deltas[:n] if d)
+            self._fail(job)
 
     def take_load_errors(self) -> set[int]:
         """vLLM block ids that failed to load since the last call (then cleared)."""
@@ -403,7 +425,7 @@ class SpliceWorker:
         later :meth:`flush_saves`; returns the blocks stored by this call (on CPU:
         all of this step's).
         """
-        self.finish_loads()
+        self.finish_loads(late=True)
         for item in meta.saves:
             if item.req_id in self._failed or not item.refs:
                 continue
@@ -459,7 +481,7 @@ class SpliceWorker:
 
     def skip_saves(self, meta: SpliceMetadata) -> int:
         """Count, and do not store, this step's blocks: its forward pass failed."""
-        self.finish_loads()
+        self.finish_loads(late=True)
         n = sum(len(item.refs) for item in meta.saves)
         if n:
             _log.warning("splice connector: the forward pass failed; %d block(s) of this step not saved", n)

@@ -190,6 +190,7 @@ def test_layer0_of_a_relocated_block_is_what_vllm_computes_there(kv_engine, text
     assert out.num_cached_tokens == len(A2) + len(S)
     item, n = loads(kv_engine)[-1]
     assert n == 4 and item.deltas == (160,) * 4 and item.start == len(A2)
+    assert kv_engine.kv_connector.worker.stats.late_layers == 0  # every layer's hook came
     spliced = layer0_blocks(kv_engine, item.block_ids)
 
     # vLLM's own keys at 224: the same prompt computed from scratch (another salt).
@@ -238,6 +239,8 @@ def test_deletion_splice_end_to_end(kv_engine, text_tokens, record_property):
     item, n = loads(kv_engine)[-1]
     assert n == 6 and item.deltas == (-96,) * 6 and item.start == len(P)
     assert kv_engine.kv_connector.worker.stats.relocated_blocks >= 6
+    # loaded layer by layer: vLLM called wait_for_layer_load for every layer in time
+    assert kv_engine.kv_connector.worker.stats.late_layers == 0
     k_spliced = kv(kv_engine, layer0_blocks(kv_engine, item.block_ids))[0]
 
     full = kv_engine.generate(new, max_tokens=24, cache_salt=salt("deletion-ref"))

@@ -78,6 +78,32 @@ def test_a_save_finishes_deferred_loads_first(store):
     loader.save(SpliceMetadata())  # the forward pass is over: no layer may stay unwritten
     for name in dst:
         assert torch.equal(dst[name][5], src[name][2])
+    # ... but it ran without them: the block is a load error (recomputed), never served
+    assert loader.take_load_errors() == {5}
+    assert loader.stats.late_layers == len(dst) and loader.stats.loaded_blocks == 0
+
+
+def test_a_layer_whose_hook_never_came_is_recomputed_and_not_saved(store):
+    src, dst = caches("UNIFIED", torch.Generator().manual_seed(6)), caches("UNIFIED", None)
+    saver = SpliceWorker(store, block_size=BS, caches=src, backend="FLASH_ATTN", rope=ROPE)
+    loader = SpliceWorker(store, block_size=BS, caches=dst, backend="FLASH_ATTN", rope=ROPE)
+    refs = tuple(chain_refs(list(range(2 * BS)), BS, salt=SALT))
+    saver.save(SpliceMetadata(saves=[SaveItem("s", SALT, refs, (2, 3))]))
+    loader.start_load(SpliceMetadata(loads=[LoadItem("r", SALT, refs[:1], (7,), (5,), 0)]), per_layer=True)
+    names = list(dst)
+    for name in names[:-1]:  # vLLM skipped the last layer's wait_for_layer_load
+        loader.wait_for_layer(name)
+    loader.save(SpliceMetadata(saves=[SaveItem("r", SALT, refs[1:], (6,))]))
+    assert loader.take_load_errors() == {5}
+    assert (loader.stats.late_layers, loader.stats.load_errors, loader.stats.saved_blocks) == (1, 1, 0)
+    assert (loader.stats.loaded_blocks, loader.stats.relocated_blocks) == (0, 0)
+    # every layer waited on: no error, the next step saves
+    loader.start_load(SpliceMetadata(loads=[LoadItem("q", SALT, refs[:1], (0,), (8,), 0)]), per_layer=True)
+    for name in names:
+        loader.wait_for_layer(name)
+    loader.save(SpliceMetadata(saves=[SaveItem("q", SALT, refs[1:], (6,))]))
+    assert loader.take_load_errors() == set() and loader.stats.late_layers == 1
+    assert loader.stats.loaded_blocks == 1
 
 
 def test_a_deferred_load_that_fails_is_a_load_error(store):
