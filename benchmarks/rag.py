@@ -24,11 +24,13 @@ With a second engine that runs the splice connector (``kv_engine``; the CLI alwa
 starts one), a third mode ``promptsplice_pic`` runs the same requests through
 :class:`promptsplice.engine_adapters.RagRunner` in mode ``position_independent``: after the prefix
 hit, every chunk computed before anywhere is relocated from the block store (new
-chunks are precomputed exactly, then relocated too).  Its ``prefill_tokens`` count
+chunks are precomputed exactly, then relocated too), when the runner predicts that
+this computes fewer tokens than one exact request (``exact_requests`` counts those sent
+exact instead, ``StepFallback.NO_GAIN``).  Its ``prefill_tokens`` count
 every token the engine computed for a request (the precompute included), ``cached =
 prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
 
-    "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests",
+    "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests",
             "recompute_blocks", "gap_closed", "kv_cache_blocks", "store_dram_bytes"},
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
@@ -343,7 +345,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
              salt="bench-rag-pic") -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
-    from promptsplice.engine_adapters import RagRunner
+    from promptsplice.engine_adapters import RagRunner, StepFallback
     from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
 
     r = DEFAULT_PIC_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
@@ -375,6 +377,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "relocated_tokens": sum(st.relocated_tokens for st in steps),
         "precomputed_tokens": sum(st.precomputed_tokens for st in steps),
         "engine_requests": sum(st.requests for st in steps),
+        "exact_requests": sum(st.fallback is StepFallback.NO_GAIN for st in steps),
         "recompute_blocks": r,
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
         "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
@@ -459,7 +462,8 @@ def format_modes(report: dict[str, Any]) -> str:
             f"{PIC_MODE} (recompute_blocks={p['recompute_blocks']}): closes "
             f"{'n/a' if pg is None else f'{pg:.0%}'} of the naive->oracle gap and "
             f"{'n/a' if ps is None else f'{ps:.0%}'} of the {STORE_MODE}->oracle gap; relocated "
-            f"{p['relocated_tokens']} tokens, precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests"
+            f"{p['relocated_tokens']} tokens, precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests, "
+            f"{p.get('exact_requests', 0)} requests sent exact (relocation would not pay)"
         )
         lines.append(
             f"fidelity over {f['steps']} verified requests: tf-top1 {f['tf_top1_agreement']} {f['tf_top1_ci95']} "

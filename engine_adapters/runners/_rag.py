@@ -106,14 +106,21 @@ __all__ = [
     "ChunkPlacement",
     "ChunkSource",
     "ChunkStatus",
+    "PicChoice",
     "RagRunner",
     "RagStep",
     "ReuseMode",
     "DEFAULT_PIC_RECOMPUTE_BLOCKS",
+    "RELOCATE_CHOICES",
+    "pic_choice",
     "plan_chunk_phases",
 ]
 
 _log = logging.getLogger(__name__)
+
+RELOCATE_CHOICES = ("when_it_pays", "always")
+"""``RagRunner(relocate=...)``: relocate only when :func:`pic_choice` predicts fewer
+tokens computed than one exact request (default), or every time (tests, studies)."""
 
 DEFAULT_PIC_RECOMPUTE_BLOCKS = FIDELITY_TABLE[DEFAULT_FIDELITY].recompute_blocks
 """Blocks of each relocated chunk recomputed at the default fidelity."""
@@ -225,6 +232,48 @@ class ChunkIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class PicChoice(NamedTuple):
+    """Predicted prefill (tokens) of a position-independent request both ways."""
+
+    pic_tokens: int
+    """Its plan: the precompute of missing chunks, each chunk's recomputed blocks, the
+    rest not relocated, plus one block per extra engine request."""
+    exact_tokens: int
+    """One plain request under the tenant's salt (prefix cache and store hits only)."""
+
+    @property
+    def pays(self) -> bool:
+        return self.pic_tokens < self.exact_tokens
+
+
+def pic_choice(
+    num_tokens: int,
+    hit: int,
+    head_end: int,
+    chunks: Sequence[tuple[int, int]],
+    missing: Sequence[tuple[int, int]],
+    *,
+    exact_hit: int,
+    recompute_blocks: int,
+    block_size: int,
+) -> PicChoice:
+    """Compare the plan's predicted prefill with one exact request's (pure).
+
+    ``hit``: the prefix-cache hit under the reuse salt; ``head_end``: where the head
+    (loaded from the tenant's exact blocks) ends; ``chunks``: ``(start, end)`` of every
+    chunk the plan would relocate, ``missing`` those of them to precompute first;
+    ``exact_hit``: tokens a plain request under the tenant's salt would not compute.
+    Relocation pays only when a chunk moves more than its ``recompute_blocks`` and the
+    precompute is repaid: short chunks, new chunks and exact repeats go out exact.
+    """
+    bs, r = block_size, recompute_blocks
+    start = max(hit, min(head_end, exact_hit))
+    moved = sum(max(0, e - max(s + r * bs, start)) for s, e in chunks)
+    requests = len(chunks) if r else 1
+    pic = num_tokens - start - moved + sum(e - s for s, e in missing) + bs * (max(1, requests) - 1 + bool(missing))
+    return PicChoice(pic, num_tokens - exact_hit)
 
 
 class ChunkPlacement(NamedTuple):
@@ -353,6 +402,10 @@ class RagRunner:
     ``"packed"`` (default) or ``"standalone"`` (module doc).  ``fidelity``: ``"exact"``,
     ``"bounded"`` (default) or ``"fast"`` for ``position_independent`` (module doc),
     per request too; ``recompute_blocks`` (when given) overrides the level's.
+    ``relocate``: ``"when_it_pays"`` (default: a request whose plan is predicted to
+    compute no fewer tokens than one exact request is sent exact under the tenant's
+    salt, ``StepFallback.NO_GAIN``, and its chunks are indexed where they stand) or
+    ``"always"``.
     ``max_deviation`` (``None``: the level's): the adaptive recompute of ``AgentRunner``
     at each chunk start (needs ``recompute_blocks >= 1``).
     """
@@ -371,10 +424,14 @@ class RagRunner:
         precompute: str = "packed",
         max_deviation: float | None = None,
         fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
+        relocate: str = "when_it_pays",
     ) -> None:
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
+        if relocate not in RELOCATE_CHOICES:
+            raise ConfigError(f"relocate must be one of {', '.join(RELOCATE_CHOICES)}, got {relocate!r}")
         self.precompute = precompute
+        self.relocate = relocate
         self.mode = check_enum(mode, ReuseMode, "mode")
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
         if pic and engine.kv_store is None:
@@ -461,6 +518,7 @@ class RagRunner:
         out = self.engine.generate(prompt, **gen)
         step = self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
         if self.mode is ReuseMode.POSITION_INDEPENDENT:  # what relocation would have served
+            self._index_chunks(prompt.token_ids, [s for s in prompt.segments if s.kind is SegmentKind.CHUNK])
             bs, toks = self.engine.block_size, prompt.token_ids
             hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
             step.recomputed_tokens = sum(
@@ -486,6 +544,17 @@ class RagRunner:
         todo = [s for s in chunk_segs if s.end > hit and (s.end - s.start) // bs > r]
         found = {s.start: self.index.lookup(toks[s.start : s.end], salt=self.salt) for s in todo}
         missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT]
+        choice = pic_choice(
+            len(toks), hit, head_end, [(s.start, s.end) for s in todo], [(s.start, s.end) for s in missing],
+            exact_hit=self._exact_hit(toks), recompute_blocks=r, block_size=bs,
+        )
+        if self.relocate == "when_it_pays" and not choice.pays:  # one exact request costs no more
+            t_send = time.perf_counter()
+            out = eng.generate(toks, cache_salt=self.salt, **gen)
+            self._index_chunks(toks, chunk_segs)
+            step = self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, StepFallback.NO_GAIN)
+            step.recomputed_tokens = sum(s.end - max(s.start, hit) for s in todo if s not in missing)
+            return step
         precomputed = 0
         if missing:
             # standalone: each chunk right after the head (its KV attended to the system
@@ -553,6 +622,27 @@ class RagRunner:
         # blocks the deviation guard recomputed were relocatable too
         step.recomputed_tokens = recomputed + planned_relocated_tokens(phases) - step.planned_relocated_tokens
         return step
+
+    def _exact_hit(self, toks: Sequence[int]) -> int:
+        """Tokens one plain request of ``toks`` under the tenant's salt would not compute:
+        vLLM's prefix cache (the mirror) or the store's exact blocks (offload hits)."""
+        bs, eng = self.engine.block_size, self.engine
+        cached = eng.mirror.predict(chain_hashes(toks, bs, salt=self.salt), len(toks)).cached_tokens
+        full = round_down(len(toks) - 1, bs)
+        stored = eng.kv_store.match_prefix(chain_refs(list(toks[:full]), bs, salt=self.salt), salt=self.salt) * bs
+        return max(cached, stored)
+
+    def _index_chunks(self, toks: Sequence[int], chunk_segs: Sequence[Any]) -> None:
+        """Record the chunks of a plain request under the tenant's salt: their KV is exact
+        where they stand (the connector saved it), so a later request relocates them
+        without a precompute.  The index checks the store on every lookup."""
+        bs = self.engine.block_size
+        chain = chain_hashes(toks, bs, salt=self.salt)
+        for s in chunk_segs:
+            if s.start % bs or s.end % bs or s.end >= len(toks) or s.end <= s.start:
+                continue
+            parent = chain[s.start // bs - 1] if s.start else root_hash(self.salt)
+            self.index.record(toks[s.start : s.end], ChunkSource(parent, s.start, (s.end - s.start) // bs, self.salt))
 
     def _step(self, prompt, outs, out, t0, t_last, salt, relocated, precomputed, nchunks, fallback) -> RagStep:
         n = len(prompt.token_ids)

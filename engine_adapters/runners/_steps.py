@@ -47,6 +47,9 @@ class StepFallback(enum.Enum):
     runner, a restart, a forgotten session)."""
     INVALID_PLAN = "invalid_plan"
     """The plan did not fit the prompt's tokens (never spliced)."""
+    NO_GAIN = "no_gain"
+    """Relocation was predicted to compute no fewer tokens than one exact request
+    (``RagRunner``: new or short chunks, an exact repeat; :func:`pic_choice`)."""
 
 
 def cached_tokens(prompt_tokens: int, prefill_tokens: int) -> int:

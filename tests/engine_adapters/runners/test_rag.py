@@ -23,7 +23,8 @@ from promptsplice.engine_adapters import (
     StoreConfig,
     chain_refs,
 )
-from promptsplice.engine_adapters.runners._rag import ChunkPlacement, plan_chunk_phases
+from promptsplice.engine_adapters import StepFallback
+from promptsplice.engine_adapters.runners._rag import ChunkPlacement, PicChoice, pic_choice, plan_chunk_phases
 from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.errors import ConfigError, InputError
 
@@ -187,6 +188,27 @@ def test_bad_placements_are_refused():
         plan_chunk_phases(new, [ChunkPlacement(8, 20, sa)], block_size=BS, head_end=8)
 
 
+# ------------------------------------------------------------------ pic_choice (pure)
+
+def test_relocation_is_chosen_only_where_it_computes_fewer_tokens():
+    # 96-token prompt, block 4: head [0, 8), chunks [8, 40) and [40, 80), query [80, 96)
+    long = [(8, 40), (40, 80)]
+    # both stored, nothing cached: relocate all but one recomputed block each, +1 request
+    c = pic_choice(96, 0, 8, long, [], exact_hit=8, recompute_blocks=1, block_size=BS)
+    assert c == PicChoice(96 - 8 - (28 + 36) + BS, 88) and c.pays
+    # both new: the precompute computes them anyway, the plan adds its recomputed blocks
+    c = pic_choice(96, 0, 8, long, long, exact_hit=8, recompute_blocks=1, block_size=BS)
+    assert c.pic_tokens == 96 - 8 - 64 + 72 + 2 * BS and not c.pays
+    # an exact repeat: the tenant's cache serves all but the last block
+    assert not pic_choice(96, 0, 8, long, [], exact_hit=92, recompute_blocks=1, block_size=BS).pays
+    # chunks no longer than the recompute move nothing
+    short = [(8, 16), (16, 24)]
+    assert not pic_choice(40, 0, 8, short, [], exact_hit=8, recompute_blocks=2, block_size=BS).pays
+    # r = 0: one request, every stored token moves
+    c = pic_choice(96, 0, 8, long, [], exact_hit=8, recompute_blocks=0, block_size=BS)
+    assert c.pic_tokens == 96 - 8 - 72 and c.pays
+
+
 # --------------------------------------------------------------- RagRunner on vLLM
 
 SYSTEM = "You answer questions about the documents you are given. Be brief."
@@ -207,7 +229,7 @@ def pic(kv_engine):
     """Chunks in the order given (``retrieval``), so tests choose where they land;
     nothing recomputed (``recompute_blocks=0``), so every count is exact."""
     return RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
-                     policy="retrieval", recompute_blocks=0)
+                     policy="retrieval", recompute_blocks=0, relocate="always")
 
 
 def chunk_segments(step):
@@ -299,7 +321,8 @@ def test_a_chunk_evicted_from_the_store_is_precomputed_again(kv_engine, pic):
 
 def test_standalone_precompute_puts_every_new_chunk_right_after_the_head(kv_engine):
     runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
-                       policy="retrieval", precompute="standalone", recompute_blocks=0)
+                       policy="retrieval", precompute="standalone", recompute_blocks=0,
+                       relocate="always")
     step = runner.run(docs("everest", "paris", "nile"), query="q", system=SYSTEM, max_tokens=1)
     segs = chunk_segments(step)
     head = min(s.start for s in segs.values())
@@ -313,7 +336,7 @@ def test_standalone_precompute_puts_every_new_chunk_right_after_the_head(kv_engi
 
 def test_recomputed_first_blocks_take_a_request_per_chunk(kv_engine):
     runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}", policy="retrieval",
-                       recompute_blocks=1)
+                       recompute_blocks=1, relocate="always")
     assert runner.recompute_blocks == 1
     def long_docs(*names):  # two blocks or more each, so every chunk has a block left to move
         return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]}"} for n in names]
@@ -336,7 +359,7 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
     steps = {}
     for name, t in (("hi", 1.0), ("lo", 1e-12)):
         runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{name}-{uuid.uuid4().hex[:8]}",
-                           policy="retrieval", max_deviation=t, recompute_blocks=1)
+                           policy="retrieval", max_deviation=t, recompute_blocks=1, relocate="always")
         runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
         steps[name] = runner.run(long_docs("everest", "nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)
     hi, lo = steps["hi"], steps["lo"]
@@ -351,6 +374,34 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
     assert lo.planned_relocated_tokens == 0 and hi.planned_relocated_tokens == hi.relocated_tokens
     assert lo.requests == 1 + loaded  # the first plain request, then one per recomputed block
     assert lo.prefill_tokens == hi.prefill_tokens + loaded * 32 and len(lo.deviations) == 3 + loaded
+
+
+def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_index_their_chunks(kv_engine):
+    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=1)
+    assert runner.relocate == "when_it_pays"
+
+    def long_docs(*names):
+        return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]} {DOCS[n]}"} for n in names]
+
+    # all new: a precompute plus recomputed blocks would cost more than computing them once
+    first = runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
+    assert first.fallback is StepFallback.NO_GAIN and first.salt == runner.salt
+    assert (first.requests, first.precomputed_tokens, first.relocated_tokens) == (1, 0, 0)
+    toks = first.prompt.token_ids
+    for s in chunk_segments(first).values():  # computed exactly where they stand: indexed there
+        look = runner.index.lookup(toks[s.start : s.end], salt=runner.salt)
+        assert look.status is ChunkStatus.HIT and look.source.start == s.start
+    # the same chunks in another order: relocated from the exact request, no precompute
+    second = runner.run(long_docs("everest", "nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)
+    assert second.fallback is None and second.precomputed_tokens == 0 and second.relocated_chunks == 3
+    assert second.relocated_tokens > 0 and second.salt == runner.reuse_salt
+    assert second.prefill_tokens < second.prompt_tokens - second.prompt.predicted_cached_tokens
+    # an exact repeat of the first: the tenant's cache serves it, nothing to relocate
+    again = runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
+    assert again.fallback is StepFallback.NO_GAIN and again.prefill_tokens <= 32
+    with pytest.raises(ConfigError, match="relocate must be"):
+        RagRunner(kv_engine, mode="position_independent", relocate="sometimes")
 
 
 def test_exact_mode_is_the_default_and_never_relocates(kv_engine):
