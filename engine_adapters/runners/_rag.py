@@ -34,6 +34,15 @@ How a request runs (``position_independent``):
    the precompute that computed them, in their order there (so a chunk meets the
    neighbours it attended to): KL 0.042, top-1 0.922 at r=0, no better than the
    assembler's cache-aware order (same trace and probes count).
+   Before any precompute, :func:`pic_choice` predicts the prefill of that plan (the
+   precompute, each chunk's recomputed blocks, one block per extra engine request)
+   against one exact request of the same tokens under the tenant's salt (its prefix
+   cache and the store's exact blocks); unless the plan computes fewer tokens, the
+   request goes out exact (``StepFallback.NO_GAIN``: new chunks, short chunks, exact
+   repeats).  Every exact request indexes its chunks where they stand (exact KV, saved
+   by the connector), so a chunk first seen in one is later relocated from there with
+   no precompute at all.  Before this gate PIC prefilled more than exact assembly on
+   five of six suite families (README, "Results on vLLM: the trace suite").
 4. The prompt is sent under the reuse salt with a splice plan: the head (loaded from
    the tenant's exact blocks on the salt's first use) and every chunk, each from its
    own source, re-rotated by its position delta.  Only the query is prefilled.  With
