@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -196,7 +197,7 @@ def _check_capacity(shapes: dict[str, tuple[Any, ...]], has_store: bool) -> None
         )
 
 
-def _replay(sessions, runners, tokenizer, block_size, max_tokens, on_step=None) -> list[Any]:
+def _replay(sessions, runners, tokenizer, block_size, max_tokens, on_step=None, log=None) -> list[Any]:
     """Every step of ``sessions`` through one hook and ``runners`` (mode -> runner), in
     order: ``(kind, edit, prepared, {mode: AgentStep})`` or ``None`` for a skipped step
     (a prompt over an engine's context: the session is forgotten, its next step starts
@@ -208,8 +209,12 @@ def _replay(sessions, runners, tokenizer, block_size, max_tokens, on_step=None) 
     # it under its own salt), so every step is rendered and diffed once.
     hook = ContextHook(tokenizer, block_size=block_size)
     out: list[Any] = []
+    total, t0 = sum(len(s.renders) for s in sessions), time.perf_counter()
     for si, sess in enumerate(sessions):
         for i, msgs in enumerate(sess.renders):
+            if log is not None and len(out) % 10 == 0:
+                print(f"bench agent: {'/'.join(runners)} step {len(out) + 1} of {total} "
+                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             kind = classify_step(sess.renders[i - 1] if i else None, msgs)
             prepared = hook(sess.id, msgs, sess.tools or None)
             steps = {}
@@ -352,7 +357,7 @@ def run_agent_modes(
                 probing["passed"] += 1
 
         eng0 = engines["full"]
-        recs = _replay(sessions, runners, eng0.tokenizer, eng0.block_size, max_tokens, probe)
+        recs = _replay(sessions, runners, eng0.tokenizer, eng0.block_size, max_tokens, probe, log)
         block_size, max_len, kv_blocks = eng0.block_size, min(e.max_model_len for e in engines.values()), engines["apc"].num_blocks
     else:
         recs, shapes, lens, has_store = None, {}, [], True
@@ -364,7 +369,7 @@ def run_agent_modes(
                     has_store = has_store and eng.config.kv_store is not None
                 lens.append(eng.max_model_len)
                 block_size, kv_blocks = eng.block_size, eng.num_blocks
-                one = _replay(sessions, {m: runner(m, eng)}, eng.tokenizer, eng.block_size, max_tokens)
+                one = _replay(sessions, {m: runner(m, eng)}, eng.tokenizer, eng.block_size, max_tokens, log=log)
             finally:
                 eng.close()
             if recs is None:
@@ -512,7 +517,6 @@ def run_agent_bench(
     The JSON is written in every case.  Then a mode below the ideal raises
     :class:`BoundError` (exit 2), and coverage below ``MIN_COVERAGE`` returns
     ``COVERAGE_EXIT`` (3) unless ``allow_skips``."""
-    import sys
 
     data = read_agent_trace(trace)
     if sessions is not None:
