@@ -71,9 +71,7 @@ from promptsplice.engine_adapters.runners._fidelity import (
     FIDELITY_TABLE,
     FidelityLevel,
     FidelitySettings,
-    check_fidelity,
-    check_max_deviation,
-    fidelity_settings,
+    RunnerFidelity,
 )
 from promptsplice.engine_adapters.runners._steps import (
     AdaptiveRecompute,
@@ -227,11 +225,8 @@ class AgentRunner:
                 "EngineConfig(kv_store=StoreConfig(...)), or the server with "
                 "--kv-transfer-config kv_transfer_config_json(StoreConfig(...))"
             )
-        self.fidelity = check_fidelity(fidelity)
-        if recompute_blocks is not None:
-            check_int(recompute_blocks, "recompute_blocks", minimum=0)
-        self._recompute_override = recompute_blocks
-        self._deviation_override = check_max_deviation(max_deviation)
+        self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation)
+        self.fidelity = self._fidelity.level
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
         check_salt(salt, "salt")
@@ -251,10 +246,7 @@ class AgentRunner:
 
     def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
         """The settings a step at ``fidelity`` (default: the runner's) runs with."""
-        level = self.fidelity if fidelity is None else check_fidelity(fidelity)
-        return fidelity_settings(
-            level, recompute_blocks=self._recompute_override, max_deviation=self._deviation_override
-        )
+        return self._fidelity.settings(fidelity)
 
     def _exact_salt(self) -> str | None:
         """A salt whose cache holds exact blocks only (module doc)."""

@@ -48,6 +48,7 @@ __all__ = [
     "check_kl_budget",
     "check_max_deviation",
     "fidelity_settings",
+    "RunnerFidelity",
 ]
 
 BOUNDED_KL_P90 = 0.02
@@ -161,3 +162,24 @@ def fidelity_settings(
             f"(got {r}) or leave max_deviation unset"
         )
     return FidelitySettings(lvl, True, r, (dev if dev is not None else base.max_deviation) if r else None, None)
+
+
+class RunnerFidelity:
+    """A runner's fidelity: its level and the caller's overrides, turned into the
+    :class:`FidelitySettings` of each request (one owner for both runners)."""
+
+    __slots__ = ("level", "recompute_blocks", "max_deviation")
+
+    def __init__(
+        self, level: Any, *, recompute_blocks: int | None = None, max_deviation: float | None = None
+    ) -> None:
+        self.level = check_fidelity(level)
+        if recompute_blocks is not None:
+            check_int(recompute_blocks, "recompute_blocks", minimum=0)
+        self.recompute_blocks = recompute_blocks
+        self.max_deviation = check_max_deviation(max_deviation)
+
+    def settings(self, fidelity: Any = None) -> FidelitySettings:
+        """The settings of a request at ``fidelity`` (default: the runner's level)."""
+        level = self.level if fidelity is None else check_fidelity(fidelity)
+        return fidelity_settings(level, recompute_blocks=self.recompute_blocks, max_deviation=self.max_deviation)

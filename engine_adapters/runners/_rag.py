@@ -91,9 +91,7 @@ from promptsplice.engine_adapters.runners._fidelity import (
     FIDELITY_TABLE,
     FidelityLevel,
     FidelitySettings,
-    check_fidelity,
-    check_max_deviation,
-    fidelity_settings,
+    RunnerFidelity,
 )
 from promptsplice.engine_adapters.runners._steps import (
     AdaptiveRecompute,
@@ -455,11 +453,8 @@ class RagRunner:
                 "this engine's splice connector cannot relocate KV (its log says why: an "
                 "unverified attention ISA or RoPE); use mode='exact'"
             )
-        self.fidelity = check_fidelity(fidelity)
-        if recompute_blocks is not None:
-            check_int(recompute_blocks, "recompute_blocks", minimum=0)
-        self._recompute_override = recompute_blocks
-        self._deviation_override = check_max_deviation(max_deviation)
+        self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation)
+        self.fidelity = self._fidelity.level
         check_int(min_group_blocks, "min_group_blocks")
         check_salt(salt, "salt")
         self.engine = engine
@@ -484,10 +479,7 @@ class RagRunner:
 
     def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
         """The settings a request at ``fidelity`` (default: the runner's) runs with."""
-        level = self.fidelity if fidelity is None else check_fidelity(fidelity)
-        return fidelity_settings(
-            level, recompute_blocks=self._recompute_override, max_deviation=self._deviation_override
-        )
+        return self._fidelity.settings(fidelity)
 
     @property
     def reuse_salt(self) -> str:
