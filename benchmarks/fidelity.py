@@ -164,6 +164,7 @@ class Fidelity:
         self.kl: list[float] = []
         self.greedy: list[float] = []
         self.labels: dict[str, int] = {}
+        self.kl_by: dict[str, float] = {}  # label -> worst first-token KL
 
     def add(self, tf: float, kl_value: float, greedy: float, label: str | None = None) -> None:
         self.tf.append(tf)
@@ -171,6 +172,7 @@ class Fidelity:
         self.greedy.append(greedy)
         if label is not None:
             self.labels[label] = self.labels.get(label, 0) + 1
+            self.kl_by[label] = max(self.kl_by.get(label, kl_value), kl_value)
 
     def measure(self, engine: Any, tokens: list[int], cont: list[int], p_ref: dict[int, float],
                 salt: str | None, greedy_tokens: Sequence[int], *, need_cached: int | None = None,
@@ -191,4 +193,5 @@ class Fidelity:
                "tf_top1_ci95": bootstrap_ci(self.tf)}
         if self.labels:
             out["probes_by"] = dict(sorted(self.labels.items()))
+            out["first_token_kl_max_by"] = {k: round(v, 4) for k, v in sorted(self.kl_by.items())}
         return out

@@ -262,25 +262,28 @@ def pic_choice(
     chunks: Sequence[tuple[int, int]],
     missing: Sequence[tuple[int, int]],
     *,
-    exact_hit: int,
+    head_hit: int,
+    exact_tokens: int,
     recompute_blocks: int,
     block_size: int,
 ) -> PicChoice:
     """Compare the plan's predicted prefill with one exact request's (pure).
 
-    ``hit``: the prefix-cache hit under the reuse salt; ``head_end``: where the head
-    (loaded from the tenant's exact blocks) ends; ``chunks``: ``(start, end)`` of every
-    chunk the plan would relocate, ``missing`` those of them to precompute first;
-    ``exact_hit``: tokens a plain request under the tenant's salt would not compute.
-    Relocation pays only when a chunk moves more than its ``recompute_blocks`` and the
-    precompute is repaid: short chunks, new chunks and exact repeats go out exact.
+    ``num_tokens``, ``hit``, ``head_end``, ``chunks`` describe the plan's prompt: its
+    length, its prefix-cache hit under the reuse salt, where the head (loaded from the
+    tenant's exact blocks) ends, and ``(start, end)`` of every chunk it would relocate,
+    ``missing`` those of them to precompute first; ``head_hit``: the leading tokens of
+    that prompt the tenant's cache or store holds.  ``exact_tokens``: the predicted
+    prefill of the exact request (its own layout).  Relocation pays only when chunks
+    move more than their ``recompute_blocks`` and the precompute is repaid: short
+    chunks, new chunks and exact repeats go out exact.
     """
     bs, r = block_size, recompute_blocks
-    start = max(hit, min(head_end, exact_hit))
+    start = max(hit, min(head_end, head_hit))
     moved = sum(max(0, e - max(s + r * bs, start)) for s, e in chunks)
     requests = len(chunks) if r else 1
     pic = num_tokens - start - moved + sum(e - s for s, e in missing) + bs * (max(1, requests) - 1 + bool(missing))
-    return PicChoice(pic, num_tokens - exact_hit)
+    return PicChoice(pic, exact_tokens)
 
 
 class ChunkPlacement(NamedTuple):
@@ -534,7 +537,10 @@ class RagRunner:
         asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, cfg.recompute_blocks
         t0 = time.perf_counter()
         salt = self.reuse_salt
-        prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=salt)
+        chunks = list(chunks)
+        what = {"query": query, "system": system, "tools": tools}
+        gate = self.relocate == "when_it_pays"
+        prompt = (asm.preview if gate else asm.assemble)(chunks, salt=salt, **what)
         toks = prompt.token_ids
         hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
         chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
@@ -545,17 +551,26 @@ class RagRunner:
         todo = [s for s in chunk_segs if s.end > hit and (s.end - s.start) // bs > r]
         found = {s.start: self.index.lookup(toks[s.start : s.end], salt=self.salt) for s in todo}
         missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT]
-        choice = pic_choice(
-            len(toks), hit, head_end, [(s.start, s.end) for s in todo], [(s.start, s.end) for s in missing],
-            exact_hit=self._exact_hit(toks), recompute_blocks=r, block_size=bs,
-        )
-        if self.relocate == "when_it_pays" and not choice.pays:  # one exact request costs no more
-            t_send = time.perf_counter()
-            out = eng.generate(toks, cache_salt=self.salt, **gen)
-            self._index_chunks(toks, chunk_segs)
-            step = self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, StepFallback.NO_GAIN)
-            step.recomputed_tokens = sum(s.end - max(s.start, hit) for s in todo if s not in missing)
-            return step
+        if gate:
+            # The exact alternative: the exact runner's layout (alignment "auto": no
+            # padding where reuse cannot pay) under the tenant's salt.
+            exact = asm.preview(chunks, salt=self.salt, alignment="auto", **what)
+            n_exact = len(exact.token_ids)
+            choice = pic_choice(
+                len(toks), hit, head_end, [(s.start, s.end) for s in todo], [(s.start, s.end) for s in missing],
+                head_hit=self._exact_hit(toks), exact_tokens=n_exact - self._exact_hit(exact.token_ids, exact),
+                recompute_blocks=r, block_size=bs,
+            )
+            if not choice.pays:  # one exact request computes no more
+                exact = asm.assemble(chunks, salt=self.salt, alignment="auto", **what)
+                t_send = time.perf_counter()
+                out = eng.generate(exact, **gen)
+                self._index_chunks(exact.token_ids, [s for s in exact.segments if s.kind is SegmentKind.CHUNK])
+                step = self._step(exact, [out], out, t0, t_send, self.salt, 0, 0, 0, StepFallback.NO_GAIN)
+                step.recomputed_tokens = sum(s.end - max(s.start, hit) for s in todo if s not in missing)
+                return step
+            prompt = asm.assemble(chunks, salt=salt, **what)  # what the preview showed
+            assert prompt.token_ids == toks, "assemble differs from its preview"
         precomputed = 0
         if missing:
             # standalone: each chunk right after the head (its KV attended to the system
@@ -624,11 +639,15 @@ class RagRunner:
         step.recomputed_tokens = recomputed + planned_relocated_tokens(phases) - step.planned_relocated_tokens
         return step
 
-    def _exact_hit(self, toks: Sequence[int]) -> int:
+    def _exact_hit(self, toks: Sequence[int], prompt: AssembledPrompt | None = None) -> int:
         """Tokens one plain request of ``toks`` under the tenant's salt would not compute:
-        vLLM's prefix cache (the mirror) or the store's exact blocks (offload hits)."""
+        vLLM's prefix cache (the mirror; ``prompt``'s prediction when given) or the
+        store's exact blocks (offload hits)."""
         bs, eng = self.engine.block_size, self.engine
-        cached = eng.mirror.predict(chain_hashes(toks, bs, salt=self.salt), len(toks)).cached_tokens
+        if prompt is not None:
+            cached = prompt.predicted_cached_tokens
+        else:
+            cached = eng.mirror.predict(chain_hashes(toks, bs, salt=self.salt), len(toks)).cached_tokens
         full = round_down(len(toks) - 1, bs)
         stored = eng.kv_store.match_prefix(chain_refs(list(toks[:full]), bs, salt=self.salt), salt=self.salt) * bs
         return max(cached, stored)

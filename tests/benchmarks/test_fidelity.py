@@ -24,6 +24,7 @@ def test_the_distribution_fields_and_a_seeded_bootstrap_interval():
         f.add(1.0 - v, v, 1.0, label="mask/1" if i % 2 else "drop/2-3")
     rep = f.report()
     assert rep["steps"] == 40 and rep["probes_by"] == {"drop/2-3": 20, "mask/1": 20}
+    assert rep["first_token_kl_max_by"] == {"drop/2-3": 0.038, "mask/1": 0.039}  # where the tail is
     assert rep["first_token_kl_p50"] == 0.02 and rep["first_token_kl_p90"] == 0.036 and rep["first_token_kl_max"] == 0.039
     lo, hi = rep["first_token_kl_ci95"]
     assert lo < rep["first_token_kl"] < hi and hi - lo < 0.02

@@ -194,18 +194,20 @@ def test_relocation_is_chosen_only_where_it_computes_fewer_tokens():
     # 96-token prompt, block 4: head [0, 8), chunks [8, 40) and [40, 80), query [80, 96)
     long = [(8, 40), (40, 80)]
     # both stored, nothing cached: relocate all but one recomputed block each, +1 request
-    c = pic_choice(96, 0, 8, long, [], exact_hit=8, recompute_blocks=1, block_size=BS)
+    c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS)
     assert c == PicChoice(96 - 8 - (28 + 36) + BS, 88) and c.pays
     # both new: the precompute computes them anyway, the plan adds its recomputed blocks
-    c = pic_choice(96, 0, 8, long, long, exact_hit=8, recompute_blocks=1, block_size=BS)
+    c = pic_choice(96, 0, 8, long, long, head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS)
     assert c.pic_tokens == 96 - 8 - 64 + 72 + 2 * BS and not c.pays
     # an exact repeat: the tenant's cache serves all but the last block
-    assert not pic_choice(96, 0, 8, long, [], exact_hit=92, recompute_blocks=1, block_size=BS).pays
+    assert not pic_choice(96, 0, 8, long, [], head_hit=92, exact_tokens=4, recompute_blocks=1, block_size=BS).pays
+    # the exact layout pads less: no more predicted prefill than the plan goes out exact
+    assert not pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=28, recompute_blocks=1, block_size=BS).pays
     # chunks no longer than the recompute move nothing
     short = [(8, 16), (16, 24)]
-    assert not pic_choice(40, 0, 8, short, [], exact_hit=8, recompute_blocks=2, block_size=BS).pays
+    assert not pic_choice(40, 0, 8, short, [], head_hit=8, exact_tokens=32, recompute_blocks=2, block_size=BS).pays
     # r = 0: one request, every stored token moves
-    c = pic_choice(96, 0, 8, long, [], exact_hit=8, recompute_blocks=0, block_size=BS)
+    c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=0, block_size=BS)
     assert c.pic_tokens == 96 - 8 - 72 and c.pays
 
 
