@@ -98,6 +98,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             alignment=args.alignment, max_tokens=args.max_tokens,
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
             allow_skips=args.allow_skips, one_store_engine=args.one_store_engine,
+            pic_exact_alignment=args.pic_exact_alignment,
         )
     if not args.trace:
         raise ConfigError("bench rag needs --trace FILE (or --suite for every trace family)")
@@ -111,6 +112,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         recompute_blocks=args.recompute_blocks,
         fidelity_requests=args.fidelity_requests,
         allow_skips=args.allow_skips,
+        pic_exact_alignment=args.pic_exact_alignment,
     )
 
 
@@ -238,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     rag.add_argument("--recompute-blocks", type=int, default=None,
                      help="promptsplice_pic: blocks recomputed at the start of each relocated chunk")
+    rag.add_argument("--pic-exact-alignment", default="auto", choices=("auto", "all"),
+                     help="promptsplice_pic: layout of the requests it sends exact (relocation would "
+                          "not pay): auto (default) or all (whole-block chunks, indexed for later reuse)")
     rag.add_argument("--fidelity-requests", type=int, default=32,
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.add_argument("--allow-skips", action="store_true",

@@ -31,7 +31,7 @@ every token the engine computed for a request (the precompute included), ``cache
 prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
 
     "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests",
-            "recompute_blocks", "gap_closed", "kv_cache_blocks", "store_dram_bytes"},
+            "recompute_blocks", "exact_alignment", "gap_closed", "kv_cache_blocks", "store_dram_bytes"},
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
                  "first_token_kl_ci95", "tf_top1_p50", "tf_top1_p10", "tf_top1_min",
@@ -192,6 +192,7 @@ def run_modes(
     kv_engine: Any = None,
     recompute_blocks: int | None = None,
     fidelity_requests: int = DEFAULT_PROBES,
+    pic_exact_alignment: str = "auto",
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Run naive then promptsplice on ``engine`` (then ``promptsplice_store`` and
     ``promptsplice_pic`` when ``kv_engine`` is given: an engine with the splice connector,
@@ -291,6 +292,7 @@ def run_modes(
                         report, outs, engine, kv, requests, policy=policy, max_tokens=max_tokens,
                         progress=progress, prompt_format=fmt_obj, recompute_blocks=recompute_blocks,
                         fidelity_requests=fidelity_requests, salt=f"bench-rag-pic-{run_id}",
+                        exact_alignment=pic_exact_alignment,
                     )
             finally:
                 if factory:
@@ -343,7 +345,7 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
 
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
-             salt="bench-rag-pic") -> None:
+             salt="bench-rag-pic", exact_alignment="auto") -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
     from promptsplice.engine_adapters import RagRunner, StepFallback
     from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
@@ -352,7 +354,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     kv_engine.reset_prefix_cache()
     runner = RagRunner(
         kv_engine, mode="position_independent", salt=salt, recompute_blocks=r,
-        policy=policy, prompt_format=prompt_format, precompute=precompute,
+        policy=policy, prompt_format=prompt_format, precompute=precompute, exact_alignment=exact_alignment,
     )
     fid, ctl = Fidelity(), Fidelity()
     steps = []
@@ -379,6 +381,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "engine_requests": sum(st.requests for st in steps),
         "exact_requests": sum(st.fallback is StepFallback.NO_GAIN for st in steps),
         "recompute_blocks": r,
+        "exact_alignment": exact_alignment,
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
         "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
                                           report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,
@@ -532,6 +535,7 @@ def run_rag_bench(
     recompute_blocks: int | None = None,
     fidelity_requests: int = DEFAULT_PROBES,
     allow_skips: bool = False,
+    pic_exact_alignment: str = "auto",
 ) -> int:
     """The CLI's job: run the trace, print, write the JSON; exit status from
     :func:`bench_status`."""
@@ -552,6 +556,7 @@ def run_rag_bench(
             report, _ = run_modes(
                 engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_factory,
                 recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
+                pic_exact_alignment=pic_exact_alignment,
             )
         finally:
             engine.close()

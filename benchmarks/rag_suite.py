@@ -183,6 +183,7 @@ def run_rag_suite(
     fidelity_requests: int = 32,
     allow_skips: bool = False,
     one_store_engine: bool = False,
+    pic_exact_alignment: str = "auto",
 ) -> int:
     """The CLI's job: start the plain engine once (and fresh store engines per family and
     mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""
@@ -205,6 +206,7 @@ def run_rag_suite(
             trace_dir=trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces"),
             policy=policy, alignment=alignment, max_tokens=max_tokens,
             recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
+            pic_exact_alignment=pic_exact_alignment,
         )
     finally:
         if one_store_engine:

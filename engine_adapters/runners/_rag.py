@@ -414,8 +414,10 @@ class RagRunner:
     per request too; ``recompute_blocks`` (when given) overrides the level's.
     ``relocate``: ``"when_it_pays"`` (default: a request whose plan is predicted to
     compute no fewer tokens than one exact request is sent exact under the tenant's
-    salt, ``StepFallback.NO_GAIN``, and its chunks are indexed where they stand) or
-    ``"always"``.
+    salt, ``StepFallback.NO_GAIN``) or ``"always"``.  ``exact_alignment``: the layout
+    of those exact requests: ``"auto"`` (default: the exact runner's, so the gate never
+    prefills more than exact assembly) or ``"all"`` (whole-block chunks, indexed where
+    they stand: later relocations need no precompute; pays on long chunks, README).
     ``max_deviation`` (``None``: the level's): the adaptive recompute of ``AgentRunner``
     at each chunk start (needs ``recompute_blocks >= 1``).
     """
@@ -435,13 +437,17 @@ class RagRunner:
         max_deviation: float | None = None,
         fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
         relocate: str = "when_it_pays",
+        exact_alignment: str = "auto",
     ) -> None:
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
         if relocate not in RELOCATE_CHOICES:
             raise ConfigError(f"relocate must be one of {', '.join(RELOCATE_CHOICES)}, got {relocate!r}")
+        if exact_alignment not in ("auto", "all"):
+            raise ConfigError(f"exact_alignment must be 'auto' or 'all', got {exact_alignment!r}")
         self.precompute = precompute
         self.relocate = relocate
+        self.exact_alignment = exact_alignment
         self.mode = check_enum(mode, ReuseMode, "mode")
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
         if pic and engine.kv_store is None:
@@ -552,9 +558,10 @@ class RagRunner:
         found = {s.start: self.index.lookup(toks[s.start : s.end], salt=self.salt) for s in todo}
         missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT]
         if gate:
-            # The exact alternative: the exact runner's layout (alignment "auto": no
-            # padding where reuse cannot pay) under the tenant's salt.
-            exact = asm.preview(chunks, salt=self.salt, alignment="auto", **what)
+            # The exact alternative under the tenant's salt: the exact runner's layout
+            # ("auto": no padding where reuse cannot pay) or whole-block chunks ("all":
+            # indexed where they stand, relocatable later without a precompute).
+            exact = asm.preview(chunks, salt=self.salt, alignment=self.exact_alignment, **what)
             n_exact = len(exact.token_ids)
             choice = pic_choice(
                 len(toks), hit, head_end, [(s.start, s.end) for s in todo], [(s.start, s.end) for s in missing],
@@ -562,7 +569,7 @@ class RagRunner:
                 recompute_blocks=r, block_size=bs,
             )
             if not choice.pays:  # one exact request computes no more
-                exact = asm.assemble(chunks, salt=self.salt, alignment="auto", **what)
+                exact = asm.assemble(chunks, salt=self.salt, alignment=self.exact_alignment, **what)
                 t_send = time.perf_counter()
                 out = eng.generate(exact, **gen)
                 self._index_chunks(exact.token_ids, [s for s in exact.segments if s.kind is SegmentKind.CHUNK])

@@ -56,10 +56,11 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     dump_rag_trace(trace, sample_rag_requests(10, seed=2))
     out = tmp_path / "rag.json"
     proc = _cli("bench", "rag", "--trace", str(trace), "--json", str(out), "--requests", "6", "--max-tokens", "1",
-                "--fidelity-requests", "1", "--allow-skips")
+                "--fidelity-requests", "1", "--allow-skips", "--pic-exact-alignment", "all")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["modes"]) == {"naive", "promptsplice", "promptsplice_store", "promptsplice_pic"}
+    assert report["pic"]["exact_alignment"] == "all"  # exact requests index their chunks: relocation follows
     # fresh store engines per mode, at the plain engine's KV size, with the same store
     assert report["store"]["kv_cache_blocks"] == report["pic"]["kv_cache_blocks"] == report["bounds"]["kv_cache_blocks"]
     assert report["store"]["store_dram_bytes"] == report["pic"]["store_dram_bytes"]
@@ -68,7 +69,7 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
         assert set(m) == MODE_FIELDS and m["requests"] == 6
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
-    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "recompute_blocks",
+    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "recompute_blocks", "exact_alignment",
                         "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store"}
     # the default fidelity's r; precomputes, phases
     assert pic["recompute_blocks"] == FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks

@@ -379,13 +379,22 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
 
 
 def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_index_their_chunks(kv_engine):
-    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
-                       policy="retrieval", recompute_blocks=1)
-    assert runner.relocate == "when_it_pays"
-
     def long_docs(*names):
         return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]} {DOCS[n]}"} for n in names]
 
+    # the default: the exact request has the exact runner's layout (no useless padding)
+    plain = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                      policy="retrieval", recompute_blocks=1)
+    assert (plain.relocate, plain.exact_alignment) == ("when_it_pays", "auto")
+    aligned = plain.assembler.preview(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM,
+                                      salt=plain.reuse_salt)
+    step = plain.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
+    assert step.fallback is StepFallback.NO_GAIN and step.requests == 1
+    assert step.prompt.padding_tokens < aligned.padding_tokens and step.prompt_tokens < len(aligned.token_ids)
+
+    # exact requests in whole-block chunks: indexed where they stand, relocated later
+    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=1, exact_alignment="all")
     # all new: a precompute plus recomputed blocks would cost more than computing them once
     first = runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
     assert first.fallback is StepFallback.NO_GAIN and first.salt == runner.salt
@@ -404,6 +413,8 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     assert again.fallback is StepFallback.NO_GAIN and again.prefill_tokens <= 32
     with pytest.raises(ConfigError, match="relocate must be"):
         RagRunner(kv_engine, mode="position_independent", relocate="sometimes")
+    with pytest.raises(ConfigError, match="exact_alignment must be"):
+        RagRunner(kv_engine, mode="position_independent", exact_alignment="none")
 
 
 def test_exact_mode_is_the_default_and_never_relocates(kv_engine):
