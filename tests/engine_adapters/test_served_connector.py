@@ -7,7 +7,6 @@ without the connector makes a plan an ``EngineRequestError``."""
 
 from __future__ import annotations
 
-import itertools
 
 import httpx
 import pytest
@@ -15,13 +14,10 @@ import pytest
 from promptsplice.engine_adapters import RemoteEngine, plan_deletion, plan_relocation
 from promptsplice.engine_adapters.connector._served import CHECK_KEY, plan_check
 from promptsplice.errors import EngineRequestError, InputError
+from tests.engine_adapters._engine import ENGINE_BLOCK, salt_maker
 
-BS = 32
-_salts = itertools.count()
-
-
-def salt(name: str) -> str:
-    return f"served-{name}-{next(_salts)}"
+BS = ENGINE_BLOCK
+salt = salt_maker("served-")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from promptsplice.assembler import ContextHook, StepKind, load_tokenizer
+from promptsplice.assembler import ContextHook, StepKind
 from promptsplice.engine_adapters import AgentRunner, RagRunner, RemoteEngine, plan_phases, plan_relocation
 from promptsplice.errors import ConfigError, InputError
 

@@ -8,7 +8,6 @@ between tests.  vLLM is the judge: ``num_cached_tokens`` and its prefix-cache co
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,10 @@ from promptsplice.engine_adapters import (
 )
 from promptsplice.kernels import VERIFIED_CPU_ATTN_ISAS, CpuAttnAmxLayout, CpuAttnLayout
 from promptsplice.errors import ConfigError
+from tests.engine_adapters._engine import ENGINE_BLOCK, salt_maker
 
-BS = 32
-_salts = itertools.count()
-
-
-def salt(name: str) -> str:
-    return f"{name}-{next(_salts)}"
+BS = ENGINE_BLOCK
+salt = salt_maker("")
 
 
 @pytest.fixture(scope="module")
