@@ -1,6 +1,7 @@
 """The r sweep of position-independent reuse: ``promptsplice_pic`` of ``bench rag`` once
 per configuration, on one pair of engines, each configuration under its own tenant salt
-(so none reads another's cache or chunk index).
+(so none reads another's cache or chunk index).  Every request relocates what it can
+(``relocate="always"``): the sweep studies relocation itself, not the runner's gate.
 
     python -m promptsplice.benchmarks.pic_sweep --trace T --baseline RAG.json --requests 40 \\
         --fidelity-requests 6 packed:0 packed:1 packed:2 standalone:0
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             _run_pic(report, {}, engine, kv, reqs, policy="cache_aware", max_tokens=8, progress=None,
                      prompt_format=PromptFormat.chatml(), recompute_blocks=int(r),
                      fidelity_requests=args.fidelity_requests, precompute=precompute,
-                     salt=f"sweep-{cfg}-{time.time()}")
+                     salt=f"sweep-{cfg}-{time.time()}", relocate="always")  # what relocation does
             m, p, f = report["modes"][PIC_MODE], report["pic"], report["fidelity"]
             print(json.dumps({
                 "config": cfg, "prefill_tokens": m["prefill_tokens"], "gap_closed": p["gap_closed"],

@@ -345,7 +345,7 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
 
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
-             salt="bench-rag-pic", exact_alignment="auto") -> None:
+             salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays") -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
     from promptsplice.engine_adapters import RagRunner, StepFallback
     from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
@@ -355,6 +355,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     runner = RagRunner(
         kv_engine, mode="position_independent", salt=salt, recompute_blocks=r,
         policy=policy, prompt_format=prompt_format, precompute=precompute, exact_alignment=exact_alignment,
+        relocate=relocate,
     )
     fid, ctl = Fidelity(), Fidelity()
     steps = []
