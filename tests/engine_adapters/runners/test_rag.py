@@ -24,7 +24,7 @@ from promptsplice.engine_adapters import (
     chain_refs,
 )
 from promptsplice.engine_adapters import StepFallback
-from promptsplice.engine_adapters.runners._rag import ChunkPlacement, PicChoice, pic_choice, plan_chunk_phases
+from promptsplice.engine_adapters.runners._chunk_plans import ChunkPlacement, PicChoice, pic_choice, plan_chunk_phases
 from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.errors import ConfigError, InputError
 

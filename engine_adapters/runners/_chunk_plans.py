@@ -1,0 +1,242 @@
+"""The pure half of position-independent reuse: where a chunk's exact KV lives
+(:class:`ChunkIndex`, checked against the block store on every lookup), whether
+relocating pays (:func:`pic_choice`) and the engine requests of a plan
+(:func:`plan_chunk_phases`).  No engine, no torch; :mod:`._rag` runs them.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash
+from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
+from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
+from promptsplice.errors import ConfigError, InputError
+
+__all__ = [
+    "ChunkIndex",
+    "ChunkLookup",
+    "ChunkPlacement",
+    "ChunkSource",
+    "ChunkStatus",
+    "PicChoice",
+    "pic_choice",
+    "plan_chunk_phases",
+]
+
+
+class ChunkStatus(enum.Enum):
+    HIT = "hit"
+    """Indexed, and every block is in the store with the same tokens, parent and salt."""
+    MISS = "miss"
+    """Never indexed (or forgotten by the index's LRU bound)."""
+    STALE = "stale"
+    """Indexed, but the store no longer serves all its blocks (evicted, damaged)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSource:
+    """Where a chunk's exact KV lives: computed at token ``start`` of a prompt whose
+    block before it has chain hash ``parent``, stored under ``salt``."""
+
+    parent: bytes
+    start: int
+    num_blocks: int
+    salt: str | None
+
+
+class ChunkLookup(NamedTuple):
+    status: ChunkStatus
+    source: ChunkSource | None = None
+
+
+class ChunkIndex:
+    """Content key -> :class:`ChunkSource`, checked against the store on every lookup.
+
+    The index holds no KV: the payloads stay in the store under their chain keys (one
+    copy in DRAM, whichever way a block is reached); the content key is an alias that
+    finds them from the chunk's tokens alone.  ``identity`` names whatever else the KV
+    depends on (model, layout, RoPE, tokenizer) and enters every key.  LRU-bounded to
+    ``max_entries``; thread-safe.
+    """
+
+    def __init__(
+        self, store: BlockStore, *, block_size: int, identity: str = "", max_entries: int = 100_000
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ConfigError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        if not isinstance(identity, str):
+            raise ConfigError(f"identity must be a str, got {type(identity).__name__}")
+        self.store = store
+        self.block_size = block_size
+        self.identity = identity
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, ChunkSource] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def key(self, tokens: Sequence[int], *, salt: str | None) -> bytes:
+        return chunk_key(tokens, block_size=self.block_size, salt=salt, identity=self.identity)
+
+    def _check(self, tokens: Sequence[int]) -> list[int]:
+        toks = [int(t) for t in tokens]
+        if not toks or len(toks) % self.block_size:
+            raise InputError(
+                f"a chunk of {len(toks)} tokens is not whole blocks of {self.block_size}: "
+                "assemble with alignment='all' so every chunk owns whole blocks"
+            )
+        return toks
+
+    def record(self, tokens: Sequence[int], source: ChunkSource) -> None:
+        """Remember that ``tokens`` (whole blocks) were computed exactly at ``source``."""
+        toks = self._check(tokens)
+        if source.num_blocks != len(toks) // self.block_size:
+            raise InputError(f"source has {source.num_blocks} blocks, the chunk {len(toks) // self.block_size}")
+        k = self.key(toks, salt=source.salt)
+        with self._lock:
+            self._entries[k] = source
+            self._entries.move_to_end(k)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def refs(self, tokens: Sequence[int], source: ChunkSource) -> list[BlockRef]:
+        """The store refs of the chunk's blocks at ``source`` (chained from its parent)."""
+        return chain_refs(list(tokens), self.block_size, parent=BlockHash(source.parent))
+
+    def lookup(self, tokens: Sequence[int], *, salt: str | None) -> ChunkLookup:
+        """Is the chunk's exact KV stored?  Reads the store's index only (no file)."""
+        toks = self._check(tokens)
+        k = self.key(toks, salt=salt)
+        with self._lock:
+            source = self._entries.get(k)
+            if source is not None:
+                self._entries.move_to_end(k)
+        if source is None:
+            return ChunkLookup(ChunkStatus.MISS)
+        refs = self.refs(toks, source)
+        if self.store.match_prefix(refs, salt=source.salt) < len(refs):
+            with self._lock:
+                if self._entries.get(k) is source:
+                    del self._entries[k]
+            return ChunkLookup(ChunkStatus.STALE)
+        return ChunkLookup(ChunkStatus.HIT, source)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class PicChoice(NamedTuple):
+    """Predicted prefill (tokens) of a position-independent request both ways."""
+
+    pic_tokens: int
+    """Its plan: the precompute of missing chunks, each chunk's recomputed blocks, the
+    rest not relocated, plus one block per extra engine request."""
+    exact_tokens: int
+    """One plain request under the tenant's salt (prefix cache and store hits only)."""
+
+    @property
+    def pays(self) -> bool:
+        return self.pic_tokens < self.exact_tokens
+
+
+def pic_choice(
+    num_tokens: int,
+    hit: int,
+    head_end: int,
+    chunks: Sequence[tuple[int, int]],
+    missing: Sequence[tuple[int, int]],
+    *,
+    head_hit: int,
+    exact_tokens: int,
+    recompute_blocks: int,
+    block_size: int,
+) -> PicChoice:
+    """Compare the plan's predicted prefill with one exact request's (pure).
+
+    ``num_tokens``, ``hit``, ``head_end``, ``chunks`` describe the plan's prompt: its
+    length, its prefix-cache hit under the reuse salt, where the head (loaded from the
+    tenant's exact blocks) ends, and ``(start, end)`` of every chunk it would relocate,
+    ``missing`` those of them to precompute first; ``head_hit``: the leading tokens of
+    that prompt the tenant's cache or store holds.  ``exact_tokens``: the predicted
+    prefill of the exact request (its own layout).  Relocation pays only when chunks
+    move more than their ``recompute_blocks`` and the precompute is repaid: short
+    chunks, new chunks and exact repeats go out exact.
+    """
+    bs, r = block_size, recompute_blocks
+    start = max(hit, min(head_end, head_hit))
+    moved = sum(max(0, e - max(s + r * bs, start)) for s, e in chunks)
+    requests = len(chunks) if r else 1
+    pic = num_tokens - start - moved + sum(e - s for s, e in missing) + bs * (max(1, requests) - 1 + bool(missing))
+    return PicChoice(pic, exact_tokens)
+
+
+class ChunkPlacement(NamedTuple):
+    """A stored chunk placed at ``tokens[start:end]`` of the new prompt (block multiples)."""
+
+    start: int
+    end: int
+    source: ChunkSource
+
+
+def plan_chunk_phases(
+    tokens: Sequence[int],
+    chunks: Sequence[ChunkPlacement],
+    *,
+    block_size: int,
+    hit: int = 0,
+    head_end: int = 0,
+    recompute_blocks: int = 0,
+    src_salt: str | None = None,
+    min_group_blocks: int = 1,
+    probe: bool = False,
+) -> list[SplicePhase]:
+    """The requests of a position-independent prompt (pure; see the module doc).
+
+    ``hit``: the prefix-cache hit expected under the reuse salt (a block multiple).
+    ``tokens[:head_end]`` (system prompt and tools) is loaded from the tenant's exact
+    blocks (``src_salt``, delta 0) where the hit does not cover it; each chunk after the
+    hit is loaded from its source, re-rotated by ``start - source.start``, except its
+    first ``recompute_blocks`` blocks, which are computed (``probe``: and compared with
+    the chunk's stored KV by the connector, ``BlockDeviation``).  Raises
+    :class:`~promptsplice.errors.InputError` for chunks that are not sorted, not whole
+    blocks, overlapping, or not followed by at least one token.
+    """
+    bs = block_size
+    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 0:
+        raise ConfigError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+    if hit % bs or head_end % bs:
+        raise InputError(f"hit {hit} and head_end {head_end} must be multiples of block_size {bs}")
+    toks = list(tokens)
+    segs: list[SpliceSegment] = []
+    probes: list[SpliceSegment] = []
+    if head_end > hit:
+        segs.append(SpliceSegment(0, head_end // bs, 0, root_hash(src_salt)))
+    prev_end = head_end
+    for c in chunks:
+        if c.start % bs or c.end % bs or not prev_end <= c.start < c.end <= len(toks) - 1:
+            raise InputError(
+                f"chunk at [{c.start}, {c.end}) must be whole blocks of {bs}, sorted, after the "
+                f"head and before the prompt's last token ({len(toks)} tokens)"
+            )
+        if c.source.num_blocks != (c.end - c.start) // bs:
+            raise InputError(f"chunk at [{c.start}, {c.end}) has a source of {c.source.num_blocks} blocks")
+        prev_end = c.end
+        a = max(c.start + recompute_blocks * bs, hit)
+        if a >= c.end:
+            continue
+        parent = BlockHash(c.source.parent)
+        if a > c.start:
+            if probe and hit <= c.start:
+                probes.append(SpliceSegment(c.start, (a - c.start) // bs, c.start - c.source.start, parent))
+            parent = chain_hashes(toks[c.start : a], bs, parent=parent)[-1]
+        segs.append(SpliceSegment(a, (c.end - a) // bs, c.start - c.source.start, parent))
+    return plan_segment_phases(
+        segs, len(toks), block_size=bs, hit=hit, src_salt=src_salt, min_group_blocks=min_group_blocks,
+        probes=probes,
+    )
