@@ -2,15 +2,8 @@
 
 from promptsplice.engine_adapters.runners._agent import AgentMode, AgentRunner, AgentStep
 from promptsplice.engine_adapters.runners._fidelity import DEFAULT_MAX_DEVIATION, FIDELITY_TABLE, FidelityLevel, FidelitySettings
-from promptsplice.engine_adapters.runners._rag import (
-    ChunkIndex,
-    ChunkLookup,
-    ChunkSource,
-    ChunkStatus,
-    RagRunner,
-    RagStep,
-    ReuseMode,
-)
+from promptsplice.engine_adapters.runners._chunk_plans import ChunkIndex, ChunkLookup, ChunkSource, ChunkStatus
+from promptsplice.engine_adapters.runners._rag import RagRunner, RagStep, ReuseMode
 from promptsplice.engine_adapters.runners._steps import StepFallback
 
 __all__ = [

@@ -87,11 +87,9 @@ from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.engine_adapters.connector._plans import SplicePhase
 from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkIndex,
-    ChunkLookup,
     ChunkPlacement,
     ChunkSource,
     ChunkStatus,
-    PicChoice,
     pic_choice,
     plan_chunk_phases,
 )
@@ -117,19 +115,11 @@ if TYPE_CHECKING:
     from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
 
 __all__ = [
-    "ChunkIndex",
-    "ChunkLookup",
-    "ChunkPlacement",
-    "ChunkSource",
-    "ChunkStatus",
-    "PicChoice",
     "RagRunner",
     "RagStep",
     "ReuseMode",
     "DEFAULT_PIC_RECOMPUTE_BLOCKS",
     "RELOCATE_CHOICES",
-    "pic_choice",
-    "plan_chunk_phases",
 ]
 
 _log = logging.getLogger(__name__)
