@@ -162,6 +162,22 @@ class Diff:
                 out.append(Relocation(d.end, stop, d.delta))
         return out
 
+    def changed_share(self, run: Relocation) -> float:
+        """How much of what ``run``'s old KV attended to the edit changed: old tokens
+        removed plus new tokens inserted by the directives before it, over the old
+        tokens before it (0 for a run at position 0; may exceed 1 when more is
+        inserted than was there).  A relocated run keeps deep-layer KV computed against
+        its old context; the larger this share, the further that KV is from what an
+        exact prefill would compute (the ``bounded`` fidelity level's guard)."""
+        if run.old_start <= 0:
+            return 0.0
+        changed = 0
+        for d in self.directives:
+            if d.end > run.old_start:
+                break
+            changed += d.end - d.start + len(d.replacement)
+        return changed / run.old_start
+
     @property
     def replaced_tokens(self) -> int:
         """New tokens the directives bring in (prefilled, not relocated)."""

@@ -97,9 +97,26 @@ def _kl_stats(kls: Sequence[float]) -> dict[str, Any]:
             "kl_p90": round(_pct(kls, 0.9), 4), "kl_max": round(max(kls), 4)}
 
 
+def _run_signals(prepared: Any) -> list[dict[str, int]]:
+    """Per relocated run of the step's diff: where it starts in the old render, its
+    length, and the old tokens removed / new tokens inserted before it (what the run's
+    old KV attended to that changed): the raw material of a changed-share signal."""
+    diff = prepared.diff
+    if diff is None:
+        return []
+    out = []
+    for run in diff.relocations:
+        before = [d for d in diff.directives if d.end <= run.old_start]
+        out.append({"old_start": run.old_start, "length": run.length, "delta": run.delta,
+                    "removed_before": sum(d.removed for d in before),
+                    "inserted_before": sum(len(d.replacement) for d in before)})
+    return out
+
+
 def run_deviation_curve(
     sessions: Sequence[Any], kv_engine: Any, *, thresholds: Sequence[float] | None = None,
     max_steps: int | None = None, log: Any = None, with_r2: bool = True, raw_out: str | None = None,
+    only_r2: bool = False,
 ) -> dict[str, Any]:
     """Replay ``sessions`` in every configuration (module doc); returns the report.
 
@@ -144,6 +161,7 @@ def run_deviation_curve(
                     unverified += 1  # the probe did not meet the config's KV
                 rows.append({
                     "session": sess.id, "step": i, "kind": kind, "kl": kl(refs[key], out.logprobs[0]),
+                    "runs": _run_signals(prepared),
                     "prefill_tokens": step.prefill_tokens, "relocated_tokens": step.relocated_tokens,
                     "requests": step.requests, "extra_blocks": step.extra_recompute_blocks,
                     "dev": {a: max((aggregate(d, a) for d in devs), default=None) for a in AGGREGATES},
@@ -152,6 +170,11 @@ def run_deviation_curve(
             log(f"{name}: {len(rows)} edit steps probed, KL p90 {_kl_stats([r['kl'] for r in rows]).get('kl_p90')}")
         return {"rows": rows, "probe_s": probe_s, "wall_s": wall_s, "unverified": unverified}
 
+    if only_r2:  # the default level alone (``bounded``: r=2 and its guard)
+        results = {"r2": replay("r2", AgentRunner(kv_engine, salt="dev-r2", recompute_blocks=2))}
+        if raw_out is not None:
+            Path(raw_out).write_text(json.dumps(results) + "\n")
+        return {"configs": {"r2": _kl_stats([r["kl"] for r in results["r2"]["rows"]])}, "block_size": bs}
     results = {"r1": replay("r1", AgentRunner(kv_engine, salt="dev-r1", max_deviation=_PROBE_ALL))}
     if raw_out is not None:
         Path(raw_out).write_text(json.dumps(results) + "\n")
@@ -229,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--thresholds", default=None, help="comma-separated max_deviation values (default: r1 quantiles)")
     parser.add_argument("--max-model-len", type=int, default=8192, help="engine context (default 8192, the model's)")
     parser.add_argument("--no-r2", action="store_true", help="skip the fixed r=2 config")
+    parser.add_argument("--only-r2", action="store_true", help="only the default level (r=2 and its guard), every edit step probed")
     parser.add_argument("--raw", default=None, help="also write the configs' rows here as they finish")
     parser.add_argument("--report-from", default=None, help="rebuild the report from a --raw file (no engine)")
     parser.add_argument("--block-size", type=int, default=32, help="with --report-from: the engine's block size")
@@ -252,12 +276,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                          extra_kwargs={"max_logprobs": -1})
     try:
         report = run_deviation_curve(sessions, eng, thresholds=thresholds, max_steps=args.max_steps, log=print,
-                                     with_r2=not args.no_r2, raw_out=args.raw)
+                                     with_r2=not args.no_r2, raw_out=args.raw, only_r2=args.only_r2)
     finally:
         eng.close()
     report["trace"] = args.trace
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    _print(report)
+    if not args.only_r2:
+        _print(report)
     return 0
 
 

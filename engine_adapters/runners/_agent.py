@@ -170,6 +170,12 @@ class AgentStep:
     recomputed_tokens: int = 0
     """Tokens computed for fidelity that the plan could have relocated (the recompute
     after each edit; at ``exact``, everything relocatable)."""
+    changed_share: float = 0.0
+    """The largest :meth:`~promptsplice.assembler.Diff.changed_share` over the edit's
+    relocatable runs (0 for appends and plain steps)."""
+    guarded_runs: int = 0
+    """Runs computed instead of relocated because their changed share exceeded the
+    level's ``max_changed_share``."""
 
     @property
     def hit_rate(self) -> float:
@@ -201,7 +207,9 @@ class AgentRunner:
     while the last recomputed block in front of a relocated run deviates from its old KV
     by more than this (``BlockDeviation.value``, measured by the connector), the next
     block is recomputed too (one more request), up to the run's end; embedded engine
-    only.
+    only.  ``max_changed_share`` (``None``: the fidelity level's): a run of the edit's
+    diff whose old context the edit changed by more than this share
+    (:meth:`~promptsplice.assembler.Diff.changed_share`) is computed, not relocated.
     """
 
     def __init__(
@@ -217,6 +225,7 @@ class AgentRunner:
         min_group_blocks: int = DEFAULT_MIN_GROUP_BLOCKS,
         max_deviation: float | None = None,
         fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
+        max_changed_share: float | None = None,
     ) -> None:
         self.mode = check_enum(mode, AgentMode, "mode")
         if self.mode is AgentMode.SPLICE and not engine.can_splice:
@@ -225,7 +234,10 @@ class AgentRunner:
                 "EngineConfig(kv_store=StoreConfig(...)), or the server with "
                 "--kv-transfer-config kv_transfer_config_json(StoreConfig(...))"
             )
-        self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation)
+        self._fidelity = RunnerFidelity(
+            fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation,
+            max_changed_share=max_changed_share,
+        )
         self.fidelity = self._fidelity.level
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
@@ -236,6 +248,7 @@ class AgentRunner:
         default = self.settings(self.fidelity)
         self.recompute_blocks = default.recompute_blocks
         self.max_deviation = default.max_deviation
+        self.max_changed_share = default.max_changed_share
         self.scope = scope
         self.max_sessions = max_sessions
         self.reuse_repeats = bool(reuse_repeats)
@@ -296,7 +309,7 @@ class AgentRunner:
         with st.lock:
             new = list(prepared.token_ids)
             plain = [SplicePhase(len(new), None)]
-            fallback, level, recomputed = None, cfg.level, 0
+            fallback, level, recomputed, guarded = None, cfg.level, 0, 0
             if self.mode is AgentMode.FULL:
                 salt, phases, level = f"full:{uuid.uuid4().hex}", plain, FidelityLevel.EXACT
             elif self.mode is AgentMode.APC:
@@ -310,8 +323,9 @@ class AgentRunner:
                 if prepared.kind is StepKind.FULL_PREFILL:
                     fallback = StepFallback.HOOK_FULL_PREFILL
             else:
-                salt, phases, fallback = self._plan(
-                    st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None
+                salt, phases, fallback, guarded = self._plan(
+                    st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None,
+                    max_share=cfg.max_changed_share,
                 )
                 if cfg.recompute_blocks and fallback is None:
                     every = planned_relocated_tokens(self._plan(st, prepared, new, 0, dry=True)[1])
@@ -319,6 +333,10 @@ class AgentRunner:
             result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation)
             result.fallback = fallback
             result.fidelity = level
+            result.guarded_runs = guarded
+            if prepared.diff is not None and self.mode is AgentMode.SPLICE:
+                diff = prepared.diff
+                result.changed_share = max((diff.changed_share(r) for r in diff.relocations), default=0.0)
             # blocks the deviation guard recomputed were relocatable too
             result.recomputed_tokens = recomputed + planned_relocated_tokens(phases) - result.planned_relocated_tokens
             st.tokens = new
@@ -338,21 +356,23 @@ class AgentRunner:
         recompute_blocks: int,
         dry: bool = False,
         probe: bool = False,
-    ) -> tuple[str | None, list[SplicePhase], StepFallback | None]:
+        max_share: float | None = None,
+    ) -> tuple[str | None, list[SplicePhase], StepFallback | None, int]:
         """The step's salt and phases at ``recompute_blocks`` (``dry``: only to count what
-        a plan would relocate; the session is left as it is)."""
+        a plan would relocate; the session is left as it is), and how many of the diff's
+        runs ``max_share`` left to compute (their old context changed by more)."""
         prev = prepared.previous
         old = list(prev.token_ids) if prev is not None else None
         plain = [SplicePhase(len(new), None)]
         if old is None or prepared.diff is None:
-            return st.salt, plain, StepFallback.NO_PREVIOUS_RENDER
+            return st.salt, plain, StepFallback.NO_PREVIOUS_RENDER, 0
         # What was sent may extend the render (a chat model's forced tool-call prefix):
         # its KV then starts with the old render, which is all the plan reads.
         if st.tokens is None or st.tokens[: len(old)] != old:
             if not dry:
                 why = "the session's previous render is not what this runner sent last"
                 _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why)
-            return st.salt, plain, StepFallback.FOREIGN_RENDER
+            return st.salt, plain, StepFallback.FOREIGN_RENDER, 0
         bs = self.engine.block_size
         scope_now = self.scope == "session" and not st.scoped
         salt, src_salt, load_prefix = st.salt, SAME_SALT, 0
@@ -363,11 +383,16 @@ class AgentRunner:
         elif st.kv_salt != salt:  # the last step ran exact under a salt of its own
             src_salt = st.kv_salt
             load_prefix = round_down(prepared.first_changed_token, bs)
-        runs = list(prepared.diff.relocations)
+        diff = prepared.diff
+        runs = list(diff.relocations)
+        guarded = 0
+        if max_share is not None:
+            kept = [r for r in runs if diff.changed_share(r) <= max_share]
+            guarded, runs = len(runs) - len(kept), kept
         if self.reuse_repeats:
             runs += _repeat_runs(prepared, runs)
         if prepared.kind is StepKind.APPEND and not runs:
-            return st.salt, plain, None
+            return st.salt, plain, None, guarded
         try:
             phases = plan_phases(
                 old,
@@ -385,12 +410,12 @@ class AgentRunner:
         except InputError as exc:  # a diff that does not fit the tokens: never splice it
             if not dry:
                 _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, exc)
-            return st.salt, plain, StepFallback.INVALID_PLAN
+            return st.salt, plain, StepFallback.INVALID_PLAN, guarded
         if prepared.kind is StepKind.APPEND and not any(ph.plan for ph in phases):
-            return st.salt, plain, None  # nothing to move: a plain request, no scope needed
+            return st.salt, plain, None, guarded  # nothing to move: a plain request, no scope needed
         if scope_now and not dry:
             st.scoped = True
-        return salt, phases, None
+        return salt, phases, None, guarded
 
     def _run(
         self,
@@ -432,5 +457,6 @@ class AgentRunner:
         return (
             f"AgentRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
             f"recompute_blocks={self.recompute_blocks}, max_deviation={self.max_deviation}, "
+            f"max_changed_share={self.max_changed_share}, "
             f"scope={self.scope!r}, sessions={len(self._sessions)})"
         )

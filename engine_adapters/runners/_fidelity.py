@@ -39,12 +39,14 @@ from promptsplice.errors import ConfigError
 __all__ = [
     "BOUNDED_KL_P90",
     "DEFAULT_FIDELITY",
+    "DEFAULT_MAX_CHANGED_SHARE",
     "DEFAULT_MAX_DEVIATION",
     "FIDELITY_TABLE",
     "MAX_DEVIATION_LIMIT",
     "FidelityLevel",
     "FidelitySettings",
     "check_fidelity",
+    "check_changed_share",
     "check_kl_budget",
     "check_max_deviation",
     "fidelity_settings",
@@ -57,6 +59,11 @@ MAX_DEVIATION_LIMIT = 1.0
 """A deviation threshold is a relative deviation (``|fresh - relocated| / |fresh|``) in
 ``(0, MAX_DEVIATION_LIMIT]``: above 1 it would accept KV off by more than its own size."""
 
+
+DEFAULT_MAX_CHANGED_SHARE: float | None = None
+"""``bounded``'s changed-share guard (:meth:`promptsplice.assembler.Diff.changed_share`):
+a relocated run whose old context the edit changed by more than this share is computed
+instead (set from ``python -m promptsplice.benchmarks.deviation_curve --only-r2``)."""
 
 DEFAULT_MAX_DEVIATION = 0.25
 """``bounded``'s deviation guard (``python -m promptsplice.benchmarks.deviation_curve``):
@@ -101,6 +108,14 @@ def check_max_deviation(value: Any, what: str = "max_deviation") -> float | None
     return float(v)
 
 
+def check_changed_share(value: Any, what: str = "max_changed_share") -> float | None:
+    """``None`` (no changed-share guard) or a share > 0 (a finite number; it may exceed 1:
+    an edit can insert more than the run's old context held)."""
+    if value is None:
+        return None
+    return float(check_number(value, what, minimum=0.0, strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class FidelitySettings:
     """What a fidelity level does (module doc)."""
@@ -116,6 +131,10 @@ class FidelitySettings:
     kl_p90_budget: float | None = None
     """The first-token KL p90 (nats) the level was chosen to meet (``None``: no bound
     claimed, or nothing approximate to bound)."""
+    max_changed_share: float | None = None
+    """Agent edits: a relocated run whose old context the edit changed by more than this
+    share (:meth:`~promptsplice.assembler.Diff.changed_share`) is computed instead
+    (``None``: no such guard)."""
 
     def __post_init__(self) -> None:
         check_fidelity(self.level, "level")
@@ -125,12 +144,14 @@ class FidelitySettings:
         check_max_deviation(self.max_deviation)
         if self.kl_p90_budget is not None:
             check_kl_budget(self.kl_p90_budget, "kl_p90_budget")
+        check_changed_share(self.max_changed_share)
 
 
 FIDELITY_TABLE: dict[FidelityLevel, FidelitySettings] = {
     FidelityLevel.EXACT: FidelitySettings(FidelityLevel.EXACT, relocate=False, recompute_blocks=0),
     FidelityLevel.BOUNDED: FidelitySettings(
-        FidelityLevel.BOUNDED, relocate=True, recompute_blocks=2, max_deviation=DEFAULT_MAX_DEVIATION, kl_p90_budget=BOUNDED_KL_P90
+        FidelityLevel.BOUNDED, relocate=True, recompute_blocks=2, max_deviation=DEFAULT_MAX_DEVIATION,
+        kl_p90_budget=BOUNDED_KL_P90, max_changed_share=DEFAULT_MAX_CHANGED_SHARE,
     ),
     FidelityLevel.FAST: FidelitySettings(FidelityLevel.FAST, relocate=True, recompute_blocks=1),
 }
@@ -138,21 +159,28 @@ FIDELITY_TABLE: dict[FidelityLevel, FidelitySettings] = {
 
 
 def fidelity_settings(
-    level: Any, *, recompute_blocks: int | None = None, max_deviation: float | None = None
+    level: Any,
+    *,
+    recompute_blocks: int | None = None,
+    max_deviation: float | None = None,
+    max_changed_share: float | None = None,
 ) -> FidelitySettings:
-    """The table's settings for ``level``.  ``recompute_blocks`` / ``max_deviation``
-    (when given) replace the table's for the approximate levels (a caller's own sweep:
-    the level's KL claim then no longer applies, ``kl_p90_budget`` is ``None``);
-    ``exact`` ignores them.  The deviation threshold measures recomputed blocks: with
-    ``recompute_blocks=0`` the table's is dropped, and an explicit one is a
+    """The table's settings for ``level``.  ``recompute_blocks`` / ``max_deviation`` /
+    ``max_changed_share`` (when given) replace the table's for the approximate levels (a
+    caller's own sweep: the level's KL claim then no longer applies, ``kl_p90_budget``
+    is ``None``); ``exact`` ignores them.  The deviation threshold measures recomputed
+    blocks: with ``recompute_blocks=0`` the table's is dropped, and an explicit one is a
     :class:`ConfigError`."""
     lvl = check_fidelity(level)
     base = FIDELITY_TABLE[lvl]
     dev = check_max_deviation(max_deviation)
+    share = check_changed_share(max_changed_share)
     if recompute_blocks is not None:
         check_int(recompute_blocks, "recompute_blocks", minimum=0)
     if not base.relocate or (
-        recompute_blocks in (None, base.recompute_blocks) and dev in (None, base.max_deviation)
+        recompute_blocks in (None, base.recompute_blocks)
+        and dev in (None, base.max_deviation)
+        and share in (None, base.max_changed_share)
     ):
         return base
     r = base.recompute_blocks if recompute_blocks is None else recompute_blocks
@@ -161,25 +189,37 @@ def fidelity_settings(
             "max_deviation measures the recomputed blocks: set recompute_blocks >= 1 "
             f"(got {r}) or leave max_deviation unset"
         )
-    return FidelitySettings(lvl, True, r, (dev if dev is not None else base.max_deviation) if r else None, None)
+    return FidelitySettings(
+        lvl, True, r, (dev if dev is not None else base.max_deviation) if r else None, None,
+        share if share is not None else base.max_changed_share,
+    )
 
 
 class RunnerFidelity:
     """A runner's fidelity: its level and the caller's overrides, turned into the
     :class:`FidelitySettings` of each request (one owner for both runners)."""
 
-    __slots__ = ("level", "recompute_blocks", "max_deviation")
+    __slots__ = ("level", "recompute_blocks", "max_deviation", "max_changed_share")
 
     def __init__(
-        self, level: Any, *, recompute_blocks: int | None = None, max_deviation: float | None = None
+        self,
+        level: Any,
+        *,
+        recompute_blocks: int | None = None,
+        max_deviation: float | None = None,
+        max_changed_share: float | None = None,
     ) -> None:
         self.level = check_fidelity(level)
         if recompute_blocks is not None:
             check_int(recompute_blocks, "recompute_blocks", minimum=0)
         self.recompute_blocks = recompute_blocks
         self.max_deviation = check_max_deviation(max_deviation)
+        self.max_changed_share = check_changed_share(max_changed_share)
 
     def settings(self, fidelity: Any = None) -> FidelitySettings:
         """The settings of a request at ``fidelity`` (default: the runner's level)."""
         level = self.level if fidelity is None else check_fidelity(fidelity)
-        return fidelity_settings(level, recompute_blocks=self.recompute_blocks, max_deviation=self.max_deviation)
+        return fidelity_settings(
+            level, recompute_blocks=self.recompute_blocks, max_deviation=self.max_deviation,
+            max_changed_share=self.max_changed_share,
+        )

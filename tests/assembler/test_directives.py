@@ -63,6 +63,19 @@ def test_a_deletion_shifts_the_rest_by_whole_blocks(renderer):
     assert (d.start, d.end, d.replacement, d.delta) == (32, 352, (), -320)
     assert diff.relocations == [Relocation(352, old.body_end, -320)]
     assert apply_diff(old.token_ids, diff) == new.token_ids
+    # 320 of the 352 tokens the moved run attended to are gone
+    assert diff.changed_share(diff.relocations[0]) == 320 / 352
+
+
+def test_changed_share_counts_removed_and_inserted_tokens_before_the_run():
+    d1 = Directive(10, 20, (1, 2, 3), "", -7)
+    d2 = Directive(50, 50, (4,), "", -6)
+    diff = Diff((d1, d2), (), "", 100, 100, 94, 10)
+    r1, r2 = diff.relocations
+    assert (r1, r2) == (Relocation(20, 50, -7), Relocation(50, 100, -6))
+    assert diff.changed_share(r1) == (10 + 3) / 20
+    assert diff.changed_share(r2) == (10 + 3 + 0 + 1) / 50
+    assert diff.changed_share(Relocation(0, 5, 0)) == 0.0
 
 
 def test_pure_appends_give_no_directive(renderer):

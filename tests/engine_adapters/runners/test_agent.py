@@ -311,3 +311,26 @@ def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(
     assert step_lo.recomputed_tokens == step_hi.recomputed_tokens + extra * bs
     # Steps without an edit probe nothing.
     assert hi[0][1].deviations == hi[1][1].deviations == () and lo[1][1].extra_recompute_blocks == 0
+
+
+def test_max_changed_share_computes_the_runs_whose_old_context_changed_more(kv_engine, renders):
+    """The truncation of the first tool output changes part of what the runs behind it
+    attended to.  A threshold above that share relocates them as planned; one below it
+    computes them (nothing relocated, the planned relocation counted as recomputed)."""
+    base = run_session(AgentRunner(kv_engine, salt="t-share-hi", recompute_blocks=1), kv_engine, "s-sh", renders, "t-share-hi")
+    prepared, step = base[2]
+    diff = prepared.diff
+    shares = [diff.changed_share(r) for r in diff.relocations]
+    assert shares and 0 < max(shares) == step.changed_share
+    hi = run_session(AgentRunner(kv_engine, salt="t-share-ok", recompute_blocks=1, max_changed_share=max(shares)),
+                     kv_engine, "s-sh", renders, "t-share-ok")[2][1]
+    lo = run_session(AgentRunner(kv_engine, salt="t-share-lo", recompute_blocks=1, max_changed_share=min(shares) / 2),
+                     kv_engine, "s-sh", renders, "t-share-lo")[2][1]
+    assert hi.guarded_runs == 0 and hi.relocated_tokens == step.relocated_tokens > 0
+    assert lo.guarded_runs == len(shares) and lo.relocated_tokens == 0 == lo.planned_relocated_tokens
+    assert lo.prefill_tokens == step.prefill_tokens + step.relocated_tokens
+    assert lo.recomputed_tokens == step.recomputed_tokens + step.relocated_tokens
+    assert base[1][1].changed_share == 0.0 and base[1][1].guarded_runs == 0  # an append
+    for bad in (0, -1, float("nan"), "0.5"):
+        with pytest.raises(ConfigError, match="max_changed_share"):
+            AgentRunner(kv_engine, max_changed_share=bad)
