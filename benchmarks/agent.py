@@ -334,7 +334,7 @@ def run_agent_modes(
 
     def runner(m: str, eng: Any) -> Any:
         if m == "splice":
-            return AgentRunner(eng, mode="splice", salt=salts[m], recompute_blocks=r, scope=scope)
+            return AgentRunner(eng, mode="splice", salt=salts[m], recompute_blocks=r, scope=scope, fidelity="bounded")
         return AgentRunner(eng, mode=m, salt=salts[m])
 
     steps_total = sum(len(s.renders) for s in sessions)
@@ -443,8 +443,11 @@ def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> None:
         return
     need = {"apc": None, "splice": full_blocks(engines["splice"], tokens)}
     for m in ("apc", "splice"):
+        sp = steps["splice"]
+        signals = {"session": sid, "step": sp.step, "changed_share": round(sp.changed_share, 4),
+                   "relocated_tokens": sp.relocated_tokens, "deviation_max": max(sp.deviations, default=None)}
         fid[m].measure(engines[m], tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids,
-                       need_cached=need[m], label=label)
+                       need_cached=need[m], label=label, signals=signals)
 
 
 def format_agent(report: dict[str, Any]) -> str:

@@ -24,6 +24,11 @@ largest deviation: nothing extended).  The probe cost: the worker's time compari
 blocks over the splice steps' wall time, in the same run.
 
     python -m promptsplice.benchmarks.deviation_curve --trace T.jsonl --json OUT.json
+
+``--bounded-only`` replays the ``bounded`` level alone (``--runner`` JSON: AgentRunner
+keyword overrides, e.g. ``{"recompute_blocks": 6}``) and probes every edit step; each
+raw row also carries the step's relocated runs with the old tokens removed / inserted
+before each (the changed-share signal, :meth:`promptsplice.assembler.Diff.changed_share`).
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ def _run_signals(prepared: Any) -> list[dict[str, int]]:
 def run_deviation_curve(
     sessions: Sequence[Any], kv_engine: Any, *, thresholds: Sequence[float] | None = None,
     max_steps: int | None = None, log: Any = None, with_r2: bool = True, raw_out: str | None = None,
-    only_r2: bool = False,
+    bounded_only: bool = False, runner_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Replay ``sessions`` in every configuration (module doc); returns the report.
 
@@ -170,23 +175,28 @@ def run_deviation_curve(
             log(f"{name}: {len(rows)} edit steps probed, KL p90 {_kl_stats([r['kl'] for r in rows]).get('kl_p90')}")
         return {"rows": rows, "probe_s": probe_s, "wall_s": wall_s, "unverified": unverified}
 
-    if only_r2:  # the default level alone (``bounded``: r=2 and its guard)
-        results = {"r2": replay("r2", AgentRunner(kv_engine, salt="dev-r2", recompute_blocks=2))}
+    if bounded_only:  # the ``bounded`` level alone (r=2 and its guard; ``runner_kwargs`` override)
+        kw = {"fidelity": "bounded", **(runner_kwargs or {})}
+        results = {"bounded": replay("bounded", AgentRunner(kv_engine, salt="dev-bounded", **kw))}
         if raw_out is not None:
             Path(raw_out).write_text(json.dumps(results) + "\n")
-        return {"configs": {"r2": _kl_stats([r["kl"] for r in results["r2"]["rows"]])}, "block_size": bs}
-    results = {"r1": replay("r1", AgentRunner(kv_engine, salt="dev-r1", max_deviation=_PROBE_ALL))}
+        rows = results["bounded"]["rows"]
+        return {"configs": {"bounded": {
+            **_kl_stats([r["kl"] for r in rows]), "runner": kw, "unverified_probes": results["bounded"]["unverified"],
+            "prefill_tokens": sum(r["prefill_tokens"] for r in rows),
+            "relocated_tokens": sum(r["relocated_tokens"] for r in rows)}}, "block_size": bs}
+    results = {"r1": replay("r1", AgentRunner(kv_engine, salt="dev-r1", max_deviation=_PROBE_ALL, fidelity="bounded"))}
     if raw_out is not None:
         Path(raw_out).write_text(json.dumps(results) + "\n")
     d1 = [r["dev"]["mean_kv"] for r in results["r1"]["rows"] if r["dev"]["mean_kv"] is not None]
     if thresholds is None:
         thresholds = sorted({round(_pct(d1, q), 4) for q in (0.5, 0.75, 0.9)}) if d1 else []
     for t in thresholds:
-        results[f"t={t:g}"] = replay(f"t={t:g}", AgentRunner(kv_engine, salt=f"dev-t{t:g}", max_deviation=t))
+        results[f"t={t:g}"] = replay(f"t={t:g}", AgentRunner(kv_engine, salt=f"dev-t{t:g}", max_deviation=t, fidelity="bounded"))
         if raw_out is not None:
             Path(raw_out).write_text(json.dumps(results) + "\n")
     if with_r2:
-        results["r2"] = replay("r2", AgentRunner(kv_engine, salt="dev-r2", recompute_blocks=2))
+        results["r2"] = replay("r2", AgentRunner(kv_engine, salt="dev-r2", recompute_blocks=2, fidelity="bounded"))
     if raw_out is not None:
         Path(raw_out).write_text(json.dumps(results) + "\n")
     return curve_report(results, thresholds, bs)
@@ -252,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--thresholds", default=None, help="comma-separated max_deviation values (default: r1 quantiles)")
     parser.add_argument("--max-model-len", type=int, default=8192, help="engine context (default 8192, the model's)")
     parser.add_argument("--no-r2", action="store_true", help="skip the fixed r=2 config")
-    parser.add_argument("--only-r2", action="store_true", help="only the default level (r=2 and its guard), every edit step probed")
+    parser.add_argument("--bounded-only", action="store_true", help="only the bounded level (r=2 and its guard), every edit step probed")
+    parser.add_argument("--runner", default=None, help="with --bounded-only: AgentRunner keyword overrides as JSON")
     parser.add_argument("--raw", default=None, help="also write the configs' rows here as they finish")
     parser.add_argument("--report-from", default=None, help="rebuild the report from a --raw file (no engine)")
     parser.add_argument("--block-size", type=int, default=32, help="with --report-from: the engine's block size")
@@ -276,12 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                          extra_kwargs={"max_logprobs": -1})
     try:
         report = run_deviation_curve(sessions, eng, thresholds=thresholds, max_steps=args.max_steps, log=print,
-                                     with_r2=not args.no_r2, raw_out=args.raw, only_r2=args.only_r2)
+                                     with_r2=not args.no_r2, raw_out=args.raw, bounded_only=args.bounded_only,
+                                     runner_kwargs=json.loads(args.runner) if args.runner else None)
     finally:
         eng.close()
     report["trace"] = args.trace
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if not args.only_r2:
+    if args.bounded_only:
+        print(json.dumps(report["configs"]["bounded"]))
+    else:
         _print(report)
     return 0
 

@@ -165,8 +165,12 @@ class Fidelity:
         self.greedy: list[float] = []
         self.labels: dict[str, int] = {}
         self.kl_by: dict[str, float] = {}  # label -> worst first-token KL
+        self.records: list[dict[str, Any]] = []  # per probe, with the caller's signals
 
-    def add(self, tf: float, kl_value: float, greedy: float, label: str | None = None) -> None:
+    def add(self, tf: float, kl_value: float, greedy: float, label: str | None = None,
+            signals: dict[str, Any] | None = None) -> None:
+        if signals is not None:
+            self.records.append({"label": label, "kl": round(kl_value, 5), "tf_top1": round(tf, 4), **signals})
         self.tf.append(tf)
         self.kl.append(kl_value)
         self.greedy.append(greedy)
@@ -176,9 +180,9 @@ class Fidelity:
 
     def measure(self, engine: Any, tokens: list[int], cont: list[int], p_ref: dict[int, float],
                 salt: str | None, greedy_tokens: Sequence[int], *, need_cached: int | None = None,
-                label: str | None = None) -> None:
+                label: str | None = None, signals: dict[str, Any] | None = None) -> None:
         tf, first = probe(engine, tokens, cont, salt, need_cached=need_cached)
-        self.add(tf, kl(p_ref, first), greedy_agreement(greedy_tokens, cont), label)
+        self.add(tf, kl(p_ref, first), greedy_agreement(greedy_tokens, cont), label, signals)
 
     def report(self) -> dict[str, Any]:
         mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
@@ -194,4 +198,6 @@ class Fidelity:
         if self.labels:
             out["probes_by"] = dict(sorted(self.labels.items()))
             out["first_token_kl_max_by"] = {k: round(v, 4) for k, v in sorted(self.kl_by.items())}
+        if self.records:
+            out["probes"] = list(self.records)
         return out

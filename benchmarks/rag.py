@@ -353,7 +353,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     r = DEFAULT_PIC_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     kv_engine.reset_prefix_cache()
     runner = RagRunner(
-        kv_engine, mode="position_independent", salt=salt, recompute_blocks=r,
+        kv_engine, mode="position_independent", salt=salt, recompute_blocks=r, fidelity="bounded",
         policy=policy, prompt_format=prompt_format, precompute=precompute, exact_alignment=exact_alignment,
         relocate=relocate,
     )

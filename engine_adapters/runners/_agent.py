@@ -43,7 +43,7 @@ matches exactly), and the reason is logged and kept in :attr:`AgentStep.fallback
 (a :class:`~promptsplice.engine_adapters.runners.StepFallback`).
 
 **Fidelity** (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
-runner (default ``bounded``) or per step picks the recompute (``recompute_blocks``
+runner (default ``exact``: approximate KV is opt-in) or per step picks the recompute (``recompute_blocks``
 overrides the level's).  At ``exact`` a splice runner relocates nothing: the step runs
 as one plain request under a salt whose cache holds exact blocks only (the tenant's
 salt with ``scope="session"``, whose spliced KV lives under scope salts; a salt of its
@@ -91,8 +91,8 @@ __all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_RECOMPUTE_BLOCKS"]
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_RECOMPUTE_BLOCKS = FIDELITY_TABLE[DEFAULT_FIDELITY].recompute_blocks
-"""Blocks recomputed after each edit in ``splice`` mode at the default fidelity."""
+DEFAULT_RECOMPUTE_BLOCKS = FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks
+"""Blocks recomputed after each edit in ``splice`` mode at ``bounded`` fidelity."""
 DEFAULT_MIN_GROUP_BLOCKS = 1
 """A run of relocated blocks that needs a request of its own must move at least this
 many blocks.  Measured here (SmolLM2 on 2 CPU cores, 1,024 cached tokens): one more
@@ -172,10 +172,8 @@ class AgentStep:
     after each edit; at ``exact``, everything relocatable)."""
     changed_share: float = 0.0
     """The largest :meth:`~promptsplice.assembler.Diff.changed_share` over the edit's
-    relocatable runs (0 for appends and plain steps)."""
-    guarded_runs: int = 0
-    """Runs computed instead of relocated because their changed share exceeded the
-    level's ``max_changed_share``."""
+    relocatable runs (0 for appends and plain steps): reported, not acted on (it did not
+    rank first-token KL on the calibration traces; README, agent section)."""
 
     @property
     def hit_rate(self) -> float:
@@ -198,8 +196,8 @@ class AgentRunner:
     :class:`~promptsplice.engine_adapters.RemoteEngine` (see the module doc).
 
     ``mode``: ``"full"``, ``"apc"`` or ``"splice"`` (needs an engine started with
-    ``kv_store``).  ``salt``: the tenant's ``cache_salt``.  ``fidelity``: ``"exact"``,
-    ``"bounded"`` (default) or ``"fast"`` (module doc), per step too.
+    ``kv_store``).  ``salt``: the tenant's ``cache_salt``.  ``fidelity``: ``"exact"`` (default),
+    ``"bounded"`` or ``"fast"`` (module doc), per step too.
     ``recompute_blocks``: blocks prefilled after each edit before relocation resumes
     (``None``: the fidelity level's).  ``scope``: ``"session"``
     (default) or ``"none"``.  Sessions are kept LRU-bounded (``max_sessions``); steps of
@@ -207,9 +205,9 @@ class AgentRunner:
     while the last recomputed block in front of a relocated run deviates from its old KV
     by more than this (``BlockDeviation.value``, measured by the connector), the next
     block is recomputed too (one more request), up to the run's end; embedded engine
-    only.  ``max_changed_share`` (``None``: the fidelity level's): a run of the edit's
-    diff whose old context the edit changed by more than this share
-    (:meth:`~promptsplice.assembler.Diff.changed_share`) is computed, not relocated.
+    only.  ``recompute_tail_blocks``: the last blocks of the step's last relocated run
+    (next to the query) are computed too (measured: it barely moved first-token KL on
+    the coding family, README "Fidelity"; 0 by default).
     """
 
     def __init__(
@@ -225,19 +223,18 @@ class AgentRunner:
         min_group_blocks: int = DEFAULT_MIN_GROUP_BLOCKS,
         max_deviation: float | None = None,
         fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
-        max_changed_share: float | None = None,
+        recompute_tail_blocks: int = 0,
     ) -> None:
         self.mode = check_enum(mode, AgentMode, "mode")
+        check_int(recompute_tail_blocks, "recompute_tail_blocks", minimum=0)
+        self.recompute_tail_blocks = recompute_tail_blocks
         if self.mode is AgentMode.SPLICE and not engine.can_splice:
             raise ConfigError(
                 "splice mode needs the splice connector: start the engine with "
                 "EngineConfig(kv_store=StoreConfig(...)), or the server with "
                 "--kv-transfer-config kv_transfer_config_json(StoreConfig(...))"
             )
-        self._fidelity = RunnerFidelity(
-            fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation,
-            max_changed_share=max_changed_share,
-        )
+        self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation)
         self.fidelity = self._fidelity.level
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
@@ -248,7 +245,6 @@ class AgentRunner:
         default = self.settings(self.fidelity)
         self.recompute_blocks = default.recompute_blocks
         self.max_deviation = default.max_deviation
-        self.max_changed_share = default.max_changed_share
         self.scope = scope
         self.max_sessions = max_sessions
         self.reuse_repeats = bool(reuse_repeats)
@@ -309,7 +305,7 @@ class AgentRunner:
         with st.lock:
             new = list(prepared.token_ids)
             plain = [SplicePhase(len(new), None)]
-            fallback, level, recomputed, guarded = None, cfg.level, 0, 0
+            fallback, level, recomputed = None, cfg.level, 0
             if self.mode is AgentMode.FULL:
                 salt, phases, level = f"full:{uuid.uuid4().hex}", plain, FidelityLevel.EXACT
             elif self.mode is AgentMode.APC:
@@ -323,9 +319,8 @@ class AgentRunner:
                 if prepared.kind is StepKind.FULL_PREFILL:
                     fallback = StepFallback.HOOK_FULL_PREFILL
             else:
-                salt, phases, fallback, guarded = self._plan(
-                    st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None,
-                    max_share=cfg.max_changed_share,
+                salt, phases, fallback = self._plan(
+                    st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None
                 )
                 if cfg.recompute_blocks and fallback is None:
                     every = planned_relocated_tokens(self._plan(st, prepared, new, 0, dry=True)[1])
@@ -333,7 +328,6 @@ class AgentRunner:
             result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation)
             result.fallback = fallback
             result.fidelity = level
-            result.guarded_runs = guarded
             if prepared.diff is not None and self.mode is AgentMode.SPLICE:
                 diff = prepared.diff
                 result.changed_share = max((diff.changed_share(r) for r in diff.relocations), default=0.0)
@@ -356,23 +350,21 @@ class AgentRunner:
         recompute_blocks: int,
         dry: bool = False,
         probe: bool = False,
-        max_share: float | None = None,
-    ) -> tuple[str | None, list[SplicePhase], StepFallback | None, int]:
+    ) -> tuple[str | None, list[SplicePhase], StepFallback | None]:
         """The step's salt and phases at ``recompute_blocks`` (``dry``: only to count what
-        a plan would relocate; the session is left as it is), and how many of the diff's
-        runs ``max_share`` left to compute (their old context changed by more)."""
+        a plan would relocate; the session is left as it is)."""
         prev = prepared.previous
         old = list(prev.token_ids) if prev is not None else None
         plain = [SplicePhase(len(new), None)]
         if old is None or prepared.diff is None:
-            return st.salt, plain, StepFallback.NO_PREVIOUS_RENDER, 0
+            return st.salt, plain, StepFallback.NO_PREVIOUS_RENDER
         # What was sent may extend the render (a chat model's forced tool-call prefix):
         # its KV then starts with the old render, which is all the plan reads.
         if st.tokens is None or st.tokens[: len(old)] != old:
             if not dry:
                 why = "the session's previous render is not what this runner sent last"
                 _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why)
-            return st.salt, plain, StepFallback.FOREIGN_RENDER, 0
+            return st.salt, plain, StepFallback.FOREIGN_RENDER
         bs = self.engine.block_size
         scope_now = self.scope == "session" and not st.scoped
         salt, src_salt, load_prefix = st.salt, SAME_SALT, 0
@@ -383,16 +375,15 @@ class AgentRunner:
         elif st.kv_salt != salt:  # the last step ran exact under a salt of its own
             src_salt = st.kv_salt
             load_prefix = round_down(prepared.first_changed_token, bs)
-        diff = prepared.diff
-        runs = list(diff.relocations)
-        guarded = 0
-        if max_share is not None:
-            kept = [r for r in runs if diff.changed_share(r) <= max_share]
-            guarded, runs = len(runs) - len(kept), kept
+        runs = list(prepared.diff.relocations)
         if self.reuse_repeats:
             runs += _repeat_runs(prepared, runs)
+        tail = self.recompute_tail_blocks * bs
+        if tail and runs and not dry:
+            s0, e0, d0 = runs[-1]
+            runs[-1] = (s0, max(s0, e0 - tail), d0)
         if prepared.kind is StepKind.APPEND and not runs:
-            return st.salt, plain, None, guarded
+            return st.salt, plain, None
         try:
             phases = plan_phases(
                 old,
@@ -410,12 +401,12 @@ class AgentRunner:
         except InputError as exc:  # a diff that does not fit the tokens: never splice it
             if not dry:
                 _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, exc)
-            return st.salt, plain, StepFallback.INVALID_PLAN, guarded
+            return st.salt, plain, StepFallback.INVALID_PLAN
         if prepared.kind is StepKind.APPEND and not any(ph.plan for ph in phases):
-            return st.salt, plain, None, guarded  # nothing to move: a plain request, no scope needed
+            return st.salt, plain, None  # nothing to move: a plain request, no scope needed
         if scope_now and not dry:
             st.scoped = True
-        return salt, phases, None, guarded
+        return salt, phases, None
 
     def _run(
         self,
@@ -457,6 +448,5 @@ class AgentRunner:
         return (
             f"AgentRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
             f"recompute_blocks={self.recompute_blocks}, max_deviation={self.max_deviation}, "
-            f"max_changed_share={self.max_changed_share}, "
             f"scope={self.scope!r}, sessions={len(self._sessions)})"
         )

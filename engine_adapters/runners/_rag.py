@@ -60,7 +60,7 @@ position-independent request may save blocks under the reuse salt, where again o
 the tenant's position-independent requests reach them.
 
 Fidelity (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
-runner (default ``bounded``) or per request picks the recompute (``recompute_blocks``
+runner (default ``exact``: approximate KV is opt-in) or per request picks the recompute (``recompute_blocks``
 overrides the level's).  A position-independent request at ``exact`` relocates nothing:
 it is assembled the same way (whole-block chunks) and sent as one plain request under
 the tenant's salt, whose cache and store hold exact blocks only; its
@@ -128,8 +128,8 @@ RELOCATE_CHOICES = ("when_it_pays", "always")
 """``RagRunner(relocate=...)``: relocate only when :func:`pic_choice` predicts fewer
 tokens computed than one exact request (default), or every time (tests, studies)."""
 
-DEFAULT_PIC_RECOMPUTE_BLOCKS = FIDELITY_TABLE[DEFAULT_FIDELITY].recompute_blocks
-"""Blocks of each relocated chunk recomputed at the default fidelity."""
+DEFAULT_PIC_RECOMPUTE_BLOCKS = FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks
+"""Blocks of each relocated chunk recomputed at ``bounded`` fidelity."""
 
 
 class ReuseMode(enum.Enum):
@@ -196,8 +196,8 @@ class RagRunner:
     (``cache_aware`` default).  ``index``: a :class:`ChunkIndex` to share between
     runners of one engine (default: one per runner).  ``min_group_blocks``: a chunk
     needing a request of its own must move at least this many blocks.  ``precompute``:
-    ``"packed"`` (default) or ``"standalone"`` (module doc).  ``fidelity``: ``"exact"``,
-    ``"bounded"`` (default) or ``"fast"`` for ``position_independent`` (module doc),
+    ``"packed"`` (default) or ``"standalone"`` (module doc).  ``fidelity``: ``"exact"`` (default),
+    ``"bounded"`` or ``"fast"`` for ``position_independent`` (module doc),
     per request too; ``recompute_blocks`` (when given) overrides the level's.
     ``relocate``: ``"when_it_pays"`` (default: a request whose plan is predicted to
     compute no fewer tokens than one exact request is sent exact under the tenant's

@@ -57,7 +57,7 @@ def renders():
 
 def agent_counts(engine, renders, tenant):
     """Per step: kind, prompt, prefilled, cached, relocated tokens, requests, output."""
-    runner = AgentRunner(engine, mode="splice", salt=tenant, recompute_blocks=1)
+    runner = AgentRunner(engine, mode="splice", salt=tenant, recompute_blocks=1, fidelity="bounded")
     hook = ContextHook(engine.tokenizer, block_size=engine.block_size, salt=tenant)
     rows, last = [], None
     for msgs in renders:

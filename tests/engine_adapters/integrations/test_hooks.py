@@ -174,7 +174,7 @@ def test_langgraph_agent_loop_splices_through_the_agent_runner(splice_engine):
     tools = [read_app_log, read_db_log]
     hook = ContextHook(eng.tokenizer, block_size=eng.block_size, policies=[TruncateToolOutputs(10, keep_recent=1)])
     pre = PromptsplicePreModelHook(hook, tools=tools)
-    runner = CountingRunner(AgentRunner(eng, mode="splice", salt="lg-splice"))
+    runner = CountingRunner(AgentRunner(eng, mode="splice", salt="lg-splice", fidelity="bounded"))
     model = PromptspliceChatModel(engine=eng, runner=runner, max_tokens=16)
     # Greedy SmolLM2-135M rarely calls tools unprompted: the first model call is forced
     # to read the database log, the next one may not call a tool, so the loop ends.

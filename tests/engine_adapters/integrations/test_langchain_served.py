@@ -72,7 +72,7 @@ def test_hook_and_runner_splice_an_edit_over_the_server(served_engine):
     eng = served_engine
     hook = ContextHook(eng.tokenizer, block_size=eng.block_size, salt="served-hook",
                        policies=[TruncateToolOutputs(max_lines=10, keep_recent=1)])
-    runner = Recording(AgentRunner(eng, mode="splice", salt="served-hook", recompute_blocks=1))
+    runner = Recording(AgentRunner(eng, mode="splice", salt="served-hook", recompute_blocks=1, fidelity="bounded"))
     model = PromptspliceChatModel(engine=eng, hook=hook, runner=runner, max_tokens=4,
                                   cache_salt="served-hook", session_id="t1")
     lines = [lead.split(". ")[0][:160] for _, lead in load_wiki_leads()[300:360]]

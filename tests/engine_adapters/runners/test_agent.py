@@ -161,7 +161,7 @@ def run_session(runner, engine, sid, renders, salt):
 
 def test_splice_relocates_what_follows_the_edit_and_prefills_less_than_apc(engine, kv_engine, renders):
     apc = run_session(AgentRunner(engine, mode="apc", salt="t-apc"), engine, "s1", renders, "t-apc")
-    runner = AgentRunner(kv_engine, mode="splice", salt="t-splice", recompute_blocks=1)
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-splice", recompute_blocks=1, fidelity="bounded")
     spl = run_session(runner, kv_engine, "s1", renders, "t-splice")
     kinds = [p.kind for p, _ in spl]
     assert kinds == [StepKind.NEW_SESSION, StepKind.APPEND, StepKind.EDIT]
@@ -186,7 +186,7 @@ def test_splice_relocates_what_follows_the_edit_and_prefills_less_than_apc(engin
 
 @pytest.mark.reliability
 def test_spliced_kv_never_reaches_a_request_outside_the_session(kv_engine, renders):
-    runner = AgentRunner(kv_engine, mode="splice", salt="t-iso")
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-iso", fidelity="bounded")
     steps = run_session(runner, kv_engine, "s-iso", renders, "t-iso")
     prepared, step = steps[2]
     assert step.relocated_tokens > 0
@@ -205,7 +205,7 @@ def test_a_second_edit_relocates_blocks_the_scope_saved(kv_engine, renders):
     """Chained edits: the scope keeps what it loaded and computed, so an edit of an
     already spliced context relocates again."""
     r4 = renders[2][:2] + renders[2][4:]  # drop the (truncated) first call and its output
-    runner = AgentRunner(kv_engine, mode="splice", salt="t-chain", recompute_blocks=0)
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-chain", recompute_blocks=0, fidelity="bounded")
     steps = run_session(runner, kv_engine, "s-chain", [*renders, r4], "t-chain")
     assert [p.kind for p, _ in steps][2:] == [StepKind.EDIT, StepKind.EDIT]
     assert steps[2][1].relocated_tokens > 0 and steps[3][1].relocated_tokens > 0
@@ -218,7 +218,7 @@ def test_a_repeated_tool_output_is_relocated_on_an_append_step(kv_engine, render
     first = renders[1]
     again = first + [{"role": "assistant", "content": "", "tool_calls": [call("c3", "sched")]},
                      {"role": "tool", "tool_call_id": "c3", "content": first[3]["content"]}]
-    runner = AgentRunner(kv_engine, mode="splice", salt="t-rep", recompute_blocks=0)
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-rep", recompute_blocks=0, fidelity="bounded")
     steps = run_session(runner, kv_engine, "s-rep", [first, again], "t-rep")
     prepared, step = steps[1]
     assert prepared.kind is StepKind.APPEND
@@ -230,7 +230,7 @@ def test_a_repeated_tool_output_is_relocated_on_an_append_step(kv_engine, render
     assert seg in repeated  # (the repeated call itself renders like the first one too)
     assert step.relocated_tokens == sum(sg.end - sg.start for sg in repeated) and step.salt != "t-rep"
     assert step.prompt_tokens == step.prefill_tokens + step.cached_tokens and 0 < step.relocated_tokens <= step.cached_tokens
-    plain = AgentRunner(kv_engine, mode="splice", salt="t-rep2", reuse_repeats=False)
+    plain = AgentRunner(kv_engine, mode="splice", salt="t-rep2", reuse_repeats=False, fidelity="bounded")
     steps2 = run_session(plain, kv_engine, "s-rep2", [first, again], "t-rep2")
     assert steps2[1][1].relocated_tokens == 0
     assert steps2[1][1].prefill_tokens - step.prefill_tokens == step.relocated_tokens
@@ -243,7 +243,7 @@ def test_full_mode_prefills_everything_every_step(engine, renders):
 
 def test_a_render_the_runner_did_not_send_falls_back_to_a_plain_request(kv_engine, renders, caplog):
     hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-fb")
-    runner = AgentRunner(kv_engine, mode="splice", salt="t-fb")
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-fb", fidelity="bounded")
     hook("s-fb", renders[0], TOOLS)
     hook("s-fb", renders[1], TOOLS)  # the runner never saw these two steps
     prepared = hook("s-fb", renders[2], TOOLS)
@@ -268,7 +268,7 @@ def test_runner_options_are_checked(engine, kv_engine):
         with pytest.raises(ConfigError, match="max_deviation"):
             AgentRunner(kv_engine, max_deviation=bad)
     with pytest.raises(ConfigError, match="recompute_blocks >= 1"):
-        AgentRunner(kv_engine, max_deviation=0.1, recompute_blocks=0)
+        AgentRunner(kv_engine, max_deviation=0.1, recompute_blocks=0, fidelity="bounded")
 
 
 def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(kv_engine, renders):
@@ -279,8 +279,8 @@ def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(
     from promptsplice.engine_adapters.connector import extend_recompute
 
     bs = kv_engine.block_size
-    hi = run_session(AgentRunner(kv_engine, salt="t-dev-hi", max_deviation=1.0, recompute_blocks=1), kv_engine, "s-dev", renders, "t-dev-hi")
-    lo = run_session(AgentRunner(kv_engine, salt="t-dev-lo", max_deviation=1e-12, recompute_blocks=1), kv_engine, "s-dev", renders, "t-dev-lo")
+    hi = run_session(AgentRunner(kv_engine, salt="t-dev-hi", max_deviation=1.0, recompute_blocks=1, fidelity="bounded"), kv_engine, "s-dev", renders, "t-dev-hi")
+    lo = run_session(AgentRunner(kv_engine, salt="t-dev-lo", max_deviation=1e-12, recompute_blocks=1, fidelity="bounded"), kv_engine, "s-dev", renders, "t-dev-lo")
     prepared, step_hi = hi[2]
     _, step_lo = lo[2]
     phases = plan_phases(
@@ -313,24 +313,28 @@ def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(
     assert hi[0][1].deviations == hi[1][1].deviations == () and lo[1][1].extra_recompute_blocks == 0
 
 
-def test_max_changed_share_computes_the_runs_whose_old_context_changed_more(kv_engine, renders):
-    """The truncation of the first tool output changes part of what the runs behind it
-    attended to.  A threshold above that share relocates them as planned; one below it
-    computes them (nothing relocated, the planned relocation counted as recomputed)."""
-    base = run_session(AgentRunner(kv_engine, salt="t-share-hi", recompute_blocks=1), kv_engine, "s-sh", renders, "t-share-hi")
-    prepared, step = base[2]
+def test_an_edit_step_reports_how_much_of_its_runs_old_context_changed(kv_engine, renders):
+    """``changed_share``: removed + inserted tokens before a run over the old tokens
+    before it, the largest over the diff's runs; 0 on steps without an edit."""
+    steps = run_session(AgentRunner(kv_engine, salt="t-share", recompute_blocks=1, fidelity="bounded"), kv_engine, "s-sh", renders, "t-share")
+    prepared, step = steps[2]
     diff = prepared.diff
-    shares = [diff.changed_share(r) for r in diff.relocations]
-    assert shares and 0 < max(shares) == step.changed_share
-    hi = run_session(AgentRunner(kv_engine, salt="t-share-ok", recompute_blocks=1, max_changed_share=max(shares)),
-                     kv_engine, "s-sh", renders, "t-share-ok")[2][1]
-    lo = run_session(AgentRunner(kv_engine, salt="t-share-lo", recompute_blocks=1, max_changed_share=min(shares) / 2),
-                     kv_engine, "s-sh", renders, "t-share-lo")[2][1]
-    assert hi.guarded_runs == 0 and hi.relocated_tokens == step.relocated_tokens > 0
-    assert lo.guarded_runs == len(shares) and lo.relocated_tokens == 0 == lo.planned_relocated_tokens
-    assert lo.prefill_tokens == step.prefill_tokens + step.relocated_tokens
-    assert lo.recomputed_tokens == step.recomputed_tokens + step.relocated_tokens
-    assert base[1][1].changed_share == 0.0 and base[1][1].guarded_runs == 0  # an append
-    for bad in (0, -1, float("nan"), "0.5"):
-        with pytest.raises(ConfigError, match="max_changed_share"):
-            AgentRunner(kv_engine, max_changed_share=bad)
+    (d,) = diff.directives
+    (run,) = diff.relocations
+    assert step.changed_share == diff.changed_share(run) == (d.end - d.start + len(d.replacement)) / run.old_start > 0
+    assert steps[0][1].changed_share == steps[1][1].changed_share == 0.0
+
+
+def test_recompute_tail_blocks_computes_the_last_runs_last_blocks(kv_engine, renders):
+    """``recompute_tail_blocks=k``: the last k blocks of the step's last relocated run
+    are computed (they sit next to the query), everything else as planned."""
+    bs = kv_engine.block_size
+    base = run_session(AgentRunner(kv_engine, salt="t-tail0", recompute_blocks=1, fidelity="bounded"),
+                       kv_engine, "s-tail", renders, "t-tail0")[2][1]
+    tail = run_session(AgentRunner(kv_engine, salt="t-tail1", recompute_blocks=1, fidelity="bounded", recompute_tail_blocks=1),
+                       kv_engine, "s-tail", renders, "t-tail1")[2][1]
+    assert base.relocated_tokens >= 2 * bs
+    assert tail.relocated_tokens == base.relocated_tokens - bs and tail.prefill_tokens == base.prefill_tokens + bs
+    assert tail.recomputed_tokens == base.recomputed_tokens + bs
+    with pytest.raises(ConfigError, match="recompute_tail_blocks"):
+        AgentRunner(kv_engine, recompute_tail_blocks=-1)

@@ -230,7 +230,7 @@ def docs(*names):
 def pic(kv_engine):
     """Chunks in the order given (``retrieval``), so tests choose where they land;
     nothing recomputed (``recompute_blocks=0``), so every count is exact."""
-    return RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+    return RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
                      policy="retrieval", recompute_blocks=0, relocate="always")
 
 
@@ -322,7 +322,7 @@ def test_a_chunk_evicted_from_the_store_is_precomputed_again(kv_engine, pic):
 
 
 def test_standalone_precompute_puts_every_new_chunk_right_after_the_head(kv_engine):
-    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
                        policy="retrieval", precompute="standalone", recompute_blocks=0,
                        relocate="always")
     step = runner.run(docs("everest", "paris", "nile"), query="q", system=SYSTEM, max_tokens=1)
@@ -337,7 +337,7 @@ def test_standalone_precompute_puts_every_new_chunk_right_after_the_head(kv_engi
 
 
 def test_recomputed_first_blocks_take_a_request_per_chunk(kv_engine):
-    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}", policy="retrieval",
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}", policy="retrieval",
                        recompute_blocks=1, relocate="always")
     assert runner.recompute_blocks == 1
     def long_docs(*names):  # two blocks or more each, so every chunk has a block left to move
@@ -360,7 +360,7 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
 
     steps = {}
     for name, t in (("hi", 1.0), ("lo", 1e-12)):
-        runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{name}-{uuid.uuid4().hex[:8]}",
+        runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{name}-{uuid.uuid4().hex[:8]}",
                            policy="retrieval", max_deviation=t, recompute_blocks=1, relocate="always")
         runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
         steps[name] = runner.run(long_docs("everest", "nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)
@@ -383,7 +383,7 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
         return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]} {DOCS[n]}"} for n in names]
 
     # the default: the exact request has the exact runner's layout (no useless padding)
-    plain = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+    plain = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
                       policy="retrieval", recompute_blocks=1)
     assert (plain.relocate, plain.exact_alignment) == ("when_it_pays", "auto")
     aligned = plain.assembler.preview(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM,
@@ -393,7 +393,7 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     assert step.prompt.padding_tokens < aligned.padding_tokens and step.prompt_tokens < len(aligned.token_ids)
 
     # exact requests in whole-block chunks: indexed where they stand, relocated later
-    runner = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}",
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
                        policy="retrieval", recompute_blocks=1, exact_alignment="all")
     # all new: a precompute plus recomputed blocks would cost more than computing them once
     first = runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
@@ -439,7 +439,7 @@ def test_bad_configurations_are_refused(engine, kv_engine):
         with pytest.raises(ConfigError, match="max_deviation"):
             RagRunner(kv_engine, mode="position_independent", max_deviation=bad)
     with pytest.raises(ConfigError, match="recompute_blocks >= 1"):
-        RagRunner(kv_engine, mode="position_independent", max_deviation=0.1, recompute_blocks=0)
+        RagRunner(kv_engine, mode="position_independent", max_deviation=0.1, recompute_blocks=0, fidelity="bounded")
     other = ChunkIndex(BlockStore(StoreConfig(dram_bytes=1 << 20)), block_size=32)
     with pytest.raises(ConfigError, match="another engine"):
         RagRunner(kv_engine, mode="position_independent", index=other)
