@@ -226,7 +226,6 @@ class AgentRunner:
         recompute_tail_blocks: int = 0,
     ) -> None:
         self.mode = check_enum(mode, AgentMode, "mode")
-        check_int(recompute_tail_blocks, "recompute_tail_blocks", minimum=0)
         self.recompute_tail_blocks = recompute_tail_blocks
         if self.mode is AgentMode.SPLICE and not engine.can_splice:
             raise ConfigError(
@@ -234,7 +233,9 @@ class AgentRunner:
                 "EngineConfig(kv_store=StoreConfig(...)), or the server with "
                 "--kv-transfer-config kv_transfer_config_json(StoreConfig(...))"
             )
-        self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation)
+        self._fidelity = RunnerFidelity(
+            fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation, tail_blocks=recompute_tail_blocks
+        )
         self.fidelity = self._fidelity.level
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")

@@ -176,13 +176,28 @@ class RunnerFidelity:
     __slots__ = ("level", "recompute_blocks", "max_deviation")
 
     def __init__(
-        self, level: Any, *, recompute_blocks: int | None = None, max_deviation: float | None = None
+        self,
+        level: Any,
+        *,
+        recompute_blocks: int | None = None,
+        max_deviation: float | None = None,
+        tail_blocks: int = 0,
     ) -> None:
         self.level = check_fidelity(level)
         if recompute_blocks is not None:
             check_int(recompute_blocks, "recompute_blocks", minimum=0)
         self.recompute_blocks = recompute_blocks
         self.max_deviation = check_max_deviation(max_deviation)
+        check_int(tail_blocks, "recompute_tail_blocks", minimum=0)
+        knobs = [name for name, v in (("recompute_blocks", recompute_blocks), ("max_deviation", max_deviation),
+                                      ("recompute_tail_blocks", tail_blocks or None)) if v is not None]
+        if self.level is FidelityLevel.EXACT and knobs:
+            # exact relocates nothing, so these would be ignored: say so instead
+            raise ConfigError(
+                f"{', '.join(knobs)} set, but the runner's fidelity is 'exact' (the default), "
+                "which relocates nothing: pass fidelity='bounded' (or 'fast') to relocate "
+                "with them, or drop them"
+            )
 
     def settings(self, fidelity: Any = None) -> FidelitySettings:
         """The settings of a request at ``fidelity`` (default: the runner's level)."""

@@ -54,6 +54,22 @@ def test_a_level_that_is_not_one_of_the_three_is_refused(bad, engine):
         AgentRunner(engine, mode="apc", fidelity=bad)
 
 
+@pytest.mark.parametrize("knobs", [{"recompute_blocks": 1}, {"max_deviation": 0.2}, {"recompute_tail_blocks": 2},
+                                   {"recompute_blocks": 0, "max_deviation": 0.2}])
+def test_relocation_knobs_at_the_exact_default_are_refused_not_ignored(knobs, kv_engine):
+    """``exact`` relocates nothing: a recompute setting there would be silently dropped,
+    so the runner names it and the fix; with a relocating level it is accepted."""
+    kw = {k: v for k, v in knobs.items() if k != "recompute_tail_blocks"}
+    first = next(iter(knobs))
+    with pytest.raises(ConfigError, match=rf"{first}.*fidelity is 'exact'.*fidelity='bounded'"):
+        AgentRunner(kv_engine, **knobs)
+    if "recompute_tail_blocks" not in knobs:
+        with pytest.raises(ConfigError, match=rf"{first}.*fidelity is 'exact'"):
+            RagRunner(kv_engine, mode="position_independent", **kw)
+    if knobs.get("recompute_blocks") != 0:  # max_deviation needs a recomputed block
+        assert AgentRunner(kv_engine, fidelity="bounded", **knobs).fidelity is FidelityLevel.BOUNDED
+
+
 @pytest.mark.parametrize("bad", [0, -0.01, math.nan, math.inf, "0.02", True])
 def test_a_kl_budget_must_be_a_finite_positive_number(bad):
     with pytest.raises(ConfigError, match="kl_budget"):
