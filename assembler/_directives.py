@@ -167,8 +167,8 @@ class Diff:
         removed plus new tokens inserted by the directives before it, over the old
         tokens before it (0 for a run at position 0; may exceed 1 when more is
         inserted than was there).  A relocated run keeps deep-layer KV computed against
-        its old context; the larger this share, the further that KV is from what an
-        exact prefill would compute (the ``bounded`` fidelity level's guard)."""
+        its old context, so this is a candidate signal for how approximate it is
+        (reported on agent steps; it did not rank first-token KL where measured)."""
         if run.old_start <= 0:
             return 0.0
         changed = 0

@@ -442,10 +442,10 @@ def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> None:
     if not cont:  # EOS at once: nothing to probe
         return
     need = {"apc": None, "splice": full_blocks(engines["splice"], tokens)}
+    sp = steps["splice"]
+    signals = {"session": sid, "step": sp.step, "changed_share": round(sp.changed_share, 4),
+               "relocated_tokens": sp.relocated_tokens, "deviation_max": max(sp.deviations, default=None)}
     for m in ("apc", "splice"):
-        sp = steps["splice"]
-        signals = {"session": sid, "step": sp.step, "changed_share": round(sp.changed_share, 4),
-                   "relocated_tokens": sp.relocated_tokens, "deviation_max": max(sp.deviations, default=None)}
         fid[m].measure(engines[m], tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids,
                        need_cached=need[m], label=label, signals=signals)
 

@@ -27,8 +27,8 @@ blocks over the splice steps' wall time, in the same run.
 
 ``--bounded-only`` replays the ``bounded`` level alone (``--runner`` JSON: AgentRunner
 keyword overrides, e.g. ``{"recompute_blocks": 6}``) and probes every edit step; each
-raw row also carries the step's relocated runs with the old tokens removed / inserted
-before each (the changed-share signal, :meth:`promptsplice.assembler.Diff.changed_share`).
+raw row also carries the step's relocated runs, each with its changed share
+(:meth:`promptsplice.assembler.Diff.changed_share`).
 """
 
 from __future__ import annotations
@@ -102,20 +102,14 @@ def _kl_stats(kls: Sequence[float]) -> dict[str, Any]:
             "kl_p90": round(_pct(kls, 0.9), 4), "kl_max": round(max(kls), 4)}
 
 
-def _run_signals(prepared: Any) -> list[dict[str, int]]:
+def _run_signals(prepared: Any) -> list[dict[str, Any]]:
     """Per relocated run of the step's diff: where it starts in the old render, its
-    length, and the old tokens removed / new tokens inserted before it (what the run's
-    old KV attended to that changed): the raw material of a changed-share signal."""
+    length and shift, and :meth:`~promptsplice.assembler.Diff.changed_share`."""
     diff = prepared.diff
     if diff is None:
         return []
-    out = []
-    for run in diff.relocations:
-        before = [d for d in diff.directives if d.end <= run.old_start]
-        out.append({"old_start": run.old_start, "length": run.length, "delta": run.delta,
-                    "removed_before": sum(d.removed for d in before),
-                    "inserted_before": sum(len(d.replacement) for d in before)})
-    return out
+    return [{"old_start": run.old_start, "length": run.length, "delta": run.delta,
+             "changed_share": round(diff.changed_share(run), 5)} for run in diff.relocations]
 
 
 def run_deviation_curve(

@@ -234,7 +234,8 @@ class AgentRunner:
                 "--kv-transfer-config kv_transfer_config_json(StoreConfig(...))"
             )
         self._fidelity = RunnerFidelity(
-            fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation, tail_blocks=recompute_tail_blocks
+            fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation,
+            recompute_tail_blocks=recompute_tail_blocks,
         )
         self.fidelity = self._fidelity.level
         if scope not in ("session", "none"):

@@ -181,16 +181,16 @@ class RunnerFidelity:
         *,
         recompute_blocks: int | None = None,
         max_deviation: float | None = None,
-        tail_blocks: int = 0,
+        recompute_tail_blocks: int = 0,
     ) -> None:
         self.level = check_fidelity(level)
         if recompute_blocks is not None:
             check_int(recompute_blocks, "recompute_blocks", minimum=0)
         self.recompute_blocks = recompute_blocks
         self.max_deviation = check_max_deviation(max_deviation)
-        check_int(tail_blocks, "recompute_tail_blocks", minimum=0)
+        check_int(recompute_tail_blocks, "recompute_tail_blocks", minimum=0)
         knobs = [name for name, v in (("recompute_blocks", recompute_blocks), ("max_deviation", max_deviation),
-                                      ("recompute_tail_blocks", tail_blocks or None)) if v is not None]
+                                      ("recompute_tail_blocks", recompute_tail_blocks or None)) if v is not None]
         if self.level is FidelityLevel.EXACT and knobs:
             # exact relocates nothing, so these would be ignored: say so instead
             raise ConfigError(
