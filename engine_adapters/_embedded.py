@@ -226,6 +226,11 @@ class EmbeddedEngine:
         return self._config.kv_store is not None
 
     @property
+    def can_relocate(self) -> bool:
+        """Whether the connector can relocate KV here (``RemoteEngine.can_relocate``)."""
+        return self.kv_connector is not None and self.kv_connector.worker.can_relocate
+
+    @property
     def kv_store(self) -> Any:
         """The connector's :class:`~promptsplice.engine_adapters.BlockStore` (``None`` without
         ``kv_store``): its ``stats()`` count DRAM/disk hits, evictions and damage."""

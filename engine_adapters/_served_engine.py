@@ -29,7 +29,13 @@ Where a served engine's facts come from:
   once against the server's ``/tokenize`` on a probe text; a tokenizer that splits it
   differently is a :class:`ConfigError` (a splice plan or an assembled prompt made with
   other token ids than the server's would never hit its cache).
-* **can_splice**: the probe got an ack (the server runs the splice connector).
+* **can_splice**: the probe got an ack (the server runs the splice connector);
+  **can_relocate**: the ack says the connector can relocate.
+* **the block store** lives in the server's process: ``kv_store`` is ``None`` and
+  :meth:`~ServedEngineSurface.match_chains` asks the connector what it holds (one store
+  query per call: a one-token request whose ack carries the counts), which is what
+  :class:`~promptsplice.engine_adapters.RagRunner`'s chunk index reads for
+  position-independent reuse over a server.
 
 Requirements on the server: ``--enable-prompt-tokens-details`` (cached-token counts;
 without it ``generate`` raises :class:`EngineResponseError` rather than report 0) and
@@ -61,7 +67,8 @@ from promptsplice.engine_adapters._wire import (
     parse_json,
 )
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
-from promptsplice.engine_adapters.connector._served import PROBE_KEY, SpliceAck
+from promptsplice.engine_adapters.connector._served import PROBE_KEY, QUERY_REASON, SpliceAck, query_params
+from promptsplice.engine_adapters.store._store import BlockRef
 from promptsplice.errors import ConfigError, EngineResponseError, InputError, TokenizerError
 
 __all__ = ["ServedEngineSurface", "TOKENIZER_PROBE_TEXT"]
@@ -97,12 +104,7 @@ class ServedEngineSurface:
         """The splice connector's ack to a probe request (once; module doc), ``None``
         when the server does not run the connector."""
         if self._probe is _UNSET:
-            body = {"model": self._model_id(), "prompt": [0], "max_tokens": 1, "temperature": 0,
-                    "kv_transfer_params": {PROBE_KEY: True}}
-            req = Request("/v1/completions", body, False, 1)
-            call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
-            out = self._run(self._attempts(call))  # type: ignore[attr-defined]
-            ack = completion_from_json(parse_json(out, call.url), req, call.url, call.start).splice
+            ack = self._ack_request({PROBE_KEY: True})
             if ack is not None and self._given_block_size not in (None, ack.block_size) and ack.block_size:
                 raise ConfigError(
                     f"RemoteEngine(block_size={self._given_block_size}) but the splice connector "
@@ -112,10 +114,47 @@ class ServedEngineSurface:
             self._probe = ack
         return self._probe
 
+    def _ack_request(self, params: dict[str, Any]) -> SpliceAck | None:
+        """One token, ``max_tokens=1``, carrying ``params``: the connector's ack (``None``
+        from a server without it)."""
+        body = {"model": self._model_id(), "prompt": [0], "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": params}
+        req = Request("/v1/completions", body, False, 1)
+        call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
+        out = self._run(self._attempts(call))  # type: ignore[attr-defined]
+        return completion_from_json(parse_json(out, call.url), req, call.url, call.start).splice
+
     @property
     def can_splice(self) -> bool:
         """Whether the server runs the splice connector (asks it once)."""
         return self.splice_probe() is not None
+
+    @property
+    def can_relocate(self) -> bool:
+        """Whether the server's connector can relocate KV (its probe ack says)."""
+        ack = self.splice_probe()
+        return ack is not None and ack.relocation
+
+    def match_chains(self, chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> list[int]:
+        """How many leading blocks of each chain the server's block store holds (one
+        store query for all of them; :mod:`~promptsplice.engine_adapters.connector._served`).
+        Empty chains are answered 0 here.  :class:`ConfigError` without the connector."""
+        asked = [i for i, (refs, _) in enumerate(chains) if refs]
+        out = [0] * len(chains)
+        if not asked:
+            return out
+        if not self.can_splice:
+            raise ConfigError(
+                f"{self.base_url} does not run the splice connector: its block store cannot "  # type: ignore[attr-defined]
+                "be queried (start vllm serve with --kv-transfer-config kv_transfer_config_json(...))"
+            )
+        ack = self._ack_request(query_params([chains[i] for i in asked]))
+        if ack is None or ack.reason != QUERY_REASON or len(ack.matched) != len(asked):
+            why = "no ack" if ack is None else ack.reason or f"{len(ack.matched)} answers for {len(asked)} chains"
+            raise EngineResponseError(f"{self.base_url}'s splice connector did not answer the store query: {why}")  # type: ignore[attr-defined]
+        for i, n in zip(asked, ack.matched):
+            out[i] = min(int(n), len(chains[i][0]))
+        return out
 
     @property
     def kv_store(self) -> None:

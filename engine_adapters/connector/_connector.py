@@ -52,7 +52,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
-from promptsplice.engine_adapters.connector._served import PROBE_REASON, SpliceAck, ack_params, plan_verdict
+from promptsplice.engine_adapters.connector._served import (
+    PROBE_REASON,
+    QUERY_KEY,
+    QUERY_REASON,
+    SpliceAck,
+    ack_params,
+    answer_query,
+    plan_verdict,
+)
 from promptsplice.engine_adapters.connector._settings import connector_settings
 from promptsplice.engine_adapters.connector._worker import SpliceWorker
 from promptsplice.engine_adapters.store._store import BlockStore, shared_store
@@ -99,7 +107,8 @@ class SpliceConnector(KVConnectorBase_V1):
                 self.store, self.settings.block_size, relocation=self.settings.relocation
             )
         self._acks: dict[str, list] = {}
-        """Requests that carry a plan: [reason, planned, loaded, relocated tokens] (``_served``)."""
+        """Requests that carry a plan, a probe or a store query: [reason, planned, loaded,
+        relocated tokens, a query's matched blocks] (``_served``)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -181,9 +190,15 @@ class SpliceConnector(KVConnectorBase_V1):
         if ack is None:
             verdict = plan_verdict(params, tokens or (), self.settings.block_size)
             if verdict.has_plan:
-                if verdict.reason and verdict.reason != PROBE_REASON:
-                    _log.warning("splice connector: plain prefill for %s: %s", req_id, verdict.reason)
-                ack = self._acks[req_id] = [verdict.reason, verdict.planned_tokens, 0, 0]
+                matched: tuple[int, ...] = ()
+                reason = verdict.reason
+                if reason == QUERY_REASON:  # answered from the store as it is now
+                    assert params is not None
+                    matched, why = answer_query(params[QUERY_KEY], self._match, self.settings.block_size)
+                    reason = why or reason
+                elif reason and reason != PROBE_REASON:
+                    _log.warning("splice connector: plain prefill for %s: %s", req_id, reason)
+                ack = self._acks[req_id] = [reason, verdict.planned_tokens, 0, 0, matched]
         if ack is not None and ack[0]:
             params = None  # the plan does not match the request: plain prefill
         n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params)
@@ -215,8 +230,14 @@ class SpliceConnector(KVConnectorBase_V1):
         if ack is None:
             return False, None
         # The answer vLLM's OpenAI server returns in the response's kv_transfer_params.
-        reason, planned, loaded, relocated = ack
-        return False, ack_params(SpliceAck(not reason, reason, planned, loaded, relocated, self.settings.block_size))
+        reason, planned, loaded, relocated, matched = ack
+        return False, ack_params(SpliceAck(
+            not reason, reason, planned, loaded, relocated, self.settings.block_size,
+            self.settings.relocation, matched,
+        ))
+
+    def _match(self, refs: list[Any], salt: str | None) -> int:
+        return self.store.match_prefix(refs, salt=salt)
 
     def reset_cache(self) -> bool | None:
         """``reset_prefix_cache(reset_connector=True)``: empty the block store."""

@@ -21,20 +21,42 @@ returns :func:`ack_params`, which vLLM's OpenAI server puts in the response body
 No ``splice_ack`` in the response means the server was not started with the connector.
 A request carrying only ``{"splice_probe": true}`` (:data:`PROBE_KEY`) asks just that:
 the connector answers an ack with ``applied`` False, reason :data:`PROBE_REASON` and
-its ``block_size`` (how :class:`~promptsplice.engine_adapters.RemoteEngine` learns the
-server's block size and that it runs the connector).
+its ``block_size`` and whether it can relocate (how
+:class:`~promptsplice.engine_adapters.RemoteEngine` learns the server's block size and
+that it runs the connector).
+
+**Store queries.**  The block store lives in the server's process, so a client that
+plans position-independent reuse (:class:`~promptsplice.engine_adapters.RagRunner`)
+asks it what it holds: a one-token request carrying ``{"splice_query": [...]}``
+(:func:`query_params`), one entry per chain of whole blocks::
+
+    {"parent": "<hex of the block before the chain>", "salt": "tenant" | null, "tokens": [...]}
+
+The connector answers when vLLM schedules the request (the store as it is then), in
+the ack's ``matched``: how many leading blocks of each chain the store holds with the
+same tokens, parent and salt (:func:`answer_query`; ``BlockStore.match_prefix``, the
+count the embedded engine reads in process).  The server rebuilds the chain keys
+itself (:func:`~promptsplice.engine_adapters.store._store.chain_refs`), so a client
+cannot name a block it does not have the tokens of.  One query per planned request;
+a malformed query is answered with a reason and no counts.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from promptsplice.blocks import HASH_BYTES, BlockHash
 from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SplicePlan
+from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
 from promptsplice.errors import ConfigError, InputError
 
-__all__ = ["ACK_KEY", "CHECK_KEY", "PROBE_KEY", "PROBE_REASON", "SpliceAck", "ack_params", "Verdict", "plan_check", "plan_verdict", "splice_params", "token_digest"]
+__all__ = [
+    "ACK_KEY", "CHECK_KEY", "MAX_QUERY_TOKENS", "PROBE_KEY", "PROBE_REASON", "QUERY_KEY", "QUERY_REASON",
+    "SpliceAck", "Verdict", "ack_params", "answer_query", "plan_check", "plan_verdict", "query_params",
+    "splice_params", "token_digest",
+]
 
 CHECK_KEY = "splice_check"
 """``kv_transfer_params`` key of the prompt check sent with a plan."""
@@ -44,6 +66,13 @@ PROBE_KEY = "splice_probe"
 """``kv_transfer_params`` key of a request that only asks whether the connector runs."""
 PROBE_REASON = "a probe: no plan sent"
 """The ack's reason for a probe."""
+QUERY_KEY = "splice_query"
+"""``kv_transfer_params`` key of a store query (module doc)."""
+QUERY_REASON = "a store query: no plan sent"
+"""The ack's reason for a store query that was answered."""
+MAX_QUERY_TOKENS = 1 << 20
+"""The most tokens one store query may carry (a bound on what a request makes the
+scheduler hash)."""
 
 
 def token_digest(tokens: Sequence[int]) -> str:
@@ -96,6 +125,8 @@ def plan_verdict(params: Mapping[str, Any] | None, tokens: Sequence[int], block_
     if not isinstance(params, Mapping):
         return Verdict(False, "")
     if PLAN_KEY not in params and CHECK_KEY not in params:
+        if QUERY_KEY in params:
+            return Verdict(True, QUERY_REASON)
         return Verdict(True, PROBE_REASON) if params.get(PROBE_KEY) is True else Verdict(False, "")
     reason = _mismatch(params, tokens, block_size)
     if reason:
@@ -149,6 +180,10 @@ class SpliceAck(NamedTuple):
     """Loaded tokens that moved (a non-zero position delta)."""
     block_size: int = 0
     """The connector's (and so the server's) block size; 0 from a connector that did not say."""
+    relocation: bool = False
+    """The connector can relocate KV (a verified layout and RoPE; else offload hits only)."""
+    matched: tuple[int, ...] = ()
+    """A store query's answer: the stored leading blocks of each chain (module doc)."""
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> SpliceAck | None:
@@ -160,6 +195,7 @@ class SpliceAck(NamedTuple):
             return cls(
                 bool(raw["applied"]), str(raw.get("reason") or ""), int(raw["planned_tokens"]),
                 int(raw["loaded_tokens"]), int(raw["relocated_tokens"]), int(raw.get("block_size") or 0),
+                raw.get("relocation") is True, tuple(int(n) for n in raw.get("matched") or ()),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -168,3 +204,50 @@ class SpliceAck(NamedTuple):
 def ack_params(ack: SpliceAck) -> dict[str, Any]:
     """``request_finished``'s ``kv_transfer_params`` for ``ack``."""
     return {ACK_KEY: ack._asdict()}
+
+
+def query_params(chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> dict[str, Any]:
+    """A store query's ``kv_transfer_params`` for ``chains``: (refs of consecutive whole
+    blocks, as :func:`~promptsplice.engine_adapters.store._store.chain_refs` makes them;
+    the salt they are stored under).  Every chain must be non-empty."""
+    entries = []
+    for refs, salt in chains:
+        if not refs:
+            raise InputError("a store query chain needs at least one block")
+        if salt is not None and not isinstance(salt, str):
+            raise ConfigError(f"a served store query carries str salts, got {type(salt).__name__}")
+        tokens = [int(t) for ref in refs for t in ref.tokens]
+        entries.append({"parent": bytes(refs[0].parent).hex(), "salt": salt, "tokens": tokens})
+    return {QUERY_KEY: entries}
+
+
+def answer_query(
+    raw: Any, match: Callable[[list[BlockRef], str | None], int], block_size: int
+) -> tuple[tuple[int, ...], str]:
+    """The connector's answer to a store query: (stored leading blocks per chain, ``""``)
+    or ((), what is malformed).  ``match(refs, salt)`` is the store's ``match_prefix``."""
+    if not isinstance(raw, list) or not raw:
+        return (), f"{QUERY_KEY} must be a non-empty list of chains"
+    chains = []
+    total = 0
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, Mapping):
+            return (), f"{QUERY_KEY}[{i}] must be a mapping"
+        tokens, salt, parent = entry.get("tokens"), entry.get("salt"), entry.get("parent")
+        if not isinstance(tokens, list) or not tokens or len(tokens) % block_size:
+            return (), f"{QUERY_KEY}[{i}].tokens must be whole blocks of {block_size} token ids"
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens):
+            return (), f"{QUERY_KEY}[{i}].tokens must be token ids in [0, 2**32)"
+        if salt is not None and not isinstance(salt, str):
+            return (), f"{QUERY_KEY}[{i}].salt must be a string or null"
+        try:
+            parent_b = bytes.fromhex(parent) if isinstance(parent, str) else None
+        except ValueError:
+            parent_b = None
+        if parent_b is None or len(parent_b) != HASH_BYTES:
+            return (), f"{QUERY_KEY}[{i}].parent must be a block hash in hex"
+        total += len(tokens)
+        if total > MAX_QUERY_TOKENS:
+            return (), f"a store query carries at most {MAX_QUERY_TOKENS} tokens"
+        chains.append((tokens, salt, BlockHash(parent_b)))
+    return tuple(match(chain_refs(t, block_size, parent=p), s) for t, s, p in chains), ""

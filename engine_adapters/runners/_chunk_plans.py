@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
@@ -25,6 +25,8 @@ __all__ = [
     "ChunkSource",
     "ChunkStatus",
     "PicChoice",
+    "StoreQuery",
+    "match_chains",
     "pic_choice",
     "plan_chunk_phases",
 ]
@@ -55,18 +57,41 @@ class ChunkLookup(NamedTuple):
     source: ChunkSource | None = None
 
 
+class StoreQuery(Protocol):
+    """What a chunk index asks of a block store it cannot read in process: a served
+    engine's (:meth:`RemoteEngine.match_chains
+    <promptsplice.engine_adapters.RemoteEngine.match_chains>`, one request per call)."""
+
+    def match_chains(self, chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> list[int]: ...
+
+
+def match_chains(store: BlockStore | StoreQuery, chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> list[int]:
+    """Stored leading blocks of each (refs, salt) chain: ``store.match_prefix`` per chain
+    in process, one store query for all of them on a served engine."""
+    if isinstance(store, BlockStore):
+        return [store.match_prefix(refs, salt=salt) if refs else 0 for refs, salt in chains]
+    asked = [i for i, (refs, _) in enumerate(chains) if refs]
+    out = [0] * len(chains)
+    if asked:
+        for i, n in zip(asked, store.match_chains([chains[i] for i in asked]), strict=True):
+            out[i] = n
+    return out
+
+
 class ChunkIndex:
     """Content key -> :class:`ChunkSource`, checked against the store on every lookup.
 
     The index holds no KV: the payloads stay in the store under their chain keys (one
     copy in DRAM, whichever way a block is reached); the content key is an alias that
-    finds them from the chunk's tokens alone.  ``identity`` names whatever else the KV
-    depends on (model, layout, RoPE, tokenizer) and enters every key.  LRU-bounded to
-    ``max_entries``; thread-safe.
+    finds them from the chunk's tokens alone.  ``store``: the engine's
+    :class:`BlockStore`, or a served engine (a :class:`StoreQuery`: the index lives in
+    the client, the store in the server, asked once per :meth:`lookup_many`).
+    ``identity`` names whatever else the KV depends on (model, layout, RoPE, tokenizer)
+    and enters every key.  LRU-bounded to ``max_entries``; thread-safe.
     """
 
     def __init__(
-        self, store: BlockStore, *, block_size: int, identity: str = "", max_entries: int = 100_000
+        self, store: BlockStore | StoreQuery, *, block_size: int, identity: str = "", max_entries: int = 100_000
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
@@ -111,21 +136,42 @@ class ChunkIndex:
 
     def lookup(self, tokens: Sequence[int], *, salt: str | None) -> ChunkLookup:
         """Is the chunk's exact KV stored?  Reads the store's index only (no file)."""
-        toks = self._check(tokens)
-        k = self.key(toks, salt=salt)
-        with self._lock:
-            source = self._entries.get(k)
-            if source is not None:
-                self._entries.move_to_end(k)
-        if source is None:
-            return ChunkLookup(ChunkStatus.MISS)
-        refs = self.refs(toks, source)
-        if self.store.match_prefix(refs, salt=source.salt) < len(refs):
+        return self.lookup_many([tokens], salt=salt)[0][0]
+
+    def lookup_many(
+        self,
+        chunks: Sequence[Sequence[int]],
+        *,
+        salt: str | None,
+        also: Sequence[tuple[Sequence[BlockRef], str | None]] = (),
+    ) -> tuple[list[ChunkLookup], list[int]]:
+        """:meth:`lookup` of each chunk, and the stored leading blocks of each (refs,
+        salt) chain in ``also``, with one store query for all of them."""
+        keyed = []
+        for tokens in chunks:
+            toks = self._check(tokens)
+            k = self.key(toks, salt=salt)
             with self._lock:
-                if self._entries.get(k) is source:
-                    del self._entries[k]
-            return ChunkLookup(ChunkStatus.STALE)
-        return ChunkLookup(ChunkStatus.HIT, source)
+                source = self._entries.get(k)
+                if source is not None:
+                    self._entries.move_to_end(k)
+            keyed.append((toks, k, source))
+        asked = [(self.refs(toks, src), src.salt) for toks, _, src in keyed if src is not None]
+        asked += also
+        answers = match_chains(self.store, asked) if asked else []
+        counts = iter(answers)
+        out = []
+        for toks, k, source in keyed:
+            if source is None:
+                out.append(ChunkLookup(ChunkStatus.MISS))
+            elif next(counts) < source.num_blocks:
+                with self._lock:
+                    if self._entries.get(k) is source:
+                        del self._entries[k]
+                out.append(ChunkLookup(ChunkStatus.STALE))
+            else:
+                out.append(ChunkLookup(ChunkStatus.HIT, source))
+        return out, answers[len(answers) - len(also):]
 
     def __len__(self) -> int:
         return len(self._entries)

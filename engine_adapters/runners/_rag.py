@@ -59,6 +59,16 @@ connector saves nothing a relocating request computes); a plain phase of a
 position-independent request may save blocks under the reuse salt, where again only
 the tenant's position-independent requests reach them.
 
+**Over a server** (:class:`~promptsplice.engine_adapters.RemoteEngine` on a ``vllm
+serve`` that loads the splice connector): the same code path.  The chunk index lives
+in the client and the block store in the server: each request asks the store once
+(:meth:`~promptsplice.engine_adapters.RemoteEngine.match_chains`, a one-token store
+query answered in the connector's ack) for every chunk it looks up and both exact
+alternatives, and once more after a precompute; plans go out as
+``kv_transfer_params``.  The hit prediction comes from the assembler's own mirror
+(the server's cache is not observed), and the deviation guard does not extend plans
+(the server's measurements stay there): the level's fixed recompute applies.
+
 Fidelity (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
 runner (default ``exact``: approximate KV is opt-in) or per request picks the recompute (``recompute_blocks``
 overrides the level's).  A position-independent request at ``exact`` relocates nothing:
@@ -106,13 +116,14 @@ from promptsplice.engine_adapters.runners._steps import (
     cached_tokens,
     planned_relocated_tokens,
 )
-from promptsplice.engine_adapters.store._store import chain_refs
+from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
 from promptsplice.blocks import chain_hashes, root_hash, round_down
 from promptsplice._validate import check_enum, check_int, check_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
     from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
+    from promptsplice.engine_adapters._remote import RemoteEngine
 
 __all__ = [
     "RagRunner",
@@ -187,11 +198,11 @@ class RagStep:
 
 class RagRunner:
     """Assembles and runs RAG requests on an :class:`~promptsplice.engine_adapters.EmbeddedEngine`
-    (or, in ``exact`` mode, a :class:`~promptsplice.engine_adapters.RemoteEngine`).
+    or a :class:`~promptsplice.engine_adapters.RemoteEngine` (module doc, "Over a server").
 
     ``mode``: ``"exact"`` (default: prefix caching of the assembled prompt) or
-    ``"position_independent"`` (needs an engine started with ``kv_store``; see the
-    module doc).  ``salt``: the tenant's ``cache_salt``.  ``recompute_blocks``: blocks
+    ``"position_independent"`` (needs the splice connector: an engine started with
+    ``kv_store``, or a server that loads it; see the module doc).  ``salt``: the tenant's ``cache_salt``.  ``recompute_blocks``: blocks
     computed at the start of each relocated chunk.  ``policy``: the chunk order
     (``cache_aware`` default).  ``index``: a :class:`ChunkIndex` to share between
     runners of one engine (default: one per runner).  ``min_group_blocks``: a chunk
@@ -211,7 +222,7 @@ class RagRunner:
 
     def __init__(
         self,
-        engine: EmbeddedEngine,
+        engine: EmbeddedEngine | RemoteEngine,
         *,
         mode: str | ReuseMode = ReuseMode.EXACT,
         salt: str | None = None,
@@ -237,14 +248,14 @@ class RagRunner:
         self.exact_alignment = exact_alignment
         self.mode = check_enum(mode, ReuseMode, "mode")
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
-        if pic and engine.kv_store is None:
+        if pic and not engine.can_splice:
             raise ConfigError(
-                "position_independent reuse needs the splice connector's block store in this "
-                "process (its chunk index checks every chunk there): start an EmbeddedEngine "
-                "with EngineConfig(kv_store=StoreConfig(...)); over a served engine use "
-                "mode='exact' (or relocation plans sent with RemoteEngine.generate(splice=...))"
+                "position_independent reuse needs the splice connector's block store (its "
+                "chunk index checks every chunk there): start an EmbeddedEngine with "
+                "EngineConfig(kv_store=StoreConfig(...)), or vllm serve with "
+                "--kv-transfer-config kv_transfer_config_json(StoreConfig(...))"
             )
-        if pic and not engine.kv_connector.worker.can_relocate:
+        if pic and not engine.can_relocate:
             raise ConfigError(
                 "this engine's splice connector cannot relocate KV (its log says why: an "
                 "unverified attention ISA or RoPE); use mode='exact'"
@@ -264,9 +275,11 @@ class RagRunner:
             policy=policy, alignment="all" if pic else "auto", prompt_format=prompt_format
         )
         if pic:
-            store = engine.kv_store
+            # in process: the engine's store; served: the server, asked by store queries
+            store = engine.kv_store if engine.kv_store is not None else engine
             if index is None:
-                identity = f"{store.config.fingerprint}|tokenizer:{self.assembler.tokenizer.name}"
+                where = store.config.fingerprint if engine.kv_store is not None else f"served:{engine.base_url}"
+                identity = f"{where}|tokenizer:{self.assembler.tokenizer.name}"
                 index = ChunkIndex(store, block_size=bs, identity=identity)
             elif index.store is not store or index.block_size != bs:
                 raise ConfigError("the chunk index belongs to another engine's store or block size")
@@ -318,11 +331,10 @@ class RagRunner:
             self._index_chunks(prompt.token_ids, [s for s in prompt.segments if s.kind is SegmentKind.CHUNK])
             bs, toks = self.engine.block_size, prompt.token_ids
             hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
+            behind = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK and s.end > hit]
+            looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in behind], salt=self.salt)
             step.recomputed_tokens = sum(
-                s.end - max(s.start, hit)
-                for s in prompt.segments
-                if s.kind is SegmentKind.CHUNK and s.end > hit
-                and self.index.lookup(toks[s.start : s.end], salt=self.salt).status is ChunkStatus.HIT
+                s.end - max(s.start, hit) for s, look in zip(behind, looks) if look.status is ChunkStatus.HIT
             )
         return step
 
@@ -340,19 +352,22 @@ class RagRunner:
         head_end = chunk_segs[0].start if chunk_segs else 0
         outs: list[Completion] = []
 
-        # Which chunks behind the hit are stored; precompute the others (exactly).
+        # Which chunks behind the hit are stored; precompute the others (exactly).  The
+        # exact alternative under the tenant's salt: the exact runner's layout ("auto":
+        # no padding where reuse cannot pay) or whole-block chunks ("all": indexed where
+        # they stand, relocatable later without a precompute).  One store query for all.
         todo = [s for s in chunk_segs if s.end > hit and (s.end - s.start) // bs > r]
-        found = {s.start: self.index.lookup(toks[s.start : s.end], salt=self.salt) for s in todo}
+        exact = asm.preview(chunks, salt=self.salt, alignment=self.exact_alignment, **what) if gate else None
+        also = [self._exact_chain(toks), self._exact_chain(exact.token_ids)] if exact is not None else []
+        looks, stored = self.index.lookup_many([toks[s.start : s.end] for s in todo], salt=self.salt, also=also)
+        found = {s.start: look for s, look in zip(todo, looks)}
         missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT]
-        if gate:
-            # The exact alternative under the tenant's salt: the exact runner's layout
-            # ("auto": no padding where reuse cannot pay) or whole-block chunks ("all":
-            # indexed where they stand, relocatable later without a precompute).
-            exact = asm.preview(chunks, salt=self.salt, alignment=self.exact_alignment, **what)
+        if exact is not None:
             n_exact = len(exact.token_ids)
             choice = pic_choice(
                 len(toks), hit, head_end, [(s.start, s.end) for s in todo], [(s.start, s.end) for s in missing],
-                head_hit=self._exact_hit(toks), exact_tokens=n_exact - self._exact_hit(exact.token_ids, exact),
+                head_hit=self._exact_hit(toks, stored[0]),
+                exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs,
             )
             if not choice.pays:  # one exact request computes no more
@@ -385,10 +400,11 @@ class RagRunner:
                     parent = chain[at // bs - 1] if at else root_hash(self.salt)
                     n = (s.end - s.start) // bs
                     self.index.record(toks[s.start : s.end], ChunkSource(parent, at, n, self.salt))
-                    found[s.start] = self.index.lookup(toks[s.start : s.end], salt=self.salt)
+            looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in missing], salt=self.salt)
+            found.update((s.start, look) for s, look in zip(missing, looks))
 
             # The precompute ran under the tenant's salt and may have evicted blocks.
-            hit = round_down(min(eng.mirror.predict(prompt.block_hashes, len(toks)).cached_tokens, hit), bs)
+            hit = round_down(min(asm.mirror.predict(prompt.block_hashes, len(toks)).cached_tokens, hit), bs)
 
         placed = []
         for s in todo:
@@ -408,11 +424,12 @@ class RagRunner:
         adapt = AdaptiveRecompute(cfg.max_deviation, toks) if cfg.max_deviation is not None else None
         if r and fallback is None:  # what r = 0 would have relocated, for the record
             every = list(placed)
-            for s in chunk_segs:  # chunks no longer than r blocks were not looked up
-                if s.end > hit and s.start not in found and s.start >= head_end:
-                    look = self.index.lookup(toks[s.start : s.end], salt=self.salt)
-                    if look.status is ChunkStatus.HIT and look.source is not None:
-                        every.append(ChunkPlacement(s.start, s.end, look.source))
+            # chunks no longer than r blocks were not looked up
+            short = [s for s in chunk_segs if s.end > hit and s.start not in found and s.start >= head_end]
+            looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in short], salt=self.salt)
+            for s, look in zip(short, looks):
+                if look.status is ChunkStatus.HIT and look.source is not None:
+                    every.append(ChunkPlacement(s.start, s.end, look.source))
             every.sort(key=lambda c: c.start)
             try:
                 full = plan_chunk_phases(toks, every, block_size=bs, hit=hit, head_end=head_end,
@@ -433,18 +450,22 @@ class RagRunner:
         step.recomputed_tokens = recomputed + planned_relocated_tokens(phases) - step.planned_relocated_tokens
         return step
 
-    def _exact_hit(self, toks: Sequence[int], prompt: AssembledPrompt | None = None) -> int:
+    def _exact_chain(self, toks: Sequence[int]) -> tuple[list[BlockRef], str | None]:
+        """The store chain a plain request of ``toks`` under the tenant's salt could load
+        (its full blocks but the last token's)."""
+        bs = self.engine.block_size
+        return chain_refs(list(toks[: round_down(len(toks) - 1, bs)]), bs, salt=self.salt), self.salt
+
+    def _exact_hit(self, toks: Sequence[int], stored_blocks: int, prompt: AssembledPrompt | None = None) -> int:
         """Tokens one plain request of ``toks`` under the tenant's salt would not compute:
         vLLM's prefix cache (the mirror; ``prompt``'s prediction when given) or the
-        store's exact blocks (offload hits)."""
-        bs, eng = self.engine.block_size, self.engine
+        store's exact blocks (``stored_blocks`` of :meth:`_exact_chain`: offload hits)."""
+        bs = self.engine.block_size
         if prompt is not None:
             cached = prompt.predicted_cached_tokens
         else:
-            cached = eng.mirror.predict(chain_hashes(toks, bs, salt=self.salt), len(toks)).cached_tokens
-        full = round_down(len(toks) - 1, bs)
-        stored = eng.kv_store.match_prefix(chain_refs(list(toks[:full]), bs, salt=self.salt), salt=self.salt) * bs
-        return max(cached, stored)
+            cached = self.assembler.mirror.predict(chain_hashes(toks, bs, salt=self.salt), len(toks)).cached_tokens
+        return max(cached, stored_blocks * bs)
 
     def _index_chunks(self, toks: Sequence[int], chunk_segs: Sequence[Any]) -> None:
         """Record the chunks of a plain request under the tenant's salt: their KV is exact

@@ -127,8 +127,43 @@ def test_rag_runner_exact_over_the_served_engine_gives_the_embedded_counts(remot
     assert counts["served"] == counts["embedded"]
     print("rag exact counts (prompt, prefill, cached, requests):", [c[:4] for c in counts["served"]])
     assert counts["served"][0][2] == 0 and any(c[2] > 0 for c in counts["served"][1:])
-    with pytest.raises(ConfigError, match="block store in this process"):
-        RagRunner(remote, mode="position_independent")
+
+
+def pic_counts(engine, reqs, tenant, **kw):
+    """Per request: prompt, prefilled, cached, relocated, precomputed tokens, relocated
+    chunks, requests, fallback, greedy output (position-independent reuse)."""
+    runner = RagRunner(engine, mode="position_independent", salt=tenant, policy="stable", **kw)
+    steps = [runner.run(chunks(r), query=r.query, system=r.system or None, max_tokens=4) for r in reqs]
+    return [
+        (s.prompt_tokens, s.prefill_tokens, s.cached_tokens, s.relocated_tokens, s.precomputed_tokens,
+         s.relocated_chunks, s.requests, s.fallback, s.completion.token_ids)
+        for s in steps
+    ]
+
+
+def test_rag_runner_pic_over_the_served_engine_gives_the_embedded_counts(remote, kv_engine, rag_requests):
+    # Requests whose chunks recur at other positions: relocated from the store.
+    reqs = rag_requests[:6]
+    for kw in ({"fidelity": "bounded", "relocate": "always"}, {}):
+        embedded = pic_counts(kv_engine, reqs, salt("pic-emb"), **kw)
+        served = pic_counts(remote, reqs, salt("pic-srv"), **kw)
+        print("pic counts", kw, "(prompt, prefill, cached, relocated, precomputed, chunks, requests):",
+              [c[:7] for c in served])
+        assert served == embedded
+    # bounded + always relocated chunks on some request; the default (exact) none
+    assert any(c[3] > 0 for c in pic_counts(remote, reqs[:3], salt("pic-srv2"), fidelity="bounded", relocate="always"))
+    assert all(c[3] == 0 for c in served)
+
+
+def test_rag_runner_pic_needs_the_connector_on_the_server(live_servers):
+    from promptsplice.engine_adapters import chain_refs
+
+    with RemoteEngine(live_servers[0].base_url, block_size=BS, max_retries=0) as plain:
+        with pytest.raises(ConfigError, match="splice connector"):
+            RagRunner(plain, mode="position_independent")
+        assert plain.match_chains([([], None)]) == [0]  # nothing to ask
+        with pytest.raises(ConfigError, match="does not run the splice connector"):
+            plain.match_chains([(chain_refs(list(range(BS)), BS), None)])
 
 
 def test_a_pic_relocation_through_generate_gives_the_embedded_counts(remote, kv_engine, default_tok, rag_requests):

@@ -4,17 +4,31 @@ a request's ``kv_transfer_params`` and its prompt disagree, and the ack round tr
 
 from __future__ import annotations
 
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from promptsplice.blocks import root_hash
 from promptsplice.engine_adapters import plan_deletion
 from promptsplice.engine_adapters.connector._served import (
     CHECK_KEY,
+    MAX_QUERY_TOKENS,
     PROBE_KEY,
     PROBE_REASON,
+    QUERY_KEY,
+    QUERY_REASON,
     SpliceAck,
     ack_params,
+    answer_query,
     plan_check,
     plan_verdict,
+    query_params,
     splice_params,
 )
+from promptsplice.engine_adapters.store._store import chain_refs
+from promptsplice.errors import ConfigError, InputError
 
 BS = 32
 
@@ -63,9 +77,87 @@ def test_ack_round_trip():
     # an ack from a connector that did not send its block size reads as 0 (unknown)
     raw = {k: v for k, v in ack_params(with_bs)["splice_ack"].items() if k != "block_size"}
     assert SpliceAck.from_params({"splice_ack": raw}).block_size == 0
+    # a query's answer and the relocation flag survive JSON (tuples come back as lists)
+    answered = SpliceAck(False, QUERY_REASON, 0, 0, 0, 32, True, (3, 0, 1))
+    assert SpliceAck.from_params(json.loads(json.dumps(ack_params(answered)))) == answered
+    assert SpliceAck.from_params({"splice_ack": raw}).relocation is False  # unsaid: no
 
 
 def test_a_probe_is_answered_without_a_plan():
     new, _ = case()
     assert plan_verdict({PROBE_KEY: True}, new, BS) == (True, PROBE_REASON, 0)
     assert plan_verdict({PROBE_KEY: "yes"}, new, BS) == (False, "", 0)  # only a literal true asks
+
+
+class FakeStore:
+    """What ``answer_query`` reads of a store: ``match_prefix`` over a set of chain keys
+    (a stand-in for the store's index, exercised for real in the served tests)."""
+
+    def __init__(self, *chains):
+        self.keys = {(ref.key, salt) for refs, salt in chains for ref in refs}
+        self.asked = []
+
+    def match(self, refs, salt):
+        self.asked.append((tuple(r.key for r in refs), salt))
+        n = 0
+        for ref in refs:
+            if (ref.key, salt) not in self.keys:
+                break
+            n += 1
+        return n
+
+
+def test_a_store_query_round_trip_counts_the_leading_stored_blocks():
+    toks = list(range(100, 100 + 6 * BS))
+    head = chain_refs(toks, BS, salt="t")  # 6 blocks from the root of salt "t"
+    chunk = chain_refs(toks[2 * BS :], BS, parent=head[1].key)  # the same blocks 2.. from their parent
+    store = FakeStore((head[:4], "t"))
+    params = json.loads(json.dumps(query_params([(head, "t"), (chunk, "t"), (head, "u"), (head[3:], "t")])))
+    assert plan_verdict(params, [0], BS) == (True, QUERY_REASON, 0)
+    matched, why = answer_query(params[QUERY_KEY], store.match, BS)
+    # the server rebuilds the same keys from tokens and parent: 4 stored of 6; from
+    # block 2 on, 2 (blocks 2 and 3); another salt, none; from block 3, one
+    assert (matched, why) == ((4, 2, 0, 1), "")
+    assert store.asked[0] == (tuple(r.key for r in head), "t")
+    assert params[QUERY_KEY][0]["parent"] == root_hash("t").hex()
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_blocks=st.integers(1, 5), stored=st.integers(0, 5), start=st.integers(0, 4))
+def test_a_store_query_answers_what_match_prefix_answers_in_process(n_blocks, stored, start):
+    toks = list(range(7, 7 + (start + n_blocks) * BS))
+    full = chain_refs(toks, BS, salt=None)
+    store = FakeStore((full[:stored], None))
+    chain = full[start:]
+    (got,), why = answer_query(query_params([(chain, None)])[QUERY_KEY], store.match, BS)
+    assert why == "" and got == store.match(chain, None) == max(0, min(stored - start, len(chain)))
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ([], "non-empty list"),
+        ({"tokens": [1]}, "non-empty list"),
+        ([7], r"\[0\] must be a mapping"),
+        ([{"tokens": [1, 2], "parent": "00" * 16}], "whole blocks of 32"),
+        ([{"tokens": [-1] * BS, "parent": "00" * 16}], "token ids in"),
+        ([{"tokens": [True] * BS, "parent": "00" * 16}], "token ids in"),
+        ([{"tokens": [1] * BS, "parent": "zz"}], "parent must be a block hash"),
+        ([{"tokens": [1] * BS, "parent": "00" * 8}], "parent must be a block hash"),
+        ([{"tokens": [1] * BS, "parent": "00" * 16, "salt": 5}], "salt must be a string"),
+        ([{"tokens": [1] * BS, "parent": "00" * 16}] * (MAX_QUERY_TOKENS // BS + 1), "at most"),
+    ],
+)
+def test_a_malformed_store_query_is_answered_with_a_reason_and_no_counts(raw, expected):
+    import re
+
+    matched, why = answer_query(raw, FakeStore().match, BS)
+    assert matched == () and re.search(expected, why), why
+
+
+def test_query_params_refuses_what_cannot_be_sent():
+    refs = chain_refs(list(range(BS)), BS)
+    with pytest.raises(InputError, match="at least one block"):
+        query_params([([], None)])
+    with pytest.raises(ConfigError, match="str salts"):
+        query_params([(refs, b"bytes")])

@@ -24,7 +24,13 @@ from promptsplice.engine_adapters import (
     chain_refs,
 )
 from promptsplice.engine_adapters import StepFallback
-from promptsplice.engine_adapters.runners._chunk_plans import ChunkPlacement, PicChoice, pic_choice, plan_chunk_phases
+from promptsplice.engine_adapters.runners._chunk_plans import (
+    ChunkLookup,
+    ChunkPlacement,
+    PicChoice,
+    pic_choice,
+    plan_chunk_phases,
+)
 from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.errors import ConfigError, InputError
 
@@ -108,6 +114,44 @@ def test_index_rejects_partial_blocks_and_is_lru_bounded():
     assert len(index) == 2 and index.lookup(B, salt="t").status is ChunkStatus.MISS
     with pytest.raises(ConfigError):
         ChunkIndex(store, block_size=0)
+
+
+class WireStore:
+    """A :class:`StoreQuery` that answers through the served wire (``query_params`` ->
+    JSON -> the connector's ``answer_query`` on a real store): the index's view of a
+    ``vllm serve`` without the server (which ``test_served_engine`` runs)."""
+
+    def __init__(self, store):
+        self.store, self.queries = store, 0
+
+    def match_chains(self, chains):
+        import json
+
+        from promptsplice.engine_adapters.connector._served import QUERY_KEY, answer_query, query_params
+
+        self.queries += 1
+        raw = json.loads(json.dumps(query_params(chains)))[QUERY_KEY]
+        matched, why = answer_query(raw, lambda refs, salt: self.store.match_prefix(refs, salt=salt), BS)
+        assert why == ""
+        return list(matched)
+
+
+def test_an_index_over_a_served_store_answers_as_in_process_with_one_query_per_batch():
+    store, local = indexed()
+    wire = WireStore(store)
+    served = ChunkIndex(wire, block_size=BS, identity="model|rope|tok")
+    for toks, source in ((A, local.lookup(A, salt="t").source), (B, local.lookup(B, salt="t").source)):
+        served.record(toks, source)
+    exact = (chain_refs(HEAD + A, BS, salt="t"), "t")
+    looks, stored = served.lookup_many([A, B, C], salt="t", also=[exact, ([], "t")])
+    assert wire.queries == 1  # three chunks and two chains: one round trip (C and [] not asked)
+    assert looks == local.lookup_many([A, B, C], salt="t")[0] and [x.status for x in looks] == [
+        ChunkStatus.HIT, ChunkStatus.HIT, ChunkStatus.MISS,
+    ]
+    assert stored == [4, 0]  # HEAD + A: 4 stored blocks; an empty chain answers 0
+    assert store.discard(local.refs(B, looks[1].source)[2].key)
+    assert served.lookup(B, salt="t").status is ChunkStatus.STALE and wire.queries == 2
+    assert served.lookup_many([C], salt="t") == ([ChunkLookup(ChunkStatus.MISS)], []) and wire.queries == 2
 
 
 # ----------------------------------------------------------------- plan_chunk_phases
