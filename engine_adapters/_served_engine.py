@@ -1,7 +1,7 @@
 """What the runners and the chat model use of an engine, for a served one.
 
 :class:`~promptsplice.engine_adapters.AgentRunner`,
-:class:`~promptsplice.engine_adapters.RagRunner` (exact mode) and
+:class:`~promptsplice.engine_adapters.RagRunner` and
 :class:`~promptsplice.engine_adapters.integrations.PromptspliceChatModel` call an engine
 through one small surface, which :class:`~promptsplice.engine_adapters.EmbeddedEngine`
 has and :class:`ServedEngineSurface` gives :class:`~promptsplice.engine_adapters.RemoteEngine`:
@@ -15,7 +15,8 @@ has and :class:`ServedEngineSurface` gives :class:`~promptsplice.engine_adapters
 * ``generate_phases(tokens, phases, *, cache_salt, **gen)`` returning a
   :class:`~promptsplice.engine_adapters.PhasedRun`: each phase one completion request
   carrying its plan in ``kv_transfer_params``; ``relocated_tokens`` is the sum of the
-  connector's acks (``splice_ack.relocated_tokens``).
+  connector's acks (``splice_ack.relocated_tokens``), the probes' deviations come in
+  the acks too (``splice_ack.deviations``: the adaptive recompute runs as embedded).
 
 Where a served engine's facts come from:
 
@@ -322,17 +323,16 @@ class ServedEngineSurface:
         """:meth:`EmbeddedEngine.generate_phases
         <promptsplice.engine_adapters.EmbeddedEngine.generate_phases>` over the server
         (the same loop, :func:`~promptsplice.engine_adapters._requests.run_phases`):
-        relocated tokens are the connector's acks summed.  The server's probes measure
-        nothing that comes back (deviations stay in the server process), so ``adapt``
-        never extends a plan here: the fidelity level's fixed recompute applies."""
+        relocated tokens are the connector's acks summed, and ``adapt`` reads the
+        deviations the acks carry (the server's probes), as on the embedded engine."""
 
         def run_one(prompt: list[int], plan: SplicePlan | None, kwargs: dict[str, Any]) -> PhaseResult:
-            out, rc = self._generate_served(prompt, cache_salt=cache_salt, splice=plan or None, **kwargs)
+            out, rc = self._generate_served(prompt, cache_salt=cache_salt, splice=plan, **kwargs)  # probes-only plans too
             if rc.splice is None:
                 return PhaseResult(out, 0)
             if rc.splice.reason:
                 _log.warning("served splice phase ran as plain prefill: %s", rc.splice.reason)
-            return PhaseResult(out, rc.splice.relocated_tokens)
+            return PhaseResult(out, rc.splice.relocated_tokens, rc.splice.deviations)
 
         return run_phases(tokens, phases, run_one, gen, adapt)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from promptsplice.engine_adapters import _vllm
+from promptsplice.engine_adapters.connector._plans import BlockDeviation
 from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
 from promptsplice.engine_adapters.connector._served import (
     PROBE_REASON,
@@ -81,6 +83,17 @@ __all__ = ["SpliceConnector", "SpliceConnectorMetadata"]
 _log = logging.getLogger(__name__)
 
 
+_BOARD_LOCK = threading.Lock()
+_BOARDS: dict[int, dict[str, list[BlockDeviation]]] = {}
+_MAX_BOARD = 4096
+
+
+def _probe_board(store: BlockStore) -> dict[str, list[BlockDeviation]]:
+    """The probe results of the engine(s) on ``store`` (one per process-wide store)."""
+    with _BOARD_LOCK:
+        return _BOARDS.setdefault(id(store), {})
+
+
 @dataclass
 class SpliceConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker: this step's :class:`SpliceMetadata`."""
@@ -109,6 +122,9 @@ class SpliceConnector(KVConnectorBase_V1):
         self._acks: dict[str, list] = {}
         """Requests that carry a plan, a probe or a store query: [reason, planned, loaded,
         relocated tokens, a query's matched blocks] (``_served``)."""
+        self._probes = _probe_board(self.store)
+        """Request id -> its probes' deviations: the worker-side instance writes, the
+        scheduler-side one (same process, same store) reads them into the ack."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -138,6 +154,13 @@ class SpliceConnector(KVConnectorBase_V1):
             isa=self.settings.isa or None,
             rope=self.settings.rope if self.settings.relocation else None,
         )
+        self.worker.on_probe = self._record_probe
+
+    def _record_probe(self, req_id: str, dev: BlockDeviation) -> None:
+        with _BOARD_LOCK:
+            self._probes.setdefault(req_id, []).append(dev)
+            while len(self._probes) > _MAX_BOARD:  # requests never finished here: oldest go
+                self._probes.pop(next(iter(self._probes)))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -227,13 +250,15 @@ class SpliceConnector(KVConnectorBase_V1):
         if self.scheduler is not None:
             self.scheduler.request_finished(request.request_id)
         ack = self._acks.pop(request.request_id, None)
+        with _BOARD_LOCK:
+            devs = tuple(self._probes.pop(request.request_id, ()))
         if ack is None:
             return False, None
         # The answer vLLM's OpenAI server returns in the response's kv_transfer_params.
         reason, planned, loaded, relocated, matched = ack
         return False, ack_params(SpliceAck(
             not reason, reason, planned, loaded, relocated, self.settings.block_size,
-            self.settings.relocation, matched,
+            self.settings.relocation, matched, devs,
         ))
 
     def _match(self, refs: list[Any], salt: str | None) -> int:

@@ -16,7 +16,12 @@ returns :func:`ack_params`, which vLLM's OpenAI server puts in the response body
 ``kv_transfer_params``::
 
     {"splice_ack": {"applied": true, "reason": "", "planned_tokens": 192,
-                    "loaded_tokens": 192, "relocated_tokens": 192, "block_size": 32}}
+                    "loaded_tokens": 192, "relocated_tokens": 192, "block_size": 32,
+                    "relocation": true, "matched": [], "deviations": [[64, -96, [...], [...]]]}}
+
+``deviations`` are the plan's probes (:class:`~._plans.BlockDeviation`: first token,
+delta, per-layer K and V errors), so a served engine's adaptive recompute reads what
+the embedded engine reads from its worker.
 
 No ``splice_ack`` in the response means the server was not started with the connector.
 A request carrying only ``{"splice_probe": true}`` (:data:`PROBE_KEY`) asks just that:
@@ -48,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash
-from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SplicePlan
+from promptsplice.engine_adapters.connector._plans import PLAN_KEY, BlockDeviation, SplicePlan
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
 from promptsplice.errors import ConfigError, InputError
 
@@ -184,6 +189,9 @@ class SpliceAck(NamedTuple):
     """The connector can relocate KV (a verified layout and RoPE; else offload hits only)."""
     matched: tuple[int, ...] = ()
     """A store query's answer: the stored leading blocks of each chain (module doc)."""
+    deviations: tuple[BlockDeviation, ...] = ()
+    """The plan's probes: each recomputed block's deviation from its relocated old KV,
+    measured by the connector (what ``max_deviation`` reads on the embedded engine)."""
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> SpliceAck | None:
@@ -196,6 +204,10 @@ class SpliceAck(NamedTuple):
                 bool(raw["applied"]), str(raw.get("reason") or ""), int(raw["planned_tokens"]),
                 int(raw["loaded_tokens"]), int(raw["relocated_tokens"]), int(raw.get("block_size") or 0),
                 raw.get("relocation") is True, tuple(int(n) for n in raw.get("matched") or ()),
+                tuple(
+                    BlockDeviation(int(s), int(d), tuple(float(x) for x in k), tuple(float(x) for x in v))
+                    for s, d, k, v in raw.get("deviations") or ()
+                ),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -41,7 +41,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -228,6 +228,9 @@ class SpliceWorker:
         stored)`` (for tests and debugging)."""
         self.deviations: deque[BlockDeviation] = deque(maxlen=1024)
         """The latest probes' results, oldest first (``stats.probed_blocks`` counts all)."""
+        self.on_probe: Callable[[str, BlockDeviation], None] | None = None
+        """Told each probe's result with its request id (the connector passes them to
+        the request's ack: served engines)."""
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._jobs: list[_LoadJob] = []
@@ -471,7 +474,10 @@ class SpliceWorker:
                 n = len(self.caches)
                 k = k.view(n, r).mean(dim=1).tolist()
                 v = v.view(n, r).mean(dim=1).tolist()
-                self.deviations.append(BlockDeviation(item.starts[i], delta, tuple(k), tuple(v)))
+                dev = BlockDeviation(item.starts[i], delta, tuple(k), tuple(v))
+                self.deviations.append(dev)
+                if self.on_probe is not None:
+                    self.on_probe(item.req_id, dev)
                 done += 1
         except Exception:  # noqa: BLE001 - a probe is a measurement, never fatal
             _log.exception("splice connector: probing blocks of %s failed", item.req_id)

@@ -204,8 +204,8 @@ class AgentRunner:
     one session are serialized.  ``max_deviation`` (``None``: the fidelity level's):
     while the last recomputed block in front of a relocated run deviates from its old KV
     by more than this (``BlockDeviation.value``, measured by the connector), the next
-    block is recomputed too (one more request), up to the run's end; embedded engine
-    only.  ``recompute_tail_blocks``: the last blocks of the step's last relocated run
+    block is recomputed too (one more request), up to the run's end (a served engine
+    returns the measurements in the connector's acks).  ``recompute_tail_blocks``: the last blocks of the step's last relocated run
     (next to the query) are computed too (measured: it barely moved first-token KL on
     the coding family, README "Fidelity"; 0 by default).
     """

@@ -22,7 +22,7 @@ default) or per request:
 :data:`FIDELITY_TABLE` maps each level to its :class:`FidelitySettings`.
 ``max_deviation`` is the threshold of the measured-deviation recompute (recompute the
 next block while the fresh KV of the last recomputed block deviates from its relocated
-KV by more than it; the connector measures it, embedded engine only).  ``bounded``
+KV by more than it; the connector measures it, in process or in a server's acks).  ``bounded``
 uses :data:`DEFAULT_MAX_DEVIATION` as a guard: on the calibration trace the deviation
 barely predicted KL (README, agent section), so the threshold only catches runs that
 deviate beyond anything calibrated.

@@ -65,9 +65,8 @@ in the client and the block store in the server: each request asks the store onc
 (:meth:`~promptsplice.engine_adapters.RemoteEngine.match_chains`, a one-token store
 query answered in the connector's ack) for every chunk it looks up and both exact
 alternatives, and once more after a precompute; plans go out as
-``kv_transfer_params``.  The hit prediction comes from the assembler's own mirror
-(the server's cache is not observed), and the deviation guard does not extend plans
-(the server's measurements stay there): the level's fixed recompute applies.
+``kv_transfer_params``, the probes' deviations come back in the acks.  The hit
+prediction comes from the assembler's own mirror (the server's cache is not observed).
 
 Fidelity (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
 runner (default ``exact``: approximate KV is opt-in) or per request picks the recompute (``recompute_blocks``

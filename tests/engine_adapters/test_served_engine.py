@@ -56,7 +56,8 @@ def renders():
 
 
 def agent_counts(engine, renders, tenant):
-    """Per step: kind, prompt, prefilled, cached, relocated tokens, requests, output."""
+    """Per step: kind, prompt, prefilled, cached, relocated tokens, requests, output, the
+    probes' deviations (bounded's guard reads them: in process, or in the served acks)."""
     runner = AgentRunner(engine, mode="splice", salt=tenant, recompute_blocks=1, fidelity="bounded")
     hook = ContextHook(engine.tokenizer, block_size=engine.block_size, salt=tenant)
     rows, last = [], None
@@ -64,7 +65,8 @@ def agent_counts(engine, renders, tenant):
         prepared = hook("s", msgs, TOOLS)
         step = runner.step(prepared, max_tokens=4)
         rows.append((prepared.kind, step.prompt_tokens, step.prefill_tokens, step.cached_tokens,
-                     step.relocated_tokens, step.requests, step.completion.token_ids))
+                     step.relocated_tokens, step.requests, step.completion.token_ids,
+                     tuple(round(d, 4) for d in step.deviations)))
         last = (prepared, step)
     return rows, last
 
@@ -113,6 +115,7 @@ def test_agent_runner_over_the_served_engine_gives_the_embedded_counts(remote, k
     moved = sum(s.num_blocks * BS for ph in phases for s in ph.plan.segments if s.delta)
     assert moved > 0 and served[2][4] == moved and served[2][5] == len(phases)
     assert served[2][2] < served[2][1] - moved  # the edit prefilled less than all but the moved blocks
+    assert len(served[2][7]) == 1 and 0 < served[2][7][0] < 1  # the edit's recomputed block was probed
 
 
 def test_rag_runner_exact_over_the_served_engine_gives_the_embedded_counts(remote, kv_engine, rag_requests):
@@ -136,23 +139,29 @@ def pic_counts(engine, reqs, tenant, **kw):
     steps = [runner.run(chunks(r), query=r.query, system=r.system or None, max_tokens=4) for r in reqs]
     return [
         (s.prompt_tokens, s.prefill_tokens, s.cached_tokens, s.relocated_tokens, s.precomputed_tokens,
-         s.relocated_chunks, s.requests, s.fallback, s.completion.token_ids)
+         s.relocated_chunks, s.requests, s.extra_recompute_blocks, s.fallback, s.completion.token_ids,
+         tuple(round(d, 4) for d in s.deviations))
         for s in steps
     ]
 
 
 def test_rag_runner_pic_over_the_served_engine_gives_the_embedded_counts(remote, kv_engine, rag_requests):
-    # Requests whose chunks recur at other positions: relocated from the store.
+    # Requests whose chunks recur at other positions: relocated from the store.  A low
+    # deviation guard makes the connector's measurements (in process, or in the
+    # served acks) extend the recompute: the same extensions both ways.
     reqs = rag_requests[:6]
-    for kw in ({"fidelity": "bounded", "relocate": "always"}, {}):
+    results = {}
+    for kw in ({"fidelity": "bounded", "relocate": "always", "max_deviation": 0.1}, {}):
         embedded = pic_counts(kv_engine, reqs, salt("pic-emb"), **kw)
         served = pic_counts(remote, reqs, salt("pic-srv"), **kw)
-        print("pic counts", kw, "(prompt, prefill, cached, relocated, precomputed, chunks, requests):",
-              [c[:7] for c in served])
+        print("pic counts", kw, "(prompt, prefill, cached, relocated, precomputed, chunks, requests, extra):",
+              [c[:8] for c in served])
         assert served == embedded
-    # bounded + always relocated chunks on some request; the default (exact) none
-    assert any(c[3] > 0 for c in pic_counts(remote, reqs[:3], salt("pic-srv2"), fidelity="bounded", relocate="always"))
-    assert all(c[3] == 0 for c in served)
+        results[bool(kw)] = served
+    bounded, default = results[True], results[False]
+    assert sum(c[3] for c in bounded) > 0 and sum(c[7] for c in bounded) > 0  # relocated; the guard extended
+    assert any(c[10] for c in bounded) and all(d <= 1.0 for c in bounded for d in c[10])
+    assert all(c[3] == 0 and not c[10] for c in default)  # exact: nothing relocated or probed
 
 
 def test_rag_runner_pic_needs_the_connector_on_the_server(live_servers):
