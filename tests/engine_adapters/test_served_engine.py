@@ -164,6 +164,7 @@ def test_rag_runner_pic_over_the_served_engine_gives_the_embedded_counts(remote,
     assert all(c[3] == 0 and not c[10] for c in default)  # exact: nothing relocated or probed
 
 
+@pytest.mark.reliability
 def test_rag_runner_pic_needs_the_connector_on_the_server(live_servers):
     from promptsplice.engine_adapters import chain_refs
 

@@ -133,6 +133,7 @@ def test_a_store_query_answers_what_match_prefix_answers_in_process(n_blocks, st
     assert why == "" and got == store.match(chain, None) == max(0, min(stored - start, len(chain)))
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize(
     "raw, expected",
     [
