@@ -40,8 +40,10 @@ Where a served engine's facts come from:
 
 Requirements on the server: ``--enable-prompt-tokens-details`` (cached-token counts;
 without it ``generate`` raises :class:`EngineResponseError` rather than report 0) and
-vLLM's ``return_token_ids`` (vLLM >= 0.10).  ``logprobs`` are not carried (vLLM's
-OpenAI answer keys them by text, not token id): :class:`InputError`.  ``ttft_s`` of a
+vLLM's ``return_token_ids`` (vLLM >= 0.10).  ``logprobs=k`` (``-1``: the whole
+vocabulary, which needs ``--max-logprobs -1``) are asked with
+``return_tokens_as_token_ids``, so they come back keyed by token id as on the embedded
+engine (vLLM floors them at -9999).  ``ttft_s`` of a
 non-streamed completion is its whole time (the server does not report its first-token
 time); :meth:`stream` measures it.
 """
@@ -70,7 +72,7 @@ from promptsplice.engine_adapters._wire import (
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
 from promptsplice.engine_adapters.connector._served import PROBE_KEY, QUERY_REASON, SpliceAck, query_params
 from promptsplice.engine_adapters.store._store import BlockRef
-from promptsplice.errors import ConfigError, EngineResponseError, InputError, TokenizerError
+from promptsplice.errors import ConfigError, EngineResponseError, TokenizerError
 
 __all__ = ["ServedEngineSurface", "TOKENIZER_PROBE_TEXT"]
 
@@ -137,25 +139,22 @@ class ServedEngineSurface:
         return ack is not None and ack.relocation
 
     def match_chains(self, chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> list[int]:
-        """How many leading blocks of each chain the server's block store holds (one
-        store query for all of them; :mod:`~promptsplice.engine_adapters.connector._served`).
-        Empty chains are answered 0 here.  :class:`ConfigError` without the connector."""
-        asked = [i for i, (refs, _) in enumerate(chains) if refs]
-        out = [0] * len(chains)
-        if not asked:
-            return out
+        """How many leading blocks of each (non-empty) chain the server's block store
+        holds: one store query for all of them
+        (:mod:`~promptsplice.engine_adapters.connector._served`).  :class:`ConfigError`
+        without the connector, :class:`InputError` for an empty chain."""
         if not self.can_splice:
             raise ConfigError(
                 f"{self.base_url} does not run the splice connector: its block store cannot "  # type: ignore[attr-defined]
                 "be queried (start vllm serve with --kv-transfer-config kv_transfer_config_json(...))"
             )
-        ack = self._ack_request(query_params([chains[i] for i in asked]))
-        if ack is None or ack.reason != QUERY_REASON or len(ack.matched) != len(asked):
-            why = "no ack" if ack is None else ack.reason or f"{len(ack.matched)} answers for {len(asked)} chains"
+        if not chains:
+            return []
+        ack = self._ack_request(query_params(chains))
+        if ack is None or ack.reason != QUERY_REASON or len(ack.matched) != len(chains):
+            why = "no ack" if ack is None else ack.reason or f"{len(ack.matched)} answers for {len(chains)} chains"
             raise EngineResponseError(f"{self.base_url}'s splice connector did not answer the store query: {why}")  # type: ignore[attr-defined]
-        for i, n in zip(asked, ack.matched):
-            out[i] = min(int(n), len(chains[i][0]))
-        return out
+        return [min(int(n), len(refs)) for n, (refs, _) in zip(ack.matched, chains)]
 
     @property
     def kv_store(self) -> None:
@@ -227,8 +226,8 @@ class ServedEngineSurface:
         self, prompt: Any, max_tokens: int, temperature: float, cache_salt: str | None,
         stop: str | Sequence[str] | None, splice: SplicePlan | None, logprobs: int | None, stream: bool,
     ) -> Request:
-        if logprobs is not None:
-            raise InputError("logprobs are not carried over a served engine (module doc of _served_engine)")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1):
+            raise ConfigError(f"logprobs must be None, -1 (all) or an int >= 0, got {logprobs!r}")
         req = self._completion_request(  # type: ignore[attr-defined]
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             prompt_cache_key=None, stream=stream, splice=splice,
@@ -240,6 +239,9 @@ class ServedEngineSurface:
             if stops:
                 req.body["stop"] = stops
         req.body["return_token_ids"] = True
+        if logprobs is not None:  # keyed by token id, as the embedded engine keys them
+            req.body["logprobs"] = logprobs
+            req.body["return_tokens_as_token_ids"] = True
         return req
 
     def _completion_record(self, rc: RemoteCompletion, req: Request) -> Completion:
@@ -260,6 +262,7 @@ class ServedEngineSurface:
             total_s=rc.total_s,
             finish_reason=rc.finish_reason,
             request_id=rc.request_id,
+            logprobs=rc.logprobs,
         )
 
     def _generate_served(

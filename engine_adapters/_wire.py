@@ -65,6 +65,9 @@ class RemoteCompletion:
     ``return_token_ids``, sent by :meth:`RemoteEngine.generate`); else ``None``."""
     request_id: str = ""
     """The server's id of the completion (empty when it sent none)."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token, ``{token_id: logprob}`` of the top tokens, when the request
+    asked for them with ``return_tokens_as_token_ids`` (:func:`token_logprobs`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +359,36 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
         splice=SpliceAck.from_params(kv_params),
         token_ids=[int(t) for t in choice["token_ids"]] if isinstance(choice.get("token_ids"), list) else None,
         request_id=str(data.get("id") or ""),
+        logprobs=token_logprobs(choice, url) if req.body.get("return_tokens_as_token_ids") else None,
     )
+
+
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+def token_logprobs(choice: Mapping[str, Any], url: str) -> list[dict[int, float]]:
+    """vLLM's ``top_logprobs`` of a completion choice keyed by token id (the request sent
+    ``return_tokens_as_token_ids``: keys ``"token_id:123"``), as ``{123: logprob}`` per
+    generated token.  :class:`EngineResponseError` for anything else (keys by text
+    would map several ids to one string)."""
+    lp = choice.get("logprobs")
+    tops = lp.get("top_logprobs") if isinstance(lp, Mapping) else None
+    if not isinstance(tops, list):
+        raise EngineResponseError(f"{url} answered no top_logprobs although logprobs were asked for")
+    out = []
+    for top in tops:
+        if not isinstance(top, Mapping):
+            raise EngineResponseError(f"{url} answered a top_logprobs entry that is not a mapping")
+        row = {}
+        for key, value in top.items():
+            if not (isinstance(key, str) and key.startswith(_TOKEN_ID_PREFIX) and key[len(_TOKEN_ID_PREFIX):].isdigit()):
+                raise EngineResponseError(
+                    f"{url} keyed logprobs by text ({key!r:.40}), not token id: a vLLM without "
+                    "return_tokens_as_token_ids?"
+                )
+            row[int(key[len(_TOKEN_ID_PREFIX):])] = float(value)
+        out.append(row)
+    return out
 
 
 def check_splice_ack(completion: RemoteCompletion, url: str) -> RemoteCompletion:

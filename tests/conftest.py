@@ -112,7 +112,7 @@ def served_kv(tmp_path_factory):
     path (``--kv-transfer-config``): the same store as ``kv_engine`` (16 MiB of DRAM
     over 256 MiB of disk, in bf16 blocks; twice the bytes in float32), block 32, 1 GiB
     of KV cache, dev mode on (``/reset_prefix_cache`` empties vLLM's own cache and
-    leaves the connector's store alone)."""
+    leaves the connector's store alone), full-vocabulary logprobs (fidelity probes)."""
     from promptsplice.benchmarks.routing import BLOCK_SIZE, loopback_servers
     from promptsplice.engine_adapters import EngineConfig, StoreConfig
     from promptsplice.engine_adapters.connector._settings import kv_transfer_config_json
@@ -127,7 +127,7 @@ def served_kv(tmp_path_factory):
     with loopback_servers(
         1,
         block_size=BLOCK_SIZE,
-        extra_args=["--kv-transfer-config", kv_transfer_config_json(store)],
+        extra_args=["--kv-transfer-config", kv_transfer_config_json(store), "--max-logprobs=-1"],
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     ) as servers:
         yield servers[0]

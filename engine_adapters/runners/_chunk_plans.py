@@ -60,7 +60,8 @@ class ChunkLookup(NamedTuple):
 class StoreQuery(Protocol):
     """What a chunk index asks of a block store it cannot read in process: a served
     engine's (:meth:`RemoteEngine.match_chains
-    <promptsplice.engine_adapters.RemoteEngine.match_chains>`, one request per call)."""
+    <promptsplice.engine_adapters.RemoteEngine.match_chains>`, one request per call;
+    every chain it is given is non-empty)."""
 
     def match_chains(self, chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> list[int]: ...
 

@@ -95,8 +95,39 @@ def test_the_served_engine_says_its_block_size_and_checks_its_tokenizer(remote, 
     with RemoteEngine(served_kv.base_url, tokenizer=Shifted()) as other:
         with pytest.raises(ConfigError, match="'shifted' splits the probe text into .* pass RemoteEngine\\(tokenizer=...\\)"):
             _ = other.tokenizer
-    with pytest.raises(InputError, match="logprobs are not carried"):
-        remote.generate([1, 2, 3], max_tokens=1, logprobs=2)
+    with pytest.raises(ConfigError, match="logprobs must be"):
+        remote.generate([1, 2, 3], max_tokens=1, logprobs=-2)
+
+
+def test_logprobs_over_the_served_engine_are_keyed_by_token_id_as_in_process(remote, kv_engine, default_tok):
+    prompt = list(default_tok.encode("The capital of France is Paris. The capital of Italy is"))
+    s = salt("lp")
+    mine = kv_engine.generate(prompt, max_tokens=2, cache_salt=s, logprobs=5)
+    theirs = remote.generate(prompt, max_tokens=2, cache_salt=s, logprobs=5)
+    assert theirs.token_ids == mine.token_ids and len(theirs.logprobs) == 2
+    for a, b in zip(mine.logprobs, theirs.logprobs):
+        assert set(a) == set(b) and 5 <= len(b) <= 6  # the top 5, and the sampled token
+        assert all(abs(a[t] - b[t]) < 1e-3 for t in a)
+    full = remote.generate(prompt, max_tokens=1, cache_salt=s, logprobs=-1).logprobs[0]
+    assert len(full) == len(kv_engine.generate(prompt, max_tokens=1, cache_salt=s, logprobs=-1).logprobs[0]) > 40_000
+
+
+def test_a_fidelity_probe_over_the_served_engine_measures_what_it_measures_in_process(remote, kv_engine, renders):
+    from promptsplice.benchmarks.fidelity import full_blocks, kl, probe, reference
+
+    results = {}
+    for name, eng in (("embedded", kv_engine), ("served", remote)):
+        rows, (prepared, step) = agent_counts(eng, renders, salt(f"fid-{name}"))
+        assert rows[2][4] > 0  # the edit relocated KV
+        toks = list(prepared.token_ids)
+        # the probe first, while the step's spliced blocks are in vLLM's cache (checked)
+        cont = eng.generate(toks, max_tokens=8, cache_salt=step.salt).token_ids
+        tf, first = probe(eng, toks, list(cont), step.salt, need_cached=full_blocks(eng, toks))
+        ref_cont, p_ref = reference(eng, toks)
+        results[name] = (list(cont), tf, kl(p_ref, first), ref_cont[:8])
+    print("fidelity probe (tf top-1, first-token KL):", {k: v[1:3] for k, v in results.items()})
+    (c1, tf1, kl1, r1), (c2, tf2, kl2, r2) = results["embedded"], results["served"]
+    assert (c1, r1, tf1) == (c2, r2, tf2) and abs(kl1 - kl2) < 1e-4 and kl2 > 0
 
 
 def test_agent_runner_over_the_served_engine_gives_the_embedded_counts(remote, kv_engine, renders):
@@ -171,7 +202,6 @@ def test_rag_runner_pic_needs_the_connector_on_the_server(live_servers):
     with RemoteEngine(live_servers[0].base_url, block_size=BS, max_retries=0) as plain:
         with pytest.raises(ConfigError, match="splice connector"):
             RagRunner(plain, mode="position_independent")
-        assert plain.match_chains([([], None)]) == [0]  # nothing to ask
         with pytest.raises(ConfigError, match="does not run the splice connector"):
             plain.match_chains([(chain_refs(list(range(BS)), BS), None)])
 
