@@ -36,6 +36,10 @@ def remote(served_kv):
 
 @pytest.fixture(scope="module")
 def renders():
+    return agent_renders()
+
+
+def agent_renders():
     """Three renders of one agent session: a long tool output, an append, then the
     first output truncated (an edit with context behind it)."""
     from promptsplice.assembler import TruncateToolOutputs
