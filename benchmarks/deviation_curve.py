@@ -42,7 +42,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AGGREGATES", "KL_BAR", "aggregate", "run_deviation_curve", "spearman"]
+__all__ = [
+    "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "run_deviation_curve",
+    "spearman",
+]
 
 KL_BAR = 0.02
 """First-token KL p90 (nats) the chosen threshold must keep (issue #16's bar)."""
@@ -110,6 +113,41 @@ def _run_signals(prepared: Any) -> list[dict[str, Any]]:
         return []
     return [{"old_start": run.old_start, "length": run.length, "delta": run.delta,
              "changed_share": round(diff.changed_share(run), 5)} for run in diff.relocations]
+
+
+BUDGETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
+"""Per-step budgets of approximate tokens :func:`budget_sweep` tries."""
+
+
+def approximate_tokens(row: dict[str, Any], block_size: int, recompute_blocks: int) -> int:
+    """A probed step's approximate KV, estimated from its relocated runs: each run's whole
+    blocks less the ``recompute_blocks`` computed at its start, whatever its shift (a run
+    reused at delta 0 after an edit attended to the old context too)."""
+    bs = block_size
+    return sum(max(0, run["length"] // bs * bs - recompute_blocks * bs) for run in row["runs"])
+
+
+def budget_sweep(
+    rows: Sequence[dict[str, Any]], *, block_size: int, recompute_blocks: int = 2,
+    budgets: Sequence[int] = BUDGETS,
+) -> dict[str, Any]:
+    """Would a per-step budget of approximate tokens meet :data:`KL_BAR`?  For each budget,
+    steps over it are counted as exact (KL 0: an optimistic bound, since their session's
+    cache still holds the approximate KV of earlier steps); the share of approximate
+    tokens kept is what the budget leaves of the reuse.  ``inherited``: the steps with
+    no approximate token of their own, whose KL comes from earlier steps' KV."""
+    approx = [approximate_tokens(r, block_size, recompute_blocks) for r in rows]
+    kls = [r["kl"] for r in rows]
+    total = sum(approx) or 1
+    sweep = []
+    for b in budgets:
+        within = [a <= b for a in approx]
+        sweep.append({"budget": b, **_kl_stats([k if w else 0.0 for k, w in zip(kls, within)]),
+                      "kept_share": round(sum(a for a, w in zip(approx, within) if w) / total, 3)})
+    met = [s["budget"] for s in sweep if s.get("kl_p90", 1.0) <= KL_BAR]
+    return {"steps": len(rows), "spearman_approximate_tokens": spearman(kls, approx), "sweep": sweep,
+            "largest_budget_meeting_bar": max(met) if met else None,
+            "inherited": _kl_stats([k for k, a in zip(kls, approx) if a == 0])}
 
 
 def run_deviation_curve(
@@ -261,7 +299,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--raw", default=None, help="also write the configs' rows here as they finish")
     parser.add_argument("--report-from", default=None, help="rebuild the report from a --raw file (no engine)")
     parser.add_argument("--block-size", type=int, default=32, help="with --report-from: the engine's block size")
+    parser.add_argument("--budget-sweep", default=None, help="a --raw file: per-step approximate-token budgets vs the bar (no engine)")
+    parser.add_argument("--recompute-blocks", type=int, default=2, help="with --budget-sweep: the runs' recomputed blocks")
     args = parser.parse_args(argv)
+    if args.budget_sweep:
+        raw = json.loads(Path(args.budget_sweep).read_text())
+        report = {name: budget_sweep(cfg["rows"], block_size=args.block_size, recompute_blocks=args.recompute_blocks)
+                  for name, cfg in raw.items()}
+        report["from_raw"] = args.budget_sweep
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        for name, r in report.items():
+            if isinstance(r, dict):
+                print(name, json.dumps({k: r[k] for k in ("steps", "spearman_approximate_tokens",
+                                                            "largest_budget_meeting_bar", "inherited")}))
+                for row in r["sweep"]:
+                    print("  ", json.dumps(row))
+        return 0
     if args.report_from:
         results = json.loads(Path(args.report_from).read_text())
         ts = [float(k[2:]) for k in results if k.startswith("t=")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from promptsplice.benchmarks.deviation_curve import AGGREGATES, aggregate, spearman
+from promptsplice.benchmarks.deviation_curve import AGGREGATES, aggregate, approximate_tokens, budget_sweep, spearman
 from promptsplice.engine_adapters.connector import BlockDeviation
 
 
@@ -49,3 +49,20 @@ def test_the_chosen_threshold_is_the_cheapest_that_keeps_the_kl_bar():
     # Neither: none.
     rep = curve_report({"r1": _rows([0.05] * 4, devs), "t=0.15": _rows([0.05] * 4, devs, 1)}, [0.15], 32)
     assert rep["chosen_max_deviation"] is None
+
+
+def test_a_budget_sweep_counts_steps_over_budget_as_exact_and_what_it_keeps():
+    def row(kl, *lengths):
+        return {"kl": kl, "runs": [{"length": n, "delta": 0} for n in lengths]}
+
+    # approximate tokens at block 32, 2 recomputed blocks per run: 100 -> 96 - 64 = 32;
+    # 300 + 70 -> (288 - 64) + (64 - 64) = 224; 50 -> 0 (inherited KL only)
+    rows = [row(0.05, 300, 70), row(0.01, 100), row(0.03, 50)] + [row(0.0, 100)] * 17
+    assert [approximate_tokens(r, 32, 2) for r in rows[:3]] == [224, 32, 0]
+    rep = budget_sweep(rows, block_size=32, budgets=(0, 32, 224))
+    by = {s["budget"]: s for s in rep["sweep"]}
+    # budget 0: both approximate steps count as exact; the inherited 0.03 stays
+    assert by[0]["kl_max"] == 0.03 and by[0]["kept_share"] == 0.0
+    assert by[32]["kept_share"] == round(32 * 18 / (224 + 32 * 18), 3) and by[32]["kl_p90"] == 0.01
+    assert by[224]["kept_share"] == 1.0 and by[224]["kl_max"] == 0.05 and by[224]["kl_p90"] == 0.03  # over the bar
+    assert rep["largest_budget_meeting_bar"] == 32 and rep["inherited"]["steps"] == 1
