@@ -19,7 +19,9 @@ prefix hit, found by its content key in a ``ChunkIndex``).
 ``RemoteEngine`` talks to OpenAI-compatible servers (``vllm serve``, SGLang, OpenAI) over
 httpx, sync and async, streaming with client-side TTFT, retries with backoff on 429/5xx,
 and reads ``usage.prompt_tokens_details.cached_tokens`` (``None`` when the server does not
-report it: unknown, never 0) and the server's ``/metrics`` counters.
+report it: unknown, never 0) and the server's ``/metrics`` counters.  Over a ``vllm
+serve`` that loads the splice connector, the runners work as on the embedded engine
+(plans in ``kv_transfer_params``, the block store asked through store queries).
 
 Importing this package starts nothing and does not import vLLM or torch; the engine
 imports them when it starts.

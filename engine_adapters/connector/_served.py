@@ -75,7 +75,7 @@ QUERY_KEY = "splice_query"
 """``kv_transfer_params`` key of a store query (module doc)."""
 QUERY_REASON = "a store query: no plan sent"
 """The ack's reason for a store query that was answered."""
-MAX_QUERY_TOKENS = 1 << 20
+MAX_QUERY_TOKENS = 1 << 18
 """The most tokens one store query may carry (a bound on what a request makes the
 scheduler hash)."""
 
