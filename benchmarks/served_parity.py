@@ -21,7 +21,7 @@ the probes' deviations (4 decimals).
 
 JSON (names fixed)::
 
-    {"fidelity": "bounded", "kv_cache_bytes": int, "store": {...},
+    {"fidelity": "bounded", "relocate": "when_it_pays", "kv_cache_bytes": int, "store": {...},
      "rag": P, "agent": P, "identical": bool}
     P = {"steps": int, "identical_steps": int, "mismatches": [first 5 {"step", "embedded", "served"}],
          "relocated_tokens": int, "prefill_tokens": int, "probes": int,
@@ -32,7 +32,7 @@ Exit status 1 when a step differs or a probe's KL differs by more than
 :data:`KL_TOLERANCE` (the run is deterministic: the same CPU kernels in both).
 
 Run:  ``python -m promptsplice.benchmarks.served_parity --rag-trace T --agent-trace A
---requests 20 --sessions 3 --probes 6 --json OUT``
+--requests 20 --sessions 3 --probes 6 [--relocate always] --json OUT``
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ def run_served_parity(
     agent: Sequence[AgentSession],
     fidelity: str = "bounded",
     probes: int = 6,
+    relocate: str = "when_it_pays",
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Start the embedded engine, run, close it; start the server, run, stop it
@@ -196,7 +197,7 @@ def run_served_parity(
                              extra_kwargs={"max_logprobs": -1})
         try:
             max_len = eng.max_model_len
-            embedded = run_on_engine(eng, rag=rag, agent=agent, fidelity=fidelity, probes=probes)
+            embedded = run_on_engine(eng, rag=rag, agent=agent, fidelity=fidelity, probes=probes, relocate=relocate)
         finally:
             eng.close()
         say("served parity: vllm serve")
@@ -204,10 +205,11 @@ def run_served_parity(
         with loopback_servers(1, kv_cache_gib=KV_CACHE_BYTES >> 30, max_model_len=max_len,
                               extra_args=args) as servers:
             with RemoteEngine(servers[0].base_url, max_retries=0, timeout=600) as remote:
-                served = run_on_engine(remote, rag=rag, agent=agent, fidelity=fidelity, probes=probes)
+                served = run_on_engine(remote, rag=rag, agent=agent, fidelity=fidelity, probes=probes,
+                                       relocate=relocate)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report = {"fidelity": fidelity, "kv_cache_bytes": KV_CACHE_BYTES, "max_model_len": max_len,
+    report = {"fidelity": fidelity, "relocate": relocate, "kv_cache_bytes": KV_CACHE_BYTES, "max_model_len": max_len,
               "store": {"dram_bytes": STORE_DRAM_BYTES, "disk_bytes": STORE_DISK_BYTES}}
     report.update(compare(embedded, served))
     return report
@@ -221,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=3)
     ap.add_argument("--probes", type=int, default=6, help="relocating steps probed per kind")
     ap.add_argument("--fidelity", default="bounded", choices=("bounded", "fast", "exact"))
+    ap.add_argument("--relocate", default="when_it_pays", choices=("when_it_pays", "always"),
+                    help="the RAG runner's gate (always: every stored chunk relocated, the path under test)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     for name in ("requests", "sessions", "probes"):
@@ -228,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--{name} must be >= 0")
     rag = read_rag_trace(a.rag_trace, limit=a.requests)
     agent = read_agent_trace(a.agent_trace)[: a.sessions]
-    report = run_served_parity(rag=rag, agent=agent, fidelity=a.fidelity, probes=a.probes,
+    report = run_served_parity(rag=rag, agent=agent, fidelity=a.fidelity, probes=a.probes, relocate=a.relocate,
                                log=lambda m: print(m, file=sys.stderr, flush=True))
     report.update({"rag_trace": a.rag_trace, "agent_trace": a.agent_trace})
     Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
