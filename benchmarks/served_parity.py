@@ -22,7 +22,7 @@ the probes' deviations (4 decimals).
 JSON (names fixed)::
 
     {"fidelity": "bounded", "relocate": "when_it_pays", "kv_cache_bytes": int, "store": {...},
-     "rag": P, "agent": P, "identical": bool}
+     "kv_blocks": {"embedded", "served"}, "rag": P, "agent": P, "identical": bool}
     P = {"steps": int, "identical_steps": int, "mismatches": [first 5 {"step", "embedded", "served"}],
          "relocated_tokens": int, "prefill_tokens": int, "probes": int,
          "kl": {"embedded": [..], "served": [..]}, "kl_max_abs_diff": float | null,
@@ -128,12 +128,13 @@ def run_on_engine(
             if st.relocated_tokens and len(kls) < probes:
                 kls.append(_probe(engine, list(prepared.token_ids), agent_runner.session_salt(sess.id)))
     out["agent"] = {"rows": rows, "probes": kls, "wall_s": wall}
+    out["kv_blocks"] = engine.mirror.capacity_blocks + 1 if engine.mirror.capacity_blocks else None
     return out
 
 
 def compare(embedded: dict[str, Any], served: dict[str, Any]) -> dict[str, Any]:
     """The report of two :func:`run_on_engine` results (module doc's ``P`` per kind)."""
-    report: dict[str, Any] = {}
+    report: dict[str, Any] = {"kv_blocks": {"embedded": embedded.get("kv_blocks"), "served": served.get("kv_blocks")}}
     for kind in ("rag", "agent"):
         a, b = embedded[kind], served[kind]
         same = [i for i, (x, y) in enumerate(zip(a["rows"], b["rows"])) if x == y]

@@ -57,7 +57,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from promptsplice.assembler import Assembler, MirrorView, PrefixCacheMirror, Tokenizer
-from promptsplice.blocks import BlockHash, chain_hashes, root_hash
+from promptsplice.blocks import BlockHash
 from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters._config import EngineConfig
 from promptsplice.engine_adapters._lifecycle import load_tokenizer, release, start_llm
@@ -70,6 +70,7 @@ from promptsplice.engine_adapters._requests import (
     PhaseResult,
     PromptLike,
     StreamDelta,
+    admit_run,
     check_context,
     check_sampling,
     check_splice,
@@ -480,17 +481,8 @@ class EmbeddedEngine:
         chain then continues over the generated tokens).  ``None`` without prefix caching."""
         if not self._config.enable_prefix_caching:
             return None
-        bs = self.block_size
-        computed = len(ids) + max(0, len(gen) - 1)
-        tokens = ids + gen[: max(0, len(gen) - 1)]
-        if known is None:
-            hashes = chain_hashes(tokens, bs, salt=salt)
-        else:
-            done = len(known) * bs
-            parent = known[-1] if known else root_hash(salt)
-            hashes = [*known, *chain_hashes(tokens[done:], bs, parent=parent)]
         assert self._mirror is not None
-        return self._mirror.admit(hashes, len(ids), num_computed_tokens=computed).cached_tokens
+        return admit_run(self._mirror, ids, gen, salt, known)
 
     # -- failures ------------------------------------------------------------------------
     def _step_failed(self, engine: Any, rid: str, exc: BaseException) -> EngineError:

@@ -15,14 +15,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from promptsplice.assembler import AssembledPrompt
-from promptsplice.blocks import BlockHash
+from promptsplice.assembler import AssembledPrompt, PrefixCacheMirror
+from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
 from promptsplice._validate import check_int, check_number, check_salt
 from promptsplice.errors import ConfigError, ContextLengthError, InputError
 
 __all__ = [
     "Adapt",
+    "admit_run",
     "Completion",
     "EngineCounters",
     "NormalizedPrompt",
@@ -297,3 +298,23 @@ def stream_deltas(steps: Iterator[tuple[Any, Completion | None]]) -> Iterator[St
             sent_text += new_text
             sent_ids += len(new_ids)
             yield StreamDelta(new_text, new_ids, None)
+
+
+def admit_run(
+    mirror: PrefixCacheMirror, ids: list[int], gen: list[int], salt: str | None,
+    known: Sequence[BlockHash] | None = None,
+) -> int:
+    """Replay one finished request into the engine's ``mirror``: the prompt ``ids`` and
+    the generated tokens whose KV it computed (all but the last), under ``salt``; the
+    mirror's prediction for it.  ``known``: the prompt's full-block hashes when the
+    assembler made them (the chain then continues over the generated tokens)."""
+    bs = mirror.block_size
+    computed = len(ids) + max(0, len(gen) - 1)
+    tokens = ids + gen[: max(0, len(gen) - 1)]
+    if known is None:
+        hashes = chain_hashes(tokens, bs, salt=salt)
+    else:
+        done = len(known) * bs
+        parent = known[-1] if known else root_hash(salt)
+        hashes = [*known, *chain_hashes(tokens[done:], bs, parent=parent)]
+    return mirror.admit(hashes, len(ids), num_computed_tokens=computed).cached_tokens

@@ -32,6 +32,13 @@ Where a served engine's facts come from:
   other token ids than the server's would never hit its cache).
 * **can_splice**: the probe got an ack (the server runs the splice connector);
   **can_relocate**: the ack says the connector can relocate.
+* **mirror**: the client keeps the mirror of the server's prefix cache, as the embedded
+  engine keeps its own: every token-id request it ran is replayed there when its answer
+  arrives (the prompt, the generated tokens' blocks, under its ``cache_salt``), with the
+  capacity the connector's ack names (vLLM's ``num_gpu_blocks``; unbounded from a server
+  without the connector).  ``make_assembler`` lends assemblers a view of it.  It equals
+  the server's cache while this client is the server's only user and sends token ids;
+  other traffic makes it a prediction (the counts reported always come from the server).
 * **the block store** lives in the server's process: ``kv_store`` is ``None`` and
   :meth:`~ServedEngineSurface.match_chains` asks the connector what it holds (one store
   query per call: a one-token request whose ack carries the counts), which is what
@@ -57,8 +64,16 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice._validate import check_int
-from promptsplice.assembler import Assembler, Tokenizer, load_tokenizer
-from promptsplice.engine_adapters._requests import Adapt, Completion, PhasedRun, PhaseResult, StreamDelta, run_phases
+from promptsplice.assembler import Assembler, MirrorView, PrefixCacheMirror, Tokenizer, load_tokenizer
+from promptsplice.engine_adapters._requests import (
+    Adapt,
+    Completion,
+    PhasedRun,
+    PhaseResult,
+    StreamDelta,
+    admit_run,
+    run_phases,
+)
 from promptsplice.engine_adapters._wire import (
     Accumulator,
     Call,
@@ -95,6 +110,7 @@ class ServedEngineSurface:
         self._given_tokenizer = tokenizer
         self._probe: Any = _UNSET  # SpliceAck | None once asked
         self._tok: Tokenizer | None = None
+        self._mirror: PrefixCacheMirror | None = None
 
     # -- facts from the server -------------------------------------------------------
     def _model_id(self) -> str:
@@ -215,10 +231,24 @@ class ServedEngineSurface:
                 "(or other ids): pass RemoteEngine(tokenizer=...) with the served model's tokenizer"
             )
 
+    def _served_mirror(self) -> PrefixCacheMirror:
+        if self._mirror is None:
+            ack = self.splice_probe()
+            capacity = ack.num_blocks - 1 if ack is not None and ack.num_blocks > 1 else None
+            self._mirror = PrefixCacheMirror(self.block_size, capacity)
+        return self._mirror
+
+    @property
+    def mirror(self) -> MirrorView:
+        """A read-only view of this client's mirror of the server's prefix cache (module
+        doc): what the engine's assemblers and the runners predict from."""
+        return self._served_mirror().view()
+
     def make_assembler(self, **kwargs: Any) -> Assembler:
-        """An :class:`~promptsplice.assembler.Assembler` for this server: its tokenizer and
-        block size (no mirror: the server's cache is not observed from here)."""
+        """An :class:`~promptsplice.assembler.Assembler` for this server: its tokenizer,
+        block size and (unless ``mirror=`` is given) a view of :attr:`mirror`."""
         tokenizer = kwargs.pop("tokenizer", None) or self.tokenizer
+        kwargs.setdefault("mirror", self.mirror)
         return Assembler(tokenizer, block_size=self.block_size, **kwargs)
 
     # -- requests --------------------------------------------------------------------
@@ -252,6 +282,14 @@ class ServedEngineSurface:
             )
         prompt = req.body["prompt"]
         ids = list(prompt) if isinstance(prompt, list) else []
+        predicted = None
+        if ids:  # what ran, replayed into the mirror (text prompts: the ids are not known here)
+            try:
+                mirror = self._served_mirror()
+            except ConfigError:  # no block size known: no mirror
+                mirror = None
+            if mirror is not None:
+                predicted = admit_run(mirror, ids, list(rc.token_ids or []), req.body.get("cache_salt"))
         return Completion(
             text=rc.text,
             token_ids=list(rc.token_ids or []),
@@ -263,6 +301,7 @@ class ServedEngineSurface:
             finish_reason=rc.finish_reason,
             request_id=rc.request_id,
             logprobs=rc.logprobs,
+            predicted_cached_tokens=predicted,
         )
 
     def _generate_served(

@@ -409,3 +409,10 @@ def bound_block_ids(connector: Any, req_id: str) -> list[int]:
     if manager is None:
         raise EngineError("vLLM bound no KV cache manager to the splice connector (vLLM's API changed?)")
     return list(manager.get_block_ids(req_id)[0])
+
+
+def connector_num_blocks(connector: Any) -> int:
+    """The KV cache's block count a connector was built for (``num_gpu_blocks``: the
+    ``KVCacheConfig`` vLLM passes to ``KVConnectorBase_V1``); 0 when vLLM gave none."""
+    config = getattr(connector, "_kv_cache_config", None)
+    return int(getattr(config, "num_blocks", 0) or 0)

@@ -258,7 +258,7 @@ class SpliceConnector(KVConnectorBase_V1):
         reason, planned, loaded, relocated, matched = ack
         return False, ack_params(SpliceAck(
             not reason, reason, planned, loaded, relocated, self.settings.block_size,
-            self.settings.relocation, matched, devs,
+            self.settings.relocation, matched, devs, _vllm.connector_num_blocks(self),
         ))
 
     def _match(self, refs: list[Any], salt: str | None) -> int:

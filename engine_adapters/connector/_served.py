@@ -17,7 +17,8 @@ returns :func:`ack_params`, which vLLM's OpenAI server puts in the response body
 
     {"splice_ack": {"applied": true, "reason": "", "planned_tokens": 192,
                     "loaded_tokens": 192, "relocated_tokens": 192, "block_size": 32,
-                    "relocation": true, "matched": [], "deviations": [[64, -96, [...], [...]]]}}
+                    "relocation": true, "matched": [], "deviations": [[64, -96, [...], [...]]],
+                    "num_blocks": 1456}}
 
 ``deviations`` are the plan's probes (:class:`~._plans.BlockDeviation`: first token,
 delta, per-layer K and V errors), so a served engine's adaptive recompute reads what
@@ -192,6 +193,9 @@ class SpliceAck(NamedTuple):
     deviations: tuple[BlockDeviation, ...] = ()
     """The plan's probes: each recomputed block's deviation from its relocated old KV,
     measured by the connector (what ``max_deviation`` reads on the embedded engine)."""
+    num_blocks: int = 0
+    """The server's KV cache in blocks (vLLM's ``num_gpu_blocks``; 0: not said): the
+    capacity of the client's mirror of that cache."""
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> SpliceAck | None:
@@ -208,6 +212,7 @@ class SpliceAck(NamedTuple):
                     BlockDeviation(int(s), int(d), tuple(float(x) for x in k), tuple(float(x) for x in v))
                     for s, d, k, v in raw.get("deviations") or ()
                 ),
+                int(raw.get("num_blocks") or 0),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -66,7 +66,8 @@ in the client and the block store in the server: each request asks the store onc
 query answered in the connector's ack) for every chunk it looks up and both exact
 alternatives, and once more after a precompute; plans go out as
 ``kv_transfer_params``, the probes' deviations come back in the acks.  The hit
-prediction comes from the assembler's own mirror (the server's cache is not observed).
+prediction comes from the engine's mirror, which a served engine keeps client-side
+(exact while the runner's client is the server's only user).
 
 Fidelity (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
 runner (default ``exact``: approximate KV is opt-in) or per request picks the recompute (``recompute_blocks``

@@ -158,12 +158,15 @@ def test_rag_runner_exact_over_the_served_engine_gives_the_embedded_counts(remot
     counts = {}
     for name, eng in (("embedded", kv_engine), ("served", remote)):
         runner = RagRunner(eng, mode="exact", salt=salt(f"rag-{name}"), policy="stable")
-        counts[name] = [
-            (s.prompt_tokens, s.prefill_tokens, s.cached_tokens, s.requests, s.completion.token_ids)
-            for s in (runner.run(chunks(r), query=r.query, system=r.system or None, max_tokens=4) for r in reqs)
-        ]
+        steps = [runner.run(chunks(r), query=r.query, system=r.system or None, max_tokens=4) for r in reqs]
+        counts[name] = [(s.prompt_tokens, s.prefill_tokens, s.cached_tokens, s.requests, s.completion.token_ids)
+                        for s in steps]
+        predicted = [s.completion.predicted_cached_tokens for s in steps]
     assert counts["served"] == counts["embedded"]
     print("rag exact counts (prompt, prefill, cached, requests):", [c[:4] for c in counts["served"]])
+    # the client's mirror of the server's cache predicted every count, with its capacity
+    assert [p for p in predicted] == [c[2] for c in counts["served"]]
+    assert remote.mirror.capacity_blocks == remote.splice_probe().num_blocks - 1 > 500  # 1 GiB of KV
     assert counts["served"][0][2] == 0 and any(c[2] > 0 for c in counts["served"][1:])
 
 
