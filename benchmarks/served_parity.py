@@ -3,8 +3,9 @@ same counts, outputs and fidelity probes, and what the server's round trips cost
 
 One embedded engine and one loopback ``vllm serve`` that loads the splice connector,
 started with the same KV cache (1 GiB), the same tiered block store (sizes, a fresh
-folder each), the model's own context and full-vocabulary logprobs, each run alone
-(the embedded engine is closed before the server starts).  On each:
+folder each), the model's own context and full-vocabulary logprobs, both alive and
+driven one step each in turn (the wall times then compare under the same machine
+load).  On each:
 
 * **rag**: ``RagRunner(mode="position_independent", fidelity=...)`` over the first
   ``--requests`` requests of a RAG trace (the store query per request, plans in
@@ -53,7 +54,7 @@ from promptsplice.benchmarks.fidelity import full_blocks, kl, probe, reference
 from promptsplice.benchmarks.traces_format import RagRequest, read_rag_trace
 from promptsplice.errors import ConfigError
 
-__all__ = ["KL_TOLERANCE", "compare", "main", "run_on_engine", "run_served_parity"]
+__all__ = ["KL_TOLERANCE", "compare", "main", "run_on_engines", "run_served_parity"]
 
 KL_TOLERANCE = 1e-4
 """Largest first-token KL difference between the two paths that counts as equal."""
@@ -85,8 +86,8 @@ def _probe(engine: Any, tokens: list[int], salt: str) -> dict[str, float]:
     return {"kl": kl(p_ref, first), "tf_top1": tf}
 
 
-def run_on_engine(
-    engine: Any,
+def run_on_engines(
+    engines: dict[str, Any],
     *,
     rag: Sequence[RagRequest] = (),
     agent: Sequence[AgentSession] = (),
@@ -95,40 +96,47 @@ def run_on_engine(
     max_tokens: int = 8,
     tag: str = "parity",
     relocate: str = "when_it_pays",
-) -> dict[str, Any]:
-    """Both runners over ``engine`` (module doc): per kind, the step rows, the probes
-    (``probes`` first relocating steps) and the wall time of the runs (probes excluded).
-    ``relocate``: the RAG runner's gate (``RagRunner(relocate=...)``)."""
+) -> dict[str, dict[str, Any]]:
+    """Both runners over each engine (module doc), one step on every engine in turn, so
+    that the wall times compare under the same machine load: per engine and kind, the
+    step rows, the probes (the first ``probes`` relocating steps) and the wall time of
+    the runs (probes excluded).  ``relocate``: the RAG runner's gate."""
     from promptsplice.assembler import ContextHook
     from promptsplice.engine_adapters import AgentRunner, RagRunner
 
-    out: dict[str, Any] = {}
-    runner = RagRunner(engine, mode="position_independent", salt=f"{tag}-rag", fidelity=fidelity, policy="stable",
-                       relocate=relocate)
-    rows, kls, wall = [], [], 0.0
+    out: dict[str, dict[str, Any]] = {}
+    for name, engine in engines.items():
+        out[name] = {kind: {"rows": [], "probes": [], "wall_s": 0.0} for kind in ("rag", "agent")}
+        out[name]["kv_blocks"] = engine.mirror.capacity_blocks + 1 if engine.mirror.capacity_blocks else None
+    rag_runners = {
+        name: RagRunner(eng, mode="position_independent", salt=f"{tag}-{name}-rag", fidelity=fidelity,
+                        policy="stable", relocate=relocate)
+        for name, eng in engines.items()
+    }
     for req in rag:
-        t0 = time.perf_counter()
-        st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=max_tokens)
-        wall += time.perf_counter() - t0
-        rows.append(_rag_row(st))
-        if st.relocated_tokens and len(kls) < probes:
-            kls.append(_probe(engine, list(st.prompt.token_ids), runner.reuse_salt))
-    out["rag"] = {"rows": rows, "probes": kls, "wall_s": wall}
-
-    agent_runner = AgentRunner(engine, mode="splice", salt=f"{tag}-agent", fidelity=fidelity)
-    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
-    rows, kls, wall = [], [], 0.0
+        for name, runner in rag_runners.items():
+            res = out[name]["rag"]
+            t0 = time.perf_counter()
+            st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=max_tokens)
+            res["wall_s"] += time.perf_counter() - t0
+            res["rows"].append(_rag_row(st))
+            if st.relocated_tokens and len(res["probes"]) < probes:
+                res["probes"].append(_probe(engines[name], list(st.prompt.token_ids), runner.reuse_salt))
+    agent_runners = {name: AgentRunner(eng, mode="splice", salt=f"{tag}-{name}-agent", fidelity=fidelity)
+                     for name, eng in engines.items()}
+    first = next(iter(engines.values()))
+    hook = ContextHook(first.tokenizer, block_size=first.block_size)  # the render is the engines' own
     for sess in agent:
         for msgs in sess.renders:
             prepared = hook(sess.id, msgs, sess.tools or None)
-            t0 = time.perf_counter()
-            st = agent_runner.step(prepared, max_tokens=max_tokens)
-            wall += time.perf_counter() - t0
-            rows.append(_agent_row(st))
-            if st.relocated_tokens and len(kls) < probes:
-                kls.append(_probe(engine, list(prepared.token_ids), agent_runner.session_salt(sess.id)))
-    out["agent"] = {"rows": rows, "probes": kls, "wall_s": wall}
-    out["kv_blocks"] = engine.mirror.capacity_blocks + 1 if engine.mirror.capacity_blocks else None
+            for name, runner in agent_runners.items():
+                res = out[name]["agent"]
+                t0 = time.perf_counter()
+                st = runner.step(prepared, max_tokens=max_tokens)
+                res["wall_s"] += time.perf_counter() - t0
+                res["rows"].append(_agent_row(st))
+                if st.relocated_tokens and len(res["probes"]) < probes:
+                    res["probes"].append(_probe(engines[name], list(prepared.token_ids), runner.session_salt(sess.id)))
     return out
 
 
@@ -193,26 +201,24 @@ def run_served_parity(
             return StoreConfig(dram_bytes=STORE_DRAM_BYTES, disk_bytes=STORE_DISK_BYTES, disk_dir=str(folder),
                                fsync=False)
 
-        say("served parity: embedded engine")
+        say("served parity: the embedded engine and vllm serve, one step each in turn")
         eng = EmbeddedEngine(kv_store=store("embedded"), kv_cache_bytes=KV_CACHE_BYTES,
                              extra_kwargs={"max_logprobs": -1})
         try:
             max_len = eng.max_model_len
-            embedded = run_on_engine(eng, rag=rag, agent=agent, fidelity=fidelity, probes=probes, relocate=relocate)
+            args = ["--kv-transfer-config", kv_transfer_config_json(store("served")), "--max-logprobs=-1"]
+            with loopback_servers(1, kv_cache_gib=KV_CACHE_BYTES >> 30, max_model_len=max_len,
+                                  extra_args=args) as servers:
+                with RemoteEngine(servers[0].base_url, max_retries=0, timeout=600) as remote:
+                    results = run_on_engines({"embedded": eng, "served": remote}, rag=rag, agent=agent,
+                                             fidelity=fidelity, probes=probes, relocate=relocate)
         finally:
             eng.close()
-        say("served parity: vllm serve")
-        args = ["--kv-transfer-config", kv_transfer_config_json(store("served")), "--max-logprobs=-1"]
-        with loopback_servers(1, kv_cache_gib=KV_CACHE_BYTES >> 30, max_model_len=max_len,
-                              extra_args=args) as servers:
-            with RemoteEngine(servers[0].base_url, max_retries=0, timeout=600) as remote:
-                served = run_on_engine(remote, rag=rag, agent=agent, fidelity=fidelity, probes=probes,
-                                       relocate=relocate)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report = {"fidelity": fidelity, "relocate": relocate, "kv_cache_bytes": KV_CACHE_BYTES, "max_model_len": max_len,
               "store": {"dram_bytes": STORE_DRAM_BYTES, "disk_bytes": STORE_DISK_BYTES}}
-    report.update(compare(embedded, served))
+    report.update(compare(results["embedded"], results["served"]))
     return report
 
 

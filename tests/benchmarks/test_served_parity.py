@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from promptsplice.benchmarks.served_parity import KL_TOLERANCE, compare, run_on_engine
+from promptsplice.benchmarks.served_parity import KL_TOLERANCE, compare, run_on_engines
 from promptsplice.engine_adapters import RemoteEngine
 
 
@@ -25,8 +25,8 @@ def test_the_served_path_gives_the_embedded_rows_and_probes(remote, kv_engine, r
 
     session = AgentSession(id="parity", tools=TOOLS, renders=agent_renders())
     kw = {"rag": rag_requests[:5], "agent": [session], "probes": 1, "relocate": "always"}
-    embedded = run_on_engine(kv_engine, tag="parity-emb", **kw)
-    served = run_on_engine(remote, tag="parity-srv", **kw)
+    results = run_on_engines({"embedded": kv_engine, "served": remote}, **kw)
+    embedded, served = results["embedded"], results["served"]
     report = compare(embedded, served)
     print({k: {f: report[k][f] for f in ("steps", "identical_steps", "relocated_tokens", "kl", "wall_ratio")}
            for k in ("rag", "agent")})
