@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--raw", default=None, help="also write the configs' rows here as they finish")
     parser.add_argument("--report-from", default=None, help="rebuild the report from a --raw file (no engine)")
     parser.add_argument("--block-size", type=int, default=32, help="with --report-from: the engine's block size")
-    parser.add_argument("--budget-sweep", default=None, help="a --raw file: per-step approximate-token budgets vs the bar (no engine)")
+    parser.add_argument("--budget-sweep", default=None, help="a --raw file of one fixed recompute (--bounded-only): per-step approximate-token budgets vs the bar (no engine)")
     parser.add_argument("--recompute-blocks", type=int, default=2, help="with --budget-sweep: the runs' recomputed blocks")
     args = parser.parse_args(argv)
     if args.budget_sweep:

@@ -186,8 +186,8 @@ def run_served_parity(
     relocate: str = "when_it_pays",
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Start the embedded engine, run, close it; start the server, run, stop it
-    (module doc); the compared report."""
+    """Start the embedded engine and the server, drive both one step each in turn, stop
+    them (module doc); the compared report."""
     from promptsplice.benchmarks.routing import loopback_servers
     from promptsplice.engine_adapters import EmbeddedEngine, RemoteEngine, StoreConfig
     from promptsplice.engine_adapters.connector._settings import kv_transfer_config_json

@@ -35,8 +35,11 @@ Where a served engine's facts come from:
 * **mirror**: the client keeps the mirror of the server's prefix cache, as the embedded
   engine keeps its own: every token-id request it ran is replayed there when its answer
   arrives (the prompt, the generated tokens' blocks, under its ``cache_salt``), with the
-  capacity the connector's ack names (vLLM's ``num_gpu_blocks``; unbounded from a server
-  without the connector).  ``make_assembler`` lends assemblers a view of it.  It equals
+  capacity the connector's ack names (vLLM's ``num_gpu_blocks``; the assembler's default
+  from a server without the connector), from the first use of :attr:`mirror` (which
+  ``make_assembler`` lends its assemblers; the runners make one at construction) on:
+  no request sends a probe for it.  Prompts sent as text are not replayed (their ids are
+  not known here): with ``send_token_ids=False`` assemblers keep mirrors of their own.  It equals
   the server's cache while this client is the server's only user and sends token ids;
   other traffic makes it a prediction (the counts reported always come from the server).
 * **the block store** lives in the server's process: ``kv_store`` is ``None`` and
@@ -64,7 +67,14 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice._validate import check_int
-from promptsplice.assembler import Assembler, MirrorView, PrefixCacheMirror, Tokenizer, load_tokenizer
+from promptsplice.assembler import (
+    DEFAULT_CAPACITY_BLOCKS,
+    Assembler,
+    MirrorView,
+    PrefixCacheMirror,
+    Tokenizer,
+    load_tokenizer,
+)
 from promptsplice.engine_adapters._requests import (
     Adapt,
     Completion,
@@ -85,7 +95,7 @@ from promptsplice.engine_adapters._wire import (
     parse_json,
 )
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
-from promptsplice.engine_adapters.connector._served import PROBE_KEY, QUERY_REASON, SpliceAck, query_params
+from promptsplice.engine_adapters.connector._served import MAX_QUERY_TOKENS, PROBE_KEY, QUERY_REASON, SpliceAck, query_params
 from promptsplice.engine_adapters.store._store import BlockRef
 from promptsplice.errors import ConfigError, EngineResponseError, TokenizerError
 
@@ -164,13 +174,26 @@ class ServedEngineSurface:
                 f"{self.base_url} does not run the splice connector: its block store cannot "  # type: ignore[attr-defined]
                 "be queried (start vllm serve with --kv-transfer-config kv_transfer_config_json(...))"
             )
-        if not chains:
-            return []
-        ack = self._ack_request(query_params(chains))
-        if ack is None or ack.reason != QUERY_REASON or len(ack.matched) != len(chains):
-            why = "no ack" if ack is None else ack.reason or f"{len(ack.matched)} answers for {len(chains)} chains"
-            raise EngineResponseError(f"{self.base_url}'s splice connector did not answer the store query: {why}")  # type: ignore[attr-defined]
-        return [min(int(n), len(refs)) for n, (refs, _) in zip(ack.matched, chains)]
+        # Queries of at most MAX_QUERY_TOKENS each; a longer chain is asked for its
+        # leading blocks only (a count is a leading run: the rest cannot add to a shorter one).
+        cap_blocks = max(1, MAX_QUERY_TOKENS // self.block_size)
+        cut = [(list(refs)[:cap_blocks], salt) for refs, salt in chains]
+        out: list[int] = []
+        batch: list[tuple[Sequence[BlockRef], str | None]] = []
+        size = 0
+        for chain in cut + [None]:  # type: ignore[list-item]
+            n = len(chain[0]) if chain is not None else 0
+            if batch and (chain is None or size + n > cap_blocks):
+                ack = self._ack_request(query_params(batch))
+                if ack is None or ack.reason != QUERY_REASON or len(ack.matched) != len(batch):
+                    why = "no ack" if ack is None else ack.reason or f"{len(ack.matched)} answers for {len(batch)} chains"
+                    raise EngineResponseError(f"{self.base_url}'s splice connector did not answer the store query: {why}")  # type: ignore[attr-defined]
+                out += [min(int(k), len(refs)) for k, (refs, _) in zip(ack.matched, batch)]
+                batch, size = [], 0
+            if chain is not None:
+                batch.append(chain)
+                size += n
+        return out
 
     @property
     def kv_store(self) -> None:
@@ -234,7 +257,7 @@ class ServedEngineSurface:
     def _served_mirror(self) -> PrefixCacheMirror:
         if self._mirror is None:
             ack = self.splice_probe()
-            capacity = ack.num_blocks - 1 if ack is not None and ack.num_blocks > 1 else None
+            capacity = ack.num_blocks - 1 if ack is not None and ack.num_blocks > 1 else DEFAULT_CAPACITY_BLOCKS
             self._mirror = PrefixCacheMirror(self.block_size, capacity)
         return self._mirror
 
@@ -248,7 +271,10 @@ class ServedEngineSurface:
         """An :class:`~promptsplice.assembler.Assembler` for this server: its tokenizer,
         block size and (unless ``mirror=`` is given) a view of :attr:`mirror`."""
         tokenizer = kwargs.pop("tokenizer", None) or self.tokenizer
-        kwargs.setdefault("mirror", self.mirror)
+        if self.send_token_ids and "capacity_blocks" not in kwargs:  # type: ignore[attr-defined]
+            kwargs.setdefault("mirror", self.mirror)
+        # prompts sent as text are not replayed here: such an assembler keeps (and admits
+        # into) a mirror of its own, as before the engine kept one
         return Assembler(tokenizer, block_size=self.block_size, **kwargs)
 
     # -- requests --------------------------------------------------------------------
@@ -283,13 +309,8 @@ class ServedEngineSurface:
         prompt = req.body["prompt"]
         ids = list(prompt) if isinstance(prompt, list) else []
         predicted = None
-        if ids:  # what ran, replayed into the mirror (text prompts: the ids are not known here)
-            try:
-                mirror = self._served_mirror()
-            except ConfigError:  # no block size known: no mirror
-                mirror = None
-            if mirror is not None:
-                predicted = admit_run(mirror, ids, list(rc.token_ids or []), req.body.get("cache_salt"))
+        if ids and self._mirror is not None:  # what ran, replayed into the mirror once it exists
+            predicted = admit_run(self._mirror, ids, list(rc.token_ids or []), req.body.get("cache_salt"))
         return Completion(
             text=rc.text,
             token_ids=list(rc.token_ids or []),

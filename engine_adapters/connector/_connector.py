@@ -40,6 +40,7 @@ pass ``skip_reading_prefix_cache=False`` to keep them.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 from dataclasses import dataclass
@@ -86,6 +87,16 @@ _log = logging.getLogger(__name__)
 _BOARD_LOCK = threading.Lock()
 _BOARDS: dict[int, dict[str, list[BlockDeviation]]] = {}
 _MAX_BOARD = 4096
+
+
+def _finite(dev: BlockDeviation) -> BlockDeviation:
+    """``dev`` with non-finite errors (KV that overflowed) as :data:`_NOT_FINITE`: the ack
+    is JSON, which has no NaN, and a huge deviation makes the guard recompute (safe)."""
+    fix = lambda xs: tuple(x if math.isfinite(x) else _NOT_FINITE for x in xs)  # noqa: E731
+    return dev._replace(k=fix(dev.k), v=fix(dev.v))
+
+
+_NOT_FINITE = 1e9
 
 
 def _probe_board(store: BlockStore) -> dict[str, list[BlockDeviation]]:
@@ -222,6 +233,8 @@ class SpliceConnector(KVConnectorBase_V1):
                 elif reason and reason != PROBE_REASON:
                     _log.warning("splice connector: plain prefill for %s: %s", req_id, reason)
                 ack = self._acks[req_id] = [reason, verdict.planned_tokens, 0, 0, matched]
+                with _BOARD_LOCK:  # a reused request id never inherits older probes
+                    self._probes.pop(req_id, None)
         if ack is not None and ack[0]:
             params = None  # the plan does not match the request: plain prefill
         n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params)
@@ -251,7 +264,7 @@ class SpliceConnector(KVConnectorBase_V1):
             self.scheduler.request_finished(request.request_id)
         ack = self._acks.pop(request.request_id, None)
         with _BOARD_LOCK:
-            devs = tuple(self._probes.pop(request.request_id, ()))
+            devs = tuple(_finite(d) for d in self._probes.pop(request.request_id, ()))
         if ack is None:
             return False, None
         # The answer vLLM's OpenAI server returns in the response's kv_transfer_params.

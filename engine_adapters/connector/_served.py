@@ -173,7 +173,7 @@ def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int)
 
 
 class SpliceAck(NamedTuple):
-    """The connector's answer for a request that carried a plan."""
+    """The connector's answer for a request that carried a plan, a probe or a store query."""
 
     applied: bool
     """The plan was accepted (its blocks may still be missing from the store: see the counts)."""

@@ -61,10 +61,13 @@ the tenant's position-independent requests reach them.
 
 **Over a server** (:class:`~promptsplice.engine_adapters.RemoteEngine` on a ``vllm
 serve`` that loads the splice connector): the same code path.  The chunk index lives
-in the client and the block store in the server: each request asks the store once
-(:meth:`~promptsplice.engine_adapters.RemoteEngine.match_chains`, a one-token store
-query answered in the connector's ack) for every chunk it looks up and both exact
-alternatives, and once more after a precompute; plans go out as
+in the client and the block store in the server, asked by store queries
+(:meth:`~promptsplice.engine_adapters.RemoteEngine.match_chains`: a one-token request
+answered in the connector's ack, one per lookup round): a relocating request asks once
+for every chunk behind the hit and both exact alternatives, once more after a
+precompute and, with ``recompute_blocks > 0``, once for the short chunks its
+``recomputed_tokens`` record counts; a request at ``exact`` fidelity asks once after it
+ran, for the same record.  Plans go out as
 ``kv_transfer_params``, the probes' deviations come back in the acks.  The hit
 prediction comes from the engine's mirror, which a served engine keeps client-side
 (exact while the runner's client is the server's only user).

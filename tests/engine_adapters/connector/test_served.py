@@ -162,3 +162,37 @@ def test_query_params_refuses_what_cannot_be_sent():
         query_params([([], None)])
     with pytest.raises(ConfigError, match="str salts"):
         query_params([(refs, b"bytes")])
+
+
+def test_a_served_store_query_is_split_under_the_cap_and_long_chains_ask_their_lead(monkeypatch):
+    from promptsplice.engine_adapters import RemoteEngine
+    from promptsplice.engine_adapters import _served_engine
+
+    toks = list(range(100, 100 + 10 * BS))
+    full = chain_refs(toks, BS, salt="t")
+    store = FakeStore((full[:7], "t"))
+    sent = []
+
+    def ack_request(params):
+        sent.append(sum(len(c["tokens"]) for c in params[QUERY_KEY]) // BS)
+        matched, why = answer_query(json.loads(json.dumps(params))[QUERY_KEY], store.match, BS)
+        return SpliceAck(False, why or QUERY_REASON, 0, 0, 0, BS, True, matched)
+
+    monkeypatch.setattr(_served_engine, "MAX_QUERY_TOKENS", 4 * BS)  # 4 blocks per query
+    eng = RemoteEngine("http://127.0.0.1:9", block_size=BS)
+    eng._probe = SpliceAck(False, PROBE_REASON, 0, 0, 0, BS, True)  # as if the probe had answered
+    monkeypatch.setattr(eng, "_ack_request", ack_request)
+    # 10 blocks (asked: its first 4), then 2, 3 and 1 blocks: queries of 4, 2 and 3 + 1
+    chains = [(full, "t"), (full[:2], "t"), (full[4:7], "t"), (full[:1], "u")]
+    assert eng.match_chains(chains) == [4, 2, 3, 0]
+    assert sent == [4, 2, 4]
+
+
+def test_a_non_finite_deviation_reaches_the_ack_as_a_large_finite_one():
+    from promptsplice.engine_adapters.connector._connector import _NOT_FINITE, _finite
+    from promptsplice.engine_adapters.connector._plans import BlockDeviation
+
+    dev = _finite(BlockDeviation(64, -32, (0.1, float("nan")), (float("inf"), 0.2)))
+    assert dev == BlockDeviation(64, -32, (0.1, _NOT_FINITE), (_NOT_FINITE, 0.2))
+    ack = SpliceAck(True, "", 32, 32, 32, BS, True, (), (dev,))
+    assert SpliceAck.from_params(json.loads(json.dumps(ack_params(ack), allow_nan=False))) == ack
