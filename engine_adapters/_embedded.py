@@ -79,7 +79,7 @@ from promptsplice.engine_adapters._requests import (
     run_phases,
     stream_deltas,
 )
-from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
+from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan, latest_per_block
 from promptsplice.errors import (
     ConfigError,
     EngineDeadError,
@@ -375,7 +375,7 @@ class EmbeddedEngine:
             reloc, probed = worker.stats.relocated_blocks, worker.stats.probed_blocks
             out = self.generate(prompt, cache_salt=cache_salt, splice=plan, **kwargs)
             new = min(worker.stats.probed_blocks - probed, len(worker.deviations))
-            seen = tuple(list(worker.deviations)[len(worker.deviations) - new :]) if new else ()
+            seen = latest_per_block(list(worker.deviations)[len(worker.deviations) - new :]) if new else ()
             return PhaseResult(out, (worker.stats.relocated_blocks - reloc) * self.block_size, seen)
 
         return run_phases(tokens, phases, run_one, gen, adapt)

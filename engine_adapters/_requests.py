@@ -33,6 +33,7 @@ __all__ = [
     "PromptLike",
     "StreamDelta",
     "check_context",
+    "check_logprobs",
     "check_sampling",
     "check_splice",
     "logprob_dicts",
@@ -238,6 +239,12 @@ def check_context(num_tokens: int, max_model_len: int) -> None:
         )
 
 
+def check_logprobs(logprobs: Any) -> None:
+    """``logprobs``: None, -1 (the whole vocabulary) or a count >= 0."""
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1):
+        raise ConfigError(f"logprobs must be None, -1 (all) or an int >= 0, got {logprobs!r}")
+
+
 def check_sampling(
     max_tokens: Any, temperature: Any, stop: Any, logprobs: Any = None
 ) -> dict[str, Any]:
@@ -249,8 +256,7 @@ def check_sampling(
         stops = [stop] if isinstance(stop, str) else list(stop)
         if not all(isinstance(s, str) and s for s in stops):
             raise ConfigError(f"stop must be a str or a list of non-empty str, got {stop!r}")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1):
-        raise ConfigError(f"logprobs must be None, -1 (all) or an int >= 0, got {logprobs!r}")
+    check_logprobs(logprobs)
     return {"max_tokens": max_tokens, "temperature": float(temperature), "stop": stops, "logprobs": logprobs}
 
 

@@ -82,6 +82,7 @@ from promptsplice.engine_adapters._requests import (
     PhaseResult,
     StreamDelta,
     admit_run,
+    check_logprobs,
     run_phases,
 )
 from promptsplice.engine_adapters._wire import (
@@ -177,22 +178,22 @@ class ServedEngineSurface:
         # Queries of at most MAX_QUERY_TOKENS each; a longer chain is asked for its
         # leading blocks only (a count is a leading run: the rest cannot add to a shorter one).
         cap_blocks = max(1, MAX_QUERY_TOKENS // self.block_size)
-        cut = [(list(refs)[:cap_blocks], salt) for refs, salt in chains]
-        out: list[int] = []
-        batch: list[tuple[Sequence[BlockRef], str | None]] = []
+        batches: list[list[tuple[list[BlockRef], str | None]]] = [[]]
         size = 0
-        for chain in cut + [None]:  # type: ignore[list-item]
-            n = len(chain[0]) if chain is not None else 0
-            if batch and (chain is None or size + n > cap_blocks):
-                ack = self._ack_request(query_params(batch))
-                if ack is None or ack.reason != QUERY_REASON or len(ack.matched) != len(batch):
-                    why = "no ack" if ack is None else ack.reason or f"{len(ack.matched)} answers for {len(batch)} chains"
-                    raise EngineResponseError(f"{self.base_url}'s splice connector did not answer the store query: {why}")  # type: ignore[attr-defined]
-                out += [min(int(k), len(refs)) for k, (refs, _) in zip(ack.matched, batch)]
-                batch, size = [], 0
-            if chain is not None:
-                batch.append(chain)
-                size += n
+        for refs, salt in chains:
+            cut = list(refs)[:cap_blocks]
+            if batches[-1] and size + len(cut) > cap_blocks:
+                batches.append([])
+                size = 0
+            batches[-1].append((cut, salt))
+            size += len(cut)
+        out: list[int] = []
+        for batch in filter(None, batches):
+            ack = self._ack_request(query_params(batch))
+            if ack is None or ack.reason != QUERY_REASON or len(ack.matched) != len(batch):
+                why = "no ack" if ack is None else ack.reason or f"{len(ack.matched)} answers for {len(batch)} chains"
+                raise EngineResponseError(f"{self.base_url}'s splice connector did not answer the store query: {why}")  # type: ignore[attr-defined]
+            out += [min(int(k), len(refs)) for k, (refs, _) in zip(ack.matched, batch)]
         return out
 
     @property
@@ -282,8 +283,7 @@ class ServedEngineSurface:
         self, prompt: Any, max_tokens: int, temperature: float, cache_salt: str | None,
         stop: str | Sequence[str] | None, splice: SplicePlan | None, logprobs: int | None, stream: bool,
     ) -> Request:
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1):
-            raise ConfigError(f"logprobs must be None, -1 (all) or an int >= 0, got {logprobs!r}")
+        check_logprobs(logprobs)
         req = self._completion_request(  # type: ignore[attr-defined]
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             prompt_cache_key=None, stream=stream, splice=splice,

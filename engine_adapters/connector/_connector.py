@@ -53,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from promptsplice.engine_adapters import _vllm
-from promptsplice.engine_adapters.connector._plans import BlockDeviation
+from promptsplice.engine_adapters.connector._plans import BlockDeviation, latest_per_block
 from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
 from promptsplice.engine_adapters.connector._served import (
     PROBE_REASON,
@@ -264,7 +264,7 @@ class SpliceConnector(KVConnectorBase_V1):
             self.scheduler.request_finished(request.request_id)
         ack = self._acks.pop(request.request_id, None)
         with _BOARD_LOCK:
-            devs = tuple(_finite(d) for d in self._probes.pop(request.request_id, ()))
+            devs = tuple(_finite(d) for d in latest_per_block(self._probes.pop(request.request_id, ())))
         if ack is None:
             return False, None
         # The answer vLLM's OpenAI server returns in the response's kv_transfer_params.

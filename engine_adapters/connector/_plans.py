@@ -286,6 +286,13 @@ class BlockDeviation(NamedTuple):
         return max((*self.k, *self.v), default=0.0)
 
 
+def latest_per_block(devs: Sequence[BlockDeviation]) -> tuple[BlockDeviation, ...]:
+    """One deviation per block (``dst_start``), the latest, in first-probed order: a
+    request that vLLM preempted and recomputed probes its blocks again."""
+    last = {d.dst_start: d for d in devs}
+    return tuple(last.values()) if len(last) < len(devs) else tuple(devs)
+
+
 def _as_token_list(tokens: Sequence[int], what: str) -> list[int]:
     try:
         out = [int(t) for t in tokens]

@@ -66,8 +66,8 @@ in the client and the block store in the server, asked by store queries
 answered in the connector's ack, one per lookup round): a relocating request asks once
 for every chunk behind the hit and both exact alternatives, once more after a
 precompute and, with ``recompute_blocks > 0``, once for the short chunks its
-``recomputed_tokens`` record counts; a request at ``exact`` fidelity asks once after it
-ran, for the same record.  Plans go out as
+``recomputed_tokens`` record counts; a request at ``exact`` fidelity asks once before it
+runs, for the same record, and only when the index holds one of its chunks.  Plans go out as
 ``kv_transfer_params``, the probes' deviations come back in the acks.  The hit
 prediction comes from the engine's mirror, which a served engine keeps client-side
 (exact while the runner's client is the server's only user).
@@ -327,18 +327,21 @@ class RagRunner:
         asm = self.assembler
         t0 = time.perf_counter()
         prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=self.salt)
+        pic = self.mode is ReuseMode.POSITION_INDEPENDENT
+        if pic:  # what relocation would have served: chunks behind the hit stored before
+            bs, toks = self.engine.block_size, prompt.token_ids
+            hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
+            chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
+            behind = [s for s in chunk_segs if s.end > hit]
+            # asks the store only when the index holds one of them (none on first sight)
+            looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in behind], salt=self.salt)
+            served = sum(s.end - max(s.start, hit) for s, look in zip(behind, looks) if look.status is ChunkStatus.HIT)
         t_send = time.perf_counter()
         out = self.engine.generate(prompt, **gen)
         step = self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
-        if self.mode is ReuseMode.POSITION_INDEPENDENT:  # what relocation would have served
-            self._index_chunks(prompt.token_ids, [s for s in prompt.segments if s.kind is SegmentKind.CHUNK])
-            bs, toks = self.engine.block_size, prompt.token_ids
-            hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
-            behind = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK and s.end > hit]
-            looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in behind], salt=self.salt)
-            step.recomputed_tokens = sum(
-                s.end - max(s.start, hit) for s, look in zip(behind, looks) if look.status is ChunkStatus.HIT
-            )
+        if pic:
+            self._index_chunks(prompt.token_ids, chunk_segs)
+            step.recomputed_tokens = served
         return step
 
     def _run_pic(self, chunks, query, system, tools, gen, cfg: FidelitySettings) -> RagStep:

@@ -196,3 +196,16 @@ def test_plan_phases_probes_the_recomputed_blocks_in_the_request_that_computes_t
     (last,) = extend_recompute(rest2, new)
     assert last == SplicePhase(len(new), SplicePlan(BS, probes=(SpliceSegment(192, 1, -64, keys[7]),)))
     assert extend_recompute(last, new) is None
+
+
+def test_a_recomputed_request_reports_one_deviation_per_block():
+    """vLLM may preempt a request and compute its prompt again: its blocks are probed
+    twice, and the ack carries the latest measurement of each, in first-probed order."""
+    from promptsplice.engine_adapters.connector._plans import BlockDeviation, latest_per_block
+
+    a, b, c = (BlockDeviation(s, -32, (0.1 * i,), (0.2 * i,)) for i, s in enumerate((64, 96, 128), 1))
+    again_a, again_b = a._replace(k=(0.5,)), b._replace(v=(0.7,))
+    assert latest_per_block([a, b, c]) == (a, b, c)
+    assert latest_per_block([a, b, again_a, again_b]) == (again_a, again_b)
+    assert latest_per_block([a, b, c, again_b]) == (a, again_b, c)
+    assert latest_per_block([]) == ()

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from promptsplice.assembler import ContextHook
+from promptsplice.assembler import ContextHook, SegmentKind
 from promptsplice.benchmarks.agent_traces import read_agent_trace
 from promptsplice.benchmarks.fidelity import full_blocks, kl, verify_step
 from promptsplice.benchmarks.traces import sample_rag_requests
@@ -108,9 +108,15 @@ def test_runners_at_the_default_level_relocate_nothing(kv_engine):
     assert sum(st.recomputed_tokens for st in steps) > 0  # edits whose runs bounded would relocate
     pic = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}", policy="retrieval")
     req = next(r for r in sample_rag_requests(6, seed=3) if len(r.chunks) >= 2)
-    pic.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=1)
+    first = pic.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=1)
+    assert first.recomputed_tokens == 0  # nothing was stored before it: nothing to relocate
     e = pic.run(_chunks(req)[::-1], query=req.query, system=req.system or None, max_tokens=1)
-    assert e.fidelity is FidelityLevel.EXACT and e.relocated_tokens == 0 and e.requests == 1 and e.recomputed_tokens > 0
+    assert e.fidelity is FidelityLevel.EXACT and e.relocated_tokens == 0 and e.requests == 1
+    # every chunk behind the hit was stored by the first request: all of it counts
+    bs = kv_engine.block_size
+    hit = e.prompt.predicted_cached_tokens // bs * bs
+    behind = [s for s in e.prompt.segments if s.kind is SegmentKind.CHUNK and s.end > hit]
+    assert len(behind) >= 2 and e.recomputed_tokens == sum(s.end - max(s.start, hit) for s in behind)
 
 
 def test_an_exact_step_relocates_nothing_and_says_what_it_computed_instead(kv_engine):
@@ -150,11 +156,17 @@ def test_a_pic_request_at_exact_computes_its_stored_chunks(kv_engine):
     runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
                        policy="retrieval")
     req = next(r for r in reqs if len(r.chunks) >= 2)
-    runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=1)
+    # at exact, chunks go out whole blocks and are indexed where they stand
+    first = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=1, fidelity="exact")
+    assert first.recomputed_tokens == 0  # nothing stored before it
     # the same chunks in reverse: behind the head's hit, every chunk is stored elsewhere
     e = runner.run(_chunks(req)[::-1], query=req.query, system=req.system or None, max_tokens=1, fidelity="exact")
     assert e.fidelity is FidelityLevel.EXACT and e.relocated_tokens == e.planned_relocated_tokens == 0
-    assert e.salt == runner.salt and e.requests == 1 and e.recomputed_tokens > 0
+    bs = kv_engine.block_size
+    hit = e.prompt.predicted_cached_tokens // bs * bs
+    behind = [s for s in e.prompt.segments if s.kind is SegmentKind.CHUNK and s.end > hit]
+    assert e.salt == runner.salt and e.requests == 1 and len(behind) >= 2
+    assert e.recomputed_tokens == sum(s.end - max(s.start, hit) for s in behind)
     with pytest.raises(ConfigError, match="'sloppy'"):
         runner.run(_chunks(req), query="q", max_tokens=1, fidelity="sloppy")
 
