@@ -132,7 +132,7 @@ def check(g: Geometry, layout: str, device, *, impl: str, quick: bool, seed: int
         loader = SpliceWorker(store, block_size=g.block_size, caches=dst, backend=backend, rope=g.rope, impl=impl)
         save, load = _items(g, n, src_ids, dst_ids, deltas, "check")
         saver.save(SpliceMetadata(saves=[save]))
-        saver.flush_saves(wait=True)
+        saver.settle()  # what a finished request does: its copies complete, blocks stored
         stored = saver.stats.saved_blocks
         kids = torch.tensor(src_ids, device=device)
         bd = saver.block_dim

@@ -43,6 +43,8 @@ import logging
 import math
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +99,27 @@ def _finite(dev: BlockDeviation) -> BlockDeviation:
 
 
 _NOT_FINITE = 1e9
+
+
+_SETTLERS: dict[int, list[weakref.WeakMethod]] = {}
+
+
+def _add_settler(store: BlockStore, settle: Callable[[], int]) -> None:
+    """Register a worker's :meth:`SpliceWorker.settle` for ``store`` (weakly: an engine
+    that is gone leaves its entry dead, pruned here)."""
+    with _BOARD_LOCK:
+        live = [ref for ref in _SETTLERS.get(id(store), []) if ref() is not None]
+        _SETTLERS[id(store)] = [*live, weakref.WeakMethod(settle)]  # type: ignore[arg-type]
+
+
+def _settle(store: BlockStore) -> None:
+    """Wait for the pending saves of the workers in this process that save to ``store``."""
+    with _BOARD_LOCK:
+        refs = list(_SETTLERS.get(id(store), ()))
+    for ref in refs:
+        settle = ref()
+        if settle is not None:
+            settle()
 
 
 def _probe_board(store: BlockStore) -> dict[str, list[BlockDeviation]]:
@@ -166,6 +189,7 @@ class SpliceConnector(KVConnectorBase_V1):
             rope=self.settings.rope if self.settings.relocation else None,
         )
         self.worker.on_probe = self._record_probe
+        _add_settler(self.store, self.worker.settle)
 
     def _record_probe(self, req_id: str, dev: BlockDeviation) -> None:
         with _BOARD_LOCK:
@@ -262,6 +286,9 @@ class SpliceConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self.scheduler.request_finished(request.request_id)
+            # its last blocks may still be on their way to the store (CUDA): the next
+            # lookup, a store query or a client's index, must find them
+            _settle(self.store)
         ack = self._acks.pop(request.request_id, None)
         with _BOARD_LOCK:
             devs = tuple(_finite(d) for d in latest_per_block(self._probes.pop(request.request_id, ())))

@@ -15,7 +15,10 @@ the forward pass's writes, copies them into page-locked host buffers without blo
 the host, and hands them to the store only once the copy's event has completed
 (:meth:`SpliceWorker.flush_saves`, polled at every step: never on the forward path);
 the next step's cache writes wait on the device for the gather only (a block vLLM
-freed may be rewritten then), not for the host-bound copy.
+freed may be rewritten then), not for the host-bound copy.  When a request finishes,
+:meth:`SpliceWorker.settle` waits for the copies still in flight (the connector calls
+it), so that the next lookup finds a finished request's blocks, as on CPU: a precompute
+followed by a relocating request, an agent's next turn after an idle engine.
 A load copies each stored block (page-locked when this worker saved it) into a device
 staging buffer on a load stream; the relocation kernel then reads the staged blocks and
 writes rotated K / copied V into the destination blocks (the relocation *is* the copy
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -235,6 +239,7 @@ class SpliceWorker:
         self._failed: set[str] = set()
         self._jobs: list[_LoadJob] = []
         self._saves: deque[tuple[Any, list[torch.Tensor], SaveItem, Any]] = deque()
+        self._saves_lock = threading.Lock()  # settle may come from another thread
         self._gathered: Any = None
         """Event after the last save's gather: the next step's writes wait on it (a block
         freed by vLLM may be rewritten then), the host-bound copy does not."""
@@ -526,6 +531,10 @@ class SpliceWorker:
     def flush_saves(self, *, wait: bool = False) -> int:
         """Hand to the store the pending saves whose copies completed (all of them,
         waiting, with ``wait``); returns the blocks stored."""
+        with self._saves_lock:
+            return self._flush_saves(wait)
+
+    def _flush_saves(self, wait: bool) -> int:
         stored_all = 0
         while self._saves:
             done, hosts, item, _ = self._saves[0]
@@ -547,6 +556,12 @@ class SpliceWorker:
             self.history.append(("save", item, stored))
             stored_all += stored
         return stored_all
+
+    def settle(self) -> int:
+        """Hand every pending save to the store, waiting for its copy to complete (a
+        finished request's blocks are then found by the next lookup); returns the blocks
+        stored.  Nothing to wait for on CPU, where saves are stored inline."""
+        return self.flush_saves(wait=True) if self._saves else 0
 
     @property
     def pending_saves(self) -> int:

@@ -127,6 +127,28 @@ def test_offload_hit_after_the_prefix_cache_is_reset(kv_engine, text_tokens):
     assert n == 6 and set(item.deltas) == {0} and item.start == 0
 
 
+def test_a_finished_request_leaves_its_blocks_in_the_store_while_copies_are_in_flight(
+    kv_engine, text_tokens, monkeypatch
+):
+    """On CUDA a save's host copy completes after the step, and an idle engine runs no
+    later step to hand it over: the connector settles when a request finishes, so the
+    next lookup (a precompute's relocating request, a store query, an agent's next
+    turn) finds its blocks.  The copy's event is the stand-in (this CPU copies inline):
+    it completes only when waited on."""
+    worker = kv_engine.kv_connector.worker
+    monkeypatch.setattr(worker.io, "done", lambda ev, *, block: block)
+    s = salt("in-flight")
+    prompt = text_tokens[300:503]  # 6 full blocks and a token
+    refs = chain_refs(prompt, BS, salt=s)
+    stored0 = worker.stats.saved_blocks
+    out = kv_engine.generate(prompt, max_tokens=1, cache_salt=s)
+    assert out.num_cached_tokens == 0 and worker.pending_saves == 0
+    assert worker.stats.saved_blocks - stored0 == 6 and kv_engine.kv_store.match_prefix(refs, salt=s) == 6
+    kv_engine.reset_prefix_cache()
+    again = kv_engine.generate(prompt, max_tokens=1, cache_salt=s)
+    assert again.num_cached_tokens == 192 and again.token_ids == out.token_ids  # served from the store
+
+
 def test_a_damaged_block_file_is_recomputed_and_the_output_is_unchanged(kv_engine, text_tokens):
     """A block counted from the store's index but damaged on disk fails its checksum at
     load: the connector reports it (and the blocks after it) as load errors, vLLM

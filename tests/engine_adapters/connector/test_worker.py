@@ -52,6 +52,23 @@ def test_save_stores_exactly_the_blocks_of_every_layer(store):
     assert w.stats.saved_blocks == 3
 
 
+def test_saves_still_copying_reach_the_store_when_settled(store):
+    """On CUDA a save's host copy completes after the step: the blocks reach the store
+    at a later poll, or at ``settle`` (a finished request), which waits for the copy.
+    The copy's event is the one stand-in here: it completes only when waited on."""
+    caches = random_caches()
+    w = worker(store, caches)
+    w.io.done = lambda ev, *, block: block  # in flight until someone waits
+    refs = chain_refs(toks(2 * BS), BS, salt=SALT)
+    assert w.save(SpliceMetadata(saves=[SaveItem("r", SALT, tuple(refs), (4, 9))])) == 0
+    assert w.pending_saves == 1 and store.match_prefix(refs, salt=SALT) == 0
+    assert w.flush_saves() == 0 and w.pending_saves == 1  # a poll does not wait
+    assert w.settle() == 2 and w.pending_saves == 0 and w.settle() == 0
+    assert store.match_prefix(refs, salt=SALT) == 2
+    for ref, b in zip(refs, (4, 9)):
+        assert torch.equal(store.get(ref, salt=SALT).payload[0], gather_blocks(LAYOUT, caches["layers.0.attn"], [b]))
+
+
 def test_offload_load_writes_exactly_the_stored_blocks(store):
     prompt = toks(4 * BS)
     payloads = fill_store(store, prompt)
