@@ -18,10 +18,14 @@ the worker-side one loads, relocates and saves blocks in the paged cache
 :class:`~promptsplice.engine_adapters.store._store.BlockStore` through ``shared_store`` (the scheduler and
 the worker live in one process: the engine core's).
 
-Scope: vLLM's CPU backend (``CPU_ATTN``).  Offload hits (delta 0) copy whole cache
-blocks and work for any CPU attention ISA; relocation needs a verified block layout
-(``promptsplice.kernels.VERIFIED_CPU_ATTN_ISAS``) and a RoPE that ``promptsplice.kernels.RopeConfig`` implements,
-otherwise plans fall back to computing.  ``kv_load_failure_policy="recompute"`` is what
+Scope: the attention backends of ``_settings.CONNECTOR_BACKENDS`` (vLLM's CPU backend,
+``CPU_ATTN``; on CUDA ``FLASH_ATTN`` and ``FLASHINFER``; others are refused by name).
+Offload hits (delta 0) copy whole cache blocks and work for any CPU attention ISA;
+relocation needs a verified block layout (on CPU ``promptsplice.kernels.VERIFIED_CPU_ATTN_ISAS``)
+and a RoPE that ``promptsplice.kernels.RopeConfig`` implements, otherwise plans fall
+back to computing.  When a request finishes, the scheduler side has the worker settle
+that request's in-flight saves (CUDA), through a per-store board, as the worker passes
+it probe results: both sides share one process, the engine core's.  ``kv_load_failure_policy="recompute"`` is what
 makes a block that fails to load be recomputed instead of failing the request.
 
 vLLM facts this relies on (0.32): ``get_num_new_matched_tokens`` is asked after the local
@@ -104,7 +108,7 @@ _NOT_FINITE = 1e9
 _SETTLERS: dict[int, list[weakref.WeakMethod]] = {}
 
 
-def _add_settler(store: BlockStore, settle: Callable[[], int]) -> None:
+def _add_settler(store: BlockStore, settle: Callable[[str], int]) -> None:
     """Register a worker's :meth:`SpliceWorker.settle` for ``store`` (weakly: an engine
     that is gone leaves its entry dead, pruned here)."""
     with _BOARD_LOCK:
@@ -112,14 +116,15 @@ def _add_settler(store: BlockStore, settle: Callable[[], int]) -> None:
         _SETTLERS[id(store)] = [*live, weakref.WeakMethod(settle)]  # type: ignore[arg-type]
 
 
-def _settle(store: BlockStore) -> None:
-    """Wait for the pending saves of the workers in this process that save to ``store``."""
+def _settle(store: BlockStore, req_id: str) -> None:
+    """Wait for the pending saves of ``req_id`` on the workers in this process that save
+    to ``store`` (:meth:`SpliceWorker.settle`)."""
     with _BOARD_LOCK:
         refs = list(_SETTLERS.get(id(store), ()))
     for ref in refs:
         settle = ref()
         if settle is not None:
-            settle()
+            settle(req_id)
 
 
 def _probe_board(store: BlockStore) -> dict[str, list[BlockDeviation]]:
@@ -288,7 +293,7 @@ class SpliceConnector(KVConnectorBase_V1):
             self.scheduler.request_finished(request.request_id)
             # its last blocks may still be on their way to the store (CUDA): the next
             # lookup, a store query or a client's index, must find them
-            _settle(self.store)
+            _settle(self.store, request.request_id)
         ack = self._acks.pop(request.request_id, None)
         with _BOARD_LOCK:
             devs = tuple(_finite(d) for d in latest_per_block(self._probes.pop(request.request_id, ())))

@@ -16,7 +16,7 @@ the host, and hands them to the store only once the copy's event has completed
 (:meth:`SpliceWorker.flush_saves`, polled at every step: never on the forward path);
 the next step's cache writes wait on the device for the gather only (a block vLLM
 freed may be rewritten then), not for the host-bound copy.  When a request finishes,
-:meth:`SpliceWorker.settle` waits for the copies still in flight (the connector calls
+:meth:`SpliceWorker.settle` waits for its copies still in flight (the connector calls
 it), so that the next lookup finds a finished request's blocks, as on CPU: a precompute
 followed by a relocating request, an agent's next turn after an idle engine.
 A load copies each stored block (page-locked when this worker saved it) into a device
@@ -532,14 +532,16 @@ class SpliceWorker:
         """Hand to the store the pending saves whose copies completed (all of them,
         waiting, with ``wait``); returns the blocks stored."""
         with self._saves_lock:
-            return self._flush_saves(wait)
+            return self._flush_saves(len(self._saves) if wait else 0)
 
-    def _flush_saves(self, wait: bool) -> int:
+    def _flush_saves(self, wait_for: int) -> int:
+        """Store the completed saves in queue order, waiting for the first ``wait_for``."""
         stored_all = 0
         while self._saves:
             done, hosts, item, _ = self._saves[0]
-            if not self.io.done(done, block=wait):
+            if not self.io.done(done, block=wait_for > 0):
                 break
+            wait_for -= 1
             self._saves.popleft()
             stored = 0
             try:
@@ -557,11 +559,21 @@ class SpliceWorker:
             stored_all += stored
         return stored_all
 
-    def settle(self) -> int:
-        """Hand every pending save to the store, waiting for its copy to complete (a
-        finished request's blocks are then found by the next lookup); returns the blocks
-        stored.  Nothing to wait for on CPU, where saves are stored inline."""
-        return self.flush_saves(wait=True) if self._saves else 0
+    def settle(self, req_id: str | None = None) -> int:
+        """Hand the pending saves to the store, waiting for the copies of ``req_id``'s
+        (every one's without it) and those queued before them, so that the next lookup
+        finds a finished request's blocks; later saves (the next step's, under vLLM's
+        async scheduling) are only polled.  Returns the blocks stored.  Nothing to wait
+        for on CPU, where saves are stored inline."""
+        if not self._saves:
+            return 0
+        with self._saves_lock:
+            saves = self._saves
+            if req_id is None:
+                upto = len(saves)
+            else:
+                upto = next((len(saves) - i for i, e in enumerate(reversed(saves)) if e[2].req_id == req_id), 0)
+            return self._flush_saves(upto)
 
     @property
     def pending_saves(self) -> int:

@@ -328,20 +328,22 @@ class RagRunner:
         t0 = time.perf_counter()
         prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=self.salt)
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
-        if pic:  # what relocation would have served: chunks behind the hit stored before
-            bs, toks = self.engine.block_size, prompt.token_ids
-            hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
+        looked = 0.0
+        if pic:  # what relocation would have served: the chunks stored before it ran
+            toks = prompt.token_ids
             chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
-            behind = [s for s in chunk_segs if s.end > hit]
-            # asks the store only when the index holds one of them (none on first sight)
-            looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in behind], salt=self.salt)
-            served = sum(s.end - max(s.start, hit) for s, look in zip(behind, looks) if look.status is ChunkStatus.HIT)
+            # asks the store only when the index holds one of them (none on first sight);
+            # for the record only, so its time stays out of the step's TTFT
+            t_look = time.perf_counter()
+            looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in chunk_segs], salt=self.salt)
+            stored = {s.chunk_ids for s, look in zip(chunk_segs, looks) if look.status is ChunkStatus.HIT}
+            looked = time.perf_counter() - t_look
         t_send = time.perf_counter()
         out = self.engine.generate(prompt, **gen)
-        step = self._step(prompt, [out], out, t0, t_send, self.salt, 0, 0, 0, None)
+        step = self._step(prompt, [out], out, t0, t_send - looked, self.salt, 0, 0, 0, None)
         if pic:
             self._index_chunks(prompt.token_ids, chunk_segs)
-            step.recomputed_tokens = served
+            step.recomputed_tokens = _computed(prompt, stored, step.cached_tokens)
         return step
 
     def _run_pic(self, chunks, query, system, tools, gen, cfg: FidelitySettings) -> RagStep:
@@ -382,7 +384,8 @@ class RagRunner:
                 out = eng.generate(exact, **gen)
                 self._index_chunks(exact.token_ids, [s for s in exact.segments if s.kind is SegmentKind.CHUNK])
                 step = self._step(exact, [out], out, t0, t_send, self.salt, 0, 0, 0, StepFallback.NO_GAIN)
-                step.recomputed_tokens = sum(s.end - max(s.start, hit) for s in todo if s not in missing)
+                stored = {s.chunk_ids for s in todo if s not in missing}
+                step.recomputed_tokens = _computed(exact, stored, step.cached_tokens)
                 return step
             prompt = asm.assemble(chunks, salt=salt, **what)  # what the preview showed
             assert prompt.token_ids == toks, "assemble differs from its preview"
@@ -510,3 +513,13 @@ class RagRunner:
             f"RagRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
             f"recompute_blocks={self.recompute_blocks})"
         )
+
+
+def _computed(prompt: AssembledPrompt, stored: set[tuple[str, ...]], cached: int) -> int:
+    """Tokens of the ``stored`` chunks (by their ids) that one request of ``prompt``
+    computed: those behind the ``cached`` tokens vLLM served it (prefix cache or store)."""
+    return sum(
+        max(0, s.end - max(s.start, cached))
+        for s in prompt.segments
+        if s.kind is SegmentKind.CHUNK and s.chunk_ids in stored
+    )

@@ -60,11 +60,16 @@ def test_saves_still_copying_reach_the_store_when_settled(store):
     w = worker(store, caches)
     w.io.done = lambda ev, *, block: block  # in flight until someone waits
     refs = chain_refs(toks(2 * BS), BS, salt=SALT)
+    later = chain_refs(toks(3 * BS)[::-1], BS, salt=SALT)
     assert w.save(SpliceMetadata(saves=[SaveItem("r", SALT, tuple(refs), (4, 9))])) == 0
     assert w.pending_saves == 1 and store.match_prefix(refs, salt=SALT) == 0
     assert w.flush_saves() == 0 and w.pending_saves == 1  # a poll does not wait
-    assert w.settle() == 2 and w.pending_saves == 0 and w.settle() == 0
-    assert store.match_prefix(refs, salt=SALT) == 2
+    w.save(SpliceMetadata(saves=[SaveItem("q", SALT, tuple(later), (1, 2, 3))]))  # the next step's
+    assert w.settle("other") == 0 and w.pending_saves == 2  # nothing of its own in flight
+    assert w.settle("r") == 2 and w.pending_saves == 1  # r's copies, not the later ones
+    assert store.match_prefix(refs, salt=SALT) == 2 and store.match_prefix(later, salt=SALT) == 0
+    assert w.settle() == 3 and w.pending_saves == 0 and w.settle() == 0
+    assert store.match_prefix(later, salt=SALT) == 3
     for ref, b in zip(refs, (4, 9)):
         assert torch.equal(store.get(ref, salt=SALT).payload[0], gather_blocks(LAYOUT, caches["layers.0.attn"], [b]))
 

@@ -112,11 +112,13 @@ def test_runners_at_the_default_level_relocate_nothing(kv_engine):
     assert first.recomputed_tokens == 0  # nothing was stored before it: nothing to relocate
     e = pic.run(_chunks(req)[::-1], query=req.query, system=req.system or None, max_tokens=1)
     assert e.fidelity is FidelityLevel.EXACT and e.relocated_tokens == 0 and e.requests == 1
-    # every chunk behind the hit was stored by the first request: all of it counts
-    bs = kv_engine.block_size
-    hit = e.prompt.predicted_cached_tokens // bs * bs
-    behind = [s for s in e.prompt.segments if s.kind is SegmentKind.CHUNK and s.end > hit]
-    assert len(behind) >= 2 and e.recomputed_tokens == sum(s.end - max(s.start, hit) for s in behind)
+    # every chunk behind what vLLM served was stored by the first request: all of it counts
+    behind = [s for s in e.prompt.segments if s.kind is SegmentKind.CHUNK and s.end > e.cached_tokens]
+    assert len(behind) >= 2 and e.recomputed_tokens == sum(s.end - max(s.start, e.cached_tokens) for s in behind)
+    # the same request once vLLM's cache is gone: the store serves its blocks in place
+    kv_engine.reset_prefix_cache()
+    again = pic.run(_chunks(req)[::-1], query=req.query, system=req.system or None, max_tokens=1)
+    assert again.cached_tokens >= behind[-1].end - kv_engine.block_size and again.recomputed_tokens == 0
 
 
 def test_an_exact_step_relocates_nothing_and_says_what_it_computed_instead(kv_engine):
@@ -162,11 +164,9 @@ def test_a_pic_request_at_exact_computes_its_stored_chunks(kv_engine):
     # the same chunks in reverse: behind the head's hit, every chunk is stored elsewhere
     e = runner.run(_chunks(req)[::-1], query=req.query, system=req.system or None, max_tokens=1, fidelity="exact")
     assert e.fidelity is FidelityLevel.EXACT and e.relocated_tokens == e.planned_relocated_tokens == 0
-    bs = kv_engine.block_size
-    hit = e.prompt.predicted_cached_tokens // bs * bs
-    behind = [s for s in e.prompt.segments if s.kind is SegmentKind.CHUNK and s.end > hit]
+    behind = [s for s in e.prompt.segments if s.kind is SegmentKind.CHUNK and s.end > e.cached_tokens]
     assert e.salt == runner.salt and e.requests == 1 and len(behind) >= 2
-    assert e.recomputed_tokens == sum(s.end - max(s.start, hit) for s in behind)
+    assert e.recomputed_tokens == sum(s.end - max(s.start, e.cached_tokens) for s in behind)
     with pytest.raises(ConfigError, match="'sloppy'"):
         runner.run(_chunks(req), query="q", max_tokens=1, fidelity="sloppy")
 

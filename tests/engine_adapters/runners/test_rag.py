@@ -455,6 +455,8 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     # an exact repeat of the first: the tenant's cache serves it, nothing to relocate
     again = runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
     assert again.fallback is StepFallback.NO_GAIN and again.prefill_tokens <= 32
+    assert again.recomputed_tokens == 0  # every stored chunk came from the cache: none computed
+    assert all(0 <= st.recomputed_tokens <= st.prefill_tokens for st in (step, first, second, again))
     with pytest.raises(ConfigError, match="relocate must be"):
         RagRunner(kv_engine, mode="position_independent", relocate="sometimes")
     with pytest.raises(ConfigError, match="exact_alignment must be"):
