@@ -276,7 +276,7 @@ class SpliceConnector(KVConnectorBase_V1):
         ack = self._acks.get(request.request_id)
         if item is not None and ack is not None:
             ack[2] += len(item.refs) * self.settings.block_size
-            ack[3] += sum(1 for d in item.deltas if d) * self.settings.block_size
+            ack[3] += item.approximate() * self.settings.block_size
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None

@@ -57,7 +57,10 @@ __all__ = [
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
+    "approximate_tokens",
     "extend_recompute",
+    "in_place_blocks",
+    "latest_per_block",
     "plan_deletion",
     "plan_phases",
     "plan_relocation",
@@ -284,6 +287,33 @@ class BlockDeviation(NamedTuple):
     def max_layer(self) -> float:
         """The largest K or V relative error of any layer."""
         return max((*self.k, *self.v), default=0.0)
+
+
+def in_place_blocks(plan: SplicePlan, tokens: Sequence[int], src_salt: str | bytes | None) -> set[int]:
+    """The blocks (indices into ``tokens``) of ``plan``'s segments whose old KV is
+    exact: a delta-0 segment whose old blocks followed the very same tokens (its
+    ``src_parent`` is ``tokens``' own chain at ``dst_start`` under the old blocks' salt
+    ``src_salt``), an offload hit by another name.  Every other planned block is
+    approximate: moved, or in place after other tokens (a same-length edit before it)."""
+    bs = plan.block_size
+    same = [s for s in plan.segments if s.delta == 0 and s.dst_start <= len(tokens)]
+    if not same:
+        return set()
+    chain = chain_hashes(tokens[: max(s.dst_start for s in same)], bs, salt=src_salt)
+    out: set[int] = set()
+    for s in same:
+        first = s.dst_start // bs
+        if s.src_parent == (chain[first - 1] if first else root_hash(src_salt)):
+            out.update(range(first, first + s.num_blocks))
+    return out
+
+
+def approximate_tokens(plan: SplicePlan, tokens: Sequence[int], salt: str | bytes | None) -> int:
+    """Tokens whose KV ``plan`` loads approximately into a request of ``tokens`` under
+    ``salt`` (every planned block but the exact ones of :func:`in_place_blocks`)."""
+    src_salt = salt if plan.src_salt is SAME_SALT else plan.src_salt
+    planned = sum(s.num_blocks for s in plan.segments)
+    return (planned - len(in_place_blocks(plan, tokens, src_salt))) * plan.block_size
 
 
 def latest_per_block(devs: Sequence[BlockDeviation]) -> tuple[BlockDeviation, ...]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptsplice.blocks import BlockHash, cdiv, hash_block, round_down
-from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, _is_int
+from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, _is_int, in_place_blocks
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.errors import ConfigError, InputError
 
@@ -60,6 +60,9 @@ class LoadPlan:
     deltas: tuple[int, ...] = ()
     salts: tuple[str | bytes | None, ...] | None = None
     """Per-ref salts when some refs come from another salt (``None``: the request's)."""
+    approx: tuple[bool, ...] = ()
+    """Per ref: its KV is approximate (a plan's block, moved or after other tokens;
+    :func:`~promptsplice.engine_adapters.connector._plans.in_place_blocks`)."""
 
     @property
     def num_blocks(self) -> int:
@@ -135,22 +138,27 @@ def plan_load(
     if chain is None or len(chain) < last:
         chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
     src_salt = salt if plan is None or plan.src_salt is SAME_SALT else plan.src_salt
+    exact = in_place_blocks(plan, prompt_tokens, src_salt) if planned else set()
     refs: list[BlockRef] = []
     deltas: list[int] = []
     salts: list[str | bytes | None] = []
+    approx: list[bool] = []
     for j in range(first, last):
         if j in planned:
             ref, delta = planned[j]
             salts.append(src_salt)
+            approx.append(j not in exact)
         else:
             ref, delta = chain[j], 0
             salts.append(salt)
+            approx.append(False)
         refs.append(ref)
         deltas.append(delta)
     mixed = any(x != salt for x in salts)
     count = store.match_prefix(refs, salt=salt, owner=owner, salts=salts if mixed else None)
     return LoadPlan(
-        start, bs, tuple(refs[:count]), tuple(deltas[:count]), tuple(salts[:count]) if mixed else None
+        start, bs, tuple(refs[:count]), tuple(deltas[:count]), tuple(salts[:count]) if mixed else None,
+        tuple(approx[:count]),
     )
 
 
@@ -172,9 +180,17 @@ class LoadItem:
     """The first loaded token (the request's local prefix-cache hit)."""
     ref_salts: tuple[str | bytes | None, ...] | None = None
     """Per-ref salts (``None``: every ref is stored under ``salt``)."""
+    approx: tuple[bool, ...] = ()
+    """Per ref: approximate KV (see :class:`LoadPlan`); empty: those with a delta."""
 
     def salt_of(self, index: int) -> str | bytes | None:
         return self.salt if self.ref_salts is None else self.ref_salts[index]
+
+    def approximate(self, n: int | None = None) -> int:
+        """How many of the first ``n`` blocks (all by default) are approximate KV."""
+        if self.approx:
+            return sum(self.approx[:n])
+        return sum(1 for d in self.deltas[:n] if d)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,10 +345,12 @@ class SpliceScheduler:
         first = lp.start // bs
         dst = tuple(int(b) for b in block_ids[first : first + n])
         salts = None if lp.salts is None else lp.salts[:n]
-        item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start, salts)
+        item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start, salts, lp.approx[:n])
         if st.plan is not None and st.plan.scope:
             st.save_from = first  # approximate or not, the scope keeps what it loaded
-        elif any(item.deltas) or salts is not None:
+        elif item.approximate() or salts is not None:
+            # what it computes after approximate KV is approximate too: never filed under
+            # the request's own (exact) chain keys
             st.no_save = True
         self._loads.append(item)
         return item

@@ -183,7 +183,8 @@ class SpliceAck(NamedTuple):
     loaded_tokens: int
     """Tokens the connector loaded for the request (offload hits and relocated blocks)."""
     relocated_tokens: int
-    """Loaded tokens that moved (a non-zero position delta)."""
+    """Loaded tokens whose KV is approximate: moved (a non-zero position delta) or in
+    place after other tokens (``_plans.in_place_blocks``)."""
     block_size: int = 0
     """The connector's (and so the server's) block size; 0 from a connector that did not say."""
     relocation: bool = False

@@ -70,6 +70,7 @@ class WorkerStats:
 
     loaded_blocks: int = 0
     relocated_blocks: int = 0
+    """Loaded blocks of approximate KV: moved, or in place after other tokens."""
     load_errors: int = 0
     saved_blocks: int = 0
     save_errors: int = 0
@@ -316,7 +317,7 @@ class SpliceWorker:
             self._failed.add(item.req_id)
             self.stats.load_errors += len(item.block_ids) - n
         self.stats.loaded_blocks += n
-        self.stats.relocated_blocks += sum(1 for d in item.deltas[:n] if d)
+        self.stats.relocated_blocks += item.approximate(n)
         self.history.append(("load", item, n))
         return n
 
@@ -408,7 +409,7 @@ class SpliceWorker:
         self._failed.add(job.item.req_id)
         self.stats.load_errors += n
         self.stats.loaded_blocks -= n
-        self.stats.relocated_blocks -= sum(1 for d in job.item.deltas[:n] if d)
+        self.stats.relocated_blocks -= job.item.approximate(n)
 
     def _guarded(self, job: _LoadJob, layers) -> None:
         if job.failed:

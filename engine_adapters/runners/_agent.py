@@ -315,7 +315,8 @@ class AgentRunner:
             elif not cfg.relocate:  # exact: what could be relocated is computed
                 salt, phases = self._exact_salt(), plain
                 if prepared.kind in (StepKind.EDIT, StepKind.APPEND):
-                    recomputed = planned_relocated_tokens(self._plan(st, prepared, new, 0, dry=True)[1])
+                    dry_salt, dry, _ = self._plan(st, prepared, new, 0, dry=True)
+                    recomputed = planned_relocated_tokens(dry, new, dry_salt)
             elif prepared.kind not in (StepKind.EDIT, StepKind.APPEND):
                 salt, phases = st.salt, plain
                 if prepared.kind is StepKind.FULL_PREFILL:
@@ -325,8 +326,9 @@ class AgentRunner:
                     st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None
                 )
                 if cfg.recompute_blocks and fallback is None:
-                    every = planned_relocated_tokens(self._plan(st, prepared, new, 0, dry=True)[1])
-                    recomputed = max(0, every - planned_relocated_tokens(phases))
+                    dry_salt, dry, _ = self._plan(st, prepared, new, 0, dry=True)
+                    every = planned_relocated_tokens(dry, new, dry_salt)
+                    recomputed = max(0, every - planned_relocated_tokens(phases, new, salt))
             result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation)
             result.fallback = fallback
             result.fidelity = level
@@ -334,7 +336,7 @@ class AgentRunner:
                 diff = prepared.diff
                 result.changed_share = max((diff.changed_share(r) for r in diff.relocations), default=0.0)
             # blocks the deviation guard recomputed were relocatable too
-            result.recomputed_tokens = recomputed + planned_relocated_tokens(phases) - result.planned_relocated_tokens
+            result.recomputed_tokens = recomputed + planned_relocated_tokens(phases, new, salt) - result.planned_relocated_tokens
             st.tokens = new
             if self.mode is AgentMode.SPLICE and not cfg.relocate:
                 # The exact salt's KV is the session's now; a scoped session rescopes from it.
@@ -443,7 +445,7 @@ class AgentRunner:
             salt=salt,
             deviations=tuple(d.value for d in run.deviations),
             extra_recompute_blocks=adapt.extra if adapt is not None else 0,
-            planned_relocated_tokens=planned_relocated_tokens(run.phases),
+            planned_relocated_tokens=planned_relocated_tokens(run.phases, new, salt),
         )
 
     def __repr__(self) -> str:

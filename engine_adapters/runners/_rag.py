@@ -443,7 +443,7 @@ class RagRunner:
             try:
                 full = plan_chunk_phases(toks, every, block_size=bs, hit=hit, head_end=head_end,
                                          src_salt=self.salt, min_group_blocks=self.min_group_blocks)
-                recomputed = max(0, planned_relocated_tokens(full) - planned_relocated_tokens(phases))
+                recomputed = max(0, planned_relocated_tokens(full, toks, salt) - planned_relocated_tokens(phases, toks, salt))
             except InputError:
                 recomputed = 0
         run = eng.generate_phases(toks, phases, cache_salt=salt, adapt=adapt, **gen)
@@ -454,9 +454,9 @@ class RagRunner:
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
         step.fidelity = cfg.level
-        step.planned_relocated_tokens = planned_relocated_tokens(run.phases)
+        step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         # blocks the deviation guard recomputed were relocatable too
-        step.recomputed_tokens = recomputed + planned_relocated_tokens(phases) - step.planned_relocated_tokens
+        step.recomputed_tokens = recomputed + planned_relocated_tokens(phases, toks, salt) - step.planned_relocated_tokens
         return step
 
     def _exact_chain(self, toks: Sequence[int]) -> tuple[list[BlockRef], str | None]:

@@ -10,9 +10,11 @@ Token counts mean the same on :class:`~promptsplice.engine_adapters.RagStep` and
   did not compute, by vLLM's meaning of ``num_cached_tokens``: served from its prefix
   cache *or* loaded by the splice connector (for a one-request step it is that
   request's ``num_cached_tokens``);
-* ``relocated_tokens``: the part of ``cached_tokens`` the connector loaded at another
-  position than it was computed at (keys re-rotated: approximate deep layers), counted
-  by the connector's worker;
+* ``relocated_tokens``: the part of ``cached_tokens`` the connector loaded from
+  another context: at another position than it was computed at (keys re-rotated), or
+  in place after other tokens (a same-length edit or chunk before it); approximate
+  deep layers either way (``_plans.in_place_blocks`` tells the exact ones apart),
+  counted by the connector;
 * ``planned_relocated_tokens``: what the step's plan asked the connector to relocate
   (:func:`planned_relocated_tokens`); below it, the store did not serve some blocks
   and vLLM computed them (exact);
@@ -29,7 +31,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from promptsplice.engine_adapters.connector._plans import SplicePhase, extend_recompute
+from promptsplice.engine_adapters.connector._plans import SplicePhase, approximate_tokens, extend_recompute
 
 __all__ = ["AdaptiveRecompute", "StepFallback", "cached_tokens", "planned_relocated_tokens"]
 
@@ -86,14 +88,8 @@ class AdaptiveRecompute:
         return phases
 
 
-def planned_relocated_tokens(phases: Iterable[Any]) -> int:
+def planned_relocated_tokens(phases: Iterable[Any], tokens: Sequence[int], salt: str | bytes | None) -> int:
     """Tokens a step's :class:`~promptsplice.engine_adapters.connector._plans.SplicePhase` list
-    relocates: its plans' segments with a non-zero position delta (a delta-0 segment
-    loads exact blocks)."""
-    return sum(
-        seg.num_blocks * ph.plan.block_size
-        for ph in phases
-        if ph.plan is not None
-        for seg in ph.plan.segments
-        if seg.delta
-    )
+    (for the prompt ``tokens``, sent under ``salt``) loads approximately: its plans'
+    segments, but for those in place after the very same tokens (exact blocks)."""
+    return sum(approximate_tokens(ph.plan, tokens, salt) for ph in phases if ph.plan is not None)

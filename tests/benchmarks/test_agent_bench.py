@@ -66,7 +66,9 @@ def test_modes_and_bounds_are_consistent(report):
     assert full["prompt_tokens"] == apc["prompt_tokens"] == spl["prompt_tokens"]
     assert full["prefill_tokens"] == full["prompt_tokens"] and full["hit_rate"] == 0.0
     assert spl["prefill_tokens"] <= apc["prefill_tokens"] < full["prefill_tokens"]
-    assert report["ideal_prefill_tokens"] <= spl["prefill_tokens"]
+    assert 0 < report["ideal_prefill_tokens"] <= spl["prefill_tokens"]
+    ideal = report["ideal_prefill_tokens"]
+    assert report["gap_closed"] == round((apc["prefill_tokens"] - spl["prefill_tokens"]) / (apc["prefill_tokens"] - ideal), 4) <= 1
     check_bounds(report)  # no mode below its bound
     # equal capacity: apc had the same store, so the first step (nothing to splice) costs the same
     assert report["by_kind"]["first"]["apc"]["prefill_tokens"] == report["by_kind"]["first"]["splice"]["prefill_tokens"]

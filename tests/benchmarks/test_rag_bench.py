@@ -85,6 +85,15 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     assert set(report["mirror"]) == {"predicted_cached_tokens", "measured_cached_tokens"}
     assert report["mirror"]["predicted_cached_tokens"] == report["mirror"]["measured_cached_tokens"]
     assert isinstance(report["radix_prefill_tokens"], int) and isinstance(report["oracle_prefill_tokens"], int)
+    # each gap is the mode's share of its baseline's way to the oracle, from the counts above
+    naive, store, oracle = (report["modes"]["naive"]["prefill_tokens"],
+                            report["modes"]["promptsplice_store"]["prefill_tokens"], report["oracle_prefill_tokens"])
+    mine, pic_prefill = report["modes"]["promptsplice"]["prefill_tokens"], report["modes"]["promptsplice_pic"]["prefill_tokens"]
+    assert oracle < naive and oracle <= min(mine, store, pic_prefill)
+    assert report["gap_closed"] == round((naive - mine) / (naive - oracle), 4) <= 1
+    assert pic["gap_closed"] == round((naive - pic_prefill) / (naive - oracle), 4) <= 1
+    if store > oracle:
+        assert pic["gap_closed_vs_store"] == round((store - pic_prefill) / (store - oracle), 4)
     assert "tokens prefilled" in proc.stdout
 
 

@@ -172,13 +172,14 @@ def test_rag_runner_exact_over_the_served_engine_gives_the_embedded_counts(remot
 
 def pic_counts(engine, reqs, tenant, **kw):
     """Per request: prompt, prefilled, cached, relocated, precomputed tokens, relocated
-    chunks, requests, fallback, greedy output (position-independent reuse)."""
+    chunks, requests, fallback, greedy output, deviations, planned relocated and
+    recomputed tokens (position-independent reuse)."""
     runner = RagRunner(engine, mode="position_independent", salt=tenant, policy="stable", **kw)
     steps = [runner.run(chunks(r), query=r.query, system=r.system or None, max_tokens=4) for r in reqs]
     return [
         (s.prompt_tokens, s.prefill_tokens, s.cached_tokens, s.relocated_tokens, s.precomputed_tokens,
          s.relocated_chunks, s.requests, s.extra_recompute_blocks, s.fallback, s.completion.token_ids,
-         tuple(round(d, 4) for d in s.deviations))
+         tuple(round(d, 4) for d in s.deviations), s.planned_relocated_tokens, s.recomputed_tokens)
         for s in steps
     ]
 
@@ -198,6 +199,7 @@ def test_rag_runner_pic_over_the_served_engine_gives_the_embedded_counts(remote,
         results[bool(kw)] = served
     bounded, default = results[True], results[False]
     assert sum(c[3] for c in bounded) > 0 and sum(c[7] for c in bounded) > 0  # relocated; the guard extended
+    assert sum(c[-1] for c in default) > 0  # the store queries of the exact record answered alike
     assert any(c[10] for c in bounded) and all(d <= 1.0 for c in bounded for d in c[10])
     assert all(c[3] == 0 and not c[10] for c in default)  # exact: nothing relocated or probed
 

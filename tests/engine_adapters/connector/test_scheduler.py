@@ -4,10 +4,12 @@ module's promise to import neither torch nor vLLM."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from promptsplice.blocks import chain_hashes
+from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.engine_adapters import SplicePlan, SpliceSegment, chain_refs
+from promptsplice.engine_adapters.connector._plans import approximate_tokens, in_place_blocks
 from promptsplice.engine_adapters.connector._scheduler import SaveItem, SpliceScheduler, plan_load
 from tests._imports import modules_after
 from tests.engine_adapters.connector._kv import BS, SALT, deletion_case, fill_store, toks
@@ -119,3 +121,36 @@ def test_a_bad_plan_is_ignored_not_fatal(store, caplog):
     bad = {"splice": {"version": 1, "block_size": 16, "segments": []}}
     assert sched.get_num_new_matched_tokens("r5", prompt, SALT, 0, bad) == 3 * BS  # offload still
     assert "ignoring the splice plan" in caplog.text
+
+
+@pytest.mark.reliability
+def test_blocks_in_place_after_other_tokens_are_approximate_and_nothing_after_them_is_saved(store):
+    """A same-length edit before a run: the run's old blocks land where they were
+    (delta 0), but they attended to other tokens. They load as approximate KV, counted
+    as such, and what the request computes after them is never filed under its own,
+    exact chain keys (a later exact request would load it as an offload hit)."""
+    P, X, Y, S = toks(2 * BS), toks(2 * BS, 5000), toks(2 * BS, 7000), toks(3 * BS, 9000)
+    old, new = P + X + S + [1, 2], P + Y + S + toks(40, 20000)  # one full block after S
+    fill_store(store, old)
+    old_chain = chain_hashes(old, BS, salt=SALT)
+    stale = SplicePlan(BS, (SpliceSegment(4 * BS, 3, 0, old_chain[3]),))
+    lp = plan_load(store, new, 4 * BS, block_size=BS, salt=SALT, plan=stale)
+    assert lp.deltas == (0, 0, 0) and lp.approx == (True, True, True)
+    assert [r.key for r in lp.refs] == old_chain[4:7]
+    # the prefix P, planned where it was after the same (no) tokens: exact, an offload hit
+    same = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)),))
+    assert plan_load(store, new, 0, block_size=BS, salt=SALT, plan=same).approx == (False, False)
+    assert approximate_tokens(stale, new, SALT) == 3 * BS and approximate_tokens(same, new, SALT) == 0
+    assert in_place_blocks(same, new, SALT) == {0, 1} and in_place_blocks(stale, new, SALT) == set()
+    moved = SplicePlan(BS, (SpliceSegment(2 * BS, 3, -2 * BS, old_chain[3]),))
+    assert approximate_tokens(moved, new, SALT) == 3 * BS
+
+    sched = SpliceScheduler(store, BS)
+    n = sched.get_num_new_matched_tokens("r", new, SALT, 4 * BS, stale.to_params())
+    assert n == 3 * BS
+    ids = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    item = sched.update_state_after_alloc("r", ids, n)
+    assert item.block_ids == (15, 16, 17) and item.approximate() == 3
+    meta = sched.build_connector_meta([("r", 4 * BS + n, len(new) - 7 * BS)], lambda rid: ids)
+    assert meta.loads == [item] and meta.saves == []  # the block after S: approximate, not stored
+    sched.request_finished("r")

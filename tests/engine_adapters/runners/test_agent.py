@@ -309,6 +309,14 @@ def test_max_deviation_recomputes_one_more_block_only_while_above_the_threshold(
     # what the step says it planned is what ran: the guard's blocks count as recomputed
     assert step_lo.planned_relocated_tokens == 0 and step_hi.planned_relocated_tokens == extra * bs
     assert step_lo.recomputed_tokens == step_hi.recomputed_tokens + extra * bs
+    # at r=1 each run's first block is computed instead of relocated
+    phases0 = plan_phases(
+        prepared.previous.token_ids, prepared.token_ids, prepared.diff.relocations, block_size=bs,
+        recompute_blocks=0, salt=step_hi.salt, src_salt="t-dev-hi",
+        load_prefix=prepared.first_changed_token // bs * bs, scope=True,
+    )
+    runs0 = [s for ph in phases0 for s in ph.plan.segments if s.dst_start >= prepared.first_changed_token // bs * bs]
+    assert step_hi.recomputed_tokens == bs * len(runs0) > 0
     # Steps without an edit probe nothing.
     assert hi[0][1].deviations == hi[1][1].deviations == () and lo[1][1].extra_recompute_blocks == 0
 

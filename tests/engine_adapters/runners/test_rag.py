@@ -415,7 +415,8 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
     # Below every deviation: every block of every chunk is recomputed (those after the
     # first one by one more request each), nothing is relocated.
     loaded = sum((s.end - s.start) // 32 - 1 for s in chunk_segments(hi).values())
-    assert loaded >= hi.relocated_tokens // 32 > 0  # a chunk at its old position loads with delta 0
+    # nile stays where it was, after everest instead of paris: delta 0, approximate all the same
+    assert hi.relocated_tokens == loaded * 32 > 0
     assert lo.relocated_tokens == 0 and lo.extra_recompute_blocks == loaded
     assert lo.planned_relocated_tokens == 0 and hi.planned_relocated_tokens == hi.relocated_tokens
     assert lo.requests == 1 + loaded  # the first plain request, then one per recomputed block
