@@ -372,11 +372,13 @@ class EmbeddedEngine:
         def run_one(prompt: list[int], plan: SplicePlan | None, kwargs: dict[str, Any]) -> PhaseResult:
             if worker is None:
                 return PhaseResult(self.generate(prompt, cache_salt=cache_salt, splice=plan, **kwargs), 0)
-            reloc, probed = worker.stats.relocated_blocks, worker.stats.probed_blocks
-            out = self.generate(prompt, cache_salt=cache_salt, splice=plan, **kwargs)
-            new = min(worker.stats.probed_blocks - probed, len(worker.deviations))
-            seen = latest_per_block(list(worker.deviations)[len(worker.deviations) - new :]) if new else ()
-            return PhaseResult(out, (worker.stats.relocated_blocks - reloc) * self.block_size, seen)
+            with self._lock:  # the worker's counts then move for this request only
+                reloc, probed = worker.stats.relocated_blocks, worker.stats.probed_blocks
+                out = self.generate(prompt, cache_salt=cache_salt, splice=plan, **kwargs)
+                new = min(worker.stats.probed_blocks - probed, len(worker.deviations))
+                seen = latest_per_block(list(worker.deviations)[len(worker.deviations) - new :]) if new else ()
+                moved = worker.stats.relocated_blocks - reloc
+            return PhaseResult(out, moved * self.block_size, seen)
 
         return run_phases(tokens, phases, run_one, gen, adapt)
 

@@ -172,8 +172,9 @@ class AgentStep:
     after each edit; at ``exact``, everything relocatable)."""
     changed_share: float = 0.0
     """The largest :meth:`~promptsplice.assembler.Diff.changed_share` over the edit's
-    relocatable runs (0 for appends and plain steps): reported, not acted on (it did not
-    rank first-token KL on the calibration traces; README, agent section)."""
+    relocatable runs, whether or not the step relocated them (0 without a diff or runs:
+    new sessions, full prefills, plain appends): reported, not acted on (it did not rank
+    first-token KL on the calibration traces; README, agent section)."""
 
     @property
     def hit_rate(self) -> float:
@@ -342,7 +343,9 @@ class AgentRunner:
                 # The exact salt's KV is the session's now; a scoped session rescopes from it.
                 st.salt, st.scoped = self.salt, False
             elif self.mode is not AgentMode.FULL:
-                st.salt = salt
+                # a step under a scope salt opened the scope (only once it ran: a step that
+                # raised leaves the session where it was, under the tenant's exact salt)
+                st.salt, st.scoped = salt, st.scoped or (self.scope == "session" and salt != self.salt)
             st.kv_salt = salt if self.mode is not AgentMode.FULL else st.kv_salt
             return result
 
@@ -398,7 +401,8 @@ class AgentRunner:
                 salt=salt,
                 src_salt=src_salt,
                 load_prefix=load_prefix,
-                scope=self.scope == "session",
+                # never a scope under the tenant's own salt: that keeps exact KV only
+                scope=self.scope == "session" and salt != self.salt,
                 min_group_blocks=self.min_group_blocks,
                 probe=probe,
             )
@@ -408,9 +412,7 @@ class AgentRunner:
             return st.salt, plain, StepFallback.INVALID_PLAN
         if prepared.kind is StepKind.APPEND and not any(ph.plan for ph in phases):
             return st.salt, plain, None  # nothing to move: a plain request, no scope needed
-        if scope_now and not dry:
-            st.scoped = True
-        return salt, phases, None
+        return salt, phases, None  # a new scope salt opens the scope once the step ran
 
     def _run(
         self,

@@ -201,6 +201,36 @@ def test_spliced_kv_never_reaches_a_request_outside_the_session(kv_engine, rende
     assert inside.num_cached_tokens == (len(prepared.token_ids) - 1) // bs * bs
 
 
+@pytest.mark.reliability
+def test_an_edit_step_that_failed_leaves_the_session_unscoped(kv_engine, renders):
+    """The first splice of a session opens a scope salt; when its request fails (a
+    decoder layer raises once, the engine survives), the retry must open one again: the
+    session is still under the tenant's exact salt, where approximate KV is never filed."""
+    import uuid
+
+    from promptsplice.errors import EngineRequestError
+    from tests.engine_adapters.test_engine_faults import layer_fault
+
+    tenant = f"t-fail-{uuid.uuid4().hex[:8]}"
+    runner = AgentRunner(kv_engine, mode="splice", salt=tenant, fidelity="bounded")
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt=tenant)
+    for msgs in renders[:2]:
+        runner.step(hook("s-fail", msgs, TOOLS), max_tokens=4)
+    prepared = hook("s-fail", renders[2], TOOLS)
+    assert prepared.kind is StepKind.EDIT
+    with layer_fault(kv_engine), pytest.raises(EngineRequestError):
+        runner.step(prepared, max_tokens=4)
+    retry = runner.step(prepared, max_tokens=4)
+    assert retry.salt != tenant and retry.salt == runner.session_salt("s-fail") and retry.relocated_tokens > 0
+    # the tenant's salt still holds exact KV only: the edited prompt finds its unchanged
+    # prefix (in vLLM's cache or, after the failed pass, the store), no more
+    bs = kv_engine.block_size
+    exact = prepared.first_changed_token // bs * bs
+    before = kv_engine.counters()
+    outside = kv_engine.generate(prepared.token_ids, max_tokens=1, cache_salt=tenant)
+    assert outside.num_cached_tokens == exact and kv_engine.counters().since(before).external_hits <= exact
+
+
 def test_a_second_edit_relocates_blocks_the_scope_saved(kv_engine, renders):
     """Chained edits: the scope keeps what it loaded and computed, so an edit of an
     already spliced context relocates again."""
