@@ -16,9 +16,8 @@ def test_bench_reports_throughput_baseline_and_removals():
     assert result["chunks"] == 20 * result["requests"]
     assert result["dedup_mb_s"] > 0 and result["baseline_digest_mb_s"] > 0
     assert result["dedup_cpu_mb_s"] > 0 and result["dedup_cpu_s"] > 0
-    assert result["ratio_dedup_to_baseline"] == round(
-        result["dedup_mb_s"] / result["baseline_digest_mb_s"], 4
-    )
+    # the ratio of the two throughputs (from their unrounded values: within a rounding step)
+    assert abs(result["ratio_dedup_to_baseline"] - result["dedup_mb_s"] / result["baseline_digest_mb_s"]) <= 1e-4
     removed = result["removed"]
     assert removed["duplicate"] >= result["requests"]  # ~4 per request
     assert removed["contained"] >= 1 and removed["overlap"] >= 1
