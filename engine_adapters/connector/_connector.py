@@ -25,8 +25,9 @@ relocation needs a verified block layout (on CPU ``promptsplice.kernels.VERIFIED
 and a RoPE that ``promptsplice.kernels.RopeConfig`` implements, otherwise plans fall
 back to computing.  When a request finishes, the scheduler side has the worker settle
 that request's in-flight saves (CUDA), through a per-store board, as the worker passes
-it probe results: both sides share one process, the engine core's.  ``kv_load_failure_policy="recompute"`` is what
-makes a block that fails to load be recomputed instead of failing the request.
+it probe results: both sides share one process, the engine core's.
+``kv_load_failure_policy="recompute"`` is what makes a block that fails to load be
+recomputed instead of failing the request.
 
 vLLM facts this relies on (0.32): ``get_num_new_matched_tokens`` is asked after the local
 prefix-cache hit, with that hit rounded down to a block; a synchronous load (``(n,
