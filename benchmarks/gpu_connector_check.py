@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -367,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
+        "module": os.path.abspath(__file__),  # which copy of the tree ran
         "impl": args.impl,
         "quick": args.quick,
         "correct": all(r["ok"] for r in checks),

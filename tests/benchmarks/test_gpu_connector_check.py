@@ -65,3 +65,21 @@ def test_without_cuda_it_says_so_and_exits_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert check.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_device_script_installs_the_bare_tree_and_runs_the_check(tmp_path):
+    """scripts/gpu_check.sh is what a GPU session runs on a bare machine (the tree not
+    installed): here it installs the tree into a scratch folder and runs the CPU dry run
+    from there, so the import path is the one the GPU machine will take."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), TMPDIR=str(tmp_path))
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [os.path.join(root, "scripts", "gpu_check.sh"), "--device", "cpu", "--quick"],
+        env=env, capture_output=True, text=True, timeout=500,
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    doc = json.loads((tmp_path / "gpu_connector_check.json").read_text())
+    _assert_doc(doc, "auto")
+    assert doc["module"].startswith(str(tmp_path)), doc["module"]  # the scratch install ran
+    assert not any(p.name.startswith("promptsplice-site.") for p in tmp_path.iterdir())
