@@ -40,7 +40,10 @@ Fallbacks, never a wrong splice: a step whose previous render is not what this r
 last sent for the session (another runner, a restart), or whose hook step is a
 ``FULL_PREFILL``, is sent as a plain request (the prefix cache still serves whatever
 matches exactly), and the reason is logged and kept in :attr:`AgentStep.fallback`
-(a :class:`~promptsplice.engine_adapters.runners.StepFallback`).
+(a :class:`~promptsplice.engine_adapters.runners.StepFallback`; a ``FULL_PREFILL`` says
+so at every fidelity level).  A ``NEW_SESSION`` step for a session the runner knows (a
+restarted harness, a session the hook evicted) starts it afresh: the tenant's salt, out
+of its old scope, whose KV may be approximate.
 
 **Fidelity** (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
 runner (default ``exact``: approximate KV is opt-in) or per step picks the recompute (``recompute_blocks``
@@ -309,6 +312,12 @@ class AgentRunner:
             new = list(prepared.token_ids)
             plain = [SplicePhase(len(new), None)]
             fallback, level, recomputed = None, cfg.level, 0
+            if prepared.kind is StepKind.NEW_SESSION:
+                # the hook starts the session afresh (a restarted harness, an evicted
+                # session): so does the runner, under the tenant's salt, out of any scope
+                st.salt, st.scoped, st.kv_salt, st.tokens = self.salt, False, self.salt, None
+            elif prepared.kind is StepKind.FULL_PREFILL:
+                fallback = StepFallback.HOOK_FULL_PREFILL  # at every level, exact included
             if self.mode is AgentMode.FULL:
                 salt, phases, level = f"full:{uuid.uuid4().hex}", plain, FidelityLevel.EXACT
             elif self.mode is AgentMode.APC:
@@ -320,8 +329,6 @@ class AgentRunner:
                     recomputed = planned_relocated_tokens(dry, new, dry_salt)
             elif prepared.kind not in (StepKind.EDIT, StepKind.APPEND):
                 salt, phases = st.salt, plain
-                if prepared.kind is StepKind.FULL_PREFILL:
-                    fallback = StepFallback.HOOK_FULL_PREFILL
             else:
                 salt, phases, fallback = self._plan(
                     st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None

@@ -376,3 +376,39 @@ def test_recompute_tail_blocks_computes_the_last_runs_last_blocks(kv_engine, ren
     assert tail.recomputed_tokens == base.recomputed_tokens + bs
     with pytest.raises(ConfigError, match="recompute_tail_blocks"):
         AgentRunner(kv_engine, recompute_tail_blocks=-1)
+
+
+def test_a_hook_full_prefill_is_reported_at_the_exact_level_too(kv_engine, renders):
+    """At ``exact`` every step is one plain request anyway; the hook's FULL_PREFILL is
+    still what the step says, as at the relocating levels."""
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-fp")
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-fp")
+    assert runner.fidelity.value == "exact"
+    first = runner.step(hook("s-fp", renders[0], TOOLS), max_tokens=2)
+    prepared = hook("s-fp", renders[1], TOOLS, salt="t-fp-rotated")  # none of the old KV applies
+    assert prepared.kind is StepKind.FULL_PREFILL
+    step = runner.step(prepared, max_tokens=2)
+    assert first.fallback is None and step.fallback is StepFallback.HOOK_FULL_PREFILL
+    assert step.requests == 1 and step.relocated_tokens == 0 and step.salt == "t-fp"
+
+
+@pytest.mark.reliability
+def test_a_new_session_for_a_scoped_session_id_leaves_the_old_scope(kv_engine, renders):
+    """A restarted harness renders the session from its start (``NEW_SESSION``) while the
+    runner still holds the id scoped: the step runs under the tenant's salt, so the
+    prefix cache serves it exact blocks, never the old scope's approximate KV."""
+    tenant = "t-restart"
+    runner = AgentRunner(kv_engine, mode="splice", salt=tenant, fidelity="bounded")
+    steps = run_session(runner, kv_engine, "s-restart", renders, tenant)
+    scope = steps[2][1].salt
+    assert scope != tenant and runner.session_salt("s-restart") == scope
+    prepared = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt=tenant)(
+        "s-restart", renders[0], TOOLS
+    )
+    assert prepared.kind is StepKind.NEW_SESSION
+    step = runner.step(prepared, max_tokens=2)
+    bs = kv_engine.block_size
+    assert step.salt == tenant and runner.session_salt("s-restart") == tenant
+    assert step.fallback is None and step.relocated_tokens == 0
+    # the first render ran under the tenant's salt before: its blocks are cached there
+    assert step.cached_tokens == (len(prepared.token_ids) - 1) // bs * bs
