@@ -52,6 +52,7 @@ from promptsplice.dedup import DedupConfig, KeptChunk, dedup, normalize_chunks
 from promptsplice.blocks import content_digest, root_hash, token_bytes
 from promptsplice._validate import (
     check_block_size,
+    check_bool,
     check_fits,
     check_optional_int,
     check_salt,
@@ -109,6 +110,13 @@ class Assembler:
             )
         self.mirror = mirror if mirror is not None else PrefixCacheMirror(block_size, capacity_blocks)
         self._admits = isinstance(self.mirror, PrefixCacheMirror)  # owner, not a reader
+        for value, cls, what in (
+            (token_cache, TokenCache, "token_cache"),
+            (prompt_format, PromptFormat, "prompt_format"),
+            (dedup_config, DedupConfig, "dedup_config"),
+        ):
+            if value is not None and not isinstance(value, cls):
+                raise ConfigError(f"{what} must be a {cls.__name__} (or None for the default), got {type(value).__name__}")
         self.token_cache = token_cache if token_cache is not None else TokenCache()
         self.format = prompt_format or PromptFormat()
         self.dedup_config = dedup_config or DedupConfig()
@@ -118,7 +126,7 @@ class Assembler:
         self._lock = threading.Lock()
         # Caller content (chunks, query, system, tools) is untrusted: control-token
         # markup in it is tokenized as text.  trust_markup=True reads it as controls.
-        self.trust_markup = bool(trust_markup)
+        self.trust_markup = check_bool(trust_markup, "trust_markup")
         self._markup: Markup = markup_for(self.tokenizer)
         self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")
 

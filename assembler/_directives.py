@@ -201,6 +201,13 @@ def _as_directive(d: Any, index: int) -> tuple[int, int, Sequence[int]]:
     return start, end, replacement
 
 
+def _token_list(value: Any) -> bool:
+    """A list or tuple of ints >= 0 (no bools): what a replacement must be (C-level checks)."""
+    return isinstance(value, (list, tuple)) and (
+        not value or (set(map(type, value)) == {int} and min(value) >= 0)
+    )
+
+
 def apply_directives(tokens: Sequence[int], directives: Sequence[Any]) -> list[int]:
     """Apply ``directives`` (sorted, non-overlapping spans in ``tokens``' coordinates).
 
@@ -209,7 +216,7 @@ def apply_directives(tokens: Sequence[int], directives: Sequence[Any]) -> list[i
     order (starts must strictly increase) or overlapping (a span starting before the
     previous one ends; two directives at one position count as overlapping); a
     malformed directive (not such a pair, bounds that are not ints, a replacement that
-    is not a sequence) counts as out of range.
+    is not a list or tuple of ints >= 0) counts as out of range.
     """
     n = len(tokens)
     out: list[int] = []
@@ -239,16 +246,15 @@ def apply_directives(tokens: Sequence[int], directives: Sequence[Any]) -> list[i
                 problem="overlapping",
                 index=i,
             )
-        out.extend(tokens[pos:start])
-        try:
-            out.extend(replacement)
-        except TypeError:
+        if not _token_list(replacement):
             raise DirectiveError(
-                f"directive {i}: replacement must be a sequence of token ids, got "
-                f"{type(replacement).__name__}",
+                f"directive {i}: replacement must be a list or tuple of token ids (ints >= 0), "
+                f"got {type(replacement).__name__} {replacement!r:.60}",
                 problem="out_of_range",
                 index=i,
-            ) from None
+            )
+        out.extend(tokens[pos:start])
+        out.extend(replacement)
         pos = end
         prev_start = start
     out.extend(tokens[pos:])

@@ -11,7 +11,7 @@ from promptsplice.assembler._assemble import Assembler
 from promptsplice.assembler._ordering import AlignPolicy, OrderPolicy, parse_align, parse_order
 from promptsplice.assembler._prompt import AssembledPrompt
 from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
-from promptsplice._validate import check_block_size
+from promptsplice._validate import check_block_size, check_bool
 from promptsplice.errors import ConfigError
 
 __all__ = ["assemble_prompt"]
@@ -23,7 +23,7 @@ _DEFAULTS_LOCK = threading.Lock()
 
 def _default_assembler(tokenizer: Tokenizer | str | None, block_size: int, trust_markup: bool = False) -> Assembler:
     tok = load_tokenizer(tokenizer)
-    key = (tok.name, block_size, bool(trust_markup))
+    key = (tok.name, block_size, check_bool(trust_markup, "trust_markup"))
     with _DEFAULTS_LOCK:
         asm = _DEFAULTS.get(key)
         if asm is None:

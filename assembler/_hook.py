@@ -239,10 +239,17 @@ class ContextHook:
             fn: Callable[[Any], Any] = p.apply if hasattr(p, "apply") else p
             res = fn(cur)
             if not isinstance(res, PolicyResult):
-                if isinstance(res, tuple) and len(res) == 2:
+                try:
+                    if not (isinstance(res, tuple) and len(res) == 2):
+                        raise TypeError
                     res = PolicyResult(list(res[0]), tuple(res[1]))
-                else:
-                    raise ConfigError(f"policy {p!r} must return a PolicyResult, got {type(res).__name__}")
+                except TypeError:
+                    raise ConfigError(
+                        f"policy {p!r} must return a PolicyResult (or a (messages, edits) pair of "
+                        f"sequences), got {res!r:.80}"
+                    ) from None
+            if not all(isinstance(e, MessageEdit) for e in res.edits):
+                raise ConfigError(f"policy {p!r} returned edits that are not MessageEdit records: {res.edits!r:.80}")
             if res.edits:
                 edits.append((getattr(p, "name", type(p).__name__), res.edits))
             cur = res.messages

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from promptsplice.blocks import BlockHash, cdiv
+from promptsplice._validate import check_block_size, check_int, check_optional_int
 from promptsplice.errors import ConfigError
 
 __all__ = ["PrefixCacheMirror", "MirrorView", "Prediction", "BlockState"]
@@ -61,18 +62,15 @@ class PrefixCacheMirror:
     def __init__(
         self, block_size: int, capacity_blocks: int | None = None, *, min_hit_tokens: int = 0
     ) -> None:
-        if block_size <= 0:
-            raise ConfigError(f"block_size must be a positive number of tokens, got {block_size}")
-        if min_hit_tokens < 0 or min_hit_tokens % block_size:
+        check_block_size(block_size)
+        check_int(min_hit_tokens, "min_hit_tokens", minimum=0)
+        if min_hit_tokens % block_size:
             raise ConfigError(
                 f"min_hit_tokens must be a non-negative multiple of block_size {block_size}, "
                 f"got {min_hit_tokens}"
             )
         self.min_hit_tokens = min_hit_tokens
-        if capacity_blocks is not None and capacity_blocks <= 0:
-            raise ConfigError(
-                f"capacity_blocks must be positive (or None for unbounded), got {capacity_blocks}"
-            )
+        check_optional_int(capacity_blocks, "capacity_blocks")
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self._lock = threading.Lock()

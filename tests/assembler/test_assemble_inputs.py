@@ -10,7 +10,15 @@ import tracemalloc
 
 import pytest
 
-from promptsplice.assembler import AlignPolicy, Assembler, ContextHook, OrderPolicy, assemble_prompt
+from promptsplice.assembler import (
+    AlignPolicy,
+    Assembler,
+    ChatRenderer,
+    ContextHook,
+    OrderPolicy,
+    PrefixCacheMirror,
+    assemble_prompt,
+)
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
@@ -115,7 +123,37 @@ def test_block_size_is_bounded_at_every_door(default_tok, block_size):
         assemble_prompt(["doc"], query="q", tokenizer=default_tok, block_size=block_size, alignment="all")
     with pytest.raises(ConfigError, match="block_size"):
         ContextHook(default_tok, block_size=block_size)
+    with pytest.raises(ConfigError, match="block_size must be an int from 1 to 16384"):
+        ChatRenderer(default_tok, block_size=block_size)  # rendered "hi" as 2,000,004 tokens
     assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("value", ["false", "no", 0, 1, None])
+def test_trust_markup_takes_a_bool_only(default_tok, value):
+    """``trust_markup="false"`` was truthy: control-token markup in chunks and tools was
+    read as controls (2 injected tokens), the opposite of what the caller asked for."""
+    for build in (
+        lambda: Assembler(default_tok, trust_markup=value),
+        lambda: ChatRenderer(default_tok, trust_markup=value),
+        lambda: assemble_prompt(["doc"], query="q", tokenizer=default_tok, trust_markup=value),
+    ):
+        with pytest.raises(ConfigError, match="trust_markup must be True or False"):
+            build()
+
+
+def test_assembler_parts_are_checked_when_built(default_tok):
+    """A wrong part was accepted and raised AttributeError at the first assemble."""
+    for name in ("token_cache", "prompt_format", "dedup_config"):
+        with pytest.raises(ConfigError, match=f"{name} must be a"):
+            Assembler(default_tok, **{name: "x"})
+    for args, kwargs, what in (
+        (("16",), {}, "block_size"),
+        ((16, 1.5), {}, "capacity_blocks"),
+        ((16,), {"min_hit_tokens": None}, "min_hit_tokens"),
+        ((16,), {"min_hit_tokens": 8}, "min_hit_tokens"),
+    ):
+        with pytest.raises(ConfigError, match=what):
+            PrefixCacheMirror(*args, **kwargs)
 
 
 def test_padding_is_bounded_by_the_largest_block(default_tok):

@@ -141,6 +141,14 @@ def test_apply_directives_validates_spans():
         ([((3, 3), [1]), ((3, 4), [2])], "overlapping", 1),
         ([((5, 6), []), ((1, 2), [])], "unsorted", 1),
         (["nonsense"], "out_of_range", 0),
+        # a replacement is a list or tuple of token ids: not a str, a dict, floats,
+        # negative ids or bools (each was spliced in as it came)
+        ([((0, 2), "78")], "out_of_range", 0),
+        ([((1, 2), [5]), ((3, 4), {"k": 1})], "out_of_range", 1),
+        ([((0, 1), [None, 2.5])], "out_of_range", 0),
+        ([((0, 1), [3, -1])], "out_of_range", 0),
+        ([((0, 1), (True,))], "out_of_range", 0),
+        ([((0, 1), iter([1]))], "out_of_range", 0),
     ]
     for directives, problem, index in cases:
         with pytest.raises(DirectiveError) as info:

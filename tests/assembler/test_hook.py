@@ -154,9 +154,11 @@ def test_bad_calls(renderer):
         ContextHook(renderer, 32)
     with pytest.raises(ConfigError, match="policy"):
         ContextHook(renderer, policies=[42])
-    bad = ContextHook(renderer, policies=[lambda msgs: "nope"])
-    with pytest.raises(ConfigError, match="PolicyResult"):
-        bad("s", [{"role": "user", "content": "x"}])
+    # a policy's result that is not (messages, edits) raised TypeError from inside
+    for result in ("nope", (None, ()), ([{"role": "user", "content": "x"}], None), ([], ("an edit",))):
+        bad = ContextHook(renderer, policies=[lambda msgs, result=result: result])
+        with pytest.raises(ConfigError, match="PolicyResult|MessageEdit"):
+            bad("s", [{"role": "user", "content": "x"}])
 
 
 def test_threads_share_sessions_without_losing_or_duplicating_renders(renderer):

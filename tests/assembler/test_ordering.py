@@ -115,3 +115,21 @@ def test_pick_best_prefers_the_most_cached_then_the_earliest():
     assert pick_best([0, 32, 32, 16]) == 1
     assert pick_best([48, 48]) == 0
     assert [s.value for s in OrderSource] == ["last_sent", "stable", "retrieval", "greedy"]
+
+
+def test_equal_chunks_kept_apart_keep_their_ids_on_a_repeat(default_tok):
+    """With dedup's exact pass off, two chunks of equal bytes reach the ordering; the
+    memo of the set's order mapped both to one index, so the repeat listed chunk ``b``
+    twice and lost ``a`` (the tokens happened to be the same)."""
+    from promptsplice.dedup import DedupConfig
+
+    chunks = [{"id": "a", "text": "Alpha chunk text."}, {"id": "b", "text": "Alpha chunk text."}]
+    for policy in ("stable", "cache_aware"):
+        asm = Assembler(default_tok, block_size=16, policy=policy, dedup_config=DedupConfig(exact=False, containment=False))
+        for _ in range(3):
+            out = asm.assemble(chunks, query="q")
+            assert sorted(out.chunk_order) == ["a", "b"], (policy, out.chunk_order)
+            assert sorted(s.chunk_ids for s in out.segments if s.kind.value == "chunk") == [("a",), ("b",)]
+    tracker = PopularityTracker()
+    d = content_digest(b"same")
+    assert tracker.order([d, d]) == [0, 1] and tracker.order([d, d]) == [0, 1]

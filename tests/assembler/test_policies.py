@@ -71,7 +71,19 @@ def test_truncate_spares_the_latest_outputs_and_reports_edits():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"max_lines": 0}, "max_lines"), ({"keep_lines": 5}, "keep_lines"), ({"keep_recent": -1}, "keep_recent"), ({"marker": "a\nb"}, "one line")],
+    [
+        ({"max_lines": 0}, "max_lines"),
+        ({"keep_lines": 5}, "keep_lines"),
+        ({"keep_recent": -1}, "keep_recent"),
+        ({"marker": "a\nb"}, "one line"),
+        # a marker other than {n} raised KeyError/IndexError at the first long output
+        ({"marker": "[{count} lines cut]"}, r"marker .*only \{n\}"),
+        ({"marker": "[{} cut]"}, r"marker .*only \{n\}"),
+        ({"marker": "[{n lines]"}, r"marker .*only \{n\}"),
+        ({"marker": 3}, "marker must be a str"),
+        # a lone str was read as its characters: ("t", "o", "o", "l"), truncating nothing
+        ({"roles": "tool"}, "roles must be a list or tuple of role names"),
+    ],
 )
 def test_truncate_options(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -124,6 +136,22 @@ def test_a_failed_call_is_dropped_once_retried():
     assert DropFailedCalls().apply(other).edits == ()
 
 
+def test_tool_calls_in_a_tuple_are_dropped_like_a_list():
+    """The renderer and the pairing take tool calls in a tuple; the retry check took
+    lists only, so a failed call in a tuple was kept and no edit was reported."""
+    as_tuples = [dict(m, tool_calls=tuple(m["tool_calls"])) if "tool_calls" in m else m for m in FAILED_SESSION]
+    res = DropFailedCalls().apply(as_tuples)
+    assert res.edits == (MessageEdit(EditKind.DROP, (2, 4), (2, 2)),)
+    assert res.messages == [dict(m) for m in as_tuples[:2] + as_tuples[4:]]
+
+
+def test_drop_failed_options_are_checked():
+    with pytest.raises(ConfigError, match="tool_roles must be a list or tuple"):
+        DropFailedCalls(tool_roles="tool")
+    with pytest.raises(ConfigError, match="is_error must be a callable"):
+        DropFailedCalls(is_error="Error:")
+
+
 def test_only_the_failed_call_of_several_goes():
     msgs = [
         {"role": "user", "content": "two things"},
@@ -172,6 +200,15 @@ def test_summarize_turns_replaces_a_stretch():
         summarize_turns(FAILED_SESSION, 3, 3, summarize)
     with pytest.raises(InputError, match="must return a str"):
         summarize_turns(FAILED_SESSION, 1, 2, lambda s: None)
+    # a template with another field raised KeyError once a summary came back
+    for bad in ("Summary: {text}", "Summary: {}", "Summary: {summary"):
+        with pytest.raises(ConfigError, match=r"template .*only \{summary\}"):
+            summarize_turns(FAILED_SESSION, 1, 6, summarize, template=bad)
+        with pytest.raises(ConfigError, match=r"template .*only \{summary\}"):
+            SummarizeTurns(summarize, template=bad)
+    assert summarize_turns(FAILED_SESSION, 1, 6, summarize, template="{{{summary}}}").messages[1]["content"] == (
+        "{5 messages about the weather.}"
+    )
 
 
 def test_summaries_are_memoized_across_steps():

@@ -408,7 +408,7 @@ def expected_apply(tokens: Sequence[int], directives: Sequence[Any]) -> tuple[li
             return None, ("unsorted", i)
         if start < pos or start == prev_start:
             return None, ("overlapping", i)
-        if not isinstance(rep, (list, tuple)):
+        if not isinstance(rep, (list, tuple)) or any(type(t) is not int or t < 0 for t in rep):
             return None, ("out_of_range", i)
         out.extend(tokens[pos:start])
         out.extend(rep)

@@ -50,7 +50,7 @@ def directive(fdp: atheris.FuzzedDataProvider):
     if kind == 0:
         return Directive(bound(fdp), bound(fdp), tuple(rep))
     if kind == 1:
-        return ((bound(fdp), bound(fdp)), fdp.PickValueInList([None, 5, tuple(rep)]))
+        return ((bound(fdp), bound(fdp)), fdp.PickValueInList([None, 5, tuple(rep), "78", {"k": 1}, [1.5], [-1], (True,)]))
     if kind == 2:
         return fdp.PickValueInList(["nonsense", None, 3, (), (1, 2, 3), ((1,), []), ((1, 2, 3), [])])
     return ((bound(fdp), bound(fdp)), rep)
