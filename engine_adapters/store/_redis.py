@@ -21,14 +21,23 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
 * Write-behind that never blocks.  Write-downs go to a bounded queue (at most
   ``write_behind_bytes`` of payload) and a writer thread; when it is full the block is
   not written (counted in ``skipped``, reported lost), the caller never waits.
-* Outages.  Connect and socket timeouts are short; a connection error or timeout opens
-  a circuit breaker: the tier counts one outage, logs one warning, forgets its index
-  (the server may come back empty) and refuses reads and writes for ``retry_s`` seconds,
-  so a dead server costs at most one short timeout per back-off period.  The listener
-  then reconnects and rescans.  A server that refuses a write (out of memory) counts a
-  write error and drops the block, without opening the breaker.
+* Announced once stored.  A value is announced after its SET succeeded (a refused one,
+  out of memory, never is) and only while the write is still wanted; a write that a
+  ``clear`` or a removal overtook is deleted again.  A removed value's name (clear,
+  removal, damage) is never indexed or served until its delete reached the server;
+  deletes that cannot reach it wait for it.
+* Outages.  Connect and socket timeouts are short; a connection error or timeout (in
+  any call) opens a circuit breaker: the tier counts one outage, logs one warning,
+  forgets its index (the server may come back empty) and refuses reads and writes for
+  ``retry_s`` seconds, so a dead server costs at most one short timeout per back-off
+  period.  The listener then resubscribes and rescans.  A server that refuses a write
+  (out of memory) counts a write error and drops the block, without opening the
+  breaker.  No exception of the client reaches the caller or stops the writer.
 
-The ``redis`` client is imported when a tier is built, never at import time.
+The ``redis`` client is imported when a tier is built, never at import time.  Kept as
+one module (~640 lines): the index, the writer and the listener share one lock and one
+set of rules (what is announced, what is doomed, when the breaker opens), and each
+race between them is settled in this file.
 """
 
 from __future__ import annotations
@@ -83,6 +92,14 @@ def check_redis_url(url: object) -> str | None:
         return f"must start with redis:// (got scheme {parts.scheme or 'none'!r})"
     if not parts.hostname:
         return "names no host (e.g. redis://127.0.0.1:6379/0)"
+    import redis
+
+    try:  # the client's own reading of the URL and its options (no I/O)
+        pool = redis.ConnectionPool.from_url(url)
+        pool.make_connection()
+        pool.disconnect()
+    except (TypeError, ValueError) as exc:  # an unknown option, a value of the wrong type
+        return f"has options the redis client does not take ({exc})"
     return None
 
 
@@ -151,6 +168,10 @@ class RedisTier(IndexedTier):
         self._queue: deque[WriteJob] = deque()
         self._queue_bytes = 0
         self._deletes: list[str] = []
+        # Values removed here (clear, remove, damaged) whose delete has not reached the
+        # server yet: never indexed again from an announcement or a rescan, never served.
+        self._doomed: set[str] = set()
+        self._lost_index = False  # an outage forgot the index: the next rescan re-shares
         self._writer: threading.Thread | None = None
         self._down_until: float | None = None
         self._up = True
@@ -184,15 +205,16 @@ class RedisTier(IndexedTier):
         return WriteJob(k, held, size)
 
     def remove(self, k: Key) -> bool:
-        found = self._writing.pop(k, None) is not None
+        held = self._writing.pop(k, None)
         record = self._lru.pop(k)
-        if record is not None:
-            found = True
-            self._delete_later(record_key(self._fp, record.meta))
-        return found
+        for meta in {r.meta for r in (held, record) if r is not None}:
+            self._delete_later(record_key(self._fp, meta))
+        return held is not None or record is not None
 
     def clear(self) -> None:
         names = [record_key(self._fp, r.meta) for _, r in self._lru.items()]
+        # writes in flight too: stored or not yet, their values must not come back
+        names += [record_key(self._fp, held.meta) for held in self._writing.values()]
         self._lru.clear()
         self._writing.clear()
         self._delete_later(*names)
@@ -218,6 +240,8 @@ class RedisTier(IndexedTier):
     def _index(self, meta: BlockMeta, size: int) -> None:
         """Add a block the server holds to the index (evicting LRU entries of it)."""
         k = (meta.namespace, meta.key)
+        if self._doomed and record_key(self._fp, meta) in self._doomed:
+            return  # removed here; its delete is still on its way to the server
         old = self._lru.get(k)
         if old is not None:
             if old.meta == meta:
@@ -237,7 +261,8 @@ class RedisTier(IndexedTier):
         """Under the lock: the server is out of reach; open the breaker."""
         self._down_until = time.monotonic() + self._retry_s
         self._lru.clear()  # it may come back empty: the listener rescans it
-        self._synced.clear()
+        self._synced.clear()  # (and the listener leaves its subscription to do so)
+        self._lost_index = True
         if self._up:
             self._up = False
             self._outages += 1
@@ -265,7 +290,7 @@ class RedisTier(IndexedTier):
         """Fetch and verify the value ``locate`` returned ``entry`` for."""
         name = record_key(self._fp, entry.meta)
         with self._cond:
-            if not self._reachable():
+            if not self._reachable() or name in self._doomed:
                 return Fetched(Loaded.MISS)
         try:
             value = self._client.get(name)
@@ -273,13 +298,15 @@ class RedisTier(IndexedTier):
             with self._cond:
                 self._outage(exc)
             return Fetched(Loaded.MISS)
-        except self._refused as exc:
-            _log.warning("KV block store: Redis refused a read (%s)", exc)
+        except Exception as exc:  # noqa: BLE001 - refused (redis.RedisError) or a client bug: a miss
+            _log.warning("KV block store: Redis read failed (%s: %s)", type(exc).__name__, exc)
             return Fetched(Loaded.MISS)
         payload, problem, foreign = self._verify(value, entry.meta) if value is not None else (None, None, False)
         with self._cond:
             self._back()
             current = self._lru.get(k) is entry
+            if name in self._doomed:  # removed while it was read
+                return Fetched(Loaded.MISS)
             if value is None:  # evicted by the server's maxmemory, or deleted
                 if current:
                     self._lru.pop(k)
@@ -318,6 +345,12 @@ class RedisTier(IndexedTier):
         with self._cond:
             if self._closed or self._writing.get(job.key) is not job.held:
                 return False
+            if self._queue_bytes + job.held.meta.nbytes > self._limit:
+                # jobs planned under one hold of the lock (a flush, a re-share after an
+                # outage) were all checked against the same queue: the bound holds here
+                del self._writing[job.key]
+                self._skip(job.key, job.held)
+                return False
             self._queue.append(job)
             self._queue_bytes += job.held.meta.nbytes
             self._start_writer()
@@ -340,14 +373,22 @@ class RedisTier(IndexedTier):
         err: BaseException | None = None
         refused: BaseException | None = None
         try:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.set(name, bytes(data))
-            pipe.publish(self._channel, bytes(data[: fmt.header_size(meta)]))
-            pipe.execute()
+            self._client.set(name, bytes(data))
         except self._errors as exc:
             err = exc
-        except self._refused as exc:  # e.g. OOM: the value does not fit the server
+        except Exception as exc:  # noqa: BLE001 - refused (OOM: the value does not fit) or a client bug
             refused = exc
+        if err is None and refused is None:
+            # Announced only once stored (a refused value never is), and only while
+            # still wanted; a clear or removal that overtakes the write dooms its name.
+            with self._cond:
+                wanted = self._writing.get(job.key) is job.held and not self._closed
+            if wanted:
+                try:
+                    self._client.publish(self._channel, bytes(data[: fmt.header_size(meta)]))
+                except Exception as exc:  # noqa: BLE001 - stored: others find it at their next rescan
+                    _log.warning("KV block store: Redis announcement failed (%s)", exc)
+        overtaken = False
         with self._cond:
             current = self._writing.get(job.key) is job.held
             if current:
@@ -361,53 +402,95 @@ class RedisTier(IndexedTier):
             else:
                 self._back()
                 self._writes += 1
-                if current and not self._closed:
+                if current:
+                    if self._closed:
+                        return False
                     self._index(meta, len(data))
                     return True
-                return False
+                overtaken = True  # stored after its clear or removal: delete it again
+                self._doomed.add(name)
             if current and self._on_lost is not None:
                 self._on_lost(job.key, job.held)
-            return False
+        if overtaken:
+            self._delete_now([name])
+        return False
 
     def _write_behind(self) -> None:
         """The background writer: deletes, then queued jobs in order; exits when idle."""
         while True:
             with self._cond:
-                if not self._queue and not self._deletes and not self._closed:
-                    self._cond.wait(timeout=1.0)
-                deletes, self._deletes = self._deletes, []
+                if not self._queue and not self._closed:
+                    if not self._deletes:
+                        self._cond.wait(timeout=1.0)
+                    elif not self._reachable():  # deletes wait for the server
+                        assert self._down_until is not None
+                        self._cond.wait(max(0.01, self._down_until - time.monotonic()))
+                deletes: list[str] = []
+                if self._deletes and (self._reachable() or self._closed):
+                    deletes, self._deletes = self._deletes, []
                 if not self._queue and not deletes:
+                    if self._deletes and not self._closed:
+                        continue
                     self._writer = None
                     return
                 job = self._queue[0] if self._queue else None
             self._delete_now(deletes)
             if job is None:
                 continue
-            self._write_job(job)
-            with self._cond:
-                self._queue.popleft()
-                self._queue_bytes -= job.held.meta.nbytes
-                self._cond.notify_all()
+            try:
+                self._write_job(job)
+            except Exception:  # noqa: BLE001 - a bug must not stop the writer with jobs queued
+                _log.exception("KV block store: a Redis write failed")
+                with self._cond:
+                    if self._writing.get(job.key) is job.held:
+                        del self._writing[job.key]
+                        self._write_errors += 1
+            finally:
+                with self._cond:
+                    self._queue.popleft()
+                    self._queue_bytes -= job.held.meta.nbytes
+                    self._cond.notify_all()
 
     def _delete_later(self, *names: str) -> None:
         """Under the lock: have the writer thread delete these values (no I/O here)."""
         if not names or self._closed:
             return
+        self._doomed.update(names)
         self._deletes.extend(names)
         self._start_writer()
 
     def _delete_now(self, names: list[str]) -> None:
-        """Delete values on the server, best effort (without the lock; never raises)."""
+        """Delete values on the server (without the lock; never raises).  Names that
+        cannot be deleted now stay doomed and go back to the writer, which retries once
+        the server is back: a value removed here is never indexed or served again."""
+        if not names:
+            return
         with self._cond:
-            if not names or not self._reachable():
+            self._doomed.update(names)
+            if not self._reachable():
+                self._retry_deletes(names)
                 return
         try:
             self._client.delete(*names)
         except self._errors as exc:
             with self._cond:
                 self._outage(exc)
-        except self._refused:
-            pass
+                self._retry_deletes(names)
+            return
+        except Exception as exc:  # noqa: BLE001 - refused, or a client bug
+            _log.warning("KV block store: Redis refused a delete (%s)", exc)
+            with self._cond:
+                self._retry_deletes(names)
+            return
+        with self._cond:
+            self._doomed.difference_update(names)
+
+    def _retry_deletes(self, names: list[str]) -> None:
+        """Under the lock: have the writer delete ``names`` again later."""
+        if self._closed:
+            return
+        self._deletes.extend(names)
+        self._start_writer()
 
     def _start_writer(self) -> None:
         if self._writer is None:
@@ -462,7 +545,9 @@ class RedisTier(IndexedTier):
                 self._synced.set()
                 if recovered and self._on_back is not None:
                     self._on_back()  # the server may have come back empty
-                while not self._closed:
+                # An outage seen by any call (a slow read, a failed write) forgot the
+                # index: leave, wait out the back-off, subscribe and rescan again.
+                while not self._closed and self._synced.is_set():
                     msg = pubsub.get_message(timeout=0.25)
                     if msg is not None and msg.get("type") == "message":
                         self._announced(msg["data"])
@@ -499,7 +584,7 @@ class RedisTier(IndexedTier):
         """Index every value of this fingerprint on the server (headers only); delete
         damaged ones (counted).  True when this ends an outage."""
         with self._cond:
-            recovered = not self._up
+            recovered, self._lost_index = self._lost_index, False
             self._back()
         cursor = 0
         while not self._closed:

@@ -5,6 +5,9 @@ The splice connector saves the KV of every full block it prefills here, and asks
 blocks back when vLLM's own prefix cache misses (offload hits) or when an agent edit
 moved them (relocation).  This module is the testable core the connector forwards to:
 it never imports vLLM, and it imports torch only when a tensor goes in or out.
+Kept as one module (~600 lines): it is the one tiering policy over every tier (put,
+get, write-down, promotion, pins, re-share), and each of those steps takes the one lock
+with the others; the tiers' mechanisms live in their own modules.
 
 Tiers and policy
     The store is an ordered list of tiers (the split of vLLM's ``BlockPool`` from its
@@ -171,8 +174,8 @@ class BlockStore:
                 self._lower.append(disk)
         if config.remote_bytes > 0:
             assert config.remote_url is not None
-            self._lower.append(
-                RedisTier(
+            try:
+                remote = RedisTier(
                     config.remote_url,
                     budget=config.remote_bytes,
                     fingerprint=content_digest(config.fingerprint.encode("utf-8")),
@@ -184,7 +187,11 @@ class BlockStore:
                     on_lost=self._lost,
                     on_back=self._reshare,
                 )
-            )
+            except BaseException:
+                for tier in self._lower:  # the disk tier's files and folder lock
+                    tier.close()
+                raise
+            self._lower.append(remote)
         self._tier_hits: dict[str, int] = {}  # storage-tier hits by tier name
 
     # ------------------------------------------------------------------ public API
@@ -289,7 +296,10 @@ class BlockStore:
                 return Lookup(LookupStatus.MISS if miss else LookupStatus.CORRUPT)
             self._hits[1] += 1
             self._tier_hits[tier.name] = self._tier_hits.get(tier.name, 0) + 1
-            if not self._closed and self._dram.get(k) is None:
+            # promoted only if the tier still holds this very entry: a block cleared or
+            # discarded while it was read goes back into no tier (the caller still gets
+            # it: its read began before the clear)
+            if not self._closed and self._dram.get(k) is None and tier.locate(k) is entry:
                 assert fetched.payload is not None
                 jobs = self._admit(k, Held(entry.meta, fetched.payload)) or []
         self._run(jobs)

@@ -311,6 +311,8 @@ def own_payload(payload: object, copy: bool) -> tuple[torch.Tensor, str]:
     tensor = payload.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
+    elif tensor.numel() == 0:
+        tensor = tensor.clone() if copy else tensor  # (numpy's empty view has no dtype view)
     elif copy:
         # A plain memcpy in this thread: torch's clone() goes through its intra-op
         # thread pool, which the model's forward pass is using (measured 5-20 ms for

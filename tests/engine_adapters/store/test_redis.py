@@ -84,6 +84,9 @@ def value_key(ref, salt=SALT, ns: int = 0, fp: bytes = FP) -> str:
         ({"remote_bytes": -1}, "remote_bytes must be an int >= 0"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:1", "remote_timeout_s": 0}, "remote_timeout_s must be > 0"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:1", "remote_retry_s": -1}, "remote_retry_s must be"),
+        # options the client cannot take: every call raised TypeError (the writer died)
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?foo=1"}, "remote_url has options the redis client"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?socket_timeout=x"}, "remote_url has options the redis client"),
     ],
 )
 def test_config_names_the_remote_field_to_fix(kwargs, field):
@@ -293,3 +296,156 @@ def test_blocks_the_server_evicts_miss_never_wrong():
             assert counts["other"] == 0
             assert counts["miss"] > 1000 and counts["hit"] > 1000  # evicted by the server, not lost
             assert a.stats().remote_write_errors == 0
+
+
+# ------------------------------------------------------------- races and refusals
+
+
+def _psk_keys(url: str) -> list[bytes]:
+    c = client(url)
+    try:
+        return c.keys("psk:*")
+    finally:
+        c.close()
+
+
+def _writer_idle(store: BlockStore) -> bool:
+    tier = remote(store)
+    with tier._cond:
+        return tier._writer is None and not tier._deletes
+
+
+@pytest.mark.reliability
+def test_a_write_in_flight_when_the_store_is_cleared_never_comes_back(redis_url):
+    """``clear()`` (reset_prefix_cache) while a write-down is inside its SET: the value
+    landed after the clear, was announced and indexed again, and both this store and
+    another engine's served the cleared block."""
+    cfg = {"write_behind_bytes": 64 * P, "remote_timeout_s": 3.0}
+    with open_store(redis_url, dram_blocks=4, **cfg) as a, open_store(redis_url, dram_blocks=8, **cfg) as b:
+        assert remote(a).wait_synced(5.0) and remote(b).wait_synced(5.0)
+        ref = make_refs(1)[0]
+        admin = client(redis_url)
+        admin.client_pause(800, all=False)  # CLIENT PAUSE WRITE: the SET waits 0.8 s
+        admin.close()
+        assert a.put(ref, kv(7), salt=SALT) is PutStatus.STORED
+        time.sleep(0.2)  # the writer is inside the SET now
+        a.clear()
+        assert not a.contains(ref, salt=SALT)
+        a.drain()
+        assert wait_for(lambda: _writer_idle(a))
+        time.sleep(0.3)  # any announcement has reached the listeners
+        assert _psk_keys(redis_url) == []
+        assert a.get(ref, salt=SALT).status is MISS and b.get(ref, salt=SALT).status is MISS
+        assert not a.contains(ref, salt=SALT) and a.stats().remote_blocks == 0
+
+
+@pytest.mark.reliability
+def test_a_full_server_announces_nothing_it_refused():
+    """A server at ``maxmemory`` with Redis's default policy (``noeviction``) refuses
+    every SET with OOM; the PUBLISH that went with it still ran, so every store indexed
+    (and pinned, and answered EXISTS for) blocks the server never held."""
+    with RedisServer(maxmemory="64mb") as server:
+        admin = client(server.url)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.set("filler", b"x" * (3 << 20))
+        admin.config_set("maxmemory", str(admin.info("memory")["used_memory"] + 1000))  # full
+        with open_store(server.url) as a, open_store(server.url) as b:
+            assert remote(a).wait_synced(5.0) and remote(b).wait_synced(5.0)
+            refs = make_refs(6)
+            put_all(a, refs)
+            time.sleep(0.3)
+            sa, sb = a.stats(), b.stats()
+            assert sa.remote_write_errors >= 6 and sa.remote_writes == 0  # at put, and again when DRAM evicts
+            assert sa.remote_blocks == 0 and sb.remote_blocks == 0
+            assert b.match_prefix(refs, salt=SALT) == 0
+            assert sa.dropped == 4  # evicted from DRAM (2 blocks), written nowhere: counted
+            assert a.put(refs[0], kv(0), salt=SALT) is PutStatus.STORED  # not EXISTS
+            assert a.get(refs[0], salt=SALT).status is HIT_DRAM
+        admin.close()
+
+
+@pytest.mark.reliability
+def test_one_slow_read_does_not_lose_the_index_for_good(redis_url):
+    """A read that hits the socket timeout opens the breaker and forgets the index; the
+    listener's own connection never failed, so it never rescanned: every block on the
+    server stayed unreachable."""
+    fast = {"remote_timeout_s": 0.2, "remote_retry_s": 0.3}
+    with open_store(redis_url, **fast) as a:
+        refs = make_refs(20)
+        put_all(a, refs)
+        with open_store(redis_url, **fast) as b:
+            assert wait_for(lambda: b.stats().remote_blocks == 20)
+            admin = client(redis_url)
+            admin.client_pause(600)  # every command waits 0.6 s
+            admin.close()
+            assert b.get(refs[0], salt=SALT).status is MISS  # timed out: an outage
+            assert b.stats().remote_outages == 1
+            assert wait_for(lambda: b.stats().remote_blocks == 20, timeout=5.0), b.stats()
+            assert remote(b).wait_synced(1.0) and b.match_prefix(refs, salt=SALT) == 20
+            got = b.get(refs[1], salt=SALT)
+            assert got.status is HIT_DISK and torch.equal(got.payload, kv(1))
+
+
+@pytest.mark.reliability
+def test_a_clear_while_the_server_is_stopped_holds_once_it_answers(redis_server, redis_url):
+    """The deletes of a clear that cannot reach the server were dropped: once it
+    answered again, the rescan indexed the cleared values and the store served them."""
+    with open_store(redis_url, remote_timeout_s=0.2, remote_retry_s=0.3) as a:
+        refs = make_refs(5)
+        put_all(a, refs)
+        assert remote(a).wait_synced(5.0) and a.stats().remote_blocks == 5
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            a.clear()
+            assert wait_for(lambda: a.stats().remote_outages == 1)  # the delete timed out
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: _psk_keys(redis_url) == [] and _writer_idle(a), timeout=5.0)
+        assert remote(a).wait_synced(5.0)
+        assert a.stats().remote_blocks == 0 and [status for status in (a.get(r, salt=SALT).status for r in refs)] == [MISS] * 5
+
+
+def test_the_write_behind_bound_holds_for_a_batch_planned_at_once(redis_server, redis_url):
+    """After an outage the store writes its DRAM blocks again in one batch; each was
+    checked against the same (empty) queue, so the queue grew to 10x its bound."""
+    with open_store(redis_url, dram_blocks=64, write_behind_bytes=4 * P, remote_retry_s=0.3) as store:
+        tier = remote(store)
+        assert tier.wait_synced(5.0)
+        peak = [0]
+        queue = tier._queue
+
+        class Spy(type(queue)):  # records the deepest the real queue got
+            def append(self, job):
+                super().append(job)
+                peak[0] = max(peak[0], sum(j.held.meta.nbytes for j in self))
+
+        tier._queue = Spy(queue)
+        redis_server.kill()
+        for i, ref in enumerate(make_refs(40)):
+            store.put(ref, kv(i), salt=SALT)
+        redis_server.start()  # back, empty: the store re-shares its 40 DRAM blocks
+        assert wait_for(lambda: store.stats().remote_writes >= 4 and _writer_idle(store), timeout=10.0)
+        assert 0 < peak[0] <= 4 * P
+        assert store.stats().remote_skipped > 0 and store.stats().dropped == 0  # DRAM kept them
+
+
+def test_a_client_failure_of_another_kind_never_stops_the_writer(redis_url, monkeypatch):
+    """An exception that is not a Redis error (a client bug) killed the writer thread
+    with its job still queued: ``drain()`` and ``close()`` then waited forever."""
+    with open_store(redis_url, dram_blocks=8, write_behind_bytes=64 * P) as store:
+        tier = remote(store)
+        assert tier.wait_synced(5.0)
+        real = tier._client.set
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a client bug")
+
+        monkeypatch.setattr(tier._client, "set", broken)
+        refs = make_refs(3)
+        put_all(store, refs[:2])
+        store.drain()  # returns: the jobs left the queue
+        assert store.stats().remote_write_errors == 2 and store.stats().remote_blocks == 0
+        monkeypatch.setattr(tier._client, "set", real)
+        put_all(store, refs[2:], first=2)
+        store.drain()
+        assert wait_for(lambda: store.stats().remote_blocks == 1)

@@ -320,6 +320,56 @@ def test_discard_and_clear_remove_records(tmp_path):
     assert status(store, c) is MISS
 
 
+def test_a_block_cleared_while_it_is_read_is_not_promoted_back(tmp_path, monkeypatch):
+    """A load from disk that a clear (reset_prefix_cache) overtakes: the caller gets the
+    block (its read began first), but it was promoted into DRAM and served afterwards."""
+    import threading
+
+    store, a, _ = _evicted_to_disk(tmp_path)
+    disk = store._lower[0]
+    read = disk._read_record
+
+    def read_then_clear(path, entry):
+        out = read(path, entry)
+        clearing = threading.Thread(target=store.clear)
+        clearing.start()
+        clearing.join(0.2)  # blocks on the store's lock until this read returns
+        return out
+
+    monkeypatch.setattr(disk, "_read_record", read_then_clear)
+    assert status(store, a) is HIT_DISK
+    monkeypatch.setattr(disk, "_read_record", read)
+    assert wait_until(lambda: store.stats().disk_blocks == 0)
+    assert not store.contains(a, salt=SALT) and status(store, a) is MISS
+    assert store.stats().dram_blocks == 0
+
+
+def wait_until(check, timeout: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_empty_payload_is_stored_like_any_other(tmp_path):
+    """A zero-element payload (the record format takes zero bytes) raised a raw torch
+    RuntimeError from the copy."""
+    store = open_store(tmp_path, dram_blocks=2, disk_bytes=4 * REC)
+    a = make_refs(1)[0]
+    empty = torch.zeros((2, 0, BS, 4), dtype=torch.float16)
+    assert store.put(a, empty, salt=SALT) is PutStatus.STORED
+    assert store.put(a, empty, salt=SALT, copy=False) is PutStatus.EXISTS
+    assert store.get(a, salt=SALT).payload.shape == empty.shape
+    assert store.flush() == 1
+    store.close()
+    got = open_store(tmp_path, dram_blocks=2, disk_bytes=4 * REC).get(a, salt=SALT)  # from its record
+    assert got.status is HIT_DISK and got.payload.shape == empty.shape and got.payload.dtype == torch.float16
+
+
 def test_a_block_too_large_for_dram_goes_to_disk_or_is_rejected(tmp_path):
     big = kv(0, shape=(4, 2, BS, 4))  # 2 KiB > 1 KiB of DRAM
     ref = make_refs(1)[0]
