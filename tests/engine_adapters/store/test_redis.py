@@ -449,3 +449,22 @@ def test_a_client_failure_of_another_kind_never_stops_the_writer(redis_url, monk
         put_all(store, refs[2:], first=2)
         store.drain()
         assert wait_for(lambda: store.stats().remote_blocks == 1)
+
+
+def test_a_remote_tier_that_fails_to_build_releases_the_disk_tier(tmp_path, monkeypatch):
+    """The disk tier opens first; a remote tier that raised while being built left the
+    disk tier's folder locked (``ConfigError: already used``) and its descriptors open."""
+    from promptsplice.engine_adapters.store import _store
+
+    def refuse(*args, **kwargs):
+        raise ConnectionRefusedError("no tier")  # a constructor failure of any kind
+
+    cfg = StoreConfig(dram_bytes=2 * P, disk_bytes=1 << 20, disk_dir=str(tmp_path / "kv"),
+                      remote_url="redis://127.0.0.1:1/0", remote_bytes=1 << 20, fingerprint=FP_TEXT)
+    monkeypatch.setattr(_store, "RedisTier", refuse)
+    with pytest.raises(ConnectionRefusedError):
+        BlockStore(cfg)
+    monkeypatch.undo()
+    plain = StoreConfig(dram_bytes=2 * P, disk_bytes=1 << 20, disk_dir=str(tmp_path / "kv"), fingerprint=FP_TEXT)
+    with BlockStore(plain) as store:  # the folder is free again
+        assert store.stats().disk_writable
