@@ -17,8 +17,10 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 SITE=$(mktemp -d "${TMPDIR:-/tmp}/promptsplice-site.XXXXXX")
 trap 'rm -rf "$SITE"' EXIT
 
+[[ -e "$ROOT/build" ]] && had_build=1 || had_build=0
 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
     --target "$SITE/lib" "$ROOT" >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
+(( had_build )) || rm -rf "$ROOT/build"  # setuptools' staging folder, left in the tree
 export PYTHONPATH="$SITE/lib${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$SITE"  # not the tree's root, whose promptsplice/ folder would shadow the install
 
