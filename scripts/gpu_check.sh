@@ -12,6 +12,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
+[[ $PYTHON == */* ]] && PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"  # (cd below)
 OUT=${OUT:-$ROOT/out/gpu}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 SITE=$(mktemp -d "${TMPDIR:-/tmp}/promptsplice-site.XXXXXX")

@@ -72,11 +72,13 @@ def test_the_device_script_installs_the_bare_tree_and_runs_the_check(tmp_path):
     installed): here it installs the tree into a scratch folder and runs the CPU dry run
     from there, so the import path is the one the GPU machine will take."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), TMPDIR=str(tmp_path))
+    # the README's form: a relative PYTHON, run from the tree's root
+    python = os.path.relpath(sys.executable, root)
+    env = dict(os.environ, PYTHON=python, OUT=str(tmp_path), TMPDIR=str(tmp_path))
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [os.path.join(root, "scripts", "gpu_check.sh"), "--device", "cpu", "--quick"],
-        env=env, capture_output=True, text=True, timeout=500,
+        env=env, cwd=root, capture_output=True, text=True, timeout=500,
     )
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     doc = json.loads((tmp_path / "gpu_connector_check.json").read_text())
