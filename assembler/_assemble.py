@@ -209,7 +209,7 @@ class Assembler:
         check_text(query, "query")
         check_text(system, "system", optional=True)
         tools = check_tools(tools)
-        salt = check_salt(salt, "salt")
+        salt = check_salt(salt, "salt")  # a runner's derived salts come through here too
         order_policy = self.policy if policy is None else parse_order(policy)
         align = self.alignment if alignment is None else parse_align(alignment)
         limit = self.max_tokens if max_tokens is None else _check_max_tokens(max_tokens)

@@ -40,7 +40,7 @@ from promptsplice.assembler._directives import Diff, Directive
 from promptsplice.assembler._ordering import AlignPolicy
 from promptsplice.assembler._policies import MessageEdit, PolicyResult
 from promptsplice.assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
-from promptsplice._validate import check_block_size, check_int, check_messages, check_salt, check_text, check_tools
+from promptsplice._validate import check_block_size, check_int, check_messages, check_tenant_salt, check_text, check_tools
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = ["StepKind", "FallbackReason", "PreparedContext", "ContextHook"]
@@ -146,7 +146,7 @@ class ContextHook:
         check_int(max_sessions, "max_sessions")
         if block_size is not None:
             check_block_size(block_size)
-        salt = check_salt(salt, "salt")
+        salt = check_tenant_salt(salt, "salt")
         if isinstance(policies, str | bytes | Mapping) or not isinstance(policies, Sequence):
             raise ConfigError(f"policies must be a list of policies, got {type(policies).__name__}")
         if isinstance(renderer, ChatRenderer):
@@ -179,7 +179,7 @@ class ContextHook:
     ) -> PreparedContext:
         """Prepare one step of ``session_id`` (see the module docstring)."""
         check_text(session_id, "session_id")
-        salt = self.salt if check_salt(salt, "salt") is None else salt
+        salt = self.salt if check_tenant_salt(salt, "salt") is None else salt
         check_messages(messages, allow_empty=False)
         tools = check_tools(tools)
         msgs, edits = self._apply_policies(messages)

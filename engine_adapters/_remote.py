@@ -154,7 +154,11 @@ class RemoteEngine(ServedEngineSurface):
     ) -> None:
         if not isinstance(base_url, str) or not base_url.strip():
             raise ConfigError("base_url must be a non-empty URL such as http://127.0.0.1:8000")
-        parts = urlsplit(base_url.strip())
+        try:
+            parts = urlsplit(base_url.strip())
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as exc:
+            raise ConfigError(f"base_url {base_url!r} is not a valid URL ({exc})") from exc
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"base_url must be an http(s) URL, got {base_url!r}")
         root = base_url.strip().rstrip("/")
@@ -188,6 +192,7 @@ class RemoteEngine(ServedEngineSurface):
         self._salts = SaltGuard("RemoteEngine", require=require_salt)
         self._client: httpx.Client | None = None
         self._aclient: httpx.AsyncClient | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
         self._init_served(tokenizer, block_size)
 
     # ----------------------------------------------------------------- lifecycle
@@ -201,11 +206,14 @@ class RemoteEngine(ServedEngineSurface):
         return self._client
 
     def _async_client(self) -> httpx.AsyncClient:
-        if self._aclient is None:
+        # An AsyncClient's pooled connections belong to the event loop that opened them:
+        # a call from another loop (a second asyncio.run) gets a client of its own.
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aloop is not loop:
             kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
             if self._transport is not None:
                 kwargs["transport"] = self._transport
-            self._aclient = httpx.AsyncClient(**kwargs)
+            self._aclient, self._aloop = httpx.AsyncClient(**kwargs), loop
         return self._aclient
 
     def close(self) -> None:

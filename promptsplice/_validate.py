@@ -143,6 +143,24 @@ def check_salt(salt: Any, what: str = "cache_salt") -> str | None:
     )
 
 
+DERIVED_SALT_MARK = "\x1f"
+"""Separates a tenant's salt from the tag of a salt derived from it (a runner's scope,
+relocation or exact salt): never part of a tenant's own salt (:func:`check_tenant_salt`)."""
+
+
+def check_tenant_salt(salt: Any, what: str = "salt") -> str | None:
+    """:func:`check_salt` for a salt that names a tenant (a runner's, a hook's, an
+    assembler's): it may not hold :data:`DERIVED_SALT_MARK`, or tenant ``"a\x1fpic"``
+    would share the KV that runners derive for tenant ``"a"``."""
+    salt = check_salt(salt, what)
+    if salt is not None and DERIVED_SALT_MARK in salt:
+        raise InvalidSaltError(
+            f"{what} {_short(salt)} holds the character U+001F, which promptsplice reserves for "
+            "the salts runners derive from a tenant's salt: pick a salt without it"
+        )
+    return salt
+
+
 def check_text(
     value: Any, what: str, *, optional: bool = False, error: type[InputError] = InvalidTextError
 ) -> str | None:

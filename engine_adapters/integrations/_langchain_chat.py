@@ -71,7 +71,7 @@ from promptsplice.engine_adapters.integrations._langchain_convert import (
     parse_tool_calls,
     streamable,
 )
-from promptsplice.errors import ConfigError, PromptspliceError
+from promptsplice.errors import ConfigError, InvalidSaltError, PromptspliceError
 
 __all__ = [
     "PromptspliceChatModel",
@@ -343,17 +343,31 @@ class PromptspliceChatModel(BaseChatModel):
             "max_tokens": max_tokens,
             "temperature": temperature,
             "salt": kwargs.get("cache_salt", self.cache_salt),
+            # a call without a session runs under a one-off id the runner must forget
+            "ephemeral": self._session(kwargs, run_manager) is None,
         }
 
     def _run(self, req: dict[str, Any]) -> Any:
         prepared: PreparedContext = req["prepared"]
         if self.runner is not None:
+            runner_salt = getattr(self.runner, "salt", req["salt"])
+            if req["salt"] != runner_salt:
+                # the runner sends every step under its own (tenant) salt: a model salt it
+                # would not use must not silently become another tenant's, or none
+                raise InvalidSaltError(
+                    f"cache_salt {req['salt']!r} differs from the runner's salt {runner_salt!r}: the "
+                    "runner's requests use its own salt; build the runner with salt=<this cache_salt>"
+                )
             if req["prefix"]:  # the forcing prefix goes after the generation prompt
                 import dataclasses
 
                 render = dataclasses.replace(prepared.render, token_ids=req["ids"])
                 prepared = dataclasses.replace(prepared, render=render)
-            step = self.runner.step(prepared, max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"])
+            try:
+                step = self.runner.step(prepared, max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"])
+            finally:
+                if req.get("ephemeral") and hasattr(self.runner, "forget"):
+                    self.runner.forget(prepared.session_id)
             return step.completion
         return self.resolved_engine().generate(
             req["ids"], max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"], cache_salt=req["salt"]

@@ -49,9 +49,13 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage]) -> list[dict[str, Any
         raise InputError(f"cannot convert the messages to chat dicts: {exc}") from exc
     if isinstance(out, dict):
         out = [out]
-    for m, d in zip(messages, out):
-        if isinstance(m, ToolMessage) and getattr(m, "status", None) == "error":
-            d["status"] = "error"
+    # by tool_call_id, not by position: one message may convert to several dicts (a
+    # user message holding tool_result blocks), which shifts every later position
+    failed = {m.tool_call_id for m in messages if isinstance(m, ToolMessage) and getattr(m, "status", None) == "error"}
+    if failed:
+        for d in out:
+            if d.get("role") == "tool" and d.get("tool_call_id") in failed:
+                d["status"] = "error"
     return list(out)
 
 

@@ -83,7 +83,7 @@ from promptsplice.engine_adapters.runners._steps import (
     planned_relocated_tokens,
 )
 from promptsplice.blocks import round_down
-from promptsplice._validate import check_enum, check_int, check_salt
+from promptsplice._validate import DERIVED_SALT_MARK, check_enum, check_int, check_tenant_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -244,7 +244,7 @@ class AgentRunner:
         self.fidelity = self._fidelity.level
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
-        check_salt(salt, "salt")
+        check_tenant_salt(salt, "salt")
         check_int(max_sessions, "max_sessions")
         self.engine = engine
         self.salt = salt
@@ -265,7 +265,7 @@ class AgentRunner:
 
     def _exact_salt(self) -> str | None:
         """A salt whose cache holds exact blocks only (module doc)."""
-        return self.salt if self.scope == "session" else f"{self.salt or ''}\x1fexact"
+        return self.salt if self.scope == "session" else f"{self.salt or ''}{DERIVED_SALT_MARK}exact"
 
     # -- sessions -------------------------------------------------------------------
     def _session(self, session_id: str) -> _Session:
@@ -333,7 +333,7 @@ class AgentRunner:
                 salt, phases, fallback = self._plan(
                     st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None
                 )
-                if cfg.recompute_blocks and fallback is None:
+                if (cfg.recompute_blocks or self.recompute_tail_blocks) and fallback is None:
                     dry_salt, dry, _ = self._plan(st, prepared, new, 0, dry=True)
                     every = planned_relocated_tokens(dry, new, dry_salt)
                     recomputed = max(0, every - planned_relocated_tokens(phases, new, salt))
@@ -383,7 +383,7 @@ class AgentRunner:
         scope_now = self.scope == "session" and not st.scoped
         salt, src_salt, load_prefix = st.salt, SAME_SALT, 0
         if scope_now:
-            salt = f"{self.salt or ''}\x1fsplice-scope:{prepared.session_id}:{uuid.uuid4().hex[:12]}"
+            salt = f"{self.salt or ''}{DERIVED_SALT_MARK}splice-scope:{prepared.session_id}:{uuid.uuid4().hex[:12]}"
             src_salt = st.kv_salt
             load_prefix = round_down(prepared.first_changed_token, bs)
         elif st.kv_salt != salt:  # the last step ran exact under a salt of its own

@@ -121,7 +121,7 @@ from promptsplice.engine_adapters.runners._steps import (
 )
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
 from promptsplice.blocks import chain_hashes, root_hash, round_down
-from promptsplice._validate import check_enum, check_int, check_salt
+from promptsplice._validate import DERIVED_SALT_MARK, check_enum, check_int, check_tenant_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -266,7 +266,7 @@ class RagRunner:
         self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation)
         self.fidelity = self._fidelity.level
         check_int(min_group_blocks, "min_group_blocks")
-        check_salt(salt, "salt")
+        check_tenant_salt(salt, "salt")
         self.engine = engine
         self.salt = salt
         default = self.settings(self.fidelity)
@@ -297,7 +297,7 @@ class RagRunner:
     def reuse_salt(self) -> str:
         """The ``cache_salt`` of requests that reuse relocated chunks (module doc): the
         explicit opt-in for a request that may meet their approximate KV."""
-        return f"{self.salt or ''}\x1fpic"
+        return f"{self.salt or ''}{DERIVED_SALT_MARK}pic"
 
     # -- requests -------------------------------------------------------------------
     def run(
@@ -378,17 +378,23 @@ class RagRunner:
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs,
             )
-            if not choice.pays:  # one exact request computes no more
+            why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
+            if why is None:
+                prompt = asm.assemble(chunks, salt=salt, **what)  # what the preview showed ...
+                if prompt.token_ids != toks:
+                    # ... unless another runner on the engine's mirror changed the order
+                    # in between: the plan was made for other tokens, never splice it
+                    _log.warning("rag runner: the assembled prompt differs from its preview; one exact request")
+                    why = StepFallback.INVALID_PLAN
+            if why is not None:
                 exact = asm.assemble(chunks, salt=self.salt, alignment=self.exact_alignment, **what)
                 t_send = time.perf_counter()
                 out = eng.generate(exact, **gen)
                 self._index_chunks(exact.token_ids, [s for s in exact.segments if s.kind is SegmentKind.CHUNK])
-                step = self._step(exact, [out], out, t0, t_send, self.salt, 0, 0, 0, StepFallback.NO_GAIN)
+                step = self._step(exact, [out], out, t0, t_send, self.salt, 0, 0, 0, why)
                 stored = {s.chunk_ids for s in todo if s not in missing}
                 step.recomputed_tokens = _computed(exact, stored, step.cached_tokens)
                 return step
-            prompt = asm.assemble(chunks, salt=salt, **what)  # what the preview showed
-            assert prompt.token_ids == toks, "assemble differs from its preview"
         precomputed = 0
         if missing:
             # standalone: each chunk right after the head (its KV attended to the system

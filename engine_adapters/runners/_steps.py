@@ -48,7 +48,8 @@ class StepFallback(enum.Enum):
     """The session's previous render is not what this runner sent last (another
     runner, a restart, a forgotten session)."""
     INVALID_PLAN = "invalid_plan"
-    """The plan did not fit the prompt's tokens (never spliced)."""
+    """The plan did not fit the prompt's tokens (never spliced; for RagRunner also: the
+    assembled prompt differed from the preview it was planned on)."""
     NO_GAIN = "no_gain"
     """Relocation was predicted to compute no fewer tokens than one exact request
     (``RagRunner``: new or short chunks, an exact repeat; :func:`pic_choice`)."""

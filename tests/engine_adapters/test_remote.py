@@ -214,6 +214,18 @@ def test_async_twins(server):
     assert counters.prefix_cache_hits >= 64
 
 
+def test_one_engine_serves_async_calls_from_successive_event_loops(server):
+    """Each ``asyncio.run`` is a new loop; the cached AsyncClient's connections belonged
+    to the first, closed one: the second call raised a raw ``RuntimeError``."""
+    eng = RemoteEngine(server)
+    try:
+        first = asyncio.run(eng.acomplete(_ids(7, 40), max_tokens=2))
+        second = asyncio.run(eng.acomplete(_ids(7, 40), max_tokens=2))
+        assert first.text == second.text and second.cached_tokens > 0
+    finally:
+        eng.close()
+
+
 def test_too_long_prompt_is_context_length_error(remote):
     with pytest.raises(ContextLengthError) as info:
         remote.complete([100] * 2100, max_tokens=1)
@@ -402,6 +414,10 @@ def test_openai_gets_text_and_prompt_cache_key():
 def test_bad_arguments():
     with pytest.raises(ConfigError):
         RemoteEngine("not a url")
+    with pytest.raises(ConfigError, match="not a valid URL"):
+        RemoteEngine("http://[::1")  # urllib's ValueError escaped raw
+    with pytest.raises(ConfigError, match="not a valid URL"):
+        RemoteEngine("http://127.0.0.1:99999")
     with pytest.raises(ConfigError):
         RemoteEngine("http://x", max_retries=-1)
     eng = _mock(lambda r: httpx.Response(200, json=_ok_body()))

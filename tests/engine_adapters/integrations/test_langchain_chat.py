@@ -20,6 +20,7 @@ from promptsplice.engine_adapters.integrations._langchain_chat import (  # noqa:
     set_default_engine,
 )
 from promptsplice.errors import ConfigError, ContextLengthError  # noqa: E402
+from promptsplice.engine_adapters.integrations._langchain_convert import lc_messages_to_openai  # noqa: E402
 
 
 class RecordingRunner:
@@ -184,3 +185,53 @@ def test_serializes_settings_only_and_loads_with_an_explicit_allowlist(engine, m
         set_default_engine(prev)
     # LangChain's LLM cache key names the engine's model (the dump leaves the engine out)
     assert model._get_llm_string().endswith("---model=SmolLM2-135M-Instruct")
+
+
+def test_a_cache_salt_the_runner_would_not_use_is_refused(engine):
+    """With a runner, the runner's salt is what every request carries: a model (or call)
+    ``cache_salt`` it would not use was dropped silently, sending the tenant's steps
+    unsalted into the shared cache."""
+    from promptsplice.engine_adapters import AgentRunner
+    from promptsplice.errors import InvalidSaltError
+
+    runner = AgentRunner(engine, mode="apc")  # no salt
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+    model = PromptspliceChatModel(engine=engine, hook=hook, runner=runner, max_tokens=2, cache_salt="tenant-B")
+    with pytest.raises(InvalidSaltError, match="differs from the runner's salt"):
+        model.invoke([HumanMessage("Say hi.")])
+    salted = PromptspliceChatModel(engine=engine, hook=hook, runner=AgentRunner(engine, mode="apc", salt="tenant-B"),
+                                   max_tokens=2, cache_salt="tenant-B")
+    with pytest.raises(InvalidSaltError, match="'tenant-C' differs"):
+        salted.invoke([HumanMessage("Say hi.")], cache_salt="tenant-C")
+    assert salted.invoke([HumanMessage("Say hi.")]).content is not None
+
+
+def test_calls_without_a_session_leave_no_runner_session_behind(engine):
+    """Each call without a session ran under a one-off id the hook forgot and the runner
+    kept: the runner's LRU filled with them and evicted the real sessions."""
+    from promptsplice.engine_adapters import AgentRunner
+
+    runner = AgentRunner(engine, mode="apc", max_sessions=4)
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+    model = PromptspliceChatModel(engine=engine, hook=hook, runner=runner, max_tokens=2)
+    cfg = {"configurable": {"thread_id": "real"}}
+    model.invoke([HumanMessage("Say hi.")], config=cfg)
+    for i in range(6):
+        model.invoke([HumanMessage(f"One-off question {i}.")])
+    assert list(runner._sessions) == ["real"]
+    second = model.invoke([HumanMessage("Say hi."), AIMessage("hi"), HumanMessage("Again.")], config=cfg)
+    assert second.response_metadata["step_kind"] == "append"
+
+
+def test_a_failed_tool_call_keeps_its_status_when_messages_expand():
+    """Anthropic-style ``tool_result`` blocks turn one user message into several dicts;
+    pairing by position put ``status="error"`` on an assistant message instead."""
+    msgs = [
+        AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "t1", "type": "tool_call"}]),
+        HumanMessage(content=[{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}, {"type": "text", "text": "and?"}]),
+        AIMessage("", tool_calls=[{"name": "g", "args": {}, "id": "t2", "type": "tool_call"}]),
+        ToolMessage("boom", tool_call_id="t2", status="error"),
+    ]
+    out = lc_messages_to_openai(msgs)
+    assert [d.get("tool_call_id") for d in out if d.get("status") == "error"] == ["t2"]
+    assert all(d["role"] == "tool" for d in out if d.get("status") == "error")

@@ -283,6 +283,20 @@ def test_a_render_the_runner_did_not_send_falls_back_to_a_plain_request(kv_engin
     assert step.requests == 1 and step.relocated_tokens == 0 and "full prefill" in caplog.text
 
 
+def test_a_tenant_salt_may_not_hold_the_derived_salt_mark(engine, kv_engine):
+    """Runners derive salts as ``salt + "\x1f" + tag``: tenant ``"acme\x1fpic"`` would
+    share tenant ``"acme"``'s relocated KV."""
+    from promptsplice.engine_adapters import RagRunner
+    from promptsplice.errors import InvalidSaltError
+
+    with pytest.raises(InvalidSaltError, match="U\\+001F"):
+        AgentRunner(kv_engine, salt="acme\x1fexact")
+    with pytest.raises(InvalidSaltError, match="U\\+001F"):
+        RagRunner(kv_engine, salt="acme\x1fpic")
+    with pytest.raises(InvalidSaltError, match="U\\+001F"):
+        ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="\x1fpic")
+
+
 def test_runner_options_are_checked(engine, kv_engine):
     with pytest.raises(ConfigError, match="kv_store"):
         AgentRunner(engine, mode="splice")
@@ -374,6 +388,11 @@ def test_recompute_tail_blocks_computes_the_last_runs_last_blocks(kv_engine, ren
     assert base.relocated_tokens >= 2 * bs
     assert tail.relocated_tokens == base.relocated_tokens - bs and tail.prefill_tokens == base.prefill_tokens + bs
     assert tail.recomputed_tokens == base.recomputed_tokens + bs
+    # with no recompute at the front the tail's block is still counted (it was 0)
+    tail0 = run_session(AgentRunner(kv_engine, salt="t-tail2", recompute_blocks=0, fidelity="fast", recompute_tail_blocks=1),
+                        kv_engine, "s-tail", renders, "t-tail2")[2][1]
+    assert tail0.recomputed_tokens == bs
+    assert tail0.planned_relocated_tokens + tail0.recomputed_tokens == base.planned_relocated_tokens + base.recomputed_tokens
     with pytest.raises(ConfigError, match="recompute_tail_blocks"):
         AgentRunner(kv_engine, recompute_tail_blocks=-1)
 

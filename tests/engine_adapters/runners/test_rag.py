@@ -4,6 +4,8 @@ connector (``kv_engine``)."""
 
 from __future__ import annotations
 
+import logging
+
 import math
 import uuid
 
@@ -490,3 +492,32 @@ def test_bad_configurations_are_refused(engine, kv_engine):
     other = ChunkIndex(BlockStore(StoreConfig(dram_bytes=1 << 20)), block_size=32)
     with pytest.raises(ConfigError, match="another engine"):
         RagRunner(kv_engine, mode="position_independent", index=other)
+
+
+def test_an_order_changed_between_preview_and_assemble_is_one_exact_request(kv_engine, monkeypatch, caplog):
+    """Another runner on the engine's mirror can change the cache-aware order between the
+    preview a PIC plan is made on and the assemble that sends it (a race no test can
+    schedule, so the assemble is made to return another order once): it raised a bare
+    AssertionError; now the step goes out as one exact request, ``INVALID_PLAN``."""
+    def long_docs(*names):
+        return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]} {DOCS[n]}"} for n in names]
+
+    # the setup of the test above, where the second request relocates
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=1, exact_alignment="all")
+    runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)  # indexes the chunks
+    real = runner.assembler.assemble
+    calls = []
+
+    def reordered(chunks, **kw):
+        calls.append(kw.get("salt"))
+        if len(calls) == 1 and kw.get("salt") == runner.reuse_salt:
+            chunks = list(reversed(list(chunks)))
+        return real(chunks, **kw)
+
+    monkeypatch.setattr(runner.assembler, "assemble", reordered)
+    with caplog.at_level(logging.WARNING):
+        step = runner.run(long_docs("everest", "nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)
+    assert calls[0] == runner.reuse_salt  # the step planned a relocation (else the setup is wrong)
+    assert step.fallback is StepFallback.INVALID_PLAN and step.relocated_tokens == 0
+    assert step.requests == 1 and "differs from its preview" in caplog.text
