@@ -83,6 +83,11 @@ class WorkerStats:
     late_layers: int = 0
     """Deferred layer loads no ``wait_for_layer`` asked for before the forward pass
     ended: their blocks were reported as load errors (vLLM recomputes them)."""
+    quarantined_saves: int = 0
+    """Blocks not saved because a load failed in their step or the step before: any
+    request of those steps may have attended to the failed blocks (vLLM shares them
+    through its prefix cache the moment they are allocated, and an asynchronously
+    scheduled next step was built before the error was known)."""
 
 
 class _DeviceIO:
@@ -238,6 +243,7 @@ class SpliceWorker:
         the request's ack: served engines)."""
         self._errors: set[int] = set()
         self._failed: set[str] = set()
+        self._quarantine = 0  # saves still to skip after a load error (this step, the next)
         self._jobs: list[_LoadJob] = []
         self._saves: deque[tuple[Any, list[torch.Tensor], SaveItem, Any]] = deque()
         self._saves_lock = threading.Lock()  # settle may come from another thread
@@ -289,9 +295,11 @@ class SpliceWorker:
                 if not found.status.hit or p is None or tuple(p.shape) != self.payload_shape or p.dtype != self.dtype:
                     if found.status.hit:
                         _log.warning(
-                            "splice connector: stored block has shape %s %s, the engine needs %s %s",
+                            "splice connector: stored block has shape %s %s, the engine needs %s %s; "
+                            "discarded (the recomputed block is saved in its place)",
                             tuple(p.shape), p.dtype, self.payload_shape, self.dtype,
                         )
+                        self.store.discard(ref.key)
                     break
                 payloads.append(p)
                 # On CUDA each block's DMA starts while the next one is looked up.
@@ -315,6 +323,7 @@ class SpliceWorker:
         if n < len(item.block_ids):
             self._errors.update(item.block_ids[n:])
             self._failed.add(item.req_id)
+            self._quarantine = 2
             self.stats.load_errors += len(item.block_ids) - n
         self.stats.loaded_blocks += n
         self.stats.relocated_blocks += item.approximate(n)
@@ -407,6 +416,7 @@ class SpliceWorker:
         n = len(job.kids) // self.blocks_per_block
         self._errors.update(job.item.block_ids)
         self._failed.add(job.item.req_id)
+        self._quarantine = 2
         self.stats.load_errors += n
         self.stats.loaded_blocks -= n
         self.stats.relocated_blocks -= job.item.approximate(n)
@@ -429,12 +439,21 @@ class SpliceWorker:
     def save(self, meta: SpliceMetadata) -> int:
         """Store this step's newly computed blocks (after the forward pass).
 
-        Requests whose load failed in this step are skipped: vLLM recomputes them.  On
+        Nothing is saved in a step with a failed load or the step after it
+        (``WorkerStats.quarantined_saves``): vLLM recomputes the failed blocks, and any
+        block computed meanwhile may have attended to them.  On
         CUDA the copies run on the side stream and the blocks reach the store in a
         later :meth:`flush_saves`; returns the blocks stored by this call (on CPU:
         all of this step's).
         """
         self.finish_loads(late=True)
+        if self._quarantine:
+            # A load failed in this step or the one before: every block computed in
+            # either step may have attended to the failed blocks (see
+            # WorkerStats.quarantined_saves), so none is saved under its exact keys.
+            self._quarantine -= 1
+            self.stats.quarantined_saves += sum(len(item.refs) for item in meta.saves)
+            return self.flush_saves()
         for item in meta.saves:
             if item.req_id in self._failed or not item.refs:
                 continue

@@ -253,3 +253,50 @@ def test_tokens_vllm_takes_beyond_the_offer_become_load_errors(store, caplog):
     assert (len(item.refs), item.block_ids) == (2, (4, 5, 6))
     w = worker(store, poisoned_caches())
     assert w.load(item) == 2 and w.take_load_errors() == {6}  # recomputed by vLLM
+
+
+@pytest.mark.reliability
+def test_blocks_computed_over_a_failed_load_are_never_saved_under_exact_keys():
+    """A's block 2 fails to load.  vLLM had cached A's blocks when it allocated them, so
+    B, in the same step, got them as its prefix hit and computed its blocks 4-5 over the
+    failed block; with asynchronous scheduling A's next chunk (blocks 6-7, step N+1) was
+    built before the error was known.  Only A's step-N saves were skipped: B's and A's
+    later blocks were stored under their exact keys, served later as offload hits, and
+    never repaired (the scheduler does not re-save what the store holds).  Now nothing is
+    saved in the failing step and the next, and the unusable record is discarded."""
+    store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
+    P = toks(4 * BS)
+    fill_store(store, P, blocks={0, 1, 3})
+    # block 2 is indexed but cannot be used (wrong dtype: a record the engine refuses)
+    store.put(chain_refs(P, BS, salt=SALT)[2], torch.randn(LAYERS, 1, HEADS, BS, 2 * HD), salt=SALT)
+    sched = SpliceScheduler(store, BS)
+    A = P + toks(4 * BS, 5000) + [7]
+    B = P + toks(2 * BS, 7000) + [9]
+    ids = {"A": list(range(0, 9)), "B": [0, 1, 2, 3, 20, 21, 22]}
+    nA = sched.get_num_new_matched_tokens("A", A, SALT, 0)
+    sched.update_state_after_alloc("A", ids["A"], nA)
+    assert nA == 4 * BS
+    nB = sched.get_num_new_matched_tokens("B", B, SALT, 4 * BS)
+    sched.update_state_after_alloc("B", ids["B"], nB)
+    step_n = sched.build_connector_meta([("A", nA, 2 * BS), ("B", 4 * BS, len(B) - 4 * BS)], ids.__getitem__)
+    step_n1 = sched.build_connector_meta([("A", nA + 2 * BS, len(A) - nA - 2 * BS)], ids.__getitem__)
+    assert {s.req_id for s in step_n.saves} == {"A", "B"} and [s.req_id for s in step_n1.saves] == ["A"]
+
+    w = worker(store, random_caches())
+    w.start_load(step_n, per_layer=True)
+    for name in w.names:
+        w.wait_for_layer(name)
+    w.save(step_n)
+    assert sorted(w.take_load_errors()) == [2, 3]
+    w.start_load(step_n1, per_layer=True)
+    w.save(step_n1)
+    refs_a, refs_b = chain_refs(A, BS, salt=SALT), chain_refs(B, BS, salt=SALT)
+    assert [store.contains(r, salt=SALT) for r in refs_b[4:6]] == [False, False]
+    assert [store.contains(r, salt=SALT) for r in refs_a[4:8]] == [False] * 4
+    assert w.stats.quarantined_saves == 2 + 2 + 2  # A's 4-5 and B's 4-5, then A's 6-7
+    assert not store.contains(refs_a[2], salt=SALT)  # discarded: its recompute is saved again
+    # the step after next saves as usual
+    step_n2 = sched.build_connector_meta([("A", 2 * BS, len(A) - 2 * BS)], ids.__getitem__)
+    w.start_load(step_n2, per_layer=True)
+    w.save(step_n2)
+    assert store.contains(refs_a[2], salt=SALT) and w.stats.quarantined_saves == 6
