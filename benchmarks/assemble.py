@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.assembler import Assembler, PrefixCacheMirror, load_tokenizer
-from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill
+from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, OracleCounter, RadixPrefill, check_bounds, floor_per_request
 from promptsplice.benchmarks.traces import SUITE, RagRequest, read_rag_trace, shape_stats, write_rag_trace
 from promptsplice.blocks import chain_hashes, content_digest, token_bytes
 from promptsplice.errors import ConfigError, PromptspliceError
@@ -125,6 +125,9 @@ def bench_policies(
                            capacity_blocks=None, token_cache=naive_asm.token_cache)
     radix, radix_b = RadixPrefill(), RadixPrefill(cap_tokens)
     oracle, oracle_b = OracleCounter(), OracleCounter(cap_tokens)
+    content: list[int] = []  # the oracle's content bound per request
+    per_mode: list[list[int]] = []  # each mode's radix ideal per request, on its own prompts
+    naive_radix: list[int] = []
     times: list[float] = []
     prompt = cached = 0
     for req in requests:
@@ -135,11 +138,12 @@ def bench_policies(
         pred = naive_mirror.admit(hashes, len(naive.token_ids))
         prompt += len(naive.token_ids)
         cached += pred.cached_tokens
-        radix.add(naive.token_ids)
+        naive_radix.append(radix.add(naive.token_ids))
         radix_b.add(naive.token_ids)
         segs = _oracle_segments(oracle_asm, req)
-        oracle.add(segs)
+        content.append(oracle.add(segs))
         oracle_b.add(segs)
+    per_mode.append(naive_radix)
     report["policies"]["naive"] = _metrics(len(requests), prompt, 0, 0, cached, times)
 
     for name in policies:
@@ -152,18 +156,23 @@ def bench_policies(
         )
         times = []
         prompt = cached = padding = removed = 0
+        own, own_radix = RadixPrefill(), []
         for req in requests:
             t0 = time.perf_counter()
             res = asm.assemble(_chunks(req), query=req.query, system=req.system or None)
             times.append((time.perf_counter() - t0) * 1e3)
+            own_radix.append(own.add(res.token_ids))
             prompt += res.num_tokens
             cached += res.predicted_cached_tokens
             padding += res.padding_tokens
             removed += res.dedup.stats.removed_bytes_total
         report["policies"][name] = _metrics(len(requests), prompt, padding, removed, cached, times)
+        per_mode.append(own_radix)
 
+    floor = floor_per_request(content, *per_mode)
     report["radix_prefill_tokens"] = radix.prefill_tokens
-    report["oracle_prefill_tokens"] = oracle.prefill_tokens
+    report["oracle_prefill_tokens"] = floor
+    report["oracle_content_prefill_tokens"] = oracle.prefill_tokens
     report["radix_prefill_tokens_bounded"] = radix_b.prefill_tokens
     report["oracle_prefill_tokens_bounded"] = oracle_b.prefill_tokens
     report["bound_capacity_blocks"] = cap_blocks
@@ -172,7 +181,7 @@ def bench_policies(
     report["tokenizer"] = tok.name
     naive_prefill = report["policies"]["naive"]["predicted_prefill_tokens"]
     report["gap_closed"] = {
-        name: gap_closed(naive_prefill, m["predicted_prefill_tokens"], oracle.prefill_tokens)
+        name: gap_closed(naive_prefill, m["predicted_prefill_tokens"], floor)
         for name, m in report["policies"].items()
         if name != "naive"
     }
@@ -182,7 +191,34 @@ def bench_policies(
         default=None,
     )
     report["best_policy"] = best
+    report["bound_checks"] = policy_bounds(report)
     return report
+
+
+def policy_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each policy's lower bound on predicted prefill, as ``bench rag`` reports them:
+    ``naive`` the radix ideal of its prompts, every policy the oracle."""
+    out = {}
+    for name, m in report["policies"].items():
+        bound = "radix" if name == "naive" else "oracle"
+        b = report[f"{bound}_prefill_tokens"]
+        out[name] = {"bound": bound, "bound_prefill_tokens": b, "prefill_tokens": m["predicted_prefill_tokens"],
+                     "holds": m["predicted_prefill_tokens"] >= b}
+    return out
+
+
+def _bound_status(reports: dict[str, dict[str, Any]]) -> int:
+    """0, or ``BOUND_EXIT`` (printed) when a policy predicted less than its bound."""
+    import sys
+
+    rc = 0
+    for what, report in reports.items():
+        try:
+            check_bounds(report["bound_checks"], what=what)
+        except BoundError as exc:
+            print(f"promptsplice: error: {exc}", file=sys.stderr)
+            rc = BOUND_EXIT
+    return rc
 
 
 def _oracle_segments(asm: Assembler, req: RagRequest) -> list[tuple[bytes, list[int]]]:
@@ -257,7 +293,7 @@ def run_assemble_bench(
     print(format_table(report))
     Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {json_out}")
-    return 0
+    return _bound_status({"bench assemble": report})
 
 
 # --------------------------------------------------------------------------- the suite
@@ -392,7 +428,8 @@ def run_suite_bench(
     trace_dir: str | Path | None = None,
 ) -> int:
     """``promptsplice bench assemble --suite``: prints the table, writes the JSON; exit
-    status 1 when a family failed (the others are reported)."""
+    status ``BOUND_EXIT`` when a policy predicted less than its bound, else 1 when a
+    family failed (the others are reported)."""
     out = Path(json_out)
     report = bench_suite(
         families=SUITE if families is None else families,
@@ -407,4 +444,9 @@ def run_suite_bench(
     print(format_suite_table(report))
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
-    return 1 if report["failed"] else 0
+    rc = _bound_status({
+        f"bench assemble --suite ({name}, block {bs})": rep
+        for name, fam in report["families"].items()
+        for bs, rep in fam.get("blocks", {}).items()
+    })
+    return rc or (1 if report["failed"] else 0)

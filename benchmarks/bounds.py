@@ -13,9 +13,13 @@
   its longest token prefix shared with a segment seen before, and at least one token per
   request is computed.  An assembled prompt's cached tokens are a block-aligned prefix
   equal to an earlier prompt's prefix, made of the same segments (or token prefixes of
-  them) plus padding, so no assembly prefills less than the oracle: ``gap closed <= 1``
-  by construction (tested as a property over random traces).  With ``capacity_tokens``
-  the seen segments live in an LRU of that many tokens.
+  them) plus padding -- unless a chunk's text holds a separator, and the hit runs over
+  content another request sent segmented otherwise; so the reported oracle is, per
+  request, the least of this content bound and each prefix-caching mode's radix ideal on
+  its own prompts (:func:`floor_per_request`), and no such mode prefills less than it:
+  ``gap closed <= 1`` by construction (tested as a property over random traces, chunks
+  with separators included).  With ``capacity_tokens`` the seen segments live in an LRU
+  of that many tokens (a like-for-like reference, per segment only).
 
 Only the unbounded figures are lower bounds for *every* cache: an LRU over N blocks is
 not the best N blocks can do (Belady's eviction keeps more), so the capacity-matched
@@ -34,7 +38,10 @@ import numpy as np
 
 from promptsplice.errors import PromptspliceError
 
-__all__ = ["radix_prefill_tokens", "RadixPrefill", "OracleCounter", "BoundError", "BOUND_EXIT", "check_bounds"]
+__all__ = [
+    "radix_prefill_tokens", "RadixPrefill", "OracleCounter", "floor_per_request", "BoundError", "BOUND_EXIT",
+    "check_bounds",
+]
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -209,6 +216,23 @@ class OracleCounter:
         total = max(total, 1)
         self.prefill_tokens += total
         return total
+
+
+def floor_per_request(content: Sequence[int], *streams_prefill: Sequence[int]) -> int:
+    """The oracle's total: per request the least of the content bound (``content``, what
+    :meth:`OracleCounter.add` returned) and each prefix-caching mode's radix ideal on its
+    own prompts (what :meth:`RadixPrefill.add` returned for them).
+
+    The content bound credits a new segment only for its token prefix shared with a seen
+    *segment*; a prefix-cache hit can run across segment boundaries when one chunk's text
+    holds what another request sent as two chunks (a separator inside a chunk: Markdown,
+    paragraphs, a second index).  No prefix-caching mode prefills less than its own radix
+    ideal on any request, so the least of the two is a lower bound for every such mode.
+    """
+    total = 0
+    for i, c in enumerate(content):
+        total += min([c, *(s[i] for s in streams_prefill)])
+    return total
 
 
 BOUND_EXIT = 4

@@ -63,6 +63,11 @@ def traces(draw):
             chunks.append(RagChunk("mirror:" + chunks[0].id, chunks[0].text))
         if draw(st.booleans()) and sentences:
             chunks.insert(draw(st.integers(0, len(chunks))), sentences[draw(st.integers(0, len(sentences) - 1))])
+        if draw(st.booleans()) and len(pool) >= 2:
+            # one chunk that is two others joined by the prompt's separator (Markdown, a
+            # second index): a prefix hit can run across another request's boundaries
+            a, b = draw(st.integers(0, len(pool) - 2)), draw(st.integers(0, len(pool) - 1))
+            chunks.insert(draw(st.integers(0, len(chunks))), RagChunk(f"j{a}-{b}", pool[a].text + "\n\n" + pool[b].text))
         reqs.append(RagRequest(f"r{n}", draw(st.sampled_from(["Answer briefly.", "You are a guide. Cite passages."])),
                                chunks, draw(st.sampled_from(["Who built it?", "When?", "Where is the gate?"]))))
     return reqs
@@ -79,6 +84,41 @@ def test_no_policy_beats_the_oracle(reqs, bs, align):
         assert gap is None or gap <= 1.0, (name, gap)
     assert rep["radix_prefill_tokens"] <= rep["radix_prefill_tokens_bounded"]
     assert rep["oracle_prefill_tokens"] <= rep["oracle_prefill_tokens_bounded"]
+
+
+def test_a_chunk_holding_the_separator_cannot_beat_the_oracle():
+    """Request 2 sends as chunks (p1+p2, p3) what request 1 sent as (p1, p2+p3): the same
+    tokens, so a prefix cache hits across the segment boundaries the content bound works
+    on; the content bound alone (206) was above what ``retrieval`` prefilled (143)."""
+    p1 = ("The old harbor of the northern city was built by a king who wanted trade with the "
+          "islands across the strait, and merchants came from every coast to sell salt and wool.")
+    p2 = ("Later a bridge joined the two banks of the river, so that carts no longer waited for "
+          "the ferry, and the market square grew around the church tower near the western gate.")
+    p3 = ("In the last century the castle walls were restored, the towers were opened to visitors, "
+          "and a museum of maritime history moved into the former customs house by the docks.")
+    system = "Answer briefly from the passages."
+    reqs = [
+        RagRequest("r1", system, [RagChunk("a", p1), RagChunk("b", p2 + "\n\n" + p3)], "Who built the harbor?"),
+        RagRequest("r2", system, [RagChunk("c", p1 + "\n\n" + p2), RagChunk("d", p3)], "When was the castle restored?"),
+    ]
+    for align in ("none", "auto"):
+        rep = bench_policies(reqs, block_size=16, alignment=align)
+        assert rep["oracle_prefill_tokens"] < rep["oracle_content_prefill_tokens"]  # the floor took the radix
+        assert all(c["holds"] for c in rep["bound_checks"].values()), rep["bound_checks"]
+        assert all(g is None or g <= 1.0 for g in rep["gap_closed"].values())
+
+
+def test_bench_assemble_fails_when_a_policy_beats_its_bound(capsys):
+    from promptsplice.benchmarks.assemble import _bound_status
+    from promptsplice.benchmarks.bounds import BOUND_EXIT
+
+    ok = {"bound_checks": {"naive": {"bound": "radix", "bound_prefill_tokens": 10, "prefill_tokens": 12},
+                           "stable": {"bound": "oracle", "bound_prefill_tokens": 5, "prefill_tokens": 5}}}
+    assert _bound_status({"bench assemble": ok}) == 0
+    bad = {"bound_checks": {**ok["bound_checks"], "cache_aware": {"bound": "oracle", "bound_prefill_tokens": 5,
+                                                                  "prefill_tokens": 4}}}
+    assert _bound_status({"bench assemble": ok, "bench assemble --suite (x, block 16)": bad}) == BOUND_EXIT
+    assert "cache_aware prefilled 4 tokens, below its bound (oracle) of 5" in capsys.readouterr().err
 
 
 def test_a_mode_below_its_bound_fails_the_bench():
