@@ -26,10 +26,10 @@ Bounds reported beside the modes:
   can move), or (c) its message (same rendered text and padding) was in the previous
   render (a repeated output); everything else is prefilled, and at least the last
   block's tokens are (vLLM never serves the last prompt token from cache and both the
-  cache and the store work in whole blocks).  A mode's total prefill below it is a bug
-  in the bench or the bound: the bench fails (:class:`BoundError`, exit status 2) naming
-  the mode and both numbers; ``steps_below_ideal`` counts the steps where a mode went
-  below the step's bound.
+  cache and the store work in whole blocks).  A mode's total prefill below it, or any
+  step of a mode below the step's bound (``steps_below_ideal``), is a bug in the bench or
+  the bound: the bench fails (:class:`~promptsplice.benchmarks.bounds.BoundError`, exit
+  status ``BOUND_EXIT``, 4, as ``bench rag``) naming the mode and the numbers.
 * per edit kind (:func:`promptsplice.benchmarks.agent_traces.classify_step`) the steps and each
   mode's prefill, so users see where splicing pays (deep edits) and where it cannot
   (an edit of the last message leaves nothing to relocate).
@@ -58,6 +58,8 @@ from typing import Any
 
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, edit_depth, read_agent_trace
 from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
+from promptsplice.benchmarks._stats import percentile
+from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError
 from promptsplice.benchmarks.fidelity import (
     DEFAULT_PROBES,
     FIDELITY_FIELDS,
@@ -67,7 +69,7 @@ from promptsplice.benchmarks.fidelity import (
     reference,
     verify_step,
 )
-from promptsplice.errors import ConfigError, PromptspliceError
+from promptsplice.errors import ConfigError
 
 __all__ = [
     "MODE_FIELDS",
@@ -99,16 +101,8 @@ MODE_FIELDS = (
 )
 
 
-class BoundError(PromptspliceError, RuntimeError):
-    """A mode prefilled less than the ideal, its lower bound: the bench or the bound is
-    wrong, so its numbers are not reported as a result."""
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 class _Totals:
@@ -141,9 +135,9 @@ class _Totals:
             "relocated_tokens": self.relocated,
             "hit_rate": round(1 - self.prefill / self.prompt, 4) if self.prompt else 0.0,
             "wall_s": round(self.wall, 3),
-            "ttft_p50_ms": round(_pct(self.ttft, 0.5) * 1e3, 2),
+            "ttft_p50_ms": round(percentile(self.ttft, 0.5) * 1e3, 2),
             "edit_steps_prefill_tokens": self.edit_prefill,
-            "edit_steps_ttft_p50_ms": round(_pct(self.edit_ttft, 0.5) * 1e3, 2),
+            "edit_steps_ttft_p50_ms": round(percentile(self.edit_ttft, 0.5) * 1e3, 2),
         }
 
 
@@ -178,7 +172,8 @@ def _store_shape(eng: Any) -> tuple[Any, ...]:
 def check_bounds(report: dict[str, Any]) -> None:
     """:class:`BoundError` when a mode's prefill is below the ideal (module doc)."""
     ideal = report["ideal_prefill_tokens"]
-    low = {m: v["prefill_tokens"] for m, v in report["modes"].items() if v["prefill_tokens"] < ideal}
+    low = {m: v["prefill_tokens"] for m, v in report["modes"].items()
+           if v["prefill_tokens"] < ideal or v.get("steps_below_ideal", 0) > 0}
     if low:
         what = ", ".join(f"{m} prefilled {n}" for m, n in low.items())
         raise BoundError(
@@ -421,7 +416,7 @@ def run_agent_modes(
         "splice_fallback_steps": fallbacks,
         "by_kind": {
             kind: {"steps": v["steps"], **{m: {"prefill_tokens": v[m]["prefill_tokens"],
-                                             "ttft_p50_ms": round(_pct(v[m]["ttft_ms"], 0.5), 2)} for m in MODES}}
+                                             "ttft_p50_ms": round(percentile(v[m]["ttft_ms"], 0.5), 2)} for m in MODES}}
             for kind, v in sorted(by_kind.items())
         },
         "bench_wall_s": round(time.perf_counter() - t_start, 1),
@@ -518,7 +513,7 @@ def run_agent_bench(
     """The CLI's job: read the trace, run the modes, write the JSON, print a table.
 
     The JSON is written in every case.  Then a mode below the ideal raises
-    :class:`BoundError` (exit 2), and coverage below ``MIN_COVERAGE`` returns
+    ``BOUND_EXIT`` (4, printed), and coverage below ``MIN_COVERAGE`` returns
     ``COVERAGE_EXIT`` (3) unless ``allow_skips``."""
 
     data = read_agent_trace(trace)
@@ -542,7 +537,11 @@ def run_agent_bench(
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(format_agent(report))
     print(f"wrote {out}")
-    check_bounds(report)
+    try:
+        check_bounds(report)
+    except BoundError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        return BOUND_EXIT
     try:
         check_coverage(Coverage(report["steps_run"], report["steps_total"]), allow_skips=allow_skips,
                        what="bench agent")

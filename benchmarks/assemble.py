@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.assembler import Assembler, PrefixCacheMirror, load_tokenizer
+from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, OracleCounter, RadixPrefill, check_bounds, floor_per_request
 from promptsplice.benchmarks.traces import SUITE, RagRequest, read_rag_trace, shape_stats, write_rag_trace
 from promptsplice.blocks import chain_hashes, content_digest, token_bytes
@@ -69,12 +70,6 @@ ENGINE_CACHE_TOKENS = 728 * 32
 SmolLM2-135M in bf16): the capacity of the ``*_bounded`` bounds."""
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
-    return s[k]
 
 
 def _chunks(req: RagRequest) -> list[dict[str, Any]]:
@@ -92,8 +87,8 @@ def _metrics(
         "predicted_cached_tokens": cached,
         "predicted_prefill_tokens": prompt - cached,
         "predicted_hit_rate": round(cached / prompt, 6) if prompt else 0.0,
-        "assemble_p50_ms": round(_pct(times_ms, 0.50), 4),
-        "assemble_p99_ms": round(_pct(times_ms, 0.99), 4),
+        "assemble_p50_ms": round(percentile(times_ms, 0.50), 4),
+        "assemble_p99_ms": round(percentile(times_ms, 0.99), 4),
     }
 
 

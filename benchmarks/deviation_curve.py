@@ -36,12 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from promptsplice.benchmarks._stats import percentile
 __all__ = [
     "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "run_deviation_curve",
     "spearman",
@@ -69,8 +71,7 @@ def aggregate(dev: Any, how: str) -> float:
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+    return percentile(xs, q, empty=float("nan"))
 
 
 def _ranks(xs: Sequence[float]) -> list[float]:
@@ -195,7 +196,10 @@ def run_deviation_curve(
                                                    logprobs=-1).logprobs[0]
                 out = kv_engine.generate(toks, max_tokens=1, cache_salt=runner.session_salt(sess.id), logprobs=-1)
                 if out.num_cached_tokens < (len(toks) - 1) // bs * bs:
-                    unverified += 1  # the probe did not meet the config's KV
+                    # the probe did not meet the config's KV: its KL measures exact KV,
+                    # so it is counted and kept out of every statistic, never a score
+                    unverified += 1
+                    continue
                 rows.append({
                     "session": sess.id, "step": i, "kind": kind, "kl": kl(refs[key], out.logprobs[0]),
                     "runs": _run_signals(prepared),
@@ -273,7 +277,8 @@ def curve_report(results: dict[str, Any], thresholds: Sequence[float], bs: int) 
     cands = [(t, configs[f"t={t:g}"]) for t in thresholds]
     if above is not None:
         cands.append((above, configs["r1"]))
-    ok = [c for c in cands if c[1].get("kl_p90", math.inf) <= KL_BAR]
+    # a config with an unverified probe is never chosen: its statistics miss a step
+    ok = [c for c in cands if c[1].get("kl_p90", math.inf) <= KL_BAR and not c[1]["unverified_probes"]]
     chosen = max(ok, key=lambda x: (-x[1]["extra_prefill_blocks"], x[0]))[0] if ok else None
     return {
         "kl_bar": KL_BAR, "thresholds": list(thresholds), "chosen_max_deviation": chosen,
@@ -344,6 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report["configs"]["bounded"]))
     else:
         _print(report)
+    bad = {name: c["unverified_probes"] for name, c in report["configs"].items() if c.get("unverified_probes")}
+    if bad:  # a probe that did not meet the config's KV fails the bench, as in bench agent / rag
+        print(f"promptsplice: error: probes that did not meet their config's KV (left out of the statistics): {bad}",
+              file=sys.stderr)
+        return 2  # what the CLI returns for bench agent's and bench rag's FidelityError
     return 0
 
 

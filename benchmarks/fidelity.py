@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from promptsplice.benchmarks._stats import percentile
 from promptsplice.errors import PromptspliceError
 
 __all__ = [
@@ -77,9 +78,6 @@ def verify_step(step: Any, what: str = "probed step") -> None:
         )
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def kl(p: dict[int, float], q: dict[int, float]) -> float:
@@ -186,7 +184,7 @@ class Fidelity:
 
     def report(self) -> dict[str, Any]:
         mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
-        q = lambda xs, p: round(_pct(xs, p), 4) if xs else None  # noqa: E731
+        q = lambda xs, p: round(percentile(xs, p), 4) if xs else None  # noqa: E731
         out = {"tf_top1_agreement": mean(self.tf), "first_token_kl": mean(self.kl),
                "greedy_agreement": mean(self.greedy), "steps": len(self.tf),
                "first_token_kl_p50": q(self.kl, 0.5), "first_token_kl_p90": q(self.kl, 0.9),

@@ -101,6 +101,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.assemble import _chunks, _oracle_segments, gap_closed
 from promptsplice.benchmarks.bounds import (
     BOUND_EXIT,
@@ -134,11 +135,6 @@ FIT_MARGIN = 8
 """Tokens kept free below ``max_model_len`` when deciding that a request fits."""
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def _mode_metrics(completions: list[Any], wall: float) -> dict[str, Any]:
@@ -155,8 +151,8 @@ def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float) 
         "cached_tokens": cached,
         "hit_rate": round(cached / prompt, 6) if prompt else 0.0,
         "wall_s": round(wall, 3),
-        "ttft_p50_ms": round(_pct(ttfts, 0.5), 2),
-        "ttft_p99_ms": round(_pct(ttfts, 0.99), 2),
+        "ttft_p50_ms": round(percentile(ttfts, 0.5), 2),
+        "ttft_p99_ms": round(percentile(ttfts, 0.99), 2),
     }
 
 

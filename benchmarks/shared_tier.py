@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, check_bounds
 from promptsplice.errors import ConfigError
 
 __all__ = ["run_shared_tier_bench", "format_shared_tier", "prefix_bound", "suite_bounds", "MODES"]
@@ -253,6 +254,7 @@ def run_shared_tier_bench(
                     EmbeddedEngine(kv_store=store, kv_cache_bytes=kv_cache_blocks * per_block, max_model_len=4096)
                 )
             prompts = _prompts(engines[0], reqs)
+            block_size = engines[0].block_size  # the bound's unit: the engines' own blocks
             for mode in modes:
                 _empty(engines, server.url)
                 report["modes"][mode], outputs[mode] = _run_mode(
@@ -261,7 +263,14 @@ def run_shared_tier_bench(
         finally:
             for e in engines:
                 e.close()
-    report["bound"] = prefix_bound(prompts, 32)
+    report["bound"] = prefix_bound(prompts, block_size)
+    report["bound_checks"] = {
+        mode: {"bound": "local" if mode == "local" else "shared",
+               "bound_prefill_tokens": report["bound"]["local_prefill" if mode == "local" else "shared_prefill"],
+               "prefill_tokens": m["prefill_tokens"]}
+        for mode, m in report["modes"].items()
+        if not m.get("failed")  # a failed request's prompt is not prefilled: no bound applies
+    }
     ref = outputs.get("local")
     for mode, outs in outputs.items():
         if ref is not None and mode != "local":
@@ -271,7 +280,7 @@ def run_shared_tier_bench(
         report["shared_over_local_prefill"] = round(shared["prefill_tokens"] / local["prefill_tokens"], 4)
     source = str(trace) if trace else (f"family {family}" if family else "generated repeat-heavy")
     report["trace"] = {"requests": len(reqs), "source": source}
-    report["engines"] = {"kv_cache_blocks": kv_cache_blocks, "dram_blocks": dram_blocks, "block_size": 32}
+    report["engines"] = {"kv_cache_blocks": kv_cache_blocks, "dram_blocks": dram_blocks, "block_size": block_size}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
@@ -325,6 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(format_shared_tier(report))
     print(f"wrote {args.json}")
+    try:
+        check_bounds(report["bound_checks"], what="shared_tier")
+    except BoundError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        return BOUND_EXIT
     return 0
 
 

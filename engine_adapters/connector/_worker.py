@@ -465,6 +465,10 @@ class SpliceWorker:
         for probe in meta.probes:
             if probe.req_id not in self._failed:
                 self.probe(probe)
+        # The next forward pass may write these blocks (a preempted request's blocks are
+        # reused at once, and this vLLM may call start_load only after that pass): the
+        # compute stream waits on the device for the gather, the host never does.
+        self.io.wait_on(self._gathered)
         return self.flush_saves()
 
     def probe(self, item: ProbeItem) -> int:

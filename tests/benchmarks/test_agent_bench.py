@@ -102,6 +102,15 @@ def test_a_mode_below_the_ideal_fails_the_bench():
                      "splice": {"prefill_tokens": 900, "steps_below_ideal": 2}}}
     with pytest.raises(BoundError, match=r"splice prefilled 900 tokens, below the ideal of 1000"):
         check_bounds(rep)
+    # a step below its own bound fails too, whatever the totals say
+    steps = {"ideal_prefill_tokens": 1000,
+             "modes": {"apc": {"prefill_tokens": 1500, "steps_below_ideal": 0},
+                       "splice": {"prefill_tokens": 1100, "steps_below_ideal": 1}}}
+    with pytest.raises(BoundError, match=r"splice prefilled 1100 tokens.*'splice': 1"):
+        check_bounds(steps)
+    from promptsplice.benchmarks import bounds
+
+    assert BoundError is bounds.BoundError  # one error, one exit status (BOUND_EXIT) for every bench
 
 
 def test_modes_must_run_at_equal_capacity_on_engines_of_their_own(engines):

@@ -49,6 +49,11 @@ def test_the_chosen_threshold_is_the_cheapest_that_keeps_the_kl_bar():
     # Neither: none.
     rep = curve_report({"r1": _rows([0.05] * 4, devs), "t=0.15": _rows([0.05] * 4, devs, 1)}, [0.15], 32)
     assert rep["chosen_max_deviation"] is None
+    # A config whose probes did not all meet its KV is never chosen (its rows miss them;
+    # they were measured on exact KV and kept out): it was, at KL 0.0.
+    unverified = {**_rows([0.005] * 4, devs, 1), "unverified": 10}
+    rep = curve_report({"r1": _rows([0.01, 0.01, 0.05, 0.05], devs), "t=0.15": unverified}, [0.15], 32)
+    assert rep["configs"]["t=0.15"]["unverified_probes"] == 10 and rep["chosen_max_deviation"] is None
 
 
 def test_a_budget_sweep_counts_steps_over_budget_as_exact_and_what_it_keeps():
@@ -57,12 +62,12 @@ def test_a_budget_sweep_counts_steps_over_budget_as_exact_and_what_it_keeps():
 
     # approximate tokens at block 32, 2 recomputed blocks per run: 100 -> 96 - 64 = 32;
     # 300 + 70 -> (288 - 64) + (64 - 64) = 224; 50 -> 0 (inherited KL only)
-    rows = [row(0.05, 300, 70), row(0.01, 100), row(0.03, 50)] + [row(0.0, 100)] * 17
+    rows = [row(0.05, 300, 70), row(0.01, 100), row(0.03, 50)] + [row(0.0, 100)] * 7  # 10: p90 is the 9th
     assert [approximate_tokens(r, 32, 2) for r in rows[:3]] == [224, 32, 0]
     rep = budget_sweep(rows, block_size=32, budgets=(0, 32, 224))
     by = {s["budget"]: s for s in rep["sweep"]}
     # budget 0: both approximate steps count as exact; the inherited 0.03 stays
     assert by[0]["kl_max"] == 0.03 and by[0]["kept_share"] == 0.0
-    assert by[32]["kept_share"] == round(32 * 18 / (224 + 32 * 18), 3) and by[32]["kl_p90"] == 0.01
+    assert by[32]["kept_share"] == round(32 * 8 / (224 + 32 * 8), 3) and by[32]["kl_p90"] == 0.01
     assert by[224]["kept_share"] == 1.0 and by[224]["kl_max"] == 0.05 and by[224]["kl_p90"] == 0.03  # over the bar
     assert rep["largest_budget_meeting_bar"] == 32 and rep["inherited"]["steps"] == 1

@@ -25,10 +25,11 @@ def test_the_distribution_fields_and_a_seeded_bootstrap_interval():
     rep = f.report()
     assert rep["steps"] == 40 and rep["probes_by"] == {"drop/2-3": 20, "mask/1": 20}
     assert rep["first_token_kl_max_by"] == {"drop/2-3": 0.038, "mask/1": 0.039}  # where the tail is
-    assert rep["first_token_kl_p50"] == 0.02 and rep["first_token_kl_p90"] == 0.036 and rep["first_token_kl_max"] == 0.039
+    # nearest rank (promptsplice.benchmarks._stats): p50 of 40 is the 20th value, p90 the 36th
+    assert rep["first_token_kl_p50"] == 0.019 and rep["first_token_kl_p90"] == 0.035 and rep["first_token_kl_max"] == 0.039
     lo, hi = rep["first_token_kl_ci95"]
     assert lo < rep["first_token_kl"] < hi and hi - lo < 0.02
-    assert rep["tf_top1_p10"] == pytest.approx(1 - 0.035) and rep["tf_top1_min"] == pytest.approx(1 - 0.039)
+    assert rep["tf_top1_p10"] == pytest.approx(1 - 0.036) and rep["tf_top1_min"] == pytest.approx(1 - 0.039)
     assert bootstrap_ci(kls) == bootstrap_ci(list(kls)) == [lo, hi]  # same values, same interval
     assert bootstrap_ci([]) is None and Fidelity().report()["first_token_kl_p90"] is None
 
@@ -60,3 +61,19 @@ def test_a_step_that_relocated_nothing_cannot_be_probed(engine):
         step = runner.step(hook(sess.id, msgs, sess.tools or None), max_tokens=1)
     with pytest.raises(FidelityError, match="relocates 0 tokens but the connector relocated 0"):
         verify_step(step)
+
+
+def test_every_bench_reads_one_percentile_rule():
+    """Nearest rank, one rule for every report: p90 of 10 probes is the 9th value (it was
+    the maximum), p10 the lowest (it hid a probe at 0.2), a p50 of 2 values the lower."""
+    from promptsplice.benchmarks._stats import percentile
+
+    ten = [0.2] + [1.0] * 9
+    assert percentile(ten, 0.1) == 0.2 and percentile(list(range(1, 11)), 0.9) == 9
+    assert percentile([1, 2], 0.5) == 1 and percentile([1, 2, 3, 4], 0.5) == 2 and percentile([], 0.5) == 0.0
+    import promptsplice.benchmarks.agent as agent
+    import promptsplice.benchmarks.assemble as assemble
+    import promptsplice.benchmarks.fidelity as fidelity
+    import promptsplice.benchmarks.rag as rag
+
+    assert all(not hasattr(m, "_pct") for m in (agent, assemble, fidelity, rag))
