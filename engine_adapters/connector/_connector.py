@@ -160,6 +160,7 @@ class SpliceConnector(KVConnectorBase_V1):
                 self.store, self.settings.block_size, relocation=self.settings.relocation
             )
         self._acks: dict[str, list] = {}
+        self._loads: dict[str, Any] = {}  # request id -> its last load item (scheduler side)
         """Requests that carry a plan, a probe or a store query: [reason, planned, loaded,
         relocated tokens, a query's matched blocks] (``_served``)."""
         self._probes = _probe_board(self.store)
@@ -276,8 +277,27 @@ class SpliceConnector(KVConnectorBase_V1):
         item = self.scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens)
         ack = self._acks.get(request.request_id)
         if item is not None and ack is not None:
-            ack[2] += len(item.refs) * self.settings.block_size
-            ack[3] += item.approximate() * self.settings.block_size
+            # what this allocation loads (a request vLLM preempted and resumes loads
+            # again: the ack says what its context was served, not the sum of loads);
+            # update_connector_output takes back what then failed to load
+            ack[2] = len(item.refs) * self.settings.block_size
+            ack[3] = item.approximate() * self.settings.block_size
+            self._loads[request.request_id] = item
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load (vLLM recomputes them) leave the acks' loaded and
+        relocated counts: from a load's first failed block on, none of it was served."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        bs = self.settings.block_size
+        for req_id, item in list(self._loads.items()):
+            ack = self._acks.get(req_id)
+            failed = [i for i, b in enumerate(item.block_ids) if b in invalid]
+            if ack is not None and failed:
+                served = min(failed)
+                ack[2] = min(ack[2], served * bs)
+                ack[3] = min(ack[3], item.approximate(served) * bs)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -296,6 +316,7 @@ class SpliceConnector(KVConnectorBase_V1):
             # lookup, a store query or a client's index, must find them
             _settle(self.store, request.request_id)
         ack = self._acks.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
         with _BOARD_LOCK:
             devs = tuple(_finite(d) for d in latest_per_block(self._probes.pop(request.request_id, ())))
         if ack is None:

@@ -359,3 +359,51 @@ def test_probes_measure_how_far_recomputed_blocks_are_from_their_relocated_old_k
         assert max(d.v[1:]) > 0.01
         assert d.value > 20 * max(e.value for e in exact) and d.value > 0.005
     assert worker.stats.probe_s > 0
+
+
+def test_a_served_ack_counts_what_was_loaded_not_what_was_planned():
+    """The served ack's loaded/relocated tokens added what each allocation planned: a load
+    that failed (vLLM recomputes it) still counted as relocated, and a request vLLM
+    preempted and resumed counted its reload twice (relocated above the prompt's size).
+    The glue is built without a vLLM config: the ack path needs only its store and the
+    scheduler side; the worker is the real one."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters import BlockStore
+    from promptsplice.engine_adapters.connector._connector import SpliceConnector
+    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
+    from promptsplice.engine_adapters.connector._served import SpliceAck, splice_params
+    from tests.engine_adapters.connector._kv import BS, HD, HEADS, LAYERS, PAYLOAD, SALT, deletion_case, random_caches, worker
+
+    def run(break_block: bool):
+        store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
+        old, new, plan, _ = deletion_case(store)  # a run of 3 blocks relocated by -64
+        if break_block:  # the run's first old block cannot be served (a damaged record in life)
+            ref = chain_refs(old, BS, salt=SALT)[4]
+            store.discard(ref.key)
+            store.put(ref, torch.randn(LAYERS, 1, HEADS, BS, 2 * HD), salt=SALT)
+        conn = object.__new__(SpliceConnector)
+        conn.settings = SimpleNamespace(block_size=BS, relocation=True)
+        conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
+        conn._acks, conn._probes, conn._loads = {}, {}, {}
+        req = SimpleNamespace(request_id="r", prompt_token_ids=new, cache_salt=SALT,
+                              kv_transfer_params=splice_params(plan, new))
+        ids = list(range(10, 10 + len(new) // BS + 1))
+        blocks = SimpleNamespace(get_block_ids=lambda: (ids,))
+        w = worker(store, random_caches())
+        for _ in range(2):  # scheduled, then preempted and resumed
+            n, _ = conn.get_num_new_matched_tokens(req, 2 * BS)
+            conn.update_state_after_alloc(req, blocks, n)
+            meta = conn.scheduler.build_connector_meta([("r", 2 * BS + n, len(new) - 2 * BS - n)], lambda _: ids)
+            w.start_load(meta)
+            w.save(meta)
+            conn.update_connector_output(SimpleNamespace(invalid_block_ids=w.take_load_errors()))
+        _, kv = conn.request_finished(req, ids)
+        return SpliceAck.from_params(kv), w, len(new)
+
+    ack, w, n_tokens = run(break_block=False)
+    assert ack.relocated_tokens == 3 * BS == w.stats.relocated_blocks * BS // 2  # one load's worth, not two
+    assert ack.loaded_tokens <= n_tokens
+    ack, w, _ = run(break_block=True)
+    assert w.stats.load_errors > 0 and w.stats.relocated_blocks == 0
+    assert ack.relocated_tokens == 0 and ack.loaded_tokens == 0
