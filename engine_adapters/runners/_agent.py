@@ -306,6 +306,13 @@ class AgentRunner:
         if not isinstance(prepared, PreparedContext):
             raise InputError(f"step takes the hook's PreparedContext, got {type(prepared).__name__}")
         cfg = self.settings(fidelity)
+        if self.mode is AgentMode.SPLICE and cfg.relocate and not self.engine.can_relocate:
+            # every relocated block would be recomputed, in more requests than one plain
+            # request, under a level that claims relocation
+            raise ConfigError(
+                f"fidelity={cfg.level.value!r} relocates KV, and this engine's splice connector cannot "
+                "(its log says why: an unverified attention ISA or RoPE); use fidelity='exact'"
+            )
         st = self._session(prepared.session_id)
         gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
         with st.lock:

@@ -255,6 +255,8 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
         if not self.remote_timeout_s > 0:
             raise ConfigError(f"remote_timeout_s must be > 0 seconds (e.g. 0.2), got {self.remote_timeout_s!r}")
+        if not self.remote_retry_s > 0:  # 0: a failing server retried (and logged) in a tight loop
+            raise ConfigError(f"remote_retry_s must be > 0 seconds (e.g. 5), got {self.remote_retry_s!r}")
 
 
 def _as_hash(value: object, what: str) -> bytes:

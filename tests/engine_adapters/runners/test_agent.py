@@ -431,3 +431,16 @@ def test_a_new_session_for_a_scoped_session_id_leaves_the_old_scope(kv_engine, r
     assert step.fallback is None and step.relocated_tokens == 0
     # the first render ran under the tenant's salt before: its blocks are cached there
     assert step.cached_tokens == (len(prepared.token_ids) - 1) // bs * bs
+
+
+def test_a_relocating_level_on_an_engine_that_cannot_relocate_is_refused(kv_engine, renders, monkeypatch):
+    """The connector recomputes every moved block where it cannot relocate (an unverified
+    ISA or RoPE): a bounded step then cost several requests for nothing while saying it
+    relocated.  RagRunner refused such an engine; AgentRunner ran on."""
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-norel", fidelity="bounded")
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-norel")
+    monkeypatch.setattr(kv_engine.kv_connector.worker, "rope", None)  # as for an unverified RoPE
+    with pytest.raises(ConfigError, match="cannot .*fidelity='exact'"):
+        runner.step(hook("s-norel", renders[0], TOOLS), max_tokens=1)
+    step = runner.step(hook("s-norel2", renders[0], TOOLS), max_tokens=1, fidelity="exact")
+    assert step.relocated_tokens == 0 and step.fidelity.value == "exact"

@@ -84,6 +84,7 @@ def value_key(ref, salt=SALT, ns: int = 0, fp: bytes = FP) -> str:
         ({"remote_bytes": -1}, "remote_bytes must be an int >= 0"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:1", "remote_timeout_s": 0}, "remote_timeout_s must be > 0"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:1", "remote_retry_s": -1}, "remote_retry_s must be"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1", "remote_retry_s": 0}, "remote_retry_s must be > 0"),
         # options the client cannot take: every call raised TypeError (the writer died)
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?foo=1"}, "remote_url has options the redis client"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?socket_timeout=x"}, "remote_url has options the redis client"),
