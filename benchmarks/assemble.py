@@ -47,7 +47,15 @@ from typing import Any
 
 from promptsplice.assembler import Assembler, PrefixCacheMirror, load_tokenizer
 from promptsplice.benchmarks._stats import percentile
-from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, OracleCounter, RadixPrefill, check_bounds, floor_per_request
+from promptsplice.benchmarks.bounds import (
+    BOUND_EXIT,
+    BoundError,
+    OracleCounter,
+    RadixPrefill,
+    bound_checks,
+    check_bounds,
+    floor_per_request,
+)
 from promptsplice.benchmarks.traces import SUITE, RagRequest, read_rag_trace, shape_stats, write_rag_trace
 from promptsplice.blocks import chain_hashes, content_digest, token_bytes
 from promptsplice.errors import ConfigError, PromptspliceError
@@ -193,13 +201,8 @@ def bench_policies(
 def policy_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each policy's lower bound on predicted prefill, as ``bench rag`` reports them:
     ``naive`` the radix ideal of its prompts, every policy the oracle."""
-    out = {}
-    for name, m in report["policies"].items():
-        bound = "radix" if name == "naive" else "oracle"
-        b = report[f"{bound}_prefill_tokens"]
-        out[name] = {"bound": bound, "bound_prefill_tokens": b, "prefill_tokens": m["predicted_prefill_tokens"],
-                     "holds": m["predicted_prefill_tokens"] >= b}
-    return out
+    return bound_checks({name: m["predicted_prefill_tokens"] for name, m in report["policies"].items()},
+                        radix=report["radix_prefill_tokens"], oracle=report["oracle_prefill_tokens"])
 
 
 def _bound_status(reports: dict[str, dict[str, Any]]) -> int:

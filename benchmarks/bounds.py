@@ -39,8 +39,8 @@ import numpy as np
 from promptsplice.errors import PromptspliceError
 
 __all__ = [
-    "radix_prefill_tokens", "RadixPrefill", "OracleCounter", "floor_per_request", "BoundError", "BOUND_EXIT",
-    "check_bounds",
+    "radix_prefill_tokens", "RadixPrefill", "OracleCounter", "floor_per_request", "bound_checks", "BoundError",
+    "BOUND_EXIT", "check_bounds",
 ]
 
 
@@ -233,6 +233,17 @@ def floor_per_request(content: Sequence[int], *streams_prefill: Sequence[int]) -
     for i, c in enumerate(content):
         total += min([c, *(s[i] for s in streams_prefill)])
     return total
+
+
+def bound_checks(prefill: Mapping[str, int], *, radix: int, oracle: int) -> dict[str, dict[str, Any]]:
+    """Each mode's bound as the RAG benches report it (``naive``: the radix ideal of its
+    prompts; every other mode: the oracle) and whether it holds; ``prefill``: mode ->
+    tokens it prefilled (measured or predicted)."""
+    out = {}
+    for mode, tokens in prefill.items():
+        name, bound = ("radix", radix) if mode == "naive" else ("oracle", oracle)
+        out[mode] = {"bound": name, "bound_prefill_tokens": bound, "prefill_tokens": tokens, "holds": tokens >= bound}
+    return out
 
 
 BOUND_EXIT = 4

@@ -108,6 +108,7 @@ from promptsplice.benchmarks.bounds import (
     BoundError,
     OracleCounter,
     RadixPrefill,
+    bound_checks,
     check_bounds,
     floor_per_request,
 )
@@ -331,13 +332,8 @@ def _floor(content: list[int], outs: dict[str, list[Any]]) -> int:
 def mode_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each mode's lower bound on prefill (module doc) and whether it holds."""
     b = report["bounds"]
-    out = {}
-    for mode, m in report["modes"].items():
-        name = "radix" if mode == "naive" else "oracle"
-        bound = b[f"{name}_prefill_tokens"]
-        out[mode] = {"bound": name, "bound_prefill_tokens": bound, "prefill_tokens": m["prefill_tokens"],
-                     "holds": m["prefill_tokens"] >= bound}
-    return out
+    return bound_checks({mode: m["prefill_tokens"] for mode, m in report["modes"].items()},
+                        radix=b["radix_prefill_tokens"], oracle=b["oracle_prefill_tokens"])
 
 
 def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, progress, prompt_format,
