@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -73,6 +75,7 @@ from promptsplice.engine_adapters._wire import (
     model_from_list,
     parse_json,
     parse_prometheus_counters,
+    MAX_RETRY_AFTER_S,
     retry_after,
     status_error,
 )
@@ -119,6 +122,20 @@ _Exchange = Generator["_Call | float", Any, Any]
 
 
 # --------------------------------------------------------------------------- engine
+
+
+def _check_json(body: dict[str, Any]) -> None:
+    """The body must be sendable as JSON (httpx's encoder raised raw TypeError, ValueError
+    or UnicodeEncodeError on a NaN, an object, a set or a lone surrogate)."""
+    import json
+
+    try:
+        json.dumps(body, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, UnicodeEncodeError) as exc:
+        raise InputError(
+            f"the request cannot be sent as JSON ({type(exc).__name__}: {exc}); pass text, numbers "
+            "that are finite, lists and dicts only, and text without lone surrogates"
+        ) from None
 
 
 class RemoteEngine(ServedEngineSurface):
@@ -178,6 +195,10 @@ class RemoteEngine(ServedEngineSurface):
             timeout = httpx.Timeout(float(check_number(timeout, "timeout (seconds)", strict=True)))
         if not isinstance(timeout, httpx.Timeout):
             raise ConfigError(f"timeout must be seconds or an httpx.Timeout, got {timeout!r}")
+        for name in ("connect", "read", "write", "pool"):  # the float form's rule, field by field
+            value = getattr(timeout, name)
+            if value is not None:
+                check_number(value, f"timeout.{name} (seconds)", strict=True)
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = float(backoff)
@@ -191,8 +212,10 @@ class RemoteEngine(ServedEngineSurface):
         self._transport = transport
         self._salts = SaltGuard("RemoteEngine", require=require_salt)
         self._client: httpx.Client | None = None
-        self._aclient: httpx.AsyncClient | None = None
-        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._aclients_lock = threading.Lock()
         self._init_served(tokenizer, block_size)
 
     # ----------------------------------------------------------------- lifecycle
@@ -207,14 +230,17 @@ class RemoteEngine(ServedEngineSurface):
 
     def _async_client(self) -> httpx.AsyncClient:
         # An AsyncClient's pooled connections belong to the event loop that opened them:
-        # a call from another loop (a second asyncio.run) gets a client of its own.
+        # each loop (a second asyncio.run, loops in other threads) gets a client of its
+        # own, kept while the loop lives.
         loop = asyncio.get_running_loop()
-        if self._aclient is None or self._aloop is not loop:
-            kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
-            if self._transport is not None:
-                kwargs["transport"] = self._transport
-            self._aclient, self._aloop = httpx.AsyncClient(**kwargs), loop
-        return self._aclient
+        with self._aclients_lock:
+            client = self._aclients.get(loop)
+            if client is None:
+                kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
+                if self._transport is not None:
+                    kwargs["transport"] = self._transport
+                client = self._aclients[loop] = httpx.AsyncClient(**kwargs)
+            return client
 
     def close(self) -> None:
         if self._client is not None:
@@ -222,9 +248,11 @@ class RemoteEngine(ServedEngineSurface):
             self._client = None
 
     async def aclose(self) -> None:
-        if self._aclient is not None:
-            await self._aclient.aclose()
-            self._aclient = None
+        """Close this loop's async client (each loop closes its own) and the sync one."""
+        with self._aclients_lock:
+            client = self._aclients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
         self.close()
 
     def __enter__(self) -> RemoteEngine:
@@ -299,6 +327,7 @@ class RemoteEngine(ServedEngineSurface):
             body["prompt_cache_key"] = key
         if splice is not None:
             body["kv_transfer_params"] = splice_params(splice, ids if payload is ids else None, stream)
+        _check_json(body)
         return Request("/v1/completions", body, False, len(ids) if ids is not None else None, splice is not None)
 
     def _chat_request(
@@ -317,6 +346,7 @@ class RemoteEngine(ServedEngineSurface):
         body["messages"] = clean
         if prompt_cache_key is not None:
             body["prompt_cache_key"] = prompt_cache_key
+        _check_json(body)
         return Request("/v1/chat/completions", body, True, None)
 
     def _common_body(
@@ -401,7 +431,7 @@ class RemoteEngine(ServedEngineSurface):
             except _Retry as retry:
                 if attempt >= self.max_retries:
                     raise retry.error from retry.error.__cause__
-                delay = self.backoff * (2**attempt)
+                delay = min(self.backoff * (2**attempt), MAX_RETRY_AFTER_S)  # no ceiling was days
                 if retry.retry_after is not None:
                     delay = max(delay, retry.retry_after) if self.backoff else retry.retry_after
                 yield float(delay)

@@ -55,7 +55,7 @@ from typing import Any
 
 from promptsplice.blocks import chain_hashes, content_digest, root_hash, token_bytes
 from promptsplice._validate import check_block_size, check_int, check_number, check_salt, check_token_ids
-from promptsplice.errors import ConfigError, InputError, InvalidSaltError
+from promptsplice.errors import ConfigError, InputError, InvalidSaltError, InvalidUTF8Error
 from promptsplice.tenancy import SaltGuard
 
 __all__ = [
@@ -104,7 +104,10 @@ def prefix_route_key(
         if not prompt:
             raise InputError("cannot route an empty prompt")
         unit = 4 * block_size
-        data = prompt.encode("utf-8")
+        try:
+            data = prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidUTF8Error.lone_surrogate("the prompt", prompt, exc, index=0, fix="pass valid text") from None
         hashes = chain_hashes(list(data[: key_blocks * unit]), unit, salt=salt)
         return bytes(hashes[-1]) if hashes else content_digest(root_hash(salt) + data)
     if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
@@ -144,12 +147,15 @@ class Lease:
     key: bytes | None
     _router: Any = field(repr=False)
     _released: bool = field(default=False, repr=False)
+    _generation: int = field(default=0, repr=False)
+    """Which joining of the endpoint the load was taken on: a lease from before the
+    endpoint was removed and added again gives nothing back to the new one."""
 
     def release(self) -> None:
         """Give the load back (idempotent)."""
         if not self._released:
             self._released = True
-            self._router._release(self.endpoint)
+            self._router._release(self.endpoint, self._generation)
 
     def __enter__(self) -> Lease:
         return self
@@ -179,6 +185,7 @@ class _Base:
         names = _check_endpoints(endpoints)
         self._lock = threading.Lock()
         self._load: dict[str, int] = {e: 0 for e in names}
+        self._generations: dict[str, int] = {}  # endpoint -> times it was added again
         self._requests: dict[str, int] = {e: 0 for e in names}
 
     @property
@@ -196,15 +203,15 @@ class _Base:
         with self._lock:
             return dict(self._requests)
 
-    def _release(self, endpoint: str) -> None:
+    def _release(self, endpoint: str, generation: int) -> None:
         with self._lock:
-            if endpoint in self._load and self._load[endpoint] > 0:
+            if self._generations.get(endpoint, 0) == generation and self._load.get(endpoint, 0) > 0:
                 self._load[endpoint] -= 1
 
     def _take(self, endpoint: str, key: bytes | None) -> Lease:
         self._load[endpoint] += 1
         self._requests[endpoint] = self._requests.get(endpoint, 0) + 1
-        return Lease(endpoint, key, self)
+        return Lease(endpoint, key, self, _generation=self._generations.get(endpoint, 0))
 
 
 class PrefixRouter(_Base):
@@ -255,6 +262,7 @@ class PrefixRouter(_Base):
             if endpoint in self._load:
                 raise ConfigError(f"endpoint {endpoint!r} is already routed to")
             self._load[endpoint] = 0
+            self._generations[endpoint] = self._generations.get(endpoint, 0) + 1
             self._requests.setdefault(endpoint, 0)
             self._add_points(endpoint)
 

@@ -11,6 +11,7 @@ counters, and the splice connector's answer in ``kv_transfer_params``.  A body t
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -147,9 +148,25 @@ def server_message(response: httpx.Response) -> str:
 
 
 def _int_or_none(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None  # a count the server did not give (JSON's NaN / Infinity included)
     return int(value)
+
+
+def _token_ids(ids: Any, url: str) -> list[int] | None:
+    """A reply's ``token_ids``: ints (``None`` when absent), else :class:`EngineResponseError`."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise EngineResponseError(f"{url} answered token_ids that are not token ids: {snippet(repr(ids).encode())!r}")
+    return ids
+
+
+def _text(value: Any, url: str) -> str | None:
+    """A reply's text (``None`` when absent), else :class:`EngineResponseError`."""
+    if value is None or isinstance(value, str):
+        return value
+    raise EngineResponseError(f"{url} answered text that is not a string: {snippet(repr(value).encode())!r}")
 
 
 def _cached_from_usage(usage: Any) -> int | None:
@@ -255,11 +272,10 @@ class Accumulator:
                 continue
             if self.chat:
                 delta = choice.get("delta") or {}
-                text = delta.get("content") if isinstance(delta, Mapping) else None
+                text = _text(delta.get("content"), url) if isinstance(delta, Mapping) else None
             else:
-                text = choice.get("text")
-            ids = choice.get("token_ids")
-            ids = [int(t) for t in ids] if isinstance(ids, list) else []
+                text = _text(choice.get("text"), url)
+            ids = _token_ids(choice.get("token_ids"), url) or []
             if ids:
                 self.ids = (self.ids or []) + ids
             if text:
@@ -357,7 +373,7 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
         finish_reason=choice.get("finish_reason"),
         kv_transfer_params=kv_params,
         splice=SpliceAck.from_params(kv_params),
-        token_ids=[int(t) for t in choice["token_ids"]] if isinstance(choice.get("token_ids"), list) else None,
+        token_ids=_token_ids(choice.get("token_ids"), url),
         request_id=str(data.get("id") or ""),
         logprobs=token_logprobs(choice, url) if req.body.get("return_tokens_as_token_ids") else None,
     )

@@ -124,14 +124,30 @@ def check_enum(value: Any, enum_cls: type[_E], what: str, *, error: type[ConfigE
     raise error(f"{what} must be one of {names}; got {value!r}")
 
 
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode text (no lone surrogate), UTF-8 encodable."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_salt(salt: Any, what: str = "cache_salt") -> str | None:
     """The one salt rule: ``None`` (unsalted) or a non-empty ``str``.
 
     ``""`` is refused because vLLM treats an empty salt as no salt: a tenant passing
     one would share the unsalted cache (a cross-tenant leak).  Bytes, ints and the like
     are refused rather than converted, so one tenant never has two spellings."""
-    if salt is None or (isinstance(salt, str) and salt):
+    if salt is None or (isinstance(salt, str) and salt and _encodable(salt)):
         return salt
+    if isinstance(salt, str) and salt:
+        raise InvalidSaltError(
+            f"{what} {_short(salt)} holds a lone surrogate, which is not text (UTF-8 cannot "
+            "encode it): pass the tenant's salt as valid text"
+        )
     if isinstance(salt, str):
         raise InvalidSaltError(
             f"{what} is an empty str, which vLLM treats as no salt (shared with every "
@@ -228,6 +244,11 @@ def check_messages(
     return messages
 
 
+MAX_TOKEN_ID = 2**32 - 1
+"""Token ids are hashed as unsigned 32-bit ints (vLLM's block hashes take any int, the
+chain hash here packs them): no vocabulary comes near."""
+
+
 def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
     """A non-empty sequence of token ids (ints >= 0, not bools) as a list; else
     :class:`InputError` naming the first bad position."""
@@ -237,8 +258,8 @@ def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
     if not out:
         raise InputError(f"{what} is empty: pass at least one token id")
     for i, t in enumerate(out):
-        if not _is_int(t) or t < 0:
-            raise InputError(f"{what}[{i}] is not a token id (an int >= 0): {_short(t)}")
+        if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
+            raise InputError(f"{what}[{i}] is not a token id (an int from 0 to 2**32 - 1): {_short(t)}")
     return out
 
 

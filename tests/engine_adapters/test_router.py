@@ -243,3 +243,31 @@ def test_bad_prompts_and_options_are_refused_before_routing():
         PrefixRouter(["a"], load_factor=float("inf"))
     with pytest.raises(InvalidSaltError):
         router.acquire([1, 2, 3], salt="")
+
+
+def test_a_lease_from_before_an_endpoint_was_removed_gives_nothing_back_to_it():
+    """Remove and re-add an endpoint (a health check that flapped): the old leases'
+    releases lowered the new endpoint's count, so it took more than its bounded load."""
+    r = PrefixRouter(["a", "b", "c"], block_size=16)
+    old = [r.acquire([i] * 16, salt="t") for i in range(30)]
+    held_on = {lease.endpoint for lease in old}
+    gone = sorted(held_on)[0]
+    r.remove_endpoint(gone)
+    r.add_endpoint(gone)
+    new = [lease for lease in (r.acquire([100 + i] * 16, salt="t") for i in range(30)) if lease.endpoint == gone]
+    for lease in old:
+        lease.release()
+    assert r.loads()[gone] == len(new)  # only the leases taken since it came back
+
+
+def test_keys_of_ids_beyond_32_bits_or_text_that_is_not_unicode_are_input_errors():
+    from promptsplice.errors import InvalidSaltError, InvalidUTF8Error
+
+    r = PrefixRouter(["a", "b"], block_size=16)
+    for prompt in ([2**32], [1] * 16 + [2**40]):
+        with pytest.raises(InputError, match="2\\*\\*32 - 1"):
+            r.acquire(prompt)
+    with pytest.raises(InvalidUTF8Error, match="lone surrogate"):
+        r.acquire("abc\ud800def")
+    with pytest.raises(InvalidSaltError, match="lone surrogate"):
+        r.acquire([1, 2, 3], salt="t\ud800")
