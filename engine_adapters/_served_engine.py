@@ -66,7 +66,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice._validate import check_int
+from promptsplice._validate import check_int, salt_tenant
 from promptsplice.assembler import (
     DEFAULT_CAPACITY_BLOCKS,
     Assembler,
@@ -144,11 +144,13 @@ class ServedEngineSurface:
             self._probe = ack
         return self._probe
 
-    def _ack_request(self, params: dict[str, Any]) -> SpliceAck | None:
-        """One token, ``max_tokens=1``, carrying ``params``: the connector's ack (``None``
-        from a server without it)."""
+    def _ack_request(self, params: dict[str, Any], salt: str | None = None) -> SpliceAck | None:
+        """One token, ``max_tokens=1``, carrying ``params`` (under ``salt``): the
+        connector's ack (``None`` from a server without it)."""
         body = {"model": self._model_id(), "prompt": [0], "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": params}
+        if salt is not None:
+            body["cache_salt"] = salt
         req = Request("/v1/completions", body, False, 1)
         call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
         out = self._run(self._attempts(call))  # type: ignore[attr-defined]
@@ -177,19 +179,22 @@ class ServedEngineSurface:
             )
         # Queries of at most MAX_QUERY_TOKENS each; a longer chain is asked for its
         # leading blocks only (a count is a leading run: the rest cannot add to a shorter one).
+        # A query carries its tenant's salt as its cache_salt (the connector answers only
+        # for salts of that tenant), so chains of different tenants go in separate queries.
         cap_blocks = max(1, MAX_QUERY_TOKENS // self.block_size)
         batches: list[list[tuple[list[BlockRef], str | None]]] = [[]]
         size = 0
         for refs, salt in chains:
             cut = list(refs)[:cap_blocks]
-            if batches[-1] and size + len(cut) > cap_blocks:
+            other_tenant = batches[-1] and salt_tenant(batches[-1][0][1]) != salt_tenant(salt)
+            if batches[-1] and (size + len(cut) > cap_blocks or other_tenant):
                 batches.append([])
                 size = 0
             batches[-1].append((cut, salt))
             size += len(cut)
         out: list[int] = []
         for batch in filter(None, batches):
-            ack = self._ack_request(query_params(batch))
+            ack = self._ack_request(query_params(batch), salt=batch[0][1])
             if ack is None or ack.reason != QUERY_REASON or len(ack.matched) != len(batch):
                 why = "no ack" if ack is None else ack.reason or f"{len(ack.matched)} answers for {len(batch)} chains"
                 raise EngineResponseError(f"{self.base_url}'s splice connector did not answer the store query: {why}")  # type: ignore[attr-defined]

@@ -164,6 +164,14 @@ DERIVED_SALT_MARK = "\x1f"
 relocation or exact salt): never part of a tenant's own salt (:func:`check_tenant_salt`)."""
 
 
+def salt_tenant(salt: str | None) -> str | None:
+    """The tenant a salt belongs to: a derived salt's part before
+    :data:`DERIVED_SALT_MARK` (empty: the unsalted tenant, ``None``), else the salt."""
+    if salt is None:
+        return None
+    return salt.split(DERIVED_SALT_MARK, 1)[0] or None
+
+
 def check_tenant_salt(salt: Any, what: str = "salt") -> str | None:
     """:func:`check_salt` for a salt that names a tenant (a runner's, a hook's, an
     assembler's): it may not hold :data:`DERIVED_SALT_MARK`, or tenant ``"a\x1fpic"``

@@ -251,15 +251,17 @@ class SpliceConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         req_id, tokens, salt, params = _vllm.request_fields(request)
+        if isinstance(salt, bytes):  # (vLLM keeps cache_salt as a str)
+            salt = salt.decode("utf-8", "replace")
         ack = self._acks.get(req_id)
         if ack is None:
-            verdict = plan_verdict(params, tokens or (), self.settings.block_size)
+            verdict = plan_verdict(params, tokens or (), self.settings.block_size, salt)
             if verdict.has_plan:
                 matched: tuple[int, ...] = ()
                 reason = verdict.reason
                 if reason == QUERY_REASON:  # answered from the store as it is now
                     assert params is not None
-                    matched, why = answer_query(params[QUERY_KEY], self._match, self.settings.block_size)
+                    matched, why = answer_query(params[QUERY_KEY], self._match, self.settings.block_size, salt)
                     reason = why or reason
                 elif reason and reason != PROBE_REASON:
                     _log.warning("splice connector: plain prefill for %s: %s", req_id, reason)

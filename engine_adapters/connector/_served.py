@@ -54,9 +54,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash
-from promptsplice.engine_adapters.connector._plans import PLAN_KEY, BlockDeviation, SplicePlan
+from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SAME_SALT, BlockDeviation, SplicePlan
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
 from promptsplice.errors import ConfigError, InputError
+from promptsplice._validate import salt_tenant
 
 __all__ = [
     "ACK_KEY", "CHECK_KEY", "MAX_QUERY_TOKENS", "PROBE_KEY", "PROBE_REASON", "QUERY_KEY", "QUERY_REASON",
@@ -124,30 +125,46 @@ def splice_params(plan: Any, ids: Sequence[int] | None, stream: bool = False) ->
     return {**plan.to_params(), CHECK_KEY: plan_check(ids)}
 
 
-def plan_verdict(params: Mapping[str, Any] | None, tokens: Sequence[int], block_size: int) -> Verdict:
+def plan_verdict(
+    params: Mapping[str, Any] | None, tokens: Sequence[int], block_size: int, salt: str | None = None
+) -> Verdict:
     """Whether a request's ``kv_transfer_params`` carry a plan, and whether it matches the
-    request: a non-empty ``reason`` names what differs (the connector then drops the
-    plan: plain prefill)."""
+    request (``salt``: its ``cache_salt``): a non-empty ``reason`` names what differs (the
+    connector then drops the plan: plain prefill)."""
     if not isinstance(params, Mapping):
         return Verdict(False, "")
     if PLAN_KEY not in params and CHECK_KEY not in params:
         if QUERY_KEY in params:
             return Verdict(True, QUERY_REASON)
         return Verdict(True, PROBE_REASON) if params.get(PROBE_KEY) is True else Verdict(False, "")
-    reason = _mismatch(params, tokens, block_size)
+    reason = _mismatch(params, tokens, block_size, salt)
     if reason:
         return Verdict(True, reason)
     plan = SplicePlan.from_params(params)
     return Verdict(True, "", plan.num_tokens if plan is not None else 0)
 
 
-def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int) -> str:
+def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int, salt: str | None) -> str:
     try:
         plan = SplicePlan.from_params(params)
     except InputError as exc:
         return f"malformed splice plan: {exc}"
     if plan is None:
         return f"kv_transfer_params has {CHECK_KEY!r} but no {PLAN_KEY!r} plan"
+    src = plan.src_salt
+    if src is not SAME_SALT and (
+        isinstance(src, bytes) if salt is None else (isinstance(src, bytes) and src != salt.encode("utf-8"))
+    ):
+        return "a served plan's src_salt must be the request's own salt or another of its tenant's (a str)"
+    if src is not SAME_SALT and isinstance(src, str | None) and salt_tenant(src) != salt_tenant(salt):
+        # the request's cache_salt is the caller's (a gateway sets it from its auth): a plan
+        # may name another salt of the same tenant (a scope, its relocation salt), never
+        # another tenant's, whose KV it would load
+        return "the plan's src_salt belongs to another tenant than the request's cache_salt"
+    full_blocks = len(tokens) // block_size
+    if len(plan.probes) > full_blocks or any(p.dst_start + p.num_blocks * block_size > full_blocks * block_size
+                                             for p in plan.probes):
+        return f"the plan's probes run past the request's {full_blocks} full blocks"
     if plan.block_size != block_size:
         return f"the plan was made for block_size {plan.block_size}, the server's is {block_size}"
     check = params.get(CHECK_KEY)
@@ -215,7 +232,7 @@ class SpliceAck(NamedTuple):
                 ),
                 int(raw.get("num_blocks") or 0),
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # (1e400 reads as inf)
             return None
 
 
@@ -240,10 +257,12 @@ def query_params(chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> dic
 
 
 def answer_query(
-    raw: Any, match: Callable[[list[BlockRef], str | None], int], block_size: int
+    raw: Any, match: Callable[[list[BlockRef], str | None], int], block_size: int, request_salt: str | None = None
 ) -> tuple[tuple[int, ...], str]:
     """The connector's answer to a store query: (stored leading blocks per chain, ``""``)
-    or ((), what is malformed).  ``match(refs, salt)`` is the store's ``match_prefix``."""
+    or ((), what is malformed).  ``match(refs, salt)`` is the store's ``match_prefix``.
+    Every chain's salt must be one of the tenant of ``request_salt`` (the request's
+    ``cache_salt``): what another tenant's salt holds is not the caller's to learn."""
     if not isinstance(raw, list) or not raw:
         return (), f"{QUERY_KEY} must be a non-empty list of chains"
     chains = []
@@ -258,6 +277,8 @@ def answer_query(
             return (), f"{QUERY_KEY}[{i}].tokens must be token ids in [0, 2**32)"
         if salt is not None and not isinstance(salt, str):
             return (), f"{QUERY_KEY}[{i}].salt must be a string or null"
+        if salt_tenant(salt) != salt_tenant(request_salt):
+            return (), f"{QUERY_KEY}[{i}].salt belongs to another tenant than the request's cache_salt"
         try:
             parent_b = bytes.fromhex(parent) if isinstance(parent, str) else None
         except ValueError:

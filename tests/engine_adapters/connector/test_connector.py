@@ -345,7 +345,10 @@ def test_probes_measure_how_far_recomputed_blocks_are_from_their_relocated_old_k
     def probe(new, dst, delta):
         plan = SplicePlan(BS, src_salt=s, probes=(SpliceSegment(dst, 2, delta, parent),))
         before = worker.stats.probed_blocks
-        run = kv_engine.generate_phases(new, [SplicePhase(len(new), plan)], cache_salt=salt("probe-new"), max_tokens=1)
+        # the new prompt under a salt derived from the old one's (a scope of the same
+        # tenant): a plan may read another salt only of the request's own tenant
+        run = kv_engine.generate_phases(new, [SplicePhase(len(new), plan)], cache_salt=f"{s}\x1f{salt('probe-new')}",
+                                        max_tokens=1)
         assert worker.stats.probed_blocks - before == 2 and run.relocated_tokens == 0
         assert [d.dst_start for d in run.deviations] == [dst, dst + BS]
         assert all(d.delta == delta and len(d.k) == len(d.v) == len(worker.caches) for d in run.deviations)
@@ -407,3 +410,32 @@ def test_a_served_ack_counts_what_was_loaded_not_what_was_planned():
     ack, w, _ = run(break_block=True)
     assert w.stats.load_errors > 0 and w.stats.relocated_blocks == 0
     assert ack.relocated_tokens == 0 and ack.loaded_tokens == 0
+
+
+
+@pytest.mark.reliability
+def test_a_plan_or_store_query_naming_another_tenants_salt_is_refused(kv_engine, text_tokens):
+    """kv_transfer_params come from the client; its cache_salt is the tenant's (a gateway
+    sets it from its auth).  A plan naming another tenant's src_salt loaded that tenant's
+    KV (15 of 15 blocks bit for bit), and a store query answered what another salt holds
+    (a guessing oracle).  Now both are refused by reason: plain prefill, no answer."""
+    from promptsplice.blocks import chain_hashes, root_hash
+    from promptsplice.engine_adapters import SplicePhase
+    from promptsplice.engine_adapters.connector._served import QUERY_KEY, answer_query, plan_verdict, splice_params
+
+    victim, attacker = salt("victim"), salt("attacker")
+    prompt = text_tokens[3500:3500 + 5 * BS + 3]
+    kv_engine.generate(prompt, max_tokens=1, cache_salt=victim)
+    plan = SplicePlan(BS, (SpliceSegment(0, 5, 0, bytes(root_hash(victim))),), src_salt=victim)
+    before = kv_engine.counters()
+    run = kv_engine.generate_phases(prompt, [SplicePhase(len(prompt), plan)], cache_salt=attacker, max_tokens=1)
+    assert run.relocated_tokens == 0 and kv_engine.counters().since(before).external_hits == 0
+    verdict = plan_verdict(splice_params(plan, prompt), prompt, BS, attacker)
+    assert "another tenant" in verdict.reason
+    assert plan_verdict(splice_params(plan, prompt), prompt, BS, f"{victim}\x1fscope").reason == ""  # its own scope
+    query = [{"parent": bytes(root_hash(victim)).hex(), "salt": victim, "tokens": list(prompt[: 4 * BS])}]
+    match = lambda refs, s: kv_engine.kv_store.match_prefix(refs, salt=s)  # noqa: E731
+    assert answer_query(query, match, BS, victim) == ((4,), "")
+    matched, why = answer_query(query, match, BS, attacker)
+    assert matched == () and "another tenant" in why
+    assert chain_hashes(prompt, BS, salt=victim)  # (the victim's blocks are there to be found)
