@@ -1,5 +1,9 @@
 """A remote OpenAI-compatible engine over httpx (vLLM serve, SGLang, OpenAI).
 
+Kept as one module (~610 lines): the sync and async twins of every call share one
+request builder, one retry loop and one error translation, which must not drift apart;
+the wire format lives in ``_wire`` and the served-engine surface in ``_served_engine``.
+
 ``RemoteEngine(base_url)`` sends an assembled prompt to ``/v1/completions`` (token ids
 where the server accepts them: vLLM, SGLang; text elsewhere) or messages to
 ``/v1/chat/completions``, sync or async, streaming or not, and returns a

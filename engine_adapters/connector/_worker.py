@@ -1,7 +1,9 @@
 """The connector's worker side: loads (and relocates) stored blocks into the paged KV
 cache before the forward pass, saves newly computed blocks after it.  Torch and the
 kernels; never vLLM: tests and ``benchmarks/gpu_connector_check`` drive it with plain
-tensors shaped like the engine's cache.
+tensors shaped like the engine's cache.  Kept as one module (~610 lines): loads, saves,
+probes and the device streams order against each other (a save's gather before the next
+step's writes, a failed load quarantining the saves after it), in one place.
 
 A stored block is one payload ``[layers, r, *block]`` (``r`` cache-tensor blocks per
 vLLM block, 1 on CPU) in the cache's own per-block layout.  Where the blocks sit in a
