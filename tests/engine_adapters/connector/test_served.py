@@ -112,12 +112,14 @@ def test_a_store_query_round_trip_counts_the_leading_stored_blocks():
     head = chain_refs(toks, BS, salt="t")  # 6 blocks from the root of salt "t"
     chunk = chain_refs(toks[2 * BS :], BS, parent=head[1].key)  # the same blocks 2.. from their parent
     store = FakeStore((head[:4], "t"))
-    params = json.loads(json.dumps(query_params([(head, "t"), (chunk, "t"), (head, "u"), (head[3:], "t")])))
+    params = json.loads(json.dumps(query_params([(head, "t"), (chunk, "t"), (head, "t\x1fu"), (head[3:], "t")])))
     assert plan_verdict(params, [0], BS) == (True, QUERY_REASON, 0)
-    matched, why = answer_query(params[QUERY_KEY], store.match, BS)
+    matched, why = answer_query(params[QUERY_KEY], store.match, BS, "t")
     # the server rebuilds the same keys from tokens and parent: 4 stored of 6; from
-    # block 2 on, 2 (blocks 2 and 3); another salt, none; from block 3, one
+    # block 2 on, 2 (blocks 2 and 3); another salt of the tenant, none; from block 3, one
     assert (matched, why) == ((4, 2, 0, 1), "")
+    # asked by another tenant (the request's cache_salt): no answer at all
+    assert answer_query(params[QUERY_KEY], store.match, BS, "u") == ((), "splice_query[0].salt belongs to another tenant than the request's cache_salt")
     assert store.asked[0] == (tuple(r.key for r in head), "t")
     assert params[QUERY_KEY][0]["parent"] == root_hash("t").hex()
 
@@ -173,19 +175,20 @@ def test_a_served_store_query_is_split_under_the_cap_and_long_chains_ask_their_l
     store = FakeStore((full[:7], "t"))
     sent = []
 
-    def ack_request(params):
-        sent.append(sum(len(c["tokens"]) for c in params[QUERY_KEY]) // BS)
-        matched, why = answer_query(json.loads(json.dumps(params))[QUERY_KEY], store.match, BS)
+    def ack_request(params, salt=None):
+        sent.append((sum(len(c["tokens"]) for c in params[QUERY_KEY]) // BS, salt))
+        matched, why = answer_query(json.loads(json.dumps(params))[QUERY_KEY], store.match, BS, salt)
         return SpliceAck(False, why or QUERY_REASON, 0, 0, 0, BS, True, matched)
 
     monkeypatch.setattr(_served_engine, "MAX_QUERY_TOKENS", 4 * BS)  # 4 blocks per query
     eng = RemoteEngine("http://127.0.0.1:9", block_size=BS)
     eng._probe = SpliceAck(False, PROBE_REASON, 0, 0, 0, BS, True)  # as if the probe had answered
     monkeypatch.setattr(eng, "_ack_request", ack_request)
-    # 10 blocks (asked: its first 4), then 2, 3 and 1 blocks: queries of 4, 2 and 3 + 1
+    # 10 blocks (asked: its first 4), then 2 and 3 blocks: queries of 4, 2 and 3; the
+    # last chain is another tenant's: a query of its own, under that tenant's salt
     chains = [(full, "t"), (full[:2], "t"), (full[4:7], "t"), (full[:1], "u")]
     assert eng.match_chains(chains) == [4, 2, 3, 0]
-    assert sent == [4, 2, 4]
+    assert sent == [(4, "t"), (2, "t"), (3, "t"), (1, "u")]
 
 
 def test_a_non_finite_deviation_reaches_the_ack_as_a_large_finite_one():
@@ -196,3 +199,25 @@ def test_a_non_finite_deviation_reaches_the_ack_as_a_large_finite_one():
     assert dev == BlockDeviation(64, -32, (0.1, _NOT_FINITE), (_NOT_FINITE, 0.2))
     ack = SpliceAck(True, "", 32, 32, 32, BS, True, (), (dev,))
     assert SpliceAck.from_params(json.loads(json.dumps(ack_params(ack), allow_nan=False))) == ack
+
+
+def test_a_plan_reads_only_its_own_tenants_salts_and_scopes_only_under_a_derived_salt():
+    """The client sends kv_transfer_params; its cache_salt is the tenant's (a gateway
+    sets it from its auth).  Salts of one tenant: its own and those derived from it
+    (after U+001F).  A scope files approximate KV under the request's salt, so it needs a
+    derived salt: the tenant's own salt holds exact KV only."""
+    from promptsplice.engine_adapters import SplicePlan, SpliceSegment
+
+    new = list(range(1000, 1000 + 6 * BS + 3))
+    seg = (SpliceSegment(0, 4, 0, bytes(root_hash("acme"))),)
+    params = lambda **kw: splice_params(SplicePlan(BS, seg, **kw), new)  # noqa: E731
+    assert plan_verdict(params(src_salt="acme"), new, BS, "acme\x1fpic").reason == ""
+    assert plan_verdict(params(src_salt="acme\x1fexact"), new, BS, "acme").reason == ""
+    assert plan_verdict(params(src_salt=None), new, BS, "\x1fpic").reason == ""  # the unsalted tenant
+    for src, salt in (("globex", "acme"), ("acme", None), (None, "acme"), ("acme", "globex\x1facme")):
+        assert "another tenant" in plan_verdict(params(src_salt=src), new, BS, salt).reason, (src, salt)
+    assert "src_salt" in plan_verdict(params(src_salt=b"acme"), new, BS, None).reason  # bytes: only the request's own
+    assert "derived salt" in plan_verdict(params(src_salt="acme", scope=True), new, BS, "acme").reason
+    assert plan_verdict(params(src_salt="acme", scope=True), new, BS, "acme\x1fsplice-scope:s:1").reason == ""
+    probes = SplicePlan(BS, (), src_salt="acme", probes=(SpliceSegment(4 * BS, 3, 0, bytes(root_hash("acme"))),))
+    assert "probes run past" in plan_verdict(splice_params(probes, new), new, BS, "acme").reason
