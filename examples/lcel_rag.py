@@ -23,6 +23,7 @@ from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
 
 from promptsplice.benchmarks.traces import load_wiki_leads  # noqa: E402
+from promptsplice.assembler import Assembler  # noqa: E402
 from promptsplice.engine_adapters import EmbeddedEngine, PromptspliceChatModel, PromptspliceRetriever  # noqa: E402
 
 
@@ -61,7 +62,10 @@ QUESTIONS = [
 def run(engine: EmbeddedEngine, questions: list[str]) -> list[tuple[int, int, str]]:
     """Ask each question through the chain; returns (prompt tokens, cache reads, answer)."""
     llm = PromptspliceChatModel(engine=engine, max_tokens=48)
-    retriever = PromptspliceRetriever(retriever=KeywordRetriever(docs=corpus()), k=4)
+    # an assembler of its own: the order it learns is this chain's (the shared default
+    # would carry whatever else the process assembled, and so would the answers)
+    order = Assembler(engine.tokenizer, block_size=engine.block_size, policy="stable")
+    retriever = PromptspliceRetriever(retriever=KeywordRetriever(docs=corpus()), k=4, assembler=order)
     prompt = ChatPromptTemplate.from_messages([
         ("system", "Answer from the passages only, in one sentence.\n\nPassages:\n{context}"),
         ("human", "{question}"),

@@ -133,7 +133,9 @@ class WireStore:
 
         self.queries += 1
         raw = json.loads(json.dumps(query_params(chains)))[QUERY_KEY]
-        matched, why = answer_query(raw, lambda refs, salt: self.store.match_prefix(refs, salt=salt), BS)
+        # the request carries its tenant's salt, as RemoteEngine.match_chains sends it
+        salt = chains[0][1] if chains else None
+        matched, why = answer_query(raw, lambda refs, s: self.store.match_prefix(refs, salt=s), BS, salt)
         assert why == ""
         return list(matched)
 
