@@ -171,6 +171,7 @@ class RedisTier(IndexedTier):
         # Values removed here (clear, remove, damaged) whose delete has not reached the
         # server yet: never indexed again from an announcement or a rescan, never served.
         self._doomed: set[str] = set()
+        self._wipe = False  # a clear's scan of the server for values never indexed here
         self._lost_index = False  # an outage forgot the index: the next rescan re-shares
         self._writer: threading.Thread | None = None
         self._down_until: float | None = None
@@ -212,12 +213,20 @@ class RedisTier(IndexedTier):
         return held is not None or record is not None
 
     def clear(self) -> None:
+        """Remove every value of this fingerprint from the server, not only the indexed
+        ones (the index is bounded, and blocks other engines wrote may not be in it yet):
+        the writer deletes the indexed names, then scans the server for the rest (blocks
+        stored by this store after the clear are kept).  Other engines' indexes keep
+        their entries: their loads of the removed values answer ``MISS``."""
         names = [record_key(self._fp, r.meta) for _, r in self._lru.items()]
         # writes in flight too: stored or not yet, their values must not come back
         names += [record_key(self._fp, held.meta) for held in self._writing.values()]
         self._lru.clear()
         self._writing.clear()
         self._delete_later(*names)
+        if not self._closed:
+            self._wipe = True
+            self._start_writer()
 
     def keys(self) -> Iterator[Key]:
         return iter(self._lru)
@@ -420,7 +429,7 @@ class RedisTier(IndexedTier):
         while True:
             with self._cond:
                 if not self._queue and not self._closed:
-                    if not self._deletes:
+                    if not self._deletes and not self._wipe:
                         self._cond.wait(timeout=1.0)
                     elif not self._reachable():  # deletes wait for the server
                         assert self._down_until is not None
@@ -428,13 +437,17 @@ class RedisTier(IndexedTier):
                 deletes: list[str] = []
                 if self._deletes and (self._reachable() or self._closed):
                     deletes, self._deletes = self._deletes, []
-                if not self._queue and not deletes:
-                    if self._deletes and not self._closed:
+                wipe = self._wipe and (self._reachable() or self._closed)
+                self._wipe = self._wipe and not wipe
+                if not self._queue and not deletes and not wipe:
+                    if (self._deletes or self._wipe) and not self._closed:
                         continue
                     self._writer = None
                     return
                 job = self._queue[0] if self._queue else None
             self._delete_now(deletes)
+            if wipe:
+                self._wipe_server()
             if job is None:
                 continue
             try:
@@ -484,6 +497,32 @@ class RedisTier(IndexedTier):
             return
         with self._cond:
             self._doomed.difference_update(names)
+
+    def _wipe_server(self) -> None:
+        """A clear's second half (writer thread, without the lock; never raises): delete
+        every value of this fingerprint on the server except those this store indexed
+        or is writing since the clear.  An outage has it run again once the server is
+        back."""
+        cursor = 0
+        try:
+            while True:
+                cursor, names = self._client.scan(cursor, match=self._prefix + "*", count=500)
+                if names:
+                    with self._cond:
+                        keep = {record_key(self._fp, r.meta) for _, r in self._lru.items()}
+                        keep.update(record_key(self._fp, held.meta) for held in self._writing.values())
+                    gone = [name for name in names if name.decode() not in keep]
+                    if gone:
+                        self._client.delete(*gone)
+                if cursor == 0:
+                    return
+        except self._errors as exc:
+            with self._cond:
+                self._outage(exc)
+                if not self._closed:
+                    self._wipe = True
+        except Exception as exc:  # noqa: BLE001 - refused, or a client bug
+            _log.warning("KV block store: Redis refused the scan or delete of a clear (%s)", exc)
 
     def _retry_deletes(self, names: list[str]) -> None:
         """Under the lock: have the writer delete ``names`` again later."""

@@ -30,7 +30,7 @@ from promptsplice.engine_adapters.store._store import (
 )
 from promptsplice.errors import ConfigError
 
-from .test_store import HIT_DISK, HIT_DRAM, MISS, P, SALT, kv, make_refs, put_all
+from .test_store import HIT_DISK, HIT_DRAM, MISS, P, SALT, kv, make_refs, put_all, rec_size
 
 FP_TEXT = "smollm2/bf16/block16/test"
 FP = content_digest(FP_TEXT.encode())
@@ -313,7 +313,7 @@ def _psk_keys(url: str) -> list[bytes]:
 def _writer_idle(store: BlockStore) -> bool:
     tier = remote(store)
     with tier._cond:
-        return tier._writer is None and not tier._deletes
+        return tier._writer is None and not tier._deletes and not tier._wipe
 
 
 @pytest.mark.reliability
@@ -404,6 +404,33 @@ def test_a_clear_while_the_server_is_stopped_holds_once_it_answers(redis_server,
         assert wait_for(lambda: _psk_keys(redis_url) == [] and _writer_idle(a), timeout=5.0)
         assert remote(a).wait_synced(5.0)
         assert a.stats().remote_blocks == 0 and [status for status in (a.get(r, salt=SALT).status for r in refs)] == [MISS] * 5
+
+
+@pytest.mark.reliability
+def test_a_clear_removes_values_its_index_never_held(redis_url):
+    """The index is bounded (``remote_bytes``) and fills from announcements: a clear
+    deleted only the indexed names, so values of this model that another engine wrote
+    (or that did not fit the index) stayed on the server, and every engine's next
+    rescan served them again.  Blocks stored after the clear are kept."""
+    refs = make_refs(6)
+    with open_store(redis_url, remote_bytes=2 * max(map(rec_size, refs)) + 8) as a, open_store(redis_url, dram_blocks=8) as b:
+        assert remote(a).wait_synced(5.0) and remote(b).wait_synced(5.0)
+        put_all(b, refs)
+        b.drain()
+        assert wait_for(lambda: a.stats().remote_blocks == 2)  # its index holds 2 of the 6
+        assert len(_psk_keys(redis_url)) == 6
+        a.clear()
+        assert wait_for(lambda: _writer_idle(a))
+        assert _psk_keys(redis_url) == []
+        late = make_refs(1, start=9000)[0]
+        a.put(late, kv(3), salt=SALT)
+        a.drain()
+        a.clear()  # a second clear removes the later block too, and nothing else is left
+        assert wait_for(lambda: _writer_idle(a))
+        assert _psk_keys(redis_url) == []
+    with open_store(redis_url) as c:  # a restart's rescan finds nothing to serve
+        assert remote(c).wait_synced(5.0)
+        assert c.match_prefix(refs, salt=SALT) == 0 and c.stats().remote_blocks == 0
 
 
 def test_the_write_behind_bound_holds_for_a_batch_planned_at_once(redis_server, redis_url):
