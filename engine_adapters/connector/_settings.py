@@ -29,6 +29,7 @@ __all__ = [
     "CONNECTOR_CLASS",
     "CONNECTOR_MODULE",
     "ConnectorSettings",
+    "check_single_worker",
     "connector_backend",
     "connector_settings",
     "kv_transfer_config",
@@ -115,6 +116,23 @@ class ConnectorSettings:
     why_no_relocation: str = ""
 
 
+def check_single_worker(parallel: Any) -> None:
+    """The connector serves an engine of one worker: one store per engine, keyed by
+    chain hashes that do not name a rank, with the whole layer stack and every KV head
+    in each record.  Tensor or pipeline parallelism would have each rank file its own
+    slice of a block under the same key (and the shared tier hand one rank's heads to
+    another), so it is refused; data parallelism (separate engines) is not affected."""
+    sizes = {name: getattr(parallel, name, 1) for name in ("tensor_parallel_size", "pipeline_parallel_size")}
+    many = {name: size for name, size in sizes.items() if size != 1}
+    if many:
+        shown = ", ".join(f"{name}={size}" for name, size in many.items())
+        raise ConfigError(
+            f"SpliceConnector: {shown}: the connector runs with one worker per engine (its "
+            "block keys do not name a rank); run one engine per GPU (tensor_parallel_size=1, "
+            "pipeline_parallel_size=1) behind PrefixRouter or a gateway, or run without kv_store"
+        )
+
+
 def connector_backend(device_type: str, backend: str | None) -> str:
     """The attention backend the connector serves on platform ``device_type`` (vLLM's
     ``current_platform.device_type``) with the configured ``backend`` (``None`` or
@@ -149,6 +167,7 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     from promptsplice.engine_adapters._vllm import cpu_attn_isa, import_vllm_platform
     from promptsplice.kernels import VERIFIED_CPU_ATTN_ISAS, RopeConfig
 
+    check_single_worker(vllm_config.parallel_config)
     platform = import_vllm_platform()
     attention = getattr(vllm_config, "attention_config", None)
     backend = connector_backend(platform.device_type, getattr(attention, "backend", None))

@@ -10,7 +10,12 @@ import torch
 
 from promptsplice.engine_adapters import BlockStore, StoreConfig, chain_refs
 from promptsplice.engine_adapters.connector._scheduler import LoadItem, SaveItem, SpliceMetadata
-from promptsplice.engine_adapters.connector._settings import CONNECTOR_BACKENDS, connector_backend
+from promptsplice.engine_adapters.connector._settings import (
+    CONNECTOR_BACKENDS,
+    check_single_worker,
+    connector_backend,
+    connector_settings,
+)
 from promptsplice.engine_adapters.connector._worker import SpliceWorker, _DeviceIO
 from promptsplice.errors import ConfigError
 from promptsplice.kernels import RopeConfig, rotate_keys
@@ -137,6 +142,21 @@ def test_the_connector_reads_these_backends_and_refuses_others_by_name():
     with pytest.raises(ConfigError, match="platform 'rocm'"):
         connector_backend("rocm", None)
     assert set(CONNECTOR_BACKENDS) == {"cpu", "cuda"}
+
+
+def test_tensor_or_pipeline_parallel_engines_are_refused_naming_the_setting():
+    """Each rank would file its slice of a block under the same chain key (and the
+    shared tier hand one rank's heads to another): refused before anything is opened."""
+    from types import SimpleNamespace
+
+    check_single_worker(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=4))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2: the connector runs with one worker"):
+        check_single_worker(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2, pipeline_parallel_size=2"):
+        check_single_worker(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2))
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=4"):
+        connector_settings(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                                           pipeline_parallel_size=4)))
 
 
 def test_a_worker_for_another_backend_is_refused_by_name(store):
