@@ -45,7 +45,7 @@ from difflib import SequenceMatcher
 from typing import Any, NamedTuple
 
 from promptsplice.assembler._render_types import Render
-from promptsplice.errors import DirectiveError
+from promptsplice.errors import DirectiveError, InputError
 
 __all__ = [
     "DiffKind",
@@ -216,8 +216,11 @@ def apply_directives(tokens: Sequence[int], directives: Sequence[Any]) -> list[i
     order (starts must strictly increase) or overlapping (a span starting before the
     previous one ends; two directives at one position count as overlapping); a
     malformed directive (not such a pair, bounds that are not ints, a replacement that
-    is not a list or tuple of ints >= 0) counts as out of range.
+    is not a list or tuple of ints >= 0) counts as out of range.  ``tokens`` that are
+    not a list or tuple of token ids: :class:`~promptsplice.errors.InputError`.
     """
+    if not _token_list(tokens):
+        raise InputError(f"tokens must be a list or tuple of token ids (ints >= 0), got {type(tokens).__name__}")
     n = len(tokens)
     out: list[int] = []
     pos = 0

@@ -185,12 +185,18 @@ class RemoteEngine(ServedEngineSurface):
         root = base_url.strip().rstrip("/")
         if root.endswith("/v1"):
             root = root[: -len("/v1")]
+        try:  # what httpx refuses at the first request (control characters, a bad host name)
+            httpx.URL(root + "/v1/models").host.encode("idna")
+        except (httpx.InvalidURL, UnicodeError, ValueError) as exc:
+            raise ConfigError(f"base_url {base_url!r} is not a URL httpx can send to ({exc})") from None
         self.base_url = root
         self._host = (parts.hostname or "").lower()
         check_int(max_retries, "max_retries", minimum=0)
         check_number(backoff, "backoff")
         check_text(model, "model", optional=True, error=ConfigError)
         check_text(api_key, "api_key", optional=True, error=ConfigError)
+        if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
+            raise ConfigError("api_key must be printable ASCII (it is sent in the Authorization header)")
         if send_token_ids != "auto" and not isinstance(send_token_ids, bool):
             raise ConfigError(f"send_token_ids must be 'auto', True or False, got {send_token_ids!r}")
         if isinstance(timeout, bool):

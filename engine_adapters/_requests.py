@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from promptsplice.assembler import AssembledPrompt, PrefixCacheMirror
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
-from promptsplice._validate import check_int, check_number, check_salt
+from promptsplice._validate import check_int, check_number, check_salt, check_stop
 from promptsplice.errors import ConfigError, ContextLengthError, InputError
 
 __all__ = [
@@ -251,11 +251,7 @@ def check_sampling(
     """The sampling options, checked: keyword arguments for ``_vllm.make_sampling_params``."""
     check_int(max_tokens, "max_tokens")
     check_number(temperature, "temperature")
-    stops = None
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        if not all(isinstance(s, str) and s for s in stops):
-            raise ConfigError(f"stop must be a str or a list of non-empty str, got {stop!r}")
+    stops = check_stop(stop)
     check_logprobs(logprobs)
     return {"max_tokens": max_tokens, "temperature": float(temperature), "stop": stops, "logprobs": logprobs}
 

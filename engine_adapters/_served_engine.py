@@ -66,7 +66,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice._validate import check_int, salt_tenant
+from promptsplice._validate import check_int, check_stop, salt_tenant
 from promptsplice.assembler import (
     DEFAULT_CAPACITY_BLOCKS,
     Assembler,
@@ -94,6 +94,7 @@ from promptsplice.engine_adapters._wire import (
     completion_from_json,
     model_from_list,
     parse_json,
+    snippet,
 )
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
 from promptsplice.engine_adapters.connector._served import MAX_QUERY_TOKENS, PROBE_KEY, QUERY_REASON, SpliceAck, query_params
@@ -251,8 +252,8 @@ class ServedEngineSurface:
         out = self._run(self._attempts(Call("POST", url, req)))  # type: ignore[attr-defined]
         server = parse_json(out, url).get("tokens")
         mine = list(tok.encode(TOKENIZER_PROBE_TEXT))
-        if not isinstance(server, list):
-            raise EngineResponseError(f"{url} answered no token list")
+        if not isinstance(server, list) or not all(type(t) is int for t in server):
+            raise EngineResponseError(f"{url} answered no token list: {snippet(out.content)!r}")
         if [int(t) for t in server] != mine:
             raise ConfigError(
                 f"the tokenizer {getattr(tok, 'name', type(tok).__name__)!r} splits the probe text into "
@@ -294,9 +295,7 @@ class ServedEngineSurface:
             prompt_cache_key=None, stream=stream, splice=splice,
         )
         if stop is not None:
-            stops = [stop] if isinstance(stop, str) else list(stop)
-            if not all(isinstance(s, str) and s for s in stops):
-                raise ConfigError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+            stops = check_stop(stop)
             if stops:
                 req.body["stop"] = stops
         req.body["return_token_ids"] = True

@@ -33,7 +33,23 @@ MAX_RETRY_AFTER_S = 60.0
 """A server's ``Retry-After`` is honoured up to this many seconds."""
 _SNIPPET = 200
 _CONTEXT_RE = re.compile(
-    r"maximum context length|context length|max_model_len|too long|context window",
+    r"maximum context length|context length|max_model_len|maximum model length|context window"
+    r"|(?:prompt|input|request|sequence) (?:\(length \d+\) )?is (?:too long|longer than)",
+    re.IGNORECASE,
+)
+# The sizes in OpenAI's, vLLM's and SGLang's wordings ("maximum context length is
+# 8192 tokens", "longer than the maximum model length of 8192", "context length (8192
+# tokens)"; "contains 9000 input tokens", "(length 9000)", "(9000 in the messages",
+# "input (9000 tokens)").  The limit is -1 and the prompt the request's own length when
+# the message names none: never a number taken from elsewhere in the text.
+_LIMIT_RE = re.compile(
+    r"context length is (\d+)|context length \((\d+)|maximum model length of (\d+)"
+    r"|max_model_len\D{0,4}(\d+)|context window (?:of|is) (\d+)",
+    re.IGNORECASE,
+)
+_PROMPT_LEN_RE = re.compile(
+    r"contains (?:at least )?(\d+) (?:input |prompt )?tokens|\(length (\d+)\)|\((\d+) in the messages"
+    r"|input \((\d+) tokens\)|prompt (?:has|is) (\d+) tokens|(\d+) prompt tokens",
     re.IGNORECASE,
 )
 
@@ -133,7 +149,7 @@ def server_message(response: httpx.Response) -> str:
     """The error message a server put in its body (OpenAI / vLLM / SGLang shapes)."""
     try:
         data = response.json()
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return snippet(response.content) or response.reason_phrase
     if isinstance(data, Mapping):
         err = data.get("error")
@@ -254,20 +270,27 @@ class Accumulator:
             return added
         try:
             chunk = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise EngineResponseError(
                 f"malformed stream chunk from {url}: {snippet(data)!r}"
             ) from exc
         if not isinstance(chunk, Mapping):
             raise EngineResponseError(f"malformed stream chunk from {url}: {snippet(data)!r}")
-        if isinstance(chunk.get("error"), Mapping):
+        err = chunk.get("error")
+        if err is not None or chunk.get("object") == "error":
+            # vLLM's shapes: {"error": {...}} (now), {"object": "error", "message": ...}
+            # (older), or an error string; never a partial answer passed off as complete.
+            message = err.get("message") if isinstance(err, Mapping) else err if isinstance(err, str) else None
             raise EngineRequestError(
-                f"{url} failed mid-stream: {chunk['error'].get('message', snippet(data))}"
+                f"{url} failed mid-stream: {message or chunk.get('message') or snippet(data)}"
             )
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         self.request_id = self.request_id or str(chunk.get("id") or "")
-        for choice in chunk.get("choices") or ():
+        choices = chunk.get("choices")
+        if choices is not None and not isinstance(choices, list):
+            raise EngineResponseError(f"malformed stream chunk from {url} (choices is not a list): {snippet(data)!r}")
+        for choice in choices or ():
             if not isinstance(choice, Mapping):
                 continue
             if self.chat:
@@ -317,11 +340,11 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
     :class:`EngineRequestError` with the server's message."""
     message = server_message(response)
     if response.status_code == 400 and _CONTEXT_RE.search(message):
-        nums = [int(n) for n in re.findall(r"\d+", message)]
-        m = re.search(r"context length is (\d+)", message)
-        limit = int(m.group(1)) if m else (nums[0] if nums else -1)
-        m = re.search(r"(\d+) (?:input|prompt) tokens", message)
-        prompt_len = int(m.group(1)) if m else (req.prompt_len if req and req.prompt_len else -1)
+        m = _LIMIT_RE.search(message)
+        limit = int(next(g for g in m.groups() if g is not None)) if m else -1
+        m = _PROMPT_LEN_RE.search(message)
+        prompt_len = (int(next(g for g in m.groups() if g is not None)) if m
+                      else (req.prompt_len if req and req.prompt_len else -1))
         return ContextLengthError(
             f"{url} refused the prompt as too long: {message}",
             prompt_tokens=prompt_len,
@@ -334,7 +357,7 @@ def parse_json(response: httpx.Response, url: str) -> Mapping[str, Any]:
     """The response's JSON object, else :class:`EngineResponseError` with a snippet."""
     try:
         data = response.json()
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise EngineResponseError(
             f"{url} answered HTTP {response.status_code} with a body that is not JSON: "
             f"{snippet(response.content)!r}"
@@ -402,6 +425,8 @@ def token_logprobs(choice: Mapping[str, Any], url: str) -> list[dict[int, float]
                     f"{url} keyed logprobs by text ({key!r:.40}), not token id: a vLLM without "
                     "return_tokens_as_token_ids?"
                 )
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise EngineResponseError(f"{url} answered a logprob that is not a number: {value!r:.40}")
             row[int(key[len(_TOKEN_ID_PREFIX):])] = float(value)
         out.append(row)
     return out
@@ -440,4 +465,4 @@ def counters_from(response: httpx.Response) -> ServerCounters:
         "vllm:external_prefix_cache_hits_total",
     )
     values = parse_prometheus_counters(response.text, names)
-    return ServerCounters(*(None if values.get(n) is None else int(values[n]) for n in names))
+    return ServerCounters(*(_int_or_none(values.get(n)) for n in names))

@@ -44,6 +44,7 @@ __all__ = [
     "check_optional_int",
     "check_number",
     "check_bool",
+    "check_stop",
     "check_enum",
     "check_salt",
     "check_text",
@@ -108,6 +109,17 @@ def check_bool(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{what} must be True or False, got {value!r}")
     return value
+
+
+def check_stop(stop: Any) -> list[str] | None:
+    """Stop strings: ``None``, a non-empty str, or a list/tuple of them (else
+    :class:`ConfigError`; a dict or a set would be taken by its keys or in no order)."""
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, list | tuple) else None
+    if stops is None or not all(isinstance(s, str) and s for s in stops):
+        raise ConfigError(f"stop must be a non-empty str or a list of non-empty str, got {stop!r}")
+    return stops
 
 
 def check_enum(value: Any, enum_cls: type[_E], what: str, *, error: type[ConfigError] = ConfigError) -> _E:

@@ -56,8 +56,17 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils import from_env, secret_from_env
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationError
 
+from promptsplice._validate import (
+    check_bool,
+    check_int,
+    check_number,
+    check_optional_int,
+    check_stop,
+    check_tenant_salt,
+    check_text,
+)
 from promptsplice.assembler import ChatRenderer, ContextHook, PreparedContext, StepKind
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_convert import (
@@ -158,6 +167,28 @@ class PromptspliceChatModel(BaseChatModel):
     timeout: float | None = None
     max_retries: int | None = None
     api_key: SecretStr | None = Field(default_factory=secret_from_env("PROMPTSPLICE_API_KEY", default=None))
+
+    def __init__(self, **data: Any) -> None:
+        """Options are checked as the engine checks them, and pydantic's errors become
+        :class:`ConfigError` (lax pydantic took ``max_tokens=True`` as 1, ``"3"`` as 3,
+        and a NaN temperature, and left an invalid salt to the first call)."""
+        checks = {
+            "max_tokens": lambda v: check_int(v, "max_tokens"),
+            "temperature": lambda v: check_number(v, "temperature"),
+            "stop": check_stop,
+            "streaming": lambda v: check_bool(v, "streaming"),
+            "cache_salt": lambda v: check_tenant_salt(v, "cache_salt"),
+            "session_id": lambda v: check_text(v, "session_id", optional=True, error=ConfigError),
+            "timeout": lambda v: v if v is None else check_number(v, "timeout", strict=True),
+            "max_retries": lambda v: check_optional_int(v, "max_retries", minimum=0),
+        }
+        for name, check in checks.items():
+            if name in data:
+                data[name] = check(data[name])
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"PromptspliceChatModel: invalid options: {exc}") from exc
 
     _renderer: ChatRenderer | None = PrivateAttr(default=None)
     _renderer_key: Any = PrivateAttr(default=None)

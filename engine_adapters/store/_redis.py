@@ -92,6 +92,9 @@ def check_redis_url(url: object) -> str | None:
         return f"must start with redis:// (got scheme {parts.scheme or 'none'!r})"
     if not parts.hostname:
         return "names no host (e.g. redis://127.0.0.1:6379/0)"
+    if parts.path not in ("", "/") and not (parts.path[1:].isdigit() and parts.path[1:].isascii()):
+        # the client reads /abc as database 0 and /1/2 as database 12, silently
+        return f"names database {parts.path[1:]!r}: the path is a database number (e.g. redis://127.0.0.1:6379/0)"
     import redis
 
     try:  # the client's own reading of the URL and its options (no I/O)

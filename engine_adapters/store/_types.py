@@ -153,6 +153,24 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_SECONDS = 86_400.0
+"""The longest timeout or back-off a store accepts (a day): an infinite one turned a
+tier off for good (disk) or could not be set on a socket (Redis)."""
+
+
+def _check_seconds(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECONDS:
+        raise ConfigError(f"{what} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r}")
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """Budgets, folder and shared server of a :class:`BlockStore` (validated when built)."""
@@ -162,7 +180,10 @@ class StoreConfig:
     disk_bytes: int = 0
     """Bytes of record files kept on disk; 0: no disk tier."""
     disk_dir: str | None = None
-    """Folder of the record files (created if missing); required when ``disk_bytes > 0``."""
+    """Folder of the record files (created if missing); required when ``disk_bytes > 0``.
+    A folder the process cannot use (no permission, a full or read-only disk) turns the
+    disk tier off with one warning: the store serves from DRAM, ``disk_writable`` is
+    false in its stats."""
     fingerprint: str = ""
     """The model and KV layout that write the blocks (e.g. model, dtype, block size,
     cache layout); records of another fingerprint are not served."""
@@ -207,16 +228,21 @@ class StoreConfig:
                 path = os.fspath(self.disk_dir)
             except TypeError:
                 path = None
-            if not isinstance(path, str) or not path:
+            if not isinstance(path, str) or not path or "\x00" in path:
                 raise ConfigError(f"disk_dir must be a folder path or None, got {self.disk_dir!r}")
-            object.__setattr__(self, "disk_dir", os.path.abspath(os.path.expanduser(path)))
+            path = os.path.abspath(os.path.expanduser(path))
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ConfigError(f"disk_dir {path!r} exists and is not a folder: pass a folder (created if missing)")
+            object.__setattr__(self, "disk_dir", path)
         if self.disk_bytes > 0 and self.disk_dir is None:
             raise ConfigError(
                 "disk_bytes > 0 needs disk_dir: pass the folder for the block files, "
                 "or disk_bytes=0 to keep blocks in DRAM only"
             )
-        if not isinstance(self.fingerprint, str):
-            raise ConfigError(f"fingerprint must be a str (model and KV layout), got {self.fingerprint!r}")
+        if not isinstance(self.fingerprint, str) or not _encodes(self.fingerprint):
+            raise ConfigError(
+                f"fingerprint must be a str without lone surrogates (model and KV layout), got {self.fingerprint!r}"
+            )
         if not isinstance(self.fsync, bool):
             raise ConfigError(f"fsync must be True or False, got {self.fsync!r}")
         if not _is_int(self.write_behind_bytes) or self.write_behind_bytes < 0:
@@ -224,9 +250,7 @@ class StoreConfig:
                 f"write_behind_bytes must be an int >= 0 (0 writes records in the calling "
                 f"thread), got {self.write_behind_bytes!r}"
             )
-        retry = self.disk_retry_s
-        if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not retry >= 0:
-            raise ConfigError(f"disk_retry_s must be a number of seconds >= 0, got {retry!r}")
+        _check_seconds(self.disk_retry_s, "disk_retry_s")
         self._validate_remote()
 
     def _validate_remote(self) -> None:
@@ -250,9 +274,7 @@ class StoreConfig:
                 "e.g. its maxmemory), or drop remote_url"
             )
         for name in ("remote_timeout_s", "remote_retry_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+            _check_seconds(getattr(self, name), name)
         if not self.remote_timeout_s > 0:
             raise ConfigError(f"remote_timeout_s must be > 0 seconds (e.g. 0.2), got {self.remote_timeout_s!r}")
         if not self.remote_retry_s > 0:  # 0: a failing server retried (and logged) in a tight loop

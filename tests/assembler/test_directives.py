@@ -155,6 +155,9 @@ def test_apply_directives_validates_spans():
             apply_directives(toks, directives)
         assert (info.value.problem, info.value.index) == (problem, index)
         assert isinstance(info.value, InputError) and isinstance(info.value, ValueError)
+    for tokens in (None, "abc", [1, None], [True]):  # a raw TypeError from len() or a silent splice
+        with pytest.raises(InputError, match="tokens must be a list or tuple of token ids"):
+            apply_directives(tokens, [])
 
 
 def test_apply_diff_checks_the_old_render(renderer):

@@ -604,3 +604,99 @@ def test_one_engine_serves_event_loops_in_several_threads_with_one_client_each()
     for t in threads:
         t.join()
     assert errors == [] and len(eng._aclients) <= 3
+
+
+def _sse(*chunks: str) -> bytes:
+    return b"".join(f"data: {c}\n\n".encode() for c in chunks)
+
+
+@pytest.mark.parametrize(
+    "error_chunk",
+    [
+        '{"error": {"message": "engine died", "code": 500}}',  # vLLM today
+        '{"object": "error", "message": "engine died", "code": 500}',  # older vLLM, SGLang
+        '{"error": "engine died"}',
+    ],
+)
+def test_an_error_mid_stream_in_any_shape_is_an_error_never_a_short_answer(error_chunk):
+    """Only ``{"error": {...}}`` was read as an error: the other shapes were skipped,
+    ``[DONE]`` ended the stream and the partial text came back as a success."""
+    body = _sse('{"choices": [{"text": "The answer is", "finish_reason": null}]}', error_chunk, "[DONE]")
+    eng = _mock(lambda r: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"}))
+    with pytest.raises(EngineRequestError, match="failed mid-stream: engine died"):
+        eng.complete([1, 2, 3], max_tokens=8, stream=True)
+    with pytest.raises(EngineRequestError, match="failed mid-stream: engine died"):
+        asyncio.run(eng.acomplete([1, 2, 3], max_tokens=8, stream=True))
+
+
+@pytest.mark.parametrize(
+    ("message", "prompt_tokens", "limit"),
+    [
+        # vLLM 0.32, vllm/v1/engine/input_processor.py
+        ("The decoder prompt (length 9000) is longer than the maximum model length of 8192. "
+         "Make sure that `max_model_len` is no smaller than the number of text tokens.", 9000, 8192),
+        # vLLM 0.32, vllm/renderers/params.py
+        ("This model's maximum context length is 8192 tokens. However, your prompt contains 9000 "
+         "input tokens, which exceeds this limit even without any output tokens.", 9000, 8192),
+        ("This model's maximum context length is 2048 tokens. However, your prompt contains 9000 "
+         "characters (more than 8000 characters, which is the upper bound for 2000 input tokens).", 3, 2048),
+        # OpenAI
+        ("This model's maximum context length is 8192 tokens. However, you requested 9500 tokens "
+         "(9000 in the messages, 500 in the completion).", 9000, 8192),
+        # SGLang
+        ("The input (9000 tokens) is longer than the model's context length (8192 tokens).", 9000, 8192),
+    ],
+)
+def test_a_too_long_prompt_reports_the_sizes_the_message_names(message, prompt_tokens, limit):
+    """vLLM's decoder-prompt wording was read as limit 9000 (the first number)."""
+    eng = _mock(lambda r: httpx.Response(400, json={"error": {"message": message, "code": 400}}))
+    with pytest.raises(ContextLengthError) as info:
+        eng.complete([1, 2, 3], max_tokens=1)
+    assert (info.value.prompt_tokens, info.value.max_tokens) == (prompt_tokens, limit)
+
+
+def test_a_400_that_is_not_about_length_stays_a_request_error():
+    """``too long`` anywhere in a 400 made it a ContextLengthError with a made-up limit."""
+    eng = _mock(lambda r: httpx.Response(400, json={"error": {"message": "stop sequence too long (max 4)"}}))
+    with pytest.raises(EngineRequestError, match="stop sequence too long") as info:
+        eng.complete([1, 2, 3], max_tokens=1)
+    assert not isinstance(info.value, ContextLengthError)
+
+
+def test_replies_nested_too_deep_or_of_the_wrong_types_are_response_errors():
+    """RecursionError, TypeError and ValueError escaped from the parsers."""
+    deep = "[" * 100_000 + "]" * 100_000
+    headers = {"content-type": "application/json"}
+    for status in (200, 400):
+        eng = _mock(lambda r, s=status: httpx.Response(s, content=deep.encode(), headers=headers))
+        with pytest.raises(EngineRequestError if status == 400 else EngineResponseError):
+            eng.complete([1], max_tokens=1)
+    sse = {"content-type": "text/event-stream"}
+    for chunk in (deep, '{"choices": 5}', '{"choices": "abc"}'):
+        eng = _mock(lambda r, c=chunk: httpx.Response(200, content=_sse(c, "[DONE]"), headers=sse))
+        with pytest.raises(EngineResponseError, match="malformed stream chunk"):
+            eng.complete([1], max_tokens=1, stream=True)
+    top = {"choices": [{"text": "x", "finish_reason": "stop", "logprobs": {"top_logprobs": [{"token_id:5": None}]}}]}
+    eng = _mock(lambda r: httpx.Response(200, json=top))
+    with pytest.raises(EngineResponseError, match="logprob that is not a number"):
+        eng.generate([1, 2], max_tokens=1, logprobs=1)
+
+
+def test_constructor_refuses_what_httpx_could_not_send():
+    """An api_key outside ASCII or a URL with a control character or an empty host
+    label failed at the first request with UnicodeEncodeError / httpx.InvalidURL."""
+    with pytest.raises(ConfigError, match="api_key must be printable ASCII"):
+        RemoteEngine("http://127.0.0.1:8000", model="m", api_key="clé")
+    with pytest.raises(ConfigError, match="api_key must be printable ASCII"):
+        RemoteEngine("http://127.0.0.1:8000", model="m", api_key="a\nb")
+    for url in ("http://127.0.0.1:8000/\x00", "http://a..b/"):
+        with pytest.raises(ConfigError, match="not a URL httpx can send to"):
+            RemoteEngine(url, model="m")
+
+
+@pytest.mark.parametrize("stop", [5, {"a": 1}, {"x"}, [""], ["ok", None]])
+def test_stop_must_be_a_string_or_a_list_of_strings(stop):
+    """A dict was sent by its keys, an int raised a raw TypeError."""
+    eng = _mock(lambda r: httpx.Response(200, json=_ok_body()))
+    with pytest.raises(ConfigError, match="stop must be a non-empty str or a list"):
+        eng.generate([1, 2], max_tokens=1, stop=stop)

@@ -19,7 +19,7 @@ from promptsplice.engine_adapters.integrations._langchain_chat import (  # noqa:
     parse_tool_calls,
     set_default_engine,
 )
-from promptsplice.errors import ConfigError, ContextLengthError  # noqa: E402
+from promptsplice.errors import ConfigError, ContextLengthError, InvalidSaltError  # noqa: E402
 from promptsplice.engine_adapters.integrations._langchain_convert import lc_messages_to_openai  # noqa: E402
 
 
@@ -235,3 +235,26 @@ def test_a_failed_tool_call_keeps_its_status_when_messages_expand():
     out = lc_messages_to_openai(msgs)
     assert [d.get("tool_call_id") for d in out if d.get("status") == "error"] == ["t2"]
     assert all(d["role"] == "tool" for d in out if d.get("status") == "error")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_tokens": "abc"}, ConfigError, "max_tokens must be an int >= 1"),
+        ({"max_tokens": True}, ConfigError, "max_tokens must be an int >= 1"),  # lax pydantic: 1
+        ({"max_tokens": -3}, ConfigError, "max_tokens must be an int >= 1"),
+        ({"temperature": float("nan")}, ConfigError, "temperature must be a number"),
+        ({"streaming": "yes"}, ConfigError, "streaming must be True or False"),
+        ({"stop": 5}, ConfigError, "stop must be a non-empty str"),
+        ({"cache_salt": ""}, InvalidSaltError, "empty str"),
+        ({"cache_salt": "a\x1fpic"}, InvalidSaltError, "U\\+001F"),
+        ({"max_retries": -1}, ConfigError, "max_retries must be an int >= 0"),
+        ({"model": 5}, ConfigError, "invalid options"),  # pydantic's own error, translated
+    ],
+)
+def test_options_are_checked_when_the_model_is_built(kwargs, error, message):
+    """Pydantic's ValidationError escaped raw, and lax coercion kept max_tokens=True (1),
+    a NaN temperature and an empty salt until the first call."""
+    with pytest.raises(error, match=message):
+        PromptspliceChatModel(**kwargs)
+    assert PromptspliceChatModel(stop="END").stop == ["END"]

@@ -123,6 +123,20 @@ def test_sizes_the_tests_rely_on():
         ({"dram_bytes": 10, "fingerprint": 3}, "fingerprint must be a str"),
         ({"dram_bytes": 10, "fsync": 1}, "fsync must be True or False"),
         ({"dram_bytes": 10, "disk_retry_s": -1}, "disk_retry_s must be a number"),
+        # an infinite back-off turned the disk tier off for good after one failed write;
+        # an infinite Redis timeout raised OverflowError in every call (never an outage)
+        ({"dram_bytes": 10, "disk_retry_s": float("inf")}, "disk_retry_s must be a number of seconds from 0 to 86400"),
+        ({"dram_bytes": 10, "remote_bytes": 1, "remote_url": "redis://h:1", "remote_timeout_s": float("inf")},
+         "remote_timeout_s must be a number of seconds from 0 to 86400"),
+        ({"dram_bytes": 10, "remote_bytes": 1, "remote_url": "redis://h:1", "remote_retry_s": 1e300},
+         "remote_retry_s must be a number of seconds"),
+        # raw UnicodeEncodeError / ValueError when the store opened
+        ({"dram_bytes": 10, "fingerprint": "model\udc80"}, "fingerprint must be a str without lone surrogates"),
+        ({"dram_bytes": 10, "disk_bytes": 100, "disk_dir": "/tmp/a\x00b"}, "disk_dir must be a folder path"),
+        ({"dram_bytes": 10, "disk_bytes": 100, "disk_dir": __file__}, "exists and is not a folder"),
+        # the client read /abc as database 0 and /1/2 as database 12
+        ({"dram_bytes": 10, "remote_bytes": 1, "remote_url": "redis://h:1/abc"}, "remote_url names database 'abc'"),
+        ({"dram_bytes": 10, "remote_bytes": 1, "remote_url": "redis://h:1/1/2"}, "remote_url names database '1/2'"),
     ],
 )
 def test_config_errors_say_how_to_fix(kwargs, message):
