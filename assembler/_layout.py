@@ -189,6 +189,12 @@ class LayoutBuilder:
         # AUTO
         if not self.hitting:
             return False
+        if len(self._tail) + len(seg_tokens) < self.block_size:
+            # The segment does not complete the next block: whether the unpadded layout
+            # hits is decided by what follows, so this is no miss (counting it as a
+            # divergence made a boundary of an exact repeat a "branch point", padded
+            # from the third repeat on, which lost every cached block after it).
+            return False
         if self.probe(seg_tokens, False, limit=1) > 0:
             return False
         if self.probe(seg_tokens, True, limit=1) > 0:

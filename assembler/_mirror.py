@@ -149,20 +149,31 @@ class PrefixCacheMirror:
         """
         bs = self.block_size
         computed = num_tokens if num_computed_tokens is None else num_computed_tokens
+        unbounded = self.capacity_blocks is None
         with self._lock:
             pred = self._predict(hashes, num_tokens)
+            total = cdiv(max(computed, len(hashes) * bs), bs)
+            hit_slots = [self._cached[h][0] for h in hashes[: pred.cached_blocks]]
+            if not unbounded:  # refused before anything changes (the mirror stays usable)
+                free = len(self._free) - sum(slot in self._free for slot in hit_slots)
+                if total - pred.cached_blocks > free:
+                    raise ConfigError(
+                        f"a request needs more than the mirror's {self.capacity_blocks} blocks; "
+                        "raise capacity_blocks (the engine would refuse this request too)"
+                    )
             if record:
                 self.queries_tokens += num_tokens
                 self.hit_tokens += pred.cached_tokens
-            total = cdiv(max(computed, len(hashes) * bs), bs)
             slots: list[int] = []
-            for h in hashes[: pred.cached_blocks]:
-                slot = self._cached[h][0]
+            for slot in hit_slots:
                 self._free.pop(slot, None)  # in use while the request runs
                 slots.append(slot)
             for i in range(pred.cached_blocks, total):
                 slot = self._allocate()
-                if i < len(hashes):
+                # A block computed again (past the hit limit or min_hit_tokens) is a
+                # second copy, as in vLLM's pool; unbounded, where nothing is evicted,
+                # one copy answers every query, so the slot goes back as a spare.
+                if i < len(hashes) and not (unbounded and hashes[i] in self._cached):
                     self._cached.setdefault(hashes[i], []).append(slot)
                     self._slot_hash[slot] = hashes[i]
                 slots.append(slot)

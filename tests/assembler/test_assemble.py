@@ -179,6 +179,25 @@ def test_auto_keeps_an_unpadded_layout_that_is_cached(make_assembler):
     assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
 
 
+@pytest.mark.parametrize("policy", ["retrieval", "stable", "cache_aware"])
+def test_auto_never_pads_an_exact_repeat_before_a_segment_too_short_for_a_block(default_tok, policy):
+    """A segment that cannot complete the next block probed as 0 cached blocks, which
+    ``auto`` took for a miss and recorded as a divergence: from the 4th identical
+    request on it padded there (81 -> 95 tokens) and predicted 48 cached tokens, not 80."""
+    asm = Assembler(default_tok, block_size=16, alignment="auto", policy=policy)
+    none = Assembler(default_tok, block_size=16, alignment="none", policy=policy)
+    docs = [
+        {"text": "alpha beta gamma delta epsilon zeta eta theta iota kappa", "id": "long"},
+        {"text": "mu nu", "id": "short"},
+        {"text": " ".join(["omicron pi rho sigma tau upsilon phi chi psi omega"] * 4), "id": "more"},
+    ]
+    runs = [asm.assemble(docs, query="what is it?") for _ in range(6)]
+    base = [none.assemble(docs, query="what is it?") for _ in range(6)]
+    assert {tuple(r.token_ids) for r in runs} == {tuple(base[0].token_ids)}
+    assert [r.padding_tokens for r in runs] == [0] * 6
+    assert [r.predicted_cached_tokens for r in runs] == [b.predicted_cached_tokens for b in base] == [0] + [80] * 5
+
+
 def test_cache_aware_follows_the_cached_order(make_assembler):
     asm = make_assembler(policy="cache_aware", alignment="none")
     # Make lille the most popular so stable order would put it first.

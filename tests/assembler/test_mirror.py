@@ -134,6 +134,30 @@ def test_unbounded_mirror_is_the_set_of_all_seen_blocks(seq, bs):
     assert len(m) == len(seen)
 
 
+def test_a_refused_request_leaves_the_mirror_as_it_was():
+    """Slots were taken off the free queue before the refusal: the pool stayed full for
+    good and every later request, even a 2-block one, was refused."""
+    m = PrefixCacheMirror(4, capacity_blocks=8)
+    first = chain_hashes(list(range(12)), 4)
+    m.admit(first, 12)
+    with pytest.raises(ConfigError, match="more than the mirror's 8 blocks"):
+        m.admit(chain_hashes(list(range(100, 136)), 4), 36)  # 9 blocks
+    assert (len(m), m.queries_tokens, m.hit_tokens) == (3, 12, 0)
+    assert m.admit(first, 12).cached_blocks == 2  # the last token's block is computed again
+    assert m.admit(chain_hashes(list(range(200, 208)), 4), 8) == (0, 0, 2)
+
+
+def test_an_unbounded_mirror_keeps_one_slot_per_block_however_often_it_is_computed():
+    """Blocks computed again (under ``min_hit_tokens``, past the last-token limit) got a
+    new slot each time: 10,000 identical requests held 70,001 slots for 7 blocks."""
+    m = PrefixCacheMirror(16, min_hit_tokens=1024)
+    hashes = chain_hashes(list(range(7 * 16)), 16)
+    for _ in range(1000):
+        m.admit(hashes, 7 * 16)
+    assert len(m) == 7 and sum(map(len, m._cached.values())) == 7
+    assert len(m._slot_hash) <= 2 * 7
+
+
 def test_a_view_reads_the_owner_and_cannot_update_it():
     m = PrefixCacheMirror(4, 8)
     view = m.view()
