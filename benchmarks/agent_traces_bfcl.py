@@ -431,8 +431,8 @@ def generate_agent_trace(
     steps is below ``min_edit_share`` is rebuilt with a new draw of its policy mix and
     failures (up to 8 draws; the draw with the most edits is kept).
     """
-    if isinstance(num_sessions, bool) or not isinstance(num_sessions, int) or num_sessions < 0:
-        raise ConfigError(f"num_sessions must be an int >= 0, got {num_sessions!r}")
+    if isinstance(num_sessions, bool) or not isinstance(num_sessions, int) or num_sessions < 1:
+        raise ConfigError(f"num_sessions must be a positive int, got {num_sessions!r}")
     if not isinstance(max_tokens, int) or max_tokens < 1000:
         raise ConfigError(f"max_tokens must be an int >= 1000 (tool schemas alone take ~1k), got {max_tokens!r}")
     tasks = list(_bfcl_tasks())

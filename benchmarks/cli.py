@@ -10,7 +10,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from promptsplice.errors import PromptspliceError
 
@@ -68,7 +69,7 @@ def _cmd_bench_assemble(args: argparse.Namespace) -> int:
             traces=[args.trace] if args.trace else (),
             requests=args.requests,
             seed=args.seed,
-            block_sizes=[int(b) for b in args.block_sizes.split(",") if b.strip()],
+            block_sizes=args.block_sizes,
             tokenizer=args.tokenizer,
             alignment=args.alignment,
             trace_dir=args.trace_dir,
@@ -191,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the built-in RAG sample: naive vs promptsplice")
-    demo.add_argument("--requests", type=int, default=60, help="RAG requests in the sample (default: 60)")
-    demo.add_argument("--block-size", type=int, default=None,
+    demo.add_argument("--requests", type=_count(1), default=60, help="RAG requests in the sample (default: 60)")
+    demo.add_argument("--block-size", type=_count(1), default=None,
                       help="KV block size (default: the engine's, 16 without one)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the sample's generator (default: 0)")
     demo.add_argument("--no-engine", action="store_true",
@@ -215,14 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     asm = bsub.add_parser("assemble", help="assembly policies on a RAG trace (no engine)")
     asm.add_argument("--trace", default=None, help="RAG trace, JSONL (with --suite: one more family)")
     asm.add_argument("--json", required=True, help="where to write the JSON report")
-    asm.add_argument("--block-size", type=int, default=16, help="KV block size the prompts are aligned to (default: 16)")
+    asm.add_argument("--block-size", type=_count(1), default=16, help="KV block size the prompts are aligned to (default: 16)")
     asm.add_argument("--tokenizer", default="default",
                      help="'default' (SmolLM2), 'tiktoken:ENCODING' or a tokenizer.json path")
     asm.add_argument("--alignment", default="auto", help="auto | none | all")
-    asm.add_argument("--requests", type=int, default=None, help="only the first N requests")
+    asm.add_argument("--requests", type=_count(1), default=None, help="only the first N requests")
     asm.add_argument("--suite", action="store_true", help="every trace family; reports each and the worst")
     asm.add_argument("--families", default=None, help="--suite: comma-separated families (default: all)")
-    asm.add_argument("--block-sizes", default="16,32", help="--suite: comma-separated block sizes")
+    asm.add_argument("--block-sizes", type=_block_sizes, default=[16, 32], help="--suite: comma-separated block sizes")
     asm.add_argument("--seed", type=int, default=0, help="--suite: trace seed")
     asm.add_argument("--trace-dir", default=None, help="--suite: where the family traces are written")
     asm.set_defaults(func=_cmd_bench_assemble)
@@ -234,16 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--seed", type=int, default=0, help="--suite: trace seed")
     rag.add_argument("--trace-dir", default=None, help="--suite: where the family traces are written")
     rag.add_argument("--json", required=True, help="where to write the JSON report")
-    rag.add_argument("--requests", type=int, default=None, help="only the first N requests")
+    rag.add_argument("--requests", type=_count(1), default=None, help="only the first N requests")
     rag.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
     rag.add_argument("--alignment", default="auto", help="auto | none | all")
-    rag.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
-    rag.add_argument("--recompute-blocks", type=int, default=None,
+    rag.add_argument("--max-tokens", type=_count(1), default=8, help="tokens generated per request")
+    rag.add_argument("--recompute-blocks", type=_count(0), default=None,
                      help="promptsplice_pic: blocks recomputed at the start of each relocated chunk")
     rag.add_argument("--pic-exact-alignment", default="auto", choices=("auto", "all"),
                      help="promptsplice_pic: layout of the requests it sends exact (relocation would "
                           "not pay): auto (default) or all (whole-block chunks, indexed for later reuse)")
-    rag.add_argument("--fidelity-requests", type=int, default=32,
+    rag.add_argument("--fidelity-requests", type=_count(0), default=32,
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.add_argument("--allow-skips", action="store_true",
                      help="accept a run that skipped more than 5%% of the requests (prompts over max_model_len)")
@@ -254,26 +255,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")
     ttft.add_argument("--json", default=None, help="where to write the JSON report (default: print only)")
-    ttft.add_argument("--repeats", type=int, default=3, help="runs per prompt length; the median is reported")
+    ttft.add_argument("--repeats", type=_count(1), default=3, help="runs per prompt length; the median is reported")
     ttft.set_defaults(func=_cmd_bench_ttft)
 
     off = bsub.add_parser("offload", help="apc vs the tiered store after vLLM's pool evicted prefixes")
     off.add_argument("--json", required=True, help="where to write the JSON report")
-    off.add_argument("--prompts", type=int, default=8, help="distinct prompts visited round-robin (default: 8)")
-    off.add_argument("--rounds", type=int, default=4, help="visits of each prompt (default: 4)")
-    off.add_argument("--prompt-tokens", type=int, default=1024, help="tokens per prompt (default: 1024)")
+    off.add_argument("--prompts", type=_count(1), default=8, help="distinct prompts visited round-robin (default: 8)")
+    off.add_argument("--rounds", type=_count(1), default=4, help="visits of each prompt (default: 4)")
+    off.add_argument("--prompt-tokens", type=_count(1), default=1024, help="tokens per prompt (default: 1024)")
     off.set_defaults(func=_cmd_bench_offload)
 
     agent = bsub.add_parser("agent", help="agent sessions in modes full | apc | splice, with fidelity")
     agent.add_argument("--trace", required=True, help="agent trace, JSONL: {id, tools, renders}")
     agent.add_argument("--json", required=True, help="where to write the JSON report")
-    agent.add_argument("--recompute-blocks", type=int, default=None,
+    agent.add_argument("--recompute-blocks", type=_count(0), default=None,
                        help="blocks prefilled after each edit before relocation resumes (default: the runner's)")
-    agent.add_argument("--sessions", type=int, default=None, help="only the first N sessions")
-    agent.add_argument("--max-tokens", type=int, default=32, help="tokens generated per step")
-    agent.add_argument("--fidelity-steps", type=int, default=32,
+    agent.add_argument("--sessions", type=_count(1), default=None, help="only the first N sessions")
+    agent.add_argument("--max-tokens", type=_count(1), default=32, help="tokens generated per step")
+    agent.add_argument("--fidelity-steps", type=_count(0), default=32,
                        help="edit steps that relocate KV probed for fidelity (default: 32)")
-    agent.add_argument("--scope", default="session", help="session | none (spliced KV scope)")
+    agent.add_argument("--scope", default="session", choices=("session", "none"), help="session | none (spliced KV scope)")
     agent.add_argument("--allow-skips", action="store_true",
                        help="accept a run that skipped more than 5%% of the trace's steps (default: "
                             "exit 3 below coverage 0.95)")
@@ -285,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     gat = bsub.add_parser("gen-agent-trace",
                           help="write an agent trace: BFCL multi-turn tasks, or a coding agent on stdlib source")
     gat.add_argument("--out", required=True, help="where to write the trace, JSONL")
-    gat.add_argument("--sessions", type=int, default=24, help="sessions to generate (default: 24)")
+    gat.add_argument("--sessions", type=_count(1), default=24, help="sessions to generate (default: 24)")
     gat.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     gat.add_argument("--family", default="bfcl",
                      help="bfcl (multi-turn tool use) | coding (file reads, grep, test logs; masks, "
@@ -294,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = bsub.add_parser("gen-trace", help="write a RAG trace from real Wikipedia text")
     gen.add_argument("--out", required=True, help="where to write the trace, JSONL")
-    gen.add_argument("--requests", type=int, default=400, help="requests to generate (default: 400)")
+    gen.add_argument("--requests", type=_count(1), default=400, help="requests to generate (default: 400)")
     gen.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     gen.add_argument("--family", default="wiki",
                      help="wiki | wiki-diverse | support | pydocs | apidocs | tools (default: wiki)")
@@ -302,6 +303,45 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the wiki family's profile: repeat-heavy (default) | diverse")
     gen.set_defaults(func=_cmd_bench_gen_trace)
     return parser
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum`` (a bad value is a usage error, exit 2,
+    before anything runs: ``--requests 0`` ran nothing and passed, ``--sessions -1``
+    dropped the last session, ``--repeats 0`` ended in a traceback)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _block_sizes(text: str) -> list[int]:
+    """``--block-sizes 16,32``: each a KV block size."""
+    sizes = [part.strip() for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("names no block size (e.g. 16,32)")
+    return [_count(1)(size) for size in sizes]
+
+
+def _check_output(args: argparse.Namespace) -> None:
+    """The report's folder is made and must be writable before the bench runs (a bench
+    of tens of minutes lost its results to a bad --json path at the end)."""
+    json_out = getattr(args, "json", None)
+    if json_out is None:
+        return
+    path = Path(json_out)
+    if path.is_dir():
+        raise UsageError(f"--json {json_out}: is a folder; name the report's file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"--json {json_out}: its folder cannot be written to")
 
 
 def _version() -> str:
@@ -332,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         _check_trace(args)
+        _check_output(args)
         rc = int(args.func(args) or 0)
     except (PromptspliceError, UsageError) as exc:
         print(f"promptsplice: error: {exc}", file=sys.stderr)

@@ -32,7 +32,7 @@ class Coverage(NamedTuple):
 
     @property
     def ratio(self) -> float:
-        return self.steps_run / self.steps_total if self.steps_total else 1.0
+        return self.steps_run / self.steps_total if self.steps_total else 0.0  # nothing ran: no result
 
     @property
     def skipped(self) -> int:

@@ -36,6 +36,7 @@ import sys
 import time
 
 from promptsplice.dedup import dedup, normalize_chunks
+from promptsplice.benchmarks._stats import percentile
 from promptsplice.blocks import content_digest
 
 __all__ = ["run_dedup_bench", "make_requests", "run_scaling_bench", "scaling_workload"]
@@ -202,8 +203,8 @@ def run_dedup_bench(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0
         "dedup_s": round(dedup_s, 4),
         "dedup_mb_s": round(dedup_mbs, 1),
         "dedup_chunks_per_s": round(n_chunks / dedup_s),
-        "request_p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
-        "request_p99_us": round(latencies[int(len(latencies) * 0.99)] * 1e6, 1),
+        "request_p50_us": round(percentile(latencies, 0.5) * 1e6, 1),
+        "request_p99_us": round(percentile(latencies, 0.99) * 1e6, 1),
         "baseline_digest_s": round(base_s, 4),
         "baseline_digest_mb_s": round(base_mbs, 1),
         "ratio_dedup_to_baseline": round(dedup_mbs / base_mbs, 4),

@@ -151,7 +151,7 @@ def bootstrap_ci(values: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLE
     rng = random.Random(seed)
     n = len(xs)
     means = sorted(sum(xs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
-    return [round(means[int(0.025 * resamples)], 4), round(means[min(resamples - 1, int(0.975 * resamples))], 4)]
+    return [round(percentile(means, 0.025), 4), round(percentile(means, 0.975), 4)]  # nearest rank
 
 
 class Fidelity:

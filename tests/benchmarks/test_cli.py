@@ -94,3 +94,38 @@ def test_demo_without_the_engine_runs_the_assembly_side(capsys):
     assert main(["demo", "--no-engine", "--requests", "6"]) == 0
     out = capsys.readouterr().out
     assert "assembly only" in out and "predicted cached tokens" in out and "chart" not in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "assemble", "--trace", "t.jsonl", "--json", "r.json", "--requests", "0"], "--requests: must be >= 1, got 0"),
+    (["bench", "agent", "--trace", "t.jsonl", "--json", "r.json", "--sessions", "-1"], "--sessions: must be >= 1, got -1"),
+    (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--fidelity-requests", "-5"], "must be >= 0, got -5"),
+    (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--max-tokens", "0"], "--max-tokens: must be >= 1"),
+    (["bench", "agent", "--trace", "t.jsonl", "--json", "r.json", "--scope", "bogus"], "invalid choice: 'bogus'"),
+    (["bench", "agent", "--trace", "t.jsonl", "--json", "r.json", "--recompute-blocks", "-1"], "must be >= 0"),
+    (["bench", "assemble", "--suite", "--json", "r.json", "--block-sizes", "abc"], "'abc' is not an int"),
+    (["bench", "assemble", "--suite", "--json", "r.json", "--block-sizes", "16,0"], "must be >= 1, got 0"),
+    (["bench", "ttft", "--repeats", "0"], "--repeats: must be >= 1"),
+    (["bench", "gen-agent-trace", "--out", "a.jsonl", "--sessions", "0"], "--sessions: must be >= 1"),
+])
+def test_counts_out_of_range_are_usage_errors_before_anything_runs(argv, says, capsys):
+    """--requests 0 ran nothing and passed, --sessions -1 dropped the last session, a
+    negative --fidelity-requests probed nothing, --scope bogus failed after three
+    engines started, --repeats 0 and --block-sizes abc ended in tracebacks."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_report_path_that_cannot_be_written_fails_before_the_bench_runs(tmp_path, capsys):
+    trace = tmp_path / "rag.jsonl"
+    assert main(["bench", "gen-trace", "--out", str(trace), "--requests", "3"]) == 0
+    capsys.readouterr()
+    (tmp_path / "file").write_text("x")
+    for out, says in ((tmp_path / "file" / "r.json", "file"), (tmp_path, "is a folder")):
+        assert main(["bench", "assemble", "--trace", str(trace), "--json", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and says in captured.err and captured.err.count("\n") == 1
+    deep = tmp_path / "new" / "sub" / "r.json"  # a folder that does not exist yet is made
+    assert main(["bench", "assemble", "--trace", str(trace), "--json", str(deep)]) == 0 and deep.exists()

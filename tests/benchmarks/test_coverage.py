@@ -7,7 +7,9 @@ def test_ratio_and_report():
     cov = Coverage(48, 159)
     assert cov.skipped == 111
     assert cov.report() == {"coverage": 0.3019, "steps_run": 48, "steps_total": 159, "skipped_steps": 111}
-    assert Coverage(0, 0).ratio == 1.0
+    assert Coverage(0, 0).ratio == 0.0  # nothing ran: was 1.0, so a bench on nothing passed
+    with pytest.raises(CoverageError, match="ran 0 of 0 steps"):
+        check_coverage(Coverage(0, 0))
 
 
 def test_below_the_bar_fails_unless_allowed():

@@ -77,3 +77,19 @@ def test_every_bench_reads_one_percentile_rule():
     import promptsplice.benchmarks.rag as rag
 
     assert all(not hasattr(m, "_pct") for m in (agent, assemble, fidelity, rag))
+
+
+def test_the_bootstrap_interval_takes_nearest_rank_percentiles():
+    """It took means[int(q * R)], one order statistic above the nearest rank every other
+    percentile of the benches uses ([0.0, 0.125] instead of [0.0, 0.075] at R=40)."""
+    import random
+
+    from promptsplice.benchmarks._stats import percentile
+    from promptsplice.benchmarks.fidelity import bootstrap_ci
+
+    xs = [0.0] * 39 + [1.0]
+    for resamples in (40, 2000):
+        rng = random.Random(0)
+        means = sorted(sum(xs[rng.randrange(len(xs))] for _ in range(len(xs))) / len(xs) for _ in range(resamples))
+        assert bootstrap_ci(xs, resamples=resamples, seed=0) == [round(percentile(means, 0.025), 4),
+                                                         round(percentile(means, 0.975), 4)]
