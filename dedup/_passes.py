@@ -29,7 +29,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable
 from collections import Counter
-from itertools import chain
+from itertools import accumulate, chain
 from operator import attrgetter
 
 from ._anchors import MIN_NEEDLE, GridIndex
@@ -129,12 +129,14 @@ class _Finder:
             keys = grid.candidates(needle)
             if keys is not None:
                 datas = self.datas
-                best = limit
+                best, at = limit, -1
                 for key in keys:
                     i = rank.get(key, limit)
-                    if i < best and needle in datas[i]:
-                        best = i
-                return None if best == limit else (best, datas[best].find(needle))
+                    if i < best:
+                        pos = datas[i].find(needle)  # one scan per candidate (was two)
+                        if pos >= 0:
+                            best, at = i, pos
+                return None if best == limit else (best, at)
         self.searches += 1
         starts = self.starts
         if len(starts) <= limit:  # the joined bytes do not cover datas[:limit]
@@ -209,7 +211,7 @@ class Passes:
                 groups.setdefault(source, []).append(k)
             except TypeError:
                 for value, members in unhashable:
-                    if value == source:
+                    if _same_source(value, source):
                         members.append(k)
                         break
                 else:
@@ -407,6 +409,7 @@ class Passes:
                 out_datas.append(d)
                 continue
             hits = None
+            offsets = None  # each paragraph's offset in d, made at the first hit
             for i, p in enumerate(paras):
                 if len(p) < mp:
                     continue
@@ -416,7 +419,9 @@ class Passes:
                 found = finder.first(p, len(out))
                 if found is not None:
                     f, at = found
-                    offset = sum(map(len, paras[:i])) + 2 * i
+                    if offsets is None:  # (summed per hit, it was quadratic in paragraphs)
+                        offsets = list(accumulate((len(q) + 2 for q in paras), initial=0))
+                    offset = offsets[i]
                     if hits is None:
                         hits = []
                     hits.append((i, offset, len(p), out[f], at))
@@ -434,6 +439,23 @@ class Passes:
             # a new paragraph junction): absorb those too, so that the output is a
             # fixpoint: dedup(output texts) changes nothing.
             out = self.absorb_contained(out)
+        elif changed and cfg.exact and len(out) >= 2:
+            out = self._merge_identical(out)  # the same fixpoint without containment
+        return out
+
+    def _merge_identical(self, kept: list[KeptChunk]) -> list[KeptChunk]:
+        """Passages can leave two chunks byte-identical: the later one is absorbed into
+        the first (at offset 0) and counted as a duplicate."""
+        first: dict[bytes, KeptChunk] = {}
+        out = []
+        for k in kept:
+            host = first.setdefault(k.data, k)
+            if host is k:
+                out.append(k)
+                continue
+            self._absorb(host, k, 0)
+            self.removed["duplicate"] += 1
+            self.removed_bytes["duplicate"] += len(k.data)
         return out
 
 
@@ -502,6 +524,15 @@ class Passes:
         k.text = k.digest = None  # type: ignore[assignment]
         self.removed_bytes["passage"] += len(old) - len(new)
         return True
+
+
+def _same_source(a: object, b: object) -> bool:
+    """``a == b`` for unhashable source values, False when the comparison is not a
+    plain truth value (a numpy array compares element-wise and has none)."""
+    try:
+        return bool(a is b or a == b)
+    except (TypeError, ValueError):  # element-wise comparisons
+        return False
 
 
 def _paragraphs(d: bytes) -> list[bytes]:

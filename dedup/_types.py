@@ -58,6 +58,10 @@ class DedupConfig:
     """
 
     exact: bool = True
+    """Drop byte-identical chunks.  Off, the same text can be kept twice, and two kept
+    chunks can then carry the same id (:meth:`DedupResult.find` returns the first; a
+    :class:`RemovedPassage`'s ``found_in`` may name either): keep it on when ids must
+    name one chunk."""
     containment: bool = True
     overlap: bool = True
     passages: bool = True

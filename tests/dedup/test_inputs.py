@@ -180,3 +180,16 @@ def test_one_id_for_one_text_twice_is_a_duplicate():
     assert [(o.id, o.relation) for o in result.chunks[0].origins] == [
         ("5", Relation.KEPT), ("5", Relation.DUPLICATE),
     ]  # fmt: skip
+
+
+def test_an_unhashable_source_without_a_truth_value_is_not_an_error():
+    """A numpy array as ``metadata["source"]`` raised numpy's ValueError from ``==``."""
+    np = pytest.importorskip("numpy")
+    text = "alpha beta gamma delta " * 8
+    chunks = [
+        {"text": text[:120], "id": "a", "metadata": {"source": np.array([1, 2])}},
+        {"text": text[60:], "id": "b", "metadata": {"source": np.array([1, 2])}},
+        {"text": "other text entirely, long enough to stay", "id": "c", "metadata": {"source": [3]}},
+    ]
+    res = dedup(chunks)
+    assert sorted(o.id for k in res.chunks for o in k.origins) == ["a", "b", "c"]

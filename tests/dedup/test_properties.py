@@ -213,3 +213,19 @@ def test_input_without_redundancy_is_returned_unchanged(bodies, cfg):
     ]
     assert all(k.origins[0].span == (0, len(k.data)) for k in result.chunks)
     assert result.stats.removed_bytes_total == 0 and result.dropped == []
+
+
+def test_without_containment_the_output_is_still_a_fixpoint():
+    """Passages can leave two chunks byte-identical; only the containment re-run caught
+    them, so with containment off a second dedup removed a duplicate."""
+    paras = [f"p{i:03d} " * 40 for i in range(4)]
+    chunks = [
+        "\n\n".join(paras),
+        "intro line\n\n" + paras[0],
+        "intro line\n\n" + paras[1],
+    ]
+    first = dedup(chunks, containment=False)
+    texts = [k.text for k in first.chunks]
+    assert len(texts) == len(set(texts)) and first.stats.removed["duplicate"] == 1
+    second = dedup(texts, containment=False)
+    assert [k.text for k in second.chunks] == texts and sum(second.stats.removed.values()) == 0
