@@ -141,3 +141,40 @@ def test_a_huge_offset_costs_nothing(tmp_path):
     path.write_text(_line("r1", [far]) + "\n" + _line("r2", [clash]) + "\n")
     with pytest.raises(TraceFormatError, match=f":2: .*byte {10**15} of source 'D' differs from what line 1"):
         read_rag_trace(path)
+
+
+def test_a_span_is_checked_against_every_piece_it_overlaps(tmp_path):
+    """Spans are kept as disjoint pieces (the check was quadratic per source): a span
+    across two earlier pieces and the gap between them is compared with both, and
+    names the line that gave the byte that differs."""
+    doc = b"abcdefghijklmnopqrstuvwxyz"
+
+    def chunk(cid, a, b, text=None):
+        return {"id": cid, "text": (text or doc[a:b]).decode(), "metadata": {"source": "D", BYTE_SPAN: [a, b]}}
+
+    path = tmp_path / "t.jsonl"
+    lines = [_line("r1", [chunk("a", 0, 5)]), _line("r2", [chunk("b", 10, 15)]), _line("r3", [chunk("c", 3, 12)]),
+             _line("r4", [chunk("d", 0, 26)])]
+    path.write_text("\n".join(lines) + "\n")
+    assert len(read_rag_trace(path)) == 4
+    bad = doc[2:14].replace(b"l", b"L")  # byte 11: first given by line 2
+    lines[3] = _line("r4", [chunk("d", 2, 14, bad)])
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceFormatError, match=":4: .*byte 11 of source 'D' differs from what line 2"):
+        read_rag_trace(path)
+    bad = doc[6:9].replace(b"h", b"H")  # byte 7: inside the gap line 3 filled
+    lines[3] = _line("r4", [chunk("d", 6, 9, bad)])
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceFormatError, match=":4: .*byte 7 of source 'D' differs from what line 3"):
+        read_rag_trace(path)
+
+
+def test_one_id_naming_two_texts_in_a_request_names_file_line_and_field(tmp_path):
+    """It passed the reader and failed later in dedup, without file, line or request
+    (in bench rag after the engines had started)."""
+    path = tmp_path / "t.jsonl"
+    same = [{"id": "x", "text": "one"}, {"id": "x", "text": "one"}]  # a duplicate: fine
+    path.write_text(_line("r1", same) + "\n" + _line("r2", [{"id": "x", "text": "one"}, {"id": "y", "text": "b"},
+                                                          {"id": "x", "text": "two"}]) + "\n")
+    with pytest.raises(TraceFormatError, match=r":2: field 'chunks\[2\].id': id 'x' names two different texts"):
+        read_rag_trace(path)

@@ -132,7 +132,9 @@ rag_requests = st.lists(
         RagRequest,
         id=ids,
         system=text,
-        chunks=st.lists(st.builds(RagChunk, id=ids, text=text, metadata=st.dictionaries(text, finite_json, max_size=3)), max_size=3),
+        # one id names one text within a request (the reader's rule, dedup's)
+        chunks=st.lists(st.builds(RagChunk, id=ids, text=text, metadata=st.dictionaries(text, finite_json, max_size=3)),
+                        max_size=3).map(lambda cs: [dataclasses.replace(c, id=f"{c.id}#{i}") for i, c in enumerate(cs)]),
         query=text,
     ),
     min_size=1,
