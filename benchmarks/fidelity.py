@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from promptsplice.benchmarks._stats import percentile
+from promptsplice.benchmarks.coverage import MIN_COVERAGE, CoverageError
 from promptsplice.errors import PromptspliceError
 
 __all__ = [
@@ -45,9 +46,11 @@ __all__ = [
     "Fidelity",
     "FidelityError",
     "bootstrap_ci",
+    "check_probes",
     "full_blocks",
     "kl",
     "probe",
+    "probe_coverage",
     "greedy_agreement",
     "reference",
     "verify_step",
@@ -152,6 +155,25 @@ def bootstrap_ci(values: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLE
     n = len(xs)
     means = sorted(sum(xs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
     return [round(percentile(means, 0.025), 4), round(percentile(means, 0.975), 4)]  # nearest rank
+
+
+def probe_coverage(requested: int, eligible: int, probed: int) -> dict[str, Any]:
+    """The probes a bench owed and made: ``eligible`` steps could be probed (they
+    relocated KV), ``min(requested, eligible)`` were owed; ``probe_coverage`` is the
+    share made (1.0 when none were owed)."""
+    owed = min(requested, eligible)
+    return {"eligible": eligible, "probe_coverage": round(probed / owed, 4) if owed else 1.0}
+
+
+def check_probes(fidelity: dict[str, Any], *, allow_skips: bool = False, what: str = "bench") -> None:
+    """:class:`CoverageError` when a bench probed less than ``MIN_COVERAGE`` of the
+    probes it owed (``--allow-skips`` accepts it; the report says how many)."""
+    if fidelity["probe_coverage"] < MIN_COVERAGE and not allow_skips:
+        raise CoverageError(
+            f"{what} probed {fidelity['steps']} steps for fidelity of the {min(fidelity['requested'], fidelity['eligible'])} "
+            f"it owed ({fidelity['requested']} requested, {fidelity['eligible']} relocated KV): the fidelity figures "
+            "rest on fewer probes than asked; pass --allow-skips to accept them"
+        )
 
 
 class Fidelity:

@@ -118,7 +118,9 @@ from promptsplice.benchmarks.fidelity import (
     PROBE_TOKENS,
     Fidelity,
     FidelityError,
+    check_probes,
     full_blocks,
+    probe_coverage,
     reference,
     verify_step,
 )
@@ -383,14 +385,20 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     fid, ctl = Fidelity(), Fidelity()
     steps = []
     n = len(requests)
+    eligible = 0
     for i, req in enumerate(requests):
         st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=max_tokens)
         steps.append(st)
         if progress:
             progress(PIC_MODE, 1)
         # Requests whose plan relocates, spread over the trace: probe while behind the
-        # pro-rata quota (a stretch without relocation is caught up after it).
-        if st.planned_relocated_tokens and len(fid.tf) < min(fidelity_requests, fidelity_requests * (i + 1) / n + 0.5):
+        # pro-rata quota (a stretch without relocation is caught up after it), or when
+        # the requests left are no more than the probes still owed.
+        eligible += bool(st.planned_relocated_tokens)
+        owed = fidelity_requests - len(fid.tf)
+        if st.planned_relocated_tokens and owed > 0 and (
+            len(fid.tf) < fidelity_requests * (i + 1) / n + 0.5 or n - i <= owed
+        ):
             _probe_pic(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"request {i}")
     prompt = sum(st.prompt_tokens for st in steps)
     prefill = sum(st.prefill_tokens for st in steps)
@@ -413,7 +421,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "store_dram_bytes": store.config.dram_bytes,
     }
     report["fidelity"] = {**fid.report(), "control": ctl.report(), "tokens": PROBE_TOKENS,
-                          "requested": fidelity_requests}
+                          "requested": fidelity_requests, **probe_coverage(fidelity_requests, eligible, len(fid.kl))}
 
 
 def _probe_pic(engine: Any, kv_engine: Any, step: Any, salt: str, fid: Fidelity, ctl: Fidelity,
@@ -537,6 +545,12 @@ def bench_status(report: dict[str, Any], *, allow_skips: bool = False, what: str
     rc = 0
     try:
         check_coverage(Coverage(report["steps_run"], report["steps_total"]), allow_skips=allow_skips, what=what)
+    except CoverageError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        rc = COVERAGE_EXIT
+    try:
+        if "probe_coverage" in report.get("fidelity", {}):
+            check_probes(report["fidelity"], allow_skips=allow_skips, what=what)
     except CoverageError as exc:
         print(f"promptsplice: error: {exc}", file=sys.stderr)
         rc = COVERAGE_EXIT

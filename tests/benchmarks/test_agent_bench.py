@@ -82,6 +82,7 @@ def test_modes_and_bounds_are_consistent(report):
 def test_fidelity_was_measured_on_the_real_model(report):
     fid = report["fidelity"]
     assert fid["requested"] == 3 and 1 <= fid["steps"] <= 3
+    assert fid["steps"] == min(3, fid["eligible"]) and fid["probe_coverage"] == 1.0
     for f in (fid, fid["control"]):
         assert 0.0 <= f["tf_top1_agreement"] <= 1.0 and 0.0 <= f["greedy_agreement"] <= 1.0
         assert f["first_token_kl"] >= -1e-6

@@ -46,6 +46,39 @@ def test_probes_are_spread_over_edit_kinds_and_depths():
     assert {label.split("/")[0] for label in strata} >= {"mask", "drop", "truncate"}
 
 
+@pytest.mark.parametrize("requested", [8, 32, 48])
+def test_every_probe_owed_is_taken_when_steps_that_relocate_nothing_pass_their_turn(requested):
+    """A step that relocated nothing passed its turn to the next rank, whose step had
+    often been replayed already: 30 probes of 32 requested with 182 eligible steps (the
+    reviewer's replay of this selection on a 24-session trace, truncations relocating
+    nothing).  Now the turn is owed to the next relocating step."""
+    from promptsplice.benchmarks.agent import ProbeTurns
+    from promptsplice.benchmarks.agent_traces_bfcl import generate_agent_trace
+    from promptsplice.benchmarks.fidelity import check_probes, probe_coverage
+    from promptsplice.benchmarks.coverage import CoverageError
+
+    sessions = generate_agent_trace(24, seed=0)
+    ranks = probe_ranks(sessions)
+    turns = ProbeTurns(ranks, requested)
+    probed = []
+    for si, sess in enumerate(sessions):  # replay order
+        for i, render in enumerate(sess.renders):
+            kind = classify_step(sess.renders[i - 1] if i else None, render)
+            label = turns.take((si, i), relocates=kind != "truncate")
+            if label is not None:
+                assert label.split("/")[0] == kind != "truncate"
+                probed.append((si, i))
+    assert turns.passed > 0 and turns.eligible > requested
+    assert len(probed) == len(set(probed)) == requested
+    cov = probe_coverage(requested, turns.eligible, len(probed))
+    assert cov["probe_coverage"] == 1.0
+    half = requested // 2
+    short = {"steps": half, "requested": requested, **probe_coverage(requested, turns.eligible, half)}
+    with pytest.raises(CoverageError, match=f"probed {half} steps for fidelity of the {requested} it owed"):
+        check_probes(short, what="bench agent")
+    check_probes(short, allow_skips=True)
+
+
 def test_a_probe_not_served_the_steps_kv_fails_loudly(engine):
     toks = engine.tokenizer.encode("The capital of France is Paris. " * 20)
     # a fresh salt: nothing cached, so the probe would measure recomputed (exact) KV
