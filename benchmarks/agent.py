@@ -20,8 +20,10 @@ engine started for it, one engine alive at a time (no fidelity probes).
 Bounds reported beside the modes:
 
 * ``ideal_prefill_tokens``: a lower bound for every mode at equal capacity.  Per step,
-  a token is free when (a) it lies in the longest exact prefix any mode's cache or store
-  served (or the prefix the render shares with the session's previous one), (b) it lies
+  a token is free when (a) it lies in the longest exact prefix that any earlier step of
+  any mode computed (prompt or cached generated tokens, whole blocks: what a cache of
+  unlimited capacity would serve, independent of what the modes' caches did serve), or
+  that the render shares with the session's previous one, (b) it lies
   in an unchanged run of the token diff against the previous render (what relocation
   can move), or (c) its message (same rendered text and padding) was in the previous
   render (a repeated output); everything else is prefilled, and at least the last
@@ -52,6 +54,7 @@ import logging
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +62,7 @@ from typing import Any
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, edit_depth, read_agent_trace
 from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
 from promptsplice.benchmarks._stats import percentile
+from promptsplice.blocks import chain_hashes
 from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError
 from promptsplice.benchmarks.fidelity import (
     DEFAULT_PROBES,
@@ -142,6 +146,34 @@ class _Totals:
             "edit_steps_prefill_tokens": self.edit_prefill,
             "edit_steps_ttft_p50_ms": round(percentile(self.edit_ttft, 0.5) * 1e3, 2),
         }
+
+
+class _Computed:
+    """Every full block any mode computed so far (prompts, and the generated tokens the
+    engines cache: all but the last), by chain hash, salts aside: the longest exact
+    prefix a cache of unlimited capacity could serve, whatever any mode's cache did
+    serve (the ideal once took it from the modes' own hits, so it could not catch a
+    mode that hit too little or a hit count that was wrong)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: set[bytes] = set()
+
+    def hit(self, tokens: Sequence[int]) -> int:
+        """Tokens of the leading blocks of ``tokens`` computed before (vLLM's rule: never
+        the block of the last token)."""
+        n = 0
+        for h in chain_hashes(list(tokens)[: (len(tokens) - 1) // self.block_size * self.block_size], self.block_size):
+            if h not in self.blocks:
+                break
+            n += 1
+        return n * self.block_size
+
+    def add(self, prompt: Sequence[int], outputs: Sequence[Sequence[int]]) -> None:
+        prompt = list(prompt)
+        for out in outputs:
+            self.blocks.update(chain_hashes(prompt + list(out or ())[:-1], self.block_size))
+        self.blocks.update(chain_hashes(prompt, self.block_size))
 
 
 def _ideal_step(prepared: Any, exact_prefix: int, block_size: int) -> int:
@@ -365,7 +397,11 @@ def run_agent_modes(
         _check_capacity({m: _store_shape(engines[m]) for m in ("apc", "splice")},
                         engines["apc"].config.kv_store is not None)
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
-    salts = {m: f"bench-agent-{m}" for m in MODES}
+    # Salts of this run only: an engine that served an earlier run (a library caller's,
+    # a test's) keeps its blocks, which a fixed salt let this run hit (found by the
+    # mode-independent ideal: a mode prefilled below it).
+    run_id = uuid.uuid4().hex[:12]
+    salts = {m: f"bench-agent-{m}-{run_id}" for m in MODES}
 
     def runner(m: str, eng: Any) -> Any:
         if m == "splice":
@@ -413,6 +449,7 @@ def run_agent_modes(
     by_kind: dict[str, dict[str, Any]] = {}
     ideal = skipped = fallbacks = 0
     below = {m: 0 for m in MODES}
+    computed = _Computed(block_size)
     for rec in recs:
         if rec is None:
             skipped += 1
@@ -421,7 +458,8 @@ def run_agent_modes(
         fallbacks += int(steps["splice"].fallback is not None and edit)
         for m in MODES:
             totals[m].add(steps[m], edit)
-        exact = max(steps["apc"].cached_tokens, steps["splice"].cached_tokens - steps["splice"].relocated_tokens)
+        exact = computed.hit(prepared.token_ids)
+        computed.add(prepared.token_ids, [steps[m].completion.token_ids for m in MODES])
         step_ideal = _ideal_step(prepared, exact, block_size)
         ideal += step_ideal
         for m in MODES:

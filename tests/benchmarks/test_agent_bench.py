@@ -165,3 +165,28 @@ def test_modes_one_after_the_other(engines, monkeypatch):
     full, apc, spl = (rep["modes"][m] for m in ("full", "apc", "splice"))
     assert full["prefill_tokens"] == full["prompt_tokens"] > apc["prefill_tokens"] >= rep["ideal_prefill_tokens"]
     check_bounds(rep)
+
+
+def test_a_second_run_on_the_same_engines_hits_nothing_of_the_first(report, engines):
+    """Fixed salts let a run hit the blocks an earlier run left on the same engines (a
+    library caller's, a test's); the ideal, now counted from the blocks computed in the
+    run itself, caught it: a mode prefilled below it."""
+    sess = read_agent_trace(SAMPLE)[0]
+    short = AgentSession(sess.id, sess.tools, sess.renders[:6])
+    again = run_agent_modes([short], engines=engines, max_tokens=4, fidelity_steps=0, recompute_blocks=1)
+    for m in ("full", "apc", "splice"):
+        assert again["modes"][m]["prefill_tokens"] == report["modes"][m]["prefill_tokens"], m
+    assert again["ideal_prefill_tokens"] == report["ideal_prefill_tokens"]
+
+
+def test_the_exact_prefix_of_the_ideal_counts_computed_blocks_only():
+    from promptsplice.benchmarks.agent import _Computed
+
+    c = _Computed(4)
+    assert c.hit(list(range(12))) == 0
+    c.add(list(range(10)), [[100, 101, 102, 103]])  # blocks of the prompt and of prompt + 3 generated
+    assert c.hit(list(range(12))) == 8  # 2 full blocks of the prompt; the last block's token is never served
+    assert c.hit(list(range(10)) + [100, 101, 102, 7, 8]) == 12  # the cached generated tokens count
+    # prompt + generated[:-1] is 13 tokens: 3 full blocks, so a 4th block is not served
+    assert c.hit(list(range(10)) + [100, 101, 102, 103, 5, 6, 7]) == 12
+    assert c.hit([0, 1, 2, 9] + list(range(4, 12))) == 0  # a different first block: nothing
