@@ -369,9 +369,10 @@ class Assembler:
         toks: Sequence[int],
         *,
         pad_prev: bool | None = None,
+        following: Sequence[Sequence[int]] | None = None,
     ) -> None:
         ids = tuple(o.id for o in chunk.origins)
-        builder.append(SegmentKind.CHUNK, ids, toks, paddable=True, pad_prev=pad_prev)
+        builder.append(SegmentKind.CHUNK, ids, toks, paddable=True, pad_prev=pad_prev, following=following)
 
     def _layout(
         self,
@@ -384,18 +385,25 @@ class Assembler:
         chunk_toks: Sequence[Sequence[int]],
         order: Sequence[int] | None,
         query_toks: Sequence[int] | None,
+        upcoming: Sequence[Sequence[int]] | None = None,
     ) -> LayoutBuilder:
         """Lay out the head, the chunks in ``order`` (none when None) and the query (none
-        when None) on the mirror; the builder is not finished."""
+        when None) on the mirror; the builder is not finished.  ``upcoming``: the segments
+        the caller will append after these (the head's lookahead), when known."""
         builder = LayoutBuilder(
             self.block_size, self.tokenizer.filler_token_id, align, self.mirror, salt, branches
         )
-        for (kind, _), t in zip(head, head_toks):
-            builder.append(kind, (), t, paddable=True)
-        for idx in order or ():
-            self._append_chunk(builder, kept[idx], chunk_toks[idx])
+        segs = [*head_toks, *(chunk_toks[idx] for idx in order or ())]
         if query_toks is not None:
-            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+            segs.append(query_toks)
+        segs.extend(upcoming or ())
+        known = upcoming is not None or query_toks is not None  # else what follows is unknown
+        for i, ((kind, _), t) in enumerate(zip(head, head_toks)):
+            builder.append(kind, (), t, paddable=True, following=segs[i + 1 :] if known else None)
+        for j, idx in enumerate(order or (), start=len(head_toks)):
+            self._append_chunk(builder, kept[idx], chunk_toks[idx], following=segs[j + 1 :] if known else None)
+        if query_toks is not None:
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
         return builder
 
     def _cached_tokens(self, builder: LayoutBuilder, num_tokens: int) -> int:
@@ -433,15 +441,16 @@ class Assembler:
         trials: list[tuple[LayoutBuilder, list[int], PeekBranches, int, int]] = []  # ..., chunks laid, tokens
         for order in orders:
             peek = PeekBranches(branches)
-            builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
+            rest = [*(chunk_toks[i] for i in order), query_toks]  # each segment's lookahead
+            builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None, rest)
             done = 0
             for idx in order:
                 if lazy and not builder.hitting:
                     break
-                self._append_chunk(builder, kept[idx], chunk_toks[idx])
+                self._append_chunk(builder, kept[idx], chunk_toks[idx], following=rest[done + 1 :])
                 done += 1
             if done == len(order):
-                builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+                builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
                 n = len(builder.tokens)
             else:
                 n = len(builder.tokens) + sum(len(chunk_toks[i]) for i in order[done:]) + len(query_toks)
@@ -449,14 +458,15 @@ class Assembler:
         if len(kept) > 1 and not any(t[0].hitting for t in trials):
             peek = PeekBranches(branches)
             builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
-            order = self._greedy(builder, kept, chunk_toks, stable)
-            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+            order = self._greedy(builder, kept, chunk_toks, stable, query_toks)
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
             trials.append((builder, order, peek, len(order), len(builder.tokens)))
         builder, order, peek, done, _ = trials[pick_best([self._cached_tokens(t[0], t[4]) for t in trials])]
         if done < len(order):  # complete the winner
-            for idx in order[done:]:
-                self._append_chunk(builder, kept[idx], chunk_toks[idx])
-            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False)
+            rest = [*(chunk_toks[i] for i in order), query_toks]
+            for j in range(done, len(order)):
+                self._append_chunk(builder, kept[order[j]], chunk_toks[order[j]], following=rest[j + 1 :])
+            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
         peek.replay()
         return builder, order
 
@@ -466,6 +476,7 @@ class Assembler:
         kept: list[KeptChunk],
         chunk_toks: Sequence[Sequence[int]],
         stable: list[int],
+        query_toks: Sequence[int],
     ) -> list[int]:
         """Greedy chunk-trie walk over the mirror, then the stable order."""
         remaining = list(stable)
@@ -483,9 +494,10 @@ class Assembler:
             remaining.remove(idx)
             order.append(idx)
             self._append_chunk(builder, kept[idx], chunk_toks[idx], pad_prev=pad)
-        for idx in remaining:
+        rest = [*(chunk_toks[i] for i in remaining), query_toks]  # the caller appends the query
+        for j, idx in enumerate(remaining):
             order.append(idx)
-            self._append_chunk(builder, kept[idx], chunk_toks[idx])
+            self._append_chunk(builder, kept[idx], chunk_toks[idx], following=rest[j + 1 :])
         return order
 
     def _prefix_key(self, tokens: list[int], segments: list[Segment], n_head: int, salt: str | None) -> str:

@@ -182,19 +182,29 @@ class LayoutBuilder:
                 return b
         return n_blocks
 
-    def _decide_pad(self, seg_tokens: Sequence[int]) -> bool:
+    def _decide_pad(self, seg_tokens: Sequence[int], following: Sequence[Sequence[int]] | None = None) -> bool:
         choices = self.pad_choices()
         if len(choices) == 1:
             return choices[0]
         # AUTO
         if not self.hitting:
             return False
-        if len(self._tail) + len(seg_tokens) < self.block_size:
-            # The segment does not complete the next block: whether the unpadded layout
-            # hits is decided by what follows, so this is no miss (counting it as a
-            # divergence made a boundary of an exact repeat a "branch point", padded
-            # from the third repeat on, which lost every cached block after it).
-            return False
+        need = self.block_size - len(self._tail)
+        if len(seg_tokens) < need:
+            # The segment does not complete the next block: what follows decides whether
+            # the unpadded layout hits, so probe it with the following segments
+            # (unpadded).  Not knowing them, this is no miss: counting it as one made a
+            # boundary of an exact repeat a "branch point", padded from the third repeat
+            # on, which lost every cached block after it.  When the prompt ends before
+            # the block is full, that block is never cached either way: the usual rule.
+            if following is None:
+                return False
+            ahead = list(seg_tokens)
+            for seg in following:
+                if len(ahead) >= need:
+                    break
+                ahead.extend(seg)
+            seg_tokens = ahead
         if self.probe(seg_tokens, False, limit=1) > 0:
             return False
         if self.probe(seg_tokens, True, limit=1) > 0:
@@ -211,10 +221,14 @@ class LayoutBuilder:
         *,
         paddable: bool,
         pad_prev: bool | None = None,
+        following: Sequence[Sequence[int]] | None = None,
     ) -> Segment:
-        """Append one segment; ``pad_prev`` overrides the policy's decision."""
+        """Append one segment; ``pad_prev`` overrides the policy's decision.
+        ``following``: every segment that will come after it (``()``: none), or ``None``
+        when unknown; ``auto`` looks at them when this one is too short to complete a
+        block."""
         if self.segments:
-            pad = self._decide_pad(seg_tokens) if pad_prev is None else pad_prev
+            pad = self._decide_pad(seg_tokens, following) if pad_prev is None else pad_prev
             if pad and pad not in self.pad_choices():
                 raise ValueError("padding the previous segment is not allowed here")
             if pad:

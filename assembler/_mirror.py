@@ -154,9 +154,12 @@ class PrefixCacheMirror:
             pred = self._predict(hashes, num_tokens)
             total = cdiv(max(computed, len(hashes) * bs), bs)
             hit_slots = [self._cached[h][0] for h in hashes[: pred.cached_blocks]]
-            if not unbounded:  # refused before anything changes (the mirror stays usable)
+            new_blocks = total - pred.cached_blocks
+            if not unbounded and new_blocks > len(self._free) - len(hit_slots):
+                # refused before anything changes (the mirror stays usable); the hit
+                # slots that sit in the free queue are taken out of it first
                 free = len(self._free) - sum(slot in self._free for slot in hit_slots)
-                if total - pred.cached_blocks > free:
+                if new_blocks > free:
                     raise ConfigError(
                         f"a request needs more than the mirror's {self.capacity_blocks} blocks; "
                         "raise capacity_blocks (the engine would refuse this request too)"
