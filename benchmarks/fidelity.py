@@ -51,6 +51,7 @@ __all__ = [
     "kl",
     "probe",
     "probe_coverage",
+    "probe_relocated_request",
     "greedy_agreement",
     "reference",
     "verify_step",
@@ -221,3 +222,27 @@ class Fidelity:
         if self.records:
             out["probes"] = list(self.records)
         return out
+
+
+def probe_relocated_request(engine: Any, kv_engine: Any, step: Any, salt: str, fid: Fidelity, ctl: Fidelity,
+                            what: str = "request") -> None:
+    """Fidelity of one request's relocated KV (reached through ``salt`` on ``kv_engine``)
+    and of the control (exact, half of it from the prefix cache) on ``engine``.  The
+    request must have relocated what its plan did and every probe must be served its
+    KV (else :class:`FidelityError`).  ``what`` names the request in errors."""
+    verify_step(step, what)
+    tokens = list(step.prompt.token_ids)
+    cont, p_ref = reference(engine, tokens)
+    if not cont:
+        return
+    need = full_blocks(kv_engine, tokens)
+    out = kv_engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=salt)
+    if out.num_cached_tokens < need:
+        raise FidelityError(f"{what}: the greedy probe was served {out.num_cached_tokens} "
+                            f"cached tokens of the {need} the relocated KV covers")
+    fid.measure(kv_engine, tokens, cont, p_ref, salt, out.token_ids, need_cached=need)
+    c_salt = f"control:{uuid.uuid4().hex}"
+    half = max(engine.block_size, (len(tokens) // 2) // engine.block_size * engine.block_size)
+    engine.generate(tokens[:half], max_tokens=1, cache_salt=c_salt)
+    greedy = engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=c_salt).token_ids
+    ctl.measure(engine, tokens, cont, p_ref, c_salt, greedy)

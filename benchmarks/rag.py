@@ -117,12 +117,9 @@ from promptsplice.benchmarks.fidelity import (
     DEFAULT_PROBES,
     PROBE_TOKENS,
     Fidelity,
-    FidelityError,
     check_probes,
-    full_blocks,
     probe_coverage,
-    reference,
-    verify_step,
+    probe_relocated_request,
 )
 from promptsplice.benchmarks.traces import RagRequest, read_rag_trace
 from promptsplice.errors import ConfigError, ContextLengthError
@@ -399,7 +396,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         if st.planned_relocated_tokens and owed > 0 and (
             len(fid.tf) < fidelity_requests * (i + 1) / n + 0.5 or n - i <= owed
         ):
-            _probe_pic(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"request {i}")
+            probe_relocated_request(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"{PIC_MODE} request {i}")
     prompt = sum(st.prompt_tokens for st in steps)
     prefill = sum(st.prefill_tokens for st in steps)
     report["modes"][PIC_MODE] = _metrics(
@@ -422,30 +419,6 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     }
     report["fidelity"] = {**fid.report(), "control": ctl.report(), "tokens": PROBE_TOKENS,
                           "requested": fidelity_requests, **probe_coverage(fidelity_requests, eligible, len(fid.kl))}
-
-
-def _probe_pic(engine: Any, kv_engine: Any, step: Any, salt: str, fid: Fidelity, ctl: Fidelity,
-               what: str = "request") -> None:
-    """Fidelity of one request's relocated KV (reached through ``salt`` on ``kv_engine``)
-    and of the control (exact, half of it from the prefix cache) on ``engine``.  The
-    request must have relocated what its plan did and every probe must be served its
-    KV (else :class:`~promptsplice.benchmarks.fidelity.FidelityError`)."""
-    verify_step(step, f"{PIC_MODE} {what}")
-    tokens = list(step.prompt.token_ids)
-    cont, p_ref = reference(engine, tokens)
-    if not cont:
-        return
-    need = full_blocks(kv_engine, tokens)
-    out = kv_engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=salt)
-    if out.num_cached_tokens < need:
-        raise FidelityError(f"{PIC_MODE} {what}: the greedy probe was served {out.num_cached_tokens} "
-                            f"cached tokens of the {need} the relocated KV covers")
-    fid.measure(kv_engine, tokens, cont, p_ref, salt, out.token_ids, need_cached=need)
-    c_salt = f"control:{uuid.uuid4().hex}"
-    half = max(engine.block_size, (len(tokens) // 2) // engine.block_size * engine.block_size)
-    engine.generate(tokens[:half], max_tokens=1, cache_salt=c_salt)
-    greedy = engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=c_salt).token_ids
-    ctl.measure(engine, tokens, cont, p_ref, c_salt, greedy)
 
 
 def format_modes(report: dict[str, Any]) -> str:
