@@ -276,7 +276,10 @@ class DiskTier(IndexedTier):
                 return True
         if current:
             self._lost(job.key, job.held)
-        self._failed(err)
+        if isinstance(err, OSError):
+            self._failed(err)
+        else:  # this record could not be encoded (a bug, memory): lost, the disk is fine
+            self._write_errors += 1
         return False
 
     def _failed(self, err: BaseException) -> None:

@@ -175,6 +175,8 @@ class RedisTier(IndexedTier):
         # server yet: never indexed again from an announcement or a rescan, never served.
         self._doomed: set[str] = set()
         self._wipe = False  # a clear's scan of the server for values never indexed here
+        self._deletes_until = 0.0  # after the server refused a delete: retried from then
+        self._delete_warned = False
         self._lost_index = False  # an outage forgot the index: the next rescan re-shares
         self._writer: threading.Thread | None = None
         self._down_until: float | None = None
@@ -353,7 +355,7 @@ class RedisTier(IndexedTier):
     def write(self, job: WriteJob) -> bool | None:
         """Write inline (no write-behind), or queue for the writer; never waits."""
         if not self._limit:
-            return self._write_job(job)
+            return self._write_guarded(job)
         with self._cond:
             if self._closed or self._writing.get(job.key) is not job.held:
                 return False
@@ -427,6 +429,20 @@ class RedisTier(IndexedTier):
             self._delete_now([name])
         return False
 
+    def _write_guarded(self, job: WriteJob) -> bool:
+        """:meth:`_write_job` that never raises: a bug (an exception the client's error
+        handling does not cover) loses this block, counted, and never leaves it pending
+        (inline, it escaped ``put`` and the block stayed in memory outside every budget)."""
+        try:
+            return self._write_job(job)
+        except Exception:  # noqa: BLE001 - a bug must not stop the writer with jobs queued
+            _log.exception("KV block store: a Redis write failed")
+            with self._cond:
+                if self._writing.get(job.key) is job.held:
+                    del self._writing[job.key]
+                    self._write_errors += 1
+            return False
+
     def _write_behind(self) -> None:
         """The background writer: deletes, then queued jobs in order; exits when idle."""
         while True:
@@ -437,14 +453,17 @@ class RedisTier(IndexedTier):
                     elif not self._reachable():  # deletes wait for the server
                         assert self._down_until is not None
                         self._cond.wait(max(0.01, self._down_until - time.monotonic()))
+                    elif not self._wipe and time.monotonic() < self._deletes_until:  # refused: back off
+                        self._cond.wait(max(0.01, self._deletes_until - time.monotonic()))
                 deletes: list[str] = []
-                if self._deletes and (self._reachable() or self._closed):
+                deletable = self._reachable() and time.monotonic() >= self._deletes_until
+                if self._deletes and (deletable or self._closed):
                     deletes, self._deletes = self._deletes, []
                 wipe = self._wipe and (self._reachable() or self._closed)
                 self._wipe = self._wipe and not wipe
                 if not self._queue and not deletes and not wipe:
                     if (self._deletes or self._wipe) and not self._closed:
-                        continue
+                        continue  # waits above: for the server, or the refusal's back-off
                     self._writer = None
                     return
                 job = self._queue[0] if self._queue else None
@@ -454,13 +473,7 @@ class RedisTier(IndexedTier):
             if job is None:
                 continue
             try:
-                self._write_job(job)
-            except Exception:  # noqa: BLE001 - a bug must not stop the writer with jobs queued
-                _log.exception("KV block store: a Redis write failed")
-                with self._cond:
-                    if self._writing.get(job.key) is job.held:
-                        del self._writing[job.key]
-                        self._write_errors += 1
+                self._write_guarded(job)
             finally:
                 with self._cond:
                     self._queue.popleft()
@@ -494,12 +507,19 @@ class RedisTier(IndexedTier):
                 self._retry_deletes(names)
             return
         except Exception as exc:  # noqa: BLE001 - refused, or a client bug
-            _log.warning("KV block store: Redis refused a delete (%s)", exc)
             with self._cond:
+                # A server that refuses DEL (read-only replica, MISCONF, an ACL) answers
+                # at once: retried without a pause, the writer spun at ~6,000 refusals a
+                # second.  Retry after the back-off, and warn once until one succeeds.
+                self._deletes_until = time.monotonic() + self._retry_s
+                warn, self._delete_warned = not self._delete_warned, True
                 self._retry_deletes(names)
+            if warn:
+                _log.warning("KV block store: Redis refused a delete (%s); retried every %g s", exc, self._retry_s)
             return
         with self._cond:
             self._doomed.difference_update(names)
+            self._delete_warned = False
 
     def _wipe_server(self) -> None:
         """A clear's second half (writer thread, without the lock; never raises): delete

@@ -115,6 +115,7 @@ from promptsplice.engine_adapters.store._types import (
     StoreStats,
     block_key,
     chain_refs,
+    check_stored_salt,
     own_payload,
     parse_ref,
 )
@@ -222,6 +223,7 @@ class BlockStore:
         writer (written before ``put`` returns when ``write_behind_bytes`` is 0).
         """
         k, salt_b, parent, tok = parse_ref(ref, salt, namespace)
+        check_stored_salt(salt_b)
         if k[0] == Namespace.CHAIN and hash_block(BlockHash(parent), ref[2]) != k[1]:
             raise InputError(
                 "ref.key is not the chain hash of (ref.parent, ref.tokens): build refs with "

@@ -153,6 +153,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_SALT_BYTES = 0xFFFF
+"""The longest stored salt (its tag byte included): the record format's 16-bit field."""
+
 MAX_SECONDS = 86_400.0
 """The longest timeout or back-off a store accepts (a day): an infinite one turned a
 tier off for good (disk) or could not be set on a socket (Redis)."""
@@ -316,6 +319,18 @@ def parse_ref(ref: Ref, salt: str | bytes | None, namespace: object) -> tuple[Ke
     except TypeError as exc:
         raise InputError(str(exc)) from None
     return block_key(key, namespace), salt_b, _as_hash(parent, "parent"), tok
+
+
+def check_stored_salt(salt_b: bytes) -> None:
+    """A salt a record can hold (``put`` only: a lookup under a longer salt just finds
+    nothing).  The record keeps the salt's length in 16 bits: one longer salt (any
+    client's ``cache_salt`` over ``vllm serve``) failed every write and paused the disk
+    tier for every tenant."""
+    if len(salt_b) > MAX_SALT_BYTES:
+        raise InputError(
+            f"a salt of {len(salt_b) - 1} bytes is over the {MAX_SALT_BYTES - 1} a stored block can "
+            "carry: use a shorter salt (a random 32-character one isolates a tenant)"
+        )
 
 
 def own_payload(payload: object, copy: bool) -> tuple[torch.Tensor, str]:

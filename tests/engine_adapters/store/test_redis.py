@@ -8,6 +8,7 @@ filled past its ``maxmemory``.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -496,3 +497,33 @@ def test_a_remote_tier_that_fails_to_build_releases_the_disk_tier(tmp_path, monk
     plain = StoreConfig(dram_bytes=2 * P, disk_bytes=1 << 20, disk_dir=str(tmp_path / "kv"), fingerprint=FP_TEXT)
     with BlockStore(plain) as store:  # the folder is free again
         assert store.stats().disk_writable
+
+
+@pytest.mark.reliability
+def test_a_server_that_refuses_deletes_is_retried_after_the_back_off(redis_url, caplog):
+    """A server that answers DEL with an error (an ACL here; a read-only replica or
+    MISCONF alike) had the writer retry at once: ~6,000 refusals and warnings a second,
+    a core burnt.  Now one warning, a retry per back-off, and the value is removed once
+    the server takes deletes again."""
+    with open_store(redis_url, dram_blocks=8, remote_retry_s=0.5) as a:
+        assert remote(a).wait_synced(5.0)
+        refs = make_refs(2)
+        put_all(a, refs)
+        a.drain()
+        admin = client(redis_url)
+        try:
+            admin.execute_command("ACL", "SETUSER", "default", "-del")
+            with caplog.at_level(logging.WARNING, logger="promptsplice.engine_adapters.store"):
+                cpu0 = time.process_time()
+                assert a.discard(refs[0].key)
+                time.sleep(1.2)
+                cpu = time.process_time() - cpu0
+            refused = [r for r in caplog.records if "refused a delete" in r.getMessage()]
+            assert len(refused) == 1 and cpu < 0.5, (len(refused), cpu)
+            assert admin.exists(value_key(refs[0])) == 1  # still there: the server refused
+            assert a.get(refs[0], salt=SALT).status is MISS  # and never served meanwhile
+        finally:
+            admin.execute_command("ACL", "SETUSER", "default", "+del")
+        assert wait_for(lambda: admin.exists(value_key(refs[0])) == 0, timeout=3.0)
+        assert admin.exists(value_key(refs[1])) == 1
+        admin.close()

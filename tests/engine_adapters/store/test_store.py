@@ -1058,3 +1058,41 @@ def test_stats_is_a_named_tuple_of_counts():
     assert isinstance(s, StoreStats)
     assert s._fields[:4] == ("dram_blocks", "dram_bytes", "disk_blocks", "disk_bytes")
     assert hash_block(root_hash(SALT), make_refs(1)[0].tokens) == make_refs(1)[0].key
+
+
+@pytest.mark.reliability
+def test_a_salt_too_long_for_a_record_is_refused_at_put_and_costs_no_other_tenant(tmp_path):
+    """The record keeps the salt's length in 16 bits: a put under a 70,000-byte salt (any
+    client's cache_salt over vllm serve) failed its write-down, which paused the disk
+    tier for every tenant (4 of 4 blocks of the next tenant dropped)."""
+    store = open_store(tmp_path, dram_blocks=1, disk_bytes=20 * REC, write_behind_bytes=0)
+    long_salt = "x" * 70_000
+    ref = make_refs(1, salt=long_salt)[0]
+    with pytest.raises(InputError, match="a salt of 70000 bytes is over the 65534"):
+        store.put(ref, kv(0), salt=long_salt)
+    assert store.match_prefix([ref], salt=long_salt) == 0 and store.get(ref, salt=long_salt).status is MISS
+    put_all(store, make_refs(4))
+    st = store.stats()
+    assert (st.disk_blocks, st.write_errors, st.dropped, st.disk_writable) == (3, 0, 0, True)
+    store.close()
+
+
+def test_a_record_that_cannot_be_encoded_is_lost_alone(tmp_path, monkeypatch):
+    """An error that is not the disk's (a bug in encoding, memory) paused every disk write
+    for disk_retry_s as if the disk had failed.  Such an error cannot be produced on
+    demand, so the encoder raises here once."""
+    store = open_store(tmp_path, dram_blocks=1, disk_bytes=20 * REC, write_behind_bytes=0)
+    real = fmt.encode_record
+    calls = {"n": 0}
+
+    def encode_once_broken(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError("a bug")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_disk.fmt, "encode_record", encode_once_broken)
+    put_all(store, make_refs(4))
+    st = store.stats()
+    assert (st.write_errors, st.dropped, st.disk_blocks, st.disk_writable) == (1, 1, 2, True)
+    store.close()
