@@ -80,10 +80,11 @@ from promptsplice.engine_adapters.runners._steps import (
     AdaptiveRecompute,
     StepFallback,
     cached_tokens,
+    check_runner_engine,
     planned_relocated_tokens,
 )
 from promptsplice.blocks import round_down
-from promptsplice._validate import DERIVED_SALT_MARK, check_enum, check_int, check_tenant_salt
+from promptsplice._validate import DERIVED_SALT_MARK, check_bool, check_enum, check_int, check_tenant_salt
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -229,6 +230,7 @@ class AgentRunner:
         fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
         recompute_tail_blocks: int = 0,
     ) -> None:
+        check_runner_engine(engine, "AgentRunner")
         self.mode = check_enum(mode, AgentMode, "mode")
         self.recompute_tail_blocks = recompute_tail_blocks
         if self.mode is AgentMode.SPLICE and not engine.can_splice:
@@ -253,7 +255,7 @@ class AgentRunner:
         self.max_deviation = default.max_deviation
         self.scope = scope
         self.max_sessions = max_sessions
-        self.reuse_repeats = bool(reuse_repeats)
+        self.reuse_repeats = check_bool(reuse_repeats, "reuse_repeats")
         check_int(min_group_blocks, "min_group_blocks")
         self.min_group_blocks = min_group_blocks
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
@@ -284,7 +286,9 @@ class AgentRunner:
         the explicit opt-in for a request outside the session."""
         with self._lock:
             st = self._sessions.get(session_id)
-        return self.salt if st is None else st.salt
+        # kv_salt: the salt the last step ran under (an exact step's own salt with
+        # scope="none"; st.salt went back to the tenant's there)
+        return self.salt if st is None else (st.kv_salt if st.kv_salt is not None else st.salt)
 
     def forget(self, session_id: str) -> bool:
         with self._lock:
@@ -332,8 +336,11 @@ class AgentRunner:
             elif not cfg.relocate:  # exact: what could be relocated is computed
                 salt, phases = self._exact_salt(), plain
                 if prepared.kind in (StepKind.EDIT, StepKind.APPEND):
-                    dry_salt, dry, _ = self._plan(st, prepared, new, 0, dry=True)
+                    dry_salt, dry, why = self._plan(st, prepared, new, 0, dry=True)
                     recomputed = planned_relocated_tokens(dry, new, dry_salt)
+                    if why in (StepFallback.FOREIGN_RENDER, StepFallback.INVALID_PLAN) and fallback is None:
+                        fallback = why  # reported and logged at every level (silent here before)
+                        _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why.value)
             elif prepared.kind not in (StepKind.EDIT, StepKind.APPEND):
                 salt, phases = st.salt, plain
             else:

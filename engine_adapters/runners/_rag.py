@@ -52,9 +52,9 @@ How a request runs (``position_independent``):
    a request of its own (:func:`~promptsplice.engine_adapters.connector._plans.plan_segment_phases`).
 
 Isolation: requests that reuse approximate KV run under a *reuse salt* derived from
-the tenant's salt (``RagRunner.reuse_salt``), so vLLM files the spliced blocks where
-only position-independent requests of the same tenant meet them; exact requests of
-the tenant never do.  Under tenant salts the store keeps exact blocks only (the
+the tenant's salt and the fidelity settings (``RagRunner.reuse_salt_for``), so vLLM
+files the spliced blocks where only position-independent requests of the same tenant
+at the same settings meet them; exact requests of the tenant never do.  Under tenant salts the store keeps exact blocks only (the
 connector saves nothing a relocating request computes); a plain phase of a
 position-independent request may save blocks under the reuse salt, where again only
 the tenant's position-independent requests reach them.
@@ -117,6 +117,7 @@ from promptsplice.engine_adapters.runners._steps import (
     AdaptiveRecompute,
     StepFallback,
     cached_tokens,
+    check_runner_engine,
     planned_relocated_tokens,
 )
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
@@ -246,6 +247,9 @@ class RagRunner:
             raise ConfigError(f"relocate must be one of {', '.join(RELOCATE_CHOICES)}, got {relocate!r}")
         if exact_alignment not in ("auto", "all"):
             raise ConfigError(f"exact_alignment must be 'auto' or 'all', got {exact_alignment!r}")
+        check_runner_engine(engine, "RagRunner")
+        if index is not None and not isinstance(index, ChunkIndex):
+            raise ConfigError(f"index must be a ChunkIndex (or None: the runner makes one), got {type(index).__name__}")
         self.precompute = precompute
         self.relocate = relocate
         self.exact_alignment = exact_alignment
@@ -295,9 +299,19 @@ class RagRunner:
 
     @property
     def reuse_salt(self) -> str:
-        """The ``cache_salt`` of requests that reuse relocated chunks (module doc): the
-        explicit opt-in for a request that may meet their approximate KV."""
-        return f"{self.salt or ''}{DERIVED_SALT_MARK}pic"
+        """The ``cache_salt`` of requests that reuse relocated chunks at the runner's
+        fidelity (module doc): the explicit opt-in for a request that may meet their
+        approximate KV."""
+        return self.reuse_salt_for()
+
+    def reuse_salt_for(self, fidelity: str | FidelityLevel | None = None) -> str:
+        """:attr:`reuse_salt` of requests at ``fidelity``: one per setting that shapes the
+        approximate KV (level, recomputed blocks, deviation threshold), so a ``bounded``
+        request never hits the blocks a ``fast`` one left (it was served them, bit for
+        bit, while reporting nothing relocated and nothing recomputed)."""
+        cfg = self.settings(fidelity)
+        tag = f"pic:{cfg.level.value}:r{cfg.recompute_blocks}:d{cfg.max_deviation}"
+        return f"{self.salt or ''}{DERIVED_SALT_MARK}{tag}"
 
     # -- requests -------------------------------------------------------------------
     def run(
@@ -349,8 +363,8 @@ class RagRunner:
     def _run_pic(self, chunks, query, system, tools, gen, cfg: FidelitySettings) -> RagStep:
         asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, cfg.recompute_blocks
         t0 = time.perf_counter()
-        salt = self.reuse_salt
-        chunks = list(chunks)
+        salt = self.reuse_salt_for(cfg.level)
+        chunks = _chunk_list(chunks)
         what = {"query": query, "system": system, "tools": tools}
         gate = self.relocate == "when_it_pays"
         prompt = (asm.preview if gate else asm.assemble)(chunks, salt=salt, **what)
@@ -519,6 +533,19 @@ class RagRunner:
             f"RagRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
             f"recompute_blocks={self.recompute_blocks})"
         )
+
+
+def _chunk_list(chunks: Any) -> Any:
+    """``chunks`` as a list (the request reads them more than once); anything that is not
+    an iterable of chunks is passed on as it is, for the assembler to refuse with its own
+    message (``list()`` ran a str as one chunk per character, and raised a bare
+    TypeError on None)."""
+    if isinstance(chunks, (str, bytes, bytearray, Mapping)) or hasattr(chunks, "page_content"):
+        return chunks
+    try:
+        return list(chunks)
+    except TypeError:
+        return chunks
 
 
 def _computed(prompt: AssembledPrompt, stored: set[tuple[str, ...]], cached: int) -> int:

@@ -32,8 +32,22 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from promptsplice.engine_adapters.connector._plans import SplicePhase, approximate_tokens, extend_recompute
+from promptsplice.errors import ConfigError
 
-__all__ = ["AdaptiveRecompute", "StepFallback", "cached_tokens", "planned_relocated_tokens"]
+__all__ = ["AdaptiveRecompute", "StepFallback", "cached_tokens", "check_runner_engine", "planned_relocated_tokens"]
+
+_ENGINE_SURFACE = ("block_size", "generate", "generate_phases", "can_splice", "can_relocate", "make_assembler")
+
+
+def check_runner_engine(engine: object, who: str) -> None:
+    """A runner's engine: an EmbeddedEngine or a RemoteEngine (anything with their
+    surface), else :class:`ConfigError` (``None`` raised AttributeError deep inside)."""
+    missing = [name for name in _ENGINE_SURFACE if not hasattr(engine, name)]
+    if missing:
+        raise ConfigError(
+            f"{who} needs an EmbeddedEngine or a RemoteEngine, got {type(engine).__name__} "
+            f"(without {', '.join(missing)})"
+        )
 
 
 class StepFallback(enum.Enum):

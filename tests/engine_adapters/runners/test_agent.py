@@ -271,16 +271,46 @@ def test_full_mode_prefills_everything_every_step(engine, renders):
     assert all(s.prefill_tokens == s.prompt_tokens and s.cached_tokens == 0 for _, s in steps)
 
 
-def test_a_render_the_runner_did_not_send_falls_back_to_a_plain_request(kv_engine, renders, caplog):
+@pytest.mark.parametrize("level", ["bounded", "exact"])
+def test_a_render_the_runner_did_not_send_falls_back_to_a_plain_request(kv_engine, renders, caplog, level):
+    """At every level (at ``exact`` the fallback was dropped: ``None``, nothing logged)."""
     hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-fb")
-    runner = AgentRunner(kv_engine, mode="splice", salt="t-fb", fidelity="bounded")
-    hook("s-fb", renders[0], TOOLS)
-    hook("s-fb", renders[1], TOOLS)  # the runner never saw these two steps
-    prepared = hook("s-fb", renders[2], TOOLS)
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-fb", fidelity=level)
+    sid = f"s-fb-{level}"
+    hook(sid, renders[0], TOOLS)
+    hook(sid, renders[1], TOOLS)  # the runner never saw these two steps
+    prepared = hook(sid, renders[2], TOOLS)
     with caplog.at_level(logging.WARNING, logger="promptsplice.engine_adapters.runners._agent"):
         step = runner.step(prepared, max_tokens=2)
     assert prepared.kind is StepKind.EDIT and step.fallback is StepFallback.FOREIGN_RENDER
     assert step.requests == 1 and step.relocated_tokens == 0 and "full prefill" in caplog.text
+
+
+def test_a_runner_needs_an_engine_and_a_bool_for_reuse_repeats(kv_engine):
+    """AgentRunner(None) raised AttributeError deep inside; reuse_repeats="no" was True."""
+    from promptsplice.engine_adapters import RagRunner
+    from promptsplice.errors import ConfigError
+
+    for make in (lambda: AgentRunner(None), lambda: RagRunner(None), lambda: AgentRunner("engine")):
+        with pytest.raises(ConfigError, match="needs an EmbeddedEngine or a RemoteEngine"):
+            make()
+    with pytest.raises(ConfigError, match="reuse_repeats must be True or False"):
+        AgentRunner(kv_engine, mode="splice", salt="t-rr", reuse_repeats="no")
+    with pytest.raises(ConfigError, match="index must be a ChunkIndex"):
+        RagRunner(kv_engine, mode="position_independent", salt="t-rr", index="x")
+
+
+def test_with_scope_none_the_session_salt_is_the_one_its_last_step_ran_under(kv_engine, renders):
+    """After an exact step (its own salt) session_salt() named the tenant's salt, where
+    the session's KV was not."""
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-sn")
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-sn", scope="none")
+    for msgs in renders[:2]:
+        prepared = hook("s-sn", msgs, TOOLS)
+        step = runner.step(prepared, max_tokens=1)
+        assert runner.session_salt("s-sn") == step.salt != "t-sn"
+    again = kv_engine.generate(list(prepared.token_ids), max_tokens=1, cache_salt=runner.session_salt("s-sn"))
+    assert again.num_cached_tokens >= (step.prompt_tokens - 1) // kv_engine.block_size * kv_engine.block_size
 
 
 def test_a_tenant_salt_may_not_hold_the_derived_salt_mark(engine, kv_engine):

@@ -523,3 +523,36 @@ def test_an_order_changed_between_preview_and_assemble_is_one_exact_request(kv_e
     assert calls[0] == runner.reuse_salt  # the step planned a relocation (else the setup is wrong)
     assert step.fallback is StepFallback.INVALID_PLAN and step.relocated_tokens == 0
     assert step.requests == 1 and "differs from its preview" in caplog.text
+
+
+def test_a_request_never_meets_the_approximate_kv_of_another_fidelity_level(kv_engine):
+    """One reuse salt for every level: a bounded request after the same request at fast
+    was served fast's spliced KV (bit-identical logprobs) while reporting nothing
+    relocated and nothing recomputed."""
+    salt = f"lv-{uuid.uuid4().hex[:8]}"
+    runner = RagRunner(kv_engine, mode="position_independent", salt=salt, fidelity="fast", policy="retrieval",
+                       relocate="always")
+    assert len({runner.reuse_salt_for(level) for level in ("fast", "bounded")}) == 2
+    assert runner.reuse_salt == runner.reuse_salt_for("fast")
+    def long_docs(*names):  # chunks of several blocks: bounded (r=2) still relocates some
+        return [{"id": n, "text": (DOCS[n] + " ") * 3} for n in names]
+
+    runner.run(long_docs("paris", "nile", "everest"), query="q0", system=SYSTEM, max_tokens=1)
+    q = "Which river flows into the Mediterranean?"
+    fast = runner.run(long_docs("everest", "nile", "paris"), query=q, system=SYSTEM, max_tokens=1, fidelity="fast")
+    bounded = runner.run(long_docs("everest", "nile", "paris"), query=q, system=SYSTEM, max_tokens=1,
+                         fidelity="bounded")
+    assert fast.relocated_tokens > 0 and bounded.relocated_tokens > 0 and bounded.recomputed_tokens > fast.recomputed_tokens
+    assert bounded.salt == runner.reuse_salt_for("bounded") != fast.salt
+
+
+@pytest.mark.parametrize("chunks", [None, "abc", {"id": "x", "text": "y"}])
+def test_chunks_that_are_not_a_list_of_chunks_are_refused_at_every_level(kv_engine, chunks):
+    """The relocating path ran list(chunks) first: a str became one chunk per character,
+    None a bare TypeError; at exact the assembler refused both."""
+    from promptsplice.errors import InvalidChunkError
+
+    runner = RagRunner(kv_engine, mode="position_independent", salt=f"c-{uuid.uuid4().hex[:8]}", fidelity="bounded",
+                       relocate="always")
+    with pytest.raises(InvalidChunkError, match="expected an iterable of chunks"):
+        runner.run(chunks, query="q", max_tokens=1)
