@@ -136,6 +136,7 @@ class DiskTier(IndexedTier):
         self._reserved = 0
         self._queue: deque[WriteJob] = deque()  # write-behind, head = being written
         self._queue_bytes = 0
+        self._inline = 0  # write-downs running in callers' threads (no write-behind)
         self._writer: threading.Thread | None = None
         self._blocked_until: float | None = None
         self._warned = False
@@ -327,7 +328,18 @@ class DiskTier(IndexedTier):
         caller waits while the queue is full, which keeps it FIFO and bounded."""
         size = job.held.meta.nbytes
         if not self._limit or size > self._limit:
-            return self._write_job(job)
+            with self._cond:
+                if self._closed:
+                    if self._writing.get(job.key) is job.held:
+                        del self._writing[job.key]
+                    return False
+                self._inline += 1  # close() waits for it (it lost the block and the lock)
+            try:
+                return self._write_job(job)
+            finally:
+                with self._cond:
+                    self._inline -= 1
+                    self._cond.notify_all()
         with self._cond:
             while self._queue and self._queue_bytes + size > self._limit and not self._closed:
                 self._cond.wait()
@@ -354,7 +366,9 @@ class DiskTier(IndexedTier):
         with self._cond:
             if self._closed:
                 return
-            while self._queue:  # evicted blocks were promised to the disk: finish them
+            # evicted blocks were promised to the disk: finish them, queued or being
+            # written in another thread (inline), before the folder is released
+            while self._queue or self._inline:
                 self._cond.wait()
             self._closed = True
             self._cond.notify_all()

@@ -26,7 +26,10 @@ Tiers and policy
     * budgets are never exceeded: a block that does not fit in DRAM (larger than the
       budget, or the budget held by pinned blocks) goes straight to the storage tiers;
       one that fits nowhere is refused (:attr:`PutStatus.REJECTED`); blocks on their way
-      down are held outside the DRAM budget (``write_behind_bytes`` of them at most);
+      down are held outside the DRAM budget: the write-behind queue holds at most
+      ``write_behind_bytes`` of them, plus the blocks one put evicts while each
+      putting thread waits for room in it (about one block per thread when blocks are
+      of one size);
     * lookups are counted here (``*_hits``/``*_misses``, ``mismatches``, ``dropped``);
       what happens to a tier's storage (evictions, writes, damaged copies) by the tier.
       A hit in any storage tier answers ``HIT_DISK`` and counts in ``disk_hits``; the

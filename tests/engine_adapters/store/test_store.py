@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 
 import pytest
@@ -1096,3 +1097,31 @@ def test_a_record_that_cannot_be_encoded_is_lost_alone(tmp_path, monkeypatch):
     st = store.stats()
     assert (st.write_errors, st.dropped, st.disk_blocks, st.disk_writable) == (1, 1, 2, True)
     store.close()
+
+
+def test_close_waits_for_a_write_down_running_inline_in_another_thread(tmp_path, monkeypatch):
+    """close() waited for the write-behind queue only: a block evicted by a put in another
+    thread (written inline: no write-behind, or a block over write_behind_bytes) was
+    thrown away mid-write and the folder released while it was still being written.  A
+    busy disk cannot be made on demand, so fsync is slowed here."""
+    store = open_store(tmp_path, dram_blocks=1, disk_bytes=20 * REC, write_behind_bytes=0)
+    refs = make_refs(2)
+    store.put(refs[0], kv(0))
+    real_fsync = os.fsync
+
+    def slow_fsync(fd):
+        time.sleep(0.4)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    evicting = threading.Thread(target=lambda: store.put(refs[1], kv(1)))  # evicts refs[0]: written inline
+    evicting.start()
+    time.sleep(0.1)
+    store.close()
+    assert not evicting.is_alive()  # close returned after the write-down, not before
+    evicting.join()
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    again = open_store(tmp_path, dram_blocks=1, disk_bytes=20 * REC)
+    got = again.get(refs[0])
+    assert got.status is HIT_DISK and torch.equal(got.payload, kv(0))
+    again.close()
