@@ -34,6 +34,7 @@ stall lookups.
 from __future__ import annotations
 
 import logging
+import errno
 import os
 import secrets
 import threading
@@ -74,6 +75,10 @@ _log = logging.getLogger(__name__)
 
 LOCK_NAME = ".promptsplice-store.lock"
 _MISSING = "missing"
+_BUSY = "busy"
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
+"""Read errors of the process (descriptors, memory), not of the record: it stays
+(it was deleted and counted as damaged)."""
 
 
 
@@ -310,6 +315,8 @@ class DiskTier(IndexedTier):
         with self._cond:
             current = self._lru.get(k) is entry
             if payload is None:
+                if problem == _BUSY:  # out of file descriptors or memory: a miss, kept
+                    return Fetched(Loaded.MISS)
                 if current:
                     self._lru.pop(k)
                 if problem == _MISSING:
@@ -486,6 +493,8 @@ class DiskTier(IndexedTier):
         except FileNotFoundError:
             return None, _MISSING
         except OSError as exc:
+            if exc.errno in _TRANSIENT:  # the process, not the record: keep it
+                return None, _BUSY
             return None, f"read failed: {exc}"
         try:
             header, payload = fmt.decode_record(buf)

@@ -378,6 +378,12 @@ class BlockStore:
             found = self._dram.remove(k)
             for tier in self._lower:
                 found = tier.remove(k) or found
+            if self._pin_count.pop(k, None) is not None:
+                # the pins went with the block (they outlived it: counted in pinned_blocks
+                # and keeping a later block under the key from being evicted)
+                for owner, keys in list(self._pins.items()):
+                    if k in keys:
+                        self._pins[owner] = tuple(x for x in keys if x != k)
             return found
 
     def flush(self) -> int:

@@ -1125,3 +1125,41 @@ def test_close_waits_for_a_write_down_running_inline_in_another_thread(tmp_path,
     got = again.get(refs[0])
     assert got.status is HIT_DISK and torch.equal(got.payload, kv(0))
     again.close()
+
+
+def test_a_discarded_block_takes_its_pins_with_it(tmp_path):
+    """Pins outlived discard(): pinned_blocks counted a block that was gone, and a later
+    block under the key could not be evicted until the old owner released."""
+    store = open_store(tmp_path, dram_blocks=2)
+    a, b, c = make_refs(3)
+    put_all(store, [a])
+    assert store.match_prefix([a], salt=SALT, owner="req-1") == 1 and store.stats().pinned_blocks == 1
+    assert store.discard(a.key)
+    assert store.stats().pinned_blocks == 0
+    put_all(store, [a, b, c])  # a again, then two more into 2 blocks of DRAM: a (LRU) goes
+    assert [store.get(r, salt=SALT).status for r in (a, b, c)] == [MISS, HIT_DRAM, HIT_DRAM]
+    assert store.release("req-1") == 0
+
+
+def test_a_read_the_process_cannot_make_now_is_a_miss_and_keeps_the_record(tmp_path, monkeypatch):
+    """Out of file descriptors (EMFILE) the healthy record was deleted and counted as
+    damaged.  The error is made by the process's limit, which a test cannot lower safely:
+    open() raises it here once."""
+    store = open_store(tmp_path, dram_blocks=1, disk_bytes=20 * REC)
+    a, b = make_refs(2)
+    put_all(store, [a, b])  # a is on disk only
+    real_open = open
+    calls = {"n": 0}
+
+    def open_once_emfile(path, *args, **kwargs):
+        if str(path).endswith(".kvb") and calls["n"] == 0:
+            calls["n"] += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(_disk, "open", open_once_emfile, raising=False)
+    assert store.get(a, salt=SALT).status is MISS
+    assert store.stats().corrupt == 0 and store.stats().disk_blocks == 1
+    got = store.get(a, salt=SALT)
+    assert got.status is HIT_DISK and torch.equal(got.payload, kv(0))
+    store.close()
