@@ -25,7 +25,7 @@ predictions and never admits: the engine admits what really ran.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from promptsplice.assembler._layout import BranchMemory, LayoutBuilder, Segment, SegmentKind
@@ -369,7 +369,7 @@ class Assembler:
         toks: Sequence[int],
         *,
         pad_prev: bool | None = None,
-        following: Sequence[Sequence[int]] | None = None,
+        following: Iterable[Sequence[int]] | None = None,
     ) -> None:
         ids = tuple(o.id for o in chunk.origins)
         builder.append(SegmentKind.CHUNK, ids, toks, paddable=True, pad_prev=pad_prev, following=following)
@@ -399,9 +399,9 @@ class Assembler:
         segs.extend(upcoming or ())
         known = upcoming is not None or query_toks is not None  # else what follows is unknown
         for i, ((kind, _), t) in enumerate(zip(head, head_toks)):
-            builder.append(kind, (), t, paddable=True, following=segs[i + 1 :] if known else None)
+            builder.append(kind, (), t, paddable=True, following=_after(segs, i + 1) if known else None)
         for j, idx in enumerate(order or (), start=len(head_toks)):
-            self._append_chunk(builder, kept[idx], chunk_toks[idx], following=segs[j + 1 :] if known else None)
+            self._append_chunk(builder, kept[idx], chunk_toks[idx], following=_after(segs, j + 1) if known else None)
         if query_toks is not None:
             builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
         return builder
@@ -447,7 +447,7 @@ class Assembler:
             for idx in order:
                 if lazy and not builder.hitting:
                     break
-                self._append_chunk(builder, kept[idx], chunk_toks[idx], following=rest[done + 1 :])
+                self._append_chunk(builder, kept[idx], chunk_toks[idx], following=_after(rest, done + 1))
                 done += 1
             if done == len(order):
                 builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
@@ -465,7 +465,7 @@ class Assembler:
         if done < len(order):  # complete the winner
             rest = [*(chunk_toks[i] for i in order), query_toks]
             for j in range(done, len(order)):
-                self._append_chunk(builder, kept[order[j]], chunk_toks[order[j]], following=rest[j + 1 :])
+                self._append_chunk(builder, kept[order[j]], chunk_toks[order[j]], following=_after(rest, j + 1))
             builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
         peek.replay()
         return builder, order
@@ -497,7 +497,7 @@ class Assembler:
         rest = [*(chunk_toks[i] for i in remaining), query_toks]  # the caller appends the query
         for j, idx in enumerate(remaining):
             order.append(idx)
-            self._append_chunk(builder, kept[idx], chunk_toks[idx], following=rest[j + 1 :])
+            self._append_chunk(builder, kept[idx], chunk_toks[idx], following=_after(rest, j + 1))
         return order
 
     def _prefix_key(self, tokens: list[int], segments: list[Segment], n_head: int, salt: str | None) -> str:
@@ -573,3 +573,9 @@ def _utf8(text: str, kind: SegmentKind) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidUTF8Error.lone_surrogate(f"the {kind.value} segment", text, exc, index=-1) from None
+
+
+def _after(segments: Sequence[Sequence[int]], start: int) -> Iterator[Sequence[int]]:
+    """The segments from ``start`` on, lazily (a layout's lookahead reads at most a
+    block's worth of them; slicing copied the rest once per segment)."""
+    return (segments[i] for i in range(start, len(segments)))

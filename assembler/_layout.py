@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from promptsplice.assembler._mirror import PrefixCacheMirror
@@ -182,7 +182,7 @@ class LayoutBuilder:
                 return b
         return n_blocks
 
-    def _decide_pad(self, seg_tokens: Sequence[int], following: Sequence[Sequence[int]] | None = None) -> bool:
+    def _decide_pad(self, seg_tokens: Sequence[int], following: Iterable[Sequence[int]] | None = None) -> bool:
         choices = self.pad_choices()
         if len(choices) == 1:
             return choices[0]
@@ -193,17 +193,18 @@ class LayoutBuilder:
         if len(seg_tokens) < need:
             # The segment does not complete the next block: what follows decides whether
             # the unpadded layout hits, so probe it with the following segments
-            # (unpadded).  Not knowing them, this is no miss: counting it as one made a
-            # boundary of an exact repeat a "branch point", padded from the third repeat
-            # on, which lost every cached block after it.  When the prompt ends before
-            # the block is full, that block is never cached either way: the usual rule.
-            if following is None:
-                return False
+            # (unpadded).  Not knowing them, this is no miss (only a padded block the
+            # mirror holds decides): counting it as one made a boundary of an exact
+            # repeat a "branch point", padded from the third repeat on, which lost every
+            # cached block after it.  When the prompt ends before the block is full,
+            # that block is never cached either way: the usual rule.
+            if following is None:  # a padded block the mirror holds still pays
+                return self.probe(seg_tokens, True, limit=1) > 0
             ahead = list(seg_tokens)
             for seg in following:
                 if len(ahead) >= need:
                     break
-                ahead.extend(seg)
+                ahead.extend(seg[: need - len(ahead)])
             seg_tokens = ahead
         if self.probe(seg_tokens, False, limit=1) > 0:
             return False
@@ -221,7 +222,7 @@ class LayoutBuilder:
         *,
         paddable: bool,
         pad_prev: bool | None = None,
-        following: Sequence[Sequence[int]] | None = None,
+        following: Iterable[Sequence[int]] | None = None,
     ) -> Segment:
         """Append one segment; ``pad_prev`` overrides the policy's decision.
         ``following``: every segment that will come after it (``()``: none), or ``None``

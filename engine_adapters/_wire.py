@@ -39,7 +39,8 @@ _CONTEXT_RE = re.compile(
 )
 # The sizes in OpenAI's, vLLM's and SGLang's wordings ("maximum context length is
 # 8192 tokens", "longer than the maximum model length of 8192", "context length (8192
-# tokens)"; "contains 9000 input tokens", "(length 9000)", "(9000 in the messages",
+# tokens)"; "contains 9000 input tokens", "your request has 9000 input tokens", "(length
+# 9000)", "(9000 in the messages",
 # "input (9000 tokens)").  The limit is -1 and the prompt the request's own length when
 # the message names none: never a number taken from elsewhere in the text.
 _LIMIT_RE = re.compile(
@@ -48,7 +49,7 @@ _LIMIT_RE = re.compile(
     re.IGNORECASE,
 )
 _PROMPT_LEN_RE = re.compile(
-    r"contains (?:at least )?(\d+) (?:input |prompt )?tokens|\(length (\d+)\)|\((\d+) in the messages"
+    r"(?:contains|has) (?:at least )?(\d+) (?:input |prompt )?tokens|\(length (\d+)\)|\((\d+) in the messages"
     r"|input \((\d+) tokens\)|prompt (?:has|is) (\d+) tokens|(\d+) prompt tokens",
     re.IGNORECASE,
 )

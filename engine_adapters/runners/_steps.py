@@ -28,6 +28,7 @@ the step ran at (``exact`` whenever the runner's mode never relocates).
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,13 +37,16 @@ from promptsplice.errors import ConfigError
 
 __all__ = ["AdaptiveRecompute", "StepFallback", "cached_tokens", "check_runner_engine", "planned_relocated_tokens"]
 
+_ABSENT = object()
 _ENGINE_SURFACE = ("block_size", "generate", "generate_phases", "can_splice", "can_relocate", "make_assembler")
 
 
 def check_runner_engine(engine: object, who: str) -> None:
     """A runner's engine: an EmbeddedEngine or a RemoteEngine (anything with their
     surface), else :class:`ConfigError` (``None`` raised AttributeError deep inside)."""
-    missing = [name for name in _ENGINE_SURFACE if not hasattr(engine, name)]
+    # looked up without running properties: a RemoteEngine's block_size and can_splice
+    # ask the server, which a runner that never needs them must not do when built
+    missing = [name for name in _ENGINE_SURFACE if inspect.getattr_static(engine, name, _ABSENT) is _ABSENT]
     if missing:
         raise ConfigError(
             f"{who} needs an EmbeddedEngine or a RemoteEngine, got {type(engine).__name__} "

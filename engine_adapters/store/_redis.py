@@ -92,9 +92,10 @@ def check_redis_url(url: object) -> str | None:
         return f"must start with redis:// (got scheme {parts.scheme or 'none'!r})"
     if not parts.hostname:
         return "names no host (e.g. redis://127.0.0.1:6379/0)"
-    if parts.path not in ("", "/") and not (parts.path[1:].isdigit() and parts.path[1:].isascii()):
+    db = parts.path[1:].rstrip("/")  # redis-py reads /0/ as database 0
+    if db and not (db.isdigit() and db.isascii()):
         # the client reads /abc as database 0 and /1/2 as database 12, silently
-        return f"names database {parts.path[1:]!r}: the path is a database number (e.g. redis://127.0.0.1:6379/0)"
+        return f"names database {db!r}: the path is a database number (e.g. redis://127.0.0.1:6379/0)"
     import redis
 
     try:  # the client's own reading of the URL and its options (no I/O)
@@ -175,6 +176,7 @@ class RedisTier(IndexedTier):
         # server yet: never indexed again from an announcement or a rescan, never served.
         self._doomed: set[str] = set()
         self._wipe = False  # a clear's scan of the server for values never indexed here
+        self._since_clear: set[str] | None = None  # names stored since a clear, till its scan ends
         self._deletes_until = 0.0  # after the server refused a delete: retried from then
         self._delete_warned = False
         self._lost_index = False  # an outage forgot the index: the next rescan re-shares
@@ -231,6 +233,7 @@ class RedisTier(IndexedTier):
         self._delete_later(*names)
         if not self._closed:
             self._wipe = True
+            self._since_clear = set()
             self._start_writer()
 
     def keys(self) -> Iterator[Key]:
@@ -419,6 +422,8 @@ class RedisTier(IndexedTier):
                 if current:
                     if self._closed:
                         return False
+                    if self._since_clear is not None:  # a clear's scan must keep it
+                        self._since_clear.add(name)
                     self._index(meta, len(data))
                     return True
                 overtaken = True  # stored after its clear or removal: delete it again
@@ -459,8 +464,8 @@ class RedisTier(IndexedTier):
                 deletable = self._reachable() and time.monotonic() >= self._deletes_until
                 if self._deletes and (deletable or self._closed):
                     deletes, self._deletes = self._deletes, []
-                wipe = self._wipe and (self._reachable() or self._closed)
-                self._wipe = self._wipe and not wipe
+                wipe = self._wipe and self._reachable() and not self._closed
+                self._wipe = self._wipe and not wipe and not self._closed
                 if not self._queue and not deletes and not wipe:
                     if (self._deletes or self._wipe) and not self._closed:
                         continue  # waits above: for the server, or the refusal's back-off
@@ -524,20 +529,25 @@ class RedisTier(IndexedTier):
     def _wipe_server(self) -> None:
         """A clear's second half (writer thread, without the lock; never raises): delete
         every value of this fingerprint on the server except those this store indexed
-        or is writing since the clear.  An outage has it run again once the server is
-        back."""
+        when the scan began or stored since the clear (or is storing).  An outage has
+        it run again once the server is back; a close stops it."""
         cursor = 0
+        with self._cond:  # one snapshot: rebuilt per page it held the store's lock for long
+            keep = {record_key(self._fp, r.meta) for _, r in self._lru.items()}
         try:
-            while True:
+            while not self._closed:
                 cursor, names = self._client.scan(cursor, match=self._prefix + "*", count=500)
                 if names:
                     with self._cond:
-                        keep = {record_key(self._fp, r.meta) for _, r in self._lru.items()}
-                        keep.update(record_key(self._fp, held.meta) for held in self._writing.values())
-                    gone = [name for name in names if name.decode() not in keep]
+                        since = self._since_clear or set()
+                        writing = {record_key(self._fp, held.meta) for held in self._writing.values()}
+                        gone = [n for n in names if (t := n.decode()) not in keep and t not in since and t not in writing]
                     if gone:
                         self._client.delete(*gone)
                 if cursor == 0:
+                    with self._cond:
+                        if not self._wipe:  # no later clear waits for its own scan
+                            self._since_clear = None
                     return
         except self._errors as exc:
             with self._cond:

@@ -640,6 +640,9 @@ def test_an_error_mid_stream_in_any_shape_is_an_error_never_a_short_answer(error
          "input tokens, which exceeds this limit even without any output tokens.", 9000, 8192),
         ("This model's maximum context length is 2048 tokens. However, your prompt contains 9000 "
          "characters (more than 8000 characters, which is the upper bound for 2000 input tokens).", 3, 2048),
+        # older vLLM
+        ("This model's maximum context length is 4096 tokens. However, your request has 5000 input "
+         "tokens. Please reduce the length of the input messages.", 5000, 4096),
         # OpenAI
         ("This model's maximum context length is 8192 tokens. However, you requested 9500 tokens "
          "(9000 in the messages, 500 in the completion).", 9000, 8192),

@@ -299,6 +299,17 @@ def test_a_runner_needs_an_engine_and_a_bool_for_reuse_repeats(kv_engine):
     with pytest.raises(ConfigError, match="index must be a ChunkIndex"):
         RagRunner(kv_engine, mode="position_independent", salt="t-rr", index="x")
 
+    class Lazy:  # properties are looked up, never run (a RemoteEngine's ask the server)
+        generate = generate_phases = make_assembler = staticmethod(lambda *a, **k: None)
+
+        @property
+        def block_size(self):
+            raise AssertionError("the server was asked")
+
+        can_splice = can_relocate = block_size
+
+    AgentRunner(Lazy(), mode="apc", salt="t-rr")
+
 
 def test_with_scope_none_the_session_salt_is_the_one_its_last_step_ran_under(kv_engine, renders):
     """After an exact step (its own salt) session_salt() named the tenant's salt, where

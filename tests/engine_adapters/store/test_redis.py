@@ -89,6 +89,7 @@ def value_key(ref, salt=SALT, ns: int = 0, fp: bytes = FP) -> str:
         # options the client cannot take: every call raised TypeError (the writer died)
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?foo=1"}, "remote_url has options the redis client"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?socket_timeout=x"}, "remote_url has options the redis client"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/x/"}, "remote_url names database 'x'"),
     ],
 )
 def test_config_names_the_remote_field_to_fix(kwargs, field):
