@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill, radix_prefill_tokens
 from promptsplice.benchmarks.traces import dump_rag_trace, sample_rag_requests
 from promptsplice.benchmarks.cli import main
@@ -74,8 +76,9 @@ def test_bench_rejects_bad_input(tmp_path, capsys):
     assert "bad.jsonl:1" in err and "query" in err
     good = tmp_path / "good.jsonl"
     dump_rag_trace(good, sample_rag_requests(3))
-    assert main(["bench", "assemble", "--trace", str(good), "--json", str(tmp_path / "o.json"), "--block-size", "0"]) == 2
-    assert "block_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # a usage error, before the trace is read
+        main(["bench", "assemble", "--trace", str(good), "--json", str(tmp_path / "o.json"), "--block-size", "0"])
+    assert info.value.code == 2 and "--block-size: must be >= 1" in capsys.readouterr().err
 
 
 def test_demo_prints_the_side_by_side_table(capsys):
