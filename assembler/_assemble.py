@@ -438,7 +438,8 @@ class Assembler:
             if order is not None and order not in orders:
                 orders.append(order)
         lazy = align is not AlignPolicy.ALL
-        trials: list[tuple[LayoutBuilder, list[int], PeekBranches, int, int]] = []  # ..., chunks laid, tokens
+        # (builder, order, branch peek, chunks laid, tokens, each segment's lookahead)
+        trials: list[tuple[LayoutBuilder, list[int], PeekBranches, int, int, list[Sequence[int]]]] = []
         for order in orders:
             peek = PeekBranches(branches)
             rest = [*(chunk_toks[i] for i in order), query_toks]  # each segment's lookahead
@@ -454,16 +455,15 @@ class Assembler:
                 n = len(builder.tokens)
             else:
                 n = len(builder.tokens) + sum(len(chunk_toks[i]) for i in order[done:]) + len(query_toks)
-            trials.append((builder, order, peek, done, n))
+            trials.append((builder, order, peek, done, n, rest))
         if len(kept) > 1 and not any(t[0].hitting for t in trials):
             peek = PeekBranches(branches)
             builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
             order = self._greedy(builder, kept, chunk_toks, stable, query_toks)
             builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
-            trials.append((builder, order, peek, len(order), len(builder.tokens)))
-        builder, order, peek, done, _ = trials[pick_best([self._cached_tokens(t[0], t[4]) for t in trials])]
-        if done < len(order):  # complete the winner
-            rest = [*(chunk_toks[i] for i in order), query_toks]
+            trials.append((builder, order, peek, len(order), len(builder.tokens), []))
+        builder, order, peek, done, _, rest = trials[pick_best([self._cached_tokens(t[0], t[4]) for t in trials])]
+        if done < len(order):  # complete the winner (never the greedy walk: it lays every chunk)
             for j in range(done, len(order)):
                 self._append_chunk(builder, kept[order[j]], chunk_toks[order[j]], following=_after(rest, j + 1))
             builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())

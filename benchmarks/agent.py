@@ -63,6 +63,7 @@ from promptsplice.benchmarks.agent_probes import ProbeTurns, probe_ranks
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
 from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
 from promptsplice.benchmarks._stats import percentile
+from promptsplice.assembler import PrefixCacheMirror
 from promptsplice.blocks import chain_hashes
 from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError
 from promptsplice.benchmarks.fidelity import (
@@ -151,30 +152,25 @@ class _Totals:
 
 class _Computed:
     """Every full block any mode computed so far (prompts, and the generated tokens the
-    engines cache: all but the last), by chain hash, salts aside: the longest exact
-    prefix a cache of unlimited capacity could serve, whatever any mode's cache did
-    serve (the ideal once took it from the modes' own hits, so it could not catch a
-    mode that hit too little or a hit count that was wrong)."""
+    engines cache: all but the last), salts aside, in an unbounded
+    :class:`~promptsplice.assembler.PrefixCacheMirror` (vLLM's block identity and hit
+    rule): the longest exact prefix a cache of unlimited capacity could serve, whatever
+    any mode's cache did serve (the ideal once took it from the modes' own hits, so it
+    could not catch a mode that hit too little or a hit count that was wrong)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.blocks: set[bytes] = set()
+        self._mirror = PrefixCacheMirror(block_size)
 
     def hit(self, tokens: Sequence[int]) -> int:
         """Tokens of the leading blocks of ``tokens`` computed before (vLLM's rule: never
         the block of the last token)."""
-        n = 0
-        for h in chain_hashes(list(tokens)[: (len(tokens) - 1) // self.block_size * self.block_size], self.block_size):
-            if h not in self.blocks:
-                break
-            n += 1
-        return n * self.block_size
+        return self._mirror.predict(chain_hashes(list(tokens), self.block_size), len(tokens)).cached_tokens
 
     def add(self, prompt: Sequence[int], outputs: Sequence[Sequence[int]]) -> None:
         prompt = list(prompt)
-        for out in outputs:
-            self.blocks.update(chain_hashes(prompt + list(out or ())[:-1], self.block_size))
-        self.blocks.update(chain_hashes(prompt, self.block_size))
+        for seq in [prompt + list(out or ())[:-1] for out in outputs] + [prompt]:
+            self._mirror.admit(chain_hashes(seq, self.block_size), len(seq), record=False)
 
 
 def _ideal_step(prepared: Any, exact_prefix: int, block_size: int) -> int:

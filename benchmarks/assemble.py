@@ -65,8 +65,10 @@ __all__ = [
     "ENGINE_CACHE_TOKENS",
     "bench_policies",
     "bench_suite",
+    "bound_status",
     "run_assemble_bench",
     "run_suite_bench",
+    "suite_reports",
     "format_table",
     "format_suite_table",
     "gap_closed",
@@ -205,7 +207,7 @@ def policy_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
                         radix=report["radix_prefill_tokens"], oracle=report["oracle_prefill_tokens"])
 
 
-def _bound_status(reports: dict[str, dict[str, Any]]) -> int:
+def bound_status(reports: dict[str, dict[str, Any]]) -> int:
     """0, or ``BOUND_EXIT`` (printed) when a policy predicted less than its bound."""
     import sys
 
@@ -291,7 +293,7 @@ def run_assemble_bench(
     print(format_table(report))
     Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {json_out}")
-    return _bound_status({"bench assemble": report})
+    return bound_status({"bench assemble": report})
 
 
 # --------------------------------------------------------------------------- the suite
@@ -442,9 +444,14 @@ def run_suite_bench(
     print(format_suite_table(report))
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
-    rc = _bound_status({
-        f"bench assemble --suite ({name}, block {bs})": rep
+    rc = bound_status(suite_reports(report, "bench assemble --suite"))
+    return rc or (1 if report["failed"] else 0)
+
+
+def suite_reports(report: dict[str, Any], what: str) -> dict[str, dict[str, Any]]:
+    """A suite report's per-family, per-block-size reports, named for error messages."""
+    return {
+        f"{what} ({name}, block {bs})": rep
         for name, fam in report["families"].items()
         for bs, rep in fam.get("blocks", {}).items()
-    })
-    return rc or (1 if report["failed"] else 0)
+    }

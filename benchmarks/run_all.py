@@ -12,7 +12,13 @@ import argparse
 import json
 from pathlib import Path
 
-from promptsplice.benchmarks.assemble import _bound_status, bench_policies, bench_suite, format_suite_table
+from promptsplice.benchmarks.assemble import (
+    bound_status,
+    bench_policies,
+    bench_suite,
+    format_suite_table,
+    suite_reports,
+)
 from promptsplice.benchmarks.traces import read_rag_trace, write_rag_trace
 
 __all__ = ["main"]
@@ -65,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     suite = bench_suite(requests=suite_requests, block_sizes=(16, 32), trace_dir=out / "suite")
     (out / "suite.json").write_text(json.dumps(suite, indent=2))
     print(format_suite_table(suite))
-    reports.update({
-        f"suite ({name}, block {bs})": rep
-        for name, fam in suite["families"].items()
-        for bs, rep in fam.get("blocks", {}).items()
-    })
+    reports.update(suite_reports(suite, "suite"))
 
     from promptsplice.benchmarks.latency import run_latency_bench
 
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(dd, indent=2))
     # A policy below its bound, or a family that failed, fails the run (the tables
     # above are printed either way, with the failures named on stderr).
-    rc = _bound_status(reports)
+    rc = bound_status(reports)
     if suite["failed"]:
         import sys
 

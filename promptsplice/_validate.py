@@ -45,6 +45,7 @@ __all__ = [
     "check_number",
     "check_bool",
     "check_stop",
+    "encodable",
     "check_enum",
     "check_salt",
     "check_text",
@@ -136,7 +137,7 @@ def check_enum(value: Any, enum_cls: type[_E], what: str, *, error: type[ConfigE
     raise error(f"{what} must be one of {names}; got {value!r}")
 
 
-def _encodable(text: str) -> bool:
+def encodable(text: str) -> bool:
     """Whether ``text`` is valid Unicode text (no lone surrogate), UTF-8 encodable."""
     if text.isascii():
         return True
@@ -153,7 +154,7 @@ def check_salt(salt: Any, what: str = "cache_salt") -> str | None:
     ``""`` is refused because vLLM treats an empty salt as no salt: a tenant passing
     one would share the unsalted cache (a cross-tenant leak).  Bytes, ints and the like
     are refused rather than converted, so one tenant never has two spellings."""
-    if salt is None or (isinstance(salt, str) and salt and _encodable(salt)):
+    if salt is None or (isinstance(salt, str) and salt and encodable(salt)):
         return salt
     if isinstance(salt, str) and salt:
         raise InvalidSaltError(

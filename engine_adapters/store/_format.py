@@ -66,6 +66,9 @@ ALIGN = 64
 _FIXED = struct.Struct("<8sHBBBxHIQ16s16s16s")
 # magic, version, namespace, dtype code, ndim, (pad), salt length, token count,
 # payload bytes, key, parent, fingerprint digest
+MAX_SALT_BYTES = 0xFFFF
+"""The longest salt a record holds (its stored form, tag byte included): the header
+keeps its length in 16 bits."""
 _DIM = struct.Struct("<Q")
 
 # Stable codes: never renumber (they are in files on disk).

@@ -35,9 +35,9 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   breaker.  No exception of the client reaches the caller or stops the writer.
 
 The ``redis`` client is imported when a tier is built, never at import time.  Kept as
-one module (~640 lines): the index, the writer and the listener share one lock and one
-set of rules (what is announced, what is doomed, when the breaker opens), and each
-race between them is settled in this file.
+one module (~720 lines): the index, the writer and the listener share one lock and one
+set of rules (what is announced, what is doomed, when the breaker opens, what a clear's
+scan of the server keeps), and each race between them is settled in this file.
 """
 
 from __future__ import annotations

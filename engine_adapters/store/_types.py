@@ -14,6 +14,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, root_hash, token_bytes
+from promptsplice._validate import encodable
+from promptsplice.engine_adapters.store._format import MAX_SALT_BYTES
 from promptsplice.engine_adapters.store._redis import check_redis_url
 from promptsplice.engine_adapters.store._tier import Key, Namespace, dtype_name, salt_bytes, supported_dtypes
 from promptsplice.errors import ConfigError, InputError
@@ -153,9 +155,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-MAX_SALT_BYTES = 0xFFFF
-"""The longest stored salt (its tag byte included): the record format's 16-bit field."""
-
 MAX_SECONDS = 86_400.0
 """The longest timeout or back-off a store accepts (a day): an infinite one turned a
 tier off for good (disk) or could not be set on a socket (Redis)."""
@@ -164,14 +163,6 @@ tier off for good (disk) or could not be set on a socket (Redis)."""
 def _check_seconds(value: object, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECONDS:
         raise ConfigError(f"{what} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r}")
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +233,7 @@ class StoreConfig:
                 "disk_bytes > 0 needs disk_dir: pass the folder for the block files, "
                 "or disk_bytes=0 to keep blocks in DRAM only"
             )
-        if not isinstance(self.fingerprint, str) or not _encodes(self.fingerprint):
+        if not isinstance(self.fingerprint, str) or not encodable(self.fingerprint):
             raise ConfigError(
                 f"fingerprint must be a str without lone surrogates (model and KV layout), got {self.fingerprint!r}"
             )

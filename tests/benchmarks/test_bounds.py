@@ -109,7 +109,7 @@ def test_a_chunk_holding_the_separator_cannot_beat_the_oracle():
 
 
 def test_bench_assemble_fails_when_a_policy_beats_its_bound(capsys):
-    from promptsplice.benchmarks.assemble import _bound_status
+    from promptsplice.benchmarks.assemble import bound_status as _bound_status
     from promptsplice.benchmarks.bounds import BOUND_EXIT
 
     ok = {"bound_checks": {"naive": {"bound": "radix", "bound_prefill_tokens": 10, "prefill_tokens": 12},
