@@ -42,8 +42,8 @@ from promptsplice.assembler._mirror import PrefixCacheMirror
 from promptsplice.assembler._ordering import AlignPolicy
 from promptsplice.blocks import (
     BlockHash,
-    chain_hashes,
     content_digest,
+    hash_while_cached,
     iter_block_hashes,
     root_hash,
     token_bytes,
@@ -128,18 +128,18 @@ class LayoutBuilder:
         self.mirror = mirror
         self.branches = branches if branches is not None else BranchMemory()
         self.tokens: list[int] = []
+        # The same tokens as token_bytes (each segment converted once, not once per probe).
+        self._bytes = bytearray()
+        self._filler_block = token_bytes([filler_token_id] * block_size)
         self.hashes: list[BlockHash] = []
         self.segments: list[Segment] = []
         self._root = root_hash(salt)
+        self._cached = mirror.cached_hashes() if mirror is not None else None
         # While True, every full block so far is cached in the mirror.
         self.hitting = mirror is not None
         self._paddable_prev = False
 
     # -- probing -------------------------------------------------------------------
-    @property
-    def _tail(self) -> list[int]:
-        return self.tokens[len(self.hashes) * self.block_size :]
-
     def pad_choices(self) -> tuple[bool, ...]:
         """Which padding choices the policy allows for the previous segment's end."""
         if not self._paddable_prev or len(self.tokens) % self.block_size == 0:
@@ -156,31 +156,22 @@ class LayoutBuilder:
         Only meaningful while :attr:`hitting`: counts the leading cached new full
         blocks, stopping at the first miss or after ``limit`` blocks.
         """
-        mirror = self.mirror
-        if mirror is None or not self.hitting:
+        if self._cached is None or not self.hitting:
             return 0
         bs = self.block_size
-        tail = self._tail
-        if pad_prev and len(tail) % bs:
-            tail = tail + [self.filler] * (bs - len(tail) % bs)
-        n_blocks = (len(tail) + len(seg_tokens)) // bs
+        tail = bytes(self._bytes[len(self.hashes) * 4 * bs :])
+        n_tail = len(tail) // 4
+        if pad_prev and n_tail % bs:
+            tail += self._filler_block[: 4 * (bs - n_tail % bs)]
+            n_tail = len(tail) // 4
+        n_blocks = (n_tail + len(seg_tokens)) // bs
         if limit is not None:
             n_blocks = min(n_blocks, limit)
         if n_blocks == 0:
             return 0
-        data = memoryview(token_bytes(tail + list(seg_tokens[: n_blocks * bs - len(tail)])))
-        return self._count_hits(self.hashes[-1] if self.hashes else self._root, data, n_blocks)
-
-    def _count_hits(self, parent: bytes, data: memoryview, n_blocks: int, out: list | None = None) -> int:
-        """Chain-hash ``n_blocks`` blocks of ``data`` from ``parent`` until one misses."""
-        has = self.mirror.has  # type: ignore[union-attr]
-        step = 4 * self.block_size
-        for b, h in enumerate(iter_block_hashes(parent, data[: n_blocks * step], self.block_size)):  # type: ignore[arg-type]
-            if out is not None:
-                out.append(h)
-            if not has(h):
-                return b
-        return n_blocks
+        data = tail + token_bytes(seg_tokens[: n_blocks * bs - n_tail])
+        parent = self.hashes[-1] if self.hashes else self._root
+        return hash_while_cached(parent, data, bs, self._cached, [])
 
     def _decide_pad(self, seg_tokens: Sequence[int], following: Iterable[Sequence[int]] | None = None) -> bool:
         choices = self.pad_choices()
@@ -189,7 +180,7 @@ class LayoutBuilder:
         # AUTO
         if not self.hitting:
             return False
-        need = self.block_size - len(self._tail)
+        need = self.block_size - (len(self.tokens) - len(self.hashes) * self.block_size)
         if len(seg_tokens) < need:
             # The segment does not complete the next block: what follows decides whether
             # the unpadded layout hits, so probe it with the following segments
@@ -211,7 +202,8 @@ class LayoutBuilder:
         if self.probe(seg_tokens, True, limit=1) > 0:
             return True
         parent = self.hashes[-1] if self.hashes else self._root
-        return self.branches.check_and_record(content_digest(parent + token_bytes(self._tail)))
+        tail = self._bytes[len(self.hashes) * 4 * self.block_size :]
+        return self.branches.check_and_record(content_digest(parent + tail))
 
     # -- building ------------------------------------------------------------------
     def append(
@@ -236,6 +228,7 @@ class LayoutBuilder:
                 self._pad_last()
         start = len(self.tokens)
         self.tokens.extend(seg_tokens)
+        self._bytes += token_bytes(seg_tokens)
         seg = Segment(kind, chunk_ids, start, len(self.tokens))
         self.segments.append(seg)
         self._paddable_prev = paddable
@@ -247,6 +240,7 @@ class LayoutBuilder:
         p = (-len(self.tokens)) % bs
         if p:
             self.tokens.extend([self.filler] * p)
+            self._bytes += self._filler_block[: 4 * p]
             seg = self.segments[-1]
             seg.end += p
             seg.padding += p
@@ -256,15 +250,14 @@ class LayoutBuilder:
         """Hash newly completed blocks while the prefix is still cached."""
         if not self.hitting:
             return
-        bs = self.block_size
+        step = 4 * self.block_size
         done = len(self.hashes)
-        n_blocks = len(self.tokens) // bs - done
-        if n_blocks <= 0:
+        if len(self._bytes) // step <= done:
             return
-        data = memoryview(token_bytes(self.tokens[done * bs : (done + n_blocks) * bs]))
         parent = self.hashes[-1] if self.hashes else self._root
-        hits = self._count_hits(parent, data, n_blocks, out=self.hashes)
-        if hits < n_blocks:
+        data = bytes(self._bytes[done * step : (len(self._bytes) // step) * step])
+        hits = hash_while_cached(parent, data, self.block_size, self._cached, self.hashes)  # type: ignore[arg-type]
+        if hits < len(data) // step:
             self.hitting = False
 
     @property
@@ -274,9 +267,9 @@ class LayoutBuilder:
 
     def finish(self) -> list[BlockHash]:
         """Hash the remaining full blocks; returns all full-block hashes."""
-        bs = self.block_size
         done = len(self.hashes)
         parent = self.hashes[-1] if self.hashes else self._root
-        self.hashes.extend(chain_hashes(self.tokens[done * bs :], bs, parent=parent))
+        data = memoryview(bytes(self._bytes[done * 4 * self.block_size :]))
+        self.hashes.extend(iter_block_hashes(parent, data, self.block_size))
         self.hitting = False
         return self.hashes

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress, count
+from operator import not_
+from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import NewType
 
 import xxhash
@@ -40,6 +42,7 @@ __all__ = [
     "hash_block",
     "chain_hashes",
     "iter_block_hashes",
+    "hash_while_cached",
 ]
 
 BlockHash = NewType("BlockHash", bytes)
@@ -152,3 +155,52 @@ def iter_block_hashes(parent: BlockHash, data: memoryview, block_size: int) -> I
     for start in range(0, full, step):
         h = digest(h + data[start : start + step])
         yield h  # type: ignore[misc]
+
+
+_MEMO_MIN_BLOCKS = 4
+_MEMO_MAX_ENTRIES = 8192
+_memo: dict[tuple[bytes, int, bytes], tuple[BlockHash, ...]] = {}
+
+
+def _memo_chain(parent: BlockHash, data: bytes, block_size: int) -> tuple[BlockHash, ...]:
+    """Chain hashes of every full block of ``data``, remembered per (parent, block size,
+    digest of ``data``): a popular chunk is hashed block by block once, not on every
+    request that sends it.  Keyed by the same xxh3-128 as the hashes themselves; the
+    memo is cleared whole when it is full (a few MB at most)."""
+    key = (parent, block_size, xxhash.xxh3_128_digest(data))
+    hashes = _memo.get(key)
+    if hashes is None:
+        hashes = tuple(iter_block_hashes(parent, memoryview(data), block_size))
+        if len(_memo) >= _MEMO_MAX_ENTRIES:
+            _memo.clear()
+        _memo[key] = hashes
+    return hashes
+
+
+def hash_while_cached(
+    parent: BlockHash, data: bytes | memoryview, block_size: int, cached: Container[bytes], out: list[BlockHash]
+) -> int:
+    """Chain-hash the full blocks of ``data`` (:func:`token_bytes` output) from ``parent``
+    into ``out`` until one is not in ``cached``; returns how many leading blocks are.
+
+    The first missing block's hash is appended too (the caller continues the chain from
+    it).  The assembler's layout walk runs this once per segment on every request, so
+    it is one tight loop (no generator, no per-block call beyond the digest).
+    """
+    step = 4 * block_size
+    if len(data) >= _MEMO_MIN_BLOCKS * step:
+        hashes = _memo_chain(parent, bytes(data), block_size)
+        n = next(compress(count(), map(not_, map(cached.__contains__, hashes))), len(hashes))
+        out.extend(hashes[: n + 1])
+        return n
+    digest = xxhash.xxh3_128_digest
+    append = out.append
+    h = parent
+    n = 0
+    for start in range(0, (len(data) // step) * step, step):
+        h = digest(h + data[start : start + step])
+        append(h)  # type: ignore[arg-type]
+        if h not in cached:
+            return n
+        n += 1
+    return n

@@ -16,6 +16,7 @@ from promptsplice.blocks import (
     chunk_key,
     content_digest,
     hash_block,
+    hash_while_cached,
     root_hash,
     round_down,
     round_up,
@@ -111,3 +112,21 @@ def test_chunk_key_names_tokens_block_size_salt_and_identity():
     assert k not in chain_hashes(toks, 32, salt="t") + chain_hashes(toks, 64, salt="t")
     with pytest.raises(ValueError):
         chunk_key(toks, block_size=0)
+
+
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    st.sampled_from([1, 2, 4, 16]),
+    st.integers(0, 60),
+    st.booleans(),
+)
+def test_hash_while_cached_stops_at_the_first_missing_block(tokens, bs, cached_blocks, twice):
+    """Short and memoised (>= 4 blocks) paths alike: the leading cached blocks' hashes
+    plus the first missing one, the same hashes as chain_hashes (twice: from the memo)."""
+    full = chain_hashes(tokens, bs)
+    cached = set(full[:cached_blocks])
+    for _ in range(2 if twice else 1):
+        out: list[bytes] = []
+        n = hash_while_cached(root_hash(), token_bytes(tokens), bs, cached, out)
+        assert n == min(cached_blocks, len(full))
+        assert out == full[: n + 1]
