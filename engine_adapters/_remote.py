@@ -82,6 +82,7 @@ from promptsplice.engine_adapters._wire import (
     MAX_RETRY_AFTER_S,
     retry_after,
     status_error,
+    wants_usage,
 )
 from promptsplice.engine_adapters.connector._plans import SplicePlan
 from promptsplice.engine_adapters.connector._served import splice_params
@@ -450,6 +451,14 @@ class RemoteEngine(ServedEngineSurface):
     def _get(self, path: str) -> _Exchange:
         return (yield from self._attempts(_Call("GET", self._url(path))))
 
+    def served_model(self) -> str:
+        """The model this engine sends to: ``model``, else asked once from the
+        server's ``/v1/models`` (what the first request would do)."""
+        if self.model is None:
+            url = self._url("/v1/models")
+            self.model = model_from_list(self._run(self._attempts(_Call("GET", url))), url)
+        return self.model
+
     def _completion(self, req: Request) -> _Exchange:
         if self.model is None:
             url = self._url("/v1/models")
@@ -493,7 +502,7 @@ class RemoteEngine(ServedEngineSurface):
                 if response.status_code >= 400:
                     response.read()
                     self._check_response(response, call)
-                acc = Accumulator(call.req.chat, call.start)
+                acc = Accumulator(call.req.chat, call.start, expect_usage=wants_usage(call.req))
                 for line in response.iter_lines():
                     acc.feed(line, call.url)
                 return acc.result(call.req.prompt_len, call.url)
@@ -527,7 +536,7 @@ class RemoteEngine(ServedEngineSurface):
                 if response.status_code >= 400:
                     await response.aread()
                     self._check_response(response, call)
-                acc = Accumulator(call.req.chat, call.start)
+                acc = Accumulator(call.req.chat, call.start, expect_usage=wants_usage(call.req))
                 async for line in response.aiter_lines():
                     acc.feed(line, call.url)
                 return acc.result(call.req.prompt_len, call.url)

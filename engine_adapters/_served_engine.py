@@ -93,6 +93,7 @@ from promptsplice.engine_adapters._wire import (
     Request,
     completion_from_json,
     model_from_list,
+    wants_usage,
     parse_json,
     snippet,
 )
@@ -310,6 +311,12 @@ class ServedEngineSurface:
                 f"{self.base_url} does not report cached tokens: start vllm serve with "  # type: ignore[attr-defined]
                 "--enable-prompt-tokens-details (counts are never guessed)"
             )
+        if rc.token_ids is None and rc.completion_tokens != 0:
+            raise EngineResponseError(
+                f"{self.base_url} did not return the generated token ids it was asked for "  # type: ignore[attr-defined]
+                "(return_token_ids): a vLLM of 0.10.2 or later, not behind a proxy that drops "
+                "fields, is needed (counts and the cache mirror are never guessed)"
+            )
         prompt = req.body["prompt"]
         ids = list(prompt) if isinstance(prompt, list) else []
         predicted = None
@@ -354,28 +361,42 @@ class ServedEngineSurface:
     ) -> Iterator[StreamDelta]:
         """What the server streams (SSE), one :class:`StreamDelta` per chunk; the last
         has ``completion`` set.  Invalid options raise here, server errors while it is
-        advanced (no retries once streaming started)."""
+        advanced (retried until the first delta, as ``generate``; never after)."""
         req = self._served_request(prompt, max_tokens, temperature, cache_salt, stop, None, None, True)
         req.body["model"] = self._model_id()
         return self._stream_deltas(req)
 
     def _stream_deltas(self, req: Request) -> Iterator[StreamDelta]:
+        """The SSE deltas, with the engine's retries while nothing was yielded yet (a
+        refused connection, a 503, a timeout before the first token: as ``generate``);
+        once a delta is out, an error is final (a retry would repeat output)."""
         call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
-        client = self._sync_client()  # type: ignore[attr-defined]
-        try:
-            with self._translating(call.url):  # type: ignore[attr-defined]
-                with client.stream("POST", call.url, json=req.body) as response:
-                    if response.status_code >= 400:
-                        response.read()
-                        self._check_response(response, call)  # type: ignore[attr-defined]
-                    acc = Accumulator(False, call.start)
-                    for line in response.iter_lines():
-                        text, ids = acc.feed(line, call.url)
-                        if text or ids:
-                            yield StreamDelta(text, ids, None)
-                    rc = acc.result(req.prompt_len, call.url)
-        except Retry as retry:  # type: ignore[attr-defined]
-            raise retry.error from retry.error.__cause__
+        attempts = self._attempts(call)  # type: ignore[attr-defined]
+        step = next(attempts)
+        while True:
+            if isinstance(step, float):  # the pause before a retry
+                time.sleep(step)
+                step = next(attempts)
+                continue
+            started = False
+            try:
+                with self._translating(call.url):  # type: ignore[attr-defined]
+                    with self._sync_client().stream("POST", call.url, json=req.body) as response:  # type: ignore[attr-defined]
+                        if response.status_code >= 400:
+                            response.read()
+                            self._check_response(response, call)  # type: ignore[attr-defined]
+                        acc = Accumulator(False, call.start, expect_usage=wants_usage(req))
+                        for line in response.iter_lines():
+                            text, ids = acc.feed(line, call.url)
+                            if text or ids:
+                                started = True
+                                yield StreamDelta(text, ids, None)
+                        rc = acc.result(req.prompt_len, call.url)
+                break
+            except Retry as retry:  # type: ignore[attr-defined]
+                if started:
+                    raise retry.error from retry.error.__cause__
+                step = attempts.throw(retry)  # the pause, or the error once retries are spent
         yield StreamDelta("", [], self._completion_record(rc, req))
 
     def generate_phases(

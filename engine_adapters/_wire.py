@@ -245,12 +245,21 @@ class Call:
         return self.req is not None and bool(self.req.body.get("stream"))
 
 
+def wants_usage(req: Request) -> bool:
+    """Whether a streamed request asked for the final usage chunk."""
+    opts = req.body.get("stream_options")
+    return isinstance(opts, Mapping) and bool(opts.get("include_usage"))
+
+
 class Accumulator:
     """Collects a streamed (SSE) response chunk by chunk."""
 
-    def __init__(self, chat: bool, start: float) -> None:
+    def __init__(self, chat: bool, start: float, *, expect_usage: bool = False) -> None:
         self.chat = chat
         self.start = start
+        # the request asked for a usage chunk (``stream_options.include_usage``): it comes
+        # after the finish_reason, so a stream cut between them is cut, not complete
+        self.expect_usage = expect_usage
         self.parts: list[str] = []
         self.ttft: float | None = None
         self.finish_reason: str | None = None
@@ -317,6 +326,11 @@ class Accumulator:
             raise EngineResponseError(
                 f"the stream from {url} ended before a finish_reason or [DONE] "
                 f"(got {len(self.parts)} text chunks): the server closed it early"
+            )
+        if not self.done and self.expect_usage and self.usage is None:
+            raise EngineResponseError(
+                f"the stream from {url} ended after its finish_reason but before the usage "
+                "chunk it was asked for and [DONE]: the server closed it early"
             )
         usage = self.usage if isinstance(self.usage, Mapping) else {}
         total = time.perf_counter() - self.start

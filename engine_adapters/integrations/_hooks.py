@@ -27,9 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from langchain_core.messages import (
-    AIMessage,
     BaseMessage,
-    HumanMessage,
     SystemMessage,
     ToolMessage,
     convert_to_messages,
@@ -76,34 +74,66 @@ def _config_session(session_key: str, default: str | None) -> str:
 
 
 def messages_from_openai(
-    dicts: Sequence[Mapping[str, Any]], originals: Sequence[BaseMessage], original_dicts: Sequence[Mapping[str, Any]]
+    dicts: Sequence[Mapping[str, Any]],
+    originals: Sequence[BaseMessage],
+    original_dicts: Sequence[Mapping[str, Any]],
+    origins: Sequence[int] | None = None,
 ) -> list[BaseMessage]:
     """Policy-edited OpenAI dicts -> LangChain messages.  A dict equal to an original's
     dict gives that original message back (ids, names, metadata kept), matched in order;
     an edited tool output keeps its original message with the new content; anything
-    else (a summary) is converted with ``convert_to_messages``."""
+    else (a summary) is converted with ``convert_to_messages``.  ``origins``: each
+    original dict's message index (:func:`lc_messages_to_openai`); a message that gave
+    several dicts comes back whole only while all of them come back unchanged, in a
+    row (else each dict is converted on its own).  Without it, one dict per message."""
+    if origins is None:
+        if len(original_dicts) != len(originals):
+            raise InputError(
+                f"{len(originals)} messages gave {len(original_dicts)} chat dicts: pass their origins "
+                "(lc_messages_to_openai(..., origins=[]))"
+            )
+        origins = range(len(originals))
+    sizes: dict[int, int] = {}
+    for o in origins:
+        sizes[o] = sizes.get(o, 0) + 1
     out: list[BaseMessage] = []
     j = 0
     by_call = {
         getattr(m, "tool_call_id", None): m for m in originals if isinstance(m, ToolMessage)
     }
-    for d in dicts:
+    n = len(dicts)
+    i = 0
+    while i < n:
+        d = dicts[i]
         k = j
         while k < len(original_dicts) and original_dicts[k] != d:
             k += 1
         if k < len(original_dicts):
-            out.append(originals[k])
-            j = k + 1
-            continue
+            size = sizes[origins[k]]
+            whole = (
+                size == 1
+                or (
+                    k + size <= len(original_dicts)
+                    and all(origins[k + m] == origins[k] for m in range(size))
+                    and list(dicts[i : i + size]) == list(original_dicts[k : k + size])
+                )
+            )
+            if whole:
+                out.append(originals[origins[k]])
+                j, i = k + size, i + size
+                continue
+            j = k + 1  # part of a message that did not come back whole: convert it alone
         tid = d.get("tool_call_id")
         if d.get("role") == "tool" and tid in by_call:
             out.append(by_call[tid].model_copy(update={"content": d.get("content", "")}))
+            i += 1
             continue
         clean = {k2: v for k2, v in d.items() if k2 != "status"}
         try:
             out.extend(convert_to_messages([clean]))
         except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
             raise InputError(f"cannot convert the edited message {d!r:.120} back to LangChain: {exc}") from exc
+        i += 1
     return out
 
 
@@ -148,7 +178,8 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
         originals: list[BaseMessage] = list(request.messages)
         system = request.system_message
         lc = ([system] if system is not None else []) + originals
-        dicts = lc_messages_to_openai(lc)
+        origins: list[int] = []
+        dicts = lc_messages_to_openai(lc, origins=origins)
         tools = format_tools([t for t in request.tools]) if request.tools else None
         prepared = self.hook(sid, dicts, tools)
         edited = prepared.messages
@@ -160,7 +191,8 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
                 edited = edited[1:]
             else:  # a policy removed the system message
                 new_system = None
-        messages = messages_from_openai(edited, originals, dicts[1:] if system is not None else dicts)
+        skip = 1 if system is not None else 0
+        messages = messages_from_openai(edited, originals, dicts[skip:], [o - skip for o in origins[skip:]])
         self.history.append(prepared)
         del self.history[: max(0, len(self.history) - self.keep_history)]
         if self.on_prepared is not None:
@@ -226,7 +258,8 @@ class PromptsplicePreModelHook:
             raise InputError("the graph state has no 'messages'")
         originals = list(convert_to_messages(msgs))
         lc = ([SystemMessage(content=self.system)] if self.system else []) + originals
-        dicts = lc_messages_to_openai(lc)
+        origins: list[int] = []
+        dicts = lc_messages_to_openai(lc, origins=origins)
         prepared = self.hook(sid, dicts, self.tools)
         edited = prepared.messages
         if self.system and edited and edited[0].get("role") == "system":
@@ -234,7 +267,8 @@ class PromptsplicePreModelHook:
         self.history.append(prepared)
         del self.history[:-64]
         handoff.put(prepared)
-        return {"llm_input_messages": messages_from_openai(edited, originals, dicts[1:] if self.system else dicts)}
+        skip = 1 if self.system else 0
+        return {"llm_input_messages": messages_from_openai(edited, originals, dicts[skip:], [o - skip for o in origins[skip:]])}
 
 
 # -- OpenAI Agents SDK call_model_input_filter -------------------------------------------
@@ -345,8 +379,50 @@ def chat_to_items(
                         out.append(items[i])
                 j = k + 1
                 continue
+        if d.get("role") == "assistant" and d.get("tool_calls"):
+            j = _assistant_items(d, chat, prov, items, j, out)
+            continue
         out.append({"role": d.get("role", "user"), "content": d.get("content") or ""})
     return out
+
+
+def _assistant_items(
+    d: Mapping[str, Any], chat: Sequence[Mapping[str, Any]], prov: Sequence[Sequence[int]], items: Sequence[Any], j: int, out: list[Any]
+) -> int:
+    """An edited assistant turn with tool calls (a policy dropped some of its calls):
+    its original items, less the ``function_call`` items of the dropped calls (their
+    outputs went with them), and its text as a new message if that changed.  A turn
+    with no original gets new ``function_call`` items.  Returns the next position."""
+    keep = [c.get("id") for c in d["tool_calls"]]
+    k = next(
+        (
+            n
+            for n in range(j, len(chat))
+            if chat[n].get("role") == "assistant"
+            and set(keep) <= {c.get("id") for c in chat[n].get("tool_calls") or ()}
+        ),
+        None,
+    )
+    if k is None:
+        if d.get("content"):
+            out.append({"role": "assistant", "content": d["content"]})
+        for c in d["tool_calls"]:
+            fn = c.get("function") or {}
+            out.append({"type": "function_call", "call_id": c.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments", "{}")})
+        return j
+    for i in prov[k]:
+        it = _as_dict(items[i])
+        if it.get("type") == "function_call":
+            if it.get("call_id") in keep:
+                out.append(items[i])
+        elif it.get("type") in (None, "message") and isinstance(it.get("role"), str):
+            if d.get("content") == chat[k].get("content"):
+                out.append(items[i])
+            elif d.get("content"):
+                out.append({"role": "assistant", "content": d["content"]})
+        else:  # reasoning and other items that rode with the turn
+            out.append(items[i])
+    return k + 1
 
 
 class PromptspliceInputFilter:

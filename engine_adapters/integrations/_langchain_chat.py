@@ -67,7 +67,7 @@ from promptsplice._validate import (
     check_tenant_salt,
     check_text,
 )
-from promptsplice.assembler import ChatRenderer, ContextHook, PreparedContext, StepKind
+from promptsplice.assembler import ChatRenderer, PreparedContext, StepKind
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_convert import (
     TOOL_CALL_CLOSE,
@@ -226,7 +226,10 @@ class PromptspliceChatModel(BaseChatModel):
     def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
         # serializable models key LangChain's LLM cache by their dumpd, which leaves the
         # engine out: add the model the engine runs, so two engines never share entries
-        return super()._get_llm_string(stop=stop, **kwargs) + "---model=" + self._model_name()
+        # (and a served engine's URL: two servers never share entries either)
+        url = getattr(self.engine, "base_url", None)
+        where = f"---server={url}" if isinstance(url, str) else ""
+        return super()._get_llm_string(stop=stop, **kwargs) + "---model=" + self._model_name(resolve=True) + where
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -284,7 +287,9 @@ class PromptspliceChatModel(BaseChatModel):
         """The engine this model runs on (``engine`` or :func:`default_engine`)."""
         return self.engine if self.engine is not None else default_engine()
 
-    def _model_name(self) -> str:
+    def _model_name(self, *, resolve: bool = False) -> str:
+        """The model's name; ``resolve``: ask a served engine that was given no model
+        (otherwise named by its URL until its first request asked the server)."""
         if self.model_name:
             return self.model_name
         eng = self.engine
@@ -292,6 +297,8 @@ class PromptspliceChatModel(BaseChatModel):
             with _default_lock:
                 eng = _default_engine
         model = getattr(getattr(eng, "config", None), "model", None) or getattr(eng, "model", None)
+        if not model and hasattr(eng, "served_model"):
+            model = eng.served_model() if resolve else getattr(eng, "base_url", None)
         return Path(model).name if isinstance(model, str) and model else DEFAULT_MODEL_NAME
 
     def renderer(self) -> ChatRenderer:
@@ -327,8 +334,14 @@ class PromptspliceChatModel(BaseChatModel):
         unknown = set(kwargs) - _KNOWN_CALL_KWARGS
         if unknown:
             raise ConfigError(f"PromptspliceChatModel does not take {sorted(unknown)}")
+        # call-time options get the constructor's checks (a tenant salt may not claim
+        # the derived salts' mark; a tool choice is one of the documented forms)
+        if kwargs.get("cache_salt") is not None:
+            check_tenant_salt(kwargs["cache_salt"], "cache_salt")
+        if "tool_choice" in kwargs:
+            check_tool_choice(kwargs["tool_choice"])
         model = kwargs.get("model")
-        if model is not None and model != self._model_name():
+        if model is not None and model != self._model_name(resolve=True):
             raise ConfigError(
                 f"model={model!r}: this model runs {self._model_name()!r} on its engine; "
                 "build another PromptspliceChatModel for another engine"
@@ -362,7 +375,7 @@ class PromptspliceChatModel(BaseChatModel):
         if prefix:
             eng = self.resolved_engine()
             ids += list(eng.tokenizer.encode(prefix))
-        stops = stop if stop is not None else self.stop
+        stops = check_stop(stop) if stop is not None else self.stop  # "END" is one stop, not three
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         temperature = kwargs.get("temperature", self.temperature)
         return {

@@ -40,15 +40,24 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
 
-def lc_messages_to_openai(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int] | None = None) -> list[dict[str, Any]]:
     """LangChain messages -> OpenAI chat dicts (``convert_to_openai_messages``), keeping
-    a tool message's ``status="error"`` (which the failed-call policy reads)."""
+    a tool message's ``status="error"`` (which the failed-call policy reads).
+    ``origins``: a list to fill with each dict's message index (one message may give
+    several dicts: a user message holding tool_result blocks)."""
+    out: list[dict[str, Any]] = []
     try:
-        out = convert_to_openai_messages(list(messages))
+        if origins is None:
+            converted = convert_to_openai_messages(list(messages))
+            out = [converted] if isinstance(converted, dict) else list(converted)
+        else:  # message by message (the conversion has no state across messages)
+            for i, m in enumerate(messages):
+                one = convert_to_openai_messages([m])
+                one = [one] if isinstance(one, dict) else list(one)
+                out.extend(one)
+                origins.extend([i] * len(one))
     except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
         raise InputError(f"cannot convert the messages to chat dicts: {exc}") from exc
-    if isinstance(out, dict):
-        out = [out]
     # by tool_call_id, not by position: one message may convert to several dicts (a
     # user message holding tool_result blocks), which shifts every later position
     failed = {m.tool_call_id for m in messages if isinstance(m, ToolMessage) and getattr(m, "status", None) == "error"}

@@ -703,3 +703,71 @@ def test_stop_must_be_a_string_or_a_list_of_strings(stop):
     eng = _mock(lambda r: httpx.Response(200, json=_ok_body()))
     with pytest.raises(ConfigError, match="stop must be a non-empty str or a list"):
         eng.generate([1, 2], max_tokens=1, stop=stop)
+
+
+def _stream_body(done=True, usage=True):
+    chunks = ['{"id": "c1", "choices": [{"text": "Hel", "token_ids": [1], "finish_reason": null}]}',
+              '{"id": "c1", "choices": [{"text": "lo", "token_ids": [2], "finish_reason": "length"}]}']
+    if usage:
+        chunks.append('{"id": "c1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, '
+                      '"prompt_tokens_details": {"cached_tokens": 0}}}')
+    if done:
+        chunks.append("[DONE]")
+    return _sse(*chunks)
+
+
+@pytest.mark.reliability
+def test_a_stream_is_retried_until_its_first_delta_and_never_after(monkeypatch):
+    """``stream()`` raised a 503 (or a refused connection) at once where ``generate``
+    retried it; after a delta, a broken connection is final (a retry repeats output)."""
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    calls = []
+
+    def handler(request):
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            return httpx.Response(503, json={"error": {"message": "warming up"}})
+        return httpx.Response(200, content=_stream_body(), headers={"content-type": "text/event-stream"})
+
+    deltas = list(_mock(handler, max_retries=2).stream([1, 2, 3], max_tokens=2))
+    assert len(calls) == 2
+    assert "".join(d.text for d in deltas) == "Hello" and deltas[-1].completion.token_ids == [1, 2]
+
+    def broken():
+        yield _sse('{"choices": [{"text": "Hel", "token_ids": [1], "finish_reason": null}]}')
+        raise httpx.RemoteProtocolError("peer closed connection")
+
+    calls.clear()
+
+    def handler2(request):
+        calls.append(request.url.path)
+        return httpx.Response(200, content=broken(), headers={"content-type": "text/event-stream"})
+
+    got = []
+    with pytest.raises(EngineUnavailableError, match="broke before the response ended"):
+        for d in _mock(handler2, max_retries=3).stream([1, 2, 3], max_tokens=2):
+            got.append(d.text)
+    assert got == ["Hel"] and len(calls) == 1
+
+
+def test_a_stream_cut_between_its_finish_reason_and_its_usage_is_cut():
+    """The usage chunk and [DONE] come after the finish_reason: a stream cut there came
+    back complete with no usage (and ``stream()`` blamed the server's flags)."""
+    eng = _mock(lambda r: httpx.Response(200, content=_stream_body(done=False, usage=False),
+                                         headers={"content-type": "text/event-stream"}))
+    with pytest.raises(EngineResponseError, match="before the usage chunk"):
+        eng.complete([1, 2, 3], max_tokens=2, stream=True)
+    with pytest.raises(EngineResponseError, match="before the usage chunk"):
+        list(eng.stream([1, 2, 3], max_tokens=2))
+    whole = _mock(lambda r: httpx.Response(200, content=_stream_body(done=False),
+                                           headers={"content-type": "text/event-stream"}))
+    assert whole.complete([1, 2, 3], max_tokens=2, stream=True).completion_tokens == 2
+
+
+def test_a_server_that_drops_the_generated_token_ids_is_an_error_not_zero_tokens():
+    """A server (or proxy) that ignored ``return_token_ids`` gave ``token_ids=[]``: the
+    chat model reported 0 output tokens and the mirror missed the generated blocks."""
+    body = _ok_body({"prompt_tokens": 3, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}})
+    eng = _mock(lambda r: httpx.Response(200, json=body))
+    with pytest.raises(EngineResponseError, match="did not return the generated token ids"):
+        eng.generate([1, 2, 3], max_tokens=7)

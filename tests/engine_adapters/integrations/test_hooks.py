@@ -10,12 +10,17 @@ from typing import Any
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
-from promptsplice.assembler import ContextHook, StepKind, TruncateToolOutputs
+from promptsplice.assembler import ContextHook, DropFailedCalls, StepKind, TruncateToolOutputs
 from promptsplice.engine_adapters.integrations._hooks import (
     PromptspliceInputFilter,
     PromptspliceMiddleware,
     PromptsplicePreModelHook,
+    chat_to_items,
+    items_to_chat,
+    messages_from_openai,
 )
+from promptsplice.engine_adapters.integrations._langchain_convert import lc_messages_to_openai
+from promptsplice.errors import InputError
 from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
 
 MARKER = "lines truncated ..."
@@ -249,3 +254,47 @@ def test_openai_agents_input_filter(engine):
     assert items[2]["output"] == read_log()  # the caller's items are not mutated
     assert out.input[0] is items[0] and out.input[1] is items[1] and out.input[3] is items[3]
     assert filt.history[0].session_id == "sdk-edit" and MARKER in filt.history[0].render.text
+
+
+def test_a_message_that_converts_to_several_dicts_comes_back_whole_and_in_place():
+    """A user message holding a tool_result block gives two chat dicts; the mapping back
+    was by position, so every later message was shifted and the hook died on an
+    IndexError (a raw error, not the library's)."""
+    msgs = [
+        HumanMessage("look it up", id="h1"),
+        AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "t1", "type": "tool_call"}], id="a1"),
+        HumanMessage(content=[{"type": "tool_result", "tool_use_id": "t1", "content": "42"},
+                              {"type": "text", "text": "and now?"}], id="h2"),
+        AIMessage("final answer", id="a2"),
+        HumanMessage("thanks", id="h3"),
+    ]
+    origins: list[int] = []
+    dicts = lc_messages_to_openai(msgs, origins=origins)
+    assert origins == [0, 1, 2, 2, 3, 4] and len(dicts) == 6
+    hook = ContextHook("default", block_size=32)
+    out = PromptsplicePreModelHook(hook, default_session="split")({"messages": msgs})["llm_input_messages"]
+    assert [m.id for m in out] == ["h1", "a1", "h2", "a2", "h3"]
+    assert out[2] is msgs[2]
+    with pytest.raises(InputError, match="pass their origins"):
+        messages_from_openai(dicts, msgs, dicts)
+
+
+def test_an_edited_assistant_turn_keeps_the_calls_whose_outputs_stay():
+    """DropFailedCalls removing one of a turn's two calls rebuilt the turn as a plain
+    message: the surviving call's function_call item was lost and its output orphaned
+    (OpenAI refuses such input: "No tool call found for function call output")."""
+    items = [
+        {"role": "user", "content": "weather in Paris and time in Tokyo"},
+        {"type": "function_call", "call_id": "A", "name": "weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "B", "name": "clock", "arguments": '{"city": "Tokyo"}'},
+        {"type": "function_call_output", "call_id": "A", "output": "Error: timeout"},
+        {"type": "function_call_output", "call_id": "B", "output": "09:00"},
+        {"type": "function_call", "call_id": "C", "name": "weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "C", "output": "sunny"},
+    ]
+    chat, prov = items_to_chat(items, None)
+    prepared = ContextHook("default", block_size=32, policies=[DropFailedCalls()])("s", chat, None)
+    assert prepared.policy_edits  # the failed call A was dropped
+    out = chat_to_items(list(prepared.messages), chat, prov, items)
+    assert out == [items[0], items[2], items[4], items[5], items[6]]
+    assert out[1] is items[2]  # the original item objects come back

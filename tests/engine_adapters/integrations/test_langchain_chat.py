@@ -101,6 +101,9 @@ def test_bound_tools_are_rendered_and_forced_call_parsed(engine):
     prepared, tools = model.prepare([HumanMessage("What is magic_function(3)?")], tools=bound.kwargs["tools"])
     assert "magic_function" in engine.tokenizer.decode(prepared.token_ids)
     assert "<tools>" in prepared.render.text
+    bound.invoke("What is magic_function(3)? Use the tool.")  # cached, as for the stream below:
+    # a cold prefill and a prefix-cache hit may differ in the last bits (bf16), enough to
+    # flip a near-tie in the generated arguments (seen once, after the hooks tests)
     msg = bound.invoke("What is magic_function(3)? Use the tool.")
     assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "magic_function"
     assert isinstance(msg.tool_calls[0]["args"], dict)
@@ -258,3 +261,49 @@ def test_options_are_checked_when_the_model_is_built(kwargs, error, message):
     with pytest.raises(error, match=message):
         PromptspliceChatModel(**kwargs)
     assert PromptspliceChatModel(stop="END").stop == ["END"]
+
+
+def test_call_time_options_get_the_constructors_checks(engine):
+    """``invoke(stop="END")`` stopped on "E", "N" or "D" (the str was list()-ed), a dict
+    was taken by its keys; the call-time ``cache_salt`` skipped the tenant check (U+001F
+    claims runners' derived salts) and ``tool_choice`` was not checked at all."""
+    runner = RecordingRunner(engine)
+    runner.stops = []
+    step = runner.step
+
+    def recording_step(prepared, *, max_tokens, temperature=0.0, stop=None):
+        runner.stops.append(stop)
+        return step(prepared, max_tokens=max_tokens, temperature=temperature, stop=stop)
+
+    runner.step = recording_step
+    model = PromptspliceChatModel(engine=engine, runner=runner, max_tokens=2)
+    msgs = [HumanMessage("Say hi.")]
+    model.invoke(msgs, stop="END")
+    model.invoke(msgs, stop=["A", "BC"])
+    assert runner.stops == [["END"], ["A", "BC"]]
+    with pytest.raises(ConfigError, match="stop must be a non-empty str"):
+        model.invoke(msgs, stop={"STOP": 1})
+    with pytest.raises(InvalidSaltError, match="U\\+001F"):
+        model.invoke(msgs, cache_salt="alice\x1fscope")
+    with pytest.raises(InvalidSaltError, match="U\\+001F"):
+        model.bind(cache_salt="alice\x1fscope").invoke(msgs)
+    with pytest.raises(ConfigError, match="tool_choice"):
+        model.invoke(msgs, tool_choice=123)
+    assert len(runner.calls) == 2  # nothing refused reached the engine
+
+
+def test_the_llm_cache_key_names_the_server_and_its_model():
+    """Two served engines given no model shared LangChain's cache entries (both keyed as
+    the default model until their first request): the second server never ran."""
+    import httpx
+
+    from promptsplice.engine_adapters import RemoteEngine
+
+    def server(model):
+        return httpx.MockTransport(lambda r: httpx.Response(200, json={"data": [{"id": model}]}))
+
+    a = PromptspliceChatModel(engine=RemoteEngine("http://a.invalid:8000", transport=server("org/llama-8b")))
+    b = PromptspliceChatModel(engine=RemoteEngine("http://b.invalid:8000", transport=server("org/qwen-7b")))
+    ka, kb = a._get_llm_string(), b._get_llm_string()
+    assert ka.endswith("---model=llama-8b---server=http://a.invalid:8000")
+    assert kb.endswith("---model=qwen-7b---server=http://b.invalid:8000")
