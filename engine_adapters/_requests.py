@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from promptsplice.assembler import AssembledPrompt, PrefixCacheMirror
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
-from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
+from promptsplice.engine_adapters.connector._plans import BlockDeviation, SplicePhase, SplicePlan
 from promptsplice._validate import check_int, check_number, check_salt, check_stop
 from promptsplice.errors import ConfigError, ContextLengthError, InputError
 
@@ -132,8 +132,8 @@ def run_phases(
     ``tokens[:phase.end]`` with its plan (``run_one``: the engine's request); every
     phase but the last only prefills (``max_tokens=1``), the last takes ``gen``.
     ``adapt(deviations, next_phase)``, called after each phase but the last with what
-    its probes measured, may return phases replacing ``next_phase`` (adaptive
-    recompute: ``_plans.extend_recompute``)."""
+    its probes measured (a planned probe left unmeasured reads as infinite), may return
+    phases replacing ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``)."""
     if not phases:
         raise InputError("generate_phases needs at least one phase")
     outs: list[Completion] = []
@@ -148,10 +148,28 @@ def run_phases(
         outs.append(res.completion)
         moved += res.relocated_tokens
         devs += res.deviations
-        if adapt is not None and not last and (repl := adapt(list(res.deviations), pending[i + 1])):
+        if adapt is not None and not last and (repl := adapt(_with_unmeasured(plan, res.deviations), pending[i + 1])):
             pending[i + 1 : i + 2] = repl
         i += 1
     return PhasedRun(outs, t_last, moved, tuple(devs), tuple(pending))
+
+
+def _with_unmeasured(plan: SplicePlan | None, deviations: Sequence[Any]) -> list[Any]:
+    """What ``adapt`` sees of a phase's probes: the measured deviations, and an infinite
+    one for each planned probe block the connector did not measure (a chunked prefill
+    split its block, a quarantined step): the guard fails closed and recomputes, never
+    taking a missing measurement for a small one."""
+    seen = list(deviations)
+    if plan is None or not plan.probes:
+        return seen
+    measured = {d.dst_start for d in seen}
+    bs = plan.block_size
+    for p in plan.probes:
+        for b in range(p.num_blocks):
+            start = p.dst_start + b * bs
+            if start not in measured:
+                seen.append(BlockDeviation(start, p.delta, (float("inf"),), (float("inf"),)))
+    return seen
 
 
 class EngineCounters(NamedTuple):

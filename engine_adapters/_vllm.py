@@ -342,6 +342,7 @@ __all__ += [
     "bound_block_ids",
     "cpu_attn_isa",
     "request_fields",
+    "request_identity",
     "scheduled_steps",
 ]
 
@@ -381,6 +382,24 @@ def request_fields(request: Any) -> tuple[str, Any, str | bytes | None, Any]:
     """``(request_id, prompt_token_ids, cache_salt, kv_transfer_params)`` of a scheduler
     ``Request``."""
     return request.request_id, request.prompt_token_ids, request.cache_salt, request.kv_transfer_params
+
+
+def request_identity(request: Any) -> str | None:
+    """What besides its tokens and salt a scheduler ``Request``'s KV depends on, as vLLM's
+    block hashes key it (``kv_cache_utils``' extra keys): its LoRA adapter (name and
+    path), its multimodal inputs (their hashes and placeholder offsets), prompt
+    embeddings (the request id: never shared).  ``None`` for a plain text request."""
+    parts: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora:
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}@{getattr(lora, 'lora_path', '')}")
+    for f in getattr(request, "mm_features", None) or ():
+        ident = getattr(f, "identifier", None)
+        pos = getattr(getattr(f, "mm_position", None), "offset", None)
+        parts.append(f"mm={ident}@{pos}" if ident else f"mm-unnamed={request.request_id}")
+    if getattr(request, "prompt_embeds", None) is not None:
+        parts.append(f"embeds={request.request_id}")
+    return ";".join(parts) if parts else None
 
 
 def allocated_block_ids(blocks: Any) -> list[int]:

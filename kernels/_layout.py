@@ -38,9 +38,11 @@ by name.
 
 from __future__ import annotations
 
+import numbers
+
 import platform
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -91,8 +93,27 @@ def gather_blocks(layout: KVLayout, cache: torch.Tensor, block_ids) -> torch.Ten
     The result keeps the cache's per-block layout (blocks stacked on ``block_dim``), so
     it is a valid ``src_blocks`` argument of ``relocate_blocks`` for the same layout.
     """
-    ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device).reshape(-1)
+    ids = block_id_tensor(block_ids, "block_ids").to(cache.device).reshape(-1)
     return cache.index_select(layout.block_dim, ids)
+
+
+def block_id_tensor(block_ids: Any, what: str) -> torch.Tensor:
+    """Block ids (an integer tensor or a sequence of ints) as an int64 tensor; floats,
+    bools and strings are :class:`InputError` (``1.7`` was taken as block 1)."""
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
+            raise InputError(f"{what} must be an integer tensor, got {block_ids.dtype}")
+        return block_ids.to(torch.int64)
+    try:
+        items = list(block_ids)
+    except TypeError:
+        raise InputError(f"{what} must be a sequence of ints or an integer tensor, got {type(block_ids).__name__}") from None
+    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in items):
+        raise InputError(f"{what} must hold ints, got {[type(x).__name__ for x in items][:4]}")
+    try:
+        return torch.tensor([int(x) for x in items], dtype=torch.int64)
+    except (OverflowError, RuntimeError) as exc:
+        raise InputError(f"{what} holds an id outside int64: {exc}") from exc
 
 
 def _check_tensor(cache: torch.Tensor) -> None:

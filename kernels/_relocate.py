@@ -11,7 +11,7 @@ import torch
 
 from promptsplice.errors import ConfigError, InputError
 
-from promptsplice.kernels._layout import KVLayout, PackedKVLayout
+from promptsplice.kernels._layout import KVLayout, PackedKVLayout, block_id_tensor
 from promptsplice.kernels._rope import RopeConfig
 from promptsplice.kernels._torch_impl import cos_sin_table, relocate_packed_torch, relocate_torch, rotate_inplace
 from promptsplice.kernels._triton_impl import TRITON_AVAILABLE, relocate_triton
@@ -48,16 +48,19 @@ def _delta_tensor(delta: int | torch.Tensor | Sequence[int], device: torch.devic
     """A position delta (int, integer tensor or sequence of ints) as an int64 tensor."""
     if isinstance(delta, bool):
         raise InputError("delta must be an integer number of positions, got a bool")
-    if isinstance(delta, numbers.Integral):
-        return torch.tensor(int(delta), dtype=torch.int64, device=device)
-    if isinstance(delta, torch.Tensor):
-        if delta.dtype.is_floating_point or delta.dtype.is_complex or delta.dtype == torch.bool:
-            raise InputError(f"delta must be an integer tensor, got {delta.dtype}")
-        return delta.to(device=device, dtype=torch.int64)
-    if isinstance(delta, Sequence) and all(
-        isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in delta
-    ):
-        return torch.tensor([int(x) for x in delta], dtype=torch.int64, device=device)
+    try:
+        if isinstance(delta, numbers.Integral):
+            return torch.tensor(int(delta), dtype=torch.int64, device=device)
+        if isinstance(delta, torch.Tensor):
+            if delta.dtype.is_floating_point or delta.dtype.is_complex or delta.dtype == torch.bool:
+                raise InputError(f"delta must be an integer tensor, got {delta.dtype}")
+            return delta.to(device=device, dtype=torch.int64)
+        if isinstance(delta, Sequence) and all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in delta
+        ):
+            return torch.tensor([int(x) for x in delta], dtype=torch.int64, device=device)
+    except (OverflowError, RuntimeError, ValueError) as exc:  # torch: "Overflow when unpacking long long"
+        raise InputError(f"delta must fit in int64 positions: {exc}") from exc
     raise InputError(f"delta must be an int or integer tensor, got {type(delta).__name__}")
 
 
@@ -173,7 +176,7 @@ def relocate_blocks(
         )
     n, num_blocks = k_src.shape[0], k_dst.shape[0]
 
-    ids = torch.as_tensor(dst_block_ids, dtype=torch.int64)
+    ids = block_id_tensor(dst_block_ids, "dst_block_ids").cpu()
     if ids.dim() != 1 or ids.shape[0] != n:
         raise InputError(
             f"dst_block_ids must be 1-D with {n} entries, got shape {tuple(ids.shape)}"

@@ -17,6 +17,7 @@ a :class:`~promptsplice.errors.ConfigError` naming them, rather than relocated w
 from __future__ import annotations
 
 import json
+import numbers
 import math
 import os
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ __all__ = [
     "SUPPORTED_ROPE_TYPES",
     "GPTJ_STYLE_MODEL_TYPES",
     "NEOX_STYLE_MODEL_TYPES",
+    "NOPE_MIXED_MODEL_TYPES",
 ]
 
 #: ``rope_type`` values this package relocates exactly.
@@ -64,7 +66,11 @@ NEOX_STYLE_MODEL_TYPES = frozenset(
 
 #: Model types whose vLLM implementation pairs dims (2i, 2i+1) (``is_neox_style=False``
 #: in gpt_j.py, commandr.py, glm4.py).
-GPTJ_STYLE_MODEL_TYPES = frozenset({"gptj", "cohere", "cohere2", "glm4"})
+GPTJ_STYLE_MODEL_TYPES = frozenset({"gptj", "cohere", "glm4"})
+
+#: Model types whose full-attention layers have no RoPE (vLLM's commandr.py applies it to
+#: Cohere2's sliding layers only): refused, one rotation cannot serve both kinds.
+NOPE_MIXED_MODEL_TYPES = frozenset({"cohere2"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,14 @@ class RopeConfig:
     linear_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("head_size", "rotary_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ConfigError(f"RopeConfig: {name} must be an int, got {type(v).__name__} {v!r}")
+        for name in ("theta", "linear_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ConfigError(f"RopeConfig: {name} must be a number, got {type(v).__name__} {v!r}")
         if self.head_size <= 0:
             raise ConfigError(f"RopeConfig: head_size must be > 0, got {self.head_size}")
         if not (0 < self.rotary_dim <= self.head_size) or self.rotary_dim % 2:
@@ -196,6 +210,15 @@ class RopeConfig:
         ``layer_type``.  Unimplemented scaling types raise :class:`ConfigError` naming
         the type.
         """
+        try:
+            return cls._from_hf_config(cfg, is_neox_style, layer_type)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, AttributeError) as exc:  # a field of the wrong type
+            raise ConfigError(f"malformed RoPE fields in the model config: {type(exc).__name__}: {exc}") from exc
+
+    @classmethod
+    def _from_hf_config(cls, cfg: Any, is_neox_style: bool | None, layer_type: str | None) -> RopeConfig:
         d = _as_dict(cfg)
         attention_keys = ("head_dim", "hidden_size", "n_embd", "rope_parameters", "rope_theta")
         if not any(k in d for k in attention_keys):
@@ -218,6 +241,24 @@ class RopeConfig:
 
         if d.get("dual_chunk_attention_config"):
             raise ConfigError("dual-chunk attention RoPE is not supported for relocation")
+        nope = d.get("no_rope_layers")
+        if model_type in NOPE_MIXED_MODEL_TYPES or (isinstance(nope, list) and not all(nope)):
+            # one RopeConfig rotates every layer's keys: a layer without RoPE would be corrupted
+            raise ConfigError(
+                f"model_type {model_type!r} mixes layers without RoPE (NoPE) with RoPE layers: "
+                "relocation would rotate keys that carry no position; not supported"
+            )
+
+        local_theta = d.get("rope_local_base_freq")
+        if local_theta is not None and not _is_nested(dict(d.get("rope_parameters") or {})):
+            # older Gemma-3 configs: sliding layers use rope_local_base_freq, unscaled
+            if layer_type is None:
+                raise ConfigError(
+                    "model config has per-layer-type RoPE (rope_local_base_freq for the sliding "
+                    "layers): pass layer_type ('sliding_attention' or 'full_attention')"
+                )
+            if layer_type == "sliding_attention":
+                d = {**d, "rope_theta": float(local_theta), "rope_scaling": None, "rope_parameters": None}
 
         params = _rope_params(d, layer_type)
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"

@@ -63,6 +63,7 @@ from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters.connector._plans import BlockDeviation, latest_per_block
 from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
 from promptsplice.engine_adapters.connector._served import (
+    IDENTITY_REASON,
     PROBE_REASON,
     QUERY_KEY,
     QUERY_REASON,
@@ -74,6 +75,7 @@ from promptsplice.engine_adapters.connector._served import (
 from promptsplice.engine_adapters.connector._settings import connector_settings
 from promptsplice.engine_adapters.connector._worker import SpliceWorker
 from promptsplice.engine_adapters.store._store import BlockStore, shared_store
+from promptsplice._validate import DERIVED_SALT_MARK
 from promptsplice.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -253,6 +255,16 @@ class SpliceConnector(KVConnectorBase_V1):
         req_id, tokens, salt, params = _vllm.request_fields(request)
         if isinstance(salt, bytes):  # (vLLM keeps cache_salt as a str)
             salt = salt.decode("utf-8", "replace")
+        identity = _vllm.request_identity(request)
+        if identity is not None:
+            # a LoRA, multimodal or embeddings request: its KV is not the plain tokens' KV,
+            # so it keys the store under a salt of its own (offload hits only from the
+            # same adapter and inputs), and plans naming the tenant's chains are refused
+            salt = f"{salt or ''}{DERIVED_SALT_MARK}{identity}"
+            if params and req_id not in self._acks:
+                _log.warning("splice connector: plain prefill for %s: %s", req_id, IDENTITY_REASON)
+                self._acks[req_id] = [IDENTITY_REASON, 0, 0, 0, ()]
+            params = None
         ack = self._acks.get(req_id)
         if ack is None:
             verdict = plan_verdict(params, tokens or (), self.settings.block_size, salt)

@@ -60,7 +60,7 @@ from promptsplice.errors import ConfigError, InputError
 from promptsplice._validate import DERIVED_SALT_MARK, salt_tenant
 
 __all__ = [
-    "ACK_KEY", "CHECK_KEY", "MAX_QUERY_TOKENS", "PROBE_KEY", "PROBE_REASON", "QUERY_KEY", "QUERY_REASON",
+    "ACK_KEY", "CHECK_KEY", "IDENTITY_REASON", "MAX_QUERY_TOKENS", "PROBE_KEY", "PROBE_REASON", "QUERY_KEY", "QUERY_REASON",
     "SpliceAck", "Verdict", "ack_params", "answer_query", "plan_check", "plan_verdict", "query_params",
     "splice_params", "token_digest",
 ]
@@ -77,6 +77,11 @@ QUERY_KEY = "splice_query"
 """``kv_transfer_params`` key of a store query (module doc)."""
 QUERY_REASON = "a store query: no plan sent"
 """The ack's reason for a store query that was answered."""
+IDENTITY_REASON = (
+    "a LoRA, multimodal or prompt-embeddings request: plans and store queries name the "
+    "plain tokens' KV, so it runs as plain prefill (offload hits only from its own inputs)"
+)
+"""The ack's reason for a plan or query sent with such a request."""
 MAX_QUERY_TOKENS = 1 << 18
 """The most tokens one store query may carry (a bound on what a request makes the
 scheduler hash)."""

@@ -121,7 +121,8 @@ def check_single_worker(parallel: Any) -> None:
     chain hashes that do not name a rank, with the whole layer stack and every KV head
     in each record.  Tensor or pipeline parallelism would have each rank file its own
     slice of a block under the same key (and the shared tier hand one rank's heads to
-    another), so it is refused; data parallelism (separate engines) is not affected."""
+    another), so it is refused; data parallelism (separate engines) is not affected.  An
+    executor that runs the worker in another process (``mp``, ``ray``) is refused too."""
     sizes = {name: getattr(parallel, name, 1) for name in ("tensor_parallel_size", "pipeline_parallel_size")}
     many = {name: size for name, size in sizes.items() if size != 1}
     if many:
@@ -130,6 +131,16 @@ def check_single_worker(parallel: Any) -> None:
             f"SpliceConnector: {shown}: the connector runs with one worker per engine (its "
             "block keys do not name a rank); run one engine per GPU (tensor_parallel_size=1, "
             "pipeline_parallel_size=1) behind PrefixRouter or a gateway, or run without kv_store"
+        )
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if backend not in (None, "uni", "external_launcher"):
+        # "mp" and "ray" run the worker in another process than the scheduler: each half
+        # would get its own store, and nothing saved would ever be found (silently)
+        name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+        raise ConfigError(
+            f"SpliceConnector: distributed_executor_backend={name!r} runs the worker in another "
+            "process than the scheduler, and the connector's two halves share one store in one "
+            "process; use distributed_executor_backend='uni' (one worker) or run without kv_store"
         )
 
 
@@ -193,6 +204,10 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
         [
             "promptsplice-kv/1",
             str(model.model),
+            # the weights the KV came from: another revision or quantization of the same
+            # model name computes other KV (engines sharing a disk or Redis tier)
+            f"rev:{getattr(model, 'revision', None)}",
+            f"quant:{getattr(model, 'quantization', None)}",
             str(model.dtype),
             cache_dtype,
             f"block{block_size}",

@@ -366,6 +366,16 @@ def test_relocate_refuses_bad_arguments():
         with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
             relocate_blocks(cache, src, [2, 3], 1, rope, layout, impl="triton")
     relocate_blocks(cache, src[:0], [], 1, rope, layout)  # nothing to move is fine
+    # block ids that are not ints: 1.5 and a float tensor [1.7] were written to block 1
+    before = cache.clone()
+    for ids in ([2, 3.5], torch.tensor([2.0, 3.7]), ["a", "b"], [True, 3]):
+        with pytest.raises(InputError, match="dst_block_ids"):
+            relocate_blocks(cache, src, ids, 1, rope, layout)
+    assert torch.equal(cache, before)
+    with pytest.raises(InputError, match="int64"):  # a delta beyond int64 (raw ValueError)
+        relocate_blocks(cache, src, [2, 3], [1, 2**63], rope, layout)
+    with pytest.raises(InputError, match="block_ids"):
+        gather_blocks(layout, cache, [0.5])
 
 
 def test_rotate_keys_refuses_bad_arguments():
@@ -376,6 +386,8 @@ def test_rotate_keys_refuses_bad_arguments():
         rotate_keys(torch.zeros(3, 2, 64), torch.arange(3), rope)
     with pytest.raises(InputError, match="integer"):
         rotate_keys(torch.zeros(3, 64), 1.5, rope)
+    with pytest.raises(InputError, match="int64"):
+        rotate_keys(torch.zeros(3, 64), 2**63, rope)
 
 
 # --------------------------------------------------------------------------- Triton

@@ -149,9 +149,56 @@ def test_per_layer_type_rope_needs_a_layer_type():
     assert (local.theta, local.linear_factor) == (1e4, 1.0)
 
 
+def test_older_gemma3_configs_name_the_sliding_layers_theta():
+    """``rope_local_base_freq`` (the pre-transformers-5 form) was ignored: every layer
+    read as the full layers' theta 1e6 with linear x8, the sliding layers' 1e4 lost."""
+    gemma3 = {"model_type": "gemma3_text", "head_dim": 256, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    with pytest.raises(ConfigError, match="rope_local_base_freq.*pass layer_type"):
+        RopeConfig.from_hf_config(gemma3)
+    with pytest.raises(ConfigError, match="rope_local_base_freq"):
+        RopeConfig.from_hf_config({"model_type": "gemma3", "text_config": gemma3})
+    full = RopeConfig.from_hf_config(gemma3, layer_type="full_attention")
+    assert (full.theta, full.linear_factor) == (1e6, 8.0)
+    local = RopeConfig.from_hf_config(gemma3, layer_type="sliding_attention")
+    assert (local.theta, local.linear_factor) == (1e4, 1.0)
+
+
+def test_models_with_layers_without_rope_are_refused():
+    """Cohere2 (Command-R7B) applies RoPE on its sliding layers only; one RopeConfig
+    rotated the keys of its NoPE layers too (a -32 relocation changed them by 90%)."""
+    cohere2 = {"model_type": "cohere2", "head_dim": 128, "rope_theta": 50000.0,
+               "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
+    with pytest.raises(ConfigError, match="NoPE"):
+        RopeConfig.from_hf_config(cohere2)
+    llama4 = dict(LLAMA31, model_type="llama", no_rope_layers=[1, 1, 1, 0])
+    with pytest.raises(ConfigError, match="NoPE"):
+        RopeConfig.from_hf_config(llama4)
+    assert RopeConfig.from_hf_config(dict(LLAMA31, no_rope_layers=[1, 1, 1, 1])).theta == 500000.0
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"model_type": "llama", "head_dim": "abc"},
+        {"model_type": "llama", "head_dim": 64, "rope_theta": "x"},
+        {"model_type": "llama", "head_dim": 64, "rope_scaling": [1]},
+        dict(LLAMA31, rope_scaling=dict(LLAMA31["rope_scaling"], factor=None)),
+    ],
+)
+def test_malformed_fields_are_config_errors(cfg):
+    """A field of the wrong type escaped as TypeError/ValueError, which the connector
+    (catching ConfigError to run without relocation) let crash the engine's start."""
+    with pytest.raises(ConfigError):
+        RopeConfig.from_hf_config(cfg)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
+        dict(head_size="64", rotary_dim=64),
+        dict(head_size=64, rotary_dim=64.0),
+        dict(head_size=True, rotary_dim=64),
         dict(head_size=0, rotary_dim=0),
         dict(head_size=64, rotary_dim=65),
         dict(head_size=64, rotary_dim=63),

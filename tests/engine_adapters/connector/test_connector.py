@@ -439,3 +439,62 @@ def test_a_plan_or_store_query_naming_another_tenants_salt_is_refused(kv_engine,
     matched, why = answer_query(query, match, BS, attacker)
     assert matched == () and "another tenant" in why
     assert chain_hashes(prompt, BS, salt=victim)  # (the victim's blocks are there to be found)
+
+
+def _random_lora(folder: Path, model: str) -> str:
+    """A rank-8 LoRA on SmolLM2's k/v projections (576 -> 192, 30 layers), large enough
+    to change what the model computes."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    t = {}
+    for i in range(30):
+        for name in ("k_proj", "v_proj"):
+            t[f"base_model.model.model.layers.{i}.self_attn.{name}.lora_A.weight"] = (torch.randn(8, 576, generator=g) * 0.05).bfloat16()
+            t[f"base_model.model.model.layers.{i}.self_attn.{name}.lora_B.weight"] = (torch.randn(192, 8, generator=g) * 0.5).bfloat16()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "r": 8, "lora_alpha": 16, "target_modules": ["k_proj", "v_proj"], "peft_type": "LORA",
+        "base_model_name_or_path": model, "bias": "none", "task_type": "CAUSAL_LM", "lora_dropout": 0.0,
+    }))
+    return str(folder)
+
+
+@pytest.mark.reliability
+def test_a_lora_request_never_shares_store_blocks_with_the_base_model(tmp_path):
+    """The store keyed blocks by tokens and salt only, while vLLM's own hash names the
+    LoRA adapter: a base request after a LoRA request of the same tokens and salt missed
+    vLLM's cache and loaded the LoRA's KV from the store (output changed)."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from promptsplice.engine_adapters import EmbeddedEngine, _vllm
+
+    mib = 1024 * 1024 * (1 if EngineConfig().dtype == "bfloat16" else 2)
+    eng = EmbeddedEngine(kv_store=StoreConfig(dram_bytes=32 * mib), kv_cache_bytes=64 * mib, max_model_len=1024,
+                         extra_kwargs={"enable_lora": True, "max_lora_rank": 8, "max_loras": 1})
+    try:
+        lora = LoRARequest("kv", 1, _random_lora(tmp_path / "lora", eng.config.model))
+        toks = list(range(1000, 1200))
+
+        def run(salt_: str, lr=None):
+            with _vllm.agent_installed(eng._handle.kv):
+                out = eng.llm.generate([{"prompt_token_ids": toks, "cache_salt": salt_}],
+                                       SamplingParams(max_tokens=8, temperature=0.0), lora_request=lr, use_tqdm=False)[0]
+            return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+        clean = run(salt("lora-clean"))
+        shared = salt("lora-shared")
+        with_lora = run(shared, lora)
+        assert with_lora[0] != clean[0]  # the adapter changes what the model computes
+        assert eng.kv_connector.worker.stats.saved_blocks >= 12  # both requests saved their 6 blocks
+        base = run(shared)
+        assert base == (clean[0], 0)  # nothing served from the LoRA's blocks, same answer
+        eng.reset_prefix_cache()
+        again = run(shared, lora)  # the LoRA's own blocks still come back from the store
+        assert again == (with_lora[0], 192)
+    finally:
+        eng.close()

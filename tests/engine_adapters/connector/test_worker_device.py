@@ -157,6 +157,15 @@ def test_tensor_or_pipeline_parallel_engines_are_refused_naming_the_setting():
     with pytest.raises(ConfigError, match="pipeline_parallel_size=4"):
         connector_settings(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                                            pipeline_parallel_size=4)))
+    # one worker in another process than the scheduler ("mp"): each half had its own
+    # store and nothing saved was ever found, silently
+    for backend in (None, "uni", "external_launcher"):
+        check_single_worker(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                            distributed_executor_backend=backend))
+    for backend in ("mp", "ray"):
+        with pytest.raises(ConfigError, match=f"distributed_executor_backend='{backend}' runs the worker"):
+            check_single_worker(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                                distributed_executor_backend=backend))
 
 
 def test_a_worker_for_another_backend_is_refused_by_name(store):

@@ -1,0 +1,57 @@
+"""The phase loop every engine runs (``run_phases``): what the adaptive recompute sees."""
+
+from __future__ import annotations
+
+from promptsplice.engine_adapters._requests import PhaseResult, run_phases
+from promptsplice.engine_adapters.connector._plans import BlockDeviation, plan_phases
+from promptsplice.engine_adapters.runners._steps import AdaptiveRecompute
+
+BS = 16
+
+
+def _phases():
+    """A block inserted at block 2 of a 12-block prompt: new blocks 3-12 are old blocks
+    2-11 moved by one block, the first of them recomputed (and probed)."""
+    old = list(range(1000, 1000 + 12 * BS))
+    new = old[: 2 * BS] + [7] * BS + old[2 * BS :]
+    phases = plan_phases(old, new, [(2 * BS, 12 * BS, BS)], block_size=BS, recompute_blocks=1, probe=True)
+    return new, phases
+
+
+def _run(new, phases, deviations):
+    adapt = AdaptiveRecompute(0.25, new)
+    sent = []
+
+    def run_one(prompt, plan, gen):
+        sent.append((len(prompt), plan))
+        return PhaseResult(object(), 0, deviations(plan))
+
+    return adapt, sent, run_phases(new, phases, run_one, {"max_tokens": 1}, adapt)
+
+
+def test_a_planned_probe_the_connector_did_not_measure_fails_closed():
+    """A probe dropped by the connector (its block split by a chunked prefill, or a
+    quarantined step) gave no deviation, and the guard read that as "small": it loaded
+    the relocated run without the recompute the probe was there to decide."""
+    new, phases = _phases()
+    assert len(phases) == 2 and phases[0].plan.probes, phases
+    probe = phases[0].plan.probes[0]
+
+    def small(plan):
+        return tuple(BlockDeviation(p.dst_start, p.delta, (0.01,), (0.01,)) for p in (plan.probes if plan is not None else ()))
+
+    adapt, sent, run = _run(new, phases, small)
+    assert adapt.extra == 0 and len(sent) == 2  # measured and small: the run is loaded
+
+    def first_dropped(plan):
+        return tuple(d for d in small(plan) if d.dst_start != probe.dst_start)
+
+    adapt, sent, run = _run(new, phases, first_dropped)
+    assert adapt.extra == 1 and len(sent) == 3  # unmeasured: one more block recomputed first
+    extra = run.phases[1].plan
+    assert not extra.segments and extra.probes[0].dst_start == probe.dst_start + BS  # block 4, probed
+    assert run.phases[2].plan.segments[0].dst_start == probe.dst_start + 2 * BS  # the rest loaded
+    assert all(d.value < 1 for d in run.deviations)  # the stand-in infinity is the guard's alone
+
+    adapt, sent, run = _run(new, phases, lambda plan: ())  # nothing ever measured: nothing loaded
+    assert not any(ph.plan is not None and ph.plan.segments for ph in run.phases)
