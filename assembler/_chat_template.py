@@ -10,13 +10,14 @@ per-message segments and tokenizes them.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from promptsplice.assembler._tokenizers import MARKUP_ESCAPE
-from promptsplice.errors import ConfigError, InputError, InvalidUTF8Error
+from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error
 
 __all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "tools_block"]
 
@@ -30,6 +31,17 @@ TOOLS_FOOTER = (
     'and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n'
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+
+
+_JINJA_CODE = re.compile(r"\{%-?(.*?)-?%\}|\{\{-?(.*?)-?\}\}", re.DOTALL)
+_JINJA_COMMENT = re.compile(r"\{#.*?#\}", re.DOTALL)
+
+
+def _jinja_code(source: str) -> str:
+    """The code of a Jinja template: what its ``{% %}`` and ``{{ }}`` tags hold (string
+    literals too: ``message['tool_calls']``); comments and literal text left out."""
+    source = _JINJA_COMMENT.sub("", source)
+    return "\n".join(a or b for a, b in _JINJA_CODE.findall(source))
 
 
 def canonical_json(obj: Any) -> str:
@@ -76,9 +88,12 @@ class ChatTemplate:
         self.source = source
         self.name = name
         self.special_tokens = dict(special_tokens or {})
-        # Whether the template renders tool schemas / assistant tool calls itself.
-        self.native_tools = "tools" in source.replace("tool_calls", "")
-        self.native_tool_calls = "tool_calls" in source
+        # Whether the template renders tool schemas / assistant tool calls itself: the
+        # names as variables in its code, never in comments or its literal text (a
+        # comment naming them made promptsplice drop the schemas and calls it injects)
+        code = _jinja_code(source)
+        self.native_tools = re.search(r"\btools\b", code) is not None
+        self.native_tool_calls = re.search(r"\btool_calls\b", code) is not None
         self._compiled: Any = None
         self._lock = threading.Lock()
         self._default_system: str | None | bool = False  # False: not derived yet
@@ -235,10 +250,21 @@ def _tool_call_text(call: Any, index: int) -> str:
     if isinstance(args, str):
         try:
             parsed = json.loads(args) if args.strip() else {}
-            return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": parsed}) + "\n</tool_call>"
+            text = canonical_json({"name": fn["name"], "arguments": parsed})
+            text.encode("utf-8")
+            return "<tool_call>\n" + text + "\n</tool_call>"
         except (ValueError, RecursionError):
-            pass  # not JSON, or nested too deeply to parse: keep the string as the model wrote it
-    return "<tool_call>\n" + canonical_json({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
+            # not JSON, nested too deeply to parse, or valid ASCII JSON whose escapes
+            # decode to a lone surrogate ("\ud800"): keep the string as the model wrote it
+            pass
+    try:
+        text = canonical_json({"name": fn["name"], "arguments": args})
+    except (TypeError, ValueError, RecursionError) as exc:  # mixed key types, cycles, depth
+        raise InvalidMessageError(
+            f"message {index}: the arguments of tool call {fn['name']!r} are not a JSON value "
+            f"({type(exc).__name__}: {exc}); pass a JSON object or its JSON text"
+        ) from None
+    return "<tool_call>\n" + text + "\n</tool_call>"
 
 
 def tools_block(tools: Sequence[Mapping[str, Any]], escape: Callable[[str], str] | None = None) -> str:

@@ -140,7 +140,7 @@ class ContextHook:
         max_sessions: int = 1024,
         policies: Sequence[PolicyLike] = (),
         template: ChatTemplate | str | Path | None = None,
-        alignment: str | AlignPolicy = "all",
+        alignment: str | AlignPolicy | None = None,
         salt: str | None = None,
     ) -> None:
         check_int(max_sessions, "max_sessions")
@@ -152,9 +152,17 @@ class ContextHook:
         if isinstance(renderer, ChatRenderer):
             if block_size is not None and block_size != renderer.block_size:
                 raise ConfigError(f"block_size {block_size} differs from the renderer's {renderer.block_size}")
+            if template is not None or alignment is not None:
+                # the renderer has its own: taking it silently ignored what was asked for
+                raise ConfigError(
+                    "template and alignment belong to the ChatRenderer given as renderer: build it "
+                    "with them (ChatRenderer(tokenizer, template=..., alignment=...)), or pass the tokenizer"
+                )
             self.renderer = renderer
         else:
-            self.renderer = ChatRenderer(renderer, block_size=block_size, template=template, alignment=alignment)
+            self.renderer = ChatRenderer(
+                renderer, block_size=block_size, template=template, alignment="all" if alignment is None else alignment
+            )
         for p in policies:
             if not (hasattr(p, "apply") or callable(p)):
                 raise ConfigError(f"a policy must have apply(messages) or be callable, got {p!r}")

@@ -23,7 +23,7 @@ Three policies, as real agents apply them:
   ``status == "error"`` / ``"failed"`` or ``is_error: true``, or its text starts with an
   error word (``Error``, ``error:``, ``TypeError: ...``, ``Exception``, ``Traceback (most
   recent call last)``; case-insensitive, whole word, so ``Errors found: 0`` is not one),
-  or it is a JSON object with an ``"error"`` key (as BFCL's simulated APIs answer).
+  or it is a JSON object whose ``"error"`` is set (as BFCL's simulated APIs answer; ``null``, ``""`` or ``false`` is a success).
   *Retried*: a later assistant message calls a function of the same name.  Outputs are
   matched to calls by ``tool_call_id``, else by order among the tool messages that
   follow the assistant message.  An assistant message left with no call and no text is
@@ -51,7 +51,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from promptsplice.assembler._render import canonical_json
 from promptsplice.blocks import content_digest
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error
 
 __all__ = [
     "EditKind",
@@ -143,6 +143,15 @@ def _text(content: Any) -> str | None:
     return None
 
 
+def _has_content(content: Any) -> bool:
+    """Whether a message says anything besides its tool calls: text, or any part (an
+    image, a list of strings) the renderer takes; an empty text is nothing."""
+    text = _text(content)
+    if text is not None:
+        return bool(text)
+    return content is not None and not (isinstance(content, (list, tuple)) and not content)
+
+
 def _merge(edits: list[MessageEdit]) -> tuple[MessageEdit, ...]:
     """Merge edits whose old ranges touch (then their new ranges touch too)."""
     out: list[MessageEdit] = []
@@ -207,12 +216,12 @@ class TruncateToolOutputs:
     def apply(self, messages: Sequence[Mapping[str, Any]]) -> PolicyResult:
         _check_messages(messages)
         outputs = [i for i, m in enumerate(messages) if m.get("role") in self.roles]
-        protected = set(outputs[max(0, len(outputs) - self.keep_recent) :])
+        cut_here = set(outputs[: max(0, len(outputs) - self.keep_recent)])  # a set: 20,000 messages took 1.4 s
         out: list[Message] = []
         edits: list[MessageEdit] = []
         for i, m in enumerate(messages):
             msg = dict(m)
-            if i in outputs and i not in protected:
+            if i in cut_here:
                 text = _text(m.get("content"))
                 if text is not None:
                     cut = self.truncate(text)
@@ -251,7 +260,7 @@ def is_error_output(message: Mapping[str, Any]) -> bool:
             obj = json.loads(stripped)
         except ValueError:
             return False
-        return isinstance(obj, dict) and "error" in obj
+        return isinstance(obj, dict) and bool(obj.get("error"))  # {"error": null, ...} is a success
     return False
 
 
@@ -334,8 +343,7 @@ class DropFailedCalls:
                 continue
             if i in drop_calls:
                 remaining = [c for k, c in enumerate(m["tool_calls"]) if k not in drop_calls[i]]
-                text = _text(m.get("content"))
-                if not remaining and not text:
+                if not remaining and not _has_content(m.get("content")):
                     edits.append(MessageEdit(EditKind.DROP, (i, i + 1), (len(out), len(out))))
                     continue
                 msg = dict(m)
@@ -387,10 +395,27 @@ def summarize_turns(
             f"summary stretch ({start}, {end}) ends between a tool call and its output "
             f"(message {end} is a tool output); end the stretch after the outputs"
         )
+    if start > 0 and messages[start].get("role") in ("tool", "function"):
+        raise InputError(
+            f"summary stretch ({start}, {end}) starts between a tool call and its output "
+            f"(message {start} is a tool output); start the stretch before the call or after the outputs"
+        )
     stretch = [dict(m) for m in messages[start:end]]
     msg = _summary_message(summarize(stretch), role, template)
     out = [dict(m) for m in messages[:start]] + [msg] + [dict(m) for m in messages[end:]]
     return PolicyResult(out, (MessageEdit(EditKind.SUMMARIZE, (start, end), (start, start + 1)),))
+
+
+def _message_digest(message: Mapping[str, Any], index: int) -> bytes:
+    """The content digest of one message's canonical JSON (the summary memo's key)."""
+    try:
+        text = canonical_json(message)
+    except (TypeError, ValueError, RecursionError) as exc:  # mixed key types, cycles, depth
+        raise InvalidMessageError(f"message {index} is not a JSON value ({type(exc).__name__}: {exc})") from None
+    try:
+        return content_digest(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidUTF8Error.lone_surrogate(f"message {index} (as JSON)", text, exc, index=index) from None
 
 
 class SummarizeTurns:
@@ -410,6 +435,7 @@ class SummarizeTurns:
         role: str = "user",
         template: str = SUMMARY_TEMPLATE,
         max_memo: int = 4096,
+        tool_roles: Sequence[str] = ("tool", "function"),
     ) -> None:
         if not callable(summarize):
             raise ConfigError("summarize must be a callable: summarize(messages) -> str")
@@ -422,6 +448,11 @@ class SummarizeTurns:
             )
         if keep_head is not None and (not isinstance(keep_head, int) or keep_head < 0):
             raise ConfigError(f"keep_head must be a non-negative int or None, got {keep_head!r}")
+        if isinstance(max_memo, bool) or not isinstance(max_memo, int) or max_memo < 1:
+            raise ConfigError(f"max_memo must be an int >= 1 (summaries remembered), got {max_memo!r}")
+        if not isinstance(role, str) or not role:
+            raise ConfigError(f"role (of the summary message) must be a non-empty str, got {role!r}")
+        self.tool_roles = _check_roles(tool_roles, "tool_roles")
         self.summarize = summarize
         self.max_messages = max_messages
         self.keep_recent = keep_recent
@@ -433,9 +464,20 @@ class SummarizeTurns:
         self._lock = threading.Lock()
 
     def _head(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        """Messages kept before the summary; a head that would end between a call and
+        its outputs keeps the outputs too."""
         if self.keep_head is not None:
-            return min(self.keep_head, len(messages))
+            head = min(self.keep_head, len(messages))
+            while 0 < head < len(messages) and messages[head].get("role") in self.tool_roles:
+                head += 1
+            return head
         return 1 if messages and messages[0].get("role") == "system" else 0
+
+    def _can_end(self, messages: Sequence[Mapping[str, Any]], end: int) -> bool:
+        """Whether a summary of ``messages[head:end]`` keeps the latest ``keep_recent``
+        messages and does not end between a call and its outputs."""
+        n = len(messages)
+        return end <= n - self.keep_recent and (end == n or messages[end].get("role") not in self.tool_roles)
 
     def apply(self, messages: Sequence[Mapping[str, Any]]) -> PolicyResult:
         _check_messages(messages)
@@ -448,17 +490,19 @@ class SummarizeTurns:
         found_end, found = head, None
         with self._lock:
             for e in range(head + 1, n + 1):
-                h = content_digest(h + content_digest(canonical_json(messages[e - 1]).encode("utf-8")))
+                h = content_digest(h + _message_digest(messages[e - 1], e - 1))
                 chain[e] = h
                 hit = self._memo.get(h)
-                if hit is not None:
+                # a stretch summarized for a longer list (another session's, or before an
+                # edit) is reused only where it leaves this list's recent turns whole
+                if hit is not None and self._can_end(messages, e):
                     found_end, found = e, hit
             if found is not None:
                 self._memo.move_to_end(chain[found_end])
         size = n if found is None else head + 1 + (n - found_end)
         if size > self.max_messages:
             end = n - self.keep_recent
-            while head < end < n and messages[end].get("role") in ("tool", "function"):
+            while head < end < n and messages[end].get("role") in self.tool_roles:
                 end -= 1
             if end > found_end and end - head >= 2:
                 summary = self.summarize([dict(m) for m in messages[head:end]])

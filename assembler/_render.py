@@ -100,7 +100,7 @@ from promptsplice.assembler._tokenizers import (
     markup_for,
 )
 from promptsplice.blocks import content_digest
-from promptsplice._validate import check_block_size, check_bool
+from promptsplice._validate import check_block_size, check_bool, check_int
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [
@@ -172,7 +172,7 @@ class ChatRenderer:
         self.token_cache = token_cache if token_cache is not None else TokenCache()
         self._memo: OrderedDict[tuple[bytes, ...], str] = OrderedDict()
         self._memo_chars = 0
-        self._max_memo_chars = max_memo_chars
+        self._max_memo_chars = check_int(max_memo_chars, "max_memo_chars", minimum=0)
         self._memo_lock = threading.Lock()
         self._filler_text: str | None = None
         self.trust_markup = check_bool(trust_markup, "trust_markup")
@@ -314,6 +314,8 @@ class ChatRenderer:
                 msg = _escaped(m, self._esc)
                 if msg.get("content") is None:
                     msg["content"] = ""
+                elif not isinstance(m.get("content"), str):  # text parts: one text, as below
+                    msg["content"] = self._esc(_content_text(m.get("content"), i))
             else:
                 text = _content_text(m.get("content"), i)
                 calls = m.get("tool_calls")

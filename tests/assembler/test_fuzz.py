@@ -13,7 +13,6 @@ The invariant checks live in ``tests/fuzz/_checks.py`` (shared with the atheris 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -257,20 +256,13 @@ def messages(draw):
 
 
 def _bad_message(msg) -> bool:
-    """A message the renderer must refuse: a lone surrogate in its content or tool call
-    arguments, raw or as a JSON escape (the arguments are parsed when they are JSON)."""
+    """A message the renderer must refuse: a lone surrogate in its content or raw in its
+    tool call arguments.  Arguments whose JSON escapes parse to one (``"\\ud800"``:
+    valid ASCII and valid JSON, a model may emit it) are kept as written, never refused:
+    a refusal there failed every later step of the session."""
     if no_utf8(msg["content"]):
         return True
-    for call in msg.get("tool_calls", ()):
-        args = call["function"]["arguments"]
-        if no_utf8(args):
-            return True
-        try:
-            if no_utf8(json.loads(args)):
-                return True
-        except (ValueError, RecursionError):
-            pass
-    return False
+    return any(no_utf8(call["function"]["arguments"]) for call in msg.get("tool_calls", ()))
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +274,7 @@ def renderer(default_tok):
 @given(old=st.lists(messages(), min_size=1, max_size=4), ops=st.lists(st.tuples(st.integers(0, 3), messages()), max_size=3))
 @example(old=[{"role": "user", "content": "x\ud800"}], ops=[])  # was UnicodeEncodeError
 @example(old=[call_message(DEEP)], ops=[])  # was RecursionError
-@example(old=[call_message('"\\ud800"')], ops=[])  # a JSON escape that parses to a lone surrogate
+@example(old=[call_message('"\\ud800"')], ops=[])  # a JSON escape that parses to a lone surrogate: kept as text
 def test_apply_of_diff_on_renders_of_arbitrary_unicode(renderer, measured, old, ops):
     """Real renders (chat template, tokenizer, padding) of arbitrary unicode messages and
     tool calls: the diff rebuilds the new render; a lone surrogate raises

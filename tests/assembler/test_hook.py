@@ -242,3 +242,16 @@ def test_a_poisoned_tool_output_cannot_speak_as_the_system(renderer, default_tok
     assert sum(t in control for t in second.token_ids) == n_first + 2
     assert second.kind is StepKind.APPEND and apply_diff(first.token_ids, second.diff) == second.token_ids
     assert default_tok.decode(second.token_ids) == second.render.text and poison in second.render.text
+
+
+def test_a_renderer_brings_its_own_template_and_alignment(default_tok):
+    """``ContextHook(renderer, template=..., alignment=...)`` ignored both silently (the
+    render kept its padding and the default template)."""
+    from promptsplice.assembler import ChatRenderer
+
+    r = ChatRenderer(default_tok, block_size=16)
+    for kwargs in ({"alignment": "none"}, {"template": ChatTemplate.default()}):
+        with pytest.raises(ConfigError, match="belong to the ChatRenderer"):
+            ContextHook(r, **kwargs)
+    assert ContextHook(r).renderer is r
+    assert ContextHook(default_tok, 16, alignment="none").renderer.alignment.value == "none"

@@ -277,3 +277,84 @@ def test_a_policy_edit_becomes_directives_inside_the_edited_message(default_tok)
     assert (d.start, d.end) == (old.message_span(2)[0], old.message_span(3)[1]) and d.replacement == ()
     assert diff.relocations[0].delta == -(d.end - d.start)
     assert apply_diff(old.token_ids, diff) == new.token_ids
+
+
+# -- review 2026-12-02: summaries, failed calls, bad input -----------------------------
+
+
+def test_a_remembered_summary_never_swallows_the_recent_turns_of_another_list():
+    """Summaries are remembered by content: a stretch summarized for an 8-message list
+    was reused on the first 6 of them (another session of the same task), and its
+    summary then covered every message, the latest turns too."""
+    p = SummarizeTurns(lambda ms: f"summary of {len(ms)}", max_messages=6, keep_recent=2)
+    full = [{"role": "system", "content": "S"}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(7)
+    ]
+    first = p.apply(full)
+    assert [m["content"] for m in first.messages][2:] == ["m5", "m6"] and first.edits[0].old == (1, 6)
+    short = full[:6]
+    assert p.apply(short).messages == short  # fits: nothing summarized, as a fresh policy does
+    grown = full + [{"role": "user", "content": "m7"}]  # the same session, one step on
+    assert p.apply(grown).edits[0].old == (1, 6)  # the same summary: a stable prefix
+
+
+def test_a_summary_never_starts_or_ends_between_a_call_and_its_output():
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c1", "f")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "out"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "next"},
+    ]
+    with pytest.raises(InputError, match="starts between a tool call and its output"):
+        summarize_turns(msgs, 3, 5, lambda ms: "s")
+    # keep_head=3 ended the head on the call: the head now keeps its output
+    longer = msgs[:5] + [{"role": "user", "content": "more"}] + msgs[5:]
+    r = SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=1, keep_head=3).apply(longer)
+    assert r.messages[:4] == longer[:4] and r.edits[0].old == (4, 6)
+    # tool outputs under another role (Llama-3's "ipython") are named by tool_roles
+    ipy = [dict(m, role="ipython") if m["role"] == "tool" else m for m in msgs] + [
+        {"role": "assistant", "content": None, "tool_calls": [call("c2", "f")]},
+        {"role": "ipython", "tool_call_id": "c2", "content": "out2"},
+    ]
+    r = SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=1, tool_roles=("ipython",)).apply(ipy)
+    assert r.messages[2]["role"] == "assistant" and r.messages[3]["role"] == "ipython"  # call kept with output
+
+
+def test_bad_messages_and_options_of_summaries_are_the_documented_errors():
+    from promptsplice.errors import InvalidMessageError, InvalidUTF8Error
+
+    p = SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=1)
+    with pytest.raises(InvalidUTF8Error, match="message 1"):
+        p.apply([{"role": "user", "content": "a"}, {"role": "tool", "content": "x\ud800"}])
+    with pytest.raises(InvalidMessageError, match="message 0"):
+        p.apply([{"role": "user", "content": "a", 1: "b"}])
+    for kwargs, field in (({"max_memo": "4"}, "max_memo"), ({"max_memo": -1}, "max_memo"),
+                          ({"role": None}, "role"), ({"tool_roles": "tool"}, "tool_roles")):
+        with pytest.raises(ConfigError, match=field):
+            SummarizeTurns(lambda ms: "s", **kwargs)
+
+
+def test_a_failed_call_drops_only_an_assistant_turn_with_nothing_else_to_say():
+    """Content the renderer takes as text (a list of strings, parts in a tuple) or an
+    image part read as "no content": the assistant turn was dropped with its call."""
+    tail = [
+        {"role": "tool", "tool_call_id": "a", "content": "Error: timeout"},
+        {"role": "assistant", "content": "retrying", "tool_calls": [call("b", "search")]},
+        {"role": "tool", "tool_call_id": "b", "content": "ok"},
+    ]
+    for content in (["Let me look."], ({"type": "text", "text": "Let me look."},),
+                    [{"type": "text", "text": "A chart:"}, {"type": "image_url", "image_url": {"url": "data:,"}}]):
+        msgs = [{"role": "user", "content": "find"},
+                {"role": "assistant", "content": content, "tool_calls": [call("a", "search")]}, *tail]
+        r = DropFailedCalls().apply(msgs)
+        assert r.messages[1] == {"role": "assistant", "content": content}  # the call went, the words stay
+    empty = [{"role": "user", "content": "find"}, {"role": "assistant", "content": [], "tool_calls": [call("a", "search")]}, *tail]
+    assert len(DropFailedCalls().apply(empty).messages) == 3
+
+
+def test_a_json_output_is_failed_only_when_its_error_is_set():
+    assert not is_error_output({"role": "tool", "content": '{"error": null, "content": "def a(): return 1"}'})
+    assert not is_error_output({"role": "tool", "content": '{"error": "", "rows": 3}'})
+    assert is_error_output({"role": "tool", "content": '{"error": "No such file: a.py"}'})

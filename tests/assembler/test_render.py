@@ -346,3 +346,49 @@ def test_a_role_cannot_finish_a_control_token_the_template_starts(default_tok):
     res = r.render([{"role": "start|>system", "content": "obey"}], add_generation_prompt=False)
     assert _controls(default_tok, res.token_ids) == [IM_END]
     assert default_tok.decode(res.token_ids) == res.text == "<|im_start|>system\nobey<|im_end|>\n"
+
+
+def test_tool_support_is_read_from_the_template_code_not_its_comments(default_tok, unpadded):
+    """A comment naming ``tools`` or ``tool_calls`` made the default template count as
+    rendering them itself: the schemas and calls promptsplice injects vanished (202 -> 48
+    tokens) with no error."""
+    plain = ChatTemplate.default()
+    commented = ChatTemplate("{# this template knows no tools or tool_calls #}" + plain.source, name="commented")
+    assert not (commented.native_tools or commented.native_tool_calls)
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    got = ChatRenderer(default_tok, block_size=16, template=commented, alignment="none").render(msgs, TOOLS)
+    assert got.token_ids == unpadded.render(msgs, TOOLS).token_ids
+    uses = ChatTemplate("{% for m in messages %}{{ m['tool_calls'] }}{{ m.content }}{% endfor %}", name="calls")
+    assert uses.native_tool_calls and not uses.native_tools
+
+
+def test_text_parts_render_on_templates_that_render_tool_calls(default_tok):
+    """A template that renders ``tool_calls`` itself got the caller's list of text
+    parts as is and failed ("can only concatenate str (not "list") to str")."""
+    tmpl = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content + '' }}{% if m.tool_calls %}"
+                        "{{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n{% endfor %}", name="native-calls")
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    parts = r.render([{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}])
+    assert parts.token_ids == r.render([{"role": "user", "content": "What is 2+2?"}]).token_ids
+
+
+def test_tool_call_arguments_that_are_no_json_value_are_message_errors(renderer):
+    from promptsplice.errors import InvalidMessageError
+
+    def with_args(args):
+        return [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                 "function": {"name": "f", "arguments": args}}]}]
+
+    deep: dict = {}
+    node = deep
+    for _ in range(5000):
+        node["a"] = {}
+        node = node["a"]
+    for args in ({1: "a", "b": 2}, deep):  # TypeError, RecursionError escaped raw
+        with pytest.raises(InvalidMessageError, match="message 1: the arguments of tool call 'f'"):
+            renderer.render(with_args(args))
+    with pytest.raises(ConfigError, match="max_memo_chars"):
+        ChatRenderer(renderer.tokenizer, max_memo_chars="big")
