@@ -20,6 +20,7 @@ from promptsplice.benchmarks.assemble import (
     suite_reports,
 )
 from promptsplice.benchmarks.traces import read_rag_trace, write_rag_trace
+from promptsplice.benchmarks.cli import _count
 
 __all__ = ["main"]
 
@@ -57,7 +58,7 @@ def _assembly_rows(out: Path, requests: int, reports: dict[str, dict]) -> list[s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="out/bench")
-    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--requests", type=_count(1), default=400)  # 0 ended in a traceback
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,3 +20,11 @@ def test_run_all_exits_non_zero_when_a_policy_beats_its_bound(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "promptsplice.benchmarks.dedup_bench", types.SimpleNamespace(run_dedup_bench=dict))
     assert run_all.main(["--out", str(tmp_path), "--requests", "8"]) == BOUND_EXIT
     assert "promptsplice: error:" in capsys.readouterr().err
+
+
+def test_run_all_refuses_a_request_count_below_one(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:  # was a traceback after the first table
+        run_all.main(["--requests", "0", "--out", "/nonexistent/never-written"])
+    assert exc.value.code == 2 and "must be >= 1, got 0" in capsys.readouterr().err
