@@ -199,11 +199,19 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
             self.on_prepared(prepared)
         return request.override(messages=messages, system_message=new_system), prepared
 
+    def _give(self, new: Any, prepared: PreparedContext) -> tuple[Any, bool]:
+        """Hand the prepared context to a PromptspliceChatModel, under the session id it
+        was prepared for (passed along: the model reads ``thread_id`` otherwise, so a
+        ``session_key`` of another name never met its hand-off)."""
+        if not isinstance(new.model, PromptspliceChatModel):
+            return new, False
+        handoff.put(prepared)
+        settings = {**(new.model_settings or {}), "session_id": prepared.session_id}
+        return new.override(model_settings=settings), True
+
     def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         new, prepared = self._prepare(request)
-        give = isinstance(new.model, PromptspliceChatModel)
-        if give:
-            handoff.put(prepared)
+        new, give = self._give(new, prepared)
         try:
             return handler(new)
         finally:
@@ -212,9 +220,7 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
 
     async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         new, prepared = self._prepare(request)
-        give = isinstance(new.model, PromptspliceChatModel)
-        if give:
-            handoff.put(prepared)
+        new, give = self._give(new, prepared)
         try:
             return await handler(new)
         finally:

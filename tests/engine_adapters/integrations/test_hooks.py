@@ -298,3 +298,19 @@ def test_an_edited_assistant_turn_keeps_the_calls_whose_outputs_stay():
     out = chat_to_items(list(prepared.messages), chat, prov, items)
     assert out == [items[0], items[2], items[4], items[5], items[6]]
     assert out[1] is items[2]  # the original item objects come back
+
+
+def test_middleware_hands_off_under_a_session_key_of_another_name(engine):
+    """The middleware filed the prepared context under ``config[session_key]`` while the
+    model looked it up under ``thread_id``: with ``session_key="conv"`` the hand-off
+    never happened and the model rendered again, outside the hook's session."""
+    from langchain.agents import create_agent
+
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+    mw = PromptspliceMiddleware(hook, session_key="conv")
+    runner = RecordingRunner(engine)
+    model = PromptspliceChatModel(engine=engine, runner=runner, max_tokens=8)
+    agent = create_agent(model=model, tools=[read_log], middleware=[_force_tool_calls(1), mw])
+    agent.invoke({"messages": [HumanMessage("Read the log app.log")]}, config={"configurable": {"conv": "conv-1"}})
+    assert [(p.session_id, p.step) for p in runner.calls] == [(p.session_id, p.step) for p in mw.history]
+    assert [p.session_id for p in runner.calls] == ["conv-1", "conv-1"]
