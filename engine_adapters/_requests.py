@@ -19,7 +19,7 @@ from promptsplice.assembler import AssembledPrompt, PrefixCacheMirror
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice.engine_adapters.connector._plans import BlockDeviation, SplicePhase, SplicePlan
 from promptsplice._validate import check_int, check_number, check_salt, check_stop
-from promptsplice.errors import ConfigError, ContextLengthError, InputError
+from promptsplice.errors import ConfigError, ContextLengthError, InputError, InvalidSaltError
 
 __all__ = [
     "Adapt",
@@ -213,6 +213,12 @@ def normalize_prompt(
     known: list[BlockHash] | None = None
     if isinstance(prompt, AssembledPrompt):
         ids = list(prompt.token_ids)
+        if cache_salt is not None and prompt.salt is not None and cache_salt != prompt.salt:
+            # as RemoteEngine and PrefixRouter: one tenant's prompt sent as another's is refused
+            raise InvalidSaltError(
+                f"cache_salt={cache_salt!r} differs from the prompt's salt {prompt.salt!r}: "
+                "assemble the prompt with the tenant's salt and leave cache_salt unset"
+            )
         salt = prompt.salt if cache_salt is None else cache_salt
         if prompt.block_size == block_size and salt == prompt.salt:
             known = prompt.block_hashes  # the assembler hashed the prompt already

@@ -55,3 +55,22 @@ def test_a_planned_probe_the_connector_did_not_measure_fails_closed():
 
     adapt, sent, run = _run(new, phases, lambda plan: ())  # nothing ever measured: nothing loaded
     assert not any(ph.plan is not None and ph.plan.segments for ph in run.phases)
+
+
+def test_an_assembled_prompt_sent_under_another_tenants_salt_is_refused(make_assembler):
+    """The embedded engine sent tenant a's assembled prompt under an explicit
+    ``cache_salt="b"`` (RemoteEngine and PrefixRouter refuse it): one rule at every door."""
+    import pytest
+
+    from promptsplice.engine_adapters._requests import normalize_prompt
+    from promptsplice.errors import InvalidSaltError
+
+    asm = make_assembler(block_size=32)
+    prompt = asm.assemble([{"id": "c", "text": "A chunk of text."}], query="What?", salt="a")
+    norm = normalize_prompt(prompt, None, block_size=32, encode=lambda t: [])
+    assert norm.salt == "a" and norm.known_hashes == prompt.block_hashes
+    assert normalize_prompt(prompt, "a", block_size=32, encode=lambda t: []).salt == "a"
+    with pytest.raises(InvalidSaltError, match="differs from the prompt's salt 'a'"):
+        normalize_prompt(prompt, "b", block_size=32, encode=lambda t: [])
+    unsalted = asm.assemble([{"id": "c", "text": "A chunk of text."}], query="What?")
+    assert normalize_prompt(unsalted, "b", block_size=32, encode=lambda t: []).salt == "b"  # salting an unsalted prompt
