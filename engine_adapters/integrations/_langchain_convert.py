@@ -164,16 +164,19 @@ def check_tool_choice(tool_choice: Any) -> Any:
 
 def streamable(seen: str, parse: bool) -> int:
     """How much of ``seen`` can be streamed as content: all of it without tools; with
-    tools, up to a ``<tool_call>`` (or a tail that could still become one)."""
+    tools, up to a ``<tool_call>`` (or a tail that could still become one), and nothing
+    while that is only whitespace (a call after it makes the content empty, as
+    :func:`parse_tool_calls` does for ``invoke``: the stream sent ``"\n"``)."""
     if not parse:
         return len(seen)
     at = seen.find(TOOL_CALL_OPEN)
-    if at >= 0:
-        return at
-    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(seen)), 0, -1):
-        if TOOL_CALL_OPEN.startswith(seen[-k:]):
-            return len(seen) - k
-    return len(seen)
+    if at < 0:
+        at = len(seen)
+        for k in range(min(len(TOOL_CALL_OPEN) - 1, len(seen)), 0, -1):
+            if TOOL_CALL_OPEN.startswith(seen[-k:]):
+                at = len(seen) - k
+                break
+    return at if seen[:at].strip() else 0
 
 
 def call_chunks(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

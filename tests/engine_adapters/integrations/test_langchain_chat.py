@@ -307,3 +307,15 @@ def test_the_llm_cache_key_names_the_server_and_its_model():
     ka, kb = a._get_llm_string(), b._get_llm_string()
     assert ka.endswith("---model=llama-8b---server=http://a.invalid:8000")
     assert kb.endswith("---model=qwen-7b---server=http://b.invalid:8000")
+
+
+def test_whitespace_before_a_tool_call_is_not_streamed_as_content():
+    """invoke() drops whitespace-only content before a call (parse_tool_calls); the
+    stream had already sent it ("\\n"): stream and invoke gave different messages."""
+    from promptsplice.engine_adapters.integrations._langchain_convert import streamable
+
+    out = '\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert parse_tool_calls(out)[0] == ""
+    assert all(streamable(out[:k], True) == 0 for k in range(len(out) + 1))
+    assert streamable("\n\nHello", True) == 7 and streamable("\n\nHello <tool", True) == 8
+    assert streamable("\n\n", False) == 2  # without tools everything streams
