@@ -158,22 +158,27 @@ def iter_block_hashes(parent: BlockHash, data: memoryview, block_size: int) -> I
 
 
 _MEMO_MIN_BLOCKS = 4
-_MEMO_MAX_ENTRIES = 8192
+_MEMO_MAX_HASHES = 1 << 18
 _memo: dict[tuple[bytes, int, bytes], tuple[BlockHash, ...]] = {}
+_memo_hashes = 0  # hashes held (approximate under threads: only sizes the memo)
 
 
 def _memo_chain(parent: BlockHash, data: bytes, block_size: int) -> tuple[BlockHash, ...]:
     """Chain hashes of every full block of ``data``, remembered per (parent, block size,
     digest of ``data``): a popular chunk is hashed block by block once, not on every
     request that sends it.  Keyed by the same xxh3-128 as the hashes themselves; the
-    memo is cleared whole when it is full (a few MB at most)."""
+    memo is cleared whole once it holds 2^18 hashes (~15 MB)."""
+    global _memo_hashes
     key = (parent, block_size, xxhash.xxh3_128_digest(data))
     hashes = _memo.get(key)
     if hashes is None:
         hashes = tuple(iter_block_hashes(parent, memoryview(data), block_size))
-        if len(_memo) >= _MEMO_MAX_ENTRIES:
+        if _memo_hashes + len(hashes) > _MEMO_MAX_HASHES:
             _memo.clear()
-        _memo[key] = hashes
+            _memo_hashes = 0
+        if len(hashes) <= _MEMO_MAX_HASHES:
+            _memo[key] = hashes
+            _memo_hashes += len(hashes)
     return hashes
 
 

@@ -130,3 +130,21 @@ def test_hash_while_cached_stops_at_the_first_missing_block(tokens, bs, cached_b
         n = hash_while_cached(root_hash(), token_bytes(tokens), bs, cached, out)
         assert n == min(cached_blocks, len(full))
         assert out == full[: n + 1]
+
+
+def test_the_chain_memo_is_bounded_by_the_hashes_it_holds(monkeypatch):
+    """Bounded by entries only, a few segments of 100K tokens each held hundreds of MB."""
+    import promptsplice.blocks as blocks
+
+    monkeypatch.setattr(blocks, "_MEMO_MAX_HASHES", 100)
+    monkeypatch.setattr(blocks, "_memo", {})
+    monkeypatch.setattr(blocks, "_memo_hashes", 0)
+    for seed in range(30):
+        tokens = [seed * 1000 + i for i in range(10 * 16)]
+        out: list[bytes] = []
+        assert hash_while_cached(root_hash(), token_bytes(tokens), 16, set(), out) == 0
+        assert out == chain_hashes(tokens, 16)[:1]
+        assert sum(len(v) for v in blocks._memo.values()) <= 100
+    big = list(range(300 * 16))  # more than the whole memo: computed, not kept
+    hash_while_cached(root_hash(), token_bytes(big), 16, set(chain_hashes(big, 16)), [])
+    assert sum(len(v) for v in blocks._memo.values()) <= 100
