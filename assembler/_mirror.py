@@ -176,9 +176,10 @@ class PrefixCacheMirror:
             # The hit slots stay in the free queue while the request "runs" (moved, not
             # popped and re-added: 4x cheaper for a 500-block hit); allocation skips them.
             in_use = set(hit_slots) if hit_slots and total > pred.cached_blocks else None
+            skipped: list[int] = []  # hit slots met at the head: out of the queue until moved back
             slots: list[int] = []
             for i in range(pred.cached_blocks, total):
-                slot = self._allocate(in_use)
+                slot = self._allocate(in_use, skipped)
                 # A block computed again (past the hit limit or min_hit_tokens) is a
                 # second copy, as in vLLM's pool; unbounded, where nothing is evicted,
                 # one copy answers every query, so the slot goes back as a spare.
@@ -204,22 +205,22 @@ class PrefixCacheMirror:
             for slot in reversed(hit_slots):
                 if slot in free:
                     move(slot)
-                else:  # unbounded: in use slots are not queued
+                else:  # taken out at the head by _allocate: back at the tail
                     free[slot] = None
             for slot in reversed(uncached):  # prepend, keeping their order at the head
                 free[slot] = None
                 free.move_to_end(slot, last=False)
             return pred
 
-    def _allocate(self, in_use: set[int] | None = None) -> int:
+    def _allocate(self, in_use: set[int] | None = None, skipped: list[int] | None = None) -> int:
         """A free slot from the head of the queue, evicting its hash; ``in_use``: slots
-        of the running request, never taken (they stay queued, see :meth:`admit`)."""
+        of the running request, never taken: met at the head, they leave the queue into
+        ``skipped`` (:meth:`admit` puts them back at the tail), once per request."""
         if self.capacity_blocks is None:  # unbounded: never evict
             if self._spare:
                 return self._spare.pop()
             self._slot_hash.append(None)
             return len(self._slot_hash) - 1
-        skipped: list[int] = []
         while True:
             if not self._free:
                 raise ConfigError(
@@ -229,10 +230,8 @@ class PrefixCacheMirror:
             slot, _ = self._free.popitem(last=False)
             if in_use is None or slot not in in_use:
                 break
+            assert skipped is not None
             skipped.append(slot)
-        for kept in reversed(skipped):  # back at the head, in their order
-            self._free[kept] = None
-            self._free.move_to_end(kept, last=False)
         old = self._slot_hash[slot]
         if old is not None:
             holders = self._cached[old]

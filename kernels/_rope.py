@@ -140,8 +140,8 @@ class RopeConfig:
                 "RopeConfig: rotary_dim must be even and in (0, head_size]; got "
                 f"rotary_dim={self.rotary_dim}, head_size={self.head_size}"
             )
-        if not self.theta > 0:
-            raise ConfigError(f"RopeConfig: theta must be > 0, got {self.theta}")
+        if not (self.theta > 0 and math.isfinite(self.theta)):
+            raise ConfigError(f"RopeConfig: theta must be a finite number > 0, got {self.theta}")
         if not self.linear_factor > 0:
             raise ConfigError(f"RopeConfig: linear_factor must be > 0, got {self.linear_factor}")
 
@@ -228,6 +228,10 @@ class RopeConfig:
         model_type = d.get("model_type")
 
         head_size = d.get("head_dim")
+        if head_size is not None and (
+            isinstance(head_size, bool) or not isinstance(head_size, (int, float)) or head_size != int(head_size)
+        ):
+            raise ConfigError(f"model config head_dim must be an int, got {head_size!r}")
         if not head_size:
             hidden = d.get("hidden_size") or d.get("n_embd") or d.get("d_model")
             heads = d.get("num_attention_heads") or d.get("n_head") or d.get("num_heads")

@@ -121,8 +121,10 @@ def check_single_worker(parallel: Any) -> None:
     chain hashes that do not name a rank, with the whole layer stack and every KV head
     in each record.  Tensor or pipeline parallelism would have each rank file its own
     slice of a block under the same key (and the shared tier hand one rank's heads to
-    another), so it is refused; data parallelism (separate engines) is not affected.  An
-    executor that runs the worker in another process (``mp``, ``ray``) is refused too."""
+    another), so it is refused.  An executor that runs the worker in another process
+    than the scheduler (``mp``, ``ray``) is refused too, and with it vLLM's data
+    parallelism (``data_parallel_size > 1`` defaults to ``mp``): run one engine or
+    server per replica behind PrefixRouter or a gateway instead."""
     sizes = {name: getattr(parallel, name, 1) for name in ("tensor_parallel_size", "pipeline_parallel_size")}
     many = {name: size for name, size in sizes.items() if size != 1}
     if many:
@@ -140,7 +142,9 @@ def check_single_worker(parallel: Any) -> None:
         raise ConfigError(
             f"SpliceConnector: distributed_executor_backend={name!r} runs the worker in another "
             "process than the scheduler, and the connector's two halves share one store in one "
-            "process; use distributed_executor_backend='uni' (one worker) or run without kv_store"
+            "process; use distributed_executor_backend='uni' (one worker; data_parallel_size > 1 "
+            "picks 'mp': run one engine per replica behind PrefixRouter or a gateway instead), "
+            "or run without kv_store"
         )
 
 

@@ -16,7 +16,10 @@ directives); otherwise it renders anew and logs why.
   over Responses-API input items.
 
 Session ids: LangChain/LangGraph read ``config["configurable"][session_key]`` (default
-``thread_id``); without one, ``default_session`` is used, else ``ConfigError``.
+``thread_id``); without one, ``default_session`` is used, else ``ConfigError``.  The
+middleware passes its session id to a :class:`PromptspliceChatModel`; behind the
+LangGraph hook, give the model the same ``session_key`` (it reads ``thread_id``
+otherwise and never finds the hook's prepared context).
 """
 
 from __future__ import annotations

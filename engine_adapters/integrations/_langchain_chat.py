@@ -159,7 +159,11 @@ class PromptspliceChatModel(BaseChatModel):
     temperature: float = 0.0
     stop: list[str] | None = None
     session_id: str | None = None
-    """Default session (call kwarg ``session_id`` and config ``thread_id`` win)."""
+    """Default session (call kwarg ``session_id`` and config ``session_key`` win)."""
+    session_key: str = "thread_id"
+    """The ``config["configurable"]`` key naming the session: the same as the
+    ``session_key`` of a ``PromptsplicePreModelHook`` in front of this model, so its
+    prepared contexts are found (the middleware passes its session id along)."""
     cache_salt: str | None = Field(default_factory=from_env("PROMPTSPLICE_CACHE_SALT", default=None))
     """The prompt's ``cache_salt`` (tenant isolation); default from ``PROMPTSPLICE_CACHE_SALT``."""
     streaming: bool = False
@@ -179,6 +183,7 @@ class PromptspliceChatModel(BaseChatModel):
             "streaming": lambda v: check_bool(v, "streaming"),
             "cache_salt": lambda v: check_tenant_salt(v, "cache_salt"),
             "session_id": lambda v: check_text(v, "session_id", optional=True, error=ConfigError),
+            "session_key": lambda v: check_text(v, "session_key", error=ConfigError),
             "timeout": lambda v: v if v is None else check_number(v, "timeout", strict=True),
             "max_retries": lambda v: check_optional_int(v, "max_retries", minimum=0),
         }
@@ -226,8 +231,12 @@ class PromptspliceChatModel(BaseChatModel):
     def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
         # serializable models key LangChain's LLM cache by their dumpd, which leaves the
         # engine out: add the model the engine runs, so two engines never share entries
-        # (and a served engine's URL: two servers never share entries either)
-        url = getattr(self.engine, "base_url", None)
+        # (and a served engine's URL, the default engine's too: two servers never share entries)
+        eng = self.engine
+        if eng is None:
+            with _default_lock:
+                eng = _default_engine
+        url = getattr(eng, "base_url", None)
         where = f"---server={url}" if isinstance(url, str) else ""
         return super()._get_llm_string(stop=stop, **kwargs) + "---model=" + self._model_name(resolve=True) + where
 
@@ -271,16 +280,16 @@ class PromptspliceChatModel(BaseChatModel):
 
     # session ids from the config of direct calls (``_generate`` cannot see the config)
     def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AIMessage:  # type: ignore[override]
-        return super().invoke(input, config, stop=stop, **_with_thread(config, kwargs))
+        return super().invoke(input, config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
     async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AIMessage:  # type: ignore[override]
-        return await super().ainvoke(input, config, stop=stop, **_with_thread(config, kwargs))
+        return await super().ainvoke(input, config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
     def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:  # type: ignore[override]
-        return super().stream(input, config, stop=stop, **_with_thread(config, kwargs))
+        return super().stream(input, config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
     def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:  # type: ignore[override]
-        return super().astream(input, config, stop=stop, **_with_thread(config, kwargs))
+        return super().astream(input, config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
     # -- resolution ---------------------------------------------------------------------
     def resolved_engine(self) -> Any:
@@ -317,9 +326,9 @@ class PromptspliceChatModel(BaseChatModel):
         sid = kwargs.get("session_id")
         if sid is None:
             cfg = ensure_config()  # set inside LangGraph nodes and runnable sequences
-            sid = (cfg.get("configurable") or {}).get("thread_id")
+            sid = (cfg.get("configurable") or {}).get(self.session_key)
         if sid is None and run_manager is not None:
-            sid = (getattr(run_manager, "metadata", None) or {}).get("thread_id")
+            sid = (getattr(run_manager, "metadata", None) or {}).get(self.session_key)
         if sid is None:
             sid = self.session_id
         return None if sid is None else str(sid)
@@ -574,9 +583,9 @@ class PromptspliceChatModel(BaseChatModel):
             await asyncio.to_thread(worker.join)
 
 
-def _with_thread(config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _with_thread(config: RunnableConfig | None, kwargs: dict[str, Any], key: str = "thread_id") -> dict[str, Any]:
     if config and "session_id" not in kwargs:
-        tid = (config.get("configurable") or {}).get("thread_id")
+        tid = (config.get("configurable") or {}).get(key)
         if tid is not None:
             return {**kwargs, "session_id": str(tid)}
     return kwargs

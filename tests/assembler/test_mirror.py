@@ -183,3 +183,22 @@ def test_clear_can_resize_the_pool():
     with pytest.raises(ConfigError, match="capacity_blocks"):
         m.clear(capacity_blocks=0)
 
+
+
+def test_a_hit_at_the_head_of_a_full_pool_is_admitted_in_linear_time():
+    """A prefix used long ago sits at the LRU head of a full pool: the allocation took
+    and re-queued every one of its slots once per new block (2,000 hit + 2,000 new
+    blocks: ~1 s under the mirror's lock; linear: ~2 ms)."""
+    import time
+
+    bs, hit, new, cap = 16, 2000, 2000, 6000
+    a = list(range(hit * bs))
+    m = PrefixCacheMirror(bs, cap)
+    m.admit(chain_hashes(a, bs), len(a))
+    filler = [7] + list(range(10**7, 10**7 + (cap - hit) * bs - 1))
+    m.admit(chain_hashes(filler, bs), len(filler))  # a's slots now at the head of the queue
+    longer = a + list(range(10**6, 10**6 + new * bs))
+    t0 = time.perf_counter()
+    pred = m.admit(chain_hashes(longer, bs), len(longer))
+    assert pred.cached_blocks == hit and time.perf_counter() - t0 < 0.2
+    assert m.match(chain_hashes(longer, bs)) == hit + new  # every block of it cached now

@@ -184,6 +184,9 @@ def test_models_with_layers_without_rope_are_refused():
         {"model_type": "llama", "head_dim": 64, "rope_theta": "x"},
         {"model_type": "llama", "head_dim": 64, "rope_scaling": [1]},
         dict(LLAMA31, rope_scaling=dict(LLAMA31["rope_scaling"], factor=None)),
+        {"model_type": "llama", "head_dim": 64.9},  # was truncated to 64
+        {"model_type": "llama", "head_dim": "64"},
+        {"model_type": "llama", "head_dim": 64, "rope_theta": float("inf")},
     ],
 )
 def test_malformed_fields_are_config_errors(cfg):

@@ -314,3 +314,21 @@ def test_middleware_hands_off_under_a_session_key_of_another_name(engine):
     agent.invoke({"messages": [HumanMessage("Read the log app.log")]}, config={"configurable": {"conv": "conv-1"}})
     assert [(p.session_id, p.step) for p in runner.calls] == [(p.session_id, p.step) for p in mw.history]
     assert [p.session_id for p in runner.calls] == ["conv-1", "conv-1"]
+
+
+def test_the_langgraph_hook_and_the_model_share_a_session_key_of_another_name(engine):
+    """Behind ``PromptsplicePreModelHook(session_key="conv")`` the model looked its
+    prepared context up under ``thread_id``: never found (rendered again, session '')."""
+    from langgraph.prebuilt import create_react_agent
+
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size, policies=[TruncateToolOutputs(10, keep_recent=0)])
+    pre = PromptsplicePreModelHook(hook, tools=[read_log], session_key="conv")
+    runner = RecordingRunner(engine)
+    model = PromptspliceChatModel(engine=engine, runner=runner, max_tokens=8, session_key="conv")
+    graph = create_react_agent(model, [read_log], pre_model_hook=pre)
+    history = [HumanMessage("Read the log app.log"),
+               AIMessage("", tool_calls=[{"name": "read_log", "args": {}, "id": "c1", "type": "tool_call"}]),
+               ToolMessage(read_log(), tool_call_id="c1", name="read_log"),
+               HumanMessage("Summarize it.")]
+    graph.invoke({"messages": history}, config={"configurable": {"conv": "conv-2", "thread_id": "t-2"}})
+    assert runner.calls[0] is pre.history[0] and runner.calls[0].session_id == "conv-2"

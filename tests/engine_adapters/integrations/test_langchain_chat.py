@@ -172,7 +172,7 @@ def test_serializes_settings_only_and_loads_with_an_explicit_allowlist(engine, m
     data = dumpd(model)
     assert data["id"] == ["promptsplice", "engine_adapters", "integrations", "_langchain_chat", "PromptspliceChatModel"]
     assert data["kwargs"] == {
-        "max_tokens": 7, "stop": ["\n"], "cache_salt": "tenant-a",
+        "max_tokens": 7, "stop": ["\n"], "cache_salt": "tenant-a", "session_key": "thread_id",
         "api_key": {"lc": 1, "type": "secret", "id": ["PROMPTSPLICE_API_KEY"]},
     }  # no engine, hook or runner; the key as a reference, never its value
     assert "sk-env" not in dumps(model)
@@ -307,6 +307,15 @@ def test_the_llm_cache_key_names_the_server_and_its_model():
     ka, kb = a._get_llm_string(), b._get_llm_string()
     assert ka.endswith("---model=llama-8b---server=http://a.invalid:8000")
     assert kb.endswith("---model=qwen-7b---server=http://b.invalid:8000")
+    # the default engine too (a model built without engine=): its server is in the key
+    default = PromptspliceChatModel()
+    prev = set_default_engine(RemoteEngine("http://c.invalid:8000", transport=server("org/llama-8b")))
+    try:
+        kc = default._get_llm_string()
+        set_default_engine(RemoteEngine("http://d.invalid:8000", transport=server("org/llama-8b")))
+        assert kc != default._get_llm_string() and kc.endswith("---server=http://c.invalid:8000")
+    finally:
+        set_default_engine(prev)
 
 
 def test_whitespace_before_a_tool_call_is_not_streamed_as_content():
