@@ -12,7 +12,8 @@ the segments dedup keeps, floored per request by each measured mode's radix idea
 alone counts hits per whole segment, and a run of new segments can spell part of an
 old one, so it is no bound for every conceivable order), each unbounded and under the
 engine's cache capacity (``*_bounded``: LRU over ``bound_capacity_blocks`` blocks;
-default the embedded engine's 512 MiB KV cache, 727 usable blocks, 23,264 tokens).
+default the embedded engine's 512 MiB KV cache in bf16, 727 usable blocks, 23,264
+tokens: :data:`ENGINE_CACHE_TOKENS`).
 Without ``capacity_blocks`` every mode also runs under that capacity
 (``predicted_prefill_tokens_bounded``), so the ``*_bounded`` bounds sit next to modes
 of the same cache.
@@ -84,9 +85,11 @@ __all__ = [
 
 POLICIES = ("retrieval", "stable", "cache_aware")
 ENGINE_CACHE_TOKENS = 727 * 32
-"""The embedded engine's default KV cache (512 MiB: 728 blocks of 32 tokens for
-SmolLM2-135M in bf16, 727 of them usable: vLLM reserves the null block): the capacity
-of the ``*_bounded`` figures, bounds and modes alike."""
+"""The embedded engine's default KV cache in bf16 (512 MiB: 728 blocks of 32 tokens for
+SmolLM2-135M, 727 of them usable: vLLM reserves the null block): the capacity of the
+``*_bounded`` figures, bounds and modes alike.  Fixed, so the figures compare across
+machines; where ``dtype="auto"`` picks float32 (no AVX-512 BF16, or AMX tiles) the same
+512 MiB hold half as many blocks (363 usable)."""
 
 
 
