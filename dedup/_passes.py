@@ -19,9 +19,13 @@ may find the needle in (one C search each, linear in their bytes); once a pass h
 ``_SWITCH`` of them, it switches to the call's grid anchor index
 (:mod:`promptsplice.dedup._anchors`), where a needle finds its candidate chunks by dict
 look-ups, so the cost per needle no longer grows with the number of chunks.  Both give
-the same answer: the first occurrence in the earliest chunk searched.  Same-source
-groups of more than ``_GROUP_GRID`` chunks find overlap partners (the chunks holding a
-chunk's tail) through an index of their own instead of trying every pair.
+the same answer: the first occurrence in the earliest chunk searched.  The overlap
+pass is in :mod:`promptsplice.dedup._overlap`.
+
+**C core.**  Where the optional extension was built (``dedup/_speedups.c``), calls of up
+to ``_C_MAX_CHUNKS`` chunks run the containment and passage searches there, with the
+same filter on hashed pieces and the same answers (tests/dedup/test_speedups.py); the
+records are still made here.
 """
 
 from __future__ import annotations
@@ -32,8 +36,14 @@ from collections import Counter
 from itertools import accumulate, chain
 from operator import attrgetter
 
+from . import _overlap
 from ._anchors import MIN_NEEDLE, GridIndex
-from ._types import DedupConfig, KeptChunk, Origin, Relation, RemovedPassage
+from ._types import DedupConfig, KeptChunk, Relation, RemovedPassage
+
+try:  # the optional C core of the two searches (setup.py builds it where a compiler is)
+    from . import _speedups
+except ImportError:  # pragma: no cover - exercised by the tests with _speedups = None
+    _speedups = None
 
 __all__ = ["Passes"]
 
@@ -46,18 +56,16 @@ _DOT = b"."
 # cannot find anything, so the result must not change (tests/dedup checks it).
 _FILTER = True
 _SWITCH = 32  # plain searches (or haystack rebuilds) of one pass before it indexes
-_GROUP_GRID = 16  # same-source groups larger than this find overlap partners by index
+# The C core searches chunk by chunk, O(bytes) per needle its filter lets through, like
+# the plain search here; larger calls use the Python passes, whose grid index answers
+# in O(1) per needle.  Typical requests (tens of chunks) are far below both limits.
+_C_MAX_CHUNKS = 64
+_C_MAX_BYTES = 1 << 18
 
 _DATA = attrgetter("data")
 _KEPT = Relation.KEPT
 _CONTAINED = Relation.CONTAINED
-_MERGED = Relation.MERGED
 _PASSAGES = Relation.PASSAGES
-
-
-def _pos(k: KeptChunk) -> int:
-    """Output-order key: the input index of the chunk's KEPT origin."""
-    return k.origins[0].index
 
 
 def _starts(datas: list[bytes]) -> list[int]:
@@ -192,130 +200,9 @@ class Passes:
     # -- overlap ---------------------------------------------------------------------
 
     def merge_overlaps(self, kept: list[KeptChunk]) -> list[KeptChunk]:
-        """Merge chains of same-source chunks whose tail/head overlap by >= min_overlap."""
-        key = self.cfg.source_key
-        sources = [k.metadata.get(key) for k in kept]
-        try:
-            distinct = set(sources)
-        except TypeError:  # an unhashable source value (a list): grouped by == below
-            pass
-        else:  # all sources distinct (or missing): nothing to merge
-            if len(distinct) - (None in distinct) == len(sources) - sources.count(None):
-                return kept
-        groups: dict = {}
-        unhashable: list[tuple[object, list[KeptChunk]]] = []
-        for k, source in zip(kept, sources):
-            if source is None:
-                continue
-            try:
-                groups.setdefault(source, []).append(k)
-            except TypeError:
-                for value, members in unhashable:
-                    if _same_source(value, source):
-                        members.append(k)
-                        break
-                else:
-                    unhashable.append((source, [k]))
-        multi = [g for g in groups.values() if len(g) >= 2]
-        multi.extend(g for _, g in unhashable if len(g) >= 2)
-        gone: set[int] = set()
-        for group in multi:
-            self._merge_group(group, gone)
-        if not gone:
-            return kept
-        return [k for k in kept if id(k) not in gone]
-
-    def _merge_group(self, group: list[KeptChunk], gone: set[int]) -> None:
-        m = self.cfg.min_overlap
-        datas = [k.data for k in group]
-        lens = [len(d) for d in datas]
-        edges: list[tuple[int, int, int]] = []  # (L, a, b): tail of a == head of b
-        everyone = range(len(datas))
-        grid = None
-        if len(datas) > _GROUP_GRID and m >= MIN_NEEDLE:
-            grid = GridIndex()  # partners are the chunks that may hold A's tail
-            for b, d in enumerate(datas):
-                grid.add(b, d)
-        for a, A in enumerate(datas):
-            la = lens[a]
-            if la <= m:
-                continue
-            tail = A[la - m :]
-            partners = None if grid is None else grid.candidates(tail)
-            for b in everyone if partners is None else partners:
-                B = datas[b]
-                lb = lens[b]
-                if b == a or lb <= m:
-                    continue
-                # Longest L first: the last occurrence of A's tail in B ending at or
-                # before min(la, lb) - 1 (L == len(B) or len(A) would be containment).
-                q = B.rfind(tail, 0, min(la, lb) - 1)
-                while q >= 0:
-                    L = q + m
-                    if A.endswith(B[:L]):
-                        # A chunk inside the other one is containment, not overlap.
-                        if not ((lb <= la and B in A) or (la <= lb and A in B)):
-                            edges.append((L, a, b))
-                        break
-                    q = B.rfind(tail, 0, L - 1)
-        if not edges:
-            return
-
-        # Greedy by overlap length: each chunk gets at most one successor and one
-        # predecessor, and no cycles.
-        edges.sort(key=lambda e: (-e[0], _pos(group[e[1]]), _pos(group[e[2]])))
-        succ: dict[int, tuple[int, int]] = {}
-        pred: dict[int, int] = {}
-        for L, a, b in edges:
-            if a in succ or b in pred:
-                continue
-            x = b
-            while x in succ:
-                x = succ[x][0]
-            if x == a:
-                continue
-            succ[a] = (b, L)
-            pred[b] = a
-
-        for head in succ:
-            if head in pred:
-                continue
-            # Cutting B at L keeps whole characters: B[:L] equals A's last L bytes,
-            # which start with B's first byte, a UTF-8 lead byte; so A[:-L] ends on a
-            # character boundary and the merged bytes A[:-L] + B are valid UTF-8.
-            chain_ = [(head, 0)]
-            parts = [datas[head]]
-            texts = [group[head].text]  # B[L:] decodes to B's text after B[:L]'s chars
-            size = lens[head]
-            saved = 0
-            x = head
-            while x in succ:
-                y, L = succ[x]
-                chain_.append((y, size - L))
-                parts.append(datas[y][L:])
-                texts.append(group[y].text[len(datas[y][:L].decode("utf-8")) :])
-                size += lens[y] - L
-                saved += L
-                x = y
-            keeper = min((group[i] for i, _ in chain_), key=_pos)
-            shifted: list[Origin] = []
-            for i, offset in chain_:
-                member = group[i]
-                for o in member.origins:
-                    s, e = o.span  # type: ignore[misc]
-                    o.span = (s + offset, e + offset)
-                    if o.relation is _KEPT and member is not keeper:
-                        o.relation = _MERGED
-                if member is not keeper:
-                    shifted.extend(member.origins)
-                    gone.add(id(member))
-            keeper.origins.extend(shifted)
-            keeper.data = b"".join(parts)
-            keeper.text = "".join(texts)
-            keeper.digest = None  # type: ignore[assignment]
-            self.counts = None
-            self.removed["overlap"] += len(chain_) - 1
-            self.removed_bytes["overlap"] += saved
+        """Merge chains of same-source chunks whose tail/head overlap by >= min_overlap
+        (:mod:`promptsplice.dedup._overlap`)."""
+        return _overlap.merge_overlaps(self, kept)
 
     # -- containment -----------------------------------------------------------------
 
@@ -326,12 +213,21 @@ class Passes:
         before it (at least as long, so an identical chunk left by an overlap merge or
         with ``exact=False`` is caught too).
         """
-        self.counts = None  # containment always indexes the chunks it is given
-        counts, split = self.index(kept)
         lens = list(map(len, map(_DATA, kept)))
         order = sorted(range(len(kept)), key=lens.__getitem__, reverse=True)  # stable
-        finder = datas = None
         host: dict[int, tuple[int, int]] = {}  # rank in order -> (host rank, offset)
+        if _speedups is not None and len(kept) <= _C_MAX_CHUNKS and sum(lens) <= _C_MAX_BYTES:
+            self.counts = None  # the C core keeps its own filter; no piece index here
+            found_all = _speedups.contained([kept[i].data for i in order])
+            for r, h, offset in found_all:
+                if h in host:  # found inside an absorbed chunk: map into that one's host
+                    h, extra = host[h]
+                    offset += extra
+                host[r] = (h, offset)
+            return self._absorb_all(kept, order, host, None)
+        self.counts = None  # containment always indexes the chunks it is given
+        counts, split = self.index(kept)
+        finder = datas = None
         for r in range(1, len(order)):
             pl = split[order[r]]
             if (
@@ -352,12 +248,20 @@ class Passes:
                 h, extra = host[h]
                 offset += extra
             host[r] = (h, offset)
+        return self._absorb_all(kept, order, host, split)
+
+    def _absorb_all(self, kept, order, host, split) -> list[KeptChunk]:
+        """Absorb ``kept[order[r]]`` into ``kept[order[h]]`` at ``offset`` for each
+        ``r: (h, offset)`` of ``host``; ``split`` (the piece index's split) keeps the
+        counts exact for what is left, when there is a piece index."""
         if not host:
             return kept
         gone = set()
+        counts = self.counts
         for r, (h, offset) in host.items():
             z = kept[order[r]]
-            counts.subtract(split[order[r]])  # keep the filter exact for what is left
+            if split is not None and counts is not None:
+                counts.subtract(split[order[r]])  # keep the filter exact for what is left
             self._absorb(kept[order[h]], z, offset)
             gone.add(id(z))
             self.removed["contained"] += 1
@@ -386,10 +290,17 @@ class Passes:
         """Remove paragraphs (>= min_passage bytes) already present in an earlier chunk."""
         cfg = self.cfg
         mp = cfg.min_passage
-        counts = self.index(kept)[0]
         # After containment no chunk sits inside another, so a chunk that is a single
         # paragraph cannot be found in an earlier one: only split chunks can match.
         whole_chunks = not cfg.containment
+        if (
+            _speedups is not None
+            and len(kept) <= _C_MAX_CHUNKS
+            and sum(map(len, map(_DATA, kept))) <= _C_MAX_BYTES
+        ):
+            out, changed = self._remove_passages_c(kept, mp, whole_chunks)
+            return self._passages_fixpoint(out, changed)
+        counts = self.index(kept)[0]
         out: list[KeptChunk] = []
         # A search for chunk j's paragraphs only sees the chunks before it, final by
         # then; the joined bytes also hold the chunks after them, unchanged until cut.
@@ -432,6 +343,33 @@ class Passes:
                     continue  # emptied: attached to an earlier chunk
             out.append(k)
             out_datas.append(k.data)
+        return self._passages_fixpoint(out, changed)
+
+    def _remove_passages_c(self, kept, mp, whole_chunks) -> tuple[list[KeptChunk], bool]:
+        """The loop of :meth:`remove_passages` with the C core's scan: it returns the
+        next chunk with hits (the chunks before it are final), which is cut here."""
+        out = list(kept)
+        datas = list(map(_DATA, out))
+        start = 0
+        changed = False
+        scan = _speedups.passage_scan  # type: ignore[union-attr]
+        while True:
+            found = scan(datas, start, mp, whole_chunks)
+            if found is None:
+                return out, changed
+            j, raw = found
+            changed = True
+            k = out[j]
+            hits = [(i, offset, length, out[h], at) for i, offset, length, h, at in raw]
+            if self._cut(k, _paragraphs(k.data), hits):
+                datas[j] = k.data
+                start = j + 1
+            else:  # emptied: attached to an earlier chunk
+                del out[j], datas[j]
+                start = j
+
+    def _passages_fixpoint(self, out: list[KeptChunk], changed: bool) -> list[KeptChunk]:
+        cfg = self.cfg
         if changed:
             self.counts = None  # some bytes changed: the piece index is stale
         if changed and cfg.containment and len(out) >= 2:
@@ -524,15 +462,6 @@ class Passes:
         k.text = k.digest = None  # type: ignore[assignment]
         self.removed_bytes["passage"] += len(old) - len(new)
         return True
-
-
-def _same_source(a: object, b: object) -> bool:
-    """``a == b`` for unhashable source values, False when the comparison is not a
-    plain truth value (a numpy array compares element-wise and has none)."""
-    try:
-        return bool(a is b or a == b)
-    except (TypeError, ValueError):  # element-wise comparisons
-        return False
 
 
 def _paragraphs(d: bytes) -> list[bytes]:

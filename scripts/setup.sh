@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV="${PROMPTSPLICE_VENV:-.venv}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 STAMP="$VENV/.promptsplice-stamp"
-want="$(cat requirements/cpu.txt requirements/cpu.lock requirements/nodeps.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+want="$(cat requirements/cpu.txt requirements/cpu.lock requirements/nodeps.txt pyproject.toml setup.py dedup/_speedups.c | sha256sum | cut -d' ' -f1)"
 
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
     echo "[setup] creating $VENV with $("$PYTHON" --version)"

@@ -13,11 +13,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import promptsplice.dedup._overlap as _overlap
 import promptsplice.dedup._passes as passes
 from promptsplice.benchmarks.dedup_bench import make_requests, scaling_workload
 from promptsplice.dedup import DedupConfig, Relation, dedup
 from promptsplice.dedup._anchors import MIN_NEEDLE, GridIndex
 from tests.dedup.test_properties import check_result, configs, retrievals
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _python_passes():
+    """These shortcuts are the Python passes'; the C core (test_speedups.py) would answer
+    the small requests here without them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(passes, "_speedups", None)
+        yield
+
 
 # Few distinct bytes (one of them multi-byte UTF-8): grams repeat across chunks.
 texts = st.lists(st.sampled_from(["ab", "a", "b", ". ", "é", "\n\n", "abba"]), max_size=60).map(
@@ -63,7 +74,7 @@ def _plain(chunks, **options):
     """dedup with the index switched off: every search goes through the joined bytes."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(passes, "_SWITCH", 10**9)
-        mp.setattr(passes, "_GROUP_GRID", 10**9)
+        mp.setattr(_overlap, "_GROUP_GRID", 10**9)
         return dedup(chunks, **options)
 
 
@@ -98,7 +109,7 @@ def test_index_from_the_first_search_gives_the_same_result(chunks, cfg):
     plain = _plain(chunks, config=cfg)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(passes, "_SWITCH", 0)
-        mp.setattr(passes, "_GROUP_GRID", 0)
+        mp.setattr(_overlap, "_GROUP_GRID", 0)
         indexed = dedup(chunks, cfg)
     check_result(chunks, cfg, indexed)
     assert _canon(indexed) == _canon(plain)

@@ -1,0 +1,161 @@
+"""The overlap pass: chains of same-source chunks whose tail equals the next one's head
+are merged into one chunk (see :mod:`promptsplice.dedup` for the rules).
+
+Each ordered pair of a group tries one reverse search of A's ``min_overlap``-byte tail
+in B; groups of more than ``_GROUP_GRID`` chunks only try the pairs that the grid anchor
+index finds (the chunks that may hold A's tail).  Every edge is verified by comparing
+bytes, so it is exact by construction.
+"""
+
+from __future__ import annotations
+
+from ._anchors import MIN_NEEDLE, GridIndex
+from ._types import KeptChunk, Origin, Relation
+
+__all__ = ["merge_overlaps"]
+
+_GROUP_GRID = 16  # same-source groups larger than this find overlap partners by index
+_KEPT = Relation.KEPT
+_MERGED = Relation.MERGED
+
+
+def _pos(k: KeptChunk) -> int:
+    """Output-order key: the input index of the chunk's KEPT origin."""
+    return k.origins[0].index
+
+
+def merge_overlaps(ctx, kept: list[KeptChunk]) -> list[KeptChunk]:
+    """Merge chains of same-source chunks whose tail/head overlap by >= min_overlap;
+    ``ctx`` is the call's :class:`~promptsplice.dedup._passes.Passes` (config, counters)."""
+    key = ctx.cfg.source_key
+    sources = [k.metadata.get(key) for k in kept]
+    try:
+        distinct = set(sources)
+    except TypeError:  # an unhashable source value (a list): grouped by == below
+        pass
+    else:  # all sources distinct (or missing): nothing to merge
+        if len(distinct) - (None in distinct) == len(sources) - sources.count(None):
+            return kept
+    groups: dict = {}
+    unhashable: list[tuple[object, list[KeptChunk]]] = []
+    for k, source in zip(kept, sources):
+        if source is None:
+            continue
+        try:
+            groups.setdefault(source, []).append(k)
+        except TypeError:
+            for value, members in unhashable:
+                if _same_source(value, source):
+                    members.append(k)
+                    break
+            else:
+                unhashable.append((source, [k]))
+    multi = [g for g in groups.values() if len(g) >= 2]
+    multi.extend(g for _, g in unhashable if len(g) >= 2)
+    gone: set[int] = set()
+    for group in multi:
+        _merge_group(ctx, group, gone)
+    if not gone:
+        return kept
+    return [k for k in kept if id(k) not in gone]
+
+def _merge_group(ctx, group: list[KeptChunk], gone: set[int]) -> None:
+    m = ctx.cfg.min_overlap
+    datas = [k.data for k in group]
+    lens = [len(d) for d in datas]
+    edges: list[tuple[int, int, int]] = []  # (L, a, b): tail of a == head of b
+    everyone = range(len(datas))
+    grid = None
+    if len(datas) > _GROUP_GRID and m >= MIN_NEEDLE:
+        grid = GridIndex()  # partners are the chunks that may hold A's tail
+        for b, d in enumerate(datas):
+            grid.add(b, d)
+    for a, A in enumerate(datas):
+        la = lens[a]
+        if la <= m:
+            continue
+        tail = A[la - m :]
+        partners = None if grid is None else grid.candidates(tail)
+        for b in everyone if partners is None else partners:
+            B = datas[b]
+            lb = lens[b]
+            if b == a or lb <= m:
+                continue
+            # Longest L first: the last occurrence of A's tail in B ending at or
+            # before min(la, lb) - 1 (L == len(B) or len(A) would be containment).
+            q = B.rfind(tail, 0, min(la, lb) - 1)
+            while q >= 0:
+                L = q + m
+                if A.endswith(B[:L]):
+                    # A chunk inside the other one is containment, not overlap.
+                    if not ((lb <= la and B in A) or (la <= lb and A in B)):
+                        edges.append((L, a, b))
+                    break
+                q = B.rfind(tail, 0, L - 1)
+    if not edges:
+        return
+
+    # Greedy by overlap length: each chunk gets at most one successor and one
+    # predecessor, and no cycles.
+    edges.sort(key=lambda e: (-e[0], _pos(group[e[1]]), _pos(group[e[2]])))
+    succ: dict[int, tuple[int, int]] = {}
+    pred: dict[int, int] = {}
+    for L, a, b in edges:
+        if a in succ or b in pred:
+            continue
+        x = b
+        while x in succ:
+            x = succ[x][0]
+        if x == a:
+            continue
+        succ[a] = (b, L)
+        pred[b] = a
+
+    for head in succ:
+        if head in pred:
+            continue
+        # Cutting B at L keeps whole characters: B[:L] equals A's last L bytes,
+        # which start with B's first byte, a UTF-8 lead byte; so A[:-L] ends on a
+        # character boundary and the merged bytes A[:-L] + B are valid UTF-8.
+        chain_ = [(head, 0)]
+        parts = [datas[head]]
+        texts = [group[head].text]  # B[L:] decodes to B's text after B[:L]'s chars
+        size = lens[head]
+        saved = 0
+        x = head
+        while x in succ:
+            y, L = succ[x]
+            chain_.append((y, size - L))
+            parts.append(datas[y][L:])
+            texts.append(group[y].text[len(datas[y][:L].decode("utf-8")) :])
+            size += lens[y] - L
+            saved += L
+            x = y
+        keeper = min((group[i] for i, _ in chain_), key=_pos)
+        shifted: list[Origin] = []
+        for i, offset in chain_:
+            member = group[i]
+            for o in member.origins:
+                s, e = o.span  # type: ignore[misc]
+                o.span = (s + offset, e + offset)
+                if o.relation is _KEPT and member is not keeper:
+                    o.relation = _MERGED
+            if member is not keeper:
+                shifted.extend(member.origins)
+                gone.add(id(member))
+        keeper.origins.extend(shifted)
+        keeper.data = b"".join(parts)
+        keeper.text = "".join(texts)
+        keeper.digest = None  # type: ignore[assignment]
+        ctx.counts = None
+        ctx.removed["overlap"] += len(chain_) - 1
+        ctx.removed_bytes["overlap"] += saved
+
+
+def _same_source(a: object, b: object) -> bool:
+    """``a == b`` for unhashable source values, False when the comparison is not a
+    plain truth value (a numpy array compares element-wise and has none)."""
+    try:
+        return bool(a is b or a == b)
+    except (TypeError, ValueError):  # element-wise comparisons
+        return False

@@ -1,0 +1,137 @@
+"""The optional C core of the containment and passage searches (dedup/_speedups.c).
+
+It must answer exactly what the Python passes answer (the first occurrence of each
+needle in the earliest chunk searched), so every test compares it with the Python
+passes or with a brute-force search; the Python passes stay the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import promptsplice.dedup as dedup_pkg
+import promptsplice.dedup._passes as passes
+from promptsplice.benchmarks.dedup_bench import make_requests, scaling_workload
+from promptsplice.dedup import dedup
+from tests.dedup.test_anchors import _canon, texts
+from tests.dedup.test_properties import check_result, configs, retrievals
+
+speedups = passes._speedups
+
+
+def _python(chunks, *args, **options):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(passes, "_speedups", None)
+        return dedup(chunks, *args, **options)
+
+
+def test_the_c_core_is_built_by_the_setup():
+    # scripts/setup.sh installs the package with setup.py's optional extension; on a
+    # machine with a C compiler (every machine the README's commands run on) it is there.
+    assert speedups is not None
+    assert dedup_pkg.ACCELERATED is True
+
+
+def _first(datas, limit, needle):
+    for h in range(limit):
+        at = datas[h].find(needle)
+        if at >= 0:
+            return h, at
+    return None
+
+
+def _contained_reference(datas):
+    out = []
+    for r in range(1, len(datas)):
+        found = _first(datas, r, datas[r])
+        if found is not None:
+            out.append((r, *found))
+    return out
+
+
+def _scan_reference(datas, start, mp, whole):
+    for j in range(max(start, 1), len(datas)):
+        d = datas[j]
+        if len(d) < mp:
+            continue
+        paras = d.split(b"\n\n")
+        if len(paras) == 1 and not whole:
+            continue
+        hits, offset = [], 0
+        for i, p in enumerate(paras):
+            if len(p) >= mp:
+                found = _first(datas, j, p)
+                if found is not None:
+                    hits.append((i, offset, len(p), *found))
+            offset += len(p) + 2
+        if hits:
+            return j, hits
+    return None
+
+
+# Dots and paragraph breaks from a small alphabet: pieces repeat, needles hold 0, 1 or
+# many dots, and the dot walk runs past its budget into memmem.
+dotted = st.lists(st.sampled_from([b"ab", b"a", b".", b". ", b"\n", b"\n\n", b"\xc3\xa9"]), max_size=80).map(
+    b"".join
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(dotted, texts), min_size=1, max_size=10), st.data())
+def test_contained_and_passage_scan_match_a_brute_force_search(datas, data):
+    datas.sort(key=len, reverse=True)
+    assert speedups.contained(datas) == _contained_reference(datas)
+    start = data.draw(st.integers(0, len(datas)))
+    mp = data.draw(st.sampled_from([1, 2, 5, 16]))
+    whole = data.draw(st.booleans())
+    assert speedups.passage_scan(datas, start, mp, whole) == _scan_reference(datas, start, mp, whole)
+
+
+def test_a_needle_after_many_dots_is_found_by_the_fallback_search():
+    # 1,000 dots before the match: the dot walk gives up after its budget and memmem
+    # finds the first occurrence from where it stopped.
+    hay = b"." * 1000 + b"xy.z"
+    assert speedups.contained([hay, b"xy.z"]) == [(1, 0, 1000)]
+    assert speedups.contained([hay, b"y.q"]) == []
+    assert speedups.passage_scan([hay, b"k\n\nxy.z"], 0, 3, False) == (1, [(1, 3, 4, 0, 1000)])
+
+
+def test_bad_arguments_raise_type_errors():
+    with pytest.raises(TypeError):
+        speedups.contained([b"a", "b"])
+    with pytest.raises(TypeError):
+        speedups.contained((b"a",))
+    with pytest.raises(TypeError):
+        speedups.passage_scan([b"a"], "0", 1, False)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(retrievals(), configs)
+def test_dedup_with_the_c_core_equals_the_python_passes(chunks, cfg):
+    fast = dedup(chunks, cfg)
+    check_result(chunks, cfg, fast)
+    assert _canon(fast) == _canon(_python(chunks, cfg))
+
+
+def test_the_bench_workload_gives_the_same_result_both_ways():
+    for request in make_requests(total_mb=0.3, chunk_bytes=1024, seed=5, n_docs=30):
+        assert _canon(dedup(request)) == _canon(_python(request))
+
+
+def test_large_requests_fall_back_to_the_python_passes_and_agree(monkeypatch):
+    chunks = scaling_workload(300, chunk_bytes=200, seed=1)
+    calls = []
+    real = speedups.contained
+    monkeypatch.setattr(passes._speedups, "contained", lambda d: calls.append(len(d)) or real(d))
+    default = dedup(chunks)
+    assert calls == []  # 300 chunks > _C_MAX_CHUNKS: the Python passes with their index
+    monkeypatch.setattr(passes, "_C_MAX_CHUNKS", 10**9)
+    monkeypatch.setattr(passes, "_C_MAX_BYTES", 10**12)
+    forced = dedup(chunks)
+    assert calls and _canon(forced) == _canon(default)
