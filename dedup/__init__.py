@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from ._core import dedup
 from ._normalize import normalize_chunks
-from ._passes import _speedups
+from ._native import core as _core
 from ._types import (
     DedupConfig,
     DedupResult,
@@ -61,7 +61,7 @@ from ._types import (
 )
 
 #: Whether the optional C core of the searches was built (results are the same either way).
-ACCELERATED: bool = _speedups is not None
+ACCELERATED: bool = _core is not None
 
 __all__ = [
     "ACCELERATED",

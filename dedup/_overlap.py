@@ -9,6 +9,7 @@ bytes, so it is exact by construction.
 
 from __future__ import annotations
 
+from . import _native
 from ._anchors import MIN_NEEDLE, GridIndex
 from ._types import KeptChunk, Origin, Relation
 
@@ -59,39 +60,18 @@ def merge_overlaps(ctx, kept: list[KeptChunk]) -> list[KeptChunk]:
         return kept
     return [k for k in kept if id(k) not in gone]
 
+
 def _merge_group(ctx, group: list[KeptChunk], gone: set[int]) -> None:
     m = ctx.cfg.min_overlap
     datas = [k.data for k in group]
     lens = [len(d) for d in datas]
-    edges: list[tuple[int, int, int]] = []  # (L, a, b): tail of a == head of b
-    everyone = range(len(datas))
-    grid = None
+    core = _native.core
     if len(datas) > _GROUP_GRID and m >= MIN_NEEDLE:
-        grid = GridIndex()  # partners are the chunks that may hold A's tail
-        for b, d in enumerate(datas):
-            grid.add(b, d)
-    for a, A in enumerate(datas):
-        la = lens[a]
-        if la <= m:
-            continue
-        tail = A[la - m :]
-        partners = None if grid is None else grid.candidates(tail)
-        for b in everyone if partners is None else partners:
-            B = datas[b]
-            lb = lens[b]
-            if b == a or lb <= m:
-                continue
-            # Longest L first: the last occurrence of A's tail in B ending at or
-            # before min(la, lb) - 1 (L == len(B) or len(A) would be containment).
-            q = B.rfind(tail, 0, min(la, lb) - 1)
-            while q >= 0:
-                L = q + m
-                if A.endswith(B[:L]):
-                    # A chunk inside the other one is containment, not overlap.
-                    if not ((lb <= la and B in A) or (la <= lb and A in B)):
-                        edges.append((L, a, b))
-                    break
-                q = B.rfind(tail, 0, L - 1)
+        edges = _edges(datas, lens, m, True)
+    elif core is not None:
+        edges = core.overlap_edges(datas, m)  # the same pairs and answers, in C
+    else:
+        edges = _edges(datas, lens, m, False)
     if not edges:
         return
 
@@ -159,3 +139,38 @@ def _same_source(a: object, b: object) -> bool:
         return bool(a is b or a == b)
     except (TypeError, ValueError):  # element-wise comparisons
         return False
+
+
+def _edges(datas: list[bytes], lens: list[int], m: int, by_index: bool) -> list[tuple[int, int, int]]:
+    """``(L, a, b)`` for each ordered pair whose tail of a equals the head of b over the
+    longest L >= m; ``by_index``: only the pairs the grid index finds (large groups)."""
+    edges: list[tuple[int, int, int]] = []  # (L, a, b): tail of a == head of b
+    everyone = range(len(datas))
+    grid = None
+    if by_index:
+        grid = GridIndex()  # partners are the chunks that may hold A's tail
+        for b, d in enumerate(datas):
+            grid.add(b, d)
+    for a, A in enumerate(datas):
+        la = lens[a]
+        if la <= m:
+            continue
+        tail = A[la - m :]
+        partners = None if grid is None else grid.candidates(tail)
+        for b in everyone if partners is None else partners:
+            B = datas[b]
+            lb = lens[b]
+            if b == a or lb <= m:
+                continue
+            # Longest L first: the last occurrence of A's tail in B ending at or
+            # before min(la, lb) - 1 (L == len(B) or len(A) would be containment).
+            q = B.rfind(tail, 0, min(la, lb) - 1)
+            while q >= 0:
+                L = q + m
+                if A.endswith(B[:L]):
+                    # A chunk inside the other one is containment, not overlap.
+                    if not ((lb <= la and B in A) or (la <= lb and A in B)):
+                        edges.append((L, a, b))
+                    break
+                q = B.rfind(tail, 0, L - 1)
+    return edges

@@ -36,14 +36,9 @@ from collections import Counter
 from itertools import accumulate, chain
 from operator import attrgetter
 
-from . import _overlap
+from . import _native, _overlap
 from ._anchors import MIN_NEEDLE, GridIndex
 from ._types import DedupConfig, KeptChunk, Relation, RemovedPassage
-
-try:  # the optional C core of the two searches (setup.py builds it where a compiler is)
-    from . import _speedups
-except ImportError:  # pragma: no cover - exercised by the tests with _speedups = None
-    _speedups = None
 
 __all__ = ["Passes"]
 
@@ -213,18 +208,15 @@ class Passes:
         before it (at least as long, so an identical chunk left by an overlap merge or
         with ``exact=False`` is caught too).
         """
+        core = _native.core
+        if core is not None and len(kept) <= _C_MAX_CHUNKS:
+            datas = list(map(_DATA, kept))
+            if sum(map(len, datas)) <= _C_MAX_BYTES:
+                self.counts = None  # the C core keeps its own filter; no piece index here
+                return self._absorb_all(kept, core.contained(datas), None)
         lens = list(map(len, map(_DATA, kept)))
         order = sorted(range(len(kept)), key=lens.__getitem__, reverse=True)  # stable
         host: dict[int, tuple[int, int]] = {}  # rank in order -> (host rank, offset)
-        if _speedups is not None and len(kept) <= _C_MAX_CHUNKS and sum(lens) <= _C_MAX_BYTES:
-            self.counts = None  # the C core keeps its own filter; no piece index here
-            found_all = _speedups.contained([kept[i].data for i in order])
-            for r, h, offset in found_all:
-                if h in host:  # found inside an absorbed chunk: map into that one's host
-                    h, extra = host[h]
-                    offset += extra
-                host[r] = (h, offset)
-            return self._absorb_all(kept, order, host, None)
         self.counts = None  # containment always indexes the chunks it is given
         counts, split = self.index(kept)
         finder = datas = None
@@ -248,21 +240,22 @@ class Passes:
                 h, extra = host[h]
                 offset += extra
             host[r] = (h, offset)
-        return self._absorb_all(kept, order, host, split)
+        moves = [(order[r], order[h], offset) for r, (h, offset) in host.items()]
+        return self._absorb_all(kept, moves, split)
 
-    def _absorb_all(self, kept, order, host, split) -> list[KeptChunk]:
-        """Absorb ``kept[order[r]]`` into ``kept[order[h]]`` at ``offset`` for each
-        ``r: (h, offset)`` of ``host``; ``split`` (the piece index's split) keeps the
-        counts exact for what is left, when there is a piece index."""
-        if not host:
+    def _absorb_all(self, kept, moves, split) -> list[KeptChunk]:
+        """Absorb ``kept[z]`` into ``kept[h]`` at ``offset`` for each ``(z, h, offset)``
+        of ``moves``; ``split`` (the piece index's split, aligned with ``kept``) keeps
+        the counts exact for what is left, when there is a piece index."""
+        if not moves:
             return kept
         gone = set()
         counts = self.counts
-        for r, (h, offset) in host.items():
-            z = kept[order[r]]
+        for z_at, h, offset in moves:
+            z = kept[z_at]
             if split is not None and counts is not None:
-                counts.subtract(split[order[r]])  # keep the filter exact for what is left
-            self._absorb(kept[order[h]], z, offset)
+                counts.subtract(split[z_at])  # keep the filter exact for what is left
+            self._absorb(kept[h], z, offset)
             gone.add(id(z))
             self.removed["contained"] += 1
             self.removed_bytes["contained"] += len(z.data)
@@ -294,7 +287,7 @@ class Passes:
         # paragraph cannot be found in an earlier one: only split chunks can match.
         whole_chunks = not cfg.containment
         if (
-            _speedups is not None
+            _native.core is not None
             and len(kept) <= _C_MAX_CHUNKS
             and sum(map(len, map(_DATA, kept))) <= _C_MAX_BYTES
         ):
@@ -352,7 +345,7 @@ class Passes:
         datas = list(map(_DATA, out))
         start = 0
         changed = False
-        scan = _speedups.passage_scan  # type: ignore[union-attr]
+        scan = _native.core.passage_scan  # type: ignore[union-attr]
         while True:
             found = scan(datas, start, mp, whole_chunks)
             if found is None:

@@ -1,17 +1,19 @@
-/* Optional C core of the containment and repeated-passage searches of promptsplice.dedup.
+/* Optional C core of the overlap, containment and repeated-passage searches of
+ * promptsplice.dedup.
  *
  * The pure-Python passes (dedup/_passes.py) stay the reference: these two functions
  * return exactly what their Python counterparts find (the first occurrence of each
  * needle in the earliest chunk searched; tests/dedup/test_speedups.py compares the
  * two on random requests), only without a Python object per sentence piece.
  *
- * Filter: a needle (a whole chunk, or a paragraph) that occurs inside an earlier chunk H
- * has each *interior* piece (bytes between two of its dots) as an interior piece of H,
- * since a one-byte delimiter cannot be misaligned.  The 64-bit hashes of the interior
- * pieces of the chunks searched so far are kept in one open-addressing set; a needle
- * with an interior piece missing from it is not searched.  A hash collision only makes
- * the filter search more, never less, so results are exact by construction (every
- * match comes from memmem).
+ * Filter: wherever a needle (a whole chunk, or a paragraph) occurs, each of its dots
+ * with 8 bytes on both sides inside the needle sits in the same 17 bytes there.  The
+ * keys (hashes of those 16 bytes) of the dots of the chunks searched so far are kept in
+ * one open-addressing set; a needle with a dot key missing from it is not searched.  A
+ * hash collision only makes the filter search more, never less, so results are exact
+ * by construction (every match is confirmed by comparing bytes).  This is the Python
+ * passes' sentence-piece filter in another form: a key per dot instead of a Python
+ * object per piece, and it also prunes needles with a single dot.
  *
  * Built by setup.py as an optional extension: without a C compiler the package installs
  * and runs the Python passes (promptsplice.dedup.ACCELERATED says which).
@@ -32,28 +34,6 @@ static inline uint64_t rd64(const unsigned char *p) {
     return v;
 }
 
-/* A hash of a piece from its length and at most 24 of its bytes (head, middle, tail):
- * equal pieces hash equal, which is all the filter needs (a collision only makes it
- * search more); O(1) per piece whatever its length. */
-static uint64_t hash_piece(const unsigned char *p, Py_ssize_t n) {
-    uint64_t a = 0, b = 0, c = 0;
-    if (n >= 8) {
-        a = rd64(p);
-        b = rd64(p + (n - 8) / 2);
-        c = rd64(p + n - 8);
-    } else {
-        memcpy(&a, p, (size_t)n);
-    }
-    uint64_t h = (0x9E3779B97F4A7C15ULL ^ (uint64_t)n) * 0xff51afd7ed558ccdULL;
-    h = (h ^ a) * 0xc4ceb9fe1a85ec53ULL;
-    h ^= h >> 31;
-    h = (h ^ b) * 0x94d049bb133111ebULL;
-    h ^= h >> 29;
-    h = (h ^ c) * 0xff51afd7ed558ccdULL;
-    h ^= h >> 32;
-    return h ? h : 1; /* 0 marks an empty slot */
-}
-
 typedef struct {
     uint64_t *slots;
     size_t mask;
@@ -61,7 +41,7 @@ typedef struct {
 } HashSet;
 
 static int hs_init(HashSet *s) {
-    s->mask = 255;
+    s->mask = 1023; /* a 20-chunk request holds ~200 keys: no growth */
     s->used = 0;
     s->slots = PyMem_Calloc(s->mask + 1, sizeof(uint64_t));
     if (!s->slots) {
@@ -114,29 +94,68 @@ static int hs_has(const HashSet *s, uint64_t h) {
     return 0;
 }
 
-/* Add the hashes of the interior pieces of p[0:n] (between two dots). */
-static int add_pieces(HashSet *s, const unsigned char *p, Py_ssize_t n) {
-    const unsigned char *end = p + n;
-    const unsigned char *dot = memchr(p, '.', (size_t)n);
-    while (dot) {
-        const unsigned char *start = dot + 1;
-        dot = start < end ? memchr(start, '.', (size_t)(end - start)) : NULL;
-        if (dot && hs_add(s, hash_piece(start, dot - start)) < 0) return -1;
+/* The key of the dot at p[i]: a hash of the 8 bytes before it and the 8 after it. */
+static inline uint64_t dot_key(const unsigned char *p, Py_ssize_t i) {
+    uint64_t h = (rd64(p + i - 8) ^ 0x9E3779B97F4A7C15ULL) * 0xff51afd7ed558ccdULL;
+    h ^= h >> 31;
+    h = (h ^ rd64(p + i + 1)) * 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 32;
+    return h ? h : 1; /* 0 marks an empty slot */
+}
+
+/* The dot keys of one chunk, with the dots' offsets, computed once per chunk. */
+typedef struct {
+    uint64_t *key;
+    Py_ssize_t *pos;
+    Py_ssize_t n, cap;
+} Keys;
+
+static void keys_free(Keys *ks) {
+    PyMem_Free(ks->key);
+    PyMem_Free(ks->pos);
+}
+
+static int keys_of(Keys *ks, const unsigned char *p, Py_ssize_t n) {
+    ks->n = 0;
+    if (n < 17) return 0;
+    const unsigned char *stop = p + n - 8;
+    const unsigned char *d = p + 8;
+    while (d < stop && (d = memchr(d, '.', (size_t)(stop - d))) != NULL) {
+        if (ks->n == ks->cap) {
+            Py_ssize_t cap = ks->cap ? ks->cap * 2 : 64;
+            uint64_t *key = PyMem_Realloc(ks->key, sizeof(uint64_t) * (size_t)cap);
+            if (key) ks->key = key;
+            Py_ssize_t *pos = key ? PyMem_Realloc(ks->pos, sizeof(Py_ssize_t) * (size_t)cap) : NULL;
+            if (!key || !pos) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            ks->pos = pos;
+            ks->cap = cap;
+        }
+        ks->key[ks->n] = dot_key(p, d - p);
+        ks->pos[ks->n++] = d - p;
+        d++;
     }
     return 0;
 }
 
-/* 0 when an interior piece of p[0:n] is missing from the set: p occurs in none of the
- * chunks the set was built from.  1 otherwise (also when p has no interior piece). */
-static int may_occur(const HashSet *s, const unsigned char *p, Py_ssize_t n) {
-    const unsigned char *end = p + n;
-    const unsigned char *dot = memchr(p, '.', (size_t)n);
-    while (dot) {
-        const unsigned char *start = dot + 1;
-        dot = start < end ? memchr(start, '.', (size_t)(end - start)) : NULL;
-        if (dot && !hs_has(s, hash_piece(start, dot - start))) return 0;
+/* may_occur for p[lo:hi] of the chunk whose keys ks holds: its dots with 8 bytes on
+ * each side inside [lo, hi) are the chunk's dots at offsets in [lo + 8, hi - 8). */
+static int keys_may_occur(const HashSet *s, const Keys *ks, Py_ssize_t lo, Py_ssize_t hi) {
+    for (Py_ssize_t i = 0; i < ks->n; i++) {
+        Py_ssize_t at = ks->pos[i];
+        if (at < lo + 8) continue;
+        if (at >= hi - 8) break;
+        if (!hs_has(s, ks->key[i])) return 0;
     }
     return 1;
+}
+
+static int keys_add(HashSet *s, const Keys *ks) {
+    for (Py_ssize_t i = 0; i < ks->n; i++)
+        if (hs_add(s, ks->key[i]) < 0) return -1;
+    return 0;
 }
 
 /* The next paragraph break (b"\n\n") in p[0:n], or NULL: memchr for the first byte,
@@ -228,27 +247,59 @@ static Py_ssize_t first_in(const Span *spans, Py_ssize_t limit, const unsigned c
 }
 
 PyDoc_STRVAR(contained_doc,
-"contained(datas) -> list of (r, h, offset)\n\n"
-"For each r >= 1, the first occurrence of datas[r] in datas[:r] (earliest item h, first\n"
-"offset), for the r that occur; ascending r.");
+"contained(datas) -> list of (z, h, offset)\n\n"
+"Containment over chunks ordered longest first (stable): each chunk is searched in the\n"
+"chunks before it in that order (earliest first, first offset).  One tuple per chunk z\n"
+"found, in that order; h is the host it ends up in (a host that was itself found in\n"
+"another is followed to that one, offsets added), indices into datas.");
+
+typedef struct {
+    Py_ssize_t len, index;
+} ByLen;
+
+static int by_len_desc(const void *x, const void *y) {
+    const ByLen *a = x, *b = y;
+    if (a->len != b->len) return a->len > b->len ? -1 : 1;
+    return a->index < b->index ? -1 : (a->index > b->index);
+}
 
 static PyObject *contained(PyObject *self, PyObject *arg) {
     Py_ssize_t n;
-    Span *spans = spans_of(arg, &n);
-    if (!spans) return NULL;
-    HashSet set;
-    PyObject *out = PyList_New(0);
-    if (!out || hs_init(&set) < 0) {
-        Py_XDECREF(out);
-        PyMem_Free(spans);
-        return NULL;
+    Span *given = spans_of(arg, &n);
+    if (!given) return NULL;
+    Span *spans = PyMem_Malloc(sizeof(Span) * (size_t)(n ? n : 1));
+    ByLen *order = PyMem_Malloc(sizeof(ByLen) * (size_t)(n ? n : 1));
+    Py_ssize_t *host = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)(n ? n : 1));
+    HashSet set = {NULL, 0, 0};
+    Keys ks = {NULL, NULL, 0, 0};
+    PyObject *out = NULL;
+    if (!spans || !order || !host) {
+        PyErr_NoMemory();
+        goto done;
     }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        order[i].len = given[i].n;
+        order[i].index = i;
+    }
+    qsort(order, (size_t)n, sizeof(ByLen), by_len_desc);
     for (Py_ssize_t r = 0; r < n; r++) {
-        if (r > 0 && may_occur(&set, spans[r].p, spans[r].n)) {
+        spans[r] = given[order[r].index];
+        host[2 * r] = -1;
+    }
+    if (!(out = PyList_New(0)) || hs_init(&set) < 0) goto fail;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        if (keys_of(&ks, spans[r].p, spans[r].n) < 0) goto fail;
+        if (r > 0 && keys_may_occur(&set, &ks, 0, spans[r].n)) {
             Py_ssize_t at = 0;
             Py_ssize_t h = first_in(spans, r, spans[r].p, spans[r].n, &at);
             if (h >= 0) {
-                PyObject *t = Py_BuildValue("(nnn)", r, h, at);
+                if (host[2 * h] >= 0) { /* found inside an absorbed chunk: its host */
+                    at += host[2 * h + 1];
+                    h = host[2 * h];
+                }
+                host[2 * r] = h;
+                host[2 * r + 1] = at;
+                PyObject *t = Py_BuildValue("(nnn)", order[r].index, order[h].index, at);
                 if (!t || PyList_Append(out, t) < 0) {
                     Py_XDECREF(t);
                     goto fail;
@@ -256,16 +307,19 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
                 Py_DECREF(t);
             }
         }
-        if (add_pieces(&set, spans[r].p, spans[r].n) < 0) goto fail;
+        if (keys_add(&set, &ks) < 0) goto fail;
     }
-    hs_free(&set);
-    PyMem_Free(spans);
-    return out;
+    goto done;
 fail:
-    hs_free(&set);
+    Py_CLEAR(out);
+done:
+    if (set.slots) hs_free(&set);
+    keys_free(&ks);
+    PyMem_Free(host);
+    PyMem_Free(order);
     PyMem_Free(spans);
-    Py_DECREF(out);
-    return NULL;
+    PyMem_Free(given);
+    return out;
 }
 
 PyDoc_STRVAR(passage_scan_doc,
@@ -285,16 +339,18 @@ static PyObject *passage_scan(PyObject *self, PyObject *args) {
     if (!spans) return NULL;
     if (start < 0) start = 0;
     HashSet set;
+    Keys ks = {NULL, NULL, 0, 0};
     PyObject *hits = NULL;
     if (hs_init(&set) < 0) {
         PyMem_Free(spans);
         return NULL;
     }
     for (Py_ssize_t j = 0; j < n && j < start; j++)
-        if (add_pieces(&set, spans[j].p, spans[j].n) < 0) goto fail;
+        if (keys_of(&ks, spans[j].p, spans[j].n) < 0 || keys_add(&set, &ks) < 0) goto fail;
     for (Py_ssize_t j = start; j < n; j++) {
         const unsigned char *d = spans[j].p;
         Py_ssize_t len = spans[j].n;
+        if (keys_of(&ks, d, len) < 0) goto fail;
         if (j > 0 && len >= mp) {
             const unsigned char *end = d + len;
             const unsigned char *brk = next_break(d, end);
@@ -304,7 +360,7 @@ static PyObject *passage_scan(PyObject *self, PyObject *args) {
                 for (;;) {
                     const unsigned char *stop = brk ? brk : end;
                     Py_ssize_t plen = stop - p;
-                    if (plen >= mp && may_occur(&set, p, plen)) {
+                    if (plen >= mp && keys_may_occur(&set, &ks, p - d, stop - d)) {
                         Py_ssize_t at = 0;
                         Py_ssize_t h = first_in(spans, j, p, plen, &at);
                         if (h >= 0) {
@@ -324,27 +380,100 @@ static PyObject *passage_scan(PyObject *self, PyObject *args) {
                 }
                 if (hits) {
                     hs_free(&set);
+                    keys_free(&ks);
                     PyMem_Free(spans);
-                    PyObject *res = Py_BuildValue("(nN)", j, hits);
-                    return res;
+                    return Py_BuildValue("(nN)", j, hits);
                 }
             }
         }
-        if (add_pieces(&set, d, len) < 0) goto fail;
+        if (keys_add(&set, &ks) < 0) goto fail;
     }
     hs_free(&set);
+    keys_free(&ks);
     PyMem_Free(spans);
     Py_RETURN_NONE;
 fail:
     hs_free(&set);
+    keys_free(&ks);
     PyMem_Free(spans);
     Py_XDECREF(hits);
     return NULL;
 }
 
+/* Whether needle occurs in hay (the same search as first_in, on one item). */
+static int holds(const Span *hay, const Span *needle) {
+    const unsigned char *dp = memchr(needle->p, '.', (size_t)needle->n);
+    return find_in(hay->p, hay->n, needle->p, needle->n, dp ? dp - needle->p : -1) >= 0;
+}
+
+PyDoc_STRVAR(overlap_edges_doc,
+"overlap_edges(datas, m) -> list of (L, a, b)\n\n"
+"For each ordered pair a != b with len > m: the largest L in [m, min(len a, len b) - 1]\n"
+"with datas[a].endswith(datas[b][:L]), unless one of the two occurs in the other.");
+
+static PyObject *overlap_edges(PyObject *self, PyObject *args) {
+    PyObject *list;
+    Py_ssize_t m;
+    if (!PyArg_ParseTuple(args, "On", &list, &m)) return NULL;
+    if (m < 1) {
+        PyErr_SetString(PyExc_ValueError, "m must be >= 1");
+        return NULL;
+    }
+    Py_ssize_t n;
+    Span *spans = spans_of(list, &n);
+    if (!spans) return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out) {
+        PyMem_Free(spans);
+        return NULL;
+    }
+    for (Py_ssize_t a = 0; a < n; a++) {
+        const unsigned char *A = spans[a].p;
+        Py_ssize_t la = spans[a].n;
+        if (la <= m) continue;
+        const unsigned char *tail = A + la - m;
+        unsigned char last = A[la - 1];
+        for (Py_ssize_t b = 0; b < n; b++) {
+            const unsigned char *B = spans[b].p;
+            Py_ssize_t lb = spans[b].n;
+            if (b == a || lb <= m) continue;
+            Py_ssize_t top = (la < lb ? la : lb) - 1; /* the largest L allowed */
+            /* Candidates: L - 1 in [m - 1, top - 1] with B[L - 1] == A's last byte. */
+            Py_ssize_t lo = m - 1;
+            Py_ssize_t hi = top - 1;
+            while (hi >= lo) {
+                const unsigned char *e = memrchr(B + lo, last, (size_t)(hi - lo + 1));
+                if (!e) break;
+                Py_ssize_t L = (e - B) + 1;
+                if (memcmp(B + L - m, tail, (size_t)m) == 0 &&
+                    memcmp(A + la - L, B, (size_t)(L - m)) == 0) {
+                    /* A chunk inside the other one is containment, not overlap. */
+                    int inside = (lb <= la && holds(&spans[a], &spans[b])) ||
+                                 (la <= lb && holds(&spans[b], &spans[a]));
+                    if (!inside) {
+                        PyObject *t = Py_BuildValue("(nnn)", L, a, b);
+                        if (!t || PyList_Append(out, t) < 0) {
+                            Py_XDECREF(t);
+                            PyMem_Free(spans);
+                            Py_DECREF(out);
+                            return NULL;
+                        }
+                        Py_DECREF(t);
+                    }
+                    break;
+                }
+                hi = (e - B) - 1;
+            }
+        }
+    }
+    PyMem_Free(spans);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"contained", contained, METH_O, contained_doc},
     {"passage_scan", passage_scan, METH_VARARGS, passage_scan_doc},
+    {"overlap_edges", overlap_edges, METH_VARARGS, overlap_edges_doc},
     {NULL, NULL, 0, NULL},
 };
 

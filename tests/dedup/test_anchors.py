@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import promptsplice.dedup._native as _native
 import promptsplice.dedup._overlap as _overlap
 import promptsplice.dedup._passes as passes
 from promptsplice.benchmarks.dedup_bench import make_requests, scaling_workload
@@ -26,7 +27,7 @@ def _python_passes():
     """These shortcuts are the Python passes'; the C core (test_speedups.py) would answer
     the small requests here without them."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(passes, "_speedups", None)
+        mp.setattr(_native, "core", None)
         yield
 
 

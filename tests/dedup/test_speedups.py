@@ -1,4 +1,4 @@
-"""The optional C core of the containment and passage searches (dedup/_speedups.c).
+"""The optional C core of the overlap, containment and passage searches (dedup/_speedups.c).
 
 It must answer exactly what the Python passes answer (the first occurrence of each
 needle in the earliest chunk searched), so every test compares it with the Python
@@ -12,18 +12,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import promptsplice.dedup as dedup_pkg
+import promptsplice.dedup._native as _native
+import promptsplice.dedup._overlap as _overlap
 import promptsplice.dedup._passes as passes
 from promptsplice.benchmarks.dedup_bench import make_requests, scaling_workload
 from promptsplice.dedup import dedup
 from tests.dedup.test_anchors import _canon, texts
 from tests.dedup.test_properties import check_result, configs, retrievals
 
-speedups = passes._speedups
+speedups = _native.core
 
 
 def _python(chunks, *args, **options):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(passes, "_speedups", None)
+        mp.setattr(_native, "core", None)
         return dedup(chunks, *args, **options)
 
 
@@ -43,11 +45,20 @@ def _first(datas, limit, needle):
 
 
 def _contained_reference(datas):
-    out = []
-    for r in range(1, len(datas)):
-        found = _first(datas, r, datas[r])
+    """The Python pass's answer: longest first (stable), each chunk searched in those
+    before it, a host that was itself found followed to its own host."""
+    order = sorted(range(len(datas)), key=lambda i: len(datas[i]), reverse=True)
+    ranked = [datas[i] for i in order]
+    host, out = {}, []
+    for r in range(1, len(ranked)):
+        found = _first(ranked, r, ranked[r])
         if found is not None:
-            out.append((r, *found))
+            h, at = found
+            if h in host:
+                h, extra = host[h]
+                at += extra
+            host[r] = (h, at)
+            out.append((order[r], order[h], at))
     return out
 
 
@@ -81,7 +92,6 @@ dotted = st.lists(st.sampled_from([b"ab", b"a", b".", b". ", b"\n", b"\n\n", b"\
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.one_of(dotted, texts), min_size=1, max_size=10), st.data())
 def test_contained_and_passage_scan_match_a_brute_force_search(datas, data):
-    datas.sort(key=len, reverse=True)
     assert speedups.contained(datas) == _contained_reference(datas)
     start = data.draw(st.integers(0, len(datas)))
     mp = data.draw(st.sampled_from([1, 2, 5, 16]))
@@ -89,11 +99,28 @@ def test_contained_and_passage_scan_match_a_brute_force_search(datas, data):
     assert speedups.passage_scan(datas, start, mp, whole) == _scan_reference(datas, start, mp, whole)
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(dotted, texts), min_size=1, max_size=8), st.sampled_from([1, 2, 4, 16]))
+def test_overlap_edges_match_the_python_search(datas, m):
+    lens = list(map(len, datas))
+    assert sorted(speedups.overlap_edges(datas, m)) == sorted(_overlap._edges(datas, lens, m, False))
+
+
+def test_overlap_edges_take_the_longest_overlap_and_skip_containment():
+    a = b"0123456789abcdefXYZXYZ"
+    b = b"XYZXYZtail and more"
+    # Both 3 and 6 bytes overlap; the longest wins.  A chunk inside the other is no edge.
+    assert speedups.overlap_edges([a, b], 3) == [(6, 0, 1)]
+    assert speedups.overlap_edges([a, b"abcdefXYZ"], 3) == []
+    with pytest.raises(ValueError):
+        speedups.overlap_edges([a, b], 0)
+
+
 def test_a_needle_after_many_dots_is_found_by_the_fallback_search():
     # 1,000 dots before the match: the dot walk gives up after its budget and memmem
     # finds the first occurrence from where it stopped.
     hay = b"." * 1000 + b"xy.z"
-    assert speedups.contained([hay, b"xy.z"]) == [(1, 0, 1000)]
+    assert speedups.contained([b"xy.z", hay]) == [(0, 1, 1000)]
     assert speedups.contained([hay, b"y.q"]) == []
     assert speedups.passage_scan([hay, b"k\n\nxy.z"], 0, 3, False) == (1, [(1, 3, 4, 0, 1000)])
 
@@ -128,7 +155,7 @@ def test_large_requests_fall_back_to_the_python_passes_and_agree(monkeypatch):
     chunks = scaling_workload(300, chunk_bytes=200, seed=1)
     calls = []
     real = speedups.contained
-    monkeypatch.setattr(passes._speedups, "contained", lambda d: calls.append(len(d)) or real(d))
+    monkeypatch.setattr(speedups, "contained", lambda d: calls.append(len(d)) or real(d))
     default = dedup(chunks)
     assert calls == []  # 300 chunks > _C_MAX_CHUNKS: the Python passes with their index
     monkeypatch.setattr(passes, "_C_MAX_CHUNKS", 10**9)
