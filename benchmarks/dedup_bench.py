@@ -35,7 +35,8 @@ import random
 import sys
 import time
 
-from promptsplice.dedup import dedup, normalize_chunks
+from promptsplice.dedup import ACCELERATED, dedup, normalize_chunks
+from promptsplice.dedup import _native
 from promptsplice.benchmarks._stats import percentile
 from promptsplice.blocks import content_digest
 
@@ -181,6 +182,21 @@ def run_dedup_bench(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0
     removed_bytes = {kind: sum(st.removed_bytes[kind] for st in stats) for kind in removed}
     bytes_out = sum(st.bytes_out for st in stats)
 
+    # The same requests through the pure-Python passes (what a machine without a C
+    # compiler runs), in CPU time, to state the C core's share in the same run.
+    py_cpu_s = float("inf")
+    py_out = None
+    if ACCELERATED:
+        core, _native.core = _native.core, None
+        try:
+            for _ in range(_REPEATS):
+                cpu0 = cpu()
+                py_stats = [dedup(req).stats for req in requests]
+                py_cpu_s = min(py_cpu_s, cpu() - cpu0)
+        finally:
+            _native.core = core
+        py_out = sum(st.bytes_out for st in py_stats)
+
     digest = content_digest
     base_s = base_cpu_s = float("inf")
     for _ in range(_REPEATS):
@@ -214,6 +230,14 @@ def run_dedup_bench(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0
         "dedup_cpu_mb_s": round(total_bytes / cpu_s / 1e6, 1),
         "baseline_digest_cpu_mb_s": round(total_bytes / max(base_cpu_s, 1e-9) / 1e6, 1),
         "bytes_out_fraction": round(bytes_out / total_bytes, 4),
+        # Whether the optional C core ran (promptsplice.dedup.ACCELERATED); if so, the
+        # pure-Python passes on the same requests (None otherwise), and whether they kept
+        # the same bytes.
+        "accelerated": ACCELERATED,
+        "python_passes_cpu_mb_s": (
+            round(total_bytes / py_cpu_s / 1e6, 1) if py_out is not None else None
+        ),
+        "python_passes_same_bytes_out": py_out == bytes_out if py_out is not None else None,
         "removed": removed,
         "removed_bytes": removed_bytes,
         "target_mb_s": 200,
@@ -296,6 +320,9 @@ def _table(r: dict) -> str:
         ("dedup", f"{r['dedup_mb_s']} MB/s ({r['dedup_chunks_per_s']} chunks/s), "
                   f"request p50 {r['request_p50_us']} us, p99 {r['request_p99_us']} us"),
         ("dedup, CPU time", f"{r['dedup_cpu_mb_s']} MB/s (this process's CPU seconds)"),
+        ("C core", "built" if r["accelerated"] else "not built (pure-Python passes)"),
+        ("pure-Python passes, CPU time", f"{r['python_passes_cpu_mb_s']} MB/s"
+                                         f" (same bytes out: {r['python_passes_same_bytes_out']})"),
         ("content_digest alone", f"{r['baseline_digest_mb_s']} MB/s"),
         ("dedup / baseline", f"{r['ratio_dedup_to_baseline']}"),
         ("bytes kept", f"{r['bytes_out_fraction']:.1%}"),

@@ -70,9 +70,10 @@ def round_down(x: int, multiple: int) -> int:
     return (x // multiple) * multiple
 
 
-def content_digest(data: bytes | bytearray | memoryview) -> bytes:
-    """xxh3-128 of raw bytes: the content key of chunks (dedup, token cache)."""
-    return xxhash.xxh3_128_digest(data)
+#: ``content_digest(data) -> bytes``: xxh3-128 of raw bytes, the content key of chunks
+#: (dedup, token cache).  The C function itself, not a Python wrapper around it: dedup
+#: calls it once per input, and the wrapper's frame was ~10% of its time per chunk.
+content_digest = xxhash.xxh3_128_digest
 
 
 def _salt_bytes(salt: str | bytes | None) -> bytes:

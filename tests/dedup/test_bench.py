@@ -22,6 +22,10 @@ def test_bench_reports_throughput_baseline_and_removals():
     assert removed["duplicate"] >= result["requests"]  # ~4 per request
     assert removed["contained"] >= 1 and removed["overlap"] >= 1
     assert 0.5 < result["bytes_out_fraction"] < 1.0
+    # the C core ran, and the pure-Python passes on the same requests kept the same bytes
+    assert result["accelerated"] is True
+    assert result["python_passes_cpu_mb_s"] > 0
+    assert result["python_passes_same_bytes_out"] is True
 
 
 def test_dedup_time_grows_near_linearly_with_the_chunks():
