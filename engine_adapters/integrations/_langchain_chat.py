@@ -21,6 +21,9 @@ call by decoding after a fixed prefix (``<tool_call>\\n{"name": "`` or, for a na
 parameters): small models rarely call tools on their own, and given only the
 ``"arguments":`` key SmolLM2-135M copies the schema instead of filling it in.  ``"none"``
 keeps the schemas in the prompt (same tokens, same cache) but parses no calls.
+``parallel_tool_calls=False`` (``bind_tools`` or call kwarg) ends the generation at the
+first call's closing ``</tool_call>`` (a stop string), so the answer holds at most one
+call, as OpenAI's flag promises; ``None``/``True`` let the model emit several.
 
 Session: ``session_id`` (call kwarg) > ``config["configurable"]["thread_id"]`` > the
 model's ``session_id`` field.  A context prepared by a harness hook
@@ -349,6 +352,11 @@ class PromptspliceChatModel(BaseChatModel):
             check_tenant_salt(kwargs["cache_salt"], "cache_salt")
         if "tool_choice" in kwargs:
             check_tool_choice(kwargs["tool_choice"])
+        parallel = kwargs.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise ConfigError(
+                f"parallel_tool_calls must be True, False or None, got {parallel!r}"
+            )
         model = kwargs.get("model")
         if model is not None and model != self._model_name(resolve=True):
             raise ConfigError(
@@ -384,15 +392,18 @@ class PromptspliceChatModel(BaseChatModel):
         if prefix:
             eng = self.resolved_engine()
             ids += list(eng.tokenizer.encode(prefix))
-        stops = check_stop(stop) if stop is not None else self.stop  # "END" is one stop, not three
+        stops = list(check_stop(stop) if stop is not None else self.stop or ())  # "END" is one stop, not three
+        parse = bool(tools) and choice not in ("none", False)
+        if parse and kwargs.get("parallel_tool_calls") is False and TOOL_CALL_CLOSE not in stops:
+            stops.append(TOOL_CALL_CLOSE)  # one call at most: the parser takes an open block
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         temperature = kwargs.get("temperature", self.temperature)
         return {
             "prepared": prepared,
             "ids": ids,
             "prefix": prefix or "",
-            "parse": bool(tools) and choice not in ("none", False),
-            "stop": list(stops) if stops else None,
+            "parse": parse,
+            "stop": stops or None,
             "max_tokens": max_tokens,
             "temperature": temperature,
             "salt": kwargs.get("cache_salt", self.cache_salt),

@@ -29,9 +29,11 @@ class RecordingRunner:
     def __init__(self, engine):
         self.engine = engine
         self.calls = []
+        self.stops = []
 
     def step(self, prepared, *, max_tokens, temperature=0.0, stop=None):
         self.calls.append(prepared)
+        self.stops.append(stop)
         completion = self.engine.generate(
             list(prepared.token_ids), max_tokens=max_tokens, temperature=temperature, stop=stop,
             cache_salt=prepared.render.salt,
@@ -114,6 +116,25 @@ def test_bound_tools_are_rendered_and_forced_call_parsed(engine):
     assert full.tool_calls[0]["args"] == msg.tool_calls[0]["args"]
     with pytest.raises(ConfigError):
         model.bind_tools([magic_function], tool_choice="no_such_tool")
+
+
+def test_parallel_tool_calls_false_ends_the_answer_at_the_first_call(engine):
+    runner = RecordingRunner(engine)
+    model = PromptspliceChatModel(engine=engine, runner=runner, max_tokens=40, stop=["END"])
+    question = "What is magic_function(3)? Use the tool."
+    one = model.bind_tools([magic_function], tool_choice="magic_function", parallel_tool_calls=False)
+    msg = one.invoke(question)
+    # the closing tag is a stop string next to the caller's: the engine stops there
+    assert runner.stops[-1] == ["END", "</tool_call>"]
+    assert [c["name"] for c in msg.tool_calls] == ["magic_function"]
+    assert "<tool_call>" not in msg.content
+    many = model.bind_tools([magic_function], tool_choice="magic_function")
+    many.invoke(question)
+    assert runner.stops[-1] == ["END"]  # None / True: the model may emit several calls
+    model.invoke(question, parallel_tool_calls=False)  # no tools: nothing to stop
+    assert runner.stops[-1] == ["END"]
+    with pytest.raises(ConfigError, match="parallel_tool_calls must be True, False or None"):
+        model.invoke(question, parallel_tool_calls="no")
 
 
 def test_session_steps_through_hook_and_runner(engine):
@@ -268,14 +289,6 @@ def test_call_time_options_get_the_constructors_checks(engine):
     was taken by its keys; the call-time ``cache_salt`` skipped the tenant check (U+001F
     claims runners' derived salts) and ``tool_choice`` was not checked at all."""
     runner = RecordingRunner(engine)
-    runner.stops = []
-    step = runner.step
-
-    def recording_step(prepared, *, max_tokens, temperature=0.0, stop=None):
-        runner.stops.append(stop)
-        return step(prepared, max_tokens=max_tokens, temperature=temperature, stop=stop)
-
-    runner.step = recording_step
     model = PromptspliceChatModel(engine=engine, runner=runner, max_tokens=2)
     msgs = [HumanMessage("Say hi.")]
     model.invoke(msgs, stop="END")
