@@ -339,27 +339,24 @@ class Passes:
         return self._passages_fixpoint(out, changed)
 
     def _remove_passages_c(self, kept, mp, whole_chunks) -> tuple[list[KeptChunk], bool]:
-        """The loop of :meth:`remove_passages` with the C core's scan: it returns the
-        next chunk with hits (the chunks before it are final), which is cut here."""
+        """The loop of :meth:`remove_passages` in the C core, one call for the pass: it
+        calls back for each chunk with hits, which is cut here (its new bytes go back;
+        ``None`` when it is gone, attached to an earlier chunk)."""
         out = list(kept)
-        datas = list(map(_DATA, out))
-        start = 0
         changed = False
-        scan = _native.core.passage_scan  # type: ignore[union-attr]
-        while True:
-            found = scan(datas, start, mp, whole_chunks)
-            if found is None:
-                return out, changed
-            j, raw = found
+
+        def cut(j: int, raw: list) -> bytes | None:
+            nonlocal changed
             changed = True
             k = out[j]
             hits = [(i, offset, length, out[h], at) for i, offset, length, h, at in raw]
             if self._cut(k, _paragraphs(k.data), hits):
-                datas[j] = k.data
-                start = j + 1
-            else:  # emptied: attached to an earlier chunk
-                del out[j], datas[j]
-                start = j
+                return k.data
+            del out[j]
+            return None
+
+        _native.core.passage_scan(list(map(_DATA, out)), mp, whole_chunks, cut)  # type: ignore[union-attr]
+        return out, changed
 
     def _passages_fixpoint(self, out: list[KeptChunk], changed: bool) -> list[KeptChunk]:
         cfg = self.cfg

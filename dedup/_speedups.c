@@ -1,19 +1,24 @@
 /* Optional C core of the overlap, containment and repeated-passage searches of
  * promptsplice.dedup.
  *
- * The pure-Python passes (dedup/_passes.py) stay the reference: these two functions
- * return exactly what their Python counterparts find (the first occurrence of each
- * needle in the earliest chunk searched; tests/dedup/test_speedups.py compares the
- * two on random requests), only without a Python object per sentence piece.
+ * The pure-Python passes (dedup/_passes.py, dedup/_overlap.py) stay the reference:
+ * these functions return exactly what their Python counterparts find (the first
+ * occurrence of each needle in the earliest chunk searched; tests/dedup/test_speedups.py
+ * compares them with the Python passes and with brute-force searches on random input),
+ * only without a Python object per sentence piece.  The records are made in Python.
  *
  * Filter: wherever a needle (a whole chunk, or a paragraph) occurs, each of its dots
  * with 8 bytes on both sides inside the needle sits in the same 17 bytes there.  The
- * keys (hashes of those 16 bytes) of the dots of the chunks searched so far are kept in
- * one open-addressing set; a needle with a dot key missing from it is not searched.  A
- * hash collision only makes the filter search more, never less, so results are exact
- * by construction (every match is confirmed by comparing bytes).  This is the Python
+ * keys (hashes of those 16 bytes, seeded per process so that crafted text cannot pile
+ * them into one probe chain) of the dots of the chunks searched so far are kept in one
+ * open-addressing set; a needle with a dot key missing from it is not searched.  A hash
+ * collision only makes the filter search more, never less, so results are exact by
+ * construction (every match is confirmed by comparing bytes).  This is the Python
  * passes' sentence-piece filter in another form: a key per dot instead of a Python
  * object per piece, and it also prunes needles with a single dot.
+ *
+ * The inputs' bytes objects are held (a new reference each) for the whole call: a
+ * callback, or a garbage collection run while a result is built, cannot free them.
  *
  * Built by setup.py as an optional extension: without a C compiler the package installs
  * and runs the Python passes (promptsplice.dedup.ACCELERATED says which).
@@ -26,7 +31,35 @@
 #include <stdint.h>
 #include <string.h>
 
+/* ---- portability: memrchr is GNU's, memmem is missing on MSVC ---------------------- */
+
+#if !defined(__GLIBC__)
+static void *ps_memrchr(const void *s, int c, size_t n) {
+    const unsigned char *p = (const unsigned char *)s + n;
+    while (p > (const unsigned char *)s)
+        if (*--p == (unsigned char)c) return (void *)p;
+    return NULL;
+}
+#define memrchr ps_memrchr
+#endif
+
+#if defined(_MSC_VER)
+static void *ps_memmem(const void *h, size_t hn, const void *n, size_t nn) {
+    const unsigned char *p = h, *end = (const unsigned char *)h + hn;
+    if (nn == 0) return (void *)h;
+    while (hn >= nn && (p = memchr(p, *(const unsigned char *)n, (size_t)(end - p - nn + 1)))) {
+        if (memcmp(p, n, nn) == 0) return (void *)p;
+        p++;
+        if ((size_t)(end - p) < nn) break;
+    }
+    return NULL;
+}
+#define memmem ps_memmem
+#endif
+
 /* ---- hashing and a set of 64-bit hashes ---------------------------------------- */
+
+static uint64_t seed = 0x9E3779B97F4A7C15ULL; /* replaced from os.urandom at import */
 
 static inline uint64_t rd64(const unsigned char *p) {
     uint64_t v;
@@ -51,7 +84,10 @@ static int hs_init(HashSet *s) {
     return 0;
 }
 
-static void hs_free(HashSet *s) { PyMem_Free(s->slots); }
+static void hs_free(HashSet *s) {
+    PyMem_Free(s->slots);
+    s->slots = NULL;
+}
 
 static int hs_grow(HashSet *s) {
     size_t cap = (s->mask + 1) * 2;
@@ -94,16 +130,18 @@ static int hs_has(const HashSet *s, uint64_t h) {
     return 0;
 }
 
-/* The key of the dot at p[i]: a hash of the 8 bytes before it and the 8 after it. */
+/* The key of the dot at p[i]: a seeded hash of the 8 bytes before it and the 8 after. */
 static inline uint64_t dot_key(const unsigned char *p, Py_ssize_t i) {
-    uint64_t h = (rd64(p + i - 8) ^ 0x9E3779B97F4A7C15ULL) * 0xff51afd7ed558ccdULL;
+    uint64_t h = (rd64(p + i - 8) ^ seed) * 0xff51afd7ed558ccdULL;
     h ^= h >> 31;
     h = (h ^ rd64(p + i + 1)) * 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 29;
+    h = (h ^ seed) * 0x94d049bb133111ebULL;
     h ^= h >> 32;
     return h ? h : 1; /* 0 marks an empty slot */
 }
 
-/* The dot keys of one chunk, with the dots' offsets, computed once per chunk. */
+/* The dot keys of one chunk, with the dots' offsets (ascending), computed once a chunk. */
 typedef struct {
     uint64_t *key;
     Py_ssize_t *pos;
@@ -118,7 +156,7 @@ static void keys_free(Keys *ks) {
 static int keys_of(Keys *ks, const unsigned char *p, Py_ssize_t n) {
     ks->n = 0;
     if (n < 17) return 0;
-    const unsigned char *stop = p + n - 8;
+    const unsigned char *stop = p + n - 8; /* a dot needs 8 bytes after it */
     const unsigned char *d = p + 8;
     while (d < stop && (d = memchr(d, '.', (size_t)(stop - d))) != NULL) {
         if (ks->n == ks->cap) {
@@ -140,15 +178,18 @@ static int keys_of(Keys *ks, const unsigned char *p, Py_ssize_t n) {
     return 0;
 }
 
-/* may_occur for p[lo:hi] of the chunk whose keys ks holds: its dots with 8 bytes on
- * each side inside [lo, hi) are the chunk's dots at offsets in [lo + 8, hi - 8). */
-static int keys_may_occur(const HashSet *s, const Keys *ks, Py_ssize_t lo, Py_ssize_t hi) {
-    for (Py_ssize_t i = 0; i < ks->n; i++) {
-        Py_ssize_t at = ks->pos[i];
-        if (at < lo + 8) continue;
-        if (at >= hi - 8) break;
+/* 0 when p[lo:hi] of the chunk whose keys ks holds cannot occur in the chunks the set
+ * was built from: one of its dots with 8 bytes on each side inside [lo, hi) (the
+ * chunk's dots at offsets in [lo + 8, hi - 8)) has a key missing from the set.  1
+ * otherwise.  *cursor (the first key not before lo + 8) only moves forward, so the
+ * ranges of one chunk, asked in ascending order, cost O(dots + ranges). */
+static int keys_may_occur(const HashSet *s, const Keys *ks, Py_ssize_t lo, Py_ssize_t hi,
+                          Py_ssize_t *cursor) {
+    Py_ssize_t i = *cursor;
+    while (i < ks->n && ks->pos[i] < lo + 8) i++;
+    *cursor = i;
+    for (; i < ks->n && ks->pos[i] < hi - 8; i++)
         if (!hs_has(s, ks->key[i])) return 0;
-    }
     return 1;
 }
 
@@ -158,24 +199,31 @@ static int keys_add(HashSet *s, const Keys *ks) {
     return 0;
 }
 
-/* The next paragraph break (b"\n\n") in p[0:n], or NULL: memchr for the first byte,
+/* The next paragraph break (b"\n\n") in [p, end), or NULL: memchr for the first byte,
  * which the libc scans with SIMD (memmem's short-needle path is bytewise). */
 static const unsigned char *next_break(const unsigned char *p, const unsigned char *end) {
     while (p < end) {
         const unsigned char *nl = memchr(p, '\n', (size_t)(end - p));
         if (!nl || nl + 1 >= end) return NULL;
         if (nl[1] == '\n') return nl;
-        p = nl + 2 <= end ? nl + 1 : end;
+        p = nl + 1;
     }
     return NULL;
 }
 
-/* ---- the searches ------------------------------------------------------------------ */
+/* ---- the inputs --------------------------------------------------------------------- */
 
 typedef struct {
+    PyObject *obj; /* a new reference, held for the call */
     const unsigned char *p;
     Py_ssize_t n;
 } Span;
+
+static void spans_free(Span *spans, Py_ssize_t n) {
+    if (!spans) return;
+    for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(spans[i].obj);
+    PyMem_Free(spans);
+}
 
 static Span *spans_of(PyObject *list, Py_ssize_t *count) {
     if (!PyList_Check(list)) {
@@ -183,7 +231,7 @@ static Span *spans_of(PyObject *list, Py_ssize_t *count) {
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(list);
-    Span *spans = PyMem_Malloc(sizeof(Span) * (size_t)(n ? n : 1));
+    Span *spans = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Span));
     if (!spans) {
         PyErr_NoMemory();
         return NULL;
@@ -191,10 +239,12 @@ static Span *spans_of(PyObject *list, Py_ssize_t *count) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(list, i);
         if (!PyBytes_Check(item)) {
-            PyMem_Free(spans);
+            spans_free(spans, i);
             PyErr_SetString(PyExc_TypeError, "expected a list of bytes");
             return NULL;
         }
+        Py_INCREF(item);
+        spans[i].obj = item;
         spans[i].p = (const unsigned char *)PyBytes_AS_STRING(item);
         spans[i].n = PyBytes_GET_SIZE(item);
     }
@@ -202,24 +252,34 @@ static Span *spans_of(PyObject *list, Py_ssize_t *count) {
     return spans;
 }
 
-/* The first occurrence of needle in hay, or -1.  A needle holding a dot (at offset i,
- * its first) can only start at d - i for a dot d of hay, so the search walks hay's dots
- * with memchr and compares there: in prose dots are ~1 byte in 100, which beats a
- * full scan.  Text dense in dots falls back to memmem (two-way, linear) after a budget
- * of comparisons, so the worst case stays linear. */
+/* ---- the searches ------------------------------------------------------------------ */
+
+/* The first occurrence of needle in hay, or -1.  A needle holding a dot (at offset
+ * dot, its first) can only start at d - dot for a dot d of hay, so the search walks
+ * hay's dots with memchr and compares there: in prose dots are ~1 byte in 100, which
+ * beats a full scan.  Each candidate is charged the bytes it may compare (16 for the
+ * first comparison, the needle's length when that one matches) against a budget of
+ * about hn bytes; once spent, memmem (two-way, linear) takes over from where the walk
+ * stopped, so the whole search is O(hn + nn). */
 static Py_ssize_t find_in(const unsigned char *hay, Py_ssize_t hn, const unsigned char *needle,
                           Py_ssize_t nn, Py_ssize_t dot) {
     if (hn < nn) return -1;
     Py_ssize_t from = 0;
     if (dot >= 0) {
         Py_ssize_t last = hn - nn + dot; /* the last dot position a match can have */
-        Py_ssize_t budget = hn / 16 + 16;
+        Py_ssize_t budget = hn + 256;
+        size_t head = (size_t)(nn < 16 ? nn : 16);
         const unsigned char *d = hay + dot;
         const unsigned char *stop = hay + last + 1;
         while (d < stop && (d = memchr(d, '.', (size_t)(stop - d))) != NULL) {
-            if (memcmp(d - dot, needle, (size_t)nn) == 0) return (d - dot) - hay;
+            const unsigned char *at = d - dot;
+            budget -= 16;
+            if (memcmp(at, needle, head) == 0) {
+                if (memcmp(at, needle, (size_t)nn) == 0) return at - hay;
+                budget -= nn;
+            }
             d++;
-            if (--budget == 0) {
+            if (budget <= 0) {
                 from = (d - dot) - hay; /* no match starts before this */
                 goto plain;
             }
@@ -246,6 +306,21 @@ static Py_ssize_t first_in(const Span *spans, Py_ssize_t limit, const unsigned c
     return -1;
 }
 
+/* Whether needle occurs in hay (the same search as first_in, on one item). */
+static int holds(const Span *hay, const Span *needle) {
+    const unsigned char *dp = memchr(needle->p, '.', (size_t)needle->n);
+    return find_in(hay->p, hay->n, needle->p, needle->n, dp ? dp - needle->p : -1) >= 0;
+}
+
+static int append_tuple(PyObject *list, PyObject *t) {
+    if (!t) return -1;
+    int rc = PyList_Append(list, t);
+    Py_DECREF(t);
+    return rc;
+}
+
+/* ---- containment --------------------------------------------------------------------- */
+
 PyDoc_STRVAR(contained_doc,
 "contained(datas) -> list of (z, h, offset)\n\n"
 "Containment over chunks ordered longest first (stable): each chunk is searched in the\n"
@@ -267,9 +342,10 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
     Py_ssize_t n;
     Span *given = spans_of(arg, &n);
     if (!given) return NULL;
-    Span *spans = PyMem_Malloc(sizeof(Span) * (size_t)(n ? n : 1));
-    ByLen *order = PyMem_Malloc(sizeof(ByLen) * (size_t)(n ? n : 1));
-    Py_ssize_t *host = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)(n ? n : 1));
+    size_t cells = (size_t)(n ? n : 1);
+    Span *spans = PyMem_Malloc(sizeof(Span) * cells); /* borrowed from given */
+    ByLen *order = PyMem_Malloc(sizeof(ByLen) * cells);
+    Py_ssize_t *host = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * cells);
     HashSet set = {NULL, 0, 0};
     Keys ks = {NULL, NULL, 0, 0};
     PyObject *out = NULL;
@@ -289,7 +365,8 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
     if (!(out = PyList_New(0)) || hs_init(&set) < 0) goto fail;
     for (Py_ssize_t r = 0; r < n; r++) {
         if (keys_of(&ks, spans[r].p, spans[r].n) < 0) goto fail;
-        if (r > 0 && keys_may_occur(&set, &ks, 0, spans[r].n)) {
+        Py_ssize_t cursor = 0;
+        if (r > 0 && keys_may_occur(&set, &ks, 0, spans[r].n, &cursor)) {
             Py_ssize_t at = 0;
             Py_ssize_t h = first_in(spans, r, spans[r].p, spans[r].n, &at);
             if (h >= 0) {
@@ -299,12 +376,8 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
                 }
                 host[2 * r] = h;
                 host[2 * r + 1] = at;
-                PyObject *t = Py_BuildValue("(nnn)", order[r].index, order[h].index, at);
-                if (!t || PyList_Append(out, t) < 0) {
-                    Py_XDECREF(t);
+                if (append_tuple(out, Py_BuildValue("(nnn)", order[r].index, order[h].index, at)) < 0)
                     goto fail;
-                }
-                Py_DECREF(t);
             }
         }
         if (keys_add(&set, &ks) < 0) goto fail;
@@ -313,41 +386,45 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
 fail:
     Py_CLEAR(out);
 done:
-    if (set.slots) hs_free(&set);
+    hs_free(&set);
     keys_free(&ks);
     PyMem_Free(host);
     PyMem_Free(order);
     PyMem_Free(spans);
-    PyMem_Free(given);
+    spans_free(given, n);
     return out;
 }
 
+/* ---- repeated passages ----------------------------------------------------------------- */
+
 PyDoc_STRVAR(passage_scan_doc,
-"passage_scan(datas, start, min_passage, whole_chunks) -> (j, hits) or None\n\n"
-"The first chunk j >= start (j >= 1) with a paragraph (datas[j].split(b'\\n\\n')) of at\n"
-"least min_passage bytes that occurs in datas[:j]; hits lists (paragraph index, its\n"
-"offset in datas[j], its length, h, offset in datas[h]) for each such paragraph, h the\n"
-"earliest item holding it.  A chunk of one paragraph is skipped unless whole_chunks.");
+"passage_scan(datas, min_passage, whole_chunks, cut) -> None\n\n"
+"The passage pass over datas in order.  For each chunk j >= 1 with paragraphs\n"
+"(datas[j].split(b'\\n\\n')) of at least min_passage bytes that occur in the chunks\n"
+"before it, calls cut(j, hits) with hits = [(paragraph index, its offset in the chunk,\n"
+"its length, h, offset in chunk h)] (h the earliest chunk holding it); cut returns the\n"
+"chunk's new bytes, or None when the chunk is gone (the chunks after it then move down\n"
+"one index, as in the caller's list).  A chunk of one paragraph is skipped unless\n"
+"whole_chunks.");
 
 static PyObject *passage_scan(PyObject *self, PyObject *args) {
-    PyObject *list;
-    Py_ssize_t start, mp;
+    PyObject *list, *cut;
+    Py_ssize_t mp;
     int whole;
-    if (!PyArg_ParseTuple(args, "Onnp", &list, &start, &mp, &whole)) return NULL;
+    if (!PyArg_ParseTuple(args, "OnpO", &list, &mp, &whole, &cut)) return NULL;
+    if (!PyCallable_Check(cut)) {
+        PyErr_SetString(PyExc_TypeError, "cut must be callable");
+        return NULL;
+    }
     Py_ssize_t n;
     Span *spans = spans_of(list, &n);
     if (!spans) return NULL;
-    if (start < 0) start = 0;
-    HashSet set;
+    HashSet set = {NULL, 0, 0};
     Keys ks = {NULL, NULL, 0, 0};
     PyObject *hits = NULL;
-    if (hs_init(&set) < 0) {
-        PyMem_Free(spans);
-        return NULL;
-    }
-    for (Py_ssize_t j = 0; j < n && j < start; j++)
-        if (keys_of(&ks, spans[j].p, spans[j].n) < 0 || keys_add(&set, &ks) < 0) goto fail;
-    for (Py_ssize_t j = start; j < n; j++) {
+    if (hs_init(&set) < 0) goto fail;
+    Py_ssize_t j = 0;
+    while (j < n) {
         const unsigned char *d = spans[j].p;
         Py_ssize_t len = spans[j].n;
         if (keys_of(&ks, d, len) < 0) goto fail;
@@ -356,21 +433,17 @@ static PyObject *passage_scan(PyObject *self, PyObject *args) {
             const unsigned char *brk = next_break(d, end);
             if (brk || whole) {
                 const unsigned char *p = d;
-                Py_ssize_t i = 0;
+                Py_ssize_t i = 0, cursor = 0;
                 for (;;) {
                     const unsigned char *stop = brk ? brk : end;
                     Py_ssize_t plen = stop - p;
-                    if (plen >= mp && keys_may_occur(&set, &ks, p - d, stop - d)) {
+                    if (plen >= mp && keys_may_occur(&set, &ks, p - d, stop - d, &cursor)) {
                         Py_ssize_t at = 0;
                         Py_ssize_t h = first_in(spans, j, p, plen, &at);
                         if (h >= 0) {
                             if (!hits && !(hits = PyList_New(0))) goto fail;
-                            PyObject *t = Py_BuildValue("(nnnnn)", i, (Py_ssize_t)(p - d), plen, h, at);
-                            if (!t || PyList_Append(hits, t) < 0) {
-                                Py_XDECREF(t);
+                            if (append_tuple(hits, Py_BuildValue("(nnnnn)", i, (Py_ssize_t)(p - d), plen, h, at)) < 0)
                                 goto fail;
-                            }
-                            Py_DECREF(t);
                         }
                     }
                     if (!brk) break;
@@ -378,33 +451,46 @@ static PyObject *passage_scan(PyObject *self, PyObject *args) {
                     i++;
                     brk = next_break(p, end);
                 }
-                if (hits) {
-                    hs_free(&set);
-                    keys_free(&ks);
-                    PyMem_Free(spans);
-                    return Py_BuildValue("(nN)", j, hits);
-                }
             }
         }
+        if (hits) {
+            PyObject *res = PyObject_CallFunction(cut, "nO", j, hits);
+            Py_CLEAR(hits);
+            if (!res) goto fail;
+            if (res == Py_None) { /* the chunk is gone: the later ones move down */
+                Py_DECREF(res);
+                Py_DECREF(spans[j].obj);
+                memmove(spans + j, spans + j + 1, sizeof(Span) * (size_t)(n - j - 1));
+                n--;
+                continue;
+            }
+            if (!PyBytes_Check(res)) {
+                Py_DECREF(res);
+                PyErr_SetString(PyExc_TypeError, "cut must return bytes or None");
+                goto fail;
+            }
+            Py_DECREF(spans[j].obj);
+            spans[j].obj = res;
+            spans[j].p = (const unsigned char *)PyBytes_AS_STRING(res);
+            spans[j].n = PyBytes_GET_SIZE(res);
+            if (keys_of(&ks, spans[j].p, spans[j].n) < 0) goto fail;
+        }
         if (keys_add(&set, &ks) < 0) goto fail;
+        j++;
     }
     hs_free(&set);
     keys_free(&ks);
-    PyMem_Free(spans);
+    spans_free(spans, n);
     Py_RETURN_NONE;
 fail:
     hs_free(&set);
     keys_free(&ks);
-    PyMem_Free(spans);
+    spans_free(spans, n);
     Py_XDECREF(hits);
     return NULL;
 }
 
-/* Whether needle occurs in hay (the same search as first_in, on one item). */
-static int holds(const Span *hay, const Span *needle) {
-    const unsigned char *dp = memchr(needle->p, '.', (size_t)needle->n);
-    return find_in(hay->p, hay->n, needle->p, needle->n, dp ? dp - needle->p : -1) >= 0;
-}
+/* ---- overlap ---------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(overlap_edges_doc,
 "overlap_edges(datas, m) -> list of (L, a, b)\n\n"
@@ -423,10 +509,7 @@ static PyObject *overlap_edges(PyObject *self, PyObject *args) {
     Span *spans = spans_of(list, &n);
     if (!spans) return NULL;
     PyObject *out = PyList_New(0);
-    if (!out) {
-        PyMem_Free(spans);
-        return NULL;
-    }
+    if (!out) goto done;
     for (Py_ssize_t a = 0; a < n; a++) {
         const unsigned char *A = spans[a].p;
         Py_ssize_t la = spans[a].n;
@@ -450,15 +533,9 @@ static PyObject *overlap_edges(PyObject *self, PyObject *args) {
                     /* A chunk inside the other one is containment, not overlap. */
                     int inside = (lb <= la && holds(&spans[a], &spans[b])) ||
                                  (la <= lb && holds(&spans[b], &spans[a]));
-                    if (!inside) {
-                        PyObject *t = Py_BuildValue("(nnn)", L, a, b);
-                        if (!t || PyList_Append(out, t) < 0) {
-                            Py_XDECREF(t);
-                            PyMem_Free(spans);
-                            Py_DECREF(out);
-                            return NULL;
-                        }
-                        Py_DECREF(t);
+                    if (!inside && append_tuple(out, Py_BuildValue("(nnn)", L, a, b)) < 0) {
+                        Py_CLEAR(out);
+                        goto done;
                     }
                     break;
                 }
@@ -466,9 +543,12 @@ static PyObject *overlap_edges(PyObject *self, PyObject *args) {
             }
         }
     }
-    PyMem_Free(spans);
+done:
+    spans_free(spans, n);
     return out;
 }
+
+/* ---- the module ---------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
     {"contained", contained, METH_O, contained_doc},
@@ -479,7 +559,19 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_speedups",
-    "C core of promptsplice.dedup's containment and passage searches (optional).", -1, methods,
+    "C core of promptsplice.dedup's overlap, containment and passage searches (optional).",
+    -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__speedups(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__speedups(void) {
+    /* The dot keys' seed: 8 bytes of os.urandom, so that no text can be crafted to put
+     * its keys into one probe chain.  Results never depend on it (the filter is exact). */
+    PyObject *os = PyImport_ImportModule("os");
+    PyObject *raw = os ? PyObject_CallMethod(os, "urandom", "n", (Py_ssize_t)8) : NULL;
+    Py_XDECREF(os);
+    if (!raw) return NULL;
+    if (PyBytes_Check(raw) && PyBytes_GET_SIZE(raw) == 8) memcpy(&seed, PyBytes_AS_STRING(raw), 8);
+    Py_DECREF(raw);
+    seed |= 1;
+    return PyModule_Create(&module);
+}

@@ -20,7 +20,11 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
     # transformers' imports ("operator torchvision::nms does not exist"): remove them.
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     "${PIP[@]}" install -q --progress-bar off --no-deps -r requirements/nodeps.txt
-    "${PIP[@]}" install -q --progress-bar off --no-deps --no-build-isolation -e .
+    # dedup's C core is built in place (dedup/_speedups*.so, git-ignored): remove an old
+    # one first, and require the build here, so that a checkout never imports a core
+    # built from other sources (setup.py keeps it optional for other installs).
+    rm -f dedup/_speedups*.so
+    PROMPTSPLICE_REQUIRE_C_CORE=1 "${PIP[@]}" install -q --progress-bar off --no-deps --no-build-isolation -e .
     echo "$want" > "$STAMP"
 fi
 # The shared KV tier's tests and benches start their own Redis server on loopback.

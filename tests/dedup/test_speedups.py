@@ -62,24 +62,54 @@ def _contained_reference(datas):
     return out
 
 
-def _scan_reference(datas, start, mp, whole):
-    for j in range(max(start, 1), len(datas)):
+def _scan_reference(datas, mp, whole, cut):
+    """The Python pass's loop: each chunk's paragraphs searched in the chunks before it
+    (as cut so far), ``cut(j, hits)`` giving the chunk's new bytes or None (gone)."""
+    datas = list(datas)
+    j = 1
+    while j < len(datas):
         d = datas[j]
-        if len(d) < mp:
-            continue
         paras = d.split(b"\n\n")
-        if len(paras) == 1 and not whole:
-            continue
         hits, offset = [], 0
-        for i, p in enumerate(paras):
-            if len(p) >= mp:
-                found = _first(datas, j, p)
-                if found is not None:
-                    hits.append((i, offset, len(p), *found))
-            offset += len(p) + 2
+        if len(d) >= mp and (len(paras) > 1 or whole):
+            for i, p in enumerate(paras):
+                if len(p) >= mp:
+                    found = _first(datas, j, p)
+                    if found is not None:
+                        hits.append((i, offset, len(p), *found))
+                offset += len(p) + 2
         if hits:
-            return j, hits
-    return None
+            new = cut(j, hits)
+            if new is None:
+                del datas[j]
+                continue
+            datas[j] = new
+        j += 1
+
+
+def _cutter(log, datas):
+    """A cut that drops the hit paragraphs (None when nothing is left) and logs its calls."""
+    current = list(datas)
+
+    def cut(j, hits):
+        log.append((j, hits))
+        gone = {h[0] for h in hits}
+        paras = current[j].split(b"\n\n")
+        kept = [p for i, p in enumerate(paras) if i not in gone]
+        if not kept:
+            del current[j]
+            return None
+        current[j] = b"\n\n".join(kept)
+        return current[j]
+
+    return cut
+
+
+def _scan_both(datas, mp, whole):
+    fast, slow = [], []
+    assert speedups.passage_scan(list(datas), mp, whole, _cutter(fast, datas)) is None
+    _scan_reference(datas, mp, whole, _cutter(slow, datas))
+    return fast, slow
 
 
 # Dots and paragraph breaks from a small alphabet: pieces repeat, needles hold 0, 1 or
@@ -93,10 +123,10 @@ dotted = st.lists(st.sampled_from([b"ab", b"a", b".", b". ", b"\n", b"\n\n", b"\
 @given(st.lists(st.one_of(dotted, texts), min_size=1, max_size=10), st.data())
 def test_contained_and_passage_scan_match_a_brute_force_search(datas, data):
     assert speedups.contained(datas) == _contained_reference(datas)
-    start = data.draw(st.integers(0, len(datas)))
     mp = data.draw(st.sampled_from([1, 2, 5, 16]))
     whole = data.draw(st.booleans())
-    assert speedups.passage_scan(datas, start, mp, whole) == _scan_reference(datas, start, mp, whole)
+    fast, slow = _scan_both(datas, mp, whole)
+    assert fast == slow
 
 
 @settings(max_examples=400, deadline=None)
@@ -122,7 +152,8 @@ def test_a_needle_after_many_dots_is_found_by_the_fallback_search():
     hay = b"." * 1000 + b"xy.z"
     assert speedups.contained([b"xy.z", hay]) == [(0, 1, 1000)]
     assert speedups.contained([hay, b"y.q"]) == []
-    assert speedups.passage_scan([hay, b"k\n\nxy.z"], 0, 3, False) == (1, [(1, 3, 4, 0, 1000)])
+    fast, slow = _scan_both([hay, b"k\n\nxy.z"], 3, False)
+    assert fast == slow == [(1, [(1, 3, 4, 0, 1000)])]
 
 
 def test_bad_arguments_raise_type_errors():
@@ -131,7 +162,31 @@ def test_bad_arguments_raise_type_errors():
     with pytest.raises(TypeError):
         speedups.contained((b"a",))
     with pytest.raises(TypeError):
-        speedups.passage_scan([b"a"], "0", 1, False)
+        speedups.passage_scan([b"a"], "1", False, lambda j, h: None)
+    with pytest.raises(TypeError, match="cut must be callable"):
+        speedups.passage_scan([b"a"], 1, False, None)
+    with pytest.raises(TypeError, match="cut must return bytes or None"):
+        speedups.passage_scan([b"a para", b"a para\n\nb"], 1, False, lambda j, h: "text")
+    with pytest.raises(ZeroDivisionError):  # an error in the callback propagates
+        speedups.passage_scan([b"a para", b"a para\n\nb"], 1, False, lambda j, h: 1 / 0)
+
+
+def test_a_chunk_emptied_by_its_cut_is_gone_for_the_chunks_after_it():
+    # chunk 1 is all repeated paragraphs: cut away; chunk 2's paragraph then can only be
+    # found in chunk 0 (index 0), and indices after the gone chunk move down
+    datas = [b"alpha\n\nbeta", b"alpha\n\nbeta", b"beta\n\ngamma"]
+    fast, slow = _scan_both(datas, 2, False)
+    assert fast == slow == [(1, [(0, 0, 5, 0, 0), (1, 7, 4, 0, 7)]), (1, [(0, 0, 4, 0, 7)])]
+
+
+def test_many_paragraphs_of_dots_take_linear_time():
+    # each paragraph asked the filter from the chunk's first dot (quadratic): 3 s here
+    import time
+
+    datas = [b"x" * 20, b".\n\n" * 80000]
+    start = time.process_time()
+    speedups.passage_scan(datas, 1, False, lambda j, h: None)
+    assert time.process_time() - start < 0.5
 
 
 @settings(
