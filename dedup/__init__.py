@@ -37,10 +37,11 @@ input raises an error from :mod:`promptsplice.errors`.  Invalid UTF-8 raises by
 default (``on_invalid_utf8="replace"`` decodes it with U+FFFD and counts it).
 
 Cost: near-linear in the number of chunks and their bytes for typical requests; worst
-cases are stated in :mod:`promptsplice.dedup._core`.  The containment and passage
-searches of requests up to 64 chunks run in an optional C core (``dedup/_speedups.c``,
-built by ``setup.py`` where a C compiler is; :data:`ACCELERATED` says whether it was);
-without it the same results come from the pure-Python passes, about half as fast.
+cases are stated in :mod:`promptsplice.dedup._core`.  The searches run in an optional C
+core (``dedup/_speedups.c``, built by ``setup.py`` where a C compiler is;
+:data:`ACCELERATED` says whether it was): containment and passages for requests of up
+to 64 chunks and 256 KiB, overlap edges for same-source groups of up to 16 chunks.
+Without it the same results come from the pure-Python passes, about half as fast.
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ m = min_overlap):
 
 The Python-level work is O(n + pieces + edges + paragraphs) per call, and it is what
 bounds the throughput (measured by ``python -m promptsplice.benchmarks.dedup_bench``;
-the figure is in the README).  Calls of up to 64 chunks run the overlap, containment
-and passage searches in the optional C core (:mod:`promptsplice.dedup._native`): the
-same answers with no Python object per piece; the records are made here either way.
+the figure is in the README).  The optional C core (:mod:`promptsplice.dedup._native`)
+runs the containment and passage searches of calls up to 64 chunks and 256 KiB, and the
+overlap edges of same-source groups up to 16 chunks (any call size): the same answers
+with no Python object per piece; the records are made here either way.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ are merged into one chunk (see :mod:`promptsplice.dedup` for the rules).
 Each ordered pair of a group tries one reverse search of A's ``min_overlap``-byte tail
 in B; groups of more than ``_GROUP_GRID`` chunks only try the pairs that the grid anchor
 index finds (the chunks that may hold A's tail).  Every edge is verified by comparing
-bytes, so it is exact by construction.
+bytes, so it is exact by construction.  The other groups' pairs are tried by the
+optional C core where it was built (``overlap_edges``: the same edges).
 """
 
 from __future__ import annotations

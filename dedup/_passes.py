@@ -23,9 +23,9 @@ the same answer: the first occurrence in the earliest chunk searched.  The overl
 pass is in :mod:`promptsplice.dedup._overlap`.
 
 **C core.**  Where the optional extension was built (``dedup/_speedups.c``), calls of up
-to ``_C_MAX_CHUNKS`` chunks run the containment and passage searches there, with the
-same filter on hashed pieces and the same answers (tests/dedup/test_speedups.py); the
-records are still made here.
+to ``_C_MAX_CHUNKS`` chunks and ``_C_MAX_BYTES`` bytes run the containment and passage
+searches there, with a filter of their own (a key per dot, from the 16 bytes around it)
+and the same answers (tests/dedup/test_speedups.py); the records are still made here.
 """
 
 from __future__ import annotations

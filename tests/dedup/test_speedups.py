@@ -23,6 +23,13 @@ from tests.dedup.test_properties import check_result, configs, retrievals
 speedups = _native.core
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    # scripts/setup.sh requires the build (PROMPTSPLICE_REQUIRE_C_CORE=1): without it
+    # every test here would only fail on None, so say what is missing once, clearly.
+    assert speedups is not None, "dedup's C core is not built: run `make setup` (a C compiler is needed)"
+
+
 def _python(chunks, *args, **options):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_native, "core", None)
@@ -196,7 +203,13 @@ def test_many_paragraphs_of_dots_take_linear_time():
 )
 @given(retrievals(), configs)
 def test_dedup_with_the_c_core_equals_the_python_passes(chunks, cfg):
-    fast = dedup(chunks, cfg)
+    calls = []
+    real = speedups.contained
+    with pytest.MonkeyPatch.context() as mp:  # the small requests here must take the C path
+        mp.setattr(speedups, "contained", lambda d: calls.append(1) or real(d))
+        fast = dedup(chunks, cfg)
+    if cfg.containment and len(fast.chunks) + fast.stats.removed["contained"] >= 2:
+        assert calls
     check_result(chunks, cfg, fast)
     assert _canon(fast) == _canon(_python(chunks, cfg))
 
@@ -214,6 +227,21 @@ def test_large_requests_fall_back_to_the_python_passes_and_agree(monkeypatch):
     default = dedup(chunks)
     assert calls == []  # 300 chunks > _C_MAX_CHUNKS: the Python passes with their index
     monkeypatch.setattr(passes, "_C_MAX_CHUNKS", 10**9)
+    monkeypatch.setattr(passes, "_C_MAX_BYTES", 10**12)
+    forced = dedup(chunks)
+    assert calls and _canon(forced) == _canon(default)
+
+
+def test_requests_over_the_byte_limit_fall_back_to_the_python_passes(monkeypatch):
+    # 10 chunks of ~30 KB: under _C_MAX_CHUNKS, over _C_MAX_BYTES (256 KiB)
+    chunks = [f"doc {i}: " + c["text"] * 40 for i, c in enumerate(scaling_workload(10, chunk_bytes=1000, seed=2))]
+    chunks.append(chunks[3][5000:9000])  # contained in chunk 3
+    calls = []
+    real = speedups.contained
+    monkeypatch.setattr(speedups, "contained", lambda d: calls.append(len(d)) or real(d))
+    default = dedup(chunks)
+    assert default.stats.bytes_out > passes._C_MAX_BYTES and calls == []
+    assert default.stats.removed["contained"] >= 1
     monkeypatch.setattr(passes, "_C_MAX_BYTES", 10**12)
     forced = dedup(chunks)
     assert calls and _canon(forced) == _canon(default)
