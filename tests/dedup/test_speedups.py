@@ -126,6 +126,7 @@ dotted = st.lists(st.sampled_from([b"ab", b"a", b".", b". ", b"\n", b"\n\n", b"\
 )
 
 
+@pytest.mark.reliability
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.one_of(dotted, texts), min_size=1, max_size=10), st.data())
 def test_contained_and_passage_scan_match_a_brute_force_search(datas, data):
@@ -136,6 +137,7 @@ def test_contained_and_passage_scan_match_a_brute_force_search(datas, data):
     assert fast == slow
 
 
+@pytest.mark.reliability
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.one_of(dotted, texts), min_size=1, max_size=8), st.sampled_from([1, 2, 4, 16]))
 def test_overlap_edges_match_the_python_search(datas, m):
@@ -186,6 +188,7 @@ def test_a_chunk_emptied_by_its_cut_is_gone_for_the_chunks_after_it():
     assert fast == slow == [(1, [(0, 0, 5, 0, 0), (1, 7, 4, 0, 7)]), (1, [(0, 0, 4, 0, 7)])]
 
 
+@pytest.mark.reliability
 def test_many_paragraphs_of_dots_take_linear_time():
     # each paragraph asked the filter from the chunk's first dot (quadratic): 3 s here
     import time
@@ -196,6 +199,7 @@ def test_many_paragraphs_of_dots_take_linear_time():
     assert time.process_time() - start < 0.5
 
 
+@pytest.mark.reliability
 @settings(
     max_examples=300,
     deadline=None,
