@@ -21,9 +21,8 @@ call by decoding after a fixed prefix (``<tool_call>\\n{"name": "`` or, for a na
 parameters): small models rarely call tools on their own, and given only the
 ``"arguments":`` key SmolLM2-135M copies the schema instead of filling it in.  ``"none"``
 keeps the schemas in the prompt (same tokens, same cache) but parses no calls.
-``parallel_tool_calls=False`` (``bind_tools`` or call kwarg) ends the generation at the
-first call's closing ``</tool_call>`` (a stop string), so the answer holds at most one
-call, as OpenAI's flag promises; ``None``/``True`` let the model emit several.
+``parallel_tool_calls=False`` ends the generation at the first call's ``</tool_call>``
+(a stop string): at most one call, as OpenAI's flag promises.
 
 Session: ``session_id`` (call kwarg) > ``config["configurable"]["thread_id"]`` > the
 model's ``session_id`` field.  A context prepared by a harness hook
@@ -354,9 +353,7 @@ class PromptspliceChatModel(BaseChatModel):
             check_tool_choice(kwargs["tool_choice"])
         parallel = kwargs.get("parallel_tool_calls")
         if parallel is not None and not isinstance(parallel, bool):
-            raise ConfigError(
-                f"parallel_tool_calls must be True, False or None, got {parallel!r}"
-            )
+            raise ConfigError(f"parallel_tool_calls must be True, False or None, got {parallel!r}")
         model = kwargs.get("model")
         if model is not None and model != self._model_name(resolve=True):
             raise ConfigError(
