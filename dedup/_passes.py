@@ -56,11 +56,18 @@ _SWITCH = 32  # plain searches (or haystack rebuilds) of one pass before it inde
 # in O(1) per needle.  Typical requests (tens of chunks) are far below both limits.
 _C_MAX_CHUNKS = 64
 _C_MAX_BYTES = 1 << 18
-
 _DATA = attrgetter("data")
 _KEPT = Relation.KEPT
 _CONTAINED = Relation.CONTAINED
 _PASSAGES = Relation.PASSAGES
+
+
+def _core_for(kept: list[KeptChunk]):
+    """The C core where it was built and the call is within its limits, else None."""
+    core = _native.core
+    if core is None or len(kept) > _C_MAX_CHUNKS:
+        return None
+    return core if sum(map(len, map(_DATA, kept))) <= _C_MAX_BYTES else None
 
 
 def _starts(datas: list[bytes]) -> list[int]:
@@ -208,12 +215,10 @@ class Passes:
         before it (at least as long, so an identical chunk left by an overlap merge or
         with ``exact=False`` is caught too).
         """
-        core = _native.core
-        if core is not None and len(kept) <= _C_MAX_CHUNKS:
-            datas = list(map(_DATA, kept))
-            if sum(map(len, datas)) <= _C_MAX_BYTES:
-                self.counts = None  # the C core keeps its own filter; no piece index here
-                return self._absorb_all(kept, core.contained(datas), None)
+        core = _core_for(kept)
+        if core is not None:
+            self.counts = None  # the C core keeps its own filter; no piece index here
+            return self._absorb_all(kept, core.contained(list(map(_DATA, kept))), None)
         lens = list(map(len, map(_DATA, kept)))
         order = sorted(range(len(kept)), key=lens.__getitem__, reverse=True)  # stable
         host: dict[int, tuple[int, int]] = {}  # rank in order -> (host rank, offset)
@@ -286,12 +291,9 @@ class Passes:
         # After containment no chunk sits inside another, so a chunk that is a single
         # paragraph cannot be found in an earlier one: only split chunks can match.
         whole_chunks = not cfg.containment
-        if (
-            _native.core is not None
-            and len(kept) <= _C_MAX_CHUNKS
-            and sum(map(len, map(_DATA, kept))) <= _C_MAX_BYTES
-        ):
-            out, changed = self._remove_passages_c(kept, mp, whole_chunks)
+        core = _core_for(kept)
+        if core is not None:
+            out, changed = self._remove_passages_c(core, kept, mp, whole_chunks)
             return self._passages_fixpoint(out, changed)
         counts = self.index(kept)[0]
         out: list[KeptChunk] = []
@@ -338,7 +340,7 @@ class Passes:
             out_datas.append(k.data)
         return self._passages_fixpoint(out, changed)
 
-    def _remove_passages_c(self, kept, mp, whole_chunks) -> tuple[list[KeptChunk], bool]:
+    def _remove_passages_c(self, core, kept, mp, whole_chunks) -> tuple[list[KeptChunk], bool]:
         """The loop of :meth:`remove_passages` in the C core, one call for the pass: it
         calls back for each chunk with hits, which is cut here (its new bytes go back;
         ``None`` when it is gone, attached to an earlier chunk)."""
@@ -355,7 +357,7 @@ class Passes:
             del out[j]
             return None
 
-        _native.core.passage_scan(list(map(_DATA, out)), mp, whole_chunks, cut)  # type: ignore[union-attr]
+        core.passage_scan(list(map(_DATA, out)), mp, whole_chunks, cut)
         return out, changed
 
     def _passages_fixpoint(self, out: list[KeptChunk], changed: bool) -> list[KeptChunk]:
