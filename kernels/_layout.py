@@ -87,14 +87,28 @@ class KVLayout(Protocol):
         ...
 
 
+def check_layout(layout: Any) -> bool:
+    """``layout`` is a :class:`KVLayout` or a :class:`PackedKVLayout` (returned: packed),
+    checked cheaply by what relocation uses (else :class:`ConfigError`)."""
+    packed = hasattr(layout, "unpack") and hasattr(layout, "write_blocks")
+    if not (packed or hasattr(layout, "kv_views")) or not hasattr(layout, "block_dim"):
+        raise ConfigError(f"layout must be a KVLayout (e.g. CpuAttnLayout), got {layout!r}")
+    return packed
+
+
 def gather_blocks(layout: KVLayout, cache: torch.Tensor, block_ids) -> torch.Tensor:
     """Copy the given blocks out of ``cache``: what a block store saves.
 
     The result keeps the cache's per-block layout (blocks stacked on ``block_dim``), so
     it is a valid ``src_blocks`` argument of ``relocate_blocks`` for the same layout.
     """
-    ids = block_id_tensor(block_ids, "block_ids").to(cache.device).reshape(-1)
-    return cache.index_select(layout.block_dim, ids)
+    check_layout(layout)
+    _check_tensor(cache)
+    ids = block_id_tensor(block_ids, "block_ids").cpu().reshape(-1)  # checked on the host, as relocation's
+    num_blocks = cache.shape[layout.block_dim]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise InputError(f"block_ids must lie in [0, {num_blocks}), got [{int(ids.min())}, {int(ids.max())}]")
+    return cache.index_select(layout.block_dim, ids.to(cache.device))
 
 
 def block_id_tensor(block_ids: Any, what: str) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from promptsplice.errors import ConfigError, InputError
 
-from promptsplice.kernels._layout import KVLayout, PackedKVLayout, block_id_tensor
+from promptsplice.kernels._layout import KVLayout, PackedKVLayout, block_id_tensor, check_layout
 from promptsplice.kernels._rope import RopeConfig
 from promptsplice.kernels._torch_impl import cos_sin_table, relocate_packed_torch, relocate_torch, rotate_inplace
 from promptsplice.kernels._triton_impl import TRITON_AVAILABLE, relocate_triton
@@ -24,10 +24,14 @@ SUPPORTED_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Impl = Literal["auto", "torch", "triton"]
 
 
-def select_impl(device: torch.device, impl: Impl = "auto") -> str:
+def select_impl(device: torch.device | str, impl: Impl = "auto") -> str:
     """Which implementation runs for tensors on ``device``: ``"triton"`` for CUDA when
     Triton is installed, else ``"torch"``.  Forcing ``"triton"`` on CPU tensors is only
     possible under ``TRITON_INTERPRET=1`` (set before Triton is imported)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device must be a torch.device or a device name such as 'cuda', got {device!r}") from exc
     if impl == "auto":
         return "triton" if device.type == "cuda" and TRITON_AVAILABLE else "torch"
     if impl == "torch":
@@ -83,6 +87,8 @@ def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, rope: RopeConfig) ->
     """
     if not isinstance(k, torch.Tensor) or not k.dtype.is_floating_point:
         raise InputError("k must be a floating-point tensor")
+    if not isinstance(rope, RopeConfig):
+        raise ConfigError(f"rope must be the model's RopeConfig, got {type(rope).__name__}")
     if k.dim() == 0 or k.shape[-1] != rope.head_size:
         raise ConfigError(
             f"k's last dimension must be rope.head_size={rope.head_size}, got shape "
@@ -129,9 +135,9 @@ def relocate_blocks(
     :class:`InputError` on mismatched tensors and :class:`ConfigError` on unsupported
     dtypes, layouts or RoPE/cache disagreement.
     """
-    packed = hasattr(layout, "unpack") and hasattr(layout, "write_blocks")  # PackedKVLayout
-    if not (packed or hasattr(layout, "kv_views")) or not hasattr(layout, "block_dim"):  # KVLayout, cheaply
-        raise ConfigError(f"layout must be a KVLayout (e.g. CpuAttnLayout), got {layout!r}")
+    packed = check_layout(layout)
+    if not isinstance(rope, RopeConfig):
+        raise ConfigError(f"rope must be the model's RopeConfig, got {type(rope).__name__}")
     for name, t in (("dst_cache", dst_cache), ("src_blocks", src_blocks)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -223,7 +229,16 @@ def kv_deviation(
     ``delta != 0``).  Returns ``(k, v)``, float32 tensors of ``n`` values
     ``||fresh - old|| / ||fresh||`` (0 where the fresh block is all zeros).
     """
-    packed = hasattr(layout, "unpack")
+    packed = check_layout(layout)
+    for name, t in (("fresh", fresh), ("old", old)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise InputError(f"{name} must be a floating-point torch.Tensor, got {type(t).__name__}")
+    if fresh.shape != old.shape:
+        raise InputError(
+            f"fresh {tuple(fresh.shape)} and old {tuple(old.shape)} must hold the same blocks in the same layout"
+        )
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Integral):
+        raise InputError(f"delta must be an int number of positions, got {type(delta).__name__} {delta!r}")
     kf, vf = layout.unpack(fresh) if packed else layout.kv_views(fresh)
     ko, vo = layout.unpack(old) if packed else layout.kv_views(old)
     if delta:

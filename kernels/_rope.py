@@ -89,6 +89,15 @@ class Llama3Scaling:
     original_max_position_embeddings: int
 
     def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ConfigError(f"llama3 rope scaling: {name} must be a finite number, got {type(v).__name__} {v!r}")
+        ompe = self.original_max_position_embeddings
+        if isinstance(ompe, bool) or not isinstance(ompe, numbers.Integral):
+            raise ConfigError(
+                f"llama3 rope scaling: original_max_position_embeddings must be an int, got {type(ompe).__name__} {ompe!r}"
+            )
         if not self.factor > 0:
             raise ConfigError(f"llama3 rope scaling: factor must be > 0, got {self.factor}")
         if not (self.low_freq_factor > 0 and self.high_freq_factor > 0):
@@ -142,8 +151,14 @@ class RopeConfig:
             )
         if not (self.theta > 0 and math.isfinite(self.theta)):
             raise ConfigError(f"RopeConfig: theta must be a finite number > 0, got {self.theta}")
-        if not self.linear_factor > 0:
-            raise ConfigError(f"RopeConfig: linear_factor must be > 0, got {self.linear_factor}")
+        if not (self.linear_factor > 0 and math.isfinite(self.linear_factor)):
+            raise ConfigError(f"RopeConfig: linear_factor must be a finite number > 0, got {self.linear_factor}")
+        if not isinstance(self.is_neox_style, bool):
+            raise ConfigError(f"RopeConfig: is_neox_style must be True or False, got {self.is_neox_style!r}")
+        if self.llama3_scaling is not None and not isinstance(self.llama3_scaling, Llama3Scaling):
+            raise ConfigError(
+                f"RopeConfig: llama3_scaling must be a Llama3Scaling or None, got {type(self.llama3_scaling).__name__}"
+            )
 
     @property
     def num_pairs(self) -> int:

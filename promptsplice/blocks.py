@@ -29,6 +29,9 @@ from typing import NewType
 
 import xxhash
 
+from promptsplice._validate import check_salt
+from promptsplice.errors import InvalidSaltError
+
 __all__ = [
     "BlockHash",
     "HASH_BYTES",
@@ -77,11 +80,18 @@ content_digest = xxhash.xxh3_128_digest
 
 
 def _salt_bytes(salt: str | bytes | None) -> bytes:
+    """A salt's hashed form: ``None``, a tenant's str (:func:`check_salt`'s rule: an int was
+    taken as ``bytes(n)``, n zero bytes, so salt ``5`` shared ``b"\\0" * 5``'s chain), or
+    bytes (the store's own namespaces)."""
     if salt is None:
         return b""
     if isinstance(salt, str):
-        return b"s" + salt.encode("utf-8")
-    return b"b" + bytes(salt)
+        return b"s" + check_salt(salt, "salt").encode("utf-8")
+    if isinstance(salt, bytes | bytearray | memoryview):
+        return b"b" + bytes(salt)
+    raise InvalidSaltError(
+        f"salt must be a non-empty str (the tenant's salt), bytes or None, got {type(salt).__name__} {salt!r:.60}"
+    )
 
 
 def chunk_key(

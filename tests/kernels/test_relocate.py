@@ -455,3 +455,34 @@ def test_kv_deviation_rotates_the_old_keys_then_compares(layout):
     assert float(same_k.abs().max()) == float(same_v.abs().max()) == 0.0
     with pytest.raises(ConfigError, match="RopeConfig"):
         kv_deviation(fresh, old, 96, None, layout)
+
+
+def test_kv_deviation_and_gather_check_their_inputs():
+    """kv_deviation broadcast 1 block against 2 (answers [0, 1.41]), truncated delta 0.5
+    to 0 and read "3" as 3; gather_blocks let torch raise IndexError on an id out of
+    range; a layout or rope of the wrong kind raised AttributeError."""
+    from promptsplice.kernels import kv_deviation
+
+    layout = CpuAttnLayout()
+    cache = torch.randn(4, 2, 32, 128)
+    rope = RopeConfig(64, 64)
+    two = gather_blocks(layout, cache, [0, 1])
+    assert torch.equal(two, cache[:2])
+    for ids in ([4], [-1]):
+        with pytest.raises(InputError, match=r"block_ids must lie in \[0, 4\)"):
+            gather_blocks(layout, cache, ids)
+    with pytest.raises(ConfigError, match="layout must be a KVLayout"):
+        gather_blocks("cpu", cache, [0])  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="same blocks"):
+        kv_deviation(two, two[:1], 0, None, layout)
+    for delta in (0.5, "3", True):
+        with pytest.raises(InputError, match="delta must be an int"):
+            kv_deviation(two, two, delta, rope, layout)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="layout must be a KVLayout"):
+        kv_deviation(two, two, 0, None, None)  # type: ignore[arg-type]
+    k, v = kv_deviation(two, two, 0, None, layout)
+    assert k.tolist() == [0.0, 0.0] and v.tolist() == [0.0, 0.0]
+    with pytest.raises(ConfigError, match="rope must be the model's RopeConfig"):
+        rotate_keys(torch.randn(4, 2, 64), 1, None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="rope must be the model's RopeConfig"):
+        relocate_blocks(cache, two, [2, 3], 1, None, layout)  # type: ignore[arg-type]

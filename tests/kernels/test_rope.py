@@ -223,3 +223,19 @@ def test_configs_are_frozen_slotted_values():
     assert hash(rope) == hash(RopeConfig(head_size=64, rotary_dim=64))
     with pytest.raises(ConfigError):
         Llama3Scaling(0.0, 1.0, 4.0, 8192)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: RopeConfig(64, 64, is_neox_style="false"), "is_neox_style must be True or False"),  # truthy: neox
+        (lambda: RopeConfig(64, 64, linear_factor=float("inf")), "linear_factor must be a finite"),  # no rotation
+        (lambda: RopeConfig(64, 64, llama3_scaling={"factor": 8}), "llama3_scaling must be a Llama3Scaling"),
+        (lambda: Llama3Scaling("8", 1, 4, 8192), "factor must be a finite number"),  # raw TypeError
+        (lambda: Llama3Scaling(float("inf"), 1, 4, 8192), "factor must be a finite number"),
+        (lambda: Llama3Scaling(8, 1, 4, 2.5), "original_max_position_embeddings must be an int"),
+    ],
+)
+def test_rope_fields_that_would_rotate_wrongly_are_refused(build, message):
+    with pytest.raises(ConfigError, match=message):
+        build()

@@ -148,3 +148,17 @@ def test_the_chain_memo_is_bounded_by_the_hashes_it_holds(monkeypatch):
     big = list(range(300 * 16))  # more than the whole memo: computed, not kept
     hash_while_cached(root_hash(), token_bytes(big), 16, set(chain_hashes(big, 16)), [])
     assert sum(len(v) for v in blocks._memo.values()) <= 100
+
+
+def test_a_salt_is_none_a_str_or_bytes_never_converted():
+    """An int salt was hashed as ``bytes(n)``: salt 5 shared the chain of five zero
+    bytes; "" (no salt to vLLM) hashed apart from None; a float raised a raw TypeError."""
+    from promptsplice.errors import InvalidSaltError
+
+    toks = list(range(16))
+    for bad in (5, 5.0, "", ["t"]):
+        with pytest.raises(InvalidSaltError):
+            root_hash(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidSaltError):
+            chunk_key(toks, block_size=16, salt=bad)  # type: ignore[arg-type]
+    assert root_hash(b"\0" * 5) != root_hash("\0" * 5) != root_hash(None)
