@@ -1,7 +1,8 @@
 """Turn whatever a retriever returns into :class:`InputChunk` records.
 
 Accepted per chunk: ``str``; ``bytes``/``bytearray`` (UTF-8); a ``dict`` with ``"text"``
-(str or bytes) and optional ``"id"`` and ``"metadata"``; any object with
+(str or bytes) and optional ``"id"`` and ``"metadata"`` (its other keys, a retriever's
+``"score"`` say, join the metadata, where ``"metadata"``'s own keys win); any object with
 ``.page_content`` and ``.metadata`` (LangChain ``Document``, duck-typed so this package
 never imports LangChain; the id is ``doc.id`` if truthy, else ``metadata["id"]``).
 
@@ -24,6 +25,8 @@ from promptsplice.errors import (
     InvalidChunkError,
     InvalidUTF8Error,
 )
+
+_DICT_KEYS = frozenset({"text", "id", "metadata"})
 
 from ._types import INVALID_UTF8_POLICIES, InputChunk
 
@@ -88,6 +91,7 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
                 and type(cid) is str
                 and cid
                 and (metadata is None or type(metadata) is dict)
+                and len(chunk) == (2 if metadata is None else 3)  # other keys: the path below
             ):
                 try:
                     data = text.encode("utf-8")
@@ -112,6 +116,13 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
             raw = chunk["text"]
             cid = chunk.get("id")
             metadata = chunk.get("metadata")
+            extra = {k: v for k, v in chunk.items() if k not in _DICT_KEYS}
+            if extra:  # a retriever's score or source: kept in the metadata, never dropped
+                if metadata is not None and not isinstance(metadata, dict):
+                    raise InvalidChunkError(
+                        f"chunk {index}: metadata must be a dict, got {type(metadata).__name__}"
+                    )
+                metadata = {**extra, **(metadata or {})}
             if not isinstance(raw, (str, bytes, bytearray)):
                 raise InvalidChunkError(
                     f"chunk {index}: dict 'text' must be str or bytes, got {type(raw).__name__}"

@@ -62,19 +62,50 @@ def merge_overlaps(ctx, kept: list[KeptChunk]) -> list[KeptChunk]:
     return [k for k in kept if id(k) not in gone]
 
 
+def _group_edges(datas: list[bytes], lens: list[int], m: int) -> list[tuple[int, int, int]]:
+    """The overlap edges of one same-source group (by index, in C, or by pairs)."""
+    core = _native.core
+    if len(datas) > _GROUP_GRID and m >= MIN_NEEDLE:
+        return _edges(datas, lens, m, True)
+    if core is not None:
+        return core.overlap_edges(datas, m)  # the same pairs and answers, in C
+    return _edges(datas, lens, m, False)
+
+
+def _holds_another(datas: list[bytes], lens: list[int], exact: bool) -> bool:
+    """Whether a member lies inside another (members of one length cannot, once exact
+    duplicates are gone)."""
+    if exact and min(lens) == max(lens):
+        return False
+    if len(datas) == 2:
+        a, b = datas
+        return a in b if lens[0] <= lens[1] else b in a
+    return True  # larger groups: the containment pass finds out
+
+
 def _merge_group(ctx, group: list[KeptChunk], gone: set[int]) -> None:
     m = ctx.cfg.min_overlap
     datas = [k.data for k in group]
     lens = [len(d) for d in datas]
-    core = _native.core
-    if len(datas) > _GROUP_GRID and m >= MIN_NEEDLE:
-        edges = _edges(datas, lens, m, True)
-    elif core is not None:
-        edges = core.overlap_edges(datas, m)  # the same pairs and answers, in C
-    else:
-        edges = _edges(datas, lens, m, False)
+    edges = _group_edges(datas, lens, m)
     if not edges:
         return
+    if ctx.cfg.containment and _holds_another(datas, lens, ctx.cfg.exact):
+        # A member inside another one is absorbed first: greedy merging could take its
+        # edge and leave the chunk holding it beside the chain, overlapping it
+        # (A=T[0:200], B=T[100:300], C=T[100:330]: A+B, with C left apart), so
+        # dedup(output) would merge again.  Without contained members no merge opens a
+        # new edge.  (Members of one length cannot hold each other once duplicates are gone.)
+        inner = ctx.absorb_contained(group)
+        if len(inner) < len(group):
+            kept = set(map(id, inner))
+            gone.update(id(k) for k in group if id(k) not in kept)
+            group = inner
+            datas = [k.data for k in group]
+            lens = [len(d) for d in datas]
+            edges = _group_edges(datas, lens, m) if len(group) >= 2 else []
+            if not edges:
+                return
 
     # Greedy by overlap length: each chunk gets at most one successor and one
     # predecessor, and no cycles.

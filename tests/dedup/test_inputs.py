@@ -193,3 +193,15 @@ def test_an_unhashable_source_without_a_truth_value_is_not_an_error():
     ]
     res = dedup(chunks)
     assert sorted(o.id for k in res.chunks for o in k.origins) == ["a", "b", "c"]
+
+
+def test_other_keys_of_a_chunk_dict_join_its_metadata():
+    """``{"text", "meta": {...}}`` (a typo) or a retriever's ``score`` were dropped."""
+    result = dedup([
+        {"text": "alpha beta", "meta": {"a": 1}},
+        {"id": "x", "text": "gamma delta", "score": 0.5, "metadata": {"score": 1, "source": "s"}},
+    ])
+    first, second = (k.origins[0].metadata for k in result.chunks)
+    assert first == {"meta": {"a": 1}}
+    assert second == {"score": 1, "source": "s"}  # the metadata's own key wins
+    assert normalize_chunks([{"id": "y", "text": "t", "rank": 3}])[0].metadata == {"rank": 3}
