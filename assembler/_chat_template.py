@@ -240,6 +240,40 @@ def _content_text(content: Any, index: int) -> str:
     raise InputError(f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}")
 
 
+def canonical_calls(m: Mapping[str, Any], index: int) -> Mapping[str, Any]:
+    """``m`` with its calls in the OpenAI form (``tool_calls`` of ``{"id", "type":
+    "function", "function": {"name", "arguments"}}``): LangChain's flat calls
+    (``{"name", "args", "id"}``, ``AIMessage.tool_calls``) had their ``args`` dropped,
+    and a legacy ``function_call`` was not rendered at all.  Others pass as they are."""
+    legacy = m.get("function_call")
+    calls = m.get("tool_calls")
+    if legacy is not None:
+        if calls:
+            raise InvalidMessageError(
+                f"message {index} has both tool_calls and the legacy function_call: pass tool_calls only"
+            )
+        if not isinstance(legacy, Mapping):
+            raise InvalidMessageError(f"message {index}: function_call must be a dict, got {type(legacy).__name__}")
+        calls = [{"type": "function", "function": legacy}]
+    elif not calls or not isinstance(calls, Sequence) or isinstance(calls, str | bytes):
+        return m  # none, or malformed: the renderer says what is wrong
+    elif not any(isinstance(c, Mapping) and "function" not in c and "args" in c for c in calls):
+        return m
+    out = []
+    for c in calls:
+        if isinstance(c, Mapping) and "function" not in c and "args" in c:
+            if "arguments" in c:
+                raise InvalidMessageError(f"message {index}: a tool call has both args and arguments: pass one")
+            call = {k: v for k, v in c.items() if k not in ("name", "args", "type")}
+            call["type"] = "function"
+            call["function"] = {"name": c.get("name"), "arguments": c["args"]}
+            c = call
+        out.append(c)
+    fixed = {k: v for k, v in m.items() if k != "function_call"}
+    fixed["tool_calls"] = out
+    return fixed
+
+
 def _tool_call_text(call: Any, index: int) -> str:
     if not isinstance(call, Mapping):
         raise InputError(f"message {index}: a tool call must be a dict, got {type(call).__name__}")

@@ -311,6 +311,9 @@ def diff_renders(
     ``decode`` (the tokenizer's) fills the directives' ``text``; without it the texts
     are empty.  The result is exact: ``apply_diff(old.token_ids, diff) == new.token_ids``.
     """
+    for name, r in (("old", old), ("new", new)):
+        if not isinstance(r, Render):
+            raise InputError(f"{name} must be a Render (ChatRenderer.render(...)), got {type(r).__name__}")
     ob, nb = old.body_segments, new.body_segments
     o_end, n_end = old.body_end, new.body_end
     ot, nt = old.token_ids, new.token_ids

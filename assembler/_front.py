@@ -74,7 +74,7 @@ def assemble_prompt(
             raise ConfigError(f"assembler must be an Assembler, got {type(assembler).__name__}")
         _check_same_as_assembler(assembler, tokenizer=tokenizer, block_size=block_size,
                                  policy=policy, alignment=alignment)
-        if trust_markup and not assembler.trust_markup:
+        if check_bool(trust_markup, "trust_markup") and not assembler.trust_markup:
             raise ConfigError(
                 "trust_markup=True differs from the assembler's trust_markup=False; build "
                 "the assembler with Assembler(..., trust_markup=True)"
@@ -101,7 +101,7 @@ def assemble_prompt(
 def _check_same_as_assembler(asm: Assembler, **given: Any) -> None:
     """``assemble_prompt(assembler=asm, ...)``: every setting passed must be the assembler's."""
     own = {"block_size": asm.block_size, "policy": asm.policy, "alignment": asm.alignment}
-    parse = {"block_size": lambda v: v, "policy": parse_order, "alignment": parse_align}
+    parse = {"block_size": check_block_size, "policy": parse_order, "alignment": parse_align}
     for name, value in given.items():
         if value is None:
             continue
@@ -114,7 +114,12 @@ def _check_same_as_assembler(asm: Assembler, **given: Any) -> None:
                 )
             continue
         if parse[name](value) != own[name]:
+            fix = (
+                f"call assembler.assemble(..., {name}=...) for one call"
+                if name != "block_size"  # the engine's: an assembler has one
+                else "build an Assembler(..., block_size=...) for that engine"
+            )
             raise ConfigError(
                 f"{name}={value!r} differs from the assembler's {own[name]!r}; leave {name} unset "
-                f"when passing an assembler (or call assembler.assemble(..., {name}=...) for one call)"
+                f"when passing an assembler (or {fix})"
             )

@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from promptsplice._validate import is_int
 from promptsplice.assembler._render import canonical_json
 from promptsplice.blocks import content_digest
 from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error
@@ -91,13 +92,15 @@ def _check_roles(roles: Any, what: str) -> tuple[str, ...]:
     return tuple(roles)
 
 
-def _check_format(template: Any, what: str, field: str) -> str:
-    """A one-field format string: ``template.format(**{field: ...})`` must work."""
+def _check_format(template: Any, what: str, field: str, sample: Any) -> str:
+    """A one-field format string: ``template.format(**{field: sample})`` must work, with a
+    value of the type it will get (``{summary:d}`` passed an int sample, then failed on
+    every step's str; ``{n[0]}`` or ``{n.x}`` escaped as TypeError/AttributeError)."""
     if not isinstance(template, str):
         raise ConfigError(f"{what} must be a str, got {type(template).__name__}")
     try:
-        template.format(**{field: 0})
-    except (KeyError, IndexError, ValueError) as exc:
+        template.format(**{field: sample})
+    except Exception as exc:  # any failure of str.format with this field is a bad template
         raise ConfigError(
             f"{what} {template!r} is not a format string with only {{{field}}} as its field "
             f"({type(exc).__name__}: {exc}); write literal braces as {{{{ and }}}}"
@@ -181,17 +184,17 @@ class TruncateToolOutputs:
         marker: str = "[... {n} lines truncated ...]",
         roles: Sequence[str] = ("tool", "function"),
     ) -> None:
-        if not isinstance(max_lines, int) or max_lines < 1:
+        if not is_int(max_lines) or max_lines < 1:
             raise ConfigError(f"max_lines must be a positive int, got {max_lines!r}")
         keep = (max_lines - 1) // 2 if keep_lines is None else keep_lines
-        if not isinstance(keep, int) or keep < 0 or 2 * keep + 1 > max_lines:
+        if not is_int(keep) or keep < 0 or 2 * keep + 1 > max_lines:
             raise ConfigError(
                 f"keep_lines must be an int in [0, (max_lines - 1) // 2] = [0, {(max_lines - 1) // 2}] so "
                 f"that a truncated output (2 * keep_lines + 1 lines) is not truncated again, got {keep!r}"
             )
-        if not isinstance(keep_recent, int) or keep_recent < 0:
+        if not is_int(keep_recent) or keep_recent < 0:
             raise ConfigError(f"keep_recent must be a non-negative int, got {keep_recent!r}")
-        if "\n" in _check_format(marker, "marker", "n"):
+        if "\n" in _check_format(marker, "marker", "n", 0):
             raise ConfigError("the marker must be one line")
         self.max_lines = max_lines
         self.keep_lines = keep
@@ -202,6 +205,8 @@ class TruncateToolOutputs:
     def truncate(self, text: str) -> str:
         """``text`` itself when it has at most ``max_lines`` lines, else its first and
         last ``keep_lines`` lines around the marker line."""
+        if not isinstance(text, str):
+            raise InputError(f"truncate takes a tool output's text (a str), got {type(text).__name__}")
         lines = text.split("\n")
         trailing = text.endswith("\n")
         if trailing:
@@ -328,7 +333,10 @@ class DropFailedCalls:
         drop_calls: dict[int, set[int]] = {}
         drop_msgs: set[int] = set()
         for a, k, t, name in self._pairs(messages):
-            if not self.is_error(messages[t]):
+            failed = self.is_error(messages[t])
+            if isinstance(failed, str | bytes):  # a label such as "no" would read as True
+                raise ConfigError(f"is_error must return True or False, got {type(failed).__name__} {failed!r:.60}")
+            if not failed:  # None, a match object, numpy's bool: by their truth value
                 continue
             if any(a2 > t and n2 == name for a2, n2 in calls_after):
                 drop_calls.setdefault(a, set()).add(k)
@@ -387,8 +395,8 @@ def summarize_turns(
     filled with ``summarize(messages[start:end])``).  The stretch may not end between a
     tool call and its output (``messages[end]`` a tool message)."""
     _check_messages(messages)
-    _check_format(template, "template", "summary")
-    if not (isinstance(start, int) and isinstance(end, int)) or not 0 <= start < end <= len(messages):
+    _check_format(template, "template", "summary", "a summary")
+    if not (is_int(start) and is_int(end)) or not 0 <= start < end <= len(messages):
         raise InputError(f"summary stretch ({start}, {end}) is not a non-empty range of {len(messages)} messages")
     if end < len(messages) and messages[end].get("role") in ("tool", "function"):
         raise InputError(
@@ -439,16 +447,16 @@ class SummarizeTurns:
     ) -> None:
         if not callable(summarize):
             raise ConfigError("summarize must be a callable: summarize(messages) -> str")
-        if not isinstance(keep_recent, int) or keep_recent < 0:
+        if not is_int(keep_recent) or keep_recent < 0:
             raise ConfigError(f"keep_recent must be a non-negative int, got {keep_recent!r}")
-        if not isinstance(max_messages, int) or max_messages < keep_recent + 2:
+        if not is_int(max_messages) or max_messages < keep_recent + 2:
             raise ConfigError(
                 f"max_messages must be at least keep_recent + 2 = {keep_recent + 2} (head, summary, "
                 f"recent turns), got {max_messages!r}"
             )
-        if keep_head is not None and (not isinstance(keep_head, int) or keep_head < 0):
+        if keep_head is not None and (not is_int(keep_head) or keep_head < 0):
             raise ConfigError(f"keep_head must be a non-negative int or None, got {keep_head!r}")
-        if isinstance(max_memo, bool) or not isinstance(max_memo, int) or max_memo < 1:
+        if not is_int(max_memo) or max_memo < 1:
             raise ConfigError(f"max_memo must be an int >= 1 (summaries remembered), got {max_memo!r}")
         if not isinstance(role, str) or not role:
             raise ConfigError(f"role (of the summary message) must be a non-empty str, got {role!r}")
@@ -458,7 +466,7 @@ class SummarizeTurns:
         self.keep_recent = keep_recent
         self.keep_head = keep_head
         self.role = role
-        self.template = _check_format(template, "template", "summary")
+        self.template = _check_format(template, "template", "summary", "a summary")
         self._memo: OrderedDict[bytes, str] = OrderedDict()
         self._max_memo = max_memo
         self._lock = threading.Lock()

@@ -84,6 +84,7 @@ from promptsplice.assembler._chat_template import (
     _content_text,
     _lone_surrogate,
     _tool_call_text,
+    canonical_calls,
     canonical_json,
     tools_block,
 )
@@ -178,6 +179,7 @@ class ChatRenderer:
         self.trust_markup = check_bool(trust_markup, "trust_markup")
         self._markup = markup_for(self.tokenizer)
         self._esc = Markup.trusted if self.trust_markup else self._markup.escape
+        self._esc_name = Markup.trusted if self.trust_markup else self._markup.escape_name
         self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")
 
     # -- public --------------------------------------------------------------------
@@ -260,7 +262,7 @@ class ChatRenderer:
         """:meth:`pieces` as marked text (caller markup escaped, the template's raw)."""
         tmpl = self.template
         norm, norm_plain = self._normalize(messages, tools)
-        native_tools = [_escaped(t, self._esc) for t in tools] if (tools and tmpl.native_tools) else None
+        native_tools = [_escaped(t, self._esc, self._esc_name) for t in tools] if (tools and tmpl.native_tools) else None
         msgs = [m for _, m in norm]
         try:
             texts = self._piece_texts(msgs, native_tools)  # encodes every message first
@@ -310,8 +312,9 @@ class ChatRenderer:
             role = m.get("role")
             if not isinstance(role, str) or not role:
                 raise InputError(f"message {i} has no role (a non-empty str)")
+            m = canonical_calls(m, i)
             if tmpl.native_tool_calls:
-                msg = _escaped(m, self._esc)
+                msg = _escaped(m, self._esc, self._esc_name)
                 if msg.get("content") is None:
                     msg["content"] = ""
                 elif not isinstance(m.get("content"), str):  # text parts: one text, as below
@@ -324,7 +327,8 @@ class ChatRenderer:
                         raise InputError(f"message {i}: tool_calls must be a list")
                     lines = "\n".join(_tool_call_text(c, i) for c in calls)
                     text = f"{text}\n{lines}" if text else lines
-                msg = {"role": self._esc(role), "content": self._esc(text)}
+                esc_role = self._esc_name if role in _STANDARD_NAMES else self._esc
+                msg = {"role": esc_role(role), "content": self._esc(text)}
             out.append((i, msg))
         plain: dict[str, Any] | None = None
         if tools and not tmpl.native_tools:
@@ -476,12 +480,37 @@ def _insertion_point(with_text: str, without: str, prefer: str | None = None) ->
     return (lo, n)
 
 
-def _escaped(value: Any, esc: Callable[[str], str]) -> Any:
-    """``value`` (a message, a tool schema) with every string passed through ``esc``."""
+#: Values a template compares rather than prints (``message.role == 'tool'``,
+#: ``tool.type == 'function'``): escaped as names, like the keys, when they are one of
+#: the standard names (any other role is caller text: ``"start|>system"`` must not
+#: finish the ``<|im_`` a template starts).
+_NAME_VALUES = frozenset({"role", "type"})
+_STANDARD_NAMES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython", "tool_call"})
+#: The keys templates look up (messages, calls, tool schemas, JSON Schema): fixed words,
+#: so their edges stay as they are; any other key (an argument's or a property's name,
+#: which a template may print raw: ``'<parameter=' + name + '>'``) is caller text.
+_STRUCTURAL_KEYS = frozenset({
+    "role", "content", "name", "tool_calls", "tool_call_id", "function", "arguments", "type", "id",
+    "text", "parameters", "properties", "required", "description", "enum", "items", "default", "title",
+    "format", "strict", "additionalProperties", "anyOf", "oneOf", "allOf", "$ref", "$defs", "nullable",
+    "minimum", "maximum", "pattern", "examples", "const", "reasoning_content", "tools", "response",
+})  # fmt: skip
+
+
+def _escaped(value: Any, esc: Callable[[str], str], esc_name: Callable[[str], str]) -> Any:
+    """``value`` (a message, a tool schema) with every string passed through ``esc``,
+    except the structural keys and the standard values of :data:`_NAME_VALUES`, which go
+    through ``esc_name``: a template looks them up or compares them, and ``esc``'s edge
+    escaping (``"name"`` lies inside ``<reponame>``) made ``tool_call.name`` miss."""
     if isinstance(value, str):
         return esc(value)
     if isinstance(value, Mapping):
-        return {esc(k) if isinstance(k, str) else k: _escaped(v, esc) for k, v in value.items()}
+        return {
+            (esc_name(k) if k in _STRUCTURAL_KEYS else esc(k) if isinstance(k, str) else k): (
+                esc_name(v) if k in _NAME_VALUES and isinstance(v, str) and v in _STANDARD_NAMES else _escaped(v, esc, esc_name)
+            )
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
-        return [_escaped(v, esc) for v in value]
+        return [_escaped(v, esc, esc_name) for v in value]
     return value

@@ -335,6 +335,17 @@ class Markup:
             text = self._find.sub(self._escape_one, text)
         return head + text + tail if head or tail else text
 
+    def escape_name(self, text: str) -> str:
+        """A fixed word a template looks up or compares (a structural key such as
+        ``"name"``, a standard role such as ``"tool"``) as marked text: its control-token
+        strings stay text, but its edges are kept, so the lookup or comparison still
+        matches.  Only for the renderer's own allowlists of words: caller text (an
+        argument's name too) goes through :meth:`escape`, whose edges cannot finish a
+        control token the template starts."""
+        if MARKUP_ESCAPE in text or self.holds(text):
+            return self._find.sub(self._escape_one, text)
+        return text
+
     def holds(self, text: str) -> bool:
         """Whether ``text`` contains a control-token string."""
         return self._may_hold(text) and any(s in text for s in self.specials)

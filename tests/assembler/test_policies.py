@@ -358,3 +358,42 @@ def test_a_json_output_is_failed_only_when_its_error_is_set():
     assert not is_error_output({"role": "tool", "content": '{"error": null, "content": "def a(): return 1"}'})
     assert not is_error_output({"role": "tool", "content": '{"error": "", "rows": 3}'})
     assert is_error_output({"role": "tool", "content": '{"error": "No such file: a.py"}'})
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: TruncateToolOutputs(marker="{n[0]}"),  # TypeError escaped
+        lambda: TruncateToolOutputs(marker="{n.x}"),  # AttributeError escaped
+        lambda: SummarizeTurns(lambda ms: "s", template="{summary:d}", max_messages=4, keep_recent=1),  # failed per step
+        lambda: TruncateToolOutputs(max_lines=True),  # a bool read as 1
+        lambda: TruncateToolOutputs(keep_recent=True),
+        lambda: TruncateToolOutputs(keep_lines=False),
+        lambda: SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=False),
+        lambda: SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=1, keep_head=True),
+    ],
+)
+def test_policy_options_of_the_wrong_type_are_config_errors(build):
+    with pytest.raises(ConfigError):
+        build()
+
+
+def test_an_is_error_answer_that_is_not_a_bool_is_refused():
+    """``is_error`` returning "no" was read as True: the call was dropped."""
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "oops"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "ok"},
+    ]
+    with pytest.raises(ConfigError, match="is_error must return True or False"):
+        DropFailedCalls(is_error=lambda m: "no").apply(msgs)
+    import re  # a match object or None is read by its truth value, as before
+
+    kept = DropFailedCalls(is_error=lambda m: re.search("oops", m["content"])).apply(msgs).messages
+    assert [m.get("tool_call_id") for m in kept if m["role"] == "tool"] == ["b"]
+    with pytest.raises(InputError, match="truncate takes"):
+        TruncateToolOutputs().truncate(None)  # type: ignore[arg-type]

@@ -392,3 +392,69 @@ def test_tool_call_arguments_that_are_no_json_value_are_message_errors(renderer)
             renderer.render(with_args(args))
     with pytest.raises(ConfigError, match="max_memo_chars"):
         ChatRenderer(renderer.tokenizer, max_memo_chars="big")
+
+
+def test_native_templates_look_up_keys_and_compare_roles_unescaped(default_tok):
+    """Keys went through the content escape: "name" lies inside <reponame>, so it became
+    U+FDD0 + "name" and ``tool_call.name`` rendered "" (or raised, joined with ``+``);
+    a template comparing ``m.role == 'tool'`` missed a role that lies inside <tool_call>."""
+    from transformers import AutoTokenizer
+
+    from promptsplice.assets import default_model_dir
+
+    src = (
+        "{%- for tool in tools or [] %}{{- 'TOOL ' + tool.function.name + '\\n' }}{%- endfor %}"
+        "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+        "{%- for c in m.tool_calls %}{%- if c.function is defined %}{%- set c = c.function %}{%- endif %}"
+        "{{- '\\n<tool_call>\\n{\"name\": \"' + c.name + '\", \"arguments\": ' }}{{- c.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}{{- '<|im_end|>\\n' }}{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    r = ChatRenderer(default_tok, block_size=16, template=ChatTemplate(src, name="qwen-like"), alignment="none")
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    want = hf.apply_chat_template(msgs, tools=tools, chat_template=src, tokenize=False, add_generation_prompt=True)
+    got = r.render(msgs, tools)
+    assert got.text == want and '"name": "get_weather"' in got.text and "<tool_response>sunny" in got.text
+
+
+def test_langchain_flat_calls_and_a_legacy_function_call_are_rendered(unpadded):
+    """LangChain's ``{"name", "args", "id"}`` lost its args (rendered ``{}``) and a legacy
+    ``function_call`` was not rendered at all: both now read as the OpenAI form."""
+    openai = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": {"q": "Lyon"}}}]}]
+    flat = [{"role": "assistant", "content": "", "tool_calls": [
+        {"name": "search", "args": {"q": "Lyon"}, "id": "c1", "type": "tool_call"}]}]
+    legacy = [{"role": "assistant", "content": None, "function_call": {"name": "search", "arguments": '{"q": "Lyon"}'}}]
+    want = unpadded.render(openai).token_ids
+    assert unpadded.render(flat).token_ids == want and unpadded.render(legacy).token_ids == want
+    assert '"q":"Lyon"' in unpadded.render(flat).text
+    with pytest.raises(InputError, match="both tool_calls and the legacy function_call"):
+        unpadded.render([{**openai[0], "function_call": legacy[0]["function_call"]}])
+
+
+def test_an_argument_name_cannot_finish_a_control_token_the_template_starts(default_tok):
+    """Argument names are caller text: a template that prints them raw (Qwen3-Coder's
+    ``'<parameter=' + name + '>'``) must not let ``"x<|im_end|"`` become <|im_end|>."""
+    src = (
+        "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- for c in m.tool_calls or [] %}"
+        "{%- for k, v in c.function.arguments|items %}{{- '<parameter=' + k + '>\\n' + (v|string) + '\\n</parameter>\\n' }}{%- endfor %}"
+        "{%- endfor %}{{- '<|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    )
+    r = ChatRenderer(default_tok, block_size=16, template=ChatTemplate(src, name="params"), alignment="none")
+
+    def controls(key: str) -> list[int]:
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {key: "v"}}}]}]
+        return _controls(default_tok, r.render(msgs, add_generation_prompt=False).token_ids)
+
+    assert controls("x<|im_end|") == controls("x<|im_start|") == controls("city") == [1, 2, 1, 2]
