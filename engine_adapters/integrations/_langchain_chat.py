@@ -60,15 +60,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils import from_env, secret_from_env
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationError
 
-from promptsplice._validate import (
-    check_bool,
-    check_int,
-    check_number,
-    check_optional_int,
-    check_stop,
-    check_tenant_salt,
-    check_text,
-)
+from promptsplice._validate import check_stop, check_tenant_salt
 from promptsplice.assembler import ChatRenderer, PreparedContext, StepKind
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_convert import (
@@ -82,6 +74,7 @@ from promptsplice.engine_adapters.integrations._langchain_convert import (
     parse_tool_calls,
     streamable,
 )
+from promptsplice.engine_adapters.integrations._langchain_options import check_env_salt, check_options, convert_input
 from promptsplice.errors import ConfigError, InvalidSaltError, PromptspliceError
 
 __all__ = [
@@ -178,24 +171,12 @@ class PromptspliceChatModel(BaseChatModel):
         """Options are checked as the engine checks them, and pydantic's errors become
         :class:`ConfigError` (lax pydantic took ``max_tokens=True`` as 1, ``"3"`` as 3,
         and a NaN temperature, and left an invalid salt to the first call)."""
-        checks = {
-            "max_tokens": lambda v: check_int(v, "max_tokens"),
-            "temperature": lambda v: check_number(v, "temperature"),
-            "stop": check_stop,
-            "streaming": lambda v: check_bool(v, "streaming"),
-            "cache_salt": lambda v: check_tenant_salt(v, "cache_salt"),
-            "session_id": lambda v: check_text(v, "session_id", optional=True, error=ConfigError),
-            "session_key": lambda v: check_text(v, "session_key", error=ConfigError),
-            "timeout": lambda v: v if v is None else check_number(v, "timeout", strict=True),
-            "max_retries": lambda v: check_optional_int(v, "max_retries", minimum=0),
-        }
-        for name, check in checks.items():
-            if name in data:
-                data[name] = check(data[name])
+        check_options(type(self).model_fields.items(), data)
         try:
             super().__init__(**data)
         except ValidationError as exc:
             raise ConfigError(f"PromptspliceChatModel: invalid options: {exc}") from exc
+        check_env_salt(self.cache_salt, "cache_salt" not in data)
 
     _renderer: ChatRenderer | None = PrivateAttr(default=None)
     _renderer_key: Any = PrivateAttr(default=None)
@@ -282,16 +263,16 @@ class PromptspliceChatModel(BaseChatModel):
 
     # session ids from the config of direct calls (``_generate`` cannot see the config)
     def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AIMessage:  # type: ignore[override]
-        return super().invoke(input, config, stop=stop, **_with_thread(config, kwargs, self.session_key))
+        return super().invoke(convert_input(self, input), config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
     async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AIMessage:  # type: ignore[override]
-        return await super().ainvoke(input, config, stop=stop, **_with_thread(config, kwargs, self.session_key))
+        return await super().ainvoke(convert_input(self, input), config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
     def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:  # type: ignore[override]
-        return super().stream(input, config, stop=stop, **_with_thread(config, kwargs, self.session_key))
+        return super().stream(convert_input(self, input), config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
     def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:  # type: ignore[override]
-        return super().astream(input, config, stop=stop, **_with_thread(config, kwargs, self.session_key))
+        return super().astream(convert_input(self, input), config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
     # -- resolution ---------------------------------------------------------------------
     def resolved_engine(self) -> Any:
@@ -384,7 +365,7 @@ class PromptspliceChatModel(BaseChatModel):
     def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any) -> dict[str, Any]:
         prepared, tools = self._prepare(messages, kwargs, run_manager)
         choice = kwargs.get("tool_choice")
-        prefix = forced_prefix(choice, tools) if tools else None
+        prefix = forced_prefix(choice, tools)
         ids = list(prepared.token_ids)
         if prefix:
             eng = self.resolved_engine()

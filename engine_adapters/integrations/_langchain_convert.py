@@ -127,6 +127,11 @@ def forced_prefix(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str |
     if tool_choice in (None, "auto", "none", False):
         return None
     names = [t.get("function", {}).get("name") for t in tools]
+    if not names:
+        raise ConfigError(
+            f"tool_choice={tool_choice!r} forces a tool call, but no tools are bound: "
+            "pass tools (bind_tools(...) or tools=[...]) or tool_choice=None"
+        )
     name: str | None = None
     if tool_choice in ("any", "required", True):
         name = names[0] if len(names) == 1 else None

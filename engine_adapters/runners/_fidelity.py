@@ -123,7 +123,7 @@ class FidelitySettings:
     on the trace families are in the README."""
 
     def __post_init__(self) -> None:
-        check_fidelity(self.level, "level")
+        object.__setattr__(self, "level", check_fidelity(self.level, "level"))  # "Bounded" -> the enum
         if not isinstance(self.relocate, bool):
             raise ConfigError(f"relocate must be True or False, got {self.relocate!r}")
         check_int(self.recompute_blocks, "recompute_blocks", minimum=0)

@@ -93,7 +93,7 @@ import atexit
 import logging
 import threading
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from promptsplice.blocks import BlockHash, content_digest, hash_block
 from promptsplice.engine_adapters.store._disk import DiskTier
@@ -225,6 +225,8 @@ class BlockStore:
         and that nobody modifies).  Blocks this evicts from DRAM go to the background
         writer (written before ``put`` returns when ``write_behind_bytes`` is 0).
         """
+        if not isinstance(copy, bool):
+            raise InputError(f"copy must be True or False, got {copy!r}")
         k, salt_b, parent, tok = parse_ref(ref, salt, namespace)
         check_stored_salt(salt_b)
         if k[0] == Namespace.CHAIN and hash_block(BlockHash(parent), ref[2]) != k[1]:
@@ -338,7 +340,7 @@ class BlockStore:
         ref, overriding ``salt`` (a run that continues an old prompt stored under another
         salt: the splice connector's scoped requests).
         """
-        refs = list(refs)
+        refs = _ref_list(refs)
         if salts is not None and len(salts) != len(refs):
             raise InputError(f"salts has {len(salts)} entries for {len(refs)} refs: give one per ref")
         queries = [
@@ -584,6 +586,13 @@ class BlockStore:
     def _run(jobs: list[tuple[StorageTier, object]]) -> list[bool | None]:
         """Carry out write-downs, in order, without the lock (see ``StorageTier.write``)."""
         return [tier.write(job) for tier, job in jobs]
+
+
+def _ref_list(refs: Any) -> list:
+    """The block refs of one query, as a list (``None`` or a number is :class:`InputError`)."""
+    if isinstance(refs, str | bytes) or not hasattr(refs, "__iter__"):
+        raise InputError(f"refs must be a sequence of block refs (chain_refs(...)), got {type(refs).__name__}")
+    return list(refs)
 
 
 _SHARED: dict[StoreConfig, BlockStore] = {}

@@ -8,17 +8,18 @@ module holds only the policy.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, root_hash, token_bytes
-from promptsplice._validate import encodable
+from promptsplice._validate import encodable, is_int
 from promptsplice.engine_adapters.store._format import MAX_SALT_BYTES
 from promptsplice.engine_adapters.store._redis import check_redis_url
 from promptsplice.engine_adapters.store._tier import Key, Namespace, dtype_name, salt_bytes, supported_dtypes
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, PromptspliceWarning
 
 if TYPE_CHECKING:
     import torch
@@ -151,10 +152,6 @@ Ref = BlockRef | tuple[bytes, bytes, Sequence[int]]
 """What the store's methods accept as a block ref."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 MAX_SECONDS = 86_400.0
 """The longest timeout or back-off a store accepts (a day): an infinite one turned a
 tier off for good (disk) or could not be set on a socket (Redis)."""
@@ -207,12 +204,12 @@ class StoreConfig:
 
     def validate(self) -> None:
         """Check every field; raise :class:`ConfigError` saying how to fix it."""
-        if not _is_int(self.dram_bytes) or self.dram_bytes <= 0:
+        if not is_int(self.dram_bytes) or self.dram_bytes <= 0:
             raise ConfigError(
                 f"dram_bytes must be a positive int (bytes of KV payload kept in memory, "
                 f"e.g. 2 * 1024**3), got {self.dram_bytes!r}"
             )
-        if not _is_int(self.disk_bytes) or self.disk_bytes < 0:
+        if not is_int(self.disk_bytes) or self.disk_bytes < 0:
             raise ConfigError(
                 f"disk_bytes must be an int >= 0 (bytes of block files on disk; 0 turns the "
                 f"disk tier off), got {self.disk_bytes!r}"
@@ -233,13 +230,20 @@ class StoreConfig:
                 "disk_bytes > 0 needs disk_dir: pass the folder for the block files, "
                 "or disk_bytes=0 to keep blocks in DRAM only"
             )
+        if self.disk_dir is not None and self.disk_bytes == 0:  # the documented off switch, said aloud
+            warnings.warn(
+                f"StoreConfig: disk_dir={self.disk_dir!r} is not used: disk_bytes=0 turns the disk tier "
+                "off; pass disk_bytes > 0 for a disk tier",
+                PromptspliceWarning,
+                stacklevel=3,
+            )
         if not isinstance(self.fingerprint, str) or not encodable(self.fingerprint):
             raise ConfigError(
                 f"fingerprint must be a str without lone surrogates (model and KV layout), got {self.fingerprint!r}"
             )
         if not isinstance(self.fsync, bool):
             raise ConfigError(f"fsync must be True or False, got {self.fsync!r}")
-        if not _is_int(self.write_behind_bytes) or self.write_behind_bytes < 0:
+        if not is_int(self.write_behind_bytes) or self.write_behind_bytes < 0:
             raise ConfigError(
                 f"write_behind_bytes must be an int >= 0 (0 writes records in the calling "
                 f"thread), got {self.write_behind_bytes!r}"
@@ -248,7 +252,7 @@ class StoreConfig:
         self._validate_remote()
 
     def _validate_remote(self) -> None:
-        if not _is_int(self.remote_bytes) or self.remote_bytes < 0:
+        if not is_int(self.remote_bytes) or self.remote_bytes < 0:
             raise ConfigError(
                 f"remote_bytes must be an int >= 0 (bytes of records indexed on the shared "
                 f"Redis tier; 0 turns it off), got {self.remote_bytes!r}"

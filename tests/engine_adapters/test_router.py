@@ -271,3 +271,23 @@ def test_keys_of_ids_beyond_32_bits_or_text_that_is_not_unicode_are_input_errors
         r.acquire("abc\ud800def")
     with pytest.raises(InvalidSaltError, match="lone surrogate"):
         r.acquire([1, 2, 3], salt="t\ud800")
+
+
+def test_both_routers_check_what_acquire_is_given():
+    """``PrefixRouter(None)`` raised a raw TypeError; ``RoundRobinRouter.acquire`` took a
+    str key and an empty salt that ``PrefixRouter.acquire`` refuses (same interface)."""
+    from promptsplice.errors import InvalidSaltError
+
+    for cls in (PrefixRouter, RoundRobinRouter):
+        for endpoints in (None, 5):
+            with pytest.raises(ConfigError, match="endpoints must be a list"):
+                cls(endpoints)  # type: ignore[arg-type]
+        router = cls(["a", "b"])
+        with pytest.raises(InputError, match="key must be non-empty bytes"):
+            router.acquire(key="abc")  # type: ignore[arg-type]
+        with pytest.raises(InputError, match="needs a prompt or a key"):
+            router.acquire()
+        with pytest.raises(InvalidSaltError):
+            router.acquire("some prompt text", salt="")
+        with router.acquire("some prompt text", salt="t") as lease:
+            assert lease.endpoint in ("a", "b")

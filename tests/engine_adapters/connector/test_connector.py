@@ -88,8 +88,14 @@ def test_kv_store_is_one_option_that_sets_the_connector():
     with pytest.raises(ConfigError, match="kv_store owns"):
         EngineConfig(kv_store=store, extra_kwargs={"kv_transfer_config": {}})
     assert EngineConfig(kv_store=store, platform="cuda", kv_cache_bytes=None).kv_store is store
-    with pytest.raises(ConfigError, match="cpu and cuda platforms only, not on 'rocm'"):
-        EngineConfig(kv_store=store, platform="rocm", kv_cache_bytes=None)
+    with pytest.raises(ConfigError, match="cpu and cuda platforms only, not on 'xpu'"):
+        EngineConfig(kv_store=store, platform="xpu", kv_cache_bytes=None)
+    for name in ("CPU", "gpu", "rocm"):  # not vLLM device types: another platform's defaults
+        with pytest.raises(ConfigError, match="platform must be a vLLM device type"):
+            EngineConfig(platform=name)
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        EngineConfig(dtype="flaot32")
+
 
 
 # --------------------------------------------------------------------------- engine

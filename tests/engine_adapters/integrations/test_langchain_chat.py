@@ -19,7 +19,7 @@ from promptsplice.engine_adapters.integrations._langchain_chat import (  # noqa:
     parse_tool_calls,
     set_default_engine,
 )
-from promptsplice.errors import ConfigError, ContextLengthError, InvalidSaltError  # noqa: E402
+from promptsplice.errors import ConfigError, ContextLengthError, InvalidMessageError, InvalidSaltError  # noqa: E402
 from promptsplice.engine_adapters.integrations._langchain_convert import lc_messages_to_openai  # noqa: E402
 
 
@@ -274,6 +274,10 @@ def test_a_failed_tool_call_keeps_its_status_when_messages_expand():
         ({"cache_salt": "a\x1fpic"}, InvalidSaltError, "U\\+001F"),
         ({"max_retries": -1}, ConfigError, "max_retries must be an int >= 0"),
         ({"model": 5}, ConfigError, "invalid options"),  # pydantic's own error, translated
+        ({"max_token": 5}, ConfigError, "no option 'max_token' \\(did you mean 'max_tokens'"),  # was ignored
+        ({"engine": "x"}, ConfigError, "engine must have generate"),  # failed at the first call
+        ({"runner": object()}, ConfigError, "runner must have step"),
+        ({"hook": "x"}, ConfigError, "hook must be a promptsplice.assembler.ContextHook"),
     ],
 )
 def test_options_are_checked_when_the_model_is_built(kwargs, error, message):
@@ -282,6 +286,29 @@ def test_options_are_checked_when_the_model_is_built(kwargs, error, message):
     with pytest.raises(error, match=message):
         PromptspliceChatModel(**kwargs)
     assert PromptspliceChatModel(stop="END").stop == ["END"]
+
+
+def test_a_salt_from_the_environment_gets_the_constructors_check(monkeypatch):
+    """``PROMPTSPLICE_CACHE_SALT`` skipped the check: "" failed only at the first call, a
+    salt holding U+001F (runners' derived salts) was never refused."""
+    for bad, message in (("", "empty str"), ("a\x1fb", "U\\+001F")):
+        monkeypatch.setenv("PROMPTSPLICE_CACHE_SALT", bad)
+        with pytest.raises(InvalidSaltError, match="PROMPTSPLICE_CACHE_SALT: .*" + message):
+            PromptspliceChatModel()
+    monkeypatch.setenv("PROMPTSPLICE_CACHE_SALT", "tenant-a")
+    assert PromptspliceChatModel().cache_salt == "tenant-a"
+
+
+def test_input_langchain_cannot_read_is_an_invalid_message_error(engine):
+    """LangChain's own ValueError (an unknown role) and pydantic's ValidationError (content
+    of the wrong type) escaped from the message conversion, untranslated."""
+    model = PromptspliceChatModel(engine=engine, max_tokens=2)
+    for bad in ([("robot", "hi")], [{"role": "user", "content": 5}]):
+        for call in (model.invoke, lambda m: list(model.stream(m))):
+            with pytest.raises(InvalidMessageError, match="cannot read its input as messages"):
+                call(bad)
+    with pytest.raises(ConfigError, match="no tools are bound"):  # was ignored without tools
+        model.invoke("hi", tool_choice="get_weather")
 
 
 def test_call_time_options_get_the_constructors_checks(engine):

@@ -44,6 +44,10 @@ def test_one_table_maps_every_level_and_exact_is_the_default():
     own = fidelity_settings("bounded", recompute_blocks=bounded.recompute_blocks + 3)
     assert own.recompute_blocks == bounded.recompute_blocks + 3 and own.kl_p90_budget is None
     assert fidelity_settings("exact", recompute_blocks=5) is exact
+    # a level given by name is the enum (it stayed a str: unequal to the table's row)
+    by_name = type(bounded)("Bounded", relocate=True, recompute_blocks=2, max_deviation=DEFAULT_MAX_DEVIATION,
+                            kl_p90_budget=BOUNDED_KL_P90)
+    assert by_name.level is FidelityLevel.BOUNDED and by_name == bounded
 
 
 @pytest.mark.parametrize("bad", ["medium", "EXACTLY", "", 1, None, 0.5])

@@ -41,7 +41,7 @@ from promptsplice.engine_adapters.store._store import (
     shared_store,
 )
 from promptsplice.blocks import content_digest, hash_block, root_hash, token_bytes
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, PromptspliceWarning
 
 BS = 16
 SALT = "tenant-a"
@@ -149,7 +149,8 @@ def test_config_errors_say_how_to_fix(kwargs, message):
 def test_config_normalizes_the_folder_and_is_frozen(tmp_path):
     cfg = StoreConfig(dram_bytes=P, disk_bytes=REC, disk_dir=tmp_path / "a" / ".." / "kv")
     assert cfg.disk_dir == str(tmp_path / "kv")
-    assert StoreConfig(dram_bytes=P, disk_bytes=0, disk_dir=tmp_path).disk_bytes == 0  # folder ignored
+    with pytest.warns(PromptspliceWarning, match="disk_bytes=0 turns the disk tier off"):  # was silent
+        assert StoreConfig(dram_bytes=P, disk_bytes=0, disk_dir=tmp_path).disk_bytes == 0
     with pytest.raises(AttributeError):
         cfg.dram_bytes = 1  # type: ignore[misc]
     with pytest.raises(ConfigError, match="takes a StoreConfig"):
