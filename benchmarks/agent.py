@@ -242,7 +242,10 @@ def _replay(sessions, runners, tokenizer, block_size, max_tokens, on_step=None, 
             if log is not None and len(out) % 10 == 0:
                 print(f"bench agent: {'/'.join(runners)} step {len(out) + 1} of {total} "
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-            kind = classify_step(sess.renders[i - 1] if i else None, msgs)
+            # after a skipped step the session starts afresh: a first step, not an edit
+            # of the render it never ran
+            fresh = i == 0 or out[-1] is None
+            kind = classify_step(None if fresh else sess.renders[i - 1], msgs)
             prepared = hook(sess.id, msgs, sess.tools or None)
             steps = {}
             try:

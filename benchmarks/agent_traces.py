@@ -9,19 +9,21 @@ JSONL, one agent session a line (blank lines are skipped)::
 Each render is the *full* OpenAI-style chat message list the agent sends at one model
 call, in order.  A tool schema is ``{"type": "function", "function": {"name": str,
 "description": str (optional), "parameters": object (optional)}}``.  A message has a
-``role`` (``system``, ``user``, ``assistant``, ``tool``) and string ``content``; an
-assistant message may carry ``tool_calls`` (``[{"id", "type": "function", "function":
-{"name", "arguments": <JSON text>}}]``, then ``content`` may be null or absent); a tool
-message carries ``tool_call_id`` naming a call of an earlier assistant message *in the
-same render*.  Unknown extra keys (top level, in messages, in schemas) are tolerated and
+``role`` (``system``, ``developer``, ``user``, ``assistant``, ``tool``) and ``content``:
+a string, or a list of text parts (``[{"type": "text", "text": ...}]``, read as their
+joined text); an assistant message may carry ``tool_calls`` (``[{"id", "type":
+"function", "function": {"name", "arguments": <JSON text, or an object, read as its JSON
+text; "" for none>}}]``, then ``content`` may be null or absent; a call without an
+``id`` can be answered by no tool message); a tool message's ``tool_call_id``, when it
+has one, names a call of an earlier assistant message *in the same render*.  Unknown extra keys (top level, in messages, in schemas) are tolerated and
 ignored, so traces from other harnesses load; :func:`write_agent_trace` writes only the
 three keys.  :func:`iter_agent_trace` raises
 :class:`~promptsplice.errors.TraceFormatError` (``FILE:LINE: field: what is wrong; how
 to fix it``) on invalid UTF-8 or JSON (a number out of the float range and nesting too
 deep to parse included), a lone surrogate anywhere (a ``\\udXXX`` escape without its
 pair), a missing key, a wrong type, an empty ``renders``
-or render, a message without or with an unknown role, a tool message without (or with a
-dangling) ``tool_call_id``, a duplicate session id, and a file with no session at all.
+or render, a message without or with an unknown role, a tool message with a dangling
+``tool_call_id``, a duplicate session id, and a file with no session at all.
 So whatever it reads, :func:`write_agent_trace` writes back as a valid trace.
 
 Step labels
@@ -67,7 +69,7 @@ __all__ = [
 ]
 
 Message = dict[str, Any]
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 STEP_KINDS = ("first", "append", "truncate", "drop", "mask", "summarize", "other")
 """Every label :func:`classify_step` returns."""
 MASK_PLACEHOLDER = "[output omitted]"
@@ -130,50 +132,79 @@ def _check_tool(w: _Where, tool: Any, fld: str) -> None:
         w.typed(fn["parameters"], dict, f"{fld}.function.parameters", "an object (JSON schema)", fix)
 
 
-def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> None:
+def _text_parts(w: _Where, content: Any, fld: str) -> Any:
+    """Content given as a list of text parts (``[{"type": "text", "text": ...}]``, as
+    frameworks send it) as the one string the renderer makes of it; anything else as is."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for k, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise w.fail(f"{fld}.content[{k}]", f"not a text part ({_type_name(part)})",
+                         'only text parts {"type": "text", "text": ...} can be rendered')
+    return "".join(texts)
+
+
+def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[str, Any]:
+    """The message, checked; text parts joined and dict arguments written as JSON text
+    (what the renderer makes of them), so the rest of the bench reads one form."""
     w.typed(msg, dict, fld, "an object (a chat message)", 'write each message as {"role": ..., "content": ...}')
     if "role" not in msg:
         raise w.fail(fld, "message without 'role'", f"add a role, one of {', '.join(ROLES)}")
     role = msg["role"]
     if role not in ROLES:
         raise w.fail(f"{fld}.role", f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")
+    msg = dict(msg)
     calls = msg.get("tool_calls")
     if calls is not None:
         if role != "assistant":
             raise w.fail(f"{fld}.tool_calls", f"tool_calls on a {role} message", "only assistant messages call tools")
         fix = 'write calls as [{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON>"}}]'
         w.typed(calls, list, f"{fld}.tool_calls", "an array", fix)
+        calls = msg["tool_calls"] = [dict(c) if isinstance(c, dict) else c for c in calls]
         for k, call in enumerate(calls):
             cf = f"{fld}.tool_calls[{k}]"
             w.typed(call, dict, cf, "an object", fix)
-            cid = w.typed(call.get("id"), str, f"{cf}.id", "a string", fix)
+            cid = call.get("id")
+            if cid is not None:  # a call without an id can be answered by no tool message
+                w.typed(cid, str, f"{cf}.id", "a string", fix)
+                call_ids.add(cid)
             if call.get("type", "function") != "function":
                 raise w.fail(f"{cf}.type", f'expected "function", got {call.get("type")!r}', fix)
-            fn = w.typed(call.get("function"), dict, f"{cf}.function", "an object", fix)
+            fn = call["function"] = dict(w.typed(call.get("function"), dict, f"{cf}.function", "an object", fix))
             w.typed(fn.get("name"), str, f"{cf}.function.name", "a string", fix)
-            args = w.typed(fn.get("arguments"), str, f"{cf}.function.arguments", "a string of JSON", fix)
+            args = fn.get("arguments")
+            if isinstance(args, dict):
+                fn["arguments"] = json.dumps(args, ensure_ascii=False)
+                continue
+            args = w.typed(args, str, f"{cf}.function.arguments", "a string of JSON (or an object)", fix)
             try:
-                json.loads(args)
+                if args.strip():  # "" and blanks: no arguments, as the renderer reads them
+                    json.loads(args)
             except (ValueError, RecursionError) as exc:
                 raise w.fail(f"{cf}.function.arguments", f"not JSON text ({exc})", fix) from None
-            call_ids.add(cid)
-    content = msg.get("content")
+    has_content = "content" in msg
+    content = _text_parts(w, msg.get("content"), fld)
+    if has_content:
+        msg["content"] = content
     if role == "assistant" and calls:
         if content is not None and not isinstance(content, str):
             raise w.fail(f"{fld}.content", f"expected a string or null, got {_type_name(content)}",
                          "put the assistant's text in content as a string")
     elif not isinstance(content, str):
-        got = "no 'content'" if "content" not in msg else f"content is {_type_name(content)}"
+        got = "no 'content'" if not has_content else f"content is {_type_name(content)}"
         raise w.fail(f"{fld}.content", f"expected a string, {got}", f"give the {role} message its text as a string")
     if role == "tool":
         tcid = msg.get("tool_call_id")
-        if tcid is None:
-            raise w.fail(fld, "tool message without 'tool_call_id'",
-                         "add the id of the assistant tool call it answers")
+        if tcid is None:  # a harness that does not number its calls: rendered all the same
+            return msg
         w.typed(tcid, str, f"{fld}.tool_call_id", "a string", "use the call's id")
         if tcid not in call_ids:
             raise w.fail(f"{fld}.tool_call_id", f"{tcid!r} answers no tool call of an earlier assistant message "
                          "in this render", "keep the assistant message that made the call, or drop this output too")
+    return msg
 
 
 def _session_from_json(obj: Any, w: _Where) -> AgentSession:
@@ -195,8 +226,7 @@ def _session_from_json(obj: Any, w: _Where) -> AgentSession:
         if not render:
             raise w.fail(f"renders[{r}]", "empty render", "a render needs at least one message")
         call_ids: set[str] = set()
-        for m, msg in enumerate(render):
-            _check_message(w, msg, f"renders[{r}][{m}]", call_ids)
+        render[:] = [_check_message(w, msg, f"renders[{r}][{m}]", call_ids) for m, msg in enumerate(render)]
     return AgentSession(sid, tools, renders)
 
 

@@ -37,8 +37,10 @@ Extra keys: ``block_size``, ``alignment``, ``tokenizer``, ``gap_closed`` (per po
 ``(naive - policy) / (naive - oracle)`` on prefill tokens; with no gap, ``None``, or
 minus the share of naive's prefill a policy added), ``best_policy``,
 ``predicted_prefill_tokens_bounded`` (per mode),
-``radix_prefill_tokens_bounded``, ``oracle_prefill_tokens_bounded`` and
-``bound_capacity_blocks``.  A suite report::
+``radix_prefill_tokens_bounded``, ``oracle_prefill_tokens_bounded``,
+``bound_capacity_blocks`` and ``bound_capacity_raised`` (a request longer than the
+engine's cache, which no engine of that size runs, raises the capacity to fit the
+longest request rather than failing the bench).  A suite report::
 
     {"suite": {...}, "families": {FAMILY: {"trace", "shape", "blocks": {"16": REPORT, ...}}
                                   | {"error": str}},
@@ -98,6 +100,32 @@ def _chunks(req: RagRequest) -> list[dict[str, Any]]:
     return [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in req.chunks]
 
 
+def _bound_capacity(naive_asm: Assembler, requests: Sequence[RagRequest], block_size: int) -> tuple[int, bool]:
+    """The ``*_bounded`` capacity in blocks and whether it was raised: the engine's
+    default cache, or, when a request would not fit it (a long-context trace), enough for
+    the longest request of any mode (its naive tokens plus a block per segment for
+    alignment and separators), since no engine of the default size runs such a trace."""
+    default = max(1, ENGINE_CACHE_TOKENS // block_size)
+    cap_tokens = default * block_size
+
+    def slack(req: RagRequest) -> int:
+        return (len(req.chunks) + 3) * (block_size + 8)
+
+    # a token is at least one byte: most traces are settled without tokenizing
+    if all(
+        sum(len(c.text.encode()) for c in req.chunks) + len(req.query.encode()) + len((req.system or "").encode())
+        + slack(req) + 64 <= cap_tokens
+        for req in requests
+    ):
+        return default, False
+    longest = max(
+        len(naive_asm.naive(_chunks(req), query=req.query, system=req.system or None).token_ids) + slack(req)
+        for req in requests
+    )
+    need = -(-longest // block_size) + 1
+    return (need, True) if need > default else (default, False)
+
+
 def _metrics(
     n: int, prompt: int, padding: int, removed: int, cached: int, times_ms: list[float]
 ) -> dict[str, Any]:
@@ -137,7 +165,11 @@ def bench_policies(
     report: dict[str, Any] = {"policies": {}}
     # naive + the bounds (same tokenizer, same separators)
     naive_asm = Assembler(tok, block_size=block_size, capacity_blocks=capacity_blocks)  # checks block_size
-    cap_blocks = capacity_blocks if capacity_blocks is not None else max(1, ENGINE_CACHE_TOKENS // block_size)
+    raised = False
+    if capacity_blocks is not None:
+        cap_blocks = capacity_blocks
+    else:
+        cap_blocks, raised = _bound_capacity(naive_asm, requests, block_size)
     cap_tokens = cap_blocks * block_size
     naive_mirror = PrefixCacheMirror(block_size, capacity_blocks)
     oracle_asm = Assembler(tok, block_size=block_size, policy="retrieval", alignment="none",
@@ -188,6 +220,7 @@ def bench_policies(
     report["radix_prefill_tokens_bounded"] = radix_b.prefill_tokens
     report["oracle_prefill_tokens_bounded"] = oracle_b.prefill_tokens
     report["bound_capacity_blocks"] = cap_blocks
+    report["bound_capacity_raised"] = raised
     report["block_size"] = block_size
     report["alignment"] = alignment
     report["tokenizer"] = tok.name
@@ -292,7 +325,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(
         f"bounds: radix ideal prefill {report['radix_prefill_tokens']}, "
         f"oracle prefill {report['oracle_prefill_tokens']}; under the engine's cache "
-        f"({report['bound_capacity_blocks']} blocks, LRU): radix {report['radix_prefill_tokens_bounded']}, "
+        f"({report['bound_capacity_blocks']} blocks, LRU"
+        f"{', raised to fit the longest request' if report.get('bound_capacity_raised') else ''}): radix {report['radix_prefill_tokens_bounded']}, "
         f"oracle {report['oracle_prefill_tokens_bounded']} "
         f"(block {report['block_size']}, alignment {report['alignment']})"
     )

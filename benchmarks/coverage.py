@@ -45,10 +45,17 @@ class Coverage(NamedTuple):
 
 
 def check_coverage(cov: Coverage, *, allow_skips: bool = False, what: str = "bench") -> None:
-    """Raise :class:`CoverageError` when ``cov`` is below the bar and skips are not allowed."""
+    """Raise :class:`CoverageError` when ``cov`` is below the bar and skips are not
+    allowed, and always when nothing ran (a report of zeros is no partial result)."""
+    why = (
+        "steps or requests that do not fit the engine's context (max_model_len) are skipped; "
+        "the report's skipped_steps / skipped_requests name them"
+    )
+    if cov.steps_run == 0:
+        raise CoverageError(f"{what} ran none of its {cov.steps_total} steps: {why}")
     if cov.ratio < MIN_COVERAGE and not allow_skips:
         raise CoverageError(
             f"{what} ran {cov.steps_run} of {cov.steps_total} steps (coverage {cov.ratio:.3f} < "
-            f"{MIN_COVERAGE}): its numbers do not describe the trace; see the log for why steps "
-            "were skipped, or pass --allow-skips to accept a partial run"
+            f"{MIN_COVERAGE}): its numbers do not describe the trace; {why}, or pass "
+            "--allow-skips to accept a partial run"
         )

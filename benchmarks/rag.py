@@ -158,7 +158,10 @@ def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float) 
 
 def _fitting(engine: Any, asm: Any, fmt: Any, requests: Sequence[RagRequest]) -> list[int]:
     """Indices of the requests whose naive text and assembly both fit ``max_model_len``
-    (with a margin of :data:`FIT_MARGIN` tokens for tokenizer differences)."""
+    (with a margin of :data:`FIT_MARGIN` tokens for tokenizer differences), the assembly
+    in its own layout and with every segment padded to whole blocks (position-independent
+    reuse's layout, up to a block per segment longer: a request that fit only the first
+    failed the whole bench in its last mode)."""
     limit = engine.max_model_len - FIT_MARGIN
     tok = engine.tokenizer
     keep = []
@@ -167,10 +170,14 @@ def _fitting(engine: Any, asm: Any, fmt: Any, requests: Sequence[RagRequest]) ->
         if len(tok.encode(text)) >= limit:
             continue
         try:
-            res = asm.preview(_chunks(req), query=req.query, system=req.system or None)
+            fits = all(
+                len(asm.preview(_chunks(req), query=req.query, system=req.system or None, alignment=align).token_ids)
+                < limit
+                for align in (None, "all")
+            )
         except ContextLengthError:
             continue
-        if len(res.token_ids) < limit:
+        if fits:
             keep.append(i)
     return keep
 

@@ -314,7 +314,11 @@ def iter_rag_trace(path: str | os.PathLike[str]) -> Iterator[RagRequest]:
                     parse_float=_finite_float,
                 )
             except (ValueError, RecursionError) as exc:
-                raise TraceFormatError(f"{where}: invalid JSON: {exc}") from None
+                hint = (
+                    "; the line holds a bare \\r: JSONL lines end in \\n (convert old Mac line ends)"
+                    if "\r" in line.rstrip("\r\n") else ""
+                )
+                raise TraceFormatError(f"{where}: invalid JSON: {exc}{hint}") from None
             req = RagRequest.from_json(obj, where=where)
             if req.id in seen:
                 raise TraceFormatError(

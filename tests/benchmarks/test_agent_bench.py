@@ -146,7 +146,8 @@ def test_the_cli_runs_on_a_trace_file_and_fails_below_the_coverage_bar(tmp_path,
     assert (rep["coverage"], rep["steps_run"], rep["steps_total"], rep["skipped_steps"]) == (0.75, 3, 4, 1)
     only_huge = tmp_path / "h.jsonl"
     write_agent_trace(only_huge, [AgentSession("huge", [], huge)])
-    assert main(["bench", "agent", "--trace", str(only_huge), "--json", str(out), "--allow-skips"]) == 0
+    # nothing ran: a report of zeros is no partial result, --allow-skips or not
+    assert main(["bench", "agent", "--trace", str(only_huge), "--json", str(out), "--allow-skips"]) == COVERAGE_EXIT
     assert json.loads(out.read_text())["coverage"] == 0.0
 
 

@@ -96,8 +96,8 @@ BAD = [
     (_line(renders=[[SYS, {"content": "hi"}]]), r":3: renders\[0\]\[1\]: message without 'role'"),
     (_line(renders=[[SYS, {"role": "robot", "content": "hi"}]]), r":3: renders\[0\]\[1\]\.role: unknown role 'robot'"),
     (_line(renders=[[SYS, {"role": "user", "content": 3}]]), r":3: renders\[0\]\[1\]\.content: expected a string"),
-    (_line(renders=[[SYS, _call("c1"), {"role": "tool", "content": "x"}]]),
-     r":3: renders\[0\]\[2\]: tool message without 'tool_call_id'"),
+    (_line(renders=[[SYS, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]]),
+     r":3: renders\[0\]\[1\]\.content\[0\]: not a text part"),
     (_line(renders=[[SYS, _out("c9", "x")]]), r":3: renders\[0\]\[1\]\.tool_call_id: 'c9' answers no tool call"),
     (_line(renders=[[SYS, _call("c1", args="{bad")]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON"),
 ]
@@ -124,6 +124,23 @@ def test_duplicate_ids_empty_file_and_invalid_utf8(tmp_path: Path) -> None:
     raw.write_bytes(_line().encode() + b"\n\xff\xfe\n")
     with pytest.raises(TraceFormatError, match=r":2: line: invalid UTF-8"):
         list(iter_agent_trace(raw))
+
+
+def test_framework_forms_are_read_as_the_renderer_reads_them(tmp_path: Path) -> None:
+    """Text parts, a developer message, object or empty arguments, calls and outputs
+    without ids: what OpenAI-style harnesses send, which the hook renders."""
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+                           {"id": "c2", "type": "function", "function": {"name": "g", "arguments": ""}}]}
+    path = tmp_path / "forms.jsonl"
+    render = [SYS, {"role": "developer", "content": "d"}, parts, call, {"role": "tool", "content": "out"}, _out("c2", "y")]
+    path.write_text(_line(renders=[render]) + "\n", encoding="utf-8")
+    (s,) = read_agent_trace(path)
+    msgs = s.renders[0]
+    assert msgs[2]["content"] == "ab" and msgs[3]["content"] is None
+    assert [c["function"]["arguments"] for c in msgs[3]["tool_calls"]] == ['{"x": 1}', ""]
+    assert "tool_call_id" not in msgs[4] and msgs[1]["role"] == "developer"
 
 
 def test_unknown_extra_keys_are_tolerated(tmp_path: Path) -> None:

@@ -106,6 +106,22 @@ def test_bench_reports_the_bounds_under_the_engine_cache(tmp_path):
         assert m["predicted_prefill_tokens_bounded"] >= m["predicted_prefill_tokens"], name
 
 
+def test_a_request_longer_than_the_engine_cache_raises_the_bounded_capacity():
+    """One request over the default cache's 23,264 tokens failed the whole bench ("raise
+    capacity_blocks", an option the command does not have): a long-context trace now
+    runs, under a capacity raised to fit its longest request, and says so."""
+    from promptsplice.benchmarks.assemble import bench_policies
+    from promptsplice.benchmarks.traces import RagChunk, RagRequest
+
+    words = " ".join(f"w{i % 997}" for i in range(26_000))
+    reqs = [*sample_rag_requests(3, seed=4), RagRequest("long", "Answer.", [RagChunk("big", words)], "Which?")]
+    rep = bench_policies(reqs, block_size=32)
+    assert rep["bound_capacity_raised"] is True and rep["bound_capacity_blocks"] > 727
+    assert all(check["holds"] for check in rep["bound_checks"].values())
+    short = bench_policies(reqs[:3], block_size=32)
+    assert short["bound_capacity_raised"] is False and short["bound_capacity_blocks"] == 727
+
+
 def test_a_tiny_capacity_shows_in_the_bounded_modes():
     from promptsplice.benchmarks.assemble import bench_policies
 

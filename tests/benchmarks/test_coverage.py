@@ -8,8 +8,10 @@ def test_ratio_and_report():
     assert cov.skipped == 111
     assert cov.report() == {"coverage": 0.3019, "steps_run": 48, "steps_total": 159, "skipped_steps": 111}
     assert Coverage(0, 0).ratio == 0.0  # nothing ran: was 1.0, so a bench on nothing passed
-    with pytest.raises(CoverageError, match="ran 0 of 0 steps"):
+    with pytest.raises(CoverageError, match="ran none of its 0 steps"):
         check_coverage(Coverage(0, 0))
+    with pytest.raises(CoverageError, match="ran none of its 1 steps.*skipped_steps"):
+        check_coverage(Coverage(0, 1), allow_skips=True)  # nothing ran: no partial result to accept
 
 
 def test_below_the_bar_fails_unless_allowed():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -186,3 +187,31 @@ def test_a_request_over_the_context_is_skipped_and_fails_coverage(small_plain):
     assert report["skipped_requests"] == [0] and report["modes"]["naive"]["requests"] == 1
     assert bench_status(report) == COVERAGE_EXIT
     assert bench_status(report, allow_skips=True) == 0
+
+
+def test_the_fit_check_counts_the_block_padded_layout(small_plain):
+    """A request that fit the ``auto`` layout but not PIC's block-padded one (up to a
+    block per chunk longer) passed the check and failed the whole bench in its last mode,
+    with no report: it is now skipped (and counted) like any request over the context."""
+    from promptsplice.assembler import PromptFormat
+    from promptsplice.benchmarks.rag import FIT_MARGIN, _chunks, _fitting
+    from promptsplice.benchmarks.traces import RagChunk, RagRequest
+    from promptsplice.errors import ContextLengthError
+
+    asm = small_plain.make_assembler(prompt_format=PromptFormat.chatml())
+    limit = small_plain.max_model_len - FIT_MARGIN
+
+    def request(n: int) -> RagRequest:  # chunks of just over one block: ~a block of padding each
+        return RagRequest(f"r{n}", "Answer.", [RagChunk(f"c{i}", f"Item {i}: " + "the harbor wall " * 9)
+                                                for i in range(n)], "Which?")
+
+    def size(req: RagRequest, align: str | None) -> float:
+        try:
+            return len(asm.preview(_chunks(req), query=req.query, system=req.system, alignment=align).token_ids)
+        except ContextLengthError:  # over the engine's context: no fit at all
+            return math.inf
+
+    n = next(n for n in range(10, 400, 2) if size(request(n), "all") >= limit)
+    req = request(n)
+    assert size(req, None) < limit <= size(req, "all")  # fits the auto layout only
+    assert _fitting(small_plain, asm, asm.format, [req, request(4)]) == [1]
