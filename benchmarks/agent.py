@@ -297,7 +297,7 @@ def run_agent_modes(
         raise ConfigError("pass engines (interleaved modes) or start_engine (one mode at a time), not both")
     if start_engine is not None and fidelity_steps:
         raise ConfigError(f"fidelity_steps={fidelity_steps} needs the three engines alive together: "
-                          "pass engines, or fidelity_steps=0 with start_engine")
+                          "drop --sequential, or pass --fidelity-steps 0 with it")
     if engines is not None:
         if not isinstance(engines, dict) or set(engines) != set(MODES):
             raise ConfigError(f"engines must map each of {MODES} to an engine, got {engines!r}")
@@ -503,16 +503,18 @@ def run_agent_bench(
         data = data[:sessions]
     common = {"recompute_blocks": recompute_blocks, "max_tokens": max_tokens, "fidelity_steps": fidelity_steps,
               "scope": scope, "log": print if verbose else None}
-    if sequential:
-        store_dir = tempfile.mkdtemp(prefix="promptsplice-agent-store-")
-        report = run_agent_modes(data, start_engine=lambda m: start_mode_engine(m, store_dir=store_dir), **common)
-    else:
-        engines = start_engines()
-        try:
-            report = run_agent_modes(data, engines=engines, **common)
-        finally:
-            for eng in engines.values():
-                eng.close()
+    # the stores' disk tiers keep their records on close (a restart reloads them): the
+    # bench's own folder goes with the run
+    with tempfile.TemporaryDirectory(prefix="promptsplice-agent-store-") as store_dir:
+        if sequential:
+            report = run_agent_modes(data, start_engine=lambda m: start_mode_engine(m, store_dir=store_dir), **common)
+        else:
+            engines = start_engines(store_dir=store_dir)
+            try:
+                report = run_agent_modes(data, engines=engines, **common)
+            finally:
+                for eng in engines.values():
+                    eng.close()
     report["trace"] = str(trace)
     out = Path(json_out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from promptsplice.benchmarks.fidelity import FidelityError
 from promptsplice.errors import PromptspliceError
 
 __all__ = ["main", "build_parser"]
@@ -41,6 +42,27 @@ class UsageError(Exception):
     """A combination of options the command cannot honour (exit code 2, one line)."""
 
 
+FIDELITY_EXIT = 5
+"""The exit status when a fidelity probe could not prove what it measured
+(:class:`~promptsplice.benchmarks.fidelity.FidelityError`, after the engines ran)."""
+
+
+def _families(args: argparse.Namespace) -> list[str] | None:
+    """``--families`` as a list, every name checked before any engine starts."""
+    if args.families is None:
+        return None
+    from promptsplice.benchmarks.traces import SUITE
+
+    names = [f.strip() for f in args.families.split(",")]
+    unknown = [f for f in names if f not in SUITE]
+    if not any(names) or unknown:
+        raise UsageError(
+            f"--families {args.families!r}: {'unknown family ' + repr(unknown[0]) if unknown else 'no family'}; "
+            f"pick from {','.join(SUITE)}"
+        )
+    return names
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from promptsplice.benchmarks.demo import run_demo
 
@@ -65,7 +87,7 @@ def _cmd_bench_assemble(args: argparse.Namespace) -> int:
     if args.suite:
         return run_suite_bench(
             json_out=args.json,
-            families=args.families.split(",") if args.families else None,
+            families=_families(args),
             traces=[args.trace] if args.trace else (),
             requests=args.requests,
             seed=args.seed,
@@ -93,8 +115,10 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
     if args.suite:
         from promptsplice.benchmarks.rag_suite import run_rag_suite
 
+        if args.trace:
+            raise UsageError("bench rag --suite runs the suite's families; run --trace FILE without --suite")
         return run_rag_suite(
-            json_out=args.json, families=args.families.split(",") if args.families else None,
+            json_out=args.json, families=_families(args),
             requests=args.requests, seed=args.seed, trace_dir=args.trace_dir, policy=args.policy,
             alignment=args.alignment, max_tokens=args.max_tokens,
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
@@ -220,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     asm.add_argument("--tokenizer", default="default",
                      help="'default' (SmolLM2), 'tiktoken:ENCODING' or a tokenizer.json path")
     asm.add_argument("--alignment", default="auto", help="auto | none | all")
-    asm.add_argument("--requests", type=_count(1), default=None, help="only the first N requests")
+    asm.add_argument("--requests", type=_count(1), default=None,
+                     help="only the first N requests (--suite: N generated per family, default 200)")
     asm.add_argument("--suite", action="store_true", help="every trace family; reports each and the worst")
     asm.add_argument("--families", default=None, help="--suite: comma-separated families (default: all)")
     asm.add_argument("--block-sizes", type=_block_sizes, default=[16, 32], help="--suite: comma-separated block sizes")
@@ -262,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--json", required=True, help="where to write the JSON report")
     off.add_argument("--prompts", type=_count(1), default=8, help="distinct prompts visited round-robin (default: 8)")
     off.add_argument("--rounds", type=_count(1), default=4, help="visits of each prompt (default: 4)")
-    off.add_argument("--prompt-tokens", type=_count(1), default=1024, help="tokens per prompt (default: 1024)")
+    off.add_argument("--prompt-tokens", type=_count(64), default=1024,
+                     help="tokens per prompt, at least two blocks of 32 (default: 1024)")
     off.set_defaults(func=_cmd_bench_offload)
 
     agent = bsub.add_parser("agent", help="agent sessions in modes full | apc | splice, with fidelity")
@@ -293,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "truncations, summaries) (default: bfcl)")
     gat.set_defaults(func=_cmd_bench_gen_agent_trace)
 
-    gen = bsub.add_parser("gen-trace", help="write a RAG trace from real Wikipedia text")
+    gen = bsub.add_parser("gen-trace", help="write a RAG trace from real public text (--family: which source)")
     gen.add_argument("--out", required=True, help="where to write the trace, JSONL")
     gen.add_argument("--requests", type=_count(1), default=400, help="requests to generate (default: 400)")
     gen.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
@@ -376,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = int(args.func(args) or 0)
     except (PromptspliceError, UsageError) as exc:
         print(f"promptsplice: error: {exc}", file=sys.stderr)
-        rc = 2
+        rc = FIDELITY_EXIT if isinstance(exc, FidelityError) else 2
     except OSError as exc:  # a file the command reads or writes (--json, --out, ...)
         where = f" {exc.filename}" if exc.filename else ""
         print(f"promptsplice: error:{where}: {exc.strerror or exc}", file=sys.stderr)

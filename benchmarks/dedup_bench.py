@@ -333,14 +333,32 @@ def _table(r: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+_USAGE = (
+    "usage: python -m promptsplice.benchmarks.dedup_bench [total_mb [chunk_bytes [seed]]]\n"
+    "       python -m promptsplice.benchmarks.dedup_bench --scaling [n_small n_large]"
+)
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--scaling"]:
-        sizes = tuple(int(a) for a in sys.argv[2:4]) or (2000, 20000)
-        result = run_scaling_bench(sizes)  # type: ignore[arg-type]
-        print(_scaling_table(result))
-    else:
-        args = [float(sys.argv[1]) if len(sys.argv) > 1 else 64.0]
-        args += [int(a) for a in sys.argv[2:4]]
-        result = run_dedup_bench(*args)
-        print(_table(result))
+    argv = sys.argv[1:]
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_USAGE)
+        sys.exit(0)
+    try:
+        if argv[:1] == ["--scaling"]:
+            sizes = tuple(int(a) for a in argv[1:3])
+            if len(sizes) == 1 or any(n < 1 for n in sizes):
+                raise ValueError("--scaling takes two chunk counts >= 1, or none")
+            result = run_scaling_bench(sizes or (2000, 20000))  # type: ignore[arg-type]
+            table = _scaling_table(result)
+        else:
+            args = [float(argv[0]) if argv else 64.0]
+            args += [int(a) for a in argv[1:3]]
+            if args[0] <= 0 or any(a < 1 for a in args[1:2]):
+                raise ValueError("total_mb must be > 0 and chunk_bytes >= 1")
+            result = run_dedup_bench(*args)
+            table = _table(result)
+    except ValueError as exc:
+        print(f"dedup_bench: error: {exc}\n{_USAGE}", file=sys.stderr)
+        sys.exit(2)
+    print(table)
     print(json.dumps(result, indent=2))

@@ -333,6 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from promptsplice.benchmarks.agent_traces import read_agent_trace
     from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
+    try:  # before the engine starts
+        runner_kwargs = json.loads(args.runner) if args.runner else None
+    except ValueError as exc:
+        parser.error(f"--runner must be a JSON object of AgentRunner keywords: {exc}")
+    if runner_kwargs is not None and not isinstance(runner_kwargs, dict):
+        parser.error(f"--runner must be a JSON object of AgentRunner keywords, got {args.runner}")
     sessions = read_agent_trace(args.trace)[: args.sessions]
     thresholds = [float(x) for x in args.thresholds.split(",")] if args.thresholds else None
     eng = EmbeddedEngine(kv_store=StoreConfig(dram_bytes=1 << 30), max_model_len=args.max_model_len,
@@ -340,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = run_deviation_curve(sessions, eng, thresholds=thresholds, max_steps=args.max_steps, log=print,
                                      with_r2=not args.no_r2, raw_out=args.raw, bounded_only=args.bounded_only,
-                                     runner_kwargs=json.loads(args.runner) if args.runner else None)
+                                     runner_kwargs=runner_kwargs)
     finally:
         eng.close()
     report["trace"] = args.trace

@@ -348,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=17)
     args = ap.parse_args(argv)
+    if args.json:  # checked before minutes of GPU time are spent: its folder is made, the file written once
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "a", encoding="utf-8"):
+            pass
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_connector_check: no CUDA device here (torch.cuda.is_available() is False); "

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from promptsplice.assembler import Assembler, load_tokenizer
+from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.traces import load_wiki_leads
 
 __all__ = ["build_request", "run_latency_bench"]
@@ -37,11 +38,6 @@ def build_request(tokenizer: Any, *, chunks: int = 20, target_tokens: int = 8192
         ids = tokenizer.encode(text)[:per_chunk]
         out.append({"id": f"lat-{len(out)}", "text": tokenizer.decode(ids), "metadata": {"source": f"doc{len(out)}"}})
     return out
-
-
-def _p(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def run_latency_bench(
@@ -77,10 +73,10 @@ def run_latency_bench(
         "prompt_tokens": first.num_tokens,
         "block_size": block_size,
         "policy": policy,
-        "warm_p50_ms": round(_p(warm, 0.5), 4),
-        "warm_p99_ms": round(_p(warm, 0.99), 4),
-        "cold_p50_ms": round(_p(cold, 0.5), 4),
-        "tokenize_whole_p50_ms": round(_p(whole, 0.5), 4),
+        "warm_p50_ms": round(percentile(warm, 0.5), 4),
+        "warm_p99_ms": round(percentile(warm, 0.99), 4),
+        "cold_p50_ms": round(percentile(cold, 0.5), 4),
+        "tokenize_whole_p50_ms": round(percentile(whole, 0.5), 4),
         "cold_over_tokenize": round(statistics.median(c / w for c, w in zip(cold, whole)), 3),
     }
     return report
@@ -92,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
     args = ap.parse_args(argv)
+    if args.iters < 1:
+        ap.error(f"--iters must be >= 1, got {args.iters}")
     r = run_latency_bench(args.iters, args.block_size, policy=args.policy)
     print(
         f"assemble_prompt ({r['policy']}), {r['chunks']} chunks, {r['prompt_tokens']} tokens: warm p50 "

@@ -1,4 +1,4 @@
-"""``promptsplice bench route``: prefix-affinity vs round-robin routing over real servers.
+"""``python -m promptsplice.benchmarks.routing``: prefix-affinity vs round-robin routing over real servers.
 
 Starts ``endpoints`` real ``vllm serve`` processes on loopback (the default model, block
 32, prefix caching, a small KV cache each), assembles the built-in RAG sample with a
@@ -314,7 +314,7 @@ def write_report(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="promptsplice bench route", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.routing", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=40, help="RAG requests (built-in sample)")
     parser.add_argument("--endpoints", type=int, default=2, help="loopback servers to start")
     parser.add_argument("--seed", type=int, default=0)

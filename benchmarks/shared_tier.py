@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -328,9 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{b['shared_prefill']} | {b['shared_over_local']} |")
         print(f"wrote {args.json}")
         return 0
+    modes = args.modes.split(",")
+    for name in modes:  # before any engine or server starts
+        if name not in MODES:
+            p.error(f"--modes: {name!r} is not one of {','.join(MODES)}")
+    if args.trace and not os.path.isfile(args.trace):
+        p.error(f"--trace {args.trace}: no such file")
     report = run_shared_tier_bench(
         json_out=args.json, requests=args.requests, trace=args.trace, family=args.family,
-        modes=args.modes.split(","), progress=True,
+        modes=modes, progress=True,
     )
     print(format_shared_tier(report))
     print(f"wrote {args.json}")
