@@ -129,3 +129,36 @@ def test_a_report_path_that_cannot_be_written_fails_before_the_bench_runs(tmp_pa
         assert captured.out == "" and says in captured.err and captured.err.count("\n") == 1
     deep = tmp_path / "new" / "sub" / "r.json"  # a folder that does not exist yet is made
     assert main(["bench", "assemble", "--trace", str(trace), "--json", str(deep)]) == 0 and deep.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "rag", "--suite", "--families", "wikki"], "unknown family 'wikki'"),  # started engines first
+        (["bench", "assemble", "--suite", "--families", "bogus", "--requests", "2"], "unknown family 'bogus'"),
+        (["bench", "rag", "--suite", "--families", ""], "--families ''"),  # ran every family
+        (["bench", "rag", "--suite", "--trace", __file__], "without --suite"),  # the trace was dropped
+    ],
+)
+def test_suite_options_are_checked_before_any_engine(tmp_path, capsys, argv, says):
+    assert main([*argv, "--json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+
+
+def test_a_failed_probe_has_its_own_exit_status(tmp_path, monkeypatch, capsys):
+    """A FidelityError comes after the engines ran: not bad input's exit 2."""
+    import promptsplice.benchmarks.cli as cli
+    from promptsplice.benchmarks.fidelity import FidelityError
+
+    def fail(args):
+        raise FidelityError("probe 3 loaded no relocated KV")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    for action in parser._subparsers._group_actions:  # route `bench rag` to the failing command
+        bench = action.choices["bench"]
+        for sub in bench._subparsers._group_actions:
+            sub.choices["rag"].set_defaults(func=fail)
+    assert main(["bench", "rag", "--trace", __file__, "--json", str(tmp_path / "r.json")]) == cli.FIDELITY_EXIT == 5
+    assert "probe 3" in capsys.readouterr().err
