@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 
-from promptsplice.assembler import PreparedContext
+from promptsplice.assembler import PreparedContext, Render
+from promptsplice.errors import ConfigError
 
 __all__ = ["handoff"]
 
@@ -41,12 +41,23 @@ class _Handoff:
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
-    def take(self, session_id: str, token_ids: Sequence[int]) -> PreparedContext | None:
+    def take(self, session_id: str, render: Render) -> PreparedContext | None:
+        """The session's prepared context when its tokens are ``render``'s (the model's own
+        render of what it received); a hook that renders other blocks than the model's
+        engine caches is a :class:`ConfigError` (its contexts never matched: every call
+        was rendered anew, silently)."""
         with self._lock:
             p = self._items.get(session_id)
             if p is None:
                 return None
             del self._items[session_id]
+        if p.render.block_size != render.block_size:
+            raise ConfigError(
+                f"the hook prepared session {session_id!r} in blocks of {p.render.block_size} tokens, the "
+                f"model's engine caches blocks of {render.block_size}: build its ContextHook with "
+                f"block_size={render.block_size} (the engine's block_size)"
+            )
+        token_ids = render.token_ids
         if list(p.token_ids) != list(token_ids):
             logger.warning(
                 "prepared context of session %r (step %d) does not match the messages the "

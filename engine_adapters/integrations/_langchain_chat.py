@@ -178,6 +178,11 @@ class PromptspliceChatModel(BaseChatModel):
             raise ConfigError(f"PromptspliceChatModel: invalid options: {exc}") from exc
         check_env_salt(self.cache_salt, "cache_salt" not in data)
 
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> PromptspliceChatModel:
+        """A copy with the same settings sharing the live engine, hook and runner (and the
+        renderer's lock, which cannot be copied: deepcopy raised on it)."""
+        return self.model_copy()
+
     _renderer: ChatRenderer | None = PrivateAttr(default=None)
     _renderer_key: Any = PrivateAttr(default=None)
     _renderer_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
@@ -341,14 +346,18 @@ class PromptspliceChatModel(BaseChatModel):
                 f"model={model!r}: this model runs {self._model_name()!r} on its engine; "
                 "build another PromptspliceChatModel for another engine"
             )
-        tools = list(kwargs.get("tools") or [])
+        tools = format_tools(list(kwargs.get("tools") or []))  # @tool objects too, as bind_tools takes
         dicts = lc_messages_to_openai(messages)
         session = self._session(kwargs, run_manager)
         salt = kwargs.get("cache_salt", self.cache_salt)
         renderer = self.renderer()
         if self.hook is not None:
+            engine_block = getattr(self.resolved_engine(), "block_size", self.hook.block_size)
+            if self.hook.block_size != engine_block:
+                raise ConfigError(f"hook renders blocks of {self.hook.block_size} tokens, the engine caches blocks of "
+                                  f"{engine_block}: build it with ContextHook(..., block_size={engine_block})")
             sid = session if session is not None else f"ephemeral-{uuid.uuid4().hex}"
-            pending = handoff.take(sid, renderer.render(dicts, tools or None, salt=salt).token_ids) if session else None
+            pending = handoff.take(sid, renderer.render(dicts, tools or None, salt=salt)) if session else None
             if pending is not None:
                 return pending, tools
             prepared = self.hook(sid, dicts, tools or None, salt=salt)
@@ -357,7 +366,7 @@ class PromptspliceChatModel(BaseChatModel):
             return prepared, tools
         render = renderer.render(dicts, tools or None, salt=salt)
         if session is not None:
-            pending = handoff.take(session, render.token_ids)
+            pending = handoff.take(session, render)
             if pending is not None:
                 return pending, tools
         return PreparedContext(session or "", 1, StepKind.NEW_SESSION, render, dicts), tools
@@ -372,7 +381,8 @@ class PromptspliceChatModel(BaseChatModel):
             ids += list(eng.tokenizer.encode(prefix))
         stops = list(check_stop(stop) if stop is not None else self.stop or ())  # "END" is one stop, not three
         parse = bool(tools) and choice not in ("none", False)
-        if parse and kwargs.get("parallel_tool_calls") is False and TOOL_CALL_CLOSE not in stops:
+        named = bool(prefix) and '"arguments": ' in prefix  # one call of one named tool was forced
+        if parse and (named or kwargs.get("parallel_tool_calls") is False) and TOOL_CALL_CLOSE not in stops:
             stops.append(TOOL_CALL_CLOSE)  # one call at most: the parser takes an open block
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         temperature = kwargs.get("temperature", self.temperature)

@@ -128,9 +128,15 @@ def test_parallel_tool_calls_false_ends_the_answer_at_the_first_call(engine):
     assert runner.stops[-1] == ["END", "</tool_call>"]
     assert [c["name"] for c in msg.tool_calls] == ["magic_function"]
     assert "<tool_call>" not in msg.content
-    many = model.bind_tools([magic_function], tool_choice="magic_function")
+    named = model.bind_tools([magic_function], tool_choice="magic_function")
+    named.invoke(question)
+    # one call of the named tool was forced: it ends at its closing tag too (it ran on to
+    # max_tokens with text after the call, which agents copied into later turns)
+    assert runner.stops[-1] == ["END", "</tool_call>"]
+    other = {"type": "function", "function": {"name": "other", "parameters": {"type": "object", "properties": {}}}}
+    many = model.bind_tools([magic_function, other], tool_choice="any")
     many.invoke(question)
-    assert runner.stops[-1] == ["END"]  # None / True: the model may emit several calls
+    assert runner.stops[-1] == ["END"]  # any of several: the model may emit several calls
     model.invoke(question, parallel_tool_calls=False)  # no tools: nothing to stop
     assert runner.stops[-1] == ["END"]
     with pytest.raises(ConfigError, match="parallel_tool_calls must be True, False or None"):
@@ -286,6 +292,26 @@ def test_options_are_checked_when_the_model_is_built(kwargs, error, message):
     with pytest.raises(error, match=message):
         PromptspliceChatModel(**kwargs)
     assert PromptspliceChatModel(stop="END").stop == ["END"]
+
+
+def test_a_hook_of_another_block_size_is_refused_and_the_model_deep_copies(engine):
+    """A ContextHook left at its default block size (16) in front of an engine caching
+    blocks of 32 never matched: every call was rendered anew, with a warning only."""
+    import copy
+
+    from promptsplice.engine_adapters.integrations._handoff import handoff
+
+    other = 16 if engine.block_size != 16 else 32
+    model = PromptspliceChatModel(engine=engine, hook=ContextHook(engine.tokenizer, block_size=other), max_tokens=2)
+    with pytest.raises(ConfigError, match=f"block_size={engine.block_size}"):
+        model.invoke("hi", session_id="s-bs")
+    prepared = ContextHook(engine.tokenizer, block_size=other)("s-bs2", [{"role": "user", "content": "hi"}])
+    handoff.put(prepared)
+    plain = PromptspliceChatModel(engine=engine, max_tokens=2)
+    with pytest.raises(ConfigError, match="blocks of"):
+        plain.invoke("hi", session_id="s-bs2")
+    twin = copy.deepcopy(plain)  # raised on the renderer's lock
+    assert twin.max_tokens == 2 and twin.engine is engine
 
 
 def test_a_salt_from_the_environment_gets_the_constructors_check(monkeypatch):
