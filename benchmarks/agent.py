@@ -505,7 +505,7 @@ def run_agent_bench(
               "scope": scope, "log": print if verbose else None}
     # the stores' disk tiers keep their records on close (a restart reloads them): the
     # bench's own folder goes with the run
-    with tempfile.TemporaryDirectory(prefix="promptsplice-agent-store-") as store_dir:
+    with tempfile.TemporaryDirectory(prefix="promptsplice-agent-store-", ignore_cleanup_errors=True) as store_dir:
         if sequential:
             report = run_agent_modes(data, start_engine=lambda m: start_mode_engine(m, store_dir=store_dir), **common)
         else:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from promptsplice.benchmarks.fidelity import FidelityError
+from promptsplice.benchmarks.fidelity import FIDELITY_EXIT, FidelityError
 from promptsplice.errors import PromptspliceError
 
 __all__ = ["main", "build_parser"]
@@ -42,23 +42,19 @@ class UsageError(Exception):
     """A combination of options the command cannot honour (exit code 2, one line)."""
 
 
-FIDELITY_EXIT = 5
-"""The exit status when a fidelity probe could not prove what it measured
-(:class:`~promptsplice.benchmarks.fidelity.FidelityError`, after the engines ran)."""
-
-
 def _families(args: argparse.Namespace) -> list[str] | None:
     """``--families`` as a list, every name checked before any engine starts."""
     if args.families is None:
         return None
-    from promptsplice.benchmarks.traces import SUITE
+    from promptsplice.benchmarks import traces
 
+    suite = tuple(traces._FAMILIES)  # the live registry (tests add families to it)
     names = [f.strip() for f in args.families.split(",")]
-    unknown = [f for f in names if f not in SUITE]
+    unknown = [f for f in names if f not in suite]
     if not any(names) or unknown:
         raise UsageError(
             f"--families {args.families!r}: {'unknown family ' + repr(unknown[0]) if unknown else 'no family'}; "
-            f"pick from {','.join(SUITE)}"
+            f"pick from {','.join(suite)}"
         )
     return names
 

@@ -359,7 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:  # a probe that did not meet the config's KV fails the bench, as in bench agent / rag
         print(f"promptsplice: error: probes that did not meet their config's KV (left out of the statistics): {bad}",
               file=sys.stderr)
-        return 2  # what the CLI returns for bench agent's and bench rag's FidelityError
+        from promptsplice.benchmarks.fidelity import FIDELITY_EXIT
+
+        return FIDELITY_EXIT  # what the CLI returns for bench agent's and bench rag's FidelityError
     return 0
 
 

@@ -65,6 +65,11 @@ BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 
 
+FIDELITY_EXIT = 5
+"""The exit status of a bench whose fidelity probe could not prove what it measured
+(:class:`FidelityError`, after the engines ran; bad input before them is 2)."""
+
+
 class FidelityError(PromptspliceError, RuntimeError):
     """A fidelity probe did not measure approximate KV: the probed step relocated less
     than its plan, or a probe request was not served the step's KV (module doc)."""

@@ -348,10 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=17)
     args = ap.parse_args(argv)
-    if args.json:  # checked before minutes of GPU time are spent: its folder is made, the file written once
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "a", encoding="utf-8"):
-            pass
+    if args.json:  # checked before minutes of GPU time are spent: its folder is made and writable
+        folder = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            print(f"gpu_connector_check: cannot write {args.json} (folder not writable); nothing was run",
+                  file=sys.stderr)
+            return 2
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_connector_check: no CUDA device here (torch.cuda.is_available() is False); "

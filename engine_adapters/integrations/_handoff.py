@@ -16,7 +16,6 @@ import threading
 from collections import OrderedDict
 
 from promptsplice.assembler import PreparedContext, Render
-from promptsplice.errors import ConfigError
 
 __all__ = ["handoff"]
 
@@ -43,20 +42,21 @@ class _Handoff:
 
     def take(self, session_id: str, render: Render) -> PreparedContext | None:
         """The session's prepared context when its tokens are ``render``'s (the model's own
-        render of what it received); a hook that renders other blocks than the model's
-        engine caches is a :class:`ConfigError` (its contexts never matched: every call
-        was rendered anew, silently)."""
+        render of what it received).  A mismatch is logged and the model renders anew; a
+        hook rendering other blocks than the engine caches is named with its fix (the
+        entry may come from a hook in front of another model, so it is no error)."""
         with self._lock:
             p = self._items.get(session_id)
             if p is None:
                 return None
             del self._items[session_id]
-        if p.render.block_size != render.block_size:
-            raise ConfigError(
-                f"the hook prepared session {session_id!r} in blocks of {p.render.block_size} tokens, the "
-                f"model's engine caches blocks of {render.block_size}: build its ContextHook with "
-                f"block_size={render.block_size} (the engine's block_size)"
+        if p.render.block_size != render.block_size:  # never matches: say why, and how to fix it
+            logger.warning(
+                "the hook prepared session %r in blocks of %d tokens, the model's engine caches blocks of "
+                "%d: its contexts are never used (rendered anew); build its ContextHook with block_size=%d",
+                session_id, p.render.block_size, render.block_size, render.block_size,
             )
+            return None
         token_ids = render.token_ids
         if list(p.token_ids) != list(token_ids):
             logger.warning(

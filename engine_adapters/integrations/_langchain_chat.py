@@ -179,9 +179,17 @@ class PromptspliceChatModel(BaseChatModel):
         check_env_salt(self.cache_salt, "cache_salt" not in data)
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> PromptspliceChatModel:
-        """A copy with the same settings sharing the live engine, hook and runner (and the
-        renderer's lock, which cannot be copied: deepcopy raised on it)."""
-        return self.model_copy()
+        """Shares the live engine, hook, runner and the renderer's lock (deepcopy raised on it)."""
+        return self.model_copy(update={"stop": None if self.stop is None else list(self.stop)})
+
+    def _engine_block_size(self) -> int | None:
+        """The engine's block size when known without a request or an error."""
+        eng = next((e for e in (self.engine, _default_engine, getattr(self.runner, "engine", None)) if e is not None), None)
+        try:
+            size = eng.block_size if eng is not None else None
+        except (AttributeError, PromptspliceError):  # a server not asked for it yet
+            return None
+        return size if isinstance(size, int) else None
 
     _renderer: ChatRenderer | None = PrivateAttr(default=None)
     _renderer_key: Any = PrivateAttr(default=None)
@@ -352,8 +360,8 @@ class PromptspliceChatModel(BaseChatModel):
         salt = kwargs.get("cache_salt", self.cache_salt)
         renderer = self.renderer()
         if self.hook is not None:
-            engine_block = getattr(self.resolved_engine(), "block_size", self.hook.block_size)
-            if self.hook.block_size != engine_block:
+            engine_block = self._engine_block_size()
+            if engine_block is not None and self.hook.block_size != engine_block:
                 raise ConfigError(f"hook renders blocks of {self.hook.block_size} tokens, the engine caches blocks of "
                                   f"{engine_block}: build it with ContextHook(..., block_size={engine_block})")
             sid = session if session is not None else f"ephemeral-{uuid.uuid4().hex}"
