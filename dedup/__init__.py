@@ -24,9 +24,14 @@ Kinds, in the order they run (all on by default; switch each off in
 * **passages**: a paragraph (split on ``b"\\n\\n"``) of >= ``min_passage`` (128) bytes
   that already occurs in an earlier kept chunk is cut out of the later one, with one
   separator (:class:`RemovedPassage`); a chunk left empty is attached to the chunk
-  holding its first removed passage (:attr:`Relation.PASSAGES`).  Containment then
-  runs again over shortened chunks, so the output is a fixpoint: deduplicating the
-  output texts again changes nothing.
+  holding its first removed passage (:attr:`Relation.PASSAGES`).  A shortened chunk
+  can now sit inside another one or, its head changed, overlap a same-source
+  neighbour: containment and overlap run again over the shortened chunks, then
+  passages, until nothing changes, so the output is a fixpoint: deduplicating the
+  output texts (with their metadata) again changes nothing.  One exception: a chain
+  whose first-retrieved chunk lost passages of its own is not merged after the passage
+  pass (its :class:`RemovedPassage` records locate paragraphs in its bytes as they
+  were), so a second call may merge it.
 
 Nothing is lost: every input appears exactly once, as an :class:`Origin` of a
 :class:`KeptChunk` or as a :class:`DroppedChunk`, and ``Origin.span`` slices the kept

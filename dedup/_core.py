@@ -24,7 +24,9 @@ m = min_overlap):
   per needle and a C search of each surviving candidate, so O(N) in total for typical
   text.  Needles shorter than 31 bytes, or whose grams are held by a few hundred
   chunks (periodic text), are still searched in the joined bytes: O(n * N) in C in the
-  worst case.  If passages shortened a chunk, containment runs once more.
+  worst case.  If passages shortened a chunk, containment runs once more, and with
+  overlap on, the overlap pass too; a merge then starts another round of containment
+  and passages (rare past the first: each round removes bytes).
 
 The Python-level work is O(n + pieces + edges + paragraphs) per call, and it is what
 bounds the throughput (measured by ``python -m promptsplice.benchmarks.dedup_bench``;
@@ -158,8 +160,20 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
         kept = ctx.merge_overlaps(kept)
     if cfg.containment and len(kept) >= 2:
         kept = ctx.absorb_contained(kept)
-    if cfg.passages and len(kept) >= 2:
+    while cfg.passages and len(kept) >= 2:
+        cut = removed["passage"]
         kept = ctx.remove_passages(kept)
+        if removed["passage"] == cut or not cfg.overlap or len(kept) < 2:
+            break
+        # A cut chunk's new head can equal a same-source neighbour's tail: merge those
+        # too, then containment and passages again, so that the output is a fixpoint.
+        # Each round removes bytes, so the loop ends; it is rare past the first.
+        merged = removed["overlap"]
+        kept = ctx.merge_overlaps(kept, after_passages=True)
+        if removed["overlap"] == merged:
+            break
+        if cfg.containment and len(kept) >= 2:
+            kept = ctx.absorb_contained(kept)
 
     # -- finish -----------------------------------------------------------------------
     digest_of = _blocks.content_digest

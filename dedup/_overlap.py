@@ -26,9 +26,14 @@ def _pos(k: KeptChunk) -> int:
     return k.origins[0].index
 
 
-def merge_overlaps(ctx, kept: list[KeptChunk]) -> list[KeptChunk]:
+def merge_overlaps(ctx, kept: list[KeptChunk], after_passages: bool = False) -> list[KeptChunk]:
     """Merge chains of same-source chunks whose tail/head overlap by >= min_overlap;
-    ``ctx`` is the call's :class:`~promptsplice.dedup._passes.Passes` (config, counters)."""
+    ``ctx`` is the call's :class:`~promptsplice.dedup._passes.Passes` (config, counters).
+
+    ``after_passages``: the chunks may have lost passages, which can expose a new edge
+    (a cut chunk's new head equals a neighbour's tail).  A chain is then merged only if
+    its keeper lost no passage of its own: those records locate paragraphs in the
+    keeper's bytes as they were when cut, which a merge would move."""
     key = ctx.cfg.source_key
     sources = [k.metadata.get(key) for k in kept]
     try:
@@ -56,7 +61,7 @@ def merge_overlaps(ctx, kept: list[KeptChunk]) -> list[KeptChunk]:
     multi.extend(g for _, g in unhashable if len(g) >= 2)
     gone: set[int] = set()
     for group in multi:
-        _merge_group(ctx, group, gone)
+        _merge_group(ctx, group, gone, after_passages)
     if not gone:
         return kept
     return [k for k in kept if id(k) not in gone]
@@ -83,7 +88,7 @@ def _holds_another(datas: list[bytes], lens: list[int], exact: bool) -> bool:
     return True  # larger groups: the containment pass finds out
 
 
-def _merge_group(ctx, group: list[KeptChunk], gone: set[int]) -> None:
+def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bool) -> None:
     m = ctx.cfg.min_overlap
     datas = [k.data for k in group]
     lens = [len(d) for d in datas]
@@ -131,7 +136,9 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int]) -> None:
         # character boundary and the merged bytes A[:-L] + B are valid UTF-8.
         chain_ = [(head, 0)]
         parts = [datas[head]]
-        texts = [group[head].text]  # B[L:] decodes to B's text after B[:L]'s chars
+        # B[L:] decodes to B's text after B[:L]'s chars; a chunk cut by the passage
+        # pass has no text (None) until the finish, which then decodes the merge.
+        texts = None if group[head].text is None else [group[head].text]
         size = lens[head]
         saved = 0
         x = head
@@ -139,25 +146,40 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int]) -> None:
             y, L = succ[x]
             chain_.append((y, size - L))
             parts.append(datas[y][L:])
-            texts.append(group[y].text[len(datas[y][:L].decode("utf-8")) :])
+            t = group[y].text
+            if t is None:
+                texts = None
+            elif texts is not None:
+                texts.append(t[len(datas[y][:L].decode("utf-8")) :])
             size += lens[y] - L
             saved += L
             x = y
         keeper = min((group[i] for i, _ in chain_), key=_pos)
+        if after_passages and any(r.chunk_id == keeper.id for r in keeper.removed_passages):
+            continue
         shifted: list[Origin] = []
+        refs = ctx.refs
         for i, offset in chain_:
             member = group[i]
             for o in member.origins:
-                s, e = o.span  # type: ignore[misc]
-                o.span = (s + offset, e + offset)
+                if o.span is not None:  # None: an input emptied by passage removal
+                    s, e = o.span
+                    o.span = (s + offset, e + offset)
                 if o.relation is _KEPT and member is not keeper:
                     o.relation = _MERGED
+            found_here = refs.pop(id(member), None)  # passages found in this member
+            if found_here:
+                for rp in found_here:
+                    rp.found_in = keeper.id
+                    rp.found_at += offset
+                refs.setdefault(id(keeper), []).extend(found_here)
             if member is not keeper:
                 shifted.extend(member.origins)
+                keeper.removed_passages.extend(member.removed_passages)
                 gone.add(id(member))
         keeper.origins.extend(shifted)
         keeper.data = b"".join(parts)
-        keeper.text = "".join(texts)
+        keeper.text = None if texts is None else "".join(texts)  # type: ignore[assignment]
         keeper.digest = None  # type: ignore[assignment]
         ctx.counts = None
         ctx.removed["overlap"] += len(chain_) - 1

@@ -201,10 +201,10 @@ class Passes:
 
     # -- overlap ---------------------------------------------------------------------
 
-    def merge_overlaps(self, kept: list[KeptChunk]) -> list[KeptChunk]:
+    def merge_overlaps(self, kept: list[KeptChunk], after_passages: bool = False) -> list[KeptChunk]:
         """Merge chains of same-source chunks whose tail/head overlap by >= min_overlap
         (:mod:`promptsplice.dedup._overlap`)."""
-        return _overlap.merge_overlaps(self, kept)
+        return _overlap.merge_overlaps(self, kept, after_passages)
 
     # -- containment -----------------------------------------------------------------
 
@@ -396,8 +396,12 @@ class Passes:
         """
         records = []
         refs = self.refs
+        # A chunk cut again (in a later round, see ``dedup``) keeps its records in the
+        # coordinates of its bytes before any passage removal.
+        before = _removed_regions(k) if k.removed_passages else None
         for _, offset, length, found, at in hits:
-            rp = RemovedPassage(k.id, offset, length, found.id, at)
+            rp = RemovedPassage(k.id, _unmap_offset(offset, before) if before else offset,
+                                length, found.id, at)  # fmt: skip
             refs.setdefault(id(found), []).append(rp)
             records.append(rp)
         self.removed["passage"] += len(hits)
@@ -405,10 +409,13 @@ class Passes:
         gone = {h[0] for h in hits}
         new = _PARA.join([p for i, p in enumerate(paras) if i not in gone])
         old = k.data
+        found_here = refs.pop(id(k), None)  # passages of later chunks found in k
         if not new or new.decode("utf-8").isspace():
             # Every paragraph was already present: the chunk goes, and its inputs are
             # attached to the chunk holding its first removed passage.
             host = hits[0][3]
+            if found_here:
+                self._redirect(found_here, old, hits, None)
             for o in k.origins:
                 o.relation = _PASSAGES
                 o.span = None
@@ -449,11 +456,40 @@ class Passes:
         for o in staying:
             if o.span is not None:
                 o.span = (_map_offset(o.span[0], cuts), _map_offset(o.span[1], cuts))
+        if found_here:
+            self._redirect(found_here, old, hits, cuts)
+            refs.setdefault(id(k), []).extend(rp for rp in found_here if rp.found_in == k.id)
         k.removed_passages.extend(records)
         k.data = new
         k.text = k.digest = None  # type: ignore[assignment]
         self.removed_bytes["passage"] += len(old) - len(new)
         return True
+
+    def _redirect(self, found_here: list[RemovedPassage], old: bytes, hits, cuts) -> None:
+        """Records of passages found in a chunk that is now cut (only in a later round):
+        one inside a removed paragraph points where that paragraph was found; the others
+        move with the bytes left (``cuts``; None when nothing is left)."""
+        refs = self.refs
+        for rp in found_here:
+            s, e = rp.found_at, rp.found_at + rp.length
+            for _, offset, length, found, at in hits:
+                if offset <= s and e <= offset + length:
+                    rp.found_in, rp.found_at = found.id, at + s - offset
+                    refs.setdefault(id(found), []).append(rp)
+                    break
+            else:
+                if cuts is not None:
+                    rp.found_at = _map_offset(s, cuts)
+                    continue
+                # Only blank paragraphs were left: the passage is blank, and the chunks
+                # where the removed paragraphs were found hold blanks of their own.
+                piece = old[s:e]
+                for _, _, _, found, _ in hits:
+                    at = found.data.find(piece)
+                    if at >= 0:
+                        rp.found_in, rp.found_at = found.id, at
+                        refs.setdefault(id(found), []).append(rp)
+                        break
 
 
 def _paragraphs(d: bytes) -> list[bytes]:
@@ -468,6 +504,24 @@ def _paragraphs(d: bytes) -> list[bytes]:
     if len(lines) & 1 and not any(lines[1::2]):
         return lines[::2]
     return d.split(_PARA)
+
+
+def _removed_regions(k: KeptChunk) -> list[tuple[int, int]]:
+    """The byte ranges that passage removal took out of ``k`` (its own records, each
+    paragraph with its separator), in the coordinates of its bytes before removal."""
+    own = sorted((r.offset, r.length) for r in k.removed_passages if r.chunk_id == k.id)
+    size = len(k.data) + sum(length + 2 for _, length in own)  # the bytes before removal
+    return [(o, o + n + 2) if o + n < size else (o - 2, o + n) for o, n in own]
+
+
+def _unmap_offset(x: int, regions: list[tuple[int, int]]) -> int:
+    """Offset in the bytes before removal of the paragraph that starts at ``x`` now
+    (the inverse of :func:`_map_offset` at paragraph starts)."""
+    for s, e in regions:
+        if s > x:
+            break
+        x += e - s
+    return x
 
 
 def _map_offset(x: int, cuts: list[tuple[int, int]]) -> int:

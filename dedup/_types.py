@@ -141,7 +141,8 @@ class RemovedPassage:
     """A repeated paragraph removed from chunk ``chunk_id`` because it is already present.
 
     ``offset``/``length`` locate the paragraph in that chunk's bytes before passage
-    removal (the input's original bytes, or the merged bytes for an overlap merge);
+    removal (the input's original bytes, or the merged bytes for an overlap merge; a
+    chunk cut in two rounds keeps both rounds' records in these coordinates);
     ``found_in``/``found_at`` locate the same bytes in a kept chunk.  The separator that
     was removed with it is not counted in ``length``.
     """
