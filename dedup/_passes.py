@@ -165,7 +165,7 @@ class _Finder:
 class Passes:
     """Overlap, containment and passage passes over the kept chunks of one call."""
 
-    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "counts", "_grid")
+    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "partial", "counts", "_grid")
 
     def __init__(self, cfg: DedupConfig, removed: dict, removed_bytes: dict) -> None:
         self.cfg = cfg
@@ -174,6 +174,9 @@ class Passes:
         # RemovedPassage records whose found_in is a given chunk, by id(chunk): fixed up
         # if that chunk is later absorbed by containment.
         self.refs: dict[int, list[RemovedPassage]] = {}
+        # Origins (by id) whose span lost bytes to a cut: no longer their input's exact
+        # bytes, so a later round never moves one elsewhere as CONTAINED.
+        self.partial: set[int] = set()
         self.counts: Counter | None = None  # piece -> occurrences (see module doc)
         self._grid: tuple[GridIndex, dict[int, bytes]] | None = None
 
@@ -438,9 +441,10 @@ class Passes:
         # Spans shrink to what remains of each input (possibly nothing).  An input that
         # lay inside one removed paragraph moves to the chunk where that paragraph was
         # found, as CONTAINED there; the KEPT input always stays (it names the chunk).
+        partial = self.partial
         staying = [k.origins[0]]
         for o in k.origins[1:]:
-            if o.span is not None:
+            if o.span is not None and id(o) not in partial:
                 s, e = o.span
                 for _, offset, length, found, at in hits:
                     if offset <= s and e <= offset + length:
@@ -455,7 +459,10 @@ class Passes:
         k.origins = staying
         for o in staying:
             if o.span is not None:
-                o.span = (_map_offset(o.span[0], cuts), _map_offset(o.span[1], cuts))
+                s, e = o.span
+                if any(cs < e and s < ce for cs, ce in cuts):
+                    partial.add(id(o))
+                o.span = (_map_offset(s, cuts), _map_offset(e, cuts))
         if found_here:
             self._redirect(found_here, old, hits, cuts)
             refs.setdefault(id(k), []).extend(rp for rp in found_here if rp.found_in == k.id)

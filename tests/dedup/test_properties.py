@@ -238,6 +238,28 @@ def test_a_passage_found_in_a_chunk_cut_in_a_later_round_follows_its_bytes():
     check_result(chunks, cfg, result)
 
 
+def test_an_input_cut_in_an_earlier_round_is_never_moved_as_contained():
+    """Input 5 lost two paragraphs in round 1, merged into a chain in round 2, and the
+    paragraph now holding what is left of it is found in chunk 0: it stays in the cut
+    chunk (its span shrinks to nothing), since its bytes are not its input's any more
+    (the fuzz harness found it moved into chunk 0 at a span that was not its text)."""
+    x, y = "싂싂싂싂싂ｿ\uffff\uffff", "\uffff\n\n싂싂싂싂싂ｿ\uffff\uffff\n\n싂싂"
+    doc = {"source": "doc"}
+    chunks = [x + "\n\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\n\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\n",
+              {"text": "싂싂싂", "metadata": doc}, {"text": y, "metadata": doc},
+              {"text": y, "metadata": doc}, {"text": y, "metadata": doc},
+              {"text": f"싂ｿ\uffff\uffff\n\n{x}\n\n{x}", "metadata": doc}]  # fmt: skip
+    cfg = DedupConfig(exact=False, containment=False, min_overlap=2, min_passage=18)
+    result = dedup(chunks, cfg)
+    first, chain, last = result.chunks
+    assert [o.index for o in first.origins] == [0] and first.removed_passages == []
+    assert [(o.index, o.relation, o.span) for o in chain.origins] == [
+        (1, Relation.KEPT, (5, 5)), (2, Relation.MERGED, (0, 5)), (3, Relation.MERGED, (5, 11)),
+        (5, Relation.MERGED, (5, 5))]  # fmt: skip
+    assert [o.index for o in last.origins] == [4]
+    check_result(chunks, cfg, result)
+
+
 def test_windows_of_two_sizes_merge_in_any_order():
     """A=T[0:200], B=T[100:300], C=T[100:330] (two indexes, two window sizes): A+B then
     A+B with C, one chunk of T[0:330] in every retrieval order (B and C were left apart
