@@ -3,11 +3,21 @@ factories for requests and assemblers.
 
 ``start_default_engine()`` is the one way the tests start an engine, so the whole
 session starts a single one (~4 s, ~1 GiB of RAM) and every test folder shares it.
+
+Hypothesis properties run derandomized (profile ``ci``): the same examples every run,
+so a red CI run reproduces and a green one is not luck.  Exploring new examples is a
+separate run: ``pytest --hypothesis-profile=explore tests/...`` (a random seed each run,
+or ``--hypothesis-seed=N``; ``--hypothesis-seed`` does nothing under ``ci``).
 """
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("ci")  # --hypothesis-profile (read after this file) overrides it
 
 
 @pytest.fixture(scope="session")
