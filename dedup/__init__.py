@@ -28,10 +28,12 @@ Kinds, in the order they run (all on by default; switch each off in
   can now sit inside another one or, its head changed, overlap a same-source
   neighbour: containment and overlap run again over the shortened chunks, then
   passages, until nothing changes, so the output is a fixpoint: deduplicating the
-  output texts (with their metadata) again changes nothing.  One exception: a chain
-  whose first-retrieved chunk lost passages of its own is not merged after the passage
-  pass (its :class:`RemovedPassage` records locate paragraphs in its bytes as they
-  were), so a second call may merge it.
+  output texts (with their metadata) again changes nothing.  Two exceptions keep the
+  :class:`RemovedPassage` records true, and a second call may merge or cut there: a
+  chain whose first-retrieved chunk lost passages of its own is not merged after the
+  passage pass (its records locate paragraphs in its bytes as they were), and a chunk
+  holding a recorded passage is not cut in a later round when that passage would lose
+  its bytes (one that ends in one newline of a separator the cut takes).
 
 Nothing is lost: every input appears exactly once, as an :class:`Origin` of a
 :class:`KeptChunk` or as a :class:`DroppedChunk`, and ``Origin.span`` slices the kept

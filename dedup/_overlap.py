@@ -159,6 +159,7 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
             continue
         shifted: list[Origin] = []
         refs = ctx.refs
+        found_in_chain = []  # records of passages found in members, shifted once each
         for i, offset in chain_:
             member = group[i]
             for o in member.origins:
@@ -172,11 +173,13 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
                 for rp in found_here:
                     rp.found_in = keeper.id
                     rp.found_at += offset
-                refs.setdefault(id(keeper), []).extend(found_here)
+                found_in_chain.extend(found_here)
             if member is not keeper:
                 shifted.extend(member.origins)
                 keeper.removed_passages.extend(member.removed_passages)
                 gone.add(id(member))
+        if found_in_chain:
+            refs[id(keeper)] = found_in_chain
         keeper.origins.extend(shifted)
         keeper.data = b"".join(parts)
         keeper.text = None if texts is None else "".join(texts)  # type: ignore[assignment]

@@ -396,11 +396,37 @@ class Passes:
         """Apply passage hits to ``k``; False when nothing but whitespace is left.
 
         ``hits`` are ``(paragraph index, offset, length, chunk holding it, offset there)``.
+        In a later round (see ``dedup``) ``k`` may hold passages found for earlier
+        records; when one of them would lose its bytes, ``k`` is left as it is.
         """
-        records = []
+        gone = {h[0] for h in hits}
+        new = _PARA.join([p for i, p in enumerate(paras) if i not in gone])
+        old = k.data
+        emptied = not new or new.decode("utf-8").isspace()
+        cuts = None
+        if not emptied:
+            # Removed byte ranges in old coordinates: each paragraph with one adjacent
+            # separator (the following one; the preceding one after the last kept
+            # paragraph), which leaves exactly b"\n\n".join(kept paragraphs).
+            last_kept = max(i for i in range(len(paras)) if i not in gone)
+            cuts = []
+            for i, offset, length, _, _ in hits:
+                if i < last_kept:
+                    cuts.append((offset, offset + length + 2))
+                else:
+                    cuts.append((offset - 2, offset + length))
         refs = self.refs
-        # A chunk cut again (in a later round, see ``dedup``) keeps its records in the
-        # coordinates of its bytes before any passage removal.
+        found_here = refs.get(id(k))  # passages of earlier records found in k
+        moves = None
+        if found_here:
+            moves = _relocate(found_here, old, new, hits, cuts)
+            if moves is None:
+                return True  # a recorded passage would lose its bytes: k stays whole
+            del refs[id(k)]
+
+        records = []
+        # A chunk cut again keeps its records in the coordinates of its bytes before
+        # any passage removal.
         before = _removed_regions(k) if k.removed_passages else None
         for _, offset, length, found, at in hits:
             rp = RemovedPassage(k.id, _unmap_offset(offset, before) if before else offset,
@@ -408,17 +434,16 @@ class Passes:
             refs.setdefault(id(found), []).append(rp)
             records.append(rp)
         self.removed["passage"] += len(hits)
+        if moves:
+            for rp, host, at in moves:
+                host = k if host is None else host
+                rp.found_in, rp.found_at = host.id, at
+                refs.setdefault(id(host), []).append(rp)
 
-        gone = {h[0] for h in hits}
-        new = _PARA.join([p for i, p in enumerate(paras) if i not in gone])
-        old = k.data
-        found_here = refs.pop(id(k), None)  # passages of later chunks found in k
-        if not new or new.decode("utf-8").isspace():
+        if emptied:
             # Every paragraph was already present: the chunk goes, and its inputs are
             # attached to the chunk holding its first removed passage.
             host = hits[0][3]
-            if found_here:
-                self._redirect(found_here, old, hits, None)
             for o in k.origins:
                 o.relation = _PASSAGES
                 o.span = None
@@ -428,19 +453,10 @@ class Passes:
             self.removed_bytes["passage"] += len(old)
             return False
 
-        # Removed byte ranges in old coordinates: each paragraph with one adjacent
-        # separator (the following one; the preceding one after the last kept
-        # paragraph), which leaves exactly b"\n\n".join(kept paragraphs).
-        last_kept = max(i for i in range(len(paras)) if i not in gone)
-        cuts = []
-        for i, offset, length, _, _ in hits:
-            if i < last_kept:
-                cuts.append((offset, offset + length + 2))
-            else:
-                cuts.append((offset - 2, offset + length))
         # Spans shrink to what remains of each input (possibly nothing).  An input that
         # lay inside one removed paragraph moves to the chunk where that paragraph was
         # found, as CONTAINED there; the KEPT input always stays (it names the chunk).
+        # An input that lost bytes in an earlier round stays: its span is not its text.
         partial = self.partial
         staying = [k.origins[0]]
         for o in k.origins[1:]:
@@ -460,43 +476,50 @@ class Passes:
         for o in staying:
             if o.span is not None:
                 s, e = o.span
-                if any(cs < e and s < ce for cs, ce in cuts):
+                if any(cs < e and s < ce for cs, ce in cuts):  # type: ignore[union-attr]
                     partial.add(id(o))
-                o.span = (_map_offset(s, cuts), _map_offset(e, cuts))
-        if found_here:
-            self._redirect(found_here, old, hits, cuts)
-            refs.setdefault(id(k), []).extend(rp for rp in found_here if rp.found_in == k.id)
+                o.span = (_map_offset(s, cuts), _map_offset(e, cuts))  # type: ignore[arg-type]
         k.removed_passages.extend(records)
         k.data = new
         k.text = k.digest = None  # type: ignore[assignment]
         self.removed_bytes["passage"] += len(old) - len(new)
         return True
 
-    def _redirect(self, found_here: list[RemovedPassage], old: bytes, hits, cuts) -> None:
-        """Records of passages found in a chunk that is now cut (only in a later round):
-        one inside a removed paragraph points where that paragraph was found; the others
-        move with the bytes left (``cuts``; None when nothing is left)."""
-        refs = self.refs
-        for rp in found_here:
-            s, e = rp.found_at, rp.found_at + rp.length
-            for _, offset, length, found, at in hits:
-                if offset <= s and e <= offset + length:
-                    rp.found_in, rp.found_at = found.id, at + s - offset
-                    refs.setdefault(id(found), []).append(rp)
+
+def _relocate(found_here: list[RemovedPassage], old: bytes, new: bytes, hits, cuts):
+    """Where each record of a passage found in a chunk about to be cut (only in a later
+    round) finds its bytes afterwards: ``[(record, chunk, offset)]``, ``k`` itself named
+    by ``None`` until the caller knows it, or None when one would find them nowhere.
+
+    Inside a removed paragraph: where that paragraph was found.  Otherwise where its
+    offset maps to in what is left, if the bytes are there (a passage can hold one byte
+    of a separator the cut takes), else anywhere in what is left or in those chunks.
+    """
+    moves = []
+    for rp in found_here:
+        s, e = rp.found_at, rp.found_at + rp.length
+        piece = old[s:e]
+        place = None
+        for _, offset, length, found, at in hits:
+            if offset <= s and e <= offset + length:
+                place = (found, at + s - offset)
+                break
+        else:
+            at = _map_offset(s, cuts) if cuts is not None else -1
+            if at < 0 or new[at : at + len(piece)] != piece:
+                at = new.find(piece) if cuts is not None else -1
+            if at >= 0:
+                moves.append((rp, None, at))
+                continue
+            for _, _, _, found, _ in hits:
+                at = found.data.find(piece)
+                if at >= 0:
+                    place = (found, at)
                     break
-            else:
-                if cuts is not None:
-                    rp.found_at = _map_offset(s, cuts)
-                    continue
-                # Only blank paragraphs were left: the passage is blank, and the chunks
-                # where the removed paragraphs were found hold blanks of their own.
-                piece = old[s:e]
-                for _, _, _, found, _ in hits:
-                    at = found.data.find(piece)
-                    if at >= 0:
-                        rp.found_in, rp.found_at = found.id, at
-                        refs.setdefault(id(found), []).append(rp)
-                        break
+        if place is None:
+            return None
+        moves.append((rp, *place))
+    return moves
 
 
 def _paragraphs(d: bytes) -> list[bytes]:
