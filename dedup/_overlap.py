@@ -158,7 +158,6 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
         if after_passages and any(r.chunk_id == keeper.id for r in keeper.removed_passages):
             continue
         shifted: list[Origin] = []
-        refs = ctx.refs
         found_in_chain = []  # records of passages found in members, shifted once each
         for i, offset in chain_:
             member = group[i]
@@ -168,18 +167,13 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
                     o.span = (s + offset, e + offset)
                 if o.relation is _KEPT and member is not keeper:
                     o.relation = _MERGED
-            found_here = refs.pop(id(member), None)  # passages found in this member
-            if found_here:
-                for rp in found_here:
-                    rp.found_in = keeper.id
-                    rp.found_at += offset
-                found_in_chain.extend(found_here)
+            found_in_chain.extend(ctx.take_refs(member, keeper, offset))
             if member is not keeper:
                 shifted.extend(member.origins)
                 keeper.removed_passages.extend(member.removed_passages)
                 gone.add(id(member))
         if found_in_chain:
-            refs[id(keeper)] = found_in_chain
+            ctx.refs[id(keeper)] = found_in_chain
         keeper.origins.extend(shifted)
         keeper.data = b"".join(parts)
         keeper.text = None if texts is None else "".join(texts)  # type: ignore[assignment]

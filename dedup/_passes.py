@@ -278,12 +278,19 @@ class Passes:
                 o.relation = _CONTAINED
         host.origins.extend(z.origins)
         host.removed_passages.extend(z.removed_passages)
-        refs = self.refs.pop(id(z), None)
-        if refs:
-            for rp in refs:
-                rp.found_in = host.id
-                rp.found_at += offset
-            self.refs.setdefault(id(host), []).extend(refs)
+        moved = self.take_refs(z, host, offset)
+        if moved:
+            self.refs.setdefault(id(host), []).extend(moved)
+
+    def take_refs(self, src: KeptChunk, host: KeptChunk, offset: int) -> list[RemovedPassage]:
+        """Detach the records of passages found in ``src`` and point them at ``host``,
+        where src's bytes sit at ``offset``; the caller files them under ``host``
+        (after detaching every chunk that moves, so none is shifted twice)."""
+        moved = self.refs.pop(id(src), None) or []
+        for rp in moved:
+            rp.found_in = host.id
+            rp.found_at += offset
+        return moved
 
     # -- repeated passages -----------------------------------------------------------
 
