@@ -76,13 +76,15 @@ class PrefixCacheMirror:
         self._lock = threading.Lock()
         # hash -> slots holding it (vLLM keeps a second copy when a block is recomputed).
         self._cached: dict[BlockHash, list[int]] = {}
+        # Slots are created when first used (slot i is the i-th ever allocated): a
+        # bounded mirror of 262K blocks costs nothing until requests fill it.
         self._slot_hash: list[BlockHash | None] = []
-        # Free queue: slot id -> None, head (next evicted) first.
+        # Free queue: slot id -> None, head (next evicted) first.  The bounded pool's
+        # never-used slots (``capacity_blocks - len(_slot_hash)``) stand, uncreated,
+        # behind the freed slots without a hash (always a head run of the queue) and
+        # ahead of every cached one: vLLM's queue in the same order.
         self._free: OrderedDict[int, None] = OrderedDict()
         self._spare: list[int] = []  # unbounded mode: uncached slots to reuse
-        if capacity_blocks is not None:
-            self._slot_hash = [None] * capacity_blocks
-            self._free.update((i, None) for i in range(capacity_blocks))
         self.queries_tokens = 0
         self.hit_tokens = 0
 
@@ -160,10 +162,10 @@ class PrefixCacheMirror:
             total = cdiv(max(computed, len(hashes) * bs), bs)
             hit_slots = [self._cached[h][0] for h in hashes[: pred.cached_blocks]]
             new_blocks = total - pred.cached_blocks
-            if not unbounded and new_blocks > len(self._free) - len(hit_slots):
+            if not unbounded and new_blocks > self._free_count() - len(hit_slots):
                 # refused before anything changes (the mirror stays usable); the hit
                 # slots that sit in the free queue are taken out of it first
-                free_slots = len(self._free) - sum(slot in self._free for slot in hit_slots)
+                free_slots = self._free_count() - sum(slot in self._free for slot in hit_slots)
                 if new_blocks > free_slots:
                     raise ConfigError(
                         f"a request needs more than the mirror's {self.capacity_blocks} blocks; "
@@ -212,6 +214,14 @@ class PrefixCacheMirror:
                 free.move_to_end(slot, last=False)
             return pred
 
+    def _free_count(self) -> int:
+        """Free slots of a bounded pool: the queue and the never-used ones."""
+        return len(self._free) + self.capacity_blocks - len(self._slot_hash)  # type: ignore[operator]
+
+    def _new_slot(self) -> int:
+        self._slot_hash.append(None)
+        return len(self._slot_hash) - 1
+
     def _allocate(self, in_use: set[int] | None = None, skipped: list[int] | None = None) -> int:
         """A free slot from the head of the queue, evicting its hash; ``in_use``: slots
         of the running request, never taken: met at the head, they leave the queue into
@@ -219,8 +229,12 @@ class PrefixCacheMirror:
         if self.capacity_blocks is None:  # unbounded: never evict
             if self._spare:
                 return self._spare.pop()
-            self._slot_hash.append(None)
-            return len(self._slot_hash) - 1
+            return self._new_slot()
+        free = self._free
+        if free and self._slot_hash[next(iter(free))] is None:
+            return free.popitem(last=False)[0]  # a freed slot without a hash (the head run)
+        if len(self._slot_hash) < self.capacity_blocks:
+            return self._new_slot()  # a never-used slot, before any cached one
         while True:
             if not self._free:
                 raise ConfigError(
@@ -253,11 +267,7 @@ class PrefixCacheMirror:
             if capacity_blocks is not ...:
                 self.capacity_blocks = capacity_blocks  # type: ignore[assignment]
             self._cached.clear()
-            if self.capacity_blocks is None:
-                self._slot_hash, self._free, self._spare = [], OrderedDict(), []
-            else:
-                self._slot_hash = [None] * self.capacity_blocks
-                self._free = OrderedDict((i, None) for i in range(self.capacity_blocks))
+            self._slot_hash, self._free, self._spare = [], OrderedDict(), []
 
     @property
     def hit_rate(self) -> float:
