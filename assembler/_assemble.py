@@ -481,10 +481,17 @@ class Assembler:
         """Greedy chunk-trie walk over the mirror, then the stable order."""
         remaining = list(stable)
         order: list[int] = []
+        heads = {idx: token_bytes(chunk_toks[idx][: self.block_size]) for idx in remaining}
         while remaining and builder.hitting:
             best: tuple[int, int, bool] | None = None  # (score, idx, pad)
-            for idx in remaining:
-                for pad in builder.pad_choices():
+            choices = builder.pad_choices()
+            # Every chunk is tried at every step: one digest each decides most of them,
+            # and only a chunk whose first block hits is hashed further.
+            hits = [builder.first_block_hits([heads[i] for i in remaining], pad) for pad in choices]
+            for j, idx in enumerate(remaining):
+                for c, pad in enumerate(choices):
+                    if not hits[c][j]:
+                        continue
                     score = builder.probe(chunk_toks[idx], pad)
                     if score > 0 and (best is None or score > best[0]):
                         best = (score, idx, pad)

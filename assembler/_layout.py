@@ -45,6 +45,7 @@ from promptsplice.blocks import (
     content_digest,
     hash_while_cached,
     iter_block_hashes,
+    next_blocks_cached,
     root_hash,
     token_bytes,
 )
@@ -172,6 +173,21 @@ class LayoutBuilder:
         data = tail + token_bytes(seg_tokens[: n_blocks * bs - n_tail])
         parent = self.hashes[-1] if self.hashes else self._root
         return hash_while_cached(parent, data, bs, self._cached, [])
+
+    def first_block_hits(self, heads: Sequence[bytes], pad_prev: bool) -> list[bool]:
+        """``probe(seg, pad_prev, limit=1) > 0`` for many segments at once, each given
+        by ``heads``: the :func:`token_bytes` of (at least) its first ``block_size``
+        tokens.  One digest per segment, for walks that try every chunk at every step."""
+        if self._cached is None or not self.hitting:
+            return [False] * len(heads)
+        step = 4 * self.block_size
+        tail = bytes(self._bytes[len(self.hashes) * step :])
+        if pad_prev and len(tail) % step:
+            tail += self._filler_block[: step - len(tail) % step]
+        if len(tail) >= step:  # padding completes a block: probe() decides that one
+            return [self.probe((), pad_prev, limit=1) > 0] * len(heads)
+        parent = self.hashes[-1] if self.hashes else self._root
+        return next_blocks_cached(parent, tail, heads, self.block_size, self._cached)
 
     def _decide_pad(self, seg_tokens: Sequence[int], following: Iterable[Sequence[int]] | None = None) -> bool:
         choices = self.pad_choices()

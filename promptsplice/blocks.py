@@ -46,6 +46,7 @@ __all__ = [
     "chain_hashes",
     "iter_block_hashes",
     "hash_while_cached",
+    "next_blocks_cached",
 ]
 
 BlockHash = NewType("BlockHash", bytes)
@@ -205,6 +206,10 @@ def hash_while_cached(
     """
     step = 4 * block_size
     if len(data) >= _MEMO_MIN_BLOCKS * step:
+        first = xxhash.xxh3_128_digest(parent + data[:step])
+        if first not in cached:  # a miss at once needs no chain (nor a memo entry)
+            out.append(first)
+            return 0
         hashes = _memo_chain(parent, bytes(data), block_size)
         n = next(compress(count(), map(not_, map(cached.__contains__, hashes))), len(hashes))
         out.extend(hashes[: n + 1])
@@ -220,3 +225,18 @@ def hash_while_cached(
             return n
         n += 1
     return n
+
+
+def next_blocks_cached(
+    parent: BlockHash, tail: bytes, heads: Sequence[bytes], block_size: int, cached: Container[bytes]
+) -> list[bool]:
+    """For each of ``heads`` (the :func:`token_bytes` of a segment's first tokens):
+    whether the block that ``tail`` (token bytes of a partial block after ``parent``)
+    completes with it is in ``cached``; False where it completes none.  One digest per
+    head: what a walk trying every candidate at every step needs first."""
+    need = 4 * block_size - len(tail)
+    if need <= 0:
+        raise ValueError(f"tail holds {len(tail) // 4} tokens, not fewer than a block of {block_size}")
+    prefix = parent + tail
+    digest = xxhash.xxh3_128_digest
+    return [len(h) >= need and digest(prefix + h[:need]) in cached for h in heads]

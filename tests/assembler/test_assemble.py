@@ -211,6 +211,28 @@ def test_cache_aware_follows_the_cached_order(make_assembler):
     assert res.predicted_cached_tokens > stable.predicted_cached_tokens
 
 
+def test_the_greedy_walk_hashes_past_the_first_block_only_chunks_that_hit_there(make_assembler, monkeypatch):
+    """The walk tries every chunk at every step: each try hashed the whole chunk (the
+    memo missed: a new parent each step), O(n^2 * chunk length); 320 chunks of 1 KB took
+    1.5 s.  Now one digest per try, and full probes only for chunks whose first block
+    hits: here the chunk that followed the last one placed."""
+    from promptsplice.assembler._layout import LayoutBuilder
+
+    docs = [{"id": f"c{i}", "text": f"Document {i}: " + f"fact {i} about the topic. " * 12} for i in range(40)]
+    asm = make_assembler(policy="cache_aware", capacity_blocks=None)
+    asm.assemble(docs, query="first", system=SYSTEM, policy="retrieval")
+    drifted = [docs[j] for j in (7, 3, 0, 1, 2, 4, 5, 6, *range(8, 40))] + [{"id": "new", "text": "A new one."}]
+    full = []
+    probe = LayoutBuilder.probe
+    monkeypatch.setattr(
+        LayoutBuilder, "probe", lambda self, seg, pad, limit=None: full.append(limit) or probe(self, seg, pad, limit)
+    )
+    res = asm.assemble(drifted, query="second", system=SYSTEM)
+    assert res.chunk_order[:40] == [f"c{i}" for i in range(40)]  # the walk found the cached order
+    assert full.count(None) <= 4 * 41  # linear: 110 (layout decisions included); was 1,685
+    assert res.predicted_cached_tokens > 0
+
+
 def test_dedup_report_is_attached(make_assembler):
     asm = make_assembler()
     dup = [{"id": "a", "text": DOCS["paris"]}, {"id": "b", "text": DOCS["paris"]}]

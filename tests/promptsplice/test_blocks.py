@@ -17,6 +17,7 @@ from promptsplice.blocks import (
     content_digest,
     hash_block,
     hash_while_cached,
+    next_blocks_cached,
     root_hash,
     round_down,
     round_up,
@@ -162,3 +163,26 @@ def test_a_salt_is_none_a_str_or_bytes_never_converted():
         with pytest.raises(InvalidSaltError):
             chunk_key(toks, block_size=16, salt=bad)  # type: ignore[arg-type]
     assert root_hash(b"\0" * 5) != root_hash("\0" * 5) != root_hash(None)
+
+
+def test_a_miss_at_the_first_block_hashes_no_chain():
+    """A long segment whose first block is not cached was hashed whole into the memo
+    (the greedy walk probes every chunk at every step: O(n^2) chains)."""
+    import promptsplice.blocks as blocks
+
+    tokens = list(range(40 * 16))
+    blocks._memo.clear()
+    out: list[bytes] = []
+    assert hash_while_cached(root_hash("x"), token_bytes(tokens), 16, set(), out) == 0
+    assert out == chain_hashes(tokens, 16, salt="x")[:1] and blocks._memo == {}
+
+
+def test_next_blocks_cached_names_the_block_each_head_completes():
+    bs, parent = 4, hash_block(root_hash(), [1, 2, 3, 4])
+    tail = token_bytes([5, 6])
+    done = hash_block(parent, [5, 6, 7, 8])
+    heads = [token_bytes([7, 8, 9]), token_bytes([7]), token_bytes([9, 9]), token_bytes([7, 8])]
+    assert next_blocks_cached(parent, tail, heads, bs, {done}) == [True, False, False, True]
+    assert next_blocks_cached(parent, b"", [token_bytes([5, 6, 7, 8])], bs, set()) == [False]
+    with pytest.raises(ValueError, match="fewer than a block"):
+        next_blocks_cached(parent, token_bytes([1, 2, 3, 4]), heads, bs, {done})
