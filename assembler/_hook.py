@@ -129,7 +129,10 @@ class ContextHook:
     ``alignment`` (default ``all``: see :mod:`promptsplice.assembler._render`).  ``policies`` run in
     order on every step (objects with ``apply(messages) -> PolicyResult`` or such
     callables).  ``max_sessions`` bounds the sessions kept (least recently used
-    evicted first).  ``salt`` is the default cache salt of every session.
+    evicted first): a session that comes back after it was evicted starts anew (a full
+    prefill), counted in ``evicted_returns`` and logged as a warning (at the 1st, 2nd,
+    4th, 8th, ... such step): raise ``max_sessions`` above the sessions in flight.
+    ``salt`` is the default cache salt of every session.
     """
 
     def __init__(
@@ -170,6 +173,8 @@ class ContextHook:
         self.max_sessions = max_sessions
         self.salt = salt
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._evicted: OrderedDict[str, None] = OrderedDict()  # the last max_sessions evicted ids
+        self.evicted_returns = 0
         self._lock = threading.Lock()
 
     @property
@@ -215,6 +220,7 @@ class ContextHook:
     def forget(self, session_id: str) -> bool:
         """Drop a session's state; ``True`` if it existed."""
         with self._lock:
+            self._evicted.pop(session_id, None)
             return self._sessions.pop(session_id, None) is not None
 
     def __len__(self) -> int:
@@ -231,9 +237,21 @@ class ContextHook:
             s = self._sessions.get(session_id)
             if s is None:
                 s = self._sessions[session_id] = _Session()
+                if self._evicted.pop(session_id, 0) is None:
+                    self.evicted_returns += 1
+                    n = self.evicted_returns
+                    if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: loud, never a flood
+                        logger.warning(
+                            "context hook: session %r came back after it was evicted, so its step is a full "
+                            "prefill (%d such steps so far); raise max_sessions (%d) above the sessions in flight",
+                            session_id, n, self.max_sessions,
+                        )  # fmt: skip
                 while len(self._sessions) > self.max_sessions:
                     old_id, _ = self._sessions.popitem(last=False)
                     logger.debug("context hook: evicted session %r (max_sessions=%d)", old_id, self.max_sessions)
+                    self._evicted[old_id] = None
+                    if len(self._evicted) > self.max_sessions:
+                        self._evicted.popitem(last=False)
             else:
                 self._sessions.move_to_end(session_id)
             return s

@@ -108,6 +108,26 @@ def test_sessions_are_bounded_lru(renderer):
     assert hook("c", msgs).kind is StepKind.APPEND  # a was evicted by b; c stayed
 
 
+def test_a_session_back_after_eviction_is_counted_and_warned(renderer, caplog):
+    """More sessions in flight than max_sessions made every step a full prefill, logged
+    at debug level only."""
+    hook = ContextHook(renderer, max_sessions=2)
+    msgs = [{"role": "user", "content": "hi"}]
+    with caplog.at_level(logging.WARNING, logger="promptsplice"):
+        for _ in range(3):
+            for sid in "abc":  # three sessions round-robin over two slots
+                hook(sid, msgs)
+    assert hook.evicted_returns == 6  # every step after the first round
+    warned = [r.getMessage() for r in caplog.records if "came back after it was evicted" in r.getMessage()]
+    assert len(warned) == 3 and "(4 such steps so far)" in warned[-1] and "max_sessions (2)" in warned[-1]
+    assert "a" not in hook  # c's last step evicted a
+    hook.forget("a")  # forgotten on purpose: its return is no eviction to report
+    hook("a", msgs)  # evicts b
+    assert hook.evicted_returns == 6
+    hook("b", msgs)
+    assert hook.evicted_returns == 7
+
+
 def test_a_salt_change_falls_back_to_a_full_prefill(renderer, caplog):
     hook = ContextHook(renderer, salt="tenant-1")
     msgs = [{"role": "user", "content": "hi"}]
