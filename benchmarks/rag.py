@@ -31,7 +31,7 @@ every token the engine computed for a request (the precompute included), ``cache
 prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
 
     "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests",
-            "recompute_blocks", "exact_alignment", "gap_closed", "kv_cache_blocks", "store_dram_bytes"},
+            "too_long_requests", "recompute_blocks", "exact_alignment", "gap_closed", "kv_cache_blocks", "store_dram_bytes"},
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
                  "first_token_kl_ci95", "tf_top1_p50", "tf_top1_p10", "tf_top1_min",
@@ -158,10 +158,9 @@ def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float) 
 
 def _fitting(engine: Any, asm: Any, fmt: Any, requests: Sequence[RagRequest]) -> list[int]:
     """Indices of the requests whose naive text and assembly both fit ``max_model_len``
-    (with a margin of :data:`FIT_MARGIN` tokens for tokenizer differences), the assembly
-    in its own layout and with every segment padded to whole blocks (position-independent
-    reuse's layout, up to a block per segment longer: a request that fit only the first
-    failed the whole bench in its last mode)."""
+    (with a margin of :data:`FIT_MARGIN` tokens for tokenizer differences).  A request
+    that fits only without whole-block chunks is run in every mode: position-independent
+    reuse sends it exact in that layout (``StepFallback.TOO_LONG``, ``too_long_requests``)."""
     limit = engine.max_model_len - FIT_MARGIN
     tok = engine.tokenizer
     keep = []
@@ -170,11 +169,7 @@ def _fitting(engine: Any, asm: Any, fmt: Any, requests: Sequence[RagRequest]) ->
         if len(tok.encode(text)) >= limit:
             continue
         try:
-            fits = all(
-                len(asm.preview(_chunks(req), query=req.query, system=req.system or None, alignment=align).token_ids)
-                < limit
-                for align in (None, "all")
-            )
+            fits = len(asm.preview(_chunks(req), query=req.query, system=req.system or None).token_ids) < limit
         except ContextLengthError:
             continue
         if fits:
@@ -416,6 +411,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "precomputed_tokens": sum(st.precomputed_tokens for st in steps),
         "engine_requests": sum(st.requests for st in steps),
         "exact_requests": sum(st.fallback is StepFallback.NO_GAIN for st in steps),
+        "too_long_requests": sum(st.fallback is StepFallback.TOO_LONG for st in steps),
         "recompute_blocks": r,
         "exact_alignment": exact_alignment,
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
@@ -479,6 +475,8 @@ def format_modes(report: dict[str, Any]) -> str:
             f"{'n/a' if ps is None else f'{ps:.0%}'} of the {STORE_MODE}->oracle gap; relocated "
             f"{p['relocated_tokens']} tokens, precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests, "
             f"{p.get('exact_requests', 0)} requests sent exact (relocation would not pay)"
+            + (f", {p['too_long_requests']} exact in the unpadded layout (whole-block chunks did not fit the context)"
+               if p.get("too_long_requests") else "")
         )
         lines.append(
             f"fidelity over {f['steps']} verified requests: tf-top1 {f['tf_top1_agreement']} {f['tf_top1_ci95']} "

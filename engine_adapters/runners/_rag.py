@@ -83,7 +83,9 @@ Failures fall back to prefill, never to wrong KV: a block the store no longer se
 when the request runs ends the load there and vLLM computes the rest of the prompt
 (the connector's load-error path); a plan that does not fit the prompt is logged and
 the prompt sent as a plain request (:attr:`RagStep.fallback`, a
-:class:`~promptsplice.engine_adapters.runners.StepFallback`).
+:class:`~promptsplice.engine_adapters.runners.StepFallback`).  A request whose
+whole-block layout does not fit the context, where the exact layout (``auto``) does,
+goes out in that layout (``StepFallback.TOO_LONG``), its chunks unindexed.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ from promptsplice.engine_adapters.runners._steps import (
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
 from promptsplice.blocks import chain_hashes, root_hash, round_down
 from promptsplice._validate import DERIVED_SALT_MARK, check_enum, check_int, check_tenant_salt
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, ContextLengthError, InputError
 
 if TYPE_CHECKING:
     from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
@@ -337,15 +339,28 @@ class RagRunner:
                 return self._run_exact(chunks, query, system, tools, gen)
             return self._run_pic(chunks, query, system, tools, gen, cfg)
 
+    def _fitted(self, make, chunks, salt, alignment, what) -> tuple[AssembledPrompt, bool]:
+        """``make(chunks, ...)`` (assemble or preview) in ``alignment``; where that layout
+        (whole-block chunks) does not fit the context, in ``auto``, and True."""
+        try:
+            return make(chunks, salt=salt, alignment=alignment, **what), False
+        except ContextLengthError:
+            if alignment == "auto":
+                raise
+            return make(chunks, salt=salt, alignment="auto", **what), True
+
     def _run_exact(self, chunks, query, system, tools, gen) -> RagStep:
         asm = self.assembler
         t0 = time.perf_counter()
-        prompt = asm.assemble(chunks, query=query, system=system, tools=tools, salt=self.salt)
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
+        what = {"query": query, "system": system, "tools": tools}
+        prompt, long = self._fitted(asm.assemble, _chunk_list(chunks), self.salt, "all" if pic else "auto", what)
         looked = 0.0
         if pic:  # what relocation would have served: the chunks stored before it ran
-            toks = prompt.token_ids
-            chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
+            toks, bs = prompt.token_ids, self.engine.block_size
+            # whole-block chunks (all of them, unless the step is TOO_LONG)
+            chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK and not s.start % bs
+                          and not (s.end - s.start) % bs]
             # asks the store only when the index holds one of them (none on first sight);
             # for the record only, so its time stays out of the step's TTFT
             t_look = time.perf_counter()
@@ -354,7 +369,8 @@ class RagRunner:
             looked = time.perf_counter() - t_look
         t_send = time.perf_counter()
         out = self.engine.generate(prompt, **gen)
-        step = self._step(prompt, [out], out, t0, t_send - looked, self.salt, 0, 0, 0, None)
+        why = StepFallback.TOO_LONG if long else None
+        step = self._step(prompt, [out], out, t0, t_send - looked, self.salt, 0, 0, 0, why)
         if pic:
             self._index_chunks(prompt.token_ids, chunk_segs)
             step.recomputed_tokens = _computed(prompt, stored, step.cached_tokens)
@@ -367,7 +383,10 @@ class RagRunner:
         chunks = _chunk_list(chunks)
         what = {"query": query, "system": system, "tools": tools}
         gate = self.relocate == "when_it_pays"
-        prompt = (asm.preview if gate else asm.assemble)(chunks, salt=salt, **what)
+        try:
+            prompt = (asm.preview if gate else asm.assemble)(chunks, salt=salt, **what)
+        except ContextLengthError:  # whole-block chunks do not fit: one exact request
+            return self._run_exact(chunks, query, system, tools, gen)
         toks = prompt.token_ids
         hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
         chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
@@ -379,6 +398,7 @@ class RagRunner:
         # no padding where reuse cannot pay) or whole-block chunks ("all": indexed where
         # they stand, relocatable later without a precompute).  One store query for all.
         todo = [s for s in chunk_segs if s.end > hit and (s.end - s.start) // bs > r]
+        # (it fits: whole-block chunks, as in ``prompt``, or fewer padded blocks)
         exact = asm.preview(chunks, salt=self.salt, alignment=self.exact_alignment, **what) if gate else None
         also = [self._exact_chain(toks), self._exact_chain(exact.token_ids)] if exact is not None else []
         looks, stored = self.index.lookup_many([toks[s.start : s.end] for s in todo], salt=self.salt, also=also)

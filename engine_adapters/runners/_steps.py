@@ -71,6 +71,10 @@ class StepFallback(enum.Enum):
     NO_GAIN = "no_gain"
     """Relocation was predicted to compute no fewer tokens than one exact request
     (``RagRunner``: new or short chunks, an exact repeat; :func:`pic_choice`)."""
+    TOO_LONG = "too_long"
+    """``RagRunner`` (position-independent): whole-block chunks do not fit the
+    engine's context where the exact (``auto``) layout does, so the request went out in
+    that layout, its chunks unindexed (their KV is not block-aligned)."""
 
 
 def cached_tokens(prompt_tokens: int, prefill_tokens: int) -> int:

@@ -189,12 +189,13 @@ def test_a_request_over_the_context_is_skipped_and_fails_coverage(small_plain):
     assert bench_status(report, allow_skips=True) == 0
 
 
-def test_the_fit_check_counts_the_block_padded_layout(small_plain):
-    """A request that fit the ``auto`` layout but not PIC's block-padded one (up to a
-    block per chunk longer) passed the check and failed the whole bench in its last mode,
-    with no report: it is now skipped (and counted) like any request over the context."""
+def test_a_request_that_fits_only_without_whole_block_chunks_runs_in_every_mode(small_plain, kv_engine):
+    """A request that fit the ``auto`` layout but not PIC's whole-block one (a block of
+    padding per chunk) failed the whole bench in its last mode; then it was skipped in
+    every mode, and a trace of many short chunks exited 3 for requests that fit.  PIC
+    now sends it exact in the ``auto`` layout (``too_long_requests``), like the others."""
     from promptsplice.assembler import PromptFormat
-    from promptsplice.benchmarks.rag import FIT_MARGIN, _chunks, _fitting
+    from promptsplice.benchmarks.rag import FIT_MARGIN, PIC_MODE, _chunks, _fitting, bench_status
     from promptsplice.benchmarks.traces import RagChunk, RagRequest
     from promptsplice.errors import ContextLengthError
 
@@ -208,10 +209,15 @@ def test_the_fit_check_counts_the_block_padded_layout(small_plain):
     def size(req: RagRequest, align: str | None) -> float:
         try:
             return len(asm.preview(_chunks(req), query=req.query, system=req.system, alignment=align).token_ids)
-        except ContextLengthError:  # over the engine's context: no fit at all
+        except ContextLengthError:  # over the engine's context or its cache: no fit at all
             return math.inf
 
     n = next(n for n in range(10, 400, 2) if size(request(n), "all") >= limit)
     req = request(n)
     assert size(req, None) < limit <= size(req, "all")  # fits the auto layout only
-    assert _fitting(small_plain, asm, asm.format, [req, request(4)]) == [1]
+    assert _fitting(small_plain, asm, asm.format, [req, request(4)]) == [0, 1]
+    report, _ = run_modes(small_plain, [req], kv_engine=kv_engine, max_tokens=1, fidelity_requests=0)
+    assert report["coverage"] == 1.0 and report["skipped_requests"] == []
+    assert report["pic"]["too_long_requests"] == 1 and report["pic"]["relocated_tokens"] == 0
+    assert report["modes"][PIC_MODE]["prompt_tokens"] < limit
+    assert bench_status(report) == 0

@@ -477,6 +477,35 @@ def test_exact_mode_is_the_default_and_never_relocates(kv_engine):
     assert b.cached_tokens == b.completion.num_cached_tokens > 0
 
 
+def test_a_request_too_long_for_whole_block_chunks_goes_out_exact_in_the_auto_layout(kv_engine):
+    """Whole-block chunks (a block of padding per short chunk) can exceed the context
+    where the exact layout fits: the runner raised ContextLengthError for a request an
+    exact runner serves.  It now sends it exact, unpadded, and says so."""
+    from promptsplice.errors import ContextLengthError
+
+    many = [{"id": f"c{i}", "text": f"Item {i}: " + "the harbor wall " * 9} for i in range(400)]
+    probe = RagRunner(kv_engine, mode="position_independent", salt="probe").assembler
+
+    def fits(n: int, alignment: str) -> bool:
+        try:
+            probe.preview(many[:n], query="Which?", system=SYSTEM, alignment=alignment)
+            return True
+        except ContextLengthError:
+            return False
+
+    n = next(n for n in range(10, 400, 2) if not fits(n, "all"))
+    assert fits(n, "auto")
+    for fidelity in ("bounded", "exact"):
+        runner = RagRunner(kv_engine, mode="position_independent", fidelity=fidelity, salt=f"long-{uuid.uuid4().hex[:8]}")
+        step = runner.run(many[:n], query="Which?", system=SYSTEM, max_tokens=1)
+        assert step.fallback is StepFallback.TOO_LONG and step.requests == 1 and step.relocated_tokens == 0
+        want = runner.assembler.preview(many[:n], query="Which?", system=SYSTEM, alignment="auto", salt=runner.salt)
+        assert step.prompt.token_ids == want.token_ids
+    exact = RagRunner(kv_engine, salt=f"long-{uuid.uuid4().hex[:8]}")  # the exact runner: no such fallback
+    with pytest.raises(ContextLengthError):
+        exact.run(many, query="Which?", system=SYSTEM, max_tokens=1)
+
+
 def test_bad_configurations_are_refused(engine, kv_engine):
     with pytest.raises(ConfigError, match="splice connector"):
         RagRunner(engine, mode="position_independent")
