@@ -402,7 +402,7 @@ def bench_suite(
     *,
     families: Sequence[str] = SUITE,
     traces: Sequence[str | Path] = (),
-    requests: int = 200,
+    requests: int | None = None,
     seed: int = 0,
     block_sizes: Sequence[int] = (16, 32),
     tokenizer: Any = "default",
@@ -410,14 +410,18 @@ def bench_suite(
     trace_dir: str | Path,
     default_policy: str = "cache_aware",
 ) -> dict[str, Any]:
-    """Every family (and every extra trace file) at every block size (module docstring)."""
+    """Every family (and every extra trace file) at every block size (module docstring).
+    ``requests``: generated per family (default 200), and the first N of each extra file
+    (default: the whole file; a file cut silently to the families' count was a user's
+    trace benched in part)."""
+    per_family = 200 if requests is None else requests
     if not block_sizes:
         raise ConfigError("block_sizes must name at least one block size, e.g. 16,32")
     out_dir = Path(trace_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(tokenizer)
     report: dict[str, Any] = {
-        "suite": {"families": list(families), "traces": [str(t) for t in traces], "requests": requests,
+        "suite": {"families": list(families), "traces": [str(t) for t in traces], "requests": per_family,
                   "seed": seed, "block_sizes": list(block_sizes), "tokenizer": tok.name,
                   "alignment": alignment},
         "families": {},
@@ -428,8 +432,8 @@ def bench_suite(
     for name, path, generate in jobs:
         try:
             if generate:
-                write_rag_trace(path, requests=requests, seed=seed, family=name)
-            reqs = read_rag_trace(path, limit=requests)
+                write_rag_trace(path, requests=per_family, seed=seed, family=name)
+            reqs = read_rag_trace(path, limit=per_family if generate else requests)
             entry: dict[str, Any] = {"trace": str(path), "shape": shape_stats(reqs), "blocks": {}}
             for bs in block_sizes:
                 entry["blocks"][str(bs)] = bench_policies(reqs, tokenizer=tok, block_size=bs, alignment=alignment)
@@ -504,7 +508,7 @@ def run_suite_bench(
     report = bench_suite(
         families=SUITE if families is None else families,
         traces=traces,
-        requests=200 if requests is None else requests,
+        requests=requests,
         seed=seed,
         block_sizes=block_sizes,
         tokenizer=tokenizer,

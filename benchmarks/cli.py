@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="'default' (SmolLM2), 'tiktoken:ENCODING' or a tokenizer.json path")
     asm.add_argument("--alignment", default="auto", help="auto | none | all")
     asm.add_argument("--requests", type=_count(1), default=None,
-                     help="only the first N requests (--suite: N generated per family, default 200)")
+                     help="only the first N requests (--suite: N generated per family, default 200, "
+                          "and the first N of a --trace file, default all)")
     asm.add_argument("--suite", action="store_true", help="every trace family; reports each and the worst")
     asm.add_argument("--families", default=None, help="--suite: comma-separated families (default: all)")
     asm.add_argument("--block-sizes", type=_block_sizes, default=[16, 32], help="--suite: comma-separated block sizes")

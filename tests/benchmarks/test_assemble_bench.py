@@ -204,3 +204,17 @@ def test_suite_reports_each_family_and_the_worst_and_survives_broken_ones(tmp_pa
     assert set(json.loads(out.read_text())["families"]) == {"tools", "empty"}
     assert main(["bench", "assemble", "--json", str(out)]) == 2  # neither --trace nor --suite
 
+
+
+def test_a_trace_file_in_the_suite_is_benched_whole_unless_requests_is_given(tmp_path):
+    """``--suite --trace FILE`` read the file's first 200 requests (the families' default
+    count) and said nothing: a user's 230-request trace was benched in part."""
+    from promptsplice.benchmarks.assemble import bench_suite
+
+    long = tmp_path / "long.jsonl"
+    dump_rag_trace(long, sample_rag_requests(230, seed=1))
+    rep = bench_suite(families=[], traces=[long], block_sizes=(32,), trace_dir=tmp_path / "tr")
+    assert rep["families"]["file:long"]["shape"]["requests"] == 230 and not rep["failed"]
+    assert rep["suite"]["requests"] == 200  # what each generated family gets
+    cut = bench_suite(families=[], traces=[long], requests=40, block_sizes=(32,), trace_dir=tmp_path / "tr")
+    assert cut["families"]["file:long"]["shape"]["requests"] == 40
