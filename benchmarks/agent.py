@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.benchmarks.agent_probes import ProbeTurns, probe_ranks
+from promptsplice.benchmarks.assemble import gap_closed
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
 from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
 from promptsplice.benchmarks._stats import percentile
@@ -71,6 +72,7 @@ from promptsplice.benchmarks.fidelity import (
     FIDELITY_FIELDS,
     PROBE_TOKENS,
     Fidelity,
+    FidelityError,
     check_probes,
     full_blocks,
     probe_coverage,
@@ -404,7 +406,7 @@ def run_agent_modes(
         "bench_wall_s": round(time.perf_counter() - t_start, 1),
     }
     apc, spl = report["modes"]["apc"]["prefill_tokens"], report["modes"]["splice"]["prefill_tokens"]
-    report["gap_closed"] = round((apc - spl) / (apc - ideal), 4) if apc > ideal else None
+    report["gap_closed"] = gap_closed(apc, spl, ideal)  # the RAG benches' rule: a loss is negative
     return report
 
 
@@ -423,7 +425,14 @@ def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> None:
     signals = {"session": sid, "step": sp.step, "changed_share": round(sp.changed_share, 4),
                "relocated_tokens": sp.relocated_tokens, "deviation_max": max(sp.deviations, default=None)}
     for m in ("apc", "splice"):
-        fid[m].measure(engines[m], tokens, cont, p_ref, runners[m].session_salt(sid), steps[m].completion.token_ids,
+        # the mode's own 32 greedy tokens from the step's KV (its completion holds only
+        # --max-tokens of them, which capped greedy agreement at max_tokens / 32)
+        salt = runners[m].session_salt(sid)
+        greedy = engines[m].generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=salt)
+        if need[m] is not None and greedy.num_cached_tokens < need[m]:
+            raise FidelityError(f"agent step {sid}/{sp.step}: the greedy probe was served "
+                                f"{greedy.num_cached_tokens} cached tokens of the {need[m]} the step's KV covers")
+        fid[m].measure(engines[m], tokens, cont, p_ref, salt, greedy.token_ids,
                        need_cached=need[m], label=label, signals=signals)
 
 

@@ -88,6 +88,9 @@ def test_fidelity_was_measured_on_the_real_model(report):
         assert f["first_token_kl"] >= -1e-6
     # the control is exact KV: its teacher-forced agreement is high on any context
     assert fid["control"]["tf_top1_agreement"] >= 0.8
+    # greedy agreement compares 32 greedy tokens of the mode's KV, whatever --max-tokens
+    # (4 here): the step's own 4-token completion capped it at 4/32 for exact KV too
+    assert fid["control"]["greedy_agreement"] > 4 / 32
 
 
 def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
