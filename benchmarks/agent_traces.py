@@ -139,7 +139,9 @@ def _text_parts(w: _Where, content: Any, fld: str) -> Any:
         return content
     texts = []
     for k, part in enumerate(content):
-        if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+        if isinstance(part, str):  # a bare string part, as the renderer takes it
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         else:
             raise w.fail(f"{fld}.content[{k}]", f"not a text part ({_type_name(part)})",
@@ -189,7 +191,7 @@ def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[st
     content = _text_parts(w, msg.get("content"), fld)
     if has_content:
         msg["content"] = content
-    if role == "assistant" and calls:
+    if role == "assistant" and calls is not None:  # [] too: frameworks send an empty list
         if content is not None and not isinstance(content, str):
             raise w.fail(f"{fld}.content", f"expected a string or null, got {_type_name(content)}",
                          "put the assistant's text in content as a string")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptsplice.assembler import TruncateToolOutputs, is_error_output
+from promptsplice.assembler import ContextHook, TruncateToolOutputs, is_error_output
 from promptsplice.benchmarks.agent_traces import (
     MASK_PLACEHOLDER,
     STEP_KINDS,
@@ -129,18 +129,22 @@ def test_duplicate_ids_empty_file_and_invalid_utf8(tmp_path: Path) -> None:
 def test_framework_forms_are_read_as_the_renderer_reads_them(tmp_path: Path) -> None:
     """Text parts, a developer message, object or empty arguments, calls and outputs
     without ids: what OpenAI-style harnesses send, which the hook renders."""
-    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}  # a bare string part too
+    no_calls = {"role": "assistant", "content": None, "tool_calls": []}  # an empty call list, no text
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
                            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": ""}}]}
     path = tmp_path / "forms.jsonl"
-    render = [SYS, {"role": "developer", "content": "d"}, parts, call, {"role": "tool", "content": "out"}, _out("c2", "y")]
+    render = [SYS, {"role": "developer", "content": "d"}, parts, call, {"role": "tool", "content": "out"}, _out("c2", "y"),
+              no_calls]
     path.write_text(_line(renders=[render]) + "\n", encoding="utf-8")
     (s,) = read_agent_trace(path)
     msgs = s.renders[0]
     assert msgs[2]["content"] == "ab" and msgs[3]["content"] is None
     assert [c["function"]["arguments"] for c in msgs[3]["tool_calls"]] == ['{"x": 1}', ""]
     assert "tool_call_id" not in msgs[4] and msgs[1]["role"] == "developer"
+    assert msgs[6]["content"] is None and msgs[6]["tool_calls"] == []
+    ContextHook(block_size=32)("s", msgs)  # and the hook renders what the reader took
 
 
 def test_unknown_extra_keys_are_tolerated(tmp_path: Path) -> None:
