@@ -6,7 +6,13 @@
   the baseline, measured in the same run, is tokenizing the same prompt text once,
   whole, with the same tokenizer (what user code pays today).
 
-Run: ``python -m promptsplice.benchmarks.latency [--iters N]``.  Prints a table and JSON.
+With ``--agent-steps N``, also an agent session through ``ContextHook`` (the ten-line
+rule and dropped failed calls): each step appends a tool call and a 1-5 KB tool output
+of real text, one step in ten masks an older output; the time of one hook call at
+steps 10, 50, 100, ... N (median over 3 sessions), against tokenizing that step's whole
+prompt text once in the same run (the least a harness pays per model call).
+
+Run: ``python -m promptsplice.benchmarks.latency [--iters N] [--agent-steps N]``.  Prints a table and JSON.
 """
 
 from __future__ import annotations
@@ -17,11 +23,11 @@ import statistics
 import time
 from typing import Any
 
-from promptsplice.assembler import Assembler, load_tokenizer
+from promptsplice.assembler import Assembler, ContextHook, DropFailedCalls, TruncateToolOutputs, load_tokenizer
 from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.traces import load_wiki_leads
 
-__all__ = ["build_request", "run_latency_bench"]
+__all__ = ["build_request", "run_latency_bench", "run_hook_latency"]
 
 
 def build_request(tokenizer: Any, *, chunks: int = 20, target_tokens: int = 8192) -> list[dict[str, Any]]:
@@ -82,14 +88,73 @@ def run_latency_bench(
     return report
 
 
+def _agent_renders(steps: int, seed: int):
+    """One session's renders (see the module docstring), deterministic per seed."""
+    import random
+
+    rng = random.Random(seed)
+    leads = [t for _, t in load_wiki_leads()]
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a research agent. Use the tools, then answer."},
+        {"role": "user", "content": "Collect what is known about these places and summarise it."},
+    ]
+    for s in range(steps):
+        name = rng.choice(["search", "read_page", "run"])
+        out, size = [], rng.randint(1000, 5000)
+        while sum(map(len, out)) < size:
+            out.append(leads[rng.randrange(len(leads))].replace(". ", ".\n"))
+        msgs.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"call_{s}", "type": "function", "function": {"name": name, "arguments": json.dumps({"q": f"q{s}"})}}]})
+        msgs.append({"role": "tool", "tool_call_id": f"call_{s}", "content": "\n".join(out)[:size]})
+        if s > 3 and rng.random() < 0.1:
+            j = rng.randrange(3, len(msgs) - 2)
+            if msgs[j]["role"] == "tool":
+                msgs[j] = {**msgs[j], "content": "[output masked]"}
+        yield list(msgs)
+
+
+def run_hook_latency(steps: int = 200, block_size: int = 32, tokenizer: str = "default") -> dict[str, Any]:
+    """Per-call time of ``ContextHook`` over a growing agent session (module docstring)."""
+    tok = load_tokenizer(tokenizer)
+    tools = [{"type": "function", "function": {"name": n, "description": f"the {n} tool",
+              "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+             for n in ("search", "read_page", "run")]
+    marks = sorted({m for m in (10, 50, *range(100, steps + 1, 100), steps) if m <= steps})
+    hook_ms: dict[int, list[float]] = {m: [] for m in marks}
+    tok_ms: dict[int, list[float]] = {m: [] for m in marks}
+    tokens: dict[int, int] = {}
+    for seed in range(3):
+        hook = ContextHook(tok, block_size=block_size, policies=[TruncateToolOutputs(), DropFailedCalls()])
+        for step, msgs in enumerate(_agent_renders(steps, seed), 1):
+            t0 = time.perf_counter()
+            ctx = hook(f"s{seed}", msgs, tools=tools)
+            dt = (time.perf_counter() - t0) * 1e3
+            if step in hook_ms:
+                hook_ms[step].append(dt)
+                t0 = time.perf_counter()
+                tok.encode(ctx.render.text)
+                tok_ms[step].append((time.perf_counter() - t0) * 1e3)
+                tokens[step] = len(ctx.token_ids)
+    return {
+        "block_size": block_size,
+        "steps": {str(m): {"prompt_tokens": tokens[m], "hook_ms": round(statistics.median(hook_ms[m]), 3),
+                           "tokenize_whole_ms": round(statistics.median(tok_ms[m]), 3),
+                           "hook_over_tokenize": round(statistics.median(hook_ms[m]) / statistics.median(tok_ms[m]), 3)}
+                  for m in marks},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
+    ap.add_argument("--agent-steps", type=int, default=0, help="also an agent session of N steps (ContextHook)")
     args = ap.parse_args(argv)
     if args.iters < 1:
         ap.error(f"--iters must be >= 1, got {args.iters}")
+    if args.agent_steps < 0:
+        ap.error(f"--agent-steps must be >= 0, got {args.agent_steps}")
     r = run_latency_bench(args.iters, args.block_size, policy=args.policy)
     print(
         f"assemble_prompt ({r['policy']}), {r['chunks']} chunks, {r['prompt_tokens']} tokens: warm p50 "
@@ -97,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         f"tokenizing the text once {r['tokenize_whole_p50_ms']} ms: "
         f"{r['cold_over_tokenize']}x"
     )
+    if args.agent_steps:
+        r["agent"] = run_hook_latency(args.agent_steps)
+        for m, a in r["agent"]["steps"].items():
+            print(f"ContextHook, step {m} ({a['prompt_tokens']} tokens): {a['hook_ms']} ms vs tokenizing the "
+                  f"prompt once {a['tokenize_whole_ms']} ms: {a['hook_over_tokenize']}x")
     print(json.dumps(r, indent=2))
     return 0
 
