@@ -256,14 +256,29 @@ class Assembler:
         chunk_toks = toks[len(head) : len(head) + len(kept)]
         query_toks = toks[-1]
 
+        def lay(branches: Any, align: AlignPolicy) -> tuple[LayoutBuilder, list[int]]:
+            if order_policy is OrderPolicy.CACHE_AWARE:
+                return self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks)
+            order = self._order(kept, order_policy)
+            return self._layout(branches, salt, align, head, head_toks, kept, chunk_toks, order, query_toks), order
+
         with self._lock:
+            room = self._capacity_tokens()
             # A preview (learn=False) pads as the real send would, without counting.
             branches = self.branches if learn else PeekBranches(self.branches)
-            if order_policy is OrderPolicy.CACHE_AWARE:
-                builder, order = self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks)
+            if align is AlignPolicy.AUTO:
+                # Padding pays only in a prompt that fits: where the padded layout is
+                # over the context (or the cache) and the unpadded one is not, the
+                # prompt goes out unpadded (the padded one learned nothing).
+                trial = PeekBranches(branches)
+                builder, order = lay(trial, align)
+                n = len(builder.tokens)
+                if (limit is not None and n > limit) or (room is not None and n > room):
+                    builder, order = lay(branches, AlignPolicy.NONE)
+                else:
+                    trial.replay()
             else:
-                order = self._order(kept, order_policy)
-                builder = self._layout(branches, salt, align, head, head_toks, kept, chunk_toks, order, query_toks)
+                builder, order = lay(branches, align)
             hashes = builder.finish()
             tokens = builder.tokens
             if limit is not None and len(tokens) > limit:
@@ -274,7 +289,6 @@ class Assembler:
                     prompt_tokens=len(tokens),
                     max_tokens=limit,
                 )
-            room = self._capacity_tokens()
             if room is not None and len(tokens) > room:
                 raise ContextLengthError(
                     f"the assembled prompt has {len(tokens)} tokens but the prefix-cache mirror "

@@ -85,7 +85,8 @@ when the request runs ends the load there and vLLM computes the rest of the prom
 the prompt sent as a plain request (:attr:`RagStep.fallback`, a
 :class:`~promptsplice.engine_adapters.runners.StepFallback`).  A request whose
 whole-block layout does not fit the context, where the exact layout (``auto``) does,
-goes out in that layout (``StepFallback.TOO_LONG``), its chunks unindexed.
+goes out in that layout (``StepFallback.TOO_LONG``); only its chunks that are whole
+blocks there are indexed.
 """
 
 from __future__ import annotations

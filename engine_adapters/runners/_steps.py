@@ -74,7 +74,8 @@ class StepFallback(enum.Enum):
     TOO_LONG = "too_long"
     """``RagRunner`` (position-independent): whole-block chunks do not fit the
     engine's context where the exact (``auto``) layout does, so the request went out in
-    that layout, its chunks unindexed (their KV is not block-aligned)."""
+    that layout (unpadded where padding would not fit); only chunks that are whole
+    blocks there are indexed."""
 
 
 def cached_tokens(prompt_tokens: int, prefill_tokens: int) -> int:

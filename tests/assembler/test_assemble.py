@@ -233,6 +233,24 @@ def test_the_greedy_walk_hashes_past_the_first_block_only_chunks_that_hit_there(
     assert res.predicted_cached_tokens > 0
 
 
+def test_auto_lays_out_unpadded_where_the_padded_layout_would_not_fit(make_assembler):
+    """``auto`` pads where padded blocks are cached; a padded layout over the context
+    raised ContextLengthError for a prompt that fits unpadded (a position-independent
+    runner's exact fallback, a bench's fit check made on a colder cache)."""
+    docs = [{"id": f"d{i}", "text": f"Document {i} says the harbour wall was rebuilt in {1800 + i}."} for i in range(6)]
+    asm = make_assembler(policy="retrieval", capacity_blocks=None)
+    asm.assemble(docs, query="When?", system=SYSTEM, alignment="all")  # caches the padded blocks
+    auto = asm.preview(docs, query="When?", system=SYSTEM, alignment="auto")
+    none = asm.preview(docs, query="When?", system=SYSTEM, alignment="none")
+    assert sum(s.padding for s in auto.segments) > 0 and len(none.token_ids) < len(auto.token_ids)
+    fit = asm.assemble(docs, query="When?", system=SYSTEM, alignment="auto", max_tokens=len(auto.token_ids) - 1)
+    assert fit.token_ids == none.token_ids and sum(s.padding for s in fit.segments) == 0
+    before = asm.preview(docs, query="When?", system=SYSTEM, alignment="auto")
+    with pytest.raises(ContextLengthError):  # unpadded does not fit either: refused as before
+        asm.assemble(docs, query="When?", system=SYSTEM, alignment="auto", max_tokens=len(none.token_ids) - 1)
+    assert asm.preview(docs, query="When?", system=SYSTEM, alignment="auto") == before  # and nothing learned
+
+
 def test_dedup_report_is_attached(make_assembler):
     asm = make_assembler()
     dup = [{"id": "a", "text": DOCS["paris"]}, {"id": "b", "text": DOCS["paris"]}]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from promptsplice.assembler import Diff, Directive, Render, SegmentKind, apply_diff, apply_directives, diff_renders
+from promptsplice.assembler._ordering import AlignPolicy, parse_align
 from promptsplice.assembler._render import MessageSegment
 from promptsplice.benchmarks.agent_traces import read_agent_trace, write_agent_trace
 from promptsplice.benchmarks.traces import dump_rag_trace, read_rag_trace
@@ -27,6 +28,7 @@ from promptsplice.errors import (
     ContextLengthError,
     DirectiveError,
     InvalidChunkError,
+    InvalidToolsError,
     InvalidUTF8Error,
     PromptspliceError,
     TraceFormatError,
@@ -251,8 +253,15 @@ def no_utf8(value: Any) -> bool:
 
 
 def expected_assembly_error(chunks: Any, kwargs: dict) -> tuple[type, ...] | None:
-    """The documented refusal of ``assemble(chunks, **kwargs)``, or None: a bad chunk
-    first (dedup runs first), then a lone surrogate in the system prompt, tools or query."""
+    """The documented refusal of ``assemble(chunks, **kwargs)``, or None: tools that are
+    not JSON (NaN, infinity: checked with the arguments), then a bad chunk (dedup runs
+    next), then a lone surrogate in the system prompt, tools or query."""
+    tools = kwargs.get("tools")
+    if tools is not None:
+        try:
+            json.dumps(tools, allow_nan=False, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            return (InvalidToolsError,)
     exp = dedup_oracle(chunks, "error")
     if exp.error_index is not None:
         return exp.errors
@@ -283,9 +292,11 @@ def run_assembly(asm: Any, chunks: Any, kwargs: dict, limit: int) -> str:
 
 def check_assembly(asm: Any, chunks: Any, *, limit: int, **kwargs: Any) -> Any:
     """No assembled prompt exceeds the context it was given: with ``max_tokens=limit``
-    the prompt is the one assembled without a limit when that fits, else
-    ContextLengthError carries both sizes.  Both calls are previews (``Assembler.preview``),
-    so the assembler's state, and with it the layout, is the same."""
+    the prompt is the one assembled without a limit when that fits; else, under ``auto``
+    alignment, the unpadded one (``alignment="none"``) when that fits; else
+    ContextLengthError carries the size of the last layout tried and the limit.  Every
+    call is a preview (``Assembler.preview``), so the assembler's state, and with it the
+    layout, is the same."""
     try:
         free = asm.preview(chunks, **kwargs)
     except PromptspliceError as err:
@@ -299,13 +310,17 @@ def check_assembly(asm: Any, chunks: Any, *, limit: int, **kwargs: Any) -> Any:
             return None
         raise AssertionError(f"refused without a limit ({err!r}) but accepted with one")
     check_prompt(free, chunks)
+    want = free
+    align = kwargs.get("alignment")
+    if free.num_tokens > limit and (asm.alignment if align is None else parse_align(align)) is AlignPolicy.AUTO:
+        want = asm.preview(chunks, **{**kwargs, "alignment": "none"})  # padding never overflows
     try:
         got = asm.preview(chunks, max_tokens=limit, **kwargs)
     except ContextLengthError as err:
-        assert free.num_tokens > limit, f"a prompt of {free.num_tokens} tokens fits {limit}"
-        assert (err.prompt_tokens, err.max_tokens) == (free.num_tokens, limit)
+        assert want.num_tokens > limit, f"a prompt of {want.num_tokens} tokens fits {limit}"
+        assert (err.prompt_tokens, err.max_tokens) == (want.num_tokens, limit)
         return None
-    assert got.num_tokens <= limit and got.token_ids == free.token_ids
+    assert got.num_tokens <= limit and got.token_ids == want.token_ids
     return got
 
 
