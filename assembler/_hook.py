@@ -118,6 +118,7 @@ class _Session:
 
 
 PolicyLike = Any  # ContextPolicy or a callable messages -> PolicyResult
+_EVICTED_IDS = 65_536  # evicted session ids remembered (~100 bytes each) at least
 
 
 class ContextHook:
@@ -173,7 +174,10 @@ class ContextHook:
         self.max_sessions = max_sessions
         self.salt = salt
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._evicted: OrderedDict[str, None] = OrderedDict()  # the last max_sessions evicted ids
+        # The ids evicted last (at least 65,536 of them): N sessions taking turns over
+        # max_sessions slots are each remembered until they return, however large N.
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._evicted_max = max(_EVICTED_IDS, 16 * max_sessions)
         self.evicted_returns = 0
         self._lock = threading.Lock()
 
@@ -250,7 +254,7 @@ class ContextHook:
                     old_id, _ = self._sessions.popitem(last=False)
                     logger.debug("context hook: evicted session %r (max_sessions=%d)", old_id, self.max_sessions)
                     self._evicted[old_id] = None
-                    if len(self._evicted) > self.max_sessions:
+                    if len(self._evicted) > self._evicted_max:
                         self._evicted.popitem(last=False)
             else:
                 self._sessions.move_to_end(session_id)

@@ -120,6 +120,11 @@ def test_a_session_back_after_eviction_is_counted_and_warned(renderer, caplog):
     assert hook.evicted_returns == 6  # every step after the first round
     warned = [r.getMessage() for r in caplog.records if "came back after it was evicted" in r.getMessage()]
     assert len(warned) == 3 and "(4 such steps so far)" in warned[-1] and "max_sessions (2)" in warned[-1]
+    many = ContextHook(renderer, max_sessions=2)  # five sessions over two slots: each
+    for _ in range(4):  # one returns after more evictions than there are slots
+        for sid in "abcde":
+            many(sid, msgs)
+    assert many.evicted_returns == 15
     assert "a" not in hook  # c's last step evicted a
     hook.forget("a")  # forgotten on purpose: its return is no eviction to report
     hook("a", msgs)  # evicts b
