@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import atheris  # noqa: E402
 
-with atheris.instrument_imports(include=["assembler", "dedup"]):
+with atheris.instrument_imports(include=["promptsplice.assembler", "promptsplice.dedup"]):
     from promptsplice import assembler  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
 
 from promptsplice.assembler import Assembler, default_tokenizer  # noqa: E402

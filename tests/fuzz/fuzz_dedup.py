@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import atheris  # noqa: E402
 
-with atheris.instrument_imports(include=["dedup", "promptsplice"]):
+with atheris.instrument_imports(include=["promptsplice"]):
     from promptsplice import dedup  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
 
 from tests.fuzz import _fdp  # noqa: E402

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import atheris  # noqa: E402
 
-with atheris.instrument_imports(include=["assembler"]):
+with atheris.instrument_imports(include=["promptsplice.assembler"]):
     from promptsplice import assembler  # noqa: F401  (instrumented, so its coverage guides the fuzzer)
 
 from promptsplice.assembler import Directive  # noqa: E402

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import atheris  # noqa: E402
 
-with atheris.instrument_imports(include=["benchmarks"]):
+with atheris.instrument_imports(include=["promptsplice.benchmarks"]):
     import promptsplice.benchmarks.agent_traces  # noqa: F401  (instrumented, so their coverage
     import promptsplice.benchmarks.traces  # noqa: F401  guides the fuzzer)
 
