@@ -267,13 +267,10 @@ class Assembler:
             # A preview (learn=False) pads as the real send would, without counting.
             branches = self.branches if learn else PeekBranches(self.branches)
             if align is AlignPolicy.AUTO:
-                # Padding pays only in a prompt that fits: where the padded layout is
-                # over the context (or the cache) and the unpadded one is not, the
-                # prompt goes out unpadded (the padded one learned nothing).
-                trial = PeekBranches(branches)
+                # Padding pays only in a prompt that fits: over the context or the cache, unpadded.
+                trial = PeekBranches(branches)  # (a layout not sent learns nothing)
                 builder, order = lay(trial, align)
-                n = len(builder.tokens)
-                if (limit is not None and n > limit) or (room is not None and n > room):
+                if any(b is not None and len(builder.tokens) > b for b in (limit, room)):
                     builder, order = lay(branches, AlignPolicy.NONE)
                 else:
                     trial.replay()

@@ -70,7 +70,7 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
         assert set(m) == MODE_FIELDS and m["requests"] == 6
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
-    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "recompute_blocks", "exact_alignment",
+    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment",
                         "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store"}
     # the default fidelity's r; precomputes, phases
     assert pic["recompute_blocks"] == FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks
