@@ -340,22 +340,19 @@ class RagRunner:
                 return self._run_exact(chunks, query, system, tools, gen)
             return self._run_pic(chunks, query, system, tools, gen, cfg)
 
-    def _fitted(self, make, chunks, salt, alignment, what) -> tuple[AssembledPrompt, bool]:
-        """``make(chunks, ...)`` (assemble or preview) in ``alignment``; where that layout
-        (whole-block chunks) does not fit the context, in ``auto``, and True."""
-        try:
-            return make(chunks, salt=salt, alignment=alignment, **what), False
-        except ContextLengthError:
-            if alignment == "auto":
-                raise
-            return make(chunks, salt=salt, alignment="auto", **what), True
-
     def _run_exact(self, chunks, query, system, tools, gen) -> RagStep:
         asm = self.assembler
         t0 = time.perf_counter()
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
-        what = {"query": query, "system": system, "tools": tools}
-        prompt, long = self._fitted(asm.assemble, _chunk_list(chunks), self.salt, "all" if pic else "auto", what)
+        what = {"query": query, "system": system, "tools": tools, "salt": self.salt}
+        chunks, long = _chunk_list(chunks), False
+        try:
+            prompt = asm.assemble(chunks, alignment="all" if pic else "auto", **what)
+        except ContextLengthError:
+            if not pic:
+                raise
+            # whole-block chunks do not fit where the exact layout may: TOO_LONG
+            prompt, long = asm.assemble(chunks, alignment="auto", **what), True
         looked = 0.0
         if pic:  # what relocation would have served: the chunks stored before it ran
             toks, bs = prompt.token_ids, self.engine.block_size
