@@ -258,8 +258,8 @@ class Assembler:
 
         def lay(branches: Any, align: AlignPolicy) -> tuple[LayoutBuilder, list[int]]:
             if order_policy is OrderPolicy.CACHE_AWARE:
-                return self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks)
-            order = self._order(kept, order_policy)
+                return self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks, learn)
+            order = self._order(kept, order_policy, learn)
             return self._layout(branches, salt, align, head, head_toks, kept, chunk_toks, order, query_toks), order
 
         with self._lock:
@@ -368,10 +368,10 @@ class Assembler:
         check_fits(nbytes, max_token_bytes=per_token, limit=room, what="the prefix-cache mirror's capacity",
                    fix=_CAPACITY_FIX)
 
-    def _order(self, kept: list[KeptChunk], policy: OrderPolicy) -> list[int]:
+    def _order(self, kept: list[KeptChunk], policy: OrderPolicy, learn: bool) -> list[int]:
         if policy is OrderPolicy.RETRIEVAL or len(kept) < 2:
             return list(range(len(kept)))
-        return self.popularity.order([k.digest for k in kept])
+        return self.popularity.order([k.digest for k in kept], memo=learn)
 
     def _append_chunk(
         self,
@@ -434,6 +434,7 @@ class Assembler:
         kept: list[KeptChunk],
         chunk_toks: Sequence[Sequence[int]],
         query_toks: Sequence[int],
+        learn: bool,
     ) -> tuple[LayoutBuilder, list[int]]:
         """Lay out every candidate order on the mirror and keep the best (see
         :mod:`promptsplice.assembler._ordering`): the last-sent order, the stable order,
@@ -442,9 +443,9 @@ class Assembler:
 
         A trial stops appending at its first miss (nothing after it hits, and ``auto``
         and ``none`` add no padding there): only the winner is completed."""
-        stable = self._order(kept, OrderPolicy.STABLE)
+        stable = self._order(kept, OrderPolicy.STABLE, learn)
         orders: list[list[int]] = []
-        last = self.popularity.last_sent([k.digest for k in kept]) if len(kept) > 1 else None
+        last = self.popularity.last_sent([k.digest for k in kept], touch=learn) if len(kept) > 1 else None
         for order in (last, stable, list(range(len(kept)))):
             if order is not None and order not in orders:
                 orders.append(order)

@@ -108,21 +108,26 @@ class PopularityTracker:
         with self._lock:
             return self._counts.get(digest, 0)
 
-    def order(self, digests: Sequence[bytes]) -> list[int]:
-        """Indices of ``digests`` in canonical order (does not learn; see observe)."""
+    def order(self, digests: Sequence[bytes], *, memo: bool = True) -> list[int]:
+        """Indices of ``digests`` in canonical order (does not learn; see observe).  The
+        first order of a chunk set is kept, so it stays stable as counts move; with
+        ``memo=False`` (a preview) a set not yet seen is ordered without being kept."""
         key = content_digest(b"".join(sorted(digests)))
         with self._lock:
-            memo = self._orders.get(key)
-            if memo is not None and len(memo) == len(digests):
-                self._orders.move_to_end(key)
+            kept = self._orders.get(key)
+            if kept is not None and len(kept) == len(digests):
+                if memo:
+                    self._orders.move_to_end(key)
                 pos = {d: i for i, d in enumerate(digests)}
                 # equal digests (dedup's exact pass off) share one entry of pos: the
                 # canonical sort below orders them by index, without the memo
-                if len(pos) == len(digests) and all(d in pos for d in memo):
-                    return [pos[d] for d in memo]
+                if len(pos) == len(digests) and all(d in pos for d in kept):
+                    return [pos[d] for d in kept]
             counts = self._counts
             tiers = [self.tier(counts.get(d, 0)) for d in digests]
         idx = sorted(range(len(digests)), key=lambda i: (-tiers[i], digests[i]))
+        if not memo:
+            return idx
         with self._lock:
             self._orders[key] = tuple(digests[i] for i in idx)
             while len(self._orders) > self._max_sets:
@@ -139,14 +144,16 @@ class PopularityTracker:
             while len(self._sent) > self._max_sets:
                 self._sent.popitem(last=False)
 
-    def last_sent(self, digests: Sequence[bytes]) -> list[int] | None:
-        """Indices of ``digests`` in the order this set was last sent in, or None."""
+    def last_sent(self, digests: Sequence[bytes], *, touch: bool = True) -> list[int] | None:
+        """Indices of ``digests`` in the order this set was last sent in, or None;
+        ``touch=False`` (a preview) leaves the set's place in the LRU as it was."""
         key = content_digest(b"".join(sorted(digests)))
         with self._lock:
             memo = self._sent.get(key)
             if memo is None or len(memo) != len(digests):
                 return None
-            self._sent.move_to_end(key)
+            if touch:
+                self._sent.move_to_end(key)
         pos = {d: i for i, d in enumerate(digests)}
         if len(pos) != len(digests) or not all(d in pos for d in memo):
             return None

@@ -137,6 +137,27 @@ def test_a_standalone_assembler_admits_what_it_assembles_and_preview_changes_not
     assert len(asm.mirror) == len(sent.block_hashes)  # the preview admitted nothing
 
 
+
+@pytest.mark.parametrize("policy", ["stable", "cache_aware"])
+def test_a_preview_does_not_fix_the_order_of_a_chunk_set(make_assembler, policy):
+    """The stable order of a chunk set is kept from its first assembly on; a preview
+    (another thread's, say) must not be that first assembly: with or without it, the
+    later assemble is the same prompt (before the fix the preview fixed the order it
+    saw, before paris became popular)."""
+
+    def later(preview: bool):
+        asm = make_assembler(policy=policy)
+        if preview:
+            asm.preview(chunks("lyon", "paris"), query="q0", system=SYSTEM)
+        for i in range(4):  # both chunks' popularity moves: paris becomes the hot one
+            asm.assemble(chunks("paris", "nice" if i % 2 else "lille"), query=f"w{i}", system=SYSTEM)
+        return asm.assemble(chunks("lyon", "paris"), query="q1", system=SYSTEM)
+
+    without, with_preview = later(False), later(True)
+    assert without.chunk_order[0] == "paris"  # the popular chunk leads a set first seen now
+    assert with_preview.chunk_order == without.chunk_order
+    assert with_preview.token_ids == without.token_ids
+
 def test_an_assembler_over_a_mirror_view_only_reads_it(default_tok):
     owner = PrefixCacheMirror(16, 64)
     asm = Assembler(default_tok, block_size=16, mirror=owner.view())
