@@ -246,9 +246,13 @@ class RemoteEngine(ServedEngineSurface):
     def _async_client(self) -> httpx.AsyncClient:
         # An AsyncClient's pooled connections belong to the event loop that opened them:
         # each loop (a second asyncio.run, loops in other threads) gets a client of its
-        # own, kept while the loop lives.
+        # own, kept while the loop lives.  The client's connections hold their loop, so
+        # the weak key alone never lets go: clients of closed loops are dropped here
+        # (one per asyncio.run leaked a client and a socket).
         loop = asyncio.get_running_loop()
         with self._aclients_lock:
+            for done in [lp for lp in self._aclients if lp.is_closed()]:
+                del self._aclients[done]
             client = self._aclients.get(loop)
             if client is None:
                 kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
@@ -258,9 +262,14 @@ class RemoteEngine(ServedEngineSurface):
             return client
 
     def close(self) -> None:
+        """Close the sync client and let go of every async one (an async client can be
+        closed only on its own loop: :meth:`aclose` there; the others' connections
+        close when they are collected)."""
         if self._client is not None:
             self._client.close()
             self._client = None
+        with self._aclients_lock:
+            self._aclients.clear()
 
     async def aclose(self) -> None:
         """Close this loop's async client (each loop closes its own) and the sync one."""
@@ -420,13 +429,23 @@ class RemoteEngine(ServedEngineSurface):
         raise error
 
     @contextlib.contextmanager
-    def _translating(self, url: str) -> Iterator[None]:
-        """httpx's errors -> ours, at the boundary: connect errors, timeouts and
-        connections broken mid-response (a completion is returned only whole, so a
-        retry never repeats output) become retryable (``_Retry``); every other
-        transport error is final.  Plain ``with`` works in the async driver too."""
+    def _translating(self, url: str, method: str = "GET") -> Iterator[None]:
+        """httpx's errors -> ours, at the boundary: connect errors, connect and pool
+        timeouts (nothing was sent) and connections broken mid-response (a completion
+        is returned only whole, so a retry never repeats output) become retryable
+        (``_Retry``); so do read and write timeouts of a GET.  A read or write timeout
+        of a POST is final: the server is alive but slow, and a retry would prefill the
+        prompt again and wait as long again (four times, at the default retries).
+        Every other transport error is final.  Plain ``with`` works in the async
+        driver too."""
         try:
             yield
+        except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
+            error = self._transport_error(exc, url)
+            if method != "GET":
+                raise error from exc
+            error.__cause__ = exc
+            raise _Retry(error) from exc
         except (httpx.ConnectError, httpx.TimeoutException, *_BROKEN) as exc:
             error = self._transport_error(exc, url)
             error.__cause__ = exc
@@ -445,6 +464,9 @@ class RemoteEngine(ServedEngineSurface):
                 return (yield call)
             except _Retry as retry:
                 if attempt >= self.max_retries:
+                    if attempt:  # say what was tried: the caller waited for all of it
+                        retry.error.args = (f"{retry.error.args[0]} (gave up after {attempt + 1} attempts)",
+                                            *retry.error.args[1:])
                     raise retry.error from retry.error.__cause__
                 delay = min(self.backoff * (2**attempt), MAX_RETRY_AFTER_S)  # no ceiling was days
                 if retry.retry_after is not None:
@@ -497,7 +519,7 @@ class RemoteEngine(ServedEngineSurface):
 
     def _call(self, call: _Call) -> Any:
         client = self._sync_client()
-        with self._translating(call.url):
+        with self._translating(call.url, call.method):
             if not call.stream:
                 response = client.request(call.method, call.url, json=call.req.body if call.req else None)
                 self._check_response(response, call)
@@ -531,7 +553,7 @@ class RemoteEngine(ServedEngineSurface):
 
     async def _acall(self, call: _Call) -> Any:
         client = self._async_client()
-        with self._translating(call.url):
+        with self._translating(call.url, call.method):
             if not call.stream:
                 response = await client.request(call.method, call.url, json=call.req.body if call.req else None)
                 self._check_response(response, call)

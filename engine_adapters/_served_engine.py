@@ -368,7 +368,7 @@ class ServedEngineSurface:
 
     def _stream_deltas(self, req: Request) -> Iterator[StreamDelta]:
         """The SSE deltas, with the engine's retries while nothing was yielded yet (a
-        refused connection, a 503, a timeout before the first token: as ``generate``);
+        refused connection, a 503, a connect timeout: as ``generate``);
         once a delta is out, an error is final (a retry would repeat output)."""
         call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
         attempts = self._attempts(call)  # type: ignore[attr-defined]
@@ -380,7 +380,7 @@ class ServedEngineSurface:
                 continue
             started = False
             try:
-                with self._translating(call.url):  # type: ignore[attr-defined]
+                with self._translating(call.url, "POST"):  # type: ignore[attr-defined]
                     with self._sync_client().stream("POST", call.url, json=req.body) as response:  # type: ignore[attr-defined]
                         if response.status_code >= 400:
                             response.read()

@@ -48,6 +48,10 @@ _LIMIT_RE = re.compile(
     r"|max_model_len\D{0,4}(\d+)|context window (?:of|is) (\d+)",
     re.IGNORECASE,
 )
+# vLLM: "max_tokens=3000 cannot be greater than max_model_len=2048"; and, for a prompt
+# that fills the context, its max_tokens clamped to the room left: "... at least 1, got 0".
+_OUTPUT_OVER_CONTEXT_RE = re.compile(r"max_(?:completion_)?tokens=(\d+) cannot be greater than max_model_len=(\d+)")
+_NO_ROOM_RE = re.compile(r"max_(?:completion_)?tokens must be at least 1, got 0\b")
 _PROMPT_LEN_RE = re.compile(
     r"(?:contains|has) (?:at least )?(\d+) (?:input |prompt )?tokens|\(length (\d+)\)|\((\d+) in the messages"
     r"|input \((\d+) tokens\)|prompt (?:has|is) (\d+) tokens|(\d+) prompt tokens",
@@ -354,6 +358,21 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
     says the prompt is too long (sizes read from the message), else
     :class:`EngineRequestError` with the server's message."""
     message = server_message(response)
+    too_many = _OUTPUT_OVER_CONTEXT_RE.search(message) if response.status_code == 400 else None
+    if too_many:  # names max_model_len, but the prompt is not the problem
+        return EngineRequestError(
+            f"{url} refused max_tokens={too_many[1]}: more output tokens than the whole context "
+            f"({too_many[2]} tokens) holds; request fewer ({message})"
+        )
+    if (response.status_code == 400 and req is not None and req.prompt_len
+            and _NO_ROOM_RE.search(message)):
+        # vLLM clamps max_tokens to the context left after the prompt: 0 left
+        return ContextLengthError(
+            f"{url} refused the prompt: its {req.prompt_len} tokens fill the whole context, "
+            f"leaving no room for an output token; shorten the prompt ({message})",
+            prompt_tokens=req.prompt_len,
+            max_tokens=req.prompt_len,
+        )
     if response.status_code == 400 and _CONTEXT_RE.search(message):
         m = _LIMIT_RE.search(message)
         limit = int(next(g for g in m.groups() if g is not None)) if m else -1

@@ -233,6 +233,35 @@ def test_too_long_prompt_is_context_length_error(remote):
     assert info.value.prompt_tokens == 2100
 
 
+def test_too_many_output_tokens_is_not_a_too_long_prompt(remote):
+    """vLLM's "max_tokens=3000 cannot be greater than max_model_len=2048" was reported as
+    a prompt refused as too long (a 100-token prompt)."""
+    with pytest.raises(EngineRequestError, match="max_tokens=3000.*2048 tokens.*request fewer") as info:
+        remote.complete(_ids(12, 100), max_tokens=3000)
+    assert not isinstance(info.value, ContextLengthError)
+
+
+def test_a_prompt_that_fills_the_context_is_a_context_length_error(remote):
+    """A 2048-token prompt on a 2048-token server left vLLM 0 output tokens: it answered
+    "max_tokens must be at least 1, got 0" to a caller who sent 1."""
+    with pytest.raises(ContextLengthError, match="fill the whole context") as info:
+        remote.complete([100] * 2048, max_tokens=1)
+    assert (info.value.prompt_tokens, info.value.max_tokens) == (2048, 2048)
+
+
+def test_asyncio_run_per_call_keeps_no_client_of_a_closed_loop(server):
+    """Each ``asyncio.run`` left its AsyncClient (and a socket) behind for good: the
+    client's connections hold its loop, so the weak key never died; ``close()`` left them too."""
+    eng = RemoteEngine(server)
+    for _ in range(4):
+        asyncio.run(eng.acomplete(_ids(13, 40), max_tokens=1))
+    assert len(eng._aclients) == 1  # the last loop's, dropped at the next lookup
+    asyncio.run(eng.acomplete(_ids(13, 40), max_tokens=1))
+    assert len(eng._aclients) == 1
+    eng.close()
+    assert len(eng._aclients) == 0
+
+
 def test_http_4xx_carries_server_message(server):
     with RemoteEngine(server, model="no-such-model") as eng:
         with pytest.raises(EngineRequestError, match="404.*no-such-model"):
@@ -380,6 +409,28 @@ def test_timeout_says_which():
 
     with pytest.raises(EngineTimeoutError, match="connect timeout of 2 s"):
         asyncio.run(_mock(connect, timeout=httpx.Timeout(7.0, connect=2.0)).acomplete([1], max_tokens=1))
+
+
+def test_a_read_timeout_of_a_completion_is_not_sent_again():
+    """A read timeout re-POSTed the whole request ``max_retries`` times: four prefills
+    and four timeouts' wait before one error that said neither.  A GET (``/metrics``)
+    is still retried, and the error says how many attempts it took."""
+    posts, gets = [], []
+
+    def slow(request):
+        (posts if request.method == "POST" else gets).append(request)
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    eng = _mock(slow, timeout=httpx.Timeout(7.0), max_retries=3)
+    with pytest.raises(EngineTimeoutError, match="read timeout of 7 s") as info:
+        eng.complete([1], max_tokens=1)
+    assert len(posts) == 1 and "attempts" not in str(info.value)
+    with pytest.raises(EngineTimeoutError):
+        asyncio.run(eng.acomplete([1], max_tokens=1, stream=True))
+    assert len(posts) == 2
+    with pytest.raises(EngineTimeoutError, match=r"gave up after 4 attempts"):
+        eng.server_counters()
+    assert len(gets) == 4
 
 
 def test_no_prompt_tokens_details_means_unknown_not_zero():
