@@ -236,12 +236,16 @@ class RemoteEngine(ServedEngineSurface):
     # ----------------------------------------------------------------- lifecycle
 
     def _sync_client(self) -> httpx.Client:
-        if self._client is None:
-            kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
-            if self._transport is not None:
-                kwargs["transport"] = self._transport
-            self._client = httpx.Client(**kwargs)
-        return self._client
+        client = self._client
+        if client is None:
+            with self._aclients_lock:  # threads' first calls at once: one client, none leaked
+                if self._client is None:
+                    kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
+                    if self._transport is not None:
+                        kwargs["transport"] = self._transport
+                    self._client = httpx.Client(**kwargs)
+                client = self._client
+        return client
 
     def _async_client(self) -> httpx.AsyncClient:
         # An AsyncClient's pooled connections belong to the event loop that opened them:
@@ -265,11 +269,11 @@ class RemoteEngine(ServedEngineSurface):
         """Close the sync client and let go of every async one (an async client can be
         closed only on its own loop: :meth:`aclose` there; the others' connections
         close when they are collected)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
         with self._aclients_lock:
+            client, self._client = self._client, None
             self._aclients.clear()
+        if client is not None:
+            client.close()
 
     async def aclose(self) -> None:
         """Close this loop's async client (each loop closes its own) and the sync one."""
