@@ -232,7 +232,27 @@ class TiktokenTokenizer:
         return f"TiktokenTokenizer({self.name!r})"
 
 
-@functools.lru_cache(maxsize=1)
+def _built_once(maxsize: int) -> Any:
+    """``functools.lru_cache`` that builds each value once when threads ask together
+    (a bare ``lru_cache`` runs the function in every thread that misses: 16 request
+    threads on a cold start built the default tokenizer 16 times, in 10x the time)."""
+
+    def wrap(fn: Any) -> Any:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        lock = threading.Lock()
+
+        @functools.wraps(fn)
+        def once(*args: Any) -> Any:
+            with lock:
+                return cached(*args)
+
+        once.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        return once
+
+    return wrap
+
+
+@_built_once(maxsize=1)
 def default_tokenizer() -> HFTokenizer:
     """The default model's tokenizer (SmolLM2-135M-Instruct), read from the packaged
     GGUF's metadata once and cached (:mod:`promptsplice.assets`): no weights, no torch."""
@@ -268,12 +288,12 @@ def load_tokenizer(spec: str | Tokenizer | None = None) -> Tokenizer:
     )
 
 
-@functools.lru_cache(maxsize=8)
+@_built_once(maxsize=8)
 def _tiktoken(name: str) -> TiktokenTokenizer:
     return TiktokenTokenizer(name)
 
 
-@functools.lru_cache(maxsize=8)
+@_built_once(maxsize=8)
 def _hf_file(path: str) -> HFTokenizer:
     return HFTokenizer.from_file(path)
 

@@ -20,16 +20,22 @@ Both folders are written to a temporary folder first and renamed into place, wit
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from promptsplice.errors import AssetError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process lock (vLLM runs on Linux)
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -92,24 +98,47 @@ def is_complete(folder: Path) -> bool:
     return (folder / _MARKER).is_file()
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """One builder of ``folder`` at a time, across threads and processes: an exclusive
+    ``flock`` on a sibling lock file (each thread opens its own, so they exclude each
+    other too).  Without it, a second builder removed, as an interrupted build's
+    leftovers, the folder a first one had just completed and handed out."""
+    path = folder.parent / f".{folder.name}.lock"
+    try:
+        fh = open(path, "a+b")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise AssetError(f"cannot open {path} to build {folder} ({exc}); make its folder writable") from exc
+    with fh:
+        if fcntl is not None:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
     """Run ``build(source, tmp)`` into a temporary sibling of ``folder``, mark it
-    complete and rename it into place; any failure becomes :class:`AssetError`.  When
-    a concurrent build completes ``folder`` first, its copy is kept and ours dropped."""
+    complete and rename it into place; any failure becomes :class:`AssetError`.  One
+    build at a time (threads and processes); whoever waited for another's build uses
+    its folder."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(folder):
+        if is_complete(folder):  # built while this one waited
+            return folder
+        return _build_into(folder, source, build)
+
+
+def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         build(source, tmp)
         (tmp / _MARKER).write_text(json.dumps({"source": str(source)}) + "\n")
-        if not is_complete(folder):  # else another process finished first: use its copy
-            if folder.exists():
-                shutil.rmtree(folder)  # an interrupted build's leftovers
-            try:
-                os.replace(tmp, folder)
-            except OSError:
-                if not is_complete(folder):
-                    raise
-        shutil.rmtree(tmp, ignore_errors=True)
+        if folder.exists():
+            shutil.rmtree(folder)  # an interrupted build's leftovers (no builder runs now)
+        os.replace(tmp, folder)
     except AssetError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

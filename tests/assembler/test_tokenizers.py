@@ -194,3 +194,27 @@ def test_caller_content_cannot_complete_a_control_token_a_template_starts(defaul
     # edges that cannot complete anything are left alone, and escapes cost no tokens
     assert markup.escape("plain text") == "plain text"
     assert encode_marked_batch(default_tok, [markup.escape(">quoted<")]) == [default_tok.encode(">quoted<")]
+
+
+def test_threads_loading_one_tokenizer_at_once_build_it_once(tmp_path):
+    """A bare ``lru_cache`` built the tokenizer once per thread that missed together
+    (16 request threads on a cold start: 16 builds, 16 objects)."""
+    import shutil
+    import threading
+
+    from promptsplice.assets import ensure_default_tokenizer
+
+    path = tmp_path / "tokenizer.json"  # a path no other test loaded: a cold cache
+    shutil.copy(ensure_default_tokenizer() / "tokenizer.json", path)
+    start, got = threading.Barrier(8), []
+
+    def load():
+        start.wait()
+        got.append(load_tokenizer(str(path)))
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len({id(t) for t in got}) == 1

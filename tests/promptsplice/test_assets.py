@@ -98,3 +98,40 @@ def test_a_concurrent_build_that_finishes_first_wins(tmp_path):
     assert assets.build_folder(folder, tmp_path / "src", other_process_finishes_first) == folder
     assert (folder / "tokenizer.json").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["shared"]  # our temporary copy is gone
+
+
+def test_builders_of_one_folder_at_once_build_it_once_and_all_read_it(tmp_path):
+    """Several threads (request threads on a cold start) building one missing folder:
+    a late builder removed, as leftovers, the folder an early one had just completed
+    and handed out ("Directory not empty", a missing tokenizer.json).  Now they take
+    turns, and who waited uses the folder built meanwhile."""
+    import threading
+    import time
+    from pathlib import Path
+
+    builds, failures = [], []
+
+    def build(source, tmp):
+        builds.append(tmp)
+        time.sleep(0.01)
+        (tmp / "tokenizer.json").write_text(json.dumps({"ok": 1}))
+
+    for trial in range(20):
+        folder = tmp_path / f"t{trial}" / "tok"
+        start = threading.Barrier(6)
+
+        def go():
+            start.wait()
+            try:
+                got = assets.build_folder(folder, Path("src"), build)
+                json.loads((got / "tokenizer.json").read_text())
+            except Exception as exc:  # noqa: BLE001 (counted: the assertion names them)
+                failures.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=go) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert failures == []
+    assert len(builds) == 20  # one build per folder
