@@ -468,8 +468,38 @@ class SummarizeTurns:
         self.role = role
         self.template = _check_format(template, "template", "summary", "a summary")
         self._memo: OrderedDict[bytes, str] = OrderedDict()
+        self._pending: dict[bytes, threading.Event] = {}  # summaries being made
         self._max_memo = max_memo
         self._lock = threading.Lock()
+
+    def _summary(self, key: bytes, stretch: Sequence[Mapping[str, Any]]) -> str:
+        """The summary of ``stretch`` (its chain digest ``key``), made once: callers
+        that ask while another makes it wait for that one (one ``summarize`` call, one
+        text for every session; concurrent callers each called it and kept the last)."""
+        while True:
+            with self._lock:
+                done = self._memo.get(key)
+                if done is not None:
+                    return done
+                wait = self._pending.get(key)
+                if wait is None:
+                    mine = self._pending[key] = threading.Event()
+            if wait is None:
+                break
+            wait.wait()  # then the memo has it (or its maker failed: make it here)
+        try:
+            summary = self.summarize([dict(m) for m in stretch])
+            if not isinstance(summary, str):
+                raise InputError(f"summarize() must return a str, got {type(summary).__name__}")
+            with self._lock:
+                self._memo[key] = summary
+                while len(self._memo) > self._max_memo:
+                    self._memo.popitem(last=False)
+            return summary
+        finally:
+            with self._lock:
+                del self._pending[key]
+            mine.set()
 
     def _head(self, messages: Sequence[Mapping[str, Any]]) -> int:
         """Messages kept before the summary; a head that would end between a call and
@@ -513,14 +543,7 @@ class SummarizeTurns:
             while head < end < n and messages[end].get("role") in self.tool_roles:
                 end -= 1
             if end > found_end and end - head >= 2:
-                summary = self.summarize([dict(m) for m in messages[head:end]])
-                if not isinstance(summary, str):
-                    raise InputError(f"summarize() must return a str, got {type(summary).__name__}")
-                with self._lock:
-                    self._memo[chain[end]] = summary
-                    while len(self._memo) > self._max_memo:
-                        self._memo.popitem(last=False)
-                found_end, found = end, summary
+                found_end, found = end, self._summary(chain[end], messages[head:end])
         if found is None:
             return PolicyResult([dict(m) for m in messages], ())
         msg = _summary_message(found, self.role, self.template)

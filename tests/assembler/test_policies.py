@@ -397,3 +397,58 @@ def test_an_is_error_answer_that_is_not_a_bool_is_refused():
     assert [m.get("tool_call_id") for m in kept if m["role"] == "tool"] == ["b"]
     with pytest.raises(InputError, match="truncate takes"):
         TruncateToolOutputs().truncate(None)  # type: ignore[arg-type]
+
+
+def test_a_shared_summarizer_policy_summarizes_a_stretch_once_for_concurrent_callers():
+    """Threads applying one ``SummarizeTurns`` to the same long list each called the
+    summarizer (an LLM call) and the last one's text stayed: 8 calls, 8 summaries, and
+    sessions that had seen another version met an edit at their next step."""
+    import itertools
+    import threading
+    import time
+
+    from promptsplice.assembler import SummarizeTurns
+
+    made = itertools.count(1)
+
+    def summarize(stretch):
+        n = next(made)
+        time.sleep(0.05)  # an LLM call
+        return f"summary version {n}"
+
+    pol = SummarizeTurns(summarize, max_messages=8, keep_recent=3)
+    msgs = [{"role": "system", "content": "sys"}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(20)
+    ]
+    start, seen = threading.Barrier(8), []
+
+    def go():
+        start.wait()
+        seen.append(pol.apply(msgs).messages[1]["content"])
+
+    threads = [threading.Thread(target=go) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert next(made) == 2  # one call
+    assert len(set(seen)) == 1 and "summary version 1" in seen[0]
+    assert pol.apply(msgs).messages[1]["content"] == seen[0]
+
+
+def test_a_failed_summary_lets_the_next_caller_make_it():
+    from promptsplice.assembler import SummarizeTurns
+
+    calls = []
+
+    def flaky(stretch):
+        calls.append(len(stretch))
+        if len(calls) == 1:
+            raise RuntimeError("LLM down")
+        return "the summary"
+
+    pol = SummarizeTurns(flaky, max_messages=8, keep_recent=3)
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(20)]
+    with pytest.raises(RuntimeError, match="LLM down"):
+        pol.apply(msgs)
+    assert "the summary" in pol.apply(msgs).messages[0]["content"] and len(calls) == 2
