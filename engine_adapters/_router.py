@@ -153,9 +153,7 @@ class Lease:
 
     def release(self) -> None:
         """Give the load back (idempotent)."""
-        if not self._released:
-            self._released = True
-            self._router._release(self.endpoint, self._generation)
+        self._router._release(self)
 
     def __enter__(self) -> Lease:
         return self
@@ -218,9 +216,13 @@ class _Base:
         with self._lock:
             return dict(self._requests)
 
-    def _release(self, endpoint: str, generation: int) -> None:
-        with self._lock:
-            if self._generations.get(endpoint, 0) == generation and self._load.get(endpoint, 0) > 0:
+    def _release(self, lease: Lease) -> None:
+        with self._lock:  # the flag too: two threads releasing one lease give back one unit
+            if lease._released:
+                return
+            lease._released = True
+            endpoint = lease.endpoint
+            if self._generations.get(endpoint, 0) == lease._generation and self._load.get(endpoint, 0) > 0:
                 self._load[endpoint] -= 1
 
     def _take(self, endpoint: str, key: bytes | None) -> Lease:
