@@ -394,6 +394,15 @@ class PromptspliceChatModel(BaseChatModel):
             stops.append(TOOL_CALL_CLOSE)  # one call at most: the parser takes an open block
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         temperature = kwargs.get("temperature", self.temperature)
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        hook_salt = prepared.render.salt  # a ContextHook's own tenant salt, when it has one
+        if salt is None:
+            salt = hook_salt  # the render's blocks are that tenant's: never sent unsalted
+        elif hook_salt is not None and hook_salt != salt:
+            raise InvalidSaltError(
+                f"cache_salt {salt!r} differs from the salt {hook_salt!r} the context hook rendered "
+                "this session under: give the model and its ContextHook the same salt (or only one of them)"
+            )
         return {
             "prepared": prepared,
             "ids": ids,
@@ -402,7 +411,7 @@ class PromptspliceChatModel(BaseChatModel):
             "stop": stops or None,
             "max_tokens": max_tokens,
             "temperature": temperature,
-            "salt": kwargs.get("cache_salt", self.cache_salt),
+            "salt": salt,
             # a call without a session runs under a one-off id the runner must forget
             "ephemeral": self._session(kwargs, run_manager) is None,
         }

@@ -236,6 +236,28 @@ def test_a_cache_salt_the_runner_would_not_use_is_refused(engine):
     assert salted.invoke([HumanMessage("Say hi.")]).content is not None
 
 
+def test_a_hooks_tenant_salt_goes_with_its_requests(engine):
+    """A ``ContextHook(salt=...)`` on a model without ``cache_salt`` rendered the
+    tenant's blocks and sent them unsalted, into the cache every unsalted caller shares."""
+    msgs = [HumanMessage("Which tenant owns this long question about the amber lighthouse keeper? " * 3)]
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size, salt="tenant-hook")
+    model = PromptspliceChatModel(engine=engine, hook=hook, max_tokens=1)
+    model.invoke(msgs, session_id="hook-salt")
+    tenant = PromptspliceChatModel(engine=engine, max_tokens=1, cache_salt="tenant-hook").invoke(msgs)
+    unsalted = PromptspliceChatModel(engine=engine, max_tokens=1).invoke(msgs)
+    n = tenant.usage_metadata["input_tokens"]
+    assert tenant.usage_metadata["input_token_details"]["cache_read"] == (n - 1) // engine.block_size * engine.block_size
+    assert unsalted.usage_metadata["input_token_details"]["cache_read"] == 0
+    # a LangGraph pre-model hook's render handed to a model of another tenant: refused
+    from promptsplice.engine_adapters.integrations import PromptsplicePreModelHook
+
+    pre = PromptsplicePreModelHook(hook, default_session="hook-salt-2")
+    handed = pre({"messages": msgs})["llm_input_messages"]
+    other = PromptspliceChatModel(engine=engine, max_tokens=1, cache_salt="tenant-other")
+    with pytest.raises(InvalidSaltError, match="'tenant-other' differs from the salt 'tenant-hook'"):
+        other.invoke(handed, session_id="hook-salt-2")
+
+
 def test_calls_without_a_session_leave_no_runner_session_behind(engine):
     """Each call without a session ran under a one-off id the hook forgot and the runner
     kept: the runner's LRU filled with them and evicted the real sessions."""
