@@ -132,6 +132,7 @@ class EmbeddedEngine:
             model = config.model
         self._config = dataclasses.replace(config, model=model)
         self._lock = threading.RLock()
+        self._open_request: str | None = None  # the request a (suspended) _request runs
         self._ids = itertools.count()
         self._mirror: PrefixCacheMirror | None = None  # made at the first start
         self._tokenizer: Tokenizer | None = None
@@ -430,12 +431,22 @@ class EmbeddedEngine:
         with self._lock:  # the mirror replays requests in the order they ran
             engine = self.llm.llm_engine
             rid = f"promptsplice-{next(self._ids)}"
+            if self._open_request is not None:
+                # the lock is re-entrant: only this thread can be here while another of its
+                # streams is suspended mid-request (two streams consumed in turn); the old
+                # code aborted that request as a leftover and handed its tokens to this one
+                raise EngineRequestError(
+                    f"a stream of this engine is still open in this thread (request {self._open_request}): "
+                    "exhaust or close it before starting another request; the embedded engine runs "
+                    "one request at a time (use one engine per concurrent stream, or a served engine)"
+                )
             with _vllm.agent_installed(self._handle.kv):  # vLLM's worker sees this engine's connector
                 if engine.has_unfinished_requests():  # a leftover from an interrupted call
                     _vllm.abort_all(engine)
                 t0 = time.perf_counter()
                 final = None
                 ttft: float | None = None
+                self._open_request = rid
                 try:
                     try:
                         engine.add_request(rid, inputs, params)
@@ -457,6 +468,7 @@ class EmbeddedEngine:
                                 break
                             yield out, None
                 finally:
+                    self._open_request = None
                     if final is None:  # an error, or the consumer closed the stream early
                         _vllm.abort_all(engine)
             total = time.perf_counter() - t0

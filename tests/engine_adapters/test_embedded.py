@@ -405,6 +405,24 @@ def test_a_leftover_request_is_aborted_before_the_next_one(fresh_engine):
     assert done.num_cached_tokens == 0  # the stray never ran: aborted before this request
 
 
+def test_a_second_stream_while_one_is_open_in_the_thread_is_refused(engine):
+    """Two streams consumed in turn in one thread (``zip(model.stream(a), model.stream(b))``):
+    the engine's lock is re-entrant, so the second aborted the first's request as a
+    leftover and the first stream went on with the second's tokens, then failed."""
+    from promptsplice.errors import EngineRequestError
+
+    a, b = list(range(300, 340)), list(range(400, 440))
+    want = engine.generate(a, max_tokens=6)
+    first = engine.stream(a, max_tokens=6)
+    head = next(first)
+    with pytest.raises(EngineRequestError, match="still open in this thread"):
+        next(engine.stream(b, max_tokens=6))
+    rest = list(first)
+    assert head.token_ids + [i for d in rest for i in d.token_ids] == want.token_ids
+    assert rest[-1].completion.token_ids == want.token_ids
+    assert engine.generate(b, max_tokens=2).token_ids  # and the engine serves the next one
+
+
 def test_a_kv_cache_too_small_to_start_names_the_knob(engine):
     # An explicit max_model_len is kept: a cache too small for it fails the start.
     with pytest.raises(EngineStartError, match="kv_cache_bytes") as info:
