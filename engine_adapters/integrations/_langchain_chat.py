@@ -381,7 +381,7 @@ class PromptspliceChatModel(BaseChatModel):
 
     def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any) -> dict[str, Any]:
         prepared, tools = self._prepare(messages, kwargs, run_manager)
-        choice = kwargs.get("tool_choice")
+        choice = check_tool_choice(kwargs.get("tool_choice"))
         prefix = forced_prefix(choice, tools)
         ids = list(prepared.token_ids)
         if prefix:

@@ -124,6 +124,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 def forced_prefix(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
     """The decoding prefix that forces a tool call (``None``: no forcing)."""
+    tool_choice = check_tool_choice(tool_choice)
     if tool_choice in (None, "auto", "none", False):
         return None
     names = [t.get("function", {}).get("name") for t in tools]
@@ -137,8 +138,8 @@ def forced_prefix(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str |
         name = names[0] if len(names) == 1 else None
     elif isinstance(tool_choice, str):
         name = tool_choice
-    elif isinstance(tool_choice, Mapping):
-        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    elif isinstance(tool_choice, Mapping):  # check_tool_choice's one dict form
+        name = tool_choice["function"]["name"]
     if name is not None and name not in names:
         raise ConfigError(f"tool_choice names {name!r}, which is not a bound tool ({names})")
     if name is None:
@@ -154,17 +155,33 @@ def forced_prefix(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str |
     return head + "{" + json.dumps(first, ensure_ascii=False) + ": "
 
 
+_CHOICE_FORMS = (
+    "None, 'auto', 'none', 'any', 'required', a tool name, {'type': 'auto'|'none'|'any'|'required'}, "
+    "{'type': 'function', 'function': {'name': ...}} or {'type': 'tool', 'name': ...}"
+)
+
+
 def check_tool_choice(tool_choice: Any) -> Any:
+    """``tool_choice`` in one form: ``None``, a bool, a str (a mode or a tool name), or
+    ``{"type": "function", "function": {"name": ...}}``.  The dict forms of OpenAI and
+    Anthropic are read as what they say: ``{"type": "none"}`` is ``"none"`` (it forced a
+    call before, as every dict without a name did); a function or tool dict without a
+    name, or any other dict, is a :class:`ConfigError`."""
     if tool_choice is None or tool_choice is False or tool_choice is True:
         return tool_choice
     if isinstance(tool_choice, str) and tool_choice:
         return tool_choice
     if isinstance(tool_choice, Mapping):
-        return dict(tool_choice)
-    raise ConfigError(
-        f"tool_choice must be None, 'auto', 'none', 'any', 'required', a tool name or "
-        f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
-    )
+        kind = tool_choice.get("type")
+        if kind in ("auto", "none", "any", "required") and set(tool_choice) <= {"type", "disable_parallel_tool_use"}:
+            return kind
+        if kind in ("function", "tool"):
+            fn = tool_choice.get("function")
+            name = (fn.get("name") if isinstance(fn, Mapping) else None) or tool_choice.get("name")
+            if isinstance(name, str) and name:
+                return {"type": "function", "function": {"name": name}}
+            raise ConfigError(f"tool_choice {dict(tool_choice)!r} names no tool: add the tool's name, or use 'any'")
+    raise ConfigError(f"tool_choice must be {_CHOICE_FORMS}, got {tool_choice!r}")
 
 
 def streamable(seen: str, parse: bool) -> int:

@@ -239,7 +239,10 @@ def test_a_cache_salt_the_runner_would_not_use_is_refused(engine):
 def test_a_hooks_tenant_salt_goes_with_its_requests(engine):
     """A ``ContextHook(salt=...)`` on a model without ``cache_salt`` rendered the
     tenant's blocks and sent them unsalted, into the cache every unsalted caller shares."""
-    msgs = [HumanMessage("Which tenant owns this long question about the amber lighthouse keeper? " * 3)]
+    from langchain_core.messages import SystemMessage
+
+    msgs = [SystemMessage("Tenant-hook test: answer about the amber lighthouse keeper."),  # first block unique
+            HumanMessage("Which tenant owns this long question about the amber lighthouse keeper? " * 3)]
     hook = ContextHook(engine.tokenizer, block_size=engine.block_size, salt="tenant-hook")
     model = PromptspliceChatModel(engine=engine, hook=hook, max_tokens=1)
     model.invoke(msgs, session_id="hook-salt")
@@ -420,3 +423,27 @@ def test_whitespace_before_a_tool_call_is_not_streamed_as_content():
     assert all(streamable(out[:k], True) == 0 for k in range(len(out) + 1))
     assert streamable("\n\nHello", True) == 7 and streamable("\n\nHello <tool", True) == 8
     assert streamable("\n\n", False) == 2  # without tools everything streams
+
+
+def test_dict_tool_choices_mean_what_they_say():
+    """Every dict without a tool name forced a call: ``{"type": "none"}`` made the model
+    call a tool.  The OpenAI and Anthropic dict forms now read as their modes; a tool
+    dict without a name, or another dict, is a ConfigError."""
+    from promptsplice.engine_adapters.integrations._langchain_convert import check_tool_choice, forced_prefix
+
+    tools = [{"type": "function", "function": {"name": "magic_function", "parameters": {
+        "type": "object", "properties": {"input": {"type": "integer"}}, "required": ["input"]}}}]
+    assert forced_prefix({"type": "none"}, tools) is None
+    assert forced_prefix({"type": "auto"}, tools) is None
+    assert forced_prefix({"type": "any"}, tools) == forced_prefix("any", tools) is not None
+    named = forced_prefix("magic_function", tools)
+    assert forced_prefix({"type": "tool", "name": "magic_function"}, tools) == named
+    assert forced_prefix({"type": "function", "function": {"name": "magic_function"}}, tools) == named
+    assert check_tool_choice({"type": "required"}) == "required"
+    for bad in ({}, {"type": "function"}, {"type": "tool", "name": ""}, {"name": "magic_function"}, {"type": "auto", "x": 1}):
+        with pytest.raises(ConfigError, match="tool_choice"):
+            check_tool_choice(bad)
+    model = PromptspliceChatModel(max_tokens=1)  # the default engine: not started by bind_tools
+    with pytest.raises(ConfigError, match="names no tool"):
+        model.bind_tools([magic_function], tool_choice={"type": "function"})
+
