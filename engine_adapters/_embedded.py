@@ -131,8 +131,7 @@ class EmbeddedEngine:
         else:
             model = config.model
         self._config = dataclasses.replace(config, model=model)
-        self._lock = threading.RLock()
-        self._open_request: str | None = None  # the request a (suspended) _request runs
+        self._lock, self._open_request = threading.RLock(), None  # the request _request runs (a stream may pause it)
         self._ids = itertools.count()
         self._mirror: PrefixCacheMirror | None = None  # made at the first start
         self._tokenizer: Tokenizer | None = None
@@ -394,10 +393,8 @@ class EmbeddedEngine:
     ) -> list[Completion]:
         """:meth:`generate` each prompt in order, one after the other (never batched),
         so the cache state each request meets is deterministic."""
-        return [
-            self.generate(p, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt, stop=stop)
-            for p in prompts
-        ]
+        return [self.generate(p, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt, stop=stop)
+                for p in prompts]
 
     def _normalize(self, prompt: Any, cache_salt: str | None) -> NormalizedPrompt:
         req = normalize_prompt(prompt, cache_salt, block_size=self.block_size, encode=self._encode_like_vllm)
@@ -431,14 +428,10 @@ class EmbeddedEngine:
         with self._lock:  # the mirror replays requests in the order they ran
             engine = self.llm.llm_engine
             rid = f"promptsplice-{next(self._ids)}"
-            if self._open_request is not None:
-                # the lock is re-entrant: only this thread can be here while another of its
-                # streams is suspended mid-request (two streams consumed in turn); the old
-                # code aborted that request as a leftover and handed its tokens to this one
+            if self._open_request is not None:  # this thread's suspended stream (a re-entrant lock)
                 raise EngineRequestError(
-                    f"a stream of this engine is still open in this thread (request {self._open_request}): "
-                    "exhaust or close it before starting another request; the embedded engine runs "
-                    "one request at a time (use one engine per concurrent stream, or a served engine)"
+                    f"a stream of this engine is still open in this thread (request {self._open_request}): exhaust "
+                    "or close it first; the embedded engine runs one request at a time (a served one runs many)"
                 )
             with _vllm.agent_installed(self._handle.kv):  # vLLM's worker sees this engine's connector
                 if engine.has_unfinished_requests():  # a leftover from an interrupted call

@@ -42,6 +42,7 @@ errors are translated to :class:`~promptsplice.errors.InputError`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -74,8 +75,10 @@ from promptsplice.engine_adapters.integrations._langchain_convert import (
     parse_tool_calls,
     streamable,
 )
-from promptsplice.engine_adapters.integrations._langchain_options import check_env_salt, check_options, convert_input
-from promptsplice.errors import ConfigError, InvalidSaltError, PromptspliceError
+from promptsplice.engine_adapters.integrations._langchain_options import (
+    check_env_salt, check_options, check_runner_salt, convert_input, request_salt,
+)
+from promptsplice.errors import ConfigError, PromptspliceError
 
 __all__ = [
     "PromptspliceChatModel",
@@ -124,9 +127,6 @@ def default_engine() -> Any:
 _KNOWN_CALL_KWARGS = frozenset(
     {"tools", "tool_choice", "session_id", "max_tokens", "temperature", "model", "parallel_tool_calls", "cache_salt"}
 )
-
-
-# -- the model -------------------------------------------------------------------------
 
 
 class PromptspliceChatModel(BaseChatModel):
@@ -394,15 +394,7 @@ class PromptspliceChatModel(BaseChatModel):
             stops.append(TOOL_CALL_CLOSE)  # one call at most: the parser takes an open block
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         temperature = kwargs.get("temperature", self.temperature)
-        salt = kwargs.get("cache_salt", self.cache_salt)
-        hook_salt = prepared.render.salt  # a ContextHook's own tenant salt, when it has one
-        if salt is None:
-            salt = hook_salt  # the render's blocks are that tenant's: never sent unsalted
-        elif hook_salt is not None and hook_salt != salt:
-            raise InvalidSaltError(
-                f"cache_salt {salt!r} differs from the salt {hook_salt!r} the context hook rendered "
-                "this session under: give the model and its ContextHook the same salt (or only one of them)"
-            )
+        salt = request_salt(kwargs.get("cache_salt", self.cache_salt), prepared.render.salt)
         return {
             "prepared": prepared,
             "ids": ids,
@@ -419,17 +411,8 @@ class PromptspliceChatModel(BaseChatModel):
     def _run(self, req: dict[str, Any]) -> Any:
         prepared: PreparedContext = req["prepared"]
         if self.runner is not None:
-            runner_salt = getattr(self.runner, "salt", req["salt"])
-            if req["salt"] != runner_salt:
-                # the runner sends every step under its own (tenant) salt: a model salt it
-                # would not use must not silently become another tenant's, or none
-                raise InvalidSaltError(
-                    f"cache_salt {req['salt']!r} differs from the runner's salt {runner_salt!r}: the "
-                    "runner's requests use its own salt; build the runner with salt=<this cache_salt>"
-                )
+            check_runner_salt(req["salt"], self.runner)
             if req["prefix"]:  # the forcing prefix goes after the generation prompt
-                import dataclasses
-
                 render = dataclasses.replace(prepared.render, token_ids=req["ids"])
                 prepared = dataclasses.replace(prepared, render=render)
             try:
@@ -437,6 +420,7 @@ class PromptspliceChatModel(BaseChatModel):
             finally:
                 if req.get("ephemeral") and hasattr(self.runner, "forget"):
                     self.runner.forget(prepared.session_id)
+            req["step"] = step  # the usage is the step's: a splice step runs several requests
             return step.completion
         return self.resolved_engine().generate(
             req["ids"], max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"], cache_salt=req["salt"]
@@ -446,11 +430,15 @@ class PromptspliceChatModel(BaseChatModel):
     def _metadata(self, req: dict[str, Any], completion: Any) -> tuple[dict[str, Any], UsageMetadata]:
         prepared: PreparedContext = req["prepared"]
         out = len(completion.token_ids)
+        # a runner's step (several requests) counts its own cache reads; its last request's
+        step = req.get("step")  # count includes what the step's earlier requests computed
+        cached = getattr(step, "cached_tokens", None)
+        cached = int(completion.num_cached_tokens) if cached is None else int(cached)
         usage = UsageMetadata(
             input_tokens=completion.prompt_tokens,
             output_tokens=out,
             total_tokens=completion.prompt_tokens + out,
-            input_token_details={"cache_read": int(completion.num_cached_tokens)},
+            input_token_details={"cache_read": cached},
         )
         meta = {
             "model_name": self._model_name(),
@@ -464,6 +452,9 @@ class PromptspliceChatModel(BaseChatModel):
             "step_kind": prepared.kind.value,
             "request_id": completion.request_id,
         }
+        for name in ("prefill_tokens", "relocated_tokens", "requests"):  # a runner's step says these
+            if isinstance(getattr(step, name, None), int):
+                meta[name] = getattr(step, name)
         return meta, usage
 
     def _message(self, req: dict[str, Any], completion: Any) -> AIMessage:

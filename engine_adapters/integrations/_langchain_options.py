@@ -25,7 +25,7 @@ from promptsplice._validate import (
 )
 from promptsplice.errors import ConfigError, InvalidMessageError, InvalidSaltError
 
-__all__ = ["check_options", "check_env_salt", "convert_input"]
+__all__ = ["check_options", "check_env_salt", "check_runner_salt", "convert_input", "request_salt"]
 
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "max_tokens": lambda v: check_int(v, "max_tokens"),
@@ -94,3 +94,28 @@ def convert_input(model: Any, value: Any) -> Any:
             "LangChain messages, (role, content) tuples with role one of human, user, ai, assistant, "
             "system, tool, or OpenAI-style dicts whose content is a str or a list of parts"
         ) from exc
+
+
+def request_salt(salt: str | None, hook_salt: str | None) -> str | None:
+    """The salt a request goes out with: the call's or model's ``cache_salt``, else the
+    salt its ContextHook rendered it under (that tenant's blocks: never sent unsalted);
+    two different ones are an :class:`InvalidSaltError`."""
+    if salt is None:
+        return hook_salt
+    if hook_salt is not None and hook_salt != salt:
+        raise InvalidSaltError(
+            f"cache_salt {salt!r} differs from the salt {hook_salt!r} the context hook rendered "
+            "this session under: give the model and its ContextHook the same salt (or only one of them)"
+        )
+    return salt
+
+
+def check_runner_salt(salt: str | None, runner: Any) -> None:
+    """A runner sends every step under its own (tenant) salt: a model salt it would not
+    use must not silently become another tenant's, or none."""
+    runner_salt = getattr(runner, "salt", salt)
+    if salt != runner_salt:
+        raise InvalidSaltError(
+            f"cache_salt {salt!r} differs from the runner's salt {runner_salt!r}: the "
+            "runner's requests use its own salt; build the runner with salt=<this cache_salt>"
+        )
