@@ -149,6 +149,24 @@ def _middleware_base() -> type:
     return AgentMiddleware
 
 
+def _structured_output_tools(request: Any) -> list[Any]:
+    """The tools ``create_agent`` binds after the middleware ran, for a ``response_format``
+    answered through tools (``ToolStrategy``: what a PromptspliceChatModel gets, as it has
+    no provider strategy), so the hook renders the prompt the model will see.  Without
+    them every step's hand-off missed (other schemas in the system turn) and the model
+    rendered anew: a new session each step, never spliced."""
+    fmt = getattr(request, "response_format", None)
+    if fmt is None or not isinstance(getattr(request, "model", None), PromptspliceChatModel):
+        return []
+    from langchain.agents.structured_output import AutoStrategy, OutputToolBinding, ProviderStrategy, ToolStrategy
+
+    if isinstance(fmt, ProviderStrategy):
+        return []
+    if not isinstance(fmt, ToolStrategy):
+        fmt = ToolStrategy(schema=fmt.schema if isinstance(fmt, AutoStrategy) else fmt)
+    return [OutputToolBinding.from_schema_spec(spec).tool for spec in fmt.schema_specs]
+
+
 class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
     """LangChain agent middleware: ``create_agent(..., middleware=[PromptspliceMiddleware(hook)])``.
 
@@ -183,7 +201,8 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
         lc = ([system] if system is not None else []) + originals
         origins: list[int] = []
         dicts = lc_messages_to_openai(lc, origins=origins)
-        tools = format_tools([t for t in request.tools]) if request.tools else None
+        bound = [*(request.tools or ()), *_structured_output_tools(request)]
+        tools = format_tools(bound) if bound else None
         prepared = self.hook(sid, dicts, tools)
         edited = prepared.messages
         new_system = system

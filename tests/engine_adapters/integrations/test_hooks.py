@@ -5,6 +5,8 @@ server and is not run here)."""
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any
 
 import pytest
@@ -319,6 +321,34 @@ def test_middleware_hands_off_under_a_session_key_of_another_name(engine):
     agent.invoke({"messages": [HumanMessage("Read the log app.log")]}, config={"configurable": {"conv": "conv-1"}})
     assert [(p.session_id, p.step) for p in runner.calls] == [(p.session_id, p.step) for p in mw.history]
     assert [p.session_id for p in runner.calls] == ["conv-1", "conv-1"]
+
+
+def test_middleware_hands_off_with_a_structured_response_format(engine, caplog):
+    """``create_agent(..., response_format=Schema)`` binds the schema's tool after the
+    middleware ran: the hook rendered without it, the hand-off missed on every step and
+    the model rendered anew as a new session (never spliced)."""
+    from langchain.agents import create_agent
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        """The final answer."""
+
+        text: str
+
+    hook = ContextHook(engine.tokenizer, block_size=engine.block_size)
+    mw = PromptspliceMiddleware(hook)
+    runner = RecordingRunner(engine)
+    model = PromptspliceChatModel(engine=engine, runner=runner, max_tokens=24)
+    agent = create_agent(model=model, tools=[read_log], middleware=[mw], response_format=Answer)
+    with caplog.at_level(logging.WARNING, logger="promptsplice"):
+        agent.invoke({"messages": [HumanMessage("Say hello.")]}, config={"configurable": {"thread_id": "rf-1"}})
+    assert not [r for r in caplog.records if "does not match" in r.getMessage()]
+    # the hook's contexts (with the forced call's prefix after them: tool_choice "any")
+    assert runner.calls and len(runner.calls) == len(mw.history)
+    for sent, made in zip(runner.calls, mw.history):
+        assert (sent.session_id, sent.step) == (made.session_id, made.step)
+        assert sent.token_ids[: len(made.token_ids)] == made.token_ids
+    assert '"Answer"' in engine.tokenizer.decode(mw.history[0].token_ids)  # the schema's tool, rendered by the hook
 
 
 def test_the_langgraph_hook_and_the_model_share_a_session_key_of_another_name(engine):
