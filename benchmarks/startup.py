@@ -8,11 +8,15 @@ already prepared by ``promptsplice model prepare``), and the first and a repeate
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(  # no options: --help says what it runs, and starts nothing
+        prog="python -m promptsplice.benchmarks.startup", description=__doc__.splitlines()[0]
+    ).parse_args(argv)
     t0 = time.perf_counter()
     from promptsplice.engine_adapters import EmbeddedEngine
 

@@ -33,7 +33,10 @@ from ._types import INVALID_UTF8_POLICIES, InputChunk
 __all__ = ["normalize_chunks"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_FIX_UTF8 = "pass valid UTF-8, or on_invalid_utf8='replace' to decode it with U+FFFD"
+_FIX_UTF8 = (
+    "pass valid UTF-8, or decode it with U+FFFD: dedup(..., on_invalid_utf8='replace'), "
+    "Assembler(dedup_config=DedupConfig(on_invalid_utf8='replace'))"
+)
 
 
 def normalize_chunks(chunks: Iterable, *, on_invalid_utf8: str = "error") -> list[InputChunk]:

@@ -258,7 +258,7 @@ class PrefixRouter(_Base):
         check_int(key_blocks, "key_blocks")
         check_int(vnodes, "vnodes")
         super().__init__(endpoints)
-        self._salts = SaltGuard("PrefixRouter", require=require_salt)
+        self._salts = SaltGuard("PrefixRouter", require=require_salt, keyword="salt")
         self.load_factor = float(load_factor)
         self.key_blocks = key_blocks
         self.block_size = check_block_size(block_size)

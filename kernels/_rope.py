@@ -348,7 +348,7 @@ class RopeConfig:
             head_size=head_size,
             rotary_dim=rotary_dim,
             theta=theta,
-            is_neox_style=bool(is_neox_style),
+            is_neox_style=is_neox_style,  # checked in __post_init__: bool("False") was True
             llama3_scaling=llama3,
             linear_factor=linear_factor,
         )

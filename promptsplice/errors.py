@@ -65,7 +65,9 @@ class InvalidUTF8Error(InputError):
 
     The default policy (``on_invalid_utf8="error"``) refuses it, because dedup is
     byte-exact and a prompt must be text.  Pass ``on_invalid_utf8="replace"`` to decode
-    with U+FFFD instead; the replacement is then reported in the dedup stats.
+    with U+FFFD instead (``dedup(..., on_invalid_utf8="replace")``; for assembly
+    ``Assembler(dedup_config=DedupConfig(on_invalid_utf8="replace"))``); the replacement
+    is then reported in the dedup stats.
     """
 
     def __init__(self, message: str, *, index: int, offset: int) -> None:

@@ -35,10 +35,11 @@ class SaltGuard:
     naming ``require_salt``).
     """
 
-    __slots__ = ("owner", "require", "_salted", "_unsalted", "_warned", "_lock")
+    __slots__ = ("owner", "require", "keyword", "_salted", "_unsalted", "_warned", "_lock")
 
-    def __init__(self, owner: str, *, require: bool = False) -> None:
+    def __init__(self, owner: str, *, require: bool = False, keyword: str = "cache_salt") -> None:
         self.owner = owner
+        self.keyword = keyword  # the owner's own argument for the salt, named in its errors
         self.require = check_bool(require, "require_salt")
         self._salted = False
         self._unsalted = False
@@ -58,7 +59,7 @@ class SaltGuard:
             if self.require:
                 raise MissingSaltError(
                     f"{self.owner} was built with require_salt=True and this request has no "
-                    "cache_salt: pass cache_salt=<the tenant's salt>"
+                    f"salt: pass {self.keyword}=<the tenant's salt>"
                 )
             if self._unsalted:
                 return

@@ -187,7 +187,7 @@ def test_engine_router_and_remote_warn_on_unsalted_multi_tenant_use(engine, monk
     router.key(list(range(100)), salt="t")
     with pytest.warns(UnsaltedTenantWarning, match="PrefixRouter"):
         router.key(list(range(100)))
-    with pytest.raises(MissingSaltError):
+    with pytest.raises(MissingSaltError, match=r"pass salt=<"):  # acquire's own keyword, not cache_salt
         PrefixRouter(["http://a"], block_size=32, require_salt=True).acquire(list(range(100)))
 
     # RemoteEngine checks before it sends anything: a closed port is never reached.

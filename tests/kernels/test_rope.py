@@ -229,6 +229,9 @@ def test_configs_are_frozen_slotted_values():
     ("build", "message"),
     [
         (lambda: RopeConfig(64, 64, is_neox_style="false"), "is_neox_style must be True or False"),  # truthy: neox
+        # from_hf_config took bool("False"): neox pairing for a GPT-J model, every key wrong
+        (lambda: RopeConfig.from_hf_config({"model_type": "gptj", "head_dim": 64, "rope_theta": 1e4},
+                                           is_neox_style="False"), "is_neox_style must be True or False"),
         (lambda: RopeConfig(64, 64, linear_factor=float("inf")), "linear_factor must be a finite"),  # no rotation
         (lambda: RopeConfig(64, 64, llama3_scaling={"factor": 8}), "llama3_scaling must be a Llama3Scaling"),
         (lambda: Llama3Scaling("8", 1, 4, 8192), "factor must be a finite number"),  # raw TypeError
