@@ -392,8 +392,9 @@ class PromptspliceChatModel(BaseChatModel):
         named = bool(prefix) and '"arguments": ' in prefix  # one call of one named tool was forced
         if parse and (named or kwargs.get("parallel_tool_calls") is False) and TOOL_CALL_CLOSE not in stops:
             stops.append(TOOL_CALL_CLOSE)  # one call at most: the parser takes an open block
-        max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        temperature = kwargs.get("temperature", self.temperature)
+        # a call's None is "the model's setting", as ChatOpenAI reads it (it was a ConfigError)
+        max_tokens = self.max_tokens if kwargs.get("max_tokens") is None else kwargs["max_tokens"]
+        temperature = self.temperature if kwargs.get("temperature") is None else kwargs["temperature"]
         salt = request_salt(kwargs.get("cache_salt", self.cache_salt), prepared.render.salt)
         return {
             "prepared": prepared,

@@ -447,3 +447,13 @@ def test_dict_tool_choices_mean_what_they_say():
     with pytest.raises(ConfigError, match="names no tool"):
         model.bind_tools([magic_function], tool_choice={"type": "function"})
 
+
+
+def test_a_call_time_none_means_the_models_setting(engine):
+    """``invoke(max_tokens=None)`` (what frameworks pass for "unset", and ChatOpenAI
+    reads so) was a ConfigError."""
+    model = PromptspliceChatModel(engine=engine, max_tokens=3, cache_salt="lc-none")
+    msgs = [HumanMessage("Name a fruit.")]
+    plain = model.invoke(msgs)
+    unset = model.invoke(msgs, max_tokens=None, temperature=None)
+    assert unset.content == plain.content and unset.usage_metadata["output_tokens"] == plain.usage_metadata["output_tokens"] <= 3
