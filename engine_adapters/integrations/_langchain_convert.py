@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import BaseMessage, ToolMessage, convert_to_openai_messages
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, convert_to_openai_messages
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from promptsplice.errors import ConfigError, InputError
@@ -46,16 +46,15 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
     ``origins``: a list to fill with each dict's message index (one message may give
     several dicts: a user message holding tool_result blocks)."""
     out: list[dict[str, Any]] = []
+    origins = [] if origins is None else origins
     try:
-        if origins is None:
-            converted = convert_to_openai_messages(list(messages))
-            out = [converted] if isinstance(converted, dict) else list(converted)
-        else:  # message by message (the conversion has no state across messages)
-            for i, m in enumerate(messages):
-                one = convert_to_openai_messages([m])
-                one = [one] if isinstance(one, dict) else list(one)
-                out.extend(one)
-                origins.extend([i] * len(one))
+        for i, m in enumerate(messages):  # message by message (the conversion has no state across them)
+            one = convert_to_openai_messages([m])
+            one = [one] if isinstance(one, dict) else list(one)
+            if isinstance(m, AIMessage) and m.invalid_tool_calls and one:
+                _keep_invalid_calls(one[-1], m.invalid_tool_calls)
+            out.extend(one)
+            origins.extend([i] * len(one))
     except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
         raise InputError(f"cannot convert the messages to chat dicts: {exc}") from exc
     # by tool_call_id, not by position: one message may convert to several dicts (a
@@ -66,6 +65,18 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
             if d.get("role") == "tool" and d.get("tool_call_id") in failed:
                 d["status"] = "error"
     return list(out)
+
+
+def _keep_invalid_calls(d: dict[str, Any], invalid: Sequence[Mapping[str, Any]]) -> None:
+    """An assistant turn's calls whose arguments did not parse (LangChain's
+    ``invalid_tool_calls``, from another model) stay in the history as the model wrote
+    them (OpenAI keeps ``arguments`` as text too); the conversion dropped them, leaving
+    an empty assistant turn."""
+    calls = list(d.get("tool_calls") or [])
+    for c in invalid:
+        calls.append({"id": c.get("id") or "", "type": "function",
+                      "function": {"name": c.get("name") or "", "arguments": c.get("args") or ""}})
+    d["tool_calls"] = calls
 
 
 def format_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:

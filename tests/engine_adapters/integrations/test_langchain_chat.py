@@ -457,3 +457,16 @@ def test_a_call_time_none_means_the_models_setting(engine):
     plain = model.invoke(msgs)
     unset = model.invoke(msgs, max_tokens=None, temperature=None)
     assert unset.content == plain.content and unset.usage_metadata["output_tokens"] == plain.usage_metadata["output_tokens"] <= 3
+
+
+def test_an_assistant_turn_with_calls_that_did_not_parse_keeps_them(default_tok):
+    """LangChain's conversion dropped ``invalid_tool_calls`` (arguments that are not
+    JSON, from another model): the turn rendered empty, the tool result after it
+    answered nothing.  They stay, with the arguments as the model wrote them."""
+    broken = AIMessage(content="", invalid_tool_calls=[
+        {"name": "search", "args": '{"q": broken', "id": "c1", "error": "bad JSON", "type": "invalid_tool_call"}])
+    dicts = lc_messages_to_openai([HumanMessage("Find it."), broken, ToolMessage("no such query", tool_call_id="c1")])
+    assert dicts[1]["tool_calls"] == [{"id": "c1", "type": "function",
+                                       "function": {"name": "search", "arguments": '{"q": broken'}}]
+    text = ChatRenderer(default_tok, block_size=32).render(dicts).text
+    assert '"arguments":"{\\"q\\": broken","name":"search"' in text  # the string, as the renderer keeps non-JSON
