@@ -46,7 +46,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from promptsplice._validate import is_int
@@ -426,6 +426,15 @@ def _message_digest(message: Mapping[str, Any], index: int) -> bytes:
         raise InvalidUTF8Error.lone_surrogate(f"message {index} (as JSON)", text, exc, index=index) from None
 
 
+@dataclass(slots=True)
+class _Making:
+    """A summary being made: by which thread, set when done, its text (None: it failed)."""
+
+    thread: int
+    done: threading.Event = field(default_factory=threading.Event)
+    text: str | None = None
+
+
 class SummarizeTurns:
     """Summarize old turns once the list outgrows ``max_messages`` (module docstring).
 
@@ -468,7 +477,7 @@ class SummarizeTurns:
         self.role = role
         self.template = _check_format(template, "template", "summary", "a summary")
         self._memo: OrderedDict[bytes, str] = OrderedDict()
-        self._pending: dict[bytes, threading.Event] = {}  # summaries being made
+        self._pending: dict[bytes, _Making] = {}  # summaries being made
         self._max_memo = max_memo
         self._lock = threading.Lock()
 
@@ -476,21 +485,31 @@ class SummarizeTurns:
         """The summary of ``stretch`` (its chain digest ``key``), made once: callers
         that ask while another makes it wait for that one (one ``summarize`` call, one
         text for every session; concurrent callers each called it and kept the last)."""
+        me = threading.get_ident()
         while True:
             with self._lock:
                 done = self._memo.get(key)
                 if done is not None:
                     return done
-                wait = self._pending.get(key)
-                if wait is None:
-                    mine = self._pending[key] = threading.Event()
-            if wait is None:
+                making = self._pending.get(key)
+                if making is None:
+                    mine = self._pending[key] = _Making(me)
+                elif making.thread == me:  # waiting on itself would hang every caller
+                    raise InputError(
+                        "summarize() re-entered the policy for the stretch it is summarizing: give the "
+                        "summarizer's own LLM calls a ContextHook without this SummarizeTurns"
+                    )
+            if making is None:
                 break
-            wait.wait()  # then the memo has it (or its maker failed: make it here)
+            making.done.wait()
+            if making.text is not None:  # its maker's text, even if the memo evicted it since
+                return making.text
+            # its maker failed: make it here
         try:
             summary = self.summarize([dict(m) for m in stretch])
             if not isinstance(summary, str):
                 raise InputError(f"summarize() must return a str, got {type(summary).__name__}")
+            mine.text = summary
             with self._lock:
                 self._memo[key] = summary
                 while len(self._memo) > self._max_memo:
@@ -499,7 +518,7 @@ class SummarizeTurns:
         finally:
             with self._lock:
                 del self._pending[key]
-            mine.set()
+            mine.done.set()
 
     def _head(self, messages: Sequence[Mapping[str, Any]]) -> int:
         """Messages kept before the summary; a head that would end between a call and

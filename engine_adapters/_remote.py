@@ -266,12 +266,13 @@ class RemoteEngine(ServedEngineSurface):
             return client
 
     def close(self) -> None:
-        """Close the sync client and let go of every async one (an async client can be
-        closed only on its own loop: :meth:`aclose` there; the others' connections
-        close when they are collected)."""
+        """Close the sync client and let go of the async ones whose loop is closed (an
+        async client can be closed only on its own loop: :meth:`aclose` there; a live
+        loop's client stays its own, for its ``aclose``)."""
         with self._aclients_lock:
             client, self._client = self._client, None
-            self._aclients.clear()
+            for done in [lp for lp in self._aclients if lp.is_closed()]:
+                del self._aclients[done]
         if client is not None:
             client.close()
 

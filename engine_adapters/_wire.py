@@ -364,14 +364,16 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
             f"{url} refused max_tokens={too_many[1]}: more output tokens than the whole context "
             f"({too_many[2]} tokens) holds; request fewer ({message})"
         )
-    if (response.status_code == 400 and req is not None and req.prompt_len
-            and _NO_ROOM_RE.search(message)):
-        # vLLM clamps max_tokens to the context left after the prompt: 0 left
+    if response.status_code == 400 and _NO_ROOM_RE.search(message):
+        # vLLM clamps max_tokens to the context left after the prompt: 0 left (a caller's
+        # own max_tokens is checked >= 1 before sending); a chat's length is not known here
+        n = req.prompt_len if req is not None and req.prompt_len else -1
+        size = f"its {n} tokens fill" if n > 0 else "it fills"
         return ContextLengthError(
-            f"{url} refused the prompt: its {req.prompt_len} tokens fill the whole context, "
-            f"leaving no room for an output token; shorten the prompt ({message})",
-            prompt_tokens=req.prompt_len,
-            max_tokens=req.prompt_len,
+            f"{url} refused the prompt: {size} the whole context, leaving no room for an "
+            f"output token; shorten the prompt ({message})",
+            prompt_tokens=n,
+            max_tokens=n,
         )
     if response.status_code == 400 and _CONTEXT_RE.search(message):
         m = _LIMIT_RE.search(message)

@@ -136,6 +136,9 @@ def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None])
     try:
         build(source, tmp)
         (tmp / _MARKER).write_text(json.dumps({"source": str(source)}) + "\n")
+        if is_complete(folder):  # only without flock (not POSIX) can another have built it
+            shutil.rmtree(tmp, ignore_errors=True)
+            return folder
         if folder.exists():
             shutil.rmtree(folder)  # an interrupted build's leftovers (no builder runs now)
         os.replace(tmp, folder)

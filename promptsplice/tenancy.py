@@ -73,9 +73,9 @@ class SaltGuard:
                 return
             self._warned = True
         warnings.warn(
-            f"{self.owner} serves requests with and without cache_salt: unsalted requests "
+            f"{self.owner} serves requests with and without {self.keyword}: unsalted requests "
             "share one prefix cache with every other unsalted caller (each can hit, and "
-            "time, the others' prefixes). Give every tenant its own cache_salt, or pass "
+            f"time, the others' prefixes). Give every tenant its own {self.keyword}, or pass "
             "require_salt=True to refuse unsalted requests.",
             UnsaltedTenantWarning,
             stacklevel=stacklevel,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
 from promptsplice.engine_adapters.integrations._langchain_convert import format_tools, lc_messages_to_openai
 from promptsplice.errors import ConfigError, InputError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "PromptspliceMiddleware",
@@ -164,7 +167,13 @@ def _structured_output_tools(request: Any) -> list[Any]:
         return []
     if not isinstance(fmt, ToolStrategy):
         fmt = ToolStrategy(schema=fmt.schema if isinstance(fmt, AutoStrategy) else fmt)
-    return [OutputToolBinding.from_schema_spec(spec).tool for spec in fmt.schema_specs]
+    tools = [OutputToolBinding.from_schema_spec(spec).tool for spec in fmt.schema_specs]
+    if any(isinstance(spec.schema, Mapping) and not spec.schema.get("title") for spec in fmt.schema_specs):
+        # LangChain names such a tool response_format_<random> per ToolStrategy built:
+        # create_agent's is not this one, so the hand-off cannot match
+        logger.warning("response_format is a JSON schema without a 'title': LangChain names its tool at "
+                       "random each time, so the model renders it anew every step; give the schema a 'title'")
+    return tools
 
 
 class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]

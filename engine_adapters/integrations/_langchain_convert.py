@@ -73,7 +73,10 @@ def _keep_invalid_calls(d: dict[str, Any], invalid: Sequence[Mapping[str, Any]])
     them (OpenAI keeps ``arguments`` as text too); the conversion dropped them, leaving
     an empty assistant turn."""
     calls = list(d.get("tool_calls") or [])
+    have = {c.get("id") for c in calls if isinstance(c, Mapping)}
     for c in invalid:
+        if c.get("id") and c.get("id") in have:  # also in the content (a tool_use block): once
+            continue
         calls.append({"id": c.get("id") or "", "type": "function",
                       "function": {"name": c.get("name") or "", "arguments": c.get("args") or ""}})
     d["tool_calls"] = calls

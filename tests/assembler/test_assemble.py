@@ -139,6 +139,7 @@ def test_a_standalone_assembler_admits_what_it_assembles_and_preview_changes_not
 
 
 @pytest.mark.parametrize("policy", ["stable", "cache_aware"])
+@pytest.mark.reliability
 def test_a_preview_does_not_fix_the_order_of_a_chunk_set(make_assembler, policy):
     """The stable order of a chunk set is kept from its first assembly on; a preview
     (another thread's, say) must not be that first assembly: with or without it, the

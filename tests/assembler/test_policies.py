@@ -399,6 +399,7 @@ def test_an_is_error_answer_that_is_not_a_bool_is_refused():
         TruncateToolOutputs().truncate(None)  # type: ignore[arg-type]
 
 
+@pytest.mark.reliability
 def test_a_shared_summarizer_policy_summarizes_a_stretch_once_for_concurrent_callers():
     """Threads applying one ``SummarizeTurns`` to the same long list each called the
     summarizer (an LLM call) and the last one's text stayed: 8 calls, 8 summaries, and
@@ -452,3 +453,20 @@ def test_a_failed_summary_lets_the_next_caller_make_it():
     with pytest.raises(RuntimeError, match="LLM down"):
         pol.apply(msgs)
     assert "the summary" in pol.apply(msgs).messages[0]["content"] and len(calls) == 2
+
+
+def test_a_summarizer_that_reenters_the_policy_for_its_own_stretch_is_an_error():
+    """A summarizer whose own LLM call went through the same policy waited for itself:
+    every caller of that stretch hung."""
+    from promptsplice.assembler import SummarizeTurns
+
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(20)]
+
+    def summarize(stretch):
+        return pol.apply(msgs).messages[0]["content"]  # the LLM call, through the same policy
+
+    pol = SummarizeTurns(summarize, max_messages=8, keep_recent=3)
+    with pytest.raises(InputError, match="re-entered the policy"):
+        pol.apply(msgs)
+    pol.summarize = lambda stretch: "the summary"  # nothing left pending: the next caller makes it
+    assert "the summary" in pol.apply(msgs).messages[0]["content"]

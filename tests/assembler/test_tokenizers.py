@@ -196,6 +196,7 @@ def test_caller_content_cannot_complete_a_control_token_a_template_starts(defaul
     assert encode_marked_batch(default_tok, [markup.escape(">quoted<")]) == [default_tok.encode(">quoted<")]
 
 
+@pytest.mark.reliability
 def test_threads_loading_one_tokenizer_at_once_build_it_once(tmp_path):
     """A bare ``lru_cache`` built the tokenizer once per thread that missed together
     (16 request threads on a cold start: 16 builds, 16 objects)."""

@@ -405,6 +405,7 @@ def test_a_leftover_request_is_aborted_before_the_next_one(fresh_engine):
     assert done.num_cached_tokens == 0  # the stray never ran: aborted before this request
 
 
+@pytest.mark.reliability
 def test_a_second_stream_while_one_is_open_in_the_thread_is_refused(engine):
     """Two streams consumed in turn in one thread (``zip(model.stream(a), model.stream(b))``):
     the engine's lock is re-entrant, so the second aborted the first's request as a

@@ -233,6 +233,7 @@ def test_too_long_prompt_is_context_length_error(remote):
     assert info.value.prompt_tokens == 2100
 
 
+@pytest.mark.reliability
 def test_too_many_output_tokens_is_not_a_too_long_prompt(remote):
     """vLLM's "max_tokens=3000 cannot be greater than max_model_len=2048" was reported as
     a prompt refused as too long (a 100-token prompt)."""
@@ -241,6 +242,7 @@ def test_too_many_output_tokens_is_not_a_too_long_prompt(remote):
     assert not isinstance(info.value, ContextLengthError)
 
 
+@pytest.mark.reliability
 def test_a_prompt_that_fills_the_context_is_a_context_length_error(remote):
     """A 2048-token prompt on a 2048-token server left vLLM 0 output tokens: it answered
     "max_tokens must be at least 1, got 0" to a caller who sent 1."""
@@ -249,6 +251,7 @@ def test_a_prompt_that_fills_the_context_is_a_context_length_error(remote):
     assert (info.value.prompt_tokens, info.value.max_tokens) == (2048, 2048)
 
 
+@pytest.mark.reliability
 def test_asyncio_run_per_call_keeps_no_client_of_a_closed_loop(server):
     """Each ``asyncio.run`` left its AsyncClient (and a socket) behind for good: the
     client's connections hold its loop, so the weak key never died; ``close()`` left them too."""
@@ -411,6 +414,7 @@ def test_timeout_says_which():
         asyncio.run(_mock(connect, timeout=httpx.Timeout(7.0, connect=2.0)).acomplete([1], max_tokens=1))
 
 
+@pytest.mark.reliability
 def test_a_read_timeout_of_a_completion_is_not_sent_again():
     """A read timeout re-POSTed the whole request ``max_retries`` times: four prefills
     and four timeouts' wait before one error that said neither.  A GET (``/metrics``)
@@ -822,3 +826,34 @@ def test_a_server_that_drops_the_generated_token_ids_is_an_error_not_zero_tokens
     eng = _mock(lambda r: httpx.Response(200, json=body))
     with pytest.raises(EngineResponseError, match="did not return the generated token ids"):
         eng.generate([1, 2, 3], max_tokens=7)
+
+
+def test_a_prompt_that_fills_the_context_of_a_chat_is_a_context_length_error_too():
+    """The "got 0" of vLLM's clamp maps whatever the prompt's form (a chat's length is
+    not known to the client: -1)."""
+    eng = _mock(lambda r: httpx.Response(400, json={"error": {"message": "max_tokens must be at least 1, got 0."}}))
+    with pytest.raises(ContextLengthError, match="fills the whole context") as info:
+        eng.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+    assert (info.value.prompt_tokens, info.value.max_tokens) == (-1, -1)
+
+
+def test_aclose_on_one_loop_leaves_a_live_loops_client_alone():
+    """``aclose()`` on one loop dropped every loop's client: a live loop in another
+    thread then lost the client holding its connections (its own aclose closed a new one)."""
+    import threading
+
+    eng = _mock(lambda r: httpx.Response(200, json=_ok_body()))
+    other = asyncio.new_event_loop()
+    runner = threading.Thread(target=other.run_forever, daemon=True)
+    runner.start()
+    try:
+        asyncio.run_coroutine_threadsafe(eng.acomplete([1], max_tokens=1), other).result(timeout=10)
+        (theirs,) = eng._aclients.values()
+        asyncio.run(eng.aclose())  # this loop's (none) and the sync client
+        assert list(eng._aclients.values()) == [theirs] and not theirs.is_closed
+        asyncio.run_coroutine_threadsafe(eng.aclose(), other).result(timeout=10)
+        assert theirs.is_closed and not eng._aclients
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        runner.join(timeout=10)
+        other.close()

@@ -367,3 +367,20 @@ def test_the_langgraph_hook_and_the_model_share_a_session_key_of_another_name(en
                HumanMessage("Summarize it.")]
     graph.invoke({"messages": history}, config={"configurable": {"conv": "conv-2", "thread_id": "t-2"}})
     assert runner.calls[0] is pre.history[0] and runner.calls[0].session_id == "conv-2"
+
+
+def test_an_untitled_json_schema_response_format_is_named_in_a_warning(caplog):
+    """LangChain names the tool of a JSON schema without a "title" at random per
+    ToolStrategy built: the middleware's render can never match create_agent's, so it says so."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters.integrations._hooks import _structured_output_tools
+
+    model = PromptspliceChatModel(max_tokens=1)
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    with caplog.at_level(logging.WARNING, logger="promptsplice"):
+        (tool,) = _structured_output_tools(SimpleNamespace(response_format=schema, model=model))
+        titled = _structured_output_tools(SimpleNamespace(response_format={**schema, "title": "Answer"}, model=model))
+    assert tool.name.startswith("response_format_") and [t.name for t in titled] == ["Answer"]
+    assert sum("without a 'title'" in r.getMessage() for r in caplog.records) == 1  # the untitled one only
+    assert _structured_output_tools(SimpleNamespace(response_format=schema, model=object())) == []  # not our model

@@ -236,6 +236,7 @@ def test_a_cache_salt_the_runner_would_not_use_is_refused(engine):
     assert salted.invoke([HumanMessage("Say hi.")]).content is not None
 
 
+@pytest.mark.reliability
 def test_a_hooks_tenant_salt_goes_with_its_requests(engine):
     """A ``ContextHook(salt=...)`` on a model without ``cache_salt`` rendered the
     tenant's blocks and sent them unsalted, into the cache every unsalted caller shares."""
@@ -470,3 +471,12 @@ def test_an_assistant_turn_with_calls_that_did_not_parse_keeps_them(default_tok)
                                        "function": {"name": "search", "arguments": '{"q": broken'}}]
     text = ChatRenderer(default_tok, block_size=32).render(dicts).text
     assert '"arguments":"{\\"q\\": broken","name":"search"' in text  # the string, as the renderer keeps non-JSON
+
+
+def test_an_invalid_call_also_in_the_content_is_kept_once():
+    """A streamed call aggregated into a ``tool_use`` block and an invalid call of the same
+    id: kept once."""
+    msg = AIMessage(content=[{"type": "tool_use", "id": "c1", "name": "search", "input": {}}],
+                    invalid_tool_calls=[{"name": "search", "args": "{", "id": "c1", "error": "bad", "type": "invalid_tool_call"}])
+    (d,) = lc_messages_to_openai([msg])
+    assert [c["id"] for c in d["tool_calls"]] == ["c1"]
