@@ -362,7 +362,8 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
     if too_many:  # names max_model_len, but the prompt is not the problem
         return EngineRequestError(
             f"{url} refused max_tokens={too_many[1]}: more output tokens than the whole context "
-            f"({too_many[2]} tokens) holds; request fewer ({message})"
+            f"({too_many[2]} tokens) holds; request fewer ({message})",
+            status_code=400,
         )
     if response.status_code == 400 and _NO_ROOM_RE.search(message):
         # vLLM clamps max_tokens to the context left after the prompt: 0 left (a caller's
@@ -386,7 +387,11 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
             prompt_tokens=prompt_len,
             max_tokens=limit,
         )
-    return EngineRequestError(f"{url} answered HTTP {response.status_code}: {message}")
+    hint = ""
+    if response.status_code == 404 and req is not None and "model" in message.lower():
+        hint = " (the model name is not one the server serves: pass RemoteEngine(model=...) as its /v1/models lists it)"
+    return EngineRequestError(f"{url} answered HTTP {response.status_code}: {message}{hint}",
+                              status_code=response.status_code)
 
 
 def parse_json(response: httpx.Response, url: str) -> Mapping[str, Any]:

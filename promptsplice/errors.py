@@ -177,7 +177,12 @@ class EngineStartError(EngineError):
 
 
 class EngineRequestError(EngineError):
-    """One request failed inside the engine; the engine keeps serving others."""
+    """One request failed inside the engine; the engine keeps serving others.
+    ``status_code``: the HTTP status a remote server answered (``None`` in process)."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class EngineUnavailableError(EngineError):
