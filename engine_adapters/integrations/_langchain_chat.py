@@ -251,8 +251,8 @@ class PromptspliceChatModel(BaseChatModel):
             ls_provider="promptsplice",
             ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self._model_name(),
             ls_model_type="chat",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            ls_temperature=self.temperature if kwargs.get("temperature") is None else kwargs["temperature"],
+            ls_max_tokens=self.max_tokens if kwargs.get("max_tokens") is None else kwargs["max_tokens"],
         )
         stops = stop if stop is not None else self.stop
         if stops:

@@ -458,6 +458,8 @@ def test_a_call_time_none_means_the_models_setting(engine):
     plain = model.invoke(msgs)
     unset = model.invoke(msgs, max_tokens=None, temperature=None)
     assert unset.content == plain.content and unset.usage_metadata["output_tokens"] == plain.usage_metadata["output_tokens"] <= 3
+    traced = model._get_ls_params(max_tokens=None, temperature=None)  # what LangSmith records: the settings used
+    assert (traced["ls_max_tokens"], traced["ls_temperature"]) == (3, 0.0)
 
 
 def test_an_assistant_turn_with_calls_that_did_not_parse_keeps_them(default_tok):
