@@ -126,7 +126,7 @@ def block_id_tensor(block_ids: Any, what: str) -> torch.Tensor:
         raise InputError(f"{what} must hold ints, got {[type(x).__name__ for x in items][:4]}")
     try:
         return torch.tensor([int(x) for x in items], dtype=torch.int64)
-    except (OverflowError, RuntimeError) as exc:
+    except (OverflowError, RuntimeError, ValueError) as exc:  # ValueError: past 2**64
         raise InputError(f"{what} holds an id outside int64: {exc}") from exc
 
 

@@ -48,8 +48,22 @@ def select_impl(device: torch.device | str, impl: Impl = "auto") -> str:
     raise ConfigError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
 
 
+MAX_DELTA = 1 << 29
+"""The largest |position delta|: a float32 frequency (24 bits) times a delta of at most
+29 bits is exact in the float64 angle table; past it the rotation degrades silently
+(an angle error of 1e-7 at 2**31, meaningless at 2**53).  No model's context is near it."""
+
+
 def _delta_tensor(delta: int | torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
-    """A position delta (int, integer tensor or sequence of ints) as an int64 tensor."""
+    """A position delta (int, integer tensor or sequence of ints) as an int64 tensor,
+    each within ``MAX_DELTA``."""
+    d = _delta_values(delta, device)
+    if d.numel() and int(d.abs().max()) > MAX_DELTA:
+        raise InputError(f"delta must lie within +-{MAX_DELTA} positions (2**29), got {int(d.abs().max())}")
+    return d
+
+
+def _delta_values(delta: int | torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
     if isinstance(delta, bool):
         raise InputError("delta must be an integer number of positions, got a bool")
     try:
@@ -170,6 +184,10 @@ def relocate_blocks(
     else:
         k_dst, v_dst = layout.kv_views(dst_cache)
         k_src, v_src = layout.kv_views(src_blocks)
+    if dst_cache.requires_grad or any(st == 0 and sz > 1 for st, sz in zip(dst_cache.stride(), dst_cache.shape)):
+        # index_copy_ raised torch's own error; on CUDA the kernel would race on shared memory
+        raise InputError("dst_cache must be a writable KV cache: not an expanded view (a stride of 0) "
+                         "and not requiring grad")
     if k_src.shape[1:] != k_dst.shape[1:]:
         raise InputError(
             f"src_blocks blocks are [kv_heads, block_size, head_size]={tuple(k_src.shape[1:])}, "

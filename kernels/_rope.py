@@ -68,6 +68,14 @@ NEOX_STYLE_MODEL_TYPES = frozenset(
 #: in gpt_j.py, commandr.py, glm4.py).
 GPTJ_STYLE_MODEL_TYPES = frozenset({"gptj", "cohere", "glm4"})
 
+#: transformers' default ``partial_rotary_factor`` of model types that rotate part of
+#: each head, for a config.json that leaves it out (its configuration_*.py): reading 1.0
+#: there rotated every key of a StableLM or GLM-4 config wrongly.
+_PARTIAL_ROTARY_DEFAULTS = {
+    "gpt_neox": 0.25, "stablelm": 0.25, "qwen3_next": 0.25,
+    "phi": 0.5, "glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5, "persimmon": 0.5, "nemotron": 0.5,
+}
+
 #: Model types whose full-attention layers have no RoPE (vLLM's commandr.py applies it to
 #: Cohere2's sliding layers only): refused, one rotation cannot serve both kinds.
 NOPE_MIXED_MODEL_TYPES = frozenset({"cohere2"})
@@ -309,7 +317,9 @@ class RopeConfig:
             for name in ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction"):
                 if factor is None:
                     factor = d.get(name)
-            factor = 1.0 if factor is None else float(factor)
+            if factor is None:  # transformers' own defaults where the config leaves it out
+                factor = _PARTIAL_ROTARY_DEFAULTS.get(model_type, 1.0)
+            factor = float(factor)
             if not 0.0 < factor <= 1.0:
                 raise ConfigError(f"partial_rotary_factor={factor} must be in (0, 1]")
             rotary_dim = int(head_size * factor)

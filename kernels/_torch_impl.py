@@ -43,7 +43,8 @@ def rotate_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: 
     ``cos``/``sin`` broadcast against ``[..., rotary_dim // 2]``.  Channels past
     ``rotary_dim`` are left as they are.  Each output is ``x1*cos - x2*sin`` /
     ``x2*cos + x1*sin`` with every product rounded before the sum (no fused
-    multiply-add), the same arithmetic as the Triton kernel.
+    multiply-add): the Triton kernel's arithmetic under the interpreter; compiled
+    Triton may fuse it into a multiply-add, so GPU keys may differ in the last bit.
     """
     half = rope.num_pairs
     rot = rope.rotary_dim

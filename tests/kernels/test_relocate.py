@@ -486,3 +486,23 @@ def test_kv_deviation_and_gather_check_their_inputs():
         rotate_keys(torch.randn(4, 2, 64), 1, None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="rope must be the model's RopeConfig"):
         relocate_blocks(cache, two, [2, 3], 1, None, layout)  # type: ignore[arg-type]
+
+
+def test_inputs_past_what_relocation_does_exactly_are_refused():
+    """A kernel review: a delta past 2**29 (the float64 angle table's exact range) was
+    rotated silently, an id past 2**64 raised a bare ValueError, an expanded (stride-0)
+    destination raised torch's own error (on CUDA the kernel would race on it)."""
+    case = CASES[0]
+    kv = torch.randn(2, 4, case.heads, case.block_size, case.head_size, generator=gen(9))
+    layout, cache = make_cache("cpu_attn", 4, case, kv.to(case.dtype))
+    src = gather_blocks(layout, cache, [0])
+    before = cache.clone()
+    with pytest.raises(InputError, match="within"):
+        relocate_blocks(cache, src, [1], 2**31, case.rope(), layout)
+    relocate_blocks(cache, src, [1], -(2**29), case.rope(), layout)  # the bound itself is fine
+    cache.copy_(before)
+    with pytest.raises(InputError, match="outside int64"):
+        relocate_blocks(cache, src, [2**64], 3, case.rope(), layout)
+    with pytest.raises(InputError, match="writable"):
+        relocate_blocks(cache[:1].expand(4, *cache.shape[1:]), src, [1], 3, case.rope(), layout)
+    assert torch.equal(cache, before)  # nothing written by a refused call

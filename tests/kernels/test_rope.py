@@ -242,3 +242,15 @@ def test_configs_are_frozen_slotted_values():
 def test_rope_fields_that_would_rotate_wrongly_are_refused(build, message):
     with pytest.raises(ConfigError, match=message):
         build()
+
+
+@pytest.mark.parametrize(("model_type", "pairing", "rotary"), [
+    ("stablelm", None, 16), ("glm4", None, 32), ("gpt_neox", True, 16), ("phi", True, 32),
+])
+def test_a_partial_rotary_model_without_its_factor_takes_transformers_default(model_type, pairing, rotary):
+    """A StableLM / GLM-4 config.json without ``partial_rotary_factor`` was read as full
+    rotary: every key rotated over the wrong channels (transformers defaults 0.25 / 0.5)."""
+    cfg = {"model_type": model_type, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "rope_theta": 10000.0}
+    rope = RopeConfig.from_hf_config(cfg, is_neox_style=pairing)
+    assert (rope.head_size, rope.rotary_dim) == (64, rotary)
+
