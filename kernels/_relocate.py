@@ -56,30 +56,30 @@ MAX_DELTA = 1 << 29
 
 def _delta_tensor(delta: int | torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
     """A position delta (int, integer tensor or sequence of ints) as an int64 tensor,
-    each within ``MAX_DELTA``."""
-    d = _delta_values(delta, device)
-    if d.numel() and int(d.abs().max()) > MAX_DELTA:
-        raise InputError(f"delta must lie within +-{MAX_DELTA} positions (2**29), got {int(d.abs().max())}")
-    return d
-
-
-def _delta_values(delta: int | torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    each within ``MAX_DELTA`` (checked on the host: ints and CPU tensors; a device
+    tensor's check would stall its stream on a host sync)."""
     if isinstance(delta, bool):
         raise InputError("delta must be an integer number of positions, got a bool")
     try:
         if isinstance(delta, numbers.Integral):
-            return torch.tensor(int(delta), dtype=torch.int64, device=device)
-        if isinstance(delta, torch.Tensor):
+            host = torch.tensor(int(delta), dtype=torch.int64)
+        elif isinstance(delta, torch.Tensor):
             if delta.dtype.is_floating_point or delta.dtype.is_complex or delta.dtype == torch.bool:
                 raise InputError(f"delta must be an integer tensor, got {delta.dtype}")
-            return delta.to(device=device, dtype=torch.int64)
-        if isinstance(delta, Sequence) and all(
+            host = delta.to(torch.int64) if delta.device.type == "cpu" else None
+            if host is None:
+                return delta.to(device=device, dtype=torch.int64)
+        elif isinstance(delta, Sequence) and all(
             isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in delta
         ):
-            return torch.tensor([int(x) for x in delta], dtype=torch.int64, device=device)
+            host = torch.tensor([int(x) for x in delta], dtype=torch.int64)
+        else:
+            raise InputError(f"delta must be an int or integer tensor, got {type(delta).__name__}")
     except (OverflowError, RuntimeError, ValueError) as exc:  # torch: "Overflow when unpacking long long"
         raise InputError(f"delta must fit in int64 positions: {exc}") from exc
-    raise InputError(f"delta must be an int or integer tensor, got {type(delta).__name__}")
+    if host.numel() and (int(host.min()) < -MAX_DELTA or int(host.max()) > MAX_DELTA):  # (abs of -2**63 wraps)
+        raise InputError(f"delta must lie within +-{MAX_DELTA} positions (2**29), got [{int(host.min())}, {int(host.max())}]")
+    return host.to(device)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -499,6 +499,8 @@ def test_inputs_past_what_relocation_does_exactly_are_refused():
     before = cache.clone()
     with pytest.raises(InputError, match="within"):
         relocate_blocks(cache, src, [1], 2**31, case.rope(), layout)
+    with pytest.raises(InputError, match="within"):  # abs() of the int64 minimum wraps to itself
+        relocate_blocks(cache, src, [1], torch.tensor(-(2**63)), case.rope(), layout)
     relocate_blocks(cache, src, [1], -(2**29), case.rope(), layout)  # the bound itself is fine
     cache.copy_(before)
     with pytest.raises(InputError, match="outside int64"):
