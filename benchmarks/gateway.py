@@ -4,7 +4,9 @@ Starts two loopback ``vllm serve`` (:func:`promptsplice.benchmarks.routing.loopb
 unless ``--url`` names running ones, and for each RAG trace family (``--family`` of the
 suite, ``--suite`` for all of them, or a wiki ``--profile``) sends
 the same requests twice, as *naive* prompts (retrieval order, no dedup, tokenized whole)
-and as promptsplice-*assembled* prompts (stable order, block-aligned), through:
+and as promptsplice-*assembled* prompts (``Assembler.assemble`` in trace order, as a user
+sends them: the stable order learns the chunks' popularity as the trace goes; alignment
+``none``, since padding does not survive the text hop), through:
 
 * the Shepherd Model Gateway (PyPI ``smg``, a Rust router; a fresh gateway per
   ``cache_aware`` run, so it never starts with another run's tree; one gateway for all
@@ -222,7 +224,10 @@ def _prompts(family: str, requests: int, seed: int) -> dict[str, list[tuple[str,
 
     tok = default_tokenizer()
     fmt = PromptFormat.chatml()
-    asm = Assembler(tok, block_size=BLOCK_SIZE, policy="stable", prompt_format=fmt)
+    # Text travels, so nothing is padded: runs of padding spaces merge when the server
+    # re-tokenizes the text (``AssembledPrompt.text_is_exact``), and the ids it caches
+    # would no longer be the assembled ones.
+    asm = Assembler(tok, block_size=BLOCK_SIZE, policy="stable", alignment="none", prompt_format=fmt)
     naive_asm = Assembler(tok, block_size=BLOCK_SIZE, prompt_format=fmt)
     naive, assembled = [], []
     if family in _WIKI_PROFILES:
@@ -233,7 +238,10 @@ def _prompts(family: str, requests: int, seed: int) -> dict[str, list[tuple[str,
         chunks = [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in r.chunks]
         n = naive_asm.naive(chunks, query=r.query, system=r.system or None)
         naive.append((n.text, len(n.token_ids), prefix_route_key(list(n.token_ids), block_size=BLOCK_SIZE).hex()))
-        a = asm.preview(chunks, query=r.query, system=r.system or None)
+        # assemble(), as a user sends them: the stable order learns which chunks are
+        # popular as the trace goes (preview() learns nothing, so every request got
+        # its chunks in first-seen order: apidocs tied on hit rate that way).
+        a = asm.assemble(chunks, query=r.query, system=r.system or None)
         if tok.encode(a.text) != list(a.token_ids):
             raise EngineError(f"{family} request {r.id}: the assembled text does not re-tokenize "
                               "to its token ids, so it cannot travel as text")

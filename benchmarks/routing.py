@@ -179,8 +179,8 @@ def assemble_trace(requests: int, *, seed: int = 0, block_size: int = BLOCK_SIZE
     from promptsplice.benchmarks.traces import sample_rag_requests
 
     asm = Assembler(tokenizer, block_size=block_size, policy="stable", prompt_format=PromptFormat.chatml())
-    return [  # previews: the assembler is no model of the servers' caches
-        asm.preview(
+    return [  # assemble(), as sent: the stable order learns popularity as the trace goes
+        asm.assemble(
             [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in r.chunks],
             query=r.query, system=r.system or None,
         )
