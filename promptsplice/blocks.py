@@ -29,8 +29,8 @@ from typing import NewType
 
 import xxhash
 
-from promptsplice._validate import check_salt
-from promptsplice.errors import InvalidSaltError
+from promptsplice._validate import check_block_size, check_salt
+from promptsplice.errors import ConfigError, InputError, InvalidSaltError
 
 __all__ = [
     "BlockHash",
@@ -39,6 +39,7 @@ __all__ = [
     "round_up",
     "round_down",
     "content_digest",
+    "salt_bytes",
     "chunk_key",
     "root_hash",
     "token_bytes",
@@ -80,10 +81,12 @@ def round_down(x: int, multiple: int) -> int:
 content_digest = xxhash.xxh3_128_digest
 
 
-def _salt_bytes(salt: str | bytes | None) -> bytes:
-    """A salt's hashed form: ``None``, a tenant's str (:func:`check_salt`'s rule: an int was
-    taken as ``bytes(n)``, n zero bytes, so salt ``5`` shared ``b"\\0" * 5``'s chain), or
-    bytes (the store's own namespaces)."""
+def salt_bytes(salt: str | bytes | None) -> bytes:
+    """A salt's hashed and stored form, the one encoding (chain roots, chunk keys, the
+    block store's records): ``None`` -> ``b""``; a tenant's str (:func:`check_salt`'s
+    rule, so ``""``, a lone surrogate or an int is an :class:`InvalidSaltError`: an int
+    was once taken as ``bytes(n)``, so salt ``5`` shared ``b"\\0" * 5``'s chain) ->
+    ``b"s"`` + UTF-8; bytes (the store's own namespaces) -> ``b"b"`` + raw."""
     if salt is None:
         return b""
     if isinstance(salt, str):
@@ -106,9 +109,8 @@ def chunk_key(
     by the chunk index of position-independent reuse
     (:class:`promptsplice.engine_adapters.ChunkIndex`).
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    salt_b = _salt_bytes(salt)
+    check_block_size(block_size)
+    salt_b = salt_bytes(salt)
     ident = identity.encode("utf-8")
     head = b"%d:%d:%d:" % (block_size, len(salt_b), len(ident))
     return xxhash.xxh3_128_digest(_CHUNK_TAG + head + salt_b + ident + token_bytes(tokens))
@@ -116,12 +118,15 @@ def chunk_key(
 
 def root_hash(salt: str | bytes | None = None) -> BlockHash:
     """The parent of the first block.  Differs per salt, so salts isolate whole chains."""
-    return BlockHash(xxhash.xxh3_128_digest(_ROOT_TAG + _salt_bytes(salt)))
+    return BlockHash(xxhash.xxh3_128_digest(_ROOT_TAG + salt_bytes(salt)))
 
 
 def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
     """Token ids as little-endian uint32 bytes (the hashed representation)."""
-    arr = array("I", tokens)
+    try:
+        arr = array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise InputError(f"token ids must be ints in [0, 2**32): {exc}") from exc
     if not _LITTLE:  # pragma: no cover - no big-endian CI machine
         arr.byteswap()
     return arr.tobytes()
@@ -145,12 +150,11 @@ def chain_hashes(
     before ``tokens[0]`` to continue a chain (then ``salt`` must be ``None``).
     A trailing partial block gets no hash.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    check_block_size(block_size)
     if parent is None:
         parent = root_hash(salt)
     elif salt is not None:
-        raise ValueError("pass either parent or salt: the salt only enters the root")
+        raise ConfigError("pass either parent or salt: the salt only enters the root")
     return list(iter_block_hashes(parent, memoryview(token_bytes(tokens)), block_size))
 
 
@@ -236,7 +240,7 @@ def next_blocks_cached(
     head: what a walk trying every candidate at every step needs first."""
     need = 4 * block_size - len(tail)
     if need <= 0:
-        raise ValueError(f"tail holds {len(tail) // 4} tokens, not fewer than a block of {block_size}")
+        raise InputError(f"tail holds {len(tail) // 4} tokens, not fewer than a block of {block_size}")
     prefix = parent + tail
     digest = xxhash.xxh3_128_digest
     return [len(h) >= need and digest(prefix + h[:need]) in cached for h in heads]

@@ -58,6 +58,8 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
+from promptsplice.blocks import salt_bytes  # the one salt encoding (chain roots and records alike)
+
 if TYPE_CHECKING:
     import torch
 
@@ -142,21 +144,6 @@ class BlockMeta:
     def matches(self, salt: bytes, parent: bytes, tokens: bytes) -> bool:
         """True when this block has exactly these salt, parent and token ids."""
         return self.tokens == tokens and self.parent == parent and self.salt == salt
-
-
-def salt_bytes(salt: str | bytes | None) -> bytes:
-    """The stored form of a tenant salt; ``None``, ``""`` and ``b""`` stay distinct.
-
-    Same tagging as ``promptsplice.blocks.root_hash`` (``s`` + UTF-8 for text, ``b`` +
-    raw for bytes), so two salts are equal here exactly when their chain roots are.
-    """
-    if salt is None:
-        return b""
-    if isinstance(salt, str):
-        return b"s" + salt.encode("utf-8")
-    if isinstance(salt, (bytes, bytearray, memoryview)):
-        return b"b" + bytes(salt)
-    raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
 
 
 def dtype_name(dtype: torch.dtype) -> str | None:

@@ -309,10 +309,7 @@ def parse_ref(ref: Ref, salt: str | bytes | None, namespace: object) -> tuple[Ke
         tok = token_bytes(tokens)
     except (TypeError, OverflowError, ValueError) as exc:
         raise InputError(f"block tokens must be token ids in [0, 2**32): {exc}") from exc
-    try:
-        salt_b = salt_bytes(salt)
-    except TypeError as exc:
-        raise InputError(str(exc)) from None
+    salt_b = salt_bytes(salt)  # InvalidSaltError (an InputError) names a bad salt
     return block_key(key, namespace), salt_b, _as_hash(parent, "parent"), tok
 
 

@@ -88,7 +88,7 @@ def test_salt_isolates_every_block():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="block_size"):  # ConfigError is a ValueError
         chain_hashes([1], 0)
     with pytest.raises(ValueError, match="either parent or salt"):
         chain_hashes([1], 1, parent=root_hash(None), salt="s")
@@ -186,3 +186,25 @@ def test_next_blocks_cached_names_the_block_each_head_completes():
     assert next_blocks_cached(parent, b"", [token_bytes([5, 6, 7, 8])], bs, set()) == [False]
     with pytest.raises(ValueError, match="fewer than a block"):
         next_blocks_cached(parent, token_bytes([1, 2, 3, 4]), heads, bs, {done})
+
+
+def test_bad_arguments_are_the_hierarchy_s_errors_not_builtins():
+    """``chain_hashes`` raised a bare ValueError for a block size of 0 and OverflowError
+    for a token id past uint32: a caller catching ``PromptspliceError`` missed both."""
+    from promptsplice.blocks import chain_hashes, chunk_key, next_blocks_cached, root_hash, token_bytes
+    from promptsplice.errors import ConfigError, InputError
+
+    for bad in (0, -1, True, 10**9):
+        with pytest.raises(ConfigError, match="block_size"):
+            chain_hashes([1, 2], bad)
+        with pytest.raises(ConfigError, match="block_size"):
+            chunk_key([1, 2], block_size=bad)
+    for ids in ([2**32], [-1], [1.5], ["7"]):
+        with pytest.raises(InputError, match=r"token ids must be ints in \[0, 2\*\*32\)"):
+            token_bytes(ids)
+        with pytest.raises(InputError):
+            chain_hashes(ids * 16, 16)
+    with pytest.raises(ConfigError, match="either parent or salt"):
+        chain_hashes([1] * 16, 16, parent=root_hash(), salt="t")
+    with pytest.raises(InputError, match="tail holds"):
+        next_blocks_cached(root_hash(), token_bytes([1] * 16), [], 16, set())

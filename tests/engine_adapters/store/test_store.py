@@ -442,6 +442,24 @@ def test_salts_isolate_whole_chains():
     assert store.match_prefix(mine, salt="tenant-a") == 3
 
 
+@pytest.mark.parametrize("salt", ["", "bad\ud800", 5])
+def test_a_salt_the_chain_hash_refuses_is_refused_by_the_store_too(salt):
+    """One salt encoding (``blocks.salt_bytes``): the store took ``""`` (which vLLM reads
+    as no salt), raised a bare UnicodeEncodeError for a lone surrogate and a TypeError
+    for an int; each is now the chain hash's ``InvalidSaltError``, at every call."""
+    from promptsplice.errors import InvalidSaltError
+
+    store = BlockStore(StoreConfig(dram_bytes=8 * P))
+    ref = make_refs(1)[0]
+    with pytest.raises(InvalidSaltError):
+        root_hash(salt)
+    for call in (lambda: store.put(ref, kv(0), salt=salt), lambda: store.get(ref, salt=salt),
+                 lambda: store.contains(ref, salt=salt), lambda: store.match_prefix([ref], salt=salt)):
+        with pytest.raises(InvalidSaltError):
+            call()
+    assert store.stats().dram_blocks == 0
+
+
 def test_content_namespace_finds_the_same_payload_by_another_key():
     store = BlockStore(StoreConfig(dram_bytes=8 * P))
     ref = make_refs(1)[0]
