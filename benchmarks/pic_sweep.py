@@ -1,6 +1,7 @@
 """The r sweep of position-independent reuse: ``promptsplice_pic`` of ``bench rag`` once
-per configuration, on one pair of engines, each configuration under its own tenant salt
-(so none reads another's cache or chunk index).  Every request relocates what it can
+per configuration, each on a fresh store engine (an empty KV cache and store of the
+bench's sizes, so no configuration runs on what an earlier one left: equal capacity),
+beside one plain engine for the fidelity probes' exact prefills.  Every request relocates what it can
 (``relocate="always"``): the sweep studies relocation itself, not the runner's gate.
 
     python -m promptsplice.benchmarks.pic_sweep --trace T --baseline RAG.json --requests 40 \\
@@ -17,7 +18,7 @@ import json
 import time
 
 from promptsplice.assembler import PromptFormat
-from promptsplice.benchmarks.agent import start_engines
+from promptsplice.benchmarks.agent import start_mode_engine
 from promptsplice.benchmarks.rag import PIC_MODE, _run_pic
 from promptsplice.benchmarks.traces import read_rag_trace
 
@@ -32,16 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     base = json.loads(open(args.baseline).read())
     reqs = read_rag_trace(args.trace, limit=args.requests)
-    engine, kv = start_engines()
+    max_tokens = int(base.get("max_tokens") or 8)  # the baseline's, so both ends of the gap match
+    engine = start_mode_engine("full")
     try:
         for cfg in args.configs:
             precompute, r = cfg.split(":")
+            kv = start_mode_engine("splice")
             report = {"modes": {"naive": base["modes"]["naive"]}, "oracle_prefill_tokens": base["oracle_prefill_tokens"]}
             t0 = time.time()
-            _run_pic(report, {}, engine, kv, reqs, policy="cache_aware", max_tokens=8, progress=None,
-                     prompt_format=PromptFormat.chatml(), recompute_blocks=int(r),
-                     fidelity_requests=args.fidelity_requests, precompute=precompute,
-                     salt=f"sweep-{cfg}-{time.time()}", relocate="always")  # what relocation does
+            try:
+                _run_pic(report, {}, engine, kv, reqs, policy="cache_aware", max_tokens=max_tokens, progress=None,
+                         prompt_format=PromptFormat.chatml(), recompute_blocks=int(r),
+                         fidelity_requests=args.fidelity_requests, precompute=precompute,
+                         salt=f"sweep-{cfg}-{time.time()}", relocate="always")  # what relocation does
+            finally:
+                kv.close()
             m, p, f = report["modes"][PIC_MODE], report["pic"], report["fidelity"]
             print(json.dumps({
                 "config": cfg, "prefill_tokens": m["prefill_tokens"], "gap_closed": p["gap_closed"],
@@ -51,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
                 "greedy_agreement": f["greedy_agreement"], "control": f["control"], "bench_s": round(time.time() - t0),
             }), flush=True)
     finally:
-        kv.close()
         engine.close()
     return 0
 

@@ -45,11 +45,15 @@ plan did and each probe request must be served its KV from the cache, else
 :class:`~promptsplice.benchmarks.fidelity.FidelityError` fails the bench.  Probes run
 after a request's timing and are not counted in any mode.
 
-**Equal capacity.**  ``promptsplice_store`` is the control for PIC: the ``promptsplice``
-assembly (same policy, alignment, format) sent as token ids under its own salt to an
-engine with the *same* tiered block store as ``promptsplice_pic`` (offload hits served
-by the connector count as cached, as vLLM counts them).  PIC's gain over it is
-position-independent reuse alone, not extra offload capacity.  Every engine has the same
+**Equal capacity.**  ``promptsplice_store`` is the control for PIC: exact assembly with
+PIC's own exact layout (same policy and format, alignment ``pic_exact_alignment``: until
+2026-12-03 it took ``alignment``, so a PIC run with whole-block chunks was compared with
+a control laid out otherwise) sent as token ids under its own salt to an engine with the
+*same* tiered block store as ``promptsplice_pic`` (offload hits served by the connector
+count as cached, as vLLM counts them).  PIC's gain over it is position-independent
+reuse alone, not extra offload capacity or another layout.  Fidelity probes run on the
+PIC engine between its requests (refreshing that prompt's blocks in its LRU): take
+``gap_closed_vs_store`` from a run with ``fidelity_requests=0``.  Every engine has the same
 KV cache (``kv_cache_blocks``; a different size is a ``ConfigError``).  No mode sees
 another's traffic: ``naive`` and ``promptsplice`` run one after the other on the plain
 engine, its prefix cache emptied in between; with a ``kv_engine`` *factory* (the CLI)
@@ -57,7 +61,7 @@ each store mode gets a fresh engine and an empty store, closed after it; with on
 ``kv_engine`` instance (the tests) the two store modes run under salts that cannot meet
 and share the store's budget.  Beside the modes::
 
-    "store": {"predicted_cached_tokens", "measured_cached_tokens", "external_cached_tokens",
+    "store": {"predicted_cached_tokens", "measured_cached_tokens", "external_cached_tokens", "alignment",
               "kv_cache_blocks", "store_dram_bytes", "store_disk_bytes"}
     "pic": {..., "gap_closed_vs_store"}   # share of the promptsplice_store -> oracle gap
 
@@ -293,7 +297,9 @@ def run_modes(
             try:
                 _check_capacity(engine, kv)
                 if mode == STORE_MODE:
-                    _run_store(report, outs, kv, requests, policy=policy, alignment=alignment, max_tokens=max_tokens,
+                    # PIC's own exact layout: the one difference between the two is relocation
+                    _run_store(report, outs, kv, requests, policy=policy, alignment=pic_exact_alignment,
+                               max_tokens=max_tokens,
                                progress=progress, prompt_format=fmt_obj, salt=f"bench-rag-store-{run_id}")
                 else:
                     _run_pic(
@@ -361,6 +367,7 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
         "predicted_cached_tokens": predicted,
         "measured_cached_tokens": report["modes"][STORE_MODE]["cached_tokens"],
         "external_cached_tokens": delta.external_hits,
+        "alignment": alignment,
         "kv_cache_blocks": kv.num_blocks,
         "store_dram_bytes": store.config.dram_bytes,
         "store_disk_bytes": store.config.disk_bytes,

@@ -174,6 +174,21 @@ def test_store_mode_runs_at_equal_capacity_and_every_mode_holds_its_bound(small_
     assert report["pic"]["gap_closed_vs_store"] is None or report["pic"]["gap_closed_vs_store"] <= 1
 
 
+def test_the_store_control_takes_pic_s_exact_layout(small_plain, kv_engine):
+    """With whole-block chunks for PIC's exact requests (``pic_exact_alignment="all"``),
+    the store control is laid out the same way, so PIC's gap over it is relocation
+    alone; it used to take ``alignment`` (``auto``: a control laid out otherwise)."""
+    from promptsplice.benchmarks.rag import STORE_MODE
+
+    reqs = sample_rag_requests(3, seed=5)
+    report, outs = run_modes(small_plain, reqs, kv_engine=kv_engine, max_tokens=1, fidelity_requests=0,
+                             pic_exact_alignment="all")
+    assert report["store"]["alignment"] == "all" and report["pic"]["exact_alignment"] == "all"
+    padded = [len(c.prompt_token_ids) for c in outs[STORE_MODE]]
+    auto = [len(c.prompt_token_ids) for c in outs["promptsplice"]]  # alignment auto
+    assert all(p >= a for p, a in zip(padded, auto)) and padded != auto
+
+
 def test_a_request_over_the_context_is_skipped_and_fails_coverage(small_plain):
     from promptsplice.benchmarks.coverage import COVERAGE_EXIT
     from promptsplice.benchmarks.rag import bench_status
@@ -221,3 +236,34 @@ def test_a_request_that_fits_only_without_whole_block_chunks_runs_in_every_mode(
     assert report["pic"]["too_long_requests"] == 1 and report["pic"]["relocated_tokens"] == 0
     assert report["modes"][PIC_MODE]["prompt_tokens"] < limit
     assert bench_status(report) == 0
+
+
+def test_the_pic_sweep_gives_each_configuration_its_own_store_engine(monkeypatch, tmp_path, capsys, engine, kv_engine):
+    """``pic_sweep`` unpacked the agent bench's engines as a pair (it returns three by
+    name) and ran every configuration on what the last one left; now one plain engine
+    and a fresh store engine per configuration, the baseline's ``max_tokens``."""
+    import json
+
+    from promptsplice.benchmarks import pic_sweep
+    from promptsplice.benchmarks.traces_format import dump_rag_trace
+
+    trace = tmp_path / "t.jsonl"
+    dump_rag_trace(trace, sample_rag_requests(2, seed=6))
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"modes": {"naive": {"prefill_tokens": 5000}}, "oracle_prefill_tokens": 100,
+                                "max_tokens": 1}))
+    started, closed = [], []
+    for eng in (engine, kv_engine):  # lent, not closed: close() is recorded instead
+        monkeypatch.setattr(eng, "close", lambda eng=eng: closed.append(eng))
+
+    def start(mode, **_kw):
+        started.append(mode)
+        return kv_engine if mode == "splice" else engine
+
+    monkeypatch.setattr(pic_sweep, "start_mode_engine", start)
+    assert pic_sweep.main(["--trace", str(trace), "--baseline", str(base), "--requests", "2",
+                           "--fidelity-requests", "0", "packed:1", "standalone:2"]) == 0
+    assert started == ["full", "splice", "splice"] and closed == [kv_engine, kv_engine, engine]
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["config"] for r in rows] == ["packed:1", "standalone:2"]
+    assert all(r["prefill_tokens"] > 0 and r["engine_requests"] >= 2 for r in rows)
