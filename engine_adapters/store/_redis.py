@@ -10,7 +10,8 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   read each other's values; the record's header repeats both and is checked on load.
 * Index from memory.  ``find``/``locate`` answer from an in-memory index (``match_prefix``
   makes no network call).  A listener thread fills it: every write is announced with
-  the record's header on the channel ``psk:{fingerprint}:blocks``, and on every
+  the record's header on the channel ``psk:{fingerprint}:blocks:{db}`` (pub/sub ignores
+  database numbers, so the channel names its database), and on every
   (re)connection the listener scans the server's keys of this fingerprint (headers
   only).  The index is bounded by ``budget`` bytes of records (LRU, pins kept); the
   server's own ``maxmemory`` LRU bounds what the server holds, so an indexed block may
@@ -27,15 +28,17 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   removal, damage) is never indexed or served until its delete reached the server;
   deletes that cannot reach it wait for it.
 * Outages.  Connect and socket timeouts are short; a connection error or timeout (in
-  any call) opens a circuit breaker: the tier counts one outage, logs one warning,
+  any call), a read longer than the timeout in all, or reads averaging over half of it
+  (a server that answers, slowly) open a circuit breaker: the tier counts one outage, logs one warning,
   forgets its index (the server may come back empty) and refuses reads and writes for
   ``retry_s`` seconds, so a dead server costs at most one short timeout per back-off
   period.  The listener then resubscribes and rescans.  A server that refuses a write
   (out of memory) counts a write error and drops the block, without opening the
   breaker.  No exception of the client reaches the caller or stops the writer.
 
-The ``redis`` client is imported when a tier is built, never at import time.  Kept as
-one module (~720 lines): the index, the writer and the listener share one lock and one
+A tier inherited through ``fork()`` is off in the child (its threads did not come
+along).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
+one module (~800 lines): the index, the writer and the listener share one lock and one
 set of rules (what is announced, what is doomed, when the breaker opens, what a clear's
 scan of the server keeps), and each race between them is settled in this file.
 """
@@ -43,9 +46,11 @@ scan of the server keeps), and each race between them is settled in this file.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import urllib.parse
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -77,6 +82,14 @@ __all__ = ["RedisTier", "check_redis_url", "key_prefix", "record_key"]
 _log = logging.getLogger(__name__)
 
 _HEAD_READ = 4096  # bytes of a value the listener reads to index it (headers are shorter)
+#: Client options the tier sets itself; a URL may not override them.
+_OWN_OPTIONS = frozenset({
+    "socket_timeout", "socket_connect_timeout", "retry_on_timeout", "retry_on_error", "retry",
+    "health_check_interval", "socket_keepalive", "socket_keepalive_options",
+})  # fmt: skip
+#: Reads that average (EWMA) over this share of the timeout mark a slow server down.
+_SLOW_SHARE = 0.5
+_SLOW_AFTER = 4  # reads seen before the average counts
 
 
 def check_redis_url(url: object) -> str | None:
@@ -96,7 +109,16 @@ def check_redis_url(url: object) -> str | None:
     if db and not (db.isdigit() and db.isascii()):
         # the client reads /abc as database 0 and /1/2 as database 12, silently
         return f"names database {db!r}: the path is a database number (e.g. redis://127.0.0.1:6379/0)"
-    import redis
+    overrides = sorted(set(urllib.parse.parse_qs(parts.query)) & _OWN_OPTIONS)
+    if overrides:
+        # redis-py lets a URL's options win over the tier's own: ?socket_timeout=4 made
+        # a paused server hold a forward pass for 4 s under remote_timeout_s=0.2
+        return (f"sets {', '.join(overrides)}, which the tier sets itself (its timeouts and retries): "
+                "drop them and use StoreConfig.remote_timeout_s / remote_retry_s")
+    try:
+        import redis
+    except ImportError:
+        return "needs the redis client: pip install 'promptsplice[redis]'"
 
     try:  # the client's own reading of the URL and its options (no I/O)
         pool = redis.ConnectionPool.from_url(url)
@@ -159,7 +181,9 @@ class RedisTier(IndexedTier):
         self._url = url
         self._fp = fingerprint
         self._prefix = key_prefix(fingerprint)
-        self._channel = self._prefix + "blocks"
+        # Pub/sub is server-wide, database numbers are not: the channel names the
+        # database, or a store on /1 indexed (and missed) every block written to /0.
+        self._channel = f"{self._prefix}blocks:{self._client.connection_pool.connection_kwargs.get('db', 0)}"
         self._retry_s = retry_s
         self._timeout_s = timeout_s
         self._limit = write_behind_bytes
@@ -188,6 +212,10 @@ class RedisTier(IndexedTier):
         self._closed = False
         self._evictions = self._writes = self._write_errors = self._corrupt = self._foreign = 0
         self._outages = self._skipped = 0
+        self._read_s: float | None = None  # EWMA of a read's wall time
+        self._reads = 0
+        self._pid = os.getpid()
+        _LIVE.add(self)
         self._listener = threading.Thread(target=self._listen, name="promptsplice-kv-redis", daemon=True)
         self._listener.start()
 
@@ -274,9 +302,23 @@ class RedisTier(IndexedTier):
             self._evictions += 1
         self._lru.add(k, StoredRecord(meta, size))
 
+    def _slow(self, took: float) -> str | None:
+        """Under the lock: why a server that answers is too slow to read from (``None``
+        when it is not).  The socket timeout bounds each socket read, not a call: a
+        large value over a slow link, or a server answering each read just under the
+        timeout, held a forward pass for seconds while no outage was counted."""
+        self._reads += 1
+        avg = self._read_s = took if self._read_s is None else 0.8 * self._read_s + 0.2 * took
+        if took > self._timeout_s:
+            return f"a read took {took:.2f} s, over remote_timeout_s={self._timeout_s:g}"
+        if self._reads >= _SLOW_AFTER and avg > _SLOW_SHARE * self._timeout_s:
+            return f"reads average {avg:.3f} s, over half of remote_timeout_s={self._timeout_s:g}"
+        return None
+
     def _outage(self, err: BaseException) -> None:
         """Under the lock: the server is out of reach; open the breaker."""
         self._down_until = time.monotonic() + self._retry_s
+        self._read_s, self._reads = None, 0  # a server back from the breaker starts afresh
         self._lru.clear()  # it may come back empty: the listener rescans it
         self._synced.clear()  # (and the listener leaves its subscription to do so)
         self._lost_index = True
@@ -307,8 +349,9 @@ class RedisTier(IndexedTier):
         """Fetch and verify the value ``locate`` returned ``entry`` for."""
         name = record_key(self._fp, entry.meta)
         with self._cond:
-            if not self._reachable() or name in self._doomed:
+            if self._closed or not self._reachable() or name in self._doomed:
                 return Fetched(Loaded.MISS)
+        t0 = time.monotonic()
         try:
             value = self._client.get(name)
         except self._errors as exc:
@@ -318,9 +361,13 @@ class RedisTier(IndexedTier):
         except Exception as exc:  # noqa: BLE001 - refused (redis.RedisError) or a client bug: a miss
             _log.warning("KV block store: Redis read failed (%s: %s)", type(exc).__name__, exc)
             return Fetched(Loaded.MISS)
+        took = time.monotonic() - t0
         payload, problem, foreign = self._verify(value, entry.meta) if value is not None else (None, None, False)
         with self._cond:
             self._back()
+            slow = self._slow(took)
+            if slow is not None:  # this value is good; the next reads go to local tiers
+                self._outage(TimeoutError(slow))
             current = self._lru.get(k) is entry
             if name in self._doomed:  # removed while it was read
                 return Fetched(Loaded.MISS)
@@ -579,6 +626,23 @@ class RedisTier(IndexedTier):
         """Wait until the listener has scanned the server since it (re)connected."""
         return self._synced.wait(timeout)
 
+    def _orphan(self) -> None:
+        """In a forked child (one thread, no lock taken: its holder may not exist here)."""
+        if self._closed or self._pid == os.getpid():
+            return
+        self._closed = True
+        self._queue.clear()
+        self._queue_bytes = 0
+        self._writing.clear()
+        self._deletes.clear()
+        self._lru.clear()
+        self._writer = None
+        _log.warning(
+            "KV block store: the Redis tier of %s was inherited through fork() (pid %d): it is off in "
+            "this process; build the store after forking to share blocks here",
+            _redact(self._url), os.getpid(),
+        )
+
     def close(self) -> None:
         """Finish queued writes (each bounded by the timeout), stop the threads.
         The server keeps the values.  Idempotent."""
@@ -710,8 +774,30 @@ class RedisTier(IndexedTier):
         return recovered
 
 
+_LIVE: weakref.WeakSet[RedisTier] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the tiers but not their threads: its writer and listener
+    never run there, and ``drain``/``close`` waited for them for good.  Each inherited
+    tier is turned off in the child (misses, skipped writes), never waited on."""
+    for tier in list(_LIVE):
+        tier._orphan()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _redact(url: str) -> str:
-    """``url`` without its password (for log lines)."""
+    """``url`` without its credentials (the netloc's and a ``?password=``), for log lines
+    and reprs."""
     parts = urllib.parse.urlsplit(url)
-    hidden = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[-1])
-    return url if parts.password is None else urllib.parse.urlunsplit(hidden)
+    if "@" in parts.netloc:
+        parts = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[-1])
+    if parts.query:
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        parts = parts._replace(query="&".join(
+            f"{k}=***" if k.lower() in ("password", "username", "user") else f"{k}={v}" for k, v in query
+        ))
+    return urllib.parse.urlunsplit(parts)

@@ -178,6 +178,16 @@ class BlockStore:
                 self._lower.append(disk)
         if config.remote_bytes > 0:
             assert config.remote_url is not None
+            if not config.fingerprint:
+                for tier in self._lower:
+                    tier.close()
+                # A shared server holds every engine's blocks: without a fingerprint a
+                # bf16 engine was served a float32 engine's block of another shape.
+                raise ConfigError(
+                    "StoreConfig.fingerprint is empty but remote_url shares the blocks: name the "
+                    "model and KV layout that write them (e.g. 'smollm2-135m/bfloat16/block32'); "
+                    "the splice connector sets it for you"
+                )
             try:
                 remote = RedisTier(
                     config.remote_url,

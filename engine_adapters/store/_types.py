@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -192,10 +192,15 @@ class StoreConfig:
     remote_bytes: int = 0
     """Bytes of records on the shared Redis tier that this store indexes (LRU); 0: no
     shared tier.  The server's own ``maxmemory`` LRU bounds what it holds."""
-    remote_url: str | None = None
-    """``redis://host:port/db`` of the shared tier; required when ``remote_bytes > 0``."""
+    remote_url: str | None = field(default=None, repr=False)  # it may carry a password
+    """``redis://host:port/db`` of the shared tier; required when ``remote_bytes > 0``.
+    Options that set the client's timeouts or retries (``?socket_timeout=``...) are
+    refused: the tier sets them from ``remote_timeout_s``.  A shared tier needs a
+    ``fingerprint`` (the splice connector sets one)."""
     remote_timeout_s: float = 0.2
-    """Connect and socket timeout of each call to the shared tier's server."""
+    """Connect and socket timeout of each call to the shared tier's server.  A read
+    that takes longer in all (a large value over a slow link), or reads that average
+    over half of it, mark the server down like a timeout does."""
     remote_retry_s: float = 5.0
     """After the server went out of reach, the shared tier is skipped this long."""
 

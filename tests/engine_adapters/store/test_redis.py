@@ -88,7 +88,11 @@ def value_key(ref, salt=SALT, ns: int = 0, fp: bytes = FP) -> str:
         ({"remote_bytes": 1024, "remote_url": "redis://h:1", "remote_retry_s": 0}, "remote_retry_s must be > 0"),
         # options the client cannot take: every call raised TypeError (the writer died)
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?foo=1"}, "remote_url has options the redis client"),
-        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?socket_timeout=x"}, "remote_url has options the redis client"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?max_connections=x"}, "remote_url has options the redis client"),
+        # options that override the tier's own timeouts (a paused server held a load 4 s)
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?socket_timeout=4"}, "remote_url sets socket_timeout"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?retry_on_timeout=1&health_check_interval=3"},
+         "remote_url sets health_check_interval, retry_on_timeout"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/x/"}, "remote_url names database 'x'"),
     ],
 )
@@ -528,3 +532,138 @@ def test_a_server_that_refuses_deletes_is_retried_after_the_back_off(redis_url, 
         assert wait_for(lambda: admin.exists(value_key(refs[0])) == 0, timeout=3.0)
         assert admin.exists(value_key(refs[1])) == 1
         admin.close()
+
+
+# ---------------------------------------------------------------------------- review of 2026-12-03
+
+
+class _SlowLink:
+    """A TCP relay in front of the real server that holds each answer ``delay`` seconds:
+    a server that answers, just under the socket timeout (nothing real does so on demand)."""
+
+    def __init__(self, upstream_port: int, delay: float) -> None:
+        import socket
+        import threading
+
+        self.delay, self.port = delay, free_port()
+        self._up = upstream_port
+        self._ls = socket.create_server(("127.0.0.1", self.port))
+        self._socks: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                c, _ = self._ls.accept()
+            except OSError:
+                return
+            u = socket.create_connection(("127.0.0.1", self._up))
+            self._socks += [c, u]
+            threading.Thread(target=self._pump, args=(c, u, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, delay: float) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for s in (self._ls, *self._socks):
+            s.close()
+
+
+@pytest.mark.reliability
+def test_a_server_that_answers_slowly_is_an_outage_not_a_stalled_load(redis_server, redis_url):
+    """Every answer 0.12 s late, under the 0.2 s socket timeout: 20 loads took 2.4 s and
+    no outage was counted.  Reads averaging over half the timeout now open the breaker;
+    the rest of the loads miss at once (vLLM recomputes them)."""
+    with open_store(redis_url) as writer:
+        refs = make_refs(20)
+        put_all(writer, refs)
+    link = _SlowLink(int(redis_url.rsplit(":", 1)[1].split("/")[0]), delay=0.12)
+    try:
+        with open_store(f"redis://127.0.0.1:{link.port}/0", remote_timeout_s=0.2, remote_retry_s=30) as b:
+            assert wait_for(lambda: b.stats().remote_blocks == 20, timeout=10.0)
+            t0 = time.monotonic()
+            got = [b.get(r, salt=SALT).status for r in refs]
+            took = time.monotonic() - t0
+            assert got[:4] == [HIT_DISK] * 4 and set(got[6:]) == {MISS}, got  # served, then the breaker
+            assert b.stats().remote_outages == 1 and took < 1.5, (took, b.stats())
+    finally:
+        link.close()
+
+
+def test_stores_on_two_databases_of_one_server_never_index_each_other(redis_server, redis_url):
+    """Pub/sub ignores database numbers: a store on /1 indexed every block announced on
+    /0, then missed each (pinned, a load error and a recompute apiece)."""
+    base = redis_url.rsplit("/", 1)[0]
+    with open_store(f"{base}/1") as other, open_store(f"{base}/0") as a:
+        assert remote(other).wait_synced(5.0)
+        refs = make_refs(8)
+        put_all(a, refs)
+        with open_store(f"{base}/0") as same:
+            assert wait_for(lambda: same.stats().remote_blocks == 8)
+        time.sleep(0.3)  # announcements had time to reach /1's listener
+        assert other.stats().remote_blocks == 0 and other.match_prefix(refs, salt=SALT) == 0
+    admin = redis.Redis.from_url(f"{base}/1")
+    admin.flushdb()
+    admin.close()
+
+
+def test_a_shared_tier_needs_a_fingerprint(redis_url):
+    """Without one, a bfloat16 store was served a float32 block of another shape."""
+    cfg = StoreConfig(dram_bytes=P, remote_bytes=1 << 20, remote_url=redis_url)
+    with pytest.raises(ConfigError, match="fingerprint is empty"):
+        BlockStore(cfg)
+
+
+def test_credentials_never_reach_a_log_line_or_a_repr(caplog):
+    from promptsplice.engine_adapters.store._redis import _redact
+
+    url = f"redis://user:pw-one@127.0.0.1:{free_port()}/0?password=pw-two"
+    assert "pw-" not in _redact(url) and "127.0.0.1" in _redact(url)
+    cfg = StoreConfig(dram_bytes=P, remote_bytes=1 << 20, remote_url=url, fingerprint=FP_TEXT, remote_timeout_s=0.05)
+    assert "pw-" not in repr(cfg)
+    with caplog.at_level(logging.WARNING), BlockStore(cfg) as store:
+        ref = make_refs(1)[0]
+        store.put(ref, kv(0), salt=SALT)  # the server is not there: one outage, logged
+        assert wait_for(lambda: store.stats().remote_outages >= 1)
+    assert "out of reach" in caplog.text and "pw-" not in caplog.text
+
+
+def test_without_the_redis_client_the_config_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "redis", None)  # an install without the extra
+    with pytest.raises(ConfigError, match=r"pip install 'promptsplice\[redis\]'"):
+        StoreConfig(dram_bytes=P, remote_bytes=1 << 20, remote_url="redis://127.0.0.1:6379/0")
+
+
+def test_a_forked_child_never_waits_for_threads_it_did_not_inherit(redis_url):
+    """The child's writer and listener do not exist: drain() and close() waited forever."""
+    with open_store(redis_url, write_behind_bytes=1 << 20) as store:
+        refs = make_refs(3)
+        put_all(store, refs)
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 1
+            try:
+                signal.alarm(10)
+                tier = remote(store)
+                store.put(make_refs(1, start=9000)[0], kv(5), salt=SALT)
+                tier.drain()
+                ok = store.get(refs[0], salt=SALT).status in (HIT_DRAM, MISS)
+                store.close()
+                code = 0 if ok and tier._closed else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert store.match_prefix(refs, salt=SALT) == 3  # the parent's tier still works
