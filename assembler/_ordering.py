@@ -35,7 +35,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from promptsplice.blocks import content_digest
-from promptsplice.errors import UnknownPolicyError
+from promptsplice._validate import check_enum
+from promptsplice.errors import ConfigError, UnknownPolicyError
 
 __all__ = [
     "OrderPolicy",
@@ -56,9 +57,9 @@ class _Policy(enum.Enum):
     def parse(cls, name: str | enum.Enum) -> _Policy:
         if isinstance(name, cls):
             return name
-        try:
-            return cls(name)
-        except ValueError:
+        try:  # the one enum rule (value or name, any case), as every other option takes it
+            return check_enum(name, cls, "policy")
+        except ConfigError:
             names = ", ".join(p.value for p in cls)
             raise UnknownPolicyError(
                 f"unknown {cls._what()} policy {name!r}; use one of: {names}"

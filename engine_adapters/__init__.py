@@ -34,6 +34,7 @@ from promptsplice.engine_adapters._config import (
     EngineConfig,
 )
 from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine, EngineCounters, PromptLike, StreamDelta
+from promptsplice.engine_adapters._requests import PhasedRun
 from promptsplice.engine_adapters.runners import (
     AgentMode,
     AgentRunner,
@@ -53,6 +54,7 @@ from promptsplice.engine_adapters.runners import (
 from promptsplice.engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
 from promptsplice.engine_adapters._router import Lease, PrefixRouter, RoundRobinRouter, prefix_route_key
 from promptsplice.engine_adapters.connector import (
+    SpliceAck,
     SplicePhase,
     SplicePlan,
     SpliceSegment,
@@ -60,6 +62,7 @@ from promptsplice.engine_adapters.connector import (
     plan_phases,
     plan_relocation,
     plan_segment_phases,
+    kv_transfer_config_json,
 )
 from promptsplice.engine_adapters.store import (
     BlockRef,
@@ -122,6 +125,7 @@ __all__ = [
     "LookupStatus",
     "Namespace",
     "PrefixRouter",
+    "PhasedRun",
     "PromptLike",
     "PromptspliceChatModel",
     "PromptspliceCompressor",
@@ -137,6 +141,7 @@ __all__ = [
     "RemoteEngine",
     "RoundRobinRouter",
     "ServerCounters",
+    "SpliceAck",
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
@@ -145,6 +150,7 @@ __all__ = [
     "StepFallback",
     "StreamDelta",
     "chain_refs",
+    "kv_transfer_config_json",
     "plan_deletion",
     "plan_phases",
     "plan_relocation",

@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+_log = logging.getLogger(__name__)
+
 __all__ = [
     "AgentBox",
     "abort_all",
@@ -172,8 +174,9 @@ def abort_all(engine: Any) -> None:
             if not engine.has_unfinished_requests():
                 break
             engine.step()
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+    except Exception:  # noqa: BLE001 - best effort, but said: blocks may stay held
+        _log.warning("could not abort every unfinished vLLM request; their KV blocks may stay "
+                     "held until the engine is closed", exc_info=True)
 
 
 # -- the worker-side KV connector slot -----------------------------------------------

@@ -20,7 +20,7 @@ try:  # Triton is optional: absent on many CPU machines, and it has no CPU backe
     import triton.language as tl
 
     TRITON_AVAILABLE = True
-except Exception:  # pragma: no cover - depends on the machine
+except ImportError:  # pragma: no cover - depends on the machine
     triton = None
     tl = None
     TRITON_AVAILABLE = False

@@ -131,6 +131,7 @@ def test_engine_adapters_exports_are_pinned():
             "LookupStatus",
             "Namespace",
             "PrefixRouter",
+            "PhasedRun",
             "PromptLike",
             "PromptspliceChatModel",
             "PromptspliceCompressor",
@@ -146,6 +147,7 @@ def test_engine_adapters_exports_are_pinned():
             "ReuseMode",
             "RoundRobinRouter",
             "ServerCounters",
+            "SpliceAck",
             "SplicePhase",
             "SplicePlan",
             "SpliceSegment",
@@ -154,6 +156,7 @@ def test_engine_adapters_exports_are_pinned():
             "StepFallback",
             "StreamDelta",
             "chain_refs",
+            "kv_transfer_config_json",
             "plan_deletion",
             "plan_phases",
             "plan_relocation",
@@ -181,3 +184,8 @@ def test_policy_names_parse_with_a_helpful_error():
     assert AlignPolicy.parse(AlignPolicy.ALL) is AlignPolicy.ALL
     with pytest.raises(UnknownPolicyError, match="retrieval, stable, cache_aware"):
         OrderPolicy.parse("fastest")
+    # the one enum rule (value or name, any case), as RagRunner's mode and every option
+    assert OrderPolicy.parse("CACHE_AWARE") is OrderPolicy.parse(" Cache_Aware ") is OrderPolicy.CACHE_AWARE
+    assert AlignPolicy.parse("None") is AlignPolicy.NONE
+    with pytest.raises(UnknownPolicyError):
+        OrderPolicy.parse(3)

@@ -22,9 +22,13 @@ from promptsplice.engine_adapters.connector._plans import (
     plan_segment_phases,
 )
 
+from promptsplice.engine_adapters.connector._served import SpliceAck
+from promptsplice.engine_adapters.connector._settings import kv_transfer_config_json
+
 __all__ = [
     "SAME_SALT",
     "BlockDeviation",
+    "SpliceAck",
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
@@ -33,4 +37,5 @@ __all__ = [
     "plan_phases",
     "plan_relocation",
     "plan_segment_phases",
+    "kv_transfer_config_json",
 ]

@@ -170,7 +170,6 @@ class RedisTier(IndexedTier):
         from redis.retry import Retry
 
         self._errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
-        self._refused: type[BaseException] = redis.RedisError
         options: dict[str, Any] = {
             "socket_timeout": timeout_s,
             "socket_connect_timeout": timeout_s,
