@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from promptsplice._validate import check_int
+
 __all__ = ["TokenCache", "TokenCacheStats"]
 
 
@@ -27,10 +29,7 @@ class TokenCache:
     """LRU over token-id tuples, bounded by total tokens held."""
 
     def __init__(self, max_tokens: int = 4_000_000) -> None:
-        if max_tokens <= 0:
-            from promptsplice.errors import ConfigError
-
-            raise ConfigError(f"TokenCache max_tokens must be positive, got {max_tokens}")
+        check_int(max_tokens, "TokenCache max_tokens")
         self.max_tokens = max_tokens
         self._data: OrderedDict[tuple[str, str, bytes], tuple[int, tuple[int, ...]]] = OrderedDict()
         self._tokens = 0

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptsplice.blocks import BlockHash, cdiv, hash_block, round_down
-from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, _is_int, in_place_blocks
+from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, in_place_blocks
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import InputError
+from promptsplice._validate import check_block_size
 
 __all__ = [
     "LoadItem",
@@ -253,8 +254,7 @@ class SpliceScheduler:
     """
 
     def __init__(self, store: BlockStore, block_size: int, *, relocation: bool = True) -> None:
-        if not _is_int(block_size) or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+        check_block_size(block_size)
         self.store = store
         self.block_size = int(block_size)
         self.relocation = bool(relocation)

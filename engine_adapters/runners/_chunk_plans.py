@@ -17,6 +17,7 @@ from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.errors import ConfigError, InputError
+from promptsplice._validate import check_block_size, check_int
 
 __all__ = [
     "ChunkIndex",
@@ -94,10 +95,8 @@ class ChunkIndex:
     def __init__(
         self, store: BlockStore | StoreQuery, *, block_size: int, identity: str = "", max_entries: int = 100_000
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ConfigError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        check_block_size(block_size)
+        check_int(max_entries, "max_entries")
         if not isinstance(identity, str):
             raise ConfigError(f"identity must be a str, got {type(identity).__name__}")
         self.store = store
@@ -255,8 +254,7 @@ def plan_chunk_phases(
     blocks, overlapping, or not followed by at least one token.
     """
     bs = block_size
-    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 0:
-        raise ConfigError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+    check_int(recompute_blocks, "recompute_blocks", minimum=0)
     if hit % bs or head_end % bs:
         raise InputError(f"hit {hit} and head_end {head_end} must be multiples of block_size {bs}")
     toks = list(tokens)

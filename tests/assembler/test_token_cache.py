@@ -60,8 +60,9 @@ def test_cache_is_bounded_by_tokens_lru():
     assert (s.entries, s.tokens) == (2, 5)
     cache.get_many("t", [k("toolongtext")], enc)  # bigger than the cache: not stored
     assert cache.stats().entries == 2
-    with pytest.raises(ConfigError):
-        TokenCache(max_tokens=0)
+    for bad in (0, "10", True, 1.5):  # a str raised a bare TypeError, True was taken as 1
+        with pytest.raises(ConfigError, match="max_tokens"):
+            TokenCache(max_tokens=bad)
 
 
 def test_concurrent_assembly_is_consistent(default_tok):
