@@ -135,8 +135,10 @@ class LayoutBuilder:
         self.hashes: list[BlockHash] = []
         self.segments: list[Segment] = []
         self._root = root_hash(salt)
-        self._cached = mirror.cached_hashes() if mirror is not None else None
-        # While True, every full block so far is cached in the mirror.
+        # What the walk can count on: the cache, and on an engine with a block store the
+        # store's blocks too (its connector loads them back: vLLM counts them cached).
+        self._cached = mirror.reusable_hashes() if mirror is not None else None
+        # While True, every full block so far is reusable.
         self.hitting = mirror is not None
         self._paddable_prev = False
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import KeysView, Sequence
+from collections.abc import Callable, Container, KeysView, Sequence
 from typing import NamedTuple
 
 from promptsplice.blocks import BlockHash, cdiv
@@ -100,6 +100,13 @@ class PrefixCacheMirror:
     def cached_hashes(self) -> KeysView[BlockHash]:
         """A live, read-only view of the cached hashes: ``h in view`` is the lock-free
         test of :meth:`has` without a call per block (the layout walk's hot loop)."""
+        return self._cached.keys()
+
+    def reusable_hashes(self) -> Container[bytes]:
+        """What a layout can count on finding (the walk that orders and pads a prompt):
+        here the cached hashes; an engine whose connector loads a block store's blocks
+        back adds those (:meth:`MirrorView.reusable_hashes`).  Predictions
+        (:meth:`predict`) stay those of the cache alone."""
         return self._cached.keys()
 
     def __contains__(self, block_hash: object) -> bool:
@@ -273,9 +280,11 @@ class PrefixCacheMirror:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queries_tokens if self.queries_tokens else 0.0
 
-    def view(self) -> MirrorView:
-        """A read-only view of this mirror (what an engine lends its assemblers)."""
-        return MirrorView(self)
+    def view(self, behind: Callable[[bytes], bool] | None = None) -> MirrorView:
+        """A read-only view of this mirror (what an engine lends its assemblers).
+        ``behind``: whether a block the cache lacks is held behind it and loaded back on
+        a hit (an engine's block store), for the layout walk (:meth:`reusable_hashes`)."""
+        return MirrorView(self, behind)
 
 
 class MirrorView:
@@ -286,12 +295,15 @@ class MirrorView:
     assembler holding a view predicts hits and never updates the engine's mirror.
     """
 
-    __slots__ = ("_mirror",)
+    __slots__ = ("_mirror", "_behind")
 
-    def __init__(self, mirror: PrefixCacheMirror) -> None:
+    def __init__(self, mirror: PrefixCacheMirror, behind: Callable[[bytes], bool] | None = None) -> None:
         if not isinstance(mirror, PrefixCacheMirror):
             raise ConfigError(f"a MirrorView wraps a PrefixCacheMirror, got {type(mirror).__name__}")
+        if behind is not None and not callable(behind):
+            raise ConfigError(f"behind must be a callable block_hash -> bool, got {type(behind).__name__}")
         self._mirror = mirror
+        self._behind = behind
 
     @property
     def block_size(self) -> int:
@@ -318,6 +330,13 @@ class MirrorView:
     def cached_hashes(self) -> KeysView[BlockHash]:
         return self._mirror.cached_hashes()
 
+    def reusable_hashes(self) -> Container[bytes]:
+        """The mirror's cached hashes, and the blocks held behind the cache (the view's
+        ``behind``: what a layout reuses on an engine with a block store, although
+        :meth:`predict` counts vLLM's own cache only)."""
+        cached = self._mirror.reusable_hashes()
+        return cached if self._behind is None else _Either(cached, self._behind)
+
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._mirror
 
@@ -332,3 +351,16 @@ class MirrorView:
 
     def __repr__(self) -> str:
         return f"MirrorView(block_size={self.block_size}, capacity_blocks={self.capacity_blocks}, cached={len(self)})"
+
+
+class _Either:
+    """``h in cached or behind(h)``: the cache first (a lock-free lookup), then what is
+    held behind it."""
+
+    __slots__ = ("_cached", "_behind")
+
+    def __init__(self, cached: Container[bytes], behind: Callable[[bytes], bool]) -> None:
+        self._cached, self._behind = cached, behind
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._cached or (isinstance(block_hash, bytes) and self._behind(block_hash))

@@ -10,7 +10,9 @@ The engine owns the mirror of its cache (:attr:`EmbeddedEngine.mirror`, a
 every request it runs is admitted there after it finished, with what really ran (the
 prompt's blocks and those the generated tokens filled), and the mirror is emptied with
 vLLM's cache (reset, failed step, restart).  Assemblers made by
-:meth:`EmbeddedEngine.make_assembler` read it for their predictions and never update it.
+:meth:`EmbeddedEngine.make_assembler` read it for their predictions and never update it;
+on an engine with a block store they choose order and padding on the store's blocks
+too (they load back as external hits), while predictions stay vLLM's own cache.
 
 Requests run **sequentially** through one step loop (``_request``, used by ``generate``
 and ``stream``): it adds one request and steps the engine until it finishes, under a
@@ -44,6 +46,9 @@ Facts of vLLM's block pool that the adapter relies on (vllm 0.32.0,
 ``v1/core/block_pool.py``): the pool holds ``num_gpu_blocks`` blocks, but block 0 is
 taken at start as the *null block* and never holds KV, so ``num_gpu_blocks - 1`` blocks
 can cache prefixes (:attr:`EmbeddedEngine.usable_blocks`, the mirror's capacity).
+
+Kept as one module (~600 lines): the request loop, its failure handling and the mirror
+share one lock and one order of events (what ran is what the mirror admits).
 """
 
 from __future__ import annotations
@@ -147,9 +152,17 @@ class EmbeddedEngine:
         self._num_blocks, self._block_size, self._max_model_len = _vllm.engine_geometry(self._handle.llm)
         if self._mirror is None:
             self._mirror = PrefixCacheMirror(self._block_size, self.usable_blocks)
-            self._mirror_view = self._mirror.view()
+            # Assemblers lay prompts out on what loads back too: the store's blocks (a
+            # weak reference: the view must not keep a dropped engine's vLLM alive).
+            me = weakref.ref(self)
+            behind = (lambda h: (e := me()) is not None and e._in_store(h)) if self._config.kv_store else None
+            self._mirror_view = self._mirror.view(behind)
         else:  # a restart: the old cache is gone
             self._mirror.clear(capacity_blocks=self.usable_blocks)
+
+    def _in_store(self, block_hash: bytes) -> bool:
+        agent = None if self.closed else self._handle.kv.agent
+        return agent is not None and agent.store.holds(block_hash)
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -251,8 +264,10 @@ class EmbeddedEngine:
         """An :class:`promptsplice.assembler.Assembler` that predicts from this engine's mirror.
 
         Block size = the engine's, mirror = a read-only view of :attr:`mirror` (so, with
-        nothing else using the engine, predictions equal vLLM's ``num_cached_tokens``;
-        the assembler never admits: :meth:`generate` admits what ran), tokenizer =
+        nothing else using the engine, predictions equal vLLM's ``num_cached_tokens``
+        less the connector's external hits; the assembler never admits: :meth:`generate`
+        admits what ran; with a block store its layout walk counts the store's blocks
+        too), tokenizer =
         :attr:`tokenizer`, ``max_tokens`` = ``max_model_len - 1``.  Other keyword
         arguments go to ``Assembler``.
         """

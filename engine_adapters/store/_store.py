@@ -333,6 +333,14 @@ class BlockStore:
             meta = self._find(k)
             return meta is not None and meta.matches(salt_b, parent, tok)
 
+    def holds(self, key: bytes, *, namespace: Namespace = Namespace.CHAIN) -> bool:
+        """Whether any tier holds a block under ``key`` (index only; no LRU change, tokens
+        not compared: :meth:`contains` checks them, the load verifies them).  What an
+        engine's assembler asks while it lays out a prompt: these blocks load back."""
+        k = block_key(key, namespace)
+        with self._cond:
+            return not self._closed and self._find(k) is not None
+
     def match_prefix(
         self,
         refs: Iterable[Ref],

@@ -220,3 +220,22 @@ def test_a_hit_at_the_head_of_a_full_pool_is_admitted_in_linear_time():
     pred = m.admit(chain_hashes(longer, bs), len(longer))
     assert pred.cached_blocks == hit and time.perf_counter() - t0 < 0.2
     assert m.match(chain_hashes(longer, bs)) == hit + new  # every block of it cached now
+
+
+def test_a_view_with_blocks_behind_the_cache_lends_them_to_the_layout_walk_only():
+    """``view(behind=...)``: an engine's block store.  The walk that orders and pads
+    (``reusable_hashes``) counts those blocks; ``predict``/``match``/``has`` stay the
+    cache's own (what vLLM's prefix cache serves)."""
+    m = PrefixCacheMirror(16, 64)
+    hashes = chain_hashes(list(range(64)), 16)
+    m.admit(hashes[:1], 17)
+    stored = set(hashes[1:3])
+    view = m.view(behind=stored.__contains__)
+    walk = view.reusable_hashes()
+    assert [h in walk for h in hashes] == [True, True, True, False]
+    assert 7 not in walk  # not a hash: never asked of the store
+    assert view.match(hashes) == 1 and view.predict(hashes, 64).cached_tokens == 16
+    assert not view.has(hashes[1]) and hashes[1] not in view
+    assert [h in m.view().reusable_hashes() for h in hashes] == [True, False, False, False]
+    with pytest.raises(ConfigError, match="behind must be a callable"):
+        m.view(behind={hashes[1]})

@@ -1,4 +1,5 @@
-"""Public surface of ``promptsplice.engine_adapters.connector``: the plans, pinned; vLLM
+"""Public surface of ``promptsplice.engine_adapters.connector``: the plans, a served
+splice's acknowledgement and the served connector's config, pinned; vLLM
 loads the connector class itself by module path."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from promptsplice.engine_adapters import connector
 CONNECTOR_API = [
     "SAME_SALT",
     "BlockDeviation",
+    "SpliceAck",
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
@@ -18,6 +20,7 @@ CONNECTOR_API = [
     "plan_phases",
     "plan_relocation",
     "plan_segment_phases",
+    "kv_transfer_config_json",
 ]
 
 

@@ -504,3 +504,31 @@ def test_a_lora_request_never_shares_store_blocks_with_the_base_model(tmp_path):
         assert again == (with_lora[0], 192)
     finally:
         eng.close()
+
+
+def test_assemblers_lay_prompts_out_on_what_the_store_loads_back(kv_engine, default_tok):
+    """On an engine with a block store, blocks vLLM's own cache lost but the store holds
+    load back (external hits), so the assembler's walk counts them: ``cache_aware``
+    picks the order the store holds, although the mirror (vLLM's cache) is empty and a
+    store-blind walk would pick the stable order.  Predictions stay vLLM's own cache."""
+    from promptsplice.assembler import Assembler
+
+    s = salt("store-aware")
+    chunks = [{"id": k, "text": f"Passage {k}: " + " ".join(f"{k}{i} rows of the ledger held {i * 7}." for i in range(40))}
+              for k in ("alpha", "beta", "gamma")]
+    q = "What do the ledgers say?"
+    blind = Assembler(default_tok, block_size=BS, policy="cache_aware", alignment="all")
+    fresh = [seg.chunk_ids for seg in blind.preview(chunks, query=q, salt=s).segments if seg.chunk_ids]
+    held = fresh[::-1]  # the order the store will hold: not the one a blind walk picks
+    by_id = {c["id"]: c for c in chunks}
+    first = kv_engine.make_assembler(policy="retrieval", alignment="all").assemble(
+        [by_id[ids[0]] for ids in held], query=q, salt=s)
+    kv_engine.generate(first, max_tokens=1)
+    kv_engine.reset_prefix_cache()  # vLLM's cache and the mirror are empty; the store is not
+    asm = kv_engine.make_assembler(policy="cache_aware", alignment="all")
+    again = asm.assemble(chunks, query=q, salt=s)
+    assert [seg.chunk_ids for seg in again.segments if seg.chunk_ids] == held
+    assert again.predicted_cached_tokens == 0  # the mirror predicts vLLM's own cache
+    before = kv_engine.counters()
+    done = kv_engine.generate(again, max_tokens=1)
+    assert done.num_cached_tokens == kv_engine.counters().since(before).external_hits >= len(first.token_ids) // BS * BS - BS
