@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 
 from promptsplice.assembler import PromptFormat
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for cfg in args.configs:
             precompute, r = cfg.split(":")
-            kv = start_mode_engine("splice")
+            root = tempfile.mkdtemp(prefix="promptsplice-pic-sweep-")  # its store's disk tier, removed after it
+            kv = start_mode_engine("splice", store_dir=root)
             report = {"modes": {"naive": base["modes"]["naive"]}, "oracle_prefill_tokens": base["oracle_prefill_tokens"]}
             t0 = time.time()
             try:
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                          salt=f"sweep-{cfg}-{time.time()}", relocate="always")  # what relocation does
             finally:
                 kv.close()
+                shutil.rmtree(root, ignore_errors=True)
             m, p, f = report["modes"][PIC_MODE], report["pic"], report["fidelity"]
             print(json.dumps({
                 "config": cfg, "prefill_tokens": m["prefill_tokens"], "gap_closed": p["gap_closed"],

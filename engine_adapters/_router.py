@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptsplice.blocks import chain_hashes, content_digest, root_hash, token_bytes
-from promptsplice._validate import check_block_size, check_int, check_number, check_salt, check_token_ids
+from promptsplice._validate import MAX_BLOCK_SIZE, check_block_size, check_int, check_number, check_salt, check_token_ids
 from promptsplice.errors import ConfigError, InputError, InvalidSaltError, InvalidUTF8Error
 from promptsplice.tenancy import SaltGuard
 
@@ -103,7 +103,7 @@ def prefix_route_key(
     if isinstance(prompt, str):
         if not prompt:
             raise InputError("cannot route an empty prompt")
-        unit = 4 * block_size
+        unit = min(4 * block_size, MAX_BLOCK_SIZE)  # ~4 bytes a token; a hash unit is a block size
         try:
             data = prompt.encode("utf-8")
         except UnicodeEncodeError as exc:

@@ -24,6 +24,13 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
     tl = None
     TRITON_AVAILABLE = False
+except Exception as _exc:  # noqa: BLE001 - pragma: no cover - a broken install: said, then torch
+    import logging
+
+    logging.getLogger(__name__).warning("Triton is installed but failed to import (%s); the torch kernels run", _exc)
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
 
 
 if TRITON_AVAILABLE:

@@ -182,12 +182,14 @@ class Blocked(importlib.abc.MetaPathFinder):
             raise ImportError(f"{name} is an extra")
 sys.meta_path.insert(0, Blocked())
 from promptsplice import assemble_prompt, blocks
-from promptsplice.assembler import ContextHook, DropFailedCalls, TruncateToolOutputs
+from promptsplice.assembler import ContextHook, DropFailedCalls, TruncateToolOutputs, load_tokenizer
 from promptsplice.dedup import dedup
+folder = sys.argv[1]  # the user's own tokenizer and template: no default-model asset here
+tok = load_tokenizer(folder)
 chunks = [{"id": "a", "text": "The same passage. " * 20}, {"id": "b", "text": "The same passage. " * 20}]
-p = assemble_prompt(chunks, query="What does it say?", block_size=32)
+p = assemble_prompt(chunks, query="What does it say?", block_size=32, tokenizer=tok)
 assert len(dedup(chunks).chunks) == 1 and p.token_ids and p.block_hashes
-hook = ContextHook(policies=[TruncateToolOutputs(), DropFailedCalls()], block_size=32)
+hook = ContextHook(folder, policies=[TruncateToolOutputs(), DropFailedCalls()], block_size=32, template=folder)
 msgs = [{"role": "user", "content": "hi"}]
 hook("s", msgs)
 ctx = hook("s", msgs + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}])
@@ -197,9 +199,21 @@ print("core ok")
 """
 
 
-def test_the_core_runs_with_every_extra_blocked():
+def test_the_core_runs_with_every_extra_blocked(tmp_path):
     """dedup, assembly, the agent hook and block identity need none of the extras (torch,
     vLLM, httpx, LangChain, Redis, tiktoken, numpy): a service that only assembles prompts
-    installs the core alone (``pip install promptsplice``)."""
-    run = subprocess.run([sys.executable, "-c", _CORE_ONLY], capture_output=True, text=True, cwd="/", timeout=120)
+    installs the core alone.  Run on a fresh home (no default-model asset built), with
+    the user's own tokenizer folder, as on a machine that never ran ``make setup``."""
+    import os
+    import shutil
+
+    from promptsplice.assets import default_tokenizer_dir
+
+    folder = tmp_path / "my-tokenizer"
+    shutil.copytree(default_tokenizer_dir(), folder)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMPTSPLICE_")}
+    env["PROMPTSPLICE_HOME"] = str(tmp_path / "empty-home")
+    run = subprocess.run([sys.executable, "-c", _CORE_ONLY, str(folder)], capture_output=True, text=True,
+                         cwd="/", timeout=120, env=env)
     assert run.returncode == 0 and "core ok" in run.stdout, run.stderr[-2000:]
+    assert not any((tmp_path / "empty-home").rglob("tokenizer.json"))  # no default asset was needed

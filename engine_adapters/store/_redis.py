@@ -27,9 +27,12 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   ``clear`` or a removal overtook is deleted again.  A removed value's name (clear,
   removal, damage) is never indexed or served until its delete reached the server;
   deletes that cannot reach it wait for it.
+* Slow servers.  The socket timeout bounds each socket read, not a call: a server
+  that answers late is judged on the median of its last reads (over half the timeout)
+  or one read over five timeouts, and its reads are then skipped for ``retry_s``
+  (counted as an outage; the index is kept).
 * Outages.  Connect and socket timeouts are short; a connection error or timeout (in
-  any call), a read longer than the timeout in all, or reads averaging over half of it
-  (a server that answers, slowly) open a circuit breaker: the tier counts one outage, logs one warning,
+  any call) opens a circuit breaker: the tier counts one outage, logs one warning,
   forgets its index (the server may come back empty) and refuses reads and writes for
   ``retry_s`` seconds, so a dead server costs at most one short timeout per back-off
   period.  The listener then resubscribes and rescans.  A server that refuses a write
@@ -85,11 +88,18 @@ _HEAD_READ = 4096  # bytes of a value the listener reads to index it (headers ar
 #: Client options the tier sets itself; a URL may not override them.
 _OWN_OPTIONS = frozenset({
     "socket_timeout", "socket_connect_timeout", "retry_on_timeout", "retry_on_error", "retry",
-    "health_check_interval", "socket_keepalive", "socket_keepalive_options",
+    "health_check_interval",
+    "max_connections",  # the listener, the writer and the readers each hold one: a cap starves them
 })  # fmt: skip
-#: Reads that average (EWMA) over this share of the timeout mark a slow server down.
+#: A slow server (one that answers, late): reads are skipped for ``retry_s`` when the
+#: median of the last reads is over this share of the timeout (a median, so the few
+#: reads that opened a connection, handshake included, do not count), or at once when
+#: one read takes longer than ``_SLOW_AT_ONCE`` timeouts (more than a healthy handshake,
+#: each of its calls bounded by the timeout, can take).
 _SLOW_SHARE = 0.5
-_SLOW_AFTER = 4  # reads seen before the average counts
+_SLOW_AFTER = 4  # reads seen before the median counts
+_SLOW_WINDOW = 8
+_SLOW_AT_ONCE = 5
 
 
 def check_redis_url(url: object) -> str | None:
@@ -113,8 +123,8 @@ def check_redis_url(url: object) -> str | None:
     if overrides:
         # redis-py lets a URL's options win over the tier's own: ?socket_timeout=4 made
         # a paused server hold a forward pass for 4 s under remote_timeout_s=0.2
-        return (f"sets {', '.join(overrides)}, which the tier sets itself (its timeouts and retries): "
-                "drop them and use StoreConfig.remote_timeout_s / remote_retry_s")
+        return (f"sets {', '.join(overrides)}, which the tier controls itself (its timeouts, retries and "
+                "connections): drop them and use StoreConfig.remote_timeout_s / remote_retry_s")
     try:
         import redis
     except ImportError:
@@ -211,8 +221,8 @@ class RedisTier(IndexedTier):
         self._closed = False
         self._evictions = self._writes = self._write_errors = self._corrupt = self._foreign = 0
         self._outages = self._skipped = 0
-        self._read_s: float | None = None  # EWMA of a read's wall time
-        self._reads = 0
+        self._read_times: deque[float] = deque(maxlen=_SLOW_WINDOW)  # the last reads' wall times
+        self._slow_until = 0.0  # reads skipped until then (the index is kept)
         self._pid = os.getpid()
         _LIVE.add(self)
         self._listener = threading.Thread(target=self._listen, name="promptsplice-kv-redis", daemon=True)
@@ -306,18 +316,32 @@ class RedisTier(IndexedTier):
         when it is not).  The socket timeout bounds each socket read, not a call: a
         large value over a slow link, or a server answering each read just under the
         timeout, held a forward pass for seconds while no outage was counted."""
-        self._reads += 1
-        avg = self._read_s = took if self._read_s is None else 0.8 * self._read_s + 0.2 * took
-        if took > self._timeout_s:
-            return f"a read took {took:.2f} s, over remote_timeout_s={self._timeout_s:g}"
-        if self._reads >= _SLOW_AFTER and avg > _SLOW_SHARE * self._timeout_s:
-            return f"reads average {avg:.3f} s, over half of remote_timeout_s={self._timeout_s:g}"
+        if took > _SLOW_AT_ONCE * self._timeout_s:
+            return f"a read took {took:.2f} s, over {_SLOW_AT_ONCE} x remote_timeout_s={self._timeout_s:g}"
+        times = self._read_times
+        times.append(took)
+        if len(times) >= _SLOW_AFTER:
+            mid = sorted(times)[len(times) // 2]
+            if mid > _SLOW_SHARE * self._timeout_s:
+                return (f"the median of its last {len(times)} reads is {mid:.3f} s, over half of "
+                        f"remote_timeout_s={self._timeout_s:g}")
         return None
+
+    def _slow_down(self, why: str) -> None:
+        """Under the lock: skip reads for ``retry_s`` (counted as an outage, logged once
+        per episode); unlike an outage the index is kept (the server holds the blocks)."""
+        self._slow_until = time.monotonic() + self._retry_s
+        self._read_times.clear()
+        self._outages += 1
+        _log.warning(
+            "KV block store: Redis at %s answers too slowly to load from (%s); serving from the "
+            "local tiers, reads retried in %g s", _redact(self._url), why, self._retry_s,
+        )  # fmt: skip
 
     def _outage(self, err: BaseException) -> None:
         """Under the lock: the server is out of reach; open the breaker."""
         self._down_until = time.monotonic() + self._retry_s
-        self._read_s, self._reads = None, 0  # a server back from the breaker starts afresh
+        self._read_times.clear()  # a server back from the breaker starts afresh
         self._lru.clear()  # it may come back empty: the listener rescans it
         self._synced.clear()  # (and the listener leaves its subscription to do so)
         self._lost_index = True
@@ -348,7 +372,7 @@ class RedisTier(IndexedTier):
         """Fetch and verify the value ``locate`` returned ``entry`` for."""
         name = record_key(self._fp, entry.meta)
         with self._cond:
-            if self._closed or not self._reachable() or name in self._doomed:
+            if self._closed or not self._reachable() or time.monotonic() < self._slow_until or name in self._doomed:
                 return Fetched(Loaded.MISS)
         t0 = time.monotonic()
         try:
@@ -366,7 +390,7 @@ class RedisTier(IndexedTier):
             self._back()
             slow = self._slow(took)
             if slow is not None:  # this value is good; the next reads go to local tiers
-                self._outage(TimeoutError(slow))
+                self._slow_down(slow)
             current = self._lru.get(k) is entry
             if name in self._doomed:  # removed while it was read
                 return Fetched(Loaded.MISS)

@@ -5,9 +5,11 @@ The splice connector saves the KV of every full block it prefills here, and asks
 blocks back when vLLM's own prefix cache misses (offload hits) or when an agent edit
 moved them (relocation).  This module is the testable core the connector forwards to:
 it never imports vLLM, and it imports torch only when a tensor goes in or out.
-Kept as one module (~620 lines): it is the one tiering policy over every tier (put,
+Kept as one module (~670 lines): it is the one tiering policy over every tier (put,
 get, write-down, promotion, pins, re-share), and each of those steps takes the one lock
-with the others; the tiers' mechanisms live in their own modules.
+with the others; the tiers' mechanisms live in their own modules.  A store inherited
+through ``fork()`` keeps its DRAM tier only in the child (its tiers' threads and folder
+lock stay with the parent), and no store lock is copied held.
 
 Tiers and policy
     The store is an ordered list of tiers (the split of vLLM's ``BlockPool`` from its
@@ -91,7 +93,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +145,35 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet[BlockStore] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    """Take every store's lock, so no lock is copied held by a thread the child lacks."""
+    for store in sorted(_LIVE, key=id):
+        store._cond.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for store in sorted(_LIVE, key=id):
+        store._cond.release()
+
+
+def _after_fork_in_child() -> None:
+    """The child has the stores but none of their threads (disk writer, Redis writer and
+    listener), and shares the disk folder with its parent: each keeps its DRAM tier only."""
+    for store in sorted(_LIVE, key=id):
+        store._cond.release()
+        if store._lower:
+            _log.warning("KV block store: inherited through fork(): this process keeps its DRAM tier only; "
+                         "build the store after forking for the disk and shared tiers")
+            store._lower = []
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 class BlockStore:
@@ -207,6 +240,7 @@ class BlockStore:
                 raise
             self._lower.append(remote)
         self._tier_hits: dict[str, int] = {}  # storage-tier hits by tier name
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ public API
 
