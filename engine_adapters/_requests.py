@@ -9,7 +9,6 @@ and raises the documented error with the fix in its message.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any, NamedTuple
 from promptsplice.assembler import AssembledPrompt, PrefixCacheMirror
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice.engine_adapters.connector._plans import BlockDeviation, SplicePhase, SplicePlan
-from promptsplice._validate import check_int, check_number, check_salt, check_stop
+from promptsplice._validate import check_int, check_number, check_salt, check_stop, check_token_ids
 from promptsplice.errors import ConfigError, ContextLengthError, InputError, InvalidSaltError
 
 __all__ = [
@@ -233,17 +232,7 @@ def normalize_prompt(
             f"prompt must be an AssembledPrompt, a list of token ids or a str, got {type(prompt).__name__}"
         )
     else:
-        ids = []
-        for i, tok in enumerate(prompt):
-            if isinstance(tok, bool):
-                raise InputError(f"prompt token {i} is a bool, not a token id")
-            try:
-                value = operator.index(tok)
-            except TypeError as exc:
-                raise InputError(f"prompt token {i} is {type(tok).__name__}, not an int token id") from exc
-            if value < 0:
-                raise InputError(f"prompt token {i} is negative ({value})")
-            ids.append(value)
+        ids = check_token_ids(prompt, "prompt")  # the one rule (RemoteEngine and the router take it too)
         salt = cache_salt
     if not ids:
         raise InputError("the prompt is empty: vLLM needs at least one prompt token")

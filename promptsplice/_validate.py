@@ -24,7 +24,8 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from promptsplice.errors import (
@@ -273,15 +274,23 @@ chain hash here packs them): no vocabulary comes near."""
 
 
 def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
-    """A non-empty sequence of token ids (ints >= 0, not bools) as a list; else
-    :class:`InputError` naming the first bad position."""
-    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Sequence):
+    """A non-empty sequence or iterable of token ids (ints from 0 to 2**32 - 1, numpy
+    integers included, not bools) as a list of ints; else :class:`InputError` naming
+    the first bad position.  The one rule of every engine and router."""
+    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Iterable):
         raise InputError(f"{what} must be a list of token ids, got {type(ids).__name__}")
     out = list(ids)
     if not out:
         raise InputError(f"{what} is empty: pass at least one token id")
     for i, t in enumerate(out):
-        if not is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
+        if not is_int(t):
+            try:
+                if isinstance(t, bool) or type(t).__name__ == "bool_":
+                    raise TypeError
+                out[i] = t = operator.index(t)  # numpy integers
+            except TypeError:
+                raise InputError(f"{what}[{i}] is not a token id (an int from 0 to 2**32 - 1): {_short(t)}") from None
+        if not 0 <= t <= MAX_TOKEN_ID:
             raise InputError(f"{what}[{i}] is not a token id (an int from 0 to 2**32 - 1): {_short(t)}")
     return out
 

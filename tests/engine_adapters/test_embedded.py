@@ -372,6 +372,8 @@ def test_bad_prompts_and_options(engine):
     for bad in (3.5, b"abc", [1, 2.5], [1, -2], [True]):
         with pytest.raises(InputError):
             engine.generate(bad)
+    with pytest.raises(InputError, match=r"prompt\[1\] is not a token id \(an int from 0 to 2\*\*32 - 1\)"):
+        engine.generate([1, 2**33])  # the one rule: RemoteEngine and the router refused it, this took it
     with pytest.raises(ConfigError, match="max_tokens"):
         engine.generate([1, 2], max_tokens=0)
     with pytest.raises(ConfigError, match="temperature"):

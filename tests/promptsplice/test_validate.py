@@ -157,7 +157,17 @@ def test_validate_imports_only_the_errors():
 
 
 def test_token_ids():
+    import numpy as np
+
     assert v.check_token_ids((1, 0, 7)) == [1, 0, 7]
+    # any iterable of integers, numpy's included: the embedded engine took these and
+    # RemoteEngine refused them; 2**33 was taken by one and refused by the other
+    assert v.check_token_ids(i for i in (3, 4)) == [3, 4]
+    got = v.check_token_ids(np.array([5, 2**32 - 1], dtype=np.int64))
+    assert got == [5, 2**32 - 1] and all(type(t) is int for t in got)
+    for bad in ([2**32], [2**33], [np.bool_(True)], [np.float32(1.0)]):
+        with pytest.raises(InputError, match=r"prompt\[0\] is not a token id"):
+            v.check_token_ids(bad)
     for bad, match in (([], "empty"), ([1, -1], r"prompt\[1\] is not a token id"), ([True], r"prompt\[0\]"),
                        ([1.0], r"prompt\[0\]"), ("abc", "list of token ids"), (b"ab", "list of token ids"),
                        ({1: 2}, "list of token ids")):
