@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from promptsplice._validate import is_int
+from promptsplice._validate import check_messages, is_int
 from promptsplice.assembler._render import canonical_json
 from promptsplice.blocks import content_digest
 from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error
@@ -129,11 +129,7 @@ class ContextPolicy(Protocol):
 
 
 def _check_messages(messages: Any) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise InputError(f"messages must be a list of chat messages, got {type(messages).__name__}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise InputError(f"message {i} must be a dict with role and content, got {type(m).__name__}")
+    check_messages(messages)  # the shared rule: a message without a role is refused here too
 
 
 def _text(content: Any) -> str | None:

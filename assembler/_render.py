@@ -101,7 +101,7 @@ from promptsplice.assembler._tokenizers import (
     markup_for,
 )
 from promptsplice.blocks import content_digest
-from promptsplice._validate import check_block_size, check_bool, check_int
+from promptsplice._validate import check_block_size, check_bool, check_int, check_messages, check_tools
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [
@@ -294,24 +294,13 @@ class ChatRenderer:
         """Validated messages in the form the template gets, each with its index in the
         caller's list (``None`` for an added system message), and the first message
         without the injected tools (``None`` when nothing was injected)."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise InputError(f"messages must be a list of chat messages, got {type(messages).__name__}")
-        if not messages:
-            raise InputError("messages is empty: a render needs at least one message")
-        if tools is not None:
-            if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-                raise InputError(f"tools must be a list of tool schemas (dicts), got {type(tools).__name__}")
-            for t in tools:
-                if not isinstance(t, Mapping):
-                    raise InputError(f"each tool schema must be a dict, got {type(t).__name__}")
+        # the shared rules (InvalidMessageError, InvalidToolsError: InputErrors), as the hook's
+        check_messages(messages, allow_empty=False)
+        check_tools(tools)
         tmpl = self.template
         out: list[tuple[int | None, dict[str, Any]]] = []
         for i, m in enumerate(messages):
-            if not isinstance(m, Mapping):
-                raise InputError(f"message {i} must be a dict with role and content, got {type(m).__name__}")
-            role = m.get("role")
-            if not isinstance(role, str) or not role:
-                raise InputError(f"message {i} has no role (a non-empty str)")
+            role = m["role"]
             m = canonical_calls(m, i)
             if tmpl.native_tool_calls:
                 msg = _escaped(m, self._esc, self._esc_name)

@@ -220,10 +220,10 @@ def test_an_assembler_lends_its_tokenizer_cache_and_block_size(make_assembler):
     [
         ([], None, "empty"),
         ("hello", None, "list of chat messages"),
-        (["hello"], None, "message 0 must be a dict"),
-        ([{"content": "x"}], None, "message 0 has no role"),
+        (["hello"], None, r"messages\[0\] must be a dict"),
+        ([{"content": "x"}], None, r"messages\[0\]\['role'\] must be a non-empty str"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], None, "only text content"),
-        ([{"role": "user", "content": 3}], None, "content must be"),
+        ([{"role": "user", "content": 3}], None, "'content'\] must be"),
         ([{"role": "assistant", "tool_calls": [{"function": {}}]}], None, "function.name"),
         ([{"role": "user", "content": "x"}], {"name": "f"}, "tools must be a list"),
     ],
@@ -231,6 +231,20 @@ def test_an_assembler_lends_its_tokenizer_cache_and_block_size(make_assembler):
 def test_bad_renders_are_input_errors(renderer, messages, tools, match):
     with pytest.raises(InputError, match=match):
         renderer.render(messages, tools)
+
+
+def test_a_render_s_bad_messages_are_the_hook_s_errors(renderer):
+    """The renderer raised plain InputErrors where the hook (the shared check) raises
+    InvalidMessageError / InvalidToolsError: a caller catching those missed a render's."""
+    from promptsplice.assembler import DropFailedCalls
+    from promptsplice.errors import InvalidMessageError, InvalidToolsError
+
+    with pytest.raises(InvalidMessageError):
+        renderer.render([{"content": "x"}])
+    with pytest.raises(InvalidToolsError):
+        renderer.render([{"role": "user", "content": "x"}], [3])
+    with pytest.raises(InvalidMessageError):  # a policy took a message without a role
+        DropFailedCalls().apply([{"content": "x"}])
 
 
 def test_bad_options(default_tok):
