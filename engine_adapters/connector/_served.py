@@ -49,11 +49,10 @@ a malformed query is answered with a reason and no counts.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from promptsplice.blocks import HASH_BYTES, BlockHash
+from promptsplice.blocks import HASH_BYTES, BlockHash, content_digest, token_bytes
 from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SAME_SALT, BlockDeviation, SplicePlan
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
 from promptsplice.errors import ConfigError, InputError
@@ -88,8 +87,9 @@ scheduler hash)."""
 
 
 def token_digest(tokens: Sequence[int]) -> str:
-    """A short digest of a prompt's token ids (what the plan was made for)."""
-    return hashlib.blake2b(",".join(str(int(t)) for t in tokens).encode(), digest_size=16).hexdigest()
+    """A short digest of a prompt's token ids (what the plan was made for): the one
+    content hash of ``promptsplice.blocks`` over their uint32 bytes (not a second hash)."""
+    return content_digest(token_bytes(tokens)).hex()
 
 
 def plan_check(tokens: Sequence[int]) -> dict[str, Any]:
