@@ -49,7 +49,7 @@ from promptsplice.assembler._tokenizers import (
     markup_for,
 )
 from promptsplice.dedup import DedupConfig, KeptChunk, dedup, normalize_chunks
-from promptsplice.blocks import content_digest, root_hash, token_bytes
+from promptsplice.blocks import cacheable_blocks, content_digest, root_hash, token_bytes
 from promptsplice._validate import (
     check_block_size,
     check_bool,
@@ -421,7 +421,7 @@ class Assembler:
         """Cached tokens the mirror predicts for a layout of ``num_tokens`` tokens whose
         first blocks are in ``builder`` (unfinished)."""
         bs = self.block_size
-        hit = min(builder.hit_blocks, max(0, (num_tokens - 1) // bs))
+        hit = min(builder.hit_blocks, cacheable_blocks(num_tokens, bs))
         return 0 if hit * bs < self.mirror.min_hit_tokens else hit * bs
 
     def _cache_aware(

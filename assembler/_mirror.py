@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, KeysView, Sequence
 from typing import NamedTuple
 
-from promptsplice.blocks import BlockHash, cdiv
+from promptsplice.blocks import BlockHash, cacheable_blocks, cdiv
 from promptsplice._validate import check_block_size, check_int, check_optional_int
 from promptsplice.errors import ConfigError
 
@@ -137,7 +137,7 @@ class PrefixCacheMirror:
             return self._predict(hashes, num_tokens)
 
     def _predict(self, hashes: Sequence[BlockHash], num_tokens: int) -> Prediction:
-        limit = max(0, (num_tokens - 1) // self.block_size)
+        limit = cacheable_blocks(num_tokens, self.block_size)
         hit = self._match(hashes[:limit])
         if hit * self.block_size < self.min_hit_tokens:
             hit = 0  # e.g. OpenAI: nothing is served from cache below 1024 tokens

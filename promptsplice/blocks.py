@@ -38,6 +38,7 @@ __all__ = [
     "cdiv",
     "round_up",
     "round_down",
+    "cacheable_blocks",
     "content_digest",
     "salt_bytes",
     "chunk_key",
@@ -73,6 +74,13 @@ def round_up(x: int, multiple: int) -> int:
 def round_down(x: int, multiple: int) -> int:
     """Largest multiple of ``multiple`` that is <= ``x``."""
     return (x // multiple) * multiple
+
+
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks of a ``num_tokens``-token prompt that a prefix cache can serve: vLLM
+    always computes the last prompt token (it samples from it), so never the block that
+    holds it: ``(num_tokens - 1) // block_size`` (vLLM's ``max_cache_hit_length``)."""
+    return max(0, (num_tokens - 1) // block_size)
 
 
 #: ``content_digest(data) -> bytes``: xxh3-128 of raw bytes, the content key of chunks

@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, hash_block, root_hash, round_down, round_up
+from promptsplice.blocks import HASH_BYTES, BlockHash, cacheable_blocks, chain_hashes, hash_block, root_hash, round_down, round_up
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [
@@ -478,7 +478,7 @@ def plan_phases(
     if not new:
         raise InputError("the new prompt is empty")
     src = salt if src_salt is SAME_SALT else src_salt
-    limit = round_down(len(new) - 1, bs)  # the last request computes at least one token
+    limit = cacheable_blocks(len(new), bs) * bs  # the last request computes at least one token
     old_chain: list[BlockHash] = []
 
     def parent(old_pos: int) -> BlockHash:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from promptsplice.blocks import BlockHash, cdiv, hash_block, round_down
+from promptsplice.blocks import BlockHash, cacheable_blocks, cdiv, hash_block, round_down
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, in_place_blocks
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.errors import InputError
@@ -124,7 +124,7 @@ def plan_load(
         if owner is not None:
             store.release(owner)
         return empty
-    first, last = start // bs, (len(prompt_tokens) - 1) // bs
+    first, last = start // bs, cacheable_blocks(len(prompt_tokens), bs)
     if first >= last:
         if owner is not None:
             store.release(owner)
@@ -303,7 +303,7 @@ class SpliceScheduler:
             return 0
         st = self._state(req_id, prompt_tokens, salt, kv_transfer_params)
         bs = self.block_size
-        last = (len(prompt_tokens) - 1) // bs
+        last = cacheable_blocks(len(prompt_tokens), bs)
         if st.chain is None and num_computed_tokens // bs < last:
             st.chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
         lp = plan_load(

@@ -124,7 +124,7 @@ from promptsplice.engine_adapters.runners._steps import (
     planned_relocated_tokens,
 )
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
-from promptsplice.blocks import chain_hashes, root_hash, round_down
+from promptsplice.blocks import cacheable_blocks, chain_hashes, root_hash, round_down
 from promptsplice._validate import DERIVED_SALT_MARK, check_enum, check_int, check_tenant_salt
 from promptsplice.errors import ConfigError, ContextLengthError, InputError
 
@@ -386,7 +386,7 @@ class RagRunner:
         except ContextLengthError:  # whole-block chunks do not fit: one exact request
             return self._run_exact(chunks, query, system, tools, gen)
         toks = prompt.token_ids
-        hit = round_down(min(prompt.predicted_cached_tokens, len(toks) - 1), bs)
+        hit = min(round_down(prompt.predicted_cached_tokens, bs), cacheable_blocks(len(toks), bs) * bs)
         chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
         head_end = chunk_segs[0].start if chunk_segs else 0
         outs: list[Completion] = []
@@ -501,7 +501,7 @@ class RagRunner:
         """The store chain a plain request of ``toks`` under the tenant's salt could load
         (its full blocks but the last token's)."""
         bs = self.engine.block_size
-        return chain_refs(list(toks[: round_down(len(toks) - 1, bs)]), bs, salt=self.salt), self.salt
+        return chain_refs(list(toks[: cacheable_blocks(len(toks), bs) * bs]), bs, salt=self.salt), self.salt
 
     def _exact_hit(self, toks: Sequence[int], stored_blocks: int, prompt: AssembledPrompt | None = None) -> int:
         """Tokens one plain request of ``toks`` under the tenant's salt would not compute:

@@ -208,3 +208,11 @@ def test_bad_arguments_are_the_hierarchy_s_errors_not_builtins():
         chain_hashes([1] * 16, 16, parent=root_hash(), salt="t")
     with pytest.raises(InputError, match="tail holds"):
         next_blocks_cached(root_hash(), token_bytes([1] * 16), [], 16, set())
+
+
+def test_cacheable_blocks_never_include_the_last_prompt_token():
+    """vLLM computes the last prompt token to sample from it (``max_cache_hit_length =
+    num_tokens - 1``): the one rule the mirror, the planners and the runners share."""
+    from promptsplice.blocks import cacheable_blocks
+
+    assert [cacheable_blocks(n, 32) for n in (0, 1, 32, 33, 64, 65, 300)] == [0, 0, 0, 1, 1, 2, 9]
