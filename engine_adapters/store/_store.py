@@ -5,7 +5,7 @@ The splice connector saves the KV of every full block it prefills here, and asks
 blocks back when vLLM's own prefix cache misses (offload hits) or when an agent edit
 moved them (relocation).  This module is the testable core the connector forwards to:
 it never imports vLLM, and it imports torch only when a tensor goes in or out.
-Kept as one module (~670 lines): it is the one tiering policy over every tier (put,
+Kept as one module (~680 lines): it is the one tiering policy over every tier (put,
 get, write-down, promotion, pins, re-share), and each of those steps takes the one lock
 with the others; the tiers' mechanisms live in their own modules.  A store inherited
 through ``fork()`` keeps its DRAM tier only in the child (its tiers' threads and folder
