@@ -39,9 +39,9 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   (out of memory) counts a write error and drops the block, without opening the
   breaker.  No exception of the client reaches the caller or stops the writer.
 
-A tier inherited through ``fork()`` is off in the child (its threads did not come
-along).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
-one module (~830 lines): the index, the writer and the listener share one lock and one
+A forked child never uses an inherited tier (the store keeps its DRAM tier only there:
+``_store``).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
+one module (~790 lines): the index, the writer and the listener share one lock and one
 set of rules (what is announced, what is doomed, when the breaker opens, what a clear's
 scan of the server keeps), and each race between them is settled in this file.
 """
@@ -49,11 +49,9 @@ scan of the server keeps), and each race between them is settled in this file.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import urllib.parse
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -223,8 +221,6 @@ class RedisTier(IndexedTier):
         self._outages = self._skipped = 0
         self._read_times: deque[float] = deque(maxlen=_SLOW_WINDOW)  # the last reads' wall times
         self._slow_until = 0.0  # reads skipped until then (the index is kept)
-        self._pid = os.getpid()
-        _LIVE.add(self)
         self._listener = threading.Thread(target=self._listen, name="promptsplice-kv-redis", daemon=True)
         self._listener.start()
 
@@ -649,23 +645,6 @@ class RedisTier(IndexedTier):
         """Wait until the listener has scanned the server since it (re)connected."""
         return self._synced.wait(timeout)
 
-    def _orphan(self) -> None:
-        """In a forked child (one thread, no lock taken: its holder may not exist here)."""
-        if self._closed or self._pid == os.getpid():
-            return
-        self._closed = True
-        self._queue.clear()
-        self._queue_bytes = 0
-        self._writing.clear()
-        self._deletes.clear()
-        self._lru.clear()
-        self._writer = None
-        _log.warning(
-            "KV block store: the Redis tier of %s was inherited through fork() (pid %d): it is off in "
-            "this process; build the store after forking to share blocks here",
-            _redact(self._url), os.getpid(),
-        )
-
     def close(self) -> None:
         """Finish queued writes (each bounded by the timeout), stop the threads.
         The server keeps the values.  Idempotent."""
@@ -795,21 +774,6 @@ class RedisTier(IndexedTier):
             if cursor == 0:
                 break
         return recovered
-
-
-_LIVE: weakref.WeakSet[RedisTier] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """A forked child inherits the tiers but not their threads: its writer and listener
-    never run there, and ``drain``/``close`` waited for them for good.  Each inherited
-    tier is turned off in the child (misses, skipped writes), never waited on."""
-    for tier in list(_LIVE):
-        tier._orphan()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _redact(url: str) -> str:
