@@ -26,6 +26,8 @@ and a RoPE that ``promptsplice.kernels.RopeConfig`` implements, otherwise plans 
 back to computing.  When a request finishes, the scheduler side has the worker settle
 that request's in-flight saves (CUDA), through a per-store board, as the worker passes
 it probe results: both sides share one process, the engine core's.
+Its counters reach vLLM's metrics (``/metrics``, the ``KV Transfer metrics:`` log line)
+through ``get_kv_connector_stats`` (:mod:`~promptsplice.engine_adapters.connector._metrics`).
 ``kv_load_failure_policy="recompute"`` is what makes a block that fails to load be
 recomputed instead of failing the request.
 
@@ -60,6 +62,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from promptsplice.engine_adapters import _vllm
+from promptsplice.engine_adapters.connector._metrics import (
+    CounterReporter,
+    SpliceConnectorStats,
+    SplicePromMetrics,
+)
 from promptsplice.engine_adapters.connector._plans import BlockDeviation, latest_per_block
 from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
 from promptsplice.engine_adapters.connector._served import (
@@ -81,6 +88,7 @@ from promptsplice.errors import ConfigError
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -166,6 +174,7 @@ class SpliceConnector(KVConnectorBase_V1):
         """Requests that carry a plan, a probe or a store query: [reason, planned, loaded,
         relocated tokens, a query's matched blocks] (``_served``)."""
         self._probes = _probe_board(self.store)
+        self._reporter = CounterReporter()
         """Request id -> its probes' deviations: the worker-side instance writes, the
         scheduler-side one (same process, same store) reads them into the ack."""
 
@@ -236,6 +245,27 @@ class SpliceConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # The worker side reports (its counters and the store's); the scheduler side,
+        # in the same process, adds nothing, so nothing is counted twice.
+        if self.worker is None:
+            return None
+        return self._reporter.take(self.worker.stats, self.store)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return SpliceConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return SplicePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if not self.store.closed:

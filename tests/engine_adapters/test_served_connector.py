@@ -8,6 +8,8 @@ without the connector makes a plan an ``EngineRequestError``."""
 from __future__ import annotations
 
 
+import time
+
 import httpx
 import pytest
 
@@ -72,6 +74,8 @@ def test_connector_loads_in_vllm_serve_and_serves_offload_hits(remote, served_kv
     first = remote.complete(prompt, max_tokens=1, cache_salt=s)
     assert first.cached_tokens == 0
     reset_local_cache(served_kv.base_url)
+    time.sleep(1.1)  # the store's counters of the first request reported before the reading
+    before_metrics = connector_metrics(served_kv.base_url)
     before = remote.server_counters()
     again = remote.complete(prompt, max_tokens=1, cache_salt=s)
     seen = remote.server_counters()
@@ -80,6 +84,34 @@ def test_connector_loads_in_vllm_serve_and_serves_offload_hits(remote, served_kv
               seen.external_hits - before.external_hits)
     assert served == embedded
     assert again.splice is None  # no plan sent: no ack asked for
+    # The connector's counters reach the server's /metrics: 10 blocks loaded from the
+    # store's DRAM (the first request's saves counted before: its 10 blocks saved).
+    assert connector_counters_reach(served_kv.base_url, {"loaded_blocks": 10, "store_dram_hits": 10}, before_metrics)
+
+
+def connector_metrics(base_url: str) -> dict[str, float]:
+    from promptsplice.engine_adapters._wire import parse_prometheus_counters
+    from promptsplice.engine_adapters.connector._metrics import COUNTERS
+
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    found = parse_prometheus_counters(text, [f"vllm:promptsplice_{n}_total" for n in COUNTERS])
+    return {k[len("vllm:promptsplice_"):-len("_total")]: v for k, v in found.items()}
+
+
+def connector_counters_reach(base_url: str, wanted: dict[str, float], before: dict[str, float]) -> dict:
+    """The counters' increase since ``before`` once it reaches ``wanted`` (the front end
+    records a step's stats as it hands out the step's output: polled for up to 10 s; the
+    store's counters are reported at most once a second)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        now = connector_metrics(base_url)
+        seen = {k: now.get(k, 0) - before.get(k, 0) for k in wanted}
+        if seen == wanted or time.monotonic() > deadline:
+            assert seen == wanted, (seen, now)
+            return seen
+        time.sleep(0.2)
 
 
 def test_served_deletion_splice_matches_the_embedded_engine(remote, kv_engine, text_tokens):

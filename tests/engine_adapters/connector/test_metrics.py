@@ -1,0 +1,97 @@
+"""The connector's counters in vLLM's metrics: the worker reports what changed since its
+last report (loads, saves, store hits), never a decrease; the stats sum per interval and
+survive the dict vLLM sends between processes; the Prometheus counters count them per
+engine.  The end-to-end path (``/metrics`` of a real ``vllm serve``) is in
+``tests/engine_adapters/test_served_connector.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import prometheus_client
+import pytest
+
+from promptsplice.engine_adapters import chain_refs
+from promptsplice.engine_adapters.connector._connector import SpliceConnector
+from promptsplice.engine_adapters.connector._metrics import (
+    COUNTERS,
+    CounterReporter,
+    SpliceConnectorStats,
+    SplicePromMetrics,
+)
+from promptsplice.engine_adapters.connector._scheduler import LoadItem, SpliceMetadata
+from promptsplice.engine_adapters.connector._worker import WorkerStats
+from tests.engine_adapters.connector._kv import BS, SALT, fill_store, poisoned_caches, toks, worker
+
+
+def test_a_load_reports_its_blocks_and_the_store_hits_once(store):
+    prompt = toks(4 * BS)
+    fill_store(store, prompt)
+    w = worker(store, poisoned_caches())
+    reporter = CounterReporter(store_every_s=0)
+    reporter.take(w.stats, store)  # what filling the store counted
+    refs = chain_refs(prompt, BS, salt=SALT)
+    w.start_load(SpliceMetadata(loads=[LoadItem("r", SALT, tuple(refs[:3]), (0, 0, 0), (11, 3, 20), 0)]))
+    stats = reporter.take(w.stats, store)
+    assert stats is not None
+    assert stats.data == {"loaded_blocks": 3, "store_dram_hits": 3}
+    assert reporter.take(w.stats, store) is None  # nothing new: no stats sent with the step
+
+
+def test_store_counters_are_read_at_most_once_per_interval(store):
+    prompt = toks(2 * BS)
+    fill_store(store, prompt)
+    refs = chain_refs(prompt, BS, salt=SALT)
+    reporter = CounterReporter(store_every_s=3600)
+    reporter.take(WorkerStats(), store)
+    store.get(refs[0], salt=SALT)
+    assert reporter.take(WorkerStats(loaded_blocks=1), store).data == {"loaded_blocks": 1}
+    assert CounterReporter(store_every_s=0).take(WorkerStats(), store).data["store_dram_hits"] == 1
+
+
+def test_a_counter_that_went_down_is_reported_past_its_highest_value():
+    reporter = CounterReporter()
+    assert reporter.take(WorkerStats(loaded_blocks=10), None).data == {"loaded_blocks": 10}
+    assert reporter.take(WorkerStats(loaded_blocks=8, load_errors=2), None).data == {"load_errors": 2}
+    assert reporter.take(WorkerStats(loaded_blocks=11, load_errors=2), None).data == {"loaded_blocks": 1}
+
+
+def test_stats_sum_per_interval_and_cross_processes_as_a_dict():
+    a = SpliceConnector.build_kv_connector_stats({"loaded_blocks": 3, "probe_seconds": 0.25})
+    b = SpliceConnector.build_kv_connector_stats(SpliceConnectorStats(data={"loaded_blocks": 2}).to_dict())
+    total = a.aggregate(b)
+    assert total.reduce() == {"loaded_blocks": 5, "probe_seconds": 0.25}
+    assert not total.is_empty() and SpliceConnector.build_kv_connector_stats(None).is_empty()
+    total.reset()
+    assert total.is_empty() and total.to_dict() == {}
+
+
+def test_prometheus_counters_count_per_engine():
+    registry = prometheus_client.CollectorRegistry()
+
+    class Counter(prometheus_client.Counter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, registry=registry, **kwargs)
+
+    types = {prometheus_client.Gauge: None, prometheus_client.Counter: Counter, prometheus_client.Histogram: None}
+    config = SimpleNamespace(kv_transfer_config=None)
+    prom = SpliceConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    assert isinstance(prom, SplicePromMetrics)
+    prom.observe({"loaded_blocks": 3, "store_remote_hits": 2}, engine_idx=1)
+    prom.observe({"loaded_blocks": 4, "not_ours": 9}, engine_idx=1)  # unknown names are ignored
+
+    def value(name, engine):
+        return registry.get_sample_value(f"vllm:promptsplice_{name}_total", {"model_name": "m", "engine": engine})
+
+    assert (value("loaded_blocks", "1"), value("store_remote_hits", "1"), value("loaded_blocks", "0")) == (7, 2, 0)
+    assert {m.name for m in registry.collect()} == {f"vllm:promptsplice_{n}" for n in COUNTERS}
+
+
+@pytest.mark.parametrize("field", sorted(WorkerStats.__dataclass_fields__))
+def test_every_worker_counter_is_exported(field):
+    from promptsplice.engine_adapters.connector._metrics import worker_counters
+
+    assert set(worker_counters(WorkerStats())) <= set(COUNTERS)
+    stats = WorkerStats()
+    setattr(stats, field, 5)
+    assert 5 in worker_counters(stats).values(), f"WorkerStats.{field} is counted but not exported"
