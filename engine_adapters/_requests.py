@@ -74,6 +74,12 @@ class Completion:
     started with ``extra_kwargs={"max_logprobs": -1}``) and of the sampled one."""
 
     @property
+    def cached_tokens(self) -> int:
+        """``num_cached_tokens`` under the name every other record uses for it
+        (:class:`RemoteCompletion`, the runners' steps, the benches' reports)."""
+        return self.num_cached_tokens
+
+    @property
     def prefill_tokens(self) -> int:
         """Prompt tokens the engine computed (not served from the cache)."""
         return self.prompt_tokens - self.num_cached_tokens

@@ -74,3 +74,11 @@ def test_an_assembled_prompt_sent_under_another_tenants_salt_is_refused(make_ass
         normalize_prompt(prompt, "b", block_size=32, encode=lambda t: [])
     unsalted = asm.assemble([{"id": "c", "text": "A chunk of text."}], query="What?")
     assert normalize_prompt(unsalted, "b", block_size=32, encode=lambda t: []).salt == "b"  # salting an unsalted prompt
+
+
+def test_a_completion_names_its_cached_tokens_as_every_other_record_does():
+    from promptsplice.engine_adapters import Completion
+
+    c = Completion(text="", token_ids=[], prompt_token_ids=[1] * 70, prompt_tokens=70, num_cached_tokens=64,
+                   ttft_s=0.0, total_s=0.0, finish_reason="length")
+    assert (c.cached_tokens, c.prefill_tokens) == (64, 6)
