@@ -321,6 +321,11 @@ class MirrorView:
     def hit_rate(self) -> float:
         return self._mirror.hit_rate
 
+    def cache_only(self) -> MirrorView:
+        """A view of the same mirror without what is held behind the cache (no
+        ``behind``): layouts planned on the engine's own prefix cache alone."""
+        return MirrorView(self._mirror)
+
     def state(self, block_hash: BlockHash) -> BlockState:
         return self._mirror.state(block_hash)
 

@@ -120,6 +120,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
             allow_skips=args.allow_skips, one_store_engine=args.one_store_engine,
             pic_exact_alignment=args.pic_exact_alignment,
+            kv_cache_bytes=_mib(args.kv_cache_mib), store_layout=args.store_layout,
         )
     if not args.trace:
         raise ConfigError("bench rag needs --trace FILE (or --suite for every trace family)")
@@ -134,7 +135,13 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         fidelity_requests=args.fidelity_requests,
         allow_skips=args.allow_skips,
         pic_exact_alignment=args.pic_exact_alignment,
+        kv_cache_bytes=_mib(args.kv_cache_mib),
+        store_layout=args.store_layout,
     )
+
+
+def _mib(mib: int | None) -> int | None:
+    return None if mib is None else mib << 20
 
 
 def _cmd_bench_ttft(args: argparse.Namespace) -> int:
@@ -270,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.add_argument("--allow-skips", action="store_true",
                      help="accept a run that skipped more than 5%% of the requests (prompts over max_model_len)")
+    rag.add_argument("--kv-cache-mib", type=_count(1), default=None,
+                     help="KV cache of every engine, MiB (default: the engine's, 512): smaller caches evict, "
+                          "which is where the store modes load blocks back")
+    rag.add_argument("--store-layout", default="store_aware", choices=("store_aware", "cache_only"),
+                     help="promptsplice_store: layouts that count the store's blocks (default), or vLLM's "
+                          "cache alone (an ablation)")
     rag.add_argument("--one-store-engine", action="store_true",
                      help="--suite: one store engine for every family and both store modes (salts that cannot "
                           "meet; they share the store's budget) instead of a fresh one per mode and family")

@@ -134,6 +134,7 @@ __all__ = ["run_modes", "run_rag_bench", "format_modes", "mode_bounds", "MODES",
 
 MODES = ("naive", "promptsplice")
 STORE_MODE = "promptsplice_store"
+STORE_LAYOUTS = ("store_aware", "cache_only")
 PIC_MODE = "promptsplice_pic"
 FIT_MARGIN = 8
 """Tokens kept free below ``max_model_len`` when deciding that a request fits."""
@@ -202,6 +203,7 @@ def run_modes(
     recompute_blocks: int | None = None,
     fidelity_requests: int = DEFAULT_PROBES,
     pic_exact_alignment: str = "auto",
+    store_layout: str = "store_aware",
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Run naive then promptsplice on ``engine`` (then ``promptsplice_store`` and
     ``promptsplice_pic`` when ``kv_engine`` is given: an engine with the splice connector,
@@ -210,10 +212,14 @@ def run_modes(
 
     All modes render the same pieces with the same :class:`promptsplice.assembler.PromptFormat`
     (default: ChatML, the default model's chat format).  Fidelity probes need both
-    engines started with ``extra_kwargs={"max_logprobs": -1}``.
+    engines started with ``extra_kwargs={"max_logprobs": -1}``.  ``store_layout``:
+    ``"store_aware"`` (the engine's assemblers: layouts count the store's blocks) or
+    ``"cache_only"`` (an ablation: layouts on vLLM's own cache alone).
     """
     from promptsplice.assembler import PromptFormat
 
+    if store_layout not in STORE_LAYOUTS:
+        raise ConfigError(f"store_layout must be one of {STORE_LAYOUTS}, got {store_layout!r}")
     factory = kv_engine is not None and callable(kv_engine) and not hasattr(kv_engine, "generate")
     if kv_engine is not None and not factory:
         _check_capacity(engine, kv_engine)  # before anything runs
@@ -299,7 +305,7 @@ def run_modes(
                 if mode == STORE_MODE:
                     # PIC's own exact layout: the one difference between the two is relocation
                     _run_store(report, outs, kv, requests, policy=policy, alignment=pic_exact_alignment,
-                               max_tokens=max_tokens,
+                               max_tokens=max_tokens, layout=store_layout,
                                progress=progress, prompt_format=fmt_obj, salt=f"bench-rag-store-{run_id}")
                 else:
                     _run_pic(
@@ -344,10 +350,17 @@ def mode_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, progress, prompt_format,
-               salt) -> None:
+               salt, layout="store_aware") -> None:
     """The ``promptsplice_store`` mode: exact assembly on the store engine (module doc)."""
+    from promptsplice.assembler import Assembler
+
     kv.reset_prefix_cache()
-    asm = kv.make_assembler(policy=policy, alignment=alignment, prompt_format=prompt_format)
+    if layout == "store_aware":
+        asm = kv.make_assembler(policy=policy, alignment=alignment, prompt_format=prompt_format)
+    else:  # the ablation: what the engine's assemblers did before they counted the store
+        asm = Assembler(kv.tokenizer, block_size=kv.block_size, mirror=kv.mirror.cache_only(),
+                        max_tokens=kv.max_model_len - 1, policy=policy, alignment=alignment,
+                        prompt_format=prompt_format)
     before = kv.counters()
     completions = []
     predicted = 0
@@ -368,6 +381,7 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
         "measured_cached_tokens": report["modes"][STORE_MODE]["cached_tokens"],
         "external_cached_tokens": delta.external_hits,
         "alignment": alignment,
+        "layout": layout,
         "kv_cache_blocks": kv.num_blocks,
         "store_dram_bytes": store.config.dram_bytes,
         "store_disk_bytes": store.config.disk_bytes,
@@ -500,17 +514,19 @@ STORE_DISK_BYTES = 4 << 30
 
 
 def start_rag_engines(store_root: str | Path, *, dram_bytes: int = STORE_DRAM_BYTES,
-                      disk_bytes: int = STORE_DISK_BYTES) -> tuple[Any, Callable[[], Any]]:
-    """The plain engine, and a factory of fresh engines with the splice connector over a
-    fresh tiered store (``dram_bytes`` of DRAM over ``disk_bytes`` of disk, a new folder
-    under ``store_root`` each), with the plain engine's KV cache size."""
+                      disk_bytes: int = STORE_DISK_BYTES,
+                      kv_cache_bytes: int | None = None) -> tuple[Any, Callable[[], Any]]:
+    """The plain engine (``kv_cache_bytes`` of KV cache; default: the engine's), and a
+    factory of fresh engines with the splice connector over a fresh tiered store
+    (``dram_bytes`` of DRAM over ``disk_bytes`` of disk, a new folder under
+    ``store_root`` each), with the plain engine's KV cache size."""
     import itertools
     import os
 
     from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
     extra = {"max_logprobs": -1}
-    engine = EmbeddedEngine(extra_kwargs=extra)
+    engine = EmbeddedEngine(extra_kwargs=extra, **({} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}))
     ids = itertools.count()
 
     def fresh_kv_engine() -> Any:
@@ -559,6 +575,8 @@ def run_rag_bench(
     fidelity_requests: int = DEFAULT_PROBES,
     allow_skips: bool = False,
     pic_exact_alignment: str = "auto",
+    kv_cache_bytes: int | None = None,
+    store_layout: str = "store_aware",
 ) -> int:
     """The CLI's job: run the trace, print, write the JSON; exit status from
     :func:`bench_status`."""
@@ -574,12 +592,12 @@ def run_rag_bench(
     reqs = read_rag_trace(trace, limit=requests)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     try:
-        engine, kv_factory = start_rag_engines(root)
+        engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes)
         try:
             report, _ = run_modes(
                 engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_factory,
                 recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
-                pic_exact_alignment=pic_exact_alignment,
+                pic_exact_alignment=pic_exact_alignment, store_layout=store_layout,
             )
         finally:
             engine.close()

@@ -184,6 +184,8 @@ def run_rag_suite(
     allow_skips: bool = False,
     one_store_engine: bool = False,
     pic_exact_alignment: str = "auto",
+    kv_cache_bytes: int | None = None,
+    store_layout: str = "store_aware",
 ) -> int:
     """The CLI's job: start the plain engine once (and fresh store engines per family and
     mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""
@@ -196,7 +198,7 @@ def run_rag_suite(
     AlignPolicy.parse(alignment)
     out = Path(json_out)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
-    engine, kv_factory = start_rag_engines(root)
+    engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes)
     kv_engine = kv_factory() if one_store_engine else kv_factory
     partial = out.with_name(out.stem + ".partial.json")
     try:
@@ -206,7 +208,7 @@ def run_rag_suite(
             trace_dir=trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces"),
             policy=policy, alignment=alignment, max_tokens=max_tokens,
             recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
-            pic_exact_alignment=pic_exact_alignment,
+            pic_exact_alignment=pic_exact_alignment, store_layout=store_layout,
         )
     finally:
         if one_store_engine:

@@ -237,5 +237,9 @@ def test_a_view_with_blocks_behind_the_cache_lends_them_to_the_layout_walk_only(
     assert view.match(hashes) == 1 and view.predict(hashes, 64).cached_tokens == 16
     assert not view.has(hashes[1]) and hashes[1] not in view
     assert [h in m.view().reusable_hashes() for h in hashes] == [True, False, False, False]
+    blind = view.cache_only()  # the same mirror, the store left out (the bench's ablation)
+    assert [h in blind.reusable_hashes() for h in hashes] == [True, False, False, False]
+    m.admit(hashes[3:4], 64)
+    assert blind.has(hashes[3]) and view.has(hashes[3])  # both read the owner's current state
     with pytest.raises(ConfigError, match="behind must be a callable"):
         m.view(behind={hashes[1]})

@@ -101,6 +101,8 @@ def test_demo_without_the_engine_runs_the_assembly_side(capsys):
     (["bench", "agent", "--trace", "t.jsonl", "--json", "r.json", "--sessions", "-1"], "--sessions: must be >= 1, got -1"),
     (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--fidelity-requests", "-5"], "must be >= 0, got -5"),
     (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--max-tokens", "0"], "--max-tokens: must be >= 1"),
+    (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--kv-cache-mib", "0"], "--kv-cache-mib: must be >= 1"),
+    (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--store-layout", "blind"], "invalid choice: 'blind'"),
     (["bench", "agent", "--trace", "t.jsonl", "--json", "r.json", "--scope", "bogus"], "invalid choice: 'bogus'"),
     (["bench", "agent", "--trace", "t.jsonl", "--json", "r.json", "--recompute-blocks", "-1"], "must be >= 0"),
     (["bench", "assemble", "--suite", "--json", "r.json", "--block-sizes", "abc"], "'abc' is not an int"),
@@ -162,3 +164,19 @@ def test_a_failed_probe_has_its_own_exit_status(tmp_path, monkeypatch, capsys):
             sub.choices["rag"].set_defaults(func=fail)
     assert main(["bench", "rag", "--trace", __file__, "--json", str(tmp_path / "r.json")]) == cli.FIDELITY_EXIT == 5
     assert "probe 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite", [False, True])
+def test_bench_rag_passes_the_kv_cache_size_and_store_layout_on(suite, monkeypatch, tmp_path):
+    import promptsplice.benchmarks.rag as rag
+    import promptsplice.benchmarks.rag_suite as rag_suite
+
+    seen = {}
+    monkeypatch.setattr(rag, "run_rag_bench", lambda **kw: seen.update(kw) or 0)
+    monkeypatch.setattr(rag_suite, "run_rag_suite", lambda **kw: seen.update(kw) or 0)
+    argv = ["bench", "rag", "--json", str(tmp_path / "r.json"), "--kv-cache-mib", "128", "--store-layout", "cache_only"]
+    assert main(argv + (["--suite"] if suite else ["--trace", __file__])) == 0
+    assert (seen["kv_cache_bytes"], seen["store_layout"]) == (128 << 20, "cache_only")
+    seen.clear()
+    assert main(argv[:4] + (["--suite"] if suite else ["--trace", __file__])) == 0
+    assert (seen["kv_cache_bytes"], seen["store_layout"]) == (None, "store_aware")

@@ -14,6 +14,7 @@ import pytest
 from promptsplice.engine_adapters import FIDELITY_TABLE, FidelityLevel
 
 from promptsplice.benchmarks.rag import MODES, run_modes
+from promptsplice.errors import ConfigError
 from promptsplice.benchmarks.traces import dump_rag_trace, sample_rag_requests
 
 MODE_FIELDS = {"requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "hit_rate", "wall_s", "ttft_p50_ms", "ttft_p99_ms"}
@@ -157,6 +158,7 @@ def test_store_mode_runs_at_equal_capacity_and_every_mode_holds_its_bound(small_
     report, outs = run_modes(small_plain, reqs, kv_engine=kv_engine, max_tokens=1, fidelity_requests=0)
     assert set(report["modes"]) == {*MODES, STORE_MODE, PIC_MODE}
     st = report["store"]
+    assert st["layout"] == "store_aware"  # the engine's own assemblers
     assert st["kv_cache_blocks"] == report["bounds"]["kv_cache_blocks"] == kv_engine.num_blocks == small_plain.num_blocks
     assert st["store_dram_bytes"] == report["pic"]["store_dram_bytes"] == kv_engine.kv_store.config.dram_bytes
     # the same assembly as promptsplice, sent as the same tokens
@@ -267,3 +269,11 @@ def test_the_pic_sweep_gives_each_configuration_its_own_store_engine(monkeypatch
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["config"] for r in rows] == ["packed:1", "standalone:2"]
     assert all(r["prefill_tokens"] > 0 and r["engine_requests"] >= 2 for r in rows)
+
+
+def test_a_store_layout_that_is_not_one_of_the_two_is_refused_before_anything_runs():
+    from promptsplice.benchmarks.rag import STORE_LAYOUTS
+
+    with pytest.raises(ConfigError, match="store_layout must be one of .*'blind'"):
+        run_modes(None, sample_rag_requests(1, seed=4), store_layout="blind")
+    assert STORE_LAYOUTS == ("store_aware", "cache_only")
