@@ -16,9 +16,12 @@ message, so the text of message ``i`` is taken as the template's rendering of
 of ``[m(0)]``).  The concatenation of these pieces is then checked against the
 template's rendering of the whole list; a template whose pieces depend on more than the
 previous message falls back to prefix differences (``render(m[:i+1]) - render(m[:i])``,
-quadratic but exact), and a template that is not even prefix-stable (later messages
-change how earlier ones render) is refused with :class:`ConfigError`: no per-message
-segmentation exists for it.  So the segments' texts concatenate to exactly what
+quadratic but exact).  Where even a prefix does not render as the start of the whole
+(a later message changes how earlier ones render: Qwen's consecutive tool results share
+one user turn) there is no boundary after that message: its text joins the next
+message's segment and its own segment is empty.  Probe renders the template refuses
+(templates that enforce role alternation: Mistral, Llama-2, Gemma) count as no piece.
+So the segments' texts concatenate to exactly what
 ``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` gives
 (tested on the default model's template).  Piece renders are memoized per
 ``(previous message, message)``, so a session step renders only its new messages plus
@@ -116,6 +119,20 @@ __all__ = [
 # -- renderer ----------------------------------------------------------------------------
 
 _Piece = tuple[SegmentKind, "int | None", "str | None", str]  # kind, message index, role, text
+
+
+_NO_TEXT = "\x00"
+"""A probe render's answer where there is no text to take (the template refused it)."""
+
+
+def _probe(tmpl: ChatTemplate, msgs: list[dict[str, Any]], tools: list | None) -> str:
+    """The template's text of a partial conversation the renderer builds to find the
+    segments, or :data:`_NO_TEXT` where the template refuses it (templates that enforce
+    role alternation refuse some; the real messages' own render is never a probe)."""
+    try:
+        return tmpl.render(msgs, tools=tools)
+    except InputError:
+        return _NO_TEXT
 
 
 class ChatRenderer:
@@ -358,32 +375,36 @@ class ChatRenderer:
         texts: list[str] = []
         for i, m in enumerate(msgs):
             if i == 0:
-                texts.append(self._memo_get((b"1", tkey, digests[0]), lambda m=m: tmpl.render([m], tools=tools)))
+                texts.append(self._memo_get((b"1", tkey, digests[0]), lambda m=m: _probe(tmpl, [m], tools)))
                 continue
             prev = msgs[i - 1]
 
             def make(prev: dict = prev, m: dict = m) -> str:
-                a = tmpl.render([prev], tools=tools)
-                b = tmpl.render([prev, m], tools=tools)
-                return b[len(a) :] if b.startswith(a) else "\x00"  # "\x00": no pair piece
+                a = _probe(tmpl, [prev], tools)
+                b = _probe(tmpl, [prev, m], tools)
+                return b[len(a) :] if a != _NO_TEXT and b.startswith(a) else _NO_TEXT
 
             texts.append(self._memo_get((b"2", tkey, digests[i - 1], digests[i]), make))
         return texts
 
     def _prefix_texts(self, msgs: list[dict[str, Any]], tools: list | None, body: str) -> list[str]:
-        """Fallback: message ``i``'s text as ``render(m[:i+1]) - render(m[:i])``."""
+        """Fallback: message ``i``'s text as ``render(m[:i+1]) - render(m[:i])``.
+
+        Where a prefix does not render as the start of the whole (a template that closes
+        a turn differently when another message follows, e.g. Qwen's consecutive tool
+        results in one user turn) or is refused (a template that enforces alternation),
+        there is no boundary after message ``i``: its text joins the next message's
+        segment, and its own segment is empty."""
         tmpl = self.template
         texts: list[str] = []
-        prev = ""
+        done = 0
         for i in range(len(msgs)):
-            cur = tmpl.render(msgs[: i + 1], tools=tools) if i + 1 < len(msgs) else body
-            if not cur.startswith(prev):
-                raise ConfigError(
-                    f"chat template {tmpl.name} is not prefix-stable: message {i} changes how "
-                    "earlier messages render, so no per-message segments exist for it"
-                )
-            texts.append(cur[len(prev) :])
-            prev = cur
+            cur = _probe(tmpl, msgs[: i + 1], tools) if i + 1 < len(msgs) else body
+            if len(cur) >= done and body.startswith(cur):
+                texts.append(body[done : len(cur)])
+                done = len(cur)
+            else:
+                texts.append("")
         return texts
 
     def _split_preamble(self, first: dict[str, Any], text: str, tools: list | None) -> tuple[str, str]:
@@ -395,12 +416,12 @@ class ChatRenderer:
         tkey = content_digest(canonical_json(tools).encode()) if tools else b""
 
         def make() -> str:
-            a = tmpl.render([first], tools=tools)
-            b = tmpl.render([first, first], tools=tools)
-            return b[len(a) :] if b.startswith(a) else "\x00"
+            a = _probe(tmpl, [first], tools)
+            b = _probe(tmpl, [first, first], tools)
+            return b[len(a) :] if a != _NO_TEXT and b.startswith(a) else _NO_TEXT
 
         own = self._memo_get((b"2", tkey, d, d), make)
-        if own != "\x00" and own and len(own) < len(text) and text.endswith(own):
+        if own != _NO_TEXT and own and len(own) < len(text) and text.endswith(own):
             return text[: len(text) - len(own)], own
         return "", text
 
@@ -420,12 +441,17 @@ class ChatRenderer:
         if native_tools is not None:
             # the first segment (preamble or first message) rendered without tools
             m0 = norm[0][1]
-            alone = tmpl.render([m0])
+            alone = _probe(tmpl, [m0], None)
+            if alone == _NO_TEXT:
+                return pieces  # no tools-free text to compare with: the tools stay inside
             pre, _ = self._split_preamble(m0, alone, None)
             at_index, without = 0, (pre if has_preamble else alone)
         elif plain is not None:
             # the system message that carries the injected tools, rendered without them
-            _, without = self._split_preamble(plain, tmpl.render([plain]), None)
+            alone = _probe(tmpl, [plain], None)
+            if alone == _NO_TEXT:
+                return pieces
+            _, without = self._split_preamble(plain, alone, None)
             at_index = 1 if has_preamble else 0
         else:
             return pieces

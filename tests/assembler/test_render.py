@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from promptsplice.assembler import ChatRenderer, ChatTemplate, Render, SegmentKind
+from promptsplice.assembler import ChatRenderer, ChatTemplate, ContextHook, Render, SegmentKind
 from promptsplice.blocks import chain_hashes, content_digest
 from promptsplice.errors import ConfigError, InputError, UnknownPolicyError
 
@@ -190,11 +190,65 @@ def test_templates_that_look_beyond_the_previous_message(default_tok):
     msgs = [{"role": "user", "content": c} for c in ("a", "b", "c")]
     res = r.render(msgs)
     assert [s.text for s in res.segments] == ["1. a\n", "2. b\n", "3. c\n"]
-    # later messages change how earlier ones render: no per-message segments exist
+    # later messages change how earlier ones render: no boundary exists after them, so
+    # their text is the last message's segment (it used to be a ConfigError)
     reverse = ChatTemplate("{% for m in messages|reverse %}{{ m.content }}\n{% endfor %}", name="reverse")
     r = ChatRenderer(default_tok, block_size=16, template=reverse)
-    with pytest.raises(ConfigError, match="not prefix-stable"):
-        r.render(msgs)
+    res = r.render(msgs)
+    assert [(s.message_index, s.text) for s in res.segments] == [(0, ""), (1, ""), (2, "c\nb\na\n")]
+    assert default_tok.decode(res.token_ids).rstrip(" ") == "c\nb\na\n"
+
+
+ALTERNATING = (  # Mistral's template: roles must alternate, any other list is refused
+    "{{- bos_token }}{%- for message in messages %}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
+)
+
+
+def test_a_template_that_enforces_alternation_renders_valid_conversations(default_tok):
+    """The renderer's probes ([m(i-1)] alone, [m0, m0]) are not valid conversations for
+    Mistral, Llama-2 or Gemma: a refused probe is no piece (every render failed before)."""
+    tmpl = ChatTemplate(ALTERNATING, name="mistral", special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"}]
+    for n in (1, 3):
+        res = r.render(msgs[:n])
+        assert "".join(s.text for s in res.segments) == tmpl.render(msgs[:n], add_generation_prompt=True)
+    assert [s.text for s in res.segments] == ["<s>[INST] hi [/INST]", " hello</s>", "[INST] bye [/INST]"]
+    with pytest.raises(InputError, match="roles must alternate"):  # the messages' own render still judges
+        r.render([msgs[0], msgs[0]])
+
+
+GROUPED_TOOLS = (  # Qwen2.5's rule: consecutive tool results share one user turn
+    "{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def test_parallel_tool_results_in_one_turn_share_a_segment(default_tok):
+    """The first tool result renders its turn closed when nothing follows it and open
+    when a second result follows: no boundary between the two, so the first's segment is
+    empty and the second's holds both (the hook raised ConfigError at the first step with
+    two results)."""
+    tmpl = ChatTemplate(GROUPED_TOOLS, name="qwen-tools")
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    msgs = [{"role": "user", "content": "Paris and Rome?"}, {"role": "assistant", "content": "calling"},
+            {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "rain"}]
+    res = r.render(msgs)
+    assert "".join(s.text for s in res.segments) == tmpl.render(msgs, add_generation_prompt=True)
+    assert [(s.message_index, s.text) for s in res.segments[2:4]] == [
+        (2, ""), (3, "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response><|im_end|>\n")]
+    hook = ContextHook(default_tok, block_size=16, template=tmpl)
+    hook("s", msgs)
+    step = hook("s", msgs + [{"role": "assistant", "content": "Both."}])
+    assert step.fallback is None and step.diff.directives == () and step.diff.base > 0  # an append
 
 
 def test_segments_go_through_the_token_cache(default_tok):
@@ -223,7 +277,7 @@ def test_an_assembler_lends_its_tokenizer_cache_and_block_size(make_assembler):
         (["hello"], None, r"messages\[0\] must be a dict"),
         ([{"content": "x"}], None, r"messages\[0\]\['role'\] must be a non-empty str"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], None, "only text content"),
-        ([{"role": "user", "content": 3}], None, "'content'\] must be"),
+        ([{"role": "user", "content": 3}], None, r"'content'\] must be"),
         ([{"role": "assistant", "tool_calls": [{"function": {}}]}], None, "function.name"),
         ([{"role": "user", "content": "x"}], {"name": "f"}, "tools must be a list"),
     ],
