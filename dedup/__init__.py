@@ -21,7 +21,8 @@ Kinds, in the order they run (all on by default; switch each off in
 * **containment**: a chunk whose bytes occur inside another kept chunk (at least as
   long, so an identical one too) becomes a :attr:`Relation.CONTAINED` origin of it,
   with the byte span where it was found.
-* **passages**: a paragraph (split on ``b"\\n\\n"``) of >= ``min_passage`` (128) bytes
+* **passages**: a paragraph (split on ``b"\\n\\n"`` only: CRLF text, ``\\r\\n\\r\\n``, has
+  no paragraphs for this pass; normalize line endings first) of >= ``min_passage`` (128) bytes
   that already occurs in an earlier kept chunk is cut out of the later one, with one
   separator (:class:`RemovedPassage`); a chunk left empty is attached to the chunk
   holding its first removed passage (:attr:`Relation.PASSAGES`).  A shortened chunk
@@ -37,14 +38,22 @@ Kinds, in the order they run (all on by default; switch each off in
 
 Nothing is lost: every input appears exactly once, as an :class:`Origin` of a
 :class:`KeptChunk` or as a :class:`DroppedChunk`, and ``Origin.span`` slices the kept
-bytes back to that input's bytes.  Kept chunks stay in retrieval order; a chunk with
+bytes back to that input's bytes where its chunk lost no passages.  A chunk that did
+is rebuilt, bytes before the cut, from its :class:`RemovedPassage` records; the span
+then covers what remains of the input, and two things are not recorded: where an input
+began or ended inside a removed paragraph (sliding windows over a boilerplate
+paragraph), and the whitespace left of a chunk emptied by passage removal.  Containment
+runs before overlap merges too, so a window already inside another chunk is CONTAINED
+there and never labels a merged chunk whose text it lost.  Kept chunks stay in retrieval order; a chunk with
 no redundancy comes back with the same id and bytes.  Inputs are str, UTF-8 bytes,
 dicts ``{"text", "id", "metadata"}`` or LangChain-style documents (duck-typed); bad
 input raises an error from :mod:`promptsplice.errors`.  Invalid UTF-8 raises by
 default (``on_invalid_utf8="replace"`` decodes it with U+FFFD and counts it).
 
 Cost: near-linear in the number of chunks and their bytes for typical requests; worst
-cases are stated in :mod:`promptsplice.dedup._core`.  The searches run in an optional C
+cases are stated in :mod:`promptsplice.dedup._core`.  One cliff: the overlap search's
+index needs ``min_overlap`` >= 31 bytes; below it every same-source pair is compared,
+quadratic in the size of a source's group of chunks.  The searches run in an optional C
 core (``dedup/_speedups.c``, built by ``setup.py`` where a C compiler is;
 :data:`ACCELERATED` says whether it was): containment and passages for requests of up
 to 64 chunks and 256 KiB, overlap edges for same-source groups of up to 16 chunks.

@@ -157,6 +157,11 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     # ``origins[0]`` is always the KEPT origin.
     ctx = Passes(cfg, removed, removed_bytes)
     if cfg.overlap and len(kept) >= 2:
+        if cfg.containment:
+            # A window already inside another chunk is CONTAINED there before merging:
+            # merged, it would repeat bytes the other chunk holds and could later lose
+            # all its own text to the passage pass while still naming the merged chunk.
+            kept = ctx.absorb_contained(kept)
         kept = ctx.merge_overlaps(kept)
     if cfg.containment and len(kept) >= 2:
         kept = ctx.absorb_contained(kept)

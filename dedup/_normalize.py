@@ -150,7 +150,7 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
 
         # text and its UTF-8 bytes (raw is str or bytes-like here)
         if isinstance(raw, str):
-            text = raw if type(raw) is str else str(raw)
+            text = raw if type(raw) is str else str.__str__(raw)  # a subclass's own characters, not its __str__
             try:
                 data = text.encode("utf-8")
             except UnicodeEncodeError as exc:

@@ -205,3 +205,14 @@ def test_other_keys_of_a_chunk_dict_join_its_metadata():
     assert first == {"meta": {"a": 1}}
     assert second == {"score": 1, "source": "s"}  # the metadata's own key wins
     assert normalize_chunks([{"id": "y", "text": "t", "rank": 3}])[0].metadata == {"rank": 3}
+
+
+def test_a_str_subclass_is_read_as_its_characters_not_its_str():
+    """An enum of snippets (``class S(str, Enum)``) has a ``__str__`` of ``"S.NAME"``:
+    the chunk was that name, not the text (user review)."""
+    import enum
+
+    class Snippet(str, enum.Enum):
+        DISCLAIMER = "Past performance is no guarantee of future results."
+
+    assert dedup([Snippet.DISCLAIMER]).chunks[0].text == "Past performance is no guarantee of future results."

@@ -249,6 +249,26 @@ def test_a_window_inside_another_is_containment_not_overlap():
     }  # fmt: skip
 
 
+def test_a_window_inside_another_chunk_is_contained_there_before_windows_merge():
+    """p1 sits inside the FAQ chunk and overlaps p2 (same source).  Merged first, the
+    chunk was labelled p1 (page 1) while the passage pass then cut all of p1's text out
+    of it: a citation of page 1 for page 2's text.  Now p1 is CONTAINED in the FAQ and
+    p2 keeps its own id, page and bytes (user review)."""
+    P = ("The Treaty of Westphalia was signed in 1648 and ended the Thirty Years War in the Holy "
+         "Roman Empire, reshaping the sovereignty of states across Europe.")
+    Q = "Its clauses recognised the sovereignty of the princes and redrew the borders of central Europe for a century."
+    p1 = {"source": "doc", "page": 1}
+    p2 = {"source": "doc", "page": 2}
+    result = run_dedup([{"id": "faq", "text": "FAQ.\n\n" + P}, {"id": "doc#p1", "text": P, "metadata": p1},
+                        {"id": "doc#p2", "text": P[-70:] + "\n\n" + Q, "metadata": p2}])
+    faq, page2 = result.chunks
+    assert faq.origins[1] == Origin(1, "doc#p1", p1, Relation.CONTAINED, (6, 6 + len(P)))
+    assert (page2.id, page2.metadata, page2.text) == ("doc#p2", p2, P[-70:] + "\n\n" + Q)
+    assert result.stats.removed == {
+        "duplicate": 0, "contained": 1, "overlap": 0, "passage": 0, "empty": 0,
+    }  # fmt: skip
+
+
 def test_overlap_merge_cuts_on_utf8_character_boundaries():
     text = (
         "Zürich ist die größte Stadt der Schweiz und liegt am Zürichsee. "
