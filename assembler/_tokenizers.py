@@ -76,6 +76,23 @@ def _single_token(encode: Any, candidates: Sequence[str], who: str) -> int:
     )
 
 
+def _check_segment_safe(tok: Any, who: str) -> None:
+    """Refuse a tokenizer whose encode of two texts, concatenated, is not the encode of
+    the two texts joined: assembly tokenizes segment by segment and sends the ids
+    concatenated.  SentencePiece's dummy prefix does that (a "▁" before every call's
+    text: Llama-2, Mistral v0.1-v0.3, Mixtral, TinyLlama): each segment would start with
+    a space the caller never wrote."""
+    joined = tok.decode(tok.encode("a") + tok.encode("b"))
+    if joined != tok.decode(tok.encode("ab")):
+        raise TokenizerError(
+            f"{who} adds text at the start of every encode call ({joined!r} for 'a' then 'b'; "
+            "a SentencePiece dummy prefix, as Llama-2 and Mistral v0.1-v0.3 have): "
+            "promptsplice encodes segment by segment, so every segment would start with a "
+            "space nobody wrote. Use a tokenizer.json without the prefix (Metaspace "
+            "prepend_scheme 'never', or the Prepend normalizer removed), or a byte-level BPE model"
+        )
+
+
 class HFTokenizer:
     """Adapter over a Hugging Face fast tokenizer (``tokenizers.Tokenizer``)."""
 
@@ -93,6 +110,7 @@ class HFTokenizer:
         self._text_tok: Any = None
         self._lock = threading.Lock()
         self.name = name
+        _check_segment_safe(self, name)
         self.filler_token_id = (
             filler_token_id
             if filler_token_id is not None

@@ -219,3 +219,25 @@ def test_threads_loading_one_tokenizer_at_once_build_it_once(tmp_path):
     for t in threads:
         t.join()
     assert len(got) == 8 and len({id(t) for t in got}) == 1
+
+
+def _metaspace_tokenizer(prepend_scheme: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "▁": 1, "a": 2, "b": 3, "ab": 4, "▁a": 5, "▁b": 6, "▁ab": 7}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    return tok
+
+
+def test_a_tokenizer_with_a_dummy_prefix_is_refused_by_name():
+    """SentencePiece's dummy prefix (Llama-2, Mistral v0.1-v0.3) puts a "▁" before every
+    encode call's text: encoded segment by segment, each segment started with a space
+    nobody wrote, and the ids decoded to other text than the prompt's (user review)."""
+    from promptsplice.assembler import HFTokenizer
+    from promptsplice.errors import TokenizerError
+
+    with pytest.raises(TokenizerError, match=r"adds text at the start of every encode call \('a b'.*prepend_scheme 'never'"):
+        HFTokenizer(_metaspace_tokenizer("always"), name="sp-like", filler_token_id=1)
+    HFTokenizer(_metaspace_tokenizer("never"), name="sp-without-prefix", filler_token_id=1)  # the fix it names
