@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from promptsplice._validate import check_messages, is_int
+from promptsplice._validate import check_format, check_messages, is_int
 from promptsplice.assembler._render import canonical_json
 from promptsplice.blocks import content_digest
 from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error
@@ -90,22 +90,6 @@ def _check_roles(roles: Any, what: str) -> tuple[str, ...]:
     if isinstance(roles, (str, bytes)) or not isinstance(roles, Sequence) or not all(isinstance(r, str) for r in roles):
         raise ConfigError(f"{what} must be a list or tuple of role names, e.g. ('tool', 'function'), got {roles!r}")
     return tuple(roles)
-
-
-def _check_format(template: Any, what: str, field: str, sample: Any) -> str:
-    """A one-field format string: ``template.format(**{field: sample})`` must work, with a
-    value of the type it will get (``{summary:d}`` passed an int sample, then failed on
-    every step's str; ``{n[0]}`` or ``{n.x}`` escaped as TypeError/AttributeError)."""
-    if not isinstance(template, str):
-        raise ConfigError(f"{what} must be a str, got {type(template).__name__}")
-    try:
-        template.format(**{field: sample})
-    except Exception as exc:  # any failure of str.format with this field is a bad template
-        raise ConfigError(
-            f"{what} {template!r} is not a format string with only {{{field}}} as its field "
-            f"({type(exc).__name__}: {exc}); write literal braces as {{{{ and }}}}"
-        ) from None
-    return template
 
 
 class PolicyResult(NamedTuple):
@@ -190,7 +174,7 @@ class TruncateToolOutputs:
             )
         if not is_int(keep_recent) or keep_recent < 0:
             raise ConfigError(f"keep_recent must be a non-negative int, got {keep_recent!r}")
-        if "\n" in _check_format(marker, "marker", "n", 0):
+        if "\n" in check_format(marker, "marker", "n", 0):
             raise ConfigError("the marker must be one line")
         self.max_lines = max_lines
         self.keep_lines = keep
@@ -391,7 +375,7 @@ def summarize_turns(
     filled with ``summarize(messages[start:end])``).  The stretch may not end between a
     tool call and its output (``messages[end]`` a tool message)."""
     _check_messages(messages)
-    _check_format(template, "template", "summary", "a summary")
+    check_format(template, "template", "summary", "a summary")
     if not (is_int(start) and is_int(end)) or not 0 <= start < end <= len(messages):
         raise InputError(f"summary stretch ({start}, {end}) is not a non-empty range of {len(messages)} messages")
     if end < len(messages) and messages[end].get("role") in ("tool", "function"):
@@ -471,7 +455,7 @@ class SummarizeTurns:
         self.keep_recent = keep_recent
         self.keep_head = keep_head
         self.role = role
-        self.template = _check_format(template, "template", "summary", "a summary")
+        self.template = check_format(template, "template", "summary", "a summary")
         self._memo: OrderedDict[bytes, str] = OrderedDict()
         self._pending: dict[bytes, _Making] = {}  # summaries being made
         self._max_memo = max_memo

@@ -14,6 +14,8 @@ from promptsplice.assembler._layout import Segment, SegmentKind
 from promptsplice.assembler._ordering import AlignPolicy, OrderPolicy
 from promptsplice.assembler._tokenizers import Markup, Tokenizer
 from promptsplice.blocks import BlockHash
+from promptsplice._validate import check_format, check_text
+from promptsplice.errors import ConfigError
 from promptsplice.dedup import DedupResult
 
 __all__ = ["PromptFormat", "AssembledPrompt", "NaivePrompt"]
@@ -28,6 +30,15 @@ class PromptFormat:
     query_template: str = "Question: {query}\nAnswer:"
     system_template: str = "{system}"
     default_system: str | None = None
+
+    def __post_init__(self) -> None:
+        # Checked when built: a template without its field dropped the query (or the
+        # system text) silently; other fields or a non-str failed at the first assembly.
+        check_text(self.separator, "PromptFormat.separator", error=ConfigError)
+        check_text(self.tools_header, "PromptFormat.tools_header", error=ConfigError)
+        check_format(self.query_template, "PromptFormat.query_template", "query", "q", required=True)
+        check_format(self.system_template, "PromptFormat.system_template", "system", "s", required=True)
+        check_text(self.default_system, "PromptFormat.default_system", optional=True, error=ConfigError)
 
     @classmethod
     def chatml(cls, default_system: str = "You are a helpful assistant.") -> PromptFormat:

@@ -51,6 +51,7 @@ __all__ = [
     "check_enum",
     "check_salt",
     "check_text",
+    "check_format",
     "check_tools",
     "check_messages",
     "check_token_ids",
@@ -212,6 +213,26 @@ def check_text(
     hint = " (decode bytes first: value.decode('utf-8'))" if isinstance(value, bytes | bytearray) else ""
     allowed = "a str or None" if optional else "a str"
     raise error(f"{what} must be {allowed}, got {type(value).__name__} {_short(value)}{hint}")
+
+
+def check_format(template: Any, what: str, field: str, sample: Any, *, required: bool = False) -> str:
+    """A one-field format string: ``template.format(**{field: sample})`` must work, with a
+    value of the type it will get (``{summary:d}`` passed an int sample, then failed on
+    every step's str; ``{n[0]}`` or ``{n.x}`` escaped as TypeError/AttributeError);
+    ``required``: the field must be used (a query template without ``{query}`` dropped
+    the query)."""
+    if not isinstance(template, str):
+        raise ConfigError(f"{what} must be a str, got {type(template).__name__}")
+    try:
+        template.format(**{field: sample})
+    except Exception as exc:  # any failure of str.format with this field is a bad template
+        raise ConfigError(
+            f"{what} {template!r} is not a format string with only {{{field}}} as its field "
+            f"({type(exc).__name__}: {exc}); write literal braces as {{{{ and }}}}"
+        ) from None
+    if required and "\x00" not in template.format(**{field: "\x00"}):
+        raise ConfigError(f"{what} {template!r} must hold {{{field}}}: without it the {field} is dropped")
+    return template
 
 
 def check_tools(tools: Any, what: str = "tools") -> list[Mapping[str, Any]] | None:
