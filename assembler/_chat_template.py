@@ -50,6 +50,13 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
+def _strict_json(obj: Any) -> str:
+    """:func:`canonical_json` of a JSON value only: no ``str()`` of other objects (an
+    object's repr holds its address, so two workers rendered one call differently), no
+    NaN or infinity (not JSON).  ``TypeError``/``ValueError`` otherwise."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 # -- chat template ---------------------------------------------------------------------
 
 
@@ -235,9 +242,11 @@ def _content_text(content: Any, index: int) -> str:
             elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                raise InputError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
+                raise InvalidMessageError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
         return "".join(parts)
-    raise InputError(f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}")
+    raise InvalidMessageError(
+        f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}"
+    )
 
 
 def canonical_calls(m: Mapping[str, Any], index: int) -> Mapping[str, Any]:
@@ -276,15 +285,15 @@ def canonical_calls(m: Mapping[str, Any], index: int) -> Mapping[str, Any]:
 
 def _tool_call_text(call: Any, index: int) -> str:
     if not isinstance(call, Mapping):
-        raise InputError(f"message {index}: a tool call must be a dict, got {type(call).__name__}")
+        raise InvalidMessageError(f"message {index}: a tool call must be a dict, got {type(call).__name__}")
     fn = call.get("function", call)
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-        raise InputError(f"message {index}: a tool call needs function.name, got {call!r:.120}")
+        raise InvalidMessageError(f"message {index}: a tool call needs function.name (a str), got {call!r:.120}")
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
             parsed = json.loads(args) if args.strip() else {}
-            text = canonical_json({"name": fn["name"], "arguments": parsed})
+            text = _strict_json({"name": fn["name"], "arguments": parsed})
             text.encode("utf-8")
             return "<tool_call>\n" + text + "\n</tool_call>"
         except (ValueError, RecursionError):
@@ -292,8 +301,8 @@ def _tool_call_text(call: Any, index: int) -> str:
             # decode to a lone surrogate ("\ud800"): keep the string as the model wrote it
             pass
     try:
-        text = canonical_json({"name": fn["name"], "arguments": args})
-    except (TypeError, ValueError, RecursionError) as exc:  # mixed key types, cycles, depth
+        text = _strict_json({"name": fn["name"], "arguments": args})
+    except (TypeError, ValueError, RecursionError) as exc:  # not JSON, NaN, mixed key types, cycles, depth
         raise InvalidMessageError(
             f"message {index}: the arguments of tool call {fn['name']!r} are not a JSON value "
             f"({type(exc).__name__}: {exc}); pass a JSON object or its JSON text"

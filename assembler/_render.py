@@ -105,7 +105,7 @@ from promptsplice.assembler._tokenizers import (
 )
 from promptsplice.blocks import content_digest
 from promptsplice._validate import check_block_size, check_bool, check_int, check_messages, check_tools
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, InvalidMessageError
 
 __all__ = [
     "ChatTemplate",
@@ -319,6 +319,11 @@ class ChatRenderer:
         for i, m in enumerate(messages):
             role = m["role"]
             m = canonical_calls(m, i)
+            calls = m.get("tool_calls")
+            if calls:
+                if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+                    raise InvalidMessageError(f"message {i}: tool_calls must be a list, got {type(calls).__name__}")
+                call_texts = [_tool_call_text(c, i) for c in calls]  # checked for every template
             if tmpl.native_tool_calls:
                 msg = _escaped(m, self._esc, self._esc_name)
                 if msg.get("content") is None:
@@ -327,11 +332,8 @@ class ChatRenderer:
                     msg["content"] = self._esc(_content_text(m.get("content"), i))
             else:
                 text = _content_text(m.get("content"), i)
-                calls = m.get("tool_calls")
                 if calls:
-                    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
-                        raise InputError(f"message {i}: tool_calls must be a list")
-                    lines = "\n".join(_tool_call_text(c, i) for c in calls)
+                    lines = "\n".join(call_texts)
                     text = f"{text}\n{lines}" if text else lines
                 esc_role = self._esc_name if role in _STANDARD_NAMES else self._esc
                 msg = {"role": esc_role(role), "content": self._esc(text)}

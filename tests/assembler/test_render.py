@@ -455,7 +455,9 @@ def test_tool_call_arguments_that_are_no_json_value_are_message_errors(renderer)
     for _ in range(5000):
         node["a"] = {}
         node = node["a"]
-    for args in ({1: "a", "b": 2}, deep):  # TypeError, RecursionError escaped raw
+    # TypeError, RecursionError escaped raw; objects rendered as their str (a repr with
+    # its address: two workers tokenized one call differently), NaN as invalid JSON
+    for args in ({1: "a", "b": 2}, deep, {"a": object()}, {"a": {1, 2}}, {"a": float("nan")}, {"a": b"x"}):
         with pytest.raises(InvalidMessageError, match="message 1: the arguments of tool call 'f'"):
             renderer.render(with_args(args))
     with pytest.raises(ConfigError, match="max_memo_chars"):
@@ -526,3 +528,25 @@ def test_an_argument_name_cannot_finish_a_control_token_the_template_starts(defa
         return _controls(default_tok, r.render(msgs, add_generation_prompt=False).token_ids)
 
     assert controls("x<|im_end|") == controls("x<|im_start|") == controls("city") == [1, 2, 1, 2]
+
+
+@pytest.mark.parametrize("calls, says", [
+    ("abc", "tool_calls must be a list, got str"),
+    ({"function": {"name": "f"}}, "tool_calls must be a list, got dict"),
+    ([{"function": {}}], "a tool call needs function.name"),
+    ([{"function": {"name": 3}}], "a tool call needs function.name"),
+    (["f"], "a tool call must be a dict, got str"),
+])
+@pytest.mark.parametrize("native", [False, True])
+def test_malformed_tool_calls_are_message_errors_on_every_template(default_tok, calls, says, native):
+    """Templates that render ``tool_calls`` themselves (Qwen) got them unchecked: the
+    template's own error ("Undefined is not JSON serializable"), or ``{"name": 3}``
+    rendered as "3"; the others raised a bare InputError (user review)."""
+    from promptsplice.errors import InvalidMessageError
+
+    tmpl = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if m.tool_calls %}"
+                        "{{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n{% endfor %}", name="native-calls") if native else None
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    with pytest.raises(InvalidMessageError, match=f"message 1: {says}"):
+        r.render(msgs)
