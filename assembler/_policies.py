@@ -22,7 +22,8 @@ Three policies, as real agents apply them:
   retried, is dropped with its output.  *Failed*: the tool message has
   ``status == "error"`` / ``"failed"`` or ``is_error: true``, or its text starts with an
   error word (``Error``, ``error:``, ``TypeError: ...``, ``Exception``, ``Traceback (most
-  recent call last)``; case-insensitive, whole word, so ``Errors found: 0`` is not one),
+  recent call last)``; case-insensitive, the word ending at a colon, whitespace or the
+  end, so ``Errors found: 0``, ``Error-free run`` and ``no_error: true`` are not one),
   or it is a JSON object whose ``"error"`` is set (as BFCL's simulated APIs answer; ``null``, ``""`` or ``false`` is a success).
   *Retried*: a later assistant message calls a function of the same name.  Outputs are
   matched to calls by ``tool_call_id``, else by order among the tool messages that
@@ -120,9 +121,11 @@ def _text(content: Any) -> str | None:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
-        isinstance(p, Mapping) and p.get("type", "text") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "".join(p["text"] for p in content)
+        isinstance(p, str)
+        or (isinstance(p, Mapping) and p.get("type", "text") == "text" and isinstance(p.get("text"), str))
+        for p in content
+    ):  # text parts, or plain strings (the renderer takes both)
+        return "".join(p if isinstance(p, str) else p["text"] for p in content)
     return None
 
 
@@ -224,7 +227,13 @@ class TruncateToolOutputs:
 
 # -- (b) drop failed calls once retried ----------------------------------------------
 
-_ERROR_RE = re.compile(r"\s*(?:\w*(?:error|exception)\b|traceback \(most recent call last\))", re.IGNORECASE)
+# The word ends at a colon, whitespace or the end ("Error-free run", "no_error: true",
+# "Errors found: 0" are successes); a name may lead it ("TypeError"), but not "no"/"non".
+_ERROR_RE = re.compile(
+    r"\s*(?:(?!(?:no|non)[-_ ]?(?:error|exception))[a-z]*(?:error|exception)(?=[:\s]|$)"
+    r"|traceback \(most recent call last\))",
+    re.IGNORECASE,
+)
 
 
 def is_error_output(message: Mapping[str, Any]) -> bool:

@@ -106,6 +106,13 @@ def test_truncate_options(kwargs, match):
         ({"content": "Errors found: 0"}, False),
         ({"content": '{"result": "error-free"}'}, False),
         ({"content": "The error was fixed."}, False),
+        ({"content": "Error-free run: 12 files"}, False),  # (user review: both read as failures)
+        ({"content": "no_error: true"}, False),
+        ({"content": "NonError"}, False),
+        ({"content": "ValueError"}, True),
+        ({"content": "KeyError 'x'"}, True),
+        ({"content": "NotFoundError: no such file"}, True),
+        ({"content": ["Error: ", "timeout"]}, True),  # plain-string parts (the renderer takes them)
         ({"content": ""}, False),
     ],
 )
