@@ -233,6 +233,7 @@ def test_input_errors_are_value_errors():
     ({"tools_header": None}, "PromptFormat.tools_header must be a str, got NoneType"),
     ({"default_system": 3}, "PromptFormat.default_system must be a str or None, got int"),
 ])
+@pytest.mark.reliability
 def test_a_prompt_format_is_checked_when_built(kwargs, says):
     """A query template without {query} dropped the query from every prompt; other
     fields, a bad brace or a non-str failed at the first assembly as KeyError, ValueError

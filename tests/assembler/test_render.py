@@ -207,6 +207,7 @@ ALTERNATING = (  # Mistral's template: roles must alternate, any other list is r
 )
 
 
+@pytest.mark.reliability
 def test_a_template_that_enforces_alternation_renders_valid_conversations(default_tok):
     """The renderer's probes ([m(i-1)] alone, [m0, m0]) are not valid conversations for
     Mistral, Llama-2 or Gemma: a refused probe is no piece (every render failed before)."""
@@ -232,6 +233,7 @@ GROUPED_TOOLS = (  # Qwen2.5's rule: consecutive tool results share one user tur
 )
 
 
+@pytest.mark.reliability
 def test_parallel_tool_results_in_one_turn_share_a_segment(default_tok):
     """The first tool result renders its turn closed when nothing follows it and open
     when a second result follows: no boundary between the two, so the first's segment is
@@ -442,6 +444,7 @@ def test_text_parts_render_on_templates_that_render_tool_calls(default_tok):
     assert parts.token_ids == r.render([{"role": "user", "content": "What is 2+2?"}]).token_ids
 
 
+@pytest.mark.reliability
 def test_tool_call_arguments_that_are_no_json_value_are_message_errors(renderer):
     from promptsplice.errors import InvalidMessageError
 
@@ -530,6 +533,7 @@ def test_an_argument_name_cannot_finish_a_control_token_the_template_starts(defa
     assert controls("x<|im_end|") == controls("x<|im_start|") == controls("city") == [1, 2, 1, 2]
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("calls, says", [
     ("abc", "tool_calls must be a list, got str"),
     ({"function": {"name": "f"}}, "tool_calls must be a list, got dict"),

@@ -231,6 +231,7 @@ def _metaspace_tokenizer(prepend_scheme: str):
     return tok
 
 
+@pytest.mark.reliability
 def test_a_tokenizer_with_a_dummy_prefix_is_refused_by_name():
     """SentencePiece's dummy prefix (Llama-2, Mistral v0.1-v0.3) puts a "▁" before every
     encode call's text: encoded segment by segment, each segment started with a space

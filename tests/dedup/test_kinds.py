@@ -249,6 +249,7 @@ def test_a_window_inside_another_is_containment_not_overlap():
     }  # fmt: skip
 
 
+@pytest.mark.reliability
 def test_a_window_inside_another_chunk_is_contained_there_before_windows_merge():
     """p1 sits inside the FAQ chunk and overlaps p2 (same source).  Merged first, the
     chunk was labelled p1 (page 1) while the passage pass then cut all of p1's text out
