@@ -22,8 +22,9 @@ Three policies, as real agents apply them:
   retried, is dropped with its output.  *Failed*: the tool message has
   ``status == "error"`` / ``"failed"`` or ``is_error: true``, or its text starts with an
   error word (``Error``, ``error:``, ``TypeError: ...``, ``Exception``, ``Traceback (most
-  recent call last)``; case-insensitive, the word ending at a colon, whitespace or the
-  end, so ``Errors found: 0``, ``Error-free run`` and ``no_error: true`` are not one),
+  recent call last)``; case-insensitive, the word not running on into a hyphen or a
+  word character and not led by ``no``/``non``, so ``Errors found: 0``, ``Error-free
+  run`` and ``no_error: true`` are not one),
   or it is a JSON object whose ``"error"`` is set (as BFCL's simulated APIs answer; ``null``, ``""`` or ``false`` is a success).
   *Retried*: a later assistant message calls a function of the same name.  Outputs are
   matched to calls by ``tool_call_id``, else by order among the tool messages that
@@ -227,10 +228,11 @@ class TruncateToolOutputs:
 
 # -- (b) drop failed calls once retried ----------------------------------------------
 
-# The word ends at a colon, whitespace or the end ("Error-free run", "no_error: true",
-# "Errors found: 0" are successes); a name may lead it ("TypeError"), but not "no"/"non".
+# A name may lead the word ("TypeError", "HTTP_ERROR", "S3Error", "ValueError('x')"), but
+# not "no"/"non" ("no_error: true"), and the word does not run on into a hyphen or a word
+# character ("Error-free run", "Errors found: 0", "errorless" are successes).
 _ERROR_RE = re.compile(
-    r"\s*(?:(?!(?:no|non)[-_ ]?(?:error|exception))[a-z]*(?:error|exception)(?=[:\s]|$)"
+    r"\s*(?:(?!(?:no|non)[-_ ]?(?:error|exception)(?![a-z]))\w*?(?:error|exception)(?![-\w])"
     r"|traceback \(most recent call last\))",
     re.IGNORECASE,
 )

@@ -25,6 +25,7 @@ import enum
 import json
 import math
 import operator
+import string
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -224,13 +225,16 @@ def check_format(template: Any, what: str, field: str, sample: Any, *, required:
     if not isinstance(template, str):
         raise ConfigError(f"{what} must be a str, got {type(template).__name__}")
     try:
-        template.format(**{field: sample})
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        if any(name != field for name in names):  # another name, an index or an attribute
+            raise KeyError(next(name for name in names if name != field))
+        template.format(**{field: sample})  # a spec or conversion that cannot take the value
     except Exception as exc:  # any failure of str.format with this field is a bad template
         raise ConfigError(
             f"{what} {template!r} is not a format string with only {{{field}}} as its field "
             f"({type(exc).__name__}: {exc}); write literal braces as {{{{ and }}}}"
         ) from None
-    if required and "\x00" not in template.format(**{field: "\x00"}):
+    if required and not names:
         raise ConfigError(f"{what} {template!r} must hold {{{field}}}: without it the {field} is dropped")
     return template
 

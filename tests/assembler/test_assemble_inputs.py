@@ -228,6 +228,8 @@ def test_input_errors_are_value_errors():
     ({"query_template": "Answer:"}, "must hold {query}: without it the query is dropped"),
     ({"system_template": "Be brief."}, "must hold {system}"),
     ({"query_template": "Q: {question}"}, "only {query} as its field (KeyError"),
+    ({"query_template": "Q: {query[0]}"}, "only {query} as its field (KeyError"),  # failed at assembly (diff review)
+    ({"query_template": "Q: {query.x}"}, "only {query} as its field (KeyError"),
     ({"system_template": "{"}, "only {system} as its field (ValueError"),
     ({"separator": 5}, "PromptFormat.separator must be a str, got int"),
     ({"tools_header": None}, "PromptFormat.tools_header must be a str, got NoneType"),
@@ -243,3 +245,13 @@ def test_a_prompt_format_is_checked_when_built(kwargs, says):
 
     with pytest.raises(ConfigError, match=re.escape(says)):
         PromptFormat(**kwargs)
+
+
+def test_a_prompt_format_takes_conversions_and_specs_of_its_field(default_tok):
+    """``{query!r}`` was refused by the first version of the check (its repr of a marker
+    held no marker); the assembly renders it as before."""
+    from promptsplice.assembler import PromptFormat
+
+    fmt = PromptFormat(query_template="Q: {query!r}\nA:", system_template="{system:>3}")
+    prompt = Assembler(default_tok, prompt_format=fmt, alignment="none").assemble(["a"], query="what?", system="S")
+    assert prompt.text.startswith("  S") and prompt.text.endswith("Q: 'what?'\nA:")

@@ -113,6 +113,15 @@ def test_truncate_options(kwargs, match):
         ({"content": "KeyError 'x'"}, True),
         ({"content": "NotFoundError: no such file"}, True),
         ({"content": ["Error: ", "timeout"]}, True),  # plain-string parts (the renderer takes them)
+        ({"content": "ValueError('invalid literal')"}, True),  # an exception's repr (diff review)
+        ({"content": "OSError(2, 'No such file')"}, True),
+        ({"content": "S3Error: NoSuchKey"}, True),
+        ({"content": "HTTP_ERROR: 503"}, True),
+        ({"content": "Error, could not connect"}, True),
+        ({"content": "Error!"}, True),
+        ({"content": "error=timeout"}, True),
+        ({"content": "error_count: 0"}, False),
+        ({"content": "errorless"}, False),
         ({"content": ""}, False),
     ],
 )
