@@ -135,6 +135,15 @@ def _probe(tmpl: ChatTemplate, msgs: list[dict[str, Any]], tools: list | None) -
         return _NO_TEXT
 
 
+def _prefix_meta(tmpl: ChatTemplate, msgs: list[dict[str, Any]], tools: list | None) -> str:
+    """``"chars:bytes:digest"`` of a prefix's render, or :data:`_NO_TEXT` if refused."""
+    text = _probe(tmpl, msgs, tools)
+    if text == _NO_TEXT:
+        return _NO_TEXT
+    data = text.encode("utf-8")
+    return f"{len(text)}:{len(data)}:{content_digest(data).hex()}"
+
+
 class ChatRenderer:
     """Renders chat messages into block-aligned per-message segments in token space.
 
@@ -398,15 +407,26 @@ class ChatRenderer:
         there is no boundary after message ``i``: its text joins the next message's
         segment, and its own segment is empty."""
         tmpl = self.template
+        tkey = content_digest(canonical_json(tools).encode()) if tools else b""
+        body_bytes = memoryview(body.encode("utf-8"))
         texts: list[str] = []
         done = 0
-        for i in range(len(msgs)):
-            cur = _probe(tmpl, msgs[: i + 1], tools) if i + 1 < len(msgs) else body
-            if len(cur) >= done and body.startswith(cur):
-                texts.append(body[done : len(cur)])
-                done = len(cur)
-            else:
-                texts.append("")
+        chain = b""
+        for i in range(len(msgs) - 1):
+            # Each prefix is rendered once per session (memoized by the chained digest of
+            # its messages, as its size and digest: a step renders only its new prefixes)
+            # and compared with the whole by digest.
+            chain = content_digest(chain + content_digest(canonical_json(msgs[i]).encode("utf-8")))
+            meta = self._memo_get((b"P", tkey, chain), lambda i=i: _prefix_meta(tmpl, msgs[: i + 1], tools))
+            if meta != _NO_TEXT:
+                n_chars, n_bytes, digest = meta.split(":")
+                end, size = int(n_chars), int(n_bytes)
+                if end >= done and size <= len(body_bytes) and content_digest(body_bytes[:size]).hex() == digest:
+                    texts.append(body[done:end])
+                    done = end
+                    continue
+            texts.append("")
+        texts.append(body[done:])
         return texts
 
     def _split_preamble(self, first: dict[str, Any], text: str, tools: list | None) -> tuple[str, str]:
