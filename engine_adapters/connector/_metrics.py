@@ -6,8 +6,8 @@ vLLM asks the worker-side connector for its stats after every step
 to the front end, which sums them per logging interval (:class:`SpliceConnectorStats`)
 and hands each step's to the Prometheus logger (:class:`SplicePromMetrics`).  The
 worker reports what changed since its last report (:class:`CounterReporter`): its own
-counters every step (no lock), the block store's at most once a second (they take the
-store's lock).  A counter that went down (a load counted, then failed late) is reported
+counters every step (no lock), the block store's with every step that loaded or saved
+anything and otherwise at most once a second (they take the store's lock).  A counter that went down (a load counted, then failed late) is reported
 as it climbs back past its highest value, so the exported counters never decrease.
 
 The store's counters are the store's: engines of one process opened on the same
@@ -96,21 +96,29 @@ class CounterReporter:
 
     def __init__(self, store_every_s: float = 1.0) -> None:
         self._high: dict[str, float] = {}
+        self._stats: WorkerStats | None = None
         self._store_every_s = store_every_s
         self._store_due = 0.0
 
     def take(self, worker: WorkerStats, store: BlockStore | None) -> SpliceConnectorStats | None:
-        now = worker_counters(worker)
-        if store is not None and not store.closed and time.monotonic() >= self._store_due:
-            now.update(store_counters(store.stats()))
+        if worker is not self._stats:  # a new worker (caches registered again) counts from 0
+            self._stats = worker
+            for name in _WORKER_FIELDS:
+                self._high.pop(name, None)
+        delta = self._rise(worker_counters(worker))
+        if store is not None and not store.closed and (delta or time.monotonic() >= self._store_due):
+            delta.update(self._rise(store_counters(store.stats())))
             self._store_due = time.monotonic() + self._store_every_s
+        return SpliceConnectorStats(data=delta) if delta else None
+
+    def _rise(self, now: dict[str, float]) -> dict[str, float]:
         delta: dict[str, float] = {}
         for name, value in now.items():
             high = self._high.get(name, 0)
             if value > high:
                 delta[name] = value - high
                 self._high[name] = value
-        return SpliceConnectorStats(data=delta) if delta else None
+        return delta
 
 
 class SpliceConnectorStats(KVConnectorStats):

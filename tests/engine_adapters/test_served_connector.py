@@ -74,7 +74,6 @@ def test_connector_loads_in_vllm_serve_and_serves_offload_hits(remote, served_kv
     first = remote.complete(prompt, max_tokens=1, cache_salt=s)
     assert first.cached_tokens == 0
     reset_local_cache(served_kv.base_url)
-    time.sleep(1.1)  # the store's counters of the first request reported before the reading
     before_metrics = connector_metrics(served_kv.base_url)
     before = remote.server_counters()
     again = remote.complete(prompt, max_tokens=1, cache_salt=s)
@@ -100,8 +99,7 @@ def connector_metrics(base_url: str) -> dict[str, float]:
 
 def connector_counters_reach(base_url: str, wanted: dict[str, float], before: dict[str, float]) -> dict:
     """The counters' increase since ``before`` once it reaches ``wanted`` (the front end
-    records a step's stats as it hands out the step's output: polled for up to 10 s; the
-    store's counters are reported at most once a second)."""
+    records a step's stats as it hands out the step's output: polled for up to 10 s)."""
     import time
 
     deadline = time.monotonic() + 10
