@@ -46,6 +46,7 @@ from promptsplice import blocks as _blocks
 from promptsplice.errors import ConfigError
 
 from ._normalize import _normalize
+from ._overlap import shares_a_source
 from ._passes import Passes
 from ._types import (
     REMOVAL_KINDS,
@@ -157,7 +158,7 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     # ``origins[0]`` is always the KEPT origin.
     ctx = Passes(cfg, removed, removed_bytes)
     if cfg.overlap and len(kept) >= 2:
-        if cfg.containment:
+        if cfg.containment and shares_a_source(kept, cfg.source_key):
             # A window already inside another chunk is CONTAINED there before merging:
             # merged, it would repeat bytes the other chunk holds and could later lose
             # all its own text to the passage pass while still naming the merged chunk.

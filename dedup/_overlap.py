@@ -26,6 +26,17 @@ def _pos(k: KeptChunk) -> int:
     return k.origins[0].index
 
 
+def shares_a_source(kept: list[KeptChunk], key: str) -> bool:
+    """Whether two chunks may share a source (the only chunks an overlap merge joins);
+    ``True`` when a source value is unhashable (grouped by ``==`` in the merge)."""
+    sources = [k.metadata.get(key) for k in kept]
+    try:
+        distinct = set(sources)
+    except TypeError:  # an unhashable source value (a list)
+        return True
+    return len(distinct) - (None in distinct) != len(sources) - sources.count(None)
+
+
 def merge_overlaps(ctx, kept: list[KeptChunk], after_passages: bool = False) -> list[KeptChunk]:
     """Merge chains of same-source chunks whose tail/head overlap by >= min_overlap;
     ``ctx`` is the call's :class:`~promptsplice.dedup._passes.Passes` (config, counters).
@@ -35,14 +46,9 @@ def merge_overlaps(ctx, kept: list[KeptChunk], after_passages: bool = False) -> 
     its keeper lost no passage of its own: those records locate paragraphs in the
     keeper's bytes as they were when cut, which a merge would move."""
     key = ctx.cfg.source_key
+    if not shares_a_source(kept, key):
+        return kept
     sources = [k.metadata.get(key) for k in kept]
-    try:
-        distinct = set(sources)
-    except TypeError:  # an unhashable source value (a list): grouped by == below
-        pass
-    else:  # all sources distinct (or missing): nothing to merge
-        if len(distinct) - (None in distinct) == len(sources) - sources.count(None):
-            return kept
     groups: dict = {}
     unhashable: list[tuple[object, list[KeptChunk]]] = []
     for k, source in zip(kept, sources):
