@@ -190,6 +190,12 @@ def _check_capacity(engine: Any, kv: Any) -> None:
         )
 
 
+def check_store_layout(store_layout: str) -> str:
+    if store_layout not in STORE_LAYOUTS:
+        raise ConfigError(f"store_layout must be one of {STORE_LAYOUTS}, got {store_layout!r}")
+    return store_layout
+
+
 def run_modes(
     engine: Any,
     requests: Sequence[RagRequest],
@@ -218,8 +224,7 @@ def run_modes(
     """
     from promptsplice.assembler import PromptFormat
 
-    if store_layout not in STORE_LAYOUTS:
-        raise ConfigError(f"store_layout must be one of {STORE_LAYOUTS}, got {store_layout!r}")
+    check_store_layout(store_layout)
     factory = kv_engine is not None and callable(kv_engine) and not hasattr(kv_engine, "generate")
     if kv_engine is not None and not factory:
         _check_capacity(engine, kv_engine)  # before anything runs
@@ -587,6 +592,7 @@ def run_rag_bench(
 
     OrderPolicy.parse(policy)  # fail fast, before the engine starts
     AlignPolicy.parse(alignment)
+    check_store_layout(store_layout)
     if recompute_blocks is not None and recompute_blocks < 0:
         raise ConfigError(f"--recompute-blocks must be >= 0, got {recompute_blocks}")
     reqs = read_rag_trace(trace, limit=requests)

@@ -38,7 +38,7 @@ from typing import Any
 
 from promptsplice.benchmarks.bounds import BOUND_EXIT
 from promptsplice.benchmarks.coverage import MIN_COVERAGE
-from promptsplice.benchmarks.rag import PIC_MODE, format_modes, run_modes, start_rag_engines
+from promptsplice.benchmarks.rag import PIC_MODE, check_store_layout, format_modes, run_modes, start_rag_engines
 from promptsplice.benchmarks.traces import SUITE, read_rag_trace, shape_stats, write_rag_trace
 from promptsplice.errors import PromptspliceError
 
@@ -196,6 +196,7 @@ def run_rag_suite(
 
     OrderPolicy.parse(policy)  # fail fast, before the engines start
     AlignPolicy.parse(alignment)
+    check_store_layout(store_layout)
     out = Path(json_out)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes)

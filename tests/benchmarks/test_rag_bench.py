@@ -274,6 +274,14 @@ def test_the_pic_sweep_gives_each_configuration_its_own_store_engine(monkeypatch
 def test_a_store_layout_that_is_not_one_of_the_two_is_refused_before_anything_runs():
     from promptsplice.benchmarks.rag import STORE_LAYOUTS
 
+    from promptsplice.benchmarks.rag import run_rag_bench
+    from promptsplice.benchmarks.rag_suite import run_rag_suite
+
     with pytest.raises(ConfigError, match="store_layout must be one of .*'blind'"):
         run_modes(None, sample_rag_requests(1, seed=4), store_layout="blind")
+    # the CLI's jobs refuse it before the engines start (the suite caught it per family)
+    for job in (lambda: run_rag_bench(trace="t.jsonl", json_out="r.json", store_layout="blind"),
+                lambda: run_rag_suite(json_out="r.json", store_layout="blind")):
+        with pytest.raises(ConfigError, match="store_layout must be one of"):
+            job()
     assert STORE_LAYOUTS == ("store_aware", "cache_only")
