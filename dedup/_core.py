@@ -157,14 +157,18 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     # ``text = None`` unless the pass rebuilt it); both are recomputed at the end.
     # ``origins[0]`` is always the KEPT origin.
     ctx = Passes(cfg, removed, removed_bytes)
+    contained_done = False  # containment already ran over exactly these chunks
     if cfg.overlap and len(kept) >= 2:
         if cfg.containment and shares_a_source(kept, cfg.source_key):
             # A window already inside another chunk is CONTAINED there before merging:
             # merged, it would repeat bytes the other chunk holds and could later lose
             # all its own text to the passage pass while still naming the merged chunk.
             kept = ctx.absorb_contained(kept)
+            contained_done = True
+        merged = removed["overlap"]
         kept = ctx.merge_overlaps(kept)
-    if cfg.containment and len(kept) >= 2:
+        contained_done = contained_done and removed["overlap"] == merged
+    if cfg.containment and len(kept) >= 2 and not contained_done:
         kept = ctx.absorb_contained(kept)
     while cfg.passages and len(kept) >= 2:
         cut = removed["passage"]
