@@ -228,14 +228,46 @@ class TruncateToolOutputs:
 
 # -- (b) drop failed calls once retried ----------------------------------------------
 
-# A name may lead the word ("TypeError", "HTTP_ERROR", "S3Error", "ValueError('x')"), but
-# not "no"/"non" ("no_error: true"), and the word does not run on into a hyphen or a word
-# character ("Error-free run", "Errors found: 0", "errorless" are successes).
-_ERROR_RE = re.compile(
-    r"\s*(?:(?!(?:no|non)[-_ ]?(?:error|exception)(?![a-z]))\w*?(?:error|exception)(?![-\w])"
-    r"|traceback \(most recent call last\))",
-    re.IGNORECASE,
-)
+_MARKER_RE = re.compile(r"\s*(?:\[(?:error|errno)\b|fatal:|traceback \(most recent call last\))", re.IGNORECASE)
+_HEAD_RE = re.compile(r"\s*([A-Za-z_][\w.]*)")
+_NO_RE = re.compile(r"(?:^|_)non?_?$", re.IGNORECASE)
+_NO_CAMEL_RE = re.compile(r"(?:^|[a-z0-9])Non?$")
+_NULL_VALUE_RE = re.compile(r"[:=]\s*(?:null|none|false|0)\s*(?:[,;\n]|$)", re.IGNORECASE)
+
+
+def _error_head(text: str) -> bool:
+    """Whether ``text`` starts with an error word: ``Error``/``error:``, an exception's
+    name, qualified or not (``TypeError``, ``HTTP_ERROR``, ``S3Error``,
+    ``sqlite3.OperationalError: ...``, ``ValueError('x')``), ``[ERROR]``, ``[Errno 2]``,
+    ``fatal:`` or a traceback.  Not: a name led by "no"/"non" (``no_error``,
+    ``GL_NO_ERROR``, ``kNoError``), a word with the letters inside another (``Terror``,
+    ``errorless``, ``error_count``), a file name or path (``error.log``, ``error/404``),
+    ``Error-free``, ``Error(s): 0``, or an error key with a null value (``error: null``,
+    ``error=0``)."""
+    if _MARKER_RE.match(text):
+        return True
+    m = _HEAD_RE.match(text)
+    if m is None:
+        return False
+    word = m.group(1).rstrip(".")
+    rest = text[m.start(1) + len(word):]
+    name = word.rsplit(".", 1)[-1]  # a qualified name's last part; "error.log" ends in "log"
+    low = name.lower()
+    suffix = next((x for x in ("error", "exception") if low.endswith(x)), None)
+    if suffix is None:
+        return False
+    prefix = name[: len(name) - len(suffix)]
+    if prefix and not (prefix[-1] in "_0123456789" or name[len(prefix)] == "E" or name.isupper()):
+        return False  # "Terror": the letters inside another word
+    if _NO_RE.search(prefix) or _NO_CAMEL_RE.search(prefix):
+        return False
+    if not rest or rest[0] in " \t\r\n(,!;'\"":
+        return not rest.startswith("(s)")
+    if rest[0] in ":=":
+        return _NULL_VALUE_RE.match(rest) is None
+    if rest[0] == "-":
+        return rest[1:2].isdigit()  # "ERROR-42: ..." is one, "Error-free run" is not
+    return rest[0] == "." and rest[1:2] in ("", " ", "\n")  # "Error. It failed", not "error.log"
 
 
 def is_error_output(message: Mapping[str, Any]) -> bool:
@@ -248,7 +280,7 @@ def is_error_output(message: Mapping[str, Any]) -> bool:
     text = _text(message.get("content"))
     if not text:
         return False
-    if _ERROR_RE.match(text):
+    if _error_head(text):
         return True
     stripped = text.strip()
     if stripped.startswith("{") and '"error"' in stripped:

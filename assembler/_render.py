@@ -144,6 +144,18 @@ def _prefix_meta(tmpl: ChatTemplate, msgs: list[dict[str, Any]], tools: list | N
     return f"{len(text)}:{len(data)}:{content_digest(data).hex()}"
 
 
+def _prefix_end(meta: str, body_bytes: memoryview, done: int) -> int | None:
+    """Where a prefix (``_prefix_meta``) ends in the whole render, in characters, or
+    ``None`` when it is not the whole's start (or was refused)."""
+    if meta == _NO_TEXT:
+        return None
+    n_chars, n_bytes, digest = meta.split(":")
+    end, size = int(n_chars), int(n_bytes)
+    if end >= done and size <= len(body_bytes) and content_digest(body_bytes[:size]).hex() == digest:
+        return end
+    return None
+
+
 class ChatRenderer:
     """Renders chat messages into block-aligned per-message segments in token space.
 
@@ -378,6 +390,14 @@ class ChatRenderer:
                 self._memo_chars -= len(dropped)
         return text
 
+    def _memo_put(self, key: tuple[bytes, ...], text: str) -> None:
+        with self._memo_lock:
+            old = self._memo.pop(key, None)
+            if old is not None:
+                self._memo_chars -= len(old)
+            self._memo[key] = text
+            self._memo_chars += len(text)
+
     def _piece_texts(self, msgs: list[dict[str, Any]], tools: list | None) -> list[str]:
         """Message ``i``'s text as ``render([m(i-1), m(i)]) - render([m(i-1)])``."""
         tmpl = self.template
@@ -417,15 +437,20 @@ class ChatRenderer:
             # its messages, as its size and digest: a step renders only its new prefixes)
             # and compared with the whole by digest.
             chain = content_digest(chain + content_digest(canonical_json(msgs[i]).encode("utf-8")))
-            meta = self._memo_get((b"P", tkey, chain), lambda i=i: _prefix_meta(tmpl, msgs[: i + 1], tools))
-            if meta != _NO_TEXT:
-                n_chars, n_bytes, digest = meta.split(":")
-                end, size = int(n_chars), int(n_bytes)
-                if end >= done and size <= len(body_bytes) and content_digest(body_bytes[:size]).hex() == digest:
-                    texts.append(body[done:end])
-                    done = end
-                    continue
-            texts.append("")
+            key = (b"P", tkey, chain)
+            meta = self._memo_get(key, lambda i=i: _prefix_meta(tmpl, msgs[: i + 1], tools))
+            end = _prefix_end(meta, body_bytes, done)
+            if end is None and meta != _NO_TEXT:
+                # Not the start of the whole: so it is (Qwen's grouped tool results), or the
+                # memo went stale (a template that prints today's date): render it again.
+                meta = _prefix_meta(tmpl, msgs[: i + 1], tools)
+                self._memo_put(key, meta)
+                end = _prefix_end(meta, body_bytes, done)
+            if end is None:
+                texts.append("")
+            else:
+                texts.append(body[done:end])
+                done = end
         texts.append(body[done:])
         return texts
 

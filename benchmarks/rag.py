@@ -190,9 +190,15 @@ def _check_capacity(engine: Any, kv: Any) -> None:
         )
 
 
-def check_store_layout(store_layout: str) -> str:
+def check_store_layout(store_layout: str, *, pic_exact_alignment: str = "auto",
+                       recompute_blocks: int | None = None) -> str:
+    """The store and PIC options of a bench job, checked before its engines start."""
     if store_layout not in STORE_LAYOUTS:
         raise ConfigError(f"store_layout must be one of {STORE_LAYOUTS}, got {store_layout!r}")
+    if pic_exact_alignment not in ("auto", "all"):
+        raise ConfigError(f"pic_exact_alignment must be 'auto' or 'all', got {pic_exact_alignment!r}")
+    if recompute_blocks is not None and recompute_blocks < 0:
+        raise ConfigError(f"--recompute-blocks must be >= 0, got {recompute_blocks}")
     return store_layout
 
 
@@ -592,9 +598,7 @@ def run_rag_bench(
 
     OrderPolicy.parse(policy)  # fail fast, before the engine starts
     AlignPolicy.parse(alignment)
-    check_store_layout(store_layout)
-    if recompute_blocks is not None and recompute_blocks < 0:
-        raise ConfigError(f"--recompute-blocks must be >= 0, got {recompute_blocks}")
+    check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks)
     reqs = read_rag_trace(trace, limit=requests)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     try:

@@ -196,7 +196,7 @@ def run_rag_suite(
 
     OrderPolicy.parse(policy)  # fail fast, before the engines start
     AlignPolicy.parse(alignment)
-    check_store_layout(store_layout)
+    check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks)
     out = Path(json_out)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes)

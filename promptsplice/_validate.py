@@ -234,7 +234,8 @@ def check_format(template: Any, what: str, field: str, sample: Any, *, required:
             f"{what} {template!r} is not a format string with only {{{field}}} as its field "
             f"({type(exc).__name__}: {exc}); write literal braces as {{{{ and }}}}"
         ) from None
-    if required and not names:
+    mark = "promptsplice-field-mark"  # survives !r and !a; a spec such as :.0 drops it
+    if required and (not names or mark not in template.format(**{field: mark})):
         raise ConfigError(f"{what} {template!r} must hold {{{field}}}: without it the {field} is dropped")
     return template
 

@@ -44,7 +44,7 @@ COUNTERS: dict[str, str] = {
     "store_dram_hits": "Block-store lookups served from DRAM.",
     "store_disk_hits": "Block-store lookups served from the disk tier.",
     "store_remote_hits": "Block-store lookups served from the shared (Redis) tier.",
-    "store_misses": "Block-store lookups no tier served.",
+    "store_misses": "Block-store lookups no tier served (counted when the last tier answered).",
     "store_evictions": "Blocks evicted from DRAM or disk.",
     "store_dropped": "Blocks let go without a copy because no tier could take them.",
     "store_damaged": "Damaged records (disk or shared tier) deleted, not served.",
@@ -73,14 +73,16 @@ def worker_counters(stats: WorkerStats) -> dict[str, float]:
     return {name: getattr(stats, field) for name, field in _WORKER_FIELDS.items()}
 
 
-def store_counters(s: StoreStats) -> dict[str, float]:
+def store_counters(s: StoreStats, *, tiered: bool) -> dict[str, float]:
     """The store's cumulative counters under their exported names (``disk_hits`` of
-    :class:`StoreStats` counts every storage tier; here each tier has its own)."""
+    :class:`StoreStats` counts every storage tier; here each tier has its own).
+    ``tiered``: the store has tiers below DRAM, whose misses are counted when the
+    lookup ends (DRAM's are counted before a tier read, which may still hit)."""
     return {
         "store_dram_hits": s.dram_hits,
         "store_disk_hits": s.disk_hits - s.remote_hits,
         "store_remote_hits": s.remote_hits,
-        "store_misses": s.dram_misses - s.disk_hits,
+        "store_misses": s.disk_misses if tiered else s.dram_misses,
         "store_evictions": s.dram_evictions + s.disk_evictions,
         "store_dropped": s.dropped,
         "store_damaged": s.corrupt + s.remote_corrupt,
@@ -107,7 +109,8 @@ class CounterReporter:
                 self._high.pop(name, None)
         delta = self._rise(worker_counters(worker))
         if store is not None and not store.closed and (delta or time.monotonic() >= self._store_due):
-            delta.update(self._rise(store_counters(store.stats())))
+            tiered = store.config.disk_bytes > 0 or store.config.remote_url is not None
+            delta.update(self._rise(store_counters(store.stats(), tiered=tiered)))
             self._store_due = time.monotonic() + self._store_every_s
         return SpliceConnectorStats(data=delta) if delta else None
 

@@ -230,6 +230,7 @@ def test_input_errors_are_value_errors():
     ({"query_template": "Q: {question}"}, "only {query} as its field (KeyError"),
     ({"query_template": "Q: {query[0]}"}, "only {query} as its field (KeyError"),  # failed at assembly (diff review)
     ({"query_template": "Q: {query.x}"}, "only {query} as its field (KeyError"),
+    ({"query_template": "Q: {query:.0}"}, "must hold {query}"),  # formats to "Q: " (second review)
     ({"system_template": "{"}, "only {system} as its field (ValueError"),
     ({"separator": 5}, "PromptFormat.separator must be a str, got int"),
     ({"tools_header": None}, "PromptFormat.tools_header must be a str, got NoneType"),

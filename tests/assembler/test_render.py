@@ -572,3 +572,21 @@ def test_prefix_renders_are_made_once_per_session(default_tok, monkeypatch):
     # the whole list (twice: body and generation prompt), the new pairs' probes, and
     # the two new prefixes; none of the 38 prefixes rendered at the step before
     assert sorted(n for n in calls if n > 2) == [39, 40, 41, 41], calls
+
+
+def test_a_prefix_memo_that_went_stale_is_rendered_again(default_tok):
+    """A template that prints today's date (Mistral-Small, Llama-3.x): after midnight the
+    memoized prefixes no longer start the whole render, and every message seen before
+    stayed merged into one segment for the rest of the session (second review)."""
+    dated = "{%- set today = strftime_now('%Y-%m-%d') %}[SYS]Today is {{ today }}.[/SYS]" + ALTERNATING
+    tmpl = ChatTemplate(dated, name="dated", special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    day = ["2026-12-03"]
+    tmpl._template().globals["strftime_now"] = lambda fmt: day[0]
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    msgs = [{"role": ("user", "assistant")[i % 2], "content": f"message number {i}"} for i in range(11)]
+    r.render(msgs[:7])
+    day[0] = "2026-12-04"
+    res = r.render(msgs[:9])
+    fresh = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none").render(msgs[:9])
+    assert [s.text for s in res.segments] == [s.text for s in fresh.segments]
+    assert sum(1 for s in res.segments if s.kind is SegmentKind.MESSAGE and s.text) == 9

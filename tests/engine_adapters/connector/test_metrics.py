@@ -111,3 +111,22 @@ def test_every_worker_counter_is_exported(field):
     stats = WorkerStats()
     setattr(stats, field, 5)
     assert 5 in worker_counters(stats).values(), f"WorkerStats.{field} is counted but not exported"
+
+
+def test_misses_are_counted_when_the_lookup_ends(store, tmp_path):
+    """``dram_misses - disk_hits`` read mid-lookup (DRAM missed, the disk read still
+    running) counted a hit as a miss for good (second review): a tiered store's misses
+    are its lower tiers' final answers."""
+    from promptsplice.engine_adapters import BlockStore, StoreConfig
+    from promptsplice.engine_adapters.connector._metrics import store_counters
+    from tests.engine_adapters.connector._kv import PAYLOAD
+
+    ref = chain_refs(toks(BS), BS, salt=SALT)[0]
+    store.get(ref, salt=SALT)
+    assert CounterReporter(store_every_s=0).take(WorkerStats(), store).data["store_misses"] == 1
+    with BlockStore(StoreConfig(dram_bytes=4 * PAYLOAD, disk_bytes=64 * PAYLOAD, disk_dir=str(tmp_path),
+                                write_behind_bytes=0)) as tiered:
+        tiered.get(ref, salt=SALT)
+        mid_lookup = tiered.stats()._replace(dram_misses=tiered.stats().dram_misses + 1)  # a read in flight
+        assert store_counters(mid_lookup, tiered=True)["store_misses"] == 1
+        assert CounterReporter(store_every_s=0).take(WorkerStats(), tiered).data["store_misses"] == 1
