@@ -1,5 +1,9 @@
 """``promptsplice bench rag``: a RAG trace through the embedded vLLM engine, judged by vLLM.
 
+This is one module (~625 lines): the modes share one run loop, one set of bounds and one report
+format, which the suite (``rag_suite``) and the CLI job call as a unit; split, each
+piece would import the others.
+
 Two modes run the same requests on the same engine, each from an empty prefix cache:
 
 * ``naive``: what user code does today: the retrieved chunks in retrieval order, no
