@@ -379,15 +379,7 @@ class ChatRenderer:
                 self._memo.move_to_end(key)
                 return hit
         text = make()
-        with self._memo_lock:
-            old = self._memo.pop(key, None)
-            if old is not None:
-                self._memo_chars -= len(old)
-            self._memo[key] = text
-            self._memo_chars += len(text)
-            while self._memo_chars > self._max_memo_chars and len(self._memo) > 1:
-                _, dropped = self._memo.popitem(last=False)
-                self._memo_chars -= len(dropped)
+        self._memo_put(key, text)
         return text
 
     def _memo_put(self, key: tuple[bytes, ...], text: str) -> None:
@@ -397,6 +389,9 @@ class ChatRenderer:
                 self._memo_chars -= len(old)
             self._memo[key] = text
             self._memo_chars += len(text)
+            while self._memo_chars > self._max_memo_chars and len(self._memo) > 1:
+                _, dropped = self._memo.popitem(last=False)
+                self._memo_chars -= len(dropped)
 
     def _piece_texts(self, msgs: list[dict[str, Any]], tools: list | None) -> list[str]:
         """Message ``i``'s text as ``render([m(i-1), m(i)]) - render([m(i-1)])``."""
