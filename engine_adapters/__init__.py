@@ -49,6 +49,7 @@ from promptsplice.engine_adapters.runners import (
     RagRunner,
     RagStep,
     ReuseMode,
+    RunnerEngine,
     StepFallback,
 )
 from promptsplice.engine_adapters._remote import RemoteCompletion, RemoteEngine, ServerCounters
@@ -140,6 +141,7 @@ __all__ = [
     "ReuseMode",
     "RemoteEngine",
     "RoundRobinRouter",
+    "RunnerEngine",
     "ServerCounters",
     "SpliceAck",
     "SplicePhase",

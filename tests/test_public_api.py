@@ -146,6 +146,7 @@ def test_engine_adapters_exports_are_pinned():
             "RemoteEngine",
             "ReuseMode",
             "RoundRobinRouter",
+            "RunnerEngine",
             "ServerCounters",
             "SpliceAck",
             "SplicePhase",

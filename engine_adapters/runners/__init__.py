@@ -4,7 +4,7 @@ from promptsplice.engine_adapters.runners._agent import AgentMode, AgentRunner, 
 from promptsplice.engine_adapters.runners._fidelity import DEFAULT_MAX_DEVIATION, FIDELITY_TABLE, FidelityLevel, FidelitySettings
 from promptsplice.engine_adapters.runners._chunk_plans import ChunkIndex, ChunkLookup, ChunkSource, ChunkStatus
 from promptsplice.engine_adapters.runners._rag import RagRunner, RagStep, ReuseMode
-from promptsplice.engine_adapters.runners._steps import StepFallback
+from promptsplice.engine_adapters.runners._steps import RunnerEngine, StepFallback
 
 __all__ = [
     "DEFAULT_MAX_DEVIATION",
@@ -21,5 +21,6 @@ __all__ = [
     "RagRunner",
     "RagStep",
     "ReuseMode",
+    "RunnerEngine",
     "StepFallback",
 ]

@@ -78,6 +78,7 @@ from promptsplice.engine_adapters.runners._fidelity import (
 )
 from promptsplice.engine_adapters.runners._steps import (
     AdaptiveRecompute,
+    RunnerEngine,
     StepFallback,
     cached_tokens,
     check_runner_engine,
@@ -88,8 +89,7 @@ from promptsplice._validate import DERIVED_SALT_MARK, check_bool, check_enum, ch
 from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
-    from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
-    from promptsplice.engine_adapters._remote import RemoteEngine
+    from promptsplice.engine_adapters._embedded import Completion
 
 __all__ = ["AgentMode", "AgentRunner", "AgentStep", "DEFAULT_RECOMPUTE_BLOCKS"]
 
@@ -217,7 +217,7 @@ class AgentRunner:
 
     def __init__(
         self,
-        engine: EmbeddedEngine | RemoteEngine,
+        engine: RunnerEngine,
         *,
         mode: str | AgentMode = AgentMode.SPLICE,
         salt: str | None = None,

@@ -118,6 +118,7 @@ from promptsplice.engine_adapters.runners._fidelity import (
 )
 from promptsplice.engine_adapters.runners._steps import (
     AdaptiveRecompute,
+    RunnerEngine,
     StepFallback,
     cached_tokens,
     check_runner_engine,
@@ -129,8 +130,7 @@ from promptsplice._validate import DERIVED_SALT_MARK, check_enum, check_int, che
 from promptsplice.errors import ConfigError, ContextLengthError, InputError
 
 if TYPE_CHECKING:
-    from promptsplice.engine_adapters._embedded import Completion, EmbeddedEngine
-    from promptsplice.engine_adapters._remote import RemoteEngine
+    from promptsplice.engine_adapters._embedded import Completion
 
 __all__ = [
     "RagRunner",
@@ -229,7 +229,7 @@ class RagRunner:
 
     def __init__(
         self,
-        engine: EmbeddedEngine | RemoteEngine,
+        engine: RunnerEngine,
         *,
         mode: str | ReuseMode = ReuseMode.EXACT,
         salt: str | None = None,
@@ -288,7 +288,7 @@ class RagRunner:
             # in process: the engine's store; served: the server, asked by store queries
             store = engine.kv_store if engine.kv_store is not None else engine
             if index is None:
-                where = store.config.fingerprint if engine.kv_store is not None else f"served:{engine.base_url}"
+                where = store.config.fingerprint if engine.kv_store is not None else f"served:{getattr(engine, 'base_url', type(engine).__name__)}"
                 identity = f"{where}|tokenizer:{self.assembler.tokenizer.name}"
                 index = ChunkIndex(store, block_size=bs, identity=identity)
             elif index.store is not store or index.block_size != bs:

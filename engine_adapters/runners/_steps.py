@@ -30,20 +30,74 @@ from __future__ import annotations
 import enum
 import inspect
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from promptsplice.engine_adapters.connector._plans import SplicePhase, approximate_tokens, extend_recompute
 from promptsplice.errors import ConfigError
 
-__all__ = ["AdaptiveRecompute", "StepFallback", "cached_tokens", "check_runner_engine", "planned_relocated_tokens"]
+if TYPE_CHECKING:
+    from promptsplice.assembler import Assembler
+
+__all__ = [
+    "AdaptiveRecompute",
+    "RunnerEngine",
+    "StepFallback",
+    "cached_tokens",
+    "check_runner_engine",
+    "planned_relocated_tokens",
+]
 
 _ABSENT = object()
-_ENGINE_SURFACE = ("block_size", "generate", "generate_phases", "can_splice", "can_relocate", "make_assembler")
+
+
+class RunnerEngine(Protocol):
+    """What :class:`~promptsplice.engine_adapters.AgentRunner` and
+    :class:`~promptsplice.engine_adapters.RagRunner` use of an engine:
+    :class:`~promptsplice.engine_adapters.EmbeddedEngine` and
+    :class:`~promptsplice.engine_adapters.RemoteEngine` have it (their docstrings say
+    what each member means); :func:`check_runner_engine` checks it by name."""
+
+    @property
+    def block_size(self) -> int:
+        """vLLM's KV block size in tokens."""
+        ...
+
+    @property
+    def can_splice(self) -> bool:
+        """Whether splice plans can run (a block store behind the connector)."""
+        ...
+
+    @property
+    def can_relocate(self) -> bool:
+        """Whether the connector can relocate KV (verified attention ISA and RoPE)."""
+        ...
+
+    @property
+    def kv_store(self) -> Any:
+        """The in-process block store, or ``None`` (none, or the server holds it: the
+        engine then answers the chunk index's store queries itself)."""
+        ...
+
+    def make_assembler(self, **kwargs: Any) -> Assembler:
+        """An assembler predicting from this engine's cache."""
+        ...
+
+    def generate(self, prompt: Any, **kwargs: Any) -> Any:
+        """One request; ``splice=`` carries a plan."""
+        ...
+
+    def generate_phases(self, tokens: Sequence[int], phases: Sequence[SplicePhase], **kwargs: Any) -> Any:
+        """A multi-phase splice, one request per phase."""
+        ...
+
+
+_ENGINE_SURFACE = tuple(sorted(n for n in vars(RunnerEngine) if not n.startswith("_")))
 
 
 def check_runner_engine(engine: object, who: str) -> None:
-    """A runner's engine: an EmbeddedEngine or a RemoteEngine (anything with their
-    surface), else :class:`ConfigError` (``None`` raised AttributeError deep inside)."""
+    """A runner's engine: anything with the :class:`RunnerEngine` surface (an
+    EmbeddedEngine or a RemoteEngine), else :class:`ConfigError` (``None`` raised
+    AttributeError deep inside)."""
     # looked up without running properties: a RemoteEngine's block_size and can_splice
     # ask the server, which a runner that never needs them must not do when built
     missing = [name for name in _ENGINE_SURFACE if inspect.getattr_static(engine, name, _ABSENT) is _ABSENT]
