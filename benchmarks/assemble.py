@@ -36,8 +36,11 @@ JSON (names fixed; outside checks read them)::
 Extra keys: ``block_size``, ``alignment``, ``tokenizer``, ``gap_closed`` (per policy,
 ``(naive - policy) / (naive - oracle)`` on prefill tokens; with no gap, ``None``, or
 minus the share of naive's prefill a policy added), ``best_policy``,
-``predicted_prefill_tokens_bounded`` (per mode),
-``radix_prefill_tokens_bounded``, ``oracle_prefill_tokens_bounded``,
+``dedup_removed_chunks`` (per mode: chunks dedup removed, by reason, ``empty``
+included), ``predicted_prefill_tokens_bounded`` (per mode),
+``radix_prefill_tokens_bounded``, ``oracle_prefill_tokens_bounded`` (floored per request
+by each mode's radix ideal, as the unbounded oracle), ``bound_checks`` (per mode, and
+``MODE_bounded`` against the bounded oracle),
 ``bound_capacity_blocks`` and ``bound_capacity_raised`` (a request longer than the
 engine's cache, which no engine of that size runs, raises the capacity to fit the
 longest request rather than failing the bench).  A suite report::
@@ -67,7 +70,14 @@ from promptsplice.benchmarks.bounds import (
     check_bounds,
     floor_per_request,
 )
-from promptsplice.benchmarks.traces import SUITE, RagRequest, read_rag_trace, shape_stats, write_rag_trace
+from promptsplice.benchmarks.traces import (
+    SUITE,
+    RagRequest,
+    read_rag_trace,
+    shape_stats,
+    suite_trace_dir,
+    write_rag_trace,
+)
 from promptsplice.blocks import chain_hashes, content_digest, token_bytes
 from promptsplice.errors import ConfigError
 
@@ -127,13 +137,16 @@ def _bound_capacity(naive_asm: Assembler, requests: Sequence[RagRequest], block_
 
 
 def _metrics(
-    n: int, prompt: int, padding: int, removed: int, cached: int, times_ms: list[float]
+    n: int, prompt: int, padding: int, removed: int, cached: int, times_ms: list[float],
+    removed_chunks: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     return {
         "requests": n,
         "prompt_tokens": prompt,
         "padding_tokens": padding,
         "dedup_removed_bytes": removed,
+        # chunks dedup removed, by reason: an empty chunk removes no bytes, and was counted nowhere
+        "dedup_removed_chunks": dict(removed_chunks or {}),
         "predicted_cached_tokens": cached,
         "predicted_prefill_tokens": prompt - cached,
         "predicted_hit_rate": round(cached / prompt, 6) if prompt else 0.0,
@@ -177,6 +190,7 @@ def bench_policies(
     radix, radix_b = RadixPrefill(), RadixPrefill(cap_tokens)
     oracle, oracle_b = OracleCounter(), OracleCounter(cap_tokens)
     content: list[int] = []  # the oracle's content bound per request
+    content_b: list[int] = []  # the same under the bounded capacity
     per_mode: list[list[int]] = []  # each mode's radix ideal per request, on its own prompts
     naive_radix: list[int] = []
     naive_runs: list[tuple[list[Any], int]] = []
@@ -195,7 +209,7 @@ def bench_policies(
         radix_b.add(naive.token_ids)
         segs = _oracle_segments(oracle_asm, req)
         content.append(oracle.add(segs))
-        oracle_b.add(segs)
+        content_b.append(oracle_b.add(segs))
     per_mode.append(naive_radix)
     report["policies"]["naive"] = _metrics(len(requests), prompt, 0, 0, cached, times)
 
@@ -203,22 +217,28 @@ def bench_policies(
         metrics, own_radix = _run_policy(tok, requests, block_size, name, alignment, capacity_blocks)
         report["policies"][name] = metrics
         per_mode.append(own_radix)
+    per_mode_b = per_mode  # each mode's radix ideal on the prompts it sent under the bounded capacity
     if capacity_blocks is None:
         # the same modes under the capacity of the *_bounded bounds: like for like
         mirror = PrefixCacheMirror(block_size, cap_blocks)
         report["policies"]["naive"]["predicted_prefill_tokens_bounded"] = sum(
             n - mirror.admit(h, n).cached_tokens for h, n in naive_runs
         )
+        per_mode_b = [naive_radix]  # naive's prompts do not depend on the cache
         for name in policies:
-            metrics, _ = _run_policy(tok, requests, block_size, name, alignment, cap_blocks)
+            metrics, own_radix_b = _run_policy(tok, requests, block_size, name, alignment, cap_blocks)
             report["policies"][name]["predicted_prefill_tokens_bounded"] = metrics["predicted_prefill_tokens"]
+            per_mode_b.append(own_radix_b)
 
     floor = floor_per_request(content, *per_mode)
     report["radix_prefill_tokens"] = radix.prefill_tokens
     report["oracle_prefill_tokens"] = floor
     report["oracle_content_prefill_tokens"] = oracle.prefill_tokens
     report["radix_prefill_tokens_bounded"] = radix_b.prefill_tokens
-    report["oracle_prefill_tokens_bounded"] = oracle_b.prefill_tokens
+    # floored per request like the unbounded oracle: a chunk's tokens can merge with the
+    # next segment's in a mode's prompt ("word " + "Q?"), one token fewer than the
+    # segment-wise content bound, and a mode then beat the bound
+    report["oracle_prefill_tokens_bounded"] = floor_per_request(content_b, *per_mode_b)
     report["bound_capacity_blocks"] = cap_blocks
     report["bound_capacity_raised"] = raised
     report["block_size"] = block_size
@@ -248,6 +268,7 @@ def _run_policy(
     asm = Assembler(tok, block_size=block_size, policy=name, alignment=alignment, capacity_blocks=capacity_blocks)
     times: list[float] = []
     prompt = cached = padding = removed = 0
+    removed_chunks: dict[str, int] = {}
     own, own_radix = RadixPrefill(), []
     for req in requests:
         t0 = time.perf_counter()
@@ -258,14 +279,22 @@ def _run_policy(
         cached += res.predicted_cached_tokens
         padding += res.padding_tokens
         removed += res.dedup.stats.removed_bytes_total
-    return _metrics(len(requests), prompt, padding, removed, cached, times), own_radix
+        for reason, count in res.dedup.stats.removed.items():
+            removed_chunks[reason] = removed_chunks.get(reason, 0) + count
+    return _metrics(len(requests), prompt, padding, removed, cached, times, removed_chunks), own_radix
 
 
 def policy_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each policy's lower bound on predicted prefill, as ``bench rag`` reports them:
-    ``naive`` the radix ideal of its prompts, every policy the oracle."""
-    return bound_checks({name: m["predicted_prefill_tokens"] for name, m in report["policies"].items()},
-                        radix=report["radix_prefill_tokens"], oracle=report["oracle_prefill_tokens"])
+    ``naive`` the radix ideal of its prompts, every policy the oracle; and under the
+    bounded capacity (``MODE_bounded``), every mode the bounded oracle."""
+    checks = bound_checks({name: m["predicted_prefill_tokens"] for name, m in report["policies"].items()},
+                          radix=report["radix_prefill_tokens"], oracle=report["oracle_prefill_tokens"])
+    bounded = {f"{name}_bounded": m["predicted_prefill_tokens_bounded"]
+               for name, m in report["policies"].items() if "predicted_prefill_tokens_bounded" in m}
+    if bounded:
+        checks.update(bound_checks(bounded, radix=0, oracle=report["oracle_prefill_tokens_bounded"]))
+    return checks
 
 
 def bound_status(reports: dict[str, dict[str, Any]]) -> int:
@@ -417,8 +446,7 @@ def bench_suite(
     per_family = 200 if requests is None else requests
     if not block_sizes:
         raise ConfigError("block_sizes must name at least one block size, e.g. 16,32")
-    out_dir = Path(trace_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = suite_trace_dir(trace_dir, families, traces)
     tok = load_tokenizer(tokenizer)
     report: dict[str, Any] = {
         "suite": {"families": list(families), "traces": [str(t) for t in traces], "requests": per_family,

@@ -76,18 +76,31 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _suite_only(args: argparse.Namespace, command: str, options: Sequence[str]) -> None:
+    """Options that only a --suite run reads are refused without --suite (they were
+    accepted and ignored: a user got numbers for settings they did not ask for)."""
+    if args.suite:
+        return
+    given = [o for o in options if getattr(args, o.lstrip("-").replace("-", "_")) not in (None, False)]
+    if given:
+        raise UsageError(f"{command}: {', '.join(given)} only apply with --suite; add --suite or drop them")
+
+
 def _cmd_bench_assemble(args: argparse.Namespace) -> int:
     from promptsplice.benchmarks.assemble import run_assemble_bench, run_suite_bench
     from promptsplice.errors import ConfigError
 
+    _suite_only(args, "bench assemble", ("--families", "--block-sizes", "--seed", "--trace-dir"))
     if args.suite:
+        if args.block_size is not None:
+            raise UsageError("bench assemble --suite: pass its block sizes as --block-sizes (e.g. 16,32), not --block-size")
         return run_suite_bench(
             json_out=args.json,
             families=_families(args),
             traces=[args.trace] if args.trace else (),
             requests=args.requests,
-            seed=args.seed,
-            block_sizes=args.block_sizes,
+            seed=args.seed or 0,
+            block_sizes=args.block_sizes or [16, 32],
             tokenizer=args.tokenizer,
             alignment=args.alignment,
             trace_dir=args.trace_dir,
@@ -97,7 +110,7 @@ def _cmd_bench_assemble(args: argparse.Namespace) -> int:
     return run_assemble_bench(
         trace=args.trace,
         json_out=args.json,
-        block_size=args.block_size,
+        block_size=args.block_size or 16,
         tokenizer=args.tokenizer,
         alignment=args.alignment,
         requests=args.requests,
@@ -108,6 +121,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
     from promptsplice.benchmarks.rag import run_rag_bench
     from promptsplice.errors import ConfigError
 
+    _suite_only(args, "bench rag", ("--families", "--seed", "--trace-dir", "--one-store-engine"))
     if args.suite:
         from promptsplice.benchmarks.rag_suite import run_rag_suite
 
@@ -115,7 +129,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             raise UsageError("bench rag --suite runs the suite's families; run --trace FILE without --suite")
         return run_rag_suite(
             json_out=args.json, families=_families(args),
-            requests=args.requests, seed=args.seed, trace_dir=args.trace_dir, policy=args.policy,
+            requests=args.requests, seed=args.seed or 0, trace_dir=args.trace_dir, policy=args.policy,
             alignment=args.alignment, max_tokens=args.max_tokens,
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
             allow_skips=args.allow_skips, one_store_engine=args.one_store_engine,
@@ -243,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     asm = bsub.add_parser("assemble", help="assembly policies on a RAG trace (no engine)")
     asm.add_argument("--trace", default=None, help="RAG trace, JSONL (with --suite: one more family)")
     asm.add_argument("--json", required=True, help="where to write the JSON report")
-    asm.add_argument("--block-size", type=_count(1), default=16, help="KV block size the prompts are aligned to (default: 16)")
+    asm.add_argument("--block-size", type=_count(1), default=None,
+                     help="KV block size the prompts are aligned to (default: 16; --suite: --block-sizes)")
     asm.add_argument("--tokenizer", default="default",
                      help="'default' (SmolLM2), 'tiktoken:ENCODING' or a tokenizer.json path")
     asm.add_argument("--alignment", default="auto", help="auto | none | all")
@@ -252,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "and the first N of a --trace file, default all)")
     asm.add_argument("--suite", action="store_true", help="every trace family; reports each and the worst")
     asm.add_argument("--families", default=None, help="--suite: comma-separated families (default: all)")
-    asm.add_argument("--block-sizes", type=_block_sizes, default=[16, 32], help="--suite: comma-separated block sizes")
-    asm.add_argument("--seed", type=int, default=0, help="--suite: trace seed")
+    asm.add_argument("--block-sizes", type=_block_sizes, default=None,
+                     help="--suite: comma-separated block sizes (default: 16,32)")
+    asm.add_argument("--seed", type=int, default=None, help="--suite: trace seed (default: 0)")
     asm.add_argument("--trace-dir", default=None, help="--suite: where the family traces are written")
     asm.set_defaults(func=_cmd_bench_assemble)
 
@@ -261,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--trace", default=None, help="RAG trace, JSONL")
     rag.add_argument("--suite", action="store_true", help="every trace family (--requests each, default 60)")
     rag.add_argument("--families", default=None, help="--suite: comma-separated families (default: all)")
-    rag.add_argument("--seed", type=int, default=0, help="--suite: trace seed")
+    rag.add_argument("--seed", type=int, default=None, help="--suite: trace seed (default: 0)")
     rag.add_argument("--trace-dir", default=None, help="--suite: where the family traces are written")
     rag.add_argument("--json", required=True, help="where to write the JSON report")
     rag.add_argument("--requests", type=_count(1), default=None, help="only the first N requests")
@@ -367,17 +383,35 @@ def _block_sizes(text: str) -> list[int]:
 
 
 def _check_output(args: argparse.Namespace) -> None:
-    """The report's folder is made and must be writable before the bench runs (a bench
-    of tens of minutes lost its results to a bad --json path at the end)."""
+    """The report's file must be writable before the bench runs (a bench of tens of
+    minutes lost its results to a bad --json path at the end), and must not be the
+    trace it reads (``--json t.jsonl --trace t.jsonl`` replaced the trace by the report)."""
     json_out = getattr(args, "json", None)
     if json_out is None:
         return
     path = Path(json_out)
     if path.is_dir():
         raise UsageError(f"--json {json_out}: is a folder; name the report's file")
+    trace = getattr(args, "trace", None)
+    if trace is not None and path.resolve() == Path(trace).resolve():
+        raise UsageError(f"--json {json_out}: is the --trace file; the report would replace the trace, "
+                         "name another file")
+    for parent in (path.parent, *path.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--json {json_out}: {parent} is a file, not a folder; name a report "
+                                 "path whose folders are folders")
+            break
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(path.parent, os.W_OK):
-        raise UsageError(f"--json {json_out}: its folder cannot be written to")
+    existed = path.exists()
+    try:  # opened, not only os.access: root passes os.access on a read-only file system
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--json {json_out}: cannot be written ({exc.strerror or exc}); "
+                         "name a writable path") from exc
+    if not existed:
+        path.unlink()
 
 
 def _version() -> str:

@@ -39,7 +39,7 @@ from typing import Any
 from promptsplice.benchmarks.bounds import BOUND_EXIT
 from promptsplice.benchmarks.coverage import MIN_COVERAGE
 from promptsplice.benchmarks.rag import PIC_MODE, check_store_layout, format_modes, run_modes, start_rag_engines
-from promptsplice.benchmarks.traces import SUITE, read_rag_trace, shape_stats, write_rag_trace
+from promptsplice.benchmarks.traces import SUITE, read_rag_trace, shape_stats, suite_trace_dir, write_rag_trace
 from promptsplice.errors import PromptspliceError
 
 __all__ = ["rag_suite", "run_rag_suite", "format_suite", "family_checks", "suite_status"]
@@ -79,8 +79,7 @@ def rag_suite(
     """Run every family on ``engine`` (and ``kv_engine``: the store modes, an engine or a
     factory); ``modes`` go to :func:`run_modes` (policy, alignment, max_tokens, ...).
     ``on_family(report)`` is called after each family (the CLI writes a partial JSON)."""
-    out_dir = Path(trace_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = suite_trace_dir(trace_dir, families)
     report: dict[str, Any] = {
         "suite": {"families": list(families), "requests": requests, "seed": seed, **modes},
         "families": {},

@@ -21,6 +21,7 @@ import os
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from promptsplice.benchmarks.traces_families import (
@@ -48,7 +49,7 @@ from promptsplice.benchmarks.traces_wiki import (
     load_wiki_leads,
     sample_rag_requests,
 )
-from promptsplice.errors import TraceFormatError, UnknownPolicyError
+from promptsplice.errors import ConfigError, TraceFormatError, UnknownPolicyError
 
 __all__ = [
     "PROFILES",
@@ -60,6 +61,7 @@ __all__ = [
     "iter_rag_trace",
     "dump_rag_trace",
     "write_rag_trace",
+    "suite_trace_dir",
     "generate_rag_trace",
     "generate_family_trace",
     "sample_rag_requests",
@@ -127,6 +129,30 @@ def write_rag_trace(
         profile = "repeat-heavy"
     reqs = generate_family_trace(family, requests=requests, seed=seed, profile=profile)
     return dump_rag_trace(path, reqs)
+
+
+def suite_trace_dir(trace_dir: str | os.PathLike[str], families: Sequence[str], traces: Sequence[str | os.PathLike[str]] = ()) -> Path:
+    """The folder a suite writes its families' generated traces to, made here; a
+    :class:`ConfigError` when it is a file, or when a user's ``traces`` file is one of
+    the paths the suite would overwrite (a ``--trace`` inside ``--trace-dir`` was replaced
+    by the generated family and never benched)."""
+    out_dir = Path(trace_dir)
+    for parent in (out_dir, *out_dir.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"trace_dir {str(out_dir)!r}: {str(parent)!r} is a file; name a folder "
+                                  "for the generated traces (--trace-dir)")
+            break
+    generated = {(out_dir / f"{f}.jsonl").resolve(): f for f in families}
+    for t in traces:
+        family = generated.get(Path(t).resolve())
+        if family is not None:
+            raise ConfigError(
+                f"trace {str(t)!r} is where the suite writes family {family!r}'s generated trace "
+                "(it would be overwritten and never benched): move it, or pass another --trace-dir"
+            )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
 
 
 # --------------------------------------------------------------------------- shape

@@ -15,6 +15,7 @@ METRICS = {
     "prompt_tokens",
     "padding_tokens",
     "dedup_removed_bytes",
+    "dedup_removed_chunks",
     "predicted_cached_tokens",
     "predicted_prefill_tokens",
     "predicted_hit_rate",
@@ -224,3 +225,34 @@ def test_a_trace_file_in_the_suite_is_benched_whole_unless_requests_is_given(tmp
     assert rep["suite"]["requests"] == 200  # what each generated family gets
     cut = bench_suite(families=[], traces=[long], requests=40, block_sizes=(32,), trace_dir=tmp_path / "tr")
     assert cut["families"]["file:long"]["shape"]["requests"] == 40
+
+
+def test_the_bounded_oracle_is_a_bound_for_every_mode_under_that_cache():
+    """One chunk ending in a space: its last token merges with the query's first in a
+    prompt tokenized whole, so naive predicted 15 tokens under the bounded cache against
+    a bounded "oracle" of 16, and nothing checked it."""
+    from promptsplice.benchmarks.assemble import bench_policies
+    from promptsplice.benchmarks.traces import RagChunk, RagRequest
+
+    for text in ("word word word ", "a b c\n"):
+        rep = bench_policies([RagRequest("r1", "S", [RagChunk("c1", text)], "Q?")])
+        bounded = {n: m["predicted_prefill_tokens_bounded"] for n, m in rep["policies"].items()}
+        assert rep["oracle_prefill_tokens_bounded"] <= min(bounded.values()), (text, rep["oracle_prefill_tokens_bounded"], bounded)
+        assert {f"{n}_bounded" for n in bounded} <= set(rep["bound_checks"])
+        assert rep["bound_checks"]["naive_bounded"]["bound_prefill_tokens"] == rep["oracle_prefill_tokens_bounded"]
+        assert all(c["holds"] for c in rep["bound_checks"].values())
+
+
+def test_empty_chunks_dedup_dropped_are_counted_in_the_report():
+    """An all-empty-chunk trace reported dedup 0 bytes and nothing else: the dropped
+    chunks were counted nowhere."""
+    from promptsplice.benchmarks.assemble import bench_policies
+    from promptsplice.benchmarks.traces import RagChunk, RagRequest
+
+    reqs = [RagRequest("r1", "S", [RagChunk("a", ""), RagChunk("b", "")], "Q?"),
+            RagRequest("r2", "S", [RagChunk("c", "text"), RagChunk("d", "text")], "Q?")]
+    rep = bench_policies(reqs)
+    for name in ("retrieval", "stable", "cache_aware"):
+        removed = rep["policies"][name]["dedup_removed_chunks"]
+        assert removed["empty"] == 2 and removed["duplicate"] == 1, (name, removed)
+    assert rep["policies"]["naive"]["dedup_removed_chunks"] == {}

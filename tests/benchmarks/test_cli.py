@@ -180,3 +180,75 @@ def test_bench_rag_passes_the_kv_cache_size_and_store_layout_on(suite, monkeypat
     seen.clear()
     assert main(argv[:4] + (["--suite"] if suite else ["--trace", __file__])) == 0
     assert (seen["kv_cache_bytes"], seen["store_layout"]) == (None, "store_aware")
+
+
+def test_the_report_may_not_replace_the_trace(tmp_path, capsys):
+    """``--json t.jsonl --trace t.jsonl`` ran and replaced the trace by the report."""
+    trace = tmp_path / "rag.jsonl"
+    assert main(["bench", "gen-trace", "--out", str(trace), "--requests", "3"]) == 0
+    before = trace.read_bytes()
+    capsys.readouterr()
+    for argv in (["bench", "assemble"], ["bench", "rag"], ["bench", "agent"]):
+        assert main([*argv, "--trace", str(trace), "--json", str(tmp_path / "." / "rag.jsonl")]) == 2
+        err = capsys.readouterr().err
+        assert "is the --trace file" in err and err.count("\n") == 1
+    assert trace.read_bytes() == before
+
+
+def test_a_report_file_that_cannot_be_opened_fails_before_the_bench_runs(tmp_path, capsys):
+    """Only the folder was checked (os.access, which root always passes): the bench ran
+    to the end and then lost its report."""
+    trace = tmp_path / "rag.jsonl"
+    assert main(["bench", "gen-trace", "--out", str(trace), "--requests", "3"]) == 0
+    capsys.readouterr()
+    assert main(["bench", "assemble", "--trace", str(trace), "--json", "/proc/promptsplice-report.json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "cannot be written" in captured.err and captured.err.count("\n") == 1
+    assert not (tmp_path / "r.json").exists()
+    ok = tmp_path / "r.json"  # the probe leaves no file behind when the bench is refused
+    assert main(["bench", "assemble", "--trace", str(trace), "--json", str(ok), "--seed", "3"]) == 2
+    assert not ok.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "assemble", "--trace", "T", "--block-sizes", "64"], "--block-sizes only apply with --suite"),
+        (["bench", "assemble", "--trace", "T", "--families", "nosuch"], "--families only apply with --suite"),
+        (["bench", "assemble", "--trace", "T", "--seed", "1", "--trace-dir", "x"], "--seed, --trace-dir only apply"),
+        (["bench", "assemble", "--suite", "--block-size", "64"], "as --block-sizes"),
+        (["bench", "rag", "--trace", "T", "--seed", "2"], "--seed only apply with --suite"),
+        (["bench", "rag", "--trace", "T", "--one-store-engine"], "--one-store-engine only apply"),
+    ],
+)
+def test_options_of_the_other_mode_are_refused_not_ignored(tmp_path, capsys, argv, says):
+    """``bench assemble --trace t --block-sizes 64`` reported block 16; ``--suite
+    --block-size 64`` ran blocks 16 and 32."""
+    argv = [str(tmp_path / "t.jsonl") if a == "T" else a for a in argv]
+    trace = tmp_path / "t.jsonl"
+    assert main(["bench", "gen-trace", "--out", str(trace), "--requests", "2"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--json", str(tmp_path / "r.json")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and says in captured.err and captured.err.count("\n") == 1
+
+
+def test_a_suite_never_overwrites_the_users_trace(tmp_path, capsys):
+    """``--suite --trace D/tools.jsonl --trace-dir D`` wrote the generated family over the
+    user's trace and reported the generated numbers under ``file:tools``."""
+    d = tmp_path / "d"
+    d.mkdir()
+    mine = d / "tools.jsonl"
+    assert main(["bench", "gen-trace", "--out", str(mine), "--requests", "2", "--family", "wiki"]) == 0
+    before = mine.read_bytes()
+    capsys.readouterr()
+    argv = ["bench", "assemble", "--suite", "--families", "tools", "--requests", "2", "--block-sizes", "16",
+            "--trace", str(mine), "--trace-dir", str(d), "--json", str(tmp_path / "s.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "where the suite writes family 'tools'" in err and err.count("\n") == 1
+    assert mine.read_bytes() == before
+    (tmp_path / "plain").write_text("x")  # a trace folder that is a file: said so, not "File exists"
+    argv[argv.index("--trace-dir") + 1] = str(tmp_path / "plain")
+    assert main(argv) == 2
+    assert "is a file; name a folder" in capsys.readouterr().err
