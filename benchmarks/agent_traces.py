@@ -50,6 +50,8 @@ from typing import Any
 
 from promptsplice.benchmarks.traces import (  # one strict JSON reader
     _finite_float,
+    bare_cr_hint,
+    decode_line,
     _lone_surrogate,
     _reject_constant,
     _strict_object,
@@ -172,21 +174,27 @@ def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[st
             cid = call.get("id")
             if cid is not None:  # a call without an id can be answered by no tool message
                 w.typed(cid, str, f"{cf}.id", "a string", fix)
+                if cid in call_ids:  # two calls of one id: a tool message could answer either
+                    raise w.fail(f"{cf}.id", f"call id {cid!r} is used twice in this render", "give every call its own id")
                 call_ids.add(cid)
             if call.get("type", "function") != "function":
                 raise w.fail(f"{cf}.type", f'expected "function", got {call.get("type")!r}', fix)
             fn = call["function"] = dict(w.typed(call.get("function"), dict, f"{cf}.function", "an object", fix))
-            w.typed(fn.get("name"), str, f"{cf}.function.name", "a string", fix)
+            if not w.typed(fn.get("name"), str, f"{cf}.function.name", "a string", fix):
+                raise w.fail(f"{cf}.function.name", "an empty name", "name the function the call invokes (as its tool schema does)")
             args = fn.get("arguments")
             if isinstance(args, dict):
                 fn["arguments"] = json.dumps(args, ensure_ascii=False)
                 continue
             args = w.typed(args, str, f"{cf}.function.arguments", "a string of JSON (or an object)", fix)
-            try:
-                if args.strip():  # "" and blanks: no arguments, as the renderer reads them
-                    json.loads(args)
+            try:  # as strict as a trace line: NaN, 1e999 or a repeated key is not JSON a model can read back
+                parsed = json.loads(args, object_pairs_hook=_strict_object, parse_constant=_reject_constant,
+                                    parse_float=_finite_float) if args.strip() else None  # "": no arguments
             except (ValueError, RecursionError) as exc:
                 raise w.fail(f"{cf}.function.arguments", f"not JSON text ({exc})", fix) from None
+            if "\\ud" in args.lower() and (bad := _lone_surrogate(parsed)) is not None:
+                raise w.fail(f"{cf}.function.arguments", f"lone surrogate at {bad}, which is not valid Unicode",
+                             "escape characters outside the BMP as a pair (\\ud83d\\ude00), never one half")
     has_content = "content" in msg
     content = _text_parts(w, msg.get("content"), fld)
     if has_content:
@@ -240,19 +248,14 @@ def iter_agent_trace(path: str | os.PathLike[str]) -> Iterator[AgentSession]:
     with open(name, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             w = _Where(f"{name}:{lineno}")
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise w.fail("line", f"invalid UTF-8 at byte {exc.start}", "write the trace as UTF-8") from None
+            line = decode_line(raw, lineno, w.where)
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line, object_pairs_hook=_strict_object, parse_constant=_reject_constant,
                                  parse_float=_finite_float)
             except (ValueError, RecursionError) as exc:
-                raise w.fail("line", f"not JSON ({exc})", "write one JSON object per line") from None
+                raise w.fail("line", f"not JSON ({exc})", "write one JSON object per line" + bare_cr_hint(line)) from None
             session = _session_from_json(obj, w)
             # Only a \udXXX escape makes a lone surrogate (UTF-8 bytes cannot), so only
             # lines holding one are searched.

@@ -59,7 +59,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.assembler import Assembler, PrefixCacheMirror, load_tokenizer
+from promptsplice._validate import check_enum
+from promptsplice.assembler import AlignPolicy, Assembler, PrefixCacheMirror, load_tokenizer
 from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.bounds import (
     BOUND_EXIT,
@@ -174,6 +175,7 @@ def bench_policies(
     policies: Sequence[str] = POLICIES,
 ) -> dict[str, Any]:
     """Run naive and each policy over ``requests``; returns the report dict."""
+    alignment = _alignment(alignment)
     tok = load_tokenizer(tokenizer)
     report: dict[str, Any] = {"policies": {}}
     # naive + the bounds (same tokenizer, same separators)
@@ -258,6 +260,12 @@ def bench_policies(
     report["best_policy"] = best
     report["bound_checks"] = policy_bounds(report)
     return report
+
+
+def _alignment(alignment: str) -> str:
+    """The alignment policy's canonical name (``"ALL"`` and ``" all"`` ran as ``all`` and
+    were reported as typed)."""
+    return check_enum(alignment, AlignPolicy, "alignment").value
 
 
 def _run_policy(
@@ -444,6 +452,7 @@ def bench_suite(
     (default: the whole file; a file cut silently to the families' count was a user's
     trace benched in part)."""
     per_family = 200 if requests is None else requests
+    alignment = _alignment(alignment)
     if not block_sizes:
         raise ConfigError("block_sizes must name at least one block size, e.g. 16,32")
     out_dir = suite_trace_dir(trace_dir, families, traces)

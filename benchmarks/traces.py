@@ -38,6 +38,8 @@ from promptsplice.benchmarks.traces_format import (  # the strict JSON helpers: 
     _lone_surrogate,
     _reject_constant,
     _strict_object,
+    bare_cr_hint,
+    decode_line,
     dump_rag_trace,
     iter_rag_trace,
     read_rag_trace,
@@ -70,7 +72,7 @@ __all__ = [
 ]
 
 # re-exported: tests clear the leads cache here; agent_traces shares the strict reader
-_ = (_wiki_records, _finite_float, _lone_surrogate, _reject_constant, _strict_object)
+_ = (_wiki_records, _finite_float, _lone_surrogate, _reject_constant, _strict_object, bare_cr_hint, decode_line)
 
 
 def _wiki(profile: str) -> Callable[..., list[RagRequest]]:

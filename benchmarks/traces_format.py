@@ -179,6 +179,33 @@ class RagRequest:
 # --------------------------------------------------------------------------- reading
 
 
+def decode_line(raw: bytes, lineno: int, where: str) -> str:
+    """One JSONL line as text: a byte-order mark is allowed at the start of the file
+    only (one inside it means two files were joined), and bytes that are not UTF-8 fail
+    naming the offset and the fix.  Shared by the RAG and agent trace readers."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        if lineno != 1:
+            raise TraceFormatError(
+                f"{where}: line: a byte-order mark (BOM) starts this line, not the file (two files "
+                "joined?); remove it: a BOM may only open the file"
+            )
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(
+            f"{where}: line: invalid UTF-8 at byte {exc.start} of the line; write the trace as UTF-8 "
+            "(re-encode it, e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
+def bare_cr_hint(line: str) -> str:
+    """What to add to a JSON error when the line holds a bare ``\\r`` (old Mac line ends)."""
+    if "\r" in line.rstrip("\r\n"):
+        return "; the line holds a bare \\r: JSONL lines end in \\n (convert old Mac line ends)"
+    return ""
+
+
 def _strict_object(pairs: list[tuple[str, Any]]) -> dict:
     obj: dict = {}
     for key, value in pairs:
@@ -298,14 +325,7 @@ def iter_rag_trace(path: str | os.PathLike[str]) -> Iterator[RagRequest]:
     with open(name, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             where = f"{name}:{lineno}"
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise TraceFormatError(
-                    f"{where}: invalid UTF-8 at byte {exc.start} of the line"
-                ) from None
+            line = decode_line(raw, lineno, where)
             if not line.strip():
                 continue
             try:
@@ -314,11 +334,7 @@ def iter_rag_trace(path: str | os.PathLike[str]) -> Iterator[RagRequest]:
                     parse_float=_finite_float,
                 )
             except (ValueError, RecursionError) as exc:
-                hint = (
-                    "; the line holds a bare \\r: JSONL lines end in \\n (convert old Mac line ends)"
-                    if "\r" in line.rstrip("\r\n") else ""
-                )
-                raise TraceFormatError(f"{where}: invalid JSON: {exc}{hint}") from None
+                raise TraceFormatError(f"{where}: invalid JSON: {exc}{bare_cr_hint(line)}") from None
             req = RagRequest.from_json(obj, where=where)
             if req.id in seen:
                 raise TraceFormatError(

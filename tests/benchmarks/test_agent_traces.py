@@ -100,6 +100,14 @@ BAD = [
      r":3: renders\[0\]\[1\]\.content\[0\]: not a text part"),
     (_line(renders=[[SYS, _out("c9", "x")]]), r":3: renders\[0\]\[1\]\.tool_call_id: 'c9' answers no tool call"),
     (_line(renders=[[SYS, _call("c1", args="{bad")]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON"),
+    # arguments as strict as a trace line (NaN, 1e999, a repeated key and a lone surrogate passed)
+    (_line(renders=[[SYS, _call("c1", args='{"x": NaN}')]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON text \(NaN is not valid JSON\)"),
+    (_line(renders=[[SYS, _call("c1", args='{"x": 1e999}')]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON text \(number 1e999 is out"),
+    (_line(renders=[[SYS, _call("c1", args='{"a": 1, "a": 2}')]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON text \(duplicate key 'a'\)"),
+    (_line(renders=[[SYS, _call("c1", args='{"a": "\\ud800"}')]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: lone surrogate at \['a'\]"),
+    (_line(renders=[[SYS, _call("c1", name="")]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.name: an empty name"),
+    (_line(renders=[[SYS, _call("c1"), _out("c1", "a"), _call("c1"), _out("c1", "b")]]),
+     r":3: renders\[0\]\[3\]\.tool_calls\[0\]\.id: call id 'c1' is used twice in this render"),
 ]
 
 
@@ -122,8 +130,21 @@ def test_duplicate_ids_empty_file_and_invalid_utf8(tmp_path: Path) -> None:
         read_agent_trace(empty)
     raw = tmp_path / "raw.jsonl"
     raw.write_bytes(_line().encode() + b"\n\xff\xfe\n")
-    with pytest.raises(TraceFormatError, match=r":2: line: invalid UTF-8"):
+    with pytest.raises(TraceFormatError, match=r":2: line: invalid UTF-8 at byte 0 of the line; write the trace as UTF-8"):
         list(iter_agent_trace(raw))
+
+
+def test_a_bom_inside_the_file_and_a_bare_cr_say_what_to_fix(tmp_path: Path) -> None:
+    """A BOM on line 2 said "decode using utf-8-sig" (advice for a programmer); a bare
+    \\r gave no hint in the agent reader, where the RAG reader explains it."""
+    joined = tmp_path / "joined.jsonl"
+    joined.write_bytes(b"\xef\xbb\xbf" + _line(id="a").encode() + b"\n\xef\xbb\xbf" + _line(id="b").encode() + b"\n")
+    with pytest.raises(TraceFormatError, match=r":2: line: a byte-order mark \(BOM\) starts this line, not the file"):
+        read_agent_trace(joined)
+    mac = tmp_path / "mac.jsonl"
+    mac.write_bytes(_line(id="a").encode() + b"\r" + _line(id="b").encode() + b"\n")
+    with pytest.raises(TraceFormatError, match=r"bare \\r: JSONL lines end in \\n"):
+        read_agent_trace(mac)
 
 
 def test_framework_forms_are_read_as_the_renderer_reads_them(tmp_path: Path) -> None:

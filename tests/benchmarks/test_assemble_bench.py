@@ -256,3 +256,10 @@ def test_empty_chunks_dedup_dropped_are_counted_in_the_report():
         removed = rep["policies"][name]["dedup_removed_chunks"]
         assert removed["empty"] == 2 and removed["duplicate"] == 1, (name, removed)
     assert rep["policies"]["naive"]["dedup_removed_chunks"] == {}
+
+
+def test_the_report_names_the_alignment_that_ran():
+    """``--alignment ALL`` ran as ``all`` and was reported as typed."""
+    from promptsplice.benchmarks.assemble import bench_policies
+
+    assert bench_policies(sample_rag_requests(2, seed=1), alignment=" ALL")["alignment"] == "all"
