@@ -1,5 +1,10 @@
 """The disk tier of the block store: one checked record file per block, written behind.
 
+Kept as one module (~720 lines): the index, the byte budget, the writer and the fault
+handling all change one folder under one lock, and each fault rule (an obstacle at a
+record's path, an unlink that fails, a failed folder fsync) has to keep the index, the
+budget and the files in agreement at once.
+
 A :class:`DiskTier` owns a folder: the record files (``_format``), their index (LRU by
 last use, mirrored in the files' mtimes so a restart rebuilds it), the byte budget of
 the files, and the background writer that carries out write-downs.  It keeps the
@@ -9,7 +14,15 @@ storage-tier contract of ``_tier``:
   is wrong or whose size does not match it (counted in ``corrupt``), and records of
   another fingerprint (``foreign``); every load checks the whole record's xxh3-128
   digest and its header against the index, and a damaged record is deleted, counted and
-  answered ``CORRUPT``.
+  answered ``CORRUPT``.  Only regular files are read, never through a symlink and
+  without blocking (a FIFO at a record's path hung the load and the open): anything else
+  there is damage, removed when it can be (a folder only when empty).  A read the
+  process may not make now (no descriptors, memory or permission) is a miss; the record
+  stays.
+* Bounded in bytes of disk.  Each record is charged its size rounded up to the folder's
+  allocation unit, so many small records cannot use more than ``budget`` of the folder.
+  An eviction whose ``unlink`` fails (a read-only folder) keeps the record indexed,
+  counts a write error and loses the write that needed the room.
 * Durable writes.  A record is written to a temporary file in the folder, fsynced,
   renamed into place (atomic), and the folder is fsynced, so the rename itself survives
   a power cut; only then is it counted in ``writes``.  The writer commits in groups:
@@ -17,7 +30,10 @@ storage-tier contract of ``_tier``:
   old state, the whole record, or a ``.tmp`` file the next open deletes.
 * Outages.  A failing write (``ENOSPC``, an unwritable folder) logs one warning per
   outage (re-armed by the next successful write), reports the block lost, and suspends
-  writes for ``retry_s`` seconds (``writable`` false); reads go on.  A folder that
+  writes for ``retry_s`` seconds (``writable`` false); reads go on.  A rename that fails
+  because of what sits at one record's path (a folder) loses that record only: a write
+  error, no pause.  A failed folder fsync leaves the renamed records indexed and served
+  (verified on load) but uncounted in ``writes``.  A folder that
   cannot be created or opened leaves the store without a disk tier (:meth:`DiskTier.open`
   answers ``None`` with one warning).
 * Non-blocking writes.  With ``write_behind_bytes`` > 0 write-downs queue for a
@@ -41,6 +57,7 @@ import logging
 import errno
 import os
 import secrets
+import stat
 import threading
 import time
 from collections import deque
@@ -52,7 +69,6 @@ from promptsplice.engine_adapters.store._tier import (
     IndexedTier,
     StoredRecord,
     WriteJob,
-    record_size,
     NAMESPACES,
     ByteLru,
     Fetched,
@@ -80,9 +96,44 @@ _log = logging.getLogger(__name__)
 LOCK_NAME = ".promptsplice-store.lock"
 _MISSING = "missing"
 _BUSY = "busy"
-_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
-"""Read errors of the process (descriptors, memory), not of the record: it stays
-(it was deleted and counted as damaged)."""
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EACCES, errno.EPERM})
+"""Read errors of the process (descriptors, memory, permissions), not of the record:
+a miss, and the record stays (a later read, or the LRU, deals with it); it is not
+damage, so it is neither deleted nor counted ``corrupt``."""
+_OBSTACLE = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR})
+"""Rename errors about the destination (something not a record sits at one record's
+path): that one record is lost, the folder is fine (the tier was paused for everyone)."""
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+"""How a record is opened for reading: a FIFO or device at a record's path cannot block
+the open (it hung ``get`` and the store's constructor), and a symlink is not followed."""
+_DEFAULT_UNIT = 4096
+_LOCK_WAIT_S = 0.25
+
+
+def _open_record(path: str) -> int:
+    """A read descriptor of the regular file at ``path`` (see :data:`_OPEN_FLAGS`);
+    ``ValueError`` when something else (FIFO, device, folder) sits there."""
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"not a regular file (mode {stat.filemode(mode)})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def allocation_unit(folder: str) -> int:
+    """The bytes a file in ``folder`` takes at least (its filesystem's fragment size,
+    else 4096): a record is charged to the budget rounded up to it, so the budget bounds
+    what the folder uses, not only the records' lengths (3,000 tiny records used 12 MB
+    of a 1 MiB budget)."""
+    try:
+        unit = os.statvfs(folder).f_frsize
+    except (OSError, AttributeError):
+        unit = 0
+    return unit if 512 <= unit <= 1 << 20 else _DEFAULT_UNIT
 
 
 
@@ -132,7 +183,8 @@ class DiskTier(IndexedTier):
         store's lock, ``pinned`` says which keys eviction must skip, ``on_lost`` hears
         of every planned write-down that will not happen (all called under the lock).
         """
-        self._lru: ByteLru[StoredRecord] = ByteLru(budget, record_size)
+        self._unit = _DEFAULT_UNIT
+        self._lru: ByteLru[StoredRecord] = ByteLru(budget, self._charge)
         self._fp = fingerprint
         self._fsync = fsync
         self._fsync_dir = fsync if fsync_dir is None else fsync_dir
@@ -154,6 +206,7 @@ class DiskTier(IndexedTier):
         self._evictions = self._writes = self._write_errors = self._corrupt = self._foreign = 0
         self.folder = folder
         os.makedirs(folder, exist_ok=True)
+        self._unit = allocation_unit(folder)
         self._lock_file = open(os.path.join(folder, LOCK_NAME), "a+b")  # noqa: SIM115 - held open
         self._dir_fd = -1
         try:
@@ -167,18 +220,32 @@ class DiskTier(IndexedTier):
             raise
 
     def _lock_folder(self, folder: str) -> None:
+        """Take the folder's ``flock``, or :class:`ConfigError` if another store holds it.
+
+        A busy lock is retried for :data:`_LOCK_WAIT_S`: a child forked a moment ago
+        holds a copy of a closing store's lock descriptor until its after-fork hook
+        closes it (``BlockStore``'s ``_after_fork_in_child``)."""
         if fcntl is None:  # pragma: no cover - not POSIX
             return
-        try:
-            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(
-                f"disk_dir {folder!r} is already used by another BlockStore (in this or "
-                "another process): give each store its own folder, or share one store "
-                "in a process with shared_store(config)"
-            ) from None
-        except OSError as exc:  # e.g. a filesystem without flock
-            _log.warning("KV block store: cannot lock %s (%s); use it from one store only", folder, exc)
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                break
+            except OSError as exc:  # e.g. a filesystem without flock
+                _log.warning("KV block store: cannot lock %s (%s); use it from one store only", folder, exc)
+                return
+        raise ConfigError(
+            f"disk_dir {folder!r} is already used by another BlockStore (in this or "
+            "another process, or a child forked from it without exec that still "
+            "runs): give each store its own folder, or share one store in a process "
+            "with shared_store(config)"
+        )
 
     # ------------------------------------------------------ index (under the lock)
 
@@ -197,7 +264,7 @@ class DiskTier(IndexedTier):
     def put(self, k: Key, held: Held) -> WriteJob | None:
         """Plan a write-down; ``None`` (the block reported lost) when it can never fit
         or writes are suspended."""
-        size = fmt.record_size(held.meta)
+        size = self._round(fmt.record_size(held.meta))  # what the folder will use
         if size > self._lru.budget or self._writes_blocked():
             self._lost(k, held)
             return None
@@ -227,6 +294,14 @@ class DiskTier(IndexedTier):
     def stats(self) -> TierStats:
         return self.base_stats()
 
+    def _round(self, size: int) -> int:
+        """``size`` bytes of file rounded up to the folder's allocation unit."""
+        return -(-size // self._unit) * self._unit
+
+    def _charge(self, record: StoredRecord) -> int:
+        """What a record costs the budget: its file's bytes, allocation unit rounded."""
+        return self._round(record.size)
+
     def _next_tick(self) -> int:
         self._tick = max(time.time_ns(), self._tick + 1)
         return self._tick
@@ -250,9 +325,14 @@ class DiskTier(IndexedTier):
             self._lost(job.key, job.held)
             return False
         for vk in victims:
+            err = self._remove_file(self._path(vk))
+            if err is not None:  # still on disk (a read-only folder): still indexed and
+                self._failed(err)  # charged; no eviction, no room, this write is lost
+                del self._writing[job.key]
+                self._lost(job.key, job.held)
+                return False
             self._lru.pop(vk)
             self._evictions += 1
-            self._remove_file(self._path(vk))
         self._reserved += job.size
         job.reserved = True
         return True
@@ -268,25 +348,38 @@ class DiskTier(IndexedTier):
             if tmp is not None:
                 self._remove_file(tmp)  # removed or cleared while it was being written
             return False
+        obstacle = False  # the rename failed because of what sits at the record's path
         if err is None:
             assert tmp is not None
             path = self._path(job.key)
             try:
                 os.replace(tmp, path)
             except OSError as exc:
-                self._remove_file(tmp)
-                err = exc
-            else:
+                if exc.errno in _OBSTACLE and self._remove_obstacle(path):
+                    try:
+                        os.replace(tmp, path)
+                        exc = None
+                    except OSError as again:
+                        exc = again
+                if exc is not None:
+                    self._remove_file(tmp)
+                    err, obstacle = exc, exc.errno in _OBSTACLE
+            if err is None:
                 t = self._next_tick()
                 try:
                     os.utime(path, ns=(t, t))
                 except OSError:
                     pass
-                self._lru.add(job.key, StoredRecord(job.held.meta, job.size))
+                self._lru.add(job.key, StoredRecord(job.held.meta, fmt.record_size(job.held.meta)))
                 return True
         if current:
             self._lost(job.key, job.held)
-        if isinstance(err, OSError):
+        if obstacle:
+            # something not a record sits at this record's path: this one record is
+            # lost; pausing the tier would cost every tenant's writes
+            self._write_errors += 1
+            _log.warning("KV block store: cannot write record %s (%s); the block is lost", self._path(job.key), err)
+        elif isinstance(err, OSError):
             self._failed(err)
         else:  # this record could not be encoded (a bug, memory): lost, the disk is fine
             self._write_errors += 1
@@ -326,7 +419,7 @@ class DiskTier(IndexedTier):
                 if problem == _MISSING:
                     return Fetched(Loaded.MISS)
                 if current:
-                    self._remove_file(path)
+                    self._remove_obstacle(path)
                     self._corrupt += 1
                     _log.warning("KV block store: deleted damaged record %s (%s)", path, problem)
                 return Fetched(Loaded.CORRUPT)
@@ -387,9 +480,38 @@ class DiskTier(IndexedTier):
             self._writing.clear()
             self._lock_file.close()
             os.close(self._dir_fd)
+            self._dir_fd = -1  # its number may be reused: never closed again (a forked child's hook)
             writer = self._writer
         if writer is not None and writer is not threading.current_thread():
             writer.join()
+
+    def close_in_forked_child(self) -> None:
+        """In a child of ``fork()``: let go of the folder without touching the parent's
+        hold.  The child's copy of the lock descriptor shares the parent's open file
+        description, and a ``flock`` lasts until every descriptor of it is closed, so a
+        child that kept it blocked the parent from reopening the folder after its own
+        close.  Closing (never unlocking: that would unlock the parent) drops the
+        child's share; no thread of the tier exists here, so nothing else is waited for.
+        A tier closed before the fork holds no descriptor: its numbers may belong to
+        others by now (subprocess's error pipe: closing it failed every Popen with a
+        ``preexec_fn`` after a store had closed)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.clear()
+        self._writer = None
+        self._lru.clear()
+        self._writing.clear()
+        try:
+            self._lock_file.close()  # close(2) only: flock's LOCK_UN is never called
+        except OSError:
+            pass
+        if self._dir_fd >= 0:
+            try:
+                os.close(self._dir_fd)
+            except OSError:
+                pass
+            self._dir_fd = -1
 
     def _write_job(self, job: WriteJob) -> bool:
         """One write-down inline: a batch of one."""
@@ -423,7 +545,7 @@ class DiskTier(IndexedTier):
                     dir_fd = os.dup(self._dir_fd)
                 except OSError as exc:
                     self._failed(exc)
-                    return done
+                    return self._kept(done, renamed)
             err = None
             try:
                 os.fsync(dir_fd)  # the renames reach the disk: only now are they written
@@ -433,12 +555,21 @@ class DiskTier(IndexedTier):
                 os.close(dir_fd)
             if err is not None:
                 with self._cond:
-                    self._failed(err)  # the records stay indexed (verified on load), uncounted
-                return done
+                    self._failed(err)
+                return self._kept(done, renamed)
         with self._cond:
             for i in renamed:
                 self._landed()
                 done[i] = True
+        return done
+
+    @staticmethod
+    def _kept(done: list[bool], renamed: list[int]) -> list[bool]:
+        """The folder fsync failed: the renamed records stay indexed and served (verified
+        on load), so their writes answer kept, as the index says; they are not counted
+        in ``writes`` (a power cut may undo the renames)."""
+        for i in renamed:
+            done[i] = True
         return done
 
     def _write_behind(self) -> None:
@@ -482,7 +613,7 @@ class DiskTier(IndexedTier):
     def _read_record(self, path: str, entry: StoredRecord) -> tuple[torch.Tensor | None, str | None]:
         """Read and verify a whole record: ``(payload, None)`` or ``(None, reason)``."""
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(_open_record(path), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size != entry.size:
                     return None, f"{size} bytes, expected {entry.size}"
@@ -496,8 +627,10 @@ class DiskTier(IndexedTier):
                     got += n
         except FileNotFoundError:
             return None, _MISSING
+        except ValueError as exc:  # a FIFO, device or folder where the record was
+            return None, str(exc)
         except OSError as exc:
-            if exc.errno in _TRANSIENT:  # the process, not the record: keep it
+            if exc.errno in _TRANSIENT:  # the process (or its rights), not the record: keep it
                 return None, _BUSY
             return None, f"read failed: {exc}"
         try:
@@ -523,7 +656,9 @@ class DiskTier(IndexedTier):
             if k is None:
                 continue
             try:
-                st = item.stat()
+                st = item.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block
+                    raise ValueError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
                 header = _read_header(item.path)
                 meta = header.meta
                 if (meta.namespace, meta.key) != k or k[0] not in NAMESPACES:
@@ -533,8 +668,8 @@ class DiskTier(IndexedTier):
             except FileNotFoundError:
                 continue
             except (OSError, ValueError) as exc:
-                _log.warning("KV block store: deleted damaged record %s (%s)", item.path, exc)
-                self._remove_file(item.path)
+                _log.warning("KV block store: deleting damaged record %s (%s)", item.path, exc)
+                self._remove_obstacle(item.path)
                 self._corrupt += 1
                 continue
             if header.fingerprint != self._fp:
@@ -555,17 +690,37 @@ class DiskTier(IndexedTier):
         return os.path.join(self.folder, fmt.record_name(*k))
 
     @staticmethod
-    def _remove_file(path: str) -> None:
+    def _remove_file(path: str) -> OSError | None:
+        """Delete ``path``; the error when it is still there (``None``: gone)."""
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
             _log.warning("KV block store: could not delete %s: %s", path, exc)
+            return exc
+        return None
+
+    @staticmethod
+    def _remove_obstacle(path: str) -> bool:
+        """Free a record's path of whatever sits there: a damaged record, a FIFO, a
+        device or a symlink (``unlink``), an empty folder (``rmdir``); a folder with
+        files stays (not ours to delete).  True when the path is free."""
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            _log.warning("KV block store: could not delete %s: %s", path, exc)
+            return False
+        return True
 
 
 def _read_header(path: str) -> fmt.Header:
-    with open(path, "rb") as f:
+    with open(_open_record(path), "rb") as f:
         data = f.read(4096)
         header = fmt.parse_header(data)
         # A damaged count may claim gigabytes of header: never read past the file's end.

@@ -5,7 +5,7 @@ The splice connector saves the KV of every full block it prefills here, and asks
 blocks back when vLLM's own prefix cache misses (offload hits) or when an agent edit
 moved them (relocation).  This module is the testable core the connector forwards to:
 it never imports vLLM, and it imports torch only when a tensor goes in or out.
-Kept as one module (~680 lines): it is the one tiering policy over every tier (put,
+Kept as one module (~710 lines): it is the one tiering policy over every tier (put,
 get, write-down, promotion, pins, re-share), and each of those steps takes the one lock
 with the others; the tiers' mechanisms live in their own modules.  A store inherited
 through ``fork()`` keeps its DRAM tier only in the child (its tiers' threads and folder
@@ -100,6 +100,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from promptsplice.blocks import BlockHash, content_digest, hash_block
+from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._disk import DiskTier
 from promptsplice.engine_adapters.store._dram import DramTier
 from promptsplice.engine_adapters.store._redis import RedisTier
@@ -162,12 +163,17 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     """The child has the stores but none of their threads (disk writer, Redis writer and
-    listener), and shares the disk folder with its parent: each keeps its DRAM tier only."""
+    listener), and shares the disk folder with its parent: each keeps its DRAM tier only,
+    and closes its copies of the disk tier's descriptors, so the folder's lock goes with
+    the parent's close (a child that kept it made the parent's reopen fail)."""
     for store in sorted(_LIVE, key=id):
         store._cond.release()
         if store._lower:
             _log.warning("KV block store: inherited through fork(): this process keeps its DRAM tier only; "
                          "build the store after forking for the disk and shared tiers")
+            for tier in store._lower:
+                if isinstance(tier, DiskTier):
+                    tier.close_in_forked_child()
             store._lower = []
 
 
@@ -196,6 +202,7 @@ class BlockStore:
         self._closed = False
         if config.disk_bytes > 0:
             assert config.disk_dir is not None
+            _check_anonymous_folder(config)
             disk = DiskTier.open(
                 config.disk_dir,
                 budget=config.disk_bytes,
@@ -638,6 +645,30 @@ class BlockStore:
     def _run(jobs: list[tuple[StorageTier, object]]) -> list[bool | None]:
         """Carry out write-downs, in order, without the lock (see ``StorageTier.write``)."""
         return [tier.write(job) for tier, job in jobs]
+
+
+def _check_anonymous_folder(config: StoreConfig) -> None:
+    """Refuse an empty ``fingerprint`` on a folder that already holds records.
+
+    Records name the model and layout that wrote them only through the fingerprint: a
+    folder reused by another model with the default ``""`` served its blocks (another
+    dtype and shape).  A fresh folder stays allowed (a throwaway store of one model:
+    ``promptsplice bench offload``); the connector always sets one.
+    """
+    if config.fingerprint:
+        return
+    try:
+        with os.scandir(config.disk_dir) as it:
+            held = sum(1 for e in it if fmt.parse_record_name(e.name) is not None)
+    except OSError:  # missing (created on open) or unusable (the tier reports it)
+        return
+    if held:
+        raise ConfigError(
+            f"StoreConfig.fingerprint is empty but disk_dir {config.disk_dir!r} already holds "
+            f"{held} records, which may be another model's or KV layout's: name the model and "
+            "KV layout that write the blocks (e.g. 'smollm2-135m/bfloat16/block32'; the splice "
+            "connector sets it for you), or start from an empty folder"
+        )
 
 
 def _ref_list(refs: Any) -> list:

@@ -91,7 +91,9 @@ class StoreStats(NamedTuple):
     """Payload bytes held in DRAM (always <= ``dram_bytes`` of the config)."""
     disk_blocks: int
     disk_bytes: int
-    """Bytes of record files (always <= ``disk_bytes`` of the config)."""
+    """Bytes the record files take on disk: each file rounded up to the folder's
+    allocation unit (usually 4 KiB), so the budget bounds what the folder uses
+    (always <= ``disk_bytes`` of the config)."""
     dram_hits: int
     dram_misses: int
     """Lookups DRAM did not serve."""
@@ -169,7 +171,8 @@ class StoreConfig:
     dram_bytes: int
     """Payload bytes kept in memory (> 0)."""
     disk_bytes: int = 0
-    """Bytes of record files kept on disk; 0: no disk tier."""
+    """Bytes of record files kept on disk, each file counted in whole allocation units
+    of its folder (usually 4 KiB: a small block costs at least that); 0: no disk tier."""
     disk_dir: str | None = None
     """Folder of the record files (created if missing); required when ``disk_bytes > 0``.
     A folder the process cannot use (no permission, a full or read-only disk) turns the
@@ -177,7 +180,9 @@ class StoreConfig:
     false in its stats."""
     fingerprint: str = ""
     """The model and KV layout that write the blocks (e.g. model, dtype, block size,
-    cache layout); records of another fingerprint are not served."""
+    cache layout); records of another fingerprint are not served.  Empty is refused
+    (``ConfigError`` when the store opens) on a ``disk_dir`` that already holds records,
+    and with a shared tier: nothing would tell another model's blocks apart."""
     fsync: bool = True
     """fsync each record before its rename, and the folder after it, so a record
     counted as written survives a power cut (off only for throwaway folders)."""

@@ -31,7 +31,7 @@ from promptsplice.engine_adapters.store._store import (
 )
 from promptsplice.errors import ConfigError
 
-from .test_store import HIT_DISK, HIT_DRAM, MISS, P, SALT, kv, make_refs, put_all, rec_size
+from .test_store import HIT_DISK, HIT_DRAM, MISS, P, SALT, kv, make_refs, put_all, rec_file_size
 
 FP_TEXT = "smollm2/bf16/block16/test"
 FP = content_digest(FP_TEXT.encode())
@@ -421,7 +421,7 @@ def test_a_clear_removes_values_its_index_never_held(redis_url):
     (or that did not fit the index) stayed on the server, and every engine's next
     rescan served them again.  Blocks stored after the clear are kept."""
     refs = make_refs(6)
-    with open_store(redis_url, remote_bytes=2 * max(map(rec_size, refs)) + 8) as a, open_store(redis_url, dram_blocks=8) as b:
+    with open_store(redis_url, remote_bytes=2 * max(map(rec_file_size, refs)) + 8) as a, open_store(redis_url, dram_blocks=8) as b:
         assert remote(a).wait_synced(5.0) and remote(b).wait_synced(5.0)
         put_all(b, refs)
         b.drain()

@@ -62,12 +62,27 @@ def kv(i: int, dtype=torch.float32, shape=SHAPE) -> torch.Tensor:
     return (torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) % 256 + 1000 * i).to(dtype)
 
 
-def rec_size(ref: BlockRef, salt=SALT, shape=SHAPE, dtype: str = "float32", ns: int = 0) -> int:
+def rec_file_size(ref: BlockRef, salt=SALT, shape=SHAPE, dtype: str = "float32", ns: int = 0) -> int:
+    """Bytes of one record file."""
     meta = fmt.BlockMeta(ns, ref.key, fmt.salt_bytes(salt), ref.parent, token_bytes(ref.tokens), shape, dtype)
     return fmt.record_size(meta)
 
 
-REC = rec_size(make_refs(1)[0])  # one record file: header + 1024 payload bytes + digest
+UNIT = _disk.allocation_unit(tempfile.gettempdir())  # tmp_path's filesystem
+
+
+def charged(nbytes: int) -> int:
+    """What a file of ``nbytes`` costs the disk budget: rounded up to the allocation unit."""
+    return -(-nbytes // UNIT) * UNIT
+
+
+def rec_size(ref: BlockRef, salt=SALT, shape=SHAPE, dtype: str = "float32", ns: int = 0) -> int:
+    """What one record costs the disk budget (``disk_bytes`` counts this)."""
+    return charged(rec_file_size(ref, salt, shape, dtype, ns))
+
+
+REC_FILE = rec_file_size(make_refs(1)[0])  # one record file: header + 1024 payload bytes + digest
+REC = charged(REC_FILE)  # what it costs the budget
 
 
 def rec_path(folder, ref: BlockRef, ns: int = 0):
@@ -92,6 +107,8 @@ def open_store(tmp_path, dram_blocks: int, disk_bytes: int = 0, **kw) -> BlockSt
     ``write_behind_bytes`` is given, so every call's effect on disk is exact."""
     disk = {"disk_bytes": disk_bytes, "disk_dir": str(tmp_path / "kv")} if disk_bytes else {}
     kw.setdefault("write_behind_bytes", 0)
+    if disk_bytes:  # a folder with records refuses an empty fingerprint
+        kw.setdefault("fingerprint", "test-model/float32/16")
     return BlockStore(StoreConfig(dram_bytes=dram_blocks * P, **disk, **kw))
 
 
@@ -105,7 +122,7 @@ def status(store: BlockStore, ref: BlockRef, salt=SALT) -> LookupStatus:
 
 def test_sizes_the_tests_rely_on():
     assert kv(0).nbytes == P
-    assert REC == 1024 + 16 + 256  # payload + record digest + header padded to 64 bytes
+    assert REC_FILE == 1024 + 16 + 256  # payload + record digest + header padded to 64 bytes
     assert make_refs(1)[0].parent == root_hash(SALT)
 
 
@@ -217,7 +234,7 @@ def test_disk_round_trip_after_dram_eviction(tmp_path):
     a, b, c = make_refs(3)
     assert put_all(store, [a, b, c]) == [PutStatus.STORED] * 3
     assert record_files(tmp_path / "kv") == names(a)  # a was written down when c came
-    assert os.path.getsize(rec_path(tmp_path / "kv", a)) == REC
+    assert os.path.getsize(rec_path(tmp_path / "kv", a)) == REC_FILE
     got = store.get(a, salt=SALT)
     assert got.status is HIT_DISK
     assert got.payload.shape == SHAPE and got.payload.dtype == torch.float32
@@ -497,7 +514,7 @@ def _flip(path, offset: int) -> None:
 @pytest.mark.reliability
 def test_flipped_payload_byte_is_corrupt_deleted_and_counted(tmp_path):
     store, a, path = _evicted_to_disk(tmp_path)
-    _flip(path, REC - 16 - 100)  # inside the payload
+    _flip(path, REC_FILE - 16 - 100)  # inside the payload
     assert store.match_prefix([a], salt=SALT) == 1  # index only: it reads no file
     assert store.get(a, salt=SALT) == Lookup(CORRUPT, None)
     assert not path.exists()
@@ -511,7 +528,7 @@ def test_flipped_payload_byte_is_corrupt_deleted_and_counted(tmp_path):
 def test_flipped_payload_byte_is_caught_after_a_restart_too(tmp_path):
     store, a, path = _evicted_to_disk(tmp_path)
     store.close()
-    _flip(path, REC - 16 - 1)  # the last payload byte
+    _flip(path, REC_FILE - 16 - 1)  # the last payload byte
     again = open_store(tmp_path, dram_blocks=1, disk_bytes=4 * REC)
     assert again.stats().corrupt == 0  # the header is fine: opening reads only headers
     assert again.get(a, salt=SALT).status is CORRUPT
@@ -521,7 +538,7 @@ def test_flipped_payload_byte_is_caught_after_a_restart_too(tmp_path):
 @pytest.mark.reliability
 def test_truncated_record_while_open_and_at_open(tmp_path):
     store, a, path = _evicted_to_disk(tmp_path)
-    os.truncate(path, REC - 1)
+    os.truncate(path, REC_FILE - 1)
     assert store.get(a, salt=SALT).status is CORRUPT
     assert (store.stats().corrupt, path.exists()) == (1, False)
     store.put(a, kv(0), salt=SALT)  # back in DRAM; b goes down
@@ -529,7 +546,7 @@ def test_truncated_record_while_open_and_at_open(tmp_path):
     path_b = rec_path(tmp_path / "kv", b)
     assert path_b.exists()
     store.close()
-    os.truncate(path_b, REC // 2)
+    os.truncate(path_b, REC_FILE // 2)
     again = open_store(tmp_path, dram_blocks=1, disk_bytes=4 * REC)
     assert (again.stats().corrupt, again.stats().disk_blocks, path_b.exists()) == (1, 0, False)
     assert status(again, b) is MISS
@@ -856,7 +873,7 @@ def test_sixteen_threads_put_and_get_concurrently(tmp_path):
     assert s.disk_bytes == s.disk_blocks * REC <= 16 * REC
     files = record_files(tmp_path / "kv")
     assert len(files) == s.disk_blocks
-    assert sum(os.path.getsize(tmp_path / "kv" / f) for f in files) == s.disk_bytes
+    assert sum(charged(os.path.getsize(tmp_path / "kv" / f)) for f in files) == s.disk_bytes
     assert s.dram_hits + s.dram_misses == sum(gets)
     assert s.disk_hits + s.disk_misses == s.dram_misses
     assert (s.corrupt, s.mismatches, s.write_errors, s.pinned_blocks, s.pending_writes) == (0, 0, 0, 0, 0)
@@ -1032,6 +1049,7 @@ def test_store_matches_a_two_tier_lru_model(layers, dram_units, disk_recs, write
             disk_dir=folder if disk_budget else None,
             fsync=False,
             write_behind_bytes=2048 if write_behind else 0,
+            fingerprint="test-model",
         )
         store = BlockStore(cfg)
         try:
@@ -1168,7 +1186,7 @@ def test_a_read_the_process_cannot_make_now_is_a_miss_and_keeps_the_record(tmp_p
     store = open_store(tmp_path, dram_blocks=1, disk_bytes=20 * REC)
     a, b = make_refs(2)
     put_all(store, [a, b])  # a is on disk only
-    real_open = open
+    real_open = os.open
     calls = {"n": 0}
 
     def open_once_emfile(path, *args, **kwargs):
@@ -1177,7 +1195,7 @@ def test_a_read_the_process_cannot_make_now_is_a_miss_and_keeps_the_record(tmp_p
             raise OSError(errno.EMFILE, "Too many open files")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(_disk, "open", open_once_emfile, raising=False)
+    monkeypatch.setattr(os, "open", open_once_emfile)
     assert store.get(a, salt=SALT).status is MISS
     assert store.stats().corrupt == 0 and store.stats().disk_blocks == 1
     got = store.get(a, salt=SALT)

@@ -85,7 +85,7 @@ def test_disk_tier_on_its_own_writes_verifies_and_reports_losses(tmp_path):
     assert tier.write(tier.put((0, c.key), held(2, c))) is True
     assert record_files(tmp_path) == names(a, c)
     # a record too large for the budget is reported lost, never written
-    assert tier.put((0, b.key), held(1, b, shape=(6, 2, 16, 4))) is None and lost == [b.key]
+    assert tier.put((0, b.key), held(1, b, shape=(16, 2, 16, 4))) is None and lost == [b.key]
     # a damaged record is removed and counted, a missing one is a miss
     path = tmp_path / fmt.record_name(0, c.key)
     data = bytearray(path.read_bytes())
@@ -147,7 +147,7 @@ def test_a_second_storage_tier_after_the_disk_serves_what_the_disk_evicted(tmp_p
 
 
 def test_a_block_one_storage_tier_refuses_is_not_dropped_when_another_takes_it(tmp_path):
-    big = kv(0, shape=(4, 2, 16, 4))  # too large for DRAM and for the disk's budget
+    big = kv(0, shape=(8, 2, 16, 4))  # too large for DRAM and for the disk's budget (one unit)
     store = BlockStore(
         StoreConfig(dram_bytes=P, disk_bytes=REC, disk_dir=str(tmp_path / "kv"), write_behind_bytes=0)
     )

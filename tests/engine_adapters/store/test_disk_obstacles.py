@@ -1,0 +1,242 @@
+"""The disk tier against what sits in its folder besides records, and against failing
+metadata calls: FIFOs and folders at a record's path, a forked child's copy of the folder
+lock, a reused folder without a fingerprint, tiny records, failing unlinks, a failing
+folder fsync and a record the process may not read (review of 2026-12, items 1-7)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+
+import pytest
+import torch
+
+from promptsplice.engine_adapters.store import _disk
+from promptsplice.engine_adapters.store import _format as fmt
+from promptsplice.engine_adapters.store._store import BlockStore, LookupStatus, PutStatus, StoreConfig
+from promptsplice.errors import ConfigError
+
+from .test_store import P, REC, SALT, kv, make_refs, record_files
+
+HIT_DISK, MISS, CORRUPT = LookupStatus.HIT_DISK, LookupStatus.MISS, LookupStatus.CORRUPT
+
+
+def config(folder, **kw) -> StoreConfig:
+    """DRAM holds one block, so each put writes the previous one down (inline)."""
+    base = dict(dram_bytes=P, disk_bytes=16 * REC, disk_dir=str(folder), fsync=False,
+                write_behind_bytes=0, fingerprint="test-model/float32/16", disk_retry_s=30.0)
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+def path_of(folder, ref) -> str:
+    return os.path.join(str(folder), fmt.record_name(0, ref.key))
+
+
+def in_thread(fn, timeout: float = 5.0) -> list:
+    """``[result]`` of ``fn()`` run in a daemon thread, ``[]`` if it still blocks."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    return out
+
+
+def test_a_fifo_or_a_symlink_at_a_record_path_never_blocks_a_load(tmp_path):
+    """A FIFO where a record was hung ``get`` forever (open() waited for a writer)."""
+    store = BlockStore(config(tmp_path / "kv"))
+    a, b, c = make_refs(3)
+    for i, r in enumerate((a, b, c)):
+        store.put(r, kv(i), salt=SALT)  # a, b on disk, c in DRAM
+    os.unlink(path_of(tmp_path / "kv", a))
+    os.mkfifo(path_of(tmp_path / "kv", a))
+    outside = tmp_path / "fifo"
+    os.mkfifo(outside)
+    os.unlink(path_of(tmp_path / "kv", b))
+    os.symlink(outside, path_of(tmp_path / "kv", b))  # never followed
+    got = in_thread(lambda: [store.get(r, salt=SALT).status for r in (a, b)])
+    assert got == [[CORRUPT, CORRUPT]]
+    assert store.stats().corrupt == 2 and record_files(tmp_path / "kv") == []
+    assert stat.S_ISFIFO(os.lstat(outside).st_mode)  # what the link named is left alone
+    store.close()
+
+
+def test_a_fifo_at_a_record_path_never_blocks_the_open(tmp_path):
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    a, b = make_refs(2)
+    os.mkfifo(path_of(folder, a))
+    os.symlink("/dev/zero", path_of(folder, b))
+    opened = in_thread(lambda: BlockStore(config(folder)))
+    assert opened, "BlockStore() blocked on a FIFO in its folder"
+    s = opened[0].stats()
+    assert (s.corrupt, s.disk_blocks) == (2, 0) and record_files(folder) == []
+    opened[0].close()
+
+
+def test_a_folder_at_a_record_path_loses_that_record_only(tmp_path):
+    """A folder at one record's path failed the rename (EISDIR), which paused every
+    tenant's disk writes for ``disk_retry_s``."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder))
+    a, b, c, d = make_refs(4)
+    os.makedirs(path_of(folder, a))  # empty: cleared, the record takes its place
+    os.makedirs(os.path.join(path_of(folder, b), "keep"))  # not ours to delete
+    for i, r in enumerate((a, b, c, d)):
+        assert store.put(r, kv(i), salt=SALT) is PutStatus.STORED
+    s = store.stats()
+    assert (s.disk_writes, s.write_errors, s.dropped, s.disk_writable) == (2, 1, 1, True)
+    assert [store.get(r, salt=SALT).status for r in (a, b, c)] == [HIT_DISK, MISS, HIT_DISK]
+    store.close()
+    # at the next open the folder with files is counted once and left; nothing else lost
+    again = BlockStore(config(folder))
+    s = again.stats()
+    assert (s.corrupt, s.disk_blocks) == (1, 3) and os.path.isdir(path_of(folder, b))
+    again.close()
+
+
+def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
+    """The child's copy of the lock descriptor kept the ``flock`` after the parent's
+    close, so the parent could not reopen the folder while the child lived."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder))
+    store.put(make_refs(1)[0], kv(0), salt=SALT)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            time.sleep(3)
+        finally:
+            os._exit(0)
+    try:
+        store.close()
+        BlockStore(config(folder)).close()  # ConfigError while the child held the lock
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def test_the_already_used_message_names_forked_children(tmp_path):
+    store = BlockStore(config(tmp_path / "kv"))
+    with pytest.raises(ConfigError, match="forked"):
+        BlockStore(config(tmp_path / "kv"))
+    store.close()
+
+
+def test_an_empty_fingerprint_is_refused_on_a_folder_that_holds_records(tmp_path):
+    """Without a fingerprint a folder reused by another model served its blocks (another
+    dtype and shape under the same tokens)."""
+    folder = tmp_path / "kv"
+    with BlockStore(config(folder, fingerprint="")) as fresh:  # a fresh folder: allowed
+        a = make_refs(1)[0]
+        fresh.put(a, kv(0), salt=SALT)
+        fresh.flush()
+    assert len(record_files(folder)) == 1
+    with pytest.raises(ConfigError, match="fingerprint is empty.*already holds 1 records"):
+        BlockStore(config(folder, dram_bytes=1 << 20, fingerprint=""))
+    BlockStore(config(folder, fingerprint="another-model")).close()  # named: foreign, dropped
+
+
+def test_the_disk_budget_counts_whole_allocation_units(tmp_path):
+    """3,000 records of a few hundred bytes used 12 MB of a 1 MiB budget."""
+    folder = tmp_path / "kv"
+    budget = 64 * 1024
+    store = BlockStore(config(folder, dram_bytes=4, disk_bytes=budget))
+    refs = make_refs(200)
+    for i, r in enumerate(refs):
+        store.put(r, kv(i, shape=(1, 1, 1, 1)), salt=SALT)
+    s = store.stats()
+    used = sum(os.stat(folder / f).st_blocks * 512 for f in record_files(folder))
+    unit = _disk.allocation_unit(str(folder))
+    assert s.disk_bytes == s.disk_blocks * unit <= budget
+    assert used <= budget and s.disk_blocks == budget // unit
+    store.close()
+
+
+def test_an_eviction_whose_unlink_fails_keeps_the_record_indexed(tmp_path, monkeypatch):
+    """In a read-only folder the victim was dropped from the index and counted as
+    evicted although its file stayed: the index emptied, the folder did not."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder, disk_bytes=2 * REC))
+    a, b, c, d = make_refs(4)
+    for i, r in enumerate((a, b, c)):
+        store.put(r, kv(i), salt=SALT)  # a, b on disk (full), c in DRAM
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if str(path).endswith(".kvb"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert store.put(d, kv(3), salt=SALT) is PutStatus.STORED  # c's write-down needs a's room
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    s = store.stats()
+    assert (s.disk_blocks, s.disk_bytes, s.disk_evictions, s.write_errors, s.dropped) == (2, 2 * REC, 0, 1, 1)
+    assert len(record_files(folder)) == 2 and s.disk_writable is False
+    assert [store.get(r, salt=SALT).status for r in (a, b)] == [HIT_DISK, HIT_DISK]
+    store.close()
+
+
+def test_a_failed_folder_fsync_answers_as_the_index_says(tmp_path, monkeypatch):
+    """The put said REJECTED while the record stayed indexed and was served."""
+    store = BlockStore(config(tmp_path / "kv", fsync=True))
+    a, b = make_refs(2)
+    store.put(a, kv(0), salt=SALT)
+    store.match_prefix([a], salt=SALT, owner="req")  # DRAM full and pinned: b goes straight down
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    status = store.put(b, kv(1), salt=SALT)
+    monkeypatch.setattr(os, "fsync", real)
+    got = store.get(b, salt=SALT)
+    assert (status, got.status) == (PutStatus.STORED, HIT_DISK) and torch.equal(got.payload, kv(1))
+    s = store.stats()
+    assert (s.disk_writes, s.write_errors, s.dropped) == (0, 1, 0)
+    store.close()
+
+
+def test_a_record_the_process_may_not_read_is_a_miss_and_stays(tmp_path, monkeypatch):
+    """EACCES on a load deleted the record and counted it as damaged."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder))
+    a, b = make_refs(2)
+    store.put(a, kv(0), salt=SALT)
+    store.put(b, kv(1), salt=SALT)  # a on disk only
+    real_open = os.open
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith(".kvb"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    assert store.get(a, salt=SALT).status is MISS
+    monkeypatch.setattr(os, "open", real_open)
+    s = store.stats()
+    assert (s.corrupt, s.disk_blocks, s.disk_misses) == (0, 1, 1) and len(record_files(folder)) == 1
+    got = store.get(a, salt=SALT)
+    assert got.status is HIT_DISK and torch.equal(got.payload, kv(0))
+    store.close()
+
+
+def test_a_store_closed_before_a_fork_leaves_the_childs_descriptors_alone(tmp_path):
+    """The fork hook closed a closed tier's folder descriptor again in the child: its
+    number belonged to subprocess's pipes by then, so every ``Popen`` with a
+    ``preexec_fn`` (which runs the fork hooks) failed with EBADF after a store closed."""
+    import subprocess
+    import sys
+
+    store = BlockStore(config(tmp_path / "kv"))
+    store.close()  # still referenced: the fork hook sees it
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, preexec_fn=lambda: None)
+        assert out.stdout == b"ok\n"
+    assert store.stats().disk_blocks == 0
