@@ -256,16 +256,19 @@ class Assembler:
         chunk_toks = toks[len(head) : len(head) + len(kept)]
         query_toks = toks[-1]
 
+        # Layouts learn nothing (orders not kept, sent sets not touched, branch points not
+        # counted) until the prompt is known to fit: one refused with ContextLengthError
+        # is never sent, and it kept its chunk set's order for the later prompts.
         def lay(branches: Any, align: AlignPolicy) -> tuple[LayoutBuilder, list[int]]:
             if order_policy is OrderPolicy.CACHE_AWARE:
-                return self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks, learn)
-            order = self._order(kept, order_policy, learn)
+                return self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks, False)
+            order = self._order(kept, order_policy, False)
             return self._layout(branches, salt, align, head, head_toks, kept, chunk_toks, order, query_toks), order
 
         with self._lock:
             room = self._capacity_tokens()
             # A preview (learn=False) pads as the real send would, without counting.
-            branches = self.branches if learn else PeekBranches(self.branches)
+            branches = PeekBranches(self.branches)
             if align is AlignPolicy.AUTO:
                 # Padding pays only in a prompt that fits: over the context or the cache, unpadded.
                 trial = PeekBranches(branches)  # (a layout not sent learns nothing)
@@ -279,8 +282,11 @@ class Assembler:
             hashes = builder.finish()
             tokens = builder.tokens
             if limit is not None and len(tokens) > limit:
+                padded = sum(seg.padding for seg in builder.segments)
+                pads = (f" ({padded} of them block padding of alignment={align.value!r}: 'auto' or "
+                        f"'none' pads less)" if padded and align is AlignPolicy.ALL else "")
                 raise ContextLengthError(
-                    f"the assembled prompt has {len(tokens)} tokens but the context holds "
+                    f"the assembled prompt has {len(tokens)} tokens{pads} but the context holds "
                     f"{limit}; pass fewer or shorter chunks (a smaller top-k), or raise "
                     f"max_tokens",
                     prompt_tokens=len(tokens),
@@ -298,6 +304,11 @@ class Assembler:
             else:
                 pred = self.mirror.predict(hashes, len(tokens))
             if learn:
+                branches.replay()
+                if order_policy is not OrderPolicy.RETRIEVAL:
+                    self._order(kept, OrderPolicy.STABLE, True)  # keep the set's stable order
+                if order_policy is OrderPolicy.CACHE_AWARE and len(kept) > 1:
+                    self.popularity.last_sent([k.digest for k in kept], touch=True)
                 digests = [kept[i].digest for i in order]
                 self.popularity.observe(digests)
                 if order_policy is OrderPolicy.CACHE_AWARE:

@@ -206,12 +206,18 @@ class TiktokenTokenizer:
     def _load(name: str) -> Any:
         import tiktoken
 
+        known = tiktoken.list_encoding_names()
+        if name not in known:
+            raise TokenizerError(f"unknown tiktoken encoding {name!r}; known: {', '.join(sorted(known))}")
         with _TIKTOKEN_LOCK:
-            # Offline: use litellm's copy unless the user set their own cache folder.
+            # Offline: use litellm's copy unless the user set their own cache folder, for
+            # this load only (set for the whole process, it sent every later tiktoken
+            # user, and subprocesses, to a folder inside site-packages).
+            folder = None
             if "TIKTOKEN_CACHE_DIR" not in os.environ and "DATA_GYM_CACHE_DIR" not in os.environ:
                 folder = tiktoken_cache_dir()
-                if folder is not None:
-                    os.environ["TIKTOKEN_CACHE_DIR"] = str(folder)
+            if folder is not None:
+                os.environ["TIKTOKEN_CACHE_DIR"] = str(folder)
             try:
                 return tiktoken.get_encoding(name)
             except Exception as exc:
@@ -219,6 +225,9 @@ class TiktokenTokenizer:
                     f"cannot load tiktoken encoding {name!r}: {exc}. Offline, install "
                     "litellm (it ships the encoding files) or set TIKTOKEN_CACHE_DIR"
                 ) from exc
+            finally:
+                if folder is not None:
+                    os.environ.pop("TIKTOKEN_CACHE_DIR", None)
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)

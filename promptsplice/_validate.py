@@ -25,6 +25,7 @@ import enum
 import json
 import math
 import operator
+import re
 import string
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -216,6 +217,12 @@ def check_text(
     raise error(f"{what} must be {allowed}, got {type(value).__name__} {_short(value)}{hint}")
 
 
+_STR_SPEC = re.compile(
+    r"(?:.?[<>=^])?[-+ ]?z?#?0?\d*[,_]?(?:\.(?P<precision>\d+))?[a-zA-Z%]?\Z", re.DOTALL
+)
+"""Python's format-spec mini-language; ``precision`` on a str is its length limit."""
+
+
 def check_format(template: Any, what: str, field: str, sample: Any, *, required: bool = False) -> str:
     """A one-field format string: ``template.format(**{field: sample})`` must work, with a
     value of the type it will get (``{summary:d}`` passed an int sample, then failed on
@@ -225,7 +232,8 @@ def check_format(template: Any, what: str, field: str, sample: Any, *, required:
     if not isinstance(template, str):
         raise ConfigError(f"{what} must be a str, got {type(template).__name__}")
     try:
-        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        fields = [(name, spec) for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
+        names = [name for name, _ in fields]
         if any(name != field for name in names):  # another name, an index or an attribute
             raise KeyError(next(name for name in names if name != field))
         template.format(**{field: sample})  # a spec or conversion that cannot take the value
@@ -234,6 +242,14 @@ def check_format(template: Any, what: str, field: str, sample: Any, *, required:
             f"{what} {template!r} is not a format string with only {{{field}}} as its field "
             f"({type(exc).__name__}: {exc}); write literal braces as {{{{ and }}}}"
         ) from None
+    if isinstance(sample, str):
+        for _, spec in fields:
+            m = _STR_SPEC.match(spec or "")
+            if m is not None and m.group("precision") is not None:  # {query:.40}: the text cut to 40 characters
+                raise ConfigError(
+                    f"{what} {template!r}: the precision in {{{field}:{spec}}} cuts the {field} to "
+                    f"{m.group('precision')} characters, silently; drop it ({{{field}}})"
+                )
     mark = "promptsplice-field-mark"  # survives !r and !a; a spec such as :.0 drops it
     if required and (not names or mark not in template.format(**{field: mark})):
         raise ConfigError(f"{what} {template!r} must hold {{{field}}}: without it the {field} is dropped")

@@ -230,7 +230,10 @@ def test_input_errors_are_value_errors():
     ({"query_template": "Q: {question}"}, "only {query} as its field (KeyError"),
     ({"query_template": "Q: {query[0]}"}, "only {query} as its field (KeyError"),  # failed at assembly (diff review)
     ({"query_template": "Q: {query.x}"}, "only {query} as its field (KeyError"),
-    ({"query_template": "Q: {query:.0}"}, "must hold {query}"),  # formats to "Q: " (second review)
+    ({"query_template": "Q: {query:.0}"}, "cuts the query to 0 characters"),  # formats to "Q: " (second review)
+    # a precision the marker survived cut every longer query silently (RAG user review, 2026-12-04)
+    ({"query_template": "Question: {query:.40}\nAnswer:"}, "the precision in {query:.40} cuts the query to 40"),
+    ({"system_template": "{system!s:10.5}"}, "cuts the system to 5 characters"),
     ({"system_template": "{"}, "only {system} as its field (ValueError"),
     ({"separator": 5}, "PromptFormat.separator must be a str, got int"),
     ({"tools_header": None}, "PromptFormat.tools_header must be a str, got NoneType"),
@@ -256,3 +259,34 @@ def test_a_prompt_format_takes_conversions_and_specs_of_its_field(default_tok):
     fmt = PromptFormat(query_template="Q: {query!r}\nA:", system_template="{system:>3}")
     prompt = Assembler(default_tok, prompt_format=fmt, alignment="none").assemble(["a"], query="what?", system="S")
     assert prompt.text.startswith("  S") and prompt.text.endswith("Q: 'what?'\nA:")
+
+
+@pytest.mark.parametrize("policy", ["stable", "cache_aware"])
+@pytest.mark.parametrize("alignment", ["auto", "all", "none"])
+def test_a_prompt_refused_for_its_size_teaches_later_prompts_nothing(default_tok, policy, alignment):
+    """A call that raised ContextLengthError had already kept its chunk set's stable
+    order (and touched the set's last-sent record, counted branch points): the prompts
+    sent later followed the order of one never sent (RAG user review, 2026-12-04)."""
+    docs = [{"id": i, "text": f"{w} " * 20} for i, w in (("a", "alpha"), ("b", "beta"), ("c", "gamma"))]
+
+    def run(refused_first: bool) -> tuple[list, list]:
+        asm = Assembler(default_tok, block_size=16, policy=policy, alignment=alignment)
+        if refused_first:
+            with pytest.raises(ContextLengthError):
+                asm.assemble(docs, query="q", max_tokens=10)
+        for _ in range(2):
+            asm.assemble([docs[2]], query="q")
+        out = asm.assemble(docs, query="q")
+        return out.chunk_order, out.token_ids
+
+    assert run(True) == run(False)
+
+
+def test_a_prompt_too_long_with_padding_says_how_much_is_padding(default_tok):
+    """alignment="all" refused 649 tokens "pass fewer or shorter chunks" where 100 were
+    padding and "auto" fitted (RAG user review, 2026-12-04)."""
+    docs = [f"chunk {i} " + "word " * 7 for i in range(6)]
+    unpadded = Assembler(default_tok, block_size=32, alignment="none").preview(docs, query="q").num_tokens
+    with pytest.raises(ContextLengthError, match=r"tokens \(\d+ of them block padding of alignment='all'"):
+        Assembler(default_tok, block_size=32, alignment="all").preview(docs, query="q", max_tokens=unpadded)
+    assert Assembler(default_tok, block_size=32, alignment="auto").preview(docs, query="q", max_tokens=unpadded)

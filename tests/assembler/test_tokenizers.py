@@ -242,3 +242,18 @@ def test_a_tokenizer_with_a_dummy_prefix_is_refused_by_name():
     with pytest.raises(TokenizerError, match=r"adds text at the start of every encode call \('a b'.*prepend_scheme 'never'"):
         HFTokenizer(_metaspace_tokenizer("always"), name="sp-like", filler_token_id=1)
     HFTokenizer(_metaspace_tokenizer("never"), name="sp-without-prefix", filler_token_id=1)  # the fix it names
+
+
+def test_a_misspelled_tiktoken_encoding_is_named_and_the_cache_folder_is_not_left_set(monkeypatch):
+    """``tiktoken:nope_base`` said "offline, install litellm" (a wrong hint for a typo),
+    and loading any encoding left TIKTOKEN_CACHE_DIR pointing into site-packages for the
+    whole process and its subprocesses (RAG user review, 2026-12-04)."""
+    import os
+
+    from promptsplice.errors import TokenizerError
+
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    with pytest.raises(TokenizerError, match=r"unknown tiktoken encoding 'nope_base'; known: .*cl100k_base"):
+        load_tokenizer("tiktoken:nope_base")
+    tok = load_tokenizer("tiktoken:o200k_base")
+    assert tok.encode("hello") and "TIKTOKEN_CACHE_DIR" not in os.environ
