@@ -38,9 +38,9 @@ Extra keys: ``block_size``, ``alignment``, ``tokenizer``, ``gap_closed`` (per po
 minus the share of naive's prefill a policy added), ``best_policy``,
 ``dedup_removed_chunks`` (per mode: chunks dedup removed, by reason, ``empty``
 included), ``predicted_prefill_tokens_bounded`` (per mode),
-``radix_prefill_tokens_bounded``, ``oracle_prefill_tokens_bounded`` (floored per request
-by each mode's radix ideal, as the unbounded oracle), ``bound_checks`` (per mode, and
-``MODE_bounded`` against the bounded oracle),
+``radix_prefill_tokens_bounded``, ``oracle_prefill_tokens_bounded`` (references under
+the engine's LRU cache, not bounds: the oracle floored per request by each mode's LRU
+radix on its own prompts, as the unbounded oracle is by the radix ideal),
 ``bound_capacity_blocks`` and ``bound_capacity_raised`` (a request longer than the
 engine's cache, which no engine of that size runs, raises the capacity to fit the
 longest request rather than failing the bench).  A suite report::
@@ -195,6 +195,7 @@ def bench_policies(
     content_b: list[int] = []  # the same under the bounded capacity
     per_mode: list[list[int]] = []  # each mode's radix ideal per request, on its own prompts
     naive_radix: list[int] = []
+    naive_radix_b: list[int] = []  # the same under the bounded capacity
     naive_runs: list[tuple[list[Any], int]] = []
     times: list[float] = []
     prompt = cached = 0
@@ -208,7 +209,7 @@ def bench_policies(
         prompt += len(naive.token_ids)
         cached += pred.cached_tokens
         naive_radix.append(radix.add(naive.token_ids))
-        radix_b.add(naive.token_ids)
+        naive_radix_b.append(radix_b.add(naive.token_ids))
         segs = _oracle_segments(oracle_asm, req)
         content.append(oracle.add(segs))
         content_b.append(oracle_b.add(segs))
@@ -219,16 +220,15 @@ def bench_policies(
         metrics, own_radix = _run_policy(tok, requests, block_size, name, alignment, capacity_blocks)
         report["policies"][name] = metrics
         per_mode.append(own_radix)
-    per_mode_b = per_mode  # each mode's radix ideal on the prompts it sent under the bounded capacity
+    per_mode_b = [naive_radix_b]  # each mode's LRU radix on the prompts it sent under the bounded capacity
     if capacity_blocks is None:
         # the same modes under the capacity of the *_bounded bounds: like for like
         mirror = PrefixCacheMirror(block_size, cap_blocks)
         report["policies"]["naive"]["predicted_prefill_tokens_bounded"] = sum(
             n - mirror.admit(h, n).cached_tokens for h, n in naive_runs
         )
-        per_mode_b = [naive_radix]  # naive's prompts do not depend on the cache
         for name in policies:
-            metrics, own_radix_b = _run_policy(tok, requests, block_size, name, alignment, cap_blocks)
+            metrics, own_radix_b = _run_policy(tok, requests, block_size, name, alignment, cap_blocks, cap_tokens)
             report["policies"][name]["predicted_prefill_tokens_bounded"] = metrics["predicted_prefill_tokens"]
             per_mode_b.append(own_radix_b)
 
@@ -237,9 +237,9 @@ def bench_policies(
     report["oracle_prefill_tokens"] = floor
     report["oracle_content_prefill_tokens"] = oracle.prefill_tokens
     report["radix_prefill_tokens_bounded"] = radix_b.prefill_tokens
-    # floored per request like the unbounded oracle: a chunk's tokens can merge with the
-    # next segment's in a mode's prompt ("word " + "Q?"), one token fewer than the
-    # segment-wise content bound, and a mode then beat the bound
+    # floored per request like the unbounded oracle, by each mode's radix under the same
+    # LRU capacity: a chunk's last token can merge with the next segment's first in a
+    # mode's prompt ("word " + "Q?"), one token under the segment-wise content bound
     report["oracle_prefill_tokens_bounded"] = floor_per_request(content_b, *per_mode_b)
     report["bound_capacity_blocks"] = cap_blocks
     report["bound_capacity_raised"] = raised
@@ -269,15 +269,17 @@ def _alignment(alignment: str) -> str:
 
 
 def _run_policy(
-    tok: Any, requests: Sequence[RagRequest], block_size: int, name: str, alignment: str, capacity_blocks: int | None
+    tok: Any, requests: Sequence[RagRequest], block_size: int, name: str, alignment: str, capacity_blocks: int | None,
+    radix_tokens: int | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """One policy over ``requests`` on a mirror of ``capacity_blocks`` (None: unbounded):
-    its metrics and the radix ideal of its own prompts, per request."""
+    its metrics and the radix ideal of its own prompts, per request (an LRU radix of
+    ``radix_tokens`` when given)."""
     asm = Assembler(tok, block_size=block_size, policy=name, alignment=alignment, capacity_blocks=capacity_blocks)
     times: list[float] = []
     prompt = cached = padding = removed = 0
     removed_chunks: dict[str, int] = {}
-    own, own_radix = RadixPrefill(), []
+    own, own_radix = RadixPrefill(radix_tokens), []
     for req in requests:
         t0 = time.perf_counter()
         res = asm.assemble(_chunks(req), query=req.query, system=req.system or None)
@@ -294,15 +296,11 @@ def _run_policy(
 
 def policy_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each policy's lower bound on predicted prefill, as ``bench rag`` reports them:
-    ``naive`` the radix ideal of its prompts, every policy the oracle; and under the
-    bounded capacity (``MODE_bounded``), every mode the bounded oracle."""
-    checks = bound_checks({name: m["predicted_prefill_tokens"] for name, m in report["policies"].items()},
-                          radix=report["radix_prefill_tokens"], oracle=report["oracle_prefill_tokens"])
-    bounded = {f"{name}_bounded": m["predicted_prefill_tokens_bounded"]
-               for name, m in report["policies"].items() if "predicted_prefill_tokens_bounded" in m}
-    if bounded:
-        checks.update(bound_checks(bounded, radix=0, oracle=report["oracle_prefill_tokens_bounded"]))
-    return checks
+    ``naive`` the radix ideal of its prompts, every policy the oracle.  (The ``*_bounded``
+    figures are references under an LRU cache, not bounds: LRU is not the best eviction,
+    so a mode may prefill less; they are not checked.)"""
+    return bound_checks({name: m["predicted_prefill_tokens"] for name, m in report["policies"].items()},
+                        radix=report["radix_prefill_tokens"], oracle=report["oracle_prefill_tokens"])
 
 
 def bound_status(reports: dict[str, dict[str, Any]]) -> int:
