@@ -20,6 +20,11 @@ it assembles (it models an engine that receives each of them); an assembler made
 engine (``EmbeddedEngine.make_assembler()``) holds a read-only
 :class:`~promptsplice.assembler.MirrorView` of the engine's mirror, asks it for
 predictions and never admits: the engine admits what really ran.
+
+Kept as one module (~610 lines): one assembly takes the assembler's lock once, and
+ordering, layout, the size checks and what the call learns (orders, branch points,
+popularity) must happen in that order under it: a prompt refused for its size learns
+nothing, which holds only while they sit in one method.
 """
 
 from __future__ import annotations

@@ -204,7 +204,13 @@ class TiktokenTokenizer:
 
     @staticmethod
     def _load(name: str) -> Any:
-        import tiktoken
+        try:
+            import tiktoken
+        except ImportError as exc:
+            raise TokenizerError(
+                "tiktoken is not installed: pip install 'promptsplice[tiktoken]' (offline, also "
+                "pip install --no-deps litellm==1.110.2, which ships the encoding files)"
+            ) from exc
 
         known = tiktoken.list_encoding_names()
         if name not in known:

