@@ -1,6 +1,6 @@
 """A remote OpenAI-compatible engine over httpx (vLLM serve, SGLang, OpenAI).
 
-Kept as one module (~660 lines): the sync and async twins of every call share one
+Kept as one module (~780 lines): the sync and async twins of every call share one
 request builder, one retry loop and one error translation, which must not drift apart;
 the wire format lives in ``_wire`` and the served-engine surface in ``_served_engine``.
 
@@ -20,20 +20,32 @@ connector's ``vllm:external_prefix_cache_*``).
 connector (wire format: ``connector._served``; its answer: ``RemoteCompletion.splice``).
 What runners and the chat model use (``generate``, ``generate_phases``...): ``_served_engine``.
 
+Timeouts (:data:`DEFAULT_TIMEOUT`): 5 s to connect, 120 s for each read, write or pool
+wait, and ``total_timeout`` (default :data:`DEFAULT_TOTAL_TIMEOUT` = 600 s) for one
+whole request and its response, however the server trickles it (SSE keep-alive
+comments, a body a byte at a time kept each read under the read timeout forever).  A
+number ``timeout=T`` sets each phase to ``T`` (httpx's meaning; the total stays 600 s,
+or ``T`` when longer).
+
 Errors: 429, 5xx, connect errors, connections broken mid-response (a server that died
-while streaming) and timeouts are retried ``max_retries`` times with exponential
-backoff (``backoff * 2**attempt`` seconds, or the server's ``Retry-After`` when it is
-shorter than 60 s); a completion is only returned whole, so a retry never repeats
-output.  Then, or at once for anything else:
+while streaming) and connect timeouts are retried ``max_retries`` times with exponential
+backoff (``backoff * 2**attempt`` seconds, or longer when the server's ``Retry-After``
+asks for it: seconds or an HTTP-date; one over 60 s gives up at once, saying how long
+the server asked for; a nonsense one is ignored); a completion is only returned whole,
+so a retry never repeats output.  Then, or at once for anything else:
 
 * server unreachable, or the connection broke -> :class:`EngineUnavailableError` naming the URL;
-* timeout -> :class:`EngineTimeoutError` saying which timeout (connect, read, write, pool);
-* a body that is not the JSON expected -> :class:`EngineRequestError` with a snippet;
+* timeout -> :class:`EngineTimeoutError` saying which timeout (connect, read, write, pool, total);
+* a body that is not the JSON expected, a redirect (not followed), a body that cannot be
+  decoded -> :class:`EngineResponseError` with a snippet;
 * HTTP 4xx (and 429/5xx once retries are spent) -> :class:`EngineRequestError` with the
   server's message; a 400 saying the prompt exceeds the context ->
   :class:`ContextLengthError`.
 
-httpx exceptions never escape: they are translated with ``raise ... from exc``.
+httpx exceptions never escape: they are translated with ``raise ... from exc``.  After
+``close()`` every call raises :class:`EngineError` (the engine is closed), also one
+racing the close from another thread; ``aclose()`` only lets go of this loop's client
+and the sync one (a later call opens new ones).
 
 The sync and async halves share everything but the I/O: one request builder (a
 :class:`~promptsplice.engine_adapters._wire.Request` from the arguments, checked by
@@ -80,8 +92,10 @@ from promptsplice.engine_adapters._wire import (
     parse_json,
     parse_prometheus_counters,
     MAX_RETRY_AFTER_S,
+    SSELines,
     retry_after,
     status_error,
+    unexpected_status,
     wants_usage,
 )
 from promptsplice.engine_adapters.connector._plans import SplicePlan
@@ -89,15 +103,18 @@ from promptsplice.engine_adapters.connector._served import splice_params
 from promptsplice.errors import (
     ConfigError,
     EngineError,
+    EngineResponseError,
     EngineTimeoutError,
     EngineUnavailableError,
     InputError,
     InvalidSaltError,
+    PromptspliceError,
 )
 from promptsplice.tenancy import SaltGuard
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "DEFAULT_TOTAL_TIMEOUT",
     "RemoteCompletion",
     "RemoteEngine",
     "ServerCounters",
@@ -106,6 +123,9 @@ __all__ = [
 
 DEFAULT_TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 """Default timeouts: 5 s to connect, 120 s for each read/write/pool wait."""
+DEFAULT_TOTAL_TIMEOUT = 600.0
+"""Default bound on one whole request and its response, in seconds (the per-read
+timeouts alone let a server that trickles keep-alives hold a call forever)."""
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _BROKEN = (httpx.RemoteProtocolError, httpx.ReadError)
@@ -127,6 +147,19 @@ _Exchange = Generator["_Call | float", Any, Any]
 
 
 # --------------------------------------------------------------------------- engine
+
+
+def _whole(response: httpx.Response, content: bytes) -> httpx.Response:
+    """``response`` with its body read (decoded) as ``content``: read chunk by chunk
+    to check the total timeout between chunks, which ``Response.read`` cannot."""
+    headers = [(k, v) for k, v in response.headers.multi_items()
+               if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+    return httpx.Response(response.status_code, headers=headers, content=content, request=response.request)
+
+
+def _accumulator(call: _Call, response: httpx.Response) -> Accumulator:
+    return Accumulator(call.req.chat, call.start, expect_usage=wants_usage(call.req),
+                       content_type=response.headers.get("content-type"))
 
 
 def _check_json(body: dict[str, Any]) -> None:
@@ -153,7 +186,10 @@ class RemoteEngine(ServedEngineSurface):
     the prompt's text; ``True``/``False`` force it.  ``prompt_cache_key``: an
     assembled prompt's ``prefix_key`` is sent as ``prompt_cache_key`` where the server
     supports it (OpenAI); one passed explicitly is always sent.  ``transport``: an
-    ``httpx`` transport (tests).  ``require_salt``: refuse requests without a
+    ``httpx`` transport (tests).  ``timeout``: seconds for everything, or an
+    ``httpx.Timeout`` per phase; ``total_timeout``: seconds for one whole request and its
+    response (default 600 s, or the longest phase timeout when that is longer), checked
+    between reads and never over it by more than one read.  ``require_salt``: refuse requests without a
     ``cache_salt`` (:class:`~promptsplice.errors.MissingSaltError`); either way, mixing
     salted and unsalted requests warns once
     (:class:`~promptsplice.errors.UnsaltedTenantWarning`).  ``tokenizer``/``block_size``: for
@@ -167,6 +203,7 @@ class RemoteEngine(ServedEngineSurface):
         model: str | None = None,
         api_key: str | None = None,
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        total_timeout: float | None = None,
         max_retries: int = 3,
         backoff: float = 0.5,
         send_token_ids: SendTokenIds = "auto",
@@ -212,6 +249,15 @@ class RemoteEngine(ServedEngineSurface):
             value = getattr(timeout, name)
             if value is not None:
                 check_number(value, f"timeout.{name} (seconds)", strict=True)
+        if total_timeout is None:  # httpx's meaning of timeout (per phase) stays; the total at least that
+            total_timeout = max([DEFAULT_TOTAL_TIMEOUT, *(getattr(timeout, n) or 0.0 for n in ("connect", "read"))])
+        if isinstance(total_timeout, bool):
+            raise ConfigError(f"total_timeout must be seconds, got {total_timeout!r}")
+        self.total_timeout = float(check_number(total_timeout, "total_timeout (seconds)", strict=True))
+        # no one read may outlast the whole request
+        timeout = httpx.Timeout(**{name: min(v, self.total_timeout) if v is not None else self.total_timeout
+                                   for name in ("connect", "read", "write", "pool")
+                                   for v in (getattr(timeout, name),)})
         if transport is not None and not isinstance(transport, httpx.BaseTransport | httpx.AsyncBaseTransport):
             raise ConfigError(f"transport must be an httpx transport (or None), got {type(transport).__name__}")
         self.timeout = timeout
@@ -231,14 +277,21 @@ class RemoteEngine(ServedEngineSurface):
             weakref.WeakKeyDictionary()
         )
         self._aclients_lock = threading.Lock()
+        self._closed = False
         self._init_served(tokenizer, block_size)
 
     # ----------------------------------------------------------------- lifecycle
+
+    def _closed_error(self) -> EngineError:
+        return EngineError(f"this RemoteEngine({self.base_url!r}) is closed; make a new RemoteEngine to "
+                           "send more requests")
 
     def _sync_client(self) -> httpx.Client:
         client = self._client
         if client is None:
             with self._aclients_lock:  # threads' first calls at once: one client, none leaked
+                if self._closed:
+                    raise self._closed_error()
                 if self._client is None:
                     kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
                     if self._transport is not None:
@@ -255,6 +308,8 @@ class RemoteEngine(ServedEngineSurface):
         # (one per asyncio.run leaked a client and a socket).
         loop = asyncio.get_running_loop()
         with self._aclients_lock:
+            if self._closed:
+                raise self._closed_error()
             for done in [lp for lp in self._aclients if lp.is_closed()]:
                 del self._aclients[done]
             client = self._aclients.get(loop)
@@ -266,10 +321,16 @@ class RemoteEngine(ServedEngineSurface):
             return client
 
     def close(self) -> None:
-        """Close the sync client and let go of the async ones whose loop is closed (an
-        async client can be closed only on its own loop: :meth:`aclose` there; a live
-        loop's client stays its own, for its ``aclose``)."""
+        """Close the engine: the sync client, and let go of the async ones whose loop is
+        closed (an async client can be closed only on its own loop: :meth:`aclose` there;
+        a live loop's client stays its own, for its ``aclose``).  Every later call, and
+        one racing this from another thread, raises :class:`EngineError` (never a new
+        client opened behind the caller's back)."""
+        self._release_clients(final=True)
+
+    def _release_clients(self, *, final: bool) -> None:
         with self._aclients_lock:
+            self._closed = self._closed or final
             client, self._client = self._client, None
             for done in [lp for lp in self._aclients if lp.is_closed()]:
                 del self._aclients[done]
@@ -277,12 +338,13 @@ class RemoteEngine(ServedEngineSurface):
             client.close()
 
     async def aclose(self) -> None:
-        """Close this loop's async client (each loop closes its own) and the sync one."""
+        """Close this loop's async client (each loop closes its own) and the sync one;
+        the engine stays usable (a later call opens new clients): :meth:`close` ends it."""
         with self._aclients_lock:
             client = self._aclients.pop(asyncio.get_running_loop(), None)
         if client is not None:
             await client.aclose()
-        self.close()
+        self._release_clients(final=False)
 
     def __enter__(self) -> RemoteEngine:
         return self
@@ -422,11 +484,17 @@ class RemoteEngine(ServedEngineSurface):
                 f"the connection to {url} broke before the response ended (the server died or "
                 f"closed it): {type(exc).__name__}: {exc}"
             )
+        if isinstance(exc, httpx.DecodingError):
+            return EngineResponseError(f"{url} answered a body its content-encoding header does not "
+                                       f"describe (a proxy that re-encoded it?): {type(exc).__name__}: {exc}")
         return EngineError(f"request to {url} failed: {type(exc).__name__}: {exc}")
 
     @staticmethod
     def _check_response(response: httpx.Response, call: _Call) -> None:
         if response.status_code < 400:
+            odd = unexpected_status(response, call.url)
+            if odd is not None:
+                raise odd
             return
         error = status_error(response, call.url, call.req)
         if response.status_code in _RETRY_STATUS:
@@ -445,6 +513,13 @@ class RemoteEngine(ServedEngineSurface):
         driver too."""
         try:
             yield
+        except RuntimeError as exc:  # httpx: "Cannot send a request, as the client has been closed"
+            if isinstance(exc, PromptspliceError) or not (self._closed or "has been closed" in str(exc)):
+                raise
+            if self._closed:
+                raise self._closed_error() from exc
+            raise EngineError(f"the client sending to {url} was closed (aclose()) while this request "
+                              "started; send it again") from exc
         except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
             error = self._transport_error(exc, url)
             if method != "GET":
@@ -468,6 +543,12 @@ class RemoteEngine(ServedEngineSurface):
             try:
                 return (yield call)
             except _Retry as retry:
+                wait = retry.retry_after
+                if wait is not None and wait > MAX_RETRY_AFTER_S:  # hours of waiting is giving up
+                    retry.error.args = (f"{retry.error.args[0]} (the server asked to retry after {wait:.0f} s, "
+                                        f"more than the {MAX_RETRY_AFTER_S:g} s this client waits: try later)",
+                                        *retry.error.args[1:])
+                    raise retry.error from retry.error.__cause__
                 if attempt >= self.max_retries:
                     if attempt:  # say what was tried: the caller waited for all of it
                         retry.error.args = (f"{retry.error.args[0]} (gave up after {attempt + 1} attempts)",
@@ -522,19 +603,40 @@ class RemoteEngine(ServedEngineSurface):
             except _Retry as retry:
                 error = retry
 
+    def _total_error(self, url: str) -> EngineTimeoutError:
+        return EngineTimeoutError(
+            f"total timeout of {self.total_timeout:g} s for one request to {url} ran out (the server kept "
+            "the response going without finishing it); raise RemoteEngine(total_timeout=...) if it is just slow"
+        )
+
+    def _check_deadline(self, deadline: float, url: str) -> None:
+        if time.monotonic() > deadline:
+            raise self._total_error(url)
+
     def _call(self, call: _Call) -> Any:
-        client = self._sync_client()
+        """One HTTP call, bounded by ``total_timeout`` (checked after every read): the
+        response (body read) or, for a stream, its :class:`RemoteCompletion`."""
+        deadline = time.monotonic() + self.total_timeout
         with self._translating(call.url, call.method):
-            if not call.stream:
-                response = client.request(call.method, call.url, json=call.req.body if call.req else None)
-                self._check_response(response, call)
-                return response
-            with client.stream(call.method, call.url, json=call.req.body) as response:
-                if response.status_code >= 400:
-                    response.read()
+            client = self._sync_client()
+            body = call.req.body if call.req else None
+            with client.stream(call.method, call.url, json=body) as response:
+                if not call.stream or response.status_code >= 400:
+                    chunks = []
+                    for chunk in response.iter_bytes():
+                        chunks.append(chunk)
+                        self._check_deadline(deadline, call.url)
+                    response = _whole(response, b"".join(chunks))
                     self._check_response(response, call)
-                acc = Accumulator(call.req.chat, call.start, expect_usage=wants_usage(call.req))
-                for line in response.iter_lines():
+                    return response
+                self._check_response(response, call)
+                acc = _accumulator(call, response)
+                lines = SSELines(call.url)
+                for chunk in response.iter_bytes():
+                    for line in lines.feed(chunk):
+                        acc.feed(line, call.url)
+                    self._check_deadline(deadline, call.url)
+                for line in lines.close():
                     acc.feed(line, call.url)
                 return acc.result(call.req.prompt_len, call.url)
 
@@ -557,8 +659,19 @@ class RemoteEngine(ServedEngineSurface):
                 error = retry
 
     async def _acall(self, call: _Call) -> Any:
-        client = self._async_client()
+        """Async twin of :meth:`_call` (``total_timeout`` as an ``asyncio.timeout``)."""
+        deadline = asyncio.timeout(self.total_timeout)
+        try:
+            async with deadline:
+                return await self._acall_once(call)
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            raise self._total_error(call.url) from exc
+
+    async def _acall_once(self, call: _Call) -> Any:
         with self._translating(call.url, call.method):
+            client = self._async_client()
             if not call.stream:
                 response = await client.request(call.method, call.url, json=call.req.body if call.req else None)
                 self._check_response(response, call)
@@ -566,9 +679,13 @@ class RemoteEngine(ServedEngineSurface):
             async with client.stream(call.method, call.url, json=call.req.body) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    self._check_response(response, call)
-                acc = Accumulator(call.req.chat, call.start, expect_usage=wants_usage(call.req))
-                async for line in response.aiter_lines():
+                self._check_response(response, call)
+                acc = _accumulator(call, response)
+                lines = SSELines(call.url)
+                async for chunk in response.aiter_bytes():
+                    for line in lines.feed(chunk):
+                        acc.feed(line, call.url)
+                for line in lines.close():
                     acc.feed(line, call.url)
                 return acc.result(call.req.prompt_len, call.url)
 

@@ -55,7 +55,7 @@ from typing import Any
 
 from promptsplice.blocks import chain_hashes, content_digest, root_hash, token_bytes
 from promptsplice._validate import MAX_BLOCK_SIZE, check_block_size, check_int, check_number, check_salt, check_token_ids
-from promptsplice.errors import ConfigError, InputError, InvalidSaltError, InvalidUTF8Error
+from promptsplice.errors import ConfigError, EngineUnavailableError, InputError, InvalidSaltError, InvalidUTF8Error
 from promptsplice.tenancy import SaltGuard
 
 __all__ = [
@@ -158,8 +158,16 @@ class Lease:
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Release; an :class:`EngineUnavailableError` raised in the block (the endpoint
+        is down) gets the way out added to its message: remove the endpoint."""
         self.release()
+        if isinstance(exc, EngineUnavailableError) and hasattr(self._router, "remove_endpoint"):
+            hint = (f" (endpoint {self.endpoint!r} of a {type(self._router).__name__}: while it is down, "
+                    f"route around it with router.remove_endpoint({self.endpoint!r}), and "
+                    "router.add_endpoint(...) when it is back)")
+            if exc.args and isinstance(exc.args[0], str) and hint not in exc.args[0]:
+                exc.args = (exc.args[0] + hint, *exc.args[1:])
 
 
 def _check_endpoints(endpoints: Iterable[str]) -> list[str]:

@@ -61,6 +61,7 @@ time); :meth:`stream` measures it.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -91,6 +92,7 @@ from promptsplice.engine_adapters._wire import (
     RemoteCompletion,
     Retry,
     Request,
+    SSELines,
     completion_from_json,
     model_from_list,
     wants_usage,
@@ -100,7 +102,7 @@ from promptsplice.engine_adapters._wire import (
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
 from promptsplice.engine_adapters.connector._served import MAX_QUERY_TOKENS, PROBE_KEY, QUERY_REASON, SpliceAck, query_params
 from promptsplice.engine_adapters.store._store import BlockRef
-from promptsplice.errors import ConfigError, EngineResponseError, TokenizerError
+from promptsplice.errors import ConfigError, EngineError, EngineResponseError, TokenizerError
 
 __all__ = ["ServedEngineSurface", "TOKENIZER_PROBE_TEXT"]
 
@@ -364,12 +366,15 @@ class ServedEngineSurface:
         advanced (retried until the first delta, as ``generate``; never after)."""
         req = self._served_request(prompt, max_tokens, temperature, cache_salt, stop, None, None, True)
         req.body["model"] = self._model_id()
-        return self._stream_deltas(req)
+        control = _StreamControl()
+        return ServedStream(self._stream_deltas(req, control), control)
 
-    def _stream_deltas(self, req: Request) -> Iterator[StreamDelta]:
+    def _stream_deltas(self, req: Request, control: _StreamControl) -> Iterator[StreamDelta]:
         """The SSE deltas, with the engine's retries while nothing was yielded yet (a
         refused connection, a 503, a connect timeout: as ``generate``);
-        once a delta is out, an error is final (a retry would repeat output)."""
+        once a delta is out, an error is final (a retry would repeat output).  Each
+        attempt is bounded by ``total_timeout`` (checked after every read; the time the
+        consumer holds a delta counts); an aborted stream is never retried."""
         call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
         attempts = self._attempts(call)  # type: ignore[attr-defined]
         step = next(attempts)
@@ -379,24 +384,38 @@ class ServedEngineSurface:
                 step = next(attempts)
                 continue
             started = False
+            deadline = time.monotonic() + self.total_timeout  # type: ignore[attr-defined]
             try:
+                control.check(call.url)
                 with self._translating(call.url, "POST"):  # type: ignore[attr-defined]
-                    with self._sync_client().stream("POST", call.url, json=req.body) as response:  # type: ignore[attr-defined]
+                    client = self._sync_client()  # type: ignore[attr-defined]
+                    with client.stream("POST", call.url, json=req.body, extensions={"trace": control.trace}) as response:
+                        control.connected(response)
                         if response.status_code >= 400:
                             response.read()
-                            self._check_response(response, call)  # type: ignore[attr-defined]
-                        acc = Accumulator(False, call.start, expect_usage=wants_usage(req))
-                        for line in response.iter_lines():
-                            text, ids = acc.feed(line, call.url)
-                            if text or ids:
-                                started = True
-                                yield StreamDelta(text, ids, None)
+                        self._check_response(response, call)  # type: ignore[attr-defined]
+                        acc = Accumulator(False, call.start, expect_usage=wants_usage(req),
+                                          content_type=response.headers.get("content-type"))
+                        lines = SSELines(call.url)
+                        for chunk in response.iter_bytes():
+                            for line in lines.feed(chunk):
+                                text, ids = acc.feed(line, call.url)
+                                if text or ids:
+                                    started = True
+                                    yield StreamDelta(text, ids, None)
+                            self._check_deadline(deadline, call.url)  # type: ignore[attr-defined]
+                        for line in lines.close():
+                            acc.feed(line, call.url)
                         rc = acc.result(req.prompt_len, call.url)
                 break
             except Retry as retry:  # type: ignore[attr-defined]
+                control.check(call.url, retry.error)
                 if started:
                     raise retry.error from retry.error.__cause__
                 step = attempts.throw(retry)  # the pause, or the error once retries are spent
+            except EngineError as exc:
+                control.check(call.url, exc)
+                raise
         yield StreamDelta("", [], self._completion_record(rc, req))
 
     def generate_phases(
@@ -424,3 +443,57 @@ class ServedEngineSurface:
 
         return run_phases(tokens, phases, run_one, gen, adapt)
 
+
+class _StreamControl:
+    """What :meth:`ServedStream.abort` reaches from another thread: a flag, and the
+    connection of the request in flight (from httpcore's trace when it connects, from
+    the response once it answers)."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+        self._network: Any = None
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        stream = info.get("return_value") if event.endswith(".complete") else None
+        if hasattr(stream, "get_extra_info"):  # connect_tcp / start_tls: the new connection
+            self._network = stream
+            if self.aborted:
+                self.abort()
+
+    def connected(self, response: Any) -> None:
+        self.trace("response.complete", {"return_value": response.extensions.get("network_stream")})
+
+    def abort(self) -> None:
+        self.aborted = True
+        sock = self._network.get_extra_info("socket") if self._network is not None else None
+        if sock is not None:
+            try:  # wakes a read blocked on it (a close() from another thread does not)
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def check(self, url: str, cause: BaseException | None = None) -> None:
+        if self.aborted:
+            raise EngineError(f"the stream from {url} was aborted (ServedStream.abort)") from cause
+
+
+class ServedStream(Iterator[StreamDelta]):
+    """What :meth:`ServedEngineSurface.stream` returns: the deltas, iterated and closed as
+    a generator, and :meth:`abort` for another thread (an async caller that was
+    cancelled: LangChain's ``astream``) to end a request still waiting on the server."""
+
+    def __init__(self, deltas: Iterator[StreamDelta], control: _StreamControl) -> None:
+        self._deltas = deltas
+        self._control = control
+
+    def __next__(self) -> StreamDelta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()  # type: ignore[attr-defined]
+
+    def abort(self) -> None:
+        """Shut the request's connection from any thread: the thread iterating it gets
+        :class:`EngineError` at once, with no retry.  A request on a pooled connection
+        that has not answered yet is not reachable: it ends at the engine's timeouts."""
+        self._control.abort()

@@ -5,11 +5,26 @@ reads what comes back, the same for its sync and async halves: a JSON completion
 streamed (SSE) one chunk by chunk, an error body (a 400 saying the prompt is too long
 becomes :class:`ContextLengthError`), a model list, Prometheus ``/metrics``
 counters, and the splice connector's answer in ``kv_transfer_params``.  A body that is not what the format promises is an
-:class:`EngineResponseError` carrying a snippet of it.
+:class:`EngineResponseError` carrying a snippet of it: no ``message`` in a chat choice
+(``content: null`` is valid only beside ``tool_calls``), a choice other than index 0 (no
+request asks for ``n > 1``: several choices are not an answer to it, and joining or
+picking among them would be a wrong answer), a usage count that is negative, not a
+whole number or a ``cached_tokens`` over ``prompt_tokens`` (a count that is missing or
+``null`` is ``None``: unknown), a stream that is not UTF-8, a stream without a
+``finish_reason`` or without any ``data:`` line (the server or a proxy ignored
+``stream=True``), a redirect (not followed) or a 204.  Whatever follows ``data: [DONE]``
+is ignored.
+
+Kept as one module (~650 lines): every rule of what a response means sits in one place,
+read by both halves of ``RemoteEngine`` and by the served engine's stream, so a rule
+cannot hold for one path and not another (the streamed and the whole reply disagreed
+on choices and UTF-8 before they shared it).
 """
 
 from __future__ import annotations
 
+import codecs
+import email.utils
 import json
 import math
 import re
@@ -169,9 +184,45 @@ def server_message(response: httpx.Response) -> str:
 
 
 def _int_or_none(value: Any) -> int | None:
+    """A Prometheus counter's value as an int (``None`` when absent or not finite)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None  # a count the server did not give (JSON's NaN / Infinity included)
+        return None
     return int(value)
+
+
+_MAX_COUNT = 2**53
+"""A token count above this is not one (1e300 passed as a count before)."""
+
+
+def _count(value: Any, name: str, url: str) -> int | None:
+    """A usage count: ``None`` when missing or ``null`` (unknown), else a whole number
+    from 0 to 2**53; anything else (negative, 2.9, "2", NaN, 1e300) is an
+    :class:`EngineResponseError` naming the field: a count is reported, never guessed."""
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or (isinstance(value, float) and not value.is_integer()) or not 0 <= value <= _MAX_COUNT):
+        raise EngineResponseError(f"{url} answered {name}={value!r:.40}, which is not a token count "
+                                  "(a whole number, 0 or more)")
+    return int(value)
+
+
+def usage_counts(usage: Any, url: str) -> tuple[int | None, int | None, int | None]:
+    """``(prompt_tokens, completion_tokens, cached_tokens)`` of a ``usage`` object, each
+    checked by :func:`_count`; ``cached_tokens`` over ``prompt_tokens`` is an
+    :class:`EngineResponseError` too.  No usage object: all ``None``."""
+    if not isinstance(usage, Mapping):
+        return None, None, None
+    prompt = _count(usage.get("prompt_tokens"), "usage.prompt_tokens", url)
+    completion = _count(usage.get("completion_tokens"), "usage.completion_tokens", url)
+    details = usage.get("prompt_tokens_details")
+    cached = None
+    if isinstance(details, Mapping):
+        cached = _count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens", url)
+    if cached is not None and prompt is not None and cached > prompt:
+        raise EngineResponseError(f"{url} answered cached_tokens={cached} over prompt_tokens={prompt}: "
+                                  "a prompt cannot have more tokens cached than it has")
+    return prompt, completion, cached
 
 
 def _token_ids(ids: Any, url: str) -> list[int] | None:
@@ -190,25 +241,72 @@ def _text(value: Any, url: str) -> str | None:
     raise EngineResponseError(f"{url} answered text that is not a string: {snippet(repr(value).encode())!r}")
 
 
-def _cached_from_usage(usage: Any) -> int | None:
-    if not isinstance(usage, Mapping):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if not isinstance(details, Mapping):
-        return None
-    return _int_or_none(details.get("cached_tokens"))
-
-
-
 def retry_after(response: httpx.Response) -> float | None:
+    """The wait a ``Retry-After`` header asks for, in seconds: a number of seconds or an
+    HTTP-date (a date past is 0).  May be over :data:`MAX_RETRY_AFTER_S` (the caller
+    then gives up).  ``None`` when absent or nonsense (negative, NaN, infinite,
+    unparseable): the caller's backoff applies."""
     value = response.headers.get("retry-after")
     if value is None:
         return None
     try:
         seconds = float(value)
     except ValueError:
-        return None
-    return seconds if 0 <= seconds <= MAX_RETRY_AFTER_S else None
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # an HTTP-date is GMT
+            return None
+        seconds = max(0.0, when.timestamp() - time.time())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def unexpected_status(response: httpx.Response, url: str) -> EngineResponseError | None:
+    """The error for a status below 400 that carries no completion: a redirect (httpx
+    follows none: the URL must be the server's own) or a 204/205 (no content)."""
+    status = response.status_code
+    if 300 <= status < 400:
+        where = response.headers.get("location")
+        return EngineResponseError(
+            f"{url} answered HTTP {status}, a redirect{f' to {where}' if where else ''}; redirects are "
+            "not followed: pass the URL the server answers at as base_url", status_code=status)
+    if status in (204, 205):
+        return EngineResponseError(f"{url} answered HTTP {status} with no content, not a completion",
+                                   status_code=status)
+    return None
+
+
+_NEWLINE_RE = re.compile(r"\r\n|\r|\n")
+
+
+class SSELines:
+    """Bytes of an SSE stream to its lines, decoded as strict UTF-8 (the SSE format's
+    encoding): invalid UTF-8 is an :class:`EngineResponseError`, as in a non-streamed
+    body, never U+FFFD.  Lines end at ``\\n``, ``\\r\\n`` or ``\\r``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        self._buffer = ""
+
+    def feed(self, data: bytes, final: bool = False) -> list[str]:
+        try:
+            text = self._buffer + self._decoder.decode(data, final)
+        except UnicodeDecodeError as exc:
+            raise EngineResponseError(f"the stream from {self.url} is not valid UTF-8 ({exc.reason} "
+                                      f"near {snippet(exc.object[max(0, exc.start - 40):exc.end + 10])!r})") from exc
+        parts = _NEWLINE_RE.split(text)  # not str.splitlines: U+2028 may stand in a JSON string
+        self._buffer = parts.pop()  # after the last line break: unfinished
+        if parts and text.endswith("\r") and not final:  # its "\n" may come in the next bytes
+            self._buffer = parts.pop() + "\r"
+        if final and self._buffer:
+            parts.append(self._buffer)
+            self._buffer = ""
+        return parts
+
+    def close(self) -> list[str]:
+        return self.feed(b"", final=True)
 
 
 @dataclass(slots=True)
@@ -255,11 +353,24 @@ def wants_usage(req: Request) -> bool:
     return isinstance(opts, Mapping) and bool(opts.get("include_usage"))
 
 
+def _check_index(choice: Mapping[str, Any], url: str, data: Any) -> None:
+    """Only choice 0 answers a request (none asks for ``n > 1``; a missing index is 0)."""
+    index = choice.get("index", 0)
+    if index is not None and index != 0:
+        raise EngineResponseError(
+            f"{url} answered a choice with index {index!r:.20}, but only one choice (index 0) was asked "
+            f"for: not an answer to this request (a proxy that fans out?): {snippet(str(data))!r}"
+        )
+
+
 class Accumulator:
     """Collects a streamed (SSE) response chunk by chunk."""
 
-    def __init__(self, chat: bool, start: float, *, expect_usage: bool = False) -> None:
+    def __init__(self, chat: bool, start: float, *, expect_usage: bool = False, content_type: str | None = None) -> None:
         self.chat = chat
+        self.content_type = content_type
+        self.events = 0  # data lines read: none means the server did not stream at all
+        self.other: list[str] = []  # the start of what came instead (for the error)
         self.start = start
         # the request asked for a usage chunk (``stream_options.include_usage``): it comes
         # after the finish_reason, so a stream cut between them is cut, not complete
@@ -276,8 +387,13 @@ class Accumulator:
         """Take one SSE line; returns the text and token ids it added."""
         added: tuple[str, list[int]] = ("", [])
         line = line.strip()
-        if not line or line.startswith(":") or not line.startswith("data:"):
+        if self.done:  # nothing after [DONE] belongs to the answer
             return added
+        if not line or line.startswith(":") or not line.startswith("data:"):
+            if line and not line.startswith(":") and sum(map(len, self.other)) < _SNIPPET:
+                self.other.append(line)
+            return added
+        self.events += 1
         data = line[5:].strip()
         if data == "[DONE]":
             self.done = True
@@ -306,7 +422,9 @@ class Accumulator:
             raise EngineResponseError(f"malformed stream chunk from {url} (choices is not a list): {snippet(data)!r}")
         for choice in choices or ():
             if not isinstance(choice, Mapping):
-                continue
+                raise EngineResponseError(f"malformed stream chunk from {url} (a choice is not an object): "
+                                          f"{snippet(data)!r}")
+            _check_index(choice, url, data)
             if self.chat:
                 delta = choice.get("delta") or {}
                 text = _text(delta.get("content"), url) if isinstance(delta, Mapping) else None
@@ -326,6 +444,16 @@ class Accumulator:
         return added
 
     def result(self, prompt_len: int | None, url: str) -> RemoteCompletion:
+        if not self.events:
+            raise EngineResponseError(
+                f"{url} answered no SSE data lines (content-type {self.content_type or 'none'}): the server "
+                f"or a proxy ignored stream=True; it sent: {snippet(chr(10).join(self.other))!r}"
+            )
+        if self.done and self.finish_reason is None:
+            raise EngineResponseError(
+                f"the stream from {url} reached [DONE] without a finish_reason "
+                f"(got {len(self.parts)} text chunks): not a complete answer"
+            )
         if not self.done and self.finish_reason is None:
             raise EngineResponseError(
                 f"the stream from {url} ended before a finish_reason or [DONE] "
@@ -336,13 +464,13 @@ class Accumulator:
                 f"the stream from {url} ended after its finish_reason but before the usage "
                 "chunk it was asked for and [DONE]: the server closed it early"
             )
-        usage = self.usage if isinstance(self.usage, Mapping) else {}
+        prompt_tokens, completion_tokens, cached = usage_counts(self.usage, url)
         total = time.perf_counter() - self.start
         return RemoteCompletion(
             text="".join(self.parts),
-            prompt_tokens=_int_or_none(usage.get("prompt_tokens")) or prompt_len,
-            completion_tokens=_int_or_none(usage.get("completion_tokens")),
-            cached_tokens=_cached_from_usage(self.usage),
+            prompt_tokens=prompt_tokens or prompt_len,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached,
             ttft_s=self.ttft,
             total_s=total,
             finish_reason=self.finish_reason,
@@ -413,25 +541,37 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
         raise EngineResponseError(f"{url} answered without choices: {snippet(json.dumps(data))!r}")
+    for extra in choices:
+        if not isinstance(extra, Mapping):
+            raise EngineResponseError(f"{url} answered a choice that is not an object: {snippet(json.dumps(data))!r}")
+        _check_index(extra, url, json.dumps(data))
+    if len(choices) > 1:
+        raise EngineResponseError(f"{url} answered {len(choices)} choices where one was asked for: "
+                                  f"{snippet(json.dumps(data))!r}")
     choice = choices[0]
     if req.chat:
         message = choice.get("message")
-        text = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(message, Mapping):
+            raise EngineResponseError(f"{url} answered a chat choice without a message: {snippet(json.dumps(data))!r}")
+        text = message.get("content")
+        if text is None and any(message.get(k) for k in ("tool_calls", "function_call", "reasoning_content", "reasoning")):
+            text = ""  # a tool call (OpenAI's shape), or a reasoning model's turn that held only reasoning
+        elif text is None:
+            raise EngineResponseError(f"{url} answered a chat message without content: {snippet(json.dumps(data))!r}")
     else:
         text = choice.get("text")
-    if text is None:
-        text = ""
+        if text is None:
+            raise EngineResponseError(f"{url} answered a completion choice without text: {snippet(json.dumps(data))!r}")
     if not isinstance(text, str):
         raise EngineResponseError(f"{url} answered a non-text completion: {snippet(json.dumps(data))!r}")
-    usage = data.get("usage")
-    usage_map = usage if isinstance(usage, Mapping) else {}
+    prompt_tokens, completion_tokens, cached = usage_counts(data.get("usage"), url)
     kv_params = data.get("kv_transfer_params")
     kv_params = kv_params if isinstance(kv_params, Mapping) else None
     return RemoteCompletion(
         text=text,
-        prompt_tokens=_int_or_none(usage_map.get("prompt_tokens")) or req.prompt_len,
-        completion_tokens=_int_or_none(usage_map.get("completion_tokens")),
-        cached_tokens=_cached_from_usage(usage),
+        prompt_tokens=prompt_tokens or req.prompt_len,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached,
         ttft_s=None,
         total_s=time.perf_counter() - start,
         finish_reason=choice.get("finish_reason"),

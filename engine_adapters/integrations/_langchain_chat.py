@@ -1,5 +1,9 @@
 """``PromptspliceChatModel``: a LangChain chat model over the embedded vLLM engine.
 
+Kept as one module (~640 lines): LangChain's sync, async, streamed and batched entry
+points of one chat model share its engine calls and the cancellation of a stream, which
+only holds when they live next to each other (conversions are in ``_langchain_convert``).
+
 Messages become OpenAI-style dicts, are rendered through the model's chat template in
 token space with block-aligned per-message segments (:class:`promptsplice.assembler.ChatRenderer`, or
 the model's :class:`promptsplice.assembler.ContextHook` when it has one: then the session's context
@@ -498,6 +502,14 @@ class PromptspliceChatModel(BaseChatModel):
         step).  With tools, text that may open a ``<tool_call>`` block is held back and
         the calls arrive in the last chunk; with a ``runner`` the whole answer is one
         chunk (runners do not stream)."""
+        return self._stream_chunks(messages, stop, run_manager, kwargs)
+
+    def _stream_chunks(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any],
+        opened: Callable[[Any], None] | None = None,
+    ) -> Iterator[ChatGenerationChunk]:
+        """:meth:`_stream`; ``opened`` is handed the engine's stream once it is open (so
+        :meth:`_astream` can abort it from the event loop's thread)."""
         req = self._request(messages, stop, kwargs, run_manager)
         if self.runner is not None:
             msg = self._message(req, self._run(req))
@@ -508,6 +520,8 @@ class PromptspliceChatModel(BaseChatModel):
             return
         eng = self.resolved_engine()
         stream = eng.stream(req["ids"], max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"], cache_salt=req["salt"])
+        if opened is not None:
+            opened(stream)
         seen = req["prefix"]
         sent = 0  # characters of content already streamed
         try:
@@ -550,45 +564,72 @@ class PromptspliceChatModel(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         """:meth:`_stream` in one worker thread (the engine's stream holds its lock in
-        the thread that started it), chunks handed over through a queue."""
+        the thread that started it), chunks handed over through a queue.  A consumer that
+        stops early (cancelled, ``break``) does not wait for the worker: it is told to
+        stop, and a stream that can be aborted (a served engine's) has its connection
+        shut, so a server that never answers does not hold the cancel for the engine's
+        timeout; the worker ends on its own (its late items are dropped)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         stop_flag = threading.Event()
         done = object()
         ctx_cfg = ensure_config()
+        opened: list[Any] = []
+
+        def abort(stream: Any) -> None:
+            if hasattr(stream, "abort"):
+                stream.abort()
+
+        def on_open(stream: Any) -> None:
+            opened.append(stream)
+            if stop_flag.is_set():  # the consumer left while the stream was being opened
+                abort(stream)
+
+        def hand(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: the consumer left long ago
+                pass
 
         def produce() -> None:
             from langchain_core.runnables.config import var_child_runnable_config
 
             var_child_runnable_config.set(ctx_cfg)
             try:
-                gen = self._stream(messages, stop, None, **kwargs)
+                gen = self._stream_chunks(messages, stop, None, kwargs, on_open)
                 try:
                     for chunk in gen:
-                        loop.call_soon_threadsafe(queue.put_nowait, chunk)
                         if stop_flag.is_set():
                             break
+                        hand(chunk)
                 finally:
                     gen.close()
-                loop.call_soon_threadsafe(queue.put_nowait, done)
+                hand(done)
             except BaseException as exc:  # handed to the consumer, raised there
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
+                hand(exc)
 
         worker = threading.Thread(target=produce, name="promptsplice-astream", daemon=True)
         worker.start()
+        finished = False
         try:
             while True:
                 item = await queue.get()
                 if item is done:
+                    finished = True
                     break
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 if run_manager is not None and item.message.content:
                     await run_manager.on_llm_new_token(str(item.message.content), chunk=item)
                 yield item
         finally:
             stop_flag.set()
-            await asyncio.to_thread(worker.join)
+            if finished:  # the worker closed its stream before handing the last item over
+                await asyncio.to_thread(worker.join)
+            else:
+                for stream in list(opened):
+                    abort(stream)
 
 
 def _with_thread(config: RunnableConfig | None, kwargs: dict[str, Any], key: str = "thread_id") -> dict[str, Any]:

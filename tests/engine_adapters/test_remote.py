@@ -613,8 +613,9 @@ def test_bodies_that_are_not_json_and_replies_that_are_not_completions_are_trans
     def broken(body):
         return _mock(lambda r: httpx.Response(200, content=body.encode(), headers={"content-type": "application/json"}))
 
-    good = broken('{"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"prompt_tokens": NaN, "completion_tokens": Infinity}}')
-    assert good.complete([1], max_tokens=1).completion_tokens is None  # a count the server did not give
+    nan = broken('{"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"prompt_tokens": NaN, "completion_tokens": Infinity}}')
+    with pytest.raises(EngineResponseError, match="usage.prompt_tokens=nan, which is not a token count"):
+        nan.complete([1], max_tokens=1)  # not a count: an error (it was read as unknown), never a raw ValueError
     bad = broken('{"choices": [{"text": "x", "token_ids": ["a"], "finish_reason": "stop"}]}')
     with pytest.raises(EngineResponseError, match="token_ids that are not token ids"):
         bad.complete([1], max_tokens=1)

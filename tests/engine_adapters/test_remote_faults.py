@@ -1,0 +1,421 @@
+"""RemoteEngine against misbehaving servers: fakes on 127.0.0.1 (a raw socket server
+that trickles, stalls or answers nothing) and ``httpx.MockTransport`` replies that a
+real ``vllm serve`` never sends (extra choices, impossible usage counts, odd statuses).
+Each test runs in well under 5 s; a hang fails through ``pytest.mark.timeout``."""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import gzip
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from promptsplice.engine_adapters import PrefixRouter
+from promptsplice.engine_adapters._remote import DEFAULT_TIMEOUT, DEFAULT_TOTAL_TIMEOUT, RemoteEngine
+from promptsplice.engine_adapters._wire import MAX_RETRY_AFTER_S, retry_after
+from promptsplice.errors import (
+    ConfigError,
+    EngineError,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+)
+
+from tests.engine_adapters.test_remote import _mock, _ok_body, _sse, _stream_body
+
+SSE = {"content-type": "text/event-stream"}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+class FakeServer:
+    """A socket server on 127.0.0.1 that runs ``handle(conn)`` for each connection (after
+    reading the request head); ``stop()`` closes it and every connection."""
+
+    def __init__(self, handle):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.handle = handle
+        self.conns: list[socket.socket] = []
+        self.closed_by_client = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._run, args=(conn,), daemon=True).start()
+
+    def _run(self, conn):
+        try:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            self.handle(conn)
+        except OSError:
+            pass
+
+    def stop(self):
+        self.sock.close()
+        for conn in self.conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def make(handle):
+        servers.append(FakeServer(handle))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def _trickle(head: bytes, piece: bytes, seconds: float = 4.0):
+    """Send ``head``, then ``piece`` every 0.1 s for ``seconds`` (then hang up): each read
+    comes well inside any read timeout, the response never ends on its own."""
+
+    def handle(conn):
+        conn.sendall(head)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            conn.sendall(piece)
+            time.sleep(0.1)
+
+    return handle
+
+
+# ------------------------------------------------------------------ 1. total deadline
+
+
+def test_the_timeouts_default_to_connect_read_and_total():
+    eng = RemoteEngine("http://127.0.0.1:9", model="m")
+    assert (eng.timeout.connect, eng.timeout.read, eng.total_timeout) == (5.0, 120.0, 600.0)
+    assert DEFAULT_TOTAL_TIMEOUT == 600.0 and DEFAULT_TIMEOUT.read == 120.0
+    # a number keeps httpx's meaning (each phase); the total is 600 s, or longer with it
+    assert RemoteEngine("http://127.0.0.1:9", model="m", timeout=2).total_timeout == 600.0
+    assert RemoteEngine("http://127.0.0.1:9", model="m", timeout=900).total_timeout == 900.0
+    short = RemoteEngine("http://127.0.0.1:9", model="m", total_timeout=1.5)
+    assert short.timeout.read == 1.5 and short.timeout.connect == 1.5  # no read outlasts the whole
+    for bad in (0, -1, float("nan"), "600", True):
+        with pytest.raises(ConfigError, match="total_timeout"):
+            RemoteEngine("http://127.0.0.1:9", model="m", total_timeout=bad)
+
+
+@pytest.mark.timeout(15)
+@pytest.mark.parametrize("stream", [True, False], ids=["sse-keepalives", "body-a-byte-at-a-time"])
+def test_a_server_that_trickles_forever_is_cut_at_the_total_timeout(fake_server, stream):
+    """Each read came inside the read timeout, so a server sending ``: ping`` comments
+    (or a body a byte every 0.5 s) held ``complete()`` forever with ``timeout=2``."""
+    if stream:
+        srv = fake_server(_trickle(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n", b": ping\n\n"))
+    else:
+        srv = fake_server(_trickle(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                   b"content-length: 100000\r\n\r\n", b" "))
+    eng = RemoteEngine(srv.url, model="m", timeout=0.6, total_timeout=0.6, max_retries=0)
+    for call in (lambda: eng.complete([1, 2], max_tokens=2, stream=stream),
+                 lambda: asyncio.run(eng.acomplete([1, 2], max_tokens=2, stream=stream))):
+        t0 = time.monotonic()
+        with pytest.raises(EngineTimeoutError, match=r"total timeout of 0.6 s .*total_timeout="):
+            call()
+        assert time.monotonic() - t0 < 2.5
+    if stream:  # the served engine's own stream() too
+        t0 = time.monotonic()
+        with pytest.raises(EngineTimeoutError, match="total timeout"):
+            list(eng.stream([1, 2], max_tokens=2))
+        assert time.monotonic() - t0 < 2.5
+
+
+# ------------------------------------------------------------------ 3. choices
+
+
+def test_a_reply_with_a_choice_other_than_index_0_is_an_error_not_a_pick_or_a_join():
+    """choices [{index 1: B}, {index 0: A}] answered "B"; streamed ones were joined ("A1B1A2")."""
+    body = {"choices": [{"index": 1, "text": "B", "finish_reason": "stop"},
+                        {"index": 0, "text": "A", "finish_reason": "stop"}]}
+    with pytest.raises(EngineResponseError, match="index 1.*only one choice"):
+        _mock(lambda r: httpx.Response(200, json=body)).complete([1], max_tokens=2)
+    sse = _sse(json.dumps({"choices": [{"index": 0, "text": "A1", "token_ids": [5]},
+                                       {"index": 1, "text": "B1", "token_ids": [6]}]}),
+               json.dumps({"choices": [{"index": 0, "text": "A2", "finish_reason": "stop"}], "usage": USAGE}),
+               "[DONE]")
+    eng = _mock(lambda r: httpx.Response(200, content=sse, headers=SSE))
+    with pytest.raises(EngineResponseError, match="index 1"):
+        eng.complete([1], max_tokens=2, stream=True)
+    with pytest.raises(EngineResponseError, match="index 1"):
+        list(eng.stream([1], max_tokens=2))  # never into the cache mirror
+    two_zero = {"choices": [{"index": 0, "text": "A", "finish_reason": "stop"}] * 2}
+    with pytest.raises(EngineResponseError, match="2 choices where one was asked for"):
+        _mock(lambda r: httpx.Response(200, json=two_zero)).complete([1], max_tokens=2)
+    no_index = {"choices": [{"text": "A", "finish_reason": "stop"}]}  # a missing index is 0
+    assert _mock(lambda r: httpx.Response(200, json=no_index)).complete([1], max_tokens=2).text == "A"
+
+
+# ------------------------------------------------------------------ 4. usage counts
+
+
+@pytest.mark.parametrize("usage, field", [
+    ({"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": -5}}, "cached_tokens=-5"),
+    ({"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 999}}, "cached_tokens=999 over prompt_tokens=3"),
+    ({"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2.9}}, "cached_tokens=2.9"),
+    ({"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1e300}}, "cached_tokens=1e\\+300"),
+    ({"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": "2"}}, "cached_tokens='2'"),
+    ({"prompt_tokens": 3, "completion_tokens": -1}, "completion_tokens=-1"),
+    ({"prompt_tokens": -3}, "prompt_tokens=-3"),
+])
+def test_usage_counts_that_are_not_counts_are_response_errors(usage, field):
+    """They were returned as they came (or truncated: 2.9 -> 2) and reached LangChain's
+    usage_metadata."""
+    eng = _mock(lambda r: httpx.Response(200, json={**_ok_body(), "usage": usage}))
+    with pytest.raises(EngineResponseError, match=field):
+        eng.complete([1, 2, 3], max_tokens=2)
+    chunks = ['{"choices": [{"text": "x", "finish_reason": "stop"}]}', json.dumps({"choices": [], "usage": usage}), "[DONE]"]
+    streamed = _mock(lambda r: httpx.Response(200, content=_sse(*chunks), headers=SSE))
+    with pytest.raises(EngineResponseError, match=field):
+        streamed.complete([1, 2, 3], max_tokens=2, stream=True)
+
+
+def test_missing_or_null_counts_stay_unknown_and_whole_floats_are_counts():
+    usage = {"prompt_tokens": 3.0, "completion_tokens": None, "prompt_tokens_details": {"cached_tokens": None}}
+    got = _mock(lambda r: httpx.Response(200, json={**_ok_body(), "usage": usage})).complete([1, 2, 3], max_tokens=2)
+    assert (got.prompt_tokens, got.completion_tokens, got.cached_tokens) == (3, None, None)
+
+
+# ------------------------------------------------------------------ 5. silent drops
+
+
+@pytest.mark.parametrize("choice, message", [
+    ({"finish_reason": "stop"}, "without a message"),
+    ({"text": "X", "finish_reason": "stop"}, "without a message"),
+    ({"message": {"role": "assistant", "content": None}, "finish_reason": "stop"}, "without content"),
+])
+def test_a_chat_choice_without_its_message_is_an_error_not_an_empty_answer(choice, message):
+    eng = _mock(lambda r: httpx.Response(200, json={"choices": [choice]}))
+    with pytest.raises(EngineResponseError, match=message):
+        eng.chat([{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_a_tool_call_with_null_content_is_a_valid_answer():
+    """OpenAI's documented shape: ``content: null`` beside ``tool_calls``."""
+    body = {"choices": [{"message": {"content": None, "tool_calls": [{"id": "1"}]}, "finish_reason": "tool_calls"}]}
+    got = _mock(lambda r: httpx.Response(200, json=body)).chat([{"role": "user", "content": "hi"}], max_tokens=2)
+    assert (got.text, got.finish_reason) == ("", "tool_calls")
+
+
+def test_a_completion_choice_without_text_is_an_error():
+    with pytest.raises(EngineResponseError, match="without text"):
+        _mock(lambda r: httpx.Response(200, json={"choices": [{"finish_reason": "stop"}]})).complete([1], max_tokens=2)
+
+
+def test_a_stream_of_only_done_is_not_an_empty_answer():
+    eng = _mock(lambda r: httpx.Response(200, content=b"data: [DONE]\n\n", headers=SSE))
+    with pytest.raises(EngineResponseError, match=r"\[DONE\] without a finish_reason"):
+        eng.complete([1], max_tokens=2, stream=True)
+
+
+def test_what_follows_done_is_ignored():
+    body = _stream_body() + _sse('{"choices": [{"text": "EXTRA", "token_ids": [9], "finish_reason": "stop"}]}')
+    eng = _mock(lambda r: httpx.Response(200, content=body, headers=SSE))
+    got = eng.complete([1, 2, 3], max_tokens=2, stream=True)
+    assert (got.text, got.token_ids, got.finish_reason) == ("Hello", [1, 2], "length")
+    deltas = list(eng.stream([1, 2, 3], max_tokens=2))
+    assert "".join(d.text for d in deltas) == "Hello" and deltas[-1].completion.token_ids == [1, 2]
+
+
+def test_invalid_utf8_in_a_stream_is_an_error_as_in_a_body():
+    """The stream decoded it to U+FFFD (a wrong answer) where a JSON body raised."""
+    body = b'data: {"choices": [{"text": "\xff\xfe", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+    eng = _mock(lambda r: httpx.Response(200, content=body, headers=SSE))
+    with pytest.raises(EngineResponseError, match="not valid UTF-8"):
+        eng.complete([1], max_tokens=2, stream=True)
+    with pytest.raises(EngineResponseError, match="not valid UTF-8"):
+        list(eng.stream([1], max_tokens=2))
+    with pytest.raises(EngineResponseError):
+        _mock(lambda r: httpx.Response(200, content=body.split(b"\n")[0][6:])).complete([1], max_tokens=2)
+    split = 'data: {"choices": [{"text": "é ok", "finish_reason": "stop"}]}\r\n\r\ndata: [DONE]\r\n\r\n'.encode()
+
+    def pieces():  # a character and a CRLF cut between reads
+        cut = split.index("é".encode()) + 1
+        yield split[:cut]
+        yield split[cut:cut + 40]
+        yield split[cut + 40:]
+
+    eng = _mock(lambda r: httpx.Response(200, content=pieces(), headers=SSE))
+    assert eng.complete([1], max_tokens=2, stream=True).text == "é ok"
+
+
+# ------------------------------------------------------------------ 6. Retry-After
+
+
+def test_retry_after_reads_seconds_and_http_dates_and_drops_nonsense():
+    def ra(value):
+        return retry_after(httpx.Response(429, headers={"retry-after": value}))
+
+    assert ra("2") == 2.0 and ra("120") == 120.0
+    soon = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 <= ra(soon) <= 31
+    assert ra("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date past: now
+    for nonsense in ("-1", "nan", "inf", "soon", ""):
+        assert ra(nonsense) is None, nonsense
+
+
+@pytest.mark.parametrize("value", ["120", "Wed, 21 Oct 2099 07:28:00 GMT", "1e300"])
+def test_a_retry_after_over_the_cap_gives_up_at_once_saying_so(monkeypatch, value):
+    """They were ignored and the retries went out after 0.1 s."""
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail(f"slept {s}"))
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        return httpx.Response(429, json={"error": {"message": "rate"}}, headers={"retry-after": value})
+
+    with pytest.raises(EngineRequestError, match=r"asked to retry after \d+ s, more than the 60 s") as info:
+        _mock(handler, max_retries=3, backoff=0.1).complete([1], max_tokens=1)
+    assert len(calls) == 1 and info.value.status_code == 429 and MAX_RETRY_AFTER_S == 60
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_nonsense_retry_after_falls_back_to_the_backoff(monkeypatch, value):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    eng = _mock(lambda r: httpx.Response(429, json={"error": {"message": "rate"}}, headers={"retry-after": value}),
+                max_retries=2, backoff=0.1)
+    with pytest.raises(EngineRequestError, match="gave up after 3 attempts"):
+        eng.complete([1], max_tokens=1)
+    assert slept == [0.1, 0.2]
+
+
+def test_a_retry_after_date_is_waited_for(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    soon = email.utils.formatdate(time.time() + 20, usegmt=True)
+    answers = iter([httpx.Response(503, headers={"retry-after": soon}), httpx.Response(200, json=_ok_body())])
+    assert _mock(lambda r: next(answers), backoff=0.1).complete([1], max_tokens=1).text == "ok"
+    assert len(slept) == 1 and 15 <= slept[0] <= 21
+
+
+# ------------------------------------------------------------------ 7. close
+
+
+@pytest.mark.timeout(20)
+def test_requests_racing_close_get_a_promptsplice_error_and_a_closed_engine_stays_closed():
+    """httpx's builtin RuntimeError ("the client has been closed") escaped, and a call
+    after close() quietly opened a new client."""
+    eng = _mock(lambda r: httpx.Response(200, json=_ok_body()))
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def work():
+        while not stop.is_set():
+            try:
+                eng.complete([1], max_tokens=1)
+            except BaseException as exc:  # noqa: BLE001 - what escapes is the point
+                errors.append(exc)
+
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    for t in workers:
+        t.start()
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        eng.close()
+        time.sleep(0.001)
+    stop.set()
+    for t in workers:
+        t.join()
+    assert errors and all(type(e) is EngineError and "is closed" in str(e) for e in errors), {repr(e) for e in errors}
+    with pytest.raises(EngineError, match="is closed; make a new RemoteEngine"):
+        eng.complete([1], max_tokens=1)
+    with pytest.raises(EngineError, match="is closed"):
+        asyncio.run(eng.acomplete([1], max_tokens=1))
+    with pytest.raises(EngineError, match="is closed"):
+        list(eng.stream([1], max_tokens=1))
+    assert eng._client is None and not eng._aclients  # no client opened behind the caller's back
+    with _mock(lambda r: httpx.Response(200, json=_ok_body())) as ctx:
+        ctx.complete([1], max_tokens=1)
+    with pytest.raises(EngineError, match="is closed"):
+        ctx.complete([1], max_tokens=1)
+
+
+def test_aclose_lets_go_of_clients_but_the_engine_stays_usable():
+    eng = _mock(lambda r: httpx.Response(200, json=_ok_body()))
+
+    async def twice():
+        await eng.acomplete([1], max_tokens=1)
+        await eng.aclose()
+        return await eng.acomplete([1], max_tokens=1)
+
+    assert asyncio.run(twice()).text == "ok" and eng.complete([1], max_tokens=1).text == "ok"
+
+
+# ------------------------------------------------------------------ 8. messages
+
+
+@pytest.mark.parametrize("body, ctype", [
+    (json.dumps({"choices": [{"text": "hello", "finish_reason": "stop"}]}), "application/json"),
+    ("<html>proxy</html>", "text/html"),
+    ("", "text/plain"),
+])
+def test_a_reply_that_is_not_sse_to_a_stream_request_says_so(body, ctype):
+    """It said the stream "ended before a finish_reason... the server closed it early"."""
+    eng = _mock(lambda r: httpx.Response(200, content=body.encode(), headers={"content-type": ctype}))
+    for call in (lambda: eng.complete([1], max_tokens=2, stream=True), lambda: list(eng.stream([1], max_tokens=2))):
+        with pytest.raises(EngineResponseError, match=f"no SSE data lines \\(content-type {ctype}\\).*ignored stream=True") as info:
+            call()
+        assert body[:10] in str(info.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_redirects_and_no_content_are_named(stream):
+    """Both said "a body that is not JSON: ''"."""
+    moved = _mock(lambda r: httpx.Response(301, headers={"location": "https://elsewhere/v1/completions"}))
+    with pytest.raises(EngineResponseError, match="HTTP 301, a redirect to https://elsewhere.*not followed"):
+        moved.complete([1], max_tokens=1, stream=stream)
+    with pytest.raises(EngineResponseError, match="HTTP 204 with no content"):
+        _mock(lambda r: httpx.Response(204)).complete([1], max_tokens=1, stream=stream)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_response_error(stream):
+    """It was a plain EngineError."""
+    eng = _mock(lambda r: httpx.Response(200, content=b"notgzip", headers={"content-encoding": "gzip"}))
+    with pytest.raises(EngineResponseError, match="content-encoding"):
+        eng.complete([1], max_tokens=1, stream=stream)
+    zipped = gzip.compress(json.dumps(_ok_body()).encode())
+    good = _mock(lambda r: httpx.Response(200, content=zipped, headers={"content-encoding": "gzip"}))
+    assert good.complete([1], max_tokens=1).text == "ok"
+
+
+# ------------------------------------------------------------------ 9. router
+
+
+def test_an_endpoint_that_is_down_behind_a_router_names_the_way_around_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed: connection refused
+    router = PrefixRouter([down], block_size=4)
+    eng = RemoteEngine(down, model="m", max_retries=0)
+    with pytest.raises(EngineUnavailableError, match=rf"router.remove_endpoint\('{down}'\)"):
+        with router.acquire([1] * 16) as lease:
+            assert lease.endpoint == down
+            eng.complete([1] * 16, max_tokens=1)
+    assert router.loads() == {down: 0}
