@@ -174,7 +174,7 @@ def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[st
             cid = call.get("id")
             if cid is not None:  # a call without an id can be answered by no tool message
                 w.typed(cid, str, f"{cf}.id", "a string", fix)
-                if cid in call_ids:  # two calls of one id: a tool message could answer either
+                if cid and cid in call_ids:  # two calls of one id: a tool message could answer either ("" names none)
                     raise w.fail(f"{cf}.id", f"call id {cid!r} is used twice in this render", "give every call its own id")
                 call_ids.add(cid)
             if call.get("type", "function") != "function":

@@ -81,7 +81,8 @@ def _suite_only(args: argparse.Namespace, command: str, options: Sequence[str]) 
     accepted and ignored: a user got numbers for settings they did not ask for)."""
     if args.suite:
         return
-    given = [o for o in options if getattr(args, o.lstrip("-").replace("-", "_")) not in (None, False)]
+    values = {o: getattr(args, o.lstrip("-").replace("-", "_")) for o in options}
+    given = [o for o, v in values.items() if v is not None and v is not False]  # --seed 0 is given
     if given:
         raise UsageError(f"{command}: {', '.join(given)} only apply with --suite; add --suite or drop them")
 

@@ -21,9 +21,11 @@ connector (wire format: ``connector._served``; its answer: ``RemoteCompletion.sp
 What runners and the chat model use (``generate``, ``generate_phases``...): ``_served_engine``.
 
 Timeouts (:data:`DEFAULT_TIMEOUT`): 5 s to connect, 120 s for each read, write or pool
-wait, and ``total_timeout`` (default :data:`DEFAULT_TOTAL_TIMEOUT` = 600 s) for one
-whole request and its response, however the server trickles it (SSE keep-alive
-comments, a body a byte at a time kept each read under the read timeout forever).  A
+wait, and ``total_timeout`` (default :data:`DEFAULT_TOTAL_TIMEOUT` = 600 s) for a request
+that makes no progress, however the server trickles it (SSE keep-alive comments, a body
+a byte at a time kept each read under the read timeout forever): a non-streamed request's
+whole response; a stream's time to its first data event and between two (a long answer
+that keeps streaming is never cut); ``math.inf``: no limit.  A
 number ``timeout=T`` sets each phase to ``T`` (httpx's meaning; the total stays 600 s,
 or ``T`` when longer).
 
@@ -58,6 +60,7 @@ each pause) that a sync and an async driver run, and one response parser
 from __future__ import annotations
 
 import asyncio
+import math
 import contextlib
 import threading
 import time
@@ -250,12 +253,14 @@ class RemoteEngine(ServedEngineSurface):
             if value is not None:
                 check_number(value, f"timeout.{name} (seconds)", strict=True)
         if total_timeout is None:  # httpx's meaning of timeout (per phase) stays; the total at least that
-            total_timeout = max([DEFAULT_TOTAL_TIMEOUT, *(getattr(timeout, n) or 0.0 for n in ("connect", "read"))])
-        if isinstance(total_timeout, bool):
-            raise ConfigError(f"total_timeout must be seconds, got {total_timeout!r}")
-        self.total_timeout = float(check_number(total_timeout, "total_timeout (seconds)", strict=True))
+            total_timeout = (math.inf if timeout.read is None  # Timeout(None): no limit asked for
+                             else max(DEFAULT_TOTAL_TIMEOUT, timeout.read, timeout.connect or 0.0))
+        if isinstance(total_timeout, bool) or not isinstance(total_timeout, int | float) or total_timeout != math.inf:
+            total_timeout = check_number(total_timeout, "total_timeout (seconds, or math.inf: none)", strict=True)
+        self.total_timeout = float(total_timeout)
         # no one read may outlast the whole request
-        timeout = httpx.Timeout(**{name: min(v, self.total_timeout) if v is not None else self.total_timeout
+        timeout = httpx.Timeout(**{name: min(v, self.total_timeout) if v is not None
+                                   else (None if self.total_timeout == math.inf else self.total_timeout)
                                    for name in ("connect", "read", "write", "pool")
                                    for v in (getattr(timeout, name),)})
         if transport is not None and not isinstance(transport, httpx.BaseTransport | httpx.AsyncBaseTransport):
@@ -606,12 +611,17 @@ class RemoteEngine(ServedEngineSurface):
     def _total_error(self, url: str) -> EngineTimeoutError:
         return EngineTimeoutError(
             f"total timeout of {self.total_timeout:g} s for one request to {url} ran out (the server kept "
-            "the response going without finishing it); raise RemoteEngine(total_timeout=...) if it is just slow"
+            "the response going without a finished answer or, streaming, without a data event); raise "
+            "RemoteEngine(total_timeout=...) if it is just slow (math.inf: no limit)"
         )
 
     def _check_deadline(self, deadline: float, url: str) -> None:
         if time.monotonic() > deadline:
             raise self._total_error(url)
+
+    def _progress_deadline(self) -> float:
+        """When ``total_timeout`` runs out if nothing progresses from now on."""
+        return time.monotonic() + self.total_timeout
 
     def _call(self, call: _Call) -> Any:
         """One HTTP call, bounded by ``total_timeout`` (checked after every read): the
@@ -632,9 +642,12 @@ class RemoteEngine(ServedEngineSurface):
                 self._check_response(response, call)
                 acc = _accumulator(call, response)
                 lines = SSELines(call.url)
+                events = 0
                 for chunk in response.iter_bytes():
                     for line in lines.feed(chunk):
                         acc.feed(line, call.url)
+                    if acc.events != events:  # a data event is progress (a keep-alive comment is not)
+                        events, deadline = acc.events, self._progress_deadline()
                     self._check_deadline(deadline, call.url)
                 for line in lines.close():
                     acc.feed(line, call.url)
@@ -659,17 +672,18 @@ class RemoteEngine(ServedEngineSurface):
                 error = retry
 
     async def _acall(self, call: _Call) -> Any:
-        """Async twin of :meth:`_call` (``total_timeout`` as an ``asyncio.timeout``)."""
-        deadline = asyncio.timeout(self.total_timeout)
+        """Async twin of :meth:`_call` (``total_timeout`` as an ``asyncio.timeout``,
+        pushed back at each data event of a stream)."""
+        deadline = asyncio.timeout(None if self.total_timeout == math.inf else self.total_timeout)
         try:
             async with deadline:
-                return await self._acall_once(call)
+                return await self._acall_once(call, deadline)
         except TimeoutError as exc:
             if not deadline.expired():
                 raise
             raise self._total_error(call.url) from exc
 
-    async def _acall_once(self, call: _Call) -> Any:
+    async def _acall_once(self, call: _Call, deadline: asyncio.Timeout) -> Any:
         with self._translating(call.url, call.method):
             client = self._async_client()
             if not call.stream:
@@ -682,9 +696,13 @@ class RemoteEngine(ServedEngineSurface):
                 self._check_response(response, call)
                 acc = _accumulator(call, response)
                 lines = SSELines(call.url)
+                events = 0
                 async for chunk in response.aiter_bytes():
                     for line in lines.feed(chunk):
                         acc.feed(line, call.url)
+                    if acc.events != events and self.total_timeout != math.inf:  # progress
+                        events = acc.events
+                        deadline.reschedule(asyncio.get_running_loop().time() + self.total_timeout)
                 for line in lines.close():
                     acc.feed(line, call.url)
                 return acc.result(call.req.prompt_len, call.url)

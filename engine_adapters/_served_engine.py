@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -397,12 +398,15 @@ class ServedEngineSurface:
                         acc = Accumulator(False, call.start, expect_usage=wants_usage(req),
                                           content_type=response.headers.get("content-type"))
                         lines = SSELines(call.url)
+                        events = 0
                         for chunk in response.iter_bytes():
                             for line in lines.feed(chunk):
                                 text, ids = acc.feed(line, call.url)
                                 if text or ids:
                                     started = True
                                     yield StreamDelta(text, ids, None)
+                            if acc.events != events:  # a data event is progress (a keep-alive comment is not)
+                                events, deadline = acc.events, self._progress_deadline()  # type: ignore[attr-defined]
                             self._check_deadline(deadline, call.url)  # type: ignore[attr-defined]
                         for line in lines.close():
                             acc.feed(line, call.url)
@@ -416,6 +420,9 @@ class ServedEngineSurface:
             except EngineError as exc:
                 control.check(call.url, exc)
                 raise
+            finally:  # the connection went back to the pool (or closed): never shut it from here on
+                control.release()
+        control.end()
         yield StreamDelta("", [], self._completion_record(rc, req))
 
     def generate_phases(
@@ -447,24 +454,47 @@ class ServedEngineSurface:
 class _StreamControl:
     """What :meth:`ServedStream.abort` reaches from another thread: a flag, and the
     connection of the request in flight (from httpcore's trace when it connects, from
-    the response once it answers)."""
+    the response once it answers) until the request lets go of it (:meth:`release`):
+    a pooled connection then carries other requests, which an abort must never shut."""
 
     def __init__(self) -> None:
         self.aborted = False
         self._network: Any = None
+        self._ended = False
+        self._lock = threading.Lock()
 
     def trace(self, event: str, info: dict[str, Any]) -> None:
         stream = info.get("return_value") if event.endswith(".complete") else None
         if hasattr(stream, "get_extra_info"):  # connect_tcp / start_tls: the new connection
-            self._network = stream
-            if self.aborted:
-                self.abort()
+            with self._lock:
+                if self._ended:
+                    return
+                self._network = stream
+                if self.aborted:
+                    self._shut()
 
     def connected(self, response: Any) -> None:
         self.trace("response.complete", {"return_value": response.extensions.get("network_stream")})
 
+    def release(self) -> None:
+        """The request is over (answered, failed or retried): its connection is not ours."""
+        with self._lock:
+            self._network = None
+
+    def end(self) -> None:
+        """The stream is complete: a later :meth:`abort` does nothing."""
+        with self._lock:
+            self._ended = True
+            self._network = None
+
     def abort(self) -> None:
-        self.aborted = True
+        with self._lock:
+            if self._ended:
+                return
+            self.aborted = True
+            self._shut()
+
+    def _shut(self) -> None:
         sock = self._network.get_extra_info("socket") if self._network is not None else None
         if sock is not None:
             try:  # wakes a read blocked on it (a close() from another thread does not)

@@ -544,7 +544,7 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
     for extra in choices:
         if not isinstance(extra, Mapping):
             raise EngineResponseError(f"{url} answered a choice that is not an object: {snippet(json.dumps(data))!r}")
-        _check_index(extra, url, json.dumps(data))
+        _check_index(extra, url, data)  # the snippet is made only for an error
     if len(choices) > 1:
         raise EngineResponseError(f"{url} answered {len(choices)} choices where one was asked for: "
                                   f"{snippet(json.dumps(data))!r}")
@@ -554,10 +554,8 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
         if not isinstance(message, Mapping):
             raise EngineResponseError(f"{url} answered a chat choice without a message: {snippet(json.dumps(data))!r}")
         text = message.get("content")
-        if text is None and any(message.get(k) for k in ("tool_calls", "function_call", "reasoning_content", "reasoning")):
-            text = ""  # a tool call (OpenAI's shape), or a reasoning model's turn that held only reasoning
-        elif text is None:
-            raise EngineResponseError(f"{url} answered a chat message without content: {snippet(json.dumps(data))!r}")
+        if text is None:  # a tool call, a refusal, audio, a turn of reasoning only: no text (as a stream's null delta)
+            text = ""
     else:
         text = choice.get("text")
         if text is None:

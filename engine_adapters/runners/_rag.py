@@ -117,6 +117,7 @@ from promptsplice.engine_adapters.runners._fidelity import (
     RunnerFidelity,
 )
 from promptsplice.engine_adapters.runners._steps import (
+    RAG_SURFACE,
     AdaptiveRecompute,
     RunnerEngine,
     StepFallback,
@@ -250,7 +251,7 @@ class RagRunner:
             raise ConfigError(f"relocate must be one of {', '.join(RELOCATE_CHOICES)}, got {relocate!r}")
         if exact_alignment not in ("auto", "all"):
             raise ConfigError(f"exact_alignment must be 'auto' or 'all', got {exact_alignment!r}")
-        check_runner_engine(engine, "RagRunner")
+        check_runner_engine(engine, "RagRunner", RAG_SURFACE)
         if index is not None and not isinstance(index, ChunkIndex):
             raise ConfigError(f"index must be a ChunkIndex (or None: the runner makes one), got {type(index).__name__}")
         self.precompute = precompute

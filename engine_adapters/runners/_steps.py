@@ -55,7 +55,9 @@ class RunnerEngine(Protocol):
     :class:`~promptsplice.engine_adapters.RagRunner` use of an engine:
     :class:`~promptsplice.engine_adapters.EmbeddedEngine` and
     :class:`~promptsplice.engine_adapters.RemoteEngine` have it (their docstrings say
-    what each member means); :func:`check_runner_engine` checks it by name."""
+    what each member means); :func:`check_runner_engine` checks it by name.  ``RagRunner``
+    also reads ``kv_store`` (:data:`RAG_SURFACE`): the in-process block store, or ``None``
+    (none, or the server holds it and answers the chunk index's store queries)."""
 
     @property
     def block_size(self) -> int:
@@ -72,12 +74,6 @@ class RunnerEngine(Protocol):
         """Whether the connector can relocate KV (verified attention ISA and RoPE)."""
         ...
 
-    @property
-    def kv_store(self) -> Any:
-        """The in-process block store, or ``None`` (none, or the server holds it: the
-        engine then answers the chunk index's store queries itself)."""
-        ...
-
     def make_assembler(self, **kwargs: Any) -> Assembler:
         """An assembler predicting from this engine's cache."""
         ...
@@ -92,15 +88,17 @@ class RunnerEngine(Protocol):
 
 
 _ENGINE_SURFACE = tuple(sorted(n for n in vars(RunnerEngine) if not n.startswith("_")))
+RAG_SURFACE = ("kv_store",)
+"""What ``RagRunner`` reads of an engine besides :class:`RunnerEngine`."""
 
 
-def check_runner_engine(engine: object, who: str) -> None:
+def check_runner_engine(engine: object, who: str, extra: Sequence[str] = ()) -> None:
     """A runner's engine: anything with the :class:`RunnerEngine` surface (an
     EmbeddedEngine or a RemoteEngine), else :class:`ConfigError` (``None`` raised
     AttributeError deep inside)."""
     # looked up without running properties: a RemoteEngine's block_size and can_splice
     # ask the server, which a runner that never needs them must not do when built
-    missing = [name for name in _ENGINE_SURFACE if inspect.getattr_static(engine, name, _ABSENT) is _ABSENT]
+    missing = [name for name in (*_ENGINE_SURFACE, *extra) if inspect.getattr_static(engine, name, _ABSENT) is _ABSENT]
     if missing:
         raise ConfigError(
             f"{who} needs an EmbeddedEngine or a RemoteEngine, got {type(engine).__name__} "

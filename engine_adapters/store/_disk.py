@@ -126,14 +126,15 @@ def _open_record(path: str) -> int:
 
 def allocation_unit(folder: str) -> int:
     """The bytes a file in ``folder`` takes at least (its filesystem's fragment size,
-    else 4096): a record is charged to the budget rounded up to it, so the budget bounds
-    what the folder uses, not only the records' lengths (3,000 tiny records used 12 MB
-    of a 1 MiB budget)."""
+    else 4096, and at most 64 KiB): a record is charged to the budget rounded up to it, so
+    the budget bounds what the folder uses, not only the records' lengths (3,000 tiny
+    records used 12 MB of a 1 MiB budget).  The cap: NFS reports its transfer size
+    (often 1 MiB) as the fragment size, which would charge a 0.74 MB block 1 MiB."""
     try:
         unit = os.statvfs(folder).f_frsize
     except (OSError, AttributeError):
         unit = 0
-    return unit if 512 <= unit <= 1 << 20 else _DEFAULT_UNIT
+    return min(unit, 1 << 16) if unit >= 512 else _DEFAULT_UNIT
 
 
 

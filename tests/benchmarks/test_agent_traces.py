@@ -106,8 +106,8 @@ BAD = [
     (_line(renders=[[SYS, _call("c1", args='{"a": 1, "a": 2}')]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON text \(duplicate key 'a'\)"),
     (_line(renders=[[SYS, _call("c1", args='{"a": "\\ud800"}')]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: lone surrogate at \['a'\]"),
     (_line(renders=[[SYS, _call("c1", name="")]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.name: an empty name"),
-    (_line(renders=[[SYS, _call("c1"), _out("c1", "a"), _call("c1"), _out("c1", "b")]]),
-     r":3: renders\[0\]\[3\]\.tool_calls\[0\]\.id: call id 'c1' is used twice in this render"),
+    (_line(renders=[[SYS, _call(""), _call(""), _call("c1"), _out("c1", "a"), _call("c1"), _out("c1", "b")]]),
+     r":3: renders\[0\]\[5\]\.tool_calls\[0\]\.id: call id 'c1' is used twice in this render"),  # "" ids: no identity
 ]
 
 

@@ -218,6 +218,7 @@ def test_a_report_file_that_cannot_be_opened_fails_before_the_bench_runs(tmp_pat
         (["bench", "assemble", "--trace", "T", "--seed", "1", "--trace-dir", "x"], "--seed, --trace-dir only apply"),
         (["bench", "assemble", "--suite", "--block-size", "64"], "as --block-sizes"),
         (["bench", "rag", "--trace", "T", "--seed", "2"], "--seed only apply with --suite"),
+        (["bench", "assemble", "--trace", "T", "--seed", "0"], "--seed only apply with --suite"),  # 0 == False
         (["bench", "rag", "--trace", "T", "--one-store-engine"], "--one-store-engine only apply"),
     ],
 )

@@ -117,7 +117,12 @@ def test_the_timeouts_default_to_connect_read_and_total():
     assert RemoteEngine("http://127.0.0.1:9", model="m", timeout=900).total_timeout == 900.0
     short = RemoteEngine("http://127.0.0.1:9", model="m", total_timeout=1.5)
     assert short.timeout.read == 1.5 and short.timeout.connect == 1.5  # no read outlasts the whole
-    for bad in (0, -1, float("nan"), "600", True):
+    import math
+
+    none = RemoteEngine("http://127.0.0.1:9", model="m", timeout=httpx.Timeout(None))  # "no timeout" stays none
+    assert none.total_timeout == math.inf and none.timeout.read is None
+    assert RemoteEngine("http://127.0.0.1:9", model="m", total_timeout=math.inf).timeout.read == 120.0
+    for bad in (0, -1, float("nan"), "600", True, -math.inf):
         with pytest.raises(ConfigError, match="total_timeout"):
             RemoteEngine("http://127.0.0.1:9", model="m", total_timeout=bad)
 
@@ -207,7 +212,6 @@ def test_missing_or_null_counts_stay_unknown_and_whole_floats_are_counts():
 @pytest.mark.parametrize("choice, message", [
     ({"finish_reason": "stop"}, "without a message"),
     ({"text": "X", "finish_reason": "stop"}, "without a message"),
-    ({"message": {"role": "assistant", "content": None}, "finish_reason": "stop"}, "without content"),
 ])
 def test_a_chat_choice_without_its_message_is_an_error_not_an_empty_answer(choice, message):
     eng = _mock(lambda r: httpx.Response(200, json={"choices": [choice]}))
@@ -215,11 +219,18 @@ def test_a_chat_choice_without_its_message_is_an_error_not_an_empty_answer(choic
         eng.chat([{"role": "user", "content": "hi"}], max_tokens=2)
 
 
-def test_a_tool_call_with_null_content_is_a_valid_answer():
-    """OpenAI's documented shape: ``content: null`` beside ``tool_calls``."""
-    body = {"choices": [{"message": {"content": None, "tool_calls": [{"id": "1"}]}, "finish_reason": "tool_calls"}]}
+@pytest.mark.parametrize("message, finish", [
+    ({"content": None, "tool_calls": [{"id": "1"}]}, "tool_calls"),  # OpenAI's documented shape
+    ({"content": None, "refusal": "I can't help with that."}, "stop"),  # an OpenAI refusal
+    ({"content": None, "audio": {"id": "a1"}}, "stop"),  # an audio reply
+    ({"content": None, "tool_calls": [], "reasoning_content": None}, "length"),  # vLLM, nothing but reasoning cut short
+])
+def test_a_message_with_null_content_is_an_answer_without_text(message, finish):
+    """The first version of the stricter reply check refused all but tool calls and
+    reasoning (diff review), where a stream's null delta was still an empty answer."""
+    body = {"choices": [{"message": {"role": "assistant", **message}, "finish_reason": finish}]}
     got = _mock(lambda r: httpx.Response(200, json=body)).chat([{"role": "user", "content": "hi"}], max_tokens=2)
-    assert (got.text, got.finish_reason) == ("", "tool_calls")
+    assert (got.text, got.finish_reason) == ("", finish)
 
 
 def test_a_completion_choice_without_text_is_an_error():
@@ -419,3 +430,88 @@ def test_an_endpoint_that_is_down_behind_a_router_names_the_way_around_it():
             assert lease.endpoint == down
             eng.complete([1] * 16, max_tokens=1)
     assert router.loads() == {down: 0}
+
+
+# ------------------------------------------------------------------ diff review
+
+
+def _sse_chunk(text: str, finish: str | None = None) -> bytes:
+    data = {"choices": [{"index": 0, "text": text, "token_ids": [7] if text else [], "finish_reason": finish}]}
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+_SSE_END = b"data: " + json.dumps({"choices": [], "usage": USAGE}).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+@pytest.mark.timeout(15)
+def test_a_stream_that_keeps_sending_data_is_not_cut_by_the_total_timeout(fake_server):
+    """The total timeout bounded a whole stream, so a long answer that kept streaming
+    (a 13-minute reasoning answer against the 600 s default) failed; it is the time
+    without a data event now (keep-alive comments are none: the trickle test above)."""
+    def handle(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+        for _ in range(12):  # 1.2 s of data, 0.1 s apart, against a 0.5 s total
+            conn.sendall(b": ping\n\n" + _sse_chunk("a"))
+            time.sleep(0.1)
+        conn.sendall(_sse_chunk("", "stop") + _SSE_END)
+        conn.shutdown(socket.SHUT_WR)  # not close(): the unread request body would reset the connection
+
+    srv = fake_server(handle)
+    eng = RemoteEngine(srv.url, model="m", timeout=5, total_timeout=0.5, max_retries=0, block_size=16)
+    assert eng.complete([1, 2], max_tokens=20, stream=True).text == "a" * 12
+    assert asyncio.run(eng.acomplete([1, 2], max_tokens=20, stream=True)).text == "a" * 12
+    assert "".join(d.text for d in eng.stream([1, 2], max_tokens=20)) == "a" * 12
+
+
+@pytest.mark.timeout(15)
+def test_aborting_a_finished_stream_leaves_its_pooled_connection_alone():
+    """``abort()`` after the stream ended (what ``astream`` does when its consumer left
+    before reading the end) shut the socket that had gone back to the pool: the next,
+    unrelated request on it failed (or, with retries, was sent and prefilled twice)."""
+    import http.server
+    import socketserver
+
+    count = {"n": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            count["n"] += 1
+            if count["n"] == 2:
+                time.sleep(0.8)  # the unrelated request is in flight when the abort comes
+            body = _sse_chunk("a") + _sse_chunk("b", "stop") + _SSE_END
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        eng = RemoteEngine(f"http://127.0.0.1:{srv.server_address[1]}", model="m", max_retries=0, block_size=16)
+        finished = eng.stream([1, 2, 3], max_tokens=2)
+        assert "".join(d.text for d in finished) == "ab"
+        out = {}
+
+        def other():
+            try:
+                out["text"] = eng.complete([4, 5, 6], max_tokens=2, stream=True).text
+            except Exception as exc:  # noqa: BLE001 - reported below
+                out["text"] = f"{type(exc).__name__}: {exc}"
+
+        t = threading.Thread(target=other)
+        t.start()
+        time.sleep(0.3)
+        finished.abort()
+        t.join()
+        assert out["text"] == "ab" and count["n"] == 2
+    finally:
+        srv.shutdown()
+        srv.server_close()

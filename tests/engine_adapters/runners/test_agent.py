@@ -306,7 +306,7 @@ def test_a_runner_needs_an_engine_and_a_bool_for_reuse_repeats(kv_engine):
         def block_size(self):
             raise AssertionError("the server was asked")
 
-        can_splice = can_relocate = kv_store = block_size
+        can_splice = can_relocate = block_size
 
     AgentRunner(Lazy(), mode="apc", salt="t-rr")
 

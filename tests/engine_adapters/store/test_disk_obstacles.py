@@ -240,3 +240,17 @@ def test_a_store_closed_before_a_fork_leaves_the_childs_descriptors_alone(tmp_pa
         out = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, preexec_fn=lambda: None)
         assert out.stdout == b"ok\n"
     assert store.stats().disk_blocks == 0
+
+
+def test_the_allocation_unit_is_capped_where_the_fragment_size_is_a_transfer_size(monkeypatch):
+    """NFS reports its transfer size (often 1 MiB) as the fragment size: a 0.74 MB
+    block record would have been charged 1 MiB (diff review)."""
+    class Vfs:
+        f_frsize = 1 << 20
+
+    monkeypatch.setattr(_disk.os, "statvfs", lambda folder: Vfs())
+    assert _disk.allocation_unit("/anywhere") == 1 << 16
+    Vfs.f_frsize = 4096
+    assert _disk.allocation_unit("/anywhere") == 4096
+    Vfs.f_frsize = 0
+    assert _disk.allocation_unit("/anywhere") == 4096
