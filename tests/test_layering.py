@@ -151,8 +151,17 @@ def test_modules_over_600_lines_say_why():
 
 @pytest.mark.timeout(300)
 def test_the_wheel_adds_only_the_promptsplice_name(tmp_path):
+    # Built from the checkout's files alone, as from a clean clone: setuptools never
+    # empties build/, so a wheel built in place can carry files an older layout left.
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split("\0")
+    source = tmp_path / "source"
+    for name in filter(None, listed):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            (source / name).write_bytes((REPO / name).read_bytes())
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True, capture_output=True, text=True, cwd=tmp_path,
     )
     (wheel,) = tmp_path.glob("promptsplice-*.whl")
@@ -162,6 +171,8 @@ def test_the_wheel_adds_only_the_promptsplice_name(tmp_path):
     for room in ("dedup", "assembler", "engine_adapters/store", "engine_adapters/integrations", "kernels", "benchmarks"):
         assert f"promptsplice/{room}/__init__.py" in names
     assert "promptsplice/benchmarks/data/agent-sample.jsonl" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)  # Apache-2.0, as declared
+    assert not [n for n in names if n.endswith(".c")]  # the wheel carries the built core, not its source
     # The core install is the torch-free room; the engine side comes in extras.
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     requires = [line.split(":", 1)[1].strip() for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()

@@ -43,6 +43,34 @@ def test_the_c_core_is_built_by_the_setup():
     assert dedup_pkg.ACCELERATED is True
 
 
+_WITHOUT_CORE = """
+import importlib.abc, sys, warnings
+class NoCore(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "promptsplice.dedup._speedups":
+            raise ImportError("no C compiler on this machine")
+sys.meta_path.insert(0, NoCore())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import promptsplice.dedup as d
+assert d.ACCELERATED is False
+assert len(d.dedup([{"id": "a", "text": "x. " * 40}, {"id": "b", "text": "x. " * 40}]).chunks) == 1
+print([str(w.message) for w in caught if w.category is RuntimeWarning])
+"""
+
+
+def test_a_missing_c_core_says_so_once_at_import_and_dedup_still_answers():
+    # pip hides setup.py's warning when the optional build fails; the user learns it here.
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_CORE], capture_output=True, text=True, cwd="/", timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (message,) = eval(run.stdout.strip().splitlines()[-1])  # exactly one warning
+    assert "C core" in message and "not built" in message and "install a C compiler" in message
+    assert "PROMPTSPLICE_REQUIRE_C_CORE=1" in message
+
+
 def _first(datas, limit, needle):
     for h in range(limit):
         at = datas[h].find(needle)
