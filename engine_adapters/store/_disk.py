@@ -1,6 +1,6 @@
 """The disk tier of the block store: one checked record file per block, written behind.
 
-Kept as one module (~720 lines): the index, the byte budget, the writer and the fault
+Kept as one module (~770 lines): the index, the byte budget, the writer and the fault
 handling all change one folder under one lock, and each fault rule (an obstacle at a
 record's path, an unlink that fails, a failed folder fsync) has to keep the index, the
 budget and the files in agreement at once.
@@ -22,7 +22,10 @@ storage-tier contract of ``_tier``:
 * Bounded in bytes of disk.  Each record is charged its size rounded up to the folder's
   allocation unit, so many small records cannot use more than ``budget`` of the folder.
   An eviction whose ``unlink`` fails (a read-only folder) keeps the record indexed,
-  counts a write error and loses the write that needed the room.
+  counts a write error and loses the write that needed the room.  A record that
+  ``remove()`` or ``clear()`` could not delete is never served again but stays charged
+  (``bytes``) until a later write deletes it or writes over it; a restart before then
+  indexes it again (the folder still holds it, verified as any record).
 * Durable writes.  A record is written to a temporary file in the folder, fsynced,
   renamed into place (atomic), and the folder is fsynced, so the rename itself survives
   a power cut; only then is it counted in ``writes``.  The writer commits in groups:
@@ -196,6 +199,9 @@ class DiskTier(IndexedTier):
         self._on_lost = on_lost
         self._writing: dict[Key, Held] = {}
         self._reserved = 0
+        # removed or cleared records whose unlink failed: never served, still charged
+        self._undeleted: dict[Key, int] = {}
+        self._undeleted_bytes = 0
         self._queue: deque[WriteJob] = deque()  # write-behind, head = being written
         self._queue_bytes = 0
         self._inline = 0  # write-downs running in callers' threads (no write-behind)
@@ -274,16 +280,41 @@ class DiskTier(IndexedTier):
 
     def remove(self, k: Key) -> bool:
         found = self._writing.pop(k, None) is not None
-        if self._lru.pop(k) is not None:
-            self._remove_file(self._path(k))
+        record = self._lru.pop(k)
+        if record is not None:
+            self._delete_record(k, record)
             found = True
         return found
 
     def clear(self) -> None:
-        for k in self._lru:
-            self._remove_file(self._path(k))
+        for k, record in list(self._lru.items()):
+            self._delete_record(k, record)
         self._lru.clear()
         self._writing.clear()
+
+    def _delete_record(self, k: Key, record: StoredRecord) -> None:
+        """Unlink a record already out of the index; one that stays on disk (a
+        read-only folder) is remembered, charged, and deleted by a later write."""
+        if self._remove_file(self._path(k)) is not None:
+            self._write_errors += 1
+            charge = self._charge(record)
+            self._undeleted_bytes += charge - self._undeleted.get(k, 0)
+            self._undeleted[k] = charge
+
+    def _retry_undeleted(self) -> None:
+        for k, charge in list(self._undeleted.items()):
+            try:
+                os.unlink(self._path(k))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return  # the folder is still read-only: the next write tries again
+            self._forget_undeleted(k)
+
+    def _forget_undeleted(self, k: Key) -> None:
+        charge = self._undeleted.pop(k, None)
+        if charge is not None:
+            self._undeleted_bytes -= charge
 
     def keys(self) -> Iterator[Key]:
         return iter(self._lru)
@@ -293,7 +324,10 @@ class DiskTier(IndexedTier):
         return not self._writes_blocked()
 
     def stats(self) -> TierStats:
-        return self.base_stats()
+        stats = self.base_stats()
+        if self._undeleted_bytes:
+            stats = stats._replace(bytes=stats.bytes + self._undeleted_bytes)
+        return stats
 
     def _round(self, size: int) -> int:
         """``size`` bytes of file rounded up to the folder's allocation unit."""
@@ -320,7 +354,9 @@ class DiskTier(IndexedTier):
             return False  # removed, cleared or closed meanwhile
         victims = None
         if not self._writes_blocked():
-            victims = self._lru.victims(job.size, self._pinned, self._reserved)
+            if self._undeleted:
+                self._retry_undeleted()
+            victims = self._lru.victims(job.size, self._pinned, self._reserved + self._undeleted_bytes)
         if victims is None:  # writes suspended, or the rest of the folder is pinned
             del self._writing[job.key]
             self._lost(job.key, job.held)
@@ -366,6 +402,7 @@ class DiskTier(IndexedTier):
                     self._remove_file(tmp)
                     err, obstacle = exc, exc.errno in _OBSTACLE
             if err is None:
+                self._forget_undeleted(job.key)  # written over: its bytes are the new record's
                 t = self._next_tick()
                 try:
                     os.utime(path, ns=(t, t))

@@ -155,14 +155,8 @@ def test_the_disk_budget_counts_whole_allocation_units(tmp_path):
     store.close()
 
 
-def test_an_eviction_whose_unlink_fails_keeps_the_record_indexed(tmp_path, monkeypatch):
-    """In a read-only folder the victim was dropped from the index and counted as
-    evicted although its file stayed: the index emptied, the folder did not."""
-    folder = tmp_path / "kv"
-    store = BlockStore(config(folder, disk_bytes=2 * REC))
-    a, b, c, d = make_refs(4)
-    for i, r in enumerate((a, b, c)):
-        store.put(r, kv(i), salt=SALT)  # a, b on disk (full), c in DRAM
+def _read_only_records(monkeypatch):
+    """``os.unlink`` of a record fails as in a read-only folder; returns the undo."""
     real_unlink = os.unlink
 
     def unlink(path, *args, **kwargs):
@@ -171,12 +165,57 @@ def test_an_eviction_whose_unlink_fails_keeps_the_record_indexed(tmp_path, monke
         return real_unlink(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "unlink", unlink)
+    return lambda: monkeypatch.setattr(os, "unlink", real_unlink)
+
+
+def test_an_eviction_whose_unlink_fails_keeps_the_record_indexed(tmp_path, monkeypatch):
+    """In a read-only folder the victim was dropped from the index and counted as
+    evicted although its file stayed: the index emptied, the folder did not."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder, disk_bytes=2 * REC))
+    a, b, c, d = make_refs(4)
+    for i, r in enumerate((a, b, c)):
+        store.put(r, kv(i), salt=SALT)  # a, b on disk (full), c in DRAM
+    undo = _read_only_records(monkeypatch)
     assert store.put(d, kv(3), salt=SALT) is PutStatus.STORED  # c's write-down needs a's room
-    monkeypatch.setattr(os, "unlink", real_unlink)
+    undo()
     s = store.stats()
     assert (s.disk_blocks, s.disk_bytes, s.disk_evictions, s.write_errors, s.dropped) == (2, 2 * REC, 0, 1, 1)
     assert len(record_files(folder)) == 2 and s.disk_writable is False
     assert [store.get(r, salt=SALT).status for r in (a, b)] == [HIT_DISK, HIT_DISK]
+    store.close()
+
+
+@pytest.mark.parametrize("how", ["discard", "clear"])
+def test_a_removed_record_whose_unlink_fails_is_never_served_and_stays_charged(tmp_path, monkeypatch, how):
+    """remove()/clear() dropped the index entry of a record whose file stayed: the
+    folder then held bytes the budget no longer counted, and nothing deleted them."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder, disk_bytes=2 * REC))
+    a, b, c, d, e = make_refs(5)
+    for i, r in enumerate((a, b, c)):
+        store.put(r, kv(i), salt=SALT)  # a, b on disk (full), c in DRAM
+    undo = _read_only_records(monkeypatch)
+    if how == "discard":
+        assert store.discard(a.key) is True
+    else:
+        store.clear()
+    undo()
+    stuck = [a] if how == "discard" else [a, b]
+    assert [store.get(r, salt=SALT).status for r in stuck] == [MISS] * len(stuck)
+    s = store.stats()
+    assert (s.disk_blocks, s.disk_bytes, s.write_errors) == (2 - len(stuck), 2 * REC, len(stuck))
+    assert record_files(folder) == sorted(os.path.basename(path_of(folder, r)) for r in (a, b))
+    # The next write-down deletes them first: no live record is evicted for their room.
+    for i, r in enumerate((d, e)):
+        store.put(r, kv(3 + i), salt=SALT)  # each put writes the DRAM block before it down
+    # discard: c's write-down found a's room (no eviction), d's then evicted b (LRU);
+    # clear: d's write-down, the first, found the whole budget free
+    on_disk, evicted = ([c, d], 1) if how == "discard" else ([d], 0)
+    s = store.stats()
+    assert (s.disk_evictions, s.disk_blocks, s.disk_bytes) == (evicted, len(on_disk), len(on_disk) * REC)
+    assert record_files(folder) == sorted(os.path.basename(path_of(folder, r)) for r in on_disk)
+    assert [store.get(r, salt=SALT).status for r in stuck] == [MISS] * len(stuck)
     store.close()
 
 
