@@ -299,11 +299,13 @@ def load_tokenizer(spec: str | Tokenizer | None = None) -> Tokenizer:
     """Resolve a tokenizer spec.
 
     ``None`` or ``"default"``: the default model's tokenizer; ``"tiktoken:NAME"``: a
-    tiktoken encoding (e.g. ``cl100k_base``); a path: a ``tokenizer.json`` file or a
-    folder holding one; an object with ``encode``/``decode``: used as is.
+    tiktoken encoding (e.g. ``cl100k_base``); a path (``str`` or ``os.PathLike``): a
+    ``tokenizer.json`` file or a folder holding one; an object with ``encode``/``decode``: used as is.
     """
     if spec is None or spec == "default":
         return default_tokenizer()
+    if isinstance(spec, os.PathLike):  # a pathlib.Path to tokenizer.json or its folder
+        spec = os.fsdecode(os.fspath(spec))
     if not isinstance(spec, str):
         if isinstance(spec, Tokenizer):
             return spec

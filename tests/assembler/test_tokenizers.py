@@ -45,6 +45,11 @@ def test_hf_tokenizer_from_path(default_tok, tmp_path):
     assert tok.encode("Paris is the capital of France.") == default_tok.encode(
         "Paris is the capital of France."
     )
+    # a pathlib.Path (file or folder) is a path too: it was refused as "not a Tokenizer"
+    for path in (default_model_dir() / "tokenizer.json", default_model_dir()):
+        assert load_tokenizer(path).encode("Paris is the capital of France.") == tok.encode(
+            "Paris is the capital of France."
+        )
 
 
 def test_bad_tokenizer_specs(tmp_path):
