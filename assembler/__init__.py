@@ -51,6 +51,7 @@ from promptsplice.assembler._tokenizers import (
     Tokenizer,
     default_tokenizer,
     load_tokenizer,
+    same_tokenizer,
 )
 
 __all__ = [
@@ -99,5 +100,6 @@ __all__ = [
     "diff_renders",
     "is_error_output",
     "load_tokenizer",
+    "same_tokenizer",
     "summarize_turns",
 ]

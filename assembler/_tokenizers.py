@@ -40,6 +40,7 @@ __all__ = [
     "HFTokenizer",
     "TiktokenTokenizer",
     "load_tokenizer",
+    "same_tokenizer",
     "default_tokenizer",
     "tiktoken_cache_dir",
     "Markup",
@@ -321,6 +322,38 @@ def load_tokenizer(spec: str | Tokenizer | None = None) -> Tokenizer:
         f"unknown tokenizer {spec!r}: use 'default', 'tiktoken:ENCODING' or a path to "
         "tokenizer.json"
     )
+
+
+# Words, code, digits, runs of spaces, accents, CJK and emoji: two vocabularies that split
+# all of it alike give the same ids to the texts promptsplice assembles.
+_IDENTITY_PROBE = (
+    "Hello, world! The quick brown fox: 12345 tokens, 3.14159 and 2026-12-04.\n"
+    "def f(x):\n    return {'k': [x, None]}  # ünïcode — naïve café\n\t"
+    "東京の天気は晴れです。 Привет, мир! 🚀🙂 <div class=\"a\">&amp;</div>   end"
+)
+_IDENTITY_LOCK = threading.Lock()
+_IDENTITIES: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _identity(tok: Tokenizer) -> tuple[int, ...]:
+    """What ``tok`` makes of the probe text (memoized per tokenizer object)."""
+    with _IDENTITY_LOCK:
+        known = _IDENTITIES.get(id(tok))
+        if known is not None and known[0] is tok:
+            return known[1]
+    ids = tuple(int(i) for i in tok.encode(_IDENTITY_PROBE))
+    with _IDENTITY_LOCK:
+        if len(_IDENTITIES) >= 64:
+            _IDENTITIES.pop(next(iter(_IDENTITIES)))
+        _IDENTITIES[id(tok)] = (tok, ids)  # the object is kept, so its id is not reused
+    return ids
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether ``a`` and ``b`` split text alike (the same object, or the same ids for a
+    probe of words, code, digits, spaces and several scripts).  Names are not compared:
+    one tokenizer.json loaded from two paths has two names and one vocabulary."""
+    return a is b or _identity(a) == _identity(b)
 
 
 @_built_once(maxsize=8)

@@ -61,12 +61,13 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from promptsplice.assembler import Assembler, MirrorView, PrefixCacheMirror, Tokenizer
+from promptsplice.assembler import AssembledPrompt, Assembler, MirrorView, PrefixCacheMirror, Tokenizer
 from promptsplice.blocks import BlockHash
 from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters._config import EngineConfig
 from promptsplice.engine_adapters._lifecycle import load_tokenizer, release, start_llm
 from promptsplice.engine_adapters._requests import (
+    PROMPT_TOKENIZER_FIX,
     Adapt,
     Completion,
     EngineCounters,
@@ -79,6 +80,7 @@ from promptsplice.engine_adapters._requests import (
     check_context,
     check_sampling,
     check_splice,
+    check_tokenizer,
     logprob_dicts,
     normalize_prompt,
     run_phases,
@@ -284,7 +286,11 @@ class EmbeddedEngine:
                 )
             kwargs.pop(key, None)
         kwargs.setdefault("max_tokens", self.max_model_len - 1)
-        tokenizer = kwargs.pop("tokenizer", None) or self.tokenizer
+        tokenizer = kwargs.pop("tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self.tokenizer
+        else:  # another model's tokenizer would assemble other tokens than the text says
+            tokenizer = check_tokenizer(self.tokenizer, tokenizer, "tokenizer=", "leave it unset (the engine's model's tokenizer)")
         return Assembler(tokenizer, block_size=self.block_size, mirror=self._mirror_view, **kwargs)
 
     # -- requests --------------------------------------------------------------------
@@ -412,6 +418,9 @@ class EmbeddedEngine:
                 for p in prompts]
 
     def _normalize(self, prompt: Any, cache_salt: str | None) -> NormalizedPrompt:
+        theirs = getattr(prompt, "tokenizer", None) if isinstance(prompt, AssembledPrompt) else None
+        if theirs is not None:  # its ids are tokens of the tokenizer it was assembled with
+            check_tokenizer(self.tokenizer, theirs, "the prompt", PROMPT_TOKENIZER_FIX)
         req = normalize_prompt(prompt, cache_salt, block_size=self.block_size, encode=self._encode_like_vllm)
         self._salts.check(req.salt, stacklevel=4)  # warns at the caller of generate/stream
         return req

@@ -390,6 +390,8 @@ class RemoteEngine(ServedEngineSurface):
             ids = check_token_ids(prompt, "prompt")
         elif hasattr(prompt, "token_ids"):
             ids = check_token_ids(prompt.token_ids, "prompt.token_ids")
+            if self.send_token_ids:
+                self._check_prompt_tokenizer(prompt)
             text = getattr(prompt, "text", None)
             salt = check_salt(getattr(prompt, "salt", None), "the prompt's salt")
             if salt is not None:
@@ -408,6 +410,14 @@ class RemoteEngine(ServedEngineSurface):
         if ids is not None and self.send_token_ids:
             payload: Any = ids
         elif text:
+            if getattr(prompt, "markup_as_text", False) is True:
+                raise InputError(
+                    "the prompt's content holds control-token markup (such as <|im_start|>) that "
+                    "was tokenized as text (prompt.markup_as_text); sent as text, the server would "
+                    f"read it as control tokens: send token ids (RemoteEngine({self.base_url!r}) on a "
+                    "vLLM server, send_token_ids=True), remove the markup from the content, or "
+                    "assemble with trust_markup=True where the markup is your own"
+                )
             payload = text
         else:
             raise InputError(

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from promptsplice.assembler import AssembledPrompt, PrefixCacheMirror
+from promptsplice.assembler import AssembledPrompt, PrefixCacheMirror, Tokenizer, load_tokenizer, same_tokenizer
 from promptsplice.blocks import BlockHash, chain_hashes, root_hash
 from promptsplice.engine_adapters.connector._plans import BlockDeviation, SplicePhase, SplicePlan
 from promptsplice._validate import check_int, check_number, check_salt, check_stop, check_token_ids
@@ -32,6 +32,7 @@ __all__ = [
     "PromptLike",
     "StreamDelta",
     "check_context",
+    "check_tokenizer",
     "check_logprobs",
     "check_sampling",
     "check_splice",
@@ -42,6 +43,21 @@ __all__ = [
 
 PromptLike = AssembledPrompt | Sequence[int] | str
 """What :meth:`EmbeddedEngine.generate` takes."""
+
+PROMPT_TOKENIZER_FIX = "assemble it with engine.make_assembler() (or Assembler(tokenizer=engine.tokenizer))"
+
+
+def check_tokenizer(mine: Tokenizer, theirs: Any, what: str, fix: str) -> Tokenizer:
+    """``theirs`` (any tokenizer spec) loaded, or ``ConfigError`` when it splits text
+    otherwise than ``mine``, an engine's: ids it made would be other tokens to the model."""
+    tok = load_tokenizer(theirs)
+    if not same_tokenizer(mine, tok):
+        raise ConfigError(
+            f"{what} was made with the tokenizer {getattr(tok, 'name', type(tok).__name__)!r}, which "
+            f"splits text otherwise than the engine's {getattr(mine, 'name', type(mine).__name__)!r}: its "
+            f"token ids would be other tokens to this model; {fix}"
+        )
+    return tok
 
 
 @dataclass(slots=True)

@@ -78,6 +78,7 @@ from promptsplice.assembler import (
     load_tokenizer,
 )
 from promptsplice.engine_adapters._requests import (
+    PROMPT_TOKENIZER_FIX,
     Adapt,
     Completion,
     PhasedRun,
@@ -85,6 +86,7 @@ from promptsplice.engine_adapters._requests import (
     StreamDelta,
     admit_run,
     check_logprobs,
+    check_tokenizer,
     run_phases,
 )
 from promptsplice.engine_adapters._wire import (
@@ -265,6 +267,20 @@ class ServedEngineSurface:
                 "(or other ids): pass RemoteEngine(tokenizer=...) with the served model's tokenizer"
             )
 
+    def _check_prompt_tokenizer(self, prompt: Any) -> None:
+        """Before a prompt's ids are sent: they must be tokens of the tokenizer this
+        engine was given or found (nothing to compare with when it has none yet)."""
+        theirs = getattr(prompt, "tokenizer", None)
+        mine = self._known_tokenizer()
+        if theirs is not None and mine is not None:
+            check_tokenizer(mine, theirs, "the prompt", PROMPT_TOKENIZER_FIX)
+
+    def _known_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer found or given, without asking the server (``None``: neither)."""
+        if self._tok is not None:
+            return self._tok
+        return None if self._given_tokenizer is None else load_tokenizer(self._given_tokenizer)
+
     def _served_mirror(self) -> PrefixCacheMirror:
         if self._mirror is None:
             ack = self.splice_probe()
@@ -281,7 +297,24 @@ class ServedEngineSurface:
     def make_assembler(self, **kwargs: Any) -> Assembler:
         """An :class:`~promptsplice.assembler.Assembler` for this server: its tokenizer,
         block size and (unless ``mirror=`` is given) a view of :attr:`mirror`."""
-        tokenizer = kwargs.pop("tokenizer", None) or self.tokenizer
+        tokenizer = kwargs.pop("tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self.tokenizer
+        elif self.send_token_ids:  # type: ignore[attr-defined]
+            # its ids go to the server as they are: they must be the served model's tokens
+            mine = self._known_tokenizer()
+            if mine is not None:
+                tokenizer = check_tokenizer(mine, tokenizer, "tokenizer=", "leave it unset (the server's tokenizer)")
+            else:  # the engine was given none: ask the server itself
+                tokenizer = load_tokenizer(tokenizer)
+                self._check_tokenizer(tokenizer)
+        if "block_size" in kwargs:  # the server's, or the mirror would predict another cache
+            if kwargs["block_size"] != self.block_size:
+                raise ConfigError(
+                    f"block_size={kwargs['block_size']!r} differs from the server's {self.block_size}: "
+                    "the mirror would predict another cache; leave it unset"
+                )
+            del kwargs["block_size"]
         if self.send_token_ids and "capacity_blocks" not in kwargs:  # type: ignore[attr-defined]
             kwargs.setdefault("mirror", self.mirror)
         # prompts sent as text are not replayed here: such an assembler keeps (and admits

@@ -30,6 +30,7 @@ ASSEMBLER_API = [
     "assemble_prompt",
     "default_tokenizer",
     "load_tokenizer",
+    "same_tokenizer",
     # agent context (render -> directives, policies, hook)
     "ChatRenderer",
     "ChatTemplate",

@@ -262,3 +262,13 @@ def test_a_misspelled_tiktoken_encoding_is_named_and_the_cache_folder_is_not_lef
         load_tokenizer("tiktoken:nope_base")
     tok = load_tokenizer("tiktoken:o200k_base")
     assert tok.encode("hello") and "TIKTOKEN_CACHE_DIR" not in os.environ
+
+
+def test_same_tokenizer_compares_how_text_splits_not_names(default_tok):
+    from promptsplice.assembler import same_tokenizer
+    from promptsplice.assets import default_model_dir
+
+    from_file = load_tokenizer(default_model_dir() / "tokenizer.json")
+    assert from_file.name != default_tok.name and same_tokenizer(from_file, default_tok)
+    assert not same_tokenizer(default_tok, load_tokenizer("tiktoken:cl100k_base"))
+    assert not same_tokenizer(load_tokenizer("tiktoken:cl100k_base"), load_tokenizer("tiktoken:o200k_base"))

@@ -386,6 +386,23 @@ def test_bad_prompts_and_options(engine):
         engine.make_assembler(block_size=16)
 
 
+def test_a_prompt_of_another_models_tokenizer_is_refused_not_sent(engine):
+    """Its ids were another vocabulary's tokens: the model answered garbage, silently."""
+    from promptsplice.assembler import Assembler, load_tokenizer
+
+    other = Assembler(load_tokenizer("tiktoken:cl100k_base"), block_size=BS).assemble(["Paris is in France."], query="Where?")
+    with pytest.raises(ConfigError, match="tiktoken:cl100k_base.*splits text otherwise.*make_assembler"):
+        engine.generate(other, max_tokens=1)
+    with pytest.raises(ConfigError, match="tiktoken:cl100k_base.*splits text otherwise"):
+        engine.make_assembler(tokenizer="tiktoken:cl100k_base")
+    # the model's own tokenizer under another name (loaded from its file) is the same tokenizer
+    from promptsplice.assets import default_model_dir
+
+    same = engine.make_assembler(tokenizer=default_model_dir() / "tokenizer.json")
+    done = engine.generate(same.assemble(["Paris is in France."], query="Where?"), max_tokens=1)
+    assert done.prompt_tokens > 0
+
+
 @pytest.mark.reliability
 def test_a_request_vllm_fails_does_not_stop_the_engine(engine):
     with pytest.raises(EngineRequestError, match="out of vocabulary") as info:

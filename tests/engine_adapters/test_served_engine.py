@@ -99,6 +99,15 @@ def test_the_served_engine_says_its_block_size_and_checks_its_tokenizer(remote, 
     with RemoteEngine(served_kv.base_url, tokenizer=Shifted()) as other:
         with pytest.raises(ConfigError, match="'shifted' splits the probe text into .* pass RemoteEngine\\(tokenizer=...\\)"):
             _ = other.tokenizer
+    # make_assembler: the server's block size (a TypeError before), the server's tokenizer
+    with pytest.raises(ConfigError, match="block_size=16 differs from the server's 32"):
+        remote.make_assembler(block_size=16)
+    assert remote.make_assembler(block_size=BS).block_size == BS
+    with pytest.raises(ConfigError, match="'shifted'.*splits text otherwise"):
+        remote.make_assembler(tokenizer=Shifted())
+    with RemoteEngine(served_kv.base_url) as unknown:  # given none: the server is asked
+        with pytest.raises(ConfigError, match="'shifted' splits the probe text"):
+            unknown.make_assembler(tokenizer=Shifted())
     with pytest.raises(ConfigError, match="logprobs must be"):
         remote.generate([1, 2, 3], max_tokens=1, logprobs=-2)
 
