@@ -10,7 +10,7 @@ from typing import Any
 from promptsplice.assembler._assemble import Assembler
 from promptsplice.assembler._ordering import AlignPolicy, OrderPolicy, parse_align, parse_order
 from promptsplice.assembler._prompt import AssembledPrompt
-from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer
+from promptsplice.assembler._tokenizers import Tokenizer, load_tokenizer, same_tokenizer
 from promptsplice._validate import check_block_size, check_bool
 from promptsplice.errors import ConfigError
 
@@ -28,7 +28,13 @@ def _default_assembler(tokenizer: Tokenizer | str | None, block_size: int, trust
         asm = _DEFAULTS.get(key)
         if asm is None:
             asm = _DEFAULTS[key] = Assembler(tok, block_size=block_size, trust_markup=trust_markup)
-        return asm
+    if asm.tokenizer is not tok and not same_tokenizer(asm.tokenizer, tok):
+        # keyed by name: another tokenizer under one name would get the first one's ids
+        raise ConfigError(
+            f"two tokenizers that split text differently are both named {tok.name!r}: give each "
+            "its own name (HFTokenizer(..., name=...)), or pass assembler=Assembler(tokenizer)"
+        )
+    return asm
 
 
 def assemble_prompt(

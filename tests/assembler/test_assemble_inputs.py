@@ -290,3 +290,27 @@ def test_a_prompt_too_long_with_padding_says_how_much_is_padding(default_tok):
     with pytest.raises(ContextLengthError, match=r"tokens \(\d+ of them block padding of alignment='all'"):
         Assembler(default_tok, block_size=32, alignment="all").preview(docs, query="q", max_tokens=unpadded)
     assert Assembler(default_tok, block_size=32, alignment="auto").preview(docs, query="q", max_tokens=unpadded)
+
+
+def test_two_tokenizers_under_one_name_do_not_share_the_default_assembler(default_tok):
+    """The default assemblers were keyed by name: the second tokenizer's prompt came out
+    in the first one's ids (max id 28,120 for a vocabulary of 280)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from promptsplice.assembler import HFTokenizer
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(["hello world the quick brown fox"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    name = "my-model-test-collision"
+    a = HFTokenizer(default_tok._tok, name=name)
+    b = HFTokenizer(raw, name=name)
+    assert assemble_prompt(["hello world"], query="fox", tokenizer=a).tokenizer is a
+    with pytest.raises(ConfigError, match=f"both named '{name}'.*own name"):
+        assemble_prompt(["hello world"], query="fox", tokenizer=b)
+    # the same vocabulary under the same name (another object) shares it
+    again = HFTokenizer(default_tok._tok, name=name)
+    assert assemble_prompt(["hello world"], query="fox", tokenizer=again).token_ids
