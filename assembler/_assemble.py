@@ -348,6 +348,9 @@ class Assembler:
         """The baseline: retrieval order, no dedup, plain text joined, tokenized whole."""
         check_text(query, "query")
         check_text(system, "system", optional=True)
+        _utf8(query, SegmentKind.QUERY)  # as assemble: the error names the query
+        if system is not None:
+            _utf8(system, SegmentKind.SYSTEM)
         tools = check_tools(tools)
         texts = [c.text for c in normalize_chunks(chunks, on_invalid_utf8=self.dedup_config.on_invalid_utf8)]
         text = self.format.naive_text(texts, query=query, system=system, tools=tools)

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from promptsplice.errors import TokenizerError
+from promptsplice.errors import InputError, InvalidUTF8Error, TokenizerError
 
 __all__ = [
     "Tokenizer",
@@ -77,6 +77,53 @@ def _single_token(encode: Any, candidates: Sequence[str], who: str) -> int:
     )
 
 
+def _unencodable(texts: Sequence[Any], exc: Exception) -> InputError:
+    """What a tokenizer's ``TypeError`` on ``texts`` means, as the library's error."""
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            return InputError(f"text {i} to encode is a {type(text).__name__}, not a str")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as bad:
+            return InvalidUTF8Error.lone_surrogate(f"text {i}", text, bad, index=i)
+    return InputError(f"the tokenizer could not encode the text: {exc}")
+
+
+def _ids_hint(ids: Any) -> str:
+    try:
+        shown = list(ids)
+    except TypeError:
+        return repr(ids)
+    return repr(shown[:8]) + ("..." if len(shown) > 8 else "")
+
+
+def check_filler(tok: Any, filler: Any, who: str) -> int:
+    """``filler`` as a padding token of ``tok``, or ``TokenizerError`` naming
+    ``filler_token_id``: an int id in the vocabulary, not a control token, that decodes
+    to whitespace only (a letter or ``<|endoftext|>`` would be padded into the prompt)."""
+    if isinstance(filler, bool) or not isinstance(filler, int):
+        raise TokenizerError(f"{who}: filler_token_id must be an int token id, got {type(filler).__name__} {filler!r}")
+    size = getattr(tok, "vocab_size", None)
+    if filler < 0 or (isinstance(size, int) and filler >= size):
+        raise TokenizerError(
+            f"{who}: filler_token_id={filler} is not a token id of this vocabulary"
+            + (f" (0 to {size - 1})" if isinstance(size, int) else "")
+        )
+    specials = getattr(tok, "special_tokens", None)
+    if isinstance(specials, Mapping) and filler in specials.values():
+        raise TokenizerError(f"{who}: filler_token_id={filler} is a control token; pick one that decodes to whitespace")
+    try:
+        text = tok.decode([filler])
+    except Exception as exc:  # a foreign decoder's own error: the id is not usable
+        raise TokenizerError(f"{who}: filler_token_id={filler} does not decode ({exc})") from exc
+    if not text or text.strip():
+        raise TokenizerError(
+            f"{who}: filler_token_id={filler} decodes to {text!r}, not whitespace: padding would put "
+            "it into the prompt's text; pick a token that decodes to whitespace (' ' or '\\n')"
+        )
+    return filler
+
+
 def _check_segment_safe(tok: Any, who: str) -> None:
     """Refuse a tokenizer whose encode of two texts, concatenated, is not the encode of
     the two texts joined: assembly tokenizes segment by segment and sends the ids
@@ -107,13 +154,15 @@ class HFTokenizer:
                 f"{type(tokenizer).__name__} is not a Hugging Face fast tokenizer; pass a "
                 "tokenizers.Tokenizer, a PreTrainedTokenizerFast or a tokenizer.json path"
             )
+        if not isinstance(name, str) or not name:
+            raise TokenizerError(f"HFTokenizer needs a name (a non-empty str), got {name!r}")
         self._tok = backend
         self._text_tok: Any = None
         self._lock = threading.Lock()
         self.name = name
         _check_segment_safe(self, name)
         self.filler_token_id = (
-            filler_token_id
+            check_filler(self, filler_token_id, name)
             if filler_token_id is not None
             else _single_token(self.encode, (" ", "\n"), name)
         )
@@ -134,10 +183,16 @@ class HFTokenizer:
         return cls(tok, **kwargs)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError as exc:  # not a str, or a lone surrogate (no UTF-8 form)
+            raise _unencodable([text], exc) from exc
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        try:
+            return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        except TypeError as exc:
+            raise _unencodable(texts, exc) from exc
 
     def encode_markup_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Special-token markup in ``texts`` becomes control tokens (trusted text)."""
@@ -161,7 +216,10 @@ class HFTokenizer:
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        try:
+            return self._tok.decode(list(ids), skip_special_tokens=False)
+        except (TypeError, OverflowError) as exc:  # ids that are not token ids
+            raise InputError(f"{self.name}: cannot decode {_ids_hint(ids)}: pass token ids of this vocabulary") from exc
 
     @property
     def vocab_size(self) -> int:
@@ -195,10 +253,15 @@ class TiktokenTokenizer:
     def __init__(self, encoding: str | Any, *, filler_token_id: int | None = None):
         if isinstance(encoding, str):
             encoding = self._load(encoding)
+        elif not isinstance(getattr(encoding, "name", None), str) or not hasattr(encoding, "encode_ordinary_batch"):
+            raise TokenizerError(
+                f"TiktokenTokenizer takes an encoding name (such as 'cl100k_base') or a tiktoken "
+                f"Encoding, got {type(encoding).__name__}"
+            )
         self._enc = encoding
         self.name = f"tiktoken:{encoding.name}"
         self.filler_token_id = (
-            filler_token_id
+            check_filler(self, filler_token_id, self.name)
             if filler_token_id is not None
             else _single_token(self.encode, (" ", "\n"), self.name)
         )
@@ -256,7 +319,10 @@ class TiktokenTokenizer:
         return {t: self._enc.encode_single_token(t) for t in self._enc.special_tokens_set}
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._enc.decode(list(ids))
+        try:
+            return self._enc.decode(list(ids))
+        except (KeyError, TypeError, OverflowError, ValueError) as exc:  # ids that are not token ids
+            raise InputError(f"{self.name}: cannot decode {_ids_hint(ids)}: pass token ids of this vocabulary") from exc
 
     @property
     def vocab_size(self) -> int:
@@ -309,6 +375,8 @@ def load_tokenizer(spec: str | Tokenizer | None = None) -> Tokenizer:
         spec = os.fsdecode(os.fspath(spec))
     if not isinstance(spec, str):
         if isinstance(spec, Tokenizer):
+            if not isinstance(spec, HFTokenizer | TiktokenTokenizer):  # those checked theirs when built
+                check_filler(spec, spec.filler_token_id, getattr(spec, "name", type(spec).__name__))
             return spec
         raise TokenizerError(
             f"{type(spec).__name__} does not implement the Tokenizer protocol (name, "

@@ -272,3 +272,47 @@ def test_same_tokenizer_compares_how_text_splits_not_names(default_tok):
     assert from_file.name != default_tok.name and same_tokenizer(from_file, default_tok)
     assert not same_tokenizer(default_tok, load_tokenizer("tiktoken:cl100k_base"))
     assert not same_tokenizer(load_tokenizer("tiktoken:cl100k_base"), load_tokenizer("tiktoken:o200k_base"))
+
+
+@pytest.mark.parametrize("filler, match", [
+    (True, "must be an int"), (2.0, "must be an int"), (-1, "not a token id"), (10**9, r"not a token id .*\(0 to"),
+    (0, "control token"), (65, "decodes to 'Q', not whitespace"),
+])
+def test_a_filler_token_that_would_show_in_the_prompt_is_refused_when_built(default_tok, filler, match):
+    """filler_token_id=0 padded with <|endoftext|>, True with <|im_start|>, 65 with
+    letters, 10**9 sent out-of-vocabulary ids, -1 failed at the first assembly."""
+    with pytest.raises(TokenizerError, match=f"filler_token_id.*{match}" if "filler" not in match else match):
+        HFTokenizer(default_tok._tok, name="t", filler_token_id=filler)
+    space = default_tok.encode(" ")[0]
+    assert HFTokenizer(default_tok._tok, name="t", filler_token_id=space).filler_token_id == space
+
+
+def test_a_custom_tokenizers_filler_is_checked_where_it_is_loaded(default_tok):
+    class Custom:
+        name = "custom"
+        filler_token_id = default_tok.encode("b")[0]
+        encode, encode_batch, decode = default_tok.encode, default_tok.encode_batch, default_tok.decode
+
+    with pytest.raises(TokenizerError, match="custom: filler_token_id=.* not whitespace"):
+        load_tokenizer(Custom())
+
+
+def test_the_adapters_answer_bad_text_and_ids_with_the_librarys_errors(default_tok):
+    """tokenizers' TypeError, OverflowError and tiktoken's KeyError escaped."""
+    from promptsplice.assembler import Assembler
+    from promptsplice.errors import InputError, InvalidUTF8Error
+
+    with pytest.raises(InvalidUTF8Error, match="lone surrogate"):
+        default_tok.encode("a\ud800b")
+    with pytest.raises(InvalidUTF8Error, match="text 1 contains a lone surrogate"):
+        default_tok.encode_batch(["fine", "\udfff"])
+    with pytest.raises(InputError, match="cannot decode \\[-1\\]"):
+        default_tok.decode([-1])
+    with pytest.raises(InputError, match="cannot decode"):
+        load_tokenizer("tiktoken:cl100k_base").decode([10**9])
+    with pytest.raises(TokenizerError, match="encoding name .* got int"):
+        TiktokenTokenizer(5)
+    with pytest.raises(TokenizerError, match="needs a name"):
+        HFTokenizer(default_tok._tok, name=None)
+    with pytest.raises(InvalidUTF8Error, match="the query segment contains a lone surrogate"):
+        Assembler(default_tok, block_size=16).naive(["a"], query="\ud800")
