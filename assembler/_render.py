@@ -75,6 +75,7 @@ pad a message differently from one step to the next; for messages it means ``all
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -104,7 +105,7 @@ from promptsplice.assembler._tokenizers import (
     markup_for,
 )
 from promptsplice.blocks import content_digest
-from promptsplice._validate import check_block_size, check_bool, check_int, check_messages, check_tools
+from promptsplice._validate import check_block_size, check_bool, check_int, check_messages, check_salt, check_tools
 from promptsplice.errors import ConfigError, InputError, InvalidMessageError
 
 __all__ = [
@@ -205,8 +206,14 @@ class ChatRenderer:
         self.alignment = AlignPolicy.ALL if align is AlignPolicy.AUTO else align
         if template is None:
             template = ChatTemplate.default()
-        elif not isinstance(template, ChatTemplate):
+        elif isinstance(template, str | os.PathLike):
             template = ChatTemplate.from_dir(template)
+        elif not isinstance(template, ChatTemplate):
+            raise ConfigError(
+                f"template must be a ChatTemplate or a model folder (str or path), got {type(template).__name__}"
+            )
+        if token_cache is not None and not isinstance(token_cache, TokenCache):
+            raise ConfigError(f"token_cache must be a TokenCache (or None for the default), got {type(token_cache).__name__}")
         self.template: ChatTemplate = template
         self.token_cache = token_cache if token_cache is not None else TokenCache()
         self._memo: OrderedDict[tuple[bytes, ...], str] = OrderedDict()
@@ -233,7 +240,9 @@ class ChatRenderer:
 
         Bad messages raise :class:`InputError`; a lone surrogate (no UTF-8 encoding) in
         a message or the tools raises :class:`InvalidUTF8Error` naming it."""
-        pieces = self._marked_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+        check_salt(salt)
+        pieces = self._marked_pieces(messages, tools, add_generation_prompt=check_bool(
+            add_generation_prompt, "add_generation_prompt"))
         tok = self.tokenizer
         # Keyed by the marked text: equal keys mean equal tokens.
         items = [("", content_digest(text.encode("utf-8")), text) for _, _, _, text in pieces]

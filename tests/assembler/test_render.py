@@ -590,3 +590,21 @@ def test_a_prefix_memo_that_went_stale_is_rendered_again(default_tok):
     fresh = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none").render(msgs[:9])
     assert [s.text for s in res.segments] == [s.text for s in fresh.segments]
     assert sum(1 for s in res.segments if s.kind is SegmentKind.MESSAGE and s.text) == 9
+
+
+def test_the_renderers_options_are_checked_not_coerced(renderer, default_tok):
+    """add_generation_prompt="false" added the generation prompt; template=5 was
+    pathlib's TypeError; token_cache={} failed at the first render; a bytes salt hashed
+    other blocks than the str one."""
+    from promptsplice.errors import InvalidSaltError
+
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ConfigError, match="add_generation_prompt"):
+        renderer.render(msgs, add_generation_prompt="false")
+    with pytest.raises(InvalidSaltError):
+        renderer.render(msgs, salt=b"t")
+    with pytest.raises(ConfigError, match="template must be a ChatTemplate or a model folder"):
+        ChatRenderer(default_tok, template=5)
+    with pytest.raises(ConfigError, match="token_cache must be a TokenCache"):
+        ChatRenderer(default_tok, token_cache={})
+    assert renderer.render(msgs, add_generation_prompt=False).segments[-1].kind is not SegmentKind.GENERATION
