@@ -317,6 +317,7 @@ class PrefixRouter(_Base):
 
     def owner(self, key: bytes) -> str:
         """The endpoint that owns ``key`` on the ring, ignoring load."""
+        key = _request_key(key)
         with self._lock:
             return self._walk(key, None)
 
@@ -352,9 +353,8 @@ class RoundRobinRouter(_Base):
         checked as :meth:`PrefixRouter.acquire` checks them: the same calls fail on both)."""
         if key is not None:
             key = _request_key(key)
-        else:
-            _request_prompt(prompt)
-            check_salt(salt, "salt")
+        else:  # the prompt's types and salt, as a PrefixRouter reads them (one rule)
+            prefix_route_key(_request_prompt(prompt), key_blocks=1, salt=salt)
         with self._lock:
             names = list(self._load)
             endpoint = names[self._next % len(names)]

@@ -291,3 +291,8 @@ def test_both_routers_check_what_acquire_is_given():
             router.acquire("some prompt text", salt="")
         with router.acquire("some prompt text", salt="t") as lease:
             assert lease.endpoint in ("a", "b")
+        for prompt in (b"x", 5, [1, -2]):  # RoundRobinRouter took these
+            with pytest.raises(InputError):
+                router.acquire(prompt)
+    with pytest.raises(InputError, match="key must be non-empty bytes"):
+        PrefixRouter(["a", "b"]).owner("abc")  # type: ignore[arg-type]  # a TypeError
