@@ -39,7 +39,7 @@ the very end of the old body is the append, never a directive.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any, NamedTuple
@@ -221,6 +221,10 @@ def apply_directives(tokens: Sequence[int], directives: Sequence[Any]) -> list[i
     """
     if not _token_list(tokens):
         raise InputError(f"tokens must be a list or tuple of token ids (ints >= 0), got {type(tokens).__name__}")
+    if isinstance(directives, str | bytes | Mapping) or not isinstance(directives, Iterable):
+        raise InputError(
+            f"directives must be a list of Directive or ((start, end), replacement), got {type(directives).__name__}"
+        )
     n = len(tokens)
     out: list[int] = []
     pos = 0
@@ -267,6 +271,10 @@ def apply_directives(tokens: Sequence[int], directives: Sequence[Any]) -> list[i
 def apply_diff(old_tokens: Sequence[int], diff: Diff) -> list[int]:
     """The new render's tokens from the old ones:
     ``apply_directives(old_tokens[:diff.base], diff.directives) + diff.appended``."""
+    if not isinstance(diff, Diff):
+        raise InputError(f"diff must be a Diff (ChatRenderer.diff of two renders), got {type(diff).__name__}")
+    if not _token_list(old_tokens):
+        raise InputError(f"old_tokens must be a list or tuple of token ids (ints >= 0), got {type(old_tokens).__name__}")
     if len(old_tokens) != diff.old_len:
         raise DirectiveError(
             f"the diff was made for an old render of {diff.old_len} tokens, got {len(old_tokens)}",

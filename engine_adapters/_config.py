@@ -63,7 +63,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from promptsplice._validate import is_int
+from promptsplice._validate import check_block_size, is_int
 from promptsplice.engine_adapters.connector._settings import CONNECTOR_BACKENDS
 from promptsplice.engine_adapters.store._store import StoreConfig
 from promptsplice.errors import ConfigError
@@ -196,8 +196,8 @@ class EngineConfig:
                 f"kv_cache_bytes must be a positive int (bytes of KV cache, e.g. "
                 f"{DEFAULT_KV_CACHE_BYTES} for 512 MiB), got {self.kv_cache_bytes!r}"
             )
-        if self.block_size is not None and (not is_int(self.block_size) or self.block_size <= 0):
-            raise ConfigError(f"block_size must be a positive int or None, got {self.block_size!r}")
+        if self.block_size is not None:
+            check_block_size(self.block_size, "block_size (or None: the platform's)")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be a bool or None, got {self.enforce_eager!r}")
         if self.dtype not in _DTYPES:

@@ -226,6 +226,12 @@ class RemoteEngine(ServedEngineSurface):
         if any(c.isspace() for c in base_url.strip()):  # httpx quotes it and then cannot connect
             raise ConfigError(f"base_url {base_url!r} holds whitespace: pass the server's URL without it")
         root = base_url.strip().rstrip("/")
+        for endpoint in ("/chat/completions", "/completions", "/models", "/tokenize", "/metrics"):
+            if root.endswith(endpoint):  # every call would go to .../v1/completions/v1/completions
+                raise ConfigError(
+                    f"base_url {base_url!r} names an endpoint ({endpoint}): pass the server's root, "
+                    f"{root[: -len(endpoint)].removesuffix('/v1')!r} (or with /v1)"
+                )
         if root.endswith("/v1"):
             root = root[: -len("/v1")]
         try:  # what httpx refuses at the first request (control characters, a bad host name)
@@ -237,6 +243,8 @@ class RemoteEngine(ServedEngineSurface):
         check_int(max_retries, "max_retries", minimum=0)
         check_number(backoff, "backoff")
         check_text(model, "model", optional=True, error=ConfigError)
+        if model is not None and not model.strip():
+            raise ConfigError("model is empty: pass the served model's name, or None to ask the server")
         check_text(api_key, "api_key", optional=True, error=ConfigError)
         if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
             raise ConfigError("api_key must be printable ASCII (it is sent in the Authorization header)")

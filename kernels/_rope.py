@@ -237,7 +237,7 @@ class RopeConfig:
             return cls._from_hf_config(cfg, is_neox_style, layer_type)
         except ConfigError:
             raise
-        except (ValueError, TypeError, AttributeError) as exc:  # a field of the wrong type
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:  # a field of the wrong type (inf)
             raise ConfigError(f"malformed RoPE fields in the model config: {type(exc).__name__}: {exc}") from exc
 
     @classmethod

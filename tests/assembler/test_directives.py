@@ -265,3 +265,13 @@ def test_pure_appends_never_give_a_directive(renderer, msgs, extra):
     assert diff.directives == () and diff.base == old.body_end
     assert apply_diff(old.token_ids, diff) == new.token_ids
     assert new.token_ids[: old.body_end] == old.token_ids[: old.body_end]
+
+
+def test_apply_takes_its_arguments_of_their_types_or_says_so():
+    """apply_directives([1], None) was a TypeError, apply_diff([1], None) an AttributeError."""
+    from promptsplice.errors import InputError
+
+    with pytest.raises(InputError, match="directives must be a list"):
+        apply_directives([1], None)
+    with pytest.raises(InputError, match="diff must be a Diff"):
+        apply_diff([1], None)

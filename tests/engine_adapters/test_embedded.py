@@ -116,6 +116,7 @@ def test_config_gpu_defaults_without_a_gpu():
         ({"block_size": 16}, "multiple of 32"),
         ({"block_size": 48}, "CPU_ATTN"),
         ({"block_size": 0}, "block_size"),
+        ({"block_size": 2**20}, "block_size .* must be an int from 1 to"),  # was accepted until make_assembler
         ({"kv_cache_bytes": None}, "19 GiB"),
         ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
         ({"max_model_len": 1}, "max_model_len"),

@@ -879,3 +879,12 @@ def test_aclose_on_one_loop_leaves_a_live_loops_client_alone():
         other.call_soon_threadsafe(other.stop)
         runner.join(timeout=10)
         other.close()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/v1/completions", "http://127.0.0.1:9/v1/chat/completions/"])
+def test_a_base_url_that_names_an_endpoint_is_refused_with_the_root(url):
+    """Every call went to .../v1/completions/v1/completions and got a 404."""
+    with pytest.raises(ConfigError, match="names an endpoint .* pass the server's root, 'http://127.0.0.1:9'"):
+        RemoteEngine(url)
+    with pytest.raises(ConfigError, match="model is empty"):
+        RemoteEngine("http://127.0.0.1:9", model=" ")

@@ -254,3 +254,9 @@ def test_a_partial_rotary_model_without_its_factor_takes_transformers_default(mo
     rope = RopeConfig.from_hf_config(cfg, is_neox_style=pairing)
     assert (rope.head_size, rope.rotary_dim) == (64, rotary)
 
+
+
+def test_an_infinite_head_dim_is_a_config_error():
+    """int(inf) raised a raw OverflowError."""
+    with pytest.raises(ConfigError, match="malformed RoPE fields .* OverflowError"):
+        RopeConfig.from_hf_config({"head_dim": float("inf"), "rope_theta": 1e4})
