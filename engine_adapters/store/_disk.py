@@ -212,7 +212,15 @@ class DiskTier(IndexedTier):
         self._closed = False
         self._evictions = self._writes = self._write_errors = self._corrupt = self._foreign = 0
         self.folder = folder
-        os.makedirs(folder, exist_ok=True)
+        # Records hold tenants' token ids and KV in the clear: the folder and its files
+        # are the owner's alone (0700/0600); a folder others may write to is named.
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        mode = os.stat(folder).st_mode
+        if mode & 0o022:
+            _log.warning(
+                "KV block store: %s is writable by other users (mode %o), who could plant blocks "
+                "that verify; use a folder only this user can write (chmod 700)", folder, stat.S_IMODE(mode),
+            )
         self._unit = allocation_unit(folder)
         self._lock_file = open(os.path.join(folder, LOCK_NAME), "a+b")  # noqa: SIM115 - held open
         self._dir_fd = -1
@@ -636,7 +644,7 @@ class DiskTier(IndexedTier):
         payload = job.held.payload.reshape(-1).view(torch.uint8).numpy()
         data = fmt.encode_record(job.held.meta, memoryview(payload), self._fp)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 _write_all(fd, data)
                 if self._fsync:

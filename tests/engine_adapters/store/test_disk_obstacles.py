@@ -293,3 +293,22 @@ def test_the_allocation_unit_is_capped_where_the_fragment_size_is_a_transfer_siz
     assert _disk.allocation_unit("/anywhere") == 4096
     Vfs.f_frsize = 0
     assert _disk.allocation_unit("/anywhere") == 4096
+
+
+def test_records_are_the_owners_alone_and_a_folder_others_may_write_is_named(tmp_path, caplog):
+    """Records (a tenant's salt, token ids and KV in the clear) were 0644 in a 0755
+    folder: any local user could read them."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder))
+    a, b = make_refs(2)
+    store.put(a, kv(0), salt=SALT)
+    store.put(b, kv(1), salt=SALT)  # a written down
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert [stat.S_IMODE(os.stat(folder / n).st_mode) for n in record_files(folder)] == [0o600]
+    store.close()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with caplog.at_level("WARNING"):
+        BlockStore(config(shared)).close()
+    assert "writable by other users (mode 777)" in caplog.text
