@@ -63,6 +63,7 @@ from promptsplice._validate import (
     check_salt,
     check_text,
     check_tools,
+    salt_tenant,
 )
 from promptsplice.errors import ConfigError, ContextLengthError, InvalidUTF8Error
 
@@ -267,7 +268,7 @@ class Assembler:
         def lay(branches: Any, align: AlignPolicy) -> tuple[LayoutBuilder, list[int]]:
             if order_policy is OrderPolicy.CACHE_AWARE:
                 return self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks, False)
-            order = self._order(kept, order_policy, False)
+            order = self._order(kept, order_policy, False, salt)
             return self._layout(branches, salt, align, head, head_toks, kept, chunk_toks, order, query_toks), order
 
         with self._lock:
@@ -311,13 +312,14 @@ class Assembler:
             if learn:
                 branches.replay()
                 if order_policy is not OrderPolicy.RETRIEVAL:
-                    self._order(kept, OrderPolicy.STABLE, True)  # keep the set's stable order
+                    self._order(kept, OrderPolicy.STABLE, True, salt)  # keep the set's stable order
+                scope = _scope(salt)
                 if order_policy is OrderPolicy.CACHE_AWARE and len(kept) > 1:
-                    self.popularity.last_sent([k.digest for k in kept], touch=True)
+                    self.popularity.last_sent([k.digest for k in kept], touch=True, scope=scope)
                 digests = [kept[i].digest for i in order]
-                self.popularity.observe(digests)
+                self.popularity.observe(digests, scope=scope)
                 if order_policy is OrderPolicy.CACHE_AWARE:
-                    self.popularity.remember(digests)
+                    self.popularity.remember(digests, scope=scope)
 
         key = self._prefix_key(tokens, builder.segments, len(head), salt)
         text = self._render_text(builder.segments, head, kept, order, q_text)
@@ -387,10 +389,10 @@ class Assembler:
         check_fits(nbytes, max_token_bytes=per_token, limit=room, what="the prefix-cache mirror's capacity",
                    fix=_CAPACITY_FIX)
 
-    def _order(self, kept: list[KeptChunk], policy: OrderPolicy, learn: bool) -> list[int]:
+    def _order(self, kept: list[KeptChunk], policy: OrderPolicy, learn: bool, salt: str | None) -> list[int]:
         if policy is OrderPolicy.RETRIEVAL or len(kept) < 2:
             return list(range(len(kept)))
-        return self.popularity.order([k.digest for k in kept], memo=learn)
+        return self.popularity.order([k.digest for k in kept], memo=learn, scope=_scope(salt))
 
     def _append_chunk(
         self,
@@ -462,9 +464,10 @@ class Assembler:
 
         A trial stops appending at its first miss (nothing after it hits, and ``auto``
         and ``none`` add no padding there): only the winner is completed."""
-        stable = self._order(kept, OrderPolicy.STABLE, learn)
+        stable = self._order(kept, OrderPolicy.STABLE, learn, salt)
         orders: list[list[int]] = []
-        last = self.popularity.last_sent([k.digest for k in kept], touch=learn) if len(kept) > 1 else None
+        last = (self.popularity.last_sent([k.digest for k in kept], touch=learn, scope=_scope(salt))
+                if len(kept) > 1 else None)
         for order in (last, stable, list(range(len(kept)))):
             if order is not None and order not in orders:
                 orders.append(order)
@@ -602,6 +605,14 @@ def _max_token_bytes(tokenizer: Tokenizer) -> int:
     value = longest + 4 if longest else 0
     _TOKEN_BYTES[tokenizer.name] = value
     return value
+
+
+def _scope(salt: str | None) -> bytes:
+    """The popularity tracker's scope of a tenant: what one tenant's prompts teach orders
+    only that tenant's.  A runner's derived salts (PIC's reuse salt) share their tenant's
+    scope, so its exact and reuse prompts learn one order; unsalted: the empty scope."""
+    tenant = salt_tenant(salt)
+    return b"" if tenant is None else root_hash(tenant)
 
 
 def _utf8(text: str, kind: SegmentKind) -> bytes:

@@ -91,7 +91,11 @@ def parse_align(policy: str | AlignPolicy) -> AlignPolicy:
 
 
 class PopularityTracker:
-    """Online chunk popularity with log2 tiers and a memo of orders per chunk set."""
+    """Online chunk popularity with log2 tiers and a memo of orders per chunk set.
+
+    Every method takes a ``scope`` (the assembler passes the salt's root hash): counts,
+    kept orders and sent orders of one scope never shape another's order, so one tenant
+    cannot read which chunks another sent from the order its own prompts come in."""
 
     def __init__(self, max_chunks: int = 1_000_000, max_sets: int = 100_000) -> None:
         self._counts: OrderedDict[bytes, int] = OrderedDict()
@@ -105,15 +109,15 @@ class PopularityTracker:
     def tier(count: int) -> int:
         return count.bit_length()  # 0 -> 0, 1 -> 1, 2-3 -> 2, 4-7 -> 3, ...
 
-    def count(self, digest: bytes) -> int:
+    def count(self, digest: bytes, *, scope: bytes = b"") -> int:
         with self._lock:
-            return self._counts.get(digest, 0)
+            return self._counts.get(scope + digest, 0)
 
-    def order(self, digests: Sequence[bytes], *, memo: bool = True) -> list[int]:
+    def order(self, digests: Sequence[bytes], *, memo: bool = True, scope: bytes = b"") -> list[int]:
         """Indices of ``digests`` in canonical order (does not learn; see observe).  The
         first order of a chunk set is kept, so it stays stable as counts move; with
         ``memo=False`` (a preview) a set not yet seen is ordered without being kept."""
-        key = content_digest(b"".join(sorted(digests)))
+        key = content_digest(scope + b"".join(sorted(digests)))
         with self._lock:
             kept = self._orders.get(key)
             if kept is not None and len(kept) == len(digests):
@@ -125,7 +129,7 @@ class PopularityTracker:
                 if len(pos) == len(digests) and all(d in pos for d in kept):
                     return [pos[d] for d in kept]
             counts = self._counts
-            tiers = [self.tier(counts.get(d, 0)) for d in digests]
+            tiers = [self.tier(counts.get(scope + d, 0)) for d in digests]
         idx = sorted(range(len(digests)), key=lambda i: (-tiers[i], digests[i]))
         if not memo:
             return idx
@@ -135,20 +139,20 @@ class PopularityTracker:
                 self._orders.popitem(last=False)
         return idx
 
-    def remember(self, digests_in_order: Sequence[bytes]) -> None:
+    def remember(self, digests_in_order: Sequence[bytes], *, scope: bytes = b"") -> None:
         """Record the order a chunk set was actually sent in (used by cache_aware); the
         stable order of the set is left as it was."""
-        key = content_digest(b"".join(sorted(digests_in_order)))
+        key = content_digest(scope + b"".join(sorted(digests_in_order)))
         with self._lock:
             self._sent[key] = tuple(digests_in_order)
             self._sent.move_to_end(key)
             while len(self._sent) > self._max_sets:
                 self._sent.popitem(last=False)
 
-    def last_sent(self, digests: Sequence[bytes], *, touch: bool = True) -> list[int] | None:
+    def last_sent(self, digests: Sequence[bytes], *, touch: bool = True, scope: bytes = b"") -> list[int] | None:
         """Indices of ``digests`` in the order this set was last sent in, or None;
         ``touch=False`` (a preview) leaves the set's place in the LRU as it was."""
-        key = content_digest(b"".join(sorted(digests)))
+        key = content_digest(scope + b"".join(sorted(digests)))
         with self._lock:
             memo = self._sent.get(key)
             if memo is None or len(memo) != len(digests):
@@ -160,13 +164,14 @@ class PopularityTracker:
             return None
         return [pos[d] for d in memo]
 
-    def observe(self, digests: Sequence[bytes]) -> None:
+    def observe(self, digests: Sequence[bytes], *, scope: bytes = b"") -> None:
         """Learn from one request's chunks (after it was assembled)."""
         with self._lock:
             counts = self._counts
             for d in digests:
-                counts[d] = counts.get(d, 0) + 1
-                counts.move_to_end(d)
+                k = scope + d
+                counts[k] = counts.get(k, 0) + 1
+                counts.move_to_end(k)
             while len(counts) > self._max_chunks:
                 counts.popitem(last=False)
 

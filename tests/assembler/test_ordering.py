@@ -133,3 +133,37 @@ def test_equal_chunks_kept_apart_keep_their_ids_on_a_repeat(default_tok):
     tracker = PopularityTracker()
     d = content_digest(b"same")
     assert tracker.order([d, d]) == [0, 1] and tracker.order([d, d]) == [0, 1]
+
+
+def test_one_tenants_traffic_never_shapes_another_tenants_order(default_tok):
+    """The tracker was keyed by chunk content only: B's own prompt came out ordered by
+    what A had sent (G first after A used G four times), readable with a preview that
+    leaves no trace."""
+    docs = {c: f"Document {c}: " + ("lorem ipsum %s " % c) * 30 for c in "ABCDEFGH"}
+    chunks = [docs["F"], docs["B"], docs["G"]]
+
+    def order(prompt):
+        return [k for _, k in sorted((prompt.text.find(v), k) for k, v in docs.items() if v in prompt.text)]
+
+    for policy in ("stable", "cache_aware"):
+        alone = order(Assembler(default_tok, block_size=16, policy=policy).preview(chunks, query="q?", salt="tenant-B"))
+        asm = Assembler(default_tok, block_size=16, policy=policy)
+        for i, c in enumerate("ACDE"):
+            asm.assemble([docs["G"], docs[c]], query=f"a{i}", salt="tenant-A")
+        assert order(asm.preview(chunks, query="q?", salt="tenant-B")) == alone == ["F", "B", "G"]
+        # the tenant's own traffic still teaches its own order
+        assert order(asm.preview(chunks, query="q?", salt="tenant-A"))[0] == "G"
+
+
+def test_a_runners_derived_salts_learn_their_tenants_order(default_tok):
+    """PIC assembles under a reuse salt derived from the tenant's and sends exact
+    prompts under the tenant's own: both learn and read one order."""
+    from promptsplice._validate import DERIVED_SALT_MARK
+
+    docs = {c: f"Document {c}: " + ("lorem ipsum %s " % c) * 30 for c in "FBG"}
+    asm = Assembler(default_tok, block_size=16, policy="stable")
+    for i in range(4):
+        asm.assemble([docs["G"]], query=f"a{i}", salt="tenant-A")
+    for salt in ("tenant-A", f"tenant-A{DERIVED_SALT_MARK}pic:bounded"):
+        prompt = asm.preview(list(docs.values()), query="q?", salt=salt)
+        assert prompt.text.find(docs["G"]) < prompt.text.find(docs["F"]) < prompt.text.find(docs["B"])
