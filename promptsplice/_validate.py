@@ -185,9 +185,14 @@ relocation or exact salt): never part of a tenant's own salt (:func:`check_tenan
 
 def salt_tenant(salt: str | None) -> str | None:
     """The tenant a salt belongs to: a derived salt's part before
-    :data:`DERIVED_SALT_MARK` (empty: the unsalted tenant, ``None``), else the salt."""
+    :data:`DERIVED_SALT_MARK` (empty: the unsalted tenant, ``None``), else the salt.
+    ``""`` (or any non-salt) is :class:`InvalidSaltError`, never the unsalted tenant:
+    a check ``salt_tenant(a) != salt_tenant(b)`` let ``""`` pass as ``None``'s, and
+    ``""`` then failed where it was hashed."""
     if salt is None:
         return None
+    if not isinstance(salt, str) or not salt:
+        check_salt(salt, "salt")
     return salt.split(DERIVED_SALT_MARK, 1)[0] or None
 
 
@@ -200,6 +205,34 @@ def check_tenant_salt(salt: Any, what: str = "salt") -> str | None:
         raise InvalidSaltError(
             f"{what} {_short(salt)} holds the character U+001F, which promptsplice reserves for "
             "the salts runners derive from a tenant's salt: pick a salt without it"
+        )
+    return salt
+
+
+# -- derived salts and vLLM's cache_salt rule (a separate block: check_derived_salt_room) --
+VLLM_MAX_CACHE_SALT_LENGTH = 128
+"""``vllm serve`` refuses a ``cache_salt`` over 128 characters, or holding ``@``, ``/``,
+``\\`` or NUL (vLLM's ``validate_cache_salt``)."""
+MAX_DERIVED_TAG_LENGTH = 47
+"""The longest part a runner appends to a tenant's salt (:data:`DERIVED_SALT_MARK` and
+its tag: a scope salt's ``splice-scope:`` and 32 hex digits is 46), fixed-length so the
+derived salts of a tenant salt of at most :data:`MAX_DERIVING_SALT_LENGTH` characters
+stay within vLLM's limit."""
+MAX_DERIVING_SALT_LENGTH = VLLM_MAX_CACHE_SALT_LENGTH - MAX_DERIVED_TAG_LENGTH - 1
+"""The longest tenant salt a runner (which derives salts from it) accepts: 80."""
+
+
+def check_derived_salt_room(salt: str | None, what: str = "salt") -> str | None:
+    """A tenant salt a runner derives salts from (scope, exact, reuse salts: the tenant's
+    salt, :data:`DERIVED_SALT_MARK` and a tag of at most :data:`MAX_DERIVED_TAG_LENGTH`
+    characters) must leave room for the tag within vLLM's 128-character limit, or every
+    derived request to a ``vllm serve`` fails with HTTP 400."""
+    if salt is not None and len(salt) > MAX_DERIVING_SALT_LENGTH:
+        raise InvalidSaltError(
+            f"{what} {_short(salt)} is {len(salt)} characters: a runner derives salts from it "
+            f"(up to {MAX_DERIVED_TAG_LENGTH} characters longer), and vLLM refuses a cache_salt over "
+            f"{VLLM_MAX_CACHE_SALT_LENGTH} characters; use a tenant salt of at most "
+            f"{MAX_DERIVING_SALT_LENGTH} characters (a hash of a longer one, say)"
         )
     return salt
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import warnings
 
-from promptsplice._validate import check_bool, check_salt
+from promptsplice._validate import check_bool, check_salt, salt_tenant
 from promptsplice.errors import MissingSaltError, UnsaltedTenantWarning
 
 __all__ = ["SaltGuard"]
@@ -52,14 +52,18 @@ class SaltGuard:
         return self._salted and self._unsalted
 
     def check(self, salt: object, *, stacklevel: int = 3) -> None:
-        """Record one request's salt (``None``: unsalted); warn on the first mix.  A salt
-        that breaks the salt rule raises :class:`~promptsplice.errors.InvalidSaltError`."""
+        """Record one request's salt (``None`` or a salt derived from no tenant's:
+        unsalted); warn on the first mix.  A salt that breaks the salt rule raises
+        :class:`~promptsplice.errors.InvalidSaltError`."""
         check_salt(salt)
-        if salt is None:
+        # a salt derived from no tenant's ("\x1fexact", "\x1fpic:...": an unsalted
+        # runner's) is shared by every unsalted caller: unsalted, as None is
+        if salt is None or salt_tenant(salt) is None:
             if self.require:
+                what = "no salt" if salt is None else f"only a salt derived from none ({salt!r:.40})"
                 raise MissingSaltError(
-                    f"{self.owner} was built with require_salt=True and this request has no "
-                    f"salt: pass {self.keyword}=<the tenant's salt>"
+                    f"{self.owner} was built with require_salt=True and this request has "
+                    f"{what}: pass {self.keyword}=<the tenant's salt>"
                 )
             if self._unsalted:
                 return

@@ -68,9 +68,10 @@ from promptsplice.engine_adapters.connector._metrics import (
     SplicePromMetrics,
 )
 from promptsplice.engine_adapters.connector._plans import BlockDeviation, latest_per_block
-from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
+from promptsplice.engine_adapters.connector._scheduler import LoadItem, SpliceMetadata, SpliceScheduler
 from promptsplice.engine_adapters.connector._served import (
     IDENTITY_REASON,
+    MAX_QUERY_TOKENS,
     PROBE_REASON,
     QUERY_KEY,
     QUERY_REASON,
@@ -82,7 +83,7 @@ from promptsplice.engine_adapters.connector._served import (
 from promptsplice.engine_adapters.connector._settings import connector_settings
 from promptsplice.engine_adapters.connector._worker import SpliceWorker
 from promptsplice.engine_adapters.store._store import BlockStore, shared_store
-from promptsplice._validate import DERIVED_SALT_MARK
+from promptsplice._validate import DERIVED_SALT_MARK, check_salt
 from promptsplice.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -144,6 +145,27 @@ def _probe_board(store: BlockStore) -> dict[str, list[BlockDeviation]]:
         return _BOARDS.setdefault(id(store), {})
 
 
+_FAILED: set[tuple[str, str]] = set()
+
+
+def _log_failure(where: str, req_id: str, exc: BaseException) -> None:
+    """Log a scheduler-side failure with its traceback once per (method, error type),
+    then briefly: one bad request per step must not flood the log."""
+    kind = (where, type(exc).__name__)
+    if kind in _FAILED:
+        _log.warning("splice connector: %s failed for %s (%s: %s); plain prefill", where, req_id, kind[1], exc)
+        return
+    _FAILED.add(kind)
+    _log.exception("splice connector: %s failed for %s; plain prefill (logged once per kind)", where, req_id)
+
+
+def query_token_cap(vllm_config: Any) -> int:
+    """The most tokens a store query may carry on this engine: its ``max_model_len``
+    (what one prompt makes the scheduler hash), never above ``MAX_QUERY_TOKENS``."""
+    n = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+    return min(int(n), MAX_QUERY_TOKENS) if isinstance(n, int) and n > 0 else MAX_QUERY_TOKENS
+
+
 @dataclass
 class SpliceConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker: this step's :class:`SpliceMetadata`."""
@@ -171,6 +193,8 @@ class SpliceConnector(KVConnectorBase_V1):
             )
         self._acks: dict[str, list] = {}
         self._loads: dict[str, Any] = {}  # request id -> its last load item (scheduler side)
+        self._offered: dict[str, int] = {}  # request id -> the local hit its last offer starts at
+        self.max_query_tokens = query_token_cap(vllm_config)
         """Requests that carry a plan, a probe or a store query: [reason, planned, loaded,
         relocated tokens, a query's matched blocks] (``_served``)."""
         self._probes = _probe_board(self.store)
@@ -280,11 +304,30 @@ class SpliceConnector(KVConnectorBase_V1):
     # Scheduler-side methods
     # ==============================
 
+    # vLLM calls these from its scheduler, which does not catch what they raise: one
+    # request's bad input (or a bug of ours) would stop the engine core for every tenant.
+    # So an unexpected error is logged and answered as "nothing to load" (plain
+    # prefill), as the worker side answers a failed load by recomputing.
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
+        try:
+            return self._matched_tokens(request, num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001 - never fatal for the engine (see above)
+            req_id = request.request_id
+            _log_failure("get_num_new_matched_tokens", req_id, exc)
+            self._offered.pop(req_id, None)
+            self.scheduler.request_finished(req_id)  # its state and pins: nothing is loaded
+            ack = self._acks.get(req_id)
+            if ack is not None and not ack[0]:
+                ack[0] = f"the splice connector failed on this request ({type(exc).__name__}): plain prefill"
+            return 0, False
+
+    def _matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         req_id, tokens, salt, params = _vllm.request_fields(request)
         if isinstance(salt, bytes):  # (vLLM keeps cache_salt as a str)
             salt = salt.decode("utf-8", "replace")
+        check_salt(salt)  # ("" would name the unsalted chains; refused: plain prefill)
         identity = _vllm.request_identity(request)
         if identity is not None:
             # a LoRA, multimodal or embeddings request: its KV is not the plain tokens' KV,
@@ -303,7 +346,9 @@ class SpliceConnector(KVConnectorBase_V1):
                 reason = verdict.reason
                 if reason == QUERY_REASON:  # answered from the store as it is now
                     assert params is not None
-                    matched, why = answer_query(params[QUERY_KEY], self._match, self.settings.block_size, salt)
+                    matched, why = answer_query(
+                        params[QUERY_KEY], self._match, self.settings.block_size, salt, self.max_query_tokens
+                    )
                     reason = why or reason
                 elif reason and reason != PROBE_REASON:
                     _log.warning("splice connector: plain prefill for %s: %s", req_id, reason)
@@ -312,10 +357,32 @@ class SpliceConnector(KVConnectorBase_V1):
                     self._probes.pop(req_id, None)
         if ack is not None and ack[0]:
             params = None  # the plan does not match the request: plain prefill
+        self._offered.pop(req_id, None)
         n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params)
+        if n:
+            self._offered[req_id] = num_computed_tokens
         return n, False  # synchronous: loaded in start_load_kv before this step's forward
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        req_id = request.request_id
+        start = self._offered.pop(req_id, None)
+        try:
+            self._after_alloc(request, blocks, num_external_tokens)
+        except Exception as exc:  # noqa: BLE001 - never fatal for the engine (see above)
+            _log_failure("update_state_after_alloc", req_id, exc)
+            self.scheduler.request_finished(req_id)
+            if num_external_tokens > 0 and start is not None:
+                # vLLM counts these tokens as loaded: a load with no source makes the
+                # worker report their blocks as load errors, so vLLM recomputes them
+                bs = self.settings.block_size
+                first = start // bs
+                dst = tuple(_vllm.allocated_block_ids(blocks)[first : first + -(-num_external_tokens // bs)])
+                self.scheduler._loads.append(LoadItem(req_id, None, (), (), dst, start))
+            elif num_external_tokens > 0:
+                raise  # no offer on record: the blocks cannot be named (never expected)
+
+    def _after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         ids = _vllm.allocated_block_ids(blocks) if num_external_tokens > 0 else ()
         item = self.scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens)
@@ -351,14 +418,41 @@ class SpliceConnector(KVConnectorBase_V1):
             ids = new_ids.get(req_id)
             return ids if ids is not None else _vllm.bound_block_ids(self, req_id)
 
-        return SpliceConnectorMetadata(self.scheduler.build_connector_meta(steps, block_ids))
+        try:
+            return SpliceConnectorMetadata(self.scheduler.build_connector_meta(steps, block_ids))
+        except Exception as exc:  # noqa: BLE001 - never fatal for the engine (see above)
+            _log_failure("build_connector_meta", "a step", exc)
+        # One request at a time: the loads vLLM counts on all go out (the first call that
+        # succeeds takes them); a request that fails saves and probes nothing from now on.
+        loads: list[Any] = []
+        saves: list[Any] = []
+        probes: list[Any] = []
+        for step in steps:
+            try:
+                work = self.scheduler.build_connector_meta([step], block_ids)
+            except Exception as exc:  # noqa: BLE001
+                _log_failure("build_connector_meta", step[0], exc)
+                st = self.scheduler._reqs.get(step[0])
+                if st is not None:
+                    st.no_save, st.plan = True, None
+                continue
+            loads += work.loads
+            saves += work.saves
+            probes += work.probes
+        loads += self.scheduler._loads
+        self.scheduler._loads = []
+        return SpliceConnectorMetadata(SpliceMetadata(loads, saves, probes))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
-            self.scheduler.request_finished(request.request_id)
-            # its last blocks may still be on their way to the store (CUDA): the next
-            # lookup, a store query or a client's index, must find them
-            _settle(self.store, request.request_id)
+            try:
+                self.scheduler.request_finished(request.request_id)
+                # its last blocks may still be on their way to the store (CUDA): the next
+                # lookup, a store query or a client's index, must find them
+                _settle(self.store, request.request_id)
+            except Exception as exc:  # noqa: BLE001 - never fatal for the engine (see above)
+                _log_failure("request_finished", request.request_id, exc)
+        self._offered.pop(request.request_id, None)
         ack = self._acks.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         with _BOARD_LOCK:

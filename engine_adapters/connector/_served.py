@@ -49,14 +49,14 @@ a malformed query is answered with a reason and no counts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from promptsplice.blocks import HASH_BYTES, BlockHash, content_digest, token_bytes
+from promptsplice.blocks import HASH_BYTES, BlockHash, content_digest, hash_block, token_bytes
 from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SAME_SALT, BlockDeviation, SplicePlan
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
-from promptsplice.errors import ConfigError, InputError
-from promptsplice._validate import DERIVED_SALT_MARK, salt_tenant
+from promptsplice.errors import ConfigError, InputError, InvalidSaltError
+from promptsplice._validate import DERIVED_SALT_MARK, check_salt, salt_tenant
 
 __all__ = [
     "ACK_KEY", "CHECK_KEY", "IDENTITY_REASON", "MAX_QUERY_TOKENS", "PROBE_KEY", "PROBE_REASON", "QUERY_KEY", "QUERY_REASON",
@@ -83,7 +83,8 @@ IDENTITY_REASON = (
 """The ack's reason for a plan or query sent with such a request."""
 MAX_QUERY_TOKENS = 1 << 18
 """The most tokens one store query may carry (a bound on what a request makes the
-scheduler hash)."""
+scheduler hash); the connector caps it further at the engine's ``max_model_len``, so a
+one-token query costs no more scheduler time than one long prompt."""
 
 
 def token_digest(tokens: Sequence[int]) -> str:
@@ -157,6 +158,11 @@ def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int,
     if plan is None:
         return f"kv_transfer_params has {CHECK_KEY!r} but no {PLAN_KEY!r} plan"
     src = plan.src_salt
+    if isinstance(src, str):
+        try:  # "" passed the tenant check as None's, then failed the engine where it was hashed
+            check_salt(src, "the plan's src_salt")
+        except InvalidSaltError as exc:
+            return str(exc)
     if src is not SAME_SALT and (
         isinstance(src, bytes) if salt is None else (isinstance(src, bytes) and src != salt.encode("utf-8"))
     ):
@@ -265,13 +271,44 @@ def query_params(chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> dic
     return {QUERY_KEY: entries}
 
 
+class _LazyChain:
+    """``chain_refs(tokens, block_size, parent=parent)``, each block hashed when an
+    iteration first reaches it: ``match_prefix`` stops at the first block the store
+    lacks, so a query's blocks after a miss are never hashed."""
+
+    __slots__ = ("_tokens", "_bs", "_refs", "_next")
+
+    def __init__(self, tokens: Sequence[int], block_size: int, parent: BlockHash) -> None:
+        self._tokens, self._bs, self._refs, self._next = tokens, block_size, [], parent
+
+    def __len__(self) -> int:
+        return len(self._tokens) // self._bs
+
+    def __iter__(self) -> Iterator[BlockRef]:
+        bs = self._bs
+        for i in range(len(self)):
+            if i == len(self._refs):
+                block = tuple(self._tokens[i * bs : (i + 1) * bs])
+                key = hash_block(self._next, block)
+                self._refs.append(BlockRef(key, self._next, block))
+                self._next = key
+            yield self._refs[i]
+
+
 def answer_query(
-    raw: Any, match: Callable[[list[BlockRef], str | None], int], block_size: int, request_salt: str | None = None
+    raw: Any,
+    match: Callable[[list[BlockRef], str | None], int],
+    block_size: int,
+    request_salt: str | None = None,
+    max_tokens: int = MAX_QUERY_TOKENS,
 ) -> tuple[tuple[int, ...], str]:
     """The connector's answer to a store query: (stored leading blocks per chain, ``""``)
-    or ((), what is malformed).  ``match(refs, salt)`` is the store's ``match_prefix``.
-    Every chain's salt must be one of the tenant of ``request_salt`` (the request's
-    ``cache_salt``): what another tenant's salt holds is not the caller's to learn."""
+    or ((), what is malformed).  ``match(refs, salt)`` is the store's ``match_prefix``
+    (its refs are hashed as it reads them).  Every chain's salt must be one of the
+    tenant of ``request_salt`` (the request's ``cache_salt``): what another tenant's salt
+    holds is not the caller's to learn.  ``max_tokens``: the engine's cap on a query's
+    tokens (its ``max_model_len``; never above :data:`MAX_QUERY_TOKENS`)."""
+    cap = min(int(max_tokens), MAX_QUERY_TOKENS)
     if not isinstance(raw, list) or not raw:
         return (), f"{QUERY_KEY} must be a non-empty list of chains"
     chains = []
@@ -284,8 +321,10 @@ def answer_query(
             return (), f"{QUERY_KEY}[{i}].tokens must be whole blocks of {block_size} token ids"
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens):
             return (), f"{QUERY_KEY}[{i}].tokens must be token ids in [0, 2**32)"
-        if salt is not None and not isinstance(salt, str):
-            return (), f"{QUERY_KEY}[{i}].salt must be a string or null"
+        try:  # "" passed the tenant check as None's, then failed the engine where it was hashed
+            check_salt(salt, f"{QUERY_KEY}[{i}].salt")
+        except InvalidSaltError:
+            return (), f"{QUERY_KEY}[{i}].salt must be a string or null (a salt: non-empty, valid text)"
         if salt_tenant(salt) != salt_tenant(request_salt):
             return (), f"{QUERY_KEY}[{i}].salt belongs to another tenant than the request's cache_salt"
         try:
@@ -295,7 +334,7 @@ def answer_query(
         if parent_b is None or len(parent_b) != HASH_BYTES:
             return (), f"{QUERY_KEY}[{i}].parent must be a block hash in hex"
         total += len(tokens)
-        if total > MAX_QUERY_TOKENS:
-            return (), f"a store query carries at most {MAX_QUERY_TOKENS} tokens"
+        if total > cap:
+            return (), f"a store query carries at most {cap} tokens (the engine's max_model_len)"
         chains.append((tokens, salt, BlockHash(parent_b)))
-    return tuple(match(chain_refs(t, block_size, parent=p), s) for t, s, p in chains), ""
+    return tuple(match(_LazyChain(t, block_size, p), s) for t, s, p in chains), ""  # type: ignore[arg-type]

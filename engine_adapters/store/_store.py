@@ -399,21 +399,27 @@ class BlockStore:
         ref, overriding ``salt`` (a run that continues an old prompt stored under another
         salt: the splice connector's scoped requests).
         """
-        refs = _ref_list(refs)
-        if salts is not None and len(salts) != len(refs):
-            raise InputError(f"salts has {len(salts)} entries for {len(refs)} refs: give one per ref")
-        queries = [
-            parse_ref(ref, salt if salts is None else salts[i], namespace) for i, ref in enumerate(refs)
-        ]
+        if salts is not None:
+            refs = _ref_list(refs)
+            if isinstance(salts, str | bytes) or not hasattr(salts, "__iter__"):
+                raise InputError(f"salts must be a sequence of salts, one per ref, got {type(salts).__name__}")
+            salts = list(salts)  # (a generator has no len)
+            if len(salts) != len(refs):
+                raise InputError(f"salts has {len(salts)} entries for {len(refs)} refs: give one per ref")
+        else:
+            _check_iterable(refs)
         with self._cond:
             self._check_open()
-            count = 0
-            for k, salt_b, parent, tok in queries:
+            # each ref is parsed (and a lazy one hashed) only once the ones before it are
+            # stored: a long query that misses early costs up to its first miss
+            keys = []
+            for i, ref in enumerate(refs):
+                k, salt_b, parent, tok = parse_ref(ref, salt if salts is None else salts[i], namespace)
                 meta = self._find(k)
                 if meta is None or not meta.matches(salt_b, parent, tok):
                     break
-                count += 1
-            keys = [q[0] for q in queries[:count]]
+                keys.append(k)
+            count = len(keys)
             for k in keys:
                 self._touch(k)
             if owner is not None:
@@ -671,10 +677,15 @@ def _check_anonymous_folder(config: StoreConfig) -> None:
         )
 
 
-def _ref_list(refs: Any) -> list:
-    """The block refs of one query, as a list (``None`` or a number is :class:`InputError`)."""
+def _check_iterable(refs: Any) -> None:
+    """``None`` or a number as the refs of a query is :class:`InputError`."""
     if isinstance(refs, str | bytes) or not hasattr(refs, "__iter__"):
         raise InputError(f"refs must be a sequence of block refs (chain_refs(...)), got {type(refs).__name__}")
+
+
+def _ref_list(refs: Any) -> list:
+    """The block refs of one query, as a list (``None`` or a number is :class:`InputError`)."""
+    _check_iterable(refs)
     return list(refs)
 
 
@@ -705,6 +716,8 @@ def shared_store(config: StoreConfig) -> BlockStore:
     store (a folder admits one store); a closed store is replaced by a fresh one.  The
     shared stores are closed at interpreter exit, so write-downs in flight finish.
     """
+    if not isinstance(config, StoreConfig):  # (a dict was a TypeError: unhashable)
+        raise ConfigError(f"shared_store takes a StoreConfig, got {type(config).__name__}: pass StoreConfig(...)")
     with _SHARED_LOCK:
         store = _SHARED.get(config)
         if store is None or store.closed:

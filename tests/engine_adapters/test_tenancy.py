@@ -311,3 +311,33 @@ def test_router_refuses_a_salt_that_contradicts_the_prompts(default_tok):
     assert router.key(prompt, salt="a") == router.key(prompt)
     with pytest.raises(InvalidSaltError, match="differs"):
         router.key(prompt, salt="b")
+
+
+def test_require_salt_refuses_the_unsalted_tenants_derived_salts():
+    """``"\\x1fexact"`` (an unsalted runner's exact salt) was accepted under require_salt:
+    every unsalted runner shared it.  A salt derived from no tenant's is unsalted."""
+    from promptsplice.errors import MissingSaltError
+    from promptsplice.tenancy import SaltGuard
+
+    guard = SaltGuard("EmbeddedEngine", require=True)
+    for s in ("\x1fexact", "\x1fpic:bounded:r2:d0.25", None):
+        with pytest.raises(MissingSaltError, match="require_salt=True"):
+            guard.check(s)
+    guard.check("t\x1fexact")  # a tenant's derived salt is salted
+    mixed = SaltGuard("EmbeddedEngine")
+    mixed.check("\x1fexact")
+    assert not mixed.mixed
+    with pytest.warns(UnsaltedTenantWarning):
+        mixed.check("t")
+    assert mixed.mixed
+
+
+def test_salt_tenant_refuses_an_empty_salt():
+    """``salt_tenant("")`` was ``None`` (the unsalted tenant's), so a tenant check let ""
+    pass as None, and "" then failed where it was hashed."""
+    from promptsplice._validate import salt_tenant
+    from promptsplice.errors import InvalidSaltError
+
+    assert salt_tenant(None) is None and salt_tenant("\x1fexact") is None and salt_tenant("t\x1fx") == "t"
+    with pytest.raises(InvalidSaltError, match="empty str"):
+        salt_tenant("")

@@ -394,7 +394,7 @@ def test_a_served_ack_counts_what_was_loaded_not_what_was_planned():
         conn = object.__new__(SpliceConnector)
         conn.settings = SimpleNamespace(block_size=BS, relocation=True)
         conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
-        conn._acks, conn._probes, conn._loads = {}, {}, {}
+        conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
         req = SimpleNamespace(request_id="r", prompt_token_ids=new, cache_salt=SALT,
                               kv_transfer_params=splice_params(plan, new))
         ids = list(range(10, 10 + len(new) // BS + 1))
@@ -532,3 +532,43 @@ def test_assemblers_lay_prompts_out_on_what_the_store_loads_back(kv_engine, defa
     before = kv_engine.counters()
     done = kv_engine.generate(again, max_tokens=1)
     assert done.num_cached_tokens == kv_engine.counters().since(before).external_hits >= len(first.token_ids) // BS * BS - BS
+
+
+@pytest.mark.reliability
+def test_scheduler_side_errors_become_plain_prefill_not_a_dead_engine():
+    """vLLM's scheduler does not catch what the connector raises: a request whose salt
+    was "" raised InvalidSaltError there and stopped the engine core for every tenant.
+    Now the request gets no external tokens, and a step's other loads still go out."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters import BlockStore
+    from promptsplice.engine_adapters.connector._connector import SpliceConnector
+    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
+    from tests.engine_adapters.connector._kv import BS, PAYLOAD, SALT
+
+    store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
+    toks = list(range(100, 100 + 4 * BS + 3))
+    for ref in chain_refs(toks, BS, salt=SALT):
+        store.put(ref, torch.zeros(4), salt=SALT)
+    conn = object.__new__(SpliceConnector)
+    conn.settings = SimpleNamespace(block_size=BS, relocation=True)
+    conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
+    conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
+    conn.max_query_tokens = 1 << 18
+    bad = SimpleNamespace(request_id="bad", prompt_token_ids=toks, cache_salt="", kv_transfer_params=None)
+    good = SimpleNamespace(request_id="good", prompt_token_ids=toks, cache_salt=SALT, kv_transfer_params=None)
+    ids = list(range(10, 15))
+    blocks = SimpleNamespace(get_block_ids=lambda: (ids,))
+    assert conn.get_num_new_matched_tokens(bad, 0) == (0, False)
+    conn.update_state_after_alloc(bad, blocks, 0)
+    assert conn.get_num_new_matched_tokens(good, 0) == (4 * BS, False)
+    conn.update_state_after_alloc(good, blocks, 4 * BS)
+    # a request whose state holds a salt that cannot be hashed (reached past the door)
+    conn.scheduler.get_num_new_matched_tokens("odd", toks, "", len(toks), None)
+    meta = conn.build_connector_meta(SimpleNamespace(
+        num_scheduled_tokens={"odd": 2 * BS}, scheduled_new_reqs=[SimpleNamespace(req_id="odd", num_computed_tokens=0, block_ids=(ids,))],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+    ))
+    assert [(item.req_id, item.block_ids) for item in meta.work.loads] == [("good", (10, 11, 12, 13))]
+    assert meta.work.saves == [] and conn.scheduler._reqs["odd"].no_save
+    assert conn.request_finished(bad, ids) == (False, None)

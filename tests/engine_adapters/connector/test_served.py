@@ -221,3 +221,57 @@ def test_a_plan_reads_only_its_own_tenants_salts_and_scopes_only_under_a_derived
     assert plan_verdict(params(src_salt="acme", scope=True), new, BS, "acme\x1fsplice-scope:s:1").reason == ""
     probes = SplicePlan(BS, (), src_salt="acme", probes=(SpliceSegment(4 * BS, 3, 0, bytes(root_hash("acme"))),))
     assert "probes run past" in plan_verdict(splice_params(probes, new), new, BS, "acme").reason
+
+
+@pytest.mark.reliability
+def test_an_empty_or_invalid_salt_in_a_plan_or_store_query_is_refused_by_reason():
+    """``salt_tenant("")`` was ``None``, so an unsalted request's plan naming ``src_salt
+    ""`` (or a query chain naming salt ``""``) passed the tenant check, then raised
+    InvalidSaltError in vLLM's scheduler: the engine core died for every tenant."""
+    from promptsplice.engine_adapters.connector._plans import SplicePlan, SpliceSegment
+
+    toks = list(range(100, 100 + 5 * BS + 3))
+    for bad in ("", "a\ud800"):
+        params = {**SplicePlan(BS, (SpliceSegment(0, 4, 0, b"\0" * 16),), src_salt=bad).to_params(),
+                  CHECK_KEY: plan_check(toks)}
+        for salt in (None, "tenant-A"):
+            verdict = plan_verdict(params, toks, BS, salt)
+            assert verdict.has_plan and verdict.reason.startswith("the plan's src_salt ")
+        raw = [{"parent": "00" * 16, "salt": bad, "tokens": list(range(BS))}]
+        assert answer_query(raw, FakeStore().match, BS) == (
+            (), "splice_query[0].salt must be a string or null (a salt: non-empty, valid text)"
+        )
+
+
+def test_a_store_query_is_capped_at_the_engines_max_model_len_and_hashed_up_to_its_first_miss():
+    """A one-token request could make the scheduler hash 2^18 tokens; now at most the
+    engine's max_model_len, and only up to each chain's first block the store lacks."""
+    from promptsplice.engine_adapters import BlockStore, StoreConfig
+    from promptsplice.engine_adapters.connector._connector import query_token_cap
+    from types import SimpleNamespace
+
+    raw = [{"parent": "00" * 16, "salt": None, "tokens": [1] * (4 * BS)}]
+    assert answer_query(raw, FakeStore().match, BS, None, 4 * BS)[1] == ""
+    assert answer_query(raw, FakeStore().match, BS, None, 4 * BS - 1) == (
+        (), f"a store query carries at most {4 * BS - 1} tokens (the engine's max_model_len)"
+    )
+    assert query_token_cap(SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096))) == 4096
+    assert query_token_cap(SimpleNamespace(model_config=SimpleNamespace(max_model_len=1 << 30))) == MAX_QUERY_TOKENS
+    assert query_token_cap(None) == MAX_QUERY_TOKENS
+
+    store = BlockStore(StoreConfig(dram_bytes=1 << 20, write_behind_bytes=0))
+    toks = list(range(7, 7 + 6 * BS))
+    refs = chain_refs(toks, BS, salt="t")
+    import torch
+    for ref in refs[:2]:
+        store.put(ref, torch.zeros(4), salt="t")
+    seen = []
+
+    def match(chain, salt):
+        n = store.match_prefix(chain, salt=salt)
+        seen.append(len(chain._refs))  # the blocks hashed to answer
+        return n
+
+    q = query_params([(refs, "t"), (refs[1:], "t"), (refs[3:], "t")])[QUERY_KEY]
+    assert answer_query(q, match, BS, "t") == ((2, 1, 0), "")
+    assert seen == [3, 2, 1]  # up to and including each chain's first miss, not its 6, 5, 3 blocks

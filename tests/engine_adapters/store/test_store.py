@@ -786,6 +786,24 @@ def test_match_prefix_counts_only_leading_valid_blocks(tmp_path):
     )  # a probe, not a load
 
 
+def test_match_prefix_takes_salts_from_any_iterable_and_names_a_wrong_one(tmp_path):
+    """``salts=`` as a generator was a TypeError (``len``), a str was read per character."""
+    store = open_store(tmp_path, dram_blocks=4, disk_bytes=8 * REC)
+    refs = make_refs(3)
+    put_all(store, refs)
+    assert store.match_prefix(refs, salts=(SALT for _ in refs)) == 3
+    for bad in (SALT, 5):
+        with pytest.raises(InputError, match="salts must be a sequence of salts"):
+            store.match_prefix(refs, salts=bad)
+
+
+def test_shared_store_names_a_config_that_is_not_a_store_config():
+    """``shared_store({})`` was a TypeError (unhashable dict)."""
+    for bad in ({}, None, "cfg"):
+        with pytest.raises(ConfigError, match="shared_store takes a StoreConfig"):
+            shared_store(bad)
+
+
 def test_match_prefix_counted_blocks_load_unless_the_record_is_damaged(tmp_path):
     store = open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC)
     a, b, c = make_refs(3)
