@@ -7,11 +7,19 @@ render (:func:`~promptsplice.assembler.diff_renders`) and returns the prepared c
 segment map, directives, and what kind of step this is (:class:`StepKind`).  It keeps
 the last render of each session, bounded (LRU over sessions) and thread-safe.
 
+A session is a (cache salt, session id) pair: the salt names the tenant, so two tenants
+calling one hook with the same session id (a thread "1" each) keep separate sessions, and
+neither ever sees the other's render (``PreparedContext.previous``) or resets the other's
+diff.  A call under another salt than the session's earlier steps therefore starts (or
+continues) that salt's own session: a ``NEW_SESSION`` step, a full prefill, while the
+session under the old salt stays as it was.
+
 Which steps fall back to a full prefill (``StepKind.FULL_PREFILL``, logged through
 :mod:`logging`), never a wrong splice:
 
-* ``SALT_CHANGED``: the session's cache salt changed, so none of the old KV is
-  reachable under the new chain;
+* ``SALT_CHANGED``: the previous render's cache salt differs from the new one, so none
+  of the old KV is reachable under the new chain (sessions are kept per salt, so the
+  hook itself no longer produces it: kept for callers that diff renders of their own);
 * ``NO_OVERLAP``: no old token survives at all (every message changed): nothing to
   splice;
 * ``INVALID_DIFF``: the directives do not rebuild the new render from the old one
@@ -118,6 +126,8 @@ class _Session:
 
 
 PolicyLike = Any  # ContextPolicy or a callable messages -> PolicyResult
+_HOOK_SALT: Any = object()  # last_render's default: the hook's own salt
+_ANY_SALT: Any = object()  # forget's default: the session id under every salt
 _EVICTED_IDS = 65_536  # evicted session ids remembered (~100 bytes each) at least
 
 
@@ -133,7 +143,8 @@ class ContextHook:
     evicted first): a session that comes back after it was evicted starts anew (a full
     prefill), counted in ``evicted_returns`` and logged as a warning (at the 1st, 2nd,
     4th, 8th, ... such step): raise ``max_sessions`` above the sessions in flight.
-    ``salt`` is the default cache salt of every session.
+    ``salt`` is the default cache salt of every session; sessions are kept per (salt,
+    session id), so tenants sharing a hook never share a session's state.
     """
 
     def __init__(
@@ -173,10 +184,11 @@ class ContextHook:
         self.policies = list(policies)
         self.max_sessions = max_sessions
         self.salt = salt
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        # The ids evicted last (at least 65,536 of them): N sessions taking turns over
+        # keyed by (salt, session id): a tenant's session never serves another tenant
+        self._sessions: OrderedDict[tuple[str | None, str], _Session] = OrderedDict()
+        # The keys evicted last (at least 65,536 of them): N sessions taking turns over
         # max_sessions slots are each remembered until they return, however large N.
-        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._evicted: OrderedDict[tuple[str | None, str], None] = OrderedDict()
         self._evicted_max = max(_EVICTED_IDS, 16 * max_sessions)
         self.evicted_returns = 0
         self._lock = threading.Lock()
@@ -202,7 +214,7 @@ class ContextHook:
         msgs, edits = self._apply_policies(messages)
         # Rendering needs no session state: done outside the session's lock.
         new = self.renderer.render(msgs, tools, salt=salt)
-        session = self._session(session_id)
+        session = self._session((salt, session_id))
         with session.lock:
             prev = session.render
             session.steps += 1
@@ -215,33 +227,44 @@ class ContextHook:
         self._classify(ctx, prev, new)
         return ctx
 
-    def last_render(self, session_id: str) -> Render | None:
-        """The session's last render (``None`` for an unknown session)."""
+    def last_render(self, session_id: str, *, salt: Any = _HOOK_SALT) -> Render | None:
+        """The session's last render under ``salt`` (default: the hook's ``salt``);
+        ``None`` for an unknown session."""
+        key = (self.salt if salt is _HOOK_SALT else salt, session_id)
         with self._lock:
-            s = self._sessions.get(session_id)
+            s = self._sessions.get(key)
         return None if s is None else s.render
 
-    def forget(self, session_id: str) -> bool:
-        """Drop a session's state; ``True`` if it existed."""
+    def forget(self, session_id: str, *, salt: Any = _ANY_SALT) -> bool:
+        """Drop a session's state (by default under every salt; with ``salt=`` only that
+        salt's); ``True`` if one existed."""
         with self._lock:
-            self._evicted.pop(session_id, None)
-            return self._sessions.pop(session_id, None) is not None
+            if salt is _ANY_SALT:
+                keys = [k for k in self._sessions if k[1] == session_id]
+                for k in [k for k in self._evicted if k[1] == session_id]:
+                    del self._evicted[k]
+            else:
+                keys = [(salt, session_id)]
+                self._evicted.pop((salt, session_id), None)
+            return sum(self._sessions.pop(k, None) is not None for k in keys) > 0
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._sessions)
 
     def __contains__(self, session_id: object) -> bool:
+        """Whether a session of that id is kept (under any salt)."""
         with self._lock:
-            return session_id in self._sessions
+            return any(k[1] == session_id for k in self._sessions)
 
     # -- internals -----------------------------------------------------------------
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, key: tuple[str | None, str]) -> _Session:
+        session_id = key[1]
         with self._lock:
-            s = self._sessions.get(session_id)
+            s = self._sessions.get(key)
             if s is None:
-                s = self._sessions[session_id] = _Session()
-                if self._evicted.pop(session_id, 0) is None:
+                s = self._sessions[key] = _Session()
+                if self._evicted.pop(key, 0) is None:
                     self.evicted_returns += 1
                     n = self.evicted_returns
                     if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: loud, never a flood
@@ -251,13 +274,13 @@ class ContextHook:
                             session_id, n, self.max_sessions,
                         )  # fmt: skip
                 while len(self._sessions) > self.max_sessions:
-                    old_id, _ = self._sessions.popitem(last=False)
-                    logger.debug("context hook: evicted session %r (max_sessions=%d)", old_id, self.max_sessions)
-                    self._evicted[old_id] = None
+                    old_key, _ = self._sessions.popitem(last=False)
+                    logger.debug("context hook: evicted session %r (max_sessions=%d)", old_key[1], self.max_sessions)
+                    self._evicted[old_key] = None
                     if len(self._evicted) > self._evicted_max:
                         self._evicted.popitem(last=False)
             else:
-                self._sessions.move_to_end(session_id)
+                self._sessions.move_to_end(key)
             return s
 
     def _apply_policies(

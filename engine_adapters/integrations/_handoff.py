@@ -4,8 +4,11 @@ A hook (:mod:`promptsplice.engine_adapters.integrations._hooks`) runs the
 :class:`~promptsplice.assembler.ContextHook` before the framework calls the model and puts
 the :class:`~promptsplice.assembler.PreparedContext` here, per session;
 :class:`~promptsplice.engine_adapters.integrations._langchain_chat.PromptspliceChatModel`
-takes it when its own render of the messages it received has the same token ids, and so
-sends exactly the hook's ids (and directives).  Its own module because both sides use
+takes it when its own render of the messages it received has the same token ids and the
+same cache salt, and so sends exactly the hook's ids (and directives).  Entries are kept per
+(session id, salt): the hand-off is process-wide, and two tenants' threads may share an id
+(a LangGraph thread "1" each) and opening messages; a model never takes a context another
+salt rendered (it would send that tenant's blocks under that tenant's salt).  Its own module because both sides use
 it and neither should import the other for it.
 """
 
@@ -23,33 +26,37 @@ logger = logging.getLogger(__name__)
 
 
 class _Handoff:
-    """The last :class:`PreparedContext` a harness hook made per session, for the chat
-    model to pick up (bounded LRU, thread-safe).  The model takes it only when its own
-    render of the messages it received has the same token ids, so a stale or foreign
-    entry is never sent."""
+    """The last :class:`PreparedContext` a harness hook made per (session, salt), for the
+    chat model to pick up (bounded LRU, thread-safe).  The model takes it only when its
+    own render of the messages it received has the same salt and token ids, so a stale
+    or foreign entry (another tenant's) is never sent."""
 
     def __init__(self, max_sessions: int = 1024) -> None:
-        self._items: OrderedDict[str, PreparedContext] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str | None], PreparedContext] = OrderedDict()
         self._lock = threading.Lock()
         self._max = max_sessions
 
     def put(self, prepared: PreparedContext) -> None:
         with self._lock:
-            self._items[prepared.session_id] = prepared
-            self._items.move_to_end(prepared.session_id)
+            key = (prepared.session_id, prepared.render.salt)
+            self._items[key] = prepared
+            self._items.move_to_end(key)
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
     def take(self, session_id: str, render: Render) -> PreparedContext | None:
-        """The session's prepared context when its tokens are ``render``'s (the model's own
-        render of what it received).  A mismatch is logged and the model renders anew; a
-        hook rendering other blocks than the engine caches is named with its fix (the
-        entry may come from a hook in front of another model, so it is no error)."""
+        """The session's prepared context when its salt and tokens are ``render``'s (the
+        model's own render of what it received, under the salt its request goes out with).
+        An entry of another salt is another tenant's: left where it is, ``None``.  A token
+        mismatch is logged and the model renders anew; a hook rendering other blocks than
+        the engine caches is named with its fix (the entry may come from a hook in front
+        of another model, so it is no error)."""
+        key = (session_id, render.salt)
         with self._lock:
-            p = self._items.get(session_id)
-            if p is None:
+            p = self._items.get(key)
+            if p is None or p.render.salt != render.salt:
                 return None
-            del self._items[session_id]
+            del self._items[key]
         if p.render.block_size != render.block_size:  # never matches: say why, and how to fix it
             logger.warning(
                 "the hook prepared session %r in blocks of %d tokens, the model's engine caches blocks of "
@@ -69,8 +76,9 @@ class _Handoff:
 
     def discard(self, prepared: PreparedContext) -> None:
         with self._lock:
-            if self._items.get(prepared.session_id) is prepared:
-                del self._items[prepared.session_id]
+            key = (prepared.session_id, prepared.render.salt)
+            if self._items.get(key) is prepared:
+                del self._items[key]
 
 
 handoff = _Handoff()

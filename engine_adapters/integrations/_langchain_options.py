@@ -86,7 +86,8 @@ def convert_input(model: Any, value: Any) -> Any:
     does not know or content of the wrong type is :class:`InvalidMessageError`."""
     try:
         return model._convert_input(value)
-    except (ValueError, TypeError, ValidationError) as exc:
+    except (ValueError, TypeError, ValidationError, NotImplementedError) as exc:
+        # (LangChain raises NotImplementedError for bytes, [5], [None] or [("user",)])
         if isinstance(exc, InvalidMessageError):
             raise
         raise InvalidMessageError(

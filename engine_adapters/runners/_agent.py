@@ -59,6 +59,7 @@ relocated (``recomputed_tokens``) and at which level (``fidelity``).
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import threading
 import time
@@ -85,8 +86,10 @@ from promptsplice.engine_adapters.runners._steps import (
     planned_relocated_tokens,
 )
 from promptsplice.blocks import round_down
-from promptsplice._validate import DERIVED_SALT_MARK, check_bool, check_enum, check_int, check_tenant_salt
-from promptsplice.errors import ConfigError, InputError
+from promptsplice._validate import (
+    DERIVED_SALT_MARK, check_bool, check_derived_salt_room, check_enum, check_int, check_tenant_salt,
+)
+from promptsplice.errors import ConfigError, InputError, InvalidSaltError
 
 if TYPE_CHECKING:
     from promptsplice.engine_adapters._embedded import Completion
@@ -246,7 +249,7 @@ class AgentRunner:
         self.fidelity = self._fidelity.level
         if scope not in ("session", "none"):
             raise ConfigError(f"scope must be 'session' or 'none', got {scope!r}")
-        check_tenant_salt(salt, "salt")
+        check_derived_salt_room(check_tenant_salt(salt, "salt"), "salt")  # scope/exact salts derive from it
         check_int(max_sessions, "max_sessions")
         self.engine = engine
         self.salt = salt
@@ -264,6 +267,15 @@ class AgentRunner:
     def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
         """The settings a step at ``fidelity`` (default: the runner's) runs with."""
         return self._fidelity.settings(fidelity)
+
+    def _scope_salt(self, session_id: str) -> str:
+        """A new scope salt for the session: the tenant's salt (what ``salt_tenant`` reads),
+        the mark and a fixed-length tag, a digest of the session id and a random part, so
+        it stays within vLLM's ``cache_salt`` rule (no ``@``, ``/``, ``\\``; 128 characters
+        at most: ``check_derived_salt_room``) whatever the session id, and never shows the
+        id in KV events or logs."""
+        digest = hashlib.sha256(f"{session_id}\0{uuid.uuid4().hex}".encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{self.salt or ''}{DERIVED_SALT_MARK}splice-scope:{digest[:32]}"
 
     def _exact_salt(self) -> str | None:
         """A salt whose cache holds exact blocks only (module doc)."""
@@ -309,6 +321,15 @@ class AgentRunner:
         what :meth:`EmbeddedEngine.generate` raises."""
         if not isinstance(prepared, PreparedContext):
             raise InputError(f"step takes the hook's PreparedContext, got {type(prepared).__name__}")
+        rendered = prepared.render.salt
+        if rendered is not None and rendered != self.salt:
+            # as the engines, PrefixRouter and the chat model: one tenant's context never
+            # runs under another's salt (or none)
+            raise InvalidSaltError(
+                f"the prepared context's salt {rendered!r} differs from the runner's salt {self.salt!r}: "
+                "the runner sends every step under its own salt; give the ContextHook and the runner "
+                "the same tenant salt (one runner per tenant)"
+            )
         cfg = self.settings(fidelity)
         if self.mode is AgentMode.SPLICE and cfg.relocate and not self.engine.can_relocate:
             # every relocated block would be recomputed, in more requests than one plain
@@ -397,7 +418,7 @@ class AgentRunner:
         scope_now = self.scope == "session" and not st.scoped
         salt, src_salt, load_prefix = st.salt, SAME_SALT, 0
         if scope_now:
-            salt = f"{self.salt or ''}{DERIVED_SALT_MARK}splice-scope:{prepared.session_id}:{uuid.uuid4().hex[:12]}"
+            salt = self._scope_salt(prepared.session_id)
             src_salt = st.kv_salt
             load_prefix = round_down(prepared.first_changed_token, bs)
         elif st.kv_salt != salt:  # the last step ran exact under a salt of its own

@@ -92,6 +92,7 @@ blocks there are indexed.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import threading
 import time
@@ -127,7 +128,7 @@ from promptsplice.engine_adapters.runners._steps import (
 )
 from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
 from promptsplice.blocks import cacheable_blocks, chain_hashes, root_hash, round_down
-from promptsplice._validate import DERIVED_SALT_MARK, check_enum, check_int, check_tenant_salt
+from promptsplice._validate import DERIVED_SALT_MARK, check_derived_salt_room, check_enum, check_int, check_tenant_salt
 from promptsplice.errors import ConfigError, ContextLengthError, InputError
 
 if TYPE_CHECKING:
@@ -274,7 +275,7 @@ class RagRunner:
         self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation)
         self.fidelity = self._fidelity.level
         check_int(min_group_blocks, "min_group_blocks")
-        check_tenant_salt(salt, "salt")
+        check_derived_salt_room(check_tenant_salt(salt, "salt"), "salt")  # reuse salts derive from it
         self.engine = engine
         self.salt = salt
         default = self.settings(self.fidelity)
@@ -314,8 +315,10 @@ class RagRunner:
         request never hits the blocks a ``fast`` one left (it was served them, bit for
         bit, while reporting nothing relocated and nothing recomputed)."""
         cfg = self.settings(fidelity)
-        tag = f"pic:{cfg.level.value}:r{cfg.recompute_blocks}:d{cfg.max_deviation}"
-        return f"{self.salt or ''}{DERIVED_SALT_MARK}{tag}"
+        # the settings as a fixed-length digest: a long tenant salt (check_derived_salt_room)
+        # and any recompute_blocks / max_deviation stay within vLLM's 128-character rule
+        shape = hashlib.sha256(f"r{cfg.recompute_blocks}:d{cfg.max_deviation!r}".encode()).hexdigest()[:16]
+        return f"{self.salt or ''}{DERIVED_SALT_MARK}pic:{cfg.level.value}:{shape}"
 
     # -- requests -------------------------------------------------------------------
     def run(

@@ -133,14 +133,34 @@ def test_a_session_back_after_eviction_is_counted_and_warned(renderer, caplog):
     assert hook.evicted_returns == 7
 
 
-def test_a_salt_change_falls_back_to_a_full_prefill(renderer, caplog):
+def test_a_salt_change_starts_that_salts_own_session(renderer, caplog):
+    """Sessions were kept by id alone: a call under another salt got the old salt's
+    render as ``previous`` and a SALT_CHANGED full prefill; now it is a session of its
+    own (a new one: a full prefill all the same), the old salt's session untouched."""
     hook = ContextHook(renderer, salt="tenant-1")
     msgs = [{"role": "user", "content": "hi"}]
-    assert hook("s", msgs).render.salt == "tenant-1"
-    with caplog.at_level(logging.INFO, logger="promptsplice.assembler._hook"):
-        step = hook("s", msgs, salt="tenant-2")
-    assert (step.kind, step.fallback, step.diff, step.directives) == (StepKind.FULL_PREFILL, FallbackReason.SALT_CHANGED, None, ())
-    assert "full prefill (salt_changed" in caplog.text
+    first = hook("s", msgs)
+    assert first.render.salt == "tenant-1"
+    step = hook("s", msgs, salt="tenant-2")
+    assert (step.kind, step.fallback, step.diff, step.directives, step.previous) == (StepKind.NEW_SESSION, None, None, (), None)
+    assert hook("s", msgs).kind is StepKind.APPEND  # tenant-1's session went on
+    assert hook.last_render("s") is not None and hook.last_render("s", salt="tenant-2") is step.render
+    assert len(hook) == 2 and "s" in hook
+    assert hook.forget("s", salt="tenant-2") and hook.last_render("s", salt="tenant-2") is None and "s" in hook
+    assert hook.forget("s") and "s" not in hook  # every salt's session of that id
+
+
+def test_tenants_sharing_a_hook_never_see_each_others_sessions(renderer):
+    """Tenant B calling a shared hook with tenant A's session id got A's previous render
+    (its full text) in ``prepared.previous``, and A's next step lost its diff."""
+    hook = ContextHook(renderer)
+    secret = [{"role": "user", "content": "A: my card number is 4111-1111"}]
+    hook("thread-1", secret, salt="tenant-A")
+    b = hook("thread-1", [{"role": "user", "content": "B: hello"}], salt="tenant-B")
+    assert b.kind is StepKind.NEW_SESSION and b.previous is None and b.step == 1
+    a = hook("thread-1", secret + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}], salt="tenant-A")
+    assert (a.kind, a.fallback, a.step) == (StepKind.APPEND, None, 2)
+    assert "4111-1111" in a.previous.text and a.previous.salt == "tenant-A"
 
 
 def test_directives_that_do_not_rebuild_the_render_are_never_used(renderer, caplog, monkeypatch):

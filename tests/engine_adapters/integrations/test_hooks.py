@@ -384,3 +384,26 @@ def test_an_untitled_json_schema_response_format_is_named_in_a_warning(caplog):
     assert tool.name.startswith("response_format_") and [t.name for t in titled] == ["Answer"]
     assert sum("without a 'title'" in r.getMessage() for r in caplog.records) == 1  # the untitled one only
     assert _structured_output_tools(SimpleNamespace(response_format=schema, model=object())) == []  # not our model
+
+
+def test_the_hand_off_never_serves_a_context_of_another_salt(default_tok):
+    """The process-wide hand-off was keyed by session id and matched on token ids only:
+    tenant B's model on a thread also named "1" with the same opening messages took
+    tenant A's prepared context, and its request went out under A's salt (or failed)."""
+    from promptsplice.engine_adapters.integrations._handoff import handoff
+
+    msgs = [HumanMessage("hand-off salt test: hi")]
+    hook_a = ContextHook(default_tok, block_size=16, salt="tenant-A")
+    pre_a = PromptsplicePreModelHook(hook_a, default_session="handoff-salt-1")
+    pre_a({"messages": msgs})
+    dicts = lc_messages_to_openai(msgs)
+    # B's own context for the same thread id does not replace A's
+    pre_b = PromptsplicePreModelHook(ContextHook(default_tok, block_size=16, salt="tenant-B"), default_session="handoff-salt-1")
+    pre_b({"messages": msgs})
+    for salt in (None, "tenant-C"):  # same ids, another (or no) salt: never taken, left in place
+        assert handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt=salt)) is None
+    taken = handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-A"))
+    assert taken is pre_a.history[-1] and taken.render.salt == "tenant-A"
+    assert handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-A")) is None  # taken once
+    taken_b = handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-B"))
+    assert taken_b is pre_b.history[-1] and taken_b.render.salt == "tenant-B"

@@ -252,14 +252,18 @@ def test_a_hooks_tenant_salt_goes_with_its_requests(engine):
     n = tenant.usage_metadata["input_tokens"]
     assert tenant.usage_metadata["input_token_details"]["cache_read"] == (n - 1) // engine.block_size * engine.block_size
     assert unsalted.usage_metadata["input_token_details"]["cache_read"] == 0
-    # a LangGraph pre-model hook's render handed to a model of another tenant: refused
+    # a LangGraph pre-model hook's render is never taken by a model of another tenant
+    # (it was, and the request failed, or went out under the hook's salt): rendered anew
     from promptsplice.engine_adapters.integrations import PromptsplicePreModelHook
+    from promptsplice.engine_adapters.integrations._handoff import handoff
 
     pre = PromptsplicePreModelHook(hook, default_session="hook-salt-2")
     handed = pre({"messages": msgs})["llm_input_messages"]
     other = PromptspliceChatModel(engine=engine, max_tokens=1, cache_salt="tenant-other")
-    with pytest.raises(InvalidSaltError, match="'tenant-other' differs from the salt 'tenant-hook'"):
-        other.invoke(handed, session_id="hook-salt-2")
+    out = other.invoke(handed, session_id="hook-salt-2")
+    assert out.response_metadata["step_kind"] == "new_session"
+    assert out.usage_metadata["input_token_details"]["cache_read"] == 0  # not the hook tenant's blocks
+    assert handoff.take("hook-salt-2", pre.history[-1].render) is pre.history[-1]  # left for its tenant
 
 
 def test_calls_without_a_session_leave_no_runner_session_behind(engine):
@@ -359,7 +363,8 @@ def test_input_langchain_cannot_read_is_an_invalid_message_error(engine):
     """LangChain's own ValueError (an unknown role) and pydantic's ValidationError (content
     of the wrong type) escaped from the message conversion, untranslated."""
     model = PromptspliceChatModel(engine=engine, max_tokens=2)
-    for bad in ([("robot", "hi")], [{"role": "user", "content": 5}]):
+    # (and its NotImplementedError for bytes, a number, None or a one-item tuple)
+    for bad in ([("robot", "hi")], [{"role": "user", "content": 5}], b"hi", [5], [None], [("user",)]):
         for call in (model.invoke, lambda m: list(model.stream(m))):
             with pytest.raises(InvalidMessageError, match="cannot read its input as messages"):
                 call(bad)

@@ -441,11 +441,16 @@ def test_recompute_tail_blocks_computes_the_last_runs_last_blocks(kv_engine, ren
 def test_a_hook_full_prefill_is_reported_at_the_exact_level_too(kv_engine, renders):
     """At ``exact`` every step is one plain request anyway; the hook's FULL_PREFILL is
     still what the step says, as at the relocating levels."""
-    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-fp")
+    from promptsplice.assembler import ChatTemplate
+
+    # (a salt change made the FULL_PREFILL here: the hook keeps sessions per salt now, and
+    # the runner refuses another salt's context; no token in common is one too)
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", name="plain")
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-fp", template=plain)
     runner = AgentRunner(kv_engine, mode="splice", salt="t-fp")
     assert runner.fidelity.value == "exact"
-    first = runner.step(hook("s-fp", renders[0], TOOLS), max_tokens=2)
-    prepared = hook("s-fp", renders[1], TOOLS, salt="t-fp-rotated")  # none of the old KV applies
+    first = runner.step(hook("s-fp", [{"role": "user", "content": "alpha beta"}]), max_tokens=2)
+    prepared = hook("s-fp", [{"role": "user", "content": "gamma delta"}])  # none of the old KV applies
     assert prepared.kind is StepKind.FULL_PREFILL
     step = runner.step(prepared, max_tokens=2)
     assert first.fallback is None and step.fallback is StepFallback.HOOK_FULL_PREFILL
@@ -485,3 +490,67 @@ def test_a_relocating_level_on_an_engine_that_cannot_relocate_is_refused(kv_engi
         runner.step(hook("s-norel", renders[0], TOOLS), max_tokens=1)
     step = runner.step(hook("s-norel2", renders[0], TOOLS), max_tokens=1, fidelity="exact")
     assert step.relocated_tokens == 0 and step.fidelity.value == "exact"
+
+
+# ------------------------------------------- tenant salts, decided before the engine runs
+
+
+class _IdleEngine:
+    """The runner surface with nothing behind it: ``generate*`` fail the test if called
+    (what these tests check is decided before any request)."""
+
+    block_size = 16
+    can_splice = can_relocate = True  # a splice connector that can relocate
+    kv_store = tokenizer = None
+
+    def _called(self, *a, **k):
+        raise AssertionError("the engine was called")
+
+    generate = generate_phases = _called
+
+    def make_assembler(self, **kw):  # a RagRunner builds its assembler up front
+        from promptsplice.assembler import Assembler
+
+        return Assembler(block_size=self.block_size, **kw)
+
+
+def test_a_context_rendered_for_another_tenant_is_refused_before_any_request(default_tok):
+    """AgentRunner.step never compared the hook's salt with its own: tenant A's context
+    ran under the runner's salt (another tenant's, or none)."""
+    from promptsplice.errors import InvalidSaltError
+
+    hook = ContextHook(default_tok, block_size=16, salt="tenant-A")
+    prepared = hook("s-salt", [{"role": "user", "content": "tenant A's private question"}])
+    for salt in (None, "tenant-B"):
+        with pytest.raises(InvalidSaltError, match=f"salt 'tenant-A' differs from the runner's salt {salt!r}: .*same tenant salt"):
+            AgentRunner(_IdleEngine(), mode="apc", salt=salt).step(prepared)
+
+
+def test_derived_salts_pass_vllms_cache_salt_rule_for_any_session_id(default_tok):
+    """The scope salt embedded the raw session id ("alice@example.com", "org/acme/x", a
+    long id): vllm serve refused it (HTTP 400) and the id showed in KV events and logs;
+    a long tenant salt made the RAG reuse salt exceed vLLM's 128 characters."""
+    from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+
+    from promptsplice.engine_adapters import RagRunner
+    from promptsplice._validate import MAX_DERIVING_SALT_LENGTH, salt_tenant
+    from promptsplice.errors import InvalidSaltError
+
+    tenant = "t" * MAX_DERIVING_SALT_LENGTH  # the longest a runner accepts
+    assert MAX_DERIVING_SALT_LENGTH == 80
+    runner = AgentRunner(_IdleEngine(), mode="splice", salt=tenant)
+    for sid in ("thread-42", "alice@example.com", "org/acme/thread-1", "a\\b", "x" * 300):
+        for owner, r in ((tenant, runner), (None, AgentRunner(_IdleEngine(), mode="splice"))):
+            scope = r._scope_salt(sid)
+            validate_cache_salt(scope)  # raises as vllm serve's request validation does
+            assert salt_tenant(scope) == owner and sid not in scope and scope != r._scope_salt(sid)
+            validate_cache_salt(r._exact_salt() or "unsalted")
+    rag = RagRunner(_IdleEngine(), salt=tenant)
+    for level in ("exact", "bounded", "fast"):
+        validate_cache_salt(rag.reuse_salt_for(level))
+        assert salt_tenant(rag.reuse_salt_for(level)) == tenant
+    assert len({rag.reuse_salt_for(level) for level in ("exact", "bounded", "fast")}) == 3
+    # a tenant salt too long for any derived salt to fit is refused where runners take it
+    for make in (AgentRunner, RagRunner):
+        with pytest.raises(InvalidSaltError, match="81 characters.*at most 80 characters"):
+            make(_IdleEngine(), salt=tenant + "t")
