@@ -44,7 +44,9 @@ Where a served engine's facts come from:
   other traffic makes it a prediction (the counts reported always come from the server).
 * **the block store** lives in the server's process: ``kv_store`` is ``None`` and
   :meth:`~ServedEngineSurface.match_chains` asks the connector what it holds (one store
-  query per call: a one-token request whose ack carries the counts), which is what
+  query per call: a one-token request whose ack carries the counts; split into queries
+  of at most the ``max_query_tokens`` the probe's ack names, the server's
+  ``max_model_len``, which the connector refuses to exceed), which is what
   :class:`~promptsplice.engine_adapters.RagRunner`'s chunk index reads for
   position-independent reuse over a server.
 
@@ -184,11 +186,13 @@ class ServedEngineSurface:
                 f"{self.base_url} does not run the splice connector: its block store cannot "  # type: ignore[attr-defined]
                 "be queried (start vllm serve with --kv-transfer-config kv_transfer_config_json(...))"
             )
-        # Queries of at most MAX_QUERY_TOKENS each; a longer chain is asked for its
-        # leading blocks only (a count is a leading run: the rest cannot add to a shorter one).
+        # Queries of at most the server's cap each (its ack's max_query_tokens: its
+        # max_model_len; MAX_QUERY_TOKENS from a connector that does not say); a longer
+        # chain is asked for its leading blocks only (a count is a leading run: the rest
+        # cannot add to a shorter one).
         # A query carries its tenant's salt as its cache_salt (the connector answers only
         # for salts of that tenant), so chains of different tenants go in separate queries.
-        cap_blocks = max(1, MAX_QUERY_TOKENS // self.block_size)
+        cap_blocks = max(1, self._query_token_cap() // self.block_size)
         batches: list[list[tuple[list[BlockRef], str | None]]] = [[]]
         size = 0
         for refs, salt in chains:
@@ -207,6 +211,13 @@ class ServedEngineSurface:
                 raise EngineResponseError(f"{self.base_url}'s splice connector did not answer the store query: {why}")  # type: ignore[attr-defined]
             out += [min(int(k), len(refs)) for k, (refs, _) in zip(ack.matched, batch)]
         return out
+
+    def _query_token_cap(self) -> int:
+        """The most tokens one store query may carry: what the connector's probe ack
+        says (``max_query_tokens``), else :data:`MAX_QUERY_TOKENS`."""
+        ack = self.splice_probe()
+        said = ack.max_query_tokens if ack is not None else 0
+        return min(said, MAX_QUERY_TOKENS) if said > 0 else MAX_QUERY_TOKENS
 
     @property
     def kv_store(self) -> None:

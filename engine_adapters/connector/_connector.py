@@ -179,9 +179,14 @@ class SpliceConnector(KVConnectorBase_V1):
     Every method forwards to :class:`SpliceScheduler` or :class:`SpliceWorker`.
     """
 
+    max_query_tokens: int = MAX_QUERY_TOKENS
+    """The most tokens a store query may carry here (:func:`query_token_cap`: the
+    engine's ``max_model_len``); every ack says it (``_served``)."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = connector_settings(vllm_config)
+        self.max_query_tokens = query_token_cap(vllm_config)
         if not self.settings.relocation:
             _log.warning("SpliceConnector: relocation disabled (%s); offload hits only", self.settings.why_no_relocation)
         self.store: BlockStore = shared_store(self.settings.store_config)
@@ -192,11 +197,10 @@ class SpliceConnector(KVConnectorBase_V1):
                 self.store, self.settings.block_size, relocation=self.settings.relocation
             )
         self._acks: dict[str, list] = {}
-        self._loads: dict[str, Any] = {}  # request id -> its last load item (scheduler side)
-        self._offered: dict[str, int] = {}  # request id -> the local hit its last offer starts at
-        self.max_query_tokens = query_token_cap(vllm_config)
         """Requests that carry a plan, a probe or a store query: [reason, planned, loaded,
         relocated tokens, a query's matched blocks] (``_served``)."""
+        self._loads: dict[str, Any] = {}  # request id -> its last load item (scheduler side)
+        self._offered: dict[str, int] = {}  # request id -> the local hit its last offer starts at
         self._probes = _probe_board(self.store)
         self._reporter = CounterReporter()
         """Request id -> its probes' deviations: the worker-side instance writes, the
@@ -463,7 +467,7 @@ class SpliceConnector(KVConnectorBase_V1):
         reason, planned, loaded, relocated, matched = ack
         return False, ack_params(SpliceAck(
             not reason, reason, planned, loaded, relocated, self.settings.block_size,
-            self.settings.relocation, matched, devs, _vllm.connector_num_blocks(self),
+            self.settings.relocation, matched, devs, _vllm.connector_num_blocks(self), self.max_query_tokens,
         ))
 
     def _match(self, refs: list[Any], salt: str | None) -> int:

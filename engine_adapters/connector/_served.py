@@ -18,7 +18,7 @@ returns :func:`ack_params`, which vLLM's OpenAI server puts in the response body
     {"splice_ack": {"applied": true, "reason": "", "planned_tokens": 192,
                     "loaded_tokens": 192, "relocated_tokens": 192, "block_size": 32,
                     "relocation": true, "matched": [], "deviations": [[64, -96, [...], [...]]],
-                    "num_blocks": 1456}}
+                    "num_blocks": 1456, "max_query_tokens": 2048}}
 
 ``deviations`` are the plan's probes (:class:`~._plans.BlockDeviation`: first token,
 delta, per-layer K and V errors), so a served engine's adaptive recompute reads what
@@ -26,10 +26,10 @@ the embedded engine reads from its worker.
 
 No ``splice_ack`` in the response means the server was not started with the connector.
 A request carrying only ``{"splice_probe": true}`` (:data:`PROBE_KEY`) asks just that:
-the connector answers an ack with ``applied`` False, reason :data:`PROBE_REASON` and
-its ``block_size`` and whether it can relocate (how
-:class:`~promptsplice.engine_adapters.RemoteEngine` learns the server's block size and
-that it runs the connector).
+the connector answers an ack with ``applied`` False, reason :data:`PROBE_REASON`, its
+``block_size``, whether it can relocate and ``max_query_tokens`` (how
+:class:`~promptsplice.engine_adapters.RemoteEngine` learns the server's block size, that
+it runs the connector and how long a store query may be).  Every ack carries these.
 
 **Store queries.**  The block store lives in the server's process, so a client that
 plans position-independent reuse (:class:`~promptsplice.engine_adapters.RagRunner`)
@@ -44,7 +44,9 @@ same tokens, parent and salt (:func:`answer_query`; ``BlockStore.match_prefix``,
 count the embedded engine reads in process).  The server rebuilds the chain keys
 itself (:func:`~promptsplice.engine_adapters.store._store.chain_refs`), so a client
 cannot name a block it does not have the tokens of.  One query per planned request;
-a malformed query is answered with a reason and no counts.
+a malformed query is answered with a reason and no counts, and so is one carrying more
+tokens in all than the ack's ``max_query_tokens`` (the engine's ``max_model_len``, at
+most :data:`MAX_QUERY_TOKENS`): the client splits its queries under it.
 """
 
 from __future__ import annotations
@@ -229,6 +231,10 @@ class SpliceAck(NamedTuple):
     num_blocks: int = 0
     """The server's KV cache in blocks (vLLM's ``num_gpu_blocks``; 0: not said): the
     capacity of the client's mirror of that cache."""
+    max_query_tokens: int = 0
+    """The most tokens one store query may carry on this server, all chains together
+    (its ``max_model_len``, at most :data:`MAX_QUERY_TOKENS`; 0: not said, from an older
+    connector): a longer query is answered with a reason and no counts."""
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> SpliceAck | None:
@@ -245,7 +251,7 @@ class SpliceAck(NamedTuple):
                     BlockDeviation(int(s), int(d), tuple(float(x) for x in k), tuple(float(x) for x in v))
                     for s, d, k, v in raw.get("deviations") or ()
                 ),
-                int(raw.get("num_blocks") or 0),
+                int(raw.get("num_blocks") or 0), max(0, int(raw.get("max_query_tokens") or 0)),
             )
         except (KeyError, TypeError, ValueError, OverflowError):  # (1e400 reads as inf)
             return None

@@ -224,6 +224,34 @@ def test_rag_runner_pic_needs_the_connector_on_the_server(live_servers):
             plain.match_chains([(chain_refs(list(range(BS)), BS), None)])
 
 
+def test_store_queries_over_the_servers_max_model_len_are_split_and_answered(remote):
+    """The connector refuses a store query carrying more tokens than its engine's
+    max_model_len (2,048 here); the client batched at MAX_QUERY_TOKENS (2^18), so chains
+    totalling more than that raised EngineResponseError.  The probe's ack now names the
+    cap, and match_chains splits its queries under it (a chain over it: its lead)."""
+    from promptsplice.engine_adapters import chain_refs
+
+    s = salt("max-query")
+    a = list(range(20_000, 20_000 + 12 * BS))
+    b = list(range(30_000, 30_000 + 12 * BS))
+    for toks in (a, b):  # 12 full blocks each reach the connector's store (5 tokens after them)
+        remote.generate(toks + [7, 8, 9, 10, 11], max_tokens=1, cache_salt=s)
+    more = list(range(1_000, 1_000 + 58 * BS))  # never sent
+    ra, rb = chain_refs(a, BS, salt=s), chain_refs(b, BS, salt=s)
+    chains = [
+        (ra, s),                                              # 12 blocks, all stored
+        (rb, s),                                              # 12 blocks, all stored
+        (chain_refs(a + more[: 30 * BS], BS, salt=s), s),     # 42 blocks, its first 12 stored
+        (chain_refs(more[: 20 * BS], BS, salt=s), s),         # 20 blocks, none stored
+        (rb[:5], s),                                          # 5 blocks, stored
+        (chain_refs(a + more, BS, salt=s), s),                # 70 blocks: over the cap (asked: its first 64)
+    ]
+    assert sum(len(refs) for refs, _ in chains) * BS == 161 * BS > 2048
+    assert remote.match_chains(chains) == [12, 12, 12, 0, 5, 12]
+    assert remote.match_chains(chains[:2]) == [12, 12]  # the same answers from one query under the cap
+    assert remote.splice_probe().max_query_tokens == 2048  # loopback_servers' --max-model-len
+
+
 def test_a_pic_relocation_through_generate_gives_the_embedded_counts(remote, kv_engine, default_tok, rag_requests):
     text = "\n\n".join(dict.fromkeys(c.text for r in rag_requests for c in r.chunks))
     toks = list(default_tok.encode(text))

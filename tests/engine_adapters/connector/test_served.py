@@ -83,6 +83,55 @@ def test_ack_round_trip():
     assert SpliceAck.from_params({"splice_ack": raw}).relocation is False  # unsaid: no
 
 
+def test_the_acks_max_query_tokens_round_trips_and_reads_as_unknown_from_an_older_connector():
+    """The connector caps a store query at its engine's max_model_len; its acks say the
+    cap (``max_query_tokens``) so the client splits its queries under it.  An ack
+    without the field (an older connector) reads as 0: unknown."""
+    ack = SpliceAck(False, PROBE_REASON, 0, 0, 0, BS, True, (), (), 1456, 2048)
+    wire = json.loads(json.dumps(ack_params(ack)))
+    assert wire["splice_ack"]["max_query_tokens"] == 2048 and wire["splice_ack"]["num_blocks"] == 1456
+    assert SpliceAck.from_params(wire) == ack and SpliceAck.from_params(wire).max_query_tokens == 2048
+    old = {k: v for k, v in wire["splice_ack"].items() if k != "max_query_tokens"}
+    parsed = SpliceAck.from_params({"splice_ack": old})
+    assert parsed == ack._replace(max_query_tokens=0)
+    assert SpliceAck(True, "", 96, 96, 96).max_query_tokens == 0  # unsaid: unknown
+    for unsaid in (None, 0, -5):  # null or nonsense reads as unknown too, never a negative cap
+        assert SpliceAck.from_params({"splice_ack": {**old, "max_query_tokens": unsaid}}).max_query_tokens == 0
+    assert SpliceAck.from_params({"splice_ack": {**old, "max_query_tokens": "many"}}) is None  # malformed
+
+
+def test_a_served_store_query_is_split_at_the_cap_the_probe_ack_names(monkeypatch):
+    """The client batches at the server's ``max_query_tokens`` (not MAX_QUERY_TOKENS),
+    and cuts a longer chain to it; an ack without the field: MAX_QUERY_TOKENS."""
+    from promptsplice.engine_adapters import RemoteEngine
+
+    toks = list(range(100, 100 + 10 * BS))
+    full = chain_refs(toks, BS, salt="t")
+    store = FakeStore((full[:7], "t"))
+    cap = 4 * BS  # the server's max_model_len
+    sent = []
+
+    def ack_request(params, salt=None):
+        sent.append(sum(len(c["tokens"]) for c in params[QUERY_KEY]) // BS)
+        matched, why = answer_query(json.loads(json.dumps(params))[QUERY_KEY], store.match, BS, salt, cap)
+        return SpliceAck(False, why or QUERY_REASON, 0, 0, 0, BS, True, matched, (), 0, cap)
+
+    chains = [(full, "t"), (full[:3], "t"), (full[4:7], "t"), (full[:2], "t")]
+    eng = RemoteEngine("http://127.0.0.1:9", block_size=BS)
+    eng._probe = SpliceAck(False, PROBE_REASON, 0, 0, 0, BS, True, (), (), 100, cap)
+    monkeypatch.setattr(eng, "_ack_request", ack_request)
+    assert eng.match_chains(chains) == [4, 3, 3, 2]
+    assert sent == [4, 3, 3, 2]  # 4 (cut), then 3 + 3 > 4 and 3 + 2 > 4: every query under the cap
+    sent.clear()
+    old = RemoteEngine("http://127.0.0.1:9", block_size=BS)  # an older connector: the cap unsaid
+    old._probe = SpliceAck(False, PROBE_REASON, 0, 0, 0, BS, True)
+    monkeypatch.setattr(old, "_ack_request", ack_request)
+    from promptsplice.errors import EngineResponseError
+    with pytest.raises(EngineResponseError, match="at most 128 tokens"):
+        old.match_chains(chains)  # one query of 18 blocks: MAX_QUERY_TOKENS is the client's only bound
+    assert sent == [18]
+
+
 def test_a_probe_is_answered_without_a_plan():
     new, _ = case()
     assert plan_verdict({PROBE_KEY: True}, new, BS) == (True, PROBE_REASON, 0)
