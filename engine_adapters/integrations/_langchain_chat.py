@@ -369,16 +369,22 @@ class PromptspliceChatModel(BaseChatModel):
                 raise ConfigError(f"hook renders blocks of {self.hook.block_size} tokens, the engine caches blocks of "
                                   f"{engine_block}: build it with ContextHook(..., block_size={engine_block})")
             sid = session if session is not None else f"ephemeral-{uuid.uuid4().hex}"
-            pending = handoff.take(sid, renderer.render(dicts, tools or None, salt=salt)) if session else None
+            hook_salt = salt if salt is not None else self.hook.salt  # what the hook renders under
+            pending = (
+                handoff.take(sid, renderer.render(dicts, tools or None, salt=hook_salt), salted=hook_salt is not None)
+                if session else None
+            )
             if pending is not None:
                 return pending, tools
             prepared = self.hook(sid, dicts, tools or None, salt=salt)
             if session is None:
-                self.hook.forget(sid)
+                self.hook.forget(sid, salt=prepared.render.salt)  # (one key: no scan of every session)
             return prepared, tools
         render = renderer.render(dicts, tools or None, salt=salt)
         if session is not None:
-            pending = handoff.take(session, render)
+            # an unsalted model takes its hook's entry under the hook's salt (request_salt
+            # then sends that tenant's salt, never none)
+            pending = handoff.take(session, render, salted=salt is not None)
             if pending is not None:
                 return pending, tools
         return PreparedContext(session or "", 1, StepKind.NEW_SESSION, render, dicts), tools

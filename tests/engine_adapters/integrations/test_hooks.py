@@ -407,3 +407,50 @@ def test_the_hand_off_never_serves_a_context_of_another_salt(default_tok):
     assert handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-A")) is None  # taken once
     taken_b = handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-B"))
     assert taken_b is pre_b.history[-1] and taken_b.render.salt == "tenant-B"
+
+
+class _SendlessEngine:
+    """What ``PromptspliceChatModel._request`` reads of an engine (nothing is sent)."""
+
+    block_size = 16
+    model_name = "SmolLM2-135M-Instruct"
+
+    def __init__(self, tok: Any) -> None:
+        self.tokenizer = tok
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the test only prepares requests")
+
+
+def test_an_unsalted_model_takes_its_hooks_context_under_the_hooks_salt(default_tok):
+    """With hand-offs kept per salt, a model without a salt of its own looked under salt
+    None: a salted framework hook's context was never taken and the tenant's request went
+    out unsalted; a model given the same hook ran it twice (step 2, policies on edited
+    messages).  Hooks of two salts on one session before an unsalted model: which tenant
+    the call is cannot be told, an InvalidSaltError."""
+    from promptsplice.engine_adapters.integrations._handoff import handoff
+    from promptsplice.errors import InvalidSaltError
+
+    msgs = [HumanMessage("unsalted model, salted hook: " + "hello there " * 20)]
+    hook = ContextHook(default_tok, block_size=16, salt="tenant-A")
+    pre = PromptsplicePreModelHook(hook, default_session="unsalted-model-1")
+    handed = pre({"messages": msgs})["llm_input_messages"]
+    model = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1)
+    req = model._request(handed, None, {"session_id": "unsalted-model-1"}, None)
+    assert req["prepared"] is pre.history[-1] and req["salt"] == "tenant-A"
+
+    pre2 = PromptsplicePreModelHook(hook, default_session="unsalted-model-2")
+    handed = pre2({"messages": msgs})["llm_input_messages"]
+    with_hook = PromptspliceChatModel(engine=_SendlessEngine(default_tok), hook=hook, max_tokens=1)
+    req = with_hook._request(handed, None, {"session_id": "unsalted-model-2"}, None)
+    assert req["prepared"] is pre2.history[-1] and req["prepared"].step == 1 and req["salt"] == "tenant-A"
+
+    for salt in ("tenant-A", "tenant-B"):
+        PromptsplicePreModelHook(ContextHook(default_tok, block_size=16, salt=salt), default_session="unsalted-model-3")(
+            {"messages": msgs}
+        )
+    with pytest.raises(InvalidSaltError, match="hooks of 2 salts prepared session 'unsalted-model-3'"):
+        model._request(handed, None, {"session_id": "unsalted-model-3"}, None)
+    salted = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1, cache_salt="tenant-B")
+    assert salted._request(handed, None, {"session_id": "unsalted-model-3"}, None)["salt"] == "tenant-B"
+    assert handoff.take("unsalted-model-3", hook.renderer.render(lc_messages_to_openai(msgs), salt="tenant-A")) is not None
