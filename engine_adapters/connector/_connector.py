@@ -322,10 +322,19 @@ class SpliceConnector(KVConnectorBase_V1):
             _log_failure("get_num_new_matched_tokens", req_id, exc)
             self._offered.pop(req_id, None)
             self.scheduler.request_finished(req_id)  # its state and pins: nothing is loaded
-            ack = self._acks.get(req_id)
-            if ack is not None and not ack[0]:
-                ack[0] = f"the splice connector failed on this request ({type(exc).__name__}): plain prefill"
+            self._fail_ack(req_id, exc)
             return 0, False
+
+    def _fail_ack(self, req_id: str, exc: BaseException, *, loaded: bool = False) -> None:
+        """A request the connector failed on says so in its ack: before its load went out,
+        plain prefill (nothing counts as loaded); after (``loaded``), its load stands and
+        its saves and probes stop."""
+        ack = self._acks.get(req_id)
+        if ack is not None and not ack[0]:
+            what = "its load stands, nothing more is saved or probed" if loaded else "plain prefill"
+            ack[0] = f"the splice connector failed on this request ({type(exc).__name__}): {what}"
+            if not loaded:
+                ack[2] = ack[3] = 0
 
     def _matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         req_id, tokens, salt, params = _vllm.request_fields(request)
@@ -376,6 +385,8 @@ class SpliceConnector(KVConnectorBase_V1):
         except Exception as exc:  # noqa: BLE001 - never fatal for the engine (see above)
             _log_failure("update_state_after_alloc", req_id, exc)
             self.scheduler.request_finished(req_id)
+            self._fail_ack(req_id, exc)
+            self._loads.pop(req_id, None)
             if num_external_tokens > 0 and start is not None:
                 # vLLM counts these tokens as loaded: a load with no source makes the
                 # worker report their blocks as load errors, so vLLM recomputes them
@@ -436,6 +447,7 @@ class SpliceConnector(KVConnectorBase_V1):
                 work = self.scheduler.build_connector_meta([step], block_ids)
             except Exception as exc:  # noqa: BLE001
                 _log_failure("build_connector_meta", step[0], exc)
+                self._fail_ack(step[0], exc, loaded=True)
                 st = self.scheduler._reqs.get(step[0])
                 if st is not None:
                     st.no_save, st.plan = True, None

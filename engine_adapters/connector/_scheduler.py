@@ -370,6 +370,7 @@ class SpliceScheduler:
         bs = self.block_size
         saves: list[SaveItem] = []
         probes: list[ProbeItem] = []
+        saved_from: list[_ReqState] = []
         for req_id, computed, scheduled in steps:
             st = self._reqs.get(req_id)
             if st is not None and st.plan is not None and st.plan.probes:
@@ -382,7 +383,8 @@ class SpliceScheduler:
             end = min(computed + scheduled, prompt_len)
             first, stop = computed // bs, end // bs  # blocks [first, stop) complete now
             if st.save_from is not None:
-                first, st.save_from = min(first, st.save_from), None
+                first = min(first, st.save_from)
+                saved_from.append(st)
             if stop <= first:
                 continue
             if st.chain is None or len(st.chain) < stop:
@@ -399,6 +401,10 @@ class SpliceScheduler:
                 dst.append(int(ids[j]))
             if refs:
                 saves.append(SaveItem(req_id, st.salt, tuple(refs), tuple(dst)))
+        # cleared once the whole step is built: after a call that fails midway (the
+        # connector then builds each request on its own) the loaded blocks still save
+        for st in saved_from:
+            st.save_from = None
         loads, self._loads = self._loads, []
         return SpliceMetadata(loads, saves, probes)
 

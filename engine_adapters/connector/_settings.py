@@ -29,6 +29,7 @@ __all__ = [
     "CONNECTOR_CLASS",
     "CONNECTOR_MODULE",
     "ConnectorSettings",
+    "check_load_failure_policy",
     "check_single_worker",
     "connector_backend",
     "connector_settings",
@@ -176,6 +177,20 @@ def connector_backend(device_type: str, backend: str | None) -> str:
     return name
 
 
+def check_load_failure_policy(kv: Any) -> None:
+    """The connector's loads may fail (a damaged record, an allocation it could not
+    serve), and vLLM must then recompute the blocks: ``kv_load_failure_policy`` other
+    than ``"recompute"`` (vLLM's default is ``"fail"``: the request ends with an error)
+    is :class:`ConfigError` naming the fix."""
+    policy = getattr(kv, "kv_load_failure_policy", "recompute") if kv is not None else "recompute"
+    if policy != "recompute":
+        raise ConfigError(
+            f"SpliceConnector needs kv_load_failure_policy='recompute' in kv_transfer_config, got {policy!r} "
+            "(vLLM's default): under it a block that fails to load ends its request with an error; build the "
+            "config with kv_transfer_config_json(...) / kv_transfer_config(...) or add the field"
+        )
+
+
 def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     """The store config (with the engine's fingerprint), block size, attention ISA and
     RoPE of an engine; :class:`ConfigError` when the connector cannot serve it."""
@@ -222,6 +237,7 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
             f"rope:{rope!r}",
         ]
     )
+    check_load_failure_policy(kv)
     extra = kv.kv_connector_extra_config if kv is not None else {}
     store_config = store_config_from_extra(extra, fingerprint=fingerprint)
     if rope is not None and backend == "CPU_ATTN" and isa not in VERIFIED_CPU_ATTN_ISAS:

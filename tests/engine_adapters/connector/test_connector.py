@@ -572,3 +572,36 @@ def test_scheduler_side_errors_become_plain_prefill_not_a_dead_engine():
     assert [(item.req_id, item.block_ids) for item in meta.work.loads] == [("good", (10, 11, 12, 13))]
     assert meta.work.saves == [] and conn.scheduler._reqs["odd"].no_save
     assert conn.request_finished(bad, ids) == (False, None)
+
+
+def test_a_request_the_connector_failed_on_says_so_in_its_ack():
+    """The allocation fallback left a plan's ack as it was (applied, blocks loaded): a
+    client read that its splice ran, though vLLM recomputed every block offered."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters import BlockStore
+    from promptsplice.engine_adapters.connector._connector import SpliceConnector
+    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
+    from promptsplice.engine_adapters.connector._served import splice_params
+    from tests.engine_adapters.connector._kv import BS, PAYLOAD, SALT, deletion_case
+
+    store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
+    _, new, plan, _ = deletion_case(store)
+    conn = object.__new__(SpliceConnector)
+    conn.settings = SimpleNamespace(block_size=BS, relocation=True)
+    conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
+    conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
+    req = SimpleNamespace(request_id="r", prompt_token_ids=new, cache_salt=SALT, kv_transfer_params=splice_params(plan, new))
+    assert conn.get_num_new_matched_tokens(req, 0) == (5 * BS, False)  # prefix 2 blocks + 3 relocated
+    ids = list(range(10, 17))
+
+    def broken(*args):
+        raise RuntimeError("a bug in the allocation bookkeeping")
+
+    conn._after_alloc = broken  # (no real part fails here on demand)
+    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 5 * BS)
+    reason, _, loaded, relocated, _ = conn._acks["r"]
+    assert reason == "the splice connector failed on this request (RuntimeError): plain prefill"
+    assert (loaded, relocated) == (0, 0)
+    load = conn.scheduler._loads[0]
+    assert (load.req_id, load.block_ids, load.refs) == ("r", (10, 11, 12, 13, 14), ())  # recomputed by vLLM

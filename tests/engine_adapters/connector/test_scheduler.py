@@ -83,6 +83,29 @@ def test_scheduler_turns_the_count_into_exact_destination_blocks(store):
     assert store.stats().pinned_blocks == 0 and sched.num_tracked == 0
 
 
+def test_a_step_that_fails_midway_keeps_the_loaded_blocks_to_save(store):
+    """A whole-step build that raised on a later request had already cleared an earlier
+    request's ``save_from``: the connector's per-request retry then saved only the blocks
+    computed, never the loaded ones before them (a scope's later steps missed from 0)."""
+    from promptsplice.engine_adapters.connector._scheduler import _ReqState
+
+    sched = SpliceScheduler(store, BS)
+    sched._reqs["a"] = _ReqState(toks(6 * BS + 1), SALT + "\x1fscope", None, save_from=0)
+    sched._reqs["b"] = _ReqState(toks(4 * BS + 1, start=5000), SALT)
+
+    def block_ids(req_id):
+        if req_id == "b":
+            raise RuntimeError("bad block table")
+        return list(range(100, 110))
+
+    steps = [("a", 2 * BS, 4 * BS), ("b", 0, 4 * BS)]
+    with pytest.raises(RuntimeError, match="bad block table"):
+        sched.build_connector_meta(steps, block_ids)
+    work = sched.build_connector_meta(steps[:1], block_ids)
+    assert [s.block_ids for s in work.saves] == [(100, 101, 102, 103, 104, 105)]  # blocks 0-1 loaded, 2-5 computed
+    assert sched._reqs["a"].save_from is None
+
+
 def test_scheduler_saves_what_each_step_completes(store):
     sched = SpliceScheduler(store, BS)
     prompt = toks(5 * BS + 7)
