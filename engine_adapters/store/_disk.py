@@ -1,6 +1,6 @@
 """The disk tier of the block store: one checked record file per block, written behind.
 
-Kept as one module (~770 lines): the index, the byte budget, the writer and the fault
+Kept as one module (~800 lines): the index, the byte budget, the writer and the fault
 handling all change one folder under one lock, and each fault rule (an obstacle at a
 record's path, an unlink that fails, a failed folder fsync) has to keep the index, the
 budget and the files in agreement at once.
@@ -22,10 +22,11 @@ storage-tier contract of ``_tier``:
 * Bounded in bytes of disk.  Each record is charged its size rounded up to the folder's
   allocation unit, so many small records cannot use more than ``budget`` of the folder.
   An eviction whose ``unlink`` fails (a read-only folder) keeps the record indexed,
-  counts a write error and loses the write that needed the room.  A record that
-  ``remove()`` or ``clear()`` could not delete is never served again but stays charged
-  (``bytes``) until a later write deletes it or writes over it; a restart before then
-  indexes it again (the folder still holds it, verified as any record).
+  counts a write error and loses the write that needed the room.  A file the tier could
+  not delete (a record ``remove()``, ``clear()`` or a damaged load let go, a temporary
+  file) is never served again but stays charged (``bytes``; a write error) until a
+  later write deletes it or writes over it; a restart before then indexes it again (the
+  folder still holds it, verified as any record).
 * Durable writes.  A record is written to a temporary file in the folder, fsynced,
   renamed into place (atomic), and the folder is fsynced, so the rename itself survives
   a power cut; only then is it counted in ``writes``.  The writer commits in groups:
@@ -199,8 +200,9 @@ class DiskTier(IndexedTier):
         self._on_lost = on_lost
         self._writing: dict[Key, Held] = {}
         self._reserved = 0
-        # removed or cleared records whose unlink failed: never served, still charged
-        self._undeleted: dict[Key, int] = {}
+        # files whose unlink failed (removed, cleared or damaged records, by key; temporary
+        # files, by path): never served, still charged, deleted by a later write
+        self._undeleted: dict[Key | str, int] = {}
         self._undeleted_bytes = 0
         self._queue: deque[WriteJob] = deque()  # write-behind, head = being written
         self._queue_bytes = 0
@@ -304,23 +306,42 @@ class DiskTier(IndexedTier):
         """Unlink a record already out of the index; one that stays on disk (a
         read-only folder) is remembered, charged, and deleted by a later write."""
         if self._remove_file(self._path(k)) is not None:
-            self._write_errors += 1
-            charge = self._charge(record)
-            self._undeleted_bytes += charge - self._undeleted.get(k, 0)
-            self._undeleted[k] = charge
+            self._keep_charged(k, self._charge(record))
+
+    def _left_behind(self, item: Key | str) -> None:
+        """Under the lock: the file of ``item`` (a record's key or a temporary file's
+        path) out of the index could not be deleted: charged at its size, as a removed
+        record is (:meth:`_delete_record`), or the folder outgrew the budget.  A folder
+        at a record's path is not ours (see :meth:`_remove_obstacle`) and is not charged."""
+        try:
+            st = os.lstat(self._undeleted_path(item))
+        except OSError:  # gone meanwhile
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            self._keep_charged(item, self._round(st.st_size))
+
+    def _keep_charged(self, item: Key | str, charge: int) -> None:
+        """Under the lock: remember a file whose unlink failed (a write error): never
+        served, charged, deleted by the next write (:meth:`_retry_undeleted`)."""
+        self._write_errors += 1
+        self._undeleted_bytes += charge - self._undeleted.get(item, 0)
+        self._undeleted[item] = charge
+
+    def _undeleted_path(self, item: Key | str) -> str:
+        return item if isinstance(item, str) else self._path(item)
 
     def _retry_undeleted(self) -> None:
-        for k, charge in list(self._undeleted.items()):
+        for item in list(self._undeleted):
             try:
-                os.unlink(self._path(k))
+                os.unlink(self._undeleted_path(item))
             except FileNotFoundError:
                 pass
             except OSError:
                 return  # the folder is still read-only: the next write tries again
-            self._forget_undeleted(k)
+            self._forget_undeleted(item)
 
-    def _forget_undeleted(self, k: Key) -> None:
-        charge = self._undeleted.pop(k, None)
+    def _forget_undeleted(self, item: Key | str) -> None:
+        charge = self._undeleted.pop(item, None)
         if charge is not None:
             self._undeleted_bytes -= charge
 
@@ -389,9 +410,11 @@ class DiskTier(IndexedTier):
         current = self._writing.get(job.key) is job.held
         if current:
             del self._writing[job.key]
+        if tmp is not None and (err is not None or not current or self._closed):
+            # a failed write's partial file, or removed or cleared while being written
+            if self._remove_file(tmp) is not None and not self._closed:
+                self._left_behind(tmp)
         if err is None and (tmp is None or not current or self._closed):
-            if tmp is not None:
-                self._remove_file(tmp)  # removed or cleared while it was being written
             return False
         obstacle = False  # the rename failed because of what sits at the record's path
         if err is None:
@@ -407,7 +430,8 @@ class DiskTier(IndexedTier):
                     except OSError as again:
                         exc = again
                 if exc is not None:
-                    self._remove_file(tmp)
+                    if self._remove_file(tmp) is not None:
+                        self._left_behind(tmp)
                     err, obstacle = exc, exc.errno in _OBSTACLE
             if err is None:
                 self._forget_undeleted(job.key)  # written over: its bytes are the new record's
@@ -465,7 +489,8 @@ class DiskTier(IndexedTier):
                 if problem == _MISSING:
                     return Fetched(Loaded.MISS)
                 if current:
-                    self._remove_obstacle(path)
+                    if not self._remove_obstacle(path):
+                        self._left_behind(k)  # still in the folder: still charged
                     self._corrupt += 1
                     _log.warning("KV block store: deleted damaged record %s (%s)", path, problem)
                 return Fetched(Loaded.CORRUPT)
@@ -652,8 +677,7 @@ class DiskTier(IndexedTier):
             finally:
                 os.close(fd)
         except OSError as exc:
-            self._remove_file(tmp)
-            return tmp, exc
+            return tmp, exc  # its partial file: deleted by _finish, under the lock
         return tmp, None
 
     def _read_record(self, path: str, entry: StoredRecord) -> tuple[torch.Tensor | None, str | None]:
@@ -695,7 +719,8 @@ class DiskTier(IndexedTier):
         for item in entries:
             name = item.name
             if fmt.is_temp_name(name):
-                self._remove_file(item.path)
+                if self._remove_file(item.path) is not None:
+                    self._left_behind(item.path)
                 self._corrupt += 1
                 continue
             k = fmt.parse_record_name(name)
@@ -715,11 +740,13 @@ class DiskTier(IndexedTier):
                 continue
             except (OSError, ValueError) as exc:
                 _log.warning("KV block store: deleting damaged record %s (%s)", item.path, exc)
-                self._remove_obstacle(item.path)
+                if not self._remove_obstacle(item.path):
+                    self._left_behind(k)
                 self._corrupt += 1
                 continue
             if header.fingerprint != self._fp:
-                self._remove_file(item.path)
+                if self._remove_file(item.path) is not None:
+                    self._left_behind(k)
                 self._foreign += 1
                 continue
             found.append((st.st_mtime_ns, name, k, StoredRecord(meta, header.total_size)))
@@ -727,10 +754,10 @@ class DiskTier(IndexedTier):
         for mtime, _, k, record in found:
             self._lru.add(k, record)
             self._tick = max(self._tick, mtime)
-        while self._lru.used > self._lru.budget:  # the budget shrank since
-            k, _ = self._lru.pop_lru()
+        while self._lru and self._lru.used + self._undeleted_bytes > self._lru.budget:  # the budget shrank since
+            k, record = self._lru.pop_lru()
             self._evictions += 1
-            self._remove_file(self._path(k))
+            self._delete_record(k, record)
 
     def _path(self, k: Key) -> str:
         return os.path.join(self.folder, fmt.record_name(*k))

@@ -26,7 +26,10 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   out of memory, never is) and only while the write is still wanted; a write that a
   ``clear`` or a removal overtook is deleted again.  A removed value's name (clear,
   removal, damage) is never indexed or served until its delete reached the server;
-  deletes that cannot reach it wait for it.
+  deletes that cannot reach it wait for it.  Calls on one name never overlap (two
+  connections may land them in either order): a put whose name has a SET or DEL on its
+  way is sent after it, by the writer thread (the caller does not wait), and a delete
+  still queued when a put of its name is sent is dropped (the SET replaces the value).
 * Slow servers.  The socket timeout bounds each socket read, not a call: a server
   that answers late is judged on the median of its last reads (over half the timeout)
   or one read over five timeouts, and its reads are then skipped for ``retry_s``
@@ -35,13 +38,14 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   any call) opens a circuit breaker: the tier counts one outage, logs one warning,
   forgets its index (the server may come back empty) and refuses reads and writes for
   ``retry_s`` seconds, so a dead server costs at most one short timeout per back-off
-  period.  The listener then resubscribes and rescans.  A server that refuses a write
+  period.  The listener then resubscribes and rescans (again if an outage came during
+  its scan, which forgot what the scan had indexed).  A server that refuses a write
   (out of memory) counts a write error and drops the block, without opening the
   breaker.  No exception of the client reaches the caller or stops the writer.
 
 A forked child never uses an inherited tier (the store keeps its DRAM tier only there:
 ``_store``).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
-one module (~790 lines): the index, the writer and the listener share one lock and one
+one module (~890 lines): the index, the writer and the listener share one lock and one
 set of rules (what is announced, what is doomed, when the breaker opens, what a clear's
 scan of the server keeps), and each race between them is settled in this file.
 """
@@ -206,11 +210,17 @@ class RedisTier(IndexedTier):
         # Values removed here (clear, remove, damaged) whose delete has not reached the
         # server yet: never indexed again from an announcement or a rescan, never served.
         self._doomed: set[str] = set()
+        # Names with a SET or DEL on its way to the server, sent by one thread without the
+        # lock: a later call on the name waits for it, or the two (on two connections)
+        # could land in either order (a delete queued before a put of the name, landing
+        # after its SET, removed the value the put had counted written and announced).
+        self._busy: dict[str, int] = {}
         self._wipe = False  # a clear's scan of the server for values never indexed here
         self._since_clear: set[str] | None = None  # names stored since a clear, till its scan ends
         self._deletes_until = 0.0  # after the server refused a delete: retried from then
         self._delete_warned = False
         self._lost_index = False  # an outage forgot the index: the next rescan re-shares
+        self._outage_epoch = 0  # outages so far: a rescan that one overtook scans again
         self._writer: threading.Thread | None = None
         self._down_until: float | None = None
         self._up = True
@@ -307,6 +317,31 @@ class RedisTier(IndexedTier):
             self._evictions += 1
         self._lru.add(k, StoredRecord(meta, size))
 
+    def _claim(self, names: list[str]) -> None:
+        """Under the lock: a SET or DEL of ``names`` is about to be sent (see ``_busy``)."""
+        for name in names:
+            self._busy[name] = self._busy.get(name, 0) + 1
+
+    def _release(self, names: list[str]) -> None:
+        """Under the lock: the calls :meth:`_claim` announced are done (or never sent)."""
+        for name in names:
+            left = self._busy[name] - 1
+            if left:
+                self._busy[name] = left
+            else:
+                del self._busy[name]
+        self._cond.notify_all()
+
+    def _indexes_name(self, name: str) -> bool:
+        """Under the lock: whether the index holds a value stored under ``name`` (a scan
+        that read a damaged value may predate this store's SET of a good one)."""
+        try:
+            ns, key = name.rsplit(":", 2)[-2:]
+            record = self._lru.get((int(ns, 16), bytes.fromhex(key)))
+        except ValueError:
+            return False
+        return record is not None and record_key(self._fp, record.meta) == name
+
     def _slow(self, took: float) -> str | None:
         """Under the lock: why a server that answers is too slow to read from (``None``
         when it is not).  The socket timeout bounds each socket read, not a call: a
@@ -341,6 +376,7 @@ class RedisTier(IndexedTier):
         self._lru.clear()  # it may come back empty: the listener rescans it
         self._synced.clear()  # (and the listener leaves its subscription to do so)
         self._lost_index = True
+        self._outage_epoch += 1  # a rescan running now must not mark the index synced
         if self._up:
             self._up = False
             self._outages += 1
@@ -382,6 +418,7 @@ class RedisTier(IndexedTier):
             return Fetched(Loaded.MISS)
         took = time.monotonic() - t0
         payload, problem, foreign = self._verify(value, entry.meta) if value is not None else (None, None, False)
+        stale = False
         with self._cond:
             self._back()
             slow = self._slow(took)
@@ -402,10 +439,16 @@ class RedisTier(IndexedTier):
                 else:
                     self._corrupt += 1
                 _log.warning("KV block store: deleted damaged Redis value %s (%s)", name, problem)
+                # not when this store's SET of the name is on its way or landed since the
+                # read began (a put after a removal): its value is the good one
+                stale = name in self._busy or self._indexes_name(name)
+                if not stale:
+                    self._claim([name])
             elif current:
                 self._lru.touch(k)
         if payload is None:
-            self._delete_now([name])  # before anyone else loads it
+            if not stale:
+                self._delete_now([name])  # before anyone else loads it
             return Fetched(Loaded.CORRUPT)
         return Fetched(Loaded.HIT, payload)
 
@@ -424,7 +467,7 @@ class RedisTier(IndexedTier):
     def write(self, job: WriteJob) -> bool | None:
         """Write inline (no write-behind), or queue for the writer; never waits."""
         if not self._limit:
-            return self._write_guarded(job)
+            return self._write_guarded(job, inline=True)
         with self._cond:
             if self._closed or self._writing.get(job.key) is not job.held:
                 return False
@@ -439,40 +482,63 @@ class RedisTier(IndexedTier):
             self._start_writer()
         return None
 
-    def _write_job(self, job: WriteJob) -> bool:
+    def _write_job(self, job: WriteJob, *, inline: bool) -> bool | None:
+        """One write: SET, then announce.  A SET or DEL of the same name sent earlier by
+        another thread goes first: the writer thread waits for it (one call, bounded by
+        the timeout), a caller (``inline``) hands the job to the writer (``None``)
+        rather than wait in a forward pass."""
         import torch
 
-        with self._cond:
-            if self._writing.get(job.key) is not job.held:
-                return False  # removed or cleared meanwhile
-            if not self._reachable():
-                del self._writing[job.key]
-                self._skip(job.key, job.held)
-                return False
         meta = job.held.meta
-        payload = job.held.payload.reshape(-1).view(torch.uint8).numpy()
-        data = fmt.encode_record(meta, memoryview(payload), self._fp)
         name = record_key(self._fp, meta)
-        err: BaseException | None = None
-        refused: BaseException | None = None
+        with self._cond:
+            while True:
+                if self._writing.get(job.key) is not job.held:
+                    return False  # removed or cleared meanwhile
+                if not self._reachable():
+                    del self._writing[job.key]
+                    self._skip(job.key, job.held)
+                    return False
+                if name not in self._busy:
+                    break
+                if inline:
+                    self._queue.append(job)
+                    self._queue_bytes += meta.nbytes
+                    self._start_writer()
+                    return None
+                self._cond.wait(timeout=1.0)
+            if name in self._doomed:  # its delete, queued before this write, is not sent
+                self._deletes = [n for n in self._deletes if n != name]  # the SET replaces
+                self._doomed.discard(name)  # the value it would remove
+            self._claim([name])
         try:
-            self._client.set(name, bytes(data))
-        except self._errors as exc:
-            err = exc
-        except Exception as exc:  # noqa: BLE001 - refused (OOM: the value does not fit) or a client bug
-            refused = exc
-        if err is None and refused is None:
-            # Announced only once stored (a refused value never is), and only while
-            # still wanted; a clear or removal that overtakes the write dooms its name.
+            payload = job.held.payload.reshape(-1).view(torch.uint8).numpy()
+            data = fmt.encode_record(meta, memoryview(payload), self._fp)
+            err: BaseException | None = None
+            refused: BaseException | None = None
+            try:
+                self._client.set(name, bytes(data))
+            except self._errors as exc:
+                err = exc
+            except Exception as exc:  # noqa: BLE001 - refused (OOM: the value does not fit) or a client bug
+                refused = exc
+            if err is None and refused is None:
+                # Announced only once stored (a refused value never is), and only while
+                # still wanted; a clear or removal that overtakes the write dooms its name.
+                with self._cond:
+                    wanted = self._writing.get(job.key) is job.held and not self._closed
+                if wanted:
+                    try:
+                        self._client.publish(self._channel, bytes(data[: fmt.header_size(meta)]))
+                    except Exception as exc:  # noqa: BLE001 - stored: others find it at their next rescan
+                        _log.warning("KV block store: Redis announcement failed (%s)", exc)
+        except BaseException:
             with self._cond:
-                wanted = self._writing.get(job.key) is job.held and not self._closed
-            if wanted:
-                try:
-                    self._client.publish(self._channel, bytes(data[: fmt.header_size(meta)]))
-                except Exception as exc:  # noqa: BLE001 - stored: others find it at their next rescan
-                    _log.warning("KV block store: Redis announcement failed (%s)", exc)
+                self._release([name])
+            raise
         overtaken = False
         with self._cond:
+            self._release([name])
             current = self._writing.get(job.key) is job.held
             if current:
                 del self._writing[job.key]
@@ -494,18 +560,19 @@ class RedisTier(IndexedTier):
                     return True
                 overtaken = True  # stored after its clear or removal: delete it again
                 self._doomed.add(name)
+                self._claim([name])  # a later write of the name waits for this delete
             if current and self._on_lost is not None:
                 self._on_lost(job.key, job.held)
         if overtaken:
             self._delete_now([name])
         return False
 
-    def _write_guarded(self, job: WriteJob) -> bool:
+    def _write_guarded(self, job: WriteJob, *, inline: bool) -> bool | None:
         """:meth:`_write_job` that never raises: a bug (an exception the client's error
         handling does not cover) loses this block, counted, and never leaves it pending
         (inline, it escaped ``put`` and the block stayed in memory outside every budget)."""
         try:
-            return self._write_job(job)
+            return self._write_job(job, inline=inline)
         except Exception:  # noqa: BLE001 - a bug must not stop the writer with jobs queued
             _log.exception("KV block store: a Redis write failed")
             with self._cond:
@@ -530,6 +597,7 @@ class RedisTier(IndexedTier):
                 deletable = self._reachable() and time.monotonic() >= self._deletes_until
                 if self._deletes and (deletable or self._closed):
                     deletes, self._deletes = self._deletes, []
+                    self._claim(deletes)
                 wipe = self._wipe and self._reachable() and not self._closed
                 self._wipe = self._wipe and not wipe and not self._closed
                 if not self._queue and not deletes and not wipe:
@@ -544,7 +612,7 @@ class RedisTier(IndexedTier):
             if job is None:
                 continue
             try:
-                self._write_guarded(job)
+                self._write_guarded(job, inline=False)
             finally:
                 with self._cond:
                     self._queue.popleft()
@@ -560,7 +628,8 @@ class RedisTier(IndexedTier):
         self._start_writer()
 
     def _delete_now(self, names: list[str]) -> None:
-        """Delete values on the server (without the lock; never raises).  Names that
+        """Delete values on the server (without the lock; never raises); the caller
+        claimed ``names`` (:meth:`_claim`) under the lock, released here.  Names that
         cannot be deleted now stay doomed and go back to the writer, which retries once
         the server is back: a value removed here is never indexed or served again."""
         if not names:
@@ -568,17 +637,20 @@ class RedisTier(IndexedTier):
         with self._cond:
             self._doomed.update(names)
             if not self._reachable():
+                self._release(names)
                 self._retry_deletes(names)
                 return
         try:
             self._client.delete(*names)
         except self._errors as exc:
             with self._cond:
+                self._release(names)
                 self._outage(exc)
                 self._retry_deletes(names)
             return
         except Exception as exc:  # noqa: BLE001 - refused, or a client bug
             with self._cond:
+                self._release(names)
                 # A server that refuses DEL (read-only replica, MISCONF, an ACL) answers
                 # at once: retried without a pause, the writer spun at ~6,000 refusals a
                 # second.  Retry after the back-off, and warn once until one succeeds.
@@ -589,7 +661,8 @@ class RedisTier(IndexedTier):
                 _log.warning("KV block store: Redis refused a delete (%s); retried every %g s", exc, self._retry_s)
             return
         with self._cond:
-            self._doomed.difference_update(names)
+            self._release(names)
+            self._doomed.difference_update([n for n in names if n not in self._busy])  # others still on their way
             self._delete_warned = False
 
     def _wipe_server(self) -> None:
@@ -607,9 +680,15 @@ class RedisTier(IndexedTier):
                     with self._cond:
                         since = self._since_clear or set()
                         writing = {record_key(self._fp, held.meta) for held in self._writing.values()}
-                        gone = [n for n in names if (t := n.decode()) not in keep and t not in since and t not in writing]
-                    if gone:
-                        self._client.delete(*gone)
+                        gone = [t for n in names if (t := n.decode()) not in keep and t not in since
+                                and t not in writing and t not in self._busy]
+                        self._claim(gone)  # a put of one of them from now on waits for this delete
+                    try:
+                        if gone:
+                            self._client.delete(*gone)
+                    finally:
+                        with self._cond:
+                            self._release(gone)
                 if cursor == 0:
                     with self._cond:
                         if not self._wipe:  # no later clear waits for its own scan
@@ -680,7 +759,8 @@ class RedisTier(IndexedTier):
                 pubsub = self._client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self._channel)
                 recovered = self._rescan()  # after subscribing: nothing announced meanwhile is missed
-                self._synced.set()
+                if recovered is None:
+                    continue  # an outage came during the scan: wait out its back-off, scan again
                 if recovered and self._on_back is not None:
                     self._on_back()  # the server may have come back empty
                 # An outage seen by any call (a slow read, a failed write) forgot the
@@ -718,12 +798,15 @@ class RedisTier(IndexedTier):
             else:
                 self._corrupt += 1
 
-    def _rescan(self) -> bool:
-        """Index every value of this fingerprint on the server (headers only); delete
-        damaged ones (counted).  True when this ends an outage."""
+    def _rescan(self) -> bool | None:
+        """Index every value of this fingerprint on the server (headers only), delete
+        damaged ones (counted), then mark the index synced.  True when this ends an
+        outage; ``None`` when an outage (seen by any call) came meanwhile: it forgot the
+        index, so this scan's result is partial and the listener scans again."""
         with self._cond:
             recovered, self._lost_index = self._lost_index, False
             self._back()
+            epoch = self._outage_epoch
         cursor = 0
         while not self._closed:
             cursor, names = self._client.scan(cursor, match=self._prefix + "*", count=500)
@@ -762,6 +845,8 @@ class RedisTier(IndexedTier):
                     else:
                         bad.append((name, problem))
                 with self._cond:
+                    if self._outage_epoch != epoch:
+                        return None
                     for header in found:
                         self._index(header.meta, header.total_size)
                     for _, problem in bad:
@@ -769,10 +854,22 @@ class RedisTier(IndexedTier):
                             self._foreign += 1
                         else:
                             self._corrupt += 1
-                if bad:
-                    self._client.delete(*(name for name, _ in bad))
+                    # not one this store's SET overwrote since the read (see ``_busy``)
+                    drop = [t for name, _ in bad
+                            if (t := name.decode()) not in self._busy and not self._indexes_name(t)]
+                    self._claim(drop)
+                try:
+                    if drop:
+                        self._client.delete(*drop)
+                finally:
+                    with self._cond:
+                        self._release(drop)
             if cursor == 0:
                 break
+        with self._cond:  # with the outage check: one right after it cleared ``_synced`` again
+            if self._outage_epoch != epoch:
+                return None
+            self._synced.set()
         return recovered
 
 

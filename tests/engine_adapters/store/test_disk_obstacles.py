@@ -19,7 +19,7 @@ from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._store import BlockStore, LookupStatus, PutStatus, StoreConfig
 from promptsplice.errors import ConfigError
 
-from .test_store import P, REC, SALT, kv, make_refs, record_files
+from .test_store import P, REC, SALT, charged, kv, make_refs, record_files
 
 HIT_DISK, MISS, CORRUPT = LookupStatus.HIT_DISK, LookupStatus.MISS, LookupStatus.CORRUPT
 
@@ -312,3 +312,63 @@ def test_records_are_the_owners_alone_and_a_folder_others_may_write_is_named(tmp
     with caplog.at_level("WARNING"):
         BlockStore(config(shared)).close()
     assert "writable by other users (mode 777)" in caplog.text
+
+
+def test_a_damaged_record_whose_unlink_fails_stays_charged_until_a_write_deletes_it(tmp_path, monkeypatch):
+    """get() of a damaged record whose unlink failed dropped it from the index and from
+    the budget, while its file stayed: the folder then held more than ``disk_bytes``.
+    Now it is charged as a removed record is, and the next write-down deletes it."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder, disk_bytes=2 * REC))
+    a, b, c, d, e = make_refs(5)
+    for i, r in enumerate((a, b, c)):
+        store.put(r, kv(i), salt=SALT)  # a, b on disk (full), c in DRAM
+    with open(path_of(folder, a), "r+b") as f:  # one payload byte flipped
+        f.seek(os.path.getsize(path_of(folder, a)) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    undo = _read_only_records(monkeypatch)
+    assert store.get(a, salt=SALT).status is CORRUPT
+    undo()
+    assert store.get(a, salt=SALT).status is MISS  # never served again
+    s = store.stats()
+    assert (s.disk_blocks, s.disk_bytes, s.corrupt, s.write_errors) == (1, 2 * REC, 1, 1)
+    assert record_files(folder) == sorted(os.path.basename(path_of(folder, r)) for r in (a, b))
+    for i, r in enumerate((d, e)):
+        store.put(r, kv(3 + i), salt=SALT)  # c's write-down deletes a first, d's evicts b
+    s = store.stats()
+    assert (s.disk_evictions, s.disk_blocks, s.disk_bytes) == (1, 2, 2 * REC)
+    assert record_files(folder) == sorted(os.path.basename(path_of(folder, r)) for r in (c, d))
+    store.close()
+
+
+def test_files_the_open_could_not_delete_stay_charged_until_a_write_deletes_them(tmp_path, monkeypatch):
+    """Opening the folder deletes foreign records and temporary files; one whose unlink
+    failed stayed in the folder outside the budget (nothing deleted it later)."""
+    folder = tmp_path / "kv"
+    with BlockStore(config(folder, fingerprint="another-model")) as other:
+        a, b, c, d = make_refs(4)
+        for i, r in enumerate((a, b, c)):
+            other.put(r, kv(i), salt=SALT)  # a, b on disk
+    tmp = folder / fmt.temp_name(fmt.record_name(0, c.key), "0123456789ab")
+    tmp.write_bytes(b"x" * 100)  # a write cut short
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if str(path).endswith((".kvb", ".tmp")):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    store = BlockStore(config(folder))
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    s = store.stats()
+    assert (s.disk_blocks, s.foreign, s.corrupt, s.write_errors) == (0, 2, 1, 3)
+    assert s.disk_bytes == 2 * REC + charged(100) and len(record_files(folder)) == 3
+    store.put(c, kv(2), salt=SALT)
+    store.put(d, kv(3), salt=SALT)  # c's write-down deletes them first
+    s = store.stats()
+    assert (s.disk_blocks, s.disk_bytes) == (1, REC)
+    assert record_files(folder) == [os.path.basename(path_of(folder, c))]
+    store.close()

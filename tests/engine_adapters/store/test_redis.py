@@ -704,3 +704,119 @@ def test_a_forked_child_never_waits_for_threads_or_locks_it_did_not_inherit(redi
         _, status = os.waitpid(pid, 0)
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
         assert store.match_prefix(refs, salt=SALT) == 3 and len(store._lower) == 2  # the parent's tiers work
+
+
+# ------------------------------------------- a delete and a later put of one name; rescans
+
+
+def _hold_deletes_of(tier: RedisTier, name: str, monkeypatch, hold_s: float = 3.0):
+    """The tier's DEL of ``name`` waits (at most ``hold_s``) until the returned ``gate``
+    is set, as on a slow link; ``entered`` is set once it is on its way."""
+    import threading
+
+    entered, gate = threading.Event(), threading.Event()
+    real = tier._client.delete
+
+    def delete(*names):
+        if name in (n.decode() if isinstance(n, bytes) else n for n in names):
+            entered.set()
+            gate.wait(hold_s)
+        return real(*names)
+
+    monkeypatch.setattr(tier._client, "delete", delete)
+    return entered, gate
+
+
+def test_a_put_right_after_a_discard_keeps_its_value(redis_url, monkeypatch):
+    """Inline writes: discard() queued the DEL of the name for the writer thread, the
+    next put() of the block SET and announced it at once, and the DEL landed after the
+    SET: the value was gone though counted written and announced to other engines.
+    Now the put hands its write to the writer, which sends it after the DEL."""
+    with open_store(redis_url, dram_blocks=8) as a, open_store(redis_url, dram_blocks=8) as b:
+        assert remote(a).wait_synced(5.0) and remote(b).wait_synced(5.0)
+        ref = make_refs(1)[0]
+        name = value_key(ref)
+        entered, gate = _hold_deletes_of(remote(a), name, monkeypatch)
+        assert a.put(ref, kv(1), salt=SALT) is PutStatus.STORED
+        assert a.discard(ref.key) is True
+        assert entered.wait(2.0)  # the writer's DEL is on its way
+        t0 = time.monotonic()
+        assert a.put(ref, kv(1), salt=SALT) is PutStatus.STORED
+        assert time.monotonic() - t0 < 1.0  # the put never waited for the DEL
+        gate.set()
+        a.drain()
+        admin = client(redis_url)
+        assert admin.exists(name) == 1
+        admin.close()
+        assert a.stats().remote_writes == 2 and a.stats().remote_blocks == 1
+        assert wait_for(lambda: remote(b).find((0, ref.key)) is not None)
+        got = b.get(ref, salt=SALT)
+        assert got.status is HIT_DISK and torch.equal(got.payload, kv(1))
+
+
+def test_a_put_during_a_clears_scan_keeps_its_value(redis_url, monkeypatch):
+    """The second half of a clear (the writer's scan of the server) chose the names to
+    delete, then a put of one of them SET it inline before that DEL landed: the value
+    the put had stored and announced was deleted."""
+    with open_store(redis_url, dram_blocks=8) as a:
+        assert remote(a).wait_synced(5.0)
+        ref = make_refs(1)[0]
+        name = value_key(ref)
+        meta = fmt.BlockMeta(0, ref.key, fmt.salt_bytes(SALT), ref.parent, token_bytes(ref.tokens), (2, 2, 16, 4), "float32")
+        admin = client(redis_url)  # written by another engine, never announced: not in a's index
+        admin.set(name, bytes(fmt.encode_record(meta, memoryview(kv(0).reshape(-1).view(torch.uint8).numpy()), FP)))
+        entered, gate = _hold_deletes_of(remote(a), name, monkeypatch)
+        a.clear()
+        assert entered.wait(2.0)  # the scan's DEL of the name is on its way
+        assert a.put(ref, kv(1), salt=SALT) is PutStatus.STORED
+        gate.set()
+        a.drain()
+        assert wait_for(lambda: _writer_idle(a))
+        assert admin.exists(name) == 1
+        admin.close()
+        assert a.stats().remote_writes == 1 and a.stats().remote_blocks == 1
+        with open_store(redis_url) as b:  # a restart's rescan finds the put's value
+            assert remote(b).wait_synced(5.0)
+            got = b.get(ref, salt=SALT)
+            assert got.status is HIT_DISK and torch.equal(got.payload, kv(1))
+
+
+def test_an_outage_during_a_rescan_has_the_listener_scan_again(redis_url, monkeypatch):
+    """A write timed out (an outage: the index forgotten) while the listener was between
+    two pages of its scan; the scan then finished and marked the index synced, so the
+    listener never scanned again: the values of the pages before the outage stayed
+    unindexed, and the block the outage lost was never written again."""
+    import threading
+
+    refs = make_refs(21)
+    with open_store(redis_url) as b:
+        put_all(b, refs[:20])
+    real_scan = redis.Redis.scan
+    entered, gate, calls = threading.Event(), threading.Event(), [0]
+
+    def scan(self, cursor=0, **kwargs):
+        if threading.current_thread().name == "promptsplice-kv-redis":
+            kwargs["count"] = 5  # several pages of 20 values
+            calls[0] += 1
+            if calls[0] == 2:  # the listener's first scan, between two pages
+                entered.set()
+                gate.wait(3.0)
+        return real_scan(self, cursor, **kwargs)
+
+    monkeypatch.setattr(redis.Redis, "scan", scan)
+    with open_store(redis_url, remote_retry_s=0.3) as a:
+        tier = remote(a)
+        assert entered.wait(3.0)
+        real_set = tier._client.set
+
+        def timeout(*args, **kwargs):
+            raise redis.TimeoutError("Timeout reading from socket")
+
+        monkeypatch.setattr(tier._client, "set", timeout)
+        assert a.put(refs[20], kv(20), salt=SALT) is PutStatus.STORED  # DRAM; the SET times out
+        monkeypatch.setattr(tier._client, "set", real_set)
+        assert a.stats().remote_outages == 1 and not tier.wait_synced(0)
+        gate.set()
+        assert wait_for(lambda: a.stats().remote_blocks == 21, timeout=4.0), a.stats()
+        assert tier.wait_synced(0) and a.match_prefix(refs, salt=SALT) == 21
+        assert a.stats().remote_outages == 1 and calls[0] > 2
