@@ -5,7 +5,7 @@ The splice connector saves the KV of every full block it prefills here, and asks
 blocks back when vLLM's own prefix cache misses (offload hits) or when an agent edit
 moved them (relocation).  This module is the testable core the connector forwards to:
 it never imports vLLM, and it imports torch only when a tensor goes in or out.
-Kept as one module (~710 lines): it is the one tiering policy over every tier (put,
+Kept as one module (~810 lines): it is the one tiering policy over every tier (put,
 get, write-down, promotion, pins, re-share), and each of those steps takes the one lock
 with the others; the tiers' mechanisms live in their own modules.  A store inherited
 through ``fork()`` keeps its DRAM tier only in the child (its tiers' threads and folder
@@ -81,9 +81,12 @@ Threads
     One lock guards every tier's index; reads, writes and fsyncs run outside it.
     Write-downs go to the storage tier's background writer, so ``put`` and ``get`` on the
     engine's step do not wait for an fsync; ``drain()`` waits for the writers and
-    ``close()`` drains before it lets the folder go.  One store owns a folder; in one
-    process share one instance through :func:`shared_store` (the connector's scheduler
-    and worker sides both use it).
+    ``close()`` drains (the write-downs of calls still running included) before it lets
+    the folder go, and a second ``close()`` returns only then.  One store owns a folder;
+    in one process share one instance through :func:`shared_store` (the connector's
+    scheduler and worker sides both use it).  ``fork()`` waits for the stores' locks, a
+    store still opening and :func:`shared_store` (locks taken in one order: the shared
+    registry's, the live stores', then each store's).
 
 Payload tensors are shared, not copied, on the way out: treat what ``get`` returns as
 read-only.  ``put`` copies by default (``copy=False`` hands the tensor over).
@@ -148,26 +151,51 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[BlockStore] = weakref.WeakSet()
+# Lock order, in every path: _SHARED_LOCK, then _LIVE_LOCK, then the stores' locks (by id).
+_LIVE_LOCK = threading.Lock()  # guards _LIVE: a store added mid-fork was released unlocked
+_FORK_HELD: list[BlockStore] = []  # the stores _before_fork locked: the after-hooks release these
+_SHARED: dict[StoreConfig, BlockStore] = {}
+_SHARED_LOCK = threading.Lock()  # held by shared_store() while it opens a folder
 
 
 def _before_fork() -> None:
-    """Take every store's lock, so no lock is copied held by a thread the child lacks."""
-    for store in sorted(_LIVE, key=id):
+    """Take the registry locks and every store's lock, so no lock is copied held by a
+    thread the child lacks (a store still opening its tiers holds its lock: the fork
+    waits for the open, so the child sees every tier, the folder's lock included)."""
+    global _FORK_HELD
+    _SHARED_LOCK.acquire()
+    _LIVE_LOCK.acquire()
+    stores = sorted(_LIVE, key=id)
+    for store in stores:
         store._cond.acquire()
+    _FORK_HELD = stores
+
+
+def _release_fork_locks() -> list[BlockStore]:
+    """Release what ``_before_fork`` took (exactly: a store built since is not in it)."""
+    global _FORK_HELD
+    stores, _FORK_HELD = _FORK_HELD, []
+    for store in stores:
+        store._cond.release()
+    _LIVE_LOCK.release()
+    _SHARED_LOCK.release()
+    return stores
 
 
 def _after_fork_in_parent() -> None:
-    for store in sorted(_LIVE, key=id):
-        store._cond.release()
+    _release_fork_locks()
 
 
 def _after_fork_in_child() -> None:
     """The child has the stores but none of their threads (disk writer, Redis writer and
-    listener), and shares the disk folder with its parent: each keeps its DRAM tier only,
-    and closes its copies of the disk tier's descriptors, so the folder's lock goes with
-    the parent's close (a child that kept it made the parent's reopen fail)."""
-    for store in sorted(_LIVE, key=id):
-        store._cond.release()
+    listener, callers in ``put`` or ``close``), and shares the disk folder with its
+    parent: each keeps its DRAM tier only, and closes its copies of the disk tier's
+    descriptors, so the folder's lock goes with the parent's close (a child that kept it
+    made the parent's reopen fail)."""
+    for store in _release_fork_locks():  # (one thread here: no lock needed)
+        store._busy = 0  # write-downs of the parent's threads: none run here
+        if store._closed:
+            store._shut = True  # its closing thread is the parent's: nothing left to close here
         if store._lower:
             _log.warning("KV block store: inherited through fork(): this process keeps its DRAM tier only; "
                          "build the store after forking for the disk and shared tiers")
@@ -199,7 +227,34 @@ class BlockStore:
         self._mismatches = 0
         self._dropped = 0
         self._deferred: list[Key] | None = None
-        self._closed = False
+        self._closed = False  # close() began: calls are refused
+        self._shut = False  # close() ended: write-downs finished, folder released
+        self._busy = 0  # calls running planned write-downs outside the lock (close waits)
+        self._tier_hits: dict[str, int] = {}  # storage-tier hits by tier name
+        # Seen by the fork hooks before a tier opens, and locked until they all are: a
+        # fork meanwhile waits, so the child never keeps a folder lock it cannot see.
+        with _LIVE_LOCK:
+            self._cond.acquire()
+            _LIVE.add(self)
+        try:
+            self._open_tiers(config)
+        except BaseException:
+            self._closed = True
+            self._cond.release()  # before closing the tiers: they take it
+            try:
+                for tier in self._lower:  # the disk tier's files and folder lock
+                    tier.close()
+            finally:
+                with self._cond:
+                    self._lower = []
+                    self._shut = True
+                with _LIVE_LOCK:
+                    _LIVE.discard(self)
+            raise
+        self._cond.release()
+
+    def _open_tiers(self, config: StoreConfig) -> None:
+        """Open the storage tiers into ``_lower`` (the caller closes them on an error)."""
         if config.disk_bytes > 0:
             assert config.disk_dir is not None
             _check_anonymous_folder(config)
@@ -219,8 +274,6 @@ class BlockStore:
         if config.remote_bytes > 0:
             assert config.remote_url is not None
             if not config.fingerprint:
-                for tier in self._lower:
-                    tier.close()
                 # A shared server holds every engine's blocks: without a fingerprint a
                 # bf16 engine was served a float32 engine's block of another shape.
                 raise ConfigError(
@@ -228,8 +281,8 @@ class BlockStore:
                     "model and KV layout that write them (e.g. 'smollm2-135m/bfloat16/block32'); "
                     "the splice connector sets it for you"
                 )
-            try:
-                remote = RedisTier(
+            self._lower.append(
+                RedisTier(
                     config.remote_url,
                     budget=config.remote_bytes,
                     fingerprint=content_digest(config.fingerprint.encode("utf-8")),
@@ -241,13 +294,7 @@ class BlockStore:
                     on_lost=self._lost,
                     on_back=self._reshare,
                 )
-            except BaseException:
-                for tier in self._lower:  # the disk tier's files and folder lock
-                    tier.close()
-                raise
-            self._lower.append(remote)
-        self._tier_hits: dict[str, int] = {}  # storage-tier hits by tier name
-        _LIVE.add(self)
+            )
 
     # ------------------------------------------------------------------ public API
 
@@ -257,6 +304,8 @@ class BlockStore:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` began (calls are refused from then on); ``close()``
+        itself returns only when the store is fully closed."""
         return self._closed
 
     def put(
@@ -307,7 +356,8 @@ class BlockStore:
                     return PutStatus.REJECTED
             else:  # other engines read the shared tiers: write them now
                 jobs += self._write_down(k, held, shared_only=True)
-        results = self._run(jobs)
+            self._begin(jobs)
+        results = self._run_planned(jobs)
         if admitted or any(r is not False for r in results):
             return PutStatus.STORED
         return PutStatus.REJECTED
@@ -360,7 +410,8 @@ class BlockStore:
             if not self._closed and self._dram.get(k) is None and tier.locate(k) is entry:
                 assert fetched.payload is not None
                 jobs = self._admit(k, Held(entry.meta, fetched.payload)) or []
-        self._run(jobs)
+                self._begin(jobs)
+        self._run_planned(jobs)
         return Lookup(LookupStatus.HIT_DISK, fetched.payload)
 
     def contains(self, ref: Ref, *, salt: str | bytes | None = None, namespace: Namespace = Namespace.CHAIN) -> bool:
@@ -466,7 +517,8 @@ class BlockStore:
             jobs = []
             for k, held in self._dram.items():
                 jobs += self._write_down(k, held)
-        self._run(jobs)
+            self._begin(jobs)
+        self._run_planned(jobs)
         self.drain()
         with self._cond:
             return self._writes() - before
@@ -480,7 +532,8 @@ class BlockStore:
             jobs = []
             for k, held in list(self._dram.items()):
                 jobs += self._write_down(k, held, shared_only=True)
-        self._run(jobs)
+            self._begin(jobs)
+        self._run_planned(jobs)
 
     def drain(self) -> None:
         """Wait until every block handed to a background writer is written (or failed)."""
@@ -540,19 +593,36 @@ class BlockStore:
     def close(self) -> None:
         """Forget the DRAM tier and release the folder (its records stay for a restart).
 
-        Waits for pending writes first.  Idempotent.  Any other call on a closed store
-        raises :class:`InputError`.
+        Waits for pending writes first, those of calls running in other threads too.
+        Idempotent: a second call returns once the first has finished.  Any other call
+        on a closed (or closing) store raises :class:`InputError`.
         """
         with self._cond:
-            if self._closed:
+            if self._closed:  # closing in another thread: return once it is done
+                while not self._shut:
+                    self._cond.wait()
                 return
             self._closed = True
-        for tier in self._lower:  # evicted blocks were promised to the disk: finished here
-            tier.close()
+            # write-downs a put or get planned before: handed to the tiers before they
+            # close (a tier closed first cancelled them, a block lost and not counted)
+            while self._busy:
+                self._cond.wait()
+        try:
+            for tier in self._lower:  # evicted blocks were promised to the disk: finished here
+                tier.close()
+        finally:
+            with self._cond:
+                self._dram.clear()
+                self._pins.clear()
+                self._pin_count.clear()
+                self._shut = True
+                self._cond.notify_all()
+
+    def _wait_shut(self) -> None:
+        """Wait until a :meth:`close` begun in another thread has finished."""
         with self._cond:
-            self._dram.clear()
-            self._pins.clear()
-            self._pin_count.clear()
+            while self._closed and not self._shut:
+                self._cond.wait()
 
     def __enter__(self) -> BlockStore:
         return self
@@ -647,10 +717,24 @@ class BlockStore:
     def _writes(self) -> int:
         return sum(t.stats().writes for t in self._lower)
 
-    @staticmethod
-    def _run(jobs: list[tuple[StorageTier, object]]) -> list[bool | None]:
-        """Carry out write-downs, in order, without the lock (see ``StorageTier.write``)."""
-        return [tier.write(job) for tier, job in jobs]
+    def _begin(self, jobs: list[tuple[StorageTier, object]]) -> None:
+        """Under the lock, where write-downs were planned: :meth:`close` now waits for
+        them (see :meth:`_run_planned`)."""
+        if jobs:
+            self._busy += 1
+
+    def _run_planned(self, jobs: list[tuple[StorageTier, object]]) -> list[bool | None]:
+        """Carry out write-downs, in order, without the lock (see ``StorageTier.write``),
+        then let a waiting :meth:`close` go on."""
+        if not jobs:
+            return []
+        try:
+            return [tier.write(job) for tier, job in jobs]
+        finally:
+            with self._cond:
+                self._busy -= 1
+                if not self._busy:
+                    self._cond.notify_all()
 
 
 def _check_anonymous_folder(config: StoreConfig) -> None:
@@ -689,10 +773,6 @@ def _ref_list(refs: Any) -> list:
     return list(refs)
 
 
-_SHARED: dict[StoreConfig, BlockStore] = {}
-_SHARED_LOCK = threading.Lock()
-
-
 def _close_shared_stores() -> None:
     """At interpreter exit: finish the shared stores' pending write-downs (the writer is
     a daemon thread, so they would be dropped) and release their folders."""
@@ -713,14 +793,18 @@ def shared_store(config: StoreConfig) -> BlockStore:
     """The process's one open :class:`BlockStore` for ``config`` (opened on first use).
 
     The connector's scheduler and worker sides run in one process and must share a
-    store (a folder admits one store); a closed store is replaced by a fresh one.  The
+    store (a folder admits one store); a closed store is replaced by a fresh one (a
+    closing one once its close finished: it holds the folder till then).  The
     shared stores are closed at interpreter exit, so write-downs in flight finish.
     """
     if not isinstance(config, StoreConfig):  # (a dict was a TypeError: unhashable)
         raise ConfigError(f"shared_store takes a StoreConfig, got {type(config).__name__}: pass StoreConfig(...)")
     with _SHARED_LOCK:
         store = _SHARED.get(config)
-        if store is None or store.closed:
+        if store is not None and store.closed:
+            store._wait_shut()  # a closing store still holds the folder: replaced once closed
+            store = None
+        if store is None:
             store = BlockStore(config)
             _SHARED[config] = store
         return store
