@@ -331,13 +331,18 @@ class DiskTier(IndexedTier):
         return item if isinstance(item, str) else self._path(item)
 
     def _retry_undeleted(self) -> None:
+        """Delete remembered files until one still fails (a read-only folder fails
+        them all: one syscall per write, not one per file).  The failing one moves to
+        the back, so a file that alone stays undeletable does not keep the others
+        charged for good."""
         for item in list(self._undeleted):
             try:
                 os.unlink(self._undeleted_path(item))
             except FileNotFoundError:
                 pass
             except OSError:
-                return  # the folder is still read-only: the next write tries again
+                self._undeleted[item] = self._undeleted.pop(item)  # the next write tries the others first
+                return
             self._forget_undeleted(item)
 
     def _forget_undeleted(self, item: Key | str) -> None:

@@ -219,6 +219,37 @@ def test_a_removed_record_whose_unlink_fails_is_never_served_and_stays_charged(t
     store.close()
 
 
+def test_one_file_that_stays_undeletable_does_not_keep_the_others_charged(tmp_path, monkeypatch):
+    """The retry stopped at the first remembered file that still failed, always the
+    same one: a single undeletable file (say one another user made immutable) kept
+    every other undeleted file in the folder and charged for good."""
+    folder = tmp_path / "kv"
+    store = BlockStore(config(folder, disk_bytes=2 * REC))
+    a, b, c, d, e = make_refs(5)
+    for i, r in enumerate((a, b, c)):
+        store.put(r, kv(i), salt=SALT)  # a, b on disk (full), c in DRAM
+    undo = _read_only_records(monkeypatch)
+    assert store.discard(a.key) is True and store.discard(b.key) is True
+    undo()
+    real_unlink, stuck = os.unlink, path_of(folder, a)
+
+    def unlink(path, *args, **kwargs):
+        if str(path) == stuck:
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    for i, r in enumerate((d, e)):
+        store.put(r, kv(3 + i), salt=SALT)  # each put writes the DRAM block before it down
+    s = store.stats()
+    # d's write-down retried a (failed); e's tried b first and freed d's room
+    assert sorted(os.path.basename(f) for f in record_files(folder)) == sorted(
+        os.path.basename(path_of(folder, r)) for r in (a, d))
+    assert (s.disk_blocks, s.disk_bytes) == (1, 2 * REC)
+    assert store.get(d, salt=SALT).status is HIT_DISK
+    store.close()
+
+
 def test_a_failed_folder_fsync_answers_as_the_index_says(tmp_path, monkeypatch):
     """The put said REJECTED while the record stayed indexed and was served."""
     store = BlockStore(config(tmp_path / "kv", fsync=True))
