@@ -797,6 +797,49 @@ def test_match_prefix_takes_salts_from_any_iterable_and_names_a_wrong_one(tmp_pa
             store.match_prefix(refs, salts=bad)
 
 
+def test_match_prefix_parses_a_long_query_outside_the_lock():
+    """Refs were parsed (a lazy query's hashed) under the store's lock: a query of
+    8,192 blocks held every put and get of the engine's workers ~20 ms."""
+    store = BlockStore(StoreConfig(dram_bytes=64 * P))
+    refs = make_refs(40)
+    put_all(store, refs)
+    other = make_refs(1, start=99_000)[0]
+    waited = []
+
+    def lazy():
+        for i, ref in enumerate(refs):
+            if i == 30:  # mid-query, from another thread: a worker's put
+                t = threading.Thread(target=store.put, args=(other, kv(99)), kwargs={"salt": SALT}, daemon=True)
+                started = time.monotonic()
+                t.start()
+                t.join(5.0)
+                waited.append((t.is_alive(), time.monotonic() - started))
+            yield ref
+
+    assert store.match_prefix(lazy(), salt=SALT, owner="req") == 40
+    assert waited and waited[0][0] is False and waited[0][1] < 5.0
+    assert store.stats().pinned_blocks == 40
+    assert status(store, other) is HIT_DRAM
+
+
+def test_match_prefix_ends_at_a_block_evicted_between_its_batches():
+    """A block matched in an earlier batch and gone by the last one ends the count
+    there: only the blocks before it are touched and pinned."""
+    store = BlockStore(StoreConfig(dram_bytes=64 * P))
+    refs = make_refs(40)
+    put_all(store, refs)
+
+    def lazy():
+        for i, ref in enumerate(refs):
+            if i == 20:  # the first batch (blocks 0-7) was matched already
+                assert store.discard(refs[5].key) is True
+            yield ref
+
+    assert store.match_prefix(lazy(), salt=SALT, owner="req") == 5
+    assert store.stats().pinned_blocks == 5
+    assert store.release("req") == 5
+
+
 def test_shared_store_names_a_config_that_is_not_a_store_config():
     """``shared_store({})`` was a TypeError (unhashable dict)."""
     for bad in ({}, None, "cfg"):
