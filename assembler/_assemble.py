@@ -214,6 +214,9 @@ class Assembler:
         learn, admit = commit, commit and self._admits
         check_text(query, "query")
         check_text(system, "system", optional=True)
+        _utf8(query, SegmentKind.QUERY)  # the offset in the caller's text, not in its template
+        if system is not None:
+            _utf8(system, SegmentKind.SYSTEM)
         tools = check_tools(tools)
         salt = check_salt(salt, "salt")  # a runner's derived salts come through here too
         order_policy = self.policy if policy is None else parse_order(policy)
@@ -353,7 +356,7 @@ class Assembler:
         _utf8(query, SegmentKind.QUERY)  # as assemble: the error names the query
         if system is not None:
             _utf8(system, SegmentKind.SYSTEM)
-        tools = check_tools(tools)
+        tools = check_tools(tools)  # a lone surrogate: InvalidUTF8Error naming tools[i]
         texts = [c.text for c in normalize_chunks(chunks, on_invalid_utf8=self.dedup_config.on_invalid_utf8)]
         text = self.format.naive_text(texts, query=query, system=system, tools=tools)
         return NaivePrompt(text=text, token_ids=self.tokenizer.encode(text))

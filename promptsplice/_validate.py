@@ -38,6 +38,7 @@ from promptsplice.errors import (
     InvalidSaltError,
     InvalidTextError,
     InvalidToolsError,
+    InvalidUTF8Error,
 )
 
 __all__ = [
@@ -305,13 +306,41 @@ def check_tools(tools: Any, what: str = "tools") -> list[Mapping[str, Any]] | No
         if not isinstance(tool, Mapping):
             raise InvalidToolsError(f"{what}[{i}] must be a dict (a JSON schema), got {type(tool).__name__}")
         try:
-            json.dumps(tool, allow_nan=False, sort_keys=True)
+            bad_key = _non_str_key(tool, f"{what}[{i}]")
+        except RecursionError:
+            raise InvalidToolsError(f"{what}[{i}] is nested too deeply to be JSON") from None
+        if bad_key is not None:
+            raise InvalidToolsError(f"{bad_key}; JSON object keys must be strings: write the key as one")
+        try:
+            text = json.dumps(tool, allow_nan=False, sort_keys=True, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise InvalidToolsError(f"{what}[{i}] is not JSON: {exc}; pass only dicts, lists, str, numbers, "
                                     "bools and None") from None
         except RecursionError:
             raise InvalidToolsError(f"{what}[{i}] is nested too deeply to be JSON") from None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidUTF8Error.lone_surrogate(f"{what}[{i}] (as JSON)", text, exc, index=-1) from None
     return out
+
+
+def _non_str_key(value: Any, path: str) -> str | None:
+    """Where ``value`` has a dict key that is not a ``str`` (``json.dumps`` writes ``1``
+    as ``"1"``, and fails on keys of mixed types with a message about sorting)."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{path}: key {k!r} is {type(k).__name__}, not str"
+            found = _non_str_key(v, f"{path}[{k!r}]")
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for j, v in enumerate(value):
+            found = _non_str_key(v, f"{path}[{j}]")
+            if found is not None:
+                return found
+    return None
 
 
 def check_messages(

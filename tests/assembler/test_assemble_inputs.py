@@ -72,6 +72,32 @@ def test_valid_json_tools_still_render_canonically(make_assembler):
     assert '{"a":[1.5,null,true],"b":1}' in a.text
 
 
+def test_bad_text_and_tool_keys_are_named_where_the_caller_put_them(make_assembler):
+    """A lone surrogate was reported at its offset in the rendered segment (the query's
+    "Question: " wrapper, the system template), a tool's in "text 0" by naive(); a tool
+    with int and str keys got a message about sorting, and int keys alone rendered as
+    strings silently."""
+    from promptsplice.errors import InvalidUTF8Error
+    from promptsplice.assembler import PromptFormat
+
+    asm = make_assembler(alignment="none")
+    chat = make_assembler(alignment="none", prompt_format=PromptFormat.chatml())
+    for a in (asm, chat):
+        for call in (a.assemble, a.naive):
+            with pytest.raises(InvalidUTF8Error, match=r"the query segment .* at character 3 ") as err:
+                call(["doc"], query="abc\ud800")
+            assert err.value.offset == 3
+            with pytest.raises(InvalidUTF8Error, match=r"the system segment .* at character 2 "):
+                call(["doc"], query="q", system="ab\ud800")
+            with pytest.raises(InvalidUTF8Error, match=r"tools\[1\] \(as JSON\) contains a lone surrogate"):
+                call(["doc"], query="q", tools=[{"name": "f"}, {"d": "\ud800"}])
+            with pytest.raises(InvalidToolsError, match=r"tools\[0\]\['parameters'\]: key 1 is int, not str; "
+                                                         r"JSON object keys must be strings"):
+                call(["doc"], query="q", tools=[{"name": "f", "parameters": {1: "a", "b": 2}}])
+            with pytest.raises(InvalidToolsError, match=r"tools\[0\]\['a'\]\[0\]: key 2 is int"):
+                call(["doc"], query="q", tools=[{"a": [{2: 3}]}])
+
+
 @pytest.mark.reliability
 def test_the_hook_checks_types_and_json_tools(default_tok):
     hook = ContextHook(Assembler(default_tok, block_size=16))

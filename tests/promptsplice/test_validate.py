@@ -103,7 +103,7 @@ def test_tools_must_be_a_list_of_json_objects():
         ([{"x": object()}], r"tools\[0\] is not JSON"),
         ([{"x": {1}}], r"tools\[0\] is not JSON"),
         ([{"x": math.inf}], r"tools\[0\] is not JSON"),
-        ([{1: "a", "b": 2}], r"tools\[0\] is not JSON"),
+        ([{1: "a", "b": 2}], r"tools\[0\]: key 1 is int, not str; JSON object keys must be strings"),
     ]
     for value, match in cases:
         with pytest.raises(InvalidToolsError, match=match):
