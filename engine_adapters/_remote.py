@@ -134,6 +134,18 @@ _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _BROKEN = (httpx.RemoteProtocolError, httpx.ReadError)
 """A connection that broke before the response ended (the server died or dropped it)."""
 
+_CLOSING: set[asyncio.Task[None]] = set()
+"""``aclose`` tasks that :meth:`RemoteEngine.close` scheduled (a task only weakly held
+by its loop may be collected before it runs)."""
+
+
+def _close_on_loop(client: httpx.AsyncClient) -> None:
+    """On ``client``'s own loop: start its ``aclose``."""
+    task = asyncio.get_running_loop().create_task(client.aclose())
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
+
+
 SendTokenIds = Literal["auto"] | bool
 
 
@@ -189,10 +201,13 @@ class RemoteEngine(ServedEngineSurface):
     the prompt's text; ``True``/``False`` force it.  ``prompt_cache_key``: an
     assembled prompt's ``prefix_key`` is sent as ``prompt_cache_key`` where the server
     supports it (OpenAI); one passed explicitly is always sent.  ``transport``: an
-    ``httpx`` transport (tests).  ``timeout``: seconds for everything, or an
+    ``httpx`` transport (an ``HTTPTransport`` carries the sync calls only, an
+    ``AsyncHTTPTransport`` the async ones; ``MockTransport`` both).  ``timeout``: seconds for everything, or an
     ``httpx.Timeout`` per phase; ``total_timeout``: seconds for one whole request and its
-    response (default 600 s, or the longest phase timeout when that is longer), checked
-    between reads and never over it by more than one read.  ``require_salt``: refuse requests without a
+    response (default 600 s, or the longest phase timeout when that is longer): an async
+    call ends at it; a sync call checks it after each read of the body (up to one read
+    timeout late), and a server that sends the response *headers* a byte at a time holds
+    it longer (httpx reads them whole, each read under the read timeout).  ``require_salt``: refuse requests without a
     ``cache_salt`` (:class:`~promptsplice.errors.MissingSaltError`); either way, mixing
     salted and unsalted requests warns once
     (:class:`~promptsplice.errors.UnsaltedTenantWarning`).  ``tokenizer``/``block_size``: for
@@ -262,7 +277,9 @@ class RemoteEngine(ServedEngineSurface):
                 check_number(value, f"timeout.{name} (seconds)", strict=True)
         if total_timeout is None:  # httpx's meaning of timeout (per phase) stays; the total at least that
             total_timeout = (math.inf if timeout.read is None  # Timeout(None): no limit asked for
-                             else max(DEFAULT_TOTAL_TIMEOUT, timeout.read, timeout.connect or 0.0))
+                             else max(DEFAULT_TOTAL_TIMEOUT, *(v for v in (timeout.connect, timeout.read,
+                                                                          timeout.write, timeout.pool)
+                                                               if v is not None)))
         if isinstance(total_timeout, bool) or not isinstance(total_timeout, int | float) or total_timeout != math.inf:
             total_timeout = check_number(total_timeout, "total_timeout (seconds, or math.inf: none)", strict=True)
         self.total_timeout = float(total_timeout)
@@ -308,7 +325,7 @@ class RemoteEngine(ServedEngineSurface):
                 if self._client is None:
                     kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
                     if self._transport is not None:
-                        kwargs["transport"] = self._transport
+                        kwargs["transport"] = self._kind_of_transport(httpx.BaseTransport, "sync")
                     self._client = httpx.Client(**kwargs)
                 client = self._client
         return client
@@ -329,16 +346,27 @@ class RemoteEngine(ServedEngineSurface):
             if client is None:
                 kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
                 if self._transport is not None:
-                    kwargs["transport"] = self._transport
+                    kwargs["transport"] = self._kind_of_transport(httpx.AsyncBaseTransport, "async")
                 client = self._aclients[loop] = httpx.AsyncClient(**kwargs)
             return client
 
+    def _kind_of_transport(self, kind: type, calls: str) -> Any:
+        """The transport, if it can carry ``calls`` (an ``httpx.HTTPTransport`` has no
+        async side, an ``AsyncHTTPTransport`` no sync one: a raw AttributeError later)."""
+        if not isinstance(self._transport, kind):
+            other = "the a* methods (acomplete, achat)" if calls == "sync" else "the sync methods"
+            raise ConfigError(
+                f"transport {type(self._transport).__name__} cannot carry {calls} calls: use {other}, or "
+                f"pass a transport of both kinds (httpx.MockTransport) or an httpx.{kind.__name__}"
+            )
+        return self._transport
+
     def close(self) -> None:
-        """Close the engine: the sync client, and let go of the async ones whose loop is
-        closed (an async client can be closed only on its own loop: :meth:`aclose` there;
-        a live loop's client stays its own, for its ``aclose``).  Every later call, and
-        one racing this from another thread, raises :class:`EngineError` (never a new
-        client opened behind the caller's back)."""
+        """Close the engine: the sync client now, and each live loop's async client on
+        its own loop (an async client can be closed only there: its ``aclose`` is
+        scheduled on it, and runs once the loop next gets to it); clients of closed
+        loops are let go.  Every later call, and one racing this from another thread,
+        raises :class:`EngineError` (never a new client opened behind the caller's back)."""
         self._release_clients(final=True)
 
     def _release_clients(self, *, final: bool) -> None:
@@ -347,8 +375,16 @@ class RemoteEngine(ServedEngineSurface):
             client, self._client = self._client, None
             for done in [lp for lp in self._aclients if lp.is_closed()]:
                 del self._aclients[done]
+            live = list(self._aclients.items()) if final else []
+            if final:
+                self._aclients.clear()
         if client is not None:
             client.close()
+        for loop, aclient in live:
+            try:
+                loop.call_soon_threadsafe(_close_on_loop, aclient)
+            except RuntimeError:  # the loop closed meanwhile: its sockets went with it
+                pass
 
     async def aclose(self) -> None:
         """Close this loop's async client (each loop closes its own) and the sync one;
@@ -525,7 +561,7 @@ class RemoteEngine(ServedEngineSurface):
         raise error
 
     @contextlib.contextmanager
-    def _translating(self, url: str, method: str = "GET") -> Iterator[None]:
+    def _translating(self, url: str, method: str = "GET") -> Iterator[list[Any]]:
         """httpx's errors -> ours, at the boundary: connect errors, connect and pool
         timeouts (nothing was sent) and connections broken mid-response (a completion
         is returned only whole, so a retry never repeats output) become retryable
@@ -533,28 +569,32 @@ class RemoteEngine(ServedEngineSurface):
         of a POST is final: the server is alive but slow, and a retry would prefill the
         prompt again and wait as long again (four times, at the default retries).
         Every other transport error is final.  Plain ``with`` works in the async
-        driver too."""
+        driver too.  The caller appends the client it sends with to the yielded list:
+        an error because that client was closed under the request (``aclose()`` or
+        ``close()`` while it was in flight) is final, never a retry on a new client."""
+        used: list[Any] = []
         try:
-            yield
+            yield used
         except RuntimeError as exc:  # httpx: "Cannot send a request, as the client has been closed"
             if isinstance(exc, PromptspliceError) or not (self._closed or "has been closed" in str(exc)):
                 raise
-            if self._closed:
-                raise self._closed_error() from exc
-            raise EngineError(f"the client sending to {url} was closed (aclose()) while this request "
-                              "started; send it again") from exc
-        except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
+            raise self._closed_under(url, "started") from exc
+        except httpx.HTTPError as exc:
+            if used and used[0].is_closed:  # the socket was closed under the request, by us
+                raise self._closed_under(url, "was in flight") from exc
             error = self._transport_error(exc, url)
-            if method != "GET":
+            if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout) and method != "GET":
+                raise error from exc
+            if not isinstance(exc, (httpx.ConnectError, httpx.TimeoutException, *_BROKEN)):
                 raise error from exc
             error.__cause__ = exc
             raise _Retry(error) from exc
-        except (httpx.ConnectError, httpx.TimeoutException, *_BROKEN) as exc:
-            error = self._transport_error(exc, url)
-            error.__cause__ = exc
-            raise _Retry(error) from exc
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc, url) from exc
+
+    def _closed_under(self, url: str, when: str) -> EngineError:
+        if self._closed:
+            return self._closed_error()
+        return EngineError(f"the client sending to {url} was closed (aclose()) while this request {when}; "
+                           "send it again")
 
     # ----------------------------------------------------------------- the exchange (no I/O)
 
@@ -645,8 +685,9 @@ class RemoteEngine(ServedEngineSurface):
         """One HTTP call, bounded by ``total_timeout`` (checked after every read): the
         response (body read) or, for a stream, its :class:`RemoteCompletion`."""
         deadline = time.monotonic() + self.total_timeout
-        with self._translating(call.url, call.method):
+        with self._translating(call.url, call.method) as used:
             client = self._sync_client()
+            used.append(client)
             body = call.req.body if call.req else None
             with client.stream(call.method, call.url, json=body) as response:
                 if not call.stream or response.status_code >= 400:
@@ -702,8 +743,9 @@ class RemoteEngine(ServedEngineSurface):
             raise self._total_error(call.url) from exc
 
     async def _acall_once(self, call: _Call, deadline: asyncio.Timeout) -> Any:
-        with self._translating(call.url, call.method):
+        with self._translating(call.url, call.method) as used:
             client = self._async_client()
+            used.append(client)
             if not call.stream:
                 response = await client.request(call.method, call.url, json=call.req.body if call.req else None)
                 self._check_response(response, call)

@@ -432,8 +432,9 @@ class ServedEngineSurface:
             deadline = time.monotonic() + self.total_timeout  # type: ignore[attr-defined]
             try:
                 control.check(call.url)
-                with self._translating(call.url, "POST"):  # type: ignore[attr-defined]
+                with self._translating(call.url, "POST") as used:  # type: ignore[attr-defined]
                     client = self._sync_client()  # type: ignore[attr-defined]
+                    used.append(client)
                     with client.stream("POST", call.url, json=req.body, extensions={"trace": control.trace}) as response:
                         control.connected(response)
                         if response.status_code >= 400:

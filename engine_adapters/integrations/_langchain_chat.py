@@ -53,12 +53,14 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from langchain_core.caches import BaseCache
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.globals import get_llm_cache
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.chat_models import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, LLMResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
@@ -284,6 +286,14 @@ class PromptspliceChatModel(BaseChatModel):
 
     async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AIMessage:  # type: ignore[override]
         return await super().ainvoke(convert_input(self, input), config, stop=stop, **_with_thread(config, kwargs, self.session_key))
+
+    async def agenerate(self, messages: list[list[BaseMessage]], stop: list[str] | None = None, callbacks: Any = None, **kwargs: Any) -> LLMResult:  # type: ignore[override]
+        # LangChain keys its LLM cache by _get_llm_string, called on the event loop: a
+        # served engine given no model would ask its server there (a blocking GET, with
+        # backoff sleeps): ask it in a thread first, once
+        if self.cache is not False and (isinstance(self.cache, BaseCache) or get_llm_cache() is not None):
+            await asyncio.to_thread(self._model_name, resolve=True)
+        return await super().agenerate(messages, stop=stop, callbacks=callbacks, **kwargs)
 
     def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:  # type: ignore[override]
         return super().stream(convert_input(self, input), config, stop=stop, **_with_thread(config, kwargs, self.session_key))

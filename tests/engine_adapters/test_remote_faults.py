@@ -115,6 +115,9 @@ def test_the_timeouts_default_to_connect_read_and_total():
     # a number keeps httpx's meaning (each phase); the total is 600 s, or longer with it
     assert RemoteEngine("http://127.0.0.1:9", model="m", timeout=2).total_timeout == 600.0
     assert RemoteEngine("http://127.0.0.1:9", model="m", timeout=900).total_timeout == 900.0
+    # the longest phase, whichever it is (a long write or pool wait was cut to 600 s)
+    long_write = RemoteEngine("http://127.0.0.1:9", model="m", timeout=httpx.Timeout(10, write=1000, pool=900))
+    assert (long_write.total_timeout, long_write.timeout.write, long_write.timeout.pool) == (1000.0, 1000.0, 900.0)
     short = RemoteEngine("http://127.0.0.1:9", model="m", total_timeout=1.5)
     assert short.timeout.read == 1.5 and short.timeout.connect == 1.5  # no read outlasts the whole
     import math
@@ -376,6 +379,80 @@ def test_aclose_lets_go_of_clients_but_the_engine_stays_usable():
         return await eng.acomplete([1], max_tokens=1)
 
     assert asyncio.run(twice()).text == "ok" and eng.complete([1], max_tokens=1).text == "ok"
+
+
+def _slow_completion(seconds: float, requests: list):
+    """A server that answers a completion after ``seconds``, counting the requests."""
+
+    def handle(conn):
+        requests.append(time.monotonic())
+        time.sleep(seconds)
+        body = json.dumps(_ok_body()).encode()
+        try:
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+        except OSError:
+            pass
+
+    return handle
+
+
+@pytest.mark.timeout(20)
+def test_aclose_with_a_request_in_flight_fails_it_instead_of_sending_it_again(fake_server):
+    """aclose() (or leaving ``async with``) closed the socket under a request on the
+    loop: its ReadError read as a server that broke the connection, so the completion
+    was sent a second time, on a new client nothing closed."""
+    requests: list[float] = []
+    srv = fake_server(_slow_completion(0.8, requests))
+
+    async def main():
+        async with RemoteEngine(srv.url, model="m", max_retries=3, backoff=0.01) as eng:
+            task = asyncio.create_task(eng.acomplete([1, 2], max_tokens=2))
+            await asyncio.sleep(0.3)
+        with pytest.raises(EngineError, match=r"closed \(aclose\(\)\) while this request was in flight"):
+            await task
+        await asyncio.sleep(1.0)  # a resent request would have reached the server by now
+        return eng
+
+    eng = asyncio.run(main())
+    assert len(requests) == 1
+    assert all(c.is_closed for c in eng._aclients.values())
+
+
+@pytest.mark.timeout(20)
+def test_close_inside_a_running_loop_closes_that_loops_client_too(fake_server):
+    """close() on a live loop only dropped the engine's reference to the loop's
+    AsyncClient: its pooled socket stayed open until garbage collection (the README
+    said close() lets go of every client)."""
+    requests: list[float] = []
+    srv = fake_server(_slow_completion(0.0, requests))
+
+    async def main():
+        eng = RemoteEngine(srv.url, model="m", max_retries=0)
+        assert (await eng.acomplete([1, 2], max_tokens=2)).text == "ok"
+        client = eng._aclients[asyncio.get_running_loop()]
+        eng.close()
+        await asyncio.sleep(0.2)  # the scheduled aclose runs on this loop
+        with pytest.raises(EngineError, match="is closed"):
+            await eng.acomplete([1, 2], max_tokens=2)
+        return client, eng
+
+    client, eng = asyncio.run(main())
+    assert client.is_closed and not eng._aclients and len(requests) == 1
+
+
+def test_a_transport_of_one_kind_refuses_the_other_kind_of_call_by_name():
+    """An HTTPTransport passed the constructor and then failed acomplete() with a raw
+    AttributeError (handle_async_request); an AsyncHTTPTransport failed complete()."""
+    sync_only = RemoteEngine("http://127.0.0.1:9", model="m", transport=httpx.HTTPTransport(), max_retries=0)
+    with pytest.raises(ConfigError, match=r"transport HTTPTransport cannot carry async calls: use the sync"):
+        asyncio.run(sync_only.acomplete([1], max_tokens=1))
+    async_only = RemoteEngine("http://127.0.0.1:9", model="m", transport=httpx.AsyncHTTPTransport(), max_retries=0)
+    for call in (lambda: async_only.complete([1], max_tokens=1), lambda: list(async_only.stream([1], max_tokens=1))):
+        with pytest.raises(ConfigError, match=r"AsyncHTTPTransport cannot carry sync calls: use the a\* methods"):
+            call()
+    with _mock(lambda r: httpx.Response(200, json=_ok_body())) as both:  # MockTransport: both kinds
+        assert both.complete([1], max_tokens=1).text == asyncio.run(both.acomplete([1], max_tokens=1)).text == "ok"
 
 
 # ------------------------------------------------------------------ 8. messages

@@ -15,6 +15,7 @@ import pytest
 from promptsplice.assembler import load_tokenizer
 from promptsplice.engine_adapters import RemoteEngine
 from promptsplice.engine_adapters.integrations import PromptspliceChatModel
+from promptsplice.errors import EngineRequestError
 
 
 @pytest.mark.timeout(20)
@@ -61,3 +62,69 @@ def test_cancelling_astream_does_not_wait_for_the_engine_timeout():
     finally:
         srv.close()
         eng.close()
+
+
+@pytest.mark.timeout(20)
+def test_ainvoke_with_an_llm_cache_asks_the_model_name_off_the_event_loop():
+    """With a LangChain LLM cache, ``ainvoke`` built the cache key on the event loop and
+    a served engine given no model asked its server there: a blocking GET (1 s here)
+    froze every other task on the loop."""
+    from langchain_core.caches import InMemoryCache
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    body = b'{"object": "list", "data": [{"id": "served-m", "object": "model"}]}'
+
+    def serve():  # /v1/models after 1 s; any other request: 400
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    head += chunk
+                if head.startswith(b"GET /v1/models"):
+                    time.sleep(1.0)
+                    reply = body
+                    status = b"200 OK"
+                else:
+                    reply, status = b'{"error": {"message": "no"}}', b"400 Bad Request"
+                conn.sendall(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: " + str(len(reply)).encode() + b"\r\n\r\n" + reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    eng = RemoteEngine(f"http://127.0.0.1:{srv.getsockname()[1]}", block_size=16, max_retries=0)
+    eng._tok, eng._probe = load_tokenizer("default"), None
+    chat = PromptspliceChatModel(engine=eng, max_tokens=4, cache=InMemoryCache())
+
+    async def main():
+        gaps, last = [], time.monotonic()
+
+        async def ticker():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.02)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        t = asyncio.create_task(ticker())
+        with pytest.raises(EngineRequestError):  # the completion itself is refused (400): only the wait matters
+            await chat.ainvoke("hello")
+        t.cancel()
+        return max(gaps)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stall = asyncio.run(main())
+        assert stall < 0.5, f"the event loop stalled {stall:.2f} s"
+        assert eng.model == "served-m"
+    finally:
+        srv.close()
