@@ -665,6 +665,16 @@ class RedisTier(IndexedTier):
             self._doomed.difference_update([n for n in names if n not in self._busy])  # others still on their way
             self._delete_warned = False
 
+    def _delete_claimed(self, names: list[str]) -> None:
+        """Without the lock: DEL ``names``, claimed under it (:meth:`_claim`); the claims
+        are released whatever the call did (its errors are the caller's to handle)."""
+        try:
+            if names:
+                self._client.delete(*names)
+        finally:
+            with self._cond:
+                self._release(names)
+
     def _wipe_server(self) -> None:
         """A clear's second half (writer thread, without the lock; never raises): delete
         every value of this fingerprint on the server except those this store indexed
@@ -683,12 +693,7 @@ class RedisTier(IndexedTier):
                         gone = [t for n in names if (t := n.decode()) not in keep and t not in since
                                 and t not in writing and t not in self._busy]
                         self._claim(gone)  # a put of one of them from now on waits for this delete
-                    try:
-                        if gone:
-                            self._client.delete(*gone)
-                    finally:
-                        with self._cond:
-                            self._release(gone)
+                    self._delete_claimed(gone)
                 if cursor == 0:
                     with self._cond:
                         if not self._wipe:  # no later clear waits for its own scan
@@ -858,12 +863,7 @@ class RedisTier(IndexedTier):
                     drop = [t for name, _ in bad
                             if (t := name.decode()) not in self._busy and not self._indexes_name(t)]
                     self._claim(drop)
-                try:
-                    if drop:
-                        self._client.delete(*drop)
-                finally:
-                    with self._cond:
-                        self._release(drop)
+                self._delete_claimed(drop)
             if cursor == 0:
                 break
         with self._cond:  # with the outage check: one right after it cleared ``_synced`` again
