@@ -62,6 +62,7 @@ time); :meth:`stream` measures it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -401,6 +402,20 @@ class ServedEngineSurface:
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             stop=stop, splice=splice, logprobs=logprobs,
         )[0]
+
+    async def agenerate(
+        self, prompt: Any, *, max_tokens: int = 16, temperature: float = 0.0, cache_salt: str | None = None,
+        stop: str | Sequence[str] | None = None, logprobs: int | None = None,
+    ) -> Completion:
+        """:meth:`generate` on the event loop: cancelling it closes the request's
+        connection (the server stops the request) instead of leaving a thread waiting
+        for an answer nobody reads.  The request is built in a thread (the first one
+        may ask the server for its tokenizer)."""
+        req = await asyncio.to_thread(
+            self._served_request, prompt, max_tokens, temperature, cache_salt, stop, None, logprobs, False
+        )
+        rc = await self._arun(self._completion(req))  # type: ignore[attr-defined]
+        return self._completion_record(rc, req)
 
     def stream(
         self, prompt: Any, *, max_tokens: int = 16, temperature: float = 0.0, cache_salt: str | None = None,

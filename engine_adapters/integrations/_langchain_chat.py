@@ -507,6 +507,28 @@ class PromptspliceChatModel(BaseChatModel):
         completion = self._run(req)
         return ChatResult(generations=[ChatGeneration(message=self._message(req, completion))])
 
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """On a served engine (no runner, not streaming): the request on the event loop,
+        so a cancelled ``ainvoke`` (a timeout, a user's stop) closes its connection and
+        the server stops it; LangChain's default ran :meth:`_generate` in a thread that
+        kept waiting for the whole answer.  Otherwise that default."""
+        eng = self.resolved_engine()
+        if self.runner is not None or self.streaming or not hasattr(eng, "agenerate"):
+            return await super()._agenerate(messages, stop, run_manager, **kwargs)
+        # rendering (the hook's state, the tokenizer) in a thread, as the default did;
+        # to_thread carries the context (the run's config) over
+        req = await asyncio.to_thread(self._request, messages, stop, kwargs, run_manager)
+        completion = await eng.agenerate(
+            req["ids"], max_tokens=req["max_tokens"], temperature=req["temperature"], stop=req["stop"], cache_salt=req["salt"]
+        )
+        return ChatResult(generations=[ChatGeneration(message=self._message(req, completion))])
+
     def _stream(
         self,
         messages: list[BaseMessage],

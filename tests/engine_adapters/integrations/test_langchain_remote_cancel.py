@@ -128,3 +128,43 @@ def test_ainvoke_with_an_llm_cache_asks_the_model_name_off_the_event_loop():
         assert eng.model == "served-m"
     finally:
         srv.close()
+
+
+@pytest.mark.timeout(20)
+def test_cancelling_ainvoke_closes_the_request_on_a_served_engine():
+    """``asyncio.wait_for(ainvoke, 1)`` returned, but LangChain's default ran the call in
+    an executor thread that kept the request open until the engine's 8 s timeout: the
+    server went on generating an answer nobody read."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    hung_up = threading.Event()
+
+    def serve():  # reads the request, never answers; notes when the client hangs up
+        conn, _ = srv.accept()
+        with conn:
+            while conn.recv(65536):
+                pass
+            hung_up.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    eng = RemoteEngine(f"http://127.0.0.1:{srv.getsockname()[1]}", model="m", block_size=16, timeout=8,
+                       max_retries=0)
+    eng._tok, eng._probe = load_tokenizer("default"), None
+    chat = PromptspliceChatModel(engine=eng, max_tokens=4)
+
+    async def main():
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(chat.ainvoke("hello"), 1)
+        # (asyncio.run's exit waits for executor threads: look before it)
+        return time.monotonic() - t0, await asyncio.to_thread(hung_up.wait, 3)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            took, closed = asyncio.run(main())
+        assert took < 2.5
+        assert closed, "the request was left open after the cancel"
+    finally:
+        srv.close()
