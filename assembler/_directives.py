@@ -73,6 +73,9 @@ class Directive:
 
     ``delta`` is the position shift of the unchanged old tokens after this directive
     (cumulative over this and the earlier directives): the engine relocates them by it.
+    ``text`` is the replacement decoded alone, for logs: with a byte-level tokenizer a
+    replacement may start or end inside a character (an emoji's bytes split over
+    tokens), shown there as U+FFFD; the token ids are what is exact.
     """
 
     start: int
