@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.assembler._tokenizers import MARKUP_ESCAPE
-from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error
+from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error, NonTextContentError
 
 __all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "tools_block"]
 
@@ -242,7 +242,7 @@ def _content_text(content: Any, index: int) -> str:
             elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                raise InvalidMessageError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
+                raise NonTextContentError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
         return "".join(parts)
     raise InvalidMessageError(
         f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}"

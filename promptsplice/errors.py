@@ -25,6 +25,7 @@ __all__ = [
     "InvalidTextError",
     "InvalidToolsError",
     "InvalidMessageError",
+    "NonTextContentError",
     "UnknownPolicyError",
     "ContextLengthError",
     "MissingSaltError",
@@ -117,6 +118,12 @@ class InvalidToolsError(InputError):
 class InvalidMessageError(InputError):
     """Chat messages that are not a list of dicts with a ``role`` (a non-empty ``str``)
     and a ``content`` (a ``str``, a list of parts or ``None``)."""
+
+
+class NonTextContentError(InvalidMessageError):
+    """A message part the token-space renderer cannot render: an image, audio, a file, a
+    refusal.  The framework hooks pass such a session's messages through unedited (a
+    warning names it) instead of failing the agent's model call."""
 
 
 class UnknownPolicyError(ConfigError):

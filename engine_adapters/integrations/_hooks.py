@@ -41,7 +41,7 @@ from promptsplice.assembler import ContextHook, PreparedContext
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
 from promptsplice.engine_adapters.integrations._langchain_convert import format_tools, lc_messages_to_openai
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, NonTextContentError
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,23 @@ __all__ = [
     "items_to_chat",
     "chat_to_items",
 ]
+
+
+class _PassThrough:
+    """Sessions whose messages hold content the hook cannot render (an image, a
+    refusal): their calls go through unedited, said once per session."""
+
+    def __init__(self) -> None:
+        self._said: dict[str, None] = {}
+
+    def note(self, adapter: str, sid: str, exc: NonTextContentError) -> None:
+        if sid in self._said:
+            return
+        self._said[sid] = None
+        if len(self._said) > 1024:  # the oldest forgotten (said again if it comes back)
+            del self._said[next(iter(self._said))]
+        logger.warning("%s: session %r holds content the hook cannot render (%s); its messages go to the "
+                       "model unedited (no policies, no hand-off)", adapter, sid, exc)
 
 
 def _check_hook(hook: Any) -> ContextHook:
@@ -202,8 +219,9 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
         self.on_prepared = on_prepared
         self.keep_history = keep_history
         self.history: list[PreparedContext] = []
+        self._passed = _PassThrough()
 
-    def _prepare(self, request: Any) -> tuple[Any, PreparedContext]:
+    def _prepare(self, request: Any) -> tuple[Any, PreparedContext | None]:
         sid = _config_session(self.session_key, self.default_session)
         originals: list[BaseMessage] = list(request.messages)
         system = request.system_message
@@ -212,7 +230,11 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
         dicts = lc_messages_to_openai(lc, origins=origins)
         bound = [*(request.tools or ()), *_structured_output_tools(request)]
         tools = format_tools(bound) if bound else None
-        prepared = self.hook(sid, dicts, tools)
+        try:
+            prepared = self.hook(sid, dicts, tools)
+        except NonTextContentError as exc:
+            self._passed.note("PromptspliceMiddleware", sid, exc)
+            return request, None
         edited = prepared.messages
         new_system = system
         if system is not None:
@@ -230,11 +252,11 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
             self.on_prepared(prepared)
         return request.override(messages=messages, system_message=new_system), prepared
 
-    def _give(self, new: Any, prepared: PreparedContext) -> tuple[Any, bool]:
+    def _give(self, new: Any, prepared: PreparedContext | None) -> tuple[Any, bool]:
         """Hand the prepared context to a PromptspliceChatModel, under the session id it
         was prepared for (passed along: the model reads ``thread_id`` otherwise, so a
         ``session_key`` of another name never met its hand-off)."""
-        if not isinstance(new.model, PromptspliceChatModel):
+        if prepared is None or not isinstance(new.model, PromptspliceChatModel):
             return new, False
         handoff.put(prepared)
         settings = {**(new.model_settings or {}), "session_id": prepared.session_id}
@@ -247,7 +269,7 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
             return handler(new)
         finally:
             if give:
-                handoff.discard(prepared)
+                handoff.discard(prepared)  # type: ignore[arg-type]
 
     async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         new, prepared = self._prepare(request)
@@ -256,7 +278,7 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
             return await handler(new)
         finally:
             if give:
-                handoff.discard(prepared)
+                handoff.discard(prepared)  # type: ignore[arg-type]
 
 
 # -- LangGraph pre_model_hook ----------------------------------------------------------
@@ -287,6 +309,7 @@ class PromptsplicePreModelHook:
         self.session_key = session_key
         self.default_session = default_session
         self.history: list[PreparedContext] = []
+        self._passed = _PassThrough()
 
     def __call__(self, state: Mapping[str, Any]) -> dict[str, Any]:
         sid = _config_session(self.session_key, self.default_session)
@@ -297,7 +320,11 @@ class PromptsplicePreModelHook:
         lc = ([SystemMessage(content=self.system)] if self.system else []) + originals
         origins: list[int] = []
         dicts = lc_messages_to_openai(lc, origins=origins)
-        prepared = self.hook(sid, dicts, self.tools)
+        try:
+            prepared = self.hook(sid, dicts, self.tools)
+        except NonTextContentError as exc:
+            self._passed.note("PromptsplicePreModelHook", sid, exc)
+            return {"llm_input_messages": originals}
         edited = prepared.messages
         if self.system and edited and edited[0].get("role") == "system":
             edited = edited[1:]
@@ -322,7 +349,7 @@ def _item_text(content: Any) -> str:
             elif isinstance(p, str):
                 parts.append(p)
             else:
-                raise InputError(f"only text content can be rendered, got {p!r:.80}")
+                raise NonTextContentError(f"only text content can be rendered, got {p!r:.80}")
         return "".join(parts)
     if content is None:
         return ""
@@ -484,6 +511,7 @@ class PromptspliceInputFilter:
         self.session_id = session_id
         self.tools = format_tools(tools) if tools else None
         self.history: list[PreparedContext] = []
+        self._passed = _PassThrough()
 
     def _session(self, data: Any) -> str:
         if callable(self.session_id):
@@ -501,8 +529,13 @@ class PromptspliceInputFilter:
 
         model_data = data.model_data
         items = list(model_data.input)
-        chat, prov = items_to_chat(items, model_data.instructions)
-        prepared = self.hook(self._session(data), chat, self.tools)
+        sid = self._session(data)
+        try:
+            chat, prov = items_to_chat(items, model_data.instructions)
+            prepared = self.hook(sid, chat, self.tools)
+        except NonTextContentError as exc:
+            self._passed.note("PromptspliceInputFilter", sid, exc)
+            return ModelInputData(input=items, instructions=model_data.instructions)
         self.history.append(prepared)
         del self.history[:-64]
         if not prepared.policy_edits:

@@ -454,3 +454,43 @@ def test_an_unsalted_model_takes_its_hooks_context_under_the_hooks_salt(default_
     salted = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1, cache_salt="tenant-B")
     assert salted._request(handed, None, {"session_id": "unsalted-model-3"}, None)["salt"] == "tenant-B"
     assert handoff.take("unsalted-model-3", hook.renderer.render(lc_messages_to_openai(msgs), salt="tenant-A")) is not None
+
+
+def test_a_session_with_an_image_goes_through_unedited_instead_of_failing_every_call(default_tok, caplog):
+    """One image (or a Responses refusal) in the history raised InputError in every later
+    call of an agent behind a hook adapter: the agent stopped for good.  Such a session
+    now goes to the model unedited, said once."""
+    from types import SimpleNamespace
+
+    from agents import Agent
+    from agents.run_config import CallModelData, ModelInputData
+
+    from promptsplice.errors import NonTextContentError
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    history = [HumanMessage(content=[{"type": "text", "text": "what is on this screen?"}, image])]
+
+    def hook():
+        return ContextHook(default_tok, block_size=16, policies=[TruncateToolOutputs(10, keep_recent=0)])
+
+    with pytest.raises(NonTextContentError, match="only text content parts can be rendered"):
+        hook()("direct", lc_messages_to_openai(history))  # the hook itself still refuses it
+
+    mw = PromptspliceMiddleware(hook(), default_session="mw-img")
+    request = SimpleNamespace(messages=history, system_message=None, tools=[], response_format=None,
+                              model=object(), override=lambda **kw: pytest.fail("an unrenderable request was edited"))
+    pre = PromptsplicePreModelHook(hook(), default_session="lg-img")
+    filt = PromptspliceInputFilter(hook(), session_id="sdk-img")
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "and this?"},
+                                          {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]
+    data = CallModelData(model_data=ModelInputData(input=items, instructions="Look."), agent=Agent(name="a"),
+                         context=None)
+    with caplog.at_level(logging.WARNING, logger="promptsplice"):
+        for _ in range(2):
+            assert mw.wrap_model_call(request, lambda r: r) is request
+            assert pre({"messages": history})["llm_input_messages"] == history
+            out = filt(data)
+            assert out.input == items and out.instructions == "Look."
+    said = [r.getMessage() for r in caplog.records if "cannot render" in r.getMessage()]
+    assert len(said) == 3 and all("unedited" in m for m in said)  # once per adapter and session
+    assert not mw.history and not pre.history and not filt.history
