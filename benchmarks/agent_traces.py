@@ -51,6 +51,7 @@ from typing import Any
 from promptsplice.benchmarks.traces import (  # one strict JSON reader
     _finite_float,
     bare_cr_hint,
+    JSON_WHITESPACE,
     decode_line,
     _lone_surrogate,
     _reject_constant,
@@ -249,7 +250,7 @@ def iter_agent_trace(path: str | os.PathLike[str]) -> Iterator[AgentSession]:
         for lineno, raw in enumerate(fh, 1):
             w = _Where(f"{name}:{lineno}")
             line = decode_line(raw, lineno, w.where)
-            if not line.strip():
+            if not line.strip(JSON_WHITESPACE):
                 continue
             try:
                 obj = json.loads(line, object_pairs_hook=_strict_object, parse_constant=_reject_constant,

@@ -54,6 +54,7 @@ longest request rather than failing the bench).  A suite report::
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -538,7 +539,11 @@ def run_suite_bench(
 ) -> int:
     """``promptsplice bench assemble --suite``: prints the table, writes the JSON; exit
     status ``BOUND_EXIT`` when a policy predicted less than its bound, else 1 when a
-    family failed (the others are reported)."""
+    family failed (the others are reported, the failures on stderr too).  A user's
+    ``traces`` file that does not read fails first, as ``--trace`` without ``--suite``
+    (one line, exit 2)."""
+    for t in traces:
+        read_rag_trace(t, limit=requests)
     out = Path(json_out)
     report = bench_suite(
         families=SUITE if families is None else families,
@@ -554,6 +559,9 @@ def run_suite_bench(
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     rc = bound_status(suite_reports(report, "bench assemble --suite"))
+    if report["failed"]:
+        print("promptsplice: error: failed families: " + "; ".join(f"{k}: {v}" for k, v in report["failed"].items()),
+              file=sys.stderr)
     return rc or (1 if report["failed"] else 0)
 
 

@@ -234,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the built-in RAG sample: naive vs promptsplice")
-    demo.add_argument("--requests", type=_count(1), default=60, help="RAG requests in the sample (default: 60)")
-    demo.add_argument("--block-size", type=_count(1), default=None,
+    demo.add_argument("--requests", type=count_arg(1), default=60, help="RAG requests in the sample (default: 60)")
+    demo.add_argument("--block-size", type=count_arg(1), default=None,
                       help="KV block size (default: the engine's, 16 without one)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the sample's generator (default: 0)")
     demo.add_argument("--no-engine", action="store_true",
@@ -258,12 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     asm = bsub.add_parser("assemble", help="assembly policies on a RAG trace (no engine)")
     asm.add_argument("--trace", default=None, help="RAG trace, JSONL (with --suite: one more family)")
     asm.add_argument("--json", required=True, help="where to write the JSON report")
-    asm.add_argument("--block-size", type=_count(1), default=None,
+    asm.add_argument("--block-size", type=count_arg(1), default=None,
                      help="KV block size the prompts are aligned to (default: 16; --suite: --block-sizes)")
     asm.add_argument("--tokenizer", default="default",
                      help="'default' (SmolLM2), 'tiktoken:ENCODING' or a tokenizer.json path")
     asm.add_argument("--alignment", default="auto", help="auto | none | all")
-    asm.add_argument("--requests", type=_count(1), default=None,
+    asm.add_argument("--requests", type=count_arg(1), default=None,
                      help="only the first N requests (--suite: N generated per family, default 200, "
                           "and the first N of a --trace file, default all)")
     asm.add_argument("--suite", action="store_true", help="every trace family; reports each and the worst")
@@ -281,20 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--seed", type=int, default=None, help="--suite: trace seed (default: 0)")
     rag.add_argument("--trace-dir", default=None, help="--suite: where the family traces are written")
     rag.add_argument("--json", required=True, help="where to write the JSON report")
-    rag.add_argument("--requests", type=_count(1), default=None, help="only the first N requests")
+    rag.add_argument("--requests", type=count_arg(1), default=None, help="only the first N requests")
     rag.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
     rag.add_argument("--alignment", default="auto", help="auto | none | all")
-    rag.add_argument("--max-tokens", type=_count(1), default=8, help="tokens generated per request")
-    rag.add_argument("--recompute-blocks", type=_count(0), default=None,
+    rag.add_argument("--max-tokens", type=count_arg(1), default=8, help="tokens generated per request")
+    rag.add_argument("--recompute-blocks", type=count_arg(0), default=None,
                      help="promptsplice_pic: blocks recomputed at the start of each relocated chunk")
     rag.add_argument("--pic-exact-alignment", default="auto", choices=("auto", "all"),
                      help="promptsplice_pic: layout of the requests it sends exact (relocation would "
                           "not pay): auto (default) or all (whole-block chunks, indexed for later reuse)")
-    rag.add_argument("--fidelity-requests", type=_count(0), default=32,
+    rag.add_argument("--fidelity-requests", type=count_arg(0), default=32,
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.add_argument("--allow-skips", action="store_true",
                      help="accept a run that skipped more than 5%% of the requests (prompts over max_model_len)")
-    rag.add_argument("--kv-cache-mib", type=_count(1), default=None,
+    rag.add_argument("--kv-cache-mib", type=count_arg(1), default=None,
                      help="KV cache of every engine, MiB (default: the engine's, 512): smaller caches evict, "
                           "which is where the store modes load blocks back")
     rag.add_argument("--store-layout", default="store_aware", choices=("store_aware", "cache_only"),
@@ -307,25 +307,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")
     ttft.add_argument("--json", default=None, help="where to write the JSON report (default: print only)")
-    ttft.add_argument("--repeats", type=_count(1), default=3, help="runs per prompt length; the median is reported")
+    ttft.add_argument("--repeats", type=count_arg(1), default=3, help="runs per prompt length; the median is reported")
     ttft.set_defaults(func=_cmd_bench_ttft)
 
     off = bsub.add_parser("offload", help="apc vs the tiered store after vLLM's pool evicted prefixes")
     off.add_argument("--json", required=True, help="where to write the JSON report")
-    off.add_argument("--prompts", type=_count(1), default=8, help="distinct prompts visited round-robin (default: 8)")
-    off.add_argument("--rounds", type=_count(1), default=4, help="visits of each prompt (default: 4)")
-    off.add_argument("--prompt-tokens", type=_count(64), default=1024,
+    off.add_argument("--prompts", type=count_arg(1), default=8, help="distinct prompts visited round-robin (default: 8)")
+    off.add_argument("--rounds", type=count_arg(1), default=4, help="visits of each prompt (default: 4)")
+    off.add_argument("--prompt-tokens", type=count_arg(64), default=1024,
                      help="tokens per prompt, at least two blocks of 32 (default: 1024)")
     off.set_defaults(func=_cmd_bench_offload)
 
     agent = bsub.add_parser("agent", help="agent sessions in modes full | apc | splice, with fidelity")
     agent.add_argument("--trace", required=True, help="agent trace, JSONL: {id, tools, renders}")
     agent.add_argument("--json", required=True, help="where to write the JSON report")
-    agent.add_argument("--recompute-blocks", type=_count(0), default=None,
+    agent.add_argument("--recompute-blocks", type=count_arg(0), default=None,
                        help="blocks prefilled after each edit before relocation resumes (default: the runner's)")
-    agent.add_argument("--sessions", type=_count(1), default=None, help="only the first N sessions")
-    agent.add_argument("--max-tokens", type=_count(1), default=32, help="tokens generated per step")
-    agent.add_argument("--fidelity-steps", type=_count(0), default=32,
+    agent.add_argument("--sessions", type=count_arg(1), default=None, help="only the first N sessions")
+    agent.add_argument("--max-tokens", type=count_arg(1), default=32, help="tokens generated per step")
+    agent.add_argument("--fidelity-steps", type=count_arg(0), default=32,
                        help="edit steps that relocate KV probed for fidelity (default: 32)")
     agent.add_argument("--scope", default="session", choices=("session", "none"), help="session | none (spliced KV scope)")
     agent.add_argument("--allow-skips", action="store_true",
@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     gat = bsub.add_parser("gen-agent-trace",
                           help="write an agent trace: BFCL multi-turn tasks, or a coding agent on stdlib source")
     gat.add_argument("--out", required=True, help="where to write the trace, JSONL")
-    gat.add_argument("--sessions", type=_count(1), default=24, help="sessions to generate (default: 24)")
+    gat.add_argument("--sessions", type=count_arg(1), default=24, help="sessions to generate (default: 24)")
     gat.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     gat.add_argument("--family", default="bfcl",
                      help="bfcl (multi-turn tool use) | coding (file reads, grep, test logs; masks, "
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = bsub.add_parser("gen-trace", help="write a RAG trace from real public text (--family: which source)")
     gen.add_argument("--out", required=True, help="where to write the trace, JSONL")
-    gen.add_argument("--requests", type=_count(1), default=400, help="requests to generate (default: 400)")
+    gen.add_argument("--requests", type=count_arg(1), default=400, help="requests to generate (default: 400)")
     gen.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     gen.add_argument("--family", default="wiki",
                      help="wiki | wiki-diverse | support | pydocs | apidocs | tools (default: wiki)")
@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _count(minimum: int) -> Callable[[str], int]:
+def count_arg(minimum: int) -> Callable[[str], int]:
     """An argparse type: an int >= ``minimum`` (a bad value is a usage error, exit 2,
     before anything runs: ``--requests 0`` ran nothing and passed, ``--sessions -1``
     dropped the last session, ``--repeats 0`` ended in a traceback)."""
@@ -380,28 +380,34 @@ def _block_sizes(text: str) -> list[int]:
     sizes = [part.strip() for part in text.split(",") if part.strip()]
     if not sizes:
         raise argparse.ArgumentTypeError("names no block size (e.g. 16,32)")
-    return [_count(1)(size) for size in sizes]
+    return [count_arg(1)(size) for size in sizes]
 
 
 def _check_output(args: argparse.Namespace) -> None:
-    """The report's file must be writable before the bench runs (a bench of tens of
-    minutes lost its results to a bad --json path at the end), and must not be the
-    trace it reads (``--json t.jsonl --trace t.jsonl`` replaced the trace by the report)."""
-    json_out = getattr(args, "json", None)
-    if json_out is None:
-        return
-    path = Path(json_out)
+    """The files a command writes (``--json``, ``--out``) must be writable before it
+    runs (a bench of tens of minutes lost its results to a bad --json path at the end),
+    and must not be the trace it reads (``--json t.jsonl --trace t.jsonl`` replaced the
+    trace by the report)."""
+    for flag, what in (("json", "the report's"), ("out", "the trace's")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            _check_writable(f"--{flag}", value, what, getattr(args, "trace", None))
+
+
+def _check_writable(flag: str, value: str, what: str, trace: str | None) -> None:
+    if value.endswith(("/", os.sep)):  # Path("rep/") drops the slash: a file named rep was written
+        raise UsageError(f"{flag} {value}: names a folder; name {what} file")
+    path = Path(value)
     if path.is_dir():
-        raise UsageError(f"--json {json_out}: is a folder; name the report's file")
-    trace = getattr(args, "trace", None)
+        raise UsageError(f"{flag} {value}: is a folder; name {what} file")
     if trace is not None and path.resolve() == Path(trace).resolve():
-        raise UsageError(f"--json {json_out}: is the --trace file; the report would replace the trace, "
+        raise UsageError(f"{flag} {value}: is the --trace file; the output would replace the trace, "
                          "name another file")
     for parent in (path.parent, *path.parent.parents):
         if parent.exists():
             if not parent.is_dir():
-                raise UsageError(f"--json {json_out}: {parent} is a file, not a folder; name a report "
-                                 "path whose folders are folders")
+                raise UsageError(f"{flag} {value}: {parent} is a file, not a folder; name a path "
+                                 "whose folders are folders")
             break
     path.parent.mkdir(parents=True, exist_ok=True)
     existed = path.exists()
@@ -409,7 +415,7 @@ def _check_output(args: argparse.Namespace) -> None:
         with open(path, "a"):
             pass
     except OSError as exc:
-        raise UsageError(f"--json {json_out}: cannot be written ({exc.strerror or exc}); "
+        raise UsageError(f"{flag} {value}: cannot be written ({exc.strerror or exc}); "
                          "name a writable path") from exc
     if not existed:
         path.unlink()
@@ -438,6 +444,26 @@ def _check_trace(args: argparse.Namespace) -> None:
         raise UsageError(f"--trace {trace}: cannot be read ({exc.strerror or exc})") from exc
 
 
+def _error_exit(exc: BaseException) -> int:
+    """Print a command's error in one line; its exit code (5: a fidelity failure)."""
+    if isinstance(exc, OSError):  # a file the command reads or writes (--json, --out, ...)
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"promptsplice: error:{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"promptsplice: error: {exc}", file=sys.stderr)
+    return FIDELITY_EXIT if isinstance(exc, FidelityError) else 2
+
+
+def run_tool(tool_main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """A ``python -m promptsplice.benchmarks.X`` tool's ``main`` with the CLI's error
+    handling: a bad trace or option is one line on stderr and exit 2 (a traceback
+    before), a fidelity failure exit 5."""
+    try:
+        return int(tool_main(argv) or 0)
+    except (PromptspliceError, UsageError, OSError) as exc:
+        return _error_exit(exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -445,13 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_trace(args)
         _check_output(args)
         rc = int(args.func(args) or 0)
-    except (PromptspliceError, UsageError) as exc:
-        print(f"promptsplice: error: {exc}", file=sys.stderr)
-        rc = FIDELITY_EXIT if isinstance(exc, FidelityError) else 2
-    except OSError as exc:  # a file the command reads or writes (--json, --out, ...)
-        where = f" {exc.filename}" if exc.filename else ""
-        print(f"promptsplice: error:{where}: {exc.strerror or exc}", file=sys.stderr)
-        rc = 2
+    except (PromptspliceError, UsageError, OSError) as exc:
+        rc = _error_exit(exc)
     if argv is None and "vllm" in sys.modules:
         # Run as the console script after an engine ran: vLLM's CPU platform imports
         # triton, whose nanobind bindings print hundreds of "leaked" lines during

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.benchmarks._stats import percentile
+from promptsplice.benchmarks.cli import count_arg, run_tool
 __all__ = [
     "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "run_deviation_curve",
     "spearman",
@@ -294,18 +295,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.deviation_curve", description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=None, help="agent trace JSONL (promptsplice bench gen-agent-trace)")
     parser.add_argument("--json", required=True, help="where to write the report")
-    parser.add_argument("--sessions", type=int, default=None, help="only the first N sessions")
-    parser.add_argument("--max-steps", type=int, default=None, help="probe at most N edit steps per config")
+    parser.add_argument("--sessions", type=count_arg(1), default=None, help="only the first N sessions")
+    parser.add_argument("--max-steps", type=count_arg(1), default=None, help="probe at most N edit steps per config")
     parser.add_argument("--thresholds", default=None, help="comma-separated max_deviation values (default: r1 quantiles)")
-    parser.add_argument("--max-model-len", type=int, default=8192, help="engine context (default 8192, the model's)")
+    parser.add_argument("--max-model-len", type=count_arg(1), default=8192, help="engine context (default 8192, the model's)")
     parser.add_argument("--no-r2", action="store_true", help="skip the fixed r=2 config")
     parser.add_argument("--bounded-only", action="store_true", help="only the bounded level (r=2 and its guard), every edit step probed")
     parser.add_argument("--runner", default=None, help="with --bounded-only: AgentRunner keyword overrides as JSON")
     parser.add_argument("--raw", default=None, help="also write the configs' rows here as they finish")
     parser.add_argument("--report-from", default=None, help="rebuild the report from a --raw file (no engine)")
-    parser.add_argument("--block-size", type=int, default=32, help="with --report-from: the engine's block size")
+    parser.add_argument("--block-size", type=count_arg(1), default=32, help="with --report-from: the engine's block size")
     parser.add_argument("--budget-sweep", default=None, help="a --raw file of one fixed recompute (--bounded-only): per-step approximate-token budgets vs the bar (no engine)")
-    parser.add_argument("--recompute-blocks", type=int, default=2, help="with --budget-sweep: the runs' recomputed blocks")
+    parser.add_argument("--recompute-blocks", type=count_arg(0), default=2, help="with --budget-sweep: the runs' recomputed blocks")
     args = parser.parse_args(argv)
     if args.budget_sweep:
         raw = json.loads(Path(args.budget_sweep).read_text())
@@ -373,4 +374,4 @@ def _print(report: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool(main))

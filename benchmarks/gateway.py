@@ -48,6 +48,7 @@ from typing import Any
 
 from promptsplice.benchmarks.routing import BLOCK_SIZE, LoopbackServer, _free_port, loopback_servers, write_report
 from promptsplice.errors import ConfigError, EngineError, EngineStartError
+from promptsplice.benchmarks.cli import count_arg, run_tool
 
 __all__ = [
     "GATEWAY_POLICIES",
@@ -351,15 +352,15 @@ def format_gateway(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.gateway",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=30, help="RAG requests per family")
+    parser.add_argument("--requests", type=count_arg(1), default=30, help="RAG requests per family")
     parser.add_argument("--profile", action="append", default=None,
                         help="wiki trace profile (repeat-heavy | diverse; repeat; default: both)")
     parser.add_argument("--family", action="append", default=None,
                         help="a trace family of the suite (wiki | wiki-diverse | support | pydocs | apidocs | tools; repeat)")
     parser.add_argument("--suite", action="store_true", help="every family of the suite")
     parser.add_argument("--mode", action="append", default=None, help=f"repeat; default all: {', '.join(MODES)}")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--seed", type=count_arg(0), default=0)
+    parser.add_argument("--max-tokens", type=count_arg(1), default=1)
     parser.add_argument("--url", action="append", default=None, help="use a running server (repeat)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
@@ -379,4 +380,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool(main))

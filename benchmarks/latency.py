@@ -26,6 +26,7 @@ from typing import Any
 from promptsplice.assembler import Assembler, ContextHook, DropFailedCalls, TruncateToolOutputs, load_tokenizer
 from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.traces import load_wiki_leads
+from promptsplice.benchmarks.cli import count_arg, run_tool
 
 __all__ = ["build_request", "run_latency_bench", "run_hook_latency"]
 
@@ -146,15 +147,11 @@ def run_hook_latency(steps: int = 200, block_size: int = 32, tokenizer: str = "d
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--iters", type=count_arg(1), default=200)
+    ap.add_argument("--block-size", type=count_arg(1), default=16)
     ap.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")
-    ap.add_argument("--agent-steps", type=int, default=0, help="also an agent session of N steps (ContextHook)")
+    ap.add_argument("--agent-steps", type=count_arg(0), default=0, help="also an agent session of N steps (ContextHook)")
     args = ap.parse_args(argv)
-    if args.iters < 1:
-        ap.error(f"--iters must be >= 1, got {args.iters}")
-    if args.agent_steps < 0:
-        ap.error(f"--agent-steps must be >= 0, got {args.agent_steps}")
     r = run_latency_bench(args.iters, args.block_size, policy=args.policy)
     print(
         f"assemble_prompt ({r['policy']}), {r['chunks']} chunks, {r['prompt_tokens']} tokens: warm p50 "
@@ -172,4 +169,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool(main))

@@ -16,7 +16,8 @@ Per family the report carries ``coverage`` and the bound checks of ``bench rag``
 suite's ``checks`` say, per family, whether promptsplice prefilled no more than the
 capacity-matched radix ideal (the target), whether the mirror equalled vLLM's count, and
 PIC's share of the ``promptsplice_store`` -> oracle gap.  Exit status: a mode below its
-bound (``BOUND_EXIT``), then a family below the coverage bar without ``--allow-skips``
+bound (``BOUND_EXIT``), then a family whose fidelity probe failed (``FIDELITY_EXIT``,
+as ``bench rag``), then a family below the coverage bar without ``--allow-skips``
 (``COVERAGE_EXIT``), then a failed family (1).
 
 JSON::
@@ -26,7 +27,7 @@ JSON::
                "promptsplice_pic_vs_store": {...}, "coverage": {"coverage", "family"}},
      "checks": {FAMILY: {"coverage", "le_radix_capacity", "mirror_equal", "bounds_hold",
                          "pic_gap_closed_vs_store"}},
-     "failed": {FAMILY: str}}
+     "failed": {FAMILY: str}, "fidelity_failed": [FAMILY, ...] (only when one failed so)}
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 
 from promptsplice.benchmarks.bounds import BOUND_EXIT
 from promptsplice.benchmarks.coverage import MIN_COVERAGE
+from promptsplice.benchmarks.fidelity import FIDELITY_EXIT, FidelityError
 from promptsplice.benchmarks.rag import PIC_MODE, check_store_layout, format_modes, run_modes, start_rag_engines
 from promptsplice.benchmarks.traces import SUITE, read_rag_trace, shape_stats, suite_trace_dir, write_rag_trace
 from promptsplice.errors import PromptspliceError
@@ -94,6 +96,8 @@ def rag_suite(
         except (PromptspliceError, OSError) as exc:
             report["failed"][fam] = f"{type(exc).__name__}: {exc}"
             report["families"][fam] = {"error": report["failed"][fam]}
+            if isinstance(exc, FidelityError):  # a probe that measured no approximate KV: exit 5
+                report.setdefault("fidelity_failed", []).append(fam)
             continue
         report["families"][fam] = {"trace": str(path), "shape": shape_stats(reqs), "report": rep}
         if on_family is not None:
@@ -126,6 +130,8 @@ def suite_status(report: dict[str, Any], *, allow_skips: bool = False) -> int:
             frc = bench_status(e["report"], allow_skips=allow_skips, what=f"bench rag --suite, family {fam}")
             if frc == BOUND_EXIT or (frc and rc != BOUND_EXIT):
                 rc = frc
+    if report.get("fidelity_failed") and rc != BOUND_EXIT:
+        rc = FIDELITY_EXIT
     if report["failed"] and not rc:
         rc = 1
     if report["failed"]:
@@ -197,6 +203,8 @@ def run_rag_suite(
     AlignPolicy.parse(alignment)
     check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks)
     out = Path(json_out)
+    trace_dir = trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces")
+    suite_trace_dir(trace_dir, SUITE if families is None else families)  # a bad folder fails before the engines start
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes)
     kv_engine = kv_factory() if one_store_engine else kv_factory
@@ -205,7 +213,7 @@ def run_rag_suite(
         report = rag_suite(
             engine, kv_engine=kv_engine, on_family=lambda r: partial.write_text(json.dumps(r, indent=2) + "\n"), families=SUITE if families is None else families,
             requests=60 if requests is None else requests, seed=seed,
-            trace_dir=trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces"),
+            trace_dir=trace_dir,
             policy=policy, alignment=alignment, max_tokens=max_tokens,
             recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
             pic_exact_alignment=pic_exact_alignment, store_layout=store_layout,

@@ -41,6 +41,7 @@ from typing import Any
 
 from promptsplice.engine_adapters._config import auto_dtype
 from promptsplice.errors import ConfigError, EngineError, EngineStartError
+from promptsplice.benchmarks.cli import count_arg, run_tool
 
 __all__ = [
     "LoopbackServer",
@@ -315,12 +316,12 @@ def write_report(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.routing", description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=40, help="RAG requests (built-in sample)")
-    parser.add_argument("--endpoints", type=int, default=2, help="loopback servers to start")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--key-blocks", type=int, default=None, help="blocks in the routing key")
+    parser.add_argument("--requests", type=count_arg(1), default=40, help="RAG requests (built-in sample)")
+    parser.add_argument("--endpoints", type=count_arg(1), default=2, help="loopback servers to start")
+    parser.add_argument("--seed", type=count_arg(0), default=0)
+    parser.add_argument("--key-blocks", type=count_arg(1), default=None, help="blocks in the routing key")
     parser.add_argument("--load-factor", type=float, default=1.25)
-    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    parser.add_argument("--concurrency", type=count_arg(1), default=1, help="requests in flight")
     parser.add_argument("--url", action="append", default=None, help="use a running server (repeat)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
@@ -336,4 +337,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool(main))

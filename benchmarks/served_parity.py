@@ -53,6 +53,7 @@ from promptsplice.benchmarks.assemble import _chunks
 from promptsplice.benchmarks.fidelity import full_blocks, kl, probe, reference
 from promptsplice.benchmarks.traces_format import RagRequest, read_rag_trace
 from promptsplice.errors import ConfigError
+from promptsplice.benchmarks.cli import count_arg, run_tool
 
 __all__ = ["KL_TOLERANCE", "compare", "main", "run_on_engines", "run_served_parity"]
 
@@ -226,9 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.served_parity", description=__doc__.split("\n")[0])
     ap.add_argument("--rag-trace", required=True, help="a RAG trace (promptsplice bench gen-trace / the suite)")
     ap.add_argument("--agent-trace", required=True, help="an agent trace (promptsplice bench gen-agent-trace)")
-    ap.add_argument("--requests", type=int, default=20)
-    ap.add_argument("--sessions", type=int, default=3)
-    ap.add_argument("--probes", type=int, default=6, help="relocating steps probed per kind")
+    ap.add_argument("--requests", type=count_arg(1), default=20)
+    ap.add_argument("--sessions", type=count_arg(1), default=3)
+    ap.add_argument("--probes", type=count_arg(0), default=6, help="relocating steps probed per kind")
     ap.add_argument("--fidelity", default="bounded", choices=("bounded", "fast", "exact"))
     ap.add_argument("--relocate", default="when_it_pays", choices=("when_it_pays", "always"),
                     help="the RAG runner's gate (always: every stored chunk relocated, the path under test)")
@@ -252,4 +253,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_tool(main))

@@ -39,6 +39,7 @@ from typing import Any
 
 from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, check_bounds
 from promptsplice.errors import ConfigError
+from promptsplice.benchmarks.cli import count_arg, run_tool
 
 __all__ = ["run_shared_tier_bench", "format_shared_tier", "prefix_bound", "suite_bounds", "MODES"]
 
@@ -312,7 +313,7 @@ def format_shared_tier(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.shared_tier", description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True, help="where to write the report")
-    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--requests", type=count_arg(1), default=40)
     p.add_argument("--trace", default=None, help="a RAG trace (promptsplice bench gen-trace); default: generated")
     p.add_argument("--family", default=None, help="a trace family of the suite (default: wiki's repeat-heavy)")
     p.add_argument("--bounds-only", action="store_true",
@@ -320,6 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     args = p.parse_args(argv)
     if args.bounds_only:
+        ignored = [flag for flag, value, default in (("--trace", args.trace, None), ("--family", args.family, None),
+                                                      ("--modes", args.modes, ",".join(MODES)))
+                   if value != default]
+        if ignored:  # the bounds are the suite's generated families': they say nothing of these
+            p.error(f"--bounds-only computes the suite's families' bounds; drop {', '.join(ignored)}")
         bounds = suite_bounds(args.requests)
         Path(args.json).write_text(json.dumps({"bounds": bounds}, indent=2) + "\n")
         print("| family | requests | prompt tokens | local prefill | shared prefill | shared/local |")
@@ -350,4 +356,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool(main))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.traces import load_wiki_leads
+from promptsplice.benchmarks.cli import count_arg, run_tool
 
 DOC_TOKENS = 672
 """Tokens of the private document (21 blocks of 32): right and wrong guesses hold
@@ -74,7 +75,7 @@ def run(engine, *, reps: int = 12) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.side_channel", description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the report here")
-    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--reps", type=count_arg(1), default=12)
     args = ap.parse_args(argv)
     from promptsplice.engine_adapters import EmbeddedEngine
 
@@ -91,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool(main))

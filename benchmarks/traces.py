@@ -32,6 +32,7 @@ from promptsplice.benchmarks.traces_families import (
 )
 from promptsplice.benchmarks.traces_format import (  # the strict JSON helpers: agent_traces reads them here
     BYTE_SPAN,
+    JSON_WHITESPACE,
     RagChunk,
     RagRequest,
     _finite_float,
@@ -72,7 +73,8 @@ __all__ = [
 ]
 
 # re-exported: tests clear the leads cache here; agent_traces shares the strict reader
-_ = (_wiki_records, _finite_float, _lone_surrogate, _reject_constant, _strict_object, bare_cr_hint, decode_line)
+_ = (_wiki_records, _finite_float, _lone_surrogate, _reject_constant, _strict_object, bare_cr_hint, decode_line,
+     JSON_WHITESPACE)
 
 
 def _wiki(profile: str) -> Callable[..., list[RagRequest]]:

@@ -179,6 +179,11 @@ class RagRequest:
 # --------------------------------------------------------------------------- reading
 
 
+JSON_WHITESPACE = " \t\r\n"
+"""What JSON allows around a value: a line of only these is blank (``str.strip()`` also
+took NBSP, form feeds and U+001C-U+001F, which JSON does not allow, for a blank line)."""
+
+
 def decode_line(raw: bytes, lineno: int, where: str) -> str:
     """One JSONL line as text: a byte-order mark is allowed at the start of the file
     only (one inside it means two files were joined), and bytes that are not UTF-8 fail
@@ -190,6 +195,13 @@ def decode_line(raw: bytes, lineno: int, where: str) -> str:
                 "joined?); remove it: a BOM may only open the file"
             )
         raw = raw[3:]
+    if lineno == 1:  # whole files in another form: the latin-1 advice below would garble them
+        if raw.startswith(b"\x1f\x8b"):
+            raise TraceFormatError(f"{where}: line: the file is gzip-compressed; gunzip it first (a trace "
+                                   "is plain JSONL)")
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise TraceFormatError(f"{where}: line: the file is UTF-16; write it as UTF-8 "
+                                   "(iconv -f utf-16 -t utf-8)")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -326,7 +338,7 @@ def iter_rag_trace(path: str | os.PathLike[str]) -> Iterator[RagRequest]:
         for lineno, raw in enumerate(fh, 1):
             where = f"{name}:{lineno}"
             line = decode_line(raw, lineno, where)
-            if not line.strip():
+            if not line.strip(JSON_WHITESPACE):
                 continue
             try:
                 obj = json.loads(

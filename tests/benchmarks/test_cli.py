@@ -253,3 +253,111 @@ def test_a_suite_never_overwrites_the_users_trace(tmp_path, capsys):
     argv[argv.index("--trace-dir") + 1] = str(tmp_path / "plain")
     assert main(argv) == 2
     assert "is a file; name a folder" in capsys.readouterr().err
+
+
+def test_an_output_named_as_a_folder_fails_instead_of_writing_a_file_of_that_name(tmp_path, capsys, monkeypatch):
+    """``--json rep/`` wrote a file named ``rep`` (Path drops the slash), and so did
+    ``--out o/`` of the trace generators."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "gen-trace", "--out", "t.jsonl", "--requests", "2"]) == 0
+    capsys.readouterr()
+    for argv, says in ((["bench", "assemble", "--trace", "t.jsonl", "--json", "rep/"], "--json rep/: names a folder"),
+                       (["bench", "gen-trace", "--out", "o/", "--requests", "2"], "--out o/: names a folder"),
+                       (["bench", "gen-agent-trace", "--out", "ag/", "--sessions", "1"], "--out ag/: names a folder")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+def test_a_suite_with_a_bad_user_trace_fails_in_one_line_before_it_runs(tmp_path, capsys):
+    """``bench assemble --suite --trace BAD`` ran every family, then exited 1 with the
+    error only in the table (nothing on stderr)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "r1", "query": "q"}\n')
+    argv = ["bench", "assemble", "--suite", "--families", "wiki", "--requests", "2", "--block-sizes", "16",
+            "--trace", str(bad), "--json", str(tmp_path / "s.json")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "bad.jsonl:1: missing field 'system'" in captured.err
+    assert not (tmp_path / "s-traces").exists()  # no family was generated
+
+
+def test_rag_suite_checks_its_trace_folder_before_the_engines_start(tmp_path, monkeypatch):
+    import promptsplice.benchmarks.rag_suite as rs
+    from promptsplice.errors import ConfigError
+
+    def no_engines(*a, **k):
+        raise AssertionError("the engines started before the options were checked")
+
+    monkeypatch.setattr(rs, "start_rag_engines", no_engines)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="is a file; name a folder"):
+        rs.run_rag_suite(json_out=tmp_path / "r.json", families=["wiki"], trace_dir=tmp_path / "afile")
+
+
+def test_a_failed_probe_in_one_family_gives_the_suite_the_fidelity_exit(tmp_path, monkeypatch, capsys):
+    """The suite caught the FidelityError as any failure: exit 1 (3 with a coverage
+    failure elsewhere), where ``bench rag`` exits 5.  (run_modes stands in for a probe
+    that measured exact KV: an engine cannot be made to do that on demand.)"""
+    import promptsplice.benchmarks.rag_suite as rs
+    from promptsplice.benchmarks.fidelity import FIDELITY_EXIT, FidelityError
+
+    def fail(*a, **k):
+        raise FidelityError("probe 2 measured exact KV")
+
+    monkeypatch.setattr(rs, "run_modes", fail)
+    report = rs.rag_suite(None, families=["wiki"], requests=2, trace_dir=tmp_path / "t")
+    assert report["fidelity_failed"] == ["wiki"] and report["failed"]["wiki"].startswith("FidelityError: probe 2")
+    assert rs.suite_status(report) == FIDELITY_EXIT == 5
+    assert "failed families: wiki" in capsys.readouterr().err
+    assert rs.suite_status({"families": {}, "failed": {"x": "EngineError: boom"}}) == 1
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "says"),
+    [
+        ("deviation_curve", ["--trace", "EMPTY", "--json", "OUT"], "no sessions"),
+        ("pic_sweep", ["--trace", "EMPTY", "--baseline", "EMPTY", "packed:1"], "EMPTY"),
+        ("served_parity", ["--rag-trace", "EMPTY", "--agent-trace", "EMPTY", "--json", "OUT"], "EMPTY"),
+    ],
+)
+def test_the_python_m_tools_report_a_bad_trace_in_one_line(module, argv, says, tmp_path, capsys):
+    """Each tool dumped a traceback for a TraceFormatError (exit 1)."""
+    import importlib
+
+    from promptsplice.benchmarks.cli import run_tool
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    argv = [str(empty) if a == "EMPTY" else str(tmp_path / "o.json") if a == "OUT" else a for a in argv]
+    tool = importlib.import_module(f"promptsplice.benchmarks.{module}")
+    assert run_tool(tool.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("promptsplice: error: ") and err.count("\n") == 1
+    assert (says if says != "EMPTY" else "empty.jsonl") in err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("deviation_curve", ["--trace", "t.jsonl", "--json", "o.json", "--sessions", "-1"]),
+        ("deviation_curve", ["--trace", "t.jsonl", "--json", "o.json", "--max-steps", "0"]),
+        ("pic_sweep", ["--trace", "t", "--baseline", "b", "--requests", "0", "packed:1"]),
+        ("served_parity", ["--rag-trace", "t", "--agent-trace", "a", "--json", "o", "--sessions", "0"]),
+        ("shared_tier", ["--json", "o.json", "--requests", "-3"]),
+        ("routing", ["--json", "o.json", "--endpoints", "0"]),
+        ("shared_tier", ["--json", "o.json", "--bounds-only", "--trace", "t.jsonl"]),  # ignored before
+        ("shared_tier", ["--json", "o.json", "--bounds-only", "--modes", "local"]),
+    ],
+)
+def test_the_python_m_tools_refuse_counts_out_of_range_and_ignored_flags(module, argv, capsys):
+    """``--sessions -1`` dropped the last session, ``--sessions 0`` ran none, and
+    ``shared_tier --bounds-only`` ignored ``--trace``/``--family``/``--modes``."""
+    import importlib
+
+    tool = importlib.import_module(f"promptsplice.benchmarks.{module}")
+    with pytest.raises(SystemExit) as info:
+        tool.main(argv)
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err

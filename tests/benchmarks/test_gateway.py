@@ -75,8 +75,9 @@ def test_table_from_a_report_and_bad_arguments():
     assert "worst case: diverse affinity, assembled - naive hit rate = +10.0%" in table
     with pytest.raises(ConfigError, match="unknown trace families"):
         main(["--family", "nope"])
-    with pytest.raises(ConfigError):
+    with pytest.raises(SystemExit) as info:  # a usage error before anything starts
         main(["--requests", "0"])
+    assert info.value.code == 2
     with pytest.raises(ConfigError, match="unknown modes"):
         main(["--mode", "smg:nope"])
     with pytest.raises(ConfigError, match="unknown smg policy"):

@@ -27,4 +27,4 @@ def test_hook_latency_reports_each_mark_beside_tokenizing_the_prompt():
 def test_agent_steps_must_not_be_negative(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--agent-steps", "-1"])
-    assert exc.value.code == 2 and "--agent-steps must be >= 0" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--agent-steps: must be >= 0, got -1" in capsys.readouterr().err

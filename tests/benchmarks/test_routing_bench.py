@@ -9,7 +9,6 @@ import json
 import pytest
 
 from promptsplice.benchmarks.routing import format_routing, main, write_report
-from promptsplice.errors import ConfigError
 
 KEYS = {"requests", "prompt_tokens", "cached_tokens", "hit_rate", "per_endpoint_requests"}
 
@@ -48,5 +47,6 @@ def test_table_and_json_from_a_report(tmp_path):
     assert "50.0%" in table and "25.0%" in table and "3 1" in table
     path = write_report(report, tmp_path / "r.json")
     assert json.loads(path.read_text()) == report
-    with pytest.raises(ConfigError):
+    with pytest.raises(SystemExit) as info:  # a usage error before anything starts
         main(["--requests", "0"])
+    assert info.value.code == 2

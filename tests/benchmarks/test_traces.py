@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 import statistics
 from collections import Counter, defaultdict
 from itertools import combinations
@@ -22,6 +24,7 @@ from promptsplice.benchmarks.traces import (
     sample_rag_requests,
     write_rag_trace,
 )
+from promptsplice.benchmarks.agent_traces import read_agent_trace
 from promptsplice.errors import AssetError, ConfigError, TraceFormatError, UnknownPolicyError
 
 
@@ -282,7 +285,24 @@ _BAD_LINES = {
     "NaN": (b'{"id": "r2", "system": "s", "query": "q", "chunks": '
             b'[{"id": "c", "text": "t", "metadata": {"x": NaN}}]}', "NaN"),
     "duplicate request id": (json.dumps(_GOOD).encode(), "duplicate request id"),
+    # JSON allows only space, tab, CR and LF around a value: a line of NBSP or a form
+    # feed was skipped as blank (str.strip() takes Unicode whitespace)
+    "a line of NBSP": ("\u00a0".encode(), "invalid JSON"),
+    "a line of a form feed": (b"\x0c", "invalid JSON"),
 }
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (gzip.compress(json.dumps(_GOOD).encode() + b"\n"), "the file is gzip-compressed; gunzip it first"),
+    ((json.dumps(_GOOD) + "\n").encode("utf-16"), "the file is UTF-16; write it as UTF-8 (iconv -f utf-16"),
+], ids=["gzip", "utf-16"])
+def test_a_compressed_or_utf16_file_is_named_as_such(tmp_path, content, says):
+    """Both got "invalid UTF-8 ... iconv -f latin1", advice that garbles them."""
+    for read in (read_rag_trace, read_agent_trace):
+        path = tmp_path / "trace.jsonl"
+        path.write_bytes(content)
+        with pytest.raises(TraceFormatError, match=f"{path}:1: line: " + re.escape(says)):
+            read(path)
 
 
 @pytest.mark.parametrize("case", sorted(_BAD_LINES))
