@@ -89,10 +89,18 @@ def verify_step(step: Any, what: str = "probed step") -> None:
 
 
 
+LOGPROB_FLOOR = -100.0
+"""``q``'s logprobs are read no lower than this: a ``-inf`` (a token the sampler masks)
+made the KL infinite, and a ``-inf`` in ``p`` made it NaN (0 x -inf), neither of which
+a JSON report can hold."""
+
+
 def kl(p: dict[int, float], q: dict[int, float]) -> float:
-    """KL(p || q) in nats from two full-vocabulary logprob dicts."""
-    floor = min(q.values()) if q else -100.0
-    return sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items())
+    """KL(p || q) in nats from two full-vocabulary logprob dicts (a token ``q`` lacks
+    counts at ``q``'s lowest logprob; ``p``'s zero-probability tokens add nothing)."""
+    floor = max(min(q.values()), LOGPROB_FLOOR) if q else LOGPROB_FLOOR
+    return sum(math.exp(lp) * (lp - max(q.get(t, floor), LOGPROB_FLOOR))
+               for t, lp in p.items() if lp != -math.inf)
 
 
 def greedy_agreement(tokens: Sequence[int], ref: Sequence[int]) -> float:

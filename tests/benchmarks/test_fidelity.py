@@ -126,3 +126,19 @@ def test_the_bootstrap_interval_takes_nearest_rank_percentiles():
         means = sorted(sum(xs[rng.randrange(len(xs))] for _ in range(len(xs))) / len(xs) for _ in range(resamples))
         assert bootstrap_ci(xs, resamples=resamples, seed=0) == [round(percentile(means, 0.025), 4),
                                                          round(percentile(means, 0.975), 4)]
+
+
+def test_kl_stays_finite_with_masked_tokens_on_either_side():
+    """A -inf logprob (a token the sampler masks) made KL NaN in p (0 x -inf) and
+    infinite in q: the report's JSON then held NaN/Infinity, which JSON cannot."""
+    import math
+
+    from promptsplice.benchmarks.fidelity import LOGPROB_FLOOR, kl
+
+    p = {0: math.log(0.5), 1: math.log(0.5), 2: -math.inf}
+    q = {0: math.log(0.5), 1: math.log(0.5), 2: math.log(1e-9)}
+    assert kl(p, q) == pytest.approx(0.0, abs=1e-12)
+    masked = {0: 0.0, 1: -math.inf}
+    value = kl({0: math.log(0.5), 1: math.log(0.5)}, masked)
+    assert math.isfinite(value) and value == pytest.approx(0.5 * math.log(0.5) + 0.5 * (math.log(0.5) - LOGPROB_FLOOR))
+    assert kl({0: 0.0}, {0: 0.0}) == 0.0 and kl({0: 0.0}, {}) == pytest.approx(-LOGPROB_FLOOR)
