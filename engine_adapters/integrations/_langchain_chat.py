@@ -140,8 +140,9 @@ class PromptspliceChatModel(BaseChatModel):
     :class:`~promptsplice.engine_adapters.EmbeddedEngine` (see the module docstring).
 
     ``timeout``, ``max_retries`` and ``api_key`` are accepted (and serialized) for
-    drop-in compatibility with remote chat models; the embedded engine has no network,
-    retries nothing and needs no key, so they have no effect.
+    drop-in compatibility with remote chat models and have no effect on any engine: the
+    embedded engine has no network, retries nothing and needs no key; a served engine's
+    are its own (``RemoteEngine(timeout=..., max_retries=..., api_key=...)``).
     """
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
