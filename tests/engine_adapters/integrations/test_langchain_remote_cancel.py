@@ -18,16 +18,15 @@ from promptsplice.engine_adapters.integrations import PromptspliceChatModel
 from promptsplice.errors import EngineRequestError
 
 
-@pytest.mark.timeout(20)
-def test_cancelling_astream_does_not_wait_for_the_engine_timeout():
-    """``asyncio.wait_for(astream, 1)`` returned only after the engine's 8 s timeout: the
-    cancel awaited the worker thread, blocked reading a server that never answers."""
+def _silent_server() -> tuple[socket.socket, threading.Event]:
+    """A server on 127.0.0.1 that reads one request and never answers; the event is set
+    when the client hangs up."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4)
     hung_up = threading.Event()
 
-    def serve():  # reads the request, never answers; notes when the client hangs up
+    def serve():
         conn, _ = srv.accept()
         with conn:
             while conn.recv(65536):
@@ -35,6 +34,14 @@ def test_cancelling_astream_does_not_wait_for_the_engine_timeout():
             hung_up.set()
 
     threading.Thread(target=serve, daemon=True).start()
+    return srv, hung_up
+
+
+@pytest.mark.timeout(20)
+def test_cancelling_astream_does_not_wait_for_the_engine_timeout():
+    """``asyncio.wait_for(astream, 1)`` returned only after the engine's 8 s timeout: the
+    cancel awaited the worker thread, blocked reading a server that never answers."""
+    srv, hung_up = _silent_server()
     eng = RemoteEngine(f"http://127.0.0.1:{srv.getsockname()[1]}", model="m", block_size=16, timeout=8)
     eng._tok, eng._probe = load_tokenizer("default"), None  # no /tokenize or probe: the server answers nothing
     chat = PromptspliceChatModel(engine=eng, max_tokens=4)
@@ -135,19 +142,7 @@ def test_cancelling_ainvoke_closes_the_request_on_a_served_engine():
     """``asyncio.wait_for(ainvoke, 1)`` returned, but LangChain's default ran the call in
     an executor thread that kept the request open until the engine's 8 s timeout: the
     server went on generating an answer nobody read."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(4)
-    hung_up = threading.Event()
-
-    def serve():  # reads the request, never answers; notes when the client hangs up
-        conn, _ = srv.accept()
-        with conn:
-            while conn.recv(65536):
-                pass
-            hung_up.set()
-
-    threading.Thread(target=serve, daemon=True).start()
+    srv, hung_up = _silent_server()
     eng = RemoteEngine(f"http://127.0.0.1:{srv.getsockname()[1]}", model="m", block_size=16, timeout=8,
                        max_retries=0)
     eng._tok, eng._probe = load_tokenizer("default"), None
