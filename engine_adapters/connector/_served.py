@@ -279,8 +279,9 @@ def query_params(chains: Sequence[tuple[Sequence[BlockRef], str | None]]) -> dic
 
 class _LazyChain:
     """``chain_refs(tokens, block_size, parent=parent)``, each block hashed when an
-    iteration first reaches it: ``match_prefix`` stops at the first block the store
-    lacks, so a query's blocks after a miss are never hashed."""
+    iteration first reaches it: ``match_prefix`` reads refs in batches (8, 16, ...) and
+    stops at the batch of the first block the store lacks, so a query's blocks past that
+    batch are never hashed."""
 
     __slots__ = ("_tokens", "_bs", "_refs", "_next")
 

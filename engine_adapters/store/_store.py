@@ -462,21 +462,27 @@ class BlockStore:
         # Refs are parsed (a lazy one hashed) outside the lock, in growing batches, each
         # matched before the next is parsed: a query that misses early costs up to about
         # twice its first miss, and a long one (8,192 blocks: ~20 ms of parsing) no longer
-        # holds up the engine workers' puts and gets.  The last batch's pass re-checks the
+        # holds up the engine workers' puts and gets.  A bad ref after the first miss is
+        # not an error (as when refs were read one by one).  The last batch's pass re-checks the
         # earlier batches (a block evicted between them ends the count there) and touches
         # and pins the matched blocks under that one lock.
         it = iter(refs)
         parsed: list[tuple[Key, bytes, bytes, bytes]] = []
         batch = _FIRST_BATCH
         while True:
-            start = len(parsed)
-            for ref in it:
-                parsed.append(parse_ref(ref, salt if salts is None else salts[len(parsed)], namespace))
-                if len(parsed) - start == batch:
-                    break
+            start, bad = len(parsed), None
+            try:
+                for ref in it:
+                    parsed.append(parse_ref(ref, salt if salts is None else salts[len(parsed)], namespace))
+                    if len(parsed) - start == batch:
+                        break
+            except Exception as exc:  # noqa: BLE001 - raised below unless a miss comes before it
+                bad = exc
             with self._cond:
                 self._check_open()
                 end = self._matched(parsed, start)
+                if bad is not None and end == len(parsed):
+                    raise bad  # a bad ref (or salt) after only stored ones; one after a miss is never read
                 if end == len(parsed) and end - start == batch:
                     batch *= 2  # all stored, and maybe more refs: parse the next batch
                     continue

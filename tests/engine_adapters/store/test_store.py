@@ -822,6 +822,20 @@ def test_match_prefix_parses_a_long_query_outside_the_lock():
     assert status(store, other) is HIT_DRAM
 
 
+def test_match_prefix_reads_no_ref_after_the_first_miss_even_in_a_batch():
+    """Batched parsing raised on a bad ref (or salt) after the first miss, which the
+    store had never read before."""
+    store = BlockStore(StoreConfig(dram_bytes=8 * P))
+    refs = make_refs(3)
+    store.put(refs[0], kv(0), salt=SALT)
+    assert store.match_prefix([refs[0], refs[1], ("bad",)], salt=SALT) == 1
+    assert store.match_prefix(refs, salts=[SALT, SALT, 123]) == 1
+    with pytest.raises(InputError, match="a block ref is"):
+        store.match_prefix([refs[0], ("bad",)], salt=SALT)
+    with pytest.raises(InputError):
+        store.match_prefix(refs[:2], salts=[SALT, 123])
+
+
 def test_match_prefix_ends_at_a_block_evicted_between_its_batches():
     """A block matched in an earlier batch and gone by the last one ends the count
     there: only the blocks before it are touched and pinned."""
