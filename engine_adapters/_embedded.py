@@ -145,6 +145,7 @@ class EmbeddedEngine:
         self._salts = SaltGuard("EmbeddedEngine", require=self._config.require_salt)
         self._restarts = 0
         self._dead: str | None = None
+        self._closed_by_user = False  # close() ran: a failure after it is never a crash to restart from
         self._start()
 
     def _start(self) -> None:
@@ -470,6 +471,9 @@ class EmbeddedEngine:
                     except Exception as exc:
                         raise EngineRequestError(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
                     while final is None:
+                        if self._closed_by_user:  # close() ran while the stream was paused (re-entrant lock)
+                            raise EngineError(f"the engine was closed (close()) while request {rid} ran: start a "
+                                              "new EmbeddedEngine to send it again")
                         if not engine.has_unfinished_requests():
                             raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
                         try:
@@ -486,7 +490,7 @@ class EmbeddedEngine:
                             yield out, None
                 finally:
                     self._open_request = None
-                    if final is None:  # an error, or the consumer closed the stream early
+                    if final is None and not self._closed_by_user:  # an error, or the stream closed early
                         _vllm.abort_all(engine)
             total = time.perf_counter() - t0
             gen = final.outputs[0] if final.outputs else None
@@ -524,6 +528,9 @@ class EmbeddedEngine:
         with KV that was never computed (a wrong answer, not an error).
         """
         cause = f"{type(exc).__name__}: {exc}"
+        if self._closed_by_user:  # not a crash: nothing to probe, never restarted behind the caller
+            return EngineError(f"the engine was closed (close()) while request {rid} ran ({cause}): start a new "
+                               "EmbeddedEngine to send it again")
         _vllm.abort_all(engine)
         try:
             usable = self._healthy(engine) and self._reset_cache()
@@ -610,6 +617,7 @@ class EmbeddedEngine:
         distributed groups that the others still use.
         """
         with self._lock:
+            self._closed_by_user = True
             self._finalizer()
 
     def __enter__(self) -> EmbeddedEngine:

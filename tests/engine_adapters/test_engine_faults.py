@@ -179,6 +179,27 @@ def test_an_engine_without_a_store_restarts_with_a_consistent_cache_and_mirror(e
     assert engine.generate(_prompt(12, 40), max_tokens=2).token_ids  # the others live on
 
 
+def test_close_during_a_paused_stream_is_never_undone_by_a_restart(engine):
+    """close() from the stream's own thread (a re-entrant lock), then the stream read on:
+    the closed vLLM's failed step looked like a crash, and with max_restarts the engine
+    started a new vLLM behind the caller who had just freed it."""
+    mib = 1 << 20
+    eng = start_default_engine(kv_cache_bytes=96 * mib, max_model_len=2048, max_restarts=1)
+    try:
+        stream = eng.stream(_prompt(13, 330), max_tokens=8)
+        next(stream)
+        eng.close()
+        with pytest.raises(EngineError, match=r"closed \(close\(\)\) while request .* ran"):
+            for _ in stream:
+                pass
+        assert eng.closed and eng.restarts == 0
+        with pytest.raises(EngineError, match="the engine is closed"):
+            eng.generate(_prompt(14, 40), max_tokens=2)
+    finally:
+        eng.close()
+    assert engine.generate(_prompt(15, 40), max_tokens=2).token_ids  # the others live on
+
+
 @pytest.mark.reliability
 def test_a_failed_forward_pass_saves_no_partial_block(kv_engine, measured):
     eng = kv_engine
