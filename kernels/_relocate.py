@@ -56,8 +56,9 @@ MAX_DELTA = 1 << 29
 
 def _delta_tensor(delta: int | torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
     """A position delta (int, integer tensor or sequence of ints) as an int64 tensor,
-    each within ``MAX_DELTA`` (checked on the host: ints and CPU tensors; a device
-    tensor's check would stall its stream on a host sync)."""
+    each within ``MAX_DELTA`` (checked on the host: ints, CPU tensors, and a device
+    tensor wanted on the host; one that stays on its device is not: the check would
+    stall its stream on a host sync)."""
     if isinstance(delta, bool):
         raise InputError("delta must be an integer number of positions, got a bool")
     try:
@@ -66,9 +67,9 @@ def _delta_tensor(delta: int | torch.Tensor | Sequence[int], device: torch.devic
         elif isinstance(delta, torch.Tensor):
             if delta.dtype.is_floating_point or delta.dtype.is_complex or delta.dtype == torch.bool:
                 raise InputError(f"delta must be an integer tensor, got {delta.dtype}")
-            host = delta.to(torch.int64) if delta.device.type == "cpu" else None
-            if host is None:
-                return delta.to(device=device, dtype=torch.int64)
+            if delta.device.type != "cpu" and device.type != "cpu":
+                return delta.to(device=device, dtype=torch.int64)  # stays on the device: unchecked
+            host = delta.to(device="cpu", dtype=torch.int64)  # (a copy to the host syncs anyway: checked)
         elif isinstance(delta, Sequence) and all(
             isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in delta
         ):
