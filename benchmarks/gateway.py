@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a trace family of the suite (wiki | wiki-diverse | support | pydocs | apidocs | tools; repeat)")
     parser.add_argument("--suite", action="store_true", help="every family of the suite")
     parser.add_argument("--mode", action="append", default=None, help=f"repeat; default all: {', '.join(MODES)}")
-    parser.add_argument("--seed", type=count_arg(0), default=0)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=count_arg(1), default=1)
     parser.add_argument("--url", action="append", default=None, help="use a running server (repeat)")
     parser.add_argument("--json", default=None, help="write the report here")

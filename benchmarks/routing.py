@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.routing", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=count_arg(1), default=40, help="RAG requests (built-in sample)")
     parser.add_argument("--endpoints", type=count_arg(1), default=2, help="loopback servers to start")
-    parser.add_argument("--seed", type=count_arg(0), default=0)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--key-blocks", type=count_arg(1), default=None, help="blocks in the routing key")
     parser.add_argument("--load-factor", type=float, default=1.25)
     parser.add_argument("--concurrency", type=count_arg(1), default=1, help="requests in flight")

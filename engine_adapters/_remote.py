@@ -364,8 +364,8 @@ class RemoteEngine(ServedEngineSurface):
     def close(self) -> None:
         """Close the engine: the sync client now, and each live loop's async client on
         its own loop (an async client can be closed only there: its ``aclose`` is
-        scheduled on it, and runs once the loop next gets to it); clients of closed
-        loops are let go.  Every later call, and one racing this from another thread,
+        scheduled on it, and runs if the loop keeps running; a coroutine about to end
+        its loop should ``await aclose()`` first); clients of closed loops are let go.  Every later call, and one racing this from another thread,
         raises :class:`EngineError` (never a new client opened behind the caller's back)."""
         self._release_clients(final=True)
 

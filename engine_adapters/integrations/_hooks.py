@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,13 +62,15 @@ class _PassThrough:
 
     def __init__(self) -> None:
         self._said: dict[str, None] = {}
+        self._lock = threading.Lock()  # adapters serve concurrent agent runs
 
     def note(self, adapter: str, sid: str, exc: NonTextContentError) -> None:
-        if sid in self._said:
-            return
-        self._said[sid] = None
-        if len(self._said) > 1024:  # the oldest forgotten (said again if it comes back)
-            del self._said[next(iter(self._said))]
+        with self._lock:
+            if sid in self._said:
+                return
+            self._said[sid] = None
+            if len(self._said) > 1024:  # the oldest forgotten (said again if it comes back)
+                del self._said[next(iter(self._said))]
         logger.warning("%s: session %r holds content the hook cannot render (%s); its messages go to the "
                        "model unedited (no policies, no hand-off)", adapter, sid, exc)
 
