@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from promptsplice.assembler import PreparedContext, StepKind
+from promptsplice.engine_adapters._requests import check_sampling
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePhase, plan_phases
 from promptsplice.engine_adapters.runners._fidelity import (
     DEFAULT_FIDELITY,
@@ -245,6 +246,7 @@ class AgentRunner:
         self._fidelity = RunnerFidelity(
             fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation,
             recompute_tail_blocks=recompute_tail_blocks,
+            relocating_mode=None if self.mode is AgentMode.SPLICE else self.mode.value,
         )
         self.fidelity = self._fidelity.level
         if scope not in ("session", "none"):
@@ -331,6 +333,7 @@ class AgentRunner:
                 "the same tenant salt (one runner per tenant)"
             )
         cfg = self.settings(fidelity)
+        check_sampling(max_tokens, temperature, stop, logprobs)  # before any request of the step
         if self.mode is AgentMode.SPLICE and cfg.relocate and not self.engine.can_relocate:
             # every relocated block would be recomputed, in more requests than one plain
             # request, under a level that claims relocation

@@ -182,7 +182,10 @@ class RunnerFidelity:
         recompute_blocks: int | None = None,
         max_deviation: float | None = None,
         recompute_tail_blocks: int = 0,
+        relocating_mode: str | None = None,
     ) -> None:
+        """``relocating_mode``: ``None`` when the runner's mode relocates, else its name
+        (``apc``, ``full``, ``exact``): a level or knob that relocates is then refused."""
         self.level = check_fidelity(level)
         if recompute_blocks is not None:
             check_int(recompute_blocks, "recompute_blocks", minimum=0)
@@ -191,6 +194,15 @@ class RunnerFidelity:
         check_int(recompute_tail_blocks, "recompute_tail_blocks", minimum=0)
         knobs = [name for name, v in (("recompute_blocks", recompute_blocks), ("max_deviation", max_deviation),
                                       ("recompute_tail_blocks", recompute_tail_blocks or None)) if v is not None]
+        if relocating_mode is not None and (knobs or self.level is not FidelityLevel.EXACT):
+            # the mode never relocates: the level and knobs would be ignored, every step exact
+            level = [] if self.level is FidelityLevel.EXACT else [f"fidelity={self.level.value!r}"]
+            what = ", ".join(level + knobs)
+            raise ConfigError(
+                f"{what} set, but mode={relocating_mode!r} never relocates KV (every request runs exact): "
+                "use the relocating mode (AgentRunner mode='splice', RagRunner "
+                "mode='position_independent'), or drop them"
+            )
         if self.level is FidelityLevel.EXACT and knobs:
             # exact relocates nothing, so these would be ignored: say so instead
             raise ConfigError(

@@ -101,6 +101,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from promptsplice.assembler import AssembledPrompt, SegmentKind
+from promptsplice.engine_adapters._requests import check_sampling
 from promptsplice.engine_adapters.connector._plans import SplicePhase
 from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkIndex,
@@ -272,7 +273,8 @@ class RagRunner:
                 "this engine's splice connector cannot relocate KV (its log says why: an "
                 "unverified attention ISA or RoPE); use mode='exact'"
             )
-        self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation)
+        self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation,
+                                        relocating_mode=None if pic else self.mode.value)
         self.fidelity = self._fidelity.level
         check_int(min_group_blocks, "min_group_blocks")
         check_derived_salt_room(check_tenant_salt(salt, "salt"), "salt")  # reuse salts derive from it
@@ -339,6 +341,7 @@ class RagRunner:
         raise."""
         gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
         cfg = self.settings(fidelity)
+        check_sampling(max_tokens, temperature, stop, logprobs)  # before a precompute or any phase
         with self._lock:
             if self.mode is ReuseMode.EXACT or not cfg.relocate:
                 return self._run_exact(chunks, query, system, tools, gen)

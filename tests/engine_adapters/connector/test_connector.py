@@ -202,6 +202,7 @@ def test_layer0_of_a_relocated_block_is_what_vllm_computes_there(kv_engine, text
     """S computed at p = 64, relocated to p + d = 224 (d = +160): layer-0 K equals the
     keys vLLM computes at 224 to bf16 rounding, V bit for bit; unrotated K is far off."""
     s = salt("layer0")
+    late0 = kv_engine.kv_connector.worker.stats.late_layers  # (a fault test before may have left some)
     A, S = text_tokens[1000:1064], text_tokens[1100:1228]  # 2 blocks, 4 blocks
     A2 = text_tokens[1300:1524]  # 7 blocks: S moves from 64 to 224
     old = A + S + text_tokens[1600:1610]
@@ -214,7 +215,7 @@ def test_layer0_of_a_relocated_block_is_what_vllm_computes_there(kv_engine, text
     assert out.num_cached_tokens == len(A2) + len(S)
     item, n = loads(kv_engine)[-1]
     assert n == 4 and item.deltas == (160,) * 4 and item.start == len(A2)
-    assert kv_engine.kv_connector.worker.stats.late_layers == 0  # every layer's hook came
+    assert kv_engine.kv_connector.worker.stats.late_layers == late0  # every layer's hook came
     spliced = layer0_blocks(kv_engine, item.block_ids)
 
     # vLLM's own keys at 224: the same prompt computed from scratch (another salt).
@@ -241,6 +242,7 @@ def test_deletion_splice_end_to_end(kv_engine, text_tokens, record_property):
     relocated by -len(X), the tail is computed; the continuation stays close to a full
     recompute (reported, not asserted: one greedy sample flips on bf16 near-ties)."""
     s = salt("deletion")
+    late0 = kv_engine.kv_connector.worker.stats.late_layers
     enc = kv_engine.tokenizer.encode
     header = enc("<|im_start|>system\nYou are a helpful assistant. Use the passages.<|im_end|>\n"
                  "<|im_start|>user\nPassages:\n")
@@ -264,7 +266,7 @@ def test_deletion_splice_end_to_end(kv_engine, text_tokens, record_property):
     assert n == 6 and item.deltas == (-96,) * 6 and item.start == len(P)
     assert kv_engine.kv_connector.worker.stats.relocated_blocks >= 6
     # loaded layer by layer: vLLM called wait_for_layer_load for every layer in time
-    assert kv_engine.kv_connector.worker.stats.late_layers == 0
+    assert kv_engine.kv_connector.worker.stats.late_layers == late0
     k_spliced = kv(kv_engine, layer0_blocks(kv_engine, item.block_ids))[0]
 
     full = kv_engine.generate(new, max_tokens=24, cache_salt=salt("deletion-ref"))

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from promptsplice.assembler import ContextHook, SegmentKind
+from promptsplice.assembler import ContextHook, SegmentKind, StepKind
 from promptsplice.benchmarks.agent_traces import read_agent_trace
 from promptsplice.benchmarks.fidelity import full_blocks, kl, verify_step
 from promptsplice.benchmarks.traces import sample_rag_requests
@@ -243,3 +243,52 @@ def test_bounded_keeps_first_token_kl_p90_within_the_bar_on_the_fixed_sample(flo
         measured[f"{what}_probes"] = len(xs)
         measured[f"{what}_first_token_kl_p90"] = round(_p90(xs), 4)
         assert _p90(xs) <= BOUNDED_KL_P90, (what, sorted(xs))
+
+
+@pytest.mark.parametrize(("runner", "kwargs", "says"), [
+    ("agent", {"mode": "apc", "fidelity": "fast"}, "fidelity='fast' set, but mode='apc' never relocates KV"),
+    ("agent", {"mode": "full", "recompute_blocks": 3}, "recompute_blocks set, but mode='full' never relocates KV"),
+    ("agent", {"mode": "apc", "fidelity": "bounded", "max_deviation": 0.5}, "fidelity='bounded', max_deviation set"),
+    ("rag", {"mode": "exact", "fidelity": "bounded"}, "fidelity='bounded' set, but mode='exact' never relocates KV"),
+    ("rag", {"mode": "exact", "fidelity": "fast", "recompute_blocks": 7}, "recompute_blocks set, but mode='exact'"),
+])
+def test_relocation_settings_on_a_mode_that_never_relocates_are_refused(runner, kwargs, says, kv_engine):
+    """``AgentRunner(mode="apc", fidelity="fast", recompute_blocks=7)`` was accepted (its
+    repr even said fidelity='fast') and every step ran exact: settings silently ignored."""
+    import re
+
+    cls = AgentRunner if runner == "agent" else RagRunner
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        cls(kv_engine, **kwargs)
+    assert cls(kv_engine, mode=kwargs["mode"]).fidelity is FidelityLevel.EXACT  # the mode alone is fine
+
+
+def test_bad_sampling_options_fail_before_any_request_of_a_step(kv_engine):
+    """The options were checked by the engine's request, after a PIC run's precompute
+    of its new chunks had run: max_tokens=0 cost a prefill before its error (checked
+    now by both runners before any request)."""
+    sess = read_agent_trace(SAMPLE)[0]
+    runner = AgentRunner(kv_engine, mode="splice", salt=f"t-{uuid.uuid4().hex[:8]}", fidelity="fast")
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size)
+    steps = []
+    for msgs in sess.renders:  # up to the first edit that relocates (a step of several requests)
+        edit = hook(sess.id, msgs, sess.tools or None)
+        if edit.kind is StepKind.EDIT and edit.diff.relocations:
+            break
+        steps.append(runner.step(edit, max_tokens=1))
+    else:
+        pytest.fail("the sample's first session has no relocating edit")
+    before = kv_engine.counters()
+    for bad, says in (({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+                      ({"stop": 5}, "stop")):
+        with pytest.raises(ConfigError, match=says):
+            runner.step(edit, **bad)
+    assert kv_engine.counters().since(before).prefix_cache_queries == 0  # no request ran
+    pic = RagRunner(kv_engine, mode="position_independent", salt=f"pic-{uuid.uuid4().hex[:8]}", fidelity="fast",
+                    relocate="always")  # chunks the index lacks: a precompute request first
+    req = next(r for r in sample_rag_requests(6, seed=3) if len(r.chunks) >= 2)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        pic.run(_chunks(req), query=req.query, max_tokens=0)
+    assert kv_engine.counters().since(before).prefix_cache_queries == 0
+    assert pic.run(_chunks(req), query=req.query, max_tokens=1).precomputed_tokens > 0  # it would have run one
+    assert steps and runner.step(edit, max_tokens=1).completion.token_ids  # and the step still runs after
