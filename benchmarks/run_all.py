@@ -20,7 +20,7 @@ from promptsplice.benchmarks.assemble import (
     suite_reports,
 )
 from promptsplice.benchmarks.traces import read_rag_trace, write_rag_trace
-from promptsplice.benchmarks.cli import _count
+from promptsplice.benchmarks.cli import count_arg, run_tool
 
 __all__ = ["main"]
 
@@ -58,7 +58,7 @@ def _assembly_rows(out: Path, requests: int, reports: dict[str, dict]) -> list[s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="out/bench")
-    ap.add_argument("--requests", type=_count(1), default=400)  # 0 ended in a traceback
+    ap.add_argument("--requests", type=count_arg(1), default=400)  # 0 ended in a traceback
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -99,4 +99,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool(main))
