@@ -252,21 +252,34 @@ def no_utf8(value: Any) -> bool:
     return False
 
 
+def _non_str_key(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(not isinstance(k, str) or _non_str_key(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_non_str_key(v) for v in value)
+    return False
+
+
 def expected_assembly_error(chunks: Any, kwargs: dict) -> tuple[type, ...] | None:
-    """The documented refusal of ``assemble(chunks, **kwargs)``, or None: tools that are
-    not JSON (NaN, infinity: checked with the arguments), then a bad chunk (dedup runs
-    next), then a lone surrogate in the system prompt, tools or query."""
+    """The documented refusal of ``assemble(chunks, **kwargs)``, or None: the arguments
+    first (a lone surrogate in the query or system prompt; tools that are not JSON: a
+    non-str key, NaN, infinity; a lone surrogate in the tools), then a bad chunk (dedup
+    runs next)."""
+    if any(no_utf8(kwargs.get(k)) for k in ("query", "system")):
+        return (InvalidUTF8Error,)
     tools = kwargs.get("tools")
     if tools is not None:
         try:
+            if _non_str_key(tools):
+                return (InvalidToolsError,)
             json.dumps(tools, allow_nan=False, sort_keys=True)
         except (TypeError, ValueError, RecursionError):
             return (InvalidToolsError,)
+        if no_utf8(tools):
+            return (InvalidUTF8Error,)
     exp = dedup_oracle(chunks, "error")
     if exp.error_index is not None:
         return exp.errors
-    if any(no_utf8(kwargs.get(k)) for k in ("query", "system", "tools")):
-        return (InvalidUTF8Error,)
     return None
 
 
