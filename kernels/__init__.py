@@ -4,7 +4,8 @@ RoPE rotates each key by its position, and ``K(p + d) = R(d) K(p)`` exactly, per
 frequency pair; values do not depend on position.  So a block of K/V computed at
 positions ``p..p+B-1`` becomes the block at ``p+d..`` by rotating its keys by ``d`` and
 copying its values: :func:`relocate_blocks` does that for whole blocks of one layer,
-writing them into given slots of the layer's paged cache.
+writing them into given slots of the layer's paged cache (:func:`prepare_relocation`
+checks the arguments once for many layers of one geometry).
 
 * :class:`RopeConfig` (with :meth:`RopeConfig.from_hf_config`) says which RoPE applies:
   neox or GPT-J pairing, partial rotary, Llama-3 or linear frequency scaling; other
@@ -35,7 +36,15 @@ from promptsplice.kernels._layout import (
     gather_blocks,
     paged_kv,
 )
-from promptsplice.kernels._relocate import SUPPORTED_CACHE_DTYPES, kv_deviation, relocate_blocks, rotate_keys, select_impl
+from promptsplice.kernels._relocate import (
+    SUPPORTED_CACHE_DTYPES,
+    PreparedRelocation,
+    kv_deviation,
+    prepare_relocation,
+    relocate_blocks,
+    rotate_keys,
+    select_impl,
+)
 from promptsplice.kernels._rope import SUPPORTED_ROPE_TYPES, Llama3Scaling, RopeConfig
 from promptsplice.kernels._triton_impl import TRITON_AVAILABLE
 
@@ -49,6 +58,7 @@ __all__ = [
     "Llama3Scaling",
     "PackedKVLayout",
     "PagedKV",
+    "PreparedRelocation",
     "RopeConfig",
     "SUPPORTED_ATTN_BACKENDS",
     "SUPPORTED_CACHE_DTYPES",
@@ -59,6 +69,7 @@ __all__ = [
     "gather_blocks",
     "kv_deviation",
     "paged_kv",
+    "prepare_relocation",
     "relocate_blocks",
     "rotate_keys",
     "select_impl",

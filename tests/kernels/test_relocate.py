@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from promptsplice.kernels import (
+    PreparedRelocation,
+    prepare_relocation,
     ConcatKVLayout,
     CpuAttnAmxLayout,
     CpuAttnLayout,
@@ -269,6 +271,55 @@ def test_packed_layout_reads_an_aliased_source_and_stays_off_triton(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton is a pinned dependency of the tests
     with pytest.raises(ConfigError, match="strided layout"):
         relocate_blocks(cache, cache[0:1], [3], 10, case.rope(), layout, impl="triton")
+
+
+@pytest.mark.parametrize("layout_name", ["flash_attn", "concat_kv_lbnhc", "cpu_attn_amx"])
+def test_prepared_relocation_applies_to_every_layer_as_relocate_blocks_does(layout_name):
+    """One prepare, three layers: each layer bit for bit what relocate_blocks writes."""
+    case = CASES[3]
+    rope = case.rope()
+    delta = [7, -300, 0]
+    want, got, srcs = [], [], []
+    for layer in range(3):
+        kv = torch.randn(2, 5, case.heads, case.block_size, case.head_size, generator=gen(10 + layer))
+        layout, store = make_cache(layout_name, 5, case, kv.to(case.dtype))
+        srcs.append(gather_blocks(layout, store, [4, 0, 2]))
+        _, a = make_cache(layout_name, 6, case, float("nan"))
+        relocate_blocks(a, srcs[-1], [5, 1, 3], delta, rope, layout)
+        want.append(a)
+        got.append(make_cache(layout_name, 6, case, float("nan"))[1])
+    prepared = prepare_relocation(got[0], srcs[0], torch.tensor([5, 1, 3]), delta, rope, layout)
+    assert isinstance(prepared, PreparedRelocation) and prepared.blocks == 3
+    for cache, src in zip(got, srcs):
+        prepared(cache, src)
+    for layer, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(bits(a), bits(b)), f"{layout_name} layer {layer}"
+
+
+def test_prepared_relocation_refuses_another_geometry_and_copies_an_aliased_source():
+    case = CASES[2]
+    rope = case.rope()
+    kv = torch.randn(2, 4, case.heads, case.block_size, case.head_size, generator=gen(5))
+    layout, cache = make_cache("flash_attn", 4, case, kv.to(case.dtype))
+    prepared = prepare_relocation(cache, cache[:, 0:2], [1, 2], 10, rope, layout)
+    _, bigger = make_cache("flash_attn", 5, case, 0.0)
+    with pytest.raises(InputError, match=r"dst_cache must be \(2, 4, .*as prepared; got \(2, 5"):
+        prepared(bigger, cache[:, 0:2])
+    with pytest.raises(InputError, match="src_blocks must be .* torch.float32 on cpu, as prepared; got .* torch.float16"):
+        prepared(cache, cache[:, 0:2].half())
+    with pytest.raises(InputError, match="src_blocks must be .*got list"):
+        prepared(cache, [1, 2])
+    with pytest.raises(InputError, match="writable"):
+        prepared(cache.new_zeros(1).expand(cache.shape), cache[:, 0:2])
+    k_old = layout.kv_views(cache)[0].clone()
+    prepared(cache, cache[:, 0:2])  # blocks 0,1 -> 1,2: reads the old block 1
+    k_new = layout.kv_views(cache)[0]
+    for s, t in ((0, 1), (1, 2)):
+        assert_matches_ref(k_new[t], ref_rotate(k_old[s], 10, rope), k_old[s], "prepared alias")
+    empty = prepare_relocation(cache, cache[:, 0:0], [], 10, rope, layout)
+    before = cache.clone()
+    empty(cache, cache[:, 0:0])
+    assert empty.blocks == 0 and torch.equal(bits(cache), bits(before))
 
 
 def test_delta_zero_is_a_plain_copy():
