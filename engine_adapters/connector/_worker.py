@@ -170,6 +170,9 @@ class _LoadJob:
     kdeltas: list[int]
     layers_done: set[int] = field(default_factory=set)
     failed: bool = False
+    relocate: Any = None
+    """The job's :class:`~promptsplice.kernels.PreparedRelocation` (checked and shipped
+    to the device at the first layer, applied to every layer)."""
 
 
 class SpliceWorker:
@@ -181,7 +184,7 @@ class SpliceWorker:
     e.g. ``"CPU_ATTN"``, ``"FLASH_ATTN"``, ``"FLASHINFER"``; ``isa``: the layers' CPU
     attention ISA).  vLLM may split its ``block_size`` blocks into smaller cache-tensor
     blocks; the cache's shape says.  ``rope`` enables relocation
-    (``promptsplice.kernels.relocate_blocks``, implementation ``impl``) where the layout
+    (``promptsplice.kernels.prepare_relocation``, implementation ``impl``) where the layout
     is readable; without it only delta-0 loads (offload hits) are possible.
     """
 
@@ -290,22 +293,10 @@ class SpliceWorker:
         payloads = []
         job = None
         stage = None
+        io = self.io
         try:
-            for i, ref in enumerate(item.refs):
-                found = self.store.get(ref, salt=item.salt_of(i))
-                p = found.payload
-                if not found.status.hit or p is None or tuple(p.shape) != self.payload_shape or p.dtype != self.dtype:
-                    if found.status.hit:
-                        _log.warning(
-                            "splice connector: stored block has shape %s %s, the engine needs %s %s; "
-                            "discarded (the recomputed block is saved in its place)",
-                            tuple(p.shape), p.dtype, self.payload_shape, self.dtype,
-                        )
-                        self.store.discard(ref.key)
-                    break
-                payloads.append(p)
-                # On CUDA each block's DMA starts while the next one is looked up.
-                stage = self._copy_in(stage, len(item.refs), i, p)
+            with io.on(io.load_stream):  # entered once: per block it cost ~20 us of host time on CUDA
+                stage = self._fetch(item, payloads)
             n = len(payloads)
             deltas = list(item.deltas[:n])
             if n and any(deltas) and not self.can_relocate:
@@ -332,16 +323,30 @@ class SpliceWorker:
         self.history.append(("load", item, n))
         return n
 
-    def _copy_in(self, stage: torch.Tensor | None, size: int, i: int, payload: torch.Tensor) -> torch.Tensor:
-        """Block ``i`` into the device staging buffer (allocated for ``size`` blocks on
-        first use), a non-blocking copy on the load stream."""
+    def _fetch(self, item: LoadItem, payloads: list[torch.Tensor]) -> torch.Tensor | None:
+        """The leading blocks of ``item`` the store serves, appended to ``payloads`` and
+        copied into a device staging buffer (non-blocking copies on the current stream:
+        the load stream, on CUDA, where each block's DMA starts while the next one is
+        looked up).  Returns the staging buffer (None when nothing was served)."""
         import torch
 
-        io = self.io
-        with io.on(io.load_stream):
+        stage = None
+        for i, ref in enumerate(item.refs):
+            found = self.store.get(ref, salt=item.salt_of(i))
+            p = found.payload
+            if not found.status.hit or p is None or tuple(p.shape) != self.payload_shape or p.dtype != self.dtype:
+                if found.status.hit:
+                    _log.warning(
+                        "splice connector: stored block has shape %s %s, the engine needs %s %s; "
+                        "discarded (the recomputed block is saved in its place)",
+                        tuple(p.shape), p.dtype, self.payload_shape, self.dtype,
+                    )
+                    self.store.discard(ref.key)
+                break
+            payloads.append(p)
             if stage is None:
-                stage = torch.empty((size, *self.payload_shape), dtype=self.dtype, device=io.device)
-            stage[i].copy_(payload, non_blocking=True)
+                stage = torch.empty((len(item.refs), *self.payload_shape), dtype=self.dtype, device=self.io.device)
+            stage[i].copy_(p, non_blocking=True)
         return stage
 
     def _stage(
@@ -358,7 +363,7 @@ class SpliceWorker:
     def _write_layers(self, job: _LoadJob, layers) -> None:
         """Relocate (or copy) the staged blocks of ``layers`` into their caches, on the
         current stream, after the staging copy."""
-        from promptsplice.kernels import relocate_blocks
+        from promptsplice.kernels import prepare_relocation
 
         import torch
 
@@ -376,7 +381,11 @@ class SpliceWorker:
             # [n, *per_layer] -> blocks stacked on the cache's block axis (a view when r == 1)
             src = job.stage[:, layer].movedim(0, bd).flatten(bd, bd + 1)
             if moved:
-                relocate_blocks(cache, src, kids, job.kdeltas, self.rope, self.paged.layout, impl=self.impl)
+                if job.relocate is None:
+                    job.relocate = prepare_relocation(
+                        cache, src, kids, job.kdeltas, self.rope, self.paged.layout, impl=self.impl
+                    )
+                job.relocate(cache, src)
             else:
                 if kids_dev is None or kids_dev.device != cache.device:
                     kids_dev = kids.to(cache.device, non_blocking=True)
@@ -541,13 +550,14 @@ class SpliceWorker:
             kids = torch.tensor(self.kernel_ids(item.block_ids), dtype=torch.int64).to(device, non_blocking=True)
             gathered = torch.empty((n, *self.payload_shape), dtype=self.dtype, device=device)
             for layer, cache in enumerate(self.caches):
-                g = cache.index_select(bd, kids).unflatten(bd, (n, r)).movedim(bd, 0)
-                gathered[:, layer].copy_(g)
+                if r == 1:  # one pass: gathered straight into the payloads (a strided view)
+                    torch.index_select(cache, bd, kids, out=gathered[:, layer].movedim(0, bd).squeeze(bd + 1))
+                else:
+                    gathered[:, layer].copy_(cache.index_select(bd, kids).unflatten(bd, (n, r)).movedim(bd, 0))
             self._gathered = io.mark(io.side)
             if io.cuda:
                 hosts = [io.host_empty(self.payload_shape, self.dtype) for _ in range(n)]
-                for i, h in enumerate(hosts):
-                    h.copy_(gathered[i], non_blocking=True)
+                torch._foreach_copy_(hosts, list(gathered), non_blocking=True)  # n copies, one call
             else:
                 hosts = list(gathered)
             done = io.mark(io.side)

@@ -112,6 +112,24 @@ def test_relocating_load_rotates_k_and_copies_v(store):
         assert torch.isnan(cache[[i for i in range(NB) if i not in dst]]).all()
 
 
+def test_a_relocating_load_checks_its_arguments_once_for_every_layer(store, monkeypatch):
+    """The ids and rotation tables are prepared once per loaded item, not once a layer
+    (on CUDA each preparation is ~0.13 ms of host time: 4 ms for 32 layers)."""
+    from promptsplice import kernels
+
+    old, new, plan, _ = deletion_case(store)
+    lp = plan_load(store, new, 2 * BS, block_size=BS, salt=SALT, plan=plan, owner="r")
+    calls = []
+    real = kernels.prepare_relocation
+    monkeypatch.setattr(kernels, "prepare_relocation", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    caches = poisoned_caches()
+    w = worker(store, caches)
+    w.load(LoadItem("r", SALT, lp.refs, lp.deltas, (5, 0, 9), lp.start))
+    assert LAYERS > 1 and len(calls) == 1 and calls[0].tolist() == [5, 0, 9]
+    assert w.stats.relocated_blocks == 3
+    assert not any(torch.isnan(c[[5, 0, 9]]).any() for c in caches.values())
+
+
 def test_kernel_blocks_smaller_than_vllm_blocks_are_mapped(store):
     """vLLM block of 64 tokens = 2 cache blocks of 32: ids b -> 2b, 2b+1."""
     caches = random_caches(3)
