@@ -13,8 +13,9 @@ How the diff is made:
 
 1. Message level: the bodies (every segment but the generation prompt) are compared
    segment by segment by ``(content digest, padding)``; equal keys mean equal tokens.
+   The messages both share at the start and at the end are matched as they are, and
    :class:`difflib.SequenceMatcher` (no junk heuristic) gives the edited, deleted,
-   inserted and moved stretches.
+   inserted and moved stretches between them.
    When the last old messages changed and new ones follow them, the edited ones are
    paired with the first new ones and the rest is the append.
 2. Token level: inside each changed stretch the common leading and trailing tokens are
@@ -328,13 +329,22 @@ def diff_renders(
     ob, nb = old.body_segments, new.body_segments
     o_end, n_end = old.body_end, new.body_end
     ot, nt = old.token_ids, new.token_ids
-    matcher = SequenceMatcher(
-        None,
-        [(s.key, s.padding) for s in ob],
-        [(s.key, s.padding) for s in nb],
-        autojunk=False,
-    )
-    opcodes = matcher.get_opcodes()
+    okeys = [(s.key, s.padding) for s in ob]
+    nkeys = [(s.key, s.padding) for s in nb]
+    # The messages both renders share at either end are matched first, the matcher runs
+    # on the stretch between (it grows ~quadratically with repeated messages: an agent
+    # polling one tool 4,000 times took 0.94 s a step with the whole history).
+    lim = min(len(okeys), len(nkeys))
+    p = 0
+    while p < lim and okeys[p] == nkeys[p]:
+        p += 1
+    q = 0
+    while q < lim - p and okeys[-1 - q] == nkeys[-1 - q]:
+        q += 1
+    matcher = SequenceMatcher(None, okeys[p : len(okeys) - q], nkeys[p : len(nkeys) - q], autojunk=False)
+    opcodes = [(tag, i1 + p, i2 + p, j1 + p, j2 + p) for tag, i1, i2, j1, j2 in matcher.get_opcodes()]
+    if q:
+        opcodes.append(("equal", len(okeys) - q, len(okeys), len(nkeys) - q, len(nkeys)))
     if opcodes and opcodes[-1][0] == "replace":
         # the last old messages edited and new ones appended: pair the edited ones, the
         # rest is the append

@@ -275,3 +275,28 @@ def test_apply_takes_its_arguments_of_their_types_or_says_so():
         apply_directives([1], None)
     with pytest.raises(InputError, match="diff must be a Diff"):
         apply_diff([1], None)
+
+
+def test_a_long_history_of_repeated_messages_diffs_only_the_changed_stretch(renderer, monkeypatch):
+    """The messages both renders share at either end are matched without the
+    SequenceMatcher (it grows ~quadratically with repeated messages): masking one of
+    2,000 identical tool outputs gives one directive over exactly that message."""
+    from promptsplice.assembler import _directives
+
+    polls = [SYSTEM, {"role": "user", "content": "Wait for the job"}]
+    polls += [{"role": "tool", "content": "status: pending"}] * 2000
+    old = renderer.render(polls)
+    masked = list(polls)
+    masked[1500] = {"role": "tool", "content": "[masked]"}
+    new = renderer.render(masked)
+    seen = []
+    real = _directives.SequenceMatcher
+    monkeypatch.setattr(
+        _directives, "SequenceMatcher", lambda junk, a, b, **kw: seen.append((len(a), len(b))) or real(junk, a, b, **kw)
+    )
+    diff = renderer.diff(old, new)
+    assert seen == [(1, 1)]
+    (d,) = diff.directives
+    s, e = old.message_span(1500)
+    assert s <= d.start < d.end <= e and d.delta == len(d.replacement) - (d.end - d.start)
+    assert apply_diff(old.token_ids, diff) == new.token_ids
