@@ -47,6 +47,7 @@ tree-index) prompt prefixes themselves:
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import threading
 from collections.abc import Iterable, Sequence
@@ -138,6 +139,27 @@ def _ring_pos(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
+def _key_pos(key: bytes) -> int:
+    """Where a request key sits on the ring: its digest's, not its own first bytes (an
+    explicit key such as a session id or a tenant's name would otherwise put every key
+    with one 8-byte start on one endpoint)."""
+    return _ring_pos(content_digest(key))
+
+
+MAX_VNODES = 4096
+"""The most ring points an endpoint may have (160 spread keys within a few percent)."""
+
+
+def _same_server(endpoint: str) -> str:
+    """The form two spellings of one URL share: scheme and host lower-cased, no trailing
+    ``/`` (names that are not URLs are compared as they are)."""
+    if "://" not in endpoint:
+        return endpoint
+    scheme, _, rest = endpoint.partition("://")
+    host, slash, path = rest.partition("/")
+    return f"{scheme.lower()}://{host.lower()}{slash}{path}".rstrip("/")
+
+
 @dataclass(slots=True)
 class Lease:
     """One routed request: its ``endpoint`` and ``key``; holds one unit of in-flight
@@ -182,8 +204,16 @@ def _check_endpoints(endpoints: Iterable[str]) -> list[str]:
     for e in out:
         if not isinstance(e, str) or not e:
             raise ConfigError(f"endpoints must be non-empty str (names or URLs), got {e!r}")
-    if len(set(out)) != len(out):
-        raise ConfigError(f"endpoints must be distinct, got {out}")
+        if e != e.strip():
+            raise ConfigError(f"endpoint {e!r} has surrounding whitespace: pass {e.strip()!r}")
+    seen: dict[str, str] = {}
+    for e in out:
+        if _same_server(e) in seen:
+            raise ConfigError(
+                f"endpoints must be distinct servers: {seen[_same_server(e)]!r} and {e!r} name the same one "
+                "(URLs are compared without a trailing '/' and with scheme and host lower-cased)"
+            )
+        seen[_same_server(e)] = e
     return out
 
 
@@ -264,46 +294,61 @@ class PrefixRouter(_Base):
         check_number(load_factor, "load_factor (1.25 lets a server take 25% over its share)",
                      minimum=1, strict=True)
         check_int(key_blocks, "key_blocks")
-        check_int(vnodes, "vnodes")
+        check_int(vnodes, "vnodes", maximum=MAX_VNODES)
         super().__init__(endpoints)
         self._salts = SaltGuard("PrefixRouter", require=require_salt, keyword="salt")
         self.load_factor = float(load_factor)
         self.key_blocks = key_blocks
         self.block_size = check_block_size(block_size)
         self.vnodes = vnodes
-        self._ring: list[tuple[int, str]] = []
-        for e in self._load:
-            self._add_points(e)
+        self._ring: list[tuple[int, str]] = sorted(p for e in self._load for p in self._points(e))
 
-    def _add_points(self, endpoint: str) -> None:
-        for i in range(self.vnodes):
-            pos = _ring_pos(content_digest(f"{endpoint}\x00{i}".encode()))
-            bisect.insort(self._ring, (pos, endpoint))
+    def _points(self, endpoint: str) -> list[tuple[int, str]]:
+        return [(_ring_pos(content_digest(f"{endpoint}\x00{i}".encode())), endpoint) for i in range(self.vnodes)]
+
+    def _routed_as(self, endpoint: str) -> str | None:
+        """How ``endpoint`` (any spelling of its URL) is routed to, or None."""
+        same = _same_server(endpoint)
+        return next((e for e in self._load if _same_server(e) == same), None)
 
     def add_endpoint(self, endpoint: str) -> None:
         """Add an endpoint: it takes over about ``1/n`` of the keys."""
         _check_endpoints([endpoint])
+        points = self._points(endpoint)  # hashed outside the lock: acquire() waits for none of it
         with self._lock:
-            if endpoint in self._load:
-                raise ConfigError(f"endpoint {endpoint!r} is already routed to")
+            routed = self._routed_as(endpoint)
+            if routed is not None:
+                raise ConfigError(f"endpoint {endpoint!r} is already routed to" + (
+                    f" (as {routed!r})" if routed != endpoint else ""))
             self._load[endpoint] = 0
             self._generations[endpoint] = self._generations.get(endpoint, 0) + 1
             self._requests.setdefault(endpoint, 0)
-            self._add_points(endpoint)
+            self._ring = list(heapq.merge(self._ring, sorted(points)))
 
     def remove_endpoint(self, endpoint: str) -> None:
-        """Remove an endpoint: only its keys move.  Leases still held on it are let go."""
+        """Remove an endpoint (any spelling of its URL): only its keys move.  Leases still
+        held on it are let go."""
         with self._lock:
-            if endpoint not in self._load:
+            routed = self._routed_as(endpoint) if isinstance(endpoint, str) else None
+            if routed is None:
                 raise ConfigError(f"endpoint {endpoint!r} is not routed to")
+            endpoint = routed
             if len(self._load) == 1:
                 raise ConfigError("cannot remove the last endpoint")
             del self._load[endpoint]
             self._ring = [p for p in self._ring if p[1] != endpoint]
 
     def key(self, prompt: Any, *, salt: str | None = None) -> bytes:
-        """The routing key of ``prompt`` (see :func:`prefix_route_key`)."""
+        """The routing key of ``prompt`` (see :func:`prefix_route_key`).  An assembled
+        prompt must have the router's block size: its key is then the key of its token
+        ids (else one prompt, sent as both, would have two keys and two servers)."""
         self._salts.check(_prompt_salt(prompt, salt))
+        if _is_assembled(prompt) and getattr(prompt, "block_size", self.block_size) != self.block_size:
+            raise ConfigError(
+                f"the assembled prompt has block_size={prompt.block_size}, this router "
+                f"block_size={self.block_size}: give PrefixRouter(block_size={prompt.block_size}) "
+                "(the engines' block size), so that its ids and text route alike"
+            )
         return prefix_route_key(prompt, key_blocks=self.key_blocks, block_size=self.block_size, salt=salt)
 
     def capacity(self) -> int:
@@ -323,7 +368,7 @@ class PrefixRouter(_Base):
 
     def _walk(self, key: bytes, cap: int | None) -> str:
         ring = self._ring
-        start = bisect.bisect_left(ring, (_ring_pos(key), ""))
+        start = bisect.bisect_left(ring, (_key_pos(key), ""))
         for step in range(len(ring)):
             endpoint = ring[(start + step) % len(ring)][1]
             if cap is None or self._load[endpoint] < cap:

@@ -296,3 +296,46 @@ def test_both_routers_check_what_acquire_is_given():
                 router.acquire(prompt)
     with pytest.raises(InputError, match="key must be non-empty bytes"):
         PrefixRouter(["a", "b"]).owner("abc")  # type: ignore[arg-type]  # a TypeError
+
+
+def test_explicit_keys_spread_whatever_their_first_bytes():
+    """A session id or tenant name passed as ``key=`` was placed by its first 8 bytes:
+    every "session-..." key went to one endpoint."""
+    router = PrefixRouter([f"http://s{i}" for i in range(4)])
+    owners = Counter(router.owner(f"session-{i}".encode()) for i in range(400))
+    assert len(owners) == 4 and min(owners.values()) > 40
+    # a prompt and its key, passed back explicitly, route alike
+    ids = list(range(200))
+    assert router.owner(router.key(ids, salt="t")) == router.acquire(ids, salt="t").endpoint
+
+
+def test_one_server_under_two_spellings_is_refused_and_removed_by_either():
+    for endpoints in (["http://gpu-a:8000", "http://gpu-a:8000/"], ["http://gpu-a:8000", "HTTP://GPU-A:8000"]):
+        with pytest.raises(ConfigError, match="name the same one"):
+            PrefixRouter(endpoints)
+    with pytest.raises(ConfigError, match="surrounding whitespace"):
+        PrefixRouter(["http://gpu-a:8000", " http://gpu-b:8000"])
+    router = PrefixRouter(["http://gpu-a:8000", "http://gpu-b:8000"])
+    with pytest.raises(ConfigError, match=r"already routed to \(as 'http://gpu-a:8000'\)"):
+        router.add_endpoint("http://GPU-A:8000/")
+    router.remove_endpoint("http://gpu-b:8000/")
+    assert router.endpoints == ["http://gpu-a:8000"]
+    assert {router.owner(k) for k in _keys(50)} == {"http://gpu-a:8000"}
+    assert PrefixRouter(["a", "A"]).endpoints == ["a", "A"]  # names that are not URLs: as given
+
+
+def test_an_added_endpoint_gives_the_ring_of_a_router_built_with_it():
+    grown = PrefixRouter(["a", "b"], vnodes=64)
+    grown.add_endpoint("c")
+    built = PrefixRouter(["a", "b", "c"], vnodes=64)
+    assert [grown.owner(k) for k in _keys(300)] == [built.owner(k) for k in _keys(300)]
+    with pytest.raises(ConfigError, match=r"vnodes must be an int >= 1 and <= 4096"):
+        PrefixRouter(["a"], vnodes=50_000)
+
+
+def test_an_assembled_prompt_of_another_block_size_is_refused(make_assembler):
+    prompt = make_assembler(block_size=BS).preview(["Doc one.", "Doc two."], query="Q?", system="S.")
+    with pytest.raises(ConfigError, match=r"block_size=32, this router block_size=16: give PrefixRouter\(block_size=32\)"):
+        PrefixRouter(["a", "b"]).acquire(prompt)
+    router = PrefixRouter(["a", "b"], block_size=BS)
+    assert router.key(prompt) == router.key(list(prompt.token_ids), salt=prompt.salt)
