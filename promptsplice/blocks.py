@@ -45,6 +45,7 @@ __all__ = [
     "root_hash",
     "token_bytes",
     "hash_block",
+    "hash_block_bytes",
     "chain_hashes",
     "iter_block_hashes",
     "hash_while_cached",
@@ -142,7 +143,12 @@ def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
 
 def hash_block(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
     """Hash of one full block given its parent's hash."""
-    return BlockHash(xxhash.xxh3_128_digest(parent + token_bytes(tokens)))
+    return hash_block_bytes(parent, token_bytes(tokens))
+
+
+def hash_block_bytes(parent: BlockHash | bytes, tokens: bytes) -> BlockHash:
+    """:func:`hash_block` of tokens already in :func:`token_bytes` form."""
+    return BlockHash(xxhash.xxh3_128_digest(parent + tokens))
 
 
 def chain_hashes(

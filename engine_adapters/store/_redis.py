@@ -93,6 +93,8 @@ _OWN_OPTIONS = frozenset({
     "health_check_interval",
     "max_connections",  # the listener, the writer and the readers each hold one: a cap starves them
 })  # fmt: skip
+#: Client options that turn replies into str: the tier's values are binary.
+_DECODING = frozenset({"decode_responses", "encoding", "encoding_errors"})
 #: A slow server (one that answers, late): reads are skipped for ``retry_s`` when the
 #: median of the last reads is over this share of the timeout (a median, so the few
 #: reads that opened a connection, handshake included, do not count), or at once when
@@ -111,8 +113,10 @@ def check_redis_url(url: object) -> str | None:
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        return f"is not a valid URL ({exc})"
+    except ValueError:
+        # (the parser's message quotes the URL's text: part of a password with a ':' in it)
+        return ("is not a valid URL: its port is not a number, or a password holds a character a URL "
+                "cannot (percent-encode the password with urllib.parse.quote(password, safe=''))")
     if parts.scheme != "redis":
         return f"must start with redis:// (got scheme {parts.scheme or 'none'!r})"
     if not parts.hostname:
@@ -121,7 +125,13 @@ def check_redis_url(url: object) -> str | None:
     if db and not (db.isdigit() and db.isascii()):
         # the client reads /abc as database 0 and /1/2 as database 12, silently
         return f"names database {db!r}: the path is a database number (e.g. redis://127.0.0.1:6379/0)"
-    overrides = sorted(set(urllib.parse.parse_qs(parts.query)) & _OWN_OPTIONS)
+    options = set(urllib.parse.parse_qs(parts.query))
+    decoding = sorted(options & _DECODING)
+    if decoding:
+        # decoded replies broke every read of a binary value: the shared tier never served
+        return (f"sets {', '.join(decoding)}: the tier reads binary values, so the client must "
+                "return bytes; drop the option")
+    overrides = sorted(options & _OWN_OPTIONS)
     if overrides:
         # redis-py lets a URL's options win over the tier's own: ?socket_timeout=4 made
         # a paused server hold a forward pass for 4 s under remote_timeout_s=0.2
@@ -219,6 +229,7 @@ class RedisTier(IndexedTier):
         self._since_clear: set[str] | None = None  # names stored since a clear, till its scan ends
         self._deletes_until = 0.0  # after the server refused a delete: retried from then
         self._delete_warned = False
+        self._refusal_warned = False  # a refused write was logged; reset by one that lands
         self._lost_index = False  # an outage forgot the index: the next rescan re-shares
         self._outage_epoch = 0  # outages so far: a rescan that one overtook scans again
         self._writer: threading.Thread | None = None
@@ -547,8 +558,12 @@ class RedisTier(IndexedTier):
                 self._outage(err)
             elif refused is not None:
                 self._write_errors += 1
-                _log.warning("KV block store: Redis refused a write (%s)", refused)
+                if not self._refusal_warned:  # once until a write lands: a full server refuses each
+                    self._refusal_warned = True
+                    _log.warning("KV block store: Redis refused a write (%s); further refusals are counted "
+                                 "(remote_write_errors) until a write succeeds", refused)
             else:
+                self._refusal_warned = False
                 self._back()
                 self._writes += 1
                 if current:

@@ -102,7 +102,7 @@ import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from promptsplice.blocks import BlockHash, content_digest, hash_block
+from promptsplice.blocks import content_digest, hash_block_bytes
 from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._disk import DiskTier
 from promptsplice.engine_adapters.store._dram import DramTier
@@ -329,7 +329,7 @@ class BlockStore:
             raise InputError(f"copy must be True or False, got {copy!r}")
         k, salt_b, parent, tok = parse_ref(ref, salt, namespace)
         check_stored_salt(salt_b)
-        if k[0] == Namespace.CHAIN and hash_block(BlockHash(parent), ref[2]) != k[1]:
+        if k[0] == Namespace.CHAIN and hash_block_bytes(parent, tok) != k[1]:
             raise InputError(
                 "ref.key is not the chain hash of (ref.parent, ref.tokens): build refs with "
                 "promptsplice.blocks.chain_hashes (or chain_refs), or use Namespace.CONTENT "
@@ -339,16 +339,20 @@ class BlockStore:
         held = Held(BlockMeta(k[0], k[1], salt_b, parent, tok, tuple(tensor.shape), dtype), tensor)
         with self._cond:
             self._check_open()
-            old = self._find(k)
-            if old is not None:
-                if old == held.meta:
-                    self._touch(k)
-                    return PutStatus.EXISTS
+            old, where = self._find_where(k)
+            if old is not None and old != held.meta:
                 self._mismatches += 1
                 return PutStatus.MISMATCH
+            if old is not None and not getattr(where, "shared", False):
+                self._touch(k)
+                return PutStatus.EXISTS
+            # Not held here (a shared tier's index may name it: another engine's copy,
+            # which the server may have evicted since): keep this one in DRAM.
             jobs = self._admit(k, held)
             admitted = jobs is not None
-            if jobs is None:  # no room in DRAM: straight to the storage tiers
+            if admitted and old is not None:
+                jobs = []  # the shared tier names it already: no write to it
+            elif jobs is None:  # no room in DRAM: straight to the storage tiers
                 jobs = self._write_down(k, held)
                 if not jobs:
                     if not self._lower:
@@ -450,6 +454,8 @@ class BlockStore:
         ref, overriding ``salt`` (a run that continues an old prompt stored under another
         salt: the splice connector's scoped requests).
         """
+        if owner is not None and not isinstance(owner, Hashable):
+            raise InputError(f"owner must be hashable (a request id), got {type(owner).__name__}")
         if salts is not None:
             refs = _ref_list(refs)
             if isinstance(salts, str | bytes) or not hasattr(salts, "__iter__"):
@@ -676,12 +682,18 @@ class BlockStore:
         return bool(self._pin_count.get(k))
 
     def _find(self, k: Key) -> BlockMeta | None:
+        return self._find_where(k)[0]
+
+    def _find_where(self, k: Key) -> tuple[BlockMeta | None, object]:
+        """The block's record and the tier that names it first (DRAM, then down)."""
         meta = self._dram.find(k)
+        if meta is not None:
+            return meta, self._dram
         for tier in self._lower:
-            if meta is not None:
-                break
             meta = tier.find(k)
-        return meta
+            if meta is not None:
+                return meta, tier
+        return None, None
 
     def _pending(self, k: Key) -> Held | None:
         for tier in self._lower:

@@ -94,6 +94,10 @@ def value_key(ref, salt=SALT, ns: int = 0, fp: bytes = FP) -> str:
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?retry_on_timeout=1&health_check_interval=3"},
          "remote_url sets health_check_interval, retry_on_timeout"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/x/"}, "remote_url names database 'x'"),
+        # replies decoded to str: every read of a binary value failed, the tier never served
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?decode_responses=true"},
+         "remote_url sets decode_responses: the tier reads binary values"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?encoding=latin-1"}, "remote_url sets encoding"),
     ],
 )
 def test_config_names_the_remote_field_to_fix(kwargs, field):
@@ -347,7 +351,38 @@ def test_a_write_in_flight_when_the_store_is_cleared_never_comes_back(redis_url)
 
 
 @pytest.mark.reliability
-def test_a_full_server_announces_nothing_it_refused():
+def test_a_url_error_never_quotes_the_password():
+    """A password with a '#' or '/' in it, not percent-encoded: the URL parser's message
+    quoted the text it read as a port (part of the password) into the ConfigError."""
+    for url in ("redis://:s3cr#et@10.0.0.5:6379/0", "redis://admin:s3cr/2@10.0.0.5:6379/0"):
+        with pytest.raises(ConfigError, match=r"percent-encode the password") as err:
+            StoreConfig(dram_bytes=P, remote_bytes=1024, remote_url=url)
+        assert "s3cr" not in str(err.value)
+
+
+@pytest.mark.reliability
+def test_a_block_only_the_shared_index_names_is_kept_when_computed_here(redis_url):
+    """Engine b's index names a's blocks, which the server has since evicted; b computes
+    them itself: ``put`` answered EXISTS and kept nothing, so b's next get was a MISS
+    (and b never held a local copy of a block another engine shared)."""
+    with open_store(redis_url, dram_blocks=8) as a, open_store(redis_url, dram_blocks=8) as b:
+        assert remote(b).wait_synced(5.0)
+        refs = make_refs(3)
+        put_all(a, refs)
+        assert wait_for(lambda: b.match_prefix(refs, salt=SALT) == 3)
+        admin = client(redis_url)
+        for name in _psk_keys(redis_url):  # what the server's maxmemory LRU does
+            admin.delete(name)
+        admin.close()
+        assert [b.put(ref, kv(i), salt=SALT) for i, ref in enumerate(refs)] == [PutStatus.STORED] * 3
+        for i, ref in enumerate(refs):
+            got = b.get(ref, salt=SALT)
+            assert got.status is HIT_DRAM and torch.equal(got.payload, kv(i))
+        assert b.stats().dram_blocks == 3 and b.stats().remote_writes == 0  # named there already: not re-sent
+        assert b.put(refs[0], kv(0), salt=SALT) is PutStatus.EXISTS  # held here now
+
+
+def test_a_full_server_announces_nothing_it_refused(caplog):
     """A server at ``maxmemory`` with Redis's default policy (``noeviction``) refuses
     every SET with OOM; the PUBLISH that went with it still ran, so every store indexed
     (and pinned, and answered EXISTS for) blocks the server never held."""
@@ -370,6 +405,9 @@ def test_a_full_server_announces_nothing_it_refused():
             assert sa.dropped == 4  # evicted from DRAM (2 blocks), written nowhere: counted
             assert a.put(refs[0], kv(0), salt=SALT) is PutStatus.STORED  # not EXISTS
             assert a.get(refs[0], salt=SALT).status is HIT_DRAM
+            # one warning for the whole refusal, not one per block (a log line a step)
+            refusals = [r for r in caplog.records if "refused a write" in r.getMessage()]
+            assert len(refusals) == 1 and sa.remote_write_errors >= 6
         admin.close()
 
 

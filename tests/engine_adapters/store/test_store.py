@@ -226,7 +226,13 @@ def test_put_refuses_a_chain_key_that_is_not_the_chain_hash_and_bad_payloads():
         store.put(a, torch.zeros(4, dtype=torch.complex64), salt=SALT)
     with pytest.raises(InputError, match="token ids"):
         store.get(BlockRef(a.key, a.parent, [-1] * BS), salt=SALT)
-    assert store.stats().dram_blocks == 0
+    # refs read once: a ref that is an iterator, or whose tokens are one, was indexed (a
+    # raw TypeError) or hashed used up ("not the chain hash") a second time
+    assert store.put(iter((a.key, a.parent, a.tokens)), kv(0), salt=SALT) is PutStatus.STORED
+    assert store.put(BlockRef(b.key, b.parent, iter(b.tokens)), kv(1), salt=SALT) is PutStatus.STORED
+    with pytest.raises(InputError, match="owner must be hashable"):
+        store.match_prefix([a], salt=SALT, owner=[1])
+    assert store.stats().dram_blocks == 2
 
 
 def test_disk_round_trip_after_dram_eviction(tmp_path):
