@@ -154,7 +154,7 @@ def relocate_blocks(
     dtypes, layouts or RoPE/cache disagreement.  The same relocation applied to many
     layers: :func:`prepare_relocation`.
     """
-    prepare_relocation(dst_cache, src_blocks, dst_block_ids, delta, rope, layout, impl=impl)(dst_cache, src_blocks)
+    prepare_relocation(dst_cache, src_blocks, dst_block_ids, delta, rope, layout, impl=impl)._apply(dst_cache, src_blocks)
 
 
 def prepare_relocation(
@@ -238,14 +238,16 @@ def prepare_relocation(
             f"delta must be an int or have one entry per block ({n}), got {tuple(d.shape)}"
         )
     if n == 0:
-        return PreparedRelocation(dst_cache, src_blocks, layout, packed, which, rope, None, None, None)
-    # One row per distinct delta (a load moves runs of blocks by one delta each): the
-    # float64 angles of 512 blocks took ~5 ms of host time, the few distinct ones do not.
-    distinct, row = torch.unique(d, return_inverse=True)  # (sorted: always re-indexed)
+        return PreparedRelocation._make(dst_cache, src_blocks, layout, packed, which, rope, None, None, None)
+    # Angles once per distinct delta (a load moves runs of blocks by one delta each: the
+    # float64 angles of 512 blocks took ~5 ms of host time); one delta for all blocks is
+    # one row, which the implementations broadcast.
+    distinct, row = torch.unique(d, return_inverse=True) if d.numel() > 1 else (d, None)
     cos, sin = cos_sin_table(distinct, rope, torch.float32)
-    cos, sin = cos[row], sin[row]
+    if distinct.numel() > 1:  # (sorted: re-indexed to the blocks' order)
+        cos, sin = cos[row], sin[row]
     cos, sin = _to_device(cos, device), _to_device(sin, device)
-    return PreparedRelocation(dst_cache, src_blocks, layout, packed, which, rope, _to_device(ids, device), cos, sin)
+    return PreparedRelocation._make(dst_cache, src_blocks, layout, packed, which, rope, _to_device(ids, device), cos, sin)
 
 
 def _check_writable(dst_cache: torch.Tensor) -> None:
@@ -256,24 +258,50 @@ def _check_writable(dst_cache: torch.Tensor) -> None:
 
 
 class PreparedRelocation:
-    """A relocation checked once (:func:`prepare_relocation`): call it with a layer's
-    ``(dst_cache, src_blocks)`` of the prepared shapes, dtype and device; each call
-    checks only those, that the cache is writable, and aliasing (an aliasing source is
-    copied first)."""
+    """A relocation checked once: made by :func:`prepare_relocation`, called with a
+    layer's ``(dst_cache, src_blocks)`` of the prepared shapes, dtype and device; each
+    call checks only those, that the cache is writable, and aliasing (an aliasing source
+    is copied first).
+
+    CUDA: the ids and tables were copied to the device on the stream current at
+    preparation; a call on another stream waits for those copies (on the device) and
+    keeps the tables alive for that stream, so a prepared relocation may be applied on
+    any stream.
+    """
 
     __slots__ = ("_cache_shape", "_src_shape", "_dtype", "_device", "_layout", "_packed", "_run", "_rope",
-                 "_ids", "_cos", "_sin", "blocks")
+                 "_ids", "_cos", "_sin", "_stream", "_ready", "_used_on")
 
-    def __init__(self, dst_cache, src_blocks, layout, packed, which, rope, ids, cos, sin) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise InputError("a PreparedRelocation is made by prepare_relocation(dst_cache, src_blocks, ids, delta, rope, layout)")
+
+    @classmethod
+    def _make(cls, dst_cache, src_blocks, layout, packed, which, rope, ids, cos, sin) -> PreparedRelocation:
+        self = object.__new__(cls)
         self._cache_shape, self._src_shape = dst_cache.shape, src_blocks.shape
         self._dtype, self._device = dst_cache.dtype, dst_cache.device
         self._layout, self._packed, self._rope = layout, packed, rope
         self._run = relocate_triton if which == "triton" else relocate_torch
         self._ids, self._cos, self._sin = ids, cos, sin
-        self.blocks = 0 if ids is None else int(ids.shape[0])
+        self._stream = self._ready = None
+        self._used_on: set = set()
+        if ids is not None and self._device.type == "cuda":
+            self._stream = torch.cuda.current_stream(self._device)
+            self._ready = torch.cuda.Event()
+            self._ready.record(self._stream)
+        return self
+
+    @property
+    def num_blocks(self) -> int:
         """Blocks this relocation writes into each layer."""
+        return 0 if self._ids is None else int(self._ids.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"PreparedRelocation(num_blocks={self.num_blocks}, cache={tuple(self._cache_shape)}, "
+                f"dtype={self._dtype}, device={self._device}, impl={self._run.__name__})")
 
     def __call__(self, dst_cache: torch.Tensor, src_blocks: torch.Tensor) -> None:
+        """Relocate ``src_blocks`` into ``dst_cache`` (one layer)."""
         for name, t, shape in (("dst_cache", dst_cache, self._cache_shape), ("src_blocks", src_blocks, self._src_shape)):
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != self._dtype or t.device != self._device:
                 got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -282,8 +310,19 @@ class PreparedRelocation:
                     "(prepare_relocation once per cache geometry)"
                 )
         _check_writable(dst_cache)
+        self._apply(dst_cache, src_blocks)
+
+    def _apply(self, dst_cache: torch.Tensor, src_blocks: torch.Tensor) -> None:
+        """The relocation itself, on tensors already checked."""
         if self._ids is None:
             return
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self._device)
+            if current != self._stream and current not in self._used_on:
+                current.wait_event(self._ready)  # the ids and tables' copies landed
+                for t in (self._ids, self._cos, self._sin):
+                    t.record_stream(current)  # not reused while this stream may read them
+                self._used_on.add(current)
         if (
             src_blocks.numel()
             and dst_cache.numel()

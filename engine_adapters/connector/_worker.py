@@ -557,7 +557,8 @@ class SpliceWorker:
             self._gathered = io.mark(io.side)
             if io.cuda:
                 hosts = [io.host_empty(self.payload_shape, self.dtype) for _ in range(n)]
-                torch._foreach_copy_(hosts, list(gathered), non_blocking=True)  # n copies, one call
+                for h, g in zip(hosts, gathered):
+                    h.copy_(g, non_blocking=True)
             else:
                 hosts = list(gathered)
             done = io.mark(io.side)

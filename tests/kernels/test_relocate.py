@@ -289,7 +289,8 @@ def test_prepared_relocation_applies_to_every_layer_as_relocate_blocks_does(layo
         want.append(a)
         got.append(make_cache(layout_name, 6, case, float("nan"))[1])
     prepared = prepare_relocation(got[0], srcs[0], torch.tensor([5, 1, 3]), delta, rope, layout)
-    assert isinstance(prepared, PreparedRelocation) and prepared.blocks == 3
+    assert isinstance(prepared, PreparedRelocation) and prepared.num_blocks == 3
+    assert repr(prepared).startswith("PreparedRelocation(num_blocks=3, ")
     for cache, src in zip(got, srcs):
         prepared(cache, src)
     for layer, (a, b) in enumerate(zip(want, got)):
@@ -319,7 +320,12 @@ def test_prepared_relocation_refuses_another_geometry_and_copies_an_aliased_sour
     empty = prepare_relocation(cache, cache[:, 0:0], [], 10, rope, layout)
     before = cache.clone()
     empty(cache, cache[:, 0:0])
-    assert empty.blocks == 0 and torch.equal(bits(cache), bits(before))
+    assert empty.num_blocks == 0 and torch.equal(bits(cache), bits(before))
+    with pytest.raises(InputError, match="made by prepare_relocation"):
+        PreparedRelocation(cache, cache, layout)
+    # one delta for every block: one row of angles (the kernels broadcast it), not one a block
+    same = prepare_relocation(cache, cache[:, 0:3], [0, 1, 2], [5, 5, 5], rope, layout)
+    assert same._cos.shape[0] == 1 and same.num_blocks == 3
 
 
 def test_delta_zero_is_a_plain_copy():
