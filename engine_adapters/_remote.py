@@ -105,6 +105,7 @@ from promptsplice.engine_adapters.connector._plans import SplicePlan
 from promptsplice.engine_adapters.connector._served import splice_params
 from promptsplice.errors import (
     ConfigError,
+    EngineConnectTimeoutError,
     EngineError,
     EngineResponseError,
     EngineTimeoutError,
@@ -532,6 +533,11 @@ class RemoteEngine(ServedEngineSurface):
             name = _timeout_name(exc)
             seconds = getattr(self.timeout, name, None) if name != "request" else None
             limit = f" of {seconds:g} s" if isinstance(seconds, int | float) else ""
+            if isinstance(exc, httpx.ConnectTimeout):  # never connected: the host is down or unreachable
+                return EngineConnectTimeoutError(
+                    f"connect timeout{limit} talking to {url}: no connection (is the host up and "
+                    "reachable? raise RemoteEngine(timeout=httpx.Timeout(..., connect=...)) if it is just loaded)"
+                )
             return EngineTimeoutError(
                 f"{name} timeout{limit} talking to {url} "
                 f"(raise RemoteEngine(timeout=...) if the server is just slow)"

@@ -38,6 +38,7 @@ __all__ = [
     "EngineRequestError",
     "EngineUnavailableError",
     "EngineTimeoutError",
+    "EngineConnectTimeoutError",
     "EngineResponseError",
     "EngineDeadError",
     "PromptspliceWarning",
@@ -200,6 +201,12 @@ class EngineUnavailableError(EngineError):
 class EngineTimeoutError(EngineError):
     """A remote call ran past its timeout (the message names which: connect, read,
     write or pool); raise ``RemoteEngine(timeout=...)`` if the server is just slow."""
+
+
+class EngineConnectTimeoutError(EngineTimeoutError, EngineUnavailableError):
+    """No connection within the connect timeout, retries spent: the host is down,
+    unreachable (a dropped packet never refuses) or too loaded to accept.  Both a timeout
+    and an unavailable engine: behind a router, route around it."""
 
 
 class EngineResponseError(EngineRequestError):

@@ -431,8 +431,18 @@ def test_timeout_says_which():
     def connect(request):
         raise httpx.ConnectTimeout("timed out", request=request)
 
-    with pytest.raises(EngineTimeoutError, match="connect timeout of 2 s"):
+    with pytest.raises(EngineTimeoutError, match="connect timeout of 2 s") as info:
         asyncio.run(_mock(connect, timeout=httpx.Timeout(7.0, connect=2.0)).acomplete([1], max_tokens=1))
+    # never connected: the host is down or unreachable, so a router's lease names the way out
+    from promptsplice.engine_adapters import PrefixRouter
+    from promptsplice.errors import EngineConnectTimeoutError, EngineUnavailableError
+
+    assert isinstance(info.value, EngineConnectTimeoutError) and isinstance(info.value, EngineUnavailableError)
+    eng = _mock(connect, timeout=httpx.Timeout(7.0, connect=2.0))
+    router = PrefixRouter(["http://down:8000", "http://up:8000"])
+    with pytest.raises(EngineUnavailableError, match=r"connect timeout of 2 s.*router.remove_endpoint"):
+        with router.acquire([1] * 64, salt="t"):
+            eng.complete([1], max_tokens=1)
 
 
 @pytest.mark.reliability
