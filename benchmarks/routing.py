@@ -41,6 +41,7 @@ from typing import Any
 
 from promptsplice.engine_adapters._config import auto_dtype
 from promptsplice.errors import ConfigError, EngineError, EngineStartError
+from promptsplice._validate import check_int
 from promptsplice.benchmarks.cli import count_arg, run_tool
 
 __all__ = [
@@ -269,6 +270,12 @@ def run_routing_bench(
     if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
         raise ConfigError(f"requests must be an int >= 1, got {requests!r}")
     kb = DEFAULT_KEY_BLOCKS if key_blocks is None else key_blocks
+    if urls is None:
+        check_int(endpoints, "endpoints")
+    # The router's options (and the URLs: distinct servers) checked before any server
+    # starts: a bad load factor failed after minutes of vLLM start-up.
+    PrefixRouter(list(urls) if urls is not None else [f"probe-{i}" for i in range(endpoints)],
+                 load_factor=load_factor, key_blocks=kb, block_size=BLOCK_SIZE)
     prompts = assemble_trace(requests, seed=seed)
     with contextlib.ExitStack() as stack:
         if urls is None:

@@ -50,7 +50,8 @@ plans.  It sets ``kv_transfer_config`` (with ``kv_load_failure_policy="recompute
 a block that fails to load is recomputed instead of failing the request).  CPU only.
 
 ``kv_events_endpoint`` turns on vLLM's KV-event publisher (``kv_events_config``, ZMQ PUB
-at that endpoint, e.g. ``tcp://127.0.0.1:5557``) for prefix-aware routers outside the
+at that endpoint: ``ipc://PATH`` and ``tcp://*:PORT`` are bound, ``tcp://HOST:PORT`` is
+connected to, a router bound there) for prefix-aware routers outside the
 process (llm-d's scorer, Dynamo's KV router).  Blocks the splice connector loads (offload
 hits, relocations) are committed to vLLM's prefix cache like computed ones, so they are
 published as ``BlockStored`` too.
@@ -125,6 +126,27 @@ def auto_dtype() -> str:
         return "float32"  # vLLM's AMX bf16 path changes the default model's answers
     # AVX-512 alone is not enough: without its BF16 extension bf16 is emulated
     return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
+
+
+
+def _check_events_endpoint(ep: object) -> None:
+    """A ZMQ endpoint vLLM's KV-event publisher can use: ``tcp://*:PORT`` (bound, every
+    interface), ``tcp://HOST:PORT`` (connected to: a router bound there), ``ipc://PATH``
+    (bound, this machine)."""
+    if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"kv_events_endpoint must be a ZMQ endpoint such as 'ipc:///tmp/kv-events' or "
+                          f"'tcp://router-host:5557', got {ep!r}")
+    if ep.startswith("inproc://"):
+        raise ConfigError(f"kv_events_endpoint {ep!r}: an inproc:// endpoint is reachable only inside vLLM's "
+                          "engine process; use ipc://PATH (this machine) or tcp://HOST:PORT")
+    if ep.startswith("ipc://"):
+        if len(ep) == len("ipc://"):
+            raise ConfigError(f"kv_events_endpoint {ep!r} names no path: ipc:///tmp/kv-events, say")
+        return
+    host, sep, port = ep[len("tcp://"):].rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"kv_events_endpoint {ep!r} needs a host and a port: tcp://HOST:PORT (vLLM connects "
+                          "to a router bound there) or tcp://*:PORT (vLLM binds on every interface)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,14 +232,21 @@ class EngineConfig:
             raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if not isinstance(self.require_salt, bool):
             raise ConfigError(f"require_salt must be a bool, got {self.require_salt!r}")
-        if self.kv_events_endpoint is not None:
-            ep = self.kv_events_endpoint
-            if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://", "inproc://")):
+        if self.kv_events_endpoint is None:
+            if self.kv_events_topic != "":
                 raise ConfigError(
-                    f"kv_events_endpoint must be a ZMQ endpoint such as 'tcp://127.0.0.1:5557', got {ep!r}"
+                    f"kv_events_topic={self.kv_events_topic!r} without kv_events_endpoint publishes nothing: "
+                    "give the endpoint too"
                 )
+        else:
+            _check_events_endpoint(self.kv_events_endpoint)
             if not isinstance(self.kv_events_topic, str):
                 raise ConfigError(f"kv_events_topic must be a str, got {self.kv_events_topic!r}")
+            if self.enable_prefix_caching is False:
+                raise ConfigError(
+                    "kv_events_endpoint with enable_prefix_caching=False: vLLM publishes events of its prefix "
+                    "cache only, so none would come; turn prefix caching on"
+                )
             if "kv_events_config" in self.extra_kwargs:
                 raise ConfigError(
                     "extra_kwargs sets 'kv_events_config', which kv_events_endpoint owns: pass one of them"

@@ -50,3 +50,23 @@ def test_table_and_json_from_a_report(tmp_path):
     with pytest.raises(SystemExit) as info:  # a usage error before anything starts
         main(["--requests", "0"])
     assert info.value.code == 2
+
+
+def test_bad_router_options_fail_before_any_server_starts(monkeypatch):
+    """A load factor of 1.0 (or NaN), or one server under two URL spellings, failed only
+    after the loopback servers had started (minutes of vLLM start-up)."""
+    from promptsplice.benchmarks import routing
+    from promptsplice.errors import ConfigError
+
+    started = []
+    monkeypatch.setattr(routing, "loopback_servers", lambda n: started.append(n))
+    for bad in (1.0, float("nan"), 0.5):
+        with pytest.raises(ConfigError, match="load_factor"):
+            routing.run_routing_bench(2, load_factor=bad)
+    with pytest.raises(ConfigError, match="key_blocks"):
+        routing.run_routing_bench(2, key_blocks=0)
+    with pytest.raises(ConfigError, match="name the same one"):
+        routing.run_routing_bench(2, urls=["http://127.0.0.1:9", "http://127.0.0.1:9/"])
+    with pytest.raises(ConfigError, match="endpoints"):
+        routing.run_routing_bench(2, endpoints=0)
+    assert started == []

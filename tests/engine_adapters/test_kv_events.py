@@ -27,6 +27,19 @@ def test_the_endpoint_sets_vllms_kv_events_config():
         EngineConfig(kv_events_endpoint="127.0.0.1:5557")
     with pytest.raises(ConfigError, match="kv_events_endpoint owns"):
         EngineConfig(kv_events_endpoint="tcp://127.0.0.1:5557", extra_kwargs={"kv_events_config": {}})
+    # endpoints vLLM's publisher cannot use (tcp:// without a port raised zmq's own error
+    # at start), or that publish nothing (inproc://, a topic alone, prefix caching off)
+    for bad, why in (("tcp://", "needs a host and a port"), ("tcp://*", "needs a host and a port"),
+                     ("tcp://gpu-router", "needs a host and a port"), ("tcp://h:0", "needs a host and a port"),
+                     ("inproc://events", "only inside vLLM's engine process"), ("ipc://", "names no path")):
+        with pytest.raises(ConfigError, match=why):
+            EngineConfig(kv_events_endpoint=bad)
+    with pytest.raises(ConfigError, match="without kv_events_endpoint publishes nothing"):
+        EngineConfig(kv_events_topic="kv@a@m")
+    with pytest.raises(ConfigError, match="turn prefix caching on"):
+        EngineConfig(kv_events_endpoint="ipc:///tmp/kv-events", enable_prefix_caching=False)
+    for good in ("tcp://*:5557", "tcp://10.0.0.7:5557", "tcp://[::1]:5557", "ipc:///tmp/kv-events"):
+        assert EngineConfig(kv_events_endpoint=good).llm_kwargs("/m")["kv_events_config"]["endpoint"] == good
 
 
 @pytest.fixture(scope="module")
