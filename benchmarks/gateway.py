@@ -11,8 +11,9 @@ sends them: the stable order learns the chunks' popularity as the trace goes; al
 * the Shepherd Model Gateway (PyPI ``smg``, a Rust router; a fresh gateway per
   ``cache_aware`` run, so it never starts with another run's tree; one gateway for all
   runs of each stateless policy) with ``--policy cache_aware``,
-  ``prefix_hash`` and ``consistent_hashing`` (header ``X-SMG-Routing-Key`` carrying the
-  prompt's ``prefix_key``; for a naive prompt, ``prefix_route_key(...).hex()``);
+  ``prefix_hash`` and ``consistent_hashing`` (header ``X-SMG-Routing-Key`` carrying
+  ``prefix_route_key(prompt).hex()``, naive and assembled alike: the chain hash of the
+  prompt's first 4 blocks, ``PrefixRouter``'s key);
 * :class:`promptsplice.engine_adapters.PrefixRouter` and ``RoundRobinRouter`` direct.
 
 Every prompt is sent as *text* to ``/v1/completions`` in every mode: smg 1.13 refuses
@@ -95,8 +96,9 @@ def gateway(
     """
     import httpx
 
-    if policy not in GATEWAY_POLICIES + ("round_robin", "random", "power_of_two"):
-        raise ConfigError(f"unknown smg policy {policy!r}; expected one of {', '.join(GATEWAY_POLICIES)}")
+    known = GATEWAY_POLICIES + ("round_robin", "random", "power_of_two")
+    if policy not in known:
+        raise ConfigError(f"unknown smg policy {policy!r}; expected one of {', '.join(known)}")
     if len(worker_urls) < 1:
         raise ConfigError("gateway needs at least one worker url")
     port, metrics_port = _free_port(), _free_port()
@@ -246,7 +248,9 @@ def _prompts(family: str, requests: int, seed: int) -> dict[str, list[tuple[str,
         if tok.encode(a.text) != list(a.token_ids):
             raise EngineError(f"{family} request {r.id}: the assembled text does not re-tokenize "
                               "to its token ids, so it cannot travel as text")
-        assembled.append((a.text, len(a.token_ids), a.prefix_key))
+        # The same key as the naive prompt's (the chain hash of the first blocks): the
+        # coarser prefix_key (system prompt and tools only) pinned a family to one server.
+        assembled.append((a.text, len(a.token_ids), prefix_route_key(a).hex()))
     return {"naive": naive, "assembled": assembled}
 
 
@@ -278,6 +282,8 @@ def run_gateway_bench(
     unknown = [p for p in profiles if p not in SUITE and p not in _WIKI_PROFILES]
     if unknown or not profiles:
         raise ConfigError(f"unknown trace families {unknown!r}; choose from {', '.join(SUITE + _WIKI_PROFILES)}")
+    if urls is not None:  # distinct servers, checked before the prompts and the gateways
+        urls = [u.rstrip("/") for u in RoundRobinRouter(urls).endpoints]
     prompts = {p: _prompts(p, requests, seed) for p in profiles}
     report: dict[str, Any] = {"families": {}}
     run_id = uuid.uuid4().hex[:8]

@@ -37,8 +37,9 @@ tree-index) prompt prefixes themselves:
   keeps an approximate radix tree of each worker's prompts, with load thresholds.  They
   work on text or tokens they see; promptsplice makes the prefix *stable* (dedup +
   canonical order), which is what lets any of them match.  Where a stack routes by a
-  header or session key instead, send ``PrefixRouter.key(prompt).hex()`` (or the
-  assembled prompt's ``prefix_key``) as that key.
+  header or session key instead, send ``PrefixRouter.key(prompt).hex()`` as that key
+  (the assembled prompt's ``prefix_key`` names its system prompt and tools only: one
+  worker for all of a tenant's traffic).
 * OpenAI routes by a hash of the prompt's first tokens combined with
   ``prompt_cache_key``: send ``AssembledPrompt.prefix_key`` (``RemoteEngine`` does) so
   requests with one stable prefix share a cache machine.

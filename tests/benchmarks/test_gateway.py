@@ -84,6 +84,29 @@ def test_table_from_a_report_and_bad_arguments():
         with gateway(["http://127.0.0.1:1"], "bogus"):
             pass
     assert MODES[:3] == ("smg:cache_aware", "smg:prefix_hash", "smg:consistent_hashing")
+    # one server under two spellings: refused before the prompts, servers and gateways
+    from promptsplice.benchmarks.gateway import run_gateway_bench
+
+    with pytest.raises(ConfigError, match="name the same one"):
+        run_gateway_bench(2, urls=["http://127.0.0.1:9", "http://127.0.0.1:9/"])
+
+
+def test_naive_and_assembled_prompts_carry_the_same_kind_of_routing_key():
+    """The header consistent_hashing hashes: the chain hash of the first 4 blocks for
+    both (PrefixRouter's key).  The assembled prompts carried ``prefix_key`` (system
+    prompt and tools only), which sent a whole family to one server."""
+    from promptsplice.benchmarks.gateway import _prompts
+    from promptsplice.engine_adapters._router import prefix_route_key
+
+    prompts = _prompts("apidocs", 12, 0)
+    for kind in ("naive", "assembled"):
+        assert len({key for _, _, key in prompts[kind]}) > 1, kind
+    # the key is the route key of what is sent (ids of the text, re-tokenized exactly)
+    from promptsplice.assembler import default_tokenizer
+
+    tok = default_tokenizer()
+    for text, _, key in prompts["assembled"]:
+        assert key == prefix_route_key(tok.encode(text), block_size=32).hex()
 
 
 def test_assembled_prompts_are_what_assemble_sends_in_trace_order(default_tok):
