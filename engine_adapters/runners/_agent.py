@@ -58,6 +58,7 @@ relocated (``recomputed_tokens``) and at which level (``fidelity``).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import logging
@@ -65,6 +66,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -198,6 +200,9 @@ class _Session:
     kv_salt: str | None = None
     """The salt the last step's KV was computed under (differs from ``salt`` after an
     ``exact`` step under another salt)."""
+    busy: int = 0
+    """Steps holding or waiting for this session (under the runner's lock): the LRU bound
+    never evicts a session while a step uses it."""
 
 
 class AgentRunner:
@@ -284,15 +289,31 @@ class AgentRunner:
         return self.salt if self.scope == "session" else f"{self.salt or ''}{DERIVED_SALT_MARK}exact"
 
     # -- sessions -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _held(self, session_id: str) -> Iterator[_Session]:
+        """The session, counted busy for the ``with`` block (a step's whole run)."""
+        st = self._session(session_id)
+        try:
+            yield st
+        finally:
+            with self._lock:
+                st.busy -= 1
+
     def _session(self, session_id: str) -> _Session:
         with self._lock:
             st = self._sessions.get(session_id)
             if st is None:
                 st = self._sessions[session_id] = _Session(salt=self.salt, kv_salt=self.salt)
-                while len(self._sessions) > self.max_sessions:
-                    self._sessions.popitem(last=False)
+                # the least recent sessions no step uses (one evicted mid-step lost its
+                # state, and the session's next step ran beside it unserialized)
+                idle = (k for k, v in self._sessions.items() if not v.busy and k != session_id)
+                for victim in [next(idle, None) for _ in range(len(self._sessions) - self.max_sessions)]:
+                    if victim is None:
+                        break  # every other session is in a step: over the bound until they end
+                    del self._sessions[victim]
             else:
                 self._sessions.move_to_end(session_id)
+            st.busy += 1
             return st
 
     def session_salt(self, session_id: str) -> str | None:
@@ -341,9 +362,8 @@ class AgentRunner:
                 f"fidelity={cfg.level.value!r} relocates KV, and this engine's splice connector cannot "
                 "(its log says why: an unverified attention ISA or RoPE); use fidelity='exact'"
             )
-        st = self._session(prepared.session_id)
         gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
-        with st.lock:
+        with self._held(prepared.session_id) as st, st.lock:
             new = list(prepared.token_ids)
             plain = [SplicePhase(len(new), None)]
             fallback, level, recomputed = None, cfg.level, 0

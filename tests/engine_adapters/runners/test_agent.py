@@ -554,3 +554,52 @@ def test_derived_salts_pass_vllms_cache_salt_rule_for_any_session_id(default_tok
     for make in (AgentRunner, RagRunner):
         with pytest.raises(InvalidSaltError, match="81 characters.*at most 80 characters"):
             make(_IdleEngine(), salt=tenant + "t")
+
+
+def test_a_session_in_a_step_is_never_evicted_by_the_lru_bound(kv_engine, renders):
+    """``max_sessions=2``: session A's first step is inside the engine while three new
+    sessions step; the bound evicted A mid-step, so its state was lost (its next step
+    fell back to a full prefill) and a second step of A would have run beside the first."""
+    import threading
+
+    class Gate:  # the engine, with A's first request held until released
+        def __init__(self, engine):
+            self._engine, self.entered, self.go = engine, threading.Event(), threading.Event()
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+        block_size = property(lambda self: self._engine.block_size)
+        can_relocate = property(lambda self: self._engine.can_relocate)
+        can_splice = property(lambda self: self._engine.can_splice)
+
+        def generate(self, *a, **k):
+            return self._engine.generate(*a, **k)
+
+        def make_assembler(self, **kw):
+            return self._engine.make_assembler(**kw)
+
+        def generate_phases(self, *a, **k):
+            if not self.entered.is_set():
+                self.entered.set()
+                assert self.go.wait(120)
+            return self._engine.generate_phases(*a, **k)
+
+    gate = Gate(kv_engine)
+    runner = AgentRunner(gate, mode="splice", salt="t-lru", max_sessions=2)
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-lru")
+    first = hook("A", renders[0], TOOLS)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(runner.step(first, max_tokens=2)))
+    worker.start()
+    try:
+        assert gate.entered.wait(120)
+        for sid in ("B", "C", "D"):
+            runner.step(hook(sid, renders[0], TOOLS), max_tokens=2)
+    finally:
+        gate.go.set()
+        worker.join(120)
+    assert len(done) == 1
+    assert len(runner._sessions) == 2 and "A" in runner._sessions  # the bound holds, A kept
+    step = runner.step(hook("A", renders[1], TOOLS), max_tokens=2)
+    assert step.fallback is None and step.cached_tokens > 0  # A's state survived its step
