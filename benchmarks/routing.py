@@ -26,6 +26,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,22 +70,60 @@ class LoopbackServer:
     proc: subprocess.Popen
     log: Path
 
+    keep_log: bool = False
+    """Leave the log's folder on :meth:`stop` (a server that failed: its error names it)."""
+
     def tail(self, n: int = 40) -> str:
+        """The log's last ``n`` lines, after the exception lines anywhere in it (vLLM's
+        engine process logs the root cause well above the API server's last traceback,
+        which ends in "see root cause above"), and the log's path."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        causes = list(dict.fromkeys(ln.strip() for ln in lines if _EXCEPTION_LINE.search(ln)))[-6:]
+        head = ["exceptions in the log:", *causes, "..."] if causes else []
+        return "\n".join([*head, *lines[-n:], f"(whole log: {self.log})"])
 
     def stop(self) -> None:
-        """SIGTERM the server's own process group, SIGKILL after 30 s."""
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        """Stop the server's whole process group: SIGTERM, SIGKILL after 30 s.  The group,
+        not the API server alone: its EngineCore process outlives an API server that died
+        (vLLM has no parent-death signal), ~2.5 GB each.  The log's folder goes too,
+        unless ``keep_log``."""
+        stop_process_group(self.proc)
+        if not self.keep_log:
+            shutil.rmtree(self.log.parent, ignore_errors=True)
+
+
+_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception): ")
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the process group ``proc`` leads (started with ``start_new_session``), wait
+    until every member is gone, SIGKILL the group after ``grace_s``.  Also when ``proc``
+    itself has exited: its children may not have."""
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.poll()
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader: a zombie still counts as a member
         try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _free_port() -> int:
@@ -125,6 +165,7 @@ def _wait_healthy(servers: Sequence[LoopbackServer], deadline_s: float) -> None:
     while pending:
         for srv in list(pending):
             if srv.proc.poll() is not None:
+                srv.keep_log = True
                 raise EngineStartError(
                     f"vllm serve at {srv.base_url} exited with {srv.proc.returncode}:\n{srv.tail()}"
                 )
@@ -134,6 +175,7 @@ def _wait_healthy(servers: Sequence[LoopbackServer], deadline_s: float) -> None:
             except httpx.HTTPError:
                 pass
         if pending and time.monotonic() > deadline:
+            pending[0].keep_log = True
             raise EngineStartError(
                 f"vllm serve at {pending[0].base_url} not healthy after {deadline_s:.0f} s "
                 f"(raise the deadline on a busy machine):\n{pending[0].tail()}"

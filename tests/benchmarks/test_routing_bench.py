@@ -70,3 +70,38 @@ def test_bad_router_options_fail_before_any_server_starts(monkeypatch):
     with pytest.raises(ConfigError, match="endpoints"):
         routing.run_routing_bench(2, endpoints=0)
     assert started == []
+
+
+def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(tmp_path):
+    """``vllm serve``'s EngineCore is a child that outlives a dead API server (vLLM sets
+    no parent-death signal): ``stop()`` returned once the API server had exited and left
+    the engine process (~2.5 GB) and the log folder behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from promptsplice.benchmarks.routing import LoopbackServer
+
+    log_dir = tmp_path / "route-vllm-x"
+    log_dir.mkdir()
+    log = log_dir / "server.log"
+    log.write_text("INFO start\n(EngineCore pid=7) ERROR boom\nValueError: dram_bytes must be >= 0\n"
+                   + "\n".join(f"line {i}" for i in range(60)) + "\nRuntimeError: see root cause above\n")
+    child = "import time; time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                             f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"],
+                            start_new_session=True)
+    srv = LoopbackServer("http://127.0.0.1:9", proc, log)
+    time.sleep(1.0)  # the child has started
+    os.kill(proc.pid, signal.SIGKILL)  # the API server dies; its child lives on
+    proc.wait(timeout=10)
+    os.killpg(proc.pid, 0)  # (raises if the group were empty)
+    tail = srv.tail(5)
+    assert tail.startswith("exceptions in the log:\nValueError: dram_bytes must be >= 0\n")
+    assert tail.endswith(f"(whole log: {log})")
+    srv.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    assert not log_dir.exists()

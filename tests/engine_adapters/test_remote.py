@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from promptsplice.benchmarks.routing import stop_process_group
 from promptsplice.engine_adapters._config import auto_dtype
 from promptsplice.engine_adapters._wire import counters_from
 from promptsplice.engine_adapters._remote import (
@@ -95,13 +96,8 @@ def server():
             time.sleep(1)
         yield base
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group only
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_process_group(proc)  # the server's own process group only, EngineCore included
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
