@@ -144,15 +144,15 @@ class ServedEngineSurface:
         """The splice connector's ack to a probe request (once; module doc), ``None``
         when the server does not run the connector."""
         if self._probe is _UNSET:
-            ack = self._ack_request({PROBE_KEY: True})
-            if ack is not None and self._given_block_size not in (None, ack.block_size) and ack.block_size:
-                raise ConfigError(
-                    f"RemoteEngine(block_size={self._given_block_size}) but the splice connector "
-                    f"at {self.base_url} runs block_size {ack.block_size}: drop block_size= or "  # type: ignore[attr-defined]
-                    "pass the server's --block-size"
-                )
-            self._probe = ack
-        return self._probe
+            self._probe = self._ack_request({PROBE_KEY: True})  # kept: asked once, also when refused below
+        ack = self._probe
+        if ack is not None and self._given_block_size not in (None, ack.block_size) and ack.block_size:
+            raise ConfigError(
+                f"RemoteEngine(block_size={self._given_block_size}) but the splice connector "
+                f"at {self.base_url} runs block_size {ack.block_size}: drop block_size= or "  # type: ignore[attr-defined]
+                "pass the server's --block-size"
+            )
+        return ack
 
     def _ack_request(self, params: dict[str, Any], salt: str | None = None) -> SpliceAck | None:
         """One token, ``max_tokens=1``, carrying ``params`` (under ``salt``): the
@@ -196,6 +196,9 @@ class ServedEngineSurface:
         cap_blocks = max(1, self._query_token_cap() // self.block_size)
         batches: list[list[tuple[list[BlockRef], str | None]]] = [[]]
         size = 0
+        chains = list(chains)
+        for _, salt in chains:  # generate()'s salt rules: a query's salt is its cache_salt
+            self._salts.check(salt)  # type: ignore[attr-defined]
         for refs, salt in chains:
             cut = list(refs)[:cap_blocks]
             other_tenant = batches[-1] and salt_tenant(batches[-1][0][1]) != salt_tenant(salt)

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from promptsplice.engine_adapters.connector._served import SpliceAck
-from promptsplice.errors import ContextLengthError, EngineRequestError, EngineResponseError
+from promptsplice.errors import ContextLengthError, EngineRequestError, EngineResponseError, InputError
 
 __all__ = [
     "RemoteCompletion",
@@ -574,11 +574,19 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
         total_s=time.perf_counter() - start,
         finish_reason=choice.get("finish_reason"),
         kv_transfer_params=kv_params,
-        splice=SpliceAck.from_params(kv_params),
+        splice=_splice_ack(kv_params, url),
         token_ids=_token_ids(choice.get("token_ids"), url),
         request_id=str(data.get("id") or ""),
         logprobs=token_logprobs(choice, url) if req.body.get("return_tokens_as_token_ids") else None,
     )
+
+
+def _splice_ack(kv_params: Mapping[str, Any] | None, url: str) -> SpliceAck | None:
+    try:
+        return SpliceAck.from_params(kv_params)
+    except InputError as exc:
+        raise EngineResponseError(f"{url} answered a malformed splice ack ({exc}): a connector of another "
+                                  "promptsplice version?") from exc
 
 
 _TOKEN_ID_PREFIX = "token_id:"

@@ -153,6 +153,14 @@ def plan_verdict(
 
 
 def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int, salt: str | None) -> str:
+    raw = params.get(PLAN_KEY)
+    if isinstance(raw, Mapping):
+        # A plan has at most one segment and one probe a block of the prompt: refused by
+        # its size before it is parsed (this runs in vLLM's scheduler loop; 400,000
+        # segments took 1.6 s to parse, then failed the extent check)
+        parts = sum(len(raw.get(k)) for k in ("segments", "probes") if isinstance(raw.get(k), Sequence))
+        if parts > 2 * max(1, len(tokens) // max(1, block_size)):
+            return f"the plan has {parts} segments and probes for a prompt of {len(tokens)} tokens"
     try:
         plan = SplicePlan.from_params(params)
     except InputError as exc:
@@ -238,23 +246,40 @@ class SpliceAck(NamedTuple):
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> SpliceAck | None:
-        """The ack in a response's ``kv_transfer_params`` (``None`` when absent)."""
+        """The ack in a response's ``kv_transfer_params`` (``None`` when absent); one
+        that is there but malformed (a flag that is not a bool, a count that is not a
+        non-negative int) is an :class:`InputError` naming the field."""
         raw = params.get(ACK_KEY) if isinstance(params, Mapping) else None
         if not isinstance(raw, Mapping):
             return None
+
+        def count(key: str, *, required: bool = False, value: Any = None) -> int:
+            v = raw.get(key) if value is None else value
+            if v is None and not required:
+                return 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InputError(f"the splice ack's {key} must be a count (an int >= 0), got {v!r}")
+            return v
+
+        applied = raw.get("applied")
+        if not isinstance(applied, bool):
+            raise InputError(f"the splice ack's applied must be true or false, got {applied!r}")
+        matched = raw.get("matched") or ()
+        if not isinstance(matched, list | tuple):
+            raise InputError(f"the splice ack's matched must be a list of counts, got {matched!r}")
         try:
-            return cls(
-                bool(raw["applied"]), str(raw.get("reason") or ""), int(raw["planned_tokens"]),
-                int(raw["loaded_tokens"]), int(raw["relocated_tokens"]), int(raw.get("block_size") or 0),
-                raw.get("relocation") is True, tuple(int(n) for n in raw.get("matched") or ()),
-                tuple(
-                    BlockDeviation(int(s), int(d), tuple(float(x) for x in k), tuple(float(x) for x in v))
-                    for s, d, k, v in raw.get("deviations") or ()
-                ),
-                int(raw.get("num_blocks") or 0), max(0, int(raw.get("max_query_tokens") or 0)),
+            deviations = tuple(
+                BlockDeviation(int(s), int(d), tuple(float(x) for x in k), tuple(float(x) for x in v))
+                for s, d, k, v in raw.get("deviations") or ()
             )
-        except (KeyError, TypeError, ValueError, OverflowError):  # (1e400 reads as inf)
-            return None
+        except (TypeError, ValueError, OverflowError) as exc:  # (1e400 reads as inf)
+            raise InputError(f"the splice ack's deviations are malformed: {exc}") from None
+        return cls(
+            applied, str(raw.get("reason") or ""), count("planned_tokens", required=True),
+            count("loaded_tokens", required=True), count("relocated_tokens", required=True), count("block_size"),
+            raw.get("relocation") is True, tuple(count("matched", value=n) for n in matched),
+            deviations, count("num_blocks"), count("max_query_tokens"),
+        )
 
 
 def ack_params(ack: SpliceAck) -> dict[str, Any]:
@@ -326,6 +351,9 @@ def answer_query(
         tokens, salt, parent = entry.get("tokens"), entry.get("salt"), entry.get("parent")
         if not isinstance(tokens, list) or not tokens or len(tokens) % block_size:
             return (), f"{QUERY_KEY}[{i}].tokens must be whole blocks of {block_size} token ids"
+        total += len(tokens)
+        if total > cap:  # before reading them: this runs in vLLM's scheduler loop
+            return (), f"a store query carries at most {cap} tokens (the engine's max_model_len)"
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens):
             return (), f"{QUERY_KEY}[{i}].tokens must be token ids in [0, 2**32)"
         try:  # "" passed the tenant check as None's, then failed the engine where it was hashed
@@ -340,8 +368,5 @@ def answer_query(
             parent_b = None
         if parent_b is None or len(parent_b) != HASH_BYTES:
             return (), f"{QUERY_KEY}[{i}].parent must be a block hash in hex"
-        total += len(tokens)
-        if total > cap:
-            return (), f"a store query carries at most {cap} tokens (the engine's max_model_len)"
         chains.append((tokens, salt, BlockHash(parent_b)))
     return tuple(match(_LazyChain(t, block_size, p), s) for t, s, p in chains), ""  # type: ignore[arg-type]

@@ -894,3 +894,60 @@ def test_a_base_url_that_names_an_endpoint_is_refused_with_the_root(url):
         RemoteEngine(url)
     with pytest.raises(ConfigError, match="model is empty"):
         RemoteEngine("http://127.0.0.1:9", model=" ")
+
+
+def _connector_server(bodies, *, ack_edit=None):
+    """A handler answering as vllm serve with the splice connector (block 32): probes and
+    store queries get the connector's own ack (``ack_edit`` may damage it)."""
+    from promptsplice.engine_adapters.connector._served import (
+        PROBE_REASON, QUERY_KEY, QUERY_REASON, SpliceAck, ack_params, answer_query)
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        bodies.append(body)
+        params = body.get("kv_transfer_params") or {}
+        matched, reason = (), PROBE_REASON
+        if QUERY_KEY in params:
+            matched, why = answer_query(params[QUERY_KEY], lambda refs, salt: 0, 32, body.get("cache_salt"), 2048)
+            reason = why or QUERY_REASON
+        kv = ack_params(SpliceAck(False, reason, 0, 0, 0, 32, True, matched, (), 100, 2048))
+        out = {"id": "c", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+               "usage": {"prompt_tokens": 1, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}},
+               "kv_transfer_params": ack_edit(kv) if ack_edit else kv}
+        return httpx.Response(200, json=out)
+
+    return handler
+
+
+def test_store_queries_keep_the_salt_rules_and_a_refused_probe_is_not_sent_again():
+    """match_chains sent an unsalted store query under require_salt=True (generate
+    refuses one) and an empty salt as a cache_salt; a block-size mismatch re-probed the
+    server at every read of block_size; a malformed ack read as "no connector"."""
+    from promptsplice.engine_adapters import chain_refs
+    from promptsplice.errors import InvalidSaltError, MissingSaltError
+
+    refs = chain_refs(list(range(100, 164)), 32)
+    bodies = []
+    eng = _mock(_connector_server(bodies), require_salt=True)
+    with pytest.raises(MissingSaltError):
+        eng.match_chains([(refs, None)])
+    with pytest.raises(InvalidSaltError):
+        eng.match_chains([(refs, "t"), (refs, "")])
+    queries = [b for b in bodies if "splice_query" in (b.get("kv_transfer_params") or {})]
+    assert queries == [] and eng.match_chains([(refs, "t")]) == [0]
+
+    bodies = []
+    eng = _mock(_connector_server(bodies), block_size=16)
+    for _ in range(3):
+        with pytest.raises(ConfigError, match=r"RemoteEngine\(block_size=16\) but the splice connector .* runs block_size 32"):
+            eng.block_size
+    assert len(bodies) == 1  # one probe
+
+    def damage(kv):
+        kv["splice_ack"]["applied"] = "false"
+        return kv
+
+    with pytest.raises(EngineResponseError, match="malformed splice ack .*applied must be true or false"):
+        _mock(_connector_server([], ack_edit=damage)).splice_probe()

@@ -67,10 +67,38 @@ def test_each_mismatch_is_named():
         assert verdict.has_plan and reason in verdict.reason, (reason, verdict)
 
 
+def test_an_oversized_plan_or_query_is_refused_before_it_is_read(monkeypatch):
+    """Both run in vLLM's scheduler loop, from the client's kv_transfer_params: 400,000
+    segments were parsed (1.6 s) before the extent check refused them, and a store query
+    of 4M tokens was type-checked token by token (0.3 s) before the cap refused it."""
+    from promptsplice.engine_adapters.connector import _plans
+
+    new, plan = case()
+    params = splice_params(plan, new)
+    huge = {**params, "splice": {**params["splice"], "segments": [params["splice"]["segments"][0]] * 400_000}}
+    parsed = []
+    monkeypatch.setattr(_plans.SplicePlan, "from_params", classmethod(lambda cls, p: parsed.append(p)))
+    verdict = plan_verdict(huge, new, BS)
+    assert parsed == [] and verdict.reason == f"the plan has 400000 segments and probes for a prompt of {len(new)} tokens"
+
+    class Tokens(list):  # a list whose items may not be read
+        def __iter__(self):
+            raise AssertionError("the tokens were read")
+
+    raw = [{"parent": "00" * 16, "salt": None, "tokens": Tokens([1] * (8 * BS))}]
+    assert answer_query(raw, FakeStore().match, BS, None, 4 * BS) == (
+        (), f"a store query carries at most {4 * BS} tokens (the engine's max_model_len)"
+    )
+
+
 def test_ack_round_trip():
     ack = SpliceAck(True, "", 96, 96, 96)
     assert SpliceAck.from_params(ack_params(ack)) == ack
-    assert SpliceAck.from_params({"splice_ack": {"applied": True}}) is None
+    with pytest.raises(InputError, match="planned_tokens must be a count"):  # there, but malformed
+        SpliceAck.from_params({"splice_ack": {"applied": True}})
+    for field, bad in (("applied", "false"), ("relocated_tokens", -96), ("block_size", 32.0), ("matched", [1, -1])):
+        with pytest.raises(InputError, match=f"the splice ack's {field} must be"):
+            SpliceAck.from_params({"splice_ack": {**ack_params(ack)["splice_ack"], field: bad}})
     assert SpliceAck.from_params(None) is None
     with_bs = SpliceAck(True, "", 96, 96, 96, 32)
     assert SpliceAck.from_params(ack_params(with_bs)) == with_bs
@@ -95,9 +123,11 @@ def test_the_acks_max_query_tokens_round_trips_and_reads_as_unknown_from_an_olde
     parsed = SpliceAck.from_params({"splice_ack": old})
     assert parsed == ack._replace(max_query_tokens=0)
     assert SpliceAck(True, "", 96, 96, 96).max_query_tokens == 0  # unsaid: unknown
-    for unsaid in (None, 0, -5):  # null or nonsense reads as unknown too, never a negative cap
+    for unsaid in (None, 0):  # null reads as unknown too
         assert SpliceAck.from_params({"splice_ack": {**old, "max_query_tokens": unsaid}}).max_query_tokens == 0
-    assert SpliceAck.from_params({"splice_ack": {**old, "max_query_tokens": "many"}}) is None  # malformed
+    for bad in (-5, "many"):  # nonsense is malformed, never a negative or made-up cap
+        with pytest.raises(InputError, match="max_query_tokens must be a count"):
+            SpliceAck.from_params({"splice_ack": {**old, "max_query_tokens": bad}})
 
 
 def test_a_served_store_query_is_split_at_the_cap_the_probe_ack_names(monkeypatch):
