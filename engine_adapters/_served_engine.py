@@ -257,7 +257,8 @@ class ServedEngineSurface:
                 from promptsplice.engine_adapters._lifecycle import load_tokenizer as load_model_tokenizer
 
                 def no_llm() -> Any:
-                    raise TokenizerError(f"{model} has no tokenizer.json")
+                    raise TokenizerError(f"{model} has no tokenizer.json: pass RemoteEngine(tokenizer=...) "
+                                         "with the server's tokenizer (a tokenizer.json path or an HFTokenizer)")
 
                 tok = load_model_tokenizer(model, no_llm)
             else:
