@@ -350,7 +350,6 @@ def test_a_write_in_flight_when_the_store_is_cleared_never_comes_back(redis_url)
         assert not a.contains(ref, salt=SALT) and a.stats().remote_blocks == 0
 
 
-@pytest.mark.reliability
 def test_a_url_error_never_quotes_the_password():
     """A password with a '#' or '/' in it, not percent-encoded: the URL parser's message
     quoted the text it read as a port (part of the password) into the ConfigError."""
@@ -382,6 +381,7 @@ def test_a_block_only_the_shared_index_names_is_kept_when_computed_here(redis_ur
         assert b.put(refs[0], kv(0), salt=SALT) is PutStatus.EXISTS  # held here now
 
 
+@pytest.mark.reliability
 def test_a_full_server_announces_nothing_it_refused(caplog):
     """A server at ``maxmemory`` with Redis's default policy (``noeviction``) refuses
     every SET with OOM; the PUBLISH that went with it still ran, so every store indexed
