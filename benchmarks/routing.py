@@ -70,8 +70,10 @@ class LoopbackServer:
     proc: subprocess.Popen
     log: Path
 
+    log_dir: Path | None = None
+    """The folder made for the log (removed on :meth:`stop`); ``None``: the caller's."""
     keep_log: bool = False
-    """Leave the log's folder on :meth:`stop` (a server that failed: its error names it)."""
+    """Leave ``log_dir`` on :meth:`stop` (a server that failed: its error names the log)."""
 
     def tail(self, n: int = 40) -> str:
         """The log's last ``n`` lines, after the exception lines anywhere in it (vLLM's
@@ -88,11 +90,11 @@ class LoopbackServer:
     def stop(self) -> None:
         """Stop the server's whole process group: SIGTERM, SIGKILL after 30 s.  The group,
         not the API server alone: its EngineCore process outlives an API server that died
-        (vLLM has no parent-death signal), ~2.5 GB each.  The log's folder goes too,
-        unless ``keep_log``."""
+        (vLLM has no parent-death signal), ~2.5 GB each.  ``log_dir`` goes too, unless
+        ``keep_log``."""
         stop_process_group(self.proc)
-        if not self.keep_log:
-            shutil.rmtree(self.log.parent, ignore_errors=True)
+        if self.log_dir is not None and not self.keep_log:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 _EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception): ")
@@ -101,8 +103,21 @@ _EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception): ")
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGTERM the process group ``proc`` leads (started with ``start_new_session``), wait
     until every member is gone, SIGKILL the group after ``grace_s``.  Also when ``proc``
-    itself has exited: its children may not have."""
+    itself has exited: its children may not have.  A process that leads no group of its
+    own is terminated alone."""
     pgid = proc.pid
+    try:
+        leads = os.getpgid(pgid) == pgid
+    except ProcessLookupError:  # exited and reaped: its group, if any, may live on
+        leads = True
+    if not leads:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        return
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
@@ -154,7 +169,7 @@ def _start(
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return LoopbackServer(f"http://127.0.0.1:{port}", proc, log)
+    return LoopbackServer(f"http://127.0.0.1:{port}", proc, log, log_dir=log.parent)
 
 
 def _wait_healthy(servers: Sequence[LoopbackServer], deadline_s: float) -> None:

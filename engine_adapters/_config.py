@@ -131,8 +131,9 @@ def auto_dtype() -> str:
 
 def _check_events_endpoint(ep: object) -> None:
     """A ZMQ endpoint vLLM's KV-event publisher can use: ``tcp://*:PORT`` (bound, every
-    interface), ``tcp://HOST:PORT`` (connected to: a router bound there), ``ipc://PATH``
-    (bound, this machine)."""
+    interface; port 0: one the system picks), ``tcp://HOST:PORT`` (connected to: a router
+    bound there; IPv4 or a name, since vLLM binds IPv6 addresses without IPv6 on),
+    ``ipc://PATH`` (bound, this machine)."""
     if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(f"kv_events_endpoint must be a ZMQ endpoint such as 'ipc:///tmp/kv-events' or "
                           f"'tcp://router-host:5557', got {ep!r}")
@@ -144,7 +145,11 @@ def _check_events_endpoint(ep: object) -> None:
             raise ConfigError(f"kv_events_endpoint {ep!r} names no path: ipc:///tmp/kv-events, say")
         return
     host, sep, port = ep[len("tcp://"):].rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+    if ":" in host:
+        raise ConfigError(f"kv_events_endpoint {ep!r}: vLLM's publisher binds an address with '::' without "
+                          "turning IPv6 on in ZMQ (its start fails); use an IPv4 address or host name, or ipc://")
+    lowest = 0 if host == "*" else 1  # (tcp://*:0: vLLM binds a port the system picks)
+    if not sep or not host or not (port.isascii() and port.isdigit() and lowest <= int(port) < 65536):
         raise ConfigError(f"kv_events_endpoint {ep!r} needs a host and a port: tcp://HOST:PORT (vLLM connects "
                           "to a router bound there) or tcp://*:PORT (vLLM binds on every interface)")
 

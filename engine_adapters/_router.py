@@ -275,8 +275,9 @@ class PrefixRouter(_Base):
 
     ``load_factor`` (> 1): no endpoint takes more than ``ceil(load_factor * (in_flight
     + 1) / n)`` requests at once.  ``key_blocks``: blocks that name the key (see
-    :func:`prefix_route_key`).  ``block_size`` and ``salt`` apply to token-id and text
-    prompts (an assembled prompt carries its own).  ``vnodes``: ring points per endpoint.
+    :func:`prefix_route_key`).  ``block_size``: the engines' (an assembled prompt must
+    have it: its key is that of its token ids); ``salt``: for token-id and text prompts
+    (an assembled prompt carries its own).  ``vnodes``: ring points per endpoint.
     ``require_salt``: refuse to key a prompt without a salt
     (:class:`~promptsplice.errors.MissingSaltError`); either way, keying salted and
     unsalted prompts warns once (:class:`~promptsplice.errors.UnsaltedTenantWarning`).
@@ -348,7 +349,7 @@ class PrefixRouter(_Base):
             raise ConfigError(
                 f"the assembled prompt has block_size={prompt.block_size}, this router "
                 f"block_size={self.block_size}: give PrefixRouter(block_size={prompt.block_size}) "
-                "(the engines' block size), so that its ids and text route alike"
+                "(the engines' block size), so that the prompt and its token ids route alike"
             )
         return prefix_route_key(prompt, key_blocks=self.key_blocks, block_size=self.block_size, salt=salt)
 

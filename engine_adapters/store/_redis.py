@@ -94,7 +94,7 @@ _OWN_OPTIONS = frozenset({
     "max_connections",  # the listener, the writer and the readers each hold one: a cap starves them
 })  # fmt: skip
 #: Client options that turn replies into str: the tier's values are binary.
-_DECODING = frozenset({"decode_responses", "encoding", "encoding_errors"})
+_DECODING = frozenset({"decode_responses"})
 #: A slow server (one that answers, late): reads are skipped for ``retry_s`` when the
 #: median of the last reads is over this share of the timeout (a median, so the few
 #: reads that opened a connection, handshake included, do not count), or at once when
@@ -113,10 +113,11 @@ def check_redis_url(url: object) -> str | None:
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        # (the parser's message quotes the URL's text: part of a password with a ':' in it)
-        return ("is not a valid URL: its port is not a number, or a password holds a character a URL "
-                "cannot (percent-encode the password with urllib.parse.quote(password, safe=''))")
+    except ValueError as exc:
+        if "could not be cast" in str(exc):  # it quotes the URL's text: part of a password, say
+            return ("is not a valid URL: its port is not a number, or a password holds a character a URL "
+                    "cannot (percent-encode the password with urllib.parse.quote(password, safe=''))")
+        return f"is not a valid URL ({exc})"
     if parts.scheme != "redis":
         return f"must start with redis:// (got scheme {parts.scheme or 'none'!r})"
     if not parts.hostname:

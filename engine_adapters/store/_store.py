@@ -348,17 +348,15 @@ class BlockStore:
                 return PutStatus.EXISTS
             # Not held here (a shared tier's index may name it: another engine's copy,
             # which the server may have evicted since): keep this one in DRAM.
-            jobs = self._admit(k, held)
+            jobs = self._admit(k, held)  # (the write-downs of the blocks it evicts)
             admitted = jobs is not None
-            if admitted and old is not None:
-                jobs = []  # the shared tier names it already: no write to it
-            elif jobs is None:  # no room in DRAM: straight to the storage tiers
+            if jobs is None:  # no room in DRAM: straight to the storage tiers
                 jobs = self._write_down(k, held)
                 if not jobs:
                     if not self._lower:
                         self._dropped += 1
                     return PutStatus.REJECTED
-            else:  # other engines read the shared tiers: write them now
+            elif old is None:  # other engines read the shared tiers: write them now
                 jobs += self._write_down(k, held, shared_only=True)
             self._begin(jobs)
         results = self._run_planned(jobs)

@@ -93,7 +93,7 @@ def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(t
     proc = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
                              f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"],
                             start_new_session=True)
-    srv = LoopbackServer("http://127.0.0.1:9", proc, log)
+    srv = LoopbackServer("http://127.0.0.1:9", proc, log, log_dir=log_dir)
     time.sleep(1.0)  # the child has started
     os.kill(proc.pid, signal.SIGKILL)  # the API server dies; its child lives on
     proc.wait(timeout=10)
@@ -105,3 +105,16 @@ def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(t
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
     assert not log_dir.exists()
+    # a server whose log is the caller's: its folder stays (it held other files)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.json").write_text("{}")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    LoopbackServer("http://127.0.0.1:9", other, mine / "server.log").stop()
+    assert other.poll() is not None and (mine / "results.json").exists()
+    # a process that leads no group of its own (started without a new session) is stopped alone
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    from promptsplice.benchmarks.routing import stop_process_group
+
+    stop_process_group(plain, grace_s=5)
+    assert plain.poll() is not None

@@ -38,7 +38,9 @@ def test_the_endpoint_sets_vllms_kv_events_config():
         EngineConfig(kv_events_topic="kv@a@m")
     with pytest.raises(ConfigError, match="turn prefix caching on"):
         EngineConfig(kv_events_endpoint="ipc:///tmp/kv-events", enable_prefix_caching=False)
-    for good in ("tcp://*:5557", "tcp://10.0.0.7:5557", "tcp://[::1]:5557", "ipc:///tmp/kv-events"):
+    with pytest.raises(ConfigError, match="binds an address with '::' without turning IPv6 on"):
+        EngineConfig(kv_events_endpoint="tcp://[::1]:5557")
+    for good in ("tcp://*:5557", "tcp://*:0", "tcp://10.0.0.7:5557", "tcp://router.local:5557", "ipc:///tmp/kv-events"):
         assert EngineConfig(kv_events_endpoint=good).llm_kwargs("/m")["kv_events_config"]["endpoint"] == good
 
 

@@ -97,7 +97,7 @@ def value_key(ref, salt=SALT, ns: int = 0, fp: bytes = FP) -> str:
         # replies decoded to str: every read of a binary value failed, the tier never served
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?decode_responses=true"},
          "remote_url sets decode_responses: the tier reads binary values"),
-        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?encoding=latin-1"}, "remote_url sets encoding"),
+        ({"remote_bytes": 1024, "remote_url": "redis://h:99999/0"}, r"remote_url is not a valid URL \(Port out of range"),
     ],
 )
 def test_config_names_the_remote_field_to_fix(kwargs, field):
@@ -379,6 +379,29 @@ def test_a_block_only_the_shared_index_names_is_kept_when_computed_here(redis_ur
             assert got.status is HIT_DRAM and torch.equal(got.payload, kv(i))
         assert b.stats().dram_blocks == 3 and b.stats().remote_writes == 0  # named there already: not re-sent
         assert b.put(refs[0], kv(0), salt=SALT) is PutStatus.EXISTS  # held here now
+
+
+def test_a_shared_named_put_that_evicts_still_writes_the_evicted_block_down(redis_url, tmp_path):
+    """The put above, on a full DRAM in front of a disk tier: the write-downs of the blocks
+    it evicted were dropped with the shared write it skips, so each evicted block stayed
+    in memory outside every budget, never reached the disk and was lost at a restart."""
+    disk = {"disk_bytes": 1 << 20, "disk_dir": str(tmp_path / "kv")}
+    with open_store(redis_url, dram_blocks=8) as a, open_store(redis_url, dram_blocks=2, **disk) as b:
+        assert remote(b).wait_synced(5.0)
+        refs = make_refs(6)
+        put_all(a, refs[3:], first=3)
+        assert wait_for(lambda: b.match_prefix(refs[3:], salt=SALT) == 3)
+        admin = client(redis_url)
+        for name in _psk_keys(redis_url):
+            admin.delete(name)
+        admin.close()
+        assert put_all(b, refs) == [PutStatus.STORED] * 6  # 3 of its own, then the 3 the index names
+        b.drain()
+        assert b.stats().disk_blocks == 4 and b.stats().dram_blocks == 2
+    with open_store(redis_url, dram_blocks=2, **disk) as again:  # a restart: the disk holds them
+        for i, ref in enumerate(refs[:4]):
+            got = again.get(ref, salt=SALT)
+            assert got.status is HIT_DISK and torch.equal(got.payload, kv(i))
 
 
 @pytest.mark.reliability
