@@ -41,7 +41,10 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   period.  The listener then resubscribes and rescans (again if an outage came during
   its scan, which forgot what the scan had indexed).  A server that refuses a write
   (out of memory) counts a write error and drops the block, without opening the
-  breaker.  No exception of the client reaches the caller or stops the writer.
+  breaker.  A server that refuses the listener's subscribe or scan (a database number
+  it does not have, an ACL without those commands) is an outage too, logged once with
+  its reason: the tier cannot keep an index there.  No exception of the client reaches
+  the caller or stops the writer.
 
 A forked child never uses an inherited tier (the store keeps its DRAM tier only there:
 ``_store``).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
@@ -193,6 +196,7 @@ class RedisTier(IndexedTier):
         from redis.retry import Retry
 
         self._errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._refusals: tuple[type[BaseException], ...] = (redis.ResponseError,)
         options: dict[str, Any] = {
             "socket_timeout": timeout_s,
             "socket_connect_timeout": timeout_s,
@@ -381,8 +385,9 @@ class RedisTier(IndexedTier):
             "local tiers, reads retried in %g s", _redact(self._url), why, self._retry_s,
         )  # fmt: skip
 
-    def _outage(self, err: BaseException) -> None:
-        """Under the lock: the server is out of reach; open the breaker."""
+    def _outage(self, err: BaseException, *, refused: bool = False) -> None:
+        """Under the lock: the server is out of reach (or, ``refused``, answers the
+        listener's commands with an error); open the breaker."""
         self._down_until = time.monotonic() + self._retry_s
         self._read_times.clear()  # a server back from the breaker starts afresh
         self._lru.clear()  # it may come back empty: the listener rescans it
@@ -394,13 +399,21 @@ class RedisTier(IndexedTier):
             self._outages += 1
         if not self._warned:
             self._warned = True
-            _log.warning(
-                "KV block store: Redis at %s is out of reach (%s); serving from the local "
-                "tiers, retried in %g s",
-                _redact(self._url),
-                err,
-                self._retry_s,
-            )
+            if refused:
+                _log.warning(
+                    "KV block store: Redis at %s refuses the tier's subscribe or scan (%s: %s; check "
+                    "the URL's database number against the server's `databases` and the user's ACL); "
+                    "serving from the local tiers, retried in %g s",
+                    _redact(self._url), type(err).__name__, err, self._retry_s,
+                )  # fmt: skip
+            else:
+                _log.warning(
+                    "KV block store: Redis at %s is out of reach (%s); serving from the local "
+                    "tiers, retried in %g s",
+                    _redact(self._url),
+                    err,
+                    self._retry_s,
+                )
         self._cond.notify_all()
 
     def _back(self) -> None:
@@ -794,6 +807,10 @@ class RedisTier(IndexedTier):
                 with self._cond:
                     if not self._closed:
                         self._outage(exc)
+            except self._refusals as exc:  # e.g. "DB index is out of range": logged once, not each retry
+                with self._cond:
+                    if not self._closed:
+                        self._outage(exc, refused=True)
             except Exception:  # noqa: BLE001 - a bug must not stop the index for good
                 _log.exception("KV block store: the Redis listener failed")
                 with self._cond:

@@ -700,6 +700,23 @@ def test_stores_on_two_databases_of_one_server_never_index_each_other(redis_serv
     admin.close()
 
 
+def test_a_database_the_server_lacks_is_one_logged_outage(redis_server, redis_url, caplog):
+    """The server refuses SELECT of a database it does not have at every connect: the
+    listener logged an ERROR with a traceback each back-off, forever, and counted no
+    outage.  Now: one outage, one warning naming the database, blocks kept locally."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/99999"  # the server has 16 databases
+    refs = make_refs(6)
+    with caplog.at_level(logging.WARNING), open_store(url, dram_blocks=8, remote_retry_s=0.2) as store:
+        assert put_all(store, refs) == [PutStatus.STORED] * 6
+        time.sleep(1.5)  # seven back-offs: the listener tried again after each
+        assert [store.get(ref, salt=SALT).status for ref in refs] == [HIT_DRAM] * 6
+        st = store.stats()
+        assert st.remote_outages == 1 and not st.remote_available and st.remote_writes == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    refusals = [r.getMessage() for r in caplog.records if "refuses the tier's subscribe" in r.getMessage()]
+    assert len(refusals) == 1 and "DB index is out of range" in refusals[0] and "database number" in refusals[0]
+
+
 def test_a_shared_tier_needs_a_fingerprint(redis_url):
     """Without one, a bfloat16 store was served a float32 block of another shape."""
     cfg = StoreConfig(dram_bytes=P, remote_bytes=1 << 20, remote_url=redis_url)
