@@ -144,7 +144,11 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
                     f"got {type(raw).__name__}"
                 )
             metadata = getattr(chunk, "metadata", None)
-            cid = getattr(chunk, "id", None) or None
+            cid = getattr(chunk, "id", None)
+            try:
+                cid = cid or None  # a falsy id means none (LangChain's default is None)
+            except Exception:  # noqa: BLE001 - no truth value (an array): refused below, by type
+                pass
             if cid is None and isinstance(metadata, dict):
                 cid = metadata.get("id")
 
@@ -185,8 +189,16 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
         if cid is None:
             cid = "c:" + digest.hex()[:16]
         elif type(cid) is not str:
-            if isinstance(cid, (int, str)) and not isinstance(cid, bool):
-                cid = str(cid)
+            if isinstance(cid, str):
+                cid = str.__str__(cid)  # a subclass's own characters, not its __str__ (as for text)
+            elif isinstance(cid, int) and not isinstance(cid, bool):
+                try:
+                    cid = int.__repr__(cid)
+                except ValueError:  # over Python's int-to-str digit limit
+                    raise InvalidChunkError(
+                        f"chunk {index}: an int id of {cid.bit_length()} bits is over Python's int-to-str "
+                        "limit; pass a str id"
+                    ) from None
             else:
                 raise InvalidChunkError(
                     f"chunk {index}: id must be a str (or int), got {type(cid).__name__} "

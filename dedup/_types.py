@@ -8,6 +8,7 @@ the config.
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, fields
 
 from promptsplice.errors import ConfigError
@@ -82,9 +83,10 @@ class DedupConfig:
                 raise ConfigError(f"DedupConfig.{name} must be True or False, got {value!r}")
         for name in ("min_overlap", "min_passage"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= sys.maxsize:
+                # above sys.maxsize the C core cannot take it (a raw OverflowError)
                 raise ConfigError(
-                    f"DedupConfig.{name} must be an int >= 1 (a length in bytes), got {value!r}"
+                    f"DedupConfig.{name} must be an int in [1, sys.maxsize] (a length in bytes), got {value!r}"
                 )
         if not isinstance(self.source_key, str) or not self.source_key:
             raise ConfigError(

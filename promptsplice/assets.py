@@ -124,7 +124,13 @@ def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]
     complete and rename it into place; any failure becomes :class:`AssetError`.  One
     build at a time (threads and processes); whoever waited for another's build uses
     its folder."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only home, or a file where a folder should be
+        raise AssetError(
+            f"cannot create {folder.parent} to build {folder} ({exc}); point PROMPTSPLICE_HOME "
+            "(or the folder argument) at a writable folder"
+        ) from exc
     with _build_lock(folder):
         if is_complete(folder):  # built while this one waited
             return folder
@@ -132,7 +138,10 @@ def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]
 
 
 def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as exc:
+        raise AssetError(f"cannot create a folder in {folder.parent} to build {folder} ({exc}); make it writable") from exc
     try:
         build(source, tmp)
         (tmp / _MARKER).write_text(json.dumps({"source": str(source)}) + "\n")

@@ -120,7 +120,12 @@ def chunk_key(
     """
     check_block_size(block_size)
     salt_b = salt_bytes(salt)
-    ident = identity.encode("utf-8")
+    if not isinstance(identity, str):
+        raise InputError(f"identity must be a str (what the KV depends on), got {type(identity).__name__}")
+    try:
+        ident = identity.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"identity is not encodable as UTF-8 ({exc.reason} at {exc.start})") from None
     head = b"%d:%d:%d:" % (block_size, len(salt_b), len(ident))
     return xxhash.xxh3_128_digest(_CHUNK_TAG + head + salt_b + ident + token_bytes(tokens))
 
@@ -132,9 +137,12 @@ def root_hash(salt: str | bytes | None = None) -> BlockHash:
 
 def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
     """Token ids as little-endian uint32 bytes (the hashed representation)."""
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        # array("I", b"abcd") reads the bytes as machine ints: one wrong token, no error
+        raise InputError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
     try:
         arr = array("I", tokens)
-    except (OverflowError, TypeError) as exc:
+    except (OverflowError, TypeError, ValueError) as exc:
         raise InputError(f"token ids must be ints in [0, 2**32): {exc}") from exc
     if not _LITTLE:  # pragma: no cover - no big-endian CI machine
         arr.byteswap()
@@ -169,6 +177,8 @@ def chain_hashes(
         parent = root_hash(salt)
     elif salt is not None:
         raise ConfigError("pass either parent or salt: the salt only enters the root")
+    elif not isinstance(parent, bytes) or len(parent) != 16:
+        raise InputError(f"parent must be a 16-byte BlockHash (a chain_hashes result), got {parent!r:.60}")
     return list(iter_block_hashes(parent, memoryview(token_bytes(tokens)), block_size))
 
 

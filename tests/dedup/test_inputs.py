@@ -216,3 +216,29 @@ def test_a_str_subclass_is_read_as_its_characters_not_its_str():
         DISCLAIMER = "Past performance is no guarantee of future results."
 
     assert dedup([Snippet.DISCLAIMER]).chunks[0].text == "Past performance is no guarantee of future results."
+
+
+def test_ids_of_odd_types_are_read_as_written_or_refused_by_name():
+    """A str subclass's id was its ``__str__`` (an enum gave ``"S.NAME"``, as text once
+    did); an int id over Python's digit limit raised a raw ValueError; a Document id
+    without a truth value leaked its error."""
+    import enum
+
+    class Key(str, enum.Enum):
+        A = "doc-a"
+
+    class NoTruth:
+        def __bool__(self):
+            raise RuntimeError("no truth value")
+
+    assert normalize_chunks([{"text": "t", "id": Key.A}])[0].id == "doc-a"
+    assert normalize_chunks([{"text": "t", "id": 0}])[0].id == "0"
+    assert normalize_chunks([Document(page_content="t", id="")])[0].id.startswith("c:")
+    with pytest.raises(InvalidChunkError, match=r"chunk 0: an int id of \d+ bits is over Python's int-to-str limit"):
+        normalize_chunks([{"text": "t", "id": 10**5000}])
+
+    class Doc:
+        page_content, metadata, id = "t", {}, NoTruth()
+
+    with pytest.raises(InvalidChunkError, match="id must be a str \\(or int\\), got NoTruth"):
+        normalize_chunks([Doc()])

@@ -77,6 +77,18 @@ def test_cache_locations_follow_the_environment(monkeypatch, tmp_path):
     assert assets.default_tokenizer_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct.tokenizer"
 
 
+def test_a_home_that_cannot_hold_folders_is_an_asset_error(monkeypatch, tmp_path):
+    """A file where PROMPTSPLICE_HOME's folders go (or a read-only home) raised a raw
+    NotADirectoryError / FileExistsError from assemble_prompt."""
+    blocker = tmp_path / "home"
+    blocker.write_text("a file, not a folder")
+    monkeypatch.setenv("PROMPTSPLICE_HOME", str(blocker))
+    with pytest.raises(AssetError, match="cannot create .*home/models to build .*point PROMPTSPLICE_HOME"):
+        assets.ensure_default_tokenizer()
+    with pytest.raises(AssetError, match="cannot create"):
+        assets.ensure_default_tokenizer(blocker / "tok")
+
+
 def test_a_non_byte_level_gguf_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(assets, "_read_gguf_tokenizer", lambda source: {"tokenizer.ggml.model": "llama"})
     with pytest.raises(AssetError, match="not a GPT-2 byte-level BPE"):

@@ -9,6 +9,8 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+from promptsplice.errors import InputError
+
 from promptsplice.blocks import (
     HASH_BYTES,
     cdiv,
@@ -92,6 +94,16 @@ def test_bad_arguments():
         chain_hashes([1], 0)
     with pytest.raises(ValueError, match="either parent or salt"):
         chain_hashes([1], 1, parent=root_hash(None), salt="s")
+    with pytest.raises(InputError, match="parent must be a 16-byte BlockHash"):
+        chain_hashes([1], 1, parent="abc")  # a raw TypeError from the hash
+    # bytes were read as machine ints (b"abcd" hashed as one token); odd lengths raised ValueError
+    for raw in (b"abcd", b"abc", bytearray(4), "ab"):
+        with pytest.raises(InputError, match="token ids must be a sequence of ints"):
+            chain_hashes(raw, 1)
+    with pytest.raises(InputError, match="identity must be a str"):
+        chunk_key([1], block_size=1, identity=5)
+    with pytest.raises(InputError, match="identity is not encodable as UTF-8"):
+        chunk_key([1], block_size=1, identity="\ud800")
 
 
 def test_chunk_key_names_tokens_block_size_salt_and_identity():
