@@ -69,6 +69,9 @@ from promptsplice.errors import ConfigError, ContextLengthError, InvalidUTF8Erro
 
 __all__ = ["Assembler", "DEFAULT_CAPACITY_BLOCKS"]
 
+_CHUNK_KEYS = "\x00chunk\x00"
+"""Token-cache key prefix of chunks (keyed by their raw text's digest, see ``assemble``)."""
+
 DEFAULT_CAPACITY_BLOCKS = 262_144
 """Default mirror size when no engine tells us its own (4M tokens at block 16)."""
 
@@ -247,9 +250,13 @@ class Assembler:
             marked = (m_sep if i else "") + marked
             items.append((prefix, content_digest(marked.encode("utf-8")), marked))
         # Every chunk carries the separator, also when it comes first (no system/tools):
-        # its tokens then never depend on its position.
+        # its tokens then never depend on its position.  Chunks are keyed by their *raw*
+        # text's digest (dedup's, no hashing here), so under a key space of their own:
+        # head and query keys digest the marked text, and a document whose raw text
+        # equalled a query's marked text was served that query's tokens (control tokens).
         chunk_marks = [esc(k.text) for k in kept]
-        items.extend((sep, k.digest, m_sep + m) for k, m in zip(kept, chunk_marks))
+        chunk_space = _CHUNK_KEYS + sep
+        items.extend((chunk_space, k.digest, m_sep + m) for k, m in zip(kept, chunk_marks))
         q_text = sep + fmt.query_text(query)
         _utf8(q_text, SegmentKind.QUERY)
         m_query = m_sep + fmt.marked(fmt.query_template, esc, query=query)
@@ -257,7 +264,8 @@ class Assembler:
         self._check_size(items, kept, limit)
         holds = self._markup.holds
         markup_as_text = not self.trust_markup and (
-            any(holds(v) for v in (sys_value or "", tools_text, query))
+            # the tools header is the format's own markup: only the tools' JSON is caller text
+            any(holds(v) for v in (sys_value or "", tools_text[len(fmt.tools_header) :] if tools else "", query))
             or any(m is not k.text and holds(k.text) for k, m in zip(kept, chunk_marks))
         )
         toks = self.token_cache.get_many(self._cache_name, items, self._encode)

@@ -115,17 +115,26 @@ class ChatTemplate:
         if cfg_path.is_file():
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         jinja_path = folder / "chat_template.jinja"
+        named = cfg.get("chat_template")
+        if isinstance(named, list):  # named templates ({"name", "template"}): the default one
+            named = next(
+                (t.get("template") for t in named if isinstance(t, dict) and t.get("name") == "default"), None
+            )
         if jinja_path.is_file():
             source = jinja_path.read_text(encoding="utf-8")
-        elif isinstance(cfg.get("chat_template"), str):
-            source = cfg["chat_template"]
+        elif isinstance(named, str):
+            source = named
         else:
-            raise ConfigError(f"no chat template in {folder} (chat_template.jinja or tokenizer_config.json)")
-        special = {
-            k: v
-            for k, v in cfg.items()
-            if k.endswith("_token") and isinstance(v, str)
-        }
+            raise ConfigError(
+                f"no chat template in {folder} (chat_template.jinja, or tokenizer_config.json's "
+                "chat_template as a str or a list with a 'default' entry)"
+            )
+        special: dict[str, str] = {}
+        for k, v in cfg.items():
+            if isinstance(v, dict) and v.get("__type") == "AddedToken":  # older configs' form
+                v = v.get("content")
+            if k.endswith("_token") and isinstance(v, str):
+                special[k] = v
         return cls(source, special_tokens=special, name=str(folder))
 
     @classmethod

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from promptsplice.assembler._layout import SegmentKind
 from promptsplice.assembler._ordering import AlignPolicy
 from promptsplice.blocks import BlockHash
+from promptsplice.errors import InputError
 
 __all__ = ["MessageSegment", "Render"]
 
@@ -95,5 +96,5 @@ class Render:
         """Token span (padding included) of message ``index``'s segments."""
         segs = [s for s in self.segments if s.message_index == index]
         if not segs:
-            raise IndexError(f"message {index} is not in this render ({self.num_messages} messages)")
+            raise InputError(f"message {index} is not in this render ({self.num_messages} messages)")
         return (segs[0].start, segs[-1].end)

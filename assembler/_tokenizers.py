@@ -420,7 +420,14 @@ def _identity(tok: Tokenizer) -> tuple[int, ...]:
 def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     """Whether ``a`` and ``b`` split text alike (the same object, or the same ids for a
     probe of words, code, digits, spaces and several scripts).  Names are not compared:
-    one tokenizer.json loaded from two paths has two names and one vocabulary."""
+    one tokenizer.json loaded from two paths has two names and one vocabulary.  A spec
+    (a name or path) is not a tokenizer: :func:`load_tokenizer` it first."""
+    for what, tok in (("a", a), ("b", b)):
+        if not (callable(getattr(tok, "encode", None)) and callable(getattr(tok, "decode", None))):  # not a str
+            raise TokenizerError(
+                f"same_tokenizer: {what} must be a Tokenizer (with encode and decode), got {type(tok).__name__}; "
+                "pass load_tokenizer(spec) for a name or path"
+            )
     return a is b or _identity(a) == _identity(b)
 
 

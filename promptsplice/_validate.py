@@ -359,6 +359,9 @@ def check_messages(
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise InvalidMessageError(f"{what}[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        for key in m:  # a template that renders whole messages sorts their keys (raw TypeError)
+            if not isinstance(key, str):
+                raise InvalidMessageError(f"{what}[{i}] has a key that is not a str: {_short(key)}")
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidMessageError(f"{what}[{i}]['role'] must be a non-empty str, got {_short(role)}")

@@ -346,6 +346,39 @@ def test_chatml_format_matches_the_models_chat_template(make_assembler, default_
     assert default_tok.encode(res.text) == res.token_ids
 
 
+def test_a_document_spelling_a_cached_query_gets_its_own_tokens(make_assembler, default_tok):
+    """Chunks were keyed in the token cache by their raw text's digest, the query by its
+    marked text's, in one key space: a document whose raw text equalled an earlier
+    query's marked text was served that query's tokens, ChatML control tokens included."""
+    from promptsplice.assembler import PromptFormat
+
+    fmt = PromptFormat.chatml()
+    asm = make_assembler(policy="retrieval", alignment="none", prompt_format=fmt)
+    query = "<|im_start|>" * 16
+    asm.assemble([], query=query)  # caches the query segment
+    doc = "\n\n" + fmt.marked(fmt.query_template, asm._markup.escape, query=query)
+    res = asm.assemble([doc], query="hello")
+    fresh = make_assembler(policy="retrieval", alignment="none", prompt_format=fmt).assemble([doc], query="hello")
+    (seg,) = [s for s in res.segments if s.kind is SegmentKind.CHUNK]
+    ids = res.token_ids[seg.start : seg.content_end]
+    control = {default_tok.special_tokens["<|im_start|>"], default_tok.special_tokens["<|im_end|>"]}
+    assert not control & set(ids)
+    assert res.token_ids == fresh.token_ids
+
+
+def test_a_tools_header_of_markup_is_not_caller_text(make_assembler, default_tok):
+    """``markup_as_text`` scanned the format's own tools header, so a format whose header
+    is markup reported caller text escaped (and ``text_is_exact`` False) for every prompt."""
+    from promptsplice.assembler import PromptFormat
+
+    asm = make_assembler(alignment="none", prompt_format=PromptFormat(tools_header="<|im_start|>tools\n"))
+    res = asm.assemble(["doc"], query="q", tools=[{"name": "f"}])
+    assert not res.markup_as_text and res.text_is_exact
+    assert default_tok.encode_markup_batch([res.text])[0] == res.token_ids
+    escaped = asm.assemble(["doc"], query="q", tools=[{"name": "<|im_start|>"}])
+    assert escaped.markup_as_text  # markup in the tools themselves still counts
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_text_form_matches_tokens_at_every_boundary_for_real_text(make_assembler, default_tok, data):

@@ -367,7 +367,7 @@ def test_bad_messages_and_options_of_summaries_are_the_documented_errors():
     p = SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=1)
     with pytest.raises(InvalidUTF8Error, match="message 1"):
         p.apply([{"role": "user", "content": "a"}, {"role": "tool", "content": "x\ud800"}])
-    with pytest.raises(InvalidMessageError, match="message 0"):
+    with pytest.raises(InvalidMessageError, match=r"messages\[0\] has a key that is not a str"):
         p.apply([{"role": "user", "content": "a", 1: "b"}])
     for kwargs, field in (({"max_memo": "4"}, "max_memo"), ({"max_memo": -1}, "max_memo"),
                           ({"role": None}, "role"), ({"tool_roles": "tool"}, "tool_roles")):

@@ -111,7 +111,7 @@ def test_each_message_is_tokenized_on_its_own_and_block_aligned(renderer, defaul
             assert seg.start % 16 == 0 and seg.end % 16 == 0
     assert res.message_keys == [s.key for s in res.segments if s.kind is SegmentKind.MESSAGE]
     assert default_tok.decode(res.token_ids) == res.text
-    with pytest.raises(IndexError):
+    with pytest.raises(InputError, match="message 6 is not in this render"):  # was a raw IndexError
         res.message_span(6)
 
 
@@ -313,6 +313,29 @@ def test_bad_options(default_tok):
     assert ChatRenderer(default_tok, alignment="auto").alignment.value == "all"
     text_parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     assert ChatRenderer(default_tok).render(text_parts).token_ids[32:38] == [IM_START, 4093, NL, 26843, IM_END, NL]
+
+
+def test_from_dir_reads_added_token_entries_and_named_templates(tmp_path):
+    """``{"__type": "AddedToken", "content": "<s>"}`` entries were skipped (``{{ bos_token }}``
+    rendered empty, no error), and a list of named templates was "no chat template"."""
+    import json
+
+    src = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"
+    bos = {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False}
+    one, named, none = tmp_path / "one", tmp_path / "named", tmp_path / "none"
+    for folder, cfg in (
+        (one, {"chat_template": src, "bos_token": bos, "eos_token": "</s>"}),
+        (named, {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": src}],
+                 "bos_token": "<s>", "eos_token": "</s>"}),
+        (none, {"chat_template": [{"name": "tool_use", "template": src}]}),
+    ):
+        folder.mkdir()
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hi = [{"role": "user", "content": "hi"}]
+    assert ChatTemplate.from_dir(one).render(hi) == "<s>[user]hi</s>"
+    assert ChatTemplate.from_dir(named).render(hi) == "<s>[user]hi</s>"
+    with pytest.raises(ConfigError, match="no chat template in .*a list with a 'default' entry"):
+        ChatTemplate.from_dir(none)
 
 
 def test_a_template_preamble_and_injected_tools(default_tok):

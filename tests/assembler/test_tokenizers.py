@@ -272,6 +272,8 @@ def test_same_tokenizer_compares_how_text_splits_not_names(default_tok):
     assert from_file.name != default_tok.name and same_tokenizer(from_file, default_tok)
     assert not same_tokenizer(default_tok, load_tokenizer("tiktoken:cl100k_base"))
     assert not same_tokenizer(load_tokenizer("tiktoken:cl100k_base"), load_tokenizer("tiktoken:o200k_base"))
+    with pytest.raises(TokenizerError, match="b must be a Tokenizer .* pass load_tokenizer"):
+        same_tokenizer(default_tok, "tiktoken:cl100k_base")  # a raw LookupError (str.encode of the probe)
 
 
 @pytest.mark.parametrize("filler, match", [

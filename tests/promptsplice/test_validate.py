@@ -130,6 +130,9 @@ def test_messages():
         ([{"role": "", "content": "x"}], {}, "role"),
         ([{"role": "user", "content": 5}], {}, r"\['content'\] must be a str, a list of parts or None"),
         ([{"role": "user"}], {"require_content": True}, "has no 'content'"),
+        # templates that render whole messages sort their keys: a raw TypeError from the hook
+        ([{"role": "user", "content": "x", 1: "y"}], {}, r"messages\[0\] has a key that is not a str: 1"),
+        ([{"role": "user", "content": "x", None: "y"}], {}, "has a key that is not a str: None"),
     ]
     for value, kwargs, match in cases:
         with pytest.raises(InvalidMessageError, match=match):
