@@ -19,7 +19,13 @@ escape is encoded whole, exactly as before.  The adapters name their control tok
 (``special_tokens``) and encode text with markup kept as text (``encode_text_batch``:
 ``encode_special_tokens`` for HF, ``encode_ordinary`` for tiktoken) or recognized
 (``encode_markup_batch``).  A tokenizer without these attributes is used through its
-``encode_batch`` alone (no protection: wrap it in an adapter).
+``encode_batch`` alone (no protection: wrap it in an adapter).  Added tokens that a
+vocabulary does not flag special but that are spelled like markup (Qwen's
+``<tool_call>``) are control tokens here too.
+
+Kept as one module (~610 lines): what counts as a control token, how each adapter
+encodes text around it and how :class:`Markup` escapes it are one rule, and a change to
+one of them without the others let caller text produce control tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import json
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -205,15 +212,20 @@ class HFTokenizer:
                 if self._text_tok is None:
                     from tokenizers import Tokenizer as _HFTok
 
-                    copy = _HFTok.from_str(self._tok.to_str())
+                    spec = json.loads(self._tok.to_str())
+                    for added in spec.get("added_tokens") or ():  # markup that is not flagged special
+                        if _is_markup(added.get("content") or "", bool(added.get("special"))):
+                            added["special"] = True  # (Qwen's <tool_call>): text too, not matched
+                    copy = _HFTok.from_str(json.dumps(spec))
                     copy.encode_special_tokens = True
                     self._text_tok = copy
         return [e.ids for e in self._text_tok.encode_batch(list(texts), add_special_tokens=False)]
 
     @property
     def special_tokens(self) -> dict[str, int]:
-        """The control tokens (added tokens marked special): text -> id."""
-        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        """The control tokens: text -> id of the added tokens marked special, and of those
+        not marked but spelled as markup (not whitespace: Qwen's ``<tool_call>``)."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if _is_markup(t.content, t.special)}
 
     def decode(self, ids: Sequence[int]) -> str:
         try:
@@ -227,6 +239,12 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r})"
+
+
+def _is_markup(content: str, special: bool) -> bool:
+    """An added token untrusted text must not produce: special, or spelled like markup
+    (whitespace runs that some vocabularies add unflagged are ordinary text)."""
+    return bool(content) and (special or not content.isspace())
 
 
 def tiktoken_cache_dir() -> Path | None:
@@ -392,8 +410,7 @@ def load_tokenizer(spec: str | Tokenizer | None = None) -> Tokenizer:
     )
 
 
-# Words, code, digits, runs of spaces, accents, CJK and emoji: two vocabularies that split
-# all of it alike give the same ids to the texts promptsplice assembles.
+# Words, code, digits, spaces, accents, CJK, emoji: vocabularies that split it alike agree on our texts.
 _IDENTITY_PROBE = (
     "Hello, world! The quick brown fox: 12345 tokens, 3.14159 and 2026-12-04.\n"
     "def f(x):\n    return {'k': [x, None]}  # ünïcode — naïve café\n\t"
@@ -420,14 +437,10 @@ def _identity(tok: Tokenizer) -> tuple[int, ...]:
 def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     """Whether ``a`` and ``b`` split text alike (the same object, or the same ids for a
     probe of words, code, digits, spaces and several scripts).  Names are not compared:
-    one tokenizer.json loaded from two paths has two names and one vocabulary.  A spec
-    (a name or path) is not a tokenizer: :func:`load_tokenizer` it first."""
-    for what, tok in (("a", a), ("b", b)):
-        if not (callable(getattr(tok, "encode", None)) and callable(getattr(tok, "decode", None))):  # not a str
-            raise TokenizerError(
-                f"same_tokenizer: {what} must be a Tokenizer (with encode and decode), got {type(tok).__name__}; "
-                "pass load_tokenizer(spec) for a name or path"
-            )
+    one tokenizer.json loaded from two paths has two names and one vocabulary."""
+    for what, tok in (("a", a), ("b", b)):  # a spec (str: it has encode) is no tokenizer
+        if not (callable(getattr(tok, "encode", None)) and callable(getattr(tok, "decode", None))):
+            raise TokenizerError(f"same_tokenizer: {what} must be a Tokenizer, got {type(tok).__name__}; use load_tokenizer")
     return a is b or _identity(a) == _identity(b)
 
 
