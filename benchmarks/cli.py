@@ -67,13 +67,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         # engine there is nothing to draw, and writing nothing silently would mislead.
         raise UsageError("demo: --chart needs the engine run (it plots vLLM's measured cached tokens "
                          "and TTFT); drop --chart or --no-engine")
+    chart = None if args.no_engine else (args.chart or DEFAULT_CHART)
+    if chart is not None:
+        _check_chart(chart)
     return run_demo(
         requests=args.requests,
         block_size=args.block_size,
         seed=args.seed,
         engine=not args.no_engine,
-        chart=None if args.no_engine else (args.chart or DEFAULT_CHART),
+        chart=chart,
     )
+
+
+def _check_chart(chart: str) -> None:
+    """``--chart`` is checked before the engine run, not by matplotlib after it: a suffix
+    it cannot write was a traceback at the end, and ``out/`` wrote ``./out.png``."""
+    from promptsplice.benchmarks.demo import chart_formats
+
+    _check_writable("--chart", chart, "the chart's", None)
+    formats = chart_formats()
+    if Path(chart).suffix.lstrip(".").lower() not in formats:
+        shown = ", ".join(f".{f}" for f in ("png", "svg", "pdf") if f in formats)
+        raise UsageError(f"--chart {chart}: name the file with a suffix matplotlib can write "
+                         f"({shown}, ...), e.g. {DEFAULT_CHART}")
 
 
 def _suite_only(args: argparse.Namespace, command: str, options: Sequence[str]) -> None:
@@ -376,11 +392,22 @@ def count_arg(minimum: int) -> Callable[[str], int]:
 
 
 def _block_sizes(text: str) -> list[int]:
-    """``--block-sizes 16,32``: each a KV block size."""
+    """``--block-sizes 16,32``: each a KV block size the engine accepts (one out of range
+    failed every family after the run, exit 1, where ``--block-size`` is a usage error)."""
+    from promptsplice._validate import check_block_size
+    from promptsplice.errors import ConfigError
+
     sizes = [part.strip() for part in text.split(",") if part.strip()]
     if not sizes:
         raise argparse.ArgumentTypeError("names no block size (e.g. 16,32)")
-    return [count_arg(1)(size) for size in sizes]
+    out = []
+    for size in sizes:
+        value = count_arg(1)(size)
+        try:
+            out.append(check_block_size(value, "each block size"))
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return out
 
 
 def _check_output(args: argparse.Namespace) -> None:
@@ -394,15 +421,21 @@ def _check_output(args: argparse.Namespace) -> None:
             _check_writable(f"--{flag}", value, what, getattr(args, "trace", None))
 
 
-def _check_writable(flag: str, value: str, what: str, trace: str | None) -> None:
+def _check_writable(flag: str, value: str, what: str, trace: str | None,
+                    reads: Sequence[tuple[str, str | None]] = ()) -> None:
+    """``value`` names a file the command can write, and not one it reads (``trace``, or
+    the ``(flag, path)`` pairs of ``reads``); its folders are made.  Nothing is left
+    behind: a file the check created is removed (a link is never removed)."""
     if value.endswith(("/", os.sep)):  # Path("rep/") drops the slash: a file named rep was written
         raise UsageError(f"{flag} {value}: names a folder; name {what} file")
     path = Path(value)
     if path.is_dir():
         raise UsageError(f"{flag} {value}: is a folder; name {what} file")
-    if trace is not None and path.resolve() == Path(trace).resolve():
-        raise UsageError(f"{flag} {value}: is the --trace file; the output would replace the trace, "
-                         "name another file")
+    for read_flag, read in (("--trace", trace), *reads):
+        if read is not None and path.resolve() == Path(read).resolve():
+            replaced = "the trace" if read_flag == "--trace" else "it"
+            raise UsageError(f"{flag} {value}: is the {read_flag} file; the output would replace {replaced}, "
+                             "name another file")
     for parent in (path.parent, *path.parent.parents):
         if parent.exists():
             if not parent.is_dir():
@@ -410,15 +443,16 @@ def _check_writable(flag: str, value: str, what: str, trace: str | None) -> None
                                  "whose folders are folders")
             break
     path.parent.mkdir(parents=True, exist_ok=True)
-    existed = path.exists()
+    link = path.is_symlink()
+    existed = path.exists()  # follows the link: a dangling link's target does not exist yet
     try:  # opened, not only os.access: root passes os.access on a read-only file system
         with open(path, "a"):
             pass
     except OSError as exc:
         raise UsageError(f"{flag} {value}: cannot be written ({exc.strerror or exc}); "
                          "name a writable path") from exc
-    if not existed:
-        path.unlink()
+    if not existed:  # the file the open created: a dangling link's target, never the link
+        (path.resolve() if link else path).unlink()
 
 
 def _version() -> str:

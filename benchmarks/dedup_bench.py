@@ -31,18 +31,23 @@ Run:  ``python -m promptsplice.benchmarks.dedup_bench [total_mb] [chunk_bytes] [
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import time
+from collections.abc import Sequence
 
 from promptsplice.dedup import ACCELERATED, dedup, normalize_chunks
 from promptsplice.dedup import _native
 from promptsplice.benchmarks._stats import percentile
+from promptsplice.benchmarks.cli import UsageError, run_tool
 from promptsplice.blocks import content_digest
 
-__all__ = ["run_dedup_bench", "make_requests", "run_scaling_bench", "scaling_workload"]
+__all__ = ["run_dedup_bench", "make_requests", "run_scaling_bench", "scaling_workload", "main"]
 
 _REQUEST_CHUNKS = 20
+_MIN_TOTAL_MB = 0.001  # 1 kB: below it the workload has no request (an IndexError)
+_MIN_CHUNK_BYTES = 200  # a window at least twice the >= 100-char overlap with the next one
 _REPEATS = 3
 _SYLLABLES = ("ka", "lo", "re", "mi", "to", "sa", "ne", "ri", "po", "di", "an", "el", "or", "us")
 _UNICODE_WORDS = ("café", "naïve", "Zürich", "東京", "résumé", "Ελλάδα", "straße")
@@ -87,12 +92,14 @@ def _windows(doc: str, size: int) -> list[str]:
         end = min(len(doc), start + size)
         if end < len(doc):
             cut = doc.rfind(" ", start + size // 2, end)
-            end = cut if cut > 0 else end
+            end = cut if cut > start else end  # never an empty window
         out.append(doc[start:end])
         if end >= len(doc):
             break
         nxt = doc.find(" ", end - step_back, end)
-        start = nxt + 1 if nxt > 0 else end
+        # always forward: under 2 x step_back a space before ``start`` sent the loop back
+        # (chunk_bytes 50 never finished)
+        start = nxt + 1 if nxt >= start else max(end, start + 1)
     return out
 
 
@@ -335,30 +342,58 @@ def _table(r: dict) -> str:
 
 _USAGE = (
     "usage: python -m promptsplice.benchmarks.dedup_bench [total_mb [chunk_bytes [seed]]]\n"
-    "       python -m promptsplice.benchmarks.dedup_bench --scaling [n_small n_large]"
+    "       python -m promptsplice.benchmarks.dedup_bench --scaling [n_small n_large]\n"
+    f"total_mb: finite, >= {_MIN_TOTAL_MB} (default 64); chunk_bytes: >= {_MIN_CHUNK_BYTES} (default 1024); "
+    "seed: an int (default 0); n_small, n_large: >= 1 (default 2000 20000)"
 )
+_USAGE_LINE = "see python -m promptsplice.benchmarks.dedup_bench --help"
 
-if __name__ == "__main__":
-    argv = sys.argv[1:]
+
+def _int(name: str, text: str, minimum: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"dedup_bench: {name} {text!r} is not an int; {_USAGE_LINE}") from None
+    if minimum is not None and value < minimum:
+        raise UsageError(f"dedup_bench: {name} must be >= {minimum}, got {value}; {_USAGE_LINE}")
+    return value
+
+
+def _total_mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < _MIN_TOTAL_MB:  # inf was an OverflowError, 1e-9 an IndexError
+        raise UsageError(f"dedup_bench: total_mb must be a finite number of MB >= {_MIN_TOTAL_MB}, "
+                         f"got {text!r}; {_USAGE_LINE}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (module doc); a bad number is one line on stderr, exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
         print(_USAGE)
-        sys.exit(0)
-    try:
-        if argv[:1] == ["--scaling"]:
-            sizes = tuple(int(a) for a in argv[1:3])
-            if len(sizes) == 1 or any(n < 1 for n in sizes):
-                raise ValueError("--scaling takes two chunk counts >= 1, or none")
-            result = run_scaling_bench(sizes or (2000, 20000))  # type: ignore[arg-type]
-            table = _scaling_table(result)
-        else:
-            args = [float(argv[0]) if argv else 64.0]
-            args += [int(a) for a in argv[1:3]]
-            if args[0] <= 0 or any(a < 1 for a in args[1:2]):
-                raise ValueError("total_mb must be > 0 and chunk_bytes >= 1")
-            result = run_dedup_bench(*args)
-            table = _table(result)
-    except ValueError as exc:
-        print(f"dedup_bench: error: {exc}\n{_USAGE}", file=sys.stderr)
-        sys.exit(2)
+        return 0
+    if argv[:1] == ["--scaling"]:
+        if len(argv) not in (1, 3):
+            raise UsageError(f"dedup_bench: --scaling takes two chunk counts, or none; {_USAGE_LINE}")
+        sizes = tuple(_int(name, a, 1) for name, a in zip(("n_small", "n_large"), argv[1:]))
+        result = run_scaling_bench(sizes or (2000, 20000))  # type: ignore[arg-type]
+        table = _scaling_table(result)
+    else:
+        if len(argv) > 3 or any(a.startswith("--") for a in argv):
+            raise UsageError(f"dedup_bench: takes at most total_mb, chunk_bytes and seed; {_USAGE_LINE}")
+        total_mb = _total_mb(argv[0]) if argv else 64.0
+        chunk_bytes = _int("chunk_bytes", argv[1], _MIN_CHUNK_BYTES) if len(argv) > 1 else 1024
+        seed = _int("seed", argv[2]) if len(argv) > 2 else 0
+        result = run_dedup_bench(total_mb, chunk_bytes, seed)
+        table = _table(result)
     print(table)
     print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_tool(main))

@@ -19,7 +19,7 @@ from typing import Any
 from promptsplice.benchmarks.assemble import bench_policies
 from promptsplice.benchmarks.traces import sample_rag_requests
 
-__all__ = ["run_demo", "demo_table", "write_chart"]
+__all__ = ["run_demo", "demo_table", "write_chart", "chart_formats"]
 
 POLICY = "cache_aware"
 
@@ -49,6 +49,20 @@ def demo_table(report: dict[str, Any], policy: str = POLICY) -> str:
         f"(block {report['block_size']}, order {policy}, alignment {report['alignment']})"
     )
     return "\n".join(lines)
+
+
+def chart_formats() -> set[str]:
+    """The file suffixes (no dot, lower case) :func:`write_chart` can write: matplotlib's
+    formats, read before the engine runs (``--chart``'s check); matplotlib is the
+    ``bench`` extra, so its absence is a usage error then, not after the run."""
+    from promptsplice.errors import ConfigError
+
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as exc:
+        raise ConfigError(f"demo: the chart needs matplotlib ({exc}); install promptsplice[bench], "
+                          "or pass --no-engine for the assembly side alone") from None
+    return set(FigureCanvasBase.get_supported_filetypes())
 
 
 def write_chart(report: dict[str, Any], path: Path) -> Path:

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.benchmarks._stats import percentile
-from promptsplice.benchmarks.cli import count_arg, run_tool
+from promptsplice.benchmarks.cli import UsageError, _check_writable, count_arg, run_tool
+
 __all__ = [
     "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "run_deviation_curve",
     "spearman",
@@ -291,13 +292,55 @@ def curve_report(results: dict[str, Any], thresholds: Sequence[float], bs: int) 
     }
 
 
+def _thresholds(text: str) -> list[float]:
+    """``--thresholds 0.05,0.1``: each a ``max_deviation`` in (0, 1] (``abc`` was a
+    traceback)."""
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a number (e.g. 0.05,0.1)") from None
+        if not 0 < value <= 1:  # also NaN
+            raise argparse.ArgumentTypeError(f"each max_deviation must be in (0, 1], got {part}")
+        values.append(value)
+    return values
+
+
+def _read_raw(flag: str, path: str, *, need: str | None = None) -> dict[str, Any]:
+    """A ``--raw`` file of this bench: ``{config: {"rows": [...], ...}}`` (a malformed
+    file was a JSONDecodeError traceback)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise UsageError(f"{flag} {path}: not JSON ({exc}); pass a file this bench wrote with --raw") from None
+    bad = not isinstance(raw, dict) or not raw or any(
+        not isinstance(cfg, dict) or not isinstance(cfg.get("rows"), list) for cfg in raw.values())
+    if bad or (need is not None and need not in raw):
+        raise UsageError(f"{flag} {path}: not a --raw file of this bench ({{config: {{\"rows\": [...]}}}}"
+                         f"{f' with config {need!r}' if need else ''}); pass a file it wrote with --raw")
+    return raw
+
+
+def _from_raw(flag: str, path: str, build: Any) -> Any:
+    """``build()`` over a ``--raw`` file's rows: a row missing a field is one line naming
+    the file, not a KeyError traceback."""
+    try:
+        return build()
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"{flag} {path}: a row this bench cannot read ({type(exc).__name__}: {exc}); "
+                         "pass a file it wrote with --raw") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.deviation_curve", description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=None, help="agent trace JSONL (promptsplice bench gen-agent-trace)")
     parser.add_argument("--json", required=True, help="where to write the report")
     parser.add_argument("--sessions", type=count_arg(1), default=None, help="only the first N sessions")
     parser.add_argument("--max-steps", type=count_arg(1), default=None, help="probe at most N edit steps per config")
-    parser.add_argument("--thresholds", default=None, help="comma-separated max_deviation values (default: r1 quantiles)")
+    parser.add_argument("--thresholds", type=_thresholds, default=None,
+                        help="comma-separated max_deviation values, each in (0, 1] (default: r1 quantiles)")
     parser.add_argument("--max-model-len", type=count_arg(1), default=8192, help="engine context (default 8192, the model's)")
     parser.add_argument("--no-r2", action="store_true", help="skip the fixed r=2 config")
     parser.add_argument("--bounded-only", action="store_true", help="only the bounded level (r=2 and its guard), every edit step probed")
@@ -308,10 +351,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget-sweep", default=None, help="a --raw file of one fixed recompute (--bounded-only): per-step approximate-token budgets vs the bar (no engine)")
     parser.add_argument("--recompute-blocks", type=count_arg(0), default=2, help="with --budget-sweep: the runs' recomputed blocks")
     args = parser.parse_args(argv)
+    reads = (("--report-from", args.report_from), ("--budget-sweep", args.budget_sweep))
+    _check_writable("--json", args.json, "the report's", args.trace, reads)  # before the run, as the CLI's
+    if args.raw is not None:
+        _check_writable("--raw", args.raw, "the raw rows'", args.trace, reads)
     if args.budget_sweep:
-        raw = json.loads(Path(args.budget_sweep).read_text())
-        report = {name: budget_sweep(cfg["rows"], block_size=args.block_size, recompute_blocks=args.recompute_blocks)
-                  for name, cfg in raw.items()}
+        raw = _read_raw("--budget-sweep", args.budget_sweep)
+        report = _from_raw("--budget-sweep", args.budget_sweep, lambda: {
+            name: budget_sweep(cfg["rows"], block_size=args.block_size, recompute_blocks=args.recompute_blocks)
+            for name, cfg in raw.items()})
         report["from_raw"] = args.budget_sweep
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         for name, r in report.items():
@@ -322,9 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print("  ", json.dumps(row))
         return 0
     if args.report_from:
-        results = json.loads(Path(args.report_from).read_text())
-        ts = [float(k[2:]) for k in results if k.startswith("t=")]
-        report = curve_report(results, ts, args.block_size)
+        results = _read_raw("--report-from", args.report_from, need="r1")
+        report = _from_raw("--report-from", args.report_from, lambda: curve_report(
+            results, [float(k[2:]) for k in results if k.startswith("t=")], args.block_size))
         report["from_raw"] = args.report_from
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         _print(report)
@@ -341,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if runner_kwargs is not None and not isinstance(runner_kwargs, dict):
         parser.error(f"--runner must be a JSON object of AgentRunner keywords, got {args.runner}")
     sessions = read_agent_trace(args.trace)[: args.sessions]
-    thresholds = [float(x) for x in args.thresholds.split(",")] if args.thresholds else None
+    thresholds = args.thresholds
     eng = EmbeddedEngine(kv_store=StoreConfig(dram_bytes=1 << 30), max_model_len=args.max_model_len,
                          extra_kwargs={"max_logprobs": -1})
     try:

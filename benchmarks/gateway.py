@@ -49,7 +49,7 @@ from typing import Any
 
 from promptsplice.benchmarks.routing import BLOCK_SIZE, LoopbackServer, _free_port, loopback_servers, write_report
 from promptsplice.errors import ConfigError, EngineError, EngineStartError
-from promptsplice.benchmarks.cli import count_arg, run_tool
+from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
 
 __all__ = [
     "GATEWAY_POLICIES",
@@ -370,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--url", action="append", default=None, help="use a running server (repeat)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
+    if args.json is not None:  # before the servers start, as the CLI's
+        _check_writable("--json", args.json, "the report's", None)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from promptsplice.benchmarks.traces import SUITE
 

@@ -370,12 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=17)
     args = ap.parse_args(argv)
-    if args.json:  # checked before minutes of GPU time are spent: its folder is made and writable
-        folder = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(folder, exist_ok=True)
-        if not os.access(folder, os.W_OK):
-            print(f"gpu_connector_check: cannot write {args.json} (folder not writable); nothing was run",
-                  file=sys.stderr)
+    if args.json:  # checked before minutes of GPU time are spent, as the CLI's (``out/`` was a folder)
+        from promptsplice.benchmarks.cli import UsageError, _check_writable
+
+        try:
+            _check_writable("--json", args.json, "the result's", None)
+        except UsageError as exc:
+            print(f"gpu_connector_check: {exc}; nothing was run", file=sys.stderr)
             return 2
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

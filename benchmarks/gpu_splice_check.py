@@ -238,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller bandwidth sizes")
     ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little") >> 1)
     args = ap.parse_args(argv)
+    if args.json:  # checked before the GPU runs, as the CLI's (it was written only at the end)
+        from promptsplice.benchmarks.cli import UsageError, _check_writable
+
+        try:
+            _check_writable("--json", args.json, "the result's", None)
+        except UsageError as exc:
+            print(f"gpu_splice_check: {exc}; nothing was checked", file=sys.stderr)
+            return 2
 
     if not torch.cuda.is_available():
         print("gpu_splice_check: no CUDA device here (torch.cuda.is_available() is False); "

@@ -44,7 +44,7 @@ from typing import Any
 from promptsplice.engine_adapters._config import auto_dtype
 from promptsplice.errors import ConfigError, EngineError, EngineStartError
 from promptsplice._validate import check_int
-from promptsplice.benchmarks.cli import count_arg, run_tool
+from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
 
 __all__ = [
     "LoopbackServer",
@@ -389,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--url", action="append", default=None, help="use a running server (repeat)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
+    if args.json is not None:  # before the servers start, as the CLI's
+        _check_writable("--json", args.json, "the report's", None)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     report = run_routing_bench(
         args.requests, endpoints=args.endpoints, seed=args.seed, key_blocks=args.key_blocks,

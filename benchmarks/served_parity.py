@@ -53,7 +53,7 @@ from promptsplice.benchmarks.assemble import _chunks
 from promptsplice.benchmarks.fidelity import full_blocks, kl, probe, reference
 from promptsplice.benchmarks.traces_format import RagRequest, read_rag_trace
 from promptsplice.errors import ConfigError
-from promptsplice.benchmarks.cli import count_arg, run_tool
+from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
 
 __all__ = ["KL_TOLERANCE", "compare", "main", "run_on_engines", "run_served_parity"]
 
@@ -235,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the RAG runner's gate (always: every stored chunk relocated, the path under test)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    _check_writable("--json", a.json, "the report's", None,  # before the engines start, as the CLI's
+                    reads=(("--rag-trace", a.rag_trace), ("--agent-trace", a.agent_trace)))
     for name in ("requests", "sessions", "probes"):
         if getattr(a, name) < 0:
             raise ConfigError(f"--{name} must be >= 0")

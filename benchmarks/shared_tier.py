@@ -39,7 +39,7 @@ from typing import Any
 
 from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, check_bounds
 from promptsplice.errors import ConfigError
-from promptsplice.benchmarks.cli import count_arg, run_tool
+from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
 
 __all__ = ["run_shared_tier_bench", "format_shared_tier", "prefix_bound", "suite_bounds", "MODES"]
 
@@ -320,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="only the prefill bounds of every family of the suite (no engine)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     args = p.parse_args(argv)
+    _check_writable("--json", args.json, "the report's", args.trace)  # before the run, as the CLI's
     if args.bounds_only:
         ignored = [flag for flag, value, default in (("--trace", args.trace, None), ("--family", args.family, None),
                                                       ("--modes", args.modes, ",".join(MODES)))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.traces import load_wiki_leads
-from promptsplice.benchmarks.cli import count_arg, run_tool
+from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
 
 DOC_TOKENS = 672
 """Tokens of the private document (21 blocks of 32): right and wrong guesses hold
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--reps", type=count_arg(1), default=12)
     args = ap.parse_args(argv)
+    if args.json is not None:  # before the engine starts, as the CLI's
+        _check_writable("--json", args.json, "the report's", None)
     from promptsplice.engine_adapters import EmbeddedEngine
 
     t0 = time.time()

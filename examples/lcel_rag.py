@@ -22,6 +22,7 @@ from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
 
+from promptsplice.benchmarks.cli import count_arg  # noqa: E402
 from promptsplice.benchmarks.traces import load_wiki_leads  # noqa: E402
 from promptsplice.assembler import Assembler  # noqa: E402
 from promptsplice.engine_adapters import EmbeddedEngine, PromptspliceChatModel, PromptspliceRetriever  # noqa: E402
@@ -86,8 +87,11 @@ def run(engine: EmbeddedEngine, questions: list[str]) -> list[tuple[int, int, st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", type=int, default=len(QUESTIONS))
+    ap.add_argument("--questions", type=count_arg(1), default=len(QUESTIONS),
+                    help=f"ask the first N of the {len(QUESTIONS)} questions (default: all)")
     args = ap.parse_args(argv)
+    if args.questions > len(QUESTIONS):  # before the engine starts: it asked fewer, silently
+        ap.error(f"--questions: at most {len(QUESTIONS)} (the example's questions), got {args.questions}")
     engine = EmbeddedEngine()
     try:
         run(engine, QUESTIONS[: args.questions])

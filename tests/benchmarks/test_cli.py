@@ -361,3 +361,65 @@ def test_the_python_m_tools_refuse_counts_out_of_range_and_ignored_flags(module,
         tool.main(argv)
     assert info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("chart", "says"), [
+    ("demo.bad", "name the file with a suffix matplotlib can write (.png, .svg, .pdf"),  # ValueError after the run
+    ("demo", "name the file with a suffix"),  # savefig wrote demo.png
+    ("out/", "--chart out/: names a folder; name the chart's file"),  # wrote ./out.png
+    ("file/demo.png", "is a file, not a folder"),
+])
+def test_demo_checks_the_chart_before_the_engine_runs(tmp_path, monkeypatch, capsys, chart, says):
+    """``--chart`` was only read by matplotlib after the whole vLLM run."""
+    import promptsplice.benchmarks.demo as demo
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: pytest.fail(f"the demo ran with chart {kw['chart']!r}"))
+    assert main(["demo", "--chart", chart, "--requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and says in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+def test_demo_passes_a_chart_it_can_write_on(tmp_path, monkeypatch):
+    import promptsplice.benchmarks.demo as demo
+
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: seen.append(kw["chart"]) or 0)
+    for chart in ("c.svg", "sub/c.PNG", "c.pdf"):
+        assert main(["demo", "--chart", str(tmp_path / chart), "--requests", "2"]) == 0
+    assert seen == [str(tmp_path / c) for c in ("c.svg", "sub/c.PNG", "c.pdf")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]  # checked, not left behind
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--requests", "2"]) == 0 and seen[-1] == "out/demo.png"  # the default
+
+
+def test_suite_block_sizes_the_engine_refuses_are_a_usage_error(tmp_path, monkeypatch, capsys):
+    """``--suite --block-sizes 16,99999999`` ran and reported every family failed (exit 1);
+    ``--block-size 99999999`` without --suite was exit 2."""
+    import promptsplice.benchmarks.assemble as assemble
+
+    monkeypatch.setattr(assemble, "run_suite_bench", lambda **kw: pytest.fail("the suite ran"))
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "assemble", "--suite", "--json", str(tmp_path / "r.json"), "--requests", "2",
+              "--families", "wiki", "--block-sizes", "16,99999999"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--block-sizes" in err and "from 1 to 16384" in err and "got 99999999" in err
+
+
+def test_the_output_check_leaves_a_dangling_link_as_it_was(tmp_path):
+    """A dangling ``--json`` link was removed and an empty file left at its target."""
+    from promptsplice.benchmarks.cli import _check_writable
+
+    link, target = tmp_path / "r.json", tmp_path / "target.json"
+    link.symlink_to(target)
+    _check_writable("--json", str(link), "the report's", None)
+    assert link.is_symlink() and not target.exists()
+    target.write_text("kept")  # a link to a file: the file is left as it was
+    _check_writable("--json", str(link), "the report's", None)
+    assert link.is_symlink() and target.read_text() == "kept"
+    plain = tmp_path / "new.json"  # a file the check creates is removed
+    _check_writable("--json", str(plain), "the report's", None)
+    assert not plain.exists()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from promptsplice.benchmarks.deviation_curve import AGGREGATES, aggregate, approximate_tokens, budget_sweep, spearman
@@ -71,3 +73,73 @@ def test_a_budget_sweep_counts_steps_over_budget_as_exact_and_what_it_keeps():
     assert by[32]["kept_share"] == round(32 * 8 / (224 + 32 * 8), 3) and by[32]["kl_p90"] == 0.01
     assert by[224]["kept_share"] == 1.0 and by[224]["kl_max"] == 0.05 and by[224]["kl_p90"] == 0.03  # over the bar
     assert rep["largest_budget_meeting_bar"] == 32 and rep["inherited"]["steps"] == 1
+
+
+@pytest.mark.parametrize(("thresholds", "says"), [
+    ("abc", "'abc' is not a number"),  # a ValueError traceback
+    ("0.05,", "'' is not a number"),
+    ("0", "in (0, 1], got 0"),
+    ("0.1,1.5", "in (0, 1], got 1.5"),
+    ("nan", "in (0, 1], got nan"),
+])
+def test_bad_thresholds_are_usage_errors(tmp_path, capsys, thresholds, says):
+    from promptsplice.benchmarks.deviation_curve import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--trace", str(tmp_path / "t.jsonl"), "--json", str(tmp_path / "r.json"), "--thresholds", thresholds])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--thresholds" in err and says in err
+
+
+@pytest.mark.parametrize("flag", ["--budget-sweep", "--report-from"])
+@pytest.mark.parametrize(("content", "says"), [
+    ("{not json", "not JSON"),  # a JSONDecodeError traceback
+    (b"\xff\xfe{", "not JSON"),
+    ("[1, 2]", "not a --raw file of this bench"),
+    ('{"r1": {"runs": []}}', "not a --raw file of this bench"),
+    ('{"r1": {"rows": [{"kl": 0.1}]}}', "a row this bench cannot read (KeyError"),
+])
+def test_a_raw_file_it_cannot_read_is_one_line(tmp_path, capsys, flag, content, says):
+    from promptsplice.benchmarks.cli import run_tool
+    from promptsplice.benchmarks.deviation_curve import main
+
+    raw = tmp_path / "raw.json"
+    (raw.write_bytes if isinstance(content, bytes) else raw.write_text)(content)
+    out = tmp_path / "r.json"
+    assert run_tool(main, [flag, str(raw), "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{flag} {raw}: {says}" in err and not out.exists()
+
+
+def test_report_from_needs_the_r1_config(tmp_path, capsys):
+    from promptsplice.benchmarks.cli import run_tool
+    from promptsplice.benchmarks.deviation_curve import main
+
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"bounded": _rows([0.01] * 3, [0.1] * 3)}))  # a --bounded-only run
+    assert run_tool(main, ["--report-from", str(raw), "--json", str(tmp_path / "r.json")]) == 2
+    assert "with config 'r1'" in capsys.readouterr().err
+
+
+def test_reports_are_rebuilt_from_raw_files_without_an_engine(tmp_path, capsys):
+    from promptsplice.benchmarks.deviation_curve import main
+
+    devs = [0.1, 0.12, 0.2, 0.22]
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"r1": _rows([0.01] * 4, devs), "t=0.15": _rows([0.005] * 4, devs, 1)}))
+    out = tmp_path / "r.json"
+    assert main(["--report-from", str(raw), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["chosen_max_deviation"] == 0.25
+    rows = [{"kl": 0.01, "runs": [{"length": 100, "delta": 0}]}] * 3
+    raw.write_text(json.dumps({"bounded": {"rows": rows}}))
+    assert main(["--budget-sweep", str(raw), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["bounded"]["steps"] == 3
+    capsys.readouterr()
+    # neither may be overwritten by the report
+    from promptsplice.benchmarks.cli import run_tool
+
+    assert run_tool(main, ["--budget-sweep", str(raw), "--json", str(tmp_path / "." / "raw.json")]) == 2
+    assert "is the --budget-sweep file" in capsys.readouterr().err
+    assert json.loads(raw.read_text()) == {"bounded": {"rows": rows}}

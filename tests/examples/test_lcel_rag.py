@@ -7,17 +7,24 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _words(text: str) -> set[str]:
     return {w.strip(".,?!:;'\"()").lower() for w in text.split()}
 
 
-def test_the_example_chain_reads_from_the_prefix_cache(fresh_engine):
+def _example():
     path = Path(__file__).resolve().parents[2] / "examples" / "lcel_rag.py"
     spec = importlib.util.spec_from_file_location("lcel_rag", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["lcel_rag"] = mod  # pydantic resolves the retriever's field types there
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_example_chain_reads_from_the_prefix_cache(fresh_engine):
+    mod = _example()
     q = mod.QUESTIONS
     assert q[0] == q[2]
     before = fresh_engine.counters()
@@ -36,3 +43,23 @@ def test_the_example_chain_reads_from_the_prefix_cache(fresh_engine):
         topic = {w for w in _words(question) if len(w) > 4}
         assert topic & _words(answer), (question, answer)
     assert out[2][2].split()[:5] == out[0][2].split()[:5], (out[0][2], out[2][2])
+
+
+@pytest.mark.parametrize(("questions", "says"), [
+    ("0", "must be >= 1, got 0"),  # asked nothing
+    ("-1", "must be >= 1, got -1"),  # dropped the last question
+    ("x", "'x' is not an int"),
+    ("7", "at most 6"),  # asked 6, silently
+])
+def test_a_question_count_out_of_range_is_refused_before_the_engine_starts(monkeypatch, capsys, questions, says):
+    mod = _example()
+
+    def start(*args, **kwargs):
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr(mod, "EmbeddedEngine", start)
+    with pytest.raises(SystemExit) as info:
+        mod.main(["--questions", questions])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--questions" in err and says in err
