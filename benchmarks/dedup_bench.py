@@ -24,7 +24,10 @@ the two sizes is reported next to the reference's.  Times are CPU seconds of thi
 process (best of ``_REPEATS``, sizes interleaved), which waiting for a busy CPU does
 not inflate.
 
-Run:  ``python -m promptsplice.benchmarks.dedup_bench [total_mb] [chunk_bytes] [seed]``
+**Without ASCII dots** (``--dotless``): the same requests with every ``.`` written ``。``
+(CJK full stops; also what tables and code look like to the C core's dot filter).
+
+Run:  ``python -m promptsplice.benchmarks.dedup_bench [--dotless] [total_mb] [chunk_bytes] [seed]``
       ``python -m promptsplice.benchmarks.dedup_bench --scaling [n_small n_large]``
 """
 
@@ -157,13 +160,16 @@ def make_requests(
     return requests
 
 
-def run_dedup_bench(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0) -> dict:
+def run_dedup_bench(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0, *, dotless: bool = False) -> dict:
     """Dedup MB/s over the whole workload, the content_digest baseline and their ratio.
 
     The dedup time is the sum of the per-request ``dedup()`` calls (best of
     ``_REPEATS`` runs over the whole set); the baseline hashes the same bytes.
+    ``dotless``: every ``.`` of the chunks written ``。`` (text the dot filter cannot key).
     """
     requests = make_requests(total_mb, chunk_bytes, seed)
+    if dotless:
+        requests = [[{**c, "text": c["text"].replace(".", "\u3002")} for c in req] for req in requests]
     encoded = [[c["text"].encode("utf-8") for c in req] for req in requests]
     total_bytes = sum(len(b) for req in encoded for b in req)
     n_chunks = sum(len(req) for req in requests)
@@ -220,6 +226,7 @@ def run_dedup_bench(total_mb: float = 64, chunk_bytes: int = 1024, seed: int = 0
     base_mbs = total_bytes / base_s / 1e6
     return {
         "total_mb": round(total_bytes / 1e6, 3),
+        "dotless": dotless,
         "chunk_bytes": chunk_bytes,
         "requests": len(requests),
         "chunks": n_chunks,
@@ -341,7 +348,7 @@ def _table(r: dict) -> str:
 
 
 _USAGE = (
-    "usage: python -m promptsplice.benchmarks.dedup_bench [total_mb [chunk_bytes [seed]]]\n"
+    "usage: python -m promptsplice.benchmarks.dedup_bench [--dotless] [total_mb [chunk_bytes [seed]]]\n"
     "       python -m promptsplice.benchmarks.dedup_bench --scaling [n_small n_large]\n"
     f"total_mb: finite, >= {_MIN_TOTAL_MB} (default 64); chunk_bytes: >= {_MIN_CHUNK_BYTES} (default 1024); "
     "seed: an int (default 0); n_small, n_large: >= 1 (default 2000 20000)"
@@ -383,12 +390,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_scaling_bench(sizes or (2000, 20000))  # type: ignore[arg-type]
         table = _scaling_table(result)
     else:
+        dotless = "--dotless" in argv
+        argv = [a for a in argv if a != "--dotless"]
         if len(argv) > 3 or any(a.startswith("--") for a in argv):
             raise UsageError(f"dedup_bench: takes at most total_mb, chunk_bytes and seed; {_USAGE_LINE}")
         total_mb = _total_mb(argv[0]) if argv else 64.0
         chunk_bytes = _int("chunk_bytes", argv[1], _MIN_CHUNK_BYTES) if len(argv) > 1 else 1024
         seed = _int("seed", argv[2]) if len(argv) > 2 else 0
-        result = run_dedup_bench(total_mb, chunk_bytes, seed)
+        result = run_dedup_bench(total_mb, chunk_bytes, seed, dotless=dotless)
         table = _table(result)
     print(table)
     print(json.dumps(result, indent=2))

@@ -24,8 +24,9 @@ pass is in :mod:`promptsplice.dedup._overlap`.
 
 **C core.**  Where the optional extension was built (``dedup/_speedups.c``), calls of up
 to ``_C_MAX_CHUNKS`` chunks and ``_C_MAX_BYTES`` bytes run the containment and passage
-searches there, with a filter of their own (a key per dot, from the 16 bytes around it)
-and the same answers (tests/dedup/test_speedups.py); the records are still made here.
+searches there, with a filter of their own (a key per dot, from the 16 bytes around it;
+needles without one, in text without ASCII dots, ask a grid-gram index like the one
+here) and the same answers (tests/dedup/test_speedups.py); the records are still made here.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ _DOT = b"."
 # cannot find anything, so the result must not change (tests/dedup checks it).
 _FILTER = True
 _SWITCH = 32  # plain searches (or haystack rebuilds) of one pass before it indexes
-# The C core searches chunk by chunk, O(bytes) per needle its filter lets through, like
-# the plain search here; larger calls use the Python passes, whose grid index answers
-# in O(1) per needle.  Typical requests (tens of chunks) are far below both limits.
+# The C core searches chunk by chunk, O(bytes) per needle its dot filter lets through,
+# like the plain search here (needles without a dot key ask its gram index); larger
+# calls use the Python passes, whose grid index answers in O(1) per needle.  Typical
+# requests (tens of chunks) are far below both limits.
 _C_MAX_CHUNKS = 64
 _C_MAX_BYTES = 1 << 18
 _DATA = attrgetter("data")

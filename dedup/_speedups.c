@@ -17,6 +17,12 @@
  * passes' sentence-piece filter in another form: a key per dot instead of a Python
  * object per piece, and it also prunes needles with a single dot.
  *
+ * Text without ASCII dots (CJK full stops, Thai, tables, code) gives the filter nothing
+ * to key on.  A needle without a dot key asks a grid-gram index of the chunks searched
+ * so far instead (the Python passes' grid index in C, built the first time a call has
+ * a second such needle): its candidate places come from hash look-ups, so it is not
+ * searched in every earlier chunk, which made such a call quadratic in its chunks.
+ *
  * The inputs' bytes objects are held (a new reference each) for the whole call: a
  * callback, or a garbage collection run while a result is built, cannot free them.
  *
@@ -181,13 +187,17 @@ static int keys_of(Keys *ks, const unsigned char *p, Py_ssize_t n) {
 /* 0 when p[lo:hi] of the chunk whose keys ks holds cannot occur in the chunks the set
  * was built from: one of its dots with 8 bytes on each side inside [lo, hi) (the
  * chunk's dots at offsets in [lo + 8, hi - 8)) has a key missing from the set.  1
- * otherwise.  *cursor (the first key not before lo + 8) only moves forward, so the
- * ranges of one chunk, asked in ascending order, cost O(dots + ranges). */
+ * when it has such dots and all their keys are there; NO_KEYS when it has none (text
+ * without ASCII dots: the filter cannot tell, the gram index below can).  *cursor (the
+ * first key not before lo + 8) only moves forward, so the ranges of one chunk, asked in
+ * ascending order, cost O(dots + ranges). */
+#define NO_KEYS 2
 static int keys_may_occur(const HashSet *s, const Keys *ks, Py_ssize_t lo, Py_ssize_t hi,
                           Py_ssize_t *cursor) {
     Py_ssize_t i = *cursor;
     while (i < ks->n && ks->pos[i] < lo + 8) i++;
     *cursor = i;
+    if (i >= ks->n || ks->pos[i] >= hi - 8) return NO_KEYS;
     for (; i < ks->n && ks->pos[i] < hi - 8; i++)
         if (!hs_has(s, ks->key[i])) return 0;
     return 1;
@@ -252,6 +262,236 @@ static Span *spans_of(PyObject *list, Py_ssize_t *count) {
     return spans;
 }
 
+/* ---- the gram index: where the dot filter has no say -------------------------------- */
+
+/* A needle without a dot key (text without ASCII dots: CJK full stops, Thai, tables,
+ * code) passes the dot filter, and a plain search of every earlier chunk is quadratic
+ * in the chunks.  Such needles look up the chunks' grid grams instead (the Python
+ * passes' grid index, dedup/_anchors.py, in C): every GRAM_K-byte gram of a chunk at
+ * offsets 0, GRAM_S, 2 GRAM_S, ... is filed under its seeded hash, with its chunk and
+ * offset, in the order added (chunks in ascending index, offsets ascending).  A needle
+ * of at least GRAM_MIN bytes that occurs at offset o of a chunk covers the grid point
+ * o + j, j = (-o) mod GRAM_S, and every grid point o + j + t GRAM_S whose gram lies
+ * inside it; each of those grams is the needle's gram at offset j + t GRAM_S.  So for
+ * each phase j the occurrences are among the places of the needle's first gram of that
+ * phase, and among those of its last one: the rarer of the two is walked, each place
+ * confirmed by comparing bytes.  The answer is the first occurrence in the earliest
+ * chunk, as a plain search gives.  The index is built when a call has a second needle
+ * without dot keys (the first one is searched plainly): text with dots rarely has two,
+ * so it does not pay for the index.  Periodic text piles places under one gram: a
+ * needle whose places would cost more than the bytes a plain search reads is searched
+ * plainly, and so is one whose walk runs past that budget (at most twice a plain
+ * search in all).  Hash collisions only add places to confirm. */
+
+#define GRAM_K 16
+#define GRAM_S 16
+#define GRAM_MIN (GRAM_K + GRAM_S - 1)
+
+/* A slot of the index: a gram's hash (32 bits: a collision only adds candidates) and its
+ * places, a list in the order added (head, tail: indices into places), count long. */
+typedef struct {
+    uint32_t key; /* 0: empty */
+    int32_t head, tail, count;
+} GSlot;
+
+typedef struct {
+    int32_t chunk, pos, next; /* next: -1 at the tail */
+} GPlace;
+
+typedef struct {
+    GSlot *slots;
+    size_t mask, used;
+    GPlace *places;
+    Py_ssize_t n, cap;
+    Py_ssize_t chunks;  /* spans[0:chunks] are indexed; -1: no index (yet); GRAMS_OFF */
+    Py_ssize_t bytes;   /* their total length */
+    int searched;       /* a needle without dot keys was searched plainly */
+    Py_ssize_t total;   /* the bytes of the call's chunks (sizes the table) */
+} Grams;
+
+/* g->chunks of a call whose chunks hold over GRAMS_MAX bytes (offsets are 32-bit): no
+ * index, plain searches only. */
+#define GRAMS_OFF (-2)
+#define GRAMS_MAX ((Py_ssize_t)1 << 30)
+
+/* What the searches did since import (the tests count them): plain searches of one
+ * chunk, needles answered by the gram index, and walks that ran out of budget. */
+static Py_ssize_t n_scans = 0, n_indexed = 0, n_over_budget = 0;
+
+static inline uint32_t gram_key(const unsigned char *p) {
+    uint64_t h = (rd64(p) ^ seed) * 0xff51afd7ed558ccdULL;
+    h ^= h >> 31;
+    h = (h ^ rd64(p + 8)) * 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 29;
+    uint32_t k = (uint32_t)(h >> 32);
+    return k ? k : 1;
+}
+
+static void grams_free(Grams *g) {
+    PyMem_Free(g->slots);
+    PyMem_Free(g->places);
+    g->slots = NULL;
+    g->places = NULL;
+}
+
+static int grams_grow(Grams *g) {
+    size_t cap = (g->mask + 1) * 2;
+    GSlot *slots = PyMem_Calloc(cap, sizeof(GSlot));
+    if (!slots) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i <= g->mask; i++) {
+        if (g->slots[i].key) {
+            size_t j = g->slots[i].key & (cap - 1);
+            while (slots[j].key) j = (j + 1) & (cap - 1);
+            slots[j] = g->slots[i];
+        }
+    }
+    PyMem_Free(g->slots);
+    g->slots = slots;
+    g->mask = cap - 1;
+    return 0;
+}
+
+static const GSlot *grams_get(const Grams *g, uint32_t key) {
+    size_t i = key & g->mask;
+    while (g->slots[i].key) {
+        if (g->slots[i].key == key) return &g->slots[i];
+        i = (i + 1) & g->mask;
+    }
+    return NULL;
+}
+
+/* Index spans[index] (the next chunk: index == g->chunks). */
+static int grams_add(Grams *g, const Span *span, Py_ssize_t index) {
+    const unsigned char *p = span->p;
+    Py_ssize_t n = span->n;
+    if (n > GRAMS_MAX - g->bytes) {
+        grams_free(g);
+        g->chunks = GRAMS_OFF;
+        return 0;
+    }
+    Py_ssize_t more = n >= GRAM_K ? (n - GRAM_K) / GRAM_S + 1 : 0;
+    if (g->n + more > g->cap) {
+        Py_ssize_t cap = g->cap ? g->cap : 256;
+        while (cap < g->n + more) cap *= 2;
+        GPlace *places = cap <= INT32_MAX ? PyMem_Realloc(g->places, sizeof(GPlace) * (size_t)cap) : NULL;
+        if (!places) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        g->places = places;
+        g->cap = cap;
+    }
+    for (Py_ssize_t pos = 0; pos + GRAM_K <= n; pos += GRAM_S) {
+        uint32_t key = gram_key(p + pos);
+        int32_t at = (int32_t)g->n++;
+        GPlace *pl = &g->places[at];
+        pl->chunk = (int32_t)index;
+        pl->pos = (int32_t)pos;
+        pl->next = -1;
+        size_t i = key & g->mask;
+        while (g->slots[i].key && g->slots[i].key != key) i = (i + 1) & g->mask;
+        GSlot *slot = &g->slots[i];
+        if (slot->key) {
+            g->places[slot->tail].next = at;
+            slot->tail = at;
+            slot->count++;
+        } else {
+            slot->key = key;
+            slot->head = slot->tail = at;
+            slot->count = 1;
+            if (++g->used * 2 > g->mask + 1 && grams_grow(g) < 0) return -1;
+        }
+    }
+    g->chunks = index + 1;
+    g->bytes += n;
+    return 0;
+}
+
+/* Start the index with spans[0:limit] (a needle needs it now), the table sized for all
+ * of the call's bytes (g->total) at most half full. */
+static int grams_start(Grams *g, const Span *spans, Py_ssize_t limit) {
+    g->mask = 255;
+    Py_ssize_t total = g->total < GRAMS_MAX ? g->total : GRAMS_MAX;
+    while ((Py_ssize_t)(g->mask + 1) < 2 * (total / GRAM_S)) g->mask = g->mask * 2 + 1;
+    g->used = 0;
+    g->n = g->cap = 0;
+    g->places = NULL;
+    g->chunks = 0;
+    g->bytes = 0;
+    g->slots = PyMem_Calloc(g->mask + 1, sizeof(GSlot));
+    if (!g->slots) {
+        g->chunks = -1;
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t h = 0; h < limit && g->chunks >= 0; h++)
+        if (grams_add(g, &spans[h], h) < 0) return -1;
+    return 0;
+}
+
+/* The first occurrence of needle (len >= GRAM_MIN) in the indexed chunks spans[0:limit]
+ * (limit == g->chunks): its item, or -1 when there is none, or -2 when the places to
+ * walk would cost more than a plain search (periodic text: one gram at every grid
+ * point), or the walk ran out of that budget; the caller then searches plainly. */
+static Py_ssize_t grams_first(const Grams *g, const Span *spans, const unsigned char *needle,
+                              Py_ssize_t nn, Py_ssize_t *at) {
+    const GSlot *walk[GRAM_S];
+    Py_ssize_t off[GRAM_S]; /* the offset in the needle of the gram walked */
+    Py_ssize_t phases = 0, places = 0;
+    Py_ssize_t budget = g->bytes + 256;
+    n_indexed++;
+    for (Py_ssize_t j = 0; j < GRAM_S; j++) {
+        const GSlot *first = grams_get(g, gram_key(needle + j));
+        if (!first) continue;
+        Py_ssize_t last = j + (nn - GRAM_K - j) / GRAM_S * GRAM_S;
+        walk[phases] = first;
+        off[phases] = j;
+        if (last != j) {
+            const GSlot *other = grams_get(g, gram_key(needle + last));
+            if (!other) continue; /* no occurrence of this phase */
+            if (other->count < first->count) {
+                walk[phases] = other;
+                off[phases] = last;
+            }
+        }
+        places += walk[phases++]->count;
+    }
+    if (places * 16 > budget) {
+        n_over_budget++;
+        return -2;
+    }
+    Py_ssize_t best_h = PY_SSIZE_T_MAX, best_at = 0;
+    Py_ssize_t head = nn < 16 ? nn : 16;
+    for (Py_ssize_t f = 0; f < phases; f++) {
+        for (int32_t e = walk[f]->head; e >= 0; e = g->places[e].next) {
+            const GPlace *pl = &g->places[e];
+            Py_ssize_t h = pl->chunk, o = pl->pos - off[f];
+            if (h > best_h || (h == best_h && o >= best_at)) break; /* ascending places */
+            if (o < 0 || o + nn > spans[h].n) continue;
+            const unsigned char *c = spans[h].p + o;
+            budget -= 16;
+            if (memcmp(c, needle, (size_t)head) == 0) {
+                if (memcmp(c, needle, (size_t)nn) == 0) {
+                    best_h = h;
+                    best_at = o;
+                    break;
+                }
+                budget -= nn;
+            }
+            if (budget <= 0) {
+                n_over_budget++;
+                return -2;
+            }
+        }
+    }
+    if (best_h == PY_SSIZE_T_MAX) return -1;
+    *at = best_at;
+    return best_h;
+}
+
 /* ---- the searches ------------------------------------------------------------------ */
 
 /* The first occurrence of needle in hay, or -1.  A needle holding a dot (at offset
@@ -297,6 +537,7 @@ static Py_ssize_t first_in(const Span *spans, Py_ssize_t limit, const unsigned c
     const unsigned char *dp = memchr(needle, '.', (size_t)len);
     Py_ssize_t dot = dp ? dp - needle : -1;
     for (Py_ssize_t h = 0; h < limit; h++) {
+        n_scans++;
         Py_ssize_t pos = find_in(spans[h].p, spans[h].n, needle, len, dot);
         if (pos >= 0) {
             *at = pos;
@@ -304,6 +545,31 @@ static Py_ssize_t first_in(const Span *spans, Py_ssize_t limit, const unsigned c
         }
     }
     return -1;
+}
+
+/* The first occurrence of needle in spans[0:limit], as first_in, for a needle that
+ * passed the dot filter with answer say (keys_may_occur): a needle without dot keys
+ * asks the gram index, started here when none is (g->chunks < 0), which the caller
+ * keeps at spans[0:limit].  -1 when there is none, -3 on an error (memory). */
+static Py_ssize_t search(Grams *g, const Span *spans, Py_ssize_t limit, const unsigned char *needle,
+                         Py_ssize_t len, int say, Py_ssize_t *at) {
+    if (say == NO_KEYS && len >= GRAM_MIN && limit > 0 && g->chunks != GRAMS_OFF) {
+        if (g->chunks < 0) {
+            /* The first such needle of a call is searched plainly, the index starts at
+             * the second: text with dots has rarely more than one (a fragment of a
+             * sentence at a chunk's edge), so it never pays for the index. */
+            if (!g->searched) {
+                g->searched = 1;
+                return first_in(spans, limit, needle, len, at);
+            }
+            if (grams_start(g, spans, limit) < 0) return -3;
+        }
+        if (g->chunks >= 0) {
+            Py_ssize_t h = grams_first(g, spans, needle, len, at);
+            if (h != -2) return h;
+        }
+    }
+    return first_in(spans, limit, needle, len, at);
 }
 
 /* Whether needle occurs in hay (the same search as first_in, on one item). */
@@ -348,6 +614,7 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
     Py_ssize_t *host = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * cells);
     HashSet set = {NULL, 0, 0};
     Keys ks = {NULL, NULL, 0, 0};
+    Grams g = {NULL, 0, 0, NULL, 0, 0, -1, 0, 0, 0};
     PyObject *out = NULL;
     if (!spans || !order || !host) {
         PyErr_NoMemory();
@@ -356,6 +623,7 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
     for (Py_ssize_t i = 0; i < n; i++) {
         order[i].len = given[i].n;
         order[i].index = i;
+        g.total += given[i].n;
     }
     qsort(order, (size_t)n, sizeof(ByLen), by_len_desc);
     for (Py_ssize_t r = 0; r < n; r++) {
@@ -366,9 +634,11 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
     for (Py_ssize_t r = 0; r < n; r++) {
         if (keys_of(&ks, spans[r].p, spans[r].n) < 0) goto fail;
         Py_ssize_t cursor = 0;
-        if (r > 0 && keys_may_occur(&set, &ks, 0, spans[r].n, &cursor)) {
+        int say = r > 0 ? keys_may_occur(&set, &ks, 0, spans[r].n, &cursor) : 0;
+        if (say) {
             Py_ssize_t at = 0;
-            Py_ssize_t h = first_in(spans, r, spans[r].p, spans[r].n, &at);
+            Py_ssize_t h = search(&g, spans, r, spans[r].p, spans[r].n, say, &at);
+            if (h == -3) goto fail;
             if (h >= 0) {
                 if (host[2 * h] >= 0) { /* found inside an absorbed chunk: its host */
                     at += host[2 * h + 1];
@@ -381,6 +651,7 @@ static PyObject *contained(PyObject *self, PyObject *arg) {
             }
         }
         if (keys_add(&set, &ks) < 0) goto fail;
+        if (g.chunks >= 0 && grams_add(&g, &spans[r], r) < 0) goto fail;
     }
     goto done;
 fail:
@@ -388,6 +659,7 @@ fail:
 done:
     hs_free(&set);
     keys_free(&ks);
+    grams_free(&g);
     PyMem_Free(host);
     PyMem_Free(order);
     PyMem_Free(spans);
@@ -421,7 +693,9 @@ static PyObject *passage_scan(PyObject *self, PyObject *args) {
     if (!spans) return NULL;
     HashSet set = {NULL, 0, 0};
     Keys ks = {NULL, NULL, 0, 0};
+    Grams g = {NULL, 0, 0, NULL, 0, 0, -1, 0, 0, 0};
     PyObject *hits = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) g.total += spans[i].n;
     if (hs_init(&set) < 0) goto fail;
     Py_ssize_t j = 0;
     while (j < n) {
@@ -437,9 +711,11 @@ static PyObject *passage_scan(PyObject *self, PyObject *args) {
                 for (;;) {
                     const unsigned char *stop = brk ? brk : end;
                     Py_ssize_t plen = stop - p;
-                    if (plen >= mp && keys_may_occur(&set, &ks, p - d, stop - d, &cursor)) {
+                    int say = plen >= mp ? keys_may_occur(&set, &ks, p - d, stop - d, &cursor) : 0;
+                    if (say) {
                         Py_ssize_t at = 0;
-                        Py_ssize_t h = first_in(spans, j, p, plen, &at);
+                        Py_ssize_t h = search(&g, spans, j, p, plen, say, &at);
+                        if (h == -3) goto fail;
                         if (h >= 0) {
                             if (!hits && !(hits = PyList_New(0))) goto fail;
                             if (append_tuple(hits, Py_BuildValue("(nnnnn)", i, (Py_ssize_t)(p - d), plen, h, at)) < 0)
@@ -476,15 +752,18 @@ static PyObject *passage_scan(PyObject *self, PyObject *args) {
             if (keys_of(&ks, spans[j].p, spans[j].n) < 0) goto fail;
         }
         if (keys_add(&set, &ks) < 0) goto fail;
+        if (g.chunks >= 0 && grams_add(&g, &spans[j], j) < 0) goto fail;
         j++;
     }
     hs_free(&set);
     keys_free(&ks);
+    grams_free(&g);
     spans_free(spans, n);
     Py_RETURN_NONE;
 fail:
     hs_free(&set);
     keys_free(&ks);
+    grams_free(&g);
     spans_free(spans, n);
     Py_XDECREF(hits);
     return NULL;
@@ -550,7 +829,18 @@ done:
 
 /* ---- the module ---------------------------------------------------------------------- */
 
+PyDoc_STRVAR(counters_doc,
+"counters() -> (scans, indexed, over_budget)\n\n"
+"What the containment and passage searches did since import: plain searches of one\n"
+"chunk (memmem or the dot walk), needles without dot keys answered by the gram index,\n"
+"and gram walks that ran out of budget (a plain search answered).  For tests.");
+
+static PyObject *counters(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("(nnn)", n_scans, n_indexed, n_over_budget);
+}
+
 static PyMethodDef methods[] = {
+    {"counters", counters, METH_NOARGS, counters_doc},
     {"contained", contained, METH_O, contained_doc},
     {"passage_scan", passage_scan, METH_VARARGS, passage_scan_doc},
     {"overlap_edges", overlap_edges, METH_VARARGS, overlap_edges_doc},

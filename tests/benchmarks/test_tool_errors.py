@@ -144,7 +144,9 @@ def test_dedup_bench_runs_a_small_workload(capsys):
 
     assert run_tool(dedup_bench.main, ["0.001", "200", "1"]) == 0
     out = capsys.readouterr().out
-    assert "chunks of ~200 B" in out and '"requests": 1' in out
+    assert "chunks of ~200 B" in out and '"requests": 1' in out and '"dotless": false' in out
+    assert run_tool(dedup_bench.main, ["--dotless", "0.001", "200", "1"]) == 0
+    assert '"dotless": true' in capsys.readouterr().out
 
 
 class _Hung(Exception):
