@@ -7,7 +7,12 @@ names the change as *directives* ``(span, replacement)``: ``span = (start, end)`
 OLD render's token coordinates, ``replacement`` the token ids (and text) that take its
 place.  The engine keeps the prefix before the first directive (prefix cache), prefills
 the replacements, *relocates* the unchanged tokens between and after them by their
-position ``delta``, and computes only the new tail.
+position ``delta``, and computes only the new tail.  (The renders' common prefix,
+:attr:`Diff.first_changed_token`, may reach past the first directive's start: a deleted
+or inserted message that begins like the one after it, such as two tool outputs with
+one header.  Directives stay at message boundaries, where whole blocks relocate; the
+prefix cache then serves the leading blocks of the first run, and the connector loads
+only the blocks after its hit.)
 
 How the diff is made:
 

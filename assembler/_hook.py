@@ -20,8 +20,10 @@ Which steps fall back to a full prefill (``StepKind.FULL_PREFILL``, logged throu
 * ``SALT_CHANGED``: the previous render's cache salt differs from the new one, so none
   of the old KV is reachable under the new chain (sessions are kept per salt, so the
   hook itself no longer produces it: kept for callers that diff renders of their own);
-* ``NO_OVERLAP``: no old token survives at all (every message changed): nothing to
-  splice;
+* ``NO_OVERLAP``: no old token survives at all: nothing to splice.  A template whose
+  messages share a header (ChatML's ``<|im_start|>``) keeps its first tokens, so a step
+  that changed every message is an ``EDIT`` whose runs hold no whole block: the engine
+  computes it as it would a full prefill;
 * ``INVALID_DIFF``: the directives do not rebuild the new render from the old one
   exactly (a safety check that runs on every step; it should never trigger).
 

@@ -24,6 +24,7 @@ otherwise and never finds the hook's prepared context).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -42,7 +43,7 @@ from promptsplice.assembler import ContextHook, PreparedContext
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
 from promptsplice.engine_adapters.integrations._langchain_convert import format_tools, lc_messages_to_openai
-from promptsplice.errors import ConfigError, InputError, NonTextContentError
+from promptsplice.errors import ConfigError, InputError, InvalidMessageError, NonTextContentError
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +264,10 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
             return new, False
         handoff.put(prepared)
         settings = {**(new.model_settings or {}), "session_id": prepared.session_id}
+        if new.model.cache_salt is None and prepared.render.salt is not None:
+            # a call option: the model's LLM-cache key then names the tenant (a model's own
+            # salt is left alone, so a mismatch with the hook's stays an InvalidSaltError)
+            settings.setdefault("cache_salt", prepared.render.salt)
         return new.override(model_settings=settings), True
 
     def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
@@ -275,7 +280,9 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
                 handoff.discard(prepared)  # type: ignore[arg-type]
 
     async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
-        new, prepared = self._prepare(request)
+        # off the event loop: the policies may call a model (a summarizer) or tokenize a
+        # long history (the whole loop stalled for them)
+        new, prepared = await asyncio.to_thread(self._prepare, request)
         new, give = self._give(new, prepared)
         try:
             return await handler(new)
@@ -319,7 +326,10 @@ class PromptsplicePreModelHook:
         msgs = state.get("messages") if isinstance(state, Mapping) else getattr(state, "messages", None)
         if msgs is None:
             raise InputError("the graph state has no 'messages'")
-        originals = list(convert_to_messages(msgs))
+        try:
+            originals = list(convert_to_messages(msgs))
+        except (ValueError, TypeError, KeyError, NotImplementedError) as exc:  # LangChain's, translated
+            raise InvalidMessageError(f"the graph state's messages cannot be read as LangChain messages: {exc}") from exc
         lc = ([SystemMessage(content=self.system)] if self.system else []) + originals
         origins: list[int] = []
         dicts = lc_messages_to_openai(lc, origins=origins)

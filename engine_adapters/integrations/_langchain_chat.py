@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import weakref
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -60,7 +61,7 @@ from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.chat_models import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, LLMResult
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
@@ -68,6 +69,7 @@ from langchain_core.utils import from_env, secret_from_env
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationError
 
 from promptsplice._validate import check_stop, check_tenant_salt
+from promptsplice.blocks import content_digest
 from promptsplice.assembler import ChatRenderer, PreparedContext, StepKind
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_convert import (
@@ -241,7 +243,26 @@ class PromptspliceChatModel(BaseChatModel):
                 eng = _default_engine
         url = getattr(eng, "base_url", None)
         where = f"---server={url}" if isinstance(url, str) else ""
-        return super()._get_llm_string(stop=stop, **kwargs) + "---model=" + self._model_name(resolve=True) + where
+        return (super()._get_llm_string(stop=stop, **kwargs) + self._prompt_key(kwargs)
+                + "---model=" + self._model_id(resolve=True) + where)
+
+    def _prompt_key(self, kwargs: Mapping[str, Any]) -> str:
+        """What else decides the prompt and its tenant, for the LLM cache's key: the salt
+        the request goes out under (the call's or model's, else its hook's or runner's:
+        an unsalted model over a tenant's hook served another tenant's cached answer)
+        and the hook's template, layout and policies (they change what is sent)."""
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        if salt is None and self.hook is not None:
+            salt = self.hook.salt
+        if salt is None and self.runner is not None:
+            salt = getattr(self.runner, "salt", None)
+        key = f"---salt={salt!r}"
+        if self.hook is not None:
+            r = self.hook.renderer
+            policies = ",".join(_stable_repr(p) for p in self.hook.policies)
+            tmpl = content_digest(r.template.source.encode("utf-8", "surrogatepass")).hex()[:16]
+            key += f"---hook={tmpl}|{r.alignment.value}|{r.block_size}|{policies}"
+        return key
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -288,13 +309,15 @@ class PromptspliceChatModel(BaseChatModel):
     async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> AIMessage:  # type: ignore[override]
         return await super().ainvoke(convert_input(self, input), config, stop=stop, **_with_thread(config, kwargs, self.session_key))
 
-    async def agenerate(self, messages: list[list[BaseMessage]], stop: list[str] | None = None, callbacks: Any = None, **kwargs: Any) -> LLMResult:  # type: ignore[override]
+    async def _agenerate_with_cache(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: Any = None, **kwargs: Any) -> ChatResult:
         # LangChain keys its LLM cache by _get_llm_string, called on the event loop: a
         # served engine given no model would ask its server there (a blocking GET, with
-        # backoff sleeps): ask it in a thread first, once
+        # backoff sleeps): ask it in a thread first.  Here, not in agenerate: inside the
+        # run's callbacks, so a server that is down reaches on_llm_error (it raised before
+        # on_chat_model_start, and tracing saw nothing)
         if self.cache is not False and (isinstance(self.cache, BaseCache) or get_llm_cache() is not None):
             await asyncio.to_thread(self._model_name, resolve=True)
-        return await super().agenerate(messages, stop=stop, callbacks=callbacks, **kwargs)
+        return await super()._agenerate_with_cache(messages, stop=stop, run_manager=run_manager, **kwargs)
 
     def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:  # type: ignore[override]
         return super().stream(convert_input(self, input), config, stop=stop, **_with_thread(config, kwargs, self.session_key))
@@ -308,8 +331,15 @@ class PromptspliceChatModel(BaseChatModel):
         return self.engine if self.engine is not None else default_engine()
 
     def _model_name(self, *, resolve: bool = False) -> str:
-        """The model's name; ``resolve``: ask a served engine that was given no model
-        (otherwise named by its URL until its first request asked the server)."""
+        """The model's name (the last part of its path or id); ``resolve``: ask a served
+        engine that was given no model (otherwise named by its URL until its first
+        request asked the server)."""
+        model = self._model_id(resolve=resolve)
+        return model if self.model_name else Path(model).name
+
+    def _model_id(self, *, resolve: bool = False) -> str:
+        """The model's whole path or served id (``org/name``): what the LLM cache keys
+        by (two folders named alike hold two models) and ``model=`` may name."""
         if self.model_name:
             return self.model_name
         eng = self.engine
@@ -319,18 +349,23 @@ class PromptspliceChatModel(BaseChatModel):
         model = getattr(getattr(eng, "config", None), "model", None) or getattr(eng, "model", None)
         if not model and hasattr(eng, "served_model"):
             model = eng.served_model() if resolve else getattr(eng, "base_url", None)
-        return Path(model).name if isinstance(model, str) and model else DEFAULT_MODEL_NAME
+        return model if isinstance(model, str) and model else DEFAULT_MODEL_NAME
 
     def renderer(self) -> ChatRenderer:
         """The renderer: the hook's, else one over the engine's tokenizer and block size."""
         if self.hook is not None:
             return self.hook.renderer
         eng = self.resolved_engine()
-        key = id(eng)
         with self._renderer_lock:
-            if self._renderer is None or self._renderer_key != key:
+            # by reference, not id(): a new engine at a freed one's address got the old
+            # engine's renderer (its block size and tokenizer)
+            held = self._renderer_key() if isinstance(self._renderer_key, weakref.ref) else self._renderer_key
+            if self._renderer is None or held is not eng:
                 self._renderer = ChatRenderer(eng.tokenizer, block_size=eng.block_size)
-                self._renderer_key = key
+                try:
+                    self._renderer_key = weakref.ref(eng)
+                except TypeError:  # no weak references (slots): held strongly
+                    self._renderer_key = eng
             return self._renderer
 
     def _session(self, kwargs: Mapping[str, Any], run_manager: Any) -> str | None:
@@ -364,7 +399,7 @@ class PromptspliceChatModel(BaseChatModel):
         if parallel is not None and not isinstance(parallel, bool):
             raise ConfigError(f"parallel_tool_calls must be True, False or None, got {parallel!r}")
         model = kwargs.get("model")
-        if model is not None and model != self._model_name(resolve=True):
+        if model is not None and model not in (self._model_name(resolve=True), self._model_id()):
             raise ConfigError(
                 f"model={model!r}: this model runs {self._model_name()!r} on its engine; "
                 "build another PromptspliceChatModel for another engine"
@@ -669,6 +704,17 @@ class PromptspliceChatModel(BaseChatModel):
             else:
                 for stream in list(opened):
                     abort(stream)
+
+
+def _stable_repr(policy: Any) -> str:
+    """A policy's repr, or its qualified name where the repr is the default one (it
+    names a memory address: the same policy would key differently in each process)."""
+    kind = policy if callable(policy) and hasattr(policy, "__qualname__") else type(policy)
+    if kind is type(policy) and type(policy).__repr__ is not object.__repr__:
+        return repr(policy)
+    code = getattr(kind, "__code__", None)  # two lambdas of one module: told apart by line
+    where = f"@{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(kind, '__module__', '?')}.{kind.__qualname__}{where}"
 
 
 def _with_thread(config: RunnableConfig | None, kwargs: dict[str, Any], key: str = "thread_id") -> dict[str, Any]:

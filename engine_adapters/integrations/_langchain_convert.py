@@ -51,8 +51,10 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
         for i, m in enumerate(messages):  # message by message (the conversion has no state across them)
             one = convert_to_openai_messages([m])
             one = [one] if isinstance(one, dict) else list(one)
-            if isinstance(m, AIMessage) and m.invalid_tool_calls and one:
-                _keep_invalid_calls(one[-1], m.invalid_tool_calls)
+            if isinstance(m, AIMessage) and one:
+                _drop_call_blocks(one[-1])
+                if m.invalid_tool_calls:
+                    _keep_invalid_calls(one[-1], m.invalid_tool_calls)
             out.extend(one)
             origins.extend([i] * len(one))
     except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
@@ -65,6 +67,22 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
             if d.get("role") == "tool" and d.get("tool_call_id") in failed:
                 d["status"] = "error"
     return list(out)
+
+
+_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call", "reasoning"})
+"""LangChain v1 content blocks of an assistant turn that are not its text: the calls
+(already in ``tool_calls``) and reasoning (which chat templates leave out of history)."""
+
+
+def _drop_call_blocks(d: dict[str, Any]) -> None:
+    """An assistant turn in LangChain's v1 format (``output_version="v1"``) keeps its
+    calls as content blocks too: the conversion copies them to ``tool_calls`` and leaves
+    the blocks, which no template renders (the next step raised NonTextContentError)."""
+    content = d.get("content")
+    if isinstance(content, list):
+        kept = [p for p in content if not (isinstance(p, Mapping) and p.get("type") in _CALL_BLOCKS)]
+        if len(kept) != len(content):
+            d["content"] = kept or ""
 
 
 def _keep_invalid_calls(d: dict[str, Any], invalid: Sequence[Mapping[str, Any]]) -> None:

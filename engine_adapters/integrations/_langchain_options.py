@@ -86,12 +86,14 @@ def convert_input(model: Any, value: Any) -> Any:
     does not know or content of the wrong type is :class:`InvalidMessageError`."""
     try:
         return model._convert_input(value)
-    except (ValueError, TypeError, ValidationError, NotImplementedError) as exc:
-        # (LangChain raises NotImplementedError for bytes, [5], [None] or [("user",)])
+    except (ValueError, TypeError, KeyError, ValidationError, NotImplementedError) as exc:
+        # (LangChain raises NotImplementedError for bytes, [5], [None] or [("user",)], and
+        # KeyError for a tool message without tool_call_id)
         if isinstance(exc, InvalidMessageError):
             raise
+        what = f"a message has no {exc}" if isinstance(exc, KeyError) else exc
         raise InvalidMessageError(
-            f"PromptspliceChatModel cannot read its input as messages: {exc}; pass a str, a list of "
+            f"PromptspliceChatModel cannot read its input as messages: {what}; pass a str, a list of "
             "LangChain messages, (role, content) tuples with role one of human, user, ai, assistant, "
             "system, tool, or OpenAI-style dicts whose content is a str or a list of parts"
         ) from exc

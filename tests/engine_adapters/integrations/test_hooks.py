@@ -494,3 +494,110 @@ def test_a_session_with_an_image_goes_through_unedited_instead_of_failing_every_
     said = [r.getMessage() for r in caplog.records if "cannot render" in r.getMessage()]
     assert len(said) == 3 and all("unedited" in m for m in said)  # once per adapter and session
     assert not mw.history and not pre.history and not filt.history
+
+
+def test_the_llm_cache_key_names_the_tenant_and_the_hooks_prompt(default_tok):
+    """LangChain's LLM cache keyed an unsalted model by its settings alone: over a hook of
+    tenant A and one of tenant B (or one with policies and one without), the two shared
+    entries, and tenant B got tenant A's cached answer without a request."""
+    from types import SimpleNamespace
+
+    from langchain_core.caches import InMemoryCache
+
+    def model(hook, **kw):
+        return PromptspliceChatModel(engine=_SendlessEngine(default_tok), hook=hook, max_tokens=1, **kw)
+
+    def hook(salt, *policies):
+        return ContextHook(default_tok, block_size=16, salt=salt, policies=list(policies))
+
+    key = {name: m._get_llm_string() for name, m in {
+        "A": model(hook("tenant-A")), "A again": model(hook("tenant-A")), "B": model(hook("tenant-B")),
+        "A truncating": model(hook("tenant-A", TruncateToolOutputs(10, keep_recent=0))),
+        "A truncating again": model(hook("tenant-A", TruncateToolOutputs(10, keep_recent=0))),
+        "A by lambda": model(hook("tenant-A", lambda ms: None)),
+    }.items()}
+    assert key["A"] == key["A again"] and key["A truncating"] == key["A truncating again"]
+    assert len({key["A"], key["B"], key["A truncating"], key["A by lambda"]}) == 4
+    assert "0x" not in key["A by lambda"]  # no address: a persistent cache keys alike in every process
+    # a cache shared by both tenants: each gets its own entry
+    cache, msgs = InMemoryCache(), [HumanMessage("what is my balance?")]
+    a, b = model(hook("tenant-A")), model(hook("tenant-B"))
+    cache.update("the same prompt", a._get_llm_string(), ["answer for A"])
+    assert cache.lookup("the same prompt", b._get_llm_string()) is None
+    assert cache.lookup("the same prompt", model(hook("tenant-A"))._get_llm_string()) == ["answer for A"]
+
+    # the middleware's hand-off names its hook's salt as a call option of an unsalted model
+    mw = PromptspliceMiddleware(hook("tenant-A"), default_session="mw-cache-key")
+    request = SimpleNamespace(messages=msgs, system_message=None, tools=[], response_format=None,
+                              model=model(None), model_settings={}, override=lambda **kw: SimpleNamespace(**{
+                                  **vars(request), **kw}))
+    new, prepared = mw._prepare(request)
+    given, _ = mw._give(new, prepared)
+    assert given.model_settings == {"session_id": "mw-cache-key", "cache_salt": "tenant-A"}
+    own = SimpleNamespace(**{**vars(new), "model": model(None, cache_salt="tenant-A")})
+    assert "cache_salt" not in mw._give(own, prepared)[0].model_settings  # the model's own salt decides
+    handoff_discard(prepared)
+
+
+def handoff_discard(prepared):
+    from promptsplice.engine_adapters.integrations._handoff import handoff
+
+    handoff.discard(prepared)
+
+
+def test_the_async_middleware_prepares_off_the_event_loop(default_tok):
+    """``awrap_model_call`` ran the hook (policies, a summarizer's model call) on the event
+    loop: every other task of the loop stalled for it."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    seen = []
+    mw = PromptspliceMiddleware(ContextHook(default_tok, block_size=16), default_session="mw-async",
+                                on_prepared=lambda p: seen.append(threading.current_thread()))
+    request = SimpleNamespace(messages=[HumanMessage("hi")], system_message=None, tools=[], response_format=None,
+                              model=object(), override=lambda **kw: SimpleNamespace(**{**vars(request), **kw}))
+
+    async def handler(r):
+        return r
+
+    async def main():
+        return threading.current_thread(), await mw.awrap_model_call(request, handler)
+
+    loop_thread, out = asyncio.run(main())
+    assert out.messages[0].content == "hi" and seen and seen[0] is not loop_thread
+
+
+def test_messages_langchain_cannot_read_are_message_errors(default_tok):
+    """A tool message without ``tool_call_id`` raised LangChain's raw KeyError from
+    invoke/stream/batch and from the LangGraph hook."""
+    from promptsplice.engine_adapters.integrations._langchain_options import convert_input
+    from promptsplice.errors import InvalidMessageError
+
+    model = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1)
+    for bad in ([{"role": "tool", "content": "42"}], [("tool", "42")]):
+        with pytest.raises(InvalidMessageError, match="a message has no 'tool_call_id'"):
+            convert_input(model, bad)
+    pre = PromptsplicePreModelHook(ContextHook(default_tok, block_size=16), default_session="lg-keyerror")
+    with pytest.raises(InvalidMessageError, match="cannot be read as LangChain messages"):
+        pre({"messages": [{"role": "tool", "content": "42"}]})
+
+
+def test_v1_content_blocks_of_an_assistant_turn_render(default_tok):
+    """With ``output_version="v1"`` an assistant turn keeps its calls (and reasoning) as
+    content blocks: they stayed in the content beside ``tool_calls`` and the next step of
+    a tool loop raised NonTextContentError."""
+    from promptsplice.assembler import ChatRenderer
+
+    ai = AIMessage(
+        content=[{"type": "reasoning", "reasoning": "think"}, {"type": "text", "text": "Calling f."},
+                 {"type": "tool_call", "id": "c1", "name": "f", "args": {"a": 1}}],
+        tool_calls=[{"id": "c1", "name": "f", "args": {"a": 1}}],
+    )
+    only_call = AIMessage(content=[{"type": "tool_call", "id": "c2", "name": "f", "args": {}}],
+                          tool_calls=[{"id": "c2", "name": "f", "args": {}}])
+    dicts = lc_messages_to_openai([HumanMessage("call f"), ai, ToolMessage("42", tool_call_id="c1"), only_call])
+    assert [p.get("type") for p in dicts[1]["content"]] == ["text"] and dicts[3]["content"] == ""
+    assert [c["id"] for c in dicts[1]["tool_calls"]] == ["c1"] and [c["id"] for c in dicts[3]["tool_calls"]] == ["c2"]
+    render = ChatRenderer(default_tok, block_size=16).render(dicts)
+    assert "Calling f." in render.text and '"name":"f"' in render.text and "think" not in render.text

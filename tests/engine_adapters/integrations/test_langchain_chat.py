@@ -213,8 +213,10 @@ def test_serializes_settings_only_and_loads_with_an_explicit_allowlist(engine, m
         assert back.invoke("Hi").content == plain.invoke("Hi").content
     finally:
         set_default_engine(prev)
-    # LangChain's LLM cache key names the engine's model (the dump leaves the engine out)
-    assert model._get_llm_string().endswith("---model=SmolLM2-135M-Instruct")
+    # LangChain's LLM cache key names the engine's model by its whole path (the dump
+    # leaves the engine out; two folders named alike hold two models)
+    assert model._get_llm_string().endswith("---model=" + str(engine.config.model))
+    assert str(engine.config.model).endswith("/SmolLM2-135M-Instruct")
 
 
 def test_a_cache_salt_the_runner_would_not_use_is_refused(engine):
@@ -393,7 +395,7 @@ def test_call_time_options_get_the_constructors_checks(engine):
     assert len(runner.calls) == 2  # nothing refused reached the engine
 
 
-def test_the_llm_cache_key_names_the_server_and_its_model():
+def test_the_llm_cache_key_names_the_server_and_its_model(default_tok):
     """Two served engines given no model shared LangChain's cache entries (both keyed as
     the default model until their first request): the second server never ran."""
     import httpx
@@ -406,8 +408,17 @@ def test_the_llm_cache_key_names_the_server_and_its_model():
     a = PromptspliceChatModel(engine=RemoteEngine("http://a.invalid:8000", transport=server("org/llama-8b")))
     b = PromptspliceChatModel(engine=RemoteEngine("http://b.invalid:8000", transport=server("org/qwen-7b")))
     ka, kb = a._get_llm_string(), b._get_llm_string()
-    assert ka.endswith("---model=llama-8b---server=http://a.invalid:8000")
-    assert kb.endswith("---model=qwen-7b---server=http://b.invalid:8000")
+    # the whole id: two folders or orgs named alike hold two models
+    assert ka.endswith("---model=org/llama-8b---server=http://a.invalid:8000")
+    assert kb.endswith("---model=org/qwen-7b---server=http://b.invalid:8000")
+    assert a._model_name() == "llama-8b"  # what the model reports (ls_model_name)
+    local = RemoteEngine("http://a.invalid:8000", transport=server("org/llama-8b"), block_size=16)
+    local._tok, local._probe = default_tok, None  # what a first request would have found out
+    named = PromptspliceChatModel(engine=local)
+    named._prepare([HumanMessage("hi")], {"model": "org/llama-8b"}, None)  # the served id names it too
+    named._prepare([HumanMessage("hi")], {"model": "llama-8b"}, None)
+    with pytest.raises(ConfigError, match="this model runs 'llama-8b'"):
+        named._prepare([HumanMessage("hi")], {"model": "org/qwen-7b"}, None)
     # the default engine too (a model built without engine=): its server is in the key
     default = PromptspliceChatModel()
     prev = set_default_engine(RemoteEngine("http://c.invalid:8000", transport=server("org/llama-8b")))
@@ -487,3 +498,34 @@ def test_an_invalid_call_also_in_the_content_is_kept_once():
                     invalid_tool_calls=[{"name": "search", "args": "{", "id": "c1", "error": "bad", "type": "invalid_tool_call"}])
     (d,) = lc_messages_to_openai([msg])
     assert [c["id"] for c in d["tool_calls"]] == ["c1"]
+
+
+def test_the_renderer_follows_the_engine_object_not_its_address(default_tok):
+    """The renderer was cached by ``id(engine)``: a new engine at a freed engine's address
+    (a swapped default engine) rendered with the old one's block size and tokenizer."""
+    import gc
+
+    class Engine:
+        def __init__(self, block_size):
+            self.block_size, self.tokenizer = block_size, default_tok
+
+        def generate(self, *args, **kwargs):
+            raise AssertionError("only rendered")
+
+    model = PromptspliceChatModel(max_tokens=1)
+    prev = set_default_engine(Engine(16))
+    try:
+        assert model.renderer().block_size == 16
+        old = id(default_engine())
+        set_default_engine(None)
+        gc.collect()
+        held = []
+        for _ in range(200):  # CPython hands the freed address out again, usually at once
+            new = Engine(32)
+            if id(new) == old:
+                break
+            held.append(new)
+        set_default_engine(new)
+        assert model.renderer().block_size == 32
+    finally:
+        set_default_engine(prev)

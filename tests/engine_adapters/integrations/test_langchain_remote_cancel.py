@@ -163,3 +163,39 @@ def test_cancelling_ainvoke_closes_the_request_on_a_served_engine():
         assert closed, "the request was left open after the cancel"
     finally:
         srv.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_model_name_lookup_that_fails_reaches_the_callbacks():
+    """With a LangChain LLM cache, ``ainvoke`` asked a served engine for its model before
+    LangChain's callbacks began: a server that was down raised with no
+    ``on_chat_model_start`` or ``on_llm_error`` (tracing saw nothing; invoke reported both)."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    from promptsplice.errors import EngineUnavailableError
+
+    class Seen(BaseCallbackHandler):
+        def __init__(self):
+            self.events = []
+
+        def on_chat_model_start(self, *args, **kwargs):
+            self.events.append("start")
+
+        def on_llm_error(self, *args, **kwargs):
+            self.events.append("error")
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: the lookup is refused at once
+    for call in ("invoke", "ainvoke"):
+        eng = RemoteEngine(f"http://127.0.0.1:{port}", block_size=16, max_retries=0)
+        eng._tok, eng._probe = load_tokenizer("default"), None
+        chat, seen = PromptspliceChatModel(engine=eng, max_tokens=4, cache=InMemoryCache()), Seen()
+        with pytest.raises(EngineUnavailableError):
+            if call == "invoke":
+                chat.invoke("hello", {"callbacks": [seen]})
+            else:
+                asyncio.run(chat.ainvoke("hello", {"callbacks": [seen]}))
+        assert seen.events == ["start", "error"], call
