@@ -123,11 +123,20 @@ class PopularityTracker:
             if kept is not None and len(kept) == len(digests):
                 if memo:
                     self._orders.move_to_end(key)
-                pos = {d: i for i, d in enumerate(digests)}
-                # equal digests (dedup's exact pass off) share one entry of pos: the
-                # canonical sort below orders them by index, without the memo
-                if len(pos) == len(digests) and all(d in pos for d in kept):
-                    return [pos[d] for d in kept]
+                # equal digests (dedup's exact pass off) take their places in index
+                # order: the canonical sort below gives them that order too (they were
+                # re-sorted by popularity here, and a repeated set changed its prefix)
+                places: dict[bytes, list[int]] = {}
+                for i, d in enumerate(digests):
+                    places.setdefault(d, []).append(i)
+                out = []
+                for d in kept:
+                    free = places.get(d)
+                    if not free:
+                        break
+                    out.append(free.pop(0))
+                else:
+                    return out
             counts = self._counts
             tiers = [self.tier(counts.get(scope + d, 0)) for d in digests]
         idx = sorted(range(len(digests)), key=lambda i: (-tiers[i], digests[i]))

@@ -135,6 +135,24 @@ def test_equal_chunks_kept_apart_keep_their_ids_on_a_repeat(default_tok):
     assert tracker.order([d, d]) == [0, 1] and tracker.order([d, d]) == [0, 1]
 
 
+def test_a_repeated_set_with_equal_chunks_keeps_its_first_order(default_tok):
+    """A set holding equal chunks skipped the kept order and was sorted by popularity
+    again: once the repeated chunk had been seen twice it moved to the front, the
+    prompt changed and the prefix cache missed (0, 0, 16 cached tokens)."""
+    from promptsplice.dedup import DedupConfig
+
+    off = DedupConfig(exact=False, containment=False, overlap=False, passages=False)
+    asm = Assembler(default_tok, block_size=16, policy="stable", alignment="none", dedup_config=off)
+    outs = [asm.assemble(["same text here", "other", "same text here"], query="q") for _ in range(4)]
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    assert [o.predicted_cached_tokens for o in outs] == [0, 16, 16, 16]
+    tracker, a, b = PopularityTracker(), content_digest(b"a"), content_digest(b"b")
+    first = tracker.order([a, b, a])
+    tracker.observe([a, a, a, b])  # a's tier now above b's: a fresh sort would differ
+    assert sorted(range(3), key=lambda i: (-tracker.tier(tracker.count([a, b, a][i])), [a, b, a][i])) != first
+    assert tracker.order([a, b, a]) == first
+
+
 def test_one_tenants_traffic_never_shapes_another_tenants_order(default_tok):
     """The tracker was keyed by chunk content only: B's own prompt came out ordered by
     what A had sent (G first after A used G four times), readable with a preview that
