@@ -346,6 +346,7 @@ def test_chatml_format_matches_the_models_chat_template(make_assembler, default_
     assert default_tok.encode(res.text) == res.token_ids
 
 
+@pytest.mark.reliability
 def test_a_document_spelling_a_cached_query_gets_its_own_tokens(make_assembler, default_tok):
     """Chunks were keyed in the token cache by their raw text's digest, the query by its
     marked text's, in one key space: a document whose raw text equalled an earlier

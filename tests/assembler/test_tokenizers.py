@@ -320,6 +320,7 @@ def test_the_adapters_answer_bad_text_and_ids_with_the_librarys_errors(default_t
         Assembler(default_tok, block_size=16).naive(["a"], query="\ud800")
 
 
+@pytest.mark.reliability
 def test_added_tokens_spelled_as_markup_stay_text_in_caller_content(tmp_path):
     """An added token the vocabulary does not flag special (Qwen2.5's ``<tool_call>``)
     was matched inside a retrieved document or a user message: untrusted text produced

@@ -496,6 +496,7 @@ def test_a_session_with_an_image_goes_through_unedited_instead_of_failing_every_
     assert not mw.history and not pre.history and not filt.history
 
 
+@pytest.mark.reliability
 def test_the_llm_cache_key_names_the_tenant_and_the_hooks_prompt(default_tok):
     """LangChain's LLM cache keyed an unsalted model by its settings alone: over a hook of
     tenant A and one of tenant B (or one with policies and one without), the two shared
