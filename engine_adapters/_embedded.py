@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -138,7 +137,8 @@ class EmbeddedEngine:
         else:
             model = config.model
         self._config = dataclasses.replace(config, model=model)
-        self._lock, self._open_request = threading.RLock(), None  # the request _request runs (a stream may pause it)
+        # the request _request runs (a stream may pause it, and go on in another thread)
+        self._lock, self._open_request = _vllm.PassingRLock(), None
         self._ids = itertools.count()
         self._mirror: PrefixCacheMirror | None = None  # made at the first start
         self._tokenizer: Tokenizer | None = None
@@ -365,8 +365,9 @@ class EmbeddedEngine:
         cumulative output, differenced); the last one has ``completion`` set: the whole
         request as :meth:`generate` returns it (vLLM's ``num_cached_tokens``, TTFT,
         finish reason).  The engine stays locked from the first ``next()`` until the
-        generator finishes or is closed, so consume it in one thread and close it (or
-        exhaust it) promptly: closing it early aborts the request and frees its blocks.
+        generator finishes or is closed (any thread may advance or close it, one at a
+        time), so close it (or exhaust it) promptly: closing it early aborts the request
+        and frees its blocks.
         """
         req = self._normalize(prompt, cache_salt)
         sampling = check_sampling(max_tokens, temperature, stop)
@@ -480,6 +481,9 @@ class EmbeddedEngine:
                             outputs = engine.step()
                         except Exception as exc:
                             raise self._step_failed(engine, rid, exc) from exc
+                        except BaseException:  # Ctrl-C, SystemExit: the same unwritten blocks
+                            self._step_interrupted(engine)
+                            raise
                         now = time.perf_counter()
                         for out in outputs:
                             if ttft is None and out.outputs and len(out.outputs[0].token_ids) >= 1:
@@ -488,6 +492,8 @@ class EmbeddedEngine:
                                 final = out
                                 break
                             yield out, None
+                            self._lock.adopt()  # resumed, perhaps in another thread: it holds both
+                            _vllm.adopt_agent_lock()
                 finally:
                     self._open_request = None
                     if final is None and not self._closed_by_user:  # an error, or the stream closed early
@@ -542,6 +548,23 @@ class EmbeddedEngine:
                 "keeps serving, with an empty prefix cache"
             )
         return self._die(cause)
+
+    def _step_interrupted(self, engine: Any) -> None:
+        """A step stopped by ``KeyboardInterrupt``/``SystemExit`` (not an error of vLLM):
+        abort and empty the prefix cache as :meth:`_step_failed` does (the interrupted
+        step's blocks were filed unwritten), without a probe; a cache that cannot be
+        emptied leaves the engine unusable rather than serving them."""
+        if self._closed_by_user:
+            return
+        _vllm.abort_all(engine)
+        try:
+            emptied = self._reset_cache()
+        except Exception:  # noqa: BLE001 - the interrupt is what the caller sees
+            emptied = False
+        if not emptied:
+            assert self._mirror is not None
+            self._mirror.clear()
+            self._dead = "a step was interrupted and vLLM's prefix cache could not be emptied"
 
     def _healthy(self, engine: Any) -> bool:
         """One one-token request (it fills no block: nothing enters the cache)."""

@@ -191,7 +191,63 @@ def abort_all(engine: Any) -> None:
 # right after its start, and installs it in the slot for as long as it starts, steps or
 # shuts down, under one process-wide lock (in-process engines also share vLLM's global
 # forward context, so they never ran concurrently anyway).
-_agent_lock = threading.RLock()
+class PassingRLock:
+    """A re-entrant lock whose holder may move to another thread: a stream's generator,
+    paused in one thread and advanced or closed in another (Starlette's
+    ``iterate_in_threadpool`` runs each ``next()`` in a pool thread), releases what it
+    took.  With ``threading.RLock`` that release raised ``RuntimeError`` and the lock
+    stayed owned by the first thread: every engine of the process then hung, ``close()``
+    and exit too.  :meth:`adopt` makes the current thread the holder (a resumed stream
+    calls it, so a call of that thread re-enters instead of waiting on itself)."""
+
+    __slots__ = ("_lock", "_guard", "_owner", "_count")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # any thread may release a Lock
+        self._guard = threading.Lock()
+        self._owner: int | None = None
+        self._count = 0
+
+    def acquire(self) -> bool:
+        me = threading.get_ident()
+        with self._guard:
+            if self._count and self._owner == me:
+                self._count += 1
+                return True
+        self._lock.acquire()
+        with self._guard:
+            self._owner, self._count = me, 1
+        return True
+
+    def release(self) -> None:
+        with self._guard:
+            if not self._count:
+                raise RuntimeError("release of a PassingRLock that is not held")
+            self._count -= 1
+            if self._count:
+                return
+            self._owner = None
+        self._lock.release()
+
+    def adopt(self) -> None:
+        """The current thread holds the lock now (it must be held)."""
+        with self._guard:
+            if self._count:
+                self._owner = threading.get_ident()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+_agent_lock = PassingRLock()
+
+
+def adopt_agent_lock() -> None:
+    """A stream resumed in this thread holds the agent lock now (see :class:`PassingRLock`)."""
+    _agent_lock.adopt()
 
 
 class AgentBox:

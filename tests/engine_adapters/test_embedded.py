@@ -444,6 +444,45 @@ def test_a_second_stream_while_one_is_open_in_the_thread_is_refused(engine):
     assert engine.generate(b, max_tokens=2).token_ids  # and the engine serves the next one
 
 
+@pytest.mark.reliability
+@pytest.mark.timeout(120)
+def test_a_stream_advanced_in_another_thread_releases_the_engine(engine):
+    """A stream begun in one thread and read on in another (Starlette's
+    ``iterate_in_threadpool`` runs each ``next()`` in a pool thread): releasing the
+    thread-bound locks raised ``RuntimeError`` and left them owned by the first thread, so
+    every later request of every engine, ``close()`` and exit hung."""
+    import threading
+
+    prompt = list(range(500, 560))
+    want = engine.generate(prompt, max_tokens=6)
+    for finish in ("exhaust", "close"):
+        stream, box = engine.stream(prompt, max_tokens=6), {}
+        opener = threading.Thread(target=lambda: box.__setitem__("head", next(stream)))
+        opener.start()
+        opener.join()
+
+        def rest():
+            try:
+                box["rest"] = list(stream) if finish == "exhaust" else stream.close()
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                box["error"] = exc
+
+        reader = threading.Thread(target=rest)
+        reader.start()
+        reader.join(30)
+        assert "error" not in box, box.get("error")
+        if finish == "exhaust":
+            got = box["head"].token_ids + [i for d in box["rest"] for i in d.token_ids]
+            assert got == want.token_ids
+        done = {}
+        later = threading.Thread(target=lambda: done.__setitem__("out", engine.generate(prompt, max_tokens=2)),
+                                 daemon=True)
+        later.start()
+        later.join(30)
+        assert "out" in done, f"a request after a stream {finish}ed in another thread hung"
+        assert done["out"].token_ids == want.token_ids[:2]
+
+
 def test_a_kv_cache_too_small_to_start_names_the_knob(engine):
     # An explicit max_model_len is kept: a cache too small for it fails the start.
     with pytest.raises(EngineStartError, match="kv_cache_bytes") as info:

@@ -26,9 +26,9 @@ def _layer(eng, index: int = FAULT_LAYER):
 
 
 @contextlib.contextmanager
-def layer_fault(eng, *, after_calls: int = 0, times: int | None = 1):
-    """Make one decoder layer raise: after ``after_calls`` good forward passes, for
-    ``times`` passes (``None``: for ever, a dead engine).  Yields the call counter."""
+def layer_fault(eng, *, after_calls: int = 0, times: int | None = 1, raises: type[BaseException] = RuntimeError):
+    """Make one decoder layer raise ``raises``: after ``after_calls`` good forward passes,
+    for ``times`` passes (``None``: for ever, a dead engine).  Yields the call counter."""
     layer = _layer(eng)
     orig = layer.forward
     state = {"calls": 0, "raised": 0}
@@ -37,7 +37,7 @@ def layer_fault(eng, *, after_calls: int = 0, times: int | None = 1):
         state["calls"] += 1
         if state["calls"] > after_calls and (times is None or state["raised"] < times):
             state["raised"] += 1
-            raise RuntimeError(f"injected fault in layer {FAULT_LAYER}")
+            raise raises(f"injected fault in layer {FAULT_LAYER}")
         return orig(*args, **kwargs)
 
     layer.forward = forward
@@ -70,6 +70,24 @@ def test_a_failed_prefill_never_leaves_unwritten_blocks_in_the_cache(fresh_engin
     assert again.predicted_cached_tokens == 0
     assert again.token_ids == ref.token_ids
     measured.update(failed=1, cached_after_failure=again.num_cached_tokens, wrong=0)
+
+
+@pytest.mark.reliability
+def test_an_interrupted_prefill_never_leaves_unwritten_blocks_in_the_cache(fresh_engine):
+    """Ctrl-C (KeyboardInterrupt) in a forward pass skipped the cache drop that an error
+    gets: the same prompt was then served 320 cached tokens never written, another
+    answer.  The interrupt still reaches the caller, and the engine serves on."""
+    eng = fresh_engine
+    prompt = _prompt(21)
+    ref = eng.generate(prompt, max_tokens=8)
+    eng.reset_prefix_cache()
+    with layer_fault(eng, raises=KeyboardInterrupt) as fault:
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(prompt, max_tokens=8)
+    assert fault["raised"] == 1 and len(eng.mirror) == 0
+    again = eng.generate(prompt, max_tokens=8)
+    assert again.num_cached_tokens == 0 and again.predicted_cached_tokens == 0
+    assert again.token_ids == ref.token_ids
 
 
 @pytest.mark.reliability
