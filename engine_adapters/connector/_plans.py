@@ -29,7 +29,10 @@ this request's ``cache_salt`` (absent: the same), and ``"scope": true`` says thi
 request's salt is a *splice scope* that only its session uses: the blocks it loads and
 the blocks it computes after relocated KV are then saved under that salt too (they are
 approximate, and only requests with the scope's salt can reach them), so later edits of
-the session can relocate them again.  Without a scope nothing approximate is saved.
+the session can relocate them again.  Without a scope nothing approximate is saved: not
+by the request that loads it, nor by a later request of its salt whose prefix-cache hit
+covers it (vLLM files relocated blocks under the new prompt's exact hashes; the
+scheduler remembers those keys).
 
 vLLM's contiguity rule shapes the phases: the loaded tokens start exactly at the local
 prefix-cache hit and at least one prompt token is left to compute, so one request loads

@@ -27,6 +27,7 @@ segment (delta ``d``).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from promptsplice.blocks import BlockHash, cacheable_blocks, cdiv, hash_block, r
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, in_place_blocks
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.errors import InputError
-from promptsplice._validate import check_block_size
+from promptsplice._validate import DERIVED_SALT_MARK, check_block_size
 
 __all__ = [
     "LoadItem",
@@ -241,6 +242,19 @@ class _ReqState:
     """Set after a relocation: blocks computed after relocated KV are not exact."""
     save_from: int | None = None
     """Scoped requests: the first loaded block, saved (under the scope) with the step."""
+    probe_refs: dict[int, tuple[BlockRef, int]] | None = None
+    """The plan's probe blocks, hashed once (not on every step the request runs)."""
+
+
+_MAX_TAINTED = 1 << 16
+
+
+def _exact_salt(salt: str | bytes | None) -> bool:
+    """Whether ``salt`` is a tenant's own (or none): its chains hold exact KV only.
+    Derived salts (scopes, reuse salts) hold approximate KV by design."""
+    if isinstance(salt, bytes):
+        return DERIVED_SALT_MARK.encode() not in salt
+    return salt is None or DERIVED_SALT_MARK not in salt
 
 
 class SpliceScheduler:
@@ -261,6 +275,13 @@ class SpliceScheduler:
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadItem] = []
         self._warned_plan = False
+        # Exact chain keys under which vLLM's prefix cache holds approximate KV: the blocks
+        # a request without a scope loaded approximately under its tenant's own salt, and
+        # those it computed after them.  A later request whose local hit covers one of
+        # them saves nothing (it filed blocks computed after approximate KV under exact
+        # keys, and every tier then served them as exact offload hits).  Bounded; a key
+        # vLLM evicted and computed again exactly only costs that request its saves.
+        self._tainted: OrderedDict[bytes, None] = OrderedDict()
 
     def _state(self, req_id: str, tokens: Sequence[int], salt, params) -> _ReqState:
         st = self._reqs.get(req_id)
@@ -306,6 +327,10 @@ class SpliceScheduler:
         last = cacheable_blocks(len(prompt_tokens), bs)
         if st.chain is None and num_computed_tokens // bs < last:
             st.chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
+        if self._tainted and st.chain is not None and not st.no_save and _exact_salt(salt):
+            hit = min(num_computed_tokens // bs, len(st.chain))
+            if any(ref.key in self._tainted for ref in st.chain[:hit]):
+                st.no_save = True  # its local hit holds approximate KV: so is all it computes
         lp = plan_load(
             self.store,
             prompt_tokens,
@@ -352,6 +377,12 @@ class SpliceScheduler:
             # what it computes after approximate KV is approximate too: never filed under
             # the request's own (exact) chain keys
             st.no_save = True
+            if _exact_salt(st.salt) and st.chain is not None:
+                for ref in st.chain[first:]:  # vLLM files them under those keys: taint them
+                    self._tainted[ref.key] = None
+                    self._tainted.move_to_end(ref.key)
+                while len(self._tainted) > _MAX_TAINTED:
+                    self._tainted.popitem(last=False)
         self._loads.append(item)
         return item
 
@@ -416,7 +447,9 @@ class SpliceScheduler:
         bs, plan = self.block_size, st.plan
         assert plan is not None
         end = min(computed + scheduled, len(st.tokens))
-        planned = _plan_refs(st.tokens, plan, bs, probes=True)
+        if st.probe_refs is None:
+            st.probe_refs = _plan_refs(st.tokens, plan, bs, probes=True)
+        planned = st.probe_refs
         js = [j for j in sorted(planned) if j * bs >= computed and (j + 1) * bs <= end]
         if not js or (any(planned[j][1] for j in js) and not self.relocation):
             return None

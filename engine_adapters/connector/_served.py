@@ -190,6 +190,9 @@ def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int,
     if len(plan.probes) > full_blocks or any(p.dst_start + p.num_blocks * block_size > full_blocks * block_size
                                              for p in plan.probes):
         return f"the plan's probes run past the request's {full_blocks} full blocks"
+    probed = sum(p.num_blocks for p in plan.probes)
+    if probed > full_blocks:  # overlapping probes: B probes of B blocks hashed B^2 blocks a step
+        return f"the plan's probes cover {probed} blocks, more than the request's {full_blocks} full blocks"
     if plan.block_size != block_size:
         return f"the plan was made for block_size {plan.block_size}, the server's is {block_size}"
     check = params.get(CHECK_KEY)

@@ -147,6 +147,40 @@ def test_a_bad_plan_is_ignored_not_fatal(store, caplog):
 
 
 @pytest.mark.reliability
+def test_a_later_request_over_relocated_blocks_of_the_tenant_saves_nothing(store):
+    """A plan without a scope relocated KV under the tenant's own salt: vLLM's prefix
+    cache then held those blocks under the new prompt's exact hashes, and a later plain
+    request extending the prompt hit them and saved the blocks it computed after them
+    under the tenant's exact chain keys (measured: 4 blocks, 3.7-5.5% off exact in the
+    last layer, served by every tier as offload hits).  Derived salts are unaffected."""
+    P, X, S = toks(2 * BS), toks(2 * BS, 5000), toks(3 * BS, 9000)
+    old, new = P + X + S + [1, 2], P + S + toks(BS + 7, 20000)
+    fill_store(store, old)
+    moved = SplicePlan(BS, (SpliceSegment(2 * BS, 3, -2 * BS, chain_hashes(old, BS, salt=SALT)[3]),))
+    ids = list(range(100, 120))
+
+    def run(sched, rid, tokens, hit, salt=SALT, params=None):
+        n = sched.get_num_new_matched_tokens(rid, tokens, salt, hit, params)
+        sched.update_state_after_alloc(rid, ids, n)
+        meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
+        sched.request_finished(rid)
+        return meta
+
+    sched = SpliceScheduler(store, BS)
+    meta = run(sched, "splice", new, 2 * BS, params=moved.to_params())
+    assert meta.loads[0].approximate() == 3 and meta.saves == []
+    later = new + toks(2 * BS, 30000)  # the prefix cache serves new's 6 full blocks
+    assert run(sched, "plain", later, 6 * BS).saves == []
+    other = P + toks(6 * BS, 40000)  # a hit of P alone (exact blocks): saved as before
+    assert [r.key for s in run(sched, "exact", other, 2 * BS).saves for r in s.refs] == [
+        r.key for r in chain_refs(other, BS, salt=SALT)[2:8]]
+    scoped = f"{SALT}\x1fsplice-scope:abc"  # a scope's chains hold approximate KV by design
+    fresh = SpliceScheduler(store, BS)
+    assert run(fresh, "plain", later, 6 * BS).saves != []  # nothing tainted on this engine
+    assert run(sched, "scope", later, 6 * BS, salt=scoped).saves != []
+
+
+@pytest.mark.reliability
 def test_blocks_in_place_after_other_tokens_are_approximate_and_nothing_after_them_is_saved(store):
     """A same-length edit before a run: the run's old blocks land where they were
     (delta 0), but they attended to other tokens. They load as approximate KV, counted
