@@ -91,7 +91,7 @@ from promptsplice.engine_adapters.runners._steps import (
 )
 from promptsplice.blocks import round_down
 from promptsplice._validate import (
-    DERIVED_SALT_MARK, check_bool, check_derived_salt_room, check_enum, check_int, check_tenant_salt,
+    DERIVED_SALT_MARK, check_bool, check_derived_salt_room, check_enum, check_int, check_tenant_salt, check_text,
 )
 from promptsplice.errors import ConfigError, InputError, InvalidSaltError
 
@@ -206,6 +206,9 @@ class _Session:
     busy: int = 0
     """Steps holding or waiting for this session (under the runner's lock): the LRU bound
     never evicts a session while a step uses it."""
+    forgotten: bool = False
+    """:meth:`AgentRunner.forget` while a step used it: the next step starts it afresh
+    (under the session's lock, so steps of one session stay serialized)."""
 
 
 class AgentRunner:
@@ -322,6 +325,7 @@ class AgentRunner:
     def session_salt(self, session_id: str) -> str | None:
         """The salt that reaches the session's KV (its scope salt once it spliced):
         the explicit opt-in for a request outside the session."""
+        check_text(session_id, "session_id")
         with self._lock:
             st = self._sessions.get(session_id)
         # kv_salt: the salt the last step ran under (an exact step's own salt with
@@ -329,8 +333,19 @@ class AgentRunner:
         return self.salt if st is None else (st.kv_salt if st.kv_salt is not None else st.salt)
 
     def forget(self, session_id: str) -> bool:
+        """Drop the session's state (its next step starts it afresh); False if unknown.
+        A session a step is using stays until the step ends (it was removed, and its
+        next step ran beside the one in flight, unserialized)."""
+        check_text(session_id, "session_id")
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            st = self._sessions.get(session_id)
+            if st is None:
+                return False
+            if st.busy:
+                st.forgotten = True
+            else:
+                del self._sessions[session_id]
+            return True
 
     # -- steps ----------------------------------------------------------------------
     def step(
@@ -367,6 +382,8 @@ class AgentRunner:
             )
         gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
         with self._held(prepared.session_id) as st, st.lock:
+            if st.forgotten:  # forget() ran while another step used the session
+                st.tokens, st.salt, st.scoped, st.kv_salt, st.forgotten = None, self.salt, False, self.salt, False
             new = list(prepared.token_ids)
             plain = [SplicePhase(len(new), None)]
             fallback, level, recomputed = None, cfg.level, 0
@@ -480,6 +497,10 @@ class AgentRunner:
             return st.salt, plain, StepFallback.INVALID_PLAN
         if prepared.kind is StepKind.APPEND and not any(ph.plan for ph in phases):
             return st.salt, plain, None  # nothing to move: a plain request, no scope needed
+        if scope_now and not planned_relocated_tokens(phases, new, salt):
+            # only the prefix load (exact) is planned: opening a scope for it left the
+            # tenant's prefix cache for a store copy, and the session out of it for good
+            return st.salt, plain, None
         return salt, phases, None  # a new scope salt opens the scope once the step ran
 
     def _run(

@@ -173,7 +173,7 @@ class RunnerFidelity:
     """A runner's fidelity: its level and the caller's overrides, turned into the
     :class:`FidelitySettings` of each request (one owner for both runners)."""
 
-    __slots__ = ("level", "recompute_blocks", "max_deviation")
+    __slots__ = ("level", "recompute_blocks", "max_deviation", "relocating_mode")
 
     def __init__(
         self,
@@ -191,6 +191,7 @@ class RunnerFidelity:
             check_int(recompute_blocks, "recompute_blocks", minimum=0)
         self.recompute_blocks = recompute_blocks
         self.max_deviation = check_max_deviation(max_deviation)
+        self.relocating_mode = relocating_mode
         check_int(recompute_tail_blocks, "recompute_tail_blocks", minimum=0)
         knobs = [name for name, v in (("recompute_blocks", recompute_blocks), ("max_deviation", max_deviation),
                                       ("recompute_tail_blocks", recompute_tail_blocks or None)) if v is not None]
@@ -211,7 +212,16 @@ class RunnerFidelity:
                 "with them, or drop them"
             )
 
-    def settings(self, fidelity: Any = None) -> FidelitySettings:
-        """The settings of a request at ``fidelity`` (default: the runner's level)."""
+    def settings(self, fidelity: Any = None, *, request: bool = True) -> FidelitySettings:
+        """The settings of a request at ``fidelity`` (default: the runner's level);
+        ``request=False``: only named (a salt), so a mode that never relocates may ask."""
         level = self.level if fidelity is None else check_fidelity(fidelity)
+        if request and self.relocating_mode is not None and level is not FidelityLevel.EXACT:
+            # as at the constructor: a step or request of a mode that never relocates
+            # asked for a relocating level, and ran exact without a word
+            raise ConfigError(
+                f"fidelity={level.value!r} asked for a request, but mode={self.relocating_mode!r} never "
+                "relocates KV (every request runs exact): use the relocating mode (AgentRunner "
+                "mode='splice', RagRunner mode='position_independent'), or drop it"
+            )
         return fidelity_settings(level, recompute_blocks=self.recompute_blocks, max_deviation=self.max_deviation)

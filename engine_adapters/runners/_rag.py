@@ -39,9 +39,11 @@ How a request runs (``position_independent``):
    against one exact request of the same tokens under the tenant's salt (its prefix
    cache and the store's exact blocks); unless the plan computes fewer tokens, the
    request goes out exact (``StepFallback.NO_GAIN``: new chunks, short chunks, exact
-   repeats).  Every exact request indexes its chunks where they stand (exact KV, saved
-   by the connector), so a chunk first seen in one is later relocated from there with
-   no precompute at all.  Before this gate PIC prefilled more than exact assembly on
+   repeats).  Every exact request indexes its chunks that stand on whole blocks (exact
+   KV, saved by the connector), so a chunk first seen in one is later relocated from
+   there with no precompute at all: with ``exact_alignment="all"`` every chunk; under
+   the default ``"auto"`` only those its layout padded, usually none, so a runner whose
+   chunk sets are all new stays exact (measured: every request of the suite).  Before this gate PIC prefilled more than exact assembly on
    five of six suite families (README, "Results on vLLM: the trace suite").
 4. The prompt is sent under the reuse salt with a splice plan: the head (loaded from
    the tenant's exact blocks on the salt's first use) and every chunk, each from its
@@ -316,10 +318,14 @@ class RagRunner:
         approximate KV (level, recomputed blocks, deviation threshold), so a ``bounded``
         request never hits the blocks a ``fast`` one left (it was served them, bit for
         bit, while reporting nothing relocated and nothing recomputed)."""
-        cfg = self.settings(fidelity)
+        cfg = self._fidelity.settings(fidelity, request=False)
         # the settings as a fixed-length digest: a long tenant salt (check_derived_salt_room)
         # and any recompute_blocks / max_deviation stay within vLLM's 128-character rule
-        shape = hashlib.sha256(f"r{cfg.recompute_blocks}:d{cfg.max_deviation!r}".encode()).hexdigest()[:16]
+        # (how chunks were precomputed and grouped shapes their relocated KV too: a packed
+        # runner was served a standalone runner's blocks under one salt)
+        shape = hashlib.sha256(
+            f"r{cfg.recompute_blocks}:d{cfg.max_deviation!r}:p{self.precompute}:g{self.min_group_blocks}".encode()
+        ).hexdigest()[:16]
         return f"{self.salt or ''}{DERIVED_SALT_MARK}pic:{cfg.level.value}:{shape}"
 
     # -- requests -------------------------------------------------------------------

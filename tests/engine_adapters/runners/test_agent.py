@@ -603,3 +603,76 @@ def test_a_session_in_a_step_is_never_evicted_by_the_lru_bound(kv_engine, render
     assert len(runner._sessions) == 2 and "A" in runner._sessions  # the bound holds, A kept
     step = runner.step(hook("A", renders[1], TOOLS), max_tokens=2)
     assert step.fallback is None and step.cached_tokens > 0  # A's state survived its step
+
+
+def test_forget_during_a_step_keeps_the_sessions_steps_serialized(kv_engine, renders):
+    """``forget`` removed a session a step was using: the session's next step made a new
+    one and ran inside the engine beside the step still in flight (steps of one session
+    are serialized).  Now the session stays until its steps end, and the next starts
+    afresh.  A session id that is not a str was a raw TypeError."""
+    import threading
+
+    from promptsplice.errors import InvalidTextError
+
+    inside, peak, lock, go, entered = [0], [0], threading.Lock(), threading.Event(), threading.Event()
+    real = kv_engine.generate_phases
+
+    def gated(*a, **k):
+        with lock:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        entered.set()
+        try:
+            assert go.wait(120)
+            return real(*a, **k)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-forget")
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-forget")
+    first = hook("A", renders[0], TOOLS)
+    kv_engine.generate_phases = gated
+    try:
+        steps = [threading.Thread(target=runner.step, args=(first,), kwargs={"max_tokens": 1}) for _ in range(3)]
+        steps[0].start()
+        assert entered.wait(120)
+        steps[1].start()  # queued on the session's lock
+        assert runner.forget("A") is True
+        steps[2].start()  # after the forget
+        steps[2].join(1.0)
+        assert inside[0] == 1, "a second step of session A entered the engine"
+    finally:
+        go.set()
+        for t in steps:
+            t.join(120)
+        del kv_engine.generate_phases
+    assert peak[0] == 1
+    with pytest.raises(InvalidTextError, match="session_id"):
+        runner.forget([])
+    with pytest.raises(InvalidTextError, match="session_id"):
+        runner.session_salt([])
+
+
+def test_a_step_that_relocates_nothing_opens_no_scope(kv_engine):
+    """An append whose only repeated output is no longer than the recompute (r=2 at
+    bounded) relocated nothing, yet opened a session scope for its exact prefix load:
+    the session left the tenant's prefix cache for a store copy, for good."""
+    runner = AgentRunner(kv_engine, mode="splice", salt="t-noscope", fidelity="bounded")
+    hook = ContextHook(kv_engine.tokenizer, block_size=kv_engine.block_size, salt="t-noscope")
+
+    def call(cid):
+        return {"id": cid, "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+
+    first = [{"role": "system", "content": "You are a helpful agent. " * 30}, {"role": "user", "content": "list"},
+             {"role": "assistant", "content": "", "tool_calls": [call("c1")]},
+             {"role": "tool", "tool_call_id": "c1", "content": "a.txt b.txt"}]
+    again = first + [{"role": "assistant", "content": "", "tool_calls": [call("c2")]},
+                     {"role": "tool", "tool_call_id": "c2", "content": "a.txt b.txt"}]  # the same short output
+    runner.step(hook("s", first), max_tokens=1)
+    prepared = hook("s", again)
+    assert prepared.kind is StepKind.APPEND
+    step = runner.step(prepared, max_tokens=1)
+    assert step.planned_relocated_tokens == 0 and step.relocated_tokens == 0
+    assert step.salt == "t-noscope" and runner.session_salt("s") == "t-noscope"  # still the tenant's cache
+    assert step.cached_tokens > 0  # its prefix served by the tenant's prefix cache

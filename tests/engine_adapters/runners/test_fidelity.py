@@ -151,10 +151,17 @@ def test_an_exact_step_relocates_nothing_and_says_what_it_computed_instead(kv_en
 def test_apc_and_full_steps_are_exact_and_a_bad_per_step_level_is_refused(engine):
     sess = read_agent_trace(SAMPLE)[1]
     runner = AgentRunner(engine, mode="apc", salt=f"t-{uuid.uuid4().hex[:8]}")
-    steps = _session(engine, runner, sess, fidelity="fast", stop=2)
+    steps = _session(engine, runner, sess, fidelity="exact", stop=2)
     assert all(st.fidelity is FidelityLevel.EXACT and st.planned_relocated_tokens == 0 for _, st in steps)
     with pytest.raises(ConfigError, match="'medium'"):
         runner.step(steps[-1][0], max_tokens=1, fidelity="medium")
+    # a relocating level asked per step or per request of a mode that never relocates ran
+    # exact without a word (the constructor refuses it): refused too
+    with pytest.raises(ConfigError, match="fidelity='fast' asked for a request, but mode='apc' never relocates"):
+        runner.step(steps[-1][0], max_tokens=1, fidelity="fast")
+    rag = RagRunner(engine, mode="exact", salt=runner.salt)
+    with pytest.raises(ConfigError, match="fidelity='bounded' asked for a request, but mode='exact' never"):
+        rag.run(["a chunk"], query="q", max_tokens=1, fidelity="bounded")
 
 
 def test_a_pic_request_at_exact_computes_its_stored_chunks(kv_engine):

@@ -563,6 +563,12 @@ def test_a_request_never_meets_the_approximate_kv_of_another_fidelity_level(kv_e
                        relocate="always")
     assert len({runner.reuse_salt_for(level) for level in ("fast", "bounded")}) == 2
     assert runner.reuse_salt == runner.reuse_salt_for("fast")
+    # how chunks are precomputed and grouped shapes the relocated KV too (a packed runner
+    # was served a standalone runner's blocks under one salt)
+    kw = {"mode": "position_independent", "salt": salt, "fidelity": "fast"}
+    shapes = {RagRunner(kv_engine, **kw, **extra).reuse_salt for extra in (
+        {}, {"precompute": "standalone"}, {"min_group_blocks": 3})}
+    assert len(shapes) == 3 and runner.reuse_salt in shapes
     def long_docs(*names):  # chunks of several blocks: bounded (r=2) still relocates some
         return [{"id": n, "text": (DOCS[n] + " ") * 3} for n in names]
 
