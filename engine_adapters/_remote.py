@@ -29,8 +29,15 @@ that keeps streaming is never cut); ``math.inf``: no limit.  A
 number ``timeout=T`` sets each phase to ``T`` (httpx's meaning; the total stays 600 s,
 or ``T`` when longer).
 
-Errors: 429, 5xx, connect errors, connections broken mid-response (a server that died
-while streaming) and connect timeouts are retried ``max_retries`` times with exponential
+Errors: a completion (a POST) is retried only where the failure says it was not run:
+connect errors, connect and pool timeouts, a connection closed before any response byte
+(a pooled one the server had closed meanwhile; a server that died before answering looks
+the same, and the retry then finds it down), and 429 and 503.  A 500, a gateway's 502 or 504
+(the server behind it may still run the request), a read or write timeout and a
+connection cut once the response began are final: sending it again would prefill it
+again.  A GET (``/v1/models``, ``/metrics``) and a probe (``/tokenize``, the splice
+connector's one-token probes) are also retried on 500, 502, 504, any timeout and a
+connection broken mid-response.  Retries: ``max_retries`` times with exponential
 backoff (``backoff * 2**attempt`` seconds, or longer when the server's ``Retry-After``
 asks for it: seconds or an HTTP-date; one over 60 s gives up at once, saying how long
 the server asked for; a nonsense one is ignored); a completion is only returned whole,
@@ -40,7 +47,8 @@ so a retry never repeats output.  Then, or at once for anything else:
 * timeout -> :class:`EngineTimeoutError` saying which timeout (connect, read, write, pool, total);
 * a body that is not the JSON expected, a redirect (not followed), a body that cannot be
   decoded -> :class:`EngineResponseError` with a snippet;
-* HTTP 4xx (and 429/5xx once retries are spent) -> :class:`EngineRequestError` with the
+* HTTP 4xx and 5xx (those retried once retries are spent; a completion's 500, 502 or
+  504 at once, saying it was not sent again) -> :class:`EngineRequestError` with the
   server's message; a 400 saying the prompt exceeds the context ->
   :class:`ContextLengthError`.
 
@@ -132,8 +140,25 @@ DEFAULT_TOTAL_TIMEOUT = 600.0
 timeouts alone let a server that trickles keep-alives hold a call forever)."""
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+"""Statuses a GET (or a probe) is retried on: sending it again changes nothing."""
+_RETRY_STATUS_POST = frozenset({429, 503})
+"""Statuses a completion is retried on: those saying it was not run (rate limited,
+overloaded or not ready).  A 500 may come after the server ran it, a gateway's 502 or
+504 while the server still runs it: sending it again would prefill it again."""
 _BROKEN = (httpx.RemoteProtocolError, httpx.ReadError)
 """A connection that broke before the response ended (the server died or dropped it)."""
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""Transport errors before the request went out: nothing reached the server."""
+_NO_RESPONSE = "Server disconnected without sending a response"
+"""httpcore's RemoteProtocolError for a connection closed before any response (a pooled
+connection the server had closed meanwhile)."""
+
+
+def _never_ran(exc: httpx.HTTPError) -> bool:
+    """Whether a transport error says the server did not run the request: no
+    connection, or one closed before it answered anything."""
+    return isinstance(exc, _NOT_SENT) or (
+        isinstance(exc, httpx.RemoteProtocolError) and str(exc).startswith(_NO_RESPONSE))
 
 _CLOSING: set[asyncio.Task[None]] = set()
 """``aclose`` tasks that :meth:`RemoteEngine.close` scheduled (a task only weakly held
@@ -336,7 +361,10 @@ class RemoteEngine(ServedEngineSurface):
         # each loop (a second asyncio.run, loops in other threads) gets a client of its
         # own, kept while the loop lives.  The client's connections hold their loop, so
         # the weak key alone never lets go: clients of closed loops are dropped here
-        # (one per asyncio.run leaked a client and a socket).
+        # (one per asyncio.run leaked a client and a socket).  Dropped, not closed: an
+        # AsyncClient closes only on its own loop, which is gone, so its pooled socket
+        # goes with the garbage collector (reference cycles: not at once).  A coroutine
+        # run by asyncio.run that should leave no socket awaits aclose() before it ends.
         loop = asyncio.get_running_loop()
         with self._aclients_lock:
             if self._closed:
@@ -562,18 +590,24 @@ class RemoteEngine(ServedEngineSurface):
                 raise odd
             return
         error = status_error(response, call.url, call.req)
-        if response.status_code in _RETRY_STATUS:
+        if response.status_code in (_RETRY_STATUS if call.resendable else _RETRY_STATUS_POST):
             raise _Retry(error, retry_after(response))
+        if response.status_code in _RETRY_STATUS and error.args:  # a GET's retry: say why not this one
+            error.args = (f"{error.args[0]} (not sent again: the server may have run it, or a gateway's "
+                          "server may still be running it; send it again yourself if running it twice "
+                          "is acceptable)", *error.args[1:])
         raise error
 
     @contextlib.contextmanager
-    def _translating(self, url: str, method: str = "GET") -> Iterator[list[Any]]:
-        """httpx's errors -> ours, at the boundary: connect errors, connect and pool
-        timeouts (nothing was sent) and connections broken mid-response (a completion
-        is returned only whole, so a retry never repeats output) become retryable
-        (``_Retry``); so do read and write timeouts of a GET.  A read or write timeout
-        of a POST is final: the server is alive but slow, and a retry would prefill the
-        prompt again and wait as long again (four times, at the default retries).
+    def _translating(self, url: str, resend: bool = True) -> Iterator[list[Any]]:
+        """httpx's errors -> ours, at the boundary.  ``resend`` (a GET, a probe: see
+        :attr:`Call.resendable`): connect errors, timeouts and connections broken
+        mid-response become retryable (``_Retry``).  Otherwise (a completion) only what
+        says the server did not run it: connect errors, connect and pool timeouts, and
+        a connection closed before any response (a pooled one the server had closed).
+        A read or write timeout, or a connection cut once the server answered, is
+        final: the server ran or is running it, and a retry would prefill the prompt
+        again (until 2026-12-04 a crash mid-response re-sent it ``max_retries`` times).
         Every other transport error is final.  Plain ``with`` works in the async
         driver too.  The caller appends the client it sends with to the yielded list:
         an error because that client was closed under the request (``aclose()`` or
@@ -589,9 +623,8 @@ class RemoteEngine(ServedEngineSurface):
             if used and used[0].is_closed:  # the socket was closed under the request, by us
                 raise self._closed_under(url, "was in flight") from exc
             error = self._transport_error(exc, url)
-            if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout) and method != "GET":
-                raise error from exc
-            if not isinstance(exc, (httpx.ConnectError, httpx.TimeoutException, *_BROKEN)):
+            if not (isinstance(exc, (httpx.ConnectError, httpx.TimeoutException, *_BROKEN)) if resend
+                    else _never_ran(exc)):
                 raise error from exc
             error.__cause__ = exc
             raise _Retry(error) from exc
@@ -691,7 +724,7 @@ class RemoteEngine(ServedEngineSurface):
         """One HTTP call, bounded by ``total_timeout`` (checked after every read): the
         response (body read) or, for a stream, its :class:`RemoteCompletion`."""
         deadline = time.monotonic() + self.total_timeout
-        with self._translating(call.url, call.method) as used:
+        with self._translating(call.url, call.resendable) as used:
             client = self._sync_client()
             used.append(client)
             body = call.req.body if call.req else None
@@ -749,7 +782,7 @@ class RemoteEngine(ServedEngineSurface):
             raise self._total_error(call.url) from exc
 
     async def _acall_once(self, call: _Call, deadline: asyncio.Timeout) -> Any:
-        with self._translating(call.url, call.method) as used:
+        with self._translating(call.url, call.resendable) as used:
             client = self._async_client()
             used.append(client)
             if not call.stream:
@@ -797,12 +830,20 @@ class RemoteEngine(ServedEngineSurface):
         is dropped and the request runs as plain prefill, with ``splice.applied`` False
         and ``splice.reason`` naming what differs.  A server without the connector:
         :class:`~promptsplice.errors.EngineRequestError` saying so.
+
+        Once the engine's :attr:`mirror` exists, a prompt sent as token ids is replayed
+        into it when its answer arrives, as ``generate`` replays its own (the generated
+        tokens' blocks too when the server returned their ids; this request does not
+        ask for them).  A prompt sent as text (OpenAI, ``send_token_ids=False``) is not:
+        its ids are not known here.
         """
         req = self._completion_request(
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             prompt_cache_key=prompt_cache_key, stream=stream, splice=splice,
         )
-        return self._run(self._completion(req))
+        completion = self._run(self._completion(req))
+        self._replay(req, completion)
+        return completion
 
     def chat(
         self,
@@ -841,7 +882,9 @@ class RemoteEngine(ServedEngineSurface):
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             prompt_cache_key=prompt_cache_key, stream=stream, splice=splice,
         )
-        return await self._arun(self._completion(req))
+        completion = await self._arun(self._completion(req))
+        self._replay(req, completion)
+        return completion
 
     async def achat(
         self,

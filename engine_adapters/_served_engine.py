@@ -33,8 +33,10 @@ Where a served engine's facts come from:
 * **can_splice**: the probe got an ack (the server runs the splice connector);
   **can_relocate**: the ack says the connector can relocate.
 * **mirror**: the client keeps the mirror of the server's prefix cache, as the embedded
-  engine keeps its own: every token-id request it ran is replayed there when its answer
-  arrives (the prompt, the generated tokens' blocks, under its ``cache_salt``), with the
+  engine keeps its own: every token-id completion it ran (``generate``, ``stream``,
+  ``complete``, their async twins) is replayed there when its answer arrives (the
+  prompt, the generated tokens' blocks when their ids came back, under its
+  ``cache_salt``; ``chat`` is not: the server applies the template), with the
   capacity the connector's ack names (vLLM's ``num_gpu_blocks``; the assembler's default
   from a server without the connector), from the first use of :attr:`mirror` (which
   ``make_assembler`` lends its assemblers; the runners make one at construction) on:
@@ -132,6 +134,12 @@ class ServedEngineSurface:
         self._probe: Any = _UNSET  # SpliceAck | None once asked
         self._tok: Tokenizer | None = None
         self._mirror: PrefixCacheMirror | None = None
+        # one lock per fact asked once: threads' first uses at once ask the server once
+        # and share what it said (two mirrors were made, one never replayed into); each
+        # is held over its own question only, never over an unrelated call
+        self._probe_lock = threading.Lock()
+        self._tok_lock = threading.Lock()
+        self._mirror_lock = threading.Lock()
 
     # -- facts from the server -------------------------------------------------------
     def _model_id(self) -> str:
@@ -144,7 +152,9 @@ class ServedEngineSurface:
         """The splice connector's ack to a probe request (once; module doc), ``None``
         when the server does not run the connector."""
         if self._probe is _UNSET:
-            self._probe = self._ack_request({PROBE_KEY: True})  # kept: asked once, also when refused below
+            with self._probe_lock:  # a thread that waited here reads the first one's answer
+                if self._probe is _UNSET:
+                    self._probe = self._ack_request({PROBE_KEY: True})  # kept: asked once, also when refused below
         ack = self._probe
         if ack is not None and self._given_block_size not in (None, ack.block_size) and ack.block_size:
             raise ConfigError(
@@ -162,7 +172,7 @@ class ServedEngineSurface:
         if salt is not None:
             body["cache_salt"] = salt
         req = Request("/v1/completions", body, False, 1)
-        call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
+        call = Call("POST", self._url(req.path), req, time.perf_counter(), probe=True)  # type: ignore[attr-defined]
         out = self._run(self._attempts(call))  # type: ignore[attr-defined]
         return completion_from_json(parse_json(out, call.url), req, call.url, call.start).splice
 
@@ -245,33 +255,39 @@ class ServedEngineSurface:
     def tokenizer(self) -> Tokenizer:
         """The server's tokenizer (module doc), checked against its ``/tokenize`` once."""
         if self._tok is None:
-            given = self._given_tokenizer
-            if given is None:
-                model = self._model_id()
-                if not Path(model).is_dir():
-                    raise ConfigError(
-                        f"the server's model {model!r} is not a local folder: pass "
-                        "RemoteEngine(tokenizer=...) with its tokenizer (a tokenizer.json path, "
-                        "an HFTokenizer, or 'default')"
-                    )
-                from promptsplice.engine_adapters._lifecycle import load_tokenizer as load_model_tokenizer
-
-                def no_llm() -> Any:
-                    raise TokenizerError(f"{model} has no tokenizer.json: pass RemoteEngine(tokenizer=...) "
-                                         "with the server's tokenizer (a tokenizer.json path or an HFTokenizer)")
-
-                tok = load_model_tokenizer(model, no_llm)
-            else:
-                tok = load_tokenizer(given)
-            self._check_tokenizer(tok)
-            self._tok = tok
+            with self._tok_lock:  # asked and checked once, whichever thread comes first
+                if self._tok is None:
+                    self._tok = self._find_tokenizer()
         return self._tok
+
+    def _find_tokenizer(self) -> Tokenizer:
+        """The tokenizer given or the server's model's, checked against the server."""
+        given = self._given_tokenizer
+        if given is None:
+            model = self._model_id()
+            if not Path(model).is_dir():
+                raise ConfigError(
+                    f"the server's model {model!r} is not a local folder: pass "
+                    "RemoteEngine(tokenizer=...) with its tokenizer (a tokenizer.json path, "
+                    "an HFTokenizer, or 'default')"
+                )
+            from promptsplice.engine_adapters._lifecycle import load_tokenizer as load_model_tokenizer
+
+            def no_llm() -> Any:
+                raise TokenizerError(f"{model} has no tokenizer.json: pass RemoteEngine(tokenizer=...) "
+                                     "with the server's tokenizer (a tokenizer.json path or an HFTokenizer)")
+
+            tok = load_model_tokenizer(model, no_llm)
+        else:
+            tok = load_tokenizer(given)
+        self._check_tokenizer(tok)
+        return tok
 
     def _check_tokenizer(self, tok: Tokenizer) -> None:
         url = self._url("/tokenize")  # type: ignore[attr-defined]
         body = {"model": self._model_id(), "prompt": TOKENIZER_PROBE_TEXT, "add_special_tokens": False}
         req = Request("/tokenize", body, False, None)
-        out = self._run(self._attempts(Call("POST", url, req)))  # type: ignore[attr-defined]
+        out = self._run(self._attempts(Call("POST", url, req, probe=True)))  # type: ignore[attr-defined]
         server = parse_json(out, url).get("tokens")
         mine = list(tok.encode(TOKENIZER_PROBE_TEXT))
         if not isinstance(server, list) or not all(type(t) is int for t in server):
@@ -298,11 +314,16 @@ class ServedEngineSurface:
         return None if self._given_tokenizer is None else load_tokenizer(self._given_tokenizer)
 
     def _served_mirror(self) -> PrefixCacheMirror:
-        if self._mirror is None:
-            ack = self.splice_probe()
+        mirror = self._mirror
+        if mirror is None:
+            ack = self.splice_probe()  # asked once under its own lock, not this one
             capacity = ack.num_blocks - 1 if ack is not None and ack.num_blocks > 1 else DEFAULT_CAPACITY_BLOCKS
-            self._mirror = PrefixCacheMirror(self.block_size, capacity)
-        return self._mirror
+            block_size = self.block_size
+            with self._mirror_lock:  # one mirror, whichever thread comes first: the one replayed into
+                if self._mirror is None:
+                    self._mirror = PrefixCacheMirror(block_size, capacity)
+                mirror = self._mirror
+        return mirror
 
     @property
     def mirror(self) -> MirrorView:
@@ -371,9 +392,7 @@ class ServedEngineSurface:
             )
         prompt = req.body["prompt"]
         ids = list(prompt) if isinstance(prompt, list) else []
-        predicted = None
-        if ids and self._mirror is not None:  # what ran, replayed into the mirror once it exists
-            predicted = admit_run(self._mirror, ids, list(rc.token_ids or []), req.body.get("cache_salt"))
+        predicted = self._replay(req, rc)
         return Completion(
             text=rc.text,
             token_ids=list(rc.token_ids or []),
@@ -387,6 +406,18 @@ class ServedEngineSurface:
             logprobs=rc.logprobs,
             predicted_cached_tokens=predicted,
         )
+
+    def _replay(self, req: Request, rc: RemoteCompletion) -> int | None:
+        """Replay a finished completion request into the mirror once it exists (module
+        doc): its prompt when sent as token ids, and the generated tokens when the
+        server returned their ids (``return_token_ids``; without them only the prompt's
+        blocks); the mirror's prediction for it, ``None`` when not replayed (no mirror
+        yet, or the prompt went as text: its ids are not known here)."""
+        prompt = req.body.get("prompt")
+        mirror = self._mirror
+        if mirror is None or req.chat or not isinstance(prompt, list) or not prompt:
+            return None
+        return admit_run(mirror, list(prompt), list(rc.token_ids or []), req.body.get("cache_salt"))
 
     def _generate_served(
         self, prompt: Any, *, max_tokens: int = 16, temperature: float = 0.0, cache_salt: str | None = None,
@@ -438,20 +469,22 @@ class ServedEngineSurface:
         refused connection, a 503, a connect timeout: as ``generate``);
         once a delta is out, an error is final (a retry would repeat output).  Each
         attempt is bounded by ``total_timeout`` (checked after every read; the time the
-        consumer holds a delta counts); an aborted stream is never retried."""
+        consumer holds a delta counts); an aborted stream is never retried, and an
+        abort during the pause before a retry ends it at once."""
         call = Call("POST", self._url(req.path), req, time.perf_counter())  # type: ignore[attr-defined]
         attempts = self._attempts(call)  # type: ignore[attr-defined]
         step = next(attempts)
         while True:
-            if isinstance(step, float):  # the pause before a retry
-                time.sleep(step)
+            if isinstance(step, float):  # the pause before a retry, cut short by abort()
+                control.wait(step)
+                control.check(call.url)
                 step = next(attempts)
                 continue
             started = False
             deadline = time.monotonic() + self.total_timeout  # type: ignore[attr-defined]
             try:
                 control.check(call.url)
-                with self._translating(call.url, "POST") as used:  # type: ignore[attr-defined]
+                with self._translating(call.url, call.resendable) as used:  # type: ignore[attr-defined]
                     client = self._sync_client()  # type: ignore[attr-defined]
                     used.append(client)
                     with client.stream("POST", call.url, json=req.body, extensions={"trace": control.trace}) as response:
@@ -526,6 +559,7 @@ class _StreamControl:
         self._network: Any = None
         self._ended = False
         self._lock = threading.Lock()
+        self._abort_event = threading.Event()  # wakes a retry's backoff (a Retry-After of up to 60 s)
 
     def trace(self, event: str, info: dict[str, Any]) -> None:
         stream = info.get("return_value") if event.endswith(".complete") else None
@@ -556,7 +590,12 @@ class _StreamControl:
             if self._ended:
                 return
             self.aborted = True
+            self._abort_event.set()
             self._shut()
+
+    def wait(self, seconds: float) -> None:
+        """The pause before a retry; an :meth:`abort` ends it at once."""
+        self._abort_event.wait(seconds)
 
     def _shut(self) -> None:
         sock = self._network.get_extra_info("socket") if self._network is not None else None

@@ -341,6 +341,16 @@ class Call:
     url: str
     req: Request | None = None
     start: float = 0.0
+    probe: bool = False
+    """A one-token probe or a tokenization: sent again after any retryable failure, as
+    a GET is (running it twice costs nothing and changes nothing worth keeping)."""
+
+    @property
+    def resendable(self) -> bool:
+        """Whether any retryable failure may send it again (a GET, a probe); a
+        completion is sent again only when the failure says the server did not run it
+        (``RemoteEngine``'s module doc)."""
+        return self.method == "GET" or self.probe
 
     @property
     def stream(self) -> bool:

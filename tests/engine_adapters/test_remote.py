@@ -951,3 +951,83 @@ def test_store_queries_keep_the_salt_rules_and_a_refused_probe_is_not_sent_again
 
     with pytest.raises(EngineResponseError, match="malformed splice ack .*applied must be true or false"):
         _mock(_connector_server([], ack_edit=damage)).splice_probe()
+
+
+def _served(*, slow: float = 0.0, counts: dict | None = None):
+    """A handler answering as vllm serve without the splice connector (the default
+    tokenizer's ids on /tokenize; generated ids [11, 12]); ``slow``: seconds each probe
+    (/tokenize, the splice probe) takes; ``counts``: requests per kind."""
+    from promptsplice.assembler import default_tokenizer
+    from promptsplice.engine_adapters._served_engine import TOKENIZER_PROBE_TEXT
+
+    counts = {} if counts is None else counts
+
+    def handler(request):
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        kind = "tokenize" if path == "/tokenize" else "probe" if "kv_transfer_params" in body else path
+        counts[kind] = counts.get(kind, 0) + 1
+        if kind != path:
+            time.sleep(slow)
+        if kind == "tokenize":
+            return httpx.Response(200, json={"tokens": list(default_tokenizer().encode(TOKENIZER_PROBE_TEXT))})
+        n = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+        answer = {"message": {"role": "assistant", "content": "ab"}} if "messages" in body else {"text": "ab"}
+        return httpx.Response(200, json={
+            "id": "c", "choices": [{"index": 0, **answer, "finish_reason": "length", "token_ids": [11, 12]}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}})
+
+    return handler
+
+
+def test_complete_replays_its_token_ids_into_the_mirror_as_generate_does():
+    """complete()/acomplete() never reached the client's mirror (README: every token-id
+    request it sent is replayed there): the same prompt again was predicted 0 cached
+    tokens.  A prompt sent as text is not replayed (its ids are not known here)."""
+    ids = _ids(40, 70)
+    for send in ("sync", "async"):
+        eng = _mock(_served(), block_size=BS)
+        assert len(eng.mirror) == 0
+        if send == "sync":
+            eng.complete(ids, max_tokens=2)
+        else:
+            asyncio.run(eng.acomplete(ids, max_tokens=2, stream=False))
+        assert len(eng.mirror) == 2  # 70 prompt tokens and one generated token's KV: 2 full blocks
+        assert eng.generate(ids, max_tokens=2).predicted_cached_tokens == 64
+    eng.chat([{"role": "user", "content": "hi"}], max_tokens=2)  # the server applies the template
+    assert len(eng.mirror) == 2
+    eng = _mock(_served(), block_size=BS, send_token_ids=False)
+    eng.mirror  # noqa: B018 - made before the request
+    eng.complete("some text " * 40, max_tokens=2)
+    assert len(eng.mirror) == 0
+
+
+@pytest.mark.timeout(30)
+def test_threads_first_uses_ask_the_server_once_and_share_one_mirror(default_tok):
+    """Two threads' first make_assembler() each probed the server and made a mirror of
+    its own; the engine kept the last, so the other assembler predicted from a mirror
+    nothing was ever replayed into (0 cached tokens for a repeat)."""
+    import threading
+
+    counts: dict = {}
+    eng = _mock(_served(slow=0.3, counts=counts), block_size=BS, tokenizer="default")
+    start = threading.Barrier(3)
+    asms: dict = {}
+
+    def first_use(key):
+        start.wait()
+        asms[key] = eng.make_assembler(policy="stable")
+
+    threads = [threading.Thread(target=first_use, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counts == {"tokenize": 1, "probe": 1}
+    docs = [("lorem ipsum dolor sit amet " * 40) + str(i) for i in range(3)]
+    prompt = asms[0].assemble(docs, query="q?")
+    eng.generate(prompt, max_tokens=2)
+    full = (len(prompt.token_ids) - 1) // BS * BS
+    assert [asms[k].assemble(docs, query="q?").predicted_cached_tokens for k in range(3)] == [full] * 3

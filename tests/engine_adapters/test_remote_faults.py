@@ -592,3 +592,128 @@ def test_aborting_a_finished_stream_leaves_its_pooled_connection_alone():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+# ------------------------------------------------------------------ what a completion is sent again for
+
+
+@pytest.mark.parametrize("status", [500, 502, 504])
+def test_a_completion_is_not_sent_again_after_a_500_502_or_504(status):
+    """A gateway's 504 (the vLLM behind it still runs the request), a 502 or a 500 was
+    retried like a 503: one completion was POSTed (and prefilled) ``max_retries + 1``
+    times.  A GET (``/metrics``) and a one-token probe are still retried."""
+    posts, gets = [], []
+
+    def handler(request):
+        (posts if request.method == "POST" else gets).append(request.url.path)
+        return httpx.Response(status, text="upstream request timeout")
+
+    eng = _mock(handler, max_retries=3)
+    with pytest.raises(EngineRequestError, match=rf"HTTP {status}: upstream request timeout \(not sent again") as info:
+        eng.complete([1, 2, 3], max_tokens=4)
+    assert info.value.status_code == status and len(posts) == 1
+    with pytest.raises(EngineRequestError, match="not sent again"):
+        asyncio.run(eng.acomplete([1, 2, 3], max_tokens=4, stream=True))
+    with pytest.raises(EngineRequestError, match="not sent again"):
+        next(eng.stream([1, 2, 3], max_tokens=4))
+    assert len(posts) == 3
+    with pytest.raises(EngineRequestError, match="gave up after 4 attempts"):
+        eng.server_counters()
+    assert len(gets) == 4
+    posts.clear()
+    with pytest.raises(EngineRequestError, match="gave up after 4 attempts"):
+        eng.splice_probe()  # one token: sent again as a GET is
+    assert len(posts) == 4
+
+
+def test_429_and_503_are_still_retried_for_a_completion():
+    statuses = [429, 503]
+
+    def handler(request):
+        if statuses:
+            return httpx.Response(statuses.pop(0), text="busy")
+        return httpx.Response(200, json=_ok_body(USAGE))
+
+    assert _mock(handler, max_retries=3).complete([1, 2, 3], max_tokens=1).text == "ok" and not statuses
+
+
+def _head_then_cut(ctype: bytes, head_body: bytes):
+    """A server that answers a response head (and ``head_body``) and then dies."""
+
+    def handle(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: 1000\r\n\r\n" + head_body)
+        time.sleep(0.05)
+        conn.shutdown(socket.SHUT_WR)  # not close(): the unread request body would reset the connection
+
+    return handle
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("how", ["complete", "acomplete", "stream"])
+def test_a_connection_cut_after_the_response_began_is_not_sent_again(fake_server, how):
+    """A server that crashed mid-response (it had run the request) got it re-sent
+    ``max_retries`` times: three more prefills before one error."""
+    if how == "stream":
+        srv = fake_server(_head_then_cut(b"text/event-stream", b": ping\n\n"))
+    else:
+        srv = fake_server(_head_then_cut(b"application/json", b'{"choices": '))
+    eng = RemoteEngine(srv.url, model="m", max_retries=3, backoff=0.01, block_size=16)
+    with pytest.raises(EngineUnavailableError, match="broke before the response ended"):
+        if how == "complete":
+            eng.complete([1, 2], max_tokens=2)
+        elif how == "acomplete":
+            asyncio.run(eng.acomplete([1, 2], max_tokens=2))
+        else:
+            list(eng.stream([1, 2], max_tokens=2))
+    time.sleep(0.2)  # a resent request would have connected by now
+    assert len(srv.conns) == 1
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("how", ["complete", "acomplete", "stream"])
+def test_a_connection_closed_before_any_response_is_sent_again(fake_server, how):
+    """Closed before a byte of the response (a pooled connection the server had
+    closed): the server did not run it, so it is sent again."""
+    seen = []
+
+    def handle(conn):
+        seen.append(1)
+        if len(seen) == 1:
+            conn.shutdown(socket.SHUT_WR)  # httpx: "Server disconnected without sending a response"
+            return
+        body = _sse_chunk("a") + _sse_chunk("b", "stop") + _SSE_END
+        if how != "stream":
+            body = json.dumps(_ok_body(USAGE, text="ab")).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: " + (b"text/event-stream" if how == "stream" else
+                                                             b"application/json")
+                     + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    srv = fake_server(handle)
+    eng = RemoteEngine(srv.url, model="m", max_retries=3, backoff=0.01, block_size=16)
+    if how == "complete":
+        assert eng.complete([1, 2], max_tokens=2).text == "ab"
+    elif how == "acomplete":
+        assert asyncio.run(eng.acomplete([1, 2], max_tokens=2)).text == "ab"
+    else:
+        assert "".join(d.text for d in eng.stream([1, 2], max_tokens=2)) == "ab"
+    assert len(seen) == 2
+
+
+@pytest.mark.timeout(15)
+def test_abort_ends_a_streams_retry_backoff_at_once():
+    """abort() during the pause before a retry (a 503 asking Retry-After: 6) took
+    effect only when the pause ended: ``time.sleep`` cannot be woken."""
+    posts = []
+
+    def handler(request):
+        posts.append(1)
+        return httpx.Response(503, headers={"retry-after": "6"}, text="busy")
+
+    stream = _mock(handler, max_retries=3).stream([1, 2, 3], max_tokens=4)
+    timer = threading.Timer(0.3, stream.abort)
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=r"aborted \(ServedStream.abort\)"):
+        next(stream)
+    assert time.monotonic() - start < 2.0 and len(posts) == 1
+    timer.join()

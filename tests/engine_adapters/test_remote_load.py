@@ -6,7 +6,8 @@
   answers), and the client's memory is bounded (traced Python allocations: the peak
   of a round, and no growth between rounds).
 * A server SIGKILLed while 8 streams are generating: every stream raises a documented
-  error (after its retries), none returns a partial completion, and later calls say
+  error (at once: a stream cut once it began is never sent again), none returns a
+  partial completion, and later calls say
   the server is unreachable.
 """
 
