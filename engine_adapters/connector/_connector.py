@@ -71,6 +71,7 @@ from promptsplice.engine_adapters.connector._plans import BlockDeviation, latest
 from promptsplice.engine_adapters.connector._scheduler import LoadItem, SpliceMetadata, SpliceScheduler
 from promptsplice.engine_adapters.connector._served import (
     IDENTITY_REASON,
+    identity_salt,
     MAX_QUERY_TOKENS,
     PROBE_REASON,
     QUERY_KEY,
@@ -83,7 +84,7 @@ from promptsplice.engine_adapters.connector._served import (
 from promptsplice.engine_adapters.connector._settings import connector_settings
 from promptsplice.engine_adapters.connector._worker import SpliceWorker
 from promptsplice.engine_adapters.store._store import BlockStore, shared_store
-from promptsplice._validate import DERIVED_SALT_MARK, check_salt
+from promptsplice._validate import check_salt
 from promptsplice.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -346,7 +347,7 @@ class SpliceConnector(KVConnectorBase_V1):
             # a LoRA, multimodal or embeddings request: its KV is not the plain tokens' KV,
             # so it keys the store under a salt of its own (offload hits only from the
             # same adapter and inputs), and plans naming the tenant's chains are refused
-            salt = f"{salt or ''}{DERIVED_SALT_MARK}{identity}"
+            salt = identity_salt(salt, identity)
             if params and req_id not in self._acks:
                 _log.warning("splice connector: plain prefill for %s: %s", req_id, IDENTITY_REASON)
                 self._acks[req_id] = [IDENTITY_REASON, 0, 0, 0, ()]

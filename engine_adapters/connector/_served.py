@@ -56,7 +56,7 @@ from typing import Any, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash, content_digest, hash_block, token_bytes
 from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SAME_SALT, BlockDeviation, SplicePlan
-from promptsplice.engine_adapters.store._store import BlockRef, chain_refs
+from promptsplice.engine_adapters.store._store import BlockRef
 from promptsplice.errors import ConfigError, InputError, InvalidSaltError
 from promptsplice._validate import DERIVED_SALT_MARK, check_salt, salt_tenant
 
@@ -152,6 +152,16 @@ def plan_verdict(
     return Verdict(True, "", plan.num_tokens if plan is not None else 0)
 
 
+IDENTITY_SALT_TAG = "identity:"
+"""After the derived-salt mark: the salt under which the connector keys a LoRA,
+multimodal or prompt-embeddings request's blocks (their KV is not the plain tokens')."""
+
+
+def identity_salt(salt: str | None, identity: str) -> str:
+    """The salt of a request whose KV depends on ``identity`` besides its tokens."""
+    return f"{salt or ''}{DERIVED_SALT_MARK}{IDENTITY_SALT_TAG}{identity}"
+
+
 def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int, salt: str | None) -> str:
     raw = params.get(PLAN_KEY)
     if isinstance(raw, Mapping):
@@ -177,6 +187,9 @@ def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int,
         isinstance(src, bytes) if salt is None else (isinstance(src, bytes) and src != salt.encode("utf-8"))
     ):
         return "a served plan's src_salt must be the request's own salt or another of its tenant's (a str)"
+    if isinstance(src, str) and DERIVED_SALT_MARK + IDENTITY_SALT_TAG in src:
+        # a LoRA's or an image's KV, loaded into a plain request (and counted exact)
+        return "a plan's src_salt may not name the salt of a LoRA, multimodal or embeddings request's KV"
     if src is not SAME_SALT and isinstance(src, str | None) and salt_tenant(src) != salt_tenant(salt):
         # the request's cache_salt is the caller's (a gateway sets it from its auth): a plan
         # may name another salt of the same tenant (a scope, its relocation salt), never

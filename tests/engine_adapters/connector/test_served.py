@@ -296,6 +296,13 @@ def test_a_plan_reads_only_its_own_tenants_salts_and_scopes_only_under_a_derived
     for src, salt in (("globex", "acme"), ("acme", None), (None, "acme"), ("acme", "globex\x1facme")):
         assert "another tenant" in plan_verdict(params(src_salt=src), new, BS, salt).reason, (src, salt)
     assert "src_salt" in plan_verdict(params(src_salt=b"acme"), new, BS, None).reason  # bytes: only the request's own
+    # the salt the connector keys a LoRA's (or an image's) KV under shares the tenant's
+    # prefix: a plain request loaded that KV, counted exact
+    from promptsplice.engine_adapters.connector._served import identity_salt
+
+    lora = identity_salt("acme", "lora=sql@/adapters/sql")
+    assert "LoRA, multimodal or embeddings" in plan_verdict(params(src_salt=lora), new, BS, "acme").reason
+    assert "LoRA, multimodal or embeddings" in plan_verdict(params(src_salt=lora), new, BS, "acme\x1fpic").reason
     assert "derived salt" in plan_verdict(params(src_salt="acme", scope=True), new, BS, "acme").reason
     assert plan_verdict(params(src_salt="acme", scope=True), new, BS, "acme\x1fsplice-scope:s:1").reason == ""
     probes = SplicePlan(BS, (), src_salt="acme", probes=(SpliceSegment(4 * BS, 3, 0, bytes(root_hash("acme"))),))
