@@ -184,6 +184,14 @@ DERIVED_SALT_MARK = "\x1f"
 relocation or exact salt): never part of a tenant's own salt (:func:`check_tenant_salt`)."""
 
 
+def is_derived_salt(salt: str | bytes | None) -> bool:
+    """Whether ``salt`` was derived from a tenant's (a scope, a reuse or identity salt):
+    its chains may hold approximate KV; a tenant's own salt (or none) holds exact KV only."""
+    if isinstance(salt, bytes):
+        return DERIVED_SALT_MARK.encode() in salt
+    return salt is not None and DERIVED_SALT_MARK in salt
+
+
 def salt_tenant(salt: str | None) -> str | None:
     """The tenant a salt belongs to: a derived salt's part before
     :data:`DERIVED_SALT_MARK` (empty: the unsalted tenant, ``None``), else the salt.

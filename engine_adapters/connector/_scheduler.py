@@ -36,7 +36,7 @@ from promptsplice.blocks import BlockHash, cacheable_blocks, cdiv, hash_block, r
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, in_place_blocks
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.errors import InputError
-from promptsplice._validate import DERIVED_SALT_MARK, check_block_size
+from promptsplice._validate import check_block_size, is_derived_salt
 
 __all__ = [
     "LoadItem",
@@ -249,14 +249,6 @@ class _ReqState:
 _MAX_TAINTED = 1 << 16
 
 
-def _exact_salt(salt: str | bytes | None) -> bool:
-    """Whether ``salt`` is a tenant's own (or none): its chains hold exact KV only.
-    Derived salts (scopes, reuse salts) hold approximate KV by design."""
-    if isinstance(salt, bytes):
-        return DERIVED_SALT_MARK.encode() not in salt
-    return salt is None or DERIVED_SALT_MARK not in salt
-
-
 class SpliceScheduler:
     """The scheduler-side half of the connector (one per engine).
 
@@ -327,7 +319,7 @@ class SpliceScheduler:
         last = cacheable_blocks(len(prompt_tokens), bs)
         if st.chain is None and num_computed_tokens // bs < last:
             st.chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
-        if self._tainted and st.chain is not None and not st.no_save and _exact_salt(salt):
+        if self._tainted and st.chain is not None and not st.no_save and not is_derived_salt(salt):
             hit = min(num_computed_tokens // bs, len(st.chain))
             if any(ref.key in self._tainted for ref in st.chain[:hit]):
                 st.no_save = True  # its local hit holds approximate KV: so is all it computes
@@ -377,7 +369,7 @@ class SpliceScheduler:
             # what it computes after approximate KV is approximate too: never filed under
             # the request's own (exact) chain keys
             st.no_save = True
-            if _exact_salt(st.salt) and st.chain is not None:
+            if not is_derived_salt(st.salt) and st.chain is not None:
                 for ref in st.chain[first:]:  # vLLM files them under those keys: taint them
                     self._tainted[ref.key] = None
                     self._tainted.move_to_end(ref.key)
