@@ -80,6 +80,7 @@ from promptsplice.engine_adapters.runners._fidelity import (
     FidelityLevel,
     FidelitySettings,
     RunnerFidelity,
+    step_level,
 )
 from promptsplice.engine_adapters.runners._steps import (
     AdaptiveRecompute,
@@ -174,13 +175,15 @@ class AgentStep:
     """Blocks recomputed beyond ``recompute_blocks`` because a deviation exceeded
     the threshold."""
     fidelity: FidelityLevel = FidelityLevel.EXACT
-    """The level the step ran at (``exact`` for ``full``/``apc``, which never relocate)."""
+    """The level the step ran at: ``exact`` whenever its plan relocated nothing
+    (``full``/``apc``, a new session, an append, a fallback; :func:`step_level`)."""
     planned_relocated_tokens: int = 0
     """Tokens the step's plan relocates; ``relocated_tokens`` below it means the store
     did not serve some of them (they were computed: exact)."""
     recomputed_tokens: int = 0
     """Tokens computed for fidelity that the plan could have relocated (the recompute
-    after each edit; at ``exact``, everything relocatable)."""
+    after each edit; at ``exact``, everything relocatable that vLLM's cache did not
+    serve); at most ``prefill_tokens``."""
     changed_share: float = 0.0
     """The largest :meth:`~promptsplice.assembler.Diff.changed_share` over the edit's
     relocatable runs, whether or not the step relocated them (0 without a diff or runs:
@@ -417,12 +420,16 @@ class AgentRunner:
                     recomputed = max(0, every - planned_relocated_tokens(phases, new, salt))
             result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation)
             result.fallback = fallback
-            result.fidelity = level
             if prepared.diff is not None and self.mode is AgentMode.SPLICE:
                 diff = prepared.diff
                 result.changed_share = max((diff.changed_share(r) for r in diff.relocations), default=0.0)
             # blocks the deviation guard recomputed were relocatable too
-            result.recomputed_tokens = recomputed + planned_relocated_tokens(phases, new, salt) - result.planned_relocated_tokens
+            # (never more than the step computed: vLLM's cache may have served some of them)
+            result.recomputed_tokens = min(
+                result.prefill_tokens,
+                recomputed + planned_relocated_tokens(phases, new, salt) - result.planned_relocated_tokens,
+            )
+            result.fidelity = step_level(level, result.planned_relocated_tokens)
             st.tokens = array("I", new)  # token ids are checked to fit 32 bits
             if self.mode is AgentMode.SPLICE and not cfg.relocate:
                 # The exact salt's KV is the session's now; a scoped session rescopes from it.

@@ -50,6 +50,7 @@ __all__ = [
     "check_max_deviation",
     "fidelity_settings",
     "RunnerFidelity",
+    "step_level",
 ]
 
 BOUNDED_KL_P90 = 0.02
@@ -79,6 +80,13 @@ DEFAULT_FIDELITY = FidelityLevel.EXACT
 """Approximate KV is opt-in: no relocation setting measured here keeps first-token KL
 p90 <= :data:`BOUNDED_KL_P90` on every trace family (module doc), so by default a runner
 reuses exact KV only (prefix cache and exact store loads)."""
+
+
+def step_level(asked: FidelityLevel, planned_relocated_tokens: int) -> FidelityLevel:
+    """The level a step record reports: the one it ran at, but ``exact`` when its plan
+    relocated nothing (a new session, an append, a fallback to a plain request): its KV
+    is exact whatever level was asked, as a RAG request sent exact by the gate."""
+    return asked if planned_relocated_tokens > 0 else FidelityLevel.EXACT
 
 
 def check_fidelity(value: Any, what: str = "fidelity") -> FidelityLevel:

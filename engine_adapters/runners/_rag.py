@@ -119,6 +119,7 @@ from promptsplice.engine_adapters.runners._fidelity import (
     FidelityLevel,
     FidelitySettings,
     RunnerFidelity,
+    step_level,
 )
 from promptsplice.engine_adapters.runners._steps import (
     RAG_SURFACE,
@@ -183,6 +184,7 @@ class RagStep:
     relocated_tokens: int
     precomputed_tokens: int
     relocated_chunks: int
+    """Stored chunks the plan placed for relocation (0 for a plain request)."""
     requests: int
     ttft_s: float
     wall_s: float
@@ -195,7 +197,8 @@ class RagStep:
     extra_recompute_blocks: int = 0
     """Blocks recomputed beyond ``recompute_blocks`` (a deviation over the threshold)."""
     fidelity: FidelityLevel = FidelityLevel.EXACT
-    """The level the request ran at (``exact`` for an ``exact``-mode runner)."""
+    """The level the request ran at: ``exact`` whenever its plan relocated nothing (an
+    ``exact``-mode runner, the gate's exact requests, a fallback; ``step_level``)."""
     planned_relocated_tokens: int = 0
     """Tokens the plan relocates; ``relocated_tokens`` below it means the store did not
     serve some of them (they were computed: exact)."""
@@ -500,14 +503,18 @@ class RagRunner:
         run = eng.generate_phases(toks, phases, cache_salt=salt, adapt=adapt, **gen)
         outs.extend(run.completions)
         step = self._step(
-            prompt, outs, outs[-1], t0, run.t_last, salt, run.relocated_tokens, precomputed, len(placed), fallback
+            prompt, outs, outs[-1], t0, run.t_last, salt, run.relocated_tokens, precomputed,
+            0 if fallback is not None else len(placed), fallback,
         )
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
-        step.fidelity = cfg.level
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
+        step.fidelity = step_level(cfg.level, step.planned_relocated_tokens)
         # blocks the deviation guard recomputed were relocatable too
-        step.recomputed_tokens = recomputed + planned_relocated_tokens(phases, toks, salt) - step.planned_relocated_tokens
+        step.recomputed_tokens = min(
+            step.prefill_tokens,
+            recomputed + planned_relocated_tokens(phases, toks, salt) - step.planned_relocated_tokens,
+        )
         return step
 
     def _exact_chain(self, toks: Sequence[int]) -> tuple[list[BlockRef], str | None]:

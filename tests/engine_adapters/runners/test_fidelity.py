@@ -125,6 +125,22 @@ def test_runners_at_the_default_level_relocate_nothing(kv_engine):
     assert again.cached_tokens >= behind[-1].end - kv_engine.block_size and again.recomputed_tokens == 0
 
 
+def test_an_exact_step_never_counts_as_recomputed_what_vllm_served(kv_engine):
+    """The same session twice under one tenant salt at ``exact``: the second run's edit
+    steps are served by vLLM's prefix cache, and counted every relocatable token as
+    recomputed all the same (more than the step computed)."""
+    sess = read_agent_trace(SAMPLE)[0]
+    salt = f"t-{uuid.uuid4().hex[:8]}"
+    first = [st for _, st in _session(kv_engine, AgentRunner(kv_engine, mode="splice", salt=salt), sess, stop=5)]
+    again = [st for _, st in _session(kv_engine, AgentRunner(kv_engine, mode="splice", salt=salt), sess, stop=5)]
+    edits = [i for i, st in enumerate(first) if st.recomputed_tokens > kv_engine.block_size]
+    assert edits  # the first run computed relocatable tokens (else the setup is wrong)
+    for i in edits:
+        assert again[i].prefill_tokens < first[i].recomputed_tokens  # vLLM's cache served them
+        assert again[i].recomputed_tokens <= again[i].prefill_tokens
+    assert all(st.recomputed_tokens <= st.prefill_tokens for st in first + again)
+
+
 def test_an_exact_step_relocates_nothing_and_says_what_it_computed_instead(kv_engine):
     """The same session twice: at the default level, and with one edit step at
     ``exact``: that step relocates nothing and counts as recomputed what the default
@@ -140,8 +156,11 @@ def test_an_exact_step_relocates_nothing_and_says_what_it_computed_instead(kv_en
     assert e.requests == 1 and e.salt == runner.salt  # the tenant's salt: exact blocks only
     assert e.recomputed_tokens == ref[k].planned_relocated_tokens + ref[k].recomputed_tokens > 0
     for st in steps[:k] + steps[k + 1:]:
-        assert st.fidelity is FidelityLevel.BOUNDED and st.relocated_tokens == st.planned_relocated_tokens
+        # a step that relocated nothing (the first, an append) says exact, as the RAG gate's
+        assert st.fidelity is (FidelityLevel.BOUNDED if st.planned_relocated_tokens else FidelityLevel.EXACT)
+        assert st.relocated_tokens == st.planned_relocated_tokens
         assert st.prompt_tokens == st.prefill_tokens + st.cached_tokens >= st.prefill_tokens + st.relocated_tokens
+    assert steps[0].fidelity is FidelityLevel.EXACT and steps[0].kind is StepKind.NEW_SESSION
     later = [st for st in steps[k + 1:] if st.planned_relocated_tokens]
     assert later and all(st.salt != runner.salt for st in later)  # a new scope, relocating again
     bs, r = kv_engine.block_size, FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks

@@ -25,7 +25,7 @@ from promptsplice.engine_adapters import (
     StoreConfig,
     chain_refs,
 )
-from promptsplice.engine_adapters import StepFallback
+from promptsplice.engine_adapters import FidelityLevel, StepFallback
 from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkLookup,
     ChunkPlacement,
@@ -552,6 +552,33 @@ def test_an_order_changed_between_preview_and_assemble_is_one_exact_request(kv_e
     assert calls[0] == runner.reuse_salt  # the step planned a relocation (else the setup is wrong)
     assert step.fallback is StepFallback.INVALID_PLAN and step.relocated_tokens == 0
     assert step.requests == 1 and "differs from its preview" in caplog.text
+    # a plain request relocated no chunk and ran exact (it said 3 chunks, at bounded)
+    assert step.relocated_chunks == 0 and step.fidelity is FidelityLevel.EXACT
+
+
+def test_a_plan_that_does_not_fit_is_one_exact_request_relocating_no_chunk(kv_engine, monkeypatch):
+    """A chunk plan the planner refuses (``InputError``: a plan that does not fit the
+    prompt, which no real input here produces on demand) goes out as one plain request:
+    it said it relocated every chunk it had looked up, at the runner's level."""
+    import promptsplice.engine_adapters.runners._rag as rag_module
+
+    docs = [{"id": n, "text": f"{DOCS[n]} {DOCS[n]} {DOCS[n]}"} for n in ("paris", "nile", "everest")]
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=1, exact_alignment="all")
+    runner.run(docs, query="q1", system=SYSTEM, max_tokens=1)  # indexes the chunks
+    real, calls = rag_module.plan_chunk_phases, []
+
+    def refused(*args, **kwargs):
+        calls.append(len(args[1]))
+        if len(calls) == 1:
+            raise InputError("the plan does not fit")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rag_module, "plan_chunk_phases", refused)
+    step = runner.run(docs[::-1], query="q2", system=SYSTEM, max_tokens=1)
+    assert calls and calls[0] == 3  # the step placed three stored chunks (else the setup is wrong)
+    assert step.fallback is StepFallback.INVALID_PLAN and step.relocated_tokens == step.planned_relocated_tokens == 0
+    assert step.relocated_chunks == 0 and step.fidelity is FidelityLevel.EXACT
 
 
 def test_a_request_never_meets_the_approximate_kv_of_another_fidelity_level(kv_engine):
