@@ -403,7 +403,17 @@ __all__ += [
     "request_fields",
     "request_identity",
     "scheduled_steps",
+    "is_quantized_cache",
+    "preempted_ids",
 ]
+
+
+def is_quantized_cache(cache_dtype: str) -> bool:
+    """Whether vLLM stores this ``kv_cache_dtype`` quantized (fp8, nvfp4, per-token-head
+    scales: its own ``is_quantized_kv_cache``); the connector serves none of them."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    return bool(is_quantized_kv_cache(cache_dtype))
 
 
 def cpu_attn_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
@@ -476,6 +486,11 @@ def scheduled_steps(scheduler_output: Any) -> tuple[list[tuple[str, int, int]], 
     cached = scheduler_output.scheduled_cached_reqs
     steps += [(rid, computed, scheduled.get(rid, 0)) for rid, computed in zip(cached.req_ids, cached.num_computed_tokens)]
     return steps, {r.req_id: list(r.block_ids[0]) for r in new}
+
+
+def preempted_ids(scheduler_output: Any) -> frozenset[str]:
+    """The requests vLLM preempted in this ``SchedulerOutput`` (their blocks freed)."""
+    return frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
 def bound_block_ids(connector: Any, req_id: str) -> list[int]:

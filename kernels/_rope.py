@@ -354,6 +354,19 @@ class RopeConfig:
                 raise ConfigError("linear rope scaling lacks 'factor'")
             linear_factor = float(params["factor"])
 
+        per_layer = d.get("layer_rope_theta")  # Granite: a base per layer, 0 = no RoPE
+        if per_layer is not None:
+            try:
+                bases = {float(v) for v in per_layer}
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"layer_rope_theta must be a list of numbers, got {per_layer!r}") from exc
+            if bases - {float(theta)}:
+                # one RopeConfig rotates every layer's keys by one base
+                raise ConfigError(
+                    f"model config has per-layer RoPE bases (layer_rope_theta: {sorted(bases)}; 0 is a "
+                    "layer without RoPE): relocation rotates every layer by one base; not supported"
+                )
+
         return cls(
             head_size=head_size,
             rotary_dim=rotary_dim,

@@ -403,7 +403,11 @@ class SpliceConnector(KVConnectorBase_V1):
         ids = _vllm.allocated_block_ids(blocks) if num_external_tokens > 0 else ()
         item = self.scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens)
         ack = self._acks.get(request.request_id)
-        if item is not None and ack is not None:
+        if item is None:
+            # a request resumed without a load: its last load's blocks went back to vLLM
+            # (another request's failed load into them is not this request's)
+            self._loads.pop(request.request_id, None)
+        elif ack is not None:
             # what this allocation loads (a request vLLM preempted and resumes loads
             # again: the ack says what its context was served, not the sum of loads);
             # update_connector_output takes back what then failed to load
@@ -429,6 +433,9 @@ class SpliceConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         steps, new_ids = _vllm.scheduled_steps(scheduler_output)
+        for req_id in _vllm.preempted_ids(scheduler_output):
+            # its blocks are free for other requests now: their load failures are theirs
+            self._loads.pop(req_id, None)
 
         def block_ids(req_id: str) -> list[int]:
             ids = new_ids.get(req_id)

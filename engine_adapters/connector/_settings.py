@@ -194,7 +194,7 @@ def check_load_failure_policy(kv: Any) -> None:
 def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     """The store config (with the engine's fingerprint), block size, attention ISA and
     RoPE of an engine; :class:`ConfigError` when the connector cannot serve it."""
-    from promptsplice.engine_adapters._vllm import cpu_attn_isa, import_vllm_platform
+    from promptsplice.engine_adapters._vllm import cpu_attn_isa, import_vllm_platform, is_quantized_cache
     from promptsplice.kernels import VERIFIED_CPU_ATTN_ISAS, RopeConfig
 
     check_single_worker(vllm_config.parallel_config)
@@ -206,8 +206,11 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     cache_dtype = str(cache.cache_dtype)
-    if cache_dtype.startswith("fp8"):
-        raise ConfigError(f"SpliceConnector: kv_cache_dtype {cache_dtype!r} (quantized) is not supported")
+    if is_quantized_cache(cache_dtype):  # fp8*, nvfp4* (uint8 caches), *_per_token_head
+        raise ConfigError(
+            f"SpliceConnector: kv_cache_dtype {cache_dtype!r} (quantized) is not supported; "
+            "use kv_cache_dtype='auto' (the model's dtype)"
+        )
     block_size = int(cache.block_size)
     head_size = int(model.get_head_size())
     isa = cpu_attn_isa(model.dtype, block_size, head_size, cache_dtype) if backend == "CPU_ATTN" else ""

@@ -258,7 +258,11 @@ class SpliceWorker:
 
     @property
     def can_relocate(self) -> bool:
-        return self.paged.layout is not None and self.rope is not None
+        from promptsplice.kernels import SUPPORTED_CACHE_DTYPES
+
+        # a cache dtype the kernels cannot rotate (a quantized uint8 cache) failed every
+        # relocating load, and each failure quarantined the engine's saves
+        return self.paged.layout is not None and self.rope is not None and self.dtype in SUPPORTED_CACHE_DTYPES
 
     def kernel_ids(self, block_ids: Sequence[int]) -> list[int]:
         """Cache-tensor block ids of vLLM blocks ``block_ids`` (``r`` each, in order)."""
@@ -562,8 +566,10 @@ class SpliceWorker:
             else:
                 hosts = list(gathered)
             done = io.mark(io.side)
-        # ``gathered`` is kept alive with the entry until its copies completed.
-        self._saves.append((done, hosts, item, gathered))
+        # ``gathered`` is kept alive with the entry until its copies completed; under the
+        # lock: ``settle`` may iterate the queue from another thread
+        with self._saves_lock:
+            self._saves.append((done, hosts, item, gathered))
 
     def flush_saves(self, *, wait: bool = False) -> int:
         """Hand to the store the pending saves whose copies completed (all of them,

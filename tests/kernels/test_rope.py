@@ -177,6 +177,20 @@ def test_models_with_layers_without_rope_are_refused():
     assert RopeConfig.from_hf_config(dict(LLAMA31, no_rope_layers=[1, 1, 1, 1])).theta == 500000.0
 
 
+def test_per_layer_rope_bases_are_refused():
+    """Granite's ``layer_rope_theta`` (vLLM reads a base per layer, 0 = no RoPE) was
+    ignored: every layer's keys were rotated by the one global base."""
+    granite = {"model_type": "granite", "hidden_size": 512, "num_attention_heads": 8, "head_dim": 64,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    for bases in ([10000.0, 0.0, 10000.0, 1000000.0], [10000.0, 500000.0]):
+        with pytest.raises(ConfigError, match="per-layer RoPE bases"):
+            RopeConfig.from_hf_config(dict(granite, layer_rope_theta=bases))
+    with pytest.raises(ConfigError, match="layer_rope_theta must be a list of numbers"):
+        RopeConfig.from_hf_config(dict(granite, layer_rope_theta=["x"]))
+    # one base everywhere is the global one
+    assert RopeConfig.from_hf_config(dict(granite, layer_rope_theta=[10000.0] * 4)).theta == 10000.0
+
+
 @pytest.mark.parametrize(
     "cfg",
     [

@@ -420,6 +420,49 @@ def test_a_served_ack_counts_what_was_loaded_not_what_was_planned():
     assert ack.relocated_tokens == 0 and ack.loaded_tokens == 0
 
 
+@pytest.mark.parametrize("how", ["resumed without a load", "preempted"])
+def test_another_requests_failed_load_into_freed_blocks_leaves_an_ack_alone(how):
+    """A load's record stayed with its request until it finished: once vLLM preempted the
+    request (its blocks freed), another request's failed load into those block ids took
+    the first request's served tokens out of its ack (64 relocated tokens became 0)."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters import BlockStore
+    from promptsplice.engine_adapters.connector._connector import SpliceConnector
+    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
+    from promptsplice.engine_adapters.connector._served import SpliceAck, splice_params
+    from tests.engine_adapters.connector._kv import BS, PAYLOAD, SALT, deletion_case, random_caches, worker
+
+    store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
+    old, new, plan, _ = deletion_case(store)
+    conn = object.__new__(SpliceConnector)
+    conn.settings = SimpleNamespace(block_size=BS, relocation=True)
+    conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
+    conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
+    req = SimpleNamespace(request_id="r", prompt_token_ids=new, cache_salt=SALT, kv_transfer_params=splice_params(plan, new))
+    ids = list(range(10, 10 + len(new) // BS + 1))
+    blocks = SimpleNamespace(get_block_ids=lambda: (ids,))
+    w = worker(store, random_caches())
+    n, _ = conn.get_num_new_matched_tokens(req, 2 * BS)
+    conn.update_state_after_alloc(req, blocks, n)
+    meta = conn.scheduler.build_connector_meta([("r", 2 * BS + n, len(new) - 2 * BS - n)], lambda _: ids)
+    w.start_load(meta)
+    conn.update_connector_output(SimpleNamespace(invalid_block_ids=w.take_load_errors()))
+    loaded = set(meta.loads[0].block_ids)
+    assert loaded and w.stats.relocated_blocks > 0  # its load was served (else the setup is wrong)
+    if how == "preempted":
+        out = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], preempted_req_ids={"r"},
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+        conn.build_connector_meta(out)
+    else:
+        conn.get_num_new_matched_tokens(req, 0)
+        conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    # another request's load into the same (freed, reused) block ids fails
+    conn.update_connector_output(SimpleNamespace(invalid_block_ids=loaded))
+    _, kv = conn.request_finished(req, ids)
+    assert SpliceAck.from_params(kv).relocated_tokens == 3 * BS
+
+
 
 @pytest.mark.reliability
 def test_a_plan_or_store_query_naming_another_tenants_salt_is_refused(kv_engine, text_tokens):

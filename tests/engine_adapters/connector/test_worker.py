@@ -247,6 +247,23 @@ def test_a_load_with_a_delta_needs_relocation_support(store, why):
     assert w.take_load_errors() == {1, 2, 3}
 
 
+def test_a_quantized_cache_cannot_relocate(store):
+    """A FLASHINFER engine with ``kv_cache_dtype="nvfp4"`` hands the worker uint8 caches:
+    it said it could relocate, so runners planned relocations and every one failed in
+    the kernel (each failure quarantining the engine's saves for two steps)."""
+    caches = {f"l{i}": torch.randint(0, 255, (NB, 2, BS, HEADS, HD), dtype=torch.uint8) for i in range(LAYERS)}
+    w = worker(store, caches, backend="FLASHINFER")
+    assert w.paged.layout is not None and w.rope is not None and not w.can_relocate
+
+
+def test_quantized_cache_dtypes_are_named_by_vllm():
+    """The connector refuses every cache vLLM stores quantized, not only ``fp8*``."""
+    from promptsplice.engine_adapters._vllm import is_quantized_cache
+
+    assert [is_quantized_cache(d) for d in ("fp8", "fp8_e5m2", "nvfp4", "int8_per_token_head", "auto", "bfloat16")] == [
+        True, True, True, True, False, False]
+
+
 def test_an_unverified_isa_still_serves_offload_hits_bit_for_bit(store):
     """NEON's K order is unverified: no relocation, but whole blocks copy as stored."""
     prompt = toks(3 * BS)
