@@ -25,12 +25,29 @@ servers' own ``/metrics`` (``vllm:prefix_cache_hits_total``, ``vllm:prompt_token
 ``vllm:request_success_total``), read before and after each request, so each request is
 attributed to the server that ran it; the responses' ``cached_tokens`` must agree.
 
+**Agreement, checked per request** (:class:`~promptsplice.errors.EngineError` naming
+both numbers when not): a response's ``cached_tokens`` must equal what its server's
+``vllm:prefix_cache_hits_total`` plus ``vllm:external_prefix_cache_hits_total`` (a KV
+connector's hits; 0 when the server exposes none) rose by over the request.  No
+tolerance: in vLLM 0.32 both sides come from one count made when the request is
+admitted (``PrefillStats``: local + external cached tokens; the counters count the
+same two, and a preempted request's re-admission is counted by neither), and the
+server records a step's stats before it answers, so ``/metrics`` read after the
+response already holds them (the per-request attribution by
+``vllm:request_success_total`` relies on that too).  ``prefix_cache_hits`` alone
+leaves out a connector's hits, hence the sum.  The servers must serve nothing else
+during a run: another client's traffic moves their counters.
+
 JSON written by ``--json``::
 
     {"families": {profile: {"naive" | "assembled": {mode: {"requests", "prompt_tokens",
      "cached_tokens", "prefill_tokens", "cluster_hit_rate", "response_cached_tokens",
+     "external_cached_tokens",
      "per_server": {url: {"requests", "prompt_tokens", "cached_tokens"}}}}}},
      "modes": [...], "servers": 2, "block_size": 32, "requests": n, "max_tokens": 1}
+
+(``cached_tokens``: the servers' ``prefix_cache_hits``; ``external_cached_tokens``: their
+``external_prefix_cache_hits``, 0 without a connector.)
 """
 
 from __future__ import annotations
@@ -73,6 +90,7 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """The header smg's ``consistent_hashing`` policy hashes (its session-affinity key)."""
 
 _COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:request_success_total")
+_EXTERNAL = "vllm:external_prefix_cache_hits_total"  # a KV connector's hits (absent: none)
 GATEWAY_DEADLINE_S = 60.0
 _WIKI_PROFILES = ("repeat-heavy", "diverse")
 _STATELESS = ("prefix_hash", "consistent_hashing")  # route by the request alone: no state to reset
@@ -138,14 +156,15 @@ def gateway(
 
 
 def server_totals(client: Any, url: str) -> dict[str, int]:
-    """``url``'s counters that judge a run: prefix-cache hits, prompt tokens, requests."""
+    """``url``'s counters that judge a run: prefix-cache hits, prompt tokens, requests,
+    and ``external_cached_tokens`` (a KV connector's hits; 0 when not exposed)."""
     from promptsplice.engine_adapters._remote import parse_prometheus_counters
 
     try:
         text = client.get(url + "/metrics").raise_for_status().text
     except Exception as exc:  # httpx errors: translated at the boundary
         raise EngineError(f"cannot read {url}/metrics: {exc}") from exc
-    values = parse_prometheus_counters(text, _COUNTERS)
+    values = parse_prometheus_counters(text, (*_COUNTERS, _EXTERNAL))
     missing = [n for n in _COUNTERS if n not in values]
     if missing:
         raise EngineError(f"{url}/metrics lacks {', '.join(missing)} (is it a vLLM server?)")
@@ -153,6 +172,7 @@ def server_totals(client: Any, url: str) -> dict[str, int]:
         "cached_tokens": int(values["vllm:prefix_cache_hits_total"]),
         "prompt_tokens": int(values["vllm:prompt_tokens_total"]),
         "requests": int(values["vllm:request_success_total"]),
+        "external_cached_tokens": int(values.get(_EXTERNAL, 0)),
     }
 
 
@@ -172,7 +192,7 @@ def send_through(
     ``served_by``: the server of each request, in order."""
     per_server = {u: {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0} for u in servers}
     served_by: list[str] = []
-    response_cached = 0
+    response_cached = external = 0
     before = {u: server_totals(client, u) for u in servers}
     for text, n_tokens, key in items:
         url, headers = route(text, key)
@@ -199,6 +219,15 @@ def send_through(
         if len(moved) != 1:
             raise EngineError(f"request {len(served_by)} was counted by {len(moved)} servers, expected 1")
         u = moved[0]
+        local = after[u]["cached_tokens"] - before[u]["cached_tokens"]
+        ext = after[u]["external_cached_tokens"] - before[u]["external_cached_tokens"]
+        if int(cached) != local + ext:  # module doc: one count on both sides, no tolerance
+            raise EngineError(
+                f"request {len(served_by)} on {u}: the response reported {int(cached)} cached tokens, the server's "
+                f"/metrics counted {local + ext} ({local} prefix-cache hits + {ext} external): they must agree; "
+                "is another client using the server, or does it count cached tokens another way?"
+            )
+        external += ext
         for k in per_server[u]:
             per_server[u][k] += after[u][k] - before[u][k]
         served_by.append(u)
@@ -212,6 +241,7 @@ def send_through(
         "prefill_tokens": prompt - cached,
         "cluster_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "response_cached_tokens": response_cached,
+        "external_cached_tokens": external,
         "per_server": per_server,
         "served_by": served_by,
     }

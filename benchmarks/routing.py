@@ -9,10 +9,23 @@ server.  The cluster hit rate is the servers' own count: ``cached_tokens`` from 
 response's ``usage.prompt_tokens_details`` summed over requests, divided by prompt
 tokens; the servers' ``/metrics`` counters are read too and must agree.
 
+**Agreement** (checked when every server exposes ``vllm:prefix_cache_hits_total``;
+else ``metrics_cached_tokens`` is only a partial sum and nothing is compared): the
+responses' ``cached_tokens`` summed over the run must equal the rise of the servers'
+``prefix_cache_hits`` plus ``external_prefix_cache_hits`` (a KV connector's hits,
+``metrics_external_cached_tokens``; ``null`` when no server exposes it), else
+:class:`~promptsplice.errors.EngineError` names both numbers.  No tolerance: in vLLM
+0.32 both sides count one admission-time figure (local + external cached tokens, a
+preempted request's re-admission in neither), and a server records a step's stats
+before it answers, so counters read after the last response hold every request (with
+``--concurrency`` too: they are read once all answered).  The servers must serve
+nothing else during a run.
+
 JSON written by ``--json``::
 
     {"routers": {"affinity" | "round_robin": {"requests", "prompt_tokens",
-     "cached_tokens", "hit_rate", "per_endpoint_requests", "metrics_cached_tokens"}},
+     "cached_tokens", "hit_rate", "per_endpoint_requests", "metrics_cached_tokens",
+     "metrics_external_cached_tokens"}},
      "endpoints": 2, "block_size": 32, "key_blocks": 4, "load_factor": 1.25,
      "concurrency": 1}
 
@@ -270,7 +283,8 @@ def route_trace(
     (endpoint -> ``RemoteEngine``); return the router's totals and every result.
 
     Raises :class:`EngineError` when a server does not report cached tokens (then the
-    hit rate is unknown, not 0).
+    hit rate is unknown, not 0), and when the responses' cached tokens disagree with the
+    servers' ``/metrics`` (module doc; only when every server exposes the counter).
     """
     before = {e: engines[e].server_counters() for e in engines}
 
@@ -294,6 +308,15 @@ def route_trace(
     prompt_tokens = sum(r.prompt_tokens for r in results)
     cached = sum(r.cached_tokens for r in results)
     metrics = sum((after[e].prefix_cache_hits or 0) - (before[e].prefix_cache_hits or 0) for e in engines)
+    exposed = [e for e in engines if after[e].external_hits is not None and before[e].external_hits is not None]
+    external = sum(after[e].external_hits - before[e].external_hits for e in exposed) if exposed else None
+    if all(after[e].prefix_cache_hits is not None and before[e].prefix_cache_hits is not None for e in engines):
+        if cached != metrics + (external or 0):  # module doc: one count on both sides, no tolerance
+            raise EngineError(
+                f"the responses reported {cached} cached tokens, the servers' /metrics counted "
+                f"{metrics + (external or 0)} ({metrics} prefix-cache hits + {external or 0} external): they must "
+                "agree; is another client using the servers, or do they count cached tokens another way?"
+            )
     per_endpoint = {e: 0 for e in engines}
     for r in results:
         per_endpoint[r.endpoint] += 1
@@ -304,6 +327,7 @@ def route_trace(
         "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "per_endpoint_requests": per_endpoint,
         "metrics_cached_tokens": metrics,
+        "metrics_external_cached_tokens": external,
         "results": results,
     }
 

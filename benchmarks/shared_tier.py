@@ -17,6 +17,23 @@ engines), ``external_hits`` (vLLM's ``external_prefix_cache_hits``), ``failed``
 (requests that raised), the stores' remote counters, and the outputs compared with
 ``local`` request by request (greedy: a wrong block would change them).
 
+**Failed requests.**  A request that raises is counted, not hidden: each mode reports
+``coverage``, ``steps_run``, ``steps_total``, ``skipped_steps``
+(:mod:`promptsplice.benchmarks.coverage`), ``failed_requests`` (trace indices) and
+``errors`` (the first few, ``"index: Type: message"``); its ``prompt_tokens`` and
+``prefill_tokens`` count the requests that ran.  Every mode stays in ``bound_checks``:
+a mode with failures is checked against the bound of the requests it ran
+(:func:`prefix_bound` with ``failed``: a failed prompt counts no tokens but may have
+left its blocks behind, so the bound stays a lower bound), and the check names the
+requests it covers (``requests_run``).  ``shared_over_local_prefill`` compares the
+pair's prefill over the same requests only: when ``local`` or ``shared`` had a failed
+request it is ``null`` and ``shared_over_local_prefill_reason`` says why.
+
+Exit status (``main``): a mode below its bound ``BOUND_EXIT`` (4); else a mode that ran
+less than ``MIN_COVERAGE`` of the trace ``COVERAGE_EXIT`` (3) unless ``--allow-skips``;
+and any failed request of ``outage`` is ``COVERAGE_EXIT`` whatever ``--allow-skips``
+says: that mode's point is that every request survives a killed Redis.
+
 ``coverage_of_other_blocks``: of the blocks an engine needed beyond its own prefix cache
 that the other engine had already computed (the leading blocks of its prompt whose
 chain hashes the other prefilled earlier in the mode), the share its connector loaded.
@@ -33,15 +50,17 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, check_bounds
+from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
 from promptsplice.errors import ConfigError
 from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
 
-__all__ = ["run_shared_tier_bench", "format_shared_tier", "prefix_bound", "suite_bounds", "MODES"]
+__all__ = ["run_shared_tier_bench", "format_shared_tier", "prefix_bound", "suite_bounds", "shared_tier_status",
+           "MODES"]
 
 MODES = ("local", "shared", "outage")
 
@@ -67,12 +86,17 @@ def _leading_run(hashes: Sequence[bytes], known: set[bytes]) -> int:
     return n
 
 
-def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int = 2) -> dict[str, Any]:
+def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int = 2,
+                 failed: Collection[int] = ()) -> dict[str, Any]:
     """The least prefill the pair can reach, with caches that never evict: request ``i``
     on engine ``i % engines`` computes every token after the longest leading run of
     whole blocks (never the last token) already computed by that engine (``local``) or
     by any engine (``shared``).  A prefix cache, and a connector that extends it, reuse
-    nothing else, so no mode may prefill less than its bound."""
+    nothing else, so no mode may prefill less than its bound.
+
+    ``failed``: indices of requests that raised: they count no tokens, but every block of
+    their prompt counts as computed (a request may fail after its prefill), so the bound
+    of the requests that ran stays a lower bound."""
     from promptsplice.blocks import chain_hashes
 
     own: list[set[bytes]] = [set() for _ in range(engines)]
@@ -80,6 +104,10 @@ def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int
     local = shared = total = 0
     for i, tokens in enumerate(prompts):
         hashes = chain_hashes(list(tokens), block_size)[: (len(tokens) - 1) // block_size]
+        if i in failed:
+            own[i % engines].update(hashes)
+            union.update(hashes)
+            continue
         total += len(tokens)
         local += len(tokens) - _leading_run(hashes, own[i % engines]) * block_size
         shared += len(tokens) - _leading_run(hashes, union) * block_size
@@ -136,7 +164,9 @@ def _run_mode(
     n = len(prompts)
     kill_at, back_at = (n // 3, 2 * n // 3) if mode == "outage" else (-1, -1)
     computed: tuple[set[bytes], set[bytes]] = (set(), set())  # chain hashes each engine prefilled
-    eligible = covered = failed = 0
+    eligible = covered = 0
+    failed: list[int] = []  # indices of the requests that raised
+    errors: list[str] = []
     prompt_tokens = cached = external = 0
     per_request: list[tuple[int, int]] = []  # (cacheable tokens, cached tokens)
     outputs: list[list[int]] = []
@@ -151,8 +181,10 @@ def _run_mode(
         before = engine.counters()
         try:
             comp = engine.generate(tokens, max_tokens=max_tokens, cache_salt=salts[i % 2])
-        except Exception:  # noqa: BLE001 - the bench counts failures
-            failed += 1
+        except Exception as exc:  # noqa: BLE001 - the bench counts failures (and fails on them)
+            failed.append(i)
+            if len(errors) < 5:
+                errors.append(f"{i}: {type(exc).__name__}: {exc}"[:300])
             outputs.append([])
             per_request.append(((len(tokens) - 1) // bs * bs, 0))
             continue
@@ -186,7 +218,10 @@ def _run_mode(
         "cached_tokens": cached,
         "prefill_tokens": prompt_tokens - cached,
         "external_hits": external,
-        "failed": failed,
+        "failed": len(failed),
+        "failed_requests": failed,
+        "errors": errors,
+        **Coverage(n - len(failed), n).report(),
         "wall_s": round(wall, 2),
         "coverage_of_other_blocks": round(covered / eligible, 4) if eligible else None,
         "eligible_blocks": eligible,
@@ -266,20 +301,29 @@ def run_shared_tier_bench(
             for e in engines:
                 e.close()
     report["bound"] = prefix_bound(prompts, block_size)
-    report["bound_checks"] = {
-        mode: {"bound": "local" if mode == "local" else "shared",
-               "bound_prefill_tokens": report["bound"]["local_prefill" if mode == "local" else "shared_prefill"],
-               "prefill_tokens": m["prefill_tokens"]}
-        for mode, m in report["modes"].items()
-        if not m.get("failed")  # a failed request's prompt is not prefilled: no bound applies
-    }
+    report["bound_checks"] = {}
+    for mode, m in report["modes"].items():  # every mode: one with failures over the requests it ran
+        kind = "local" if mode == "local" else "shared"
+        b = prefix_bound(prompts, block_size, failed=set(m["failed_requests"])) if m["failed"] else report["bound"]
+        report["bound_checks"][mode] = {"bound": kind, "bound_prefill_tokens": b[f"{kind}_prefill"],
+                                        "prefill_tokens": m["prefill_tokens"], "requests_run": m["steps_run"]}
     ref = outputs.get("local")
     for mode, outs in outputs.items():
         if ref is not None and mode != "local":
             report["modes"][mode]["outputs_identical_to_local"] = sum(a == b for a, b in zip(outs, ref) if a)
     local, shared = report["modes"].get("local"), report["modes"].get("shared")
-    if local and shared and local["prefill_tokens"]:
-        report["shared_over_local_prefill"] = round(shared["prefill_tokens"] / local["prefill_tokens"], 4)
+    if local and shared:
+        ratio, why = None, None
+        if local["failed"] or shared["failed"]:  # the two would sum prefill over different requests
+            why = (f"requests failed (local {local['failed']}, shared {shared['failed']} of {local['requests']}): "
+                   "the two modes' prefill covers different requests")
+        elif not local["prefill_tokens"]:
+            why = "local prefilled no tokens"
+        else:
+            ratio = round(shared["prefill_tokens"] / local["prefill_tokens"], 4)
+        report["shared_over_local_prefill"] = ratio
+        if why:
+            report["shared_over_local_prefill_reason"] = why
     source = str(trace) if trace else (f"family {family}" if family else "generated repeat-heavy")
     report["trace"] = {"requests": len(reqs), "source": source}
     report["engines"] = {"kv_cache_blocks": kv_cache_blocks, "dram_blocks": dram_blocks, "block_size": block_size}
@@ -299,7 +343,9 @@ def format_shared_tier(report: dict[str, Any]) -> str:
             f"| {mode} | {m['prefill_tokens']} | {m['cached_tokens']} | {m['external_hits']} | {m['failed']} "
             f"| {same} | {m['coverage_of_other_blocks']} |"
         )
-    if "shared_over_local_prefill" in report:
+    if report.get("shared_over_local_prefill_reason"):
+        lines.append(f"pair prefill shared/local: n/a ({report['shared_over_local_prefill_reason']})")
+    elif "shared_over_local_prefill" in report:
         b = report.get("bound") or {}
         lines.append(f"pair prefill shared/local: {report['shared_over_local_prefill']} (bound with caches that "
                      f"never evict: {b.get('shared_over_local')}, local {b.get('local_prefill')}, "
@@ -308,6 +354,35 @@ def format_shared_tier(report: dict[str, Any]) -> str:
     if out:
         lines.append(f"outage hit share before/during/after: {out['hit_share']}")
     return "\n".join(lines)
+
+
+def shared_tier_status(report: dict[str, Any], *, allow_skips: bool = False) -> int:
+    """0, or the exit status of a failed check (printed): a mode that ran too little of
+    the trace, or any failed request of ``outage`` (``COVERAGE_EXIT``), then a mode below
+    its bound (``BOUND_EXIT``, which wins)."""
+    rc = 0
+    for mode, m in report["modes"].items():
+        first = f"; first error: {m['errors'][0]}" if m.get("errors") else ""
+        if mode == "outage" and m["failed"]:
+            print(f"promptsplice: error: shared_tier outage: {m['failed']} of {m['requests']} requests failed "
+                  f"(requests {m['failed_requests']}){first}: this mode's requirement is that every request "
+                  "survives a killed or restarted Redis (the connector computes what it cannot load), so "
+                  "--allow-skips does not apply; fix the connector's outage path", file=sys.stderr)
+            rc = COVERAGE_EXIT
+            continue
+        try:
+            check_coverage(Coverage(m["steps_run"], m["steps_total"]), allow_skips=allow_skips,
+                           what=f"shared_tier {mode}")
+        except CoverageError as exc:
+            print(f"promptsplice: error: {exc} (here: {m['failed']} requests raised, "
+                  f"modes.{mode}.failed_requests names them{first})", file=sys.stderr)
+            rc = COVERAGE_EXIT
+    try:
+        check_bounds(report["bound_checks"], what="shared_tier")
+    except BoundError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        rc = BOUND_EXIT
+    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -319,11 +394,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bounds-only", action="store_true",
                    help="only the prefill bounds of every family of the suite (no engine)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
+    p.add_argument("--allow-skips", action="store_true",
+                   help="accept a mode that ran under 95%% of its requests (never outage's failures)")
     args = p.parse_args(argv)
     _check_writable("--json", args.json, "the report's", args.trace)  # before the run, as the CLI's
     if args.bounds_only:
         ignored = [flag for flag, value, default in (("--trace", args.trace, None), ("--family", args.family, None),
-                                                      ("--modes", args.modes, ",".join(MODES)))
+                                                      ("--modes", args.modes, ",".join(MODES)),
+                                                      ("--allow-skips", args.allow_skips, False))
                    if value != default]
         if ignored:  # the bounds are the suite's generated families': they say nothing of these
             p.error(f"--bounds-only computes the suite's families' bounds; drop {', '.join(ignored)}")
@@ -348,12 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(format_shared_tier(report))
     print(f"wrote {args.json}")
-    try:
-        check_bounds(report["bound_checks"], what="shared_tier")
-    except BoundError as exc:
-        print(f"promptsplice: error: {exc}", file=sys.stderr)
-        return BOUND_EXIT
-    return 0
+    return shared_tier_status(report, allow_skips=args.allow_skips)
 
 
 if __name__ == "__main__":

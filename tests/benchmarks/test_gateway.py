@@ -130,3 +130,49 @@ def test_assembled_prompts_are_what_assemble_sends_in_trace_order(default_tok):
         previews.append(frozen.preview(chunks, query=r.query, system=r.system or None).text)
     assert got == sent
     assert sum(a != b for a, b in zip(sent, previews)) >= 1  # the learned order differs from first-seen
+
+
+class _FakeServers:
+    """Two servers' ``/metrics`` and ``/v1/completions`` (no vLLM: a server whose counters
+    disagree with its responses cannot be made on demand).  Each request goes to
+    ``srvA``; ``counted`` and ``external`` say what its counters add per request,
+    ``reported`` what the response says."""
+
+    def __init__(self, reported, counted, external=None):
+        self.reported, self.counted, self.external = reported, counted, external
+        self.n = 0
+
+    def get(self, url):
+        mine = "srvA" in url
+        lines = [f"vllm:prefix_cache_hits_total {self.counted * self.n if mine else 0}",
+                 f"vllm:prompt_tokens_total {100 * self.n if mine else 0}",
+                 f"vllm:request_success_total {self.n if mine else 0}"]
+        if self.external is not None:
+            lines.append(f'vllm:external_prefix_cache_hits_total{{engine="0"}} {self.external * self.n if mine else 0}')
+        return httpx.Response(200, text="\n".join(lines) + "\n", request=httpx.Request("GET", url))
+
+    def post(self, url, json, headers):
+        self.n += 1
+        usage = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": self.reported}}
+        return httpx.Response(200, json={"usage": usage}, request=httpx.Request("POST", url))
+
+
+def _send(client):
+    return send_through(client, ["http://srvA", "http://srvB"], [("t", 100, "k")] * 3,
+                        route=lambda text, key: ("http://srvA", {}), salt="s", model="m")
+
+
+def test_responses_that_disagree_with_the_servers_metrics_fail_the_run():
+    from promptsplice.errors import EngineError
+
+    with pytest.raises(EngineError, match=r"request 0 on http://srvA: the response reported 96 cached tokens, "
+                                          r"the server's /metrics counted 64 \(64 prefix-cache hits \+ 0 external\)"):
+        _send(_FakeServers(reported=96, counted=64))
+
+
+def test_a_connectors_hits_count_on_the_metrics_side_of_the_agreement():
+    out = _send(_FakeServers(reported=96, counted=64, external=32))  # 64 local + 32 loaded = the responses' 96
+    assert out["response_cached_tokens"] == 3 * 96
+    assert out["cached_tokens"] == 3 * 64 and out["external_cached_tokens"] == 3 * 32
+    out = _send(_FakeServers(reported=64, counted=64))  # no connector: no external counter
+    assert out["cached_tokens"] == out["response_cached_tokens"] == 3 * 64 and out["external_cached_tokens"] == 0

@@ -118,3 +118,62 @@ def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(t
 
     stop_process_group(plain, grace_s=5)
     assert plain.poll() is not None
+
+
+class _Lease:
+    def __init__(self, endpoint):
+        self.endpoint = endpoint
+
+
+class _OneRouter:
+    import contextlib
+
+    @contextlib.contextmanager
+    def acquire(self, prompt):
+        yield _Lease("a")
+
+
+class _FakeRemote:
+    """A ``RemoteEngine``'s ``complete`` and ``server_counters`` (no vLLM: counters that
+    disagree with the responses cannot be made on demand)."""
+
+    def __init__(self, reported, counted, external=None, exposed=True):
+        self.reported, self.counted, self.external, self.exposed = reported, counted, external, exposed
+        self.hits = self.ext = 0
+
+    def server_counters(self):
+        from promptsplice.engine_adapters._wire import ServerCounters
+
+        return ServerCounters(None, self.hits if self.exposed else None, None,
+                              self.ext if self.external is not None else None)
+
+    def complete(self, ids, max_tokens, cache_salt):
+        import types
+
+        self.hits += self.counted
+        self.ext += self.external or 0
+        return types.SimpleNamespace(prompt_tokens=len(ids), cached_tokens=self.reported)
+
+
+def _route(engine):
+    import types
+
+    from promptsplice.benchmarks.routing import route_trace
+
+    return route_trace(_OneRouter(), {"a": engine}, [types.SimpleNamespace(token_ids=list(range(64)))] * 3, salt="x")
+
+
+def test_responses_that_disagree_with_the_servers_metrics_fail_the_run():
+    from promptsplice.errors import EngineError
+
+    with pytest.raises(EngineError, match=r"the responses reported 96 cached tokens, the servers' /metrics counted "
+                                          r"0 \(0 prefix-cache hits \+ 0 external\)"):
+        _route(_FakeRemote(reported=32, counted=0))
+
+
+def test_metrics_agreement_counts_a_connectors_hits_and_needs_the_counters():
+    out = _route(_FakeRemote(reported=32, counted=0, external=32))  # all loaded by a connector
+    assert out["cached_tokens"] == 96 and out["metrics_cached_tokens"] == 0
+    assert out["metrics_external_cached_tokens"] == 96
+    out = _route(_FakeRemote(reported=32, counted=0, exposed=False))  # no counter: nothing to compare
+    assert out["cached_tokens"] == 96 and out["metrics_external_cached_tokens"] is None

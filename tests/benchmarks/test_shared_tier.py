@@ -79,3 +79,135 @@ def test_two_engines_share_blocks_and_survive_an_outage(tmp_path):
     assert report["engines"]["block_size"] == 32 and set(report["bound_checks"]) == {"local", "shared", "outage"}
     assert report["bound_checks"]["outage"]["bound_prefill_tokens"] == bound["shared_prefill"]
     assert "pair prefill shared/local" in format_shared_tier(report)
+
+
+# --- failed requests (no engine: a request that fails cannot be produced on demand) ---
+# Fakes shaped like the parts of EmbeddedEngine / RedisServer the bench touches.
+
+
+class _Counters:
+    def __init__(self, prefix=0, external=0):
+        self.prefix_cache_hits, self.external_hits = prefix, external
+
+    def since(self, other):
+        return _Counters(self.prefix_cache_hits - other.prefix_cache_hits, self.external_hits - other.external_hits)
+
+
+class _Store:
+    class _Stats:
+        remote_hits = remote_writes = remote_outages = remote_corrupt = remote_skipped = 0
+
+    def stats(self):
+        return self._Stats()
+
+    def drain(self):
+        pass
+
+
+class _FailingEngine:
+    """Caches nothing (every prompt fully prefilled); ``fail(salt, i)`` says which of
+    the pair's requests raise (``i``: the pair's request count, from 1)."""
+
+    fail = staticmethod(lambda salt, i: False)
+    calls = 0
+
+    def __init__(self, **kw):
+        self.block_size = 32
+        self.kv_store = _Store()
+
+    def counters(self):
+        return _Counters()
+
+    def close(self):
+        pass
+
+    def generate(self, tokens, max_tokens, cache_salt):
+        import types
+
+        type(self).calls += 1
+        if type(self).fail(cache_salt, type(self).calls):
+            raise RuntimeError("connector blew up")
+        return types.SimpleNamespace(token_ids=[1], num_cached_tokens=0)
+
+
+class _Server:
+    url = "redis://fake"
+
+    def __init__(self, **kw):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def kill(self):
+        pass
+
+    def start(self):
+        pass
+
+
+@pytest.fixture
+def failing_pair(monkeypatch):
+    import promptsplice.benchmarks._redis_server as redis_server
+    import promptsplice.benchmarks.offload as offload
+    import promptsplice.benchmarks.shared_tier as st
+    import promptsplice.engine_adapters as ea
+
+    monkeypatch.setattr(redis_server, "RedisServer", _Server)
+    monkeypatch.setattr(ea, "EmbeddedEngine", _FailingEngine)
+    monkeypatch.setattr(ea, "StoreConfig", lambda **kw: None)
+    monkeypatch.setattr(offload, "_bytes_per_block", lambda cfg: 1)
+    monkeypatch.setattr(st, "_empty", lambda engines, url: None)
+    monkeypatch.setattr(st, "_prompts", lambda engine, reqs: [[i] * 320 for i in range(10)])  # 10 blocks each
+    monkeypatch.setattr(st, "_family_requests", lambda *a: list(range(10)))
+    monkeypatch.setattr(_FailingEngine, "calls", 0)
+    return _FailingEngine
+
+
+def test_a_mode_with_failed_requests_keeps_its_bound_check_and_voids_the_ratio(failing_pair):
+    failing_pair.fail = staticmethod(lambda salt, i: salt == "shared" and i % 2 == 0)  # half of shared fails
+    report = run_shared_tier_bench(modes=("local", "shared"))
+    shared = report["modes"]["shared"]
+    assert shared["failed"] == 5 and shared["failed_requests"] == [1, 3, 5, 7, 9]
+    assert shared["coverage"] == 0.5 and shared["steps_run"] == 5 and shared["steps_total"] == 10
+    assert "RuntimeError: connector blew up" in shared["errors"][0]
+    assert report["modes"]["local"]["coverage"] == 1.0
+    # never dropped from the bound checks: checked over the requests it ran
+    assert set(report["bound_checks"]) == {"local", "shared"}
+    check = report["bound_checks"]["shared"]
+    assert check["requests_run"] == 5 and check["prefill_tokens"] == 5 * 320
+    assert check["bound_prefill_tokens"] == 5 * 320  # nothing repeats: every run prompt is prefilled
+    # local prefilled 10 prompts, shared 5: no ratio over different requests
+    assert report["shared_over_local_prefill"] is None
+    assert "shared 5 of 10" in report["shared_over_local_prefill_reason"]
+    assert "n/a" in format_shared_tier(report)
+
+
+def test_the_bound_of_a_mode_with_failures_counts_the_failed_prompts_as_computed():
+    a = list(range(0, 8)) + [1]
+    # request 0 fails (on engine 0) but may have left its blocks: request 2 (engine 0)
+    # may reuse them; request 1 (engine 1) only under sharing
+    bound = prefix_bound([a, a, a], 8, failed={0})
+    assert bound["prompt_tokens"] == 18
+    assert bound["local_prefill"] == 9 + 1 and bound["shared_prefill"] == 1 + 1
+
+
+def test_failed_requests_fail_the_bench_below_the_coverage_bar(failing_pair, tmp_path, capsys):
+    failing_pair.fail = staticmethod(lambda salt, i: salt == "shared" and i % 2 == 0)
+    out = tmp_path / "r.json"
+    assert main(["--json", str(out), "--requests", "10", "--modes", "local,shared"]) == 3
+    err = capsys.readouterr().err
+    assert "shared_tier shared ran 5 of 10 steps" in err and "connector blew up" in err
+    assert main(["--json", str(out), "--requests", "10", "--modes", "local,shared", "--allow-skips"]) == 0
+
+
+def test_one_failed_request_in_the_outage_mode_fails_the_bench_even_with_allow_skips(failing_pair, tmp_path,
+                                                                                     capsys):
+    failing_pair.fail = staticmethod(lambda salt, i: salt == "outage" and i == 4)  # 1 of 10: coverage 0.9
+    out = tmp_path / "r.json"
+    assert main(["--json", str(out), "--requests", "10", "--modes", "outage", "--allow-skips"]) == 3
+    err = capsys.readouterr().err
+    assert "shared_tier outage: 1 of 10 requests failed" in err and "survives a killed" in err
