@@ -1,6 +1,6 @@
 """The disk tier of the block store: one checked record file per block, written behind.
 
-Kept as one module (~800 lines): the index, the byte budget, the writer and the fault
+Kept as one module (~860 lines): the index, the byte budget, the writer and the fault
 handling all change one folder under one lock, and each fault rule (an obstacle at a
 record's path, an unlink that fails, a failed folder fsync) has to keep the index, the
 budget and the files in agreement at once.
@@ -18,7 +18,8 @@ storage-tier contract of ``_tier``:
   without blocking (a FIFO at a record's path hung the load and the open): anything else
   there is damage, removed when it can be (a folder only when empty).  A read the
   process may not make now (no descriptors, memory or permission) is a miss; the record
-  stays.
+  stays.  At open too: such a record is kept (never deleted as damage), charged and not
+  served until a later open reads it, and is the first deleted when a write needs room.
 * Bounded in bytes of disk.  Each record is charged its size rounded up to the folder's
   allocation unit, so many small records cannot use more than ``budget`` of the folder.
   An eviction whose ``unlink`` fails (a read-only folder) keeps the record indexed,
@@ -203,7 +204,9 @@ class DiskTier(IndexedTier):
         # files whose unlink failed (removed, cleared or damaged records, by key; temporary
         # files, by path): never served, still charged, deleted by a later write
         self._undeleted: dict[Key | str, int] = {}
-        self._undeleted_bytes = 0
+        # records the open could not read now (kept, charged, not served: _keep_unread)
+        self._unread: dict[Key, int] = {}
+        self._undeleted_bytes = 0  # the bytes of both: files outside the index
         self._queue: deque[WriteJob] = deque()  # write-behind, head = being written
         self._queue_bytes = 0
         self._inline = 0  # write-downs running in callers' threads (no write-behind)
@@ -290,6 +293,9 @@ class DiskTier(IndexedTier):
 
     def remove(self, k: Key) -> bool:
         found = self._writing.pop(k, None) is not None
+        if k in self._unread:
+            self._drop_unread(k)
+            found = True
         record = self._lru.pop(k)
         if record is not None:
             self._delete_record(k, record)
@@ -297,6 +303,8 @@ class DiskTier(IndexedTier):
         return found
 
     def clear(self) -> None:
+        for k in list(self._unread):  # or the next open served a cleared block
+            self._drop_unread(k)
         for k, record in list(self._lru.items()):
             self._delete_record(k, record)
         self._lru.clear()
@@ -346,9 +354,43 @@ class DiskTier(IndexedTier):
             self._forget_undeleted(item)
 
     def _forget_undeleted(self, item: Key | str) -> None:
-        charge = self._undeleted.pop(item, None)
-        if charge is not None:
-            self._undeleted_bytes -= charge
+        """Under the lock: the file of ``item`` is gone or written over (an unread
+        record's too: see :meth:`_keep_unread`)."""
+        for charges in (self._undeleted, self._unread):
+            charge = charges.pop(item, None)  # type: ignore[call-overload]
+            if charge is not None:
+                self._undeleted_bytes -= charge
+
+    def _keep_unread(self, k: Key, path: str) -> None:
+        """Under the lock, at open: a record the process could not read now (out of
+        descriptors or memory, no permission: :data:`_TRANSIENT`) is not damage: kept
+        in the folder, never served, charged at its size (the budget holds), and
+        deleted first when a write needs room (a delete needs no read), or by a
+        ``remove``/``clear`` of it; the next open indexes it again."""
+        try:
+            charge = self._round(os.lstat(path).st_size)
+        except OSError:  # gone meanwhile
+            return
+        self._undeleted_bytes += charge - self._unread.get(k, 0)
+        self._unread[k] = charge
+
+    def _evict_unread(self, size: int) -> None:
+        """Under the lock: delete unread records (:meth:`_keep_unread`) until ``size``
+        more bytes fit or none is left; counted as evictions."""
+        while self._unread and self._lru.used + self._reserved + self._undeleted_bytes + size > self._lru.budget:
+            self._evictions += 1
+            if not self._drop_unread(next(iter(self._unread))):
+                return  # still on disk (a folder that refuses deletes): the next write retries
+
+    def _drop_unread(self, k: Key) -> bool:
+        """Under the lock: delete ``k``'s unread record; False when its file stays (then
+        remembered as undeleted: charged, deleted by a later write)."""
+        charge = self._unread.pop(k)
+        self._undeleted_bytes -= charge
+        if self._remove_file(self._path(k)) is not None:
+            self._keep_charged(k, charge)
+            return False
+        return True
 
     def keys(self) -> Iterator[Key]:
         return iter(self._lru)
@@ -390,6 +432,7 @@ class DiskTier(IndexedTier):
         if not self._writes_blocked():
             if self._undeleted:
                 self._retry_undeleted()
+            self._evict_unread(job.size)
             victims = self._lru.victims(job.size, self._pinned, self._reserved + self._undeleted_bytes)
         if victims is None:  # writes suspended, or the rest of the folder is pinned
             del self._writing[job.key]
@@ -719,6 +762,7 @@ class DiskTier(IndexedTier):
     def _load_index(self) -> None:
         """Rebuild the index from the folder: headers only, LRU order by mtime."""
         found: list[tuple[int, str, Key, StoredRecord]] = []
+        unread: list[tuple[str, Key, OSError]] = []
         with os.scandir(self.folder) as it:
             entries = list(it)
         for item in entries:
@@ -744,6 +788,9 @@ class DiskTier(IndexedTier):
             except FileNotFoundError:
                 continue
             except (OSError, ValueError) as exc:
+                if isinstance(exc, OSError) and exc.errno in _TRANSIENT:  # the process, not the record
+                    unread.append((item.path, k, exc))
+                    continue
                 _log.warning("KV block store: deleting damaged record %s (%s)", item.path, exc)
                 if not self._remove_obstacle(item.path):
                     self._left_behind(k)
@@ -759,6 +806,14 @@ class DiskTier(IndexedTier):
         for mtime, _, k, record in found:
             self._lru.add(k, record)
             self._tick = max(self._tick, mtime)
+        for path, k, _ in unread:
+            self._keep_unread(k, path)
+        if unread:
+            _log.warning(
+                "KV block store: could not read %d records of %s now (%s); kept for the next open, "
+                "not served until then", len(unread), self.folder, unread[0][2],
+            )  # fmt: skip
+        self._evict_unread(0)
         while self._lru and self._lru.used + self._undeleted_bytes > self._lru.budget:  # the budget shrank since
             k, record = self._lru.pop_lru()
             self._evictions += 1

@@ -20,8 +20,10 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   header (key, salt, parent, token ids, layout) match; anything else is deleted,
   counted (``corrupt``, or ``foreign`` for another fingerprint) and answered ``CORRUPT``.
 * Write-behind that never blocks.  Write-downs go to a bounded queue (at most
-  ``write_behind_bytes`` of payload) and a writer thread; when it is full the block is
-  not written (counted in ``skipped``, reported lost), the caller never waits.
+  ``write_behind_bytes`` of payload, or one block when an empty queue takes a larger
+  one: a bound below one block wrote nothing, silently) and a writer thread; when it is
+  full the block is not written (counted in ``skipped``, reported lost), the caller
+  never waits.
 * Announced once stored.  A value is announced after its SET succeeded (a refused one,
   out of memory, never is) and only while the write is still wanted; a write that a
   ``clear`` or a removal overtook is deleted again.  A removed value's name (clear,
@@ -33,7 +35,11 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
 * Slow servers.  The socket timeout bounds each socket read, not a call: a server
   that answers late is judged on the median of its last reads (over half the timeout)
   or one read over five timeouts, and its reads are then skipped for ``retry_s``
-  (counted as an outage; the index is kept).
+  (counted as an outage; the index is kept, but ``readable`` is false, so the store's
+  ``match_prefix`` counts none of its blocks: each would load as ``MISS``).  A socket
+  timeout bounds a whole send, so a SET's grows with the value (``_MIN_BANDWIDTH``),
+  and a SET that times out is a write error; only a PING that fails after it opens the
+  breaker (the server answers: this one write was too slow).
 * Outages.  Connect and socket timeouts are short; a connection error or timeout (in
   any call) opens a circuit breaker: the tier counts one outage, logs one warning,
   forgets its index (the server may come back empty) and refuses reads and writes for
@@ -42,13 +48,14 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   its scan, which forgot what the scan had indexed).  A server that refuses a write
   (out of memory) counts a write error and drops the block, without opening the
   breaker.  A server that refuses the listener's subscribe or scan (a database number
-  it does not have, an ACL without those commands) is an outage too, logged once with
-  its reason: the tier cannot keep an index there.  No exception of the client reaches
+  it does not have, an ACL without those commands) is an outage too, counted and
+  logged once with its reason until a scan succeeds: the tier cannot keep an index
+  there.  No exception of the client reaches
   the caller or stops the writer.
 
 A forked child never uses an inherited tier (the store keeps its DRAM tier only there:
 ``_store``).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
-one module (~890 lines): the index, the writer and the listener share one lock and one
+one module (~990 lines): the index, the writer and the listener share one lock and one
 set of rules (what is announced, what is doomed, when the breaker opens, what a clear's
 scan of the server keeps), and each race between them is settled in this file.
 """
@@ -56,6 +63,7 @@ scan of the server keeps), and each race between them is settled in this file.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import urllib.parse
@@ -107,6 +115,13 @@ _SLOW_SHARE = 0.5
 _SLOW_AFTER = 4  # reads seen before the median counts
 _SLOW_WINDOW = 8
 _SLOW_AT_ONCE = 5
+#: The slowest link (bytes a second) a healthy server is expected to take a value over.
+#: The socket timeout bounds a whole send, not each chunk: a SET's timeout is
+#: ``remote_timeout_s`` plus the value's bytes over this (rounded up to a power of two
+#: seconds, so values of one size share one client), or a 96 MiB block, ~0.1 s to send
+#: on loopback, was an outage under ``remote_timeout_s=0.03``.  32 MiB/s is a quarter of
+#: 1 Gbit/s Ethernet: a paused server holds a 2 MiB block's write ~0.06 s longer.
+_MIN_BANDWIDTH = 32 << 20
 
 
 def check_redis_url(url: object) -> str | None:
@@ -150,7 +165,9 @@ def check_redis_url(url: object) -> str | None:
         pool = redis.ConnectionPool.from_url(url)
         pool.make_connection()
         pool.disconnect()
-    except (TypeError, ValueError) as exc:  # an unknown option, a value of the wrong type
+    except (TypeError, ValueError, redis.RedisError) as exc:
+        # an unknown option, a value of the wrong type; the client raises its own
+        # ConnectionError for some values (``?protocol=9``): translated here, never raised
         return f"has options the redis client does not take ({exc})"
     return None
 
@@ -196,6 +213,7 @@ class RedisTier(IndexedTier):
         from redis.retry import Retry
 
         self._errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._timeouts: tuple[type[BaseException], ...] = (redis.TimeoutError, TimeoutError)
         self._refusals: tuple[type[BaseException], ...] = (redis.ResponseError,)
         options: dict[str, Any] = {
             "socket_timeout": timeout_s,
@@ -204,6 +222,12 @@ class RedisTier(IndexedTier):
             "health_check_interval": 0,
         }
         self._client = redis.Redis.from_url(url, **options)
+        # Clients for large values, by the seconds their SET may take beyond the timeout
+        # (see ``_MIN_BANDWIDTH``): built without I/O, closed with the tier.
+        self._setters: dict[float, Any] = {}
+        self._new_client: Callable[[float], Any] = lambda t: redis.Redis.from_url(
+            url, **{**options, "socket_timeout": t}
+        )
         self._url = url
         self._fp = fingerprint
         self._prefix = key_prefix(fingerprint)
@@ -235,6 +259,7 @@ class RedisTier(IndexedTier):
         self._deletes_until = 0.0  # after the server refused a delete: retried from then
         self._delete_warned = False
         self._refusal_warned = False  # a refused write was logged; reset by one that lands
+        self._listen_refused = False  # the listener's subscribe or scan was refused (counted, logged)
         self._lost_index = False  # an outage forgot the index: the next rescan re-shares
         self._outage_epoch = 0  # outages so far: a rescan that one overtook scans again
         self._writer: threading.Thread | None = None
@@ -265,8 +290,10 @@ class RedisTier(IndexedTier):
         if self._closed or not self._reachable() or size > self._lru.budget:
             self._skip(k, held)
             return None
-        if self._limit and self._queue_bytes + held.meta.nbytes > self._limit:
-            self._skip(k, held)  # never block the engine's step on the network
+        if self._limit and self._queue and self._queue_bytes + held.meta.nbytes > self._limit:
+            # never block the engine's step on the network; an empty queue takes one block
+            # larger than the bound (it was never shared: write_behind_bytes < one block)
+            self._skip(k, held)
             return None
         self._writing[k] = held
         return WriteJob(k, held, size)
@@ -301,6 +328,12 @@ class RedisTier(IndexedTier):
     @property
     def writable(self) -> bool:
         return self._reachable()
+
+    @property
+    def readable(self) -> bool:
+        """Whether loads are tried now: the breaker is shut and the server is not skipped
+        as too slow (see ``_slow_down``; the index is kept meanwhile)."""
+        return not self._closed and self._reachable() and time.monotonic() >= self._slow_until
 
     def stats(self) -> TierStats:
         return self.base_stats(outages=self._outages, skipped=self._skipped)
@@ -387,7 +420,13 @@ class RedisTier(IndexedTier):
 
     def _outage(self, err: BaseException, *, refused: bool = False) -> None:
         """Under the lock: the server is out of reach (or, ``refused``, answers the
-        listener's commands with an error); open the breaker."""
+        listener's commands with an error); open the breaker.  A refusal is counted and
+        logged once until a scan succeeds: the calls that reach the server in between
+        (the subscribe before the scan, writes an ACL allows) do not re-arm it, or an
+        ACL without SCAN counted an outage and logged a warning every back-off."""
+        repeated = False
+        if refused:
+            repeated, self._listen_refused = self._listen_refused, True
         self._down_until = time.monotonic() + self._retry_s
         self._read_times.clear()  # a server back from the breaker starts afresh
         self._lru.clear()  # it may come back empty: the listener rescans it
@@ -396,8 +435,9 @@ class RedisTier(IndexedTier):
         self._outage_epoch += 1  # a rescan running now must not mark the index synced
         if self._up:
             self._up = False
-            self._outages += 1
-        if not self._warned:
+            if not repeated:
+                self._outages += 1
+        if not self._warned and not repeated:
             self._warned = True
             if refused:
                 _log.warning(
@@ -496,9 +536,10 @@ class RedisTier(IndexedTier):
         with self._cond:
             if self._closed or self._writing.get(job.key) is not job.held:
                 return False
-            if self._queue_bytes + job.held.meta.nbytes > self._limit:
+            if self._queue and self._queue_bytes + job.held.meta.nbytes > self._limit:
                 # jobs planned under one hold of the lock (a flush, a re-share after an
                 # outage) were all checked against the same queue: the bound holds here
+                # (an empty queue takes one block, even one larger than the bound)
                 del self._writing[job.key]
                 self._skip(job.key, job.held)
                 return False
@@ -541,13 +582,16 @@ class RedisTier(IndexedTier):
             data = fmt.encode_record(meta, memoryview(payload), self._fp)
             err: BaseException | None = None
             refused: BaseException | None = None
+            late: BaseException | None = None
             try:
-                self._client.set(name, bytes(data))
+                self._setter(len(data)).set(name, bytes(data))
             except self._errors as exc:
                 err = exc
+                if isinstance(exc, self._timeouts) and self._answers():
+                    err, late = None, exc  # a write that took too long, not a server gone
             except Exception as exc:  # noqa: BLE001 - refused (OOM: the value does not fit) or a client bug
                 refused = exc
-            if err is None and refused is None:
+            if err is None and refused is None and late is None:
                 # Announced only once stored (a refused value never is), and only while
                 # still wanted; a clear or removal that overtakes the write dooms its name.
                 with self._cond:
@@ -570,12 +614,17 @@ class RedisTier(IndexedTier):
             if err is not None:
                 self._write_errors += 1
                 self._outage(err)
-            elif refused is not None:
+            elif refused is not None or late is not None:
                 self._write_errors += 1
                 if not self._refusal_warned:  # once until a write lands: a full server refuses each
                     self._refusal_warned = True
-                    _log.warning("KV block store: Redis refused a write (%s); further refusals are counted "
-                                 "(remote_write_errors) until a write succeeds", refused)
+                    if late is not None:
+                        _log.warning("KV block store: a Redis write of %d bytes timed out (%s) while the server "
+                                     "answers; the block is not shared, further failed writes are counted "
+                                     "(remote_write_errors) until a write succeeds", len(data), late)
+                    else:
+                        _log.warning("KV block store: Redis refused a write (%s); further refusals are counted "
+                                     "(remote_write_errors) until a write succeeds", refused)
             else:
                 self._refusal_warned = False
                 self._back()
@@ -595,6 +644,32 @@ class RedisTier(IndexedTier):
         if overtaken:
             self._delete_now([name])
         return False
+
+    def _setter(self, nbytes: int) -> Any:
+        """Without the lock: the client to SET a value of ``nbytes`` with, its socket
+        timeout ``remote_timeout_s`` plus the time the value takes at ``_MIN_BANDWIDTH``
+        (the socket timeout bounds a whole send: see ``_MIN_BANDWIDTH``)."""
+        extra = nbytes / _MIN_BANDWIDTH
+        if extra <= self._timeout_s / 4:
+            return self._client
+        step = 2.0 ** math.ceil(math.log2(extra))  # seconds: values of one size share a client
+        with self._cond:
+            client = self._setters.get(step)
+            if client is None:
+                client = self._setters[step] = self._new_client(self._timeout_s + step)
+            return client
+
+    def _answers(self) -> bool:
+        """Without the lock: whether the server answers a PING (after a write timed out:
+        a server that answers is no outage, the write alone failed).  A PING bounded by
+        the timeout: a paused server costs a write that timed out one timeout more."""
+        try:
+            self._client.ping()
+        except self._errors:
+            return False
+        except Exception:  # noqa: BLE001 - refused (an ACL without PING): it answered
+            return True
+        return True
 
     def _write_guarded(self, job: WriteJob, *, inline: bool) -> bool | None:
         """:meth:`_write_job` that never raises: a bug (an exception the client's error
@@ -775,6 +850,8 @@ class RedisTier(IndexedTier):
             if thread is not None and thread is not threading.current_thread():
                 thread.join()
         self._client.close()
+        for client in self._setters.values():
+            client.close()
 
     # ------------------------------------------------------ the listener thread
 
@@ -903,6 +980,7 @@ class RedisTier(IndexedTier):
             if self._outage_epoch != epoch:
                 return None
             self._synced.set()
+            self._listen_refused = False  # a later refusal is news again
         return recovered
 
 

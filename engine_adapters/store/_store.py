@@ -5,7 +5,7 @@ The splice connector saves the KV of every full block it prefills here, and asks
 blocks back when vLLM's own prefix cache misses (offload hits) or when an agent edit
 moved them (relocation).  This module is the testable core the connector forwards to:
 it never imports vLLM, and it imports torch only when a tensor goes in or out.
-Kept as one module (~810 lines): it is the one tiering policy over every tier (put,
+Kept as one module (~870 lines): it is the one tiering policy over every tier (put,
 get, write-down, promotion, pins, re-share), and each of those steps takes the one lock
 with the others; the tiers' mechanisms live in their own modules.  A store inherited
 through ``fork()`` keeps its DRAM tier only in the child (its tiers' threads and folder
@@ -29,9 +29,9 @@ Tiers and policy
       budget, or the budget held by pinned blocks) goes straight to the storage tiers;
       one that fits nowhere is refused (:attr:`PutStatus.REJECTED`); blocks on their way
       down are held outside the DRAM budget: the write-behind queue holds at most
-      ``write_behind_bytes`` of them, plus the blocks one put evicts while each
-      putting thread waits for room in it (about one block per thread when blocks are
-      of one size);
+      ``write_behind_bytes`` of them (the shared tier's: or one block, when a block is
+      larger), plus the blocks one put evicts while each putting thread waits for room
+      in it (about one block per thread when blocks are of one size);
     * lookups are counted here (``*_hits``/``*_misses``, ``mismatches``, ``dropped``);
       what happens to a tier's storage (evictions, writes, damaged copies) by the tier.
       A hit in any storage tier answers ``HIT_DISK`` and counts in ``disk_hits``; the
@@ -58,9 +58,11 @@ Identity and collision safety
 match_prefix / load contract
     ``match_prefix(refs, salt=..., owner=...)`` counts the leading ``refs`` whose block
     is present and valid (same tokens, parent and salt) in any tier, from the in-memory
-    indexes only: it reads no file.  With ``owner`` (the connector passes the request id)
-    the counted blocks are *pinned* for that owner, replacing the owner's earlier pins
-    (so asking again for the same request is idempotent), until :meth:`release`
+    indexes only: it reads no file.  A tier whose reads are skipped for now (a shared
+    server that answers too slowly: ``readable`` false) counts only its pending writes.
+    With ``owner`` (the connector passes the request id) the counted blocks are
+    *pinned* for that owner, replacing the owner's earlier pins (so asking again for
+    the same request is idempotent), until :meth:`release`
     (after the load, or when the request ends); :meth:`discard` and :meth:`clear`
     remove pinned blocks too.  A pinned block is never evicted from the tier it is in,
     so a ``get`` of a counted block returns ``HIT_DRAM`` or ``HIT_DISK``, with one
@@ -430,10 +432,11 @@ class BlockStore:
     def holds(self, key: bytes, *, namespace: Namespace = Namespace.CHAIN) -> bool:
         """Whether any tier holds a block under ``key`` (index only; no LRU change, tokens
         not compared: :meth:`contains` checks them, the load verifies them).  What an
-        engine's assembler asks while it lays out a prompt: these blocks load back."""
+        engine's assembler asks while it lays out a prompt: these blocks load back (so
+        not the indexed blocks of a tier whose reads are skipped for now)."""
         k = block_key(key, namespace)
         with self._cond:
-            return not self._closed and self._find(k) is not None
+            return not self._closed and self._loadable(k) is not None
 
     def match_prefix(
         self,
@@ -508,7 +511,7 @@ class BlockStore:
         (``len(parsed)`` when all are)."""
         for i in range(start, len(parsed)):
             k, salt_b, parent, tok = parsed[i]
-            meta = self._find(k)
+            meta = self._loadable(k)
             if meta is None or not meta.matches(salt_b, parent, tok):
                 return i
         return len(parsed)
@@ -692,6 +695,24 @@ class BlockStore:
             if meta is not None:
                 return meta, tier
         return None, None
+
+    def _loadable(self, k: Key) -> BlockMeta | None:
+        """The block's record as :meth:`_find` names it, but only from where a ``get``
+        would serve it now: a tier whose reads are skipped (``readable`` false: a slow
+        shared server) counts for its pending writes only (served from memory), not for
+        its index, or ``match_prefix`` pinned blocks whose every load then missed."""
+        meta = self._dram.find(k)
+        if meta is not None:
+            return meta
+        for tier in self._lower:
+            if getattr(tier, "readable", True):
+                meta = tier.find(k)
+            else:
+                held = tier.pending(k)
+                meta = held.meta if held is not None else None
+            if meta is not None:
+                return meta
+        return None
 
     def _pending(self, k: Key) -> Held | None:
         for tier in self._lower:

@@ -30,7 +30,9 @@ What a storage tier must guarantee, so the policy needs no change for a new one:
   durable: it survives a crash (and, where the tier promises it, a power cut).
 * Answers from memory.  :meth:`~StorageTier.find` and :meth:`~StorageTier.locate`
   consult the tier's in-memory index only (``match_prefix`` reads no file and makes no
-  network call); a tier indexes what it holds when it opens.
+  network call); a tier indexes what it holds when it opens.  A tier whose reads are
+  skipped for a while (``readable`` false: a slow shared server) keeps its index, but
+  the policy counts none of its indexed blocks as loadable meanwhile.
 
 * Shared tiers.  A tier whose ``shared`` attribute is true (a server other engines
   read) is written when a block is stored, not only when DRAM evicts it; its index
@@ -304,6 +306,13 @@ class StorageTier(Protocol):
     def touch(self, k: Key) -> bool:
         """Count a use of ``k`` (most recent in the tier's LRU); False if not held."""
 
+    @property
+    def readable(self) -> bool:
+        """Whether a ``get`` of what the index names may be served now (True for a local
+        tier).  A shared tier whose server answers too slowly skips its reads for a
+        while: ``match_prefix`` and ``holds`` then count none of its indexed blocks
+        (each would load as ``MISS``), only its pending writes (served from memory)."""
+
     def put(self, k: Key, held: Held) -> object | None:
         """Plan the write-down of ``held`` (no I/O); ``None`` when there will be none
         (the tier reported the block lost through its ``on_lost`` callback)."""
@@ -394,6 +403,10 @@ class IndexedTier:
 
     def locate(self, k: Key) -> StoredRecord | None:
         return self._lru.get(k)
+
+    @property
+    def readable(self) -> bool:
+        return True
 
     def base_stats(self, **extra: int | bool) -> TierStats:
         """The counters every indexed tier keeps (``_evictions``, ``_writes``,

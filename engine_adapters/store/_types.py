@@ -192,8 +192,9 @@ class StoreConfig:
     """Payload bytes of evicted blocks that may wait in memory for the background
     writer (so a put or a load never waits for an fsync); a caller waits only when it
     is full (the shared tier never waits: what does not fit its queue is not written,
-    counted in ``remote_skipped``).  0: write in the calling thread (deterministic;
-    tests and tools)."""
+    counted in ``remote_skipped``; an empty queue takes one block, even a larger one,
+    as the disk tier writes such a block inline).  0: write in the calling thread
+    (deterministic; tests and tools)."""
     remote_bytes: int = 0
     """Bytes of records on the shared Redis tier that this store indexes (LRU); 0: no
     shared tier.  The server's own ``maxmemory`` LRU bounds what it holds."""

@@ -403,3 +403,48 @@ def test_files_the_open_could_not_delete_stay_charged_until_a_write_deletes_them
     assert (s.disk_blocks, s.disk_bytes) == (1, REC)
     assert record_files(folder) == [os.path.basename(path_of(folder, c))]
     store.close()
+
+
+def test_records_the_open_cannot_read_now_are_kept_not_deleted_as_damage(tmp_path, monkeypatch):
+    """EMFILE (the process briefly out of descriptors) while a store opened its folder
+    deleted every record as damaged, though a load treats the same error as a miss that
+    keeps the record.  Now such a record stays in the folder, charged and not served,
+    and the next open serves it; a write that needs room, or a clear, deletes it.
+    (EMFILE is mocked: a real descriptor limit cannot be hit on demand without starving
+    the test process.)"""
+    folder = tmp_path / "kv"
+    refs = make_refs(5)
+    with BlockStore(config(folder)) as store:
+        for i, ref in enumerate(refs):
+            store.put(ref, kv(i), salt=SALT)
+        store.flush()
+    names = record_files(folder)
+    assert len(names) == 5
+
+    def emfile(path):
+        raise OSError(errno.EMFILE, "Too many open files", path)
+
+    monkeypatch.setattr(_disk, "_open_record", emfile)
+    store = BlockStore(config(folder))
+    monkeypatch.undo()
+    s = store.stats()
+    assert (s.corrupt, s.disk_blocks, s.disk_bytes) == (0, 0, 5 * REC) and record_files(folder) == names
+    assert store.match_prefix(refs, salt=SALT) == 0 and store.get(refs[0], salt=SALT).status is MISS
+    store.close()
+    with BlockStore(config(folder, disk_bytes=5 * REC)) as store:  # the next open reads them
+        assert store.stats().disk_blocks == 5
+        got = store.get(refs[0], salt=SALT)
+        assert got.status is HIT_DISK and torch.equal(got.payload, kv(0))
+
+    monkeypatch.setattr(_disk, "_open_record", emfile)
+    store = BlockStore(config(folder, disk_bytes=5 * REC))  # full: a write needs room
+    monkeypatch.undo()
+    new = make_refs(2, start=9000)
+    for i, ref in enumerate(new):
+        store.put(ref, kv(10 + i), salt=SALT)  # the second put writes the first down
+    s = store.stats()
+    assert (s.disk_blocks, s.disk_bytes, s.disk_evictions, s.corrupt) == (1, 5 * REC, 1, 0), s
+    assert len(record_files(folder)) == 5
+    store.clear()  # or the next open served cleared blocks
+    assert record_files(folder) == [] and store.stats().disk_bytes == 0
+    store.close()

@@ -98,6 +98,9 @@ def value_key(ref, salt=SALT, ns: int = 0, fp: bytes = FP) -> str:
         ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?decode_responses=true"},
          "remote_url sets decode_responses: the tier reads binary values"),
         ({"remote_bytes": 1024, "remote_url": "redis://h:99999/0"}, r"remote_url is not a valid URL \(Port out of range"),
+        # the client raises its own ConnectionError for this value: it escaped StoreConfig
+        ({"remote_bytes": 1024, "remote_url": "redis://h:1/0?protocol=9"},
+         r"remote_url has options the redis client does not take \(protocol must be"),
     ],
 )
 def test_config_names_the_remote_field_to_fix(kwargs, field):
@@ -887,14 +890,169 @@ def test_an_outage_during_a_rescan_has_the_listener_scan_again(redis_url, monkey
         assert entered.wait(3.0)
         real_set = tier._client.set
 
+        real_ping = tier._client.ping
+
         def timeout(*args, **kwargs):
             raise redis.TimeoutError("Timeout reading from socket")
 
         monkeypatch.setattr(tier._client, "set", timeout)
+        monkeypatch.setattr(tier._client, "ping", timeout)  # the server stopped answering: an outage
         assert a.put(refs[20], kv(20), salt=SALT) is PutStatus.STORED  # DRAM; the SET times out
         monkeypatch.setattr(tier._client, "set", real_set)
+        monkeypatch.setattr(tier._client, "ping", real_ping)
         assert a.stats().remote_outages == 1 and not tier.wait_synced(0)
         gate.set()
         assert wait_for(lambda: a.stats().remote_blocks == 21, timeout=4.0), a.stats()
         assert tier.wait_synced(0) and a.match_prefix(refs, salt=SALT) == 21
         assert a.stats().remote_outages == 1 and calls[0] > 2
+
+
+# ------------------------------------------------------ review: slow reads, large values, ACLs
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def test_a_server_skipped_as_slow_counts_none_of_its_blocks_in_match_prefix(redis_url, monkeypatch):
+    """While a slow server's reads were skipped, ``match_prefix`` and ``holds`` still
+    counted (and pinned) its indexed blocks: the connector reported external hits that
+    then all loaded as MISS (each a load error and a recompute).  Now they count none
+    until reads resume; the tier's pending writes (served from memory) still count.
+    (The slow reads are mocked, each GET held 0.35 s before the real one, under the
+    0.6 s timeout: a slow socket is not something a real server does on demand; the
+    listener's calls stay real.)"""
+    import threading
+
+    refs = make_refs(16)
+    with open_store(redis_url) as writer:
+        put_all(writer, refs)
+    with open_store(redis_url, remote_timeout_s=0.6, remote_retry_s=30.0, write_behind_bytes=64 * P) as b:
+        tier = remote(b)
+        assert tier.wait_synced(10.0) and b.stats().remote_blocks == 16
+        assert b.match_prefix(refs, salt=SALT) == 16 and b.holds(refs[15].key)
+        real_get = tier._client.get
+
+        def slow_get(*args, **kwargs):  # answered under the timeout, but late
+            time.sleep(0.35)
+            return real_get(*args, **kwargs)
+
+        monkeypatch.setattr(tier._client, "get", slow_get)
+        assert [b.get(ref, salt=SALT).status for ref in refs[:4]] == [HIT_DISK] * 4
+        # skipped as slow, index kept (not an outage that forgot it)
+        st = b.stats()
+        assert st.remote_outages == 1 and st.remote_blocks == 16 and tier.wait_synced(0), st
+        rest = refs[8:]
+        assert b.match_prefix(rest, salt=SALT, owner="req-1") == 0
+        assert b.stats().pinned_blocks == 0 and not b.holds(rest[0].key) and not tier.readable
+        assert b.contains(rest[0], salt=SALT)  # still stored: a save skips it
+        # a block on its way to the slow server is served from memory: it counts
+        gate = threading.Event()
+        real_set = tier._client.set
+
+        def held_set(*args, **kwargs):  # the SET is still on its way
+            gate.wait(5.0)
+            return real_set(*args, **kwargs)
+
+        monkeypatch.setattr(tier._client, "set", held_set)
+        big = make_refs(1, start=90_000)[0]
+        try:
+            assert b.put(big, kv(7, shape=(2, 2, 16, 64)), salt=SALT) is PutStatus.STORED  # > DRAM
+            assert b.match_prefix([big], salt=SALT) == 1 and b.holds(big.key)
+            assert b.get(big, salt=SALT).status is HIT_DRAM
+        finally:
+            gate.set()
+            b.drain()
+        # reads resume after the back-off (ended here): the index counts again, no read needed
+        with b._cond:
+            tier._slow_until = time.monotonic()
+        assert tier.readable and b.match_prefix(rest, salt=SALT) == 8
+
+
+def test_a_value_slower_to_send_than_the_timeout_is_written_not_an_outage():
+    """The socket timeout bounds a whole send: a 64 MiB block (~0.1 s to send on
+    loopback) under ``remote_timeout_s=0.03`` was an outage at each write (index
+    forgotten, breaker open) on a healthy server, and never written.  A SET's timeout
+    now grows with the value."""
+    with RedisServer(maxmemory="256mb") as server:
+        with open_store(server.url, remote_timeout_s=0.03, remote_retry_s=0.2, remote_bytes=256 << 20) as store:
+            # (a loaded machine may time the listener out at 0.03 s: it is back 0.2 s later)
+            assert wait_for(lambda: remote(store).wait_synced(0) and store.stats().remote_available, 10.0)
+            before = store.stats()
+            ref = make_refs(1)[0]
+            block = torch.zeros(64 << 20, dtype=torch.uint8)
+            assert store.put(ref, block, salt=SALT, copy=False) is PutStatus.STORED  # > DRAM: written inline
+            st = store.stats()
+            assert (st.remote_writes, st.remote_write_errors, st.remote_outages) == (1, 0, before.remote_outages), st
+            assert st.remote_available and st.remote_blocks == 1
+        del block
+        admin = client(server.url)
+        assert admin.dbsize() == 1
+        admin.close()
+
+
+def test_a_write_that_times_out_while_the_server_answers_is_a_write_error_not_an_outage(redis_url, monkeypatch):
+    """A SET that timed out opened the breaker and forgot the index even when the server
+    answered everything else.  Now it is a write error; only a PING that fails after it
+    opens the breaker.  (The SET's timeout is mocked: a slow socket cannot be had from
+    a real server on demand; the PING goes to the real one.)"""
+    with open_store(redis_url, dram_blocks=8, remote_timeout_s=1.0) as store:
+        tier = remote(store)
+        assert tier.wait_synced(5.0)
+        a, b, c = make_refs(3)
+        assert store.put(a, kv(0), salt=SALT) is PutStatus.STORED
+        real_set = tier._client.set
+
+        def timeout(*args, **kwargs):
+            raise redis.TimeoutError("Timeout writing to socket")
+
+        monkeypatch.setattr(tier._client, "set", timeout)
+        assert store.put(b, kv(1), salt=SALT) is PutStatus.STORED  # DRAM keeps it
+        monkeypatch.setattr(tier._client, "set", real_set)
+        st = store.stats()
+        assert (st.remote_writes, st.remote_write_errors, st.remote_outages) == (1, 1, 0), st
+        assert st.remote_available and st.remote_blocks == 1 and tier.wait_synced(0)  # index kept
+        assert store.put(c, kv(2), salt=SALT) is PutStatus.STORED
+        assert store.stats().remote_writes == 2
+
+
+def test_a_block_larger_than_the_write_behind_bound_is_still_shared(redis_url):
+    """``write_behind_bytes`` below one block: the disk tier writes such a block inline,
+    the shared tier skipped every one, silently (other engines never found a block).
+    An empty queue now takes one block, whatever its size."""
+    refs = make_refs(3)
+    with open_store(redis_url, write_behind_bytes=P // 2, remote_timeout_s=1.0) as a, \
+            open_store(redis_url, remote_timeout_s=1.0) as b:
+        assert remote(b).wait_synced(5.0)
+        for i, ref in enumerate(refs):
+            assert a.put(ref, kv(i), salt=SALT) is PutStatus.STORED
+            a.drain()
+        st = a.stats()
+        assert (st.remote_writes, st.remote_skipped) == (3, 0), st
+        assert wait_for(lambda: b.match_prefix(refs, salt=SALT) == 3)
+
+
+def test_a_user_refused_scan_is_one_outage_and_one_warning(redis_url, caplog):
+    """An ACL user that may read and write but not SCAN (common hardening): each
+    back-off the listener's subscribe, or a write, reached the server and re-armed the
+    breaker, so every retry counted an outage and logged a warning, forever.  Now: one
+    of each until a scan succeeds."""
+    admin = client(redis_url)
+    admin.execute_command("ACL", "SETUSER", "noscan", "on", ">pw", "~*", "&*", "+@all", "-scan")
+    try:
+        url = f"redis://noscan:pw@127.0.0.1:{_port(redis_url)}/0"
+        with caplog.at_level(logging.WARNING), \
+                open_store(url, dram_blocks=8, remote_retry_s=0.2, remote_timeout_s=1.0) as store:
+            deadline = time.monotonic() + 1.5  # seven back-offs, writes landing in between
+            i = 0
+            while time.monotonic() < deadline:
+                store.put(make_refs(1, start=20_000 + i * 16)[0], kv(i % 8), salt=SALT)
+                i += 1
+                time.sleep(0.05)
+            st = store.stats()
+            assert st.remote_outages == 1 and st.remote_writes > 0, st
+        refusals = [r.getMessage() for r in caplog.records if "refuses the tier's subscribe" in r.getMessage()]
+        assert len(refusals) == 1 and "scan" in refusals[0], refusals
+    finally:
+        admin.execute_command("ACL", "DELUSER", "noscan")
+        admin.close()
