@@ -229,8 +229,8 @@ class EngineConfig:
             raise ConfigError(f"enforce_eager must be a bool or None, got {self.enforce_eager!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)} (vLLM's names), got {self.dtype!r}")
-        if not is_int(self.seed):
-            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:  # vLLM's set_random_seed's range
+            raise ConfigError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         if self.max_num_seqs is not None and (not is_int(self.max_num_seqs) or self.max_num_seqs <= 0):
             raise ConfigError(f"max_num_seqs must be a positive int or None, got {self.max_num_seqs!r}")
         if not is_int(self.max_restarts) or self.max_restarts < 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import sys
 import operator
 import re
 import string
@@ -98,11 +99,15 @@ def check_optional_int(value: Any, what: str, *, minimum: int = 1) -> int | None
     return value
 
 
+_MAX_FLOAT_INT = int(sys.float_info.max)
+
+
 def check_number(value: Any, what: str, *, minimum: float = 0.0, strict: bool = False) -> float:
     """A finite real number (not a bool) >= ``minimum`` (``> minimum`` if ``strict``)."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
+        or (isinstance(value, int) and abs(value) > _MAX_FLOAT_INT)  # float(10**400) overflows
         or not math.isfinite(value)
         or value < minimum
         or (strict and value == minimum)
@@ -155,13 +160,32 @@ def encodable(text: str) -> bool:
     return True
 
 
-def check_salt(salt: Any, what: str = "cache_salt") -> str | None:
+VLLM_MAX_CACHE_SALT_LENGTH = 128
+"""``vllm serve`` refuses a ``cache_salt`` over 128 characters, or holding ``@``, ``/``,
+``\\`` or NUL (vLLM's ``validate_cache_salt``)."""
+_VLLM_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_salt(salt: Any, what: str = "cache_salt", *, vllm_rule: bool = True) -> str | None:
     """The one salt rule: ``None`` (unsalted) or a non-empty ``str``.
 
     ``""`` is refused because vLLM treats an empty salt as no salt: a tenant passing
     one would share the unsalted cache (a cross-tenant leak).  Bytes, ints and the like
-    are refused rather than converted, so one tenant never has two spellings."""
+    are refused rather than converted, so one tenant never has two spellings.  vLLM's
+    own rule (:data:`VLLM_MAX_CACHE_SALT_LENGTH` characters, no ``@ / \\`` or NUL) holds
+    on every engine: ``vllm serve`` refuses such a salt with HTTP 400, so a salt that
+    worked in process failed every request of that tenant once served.  ``vllm_rule=False``
+    for salts the library derives past vLLM's front door (a LoRA request's identity salt
+    names its adapter's path), hashed but never sent."""
     if salt is None or (isinstance(salt, str) and salt and encodable(salt)):
+        if vllm_rule and salt is not None and (len(salt) > VLLM_MAX_CACHE_SALT_LENGTH or any(c in _VLLM_SALT_FORBIDDEN for c in salt)):
+            bad = sorted({repr(c) for c in salt if c in _VLLM_SALT_FORBIDDEN})
+            why = f"holds {', '.join(bad)}" if bad else f"is {len(salt)} characters"
+            raise InvalidSaltError(
+                f"{what} {_short(salt)} {why}: vLLM refuses a cache_salt over {VLLM_MAX_CACHE_SALT_LENGTH} "
+                "characters or holding '@', '/', '\\' or NUL (vllm serve answers HTTP 400); pass a salt "
+                "without them (a hash of the tenant's name, say)"
+            )
         return salt
     if isinstance(salt, str) and salt:
         raise InvalidSaltError(
@@ -219,9 +243,7 @@ def check_tenant_salt(salt: Any, what: str = "salt") -> str | None:
 
 
 # -- derived salts and vLLM's cache_salt rule (a separate block: check_derived_salt_room) --
-VLLM_MAX_CACHE_SALT_LENGTH = 128
-"""``vllm serve`` refuses a ``cache_salt`` over 128 characters, or holding ``@``, ``/``,
-``\\`` or NUL (vLLM's ``validate_cache_salt``)."""
+
 MAX_DERIVED_TAG_LENGTH = 47
 """The longest part a runner appends to a tenant's salt (:data:`DERIVED_SALT_MARK` and
 its tag: a scope salt's ``splice-scope:`` and 32 hex digits is 46), fixed-length so the

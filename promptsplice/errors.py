@@ -49,6 +49,19 @@ __all__ = [
 class PromptspliceError(Exception):
     """Base class of every error raised by promptsplice."""
 
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # Exception's pickling calls cls(*args): errors with keyword-only fields
+        # (ContextLengthError, DirectiveError, ...) could not cross a process pool
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> PromptspliceError:
+    """An unpickled :class:`PromptspliceError`: its message and fields, no ``__init__``."""
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
 
 class InputError(PromptspliceError, ValueError):
     """The caller passed data the library cannot use as given."""

@@ -341,7 +341,7 @@ class SpliceConnector(KVConnectorBase_V1):
         req_id, tokens, salt, params = _vllm.request_fields(request)
         if isinstance(salt, bytes):  # (vLLM keeps cache_salt as a str)
             salt = salt.decode("utf-8", "replace")
-        check_salt(salt)  # ("" would name the unsalted chains; refused: plain prefill)
+        check_salt(salt, vllm_rule=False)  # ("" would name the unsalted chains; refused: plain prefill)
         identity = _vllm.request_identity(request)
         if identity is not None:
             # a LoRA, multimodal or embeddings request: its KV is not the plain tokens' KV,

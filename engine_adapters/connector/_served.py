@@ -180,7 +180,7 @@ def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int,
     src = plan.src_salt
     if isinstance(src, str):
         try:  # "" passed the tenant check as None's, then failed the engine where it was hashed
-            check_salt(src, "the plan's src_salt")
+            check_salt(src, "the plan's src_salt", vllm_rule=False)  # derived salts: refused by reason below
         except InvalidSaltError as exc:
             return str(exc)
     if src is not SAME_SALT and (
@@ -373,7 +373,7 @@ def answer_query(
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens):
             return (), f"{QUERY_KEY}[{i}].tokens must be token ids in [0, 2**32)"
         try:  # "" passed the tenant check as None's, then failed the engine where it was hashed
-            check_salt(salt, f"{QUERY_KEY}[{i}].salt")
+            check_salt(salt, f"{QUERY_KEY}[{i}].salt", vllm_rule=False)
         except InvalidSaltError:
             return (), f"{QUERY_KEY}[{i}].salt must be a string or null (a salt: non-empty, valid text)"
         if salt_tenant(salt) != salt_tenant(request_salt):

@@ -126,6 +126,9 @@ def test_config_gpu_defaults_without_a_gpu():
         ({"extra_kwargs": {"block_size": 32}}, "field block_size"),
         ({"extra_kwargs": {"kv_cache_memory_bytes": 1}}, "field kv_cache_bytes"),
         ({"model": "/no/such/model/folder"}, "does not exist"),
+        # vLLM's set_random_seed refuses these at engine start (an EngineStartError)
+        ({"seed": -1}, r"seed must be an int in \[0, 2\*\*32\)"),
+        ({"seed": 2**32}, r"seed must be an int in \[0, 2\*\*32\)"),
     ],
 )
 def test_config_refuses_bad_options(kwargs, match):

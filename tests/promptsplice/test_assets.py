@@ -59,15 +59,56 @@ def test_gguf_chat_template_and_special_tokens_match(built, converted):
     assert cfg["tokenizer_class"] == "GPT2TokenizerFast"
 
 
-def test_a_complete_folder_is_reused_and_an_incomplete_one_rebuilt(built, tmp_path):
+def test_a_complete_folder_is_reused_an_empty_one_built_and_a_foreign_one_left_alone(built, tmp_path):
+    """A folder without the marker was never built here (a build renames a complete
+    folder into place): it was removed and rebuilt, deleting a user's hand-converted
+    model or the parent folder ``PROMPTSPLICE_MODEL_DIR`` named."""
     stamp = (built / "tokenizer.json").stat().st_mtime_ns
     assert assets.ensure_default_tokenizer(built) == built
     assert (built / "tokenizer.json").stat().st_mtime_ns == stamp
-    half = tmp_path / "half"
-    half.mkdir()
-    (half / "tokenizer.json").write_text("{partial")  # no .complete marker: redone
-    assets.ensure_default_tokenizer(half)
-    assert assets.is_complete(half) and json.loads((half / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assets.ensure_default_tokenizer(empty)
+    assert assets.is_complete(empty) and json.loads((empty / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    models = tmp_path / "models"
+    (models / "llama-3-8b").mkdir(parents=True)
+    (models / "notes.txt").write_text("mine")
+    with pytest.raises(AssetError, match="was not built by promptsplice .*left alone: point PROMPTSPLICE_MODEL_DIR"):
+        assets.ensure_default_tokenizer(models)
+    assert sorted(p.name for p in models.iterdir()) == ["llama-3-8b", "notes.txt"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".models.build-")] == []
+
+
+def test_a_users_converted_model_folder_is_used_as_it_is(monkeypatch, tmp_path):
+    """``PROMPTSPLICE_MODEL_DIR`` at a folder the user converted (no marker): the engine
+    and the tokenizer use it; nothing is built or removed."""
+    from promptsplice.engine_adapters._model import ensure_default_model
+
+    mine = tmp_path / "my-smollm2"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    (mine / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("PROMPTSPLICE_MODEL_DIR", str(mine))
+    assert ensure_default_model() == mine and not assets.is_complete(mine)
+    monkeypatch.setattr(assets, "gguf_path", lambda: (_ for _ in ()).throw(AssetError("no gguf package")))
+    assert assets.ensure_default_tokenizer(tmp_path / "tok") == mine
+
+
+def test_an_interrupted_build_leaves_no_temporary_folder(tmp_path):
+    """Ctrl-C during a build (hundreds of MB of half-written weights for the model) left
+    its temporary folder for good; one a killed build left is removed by the next."""
+    folder = tmp_path / "tok"
+    killed = tmp_path / ".tok.build-abc123"  # what SIGKILL leaves
+    killed.mkdir()
+    (killed / "model.safetensors").write_text("half")
+
+    def interrupted(source, out):
+        (out / "model.safetensors").write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        assets.build_folder(folder, tmp_path / "src", interrupted)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tok.lock"]
 
 
 def test_cache_locations_follow_the_environment(monkeypatch, tmp_path):

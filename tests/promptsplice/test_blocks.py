@@ -175,6 +175,9 @@ def test_a_salt_is_none_a_str_or_bytes_never_converted():
         with pytest.raises(InvalidSaltError):
             chunk_key(toks, block_size=16, salt=bad)  # type: ignore[arg-type]
     assert root_hash(b"\0" * 5) != root_hash("\0" * 5) != root_hash(None)
+    # a salt the library derives past vLLM's front door (a LoRA request's identity salt
+    # names its adapter's path) is hashed, though a caller's salt may not hold '@' or '/'
+    assert root_hash("acme\x1fidentity:lora=sql@/adapters/sql") != root_hash("acme")
 
 
 def test_a_miss_at_the_first_block_hashes_no_chain():

@@ -7,6 +7,8 @@ import enum
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from promptsplice import _validate as v
 from promptsplice.errors import (
@@ -76,6 +78,35 @@ def test_the_one_salt_rule():
     # One class: a ConfigError (the embedded engine's old class) and an InputError (the
     # remote engine's), so callers of either keep working.
     assert issubclass(InvalidSaltError, ConfigError) and issubclass(InvalidSaltError, InputError)
+
+
+@given(st.text(min_size=1, max_size=140, alphabet=st.sampled_from("ab@/\\\x00\x1f:-_é")))
+@settings(max_examples=200, deadline=None)
+def test_a_salt_is_accepted_exactly_when_vllm_serve_accepts_it(salt):
+    """``"user@acme.com"``, ``"acme/prod"`` and 129-character salts passed, ran in
+    process, and every request of that tenant failed with HTTP 400 once served."""
+    from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+
+    try:
+        validate_cache_salt(salt)
+        served = True
+    except Exception:  # noqa: BLE001 - vLLM's validation error
+        served = False
+    try:
+        v.check_salt(salt)
+        ours = True
+    except InvalidSaltError as exc:
+        assert "vLLM refuses a cache_salt" in str(exc)
+        ours = False
+    assert ours == served
+
+
+def test_a_number_too_large_for_a_float_is_a_config_error():
+    """``float(10**400)`` overflows: ``check_number`` raised a raw OverflowError."""
+    for huge in (10**400, -(10**400)):
+        with pytest.raises(ConfigError, match="must be a number >= 0"):
+            v.check_number(huge, "load_factor")
+    assert v.check_number(10**300, "x") == 10**300
 
 
 def test_text():
