@@ -1,6 +1,10 @@
 """``promptsplice bench agent``: agent sessions in three engine modes, with bounds and
 measured fidelity.
 
+This is one module (~600 lines): the three modes share one replay loop, one ideal and
+its per-mode floors, and one report, which the CLI job and the tests call as a unit;
+the probes (``agent_probes``) and the traces live apart.
+
 Every session of an agent trace (:mod:`promptsplice.benchmarks.agent_traces`) is replayed step by
 step through :class:`promptsplice.assembler.ContextHook` (the renders already hold the agent's own
 edits, so the hook runs without policies) and :class:`promptsplice.engine_adapters.AgentRunner` in
@@ -19,6 +23,11 @@ engine started for it, one engine alive at a time (no fidelity probes).
 
 Bounds reported beside the modes:
 
+* per mode its own floor (``bounds.checks``, :func:`mode_bound_checks`; per mode
+  ``steps_below_bound``): ``full`` prefills every prompt token (a fresh salt per
+  request: any cache hit is a bug), ``apc`` at least ``prefix_ideal_prefill_tokens``
+  (the ideal below without (b) and (c): what no relocation can free) and relocates
+  nothing, ``splice`` at least ``ideal_prefill_tokens``.
 * ``ideal_prefill_tokens``: a lower bound for every mode at equal capacity.  Per step,
   a token is free when (a) it lies in the longest exact prefix that any earlier step of
   any mode computed (prompt or cached generated tokens, whole blocks: what a cache of
@@ -36,8 +45,10 @@ Bounds reported beside the modes:
   mode's prefill, so users see where splicing pays (deep edits) and where it cannot
   (an edit of the last message leaves nothing to relocate).
 
-Fidelity (edit steps that relocate KV, at least 32 by default, sampled across edit
-kinds and depths: :func:`probe_ranks`; each probe verified to have measured relocated
+Fidelity (edit steps that relocate KV, 32 by default, the first ones of the replay:
+:class:`ProbeTurns` probes exactly ``min(requested, eligible)``, each labelled with its
+(edit kind, depth) stratum, :func:`probe_ranks`; 95% intervals resample sessions, the
+probes of one session sharing its context: ``ci_unit`` "session"; each probe verified to have measured relocated
 KV, :func:`promptsplice.benchmarks.fidelity.verify_step`; measured on the real model against a one-pass full
 prefill ``R`` of the same render with 32 greedy tokens ``c``): teacher-forced top-1
 agreement (the context plus ``c[:k]`` predicts ``c[k]``, k < 32), the KL divergence
@@ -63,7 +74,7 @@ from promptsplice.benchmarks.agent_probes import ProbeTurns, probe_ranks
 from promptsplice.benchmarks.assemble import gap_closed
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
 from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
-from promptsplice.benchmarks._stats import percentile
+from promptsplice.benchmarks._stats import capacity_shape, percentile
 from promptsplice.assembler import PrefixCacheMirror
 from promptsplice.blocks import chain_hashes
 from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError
@@ -175,16 +186,17 @@ class _Computed:
             self._mirror.admit(chain_hashes(seq, self.block_size), len(seq), record=False)
 
 
-def _ideal_step(prepared: Any, exact_prefix: int, block_size: int) -> int:
+def _ideal_step(prepared: Any, exact_prefix: int, block_size: int, *, relocation: bool = True) -> int:
     """The step's lower bound at equal capacity (see the module doc): tokens outside
     the exact prefix, the diff's unchanged runs and the previous render's messages,
-    and at least the last block's."""
+    and at least the last block's.  ``relocation=False``: the bound of a mode that
+    relocates nothing (``apc``): only the exact prefix is free, (a) of the module doc."""
     render, prev, diff = prepared.render, prepared.previous, prepared.diff
     n = len(render.token_ids)
     free: list[tuple[int, int]] = [(0, max(exact_prefix, prepared.first_changed_token))]
-    if diff is not None:
+    if relocation and diff is not None:
         free += [(r.new_start, r.new_start + r.length) for r in diff.relocations]
-    if prev is not None:
+    if relocation and prev is not None:
         seen = {(s.key, s.padding) for s in prev.body_segments}
         free += [(s.start, s.end) for s in render.segments if (s.key, s.padding) in seen]
     covered, end = 0, 0
@@ -197,32 +209,68 @@ def _ideal_step(prepared: Any, exact_prefix: int, block_size: int) -> int:
     return max(n - covered, tail)
 
 
-def _store_shape(eng: Any) -> tuple[Any, ...]:
-    store = eng.config.kv_store
-    sizes = None if store is None else (store.dram_bytes, store.disk_bytes)
-    return eng.num_blocks, eng.block_size, eng.config.dtype, sizes
+def _store_shape(eng: Any) -> dict[str, Any]:
+    """What ``apc`` and ``splice`` must share (:func:`~promptsplice.benchmarks._stats.capacity_shape`):
+    KV blocks, block size, dtype, prefix caching, context length and the store's tiers."""
+    return capacity_shape(eng)
+
+
+BOUND_NAMES = {"full": "prompt", "apc": "prefix_ideal", "splice": "ideal"}
+"""Each mode's floor (module doc): ``full`` prefills every prompt token; ``apc`` the
+ideal without relocation (:func:`_ideal_step` with ``relocation=False``); ``splice``
+the ideal."""
+
+
+def mode_bound_checks(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each mode's own floor and whether it holds (``report["bounds"]["checks"]``):
+    ``full`` >= its prompt tokens (fresh salts: any hit is a bug), ``apc`` >= the prefix
+    ideal (``prefix_ideal_prefill_tokens``; the shared ideal in a report without it) and
+    ``relocated_tokens == 0``, ``splice`` >= the ideal; no step of a mode below the
+    step's floor (``steps_below_bound``) nor below the shared ideal (``steps_below_ideal``)."""
+    ideal = report["ideal_prefill_tokens"]
+    out: dict[str, dict[str, Any]] = {}
+    for m, v in report["modes"].items():
+        name = BOUND_NAMES.get(m, "ideal")
+        bound = {"prompt": v.get("prompt_tokens", 0), "ideal": ideal,
+                 "prefix_ideal": report.get("prefix_ideal_prefill_tokens", ideal)}[name]
+        c = {"bound": name, "bound_prefill_tokens": bound, "prefill_tokens": v["prefill_tokens"],
+             "steps_below_bound": v.get("steps_below_bound", 0)}
+        holds = (v["prefill_tokens"] >= bound and c["steps_below_bound"] == 0
+                 and v.get("steps_below_ideal", 0) == 0)
+        if m == "apc":
+            c["relocated_tokens"] = v.get("relocated_tokens", 0)
+            holds = holds and c["relocated_tokens"] == 0
+        out[m] = {**c, "holds": holds}
+    return out
 
 
 def check_bounds(report: dict[str, Any]) -> None:
-    """:class:`BoundError` when a mode's prefill is below the ideal (module doc)."""
+    """:class:`BoundError` when a mode's prefill is below its floor (:func:`mode_bound_checks`,
+    the module doc), or ``apc`` relocated anything."""
     ideal = report["ideal_prefill_tokens"]
-    low = {m: v["prefill_tokens"] for m, v in report["modes"].items()
-           if v["prefill_tokens"] < ideal or v.get("steps_below_ideal", 0) > 0}
-    if low:
-        what = ", ".join(f"{m} prefilled {n}" for m, n in low.items())
+    checks = mode_bound_checks(report)
+    bad = {m: c for m, c in checks.items() if not c["holds"]}
+    if bad:
+        what = "; ".join(
+            f"{m} prefilled {c['prefill_tokens']} tokens, "
+            + (f"below the ideal of {ideal}" if c["bound"] == "ideal"
+               else f"against its floor ({c['bound']}) of {c['bound_prefill_tokens']}")
+            + (f", and relocated {c['relocated_tokens']} tokens (it must relocate none)"
+               if c.get("relocated_tokens") else "")
+            for m, c in bad.items())
         raise BoundError(
-            f"bench agent: {what} tokens, below the ideal of {ideal} (a lower bound at equal "
-            f"capacity): the bench or the bound is wrong; steps below the step's bound: "
-            f"{ {m: report['modes'][m]['steps_below_ideal'] for m in low} }"
+            f"bench agent: {what} (lower bounds at equal capacity): the bench or the bound is wrong; "
+            f"steps below the step's bound: { {m: report['modes'][m].get('steps_below_ideal', 0) for m in bad} }, "
+            f"below the mode's own step floor: { {m: c['steps_below_bound'] for m, c in bad.items()} }"
         )
 
 
-def _check_capacity(shapes: dict[str, tuple[Any, ...]], has_store: bool) -> None:
+def _check_capacity(shapes: dict[str, Any], has_store: bool) -> None:
     if not has_store or shapes["apc"] != shapes["splice"]:
         raise ConfigError(
-            "engines: apc and splice must run at equal capacity (same KV blocks, dtype and "
-            f"kv_store sizes), got apc {shapes['apc']} and splice {shapes['splice']}; start "
-            "them with start_engines()"
+            "engines: apc and splice must run at equal capacity (same KV blocks, block size, dtype, prefix "
+            "caching, max_model_len and kv_store tiers, the remote one included), got apc "
+            f"{shapes['apc']} and splice {shapes['splice']}; start them with start_engines()"
         )
 
 
@@ -321,7 +369,8 @@ def run_agent_modes(
 
     steps_total = sum(len(s.renders) for s in sessions)
     turns = ProbeTurns(probe_ranks(sessions) if engines is not None and fidelity_steps else {}, fidelity_steps)
-    fid = {"splice": Fidelity(), "apc": Fidelity()}
+    # probes of one session share its context: the intervals resample sessions
+    fid = {"splice": Fidelity(ci_unit="session"), "apc": Fidelity(ci_unit="session")}
     t_start = time.perf_counter()
     if engines is not None:
         runners = {m: runner(m, engines[m]) for m in MODES}
@@ -358,8 +407,9 @@ def run_agent_modes(
 
     totals = {m: _Totals() for m in MODES}
     by_kind: dict[str, dict[str, Any]] = {}
-    ideal = skipped = fallbacks = 0
+    ideal = prefix_ideal = skipped = fallbacks = 0
     below = {m: 0 for m in MODES}
+    below_own = {m: 0 for m in MODES}  # steps below the mode's own floor (mode_bound_checks)
     computed = _Computed(block_size)
     for rec in recs:
         if rec is None:
@@ -372,9 +422,13 @@ def run_agent_modes(
         exact = computed.hit(prepared.token_ids)
         computed.add(prepared.token_ids, [steps[m].completion.token_ids for m in MODES])
         step_ideal = _ideal_step(prepared, exact, block_size)
+        step_prefix = _ideal_step(prepared, exact, block_size, relocation=False)
         ideal += step_ideal
+        prefix_ideal += step_prefix
+        floors = {"full": steps["full"].prompt_tokens, "apc": step_prefix, "splice": step_ideal}
         for m in MODES:
             below[m] += int(steps[m].prefill_tokens < step_ideal)
+            below_own[m] += int(steps[m].prefill_tokens < floors[m])
         k = by_kind.setdefault(kind, {"steps": 0, **{m: {"prefill_tokens": 0, "ttft_ms": []} for m in MODES}})
         k["steps"] += 1
         for m in MODES:
@@ -385,8 +439,10 @@ def run_agent_modes(
                 f"apc {steps['apc'].prefill_tokens:5d} splice {steps['splice'].prefill_tokens:5d} "
                 f"ideal {step_ideal:5d} (relocated {steps['splice'].relocated_tokens}, {steps['splice'].requests} req)")
     report: dict[str, Any] = {
-        "modes": {m: {**totals[m].report(), "steps_below_ideal": below[m]} for m in MODES},
+        "modes": {m: {**totals[m].report(), "steps_below_ideal": below[m], "steps_below_bound": below_own[m]}
+                  for m in MODES},
         "ideal_prefill_tokens": ideal,
+        "prefix_ideal_prefill_tokens": prefix_ideal,
         "fidelity": {**fid["splice"].report(), "control": fid["apc"].report(), "tokens": PROBE_TOKENS,
                      "requested": fidelity_steps, "passed_without_relocation": turns.passed,
                      **probe_coverage(fidelity_steps, turns.eligible, len(fid["splice"].kl))},
@@ -407,6 +463,7 @@ def run_agent_modes(
     }
     apc, spl = report["modes"]["apc"]["prefill_tokens"], report["modes"]["splice"]["prefill_tokens"]
     report["gap_closed"] = gap_closed(apc, spl, ideal)  # the RAG benches' rule: a loss is negative
+    report["bounds"] = {"checks": mode_bound_checks(report)}
     return report
 
 
@@ -444,6 +501,11 @@ def format_agent(report: dict[str, Any]) -> str:
                      f"{x['ttft_p50_ms']:7.0f}ms {x['edit_steps_ttft_p50_ms']:11.0f}ms")
     lines.append(f"ideal prefill (lower bound at equal capacity): {report['ideal_prefill_tokens']}; "
                  f"splice closes {report['gap_closed']} of the apc -> ideal gap")
+    checks = report.get("bounds", {}).get("checks", {})
+    if checks:
+        lines.append("floors: " + ", ".join(
+            f"{m} >= {c['bound']} {c['bound_prefill_tokens']} {'ok' if c['holds'] else 'VIOLATED'}"
+            for m, c in checks.items()))
     lines.append(f"coverage {report['coverage']} ({report['steps_run']} of {report['steps_total']} steps, "
                  f"{report['skipped_steps']} skipped; max_model_len {report['max_model_len']})")
     f = report["fidelity"]

@@ -24,7 +24,11 @@ the bench: an approximate mode silently measured on exact KV would score as exac
 Reported per configuration (:meth:`Fidelity.report`): the means (fixed field names)
 and the distributions: first-token KL mean, p50, p90, max; teacher-forced top-1 mean,
 p50, p10 and min (its bad tail is the low one); each mean with a bootstrap 95% interval
-(seeded, so the same probes give the same interval).
+(seeded, so the same probes give the same interval), resampling probes or, where probes
+share a context (``ci_unit``: the agent bench's sessions), whole clusters of them.  What
+the figures rest on is reported beside them: ``small_sample`` (a percentile of too few
+probes is their min or max; ``percentile_min_n``) and ``ci95_undefined`` (an interval
+over one unit has width 0 and says nothing).
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from promptsplice.benchmarks._stats import percentile
+from promptsplice.benchmarks._stats import percentile, sample_flags
 from promptsplice.benchmarks.coverage import MIN_COVERAGE, CoverageError
 from promptsplice.errors import PromptspliceError
 
 __all__ = [
     "PROBE_TOKENS",
     "FIDELITY_FIELDS",
+    "PERCENTILE_FIELDS",
     "DEFAULT_PROBES",
     "Fidelity",
     "FidelityError",
@@ -159,15 +164,34 @@ def probe(
 
 
 def bootstrap_ci(values: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
-                 seed: int = BOOTSTRAP_SEED) -> list[float] | None:
+                 seed: int = BOOTSTRAP_SEED, clusters: Sequence[Any] | None = None) -> list[float] | None:
     """The bootstrap 95% interval of the mean of ``values`` (percentile method, seeded:
-    deterministic for the same values)."""
+    deterministic for the same values).  ``clusters`` (one key per value, e.g. the
+    session of each probe): a cluster bootstrap, each resample draws whole clusters
+    with replacement and takes the mean of their values (values of one cluster are not
+    independent: resampling them one by one gives too narrow an interval).  Of one
+    value (one cluster) the interval has width 0: it is undefined, which the reports
+    say (``ci95_undefined``)."""
     xs = list(values)
     if not xs:
         return None
     rng = random.Random(seed)
-    n = len(xs)
-    means = sorted(sum(xs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    if clusters is None:
+        n = len(xs)
+        means = sorted(sum(xs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    else:
+        if len(clusters) != len(xs):
+            raise ValueError(f"clusters: one key per value, got {len(clusters)} keys for {len(xs)} values")
+        groups: dict[Any, list[float]] = {}
+        for key, x in zip(clusters, xs):
+            groups.setdefault(key, []).append(x)
+        sums = [(sum(g), len(g)) for g in groups.values()]
+        k = len(sums)
+        means = []
+        for _ in range(resamples):
+            pick = [sums[rng.randrange(k)] for _ in range(k)]
+            means.append(sum(t for t, _ in pick) / sum(c for _, c in pick))
+        means.sort()
     return [round(percentile(means, 0.025), 4), round(percentile(means, 0.975), 4)]  # nearest rank
 
 
@@ -190,10 +214,21 @@ def check_probes(fidelity: dict[str, Any], *, allow_skips: bool = False, what: s
         )
 
 
-class Fidelity:
-    """The three measures over the probed prompts (module doc)."""
+PERCENTILE_FIELDS = {"first_token_kl_p50": 0.5, "first_token_kl_p90": 0.9, "tf_top1_p50": 0.5, "tf_top1_p10": 0.1}
+"""The nearest-rank percentiles of :meth:`Fidelity.report` (field -> q): each is an
+extreme of the probes below :func:`~promptsplice.benchmarks._stats.min_sample` of them
+(p90 the max below 10, p10 the min below 11), which ``small_sample`` flags."""
 
-    def __init__(self) -> None:
+
+class Fidelity:
+    """The three measures over the probed prompts (module doc).  ``ci_unit``: what the
+    bootstrap intervals resample, ``"probe"`` (each probe on its own) or a signal every
+    probe carries (``"session"``: the agent bench's probes of one session share its
+    context, a cluster bootstrap over sessions)."""
+
+    def __init__(self, ci_unit: str = "probe") -> None:
+        self.ci_unit = ci_unit
+        self.units: list[Any] = []  # per probe, its ci_unit (None: the probe alone)
         self.tf: list[float] = []
         self.kl: list[float] = []
         self.greedy: list[float] = []
@@ -205,6 +240,7 @@ class Fidelity:
             signals: dict[str, Any] | None = None) -> None:
         if signals is not None:
             self.records.append({"label": label, "kl": round(kl_value, 5), "tf_top1": round(tf, 4), **signals})
+        self.units.append(None if signals is None else signals.get(self.ci_unit))
         self.tf.append(tf)
         self.kl.append(kl_value)
         self.greedy.append(greedy)
@@ -218,17 +254,32 @@ class Fidelity:
         tf, first = probe(engine, tokens, cont, salt, need_cached=need_cached)
         self.add(tf, kl(p_ref, first), greedy_agreement(greedy_tokens, cont), label, signals)
 
+    def _clusters(self) -> list[Any] | None:
+        if self.ci_unit == "probe":
+            return None
+        return [("probe", i) if u is None else ("unit", u) for i, u in enumerate(self.units)]
+
     def report(self) -> dict[str, Any]:
+        """The means, distributions and intervals (module doc), with what they rest on:
+        ``small_sample`` (some percentile rests on fewer probes than it needs, then it is
+        the sample's min or max; ``percentile_min_n`` says how many each needs),
+        ``ci_unit`` and ``ci_units`` (what the intervals resampled, how many of them) and
+        ``ci95_undefined`` (the interval fields of width 0 by construction: one unit)."""
         mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
         q = lambda xs, p: round(percentile(xs, p), 4) if xs else None  # noqa: E731
+        clusters = self._clusters()
+        units = len(set(clusters)) if clusters is not None else len(self.tf)
         out = {"tf_top1_agreement": mean(self.tf), "first_token_kl": mean(self.kl),
                "greedy_agreement": mean(self.greedy), "steps": len(self.tf),
                "first_token_kl_p50": q(self.kl, 0.5), "first_token_kl_p90": q(self.kl, 0.9),
                "first_token_kl_max": round(max(self.kl), 4) if self.kl else None,
-               "first_token_kl_ci95": bootstrap_ci(self.kl),
+               "first_token_kl_ci95": bootstrap_ci(self.kl, clusters=clusters),
                "tf_top1_p50": q(self.tf, 0.5), "tf_top1_p10": q(self.tf, 0.1),
                "tf_top1_min": round(min(self.tf), 4) if self.tf else None,
-               "tf_top1_ci95": bootstrap_ci(self.tf)}
+               "tf_top1_ci95": bootstrap_ci(self.tf, clusters=clusters),
+               **sample_flags(len(self.tf), PERCENTILE_FIELDS),
+               "ci_unit": self.ci_unit, "ci_units": units,
+               "ci95_undefined": ["first_token_kl_ci95", "tf_top1_ci95"] if units == 1 else []}
         if self.labels:
             out["probes_by"] = dict(sorted(self.labels.items()))
             out["first_token_kl_max_by"] = {k: round(v, 4) for k, v in sorted(self.kl_by.items())}

@@ -1,6 +1,6 @@
 """``promptsplice bench rag``: a RAG trace through the embedded vLLM engine, judged by vLLM.
 
-This is one module (~625 lines): the modes share one run loop, one set of bounds and one report
+This is one module (~660 lines): the modes share one run loop, one set of bounds and one report
 format, which the suite (``rag_suite``) and the CLI job call as a unit; split, each
 piece would import the others.
 
@@ -22,7 +22,10 @@ JSON (names fixed)::
      "mirror": {"predicted_cached_tokens", "measured_cached_tokens"},
      "radix_prefill_tokens": int, "oracle_prefill_tokens": int, ...}
     M = {"requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "hit_rate",
-         "wall_s", "ttft_p50_ms", "ttft_p99_ms"}
+         "wall_s", "ttft_p50_ms", "ttft_p99_ms", "small_sample", "percentile_min_n"}
+
+(``small_sample``: a TTFT percentile rests on fewer requests than it needs, so it is
+their slowest or fastest; ``percentile_min_n`` says how many each needs: 100 for p99.)
 
 With a second engine that runs the splice connector (``kv_engine``; the CLI always
 starts one), a third mode ``promptsplice_pic`` runs the same requests through
@@ -35,7 +38,8 @@ every token the engine computed for a request (the precompute included), ``cache
 prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
 
     "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests",
-            "too_long_requests", "recompute_blocks", "exact_alignment", "gap_closed", "kv_cache_blocks", "store_dram_bytes"},
+            "too_long_requests", "recompute_blocks", "exact_alignment", "gap_closed", "kv_cache_blocks", "store_dram_bytes",
+            "probe_traffic"},
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
                  "first_token_kl_ci95", "tf_top1_p50", "tf_top1_p10", "tf_top1_min",
@@ -57,8 +61,11 @@ a control laid out otherwise) sent as token ids under its own salt to an engine 
 count as cached, as vLLM counts them).  PIC's gain over it is position-independent
 reuse alone, not extra offload capacity or another layout.  Fidelity probes run on the
 PIC engine between its requests (refreshing that prompt's blocks in its LRU): take
-``gap_closed_vs_store`` from a run with ``fidelity_requests=0``.  Every engine has the same
-KV cache (``kv_cache_blocks``; a different size is a ``ConfigError``).  No mode sees
+``gap_closed_vs_store`` from a run with ``fidelity_requests=0``; ``pic.probe_traffic`` says
+whether probes ran there (the suite then skips the family's ``pic_gap_closed_vs_store``).
+Every engine has the same KV cache (blocks, block size, dtype, prefix caching,
+``max_model_len``) and both store modes the same store tiers (DRAM, disk, remote): a
+difference is a ``ConfigError``.  No mode sees
 another's traffic: ``naive`` and ``promptsplice`` run one after the other on the plain
 engine, its prefix cache emptied in between; with a ``kv_engine`` *factory* (the CLI)
 each store mode gets a fresh engine and an empty store, closed after it; with one
@@ -66,7 +73,7 @@ each store mode gets a fresh engine and an empty store, closed after it; with on
 and share the store's budget.  Beside the modes::
 
     "store": {"predicted_cached_tokens", "measured_cached_tokens", "external_cached_tokens", "alignment",
-              "kv_cache_blocks", "store_dram_bytes", "store_disk_bytes"}
+              "kv_cache_blocks", "store_dram_bytes", "store_disk_bytes", "store_remote_bytes"}
     "pic": {..., "gap_closed_vs_store"}   # share of the promptsplice_store -> oracle gap
 
 (the engine's mirror predicts its own prefix cache; the store adds the external hits).
@@ -109,7 +116,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.benchmarks._stats import percentile
+from promptsplice.benchmarks._stats import capacity_shape, percentile, sample_flags
 from promptsplice.benchmarks.assemble import _chunks, _oracle_segments, gap_closed
 from promptsplice.benchmarks.bounds import (
     BOUND_EXIT,
@@ -152,6 +159,11 @@ def _mode_metrics(completions: list[Any], wall: float) -> dict[str, Any]:
     return _metrics(len(completions), prompt, cached, [c.ttft_s * 1e3 for c in completions], wall)
 
 
+TTFT_PERCENTILES = {"ttft_p50_ms": 0.5, "ttft_p99_ms": 0.99}
+"""The nearest-rank percentiles of a mode's metrics: below 100 requests ``ttft_p99_ms``
+is their slowest (``small_sample``, ``percentile_min_n``)."""
+
+
 def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float) -> dict[str, Any]:
     return {
         "requests": n,
@@ -162,6 +174,7 @@ def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float) 
         "wall_s": round(wall, 3),
         "ttft_p50_ms": round(percentile(ttfts, 0.5), 2),
         "ttft_p99_ms": round(percentile(ttfts, 0.99), 2),
+        **sample_flags(len(ttfts), TTFT_PERCENTILES),
     }
 
 
@@ -186,12 +199,31 @@ def _fitting(engine: Any, asm: Any, fmt: Any, requests: Sequence[RagRequest]) ->
     return keep
 
 
-def _check_capacity(engine: Any, kv: Any) -> None:
-    if kv.num_blocks != engine.num_blocks:
+def _shape_diff(a: dict[str, Any], b: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+def _check_capacity(engine: Any, kv: Any, store_shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Equal capacity (:func:`~promptsplice.benchmarks._stats.capacity_shape`): ``kv``'s KV
+    cache as the plain engine's (blocks, block size, dtype, prefix caching,
+    ``max_model_len``), a store, and (``store_shape``: the other store mode's engine)
+    the same store tiers, the remote one included; returns ``kv``'s shape."""
+    plain, mine = capacity_shape(engine, store=False), capacity_shape(kv, store=False)
+    if plain != mine:
         raise ConfigError(
-            f"kv_engine has {kv.num_blocks} KV blocks, the plain engine {engine.num_blocks}: "
-            "modes must run at equal KV cache capacity; start both with the same kv_cache_bytes"
+            f"kv_engine and the plain engine differ ({_shape_diff(mine, plain)}): modes must run at equal "
+            "KV cache capacity; start both with the same kv_cache_bytes, dtype, block size, prefix caching "
+            "and max_model_len"
         )
+    shape = capacity_shape(kv)
+    if shape["kv_store"] is None:
+        raise ConfigError("kv_engine has no kv_store: the store modes need an engine with the splice connector")
+    if store_shape is not None and shape != store_shape:
+        raise ConfigError(
+            f"the {STORE_MODE} and {PIC_MODE} engines differ ({_shape_diff(store_shape, shape)}): both store "
+            "modes must run on identical stores (DRAM, disk and remote tiers)"
+        )
+    return shape
 
 
 def check_store_layout(store_layout: str, *, pic_exact_alignment: str = "auto",
@@ -313,10 +345,11 @@ def run_modes(
     )
     if kv_engine is not None:
         run_id = uuid.uuid4().hex[:12]  # salts no earlier run (or other mode) used
+        store_shape = None
         for mode in (STORE_MODE, PIC_MODE):
             kv = kv_engine() if factory else kv_engine
             try:
-                _check_capacity(engine, kv)
+                store_shape = _check_capacity(engine, kv, store_shape)
                 if mode == STORE_MODE:
                     # PIC's own exact layout: the one difference between the two is relocation
                     _run_store(report, outs, kv, requests, policy=policy, alignment=pic_exact_alignment,
@@ -400,6 +433,7 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
         "kv_cache_blocks": kv.num_blocks,
         "store_dram_bytes": store.config.dram_bytes,
         "store_disk_bytes": store.config.disk_bytes,
+        "store_remote_bytes": store.config.remote_bytes,
     }
 
 
@@ -420,7 +454,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     fid, ctl = Fidelity(), Fidelity()
     steps = []
     n = len(requests)
-    eligible = 0
+    eligible = probe_calls = 0
     for i, req in enumerate(requests):
         st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=max_tokens)
         steps.append(st)
@@ -434,6 +468,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         if st.planned_relocated_tokens and owed > 0 and (
             len(fid.tf) < fidelity_requests * (i + 1) / n + 0.5 or n - i <= owed
         ):
+            probe_calls += 1
             probe_relocated_request(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"{PIC_MODE} request {i}")
     prompt = sum(st.prompt_tokens for st in steps)
     prefill = sum(st.prefill_tokens for st in steps)
@@ -455,6 +490,9 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
                                           report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,
         "kv_cache_blocks": kv_engine.num_blocks,
         "store_dram_bytes": store.config.dram_bytes,
+        # fidelity probes ran on this engine between its requests (traffic the store
+        # control never got): gap_closed_vs_store is then no like-for-like figure
+        "probe_traffic": probe_calls > 0,
     }
     report["fidelity"] = {**fid.report(), "control": ctl.report(), "tokens": PROBE_TOKENS,
                           "requested": fidelity_requests, **probe_coverage(fidelity_requests, eligible, len(fid.kl))}

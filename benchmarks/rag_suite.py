@@ -26,8 +26,15 @@ JSON::
      "worst": {"promptsplice": {"gap_closed", "family"}, "promptsplice_pic": {...},
                "promptsplice_pic_vs_store": {...}, "coverage": {"coverage", "family"}},
      "checks": {FAMILY: {"coverage", "le_radix_capacity", "mirror_equal", "bounds_hold",
-                         "pic_gap_closed_vs_store"}},
+                         "pic_gap_closed_vs_store", "pic_gap_closed_vs_store_skipped"}},
+     "pic_vs_store_skipped": {FAMILY: str},
      "failed": {FAMILY: str}, "fidelity_failed": [FAMILY, ...] (only when one failed so)}
+
+A family whose PIC engine served fidelity probes between its requests
+(``pic.probe_traffic``) has no like-for-like gap over ``promptsplice_store``: its
+``pic_gap_closed_vs_store`` is ``None``, ``pic_gap_closed_vs_store_skipped`` says why, the
+worst line ``promptsplice_pic_vs_store`` leaves it out and ``pic_vs_store_skipped`` lists
+it (run the suite with ``--fidelity-requests 0`` for that figure).
 """
 
 from __future__ import annotations
@@ -47,10 +54,25 @@ from promptsplice.errors import PromptspliceError
 __all__ = ["rag_suite", "run_rag_suite", "format_suite", "family_checks", "suite_status"]
 
 
+PROBE_TRAFFIC_SKIP = ("PIC ran with fidelity probe traffic (pic.probe_traffic): its gap over "
+                      "promptsplice_store is no like-for-like figure; rerun with --fidelity-requests 0")
+
+
+def probe_traffic(report: dict[str, Any]) -> bool:
+    """Whether PIC's engine served fidelity probes between its requests (``pic.probe_traffic``;
+    a report from before the flag: whether it made any probe)."""
+    pic = report.get("pic") or {}
+    if "probe_traffic" in pic:
+        return bool(pic["probe_traffic"])
+    return bool(pic) and (report.get("fidelity") or {}).get("steps", 0) > 0
+
+
 def _gap(report: dict[str, Any], mode: str) -> float | None:
     if mode == "promptsplice":
         return report.get("gap_closed")
     if mode == "promptsplice_pic_vs_store":
+        if probe_traffic(report):  # skipped: see PROBE_TRAFFIC_SKIP
+            return None
         return (report.get("pic") or {}).get("gap_closed_vs_store")
     return (report.get("pic") or {}).get("gap_closed")
 
@@ -63,7 +85,9 @@ def family_checks(r: dict[str, Any]) -> dict[str, Any]:
         "le_radix_capacity": m["promptsplice"]["prefill_tokens"] <= b["radix_capacity_prefill_tokens"],
         "mirror_equal": r["mirror"]["predicted_cached_tokens"] == r["mirror"]["measured_cached_tokens"],
         "bounds_hold": all(c["holds"] for c in b["checks"].values()),
-        "pic_gap_closed_vs_store": (r.get("pic") or {}).get("gap_closed_vs_store"),
+        "pic_gap_closed_vs_store": _gap(r, "promptsplice_pic_vs_store"),
+        # why pic_gap_closed_vs_store is None though PIC ran (else None)
+        "pic_gap_closed_vs_store_skipped": PROBE_TRAFFIC_SKIP if probe_traffic(r) else None,
     }
 
 
@@ -110,6 +134,9 @@ def rag_suite(
         if gaps:
             g, f = min(gaps)
             worst[mode] = {"gap_closed": g, "family": f}
+    # families left out of the pic-vs-store check and worst line, and why
+    report["pic_vs_store_skipped"] = {f: PROBE_TRAFFIC_SKIP for f, e in report["families"].items()
+                                      if "report" in e and probe_traffic(e["report"])}
     covs = [(c["coverage"], f) for f, c in report["checks"].items()]
     if covs:
         c, f = min(covs)
@@ -166,6 +193,9 @@ def format_suite(report: dict[str, Any]) -> str:
             lines.append(f"worst coverage: {w['coverage']:.2f} ({w['family']}){flag}")
         else:
             lines.append(f"worst {mode}: gap {w['gap_closed']:.2f} ({w['family']})")
+    skipped = report.get("pic_vs_store_skipped") or {}
+    if skipped:
+        lines.append(f"pic vs store: skipped {', '.join(skipped)}: {PROBE_TRAFFIC_SKIP}")
     for fam, c in report["checks"].items():
         if not c["le_radix_capacity"]:
             lines.append(f"{fam}: promptsplice prefilled more than the capacity-matched radix ideal")

@@ -61,6 +61,69 @@ def test_the_report_has_the_fixed_fields(report):
     json.dumps(report)  # JSON-safe
 
 
+def test_each_mode_is_checked_against_its_own_floor_in_the_report(report):
+    """One shared ideal for every mode let ``full`` hit the cache and ``apc`` relocate
+    and still pass; now each mode's floor is in ``bounds.checks`` (and the intervals
+    resample sessions: the probes of a session share its context)."""
+    checks = report["bounds"]["checks"]
+    full, apc, spl = (report["modes"][m] for m in ("full", "apc", "splice"))
+    assert {m: c["bound"] for m, c in checks.items()} == {"full": "prompt", "apc": "prefix_ideal", "splice": "ideal"}
+    assert checks["full"]["bound_prefill_tokens"] == full["prompt_tokens"]
+    assert checks["splice"]["bound_prefill_tokens"] == report["ideal_prefill_tokens"]
+    # no relocation frees less: the prefix ideal lies between the ideal and apc's prefill
+    assert report["ideal_prefill_tokens"] <= report["prefix_ideal_prefill_tokens"] <= apc["prefill_tokens"]
+    assert checks["apc"]["bound_prefill_tokens"] == report["prefix_ideal_prefill_tokens"]
+    assert checks["apc"]["relocated_tokens"] == 0
+    assert all(c["holds"] for c in checks.values()) and spl["steps_below_bound"] == 0
+    assert all(m["steps_below_bound"] == 0 for m in report["modes"].values())
+    for f in (report["fidelity"], report["fidelity"]["control"]):
+        assert f["ci_unit"] == "session" and f["ci_units"] == 1  # one session: the interval says nothing
+        assert f["ci95_undefined"] == ["first_token_kl_ci95", "tf_top1_ci95"]
+        assert f["small_sample"] is True  # 3 probes at most: the p90 is their max
+
+
+def test_full_and_apc_fail_below_their_own_floors():
+    """The reviewer's report: ``full`` served 80% of its prompt from cache (a salt bug)
+    and ``apc`` relocated 3,000 tokens; both above the shared ideal, so both passed."""
+    modes = {"full": {"prompt_tokens": 82204, "prefill_tokens": 82204, "relocated_tokens": 0, "steps_below_ideal": 0},
+             "apc": {"prompt_tokens": 82204, "prefill_tokens": 9500, "relocated_tokens": 0, "steps_below_ideal": 0},
+             "splice": {"prompt_tokens": 82204, "prefill_tokens": 12540, "relocated_tokens": 5000,
+                        "steps_below_ideal": 0}}
+    ok = {"ideal_prefill_tokens": 9000, "prefix_ideal_prefill_tokens": 9400, "modes": modes}
+    check_bounds(ok)
+    hit = {**ok, "modes": {**modes, "full": {**modes["full"], "prefill_tokens": 16000}}}
+    with pytest.raises(BoundError, match=r"full prefilled 16000 tokens, against its floor \(prompt\) of 82204"):
+        check_bounds(hit)
+    moved = {**ok, "modes": {**modes, "apc": {**modes["apc"], "relocated_tokens": 3000}}}
+    with pytest.raises(BoundError, match=r"apc prefilled 9500 tokens.*relocated 3000 tokens \(it must relocate none\)"):
+        check_bounds(moved)
+    # apc below the ideal without relocation (above the shared ideal): fails
+    low = {**ok, "prefix_ideal_prefill_tokens": 9600}
+    with pytest.raises(BoundError, match=r"apc prefilled 9500 tokens, against its floor \(prefix_ideal\) of 9600"):
+        check_bounds(low)
+    # a step of full below its prompt, whatever the totals say
+    step = {**ok, "modes": {**modes, "full": {**modes["full"], "steps_below_bound": 1}}}
+    with pytest.raises(BoundError, match=r"own step floor: \{'full': 1\}"):
+        check_bounds(step)
+
+
+def test_the_prefix_ideal_is_the_ideal_without_relocation():
+    """apc's floor comes from the same per-step bound with the relocation credits off:
+    free is only the exact prefix (or the prefix shared with the previous render)."""
+    from types import SimpleNamespace as NS
+
+    from promptsplice.benchmarks.agent import _ideal_step
+
+    seg = lambda key, start, end: NS(key=key, padding=0, start=start, end=end)  # noqa: E731
+    prev = NS(body_segments=[seg("a", 0, 40), seg("b", 40, 100)])
+    render = NS(token_ids=list(range(200)), segments=[seg("a", 0, 40), seg("c", 40, 60), seg("b", 60, 120)])
+    diff = NS(relocations=[NS(new_start=60, length=60)])
+    prepared = NS(render=render, previous=prev, diff=diff, first_changed_token=40)
+    assert _ideal_step(prepared, 32, 32) == 200 - 40 - 60  # the prefix and the relocated run are free
+    assert _ideal_step(prepared, 32, 32, relocation=False) == 200 - 40  # the prefix alone
+    assert _ideal_step(prepared, 192, 32, relocation=False) == 8  # at least the last block's tokens
+
+
 def test_modes_and_bounds_are_consistent(report):
     full, apc, spl = (report["modes"][m] for m in ("full", "apc", "splice"))
     assert full["prompt_tokens"] == apc["prompt_tokens"] == spl["prompt_tokens"]
@@ -115,6 +178,25 @@ def test_a_mode_below_the_ideal_fails_the_bench():
     from promptsplice.benchmarks import bounds
 
     assert BoundError is bounds.BoundError  # one error, one exit status (BOUND_EXIT) for every bench
+
+
+def test_equal_capacity_compares_every_setting_of_the_cache_and_the_store():
+    """The guard compared (blocks, block size, dtype, DRAM, disk): an ``apc`` engine
+    without prefix caching, with a shorter context or without the remote tier passed."""
+    import types
+
+    from promptsplice.benchmarks import agent
+
+    def eng(prefix=True, mml=8192, remote=0, blocks=728, bs=32, dtype="bfloat16", dram=1 << 30):
+        store = types.SimpleNamespace(dram_bytes=dram, disk_bytes=4 << 30, remote_bytes=remote)
+        cfg = types.SimpleNamespace(kv_store=store, dtype=dtype, enable_prefix_caching=prefix, max_model_len=mml)
+        return types.SimpleNamespace(num_blocks=blocks, block_size=bs, config=cfg, max_model_len=mml)
+
+    agent._check_capacity({"apc": agent._store_shape(eng()), "splice": agent._store_shape(eng())}, True)
+    for other in (dict(prefix=False), dict(mml=4096), dict(remote=1 << 30), dict(blocks=364), dict(bs=16),
+                  dict(dtype="float32"), dict(dram=1 << 29)):
+        with pytest.raises(ConfigError, match="equal capacity"):
+            agent._check_capacity({"apc": agent._store_shape(eng(**other)), "splice": agent._store_shape(eng())}, True)
 
 
 def test_modes_must_run_at_equal_capacity_on_engines_of_their_own(engines):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from promptsplice.assembler import ContextHook
 from promptsplice.benchmarks.agent import probe_ranks
@@ -51,7 +53,7 @@ def test_every_probe_owed_is_taken_when_steps_that_relocate_nothing_pass_their_t
     """A step that relocated nothing passed its turn to the next rank, whose step had
     often been replayed already: 30 probes of 32 requested with 182 eligible steps (the
     reviewer's replay of this selection on a 24-session trace, truncations relocating
-    nothing).  Now the turn is owed to the next relocating step."""
+    nothing).  Now every relocating edit step is probed while probes are owed."""
     from promptsplice.benchmarks.agent import ProbeTurns
     from promptsplice.benchmarks.agent_traces_bfcl import generate_agent_trace
     from promptsplice.benchmarks.fidelity import check_probes, probe_coverage
@@ -142,3 +144,112 @@ def test_kl_stays_finite_with_masked_tokens_on_either_side():
     value = kl({0: math.log(0.5), 1: math.log(0.5)}, masked)
     assert math.isfinite(value) and value == pytest.approx(0.5 * math.log(0.5) + 0.5 * (math.log(0.5) - LOGPROB_FLOOR))
     assert kl({0: 0.0}, {0: 0.0}) == 0.0 and kl({0: 0.0}, {}) == pytest.approx(-LOGPROB_FLOOR)
+
+
+@st.composite
+def _replays(draw):
+    """A replay: steps in order, a ranked subset of them (ranks a permutation), which
+    steps relocate, and the probes requested."""
+    n = draw(st.integers(1, 14))
+    keys = [(draw(st.integers(0, 2)), i) for i in range(n)]
+    keys = list(dict.fromkeys(keys))
+    ranked = draw(st.lists(st.sampled_from(keys), unique=True, min_size=0, max_size=len(keys)))
+    order = draw(st.permutations(list(range(len(ranked)))))
+    ranks = {k: (r, f"kind{r % 3}/1") for k, r in zip(ranked, order)}
+    reloc = {k: draw(st.booleans()) for k in keys}
+    return keys, ranks, reloc, draw(st.integers(0, 8))
+
+
+@settings(max_examples=500, deadline=None)
+@given(_replays())
+def test_probe_turns_probe_exactly_min_requested_eligible(replay):
+    """Whatever the replay order, ranks and relocations: exactly ``min(requested,
+    eligible)`` probes, each of a ranked step that relocates, with its stratum's label
+    (2,417 of 20,000 random replays probed fewer: the bench failed its probe coverage
+    with enough relocating steps)."""
+    from promptsplice.benchmarks.agent_probes import ProbeTurns
+
+    keys, ranks, reloc, requested = replay
+    turns = ProbeTurns(ranks, requested)
+    probed = []
+    for k in keys:
+        label = turns.take(k, reloc[k])
+        if label is not None:
+            assert k in ranks and reloc[k] and label == ranks[k][1]
+            probed.append(k)
+    eligible = sum(reloc[k] for k in ranks)
+    assert turns.eligible == eligible
+    assert len(probed) == len(set(probed)) == min(requested, eligible)
+    assert turns.owed == 0
+
+
+def test_the_reviewers_replay_probes_three_of_four_eligible():
+    """r8's trial 5: 4 relocating ranked steps, 3 probes requested, 2 made (exit 3)."""
+    from promptsplice.benchmarks.agent_probes import ProbeTurns
+    from promptsplice.benchmarks.fidelity import check_probes, probe_coverage
+
+    ranks = {(0, 8): (3, "a"), (0, 0): (4, "a"), (0, 7): (5, "a"), (0, 6): (2, "a"), (0, 1): (0, "a"), (0, 9): (1, "a")}
+    reloc = {0: True, 1: True, 6: False, 7: True, 8: False, 9: True}
+    t = ProbeTurns(ranks, 3)
+    made = [i for i in sorted(reloc) if t.take((0, i), reloc[i]) is not None]
+    assert made == [0, 1, 7] and t.eligible == 4 and t.passed == 1
+    cov = probe_coverage(3, t.eligible, len(made))
+    assert cov["probe_coverage"] == 1.0
+    check_probes({**cov, "steps": len(made), "requested": 3})
+
+
+def test_small_samples_are_flagged_and_a_one_probe_interval_is_undefined():
+    """Below 10 probes ``first_token_kl_p90`` is their max, below 11 ``tf_top1_p10`` their
+    min; an interval of one probe is [x, x].  The fields stay; flags say what they rest on."""
+    from promptsplice.benchmarks._stats import min_sample
+
+    assert [min_sample(q) for q in (0.5, 0.9, 0.1, 0.99)] == [3, 10, 11, 100]
+    six = Fidelity()
+    for v in (0.003, 0.0003, 0.01, 0.02, 0.03, 0.216):  # the README's coding run
+        six.add(0.99, v, 0.5)
+    r = six.report()
+    assert r["first_token_kl_p90"] == r["first_token_kl_max"] == 0.216  # the field is kept, and flagged
+    assert r["small_sample"] is True
+    assert r["percentile_min_n"] == {"first_token_kl_p50": 3, "first_token_kl_p90": 10, "tf_top1_p50": 3,
+                                     "tf_top1_p10": 11}
+    assert r["ci95_undefined"] == [] and r["ci_unit"] == "probe" and r["ci_units"] == 6
+    one = Fidelity()
+    one.add(0.9, 0.05, 0.3)
+    r1 = one.report()
+    assert r1["first_token_kl_ci95"] == [0.05, 0.05]  # still a 2-list ...
+    assert r1["ci95_undefined"] == ["first_token_kl_ci95", "tf_top1_ci95"] and r1["small_sample"] is True  # ... named undefined
+    eleven = Fidelity()
+    for i in range(11):
+        eleven.add(1.0 - 0.01 * i, 0.001 * i, 1.0)
+    r11 = eleven.report()
+    assert r11["small_sample"] is False and r11["tf_top1_p10"] > r11["tf_top1_min"]
+    assert r11["first_token_kl_p90"] < r11["first_token_kl_max"]
+    assert Fidelity().report()["small_sample"] is True
+
+
+def test_the_session_bootstrap_resamples_whole_sessions():
+    """25 probes from 4 sessions whose KL levels differ: resampling probes one by one
+    gave an interval too narrow; ``ci_unit="session"`` resamples sessions."""
+    import random
+
+    rng = random.Random(1)
+    sessions = [[max(0.0, rng.gauss(m, 0.002)) for _ in range(6 + (m > 0.02))] for m in (0.006, 0.010, 0.016, 0.030)]
+    by_probe, by_session = Fidelity(), Fidelity(ci_unit="session")
+    for sid, xs in enumerate(sessions):
+        for step, x in enumerate(xs):
+            for f in (by_probe, by_session):
+                f.add(1.0, x, 1.0, label="mask/1", signals={"session": f"s{sid}", "step": step})
+    p, c = by_probe.report(), by_session.report()
+    assert (p["ci_unit"], p["ci_units"]) == ("probe", 25) and (c["ci_unit"], c["ci_units"]) == ("session", 4)
+    assert c["first_token_kl"] == p["first_token_kl"]  # the same mean
+    (plo, phi), (clo, chi) = p["first_token_kl_ci95"], c["first_token_kl_ci95"]
+    assert clo < plo and chi > phi and (chi - clo) > 2 * (phi - plo)
+    keys = [f"s{sid}" for sid, xs in enumerate(sessions) for _ in xs]
+    flat = [x for xs in sessions for x in xs]
+    assert c["first_token_kl_ci95"] == bootstrap_ci(flat, clusters=keys) != bootstrap_ci(flat)
+    # one session: its interval is undefined whatever the probe count
+    one = Fidelity(ci_unit="session")
+    for x in sessions[0]:
+        one.add(1.0, x, 1.0, signals={"session": "s0"})
+    assert one.report()["ci95_undefined"] == ["first_token_kl_ci95", "tf_top1_ci95"]
+    assert one.report()["first_token_kl_ci95"][0] == one.report()["first_token_kl_ci95"][1]

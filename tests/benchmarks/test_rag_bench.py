@@ -17,7 +17,8 @@ from promptsplice.benchmarks.rag import MODES, run_modes
 from promptsplice.errors import ConfigError
 from promptsplice.benchmarks.traces import dump_rag_trace, sample_rag_requests
 
-MODE_FIELDS = {"requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "hit_rate", "wall_s", "ttft_p50_ms", "ttft_p99_ms"}
+MODE_FIELDS = {"requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "hit_rate", "wall_s", "ttft_p50_ms", "ttft_p99_ms",
+               "small_sample", "percentile_min_n"}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -72,7 +73,8 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment",
-                        "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store"}
+                        "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store", "probe_traffic"}
+    assert pic["probe_traffic"] is True  # one fidelity probe ran on the PIC engine
     # the default fidelity's r; precomputes, phases
     assert pic["recompute_blocks"] == FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks
     assert pic["engine_requests"] > 6
@@ -174,6 +176,8 @@ def test_store_mode_runs_at_equal_capacity_and_every_mode_holds_its_bound(small_
     assert report["coverage"] == 1.0 and report["skipped_requests"] == []
     assert bench_status(report) == 0
     assert report["pic"]["gap_closed_vs_store"] is None or report["pic"]["gap_closed_vs_store"] <= 1
+    assert report["pic"]["probe_traffic"] is False  # fidelity_requests=0: a like-for-like gap
+    assert st["store_remote_bytes"] == 0
 
 
 def test_the_store_control_takes_pic_s_exact_layout(small_plain, kv_engine):
@@ -252,8 +256,15 @@ def test_the_pic_sweep_gives_each_configuration_its_own_store_engine(monkeypatch
     trace = tmp_path / "t.jsonl"
     dump_rag_trace(trace, sample_rag_requests(2, seed=6))
     base = tmp_path / "base.json"
-    base.write_text(json.dumps({"modes": {"naive": {"prefill_tokens": 5000}}, "oracle_prefill_tokens": 100,
-                                "max_tokens": 1}))
+    # a baseline of this run: its trace, requests, skips, KV caches, block size and store
+    kv_store = kv_engine.kv_store.config
+    base.write_text(json.dumps({
+        "modes": {"naive": {"prefill_tokens": 5000}}, "oracle_prefill_tokens": 100, "radix_prefill_tokens": 4000,
+        "max_tokens": 1, "trace": str(trace), "steps_total": 2, "skipped_requests": [],
+        "bounds": {"kv_cache_blocks": engine.num_blocks}, "block_size": engine.block_size,
+        "pic": {"kv_cache_blocks": kv_engine.num_blocks, "store_dram_bytes": kv_store.dram_bytes},
+        "store": {"store_disk_bytes": kv_store.disk_bytes},
+    }))
     started, closed = [], []
     for eng in (engine, kv_engine):  # lent, not closed: close() is recorded instead
         monkeypatch.setattr(eng, "close", lambda eng=eng: closed.append(eng))
@@ -285,3 +296,88 @@ def test_a_store_layout_that_is_not_one_of_the_two_is_refused_before_anything_ru
         with pytest.raises(ConfigError, match="store_layout must be one of"):
             job()
     assert STORE_LAYOUTS == ("store_aware", "cache_only")
+
+
+def test_a_tail_percentile_of_few_requests_is_flagged():
+    """``ttft_p99_ms`` of 30 requests is their slowest: the field stays, ``small_sample``
+    says so (p99 needs 100 requests)."""
+    from promptsplice.benchmarks.rag import _metrics
+
+    m = _metrics(30, 1000, 500, [float(i) for i in range(30)], 1.0)
+    assert m["ttft_p99_ms"] == 29.0 and m["small_sample"] is True
+    assert m["percentile_min_n"] == {"ttft_p50_ms": 3, "ttft_p99_ms": 100}
+    big = _metrics(100, 1000, 500, [float(i) for i in range(100)], 1.0)
+    assert big["small_sample"] is False and big["ttft_p99_ms"] == 98.0
+
+
+def _fake_engine(*, blocks=182, bs=32, dtype="bfloat16", prefix=True, mml=4096, store=None):
+    import types
+
+    cfg = types.SimpleNamespace(dtype=dtype, enable_prefix_caching=prefix, max_model_len=mml, kv_store=store)
+    return types.SimpleNamespace(num_blocks=blocks, block_size=bs, max_model_len=mml, config=cfg)
+
+
+def test_the_rag_capacity_guard_compares_every_setting_of_the_cache_and_the_stores():
+    """It compared the KV block count alone: a store engine without prefix caching, with
+    a shorter context or another dtype, or a PIC store with a remote tier the control's
+    lacks, ran as "equal capacity"."""
+    import types
+
+    from promptsplice.benchmarks.rag import _check_capacity
+
+    def store(remote=0, dram=1 << 30):
+        return types.SimpleNamespace(dram_bytes=dram, disk_bytes=4 << 30, remote_bytes=remote)
+
+    plain = _fake_engine()
+    shape = _check_capacity(plain, _fake_engine(store=store()))
+    assert shape["kv_store"] == {"dram_bytes": 1 << 30, "disk_bytes": 4 << 30, "remote_bytes": 0, "remote_tier": False}
+    for other in (dict(prefix=False), dict(mml=2048), dict(dtype="float32"), dict(bs=16), dict(blocks=181)):
+        with pytest.raises(ConfigError, match="equal KV cache capacity"):
+            _check_capacity(plain, _fake_engine(store=store(), **other))
+    with pytest.raises(ConfigError, match="no kv_store"):
+        _check_capacity(plain, _fake_engine())
+    # the PIC engine's store against the control's: every tier
+    for other in (dict(remote=1 << 30), dict(dram=1 << 29)):
+        with pytest.raises(ConfigError, match="identical stores"):
+            _check_capacity(plain, _fake_engine(store=store(**other)), shape)
+    assert _check_capacity(plain, _fake_engine(store=store()), shape) == shape
+
+
+def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
+    """Fidelity probes run on the PIC engine between its requests (traffic the store
+    control never gets): ``pic.probe_traffic`` says so (no engine: a fake runner)."""
+    import types
+
+    import promptsplice.benchmarks.rag as rag
+    import promptsplice.engine_adapters as ea
+    from promptsplice.benchmarks.traces import RagChunk, RagRequest
+
+    class Runner:
+        reuse_salt = "s"
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def run(self, chunks, **kw):
+            return types.SimpleNamespace(planned_relocated_tokens=64, relocated_tokens=64, prompt_tokens=300,
+                                         prefill_tokens=100, precomputed_tokens=0, requests=2, fallback=None,
+                                         ttft_s=0.01, wall_s=0.02, completion=None)
+
+    probed = []
+
+    def probe(engine, kv, st, salt, fid, ctl, what):
+        probed.append(what)
+        fid.add(1.0, 0.01, 1.0)
+        ctl.add(1.0, 0.0, 1.0)
+
+    monkeypatch.setattr(ea, "RagRunner", Runner)
+    monkeypatch.setattr(rag, "probe_relocated_request", probe)
+    kv = types.SimpleNamespace(reset_prefix_cache=lambda: None, num_blocks=182,
+                               kv_store=types.SimpleNamespace(config=types.SimpleNamespace(dram_bytes=1 << 30)))
+    reqs = [RagRequest(f"r{i}", "sys", [RagChunk("c", "text")], "q") for i in range(4)]
+    for k, traffic in ((2, True), (0, False)):
+        report = {"modes": {"naive": {"prefill_tokens": 1000}}, "oracle_prefill_tokens": 100}
+        rag._run_pic(report, {}, None, kv, reqs, policy="cache_aware", max_tokens=1, progress=None,
+                     prompt_format=None, recompute_blocks=1, fidelity_requests=k)
+        assert report["pic"]["probe_traffic"] is traffic and report["fidelity"]["steps"] == k
+    assert len(probed) == 2

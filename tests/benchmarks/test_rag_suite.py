@@ -25,3 +25,45 @@ def test_rag_suite_runs_every_family_on_the_engine_and_survives_an_empty_one(eng
     assert worst["gap_closed"] == min(rep["families"][f]["report"]["gap_closed"] for f in ("support", "tools"))
     assert "failed: empty" in format_suite(rep)
     assert suite_status(rep) == 1  # bounds and coverage hold; a family failed
+
+
+def _family_report(gap_vs_store, traffic):
+    checks = {"naive": {"holds": True}, "promptsplice": {"holds": True}}
+    return {"coverage": 1.0, "gap_closed": 0.5, "oracle_prefill_tokens": 100,
+            "modes": {"naive": {"prefill_tokens": 1000}, "promptsplice": {"prefill_tokens": 500},
+                      "promptsplice_store": {"prefill_tokens": 400}, "promptsplice_pic": {"prefill_tokens": 300}},
+            "bounds": {"radix_capacity_prefill_tokens": 600, "oracle_capacity_prefill_tokens": 200, "checks": checks},
+            "mirror": {"predicted_cached_tokens": 1, "measured_cached_tokens": 1},
+            "pic": {"gap_closed": 0.7, "gap_closed_vs_store": gap_vs_store, "probe_traffic": traffic},
+            "fidelity": {"steps": 2 if traffic else 0}}
+
+
+def test_a_family_whose_pic_ran_with_probe_traffic_is_left_out_of_pic_vs_store(monkeypatch, tmp_path):
+    """Probes on the PIC engine between its requests are traffic the store control never
+    gets: such a family's PIC-vs-store gap was the suite's worst line all the same (no
+    engine: ``run_modes`` is replaced by one that returns a report per family)."""
+    from promptsplice.benchmarks import rag_suite as rs
+
+    reports = {"support": _family_report(0.1, True), "tools": _family_report(0.4, False)}
+    seen = []
+
+    def fake_run_modes(engine, reqs, **kw):
+        fam = ("support", "tools")[len(seen)]
+        seen.append(fam)
+        return reports[fam], {}
+
+    monkeypatch.setattr(rs, "run_modes", fake_run_modes)
+    rep = rs.rag_suite(None, families=["support", "tools"], requests=2, trace_dir=tmp_path)
+    assert seen == ["support", "tools"]
+    c = rep["checks"]
+    assert c["support"]["pic_gap_closed_vs_store"] is None and "probe traffic" in c["support"]["pic_gap_closed_vs_store_skipped"]
+    assert c["tools"]["pic_gap_closed_vs_store"] == 0.4 and c["tools"]["pic_gap_closed_vs_store_skipped"] is None
+    assert rep["worst"]["promptsplice_pic_vs_store"] == {"gap_closed": 0.4, "family": "tools"}
+    assert rep["worst"]["promptsplice_pic"] == {"gap_closed": 0.7, "family": "support"}  # naive -> oracle: kept
+    assert list(rep["pic_vs_store_skipped"]) == ["support"]
+    text = rs.format_suite(rep)
+    assert "pic vs store: skipped support" in text and "--fidelity-requests 0" in text
+    # a report from before the flag: probes made means traffic
+    old = _family_report(0.1, True)
+    del old["pic"]["probe_traffic"]
+    assert rs.family_checks(old)["pic_gap_closed_vs_store"] is None
