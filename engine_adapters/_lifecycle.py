@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,17 +49,26 @@ def start_llm(config: EngineConfig) -> Handle:
     vllm = _vllm.import_vllm()
     kwargs = config.llm_kwargs(config.model)  # type: ignore[arg-type]
     kv = _vllm.AgentBox()
+    # Counted live while it starts: an engine closed meanwhile is then not the last, and
+    # its full shutdown no longer tore down the process-wide state this one starts on.
+    with _live_lock:
+        _live_engines += 1
     try:
         with _vllm.agent_installed(kv, capture=True):  # a connector engine creates its agent here
             llm = vllm.LLM(**kwargs)
-    except Exception as exc:
+    except BaseException as exc:
+        with _live_lock:
+            _live_engines -= 1
+        if not isinstance(exc, Exception):
+            raise
+        # vLLM's frames in the traceback held the half-built engine (its LLM, engine
+        # core, weights: ~750 MB) for as long as the caller kept the error
+        traceback.clear_frames(exc.__traceback__)
         raise _start_error(config, exc) from exc
     _vllm.quiet_logs()
     _vllm.detach_vllm_finalizer(llm)
     if config.max_model_len is None:
         _notice_fitted_length(config, llm)
-    with _live_lock:
-        _live_engines += 1
     return Handle(llm, kv)
 
 

@@ -148,7 +148,10 @@ def _key_pos(key: bytes) -> int:
 
 
 MAX_VNODES = 4096
-"""The most ring points an endpoint may have (160 spread keys within a few percent)."""
+"""The most ring points an endpoint may have.  At the default 160, endpoints' shares of
+random keys lie within about 0.8x-1.13x of an even split (2 to 8 endpoints, 50,000
+keys; the load bound evens out what that leaves on busy endpoints); more points
+narrow it at a larger ring."""
 
 
 def _same_server(endpoint: str) -> str:

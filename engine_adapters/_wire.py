@@ -617,7 +617,7 @@ def token_logprobs(choice: Mapping[str, Any], url: str) -> list[dict[int, float]
             raise EngineResponseError(f"{url} answered a top_logprobs entry that is not a mapping")
         row = {}
         for key, value in top.items():
-            if not (isinstance(key, str) and key.startswith(_TOKEN_ID_PREFIX) and key[len(_TOKEN_ID_PREFIX):].isdigit()):
+            if not (isinstance(key, str) and key.startswith(_TOKEN_ID_PREFIX) and _is_token_id(key[len(_TOKEN_ID_PREFIX):])):
                 raise EngineResponseError(
                     f"{url} keyed logprobs by text ({key!r:.40}), not token id: a vLLM without "
                     "return_tokens_as_token_ids?"
@@ -627,6 +627,11 @@ def token_logprobs(choice: Mapping[str, Any], url: str) -> list[dict[int, float]
             row[int(key[len(_TOKEN_ID_PREFIX):])] = float(value)
         out.append(row)
     return out
+
+
+def _is_token_id(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes ``"²"``, which ``int()`` refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def check_splice_ack(completion: RemoteCompletion, url: str) -> RemoteCompletion:

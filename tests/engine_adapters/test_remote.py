@@ -766,6 +766,11 @@ def test_replies_nested_too_deep_or_of_the_wrong_types_are_response_errors():
     eng = _mock(lambda r: httpx.Response(200, json=top))
     with pytest.raises(EngineResponseError, match="logprob that is not a number"):
         eng.generate([1, 2], max_tokens=1, logprobs=1)
+    # a key of digits str.isdigit takes and int() refuses raised a raw ValueError
+    top = {"choices": [{"text": "x", "finish_reason": "stop", "logprobs": {"top_logprobs": [{"token_id:\u00b2": -1.0}]}}]}
+    eng = _mock(lambda r: httpx.Response(200, json=top))
+    with pytest.raises(EngineResponseError, match="keyed logprobs by text"):
+        eng.generate([1, 2], max_tokens=1, logprobs=1)
 
 
 def test_constructor_refuses_what_httpx_could_not_send():
