@@ -59,6 +59,7 @@ def test_gguf_chat_template_and_special_tokens_match(built, converted):
     assert cfg["tokenizer_class"] == "GPT2TokenizerFast"
 
 
+@pytest.mark.reliability
 def test_a_complete_folder_is_reused_an_empty_one_built_and_a_foreign_one_left_alone(built, tmp_path):
     """A folder without the marker was never built here (a build renames a complete
     folder into place): it was removed and rebuilt, deleting a user's hand-converted

@@ -405,6 +405,7 @@ def test_files_the_open_could_not_delete_stay_charged_until_a_write_deletes_them
     store.close()
 
 
+@pytest.mark.reliability
 def test_records_the_open_cannot_read_now_are_kept_not_deleted_as_damage(tmp_path, monkeypatch):
     """EMFILE (the process briefly out of descriptors) while a store opened its folder
     deleted every record as damaged, though a load treats the same error as a miss that

@@ -914,6 +914,7 @@ def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
+@pytest.mark.reliability
 def test_a_server_skipped_as_slow_counts_none_of_its_blocks_in_match_prefix(redis_url, monkeypatch):
     """While a slow server's reads were skipped, ``match_prefix`` and ``holds`` still
     counted (and pinned) its indexed blocks: the connector reported external hits that
@@ -969,6 +970,7 @@ def test_a_server_skipped_as_slow_counts_none_of_its_blocks_in_match_prefix(redi
         assert tier.readable and b.match_prefix(rest, salt=SALT) == 8
 
 
+@pytest.mark.reliability
 def test_a_value_slower_to_send_than_the_timeout_is_written_not_an_outage():
     """The socket timeout bounds a whole send: a 64 MiB block (~0.1 s to send on
     loopback) under ``remote_timeout_s=0.03`` was an outage at each write (index
