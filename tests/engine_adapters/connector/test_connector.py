@@ -73,6 +73,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ------------------------------------------------------------- config (no engine start)
 
+def scheduler_glue(store):
+    """The connector's scheduler-side glue built without a vLLM config (the ack and load
+    paths need only its store and the scheduler side; no real part is stood in for)."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters.connector._connector import SpliceConnector
+    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
+    from tests.engine_adapters.connector._kv import BS
+
+    conn = object.__new__(SpliceConnector)
+    conn.settings = SimpleNamespace(block_size=BS, relocation=True)
+    conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
+    conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
+    return conn
+
+
 
 def test_kv_store_is_one_option_that_sets_the_connector():
     store = StoreConfig(dram_bytes=1 << 26)
@@ -381,8 +397,6 @@ def test_a_served_ack_counts_what_was_loaded_not_what_was_planned():
     from types import SimpleNamespace
 
     from promptsplice.engine_adapters import BlockStore
-    from promptsplice.engine_adapters.connector._connector import SpliceConnector
-    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
     from promptsplice.engine_adapters.connector._served import SpliceAck, splice_params
     from tests.engine_adapters.connector._kv import BS, HD, HEADS, LAYERS, PAYLOAD, SALT, deletion_case, random_caches, worker
 
@@ -393,10 +407,7 @@ def test_a_served_ack_counts_what_was_loaded_not_what_was_planned():
             ref = chain_refs(old, BS, salt=SALT)[4]
             store.discard(ref.key)
             store.put(ref, torch.randn(LAYERS, 1, HEADS, BS, 2 * HD), salt=SALT)
-        conn = object.__new__(SpliceConnector)
-        conn.settings = SimpleNamespace(block_size=BS, relocation=True)
-        conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
-        conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
+        conn = scheduler_glue(store)
         req = SimpleNamespace(request_id="r", prompt_token_ids=new, cache_salt=SALT,
                               kv_transfer_params=splice_params(plan, new))
         ids = list(range(10, 10 + len(new) // BS + 1))
@@ -428,17 +439,12 @@ def test_another_requests_failed_load_into_freed_blocks_leaves_an_ack_alone(how)
     from types import SimpleNamespace
 
     from promptsplice.engine_adapters import BlockStore
-    from promptsplice.engine_adapters.connector._connector import SpliceConnector
-    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
     from promptsplice.engine_adapters.connector._served import SpliceAck, splice_params
     from tests.engine_adapters.connector._kv import BS, PAYLOAD, SALT, deletion_case, random_caches, worker
 
     store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
     old, new, plan, _ = deletion_case(store)
-    conn = object.__new__(SpliceConnector)
-    conn.settings = SimpleNamespace(block_size=BS, relocation=True)
-    conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
-    conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
+    conn = scheduler_glue(store)
     req = SimpleNamespace(request_id="r", prompt_token_ids=new, cache_salt=SALT, kv_transfer_params=splice_params(plan, new))
     ids = list(range(10, 10 + len(new) // BS + 1))
     blocks = SimpleNamespace(get_block_ids=lambda: (ids,))
@@ -472,7 +478,7 @@ def test_a_plan_or_store_query_naming_another_tenants_salt_is_refused(kv_engine,
     (a guessing oracle).  Now both are refused by reason: plain prefill, no answer."""
     from promptsplice.blocks import chain_hashes, root_hash
     from promptsplice.engine_adapters import SplicePhase
-    from promptsplice.engine_adapters.connector._served import QUERY_KEY, answer_query, plan_verdict, splice_params
+    from promptsplice.engine_adapters.connector._served import answer_query, plan_verdict, splice_params
 
     victim, attacker = salt("victim"), salt("attacker")
     prompt = text_tokens[3500:3500 + 5 * BS + 3]
@@ -587,18 +593,13 @@ def test_scheduler_side_errors_become_plain_prefill_not_a_dead_engine():
     from types import SimpleNamespace
 
     from promptsplice.engine_adapters import BlockStore
-    from promptsplice.engine_adapters.connector._connector import SpliceConnector
-    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
     from tests.engine_adapters.connector._kv import BS, PAYLOAD, SALT
 
     store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
     toks = list(range(100, 100 + 4 * BS + 3))
     for ref in chain_refs(toks, BS, salt=SALT):
         store.put(ref, torch.zeros(4), salt=SALT)
-    conn = object.__new__(SpliceConnector)
-    conn.settings = SimpleNamespace(block_size=BS, relocation=True)
-    conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
-    conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
+    conn = scheduler_glue(store)
     conn.max_query_tokens = 1 << 18
     bad = SimpleNamespace(request_id="bad", prompt_token_ids=toks, cache_salt="", kv_transfer_params=None)
     good = SimpleNamespace(request_id="good", prompt_token_ids=toks, cache_salt=SALT, kv_transfer_params=None)
@@ -625,17 +626,12 @@ def test_a_request_the_connector_failed_on_says_so_in_its_ack():
     from types import SimpleNamespace
 
     from promptsplice.engine_adapters import BlockStore
-    from promptsplice.engine_adapters.connector._connector import SpliceConnector
-    from promptsplice.engine_adapters.connector._scheduler import SpliceScheduler
     from promptsplice.engine_adapters.connector._served import splice_params
     from tests.engine_adapters.connector._kv import BS, PAYLOAD, SALT, deletion_case
 
     store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
     _, new, plan, _ = deletion_case(store)
-    conn = object.__new__(SpliceConnector)
-    conn.settings = SimpleNamespace(block_size=BS, relocation=True)
-    conn.store, conn.scheduler = store, SpliceScheduler(store, BS)
-    conn._acks, conn._probes, conn._loads, conn._offered = {}, {}, {}, {}
+    conn = scheduler_glue(store)
     req = SimpleNamespace(request_id="r", prompt_token_ids=new, cache_salt=SALT, kv_transfer_params=splice_params(plan, new))
     assert conn.get_num_new_matched_tokens(req, 0) == (5 * BS, False)  # prefix 2 blocks + 3 relocated
     ids = list(range(10, 17))
