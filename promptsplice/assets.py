@@ -25,8 +25,8 @@ import glob
 import importlib.util
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -98,7 +98,13 @@ def gguf_path() -> Path:
 
 def is_complete(folder: Path) -> bool:
     """Whether ``folder`` was fully built (its ``.complete`` marker exists)."""
-    return (folder / _MARKER).is_file()
+    try:
+        return (folder / _MARKER).is_file()
+    except PermissionError as exc:  # built by another user with a private mode
+        raise AssetError(
+            f"cannot read {folder} ({exc.strerror}): it was built by another user; make it readable "
+            "(chmod -R a+rX), or point PROMPTSPLICE_HOME (or PROMPTSPLICE_MODEL_DIR) at a folder of your own"
+        ) from exc
 
 
 def is_user_model(folder: Path) -> bool:
@@ -164,6 +170,20 @@ def _check_target(folder: Path) -> None:
     )
 
 
+def _new_folder(parent: Path, prefix: str) -> Path:
+    """A new folder ``parent/prefix<random>`` with the umask's mode, as ``mkdir`` makes
+    it (``tempfile.mkdtemp``'s 0700 made a cache one user built, in a container image
+    say, unreadable to every other user)."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free name {prefix}* in {parent}")
+
+
 def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
     _check_target(folder)
     prefix = f".{folder.name}{_BUILD_TAG}"
@@ -171,7 +191,7 @@ def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None])
         # a build killed before it cleaned up (SIGKILL); no builder of ``folder`` runs now
         shutil.rmtree(stale, ignore_errors=True)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
+        tmp = _new_folder(folder.parent, prefix)
     except OSError as exc:
         raise AssetError(f"cannot create a folder in {folder.parent} to build {folder} ({exc}); make it writable") from exc
     try:

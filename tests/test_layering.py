@@ -153,8 +153,13 @@ def test_modules_over_600_lines_say_why():
 def test_the_wheel_adds_only_the_promptsplice_name(tmp_path):
     # Built from the checkout's files alone, as from a clean clone: setuptools never
     # empties build/, so a wheel built in place can carry files an older layout left.
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                            capture_output=True, text=True).stdout.split("\0")
+    if (REPO / ".git").exists():
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                                capture_output=True, text=True).stdout.split("\0")
+    else:  # an unpacked sdist: its files are the sources (MANIFEST.in), caches aside
+        skip = {".venv", "build", "__pycache__", ".hypothesis", ".pytest_cache"}
+        listed = [str(p.relative_to(REPO)) for p in REPO.rglob("*")
+                  if p.is_file() and not skip.intersection(p.relative_to(REPO).parts) and p.suffix != ".so"]
     source = tmp_path / "source"
     for name in filter(None, listed):
         if (REPO / name).is_file():
@@ -171,6 +176,7 @@ def test_the_wheel_adds_only_the_promptsplice_name(tmp_path):
     for room in ("dedup", "assembler", "engine_adapters/store", "engine_adapters/integrations", "kernels", "benchmarks"):
         assert f"promptsplice/{room}/__init__.py" in names
     assert "promptsplice/benchmarks/data/agent-sample.jsonl" in names
+    assert "promptsplice/py.typed" in names  # PEP 561: mypy skipped the package as untyped
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)  # Apache-2.0, as declared
     assert not [n for n in names if n.endswith(".c")]  # the wheel carries the built core, not its source
     # The core install is the torch-free room; the engine side comes in extras.
@@ -179,8 +185,11 @@ def test_the_wheel_adds_only_the_promptsplice_name(tmp_path):
                 if line.startswith("Requires-Dist:")]
     core = {r.split(">")[0].split("=")[0].split("[")[0].strip() for r in requires if "extra ==" not in r}
     assert core == {"xxhash", "tokenizers", "jinja2"}
+    # the full installs run the demo, whose chart needs matplotlib
+    assert all(any(r.startswith("promptsplice[") and "bench" in r and f'extra == "{x}"' in r for r in requires)
+               for x in ("cpu", "gpu"))
     for extra, dep in (("engine", "torch"), ("engine", "httpx"), ("remote", "httpx"), ("langchain", "langchain-core"),
-                       ("redis", "redis"), ("bench", "numpy")):
+                       ("redis", "redis"), ("bench", "numpy"), ("bench", "matplotlib")):
         assert any(r.startswith(dep) and f'extra == "{extra}"' in r for r in requires), (extra, dep)
 
 

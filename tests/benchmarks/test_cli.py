@@ -61,6 +61,29 @@ def test_a_trace_that_is_missing_or_unreadable_fails_in_one_line(tmp_path, capsy
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.parametrize(("module", "extra"), [("numpy", "[bench]"), ("httpx", "[remote]"), ("torch", "[cpu]")])
+def test_a_command_of_an_extra_on_the_core_install_names_the_extra(monkeypatch, capsys, module, extra):
+    """On ``pip install .`` alone, ``promptsplice demo --no-engine`` (numpy) and
+    ``promptsplice model prepare`` (httpx, torch) ended in a raw ModuleNotFoundError
+    traceback.  (The import is made to fail: the venv has every extra.)"""
+    from promptsplice.benchmarks import cli
+
+    def needs(_args):
+        raise ModuleNotFoundError(f"No module named '{module}'", name=module)
+
+    monkeypatch.setattr(cli, "_cmd_model_prepare", needs)
+    assert cli.main(["model", "prepare"]) == 2
+    err = capsys.readouterr().err
+    assert f"this command needs {module}, which this install lacks: pip install 'promptsplice{extra}'" in err
+
+    def bug(_args):
+        raise ModuleNotFoundError("No module named 'promptsplice.nothing'", name="promptsplice.nothing")
+
+    monkeypatch.setattr(cli, "_cmd_model_prepare", bug)
+    with pytest.raises(ModuleNotFoundError):  # not a dependency: a bug keeps its traceback
+        cli.main(["model", "prepare"])
+
+
 @pytest.mark.reliability
 def test_a_missing_trace_from_the_console_has_no_traceback(tmp_path):
     missing = tmp_path / "nope.jsonl"

@@ -191,3 +191,28 @@ def test_builders_of_one_folder_at_once_build_it_once_and_all_read_it(tmp_path):
             t.join()
     assert failures == []
     assert len(builds) == 20  # one build per folder
+
+
+def test_a_built_folder_is_readable_by_other_users(tmp_path, monkeypatch):
+    """Builds went through ``tempfile.mkdtemp`` (mode 0700): a cache built by one user (a
+    container image's build step as root) was unreadable to the user serving, and that
+    user got a raw PermissionError.  Now the folder has the umask's mode, and an
+    unreadable one is an ``AssetError`` naming the fix (the tests run as root, which
+    reads anything, so the refusal is made by wrapping ``Path.is_file``)."""
+    import os
+    import stat
+    from pathlib import Path
+
+    old = os.umask(0o022)
+    try:
+        folder = assets.build_folder(tmp_path / "tok", tmp_path / "src", lambda src, out: (out / "t.json").write_text("{}"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+
+    def refused(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", refused)
+    with pytest.raises(AssetError, match="built by another user; make it readable"):
+        assets.is_complete(folder)
