@@ -45,9 +45,10 @@ Bounds reported beside the modes:
   mode's prefill, so users see where splicing pays (deep edits) and where it cannot
   (an edit of the last message leaves nothing to relocate).
 
-Fidelity (edit steps that relocate KV, 32 by default, the first ones of the replay:
-:class:`ProbeTurns` probes exactly ``min(requested, eligible)``, each labelled with its
-(edit kind, depth) stratum, :func:`probe_ranks`; 95% intervals resample sessions, the
+Fidelity (edit steps that relocate KV, 32 by default, spread over (edit kind, depth)
+strata and sessions: the edits predicted to relocate, :func:`relocating_edits`, ranked
+by :func:`probe_ranks` and taken in rank order by :class:`ProbeTurns`, each labelled
+with its stratum; 95% intervals resample sessions, the
 probes of one session sharing its context: ``ci_unit`` "session"; each probe verified to have measured relocated
 KV, :func:`promptsplice.benchmarks.fidelity.verify_step`; measured on the real model against a one-pass full
 prefill ``R`` of the same render with 32 greedy tokens ``c``): teacher-forced top-1
@@ -70,7 +71,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.benchmarks.agent_probes import ProbeTurns, probe_ranks
+from promptsplice.benchmarks.agent_probes import ProbeTurns, probe_ranks, relocating_edits
 from promptsplice.benchmarks.assemble import gap_closed
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
 from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
@@ -368,7 +369,11 @@ def run_agent_modes(
         return AgentRunner(eng, mode=m, salt=salts[m])
 
     steps_total = sum(len(s.renders) for s in sessions)
-    turns = ProbeTurns(probe_ranks(sessions) if engines is not None and fidelity_steps else {}, fidelity_steps)
+    ranks = {}
+    if engines is not None and fidelity_steps:  # ranked among the edits predicted to relocate
+        eng = engines["splice"]
+        ranks = probe_ranks(sessions, only=relocating_edits(sessions, eng.tokenizer, eng.block_size, r))
+    turns = ProbeTurns(ranks, fidelity_steps)
     # probes of one session share its context: the intervals resample sessions
     fid = {"splice": Fidelity(ci_unit="session"), "apc": Fidelity(ci_unit="session")}
     t_start = time.perf_counter()

@@ -655,7 +655,7 @@ def run_rag_bench(
             engine.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report["trace"] = str(trace)
+    report["trace"] = str(Path(trace).resolve())  # pic_sweep, run from another folder, compares it
     print(format_modes(report))
     Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {json_out}")

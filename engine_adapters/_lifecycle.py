@@ -65,11 +65,16 @@ def start_llm(config: EngineConfig) -> Handle:
         # core, weights: ~750 MB) for as long as the caller kept the error
         traceback.clear_frames(exc.__traceback__)
         raise _start_error(config, exc) from exc
-    _vllm.quiet_logs()
-    _vllm.detach_vllm_finalizer(llm)
-    if config.max_model_len is None:
-        _notice_fitted_length(config, llm)
-    return Handle(llm, kv)
+    handle = Handle(llm, kv)
+    try:
+        _vllm.quiet_logs()
+        _vllm.detach_vllm_finalizer(llm)
+        if config.max_model_len is None:
+            _notice_fitted_length(config, llm)
+    except BaseException:  # (Ctrl-C too) no handle reaches the caller: shut it down here
+        release(handle)
+        raise
+    return handle
 
 
 def _notice_fitted_length(config: EngineConfig, llm: Any) -> None:

@@ -58,10 +58,13 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     trace = tmp_path / "trace.jsonl"
     dump_rag_trace(trace, sample_rag_requests(10, seed=2))
     out = tmp_path / "rag.json"
-    proc = _cli("bench", "rag", "--trace", str(trace), "--json", str(out), "--requests", "6", "--max-tokens", "1",
-                "--fidelity-requests", "1", "--allow-skips", "--pic-exact-alignment", "all")
+    # the trace by a path relative to the CLI's folder: the report names it absolute (a
+    # pic_sweep run from another folder refused the baseline of the same file)
+    proc = _cli("bench", "rag", "--trace", os.path.relpath(trace, REPO), "--json", str(out), "--requests", "6",
+                "--max-tokens", "1", "--fidelity-requests", "1", "--allow-skips", "--pic-exact-alignment", "all")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["trace"] == str(trace.resolve())
     assert set(report["modes"]) == {"naive", "promptsplice", "promptsplice_store", "promptsplice_pic"}
     assert report["pic"]["exact_alignment"] == "all"  # exact requests index their chunks: relocation follows
     # fresh store engines per mode, at the plain engine's KV size, with the same store

@@ -518,3 +518,18 @@ def test_a_failed_start_holds_no_half_built_engine_and_counts_none_live(engine):
         start_default_engine(kv_cache_bytes=64 * 1024)
     assert info.value.__cause__ is not None  # the error is still held here
     assert llms() == before and _lifecycle._live_engines == live
+
+
+def test_an_interrupt_right_after_vllm_started_shuts_the_engine_down(monkeypatch):
+    """Ctrl-C after ``vllm.LLM()`` returned but before the engine got its handle left it
+    counted live for good: every later close skipped the full shutdown."""
+    from promptsplice.engine_adapters import _lifecycle
+
+    def interrupted(config, llm):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_lifecycle, "_notice_fitted_length", interrupted)
+    live = _lifecycle._live_engines
+    with pytest.raises(KeyboardInterrupt):
+        start_default_engine()  # no max_model_len: the fitted-length notice runs
+    assert _lifecycle._live_engines == live
