@@ -26,6 +26,8 @@ segment (delta ``d``).
 
 from __future__ import annotations
 
+import bisect
+
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -244,6 +246,8 @@ class _ReqState:
     """Scoped requests: the first loaded block, saved (under the scope) with the step."""
     probe_refs: dict[int, tuple[BlockRef, int]] | None = None
     """The plan's probe blocks, hashed once (not on every step the request runs)."""
+    probe_order: list[int] = field(default_factory=list)
+    """``probe_refs``' block indexes, sorted once."""
 
 
 _MAX_TAINTED = 1 << 16
@@ -441,8 +445,11 @@ class SpliceScheduler:
         end = min(computed + scheduled, len(st.tokens))
         if st.probe_refs is None:
             st.probe_refs = _plan_refs(st.tokens, plan, bs, probes=True)
-        planned = st.probe_refs
-        js = [j for j in sorted(planned) if j * bs >= computed and (j + 1) * bs <= end]
+            st.probe_order = sorted(st.probe_refs)
+        planned, order = st.probe_refs, st.probe_order
+        # blocks j with j * bs >= computed and (j + 1) * bs <= end, by bisection: every
+        # decode step of a request asks (a scan of 2,048 probes was 10 ms per step for 64)
+        js = order[bisect.bisect_left(order, -(-computed // bs)) : bisect.bisect_right(order, end // bs - 1)]
         if not js or (any(planned[j][1] for j in js) and not self.relocation):
             return None
         ids = block_ids(req_id)

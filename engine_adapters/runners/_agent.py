@@ -175,8 +175,10 @@ class AgentStep:
     """Blocks recomputed beyond ``recompute_blocks`` because a deviation exceeded
     the threshold."""
     fidelity: FidelityLevel = FidelityLevel.EXACT
-    """The level the step ran at: ``exact`` whenever its plan relocated nothing
-    (``full``/``apc``, a new session, an append, a fallback; :func:`step_level`)."""
+    """The level the step ran at: ``exact`` when its plan relocated nothing under the
+    tenant's own salt (``full``/``apc``, a new session, a fallback; :func:`step_level`);
+    a step under the session's scope salt keeps the asked level (its cache may hold
+    relocated KV)."""
     planned_relocated_tokens: int = 0
     """Tokens the step's plan relocates; ``relocated_tokens`` below it means the store
     did not serve some of them (they were computed: exact)."""
@@ -429,7 +431,7 @@ class AgentRunner:
                 result.prefill_tokens,
                 recomputed + planned_relocated_tokens(phases, new, salt) - result.planned_relocated_tokens,
             )
-            result.fidelity = step_level(level, result.planned_relocated_tokens)
+            result.fidelity = step_level(level, result.planned_relocated_tokens, salt)
             st.tokens = array("I", new)  # token ids are checked to fit 32 bits
             if self.mode is AgentMode.SPLICE and not cfg.relocate:
                 # The exact salt's KV is the session's now; a scoped session rescopes from it.

@@ -34,7 +34,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from promptsplice._validate import check_enum, check_int, check_number
+from promptsplice._validate import check_enum, check_int, check_number, is_derived_salt
 from promptsplice.errors import ConfigError
 
 __all__ = [
@@ -82,11 +82,15 @@ p90 <= :data:`BOUNDED_KL_P90` on every trace family (module doc), so by default 
 reuses exact KV only (prefix cache and exact store loads)."""
 
 
-def step_level(asked: FidelityLevel, planned_relocated_tokens: int) -> FidelityLevel:
+def step_level(asked: FidelityLevel, planned_relocated_tokens: int, salt: str | None) -> FidelityLevel:
     """The level a step record reports: the one it ran at, but ``exact`` when its plan
-    relocated nothing (a new session, an append, a fallback to a plain request): its KV
-    is exact whatever level was asked, as a RAG request sent exact by the gate."""
-    return asked if planned_relocated_tokens > 0 else FidelityLevel.EXACT
+    relocated nothing and it ran under the tenant's own salt (a new session, a fallback
+    to a plain request, a RAG request the gate sent exact): that salt's cache holds exact
+    KV only.  Under a derived salt (a session's scope, a RAG reuse salt) vLLM's prefix
+    cache may serve an earlier step's relocated KV, so the asked level stands."""
+    if planned_relocated_tokens > 0 or is_derived_salt(salt):
+        return asked
+    return FidelityLevel.EXACT
 
 
 def check_fidelity(value: Any, what: str = "fidelity") -> FidelityLevel:

@@ -197,8 +197,9 @@ class RagStep:
     extra_recompute_blocks: int = 0
     """Blocks recomputed beyond ``recompute_blocks`` (a deviation over the threshold)."""
     fidelity: FidelityLevel = FidelityLevel.EXACT
-    """The level the request ran at: ``exact`` whenever its plan relocated nothing (an
-    ``exact``-mode runner, the gate's exact requests, a fallback; ``step_level``)."""
+    """The level the request ran at: ``exact`` when its plan relocated nothing under the
+    tenant's own salt (an ``exact``-mode runner, the gate's exact requests, a fallback;
+    ``step_level``); under the reuse salt the asked level (its cache may hold relocated KV)."""
     planned_relocated_tokens: int = 0
     """Tokens the plan relocates; ``relocated_tokens`` below it means the store did not
     serve some of them (they were computed: exact)."""
@@ -509,7 +510,7 @@ class RagRunner:
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
-        step.fidelity = step_level(cfg.level, step.planned_relocated_tokens)
+        step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)
         # blocks the deviation guard recomputed were relocatable too
         step.recomputed_tokens = min(
             step.prefill_tokens,

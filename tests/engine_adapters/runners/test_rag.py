@@ -552,8 +552,8 @@ def test_an_order_changed_between_preview_and_assemble_is_one_exact_request(kv_e
     assert calls[0] == runner.reuse_salt  # the step planned a relocation (else the setup is wrong)
     assert step.fallback is StepFallback.INVALID_PLAN and step.relocated_tokens == 0
     assert step.requests == 1 and "differs from its preview" in caplog.text
-    # a plain request relocated no chunk and ran exact (it said 3 chunks, at bounded)
-    assert step.relocated_chunks == 0 and step.fidelity is FidelityLevel.EXACT
+    # an exact request under the tenant's salt relocated no chunk and ran exact
+    assert step.relocated_chunks == 0 and step.fidelity is FidelityLevel.EXACT and step.salt == runner.salt
 
 
 def test_a_plan_that_does_not_fit_is_one_exact_request_relocating_no_chunk(kv_engine, monkeypatch):
@@ -578,7 +578,23 @@ def test_a_plan_that_does_not_fit_is_one_exact_request_relocating_no_chunk(kv_en
     step = runner.run(docs[::-1], query="q2", system=SYSTEM, max_tokens=1)
     assert calls and calls[0] == 3  # the step placed three stored chunks (else the setup is wrong)
     assert step.fallback is StepFallback.INVALID_PLAN and step.relocated_tokens == step.planned_relocated_tokens == 0
-    assert step.relocated_chunks == 0 and step.fidelity is FidelityLevel.EXACT
+    # sent under the reuse salt, whose cache may hold relocated KV: the asked level
+    assert step.relocated_chunks == 0 and step.fidelity is FidelityLevel.BOUNDED
+
+
+def test_a_repeat_served_relocated_kv_by_the_reuse_salts_cache_keeps_its_level(kv_engine):
+    """The same PIC request twice: the second plans nothing (vLLM's cache under the
+    reuse salt holds the whole prompt, spliced by the first) and said ``exact`` while
+    it was served the first one's relocated KV (bit-identical logprobs)."""
+    docs = [{"id": n, "text": DOCS[n] * 2} for n in ("paris", "nile")]
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="fast", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=0, relocate="always")
+    runner.run(docs, query="q0", system=SYSTEM, max_tokens=1)  # stores both chunks
+    first = runner.run(docs[::-1], query="q1", system=SYSTEM, max_tokens=1)
+    assert first.relocated_tokens > 0 and first.fidelity is FidelityLevel.FAST  # (else the setup is wrong)
+    again = runner.run(docs[::-1], query="q1", system=SYSTEM, max_tokens=1)
+    assert again.planned_relocated_tokens == 0 and again.salt == first.salt != runner.salt
+    assert again.fidelity is FidelityLevel.FAST
 
 
 def test_a_request_never_meets_the_approximate_kv_of_another_fidelity_level(kv_engine):
