@@ -1,6 +1,6 @@
 """A remote OpenAI-compatible engine over httpx (vLLM serve, SGLang, OpenAI).
 
-Kept as one module (~780 lines): the sync and async twins of every call share one
+Kept as one module (~900 lines): the sync and async twins of every call share one
 request builder, one retry loop and one error translation, which must not drift apart;
 the wire format lives in ``_wire`` and the served-engine surface in ``_served_engine``.
 

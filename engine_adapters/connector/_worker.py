@@ -1,7 +1,7 @@
 """The connector's worker side: loads (and relocates) stored blocks into the paged KV
 cache before the forward pass, saves newly computed blocks after it.  Torch and the
 kernels; never vLLM: tests and ``benchmarks/gpu_connector_check`` drive it with plain
-tensors shaped like the engine's cache.  Kept as one module (~610 lines): loads, saves,
+tensors shaped like the engine's cache.  Kept as one module (~620 lines): loads, saves,
 probes and the device streams order against each other (a save's gather before the next
 step's writes, a failed load quarantining the saves after it), in one place.
 

@@ -1,6 +1,6 @@
 """``PromptspliceChatModel``: a LangChain chat model over the embedded vLLM engine.
 
-Kept as one module (~640 lines): LangChain's sync, async, streamed and batched entry
+Kept as one module (~720 lines): LangChain's sync, async, streamed and batched entry
 points of one chat model share its engine calls and the cancellation of a stream, which
 only holds when they live next to each other (conversions are in ``_langchain_convert``).
 
