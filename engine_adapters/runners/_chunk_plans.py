@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from promptsplice.blocks import BlockHash, chain_hashes, chunk_key, root_hash
+from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, chunk_key, root_hash
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.errors import ConfigError, InputError
@@ -25,6 +25,7 @@ __all__ = [
     "ChunkPlacement",
     "ChunkSource",
     "ChunkStatus",
+    "GuardRates",
     "PicChoice",
     "StoreQuery",
     "match_chains",
@@ -181,8 +182,8 @@ class PicChoice(NamedTuple):
     """Predicted prefill (tokens) of a position-independent request both ways."""
 
     pic_tokens: int
-    """Its plan: the precompute of missing chunks, each chunk's recomputed blocks, the
-    rest not relocated, plus one block per extra engine request."""
+    """Its plan: the precompute of missing chunks, each chunk's recomputed blocks (those
+    the deviation guard is expected to add included), the rest not relocated."""
     exact_tokens: int
     """One plain request under the tenant's salt (prefix cache and store hits only)."""
 
@@ -202,6 +203,8 @@ def pic_choice(
     exact_tokens: int,
     recompute_blocks: int,
     block_size: int,
+    min_group_blocks: int = 1,
+    extra_blocks: tuple[float, float] = (0.0, 0.0),
 ) -> PicChoice:
     """Compare the plan's predicted prefill with one exact request's (pure).
 
@@ -210,16 +213,62 @@ def pic_choice(
     tenant's exact blocks) ends, and ``(start, end)`` of every chunk it would relocate,
     ``missing`` those of them to precompute first; ``head_hit``: the leading tokens of
     that prompt the tenant's cache or store holds.  ``exact_tokens``: the predicted
-    prefill of the exact request (its own layout).  Relocation pays only when chunks
-    move more than their ``recompute_blocks`` and the precompute is repaid: short
-    chunks, new chunks and exact repeats go out exact.
+    prefill of the exact request (its own layout).  The plan is grouped into requests as
+    :func:`plan_chunk_phases` groups it (a run moving fewer than ``min_group_blocks``
+    blocks is computed); more requests cost no prefill (each starts at the last one's
+    end, a prefix hit).  ``extra_blocks``: the blocks the deviation guard is expected
+    to recompute beyond ``recompute_blocks`` per stored and per precomputed chunk (the
+    runner's measured rates).  Relocation pays only when chunks move more than that and
+    the precompute is repaid: short chunks, new chunks and exact repeats go out exact.
     """
     bs, r = block_size, recompute_blocks
     start = max(hit, min(head_end, head_hit))
-    moved = sum(max(0, e - max(s + r * bs, start)) for s, e in chunks)
-    requests = len(chunks) if r else 1
-    pic = num_tokens - start - moved + sum(e - s for s, e in missing) + bs * (max(1, requests) - 1 + bool(missing))
+    new = set(missing)
+    nil = bytes(HASH_BYTES)  # parents play no part in the grouping
+    segs = [SpliceSegment(0, head_end // bs, 0, nil)] if head_end > hit else []
+    for s, e in chunks:
+        a = max(s + r * bs, hit)
+        if a < e:
+            segs.append(SpliceSegment(a, (e - a) // bs, 0, nil))
+    phases = plan_segment_phases(segs, num_tokens, block_size=bs, hit=hit, min_group_blocks=min_group_blocks)
+    moved = {seg.dst_start: seg.num_blocks for ph in phases if ph.plan for seg in ph.plan.segments
+             if seg.dst_start >= head_end and seg.dst_start >= hit}
+    extra = 0.0
+    for s, e in chunks:
+        a = max(s + r * bs, hit)
+        if a in moved and r and hit <= s:  # probed: the guard may recompute more of it
+            extra += min(extra_blocks[(s, e) in new], moved[a]) * bs
+    pic = num_tokens - start - bs * sum(moved.values()) + sum(e - s for s, e in missing) + round(extra)
     return PicChoice(pic, exact_tokens)
+
+
+class GuardRates:
+    """Blocks the deviation guard (``AdaptiveRecompute``) recomputed beyond
+    ``recompute_blocks`` per probed chunk, for stored and for just-precomputed chunks
+    apart: a running mean over a runner's requests, starting from :attr:`PRIOR` worth
+    :attr:`PRIOR_CHUNKS` chunks.  :func:`pic_choice` expects the guard to add that much.
+    (Chunks met in another request's context deviate more than chunks precomputed in
+    this request's order.)"""
+
+    PRIOR = (1.0, 0.25)
+    PRIOR_CHUNKS = 4
+
+    __slots__ = ("_sums", "_counts")
+
+    def __init__(self) -> None:
+        self._sums = [p * self.PRIOR_CHUNKS for p in self.PRIOR]
+        self._counts = [self.PRIOR_CHUNKS, self.PRIOR_CHUNKS]
+
+    def expected(self) -> tuple[float, float]:
+        """(stored, precomputed): the mean extra blocks per probed chunk."""
+        return (self._sums[0] / self._counts[0], self._sums[1] / self._counts[1])
+
+    def observe(self, chunks: Sequence[tuple[int, int, bool]], extended: Sequence[int]) -> None:
+        """Count one request: its probed chunks ``(start, end, precomputed)`` and the
+        starts of the blocks the guard added (``AdaptiveRecompute.extended``)."""
+        for s, e, new in chunks:
+            self._sums[new] += sum(s <= x < e for x in extended)
+            self._counts[new] += 1
 
 
 class ChunkPlacement(NamedTuple):

@@ -35,9 +35,10 @@ How a request runs (``position_independent``):
    neighbours it attended to): KL 0.042, top-1 0.922 at r=0, no better than the
    assembler's cache-aware order (same trace and probes count).
    Before any precompute, :func:`pic_choice` predicts the prefill of that plan (the
-   precompute, each chunk's recomputed blocks, one block per extra engine request)
-   against one exact request of the same tokens under the tenant's salt (its prefix
-   cache and the store's exact blocks); unless the plan computes fewer tokens, the
+   precompute, each chunk's recomputed blocks, the blocks the deviation guard is
+   expected to add: the runner's measured rate, :class:`GuardRates`) against one
+   exact request of the same tokens under the tenant's salt (its prefix cache and the
+   store's exact blocks); unless the plan computes fewer tokens, the
    request goes out exact (``StepFallback.NO_GAIN``: new chunks, short chunks, exact
    repeats).  Every exact request indexes its chunks that stand on whole blocks (exact
    KV, saved by the connector), so a chunk first seen in one is later relocated from
@@ -110,6 +111,7 @@ from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkPlacement,
     ChunkSource,
     ChunkStatus,
+    GuardRates,
     pic_choice,
     plan_chunk_phases,
 )
@@ -305,6 +307,7 @@ class RagRunner:
                 raise ConfigError("the chunk index belongs to another engine's store or block size")
         self.index = index
         self._lock = threading.Lock()
+        self._guard_rates = GuardRates()
 
     def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
         """The settings a request at ``fidelity`` (default: the runner's) runs with."""
@@ -425,7 +428,8 @@ class RagRunner:
                 len(toks), hit, head_end, [(s.start, s.end) for s in todo], [(s.start, s.end) for s in missing],
                 head_hit=self._exact_hit(toks, stored[0]),
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
-                recompute_blocks=r, block_size=bs,
+                recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
+                extra_blocks=self._guard_rates.expected() if cfg.max_deviation is not None else (0.0, 0.0),
             )
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
             if why is None:
@@ -509,6 +513,12 @@ class RagRunner:
         )
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
+        if adapt is not None and fallback is None and r:
+            new = {s.start for s in missing}
+            self._guard_rates.observe(
+                [(c.start, c.end, c.start in new) for c in placed if hit <= c.start and c.start + r * bs < c.end],
+                adapt.extended,
+            )
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)
         # blocks the deviation guard recomputed were relocatable too

@@ -141,14 +141,15 @@ class AdaptiveRecompute:
     deviated from its old KV by more than ``max_deviation`` (``BlockDeviation.value``),
     that run's first block is computed first, by one more request
     (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`);
-    ``extra`` counts those blocks."""
+    ``extra`` counts those blocks, ``extended`` lists where each starts."""
 
-    __slots__ = ("max_deviation", "tokens", "extra")
+    __slots__ = ("max_deviation", "tokens", "extra", "extended")
 
     def __init__(self, max_deviation: float, tokens: Sequence[int]) -> None:
         self.max_deviation = max_deviation
         self.tokens = tokens
         self.extra = 0
+        self.extended: list[int] = []
 
     def __call__(self, seen: list[Any], nxt: SplicePhase) -> list[SplicePhase] | None:
         plan = nxt.plan
@@ -161,6 +162,7 @@ class AdaptiveRecompute:
         phases = extend_recompute(nxt, self.tokens)
         if phases:
             self.extra += 1
+            self.extended.append(plan.dst_start)
         return phases
 
 

@@ -29,6 +29,7 @@ from promptsplice.engine_adapters import FidelityLevel, StepFallback
 from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkLookup,
     ChunkPlacement,
+    GuardRates,
     PicChoice,
     pic_choice,
     plan_chunk_phases,
@@ -241,22 +242,61 @@ def test_bad_placements_are_refused():
 def test_relocation_is_chosen_only_where_it_computes_fewer_tokens():
     # 96-token prompt, block 4: head [0, 8), chunks [8, 40) and [40, 80), query [80, 96)
     long = [(8, 40), (40, 80)]
-    # both stored, nothing cached: relocate all but one recomputed block each, +1 request
+    # both stored, nothing cached: relocate all but one recomputed block each; three
+    # requests (head, each chunk's run), each starting at the last one's end: no extra
     c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS)
-    assert c == PicChoice(96 - 8 - (28 + 36) + BS, 88) and c.pays
+    assert c == PicChoice(96 - 8 - (28 + 36), 88) and c.pays
     # both new: the precompute computes them anyway, the plan adds its recomputed blocks
     c = pic_choice(96, 0, 8, long, long, head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS)
-    assert c.pic_tokens == 96 - 8 - 64 + 72 + 2 * BS and not c.pays
+    assert c.pic_tokens == 96 - 8 - 64 + 72 and not c.pays
     # an exact repeat: the tenant's cache serves all but the last block
     assert not pic_choice(96, 0, 8, long, [], head_hit=92, exact_tokens=4, recompute_blocks=1, block_size=BS).pays
     # the exact layout pads less: no more predicted prefill than the plan goes out exact
-    assert not pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=28, recompute_blocks=1, block_size=BS).pays
+    assert not pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=24, recompute_blocks=1, block_size=BS).pays
     # chunks no longer than the recompute move nothing
     short = [(8, 16), (16, 24)]
     assert not pic_choice(40, 0, 8, short, [], head_hit=8, exact_tokens=32, recompute_blocks=2, block_size=BS).pays
     # r = 0: one request, every stored token moves
     c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=0, block_size=BS)
     assert c.pic_tokens == 96 - 8 - 72 and c.pays
+
+
+def test_the_choice_predicts_the_plan_it_would_run():
+    long = [(8, 40), (40, 80)]
+    # a run moving fewer than min_group_blocks blocks is computed, as plan_chunk_phases
+    # drops it: the first chunk's 7 blocks move, the second's 9 do
+    c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
+                   min_group_blocks=8)
+    assert c.pic_tokens == 96 - 8 - 36
+    sa, sb = ChunkSource(bytes(16), 100, 8, "t"), ChunkSource(bytes(16), 200, 10, "t")
+    phases = plan_chunk_phases(list(range(96)), [ChunkPlacement(8, 40, sa), ChunkPlacement(40, 80, sb)],
+                               block_size=BS, head_end=8, recompute_blocks=1, min_group_blocks=8)
+    assert [(seg.dst_start, seg.num_blocks) for ph in phases if ph.plan for seg in ph.plan.segments] == [(0, 2), (44, 9)]
+    # the deviation guard's expected extra blocks: per stored chunk 1.5 (two chunks:
+    # 3 blocks), per precomputed chunk 0.5 (the second new: 1.5 + 0.5 blocks)
+    c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
+                   extra_blocks=(1.5, 0.5))
+    assert c.pic_tokens == 96 - 8 - 64 + 3 * BS
+    c = pic_choice(96, 0, 8, long, [(40, 80)], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
+                   extra_blocks=(1.5, 0.5))
+    assert c.pic_tokens == 96 - 8 - 64 + 40 + 2 * BS
+    # never more than the chunk's moved blocks; chunks behind the hit are not probed
+    c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
+                   extra_blocks=(20.0, 0.0))
+    assert c.pic_tokens == 96 - 8
+    c = pic_choice(96, 12, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
+                   extra_blocks=(20.0, 0.0))
+    assert c.pic_tokens == 96 - 12 - 28 - 36 + 36
+
+
+def test_guard_rates_are_running_means_per_chunk_kind():
+    rates = GuardRates()
+    assert rates.expected() == GuardRates.PRIOR
+    # two stored chunks and a precomputed one; the guard added blocks at 12 and 16
+    # (the first stored chunk) and 52 (the precomputed one)
+    rates.observe([(8, 40, False), (40, 48, False), (48, 80, True)], [12, 16, 52])
+    n = GuardRates.PRIOR_CHUNKS
+    assert rates.expected() == ((GuardRates.PRIOR[0] * n + 2) / (n + 2), (GuardRates.PRIOR[1] * n + 1) / (n + 1))
 
 
 # --------------------------------------------------------------- RagRunner on vLLM
