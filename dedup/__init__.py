@@ -42,7 +42,12 @@ bytes back to that input's bytes where its chunk lost no passages.  A chunk that
 is rebuilt, bytes before the cut, from its :class:`RemovedPassage` records; the span
 then covers what remains of the input, and two things are not recorded: where an input
 began or ended inside a removed paragraph (sliding windows over a boilerplate
-paragraph), and the whitespace left of a chunk emptied by passage removal.  Containment
+paragraph), and the whitespace-only paragraphs (other than empty ones) of a chunk
+emptied by passage removal.  The inputs of an emptied chunk that lay inside one removed
+paragraph move, CONTAINED, to where it was found; the others are its PASSAGES origins,
+whose ``Origin.emptied`` gives their byte range in its bytes before removal, the
+coordinates of its :class:`RemovedPassage` records: placing each found passage at its
+``offset`` (newlines between them) rebuilds them.  Containment
 runs before overlap merges too, so a window already inside another chunk is CONTAINED
 there and never labels a merged chunk whose text it lost.  Kept chunks stay in retrieval order; a chunk with
 no redundancy comes back with the same id and bytes.  Inputs are str, UTF-8 bytes,

@@ -15,8 +15,10 @@ m = min_overlap):
 * overlap: only for groups with >= 2 same-source chunks; per ordered pair one reverse
   search of A's m-byte tail in B, O(g^2 * max_len) in C; groups of more than 16 chunks
   (with m >= 31) only try the pairs the anchor index finds, O(N_g) on average.  Each
-  candidate is verified by one comparison, and periodic text can give O(max_len)
-  candidates per pair, so the degenerate worst case is O(g^2 * max_len^2);
+  candidate is verified by one comparison; periodic text can give O(max_len)
+  candidates per pair, and past a budget linear in the pair's bytes a KMP search
+  answers instead, so the worst case is O(g^2 * max_len).  Without containment the
+  merged chains are matched again until nothing merges (at most g rounds, rare past one);
 * piece filter (only when containment or passages can apply): O(N);
 * containment and passages: each needle not excluded by the filter is searched, first
   in the joined bytes (O(N) in C each), and once a pass has made 32 such searches
@@ -168,6 +170,10 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
         merged = removed["overlap"]
         kept = ctx.merge_overlaps(kept)
         contained_done = contained_done and removed["overlap"] == merged
+        if removed["overlap"] != merged and not cfg.containment and cfg.exact:
+            # A merged chain can equal another chunk (A+B == a window D of both), which
+            # only containment caught: the same fixpoint without it.
+            kept = ctx.merge_identical(kept)
     if cfg.containment and len(kept) >= 2 and not contained_done:
         kept = ctx.absorb_contained(kept)
     while cfg.passages and len(kept) >= 2:
@@ -184,6 +190,8 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
             break
         if cfg.containment and len(kept) >= 2:
             kept = ctx.absorb_contained(kept)
+        elif cfg.exact:
+            kept = ctx.merge_identical(kept)
 
     # -- finish -----------------------------------------------------------------------
     digest_of = _blocks.content_digest

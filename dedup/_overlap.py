@@ -4,8 +4,11 @@ are merged into one chunk (see :mod:`promptsplice.dedup` for the rules).
 Each ordered pair of a group tries one reverse search of A's ``min_overlap``-byte tail
 in B; groups of more than ``_GROUP_GRID`` chunks only try the pairs that the grid anchor
 index finds (the chunks that may hold A's tail).  Every edge is verified by comparing
-bytes, so it is exact by construction.  The other groups' pairs are tried by the
-optional C core where it was built (``overlap_edges``: the same edges).
+bytes, so it is exact by construction; on periodic text, where nearly every offset is a
+candidate, a pair whose comparisons pass a budget linear in its size is answered by a
+linear KMP search instead (the same edge), so a pair costs O(its bytes).  The other
+groups' pairs are tried by the optional C core where it was built (``overlap_edges``:
+the same edges), and its ``overlap_len`` answers each pair of the large groups.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from ._types import KeptChunk, Origin, Relation
 __all__ = ["merge_overlaps"]
 
 _GROUP_GRID = 16  # same-source groups larger than this find overlap partners by index
+# Bytes the candidate comparisons of one pair may cost, per byte of the pair (and at
+# least), before the linear search (_longest_border) answers instead.
+_BUDGET = 64
+_BUDGET_MIN = 1 << 16
 _KEPT = Relation.KEPT
 _MERGED = Relation.MERGED
 
@@ -67,7 +74,16 @@ def merge_overlaps(ctx, kept: list[KeptChunk], after_passages: bool = False) -> 
     multi.extend(g for _, g in unhashable if len(g) >= 2)
     gone: set[int] = set()
     for group in multi:
-        _merge_group(ctx, group, gone, after_passages)
+        # Without containment a member can lie inside another one (A=T[0:200],
+        # B=T[100:300], C=T[100:330]): greedy merging takes A+B and leaves C beside the
+        # chain, overlapping it, so dedup(output) would merge again.  The merged chains
+        # are matched again until a round merges nothing: each round removes a member.
+        # (With containment those members are absorbed first and no merge opens a new
+        # edge; see _merge_group.)
+        while _merge_group(ctx, group, gone, after_passages) and not ctx.cfg.containment:
+            group = [k for k in group if id(k) not in gone]
+            if len(group) < 2:
+                break
     if not gone:
         return kept
     return [k for k in kept if id(k) not in gone]
@@ -94,13 +110,14 @@ def _holds_another(datas: list[bytes], lens: list[int], exact: bool) -> bool:
     return True  # larger groups: the containment pass finds out
 
 
-def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bool) -> None:
+def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bool) -> bool:
+    """Merge the chains of one same-source group; whether a chain was merged."""
     m = ctx.cfg.min_overlap
     datas = [k.data for k in group]
     lens = [len(d) for d in datas]
     edges = _group_edges(datas, lens, m)
     if not edges:
-        return
+        return False
     if ctx.cfg.containment and _holds_another(datas, lens, ctx.cfg.exact):
         # A member inside another one is absorbed first: greedy merging could take its
         # edge and leave the chunk holding it beside the chain, overlapping it
@@ -116,7 +133,7 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
             lens = [len(d) for d in datas]
             edges = _group_edges(datas, lens, m) if len(group) >= 2 else []
             if not edges:
-                return
+                return False
 
     # Greedy by overlap length: each chunk gets at most one successor and one
     # predecessor, and no cycles.
@@ -134,6 +151,7 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
         succ[a] = (b, L)
         pred[b] = a
 
+    merged = False
     for head in succ:
         if head in pred:
             continue
@@ -187,6 +205,8 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
         ctx.counts = None
         ctx.removed["overlap"] += len(chain_) - 1
         ctx.removed_bytes["overlap"] += saved
+        merged = True
+    return merged
 
 
 def _same_source(a: object, b: object) -> bool:
@@ -203,6 +223,8 @@ def _edges(datas: list[bytes], lens: list[int], m: int, by_index: bool) -> list[
     longest L >= m; ``by_index``: only the pairs the grid index finds (large groups)."""
     edges: list[tuple[int, int, int]] = []  # (L, a, b): tail of a == head of b
     everyone = range(len(datas))
+    core = _native.core  # its overlap_len: the same L as _overlap_len, in C
+    pair = None if core is None else core.overlap_len
     grid = None
     if by_index:
         grid = GridIndex()  # partners are the chunks that may hold A's tail
@@ -219,15 +241,58 @@ def _edges(datas: list[bytes], lens: list[int], m: int, by_index: bool) -> list[
             lb = lens[b]
             if b == a or lb <= m:
                 continue
-            # Longest L first: the last occurrence of A's tail in B ending at or
-            # before min(la, lb) - 1 (L == len(B) or len(A) would be containment).
-            q = B.rfind(tail, 0, min(la, lb) - 1)
-            while q >= 0:
-                L = q + m
-                if A.endswith(B[:L]):
-                    # A chunk inside the other one is containment, not overlap.
-                    if not ((lb <= la and B in A) or (la <= lb and A in B)):
-                        edges.append((L, a, b))
-                    break
-                q = B.rfind(tail, 0, L - 1)
+            L = _overlap_len(A, B, la, lb, m, tail) if pair is None else pair(A, B, m)
+            # A chunk inside the other one is containment, not overlap.
+            if L and not ((lb <= la and B in A) or (la <= lb and A in B)):
+                edges.append((L, a, b))
     return edges
+
+
+def _overlap_len(A: bytes, B: bytes, la: int, lb: int, m: int, tail: bytes) -> int:
+    """The largest L in [m, min(la, lb) - 1] with ``A.endswith(B[:L])``, else 0.
+
+    Longest L first: the last occurrence of A's m-byte ``tail`` in B ending at or before
+    min(la, lb) - 1 (L == len(B) or len(A) would be containment), each candidate checked
+    by one comparison.  Periodic text has a candidate at nearly every offset, each
+    costing O(L) (quadratic: 17 s for a 1 MB pair of ``a``-runs); once the comparisons
+    have cost more than a budget linear in the pair's size, the answer comes from
+    :func:`_longest_border` instead, linear: the same L either way.
+    """
+    top = min(la, lb) - 1
+    q = B.rfind(tail, 0, top)
+    budget = _BUDGET * top + _BUDGET_MIN
+    while q >= 0:
+        L = q + m
+        if A.endswith(B[:L]):
+            return L
+        budget -= L + m
+        if budget < 0:
+            L = _longest_border(A, B, top)
+            return L if L >= m else 0
+        q = B.rfind(tail, 0, L - 1)
+    return 0
+
+
+def _longest_border(A: bytes, B: bytes, top: int) -> int:
+    """The largest L <= top with ``B[:L] == A[len(A) - L:]`` (0 if none), in O(top):
+    the Knuth-Morris-Pratt automaton of ``B[:top]`` run over A's last ``top`` bytes,
+    whose final state is the longest prefix of B that A ends with."""
+    if top <= 0:
+        return 0
+    P = B[:top]
+    pi = [0] * top  # pi[i]: the longest proper border of P[: i + 1]
+    k = 0
+    for i in range(1, top):
+        c = P[i]
+        while k and P[k] != c:
+            k = pi[k - 1]
+        if P[k] == c:
+            k += 1
+        pi[i] = k
+    q = 0
+    for c in A[len(A) - top :]:
+        while q and (q == top or P[q] != c):
+            q = pi[q - 1]
+        if P[q] == c:
+            q += 1
+    return q

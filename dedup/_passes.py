@@ -35,10 +35,11 @@ from bisect import bisect_right
 from collections.abc import Callable
 from collections import Counter
 from itertools import accumulate, chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from . import _native, _overlap
 from ._anchors import MIN_NEEDLE, GridIndex
+from ._offsets import CutMap as _CutMap, Unmap as _Unmap
 from ._types import DedupConfig, KeptChunk, Relation, RemovedPassage
 
 __all__ = ["Passes"]
@@ -59,6 +60,7 @@ _SWITCH = 32  # plain searches (or haystack rebuilds) of one pass before it inde
 _C_MAX_CHUNKS = 64
 _C_MAX_BYTES = 1 << 18
 _DATA = attrgetter("data")
+_OFFSET = itemgetter(1)
 _KEPT = Relation.KEPT
 _CONTAINED = Relation.CONTAINED
 _PASSAGES = Relation.PASSAGES
@@ -177,8 +179,9 @@ class Passes:
         # if that chunk is later absorbed by containment.
         self.refs: dict[int, list[RemovedPassage]] = {}
         # Origins (by id) whose span lost bytes to a cut: no longer their input's exact
-        # bytes, so a later round never moves one elsewhere as CONTAINED.
-        self.partial: set[int] = set()
+        # bytes, so a later round never moves one elsewhere as CONTAINED.  The value:
+        # (id of that chunk, the input's exact range in its bytes before passage removal).
+        self.partial: dict[int, tuple[int, int, int]] = {}
         self.counts: Counter | None = None  # piece -> occurrences (see module doc)
         self._grid: tuple[GridIndex, dict[int, bytes]] | None = None
 
@@ -382,12 +385,12 @@ class Passes:
             # fixpoint: dedup(output texts) changes nothing.
             out = self.absorb_contained(out)
         elif changed and cfg.exact and len(out) >= 2:
-            out = self._merge_identical(out)  # the same fixpoint without containment
+            out = self.merge_identical(out)  # the same fixpoint without containment
         return out
 
-    def _merge_identical(self, kept: list[KeptChunk]) -> list[KeptChunk]:
-        """Passages can leave two chunks byte-identical: the later one is absorbed into
-        the first (at offset 0) and counted as a duplicate."""
+    def merge_identical(self, kept: list[KeptChunk]) -> list[KeptChunk]:
+        """Passages or overlap merges can leave two chunks byte-identical: the later one
+        is absorbed into the first (at offset 0) and counted as a duplicate."""
         first: dict[bytes, KeptChunk] = {}
         out = []
         for k in kept:
@@ -404,10 +407,14 @@ class Passes:
     def _cut(self, k: KeptChunk, paras, hits) -> bool:
         """Apply passage hits to ``k``; False when nothing but whitespace is left.
 
-        ``hits`` are ``(paragraph index, offset, length, chunk holding it, offset there)``.
-        In a later round (see ``dedup``) ``k`` may hold passages found for earlier
-        records; when one of them would lose its bytes, ``k`` is left as it is.
+        ``hits`` are ``(paragraph index, offset, length, chunk holding it, offset there)``,
+        in paragraph order.  In a later round (see ``dedup``) ``k`` may hold passages found
+        for earlier records; when one of them would lose its bytes, ``k`` is left as it is.
+        Every origin is placed with one bisection over the hits and cuts (it compared
+        each origin with every hit: quadratic for a chunk with many of both).
         """
+        if any(hits[x][1] > hits[x + 1][1] for x in range(len(hits) - 1)):
+            hits = sorted(hits, key=_OFFSET)
         gone = {h[0] for h in hits}
         new = _PARA.join([p for i, p in enumerate(paras) if i not in gone])
         old = k.data
@@ -424,22 +431,23 @@ class Passes:
                     cuts.append((offset, offset + length + 2))
                 else:
                     cuts.append((offset - 2, offset + length))
+        cut_map = None if cuts is None else _CutMap(cuts)
+        hit_starts = [h[1] for h in hits]
         refs = self.refs
         found_here = refs.get(id(k))  # passages of earlier records found in k
         moves = None
         if found_here:
-            moves = _relocate(found_here, old, new, hits, cuts)
+            moves = _relocate(found_here, old, new, hits, hit_starts, cut_map)
             if moves is None:
                 return True  # a recorded passage would lose its bytes: k stays whole
             del refs[id(k)]
 
         records = []
         # A chunk cut again keeps its records in the coordinates of its bytes before
-        # any passage removal.
-        before = _removed_regions(k) if k.removed_passages else None
+        # any passage removal (``unmap`` takes offsets there from the bytes it has now).
+        unmap = _Unmap(k)
         for _, offset, length, found, at in hits:
-            rp = RemovedPassage(k.id, _unmap_offset(offset, before) if before else offset,
-                                length, found.id, at)  # fmt: skip
+            rp = RemovedPassage(k.id, unmap.start(offset), length, found.id, at)
             refs.setdefault(id(found), []).append(rp)
             records.append(rp)
         self.removed["passage"] += len(hits)
@@ -449,45 +457,61 @@ class Passes:
                 rp.found_in, rp.found_at = host.id, at
                 refs.setdefault(id(host), []).append(rp)
 
+        # An input that lay inside one removed paragraph moves to the chunk where that
+        # paragraph was found, as CONTAINED there; the KEPT input never moves (it names
+        # the chunk and its records).  An input that lost bytes in an earlier round
+        # does not move either: its span is not its text.
+        partial = self.partial
+        staying = [k.origins[0]]
+        for o in k.origins[1:]:
+            if o.span is not None and id(o) not in partial:
+                s, e = o.span
+                x = bisect_right(hit_starts, s) - 1  # the only paragraph that can hold it
+                if x >= 0 and e <= hit_starts[x] + hits[x][2]:
+                    _, offset, _, found, at = hits[x]
+                    o.span = (at + s - offset, at + e - offset)
+                    o.relation = _CONTAINED
+                    found.origins.append(o)
+                    continue
+            staying.append(o)
+
         if emptied:
-            # Every paragraph was already present: the chunk goes, and its inputs are
-            # attached to the chunk holding its first removed passage.
-            host = hits[0][3]
-            for o in k.origins:
+            # Every paragraph was already present: the chunk goes, and the inputs left
+            # are attached to the chunk holding its first removed passage, as PASSAGES,
+            # each with its byte range in k's bytes before passage removal (the
+            # coordinates of k's records, which go with them): ``Origin.emptied``.
+            kid = id(k)
+            for o in staying:
+                if o.span is None:  # emptied before, with records of its own chunk
+                    continue
+                s, e = o.span
+                known = partial.get(id(o))
+                if known is not None and known[0] == kid:
+                    s, e = known[1], known[2]  # its exact range, kept when it lost bytes
+                else:  # exact, or (lost bytes elsewhere before) what remains of it
+                    s, e = unmap.start(s), unmap.end(e)
+                    if e < s:
+                        e = s
                 o.relation = _PASSAGES
                 o.span = None
-            host.origins.extend(k.origins)
+                o.emptied = (k.id, s, e)
+            host = hits[0][3]
+            host.origins.extend(staying)
             host.removed_passages.extend(k.removed_passages)
             host.removed_passages.extend(records)
             self.removed_bytes["passage"] += len(old)
             return False
 
         # Spans shrink to what remains of each input (possibly nothing).  An input that
-        # lay inside one removed paragraph moves to the chunk where that paragraph was
-        # found, as CONTAINED there; the KEPT input always stays (it names the chunk).
-        # An input that lost bytes in an earlier round stays: its span is not its text.
-        partial = self.partial
-        staying = [k.origins[0]]
-        for o in k.origins[1:]:
-            if o.span is not None and id(o) not in partial:
-                s, e = o.span
-                for _, offset, length, found, at in hits:
-                    if offset <= s and e <= offset + length:
-                        o.span = (at + s - offset, at + e - offset)
-                        o.relation = _CONTAINED
-                        found.origins.append(o)
-                        break
-                else:
-                    staying.append(o)
-            else:
-                staying.append(o)
+        # loses bytes here keeps its exact range in k's coordinates before passage
+        # removal, for the PASSAGES origin it becomes if a later round empties k.
         k.origins = staying
         for o in staying:
             if o.span is not None:
                 s, e = o.span
-                if any(cs < e and s < ce for cs, ce in cuts):  # type: ignore[union-attr]
-                    partial.add(id(o))
-                o.span = (_map_offset(s, cuts), _map_offset(e, cuts))  # type: ignore[arg-type]
+                if id(o) not in partial and cut_map.hits(s, e):  # type: ignore[union-attr]
+                    partial[id(o)] = (id(k), unmap.start(s), unmap.end(e))
+                o.span = (cut_map(s), cut_map(e))  # type: ignore[misc]
         k.removed_passages.extend(records)
         k.data = new
         k.text = k.digest = None  # type: ignore[assignment]
@@ -495,7 +519,7 @@ class Passes:
         return True
 
 
-def _relocate(found_here: list[RemovedPassage], old: bytes, new: bytes, hits, cuts):
+def _relocate(found_here: list[RemovedPassage], old: bytes, new: bytes, hits, hit_starts, cut_map):
     """Where each record of a passage found in a chunk about to be cut (only in a later
     round) finds its bytes afterwards: ``[(record, chunk, offset)]``, ``k`` itself named
     by ``None`` until the caller knows it, or None when one would find them nowhere.
@@ -509,14 +533,14 @@ def _relocate(found_here: list[RemovedPassage], old: bytes, new: bytes, hits, cu
         s, e = rp.found_at, rp.found_at + rp.length
         piece = old[s:e]
         place = None
-        for _, offset, length, found, at in hits:
-            if offset <= s and e <= offset + length:
-                place = (found, at + s - offset)
-                break
+        x = bisect_right(hit_starts, s) - 1
+        if x >= 0 and e <= hit_starts[x] + hits[x][2]:
+            _, offset, _, found, at = hits[x]
+            place = (found, at + s - offset)
         else:
-            at = _map_offset(s, cuts) if cuts is not None else -1
+            at = cut_map(s) if cut_map is not None else -1
             if at < 0 or new[at : at + len(piece)] != piece:
-                at = new.find(piece) if cuts is not None else -1
+                at = new.find(piece) if cut_map is not None else -1
             if at >= 0:
                 moves.append((rp, None, at))
                 continue
@@ -543,33 +567,3 @@ def _paragraphs(d: bytes) -> list[bytes]:
     if len(lines) & 1 and not any(lines[1::2]):
         return lines[::2]
     return d.split(_PARA)
-
-
-def _removed_regions(k: KeptChunk) -> list[tuple[int, int]]:
-    """The byte ranges that passage removal took out of ``k`` (its own records, each
-    paragraph with its separator), in the coordinates of its bytes before removal."""
-    own = sorted((r.offset, r.length) for r in k.removed_passages if r.chunk_id == k.id)
-    size = len(k.data) + sum(length + 2 for _, length in own)  # the bytes before removal
-    return [(o, o + n + 2) if o + n < size else (o - 2, o + n) for o, n in own]
-
-
-def _unmap_offset(x: int, regions: list[tuple[int, int]]) -> int:
-    """Offset in the bytes before removal of the paragraph that starts at ``x`` now
-    (the inverse of :func:`_map_offset` at paragraph starts)."""
-    for s, e in regions:
-        if s > x:
-            break
-        x += e - s
-    return x
-
-
-def _map_offset(x: int, cuts: list[tuple[int, int]]) -> int:
-    """Offset ``x`` of the old bytes in the bytes left after removing ``cuts`` (sorted)."""
-    shift = 0
-    for s, e in cuts:
-        if x <= s:
-            break
-        if x < e:
-            return s - shift
-        shift += e - s
-    return x - shift

@@ -771,60 +771,163 @@ fail:
 
 /* ---- overlap ---------------------------------------------------------------------------- */
 
+/* The largest L <= top with B[:L] == A[la - L:] (0 if none), in O(top): the
+ * Knuth-Morris-Pratt automaton of B[:top] (its failure table in pi, top entries) run over
+ * A's last top bytes; its final state is the longest prefix of B that A ends with. */
+static Py_ssize_t longest_border(const unsigned char *A, Py_ssize_t la, const unsigned char *B,
+                                 Py_ssize_t top, Py_ssize_t *pi) {
+    if (top <= 0) return 0;
+    Py_ssize_t k = 0;
+    pi[0] = 0;
+    for (Py_ssize_t i = 1; i < top; i++) {
+        unsigned char c = B[i];
+        while (k && B[k] != c) k = pi[k - 1];
+        if (B[k] == c) k++;
+        pi[i] = k;
+    }
+    const unsigned char *T = A + la - top;
+    Py_ssize_t q = 0;
+    for (Py_ssize_t i = 0; i < top; i++) {
+        unsigned char c = T[i];
+        while (q && (q == top || B[q] != c)) q = pi[q - 1];
+        if (B[q] == c) q++;
+    }
+    return q;
+}
+
+/* The KMP table, grown on demand across the pairs of one call. */
+typedef struct {
+    Py_ssize_t *pi;
+    Py_ssize_t cap;
+} Table;
+
+/* The largest L in [m, min(la, lb) - 1] with B[:L] == A[la - L:], 0 if none, -1 on a
+ * memory error (la, lb > m >= 1).  Longest L first: candidates L - 1 with B[L - 1] == A's
+ * last byte, each checked by comparing.  Periodic text has one at nearly every offset,
+ * each costing O(L): once the comparisons have cost more than per_byte * top + least
+ * bytes, longest_border answers instead, in O(top): the same L (it was quadratic:
+ * 1 s for a 1 MB pair of a-runs). */
+static Py_ssize_t pair_overlap(const unsigned char *A, Py_ssize_t la, const unsigned char *B,
+                               Py_ssize_t lb, Py_ssize_t m, Py_ssize_t per_byte,
+                               Py_ssize_t least, Table *t) {
+    const unsigned char *tail = A + la - m;
+    unsigned char last = A[la - 1];
+    Py_ssize_t top = (la < lb ? la : lb) - 1; /* the largest L allowed */
+    Py_ssize_t lo = m - 1;
+    Py_ssize_t hi = top - 1;
+    Py_ssize_t budget = per_byte * top + least;
+    while (hi >= lo) {
+        const unsigned char *e = memrchr(B + lo, last, (size_t)(hi - lo + 1));
+        if (!e) break;
+        Py_ssize_t L = (e - B) + 1;
+        budget -= m;
+        if (memcmp(B + L - m, tail, (size_t)m) == 0) {
+            if (memcmp(A + la - L, B, (size_t)(L - m)) == 0) return L;
+            budget -= L - m;
+        }
+        if (budget < 0) {
+            if (top > t->cap) {
+                Py_ssize_t *grown = PyMem_Realloc(t->pi, sizeof(Py_ssize_t) * (size_t)top);
+                if (!grown) {
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                t->pi = grown;
+                t->cap = top;
+            }
+            L = longest_border(A, la, B, top, t->pi);
+            return L >= m ? L : 0;
+        }
+        hi = (e - B) - 1;
+    }
+    return 0;
+}
+
+/* per_byte, least: the budget of pair_overlap's comparisons (tests pass 0, 0). */
+static int budget_args(Py_ssize_t m, Py_ssize_t per_byte, Py_ssize_t *least) {
+    if (m < 1) {
+        PyErr_SetString(PyExc_ValueError, "m must be >= 1");
+        return -1;
+    }
+    if (per_byte < 0 || per_byte > 1024 || *least < 0) {
+        PyErr_SetString(PyExc_ValueError, "per_byte must be in [0, 1024] and least >= 0");
+        return -1;
+    }
+    if (*least > PY_SSIZE_T_MAX / 4) *least = PY_SSIZE_T_MAX / 4; /* no overflow */
+    return 0;
+}
+
+#define BUDGET_DOC \
+"Candidates are compared until that costs more than per_byte * (min(len a, len b) - 1)\n" \
+"+ least bytes, then a linear (KMP) search answers: the same L (0, 0: every failed\n" \
+"candidate switches, for tests)."
+
 PyDoc_STRVAR(overlap_edges_doc,
-"overlap_edges(datas, m) -> list of (L, a, b)\n\n"
+"overlap_edges(datas, m, per_byte=32, least=4096) -> list of (L, a, b)\n\n"
 "For each ordered pair a != b with len > m: the largest L in [m, min(len a, len b) - 1]\n"
-"with datas[a].endswith(datas[b][:L]), unless one of the two occurs in the other.");
+"with datas[a].endswith(datas[b][:L]), unless one of the two occurs in the other.\n"
+BUDGET_DOC);
 
 static PyObject *overlap_edges(PyObject *self, PyObject *args) {
     PyObject *list;
-    Py_ssize_t m;
-    if (!PyArg_ParseTuple(args, "On", &list, &m)) return NULL;
-    if (m < 1) {
-        PyErr_SetString(PyExc_ValueError, "m must be >= 1");
-        return NULL;
-    }
+    Py_ssize_t m, per_byte = 32, least = 4096;
+    if (!PyArg_ParseTuple(args, "On|nn", &list, &m, &per_byte, &least)) return NULL;
+    if (budget_args(m, per_byte, &least) < 0) return NULL;
     Py_ssize_t n;
     Span *spans = spans_of(list, &n);
     if (!spans) return NULL;
+    Table t = {NULL, 0};
     PyObject *out = PyList_New(0);
     if (!out) goto done;
     for (Py_ssize_t a = 0; a < n; a++) {
-        const unsigned char *A = spans[a].p;
         Py_ssize_t la = spans[a].n;
         if (la <= m) continue;
-        const unsigned char *tail = A + la - m;
-        unsigned char last = A[la - 1];
         for (Py_ssize_t b = 0; b < n; b++) {
-            const unsigned char *B = spans[b].p;
             Py_ssize_t lb = spans[b].n;
             if (b == a || lb <= m) continue;
-            Py_ssize_t top = (la < lb ? la : lb) - 1; /* the largest L allowed */
-            /* Candidates: L - 1 in [m - 1, top - 1] with B[L - 1] == A's last byte. */
-            Py_ssize_t lo = m - 1;
-            Py_ssize_t hi = top - 1;
-            while (hi >= lo) {
-                const unsigned char *e = memrchr(B + lo, last, (size_t)(hi - lo + 1));
-                if (!e) break;
-                Py_ssize_t L = (e - B) + 1;
-                if (memcmp(B + L - m, tail, (size_t)m) == 0 &&
-                    memcmp(A + la - L, B, (size_t)(L - m)) == 0) {
-                    /* A chunk inside the other one is containment, not overlap. */
-                    int inside = (lb <= la && holds(&spans[a], &spans[b])) ||
-                                 (la <= lb && holds(&spans[b], &spans[a]));
-                    if (!inside && append_tuple(out, Py_BuildValue("(nnn)", L, a, b)) < 0) {
-                        Py_CLEAR(out);
-                        goto done;
-                    }
-                    break;
+            Py_ssize_t L = pair_overlap(spans[a].p, la, spans[b].p, lb, m, per_byte, least, &t);
+            if (L < 0) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            if (L) {
+                /* A chunk inside the other one is containment, not overlap. */
+                int inside = (lb <= la && holds(&spans[a], &spans[b])) ||
+                             (la <= lb && holds(&spans[b], &spans[a]));
+                if (!inside && append_tuple(out, Py_BuildValue("(nnn)", L, a, b)) < 0) {
+                    Py_CLEAR(out);
+                    goto done;
                 }
-                hi = (e - B) - 1;
             }
         }
     }
 done:
+    PyMem_Free(t.pi);
     spans_free(spans, n);
     return out;
+}
+
+PyDoc_STRVAR(overlap_len_doc,
+"overlap_len(a, b, m, per_byte=32, least=4096) -> int\n\n"
+"The largest L in [m, min(len a, len b) - 1] with a.endswith(b[:L]), 0 if none (no\n"
+"containment check): one pair of overlap_edges, for the Python pass's large groups.\n"
+BUDGET_DOC);
+
+static PyObject *overlap_len(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    Py_ssize_t m, per_byte = 32, least = 4096;
+    if (!PyArg_ParseTuple(args, "y*y*n|nn", &a, &b, &m, &per_byte, &least)) return NULL;
+    Py_ssize_t L = 0;
+    if (budget_args(m, per_byte, &least) < 0) {
+        L = -1;
+    } else if (a.len > m && b.len > m) {
+        Table t = {NULL, 0};
+        L = pair_overlap(a.buf, a.len, b.buf, b.len, m, per_byte, least, &t);
+        PyMem_Free(t.pi);
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return L < 0 ? NULL : PyLong_FromSsize_t(L);
 }
 
 /* ---- the module ---------------------------------------------------------------------- */
@@ -844,6 +947,7 @@ static PyMethodDef methods[] = {
     {"contained", contained, METH_O, contained_doc},
     {"passage_scan", passage_scan, METH_VARARGS, passage_scan_doc},
     {"overlap_edges", overlap_edges, METH_VARARGS, overlap_edges_doc},
+    {"overlap_len", overlap_len, METH_VARARGS, overlap_len_doc},
     {NULL, NULL, 0, NULL},
 };
 

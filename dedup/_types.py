@@ -46,7 +46,9 @@ class Relation(enum.Enum):
     MERGED = "merged"
     """Sliding-window overlap: merged into the kept chunk (2nd, 3rd... member)."""
     PASSAGES = "passages"
-    """Every paragraph of it was already present earlier; see ``removed_passages``."""
+    """It lay in a chunk that passage removal emptied (every paragraph of that chunk was
+    already present earlier) and not inside one removed paragraph: ``Origin.emptied``
+    locates it among that chunk's ``removed_passages``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +130,19 @@ class Origin:
     (``None`` for :attr:`Relation.PASSAGES`).  If the kept chunk lost repeated passages,
     the span covers what remains of this input's bytes (empty if nothing remains); an
     input that lay inside one removed paragraph is moved, as CONTAINED, to the chunk
-    where that paragraph was found.
+    where that paragraph was found (also when passage removal emptied its chunk).
+
+    ``emptied`` is set for :attr:`Relation.PASSAGES` only: ``(chunk_id, start, end)``,
+    this input's byte range in the bytes of the emptied chunk ``chunk_id`` as they were
+    before passage removal, the coordinates of that chunk's :class:`RemovedPassage`
+    records (``RemovedPassage.chunk_id == chunk_id``, filed in the ``removed_passages`` of
+    the kept chunk holding this origin).  To rebuild the input: place each record's
+    ``found_in``/``found_at`` bytes at its ``offset`` and fill every other byte with
+    ``b"\n"`` (the separators and empty paragraphs between them), then slice
+    ``[start:end]``.  Not recorded: whitespace-only paragraphs other than empty ones that
+    the emptied chunk had (their bytes come back as newlines), and, for an input that
+    lost bytes to a cut in another chunk before it came here, where it began or ended
+    inside a removed paragraph (the range then covers what remained of it).
     """
 
     index: int
@@ -136,6 +150,7 @@ class Origin:
     metadata: dict
     relation: Relation
     span: tuple[int, int] | None
+    emptied: tuple[str, int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -162,7 +177,8 @@ class KeptChunk:
 
     ``origins`` lists every input it stands for, the KEPT one first, then by input index.
     ``removed_passages`` lists passages removed from it, and from chunks that were
-    emptied by passage removal and attached here (their ``chunk_id`` tells them apart).
+    emptied by passage removal and attached here (their ``chunk_id`` tells them apart;
+    the PASSAGES origins of such a chunk name it in ``Origin.emptied``).
     """
 
     id: str

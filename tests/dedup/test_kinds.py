@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from promptsplice import dedup
 import promptsplice.dedup._normalize
 from promptsplice.dedup import DedupConfig, Origin, Relation, RemovedPassage, dedup as run_dedup
 from promptsplice.blocks import content_digest
@@ -323,7 +322,7 @@ def test_chunk_made_only_of_repeated_paragraphs_is_attached_with_passages():
     assert host.text == a
     assert host.origins == [
         Origin(0, "a", {}, Relation.KEPT, (0, 351)),
-        Origin(2, "c", {"page": 7}, Relation.PASSAGES, None),
+        Origin(2, "c", {"page": 7}, Relation.PASSAGES, None, ("c", 0, 351)),
     ]
     assert host.removed_passages == [
         RemovedPassage("c", 0, 178, "a", 173),
@@ -391,7 +390,7 @@ def test_with_containment_off_a_whole_chunk_can_be_a_repeated_passage():
         containment=False,
     )
     assert [k.id for k in result.chunks] == ["a"]
-    assert result.chunks[0].origins[1] == Origin(1, "v", {}, Relation.PASSAGES, None)
+    assert result.chunks[0].origins[1] == Origin(1, "v", {}, Relation.PASSAGES, None, ("v", 0, 168))
     assert result.chunks[0].removed_passages == [RemovedPassage("v", 0, 168, "a", 173)]
 
 
@@ -452,3 +451,70 @@ def test_config_object_and_overrides_combine():
     assert run_dedup(chunks, cfg).chunks[1].text == chunks[1]
     assert run_dedup(chunks, cfg, passages=True).chunks[1].text == VIENNA
     assert cfg.passages is False  # the caller's config is not changed
+
+
+# -- chunks emptied by passage removal: every input keeps its place ------------------------
+
+_ALPHA = " ".join(f"alpha{i}" for i in range(30))  # one paragraph, 229 bytes
+_BRAVO = " ".join(f"bravo{i}" for i in range(30))
+
+
+def test_a_duplicate_of_an_emptied_chunk_keeps_its_range_among_the_records():
+    # c2 is all repeated paragraphs (one in a, one in b) and c3 is its exact duplicate:
+    # c3 became a PASSAGES origin that named nothing (no record has its id).
+    c2 = _ALPHA + "\n\n" + _BRAVO
+    chunks = [{"id": "a", "text": _ALPHA + "\n\nxray one"}, {"id": "b", "text": "yankee two\n\n" + _BRAVO},
+              {"id": "c2", "text": c2}, {"id": "c3", "text": c2}]  # fmt: skip
+    result = run_dedup(chunks)
+    a, b_ = result.chunks
+    assert [(o.id, o.relation, o.span, o.emptied) for o in a.origins] == [
+        ("a", Relation.KEPT, (0, 239), None),
+        ("c2", Relation.PASSAGES, None, ("c2", 0, 460)),
+        ("c3", Relation.PASSAGES, None, ("c2", 0, 460)),
+    ]
+    assert a.removed_passages == [RemovedPassage("c2", 0, 229, "a", 0), RemovedPassage("c2", 231, 229, "b", 12)]
+    assert b_.origins == [Origin(1, "b", {}, Relation.KEPT, (0, 241))]
+    rebuilt = bytearray(b"\n" * 460)
+    for r in a.removed_passages:
+        host = {"a": a, "b": b_}[r.found_in]
+        rebuilt[r.offset : r.offset + r.length] = host.data[r.found_at : r.found_at + r.length]
+    assert bytes(rebuilt) == c2.encode()
+    assert result.stats.removed == {"duplicate": 1, "contained": 0, "overlap": 0, "passage": 2, "empty": 0}
+
+
+def test_an_input_inside_one_paragraph_of_an_emptied_chunk_moves_as_contained():
+    # z lies inside c2's first paragraph; c2 is emptied: z moves, CONTAINED, to where that
+    # paragraph was found (a, at 0), as it does when c2 keeps a paragraph of its own.
+    z = _ALPHA[10:120]
+    chunks = [{"id": "a", "text": _ALPHA + "\n\nxray one"}, {"id": "b", "text": "yankee two\n\n" + _BRAVO},
+              {"id": "c2", "text": _ALPHA + "\n\n" + _BRAVO}, {"id": "z", "text": z}]  # fmt: skip
+    result = run_dedup(chunks)
+    a = result.chunks[0]
+    assert [(o.id, o.relation, o.span, o.emptied) for o in a.origins] == [
+        ("a", Relation.KEPT, (0, 239), None),
+        ("c2", Relation.PASSAGES, None, ("c2", 0, 460)),
+        ("z", Relation.CONTAINED, (10, 120), None),
+    ]
+    assert a.data[10:120] == z.encode()
+    chunks[2]["text"] += "\n\nfresh tail paragraph"  # not emptied: the same place
+    kept = run_dedup(chunks).find("z")
+    assert kept is not None and kept.id == "a"
+    assert [(o.relation, o.span) for o in kept.origins if o.id == "z"] == [(Relation.CONTAINED, (10, 120))]
+
+
+def test_an_input_across_paragraphs_of_an_emptied_chunk_is_located_in_its_records():
+    # w spans the end of one paragraph, the separator and the start of the next: it
+    # cannot move to one chunk; its range in c's bytes rebuilds it.
+    c = _ALPHA + "\n\n" + _BRAVO
+    w = c[200:260]
+    chunks = [{"id": "a", "text": _ALPHA + "\n\nxray one"}, {"id": "b", "text": "yankee two\n\n" + _BRAVO},
+              {"id": "c", "text": c}, {"id": "w", "text": w}]  # fmt: skip
+    result = run_dedup(chunks)
+    a = result.chunks[0]
+    [o] = [o for o in a.origins if o.id == "w"]
+    assert (o.relation, o.span, o.emptied) == (Relation.PASSAGES, None, ("c", 200, 260))
+    by_id = {k.id: k for k in result.chunks}
+    rebuilt = bytearray(b"\n" * len(c))
+    for r in a.removed_passages:
+        rebuilt[r.offset : r.offset + r.length] = by_id[r.found_in].data[r.found_at : r.found_at + r.length]
+    assert bytes(rebuilt) == c.encode() and bytes(rebuilt)[200:260] == w.encode()

@@ -99,6 +99,16 @@ def rebuild(new: bytes, records, by_id) -> bytes:
     return cur
 
 
+def emptied_bytes(kept, chunk_id: str, end: int, by_id) -> bytes:
+    """The bytes of chunk ``chunk_id``, emptied by passage removal, as they were before:
+    each of its records' passage at its offset, newlines between (``Origin.emptied``)."""
+    records = [r for r in kept.removed_passages if r.chunk_id == chunk_id]
+    buf = bytearray(b"\n" * max([end] + [r.offset + r.length for r in records]))
+    for r in records:
+        buf[r.offset : r.offset + r.length] = by_id[r.found_in].data[r.found_at : r.found_at + r.length]
+    return bytes(buf)
+
+
 def check_result(chunks, cfg, result) -> None:
     inputs = normalize_chunks(chunks)
     data_of = {c.index: c.data for c in inputs}
@@ -138,8 +148,14 @@ def check_result(chunks, cfg, result) -> None:
         span_ids = {o.id for o in k.origins if o.span is not None}
         for o in k.origins:
             if o.relation is Relation.PASSAGES:
-                assert o.span is None
+                # Its range in the emptied chunk's bytes, rebuilt from that chunk's records.
+                assert o.span is None and o.emptied is not None
+                cid, s, e = o.emptied
+                assert any(r.chunk_id == cid for r in k.removed_passages) and 0 <= s <= e
+                piece = emptied_bytes(k, cid, e, by_id)[s:e]
+                assert piece == data_of[o.index] or is_subsequence(piece, data_of[o.index]), (o, k)
                 continue
+            assert o.emptied is None
             s, e = o.span
             piece = k.data[s:e]
             if changed & span_ids:
@@ -174,6 +190,20 @@ def test_provenance_spans_and_accounting(chunks, cfg):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(retrievals(), configs)
 def test_dedup_is_idempotent_on_its_output(chunks, cfg):
+    check_idempotent(chunks, cfg)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(retrievals(), configs)
+def test_dedup_without_containment_is_idempotent_on_its_output(chunks, cfg):
+    """Without containment a window can lie inside another one of its source; the merged
+    chains are matched again until nothing merges, and a chain equal to another chunk is
+    a duplicate, so the output is a fixpoint here too (a second call merged more)."""
+    check_idempotent(chunks, DedupConfig(containment=False, min_overlap=cfg.min_overlap,
+                                         min_passage=cfg.min_passage))  # fmt: skip
+
+
+def check_idempotent(chunks, cfg):
     """With their metadata (the source key), so the overlap pass sees the output too: a
     chain merged in one round could still overlap a chunk left beside it, and a chunk cut
     by the passage pass can get a head that overlaps a neighbour's tail.
@@ -367,3 +397,93 @@ def test_without_containment_the_output_is_still_a_fixpoint():
     assert len(texts) == len(set(texts)) and first.stats.removed["duplicate"] == 1
     second = dedup(texts, containment=False)
     assert [k.text for k in second.chunks] == texts and sum(second.stats.removed.values()) == 0
+
+
+def test_without_containment_windows_of_two_sizes_merge_to_a_fixpoint():
+    """A=T[0:200], B=T[100:300], C=T[100:330] with containment off: B lies inside C,
+    greedy merging took A+B and left C beside it, and a second dedup merged them; the
+    chains are now matched again.  A merged chain equal to another window is a duplicate."""
+    import itertools
+
+    text = " ".join(f"tok{i:03d}" for i in range(60))
+    src = {"A": text[0:200], "B": text[100:300], "C": text[100:330]}
+    for order, passages in itertools.product(itertools.permutations("ABC"), (False, True)):
+        chunks = [{"id": k, "text": src[k], "metadata": {"source": "doc"}} for k in order]
+        first = dedup(chunks, containment=False, passages=passages)
+        texts = [k.text for k in first.chunks]
+        # A+C first leaves B inside the chain: not redundancy without containment (with
+        # passages, B after the chain is one paragraph it holds)
+        inside = not passages and order.index("C") < order.index("B")
+        assert texts == ([text[0:330], src["B"]] if inside else [text[0:330]]), order
+        again = dedup([{"text": k.text, "metadata": k.metadata} for k in first.chunks], containment=False,
+                      passages=passages)  # fmt: skip
+        assert [k.text for k in again.chunks] == texts and again.stats.removed_bytes_total == 0, order
+    first = dedup([{"id": k, "text": src[k], "metadata": {"source": "doc"}} for k in "ABC"], containment=False)
+    assert [(o.id, o.relation, o.span) for o in first.chunks[0].origins] == [
+        ("A", Relation.KEPT, (0, 200)), ("B", Relation.MERGED, (100, 300)), ("C", Relation.MERGED, (100, 330))]  # fmt: skip
+    assert first.stats.removed["overlap"] == 2
+    src = {"A": text[0:200], "B": text[100:300], "D": text[0:300]}
+    chunks = [{"id": k, "text": v, "metadata": {"source": "doc"}} for k, v in src.items()]
+    first = dedup(chunks, containment=False, passages=False)
+    assert [(o.id, o.relation, o.span) for o in first.chunks[0].origins] == [
+        ("A", Relation.KEPT, (0, 200)), ("B", Relation.MERGED, (100, 300)), ("D", Relation.CONTAINED, (0, 300))]  # fmt: skip
+    assert first.stats.removed == {"duplicate": 1, "contained": 0, "overlap": 1, "passage": 0, "empty": 0}
+    again = dedup([{"text": k.text, "metadata": k.metadata} for k in first.chunks], containment=False, passages=False)
+    assert [k.text for k in again.chunks] == [text[0:300]] and again.stats.removed_bytes_total == 0
+
+
+# Chunks made only of paragraphs that earlier chunks hold (so passage removal empties
+# them), their copies and windows over them: no source, so one passage round.
+marked = st.tuples(st.integers(0, 10**6), paragraphs).map(lambda t: f"[paragraph {t[0]:07d}] {t[1]}")
+
+
+@st.composite
+def emptied_retrievals(draw):
+    paras = draw(st.lists(marked, min_size=2, max_size=8, unique_by=lambda p: p[:19]))
+    cuts = sorted(set(draw(st.lists(st.integers(1, len(paras) - 1), max_size=2))))
+    bounds = [0, *cuts, len(paras)]
+    # The holders come first, each closed by a paragraph of its own that no other chunk
+    # repeats, so that none lies inside a later chunk (which would then be cut, not emptied).
+    chunks = ["\n\n".join([*paras[bounds[i] : bounds[i + 1]], f"[holder {i}] end"]) for i in range(len(bounds) - 1)]
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["repeat", "repeat", "copy", "window"]))
+        if kind == "repeat":
+            chunks.append("\n\n".join(draw(st.lists(st.sampled_from(paras), min_size=1, max_size=4))))
+        elif kind == "copy":
+            chunks.append(draw(st.sampled_from(chunks)))
+        else:
+            text = draw(st.sampled_from(chunks))  # a window of any chunk
+            a = draw(st.integers(0, len(text) - 1))
+            chunks.append(text[a : draw(st.integers(a + 1, len(text)))])
+    # ids of their own: with exact off, generated ids of two copies would be one
+    return [{"id": f"c{i}", "text": t} for i, t in enumerate(chunks)]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(emptied_retrievals(), st.sampled_from([1, 8, 16]), st.booleans(), st.booleans())
+def test_every_input_is_rebuilt_byte_exactly_when_chunks_are_emptied(chunks, mp, exact, containment):
+    """Each input comes back from the output and its provenance alone: a span of a kept
+    chunk that lost nothing, a kept chunk put back together from its own records (its
+    KEPT input or a duplicate of it), or, for the inputs of a chunk that passage removal
+    emptied, ``Origin.emptied`` over that chunk's records (they named nothing, span None)."""
+    cfg = DedupConfig(exact=exact, containment=containment, min_passage=mp)
+    result = dedup(chunks, cfg)
+    check_result(chunks, cfg, result)
+    by_id = {k.id: k for k in result.chunks}
+    data_of = {c.index: c.data for c in normalize_chunks(chunks)}
+    rebuilt = {}
+    for k in result.chunks:
+        for o in k.origins:
+            if o.relation is Relation.PASSAGES:
+                cid, s, e = o.emptied
+                rebuilt[o.index] = emptied_bytes(k, cid, e, by_id)[s:e]
+                continue
+            # A chunk that lost paragraphs: its KEPT input (or a duplicate of it), whose
+            # span is what is left, comes back with its records.
+            cid = k.id if o.relation is Relation.DUPLICATE else o.id
+            own = [r for r in k.removed_passages if r.chunk_id == cid]
+            piece = k.data[o.span[0] : o.span[1]]
+            rebuilt[o.index] = rebuild(piece, own, by_id) if own else piece
+    rebuilt.update((d.index, data_of[d.index]) for d in result.dropped)  # blank windows
+    assert all(not data_of[d.index].strip() for d in result.dropped)
+    assert rebuilt == data_of

@@ -396,3 +396,133 @@ def test_the_index_answers_the_first_occurrence_in_the_earliest_chunk():
         assert speedups.contained(datas) == _contained_reference(datas)
         fast, slow = _scan_both(datas, 31, rng.random() < 0.5)
         assert fast == slow
+
+
+# -- overlap on periodic text: the linear search gives the same edges --------------------
+
+periodic = st.lists(st.sampled_from([b"a", b"ab", b"aab", b"b", b"\xc3\xa9"]), max_size=30).map(b"".join)
+
+
+def _overlap_reference(datas, m):
+    out = []
+    for a, A in enumerate(datas):
+        for b, B in enumerate(datas):
+            if a == b or len(A) <= m or len(B) <= m:
+                continue
+            ls = [L for L in range(m, min(len(A), len(B))) if A.endswith(B[:L])]
+            if ls and not ((len(B) <= len(A) and B in A) or (len(A) <= len(B) and A in B)):
+                out.append((max(ls), a, b))
+    return sorted(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(periodic, min_size=1, max_size=5), st.sampled_from([1, 2, 3, 5]))
+def test_overlap_edges_after_the_budget_match_a_brute_force_search(datas, m):
+    # per_byte=0, least=0 (and _BUDGET* = 0): every failed candidate hands the pair to
+    # the KMP search, which must give the longest overlap the comparisons give.
+    expected = _overlap_reference(datas, m)
+    lens = list(map(len, datas))
+    assert sorted(speedups.overlap_edges(datas, m)) == expected
+    assert sorted(speedups.overlap_edges(datas, m, 0, 0)) == expected
+    for a, A in enumerate(datas):
+        for b, B in enumerate(datas):
+            if len(A) > m and len(B) > m:
+                L = speedups.overlap_len(A, B, m)
+                assert L == speedups.overlap_len(A, B, m, 0, 0)
+                assert L == _overlap._overlap_len(A, B, len(A), len(B), m, A[-m:])
+                assert L == max([x for x in range(m, min(len(A), len(B))) if A.endswith(B[:x])] or [0])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_native, "core", None)
+        assert sorted(_overlap._edges(datas, lens, m, False)) == expected
+        mp.setattr(_overlap, "_BUDGET", 0)
+        mp.setattr(_overlap, "_BUDGET_MIN", 0)
+        assert sorted(_overlap._edges(datas, lens, m, False)) == expected
+        assert sorted(_overlap._edges(datas, lens, m, True)) == sorted(_overlap._edges(datas, lens, m, False))
+
+
+def test_overlap_len_checks_its_arguments():
+    assert speedups.overlap_len(b"xxabab", b"ababyy", 1) == 4
+    assert speedups.overlap_len(b"ab", b"ab", 5) == 0
+    with pytest.raises(ValueError):
+        speedups.overlap_len(b"ab", b"ab", 0)
+    with pytest.raises(ValueError):
+        speedups.overlap_edges([b"ab"], 1, -1, 0)
+    with pytest.raises(TypeError):
+        speedups.overlap_len("ab", b"ab", 1)
+
+
+def _best(f, runs=3):
+    import time
+
+    best = float("inf")
+    for _ in range(runs):
+        start = time.process_time()
+        f()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+@pytest.mark.parametrize("use_core", [True, False])
+def test_the_overlap_search_takes_linear_time_on_periodic_text(use_core):
+    # A = b + a^n, B = a^(n/2) c a^n: A's tail occurs at nearly every offset of B and each
+    # comparison fails at the c, O(n) each: 1 MB took 1.0 s in C and 6.7 s in Python.
+    def pair(n):
+        a = {"text": "b" + "a" * n, "metadata": {"source": "s"}}
+        return [a, {"text": "a" * (n // 2) + "c" + "a" * n, "metadata": {"source": "s"}}]
+
+    small, large = pair(25_000), pair(400_000)  # 16x the bytes
+    with pytest.MonkeyPatch.context() as mp:
+        if not use_core:
+            mp.setattr(_native, "core", None)
+        for n, chunks in ((25_000, small), (400_000, large)):
+            result = dedup(chunks)  # the longest overlap: B's n/2 leading a's
+            assert [k.text for k in result.chunks] == ["b" + "a" * n + "c" + "a" * n]
+            assert result.stats.removed_bytes["overlap"] == n // 2
+        t_small = _best(lambda: dedup(small))
+        t_large = _best(lambda: dedup(large), runs=1)
+    # linear: ~16x; quadratic: ~256x
+    assert t_large <= 60 * max(t_small, 1e-3), (t_small, t_large)
+
+
+def _cut_case(n):
+    """A chunk of n unique paragraphs Q_i each followed by a repeated one P_i (found in
+    a holder), with every Q_i an input contained in it: n origins, n hits."""
+    from promptsplice.dedup import DedupConfig, KeptChunk, Origin, Relation
+
+    ps = [f"repeated paragraph {i:06d} lorem ipsum".encode() for i in range(n)]
+    qs = [f"unique paragraph {i:06d} consectetur".encode() for i in range(n)]
+    holder_data = b"\n\n".join(ps)
+    holder = KeptChunk("h", None, holder_data, None, {}, [Origin(0, "h", {}, Relation.KEPT, (0, len(holder_data)))], [])
+    paras = [p for pair in zip(qs, ps) for p in pair]
+    data = b"\n\n".join(paras)
+    origins = [Origin(1, "k", {}, Relation.KEPT, (0, len(data)))]
+    hits = []
+    offset = found_at = 0
+    for i, p in enumerate(paras):
+        if i % 2:
+            hits.append((i, offset, len(p), holder, found_at))
+            found_at += len(p) + 2
+        else:
+            origins.append(Origin(2 + i // 2, f"q{i}", {}, Relation.CONTAINED, (offset, offset + len(p))))
+        offset += len(p) + 2
+    k = KeptChunk("k", None, data, None, {}, origins, [])
+    ctx = passes.Passes(DedupConfig(), dict.fromkeys(("passage", "contained"), 0), dict.fromkeys(("passage",), 0))
+    return ctx, k, paras, hits, qs
+
+
+def test_cutting_many_paragraphs_with_many_inputs_takes_near_linear_time():
+    # Each origin was compared with every hit (and every cut): 4,000 of each, 1.8 s.
+    ctx, k, paras, hits, qs = _cut_case(50)
+    assert ctx._cut(k, paras, hits) is True
+    assert k.data == b"\n\n".join(qs)
+    assert [o.span for o in k.origins[1:]] == [(i * (len(qs[0]) + 2), i * (len(qs[0]) + 2) + len(qs[0])) for i in range(50)]
+    assert [k.data[s:e] for s, e in (o.span for o in k.origins[1:])] == qs
+    assert k.origins[0].span == (0, len(k.data)) and len(k.removed_passages) == 50
+
+    def timed(n):
+        case = _cut_case(n)
+        return _best(lambda: case[0]._cut(*case[1:4]), runs=1)
+
+    t_small = min(timed(500) for _ in range(3))
+    t_large = timed(8000)  # 16x: linear ~16x (plus a log), quadratic ~256x
+    assert t_large <= 64 * max(t_small, 1e-3), (t_small, t_large)
