@@ -21,7 +21,7 @@ engine (``EmbeddedEngine.make_assembler()``) holds a read-only
 :class:`~promptsplice.assembler.MirrorView` of the engine's mirror, asks it for
 predictions and never admits: the engine admits what really ran.
 
-Kept as one module (~640 lines): one assembly takes the assembler's lock once, and
+Kept as one module (~650 lines): one assembly takes the assembler's lock once, and
 ordering, layout, the size checks and what the call learns (orders, branch points,
 popularity) must happen in that order under it: a prompt refused for its size learns
 nothing, which holds only while they sit in one method.
@@ -471,7 +471,8 @@ class Assembler:
         """Lay out every candidate order on the mirror and keep the best (see
         :mod:`promptsplice.assembler._ordering`): the last-sent order, the stable order,
         the retrieval order, and -- unless one of those is cached to its last full
-        block -- the greedy walk.  The winner's branch-memory queries are replayed.
+        block -- the greedy walk (under ``auto``, when that walk padded, also the walk
+        without padding).  The winner's branch-memory queries are replayed.
 
         A trial stops appending at its first miss (nothing after it hits, and ``auto``
         and ``none`` add no padding there): only the winner is completed."""
@@ -502,11 +503,17 @@ class Assembler:
                 n = len(builder.tokens) + sum(len(chunk_toks[i]) for i in order[done:]) + len(query_toks)
             trials.append((builder, order, peek, done, n, rest))
         if len(kept) > 1 and not any(t[0].hitting for t in trials):
-            peek = PeekBranches(branches)
-            builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, None, None)
-            order = self._greedy(builder, kept, chunk_toks, stable, query_toks)
-            builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
-            trials.append((builder, order, peek, len(order), len(builder.tokens), []))
+            # Under ``auto`` the walk is myopic about padding (a padded boundary that adds
+            # a block now can cost more blocks later): a walk that padded is joined by the
+            # unpadded walk, the one ``none`` takes, so ``auto`` never caches less than it.
+            for walk_align in (align, AlignPolicy.NONE):
+                peek = PeekBranches(branches)
+                builder = self._layout(peek, salt, walk_align, head, head_toks, kept, chunk_toks, None, None)
+                order = self._greedy(builder, kept, chunk_toks, stable, query_toks)
+                builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
+                trials.append((builder, order, peek, len(order), len(builder.tokens), []))
+                if align is not AlignPolicy.AUTO or not any(seg.padding for seg in builder.segments):
+                    break  # a walk that padded nothing is the unpadded walk
         builder, order, peek, done, _, rest = trials[pick_best([self._cached_tokens(t[0], t[4]) for t in trials])]
         if done < len(order):  # complete the winner (never the greedy walk: it lays every chunk)
             for j in range(done, len(order)):

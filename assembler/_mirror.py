@@ -32,11 +32,11 @@ import enum
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Container, KeysView, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from promptsplice.blocks import BlockHash, cacheable_blocks, cdiv
-from promptsplice._validate import check_block_size, check_int, check_optional_int
-from promptsplice.errors import ConfigError
+from promptsplice._validate import check_block_size, check_int, check_optional_int, is_int
+from promptsplice.errors import ConfigError, InputError
 
 __all__ = ["PrefixCacheMirror", "MirrorView", "Prediction", "BlockState"]
 
@@ -132,7 +132,12 @@ class PrefixCacheMirror:
         return n
 
     def predict(self, hashes: Sequence[BlockHash], num_tokens: int) -> Prediction:
-        """What a request of ``num_tokens`` tokens with these full-block hashes would hit."""
+        """What a request of ``num_tokens`` tokens with these full-block hashes would hit.
+
+        Raises :class:`~promptsplice.errors.InputError` when ``num_tokens`` is not an
+        int >= 1, ``hashes`` is not a list or tuple of ``bytes`` block hashes, or there
+        are more hashes than full blocks in ``num_tokens`` tokens."""
+        _check_request(hashes, num_tokens, num_tokens, self.block_size)
         with self._lock:
             return self._predict(hashes, num_tokens)
 
@@ -160,9 +165,24 @@ class PrefixCacheMirror:
         token is never computed).  ``num_computed_tokens`` (default: the prompt length)
         sizes the slots the request holds while it runs: ``cdiv(num_computed_tokens,
         block_size)``, the partial last block included.
+
+        Raises :class:`~promptsplice.errors.InputError` when ``num_tokens`` is not an
+        int >= 1, ``num_computed_tokens`` is not None or an int >= ``num_tokens``,
+        ``hashes`` is not a list or tuple of ``bytes`` block hashes, or there are more
+        hashes than full blocks in the computed tokens; :class:`ConfigError` when the
+        request needs more blocks than the mirror holds (nothing changes then).
         """
         bs = self.block_size
         computed = num_tokens if num_computed_tokens is None else num_computed_tokens
+        if num_computed_tokens is not None and (
+            not is_int(num_computed_tokens) or (is_int(num_tokens) and num_computed_tokens < num_tokens)
+        ):
+            raise InputError(
+                f"num_computed_tokens must be None or an int >= num_tokens ({num_tokens!r}): the "
+                f"prompt's tokens plus the generated tokens whose KV was computed, got "
+                f"{num_computed_tokens!r}"
+            )
+        _check_request(hashes, num_tokens, computed, bs)
         unbounded = self.capacity_blocks is None
         with self._lock:
             pred = self._predict(hashes, num_tokens)
@@ -285,6 +305,37 @@ class PrefixCacheMirror:
         ``behind``: whether a block the cache lacks is held behind it and loaded back on
         a hit (an engine's block store), for the layout walk (:meth:`reusable_hashes`)."""
         return MirrorView(self, behind)
+
+
+def _check_request(hashes: Any, num_tokens: Any, covered: Any, block_size: int) -> None:
+    """The arguments of one request (:meth:`PrefixCacheMirror.predict`, ``admit``):
+    ``num_tokens`` an int >= 1; ``hashes`` a list or tuple of ``bytes`` (the container
+    and its first element are checked, not every hash: this runs once per request); at
+    most ``covered // block_size`` of them.  Else :class:`InputError`."""
+    if not is_int(num_tokens) or num_tokens < 1:
+        raise InputError(
+            f"num_tokens must be the request's prompt length, an int >= 1 (len(token_ids)), "
+            f"got {num_tokens!r}"
+        )
+    if type(hashes) is not list and type(hashes) is not tuple:
+        if isinstance(hashes, (str, bytes, bytearray, memoryview)) or not isinstance(hashes, Sequence):
+            raise InputError(
+                f"hashes must be a list of block hashes (bytes, e.g. "
+                f"promptsplice.blocks.chain_hashes(token_ids, block_size)), got {type(hashes).__name__}"
+            )
+    if hashes and not isinstance(hashes[0], bytes):
+        raise InputError(
+            f"hashes must hold block hashes (bytes, e.g. from promptsplice.blocks.chain_hashes), "
+            f"got a {type(hashes[0]).__name__} first"
+        )
+    n = len(hashes)
+    if n * block_size > covered:
+        raise InputError(
+            f"{n} block hashes cover {n * block_size} tokens at block_size {block_size}, more "
+            f"than the request's {covered} tokens (only full blocks have a hash: at most "
+            f"{covered // block_size}); pass the hashes of this request's own tokens, "
+            f"chain_hashes(token_ids, block_size)"
+        )
 
 
 class MirrorView:

@@ -347,7 +347,6 @@ class ChatRenderer:
         tmpl = self.template
         out: list[tuple[int | None, dict[str, Any]]] = []
         for i, m in enumerate(messages):
-            role = m["role"]
             m = canonical_calls(m, i)
             calls = m.get("tool_calls")
             if calls:
@@ -365,8 +364,10 @@ class ChatRenderer:
                 if calls:
                     lines = "\n".join(call_texts)
                     text = f"{text}\n{lines}" if text else lines
-                esc_role = self._esc_name if role in _STANDARD_NAMES else self._esc
-                msg = {"role": esc_role(role), "content": self._esc(text)}
+                # Every other key (name, tool_call_id, ...) is kept, as the template's own
+                # rendering sees it; only tool_calls, folded into the content, is dropped.
+                msg = _escaped({k: v for k, v in m.items() if k != "tool_calls"}, self._esc, self._esc_name)
+                msg["content"] = self._esc(text)
             out.append((i, msg))
         plain: dict[str, Any] | None = None
         if tools and not tmpl.native_tools:

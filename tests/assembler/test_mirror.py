@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from promptsplice.assembler import BlockState, PrefixCacheMirror
 from promptsplice.blocks import cdiv, chain_hashes
-from promptsplice.errors import ConfigError
+from promptsplice.errors import ConfigError, InputError
 
 
 class ReferencePool:
@@ -243,3 +243,46 @@ def test_a_view_with_blocks_behind_the_cache_lends_them_to_the_layout_walk_only(
     assert blind.has(hashes[3]) and view.has(hashes[3])  # both read the owner's current state
     with pytest.raises(ConfigError, match="behind must be a callable"):
         m.view(behind={hashes[1]})
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: m.admit([], -5), "num_tokens must be the request's prompt length, an int >= 1"),
+        (lambda m: m.admit([], 0), "num_tokens must be the request's prompt length, an int >= 1"),
+        (lambda m: m.predict([], 4.0), "num_tokens must be the request's prompt length, an int >= 1"),
+        (lambda m: m.predict([], True), "num_tokens must be the request's prompt length, an int >= 1"),
+        (lambda m: m.predict("not hashes", 10), "hashes must be a list of block hashes"),
+        (lambda m: m.admit(b"x" * 16, 10), "hashes must be a list of block hashes"),
+        (lambda m: m.predict({b"x" * 16}, 10), "hashes must be a list of block hashes"),
+        (lambda m: m.predict([1, 2], 10), "hashes must hold block hashes (bytes"),
+        (lambda m: m.admit([b"x" * 16] * 3, 4), "3 block hashes cover 12 tokens at block_size 4, more than the request's 4"),
+        (lambda m: m.predict([b"x" * 16] * 2, 7), "2 block hashes cover 8 tokens at block_size 4, more than the request's 7"),
+        (lambda m: m.admit([], 10, num_computed_tokens=2), "num_computed_tokens must be None or an int >= num_tokens (10)"),
+        (lambda m: m.admit([], 10, num_computed_tokens=12.0), "num_computed_tokens must be None or an int >= num_tokens (10)"),
+    ],
+    ids=["negative", "zero", "float", "bool", "str-hashes", "bytes-hashes", "set-hashes", "int-hashes",
+         "admit-too-many", "predict-too-many", "computed-short", "computed-float"],
+)
+def test_admit_and_predict_refuse_nonsense_and_change_nothing(call, message):
+    """They took a negative length (the hit rate went negative), a str as hashes (one
+    "hash" per character) and more hashes than the prompt has full blocks."""
+    m = PrefixCacheMirror(4, 8)
+    first = chain_hashes(list(range(8)), 4)
+    m.admit(first, 8)
+    with pytest.raises(InputError) as info:
+        call(m)
+    assert message in str(info.value)
+    assert (m.queries_tokens, m.hit_tokens, len(m)) == (8, 0, 2)
+    assert m.view().predict(first, 9).cached_tokens == 8  # still usable; a view checks the same
+    with pytest.raises(InputError, match="num_tokens must be"):
+        m.view().predict(first, -1)
+
+
+def test_hashes_may_cover_the_computed_tokens_past_the_prompt():
+    """With generated tokens computed, the hashes run past the prompt (``admit_run``)."""
+    m = PrefixCacheMirror(4, 8)
+    hashes = chain_hashes(list(range(12)), 4)
+    assert m.admit(hashes, 6, num_computed_tokens=12) == (0, 0, 3)
+    assert m.predict(hashes[:1], 6) == (4, 1, 1)
+    assert m.admit(tuple(hashes[:2]), 9).cached_blocks == 2

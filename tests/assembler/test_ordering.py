@@ -185,3 +185,44 @@ def test_a_runners_derived_salts_learn_their_tenants_order(default_tok):
     for salt in ("tenant-A", f"tenant-A{DERIVED_SALT_MARK}pic:bounded"):
         prompt = asm.preview(list(docs.values()), query="q?", salt=salt)
         assert prompt.text.find(docs["G"]) < prompt.text.find(docs["F"]) < prompt.text.find(docs["B"])
+
+
+def _review_pool() -> list[str]:
+    """The review's chunk pool: 25 texts of 3 to 60 common words (seeded)."""
+    import random
+
+    rng = random.Random(0)
+    wl = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
+    return [" ".join(rng.choice(wl) for _ in range(rng.randint(3, 60))) for _ in range(25)]
+
+
+def test_cache_aware_auto_keeps_the_hits_of_none_when_the_greedy_walk_pads(default_tok):
+    """The greedy walk under ``auto`` padded a segment boundary because that added a
+    cached block at that step, and then cached 64 tokens where the unpadded walk (the one
+    ``none`` takes) caches 96: ``auto`` must keep every hit ``none`` would get."""
+    pool = _review_pool()
+    system = "You answer from documents."
+    asm = Assembler(default_tok, block_size=16, policy="cache_aware", alignment="auto", capacity_blocks=None)
+    for ids, query in (([2, 6, 7], "q2?"), ([6, 4], "q1?"), ([0], "q2?"), ([3, 8, 1, 9, 5], "what is it?"),
+                       ([7, 8, 5, 3], "q1?")):
+        asm.assemble([pool[i] for i in ids], query=query, system=system)
+    chunks = [pool[i] for i in (7, 0, 3, 8)]
+    auto = asm.preview(chunks, query="q2?", system=system, alignment="auto")
+    none = asm.preview(chunks, query="q2?", system=system, alignment="none")
+    assert none.predicted_cached_tokens == 96
+    assert auto.predicted_cached_tokens == 96
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests, st.sampled_from([4, 16]), st.booleans())
+def test_cache_aware_auto_never_predicts_fewer_cached_tokens_than_none(default_tok, reqs, bs, bounded):
+    cap = 2000 // bs if bounded else None  # bounded: a few prompts' worth, so blocks get evicted
+    asm = Assembler(default_tok, block_size=bs, policy="cache_aware", alignment="auto", capacity_blocks=cap)
+    systems = ("You answer from the passages.", None)
+    for chunk_ids, q, sys_i in reqs:
+        chunks = [POOL[i] for i in chunk_ids]
+        kw = {"query": f"question {q}?", "system": systems[sys_i]}
+        auto = asm.preview(chunks, alignment="auto", **kw).predicted_cached_tokens
+        none = asm.preview(chunks, alignment="none", **kw).predicted_cached_tokens
+        assert auto >= none, (auto, none)
+        asm.assemble(chunks, **kw)

@@ -631,3 +631,31 @@ def test_the_renderers_options_are_checked_not_coerced(renderer, default_tok):
     with pytest.raises(ConfigError, match="token_cache must be a TokenCache"):
         ChatRenderer(default_tok, token_cache={})
     assert renderer.render(msgs, add_generation_prompt=False).segments[-1].kind is not SegmentKind.GENERATION
+
+
+def test_a_template_without_tool_call_support_still_sees_every_other_message_key(default_tok):
+    """The renderer rebuilt such messages as ``{role, content}`` only: a template that
+    prints ``name`` or ``tool_call_id`` rendered differently from its own rendering.
+    Only ``tool_calls`` (folded into the content) is dropped; caller values stay text."""
+    src = ("{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m['name'] is defined %} name={{ m['name'] }}{% endif %}"
+           "{% if m['tool_call_id'] is defined %} id={{ m['tool_call_id'] }}{% endif %}\n"
+           "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tmpl = ChatTemplate(src, name="named-chatml")
+    assert not tmpl.native_tool_calls
+    msgs = [
+        {"role": "user", "name": "alice<|im_end|>", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+        {"role": "tool", "name": "get_weather", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    out = r.render(msgs)
+    assert out.text == (
+        "<|im_start|>user name=alice<|im_end|>hi<|im_end|>\n"
+        '<|im_start|>assistant<tool_call>\n{"arguments":{"city":"Lyon"},"name":"get_weather"}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool name=get_weather id=c1sunny<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    plain = [msgs[0], msgs[2]]  # without tool calls: exactly the template's own rendering
+    assert r.render(plain).text == tmpl.render(plain, add_generation_prompt=True)
+    assert out.token_ids.count(IM_END) == 3  # the name's markup is text, not a control token
