@@ -26,14 +26,9 @@ How a request runs (``position_independent``):
    and the chunk could never be relocated later; precomputing costs the same prefill
    plus one request and keeps the store exact.  ``precompute="standalone"`` (one
    request per chunk, each right after the head, as CacheBlend and EPIC precompute
-   chunks) was measured and dropped as the default: on 40 requests of the
-   repeat-heavy trace its first-token KL was 0.079 nats against 0.028 packed, top-1
-   agreement 0.865 against 0.938 (r=0, 6 probed requests each): a chunk that attended
-   to other retrieved text carries KV closer to its next use than one that saw only
-   the system prompt.  Also tried and dropped: sending the stored chunks grouped by
-   the precompute that computed them, in their order there (so a chunk meets the
-   neighbours it attended to): KL 0.042, top-1 0.922 at r=0, no better than the
-   assembler's cache-aware order (same trace and probes count).
+   chunks) is not the default: a chunk that attended to other retrieved text carries
+   KV closer to its next use than one that saw only the system prompt (README, "Beyond
+   prefix caching", for the measured KL of both and of the orders tried).
    Before any precompute, :func:`pic_choice` predicts the prefill of that plan (the
    precompute, each chunk's recomputed blocks, the blocks the deviation guard is
    expected to add: the runner's measured rate, :class:`GuardRates`) against one
@@ -44,8 +39,7 @@ How a request runs (``position_independent``):
    KV, saved by the connector), so a chunk first seen in one is later relocated from
    there with no precompute at all: with ``exact_alignment="all"`` every chunk; under
    the default ``"auto"`` only those its layout padded, usually none, so a runner whose
-   chunk sets are all new stays exact (measured: every request of the suite).  Before this gate PIC prefilled more than exact assembly on
-   five of six suite families (README, "Results on vLLM: the trace suite").
+   chunk sets are all new stays exact (README, "Results on vLLM: the trace suite").
 4. The prompt is sent under the reuse salt with a splice plan: the head (loaded from
    the tenant's exact blocks on the salt's first use) and every chunk, each from its
    own source, re-rotated by its position delta.  Only the query is prefilled.  With
@@ -513,12 +507,10 @@ class RagRunner:
         )
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
-        if adapt is not None and fallback is None and r:
+        if adapt is not None and fallback is None and r:  # probed: past the hit, longer than r
             new = {s.start for s in missing}
-            self._guard_rates.observe(
-                [(c.start, c.end, c.start in new) for c in placed if hit <= c.start and c.start + r * bs < c.end],
-                adapt.extended,
-            )
+            probed = [(c.start, c.end, c.start in new) for c in placed if hit <= c.start < c.end - r * bs]
+            self._guard_rates.observe(probed, adapt.extended)
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)
         # blocks the deviation guard recomputed were relocatable too
