@@ -39,6 +39,7 @@ from langchain_core.messages import (
     convert_to_messages,
 )
 
+from promptsplice._validate import check_int, check_text
 from promptsplice.assembler import ContextHook, PreparedContext
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
@@ -80,6 +81,15 @@ def _check_hook(hook: Any) -> ContextHook:
     if not isinstance(hook, ContextHook):
         raise ConfigError(f"hook must be an assembler.ContextHook, got {type(hook).__name__}")
     return hook
+
+
+def _check_session_key(key: Any) -> str:
+    """A session key is a non-empty str (another value named no config key: every call
+    fell back to the default session or raised ``no session id``)."""
+    check_text(key, "session_key", error=ConfigError)
+    if not key:
+        raise ConfigError("session_key must be a non-empty str (a config['configurable'] key), got ''")
+    return key
 
 
 def _config_session(session_key: str, default: str | None) -> str:
@@ -218,10 +228,12 @@ class PromptspliceMiddleware(_middleware_base()):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         self.hook = _check_hook(hook)
-        self.session_key = session_key
+        self.session_key = _check_session_key(session_key)
         self.default_session = default_session
         self.on_prepared = on_prepared
-        self.keep_history = keep_history
+        # (a str or a float failed at the first call's history trim; a negative count
+        # kept everything but the last -n)
+        self.keep_history = check_int(keep_history, "keep_history", minimum=0)
         self.history: list[PreparedContext] = []
         self._passed = _PassThrough()
 
@@ -316,7 +328,7 @@ class PromptsplicePreModelHook:
         self.hook = _check_hook(hook)
         self.tools = format_tools(tools) if tools else None
         self.system = system
-        self.session_key = session_key
+        self.session_key = _check_session_key(session_key)
         self.default_session = default_session
         self.history: list[PreparedContext] = []
         self._passed = _PassThrough()
@@ -369,6 +381,18 @@ def _item_text(content: Any) -> str:
     raise InputError(f"unsupported content {type(content).__name__}")
 
 
+def _output_text(out: Any) -> str:
+    """A ``function_call_output``'s ``output``: a str, or a list of content parts whose
+    text parts join as a message's do (so policies read the text) and whose image or
+    file parts raise :class:`NonTextContentError` (the session passes through; they
+    were rendered as JSON, base64 and all); anything else as JSON."""
+    if isinstance(out, str):
+        return out
+    if isinstance(out, list) and out and all(isinstance(p, Mapping) and "type" in p for p in out):
+        return _item_text(out)
+    return json.dumps(out, ensure_ascii=False)
+
+
 def _as_dict(item: Any) -> dict[str, Any]:
     if isinstance(item, Mapping):
         return dict(item)
@@ -409,8 +433,7 @@ def items_to_chat(items: Sequence[Any], instructions: str | None) -> tuple[list[
                 prov.append([*pending, i])
                 pending = []
         elif typ == "function_call_output":
-            out = it.get("output")
-            chat.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": out if isinstance(out, str) else json.dumps(out, ensure_ascii=False)})
+            chat.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": _output_text(it.get("output"))})
             prov.append([*pending, i])
             pending = []
         else:

@@ -1,6 +1,6 @@
 """``PromptspliceChatModel``: a LangChain chat model over the embedded vLLM engine.
 
-Kept as one module (~720 lines): LangChain's sync, async, streamed and batched entry
+Kept as one module (~760 lines): LangChain's sync, async, streamed and batched entry
 points of one chat model share its engine calls and the cancellation of a stream, which
 only holds when they live next to each other (conversions are in ``_langchain_convert``).
 
@@ -25,11 +25,14 @@ call by decoding after a fixed prefix (``<tool_call>\\n{"name": "`` or, for a na
 parameters): small models rarely call tools on their own, and given only the
 ``"arguments":`` key SmolLM2-135M copies the schema instead of filling it in.  ``"none"``
 keeps the schemas in the prompt (same tokens, same cache) but parses no calls.
-``parallel_tool_calls=False`` ends the generation at the first call's ``</tool_call>``
-(a stop string): at most one call, as OpenAI's flag promises.
+``parallel_tool_calls=False`` (or Anthropic's ``tool_choice={..., "disable_parallel_tool_use":
+True}``) ends the generation at the first call's ``</tool_call>`` (a stop string): at
+most one call, as OpenAI's flag promises.
 
-Session: ``session_id`` (call kwarg) > ``config["configurable"]["thread_id"]`` > the
-model's ``session_id`` field.  A context prepared by a harness hook
+Session: ``session_id`` (call kwarg) > ``config["configurable"]["thread_id"]`` >
+``config["metadata"]["thread_id"]`` (``thread_id``: the model's ``session_key``) > the
+model's ``session_id`` field, the same for ``invoke``, ``ainvoke``, ``stream`` and
+``astream`` (LangChain streams without the run's metadata: a stream ran in no session).  A context prepared by a harness hook
 (:mod:`promptsplice.engine_adapters.integrations._hooks`) for the same session and the same tokens is
 used as is, directives included; with a ``runner`` (anything with
 ``step(prepared, *, max_tokens, temperature, stop) -> obj.completion``) the model sends
@@ -77,6 +80,7 @@ from promptsplice.engine_adapters.integrations._langchain_convert import (
     TOOL_CALL_OPEN,
     call_chunks,
     check_tool_choice,
+    disables_parallel,
     forced_prefix,
     format_tools,
     lc_messages_to_openai,
@@ -300,6 +304,8 @@ class PromptspliceChatModel(BaseChatModel):
         formatted = format_tools(tools)
         choice = check_tool_choice(tool_choice)
         forced_prefix(choice, formatted)  # validates a named choice now
+        if disables_parallel(tool_choice):  # the flag does not survive the choice's one form
+            kwargs["parallel_tool_calls"] = _single_call(kwargs.get("parallel_tool_calls"))
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
 
     # session ids from the config of direct calls (``_generate`` cannot see the config)
@@ -367,6 +373,23 @@ class PromptspliceChatModel(BaseChatModel):
                 except TypeError:  # no weak references (slots): held strongly
                     self._renderer_key = eng
             return self._renderer
+
+    # -- token counts (LangChain's defaults download GPT-2's tokenizer) ---------------
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text``'s token ids in the model's own tokenizer (the hook's, else the
+        engine's); ``custom_get_token_ids`` wins, as in LangChain."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        tok = self.hook.renderer.tokenizer if self.hook is not None else self.resolved_engine().tokenizer
+        return list(tok.encode(text))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """The prompt's length as this model renders ``messages`` (and ``tools``) for a
+        request: chat template, tool schemas, block padding and generation prompt; before
+        a hook's policies, which edit a session's steps (``trim_messages(token_counter=model)``
+        trims to what the engine is sent)."""
+        dicts = lc_messages_to_openai(convert_input(self, list(messages)).to_messages())
+        return len(self.renderer().render(dicts, format_tools(list(tools)) if tools else None).token_ids)
 
     def _session(self, kwargs: Mapping[str, Any], run_manager: Any) -> str | None:
         sid = kwargs.get("session_id")
@@ -446,7 +469,10 @@ class PromptspliceChatModel(BaseChatModel):
         stops = list(check_stop(stop) if stop is not None else self.stop or ())  # "END" is one stop, not three
         parse = bool(tools) and choice not in ("none", False)
         named = bool(prefix) and '"arguments": ' in prefix  # one call of one named tool was forced
-        if parse and (named or kwargs.get("parallel_tool_calls") is False) and TOOL_CALL_CLOSE not in stops:
+        single = kwargs.get("parallel_tool_calls") is False
+        if disables_parallel(kwargs.get("tool_choice")):  # a call-time Anthropic dict
+            single = _single_call(kwargs.get("parallel_tool_calls")) is False
+        if parse and (named or single) and TOOL_CALL_CLOSE not in stops:
             stops.append(TOOL_CALL_CLOSE)  # one call at most: the parser takes an open block
         # a call's None is "the model's setting", as ChatOpenAI reads it (it was a ConfigError)
         max_tokens = self.max_tokens if kwargs.get("max_tokens") is None else kwargs["max_tokens"]
@@ -717,9 +743,22 @@ def _stable_repr(policy: Any) -> str:
     return f"{getattr(kind, '__module__', '?')}.{kind.__qualname__}{where}"
 
 
+def _single_call(parallel: Any) -> bool:
+    """``parallel_tool_calls`` beside a ``tool_choice`` that disables parallel calls:
+    ``False`` (``None`` and ``False`` agree; ``True`` contradicts it)."""
+    if parallel is True:
+        raise ConfigError("tool_choice has disable_parallel_tool_use=True but parallel_tool_calls=True: pass one")
+    return False
+
+
 def _with_thread(config: RunnableConfig | None, kwargs: dict[str, Any], key: str = "thread_id") -> dict[str, Any]:
+    """The call config's session (``configurable``, else ``metadata``) as the
+    ``session_id`` kwarg: LangChain's ``stream``/``astream`` call ``_stream`` without a
+    run manager, so its metadata (read for ``invoke``) never reached the stream."""
     if config and "session_id" not in kwargs:
         tid = (config.get("configurable") or {}).get(key)
+        if tid is None:
+            tid = (config.get("metadata") or {}).get(key)
         if tid is not None:
             return {**kwargs, "session_id": str(tid)}
     return kwargs

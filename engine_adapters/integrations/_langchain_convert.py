@@ -5,8 +5,9 @@ Hermes-style tool-call text format SmolLM2's ChatML template lacks.
   OpenAI chat dicts and tool schemas (conversion errors become ``InputError``).
 * :func:`parse_tool_calls`: ``<tool_call>{...}</tool_call>`` blocks out of generated
   text into LangChain tool calls (a block that does not parse stays text).
-* :func:`forced_prefix`, :func:`check_tool_choice`: the decoding prefix that forces a
-  call for a ``tool_choice``, and the check of the choice itself.
+* :func:`forced_prefix`, :func:`check_tool_choice`, :func:`disables_parallel`: the
+  decoding prefix that forces a call for a ``tool_choice``, the check of the choice
+  itself, and Anthropic's ``disable_parallel_tool_use`` flag in it.
 * :func:`streamable`, :func:`call_chunks`: what of a partial output may be streamed as
   content, and tool calls as stream chunks.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "parse_tool_calls",
     "forced_prefix",
     "check_tool_choice",
+    "disables_parallel",
     "streamable",
     "call_chunks",
 ]
@@ -42,7 +44,10 @@ TOOL_CALL_CLOSE = "</tool_call>"
 
 def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int] | None = None) -> list[dict[str, Any]]:
     """LangChain messages -> OpenAI chat dicts (``convert_to_openai_messages``), keeping
-    a tool message's ``status="error"`` (which the failed-call policy reads).
+    a tool message's ``status="error"`` (which the failed-call policy reads).  A
+    ``developer`` message becomes a ``system`` one, as OpenAI reads it (chat templates
+    know no developer role: it rendered as an untrained turn after the template's
+    default system prompt).
     ``origins``: a list to fill with each dict's message index (one message may give
     several dicts: a user message holding tool_result blocks)."""
     out: list[dict[str, Any]] = []
@@ -55,6 +60,9 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
                 _drop_call_blocks(one[-1])
                 if m.invalid_tool_calls:
                     _keep_invalid_calls(one[-1], m.invalid_tool_calls)
+            for d in one:
+                if d.get("role") == "developer":
+                    d["role"] = "system"
             out.extend(one)
             origins.extend([i] * len(one))
     except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
@@ -204,6 +212,7 @@ def check_tool_choice(tool_choice: Any) -> Any:
     if isinstance(tool_choice, str) and tool_choice:
         return tool_choice
     if isinstance(tool_choice, Mapping):
+        disables_parallel(tool_choice)  # the flag's type
         kind = tool_choice.get("type")
         if kind in ("auto", "none", "any", "required") and set(tool_choice) <= {"type", "disable_parallel_tool_use"}:
             return kind
@@ -214,6 +223,18 @@ def check_tool_choice(tool_choice: Any) -> Any:
                 return {"type": "function", "function": {"name": name}}
             raise ConfigError(f"tool_choice {dict(tool_choice)!r} names no tool: add the tool's name, or use 'any'")
     raise ConfigError(f"tool_choice must be {_CHOICE_FORMS}, got {tool_choice!r}")
+
+
+def disables_parallel(tool_choice: Any) -> bool:
+    """Whether ``tool_choice`` is an Anthropic dict with ``disable_parallel_tool_use``
+    true: at most one call, what ``parallel_tool_calls=False`` says (the flag was
+    accepted and ignored).  A flag that is not a bool is a :class:`ConfigError`."""
+    if not isinstance(tool_choice, Mapping) or "disable_parallel_tool_use" not in tool_choice:
+        return False
+    flag = tool_choice["disable_parallel_tool_use"]
+    if not isinstance(flag, bool):
+        raise ConfigError(f"tool_choice's disable_parallel_tool_use must be True or False, got {flag!r}")
+    return flag
 
 
 def streamable(seen: str, parse: bool) -> int:

@@ -13,7 +13,9 @@ retriever's rank of their earliest member) are chosen first, then ordered canoni
 so a cut never drops a better-ranked document for a cache-friendlier one.
 
 Provenance (nothing is silently lost): each output ``Document`` keeps the id and
-metadata of the input it stands for, plus ``metadata["promptsplice"]``:
+metadata of its best-ranked input (the earliest in retrieval order: a hit contained in a
+later, longer document comes out under its own id, with its container's text), plus
+``metadata["promptsplice"]`` (``chunk_id`` names the input whose text was kept):
 ``{"chunk_id", "relation": "kept", "origins": [{"index", "id", "relation", "span",
 "metadata"}...], "removed_passages": [...]}``.  The first output document also carries
 ``"request": {"inputs", "dropped", "beyond_k"}``: the inputs dropped as empty and the
@@ -113,6 +115,16 @@ def _origin_record(origin: Any) -> dict[str, Any]:
     }
 
 
+def _lead(kept: KeptChunk) -> Any:
+    """A kept chunk's best-ranked member (its earliest input): its index is the chunk's
+    retrieval rank, and the output document carries its id and metadata."""
+    return min(kept.origins, key=lambda o: o.index)
+
+
+def _rank(kept: KeptChunk) -> int:
+    return _lead(kept).index
+
+
 def _output_document(kept: KeptChunk, source: Document) -> Document:
     meta = dict(source.metadata or {})
     meta[PROVENANCE_KEY] = {
@@ -156,7 +168,9 @@ def splice_documents(
         return []
     asm = assembler if assembler is not None else _default_assembler()
     report: DedupResult = dedup(docs, asm.dedup_config)
-    kept = report.chunks  # retrieval order (rank of the earliest member)
+    # rank = the retriever's rank of a chunk's earliest member: dedup lists a chunk that
+    # contains an earlier hit at its own (later) position, so a cut there dropped the hit
+    kept = sorted(report.chunks, key=_rank)
     chosen, beyond = (kept, []) if k is None else (kept[:k], kept[k:])
     if not chosen:
         _log.warning(
@@ -177,7 +191,7 @@ def splice_documents(
             f"the assembler re-deduplicated the kept documents ({sorted(by_id)} -> "
             f"{sorted(order)}); report this with the documents"
         )
-    out = [_output_document(by_id[cid], docs[by_id[cid].origins[0].index]) for cid in order]
+    out = [_output_document(by_id[cid], docs[_rank(by_id[cid])]) for cid in order]
     out[0].metadata[PROVENANCE_KEY]["request"] = {
         "inputs": len(docs),
         "dropped": [
@@ -185,7 +199,7 @@ def splice_documents(
             for d in report.dropped
         ],
         "beyond_k": [
-            {"index": c.origins[0].index, "id": c.id, "metadata": c.metadata,
+            {"index": _lead(c).index, "id": _lead(c).id, "metadata": _lead(c).metadata,
              "origins": [_origin_record(o) for o in c.origins]}
             for c in beyond
         ],

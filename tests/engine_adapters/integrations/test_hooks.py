@@ -602,3 +602,68 @@ def test_v1_content_blocks_of_an_assistant_turn_render(default_tok):
     assert [c["id"] for c in dicts[1]["tool_calls"]] == ["c1"] and [c["id"] for c in dicts[3]["tool_calls"]] == ["c2"]
     render = ChatRenderer(default_tok, block_size=16).render(dicts)
     assert "Calling f." in render.text and '"name":"f"' in render.text and "think" not in render.text
+
+
+def test_a_list_valued_tool_output_is_read_as_its_text_parts(default_tok, caplog):
+    """The SDK's ``function_call_output`` may hold a list of content parts; the filter
+    rendered the list as JSON: policies never saw the text (no truncation), and an image
+    output was tokenized as base64 text instead of passing through."""
+    from types import SimpleNamespace
+
+    from agents.run_config import ModelInputData
+
+    def items(output):
+        return [
+            {"role": "user", "content": "read the log"},
+            {"type": "function_call", "call_id": "c1", "name": "read_log", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": output},
+            {"role": "user", "content": "Summarize it."},
+        ]
+
+    text = read_log()
+    parts = [{"type": "input_text", "text": text[:50]}, {"type": "input_text", "text": text[50:]}]
+    chat, _ = items_to_chat(items(parts), None)
+    assert chat[2] == {"role": "tool", "tool_call_id": "c1", "content": text}
+
+    def run(output, sid):
+        hook = ContextHook(default_tok, block_size=16, policies=[TruncateToolOutputs(10, keep_recent=0)])
+        filt = PromptspliceInputFilter(hook, session_id=sid)
+        given = items(output)
+        out = filt(SimpleNamespace(model_data=ModelInputData(input=given, instructions=None), context=None))
+        return filt, given, out
+
+    as_str, _, out_str = run(text, "list-out-str")
+    as_list, given, out_list = run(parts, "list-out-parts")
+    assert len(as_list.history[0].policy_edits) == len(as_str.history[0].policy_edits) == 1
+    assert as_list.history[0].token_ids == as_str.history[0].token_ids
+    assert out_list.input[2]["output"] == out_str.input[2]["output"]
+    assert MARKER in out_list.input[2]["output"] and given[2]["output"] == parts  # not mutated
+
+    image = [{"type": "input_image", "image_url": "data:image/png;base64," + "iVBORw0KGgo" * 40}]
+    with caplog.at_level(logging.WARNING, logger="promptsplice"):
+        as_image, given, out = run(image, "list-out-image")
+    assert out.input == given and not as_image.history  # passed through, unrendered
+    assert [r.getMessage().count("'list-out-image' holds content the hook cannot render") for r in caplog.records] == [1]
+    # a list that is not content parts is still data, rendered as JSON
+    assert items_to_chat(items([1, 2]), None)[0][2]["content"] == "[1, 2]"
+
+
+def test_middleware_and_langgraph_hook_options_are_checked(default_tok):
+    """``keep_history="3"`` failed at the first call's history trim and a negative one
+    kept all but the last few; a session key that is not a str named no config key."""
+    from promptsplice.errors import ConfigError
+
+    hook = ContextHook(default_tok, block_size=16)
+    for kwargs, message in [
+        ({"keep_history": -1}, "keep_history must be an int >= 0, got -1"),
+        ({"keep_history": "3"}, "keep_history must be an int >= 0, got '3'"),
+        ({"keep_history": True}, "keep_history must be an int >= 0, got True"),
+        ({"session_key": 3}, "session_key must be a str, got int 3"),
+        ({"session_key": ""}, "session_key must be a non-empty str"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            PromptspliceMiddleware(hook, **kwargs)
+        assert str(info.value).startswith(message)
+    with pytest.raises(ConfigError, match="session_key must be a str, got bytes"):
+        PromptsplicePreModelHook(hook, session_key=b"thread_id")
+    assert PromptspliceMiddleware(hook, "conversation", keep_history=0).keep_history == 0

@@ -529,3 +529,137 @@ def test_the_renderer_follows_the_engine_object_not_its_address(default_tok):
         assert model.renderer().block_size == 32
     finally:
         set_default_engine(prev)
+
+
+class ScriptedEngine:
+    """An engine on the real tokenizer that answers a scripted text, cut at its first stop
+    string as vLLM cuts it, and records each request (ids and options)."""
+
+    block_size = 16
+    model_name = "SmolLM2-135M-Instruct"
+
+    def __init__(self, tok, out="Bonjour."):
+        self.tokenizer, self.out, self.calls = tok, out, []
+
+    def _completion(self, ids, stop):
+        from promptsplice.engine_adapters._requests import Completion
+
+        cut = min([self.out.find(s) for s in stop or () if s in self.out] or [len(self.out)])
+        return Completion(text=self.out[:cut], token_ids=[1, 2], prompt_token_ids=list(ids), prompt_tokens=len(ids),
+                          num_cached_tokens=0, ttft_s=0.0, total_s=0.0, finish_reason="stop", request_id="r")
+
+    def generate(self, ids, **kwargs):
+        self.calls.append((list(ids), kwargs))
+        return self._completion(ids, kwargs.get("stop"))
+
+    def stream(self, ids, **kwargs):
+        from promptsplice.engine_adapters._requests import StreamDelta
+
+        self.calls.append((list(ids), kwargs))
+        done = self._completion(ids, kwargs.get("stop"))
+
+        class Stream:
+            def __iter__(self):
+                yield StreamDelta(done.text, [1, 2], None)
+                yield StreamDelta("", [], done)
+
+            def close(self):
+                pass
+
+        return Stream()
+
+
+def test_token_counts_are_the_models_own(default_tok, monkeypatch):
+    """No override: LangChain counted with GPT-2's tokenizer, downloaded on first use (hung
+    offline, then 0 tokens), and ``trim_messages(token_counter=model)`` trimmed by it."""
+    import langchain_core.language_models.base as lc_base
+    from langchain_core.messages import SystemMessage, trim_messages
+
+    def gpt2(text):
+        raise AssertionError("LangChain's GPT-2 fallback was used")
+
+    monkeypatch.setattr(lc_base, "_get_token_ids_default_method", gpt2)
+    eng = ScriptedEngine(default_tok)
+    model = PromptspliceChatModel(engine=eng, max_tokens=4)
+    text = "Schrödinger's 猫 sat on the mat."
+    assert model.get_token_ids(text) == default_tok.encode(text)
+    assert model.get_num_tokens(text) == len(default_tok.encode(text)) == 14
+    msgs = [SystemMessage("Be brief."), HumanMessage("hello there"), AIMessage("hi"), HumanMessage("what is 2+2?")]
+    count = model.get_num_tokens_from_messages(msgs)
+    model.invoke(msgs)
+    assert count == len(eng.calls[-1][0])  # the prompt the engine was sent, padding and all
+    with_tools = model.get_num_tokens_from_messages(msgs, tools=[magic_function])
+    model.bind_tools([magic_function]).invoke(msgs)
+    assert with_tools == len(eng.calls[-1][0]) > count
+    budget = model.get_num_tokens_from_messages(msgs[2:])
+    assert trim_messages(msgs, max_tokens=budget, token_counter=model, strategy="last") == msgs[2:]
+    custom = PromptspliceChatModel(engine=eng, custom_get_token_ids=lambda t: [7] * len(t))
+    assert custom.get_num_tokens("abc") == 3  # LangChain's own override still wins
+
+
+def test_anthropic_disable_parallel_tool_use_means_one_call(default_tok):
+    """``tool_choice={"type": "auto", "disable_parallel_tool_use": True}`` was accepted and
+    its flag dropped: no ``</tool_call>`` stop, and both calls of the answer came back."""
+    from promptsplice.engine_adapters.integrations._langchain_convert import TOOL_CALL_CLOSE, check_tool_choice
+
+    @tool
+    def mul(a: int, b: int) -> int:
+        """Multiplies two ints."""
+        return a * b
+
+    two_calls = ('<tool_call>\n{"name": "magic_function", "arguments": {"input": 3}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "mul", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+    eng = ScriptedEngine(default_tok, out=two_calls)
+    model = PromptspliceChatModel(engine=eng, max_tokens=64)
+    for choice in ({"type": "auto", "disable_parallel_tool_use": True}, {"type": "any", "disable_parallel_tool_use": True}):
+        msg = model.bind_tools([magic_function, mul], tool_choice=choice).invoke("magic 3, then 3 times 4")
+        assert eng.calls[-1][1]["stop"] == [TOOL_CALL_CLOSE]
+        assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("magic_function", {"input": 3})]
+    # given at call time, on the stream too
+    chunks = list(model.stream("magic 3", tools=[magic_function, mul],
+                               tool_choice={"type": "auto", "disable_parallel_tool_use": True}))
+    assert eng.calls[-1][1]["stop"] == [TOOL_CALL_CLOSE] and [c["name"] for c in chunks[-1].tool_call_chunks] == ["magic_function"]
+    msg = model.bind_tools([magic_function, mul], tool_choice={"type": "auto", "disable_parallel_tool_use": False}).invoke("x")
+    assert eng.calls[-1][1]["stop"] is None and [c["name"] for c in msg.tool_calls] == ["magic_function", "mul"]
+    with pytest.raises(ConfigError, match="disable_parallel_tool_use=True but parallel_tool_calls=True"):
+        model.bind_tools([mul], tool_choice={"type": "auto", "disable_parallel_tool_use": True}, parallel_tool_calls=True)
+    with pytest.raises(ConfigError, match="disable_parallel_tool_use must be True or False, got 'yes'"):
+        check_tool_choice({"type": "auto", "disable_parallel_tool_use": "yes"})
+
+
+def test_a_session_in_the_configs_metadata_holds_for_every_entry_point(default_tok):
+    """``config={"metadata": {"thread_id": ...}}`` reached ``invoke`` (through the run's
+    metadata) but not ``stream``/``astream``: LangChain streams without a run manager."""
+    model = PromptspliceChatModel(engine=ScriptedEngine(default_tok))
+    cfg = {"metadata": {"thread_id": "T1"}}
+
+    async def both_async():
+        one = await model.ainvoke("hi", cfg)
+        chunks = [c async for c in model.astream("hi", cfg)]
+        return one.response_metadata["session_id"], chunks[-1].response_metadata["session_id"]
+
+    sessions = [model.invoke("hi", cfg).response_metadata["session_id"],
+                list(model.stream("hi", cfg))[-1].response_metadata["session_id"], *asyncio.run(both_async())]
+    assert sessions == ["T1", "T1", "T1", "T1"]
+    keyed = PromptspliceChatModel(engine=ScriptedEngine(default_tok), session_key="conversation")
+    both = {"metadata": {"conversation": "C-meta"}, "configurable": {"conversation": "C-conf"}}
+    assert list(keyed.stream("hi", both))[-1].response_metadata["session_id"] == "C-conf"  # configurable first
+    assert list(keyed.stream("hi", {"metadata": {"conversation": "C-meta"}}))[-1].response_metadata["session_id"] == "C-meta"
+
+
+def test_a_developer_message_is_a_system_message(default_tok):
+    """``developer`` (OpenAI's new name for system) was kept as a role no template knows:
+    it rendered as an untrained ``developer`` turn after the template's default system
+    prompt ("You are a helpful AI assistant named SmolLM...")."""
+    from langchain_core.messages import ChatMessage, SystemMessage
+
+    assert lc_messages_to_openai([ChatMessage(role="developer", content="Answer in French.")]) == [
+        {"role": "system", "content": "Answer in French."}]
+    eng = ScriptedEngine(default_tok)
+    model = PromptspliceChatModel(engine=eng)
+    for first in (SystemMessage("Answer in French."), ChatMessage(role="developer", content="Answer in French."),
+                  {"role": "developer", "content": "Answer in French."}):
+        model.invoke([first, HumanMessage("hi")])
+    system, *developer = [ids for ids, _ in eng.calls]
+    assert developer == [system, system]
+    assert default_tok.decode(system).startswith("<|im_start|>system\nAnswer in French.<|im_end|>")

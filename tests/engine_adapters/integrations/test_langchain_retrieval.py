@@ -301,3 +301,24 @@ def test_non_str_page_content_is_rejected(asm):
     assert isinstance(info.value, PromptspliceError)
     with pytest.raises(InvalidChunkError, match="not a langchain Document"):
         PromptspliceCompressor(assembler=asm).compress_documents([good, "plain str"], "q")
+
+
+def test_k_ranks_a_hit_contained_in_a_later_document_by_the_hit(asm):
+    """Dedup lists a chunk that contains an earlier hit at the container's own position:
+    ``k=1`` kept the second-ranked document and cut the best hit (inside the third)."""
+    small = "The quick brown fox jumps over the lazy dog. " * 6
+    big = small + "Extra tail sentence that makes this one longer."
+    docs = [
+        Document(page_content=small, id="best", metadata={"rank": 0}),
+        Document(page_content="Cats nap in the sun all afternoon long.", id="second", metadata={"rank": 1}),
+        Document(page_content=big, id="third", metadata={"rank": 2}),
+    ]
+    out = PromptspliceRetriever(retriever=FixedRetriever(docs=docs), assembler=asm, k=1).invoke("fox")
+    assert [(d.id, d.page_content, d.metadata["rank"]) for d in out] == [("best", big, 0)]
+    prov = _prov(out[0])
+    assert prov["chunk_id"] == "third"  # the container's text was kept
+    assert [(o["id"], o["relation"]) for o in prov["origins"]] == [("third", "kept"), ("best", "contained")]
+    assert [(c["index"], c["id"], c["metadata"]) for c in prov["request"]["beyond_k"]] == [(1, "second", {"rank": 1})]
+    # the compressor cuts the same way; with no k both come out, the hit under its own id
+    assert [d.id for d in PromptspliceCompressor(assembler=asm, k=1).compress_documents(docs, "fox")] == ["best"]
+    assert sorted(d.id for d in splice_documents(docs, "fox", assembler=asm)) == ["best", "second"]
