@@ -749,7 +749,7 @@ class RemoteEngine(ServedEngineSurface):
                     self._check_deadline(deadline, call.url)
                 for line in lines.close():
                     acc.feed(line, call.url)
-                return acc.result(call.req.prompt_len, call.url)
+                return acc.result(call.req, call.url)
 
     async def _arun(self, exchange: _Exchange) -> Any:
         """Drive an exchange with the async client."""
@@ -804,7 +804,7 @@ class RemoteEngine(ServedEngineSurface):
                         deadline.reschedule(asyncio.get_running_loop().time() + self.total_timeout)
                 for line in lines.close():
                     acc.feed(line, call.url)
-                return acc.result(call.req.prompt_len, call.url)
+                return acc.result(call.req, call.url)
 
     # ----------------------------------------------------------------- public
 

@@ -394,6 +394,14 @@ class ServedEngineSurface:
                 "(return_token_ids): a vLLM of 0.10.2 or later, not behind a proxy that drops "
                 "fields, is needed (counts and the cache mirror are never guessed)"
             )
+        # a prompt sent as token ids has their count (_wire.reply_counts checked the
+        # server's against it); one sent as text has the server's, or the caller's own
+        if rc.prompt_tokens is None or rc.cached_tokens > rc.prompt_tokens:
+            raise EngineResponseError(
+                f"{self.base_url} answered cached_tokens={rc.cached_tokens} for a prompt of "  # type: ignore[attr-defined]
+                f"{'unknown length' if rc.prompt_tokens is None else rc.prompt_tokens} tokens: "
+                "the prefilled tokens are not known (counts are never guessed)"
+            )
         prompt = req.body["prompt"]
         ids = list(prompt) if isinstance(prompt, list) else []
         predicted = self._replay(req, rc)
@@ -401,7 +409,7 @@ class ServedEngineSurface:
             text=rc.text,
             token_ids=list(rc.token_ids or []),
             prompt_token_ids=ids,
-            prompt_tokens=rc.prompt_tokens if rc.prompt_tokens is not None else len(ids),
+            prompt_tokens=rc.prompt_tokens,
             num_cached_tokens=rc.cached_tokens,
             ttft_s=rc.ttft_s if rc.ttft_s is not None else rc.total_s,
             total_s=rc.total_s,
@@ -511,7 +519,7 @@ class ServedEngineSurface:
                             self._check_deadline(deadline, call.url)  # type: ignore[attr-defined]
                         for line in lines.close():
                             acc.feed(line, call.url)
-                        rc = acc.result(req.prompt_len, call.url)
+                        rc = acc.result(req, call.url)
                 break
             except Retry as retry:  # type: ignore[attr-defined]
                 control.check(call.url, retry.error)

@@ -6,16 +6,19 @@ streamed (SSE) one chunk by chunk, an error body (a 400 saying the prompt is too
 becomes :class:`ContextLengthError`), a model list, Prometheus ``/metrics``
 counters, and the splice connector's answer in ``kv_transfer_params``.  A body that is not what the format promises is an
 :class:`EngineResponseError` carrying a snippet of it: no ``message`` in a chat choice
-(``content: null`` is valid only beside ``tool_calls``), a choice other than index 0 (no
+(its ``content: null`` reads as empty text: a tool call, a refusal or a turn of
+reasoning only), a choice other than index 0 (no
 request asks for ``n > 1``: several choices are not an answer to it, and joining or
 picking among them would be a wrong answer), a usage count that is negative, not a
-whole number or a ``cached_tokens`` over ``prompt_tokens`` (a count that is missing or
-``null`` is ``None``: unknown), a stream that is not UTF-8, a stream without a
+whole number or a ``cached_tokens`` over the prompt's tokens (a count that is missing or
+``null`` is ``None``: unknown), a ``prompt_tokens`` other than the number of token ids
+the prompt was sent as (:func:`reply_counts`), a splice ack whose counts contradict
+each other or the prompt (:func:`_splice_ack`), a stream that is not UTF-8, a stream without a
 ``finish_reason`` or without any ``data:`` line (the server or a proxy ignored
 ``stream=True``), a redirect (not followed) or a 204.  Whatever follows ``data: [DONE]``
 is ignored.
 
-Kept as one module (~650 lines): every rule of what a response means sits in one place,
+Kept as one module (~700 lines): every rule of what a response means sits in one place,
 read by both halves of ``RemoteEngine`` and by the served engine's stream, so a rule
 cannot hold for one path and not another (the streamed and the whole reply disagreed
 on choices and UTF-8 before they shared it).
@@ -223,6 +226,35 @@ def usage_counts(usage: Any, url: str) -> tuple[int | None, int | None, int | No
         raise EngineResponseError(f"{url} answered cached_tokens={cached} over prompt_tokens={prompt}: "
                                   "a prompt cannot have more tokens cached than it has")
     return prompt, completion, cached
+
+
+def sent_ids_len(req: Request | None) -> int | None:
+    """How many token ids ``req`` sent as its prompt (``None``: a chat, or a prompt sent
+    as text, whose tokens the server counts)."""
+    prompt = req.body.get("prompt") if req is not None and not req.chat else None
+    return len(prompt) if isinstance(prompt, list) else None
+
+
+def reply_counts(usage: Any, req: Request | None, url: str) -> tuple[int | None, int | None, int | None]:
+    """:func:`usage_counts` of the answer to ``req``, its ``prompt_tokens`` resolved.
+
+    A prompt sent as token ids has exactly that many tokens: a ``prompt_tokens`` that
+    says otherwise (0 included) is an :class:`EngineResponseError` (a proxy that
+    rewrote or truncated the prompt, or counts of another request: never reported as
+    this one's); a missing one is the ids' count, and ``cached_tokens`` over it is an
+    error too.  A prompt sent as text: the server's count (``cached_tokens`` checked
+    against it), else (missing or 0) the caller's own length (``Request.prompt_len``)."""
+    prompt, completion, cached = usage_counts(usage, url)
+    sent = sent_ids_len(req)
+    if sent is None:
+        return prompt or (req.prompt_len if req is not None else None), completion, cached
+    if prompt is not None and prompt != sent:
+        raise EngineResponseError(f"{url} answered usage.prompt_tokens={prompt} for a prompt sent as {sent} "
+                                  "token ids: counts that are not this prompt's are never reported as its own")
+    if cached is not None and cached > sent:
+        raise EngineResponseError(f"{url} answered cached_tokens={cached} for a prompt sent as {sent} token ids: "
+                                  "a prompt cannot have more tokens cached than it has")
+    return sent, completion, cached
 
 
 def _token_ids(ids: Any, url: str) -> list[int] | None:
@@ -453,7 +485,8 @@ class Accumulator:
                 self.finish_reason = choice["finish_reason"]
         return added
 
-    def result(self, prompt_len: int | None, url: str) -> RemoteCompletion:
+    def result(self, req: Request | None, url: str) -> RemoteCompletion:
+        """The streamed completion (``req``: what was sent, to check the usage against)."""
         if not self.events:
             raise EngineResponseError(
                 f"{url} answered no SSE data lines (content-type {self.content_type or 'none'}): the server "
@@ -474,11 +507,11 @@ class Accumulator:
                 f"the stream from {url} ended after its finish_reason but before the usage "
                 "chunk it was asked for and [DONE]: the server closed it early"
             )
-        prompt_tokens, completion_tokens, cached = usage_counts(self.usage, url)
+        prompt_tokens, completion_tokens, cached = reply_counts(self.usage, req, url)
         total = time.perf_counter() - self.start
         return RemoteCompletion(
             text="".join(self.parts),
-            prompt_tokens=prompt_tokens or prompt_len,
+            prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             cached_tokens=cached,
             ttft_s=self.ttft,
@@ -572,28 +605,35 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
             raise EngineResponseError(f"{url} answered a completion choice without text: {snippet(json.dumps(data))!r}")
     if not isinstance(text, str):
         raise EngineResponseError(f"{url} answered a non-text completion: {snippet(json.dumps(data))!r}")
-    prompt_tokens, completion_tokens, cached = usage_counts(data.get("usage"), url)
+    usage = data.get("usage")
+    prompt_tokens, completion_tokens, cached = reply_counts(usage, req, url)
     kv_params = data.get("kv_transfer_params")
     kv_params = kv_params if isinstance(kv_params, Mapping) else None
+    # the prompt's length as sent or as the server counted it (not the caller's own
+    # count of a text prompt): what the ack's loads must fit in
+    counted = prompt_tokens if sent_ids_len(req) is not None or usage_counts(usage, url)[0] else None
     return RemoteCompletion(
         text=text,
-        prompt_tokens=prompt_tokens or req.prompt_len,
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached,
         ttft_s=None,
         total_s=time.perf_counter() - start,
         finish_reason=choice.get("finish_reason"),
         kv_transfer_params=kv_params,
-        splice=_splice_ack(kv_params, url),
+        splice=_splice_ack(kv_params, url, counted),
         token_ids=_token_ids(choice.get("token_ids"), url),
         request_id=str(data.get("id") or ""),
         logprobs=token_logprobs(choice, url) if req.body.get("return_tokens_as_token_ids") else None,
     )
 
 
-def _splice_ack(kv_params: Mapping[str, Any] | None, url: str) -> SpliceAck | None:
+def _splice_ack(kv_params: Mapping[str, Any] | None, url: str, prompt_tokens: int | None) -> SpliceAck | None:
+    """The connector's ack, its counts checked against each other and the prompt's
+    ``prompt_tokens`` (:meth:`SpliceAck.from_params`); :class:`EngineResponseError` for
+    one that is malformed or contradicts itself."""
     try:
-        return SpliceAck.from_params(kv_params)
+        return SpliceAck.from_params(kv_params, prompt_tokens=prompt_tokens)
     except InputError as exc:
         raise EngineResponseError(f"{url} answered a malformed splice ack ({exc}): a connector of another "
                                   "promptsplice version?") from exc

@@ -261,10 +261,15 @@ class SpliceAck(NamedTuple):
     connector): a longer query is answered with a reason and no counts."""
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None) -> SpliceAck | None:
+    def from_params(cls, params: Mapping[str, Any] | None, *, prompt_tokens: int | None = None) -> SpliceAck | None:
         """The ack in a response's ``kv_transfer_params`` (``None`` when absent); one
         that is there but malformed (a flag that is not a bool, a count that is not a
-        non-negative int) is an :class:`InputError` naming the field."""
+        non-negative int) is an :class:`InputError` naming the field, and so is one
+        whose counts contradict each other or the prompt: ``relocated_tokens <=
+        loaded_tokens <= prompt_tokens`` (the prompt's length, when the caller knows it).
+        An ack with ``applied`` false may still count loads: offload hits of the plain
+        prefill it fell back to, or a load that went out before the connector failed on
+        the request (``_connector._fail_ack``)."""
         raw = params.get(ACK_KEY) if isinstance(params, Mapping) else None
         if not isinstance(raw, Mapping):
             return None
@@ -290,9 +295,14 @@ class SpliceAck(NamedTuple):
             )
         except (TypeError, ValueError, OverflowError) as exc:  # (1e400 reads as inf)
             raise InputError(f"the splice ack's deviations are malformed: {exc}") from None
+        planned = count("planned_tokens", required=True)
+        loaded, relocated = count("loaded_tokens", required=True), count("relocated_tokens", required=True)
+        if relocated > loaded:
+            raise InputError(f"the splice ack's relocated_tokens ({relocated}) exceed its loaded_tokens ({loaded})")
+        if prompt_tokens is not None and loaded > prompt_tokens:
+            raise InputError(f"the splice ack's loaded_tokens ({loaded}) exceed the prompt's {prompt_tokens} tokens")
         return cls(
-            applied, str(raw.get("reason") or ""), count("planned_tokens", required=True),
-            count("loaded_tokens", required=True), count("relocated_tokens", required=True), count("block_size"),
+            applied, str(raw.get("reason") or ""), planned, loaded, relocated, count("block_size"),
             raw.get("relocation") is True, tuple(count("matched", value=n) for n in matched),
             deviations, count("num_blocks"), count("max_query_tokens"),
         )

@@ -34,7 +34,8 @@ meet spliced KV: they do not know the scope salt (a caller opts in with
 :meth:`AgentRunner.session_salt`).  The cost: one store copy of the prefix per session
 at its first edit, and the prefix cached twice in vLLM (tenant + scope).
 ``scope="none"`` keeps the tenant's salt (spliced KV is then shared with any request
-of the same tokens: for measurements only).
+of the same tokens: for measurements only; a step there at a relocating level reports
+that level even when it relocated nothing itself).
 
 Fallbacks, never a wrong splice: a step whose previous render is not what this runner
 last sent for the session (another runner, a restart), or whose hook step is a
@@ -178,7 +179,8 @@ class AgentStep:
     """The level the step ran at: ``exact`` when its plan relocated nothing under the
     tenant's own salt (``full``/``apc``, a new session, a fallback; :func:`step_level`);
     a step under the session's scope salt keeps the asked level (its cache may hold
-    relocated KV)."""
+    relocated KV), and so does every ``splice`` step at a relocating level with
+    ``scope="none"`` (relocated KV then lives under the tenant's salt itself)."""
     planned_relocated_tokens: int = 0
     """Tokens the step's plan relocates; ``relocated_tokens`` below it means the store
     did not serve some of them (they were computed: exact)."""
@@ -422,7 +424,7 @@ class AgentRunner:
                     recomputed = max(0, every - planned_relocated_tokens(phases, new, salt))
             result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation)
             result.fallback = fallback
-            if prepared.diff is not None and self.mode is AgentMode.SPLICE:
+            if prepared.diff is not None:  # a property of the edit, in every mode
                 diff = prepared.diff
                 result.changed_share = max((diff.changed_share(r) for r in diff.relocations), default=0.0)
             # blocks the deviation guard recomputed were relocatable too
@@ -431,7 +433,12 @@ class AgentRunner:
                 result.prefill_tokens,
                 recomputed + planned_relocated_tokens(phases, new, salt) - result.planned_relocated_tokens,
             )
-            result.fidelity = step_level(level, result.planned_relocated_tokens, salt)
+            # scope="none" relocates under the tenant's salt: its cache may serve relocated
+            # KV to any later step under it, plain ones included
+            shared = self.mode is AgentMode.SPLICE and self.scope == "none" and cfg.relocate
+            result.fidelity = step_level(
+                level, result.planned_relocated_tokens, salt, salt_may_hold_relocated=shared
+            )
             st.tokens = array("I", new)  # token ids are checked to fit 32 bits
             if self.mode is AgentMode.SPLICE and not cfg.relocate:
                 # The exact salt's KV is the session's now; a scoped session rescopes from it.
@@ -467,18 +474,27 @@ class AgentRunner:
                 _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why)
             return st.salt, plain, StepFallback.FOREIGN_RENDER
         bs = self.engine.block_size
+        # The prompts' whole blocks before the first changed token are the same tokens at
+        # the same positions: exact KV (the prefix cache's, or loaded as ``load_prefix``).
+        same = round_down(prepared.first_changed_token, bs)
         scope_now = self.scope == "session" and not st.scoped
         salt, src_salt, load_prefix = st.salt, SAME_SALT, 0
         if scope_now:
             salt = self._scope_salt(prepared.session_id)
             src_salt = st.kv_salt
-            load_prefix = round_down(prepared.first_changed_token, bs)
+            load_prefix = same
         elif st.kv_salt != salt:  # the last step ran exact under a salt of its own
             src_salt = st.kv_salt
-            load_prefix = round_down(prepared.first_changed_token, bs)
+            load_prefix = same
         runs = list(prepared.diff.relocations)
         if self.reuse_repeats:
             runs += _repeat_runs(prepared, runs)
+        # A moved message may start with the tokens that stood there before (the same
+        # chat-template header, when an earlier call is dropped): the diff's run then
+        # begins inside that exact prefix.  Its part there is never relocated (it would
+        # overlap the prefix load, and the recompute after the edit would start before
+        # the edit): the run starts where the exact blocks end.
+        runs = [(max(s, same - d), e, d) for s, e, d in runs if e + d > same]
         tail = self.recompute_tail_blocks * bs
         if tail and runs and not dry:
             s0, e0, d0 = runs[-1]

@@ -82,13 +82,17 @@ p90 <= :data:`BOUNDED_KL_P90` on every trace family (module doc), so by default 
 reuses exact KV only (prefix cache and exact store loads)."""
 
 
-def step_level(asked: FidelityLevel, planned_relocated_tokens: int, salt: str | None) -> FidelityLevel:
+def step_level(
+    asked: FidelityLevel, planned_relocated_tokens: int, salt: str | None, *, salt_may_hold_relocated: bool = False,
+) -> FidelityLevel:
     """The level a step record reports: the one it ran at, but ``exact`` when its plan
     relocated nothing and it ran under the tenant's own salt (a new session, a fallback
     to a plain request, a RAG request the gate sent exact): that salt's cache holds exact
     KV only.  Under a derived salt (a session's scope, a RAG reuse salt) vLLM's prefix
-    cache may serve an earlier step's relocated KV, so the asked level stands."""
-    if planned_relocated_tokens > 0 or is_derived_salt(salt):
+    cache may serve an earlier step's relocated KV, so the asked level stands; so it
+    does when the caller says the tenant's salt itself may hold relocated KV
+    (``salt_may_hold_relocated``: an ``AgentRunner(scope="none")`` relocating under it)."""
+    if planned_relocated_tokens > 0 or salt_may_hold_relocated or is_derived_salt(salt):
         return asked
     return FidelityLevel.EXACT
 

@@ -21,9 +21,9 @@ def remote(served_kv):
 def test_the_served_path_gives_the_embedded_rows_and_probes(remote, kv_engine, rag_requests):
     from promptsplice.benchmarks.agent_traces import AgentSession
     from tests.engine_adapters.runners.test_agent import TOOLS
-    from tests.engine_adapters.test_served_engine import agent_renders
+    from tests.engine_adapters._engine import agent_renders, wiki_lines
 
-    session = AgentSession(id="parity", tools=TOOLS, renders=agent_renders())
+    session = AgentSession(id="parity", tools=TOOLS, renders=agent_renders(wiki_lines()))
     kw = {"rag": rag_requests[:5], "agent": [session], "probes": 1, "relocate": "always"}
     results = run_on_engines({"embedded": kv_engine, "served": remote}, **kw)
     embedded, served = results["embedded"], results["served"]

@@ -32,6 +32,7 @@ from tests.engine_adapters.test_remote import _mock, _ok_body, _sse, _stream_bod
 
 SSE = {"content-type": "text/event-stream"}
 USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+"""A usage for a prompt of 3 token ids (a prompt sent as ids is checked against it)."""
 
 
 class FakeServer:
@@ -207,6 +208,90 @@ def test_missing_or_null_counts_stay_unknown_and_whole_floats_are_counts():
     usage = {"prompt_tokens": 3.0, "completion_tokens": None, "prompt_tokens_details": {"cached_tokens": None}}
     got = _mock(lambda r: httpx.Response(200, json={**_ok_body(), "usage": usage})).complete([1, 2, 3], max_tokens=2)
     assert (got.prompt_tokens, got.completion_tokens, got.cached_tokens) == (3, None, None)
+
+
+@pytest.mark.parametrize("usage, says", [
+    ({"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}, "prompt_tokens=2 for a prompt sent as 3 token ids"),
+    ({"prompt_tokens": 100000, "prompt_tokens_details": {"cached_tokens": 0}},
+     "prompt_tokens=100000 for a prompt sent as 3 token ids"),
+    ({"prompt_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}, "prompt_tokens=0 for a prompt sent as 3 token ids"),
+    ({"prompt_tokens_details": {"cached_tokens": 5}}, "cached_tokens=5 for a prompt sent as 3 token ids"),
+])
+def test_usage_that_does_not_fit_the_token_ids_sent_is_a_response_error(usage, says):
+    """usage.prompt_tokens was never compared with the ids sent (100000 was reported
+    for 3 ids, 0 replaced by their count), and cached_tokens only with the server's own
+    prompt_tokens: without one, 5 cached of a 3-token prompt (a prefill of -2)."""
+    usage = {"completion_tokens": 1, **usage}
+    body = {"choices": [{"index": 0, "text": "x", "token_ids": [5], "finish_reason": "length"}], "usage": usage}
+    eng = _mock(lambda r: httpx.Response(200, json=body), block_size=16)
+    with pytest.raises(EngineResponseError, match=says):
+        eng.complete([1, 2, 3], max_tokens=1)
+    with pytest.raises(EngineResponseError, match=says):
+        eng.generate([1, 2, 3], max_tokens=1)  # the served engine's record (prefill_tokens)
+    chunks = [json.dumps({"choices": body["choices"]}), json.dumps({"choices": [], "usage": usage}), "[DONE]"]
+    streamed = _mock(lambda r: httpx.Response(200, content=_sse(*chunks), headers=SSE), block_size=16)
+    with pytest.raises(EngineResponseError, match=says):
+        streamed.complete([1, 2, 3], max_tokens=1, stream=True)
+    with pytest.raises(EngineResponseError, match=says):
+        list(streamed.stream([1, 2, 3], max_tokens=1))
+
+
+def test_a_prompt_sent_as_ids_counts_them_and_one_sent_as_text_keeps_the_servers_count():
+    no_count = {"completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 2}}
+    body = {"choices": [{"index": 0, "text": "x", "token_ids": [5], "finish_reason": "length"}], "usage": no_count}
+    eng = _mock(lambda r: httpx.Response(200, json=body), block_size=16)
+    got = eng.complete([1, 2, 3], max_tokens=1)
+    assert (got.prompt_tokens, got.cached_tokens) == (3, 2)
+    rec = eng.generate([1, 2, 3], max_tokens=1)
+    assert (rec.prompt_tokens, rec.num_cached_tokens, rec.prefill_tokens) == (3, 2, 1)
+    # text: the server tokenizes it, so its count stands (nothing to compare it with) ...
+    counted = {**body, "usage": {**no_count, "prompt_tokens": 7}}
+    assert _mock(lambda r: httpx.Response(200, json=counted)).complete("seven tokens of text", max_tokens=1).prompt_tokens == 7
+    # ... and without one, the served engine's record has no prompt length to take the
+    # cached tokens from (it took 0: a prefill of -2)
+    with pytest.raises(EngineResponseError, match="cached_tokens=2 for a prompt of unknown length"):
+        eng.generate("some text", max_tokens=1)
+
+
+def _ack_reply(ack):
+    def handler(request):
+        n = len(json.loads(request.content)["prompt"])
+        return httpx.Response(200, json={
+            "choices": [{"index": 0, "text": "ok", "token_ids": [5], "finish_reason": "length"}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}},
+            "kv_transfer_params": {"splice_ack": {"reason": "" if ack[0] else "dropped", "planned_tokens": 32,
+                                                  "block_size": 16, "relocation": True, **dict(zip(
+                                                      ("applied", "loaded_tokens", "relocated_tokens"), ack))}},
+        })
+    return handler
+
+
+@pytest.mark.parametrize("ack, says", [
+    ((False, 0, 10**6), r"relocated_tokens \(1000000\) exceed its loaded_tokens \(0\)"),
+    ((True, 32, 48), r"relocated_tokens \(48\) exceed its loaded_tokens \(32\)"),
+    ((True, 112, 0), r"loaded_tokens \(112\) exceed the prompt's 100 tokens"),
+])
+def test_a_splice_ack_whose_counts_contradict_themselves_or_the_prompt_is_a_response_error(ack, says):
+    """An ack with applied=false, nothing loaded and 1,000,000 relocated tokens of a
+    100-token prompt was taken as it came: the agent step reported them relocated."""
+    from promptsplice.blocks import root_hash
+    from promptsplice.engine_adapters import SplicePlan, SpliceSegment
+
+    plan = SplicePlan(16, (SpliceSegment(32, 2, 16, root_hash(None)),))
+    eng = _mock(_ack_reply(ack), block_size=16)
+    with pytest.raises(EngineResponseError, match=says):
+        eng.generate(list(range(10, 110)), max_tokens=1, splice=plan)
+
+
+@pytest.mark.parametrize("ack", [(True, 96, 32), (False, 32, 0), (False, 0, 0)])
+def test_a_splice_ack_whose_counts_fit_is_taken(ack):
+    """A dropped plan (applied false) may still count loads: the plain prefill's offload hits."""
+    from promptsplice.blocks import root_hash
+    from promptsplice.engine_adapters import SplicePlan, SpliceSegment
+
+    plan = SplicePlan(16, (SpliceSegment(32, 2, 16, root_hash(None)),))
+    rc = _mock(_ack_reply(ack), block_size=16)._generate_served(list(range(10, 110)), max_tokens=1, splice=plan)[1]
+    assert (rc.splice.applied, rc.splice.loaded_tokens, rc.splice.relocated_tokens) == ack
 
 
 # ------------------------------------------------------------------ 5. silent drops
@@ -535,9 +620,9 @@ def test_a_stream_that_keeps_sending_data_is_not_cut_by_the_total_timeout(fake_s
 
     srv = fake_server(handle)
     eng = RemoteEngine(srv.url, model="m", timeout=5, total_timeout=0.5, max_retries=0, block_size=16)
-    assert eng.complete([1, 2], max_tokens=20, stream=True).text == "a" * 12
-    assert asyncio.run(eng.acomplete([1, 2], max_tokens=20, stream=True)).text == "a" * 12
-    assert "".join(d.text for d in eng.stream([1, 2], max_tokens=20)) == "a" * 12
+    assert eng.complete([1, 2, 3], max_tokens=20, stream=True).text == "a" * 12
+    assert asyncio.run(eng.acomplete([1, 2, 3], max_tokens=20, stream=True)).text == "a" * 12
+    assert "".join(d.text for d in eng.stream([1, 2, 3], max_tokens=20)) == "a" * 12
 
 
 @pytest.mark.timeout(15)
@@ -691,11 +776,11 @@ def test_a_connection_closed_before_any_response_is_sent_again(fake_server, how)
     srv = fake_server(handle)
     eng = RemoteEngine(srv.url, model="m", max_retries=3, backoff=0.01, block_size=16)
     if how == "complete":
-        assert eng.complete([1, 2], max_tokens=2).text == "ab"
+        assert eng.complete([1, 2, 3], max_tokens=2).text == "ab"
     elif how == "acomplete":
-        assert asyncio.run(eng.acomplete([1, 2], max_tokens=2)).text == "ab"
+        assert asyncio.run(eng.acomplete([1, 2, 3], max_tokens=2)).text == "ab"
     else:
-        assert "".join(d.text for d in eng.stream([1, 2], max_tokens=2)) == "ab"
+        assert "".join(d.text for d in eng.stream([1, 2, 3], max_tokens=2)) == "ab"
     assert len(seen) == 2
 
 

@@ -14,9 +14,10 @@ import pytest
 
 from promptsplice.assembler import ContextHook, StepKind
 from promptsplice.engine_adapters import AgentRunner, RagRunner, RemoteEngine, plan_phases, plan_relocation
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError
 
-from tests.engine_adapters.runners.test_agent import TOOLS, call  # noqa: F401  (shared render helpers)
+from tests.engine_adapters._engine import agent_renders, wiki_lines
+from tests.engine_adapters.runners.test_agent import TOOLS
 
 BS = 32
 _n = itertools.count()
@@ -36,27 +37,7 @@ def remote(served_kv):
 
 @pytest.fixture(scope="module")
 def renders():
-    return agent_renders()
-
-
-def agent_renders():
-    """Three renders of one agent session: a long tool output, an append, then the
-    first output truncated (an edit with context behind it)."""
-    from promptsplice.assembler import TruncateToolOutputs
-    from promptsplice.benchmarks.traces import load_wiki_leads
-
-    lines = [lead.split(". ")[0][:160] for _, lead in load_wiki_leads()[300:360]]
-    system = {"role": "system", "content": "You are a code agent. Answer briefly."}
-    user = {"role": "user", "content": "Where is the scheduler configured?"}
-    msgs = [system, user, {"role": "assistant", "content": "", "tool_calls": [call("c1", "sched")]},
-            {"role": "tool", "tool_call_id": "c1", "content": "\n".join(lines[:40])}]
-    r1 = list(msgs)
-    msgs += [{"role": "assistant", "content": "", "tool_calls": [call("c2", "config")]},
-             {"role": "tool", "tool_call_id": "c2", "content": "\n".join(lines[40:52])}]
-    r2 = list(msgs)
-    r3 = TruncateToolOutputs(max_lines=10, keep_recent=1).apply(r2).messages + [
-        {"role": "user", "content": "Now in one sentence: what did you find?"}]
-    return [r1, r2, r3]
+    return agent_renders(wiki_lines())
 
 
 def agent_counts(engine, renders, tenant):

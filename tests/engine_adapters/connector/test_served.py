@@ -111,6 +111,22 @@ def test_ack_round_trip():
     assert SpliceAck.from_params({"splice_ack": raw}).relocation is False  # unsaid: no
 
 
+def test_an_ack_whose_counts_contradict_each_other_or_the_prompt_is_refused():
+    """relocated <= loaded <= the prompt's tokens; an ack with applied false may still
+    count loads (the plain prefill's offload hits, a load that went out before the
+    connector failed on the request), so only the bounds hold there too."""
+    for ack, prompt, says in (
+        (SpliceAck(False, "dropped", 0, 0, 10**6), None, r"relocated_tokens \(1000000\) exceed its loaded_tokens \(0\)"),
+        (SpliceAck(True, "", 96, 64, 96), 200, r"relocated_tokens \(96\) exceed its loaded_tokens \(64\)"),
+        (SpliceAck(True, "", 96, 96, 0), 95, r"loaded_tokens \(96\) exceed the prompt's 95 tokens"),
+    ):
+        with pytest.raises(InputError, match=says):
+            SpliceAck.from_params(ack_params(ack), prompt_tokens=prompt)
+    for ack in (SpliceAck(True, "", 96, 96, 32), SpliceAck(False, "dropped", 96, 64, 0), SpliceAck(False, "failed", 96, 96, 96)):
+        assert SpliceAck.from_params(ack_params(ack), prompt_tokens=96) == ack
+    assert SpliceAck.from_params(ack_params(SpliceAck(True, "", 96, 96, 96))) == SpliceAck(True, "", 96, 96, 96)
+
+
 def test_the_acks_max_query_tokens_round_trips_and_reads_as_unknown_from_an_older_connector():
     """The connector caps a store query at its engine's max_model_len; its acks say the
     cap (``max_query_tokens``) so the client splits its queries under it.  An ack
