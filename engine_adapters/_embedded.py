@@ -9,7 +9,7 @@ The engine owns the mirror of its cache (:attr:`EmbeddedEngine.mirror`, a
 :class:`~promptsplice.assembler.PrefixCacheMirror` of :attr:`~EmbeddedEngine.usable_blocks`):
 every request it runs is admitted there after it finished, with what really ran (the
 prompt's blocks and those the generated tokens filled), and the mirror is emptied with
-vLLM's cache (reset, failed step, restart).  Assemblers made by
+vLLM's cache (reset, failed step, a request cut short after a step ran, restart).  Assemblers made by
 :meth:`EmbeddedEngine.make_assembler` read it for their predictions and never update it;
 on an engine with a block store they choose order and padding on the store's blocks
 too (they load back as external hits), while predictions stay vLLM's own cache.
@@ -47,7 +47,7 @@ Facts of vLLM's block pool that the adapter relies on (vllm 0.32.0,
 taken at start as the *null block* and never holds KV, so ``num_gpu_blocks - 1`` blocks
 can cache prefixes (:attr:`EmbeddedEngine.usable_blocks`, the mirror's capacity).
 
-Kept as one module (~650 lines): the request loop, its failure handling and the mirror
+Kept as one module (~700 lines): the request loop, its failure handling and the mirror
 share one lock and one order of events (what ran is what the mirror admits).
 """
 
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -77,6 +78,8 @@ from promptsplice.engine_adapters._requests import (
     StreamDelta,
     admit_run,
     check_context,
+    check_phase_options,
+    check_request_limits,
     check_sampling,
     check_splice,
     check_tokenizer,
@@ -92,9 +95,12 @@ from promptsplice.errors import (
     EngineError,
     EngineRequestError,
     EngineStartError,
+    InputError,
     TokenizerError,
 )
 from promptsplice.tenancy import SaltGuard
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["EmbeddedEngine", "Completion", "EngineCounters", "PromptLike", "StreamDelta"]
 
@@ -153,6 +159,7 @@ class EmbeddedEngine:
         self._handle = start_llm(self._config)
         self._finalizer = weakref.finalize(self, release, self._handle)
         self._num_blocks, self._block_size, self._max_model_len = _vllm.engine_geometry(self._handle.llm)
+        self._limits = _vllm.request_limits(self._handle.llm)  # checked before a request is sent
         if self._mirror is None:
             self._mirror = PrefixCacheMirror(self._block_size, self.usable_blocks)
             # Assemblers lay prompts out on what loads back too: the store's blocks (a
@@ -342,6 +349,7 @@ class EmbeddedEngine:
         sampling = check_sampling(max_tokens, temperature, stop, logprobs)
         kv_params = check_splice(splice, has_store=self._config.kv_store is not None, block_size=self.block_size)
         check_context(len(req.ids), self.max_model_len)
+        check_request_limits(req.ids, logprobs, self._limits)
         completion = None
         for _, completion in self._request(req, self._params(sampling, kv_params), logprobs is not None):
             pass
@@ -367,11 +375,13 @@ class EmbeddedEngine:
         finish reason).  The engine stays locked from the first ``next()`` until the
         generator finishes or is closed (any thread may advance or close it, one at a
         time), so close it (or exhaust it) promptly: closing it early aborts the request
-        and frees its blocks.
+        and frees its blocks, and, once a step ran, empties vLLM's prefix cache and the
+        mirror (the blocks vLLM computed for it would stay cached, unknown to the mirror).
         """
         req = self._normalize(prompt, cache_salt)
         sampling = check_sampling(max_tokens, temperature, stop)
         check_context(len(req.ids), self.max_model_len)
+        check_request_limits(req.ids, None, self._limits)
         return stream_deltas(self._request(req, self._params(sampling, None), False))
 
     def generate_phases(
@@ -389,6 +399,8 @@ class EmbeddedEngine:
         keyword arguments).  ``adapt(deviations, next_phase)``, called after each phase
         but the last with what its probes measured, may return phases replacing
         ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``)."""
+        check_phase_options(gen)  # a typo or a bad value fails before the first phase runs
+        check_request_limits((), gen.get("logprobs"), self._limits)
         agent = self.kv_connector
         worker = agent.worker if agent is not None else None
 
@@ -448,7 +460,11 @@ class EmbeddedEngine:
         Yields ``(output, None)`` for each unfinished step output of the request (vLLM's
         cumulative ``RequestOutput``), then ``(final output, completion)`` once.  The
         engine is locked until the generator ends; an error or an early close aborts
-        the request (its blocks are freed, as the mirror assumes).
+        the request.  Once a step ran, vLLM has computed (and keeps caching) blocks of a
+        request the mirror never admits (what an unfinished request filled is not known
+        here), so the engine then empties vLLM's prefix cache and the mirror together,
+        as after a failed step; before the first step nothing was computed and the
+        abort alone frees what was allocated.
         """
         inputs = _vllm.tokens_input(req.ids, prompt=req.text, cache_salt=req.salt)
         with self._lock:  # the mirror replays requests in the order they ran
@@ -464,13 +480,14 @@ class EmbeddedEngine:
                     _vllm.abort_all(engine)
                 t0 = time.perf_counter()
                 final = None
+                stepped = False  # a step ran and returned: vLLM cached blocks the mirror lacks
                 ttft: float | None = None
                 self._open_request = rid
                 try:
                     try:
                         engine.add_request(rid, inputs, params)
                     except Exception as exc:
-                        raise EngineRequestError(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
+                        raise self._refused(exc) from exc
                     while final is None:
                         if self._closed_by_user:  # close() ran while the stream was paused (re-entrant lock)
                             raise EngineError(f"the engine was closed (close()) while request {rid} ran: start a "
@@ -480,10 +497,13 @@ class EmbeddedEngine:
                         try:
                             outputs = engine.step()
                         except Exception as exc:
+                            stepped = False  # handled there: the cache is emptied (or the engine died)
                             raise self._step_failed(engine, rid, exc) from exc
                         except BaseException:  # Ctrl-C, SystemExit: the same unwritten blocks
+                            stepped = False
                             self._step_interrupted(engine)
                             raise
+                        stepped = True
                         now = time.perf_counter()
                         for out in outputs:
                             if ttft is None and out.outputs and len(out.outputs[0].token_ids) >= 1:
@@ -498,6 +518,8 @@ class EmbeddedEngine:
                     self._open_request = None
                     if final is None and not self._closed_by_user:  # an error, or the stream closed early
                         _vllm.abort_all(engine)
+                        if stepped:
+                            self._forget_cut_request()
             total = time.perf_counter() - t0
             gen = final.outputs[0] if final.outputs else None
             token_ids = list(gen.token_ids) if gen is not None else []
@@ -526,6 +548,33 @@ class EmbeddedEngine:
         return admit_run(self._mirror, ids, gen, salt, known)
 
     # -- failures ------------------------------------------------------------------------
+    @staticmethod
+    def _refused(exc: BaseException) -> EngineError | ConfigError | InputError:
+        """The error for a request ``add_request`` refused: vLLM's validation errors as
+        the documented ones (a sampling option: ``ConfigError``; the prompt, or no
+        parameter named: ``InputError``), anything else ``EngineRequestError``."""
+        param = _vllm.validation_parameter(exc)
+        cause = f"{type(exc).__name__}: {exc}"
+        if param is None:
+            return EngineRequestError(f"vLLM refused the request: {cause}")
+        if param and "prompt" not in param and "token_ids" not in param:
+            return ConfigError(f"vLLM refused the sampling option {param}: {cause}")
+        return InputError(f"vLLM refused the prompt: {cause}")
+
+    def _forget_cut_request(self) -> None:
+        """A request cut short after a step ran (a stream closed early, an error or
+        ``KeyboardInterrupt`` between steps), already aborted: vLLM keeps the blocks
+        it computed cached, and the mirror never admitted them, so both are emptied
+        together.  Where vLLM refuses, its cache stays (its KV was written, so it is
+        sound) and the mirror's predictions may fall short of it until the next reset."""
+        try:
+            emptied = self._reset_cache()
+        except Exception:  # noqa: BLE001 - the caller's own error (or close) is what it sees
+            emptied = False
+        if not emptied:
+            _log.warning("could not empty vLLM's prefix cache after a request was cut short; the "
+                         "mirror may predict fewer cached tokens than vLLM serves until the next reset")
+
     def _step_failed(self, engine: Any, rid: str, exc: BaseException) -> EngineError:
         """A step raised: abort, empty the prefix cache, probe; the error to raise.
 

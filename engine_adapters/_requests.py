@@ -34,6 +34,8 @@ __all__ = [
     "check_context",
     "check_tokenizer",
     "check_logprobs",
+    "check_phase_options",
+    "check_request_limits",
     "check_sampling",
     "check_splice",
     "logprob_dicts",
@@ -289,6 +291,52 @@ def check_sampling(
     stops = check_stop(stop)
     check_logprobs(logprobs)
     return {"max_tokens": max_tokens, "temperature": float(temperature), "stop": stops, "logprobs": logprobs}
+
+
+PHASE_OPTIONS = ("max_tokens", "temperature", "stop", "logprobs")
+"""The ``generate`` keyword arguments ``generate_phases(**gen)`` passes on to its last
+phase (``cache_salt`` is its own argument, ``splice`` and the prompt come from the phases)."""
+
+
+def check_phase_options(gen: dict[str, Any]) -> None:
+    """``generate_phases``' ``**gen``, checked before any phase runs (every engine): a
+    key ``generate`` does not take, or one the phases set themselves, and a bad value
+    raise :class:`ConfigError` naming it, instead of a ``TypeError`` from the last
+    phase after the earlier ones already ran."""
+    for key in gen:
+        if key not in PHASE_OPTIONS:
+            why = ("is set by generate_phases itself (each phase's plan)" if key in ("splice", "prompt")
+                   else "is not an option of generate")
+            raise ConfigError(
+                f"generate_phases got {key}={gen[key]!r}, which {why}: pass only "
+                f"{', '.join(PHASE_OPTIONS)} (cache_salt and adapt are its own arguments)"
+            )
+    check_sampling(gen.get("max_tokens", 16), gen.get("temperature", 0.0), gen.get("stop"), gen.get("logprobs"))
+
+
+def check_request_limits(ids: Sequence[int], logprobs: int | None, limits: tuple[int, int, int]) -> None:
+    """What vLLM would refuse, refused before sending: ``limits`` is the engine's
+    ``(max_logprobs, vocab_size, max_token_id)`` (``_vllm.request_limits``; an engine's
+    ``max_logprobs=-1`` is already resolved to its vocabulary size).  :class:`InputError`
+    for a prompt id outside the vocabulary, :class:`ConfigError` for more logprobs than
+    the engine allows (``logprobs=-1`` asks for the whole vocabulary)."""
+    max_logprobs, vocab, max_id = limits
+    if ids:
+        low, high = min(ids), max(ids)
+        if low < 0 or high > max_id:
+            bad = low if low < 0 else high
+            raise InputError(
+                f"the prompt holds token id {bad}, outside the model's vocabulary (ids 0..{max_id}): "
+                "tokenize the prompt with the engine's tokenizer (engine.tokenizer)"
+            )
+    if logprobs:
+        wanted = vocab if logprobs == -1 else logprobs
+        if wanted > max_logprobs:
+            raise ConfigError(
+                f"logprobs={logprobs} asks for {wanted} log-probabilities per token, more than the "
+                f"engine's max_logprobs ({max_logprobs}): ask for at most {max_logprobs}, or start the "
+                'engine with extra_kwargs={"max_logprobs": -1} (the whole vocabulary)'
+            )
 
 
 def check_splice(splice: Any, *, has_store: bool, block_size: int) -> dict[str, Any] | None:

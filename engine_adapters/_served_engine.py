@@ -95,6 +95,7 @@ from promptsplice.engine_adapters._requests import (
     StreamDelta,
     admit_run,
     check_logprobs,
+    check_phase_options,
     check_tokenizer,
     run_phases,
 )
@@ -548,6 +549,7 @@ class ServedEngineSurface:
         (the same loop, :func:`~promptsplice.engine_adapters._requests.run_phases`):
         relocated tokens are the connector's acks summed, and ``adapt`` reads the
         deviations the acks carry (the server's probes), as on the embedded engine."""
+        check_phase_options(gen)  # a typo or a bad value fails before the first phase runs
 
         def run_one(prompt: list[int], plan: SplicePlan | None, kwargs: dict[str, Any]) -> PhaseResult:
             out, rc = self._generate_served(prompt, cache_salt=cache_salt, splice=plan, **kwargs)  # probes-only plans too

@@ -44,6 +44,8 @@ __all__ = [
     "make_sampling_params",
     "quiet_logs",
     "read_counters",
+    "request_limits",
+    "validation_parameter",
     "shutdown_llm",
     "tokens_input",
     "vllm_log_level",
@@ -137,6 +139,34 @@ def model_context_len(llm: Any) -> int:
 
 
 # -- requests ------------------------------------------------------------------------
+def request_limits(llm: Any) -> tuple[int, int, int]:
+    """``(max_logprobs, vocab_size, max_token_id)`` of a started ``vllm.LLM``, as vLLM's
+    own request checks read them: ``SamplingParams._validate_logprobs`` (``max_logprobs``
+    of the model config, ``-1`` resolved to the model's vocabulary size; a request's
+    ``logprobs=-1`` counts as the vocabulary size) and ``BaseRenderer.validate_token_ids``
+    (a prompt id above the larger of the tokenizer's ``max_token_id`` and the model's
+    last vocabulary id is out of vocabulary)."""
+    engine = llm.llm_engine
+    model_config = engine.vllm_config.model_config
+    vocab = int(model_config.get_vocab_size())
+    max_logprobs = int(model_config.max_logprobs)
+    if max_logprobs == -1:
+        max_logprobs = vocab
+    tokenizer = getattr(getattr(engine, "renderer", None), "tokenizer", None)
+    tok_max = int(tokenizer.max_token_id) if tokenizer is not None else -1
+    return max_logprobs, vocab, max(tok_max, vocab - 1)
+
+
+def validation_parameter(exc: BaseException) -> str | None:
+    """For vLLM's ``VLLMValidationError`` (a request vLLM refused as invalid): the
+    parameter it names (``""`` when it names none); ``None`` for any other exception."""
+    from vllm.exceptions import VLLMValidationError
+
+    if not isinstance(exc, VLLMValidationError):
+        return None
+    return exc.parameter or ""
+
+
 def make_sampling_params(
     *,
     max_tokens: int,

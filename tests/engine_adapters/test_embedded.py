@@ -407,11 +407,86 @@ def test_a_prompt_of_another_models_tokenizer_is_refused_not_sent(engine):
     assert done.prompt_tokens > 0
 
 
-@pytest.mark.reliability
-def test_a_request_vllm_fails_does_not_stop_the_engine(engine):
-    with pytest.raises(EngineRequestError, match="out of vocabulary") as info:
+def test_out_of_vocabulary_ids_and_too_many_logprobs_are_input_and_config_errors(engine, monkeypatch):
+    """They reached vLLM and came back as EngineRequestError ("vLLM failed the request"),
+    where generate promises InputError for a malformed prompt, ConfigError for bad options."""
+    from vllm.exceptions import VLLMValidationError
+
+    from promptsplice.engine_adapters import _vllm
+
+    vocab = 49152  # SmolLM2's; the session engine allows full-vocabulary logprobs (max_logprobs=-1)
+    with pytest.raises(InputError, match=r"token id 10000000, outside the model's vocabulary \(ids 0\.\.49151\)"):
         engine.generate([1, 2, 10**7], max_tokens=1)
-    assert info.value.__cause__ is not None
+    assert _vllm.request_limits(engine.llm) == (vocab, vocab, vocab - 1)
+    with pytest.raises(InputError, match="token id 49152, outside"):
+        engine.stream([1, vocab], max_tokens=1)
+    with pytest.raises(ConfigError, match=r"logprobs=49153 asks for 49153 .*max_logprobs \(49152\)"):
+        engine.generate([1, 2], max_tokens=1, logprobs=vocab + 1)
+    assert len(engine.generate([1, 2], max_tokens=1, logprobs=-1).logprobs[0]) == vocab  # -1: unlimited here
+    # an engine started with max_logprobs=20
+    monkeypatch.setattr(engine, "_limits", (20, vocab, vocab - 1))
+    with pytest.raises(ConfigError, match=r"logprobs=50 asks for 50 .*max_logprobs \(20\)"):
+        engine.generate([1, 2], max_tokens=1, logprobs=50)
+    # what vLLM itself refuses as invalid, if it gets past the checks: by its parameter
+    monkeypatch.setattr(engine, "_limits", (10**9, vocab, 10**9))
+    with pytest.raises(InputError, match="vLLM refused the prompt: .*Token id 10000000 is out of vocabulary") as info:
+        engine.generate([1, 2, 10**7], max_tokens=1)
+    assert isinstance(info.value.__cause__, VLLMValidationError)
+    with pytest.raises(ConfigError, match="vLLM refused the sampling option logprobs: .*greater than max allowed: 49152"):
+        engine.generate([1, 2], max_tokens=1, logprobs=vocab + 1)
+    monkeypatch.undo()
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert engine.generate([1, 2, 3], max_tokens=2).token_ids
+
+
+def test_generate_phases_refuses_an_unknown_option_before_any_phase_runs(engine):
+    """``max_token=4`` (a typo) or ``splice=`` raised a bare TypeError from the last
+    phase's generate, after the earlier phases had run."""
+    from promptsplice.engine_adapters import SplicePhase
+
+    tokens = list(range(500, 500 + 3 * BS))
+    phases = [SplicePhase(2 * BS, None), SplicePhase(3 * BS, None)]
+    before = engine.counters()
+    for gen, match in (({"max_token": 4}, "generate_phases got max_token=4, which is not an option of generate"),
+                       ({"splice": None}, "splice=None, which is set by generate_phases itself"),
+                       ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0")):
+        with pytest.raises(ConfigError, match=match):
+            engine.generate_phases(tokens, phases, **gen)
+    assert engine.counters() == before  # no phase was sent
+    run = engine.generate_phases(tokens, phases, max_tokens=2)
+    assert [c.prompt_tokens for c in run.completions] == [2 * BS, 3 * BS]
+    assert len(run.completions[1].token_ids) == 2
+
+
+def test_a_stream_closed_after_a_step_leaves_the_mirror_equal_to_vllm(fresh_engine):
+    """vLLM cached the prompt's 4 full blocks of a stream closed after its first delta; the
+    mirror admitted nothing and predicted 0 where vLLM served 128 tokens."""
+    eng = fresh_engine
+    prompt = list(range(1000, 1000 + 4 * BS + 3))
+    s = eng.stream(prompt, max_tokens=8)
+    assert len(next(s).token_ids) == 1
+    s.close()
+    assert len(eng.mirror) == 0  # the cut request's cache went with the mirror's
+    again = eng.generate(prompt, max_tokens=2)
+    assert (again.num_cached_tokens, again.predicted_cached_tokens) == (0, 0)
+    again = eng.generate(prompt, max_tokens=2)
+    assert (again.num_cached_tokens, again.predicted_cached_tokens) == (4 * BS, 4 * BS)
+    assert not eng.llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.reliability
+def test_a_request_vllm_fails_does_not_stop_the_engine(engine, monkeypatch):
+    """vLLM failing a request at submission for a reason of its own (what it refuses as
+    invalid is InputError/ConfigError, tested above): EngineRequestError with vLLM's
+    exception as its cause, no request left, the next request served."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault in vLLM's input processor")
+
+    monkeypatch.setattr(engine.llm.llm_engine.input_processor, "process_inputs", broken)
+    with pytest.raises(EngineRequestError, match="vLLM refused the request: RuntimeError: injected fault") as info:
+        engine.generate([1, 2, 3], max_tokens=1)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    monkeypatch.undo()
     assert not engine.llm.llm_engine.has_unfinished_requests()
     assert engine.generate([1, 2, 3], max_tokens=2).token_ids
 

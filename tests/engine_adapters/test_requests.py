@@ -82,3 +82,55 @@ def test_a_completion_names_its_cached_tokens_as_every_other_record_does():
     c = Completion(text="", token_ids=[], prompt_token_ids=[1] * 70, prompt_tokens=70, num_cached_tokens=64,
                    ttft_s=0.0, total_s=0.0, finish_reason="length")
     assert (c.cached_tokens, c.prefill_tokens) == (64, 6)
+
+
+def test_generate_phases_options_are_checked_before_any_phase_on_both_engines():
+    """``generate_phases(**gen)`` forwarded gen to the last phase's ``generate``: a typo
+    (``max_token=4``) or a key the phases set (``splice=``) raised a bare ``TypeError``
+    there, after the earlier phases had already run; a bad value likewise."""
+    import pytest
+
+    from promptsplice.engine_adapters import RemoteEngine
+    from promptsplice.engine_adapters._requests import check_phase_options
+    from promptsplice.errors import ConfigError
+
+    served = RemoteEngine("http://127.0.0.1:9", model="m", tokenizer="tiktoken:cl100k_base", block_size=BS,
+                          max_retries=0)
+    for gen, match in (
+        ({"max_token": 4}, r"generate_phases got max_token=4, which is not an option of generate: pass only "
+                           r"max_tokens, temperature, stop, logprobs"),
+        ({"splice": None}, r"splice=None, which is set by generate_phases itself"),
+        ({"max_tokens": 0}, r"max_tokens must be an int >= 1, got 0"),
+        ({"temperature": -1.0}, r"temperature must be a number >= 0, got -1.0"),
+        ({"logprobs": -2}, r"logprobs must be None, -1 \(all\) or an int >= 0, got -2"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            check_phase_options(gen)
+        with pytest.raises(ConfigError, match=match):  # before the served engine sends anything
+            served.generate_phases([1, 2, 3], [(2, None), (3, None)], **gen)
+    check_phase_options({"max_tokens": 4, "temperature": 0.5, "stop": ["\n"], "logprobs": -1})
+
+
+def test_request_limits_refuse_out_of_vocabulary_ids_and_too_many_logprobs():
+    import pytest
+
+    from promptsplice.engine_adapters._requests import check_request_limits
+    from promptsplice.errors import ConfigError, InputError
+
+    limits = (20, 49152, 49151)  # max_logprobs 20, SmolLM2's vocabulary
+    check_request_limits([0, 49151], 20, limits)
+    check_request_limits([5], 0, limits)
+    with pytest.raises(InputError, match=r"token id 49152, outside the model's vocabulary \(ids 0\.\.49151\)"):
+        check_request_limits([1, 49152], None, limits)
+    with pytest.raises(InputError, match=r"token id -1, outside"):
+        check_request_limits([-1, 3], None, limits)
+    with pytest.raises(ConfigError, match=r"logprobs=21 asks for 21 .*max_logprobs \(20\)"):
+        check_request_limits([1], 21, limits)
+    with pytest.raises(ConfigError, match=r"logprobs=-1 asks for 49152 .*max_logprobs \(20\)"):
+        check_request_limits([1], -1, limits)
+    # an engine started with max_logprobs=-1: resolved to the vocabulary, so -1 and all fit
+    full = (49152, 49152, 49151)
+    check_request_limits([1], -1, full)
+    check_request_limits([1], 49152, full)
+    with pytest.raises(ConfigError, match=r"logprobs=49153 asks for 49153"):
+        check_request_limits([1], 49153, full)

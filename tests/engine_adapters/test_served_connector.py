@@ -100,8 +100,6 @@ def connector_metrics(base_url: str) -> dict[str, float]:
 def connector_counters_reach(base_url: str, wanted: dict[str, float], before: dict[str, float]) -> dict:
     """The counters' increase since ``before`` once it reaches ``wanted`` (the front end
     records a step's stats as it hands out the step's output: polled for up to 10 s)."""
-    import time
-
     deadline = time.monotonic() + 10
     while True:
         now = connector_metrics(base_url)
