@@ -225,12 +225,15 @@ def pic_choice(
     start = max(hit, min(head_end, head_hit))
     new = set(missing)
     nil = bytes(HASH_BYTES)  # parents play no part in the grouping
-    segs = [SpliceSegment(0, head_end // bs, 0, nil)] if head_end > hit else []
+    segs = [SpliceSegment(0, head_end // bs, 0, nil)] if head_end > hit and head_end >= bs else []
     for s, e in chunks:
         a = max(s + r * bs, hit)
-        if a < e:
+        if e - a >= bs:
             segs.append(SpliceSegment(a, (e - a) // bs, 0, nil))
-    phases = plan_segment_phases(segs, num_tokens, block_size=bs, hit=hit, min_group_blocks=min_group_blocks)
+    try:
+        phases = plan_segment_phases(segs, num_tokens, block_size=bs, hit=hit, min_group_blocks=min_group_blocks)
+    except InputError:  # not a plan plan_chunk_phases would make (unsorted, overlapping): it never pays
+        return PicChoice(num_tokens + 1, exact_tokens)
     moved = {seg.dst_start: seg.num_blocks for ph in phases if ph.plan for seg in ph.plan.segments
              if seg.dst_start >= head_end and seg.dst_start >= hit}
     extra = 0.0

@@ -507,9 +507,9 @@ class RagRunner:
         )
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
-        if adapt is not None and fallback is None and r:  # probed: past the hit, longer than r
-            new = {s.start for s in missing}
-            probed = [(c.start, c.end, c.start in new) for c in placed if hit <= c.start < c.end - r * bs]
+        if adapt is not None and fallback is None and r:  # probed: past the hit, a run of its own
+            new, runs = {s.start for s in missing}, {g.dst_start for ph in phases if ph.plan for g in ph.plan.segments}
+            probed = [(c.start, c.end, c.start in new) for c in placed if hit <= c.start and c.start + r * bs in runs]
             self._guard_rates.observe(probed, adapt.extended)
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)

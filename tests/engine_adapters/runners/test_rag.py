@@ -289,6 +289,15 @@ def test_the_choice_predicts_the_plan_it_would_run():
     assert c.pic_tokens == 96 - 12 - 28 - 36 + 36
 
 
+def test_a_layout_no_plan_fits_never_pays_and_raises_nothing():
+    # a head under one block, a chunk leaving less than a block after its recompute,
+    # overlapping chunks: nothing to relocate, or a plan plan_chunk_phases refuses
+    assert pic_choice(96, 0, 2, [(8, 14)], [], head_hit=0, exact_tokens=90, recompute_blocks=1,
+                      block_size=BS) == PicChoice(96, 90)
+    c = pic_choice(96, 0, 8, [(8, 40), (36, 80)], [], head_hit=8, exact_tokens=88, recompute_blocks=0, block_size=BS)
+    assert c == PicChoice(97, 88) and not c.pays
+
+
 def test_guard_rates_are_running_means_per_chunk_kind():
     rates = GuardRates()
     assert rates.expected() == GuardRates.PRIOR
