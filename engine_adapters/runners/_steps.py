@@ -143,13 +143,16 @@ class AdaptiveRecompute:
     (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`);
     ``extra`` counts those blocks, ``extended`` lists where each starts."""
 
-    __slots__ = ("max_deviation", "tokens", "extra", "extended")
+    __slots__ = ("max_deviation", "tokens", "extended")
 
     def __init__(self, max_deviation: float, tokens: Sequence[int]) -> None:
         self.max_deviation = max_deviation
         self.tokens = tokens
-        self.extra = 0
         self.extended: list[int] = []
+
+    @property
+    def extra(self) -> int:
+        return len(self.extended)
 
     def __call__(self, seen: list[Any], nxt: SplicePhase) -> list[SplicePhase] | None:
         plan = nxt.plan
@@ -161,7 +164,6 @@ class AdaptiveRecompute:
             return None
         phases = extend_recompute(nxt, self.tokens)
         if phases:
-            self.extra += 1
             self.extended.append(plan.dst_start)
         return phases
 
