@@ -468,8 +468,10 @@ def plan_phases(
     own but moves fewer than ``min_group_blocks`` blocks is computed instead (a request
     costs more than prefilling a block or two).  ``probe``: the recomputed blocks of
     each relocated run become probes of the request that computes them (the connector
-    measures their deviation from the old KV).  Raises :class:`InputError` when a run's
-    tokens differ between the prompts or runs overlap.
+    measures their deviation from the old KV).  A run's part inside the prompts' shared
+    whole-block prefix is exact KV where it stands and never moved: the run starts where
+    that prefix ends.  Raises :class:`InputError` when a run's tokens differ between the
+    prompts or runs overlap.
     """
     bs = block_size
     if not _is_int(bs) or bs <= 0:
@@ -491,6 +493,10 @@ def plan_phases(
             old_chain.extend(chain_hashes(old[: round_down(len(old), bs)], bs, salt=src))
         return old_chain[old_pos // bs - 1]
 
+    hit = 0
+    while hit < min(len(old), len(new)) and old[hit] == new[hit]:
+        hit += 1
+    exact = round_down(hit, bs)  # whole blocks both prompts share at the same positions
     segs: list[SpliceSegment] = []
     probes: list[SpliceSegment] = []
     if load_prefix:
@@ -510,6 +516,12 @@ def plan_phases(
             raise InputError(f"relocation {i} {run!r} is outside the prompts ({len(old)} / {len(new)} tokens)")
         if delta % bs:
             continue  # not block-aligned in both prompts: computed
+        if o_end + delta <= exact:
+            continue  # all inside the exact prefix: its KV is exact where it stands
+        # A run may begin inside that prefix (a moved message starting with the header
+        # that stood there before): it starts where the exact blocks end, so it never
+        # overlaps the prefix and its recompute starts at the edit.
+        o_start = max(o_start, exact - delta)
         a = round_up(o_start + delta, bs) + recompute_blocks * bs
         e = min(round_down(o_end + delta, bs), limit)
         if e - a < bs:
@@ -523,14 +535,11 @@ def plan_phases(
         if probe and recompute_blocks and new[a0:a] == old[a0 - delta : a - delta]:
             probes.append(SpliceSegment(a0, recompute_blocks, delta, parent(a0 - delta)))
 
-    hit = 0
-    while hit < min(len(old), len(new)) and old[hit] == new[hit]:
-        hit += 1
     return plan_segment_phases(
         segs,
         len(new),
         block_size=bs,
-        hit=round_down(hit, bs),
+        hit=exact,
         src_salt=src_salt,
         scope=scope,
         min_group_blocks=min_group_blocks,

@@ -489,16 +489,12 @@ class AgentRunner:
         runs = list(prepared.diff.relocations)
         if self.reuse_repeats:
             runs += _repeat_runs(prepared, runs)
-        # A moved message may start with the tokens that stood there before (the same
-        # chat-template header, when an earlier call is dropped): the diff's run then
-        # begins inside that exact prefix.  Its part there is never relocated (it would
-        # overlap the prefix load, and the recompute after the edit would start before
-        # the edit): the run starts where the exact blocks end.
-        runs = [(max(s, same - d), e, d) for s, e, d in runs if e + d > same]
         tail = self.recompute_tail_blocks * bs
-        if tail and runs and not dry:
-            s0, e0, d0 = runs[-1]
-            runs[-1] = (s0, max(s0, e0 - tail), d0)
+        # the last run past the exact prefix (the planner never moves a run's part inside it)
+        last = max((i for i, (_, e, d) in enumerate(runs) if e + d > same), default=None)
+        if tail and last is not None and not dry:
+            s0, e0, d0 = runs[last]
+            runs[last] = (s0, max(s0, e0 - tail), d0)
         if prepared.kind is StepKind.APPEND and not runs:
             return st.salt, plain, None
         try:

@@ -147,6 +147,31 @@ def test_plan_phases_relocates_whole_blocks_and_recomputes_the_first_r():
         plan_phases(old, P + toks(128, 7000) + [2], [(128, 256, -64)], block_size=BS, salt=SALT)
 
 
+def test_plan_phases_starts_a_run_where_the_prompts_shared_prefix_ends():
+    # A moved message that begins with the header that stood there before: the run
+    # old[128:256] -> new[64:192] starts inside the prompts' shared prefix P + H (96
+    # tokens).  Its part there is exact where it stands: only old[160:256] moves, to 96.
+    P, H, X, S = toks(64), toks(32, 3000), toks(32, 5000), toks(96, 9000)
+    old, new = P + H + X + H + S + [1], P + H + S + [2]
+    keys = chain_hashes(old, BS, salt=SALT)
+    (only,) = plan_phases(old, new, [(128, 256, -64)], block_size=BS, salt=SALT)
+    assert only == SplicePhase(len(new), SplicePlan(BS, (SpliceSegment(96, 3, -64, keys[4]),)))
+    # Recompute starts at the edit (96), not inside the prefix.
+    first, second = plan_phases(old, new, [(128, 256, -64)], block_size=BS, salt=SALT, recompute_blocks=1)
+    assert first == SplicePhase(128, SplicePlan(BS))
+    assert second.plan.segments == (SpliceSegment(128, 2, -64, keys[5]),)
+    # A new scope loads the prefix from the old chain: the run follows it, no overlap.
+    (scoped,) = plan_phases(
+        old, new, [(128, 256, -64)], block_size=BS, salt="scope", src_salt=SALT, load_prefix=96, scope=True
+    )
+    assert scoped.plan.segments == (
+        SpliceSegment(0, 3, 0, root_hash(SALT)),
+        SpliceSegment(96, 3, -64, keys[4]),
+    )
+    # A run wholly inside the shared prefix moves nothing.
+    assert plan_phases(old, new, [(0, 64, 0), (128, 256, -64)], block_size=BS, salt=SALT) == [only]
+
+
 # ------------------------------------------------------------ probes (adaptive recompute)
 
 
