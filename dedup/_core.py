@@ -24,9 +24,11 @@ m = min_overlap):
   in the joined bytes (O(N) in C each), and once a pass has made 32 such searches
   through the anchor index: N/16 dict insertions once per call, then 16 to 32 look-ups
   per needle and a C search of each surviving candidate, so O(N) in total for typical
-  text.  Needles shorter than 31 bytes, or whose grams are held by a few hundred
-  chunks (periodic text), are still searched in the joined bytes: O(n * N) in C in the
-  worst case.  If passages shortened a chunk, containment runs once more, and with
+  text.  Needles shorter than 31 bytes are still searched in the joined bytes: O(n *
+  N) in C in the worst case.  Longer needles scan at most 64 * N bytes + 64 MiB in all
+  (the call's search budget, ``dedup/_finder.py``); past it, chunks made of the same
+  few sentences are less deduplicated (a needle then scans at most 16 times its
+  bytes + 16 KiB), never wrong.  If passages shortened a chunk, containment runs once more, and with
   overlap on, the overlap pass too; a merge then starts another round of containment
   and passages (rare past the first: each round removes bytes).
 

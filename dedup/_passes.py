@@ -16,7 +16,7 @@ dots have no interior piece and are always searched.
 
 **Search.**  The first searches of a pass go through the joined bytes of the chunks it
 may find the needle in (one C search each, linear in their bytes); once a pass has made
-``_SWITCH`` of them, it switches to the call's grid anchor index
+``_SWITCH`` of them (:mod:`promptsplice.dedup._finder`), it switches to the call's grid anchor index
 (:mod:`promptsplice.dedup._anchors`), where a needle finds its candidate chunks by dict
 look-ups, so the cost per needle no longer grows with the number of chunks.  Both give
 the same answer: the first occurrence in the earliest chunk searched.  The overlap
@@ -32,27 +32,23 @@ here) and the same answers (tests/dedup/test_speedups.py); the records are still
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable
 from collections import Counter
 from itertools import accumulate, chain
 from operator import attrgetter, itemgetter
 
 from . import _native, _overlap
-from ._anchors import MIN_NEEDLE, GridIndex
+from ._anchors import GridIndex
+from ._finder import Finder, search_budget
 from ._offsets import CutMap as _CutMap, Unmap as _Unmap
 from ._types import DedupConfig, KeptChunk, Relation, RemovedPassage
 
 __all__ = ["Passes"]
 
-# Joins chunks into one haystack.  0xFF never occurs in valid UTF-8 and every needle is
-# a slice of valid UTF-8, so no match can cross a separator.
-_SEP = b"\xff"
 _PARA = b"\n\n"
 _DOT = b"."
 # False: search every needle the filter would skip.  The filter only skips searches that
 # cannot find anything, so the result must not change (tests/dedup checks it).
 _FILTER = True
-_SWITCH = 32  # plain searches (or haystack rebuilds) of one pass before it indexes
 # The C core searches chunk by chunk, O(bytes) per needle its dot filter lets through,
 # like the plain search here (needles without a dot key ask its gram index); larger
 # calls use the Python passes, whose grid index answers in O(1) per needle.  Typical
@@ -74,16 +70,6 @@ def _core_for(kept: list[KeptChunk]):
     return core if sum(map(len, map(_DATA, kept))) <= _C_MAX_BYTES else None
 
 
-def _starts(datas: list[bytes]) -> list[int]:
-    """Offsets of each item in ``_SEP.join(datas)``."""
-    out = []
-    p = 0
-    for d in datas:
-        out.append(p)
-        p += len(d) + 1
-    return out
-
-
 def _probe(pieces: list[bytes]) -> bytes | None:
     """An interior piece of a dot-split needle (preferably a long one), or None."""
     if len(pieces) < 3:
@@ -94,82 +80,10 @@ def _probe(pieces: list[bytes]) -> bytes | None:
     return max(pieces[1:-1], key=len)
 
 
-class _Finder:
-    """The first occurrence of a needle in ``datas[:limit]``: ``(item, offset)`` or None.
-
-    ``chunks`` are the KeptChunks whose bytes ``datas`` holds; the caller may append to
-    both, and ``limit`` never decreases.  Searches the joined bytes until ``_SWITCH``
-    searches (or rebuilds of the joined bytes) were made, then the call's grid index,
-    shared by every pass (a chunk is indexed again only when its bytes changed);
-    needles the index cannot answer still go through the joined bytes.
-    """
-
-    __slots__ = ("passes", "chunks", "datas", "joined", "hay", "starts", "rank", "searches")
-
-    def __init__(
-        self,
-        passes: Passes,
-        chunks: list[KeptChunk],
-        datas: list[bytes],
-        joined: Callable[[], list[bytes]] | None = None,
-    ) -> None:
-        self.passes = passes
-        self.chunks = chunks
-        self.datas = datas
-        self.joined = joined  # () -> the byte strings to join, datas[:limit] first
-        self.hay = b""
-        self.starts: list[int] = []
-        self.rank: dict[int, int] | None = None  # id(chunk) -> item, once indexing
-        self.searches = 0
-
-    def reset(self) -> None:
-        """Bytes in the joined haystack changed: join again at the next plain search."""
-        self.starts = []
-
-    def first(self, needle: bytes, limit: int) -> tuple[int, int] | None:
-        if self.rank is None and self.searches >= _SWITCH and len(needle) >= MIN_NEEDLE:
-            self.rank = {}
-        rank = self.rank
-        if rank is not None:
-            grid, indexed = self.passes.grid()
-            chunks = self.chunks
-            for i in range(len(rank), limit):
-                k = chunks[i]
-                key = id(k)
-                if indexed.get(key) is not k.data:
-                    indexed[key] = k.data
-                    grid.add(key, k.data)
-                rank[key] = i
-            keys = grid.candidates(needle)
-            if keys is not None:
-                datas = self.datas
-                best, at = limit, -1
-                for key in keys:
-                    i = rank.get(key, limit)
-                    if i < best:
-                        pos = datas[i].find(needle)  # one scan per candidate (was two)
-                        if pos >= 0:
-                            best, at = i, pos
-                return None if best == limit else (best, at)
-        self.searches += 1
-        starts = self.starts
-        if len(starts) <= limit:  # the joined bytes do not cover datas[:limit]
-            self.searches += 1
-            items = self.datas if self.joined is None else self.joined()
-            self.hay = _SEP.join(items)
-            starts = self.starts = _starts(items)
-            starts.append(len(self.hay) + 1)
-        pos = self.hay.find(needle, 0, starts[limit] - 1)
-        if pos < 0:
-            return None
-        f = bisect_right(starts, pos) - 1
-        return f, pos - starts[f]
-
-
 class Passes:
     """Overlap, containment and passage passes over the kept chunks of one call."""
 
-    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "partial", "counts", "_grid")
+    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "partial", "counts", "_grid", "budget")
 
     def __init__(self, cfg: DedupConfig, removed: dict, removed_bytes: dict) -> None:
         self.cfg = cfg
@@ -184,11 +98,18 @@ class Passes:
         self.partial: dict[int, tuple[int, int, int]] = {}
         self.counts: Counter | None = None  # piece -> occurrences (see module doc)
         self._grid: tuple[GridIndex, dict[int, bytes]] | None = None
+        self.budget: int | None = None  # bytes the indexed searches may still scan
+
+    def fund(self, kept: list[KeptChunk]) -> None:
+        """Set the call's search budget from its bytes, at its first search pass (later
+        passes see fewer bytes)."""
+        if self.budget is None:
+            self.budget = search_budget(sum(map(len, map(_DATA, kept))))
 
     def grid(self) -> tuple[GridIndex, dict[int, bytes]]:
         """The call's grid index of chunks by ``id``, and the bytes indexed for each."""
         if self._grid is None:
-            self._grid = (GridIndex(), {})
+            self._grid = (GridIndex(rarest=True), {})
         return self._grid
 
     # -- sentence-piece filter -----------------------------------------------------------
@@ -232,6 +153,7 @@ class Passes:
         host: dict[int, tuple[int, int]] = {}  # rank in order -> (host rank, offset)
         self.counts = None  # containment always indexes the chunks it is given
         counts, split = self.index(kept)
+        self.fund(kept)
         finder = datas = None
         for r in range(1, len(order)):
             pl = split[order[r]]
@@ -244,7 +166,7 @@ class Passes:
             if finder is None:
                 chunks = list(map(kept.__getitem__, order))
                 datas = list(map(_DATA, chunks))
-                finder = _Finder(self, chunks, datas)
+                finder = Finder(self, chunks, datas)
             found = finder.first(datas[r], r)  # type: ignore[index]
             if found is None:
                 continue
@@ -311,12 +233,13 @@ class Passes:
             out, changed = self._remove_passages_c(core, kept, mp, whole_chunks)
             return self._passages_fixpoint(out, changed)
         counts = self.index(kept)[0]
+        self.fund(kept)
         out: list[KeptChunk] = []
         # A search for chunk j's paragraphs only sees the chunks before it, final by
         # then; the joined bytes also hold the chunks after them, unchanged until cut.
         out_datas: list[bytes] = []
         j = 0
-        finder = _Finder(self, out, out_datas, lambda: out_datas + list(map(_DATA, kept[j:])))
+        finder = Finder(self, out, out_datas, lambda: out_datas + list(map(_DATA, kept[j:])))
         changed = False
         for j, k in enumerate(kept):
             d = k.data

@@ -1,5 +1,5 @@
 """The passes' search shortcuts: the grid anchor index (dedup/_anchors.py), the switch
-to it, and the sentence-piece filter (dedup/_passes.py).
+to it (dedup/_finder.py), and the sentence-piece filter (dedup/_passes.py).
 
 The index must reach every chunk that holds a needle, and dedup must give the same
 result whichever search answers: the plain search of the joined bytes (what small
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import promptsplice.dedup._native as _native
 import promptsplice.dedup._overlap as _overlap
+import promptsplice.dedup._finder as finder
 import promptsplice.dedup._passes as passes
 from promptsplice.benchmarks.dedup_bench import make_requests, scaling_workload
 from promptsplice.dedup import DedupConfig, Relation, dedup
@@ -74,7 +75,7 @@ def _canon(result):
 def _plain(chunks, **options):
     """dedup with the index switched off: every search goes through the joined bytes."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(passes, "_SWITCH", 10**9)
+        mp.setattr(finder, "_SWITCH", 10**9)
         mp.setattr(_overlap, "_GROUP_GRID", 10**9)
         return dedup(chunks, **options)
 
@@ -109,7 +110,7 @@ def test_large_request_uses_the_index_and_matches_the_plain_search(options, monk
 def test_index_from_the_first_search_gives_the_same_result(chunks, cfg):
     plain = _plain(chunks, config=cfg)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(passes, "_SWITCH", 0)
+        mp.setattr(finder, "_SWITCH", 0)
         mp.setattr(_overlap, "_GROUP_GRID", 0)
         indexed = dedup(chunks, cfg)
     check_result(chunks, cfg, indexed)
@@ -132,8 +133,8 @@ def test_piece_filter_only_skips_searches_that_find_nothing(chunks, cfg):
 def test_piece_filter_skips_most_searches_on_the_bench_workload(monkeypatch):
     requests = make_requests(total_mb=0.1, chunk_bytes=1024, seed=4, n_docs=20)
     searches = []
-    real = passes._Finder.first
-    monkeypatch.setattr(passes._Finder, "first", lambda self, *a: searches.append(1) or real(self, *a))
+    real = finder.Finder.first
+    monkeypatch.setattr(finder.Finder, "first", lambda self, *a: searches.append(1) or real(self, *a))
     cfg = DedupConfig()
     filtered = [_canon(dedup(r, cfg)) for r in requests]
     n_filtered = len(searches)
