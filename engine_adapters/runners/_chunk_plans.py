@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -28,9 +28,11 @@ __all__ = [
     "GuardRates",
     "PicChoice",
     "StoreQuery",
+    "continued_chunks",
     "match_chains",
     "pic_choice",
     "plan_chunk_phases",
+    "precompute_sources",
 ]
 
 
@@ -205,6 +207,7 @@ def pic_choice(
     block_size: int,
     min_group_blocks: int = 1,
     extra_blocks: tuple[float, float] = (0.0, 0.0),
+    continued: Collection[int] = frozenset(),
 ) -> PicChoice:
     """Compare the plan's predicted prefill with one exact request's (pure).
 
@@ -218,8 +221,10 @@ def pic_choice(
     blocks is computed); more requests cost no prefill (each starts at the last one's
     end, a prefix hit).  ``extra_blocks``: the blocks the deviation guard is expected
     to recompute beyond ``recompute_blocks`` per stored and per precomputed chunk (the
-    runner's measured rates).  Relocation pays only when chunks move more than that and
-    the precompute is repaid: short chunks, new chunks and exact repeats go out exact.
+    runner's measured rates).  ``continued``: the starts of chunks that continue their
+    source run (:func:`continued_chunks`: nothing recomputed, no guard).  Relocation
+    pays only when chunks move more than that and the precompute is repaid: short
+    chunks, new chunks and exact repeats go out exact.
     """
     bs, r = block_size, recompute_blocks
     start = max(hit, min(head_end, head_hit))
@@ -227,7 +232,7 @@ def pic_choice(
     nil = bytes(HASH_BYTES)  # parents play no part in the grouping
     segs = [SpliceSegment(0, head_end // bs, 0, nil)] if head_end > hit and head_end >= bs else []
     for s, e in chunks:
-        a = max(s + r * bs, hit)
+        a = max(s + (0 if s in continued else r) * bs, hit)
         if e - a >= bs:
             segs.append(SpliceSegment(a, (e - a) // bs, 0, nil))
     try:
@@ -238,6 +243,8 @@ def pic_choice(
              if seg.dst_start >= head_end and seg.dst_start >= hit}
     extra = 0.0
     for s, e in chunks:
+        if s in continued:
+            continue  # not probed: the guard never recomputes more of it
         a = max(s + r * bs, hit)
         if a in moved and r and hit <= s:  # probed: the guard may recompute more of it
             extra += min(extra_blocks[(s, e) in new], moved[a]) * bs
@@ -282,6 +289,57 @@ class ChunkPlacement(NamedTuple):
     source: ChunkSource
 
 
+def continued_chunks(
+    tokens: Sequence[int],
+    chunks: Sequence[ChunkPlacement],
+    *,
+    block_size: int,
+    head_end: int = 0,
+    src_salt: str | None = None,
+) -> frozenset[int]:
+    """The starts of the chunks whose stored KV was computed right behind what precedes
+    them now: the chunk before them from the same source chain at the same offset, or
+    the head's exact blocks (pure).
+
+    Such a chunk continues one relocated run, as an unchanged stretch of an agent's
+    edited prompt does: its first blocks already attended to their real neighbour, so
+    the recompute at chunk starts (EPIC's attention-sink fix) is due only where a run
+    starts.  The chain hash decides: the chunk's source parent must be the hash of the
+    source block that ended the element before it, so both stood together there.
+    """
+    bs, toks = block_size, tokens
+    out: set[int] = set()
+    end, src_end, salt = head_end, head_end, src_salt
+    tail = chain_hashes(list(toks[:head_end]), bs, salt=src_salt)[-1] if head_end >= bs else root_hash(src_salt)
+    for c in chunks:
+        src = c.source
+        if c.start == end and src.start == src_end and src.salt == salt and src.parent == tail:
+            out.add(c.start)
+        if c.end - c.start >= bs:
+            tail = chain_hashes(list(toks[c.start : c.end]), bs, parent=BlockHash(src.parent))[-1]
+        end, src_end, salt = c.end, src.start + (c.end - c.start), src.salt
+    return frozenset(out)
+
+
+def precompute_sources(
+    tokens: Sequence[int], head_end: int, group: Sequence[tuple[int, int]], *, block_size: int, salt: str | None
+) -> tuple[list[int], list[ChunkSource]]:
+    """The exact request that precomputes ``group`` (``(start, end)`` chunks of
+    ``tokens``): the head, then the chunks in that order; and where each chunk's KV
+    then lives (pure: the runner sends it, the gate predicts from it)."""
+    bs = block_size
+    pre = list(tokens[:head_end])
+    at = []
+    for s, e in group:
+        at.append(len(pre))
+        pre.extend(tokens[s:e])
+    chain = chain_hashes(pre, bs, salt=salt)
+    return pre, [
+        ChunkSource(chain[a // bs - 1] if a else root_hash(salt), a, (e - s) // bs, salt)
+        for (s, e), a in zip(group, at, strict=True)
+    ]
+
+
 def plan_chunk_phases(
     tokens: Sequence[int],
     chunks: Sequence[ChunkPlacement],
@@ -301,7 +359,8 @@ def plan_chunk_phases(
     blocks (``src_salt``, delta 0) where the hit does not cover it; each chunk after the
     hit is loaded from its source, re-rotated by ``start - source.start``, except its
     first ``recompute_blocks`` blocks, which are computed (``probe``: and compared with
-    the chunk's stored KV by the connector, ``BlockDeviation``).  Raises
+    the chunk's stored KV by the connector, ``BlockDeviation``), unless the chunk
+    continues its source run (:func:`continued_chunks`: all of it loaded).  Raises
     :class:`~promptsplice.errors.InputError` for chunks that are not sorted, not whole
     blocks, overlapping, or not followed by at least one token.
     """
@@ -314,6 +373,7 @@ def plan_chunk_phases(
     probes: list[SpliceSegment] = []
     if head_end > hit:
         segs.append(SpliceSegment(0, head_end // bs, 0, root_hash(src_salt)))
+    continued = continued_chunks(toks, chunks, block_size=bs, head_end=head_end, src_salt=src_salt)
     prev_end = head_end
     for c in chunks:
         if c.start % bs or c.end % bs or not prev_end <= c.start < c.end <= len(toks) - 1:
@@ -324,7 +384,7 @@ def plan_chunk_phases(
         if c.source.num_blocks != (c.end - c.start) // bs:
             raise InputError(f"chunk at [{c.start}, {c.end}) has a source of {c.source.num_blocks} blocks")
         prev_end = c.end
-        a = max(c.start + recompute_blocks * bs, hit)
+        a = max(c.start + (0 if c.start in continued else recompute_blocks) * bs, hit)
         if a >= c.end:
             continue
         parent = BlockHash(c.source.parent)

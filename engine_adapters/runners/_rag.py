@@ -43,9 +43,11 @@ How a request runs (``position_independent``):
 4. The prompt is sent under the reuse salt with a splice plan: the head (loaded from
    the tenant's exact blocks on the salt's first use) and every chunk, each from its
    own source, re-rotated by its position delta.  Only the query is prefilled.  With
-   ``recompute_blocks=r`` the first ``r`` blocks of each chunk are computed instead
-   (they then attend to their real neighbours: EPIC's attention-sink fix); vLLM only
-   extends its prefix hit contiguously, so each chunk behind a recomputed block needs
+   ``recompute_blocks=r`` the first ``r`` blocks of each run are computed instead
+   (they then attend to their real neighbours: EPIC's attention-sink fix); a chunk
+   stored right behind the chunk now before it continues that run
+   (:func:`~._chunk_plans.continued_chunks`).  vLLM only
+   extends its prefix hit contiguously, so each run behind a recomputed block needs
    a request of its own (:func:`~promptsplice.engine_adapters.connector._plans.plan_segment_phases`).
 
 Isolation: requests that reuse approximate KV run under a *reuse salt* derived from
@@ -106,8 +108,10 @@ from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkSource,
     ChunkStatus,
     GuardRates,
+    continued_chunks,
     pic_choice,
     plan_chunk_phases,
+    precompute_sources,
 )
 from promptsplice.engine_adapters.runners._fidelity import (
     DEFAULT_FIDELITY,
@@ -409,21 +413,30 @@ class RagRunner:
         # exact alternative under the tenant's salt: the exact runner's layout ("auto":
         # no padding where reuse cannot pay) or whole-block chunks ("all": indexed where
         # they stand, relocatable later without a precompute).  One store query for all.
-        todo = [s for s in chunk_segs if s.end > hit and (s.end - s.start) // bs > r]
+        # (chunks of at most r blocks move only where they continue a stored run: never precomputed)
+        todo = [s for s in chunk_segs if s.end > hit]
         # (it fits: whole-block chunks, as in ``prompt``, or fewer padded blocks)
         exact = asm.preview(chunks, salt=self.salt, alignment=self.exact_alignment, **what) if gate else None
         also = [self._exact_chain(toks), self._exact_chain(exact.token_ids)] if exact is not None else []
         looks, stored = self.index.lookup_many([toks[s.start : s.end] for s in todo], salt=self.salt, also=also)
         found = {s.start: look for s, look in zip(todo, looks)}
-        missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT]
+        missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT and (s.end - s.start) // bs > r]
+        groups = [[s] for s in missing] if self.precompute == "standalone" else [missing] if missing else []
         if exact is not None:
             n_exact = len(exact.token_ids)
+            # stored chunks, and where the precompute would put the missing ones
+            will = [ChunkPlacement(s.start, s.end, src) for s in todo if (src := found[s.start].source) is not None]
+            for group in groups:
+                _, srcs = precompute_sources(toks, head_end, [(s.start, s.end) for s in group], block_size=bs, salt=self.salt)
+                will += [ChunkPlacement(s.start, s.end, src) for s, src in zip(group, srcs, strict=True)]
+            will.sort(key=lambda c: c.start)
             choice = pic_choice(
-                len(toks), hit, head_end, [(s.start, s.end) for s in todo], [(s.start, s.end) for s in missing],
+                len(toks), hit, head_end, [(c.start, c.end) for c in will], [(s.start, s.end) for s in missing],
                 head_hit=self._exact_hit(toks, stored[0]),
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
                 extra_blocks=self._guard_rates.expected() if cfg.max_deviation is not None else (0.0, 0.0),
+                continued=continued_chunks(toks, will, block_size=bs, head_end=head_end, src_salt=self.salt),
             )
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
             if why is None:
@@ -439,7 +452,7 @@ class RagRunner:
                 out = eng.generate(exact, **gen)
                 self._index_chunks(exact.token_ids, [s for s in exact.segments if s.kind is SegmentKind.CHUNK])
                 step = self._step(exact, [out], out, t0, t_send, self.salt, 0, 0, 0, why)
-                stored = {s.chunk_ids for s in todo if s not in missing}
+                stored = {s.chunk_ids for s in todo if found[s.start].status is ChunkStatus.HIT}
                 step.recomputed_tokens = _computed(exact, stored, step.cached_tokens)
                 return step
         precomputed = 0
@@ -447,21 +460,15 @@ class RagRunner:
             # standalone: each chunk right after the head (its KV attended to the system
             # prompt only, whatever request it later lands in); packed: all missing
             # chunks after the head in one request (later ones attended to earlier ones).
-            groups = [[s] for s in missing] if self.precompute == "standalone" else [missing]
             for group in groups:
-                pre = list(toks[:head_end])
-                places = []
-                for s in group:
-                    places.append((s, len(pre)))
-                    pre.extend(toks[s.start : s.end])
+                pre, sources = precompute_sources(
+                    toks, head_end, [(s.start, s.end) for s in group], block_size=bs, salt=self.salt
+                )
                 out = eng.generate(pre, max_tokens=1, cache_salt=self.salt)
                 outs.append(out)
                 precomputed += out.prefill_tokens
-                chain = chain_hashes(pre, bs, salt=self.salt)
-                for s, at in places:
-                    parent = chain[at // bs - 1] if at else root_hash(self.salt)
-                    n = (s.end - s.start) // bs
-                    self.index.record(toks[s.start : s.end], ChunkSource(parent, at, n, self.salt))
+                for s, src in zip(group, sources, strict=True):
+                    self.index.record(toks[s.start : s.end], src)
             looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in missing], salt=self.salt)
             found.update((s.start, look) for s, look in zip(missing, looks))
 
@@ -485,16 +492,8 @@ class RagRunner:
             phases, fallback = [SplicePhase(len(toks), None)], StepFallback.INVALID_PLAN
         adapt = AdaptiveRecompute(cfg.max_deviation, toks) if cfg.max_deviation is not None else None
         if r and fallback is None:  # what r = 0 would have relocated, for the record
-            every = list(placed)
-            # chunks no longer than r blocks were not looked up
-            short = [s for s in chunk_segs if s.end > hit and s.start not in found and s.start >= head_end]
-            looks, _ = self.index.lookup_many([toks[s.start : s.end] for s in short], salt=self.salt)
-            for s, look in zip(short, looks):
-                if look.status is ChunkStatus.HIT and look.source is not None:
-                    every.append(ChunkPlacement(s.start, s.end, look.source))
-            every.sort(key=lambda c: c.start)
             try:
-                full = plan_chunk_phases(toks, every, block_size=bs, hit=hit, head_end=head_end,
+                full = plan_chunk_phases(toks, placed, block_size=bs, hit=hit, head_end=head_end,
                                          src_salt=self.salt, min_group_blocks=self.min_group_blocks)
                 recomputed = max(0, planned_relocated_tokens(full, toks, salt) - planned_relocated_tokens(phases, toks, salt))
             except InputError:
@@ -509,7 +508,9 @@ class RagRunner:
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
         if adapt is not None and fallback is None and r:  # probed: past the hit, a run of its own
             new, runs = {s.start for s in missing}, {g.dst_start for ph in phases if ph.plan for g in ph.plan.segments}
-            probed = [(c.start, c.end, c.start in new) for c in placed if hit <= c.start and c.start + r * bs in runs]
+            cont = continued_chunks(toks, placed, block_size=bs, head_end=head_end, src_salt=self.salt)
+            probed = [(c.start, c.end, c.start in new) for c in placed
+                      if hit <= c.start and c.start not in cont and c.start + r * bs in runs]
             self._guard_rates.observe(probed, adapt.extended)
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)

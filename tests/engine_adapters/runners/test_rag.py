@@ -31,8 +31,10 @@ from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkPlacement,
     GuardRates,
     PicChoice,
+    continued_chunks,
     pic_choice,
     plan_chunk_phases,
+    precompute_sources,
 )
 from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.errors import ConfigError, InputError
@@ -213,6 +215,56 @@ def test_probes_name_each_chunks_recomputed_blocks_and_their_stored_source():
     ]
 
 
+def test_a_chunk_stored_right_behind_the_chunk_before_it_continues_that_run():
+    # HEAD + A + B was computed exactly; the new prompt puts C (4 tokens) in front:
+    # A and B both move by +4, and B still follows A as it did in its source.
+    new = HEAD + C + A + B + Q
+    sa, sb = src(HEAD, 8, 2), src(HEAD + A, 16, 3)
+    chunks = [ChunkPlacement(12, 20, sa), ChunkPlacement(20, 32, sb)]
+    assert continued_chunks(new, chunks, block_size=BS, head_end=8, src_salt="t") == {20}
+    # r=1: A's first block is computed, then A's rest and all of B load in one request
+    # (B's first block attended to A's last one in its source: no recompute).
+    phases = plan_chunk_phases(new, chunks, block_size=BS, hit=8, head_end=8, recompute_blocks=1, src_salt="t",
+                               probe=True)
+    a_parent = chain_hashes(A[:4], BS, parent=sa.parent)[-1]
+    assert phases == [
+        # computes C and A's first block, probed against A's source
+        SplicePhase(16, SplicePlan(BS, src_salt="t", probes=(SpliceSegment(12, 1, 4, sa.parent),))),
+        SplicePhase(len(new), SplicePlan(BS, (SpliceSegment(16, 1, 4, a_parent), SpliceSegment(20, 3, 4, sb.parent)),
+                                         src_salt="t")),
+    ]
+    # Right after the head it was computed behind, a chunk continues the head (delta 0).
+    assert continued_chunks(HEAD + A + B + Q, [ChunkPlacement(8, 16, sa), ChunkPlacement(16, 28, sb)],
+                            block_size=BS, head_end=8, src_salt="t") == {8, 16}
+    # Not a continuation: another chain (B computed behind C), another salt, a gap
+    # between the chunks, the same chain at another offset.
+    other = src(HEAD + C, 12, 3)
+    assert continued_chunks(new, [chunks[0], ChunkPlacement(20, 32, other)], block_size=BS, head_end=8,
+                            src_salt="t") == set()
+    salted = ChunkSource(sb.parent, 16, 3, "u")
+    assert continued_chunks(new, [chunks[0], ChunkPlacement(20, 32, salted)], block_size=BS, head_end=8,
+                            src_salt="t") == set()
+    gap = HEAD + C + A + C + B + Q
+    assert continued_chunks(gap, [chunks[0], ChunkPlacement(24, 36, sb)], block_size=BS, head_end=8,
+                            src_salt="t") == set()
+    shifted = ChunkSource(sb.parent, 20, 3, "t")
+    assert continued_chunks(new, [chunks[0], ChunkPlacement(20, 32, shifted)], block_size=BS, head_end=8,
+                            src_salt="t") == set()
+
+
+def test_a_packed_precompute_stores_adjacent_new_chunks_as_one_run():
+    # The precompute of A and B (new, adjacent) is HEAD + A + B: in the prompt HEAD + C
+    # + A + B + Q, B continues A; precomputed one by one (standalone), it would not.
+    new = HEAD + C + A + B + Q
+    pre, (sa, sb) = precompute_sources(new, 8, [(12, 20), (20, 32)], block_size=BS, salt="t")
+    assert pre == HEAD + A + B and (sa, sb) == (src(HEAD, 8, 2), src(HEAD + A, 16, 3))
+    chunks = [ChunkPlacement(12, 20, sa), ChunkPlacement(20, 32, sb)]
+    assert continued_chunks(new, chunks, block_size=BS, head_end=8, src_salt="t") == {20}
+    _, (sb_alone,) = precompute_sources(new, 8, [(20, 32)], block_size=BS, salt="t")
+    assert continued_chunks(new, [chunks[0], ChunkPlacement(20, 32, sb_alone)], block_size=BS, head_end=8,
+                            src_salt="t") == set()
+
+
 def test_chunks_inside_the_prefix_hit_are_left_to_the_cache():
     new = HEAD + B + A + Q
     sa, sb = src(HEAD, 8, 2), src(HEAD + A, 16, 3)
@@ -287,6 +339,22 @@ def test_the_choice_predicts_the_plan_it_would_run():
     c = pic_choice(96, 12, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
                    extra_blocks=(20.0, 0.0))
     assert c.pic_tokens == 96 - 12 - 28 - 36 + 36
+
+
+def test_a_continued_chunk_is_predicted_with_nothing_recomputed_and_no_guard():
+    # head [0, 8), chunks [8, 24) and [24, 40) (the second continues the first), query
+    c = pic_choice(48, 0, 8, [(8, 24), (24, 40)], [], head_hit=8, exact_tokens=40, recompute_blocks=2,
+                   block_size=BS, extra_blocks=(1.0, 0.0))
+    # each chunk: 2 blocks recomputed, 2 moved, the guard's 1 block each
+    assert c.pic_tokens == 48 - 8 - 16 + 2 * BS
+    c = pic_choice(48, 0, 8, [(8, 24), (24, 40)], [], head_hit=8, exact_tokens=40, recompute_blocks=2,
+                   block_size=BS, extra_blocks=(1.0, 0.0), continued={24})
+    # the second chunk moves whole and is not probed: 2 + 4 blocks move, one guard block
+    assert c.pic_tokens == 48 - 8 - 24 + BS and c.pays
+    # a short chunk (no more than r blocks) moves too when it continues a stored run
+    c = pic_choice(32, 0, 8, [(8, 16), (16, 24)], [], head_hit=8, exact_tokens=24, recompute_blocks=2,
+                   block_size=BS, continued={16})
+    assert c.pic_tokens == 32 - 8 - 8 and c.pays
 
 
 def test_a_layout_no_plan_fits_never_pays_and_raises_nothing():
@@ -449,6 +517,27 @@ def test_recomputed_first_blocks_take_a_request_per_chunk(kv_engine):
     assert step.precomputed_tokens == 0 and step.requests == 4
     assert step.prefill_tokens == 3 * 32 + query_tail(step)
     assert step.relocated_chunks == 3
+
+
+def test_chunks_that_keep_their_stored_neighbour_are_one_run_with_one_recompute(kv_engine):
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=1, relocate="always")
+
+    def long_docs(*names):
+        return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]}"} for n in names]
+
+    runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
+    step = runner.run(long_docs("amazon", "paris", "nile", "everest"), query="q2", system=SYSTEM, max_tokens=1)
+    segs = chunk_segments(step)
+    # amazon is new: precomputed right after the head, where it stands now (delta 0:
+    # exact, loaded whole).  paris, nile and everest were precomputed in that order by
+    # the first request: one run moved by amazon's length, its first block computed,
+    # the rest loaded by one request (per chunk, it took one request each).
+    assert step.requests == 1 + 2 and step.relocated_chunks == 4
+    assert step.prefill_tokens == step.precomputed_tokens + 32 + query_tail(step)
+    assert step.precomputed_tokens == segs["amazon"].end - segs["amazon"].start
+    moved = sum(segs[n].end - segs[n].start for n in ("paris", "nile", "everest")) - 32
+    assert step.relocated_tokens == moved  # amazon loads at delta 0: exact KV, not relocated
 
 
 def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
