@@ -150,7 +150,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             alignment=args.alignment, max_tokens=args.max_tokens,
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
             allow_skips=args.allow_skips, one_store_engine=args.one_store_engine,
-            pic_exact_alignment=args.pic_exact_alignment,
+            pic_exact_alignment=args.pic_exact_alignment, pic_recompute_at=args.pic_recompute_at,
             kv_cache_bytes=_mib(args.kv_cache_mib), store_layout=args.store_layout,
         )
     if not args.trace:
@@ -168,6 +168,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         pic_exact_alignment=args.pic_exact_alignment,
         kv_cache_bytes=_mib(args.kv_cache_mib),
         store_layout=args.store_layout,
+        pic_recompute_at=args.pic_recompute_at,
     )
 
 
@@ -306,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--pic-exact-alignment", default="auto", choices=("auto", "all"),
                      help="promptsplice_pic: layout of the requests it sends exact (relocation would "
                           "not pay): auto (default) or all (whole-block chunks, indexed for later reuse)")
+    rag.add_argument("--pic-recompute-at", default="run", choices=("run", "chunk"),
+                     help="promptsplice_pic: recompute at the start of each run of chunks stored together "
+                          "(default) or of every chunk")
     rag.add_argument("--fidelity-requests", type=count_arg(0), default=32,
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.add_argument("--allow-skips", action="store_true",

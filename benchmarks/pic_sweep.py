@@ -107,12 +107,14 @@ def check_baseline_engines(base: dict, baseline: str, engine: Any, kv: Any, skip
                        "the engines' context differs from the baseline's; " + how)
 
 
-def _config(cfg: str) -> tuple[str, int]:
-    """``PRECOMPUTE:R`` -> (precompute, recomputed blocks)."""
-    precompute, sep, r = cfg.partition(":")
-    if not sep or not precompute or not r.isdigit():
-        raise UsageError(f"config {cfg!r}: write PRECOMPUTE:R with R a count of blocks, e.g. packed:1")
-    return precompute, int(r)
+def _config(cfg: str) -> tuple[str, int, str]:
+    """``PRECOMPUTE:R[:AT]`` -> (precompute, recomputed blocks, where: run or chunk)."""
+    precompute, sep, rest = cfg.partition(":")
+    r, _, at = rest.partition(":")
+    if not sep or not precompute or not r.isdigit() or at not in ("", "run", "chunk"):
+        raise UsageError(f"config {cfg!r}: write PRECOMPUTE:R[:AT] with R a count of blocks and AT run "
+                         "(default) or chunk, e.g. packed:1 or packed:2:chunk")
+    return precompute, int(r), at or "run"
 
 
 def _baseline(path: str) -> dict:
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", required=True)
     ap.add_argument("--requests", type=count_arg(1), default=40)
     ap.add_argument("--fidelity-requests", type=count_arg(0), default=6)
-    ap.add_argument("configs", nargs="+", help="PRECOMPUTE:R, e.g. packed:1 or standalone:0")
+    ap.add_argument("configs", nargs="+", help="PRECOMPUTE:R[:AT], e.g. packed:1, standalone:0 or packed:2:chunk")
     ap.add_argument("--allow-skips", action="store_true",
                     help="accept coverage (requests run, probes made) below 95%% (as bench rag)")
     args = ap.parse_args(argv)
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         kept = set(keep)
         skipped = [i for i in range(len(reqs)) if i not in kept]
         run = [reqs[i] for i in keep]
-        for cfg, (precompute, r) in zip(args.configs, configs):
+        for cfg, (precompute, r, at) in zip(args.configs, configs):
             root = tempfile.mkdtemp(prefix="promptsplice-pic-sweep-")  # its store's disk tier, removed after it
             kv = start_mode_engine("splice", store_dir=root)
             report: dict[str, Any] = {"modes": {"naive": base["modes"]["naive"]},
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 _run_pic(report, {}, engine, kv, run, policy="cache_aware", max_tokens=max_tokens, progress=None,
                          prompt_format=fmt, recompute_blocks=r,
                          fidelity_requests=args.fidelity_requests, precompute=precompute,
-                         salt=f"sweep-{cfg}-{time.time()}", relocate="always")  # what relocation does
+                         salt=f"sweep-{cfg}-{time.time()}", relocate="always", recompute_at=at)  # what relocation does
             finally:
                 kv.close()
                 shutil.rmtree(root, ignore_errors=True)
@@ -178,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
             check = report["bounds"]["checks"][PIC_MODE]
             status = bench_status(report, allow_skips=args.allow_skips, what=f"pic_sweep {cfg}")
             print(json.dumps({
-                "config": cfg, "prefill_tokens": m["prefill_tokens"], "gap_closed": p["gap_closed"],
+                "config": cfg, "recompute_at": p["recompute_at"], "prefill_tokens": m["prefill_tokens"],
+                "gap_closed": p["gap_closed"],
                 "ttft_p50_ms": m["ttft_p50_ms"], "engine_requests": p["engine_requests"],
                 "tf_top1_agreement": f["tf_top1_agreement"], "first_token_kl": f["first_token_kl"],
-                "first_token_kl_p50": f["first_token_kl_p50"], "first_token_kl_max": f["first_token_kl_max"],
+                "first_token_kl_p50": f["first_token_kl_p50"], "first_token_kl_p90": f.get("first_token_kl_p90"),
+                "first_token_kl_max": f["first_token_kl_max"],
                 "greedy_agreement": f["greedy_agreement"], "control": f["control"], "bench_s": round(time.time() - t0),
                 "coverage": report["coverage"], "steps_run": report["steps_run"], "steps_total": report["steps_total"],
                 "probe_coverage": f.get("probe_coverage"), "probes_eligible": f.get("eligible"),

@@ -227,12 +227,14 @@ def _check_capacity(engine: Any, kv: Any, store_shape: dict[str, Any] | None = N
 
 
 def check_store_layout(store_layout: str, *, pic_exact_alignment: str = "auto",
-                       recompute_blocks: int | None = None) -> str:
+                       recompute_blocks: int | None = None, pic_recompute_at: str = "run") -> str:
     """The store and PIC options of a bench job, checked before its engines start."""
     if store_layout not in STORE_LAYOUTS:
         raise ConfigError(f"store_layout must be one of {STORE_LAYOUTS}, got {store_layout!r}")
     if pic_exact_alignment not in ("auto", "all"):
         raise ConfigError(f"pic_exact_alignment must be 'auto' or 'all', got {pic_exact_alignment!r}")
+    if pic_recompute_at not in ("run", "chunk"):
+        raise ConfigError(f"pic_recompute_at must be 'run' or 'chunk', got {pic_recompute_at!r}")
     if recompute_blocks is not None and recompute_blocks < 0:
         raise ConfigError(f"--recompute-blocks must be >= 0, got {recompute_blocks}")
     return store_layout
@@ -252,6 +254,7 @@ def run_modes(
     fidelity_requests: int = DEFAULT_PROBES,
     pic_exact_alignment: str = "auto",
     store_layout: str = "store_aware",
+    pic_recompute_at: str = "run",
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Run naive then promptsplice on ``engine`` (then ``promptsplice_store`` and
     ``promptsplice_pic`` when ``kv_engine`` is given: an engine with the splice connector,
@@ -360,7 +363,7 @@ def run_modes(
                         report, outs, engine, kv, requests, policy=policy, max_tokens=max_tokens,
                         progress=progress, prompt_format=fmt_obj, recompute_blocks=recompute_blocks,
                         fidelity_requests=fidelity_requests, salt=f"bench-rag-pic-{run_id}",
-                        exact_alignment=pic_exact_alignment,
+                        exact_alignment=pic_exact_alignment, recompute_at=pic_recompute_at,
                     )
             finally:
                 if factory:
@@ -439,7 +442,8 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
 
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
-             salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays") -> None:
+             salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays",
+             recompute_at="run") -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
     from promptsplice.engine_adapters import RagRunner, StepFallback
     from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
@@ -449,7 +453,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     runner = RagRunner(
         kv_engine, mode="position_independent", salt=salt, recompute_blocks=r, fidelity="bounded",
         policy=policy, prompt_format=prompt_format, precompute=precompute, exact_alignment=exact_alignment,
-        relocate=relocate,
+        relocate=relocate, recompute_at=recompute_at,
     )
     fid, ctl = Fidelity(), Fidelity()
     steps = []
@@ -485,6 +489,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "too_long_requests": sum(st.fallback is StepFallback.TOO_LONG for st in steps),
         "recompute_blocks": r,
         "exact_alignment": exact_alignment,
+        "recompute_at": recompute_at,
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
         "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
                                           report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,
@@ -630,6 +635,7 @@ def run_rag_bench(
     pic_exact_alignment: str = "auto",
     kv_cache_bytes: int | None = None,
     store_layout: str = "store_aware",
+    pic_recompute_at: str = "run",
 ) -> int:
     """The CLI's job: run the trace, print, write the JSON; exit status from
     :func:`bench_status`."""
@@ -640,7 +646,8 @@ def run_rag_bench(
 
     OrderPolicy.parse(policy)  # fail fast, before the engine starts
     AlignPolicy.parse(alignment)
-    check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks)
+    check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks,
+                       pic_recompute_at=pic_recompute_at)
     reqs = read_rag_trace(trace, limit=requests)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     try:
@@ -649,7 +656,7 @@ def run_rag_bench(
             report, _ = run_modes(
                 engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_factory,
                 recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
-                pic_exact_alignment=pic_exact_alignment, store_layout=store_layout,
+                pic_exact_alignment=pic_exact_alignment, store_layout=store_layout, pic_recompute_at=pic_recompute_at,
             )
         finally:
             engine.close()

@@ -221,6 +221,7 @@ def run_rag_suite(
     pic_exact_alignment: str = "auto",
     kv_cache_bytes: int | None = None,
     store_layout: str = "store_aware",
+    pic_recompute_at: str = "run",
 ) -> int:
     """The CLI's job: start the plain engine once (and fresh store engines per family and
     mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""
@@ -231,7 +232,8 @@ def run_rag_suite(
 
     OrderPolicy.parse(policy)  # fail fast, before the engines start
     AlignPolicy.parse(alignment)
-    check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks)
+    check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks,
+                       pic_recompute_at=pic_recompute_at)
     out = Path(json_out)
     trace_dir = trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces")
     suite_trace_dir(trace_dir, SUITE if families is None else families)  # a bad folder fails before the engines start
@@ -246,7 +248,7 @@ def run_rag_suite(
             trace_dir=trace_dir,
             policy=policy, alignment=alignment, max_tokens=max_tokens,
             recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
-            pic_exact_alignment=pic_exact_alignment, store_layout=store_layout,
+            pic_exact_alignment=pic_exact_alignment, store_layout=store_layout, pic_recompute_at=pic_recompute_at,
         )
     finally:
         if one_store_engine:

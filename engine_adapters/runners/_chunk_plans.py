@@ -9,10 +9,11 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
+from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.blocks import HASH_BYTES, BlockHash, chain_hashes, chunk_key, root_hash
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SpliceSegment, plan_segment_phases
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
@@ -351,6 +352,7 @@ def plan_chunk_phases(
     src_salt: str | None = None,
     min_group_blocks: int = 1,
     probe: bool = False,
+    continue_runs: bool = True,
 ) -> list[SplicePhase]:
     """The requests of a position-independent prompt (pure; see the module doc).
 
@@ -360,7 +362,8 @@ def plan_chunk_phases(
     hit is loaded from its source, re-rotated by ``start - source.start``, except its
     first ``recompute_blocks`` blocks, which are computed (``probe``: and compared with
     the chunk's stored KV by the connector, ``BlockDeviation``), unless the chunk
-    continues its source run (:func:`continued_chunks`: all of it loaded).  Raises
+    continues its source run (:func:`continued_chunks`: all of it loaded;
+    ``continue_runs=False``: never).  Raises
     :class:`~promptsplice.errors.InputError` for chunks that are not sorted, not whole
     blocks, overlapping, or not followed by at least one token.
     """
@@ -373,7 +376,7 @@ def plan_chunk_phases(
     probes: list[SpliceSegment] = []
     if head_end > hit:
         segs.append(SpliceSegment(0, head_end // bs, 0, root_hash(src_salt)))
-    continued = continued_chunks(toks, chunks, block_size=bs, head_end=head_end, src_salt=src_salt)
+    continued = continued_chunks(toks, chunks, block_size=bs, head_end=head_end, src_salt=src_salt) if continue_runs else ()
     prev_end = head_end
     for c in chunks:
         if c.start % bs or c.end % bs or not prev_end <= c.start < c.end <= len(toks) - 1:
@@ -396,4 +399,27 @@ def plan_chunk_phases(
     return plan_segment_phases(
         segs, len(toks), block_size=bs, hit=hit, src_salt=src_salt, min_group_blocks=min_group_blocks,
         probes=probes,
+    )
+
+
+def chunk_list(chunks: Any) -> Any:
+    """``chunks`` as a list (the request reads them more than once); anything that is not
+    an iterable of chunks is passed on as it is, for the assembler to refuse with its own
+    message (``list()`` ran a str as one chunk per character, and raised a bare
+    TypeError on None)."""
+    if isinstance(chunks, (str, bytes, bytearray, Mapping)) or hasattr(chunks, "page_content"):
+        return chunks
+    try:
+        return list(chunks)
+    except TypeError:
+        return chunks
+
+
+def computed_chunk_tokens(prompt: AssembledPrompt, stored: set[tuple[str, ...]], cached: int) -> int:
+    """Tokens of the ``stored`` chunks (by their ids) that one request of ``prompt``
+    computed: those behind the ``cached`` tokens vLLM served it (prefix cache or store)."""
+    return sum(
+        max(0, s.end - max(s.start, cached))
+        for s in prompt.segments
+        if s.kind is SegmentKind.CHUNK and s.chunk_ids in stored
     )

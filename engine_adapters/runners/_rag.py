@@ -60,16 +60,12 @@ the tenant's position-independent requests reach them.
 
 **Over a server** (:class:`~promptsplice.engine_adapters.RemoteEngine` on a ``vllm
 serve`` that loads the splice connector): the same code path.  The chunk index lives
-in the client and the block store in the server, asked by store queries
-(:meth:`~promptsplice.engine_adapters.RemoteEngine.match_chains`: a one-token request
-answered in the connector's ack, one per lookup round): a relocating request asks once
-for every chunk behind the hit and both exact alternatives, once more after a
-precompute and, with ``recompute_blocks > 0``, once for the short chunks its
-``recomputed_tokens`` record counts; a request at ``exact`` fidelity asks once before it
-runs, for the same record, and only when the index holds one of its chunks.  Plans go out as
-``kv_transfer_params``, the probes' deviations come back in the acks.  The hit
-prediction comes from the engine's mirror, which a served engine keeps client-side
-(exact while the runner's client is the server's only user).
+in the client, the store in the server, asked by one store query per lookup round
+(:meth:`~promptsplice.engine_adapters.RemoteEngine.match_chains`): one for every chunk
+behind the hit and both exact alternatives, one more after a precompute; at ``exact``
+fidelity one, only when the index holds one of the chunks.  Plans go out as
+``kv_transfer_params``, probe deviations come back in the acks; the hit prediction is
+the client-side mirror's (exact while the runner's client is the server's only user).
 
 Fidelity (:mod:`~promptsplice.engine_adapters.runners._fidelity`): ``fidelity`` on the
 runner (default ``exact``: approximate KV is opt-in) or per request picks the recompute (``recompute_blocks``
@@ -108,6 +104,8 @@ from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkSource,
     ChunkStatus,
     GuardRates,
+    chunk_list,
+    computed_chunk_tokens,
     continued_chunks,
     pic_choice,
     plan_chunk_phases,
@@ -232,6 +230,9 @@ class RagRunner:
     of those exact requests: ``"auto"`` (default: the exact runner's, so the gate never
     prefills more than exact assembly) or ``"all"`` (whole-block chunks, indexed where
     they stand: later relocations need no precompute; pays on long chunks, README).
+    ``recompute_at``: ``"run"`` (default: ``recompute_blocks`` at the start of each run of
+    chunks stored together, :func:`~._chunk_plans.continued_chunks`) or ``"chunk"`` (at
+    every chunk, as before 2026-12-05; for comparisons).
     ``max_deviation`` (``None``: the level's): the adaptive recompute of ``AgentRunner``
     at each chunk start (needs ``recompute_blocks >= 1``).
     """
@@ -252,6 +253,7 @@ class RagRunner:
         fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
         relocate: str = "when_it_pays",
         exact_alignment: str = "auto",
+        recompute_at: str = "run",
     ) -> None:
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
@@ -259,12 +261,15 @@ class RagRunner:
             raise ConfigError(f"relocate must be one of {', '.join(RELOCATE_CHOICES)}, got {relocate!r}")
         if exact_alignment not in ("auto", "all"):
             raise ConfigError(f"exact_alignment must be 'auto' or 'all', got {exact_alignment!r}")
+        if recompute_at not in ("run", "chunk"):
+            raise ConfigError(f"recompute_at must be 'run' or 'chunk', got {recompute_at!r}")
         check_runner_engine(engine, "RagRunner", RAG_SURFACE)
         if index is not None and not isinstance(index, ChunkIndex):
             raise ConfigError(f"index must be a ChunkIndex (or None: the runner makes one), got {type(index).__name__}")
         self.precompute = precompute
         self.relocate = relocate
         self.exact_alignment = exact_alignment
+        self.recompute_at = recompute_at
         self.mode = check_enum(mode, ReuseMode, "mode")
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
         if pic and not engine.can_splice:
@@ -329,7 +334,8 @@ class RagRunner:
         # (how chunks were precomputed and grouped shapes their relocated KV too: a packed
         # runner was served a standalone runner's blocks under one salt)
         shape = hashlib.sha256(
-            f"r{cfg.recompute_blocks}:d{cfg.max_deviation!r}:p{self.precompute}:g{self.min_group_blocks}".encode()
+            f"r{cfg.recompute_blocks}:d{cfg.max_deviation!r}:p{self.precompute}:g{self.min_group_blocks}"
+            f":a{self.recompute_at}".encode()
         ).hexdigest()[:16]
         return f"{self.salt or ''}{DERIVED_SALT_MARK}pic:{cfg.level.value}:{shape}"
 
@@ -363,7 +369,7 @@ class RagRunner:
         t0 = time.perf_counter()
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
         what = {"query": query, "system": system, "tools": tools, "salt": self.salt}
-        chunks, long = _chunk_list(chunks), False
+        chunks, long = chunk_list(chunks), False
         try:
             prompt = asm.assemble(chunks, alignment="all" if pic else "auto", **what)
         except ContextLengthError:
@@ -389,14 +395,14 @@ class RagRunner:
         step = self._step(prompt, [out], out, t0, t_send - looked, self.salt, 0, 0, 0, why)
         if pic:
             self._index_chunks(prompt.token_ids, chunk_segs)
-            step.recomputed_tokens = _computed(prompt, stored, step.cached_tokens)
+            step.recomputed_tokens = computed_chunk_tokens(prompt, stored, step.cached_tokens)
         return step
 
     def _run_pic(self, chunks, query, system, tools, gen, cfg: FidelitySettings) -> RagStep:
         asm, eng, bs, r = self.assembler, self.engine, self.engine.block_size, cfg.recompute_blocks
         t0 = time.perf_counter()
         salt = self.reuse_salt_for(cfg.level)
-        chunks = _chunk_list(chunks)
+        chunks = chunk_list(chunks)
         what = {"query": query, "system": system, "tools": tools}
         gate = self.relocate == "when_it_pays"
         try:
@@ -436,7 +442,7 @@ class RagRunner:
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
                 extra_blocks=self._guard_rates.expected() if cfg.max_deviation is not None else (0.0, 0.0),
-                continued=continued_chunks(toks, will, block_size=bs, head_end=head_end, src_salt=self.salt),
+                continued=self._continued(toks, will, head_end),
             )
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
             if why is None:
@@ -453,7 +459,7 @@ class RagRunner:
                 self._index_chunks(exact.token_ids, [s for s in exact.segments if s.kind is SegmentKind.CHUNK])
                 step = self._step(exact, [out], out, t0, t_send, self.salt, 0, 0, 0, why)
                 stored = {s.chunk_ids for s in todo if found[s.start].status is ChunkStatus.HIT}
-                step.recomputed_tokens = _computed(exact, stored, step.cached_tokens)
+                step.recomputed_tokens = computed_chunk_tokens(exact, stored, step.cached_tokens)
                 return step
         precomputed = 0
         if missing:
@@ -486,6 +492,7 @@ class RagRunner:
             phases = plan_chunk_phases(
                 toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
                 src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=cfg.max_deviation is not None,
+                continue_runs=self.recompute_at == "run",
             )
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
@@ -508,7 +515,7 @@ class RagRunner:
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
         if adapt is not None and fallback is None and r:  # probed: past the hit, a run of its own
             new, runs = {s.start for s in missing}, {g.dst_start for ph in phases if ph.plan for g in ph.plan.segments}
-            cont = continued_chunks(toks, placed, block_size=bs, head_end=head_end, src_salt=self.salt)
+            cont = self._continued(toks, placed, head_end)
             probed = [(c.start, c.end, c.start in new) for c in placed
                       if hit <= c.start and c.start not in cont and c.start + r * bs in runs]
             self._guard_rates.observe(probed, adapt.extended)
@@ -520,6 +527,12 @@ class RagRunner:
             recomputed + planned_relocated_tokens(phases, toks, salt) - step.planned_relocated_tokens,
         )
         return step
+
+    def _continued(self, toks: Sequence[int], chunks: Sequence[ChunkPlacement], head_end: int) -> frozenset[int]:
+        """The chunks that continue their source run (none when recomputing at every chunk)."""
+        if self.recompute_at == "chunk":
+            return frozenset()
+        return continued_chunks(toks, chunks, block_size=self.engine.block_size, head_end=head_end, src_salt=self.salt)
 
     def _exact_chain(self, toks: Sequence[int]) -> tuple[list[BlockRef], str | None]:
         """The store chain a plain request of ``toks`` under the tenant's salt could load
@@ -575,26 +588,3 @@ class RagRunner:
             f"RagRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
             f"recompute_blocks={self.recompute_blocks})"
         )
-
-
-def _chunk_list(chunks: Any) -> Any:
-    """``chunks`` as a list (the request reads them more than once); anything that is not
-    an iterable of chunks is passed on as it is, for the assembler to refuse with its own
-    message (``list()`` ran a str as one chunk per character, and raised a bare
-    TypeError on None)."""
-    if isinstance(chunks, (str, bytes, bytearray, Mapping)) or hasattr(chunks, "page_content"):
-        return chunks
-    try:
-        return list(chunks)
-    except TypeError:
-        return chunks
-
-
-def _computed(prompt: AssembledPrompt, stored: set[tuple[str, ...]], cached: int) -> int:
-    """Tokens of the ``stored`` chunks (by their ids) that one request of ``prompt``
-    computed: those behind the ``cached`` tokens vLLM served it (prefix cache or store)."""
-    return sum(
-        max(0, s.end - max(s.start, cached))
-        for s in prompt.segments
-        if s.kind is SegmentKind.CHUNK and s.chunk_ids in stored
-    )

@@ -278,11 +278,17 @@ def test_the_pic_sweep_gives_each_configuration_its_own_store_engine(monkeypatch
 
     monkeypatch.setattr(pic_sweep, "start_mode_engine", start)
     assert pic_sweep.main(["--trace", str(trace), "--baseline", str(base), "--requests", "2",
-                           "--fidelity-requests", "0", "packed:1", "standalone:2"]) == 0
+                           "--fidelity-requests", "0", "packed:1", "standalone:2:chunk"]) == 0
     assert started == ["full", "splice", "splice"] and closed == [kv_engine, kv_engine, engine]
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [r["config"] for r in rows] == ["packed:1", "standalone:2"]
+    assert [r["config"] for r in rows] == ["packed:1", "standalone:2:chunk"]
+    assert [r["recompute_at"] for r in rows] == ["run", "chunk"]
     assert all(r["prefill_tokens"] > 0 and r["engine_requests"] >= 2 for r in rows)
+    from promptsplice.benchmarks.cli import UsageError
+
+    for bad in ("packed:1:block", "packed:x", "packed"):  # refused before any engine starts
+        with pytest.raises(UsageError, match="PRECOMPUTE:R"):
+            pic_sweep.main(["--trace", str(trace), "--baseline", str(base), bad])
 
 
 def test_a_store_layout_that_is_not_one_of_the_two_is_refused_before_anything_runs():
@@ -293,6 +299,10 @@ def test_a_store_layout_that_is_not_one_of_the_two_is_refused_before_anything_ru
 
     with pytest.raises(ConfigError, match="store_layout must be one of .*'blind'"):
         run_modes(None, sample_rag_requests(1, seed=4), store_layout="blind")
+    for job in (lambda: run_rag_bench(trace="t.jsonl", json_out="r.json", pic_recompute_at="block"),
+                lambda: run_rag_suite(json_out="r.json", pic_recompute_at="block")):
+        with pytest.raises(ConfigError, match="pic_recompute_at must be 'run' or 'chunk', got 'block'"):
+            job()
     # the CLI's jobs refuse it before the engines start (the suite caught it per family)
     for job in (lambda: run_rag_bench(trace="t.jsonl", json_out="r.json", store_layout="blind"),
                 lambda: run_rag_suite(json_out="r.json", store_layout="blind")):

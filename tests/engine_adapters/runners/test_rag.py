@@ -519,9 +519,10 @@ def test_recomputed_first_blocks_take_a_request_per_chunk(kv_engine):
     assert step.relocated_chunks == 3
 
 
-def test_chunks_that_keep_their_stored_neighbour_are_one_run_with_one_recompute(kv_engine):
+@pytest.mark.parametrize("at", ["run", "chunk"])
+def test_chunks_that_keep_their_stored_neighbour_are_one_run_with_one_recompute(kv_engine, at):
     runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
-                       policy="retrieval", recompute_blocks=1, relocate="always")
+                       policy="retrieval", recompute_blocks=1, relocate="always", recompute_at=at)
 
     def long_docs(*names):
         return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]}"} for n in names]
@@ -529,6 +530,13 @@ def test_chunks_that_keep_their_stored_neighbour_are_one_run_with_one_recompute(
     runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
     step = runner.run(long_docs("amazon", "paris", "nile", "everest"), query="q2", system=SYSTEM, max_tokens=1)
     segs = chunk_segments(step)
+    if at == "chunk":  # as before: every chunk's first block computed, a request each
+        assert step.requests == 1 + 5 and step.relocated_chunks == 4
+        assert step.prefill_tokens == step.precomputed_tokens + 4 * 32 + query_tail(step)
+        other = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=runner.salt,
+                          recompute_blocks=1)
+        assert other.reuse_salt != runner.reuse_salt  # their approximate KV never meets
+        return
     # amazon is new: precomputed right after the head, where it stands now (delta 0:
     # exact, loaded whole).  paris, nile and everest were precomputed in that order by
     # the first request: one run moved by amazon's length, its first block computed,
@@ -653,6 +661,8 @@ def test_bad_configurations_are_refused(engine, kv_engine):
         RagRunner(kv_engine, mode="position_independent", recompute_blocks=-1)
     with pytest.raises(ConfigError, match="precompute"):
         RagRunner(kv_engine, mode="position_independent", precompute="lazy")
+    with pytest.raises(ConfigError, match="recompute_at must be 'run' or 'chunk', got 'block'"):
+        RagRunner(kv_engine, mode="position_independent", recompute_at="block")
     for bad in (0, float("nan"), -1.0):
         with pytest.raises(ConfigError, match="max_deviation"):
             RagRunner(kv_engine, mode="position_independent", max_deviation=bad)
