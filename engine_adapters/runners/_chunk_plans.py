@@ -247,7 +247,7 @@ def pic_choice(
         if s in continued:
             continue  # not probed: the guard never recomputes more of it
         a = max(s + r * bs, hit)
-        if a in moved and r and hit <= s:  # probed: the guard may recompute more of it
+        if a in moved and a < e and r and hit <= s:  # probed: the guard may recompute more of it
             extra += min(extra_blocks[(s, e) in new], moved[a]) * bs
     pic = num_tokens - start - bs * sum(moved.values()) + sum(e - s for s, e in missing) + round(extra)
     return PicChoice(pic, exact_tokens)
@@ -297,6 +297,7 @@ def continued_chunks(
     block_size: int,
     head_end: int = 0,
     src_salt: str | None = None,
+    recompute_blocks: int = 0,
 ) -> frozenset[int]:
     """The starts of the chunks whose stored KV was computed right behind what precedes
     them now: the chunk before them from the same source chain at the same offset, or
@@ -306,16 +307,21 @@ def continued_chunks(
     edited prompt does: its first blocks already attended to their real neighbour, so
     the recompute at chunk starts (EPIC's attention-sink fix) is due only where a run
     starts.  The chain hash decides: the chunk's source parent must be the hash of the
-    source block that ended the element before it, so both stood together there.
+    source block that ended the element before it, so both stood together there.  A
+    run starts with a chunk that keeps blocks to load after its ``recompute_blocks``:
+    behind a chunk the plan computes whole (at most that many blocks, itself no
+    continuation) a chunk starts a run of its own, recomputed and probed.
     """
     bs, toks = block_size, tokens
     out: set[int] = set()
-    end, src_end, salt = head_end, head_end, src_salt
+    end, src_end, salt, loaded = head_end, head_end, src_salt, True
     tail = chain_hashes(list(toks[:head_end]), bs, salt=src_salt)[-1] if head_end >= bs else root_hash(src_salt)
     for c in chunks:
         src = c.source
-        if c.start == end and src.start == src_end and src.salt == salt and src.parent == tail:
+        cont = loaded and c.start == end and src.start == src_end and src.salt == salt and src.parent == tail
+        if cont:
             out.add(c.start)
+        loaded = cont or c.end - c.start > recompute_blocks * bs
         if c.end - c.start >= bs:
             tail = chain_hashes(list(toks[c.start : c.end]), bs, parent=BlockHash(src.parent))[-1]
         end, src_end, salt = c.end, src.start + (c.end - c.start), src.salt
@@ -376,7 +382,9 @@ def plan_chunk_phases(
     probes: list[SpliceSegment] = []
     if head_end > hit:
         segs.append(SpliceSegment(0, head_end // bs, 0, root_hash(src_salt)))
-    continued = continued_chunks(toks, chunks, block_size=bs, head_end=head_end, src_salt=src_salt) if continue_runs else ()
+    continued = continued_chunks(
+        toks, chunks, block_size=bs, head_end=head_end, src_salt=src_salt, recompute_blocks=recompute_blocks
+    ) if continue_runs else ()
     prev_end = head_end
     for c in chunks:
         if c.start % bs or c.end % bs or not prev_end <= c.start < c.end <= len(toks) - 1:

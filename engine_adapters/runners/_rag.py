@@ -442,7 +442,7 @@ class RagRunner:
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
                 extra_blocks=self._guard_rates.expected() if cfg.max_deviation is not None else (0.0, 0.0),
-                continued=self._continued(toks, will, head_end),
+                continued=self._continued(toks, will, head_end, r),
             )
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
             if why is None:
@@ -515,9 +515,9 @@ class RagRunner:
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
         if adapt is not None and fallback is None and r:  # probed: past the hit, a run of its own
             new, runs = {s.start for s in missing}, {g.dst_start for ph in phases if ph.plan for g in ph.plan.segments}
-            cont = self._continued(toks, placed, head_end)
+            cont = self._continued(toks, placed, head_end, r)
             probed = [(c.start, c.end, c.start in new) for c in placed
-                      if hit <= c.start and c.start not in cont and c.start + r * bs in runs]
+                      if hit <= c.start and c.start not in cont and c.start + r * bs in runs and c.end - c.start > r * bs]
             self._guard_rates.observe(probed, adapt.extended)
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)
@@ -528,11 +528,12 @@ class RagRunner:
         )
         return step
 
-    def _continued(self, toks: Sequence[int], chunks: Sequence[ChunkPlacement], head_end: int) -> frozenset[int]:
+    def _continued(self, toks: Sequence[int], chunks: Sequence[ChunkPlacement], head_end: int, r: int) -> frozenset[int]:
         """The chunks that continue their source run (none when recomputing at every chunk)."""
         if self.recompute_at == "chunk":
             return frozenset()
-        return continued_chunks(toks, chunks, block_size=self.engine.block_size, head_end=head_end, src_salt=self.salt)
+        return continued_chunks(toks, chunks, block_size=self.engine.block_size, head_end=head_end, src_salt=self.salt,
+                                recompute_blocks=r)
 
     def _exact_chain(self, toks: Sequence[int]) -> tuple[list[BlockRef], str | None]:
         """The store chain a plain request of ``toks`` under the tenant's salt could load

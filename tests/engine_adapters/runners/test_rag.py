@@ -252,6 +252,26 @@ def test_a_chunk_stored_right_behind_the_chunk_before_it_continues_that_run():
                             src_salt="t") == set()
 
 
+def test_a_run_never_starts_behind_a_chunk_the_plan_computes_whole():
+    # HEAD + S + B was computed exactly, S two blocks.  In HEAD + C + S + B + Q at r=2,
+    # S is computed whole: B continuing it would leave the run [S, B] with no block of
+    # its own recomputed and nothing probed.  B starts a run: r blocks, probed.
+    S = seq(500, 8)
+    new = HEAD + C + S + B + Q
+    ss, sb = src(HEAD, 8, 2), src(HEAD + S, 16, 3)
+    chunks = [ChunkPlacement(12, 20, ss), ChunkPlacement(20, 32, sb)]
+    assert continued_chunks(new, chunks, block_size=BS, head_end=8, src_salt="t", recompute_blocks=2) == set()
+    phases = plan_chunk_phases(new, chunks, block_size=BS, hit=8, head_end=8, recompute_blocks=2, src_salt="t",
+                               probe=True)
+    b_parent = chain_hashes(B[:8], BS, parent=sb.parent)[-1]
+    assert phases == [
+        SplicePhase(28, SplicePlan(BS, src_salt="t", probes=(SpliceSegment(20, 2, 4, sb.parent),))),
+        SplicePhase(len(new), SplicePlan(BS, (SpliceSegment(28, 1, 4, b_parent),), src_salt="t")),
+    ]
+    # At r=1, S keeps a block to load: B continues the run S starts.
+    assert continued_chunks(new, chunks, block_size=BS, head_end=8, src_salt="t", recompute_blocks=1) == {20}
+
+
 def test_a_packed_precompute_stores_adjacent_new_chunks_as_one_run():
     # The precompute of A and B (new, adjacent) is HEAD + A + B: in the prompt HEAD + C
     # + A + B + Q, B continues A; precomputed one by one (standalone), it would not.
@@ -355,6 +375,10 @@ def test_a_continued_chunk_is_predicted_with_nothing_recomputed_and_no_guard():
     c = pic_choice(32, 0, 8, [(8, 16), (16, 24)], [], head_hit=8, exact_tokens=24, recompute_blocks=2,
                    block_size=BS, continued={16})
     assert c.pic_tokens == 32 - 8 - 8 and c.pays
+    # the first chunk, computed whole, has nothing loaded behind its recompute: no guard
+    c = pic_choice(32, 0, 8, [(8, 16), (16, 24)], [], head_hit=8, exact_tokens=24, recompute_blocks=2,
+                   block_size=BS, continued={16}, extra_blocks=(1.0, 1.0))
+    assert c.pic_tokens == 32 - 8 - 8
 
 
 def test_a_layout_no_plan_fits_never_pays_and_raises_nothing():
