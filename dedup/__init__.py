@@ -34,7 +34,10 @@ Kinds, in the order they run (all on by default; switch each off in
   chain whose first-retrieved chunk lost passages of its own is not merged after the
   passage pass (its records locate paragraphs in its bytes as they were), and a chunk
   holding a recorded passage is not cut in a later round when that passage would lose
-  its bytes (one that ends in one newline of a separator the cut takes).
+  its bytes (one that ends in one newline of a separator the cut takes).  And past a
+  call's search budget (chunks made of the same few sentences, megabytes of them:
+  ``dedup/_finder.py``) a needle not found cheaply counts as not found, so a second
+  call may find more to remove.
 
 Nothing is lost: every input appears exactly once, as an :class:`Origin` of a
 :class:`KeptChunk` or as a :class:`DroppedChunk`, and ``Origin.span`` slices the kept

@@ -225,7 +225,7 @@ def pic_choice(
     runner's measured rates).  ``continued``: the starts of chunks that continue their
     source run (:func:`continued_chunks`: nothing recomputed, no guard).  Relocation
     pays only when chunks move more than that and the precompute is repaid: short
-    chunks, new chunks and exact repeats go out exact.
+    chunks that start no run, new chunks and exact repeats go out exact.
     """
     bs, r = block_size, recompute_blocks
     start = max(hit, min(head_end, head_hit))

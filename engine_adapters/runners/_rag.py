@@ -30,12 +30,12 @@ How a request runs (``position_independent``):
    KV closer to its next use than one that saw only the system prompt (README, "Beyond
    prefix caching", for the measured KL of both and of the orders tried).
    Before any precompute, :func:`pic_choice` predicts the prefill of that plan (the
-   precompute, each chunk's recomputed blocks, the blocks the deviation guard is
+   precompute, each run's recomputed blocks, the blocks the deviation guard is
    expected to add: the runner's measured rate, :class:`GuardRates`) against one
    exact request of the same tokens under the tenant's salt (its prefix cache and the
    store's exact blocks); unless the plan computes fewer tokens, the
-   request goes out exact (``StepFallback.NO_GAIN``: new chunks, short chunks, exact
-   repeats).  Every exact request indexes its chunks that stand on whole blocks (exact
+   request goes out exact (``StepFallback.NO_GAIN``: new chunks, short chunks that
+   start no run, exact repeats).  Every exact request indexes its chunks that stand on whole blocks (exact
    KV, saved by the connector), so a chunk first seen in one is later relocated from
    there with no precompute at all: with ``exact_alignment="all"`` every chunk; under
    the default ``"auto"`` only those its layout padded, usually none, so a runner whose
@@ -234,7 +234,7 @@ class RagRunner:
     chunks stored together, :func:`~._chunk_plans.continued_chunks`) or ``"chunk"`` (at
     every chunk, as before 2026-12-05; for comparisons).
     ``max_deviation`` (``None``: the level's): the adaptive recompute of ``AgentRunner``
-    at each chunk start (needs ``recompute_blocks >= 1``).
+    at each run start (needs ``recompute_blocks >= 1``).
     """
 
     def __init__(

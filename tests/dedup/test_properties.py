@@ -383,6 +383,7 @@ def test_input_without_redundancy_is_returned_unchanged(bodies, cfg):
     assert result.stats.removed_bytes_total == 0 and result.dropped == []
 
 
+@pytest.mark.reliability
 def test_without_containment_the_output_is_still_a_fixpoint():
     """Passages can leave two chunks byte-identical; only the containment re-run caught
     them, so with containment off a second dedup removed a duplicate."""

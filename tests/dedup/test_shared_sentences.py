@@ -76,6 +76,7 @@ def test_searches_scan_bytes_linear_in_the_request_on_shared_sentences():
     assert s_large <= 400 * n_large, (s_large, n_large)
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("budget", [0, 4])
 def test_a_spent_search_budget_loses_nothing(budget, monkeypatch):
     chunks = shared_sentence_chunks(120, seed=5, repeated=True)
