@@ -515,7 +515,10 @@ def _error_exit(exc: BaseException) -> int:
 def run_tool(tool_main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """A ``python -m promptsplice.benchmarks.X`` tool's ``main`` with the CLI's error
     handling: a bad trace or option is one line on stderr and exit 2 (a traceback
-    before), a fidelity failure exit 5."""
+    before), a fidelity failure exit 5.  SIGTERM (from the main thread, when nothing else
+    handles it) raises ``SystemExit(143)``, so ``finally`` blocks run: the servers a
+    tool started are stopped, not left behind."""
+    restore = _exit_on_sigterm()
     try:
         return int(tool_main(argv) or 0)
     except ModuleNotFoundError as exc:
@@ -524,6 +527,23 @@ def run_tool(tool_main: Callable[[Sequence[str] | None], int], argv: Sequence[st
         return _error_exit(exc)
     except (PromptspliceError, UsageError, OSError) as exc:
         return _error_exit(exc)
+    finally:
+        restore()
+
+
+def _exit_on_sigterm() -> Callable[[], None]:
+    """SIGTERM raises ``SystemExit(128 + 15)`` until the returned function is called."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return lambda: None
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

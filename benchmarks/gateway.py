@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,8 +65,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.benchmarks.routing import BLOCK_SIZE, LoopbackServer, _free_port, loopback_servers, write_report
-from promptsplice.errors import ConfigError, EngineError, EngineStartError
+from promptsplice.benchmarks.routing import (
+    BLOCK_SIZE, START_ENV, LoopbackServer, _free_ports, answered_by, loopback_servers, popen_watched,
+    start_deadline, write_report,
+)
+from promptsplice.errors import ConfigError, EngineError, EngineResponseError, EngineStartError, EngineUnavailableError
 from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
 
 __all__ = [
@@ -77,6 +81,7 @@ __all__ = [
     "main",
     "run_gateway_bench",
     "send_through",
+    "served_model",
     "server_totals",
 ]
 
@@ -104,10 +109,12 @@ def gateway(
     policy: str,
     *,
     block_size: int = BLOCK_SIZE,
-    deadline_s: float = GATEWAY_DEADLINE_S,
+    deadline_s: float | None = None,
 ) -> Iterator[LoopbackServer]:
     """Start ``smg launch`` on 127.0.0.1 in front of ``worker_urls`` with ``policy``; wait
-    until it answers ``/readiness`` with every worker healthy; stop it on exit.
+    until it answers ``/readiness`` with every worker healthy; stop it on exit (its log
+    folder too, kept when it failed to start).  ``deadline_s``: default
+    ``PROMPTSPLICE_SERVER_START_S`` or 60 s.
 
     Loopback only: router and metrics bound to 127.0.0.1, no tokenizer download (the
     gateway routes on the request as sent), no tracing, no mesh, HF offline.
@@ -119,7 +126,9 @@ def gateway(
         raise ConfigError(f"unknown smg policy {policy!r}; expected one of {', '.join(known)}")
     if len(worker_urls) < 1:
         raise ConfigError("gateway needs at least one worker url")
-    port, metrics_port = _free_port(), _free_port()
+    if deadline_s is None:
+        deadline_s = start_deadline(GATEWAY_DEADLINE_S)
+    port, metrics_port = _free_ports(2)
     log = Path(tempfile.mkdtemp(prefix="smg-")) / "gateway.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
     cmd = [
@@ -134,21 +143,29 @@ def gateway(
     ]
     if policy == "consistent_hashing":
         cmd += ["--routing-key-headers", ROUTING_KEY_HEADER]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    gw = LoopbackServer(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        with log.open("wb") as out:
+            proc, watch = popen_watched(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    except BaseException:
+        shutil.rmtree(log.parent, ignore_errors=True)
+        raise
+    gw = LoopbackServer(f"http://127.0.0.1:{port}", proc, log, log_dir=log.parent, watch_fd=watch)
     try:
         deadline = time.monotonic() + deadline_s
         while True:
             if proc.poll() is not None:
+                gw.keep_log = True
                 raise EngineStartError(f"smg ({policy}) exited with {proc.returncode}:\n{gw.tail()}")
-            try:
-                if httpx.get(gw.base_url + "/readiness", timeout=2).status_code == 200:
+            try:  # loopback: never through a proxy from the environment
+                if (httpx.get(gw.base_url + "/readiness", timeout=2, trust_env=False).status_code == 200
+                        and answered_by(proc, port)):
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise EngineStartError(f"smg ({policy}) not ready after {deadline_s:.0f} s:\n{gw.tail()}")
+                gw.keep_log = True
+                raise EngineStartError(f"smg ({policy}) not ready after {deadline_s:.0f} s (on a busy machine, "
+                                       f"set {START_ENV} to more seconds):\n{gw.tail()}")
             time.sleep(0.5)
         yield gw
     finally:
@@ -204,7 +221,11 @@ def send_through(
             raise EngineError(f"POST {url}/v1/completions failed: {exc}") from exc
         if resp.status_code != 200:
             raise EngineError(f"{url}/v1/completions answered {resp.status_code}: {resp.text[:300]}")
-        usage = resp.json().get("usage") or {}
+        try:
+            usage = resp.json().get("usage") or {}
+        except (ValueError, AttributeError) as exc:  # not JSON, or not an object
+            raise EngineResponseError(f"{url}/v1/completions answered what is not a completion: "
+                                      f"{resp.text[:300]!r}") from exc
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if cached is None:
             raise EngineError(f"{url} did not report usage.prompt_tokens_details.cached_tokens; "
@@ -245,6 +266,25 @@ def send_through(
         "per_server": per_server,
         "served_by": served_by,
     }
+
+
+def served_model(client: Any, url: str) -> str:
+    """The model ``url`` serves (its ``/v1/models``' first id); an unreachable server is
+    an :class:`EngineUnavailableError`, a wrong answer an :class:`EngineResponseError`."""
+    import httpx
+
+    try:
+        resp = client.get(url + "/v1/models")
+    except httpx.TransportError as exc:  # translated at the boundary, as server_totals
+        raise EngineUnavailableError(f"cannot reach {url}/v1/models: {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise EngineError(f"GET {url}/v1/models failed: {exc}") from exc
+    if resp.status_code != 200:
+        raise EngineResponseError(f"{url}/v1/models answered {resp.status_code}: {resp.text[:300]}")
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except (ValueError, LookupError, TypeError) as exc:
+        raise EngineResponseError(f"{url}/v1/models answered no model: {resp.text[:300]!r}") from exc
 
 
 def _prompts(family: str, requests: int, seed: int) -> dict[str, list[tuple[str, int, str]]]:
@@ -321,8 +361,11 @@ def run_gateway_bench(
         if urls is None:
             urls = [s.base_url for s in stack.enter_context(loopback_servers(2, max_model_len=MAX_MODEL_LEN))]
         urls = [u.rstrip("/") for u in urls]
-        client = stack.enter_context(httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)))
-        model = client.get(urls[0] + "/v1/models").raise_for_status().json()["data"][0]["id"]
+        # A proxy from the environment for the given servers, never for loopback (the
+        # servers started here, the gateways): mounted transports skip it.
+        direct = {f"all://{h}": httpx.HTTPTransport() for h in ("127.0.0.1", "localhost", "[::1]")}
+        client = stack.enter_context(httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0), mounts=direct))
+        model = served_model(client, urls[0])
         kept: dict[str, str] = {}  # stateless policies: one gateway for every run
 
         def smg_url(policy: str, run: contextlib.ExitStack) -> str:

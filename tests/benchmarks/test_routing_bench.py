@@ -75,7 +75,8 @@ def test_bad_router_options_fail_before_any_server_starts(monkeypatch):
 def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(tmp_path):
     """``vllm serve``'s EngineCore is a child that outlives a dead API server (vLLM sets
     no parent-death signal): ``stop()`` returned once the API server had exited and left
-    the engine process (~2.5 GB) and the log folder behind."""
+    the engine process (~2.5 GB) behind.  The log of a server that died before it was
+    stopped is kept (a crash mid-bench: it holds the reason)."""
     import os
     import signal
     import subprocess
@@ -102,9 +103,11 @@ def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(t
     assert tail.startswith("exceptions in the log:\nValueError: dram_bytes must be >= 0\n")
     assert tail.endswith(f"(whole log: {log})")
     srv.stop()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(proc.pid, 0)
-    assert not log_dir.exists()
+    from promptsplice.benchmarks.routing import _group_gone
+
+    assert _group_gone(proc.pid)  # no member left but zombies an init may take seconds to reap
+    # the server had died before stop(): its log is kept (stop() names it on stderr)
+    assert log.exists()
     # a server whose log is the caller's: its folder stays (it held other files)
     mine = tmp_path / "mine"
     mine.mkdir()

