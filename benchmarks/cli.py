@@ -307,9 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--pic-exact-alignment", default="auto", choices=("auto", "all"),
                      help="promptsplice_pic: layout of the requests it sends exact (relocation would "
                           "not pay): auto (default) or all (whole-block chunks, indexed for later reuse)")
-    rag.add_argument("--pic-recompute-at", default="run", choices=("run", "chunk"),
+    rag.add_argument("--pic-recompute-at", default=None, choices=("run", "chunk"),
                      help="promptsplice_pic: recompute at the start of each run of chunks stored together "
-                          "(default) or of every chunk")
+                          "or of every chunk (default: the fidelity level's, chunk at bounded)")
     rag.add_argument("--fidelity-requests", type=count_arg(0), default=32,
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.add_argument("--allow-skips", action="store_true",

@@ -107,14 +107,15 @@ def check_baseline_engines(base: dict, baseline: str, engine: Any, kv: Any, skip
                        "the engines' context differs from the baseline's; " + how)
 
 
-def _config(cfg: str) -> tuple[str, int, str]:
-    """``PRECOMPUTE:R[:AT]`` -> (precompute, recomputed blocks, where: run or chunk)."""
+def _config(cfg: str) -> tuple[str, int, str | None]:
+    """``PRECOMPUTE:R[:AT]`` -> (precompute, recomputed blocks, where: run, chunk or None,
+    the level's)."""
     precompute, sep, rest = cfg.partition(":")
     r, _, at = rest.partition(":")
     if not sep or not precompute or not r.isdigit() or at not in ("", "run", "chunk"):
         raise UsageError(f"config {cfg!r}: write PRECOMPUTE:R[:AT] with R a count of blocks and AT run "
-                         "(default) or chunk, e.g. packed:1 or packed:2:chunk")
-    return precompute, int(r), at or "run"
+                         "or chunk (default: the level's), e.g. packed:1 or packed:2:run")
+    return precompute, int(r), at or None
 
 
 def _baseline(path: str) -> dict:

@@ -38,8 +38,8 @@ every token the engine computed for a request (the precompute included), ``cache
 prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
 
     "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests",
-            "too_long_requests", "recompute_blocks", "exact_alignment", "gap_closed", "kv_cache_blocks", "store_dram_bytes",
-            "probe_traffic"},
+            "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at", "gap_closed", "kv_cache_blocks",
+            "store_dram_bytes", "probe_traffic"},
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
                  "first_token_kl_ci95", "tf_top1_p50", "tf_top1_p10", "tf_top1_min",
@@ -227,14 +227,14 @@ def _check_capacity(engine: Any, kv: Any, store_shape: dict[str, Any] | None = N
 
 
 def check_store_layout(store_layout: str, *, pic_exact_alignment: str = "auto",
-                       recompute_blocks: int | None = None, pic_recompute_at: str = "run") -> str:
+                       recompute_blocks: int | None = None, pic_recompute_at: str | None = None) -> str:
     """The store and PIC options of a bench job, checked before its engines start."""
     if store_layout not in STORE_LAYOUTS:
         raise ConfigError(f"store_layout must be one of {STORE_LAYOUTS}, got {store_layout!r}")
     if pic_exact_alignment not in ("auto", "all"):
         raise ConfigError(f"pic_exact_alignment must be 'auto' or 'all', got {pic_exact_alignment!r}")
-    if pic_recompute_at not in ("run", "chunk"):
-        raise ConfigError(f"pic_recompute_at must be 'run' or 'chunk', got {pic_recompute_at!r}")
+    if pic_recompute_at not in (None, "run", "chunk"):
+        raise ConfigError(f"pic_recompute_at must be 'run', 'chunk' or None, got {pic_recompute_at!r}")
     if recompute_blocks is not None and recompute_blocks < 0:
         raise ConfigError(f"--recompute-blocks must be >= 0, got {recompute_blocks}")
     return store_layout
@@ -254,7 +254,7 @@ def run_modes(
     fidelity_requests: int = DEFAULT_PROBES,
     pic_exact_alignment: str = "auto",
     store_layout: str = "store_aware",
-    pic_recompute_at: str = "run",
+    pic_recompute_at: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Run naive then promptsplice on ``engine`` (then ``promptsplice_store`` and
     ``promptsplice_pic`` when ``kv_engine`` is given: an engine with the splice connector,
@@ -443,7 +443,7 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
              salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays",
-             recompute_at="run") -> None:
+             recompute_at=None) -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
     from promptsplice.engine_adapters import RagRunner, StepFallback
     from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
@@ -489,7 +489,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "too_long_requests": sum(st.fallback is StepFallback.TOO_LONG for st in steps),
         "recompute_blocks": r,
         "exact_alignment": exact_alignment,
-        "recompute_at": recompute_at,
+        "recompute_at": runner.recompute_at_for(),
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
         "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
                                           report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,
@@ -635,7 +635,7 @@ def run_rag_bench(
     pic_exact_alignment: str = "auto",
     kv_cache_bytes: int | None = None,
     store_layout: str = "store_aware",
-    pic_recompute_at: str = "run",
+    pic_recompute_at: str | None = None,
 ) -> int:
     """The CLI's job: run the trace, print, write the JSON; exit status from
     :func:`bench_status`."""

@@ -221,7 +221,7 @@ def run_rag_suite(
     pic_exact_alignment: str = "auto",
     kv_cache_bytes: int | None = None,
     store_layout: str = "store_aware",
-    pic_recompute_at: str = "run",
+    pic_recompute_at: str | None = None,
 ) -> int:
     """The CLI's job: start the plain engine once (and fresh store engines per family and
     mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""

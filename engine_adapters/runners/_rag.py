@@ -230,9 +230,10 @@ class RagRunner:
     of those exact requests: ``"auto"`` (default: the exact runner's, so the gate never
     prefills more than exact assembly) or ``"all"`` (whole-block chunks, indexed where
     they stand: later relocations need no precompute; pays on long chunks, README).
-    ``recompute_at``: ``"run"`` (default: ``recompute_blocks`` at the start of each run of
-    chunks stored together, :func:`~._chunk_plans.continued_chunks`) or ``"chunk"`` (at
-    every chunk, as before 2026-12-05; for comparisons).
+    ``recompute_at``: ``"run"`` (``recompute_blocks`` at the start of each run of chunks
+    stored together, :func:`~._chunk_plans.continued_chunks`: more reuse) or ``"chunk"``
+    (at every chunk: closer to exact); ``None`` (default): ``"chunk"`` at ``bounded``,
+    ``"run"`` at ``fast`` (README, "Runs of chunks").
     ``max_deviation`` (``None``: the level's): the adaptive recompute of ``AgentRunner``
     at each run start (needs ``recompute_blocks >= 1``).
     """
@@ -253,7 +254,7 @@ class RagRunner:
         fidelity: str | FidelityLevel = DEFAULT_FIDELITY,
         relocate: str = "when_it_pays",
         exact_alignment: str = "auto",
-        recompute_at: str = "run",
+        recompute_at: str | None = None,
     ) -> None:
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
@@ -261,8 +262,8 @@ class RagRunner:
             raise ConfigError(f"relocate must be one of {', '.join(RELOCATE_CHOICES)}, got {relocate!r}")
         if exact_alignment not in ("auto", "all"):
             raise ConfigError(f"exact_alignment must be 'auto' or 'all', got {exact_alignment!r}")
-        if recompute_at not in ("run", "chunk"):
-            raise ConfigError(f"recompute_at must be 'run' or 'chunk', got {recompute_at!r}")
+        if recompute_at not in (None, "run", "chunk"):
+            raise ConfigError(f"recompute_at must be 'run', 'chunk' or None, got {recompute_at!r}")
         check_runner_engine(engine, "RagRunner", RAG_SURFACE)
         if index is not None and not isinstance(index, ChunkIndex):
             raise ConfigError(f"index must be a ChunkIndex (or None: the runner makes one), got {type(index).__name__}")
@@ -335,7 +336,7 @@ class RagRunner:
         # runner was served a standalone runner's blocks under one salt)
         shape = hashlib.sha256(
             f"r{cfg.recompute_blocks}:d{cfg.max_deviation!r}:p{self.precompute}:g{self.min_group_blocks}"
-            f":a{self.recompute_at}".encode()
+            f":a{self.recompute_at_for(cfg.level)}".encode()
         ).hexdigest()[:16]
         return f"{self.salt or ''}{DERIVED_SALT_MARK}pic:{cfg.level.value}:{shape}"
 
@@ -442,7 +443,7 @@ class RagRunner:
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
                 extra_blocks=self._guard_rates.expected() if cfg.max_deviation is not None else (0.0, 0.0),
-                continued=self._continued(toks, will, head_end, r),
+                continued=self._continued(toks, will, head_end, r, cfg.level),
             )
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
             if why is None:
@@ -492,7 +493,7 @@ class RagRunner:
             phases = plan_chunk_phases(
                 toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
                 src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=cfg.max_deviation is not None,
-                continue_runs=self.recompute_at == "run",
+                continue_runs=self.recompute_at_for(cfg.level) == "run",
             )
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
@@ -515,7 +516,7 @@ class RagRunner:
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
         if adapt is not None and fallback is None and r:  # probed: past the hit, a run of its own
             new, runs = {s.start for s in missing}, {g.dst_start for ph in phases if ph.plan for g in ph.plan.segments}
-            cont = self._continued(toks, placed, head_end, r)
+            cont = self._continued(toks, placed, head_end, r, cfg.level)
             probed = [(c.start, c.end, c.start in new) for c in placed
                       if hit <= c.start and c.start not in cont and c.start + r * bs in runs and c.end - c.start > r * bs]
             self._guard_rates.observe(probed, adapt.extended)
@@ -528,9 +529,17 @@ class RagRunner:
         )
         return step
 
-    def _continued(self, toks: Sequence[int], chunks: Sequence[ChunkPlacement], head_end: int, r: int) -> frozenset[int]:
+    def recompute_at_for(self, fidelity: str | FidelityLevel | None = None) -> str:
+        """Where requests at ``fidelity`` recompute: ``recompute_at``, else ``chunk`` at ``bounded``."""
+        if self.recompute_at is not None:
+            return self.recompute_at
+        level = self._fidelity.settings(fidelity, request=False).level
+        return "chunk" if level is FidelityLevel.BOUNDED else "run"
+
+    def _continued(self, toks: Sequence[int], chunks: Sequence[ChunkPlacement], head_end: int, r: int,
+                   level: FidelityLevel) -> frozenset[int]:
         """The chunks that continue their source run (none when recomputing at every chunk)."""
-        if self.recompute_at == "chunk":
+        if self.recompute_at_for(level) == "chunk":
             return frozenset()
         return continued_chunks(toks, chunks, block_size=self.engine.block_size, head_end=head_end, src_salt=self.salt,
                                 recompute_blocks=r)

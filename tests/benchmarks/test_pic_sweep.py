@@ -80,7 +80,8 @@ def sweep(tmp_path, monkeypatch, default_tok):
         prefill = plan["prefill"]
         report["modes"][PIC_MODE] = {"requests": len(reqs), "prefill_tokens": prefill, "ttft_p50_ms": 1.0}
         report["pic"] = {"gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill,
-                                                  report["oracle_prefill_tokens"]), "engine_requests": len(reqs)}
+                                                  report["oracle_prefill_tokens"]), "engine_requests": len(reqs),
+                         "recompute_at": kw.get("recompute_at") or "chunk"}
         report["fidelity"] = {"tf_top1_agreement": None, "first_token_kl": None, "first_token_kl_p50": None,
                               "first_token_kl_max": None, "greedy_agreement": None, "control": {},
                               "steps": plan["probed"], "requested": fidelity_requests,

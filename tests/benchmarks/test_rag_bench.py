@@ -75,7 +75,7 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
         assert set(m) == MODE_FIELDS and m["requests"] == 6
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
-    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment",
+    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at",
                         "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store", "probe_traffic"}
     assert pic["probe_traffic"] is True  # one fidelity probe ran on the PIC engine
     # the default fidelity's r; precomputes, phases
@@ -278,11 +278,11 @@ def test_the_pic_sweep_gives_each_configuration_its_own_store_engine(monkeypatch
 
     monkeypatch.setattr(pic_sweep, "start_mode_engine", start)
     assert pic_sweep.main(["--trace", str(trace), "--baseline", str(base), "--requests", "2",
-                           "--fidelity-requests", "0", "packed:1", "standalone:2:chunk"]) == 0
+                           "--fidelity-requests", "0", "packed:1:run", "standalone:2"]) == 0
     assert started == ["full", "splice", "splice"] and closed == [kv_engine, kv_engine, engine]
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [r["config"] for r in rows] == ["packed:1", "standalone:2:chunk"]
-    assert [r["recompute_at"] for r in rows] == ["run", "chunk"]
+    assert [r["config"] for r in rows] == ["packed:1:run", "standalone:2"]
+    assert [r["recompute_at"] for r in rows] == ["run", "chunk"]  # the sweep runs at bounded: chunk
     assert all(r["prefill_tokens"] > 0 and r["engine_requests"] >= 2 for r in rows)
     from promptsplice.benchmarks.cli import UsageError
 
@@ -301,7 +301,7 @@ def test_a_store_layout_that_is_not_one_of_the_two_is_refused_before_anything_ru
         run_modes(None, sample_rag_requests(1, seed=4), store_layout="blind")
     for job in (lambda: run_rag_bench(trace="t.jsonl", json_out="r.json", pic_recompute_at="block"),
                 lambda: run_rag_suite(json_out="r.json", pic_recompute_at="block")):
-        with pytest.raises(ConfigError, match="pic_recompute_at must be 'run' or 'chunk', got 'block'"):
+        with pytest.raises(ConfigError, match="pic_recompute_at must be 'run', 'chunk' or None, got 'block'"):
             job()
     # the CLI's jobs refuse it before the engines start (the suite caught it per family)
     for job in (lambda: run_rag_bench(trace="t.jsonl", json_out="r.json", store_layout="blind"),
@@ -370,6 +370,9 @@ def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
 
         def __init__(self, *a, **kw):
             pass
+
+        def recompute_at_for(self, fidelity=None):
+            return "chunk"
 
         def run(self, chunks, **kw):
             return types.SimpleNamespace(planned_relocated_tokens=64, relocated_tokens=64, prompt_tokens=300,

@@ -558,8 +558,11 @@ def test_chunks_that_keep_their_stored_neighbour_are_one_run_with_one_recompute(
         assert step.requests == 1 + 5 and step.relocated_chunks == 4
         assert step.prefill_tokens == step.precomputed_tokens + 4 * 32 + query_tail(step)
         other = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=runner.salt,
-                          recompute_blocks=1)
+                          recompute_blocks=1, recompute_at="run")
         assert other.reuse_salt != runner.reuse_salt  # their approximate KV never meets
+        default = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=runner.salt,
+                            recompute_blocks=1)
+        assert default.reuse_salt == runner.reuse_salt  # bounded recomputes at every chunk by default
         return
     # amazon is new: precomputed right after the head, where it stands now (delta 0:
     # exact, loaded whole).  paris, nile and everest were precomputed in that order by
@@ -685,8 +688,15 @@ def test_bad_configurations_are_refused(engine, kv_engine):
         RagRunner(kv_engine, mode="position_independent", recompute_blocks=-1)
     with pytest.raises(ConfigError, match="precompute"):
         RagRunner(kv_engine, mode="position_independent", precompute="lazy")
-    with pytest.raises(ConfigError, match="recompute_at must be 'run' or 'chunk', got 'block'"):
+    with pytest.raises(ConfigError, match="recompute_at must be 'run', 'chunk' or None, got 'block'"):
         RagRunner(kv_engine, mode="position_independent", recompute_at="block")
+    # by default bounded recomputes at every chunk (closer to exact), fast at runs (more reuse)
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt="t")
+    assert (runner.recompute_at_for(), runner.recompute_at_for("fast")) == ("chunk", "run")
+    assert RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt="t",
+                     recompute_at="run").recompute_at_for() == "run"
+    assert runner.reuse_salt != RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt="t",
+                                          recompute_at="run").reuse_salt
     for bad in (0, float("nan"), -1.0):
         with pytest.raises(ConfigError, match="max_deviation"):
             RagRunner(kv_engine, mode="position_independent", max_deviation=bad)
