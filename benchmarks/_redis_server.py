@@ -51,7 +51,7 @@ def _bulk_end(data: bytes) -> int:
 
 class RedisServer:
     """One ``redis-server`` process on 127.0.0.1 (a context manager), in a process group
-    of its own with the watchdog of :func:`promptsplice.benchmarks.routing.popen_watched`:
+    of its own with the watchdog of :func:`promptsplice.benchmarks.servers.popen_watched`:
     the server goes when the process that started it dies (from any thread).  Its output
     goes to ``redis.log`` in its folder; a start that fails names the log's tail, and
     leaves no server and no folder behind."""
@@ -96,7 +96,7 @@ class RedisServer:
         """Start the server (empty) and wait until it answers PING, as itself (``INFO``'s
         ``process_id``: not another server that holds the port).  A running server is
         left as it is."""
-        from promptsplice.benchmarks.routing import popen_watched
+        from promptsplice.benchmarks.servers import popen_watched
 
         if self.proc is not None and self.proc.poll() is None:
             return
@@ -147,7 +147,7 @@ class RedisServer:
     def stop(self) -> None:
         """SIGTERM the server (SIGKILL after 5 s), remove its folder."""
         if self.proc is not None:
-            from promptsplice.benchmarks.routing import stop_process_groups
+            from promptsplice.benchmarks.servers import stop_process_groups
 
             stop_process_groups([self.proc], grace_s=5.0)
         self._release()

@@ -1,6 +1,6 @@
 """``python -m promptsplice.benchmarks.gateway``: a real gateway (smg) in front of real servers.
 
-Starts two loopback ``vllm serve`` (:func:`promptsplice.benchmarks.routing.loopback_servers`)
+Starts two loopback ``vllm serve`` (:func:`promptsplice.benchmarks.servers.loopback_servers`)
 unless ``--url`` names running ones, and for each RAG trace family (``--family`` of the
 suite, ``--suite`` for all of them, or a wiki ``--profile``) sends
 the same requests twice, as *naive* prompts (retrieval order, no dedup, tokenized whole)
@@ -55,8 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,9 +63,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.benchmarks.routing import (
-    BLOCK_SIZE, START_ENV, LoopbackServer, _free_ports, answered_by, loopback_servers, popen_watched,
-    start_deadline, write_report,
+from promptsplice.benchmarks.routing import write_report
+from promptsplice.benchmarks.servers import (
+    BLOCK_SIZE, START_ENV, LoopbackServer, _free_ports, answered_by, loopback_servers, spawn_logged,
+    start_deadline,
 )
 from promptsplice.errors import ConfigError, EngineError, EngineResponseError, EngineStartError, EngineUnavailableError
 from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
@@ -143,13 +142,8 @@ def gateway(
     ]
     if policy == "consistent_hashing":
         cmd += ["--routing-key-headers", ROUTING_KEY_HEADER]
-    try:
-        with log.open("wb") as out:
-            proc, watch = popen_watched(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    except BaseException:
-        shutil.rmtree(log.parent, ignore_errors=True)
-        raise
-    gw = LoopbackServer(f"http://127.0.0.1:{port}", proc, log, log_dir=log.parent, watch_fd=watch)
+    gw = spawn_logged(cmd, log, f"http://127.0.0.1:{port}", env)
+    proc = gw.proc
     try:
         deadline = time.monotonic() + deadline_s
         while True:

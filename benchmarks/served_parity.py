@@ -189,7 +189,7 @@ def run_served_parity(
 ) -> dict[str, Any]:
     """Start the embedded engine and the server, drive both one step each in turn, stop
     them (module doc); the compared report."""
-    from promptsplice.benchmarks.routing import loopback_servers
+    from promptsplice.benchmarks.servers import loopback_servers
     from promptsplice.engine_adapters import EmbeddedEngine, RemoteEngine, StoreConfig
     from promptsplice.engine_adapters.connector._settings import kv_transfer_config_json
 

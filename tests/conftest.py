@@ -101,7 +101,7 @@ def two_servers():
     """Two real ``vllm serve`` on loopback (default model, block 32, 1 GiB of KV cache
     each), started once for the session (the router tests and the routing bench share
     them; every run uses a fresh ``cache_salt``, so sharing changes nothing measured)."""
-    from promptsplice.benchmarks.routing import BLOCK_SIZE, loopback_servers
+    from promptsplice.benchmarks.servers import BLOCK_SIZE, loopback_servers
 
     with loopback_servers(2, block_size=BLOCK_SIZE) as servers:
         yield servers
@@ -123,7 +123,7 @@ def served_kv(tmp_path_factory):
     over 256 MiB of disk, in bf16 blocks; twice the bytes in float32), block 32, 1 GiB
     of KV cache, dev mode on (``/reset_prefix_cache`` empties vLLM's own cache and
     leaves the connector's store alone), full-vocabulary logprobs (fidelity probes)."""
-    from promptsplice.benchmarks.routing import BLOCK_SIZE, loopback_servers
+    from promptsplice.benchmarks.servers import BLOCK_SIZE, loopback_servers
     from promptsplice.engine_adapters import EngineConfig, StoreConfig
     from promptsplice.engine_adapters.connector._settings import kv_transfer_config_json
 

@@ -83,7 +83,7 @@ def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(t
     import sys
     import time
 
-    from promptsplice.benchmarks.routing import LoopbackServer
+    from promptsplice.benchmarks.servers import LoopbackServer
 
     log_dir = tmp_path / "route-vllm-x"
     log_dir.mkdir()
@@ -103,7 +103,7 @@ def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(t
     assert tail.startswith("exceptions in the log:\nValueError: dram_bytes must be >= 0\n")
     assert tail.endswith(f"(whole log: {log})")
     srv.stop()
-    from promptsplice.benchmarks.routing import _group_gone
+    from promptsplice.benchmarks.servers import _group_gone
 
     assert _group_gone(proc.pid)  # no member left but zombies an init may take seconds to reap
     # the server had died before stop(): its log is kept (stop() names it on stderr)
@@ -117,7 +117,7 @@ def test_stopping_a_server_whose_api_process_died_stops_its_engine_process_too(t
     assert other.poll() is not None and (mine / "results.json").exists()
     # a process that leads no group of its own (started without a new session) is stopped alone
     plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    from promptsplice.benchmarks.routing import stop_process_group
+    from promptsplice.benchmarks.servers import stop_process_group
 
     stop_process_group(plain, grace_s=5)
     assert plain.poll() is not None

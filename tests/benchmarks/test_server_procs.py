@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from promptsplice.benchmarks import gateway as gw_mod
-from promptsplice.benchmarks import routing
+from promptsplice.benchmarks import servers as srv_mod
 from promptsplice.errors import ConfigError, EngineResponseError, EngineStartError, PromptspliceError
 
 _FAKE_SERVER = """\
@@ -61,9 +61,9 @@ srv.serve_forever()
 _CHILD_PRELUDE = """\
 import json, os, signal, sys, time
 from pathlib import Path
-from promptsplice.benchmarks import routing
+from promptsplice.benchmarks import servers as srv_mod
 import promptsplice.engine_adapters._model as _model
-routing.auto_dtype = lambda: "float32"
+srv_mod.auto_dtype = lambda: "float32"
 _model.ensure_default_model = lambda: Path("/nonexistent-model")
 status = Path(sys.argv[1])
 """
@@ -83,7 +83,7 @@ def fake(tmp_path, monkeypatch):
     (root / "smg").mkdir()
     (root / "smg" / "__init__.py").write_text("")
     (root / "smg" / "__main__.py").write_text(_FAKE_SERVER)
-    monkeypatch.setattr(routing, "auto_dtype", lambda: "float32")  # no torch import
+    monkeypatch.setattr(srv_mod, "auto_dtype", lambda: "float32")  # no torch import
     import promptsplice.engine_adapters._model as model
 
     monkeypatch.setattr(model, "ensure_default_model", lambda: tmp_path / "no-model")
@@ -162,7 +162,7 @@ def test_servers_go_when_their_parent_is_killed_by_sigkill(fake, tmp_path):
     child = _child("""
         from promptsplice.benchmarks.gateway import gateway
         env = json.loads(os.environ["EXTRA"])
-        with routing.loopback_servers(2, extra_env=env) as servers:
+        with srv_mod.loopback_servers(2, extra_env=env) as servers:
             with gateway([s.base_url for s in servers], "prefix_hash") as gw:
                 status.write_text(json.dumps([s.proc.pid for s in servers] + [gw.proc.pid]) + "\\nup")
                 time.sleep(600)
@@ -190,7 +190,7 @@ def test_sigterm_to_a_tool_runs_its_finally_blocks_and_stops_its_servers(fake, t
 
         def main(argv):
             try:
-                with routing.loopback_servers(2, extra_env=env) as servers:
+                with srv_mod.loopback_servers(2, extra_env=env) as servers:
                     status.write_text(json.dumps([s.proc.pid for s in servers]) + "\\nup")
                     time.sleep(600)
             finally:
@@ -244,7 +244,7 @@ def test_a_second_interrupt_while_stopping_kills_every_server(fake, tmp_path):
         env = dict(json.loads(os.environ["EXTRA"]), FAKE_IGNORE_TERM="1")
         box = []
         try:
-            with routing.loopback_servers(2, extra_env=env) as servers:
+            with srv_mod.loopback_servers(2, extra_env=env) as servers:
                 box.extend(servers)
                 status.write_text(json.dumps([s.proc.pid for s in servers]) + "\\nstopping")
         except KeyboardInterrupt:
@@ -285,11 +285,11 @@ def test_an_answer_from_another_process_on_the_port_is_not_readiness(fake, tmp_p
     other = http.server.HTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     port = other.server_address[1]
-    monkeypatch.setattr(routing, "_free_ports", lambda n: [port] * n, raising=False)
-    monkeypatch.setattr(routing, "_free_port", lambda: port, raising=False)  # the code before the fix
+    monkeypatch.setattr(srv_mod, "_free_ports", lambda n: [port] * n, raising=False)
+    monkeypatch.setattr(srv_mod, "_free_port", lambda: port, raising=False)  # the code before the fix
     try:
         with pytest.raises(EngineStartError, match="exited with 1"):
-            with routing.loopback_servers(1, extra_env=dict(fake, FAKE_DELAY="2"), deadline_s=DEADLINE_S):
+            with srv_mod.loopback_servers(1, extra_env=dict(fake, FAKE_DELAY="2"), deadline_s=DEADLINE_S):
                 pass
     finally:
         other.shutdown()
@@ -297,7 +297,7 @@ def test_an_answer_from_another_process_on_the_port_is_not_readiness(fake, tmp_p
 
 
 def test_the_ports_of_one_start_are_distinct():
-    ports = routing._free_ports(64)
+    ports = srv_mod._free_ports(64)
     assert len(set(ports)) == 64
 
 
@@ -327,7 +327,7 @@ def test_health_checks_never_go_through_a_proxy(fake, monkeypatch):
     for var in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PYTHONPATH", fake["PYTHONPATH"])  # the fake smg (gateway's own env)
-    with routing.loopback_servers(1, extra_env=fake, deadline_s=30) as servers:
+    with srv_mod.loopback_servers(1, extra_env=fake, deadline_s=30) as servers:
         with gw_mod.gateway([servers[0].base_url], "prefix_hash", deadline_s=30) as gw:
             assert gw.proc.poll() is None
 
@@ -372,7 +372,7 @@ def _need_redis() -> None:
     import shutil
 
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (scripts/setup.sh)")
+        pytest.fail("redis-server is not installed: run `make setup` (scripts/setup.sh installs it)")
 
 
 def _record_mkdtemp(monkeypatch, module) -> list[str]:
@@ -476,7 +476,7 @@ while True:
 
 def test_a_server_that_crashed_keeps_its_log_and_says_where(fake, capsys):
     """``stop()`` deleted the log of a server that had died mid-bench (the reason was in it)."""
-    with routing.loopback_servers(3, extra_env=fake, deadline_s=DEADLINE_S) as servers:
+    with srv_mod.loopback_servers(3, extra_env=fake, deadline_s=DEADLINE_S) as servers:
         crashed, killed, fine = servers
         killed.keep_log = False  # a test that kills its server on purpose opts out
         for srv in (crashed, killed):
@@ -501,7 +501,7 @@ def test_the_start_deadline_comes_from_the_environment(fake, monkeypatch):
     monkeypatch.setenv("PROMPTSPLICE_SERVER_START_S", "1")
     slow = dict(fake, FAKE_DELAY="20", FAKE_EXIT="3")  # before the fix: "exited with 3" after 20 s
     with pytest.raises(EngineStartError, match="not healthy after 1 s.*PROMPTSPLICE_SERVER_START_S"):
-        with routing.loopback_servers(1, extra_env=slow):
+        with srv_mod.loopback_servers(1, extra_env=slow):
             pass
     monkeypatch.setenv("PYTHONPATH", fake["PYTHONPATH"])
     monkeypatch.setenv("FAKE_DELAY", "20")
@@ -511,5 +511,5 @@ def test_the_start_deadline_comes_from_the_environment(fake, monkeypatch):
             pass
     monkeypatch.setenv("PROMPTSPLICE_SERVER_START_S", "soon")
     with pytest.raises(ConfigError, match="PROMPTSPLICE_SERVER_START_S"):
-        with routing.loopback_servers(1, extra_env=fake):
+        with srv_mod.loopback_servers(1, extra_env=fake):
             pass

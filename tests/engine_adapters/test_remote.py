@@ -46,8 +46,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     """A real ``vllm serve`` on loopback, started by the benches' own
-    :func:`~promptsplice.benchmarks.routing.loopback_servers`; yields its base URL."""
-    from promptsplice.benchmarks.routing import loopback_servers
+    :func:`~promptsplice.benchmarks.servers.loopback_servers`; yields its base URL."""
+    from promptsplice.benchmarks.servers import loopback_servers
 
     with loopback_servers(1, block_size=BS) as servers:
         yield servers[0].base_url

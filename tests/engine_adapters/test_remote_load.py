@@ -25,7 +25,7 @@ import tracemalloc
 import httpx
 import pytest
 
-from promptsplice.benchmarks.routing import loopback_servers
+from promptsplice.benchmarks.servers import loopback_servers
 from promptsplice.engine_adapters import RemoteEngine
 from promptsplice.errors import EngineUnavailableError
 

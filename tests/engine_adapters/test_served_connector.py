@@ -221,7 +221,7 @@ def test_server_without_the_connector_refuses_a_plan(plain_server, text_tokens):
 @pytest.fixture(scope="module")
 def plain_server():
     """A real ``vllm serve`` without the connector."""
-    from promptsplice.benchmarks.routing import loopback_servers
+    from promptsplice.benchmarks.servers import loopback_servers
 
     with loopback_servers(1, block_size=BS) as servers:
         yield servers[0]
