@@ -10,16 +10,17 @@ per-message segments and tokenizes them.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.assembler._tokenizers import MARKUP_ESCAPE
+from promptsplice.assembler._tokenizers import MARKUP_ESCAPE, Tokenizer
 from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error, NonTextContentError
 
-__all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "tools_block"]
+__all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "template_for", "tools_block"]
 
 TOOLS_HEADER = (
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query. "
@@ -339,3 +340,28 @@ def _lone_surrogate(norm: list[tuple[int | None, dict[str, Any]]], tools: Any) -
             what = "the tools" if index is None else f"message {index}"
             return InvalidUTF8Error.lone_surrogate(f"{what} (as JSON)", text, exc, index=-1 if index is None else index)
     return InvalidUTF8Error("the chat template produced a lone surrogate", index=-1, offset=-1)
+
+
+def template_for(spec: Any, tokenizer: Tokenizer) -> ChatTemplate:
+    """The chat template that goes with ``tokenizer`` when none is given: the default
+    model's for its own tokenizer, the model folder's for a tokenizer read from one (the
+    ``spec`` path, or an :class:`~promptsplice.assembler.HFTokenizer` named after its ``tokenizer.json``).  Any
+    other tokenizer is a :class:`ConfigError` naming ``template=``: until 2026-12-05 it
+    got the default model's ChatML template, silently, whatever its model."""
+    from promptsplice.assets import DEFAULT_MODEL_NAME
+
+    if tokenizer.name == f"hf:{DEFAULT_MODEL_NAME}":
+        return ChatTemplate.default()
+    folder: Path | None = None
+    if isinstance(spec, str | os.PathLike) and not (isinstance(spec, str) and spec.startswith("tiktoken:")):
+        folder = Path(spec) if Path(spec).is_dir() else Path(spec).parent
+    elif tokenizer.name.startswith("hf:") and Path(tokenizer.name[3:]).is_file():
+        folder = Path(tokenizer.name[3:]).parent
+    if folder is not None and ((folder / "chat_template.jinja").is_file() or (folder / "tokenizer_config.json").is_file()):
+        return ChatTemplate.from_dir(folder)  # a config without a template: its error names the folder
+    raise ConfigError(
+        f"no chat template goes with the tokenizer {tokenizer.name!r}"
+        + (f" (no chat_template.jinja or tokenizer_config.json in {folder})" if folder is not None else "")
+        + ": pass template= (the model's folder, or a ChatTemplate); the default model's template "
+        "is used only with its own tokenizer"
+    )

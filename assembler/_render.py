@@ -90,6 +90,7 @@ from promptsplice.assembler._chat_template import (
     _tool_call_text,
     canonical_calls,
     canonical_json,
+    template_for,
     tools_block,
 )
 from promptsplice.assembler._directives import Diff, diff_renders
@@ -186,6 +187,7 @@ class ChatRenderer:
     ) -> None:
         from promptsplice.assembler._assemble import Assembler
 
+        given = tokenizer
         if isinstance(tokenizer, Assembler):
             if block_size is not None and block_size != tokenizer.block_size:
                 raise ConfigError(
@@ -205,7 +207,7 @@ class ChatRenderer:
         # step; for message boundaries it means ``all`` (see the module docstring).
         self.alignment = AlignPolicy.ALL if align is AlignPolicy.AUTO else align
         if template is None:
-            template = ChatTemplate.default()
+            template = template_for(given, self.tokenizer)
         elif isinstance(template, str | os.PathLike):
             template = ChatTemplate.from_dir(template)
         elif not isinstance(template, ChatTemplate):

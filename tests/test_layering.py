@@ -210,7 +210,7 @@ tok = load_tokenizer(folder)
 chunks = [{"id": "a", "text": "The same passage. " * 20}, {"id": "b", "text": "The same passage. " * 20}]
 p = assemble_prompt(chunks, query="What does it say?", block_size=32, tokenizer=tok)
 assert len(dedup(chunks).chunks) == 1 and p.token_ids and p.block_hashes
-hook = ContextHook(folder, policies=[TruncateToolOutputs(), DropFailedCalls()], block_size=32, template=folder)
+hook = ContextHook(folder, policies=[TruncateToolOutputs(), DropFailedCalls()], block_size=32)  # its template too
 msgs = [{"role": "user", "content": "hi"}]
 hook("s", msgs)
 ctx = hook("s", msgs + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}])

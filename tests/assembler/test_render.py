@@ -659,3 +659,40 @@ def test_a_template_without_tool_call_support_still_sees_every_other_message_key
     plain = [msgs[0], msgs[2]]  # without tool calls: exactly the template's own rendering
     assert r.render(plain).text == tmpl.render(plain, add_generation_prompt=True)
     assert out.token_ids.count(IM_END) == 3  # the name's markup is text, not a control token
+
+
+def test_a_tokenizer_from_a_model_folder_renders_with_that_folders_template(tmp_path):
+    """``ContextHook(folder)`` / ``ChatRenderer(folder)`` rendered the default model's
+    ChatML template whatever the folder held (a new user's wheel-install review): a
+    tokenizer now gets its own folder's template, and one with no template anywhere is a
+    ``ConfigError`` naming ``template=``, never another model's template."""
+    import json
+    import shutil
+
+    from promptsplice.assembler import HFTokenizer
+    from promptsplice.assets import default_model_dir
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(default_model_dir() / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}[[{{ m.role }}]] {{ m.content }}\n{% endfor %}")
+    hi = [{"role": "user", "content": "hi"}]
+    for spec in (str(folder), folder, folder / "tokenizer.json", HFTokenizer.from_file(folder / "tokenizer.json")):
+        assert ChatRenderer(spec, alignment="none").render(hi).text == "[[user]] hi\n", spec
+    assert ContextHook(str(folder), block_size=16, alignment="none")("s", hi).render.text == "[[user]] hi\n"
+    # the template in tokenizer_config.json, as HF folders often carry it
+    (folder / "chat_template.jinja").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "<{{ messages[0].content }}>"}))
+    assert ChatRenderer(folder, alignment="none").render(hi).text == "<hi>"
+    # no template in the folder: named, with the fix
+    (folder / "tokenizer_config.json").unlink()
+    with pytest.raises(ConfigError, match=r"no chat template goes with the tokenizer .*no chat_template\.jinja.*pass template="):
+        ChatRenderer(folder)
+    # a tokenizer that names no folder (tiktoken, a custom object): template= is needed
+    other = HFTokenizer.from_file(default_model_dir() / "tokenizer.json", name="my-tokenizer")
+    with pytest.raises(ConfigError, match=r"'my-tokenizer': pass template="):
+        ChatRenderer(other)
+    given = ChatRenderer(other, template=ChatTemplate.default(), alignment="none")
+    assert given.render(hi).text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    # the default tokenizer keeps the default model's template
+    assert ChatRenderer("default").template is ChatTemplate.default()
