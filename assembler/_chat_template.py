@@ -112,20 +112,24 @@ class ChatTemplate:
         ``chat_template``; special tokens from ``tokenizer_config.json``."""
         folder = Path(folder)
         cfg_path = folder / "tokenizer_config.json"
-        cfg: dict[str, Any] = {}
-        if cfg_path.is_file():
-            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        jinja_path = folder / "chat_template.jinja"
+        cfg: Any = {}
+        try:
+            if cfg_path.is_file():
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            jinja_path = folder / "chat_template.jinja"
+            source = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else None
+        except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+            raise ConfigError(f"cannot read the chat template of {folder}: {exc}") from exc
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{cfg_path} is not a JSON object (got {type(cfg).__name__})")
         named = cfg.get("chat_template")
         if isinstance(named, list):  # named templates ({"name", "template"}): the default one
             named = next(
                 (t.get("template") for t in named if isinstance(t, dict) and t.get("name") == "default"), None
             )
-        if jinja_path.is_file():
-            source = jinja_path.read_text(encoding="utf-8")
-        elif isinstance(named, str):
+        if source is None and isinstance(named, str):
             source = named
-        else:
+        if source is None:
             raise ConfigError(
                 f"no chat template in {folder} (chat_template.jinja, or tokenizer_config.json's "
                 "chat_template as a str or a list with a 'default' entry)"
@@ -344,24 +348,25 @@ def _lone_surrogate(norm: list[tuple[int | None, dict[str, Any]]], tools: Any) -
 
 def template_for(spec: Any, tokenizer: Tokenizer) -> ChatTemplate:
     """The chat template that goes with ``tokenizer`` when none is given: the default
-    model's for its own tokenizer, the model folder's for a tokenizer read from one (the
-    ``spec`` path, or an :class:`~promptsplice.assembler.HFTokenizer` named after its ``tokenizer.json``).  Any
-    other tokenizer is a :class:`ConfigError` naming ``template=``: until 2026-12-05 it
-    got the default model's ChatML template, silently, whatever its model."""
+    model's for its own tokenizer, else the model folder's (the ``spec`` path as given,
+    or the folder an :class:`~promptsplice.assembler.HFTokenizer` was read from, its
+    ``model_dir``).  A tokenizer from no folder, or a folder without a template, is a
+    :class:`ConfigError` naming ``template=``: until 2026-12-05 any tokenizer got the
+    default model's ChatML template, silently, whatever its model."""
     from promptsplice.assets import DEFAULT_MODEL_NAME
 
     if tokenizer.name == f"hf:{DEFAULT_MODEL_NAME}":
         return ChatTemplate.default()
+    fix = ("pass template= (the model's folder, or a ChatTemplate; for PromptspliceChatModel, "
+           "hook=ContextHook(tokenizer, template=...)): the default model's template goes with its own tokenizer only")
     folder: Path | None = None
     if isinstance(spec, str | os.PathLike) and not (isinstance(spec, str) and spec.startswith("tiktoken:")):
         folder = Path(spec) if Path(spec).is_dir() else Path(spec).parent
-    elif tokenizer.name.startswith("hf:") and Path(tokenizer.name[3:]).is_file():
-        folder = Path(tokenizer.name[3:]).parent
-    if folder is not None and ((folder / "chat_template.jinja").is_file() or (folder / "tokenizer_config.json").is_file()):
-        return ChatTemplate.from_dir(folder)  # a config without a template: its error names the folder
-    raise ConfigError(
-        f"no chat template goes with the tokenizer {tokenizer.name!r}"
-        + (f" (no chat_template.jinja or tokenizer_config.json in {folder})" if folder is not None else "")
-        + ": pass template= (the model's folder, or a ChatTemplate); the default model's template "
-        "is used only with its own tokenizer"
-    )
+    elif getattr(tokenizer, "model_dir", None) is not None:
+        folder = Path(tokenizer.model_dir)
+    if folder is None:
+        raise ConfigError(f"no chat template goes with the tokenizer {tokenizer.name!r}: {fix}")
+    try:
+        return ChatTemplate.from_dir(folder)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}: {fix}") from exc

@@ -164,7 +164,7 @@ class ChatRenderer:
     ``tokenizer`` is an :class:`~promptsplice.assembler.Assembler` (its tokenizer, token cache and
     block size are used), a :class:`~promptsplice.assembler.Tokenizer` or a tokenizer spec
     (``"default"``...).  ``template`` is a :class:`ChatTemplate` or a model folder;
-    default: the default model's.  Thread-safe; memoizes piece renders (LRU bounded by
+    default: the tokenizer's own (:func:`~._chat_template.template_for`).  Thread-safe; memoizes piece renders (LRU bounded by
     ``max_memo_chars`` characters of text).
 
     Message contents, roles, tool calls and tool schemas are caller content: control-token

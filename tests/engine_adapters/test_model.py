@@ -21,3 +21,27 @@ def test_conversion_writes_a_complete_bf16_folder_with_our_tokenizer(tmp_path):
     ours = json.loads((ensure_default_tokenizer() / "tokenizer.json").read_text())
     assert json.loads((folder / "tokenizer.json").read_text())["model"]["merges"] == ours["model"]["merges"]
     assert ensure_default_model(folder) == folder  # complete: reused, not converted again
+
+
+def test_an_engine_tokenizer_knows_the_folder_its_chat_template_is_in(tmp_path, monkeypatch):
+    """A chat renderer over an engine's tokenizer takes the model's template from the
+    folder the tokenizer came from (``HFTokenizer.model_dir``): a model folder, or for a
+    hub id the snapshot in Hugging Face's cache; a hub id with nothing cached has none
+    (a render then asks for ``template=``, never the default model's)."""
+    import huggingface_hub.constants
+
+    from promptsplice.engine_adapters._lifecycle import _model_dir
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert _model_dir(str(folder)) == folder
+    repo = tmp_path / "hub" / "models--org--chat-model"
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    (snap / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].content }}"}))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert _model_dir("org/chat-model") == snap
+    assert _model_dir("org/not-downloaded") is None
+    assert _model_dir("not a hub id at all!") is None  # refused by the hub client: no folder, no failure
