@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import _native
 from ._anchors import MIN_NEEDLE, GridIndex
+from ._finder import find
 from ._types import KeptChunk, Origin, Relation
 
 __all__ = ["merge_overlaps"]
@@ -89,14 +90,15 @@ def merge_overlaps(ctx, kept: list[KeptChunk], after_passages: bool = False) -> 
     return [k for k in kept if id(k) not in gone]
 
 
-def _group_edges(datas: list[bytes], lens: list[int], m: int) -> list[tuple[int, int, int]]:
-    """The overlap edges of one same-source group (by index, in C, or by pairs)."""
+def _group_edges(datas: list[bytes], lens: list[int], m: int, apart: bool = False) -> list[tuple[int, int, int]]:
+    """The overlap edges of one same-source group (by index, in C, or by pairs);
+    ``apart``: no member lies inside another (containment checked them all)."""
     core = _native.core
     if len(datas) > _GROUP_GRID and m >= MIN_NEEDLE:
-        return _edges(datas, lens, m, True)
+        return _edges(datas, lens, m, True, apart)
     if core is not None:
         return core.overlap_edges(datas, m)  # the same pairs and answers, in C
-    return _edges(datas, lens, m, False)
+    return _edges(datas, lens, m, False, apart)
 
 
 def _holds_another(datas: list[bytes], lens: list[int], exact: bool) -> bool:
@@ -106,7 +108,7 @@ def _holds_another(datas: list[bytes], lens: list[int], exact: bool) -> bool:
         return False
     if len(datas) == 2:
         a, b = datas
-        return a in b if lens[0] <= lens[1] else b in a
+        return find(b, a, lens[1]) >= 0 if lens[0] <= lens[1] else find(a, b, lens[0]) >= 0
     return True  # larger groups: the containment pass finds out
 
 
@@ -115,10 +117,14 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
     m = ctx.cfg.min_overlap
     datas = [k.data for k in group]
     lens = [len(d) for d in datas]
-    edges = _group_edges(datas, lens, m)
+    # Containment may have searched these very chunks already (dedup runs it before the
+    # merge, and after cutting passages): then no member lies inside another, which
+    # spares the edges their containment checks and the group a containment pass.
+    apart = ctx.cfg.containment and ctx.apart(group)
+    edges = _group_edges(datas, lens, m, apart)
     if not edges:
         return False
-    if ctx.cfg.containment and _holds_another(datas, lens, ctx.cfg.exact):
+    if ctx.cfg.containment and not apart and _holds_another(datas, lens, ctx.cfg.exact):
         # A member inside another one is absorbed first: greedy merging could take its
         # edge and leave the chunk holding it beside the chain, overlapping it
         # (A=T[0:200], B=T[100:300], C=T[100:330]: A+B, with C left apart), so
@@ -131,7 +137,7 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
             group = inner
             datas = [k.data for k in group]
             lens = [len(d) for d in datas]
-            edges = _group_edges(datas, lens, m) if len(group) >= 2 else []
+            edges = _group_edges(datas, lens, m, ctx.apart(group)) if len(group) >= 2 else []
             if not edges:
                 return False
 
@@ -218,9 +224,12 @@ def _same_source(a: object, b: object) -> bool:
         return False
 
 
-def _edges(datas: list[bytes], lens: list[int], m: int, by_index: bool) -> list[tuple[int, int, int]]:
+def _edges(
+    datas: list[bytes], lens: list[int], m: int, by_index: bool, apart: bool = False
+) -> list[tuple[int, int, int]]:
     """``(L, a, b)`` for each ordered pair whose tail of a equals the head of b over the
-    longest L >= m; ``by_index``: only the pairs the grid index finds (large groups)."""
+    longest L >= m; ``by_index``: only the pairs the grid index finds (large groups);
+    ``apart``: no chunk lies inside another (else each edge checks, in linear time)."""
     edges: list[tuple[int, int, int]] = []  # (L, a, b): tail of a == head of b
     everyone = range(len(datas))
     core = _native.core  # its overlap_len: the same L as _overlap_len, in C
@@ -243,7 +252,9 @@ def _edges(datas: list[bytes], lens: list[int], m: int, by_index: bool) -> list[
                 continue
             L = _overlap_len(A, B, la, lb, m, tail) if pair is None else pair(A, B, m)
             # A chunk inside the other one is containment, not overlap.
-            if L and not ((lb <= la and B in A) or (la <= lb and A in B)):
+            if L and (
+                apart or not ((lb <= la and find(A, B, la) >= 0) or (la <= lb and find(B, A, lb) >= 0))
+            ):
                 edges.append((L, a, b))
     return edges
 

@@ -38,7 +38,7 @@ from operator import attrgetter, itemgetter
 
 from . import _native, _overlap
 from ._anchors import GridIndex
-from ._finder import Finder, search_budget
+from ._finder import Finder, find, search_budget
 from ._offsets import CutMap as _CutMap, Unmap as _Unmap
 from ._types import DedupConfig, KeptChunk, Relation, RemovedPassage
 
@@ -83,7 +83,7 @@ def _probe(pieces: list[bytes]) -> bytes | None:
 class Passes:
     """Overlap, containment and passage passes over the kept chunks of one call."""
 
-    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "partial", "counts", "_grid", "budget")
+    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "partial", "counts", "_grid", "budget", "_apart", "_pass")
 
     def __init__(self, cfg: DedupConfig, removed: dict, removed_bytes: dict) -> None:
         self.cfg = cfg
@@ -99,6 +99,10 @@ class Passes:
         self.counts: Counter | None = None  # piece -> occurrences (see module doc)
         self._grid: tuple[GridIndex, dict[int, bytes]] | None = None
         self.budget: int | None = None  # bytes the indexed searches may still scan
+        # The chunks out of each containment pass that searched every needle everywhere
+        # (by id: the chunk, its bytes then, the pass): none lies inside another of its pass.
+        self._apart: dict[int, tuple[KeptChunk, bytes, int]] = {}
+        self._pass = 0  # containment passes run
 
     def fund(self, kept: list[KeptChunk]) -> None:
         """Set the call's search budget from its bytes, at its first search pass (later
@@ -111,6 +115,31 @@ class Passes:
         if self._grid is None:
             self._grid = (GridIndex(rarest=True), {})
         return self._grid
+
+    def apart(self, chunks: list[KeptChunk]) -> bool:
+        """Whether no chunk of ``chunks`` lies inside another: one containment pass left
+        them all, with these bytes, and searched every needle (no budget cut one short)."""
+        known = self._apart
+        token = None
+        for k in chunks:
+            seen = known.get(id(k))
+            if seen is None or seen[0] is not k or seen[1] is not k.data:
+                return False
+            if token is None:
+                token = seen[2]
+            elif seen[2] != token:
+                return False
+        return True
+
+    def _contained_all(self, out: list[KeptChunk], exact: bool) -> list[KeptChunk]:
+        """Record the chunks left by a containment pass for :meth:`apart`, if exact."""
+        self._pass += 1
+        if exact:
+            known = self._apart
+            token = self._pass
+            for k in out:
+                known[id(k)] = (k, k.data, token)
+        return out
 
     # -- sentence-piece filter -----------------------------------------------------------
 
@@ -147,7 +176,8 @@ class Passes:
         core = _core_for(kept)
         if core is not None:
             self.counts = None  # the C core keeps its own filter; no piece index here
-            return self._absorb_all(kept, core.contained(list(map(_DATA, kept))), None)
+            out = self._absorb_all(kept, core.contained(list(map(_DATA, kept))), None)
+            return self._contained_all(out, True)
         lens = list(map(len, map(_DATA, kept)))
         order = sorted(range(len(kept)), key=lens.__getitem__, reverse=True)  # stable
         host: dict[int, tuple[int, int]] = {}  # rank in order -> (host rank, offset)
@@ -176,7 +206,8 @@ class Passes:
                 offset += extra
             host[r] = (h, offset)
         moves = [(order[r], order[h], offset) for r, (h, offset) in host.items()]
-        return self._absorb_all(kept, moves, split)
+        out = self._absorb_all(kept, moves, split)
+        return self._contained_all(out, finder is None or not finder.cut_short)
 
     def _absorb_all(self, kept, moves, split) -> list[KeptChunk]:
         """Absorb ``kept[z]`` into ``kept[h]`` at ``offset`` for each ``(z, h, offset)``
@@ -463,12 +494,12 @@ def _relocate(found_here: list[RemovedPassage], old: bytes, new: bytes, hits, hi
         else:
             at = cut_map(s) if cut_map is not None else -1
             if at < 0 or new[at : at + len(piece)] != piece:
-                at = new.find(piece) if cut_map is not None else -1
+                at = find(new, piece, len(new)) if cut_map is not None else -1
             if at >= 0:
                 moves.append((rp, None, at))
                 continue
             for _, _, _, found, _ in hits:
-                at = found.data.find(piece)
+                at = find(found.data, piece, len(found.data))
                 if at >= 0:
                     place = (found, at)
                     break
