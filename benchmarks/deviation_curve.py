@@ -47,8 +47,8 @@ from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.cli import UsageError, _check_writable, count_arg, run_tool
 
 __all__ = [
-    "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "run_deviation_curve",
-    "spearman",
+    "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "rag_budget_sweep",
+    "run_deviation_curve", "spearman",
 ]
 
 KL_BAR = 0.02
@@ -132,14 +132,18 @@ def approximate_tokens(row: dict[str, Any], block_size: int, recompute_blocks: i
 
 def budget_sweep(
     rows: Sequence[dict[str, Any]], *, block_size: int, recompute_blocks: int = 2,
-    budgets: Sequence[int] = BUDGETS,
+    budgets: Sequence[int] = BUDGETS, approx: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Would a per-step budget of approximate tokens meet :data:`KL_BAR`?  For each budget,
-    steps over it are counted as exact (KL 0: an optimistic bound, since their session's
-    cache still holds the approximate KV of earlier steps); the share of approximate
-    tokens kept is what the budget leaves of the reuse.  ``inherited``: the steps with
-    no approximate token of their own, whose KL comes from earlier steps' KV."""
-    approx = [approximate_tokens(r, block_size, recompute_blocks) for r in rows]
+    steps over it are counted as exact (KL 0: an optimistic bound for agent steps, since
+    their session's cache still holds the approximate KV of earlier steps; a RAG request
+    over it is one exact request); the share of approximate tokens kept is what the
+    budget leaves of the reuse.  ``inherited``: the steps with no approximate token of
+    their own, whose KL comes from earlier steps' KV.  ``approx``: each row's approximate
+    tokens when measured (a RAG probe's ``relocated_tokens``), else estimated from its
+    runs (:func:`approximate_tokens`)."""
+    if approx is None:
+        approx = [approximate_tokens(r, block_size, recompute_blocks) for r in rows]
     kls = [r["kl"] for r in rows]
     total = sum(approx) or 1
     sweep = []
@@ -151,6 +155,37 @@ def budget_sweep(
     return {"steps": len(rows), "spearman_approximate_tokens": spearman(kls, approx), "sweep": sweep,
             "largest_budget_meeting_bar": max(met) if met else None,
             "inherited": _kl_stats([k for k, a in zip(kls, approx) if a == 0])}
+
+
+def rag_budget_sweep(report: dict[str, Any], *, budgets: Sequence[int] = BUDGETS) -> dict[str, Any]:
+    """:func:`budget_sweep` over a ``bench rag`` report's probes (``fidelity.probes``),
+    per family of a ``--suite`` report and over all of them (``all``), each probe's
+    approximate tokens being the KV its request loaded relocated (``relocated_tokens``,
+    vLLM's count through the connector).  ``worst``: the largest budget every family
+    with probes meets the bar at (``None``: none does)."""
+    families = report["families"] if "families" in report else {"trace": report}
+    out: dict[str, Any] = {}
+    pooled: list[dict[str, Any]] = []
+    for name, fam in families.items():
+        rep = fam.get("report", fam) if isinstance(fam, dict) else None
+        fid = (rep or {}).get("fidelity") or {}
+        if fid.get("steps") and "probes" not in fid:
+            raise ValueError(f"family {name!r} has {fid['steps']} probes but no per-probe records "
+                             "(a report from before 2026-12-05: re-run bench rag)")
+        rows = list(fid.get("probes") or ())
+        if not rows:
+            out[name] = {"steps": 0}
+            continue
+        pooled += rows
+        out[name] = budget_sweep(rows, block_size=0, budgets=budgets, approx=[r["relocated_tokens"] for r in rows])
+    out["all"] = (budget_sweep(pooled, block_size=0, budgets=budgets, approx=[r["relocated_tokens"] for r in pooled])
+                  if pooled else {"steps": 0})
+    met = [{s["budget"] for s in r["sweep"] if s.get("kl_p90", 1.0) <= KL_BAR}
+           for k, r in out.items() if k != "all" and r["steps"]]
+    common = set.intersection(*met) if met else set()
+    out["worst"] = {"largest_budget_every_family_meets": max(common) if common else None,
+                    "families_with_probes": len(met)}
+    return out
 
 
 def run_deviation_curve(
@@ -323,6 +358,20 @@ def _read_raw(flag: str, path: str, *, need: str | None = None) -> dict[str, Any
     return raw
 
 
+def _read_rag_report(path: str) -> dict[str, Any]:
+    """A ``bench rag --json`` report (one trace, or ``--suite``)."""
+    flag = "--rag-budget-sweep"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            rep = json.load(fh)
+    except ValueError as exc:
+        raise UsageError(f"{flag} {path}: not JSON ({exc}); pass a report bench rag wrote with --json") from None
+    if not isinstance(rep, dict) or not ("families" in rep or "fidelity" in rep):
+        raise UsageError(f"{flag} {path}: not a bench rag report (no 'fidelity' or 'families'); "
+                         "pass one written by promptsplice bench rag --json with --fidelity-requests above 0")
+    return rep
+
+
 def _from_raw(flag: str, path: str, build: Any) -> Any:
     """``build()`` over a ``--raw`` file's rows: a row missing a field is one line naming
     the file, not a KeyError traceback."""
@@ -350,11 +399,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block-size", type=count_arg(1), default=32, help="with --report-from: the engine's block size")
     parser.add_argument("--budget-sweep", default=None, help="a --raw file of one fixed recompute (--bounded-only): per-step approximate-token budgets vs the bar (no engine)")
     parser.add_argument("--recompute-blocks", type=count_arg(0), default=2, help="with --budget-sweep: the runs' recomputed blocks")
+    parser.add_argument("--rag-budget-sweep", default=None, help="a bench rag --json report (one trace or --suite) with fidelity probes: per-request relocated-token budgets vs the bar (no engine)")
     args = parser.parse_args(argv)
-    reads = (("--report-from", args.report_from), ("--budget-sweep", args.budget_sweep))
+    reads = (("--report-from", args.report_from), ("--budget-sweep", args.budget_sweep),
+             ("--rag-budget-sweep", args.rag_budget_sweep))
     _check_writable("--json", args.json, "the report's", args.trace, reads)  # before the run, as the CLI's
     if args.raw is not None:
         _check_writable("--raw", args.raw, "the raw rows'", args.trace, reads)
+    if args.rag_budget_sweep:
+        raw = _read_rag_report(args.rag_budget_sweep)
+        report = _from_raw("--rag-budget-sweep", args.rag_budget_sweep, lambda: rag_budget_sweep(raw))
+        report["from_report"] = args.rag_budget_sweep
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        for name, r in report.items():
+            if isinstance(r, dict) and r.get("steps"):
+                print(name, json.dumps({k: r[k] for k in ("steps", "spearman_approximate_tokens",
+                                                            "largest_budget_meeting_bar")}))
+                for row in r["sweep"]:
+                    print("  ", json.dumps(row))
+        print("worst", json.dumps(report["worst"]))
+        return 0
     if args.budget_sweep:
         raw = _read_raw("--budget-sweep", args.budget_sweep)
         report = _from_raw("--budget-sweep", args.budget_sweep, lambda: {

@@ -289,11 +289,12 @@ class Fidelity:
 
 
 def probe_relocated_request(engine: Any, kv_engine: Any, step: Any, salt: str, fid: Fidelity, ctl: Fidelity,
-                            what: str = "request") -> None:
+                            what: str = "request", signals: dict[str, Any] | None = None) -> None:
     """Fidelity of one request's relocated KV (reached through ``salt`` on ``kv_engine``)
     and of the control (exact, half of it from the prefix cache) on ``engine``.  The
     request must have relocated what its plan did and every probe must be served its
-    KV (else :class:`FidelityError`).  ``what`` names the request in errors."""
+    KV (else :class:`FidelityError`).  ``what`` names the request in errors; ``signals``
+    (the request's own counts) go into ``fid``'s per-probe records."""
     verify_step(step, what)
     tokens = list(step.prompt.token_ids)
     cont, p_ref = reference(engine, tokens)
@@ -304,7 +305,7 @@ def probe_relocated_request(engine: Any, kv_engine: Any, step: Any, salt: str, f
     if out.num_cached_tokens < need:
         raise FidelityError(f"{what}: the greedy probe was served {out.num_cached_tokens} "
                             f"cached tokens of the {need} the relocated KV covers")
-    fid.measure(kv_engine, tokens, cont, p_ref, salt, out.token_ids, need_cached=need)
+    fid.measure(kv_engine, tokens, cont, p_ref, salt, out.token_ids, need_cached=need, signals=signals)
     c_salt = f"control:{uuid.uuid4().hex}"
     half = max(engine.block_size, (len(tokens) // 2) // engine.block_size * engine.block_size)
     engine.generate(tokens[:half], max_tokens=1, cache_salt=c_salt)

@@ -43,11 +43,12 @@ prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside 
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
                  "first_token_kl_ci95", "tf_top1_p50", "tf_top1_p10", "tf_top1_min",
-                 "tf_top1_ci95", "requested", "control": {...}}
+                 "tf_top1_ci95", "requested", "probes", "control": {...}}
 
 Fidelity (:mod:`promptsplice.benchmarks.fidelity`) is measured on requests whose plan
 relocates chunks (32 by default), spread over the trace, against a one-pass exact
-prefill of the same tokens; the control is a second exact prefill of them whose first
+prefill of the same tokens (``probes``: one record per probe, its KL and top-1 beside
+the request's counts, :func:`_probe_signals`); the control is a second exact prefill of them whose first
 half came from the prefix cache.  Each probed request must have relocated what its
 plan did and each probe request must be served its KV from the cache, else
 :class:`~promptsplice.benchmarks.fidelity.FidelityError` fails the bench.  Probes run
@@ -440,6 +441,15 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
     }
 
 
+def _probe_signals(i: int, st: Any) -> dict[str, Any]:
+    """What a probed PIC request did, beside its KL (``fidelity.probes``): the signals a
+    per-request budget could use (``deviation_curve --rag-budget-sweep``)."""
+    return {"request": i, "prompt_tokens": st.prompt_tokens, "prefill_tokens": st.prefill_tokens,
+            "relocated_tokens": st.relocated_tokens, "relocated_chunks": st.relocated_chunks,
+            "recomputed_tokens": st.recomputed_tokens, "extra_recompute_blocks": st.extra_recompute_blocks,
+            "max_deviation": round(max(st.deviations), 5) if st.deviations else None}
+
+
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
              salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays",
@@ -473,7 +483,8 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
             len(fid.tf) < fidelity_requests * (i + 1) / n + 0.5 or n - i <= owed
         ):
             probe_calls += 1
-            probe_relocated_request(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"{PIC_MODE} request {i}")
+            probe_relocated_request(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"{PIC_MODE} request {i}",
+                                    signals=_probe_signals(i, st))
     prompt = sum(st.prompt_tokens for st in steps)
     prefill = sum(st.prefill_tokens for st in steps)
     report["modes"][PIC_MODE] = _metrics(

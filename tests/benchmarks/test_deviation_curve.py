@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from promptsplice.benchmarks.deviation_curve import AGGREGATES, aggregate, approximate_tokens, budget_sweep, spearman
+from promptsplice.benchmarks.deviation_curve import AGGREGATES, BUDGETS, aggregate, approximate_tokens, budget_sweep, spearman
 from promptsplice.engine_adapters.connector import BlockDeviation
 
 
@@ -143,3 +143,57 @@ def test_reports_are_rebuilt_from_raw_files_without_an_engine(tmp_path, capsys):
     assert run_tool(main, ["--budget-sweep", str(raw), "--json", str(tmp_path / "." / "raw.json")]) == 2
     assert "is the --budget-sweep file" in capsys.readouterr().err
     assert json.loads(raw.read_text()) == {"bounded": {"rows": rows}}
+
+
+def _rag_family(*probes):
+    """A bench rag family entry with per-probe records (kl, relocated_tokens)."""
+    return {"report": {"fidelity": {"steps": len(probes),
+                                    "probes": [{"kl": kl, "relocated_tokens": t} for kl, t in probes]}}}
+
+
+def test_a_rag_budget_sweep_uses_each_probes_relocated_tokens_per_family_and_pooled():
+    from promptsplice.benchmarks.deviation_curve import rag_budget_sweep
+
+    suite = {"families": {
+        "a": _rag_family((0.001, 64), (0.05, 1024), (0.01, 128)),
+        "b": _rag_family((0.03, 256), (0.001, 32)),
+        "failed": {"error": "engine died"},  # a family that failed has no report
+        "none": {"report": {"fidelity": {"steps": 0}}},  # nothing relocated: nothing probed
+    }}
+    rep = rag_budget_sweep(suite, budgets=(0, 128, 256, 1024))
+    a = {s["budget"]: s for s in rep["a"]["sweep"]}
+    # a: 1024 keeps the 0.05 probe (over the bar); 128 and 256 send it exact (KL 0)
+    assert a[1024]["kl_max"] == 0.05 and a[1024]["kept_share"] == 1.0
+    assert a[256]["kl_max"] == 0.01 and a[256]["kept_share"] == round(192 / 1216, 3)
+    assert rep["a"]["largest_budget_meeting_bar"] == 256
+    # b: its 0.03 probe relocated 256 tokens, so only 128 and below meet the bar
+    assert rep["b"]["largest_budget_meeting_bar"] == 128
+    assert rep["failed"] == {"steps": 0} and rep["none"] == {"steps": 0}
+    assert rep["all"]["steps"] == 5
+    # the worst family decides: the largest budget both a and b meet
+    assert rep["worst"] == {"largest_budget_every_family_meets": 128, "families_with_probes": 2}
+    # one trace's report (not --suite) is one family
+    one = rag_budget_sweep(_rag_family((0.03, 256))["report"], budgets=(0, 256))
+    assert one["trace"]["largest_budget_meeting_bar"] == 0 and one["worst"]["families_with_probes"] == 1
+
+
+def test_a_rag_report_without_probe_records_is_refused(tmp_path, capsys):
+    from promptsplice.benchmarks.cli import run_tool
+    from promptsplice.benchmarks.deviation_curve import main
+
+    old = tmp_path / "old.json"  # probes ran, but the report predates per-probe records
+    old.write_text(json.dumps({"families": {"wiki": {"report": {"fidelity": {"steps": 8}}}}}))
+    out = tmp_path / "r.json"
+    assert run_tool(main, ["--rag-budget-sweep", str(old), "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "8 probes but no per-probe records" in err and "re-run bench rag" in err and not out.exists()
+    other = tmp_path / "raw.json"  # an agent --raw file is not a bench rag report
+    other.write_text(json.dumps({"bounded": {"rows": []}}))
+    assert run_tool(main, ["--rag-budget-sweep", str(other), "--json", str(out)]) == 2
+    assert "not a bench rag report" in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"families": {"wiki": _rag_family((0.01, 64), (0.002, 32))}}))
+    assert main(["--rag-budget-sweep", str(good), "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["wiki"]["steps"] == 2 and rep["from_report"] == str(good)
+    assert rep["worst"]["largest_budget_every_family_meets"] == max(BUDGETS)  # both probes under the bar

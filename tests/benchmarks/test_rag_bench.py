@@ -89,6 +89,12 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     assert fid["steps"] == fid["control"]["steps"] == 1
     assert 0 <= fid["tf_top1_agreement"] <= 1 and fid["first_token_kl"] >= -1e-6
     assert fid["control"]["first_token_kl"] <= fid["first_token_kl"] + 0.01  # exact KV: the noise floor
+    # one record per probe: its KL beside what its request relocated (for budget sweeps)
+    (rec,) = fid["probes"]
+    assert abs(rec["kl"] - fid["first_token_kl"]) <= 1e-4 and rec["relocated_tokens"] > 0
+    assert rec["relocated_tokens"] <= pic["relocated_tokens"] and rec["prefill_tokens"] < rec["prompt_tokens"]
+    assert {"request", "relocated_chunks", "recomputed_tokens", "extra_recompute_blocks", "max_deviation"} <= set(rec)
+    assert "probes" not in fid["control"]  # the control's probes carry no signals
     assert set(report["mirror"]) == {"predicted_cached_tokens", "measured_cached_tokens"}
     assert report["mirror"]["predicted_cached_tokens"] == report["mirror"]["measured_cached_tokens"]
     assert isinstance(report["radix_prefill_tokens"], int) and isinstance(report["oracle_prefill_tokens"], int)
