@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.assembler._tokenizers import MARKUP_ESCAPE, Tokenizer
-from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error, NonTextContentError
+from promptsplice.errors import (
+    ConfigError,
+    InputError,
+    InvalidMessageError,
+    InvalidUTF8Error,
+    NonTextContentError,
+    PromptspliceError,
+)
 
 __all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "template_for", "tools_block"]
 
@@ -51,6 +58,22 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
+def check_message_json(message: Mapping[str, Any], index: int | None) -> None:
+    """Refuse a message the renderer cannot key by its :func:`canonical_json` (keys of
+    mixed types in an extra field, an int past str()'s digit limit, a cycle, nesting too
+    deep) with :class:`InvalidMessageError` naming it: a raw TypeError, ValueError or
+    RecursionError escaped.  Messages whose values are all str or None are JSON: skipped."""
+    if all(v is None or isinstance(v, str) for v in message.values()):
+        return
+    try:
+        canonical_json(message)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidMessageError(
+            f"message {index} is not a JSON value ({type(exc).__name__}: {exc}); pass str keys, "
+            "no cycles, and ints, floats, str, bools, None, lists and dicts only"
+        ) from exc
+
+
 def _strict_json(obj: Any) -> str:
     """:func:`canonical_json` of a JSON value only: no ``str()`` of other objects (an
     object's repr holds its address, so two workers rendered one call differently), no
@@ -59,6 +82,27 @@ def _strict_json(obj: Any) -> str:
 
 
 # -- chat template ---------------------------------------------------------------------
+
+
+_RENDER_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def _check_special_tokens(special_tokens: Any) -> dict[str, str]:
+    """``special_tokens`` as a dict of str names to str tokens; else :class:`ConfigError`
+    (a str failed as ``dict("bos")``, an int key failed every render as an InputError)."""
+    if special_tokens is None:
+        return {}
+    if not isinstance(special_tokens, Mapping):
+        raise ConfigError(
+            f"special_tokens must be a dict of names to tokens ({{'bos_token': '<s>'}}), got "
+            f"{type(special_tokens).__name__}"
+        )
+    for k, v in special_tokens.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ConfigError(f"special_tokens must map str names to str tokens, got {k!r:.60}: {v!r:.60}")
+        if k in _RENDER_ARGS:
+            raise ConfigError(f"special_tokens may not name {k!r}: the renderer passes it to the template itself")
+    return dict(special_tokens)
 
 
 def _raise_exception(message: str) -> None:
@@ -93,9 +137,16 @@ class ChatTemplate:
                 "the chat template contains U+FDD0, the noncharacter promptsplice uses to "
                 "mark caller content; remove it from the template"
             )
+        try:
+            source.encode("utf-8")
+        except UnicodeEncodeError as exc:  # every render failed on it, as a raw UnicodeEncodeError
+            raise ConfigError(
+                f"the chat template holds a lone surrogate {source[exc.start]!r} at character {exc.start}, "
+                "which has no UTF-8 encoding; pass valid Unicode"
+            ) from exc
         self.source = source
         self.name = name
-        self.special_tokens = dict(special_tokens or {})
+        self.special_tokens = _check_special_tokens(special_tokens)
         # Whether the template renders tool schemas / assistant tool calls itself: the
         # names as variables in its code, never in comments or its literal text (a
         # comment naming them made promptsplice drop the schemas and calls it injects)
@@ -185,10 +236,14 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
-        except InputError:
+        except (PromptspliceError, MemoryError):
             raise
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as exc:
-            raise InputError(f"chat template {self.name} cannot render these messages: {exc}") from exc
+        except Exception as exc:  # jinja2's errors, and any a template's expression raises (1/0, int('x'))
+            detail = f"{exc}" if isinstance(exc, jinja2.TemplateError) else f"{type(exc).__name__}: {exc}"
+            raise InputError(
+                f"chat template {self.name} cannot render these messages: {detail}; fix the template "
+                "or the messages"
+            ) from exc
 
     def default_system(self) -> str | None:
         """The system text the template inserts when the first message is not a system

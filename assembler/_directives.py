@@ -290,6 +290,13 @@ def apply_diff(old_tokens: Sequence[int], diff: Diff) -> list[int]:
             problem="out_of_range",
             index=-1,
         )
+    if not _token_list(diff.appended):  # extended as given: a str or -1 joined the prompt
+        raise DirectiveError(
+            f"the diff's appended tokens must be a list or tuple of token ids (ints >= 0), got "
+            f"{type(diff.appended).__name__} {diff.appended!r:.60}",
+            problem="out_of_range",
+            index=-1,
+        )
     out = apply_directives(old_tokens[: diff.base], diff.directives)
     out.extend(diff.appended)
     return out

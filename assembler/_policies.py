@@ -418,7 +418,7 @@ def summarize_turns(
     filled with ``summarize(messages[start:end])``).  The stretch may not end between a
     tool call and its output (``messages[end]`` a tool message)."""
     _check_messages(messages)
-    check_format(template, "template", "summary", "a summary")
+    check_format(template, "template", "summary", "a summary", required=True)
     if not (is_int(start) and is_int(end)) or not 0 <= start < end <= len(messages):
         raise InputError(f"summary stretch ({start}, {end}) is not a non-empty range of {len(messages)} messages")
     if end < len(messages) and messages[end].get("role") in ("tool", "function"):
@@ -498,7 +498,7 @@ class SummarizeTurns:
         self.keep_recent = keep_recent
         self.keep_head = keep_head
         self.role = role
-        self.template = check_format(template, "template", "summary", "a summary")
+        self.template = check_format(template, "template", "summary", "a summary", required=True)
         self._memo: OrderedDict[bytes, str] = OrderedDict()
         self._pending: dict[bytes, _Making] = {}  # summaries being made
         self._max_memo = max_memo

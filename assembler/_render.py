@@ -90,6 +90,7 @@ from promptsplice.assembler._chat_template import (
     _tool_call_text,
     canonical_calls,
     canonical_json,
+    check_message_json,
     template_for,
     tools_block,
 )
@@ -355,8 +356,9 @@ class ChatRenderer:
                 if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
                     raise InvalidMessageError(f"message {i}: tool_calls must be a list, got {type(calls).__name__}")
                 call_texts = [_tool_call_text(c, i) for c in calls]  # checked for every template
+            check_message_json(m, i)  # keyed by its canonical_json below
             if tmpl.native_tool_calls:
-                msg = _escaped(m, self._esc, self._esc_name)
+                msg = _escaped(m, self._esc, self._esc_name, i)
                 if msg.get("content") is None:
                     msg["content"] = ""
                 elif not isinstance(m.get("content"), str):  # text parts: one text, as below
@@ -368,7 +370,7 @@ class ChatRenderer:
                     text = f"{text}\n{lines}" if text else lines
                 # Every other key (name, tool_call_id, ...) is kept, as the template's own
                 # rendering sees it; only tool_calls, folded into the content, is dropped.
-                msg = _escaped({k: v for k, v in m.items() if k != "tool_calls"}, self._esc, self._esc_name)
+                msg = _escaped({k: v for k, v in m.items() if k != "tool_calls"}, self._esc, self._esc_name, i)
                 msg["content"] = self._esc(text)
             out.append((i, msg))
         plain: dict[str, Any] | None = None
@@ -566,11 +568,17 @@ _STRUCTURAL_KEYS = frozenset({
 })  # fmt: skip
 
 
-def _escaped(value: Any, esc: Callable[[str], str], esc_name: Callable[[str], str]) -> Any:
+def _escaped(value: Any, esc: Callable[[str], str], esc_name: Callable[[str], str], index: int | None = None) -> Any:
     """``value`` (a message, a tool schema) with every string passed through ``esc``,
     except the structural keys and the standard values of :data:`_NAME_VALUES`, which go
     through ``esc_name``: a template looks them up or compares them, and ``esc``'s edge
-    escaping (``"name"`` lies inside ``<reponame>``) made ``tool_call.name`` miss."""
+    escaping (``"name"`` lies inside ``<reponame>``) made ``tool_call.name`` miss.
+    ``index``: message ``index``, named by the error if it is nested too deeply."""
+    if index is not None:
+        try:
+            return _escaped(value, esc, esc_name)
+        except RecursionError as exc:
+            raise InvalidMessageError(f"message {index} is nested too deeply to render: flatten it") from exc
     if isinstance(value, str):
         return esc(value)
     if isinstance(value, Mapping):

@@ -34,6 +34,7 @@ import functools
 import importlib.util
 import os
 import json
+import operator
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -102,6 +103,51 @@ def _ids_hint(ids: Any) -> str:
     except TypeError:
         return repr(ids)
     return repr(shown[:8]) + ("..." if len(shown) > 8 else "")
+
+
+def _decodable(ids: Any, vocab_size: int, who: str) -> list[int]:
+    """``ids`` as a list of ids this vocabulary decodes (ints, numpy's too, from 0 to
+    ``vocab_size - 1``); else :class:`InputError`: Hugging Face's decoder dropped an id
+    past the vocabulary silently, and both read ``True`` as id 1.  Checked by the list's
+    min and max, and its types only where 0 or 1 is (C loops: decode runs per diff)."""
+    if isinstance(ids, str | bytes | bytearray | Mapping):
+        raise InputError(f"{who}: decode takes a list of token ids, got {type(ids).__name__}")
+    try:
+        out = list(ids)
+    except TypeError as exc:
+        raise InputError(f"{who}: decode takes a list of token ids, got {type(ids).__name__}") from exc
+    if not out:
+        return out
+    try:
+        lo, hi = min(out), max(out)
+    except TypeError:  # None, a str: not comparable with ints
+        lo = hi = None
+    # a bool can only hide where 0 or 1 is; a float or a str makes lo or hi not an int
+    if (type(lo) is not int or type(hi) is not int or lo <= 1) and set(map(type, out)) != {int}:
+        for i, t in enumerate(out):
+            try:
+                if type(t).__name__ in ("bool", "bool_"):  # Python's and numpy's
+                    raise TypeError
+                out[i] = operator.index(t)
+            except TypeError:
+                raise InputError(
+                    f"{who}: cannot decode {_ids_hint(out)}: item {i} ({t!r:.40}) is not a token id (an int)"
+                ) from None
+        lo, hi = min(out), max(out)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InputError(
+            f"{who}: cannot decode {_ids_hint(out)}: id {bad} is not in this vocabulary (0 to "
+            f"{vocab_size - 1}); pass token ids of this tokenizer"
+        )
+    return out
+
+
+def _texts(texts: Any, who: str) -> list[Any]:
+    """``encode_batch``'s texts as a list: a str would be encoded character by character."""
+    if isinstance(texts, str | bytes | bytearray):
+        raise InputError(f"{who}: encode_batch takes a list of str, got one {type(texts).__name__}: pass [text]")
+    return list(texts)
 
 
 def check_filler(tok: Any, filler: Any, who: str) -> int:
@@ -204,7 +250,7 @@ class HFTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         try:
-            return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+            return [e.ids for e in self._tok.encode_batch(_texts(texts, self.name), add_special_tokens=False)]
         except TypeError as exc:
             raise _unencodable(texts, exc) from exc
 
@@ -226,7 +272,7 @@ class HFTokenizer:
                     copy = _HFTok.from_str(json.dumps(spec))
                     copy.encode_special_tokens = True
                     self._text_tok = copy
-        return [e.ids for e in self._text_tok.encode_batch(list(texts), add_special_tokens=False)]
+        return [e.ids for e in self._text_tok.encode_batch(_texts(texts, self.name), add_special_tokens=False)]
 
     @property
     def special_tokens(self) -> dict[str, int]:
@@ -235,8 +281,9 @@ class HFTokenizer:
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if _is_markup(t.content, t.special)}
 
     def decode(self, ids: Sequence[int]) -> str:
+        ids = _decodable(ids, self._tok.get_vocab_size(with_added_tokens=True), self.name)
         try:
-            return self._tok.decode(list(ids), skip_special_tokens=False)
+            return self._tok.decode(ids, skip_special_tokens=False)
         except (TypeError, OverflowError) as exc:  # ids that are not token ids
             raise InputError(f"{self.name}: cannot decode {_ids_hint(ids)}: pass token ids of this vocabulary") from exc
 
@@ -328,15 +375,15 @@ class TiktokenTokenizer:
         return self._enc.encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._enc.encode_ordinary_batch(list(texts))
+        return self._enc.encode_ordinary_batch(_texts(texts, self.name))
 
     def encode_markup_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Special-token markup in ``texts`` becomes control tokens (trusted text)."""
-        return self._enc.encode_batch(list(texts), allowed_special="all")
+        return self._enc.encode_batch(_texts(texts, self.name), allowed_special="all")
 
     def encode_text_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Special-token markup in ``texts`` stays ordinary text (untrusted text)."""
-        return self._enc.encode_ordinary_batch(list(texts))
+        return self._enc.encode_ordinary_batch(_texts(texts, self.name))
 
     @property
     def special_tokens(self) -> dict[str, int]:
@@ -344,8 +391,9 @@ class TiktokenTokenizer:
         return {t: self._enc.encode_single_token(t) for t in self._enc.special_tokens_set}
 
     def decode(self, ids: Sequence[int]) -> str:
+        ids = _decodable(ids, self._enc.n_vocab, self.name)
         try:
-            return self._enc.decode(list(ids))
+            return self._enc.decode(ids)
         except (KeyError, TypeError, OverflowError, ValueError) as exc:  # ids that are not token ids
             raise InputError(f"{self.name}: cannot decode {_ids_hint(ids)}: pass token ids of this vocabulary") from exc
 

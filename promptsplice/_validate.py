@@ -378,7 +378,8 @@ def check_messages(
 ) -> Sequence[Mapping[str, Any]]:
     """A list of chat messages: dicts with a non-empty ``str`` ``role`` and a ``content``
     that is a ``str``, a list of parts or ``None`` (absent allowed unless
-    ``require_content``).  Else :class:`InvalidMessageError` naming the message."""
+    ``require_content``); ``name``, ``tool_call_id`` and each tool call's ``id`` a
+    ``str`` or ``None``.  Else :class:`InvalidMessageError` naming the message."""
     if isinstance(messages, str | bytes | bytearray | Mapping) or not isinstance(messages, Sequence):
         raise InvalidMessageError(
             f"{what} must be a list of chat messages ({{'role': ..., 'content': ...}}), got "
@@ -402,6 +403,18 @@ def check_messages(
             raise InvalidMessageError(
                 f"{what}[{i}]['content'] must be a str, a list of parts or None, got {type(content).__name__}"
             )
+        for key in ("name", "tool_call_id"):  # rendered by the template: a non-str as its repr
+            value = m.get(key)
+            if value is not None and not isinstance(value, str):
+                raise InvalidMessageError(f"{what}[{i}][{key!r}] must be a str or None, got {_short(value)}")
+        calls = m.get("tool_calls")
+        if calls and isinstance(calls, Sequence) and not isinstance(calls, str | bytes):  # else: the renderer's error
+            for k, call in enumerate(calls):
+                cid = call.get("id") if isinstance(call, Mapping) else None
+                if cid is not None and not isinstance(cid, str):  # matched to a tool_call_id
+                    raise InvalidMessageError(
+                        f"{what}[{i}]['tool_calls'][{k}]['id'] must be a str or None, got {_short(cid)}"
+                    )
     return messages
 
 

@@ -80,7 +80,9 @@ def round_down(x: int, multiple: int) -> int:
 def cacheable_blocks(num_tokens: int, block_size: int) -> int:
     """Full blocks of a ``num_tokens``-token prompt that a prefix cache can serve: vLLM
     always computes the last prompt token (it samples from it), so never the block that
-    holds it: ``(num_tokens - 1) // block_size`` (vLLM's ``max_cache_hit_length``)."""
+    holds it: ``(num_tokens - 1) // block_size`` (vLLM's ``max_cache_hit_length``).
+    A ``block_size`` that is not one (an int from 1 to 16,384) is a :class:`ConfigError`."""
+    check_block_size(block_size)
     return max(0, (num_tokens - 1) // block_size)
 
 

@@ -300,3 +300,15 @@ def test_a_long_history_of_repeated_messages_diffs_only_the_changed_stretch(rend
     s, e = old.message_span(1500)
     assert s <= d.start < d.end <= e and d.delta == len(d.replacement) - (d.end - d.start)
     assert apply_diff(old.token_ids, diff) == new.token_ids
+
+
+@pytest.mark.parametrize("appended", [("a", -1), (1.5,), "ab", None, (True,)])
+def test_apply_diff_refuses_appended_tokens_that_are_not_ids(renderer, appended):
+    """A diff's ``appended`` was extended into the prompt as given: ``['a', -1]``."""
+    import dataclasses
+
+    old = renderer.render(BASE[:2])
+    diff = renderer.diff(old, renderer.render(BASE))
+    assert apply_diff(old.token_ids, diff) == renderer.render(BASE).token_ids
+    with pytest.raises(DirectiveError, match="appended tokens must be a list or tuple of token ids"):
+        apply_diff(old.token_ids, dataclasses.replace(diff, appended=appended))

@@ -20,7 +20,7 @@ from promptsplice.assembler import (
     is_error_output,
     summarize_turns,
 )
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, InvalidMessageError
 
 
 def call(cid, name, args="{}"):
@@ -509,3 +509,35 @@ def test_a_summarizer_that_reenters_the_policy_for_its_own_stretch_is_an_error()
         pol.apply(msgs)
     pol.summarize = lambda stretch: "the summary"  # nothing left pending: the next caller makes it
     assert "the summary" in pol.apply(msgs).messages[0]["content"]
+
+
+def test_a_summary_template_without_its_summary_field_is_refused():
+    # "Earlier turns omitted." dropped every summary silently (the summary message said only that)
+    summarize = lambda ms: "SUMMARY"  # noqa: E731
+    for bad in ("Earlier turns omitted.", "{{summary}}"):
+        with pytest.raises(ConfigError, match=r"must hold \{summary\}"):
+            SummarizeTurns(summarize, template=bad, max_messages=4, keep_recent=1)
+        with pytest.raises(ConfigError, match=r"must hold \{summary\}"):
+            summarize_turns(FAILED_SESSION, 1, 6, summarize, template=bad)
+    pol = SummarizeTurns(summarize, template="Before: {summary}", max_messages=4, keep_recent=1)
+    msgs = [{"role": "system", "content": "s"}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(8)
+    ]
+    assert pol.apply(msgs).messages[1]["content"] == "Before: SUMMARY"
+
+
+@pytest.mark.parametrize(
+    "bad_call_id, bad_output_id",
+    [("1", ["1"]), (["1"], "1"), ({"id": 1}, "1"), (1, "1"), ("1", 1)],
+)
+def test_drop_failed_calls_refuses_call_ids_that_are_not_str(bad_call_id, bad_output_id):
+    # an unhashable id raised a raw TypeError; an int one matched nothing and dropped nothing
+    msgs = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "", "tool_calls": [call(bad_call_id, "f")]},
+        {"role": "tool", "tool_call_id": bad_output_id, "content": "Error: x"},
+        {"role": "assistant", "content": "", "tool_calls": [call("2", "f")]},
+        {"role": "tool", "tool_call_id": "2", "content": "ok"},
+    ]
+    with pytest.raises(InvalidMessageError, match=r"messages\[[12]\]\[.*(tool_call_id|id)'\] must be a str or None"):
+        DropFailedCalls().apply(msgs)

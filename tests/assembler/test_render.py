@@ -720,3 +720,62 @@ def test_a_tokenizer_from_a_model_folder_renders_with_that_folders_template(tmp_
     assert given.render(hi).text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     # the default tokenizer keeps the default model's template
     assert ChatRenderer("default").template is ChatTemplate.default()
+
+
+def _nested(depth):
+    value = "leaf"
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+def _cycle():
+    c = {}
+    c["c"] = c
+    return c
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({1: "a", "b": 2}, "is not a JSON value .*TypeError"),  # keys of mixed types: sorted by canonical_json
+        (10**5000, "is not a JSON value .*ValueError"),  # past str()'s digit limit
+        (_cycle(), "is not a JSON value .*Circular reference"),
+        (_nested(10**4), "is not a JSON value .*RecursionError"),
+        (_nested(700), "is nested too deeply to render"),  # JSON, but not escaped
+    ],
+    ids=["mixed-keys", "huge-int", "cycle", "deep", "deep-escape"],
+)
+def test_an_extra_message_field_that_is_not_json_is_an_invalid_message(default_tok, extra, match):
+    """The renderer keys messages by their canonical JSON: a raw TypeError, ValueError
+    or RecursionError escaped from render and from the hook."""
+    from promptsplice.errors import InvalidMessageError
+
+    native = ChatTemplate("{% for m in messages %}{{ m.role }}{{ m.tool_calls }}: {{ m.content }}\n{% endfor %}")
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "x", "metadata": extra}]
+    for r in (ChatRenderer(default_tok, block_size=16), ChatRenderer(default_tok, block_size=16, template=native)):
+        with pytest.raises(InvalidMessageError, match="message 1 " + match):
+            r.render(msgs)
+        with pytest.raises(InvalidMessageError, match="message 1 " + match):
+            ContextHook(r)("s", msgs)
+
+
+def test_json_extra_fields_still_render(default_tok):
+    r = ChatRenderer(default_tok, block_size=16)
+    plain = r.render([{"role": "user", "content": "x"}])
+    extra = r.render([{"role": "user", "content": "x", "metadata": {"a": [1, 2.5, None, {"b": True}]}, "n": 10**20}])
+    assert extra.token_ids == plain.token_ids  # the default template ignores them
+
+
+@pytest.mark.parametrize("field", ["name", "tool_call_id"])
+@pytest.mark.parametrize("value", [b"bob", 7, ["1"], {"x": 1}])
+def test_a_name_or_tool_call_id_that_is_not_a_str_is_refused(default_tok, field, value):
+    """Rendered by a template as its repr (``user(b'bob'): hi``): a silent wrong prompt."""
+    from promptsplice.errors import InvalidMessageError
+
+    named = ChatTemplate("{% for m in messages %}{{ m.role }}({{ m.name }}{{ m.tool_call_id }}): {{ m.content }}\n{% endfor %}")
+    r = ChatRenderer(default_tok, block_size=16, template=named, alignment="none")
+    with pytest.raises(InvalidMessageError, match=rf"messages\[0\]\['{field}'\] must be a str or None"):
+        r.render([{"role": "user", "content": "hi", field: value}])
+    assert r.render([{"role": "user", "content": "hi", field: "bob"}]).text == "user(bob): hi\n"
+    r.render([{"role": "user", "content": "hi", field: None}])  # None: absent

@@ -343,3 +343,37 @@ def test_added_tokens_spelled_as_markup_stay_text_in_caller_content(tmp_path):
     assert tool_call not in prompt.token_ids and prompt.markup_as_text
     render = ChatRenderer(tok, template=ChatTemplate.default()).render([{"role": "user", "content": doc}])
     assert tool_call not in render.token_ids and "<tool_call>" in render.text
+
+
+@pytest.mark.parametrize("spec", ["default", "tiktoken:cl100k_base"])
+def test_decode_refuses_ids_past_the_vocabulary_and_bools(spec):
+    """Hugging Face's decoder dropped an id past the vocabulary (``decode([49152])`` was
+    ``''``), and both adapters read ``True`` as token 1: silent wrong text."""
+    import numpy as np
+
+    from promptsplice.errors import InputError
+
+    tok = load_tokenizer(spec)
+    size = tok.vocab_size
+    for bad in ([size], [5, size + 7], [10**6], [2**70], [-3], [True], [5, False], [np.True_], [5.0], [None], ["a"]):
+        with pytest.raises(InputError, match="cannot decode"):
+            tok.decode(bad)
+    with pytest.raises(InputError, match="list of token ids"):
+        tok.decode("hi")
+    last = size - 1 if spec == "default" else tok.encode("hi")[0]
+    assert tok.decode([last]) == tok.decode(np.array([last]))  # numpy ints are ids
+    assert tok.decode([]) == ""
+    ids = tok.encode("Hello world.")
+    assert tok.decode(ids) == tok.decode(tuple(ids)) == "Hello world."
+
+
+@pytest.mark.parametrize("spec", ["default", "tiktoken:cl100k_base"])
+@pytest.mark.parametrize("method", ["encode_batch", "encode_markup_batch", "encode_text_batch"])
+def test_encode_batch_refuses_one_str(spec, method):
+    """``encode_batch("hi!")`` encoded each character as its own text."""
+    from promptsplice.errors import InputError
+
+    tok = load_tokenizer(spec)
+    with pytest.raises(InputError, match=r"takes a list of str, got one str: pass \[text\]"):
+        getattr(tok, method)("hi!")
+    assert getattr(tok, method)(["hi!"]) == [tok.encode("hi!")]

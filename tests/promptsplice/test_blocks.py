@@ -9,10 +9,11 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from promptsplice.errors import InputError
+from promptsplice.errors import ConfigError, InputError
 
 from promptsplice.blocks import (
     HASH_BYTES,
+    cacheable_blocks,
     cdiv,
     chain_hashes,
     chunk_key,
@@ -231,3 +232,10 @@ def test_cacheable_blocks_never_include_the_last_prompt_token():
     from promptsplice.blocks import cacheable_blocks
 
     assert [cacheable_blocks(n, 32) for n in (0, 1, 32, 33, 64, 65, 300)] == [0, 0, 0, 1, 1, 2, 9]
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 1.5, True, None])
+def test_cacheable_blocks_refuses_a_block_size_that_is_not_one(block_size):
+    """``cacheable_blocks(10, 0)`` raised ZeroDivisionError; -16 answered 0 blocks."""
+    with pytest.raises(ConfigError, match="block_size must be an int from 1"):
+        cacheable_blocks(10, block_size)

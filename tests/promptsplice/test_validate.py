@@ -152,6 +152,9 @@ def test_messages():
     ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": []}]
     assert v.check_messages(ok) is ok
     assert v.check_messages([]) == []
+    fine = [{"role": "tool", "content": "x", "name": "ls", "tool_call_id": None},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": None}, {"id": "c1"}, "not a dict"]}]
+    assert v.check_messages(fine) is fine  # a malformed call is the renderer's to name
     cases = [
         ("hi", {}, "must be a list of chat messages"),
         ({"role": "user"}, {}, "must be a list of chat messages"),
@@ -164,6 +167,11 @@ def test_messages():
         # templates that render whole messages sort their keys: a raw TypeError from the hook
         ([{"role": "user", "content": "x", 1: "y"}], {}, r"messages\[0\] has a key that is not a str: 1"),
         ([{"role": "user", "content": "x", None: "y"}], {}, "has a key that is not a str: None"),
+        # a template rendered them as their repr; DropFailedCalls hashed them (raw TypeError)
+        ([{"role": "user", "content": "x", "name": b"bob"}], {}, r"\['name'\] must be a str or None, got b'bob'"),
+        ([{"role": "tool", "content": "x", "tool_call_id": 7}], {}, r"\['tool_call_id'\] must be a str or None"),
+        ([{"role": "assistant", "content": None, "tool_calls": [{"id": "a"}, {"id": ["1"]}]}], {},
+         r"messages\[0\]\['tool_calls'\]\[1\]\['id'\] must be a str or None, got \['1'\]"),
     ]
     for value, kwargs, match in cases:
         with pytest.raises(InvalidMessageError, match=match):
