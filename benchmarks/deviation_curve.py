@@ -47,7 +47,7 @@ from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.cli import UsageError, _check_writable, count_arg, run_tool
 
 __all__ = [
-    "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "rag_budget_sweep",
+    "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "RAG_THRESHOLDS", "rag_budget_sweep",
     "run_deviation_curve", "spearman",
 ]
 
@@ -157,6 +157,30 @@ def budget_sweep(
             "inherited": _kl_stats([k for k, a in zip(kls, approx) if a == 0])}
 
 
+RAG_THRESHOLDS = (0.15, 0.2, 0.22, 0.24, 0.25, 0.26, 0.28, 0.3)
+"""Largest-deviation thresholds :func:`rag_budget_sweep` tries."""
+
+
+def _rag_sweeps(rows: Sequence[dict[str, Any]], budgets: Sequence[int]) -> dict[str, Any]:
+    """A family's budget sweep, and beside it the same over the largest deviation its
+    run starts' recomputed blocks measured (``max_deviation``): a request above the
+    threshold counted as exact, as if the guard had sent it exact (optimistic: the
+    guard computes only the runs that deviated)."""
+    out = budget_sweep(rows, block_size=0, budgets=budgets, approx=[r["relocated_tokens"] for r in rows])
+    devs = [r.get("max_deviation") for r in rows]
+    if all(d is not None for d in devs):
+        kls, approx = [r["kl"] for r in rows], [r["relocated_tokens"] for r in rows]
+        total = sum(approx) or 1
+        out["spearman_max_deviation"] = spearman(kls, devs)
+        out["deviation_sweep"] = [
+            {"max_deviation": t, **_kl_stats([k if d <= t else 0.0 for k, d in zip(kls, devs)]),
+             "kept_share": round(sum(a for a, d in zip(approx, devs) if d <= t) / total, 3)}
+            for t in RAG_THRESHOLDS]
+        met = [x["max_deviation"] for x in out["deviation_sweep"] if x.get("kl_p90", 1.0) <= KL_BAR]
+        out["largest_deviation_meeting_bar"] = max(met) if met else None
+    return out
+
+
 def rag_budget_sweep(report: dict[str, Any], *, budgets: Sequence[int] = BUDGETS) -> dict[str, Any]:
     """:func:`budget_sweep` over a ``bench rag`` report's probes (``fidelity.probes``),
     per family of a ``--suite`` report and over all of them (``all``), each probe's
@@ -177,13 +201,17 @@ def rag_budget_sweep(report: dict[str, Any], *, budgets: Sequence[int] = BUDGETS
             out[name] = {"steps": 0}
             continue
         pooled += rows
-        out[name] = budget_sweep(rows, block_size=0, budgets=budgets, approx=[r["relocated_tokens"] for r in rows])
-    out["all"] = (budget_sweep(pooled, block_size=0, budgets=budgets, approx=[r["relocated_tokens"] for r in pooled])
-                  if pooled else {"steps": 0})
+        out[name] = _rag_sweeps(rows, budgets)
+    out["all"] = _rag_sweeps(pooled, budgets) if pooled else {"steps": 0}
     met = [{s["budget"] for s in r["sweep"] if s.get("kl_p90", 1.0) <= KL_BAR}
            for k, r in out.items() if k != "all" and r["steps"]]
     common = set.intersection(*met) if met else set()
+    fams = [r for k, r in out.items() if k != "all" and r["steps"]]
+    devs = [{x["max_deviation"] for x in r["deviation_sweep"] if x.get("kl_p90", 1.0) <= KL_BAR}
+            for r in fams if "deviation_sweep" in r]
+    common_dev = set.intersection(*devs) if devs and len(devs) == len(fams) else set()
     out["worst"] = {"largest_budget_every_family_meets": max(common) if common else None,
+                    "largest_deviation_every_family_meets": max(common_dev) if common_dev else None,
                     "families_with_probes": len(met)}
     return out
 
@@ -413,9 +441,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         for name, r in report.items():
             if isinstance(r, dict) and r.get("steps"):
-                print(name, json.dumps({k: r[k] for k in ("steps", "spearman_approximate_tokens",
-                                                            "largest_budget_meeting_bar")}))
-                for row in r["sweep"]:
+                print(name, json.dumps({k: r.get(k) for k in ("steps", "spearman_approximate_tokens",
+                                                                "largest_budget_meeting_bar", "spearman_max_deviation",
+                                                                "largest_deviation_meeting_bar")}))
+                for row in r["sweep"] + r.get("deviation_sweep", []):
                     print("  ", json.dumps(row))
         print("worst", json.dumps(report["worst"]))
         return 0

@@ -41,6 +41,7 @@ __all__ = [
     "BOUNDED_KL_P90",
     "DEFAULT_FIDELITY",
     "DEFAULT_MAX_DEVIATION",
+    "DEFAULT_RUN_MAX_DEVIATION",
     "FIDELITY_TABLE",
     "MAX_DEVIATION_LIMIT",
     "FidelityLevel",
@@ -66,6 +67,14 @@ on the calibration trace ``r=1`` alone kept first-token KL p90 at 0.0095 <= 0.02
 deviations 0.096-0.231 and Spearman(deviation, KL) <= 0.23, so the fewest extra blocks
 is none; 0.25 recomputes only runs that deviate beyond anything calibrated, at a
 measured probe cost of 1.1% of a splice step's wall time."""
+
+
+DEFAULT_RUN_MAX_DEVIATION = 0.22
+"""``bounded``'s run-start guard for position-independent reuse (``RagRunner``): on the
+RAG trace suite the largest deviation over a chunk's recomputed blocks ranked
+first-token KL (Spearman 0.70, unlike the agent's last block), and sending the
+requests above 0.22 exact met KL p90 <= :data:`BOUNDED_KL_P90` on every family with
+probes (``deviation_curve --rag-budget-sweep``; README, "The run-start guard")."""
 
 
 class FidelityLevel(enum.Enum):
@@ -137,6 +146,9 @@ class FidelitySettings:
     """The first-token KL p90 (nats) the level's regression test holds on the fixed bar
     sample (``None``: no target, or nothing approximate to bound); the values measured
     on the trace families are in the README."""
+    run_max_deviation: float | None = None
+    """The RAG runner's run-start guard: a run of chunks whose recomputed blocks deviate
+    beyond it (the largest of them) is computed whole, not loaded (``None``: not used)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "level", check_fidelity(self.level, "level"))  # "Bounded" -> the enum
@@ -144,6 +156,7 @@ class FidelitySettings:
             raise ConfigError(f"relocate must be True or False, got {self.relocate!r}")
         check_int(self.recompute_blocks, "recompute_blocks", minimum=0)
         check_max_deviation(self.max_deviation)
+        check_max_deviation(self.run_max_deviation, "run_max_deviation")
         if self.kl_p90_budget is not None:
             check_kl_budget(self.kl_p90_budget, "kl_p90_budget")
 
@@ -151,7 +164,8 @@ class FidelitySettings:
 FIDELITY_TABLE: dict[FidelityLevel, FidelitySettings] = {
     FidelityLevel.EXACT: FidelitySettings(FidelityLevel.EXACT, relocate=False, recompute_blocks=0),
     FidelityLevel.BOUNDED: FidelitySettings(
-        FidelityLevel.BOUNDED, relocate=True, recompute_blocks=2, max_deviation=DEFAULT_MAX_DEVIATION, kl_p90_budget=BOUNDED_KL_P90
+        FidelityLevel.BOUNDED, relocate=True, recompute_blocks=2, max_deviation=DEFAULT_MAX_DEVIATION, kl_p90_budget=BOUNDED_KL_P90,
+        run_max_deviation=DEFAULT_RUN_MAX_DEVIATION,
     ),
     FidelityLevel.FAST: FidelitySettings(FidelityLevel.FAST, relocate=True, recompute_blocks=1),
 }
@@ -182,7 +196,8 @@ def fidelity_settings(
             "max_deviation measures the recomputed blocks: set recompute_blocks >= 1 "
             f"(got {r}) or leave max_deviation unset"
         )
-    return FidelitySettings(lvl, True, r, (dev if dev is not None else base.max_deviation) if r else None, None)
+    return FidelitySettings(lvl, True, r, (dev if dev is not None else base.max_deviation) if r else None, None,
+                            (dev if dev is not None else base.run_max_deviation) if r else None)
 
 
 class RunnerFidelity:

@@ -234,8 +234,8 @@ class RagRunner:
     stored together, :func:`~._chunk_plans.continued_chunks`: more reuse) or ``"chunk"``
     (at every chunk: closer to exact); ``None`` (default): ``"chunk"`` at ``bounded``,
     ``"run"`` at ``fast`` (README, "Runs of chunks").
-    ``max_deviation`` (``None``: the level's): the adaptive recompute of ``AgentRunner``
-    at each run start (needs ``recompute_blocks >= 1``).
+    ``max_deviation`` (``None``: the level's, needs ``recompute_blocks >= 1``): a run whose
+    recomputed blocks deviate beyond it is computed whole (``AdaptiveRecompute(whole_run=True)``).
     """
 
     def __init__(
@@ -294,7 +294,7 @@ class RagRunner:
         self.salt = salt
         default = self.settings(self.fidelity)
         self.recompute_blocks = default.recompute_blocks
-        self.max_deviation = default.max_deviation
+        self.max_deviation = default.run_max_deviation
         self.min_group_blocks = min_group_blocks
         bs = engine.block_size
         self.assembler = engine.make_assembler(
@@ -335,7 +335,7 @@ class RagRunner:
         # (how chunks were precomputed and grouped shapes their relocated KV too: a packed
         # runner was served a standalone runner's blocks under one salt)
         shape = hashlib.sha256(
-            f"r{cfg.recompute_blocks}:d{cfg.max_deviation!r}:p{self.precompute}:g{self.min_group_blocks}"
+            f"r{cfg.recompute_blocks}:d{cfg.run_max_deviation!r}:p{self.precompute}:g{self.min_group_blocks}"
             f":a{self.recompute_at_for(cfg.level)}".encode()
         ).hexdigest()[:16]
         return f"{self.salt or ''}{DERIVED_SALT_MARK}pic:{cfg.level.value}:{shape}"
@@ -442,7 +442,7 @@ class RagRunner:
                 head_hit=self._exact_hit(toks, stored[0]),
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
-                extra_blocks=self._guard_rates.expected() if cfg.max_deviation is not None else (0.0, 0.0),
+                extra_blocks=self._guard_rates.expected() if cfg.run_max_deviation is not None else (0.0, 0.0),
                 continued=self._continued(toks, will, head_end, r, cfg.level),
             )
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
@@ -492,13 +492,13 @@ class RagRunner:
         try:
             phases = plan_chunk_phases(
                 toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
-                src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=cfg.max_deviation is not None,
+                src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=cfg.run_max_deviation is not None,
                 continue_runs=self.recompute_at_for(cfg.level) == "run",
             )
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
             phases, fallback = [SplicePhase(len(toks), None)], StepFallback.INVALID_PLAN
-        adapt = AdaptiveRecompute(cfg.max_deviation, toks) if cfg.max_deviation is not None else None
+        adapt = None if (dev := cfg.run_max_deviation) is None else AdaptiveRecompute(dev, toks, window=r, whole_run=True)
         if r and fallback is None:  # what r = 0 would have relocated, for the record
             try:
                 full = plan_chunk_phases(toks, placed, block_size=bs, hit=hit, head_end=head_end,

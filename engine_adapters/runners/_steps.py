@@ -32,7 +32,12 @@ import inspect
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from promptsplice.engine_adapters.connector._plans import SplicePhase, approximate_tokens, extend_recompute
+from promptsplice.engine_adapters.connector._plans import (
+    SplicePhase,
+    approximate_tokens,
+    compute_first_run,
+    extend_recompute,
+)
 from promptsplice.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -137,18 +142,25 @@ def cached_tokens(prompt_tokens: int, prefill_tokens: int) -> int:
 
 class AdaptiveRecompute:
     """``EmbeddedEngine.generate_phases``'s ``adapt`` for a runner's ``max_deviation``:
-    when the block right before the next phase's loaded run (the last recomputed one)
-    deviated from its old KV by more than ``max_deviation`` (``BlockDeviation.value``),
-    that run's first block is computed first, by one more request
-    (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`);
-    ``extra`` counts those blocks, ``extended`` lists where each starts."""
+    when the recomputed blocks right before the next phase's loaded run deviated from
+    their old KV by more than ``max_deviation`` (``BlockDeviation.value``), more of that
+    run is computed.  ``window``: how many of those blocks count (the largest
+    deviation; the agent runner's guard looks at the last one).  ``whole_run``: compute
+    the whole run (:func:`~promptsplice.engine_adapters.connector._plans.compute_first_run`,
+    the RAG runner's: a chunk whose start deviated keeps none of its stored KV), else
+    one more block, by one more request
+    (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`).
+    ``extra`` counts the blocks added, ``extended`` lists where each starts."""
 
-    __slots__ = ("max_deviation", "tokens", "extended")
+    __slots__ = ("max_deviation", "tokens", "extended", "window", "whole_run")
 
-    def __init__(self, max_deviation: float, tokens: Sequence[int]) -> None:
+    def __init__(self, max_deviation: float, tokens: Sequence[int], *, window: int = 1,
+                 whole_run: bool = False) -> None:
         self.max_deviation = max_deviation
         self.tokens = tokens
         self.extended: list[int] = []
+        self.window = max(1, window)
+        self.whole_run = whole_run
 
     @property
     def extra(self) -> int:
@@ -158,10 +170,16 @@ class AdaptiveRecompute:
         plan = nxt.plan
         if plan is None or not plan.segments:
             return None
-        start = plan.dst_start - plan.block_size
-        dev = next((d for d in reversed(seen) if d.dst_start == start), None)
-        if dev is None or dev.value <= self.max_deviation:
+        bs, end = plan.block_size, plan.dst_start
+        latest = {d.dst_start: d.value for d in seen if end - self.window * bs <= d.dst_start < end}
+        if not latest or max(latest.values()) <= self.max_deviation:
             return None
+        if self.whole_run:
+            seg = plan.segments[0]
+            phases = compute_first_run(nxt)
+            if phases:
+                self.extended.extend(seg.dst_start + i * bs for i in range(seg.num_blocks))
+            return phases
         phases = extend_recompute(nxt, self.tokens)
         if phases:
             self.extended.append(plan.dst_start)

@@ -171,7 +171,10 @@ def test_a_rag_budget_sweep_uses_each_probes_relocated_tokens_per_family_and_poo
     assert rep["failed"] == {"steps": 0} and rep["none"] == {"steps": 0}
     assert rep["all"]["steps"] == 5
     # the worst family decides: the largest budget both a and b meet
-    assert rep["worst"] == {"largest_budget_every_family_meets": 128, "families_with_probes": 2}
+    assert rep["worst"] == {"largest_budget_every_family_meets": 128, "largest_deviation_every_family_meets": None,
+                            "families_with_probes": 2}
+    # records without a measured deviation (no guard): no deviation sweep, none claimed
+    assert "deviation_sweep" not in rep["a"] and rep["worst"]["largest_deviation_every_family_meets"] is None
     # one trace's report (not --suite) is one family
     one = rag_budget_sweep(_rag_family((0.03, 256))["report"], budgets=(0, 256))
     assert one["trace"]["largest_budget_meeting_bar"] == 0 and one["worst"]["families_with_probes"] == 1
@@ -197,3 +200,21 @@ def test_a_rag_report_without_probe_records_is_refused(tmp_path, capsys):
     rep = json.loads(out.read_text())
     assert rep["wiki"]["steps"] == 2 and rep["from_report"] == str(good)
     assert rep["worst"]["largest_budget_every_family_meets"] == max(BUDGETS)  # both probes under the bar
+
+
+def test_a_rag_deviation_sweep_sends_requests_over_the_threshold_exact():
+    from promptsplice.benchmarks.deviation_curve import rag_budget_sweep
+
+    def fam(*probes):
+        return {"report": {"fidelity": {"steps": len(probes), "probes": [
+            {"kl": kl, "relocated_tokens": t, "max_deviation": d} for kl, t, d in probes]}}}
+
+    suite = {"families": {"a": fam((0.05, 100, 0.27), (0.001, 300, 0.1), (0.01, 100, 0.21)),
+                          "b": fam((0.03, 100, 0.23), (0.002, 100, 0.12))}}
+    rep = rag_budget_sweep(suite)
+    a = {x["max_deviation"]: x for x in rep["a"]["deviation_sweep"]}
+    assert a[0.22]["kl_max"] == 0.01 and a[0.22]["kept_share"] == 0.8  # the 0.27 request exact
+    assert a[0.3]["kl_max"] == 0.05 and a[0.3]["kept_share"] == 1.0
+    assert rep["a"]["largest_deviation_meeting_bar"] == 0.26 and rep["b"]["largest_deviation_meeting_bar"] == 0.22
+    assert rep["a"]["spearman_max_deviation"] == 1.0
+    assert rep["worst"]["largest_deviation_every_family_meets"] == 0.22  # the worst family decides

@@ -134,3 +134,34 @@ def test_request_limits_refuse_out_of_vocabulary_ids_and_too_many_logprobs():
     check_request_limits([1], 49152, full)
     with pytest.raises(ConfigError, match=r"logprobs=49153 asks for 49153"):
         check_request_limits([1], 49153, full)
+
+
+def test_the_rag_guard_reads_every_recomputed_block_and_computes_the_whole_run():
+    """``AdaptiveRecompute(window=r, whole_run=True)`` (the RAG runner's): the largest
+    deviation over a run start's r recomputed blocks decides, and the run is computed
+    whole.  The agent's guard (the last block only, one more block) missed a chunk
+    whose first recomputed block deviated most; on the trace suite that largest
+    deviation ranked first-token KL at Spearman 0.70 (README, "deviation guard")."""
+    old = list(range(1000, 1000 + 12 * BS))
+    new = old[: 2 * BS] + [7] * BS + old[2 * BS :]
+    phases = plan_phases(old, new, [(2 * BS, 12 * BS, BS)], block_size=BS, recompute_blocks=2, probe=True)
+    probe = phases[0].plan.probes[0]
+    assert probe.num_blocks == 2 and phases[1].plan.segments[0].dst_start == probe.dst_start + 2 * BS
+
+    def first_high(plan):  # the first recomputed block deviates, the last one does not
+        return tuple(BlockDeviation(probe.dst_start + i * BS, probe.delta, (v,), (v,)) for i, v in enumerate((0.4, 0.01))
+                     ) if plan is not None and plan.probes else ()
+
+    def run(adapt):
+        return run_phases(new, phases, lambda prompt, plan, gen: PhaseResult(object(), 0, first_high(plan)),
+                          {"max_tokens": 1}, adapt)
+
+    agent = AdaptiveRecompute(0.25, new)
+    assert run(agent).phases == tuple(phases) and agent.extra == 0  # the last block read 0.01: loaded
+    rag = AdaptiveRecompute(0.25, new, window=2, whole_run=True)
+    out = run(rag)
+    seg = phases[1].plan.segments[0]
+    assert not any(ph.plan is not None and ph.plan.segments for ph in out.phases)  # nothing loaded
+    assert rag.extended == [seg.dst_start + i * BS for i in range(seg.num_blocks)]  # every block of the run
+    calm = AdaptiveRecompute(0.5, new, window=2, whole_run=True)  # under the threshold: loaded as planned
+    assert run(calm).phases == tuple(phases) and calm.extra == 0

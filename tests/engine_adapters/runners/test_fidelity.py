@@ -19,6 +19,7 @@ from promptsplice.engine_adapters.runners._fidelity import (
     BOUNDED_KL_P90,
     DEFAULT_FIDELITY,
     DEFAULT_MAX_DEVIATION,
+    DEFAULT_RUN_MAX_DEVIATION,
     FidelitySettings,
     check_kl_budget,
     check_max_deviation,
@@ -47,8 +48,13 @@ def test_one_table_maps_every_level_and_exact_is_the_default():
     assert fidelity_settings("exact", recompute_blocks=5) is exact
     # a level given by name is the enum (it stayed a str: unequal to the table's row)
     by_name = type(bounded)("Bounded", relocate=True, recompute_blocks=2, max_deviation=DEFAULT_MAX_DEVIATION,
-                            kl_p90_budget=BOUNDED_KL_P90)
+                            kl_p90_budget=BOUNDED_KL_P90, run_max_deviation=DEFAULT_RUN_MAX_DEVIATION)
     assert by_name.level is FidelityLevel.BOUNDED and by_name == bounded
+    # the RAG runner's run-start guard: bounded's own threshold; a caller's max_deviation sets both
+    assert bounded.run_max_deviation == DEFAULT_RUN_MAX_DEVIATION and exact.run_max_deviation is fast.run_max_deviation is None
+    mine = fidelity_settings("bounded", max_deviation=0.3)
+    assert mine.max_deviation == mine.run_max_deviation == 0.3 and mine.kl_p90_budget is None
+    assert fidelity_settings("bounded", recompute_blocks=0).run_max_deviation is None  # nothing recomputed to measure
 
 
 @pytest.mark.parametrize("bad", ["medium", "EXACTLY", "", 1, None, 0.5])
