@@ -161,21 +161,25 @@ RAG_THRESHOLDS = (0.15, 0.2, 0.22, 0.24, 0.25, 0.26, 0.28, 0.3)
 """Largest-deviation thresholds :func:`rag_budget_sweep` tries."""
 
 
-def _rag_sweeps(rows: Sequence[dict[str, Any]], budgets: Sequence[int]) -> dict[str, Any]:
+def _rag_sweeps(rows: Sequence[dict[str, Any]], budgets: Sequence[int], guard: float | None = None) -> dict[str, Any]:
     """A family's budget sweep, and beside it the same over the largest deviation its
     run starts' recomputed blocks measured (``max_deviation``): a request above the
     threshold counted as exact, as if the guard had sent it exact (optimistic: the
-    guard computes only the runs that deviated)."""
+    guard computes only the runs that deviated); a request with no measured deviation
+    (nothing probed) is kept.  ``guard``: the threshold the bench ran its guard at
+    (``pic.run_max_deviation``): above it a probe's KL is the guarded one, so only the
+    thresholds up to it are swept."""
     out = budget_sweep(rows, block_size=0, budgets=budgets, approx=[r["relocated_tokens"] for r in rows])
     devs = [r.get("max_deviation") for r in rows]
-    if all(d is not None for d in devs):
+    if any(d is not None for d in devs):
         kls, approx = [r["kl"] for r in rows], [r["relocated_tokens"] for r in rows]
         total = sum(approx) or 1
-        out["spearman_max_deviation"] = spearman(kls, devs)
+        kept = [lambda t, d=d: d is None or d <= t for d in devs]
+        out["spearman_max_deviation"] = spearman(*zip(*[(k, d) for k, d in zip(kls, devs) if d is not None]))
         out["deviation_sweep"] = [
-            {"max_deviation": t, **_kl_stats([k if d <= t else 0.0 for k, d in zip(kls, devs)]),
-             "kept_share": round(sum(a for a, d in zip(approx, devs) if d <= t) / total, 3)}
-            for t in RAG_THRESHOLDS]
+            {"max_deviation": t, **_kl_stats([k if keep(t) else 0.0 for k, keep in zip(kls, kept)]),
+             "kept_share": round(sum(a for a, keep in zip(approx, kept) if keep(t)) / total, 3)}
+            for t in RAG_THRESHOLDS if guard is None or t <= guard]
         met = [x["max_deviation"] for x in out["deviation_sweep"] if x.get("kl_p90", 1.0) <= KL_BAR]
         out["largest_deviation_meeting_bar"] = max(met) if met else None
     return out
@@ -190,6 +194,7 @@ def rag_budget_sweep(report: dict[str, Any], *, budgets: Sequence[int] = BUDGETS
     families = report["families"] if "families" in report else {"trace": report}
     out: dict[str, Any] = {}
     pooled: list[dict[str, Any]] = []
+    guards: list[float | None] = []
     for name, fam in families.items():
         rep = fam.get("report", fam) if isinstance(fam, dict) else None
         fid = (rep or {}).get("fidelity") or {}
@@ -201,8 +206,11 @@ def rag_budget_sweep(report: dict[str, Any], *, budgets: Sequence[int] = BUDGETS
             out[name] = {"steps": 0}
             continue
         pooled += rows
-        out[name] = _rag_sweeps(rows, budgets)
-    out["all"] = _rag_sweeps(pooled, budgets) if pooled else {"steps": 0}
+        guard = (rep or {}).get("pic", {}).get("run_max_deviation")
+        guards.append(guard)
+        out[name] = _rag_sweeps(rows, budgets, guard)
+    low = min((g for g in guards if g is not None), default=None)
+    out["all"] = _rag_sweeps(pooled, budgets, low) if pooled else {"steps": 0}
     met = [{s["budget"] for s in r["sweep"] if s.get("kl_p90", 1.0) <= KL_BAR}
            for k, r in out.items() if k != "all" and r["steps"]]
     common = set.intersection(*met) if met else set()

@@ -38,7 +38,7 @@ every token the engine computed for a request (the precompute included), ``cache
 prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
 
     "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests",
-            "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at", "gap_closed", "kv_cache_blocks",
+            "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at", "run_max_deviation", "gap_closed", "kv_cache_blocks",
             "store_dram_bytes", "probe_traffic"},
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
@@ -501,6 +501,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "recompute_blocks": r,
         "exact_alignment": exact_alignment,
         "recompute_at": runner.recompute_at_for(),
+        "run_max_deviation": runner.max_deviation,  # the run-start guard's threshold (None: no guard)
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
         "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
                                           report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,

@@ -61,7 +61,7 @@ __all__ = [
     "SplicePlan",
     "SpliceSegment",
     "approximate_tokens",
-    "compute_first_run",
+    "compute_run",
     "extend_recompute",
     "in_place_blocks",
     "latest_per_block",
@@ -656,23 +656,15 @@ def extend_recompute(phase: SplicePhase, tokens: Sequence[int]) -> list[SplicePh
     ]
 
 
-def compute_first_run(phase: SplicePhase) -> list[SplicePhase] | None:
-    """Compute ``phase``'s first loaded run instead of loading it (the run-start guard of
+def compute_run(phase: SplicePhase) -> list[SplicePhase] | None:
+    """Compute ``phase``'s loaded run instead of loading it (the run-start guard of
     position-independent reuse: the run's recomputed blocks deviated too much from its
-    stored KV, so that KV is not trusted).
-
-    Returns the requests that replace ``phase``: one that computes through the run's end,
-    then ``phase`` with its other runs (vLLM extends a hit only contiguously, so they
-    follow a request of their own); one request when the run was all it loaded.  ``None``
-    when ``phase`` loads nothing.
+    stored KV, so none of it is trusted).  A phase loads one run, its segments
+    contiguous behind its hit (chunks that continue each other included); the request
+    that replaces it computes them all, probing what ``phase`` probed.  ``None`` when
+    ``phase`` loads nothing.
     """
     plan = phase.plan
     if plan is None or not plan.segments:
         return None
-    bs, seg, rest = plan.block_size, plan.segments[0], plan.segments[1:]
-    if not rest:
-        return [SplicePhase(phase.end, SplicePlan(bs, (), plan.src_salt, plan.scope, plan.probes))]
-    return [
-        SplicePhase(seg.dst_start + seg.num_blocks * bs, SplicePlan(bs, (), plan.src_salt, plan.scope, ())),
-        SplicePhase(phase.end, SplicePlan(bs, rest, plan.src_salt, plan.scope, plan.probes)),
-    ]
+    return [SplicePhase(phase.end, SplicePlan(plan.block_size, (), plan.src_salt, plan.scope, plan.probes))]

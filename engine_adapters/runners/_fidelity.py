@@ -187,7 +187,7 @@ def fidelity_settings(
     if recompute_blocks is not None:
         check_int(recompute_blocks, "recompute_blocks", minimum=0)
     if not base.relocate or (
-        recompute_blocks in (None, base.recompute_blocks) and dev in (None, base.max_deviation)
+        recompute_blocks in (None, base.recompute_blocks) and (dev is None or dev == base.max_deviation == base.run_max_deviation)
     ):
         return base
     r = base.recompute_blocks if recompute_blocks is None else recompute_blocks

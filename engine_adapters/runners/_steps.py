@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from promptsplice.engine_adapters.connector._plans import (
     SplicePhase,
     approximate_tokens,
-    compute_first_run,
+    compute_run,
     extend_recompute,
 )
 from promptsplice.errors import ConfigError
@@ -146,8 +146,8 @@ class AdaptiveRecompute:
     their old KV by more than ``max_deviation`` (``BlockDeviation.value``), more of that
     run is computed.  ``window``: how many of those blocks count (the largest
     deviation; the agent runner's guard looks at the last one).  ``whole_run``: compute
-    the whole run (:func:`~promptsplice.engine_adapters.connector._plans.compute_first_run`,
-    the RAG runner's: a chunk whose start deviated keeps none of its stored KV), else
+    the whole run (:func:`~promptsplice.engine_adapters.connector._plans.compute_run`,
+    the RAG runner's: a run whose start deviated keeps none of its stored KV), else
     one more block, by one more request
     (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`).
     ``extra`` counts the blocks added, ``extended`` lists where each starts."""
@@ -175,10 +175,9 @@ class AdaptiveRecompute:
         if not latest or max(latest.values()) <= self.max_deviation:
             return None
         if self.whole_run:
-            seg = plan.segments[0]
-            phases = compute_first_run(nxt)
+            phases = compute_run(nxt)
             if phases:
-                self.extended.extend(seg.dst_start + i * bs for i in range(seg.num_blocks))
+                self.extended.extend(g.dst_start + i * bs for g in plan.segments for i in range(g.num_blocks))
             return phases
         phases = extend_recompute(nxt, self.tokens)
         if phases:

@@ -218,3 +218,19 @@ def test_a_rag_deviation_sweep_sends_requests_over_the_threshold_exact():
     assert rep["a"]["largest_deviation_meeting_bar"] == 0.26 and rep["b"]["largest_deviation_meeting_bar"] == 0.22
     assert rep["a"]["spearman_max_deviation"] == 1.0
     assert rep["worst"]["largest_deviation_every_family_meets"] == 0.22  # the worst family decides
+
+
+def test_a_rag_deviation_sweep_keeps_unprobed_requests_and_stops_at_the_guard_it_ran():
+    """A probe with no measured deviation (it relocated only unprobed runs) dropped its
+    family's whole deviation sweep; a report made with the guard on swept thresholds
+    above it, where the probes' KL is the guarded one."""
+    from promptsplice.benchmarks.deviation_curve import rag_budget_sweep
+
+    probes = [{"kl": 0.05, "relocated_tokens": 100, "max_deviation": 0.21},
+              {"kl": 0.001, "relocated_tokens": 100, "max_deviation": None},
+              {"kl": 0.002, "relocated_tokens": 100, "max_deviation": 0.1}]
+    rep = rag_budget_sweep({"fidelity": {"steps": 3, "probes": probes}})["trace"]
+    by = {x["max_deviation"]: x for x in rep["deviation_sweep"]}
+    assert by[0.2]["kept_share"] == round(2 / 3, 3) and by[0.2]["kl_max"] == 0.002  # the unprobed one kept
+    guarded = rag_budget_sweep({"fidelity": {"steps": 3, "probes": probes}, "pic": {"run_max_deviation": 0.22}})
+    assert max(x["max_deviation"] for x in guarded["trace"]["deviation_sweep"]) == 0.22

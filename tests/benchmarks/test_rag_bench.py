@@ -76,7 +76,8 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at",
-                        "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store", "probe_traffic"}
+                        "run_max_deviation", "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store", "probe_traffic"}
+    assert pic["run_max_deviation"] == FIDELITY_TABLE[FidelityLevel.BOUNDED].run_max_deviation  # the guard it ran with
     assert pic["probe_traffic"] is True  # one fidelity probe ran on the PIC engine
     # the default fidelity's r; precomputes, phases
     assert pic["recompute_blocks"] == FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks

@@ -15,7 +15,7 @@ CONNECTOR_API = [
     "SplicePhase",
     "SplicePlan",
     "SpliceSegment",
-    "compute_first_run",
+    "compute_run",
     "extend_recompute",
     "plan_deletion",
     "plan_phases",

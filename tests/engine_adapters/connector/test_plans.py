@@ -223,22 +223,18 @@ def test_plan_phases_probes_the_recomputed_blocks_in_the_request_that_computes_t
     assert extend_recompute(last, new) is None
 
 
-def test_compute_first_run_computes_a_whole_run_and_keeps_the_others_loaded():
-    """The RAG guard's answer to a run start that deviated: that run computed, not loaded
-    (its stored KV is not trusted), the phase's other runs still loaded after it."""
-    from promptsplice.engine_adapters.connector import compute_first_run
+def test_compute_run_computes_the_whole_loaded_run_and_keeps_the_probes():
+    """The RAG guard's answer to a run start that deviated: the phase's whole loaded run
+    (its segments are contiguous: chunks that continue each other at recompute_at='run'
+    included) computed in the request that would have loaded it, probing what it did."""
+    from promptsplice.engine_adapters.connector import compute_run
 
     a, b = SpliceSegment(128, 3, -64, b"\x01" * 16), SpliceSegment(224, 2, 32, b"\x02" * 16)
     probe = SpliceSegment(288, 2, 0, b"\x03" * 16)
     phase = SplicePhase(352, SplicePlan(BS, (a, b), SALT, False, (probe,)))
-    first, rest = compute_first_run(phase)
-    # through the first run's end, plain; then the second run loaded, the probes where they were
-    assert first == SplicePhase(224, SplicePlan(BS, (), SALT, False, ()))
-    assert rest == SplicePhase(352, SplicePlan(BS, (b,), SALT, False, (probe,)))
-    # the phase's only run: one request computes it all, still probing what it probed
-    (only,) = compute_first_run(rest)
-    assert only == SplicePhase(352, SplicePlan(BS, (), SALT, False, (probe,)))
-    assert compute_first_run(only) is None and compute_first_run(SplicePhase(352, None)) is None
+    (only,) = compute_run(phase)
+    assert only == SplicePhase(352, SplicePlan(BS, (), SALT, False, (probe,)))  # both segments computed
+    assert compute_run(only) is None and compute_run(SplicePhase(352, None)) is None
 
 
 def test_a_recomputed_request_reports_one_deviation_per_block():
