@@ -220,9 +220,9 @@ def pic_choice(
     prefill of the exact request (its own layout).  The plan is grouped into requests as
     :func:`plan_chunk_phases` groups it (a run moving fewer than ``min_group_blocks``
     blocks is computed); more requests cost no prefill (each starts at the last one's
-    end, a prefix hit).  ``extra_blocks``: the blocks the deviation guard is expected
-    to recompute beyond ``recompute_blocks`` per stored and per precomputed chunk (the
-    runner's measured rates).  ``continued``: the starts of chunks that continue their
+    end, a prefix hit).  ``extra_blocks``: the share of a probed chunk's loaded blocks
+    the deviation guard is expected to compute instead, for stored and for precomputed
+    chunks (the runner's measured rates, :class:`GuardRates`).  ``continued``: the starts of chunks that continue their
     source run (:func:`continued_chunks`: nothing recomputed, no guard).  Relocation
     pays only when chunks move more than that and the precompute is repaid: short
     chunks that start no run, new chunks and exact repeats go out exact.
@@ -242,26 +242,32 @@ def pic_choice(
         return PicChoice(num_tokens + 1, exact_tokens)
     moved = {seg.dst_start: seg.num_blocks for ph in phases if ph.plan for seg in ph.plan.segments
              if seg.dst_start >= head_end and seg.dst_start >= hit}
+    # what the guard computes when a run start deviates: the phase's whole loaded run
+    run = {ph.plan.segments[0].dst_start: sum(g.num_blocks for g in ph.plan.segments)
+           for ph in phases if ph.plan and ph.plan.segments}
     extra = 0.0
     for s, e in chunks:
         if s in continued:
             continue  # not probed: the guard never recomputes more of it
         a = max(s + r * bs, hit)
         if a in moved and a < e and r and hit <= s:  # probed: the guard may recompute more of it
-            extra += min(extra_blocks[(s, e) in new], moved[a]) * bs
+            extra += min(extra_blocks[(s, e) in new], 1.0) * run.get(a, moved[a]) * bs
     pic = num_tokens - start - bs * sum(moved.values()) + sum(e - s for s, e in missing) + round(extra)
     return PicChoice(pic, exact_tokens)
 
 
 class GuardRates:
-    """Blocks the deviation guard (``AdaptiveRecompute``) recomputed beyond
-    ``recompute_blocks`` per probed chunk, for stored and for just-precomputed chunks
+    """The share of a probed chunk's loaded blocks the deviation guard
+    (``AdaptiveRecompute``) computed instead, for stored and for just-precomputed chunks
     apart: a running mean over a runner's requests, starting from :attr:`PRIOR` worth
-    :attr:`PRIOR_CHUNKS` chunks.  :func:`pic_choice` expects the guard to add that much.
-    (Chunks met in another request's context deviate more than chunks precomputed in
-    this request's order.)"""
+    :attr:`PRIOR_CHUNKS` chunks.  :func:`pic_choice` expects the guard to compute that
+    share.  (A share, not a count: the RAG guard computes a chunk's whole run, so what
+    it costs grows with the chunk; counted in blocks, the prior of one block let the gate
+    relocate on a family of 6-block chunks where PIC then computed more than its exact
+    control.  Chunks met in another request's context deviate more than chunks
+    precomputed in this request's order.)"""
 
-    PRIOR = (1.0, 0.25)
+    PRIOR = (0.5, 0.25)
     PRIOR_CHUNKS = 4
 
     __slots__ = ("_sums", "_counts")
@@ -271,14 +277,15 @@ class GuardRates:
         self._counts = [self.PRIOR_CHUNKS, self.PRIOR_CHUNKS]
 
     def expected(self) -> tuple[float, float]:
-        """(stored, precomputed): the mean extra blocks per probed chunk."""
+        """(stored, precomputed): the mean share of a probed chunk's loaded blocks computed."""
         return (self._sums[0] / self._counts[0], self._sums[1] / self._counts[1])
 
-    def observe(self, chunks: Sequence[tuple[int, int, bool]], extended: Sequence[int]) -> None:
-        """Count one request: its probed chunks ``(start, end, precomputed)`` and the
-        starts of the blocks the guard added (``AdaptiveRecompute.extended``)."""
-        for s, e, new in chunks:
-            self._sums[new] += sum(s <= x < e for x in extended)
+    def observe(self, chunks: Sequence[tuple[int, int, bool]], extended: Sequence[int], block_size: int) -> None:
+        """Count one request: its probed chunks ``(first loaded token, end, precomputed)``
+        and the starts of the blocks the guard computed (``AdaptiveRecompute.extended``)."""
+        for a, e, new in chunks:
+            loaded = max(1, (e - a) // block_size)
+            self._sums[new] += min(1.0, sum(a <= x < e for x in extended) / loaded)
             self._counts[new] += 1
 
 

@@ -344,14 +344,15 @@ def test_the_choice_predicts_the_plan_it_would_run():
     phases = plan_chunk_phases(list(range(96)), [ChunkPlacement(8, 40, sa), ChunkPlacement(40, 80, sb)],
                                block_size=BS, head_end=8, recompute_blocks=1, min_group_blocks=8)
     assert [(seg.dst_start, seg.num_blocks) for ph in phases if ph.plan for seg in ph.plan.segments] == [(0, 2), (44, 9)]
-    # the deviation guard's expected extra blocks: per stored chunk 1.5 (two chunks:
-    # 3 blocks), per precomputed chunk 0.5 (the second new: 1.5 + 0.5 blocks)
+    # the deviation guard's expected share of each probed chunk's loaded blocks: half of
+    # a stored chunk's (7 and 9 blocks: 8 blocks), a quarter of a precomputed one's (the
+    # second new: 3.5 + 2.25 blocks)
     c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
-                   extra_blocks=(1.5, 0.5))
-    assert c.pic_tokens == 96 - 8 - 64 + 3 * BS
+                   extra_blocks=(0.5, 0.25))
+    assert c.pic_tokens == 96 - 8 - 64 + 8 * BS
     c = pic_choice(96, 0, 8, long, [(40, 80)], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
-                   extra_blocks=(1.5, 0.5))
-    assert c.pic_tokens == 96 - 8 - 64 + 40 + 2 * BS
+                   extra_blocks=(0.5, 0.25))
+    assert c.pic_tokens == 96 - 8 - 64 + 40 + 23
     # never more than the chunk's moved blocks; chunks behind the hit are not probed
     c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
                    extra_blocks=(20.0, 0.0))
@@ -364,13 +365,14 @@ def test_the_choice_predicts_the_plan_it_would_run():
 def test_a_continued_chunk_is_predicted_with_nothing_recomputed_and_no_guard():
     # head [0, 8), chunks [8, 24) and [24, 40) (the second continues the first), query
     c = pic_choice(48, 0, 8, [(8, 24), (24, 40)], [], head_hit=8, exact_tokens=40, recompute_blocks=2,
-                   block_size=BS, extra_blocks=(1.0, 0.0))
-    # each chunk: 2 blocks recomputed, 2 moved, the guard's 1 block each
+                   block_size=BS, extra_blocks=(0.5, 0.0))
+    # each chunk: 2 blocks recomputed, 2 moved, the guard expected to compute half: 1 each
     assert c.pic_tokens == 48 - 8 - 16 + 2 * BS
     c = pic_choice(48, 0, 8, [(8, 24), (24, 40)], [], head_hit=8, exact_tokens=40, recompute_blocks=2,
-                   block_size=BS, extra_blocks=(1.0, 0.0), continued={24})
-    # the second chunk moves whole and is not probed: 2 + 4 blocks move, one guard block
-    assert c.pic_tokens == 48 - 8 - 24 + BS and c.pays
+                   block_size=BS, extra_blocks=(0.5, 0.0), continued={24})
+    # the second chunk moves whole and is not probed: one run of 2 + 4 blocks, which the
+    # guard computes whole when its start deviates: half of it expected
+    assert c.pic_tokens == 48 - 8 - 24 + 3 * BS and c.pays
     # a short chunk (no more than r blocks) moves too when it continues a stored run
     c = pic_choice(32, 0, 8, [(8, 16), (16, 24)], [], head_hit=8, exact_tokens=24, recompute_blocks=2,
                    block_size=BS, continued={16})
@@ -393,11 +395,12 @@ def test_a_layout_no_plan_fits_never_pays_and_raises_nothing():
 def test_guard_rates_are_running_means_per_chunk_kind():
     rates = GuardRates()
     assert rates.expected() == GuardRates.PRIOR
-    # two stored chunks and a precomputed one; the guard added blocks at 12 and 16
-    # (the first stored chunk) and 52 (the precomputed one)
-    rates.observe([(8, 40, False), (40, 48, False), (48, 80, True)], [12, 16, 52])
+    # two stored chunks and a precomputed one (first loaded token, end; blocks of 4): the
+    # guard computed 2 of the first stored chunk's 8 loaded blocks, none of the second's,
+    # and all 4 of the precomputed one's (a whole run)
+    rates.observe([(8, 40, False), (40, 48, False), (48, 64, True)], [12, 16, 48, 52, 56, 60], 4)
     n = GuardRates.PRIOR_CHUNKS
-    assert rates.expected() == ((GuardRates.PRIOR[0] * n + 2) / (n + 2), (GuardRates.PRIOR[1] * n + 1) / (n + 1))
+    assert rates.expected() == ((GuardRates.PRIOR[0] * n + 0.25) / (n + 2), (GuardRates.PRIOR[1] * n + 1.0) / (n + 1))
 
 
 # --------------------------------------------------------------- RagRunner on vLLM
