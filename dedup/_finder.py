@@ -77,15 +77,21 @@ def _first_of(datas: list[bytes], order: list[int], needle: bytes) -> tuple[tupl
     first = 0  # its first item's place in order
     size = -1  # its joined length
     last = len(order) - 1
+
+    def joined() -> tuple[tuple[int, int], int] | None:  # the run's answer, as the one-by-one search's
+        hit = _first_in_run(parts, needle, size)
+        if hit is None:
+            return None
+        f, pos = hit
+        return (order[first + f], pos), scanned - sum(map(len, parts[f + 1 :]))
+
     for x, i in enumerate(order):
         d = datas[i]
         n = len(d)
         if short or (n >= _LINEAR_HAY and (m >> 2) * 3 < (n >> 2)):
             if parts:  # the run before it first
-                hit = _first_in_run(parts, needle, size)
-                if hit is not None:
-                    f, pos = hit
-                    return (order[first + f], pos), scanned - sum(map(len, parts[f + 1 :]))
+                if (found := joined()) is not None:
+                    return found
                 parts = []
                 size = -1
             scanned += n
@@ -99,10 +105,8 @@ def _first_of(datas: list[bytes], order: list[int], needle: bytes) -> tuple[tupl
         size += n + 1
         scanned += n
         if size >= target or x == last:
-            hit = _first_in_run(parts, needle, size)
-            if hit is not None:
-                f, pos = hit
-                return (order[first + f], pos), scanned - sum(map(len, parts[f + 1 :]))
+            if (found := joined()) is not None:
+                return found
             parts = []
             size = -1
     return None, scanned
