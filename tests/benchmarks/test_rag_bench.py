@@ -374,6 +374,7 @@ def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
 
     class Runner:
         reuse_salt = "s"
+        max_deviation = 0.22
 
         def __init__(self, *a, **kw):
             pass
@@ -384,11 +385,12 @@ def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
         def run(self, chunks, **kw):
             return types.SimpleNamespace(planned_relocated_tokens=64, relocated_tokens=64, prompt_tokens=300,
                                          prefill_tokens=100, precomputed_tokens=0, requests=2, fallback=None,
-                                         ttft_s=0.01, wall_s=0.02, completion=None)
+                                         ttft_s=0.01, wall_s=0.02, completion=None, relocated_chunks=1,
+                                         recomputed_tokens=32, extra_recompute_blocks=0, deviations=(0.1,))
 
     probed = []
 
-    def probe(engine, kv, st, salt, fid, ctl, what):
+    def probe(engine, kv, st, salt, fid, ctl, what, signals=None):
         probed.append(what)
         fid.add(1.0, 0.01, 1.0)
         ctl.add(1.0, 0.0, 1.0)

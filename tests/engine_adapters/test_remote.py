@@ -580,7 +580,7 @@ def test_bodies_that_are_not_json_and_replies_that_are_not_completions_are_trans
     for call in (
         lambda: eng.complete("hi \ud800", max_tokens=1),
         lambda: eng.chat([{"role": "user", "content": [{"type": "text", "text": float("nan")}]}], max_tokens=1),
-        lambda: eng.chat([{"role": "user", "content": "x", "name": {1}}], max_tokens=1),
+        lambda: eng.chat([{"role": "user", "content": "x", "metadata": {1}}], max_tokens=1),  # (a non-str name: refused before)
         lambda: asyncio.run(eng.achat([{"role": "user", "content": [{"t": float("inf")}]}], max_tokens=1)),
     ):
         with pytest.raises(InputError, match="cannot be sent as JSON"):
