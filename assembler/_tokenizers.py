@@ -201,7 +201,7 @@ class HFTokenizer:
     Hugging Face cache snapshot links its files into a shared blob folder), where a chat
     renderer finds the model's template; ``None`` when it came from no folder."""
 
-    __slots__ = ("name", "filler_token_id", "model_dir", "_tok", "_text_tok", "_lock")
+    __slots__ = ("name", "filler_token_id", "model_dir", "_tok", "_text_tok", "_lock", "_ids")
 
     def __init__(self, tokenizer: Any, *, name: str, filler_token_id: int | None = None,
                  model_dir: str | os.PathLike[str] | None = None):
@@ -216,6 +216,7 @@ class HFTokenizer:
             raise TokenizerError(f"HFTokenizer needs a name (a non-empty str), got {name!r}")
         self._tok = backend
         self._text_tok: Any = None
+        self._ids: tuple[int, frozenset[int]] | None = None
         self._lock = threading.Lock()
         self.name = name
         self.model_dir = None if model_dir is None else Path(model_dir).absolute()
@@ -280,8 +281,25 @@ class HFTokenizer:
         not marked but spelled as markup (not whitespace: Qwen's ``<tool_call>``)."""
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if _is_markup(t.content, t.special)}
 
+    def _id_range(self) -> tuple[int, frozenset[int]]:
+        """One past the vocabulary's largest id, and the ids below it that name no token.
+        A vocabulary with gaps (added tokens past a hole) has ids at or past its size, and
+        Hugging Face's decoder drops a missing id silently.  Listed once (ms at 50K)."""
+        if self._ids is None:
+            ids = self._tok.get_vocab(with_added_tokens=True).values()
+            upper = max(ids, default=-1) + 1
+            self._ids = (upper, frozenset(range(upper)).difference(ids))
+        return self._ids
+
     def decode(self, ids: Sequence[int]) -> str:
-        ids = _decodable(ids, self._tok.get_vocab_size(with_added_tokens=True), self.name)
+        upper, missing = self._id_range()
+        ids = _decodable(ids, upper, self.name)
+        if missing and not missing.isdisjoint(ids):
+            bad = next(i for i in ids if i in missing)
+            raise InputError(
+                f"{self.name}: cannot decode {_ids_hint(ids)}: id {bad} is not in this vocabulary "
+                "(it has no token with that id); pass token ids of this tokenizer"
+            )
         try:
             return self._tok.decode(ids, skip_special_tokens=False)
         except (TypeError, OverflowError) as exc:  # ids that are not token ids

@@ -367,6 +367,23 @@ def test_decode_refuses_ids_past_the_vocabulary_and_bools(spec):
     assert tok.decode(ids) == tok.decode(tuple(ids)) == "Hello world."
 
 
+def test_decode_follows_a_vocabulary_with_gaps():
+    """A vocabulary whose ids have holes: a missing id below the largest decoded to
+    nothing (silently), and a real id at or past the vocabulary's size was refused."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from promptsplice.errors import InputError
+
+    vocab = {"[UNK]": 0, " ": 1, "a": 2, "b": 3, "ab": 4, "z": 9}  # 5 to 8 name no token
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.decoder = decoders.Fuse()
+    tok = HFTokenizer(backend, name="gappy")
+    assert tok.decode([9]) == "z" and tok.decode([2, 1, 9]) == "a z"
+    for bad in ([5], [2, 8], [10], [-1]):
+        with pytest.raises(InputError, match=f"id {bad[-1]} is not in this vocabulary"):
+            tok.decode(bad)
+
+
 @pytest.mark.parametrize("spec", ["default", "tiktoken:cl100k_base"])
 @pytest.mark.parametrize("method", ["encode_batch", "encode_markup_batch", "encode_text_batch"])
 def test_encode_batch_refuses_one_str(spec, method):
