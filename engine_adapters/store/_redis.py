@@ -19,6 +19,10 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
 * Verified loads.  A value is served only if its length, digests, fingerprint and
   header (key, salt, parent, token ids, layout) match; anything else is deleted,
   counted (``corrupt``, or ``foreign`` for another fingerprint) and answered ``CORRUPT``.
+  The delete is conditional (a server-side script): only a value still holding the
+  bytes that were read goes, so another engine's SET of a good value between the read
+  and the delete stays (a server that refuses scripts gets the plain DEL; a delete
+  retried after an outage is plain too: at worst a lost hit, never a wrong block).
 * Write-behind that never blocks.  Write-downs go to a bounded queue (at most
   ``write_behind_bytes`` of payload, or one block when an empty queue takes a larger
   one: a bound below one block wrote nothing, silently) and a writer thread; when it is
@@ -55,13 +59,14 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
 
 A forked child never uses an inherited tier (the store keeps its DRAM tier only there:
 ``_store``).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
-one module (~990 lines): the index, the writer and the listener share one lock and one
+one module (~1,040 lines): the index, the writer and the listener share one lock and one
 set of rules (what is announced, what is doomed, when the breaker opens, what a clear's
 scan of the server keeps), and each race between them is settled in this file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -98,6 +103,20 @@ __all__ = ["RedisTier", "check_redis_url", "key_prefix", "record_key"]
 _log = logging.getLogger(__name__)
 
 _HEAD_READ = 4096  # bytes of a value the listener reads to index it (headers are shorter)
+# DEL each key only while it holds what was read of it: ARGV has, per key, the length
+# and SHA-1 of the bytes read from its start and the value's whole length.
+_DELETE_IF_UNCHANGED = """
+local deleted = 0
+for i, key in ipairs(KEYS) do
+  local at = 3 * (i - 1)
+  local n = tonumber(ARGV[at + 1])
+  if redis.call('STRLEN', key) == tonumber(ARGV[at + 3])
+      and (n == 0 or redis.sha1hex(redis.call('GETRANGE', key, 0, n - 1)) == ARGV[at + 2]) then
+    deleted = deleted + redis.call('DEL', key)
+  end
+end
+return deleted
+"""
 #: Client options the tier sets itself; a URL may not override them.
 _OWN_OPTIONS = frozenset({
     "socket_timeout", "socket_connect_timeout", "retry_on_timeout", "retry_on_error", "retry",
@@ -513,7 +532,7 @@ class RedisTier(IndexedTier):
                 self._lru.touch(k)
         if payload is None:
             if not stale:
-                self._delete_now([name])  # before anyone else loads it
+                self._delete_now([name], seen=[(value, len(value))])  # before anyone else loads it
             return Fetched(Loaded.CORRUPT)
         return Fetched(Loaded.HIT, payload)
 
@@ -731,11 +750,12 @@ class RedisTier(IndexedTier):
         self._deletes.extend(names)
         self._start_writer()
 
-    def _delete_now(self, names: list[str]) -> None:
+    def _delete_now(self, names: list[str], *, seen: list[tuple[bytes, int]] | None = None) -> None:
         """Delete values on the server (without the lock; never raises); the caller
         claimed ``names`` (:meth:`_claim`) under the lock, released here.  Names that
         cannot be deleted now stay doomed and go back to the writer, which retries once
-        the server is back: a value removed here is never indexed or served again."""
+        the server is back: a value removed here is never indexed or served again.
+        ``seen``: see :meth:`_send_delete`."""
         if not names:
             return
         with self._cond:
@@ -745,7 +765,7 @@ class RedisTier(IndexedTier):
                 self._retry_deletes(names)
                 return
         try:
-            self._client.delete(*names)
+            self._send_delete(names, seen)
         except self._errors as exc:
             with self._cond:
                 self._release(names)
@@ -769,12 +789,31 @@ class RedisTier(IndexedTier):
             self._doomed.difference_update([n for n in names if n not in self._busy])  # others still on their way
             self._delete_warned = False
 
-    def _delete_claimed(self, names: list[str]) -> None:
+    def _send_delete(self, names: list[str], seen: list[tuple[bytes, int]] | None) -> None:
+        """Without the lock: DEL ``names``.  With ``seen`` (per name, the bytes read from
+        the start of its damaged value and the value's length), only the names still
+        holding those bytes: another engine may have SET a good value since the read.  A
+        server that refuses scripts (an ACL, a proxy) gets the plain DEL."""
+        if seen is None:
+            self._client.delete(*names)
+            return
+        args: list[int | str] = []
+        for head, size in seen:
+            args += [len(head), hashlib.sha1(head).hexdigest(), size]
+        try:
+            self._client.eval(_DELETE_IF_UNCHANGED, len(names), *names, *args)
+        except self._errors:
+            raise
+        except Exception:  # noqa: BLE001 - scripts refused (NOPERM, unknown command)
+            self._client.delete(*names)
+
+    def _delete_claimed(self, names: list[str], seen: list[tuple[bytes, int]] | None = None) -> None:
         """Without the lock: DEL ``names``, claimed under it (:meth:`_claim`); the claims
-        are released whatever the call did (its errors are the caller's to handle)."""
+        are released whatever the call did (its errors are the caller's to handle).
+        ``seen``: see :meth:`_send_delete`."""
         try:
             if names:
-                self._client.delete(*names)
+                self._send_delete(names, seen)
         finally:
             with self._cond:
                 self._release(names)
@@ -958,22 +997,23 @@ class RedisTier(IndexedTier):
                         assert isinstance(header, fmt.Header)
                         found.append(header)
                     else:
-                        bad.append((name, problem))
+                        bad.append((name, problem, bytes(head), size))
                 with self._cond:
                     if self._outage_epoch != epoch:
                         return None
                     for header in found:
                         self._index(header.meta, header.total_size)
-                    for _, problem in bad:
+                    for _, problem, _, _ in bad:
                         if problem == "foreign":
                             self._foreign += 1
                         else:
                             self._corrupt += 1
                     # not one this store's SET overwrote since the read (see ``_busy``)
-                    drop = [t for name, _ in bad
+                    drop = [(t, (head, size)) for name, _, head, size in bad
                             if (t := name.decode()) not in self._busy and not self._indexes_name(t)]
-                    self._claim(drop)
-                self._delete_claimed(drop)
+                    self._claim([t for t, _ in drop])
+                # only while each still holds the bytes read (another engine may SET it)
+                self._delete_claimed([t for t, _ in drop], [read for _, read in drop])
             if cursor == 0:
                 break
         with self._cond:  # with the outage check: one right after it cleared ``_synced`` again

@@ -353,6 +353,100 @@ def test_a_write_in_flight_when_the_store_is_cleared_never_comes_back(redis_url)
         assert not a.contains(ref, salt=SALT) and a.stats().remote_blocks == 0
 
 
+def _land_before_deletes(monkeypatch, tier: RedisTier, name: str, good: bytes, admin: redis.Redis) -> list[str]:
+    """Another engine's SET of ``good`` lands between this tier's read of a damaged
+    value and its delete (the window cannot be hit on demand, so the SET is sent right
+    before whichever delete call the tier makes, on another connection)."""
+    sent: list[str] = []
+    for method in ("delete", "eval"):
+        real = getattr(tier._client, method)
+
+        def landing(*args, _real=real, _method=method, **kwargs):
+            if not sent:
+                admin.set(name, good)
+            sent.append(_method)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(tier._client, method, landing)
+    return sent
+
+
+@pytest.mark.reliability
+def test_a_good_value_set_after_a_damaged_read_is_not_deleted(redis_url, monkeypatch):
+    """Engine b reads a damaged value and deletes it; engine a's SET of a good value
+    landed between the read and the DEL, so the DEL removed the good value (a lost
+    block for every engine).  The delete now goes only while the damaged bytes are
+    still there."""
+    ref = make_refs(1)[0]
+    admin = client(redis_url)
+    with open_store(redis_url) as a, open_store(redis_url, dram_blocks=8) as b:
+        assert remote(b).wait_synced(5.0)
+        put_all(a, [ref])
+        assert wait_for(lambda: b.match_prefix([ref], salt=SALT) == 1)
+        name = value_key(ref)
+        good = admin.get(name)
+        damaged = bytearray(good)
+        damaged[-100] ^= 0x01
+        admin.set(name, bytes(damaged))
+        sent = _land_before_deletes(monkeypatch, remote(b), name, good, admin)
+        assert b.get(ref, salt=SALT).status is CORRUPT and sent  # it read the damaged value
+        assert admin.get(name) == good  # a's value stays
+    with open_store(redis_url) as c:  # and serves the next engine
+        assert remote(c).wait_synced(5.0)
+        got = c.get(ref, salt=SALT)
+        assert got.status is HIT_DISK and torch.equal(got.payload, kv(0))
+    admin.close()
+
+
+@pytest.mark.reliability
+def test_a_good_value_set_after_a_damaged_scan_is_not_deleted(redis_url, monkeypatch):
+    """The listener's scan finds a damaged value (a wrong length) and deletes it; a good
+    SET landing between the scan's read and its DEL was deleted with it."""
+    ref = make_refs(1)[0]
+    admin = client(redis_url)
+    with open_store(redis_url) as a:
+        put_all(a, [ref])
+        a.drain()
+    name = value_key(ref)
+    good = admin.get(name)
+    admin.delete(name)
+    with open_store(redis_url, dram_blocks=8) as b:
+        tier = remote(b)
+        assert tier.wait_synced(5.0)
+        admin.set(name, good[: len(good) - 8])  # damaged: shorter than its header says
+        sent = _land_before_deletes(monkeypatch, tier, name, good, admin)
+        assert tier._rescan() is not None and sent  # the scan read the damaged value
+        assert admin.get(name) == good and b.stats().remote_corrupt == 1
+        monkeypatch.undo()
+        admin.set(name, good[:40])  # no SET in between: deleted
+        assert tier._rescan() is not None and admin.exists(name) == 0
+    admin.close()
+
+
+@pytest.mark.reliability
+def test_a_server_that_refuses_scripts_still_loses_its_damaged_values(redis_url):
+    """The conditional delete is a script; a user whose ACL denies scripting gets the
+    plain DEL, so a damaged value is still deleted (and counted, never served)."""
+    ref = make_refs(1)[0]
+    admin = client(redis_url)
+    admin.acl_setuser("noscript", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                      commands=["+@all", "-@scripting"])
+    url = redis_url.replace("redis://", "redis://noscript:pw@")
+    try:
+        with open_store(url) as a, open_store(url, dram_blocks=8) as b:
+            assert remote(b).wait_synced(5.0)
+            put_all(a, [ref])
+            assert wait_for(lambda: b.match_prefix([ref], salt=SALT) == 1)
+            name = value_key(ref)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client(url).eval("return 1", 0)
+            admin.set(name, admin.get(name)[:-8])
+            assert b.get(ref, salt=SALT).status is CORRUPT
+            assert admin.exists(name) == 0 and b.stats().remote_corrupt == 1
+    finally:
+        admin.acl_deluser("noscript")
+        admin.close()
+
 def test_a_url_error_never_quotes_the_password():
     """A password with a '#' or '/' in it, not percent-encoded: the URL parser's message
     quoted the text it read as a port (part of the password) into the ConfigError."""
