@@ -216,7 +216,7 @@ class HFTokenizer:
             raise TokenizerError(f"HFTokenizer needs a name (a non-empty str), got {name!r}")
         self._tok = backend
         self._text_tok: Any = None
-        self._ids: tuple[int, frozenset[int]] | None = None
+        self._ids: tuple[int, int, frozenset[int] | None] | None = None
         self._lock = threading.Lock()
         self.name = name
         self.model_dir = None if model_dir is None else Path(model_dir).absolute()
@@ -281,25 +281,29 @@ class HFTokenizer:
         not marked but spelled as markup (not whitespace: Qwen's ``<tool_call>``)."""
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if _is_markup(t.content, t.special)}
 
-    def _id_range(self) -> tuple[int, frozenset[int]]:
-        """One past the vocabulary's largest id, and the ids below it that name no token.
-        A vocabulary with gaps (added tokens past a hole) has ids at or past its size, and
-        Hugging Face's decoder drops a missing id silently.  Listed once (ms at 50K)."""
-        if self._ids is None:
-            ids = self._tok.get_vocab(with_added_tokens=True).values()
-            upper = max(ids, default=-1) + 1
-            self._ids = (upper, frozenset(range(upper)).difference(ids))
-        return self._ids
+    def _id_range(self) -> tuple[int, frozenset[int] | None]:
+        """One past the vocabulary's largest id, and the ids it lists when they have gaps
+        (``None`` when they run 0 to the largest).  A vocabulary with a hole has ids at or
+        past its token count, and Hugging Face's decoder drops a missing id silently.
+        Listed again when the token count changes (``add_tokens`` on a shared backend)."""
+        count = self._tok.get_vocab_size(with_added_tokens=True)
+        known = self._ids
+        if known is None or known[0] != count:
+            listed = frozenset(self._tok.get_vocab(with_added_tokens=True).values())
+            upper = max(max(listed, default=-1) + 1, count)
+            known = self._ids = (count, upper, None if len(listed) == upper else listed)
+        return known[1], known[2]
 
     def decode(self, ids: Sequence[int]) -> str:
-        upper, missing = self._id_range()
+        upper, listed = self._id_range()
         ids = _decodable(ids, upper, self.name)
-        if missing and not missing.isdisjoint(ids):
-            bad = next(i for i in ids if i in missing)
-            raise InputError(
-                f"{self.name}: cannot decode {_ids_hint(ids)}: id {bad} is not in this vocabulary "
-                "(it has no token with that id); pass token ids of this tokenizer"
-            )
+        if listed is not None and not listed.issuperset(ids):
+            for i in ids:  # get_vocab maps text to ids: a piece listed twice hides an id
+                if i not in listed and self._tok.id_to_token(i) is None:
+                    raise InputError(
+                        f"{self.name}: cannot decode {_ids_hint(ids)}: id {i} is not in this vocabulary "
+                        "(it has no token with that id); pass token ids of this tokenizer"
+                    )
         try:
             return self._tok.decode(ids, skip_special_tokens=False)
         except (TypeError, OverflowError) as exc:  # ids that are not token ids
@@ -307,7 +311,9 @@ class HFTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size()
+        """One past the largest token id (added tokens included), as tiktoken's
+        ``n_vocab``: the ids are 0 to ``vocab_size - 1``, with gaps in some vocabularies."""
+        return self._id_range()[0]
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r})"

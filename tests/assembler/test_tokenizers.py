@@ -374,14 +374,29 @@ def test_decode_follows_a_vocabulary_with_gaps():
 
     from promptsplice.errors import InputError
 
-    vocab = {"[UNK]": 0, " ": 1, "a": 2, "b": 3, "ab": 4, "z": 9}  # 5 to 8 name no token
+    vocab = {"[UNK]": 0, "a": 2, "b": 3, "ab": 4, "z": 9, " ": 12}  # 1 and 5 to 8 name no token
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.decoder = decoders.Fuse()
-    tok = HFTokenizer(backend, name="gappy")
-    assert tok.decode([9]) == "z" and tok.decode([2, 1, 9]) == "a z"
-    for bad in ([5], [2, 8], [10], [-1]):
+    tok = HFTokenizer(backend, name="gappy", filler_token_id=12)  # an id past the token count
+    assert tok.vocab_size == 13  # one past the largest id, as tiktoken's n_vocab
+    assert tok.decode([9]) == "z" and tok.decode([2, 12, 9]) == "a z"
+    for bad in ([1], [5], [2, 8], [13], [-1]):
         with pytest.raises(InputError, match=f"id {bad[-1]} is not in this vocabulary"):
             tok.decode(bad)
+    backend.add_tokens(["<new>"])  # on the shared backend: the ids are listed again
+    assert tok.decode(tok.encode("<new>")) == "<new>"  # its id filled a hole: refused when stale
+
+
+def test_decode_serves_an_id_the_vocabulary_map_hides():
+    """``get_vocab`` maps text to ids: a Unigram piece listed twice keeps one id there,
+    while the decoder has both (camembert-base has such holes)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = [("<unk>", 0.0), (" ", -1.0), ("a", -1.0), ("b", -2.0), ("ab", -0.5), ("a", -9.0)]
+    backend = Tokenizer(models.Unigram(pieces, unk_id=0))
+    backend.decoder = decoders.Fuse()
+    tok = HFTokenizer(backend, name="unigram-twice")
+    assert tok.decode([2]) == tok.decode([5]) == "a"
 
 
 @pytest.mark.parametrize("spec", ["default", "tiktoken:cl100k_base"])
