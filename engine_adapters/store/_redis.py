@@ -21,8 +21,9 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   counted (``corrupt``, or ``foreign`` for another fingerprint) and answered ``CORRUPT``.
   The delete is conditional (a server-side script): only a value still holding the
   bytes that were read goes, so another engine's SET of a good value between the read
-  and the delete stays (a server that refuses scripts gets the plain DEL; a delete
-  retried after an outage is plain too: at worst a lost hit, never a wrong block).
+  and the delete stays (a delete retried after an outage keeps its condition; a
+  server that refuses scripts gets the plain DEL: at worst a lost hit, never a wrong
+  block).
 * Write-behind that never blocks.  Write-downs go to a bounded queue (at most
   ``write_behind_bytes`` of payload, or one block when an empty queue takes a larger
   one: a bound below one block wrote nothing, silently) and a writer thread; when it is
@@ -59,7 +60,7 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
 
 A forked child never uses an inherited tier (the store keeps its DRAM tier only there:
 ``_store``).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
-one module (~1,040 lines): the index, the writer and the listener share one lock and one
+one module (~1,080 lines): the index, the writer and the listener share one lock and one
 set of rules (what is announced, what is doomed, when the breaker opens, what a clear's
 scan of the server keeps), and each race between them is settled in this file.
 """
@@ -103,8 +104,8 @@ __all__ = ["RedisTier", "check_redis_url", "key_prefix", "record_key"]
 _log = logging.getLogger(__name__)
 
 _HEAD_READ = 4096  # bytes of a value the listener reads to index it (headers are shorter)
-# DEL each key only while it holds what was read of it: ARGV has, per key, the length
-# and SHA-1 of the bytes read from its start and the value's whole length.
+# DEL each key only while it holds what was read of it: ARGV has, per key, its ``_Read``
+# (the length and SHA-1 of the bytes read from its start, the value's whole length).
 _DELETE_IF_UNCHANGED = """
 local deleted = 0
 for i, key in ipairs(KEYS) do
@@ -117,6 +118,12 @@ for i, key in ipairs(KEYS) do
 end
 return deleted
 """
+
+
+def _read_mark(head: bytes, size: int) -> tuple[int, str, int]:
+    """What was read of a damaged value (its first ``len(head)`` bytes, its length), as
+    the conditional delete compares it: ``(len(head), SHA-1 hex of head, size)``."""
+    return len(head), hashlib.sha1(head).hexdigest(), size
 #: Client options the tier sets itself; a URL may not override them.
 _OWN_OPTIONS = frozenset({
     "socket_timeout", "socket_connect_timeout", "retry_on_timeout", "retry_on_error", "retry",
@@ -265,6 +272,10 @@ class RedisTier(IndexedTier):
         self._queue: deque[WriteJob] = deque()
         self._queue_bytes = 0
         self._deletes: list[str] = []
+        # Damaged values among ``_deletes``: deleted only while the server still holds
+        # what was read (``_read_mark``); a plain delete of the name (remove, clear) or a
+        # SET replacing it drops the condition.
+        self._delete_if: dict[str, tuple[int, str, int]] = {}
         # Values removed here (clear, remove, damaged) whose delete has not reached the
         # server yet: never indexed again from an announcement or a rescan, never served.
         self._doomed: set[str] = set()
@@ -532,7 +543,7 @@ class RedisTier(IndexedTier):
                 self._lru.touch(k)
         if payload is None:
             if not stale:
-                self._delete_now([name], seen=[(value, len(value))])  # before anyone else loads it
+                self._delete_now([name], marks={name: _read_mark(value, len(value))})  # before anyone else loads it
             return Fetched(Loaded.CORRUPT)
         return Fetched(Loaded.HIT, payload)
 
@@ -594,6 +605,7 @@ class RedisTier(IndexedTier):
                 self._cond.wait(timeout=1.0)
             if name in self._doomed:  # its delete, queued before this write, is not sent
                 self._deletes = [n for n in self._deletes if n != name]  # the SET replaces
+                self._delete_if.pop(name, None)
                 self._doomed.discard(name)  # the value it would remove
             self._claim([name])
         try:
@@ -717,9 +729,11 @@ class RedisTier(IndexedTier):
                     elif not self._wipe and time.monotonic() < self._deletes_until:  # refused: back off
                         self._cond.wait(max(0.01, self._deletes_until - time.monotonic()))
                 deletes: list[str] = []
+                marks: dict[str, tuple[int, str, int]] = {}
                 deletable = self._reachable() and time.monotonic() >= self._deletes_until
                 if self._deletes and (deletable or self._closed):
                     deletes, self._deletes = self._deletes, []
+                    marks = {n: self._delete_if.pop(n) for n in deletes if n in self._delete_if}
                     self._claim(deletes)
                 wipe = self._wipe and self._reachable() and not self._closed
                 self._wipe = self._wipe and not wipe and not self._closed
@@ -729,7 +743,7 @@ class RedisTier(IndexedTier):
                     self._writer = None
                     return
                 job = self._queue[0] if self._queue else None
-            self._delete_now(deletes)
+            self._delete_now(deletes, marks=marks)
             if wipe:
                 self._wipe_server()
             if job is None:
@@ -747,30 +761,33 @@ class RedisTier(IndexedTier):
         if not names or self._closed:
             return
         self._doomed.update(names)
+        for name in names:  # removed here: whatever the server holds goes
+            self._delete_if.pop(name, None)
         self._deletes.extend(names)
         self._start_writer()
 
-    def _delete_now(self, names: list[str], *, seen: list[tuple[bytes, int]] | None = None) -> None:
+    def _delete_now(self, names: list[str], *, marks: dict[str, tuple[int, str, int]] | None = None) -> None:
         """Delete values on the server (without the lock; never raises); the caller
         claimed ``names`` (:meth:`_claim`) under the lock, released here.  Names that
         cannot be deleted now stay doomed and go back to the writer, which retries once
-        the server is back: a value removed here is never indexed or served again.
-        ``seen``: see :meth:`_send_delete`."""
+        the server is back (with their ``marks``: see :meth:`_send_delete`): a value
+        removed here is never indexed or served again."""
+        marks = marks or {}
         if not names:
             return
         with self._cond:
             self._doomed.update(names)
             if not self._reachable():
                 self._release(names)
-                self._retry_deletes(names)
+                self._retry_deletes(names, marks)
                 return
         try:
-            self._send_delete(names, seen)
+            self._send_delete(names, marks)
         except self._errors as exc:
             with self._cond:
                 self._release(names)
                 self._outage(exc)
-                self._retry_deletes(names)
+                self._retry_deletes(names, marks)
             return
         except Exception as exc:  # noqa: BLE001 - refused, or a client bug
             with self._cond:
@@ -780,7 +797,7 @@ class RedisTier(IndexedTier):
                 # second.  Retry after the back-off, and warn once until one succeeds.
                 self._deletes_until = time.monotonic() + self._retry_s
                 warn, self._delete_warned = not self._delete_warned, True
-                self._retry_deletes(names)
+                self._retry_deletes(names, marks)
             if warn:
                 _log.warning("KV block store: Redis refused a delete (%s); retried every %g s", exc, self._retry_s)
             return
@@ -789,31 +806,36 @@ class RedisTier(IndexedTier):
             self._doomed.difference_update([n for n in names if n not in self._busy])  # others still on their way
             self._delete_warned = False
 
-    def _send_delete(self, names: list[str], seen: list[tuple[bytes, int]] | None) -> None:
-        """Without the lock: DEL ``names``.  With ``seen`` (per name, the bytes read from
-        the start of its damaged value and the value's length), only the names still
-        holding those bytes: another engine may have SET a good value since the read.  A
-        server that refuses scripts (an ACL, a proxy) gets the plain DEL."""
-        if seen is None:
-            self._client.delete(*names)
+    def _send_delete(self, names: list[str], marks: dict[str, tuple[int, str, int]] | None) -> None:
+        """Without the lock: DEL ``names``; those in ``marks`` (damaged values:
+        :func:`_read_mark`) only while the server still holds what was read, since
+        another engine may have SET a good value meanwhile (a script, its socket timeout
+        scaled to the value as a SET's: the server hashes it).  A server that refuses
+        scripts (an ACL without them, a proxy without EVAL) gets the plain DEL."""
+        marked = list(dict.fromkeys(n for n in names if marks and n in marks))
+        plain = [n for n in names if not marks or n not in marks]
+        if plain:
+            self._client.delete(*plain)
+        if not marked:
             return
-        args: list[int | str] = []
-        for head, size in seen:
-            args += [len(head), hashlib.sha1(head).hexdigest(), size]
+        assert marks is not None
+        args = [x for n in marked for x in marks[n]]
         try:
-            self._client.eval(_DELETE_IF_UNCHANGED, len(names), *names, *args)
+            self._setter(max(marks[n][2] for n in marked)).eval(_DELETE_IF_UNCHANGED, len(marked), *marked, *args)
         except self._errors:
             raise
-        except Exception:  # noqa: BLE001 - scripts refused (NOPERM, unknown command)
-            self._client.delete(*names)
+        except Exception as exc:  # noqa: BLE001 - scripts refused (NOPERM, unknown command) or else
+            if not _refuses_scripts(exc):
+                raise
+            self._client.delete(*marked)
 
-    def _delete_claimed(self, names: list[str], seen: list[tuple[bytes, int]] | None = None) -> None:
+    def _delete_claimed(self, names: list[str], marks: dict[str, tuple[int, str, int]] | None = None) -> None:
         """Without the lock: DEL ``names``, claimed under it (:meth:`_claim`); the claims
         are released whatever the call did (its errors are the caller's to handle).
-        ``seen``: see :meth:`_send_delete`."""
+        ``marks``: see :meth:`_send_delete`."""
         try:
             if names:
-                self._send_delete(names, seen)
+                self._send_delete(names, marks)
         finally:
             with self._cond:
                 self._release(names)
@@ -850,10 +872,14 @@ class RedisTier(IndexedTier):
         except Exception as exc:  # noqa: BLE001 - refused, or a client bug
             _log.warning("KV block store: Redis refused the scan or delete of a clear (%s)", exc)
 
-    def _retry_deletes(self, names: list[str]) -> None:
-        """Under the lock: have the writer delete ``names`` again later."""
+    def _retry_deletes(self, names: list[str], marks: dict[str, tuple[int, str, int]] | None = None) -> None:
+        """Under the lock: have the writer delete ``names`` again later (those in
+        ``marks`` still only while they hold what was read)."""
         if self._closed:
             return
+        for name, mark in (marks or {}).items():
+            if name in names:
+                self._delete_if[name] = mark
         self._deletes.extend(names)
         self._start_writer()
 
@@ -981,6 +1007,8 @@ class RedisTier(IndexedTier):
                         header = fmt.parse_header(head)
                         if isinstance(header, int):
                             head = self._client.getrange(name, 0, header - 1)
+                            if not head:
+                                continue  # gone meanwhile
                             header = fmt.parse_header(head)
                     except ValueError as exc:
                         header, problem = None, str(exc)
@@ -997,23 +1025,23 @@ class RedisTier(IndexedTier):
                         assert isinstance(header, fmt.Header)
                         found.append(header)
                     else:
-                        bad.append((name, problem, bytes(head), size))
+                        bad.append((name, problem, _read_mark(bytes(head), size)))
                 with self._cond:
                     if self._outage_epoch != epoch:
                         return None
                     for header in found:
                         self._index(header.meta, header.total_size)
-                    for _, problem, _, _ in bad:
+                    for _, problem, _ in bad:
                         if problem == "foreign":
                             self._foreign += 1
                         else:
                             self._corrupt += 1
                     # not one this store's SET overwrote since the read (see ``_busy``)
-                    drop = [(t, (head, size)) for name, _, head, size in bad
-                            if (t := name.decode()) not in self._busy and not self._indexes_name(t)]
-                    self._claim([t for t, _ in drop])
+                    drop = {t: mark for name, _, mark in bad
+                            if (t := name.decode()) not in self._busy and not self._indexes_name(t)}
+                    self._claim(list(drop))
                 # only while each still holds the bytes read (another engine may SET it)
-                self._delete_claimed([t for t, _ in drop], [read for _, read in drop])
+                self._delete_claimed(list(drop), drop)
             if cursor == 0:
                 break
         with self._cond:  # with the outage check: one right after it cleared ``_synced`` again
@@ -1022,6 +1050,17 @@ class RedisTier(IndexedTier):
             self._synced.set()
             self._listen_refused = False  # a later refusal is news again
         return recovered
+
+
+def _refuses_scripts(exc: BaseException) -> bool:
+    """Whether ``exc`` is a server's refusal of EVAL itself (an ACL without scripting, a
+    proxy that has no EVAL), not an error the script met."""
+    import redis
+
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, redis.exceptions.ResponseError) and ("unknown command" in text or "noperm" in text)
 
 
 def _redact(url: str) -> str:

@@ -18,7 +18,7 @@ import redis
 import torch
 
 from promptsplice.benchmarks._redis_server import RedisServer, free_port
-from promptsplice.blocks import content_digest, token_bytes
+from promptsplice.blocks import HASH_BYTES, content_digest, token_bytes
 from promptsplice.engine_adapters.store import _format as fmt
 from promptsplice.engine_adapters.store._redis import RedisTier, record_key
 from promptsplice.engine_adapters.store._store import (
@@ -422,6 +422,62 @@ def test_a_good_value_set_after_a_damaged_scan_is_not_deleted(redis_url, monkeyp
         assert tier._rescan() is not None and admin.exists(name) == 0
     admin.close()
 
+
+@pytest.mark.reliability
+def test_a_damaged_delete_retried_later_still_spares_a_good_value(redis_url):
+    """A damaged value's delete the server refused goes back to the writer; its retry
+    was a plain DEL, so another engine's good value SET during the back-off went with
+    it.  The retry keeps the condition."""
+    ref = make_refs(1)[0]
+    admin = client(redis_url)
+    with open_store(redis_url) as a, open_store(redis_url, dram_blocks=8, remote_retry_s=0.3) as b:
+        assert remote(b).wait_synced(5.0)
+        put_all(a, [ref])
+        assert wait_for(lambda: b.match_prefix([ref], salt=SALT) == 1)
+        name = value_key(ref)
+        good = admin.get(name)
+        try:
+            admin.execute_command("ACL", "SETUSER", "default", "-del")
+            admin.set(name, good[:-8])
+            assert b.get(ref, salt=SALT).status is CORRUPT
+            assert admin.get(name) == good[:-8]  # the server refused the delete
+            admin.set(name, good)  # another engine's good value, during the back-off
+        finally:
+            admin.execute_command("ACL", "SETUSER", "default", "+del")
+        assert wait_for(lambda: _writer_idle(b), timeout=3.0)  # retried
+        assert admin.get(name) == good
+    admin.close()
+
+
+@pytest.mark.reliability
+def test_a_value_gone_between_the_scans_two_reads_is_not_damaged(redis_url, monkeypatch):
+    """A header over the scan's first read (4,096 bytes: 1,200 tokens here) is read
+    again; a value deleted in between read as an empty header: counted damaged, and
+    its delete, comparing only the length, removed another engine's good SET."""
+    meta = fmt.BlockMeta(0, b"\x11" * HASH_BYTES, fmt.salt_bytes(SALT), b"\x22" * HASH_BYTES, token_bytes(list(range(1200))),
+                         (2, 2, 16, 4), "float32")
+    good = bytes(fmt.encode_record(meta, memoryview(kv(1).numpy()).cast("B"), FP))
+    assert fmt.header_size(meta) > 4096
+    name = record_key(FP, meta)
+    admin = client(redis_url)
+    with open_store(redis_url) as b:
+        tier = remote(b)
+        assert tier.wait_synced(5.0)
+        admin.set(name, good)
+        real_getrange = tier._client.getrange
+
+        def getrange(key, start, end):  # the value is evicted between the two reads
+            admin.delete(key)
+            return real_getrange(key, start, end)
+
+        monkeypatch.setattr(tier._client, "getrange", getrange)
+        sent = _land_before_deletes(monkeypatch, tier, name, good, admin)
+        assert tier._rescan() is not None
+        assert (b.stats().remote_corrupt, sent) == (0, [])  # nothing damaged, nothing deleted
+        admin.set(name, good)
+        monkeypatch.undo()
+        assert tier._rescan() is not None and admin.get(name) == good
+    admin.close()
 
 @pytest.mark.reliability
 def test_a_server_that_refuses_scripts_still_loses_its_damaged_values(redis_url):
