@@ -23,7 +23,7 @@ escape is encoded whole, exactly as before.  The adapters name their control tok
 vocabulary does not flag special but that are spelled like markup (Qwen's
 ``<tool_call>``) are control tokens here too.
 
-Kept as one module (~610 lines): what counts as a control token, how each adapter
+Kept as one module (~700 lines): what counts as a control token, how each adapter
 encodes text around it and how :class:`Markup` escapes it are one rule, and a change to
 one of them without the others let caller text produce control tokens.
 """
