@@ -147,12 +147,14 @@ class AdaptiveRecompute:
     run is computed.  ``window``: how many of those blocks count (the largest
     deviation; the agent runner's guard looks at the last one).  ``whole_run``: compute
     the whole run (:func:`~promptsplice.engine_adapters.connector._plans.compute_run`,
-    the RAG runner's: a run whose start deviated keeps none of its stored KV), else
-    one more block, by one more request
-    (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`).
+    the RAG runner's: a run whose start deviated keeps none of its stored KV), and
+    every later run of the request too (a request whose chunks deviate is sent exact
+    from there: computing only the deviating run left probed requests at KL 0.038-0.050
+    and top-1 0.94, README "The run-start guard"), else one more block, by one more
+    request (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`).
     ``extra`` counts the blocks added, ``extended`` lists where each starts."""
 
-    __slots__ = ("max_deviation", "tokens", "extended", "window", "whole_run")
+    __slots__ = ("max_deviation", "tokens", "extended", "window", "whole_run", "tripped")
 
     def __init__(self, max_deviation: float, tokens: Sequence[int], *, window: int = 1,
                  whole_run: bool = False) -> None:
@@ -161,6 +163,7 @@ class AdaptiveRecompute:
         self.extended: list[int] = []
         self.window = max(1, window)
         self.whole_run = whole_run
+        self.tripped = False  # whole_run: a run start deviated; every later run is computed
 
     @property
     def extra(self) -> int:
@@ -172,9 +175,10 @@ class AdaptiveRecompute:
             return None
         bs, end = plan.block_size, plan.dst_start
         latest = {d.dst_start: d.value for d in seen if end - self.window * bs <= d.dst_start < end}
-        if not latest or max(latest.values()) <= self.max_deviation:
+        if not self.tripped and (not latest or max(latest.values()) <= self.max_deviation):
             return None
         if self.whole_run:
+            self.tripped = True
             phases = compute_run(nxt)
             if phases:
                 self.extended.extend(g.dst_start + i * bs for g in plan.segments for i in range(g.num_blocks))

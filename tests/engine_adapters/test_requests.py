@@ -165,3 +165,34 @@ def test_the_rag_guard_reads_every_recomputed_block_and_computes_the_whole_run()
     assert rag.extended == [seg.dst_start + i * BS for i in range(seg.num_blocks)]  # every block of the run
     calm = AdaptiveRecompute(0.5, new, window=2, whole_run=True)  # under the threshold: loaded as planned
     assert run(calm).phases == tuple(phases) and calm.extra == 0
+
+
+def test_the_rag_guard_computes_every_later_run_of_a_request_once_one_deviates():
+    """Once a run start deviates beyond the threshold, the RAG guard computes the rest of
+    the request's runs too, calm starts included: computing only the deviating run left
+    probed requests at first-token KL 0.038-0.050 and top-1 0.94 (other runs of the same
+    request stayed relocated; README, "The run-start guard")."""
+    old = list(range(1000, 1000 + 12 * BS))
+    new = old[: 2 * BS] + [7] * BS + old[2 * BS : 6 * BS] + [8] * BS + old[6 * BS :]
+    phases = plan_phases(old, new, [(2 * BS, 6 * BS, BS), (6 * BS, 12 * BS, 2 * BS)], block_size=BS,
+                         recompute_blocks=2, probe=True)
+    runs = [ph.plan.segments for ph in phases if ph.plan is not None and ph.plan.segments]
+    assert len(runs) == 2  # two loaded runs, each after its own two recomputed blocks
+    first = phases[0].plan.probes[0].dst_start
+
+    def deviations(plan):  # the first run's start deviates, the second's is calm
+        if plan is None or not plan.probes:
+            return ()
+        return tuple(BlockDeviation(q.dst_start + i * BS, q.delta, (v,), (v,)) for q in plan.probes
+                     for i, v in enumerate((0.4, 0.01) if q.dst_start == first else (0.01, 0.01)))
+
+    def run(adapt):
+        return run_phases(new, phases, lambda prompt, plan, gen: PhaseResult(object(), 0, deviations(plan)),
+                          {"max_tokens": 1}, adapt)
+
+    rag = AdaptiveRecompute(0.25, new, window=2, whole_run=True)
+    out = run(rag)
+    assert not any(ph.plan is not None and ph.plan.segments for ph in out.phases)  # neither run loaded
+    assert rag.extended == [g.dst_start + i * BS for segs in runs for g in segs for i in range(g.num_blocks)]
+    calm = AdaptiveRecompute(0.5, new, window=2, whole_run=True)
+    assert run(calm).phases == tuple(phases) and calm.extra == 0
