@@ -220,9 +220,11 @@ def pic_choice(
     prefill of the exact request (its own layout).  The plan is grouped into requests as
     :func:`plan_chunk_phases` groups it (a run moving fewer than ``min_group_blocks``
     blocks is computed); more requests cost no prefill (each starts at the last one's
-    end, a prefix hit).  ``extra_blocks``: the share of a probed chunk's loaded blocks
-    the deviation guard is expected to compute instead, for stored and for precomputed
-    chunks (the runner's measured rates, :class:`GuardRates`).  ``continued``: the starts of chunks that continue their
+    end, a prefix hit).  ``extra_blocks``: the chance that a probed chunk's own run start
+    deviates (the share of its loaded blocks the guard computed for that), for stored and
+    for precomputed chunks (the runner's measured rates, :class:`GuardRates`); the guard
+    is sticky, so each probed run is charged the chance that it or an earlier one
+    deviates.  ``continued``: the starts of chunks that continue their
     source run (:func:`continued_chunks`: nothing recomputed, no guard).  Relocation
     pays only when chunks move more than that and the precompute is repaid: short
     chunks that start no run, new chunks and exact repeats go out exact.
@@ -246,22 +248,25 @@ def pic_choice(
     run = {ph.plan.segments[0].dst_start: sum(g.num_blocks for g in ph.plan.segments)
            for ph in phases if ph.plan and ph.plan.segments}
     extra = 0.0
+    calm = 1.0  # the chance that no earlier run start deviated: the guard is sticky
     for s, e in chunks:
         if s in continued:
             continue  # not probed: the guard never recomputes more of it
         a = max(s + r * bs, hit)
-        if a in moved and a < e and r and hit <= s:  # probed: the guard may recompute more of it
-            extra += min(extra_blocks[(s, e) in new], 1.0) * run.get(a, moved[a]) * bs
+        if a in moved and a < e and r and hit <= s:  # probed: computed if it or an earlier start deviates
+            calm *= 1.0 - min(extra_blocks[(s, e) in new], 1.0)
+            extra += (1.0 - calm) * run.get(a, moved[a]) * bs
     pic = num_tokens - start - bs * sum(moved.values()) + sum(e - s for s, e in missing) + round(extra)
     return PicChoice(pic, exact_tokens)
 
 
 class GuardRates:
     """The share of a probed chunk's loaded blocks the deviation guard
-    (``AdaptiveRecompute``) computed instead, for stored and for just-precomputed chunks
-    apart: a running mean over a runner's requests, starting from :attr:`PRIOR` worth
-    :attr:`PRIOR_CHUNKS` chunks.  :func:`pic_choice` expects the guard to compute that
-    share.  (A share, not a count: the RAG guard computes a chunk's whole run, so what
+    (``AdaptiveRecompute``) computed because the chunk's own run start deviated
+    (``deviated``: not the runs a sticky guard computed after an earlier one), for stored
+    and for just-precomputed chunks apart: a running mean over a runner's requests,
+    starting from :attr:`PRIOR` worth :attr:`PRIOR_CHUNKS` chunks.  :func:`pic_choice`
+    reads it as the chance of a trip at that chunk.  (A share, not a count: the RAG guard computes a chunk's whole run, so what
     it costs grows with the chunk; counted in blocks, the prior of one block let the gate
     relocate on a family of 6-block chunks where PIC then computed more than its exact
     control.  Chunks met in another request's context deviate more than chunks

@@ -519,7 +519,7 @@ class RagRunner:
             cont = self._continued(toks, placed, head_end, r, cfg.level)
             probed = [(c.start + r * bs, c.end, c.start in new) for c in placed
                       if hit <= c.start and c.start not in cont and c.start + r * bs in runs and c.end - c.start > r * bs]
-            self._guard_rates.observe(probed, adapt.extended, bs)
+            self._guard_rates.observe(probed, adapt.deviated, bs)
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)
         # blocks the deviation guard recomputed were relocatable too

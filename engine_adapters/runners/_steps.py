@@ -152,9 +152,10 @@ class AdaptiveRecompute:
     from there: computing only the deviating run left probed requests at KL 0.038-0.050
     and top-1 0.94, README "The run-start guard"), else one more block, by one more
     request (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`).
-    ``extra`` counts the blocks added, ``extended`` lists where each starts."""
+    ``extra`` counts the blocks added, ``extended`` lists where each starts, ``deviated``
+    those of runs computed because their own start deviated (not for an earlier one)."""
 
-    __slots__ = ("max_deviation", "tokens", "extended", "window", "whole_run", "tripped")
+    __slots__ = ("max_deviation", "tokens", "extended", "window", "whole_run", "tripped", "deviated")
 
     def __init__(self, max_deviation: float, tokens: Sequence[int], *, window: int = 1,
                  whole_run: bool = False) -> None:
@@ -164,6 +165,7 @@ class AdaptiveRecompute:
         self.window = max(1, window)
         self.whole_run = whole_run
         self.tripped = False  # whole_run: a run start deviated; every later run is computed
+        self.deviated: list[int] = []
 
     @property
     def extra(self) -> int:
@@ -175,13 +177,17 @@ class AdaptiveRecompute:
             return None
         bs, end = plan.block_size, plan.dst_start
         latest = {d.dst_start: d.value for d in seen if end - self.window * bs <= d.dst_start < end}
-        if not self.tripped and (not latest or max(latest.values()) <= self.max_deviation):
+        own = bool(latest) and max(latest.values()) > self.max_deviation
+        if not own and not self.tripped:
             return None
         if self.whole_run:
             self.tripped = True
             phases = compute_run(nxt)
             if phases:
-                self.extended.extend(g.dst_start + i * bs for g in plan.segments for i in range(g.num_blocks))
+                blocks = [g.dst_start + i * bs for g in plan.segments for i in range(g.num_blocks)]
+                self.extended.extend(blocks)
+                if own:
+                    self.deviated.extend(blocks)
             return phases
         phases = extend_recompute(nxt, self.tokens)
         if phases:

@@ -194,5 +194,7 @@ def test_the_rag_guard_computes_every_later_run_of_a_request_once_one_deviates()
     out = run(rag)
     assert not any(ph.plan is not None and ph.plan.segments for ph in out.phases)  # neither run loaded
     assert rag.extended == [g.dst_start + i * BS for segs in runs for g in segs for i in range(g.num_blocks)]
+    # what the gate learns from (GuardRates): the run whose own start deviated, only
+    assert rag.deviated == [g.dst_start + i * BS for g in runs[0] for i in range(g.num_blocks)]
     calm = AdaptiveRecompute(0.5, new, window=2, whole_run=True)
     assert run(calm).phases == tuple(phases) and calm.extra == 0

@@ -344,15 +344,16 @@ def test_the_choice_predicts_the_plan_it_would_run():
     phases = plan_chunk_phases(list(range(96)), [ChunkPlacement(8, 40, sa), ChunkPlacement(40, 80, sb)],
                                block_size=BS, head_end=8, recompute_blocks=1, min_group_blocks=8)
     assert [(seg.dst_start, seg.num_blocks) for ph in phases if ph.plan for seg in ph.plan.segments] == [(0, 2), (44, 9)]
-    # the deviation guard's expected share of each probed chunk's loaded blocks: half of
-    # a stored chunk's (7 and 9 blocks: 8 blocks), a quarter of a precomputed one's (the
-    # second new: 3.5 + 2.25 blocks)
+    # the deviation guard's expected cost: each probed run, times the chance that its own
+    # start or an earlier one deviates (the guard is sticky); a stored chunk's own chance
+    # a half, a precomputed one's a quarter.  Both stored: 0.5 of the first's 7 blocks,
+    # 0.75 of the second's 9 (10.25 blocks); the second new: 0.5 * 7 + 0.625 * 9
     c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
                    extra_blocks=(0.5, 0.25))
-    assert c.pic_tokens == 96 - 8 - 64 + 8 * BS
+    assert c.pic_tokens == 96 - 8 - 64 + round(10.25 * BS)
     c = pic_choice(96, 0, 8, long, [(40, 80)], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
                    extra_blocks=(0.5, 0.25))
-    assert c.pic_tokens == 96 - 8 - 64 + 40 + 23
+    assert c.pic_tokens == 96 - 8 - 64 + 40 + round((0.5 * 7 + 0.625 * 9) * BS)
     # never more than the chunk's moved blocks; chunks behind the hit are not probed
     c = pic_choice(96, 0, 8, long, [], head_hit=8, exact_tokens=88, recompute_blocks=1, block_size=BS,
                    extra_blocks=(20.0, 0.0))
@@ -366,8 +367,9 @@ def test_a_continued_chunk_is_predicted_with_nothing_recomputed_and_no_guard():
     # head [0, 8), chunks [8, 24) and [24, 40) (the second continues the first), query
     c = pic_choice(48, 0, 8, [(8, 24), (24, 40)], [], head_hit=8, exact_tokens=40, recompute_blocks=2,
                    block_size=BS, extra_blocks=(0.5, 0.0))
-    # each chunk: 2 blocks recomputed, 2 moved, the guard expected to compute half: 1 each
-    assert c.pic_tokens == 48 - 8 - 16 + 2 * BS
+    # each chunk: 2 blocks recomputed, 2 moved; the guard computes the first's with a
+    # chance of a half, the second's with three quarters (its start or the first's)
+    assert c.pic_tokens == 48 - 8 - 16 + round(2.5 * BS)
     c = pic_choice(48, 0, 8, [(8, 24), (24, 40)], [], head_hit=8, exact_tokens=40, recompute_blocks=2,
                    block_size=BS, extra_blocks=(0.5, 0.0), continued={24})
     # the second chunk moves whole and is not probed: one run of 2 + 4 blocks, which the
