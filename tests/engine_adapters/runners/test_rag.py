@@ -375,6 +375,12 @@ def test_a_continued_chunk_is_predicted_with_nothing_recomputed_and_no_guard():
     # the second chunk moves whole and is not probed: one run of 2 + 4 blocks, which the
     # guard computes whole when its start deviates: half of it expected
     assert c.pic_tokens == 48 - 8 - 24 + 3 * BS and c.pays
+    # a continued chunk between two probed ones is no trip chance of its own: the first
+    # run (2 + 4 blocks) is computed with a chance of a half, the third chunk's 2 blocks
+    # with three quarters (not 0.875)
+    c = pic_choice(64, 0, 8, [(8, 24), (24, 40), (40, 56)], [], head_hit=8, exact_tokens=56, recompute_blocks=2,
+                   block_size=BS, extra_blocks=(0.5, 0.0), continued={24})
+    assert c.pic_tokens == 64 - 8 - 32 + round((0.5 * 6 + 0.75 * 2) * BS)
     # a short chunk (no more than r blocks) moves too when it continues a stored run
     c = pic_choice(32, 0, 8, [(8, 16), (16, 24)], [], head_hit=8, exact_tokens=24, recompute_blocks=2,
                    block_size=BS, continued={16})
