@@ -175,6 +175,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
             allow_skips=args.allow_skips, one_store_engine=args.one_store_engine,
             pic_exact_alignment=args.pic_exact_alignment, pic_recompute_at=args.pic_recompute_at,
+            pic_max_deviation=args.pic_max_deviation,
             kv_cache_bytes=_mib(args.kv_cache_mib), store_layout=args.store_layout,
         )
     if not args.trace:
@@ -193,6 +194,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         kv_cache_bytes=_mib(args.kv_cache_mib),
         store_layout=args.store_layout,
         pic_recompute_at=args.pic_recompute_at,
+        pic_max_deviation=args.pic_max_deviation,
     )
 
 
@@ -334,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--pic-recompute-at", default=None, choices=("run", "chunk"),
                      help="promptsplice_pic: recompute at the start of each run of chunks stored together "
                           "or of every chunk (default: the fidelity level's, chunk at bounded)")
+    rag.add_argument("--pic-max-deviation", type=float, default=None,
+                     help="promptsplice_pic: the run-start guard's threshold (default: the fidelity level's, "
+                          "0.20 at bounded); a larger one trips less and relocates more")
     rag.add_argument("--fidelity-requests", type=count_arg(0), default=32,
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.add_argument("--allow-skips", action="store_true",

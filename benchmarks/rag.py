@@ -38,7 +38,7 @@ every token the engine computed for a request (the precompute included), ``cache
 prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
 
     "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests",
-            "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at", "run_max_deviation", "gap_closed", "kv_cache_blocks",
+            "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at", "run_max_deviation", "guard", "gap_closed", "kv_cache_blocks",
             "store_dram_bytes", "probe_traffic"},
     "fidelity": {"tf_top1_agreement", "first_token_kl", "greedy_agreement", "steps",
                  "first_token_kl_p50", "first_token_kl_p90", "first_token_kl_max",
@@ -228,7 +228,8 @@ def _check_capacity(engine: Any, kv: Any, store_shape: dict[str, Any] | None = N
 
 
 def check_store_layout(store_layout: str, *, pic_exact_alignment: str = "auto",
-                       recompute_blocks: int | None = None, pic_recompute_at: str | None = None) -> str:
+                       recompute_blocks: int | None = None, pic_recompute_at: str | None = None,
+                       pic_max_deviation: float | None = None) -> str:
     """The store and PIC options of a bench job, checked before its engines start."""
     if store_layout not in STORE_LAYOUTS:
         raise ConfigError(f"store_layout must be one of {STORE_LAYOUTS}, got {store_layout!r}")
@@ -238,6 +239,11 @@ def check_store_layout(store_layout: str, *, pic_exact_alignment: str = "auto",
         raise ConfigError(f"pic_recompute_at must be 'run', 'chunk' or None, got {pic_recompute_at!r}")
     if recompute_blocks is not None and recompute_blocks < 0:
         raise ConfigError(f"--recompute-blocks must be >= 0, got {recompute_blocks}")
+    from promptsplice.engine_adapters.runners._fidelity import check_max_deviation
+
+    check_max_deviation(pic_max_deviation, "--pic-max-deviation")
+    if pic_max_deviation is not None and recompute_blocks == 0:
+        raise ConfigError("--pic-max-deviation measures the recomputed blocks: leave it unset with --recompute-blocks 0")
     return store_layout
 
 
@@ -256,6 +262,7 @@ def run_modes(
     pic_exact_alignment: str = "auto",
     store_layout: str = "store_aware",
     pic_recompute_at: str | None = None,
+    pic_max_deviation: float | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Run naive then promptsplice on ``engine`` (then ``promptsplice_store`` and
     ``promptsplice_pic`` when ``kv_engine`` is given: an engine with the splice connector,
@@ -365,6 +372,7 @@ def run_modes(
                         progress=progress, prompt_format=fmt_obj, recompute_blocks=recompute_blocks,
                         fidelity_requests=fidelity_requests, salt=f"bench-rag-pic-{run_id}",
                         exact_alignment=pic_exact_alignment, recompute_at=pic_recompute_at,
+                        max_deviation=pic_max_deviation,
                     )
             finally:
                 if factory:
@@ -453,7 +461,7 @@ def _probe_signals(i: int, st: Any) -> dict[str, Any]:
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
              salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays",
-             recompute_at=None) -> None:
+             recompute_at=None, max_deviation=None) -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
     from promptsplice.engine_adapters import RagRunner, StepFallback
     from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
@@ -463,7 +471,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     runner = RagRunner(
         kv_engine, mode="position_independent", salt=salt, recompute_blocks=r, fidelity="bounded",
         policy=policy, prompt_format=prompt_format, precompute=precompute, exact_alignment=exact_alignment,
-        relocate=relocate, recompute_at=recompute_at,
+        relocate=relocate, recompute_at=recompute_at, max_deviation=max_deviation,
     )
     fid, ctl = Fidelity(), Fidelity()
     steps = []
@@ -502,6 +510,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "exact_alignment": exact_alignment,
         "recompute_at": runner.recompute_at_for(),
         "run_max_deviation": runner.max_deviation,  # the run-start guard's threshold (None: no guard)
+        "guard": runner.guard_rates.observed(),  # what its gate learnt: trip rates, requests explored
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
         "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
                                           report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,
@@ -648,6 +657,7 @@ def run_rag_bench(
     kv_cache_bytes: int | None = None,
     store_layout: str = "store_aware",
     pic_recompute_at: str | None = None,
+    pic_max_deviation: float | None = None,
 ) -> int:
     """The CLI's job: run the trace, print, write the JSON; exit status from
     :func:`bench_status`."""
@@ -659,7 +669,7 @@ def run_rag_bench(
     OrderPolicy.parse(policy)  # fail fast, before the engine starts
     AlignPolicy.parse(alignment)
     check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks,
-                       pic_recompute_at=pic_recompute_at)
+                       pic_recompute_at=pic_recompute_at, pic_max_deviation=pic_max_deviation)
     reqs = read_rag_trace(trace, limit=requests)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     try:
@@ -669,6 +679,7 @@ def run_rag_bench(
                 engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_factory,
                 recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
                 pic_exact_alignment=pic_exact_alignment, store_layout=store_layout, pic_recompute_at=pic_recompute_at,
+                pic_max_deviation=pic_max_deviation,
             )
         finally:
             engine.close()

@@ -222,6 +222,7 @@ def run_rag_suite(
     kv_cache_bytes: int | None = None,
     store_layout: str = "store_aware",
     pic_recompute_at: str | None = None,
+    pic_max_deviation: float | None = None,
 ) -> int:
     """The CLI's job: start the plain engine once (and fresh store engines per family and
     mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""
@@ -233,7 +234,7 @@ def run_rag_suite(
     OrderPolicy.parse(policy)  # fail fast, before the engines start
     AlignPolicy.parse(alignment)
     check_store_layout(store_layout, pic_exact_alignment=pic_exact_alignment, recompute_blocks=recompute_blocks,
-                       pic_recompute_at=pic_recompute_at)
+                       pic_recompute_at=pic_recompute_at, pic_max_deviation=pic_max_deviation)
     out = Path(json_out)
     trace_dir = trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces")
     suite_trace_dir(trace_dir, SUITE if families is None else families)  # a bad folder fails before the engines start
@@ -249,6 +250,7 @@ def run_rag_suite(
             policy=policy, alignment=alignment, max_tokens=max_tokens,
             recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
             pic_exact_alignment=pic_exact_alignment, store_layout=store_layout, pic_recompute_at=pic_recompute_at,
+            pic_max_deviation=pic_max_deviation,
         )
     finally:
         if one_store_engine:

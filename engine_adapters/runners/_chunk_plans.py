@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -261,37 +261,76 @@ def pic_choice(
 
 
 class GuardRates:
-    """The share of a probed chunk's loaded blocks the deviation guard
-    (``AdaptiveRecompute``) computed because the chunk's own run start deviated
-    (``deviated``: not the runs a sticky guard computed after an earlier one), for stored
-    and for just-precomputed chunks apart: a running mean over a runner's requests,
-    starting from :attr:`PRIOR` worth :attr:`PRIOR_CHUNKS` chunks.  :func:`pic_choice`
-    reads it as the chance of a trip at that chunk.  (A share, not a count: the RAG guard computes a chunk's whole run, so what
-    it costs grows with the chunk; counted in blocks, the prior of one block let the gate
-    relocate on a family of 6-block chunks where PIC then computed more than its exact
-    control.  Chunks met in another request's context deviate more than chunks
-    precomputed in this request's order.)"""
+    """What the deviation guard (``AdaptiveRecompute``) costs a probed chunk, learnt per
+    runner, and the gate that reads it.
 
-    PRIOR = (0.5, 0.25)
+    The rate, for stored and for just-precomputed chunks apart: the share of a probed
+    chunk's loaded blocks the guard computed because the chunk's *own* run start
+    deviated (``AdaptiveRecompute.deviated``, not the runs a sticky guard computed after
+    an earlier one), a running mean over the runner's requests starting from
+    :attr:`PRIOR` worth :attr:`PRIOR_CHUNKS` chunks.  :func:`pic_choice` reads it as the
+    chance of a trip at that chunk.  (A share, not a count: the RAG guard computes a
+    chunk's whole run, so what it costs grows with the chunk.  Chunks met in another
+    request's context deviate more than chunks precomputed in this request's order.)
+
+    The rate is learnt only from requests that relocate, so a rate pushed up by a few
+    unlucky requests could send every later one exact and never be corrected:
+    :meth:`choose` lets one in :attr:`EXPLORE_EVERY` of the requests the rate refused,
+    and that would pay were the guard never to trip, relocate anyway.
+    """
+
+    PRIOR = (0.2, 0.1)
+    """Near the measured own-trip rates at ``bounded`` on the RAG suite (README, "The
+    run-start guard").  The guard is sticky, so a prior of 0.5 charged a request's third
+    probed run 0.875 of its blocks: the gate refused most multi-chunk requests before it
+    had learnt anything."""
     PRIOR_CHUNKS = 4
+    EXPLORE_EVERY = 8
 
-    __slots__ = ("_sums", "_counts")
+    __slots__ = ("_sums", "_counts", "refused", "explored")
 
     def __init__(self) -> None:
-        self._sums = [p * self.PRIOR_CHUNKS for p in self.PRIOR]
-        self._counts = [self.PRIOR_CHUNKS, self.PRIOR_CHUNKS]
+        self._sums = [0.0, 0.0]
+        self._counts = [0, 0]
+        self.refused = 0  # requests the rate refused that would pay with no trip
+        self.explored = 0  # of those, relocated anyway
 
     def expected(self) -> tuple[float, float]:
         """(stored, precomputed): the mean share of a probed chunk's loaded blocks computed."""
-        return (self._sums[0] / self._counts[0], self._sums[1] / self._counts[1])
+        n = self.PRIOR_CHUNKS
+        return tuple((p * n + s) / (n + c) for p, s, c in zip(self.PRIOR, self._sums, self._counts))  # type: ignore[return-value]
+
+    def observed(self) -> dict[str, Any]:
+        """What was learnt, without the prior (the bench's report): per chunk kind the
+        probed chunks and their mean share computed for their own deviation."""
+        return {kind: {"chunks": c, "trip_rate": round(s / c, 4) if c else None}
+                for kind, s, c in zip(("stored", "precomputed"), self._sums, self._counts)} | {
+            "refused_requests": self.refused, "explored_requests": self.explored}
 
     def observe(self, chunks: Sequence[tuple[int, int, bool]], extended: Sequence[int], block_size: int) -> None:
         """Count one request: its probed chunks ``(first loaded token, end, precomputed)``
-        and the starts of the blocks the guard computed (``AdaptiveRecompute.extended``)."""
+        and the starts of the blocks the guard computed for them."""
         for a, e, new in chunks:
             loaded = max(1, (e - a) // block_size)
             self._sums[new] += min(1.0, sum(a <= x < e for x in extended) / loaded)
             self._counts[new] += 1
+
+    def choose(self, predict: Callable[[tuple[float, float]], PicChoice]) -> PicChoice:
+        """The gate: ``predict(rates)`` is :func:`pic_choice` of the request with
+        ``extra_blocks=rates``.  The choice at the expected rates, but for every
+        :attr:`EXPLORE_EVERY`-th request it refused that pays at rate zero, which
+        relocates (the prediction with no trip)."""
+        choice = predict(self.expected())
+        if choice.pays:
+            return choice
+        free = predict((0.0, 0.0))
+        if not free.pays:
+            return choice
+        self.refused += 1
+        if self.refused % self.EXPLORE_EVERY:
+            return choice
+        self.explored += 1
+        return free
 
 
 class ChunkPlacement(NamedTuple):

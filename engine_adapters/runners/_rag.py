@@ -29,13 +29,13 @@ How a request runs (``position_independent``):
    chunks) is not the default: a chunk that attended to other retrieved text carries
    KV closer to its next use than one that saw only the system prompt (README, "Beyond
    prefix caching", for the measured KL of both and of the orders tried).
-   Before any precompute, :func:`pic_choice` predicts the prefill of that plan (the
-   precompute, each run's recomputed blocks, the blocks the deviation guard is
-   expected to add: the runner's measured rate, :class:`GuardRates`) against one
-   exact request of the same tokens under the tenant's salt (its prefix cache and the
-   store's exact blocks); unless the plan computes fewer tokens, the
-   request goes out exact (``StepFallback.NO_GAIN``: new chunks, short chunks that
-   start no run, exact repeats).  Every exact request indexes its chunks that stand on whole blocks (exact
+   Before any precompute, :class:`GuardRates` (:func:`pic_choice`) predicts the prefill
+   of that plan (the precompute, each run's recomputed blocks, what the guard is
+   expected to add at the runner's measured trip rates) against one exact request of
+   the same tokens under the tenant's salt (its prefix cache, the store's exact
+   blocks); unless the plan computes fewer, the request goes out exact
+   (``StepFallback.NO_GAIN``: new chunks, short chunks that start no run, exact
+   repeats).  Every exact request indexes its chunks that stand on whole blocks (exact
    KV, saved by the connector), so a chunk first seen in one is later relocated from
    there with no precompute at all: with ``exact_alignment="all"`` every chunk; under
    the default ``"auto"`` only those its layout padded, usually none, so a runner whose
@@ -87,6 +87,7 @@ blocks there are indexed.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import logging
 import threading
@@ -112,12 +113,7 @@ from promptsplice.engine_adapters.runners._chunk_plans import (
     precompute_sources,
 )
 from promptsplice.engine_adapters.runners._fidelity import (
-    DEFAULT_FIDELITY,
-    FIDELITY_TABLE,
-    FidelityLevel,
-    FidelitySettings,
-    RunnerFidelity,
-    step_level,
+    DEFAULT_FIDELITY, FIDELITY_TABLE, FidelityLevel, FidelitySettings, RunnerFidelity, step_level,
 )
 from promptsplice.engine_adapters.runners._steps import (
     RAG_SURFACE,
@@ -235,7 +231,8 @@ class RagRunner:
     (at every chunk: closer to exact); ``None`` (default): ``"chunk"`` at ``bounded``,
     ``"run"`` at ``fast`` (README, "Runs of chunks").
     ``max_deviation`` (``None``: the level's, needs ``recompute_blocks >= 1``): a run whose
-    recomputed blocks deviate beyond it is computed whole (``AdaptiveRecompute(whole_run=True)``).
+    recomputed blocks deviate beyond it is computed whole, and so is every later run of
+    the request (``AdaptiveRecompute(whole_run=True)``).
     """
 
     def __init__(
@@ -311,7 +308,7 @@ class RagRunner:
                 raise ConfigError("the chunk index belongs to another engine's store or block size")
         self.index = index
         self._lock = threading.Lock()
-        self._guard_rates = GuardRates()
+        self.guard_rates = GuardRates()  # what the gate learnt of the run-start guard
 
     def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
         """The settings a request at ``fidelity`` (default: the runner's) runs with."""
@@ -437,14 +434,14 @@ class RagRunner:
                 _, srcs = precompute_sources(toks, head_end, [(s.start, s.end) for s in group], block_size=bs, salt=self.salt)
                 will += [ChunkPlacement(s.start, s.end, src) for s, src in zip(group, srcs, strict=True)]
             will.sort(key=lambda c: c.start)
-            choice = pic_choice(
-                len(toks), hit, head_end, [(c.start, c.end) for c in will], [(s.start, s.end) for s in missing],
+            predict = functools.partial(
+                pic_choice, len(toks), hit, head_end, [(c.start, c.end) for c in will], [(s.start, s.end) for s in missing],
                 head_hit=self._exact_hit(toks, stored[0]),
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
-                extra_blocks=self._guard_rates.expected() if cfg.run_max_deviation is not None else (0.0, 0.0),
                 continued=self._continued(toks, will, head_end, r, cfg.level),
             )
+            choice = self.guard_rates.choose(lambda x: predict(extra_blocks=x)) if cfg.run_max_deviation else predict()
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
             if why is None:
                 prompt = asm.assemble(chunks, salt=salt, **what)  # what the preview showed ...
@@ -519,7 +516,7 @@ class RagRunner:
             cont = self._continued(toks, placed, head_end, r, cfg.level)
             probed = [(c.start + r * bs, c.end, c.start in new) for c in placed
                       if hit <= c.start and c.start not in cont and c.start + r * bs in runs and c.end - c.start > r * bs]
-            self._guard_rates.observe(probed, adapt.deviated, bs)
+            self.guard_rates.observe(probed, adapt.deviated, bs)
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)
         # blocks the deviation guard recomputed were relocatable too

@@ -60,8 +60,12 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     out = tmp_path / "rag.json"
     # the trace by a path relative to the CLI's folder: the report names it absolute (a
     # pic_sweep run from another folder refused the baseline of the same file)
+    # a guard that never trips (--pic-max-deviation 1): the request of these six that
+    # relocates must relocate whatever the default guard finds in it (the default's bar
+    # is tests/engine_adapters/runners/test_fidelity.py's)
     proc = _cli("bench", "rag", "--trace", os.path.relpath(trace, REPO), "--json", str(out), "--requests", "6",
-                "--max-tokens", "1", "--fidelity-requests", "1", "--allow-skips", "--pic-exact-alignment", "all")
+                "--max-tokens", "1", "--fidelity-requests", "1", "--allow-skips", "--pic-exact-alignment", "all",
+                "--pic-max-deviation", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["trace"] == str(trace.resolve())
@@ -76,8 +80,11 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at",
-                        "run_max_deviation", "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store", "probe_traffic"}
-    assert pic["run_max_deviation"] == FIDELITY_TABLE[FidelityLevel.BOUNDED].run_max_deviation  # the guard it ran with
+                        "run_max_deviation", "guard", "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store", "probe_traffic"}
+    assert pic["run_max_deviation"] == 1.0  # the guard it ran with
+    assert set(pic["guard"]) == {"stored", "precomputed", "refused_requests", "explored_requests"}
+    assert all(set(pic["guard"][k]) == {"chunks", "trip_rate"} for k in ("stored", "precomputed"))
+    assert pic["guard"]["stored"]["trip_rate"] in (0.0, None)  # nothing deviates by more than its own size
     assert pic["probe_traffic"] is True  # one fidelity probe ran on the PIC engine
     # the default fidelity's r; precomputes, phases
     assert pic["recompute_blocks"] == FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks
@@ -306,6 +313,14 @@ def test_a_store_layout_that_is_not_one_of_the_two_is_refused_before_anything_ru
 
     with pytest.raises(ConfigError, match="store_layout must be one of .*'blind'"):
         run_modes(None, sample_rag_requests(1, seed=4), store_layout="blind")
+    for bad, says in ((0, "--pic-max-deviation must be"), (float("nan"), "--pic-max-deviation"),
+                      (1.5, r"--pic-max-deviation must be a relative deviation in \(0, 1\], got 1.5")):
+        for job in (lambda: run_rag_bench(trace="t.jsonl", json_out="r.json", pic_max_deviation=bad),
+                    lambda: run_rag_suite(json_out="r.json", pic_max_deviation=bad)):
+            with pytest.raises(ConfigError, match=says):
+                job()
+    with pytest.raises(ConfigError, match="leave it unset with --recompute-blocks 0"):
+        run_rag_bench(trace="t.jsonl", json_out="r.json", pic_max_deviation=0.3, recompute_blocks=0)
     for job in (lambda: run_rag_bench(trace="t.jsonl", json_out="r.json", pic_recompute_at="block"),
                 lambda: run_rag_suite(json_out="r.json", pic_recompute_at="block")):
         with pytest.raises(ConfigError, match="pic_recompute_at must be 'run', 'chunk' or None, got 'block'"):

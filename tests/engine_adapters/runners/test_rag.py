@@ -403,12 +403,39 @@ def test_a_layout_no_plan_fits_never_pays_and_raises_nothing():
 def test_guard_rates_are_running_means_per_chunk_kind():
     rates = GuardRates()
     assert rates.expected() == GuardRates.PRIOR
+    assert rates.observed()["stored"] == {"chunks": 0, "trip_rate": None}
     # two stored chunks and a precomputed one (first loaded token, end; blocks of 4): the
     # guard computed 2 of the first stored chunk's 8 loaded blocks, none of the second's,
     # and all 4 of the precomputed one's (a whole run)
     rates.observe([(8, 40, False), (40, 48, False), (48, 64, True)], [12, 16, 48, 52, 56, 60], 4)
     n = GuardRates.PRIOR_CHUNKS
     assert rates.expected() == ((GuardRates.PRIOR[0] * n + 0.25) / (n + 2), (GuardRates.PRIOR[1] * n + 1.0) / (n + 1))
+    assert rates.observed() == {"stored": {"chunks": 2, "trip_rate": 0.125}, "precomputed": {"chunks": 1, "trip_rate": 1.0},
+                                "refused_requests": 0, "explored_requests": 0}
+
+
+def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
+    """The rates are learnt from relocating requests only: without exploring, rates
+    pushed up by a few trips would send every later request exact for good."""
+    rates = GuardRates()
+    seen = []
+
+    def predict(trips):  # a plan of 10 tokens plus its expected trips, against 12 exact
+        def go(extra):
+            seen.append(extra)
+            return PicChoice(10 + round(trips * extra[0]), 12)
+        return go
+
+    assert rates.choose(predict(4)) == PicChoice(11, 12)  # pays at the prior: no exploring
+    assert seen == [GuardRates.PRIOR]
+    rates.observe([(0, 64, False)] * 8, list(range(0, 64)), 4)  # eight chunks that each tripped
+    outs = [rates.choose(predict(40)) for _ in range(2 * GuardRates.EXPLORE_EVERY)]
+    explored = [i for i, c in enumerate(outs) if c.pays]
+    assert explored == [GuardRates.EXPLORE_EVERY - 1, 2 * GuardRates.EXPLORE_EVERY - 1]
+    assert outs[explored[0]] == PicChoice(10, 12)  # the no-trip prediction
+    assert (rates.refused, rates.explored) == (2 * GuardRates.EXPLORE_EVERY, 2)
+    # a plan that would not pay even with no trip is never explored
+    assert not rates.choose(lambda extra: PicChoice(13, 12)).pays and rates.refused == 2 * GuardRates.EXPLORE_EVERY
 
 
 # --------------------------------------------------------------- RagRunner on vLLM
@@ -627,8 +654,10 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     assert step.prompt.padding_tokens < aligned.padding_tokens and step.prompt_tokens < len(aligned.token_ids)
 
     # exact requests in whole-block chunks: indexed where they stand, relocated later
+    # (by a guard that never trips: these chunks deviate beyond bounded's own threshold
+    # in their new order, and the guard would compute every run)
     runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
-                       policy="retrieval", recompute_blocks=1, exact_alignment="all")
+                       policy="retrieval", recompute_blocks=1, exact_alignment="all", max_deviation=1.0)
     # all new: a precompute plus recomputed blocks would cost more than computing them once
     first = runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
     assert first.fallback is StepFallback.NO_GAIN and first.salt == runner.salt
@@ -796,13 +825,14 @@ def test_a_request_never_meets_the_approximate_kv_of_another_fidelity_level(kv_e
     was served fast's spliced KV (bit-identical logprobs) while reporting nothing
     relocated and nothing recomputed."""
     salt = f"lv-{uuid.uuid4().hex[:8]}"
+    # a guard that never trips at either level: both relocate whatever these chunks deviate
     runner = RagRunner(kv_engine, mode="position_independent", salt=salt, fidelity="fast", policy="retrieval",
-                       relocate="always")
+                       relocate="always", max_deviation=1.0)
     assert len({runner.reuse_salt_for(level) for level in ("fast", "bounded")}) == 2
     assert runner.reuse_salt == runner.reuse_salt_for("fast")
     # how chunks are precomputed and grouped shapes the relocated KV too (a packed runner
     # was served a standalone runner's blocks under one salt)
-    kw = {"mode": "position_independent", "salt": salt, "fidelity": "fast"}
+    kw = {"mode": "position_independent", "salt": salt, "fidelity": "fast", "max_deviation": 1.0}
     shapes = {RagRunner(kv_engine, **kw, **extra).reuse_salt for extra in (
         {}, {"precompute": "standalone"}, {"min_group_blocks": 3})}
     assert len(shapes) == 3 and runner.reuse_salt in shapes
