@@ -277,7 +277,7 @@ def run_modes(
     """
     from promptsplice.assembler import PromptFormat
 
-    check_store_layout(store_layout)
+    check_store_layout(store_layout, recompute_blocks=recompute_blocks, pic_max_deviation=pic_max_deviation)
     factory = kv_engine is not None and callable(kv_engine) and not hasattr(kv_engine, "generate")
     if kv_engine is not None and not factory:
         _check_capacity(engine, kv_engine)  # before anything runs
@@ -510,7 +510,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "exact_alignment": exact_alignment,
         "recompute_at": runner.recompute_at_for(),
         "run_max_deviation": runner.max_deviation,  # the run-start guard's threshold (None: no guard)
-        "guard": runner.guard_rates.observed(),  # what its gate learnt: trip rates, requests explored
+        "guard": runner.guard_rates().observed(),  # what its gate learnt: trip rates, requests explored
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
         "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
                                           report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,

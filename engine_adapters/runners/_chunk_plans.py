@@ -273,10 +273,15 @@ class GuardRates:
     chunk's whole run, so what it costs grows with the chunk.  Chunks met in another
     request's context deviate more than chunks precomputed in this request's order.)
 
+    A request's chunks count up to the first whose own start deviated: the gate's
+    product of chances needs the chance of a trip *given no earlier one* (trips cluster
+    within a request, and chunks behind a trip were measured behind computed runs).
     The rate is learnt only from requests that relocate, so a rate pushed up by a few
-    unlucky requests could send every later one exact and never be corrected:
-    :meth:`choose` lets one in :attr:`EXPLORE_EVERY` of the requests the rate refused,
-    and that would pay were the guard never to trip, relocate anyway.
+    unlucky requests could send every later one exact and never be corrected: until
+    :attr:`EXPLORE_CHUNKS` chunks are learnt, :meth:`choose` lets one in
+    :attr:`EXPLORE_EVERY` of the requests the rate refused, and that would pay were the
+    guard never to trip, relocate anyway (at most that many requests may prefill more
+    than their exact request; :attr:`explored` counts them).
     """
 
     PRIOR = (0.2, 0.1)
@@ -286,6 +291,7 @@ class GuardRates:
     had learnt anything."""
     PRIOR_CHUNKS = 4
     EXPLORE_EVERY = 8
+    EXPLORE_CHUNKS = 32
 
     __slots__ = ("_sums", "_counts", "refused", "explored")
 
@@ -309,22 +315,27 @@ class GuardRates:
 
     def observe(self, chunks: Sequence[tuple[int, int, bool]], extended: Sequence[int], block_size: int) -> None:
         """Count one request: its probed chunks ``(first loaded token, end, precomputed)``
-        and the starts of the blocks the guard computed for them."""
+        in prompt order and the starts of the blocks the guard computed for their own
+        deviation, up to the first chunk that tripped (class doc)."""
         for a, e, new in chunks:
             loaded = max(1, (e - a) // block_size)
-            self._sums[new] += min(1.0, sum(a <= x < e for x in extended) / loaded)
+            share = min(1.0, sum(a <= x < e for x in extended) / loaded)
+            self._sums[new] += share
             self._counts[new] += 1
+            if share:
+                return
 
     def choose(self, predict: Callable[[tuple[float, float]], PicChoice]) -> PicChoice:
         """The gate: ``predict(rates)`` is :func:`pic_choice` of the request with
         ``extra_blocks=rates``.  The choice at the expected rates, but for every
-        :attr:`EXPLORE_EVERY`-th request it refused that pays at rate zero, which
-        relocates (the prediction with no trip)."""
+        :attr:`EXPLORE_EVERY`-th request it refused that pays at rate zero while fewer
+        than :attr:`EXPLORE_CHUNKS` chunks are learnt, which relocates (the prediction
+        with no trip)."""
         choice = predict(self.expected())
         if choice.pays:
             return choice
         free = predict((0.0, 0.0))
-        if not free.pays:
+        if not free.pays or sum(self._counts) >= self.EXPLORE_CHUNKS:
             return choice
         self.refused += 1
         if self.refused % self.EXPLORE_EVERY:

@@ -308,7 +308,10 @@ class RagRunner:
                 raise ConfigError("the chunk index belongs to another engine's store or block size")
         self.index = index
         self._lock = threading.Lock()
-        self.guard_rates = GuardRates()  # what the gate learnt of the run-start guard
+        self._guards: dict[FidelitySettings, GuardRates] = {}
+
+    def guard_rates(self, fidelity: str | FidelityLevel | None = None) -> GuardRates:  # the gate's, per setting
+        return self._guards.setdefault(self.settings(fidelity), GuardRates())
 
     def settings(self, fidelity: str | FidelityLevel | None = None) -> FidelitySettings:
         """The settings a request at ``fidelity`` (default: the runner's) runs with."""
@@ -441,7 +444,8 @@ class RagRunner:
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
                 continued=self._continued(toks, will, head_end, r, cfg.level),
             )
-            choice = self.guard_rates.choose(lambda x: predict(extra_blocks=x)) if cfg.run_max_deviation else predict()
+            rates = self._guards.setdefault(cfg, GuardRates())
+            choice = rates.choose(lambda x: predict(extra_blocks=x)) if cfg.run_max_deviation else predict()
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
             if why is None:
                 prompt = asm.assemble(chunks, salt=salt, **what)  # what the preview showed ...
@@ -511,19 +515,18 @@ class RagRunner:
         )
         step.deviations = tuple(d.value for d in run.deviations)
         step.extra_recompute_blocks = adapt.extra if adapt is not None else 0
-        if adapt is not None and fallback is None and r:  # probed: past the hit, a run of its own
+        # probed: past the hit, a run of its own (an unmeasured probe says nothing of it)
+        if adapt is not None and fallback is None and r and not adapt.unmeasured:
             new, runs = {s.start for s in missing}, {g.dst_start for ph in phases if ph.plan for g in ph.plan.segments}
             cont = self._continued(toks, placed, head_end, r, cfg.level)
             probed = [(c.start + r * bs, c.end, c.start in new) for c in placed
                       if hit <= c.start and c.start not in cont and c.start + r * bs in runs and c.end - c.start > r * bs]
-            self.guard_rates.observe(probed, adapt.deviated, bs)
+            self._guards.setdefault(cfg, GuardRates()).observe(probed, adapt.deviated, bs)
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)
         # blocks the deviation guard recomputed were relocatable too
-        step.recomputed_tokens = min(
-            step.prefill_tokens,
-            recomputed + planned_relocated_tokens(phases, toks, salt) - step.planned_relocated_tokens,
-        )
+        step.recomputed_tokens = min(step.prefill_tokens, recomputed + planned_relocated_tokens(phases, toks, salt)
+                                     - step.planned_relocated_tokens)
         return step
 
     def recompute_at_for(self, fidelity: str | FidelityLevel | None = None) -> str:

@@ -149,13 +149,16 @@ class AdaptiveRecompute:
     the whole run (:func:`~promptsplice.engine_adapters.connector._plans.compute_run`,
     the RAG runner's: a run whose start deviated keeps none of its stored KV), and
     every later run of the request too (a request whose chunks deviate is sent exact
-    from there: computing only the deviating run left probed requests at KL 0.038-0.050
-    and top-1 0.94, README "The run-start guard"), else one more block, by one more
-    request (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`).
+    from there: computing only the deviating run and loading the others left the worst
+    probes of wiki-diverse and pydocs at KL 0.050 and 0.038, README "The run-start
+    guard"), else one more block, by one more request
+    (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`).
     ``extra`` counts the blocks added, ``extended`` lists where each starts, ``deviated``
-    those of runs computed because their own start deviated (not for an earlier one)."""
+    those of runs computed because their own start deviated (not for an earlier one),
+    ``unmeasured``: a run was computed because a planned probe went unmeasured (read
+    as infinite: no deviation learnt)."""
 
-    __slots__ = ("max_deviation", "tokens", "extended", "window", "whole_run", "tripped", "deviated")
+    __slots__ = ("max_deviation", "tokens", "extended", "window", "whole_run", "tripped", "deviated", "unmeasured")
 
     def __init__(self, max_deviation: float, tokens: Sequence[int], *, window: int = 1,
                  whole_run: bool = False) -> None:
@@ -166,6 +169,7 @@ class AdaptiveRecompute:
         self.whole_run = whole_run
         self.tripped = False  # whole_run: a run start deviated; every later run is computed
         self.deviated: list[int] = []
+        self.unmeasured = False
 
     @property
     def extra(self) -> int:
@@ -178,6 +182,7 @@ class AdaptiveRecompute:
         bs, end = plan.block_size, plan.dst_start
         latest = {d.dst_start: d.value for d in seen if end - self.window * bs <= d.dst_start < end}
         own = bool(latest) and max(latest.values()) > self.max_deviation
+        self.unmeasured |= own and max(latest.values()) == float("inf")
         if not own and not self.tripped:
             return None
         if self.whole_run:

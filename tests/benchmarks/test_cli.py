@@ -257,7 +257,10 @@ def test_bench_rag_passes_the_kv_cache_size_and_store_layout_on(suite, monkeypat
     assert (seen["kv_cache_bytes"], seen["store_layout"]) == (128 << 20, "cache_only")
     seen.clear()
     assert main(argv[:4] + (["--suite"] if suite else ["--trace", __file__])) == 0
-    assert (seen["kv_cache_bytes"], seen["store_layout"]) == (None, "store_aware")
+    assert (seen["kv_cache_bytes"], seen["store_layout"], seen["pic_max_deviation"]) == (None, "store_aware", None)
+    seen.clear()
+    assert main(argv[:4] + ["--pic-max-deviation", "0.3"] + (["--suite"] if suite else ["--trace", __file__])) == 0
+    assert seen["pic_max_deviation"] == 0.3
 
 
 def test_the_report_may_not_replace_the_trace(tmp_path, capsys):

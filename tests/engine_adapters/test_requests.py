@@ -170,8 +170,8 @@ def test_the_rag_guard_reads_every_recomputed_block_and_computes_the_whole_run()
 def test_the_rag_guard_computes_every_later_run_of_a_request_once_one_deviates():
     """Once a run start deviates beyond the threshold, the RAG guard computes the rest of
     the request's runs too, calm starts included: computing only the deviating run left
-    probed requests at first-token KL 0.038-0.050 and top-1 0.94 (other runs of the same
-    request stayed relocated; README, "The run-start guard")."""
+    the worst probes of wiki-diverse and pydocs at first-token KL 0.050 and 0.038 (other
+    runs of the same request stayed relocated; README, "The run-start guard")."""
     old = list(range(1000, 1000 + 12 * BS))
     new = old[: 2 * BS] + [7] * BS + old[2 * BS : 6 * BS] + [8] * BS + old[6 * BS :]
     phases = plan_phases(old, new, [(2 * BS, 6 * BS, BS), (6 * BS, 12 * BS, 2 * BS)], block_size=BS,
@@ -196,5 +196,13 @@ def test_the_rag_guard_computes_every_later_run_of_a_request_once_one_deviates()
     assert rag.extended == [g.dst_start + i * BS for segs in runs for g in segs for i in range(g.num_blocks)]
     # what the gate learns from (GuardRates): the run whose own start deviated, only
     assert rag.deviated == [g.dst_start + i * BS for g in runs[0] for i in range(g.num_blocks)]
+    assert not rag.unmeasured
     calm = AdaptiveRecompute(0.5, new, window=2, whole_run=True)
-    assert run(calm).phases == tuple(phases) and calm.extra == 0
+    assert run(calm).phases == tuple(phases) and calm.extra == 0 and not calm.unmeasured
+    # a first-run probe the connector did not measure: computed (fails closed), and
+    # flagged, so the gate learns no deviation from it
+    blind = AdaptiveRecompute(0.5, new, window=2, whole_run=True)
+    out = run_phases(new, phases, lambda prompt, plan, gen: PhaseResult(
+        object(), 0, () if plan is not None and plan.probes and plan.probes[0].dst_start == first else deviations(plan)),
+        {"max_tokens": 1}, blind)
+    assert not any(ph.plan is not None and ph.plan.segments for ph in out.phases) and blind.unmeasured

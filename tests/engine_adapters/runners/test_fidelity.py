@@ -52,7 +52,7 @@ def test_one_table_maps_every_level_and_exact_is_the_default():
     assert by_name.level is FidelityLevel.BOUNDED and by_name == bounded
     # the RAG runner's run-start guard: bounded's own threshold; a caller's max_deviation sets both
     assert bounded.run_max_deviation == DEFAULT_RUN_MAX_DEVIATION and exact.run_max_deviation is fast.run_max_deviation is None
-    for own in (0.3, DEFAULT_MAX_DEVIATION):  # the agent guard's value too: it was kept at the RAG default
+    for own in (0.3, DEFAULT_MAX_DEVIATION):  # the agent guard's own default too
         mine = fidelity_settings("bounded", max_deviation=own)
         assert mine.max_deviation == mine.run_max_deviation == own and mine.kl_p90_budget is None
     assert fidelity_settings("bounded", recompute_blocks=0).run_max_deviation is None  # nothing recomputed to measure

@@ -404,14 +404,18 @@ def test_guard_rates_are_running_means_per_chunk_kind():
     rates = GuardRates()
     assert rates.expected() == GuardRates.PRIOR
     assert rates.observed()["stored"] == {"chunks": 0, "trip_rate": None}
-    # two stored chunks and a precomputed one (first loaded token, end; blocks of 4): the
-    # guard computed 2 of the first stored chunk's 8 loaded blocks, none of the second's,
-    # and all 4 of the precomputed one's (a whole run)
-    rates.observe([(8, 40, False), (40, 48, False), (48, 64, True)], [12, 16, 48, 52, 56, 60], 4)
+    # a stored chunk the guard left loaded, a precomputed one whose own start tripped
+    # (all 4 of its loaded blocks computed), a stored one behind it (first loaded token,
+    # end; blocks of 4): the gate charges the chance of a trip given none before, so
+    # the chunk behind the trip is not counted
+    rates.observe([(8, 24, False), (24, 40, True), (40, 56, False)], [24, 28, 32, 36, 40, 44], 4)
     n = GuardRates.PRIOR_CHUNKS
-    assert rates.expected() == ((GuardRates.PRIOR[0] * n + 0.25) / (n + 2), (GuardRates.PRIOR[1] * n + 1.0) / (n + 1))
-    assert rates.observed() == {"stored": {"chunks": 2, "trip_rate": 0.125}, "precomputed": {"chunks": 1, "trip_rate": 1.0},
+    assert rates.expected() == ((GuardRates.PRIOR[0] * n + 0.0) / (n + 1), (GuardRates.PRIOR[1] * n + 1.0) / (n + 1))
+    assert rates.observed() == {"stored": {"chunks": 1, "trip_rate": 0.0}, "precomputed": {"chunks": 1, "trip_rate": 1.0},
                                 "refused_requests": 0, "explored_requests": 0}
+    # a share, not a count: 2 of a chunk's 8 loaded blocks computed is a quarter
+    rates.observe([(0, 32, False)], [0, 4], 4)
+    assert rates.observed()["stored"] == {"chunks": 2, "trip_rate": 0.125}
 
 
 def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
@@ -428,7 +432,8 @@ def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
 
     assert rates.choose(predict(4)) == PicChoice(11, 12)  # pays at the prior: no exploring
     assert seen == [GuardRates.PRIOR]
-    rates.observe([(0, 64, False)] * 8, list(range(0, 64)), 4)  # eight chunks that each tripped
+    for _ in range(8):  # eight requests whose first chunk tripped
+        rates.observe([(0, 64, False)], list(range(0, 64, 4)), 4)
     outs = [rates.choose(predict(40)) for _ in range(2 * GuardRates.EXPLORE_EVERY)]
     explored = [i for i, c in enumerate(outs) if c.pays]
     assert explored == [GuardRates.EXPLORE_EVERY - 1, 2 * GuardRates.EXPLORE_EVERY - 1]
@@ -436,6 +441,11 @@ def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
     assert (rates.refused, rates.explored) == (2 * GuardRates.EXPLORE_EVERY, 2)
     # a plan that would not pay even with no trip is never explored
     assert not rates.choose(lambda extra: PicChoice(13, 12)).pays and rates.refused == 2 * GuardRates.EXPLORE_EVERY
+    # once EXPLORE_CHUNKS chunks are learnt, the rates decide alone
+    for _ in range(GuardRates.EXPLORE_CHUNKS - 8):
+        rates.observe([(0, 64, False)], list(range(0, 64, 4)), 4)
+    assert not any(rates.choose(predict(40)).pays for _ in range(2 * GuardRates.EXPLORE_EVERY))
+    assert rates.explored == 2
 
 
 # --------------------------------------------------------------- RagRunner on vLLM
