@@ -165,7 +165,8 @@ def _rag_sweeps(rows: Sequence[dict[str, Any]], budgets: Sequence[int], guard: f
     """A family's budget sweep, and beside it the same over the largest deviation its
     run starts' recomputed blocks measured (``max_deviation``): a request above the
     threshold counted as exact, as if the guard had sent it exact (optimistic: the
-    guard computes only the runs that deviated); a request with no measured deviation
+    guard computes the run that deviated and every later one, but still loads the runs
+    before it); a request with no measured deviation
     (nothing probed) is kept.  ``guard``: the threshold the bench ran its guard at
     (``pic.run_max_deviation``): above it a probe's KL is the guarded one, so only the
     thresholds up to it are swept."""
