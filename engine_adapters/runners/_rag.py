@@ -143,8 +143,8 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 RELOCATE_CHOICES = ("when_it_pays", "always")
-"""``RagRunner(relocate=...)``: relocate only when :func:`pic_choice` predicts fewer
-tokens computed than one exact request (default), or every time (tests, studies)."""
+"""``RagRunner(relocate=...)``: relocate only when :func:`pic_choice` predicts fewer tokens computed than
+one exact request (default; :class:`GuardRates` explores a few it refused), or every time (tests, studies)."""
 
 DEFAULT_PIC_RECOMPUTE_BLOCKS = FIDELITY_TABLE[FidelityLevel.BOUNDED].recompute_blocks
 """Blocks of each relocated chunk recomputed at ``bounded`` fidelity."""
