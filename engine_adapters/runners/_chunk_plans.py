@@ -289,8 +289,8 @@ class GuardRates:
     wiki and wiki-diverse (0.13 and 0.22; README, "The run-start guard").  The guard is
     sticky, so a prior of 0.5 charged a request's third probed run 0.875 of its blocks:
     the gate refused most multi-chunk requests before it had learnt anything.
-    Precomputed chunks tripped on 9 of 9 probes there: 0.1 is too low, and is learnt
-    away within a few requests (a calibration left to do on more probes)."""
+    Precomputed chunks tripped on all 9 probed there: 0.1 is too low (the gate's rate
+    for them rose to 0.49-0.64 by the runs' end; a calibration left to do)."""
     PRIOR_CHUNKS = 4
     EXPLORE_EVERY = 8
     EXPLORE_CHUNKS = 32
