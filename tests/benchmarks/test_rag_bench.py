@@ -387,6 +387,7 @@ def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
     import promptsplice.benchmarks.rag as rag
     import promptsplice.engine_adapters as ea
     from promptsplice.benchmarks.traces import RagChunk, RagRequest
+    from promptsplice.engine_adapters.runners._chunk_plans import GuardRates
 
     class Runner:
         reuse_salt = "s"
@@ -397,6 +398,9 @@ def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
 
         def recompute_at_for(self, fidelity=None):
             return "chunk"
+
+        def guard_rates(self, fidelity=None):
+            return GuardRates()
 
         def run(self, chunks, **kw):
             return types.SimpleNamespace(planned_relocated_tokens=64, relocated_tokens=64, prompt_tokens=300,
