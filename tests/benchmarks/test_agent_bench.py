@@ -242,12 +242,12 @@ def test_modes_one_after_the_other(engines, monkeypatch):
     for eng in engines.values():
         monkeypatch.setattr(eng, "close", lambda: None)
     sess = read_agent_trace(SAMPLE)[2]
-    short = AgentSession(sess.id, sess.tools, sess.renders[:4])
+    short = AgentSession(sess.id, sess.tools, sess.renders[:3])  # new, append, edit
     with pytest.raises(ConfigError, match="fidelity_steps=1"):
         run_agent_modes([short], start_engine=engines.__getitem__, fidelity_steps=1)
     rep = run_agent_modes([short], start_engine=engines.__getitem__, fidelity_steps=0, max_tokens=2)
-    assert rep["sequential"] is True and rep["coverage"] == 1.0 and rep["steps_run"] == 4
-    assert {m["steps"] for m in rep["modes"].values()} == {4}
+    assert rep["sequential"] is True and rep["coverage"] == 1.0 and rep["steps_run"] == 3
+    assert {m["steps"] for m in rep["modes"].values()} == {3}
     full, apc, spl = (rep["modes"][m] for m in ("full", "apc", "splice"))
     assert full["prefill_tokens"] == full["prompt_tokens"] > apc["prefill_tokens"] >= rep["ideal_prefill_tokens"]
     check_bounds(rep)

@@ -44,13 +44,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
-    """A real ``vllm serve`` on loopback, started by the benches' own
-    :func:`~promptsplice.benchmarks.servers.loopback_servers`; yields its base URL."""
-    from promptsplice.benchmarks.servers import loopback_servers
-
-    with loopback_servers(1, block_size=BS) as servers:
-        yield servers[0].base_url
+def server(two_servers):
+    """A real ``vllm serve`` on loopback: the first of the session's two (the benches'
+    own :func:`~promptsplice.benchmarks.servers.loopback_servers`, block 32; other
+    modules' requests carry salts or other tokens, so these prompts start cold); yields
+    its base URL."""
+    return two_servers[0].base_url
 
 
 @pytest.fixture(scope="module")
