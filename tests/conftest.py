@@ -99,8 +99,10 @@ def rag_requests():
 @pytest.fixture(scope="session")
 def two_servers():
     """Two real ``vllm serve`` on loopback (default model, block 32, 1 GiB of KV cache
-    each), started once for the session (the router tests and the routing bench share
-    them; every run uses a fresh ``cache_salt``, so sharing changes nothing measured)."""
+    each), started once for the session and shared by the router, gateway, load, served
+    and remote tests and the routing bench: each run uses a fresh ``cache_salt`` or token
+    ids no one else sends, and reads ``/metrics`` as deltas, so sharing changes nothing
+    measured."""
     from promptsplice.benchmarks.servers import BLOCK_SIZE, loopback_servers
 
     with loopback_servers(2, block_size=BLOCK_SIZE) as servers:

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_run_modes_reports_vllms_own_numbers(engine):
-    # eight requests: their chunks recur out of order (requests 2, 3, 7 reuse 0's; 5, 6
-    # reuse 1's), which is all the prefill comparison below needs
+    # eight requests: their chunks recur out of order (e.g. requests 2, 3, 4, 7 reuse 0's;
+    # 5, 6 reuse 1's), which is all the prefill comparison below needs
     reqs = sample_rag_requests(16, seed=1)[:8]
     before = engine.counters()
     report, outs = run_modes(engine, reqs, max_tokens=2)

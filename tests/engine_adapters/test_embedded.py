@@ -319,8 +319,8 @@ def test_mirror_is_exact_with_evictions_in_a_small_cache(engine, rag_requests, c
     request's cached blocks go to the tail of the free queue, its blocks without a hash
     (the partial last block) to the head (``BlockPool.free_blocks``)."""
     per_block = engine.config.kv_cache_bytes // engine.num_blocks
-    # ~41 blocks of 32 (1,312 tokens) for prompts of 535-978 tokens: every request evicts
-    # (half the sample: each request is a near-full prefill here, and half shows it).
+    # ~41 blocks of 32 (1,312 tokens) for prompts of 535-978 tokens: requests evict
+    # (half the sample: most requests prefill most of their prompt, and half shows it).
     # The default context (the model's 8,192) does not fit: the engine lowers it to what
     # the cache holds (its usable blocks) and says so.
     before = engine.counters()

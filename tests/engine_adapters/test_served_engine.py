@@ -178,7 +178,8 @@ def test_rag_runner_pic_over_the_served_engine_gives_the_embedded_counts(remote,
     # Requests whose chunks recur at other positions: relocated from the store.  Under a
     # guard that never trips every planned relocation lands; under a low one the
     # connector's measurements (in process, or in the served acks) extend the recompute
-    # (the sticky guard computes every run after the first trip): the same both ways.
+    # (the sticky guard computes every later run of a request after its first trip): the
+    # same both ways.
     reqs = rag_requests[:6]
     results = {}
     for name, kw in (("relocated", {"fidelity": "bounded", "relocate": "always", "max_deviation": 1.0}),
