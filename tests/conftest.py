@@ -109,13 +109,18 @@ def two_servers():
         yield servers
 
 
+def running(servers):
+    """``servers``, failing the test with a server's log tail if it has exited."""
+    for srv in servers:
+        if srv.proc.poll() is not None:
+            pytest.fail(f"vllm serve at {srv.base_url} exited with {srv.proc.returncode}:\n{srv.tail()}")
+    return servers
+
+
 @pytest.fixture
 def live_servers(two_servers):
     """``two_servers``, checked to be still running."""
-    for srv in two_servers:
-        if srv.proc.poll() is not None:
-            pytest.fail(f"vllm serve at {srv.base_url} exited with {srv.proc.returncode}:\n{srv.tail()}")
-    return two_servers
+    return running(two_servers)
 
 
 @pytest.fixture(scope="session")

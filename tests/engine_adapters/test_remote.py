@@ -2,8 +2,9 @@
 
 The server is the first of the session's two (``two_servers`` in tests/conftest.py:
 ``loopback_servers``, block 32, prefix caching, prompt-token details on); this module's
-own token ids (``_ids``) and salts keep its prompts cold there.  Mocks (``httpx.MockTransport``) are used only for what a real server cannot
-produce on demand: a 503 then success, a 429, a malformed body, a timeout, a server without
+own token ids (``_ids``) and salts keep its prompts cold there.  Mocks
+(``httpx.MockTransport``) are used only for what a real server cannot produce on demand:
+a 503 then success, a 429, a malformed body, a timeout, a server without
 ``prompt_tokens_details``.  "Server down" is a real closed port.
 """
 
@@ -47,10 +48,9 @@ def _free_port() -> int:
 def server(two_servers):
     """The base URL of the session's first real ``vllm serve`` (other modules' requests
     carry salts or other tokens, so these prompts start cold), checked to be running."""
-    srv = two_servers[0]
-    if srv.proc.poll() is not None:
-        pytest.fail(f"vllm serve at {srv.base_url} exited with {srv.proc.returncode}:\n{srv.tail()}")
-    return srv.base_url
+    from tests.conftest import running
+
+    return running(two_servers[:1])[0].base_url
 
 
 @pytest.fixture(scope="module")
