@@ -524,7 +524,7 @@ class EmbeddedEngine:
             gen = final.outputs[0] if final.outputs else None
             token_ids = list(gen.token_ids) if gen is not None else []
             completion = Completion(
-                text=gen.text if gen is not None else "",
+                text=self._text(engine, req, params, gen),
                 token_ids=token_ids,
                 prompt_token_ids=list(req.ids),
                 prompt_tokens=len(req.ids),
@@ -537,6 +537,16 @@ class EmbeddedEngine:
                 logprobs=logprob_dicts(final) if logprobs else None,
             )
         yield final, completion
+
+    @staticmethod
+    def _text(engine: Any, req: NormalizedPrompt, params: Any, gen: Any) -> str:
+        """The completion's text: vLLM's, or, where ``make_sampling_params`` spared vLLM
+        the detokenization of logprob requests, the same text decoded once afterwards."""
+        if gen is None:
+            return ""
+        if params.detokenize:
+            return gen.text
+        return _vllm.output_text(engine, req.ids, params, gen.token_ids, gen.finish_reason)
 
     def _admit(self, ids: list[int], gen: list[int], salt: str | None, known: Sequence[BlockHash] | None) -> int | None:
         """Replay what ran into the engine's mirror; the mirror's prediction for it.

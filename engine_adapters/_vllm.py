@@ -177,13 +177,43 @@ def make_sampling_params(
 ) -> Any:
     """``vllm.SamplingParams``; ``kv_transfer_params`` reach the KV connector as
     ``request.kv_transfer_params`` (through ``extra_args``).  vLLM's own range checks
-    raise as vLLM raises them."""
+    raise as vLLM raises them.
+
+    With ``logprobs`` and no stop strings, vLLM does not detokenize (``detokenize=False``):
+    it would turn every one of the ``k`` logprob token ids of every step into a string,
+    about 1 s per generated token for the whole vocabulary on a CPU.  The caller then
+    takes the text from :func:`output_text` (vLLM's own detokenizer, run once over the
+    output ids: the same text).  Stop strings need vLLM's detokenizer while it runs."""
     from vllm import SamplingParams
 
     extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, stop=stop, extra_args=extra, logprobs=logprobs
+        max_tokens=max_tokens, temperature=temperature, stop=stop, extra_args=extra, logprobs=logprobs,
+        detokenize=logprobs is None or bool(stop),
     )
+
+
+def output_text(engine: Any, prompt_ids: Sequence[int], params: Any, token_ids: Sequence[int], finish_reason: str | None) -> str:
+    """The text vLLM would have returned for ``token_ids`` had ``params`` detokenized
+    (``make_sampling_params`` turns that off for logprob requests): vLLM's incremental
+    detokenizer of the engine's tokenizer, primed with the prompt and fed the output
+    ids, a final EOS/stop token left out as vLLM leaves it out (``finish_reason ==
+    "stop"`` without stop strings means a stop token ended the request).  Holds back
+    an unfinished UTF-8 sequence at the end as vLLM does."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+    tokenizer = engine.output_processor.tokenizer
+    if tokenizer is None or not token_ids:  # an engine started with skip_tokenizer_init
+        return ""
+    text_params = params.clone()
+    text_params.detokenize = True
+    request = SimpleNamespace(request_id="promptsplice-text", sampling_params=text_params,
+                              prompt_token_ids=list(prompt_ids), prompt_embeds=None)
+    detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+    detokenizer.update(list(token_ids), finish_reason == "stop" and not text_params.stop)
+    return detokenizer.get_next_output_text(finished=True, delta=False)
 
 
 def tokens_input(ids: Sequence[int], *, prompt: str | None = None, cache_salt: str | None = None) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -406,6 +407,29 @@ def test_a_prompt_of_another_models_tokenizer_is_refused_not_sent(engine):
     same = engine.make_assembler(tokenizer=default_model_dir() / "tokenizer.json")
     done = engine.generate(same.assemble(["Paris is in France."], query="Where?"), max_tokens=1)
     assert done.prompt_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens"),
+    [
+        ("Emoji test: \U0001f600\U0001f389 and \u00fc, \u00df, \u4e2d\u6587", 20),  # ends inside a UTF-8 sequence
+        ("Emoji test: \U0001f600\U0001f389 and \u00fc, \u00df, \u4e2d\u6587", 40),
+        ("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", 64),  # ends by EOS
+    ],
+)
+def test_a_logprob_request_returns_the_text_vllm_returns(engine, prompt, max_tokens):
+    """Logprob requests skip vLLM's detokenizer (it would name every logprob token) and
+    decode the text once afterwards: the text must be vLLM's own, held-back partial
+    UTF-8 and a final EOS included."""
+    plain = engine.generate(prompt, max_tokens=max_tokens, cache_salt=uuid.uuid4().hex)
+    probed = engine.generate(prompt, max_tokens=max_tokens, cache_salt=uuid.uuid4().hex, logprobs=-1)
+    assert probed.token_ids == plain.token_ids and probed.finish_reason == plain.finish_reason
+    assert probed.text == plain.text and plain.text
+    assert len(probed.logprobs) == len(probed.token_ids) and len(probed.logprobs[0]) == 49152
+    if max_tokens == 64:
+        assert plain.finish_reason == "stop" and len(plain.token_ids) < 64
+    else:
+        assert plain.finish_reason == "length"
 
 
 def test_out_of_vocabulary_ids_and_too_many_logprobs_are_input_and_config_errors(engine, monkeypatch):
