@@ -523,8 +523,13 @@ class EmbeddedEngine:
             total = time.perf_counter() - t0
             gen = final.outputs[0] if final.outputs else None
             token_ids = list(gen.token_ids) if gen is not None else []
+            predicted = self._admit(req.ids, token_ids, req.salt, req.known_hashes)  # what ran, whatever follows
+            try:
+                text = "" if gen is None else _vllm.completion_text(engine, rid, req.ids, params, gen)
+            except Exception as exc:  # vLLM's detokenizer, run here for a logprob request
+                raise EngineRequestError(f"vLLM's detokenizer failed on the output of request {rid}: {exc}") from exc
             completion = Completion(
-                text=self._text(engine, req, params, gen),
+                text=text,
                 token_ids=token_ids,
                 prompt_token_ids=list(req.ids),
                 prompt_tokens=len(req.ids),
@@ -532,21 +537,11 @@ class EmbeddedEngine:
                 ttft_s=total if ttft is None else ttft,
                 total_s=total,
                 finish_reason=gen.finish_reason if gen is not None else None,
-                predicted_cached_tokens=self._admit(req.ids, token_ids, req.salt, req.known_hashes),
+                predicted_cached_tokens=predicted,
                 request_id=rid,
                 logprobs=logprob_dicts(final) if logprobs else None,
             )
         yield final, completion
-
-    @staticmethod
-    def _text(engine: Any, req: NormalizedPrompt, params: Any, gen: Any) -> str:
-        """The completion's text: vLLM's, or, where ``make_sampling_params`` spared vLLM
-        the detokenization of logprob requests, the same text decoded once afterwards."""
-        if gen is None:
-            return ""
-        if params.detokenize:
-            return gen.text
-        return _vllm.output_text(engine, req.ids, params, gen.token_ids, gen.finish_reason)
 
     def _admit(self, ids: list[int], gen: list[int], salt: str | None, known: Sequence[BlockHash] | None) -> int | None:
         """Replay what ran into the engine's mirror; the mirror's prediction for it.

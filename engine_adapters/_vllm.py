@@ -35,6 +35,7 @@ __all__ = [
     "AgentBox",
     "abort_all",
     "agent_installed",
+    "completion_text",
     "detach_vllm_finalizer",
     "device_type",
     "engine_geometry",
@@ -180,9 +181,9 @@ def make_sampling_params(
     raise as vLLM raises them.
 
     With ``logprobs`` and no stop strings, vLLM does not detokenize (``detokenize=False``):
-    it would turn every one of the ``k`` logprob token ids of every step into a string,
-    about 1 s per generated token for the whole vocabulary on a CPU.  The caller then
-    takes the text from :func:`output_text` (vLLM's own detokenizer, run once over the
+    it would turn every one of the ``k`` logprob token ids of every step into a string
+    (most of a full-vocabulary probe's time on a CPU, DESIGN.md).  The caller then takes
+    the text from :func:`completion_text` (vLLM's own detokenizer, run once over the
     output ids: the same text).  Stop strings need vLLM's detokenizer while it runs."""
     from vllm import SamplingParams
 
@@ -193,26 +194,28 @@ def make_sampling_params(
     )
 
 
-def output_text(engine: Any, prompt_ids: Sequence[int], params: Any, token_ids: Sequence[int], finish_reason: str | None) -> str:
-    """The text vLLM would have returned for ``token_ids`` had ``params`` detokenized
-    (``make_sampling_params`` turns that off for logprob requests): vLLM's incremental
-    detokenizer of the engine's tokenizer, primed with the prompt and fed the output
-    ids, a final EOS/stop token left out as vLLM leaves it out (``finish_reason ==
-    "stop"`` without stop strings means a stop token ended the request).  Holds back
-    an unfinished UTF-8 sequence at the end as vLLM does."""
+def completion_text(engine: Any, request_id: str, prompt_ids: Sequence[int], params: Any, output: Any) -> str:
+    """The text of a finished ``CompletionOutput``: vLLM's own, or, where ``params`` did
+    not detokenize (``make_sampling_params``), the text vLLM would have returned: its
+    incremental detokenizer for the engine's tokenizer, primed with the prompt and fed
+    the output ids, a final stop token (EOS or a stop token id: ``finish_reason ==
+    "stop"`` with no stop *string* as ``stop_reason``) left out and an unfinished UTF-8
+    sequence held back, as vLLM does."""
+    if params.detokenize:
+        return output.text
     from types import SimpleNamespace
 
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
     tokenizer = engine.output_processor.tokenizer
-    if tokenizer is None or not token_ids:  # an engine started with skip_tokenizer_init
+    if tokenizer is None or not output.token_ids:  # an engine started with skip_tokenizer_init
         return ""
-    text_params = params.clone()
-    text_params.detokenize = True
-    request = SimpleNamespace(request_id="promptsplice-text", sampling_params=text_params,
+    # the detokenizer reads the stop strings and special-token options, never detokenize
+    request = SimpleNamespace(request_id=request_id, sampling_params=params,
                               prompt_token_ids=list(prompt_ids), prompt_embeds=None)
     detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
-    detokenizer.update(list(token_ids), finish_reason == "stop" and not text_params.stop)
+    stop_token = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
+    detokenizer.update(list(output.token_ids), stop_token)
     return detokenizer.get_next_output_text(finished=True, delta=False)
 
 

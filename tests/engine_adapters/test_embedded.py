@@ -430,6 +430,9 @@ def test_a_logprob_request_returns_the_text_vllm_returns(engine, prompt, max_tok
         assert plain.finish_reason == "stop" and len(plain.token_ids) < 64
     else:
         assert plain.finish_reason == "length"
+    if max_tokens == 20:  # a plain decode would end in U+FFFD here: the case is real
+        decoded = engine.llm.get_tokenizer().decode(plain.token_ids, skip_special_tokens=True)
+        assert decoded.endswith("\ufffd") and not plain.text.endswith("\ufffd")
 
 
 def test_out_of_vocabulary_ids_and_too_many_logprobs_are_input_and_config_errors(engine, monkeypatch):
