@@ -340,7 +340,8 @@ class EmbeddedEngine:
         when the prompt has ``max_model_len`` tokens or more, ``InputError`` for an
         empty or malformed prompt, ``ConfigError`` for bad options, and
         :class:`~promptsplice.errors.EngineRequestError` when vLLM fails the request
-        (the engine keeps serving, with an empty prefix cache: see the module doc), and
+        (the engine keeps serving, with an empty prefix cache: see the module doc; a
+        failure of the text's detokenization after the run keeps cache and mirror), and
         :class:`~promptsplice.errors.EngineDeadError` when the engine died (restarted
         if ``max_restarts`` allows).  A generation cut by ``max_model_len`` is not an
         error: ``finish_reason == "length"``.

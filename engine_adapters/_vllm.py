@@ -182,7 +182,7 @@ def make_sampling_params(
 
     With ``logprobs`` and no stop strings, vLLM does not detokenize (``detokenize=False``):
     it would turn every one of the ``k`` logprob token ids of every step into a string
-    (most of a full-vocabulary probe's time on a CPU, DESIGN.md).  The caller then takes
+    (most of a full-vocabulary probe's time on a CPU).  The caller then takes
     the text from :func:`completion_text` (vLLM's own detokenizer, run once over the
     output ids: the same text).  Stop strings need vLLM's detokenizer while it runs."""
     from vllm import SamplingParams

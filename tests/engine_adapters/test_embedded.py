@@ -409,6 +409,34 @@ def test_a_prompt_of_another_models_tokenizer_is_refused_not_sent(engine):
     assert done.prompt_tokens > 0
 
 
+def test_the_rebuilt_text_leaves_out_a_final_stop_token_as_vllm_does(engine):
+    """``completion_text`` for a logprob request: the last token is left out only when a
+    stop token ended it (``stop_reason`` None for EOS, an int for a stop token id); the
+    end-to-end test's EOS is a special token, invisible either way."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters import _vllm
+
+    tok = engine.llm.get_tokenizer()
+    ids = tok.encode(" Paris is big", add_special_tokens=False)
+    params = _vllm.make_sampling_params(max_tokens=8, temperature=0.0, logprobs=1)
+    assert params.detokenize is False  # what the engine sends for a logprob request
+
+    def text(finish_reason, stop_reason):
+        out = SimpleNamespace(text="", token_ids=ids, finish_reason=finish_reason, stop_reason=stop_reason)
+        return _vllm.completion_text(engine.llm.llm_engine, "t", [1, 2], params, out)
+
+    full, cut = tok.decode(ids), tok.decode(ids[:-1])
+    assert full != cut
+    assert text("length", None) == full
+    assert text("stop", None) == cut  # EOS
+    assert text("stop", ids[-1]) == cut  # a stop token id
+    assert text("stop", "big") == full  # a stop string (vLLM's text, kept)
+    out = SimpleNamespace(text="vLLM's", token_ids=ids, finish_reason="stop", stop_reason=None)
+    plain = _vllm.make_sampling_params(max_tokens=8, temperature=0.0)
+    assert _vllm.completion_text(engine.llm.llm_engine, "t", [1, 2], plain, out) == "vLLM's"
+
+
 @pytest.mark.parametrize(
     ("prompt", "max_tokens"),
     [
