@@ -277,11 +277,14 @@ class GuardRates:
     product of chances needs the chance of a trip *given no earlier one* (trips cluster
     within a request, and chunks behind a trip were measured behind computed runs).
     The rate is learnt only from requests that relocate, so a rate pushed up by a few
-    unlucky requests could send every later one exact and never be corrected: until
-    :attr:`EXPLORE_CHUNKS` chunks are learnt, :meth:`choose` lets one in
-    :attr:`EXPLORE_EVERY` of the requests the rate refused, and that would pay were the
-    guard never to trip, relocate anyway (at most that many requests may prefill more
-    than their exact request; :attr:`explored` counts them).
+    unlucky requests (or a prior) could send every later one exact and never be
+    corrected: while a kind has fewer than :attr:`EXPLORE_CHUNKS` chunks learnt,
+    :meth:`choose` lets one in :attr:`EXPLORE_EVERY` of the requests the rates refused,
+    and that would pay were chunks of that kind never to trip, relocate anyway (at most
+    that many requests may prefill more than their exact request; :attr:`explored`
+    counts them).  Per kind: stored chunks reach 32 long before precomputed ones are
+    probed at all (76 against 2 on pydocs), and one count for both closed the window
+    on the kind that needed it.
     """
 
     PRIOR = (0.2, 0.9)
@@ -290,9 +293,10 @@ class GuardRates:
     The guard is sticky, so a prior of 0.5 charged a request's third probed run 0.875 of
     its blocks: the gate refused most multi-chunk requests before it had learnt
     anything.  Precomputed chunks: every one probed in those runs tripped, its whole
-    run computed (11 of 11, rate 1.00 in each family), so near that too; below 1 so that
-    a workload whose precomputed chunks hold can still be learnt (0.1 until 2026-12-06:
-    the gate's rate rose to 0.49-0.64 by the runs' end)."""
+    run computed (11 of 11, rate 1.00 in each family), so near that too (0.1 until
+    2026-12-06: the gate's rate rose to 0.49-0.64 by the runs' end).  Both were measured
+    at the 0.20 threshold; a runner at another ``max_deviation`` (a guard that never
+    trips, 1.0) starts from them too and learns its own through exploration."""
     PRIOR_CHUNKS = 4
     EXPLORE_EVERY = 8
     EXPLORE_CHUNKS = 32
@@ -332,14 +336,18 @@ class GuardRates:
     def choose(self, predict: Callable[[tuple[float, float]], PicChoice]) -> PicChoice:
         """The gate: ``predict(rates)`` is :func:`pic_choice` of the request with
         ``extra_blocks=rates``.  The choice at the expected rates, but for every
-        :attr:`EXPLORE_EVERY`-th request it refused that pays at rate zero while fewer
-        than :attr:`EXPLORE_CHUNKS` chunks are learnt, which relocates (the prediction
-        with no trip)."""
-        choice = predict(self.expected())
+        :attr:`EXPLORE_EVERY`-th request it refused that pays with rate zero for each
+        kind of which fewer than :attr:`EXPLORE_CHUNKS` chunks are learnt, that
+        prediction (which relocates)."""
+        rates = self.expected()
+        choice = predict(rates)
         if choice.pays:
             return choice
-        free = predict((0.0, 0.0))
-        if not free.pays or sum(self._counts) >= self.EXPLORE_CHUNKS:
+        learning = [c < self.EXPLORE_CHUNKS for c in self._counts]
+        if not any(learning):
+            return choice
+        free = predict(tuple(0.0 if k else r for k, r in zip(learning, rates)))  # type: ignore[arg-type]
+        if not free.pays:
             return choice
         self.refused += 1
         if self.refused % self.EXPLORE_EVERY:

@@ -44,10 +44,11 @@ def report(engines):
     sess = read_agent_trace(SAMPLE)[0]
     short = AgentSession(sess.id, sess.tools, sess.renders[:6])
     # r=1: this short session's relocated runs are 2-3 blocks, so r=1 leaves blocks to
-    # probe; two of its 3 edit steps are probed (probe_ranks' rank 0 is the last one, and
-    # a step that relocates nothing passes its turn only to later steps).  Each probe
-    # costs ~14 s here (the step, its exact reference, the control): two, not three.
-    return run_agent_modes([short], engines=engines, max_tokens=4, fidelity_steps=2, recompute_blocks=1)
+    # probe.  Three probes asked; its two masking steps are the edits ranked for probing
+    # (the truncation is not predicted to relocate), so at most two are made
+    # (probe_ranks' rank 0 is the last one, and a step that relocates nothing passes its
+    # turn only to later steps).
+    return run_agent_modes([short], engines=engines, max_tokens=4, fidelity_steps=3, recompute_blocks=1)
 
 
 def test_the_report_has_the_fixed_fields(report):
@@ -145,8 +146,8 @@ def test_modes_and_bounds_are_consistent(report):
 
 def test_fidelity_was_measured_on_the_real_model(report):
     fid = report["fidelity"]
-    assert fid["requested"] == 2 and 1 <= fid["steps"] <= 2
-    assert fid["steps"] == min(2, fid["eligible"]) and fid["probe_coverage"] == 1.0
+    assert fid["requested"] == 3 and 1 <= fid["steps"] <= 2
+    assert fid["steps"] == min(3, fid["eligible"]) and fid["probe_coverage"] == 1.0
     for f in (fid, fid["control"]):
         assert 0.0 <= f["tf_top1_agreement"] <= 1.0 and 0.0 <= f["greedy_agreement"] <= 1.0
         assert f["first_token_kl"] >= -1e-6

@@ -447,6 +447,21 @@ def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
     assert not any(rates.choose(predict(40)).pays for _ in range(2 * GuardRates.EXPLORE_EVERY))
     assert rates.explored == 2
 
+    # per kind: stored chunks are learnt, precomputed ones are not (none probed yet, their
+    # prior 0.9): a request refused for its precomputed chunks is still explored, with
+    # the stored rate it learnt and zero for the kind it has yet to learn
+    def predict_new(extra):
+        seen.append(extra)
+        return PicChoice(10 + round(40 * extra[1]), 12)
+
+    seen.clear()
+    outs = [rates.choose(predict_new) for _ in range(GuardRates.EXPLORE_EVERY)]
+    assert [i for i, c in enumerate(outs) if c.pays] == [GuardRates.EXPLORE_EVERY - 1] and rates.explored == 3
+    assert seen[:2] == [rates.expected(), (rates.expected()[0], 0.0)]
+    for _ in range(GuardRates.EXPLORE_CHUNKS):  # precomputed chunks learnt too: the rates decide alone
+        rates.observe([(0, 64, True)], list(range(0, 64, 4)), 4)
+    assert not any(rates.choose(predict_new).pays for _ in range(2 * GuardRates.EXPLORE_EVERY))
+
 
 # --------------------------------------------------------------- RagRunner on vLLM
 
