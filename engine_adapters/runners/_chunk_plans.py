@@ -280,11 +280,12 @@ class GuardRates:
     unlucky requests (or a prior) could send every later one exact and never be
     corrected: while a kind has fewer than :attr:`EXPLORE_CHUNKS` chunks learnt,
     :meth:`choose` lets one in :attr:`EXPLORE_EVERY` of the requests the rates refused,
-    and that would pay were chunks of that kind never to trip, relocate anyway (at most
-    that many requests may prefill more than their exact request; :attr:`explored`
-    counts them).  Per kind: stored chunks reach 32 long before precomputed ones are
-    probed at all (76 against 2 on pydocs), and one count for both closed the window
-    on the kind that needed it.
+    and that would pay were chunks of that kind never to trip, relocate anyway, at most
+    :attr:`EXPLORE_LIMIT` in a runner's life (each may prefill more than its exact
+    request; :attr:`explored` counts them).  Per kind: precomputed chunks are probed
+    rarely (2 against 76 stored ones by the end of 80 pydocs requests, 6 against 37 on
+    wiki), so one count for both would close the window before the kind a prior most
+    needs corrected was seen; the limit bounds what a window left open costs.
     """
 
     PRIOR = (0.2, 0.9)
@@ -300,13 +301,15 @@ class GuardRates:
     PRIOR_CHUNKS = 4
     EXPLORE_EVERY = 8
     EXPLORE_CHUNKS = 32
+    EXPLORE_LIMIT = 8
 
     __slots__ = ("_sums", "_counts", "refused", "explored")
 
     def __init__(self) -> None:
         self._sums = [0.0, 0.0]
         self._counts = [0, 0]
-        self.refused = 0  # requests the rate refused that would pay with no trip
+        self.refused = 0  # requests the rates refused, counted while exploring, that would
+        # pay with rate zero for the kinds still being learnt (learnt rates kept)
         self.explored = 0  # of those, relocated anyway
 
     def expected(self) -> tuple[float, float]:
@@ -338,13 +341,13 @@ class GuardRates:
         ``extra_blocks=rates``.  The choice at the expected rates, but for every
         :attr:`EXPLORE_EVERY`-th request it refused that pays with rate zero for each
         kind of which fewer than :attr:`EXPLORE_CHUNKS` chunks are learnt, that
-        prediction (which relocates)."""
+        prediction (which relocates), until :attr:`EXPLORE_LIMIT` were."""
         rates = self.expected()
         choice = predict(rates)
         if choice.pays:
             return choice
         learning = [c < self.EXPLORE_CHUNKS for c in self._counts]
-        if not any(learning):
+        if not any(learning) or self.explored >= self.EXPLORE_LIMIT:
             return choice
         free = predict(tuple(0.0 if k else r for k, r in zip(learning, rates)))  # type: ignore[arg-type]
         if not free.pays:

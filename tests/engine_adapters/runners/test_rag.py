@@ -441,7 +441,8 @@ def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
     assert (rates.refused, rates.explored) == (2 * GuardRates.EXPLORE_EVERY, 2)
     # a plan that would not pay even with no trip is never explored
     assert not rates.choose(lambda extra: PicChoice(13, 12)).pays and rates.refused == 2 * GuardRates.EXPLORE_EVERY
-    # once EXPLORE_CHUNKS chunks are learnt, the rates decide alone
+    # once EXPLORE_CHUNKS stored chunks are learnt, a request refused for its stored
+    # chunks is not explored (their learnt rate kept)
     for _ in range(GuardRates.EXPLORE_CHUNKS - 8):
         rates.observe([(0, 64, False)], list(range(0, 64, 4)), 4)
     assert not any(rates.choose(predict(40)).pays for _ in range(2 * GuardRates.EXPLORE_EVERY))
@@ -461,6 +462,14 @@ def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
     for _ in range(GuardRates.EXPLORE_CHUNKS):  # precomputed chunks learnt too: the rates decide alone
         rates.observe([(0, 64, True)], list(range(0, 64, 4)), 4)
     assert not any(rates.choose(predict_new).pays for _ in range(2 * GuardRates.EXPLORE_EVERY))
+    assert (rates.refused, rates.explored) == (3 * GuardRates.EXPLORE_EVERY, 3)
+
+    # at most EXPLORE_LIMIT requests explored in a runner's life, while a kind is never
+    # learnt (a request that relocates may teach nothing: its first chunk tripped)
+    fresh = GuardRates()
+    outs = [fresh.choose(predict(40)) for _ in range((GuardRates.EXPLORE_LIMIT + 2) * GuardRates.EXPLORE_EVERY)]
+    assert sum(c.pays for c in outs) == fresh.explored == GuardRates.EXPLORE_LIMIT
+    assert not any(c.pays for c in outs[GuardRates.EXPLORE_LIMIT * GuardRates.EXPLORE_EVERY:])
 
 
 # --------------------------------------------------------------- RagRunner on vLLM
