@@ -12,6 +12,8 @@ or ``--hypothesis-seed=N``; ``--hypothesis-seed`` does nothing under ``ci``).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import settings
 
@@ -49,6 +51,20 @@ def start_default_engine(**overrides):
 
     overrides.setdefault("extra_kwargs", {"max_logprobs": -1})  # full-vocabulary logprobs for KL probes
     return EmbeddedEngine(**overrides)
+
+
+@contextlib.contextmanager
+def started_engines(*configs: dict):
+    """One engine per dict of ``start_default_engine`` overrides (e.g. a plain engine
+    and one with a block store, for modes at equal capacity), closed in reverse order
+    however the block ends."""
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for overrides in configs:
+            eng = start_default_engine(**overrides)
+            stack.callback(eng.close)
+            engines.append(eng)
+        yield tuple(engines)
 
 
 @pytest.fixture(scope="session")

@@ -231,23 +231,16 @@ def test_a_request_over_the_context_is_skipped_and_fails_coverage(small_plain):
 
 
 @pytest.fixture
-def tiny_pair(kv_engine, tmp_path):
+def tiny_pair(kv_engine):
     """A plain engine and a store engine of 40 blocks each (1,280 tokens): a request at
     the context limit costs a fifth of one at ``small_plain``'s (this test took 94 s)."""
     from promptsplice.engine_adapters import StoreConfig
-    from tests.conftest import start_default_engine
+    from tests.conftest import started_engines
 
     kv_bytes = 40 * (kv_engine.config.kv_cache_bytes // kv_engine.num_blocks)
     store = StoreConfig(dram_bytes=kv_engine.kv_store.config.dram_bytes, disk_bytes=0, disk_dir=None)
-    plain = start_default_engine(kv_cache_bytes=kv_bytes)
-    try:
-        with_store = start_default_engine(kv_cache_bytes=kv_bytes, kv_store=store)
-        try:
-            yield plain, with_store
-        finally:
-            with_store.close()
-    finally:
-        plain.close()
+    with started_engines({"kv_cache_bytes": kv_bytes}, {"kv_cache_bytes": kv_bytes, "kv_store": store}) as pair:
+        yield pair
 
 
 def test_a_request_that_fits_only_without_whole_block_chunks_runs_in_every_mode(tiny_pair):

@@ -234,7 +234,7 @@ def float32_engines(engine, kv_engine, tmp_path_factory):
     measured without bf16's rounding (on an AVX-512 CPU without AMX, bf16, the sample's
     worst agent probe reads 0.0248 nats: the same on the code of the last stop)."""
     from promptsplice.engine_adapters import StoreConfig
-    from tests.conftest import start_default_engine
+    from tests.conftest import started_engines
 
     if engine.config.dtype == "float32" and kv_engine.config.dtype == "float32":
         yield engine, kv_engine
@@ -242,15 +242,9 @@ def float32_engines(engine, kv_engine, tmp_path_factory):
     mib = 2 * 1024 * 1024  # the session kv_engine's block counts, in float32
     store = StoreConfig(dram_bytes=16 * mib, disk_bytes=256 * mib, disk_dir=str(tmp_path_factory.mktemp("kv-f32")),
                         fsync=False)
-    plain = start_default_engine(dtype="float32")
-    try:
-        with_store = start_default_engine(dtype="float32", kv_store=store, kv_cache_bytes=128 * mib)
-        try:
-            yield plain, with_store
-        finally:
-            with_store.close()
-    finally:
-        plain.close()
+    with started_engines({"dtype": "float32"},
+                         {"dtype": "float32", "kv_store": store, "kv_cache_bytes": 128 * mib}) as pair:
+        yield pair
 
 
 def test_bounded_keeps_first_token_kl_p90_within_the_bar_on_the_fixed_sample(float32_engines, measured):
