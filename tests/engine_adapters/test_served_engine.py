@@ -180,7 +180,7 @@ def test_rag_runner_pic_over_the_served_engine_gives_the_embedded_counts(remote,
     # connector's measurements (in process, or in the served acks) extend the recompute
     # (the sticky guard computes every later run of a request after its first trip): the
     # same both ways.
-    reqs = rag_requests[:4]  # 1-3 take 0's chunks in other orders
+    reqs = rag_requests[:6]
     results = {}
     for name, kw in (("relocated", {"fidelity": "bounded", "relocate": "always", "max_deviation": 1.0}),
                      ("guarded", {"fidelity": "bounded", "relocate": "always", "max_deviation": 0.1}),
