@@ -222,9 +222,9 @@ def test_many_paragraphs_of_dots_take_linear_time():
     import time
 
     datas = [b"x" * 20, b".\n\n" * 80000]
-    start = time.process_time()
+    start = time.thread_time()
     speedups.passage_scan(datas, 1, False, lambda j, h: None)
-    assert time.process_time() - start < 0.5
+    assert time.thread_time() - start < 0.5
 
 
 @pytest.mark.reliability
@@ -452,13 +452,15 @@ def test_overlap_len_checks_its_arguments():
 
 
 def _best(f, runs=3):
+    """The least CPU time of ``runs`` calls of ``f``, this thread's (the process's
+    counted the threads of the session's vLLM engines too)."""
     import time
 
     best = float("inf")
     for _ in range(runs):
-        start = time.process_time()
+        start = time.thread_time()
         f()
-        best = min(best, time.process_time() - start)
+        best = min(best, time.thread_time() - start)
     return best
 
 
