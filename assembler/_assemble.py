@@ -29,6 +29,7 @@ nothing, which holds only while they sit in one method.
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -73,6 +74,15 @@ _CHUNK_KEYS = "\x00chunk\x00"
 """Token-cache key prefix of chunks (keyed by their raw text's digest, see ``assemble``)."""
 
 DEFAULT_CAPACITY_BLOCKS = 262_144
+
+
+class _Unset(enum.Enum):
+    """A keyword left out (``capacity_blocks`` beside a mirror must agree with it)."""
+
+    UNSET = "unset"
+
+
+_UNSET = _Unset.UNSET
 """Default mirror size when no engine tells us its own (4M tokens at block 16)."""
 
 
@@ -80,8 +90,10 @@ class Assembler:
     """Stateful prompt assembler (token cache, popularity, prefix-cache mirror).
 
     ``mirror``: a :class:`PrefixCacheMirror` the assembler owns and admits each
-    assembled prompt into (default: a new one of ``capacity_blocks``), or a
-    :class:`MirrorView` of an engine's mirror, only read (the engine admits).
+    assembled prompt into (default: a new one of ``capacity_blocks``, by default
+    ``DEFAULT_CAPACITY_BLOCKS``), or a :class:`MirrorView` of an engine's mirror, only
+    read (the engine admits).  ``capacity_blocks`` beside a ``mirror`` must equal the
+    mirror's (a :class:`ConfigError` otherwise: the mirror's capacity decides).
 
     Thread-safe: tokenization and dedup run outside the lock; ordering, layout and the
     mirror update of one request run under it, so concurrent requests see a consistent
@@ -96,7 +108,7 @@ class Assembler:
         policy: str | OrderPolicy = "stable",
         alignment: str | AlignPolicy = "auto",
         mirror: PrefixCacheMirror | MirrorView | None = None,
-        capacity_blocks: int | None = DEFAULT_CAPACITY_BLOCKS,
+        capacity_blocks: int | None | _Unset = _UNSET,
         token_cache: TokenCache | None = None,
         prompt_format: PromptFormat | None = None,
         dedup_config: DedupConfig | None = None,
@@ -105,6 +117,8 @@ class Assembler:
     ) -> None:
         check_block_size(block_size)
         _check_max_tokens(max_tokens)
+        given_capacity = capacity_blocks is not _UNSET
+        capacity_blocks = DEFAULT_CAPACITY_BLOCKS if capacity_blocks is _UNSET else capacity_blocks
         check_optional_int(capacity_blocks, "capacity_blocks")
         self.tokenizer = load_tokenizer(tokenizer)
         self.block_size = block_size
@@ -116,6 +130,12 @@ class Assembler:
             raise ConfigError(
                 f"the mirror's block_size {mirror.block_size} differs from block_size "
                 f"{block_size}; build both from the engine's block size"
+            )
+        if mirror is not None and given_capacity and capacity_blocks != mirror.capacity_blocks:
+            # the mirror's own capacity decides; a different one asked for was ignored
+            raise ConfigError(
+                f"capacity_blocks={capacity_blocks!r} differs from the mirror's capacity_blocks "
+                f"{mirror.capacity_blocks!r}; build the mirror with that capacity, or leave capacity_blocks out"
             )
         self.mirror = mirror if mirror is not None else PrefixCacheMirror(block_size, capacity_blocks)
         self._admits = isinstance(self.mirror, PrefixCacheMirror)  # owner, not a reader
@@ -147,6 +167,12 @@ class Assembler:
         with ``prefix_key`` as ``prompt_cache_key``."""
         kwargs.setdefault("block_size", 128)
         if "mirror" not in kwargs:
+            block_size = check_block_size(kwargs["block_size"])
+            if 1024 % block_size:  # the mirror's min_hit_tokens, a field the caller never named
+                raise ConfigError(
+                    f"for_openai needs a block_size that divides 1,024 (OpenAI caches prompts from "
+                    f"1,024 tokens on), got {block_size}; leave it at 128 (OpenAI's increment) or pass a divisor"
+                )
             kwargs["mirror"] = PrefixCacheMirror(
                 kwargs["block_size"], kwargs.pop("capacity_blocks", None), min_hit_tokens=1024
             )
@@ -234,9 +260,9 @@ class Assembler:
         m_sep = Markup.trusted(sep)
         head: list[tuple[SegmentKind, str]] = []
         m_head: list[str] = []
-        sys_value = system or fmt.default_system
-        if sys_value:
-            head.append((SegmentKind.SYSTEM, fmt.system_template.format(system=sys_value)))
+        sys_value = fmt.system_value(system)
+        if (sys_text := fmt.system_text(system)) is not None:
+            head.append((SegmentKind.SYSTEM, sys_text))
             m_head.append(fmt.marked(fmt.system_template, esc, system=sys_value))
         tools_text = ""
         if tools:

@@ -113,7 +113,9 @@ def _check_same_as_assembler(asm: Assembler, **given: Any) -> None:
             continue
         if name == "tokenizer":
             tok = load_tokenizer(value)
-            if tok.name != asm.tokenizer.name:
+            # by what they make of a probe, not by name: a copy of the same tokenizer.json
+            # was refused, another tokenizer under the same name accepted
+            if not same_tokenizer(tok, asm.tokenizer):
                 raise ConfigError(
                     f"tokenizer {tok.name!r} differs from the assembler's {asm.tokenizer.name!r}; "
                     "leave tokenizer unset when passing an assembler"

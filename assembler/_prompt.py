@@ -14,7 +14,7 @@ from promptsplice.assembler._layout import Segment, SegmentKind
 from promptsplice.assembler._ordering import AlignPolicy, OrderPolicy
 from promptsplice.assembler._tokenizers import Markup, Tokenizer
 from promptsplice.blocks import BlockHash
-from promptsplice._validate import check_format, check_text
+from promptsplice._validate import check_format, check_text, encodable
 from promptsplice.errors import ConfigError
 from promptsplice.dedup import DedupResult
 
@@ -39,20 +39,37 @@ class PromptFormat:
         check_format(self.query_template, "PromptFormat.query_template", "query", "q", required=True)
         check_format(self.system_template, "PromptFormat.system_template", "system", "s", required=True)
         check_text(self.default_system, "PromptFormat.default_system", optional=True, error=ConfigError)
+        for name in ("separator", "tools_header", "query_template", "system_template", "default_system"):
+            value = getattr(self, name)
+            if value is not None and not encodable(value):  # blamed on the query or a chunk at assembly
+                raise ConfigError(f"PromptFormat.{name} holds a lone surrogate (not UTF-8 text); "
+                                  "fix the string (e.g. value.encode('utf-8', 'replace').decode())")
 
     @classmethod
     def chatml(cls, default_system: str = "You are a helpful assistant.") -> PromptFormat:
         """ChatML turns (SmolLM2, Qwen): system turn, documents and question in one user
-        turn, then the assistant's header.  The system segment always exists."""
+        turn, then the assistant's header.  The system segment always exists: it opens
+        the user turn, so ``default_system=""`` gives an empty system turn and ``None``
+        is a :class:`ConfigError` (without it the prompt had no user turn)."""
+        if default_system is None:
+            raise ConfigError("PromptFormat.chatml(default_system=None): the system segment opens the "
+                              "user turn and cannot be left out; pass default_system=\"\" for an empty system turn")
         return cls(
             system_template="<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nDocuments:",
             query_template="Question: {query}<|im_end|>\n<|im_start|>assistant\n",
             default_system=default_system,
         )
 
+    def system_value(self, system: str | None) -> str | None:
+        """The system text a prompt renders: ``system`` when given (non-empty), else
+        ``default_system``; ``None`` (no system segment) only when both are unset.  A
+        ``default_system`` of ``""`` still renders the template (ChatML's system turn
+        opens the user turn: skipping it left a prompt without one)."""
+        return system or self.default_system
+
     def system_text(self, system: str | None) -> str | None:
-        text = system or self.default_system
-        return self.system_template.format(system=text) if text else None
+        text = self.system_value(system)
+        return (self.system_template.format(system=text) or None) if text is not None else None
 
     def tools_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
         # Canonical JSON: the same schemas always give the same bytes (and blocks).

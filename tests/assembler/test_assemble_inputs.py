@@ -14,6 +14,7 @@ import pytest
 from promptsplice.assembler import (
     AlignPolicy,
     Assembler,
+    DEFAULT_CAPACITY_BLOCKS,
     ChatRenderer,
     ContextHook,
     OrderPolicy,
@@ -340,3 +341,62 @@ def test_two_tokenizers_under_one_name_do_not_share_the_default_assembler(defaul
     # the same vocabulary under the same name (another object) shares it
     again = HFTokenizer(default_tok._tok, name=name)
     assert assemble_prompt(["hello world"], query="fox", tokenizer=again).token_ids
+
+
+def test_an_empty_chatml_system_still_opens_the_user_turn(default_tok):
+    """``PromptFormat.chatml(default_system="")`` skipped the system segment, which
+    holds the user turn's opener: the prompt had no ``<|im_start|>user`` and closed a
+    turn it never opened.  ``None`` cannot leave the segment out either."""
+    from promptsplice.assembler import PromptFormat
+
+    asm = Assembler(default_tok, prompt_format=PromptFormat.chatml(default_system=""))
+    head = "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nDocuments:"
+    assert asm.assemble(["Paris is in France."], query="Where is Paris?").text.startswith(head)
+    assert asm.naive(["Paris is in France."], query="Where is Paris?").text.startswith(head)
+    # a system given per call still wins
+    assert asm.assemble(["a"], query="q", system="Be brief.").text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    with pytest.raises(ConfigError, match='default_system=""'):
+        PromptFormat.chatml(default_system=None)
+
+
+@pytest.mark.parametrize("field", ["separator", "tools_header", "query_template", "system_template", "default_system"])
+def test_a_lone_surrogate_in_a_prompt_format_is_refused_when_built(field):
+    """It built, then the first assembly blamed the (valid) query or a chunk."""
+    from promptsplice.assembler import PromptFormat
+
+    value = {"query_template": "Q\ud800 {query}", "system_template": "{system}\ud800"}.get(field, "\ud800")
+    with pytest.raises(ConfigError, match=f"PromptFormat.{field} holds a lone surrogate"):
+        PromptFormat(**{field: value})
+
+
+def test_capacity_blocks_beside_a_mirror_must_agree_with_it(default_tok):
+    """The mirror's capacity decided and ``capacity_blocks=2`` was dropped silently: a
+    211-token prompt came back although the caller asked for 64 tokens of room."""
+    with pytest.raises(ConfigError, match="capacity_blocks=2 differs from the mirror's capacity_blocks None"):
+        Assembler(default_tok, mirror=PrefixCacheMirror(16, None), capacity_blocks=2)
+    with pytest.raises(ConfigError, match="capacity_blocks=8 differs"):
+        Assembler.for_openai(mirror=PrefixCacheMirror(128, None), capacity_blocks=8)
+    same = Assembler(default_tok, mirror=PrefixCacheMirror(16, 2), capacity_blocks=2)
+    assert same.mirror.capacity_blocks == 2
+    assert Assembler(default_tok, mirror=PrefixCacheMirror(16, 5)).mirror.capacity_blocks == 5  # left out: the mirror's
+    assert Assembler(default_tok).mirror.capacity_blocks == DEFAULT_CAPACITY_BLOCKS
+
+
+def test_for_openai_names_its_own_block_size_rule():
+    """``block_size=100`` failed on ``min_hit_tokens``, a field the caller never passed."""
+    with pytest.raises(ConfigError, match="for_openai needs a block_size that divides 1,024"):
+        Assembler.for_openai(block_size=100)
+    assert Assembler.for_openai(block_size=64).mirror.min_hit_tokens == 1024
+
+
+def test_assemble_prompt_compares_tokenizers_by_what_they_make_of_text(tmp_path, default_tok):
+    """By name: the default tokenizer.json copied elsewhere was refused, and another
+    tokenizer with the assembler's name would have been taken."""
+    import shutil
+
+    from promptsplice.assets import default_model_dir
+
+    shutil.copy(default_model_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
+    asm = Assembler(default_tok)
+    out = assemble_prompt(["doc"], query="q", assembler=asm, tokenizer=str(tmp_path / "tokenizer.json"))
+    assert out.token_ids == assemble_prompt(["doc"], query="q", assembler=Assembler(default_tok)).token_ids
