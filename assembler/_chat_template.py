@@ -61,16 +61,18 @@ def canonical_json(obj: Any) -> str:
 def check_message_json(message: Mapping[str, Any], index: int | None) -> None:
     """Refuse a message the renderer cannot key by its :func:`canonical_json` (keys of
     mixed types in an extra field, an int past str()'s digit limit, a cycle, nesting too
-    deep) with :class:`InvalidMessageError` naming it: a raw TypeError, ValueError or
-    RecursionError escaped.  Messages whose values are all str or None are JSON: skipped."""
+    deep, and any value that is not JSON: a set, bytes, a date, an object, NaN or
+    infinity, which ``str()`` keyed and a template printed as its repr, an object's with
+    its address) with :class:`InvalidMessageError` naming it: a raw TypeError, ValueError
+    or RecursionError escaped.  Messages whose values are all str or None are JSON: skipped."""
     if all(v is None or isinstance(v, str) for v in message.values()):
         return
     try:
-        canonical_json(message)
+        _strict_json(message)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidMessageError(
             f"message {index} is not a JSON value ({type(exc).__name__}: {exc}); pass str keys, "
-            "no cycles, and ints, floats, str, bools, None, lists and dicts only"
+            "no cycles, and ints, finite floats, str, bools, None, lists and dicts only"
         ) from exc
 
 

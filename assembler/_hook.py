@@ -181,6 +181,8 @@ class ContextHook:
                 renderer, block_size=block_size, template=template, alignment="all" if alignment is None else alignment
             )
         for p in policies:
+            if isinstance(p, type):  # a class has an apply attribute: each step then failed
+                raise ConfigError(f"policies holds the class {p.__name__}: pass an instance, {p.__name__}(...)")
             if not (hasattr(p, "apply") or callable(p)):
                 raise ConfigError(f"a policy must have apply(messages) or be callable, got {p!r}")
         self.policies = list(policies)

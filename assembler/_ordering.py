@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from promptsplice.blocks import content_digest
-from promptsplice._validate import check_enum
+from promptsplice._validate import check_enum, check_int
 from promptsplice.errors import ConfigError, UnknownPolicyError
 
 __all__ = [
@@ -98,6 +98,8 @@ class PopularityTracker:
     cannot read which chunks another sent from the order its own prompts come in."""
 
     def __init__(self, max_chunks: int = 1_000_000, max_sets: int = 100_000) -> None:
+        check_int(max_chunks, "PopularityTracker max_chunks")  # -1 or "10" failed at the first observe
+        check_int(max_sets, "PopularityTracker max_sets")
         self._counts: OrderedDict[bytes, int] = OrderedDict()
         self._orders: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
         self._sent: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()

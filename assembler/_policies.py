@@ -272,6 +272,8 @@ def _error_head(text: str) -> bool:
 
 def is_error_output(message: Mapping[str, Any]) -> bool:
     """The default failure rule for a tool message (see the module docstring)."""
+    if not isinstance(message, Mapping):
+        raise InputError(f"is_error_output takes a tool message (a dict), got {type(message).__name__}")
     status = message.get("status")
     if isinstance(status, str) and status.lower() in ("error", "failed", "failure"):
         return True
@@ -329,15 +331,21 @@ class DropFailedCalls:
             while j < len(messages) and messages[j].get("role") in self.tool_roles:
                 outs.append(j)
                 j += 1
-            by_id = {messages[t].get("tool_call_id"): t for t in outs if messages[t].get("tool_call_id")}
+            # outputs in order per call id: a message repeating an id pairs its calls with
+            # that id's outputs first to first (a dict kept the last output only, and the
+            # first call took the second call's output: a success dropped, a failure kept)
+            by_id: dict[Any, list[int]] = {}
+            for t in outs:
+                if messages[t].get("tool_call_id"):
+                    by_id.setdefault(messages[t].get("tool_call_id"), []).append(t)
             free = [t for t in outs if not messages[t].get("tool_call_id")]
             for k, call in enumerate(calls):
                 name = _call_name(call)
                 if name is None:
                     continue
                 cid = call.get("id") if isinstance(call, Mapping) else None
-                if cid and cid in by_id:
-                    pairs.append((a, k, by_id.pop(cid), name))
+                if cid and by_id.get(cid):
+                    pairs.append((a, k, by_id[cid].pop(0), name))
                 elif free:
                     pairs.append((a, k, free.pop(0), name))
         return pairs
@@ -419,6 +427,10 @@ def summarize_turns(
     tool call and its output (``messages[end]`` a tool message)."""
     _check_messages(messages)
     check_format(template, "template", "summary", "a summary", required=True)
+    if not callable(summarize):
+        raise ConfigError("summarize must be a callable: summarize(messages) -> str")
+    if not isinstance(role, str) or not role:  # as SummarizeTurns checks it
+        raise ConfigError(f"role (of the summary message) must be a non-empty str, got {role!r}")
     if not (is_int(start) and is_int(end)) or not 0 <= start < end <= len(messages):
         raise InputError(f"summary stretch ({start}, {end}) is not a non-empty range of {len(messages)} messages")
     if end < len(messages) and messages[end].get("role") in ("tool", "function"):
@@ -488,6 +500,12 @@ class SummarizeTurns:
             )
         if keep_head is not None and (not is_int(keep_head) or keep_head < 0):
             raise ConfigError(f"keep_head must be a non-negative int or None, got {keep_head!r}")
+        if keep_head is not None and max_messages < keep_head + 1 + keep_recent:
+            # a list over max_messages could never come back under it (left unchanged)
+            raise ConfigError(
+                f"max_messages must be at least keep_head + 1 + keep_recent = {keep_head + 1 + keep_recent} "
+                f"(head, summary, recent turns), got {max_messages!r}; lower keep_head or keep_recent"
+            )
         if not is_int(max_memo) or max_memo < 1:
             raise ConfigError(f"max_memo must be an int >= 1 (summaries remembered), got {max_memo!r}")
         if not isinstance(role, str) or not role:

@@ -67,3 +67,16 @@ def test_a_template_holding_a_lone_surrogate_is_refused_when_built(default_tok):
     """Every render of it failed with a raw UnicodeEncodeError."""
     with pytest.raises(ConfigError, match=r"lone surrogate '\\ud800' at character 50"):
         ChatTemplate(LOOP + "{% endfor %}\ud800")
+
+
+@pytest.mark.parametrize("value", [{3, 1, 2}, object(), float("nan"), float("inf"), b"ab", __import__("datetime").date(2020, 1, 1)])
+def test_an_extra_field_that_is_not_json_is_an_invalid_message(value):
+    """``str()`` keyed these and a template printed their repr (an object's with its
+    address: two renders of equal messages gave different tokens, so the prefix cache
+    never hit); the README promises ``InvalidMessageError``."""
+    from promptsplice.errors import InvalidMessageError
+
+    with pytest.raises(InvalidMessageError, match="message 0 is not a JSON value"):
+        ChatRenderer().render([{"role": "user", "content": "x", "meta": value}])
+    # JSON values pass: lists, dicts, finite floats, None
+    assert ChatRenderer().render([{"role": "user", "content": "x", "meta": [1, {"a": None}, 1.5]}]).text

@@ -300,3 +300,11 @@ def test_a_renderer_brings_its_own_template_and_alignment(default_tok):
             ContextHook(r, **kwargs)
     assert ContextHook(r).renderer is r
     assert ContextHook(default_tok, 16, alignment="none").renderer.alignment.value == "none"
+
+
+def test_a_policy_class_instead_of_an_instance_is_refused_when_built(default_tok):
+    """A class has an ``apply`` attribute: the hook was built, then every step failed
+    with a raw TypeError (``apply() missing 1 required positional argument``)."""
+    with pytest.raises(ConfigError, match=r"policies holds the class DropFailedCalls: pass an instance, DropFailedCalls\(\.\.\.\)"):
+        ContextHook(default_tok, policies=[DropFailedCalls])
+    assert ContextHook(default_tok, policies=[DropFailedCalls()]).policies[0].name == "drop_failed"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -226,3 +227,14 @@ def test_cache_aware_auto_never_predicts_fewer_cached_tokens_than_none(default_t
         none = asm.preview(chunks, alignment="none", **kw).predicted_cached_tokens
         assert auto >= none, (auto, none)
         asm.assemble(chunks, **kw)
+
+
+@pytest.mark.parametrize("bad", [-1, 0, "10", True, 1.5])
+@pytest.mark.parametrize("field", ["max_chunks", "max_sets"])
+def test_popularity_tracker_bounds_are_checked_when_built(field, bad):
+    """``-1`` failed later with a raw KeyError, ``"10"`` with a TypeError, and ``0``
+    learnt nothing."""
+    from promptsplice.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"PopularityTracker {field} must be an int >= 1"):
+        PopularityTracker(**{field: bad})

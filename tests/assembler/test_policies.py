@@ -350,7 +350,7 @@ def test_a_summary_never_starts_or_ends_between_a_call_and_its_output():
         summarize_turns(msgs, 3, 5, lambda ms: "s")
     # keep_head=3 ended the head on the call: the head now keeps its output
     longer = msgs[:5] + [{"role": "user", "content": "more"}] + msgs[5:]
-    r = SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=1, keep_head=3).apply(longer)
+    r = SummarizeTurns(lambda ms: "s", max_messages=5, keep_recent=1, keep_head=3).apply(longer)
     assert r.messages[:4] == longer[:4] and r.edits[0].old == (4, 6)
     # tool outputs under another role (Llama-3's "ipython") are named by tool_roles
     ipy = [dict(m, role="ipython") if m["role"] == "tool" else m for m in msgs] + [
@@ -541,3 +541,45 @@ def test_drop_failed_calls_refuses_call_ids_that_are_not_str(bad_call_id, bad_ou
     ]
     with pytest.raises(InvalidMessageError, match=r"messages\[[12]\]\[.*(tool_call_id|id)'\] must be a str or None"):
         DropFailedCalls().apply(msgs)
+
+
+def test_a_call_id_repeated_in_one_message_pairs_its_outputs_in_order():
+    """Outputs were keyed by id in a dict: the last output with the id won, so the
+    first call (``f``, a success) took ``g``'s error and was dropped with it, leaving
+    ``g`` answered by ``f``'s output although ``g`` was never retried."""
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c1", "f"), call("c1", "g")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok from f"},
+        {"role": "tool", "tool_call_id": "c1", "content": "Error: g failed"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c2", "f")]},
+        {"role": "tool", "tool_call_id": "c2", "content": "ok again"},
+    ]
+    res = DropFailedCalls().apply(msgs)
+    assert res.edits == ()  # f's call succeeded; g failed but was never retried
+    assert res.messages == [dict(m) for m in msgs]
+    msgs[4]["tool_calls"] = [call("c2", "g")]  # now g is retried: g's call and its error go
+    res = DropFailedCalls().apply(msgs)
+    assert res.messages[1]["tool_calls"] == [call("c1", "f")]
+    assert [m["content"] for m in res.messages if m["role"] == "tool"] == ["ok from f", "ok again"]
+
+
+def test_summary_settings_that_could_never_fit_max_messages_are_refused():
+    """``keep_head=5, keep_recent=10, max_messages=12``: 13-16 messages came back
+    unchanged and 30 came back as 16, over the maximum."""
+    with pytest.raises(ConfigError, match=r"keep_head \+ 1 \+ keep_recent = 16"):
+        SummarizeTurns(lambda ms: "s", max_messages=12, keep_recent=10, keep_head=5)
+    p = SummarizeTurns(lambda ms: "s", max_messages=16, keep_recent=10, keep_head=5)
+    msgs = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(30)]
+    assert len(p.apply(msgs).messages) == 16
+
+
+def test_the_summary_function_checks_its_options_like_the_policy():
+    msgs = [{"role": "user", "content": f"m{i}"} for i in range(4)]
+    for role in (123, ""):
+        with pytest.raises(ConfigError, match="role"):
+            summarize_turns(msgs, 0, 2, lambda ms: "s", role=role)
+    with pytest.raises(ConfigError, match="summarize must be a callable"):
+        summarize_turns(msgs, 0, 2, "not callable")
+    with pytest.raises(InputError, match="is_error_output takes a tool message"):
+        is_error_output("Error: x")
