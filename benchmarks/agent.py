@@ -354,6 +354,12 @@ def run_agent_modes(
             raise ConfigError(f"engines must map each of {MODES} to an engine, got {engines!r}")
         if len({id(e) for e in engines.values()}) != len(MODES):
             raise ConfigError("engines: each mode needs an engine of its own (no mode may see another's traffic)")
+        shared = getattr(engines["apc"], "kv_store", None)
+        if shared is not None and shared is getattr(engines["splice"], "kv_store", None):
+            # engines of one process on equal StoreConfigs share one store: splice would
+            # load what apc saved, and the reverse
+            raise ConfigError("engines: apc and splice share one block store (engines of one process on "
+                              "equal StoreConfigs do); give each StoreConfig its own disk_dir")
         _check_capacity({m: _store_shape(engines[m]) for m in ("apc", "splice")},
                         engines["apc"].config.kv_store is not None)
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks

@@ -11,12 +11,17 @@ anything and otherwise at most once a second (they take the store's lock).  A co
 as it climbs back past its highest value, so the exported counters never decrease.
 
 The store's counters are the store's: engines of one process opened on the same
-``StoreConfig`` share one store, and each of them reports its hits.
+``StoreConfig`` share one store, and each increment is reported once, by whichever of
+them reads it first (the highest values reported are kept per store, not per engine:
+per engine, every sharing engine reported all of the store's hits, so totals summed
+over engines were N times the store's own).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -92,6 +97,11 @@ def store_counters(s: StoreStats, *, tiered: bool) -> dict[str, float]:
     }
 
 
+# The store counters' highest values reported, per store (shared by its engines' reporters).
+_STORE_HIGH: weakref.WeakKeyDictionary[BlockStore, dict[str, float]] = weakref.WeakKeyDictionary()
+_STORE_HIGH_LOCK = threading.Lock()
+
+
 class CounterReporter:
     """What changed since the last report, as a :class:`SpliceConnectorStats`, or
     ``None`` when nothing did (vLLM then sends no stats with the step)."""
@@ -109,19 +119,26 @@ class CounterReporter:
                 self._high.pop(name, None)
         delta = self._rise(worker_counters(worker))
         if store is not None and not store.closed and (delta or time.monotonic() >= self._store_due):
-            tiered = store.config.disk_bytes > 0 or store.config.remote_url is not None
-            delta.update(self._rise(store_counters(store.stats(), tiered=tiered)))
+            # tiers actually open: a disk tier that failed to open counts no misses of its own
+            now = store_counters(store.stats(), tiered=store.tiered)
+            with _STORE_HIGH_LOCK:
+                delta.update(_rise(_STORE_HIGH.setdefault(store, {}), now))
             self._store_due = time.monotonic() + self._store_every_s
         return SpliceConnectorStats(data=delta) if delta else None
 
     def _rise(self, now: dict[str, float]) -> dict[str, float]:
-        delta: dict[str, float] = {}
-        for name, value in now.items():
-            high = self._high.get(name, 0)
-            if value > high:
-                delta[name] = value - high
-                self._high[name] = value
-        return delta
+        return _rise(self._high, now)
+
+
+def _rise(highs: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """What of ``now`` lies above ``highs`` (which it raises): never a decrease."""
+    delta: dict[str, float] = {}
+    for name, value in now.items():
+        high = highs.get(name, 0)
+        if value > high:
+            delta[name] = value - high
+            highs[name] = value
+    return delta
 
 
 class SpliceConnectorStats(KVConnectorStats):

@@ -305,6 +305,12 @@ class BlockStore:
         return self._cfg
 
     @property
+    def tiered(self) -> bool:
+        """Whether tiers below DRAM are open (not only configured: a disk folder that
+        could not be opened, or a store in a forked child, has none)."""
+        return bool(self._lower)
+
+    @property
     def closed(self) -> bool:
         """True once :meth:`close` began (calls are refused from then on); ``close()``
         itself returns only when the store is fully closed."""
@@ -384,6 +390,8 @@ class BlockStore:
                     self._hits[0] += 1
                     return Lookup(LookupStatus.HIT_DRAM, mem.payload)
                 self._misses[0] += 1
+                if self._lower:  # the lookup ends here: no tier below serves it either
+                    self._misses[1] += 1
                 self._mismatches += 1
                 return Lookup(LookupStatus.MISMATCH)
             self._misses[0] += 1
@@ -544,7 +552,9 @@ class BlockStore:
         wait for every pending write.
 
         For a graceful shutdown: the next store on the folder then serves them.  Blocks
-        stay in DRAM too.  Returns how many records were written by this call.
+        stay in DRAM too.  Returns how many records the tiers wrote while the call ran
+        (each tier's copy counts; on a store shared between threads or engines, their
+        writes meanwhile too).
         """
         with self._cond:
             self._check_open()

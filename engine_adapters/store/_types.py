@@ -99,7 +99,8 @@ class StoreStats(NamedTuple):
     """Lookups DRAM did not serve."""
     disk_hits: int
     disk_misses: int
-    """Lookups that reached the disk tier and were not served by it."""
+    """Lookups of a store with tiers below DRAM that no tier served: not found or not
+    served below, or a mismatch in DRAM (which ends the lookup)."""
     mismatches: int
     """Lookups and puts that found another block under the key."""
     corrupt: int

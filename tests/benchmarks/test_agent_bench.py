@@ -201,6 +201,18 @@ def test_equal_capacity_compares_every_setting_of_the_cache_and_the_store():
             agent._check_capacity({"apc": agent._store_shape(eng(**other)), "splice": agent._store_shape(eng())}, True)
 
 
+def test_apc_and_splice_on_one_shared_store_are_refused():
+    """Engines of one process on equal StoreConfigs share one block store: splice then
+    loaded what apc saved (the engine objects differed, so the check passed)."""
+    import types
+
+    store = object()
+    engines = {"full": types.SimpleNamespace(), "apc": types.SimpleNamespace(kv_store=store),
+               "splice": types.SimpleNamespace(kv_store=store)}
+    with pytest.raises(ConfigError, match="apc and splice share one block store"):
+        run_agent_modes([read_agent_trace(SAMPLE)[0]], engines=engines)
+
+
 def test_modes_must_run_at_equal_capacity_on_engines_of_their_own(engines):
     sess = read_agent_trace(SAMPLE)[0]
     with pytest.raises(ConfigError, match="engine of its own"):

@@ -130,3 +130,54 @@ def test_misses_are_counted_when_the_lookup_ends(store, tmp_path):
         mid_lookup = tiered.stats()._replace(dram_misses=tiered.stats().dram_misses + 1)  # a read in flight
         assert store_counters(mid_lookup, tiered=True)["store_misses"] == 1
         assert CounterReporter(store_every_s=0).take(WorkerStats(), tiered).data["store_misses"] == 1
+
+
+def test_engines_sharing_a_store_report_each_store_hit_once(store):
+    """Each engine's reporter kept its own highest values, so every engine on a shared
+    store reported all of the store's hits: A's 4 loads read 4 on A and 4 on B, 8 in
+    all (a store review).  Now each increment goes to the reporter that reads it first."""
+    prompt = toks(4 * BS)
+    fill_store(store, prompt)
+    a, b = CounterReporter(store_every_s=0), CounterReporter(store_every_s=0)
+    a.take(WorkerStats(), store), b.take(WorkerStats(), store)  # what filling the store counted
+    for ref in chain_refs(prompt, BS, salt=SALT):
+        store.get(ref, salt=SALT)
+    got_a, got_b = a.take(WorkerStats(), store), b.take(WorkerStats(), store)
+    assert got_a.data == {"store_dram_hits": 4} and got_b is None
+    store.get(chain_refs(prompt, BS, salt=SALT)[0], salt=SALT)
+    assert b.take(WorkerStats(), store).data == {"store_dram_hits": 1}  # B reads the next one first
+    assert a.take(WorkerStats(), store) is None
+
+
+def test_misses_count_when_the_configured_disk_tier_did_not_open(tmp_path):
+    """``tiered`` was read from the config: a disk folder that could not be opened left
+    a DRAM-only store whose misses were never exported (``store_misses`` 0 of 4)."""
+    from promptsplice.engine_adapters import BlockStore, StoreConfig
+    from tests.engine_adapters.connector._kv import PAYLOAD
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    cfg = StoreConfig(dram_bytes=4 * PAYLOAD, disk_bytes=64 * PAYLOAD, disk_dir=str(blocked / "kv"), write_behind_bytes=0)
+    with BlockStore(cfg) as s:
+        assert not s.tiered and not s.stats().disk_writable
+        for ref in chain_refs(toks(4 * BS), BS, salt=SALT):
+            s.get(ref, salt=SALT)
+        assert CounterReporter(store_every_s=0).take(WorkerStats(), s).data["store_misses"] == 4
+
+
+def test_a_mismatch_in_dram_is_a_miss_of_a_tiered_store(tmp_path):
+    """It counted in ``dram_misses`` only, which a tiered store does not export."""
+    import torch
+
+    from promptsplice.engine_adapters import BlockStore, StoreConfig
+    from promptsplice.engine_adapters.store import BlockRef, LookupStatus, Namespace
+    from tests.engine_adapters.connector._kv import PAYLOAD
+
+    key, parent = bytes(range(16)), bytes(16)
+    cfg = StoreConfig(dram_bytes=4 * PAYLOAD, disk_bytes=64 * PAYLOAD, disk_dir=str(tmp_path), write_behind_bytes=0)
+    with BlockStore(cfg) as s:
+        assert s.tiered
+        s.put(BlockRef(key, parent, [1, 2]), torch.zeros(4), salt="a", namespace=Namespace.CONTENT)
+        assert s.get(BlockRef(key, parent, [1, 2]), salt="b", namespace=Namespace.CONTENT).status is LookupStatus.MISMATCH
+        assert (s.stats().disk_misses, s.stats().mismatches) == (1, 1)
+        assert CounterReporter(store_every_s=0).take(WorkerStats(), s).data["store_misses"] == 1
