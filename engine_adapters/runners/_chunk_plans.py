@@ -216,7 +216,8 @@ def pic_choice(
     length, its prefix-cache hit under the reuse salt, where the head (loaded from the
     tenant's exact blocks) ends, and ``(start, end)`` of every chunk it would relocate,
     ``missing`` those of them to precompute first; ``head_hit``: the leading tokens of
-    that prompt the tenant's cache or store holds.  ``exact_tokens``: the predicted
+    that prompt the tenant's store holds (the plan loads its head from there: vLLM's
+    cache under the tenant's salt is not the plan's).  ``exact_tokens``: the predicted
     prefill of the exact request (its own layout).  The plan is grouped into requests as
     :func:`plan_chunk_phases` groups it (a run moving fewer than ``min_group_blocks``
     blocks is computed); more requests cost no prefill (each starts at the last one's
@@ -281,11 +282,14 @@ class GuardRates:
     corrected: while a kind has fewer than :attr:`EXPLORE_CHUNKS` chunks learnt,
     :meth:`choose` lets one in :attr:`EXPLORE_EVERY` of the requests the rates refused,
     and that would pay were chunks of that kind never to trip, relocate anyway, at most
-    :attr:`EXPLORE_LIMIT` in a runner's life (each may prefill more than its exact
-    request; :attr:`explored` counts them).  Per kind: precomputed chunks are probed
-    rarely (2 against 76 stored ones by the end of 80 pydocs requests, 6 against 37 on
-    wiki), so one count for both would close the window before the kind a prior most
-    needs corrected was seen; the limit bounds what a window left open costs.
+    :attr:`EXPLORE_LIMIT` per kind in a runner's life (each may prefill more than its
+    exact request; :attr:`explored` counts them).  Per kind: precomputed chunks are
+    probed rarely (2 against 76 stored ones by the end of 80 pydocs requests, 6 against
+    37 on wiki), so one count for both would close the window before the kind a prior
+    most needs corrected was seen; the limit bounds what a window left open costs.  An
+    exploration is charged to each learning kind whose zeroed rate alone lowers the
+    request's prediction (one life limit for both let 8 explorations of tripping stored
+    chunks end the precomputed kind's window for good, a review found).
     """
 
     PRIOR = (0.2, 0.9)
@@ -303,11 +307,12 @@ class GuardRates:
     EXPLORE_CHUNKS = 32
     EXPLORE_LIMIT = 8
 
-    __slots__ = ("_sums", "_counts", "refused", "explored")
+    __slots__ = ("_sums", "_counts", "_explored", "refused", "explored")
 
     def __init__(self) -> None:
         self._sums = [0.0, 0.0]
         self._counts = [0, 0]
+        self._explored = [0, 0]  # explorations charged per kind (EXPLORE_LIMIT each)
         self.refused = 0  # requests the rates refused, counted while exploring, that would
         # pay with rate zero for the kinds still being learnt (learnt rates kept)
         self.explored = 0  # of those, relocated anyway
@@ -340,14 +345,14 @@ class GuardRates:
         """The gate: ``predict(rates)`` is :func:`pic_choice` of the request with
         ``extra_blocks=rates``.  The choice at the expected rates, but for every
         :attr:`EXPLORE_EVERY`-th request it refused that pays with rate zero for each
-        kind of which fewer than :attr:`EXPLORE_CHUNKS` chunks are learnt, that
-        prediction (which relocates), until :attr:`EXPLORE_LIMIT` were."""
+        kind of which fewer than :attr:`EXPLORE_CHUNKS` chunks are learnt and fewer than
+        :attr:`EXPLORE_LIMIT` explorations charged, that prediction (which relocates)."""
         rates = self.expected()
         choice = predict(rates)
         if choice.pays:
             return choice
-        learning = [c < self.EXPLORE_CHUNKS for c in self._counts]
-        if not any(learning) or self.explored >= self.EXPLORE_LIMIT:
+        learning = [c < self.EXPLORE_CHUNKS and e < self.EXPLORE_LIMIT for c, e in zip(self._counts, self._explored)]
+        if not any(learning):
             return choice
         free = predict(tuple(0.0 if k else r for k, r in zip(learning, rates)))  # type: ignore[arg-type]
         if not free.pays:
@@ -356,6 +361,12 @@ class GuardRates:
         if self.refused % self.EXPLORE_EVERY:
             return choice
         self.explored += 1
+        # charged to the kinds it teaches (zeroing each alone lowers its prediction), to
+        # every learning kind when only both together do: none goes unbounded
+        teaches = [k for k in (0, 1) if learning[k] and predict(
+            tuple(0.0 if i == k else r for i, r in enumerate(rates))).pic_tokens < choice.pic_tokens]  # type: ignore[arg-type]
+        for k in teaches or [k for k in (0, 1) if learning[k]]:
+            self._explored[k] += 1
         return free
 
 

@@ -282,6 +282,16 @@ class RagRunner:
                 "this engine's splice connector cannot relocate KV (its log says why: an "
                 "unverified attention ISA or RoPE); use mode='exact'"
             )
+        if not pic:  # options of position-independent reuse: taken, then ignored (review)
+            given = [name for name, value, default in (
+                ("index", index, None), ("min_group_blocks", min_group_blocks, 1), ("precompute", precompute, "packed"),
+                ("relocate", relocate, "when_it_pays"), ("exact_alignment", exact_alignment, "auto"),
+                ("recompute_at", recompute_at, None)) if value != default]
+            if given:
+                raise ConfigError(
+                    f"RagRunner(mode={self.mode.value!r}) takes no {', '.join(given)}: they shape "
+                    "position-independent reuse; pass mode='position_independent' or leave them out"
+                )
         self._fidelity = RunnerFidelity(fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation,
                                         relocating_mode=None if pic else self.mode.value)
         self.fidelity = self._fidelity.level
@@ -439,7 +449,9 @@ class RagRunner:
             will.sort(key=lambda c: c.start)
             predict = functools.partial(
                 pic_choice, len(toks), hit, head_end, [(c.start, c.end) for c in will], [(s.start, s.end) for s in missing],
-                head_hit=self._exact_hit(toks, stored[0]),
+                # the head loads from the store only: the tenant's vLLM cache is under
+                # another salt than the plan's (counting it predicted too little prefill)
+                head_hit=stored[0] * bs,
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
                 continued=self._continued(toks, will, head_end, r, cfg.level),

@@ -154,9 +154,10 @@ class AdaptiveRecompute:
     guard"), else one more block, by one more request
     (:func:`~promptsplice.engine_adapters.connector._plans.extend_recompute`).
     ``extra`` counts the blocks added, ``extended`` lists where each starts, ``deviated``
-    those of runs computed because their own start deviated (not for an earlier one),
-    ``unmeasured``: a run was computed because a planned probe went unmeasured (read
-    as infinite: no deviation learnt)."""
+    those of runs computed because their own start was measured to deviate (not for an
+    earlier one, nor for a probe that went unmeasured), ``unmeasured``: the request's
+    first trip came from a planned probe that went unmeasured (read as infinite: no
+    deviation learnt)."""
 
     __slots__ = ("max_deviation", "tokens", "extended", "window", "whole_run", "tripped", "deviated", "unmeasured")
 
@@ -182,7 +183,12 @@ class AdaptiveRecompute:
         bs, end = plan.block_size, plan.dst_start
         latest = {d.dst_start: d.value for d in seen if end - self.window * bs <= d.dst_start < end}
         own = bool(latest) and max(latest.values()) > self.max_deviation
-        self.unmeasured |= own and max(latest.values()) == float("inf")
+        # only a missing measurement that decided the request's first trip: after a
+        # measured trip every later run is computed anyway (a later unmeasured probe made
+        # the request teach nothing, its real trip lost to the gate's rates)
+        measured = [v for v in latest.values() if v != float("inf")]
+        seen_trip = bool(measured) and max(measured) > self.max_deviation
+        self.unmeasured |= own and not self.tripped and not seen_trip
         if not own and not self.tripped:
             return None
         if self.whole_run:
@@ -191,7 +197,7 @@ class AdaptiveRecompute:
             if phases:
                 blocks = [g.dst_start + i * bs for g in plan.segments for i in range(g.num_blocks)]
                 self.extended.extend(blocks)
-                if own:
+                if seen_trip:  # its own start measured above the threshold
                     self.deviated.extend(blocks)
             return phases
         phases = extend_recompute(nxt, self.tokens)

@@ -206,3 +206,10 @@ def test_the_rag_guard_computes_every_later_run_of_a_request_once_one_deviates()
         object(), 0, () if plan is not None and plan.probes and plan.probes[0].dst_start == first else deviations(plan)),
         {"max_tokens": 1}, blind)
     assert not any(ph.plan is not None and ph.plan.segments for ph in out.phases) and blind.unmeasured
+    # a measured trip, then a later run's probe unmeasured: the trip is still learnt (the
+    # request was flagged and taught the gate nothing, a review found)
+    late = AdaptiveRecompute(0.25, new, window=2, whole_run=True)
+    run_phases(new, phases, lambda prompt, plan, gen: PhaseResult(
+        object(), 0, deviations(plan) if plan is not None and plan.probes and plan.probes[0].dst_start == first else ()),
+        {"max_tokens": 1}, late)
+    assert late.deviated == rag.deviated and not late.unmeasured

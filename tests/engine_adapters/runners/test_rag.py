@@ -470,6 +470,13 @@ def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
     outs = [fresh.choose(predict(40)) for _ in range((GuardRates.EXPLORE_LIMIT + 2) * GuardRates.EXPLORE_EVERY)]
     assert sum(c.pays for c in outs) == fresh.explored == GuardRates.EXPLORE_LIMIT
     assert not any(c.pays for c in outs[GuardRates.EXPLORE_LIMIT * GuardRates.EXPLORE_EVERY:])
+    # the limit is per kind: the stored kind's explorations (each tripped at once, so it
+    # is still learning after 8) leave the precomputed kind its own window (one limit
+    # for both closed it for good: 0 of 100 such requests explored, a review found)
+    assert fresh._explored == [GuardRates.EXPLORE_LIMIT, 0]
+    outs = [fresh.choose(predict_new) for _ in range((GuardRates.EXPLORE_LIMIT + 2) * GuardRates.EXPLORE_EVERY)]
+    assert [i for i, c in enumerate(outs) if c.pays][:2] == [GuardRates.EXPLORE_EVERY - 1, 2 * GuardRates.EXPLORE_EVERY - 1]
+    assert sum(c.pays for c in outs) == GuardRates.EXPLORE_LIMIT and fresh._explored == [GuardRates.EXPLORE_LIMIT] * 2
 
 
 # --------------------------------------------------------------- RagRunner on vLLM
@@ -782,6 +789,12 @@ def test_bad_configurations_are_refused(engine, kv_engine):
     other = ChunkIndex(BlockStore(StoreConfig(dram_bytes=1 << 20)), block_size=32)
     with pytest.raises(ConfigError, match="another engine"):
         RagRunner(kv_engine, mode="position_independent", index=other)
+    # options of position-independent reuse on an exact runner: refused, not ignored
+    # (exact_alignment="all" was taken and the prompt went out unpadded)
+    for kwargs in ({"exact_alignment": "all"}, {"recompute_at": "chunk"}, {"precompute": "standalone"},
+                   {"relocate": "always"}, {"min_group_blocks": 5}, {"index": other}):
+        with pytest.raises(ConfigError, match=rf"RagRunner\(mode='exact'\) takes no {next(iter(kwargs))}: "):
+            RagRunner(kv_engine, mode="exact", **kwargs)
 
 
 def test_an_order_changed_between_preview_and_assemble_is_one_exact_request(kv_engine, monkeypatch, caplog):
@@ -894,3 +907,30 @@ def test_chunks_that_are_not_a_list_of_chunks_are_refused_at_every_level(kv_engi
                        relocate="always")
     with pytest.raises(InvalidChunkError, match="expected an iterable of chunks"):
         runner.run(chunks, query="q", max_tokens=1)
+
+
+def test_the_gate_counts_the_head_only_where_the_plan_loads_it(kv_engine, monkeypatch):
+    """The plan loads the head from the store: the tenant's vLLM cache is under another
+    salt than the plan's.  The gate counted that cache too, so with the head gone from
+    the store it predicted the head free and the request computed it (a review: 138
+    tokens predicted, 202 prefilled)."""
+    from promptsplice.engine_adapters.runners import _rag
+
+    heads = []
+    real = _rag.pic_choice
+    monkeypatch.setattr(_rag, "pic_choice", lambda *a, **k: heads.append((k["head_hit"], a[2])) or real(*a, **k))
+    system = " ".join([SYSTEM] * 4)  # a head of whole blocks
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=1, exact_alignment="all", max_deviation=1.0)
+    first = runner.run(docs("paris", "nile", "everest"), query="q1", system=system, max_tokens=1)
+    head_end = min(s.start for s in chunk_segments(first).values())
+    bs = kv_engine.block_size
+    assert head_end >= bs
+    heads.clear()
+    runner.run(docs("everest", "nile", "paris"), query="q2", system=system, max_tokens=1)
+    assert heads[0] == (head_end // bs * bs, head_end)  # the store holds the head: all of its blocks
+    for h in chain_hashes(first.prompt.token_ids[:head_end], bs, salt=runner.salt):
+        kv_engine.kv_store.discard(h)  # gone from the store, still in the tenant's vLLM cache
+    heads.clear()
+    runner.run(docs("nile", "paris", "everest"), query="q3", system=system, max_tokens=1)
+    assert heads[0] == (0, head_end)
