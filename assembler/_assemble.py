@@ -74,6 +74,7 @@ _CHUNK_KEYS = "\x00chunk\x00"
 """Token-cache key prefix of chunks (keyed by their raw text's digest, see ``assemble``)."""
 
 DEFAULT_CAPACITY_BLOCKS = 262_144
+"""Default mirror size when no engine tells us its own (4M tokens at block 16)."""
 
 
 class _Unset(enum.Enum):
@@ -83,7 +84,6 @@ class _Unset(enum.Enum):
 
 
 _UNSET = _Unset.UNSET
-"""Default mirror size when no engine tells us its own (4M tokens at block 16)."""
 
 
 class Assembler:

@@ -79,8 +79,17 @@ def check_message_json(message: Mapping[str, Any], index: int | None) -> None:
 def _strict_json(obj: Any) -> str:
     """:func:`canonical_json` of a JSON value only: no ``str()`` of other objects (an
     object's repr holds its address, so two workers rendered one call differently), no
-    NaN or infinity (not JSON).  ``TypeError``/``ValueError`` otherwise."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    NaN or infinity (not JSON).  ``TypeError``/``ValueError`` otherwise.  A ``Mapping``
+    that is not a ``dict`` (``UserDict``, a frozen mapping) is read as its dict, as the
+    renderer reads messages."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                      default=_mapping_as_dict)
+
+
+def _mapping_as_dict(obj: Any) -> dict:
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 # -- chat template ---------------------------------------------------------------------

@@ -38,6 +38,7 @@ the state it started with, and the session's next call starts a new one.
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 import threading
 from collections import OrderedDict
@@ -181,7 +182,8 @@ class ContextHook:
                 renderer, block_size=block_size, template=template, alignment="all" if alignment is None else alignment
             )
         for p in policies:
-            if isinstance(p, type):  # a class has an apply attribute: each step then failed
+            if isinstance(p, type) and inspect.isfunction(inspect.getattr_static(p, "apply", None)):
+                # a class whose apply needs an instance: each step then failed
                 raise ConfigError(f"policies holds the class {p.__name__}: pass an instance, {p.__name__}(...)")
             if not (hasattr(p, "apply") or callable(p)):
                 raise ConfigError(f"a policy must have apply(messages) or be callable, got {p!r}")

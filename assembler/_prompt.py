@@ -23,7 +23,11 @@ __all__ = ["PromptFormat", "AssembledPrompt", "NaivePrompt"]
 
 @dataclass(frozen=True, slots=True)
 class PromptFormat:
-    """How segments are rendered to text before tokenization."""
+    """How segments are rendered to text before tokenization.
+
+    ``default_system``: the system text when a call gives none; ``None`` (default)
+    renders no system segment then, ``""`` renders ``system_template`` with an empty
+    system (ChatML's system turn, which opens the user turn)."""
 
     separator: str = "\n\n"
     tools_header: str = "Tools:\n"

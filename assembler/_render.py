@@ -356,6 +356,10 @@ class ChatRenderer:
                 if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
                     raise InvalidMessageError(f"message {i}: tool_calls must be a list, got {type(calls).__name__}")
                 call_texts = [_tool_call_text(c, i) for c in calls]  # checked for every template
+            if not isinstance(m.get("content"), (str, type(None))):
+                # a non-text part first: NonTextContentError, which the integrations pass
+                # through unrendered (an image's bytes were an InvalidMessageError)
+                _content_text(m.get("content"), i)
             check_message_json(m, i)  # keyed by its canonical_json below
             if tmpl.native_tool_calls:
                 msg = _escaped(m, self._esc, self._esc_name, i)

@@ -80,3 +80,19 @@ def test_an_extra_field_that_is_not_json_is_an_invalid_message(value):
         ChatRenderer().render([{"role": "user", "content": "x", "meta": value}])
     # JSON values pass: lists, dicts, finite floats, None
     assert ChatRenderer().render([{"role": "user", "content": "x", "meta": [1, {"a": None}, 1.5]}]).text
+
+
+def test_messages_as_other_mappings_render_like_dicts_and_images_stay_non_text():
+    """After the JSON check became strict, a ``UserDict`` message with a tool call was
+    refused, and an image part's bytes read as "not JSON" instead of non-text content
+    (which the integrations pass through unrendered): a review of the change."""
+    from collections import UserDict
+
+    from promptsplice.errors import NonTextContentError
+
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    plain = ChatRenderer().render([{"role": "user", "content": "x"}, call])
+    assert ChatRenderer().render([UserDict({"role": "user", "content": "x"}), UserDict(call)]).token_ids == plain.token_ids
+    with pytest.raises(NonTextContentError, match="only text content parts"):
+        ChatRenderer().render([{"role": "user", "content": [{"type": "image", "image": b"\x89PNG"}]}])

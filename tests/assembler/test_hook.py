@@ -308,3 +308,10 @@ def test_a_policy_class_instead_of_an_instance_is_refused_when_built(default_tok
     with pytest.raises(ConfigError, match=r"policies holds the class DropFailedCalls: pass an instance, DropFailedCalls\(\.\.\.\)"):
         ContextHook(default_tok, policies=[DropFailedCalls])
     assert ContextHook(default_tok, policies=[DropFailedCalls()]).policies[0].name == "drop_failed"
+
+    class Static:  # an apply that needs no instance still works as a class
+        @staticmethod
+        def apply(messages):
+            return DropFailedCalls().apply(messages)
+
+    assert ContextHook(default_tok, policies=[Static]).policies == [Static]
