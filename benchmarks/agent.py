@@ -359,7 +359,7 @@ def run_agent_modes(
             # engines of one process on equal StoreConfigs share one store: splice would
             # load what apc saved, and the reverse
             raise ConfigError("engines: apc and splice share one block store (engines of one process on "
-                              "equal StoreConfigs do); give each StoreConfig its own disk_dir")
+                              "equal StoreConfigs do); make the two StoreConfigs differ (each its own disk_dir)")
         _check_capacity({m: _store_shape(engines[m]) for m in ("apc", "splice")},
                         engines["apc"].config.kv_store is not None)
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks

@@ -288,8 +288,11 @@ class GuardRates:
     37 on wiki), so one count for both would close the window before the kind a prior
     most needs corrected was seen; the limit bounds what a window left open costs.  An
     exploration is charged to each learning kind whose zeroed rate alone lowers the
-    request's prediction (one life limit for both let 8 explorations of tripping stored
-    chunks end the precomputed kind's window for good, a review found).
+    request's prediction, and refunded for a kind of which :meth:`observe` then counted
+    no chunk (a stored chunk ahead of it tripped first): one life limit for both, or a
+    charge for what was never learnt, let tripping stored chunks end the precomputed
+    kind's window for good (two reviews found).  At most ``2 * EXPLORE_LIMIT``
+    explorations in all, so a kind never reached does not keep the window open.
     """
 
     PRIOR = (0.2, 0.9)
@@ -307,12 +310,13 @@ class GuardRates:
     EXPLORE_CHUNKS = 32
     EXPLORE_LIMIT = 8
 
-    __slots__ = ("_sums", "_counts", "_explored", "refused", "explored")
+    __slots__ = ("_sums", "_counts", "_explored", "_charged", "refused", "explored")
 
     def __init__(self) -> None:
         self._sums = [0.0, 0.0]
         self._counts = [0, 0]
         self._explored = [0, 0]  # explorations charged per kind (EXPLORE_LIMIT each)
+        self._charged: tuple[int, ...] = ()  # the kinds the last exploration was charged to, until observed
         self.refused = 0  # requests the rates refused, counted while exploring, that would
         # pay with rate zero for the kinds still being learnt (learnt rates kept)
         self.explored = 0  # of those, relocated anyway
@@ -332,14 +336,21 @@ class GuardRates:
     def observe(self, chunks: Sequence[tuple[int, int, bool]], extended: Sequence[int], block_size: int) -> None:
         """Count one request: its probed chunks ``(first loaded token, end, precomputed)``
         in prompt order and the starts of the blocks the guard computed for their own
-        deviation, up to the first chunk that tripped (class doc)."""
+        deviation, up to the first chunk that tripped (class doc).  An exploration's
+        charge is refunded for a kind it counted no chunk of."""
+        counted: set[int] = set()
         for a, e, new in chunks:
             loaded = max(1, (e - a) // block_size)
             share = min(1.0, sum(a <= x < e for x in extended) / loaded)
             self._sums[new] += share
             self._counts[new] += 1
+            counted.add(int(new))
             if share:
-                return
+                break
+        for k in self._charged:
+            if k not in counted:
+                self._explored[k] -= 1
+        self._charged = ()
 
     def choose(self, predict: Callable[[tuple[float, float]], PicChoice]) -> PicChoice:
         """The gate: ``predict(rates)`` is :func:`pic_choice` of the request with
@@ -347,12 +358,13 @@ class GuardRates:
         :attr:`EXPLORE_EVERY`-th request it refused that pays with rate zero for each
         kind of which fewer than :attr:`EXPLORE_CHUNKS` chunks are learnt and fewer than
         :attr:`EXPLORE_LIMIT` explorations charged, that prediction (which relocates)."""
+        self._charged = ()  # an exploration that taught nothing (sent exact, unmeasured) keeps its charge
         rates = self.expected()
         choice = predict(rates)
         if choice.pays:
             return choice
         learning = [c < self.EXPLORE_CHUNKS and e < self.EXPLORE_LIMIT for c, e in zip(self._counts, self._explored)]
-        if not any(learning):
+        if not any(learning) or self.explored >= 2 * self.EXPLORE_LIMIT:
             return choice
         free = predict(tuple(0.0 if k else r for k, r in zip(learning, rates)))  # type: ignore[arg-type]
         if not free.pays:
@@ -365,7 +377,8 @@ class GuardRates:
         # every learning kind when only both together do: none goes unbounded
         teaches = [k for k in (0, 1) if learning[k] and predict(
             tuple(0.0 if i == k else r for i, r in enumerate(rates))).pic_tokens < choice.pic_tokens]  # type: ignore[arg-type]
-        for k in teaches or [k for k in (0, 1) if learning[k]]:
+        self._charged = tuple(teaches or [k for k in (0, 1) if learning[k]])
+        for k in self._charged:
             self._explored[k] += 1
         return free
 

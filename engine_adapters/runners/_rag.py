@@ -82,6 +82,11 @@ the prompt sent as a plain request (:attr:`RagStep.fallback`, a
 whole-block layout does not fit the context, where the exact layout (``auto``) does,
 goes out in that layout (``StepFallback.TOO_LONG``); only its chunks that are whole
 blocks there are indexed.
+
+Kept as one module (~620 lines): one request's gate, precompute, plan, guard and
+what it learns run under the runner's lock on the runner's state (its index, its
+learnt rates per setting); the pure parts live in
+:mod:`~promptsplice.engine_adapters.runners._chunk_plans`.
 """
 
 from __future__ import annotations

@@ -477,6 +477,29 @@ def test_the_gate_relocates_one_in_every_few_requests_its_rates_refused():
     outs = [fresh.choose(predict_new) for _ in range((GuardRates.EXPLORE_LIMIT + 2) * GuardRates.EXPLORE_EVERY)]
     assert [i for i, c in enumerate(outs) if c.pays][:2] == [GuardRates.EXPLORE_EVERY - 1, 2 * GuardRates.EXPLORE_EVERY - 1]
     assert sum(c.pays for c in outs) == GuardRates.EXPLORE_LIMIT and fresh._explored == [GuardRates.EXPLORE_LIMIT] * 2
+    # a mixed request is charged to both kinds, and refunded for the precomputed one when
+    # a stored chunk ahead of it tripped first (it learnt nothing of that kind); never
+    # more than 2 * EXPLORE_LIMIT explorations in all
+    mixed = GuardRates()
+
+    def predict_mixed(extra):
+        return PicChoice(10 + round(40 * extra[0]) + round(40 * extra[1]), 12)
+
+    explored = 0
+    for _ in range(40 * GuardRates.EXPLORE_EVERY):
+        if mixed.choose(predict_mixed).pays:
+            explored += 1
+            mixed.observe([(0, 64, False), (64, 128, True)], list(range(0, 128, 4)), 4)  # the stored chunk trips
+    assert mixed._explored == [GuardRates.EXPLORE_LIMIT, 0] and mixed._counts == [GuardRates.EXPLORE_LIMIT, 0]
+    assert explored == mixed.explored == GuardRates.EXPLORE_LIMIT  # then the stored rate alone refuses them
+    # a kind never reached is refunded every time: the total cap ends its window
+    unreached = GuardRates()
+    explored = 0
+    for _ in range(40 * GuardRates.EXPLORE_EVERY):
+        if unreached.choose(predict_new).pays:
+            explored += 1
+            unreached.observe([(0, 64, False), (64, 128, True)], list(range(0, 128, 4)), 4)
+    assert unreached._explored == [0, 0] and explored == unreached.explored == 2 * GuardRates.EXPLORE_LIMIT
 
 
 # --------------------------------------------------------------- RagRunner on vLLM
