@@ -78,16 +78,17 @@ def worker_counters(stats: WorkerStats) -> dict[str, float]:
     return {name: getattr(stats, field) for name, field in _WORKER_FIELDS.items()}
 
 
-def store_counters(s: StoreStats, *, tiered: bool) -> dict[str, float]:
+def store_counters(s: StoreStats) -> dict[str, float]:
     """The store's cumulative counters under their exported names (``disk_hits`` of
     :class:`StoreStats` counts every storage tier; here each tier has its own).
-    ``tiered``: the store has tiers below DRAM, whose misses are counted when the
-    lookup ends (DRAM's are counted before a tier read, which may still hit)."""
+    Misses are the lookups no tier served, counted when the lookup ends (DRAM's are
+    counted before a tier read, which may still hit; which tier's count to read
+    changed in a forked child, whose store has no tiers below DRAM)."""
     return {
         "store_dram_hits": s.dram_hits,
         "store_disk_hits": s.disk_hits - s.remote_hits,
         "store_remote_hits": s.remote_hits,
-        "store_misses": s.disk_misses if tiered else s.dram_misses,
+        "store_misses": s.misses,
         "store_evictions": s.dram_evictions + s.disk_evictions,
         "store_dropped": s.dropped,
         "store_damaged": s.corrupt + s.remote_corrupt,
@@ -119,8 +120,7 @@ class CounterReporter:
                 self._high.pop(name, None)
         delta = self._rise(worker_counters(worker))
         if store is not None and not store.closed and (delta or time.monotonic() >= self._store_due):
-            # tiers actually open: a disk tier that failed to open counts no misses of its own
-            now = store_counters(store.stats(), tiered=store.tiered)
+            now = store_counters(store.stats())
             with _STORE_HIGH_LOCK:
                 delta.update(_rise(_STORE_HIGH.setdefault(store, {}), now))
             self._store_due = time.monotonic() + self._store_every_s

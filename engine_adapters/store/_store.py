@@ -226,6 +226,7 @@ class BlockStore:
         self._lower: list[StorageTier] = []
         self._hits = [0, 0]  # per tier: DRAM, then the storage tiers' total
         self._misses = [0, 0]
+        self._unserved = 0  # lookups that ended with no tier serving them
         self._mismatches = 0
         self._dropped = 0
         self._deferred: list[Key] | None = None
@@ -392,6 +393,7 @@ class BlockStore:
                 self._misses[0] += 1
                 if self._lower:  # the lookup ends here: no tier below serves it either
                     self._misses[1] += 1
+                self._unserved += 1
                 self._mismatches += 1
                 return Lookup(LookupStatus.MISMATCH)
             self._misses[0] += 1
@@ -402,9 +404,11 @@ class BlockStore:
             else:
                 if self._lower:
                     self._misses[1] += 1
+                self._unserved += 1
                 return Lookup(LookupStatus.MISS)
             if not entry.meta.matches(salt_b, parent, tok):
                 self._misses[1] += 1
+                self._unserved += 1
                 self._mismatches += 1
                 return Lookup(LookupStatus.MISMATCH)
         fetched = tier.get(k, entry)
@@ -412,6 +416,7 @@ class BlockStore:
         with self._cond:
             if fetched.outcome is not Loaded.HIT:
                 self._misses[1] += 1
+                self._unserved += 1
                 miss = fetched.outcome is Loaded.MISS
                 return Lookup(LookupStatus.MISS if miss else LookupStatus.CORRUPT)
             self._hits[1] += 1
@@ -620,6 +625,7 @@ class BlockStore:
                 remote_outages=remote.outages if remote else 0,
                 remote_skipped=remote.skipped if remote else 0,
                 remote_available=remote.writable if remote else False,
+                misses=self._unserved,
             )
 
     def clear(self) -> None:

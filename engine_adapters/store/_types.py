@@ -132,6 +132,9 @@ class StoreStats(NamedTuple):
     remote_skipped: int = 0
     """Writes not attempted: server out of reach, or the write-behind queue full."""
     remote_available: bool = False
+    misses: int = 0
+    """Lookups no tier served (not found, another block under the key, a copy damaged
+    or gone), counted when the lookup ends, however many tiers the store has open."""
 
 
 def chain_refs(

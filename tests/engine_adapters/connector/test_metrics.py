@@ -128,7 +128,7 @@ def test_misses_are_counted_when_the_lookup_ends(store, tmp_path):
                                 write_behind_bytes=0)) as tiered:
         tiered.get(ref, salt=SALT)
         mid_lookup = tiered.stats()._replace(dram_misses=tiered.stats().dram_misses + 1)  # a read in flight
-        assert store_counters(mid_lookup, tiered=True)["store_misses"] == 1
+        assert store_counters(mid_lookup)["store_misses"] == 1
         assert CounterReporter(store_every_s=0).take(WorkerStats(), tiered).data["store_misses"] == 1
 
 
@@ -162,6 +162,7 @@ def test_misses_count_when_the_configured_disk_tier_did_not_open(tmp_path):
         assert not s.tiered and not s.stats().disk_writable
         for ref in chain_refs(toks(4 * BS), BS, salt=SALT):
             s.get(ref, salt=SALT)
+        assert s.stats().misses == 4
         assert CounterReporter(store_every_s=0).take(WorkerStats(), s).data["store_misses"] == 4
 
 
@@ -179,5 +180,7 @@ def test_a_mismatch_in_dram_is_a_miss_of_a_tiered_store(tmp_path):
         assert s.tiered
         s.put(BlockRef(key, parent, [1, 2]), torch.zeros(4), salt="a", namespace=Namespace.CONTENT)
         assert s.get(BlockRef(key, parent, [1, 2]), salt="b", namespace=Namespace.CONTENT).status is LookupStatus.MISMATCH
-        assert (s.stats().disk_misses, s.stats().mismatches) == (1, 1)
-        assert CounterReporter(store_every_s=0).take(WorkerStats(), s).data["store_misses"] == 1
+        assert (s.stats().disk_misses, s.stats().mismatches, s.stats().misses) == (1, 1, 1)
+        s.get(BlockRef(bytes(range(1, 17)), parent, [1, 2]), salt="a", namespace=Namespace.CONTENT)  # not stored
+        assert s.stats().misses == 2 and s.stats().dram_misses == s.stats().disk_hits + s.stats().misses
+        assert CounterReporter(store_every_s=0).take(WorkerStats(), s).data["store_misses"] == 2
