@@ -23,7 +23,7 @@ def _rank(q: float, n: int) -> int:
     return min(n, max(1, math.ceil(q * n)))
 
 
-def percentile(values: Sequence[float], q: float, empty: float = 0.0) -> float:
+def percentile(values: Sequence[float], q: float, empty: float | None = 0.0) -> float | None:
     """The nearest-rank ``q`` quantile of ``values`` (``q`` in [0, 1]); ``empty`` for none."""
     if not values:
         return empty

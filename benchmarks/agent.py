@@ -158,10 +158,15 @@ class _Totals:
             "relocated_tokens": self.relocated,
             "hit_rate": round(1 - self.prefill / self.prompt, 4) if self.prompt else 0.0,
             "wall_s": round(self.wall, 3),
-            "ttft_p50_ms": round(percentile(self.ttft, 0.5) * 1e3, 2),
+            "ttft_p50_ms": _ms(percentile(self.ttft, 0.5, empty=None)),
             "edit_steps_prefill_tokens": self.edit_prefill,
-            "edit_steps_ttft_p50_ms": round(percentile(self.edit_ttft, 0.5) * 1e3, 2),
+            # null, not 0 ms, for a trace without edit steps (0 read as a measurement)
+            "edit_steps_ttft_p50_ms": _ms(percentile(self.edit_ttft, 0.5, empty=None)),
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
 
 
 class _Computed:
@@ -362,6 +367,10 @@ def run_agent_modes(
                               "equal StoreConfigs do); make the two StoreConfigs differ (each its own disk_dir)")
         _check_capacity({m: _store_shape(engines[m]) for m in ("apc", "splice")},
                         engines["apc"].config.kv_store is not None)
+        if engines["full"].block_size != engines["apc"].block_size:
+            # the one hook pads renders, and the ideal counts blocks, in full's block size
+            raise ConfigError(f"engines: full's block size {engines['full'].block_size} differs from apc's and "
+                              f"splice's {engines['apc'].block_size}; start every mode with one block size")
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     # Salts of this run only: an engine that served an earlier run (a library caller's,
     # a test's) keeps its blocks, which a fixed salt let this run hit (found by the
@@ -389,8 +398,9 @@ def run_agent_modes(
         def probe(si: int, i: int, rec: Any) -> None:
             _, _, prepared, steps = rec
             label = turns.take((si, i), steps["splice"].planned_relocated_tokens > 0)
-            if label is not None:
-                _measure(engines, prepared.token_ids, steps, runners, prepared.session_id, fid, label=label)
+            if label is not None and not _measure(engines, prepared.token_ids, steps, runners,
+                                                  prepared.session_id, fid, label=label):
+                turns.give_back()  # nothing to probe: a later relocating step takes the turn
 
         eng0 = engines["full"]
         recs = _replay(sessions, runners, eng0.tokenizer, eng0.block_size, max_tokens, probe, log)
@@ -403,6 +413,8 @@ def run_agent_modes(
                 if m in ("apc", "splice"):
                     shapes[m] = _store_shape(eng)
                     has_store = has_store and eng.config.kv_store is not None
+                    if len(shapes) == 2:  # before the last mode replays, not after the whole run
+                        _check_capacity(shapes, has_store)
                 lens.append(eng.max_model_len)
                 block_size, kv_blocks = eng.block_size, eng.num_blocks
                 one = _replay(sessions, {m: runner(m, eng)}, eng.tokenizer, eng.block_size, max_tokens, log=log)
@@ -413,7 +425,6 @@ def run_agent_modes(
             else:  # merge: a step counts when every mode ran it
                 recs = [None if a is None or b is None else (a[0], a[1], a[2], {**a[3], **b[3]})
                         for a, b in zip(recs, one)]
-        _check_capacity(shapes, has_store)
         max_len = min(lens)
 
     totals = {m: _Totals() for m in MODES}
@@ -478,17 +489,20 @@ def run_agent_modes(
     return report
 
 
-def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> None:
+def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> bool:
     """Fidelity probes of one step (:mod:`promptsplice.benchmarks.fidelity`): one-pass reference
     (on the ``full`` engine), then ``apc`` (control) and ``splice`` teacher-forced on its
     continuation, each on its own engine.  The splice step must have relocated what its
     plan did, and each of its probes must be served the step's KV (else
-    :class:`~promptsplice.benchmarks.fidelity.FidelityError`)."""
+    :class:`~promptsplice.benchmarks.fidelity.FidelityError`).  The control is checked
+    the same way: ``apc`` must be served the step's cached KV, else it would be a
+    one-pass prefill and understate the noise floor.  False when there was nothing to
+    probe (the reference ended at once)."""
     verify_step(steps["splice"], f"agent step {sid}/{steps['splice'].step}")
     cont, p_ref = reference(engines["full"], tokens)
     if not cont:  # EOS at once: nothing to probe
-        return
-    need = {"apc": None, "splice": full_blocks(engines["splice"], tokens)}
+        return False
+    need = {m: full_blocks(engines[m], tokens) for m in ("apc", "splice")}
     sp = steps["splice"]
     signals = {"session": sid, "step": sp.step, "changed_share": round(sp.changed_share, 4),
                "relocated_tokens": sp.relocated_tokens, "deviation_max": max(sp.deviations, default=None)}
@@ -497,11 +511,16 @@ def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> None:
         # --max-tokens of them, which capped greedy agreement at max_tokens / 32)
         salt = runners[m].session_salt(sid)
         greedy = engines[m].generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=salt)
-        if need[m] is not None and greedy.num_cached_tokens < need[m]:
-            raise FidelityError(f"agent step {sid}/{sp.step}: the greedy probe was served "
+        if greedy.num_cached_tokens < need[m]:
+            raise FidelityError(f"agent step {sid}/{sp.step}: the {m} greedy probe was served "
                                 f"{greedy.num_cached_tokens} cached tokens of the {need[m]} the step's KV covers")
         fid[m].measure(engines[m], tokens, cont, p_ref, salt, greedy.token_ids,
                        need_cached=need[m], label=label, signals=signals)
+    return True
+
+
+def _fmt_ms(ms: float | None, width: int) -> str:
+    return f"{'n/a':>{width}s}  " if ms is None else f"{ms:{width}.0f}ms"
 
 
 def format_agent(report: dict[str, Any]) -> str:
@@ -509,7 +528,7 @@ def format_agent(report: dict[str, Any]) -> str:
     for m in MODES:
         x = report["modes"][m]
         lines.append(f"{m:8s} {x['prefill_tokens']:9d} {x['relocated_tokens']:9d} {x['hit_rate']:6.3f} "
-                     f"{x['ttft_p50_ms']:7.0f}ms {x['edit_steps_ttft_p50_ms']:11.0f}ms")
+                     f"{_fmt_ms(x['ttft_p50_ms'], 7)} {_fmt_ms(x['edit_steps_ttft_p50_ms'], 11)}")
     lines.append(f"ideal prefill (lower bound at equal capacity): {report['ideal_prefill_tokens']}; "
                  f"splice closes {report['gap_closed']} of the apc -> ideal gap")
     checks = report.get("bounds", {}).get("checks", {})

@@ -153,3 +153,11 @@ are no more than the probes still needed.  A probe must
             return None
         self.probed += 1
         return label
+
+    def give_back(self) -> None:
+        """A probe :meth:`take` granted was not made (its reference ended at once, EOS):
+        the turn is owed to the next relocating step."""
+        if self.probed <= 0:
+            raise ValueError("give_back: no probe was taken")
+        self.probed -= 1
+        self.owed_turns += 1

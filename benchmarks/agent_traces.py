@@ -16,7 +16,9 @@ joined text); an assistant message may carry ``tool_calls`` (``[{"id", "type":
 text; "" for none>}}]``, then ``content`` may be null or absent; a call without an
 ``id`` can be answered by no tool message); a tool message's ``tool_call_id``, when it
 has one, names a call of an earlier assistant message *in the same render*.  Unknown extra keys (top level, in messages, in schemas) are tolerated and
-ignored, so traces from other harnesses load; :func:`write_agent_trace` writes only the
+ignored, so traces from other harnesses load (but ``name`` and ``tool_call_id``, which
+the template renders, must be strings or null, and a legacy ``function_call`` object is
+read as the message's one tool call, as the renderer reads it); :func:`write_agent_trace` writes only the
 three keys.  :func:`iter_agent_trace` raises
 :class:`~promptsplice.errors.TraceFormatError` (``FILE:LINE: field: what is wrong; how
 to fix it``) on invalid UTF-8 or JSON (a number out of the float range and nesting too
@@ -162,6 +164,19 @@ def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[st
     if role not in ROLES:
         raise w.fail(f"{fld}.role", f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")
     msg = dict(msg)
+    for key in ("name", "tool_call_id"):  # the renderer's rule (rendered by the template)
+        if msg.get(key) is not None and not isinstance(msg[key], str):
+            raise w.fail(f"{fld}.{key}", f"expected a string or null, got {_type_name(msg[key])}",
+                         f"write {key} as a string, or leave it out")
+    if "function_call" in msg:  # the legacy form of one call: rendered as one, so read as one
+        legacy = msg.pop("function_call")
+        if legacy is not None:
+            if msg.get("tool_calls"):
+                raise w.fail(f"{fld}.function_call", "both tool_calls and the legacy function_call",
+                             "write the call in tool_calls only")
+            w.typed(legacy, dict, f"{fld}.function_call", "an object",
+                    'write calls as tool_calls [{"id": ..., "type": "function", "function": {...}}]')
+            msg["tool_calls"] = [{"type": "function", "function": legacy}]
     calls = msg.get("tool_calls")
     if calls is not None:
         if role != "assistant":

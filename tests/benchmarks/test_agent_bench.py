@@ -201,6 +201,30 @@ def test_equal_capacity_compares_every_setting_of_the_cache_and_the_store():
             agent._check_capacity({"apc": agent._store_shape(eng(**other)), "splice": agent._store_shape(eng())}, True)
 
 
+def test_a_full_engine_of_another_block_size_is_refused():
+    """The one hook pads renders, and the ideal counts blocks, in full's block size: a
+    ``full`` engine of block 16 beside apc and splice of 32 passed unchecked."""
+    import types
+
+    def eng(bs):
+        store = types.SimpleNamespace(dram_bytes=1 << 30, disk_bytes=4 << 30, remote_bytes=0)
+        cfg = types.SimpleNamespace(kv_store=store, dtype="float32", enable_prefix_caching=True, max_model_len=4096)
+        return types.SimpleNamespace(num_blocks=182, block_size=bs, config=cfg, max_model_len=4096,
+                                     kv_store=object())
+
+    engines = {"full": eng(16), "apc": eng(32), "splice": eng(32)}
+    with pytest.raises(ConfigError, match="full's block size 16 differs from apc's and splice's 32"):
+        run_agent_modes([read_agent_trace(SAMPLE)[0]], engines=engines)
+
+
+def test_a_trace_without_edit_steps_reports_no_edit_ttft_not_0_ms():
+    from promptsplice.benchmarks.agent import _fmt_ms, _Totals
+
+    rep = _Totals().report()
+    assert rep["edit_steps_ttft_p50_ms"] is None and rep["ttft_p50_ms"] is None
+    assert _fmt_ms(None, 11).strip() == "n/a" and _fmt_ms(12.4, 7) == "     12ms"  # the table's cells
+
+
 def test_apc_and_splice_on_one_shared_store_are_refused():
     """Engines of one process on equal StoreConfigs share one block store: splice then
     loaded what apc saved (the engine objects differed, so the check passed)."""

@@ -106,6 +106,14 @@ BAD = [
     (_line(renders=[[SYS, _call("c1", args='{"a": 1, "a": 2}')]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON text \(duplicate key 'a'\)"),
     (_line(renders=[[SYS, _call("c1", args='{"a": "\\ud800"}')]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.arguments: lone surrogate at \['a'\]"),
     (_line(renders=[[SYS, _call("c1", name="")]]), r":3: renders\[0\]\[1\]\.tool_calls\[0\]\.function\.name: an empty name"),
+    # what the hook refuses, refused at read time with the line (the bench raised it after
+    # starting three engines, as the hook's InvalidMessageError and no FILE:LINE)
+    (_line(renders=[[SYS, {**USER, "name": 3}]]), r":3: renders\[0\]\[1\]\.name: expected a string or null, got integer"),
+    (_line(renders=[[SYS, {**USER, "tool_call_id": 7}]]), r":3: renders\[0\]\[1\]\.tool_call_id: expected a string or null"),
+    (_line(renders=[[SYS, {"role": "assistant", "content": None, "function_call": "f()"}]]),
+     r":3: renders\[0\]\[1\]\.function_call: expected an object"),
+    (_line(renders=[[SYS, {**_call("c1"), "function_call": {"name": "f", "arguments": "{}"}}]]),
+     r":3: renders\[0\]\[1\]\.function_call: both tool_calls and the legacy function_call"),
     (_line(renders=[[SYS, _call(""), _call(""), _call("c1"), _out("c1", "a"), _call("c1"), _out("c1", "b")]]),
      r":3: renders\[0\]\[5\]\.tool_calls\[0\]\.id: call id 'c1' is used twice in this render"),  # "" ids: no identity
 ]
@@ -166,6 +174,20 @@ def test_framework_forms_are_read_as_the_renderer_reads_them(tmp_path: Path) -> 
     assert "tool_call_id" not in msgs[4] and msgs[1]["role"] == "developer"
     assert msgs[6]["content"] is None and msgs[6]["tool_calls"] == []
     ContextHook(block_size=32)("s", msgs)  # and the hook renders what the reader took
+
+
+def test_a_legacy_function_call_is_read_as_the_call_the_hook_renders(tmp_path: Path) -> None:
+    """The reader called ``function_call`` an ignored extra key, but the renderer renders
+    it as the message's tool call: the reader now reads it so, and checks it."""
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": {"x": 1}}}
+    path = tmp_path / "legacy.jsonl"
+    path.write_text(_line(renders=[[SYS, USER, legacy]]) + "\n", encoding="utf-8")
+    (s,) = read_agent_trace(path)
+    msg = s.renders[0][2]
+    assert "function_call" not in msg
+    assert msg["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    hook = ContextHook(block_size=32)
+    assert hook("a", s.renders[0]).token_ids == hook("b", [SYS, USER, legacy]).token_ids
 
 
 def test_unknown_extra_keys_are_tolerated(tmp_path: Path) -> None:

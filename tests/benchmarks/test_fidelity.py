@@ -270,3 +270,18 @@ def test_the_session_bootstrap_resamples_whole_sessions():
         one.add(1.0, x, 1.0, signals={"session": "s0"})
     assert one.report()["ci95_undefined"] == ["first_token_kl_ci95", "tf_top1_ci95"]
     assert one.report()["first_token_kl_ci95"][0] == one.report()["first_token_kl_ci95"][1]
+
+
+def test_a_probe_given_back_goes_to_the_next_relocating_step():
+    """A probe whose reference ended at once (EOS) was counted and never made: the run
+    ended one short of what it owed.  ``give_back`` owes the turn to a later step."""
+    from promptsplice.benchmarks.agent_probes import ProbeTurns
+
+    ranks = {(0, 1): (0, "a"), (0, 2): (1, "a"), (0, 3): (2, "a")}
+    t = ProbeTurns(ranks, 1)
+    assert t.take((0, 1), True) == "a"
+    t.give_back()  # its reference was empty
+    assert t.probed == 0 and t.take((0, 2), True) == "a" and t.probed == 1
+    assert t.take((0, 3), True) is None  # one requested, one made
+    with pytest.raises(ValueError, match="no probe was taken"):
+        ProbeTurns(ranks, 1).give_back()
