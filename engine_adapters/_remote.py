@@ -87,6 +87,7 @@ from promptsplice._validate import (
     check_salt,
     check_text,
     check_token_ids,
+    is_utf8,
 )
 from promptsplice.engine_adapters._served_engine import ServedEngineSurface
 from promptsplice.engine_adapters._wire import (
@@ -264,6 +265,10 @@ class RemoteEngine(ServedEngineSurface):
             raise ConfigError(f"base_url {base_url!r} is not a valid URL ({exc})") from exc
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"base_url must be an http(s) URL, got {base_url!r}")
+        if parts.query or parts.fragment or base_url.strip().endswith(("?", "#")):
+            # the request path is appended to the URL: it went after the query
+            raise ConfigError(f"base_url {base_url!r} has a query or fragment, which every request path would "
+                              "follow; pass the server's URL without it")
         if any(c.isspace() for c in base_url.strip()):  # httpx quotes it and then cannot connect
             raise ConfigError(f"base_url {base_url!r} holds whitespace: pass the server's URL without it")
         root = base_url.strip().rstrip("/")
@@ -284,6 +289,9 @@ class RemoteEngine(ServedEngineSurface):
         check_int(max_retries, "max_retries", minimum=0)
         check_number(backoff, "backoff")
         check_text(model, "model", optional=True, error=ConfigError)
+        if model is not None and not is_utf8(model):
+            raise ConfigError(f"model {model!r} holds a lone surrogate, which has no UTF-8 encoding; "
+                              "pass the name as the server's /v1/models lists it")
         if model is not None and not model.strip():
             raise ConfigError("model is empty: pass the served model's name, or None to ask the server")
         check_text(api_key, "api_key", optional=True, error=ConfigError)

@@ -518,8 +518,11 @@ class ServedEngineSurface:
                             if acc.events != events:  # a data event is progress (a keep-alive comment is not)
                                 events, deadline = acc.events, self._progress_deadline()  # type: ignore[attr-defined]
                             self._check_deadline(deadline, call.url)  # type: ignore[attr-defined]
-                        for line in lines.close():
-                            acc.feed(line, call.url)
+                        for line in lines.close():  # an unterminated last line's text is a delta too
+                            text, ids = acc.feed(line, call.url)
+                            if text or ids:
+                                started = True
+                                yield StreamDelta(text, ids, None)
                         rc = acc.result(req, call.url)
                 break
             except Retry as retry:  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from promptsplice._validate import is_utf8
 from promptsplice.engine_adapters.connector._served import SpliceAck
 from promptsplice.errors import ContextLengthError, EngineRequestError, EngineResponseError, InputError
 
@@ -62,13 +63,19 @@ _CONTEXT_RE = re.compile(
 # "input (9000 tokens)").  The limit is -1 and the prompt the request's own length when
 # the message names none: never a number taken from elsewhere in the text.
 _LIMIT_RE = re.compile(
-    r"context length is (\d+)|context length \((\d+)|maximum model length of (\d+)"
+    r"context length (?:is|of) (\d+)|context length \((\d+)|maximum model length of (\d+)"
     r"|max_model_len\D{0,4}(\d+)|context window (?:of|is) (\d+)",
     re.IGNORECASE,
 )
 # vLLM: "max_tokens=3000 cannot be greater than max_model_len=2048"; and, for a prompt
 # that fills the context, its max_tokens clamped to the room left: "... at least 1, got 0".
 _OUTPUT_OVER_CONTEXT_RE = re.compile(r"max_(?:completion_)?tokens=(\d+) cannot be greater than max_model_len=(\d+)")
+# the output asked for, in older vLLM's, OpenAI's and SGLang's wordings of a request
+# over the context ("'max_tokens' ... is too large: 9000", "(10 in the messages, 9000 in
+# the completion)", "9000 tokens for the completion"): over the whole context on its
+# own, the prompt is not what is too long
+_OUTPUT_ASKED_RE = re.compile(r"is too large: (\d+)|(\d+) in the completion|(\d+) tokens for the completion",
+                              re.IGNORECASE)
 _NO_ROOM_RE = re.compile(r"max_(?:completion_)?tokens must be at least 1, got 0\b")
 _PROMPT_LEN_RE = re.compile(
     r"(?:contains|has) (?:at least )?(\d+) (?:input |prompt )?tokens|\(length (\d+)\)|\((\d+) in the messages"
@@ -310,6 +317,10 @@ def unexpected_status(response: httpx.Response, url: str) -> EngineResponseError
 
 
 _NEWLINE_RE = re.compile(r"\r\n|\r|\n")
+MAX_SSE_LINE_CHARS = 16 * 1024 * 1024
+"""The longest SSE line read (a chunk of a few tokens is under a kilobyte; a full
+vocabulary of logprobs some megabytes): a longer one is an
+:class:`EngineResponseError`, not a buffer that grows without bound."""
 
 
 class SSELines:
@@ -319,23 +330,42 @@ class SSELines:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self._decoder = codecs.getincrementaldecoder("utf-8")("strict")
-        self._buffer = ""
+        # utf-8-sig: the SSE format's decoding drops a leading BOM (it hid the first event)
+        self._decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")
+        self._pending: list[str] = []  # an unfinished line, in pieces (re-joined once per line)
+        self._pending_len = 0
 
     def feed(self, data: bytes, final: bool = False) -> list[str]:
         try:
-            text = self._buffer + self._decoder.decode(data, final)
+            new = self._decoder.decode(data, final)
         except UnicodeDecodeError as exc:
             raise EngineResponseError(f"the stream from {self.url} is not valid UTF-8 ({exc.reason} "
                                       f"near {snippet(exc.object[max(0, exc.start - 40):exc.end + 10])!r})") from exc
+        if not _NEWLINE_RE.search(new) and not final:  # the line goes on: no re-split of what came
+            if new:
+                self._pending.append(new)
+                self._pending_len += len(new)
+                self._check_length()
+            return []
+        text = "".join(self._pending) + new
+        self._pending, self._pending_len = [], 0
         parts = _NEWLINE_RE.split(text)  # not str.splitlines: U+2028 may stand in a JSON string
-        self._buffer = parts.pop()  # after the last line break: unfinished
+        rest = parts.pop()  # after the last line break: unfinished
         if parts and text.endswith("\r") and not final:  # its "\n" may come in the next bytes
-            self._buffer = parts.pop() + "\r"
-        if final and self._buffer:
-            parts.append(self._buffer)
-            self._buffer = ""
+            rest = parts.pop() + "\r"
+        if final:
+            if rest:
+                parts.append(rest)
+        elif rest:
+            self._pending, self._pending_len = [rest], len(rest)
+            self._check_length()
         return parts
+
+    def _check_length(self) -> None:
+        if self._pending_len > MAX_SSE_LINE_CHARS:
+            raise EngineResponseError(
+                f"the stream from {self.url} sent a line of over {MAX_SSE_LINE_CHARS} characters without a "
+                "line break: not an SSE stream (a proxy that ignored stream=True?)")
 
     def close(self) -> list[str]:
         return self.feed(b"", final=True)
@@ -453,8 +483,10 @@ class Accumulator:
             # vLLM's shapes: {"error": {...}} (now), {"object": "error", "message": ...}
             # (older), or an error string; never a partial answer passed off as complete.
             message = err.get("message") if isinstance(err, Mapping) else err if isinstance(err, str) else None
-            raise EngineRequestError(
-                f"{url} failed mid-stream: {message or chunk.get('message') or snippet(data)}"
+            code = err.get("code") if isinstance(err, Mapping) else chunk.get("code")
+            raise EngineRequestError(  # the HTTP status it stands for, as a non-streamed error's
+                f"{url} failed mid-stream: {message or chunk.get('message') or snippet(data)}",
+                status_code=code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else None,
             )
         if chunk.get("usage"):
             self.usage = chunk["usage"]
@@ -469,20 +501,23 @@ class Accumulator:
             _check_index(choice, url, data)
             if self.chat:
                 delta = choice.get("delta") or {}
-                text = _text(delta.get("content"), url) if isinstance(delta, Mapping) else None
+                if not isinstance(delta, Mapping):  # as a non-streamed choice's message
+                    raise EngineResponseError(f"malformed stream chunk from {url} (a delta is not an object): "
+                                              f"{snippet(data)!r}")
+                text = _text(delta.get("content"), url)
             else:
                 text = _text(choice.get("text"), url)
             ids = _token_ids(choice.get("token_ids"), url) or []
             if ids:
                 self.ids = (self.ids or []) + ids
+            if (text or ids) and self.ttft is None:  # the first token, with or without text yet
+                self.ttft = time.perf_counter() - self.start
             if text:
-                if self.ttft is None:
-                    self.ttft = time.perf_counter() - self.start
                 self.parts.append(text)
             if text or ids:
                 added = (added[0] + (text or ""), added[1] + ids)
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                self.finish_reason = check_finish_reason(choice["finish_reason"], url)
         return added
 
     def result(self, req: Request | None, url: str) -> RemoteCompletion:
@@ -524,6 +559,23 @@ class Accumulator:
 
 
 
+_FAILED_REASONS = {"abort": "aborted it (a /sleep, /pause or shutdown of the server)",
+                   "error": "failed it (an internal error, e.g. a KV load that failed; retry it)"}
+"""vLLM's finish reasons of a request that did not complete: the text so far is a
+partial answer, never a success."""
+
+
+def check_finish_reason(reason: Any, url: str) -> str | None:
+    """``reason`` as the completion's ``finish_reason``: :class:`EngineRequestError` for
+    vLLM's ``abort`` and ``error`` (a partial answer), :class:`EngineResponseError` for
+    one that is not a string."""
+    if reason is None or (isinstance(reason, str) and reason not in _FAILED_REASONS):
+        return reason
+    if isinstance(reason, str):
+        raise EngineRequestError(f"{url} {_FAILED_REASONS[reason]}: finish_reason {reason!r}, a partial answer")
+    raise EngineResponseError(f"{url} answered a finish_reason that is not a string: {snippet(repr(reason))!r}")
+
+
 def status_error(response: httpx.Response, url: str, req: Request | None) -> Exception:
     """The error for an HTTP status >= 400: :class:`ContextLengthError` for a 400 that
     says the prompt is too long (sizes read from the message), else
@@ -550,6 +602,17 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
     if response.status_code == 400 and _CONTEXT_RE.search(message):
         m = _LIMIT_RE.search(message)
         limit = int(next(g for g in m.groups() if g is not None)) if m else -1
+        m = _OUTPUT_ASKED_RE.search(message)
+        asked = int(next(g for g in m.groups() if g is not None)) if m else None
+        if asked is None and req is not None:
+            sent = req.body.get("max_tokens", req.body.get("max_completion_tokens"))
+            asked = sent if isinstance(sent, int) and not isinstance(sent, bool) else None
+        if limit > 0 and asked is not None and asked >= limit:
+            return EngineRequestError(
+                f"{url} refused max_tokens={asked}: at least the whole context ({limit} tokens) for the "
+                f"output alone; request fewer ({message})",
+                status_code=400,
+            )
         m = _PROMPT_LEN_RE.search(message)
         prompt_len = (int(next(g for g in m.groups() if g is not None)) if m
                       else (req.prompt_len if req and req.prompt_len else -1))
@@ -619,7 +682,7 @@ def completion_from_json(data: Mapping[str, Any], req: Request, url: str, start:
         cached_tokens=cached,
         ttft_s=None,
         total_s=time.perf_counter() - start,
-        finish_reason=choice.get("finish_reason"),
+        finish_reason=check_finish_reason(choice.get("finish_reason"), url),
         kv_transfer_params=kv_params,
         splice=_splice_ack(kv_params, url, counted),
         token_ids=_token_ids(choice.get("token_ids"), url),
@@ -695,7 +758,11 @@ def model_from_list(response: httpx.Response, url: str) -> str:
         raise EngineResponseError(
             f"{url} lists no model; pass RemoteEngine(model=...): {snippet(response.content)!r}"
         )
-    return str(models[0]["id"])
+    model = models[0]["id"]
+    if not isinstance(model, str) or not model or not is_utf8(model):  # sent back in every request body
+        raise EngineResponseError(f"{url} lists a model id that is not a name ({snippet(repr(model))!r}); "
+                                  "pass RemoteEngine(model=...)")
+    return model
 
 
 def counters_from(response: httpx.Response) -> ServerCounters:

@@ -694,6 +694,116 @@ def test_a_too_long_prompt_reports_the_sizes_the_message_names(message, prompt_t
     assert (info.value.prompt_tokens, info.value.max_tokens) == (prompt_tokens, limit)
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        # vLLM <= 0.11
+        "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context length "
+        "is 4096 tokens and your request has 10 input tokens (8000 > 4096 - 10).",
+        # OpenAI
+        "This model's maximum context length is 8192 tokens. However, you requested 9010 tokens "
+        "(10 in the messages, 9000 in the completion).",
+        # SGLang
+        "Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a "
+        "total of 9010 tokens: 10 tokens from the input messages and 9000 tokens for the completion.",
+    ],
+)
+def test_a_max_tokens_over_the_whole_context_is_a_request_error_not_a_long_prompt(message):
+    """Only vLLM 0.32's wording was told apart: the others said a 10-token prompt was too
+    long (a ContextLengthError, on which the RAG runner tries a shorter layout)."""
+    eng = _mock(lambda r: httpx.Response(400, json={"error": {"message": message, "code": 400}}))
+    with pytest.raises(EngineRequestError, match="refused max_tokens=(8000|9000): at least the whole context") as info:
+        eng.complete([1, 2, 3], max_tokens=9000)
+    assert not isinstance(info.value, ContextLengthError) and info.value.status_code == 400
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_an_aborted_or_failed_request_is_an_error_not_its_partial_answer(reason):
+    """vLLM ends a request it aborts (``/sleep``, ``/pause``, a shutdown) or fails with
+    the text so far and that finish_reason: it came back as a success."""
+    stream = _sse(f'{{"choices": [{{"index": 0, "text": "The answer is", "finish_reason": "{reason}"}}]}}', "[DONE]")
+    sse = {"content-type": "text/event-stream"}
+    for eng, kwargs in ((_mock(lambda r: httpx.Response(200, json=_ok_body(text="The answer is") | {
+            "choices": [{"index": 0, "text": "The answer is", "finish_reason": reason}]})), {}),
+            (_mock(lambda r: httpx.Response(200, content=stream, headers=sse)), {"stream": True})):
+        with pytest.raises(EngineRequestError, match=f"finish_reason '{reason}', a partial answer"):
+            eng.complete([1, 2, 3], max_tokens=8, **kwargs)
+    odd = _mock(lambda r: httpx.Response(200, json={"choices": [{"index": 0, "text": "x", "finish_reason": 3}]}))
+    with pytest.raises(EngineResponseError, match="finish_reason that is not a string"):
+        odd.complete([1], max_tokens=1)
+
+
+def test_stream_framing_a_bom_a_non_object_delta_an_error_code_and_a_line_without_end():
+    sse = {"content-type": "text/event-stream"}
+    done = _sse('{"choices": [{"index": 0, "text": "Hello", "finish_reason": null}]}',
+                '{"choices": [{"index": 0, "text": " world", "finish_reason": "stop"}]}', "[DONE]")
+    # a BOM before the first event hid it (the text lost its first chunk)
+    eng = _mock(lambda r: httpx.Response(200, content=b"\xef\xbb\xbf" + done, headers=sse))
+    assert eng.complete([1], max_tokens=2, stream=True).text == "Hello world"
+    # a chat delta that is not an object was skipped as no text
+    bad = _sse('{"choices": [{"index": 0, "delta": "Hello", "finish_reason": "stop"}]}', "[DONE]")
+    eng = _mock(lambda r: httpx.Response(200, content=bad, headers=sse))
+    with pytest.raises(EngineResponseError, match="a delta is not an object"):
+        eng.chat([{"role": "user", "content": "hi"}], max_tokens=2, stream=True)
+    # an error event keeps the HTTP status it carries, as a non-streamed error does
+    err = _sse('{"error": {"message": "engine died", "code": 500}}')
+    eng = _mock(lambda r: httpx.Response(200, content=err, headers=sse))
+    with pytest.raises(EngineRequestError, match="engine died") as info:
+        eng.complete([1], max_tokens=2, stream=True)
+    assert info.value.status_code == 500
+
+
+def test_a_last_event_without_its_line_break_is_a_delta_of_the_stream_too():
+    """``stream()`` fed the unterminated last line to the completion only: the deltas
+    joined to "A" where the completion said "AB"."""
+    usage = {"prompt_tokens": 1, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
+    body = (_sse('{"choices": [{"index": 0, "text": "A", "token_ids": [1], "finish_reason": null}]}')
+            + ("data: " + json.dumps({"choices": [{"index": 0, "text": "B", "token_ids": [2], "finish_reason": "stop"}],
+                                      "usage": usage})).encode())
+    eng = _mock(lambda r: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"}))
+    deltas = list(eng.stream([5], max_tokens=2))
+    assert "".join(d.text for d in deltas) == "AB" == deltas[-1].completion.text
+    assert [i for d in deltas for i in d.token_ids] == [1, 2]
+
+
+def test_a_stream_line_without_end_is_read_in_linear_time_and_bounded(monkeypatch):
+    """Each chunk re-joined and re-split the whole unfinished line (8 MB in 64 KiB chunks:
+    5 s, on the event loop in the async driver), and the buffer had no bound."""
+    from promptsplice.engine_adapters import _wire
+
+    lines = _wire.SSELines("http://x")
+    piece = b"x" * 65536
+    t0 = time.perf_counter()
+    for _ in range(128):  # 8 MiB of one line
+        assert lines.feed(piece) == []
+    assert time.perf_counter() - t0 < 1.0
+    assert lines.feed(b"y\r") == [] and lines.feed(b"\nz") == ["x" * (128 * 65536) + "y"]
+    assert lines.close() == ["z"]
+    monkeypatch.setattr(_wire, "MAX_SSE_LINE_CHARS", 1000)
+    lines = _wire.SSELines("http://x")
+    with pytest.raises(EngineResponseError, match="a line of over 1000 characters without a line break"):
+        for _ in range(3):
+            lines.feed(b"x" * 400)
+
+
+def test_names_that_cannot_be_sent_are_refused_before_sending():
+    """A lone surrogate in the model name, a listed model id or a stop string escaped
+    httpx's encoder as a raw UnicodeEncodeError; a base_url with a query had every path
+    appended after it."""
+    with pytest.raises(ConfigError, match="model .* holds a lone surrogate"):
+        RemoteEngine("http://mock.invalid", model="m\ud800")
+    with pytest.raises(ConfigError, match="has a query or fragment"):
+        RemoteEngine("http://gw.invalid/openai/v1?api-version=1", model="m")
+    listed = RemoteEngine("http://mock.invalid", backoff=0, transport=httpx.MockTransport(
+        lambda r: httpx.Response(200, content=b'{"data": [{"id": "a\\ud800"}]}',
+                                 headers={"content-type": "application/json"})))
+    with pytest.raises(EngineResponseError, match="lists a model id that is not a name"):
+        listed.complete([1], max_tokens=1)
+    eng = _mock(lambda r: httpx.Response(200, json=_ok_body()))
+    with pytest.raises(ConfigError, match="holds a lone surrogate"):
+        eng.generate([1], max_tokens=1, stop="\ud800")
+
+
 def test_a_400_that_is_not_about_length_stays_a_request_error():
     """``too long`` anywhere in a 400 made it a ContextLengthError with a made-up limit."""
     eng = _mock(lambda r: httpx.Response(400, json={"error": {"message": "stop sequence too long (max 4)"}}))
