@@ -45,6 +45,21 @@ class _Handoff:
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
+    def salt_of(self, session_id: str) -> str | None:
+        """The salt a hook prepared ``session_id`` under (``None``: no entry, or one
+        unsalted), for a model without a salt of its own: it renders and sends under it
+        even when the tokens then differ (a mismatch sent the hook's tenant unsalted).
+        Two or more salts are an :class:`InvalidSaltError`, as in :meth:`take`."""
+        with self._lock:
+            salts = {k[1] for k in self._items if k[0] == session_id}
+        if len(salts) > 1:
+            raise InvalidSaltError(
+                f"hooks of {len(salts)} salts prepared session {session_id!r} for a model "
+                "with no cache_salt: which tenant's call this is cannot be told; give the "
+                "model (or the call) cache_salt=<the tenant's salt>"
+            )
+        return next(iter(salts), None)
+
     def take(self, session_id: str, render: Render, *, salted: bool = True) -> PreparedContext | None:
         """The session's prepared context when its salt and tokens are ``render``'s (the
         model's own render of what it received, under the salt its request goes out with).

@@ -250,12 +250,19 @@ class PromptspliceChatModel(BaseChatModel):
         return (super()._get_llm_string(stop=stop, **kwargs) + self._prompt_key(kwargs)
                 + "---model=" + self._model_id(resolve=True) + where)
 
+    def _call_salt(self, kwargs: Mapping[str, Any]) -> str | None:
+        """The call's ``cache_salt``, else the model's: a call's None is "the model's
+        setting", as for max_tokens (``invoke(x, cache_salt=headers.get("tenant"))`` sent
+        a salted model's prompt unsalted)."""
+        salt = kwargs.get("cache_salt")
+        return self.cache_salt if salt is None else salt
+
     def _prompt_key(self, kwargs: Mapping[str, Any]) -> str:
         """What else decides the prompt and its tenant, for the LLM cache's key: the salt
         the request goes out under (the call's or model's, else its hook's or runner's:
         an unsalted model over a tenant's hook served another tenant's cached answer)
         and the hook's template, layout and policies (they change what is sent)."""
-        salt = kwargs.get("cache_salt", self.cache_salt)
+        salt = self._call_salt(kwargs)
         if salt is None and self.hook is not None:
             salt = self.hook.salt
         if salt is None and self.runner is not None:
@@ -333,8 +340,13 @@ class PromptspliceChatModel(BaseChatModel):
 
     # -- resolution ---------------------------------------------------------------------
     def resolved_engine(self) -> Any:
-        """The engine this model runs on (``engine`` or :func:`default_engine`)."""
-        return self.engine if self.engine is not None else default_engine()
+        """The engine this model runs on: ``engine``, else its runner's, else
+        :func:`default_engine` (a model of a hook and a runner sent invoke and stream to
+        the runner's engine, but ainvoke and a forced tool call asked for the default)."""
+        if self.engine is not None:
+            return self.engine
+        runner_engine = getattr(self.runner, "engine", None)
+        return runner_engine if runner_engine is not None else default_engine()
 
     def _model_name(self, *, resolve: bool = False) -> str:
         """The model's name (the last part of its path or id); ``resolve``: ask a served
@@ -430,7 +442,7 @@ class PromptspliceChatModel(BaseChatModel):
         tools = format_tools(list(kwargs.get("tools") or []))  # @tool objects too, as bind_tools takes
         dicts = lc_messages_to_openai(messages)
         session = self._session(kwargs, run_manager)
-        salt = kwargs.get("cache_salt", self.cache_salt)
+        salt = self._call_salt(kwargs)
         renderer = self.renderer()
         if self.hook is not None:
             engine_block = self._engine_block_size()
@@ -449,11 +461,13 @@ class PromptspliceChatModel(BaseChatModel):
             if session is None:
                 self.hook.forget(sid, salt=prepared.render.salt)  # (one key: no scan of every session)
             return prepared, tools
+        if session is not None and salt is None:
+            # an unsalted model renders under its hook's salt, and sends under it whether or
+            # not the hook's tokens match (a mismatch sent that tenant's prompt unsalted)
+            salt = handoff.salt_of(session)
         render = renderer.render(dicts, tools or None, salt=salt)
         if session is not None:
-            # an unsalted model takes its hook's entry under the hook's salt (request_salt
-            # then sends that tenant's salt, never none)
-            pending = handoff.take(session, render, salted=salt is not None)
+            pending = handoff.take(session, render)
             if pending is not None:
                 return pending, tools
         return PreparedContext(session or "", 1, StepKind.NEW_SESSION, render, dicts), tools
@@ -477,7 +491,7 @@ class PromptspliceChatModel(BaseChatModel):
         # a call's None is "the model's setting", as ChatOpenAI reads it (it was a ConfigError)
         max_tokens = self.max_tokens if kwargs.get("max_tokens") is None else kwargs["max_tokens"]
         temperature = self.temperature if kwargs.get("temperature") is None else kwargs["temperature"]
-        salt = request_salt(kwargs.get("cache_salt", self.cache_salt), prepared.render.salt)
+        salt = request_salt(self._call_salt(kwargs), prepared.render.salt)
         return {
             "prepared": prepared,
             "ids": ids,
@@ -580,8 +594,10 @@ class PromptspliceChatModel(BaseChatModel):
         so a cancelled ``ainvoke`` (a timeout, a user's stop) closes its connection and
         the server stops it; LangChain's default ran :meth:`_generate` in a thread that
         kept waiting for the whole answer.  Otherwise that default."""
+        if self.runner is not None or self.streaming:
+            return await super()._agenerate(messages, stop, run_manager, **kwargs)
         eng = self.resolved_engine()
-        if self.runner is not None or self.streaming or not hasattr(eng, "agenerate"):
+        if not hasattr(eng, "agenerate"):
             return await super()._agenerate(messages, stop, run_manager, **kwargs)
         # rendering (the hook's state, the tokenizer) in a thread, as the default did;
         # to_thread carries the context (the run's config) over

@@ -23,7 +23,7 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, convert_to_openai_messages
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, InvalidMessageError
 
 __all__ = [
     "TOOL_CALL_OPEN",
@@ -52,6 +52,7 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
     several dicts: a user message holding tool_result blocks)."""
     out: list[dict[str, Any]] = []
     origins = [] if origins is None else origins
+    i = 0
     try:
         for i, m in enumerate(messages):  # message by message (the conversion has no state across them)
             one = convert_to_openai_messages([m])
@@ -66,7 +67,11 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
             out.extend(one)
             origins.extend([i] * len(one))
     except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
-        raise InputError(f"cannot convert the messages to chat dicts: {exc}") from exc
+        detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise InvalidMessageError(
+            f"message {i} ({type(messages[i]).__name__}) cannot be converted to a chat message ({detail}): "
+            "give its content as a str or a list of LangChain content blocks ({'type': 'text', 'text': ...}, "
+            "each with its 'type')") from exc
     # by tool_call_id, not by position: one message may convert to several dicts (a
     # user message holding tool_result blocks), which shifts every later position
     failed = {m.tool_call_id for m in messages if isinstance(m, ToolMessage) and getattr(m, "status", None) == "error"}
@@ -77,9 +82,12 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
     return list(out)
 
 
-_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call", "reasoning"})
+_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call", "reasoning",
+                          "thinking", "redacted_thinking"})
 """LangChain v1 content blocks of an assistant turn that are not its text: the calls
-(already in ``tool_calls``) and reasoning (which chat templates leave out of history)."""
+(already in ``tool_calls``) and reasoning (which chat templates leave out of history;
+Anthropic's ``thinking``/``redacted_thinking`` too, which made the session's hooks pass
+it through unedited for good)."""
 
 
 def _drop_call_blocks(d: dict[str, Any]) -> None:

@@ -13,9 +13,11 @@ retriever's rank of their earliest member) are chosen first, then ordered canoni
 so a cut never drops a better-ranked document for a cache-friendlier one.
 
 Provenance (nothing is silently lost): each output ``Document`` keeps the id and
-metadata of its best-ranked input (the earliest in retrieval order: a hit contained in a
-later, longer document comes out under its own id, with its container's text), plus
-``metadata["promptsplice"]`` (``chunk_id`` names the input whose text was kept):
+metadata of the input whose text it carries (a hit contained in a later, longer document
+comes out as that document, whose text holds it, ranked at the hit's rank: a citation of
+``metadata["source"]`` names the text's own source), plus
+``metadata["promptsplice"]`` (``chunk_id`` names the input whose text was kept; the
+hit is among its ``origins``, ``"contained"``):
 ``{"chunk_id", "relation": "kept", "origins": [{"index", "id", "relation", "span",
 "metadata"}...], "removed_passages": [...]}``.  The first output document also carries
 ``"request": {"inputs", "dropped", "beyond_k"}``: the inputs dropped as empty and the
@@ -46,7 +48,7 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, ValidationError
 
 from promptsplice.assembler import Assembler
-from promptsplice.dedup import DedupResult, KeptChunk, dedup
+from promptsplice.dedup import DedupResult, KeptChunk, Relation, dedup
 from promptsplice.errors import ConfigError, InvalidChunkError
 
 __all__ = [
@@ -117,12 +119,18 @@ def _origin_record(origin: Any) -> dict[str, Any]:
 
 def _lead(kept: KeptChunk) -> Any:
     """A kept chunk's best-ranked member (its earliest input): its index is the chunk's
-    retrieval rank, and the output document carries its id and metadata."""
+    retrieval rank."""
     return min(kept.origins, key=lambda o: o.index)
 
 
 def _rank(kept: KeptChunk) -> int:
     return _lead(kept).index
+
+
+def _owner(kept: KeptChunk) -> Any:
+    """The input whose text the kept chunk is (its ``kept`` origin): the output document
+    carries its id and metadata (the best-ranked member's described another text)."""
+    return next((o for o in kept.origins if o.relation is Relation.KEPT), _lead(kept))
 
 
 def _output_document(kept: KeptChunk, source: Document) -> Document:
@@ -143,6 +151,32 @@ def _output_document(kept: KeptChunk, source: Document) -> Document:
         ],
     }
     return Document(page_content=kept.text, metadata=meta, id=source.id)
+
+
+def _dedup_inputs(docs: Sequence[Document]) -> list[Any]:
+    """``docs`` as dedup reads them (``doc.id``, else ``metadata["id"]``), except that an
+    id already naming another text gets ``#<index>`` (its position in ``docs``): text
+    splitters copy a loader's ``metadata["id"]`` onto every chunk of one source, which
+    dedup refuses as one id naming two texts, and the retriever's caller cannot change
+    the ids it retrieves.  The output documents keep their own ``id`` and metadata."""
+    texts: dict[Any, str] = {}
+    taken: set[Any] = set()
+    out: list[Any] = []
+    for i, d in enumerate(docs):
+        cid = d.id or (d.metadata or {}).get("id")
+        if not isinstance(cid, str | int) or isinstance(cid, bool):
+            out.append(d)  # none, or a type dedup refuses with its own message
+            continue
+        key = str(cid)
+        if texts.setdefault(key, d.page_content) != d.page_content:
+            n, key = 0, f"{cid}#{i}"
+            while key in taken or key in texts:
+                n += 1
+                key = f"{cid}#{i}.{n}"
+            texts[key] = d.page_content
+        taken.add(key)
+        out.append({"id": key, "text": d.page_content, "metadata": d.metadata})
+    return out
 
 
 def splice_documents(
@@ -167,7 +201,7 @@ def splice_documents(
     if not docs:
         return []
     asm = assembler if assembler is not None else _default_assembler()
-    report: DedupResult = dedup(docs, asm.dedup_config)
+    report: DedupResult = dedup(_dedup_inputs(docs), asm.dedup_config)
     # rank = the retriever's rank of a chunk's earliest member: dedup lists a chunk that
     # contains an earlier hit at its own (later) position, so a cut there dropped the hit
     kept = sorted(report.chunks, key=_rank)
@@ -191,7 +225,7 @@ def splice_documents(
             f"the assembler re-deduplicated the kept documents ({sorted(by_id)} -> "
             f"{sorted(order)}); report this with the documents"
         )
-    out = [_output_document(by_id[cid], docs[_rank(by_id[cid])]) for cid in order]
+    out = [_output_document(by_id[cid], docs[_owner(by_id[cid]).index]) for cid in order]
     out[0].metadata[PROVENANCE_KEY]["request"] = {
         "inputs": len(docs),
         "dropped": [

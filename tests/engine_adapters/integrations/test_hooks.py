@@ -15,12 +15,12 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from promptsplice.assembler import ContextHook, DropFailedCalls, StepKind, TruncateToolOutputs
 from promptsplice.engine_adapters.integrations._hooks import (
     PromptspliceInputFilter,
-    PromptspliceMiddleware,
     PromptsplicePreModelHook,
     chat_to_items,
     items_to_chat,
     messages_from_openai,
 )
+from promptsplice.engine_adapters.integrations._middleware import PromptspliceMiddleware
 from promptsplice.engine_adapters.integrations._langchain_convert import lc_messages_to_openai
 from promptsplice.errors import InputError
 from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
@@ -374,7 +374,7 @@ def test_an_untitled_json_schema_response_format_is_named_in_a_warning(caplog):
     ToolStrategy built: the middleware's render can never match create_agent's, so it says so."""
     from types import SimpleNamespace
 
-    from promptsplice.engine_adapters.integrations._hooks import _structured_output_tools
+    from promptsplice.engine_adapters.integrations._middleware import _structured_output_tools
 
     model = PromptspliceChatModel(max_tokens=1)
     schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
@@ -454,6 +454,25 @@ def test_an_unsalted_model_takes_its_hooks_context_under_the_hooks_salt(default_
     salted = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1, cache_salt="tenant-B")
     assert salted._request(handed, None, {"session_id": "unsalted-model-3"}, None)["salt"] == "tenant-B"
     assert handoff.take("unsalted-model-3", hook.renderer.render(lc_messages_to_openai(msgs), salt="tenant-A")) is not None
+
+
+def test_an_unsalted_model_sends_under_its_hooks_salt_when_the_tokens_differ(default_tok):
+    """The hook's tenant salt held only when the hand-off matched: tools the hook was not
+    given (any mismatch) and the model rendered the messages anew, unsalted."""
+    from promptsplice.engine_adapters.integrations._handoff import handoff
+
+    msgs = [HumanMessage("salted hook, mismatched render: " + "hello there " * 20)]
+    hook = ContextHook(default_tok, block_size=16, salt="tenant-A")
+    pre = PromptsplicePreModelHook(hook, default_session="unsalted-mismatch-1")  # no tools given to it
+    handed = pre({"messages": msgs})["llm_input_messages"]
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    model = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1)
+    req = model._request(handed, None, {"session_id": "unsalted-mismatch-1", "tools": [tool]}, None)
+    assert req["prepared"] is not pre.history[-1]  # rendered anew (the tools differ)...
+    assert req["salt"] == req["prepared"].render.salt == "tenant-A"  # ...under the hook's tenant salt
+    assert handoff.salt_of("unsalted-mismatch-1") is None  # the entry was taken
+    # no hook entry at all: an unsalted model's own request, unsalted as before
+    assert model._request(handed, None, {"session_id": "unsalted-mismatch-2"}, None)["salt"] is None
 
 
 def test_a_session_with_an_image_goes_through_unedited_instead_of_failing_every_call(default_tok, caplog):
@@ -667,3 +686,23 @@ def test_middleware_and_langgraph_hook_options_are_checked(default_tok):
     with pytest.raises(ConfigError, match="session_key must be a str, got bytes"):
         PromptsplicePreModelHook(hook, session_key=b"thread_id")
     assert PromptspliceMiddleware(hook, "conversation", keep_history=0).keep_history == 0
+
+
+def test_the_langgraph_and_agents_sdk_hooks_import_without_the_langchain_package():
+    """The middleware's base class came from ``langchain`` (1.x) at the import of the
+    module all three hooks live in: the two that need only langchain-core (and langgraph
+    or the Agents SDK) failed with a raw ModuleNotFoundError."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['langchain'] = None\n"  # as if not installed
+        "from promptsplice.engine_adapters.integrations import PromptsplicePreModelHook, PromptspliceInputFilter\n"
+        "try:\n"
+        "    from promptsplice.engine_adapters.integrations import PromptspliceMiddleware\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "PromptspliceMiddleware needs the 'langchain' package" in out.stdout and "langchain>=1.0" in out.stdout

@@ -478,6 +478,34 @@ def test_a_call_time_none_means_the_models_setting(engine):
     assert (traced["ls_max_tokens"], traced["ls_temperature"]) == (3, 0.0)
 
 
+def test_a_call_time_cache_salt_none_keeps_the_models_salt(default_tok):
+    """``invoke(x, cache_salt=headers.get("tenant"))`` on a salted model sent the prompt
+    unsalted when the header was missing: a call's None is the model's setting, as for
+    max_tokens."""
+    from tests.engine_adapters.integrations.test_hooks import _SendlessEngine
+
+    model = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1, cache_salt="tenant-A")
+    msgs = [HumanMessage("Name a fruit.")]
+    assert model._request(msgs, None, {"cache_salt": None}, None)["salt"] == "tenant-A"
+    assert model._request(msgs, None, {"cache_salt": "tenant-A"}, None)["salt"] == "tenant-A"
+    assert "tenant-A" in model._prompt_key({"cache_salt": None})
+
+
+def test_anthropic_thinking_blocks_are_left_out_of_the_render_like_reasoning():
+    """Claude's ``thinking``/``redacted_thinking`` blocks in an AI message's history made
+    the hook raise NonTextContentError: the session then went through unedited for good."""
+    ai = AIMessage(content=[{"type": "thinking", "thinking": "Let me think.", "signature": "s"},
+                            {"type": "redacted_thinking", "data": "xyz"}, {"type": "text", "text": "Paris."}])
+    (d,) = lc_messages_to_openai([ai])
+    assert d["content"] == [{"type": "text", "text": "Paris."}]
+    ContextHook(block_size=32)("think", [{"role": "user", "content": "Capital of France?"}, d])
+
+
+def test_a_message_langchain_cannot_convert_names_itself_and_the_fix():
+    with pytest.raises(InvalidMessageError, match=r"message 1 \(ToolMessage\) cannot be converted .*'type'"):
+        lc_messages_to_openai([HumanMessage("hi"), ToolMessage(content=[{"a": 1}], tool_call_id="c1")])
+
+
 def test_an_assistant_turn_with_calls_that_did_not_parse_keeps_them(default_tok):
     """LangChain's conversion dropped ``invalid_tool_calls`` (arguments that are not
     JSON, from another model): the turn rendered empty, the tool result after it
@@ -663,3 +691,36 @@ def test_a_developer_message_is_a_system_message(default_tok):
     system, *developer = [ids for ids, _ in eng.calls]
     assert developer == [system, system]
     assert default_tok.decode(system).startswith("<|im_start|>system\nAnswer in French.<|im_end|>")
+
+
+def test_a_model_of_a_hook_and_a_runner_runs_on_the_runners_engine_in_every_entry_point(default_tok, monkeypatch):
+    """``ainvoke`` (and a forced tool call's prefix) asked for the default engine where
+    ``invoke`` and ``stream`` used the runner's: a model built with ``hook`` and ``runner``
+    but no ``engine`` failed (or loaded another engine) there."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters.integrations import _langchain_chat
+    from tests.engine_adapters.integrations.test_hooks import _SendlessEngine
+
+    def no_default():
+        raise AssertionError("the default engine was asked for")
+
+    monkeypatch.setattr(_langchain_chat, "default_engine", no_default)
+    eng = _SendlessEngine(default_tok)
+    runner = SimpleNamespace(engine=eng, salt=None, step=lambda *a, **k: None)
+    model = PromptspliceChatModel(hook=ContextHook(default_tok, block_size=16), runner=runner, max_tokens=1)
+    assert model.resolved_engine() is eng
+
+    async def agen():
+        seen = []
+
+        def fake_generate(self, *a, **k):  # LangChain's default _agenerate runs _generate in a thread
+            seen.append("sync")
+            raise RuntimeError("stop here")
+
+        monkeypatch.setattr(PromptspliceChatModel, "_generate", fake_generate)
+        with pytest.raises(RuntimeError, match="stop here"):
+            await model._agenerate([HumanMessage("hi")])
+        return seen
+
+    assert asyncio.run(agen()) == ["sync"]

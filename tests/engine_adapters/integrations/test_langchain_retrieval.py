@@ -314,11 +314,30 @@ def test_k_ranks_a_hit_contained_in_a_later_document_by_the_hit(asm):
         Document(page_content=big, id="third", metadata={"rank": 2}),
     ]
     out = PromptspliceRetriever(retriever=FixedRetriever(docs=docs), assembler=asm, k=1).invoke("fox")
-    assert [(d.id, d.page_content, d.metadata["rank"]) for d in out] == [("best", big, 0)]
+    # ranked at the hit's rank, under the id and metadata of the text it carries (the
+    # hit's own metadata described another text: a citation of it named the wrong source)
+    assert [(d.id, d.page_content, d.metadata["rank"]) for d in out] == [("third", big, 2)]
     prov = _prov(out[0])
     assert prov["chunk_id"] == "third"  # the container's text was kept
-    assert [(o["id"], o["relation"]) for o in prov["origins"]] == [("third", "kept"), ("best", "contained")]
+    assert [(o["id"], o["relation"], o["metadata"]) for o in prov["origins"]] == [
+        ("third", "kept", {"rank": 2}), ("best", "contained", {"rank": 0})]
     assert [(c["index"], c["id"], c["metadata"]) for c in prov["request"]["beyond_k"]] == [(1, "second", {"rank": 1})]
-    # the compressor cuts the same way; with no k both come out, the hit under its own id
-    assert [d.id for d in PromptspliceCompressor(assembler=asm, k=1).compress_documents(docs, "fox")] == ["best"]
-    assert sorted(d.id for d in splice_documents(docs, "fox", assembler=asm)) == ["best", "second"]
+    # the compressor cuts the same way; with no k both come out
+    assert [d.id for d in PromptspliceCompressor(assembler=asm, k=1).compress_documents(docs, "fox")] == ["third"]
+    assert sorted(d.id for d in splice_documents(docs, "fox", assembler=asm)) == ["second", "third"]
+
+
+def test_chunks_of_one_source_sharing_its_metadata_id_are_spliced_not_refused(asm):
+    """Text splitters copy a loader's ``metadata["id"]`` onto every chunk of a source:
+    dedup refused them as one id naming two texts, and the caller cannot change the ids
+    its retriever returns."""
+    docs = [Document(page_content="First part of the manual, on setup.", metadata={"id": "m1", "page": 1}),
+            Document(page_content="Second part of the manual, on repair.", metadata={"id": "m1", "page": 2}),
+            Document(page_content="First part of the manual, on setup.", metadata={"id": "m1", "page": 1})]
+    out = splice_documents(docs, "how to repair", assembler=asm)
+    assert sorted((d.page_content, d.metadata["page"]) for d in out) == [
+        ("First part of the manual, on setup.", 1), ("Second part of the manual, on repair.", 2)]
+    ids = {o["id"] for d in out for o in _prov(d)["origins"]}
+    assert ids == {"m1", "m1#1"}  # the second text's id made unique by its position
+    dup = next(d for d in out if d.metadata["page"] == 1)
+    assert [o["relation"] for o in _prov(dup)["origins"]] == ["kept", "duplicate"]
