@@ -37,6 +37,7 @@ __all__ = [
     "kv_transfer_config_json",
     "store_config_from_extra",
     "store_config_to_extra",
+    "weights_identity",
 ]
 
 #: Per vLLM platform (``device_type``), the attention backends whose KV cache layout
@@ -191,6 +192,44 @@ def check_load_failure_policy(kv: Any) -> None:
         )
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_WEIGHT_SAMPLE = 1 << 20
+
+
+def weights_identity(model: str, commit: str | None = None) -> str:
+    """A digest naming the weights behind ``model``: for a local folder or file, the
+    names, sizes and first and last MiB of its weight files and its ``config.json``
+    (fine-tunes of one architecture differ there; reading 2 MiB a file keeps an engine's
+    start fast); else the hub's commit hash, ``unpinned`` without one.  Part of the
+    store fingerprint: KV computed by other weights is never served."""
+    import os
+
+    import xxhash
+
+    if os.path.isfile(model):
+        paths = [model]
+    elif os.path.isdir(model):
+        paths = sorted(os.path.join(model, n) for n in os.listdir(model)
+                       if n == "config.json" or n.endswith(_WEIGHT_SUFFIXES))
+    else:
+        return f"commit:{commit}" if commit else "unpinned"
+    h = xxhash.xxh3_128()
+    for path in paths:
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                head = f.read(_WEIGHT_SAMPLE)
+                if size > 2 * _WEIGHT_SAMPLE:
+                    f.seek(size - _WEIGHT_SAMPLE)
+                tail = f.read(_WEIGHT_SAMPLE)
+        except OSError as exc:  # vLLM loads these files next: say which could not be read
+            raise ConfigError(f"cannot read the model file {path} to fingerprint the KV store: {exc}") from exc
+        h.update(f"{os.path.basename(path)}:{size}:".encode())
+        h.update(head)
+        h.update(tail)
+    return h.hexdigest()[:16]
+
+
 def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     """The store config (with the engine's fingerprint), block size, attention ISA and
     RoPE of an engine; :class:`ConfigError` when the connector cannot serve it."""
@@ -229,6 +268,9 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
             # the weights the KV came from: another revision or quantization of the same
             # model name computes other KV (engines sharing a disk or Redis tier)
             f"rev:{getattr(model, 'revision', None)}",
+            # ...and what the files say, for a local path or an unpinned id: two fine-tunes
+            # served from one path (or weights replaced under it) shared a fingerprint
+            f"weights:{weights_identity(str(model.model), getattr(model.hf_config, '_commit_hash', None))}",
             f"quant:{getattr(model, 'quantization', None)}",
             str(model.dtype),
             cache_dtype,

@@ -815,9 +815,13 @@ class DiskTier(IndexedTier):
             )  # fmt: skip
         self._evict_unread(0)
         while self._lru and self._lru.used + self._undeleted_bytes > self._lru.budget:  # the budget shrank since
-            k, record = self._lru.pop_lru()
+            k, _ = self._lru.peek_lru()
+            err = self._remove_file(self._path(k))
+            if err is not None:  # still on disk (a read-only folder): kept indexed, as a write's
+                self._failed(err)  # eviction keeps it; moving it to the undeleted charge kept the
+                break  # sum over budget, and the loop emptied the whole index
+            self._lru.pop(k)
             self._evictions += 1
-            self._delete_record(k, record)
 
     def _path(self, k: Key) -> str:
         return os.path.join(self.folder, fmt.record_name(*k))

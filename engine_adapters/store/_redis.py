@@ -978,6 +978,22 @@ class RedisTier(IndexedTier):
             else:
                 self._corrupt += 1
 
+    def _drop_wrong_type(self, names: list[bytes]) -> None:
+        """Keys under this tier's prefix that hold no string (a hash, a list): not
+        values this tier can read; deleted (while still of another type) and counted
+        damaged, as a damaged value is."""
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.type(name)
+        kinds = pipe.execute(raise_on_error=False)
+        doomed = [name for name, kind in zip(names, kinds) if not isinstance(kind, Exception) and not _is_value(kind)]
+        if doomed:
+            self._client.delete(*doomed)
+            with self._cond:
+                self._corrupt += len(doomed)
+            _log.warning("promptsplice: deleted %d keys under %s that are not values of this tier "
+                           "(another type: %s)", len(doomed), self._prefix, doomed[:3])
+
     def _rescan(self) -> bool | None:
         """Index every value of this fingerprint on the server (headers only), delete
         damaged ones (counted), then mark the index synced.  True when this ends an
@@ -995,11 +1011,17 @@ class RedisTier(IndexedTier):
                 for name in names:
                     pipe.getrange(name, 0, _HEAD_READ - 1)
                     pipe.strlen(name)
-                replies = pipe.execute()
+                # per-key errors as replies: one key of another type under the prefix (a
+                # hash: WRONGTYPE) failed the whole scan, read as a refused scan, for good
+                replies = pipe.execute(raise_on_error=False)
                 bad = []
                 found = []
+                wrong_type = []
                 for i, name in enumerate(names):
                     head, size = replies[2 * i], replies[2 * i + 1]
+                    if isinstance(head, Exception) or isinstance(size, Exception):
+                        wrong_type.append(name)
+                        continue
                     if not head:
                         continue  # gone meanwhile
                     problem = None
@@ -1042,6 +1064,8 @@ class RedisTier(IndexedTier):
                     self._claim(list(drop))
                 # only while each still holds the bytes read (another engine may SET it)
                 self._delete_claimed(list(drop), drop)
+                if wrong_type:
+                    self._drop_wrong_type(wrong_type)
             if cursor == 0:
                 break
         with self._cond:  # with the outage check: one right after it cleared ``_synced`` again
@@ -1050,6 +1074,10 @@ class RedisTier(IndexedTier):
             self._synced.set()
             self._listen_refused = False  # a later refusal is news again
         return recovered
+
+
+def _is_value(kind: Any) -> bool:
+    return kind in (b"string", "string", b"none", "none")
 
 
 def _refuses_scripts(exc: BaseException) -> bool:

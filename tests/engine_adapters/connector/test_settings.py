@@ -42,3 +42,31 @@ def test_a_kv_transfer_config_that_fails_requests_on_a_load_error_is_refused():
     check_load_failure_policy(ours)  # (ours sets it)
     assert ours.kv_load_failure_policy == "recompute"
     check_load_failure_policy(None)  # no kv_transfer_config: no connector loads
+
+
+def test_the_weights_identity_tells_two_fine_tunes_at_one_path_apart(tmp_path):
+    """The store fingerprint named the model by its path and revision (None for a local
+    folder): two fine-tunes served from one path, or weights replaced under it, shared a
+    disk or Redis tier and loaded each other's KV."""
+    from promptsplice.engine_adapters.connector._settings import weights_identity
+
+    def folder(name, weights):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (d / "model.safetensors").write_bytes(weights)
+        (d / "README.md").write_text(name)  # not a weight file: not read
+        return str(d)
+
+    base = bytes(range(256)) * 20_000  # 5 MB: head and tail sampled
+    tuned = base[:3_000_000] + b"\x01" + base[3_000_001:]  # one byte in the middle differs...
+    tuned_tail = base[:-5] + b"tuned"
+    a, b, c = folder("a", base), folder("b", base), folder("c", tuned_tail)
+    assert weights_identity(a) == weights_identity(b)  # the same files, wherever they are
+    assert weights_identity(a) != weights_identity(c)
+    assert weights_identity(folder("d", tuned)) == weights_identity(a)  # ...unread between the samples
+    one = tmp_path / "m.gguf"
+    one.write_bytes(b"GGUF" + bytes(100))
+    assert weights_identity(str(one)) != weights_identity(a)
+    assert weights_identity("org/model", "abc123") == "commit:abc123"
+    assert weights_identity("org/model") == "unpinned"

@@ -206,6 +206,25 @@ def test_damaged_foreign_and_short_values_are_counted_never_served(redis_url):
 
 
 @pytest.mark.reliability
+def test_a_key_of_another_type_under_the_prefix_is_dropped_not_an_outage_for_good(redis_url):
+    """One hash under the tier's prefix failed the scan's pipeline (WRONGTYPE), which the
+    listener read as a refused scan: the index was cleared and every engine's shared tier
+    stayed off, rescanning into the same key forever."""
+    refs = make_refs(3)
+    r = client(redis_url)
+    with open_store(redis_url) as a:
+        put_all(a, refs)
+        assert wait_for(lambda: len(_psk_keys(redis_url)) == 3)
+        stray = remote(a)._prefix + "stray"
+        r.hset(stray, "field", "value")
+    with open_store(redis_url) as b:
+        tier = remote(b)
+        assert tier.wait_synced(5.0) and tier.readable and tier.writable
+        assert b.match_prefix(refs, salt=SALT) == 3 and b.stats().remote_blocks == 3
+        assert r.exists(stray) == 0 and b.stats().remote_corrupt == 1
+    r.flushdb()
+
+
 def test_a_url_that_does_not_answer_costs_one_timeout_per_back_off(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     refs = make_refs(20)

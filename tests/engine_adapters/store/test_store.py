@@ -317,6 +317,26 @@ def test_restart_keeps_the_disk_lru_order(tmp_path):
     assert [status(again, r) for r in (a, b, c, d)] == [HIT_DISK, MISS, MISS, HIT_DISK]
 
 
+def test_a_smaller_budget_on_a_folder_that_refuses_deletes_keeps_its_records(tmp_path, monkeypatch):
+    """Each failed unlink moved a record from the index to the undeleted charge, so the
+    sum never fell under the budget and the open unindexed every record (10 of 10
+    evicted, none served), over the budget all the same."""
+    store = open_store(tmp_path, dram_blocks=1, disk_bytes=12 * REC)
+    refs = make_refs(11)
+    put_all(store, refs)  # 10 records on disk, the last block in DRAM
+    store.close()
+
+    def refuse(path, *a, **k):
+        raise PermissionError(errno.EACCES, "read-only", path)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    again = open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC)
+    s = again.stats()
+    assert (s.disk_blocks, s.disk_evictions) == (10, 0) and s.write_errors >= 1
+    assert [status(again, r) for r in refs[:10]] == [HIT_DISK] * 10  # still served
+    again.close()
+
+
 def test_flush_writes_dram_blocks_for_the_next_start(tmp_path):
     store = open_store(tmp_path, dram_blocks=4, disk_bytes=4 * REC)
     refs = make_refs(3)
