@@ -166,7 +166,8 @@ def _normalize(chunks: Iterable, policy: str) -> tuple[list[tuple], int]:
                 data = text.encode("utf-8")
                 replaced += 1
         else:
-            data = bytes(raw)
+            # its own bytes: bytes() of a subclass calls its __bytes__ (as str() its __str__)
+            data = raw if type(raw) is bytes else bytes(memoryview(raw))
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as exc:

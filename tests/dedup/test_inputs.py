@@ -207,6 +207,17 @@ def test_other_keys_of_a_chunk_dict_join_its_metadata():
     assert normalize_chunks([{"id": "y", "text": "t", "rank": 3}])[0].metadata == {"rank": 3}
 
 
+def test_a_bytes_subclass_is_read_as_its_bytes_not_its_bytes_method():
+    """``bytes(raw)`` called a subclass's ``__bytes__``: the chunk was another text."""
+
+    class B(bytes):
+        def __bytes__(self):
+            return b"something else entirely"
+
+    (kept,) = dedup([B(b"own bytes"), bytearray(b"")]).chunks
+    assert kept.text == "own bytes" and kept.data == b"own bytes"
+
+
 def test_a_str_subclass_is_read_as_its_characters_not_its_str():
     """An enum of snippets (``class S(str, Enum)``) has a ``__str__`` of ``"S.NAME"``:
     the chunk was that name, not the text (user review)."""
