@@ -410,6 +410,9 @@ def run_agent_modes(
         for m in MODES:
             eng = start_engine(m)
             try:
+                if m != "full" and eng.block_size != block_size:  # full ran first, in its block size
+                    raise ConfigError(f"engines: full's block size {block_size} differs from {m}'s "
+                                      f"{eng.block_size}; start every mode with one block size")
                 if m in ("apc", "splice"):
                     shapes[m] = _store_shape(eng)
                     has_store = has_store and eng.config.kv_store is not None

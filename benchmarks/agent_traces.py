@@ -176,7 +176,11 @@ def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[st
                              "write the call in tool_calls only")
             w.typed(legacy, dict, f"{fld}.function_call", "an object",
                     'write calls as tool_calls [{"id": ..., "type": "function", "function": {...}}]')
-            msg["tool_calls"] = [{"type": "function", "function": legacy}]
+            if role != "assistant":
+                raise w.fail(f"{fld}.function_call", f"a function_call on a {role} message",
+                             "only assistant messages call tools")
+            # no arguments: rendered as none ("" in a trace), as the renderer reads it
+            msg["tool_calls"] = [{"type": "function", "function": {"arguments": "", **legacy}}]
     calls = msg.get("tool_calls")
     if calls is not None:
         if role != "assistant":

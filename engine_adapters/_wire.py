@@ -90,7 +90,7 @@ class RemoteCompletion:
     ``cached_tokens`` is ``None`` when the server did not report it (unknown, not 0).
     ``prompt_tokens``/``completion_tokens`` are ``None`` when the server sent no usage.
     ``ttft_s`` (time to first token, measured client-side from sending the request to
-    the first streamed text) is ``None`` for non-streaming requests; ``total_s`` is the
+    the first streamed token, with or without text) is ``None`` for non-streaming requests; ``total_s`` is the
     client-side wall time of the whole request (retries included).
     """
 
@@ -607,9 +607,9 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
         if asked is None and req is not None:
             sent = req.body.get("max_tokens", req.body.get("max_completion_tokens"))
             asked = sent if isinstance(sent, int) and not isinstance(sent, bool) else None
-        if limit > 0 and asked is not None and asked >= limit:
+        if limit > 0 and asked is not None and asked > limit:  # vLLM trims one of exactly the context
             return EngineRequestError(
-                f"{url} refused max_tokens={asked}: at least the whole context ({limit} tokens) for the "
+                f"{url} refused max_tokens={asked}: more than the whole context ({limit} tokens) for the "
                 f"output alone; request fewer ({message})",
                 status_code=400,
             )

@@ -192,16 +192,35 @@ def check_load_failure_policy(kv: Any) -> None:
         )
 
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-_WEIGHT_SAMPLE = 1 << 20
+_WEIGHT_SAMPLES = 16
+_WEIGHT_SAMPLE = 64 * 1024
+
+
+def _weight_files(folder: str) -> list[str]:
+    """The files of ``folder`` vLLM loads weights from: its safetensors when it has any,
+    else its ``.bin``/``.pt``/``.pth`` (not a trainer's ``optimizer.pt``,
+    ``training_args.bin`` or ``rng_state*.pth``), else its ``.gguf``."""
+    import os
+
+    names = sorted(os.listdir(folder))
+    for suffixes in ((".safetensors",), (".bin", ".pt", ".pth"), (".gguf",)):
+        found = [n for n in names if n.endswith(suffixes)
+                 and not n.startswith(("optimizer", "training_args", "rng_state", "scheduler", "trainer_state"))]
+        if found:
+            return found
+    return []
 
 
 def weights_identity(model: str, commit: str | None = None) -> str:
-    """A digest naming the weights behind ``model``: for a local folder or file, the
-    names, sizes and first and last MiB of its weight files and its ``config.json``
-    (fine-tunes of one architecture differ there; reading 2 MiB a file keeps an engine's
-    start fast); else the hub's commit hash, ``unpinned`` without one.  Part of the
-    store fingerprint: KV computed by other weights is never served."""
+    """A digest naming the weights behind ``model``: for a local folder or file, its
+    ``config.json`` and the weight files vLLM loads, each by name, size, and either the
+    content hash the Hugging Face cache names its blob by or 16 samples of 64 KiB spread
+    over it (a fine-tune that changes any layer's weights changes some; 1 MiB read a file
+    keeps an engine's start fast); else the hub's commit hash, ``unpinned`` without one.
+    A file that cannot be read counts by name (vLLM says why when it loads it).  Part of
+    the store fingerprint: KV of other weights is not served (weights that differ only
+    between the samples are not told apart: give ``StoreConfig(fingerprint=...)`` a
+    version then)."""
     import os
 
     import xxhash
@@ -209,24 +228,28 @@ def weights_identity(model: str, commit: str | None = None) -> str:
     if os.path.isfile(model):
         paths = [model]
     elif os.path.isdir(model):
-        paths = sorted(os.path.join(model, n) for n in os.listdir(model)
-                       if n == "config.json" or n.endswith(_WEIGHT_SUFFIXES))
+        paths = [os.path.join(model, n) for n in ["config.json", *_weight_files(model)]]
     else:
         return f"commit:{commit}" if commit else "unpinned"
     h = xxhash.xxh3_128()
     for path in paths:
+        h.update(os.path.basename(path).encode() + b"\0")
         try:
+            blob = os.path.realpath(path)
+            if os.sep + "blobs" + os.sep in blob and len(os.path.basename(blob)) >= 40:
+                h.update(b"blob:" + os.path.basename(blob).encode())  # the cache's content hash
+                continue
             size = os.path.getsize(path)
+            h.update(f"{size}:".encode())
             with open(path, "rb") as f:
-                head = f.read(_WEIGHT_SAMPLE)
-                if size > 2 * _WEIGHT_SAMPLE:
-                    f.seek(size - _WEIGHT_SAMPLE)
-                tail = f.read(_WEIGHT_SAMPLE)
-        except OSError as exc:  # vLLM loads these files next: say which could not be read
-            raise ConfigError(f"cannot read the model file {path} to fingerprint the KV store: {exc}") from exc
-        h.update(f"{os.path.basename(path)}:{size}:".encode())
-        h.update(head)
-        h.update(tail)
+                step = max(_WEIGHT_SAMPLE, (size - _WEIGHT_SAMPLE) // (_WEIGHT_SAMPLES - 1))
+                for at in range(0, max(size - _WEIGHT_SAMPLE, 0) + 1, step):
+                    f.seek(at)
+                    h.update(f.read(_WEIGHT_SAMPLE))
+                f.seek(max(size - _WEIGHT_SAMPLE, 0))
+                h.update(f.read(_WEIGHT_SAMPLE))  # the tail, whatever the step
+        except OSError:
+            h.update(b"unreadable")
     return h.hexdigest()[:16]
 
 

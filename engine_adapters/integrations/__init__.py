@@ -27,9 +27,12 @@ def __getattr__(name: str):
     try:
         value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as exc:  # a framework this name needs is not installed
-        top = (exc.name or "?").partition(".")[0]
-        raise ImportError(
-            f"{name} needs the {top!r} package, which is not installed: pip install {_PACKAGES.get(top, top)!r}"
+        top = (exc.name or "").partition(".")[0]
+        if top not in _PACKAGES:
+            raise
+        raise ModuleNotFoundError(
+            f"{name} needs the {top!r} package, which is not installed: pip install {_PACKAGES[top]!r}",
+            name=exc.name,
         ) from exc
     globals()[name] = value
     return value

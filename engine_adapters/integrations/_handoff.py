@@ -47,9 +47,10 @@ class _Handoff:
 
     def salt_of(self, session_id: str) -> str | None:
         """The salt a hook prepared ``session_id`` under (``None``: no entry, or one
-        unsalted), for a model without a salt of its own: it renders and sends under it
-        even when the tokens then differ (a mismatch sent the hook's tenant unsalted).
-        Two or more salts are an :class:`InvalidSaltError`, as in :meth:`take`."""
+        unsalted), for a model without a salt of its own: it renders under it, and a
+        render that then differs from the hook's is an :class:`InvalidSaltError` (a
+        mismatch sent the hook's tenant unsalted).  Two or more salts are an
+        :class:`InvalidSaltError`, as in :meth:`take`."""
         with self._lock:
             salts = {k[1] for k in self._items if k[0] == session_id}
         if len(salts) > 1:

@@ -90,7 +90,7 @@ from promptsplice.engine_adapters.integrations._langchain_convert import (
 from promptsplice.engine_adapters.integrations._langchain_options import (
     check_env_salt, check_options, check_runner_salt, convert_input, request_salt,
 )
-from promptsplice.errors import ConfigError, PromptspliceError
+from promptsplice.errors import ConfigError, InvalidSaltError, PromptspliceError
 
 __all__ = [
     "PromptspliceChatModel",
@@ -461,15 +461,22 @@ class PromptspliceChatModel(BaseChatModel):
             if session is None:
                 self.hook.forget(sid, salt=prepared.render.salt)  # (one key: no scan of every session)
             return prepared, tools
-        if session is not None and salt is None:
-            # an unsalted model renders under its hook's salt, and sends under it whether or
-            # not the hook's tokens match (a mismatch sent that tenant's prompt unsalted)
-            salt = handoff.salt_of(session)
-        render = renderer.render(dicts, tools or None, salt=salt)
+        hook_salt = handoff.salt_of(session) if session is not None and salt is None else None
+        render = renderer.render(dicts, tools or None, salt=salt if hook_salt is None else hook_salt)
         if session is not None:
             pending = handoff.take(session, render)
             if pending is not None:
                 return pending, tools
+        if hook_salt is not None:
+            # a tenant's hook prepared this session, but not these tokens: sent unsalted, that
+            # tenant's prompt left its salt; sent under it, another caller of the same session
+            # id would reach that tenant's cache.  Which it is cannot be told: say so.
+            raise InvalidSaltError(
+                f"a hook prepared session {session!r} under cache_salt {hook_salt!r}, but the messages this "
+                "model received render to other tokens (tools or a prompt the hook was not given?): which "
+                "tenant this call is cannot be told; give the model (or the call) cache_salt=<the tenant's salt>, "
+                "or give the hook the same tools and prompt"
+            )
         return PreparedContext(session or "", 1, StepKind.NEW_SESSION, render, dicts), tools
 
     def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any) -> dict[str, Any]:

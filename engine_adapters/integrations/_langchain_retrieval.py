@@ -154,11 +154,13 @@ def _output_document(kept: KeptChunk, source: Document) -> Document:
 
 
 def _dedup_inputs(docs: Sequence[Document]) -> list[Any]:
-    """``docs`` as dedup reads them (``doc.id``, else ``metadata["id"]``), except that an
-    id already naming another text gets ``#<index>`` (its position in ``docs``): text
-    splitters copy a loader's ``metadata["id"]`` onto every chunk of one source, which
-    dedup refuses as one id naming two texts, and the retriever's caller cannot change
-    the ids it retrieves.  The output documents keep their own ``id`` and metadata."""
+    """``docs`` as dedup reads them (``doc.id``, else ``metadata["id"]``), except that a
+    ``metadata["id"]`` already naming another text gets ``#<index>`` (its position in
+    ``docs``): text splitters copy a loader's ``metadata["id"]`` onto every chunk of one
+    source, which dedup refuses as one id naming two texts, and the retriever's caller
+    cannot change the ids it retrieves.  Two texts under one ``Document.id`` stay a
+    :class:`~promptsplice.errors.ConflictingChunkIdError`.  The output documents keep
+    their own ``id`` and metadata."""
     texts: dict[Any, str] = {}
     taken: set[Any] = set()
     out: list[Any] = []
@@ -167,8 +169,9 @@ def _dedup_inputs(docs: Sequence[Document]) -> list[Any]:
         if not isinstance(cid, str | int) or isinstance(cid, bool):
             out.append(d)  # none, or a type dedup refuses with its own message
             continue
-        key = str(cid)
-        if texts.setdefault(key, d.page_content) != d.page_content:
+        # the id as dedup reads it (a str subclass by its characters)
+        key = str.__str__(cid) if isinstance(cid, str) else int.__repr__(cid)
+        if texts.setdefault(key, d.page_content) != d.page_content and not d.id:
             n, key = 0, f"{cid}#{i}"
             while key in taken or key in texts:
                 n += 1

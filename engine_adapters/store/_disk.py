@@ -814,14 +814,31 @@ class DiskTier(IndexedTier):
                 "not served until then", len(unread), self.folder, unread[0][2],
             )  # fmt: skip
         self._evict_unread(0)
-        while self._lru and self._lru.used + self._undeleted_bytes > self._lru.budget:  # the budget shrank since
-            k, _ = self._lru.peek_lru()
-            err = self._remove_file(self._path(k))
-            if err is not None:  # still on disk (a read-only folder): kept indexed, as a write's
-                self._failed(err)  # eviction keeps it; moving it to the undeleted charge kept the
-                break  # sum over budget, and the loop emptied the whole index
+        # The budget shrank since: evict LRU records.  One whose unlink fails leaves the
+        # index for the undeleted charge (a later write retries it), so the sum does not
+        # fall for it; when not one unlink succeeds (a folder that refuses deletes), the
+        # records stay indexed and served rather than the whole index emptied.
+        tried: list[tuple[Key, StoredRecord]] = []
+        deleted = False
+        for k, record in list(self._lru.items()):
+            if self._lru.used + self._undeleted_bytes <= self._lru.budget:
+                break
             self._lru.pop(k)
-            self._evictions += 1
+            err = self._remove_file(self._path(k))
+            if err is None:
+                deleted = True
+                self._evictions += 1
+            else:
+                self._keep_charged(k, self._charge(record))
+                tried.append((k, record))
+        if tried and not deleted:
+            for k, record in tried:  # back in the index, in their LRU order, uncharged
+                self._undeleted_bytes -= self._undeleted.pop(k)
+            rest = list(self._lru.items())
+            self._lru.clear()
+            for k, record in [*tried, *rest]:
+                self._lru.add(k, record)
+            self._failed(OSError(f"{len(tried)} records of {self.folder} could not be deleted to fit the budget"))
 
     def _path(self, k: Key) -> str:
         return os.path.join(self.folder, fmt.record_name(*k))

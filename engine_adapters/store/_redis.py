@@ -1019,7 +1019,10 @@ class RedisTier(IndexedTier):
                 wrong_type = []
                 for i, name in enumerate(names):
                     head, size = replies[2 * i], replies[2 * i + 1]
-                    if isinstance(head, Exception) or isinstance(size, Exception):
+                    err = next((r for r in (head, size) if isinstance(r, Exception)), None)
+                    if err is not None:
+                        if not str(err).startswith("WRONGTYPE"):
+                            raise err  # a refused read (an ACL), as before: the listener's outage
                         wrong_type.append(name)
                         continue
                     if not head:

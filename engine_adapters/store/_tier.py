@@ -207,10 +207,6 @@ class ByteLru(Generic[_E]):
             self.used -= self._size_of(entry)
         return entry
 
-    def peek_lru(self) -> tuple[Key, _E]:
-        """The least recently used entry, left in place."""
-        return next(iter(self._entries.items()))
-
     def pop_lru(self) -> tuple[Key, _E]:
         k, entry = self._entries.popitem(last=False)
         self.used -= self._size_of(entry)

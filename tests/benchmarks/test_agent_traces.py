@@ -114,6 +114,8 @@ BAD = [
      r":3: renders\[0\]\[1\]\.function_call: expected an object"),
     (_line(renders=[[SYS, {**_call("c1"), "function_call": {"name": "f", "arguments": "{}"}}]]),
      r":3: renders\[0\]\[1\]\.function_call: both tool_calls and the legacy function_call"),
+    (_line(renders=[[SYS, {**USER, "function_call": {"name": "f"}}]]),
+     r":3: renders\[0\]\[1\]\.function_call: a function_call on a user message"),
     (_line(renders=[[SYS, _call(""), _call(""), _call("c1"), _out("c1", "a"), _call("c1"), _out("c1", "b")]]),
      r":3: renders\[0\]\[5\]\.tool_calls\[0\]\.id: call id 'c1' is used twice in this render"),  # "" ids: no identity
 ]
@@ -188,6 +190,11 @@ def test_a_legacy_function_call_is_read_as_the_call_the_hook_renders(tmp_path: P
     assert msg["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
     hook = ContextHook(block_size=32)
     assert hook("a", s.renders[0]).token_ids == hook("b", [SYS, USER, legacy]).token_ids
+    bare = {"role": "assistant", "content": None, "function_call": {"name": "f"}}  # no arguments: none
+    path.write_text(_line(renders=[[SYS, USER, bare]]) + "\n", encoding="utf-8")
+    (s,) = read_agent_trace(path)
+    assert s.renders[0][2]["tool_calls"][0]["function"] == {"arguments": "", "name": "f"}
+    assert hook("c", s.renders[0]).token_ids == hook("d", [SYS, USER, bare]).token_ids
 
 
 def test_unknown_extra_keys_are_tolerated(tmp_path: Path) -> None:

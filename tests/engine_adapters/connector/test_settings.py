@@ -48,25 +48,44 @@ def test_the_weights_identity_tells_two_fine_tunes_at_one_path_apart(tmp_path):
     """The store fingerprint named the model by its path and revision (None for a local
     folder): two fine-tunes served from one path, or weights replaced under it, shared a
     disk or Redis tier and loaded each other's KV."""
+    from promptsplice.engine_adapters.connector import _settings
     from promptsplice.engine_adapters.connector._settings import weights_identity
 
-    def folder(name, weights):
+    def folder(name, weights, extra=()):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text('{"model_type": "llama"}')
         (d / "model.safetensors").write_bytes(weights)
         (d / "README.md").write_text(name)  # not a weight file: not read
+        for n in extra:
+            os.symlink(tmp_path / "nowhere", d / n)  # files vLLM does not load, dangling
         return str(d)
 
-    base = bytes(range(256)) * 20_000  # 5 MB: head and tail sampled
-    tuned = base[:3_000_000] + b"\x01" + base[3_000_001:]  # one byte in the middle differs...
-    tuned_tail = base[:-5] + b"tuned"
-    a, b, c = folder("a", base), folder("b", base), folder("c", tuned_tail)
-    assert weights_identity(a) == weights_identity(b)  # the same files, wherever they are
-    assert weights_identity(a) != weights_identity(c)
-    assert weights_identity(folder("d", tuned)) == weights_identity(a)  # ...unread between the samples
+    base = bytes(range(256)) * 20_000  # 5 MB: 16 samples spread over it, and its tail
+    step = (len(base) - _settings._WEIGHT_SAMPLE) // (_settings._WEIGHT_SAMPLES - 1)
+
+    def edit(at):
+        return base[:at] + bytes([base[at] ^ 1]) + base[at + 1:]
+
+    a = folder("a", base)
+    assert weights_identity(a) == weights_identity(folder("b", base, extra=["training_args.bin", "optimizer.pt"]))
+    for at in (8 * step + 5, len(base) - 3):  # a layer in the middle, the last norm
+        assert weights_identity(folder(f"at{at}", edit(at))) != weights_identity(a)
+    # between two samples: not told apart (the documented limit; a fingerprint= says more)
+    assert weights_identity(folder("between", edit(8 * step + _settings._WEIGHT_SAMPLE + 10))) == weights_identity(a)
     one = tmp_path / "m.gguf"
     one.write_bytes(b"GGUF" + bytes(100))
     assert weights_identity(str(one)) != weights_identity(a)
+    # a Hugging Face cache snapshot: the blob's name is its content hash
+    blobs = tmp_path / "hub" / "blobs"
+    blobs.mkdir(parents=True)
+    snap = tmp_path / "hub" / "snapshots" / "c0ffee"
+    snap.mkdir(parents=True)
+    for name, digest in (("config.json", "1" * 64), ("model.safetensors", "2" * 64)):
+        (blobs / digest).write_bytes(b"x")
+        os.symlink(blobs / digest, snap / name)
+    first = weights_identity(str(snap))
+    (blobs / ("2" * 64)).write_bytes(b"y")  # same blob name: the same content by construction
+    assert weights_identity(str(snap)) == first != weights_identity(a)
     assert weights_identity("org/model", "abc123") == "commit:abc123"
     assert weights_identity("org/model") == "unpinned"

@@ -456,10 +456,12 @@ def test_an_unsalted_model_takes_its_hooks_context_under_the_hooks_salt(default_
     assert handoff.take("unsalted-model-3", hook.renderer.render(lc_messages_to_openai(msgs), salt="tenant-A")) is not None
 
 
-def test_an_unsalted_model_sends_under_its_hooks_salt_when_the_tokens_differ(default_tok):
+def test_an_unsalted_model_whose_render_differs_from_its_salted_hooks_says_so(default_tok):
     """The hook's tenant salt held only when the hand-off matched: tools the hook was not
-    given (any mismatch) and the model rendered the messages anew, unsalted."""
-    from promptsplice.engine_adapters.integrations._handoff import handoff
+    given (any mismatch) and the model rendered the messages anew, unsalted.  Taking the
+    hook's salt instead would let another caller of the same session id reach that
+    tenant's cache: which tenant the call is cannot be told, an InvalidSaltError."""
+    from promptsplice.errors import InvalidSaltError
 
     msgs = [HumanMessage("salted hook, mismatched render: " + "hello there " * 20)]
     hook = ContextHook(default_tok, block_size=16, salt="tenant-A")
@@ -467,10 +469,11 @@ def test_an_unsalted_model_sends_under_its_hooks_salt_when_the_tokens_differ(def
     handed = pre({"messages": msgs})["llm_input_messages"]
     tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
     model = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1)
-    req = model._request(handed, None, {"session_id": "unsalted-mismatch-1", "tools": [tool]}, None)
-    assert req["prepared"] is not pre.history[-1]  # rendered anew (the tools differ)...
-    assert req["salt"] == req["prepared"].render.salt == "tenant-A"  # ...under the hook's tenant salt
-    assert handoff.salt_of("unsalted-mismatch-1") is None  # the entry was taken
+    with pytest.raises(InvalidSaltError, match="under cache_salt 'tenant-A', but the messages this model received"):
+        model._request(handed, None, {"session_id": "unsalted-mismatch-1", "tools": [tool]}, None)
+    # the tenant's salt on the model: sent under it, rendered anew
+    salted = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1, cache_salt="tenant-A")
+    assert salted._request(handed, None, {"session_id": "unsalted-mismatch-1", "tools": [tool]}, None)["salt"] == "tenant-A"
     # no hook entry at all: an unsalted model's own request, unsalted as before
     assert model._request(handed, None, {"session_id": "unsalted-mismatch-2"}, None)["salt"] is None
 

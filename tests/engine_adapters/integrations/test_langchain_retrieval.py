@@ -30,7 +30,7 @@ from promptsplice.engine_adapters.integrations._langchain_retrieval import (
     PromptspliceRetriever,
     splice_documents,
 )
-from promptsplice.errors import ConfigError, InvalidChunkError, PromptspliceError
+from promptsplice.errors import ConfigError, ConflictingChunkIdError, InvalidChunkError, PromptspliceError
 
 N_ARTICLES = 40
 WINDOW = 240
@@ -341,3 +341,7 @@ def test_chunks_of_one_source_sharing_its_metadata_id_are_spliced_not_refused(as
     assert ids == {"m1", "m1#1"}  # the second text's id made unique by its position
     dup = next(d for d in out if d.metadata["page"] == 1)
     assert [o["relation"] for o in _prov(dup)["origins"]] == ["kept", "duplicate"]
+    # a Document.id is the retriever's own: two texts under one stay an error
+    with pytest.raises(ConflictingChunkIdError, match="'x'"):
+        splice_documents([Document(page_content="one text", id="x"), Document(page_content="another", id="x")],
+                         "q", assembler=asm)

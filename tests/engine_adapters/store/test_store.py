@@ -326,8 +326,13 @@ def test_a_smaller_budget_on_a_folder_that_refuses_deletes_keeps_its_records(tmp
     put_all(store, refs)  # 10 records on disk, the last block in DRAM
     store.close()
 
+    unlink = os.unlink
+    stuck = {str(rec_path(tmp_path / "kv", r)) for r in refs[:10]}  # every record, then one
+
     def refuse(path, *a, **k):
-        raise PermissionError(errno.EACCES, "read-only", path)
+        if str(path) in stuck:
+            raise PermissionError(errno.EACCES, "read-only", path)
+        return unlink(path, *a, **k)
 
     monkeypatch.setattr(os, "unlink", refuse)
     again = open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC)
@@ -335,6 +340,14 @@ def test_a_smaller_budget_on_a_folder_that_refuses_deletes_keeps_its_records(tmp
     assert (s.disk_blocks, s.disk_evictions) == (10, 0) and s.write_errors >= 1
     assert [status(again, r) for r in refs[:10]] == [HIT_DISK] * 10  # still served
     again.close()
+    # only the oldest refuses (another user's file in a sticky folder): it is charged and
+    # left for a later write to retry, the next ones evicted, and writes go on
+    stuck = {str(rec_path(tmp_path / "kv", refs[0]))}
+    third = open_store(tmp_path, dram_blocks=1, disk_bytes=8 * REC)
+    s = third.stats()
+    assert (s.disk_blocks, s.disk_evictions) == (7, 2)  # 7 records + 1 undeleted charged = 8
+    assert [status(third, r) for r in refs[:3]] == [MISS, MISS, MISS] and status(third, refs[3]) is HIT_DISK
+    third.close()
 
 
 def test_flush_writes_dram_blocks_for_the_next_start(tmp_path):
