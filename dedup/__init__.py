@@ -52,7 +52,9 @@ whose ``Origin.emptied`` gives their byte range in its bytes before removal, the
 coordinates of its :class:`RemovedPassage` records: placing each found passage at its
 ``offset`` (newlines between them) rebuilds them.  Containment
 runs before overlap merges too, so a window already inside another chunk is CONTAINED
-there and never labels a merged chunk whose text it lost.  Kept chunks stay in retrieval order; a chunk with
+there, and a merged chunk whose first member lost all its text to passage removal is
+owned by the earliest member that kept bytes: no chunk carries the id and metadata of
+an input none of whose text it holds.  Kept chunks stay in retrieval order; a chunk with
 no redundancy comes back with the same id and bytes.  Inputs are str, UTF-8 bytes,
 dicts ``{"text", "id", "metadata"}`` or LangChain-style documents (duck-typed); bad
 input raises an error from :mod:`promptsplice.errors`.  Invalid UTF-8 raises by

@@ -66,6 +66,7 @@ from ._types import (
 __all__ = ["dedup"]
 
 _KEPT = Relation.KEPT
+_MERGED = Relation.MERGED
 _DUPLICATE = Relation.DUPLICATE
 
 _BY_INDEX = attrgetter("index")
@@ -92,6 +93,39 @@ def _resolve_config(config: DedupConfig | None, overrides: dict) -> DedupConfig:
             f"valid options: {', '.join(_FIELDS)}"
         )
     return dataclasses.replace(base, **overrides)
+
+
+def _relabel_emptied_owners(kept: list[KeptChunk]) -> None:
+    """A merged chunk whose first (KEPT) member lost every byte to passage removal (its
+    paragraphs found in other chunks) still carried that member's id and metadata: page
+    2's text cited as page 1.  The earliest merged member that keeps bytes becomes the
+    owner (its id names the chunk in every record), the old owner a merged member with
+    an empty span, and the chunks stay in the retrieval order of their owners."""
+    renames: dict[str, str] = {}
+    names: set[str] | None = None  # every chunk name in use: an heir's id must name no other
+    for k in kept:
+        first = k.origins[0]
+        if first.span is None or first.span[0] != first.span[1]:
+            continue
+        if names is None:
+            names = {c.id for c in kept} | {r.chunk_id for c in kept for r in c.removed_passages}
+        heirs = [o for o in k.origins[1:] if o.relation is _MERGED and o.span is not None and o.span[1] > o.span[0]
+                 and o.id not in names]  # (inputs of one id: exact dedup off, equal texts)
+        if not heirs:
+            continue
+        heir = min(heirs, key=_BY_INDEX)
+        names.add(heir.id)
+        first.relation, heir.relation = _MERGED, _KEPT
+        k.origins = [heir, *sorted((o for o in k.origins if o is not heir), key=_BY_INDEX)]
+        renames[k.id] = heir.id
+        k.id, k.metadata = heir.id, heir.metadata
+    if not renames:
+        return
+    for k in kept:
+        for r in k.removed_passages:
+            r.chunk_id = renames.get(r.chunk_id, r.chunk_id)
+            r.found_in = renames.get(r.found_in, r.found_in)
+    kept.sort(key=lambda k: k.origins[0].index)
 
 
 def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> DedupResult:
@@ -196,6 +230,7 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
             kept = ctx.merge_identical(kept)
 
     # -- finish -----------------------------------------------------------------------
+    _relabel_emptied_owners(kept)
     digest_of = _blocks.content_digest
     bytes_out = 0
     for k in kept:

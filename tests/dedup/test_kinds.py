@@ -269,6 +269,32 @@ def test_a_window_inside_another_chunk_is_contained_there_before_windows_merge()
     }  # fmt: skip
 
 
+@pytest.mark.reliability
+def test_a_merged_owner_whose_paragraphs_are_all_found_elsewhere_gives_the_chunk_to_its_heir():
+    """p1's two paragraphs each sit in another chunk (x and y), so containment cannot
+    take p1 whole, and it merges with p2 first: the passage pass then cut all of p1's
+    text, and the chunk still carried p1's id and page over page 2's text (dedup review).
+    Now p2, the member that kept bytes, owns the chunk, in every record too."""
+    P1 = ("The Peace of Westphalia was signed in 1648 at Osnabrueck and Muenster, ending the Thirty Years "
+          "War in the Holy Roman Empire of the German Nation.")
+    P2 = ("It established the principle of state sovereignty, under which each state has exclusive "
+          "authority over its own territory and domestic affairs.")
+    Q = "Page two continues: Sweden received Western Pomerania and France gained most of Alsace from the Habsburg monarchy."
+    page1, page2 = {"source": "w.pdf", "page": 1}, {"source": "w.pdf", "page": 2}
+    chunks = [{"id": "x", "text": "Background.\n\n" + P1, "metadata": {"source": "other.pdf"}},
+              {"id": "y", "text": P2 + "\n\nSee also.", "metadata": {"source": "third.pdf"}},
+              {"id": "p1", "text": P1 + "\n\n" + P2, "metadata": page1},
+              {"id": "p2", "text": P2 + "\n\n" + Q, "metadata": page2}]
+    result = run_dedup(chunks)
+    x, y, merged = result.chunks
+    assert (merged.id, merged.metadata, merged.text) == ("p2", page2, Q)
+    assert [(o.id, o.relation, o.span) for o in merged.origins] == [
+        ("p2", Relation.KEPT, (0, len(Q))), ("p1", Relation.MERGED, (0, 0))]
+    assert {r.chunk_id for r in merged.removed_passages} == {"p2"}  # the records name the chunk by its owner
+    assert {r.found_in for r in merged.removed_passages} == {"x", "y"}
+    assert result.find("p1") is merged and result.find("p2") is merged
+
+
 def test_overlap_merge_cuts_on_utf8_character_boundaries():
     text = (
         "Zürich ist die größte Stadt der Schweiz und liegt am Zürichsee. "

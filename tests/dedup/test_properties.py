@@ -290,6 +290,8 @@ def test_an_input_cut_in_an_earlier_round_is_never_moved_as_contained():
     result = dedup(chunks, cfg)
     first, chain, last = result.chunks
     assert [o.index for o in first.origins] == [0] and first.removed_passages == []
+    # input 1, the chain's first member, kept no bytes, but the members that did share
+    # their id (their text) with chunk 4 (exact dedup off): no heir can take the chain's name
     assert [(o.index, o.relation, o.span) for o in chain.origins] == [
         (1, Relation.KEPT, (5, 5)), (2, Relation.MERGED, (0, 5)), (3, Relation.MERGED, (5, 11)),
         (5, Relation.MERGED, (5, 5))]  # fmt: skip

@@ -205,7 +205,6 @@ def test_damaged_foreign_and_short_values_are_counted_never_served(redis_url):
         assert (c.stats().remote_corrupt, r.exists(names[3]), r.keys("*")) == (1, 0, [])
 
 
-@pytest.mark.reliability
 def test_a_key_of_another_type_under_the_prefix_is_dropped_not_an_outage_for_good(redis_url):
     """One hash under the tier's prefix failed the scan's pipeline (WRONGTYPE), which the
     listener read as a refused scan: the index was cleared and every engine's shared tier
@@ -225,6 +224,7 @@ def test_a_key_of_another_type_under_the_prefix_is_dropped_not_an_outage_for_goo
     r.flushdb()
 
 
+@pytest.mark.reliability
 def test_a_url_that_does_not_answer_costs_one_timeout_per_back_off(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     refs = make_refs(20)
