@@ -211,8 +211,8 @@ class EmbeddedEngine:
         if llm is None:
             if self._dead is not None:
                 raise EngineDeadError(
-                    f"the engine died ({self._dead}) and its max_restarts="
-                    f"{self._config.max_restarts} restarts are used up: start a new EmbeddedEngine",
+                    f"the engine is down ({self._dead}; max_restarts={self._config.max_restarts}, "
+                    f"{self._restarts} used): start a new EmbeddedEngine",
                     restarted=False,
                 )
             raise EngineError("the engine is closed; start a new EmbeddedEngine")
@@ -620,6 +620,8 @@ class EmbeddedEngine:
             assert self._mirror is not None
             self._mirror.clear()
             self._dead = "a step was interrupted and vLLM's prefix cache could not be emptied"
+            # shut down, not only marked: the next request went on to its unwritten blocks
+            self._finalizer()
 
     def _healthy(self, engine: Any) -> bool:
         """One one-token request (it fills no block: nothing enters the cache)."""

@@ -435,7 +435,13 @@ def shutdown_llm(llm: Any, *, last_engine: bool) -> None:
     client = getattr(llm.llm_engine, "engine_core", None)
     try:
         if last_engine:
-            if client is not None:
+            # the core itself: the client's shutdown() runs only while its finalizer is
+            # attached, and detach_vllm_finalizer detached it (nothing was shut down:
+            # start-up memory stayed gc-frozen, the KV-event publisher kept its socket)
+            core = getattr(client, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            elif client is not None:
                 client.shutdown()
             return
         core = getattr(client, "engine_core", None)
