@@ -321,12 +321,18 @@ class SpliceScheduler:
         st = self._state(req_id, prompt_tokens, salt, kv_transfer_params)
         bs = self.block_size
         last = cacheable_blocks(len(prompt_tokens), bs)
-        if st.chain is None and num_computed_tokens // bs < last:
-            st.chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
+        hit_blocks = num_computed_tokens // bs
+        if st.chain is None and (hit_blocks < last or (self._tainted and hit_blocks)):
+            # (a hit of every cacheable block too, when anything is tainted: such a request
+            # still computes and saves a whole last block, whose length is a block multiple)
+            st.chain = chain_refs(prompt_tokens[: max(last, hit_blocks) * bs], bs, salt=salt)
         if self._tainted and st.chain is not None and not st.no_save and not is_derived_salt(salt):
-            hit = min(num_computed_tokens // bs, len(st.chain))
-            if any(ref.key in self._tainted for ref in st.chain[:hit]):
+            hit = min(hit_blocks, len(st.chain))
+            tainted = [ref.key for ref in st.chain[:hit] if ref.key in self._tainted]
+            if tainted:
                 st.no_save = True  # its local hit holds approximate KV: so is all it computes
+                for key in tainted:  # still in vLLM's cache: the last to leave the bound
+                    self._tainted.move_to_end(key)
         lp = plan_load(
             self.store,
             prompt_tokens,

@@ -171,6 +171,12 @@ def test_a_later_request_over_relocated_blocks_of_the_tenant_saves_nothing(store
     assert meta.loads[0].approximate() == 3 and meta.saves == []
     later = new + toks(2 * BS, 30000)  # the prefix cache serves new's 6 full blocks
     assert run(sched, "plain", later, 6 * BS).saves == []
+    # a hit of every cacheable block (a prompt of whole blocks): its last block is still
+    # computed, and was saved under its exact key (the taint check needs the chain)
+    whole = later[: 7 * BS]
+    assert run(sched, "retry", whole, 6 * BS).saves == []
+    assert [r.key for s in run(SpliceScheduler(store, BS), "clean", whole, 6 * BS).saves for r in s.refs] == [
+        chain_refs(whole, BS, salt=SALT)[6].key]  # untainted: saved
     other = P + toks(6 * BS, 40000)  # a hit of P alone (exact blocks): saved as before
     assert [r.key for s in run(sched, "exact", other, 2 * BS).saves for r in s.refs] == [
         r.key for r in chain_refs(other, BS, salt=SALT)[2:8]]
