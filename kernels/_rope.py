@@ -266,6 +266,11 @@ class RopeConfig:
             head_size = int(hidden) // int(heads)
         head_size = int(head_size)
 
+        pos = d.get("position_embedding_type")
+        if pos is not None and str(pos).lower() not in ("rope", "rotary"):
+            # Granite-4.0-H's "nope": vLLM builds no rotary embedding, so keys carry no position
+            raise ConfigError(f"position_embedding_type {pos!r}: the keys carry no RoPE, so relocation "
+                              "does not apply (only 'rope' is rotated)")
         if d.get("dual_chunk_attention_config"):
             raise ConfigError("dual-chunk attention RoPE is not supported for relocation")
         nope = d.get("no_rope_layers")
@@ -284,6 +289,8 @@ class RopeConfig:
                     "model config has per-layer-type RoPE (rope_local_base_freq for the sliding "
                     "layers): pass layer_type ('sliding_attention' or 'full_attention')"
                 )
+            if layer_type not in ("sliding_attention", "full_attention"):
+                raise ConfigError(f"layer_type {layer_type!r}: pass 'sliding_attention' or 'full_attention'")
             if layer_type == "sliding_attention":
                 d = {**d, "rope_theta": float(local_theta), "rope_scaling": None, "rope_parameters": None}
 
@@ -410,8 +417,19 @@ def _is_nested(params: Mapping[str, Any]) -> bool:
 def _rope_params(d: Mapping[str, Any], layer_type: str | None) -> dict[str, Any]:
     """The effective rope parameter dict (rope_parameters, else rope_scaling)."""
     params = d.get("rope_parameters")
-    if params is None:
-        params = d.get("rope_scaling")
+    scaling = d.get("rope_scaling")
+    if params and scaling and not _is_nested(dict(params)):
+        # transformers (and so vLLM) takes rope_scaling over rope_parameters (a YaRN
+        # rope_scaling added to a transformers-5 config.json was dropped here)
+        kind = lambda p: p.get("rope_type", p.get("type", "default")) or "default"  # noqa: E731
+        clash = [k for k, v in dict(scaling).items() if k != "type" and dict(params).get(k, v) != v]
+        if kind(dict(params)) != kind(dict(scaling)) or clash:
+            raise ConfigError(
+                f"model config has both rope_parameters {dict(params)!r} and rope_scaling {dict(scaling)!r}, "
+                "which disagree (transformers reads rope_scaling): remove the one the model does not use"
+            )
+    if not params:
+        params = scaling
     params = dict(params or {})
     if _is_nested(params):
         if layer_type is None:

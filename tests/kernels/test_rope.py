@@ -274,3 +274,32 @@ def test_an_infinite_head_dim_is_a_config_error():
     """int(inf) raised a raw OverflowError."""
     with pytest.raises(ConfigError, match="malformed RoPE fields .* OverflowError"):
         RopeConfig.from_hf_config({"head_dim": float("inf"), "rope_theta": 1e4})
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_or_refused_never_dropped():
+    """transformers (so vLLM) takes rope_scaling over rope_parameters: Qwen's YaRN recipe
+    adds rope_scaling to a config.json that transformers 5 saved with rope_parameters,
+    and the YaRN was dropped here (relocated keys 98% off vLLM's)."""
+    base = {"model_type": "qwen2", "hidden_size": 1024, "num_attention_heads": 16}
+    v5 = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(ConfigError, match="both rope_parameters .* and rope_scaling .* which disagree"):
+        RopeConfig.from_hf_config({**v5, "rope_scaling": yarn})
+    with pytest.raises(ConfigError, match="yarn"):  # an empty rope_parameters: the scaling is read
+        RopeConfig.from_hf_config({**base, "rope_parameters": {}, "rope_scaling": yarn})
+    # the two forms of one configuration agree: read once
+    llama = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+    both = dict(LLAMA31, rope_parameters=dict(llama, rope_theta=500000.0))
+    assert RopeConfig.from_hf_config(both) == RopeConfig.from_hf_config(LLAMA31)
+
+
+def test_a_layer_type_and_a_position_embedding_that_are_not_rope_are_refused():
+    gemma3 = {"model_type": "gemma3_text", "head_dim": 256, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    with pytest.raises(ConfigError, match="layer_type 'sliding': pass 'sliding_attention' or 'full_attention'"):
+        RopeConfig.from_hf_config(gemma3, layer_type="sliding")  # was read as a full layer
+    granite = {"model_type": "granitemoehybrid", "hidden_size": 1536, "num_attention_heads": 12,
+               "position_embedding_type": "nope"}
+    with pytest.raises(ConfigError, match="position_embedding_type 'nope'"):
+        RopeConfig.from_hf_config(granite, is_neox_style=True)
