@@ -496,7 +496,10 @@ class EmbeddedEngine:
                         if not engine.has_unfinished_requests():
                             raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
                         try:
-                            outputs = engine.step()
+                            # this engine's connector for each step: a stream of another engine,
+                            # advanced in this thread while this one was paused, installed its own
+                            with _vllm.agent_installed(self._handle.kv):
+                                outputs = engine.step()
                         except Exception as exc:
                             stepped = False  # handled there: the cache is emptied (or the engine died)
                             raise self._step_failed(engine, rid, exc) from exc
@@ -518,7 +521,8 @@ class EmbeddedEngine:
                 finally:
                     self._open_request = None
                     if final is None and not self._closed_by_user:  # an error, or the stream closed early
-                        _vllm.abort_all(engine)
+                        with _vllm.agent_installed(self._handle.kv):
+                            _vllm.abort_all(engine)
                         if stepped:
                             self._forget_cut_request()
             total = time.perf_counter() - t0

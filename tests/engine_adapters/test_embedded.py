@@ -579,6 +579,41 @@ def test_a_second_stream_while_one_is_open_in_the_thread_is_refused(engine):
     assert engine.generate(b, max_tokens=2).token_ids  # and the engine serves the next one
 
 
+def test_streams_of_two_engines_interleaved_in_one_thread_each_step_with_their_own_connector(engine, kv_engine):
+    """``zip(e1.stream(a), e2.stream(b))``: the second stream installed its engine's
+    connector in vLLM's process-wide slot while the first was paused, and the first's
+    next steps ran with it (an engine without a connector fails on another's; one with a
+    connector that sees none skips the loads its scheduler counted)."""
+    from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+    seen = {"plain": set(), "kv": set()}
+    originals = {}
+    for name, eng in (("plain", engine), ("kv", kv_engine)):
+        core = eng.llm.llm_engine.engine_core.engine_core
+        step = originals[name] = core.step_fn
+
+        def spy(*a, _step=step, _name=name, **k):
+            seen[_name].add(id(state._KV_CONNECTOR_AGENT))
+            return _step(*a, **k)
+
+        core.step_fn = spy
+    try:
+        a, b = list(range(500, 560)), list(range(600, 660))
+        want_a = engine.generate(a, max_tokens=5, cache_salt="interleave-a").token_ids
+        want_b = kv_engine.generate(b, max_tokens=5, cache_salt="interleave-b").token_ids
+        seen = {"plain": set(), "kv": set()}
+        got_a, got_b = [], []
+        for da, db in zip(engine.stream(a, max_tokens=5, cache_salt="interleave-a2"),
+                          kv_engine.stream(b, max_tokens=5, cache_salt="interleave-b2")):
+            got_a += da.token_ids
+            got_b += db.token_ids
+        assert (got_a, got_b) == (want_a, want_b)
+        assert seen["plain"] == {id(None)} and seen["kv"] == {id(kv_engine._handle.kv.agent)} != {id(None)}
+    finally:
+        for name, eng in (("plain", engine), ("kv", kv_engine)):
+            eng.llm.llm_engine.engine_core.engine_core.step_fn = originals[name]
+
+
 @pytest.mark.reliability
 @pytest.mark.timeout(120)
 def test_a_stream_advanced_in_another_thread_releases_the_engine(engine):
