@@ -322,6 +322,12 @@ def test_one_server_under_two_spellings_is_refused_and_removed_by_either():
     assert router.endpoints == ["http://gpu-a:8000"]
     assert {router.owner(k) for k in _keys(50)} == {"http://gpu-a:8000"}
     assert PrefixRouter(["a", "A"]).endpoints == ["a", "A"]  # names that are not URLs: as given
+    # two spellings of one server place it at the same points: a router (or a process)
+    # that spells it otherwise routes every key alike (a third of them moved)
+    one = PrefixRouter(["http://gpu-a:8000/", "http://gpu-b:8000"])
+    other = PrefixRouter(["HTTP://gpu-a:8000", "http://gpu-b:8000/"])
+    same = {"http://gpu-a:8000/": "a", "HTTP://gpu-a:8000": "a", "http://gpu-b:8000": "b", "http://gpu-b:8000/": "b"}
+    assert [same[one.owner(k)] for k in _keys(300)] == [same[other.owner(k)] for k in _keys(300)]
 
 
 def test_an_added_endpoint_gives_the_ring_of_a_router_built_with_it():
