@@ -100,6 +100,11 @@ _OWNED_KWARGS = {
     "max_num_seqs": "max_num_seqs",
     "enable_prefix_caching": "enable_prefix_caching",
     "disable_log_stats": "(always False: the adapter reads vLLM's prefix-cache counters)",
+    # the engine's tokenizer is the model folder's: another one in vLLM tokenized and
+    # detokenized otherwise than engine.tokenizer, unchecked
+    "tokenizer": "model (its folder's tokenizer is the engine's)",
+    "tokenizer_revision": "model (its folder's tokenizer is the engine's)",
+    "tokenizer_mode": "model (its folder's tokenizer is the engine's)",
 }
 
 

@@ -47,6 +47,7 @@ def start_llm(config: EngineConfig) -> Handle:
     when vLLM cannot start (a KV cache too small names ``kv_cache_bytes``)."""
     global _live_engines
     vllm = _vllm.import_vllm()
+    _vllm.check_in_process(config.platform)
     kwargs = config.llm_kwargs(config.model)  # type: ignore[arg-type]
     kv = _vllm.AgentBox()
     # Counted live while it starts: an engine closed meanwhile is then not the last, and

@@ -82,6 +82,24 @@ def vllm_log_level() -> str:
 _set_level_here = False  # VLLM_LOGGING_LEVEL came from _prepare_env, not the user
 
 
+def check_in_process(platform: str | None = None) -> None:
+    """The embedded engine runs vLLM's engine core in this process: a user's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` put it in a child, where the connector, its
+    store and the shutdown of :func:`shutdown_llm` cannot reach it (silently).  On CPU,
+    vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` replaces the KV cache size the config
+    sets (the engine ran with another size than ``kv_cache_bytes`` said)."""
+    from promptsplice.errors import ConfigError
+
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if platform == "cpu" and space != "":
+        raise ConfigError(f"VLLM_CPU_KVCACHE_SPACE={space!r} replaces EngineConfig.kv_cache_bytes on CPU "
+                          "(vLLM's legacy setting): unset it for EmbeddedEngine and set kv_cache_bytes")
+    value = os.environ.get(_MULTIPROC_ENV, "0")
+    if value.strip() not in ("0", "false", "False", ""):
+        raise ConfigError(f"{_MULTIPROC_ENV}={value!r}: the embedded engine runs vLLM in this process; "
+                          f"unset it (or set it to 0) for EmbeddedEngine (vllm serve runs its own processes)")
+
+
 def _prepare_env() -> None:
     # Must happen before vLLM reads its environment; the user's choice wins.
     global _set_level_here

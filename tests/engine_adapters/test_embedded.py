@@ -126,6 +126,8 @@ def test_config_gpu_defaults_without_a_gpu():
         ({"enforce_eager": "yes"}, "enforce_eager"),
         ({"extra_kwargs": {"block_size": 32}}, "field block_size"),
         ({"extra_kwargs": {"kv_cache_memory_bytes": 1}}, "field kv_cache_bytes"),
+        # another tokenizer in vLLM than engine.tokenizer (the model folder's): unchecked
+        ({"extra_kwargs": {"tokenizer": "gpt2"}}, "'tokenizer', which EngineConfig owns"),
         ({"model": "/no/such/model/folder"}, "does not exist"),
         # vLLM's set_random_seed refuses these at engine start (an EngineStartError)
         ({"seed": -1}, r"seed must be an int in \[0, 2\*\*32\)"),
@@ -135,6 +137,22 @@ def test_config_gpu_defaults_without_a_gpu():
 def test_config_refuses_bad_options(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_an_embedded_engine_under_vllms_multiprocessing_is_refused(monkeypatch):
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the user's) ran vLLM's core in a child: the
+    connector and its store were out of reach (0 relocated, silently) and close() leaked
+    the process."""
+    from promptsplice.engine_adapters import EmbeddedEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(ConfigError, match="VLLM_ENABLE_V1_MULTIPROCESSING='1'.*unset it"):
+        EmbeddedEngine()
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    # vLLM's legacy KV size on CPU replaced kv_cache_bytes (the README's vllm serve recipe sets it)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    with pytest.raises(ConfigError, match="VLLM_CPU_KVCACHE_SPACE='4' replaces EngineConfig.kv_cache_bytes"):
+        EmbeddedEngine(platform="cpu")
 
 
 def test_engine_refuses_bad_options_before_starting():
