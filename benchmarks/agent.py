@@ -598,7 +598,8 @@ def run_agent_bench(
 ) -> int:
     """The CLI's job: read the trace, run the modes, write the JSON, print a table.
 
-    The JSON is written in every case.  Then a mode below the ideal raises
+    The JSON is written in every case (a run that raised writes ``{"trace", "error":
+    {"type", "message"}}`` and the error goes on to the caller).  Then a mode below the ideal raises
     ``BOUND_EXIT`` (4, printed), and coverage below ``MIN_COVERAGE`` returns
     ``COVERAGE_EXIT`` (3) unless ``allow_skips``."""
 
@@ -609,19 +610,24 @@ def run_agent_bench(
               "scope": scope, "log": print if verbose else None}
     # the stores' disk tiers keep their records on close (a restart reloads them): the
     # bench's own folder goes with the run
-    with tempfile.TemporaryDirectory(prefix="promptsplice-agent-store-", ignore_cleanup_errors=True) as store_dir:
-        if sequential:
-            report = run_agent_modes(data, start_engine=lambda m: start_mode_engine(m, store_dir=store_dir), **common)
-        else:
-            engines = start_engines(store_dir=store_dir)
-            try:
-                report = run_agent_modes(data, engines=engines, **common)
-            finally:
-                for eng in engines.values():
-                    eng.close()
-    report["trace"] = str(trace)
     out = Path(json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="promptsplice-agent-store-", ignore_cleanup_errors=True) as store_dir:
+            if sequential:
+                report = run_agent_modes(data, start_engine=lambda m: start_mode_engine(m, store_dir=store_dir), **common)
+            else:
+                engines = start_engines(store_dir=store_dir)
+                try:
+                    report = run_agent_modes(data, engines=engines, **common)
+                finally:
+                    for eng in engines.values():
+                        eng.close()
+    except Exception as exc:  # a probe that failed its check, an engine error: the JSON says so too
+        failed = {"trace": str(trace), "error": {"type": type(exc).__name__, "message": str(exc)}}
+        out.write_text(json.dumps(failed, indent=2) + "\n")
+        raise
+    report["trace"] = str(trace)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(format_agent(report))
     print(f"wrote {out}")

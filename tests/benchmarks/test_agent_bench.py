@@ -225,6 +225,22 @@ def test_a_trace_without_edit_steps_reports_no_edit_ttft_not_0_ms():
     assert _fmt_ms(None, 11).strip() == "n/a" and _fmt_ms(12.4, 7) == "     12ms"  # the table's cells
 
 
+def test_a_run_that_raises_still_writes_its_json(tmp_path, monkeypatch):
+    """The JSON was promised "in every case", but a probe that failed its check (or an
+    engine error) late in a run left none: the error is in the report now, and raised."""
+    import promptsplice.benchmarks.agent as bench
+
+    def boom(**kw):
+        raise ConfigError("no engine for this test")
+
+    monkeypatch.setattr(bench, "start_engines", boom)
+    out = tmp_path / "deep" / "r.json"
+    with pytest.raises(ConfigError, match="no engine for this test"):
+        bench.run_agent_bench(SAMPLE, out, fidelity_steps=0, verbose=False)
+    assert json.loads(out.read_text()) == {"trace": SAMPLE, "error": {"type": "ConfigError",
+                                                                    "message": "no engine for this test"}}
+
+
 def test_apc_and_splice_on_one_shared_store_are_refused():
     """Engines of one process on equal StoreConfigs share one block store: splice then
     loaded what apc saved (the engine objects differed, so the check passed)."""
