@@ -521,6 +521,10 @@ class EmbeddedEngine:
                 finally:
                     self._open_request = None
                     if final is None and not self._closed_by_user:  # an error, or the stream closed early
+                        # closed perhaps in another thread than the one it last ran in (the
+                        # lines after the yield did not run): that thread holds both now
+                        self._lock.adopt()
+                        _vllm.adopt_agent_lock()
                         with _vllm.agent_installed(self._handle.kv):
                             _vllm.abort_all(engine)
                         if stepped:
