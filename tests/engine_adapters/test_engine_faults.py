@@ -90,19 +90,24 @@ def test_an_interrupted_prefill_never_leaves_unwritten_blocks_in_the_cache(fresh
     assert again.token_ids == ref.token_ids
 
 
-def test_an_interrupted_prefill_whose_cache_cannot_be_emptied_shuts_the_engine_down(fresh_engine, monkeypatch):
+def test_an_interrupted_prefill_whose_cache_cannot_be_emptied_shuts_the_engine_down(monkeypatch):
     """The engine was marked dead but the next request still ran, on the blocks the
-    interrupted step filed unwritten: it is shut down now, and says why."""
+    interrupted step filed unwritten: it is shut down now, and says why.  (An engine of
+    its own: the session's must survive.)"""
     from promptsplice.errors import EngineDeadError
+    from tests.conftest import start_default_engine
 
-    eng = fresh_engine
-    monkeypatch.setattr(eng.llm, "reset_prefix_cache", lambda *a, **k: False)
-    with layer_fault(eng, raises=KeyboardInterrupt):
-        with pytest.raises(KeyboardInterrupt):
+    eng = start_default_engine(kv_cache_bytes=64 << 20, max_model_len=1024)
+    try:
+        monkeypatch.setattr(eng.llm, "reset_prefix_cache", lambda *a, **k: False)
+        with layer_fault(eng, raises=KeyboardInterrupt):
+            with pytest.raises(KeyboardInterrupt):
+                eng.generate(_prompt(22), max_tokens=4)
+        assert eng.closed and len(eng.mirror) == 0
+        with pytest.raises(EngineDeadError, match="prefix cache could not be emptied"):
             eng.generate(_prompt(22), max_tokens=4)
-    assert eng.closed and len(eng.mirror) == 0
-    with pytest.raises(EngineDeadError, match="prefix cache could not be emptied"):
-        eng.generate(_prompt(22), max_tokens=4)
+    finally:
+        eng.close()
 
 
 @pytest.mark.reliability
