@@ -87,7 +87,7 @@ from promptsplice._validate import (
     check_salt,
     check_text,
     check_token_ids,
-    is_utf8,
+    encodable,
 )
 from promptsplice.engine_adapters._served_engine import ServedEngineSurface
 from promptsplice.engine_adapters._wire import (
@@ -289,7 +289,7 @@ class RemoteEngine(ServedEngineSurface):
         check_int(max_retries, "max_retries", minimum=0)
         check_number(backoff, "backoff")
         check_text(model, "model", optional=True, error=ConfigError)
-        if model is not None and not is_utf8(model):
+        if model is not None and not encodable(model):
             raise ConfigError(f"model {model!r} holds a lone surrogate, which has no UTF-8 encoding; "
                               "pass the name as the server's /v1/models lists it")
         if model is not None and not model.strip():

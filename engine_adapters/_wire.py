@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from promptsplice._validate import is_utf8
+from promptsplice._validate import encodable
 from promptsplice.engine_adapters.connector._served import SpliceAck
 from promptsplice.errors import ContextLengthError, EngineRequestError, EngineResponseError, InputError
 
@@ -759,7 +759,7 @@ def model_from_list(response: httpx.Response, url: str) -> str:
             f"{url} lists no model; pass RemoteEngine(model=...): {snippet(response.content)!r}"
         )
     model = models[0]["id"]
-    if not isinstance(model, str) or not model or not is_utf8(model):  # sent back in every request body
+    if not isinstance(model, str) or not model or not encodable(model):  # sent back in every request body
         raise EngineResponseError(f"{url} lists a model id that is not a name ({snippet(repr(model))!r}); "
                                   "pass RemoteEngine(model=...)")
     return model

@@ -133,18 +133,10 @@ def check_stop(stop: Any) -> list[str] | None:
     if stops is None or not all(isinstance(s, str) and s for s in stops):
         raise ConfigError(f"stop must be a non-empty str or a list of non-empty str, got {stop!r}")
     for s in stops:  # sent as JSON in UTF-8 (a raw UnicodeEncodeError from httpx)
-        if not is_utf8(s):
+        if not encodable(s):
             raise ConfigError(f"stop {s!r} holds a lone surrogate, which has no UTF-8 encoding; pass valid Unicode")
     return stops
 
-
-def is_utf8(text: str) -> bool:
-    """Whether ``text`` has a UTF-8 encoding (no lone surrogate)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def check_enum(value: Any, enum_cls: type[_E], what: str, *, error: type[ConfigError] = ConfigError) -> _E:
