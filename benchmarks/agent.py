@@ -280,6 +280,14 @@ def _check_capacity(shapes: dict[str, Any], has_store: bool) -> None:
         )
 
 
+def _check_block_size(full: int, mode: str, other: int) -> None:
+    """``full``'s block size must be every mode's: the one hook pads renders, and the
+    ideal counts blocks, in it."""
+    if other != full:
+        raise ConfigError(f"engines: full's block size {full} differs from {mode}'s {other}; "
+                          "start every mode with one block size")
+
+
 def _replay(sessions, runners, tokenizer, block_size, max_tokens, on_step=None, log=None) -> list[Any]:
     """Every step of ``sessions`` through one hook and ``runners`` (mode -> runner), in
     order: ``(kind, edit, prepared, {mode: AgentStep})`` or ``None`` for a skipped step
@@ -367,10 +375,7 @@ def run_agent_modes(
                               "equal StoreConfigs do); make the two StoreConfigs differ (each its own disk_dir)")
         _check_capacity({m: _store_shape(engines[m]) for m in ("apc", "splice")},
                         engines["apc"].config.kv_store is not None)
-        if engines["full"].block_size != engines["apc"].block_size:
-            # the one hook pads renders, and the ideal counts blocks, in full's block size
-            raise ConfigError(f"engines: full's block size {engines['full'].block_size} differs from apc's and "
-                              f"splice's {engines['apc'].block_size}; start every mode with one block size")
+        _check_block_size(engines["full"].block_size, "apc", engines["apc"].block_size)  # (= splice's)
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     # Salts of this run only: an engine that served an earlier run (a library caller's,
     # a test's) keeps its blocks, which a fixed salt let this run hit (found by the
@@ -410,9 +415,8 @@ def run_agent_modes(
         for m in MODES:
             eng = start_engine(m)
             try:
-                if m != "full" and eng.block_size != block_size:  # full ran first, in its block size
-                    raise ConfigError(f"engines: full's block size {block_size} differs from {m}'s "
-                                      f"{eng.block_size}; start every mode with one block size")
+                if m != "full":  # full ran first, in its block size
+                    _check_block_size(block_size, m, eng.block_size)
                 if m in ("apc", "splice"):
                     shapes[m] = _store_shape(eng)
                     has_store = has_store and eng.config.kv_store is not None

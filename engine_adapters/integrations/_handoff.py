@@ -61,38 +61,20 @@ class _Handoff:
             )
         return next(iter(salts), None)
 
-    def take(self, session_id: str, render: Render, *, salted: bool = True) -> PreparedContext | None:
+    def take(self, session_id: str, render: Render) -> PreparedContext | None:
         """The session's prepared context when its salt and tokens are ``render``'s (the
-        model's own render of what it received, under the salt its request goes out with).
-        An entry of another salt is another tenant's: left where it is, ``None``.
-
-        ``salted=False``: the model has no salt of its own, so its request goes out under
-        the salt of the entry it takes (its hook's tenant, never unsalted): the one entry
-        of the session under any salt.  Entries of the session under two or more salts are
-        an :class:`InvalidSaltError` (two tenants' hooks in front of one unsalted model:
-        which tenant this call is cannot be told).
+        model's own render of what it received, under the salt its request goes out with:
+        for a model without a salt of its own, the one :meth:`salt_of` names).  An entry
+        of another salt is another tenant's: left where it is, ``None``.
 
         A token mismatch is logged and the model renders anew; a hook rendering other
         blocks than the engine caches is named with its fix (the entry may come from a
         hook in front of another model, so it is no error)."""
+        key = (session_id, render.salt)
         with self._lock:
-            if salted:
-                key = (session_id, render.salt)
-            else:
-                keys = [k for k in self._items if k[0] == session_id]
-                if len(keys) > 1:
-                    raise InvalidSaltError(
-                        f"hooks of {len(keys)} salts prepared session {session_id!r} for a model "
-                        "with no cache_salt: which tenant's call this is cannot be told; give the "
-                        "model (or the call) cache_salt=<the tenant's salt>"
-                    )
-                if not keys:
-                    return None
-                key = keys[0]
-            p = self._items.get(key)
+            p = self._items.pop(key, None)
             if p is None:
                 return None
-            del self._items[key]
         if p.render.block_size != render.block_size:  # never matches: say why, and how to fix it
             logger.warning(
                 "the hook prepared session %r in blocks of %d tokens, the model's engine caches blocks of "

@@ -452,7 +452,7 @@ class PromptspliceChatModel(BaseChatModel):
             sid = session if session is not None else f"ephemeral-{uuid.uuid4().hex}"
             hook_salt = salt if salt is not None else self.hook.salt  # what the hook renders under
             pending = (
-                handoff.take(sid, renderer.render(dicts, tools or None, salt=hook_salt), salted=hook_salt is not None)
+                handoff.take(sid, renderer.render(dicts, tools or None, salt=hook_salt))
                 if session else None
             )
             if pending is not None:

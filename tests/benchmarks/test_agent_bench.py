@@ -213,7 +213,7 @@ def test_a_full_engine_of_another_block_size_is_refused():
                                      kv_store=object())
 
     engines = {"full": eng(16), "apc": eng(32), "splice": eng(32)}
-    with pytest.raises(ConfigError, match="full's block size 16 differs from apc's and splice's 32"):
+    with pytest.raises(ConfigError, match="full's block size 16 differs from apc's 32"):
         run_agent_modes([read_agent_trace(SAMPLE)[0]], engines=engines)
 
 
