@@ -475,21 +475,18 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     )
     fid, ctl = Fidelity(), Fidelity()
     steps = []
-    n = len(requests)
     eligible = probe_calls = 0
     for i, req in enumerate(requests):
         st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=max_tokens)
         steps.append(st)
         if progress:
             progress(PIC_MODE, 1)
-        # Requests whose plan relocates, spread over the trace: probe while behind the
-        # pro-rata quota (a stretch without relocation is caught up after it), or when
-        # the requests left are no more than the probes still owed.
+        # The first requests whose plan relocates, while probes are owed: a probe must
+        # run right after its request, and a schedule spread over the trace lost the
+        # probes it deferred whenever relocation stopped early (the guard learning it
+        # does not pay, a store that evicts), failing a correct run on coverage.
         eligible += bool(st.planned_relocated_tokens)
-        owed = fidelity_requests - len(fid.tf)
-        if st.planned_relocated_tokens and owed > 0 and (
-            len(fid.tf) < fidelity_requests * (i + 1) / n + 0.5 or n - i <= owed
-        ):
+        if st.planned_relocated_tokens and len(fid.tf) < fidelity_requests:
             probe_calls += 1
             probe_relocated_request(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"{PIC_MODE} request {i}",
                                     signals=_probe_signals(i, st))

@@ -396,9 +396,10 @@ def test_the_rag_capacity_guard_compares_every_setting_of_the_cache_and_the_stor
     assert _check_capacity(plain, _fake_engine(store=store()), shape) == shape
 
 
-def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
-    """Fidelity probes run on the PIC engine between its requests (traffic the store
-    control never gets): ``pic.probe_traffic`` says so (no engine: a fake runner)."""
+def _fake_pic(monkeypatch, relocates=lambda i: True):
+    """``rag._run_pic`` on a fake runner (no engine) whose request ``i`` relocates when
+    ``relocates(i)``; returns ``run(requests, fidelity_requests) -> report`` and the list
+    of probed request names."""
     import types
 
     import promptsplice.benchmarks.rag as rag
@@ -411,7 +412,7 @@ def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
         max_deviation = 0.22
 
         def __init__(self, *a, **kw):
-            pass
+            self.i = -1
 
         def recompute_at_for(self, fidelity=None):
             return "chunk"
@@ -420,7 +421,9 @@ def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
             return GuardRates()
 
         def run(self, chunks, **kw):
-            return types.SimpleNamespace(planned_relocated_tokens=64, relocated_tokens=64, prompt_tokens=300,
+            self.i += 1
+            moved = 64 if relocates(self.i) else 0
+            return types.SimpleNamespace(planned_relocated_tokens=moved, relocated_tokens=moved, prompt_tokens=300,
                                          prefill_tokens=100, precomputed_tokens=0, requests=2, fallback=None,
                                          ttft_s=0.01, wall_s=0.02, completion=None, relocated_chunks=1,
                                          recomputed_tokens=32, extra_recompute_blocks=0, deviations=(0.1,))
@@ -436,10 +439,37 @@ def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
     monkeypatch.setattr(rag, "probe_relocated_request", probe)
     kv = types.SimpleNamespace(reset_prefix_cache=lambda: None, num_blocks=182,
                                kv_store=types.SimpleNamespace(config=types.SimpleNamespace(dram_bytes=1 << 30)))
-    reqs = [RagRequest(f"r{i}", "sys", [RagChunk("c", "text")], "q") for i in range(4)]
-    for k, traffic in ((2, True), (0, False)):
+
+    def run(n: int, k: int) -> dict:
+        reqs = [RagRequest(f"r{i}", "sys", [RagChunk("c", "text")], "q") for i in range(n)]
         report = {"modes": {"naive": {"prefill_tokens": 1000}}, "oracle_prefill_tokens": 100}
         rag._run_pic(report, {}, None, kv, reqs, policy="cache_aware", max_tokens=1, progress=None,
                      prompt_format=None, recompute_blocks=1, fidelity_requests=k)
+        return report
+
+    return run, probed
+
+
+def test_the_pic_section_says_whether_probes_ran_on_its_engine(monkeypatch):
+    """Fidelity probes run on the PIC engine between its requests (traffic the store
+    control never gets): ``pic.probe_traffic`` says so (no engine: a fake runner)."""
+    run, probed = _fake_pic(monkeypatch)
+    for k, traffic in ((2, True), (0, False)):
+        report = run(4, k)
         assert report["pic"]["probe_traffic"] is traffic and report["fidelity"]["steps"] == k
     assert len(probed) == 2
+
+
+def test_probes_owed_are_made_when_relocation_stops_early(monkeypatch):
+    """Probes were spread pro rata over the trace: when relocation stopped after 40 of
+    100 requests (the guard learning it does not pay, a store that evicts), the deferred
+    ones were never made, and a correct run exited 3 on 14 of 32 probes.  The first
+    relocating requests are now probed while probes are owed."""
+    from promptsplice.benchmarks.rag import bench_status
+
+    run, probed = _fake_pic(monkeypatch, relocates=lambda i: 3 <= i < 40)
+    report = run(100, 32)
+    fid = report["fidelity"]
+    assert (fid["steps"], fid["eligible"], fid["probe_coverage"]) == (32, 37, 1.0)
+    assert probed == [f"promptsplice_pic request {i}" for i in range(3, 35)]
+    assert bench_status({"steps_run": 100, "steps_total": 100, "fidelity": fid, "bounds": {"checks": {}}}) == 0
