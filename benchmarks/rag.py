@@ -425,8 +425,18 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
     completions = []
     predicted = 0
     t0 = time.perf_counter()
+    too_long = 0
     for req in requests:
-        prompt = asm.assemble(_chunks(req), query=req.query, system=req.system or None, salt=salt)
+        what = dict(query=req.query, system=req.system or None, salt=salt)
+        try:
+            prompt = asm.assemble(_chunks(req), **what)
+        except ContextLengthError:
+            if alignment in (None, "auto"):
+                raise
+            # whole-block chunks do not fit where the exact layout does (``_fitting`` kept
+            # the request): PIC's fallback too (``StepFallback.TOO_LONG``)
+            prompt = asm.assemble(_chunks(req), alignment="auto", **what)
+            too_long += 1
         comp = kv.generate(prompt, max_tokens=max_tokens)
         predicted += prompt.predicted_cached_tokens
         completions.append(comp)
@@ -437,6 +447,7 @@ def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, pro
     delta = kv.counters().since(before)
     store = kv.kv_store
     report["store"] = {
+        "too_long_requests": too_long,
         "predicted_cached_tokens": predicted,
         "measured_cached_tokens": report["modes"][STORE_MODE]["cached_tokens"],
         "external_cached_tokens": delta.external_hits,

@@ -247,7 +247,8 @@ def test_a_request_that_fits_only_without_whole_block_chunks_runs_in_every_mode(
     """A request that fit the ``auto`` layout but not PIC's whole-block one (a block of
     padding per chunk) failed the whole bench in its last mode; then it was skipped in
     every mode, and a trace of many short chunks exited 3 for requests that fit.  PIC
-    now sends it exact in the ``auto`` layout (``too_long_requests``), like the others."""
+    now sends it exact in the ``auto`` layout (``too_long_requests``), like the others,
+    and so does the store control in PIC's whole-block exact layout."""
     from promptsplice.assembler import PromptFormat
     from promptsplice.benchmarks.rag import FIT_MARGIN, PIC_MODE, _chunks, _fitting, bench_status
     from promptsplice.benchmarks.traces import RagChunk, RagRequest
@@ -277,6 +278,12 @@ def test_a_request_that_fits_only_without_whole_block_chunks_runs_in_every_mode(
     assert report["pic"]["too_long_requests"] == 1 and report["pic"]["relocated_tokens"] == 0
     assert report["modes"][PIC_MODE]["prompt_tokens"] < limit
     assert bench_status(report) == 0
+    # the store control in PIC's exact layout (``--pic-exact-alignment all``, the suite's
+    # commands) raised ContextLengthError on it after two modes had run: now sent in auto
+    report, _ = run_modes(small_plain, [req], kv_engine=kv_engine, max_tokens=1, fidelity_requests=0,
+                          pic_exact_alignment="all")
+    assert report["store"]["too_long_requests"] == 1 and report["pic"]["too_long_requests"] == 1
+    assert report["modes"]["promptsplice_store"]["prompt_tokens"] < limit and bench_status(report) == 0
 
 
 def test_the_pic_sweep_gives_each_configuration_its_own_store_engine(monkeypatch, tmp_path, capsys, engine, kv_engine):
