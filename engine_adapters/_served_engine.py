@@ -369,6 +369,11 @@ class ServedEngineSurface:
         stop: str | Sequence[str] | None, splice: SplicePlan | None, logprobs: int | None, stream: bool,
     ) -> Request:
         check_logprobs(logprobs)
+        if isinstance(splice, SplicePlan) and splice.block_size != self.block_size:
+            # the connector would drop it (the embedded engine refuses it): say so first
+            raise ConfigError(
+                f"the splice plan was made for block_size {splice.block_size}, the engine's is {self.block_size}"
+            )
         req = self._completion_request(  # type: ignore[attr-defined]
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             prompt_cache_key=None, stream=stream, splice=splice,
@@ -438,6 +443,9 @@ class ServedEngineSurface:
     ) -> tuple[Completion, RemoteCompletion]:
         req = self._served_request(prompt, max_tokens, temperature, cache_salt, stop, splice, logprobs, False)
         rc = self._run(self._completion(req))  # type: ignore[attr-defined]
+        if rc.splice is not None and rc.splice.reason:
+            # the server's connector logged it in the server's log: the caller's log says it too
+            _log.warning("served splice plan ran as plain prefill: %s", rc.splice.reason)
         return self._completion_record(rc, req), rc
 
     def generate(
@@ -445,7 +453,9 @@ class ServedEngineSurface:
         stop: str | Sequence[str] | None = None, splice: SplicePlan | None = None, logprobs: int | None = None,
     ) -> Completion:
         """:meth:`EmbeddedEngine.generate <promptsplice.engine_adapters.EmbeddedEngine.generate>`
-        over the server (module doc); a plan the connector dropped runs as plain prefill."""
+        over the server (module doc): a plan of another block size than the server's is a
+        :class:`ConfigError` (as embedded); one the connector dropped (other tokens, another
+        tenant's source) runs as plain prefill, logged with the connector's reason."""
         return self._generate_served(
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             stop=stop, splice=splice, logprobs=logprobs,
@@ -558,8 +568,6 @@ class ServedEngineSurface:
             out, rc = self._generate_served(prompt, cache_salt=cache_salt, splice=plan, **kwargs)  # probes-only plans too
             if rc.splice is None:
                 return PhaseResult(out, 0)
-            if rc.splice.reason:
-                _log.warning("served splice phase ran as plain prefill: %s", rc.splice.reason)
             return PhaseResult(out, rc.splice.relocated_tokens, rc.splice.deviations)
 
         return run_phases(tokens, phases, run_one, gen, adapt)

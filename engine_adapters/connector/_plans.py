@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash, cacheable_blocks, chain_hashes, hash_block, root_hash, round_down, round_up
+from promptsplice._validate import is_derived_salt
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [
@@ -293,12 +294,18 @@ class BlockDeviation(NamedTuple):
         return max((*self.k, *self.v), default=0.0)
 
 
-def in_place_blocks(plan: SplicePlan, tokens: Sequence[int], src_salt: str | bytes | None) -> set[int]:
+def in_place_blocks(plan: SplicePlan, tokens: Sequence[int], salt: str | bytes | None) -> set[int]:
     """The blocks (indices into ``tokens``) of ``plan``'s segments whose old KV is
-    exact: a delta-0 segment whose old blocks followed the very same tokens (its
-    ``src_parent`` is ``tokens``' own chain at ``dst_start`` under the old blocks' salt
-    ``src_salt``), an offload hit by another name.  Every other planned block is
-    approximate: moved, or in place after other tokens (a same-length edit before it)."""
+    exact for a request of ``tokens`` under ``salt``: a delta-0 segment whose old blocks
+    followed the very same tokens (its ``src_parent`` is ``tokens``' own chain at
+    ``dst_start`` under the old blocks' salt), an offload hit by another name, when that
+    salt is the request's own or a tenant's (which holds exact KV only).  Every other
+    planned block is approximate: moved, in place after other tokens (a same-length edit
+    before it), or taken from another derived salt (a session scope's chains may hold
+    KV computed after relocated KV)."""
+    src_salt = salt if plan.src_salt is SAME_SALT else plan.src_salt
+    if src_salt != salt and is_derived_salt(src_salt):
+        return set()
     bs = plan.block_size
     same = [s for s in plan.segments if s.delta == 0 and s.dst_start <= len(tokens)]
     if not same:
@@ -315,9 +322,8 @@ def in_place_blocks(plan: SplicePlan, tokens: Sequence[int], src_salt: str | byt
 def approximate_tokens(plan: SplicePlan, tokens: Sequence[int], salt: str | bytes | None) -> int:
     """Tokens whose KV ``plan`` loads approximately into a request of ``tokens`` under
     ``salt`` (every planned block but the exact ones of :func:`in_place_blocks`)."""
-    src_salt = salt if plan.src_salt is SAME_SALT else plan.src_salt
     planned = sum(s.num_blocks for s in plan.segments)
-    return (planned - len(in_place_blocks(plan, tokens, src_salt))) * plan.block_size
+    return (planned - len(in_place_blocks(plan, tokens, salt))) * plan.block_size
 
 
 def latest_per_block(devs: Sequence[BlockDeviation]) -> tuple[BlockDeviation, ...]:

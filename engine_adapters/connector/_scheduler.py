@@ -142,7 +142,7 @@ def plan_load(
     if chain is None or len(chain) < last:
         chain = chain_refs(prompt_tokens[: last * bs], bs, salt=salt)
     src_salt = salt if plan is None or plan.src_salt is SAME_SALT else plan.src_salt
-    exact = in_place_blocks(plan, prompt_tokens, src_salt) if planned else set()
+    exact = in_place_blocks(plan, prompt_tokens, salt) if planned else set()
     refs: list[BlockRef] = []
     deltas: list[int] = []
     salts: list[str | bytes | None] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
 
@@ -1109,3 +1110,41 @@ def test_threads_first_uses_ask_the_server_once_and_share_one_mirror(default_tok
     eng.generate(prompt, max_tokens=2)
     full = (len(prompt.token_ids) - 1) // BS * BS
     assert [asms[k].assemble(docs, query="q?").predicted_cached_tokens for k in range(3)] == [full] * 3
+
+
+def test_a_served_plan_of_another_block_size_is_refused_and_a_dropped_one_is_logged(caplog):
+    """``RemoteEngine.generate(splice=plan)`` threw the connector's answer away: a plan
+    of block 16 on a block-32 server, or one the connector dropped, ran as plain prefill
+    with no error and no log line (the embedded engine refuses the first).  Now the first
+    is a ConfigError before sending, the second a warning with the connector's reason
+    (mocked: a connector that drops a plan on demand; a real one is in test_served_connector)."""
+    from promptsplice.engine_adapters import SplicePlan, SpliceSegment
+    from promptsplice.engine_adapters.connector._served import SpliceAck, ack_params, plan_verdict
+
+    sent = []
+
+    def answer(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        sent.append(body)
+        verdict = plan_verdict(body.get("kv_transfer_params"), body["prompt"], 32, body.get("cache_salt"))
+        reply = _ok_body({"prompt_tokens": len(body["prompt"]), "completion_tokens": 1,
+                          "prompt_tokens_details": {"cached_tokens": 0}})
+        reply["choices"][0]["token_ids"] = [7]
+        if verdict.has_plan:
+            ack = SpliceAck(not verdict.reason, verdict.reason, verdict.planned_tokens, 0, 0, 32, True, num_blocks=100)
+            reply["kv_transfer_params"] = ack_params(ack)
+        return httpx.Response(200, json=reply)
+
+    eng = _mock(answer, tokenizer="default", send_token_ids=True)
+    ids = list(range(100, 100 + 32 * 4 + 3))
+    with pytest.raises(ConfigError, match="made for block_size 16, the engine's is 32"):
+        eng.generate(ids, splice=SplicePlan(16, (SpliceSegment(32, 2, -32, bytes(16)),)), cache_salt="alice")
+    assert all("splice_probe" in b["kv_transfer_params"] for b in sent)  # only the block-size probe went out
+    foreign = SplicePlan(32, (SpliceSegment(32, 2, -32, bytes(16)),), src_salt="bob")
+    with caplog.at_level(logging.WARNING, logger="promptsplice.engine_adapters._served_engine"):
+        out = eng.generate(ids, splice=foreign, cache_salt="alice")
+    assert out.num_cached_tokens == 0 and sent[-1]["kv_transfer_params"]["splice"]["src_salt"] == "bob"
+    warned = [r.getMessage() for r in caplog.records if "ran as plain prefill" in r.getMessage()]
+    assert len(warned) == 1 and "salt" in warned[0], warned

@@ -207,6 +207,16 @@ def test_blocks_in_place_after_other_tokens_are_approximate_and_nothing_after_th
     assert in_place_blocks(same, new, SALT) == {0, 1} and in_place_blocks(stale, new, SALT) == set()
     moved = SplicePlan(BS, (SpliceSegment(2 * BS, 3, -2 * BS, old_chain[3]),))
     assert approximate_tokens(moved, new, SALT) == 3 * BS
+    # in place from a session scope's chains (which may hold KV computed after relocated
+    # KV) into a request under the tenant's salt: approximate, though its chain matches
+    # (counted exact before, also in the served connector's ack); under the scope itself
+    # it is the scope's own prefix hit
+    scope = f"{SALT}\x1fsplice-scope:{'0' * 32}"
+    fill_store(store, new, salt=scope)
+    from_scope = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(scope)),), src_salt=scope)
+    assert in_place_blocks(from_scope, new, SALT) == set() and approximate_tokens(from_scope, new, SALT) == 2 * BS
+    assert plan_load(store, new, 0, block_size=BS, salt=SALT, plan=from_scope).approx == (True, True)
+    assert in_place_blocks(from_scope, new, scope) == {0, 1}
 
     sched = SpliceScheduler(store, BS)
     n = sched.get_num_new_matched_tokens("r", new, SALT, 4 * BS, stale.to_params())
