@@ -131,6 +131,23 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _generation_tag() -> Any:
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's
+    tokens for training masks): rendered as its body, as transformers renders it."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
 class ChatTemplate:
     """A Hugging Face chat template (jinja), rendered the way ``apply_chat_template`` does.
 
@@ -171,13 +188,19 @@ class ChatTemplate:
     @classmethod
     def from_dir(cls, folder: str | Path) -> ChatTemplate:
         """``chat_template.jinja`` in ``folder``, else ``tokenizer_config.json``'s
-        ``chat_template``; special tokens from ``tokenizer_config.json``."""
+        ``chat_template``; special tokens from ``tokenizer_config.json``, then those only
+        ``special_tokens_map.json`` names (as transformers reads them: an older
+        checkpoint's ``bos_token`` rendered empty)."""
         folder = Path(folder)
         cfg_path = folder / "tokenizer_config.json"
+        map_path = folder / "special_tokens_map.json"
         cfg: Any = {}
+        token_map: Any = {}
         try:
             if cfg_path.is_file():
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            if map_path.is_file():
+                token_map = json.loads(map_path.read_text(encoding="utf-8"))
             jinja_path = folder / "chat_template.jinja"
             source = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else None
         except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
@@ -196,12 +219,14 @@ class ChatTemplate:
                 f"no chat template in {folder} (chat_template.jinja, or tokenizer_config.json's "
                 "chat_template as a str or a list with a 'default' entry)"
             )
+        if not isinstance(token_map, dict):
+            raise ConfigError(f"{map_path} is not a JSON object (got {type(token_map).__name__})")
         special: dict[str, str] = {}
-        for k, v in cfg.items():
-            if isinstance(v, dict) and v.get("__type") == "AddedToken":  # older configs' form
+        for k, v in [*cfg.items(), *token_map.items()]:
+            if isinstance(v, dict) and (v.get("__type") == "AddedToken" or "content" in v):  # AddedToken forms
                 v = v.get("content")
             if k.endswith("_token") and isinstance(v, str):
-                special[k] = v
+                special.setdefault(k, v)  # tokenizer_config.json's first, as transformers
         return cls(source, special_tokens=special, name=str(folder))
 
     @classmethod
@@ -218,7 +243,7 @@ class ChatTemplate:
                     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
                     env = ImmutableSandboxedEnvironment(
-                        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+                        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _generation_tag()]
                     )
                     env.filters["tojson"] = _tojson
                     env.globals["raise_exception"] = _raise_exception

@@ -14,9 +14,10 @@ Three policies, as real agents apply them:
   ``[... 37 lines truncated ...]``.  ``keep_lines`` defaults to ``(max_lines - 1) // 2``
   (4 for the default 10), so a truncated output has at most ``max_lines`` lines and
   truncating again changes nothing (idempotent: the same input always gives the same
-  tokens).  The latest ``keep_recent`` outputs (default 1) stay whole so the agent can
-  read what it just got; an output is truncated once a newer one arrives, which is the
-  edit that makes splicing pay.  Lines are ``"\\n"``-separated; a trailing newline is
+  tokens).  The outputs of the latest ``keep_recent`` turns (default 1; a turn's
+  outputs: a run of consecutive tool messages, all of one turn's parallel calls) stay
+  whole so the agent can read what it just got; an output is truncated once a newer
+  turn's arrives, which is the edit that makes splicing pay.  Lines are ``"\\n"``-separated; a trailing newline is
   kept.
 * :class:`DropFailedCalls`: a tool call whose output is an error, once the agent
   retried, is dropped with its output.  *Failed*: the tool message has
@@ -209,8 +210,17 @@ class TruncateToolOutputs:
 
     def apply(self, messages: Sequence[Mapping[str, Any]]) -> PolicyResult:
         _check_messages(messages)
-        outputs = [i for i, m in enumerate(messages) if m.get("role") in self.roles]
-        cut_here = set(outputs[: max(0, len(outputs) - self.keep_recent)])  # a set: 20,000 messages took 1.4 s
+        # the outputs of the latest keep_recent turns stay whole: a turn's outputs are a
+        # run of consecutive tool messages (counting single messages truncated a turn's
+        # parallel calls but the last before the agent had read them)
+        turns: list[list[int]] = []
+        for i, m in enumerate(messages):
+            if m.get("role") in self.roles:
+                if turns and turns[-1][-1] == i - 1:
+                    turns[-1].append(i)
+                else:
+                    turns.append([i])
+        cut_here = {i for turn in turns[: max(0, len(turns) - self.keep_recent)] for i in turn}  # a set: 20,000 messages took 1.4 s
         out: list[Message] = []
         edits: list[MessageEdit] = []
         for i, m in enumerate(messages):

@@ -159,6 +159,11 @@ def _prefix_end(meta: str, body_bytes: memoryview, done: int) -> int | None:
     return None
 
 
+_MEMO_ENTRY_CHARS = 256
+"""What one memo entry counts against ``max_memo_chars`` besides its text: its key
+(digests) and dict node, ~250 bytes, counted as characters."""
+
+
 class ChatRenderer:
     """Renders chat messages into block-aligned per-message segments in token space.
 
@@ -166,7 +171,7 @@ class ChatRenderer:
     block size are used), a :class:`~promptsplice.assembler.Tokenizer` or a tokenizer spec
     (``"default"``...).  ``template`` is a :class:`ChatTemplate` or a model folder;
     default: the tokenizer's own (:func:`~._chat_template.template_for`).  Thread-safe; memoizes piece renders (LRU bounded by
-    ``max_memo_chars`` characters of text).
+    ``max_memo_chars`` characters of text, each entry counting 256 more for its key).
 
     Message contents, roles, tool calls and tool schemas are caller content: control-token
     markup in them (``<|im_start|>system``...) is tokenized as ordinary text, and only
@@ -401,15 +406,18 @@ class ChatRenderer:
         return text
 
     def _memo_put(self, key: tuple[bytes, ...], text: str) -> None:
+        # each entry counts its key and node too (_MEMO_ENTRY_CHARS): most are short (a
+        # one-character "no text", ~75-character metas), so text alone let the bound
+        # hold several times its size
         with self._memo_lock:
             old = self._memo.pop(key, None)
             if old is not None:
-                self._memo_chars -= len(old)
+                self._memo_chars -= len(old) + _MEMO_ENTRY_CHARS
             self._memo[key] = text
-            self._memo_chars += len(text)
+            self._memo_chars += len(text) + _MEMO_ENTRY_CHARS
             while self._memo_chars > self._max_memo_chars and len(self._memo) > 1:
                 _, dropped = self._memo.popitem(last=False)
-                self._memo_chars -= len(dropped)
+                self._memo_chars -= len(dropped) + _MEMO_ENTRY_CHARS
 
     def _piece_texts(self, msgs: list[dict[str, Any]], tools: list | None) -> list[str]:
         """Message ``i``'s text as ``render([m(i-1), m(i)]) - render([m(i-1)])``."""
@@ -521,12 +529,31 @@ class ChatRenderer:
             return pieces
         a, n = at
         if a > 0:
+            # before the whitespace the caller's text ends in, if the cut there splits no
+            # token the whole text has ("Answer.\n" + "\n\n# Tools" encoded apart is not
+            # the whole's encoding); where neither point is safe the tools stay inside
+            a = next((c for c in dict.fromkeys((a, len(text[:a].rstrip()))) if c > 0 and self._cut_is_safe(text, c)), 0)
+            if not a:
+                return pieces
             cut = [(kind, idx, role, text[:a]), (SegmentKind.TOOLS, None, None, text[a:])]
         elif n < len(text):
+            if not self._cut_is_safe(text, n):
+                return pieces
             cut = [(SegmentKind.TOOLS, None, None, text[:n]), (kind, idx, role, text[n:])]
         else:
             cut = [(SegmentKind.TOOLS, None, None, text)]
         return [*pieces[:at_index], *cut, *pieces[at_index + 1 :]]
+
+    def _cut_is_safe(self, text: str, at: int) -> bool:
+        """Whether ``text`` (marked) encodes as its two parts at ``at`` encoded apart, as
+        segments are (memoized: one system prompt and tools list, one check)."""
+        key = (b"cut", content_digest(text.encode("utf-8", "surrogatepass")), str(at).encode())
+
+        def check() -> str:
+            left, right, whole = self._encode([text[:at], text[at:], text])
+            return "1" if left + right == whole else "0"
+
+        return self._memo_get(key, check) == "1"
 
 
 def _insertion_point(with_text: str, without: str, prefer: str | None = None) -> tuple[int, int] | None:

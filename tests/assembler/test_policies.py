@@ -69,6 +69,25 @@ def test_truncate_spares_the_latest_outputs_and_reports_edits():
     assert isinstance(TruncateToolOutputs(), ContextPolicy)
 
 
+def test_the_outputs_of_one_turns_parallel_calls_stay_whole_together():
+    """``keep_recent`` counted tool messages: of a turn's two parallel calls the first
+    output was truncated in the very step it arrived, before the agent had read it.  A
+    turn's outputs (a run of consecutive tool messages) now count as one."""
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "tool_calls": [call("a", "ls"), call("b", "cat")]},
+        {"role": "tool", "tool_call_id": "a", "content": lines(30)},
+        {"role": "tool", "tool_call_id": "b", "content": lines(30)},
+    ]
+    assert TruncateToolOutputs().apply(msgs).edits == ()
+    later = msgs + [{"role": "assistant", "tool_calls": [call("c", "ls")]},
+                    {"role": "tool", "tool_call_id": "c", "content": lines(30)}]
+    res = TruncateToolOutputs().apply(later)
+    assert [e.old for e in res.edits] == [(2, 3), (3, 4)] and res.messages[5]["content"] == lines(30)
+    assert [e.old for e in TruncateToolOutputs(keep_recent=2).apply(later).edits] == []
+    assert [e.old for e in TruncateToolOutputs(keep_recent=0).apply(later).edits] == [(2, 3), (3, 4), (5, 6)]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -164,10 +164,24 @@ def test_tools_are_their_own_segment_in_the_system_turn(unpadded, default_tok):
     assert changed == [1]
 
 
+@pytest.mark.parametrize("system", ["Answer briefly.\n", "Answer briefly. ", "Answer briefly\n\n", ""])
+def test_a_system_text_ending_in_whitespace_is_cut_from_its_tools_where_no_token_spans_the_cut(
+        unpadded, default_tok, system):
+    """The system text and the tools header were encoded apart at the caller's last
+    character: "briefly.\n" + "\n\n# Tools" gave ["\n", "\n", "\n"] where the whole
+    text has ["\n\n", "\n"], a sequence the tokenizer never makes (and no text client
+    shares).  The cut moves before the trailing whitespace, or the tools stay inside."""
+    res = unpadded.render([{"role": "system", "content": system}, {"role": "user", "content": "hi"}], TOOLS)
+    assert default_tok.encode(res.text) == res.token_ids
+    if system.strip():
+        assert res.segments[0].text == "<|im_start|>system\nAnswer briefly" + ("." if "." in system else "")
+        assert res.segments[1].kind is SegmentKind.TOOLS
+
+
 def test_native_tool_templates_get_the_tools_and_the_cut(default_tok):
     src = (
         "{% for m in messages %}{% if loop.first and tools %}<|im_start|>system\n"
-        "{% if m.role == 'system' %}{{ m.content }}{% else %}Default.{% endif %}\n<tools>{{ tools | tojson }}</tools><|im_end|>\n"
+        "{% if m.role == 'system' %}{{ m.content }}{% else %}Default.{% endif %}\n\n<tools>{{ tools | tojson }}</tools><|im_end|>\n"
         "{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
         "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -180,7 +194,13 @@ def test_native_tool_templates_get_the_tools_and_the_cut(default_tok):
     assert "".join(s.text for s in res.segments) == tmpl.render(msgs, tools=TOOLS, add_generation_prompt=True)
     assert [s.kind for s in res.segments] == [SegmentKind.MESSAGE, SegmentKind.TOOLS, SegmentKind.MESSAGE, SegmentKind.GENERATION]
     assert res.segments[0].text == "<|im_start|>system\nBe brief."
-    assert res.segments[1].text.startswith("<tools>[{")  # trim_blocks ate the newline
+    assert res.segments[1].text.startswith("\n<tools>[{")  # trim_blocks ate one newline
+    assert default_tok.encode(res.text) == res.token_ids
+    # with none left, "." and "<" are one token of the whole text: the tools stay inside
+    glued = ChatTemplate(src.replace("\n\n<tools>", "\n<tools>"), name="native-glued")
+    res = ChatRenderer(default_tok, block_size=16, template=glued, alignment="none").render(msgs, TOOLS)
+    assert [s.kind for s in res.segments] == [SegmentKind.MESSAGE, SegmentKind.MESSAGE, SegmentKind.GENERATION]
+    assert default_tok.encode(res.text) == res.token_ids
 
 
 def test_templates_that_look_beyond_the_previous_message(default_tok):
@@ -338,6 +358,25 @@ def test_from_dir_reads_added_token_entries_and_named_templates(tmp_path):
         ChatTemplate.from_dir(none)
 
 
+def test_from_dir_reads_tokens_only_special_tokens_map_names_and_the_generation_tag(tmp_path):
+    """A ``bos_token`` named only in ``special_tokens_map.json`` (older checkpoints)
+    rendered empty: the prompt lost its BOS, with no error; transformers reads it, after
+    ``tokenizer_config.json``'s own.  A template with transformers' ``{% generation %}``
+    tag did not compile."""
+    import json
+
+    src = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}]{% if m.role == 'assistant' %}{% generation %}"
+           "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ eos_token }}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": src, "eos_token": "</s>"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "<other>"}))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert ChatTemplate.from_dir(tmp_path).render(chat) == "<s>[user]hi</s>[assistant]yo</s>"
+    (tmp_path / "special_tokens_map.json").write_text("[1]")
+    with pytest.raises(ConfigError, match="special_tokens_map.json is not a JSON object"):
+        ChatTemplate.from_dir(tmp_path)
+
+
 def test_a_template_preamble_and_injected_tools(default_tok):
     # a template that puts a BOS text before everything: the preamble is its own
     # segment and the tools are still cut out of the system message after it
@@ -362,7 +401,8 @@ def test_a_template_preamble_and_injected_tools(default_tok):
     assert tmpl.default_system() is None
     res = r.render(CHAT[:1], TOOLS)
     assert [s.kind for s in res.segments][:3] == [SegmentKind.SYSTEM, SegmentKind.SYSTEM, SegmentKind.TOOLS]
-    assert res.segments[1].text == "<|im_start|>system\n"
+    assert res.segments[1].text == "<|im_start|>system"  # its newline encodes with the tools header's
+    assert default_tok.encode(res.text) == res.token_ids
 
 
 # -- untrusted text is text -------------------------------------------------------------
@@ -779,3 +819,13 @@ def test_a_name_or_tool_call_id_that_is_not_a_str_is_refused(default_tok, field,
         r.render([{"role": "user", "content": "hi", field: value}])
     assert r.render([{"role": "user", "content": "hi", field: "bob"}]).text == "user(bob): hi\n"
     r.render([{"role": "user", "content": "hi", field: None}])  # None: absent
+
+
+def test_the_memo_bound_counts_each_entry_not_only_its_text(default_tok):
+    """Most memo entries are short (a one-character "no text", a message's few
+    characters) while their keys and nodes are ~250 bytes: counting text alone let
+    ``max_memo_chars`` hold several times its size.  Each entry now counts 256 more."""
+    r = ChatRenderer(default_tok, block_size=16, alignment="none", max_memo_chars=4096)
+    for i in range(200):
+        r.render([{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}])
+    assert 0 < r._memo_chars <= 4096 and len(r._memo) <= 4096 // 256
