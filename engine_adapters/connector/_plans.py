@@ -334,11 +334,26 @@ def latest_per_block(devs: Sequence[BlockDeviation]) -> tuple[BlockDeviation, ..
 
 
 def _as_token_list(tokens: Sequence[int], what: str) -> list[int]:
+    """``tokens`` as a list of ints; a float, str or bool among them is an
+    :class:`InputError` (``int()`` read 1.9 as token 1: two prompts that differ planned
+    as one)."""
     try:
-        out = [int(t) for t in tokens]
-    except (TypeError, ValueError):
+        out = list(tokens)
+    except TypeError:
         raise InputError(f"{what} must be a sequence of token ids") from None
-    return out
+    bad = next((i for i, t in enumerate(out) if not _is_int(t)), None)
+    if bad is not None:
+        raise InputError(f"{what} must be a sequence of token ids (ints), got {out[bad]!r} at {bad}")
+    return [int(t) for t in out]  # numpy's ints as Python's
+
+
+def _ints(values: Any, n: int) -> tuple[int, ...] | None:
+    """``values`` as ``n`` ints, ``None`` when they are not (``int()`` read 8.9 as 8)."""
+    try:
+        out = tuple(values)
+    except TypeError:
+        return None
+    return tuple(int(v) for v in out) if len(out) == n and all(_is_int(v) for v in out) else None
 
 
 def _parent_at(tokens: Sequence[int], start: int, block_size: int, salt: str | bytes | None) -> BlockHash:
@@ -417,10 +432,10 @@ def plan_deletion(
     ``len(X)`` must be block multiples.  Raises :class:`InputError` when ``new`` does not
     start with ``P``.
     """
-    try:
-        start, end = (int(x) for x in span)
-    except (TypeError, ValueError):
-        raise InputError(f"span must be (start, end) token positions, got {span!r}") from None
+    ends = _ints(span, 2)
+    if ends is None:
+        raise InputError(f"span must be (start, end) token positions (ints), got {span!r}")
+    start, end = ends
     old = _as_token_list(old_tokens, "old_tokens")
     new = _as_token_list(new_tokens, "new_tokens")
     if not 0 <= start <= end <= len(old):
@@ -515,10 +530,10 @@ def plan_phases(
         if n:
             segs.append(SpliceSegment(0, n, 0, root_hash(src)))
     for i, run in enumerate(relocations):
-        try:
-            o_start, o_end, delta = (int(x) for x in run)
-        except (TypeError, ValueError):
-            raise InputError(f"relocation {i} must be (old_start, old_end, delta), got {run!r}") from None
+        parts = _ints(run, 3)
+        if parts is None:
+            raise InputError(f"relocation {i} must be (old_start, old_end, delta) ints, got {run!r}")
+        o_start, o_end, delta = parts
         if not 0 <= o_start <= o_end <= len(old) or not 0 <= o_start + delta <= o_end + delta <= len(new):
             raise InputError(f"relocation {i} {run!r} is outside the prompts ({len(old)} / {len(new)} tokens)")
         if delta % bs:

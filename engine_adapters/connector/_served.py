@@ -51,6 +51,7 @@ most :data:`MAX_QUERY_TOKENS`): the client splits its queries under it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -58,7 +59,7 @@ from promptsplice.blocks import HASH_BYTES, BlockHash, content_digest, hash_bloc
 from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SAME_SALT, BlockDeviation, SplicePlan
 from promptsplice.engine_adapters.store._store import BlockRef
 from promptsplice.errors import ConfigError, InputError, InvalidSaltError
-from promptsplice._validate import DERIVED_SALT_MARK, check_salt, is_derived_salt, salt_tenant
+from promptsplice._validate import VLLM_MAX_CACHE_SALT_LENGTH, DERIVED_SALT_MARK, check_salt, is_derived_salt, salt_tenant
 
 __all__ = [
     "ACK_KEY", "CHECK_KEY", "IDENTITY_REASON", "MAX_QUERY_TOKENS", "PROBE_KEY", "PROBE_REASON", "QUERY_KEY", "QUERY_REASON",
@@ -183,6 +184,8 @@ def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int,
             check_salt(src, "the plan's src_salt", vllm_rule=False)  # derived salts: refused by reason below
         except InvalidSaltError as exc:
             return str(exc)
+        if len(src) > VLLM_MAX_CACHE_SALT_LENGTH:  # (a runner's derived salts fit: check_derived_salt_room)
+            return f"the plan's src_salt is {len(src)} characters, over {VLLM_MAX_CACHE_SALT_LENGTH}"
     if src is not SAME_SALT and (
         isinstance(src, bytes) if salt is None else (isinstance(src, bytes) and src != salt.encode("utf-8"))
     ):
@@ -228,6 +231,31 @@ def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int,
             f"hold only {full // block_size} full blocks"
         )
     return ""
+
+
+def _deviations(raw: Any) -> tuple[BlockDeviation, ...]:
+    """An ack's ``deviations``: ``[dst_start, delta, [k per layer], [v per layer]]``
+    each, ints and finite numbers as the connector writes them (``_finite``); else
+    :class:`InputError` (``"64"`` read as 64 and ``"nan"`` as NaN, which no
+    ``max_deviation`` ever exceeded: the guard failed open)."""
+    def number(x: Any) -> float:
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+            raise InputError(f"the splice ack's deviations must hold finite numbers, got {x!r}")
+        return float(x)
+
+    if raw is not None and not isinstance(raw, list | tuple):
+        raise InputError(f"the splice ack's deviations must be a list, got {raw!r}")
+    out = []
+    for entry in raw or ():
+        if not isinstance(entry, list | tuple) or len(entry) != 4:
+            raise InputError(f"the splice ack's deviations are [dst_start, delta, k, v] each, got {entry!r}")
+        start, n, k, v = entry
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in (start, n)) or start < 0:
+            raise InputError(f"the splice ack's deviation blocks must be a position and a delta (ints), got {start!r}, {n!r}")
+        if not isinstance(k, list | tuple) or not isinstance(v, list | tuple):
+            raise InputError(f"the splice ack's deviations must list k and v per layer, got {k!r}, {v!r}")
+        out.append(BlockDeviation(start, n, tuple(number(x) for x in k), tuple(number(x) for x in v)))
+    return tuple(out)
 
 
 class SpliceAck(NamedTuple):
@@ -288,13 +316,7 @@ class SpliceAck(NamedTuple):
         matched = raw.get("matched") or ()
         if not isinstance(matched, list | tuple):
             raise InputError(f"the splice ack's matched must be a list of counts, got {matched!r}")
-        try:
-            deviations = tuple(
-                BlockDeviation(int(s), int(d), tuple(float(x) for x in k), tuple(float(x) for x in v))
-                for s, d, k, v in raw.get("deviations") or ()
-            )
-        except (TypeError, ValueError, OverflowError) as exc:  # (1e400 reads as inf)
-            raise InputError(f"the splice ack's deviations are malformed: {exc}") from None
+        deviations = _deviations(raw.get("deviations"))
         planned = count("planned_tokens", required=True)
         loaded, relocated = count("loaded_tokens", required=True), count("relocated_tokens", required=True)
         if relocated > loaded:
@@ -386,6 +408,8 @@ def answer_query(
             check_salt(salt, f"{QUERY_KEY}[{i}].salt", vllm_rule=False)
         except InvalidSaltError:
             return (), f"{QUERY_KEY}[{i}].salt must be a string or null (a salt: non-empty, valid text)"
+        if salt is not None and len(salt) > VLLM_MAX_CACHE_SALT_LENGTH:  # hashed in the scheduler loop
+            return (), f"{QUERY_KEY}[{i}].salt is {len(salt)} characters, over {VLLM_MAX_CACHE_SALT_LENGTH}"
         if salt_tenant(salt) != salt_tenant(request_salt):
             return (), f"{QUERY_KEY}[{i}].salt belongs to another tenant than the request's cache_salt"
         try:

@@ -63,6 +63,7 @@ import contextlib
 import enum
 import hashlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -210,12 +211,30 @@ class _Session:
     kv_salt: str | None = None
     """The salt the last step's KV was computed under (differs from ``salt`` after an
     ``exact`` step under another salt)."""
+    served: tuple[int, float] | None = None
+    """The weakest settings the session's scope has relocated at: the fewest
+    ``recompute_blocks`` and the largest ``max_deviation`` (infinity: none); a step that
+    asks stricter ones leaves the scope (its cache holds that KV)."""
     busy: int = 0
     """Steps holding or waiting for this session (under the runner's lock): the LRU bound
     never evicts a session while a step uses it."""
     forgotten: bool = False
     """:meth:`AgentRunner.forget` while a step used it: the next step starts it afresh
     (under the session's lock, so steps of one session stay serialized)."""
+
+
+def _weakest(served: tuple[int, float] | None, cfg: FidelitySettings) -> tuple[int, float]:
+    """``served`` (see ``_Session.served``) after a step at ``cfg`` ran in the scope."""
+    dev = math.inf if cfg.max_deviation is None else cfg.max_deviation
+    return (cfg.recompute_blocks, dev) if served is None else (min(served[0], cfg.recompute_blocks), max(served[1], dev))
+
+
+def _covers(served: tuple[int, float] | None, cfg: FidelitySettings) -> bool:
+    """Whether a scope that relocated at ``served`` is as strict as ``cfg`` asks."""
+    if served is None:
+        return True
+    dev = math.inf if cfg.max_deviation is None else cfg.max_deviation
+    return served[0] >= cfg.recompute_blocks and served[1] <= dev
 
 
 class AgentRunner:
@@ -261,6 +280,15 @@ class AgentRunner:
                 "EngineConfig(kv_store=StoreConfig(...)), or the server with "
                 "--kv-transfer-config kv_transfer_config_json(StoreConfig(...))"
             )
+        if self.mode is not AgentMode.SPLICE:  # options of splicing: taken, then ignored (review)
+            given = [name for name, value, default in (
+                ("scope", scope, "session"), ("reuse_repeats", reuse_repeats, True),
+                ("min_group_blocks", min_group_blocks, DEFAULT_MIN_GROUP_BLOCKS)) if value != default]
+            if given:
+                raise ConfigError(
+                    f"AgentRunner(mode={self.mode.value!r}) takes no {', '.join(given)}: they shape "
+                    "splicing; pass mode='splice' or leave them out"
+                )
         self._fidelity = RunnerFidelity(
             fidelity, recompute_blocks=recompute_blocks, max_deviation=max_deviation,
             recompute_tail_blocks=recompute_tail_blocks,
@@ -391,20 +419,26 @@ class AgentRunner:
         with self._held(prepared.session_id) as st, st.lock:
             if st.forgotten:  # forget() ran while another step used the session
                 st.tokens, st.salt, st.scoped, st.kv_salt, st.forgotten = None, self.salt, False, self.salt, False
+                st.served = None
             new = list(prepared.token_ids)
             plain = [SplicePhase(len(new), None)]
             fallback, level, recomputed = None, cfg.level, 0
             if prepared.kind is StepKind.NEW_SESSION:
                 # the hook starts the session afresh (a restarted harness, an evicted
                 # session): so does the runner, under the tenant's salt, out of any scope
-                st.salt, st.scoped, st.kv_salt, st.tokens = self.salt, False, self.salt, None
+                st.salt, st.scoped, st.kv_salt, st.tokens, st.served = self.salt, False, self.salt, None, None
             elif prepared.kind is StepKind.FULL_PREFILL:
                 fallback = StepFallback.HOOK_FULL_PREFILL  # at every level, exact included
             if self.mode is AgentMode.FULL:
                 salt, phases, level = f"full:{uuid.uuid4().hex}", plain, FidelityLevel.EXACT
             elif self.mode is AgentMode.APC:
                 salt, phases, level = st.salt, plain, FidelityLevel.EXACT
-            elif not cfg.relocate:  # exact: what could be relocated is computed
+            elif not cfg.relocate or (st.scoped and not _covers(st.served, cfg)):
+                # exact: what could be relocated is computed; so it is for a step stricter
+                # than its scope has relocated at (a bounded step after fast ones: the
+                # scope's cache holds their KV), which then leaves the scope
+                if cfg.relocate and fallback is None:
+                    fallback = StepFallback.STRICTER_THAN_SCOPE
                 salt, phases = self._exact_salt(), plain
                 if prepared.kind in (StepKind.EDIT, StepKind.APPEND):
                     dry_salt, dry, why = self._plan(st, prepared, new, 0, dry=True)
@@ -440,13 +474,16 @@ class AgentRunner:
                 level, result.planned_relocated_tokens, salt, salt_may_hold_relocated=shared
             )
             st.tokens = array("I", new)  # token ids are checked to fit 32 bits
-            if self.mode is AgentMode.SPLICE and not cfg.relocate:
+            if self.mode is AgentMode.SPLICE and (not cfg.relocate or fallback is StepFallback.STRICTER_THAN_SCOPE):
                 # The exact salt's KV is the session's now; a scoped session rescopes from it.
-                st.salt, st.scoped = self.salt, False
+                st.salt, st.scoped, st.served = self.salt, False, None
             elif self.mode is not AgentMode.FULL:
                 # a step under a scope salt opened the scope (only once it ran: a step that
                 # raised leaves the session where it was, under the tenant's exact salt)
-                st.salt, st.scoped = salt, st.scoped or (self.scope == "session" and salt != self.salt)
+                opened = not st.scoped and self.scope == "session" and salt != self.salt
+                st.salt, st.scoped = salt, st.scoped or opened
+                if self.mode is AgentMode.SPLICE and (opened or (st.scoped and result.planned_relocated_tokens)):
+                    st.served = _weakest(None if opened else st.served, cfg)
             st.kv_salt = salt if self.mode is not AgentMode.FULL else st.kv_salt
             return result
 

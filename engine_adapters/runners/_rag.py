@@ -183,7 +183,8 @@ class RagStep:
     relocated_tokens: int
     precomputed_tokens: int
     relocated_chunks: int
-    """Stored chunks the plan placed for relocation (0 for a plain request)."""
+    """Stored chunks some of whose KV the plan loaded (relocated; a chunk it computed
+    whole, short or below ``min_group_blocks``, is not counted; 0 for a plain request)."""
     requests: int
     ttft_s: float
     wall_s: float
@@ -540,6 +541,11 @@ class RagRunner:
                       if hit <= c.start and c.start not in cont and c.start + r * bs in runs and c.end - c.start > r * bs]
             self._guards.setdefault(cfg, GuardRates()).observe(probed, adapt.deviated, bs)
         step.planned_relocated_tokens = planned_relocated_tokens(run.phases, toks, salt)
+        # the stored chunks some loaded segment covers (a short chunk recomputed whole, a
+        # group below min_group_blocks: placed, and nothing of it loaded)
+        loaded = [(g.dst_start, g.dst_start + g.num_blocks * bs) for ph in run.phases if ph.plan
+                  for g in ph.plan.segments]
+        step.relocated_chunks = sum(any(a < c.end and c.start < b for a, b in loaded) for c in placed)
         step.fidelity = step_level(cfg.level, step.planned_relocated_tokens, salt)
         # blocks the deviation guard recomputed were relocatable too
         step.recomputed_tokens = min(step.prefill_tokens, recomputed + planned_relocated_tokens(phases, toks, salt)

@@ -128,6 +128,11 @@ class StepFallback(enum.Enum):
     NO_GAIN = "no_gain"
     """Relocation was predicted to compute no fewer tokens than one exact request
     (``RagRunner``: new or short chunks, an exact repeat; :func:`pic_choice`)."""
+    STRICTER_THAN_SCOPE = "stricter_than_scope"
+    """``AgentRunner``: the step asked a stricter fidelity (more recomputed blocks, a
+    lower ``max_deviation``) than its session's scope has relocated at, whose cache
+    holds that KV (a ``bounded`` step after ``fast`` ones): it ran exact, and the
+    session's next relocating step opens a new scope from exact KV."""
     TOO_LONG = "too_long"
     """``RagRunner`` (position-independent): whole-block chunks do not fit the
     engine's context where the exact (``auto``) layout does, so the request went out in

@@ -248,3 +248,23 @@ def test_a_recomputed_request_reports_one_deviation_per_block():
     assert latest_per_block([a, b, again_a, again_b]) == (again_a, again_b)
     assert latest_per_block([a, b, c, again_b]) == (a, again_b, c)
     assert latest_per_block([]) == ()
+
+
+def test_spans_runs_and_token_ids_that_are_not_ints_are_input_errors():
+    """``int()`` read a span of (8.9, 16.2) as (8, 16), "8" as 8, and a token id 1.9 as
+    1: prompts that differ were planned as sharing a prefix.  Each is an InputError;
+    numpy's ints stay ints."""
+    import numpy as np
+
+    old, new = toks(96), toks(32) + toks(32, 64)
+    assert plan_deletion(np.array(old), new, (np.int64(32), 64), block_size=BS) == plan_deletion(
+        old, new, (32, 64), block_size=BS)
+    for span in ((32.0, 64), ("32", 64), (True, 64), (32,)):
+        with pytest.raises(InputError, match="span must be .start, end. token positions .ints."):
+            plan_deletion(old, new, span, block_size=BS)
+    with pytest.raises(InputError, match=r"old_tokens must be a sequence of token ids \(ints\), got 1.9 at 0"):
+        plan_deletion([1.9] + old[1:], new, (32, 64), block_size=BS)
+    with pytest.raises(InputError, match="new_tokens must be a sequence of token ids"):
+        plan_deletion(old, 5, (32, 64), block_size=BS)
+    with pytest.raises(InputError, match=r"relocation 0 must be \(old_start, old_end, delta\) ints"):
+        plan_phases(old, new, [(64.5, 96, -32)], block_size=BS)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from promptsplice.blocks import root_hash
-from promptsplice.engine_adapters import plan_deletion
+from promptsplice.engine_adapters import SplicePlan, SpliceSegment, plan_deletion
 from promptsplice.engine_adapters.connector._served import (
     CHECK_KEY,
     MAX_QUERY_TOKENS,
@@ -410,3 +410,42 @@ def test_overlapping_probes_are_refused_and_a_plans_probes_hashed_once(monkeypat
             sched.build_connector_meta([("r", computed, 4 * BS if computed < len(tokens) - 1 else 1)], lambda rid: ids)
         assert hashed.count(True) == 1  # the probe blocks, hashed once for the request
         sched.request_finished("r")
+
+
+def test_an_acks_deviations_hold_ints_and_finite_numbers_only():
+    """``[[True, "64", ["0.5"], ["nan"]]]`` read as BlockDeviation(1, 64, (0.5,), (nan,)):
+    a NaN deviation never exceeds ``max_deviation``, so the guard failed open."""
+    from promptsplice.engine_adapters.connector._plans import BlockDeviation
+
+    dev = BlockDeviation(64, -32, (0.5, 0.25), (0.125, 0.0))
+    ack = SpliceAck(True, "", 96, 96, 96, deviations=(dev,))
+    assert SpliceAck.from_params(json.loads(json.dumps(ack_params(ack)))) == ack
+    good = ack_params(ack)["splice_ack"]
+    for bad, says in (
+        ([[True, 64, [0.5], [0.5]]], "deviation blocks must be a position and a delta"),
+        ([["64", 1, [0.5], [0.5]]], "deviation blocks must be a position and a delta"),
+        ([[-32, 1, [0.5], [0.5]]], "deviation blocks must be a position and a delta"),
+        ([[64, 1, ["0.5"], [0.5]]], "must hold finite numbers, got '0.5'"),
+        ([[64, 1, [0.5], [float("nan")]]], "must hold finite numbers, got nan"),
+        ([[64, 1, [0.5], [1e400]]], "must hold finite numbers, got inf"),
+        ([[64, 1, [0.5]]], r"\[dst_start, delta, k, v\] each"),
+        ([[64, 1, 0.5, [0.5]]], "must list k and v per layer"),
+        ({"64": 1}, "deviations must be a list"),
+    ):
+        with pytest.raises(InputError, match=says):
+            SpliceAck.from_params({"splice_ack": {**good, "deviations": bad}})
+
+
+def test_a_salt_over_vllms_length_in_a_plan_or_a_store_query_is_refused_before_it_is_hashed():
+    """``check_salt(vllm_rule=False)`` let a 10 MB derived salt through, hashed in vLLM's
+    scheduler loop; a runner's derived salts fit vLLM's 128 characters."""
+    ids = list(range(100, 100 + 3 * 32))
+    long = "alice\x1f" + "x" * 200
+    plan = SplicePlan(32, (SpliceSegment(32, 1, -32, bytes(16)),), src_salt=long)
+    verdict = plan_verdict(plan.to_params(), ids, 32, "alice")
+    assert verdict.has_plan and "src_salt is 206 characters, over 128" in verdict.reason
+    ok = SplicePlan(32, (SpliceSegment(32, 1, -32, bytes(16)),), src_salt="alice\x1f" + "x" * 100)
+    assert plan_verdict(ok.to_params(), ids, 32, "alice").reason == ""
+    query = [{"tokens": ids[:32], "salt": long, "parent": root_hash(long).hex()}]
+    matched, why = answer_query(query, lambda refs, salt: 1, 32, "alice", 2048)
+    assert matched == () and "salt is 206 characters, over 128" in why

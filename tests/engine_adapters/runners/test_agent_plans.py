@@ -152,3 +152,31 @@ def test_an_edit_reports_its_runs_changed_share_in_every_mode(default_tok, rende
     prepared, step = _session(AgentRunner(_CacheEngine(), mode=mode, salt="t"), default_tok, renders)[-1]
     assert prepared.kind is StepKind.EDIT and len(prepared.diff.relocations) == 1
     assert step.changed_share == prepared.diff.changed_share(prepared.diff.relocations[0]) == pytest.approx(0.7992007992)
+
+
+def test_a_step_stricter_than_its_scope_has_relocated_at_runs_exact_then_rescopes(default_tok, renders):
+    """A session's scope carries the KV its steps relocated: a ``bounded`` step after
+    ``fast`` ones was served the KV they relocated (one recomputed block) and reported
+    ``bounded``.  It now runs exact (``STRICTER_THAN_SCOPE``), and the next relocating
+    step opens a new scope from exact KV; steps as strict as the scope stay in it."""
+    from promptsplice.engine_adapters import StepFallback
+
+    after = renders[2] + [{"role": "assistant", "content": "It is in config.py."}]
+    edit = [m for m in after if m.get("tool_call_id") != "c2" and not (
+        m.get("tool_calls") and m["tool_calls"][0]["id"] == "c2")] + [{"role": "user", "content": "And again?"}]
+    again = edit + [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Once more?"}]
+    seq = [*renders, after, edit, again]
+    for levels, want, salts in (
+        (["fast"] * 4 + ["bounded", "bounded"], [None] * 4 + [StepFallback.STRICTER_THAN_SCOPE, None], "ttSStt"),
+        (["bounded"] * 4 + ["fast", "bounded"], [None] * 5 + [StepFallback.STRICTER_THAN_SCOPE], "ttSSSt"),
+        (["bounded"] * 6, [None] * 6, "ttSSSS"),
+    ):
+        runner = AgentRunner(_CacheEngine(), mode="splice", salt="t")
+        hook = ContextHook(default_tok, block_size=BS, salt="t")
+        steps = [runner.step(hook("s", msgs, TOOLS), max_tokens=4, fidelity=lv) for msgs, lv in zip(seq, levels)]
+        assert [s.fallback for s in steps] == want, levels
+        for s, w in zip(steps, want):
+            if w is StepFallback.STRICTER_THAN_SCOPE:  # exact, under the tenant's own salt
+                assert (s.salt, s.planned_relocated_tokens, s.fidelity) == ("t", 0, FidelityLevel.EXACT)
+        assert "".join("t" if s.salt == "t" else "S" for s in steps) == salts, levels
+        assert len({s.salt for s in steps if s.salt != "t"}) == 1

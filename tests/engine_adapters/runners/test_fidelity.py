@@ -282,6 +282,10 @@ def test_bounded_keeps_first_token_kl_p90_within_the_bar_on_the_fixed_sample(flo
     ("agent", {"mode": "apc", "fidelity": "bounded", "max_deviation": 0.5}, "fidelity='bounded', max_deviation set"),
     ("rag", {"mode": "exact", "fidelity": "bounded"}, "fidelity='bounded' set, but mode='exact' never relocates KV"),
     ("rag", {"mode": "exact", "fidelity": "fast", "recompute_blocks": 7}, "recompute_blocks set, but mode='exact'"),
+    # splicing's own options, taken and ignored by apc and full (RagRunner refused its own)
+    ("agent", {"mode": "apc", "scope": "none", "min_group_blocks": 7},
+     "AgentRunner(mode='apc') takes no scope, min_group_blocks: they shape splicing"),
+    ("agent", {"mode": "full", "reuse_repeats": False}, "AgentRunner(mode='full') takes no reuse_repeats"),
 ])
 def test_relocation_settings_on_a_mode_that_never_relocates_are_refused(runner, kwargs, says, kv_engine):
     """``AgentRunner(mode="apc", fidelity="fast", recompute_blocks=7)`` was accepted (its

@@ -957,3 +957,20 @@ def test_the_gate_counts_the_head_only_where_the_plan_loads_it(kv_engine, monkey
     heads.clear()
     runner.run(docs("nile", "paris", "everest"), query="q3", system=system, max_tokens=1)
     assert heads[0] == (0, head_end)
+
+
+def test_a_stored_chunk_computed_whole_is_not_counted_as_relocated(kv_engine):
+    """``relocated_chunks`` counted every stored chunk the plan placed, also one of fewer
+    blocks to load than ``min_group_blocks`` (computed whole: nothing of it loaded)."""
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=1, relocate="always", recompute_at="chunk",
+                       max_deviation=1.0, min_group_blocks=2)
+
+    def mixed(*names):  # nile two blocks (one to load: below min_group_blocks), the others three
+        return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]}"} for n in names]
+
+    runner.run(mixed("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
+    step = runner.run(mixed("everest", "nile", "paris"), query="q2", system=SYSTEM, max_tokens=1)
+    sizes = {n: s.end - s.start for n, s in chunk_segments(step).items()}
+    assert sizes == {"everest": 96, "nile": 64, "paris": 96}
+    assert step.precomputed_tokens == 0 and step.relocated_chunks == 2  # 3 before: nile too
