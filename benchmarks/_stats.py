@@ -1,7 +1,7 @@
 """What every bench shares: the one percentile rule (``*_p50``, ``*_p90``, ``*_p10``, ...),
 the sample size below which a percentile is an extreme (:func:`min_sample`), and the
 capacity shape of an engine that modes at equal capacity must share
-(:func:`capacity_shape`).
+(:func:`capacity_shape`), and the report a run that raised writes (:func:`error_report`).
 
 Nearest rank: the smallest value with at least ``q`` of the values at or below it,
 ``sorted(values)[ceil(q * n) - 1]``.  Each bench had its own rule (``int(q * n)``,
@@ -15,7 +15,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["percentile", "min_sample", "sample_flags", "capacity_shape"]
+__all__ = ["percentile", "min_sample", "sample_flags", "capacity_shape", "error_report"]
+
+
+def error_report(trace: Any, exc: BaseException) -> dict[str, Any]:
+    """The JSON a bench writes when its run raised (a probe that failed its check, an
+    engine error): ``{"trace", "error": {"type", "message"}}``, so a ``--json`` file never
+    holds an earlier run's report."""
+    return {"trace": str(trace), "error": {"type": type(exc).__name__, "message": str(exc)}}
 
 
 def _rank(q: float, n: int) -> int:

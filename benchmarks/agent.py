@@ -75,7 +75,7 @@ from promptsplice.benchmarks.agent_probes import ProbeTurns, probe_ranks, reloca
 from promptsplice.benchmarks.assemble import gap_closed
 from promptsplice.benchmarks.agent_traces import AgentSession, classify_step, read_agent_trace
 from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
-from promptsplice.benchmarks._stats import capacity_shape, percentile
+from promptsplice.benchmarks._stats import capacity_shape, error_report, percentile
 from promptsplice.assembler import PrefixCacheMirror
 from promptsplice.blocks import chain_hashes
 from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError
@@ -628,8 +628,7 @@ def run_agent_bench(
                     for eng in engines.values():
                         eng.close()
     except Exception as exc:  # a probe that failed its check, an engine error: the JSON says so too
-        failed = {"trace": str(trace), "error": {"type": type(exc).__name__, "message": str(exc)}}
-        out.write_text(json.dumps(failed, indent=2) + "\n")
+        out.write_text(json.dumps(error_report(trace, exc), indent=2) + "\n")
         raise
     report["trace"] = str(trace)
     out.write_text(json.dumps(report, indent=2) + "\n")

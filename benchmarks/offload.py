@@ -54,7 +54,8 @@ def _bytes_per_block(engine_cfg: dict[str, Any]) -> int:
 
     cfg = json.loads((default_model_dir() / "config.json").read_text())
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[EngineConfig().dtype]
+    # (a GPU's "auto": the default model's bfloat16, or float16)
+    itemsize = {"bfloat16": 2, "float16": 2, "half": 2, "auto": 2, "float32": 4, "float": 4}[EngineConfig().dtype]
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head * engine_cfg["block_size"] * itemsize
 
 

@@ -117,7 +117,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.benchmarks._stats import capacity_shape, percentile, sample_flags
+from promptsplice.benchmarks._stats import capacity_shape, error_report, percentile, sample_flags
 from promptsplice.benchmarks.assemble import _chunks, _oracle_segments, gap_closed
 from promptsplice.benchmarks.bounds import (
     BOUND_EXIT,
@@ -691,6 +691,9 @@ def run_rag_bench(
             )
         finally:
             engine.close()
+    except Exception as exc:  # a probe that failed its check (exit 5), an engine error: the JSON says so
+        Path(json_out).write_text(json.dumps(error_report(trace, exc), indent=2) + "\n")
+        raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["trace"] = str(Path(trace).resolve())  # pic_sweep, run from another folder, compares it

@@ -480,3 +480,28 @@ def test_probes_owed_are_made_when_relocation_stops_early(monkeypatch):
     assert (fid["steps"], fid["eligible"], fid["probe_coverage"]) == (32, 37, 1.0)
     assert probed == [f"promptsplice_pic request {i}" for i in range(3, 35)]
     assert bench_status({"steps_run": 100, "steps_total": 100, "fidelity": fid, "bounds": {"checks": {}}}) == 0
+
+
+def test_a_run_that_raises_writes_its_error_as_the_json(tmp_path, monkeypatch):
+    """A probe that failed its check (exit 5) escaped ``run_modes`` and left no JSON, or
+    an earlier run's report at that path: the error is the report now, and raised."""
+    import types
+
+    import promptsplice.benchmarks.rag as rag
+    from promptsplice.benchmarks.fidelity import FidelityError
+
+    def boom(*a, **kw):
+        raise FidelityError("request 3: the greedy probe was served 0 cached tokens of the 96")
+
+    closed = []
+    monkeypatch.setattr(rag, "start_rag_engines", lambda root, **kw: (types.SimpleNamespace(
+        close=lambda: closed.append(1)), None))
+    monkeypatch.setattr(rag, "run_modes", boom)
+    trace, out = tmp_path / "t.jsonl", tmp_path / "r.json"
+    dump_rag_trace(trace, sample_rag_requests(2, seed=2))
+    out.write_text('{"stale": "an earlier run"}')
+    with pytest.raises(FidelityError, match="greedy probe"):
+        rag.run_rag_bench(trace=trace, json_out=out)
+    assert json.loads(out.read_text()) == {"trace": str(trace), "error": {
+        "type": "FidelityError", "message": "request 3: the greedy probe was served 0 cached tokens of the 96"}}
+    assert closed == [1]
