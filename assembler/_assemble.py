@@ -269,6 +269,15 @@ class Assembler:
             tools_text = fmt.tools_text(tools)
             head.append((SegmentKind.TOOLS, tools_text))
             m_head.append(Markup.trusted(fmt.tools_header) + esc(tools_text[len(fmt.tools_header) :]))
+        # What the tokenizer puts before any text (a BOS: vLLM's text path adds it, token
+        # ids must carry it): before the head's tokens, or a head of its own without one
+        # (a chunk's tokens never depend on its position); never in the text, which a
+        # server given text encodes with it.
+        bos = list(getattr(self.tokenizer, "prefix_ids", ()))
+        alone = bool(bos) and not head
+        if alone:
+            head.append((SegmentKind.SYSTEM, ""))
+            m_head.append("")
         items: list[tuple[str, bytes, str]] = []
         for i, ((kind, text), marked) in enumerate(zip(head, m_head)):
             prefix = sep if i else ""
@@ -296,6 +305,8 @@ class Assembler:
         )
         toks = self.token_cache.get_many(self._cache_name, items, self._encode)
         head_toks = toks[: len(head)]
+        if bos and list(head_toks[0][: len(bos)]) != bos:  # (a format that writes the BOS itself has it)
+            head_toks = [bos + list(head_toks[0]), *head_toks[1:]]
         chunk_toks = toks[len(head) : len(head) + len(kept)]
         query_toks = toks[-1]
 
@@ -358,7 +369,7 @@ class Assembler:
                 if order_policy is OrderPolicy.CACHE_AWARE:
                     self.popularity.remember(digests, scope=scope)
 
-        key = self._prefix_key(tokens, builder.segments, len(head), salt)
+        key = self._prefix_key(tokens, builder.segments[alone:], len(head) - alone, salt)
         text = self._render_text(builder.segments, head, kept, order, q_text)
         return AssembledPrompt(
             token_ids=tokens,
@@ -393,7 +404,8 @@ class Assembler:
         tools = check_tools(tools)  # a lone surrogate: InvalidUTF8Error naming tools[i]
         texts = [c.text for c in normalize_chunks(chunks, on_invalid_utf8=self.dedup_config.on_invalid_utf8)]
         text = self.format.naive_text(texts, query=query, system=system, tools=tools)
-        return NaivePrompt(text=text, token_ids=self.tokenizer.encode(text))
+        bos = list(getattr(self.tokenizer, "prefix_ids", ()))  # as a server given the text encodes it
+        return NaivePrompt(text=text, token_ids=bos + self.tokenizer.encode(text))
 
     # -- internals -----------------------------------------------------------------
     def _encode(self, marked: list[str]) -> list[list[int]]:

@@ -186,6 +186,7 @@ class NaivePrompt:
 
 
 def _reencodes(tokenizer: Tokenizer, text: str, token_ids: list[int]) -> bool:
-    """Whether ``text`` tokenized whole (markup recognized) gives ``token_ids``."""
+    """Whether ``text`` tokenized whole (markup recognized) gives ``token_ids``, with
+    what the tokenizer puts before any text (a BOS), as vLLM's text path encodes it."""
     whole = getattr(tokenizer, "encode_markup_batch", tokenizer.encode_batch)
-    return list(whole([text])[0]) == list(token_ids)
+    return [*getattr(tokenizer, "prefix_ids", ()), *whole([text])[0]] == list(token_ids)

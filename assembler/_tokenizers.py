@@ -201,7 +201,7 @@ class HFTokenizer:
     Hugging Face cache snapshot links its files into a shared blob folder), where a chat
     renderer finds the model's template; ``None`` when it came from no folder."""
 
-    __slots__ = ("name", "filler_token_id", "model_dir", "_tok", "_text_tok", "_lock", "_ids")
+    __slots__ = ("name", "filler_token_id", "model_dir", "prefix_ids", "_tok", "_text_tok", "_lock", "_ids")
 
     def __init__(self, tokenizer: Any, *, name: str, filler_token_id: int | None = None,
                  model_dir: str | os.PathLike[str] | None = None):
@@ -221,6 +221,11 @@ class HFTokenizer:
         self.name = name
         self.model_dir = None if model_dir is None else Path(model_dir).absolute()
         _check_segment_safe(self, name)
+        # what its post-processor puts before any text (Llama-3's <|begin_of_text|>,
+        # Gemma's <bos>): vLLM's text path adds it, prompt_token_ids carry it or not
+        plain, added = (backend.encode(t, add_special_tokens=f).ids for t, f in (("a", False), ("a", True)))
+        cut = next((i for i in range(len(added) + 1) if added[i:i + len(plain)] == plain), 0)
+        self.prefix_ids: tuple[int, ...] = tuple(added[:cut])
         self.filler_token_id = (
             check_filler(self, filler_token_id, name)
             if filler_token_id is not None

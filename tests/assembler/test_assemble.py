@@ -12,6 +12,7 @@ from promptsplice.assembler import (
     Assembler,
     OrderPolicy,
     PrefixCacheMirror,
+    PromptFormat,
     SegmentKind,
     assemble_prompt,
 )
@@ -509,3 +510,48 @@ def test_text_form_is_exact_when_no_segment_ends_in_whitespace(make_assembler, d
     asm = make_assembler(policy="stable", alignment="none")
     res = asm.assemble(texts, query="Why?", system=SYSTEM)
     assert res.text_is_exact and default_tok.encode(res.text) == res.token_ids
+
+
+def _bos_adding(default_tok):
+    """SmolLM2's tokenizer with a post-processor that puts id 1 before any text, as
+    Llama-3's (<|begin_of_text|>) and Gemma's do."""
+    import json
+
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from promptsplice.assembler import HFTokenizer
+
+    spec = json.loads(default_tok._tok.to_str())
+    first = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing", "single": [first, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [first, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}},
+    }
+    raw = RawTokenizer.from_str(json.dumps(spec))
+    return raw, HFTokenizer(raw, name="bos-adding")
+
+
+def test_a_tokenizer_that_adds_a_bos_gets_it_in_the_token_ids_not_in_the_text(default_tok):
+    """Token ids were encoded without the tokenizer's BOS (Llama-3's <|begin_of_text|>),
+    which vLLM adds only to text prompts: a model sent the ids got no BOS, and
+    ``text_is_exact`` said True of a text a server encodes one token longer."""
+    raw, tok = _bos_adding(default_tok)
+    assert tok.prefix_ids == (1,) and default_tok.prefix_ids == ()
+    asm = Assembler(tok, block_size=16)
+    p = asm.assemble(["Paris is in France.", "Rome is in Italy."], query="Where?")
+    assert p.token_ids[0] == 1 and p.token_ids.count(1) == 1 and "<|im_start|>" not in p.text
+    assert p.text_is_exact and raw.encode(p.text).ids == p.token_ids  # what vLLM's text path sends
+    assert p.segments[0].kind is SegmentKind.SYSTEM and p.segments[0].content_end == 1  # a head of its own
+    assert p.block_hashes == chain_hashes(p.token_ids, 16)
+    other = asm.assemble(["Oslo is in Norway.", "Rome is in Italy."], query="Where?", policy="retrieval")
+    assert other.prefix_key != p.prefix_key  # the BOS alone is no routing key
+    with_system = asm.assemble(["Paris is in France."], query="Where?", system="Be brief.")
+    assert with_system.token_ids[:2] == [1, *default_tok.encode("Be brief.")[:1]]
+    assert raw.encode(with_system.text).ids == with_system.token_ids
+    # a format that writes the BOS itself: one BOS, and a text a server would give a second
+    own = Assembler(tok, block_size=16, prompt_format=PromptFormat(system_template="<|im_start|>{system}"))
+    q = own.assemble(["Paris is in France."], query="Where?", system="Be brief.")
+    assert q.token_ids[:2] == [1, *default_tok.encode("Be brief.")[:1]] and q.token_ids.count(1) == 1
+    assert not q.text_is_exact
+    assert asm.naive(["Paris is in France."], query="Where?").token_ids[0] == 1
