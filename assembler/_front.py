@@ -28,13 +28,21 @@ def _default_assembler(tokenizer: Tokenizer | str | None, block_size: int, trust
         asm = _DEFAULTS.get(key)
         if asm is None:
             asm = _DEFAULTS[key] = Assembler(tok, block_size=block_size, trust_markup=trust_markup)
-    if asm.tokenizer is not tok and not same_tokenizer(asm.tokenizer, tok):
-        # keyed by name: another tokenizer under one name would get the first one's ids
+    if asm.tokenizer is not tok and (not same_tokenizer(asm.tokenizer, tok) or _settings(asm.tokenizer) != _settings(tok)):
+        # keyed by name: another tokenizer under one name would get the first one's ids,
+        # padding or control tokens (HFTokenizer.from_file(path, filler_token_id=...) and
+        # tokenizer=path share their name)
         raise ConfigError(
-            f"two tokenizers that split text differently are both named {tok.name!r}: give each "
-            "its own name (HFTokenizer(..., name=...)), or pass assembler=Assembler(tokenizer)"
+            f"two tokenizers that differ (in how they split text, their filler token, control tokens "
+            f"or BOS) are both named {tok.name!r}: give each its own name (HFTokenizer(..., name=...)), "
+            "or pass assembler=Assembler(tokenizer)"
         )
     return asm
+
+
+def _settings(tok: Tokenizer) -> tuple[Any, ...]:
+    """What besides its splitting a tokenizer gives an assembler."""
+    return (tok.filler_token_id, tuple(getattr(tok, "prefix_ids", ())), dict(getattr(tok, "special_tokens", None) or {}))
 
 
 def assemble_prompt(

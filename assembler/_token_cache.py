@@ -2,8 +2,10 @@
 
 A retrieved chunk that comes back in many requests is tokenized once: the cache maps
 ``(tokenizer name, segment prefix, content digest)`` to its token ids.  The digest comes
-from :mod:`promptsplice.blocks` (the one content hash), and a hit is confirmed against the
-stored text length so a digest collision cannot hand back another text's tokens unnoticed.
+from :mod:`promptsplice.blocks` (the one content hash, which is not collision-resistant),
+and a hit is confirmed against the stored text itself, so a crafted collision can never
+hand one document (one tenant's) the tokens of another: the text confirmed a hit by its
+length before, which a collision of equal length passed.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ class TokenCacheStats(NamedTuple):
 
 
 class TokenCache:
-    """LRU over token-id tuples, bounded by total tokens held."""
+    """LRU over token-id tuples (each with its text), bounded by total tokens held."""
 
     def __init__(self, max_tokens: int = 4_000_000) -> None:
         check_int(max_tokens, "TokenCache max_tokens")
         self.max_tokens = max_tokens
-        self._data: OrderedDict[tuple[str, str, bytes], tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._data: OrderedDict[tuple[str, str, bytes], tuple[str, tuple[int, ...]]] = OrderedDict()
         self._tokens = 0
         self._hits = 0
         self._misses = 0
@@ -54,7 +56,7 @@ class TokenCache:
             for i, (prefix, digest, text) in enumerate(items):
                 key = (tokenizer_name, prefix, digest)
                 entry = data.get(key)
-                if entry is not None and entry[0] == len(text):
+                if entry is not None and entry[0] == text:  # (a memcmp; the digest already read it)
                     data.move_to_end(key)
                     out[i] = entry[1]
                 else:
@@ -68,10 +70,10 @@ class TokenCache:
                     tup = tuple(ids)
                     out[i] = tup
                     prefix, digest, text = items[i]
-                    self._put((tokenizer_name, prefix, digest), (len(text), tup))
+                    self._put((tokenizer_name, prefix, digest), (text, tup))
         return out  # type: ignore[return-value]
 
-    def _put(self, key: tuple[str, str, bytes], value: tuple[int, tuple[int, ...]]) -> None:
+    def _put(self, key: tuple[str, str, bytes], value: tuple[str, tuple[int, ...]]) -> None:
         old = self._data.pop(key, None)
         if old is not None:
             self._tokens -= len(old[1])

@@ -21,6 +21,7 @@ CVE-2025-25183 for the same reason).
 from __future__ import annotations
 
 import sys
+import threading
 from array import array
 from itertools import compress, count
 from operator import not_
@@ -202,7 +203,8 @@ def iter_block_hashes(parent: BlockHash, data: memoryview, block_size: int) -> I
 _MEMO_MIN_BLOCKS = 4
 _MEMO_MAX_HASHES = 1 << 18
 _memo: dict[tuple[bytes, int, bytes], tuple[BlockHash, ...]] = {}
-_memo_hashes = 0  # hashes held (approximate under threads: only sizes the memo)
+_memo_hashes = 0  # hashes held
+_memo_lock = threading.Lock()  # (without it, lost counts let the memo outgrow its bound)
 
 
 def _memo_chain(parent: BlockHash, data: bytes, block_size: int) -> tuple[BlockHash, ...]:
@@ -214,13 +216,14 @@ def _memo_chain(parent: BlockHash, data: bytes, block_size: int) -> tuple[BlockH
     key = (parent, block_size, xxhash.xxh3_128_digest(data))
     hashes = _memo.get(key)
     if hashes is None:
-        hashes = tuple(iter_block_hashes(parent, memoryview(data), block_size))
-        if _memo_hashes + len(hashes) > _MEMO_MAX_HASHES:
-            _memo.clear()
-            _memo_hashes = 0
-        if len(hashes) <= _MEMO_MAX_HASHES:
-            _memo[key] = hashes
-            _memo_hashes += len(hashes)
+        hashes = tuple(iter_block_hashes(parent, memoryview(data), block_size))  # (outside the lock)
+        with _memo_lock:
+            if _memo_hashes + len(hashes) > _MEMO_MAX_HASHES:
+                _memo.clear()
+                _memo_hashes = 0
+            if len(hashes) <= _MEMO_MAX_HASHES and key not in _memo:
+                _memo[key] = hashes
+                _memo_hashes += len(hashes)
     return hashes
 
 

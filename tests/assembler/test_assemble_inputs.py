@@ -341,6 +341,10 @@ def test_two_tokenizers_under_one_name_do_not_share_the_default_assembler(defaul
     # the same vocabulary under the same name (another object) shares it
     again = HFTokenizer(default_tok._tok, name=name)
     assert assemble_prompt(["hello world"], query="fox", tokenizer=again).token_ids
+    # ... but not under another filler token: the first one's padding came out (216, not 198)
+    padded = HFTokenizer(default_tok._tok, name=name, filler_token_id=198)
+    with pytest.raises(ConfigError, match=f"their filler token.*both named '{name}'"):
+        assemble_prompt(["hello world"], query="fox", tokenizer=padded, alignment="all")
 
 
 def test_an_empty_chatml_system_still_opens_the_user_turn(default_tok):

@@ -65,6 +65,18 @@ def test_cache_is_bounded_by_tokens_lru():
             TokenCache(max_tokens=bad)
 
 
+def test_a_digest_collision_of_equal_length_is_a_miss_not_another_texts_tokens():
+    """A hit was confirmed by the text's length only: xxh3 is not collision-resistant,
+    and a crafted document of equal length colliding with another (another tenant's)
+    was handed its tokens.  The stored text confirms a hit now."""
+    cache = TokenCache()
+    enc = lambda texts: [[ord(c) for c in t] for t in texts]  # noqa: E731
+    digest = content_digest(b"secret")
+    assert cache.get_many("t", [("", digest, "secret")], enc) == [tuple(map(ord, "secret"))]
+    assert cache.get_many("t", [("", digest, "public")], enc) == [tuple(map(ord, "public"))]  # same digest, length
+    assert cache.stats().hits == 0 and cache.stats().misses == 2
+
+
 def test_concurrent_assembly_is_consistent(default_tok):
     # alignment "none": padding under "auto" depends on the cache state, which differs
     # with thread interleaving; the order must not (the stable memo pins it).
