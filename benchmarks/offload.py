@@ -8,6 +8,9 @@ evicted every prefix it is asked for.  Two modes, each on its own engine, same t
 * ``apc``: vLLM alone (prefix caching only);
 * ``tiered``: vLLM with the splice connector and the tiered store (DRAM, then disk).
 
+The two run at equal capacity (the same KV blocks, block size, dtype and context; else
+:class:`~promptsplice.errors.ConfigError` before the second trace).
+
 Per mode: ``prefill_tokens`` (prompt tokens minus vLLM's cached tokens),
 ``cached_tokens`` (vLLM's ``num_cached_tokens``, local + connector), ``external_cached_tokens``
 (vLLM's ``external_prefix_cache_hits`` counter) and ``wall_s``; ``outputs_identical``
@@ -15,7 +18,8 @@ compares the greedy outputs of the two modes request by request.
 
 ``load_vs_recompute``: recompute time / load time for the same blocks, in one run.
 Recompute time is the marginal prefill time of the prompt's full blocks (uncached TTFT
-minus TTFT when they are all cached, both measured by the engine); load time is what the
+minus TTFT when they are all cached, both measured by the ``apc`` engine, which saves
+nothing; ``None`` when the two are equal within noise); load time is what the
 connector's worker spends getting those blocks from the store tier and writing them into
 the paged cache (from DRAM; from disk via a second store whose DRAM tier holds one block,
 files written just before, so the OS page cache may hold them: the disk figure is an
@@ -40,7 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from promptsplice.benchmarks._stats import capacity_shape
 from promptsplice.benchmarks.ttft import _text_tokens
+from promptsplice.errors import ConfigError
 
 __all__ = ["run_offload_bench", "OFFLOAD_MODES"]
 
@@ -219,24 +225,36 @@ def run_offload_bench(
             disk_dir=folder,
         )
         outputs: dict[str, list[list[int]]] = {}
+        shapes: dict[str, Any] = {}
+        rec, sample = 0.0, []
         for mode in OFFLOAD_MODES:
             engine = EmbeddedEngine(**common, kv_store=store_cfg if mode == "tiered" else None)
             try:
+                shapes[mode] = capacity_shape(engine, store=False)
+                if len(shapes) == 2 and shapes["apc"] != shapes["tiered"]:  # before the second trace runs
+                    raise ConfigError(f"bench offload: apc and tiered must run at equal capacity, got apc "
+                                      f"{shapes['apc']} and tiered {shapes['tiered']}")
                 tok = engine.tokenizer
                 texts = [_text_tokens(tok, 7 * i + 1, prompt_tokens) for i in range(prompts)]
                 m, outs = _run_trace(engine, texts, rounds, max_tokens)
                 m["pool_blocks"] = engine.usable_blocks
                 report["modes"][mode] = m
                 outputs[mode] = outs
-                if mode == "tiered":
+                if mode == "apc":
+                    # recompute timed without a connector (on tiered its first prefill also
+                    # saved every block, which flattered the loads)
+                    rec, sample = _recompute_time(engine, lambda off: _text_tokens(tok, off, prompt_tokens))
+                else:
                     # the trace's own store traffic, read before the timing loads below
                     # add theirs (about 6 DRAM hits per sampled block)
                     report["store"] = engine.kv_store.stats()._asdict()
-                    rec, sample = _recompute_time(engine, lambda off: _text_tokens(tok, off, prompt_tokens))
+                    engine.generate(sample, max_tokens=1)  # its blocks into the store
+                    engine.kv_store.drain()
                     dram, disk, n = _time_loads(engine, sample)
+                    ok = rec > 0  # (a prompt too short to time: its cached TTFT as long as the uncached)
                     report["load_vs_recompute"] = {
-                        "dram": round(rec / dram, 1),
-                        "disk": round(rec / disk, 1),
+                        "dram": round(rec / dram, 1) if ok else None,
+                        "disk": round(rec / disk, 1) if ok else None,
                     }
                     report["load_timing"] = {
                         "blocks": n,

@@ -40,6 +40,7 @@ it (run the suite with ``--fidelity-requests 0`` for that figure).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ from promptsplice.benchmarks.fidelity import FIDELITY_EXIT, FidelityError
 from promptsplice.benchmarks.rag import PIC_MODE, check_store_layout, format_modes, run_modes, start_rag_engines
 from promptsplice.benchmarks.traces import SUITE, read_rag_trace, shape_stats, suite_trace_dir, write_rag_trace
 from promptsplice.errors import PromptspliceError
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["rag_suite", "run_rag_suite", "format_suite", "family_checks", "suite_status"]
 
@@ -117,7 +120,9 @@ def rag_suite(
             write_rag_trace(path, requests=requests, seed=seed, family=fam)
             reqs = read_rag_trace(path)
             rep, _ = run_modes(engine, reqs, kv_engine=kv_engine, **modes)
-        except (PromptspliceError, OSError) as exc:
+        except Exception as exc:  # a bug in one family (a KeyError...) ended the whole suite with a traceback
+            if not isinstance(exc, PromptspliceError | OSError):
+                _log.exception("bench rag --suite: family %s failed unexpectedly", fam)
             report["failed"][fam] = f"{type(exc).__name__}: {exc}"
             report["families"][fam] = {"error": report["failed"][fam]}
             if isinstance(exc, FidelityError):  # a probe that measured no approximate KV: exit 5

@@ -60,3 +60,41 @@ def test_the_offload_table_reports_the_write_down_line():
     assert format_offload(report).splitlines()[-1].endswith(
         "(2.572x); write-behind, one folder fsync per batch: 61.0 records/s (2.14x inline)"
     )
+
+
+def test_the_two_modes_must_run_at_equal_capacity(monkeypatch):
+    """The modes got the same ``kv_cache_bytes``, but their block counts were only
+    reported: a connector that reserved memory would have compared a smaller pool.
+    A mismatch is a ConfigError before the second trace runs (fake engines: no vLLM)."""
+    import types
+
+    import pytest
+
+    import promptsplice.engine_adapters as ea
+    from promptsplice.benchmarks.offload import run_offload_bench
+    from promptsplice.errors import ConfigError
+
+    traced = []
+
+    class Engine:
+        def __init__(self, kv_store=None, **kw):
+            self.num_blocks = 40 if kv_store is None else 39  # the tiered one holds a block less
+            self.block_size, self.max_model_len, self.usable_blocks = 32, kw["max_model_len"], self.num_blocks - 1
+            self.config = types.SimpleNamespace(dtype="float32", enable_prefix_caching=True, kv_store=kv_store)
+            from promptsplice.assembler import default_tokenizer
+            self.tokenizer = default_tokenizer()
+
+        def counters(self):
+            return types.SimpleNamespace(since=lambda before: types.SimpleNamespace(external_hits=0))
+
+        def generate(self, prompt, max_tokens):
+            traced.append(self.num_blocks)
+            return types.SimpleNamespace(token_ids=[1], prompt_tokens=len(prompt), num_cached_tokens=0, ttft_s=0.1)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ea, "EmbeddedEngine", Engine)
+    with pytest.raises(ConfigError, match="apc and tiered must run at equal capacity"):
+        run_offload_bench(prompts=2, rounds=1, prompt_tokens=64)
+    assert set(traced) == {40}  # the tiered trace never ran

@@ -67,3 +67,22 @@ def test_a_family_whose_pic_ran_with_probe_traffic_is_left_out_of_pic_vs_store(m
     old = _family_report(0.1, True)
     del old["pic"]["probe_traffic"]
     assert rs.family_checks(old)["pic_gap_closed_vs_store"] is None
+
+
+def test_an_unexpected_error_in_one_family_fails_that_family_only(monkeypatch, tmp_path):
+    """Only the library's errors and OSError were caught per family: a KeyError in one
+    ended the whole suite with a traceback, the families after it never ran."""
+    from promptsplice.benchmarks import rag_suite as rs
+
+    seen = []
+
+    def fake_run_modes(engine, reqs, **kw):
+        seen.append(len(seen))
+        if len(seen) == 1:
+            raise KeyError("modes")
+        return {**_family_report(0.4, False), "steps_run": 2, "steps_total": 2}, {}
+
+    monkeypatch.setattr(rs, "run_modes", fake_run_modes)
+    rep = rs.rag_suite(None, families=["support", "tools"], requests=2, trace_dir=tmp_path)
+    assert seen == [0, 1] and rep["failed"] == {"support": "KeyError: 'modes'"}
+    assert "report" in rep["families"]["tools"] and rep["families"]["support"] == {"error": "KeyError: 'modes'"}
