@@ -63,6 +63,8 @@ __all__ = ["run_shared_tier_bench", "format_shared_tier", "prefix_bound", "suite
            "MODES"]
 
 MODES = ("local", "shared", "outage")
+DEFAULT_REQUESTS = 40
+"""Requests of a generated trace (a ``--trace`` file runs whole unless ``--requests``)."""
 
 
 def _prompts(engine: Any, requests: Sequence[Any]) -> list[list[int]]:
@@ -103,16 +105,19 @@ def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int
     union: set[bytes] = set()
     local = shared = total = 0
     for i, tokens in enumerate(prompts):
-        hashes = chain_hashes(list(tokens), block_size)[: (len(tokens) - 1) // block_size]
+        # a request is served at most its blocks before the last token, and caches every
+        # full block it computed (a prompt of whole blocks is a later one's prefix whole)
+        full = chain_hashes(list(tokens), block_size)
+        hashes = full[: (len(tokens) - 1) // block_size]
         if i in failed:
-            own[i % engines].update(hashes)
-            union.update(hashes)
+            own[i % engines].update(full)
+            union.update(full)
             continue
         total += len(tokens)
         local += len(tokens) - _leading_run(hashes, own[i % engines]) * block_size
         shared += len(tokens) - _leading_run(hashes, union) * block_size
-        own[i % engines].update(hashes)
-        union.update(hashes)
+        own[i % engines].update(full)
+        union.update(full)
     return {
         "prompt_tokens": total,
         "local_prefill": local,
@@ -121,24 +126,33 @@ def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int
     }
 
 
-def _family_requests(family: str | None, requests: int, seed: int, trace: str | Path | None) -> list[Any]:
+def _family_requests(family: str | None, requests: int | None, seed: int, trace: str | Path | None) -> list[Any]:
     from promptsplice.benchmarks.traces import generate_family_trace, generate_rag_trace, read_rag_trace
 
     if trace:
-        return read_rag_trace(trace, limit=requests)
+        if family is not None:
+            raise ConfigError(f"pass a trace or a family, not both (--trace {trace}, --family {family})")
+        return read_rag_trace(trace, limit=requests)  # (None: the whole file)
+    requests = DEFAULT_REQUESTS if requests is None else requests
     if family is None:
         return generate_rag_trace(requests=requests, seed=seed, profile="repeat-heavy")
     return generate_family_trace(family, requests=requests, seed=seed)
 
 
-def suite_bounds(requests: int = 200, *, seed: int = 0, block_size: int = 32) -> dict[str, dict[str, Any]]:
+def suite_bounds(requests: int = 200, *, seed: int = 0, block_size: int = 32,
+                 kv_cache_blocks: int = 160) -> dict[str, dict[str, Any]]:
     """:func:`prefix_bound` of every family of the suite, on the prompts the bench sends
     (ChatML, assembled at ``block_size``); no engine needed."""
-    from promptsplice.assembler import Assembler, PromptFormat, default_tokenizer
+    from promptsplice.assembler import Assembler, MirrorView, PrefixCacheMirror, PromptFormat, default_tokenizer
     from promptsplice.benchmarks.assemble import _chunks
     from promptsplice.benchmarks.traces import SUITE
 
-    asm = Assembler(default_tokenizer(), block_size=block_size, prompt_format=PromptFormat.chatml(), max_tokens=4095)
+    # as the bench's assembler: a view of its engine's mirror, empty while it assembles
+    # every prompt before the first runs (one that admitted its own prompts laid out
+    # 151 of 200 wiki prompts otherwise)
+    mirror = MirrorView(PrefixCacheMirror(block_size, capacity_blocks=kv_cache_blocks - 1))
+    asm = Assembler(default_tokenizer(), block_size=block_size, prompt_format=PromptFormat.chatml(), max_tokens=4095,
+                    mirror=mirror)
     out = {}
     for family in SUITE:
         reqs = _family_requests(family, requests, seed, None)
@@ -201,14 +215,14 @@ def _run_mode(
         cached += comp.num_cached_tokens
         external += seen.external_hits
         per_request.append(((len(tokens) - 1) // bs * bs, comp.num_cached_tokens))
-        full = (len(tokens) - 1) // bs
-        hashes = chain_hashes(tokens, bs)[:full]
+        every = chain_hashes(tokens, bs)  # the full blocks it computed or was served
+        hashes = every[: (len(tokens) - 1) // bs]  # those it could be served
         local = seen.prefix_cache_hits // bs
         loaded = seen.external_hits // bs
         run = _leading_run(hashes, computed[1 - i % 2])
         eligible += max(0, run - local)
         covered += max(0, min(local + loaded, run) - local)
-        computed[i % 2].update(hashes[local + loaded :])
+        computed[i % 2].update(every[local + loaded :])
     wall = time.perf_counter() - t0
     stats = [e.kv_store.stats() for e in engines]
     keys = ("remote_hits", "remote_writes", "remote_outages", "remote_corrupt", "remote_skipped")
@@ -256,7 +270,7 @@ def _empty(engines: Sequence[Any], url: str) -> None:
 def run_shared_tier_bench(
     *,
     json_out: str | Path | None = None,
-    requests: int = 40,
+    requests: int | None = None,
     trace: str | Path | None = None,
     family: str | None = None,
     modes: Sequence[str] = MODES,
@@ -388,7 +402,8 @@ def shared_tier_status(report: dict[str, Any], *, allow_skips: bool = False) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m promptsplice.benchmarks.shared_tier", description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True, help="where to write the report")
-    p.add_argument("--requests", type=count_arg(1), default=40)
+    p.add_argument("--requests", type=count_arg(1), default=None,
+                   help=f"requests to run (default: a --trace file's all, else {DEFAULT_REQUESTS}; --bounds-only: 200)")
     p.add_argument("--trace", default=None, help="a RAG trace (promptsplice bench gen-trace); default: generated")
     p.add_argument("--family", default=None, help="a trace family of the suite (default: wiki's repeat-heavy)")
     p.add_argument("--bounds-only", action="store_true",
@@ -405,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    if value != default]
         if ignored:  # the bounds are the suite's generated families': they say nothing of these
             p.error(f"--bounds-only computes the suite's families' bounds; drop {', '.join(ignored)}")
-        bounds = suite_bounds(args.requests)
+        bounds = suite_bounds(200 if args.requests is None else args.requests)
         Path(args.json).write_text(json.dumps({"bounds": bounds}, indent=2) + "\n")
         print("| family | requests | prompt tokens | local prefill | shared prefill | shared/local |")
         print("|---|---|---|---|---|---|")

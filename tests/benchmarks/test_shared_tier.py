@@ -39,6 +39,25 @@ def test_prefix_bound_counts_what_each_engine_or_the_pair_computed_before():
     assert bound["shared_over_local"] == round(28 / 36, 4)
     # the last token is never served from cache: a prompt of whole blocks keeps one block
     assert prefix_bound([a + b, a + b], 8)["shared_prefill"] == 16 + 8
+    # ... but every full block it computed is cached: a later prompt that extends it is
+    # served all of it (the bound counted only the blocks before its last token: 16 + 24,
+    # above the 16 + 8 vLLM computes, and a correct engine failed the bench)
+    assert prefix_bound([a + b, a + b + c], 8, engines=1)["shared_prefill"] == 16 + 8
+
+
+def test_a_trace_file_runs_whole_and_never_with_a_family(tmp_path, monkeypatch):
+    """``--requests`` defaulted to 40, so a 100-request ``--trace`` ran its first 40 and
+    reported coverage 1.0 of them; ``--family`` beside it was ignored."""
+    import promptsplice.benchmarks.shared_tier as st
+    from promptsplice.benchmarks.traces import dump_rag_trace, sample_rag_requests
+
+    trace = tmp_path / "t.jsonl"
+    dump_rag_trace(trace, sample_rag_requests(45, seed=3))
+    assert len(st._family_requests(None, None, 0, trace)) == 45
+    assert len(st._family_requests(None, 10, 0, trace)) == 10
+    assert len(st._family_requests(None, None, 0, None)) == st.DEFAULT_REQUESTS == 40
+    with pytest.raises(ConfigError, match="a trace or a family, not both"):
+        st._family_requests("support", None, 0, trace)
 
 
 def test_bounds_of_the_suite_need_no_engine(tmp_path, capsys):
