@@ -158,6 +158,8 @@ def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[st
     """The message, checked; text parts joined and dict arguments written as JSON text
     (what the renderer makes of them), so the rest of the bench reads one form."""
     w.typed(msg, dict, fld, "an object (a chat message)", 'write each message as {"role": ..., "content": ...}')
+    if _nesting(msg) > MAX_NESTING:
+        raise w.fail(fld, f"nested more than {MAX_NESTING} levels deep", "flatten the message (its extra keys too)")
     if "role" not in msg:
         raise w.fail(fld, "message without 'role'", f"add a role, one of {', '.join(ROLES)}")
     role = msg["role"]
@@ -237,6 +239,24 @@ def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[st
     return msg
 
 
+MAX_NESTING = 100
+"""Levels a message may nest (its extra keys included): the hook walks every key, and
+one nested ~500 deep failed a run after its engines had started."""
+
+
+def _nesting(value: Any) -> int:
+    """How deep ``value`` nests (a str or number: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list | tuple):
+            deepest = max(deepest, d + 1)
+            if d + 1 <= MAX_NESTING:
+                stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+
 def _session_from_json(obj: Any, w: _Where) -> AgentSession:
     w.typed(obj, dict, "line", "a JSON object (one session)", 'write {"id": ..., "tools": [...], "renders": [...]}')
     for key in ("id", "tools", "renders"):
@@ -298,32 +318,64 @@ def read_agent_trace(path: str | os.PathLike[str]) -> list[AgentSession]:
 
 def write_agent_trace(path: str | os.PathLike[str], sessions: Iterable[AgentSession]) -> int:
     """Write sessions as a JSONL agent trace (UTF-8, one line each); return how many.
-    Creates the parent folder when missing."""
+    Creates the parent folder when missing.  Each session is checked as the reader
+    checks it (:class:`TraceFormatError` naming ``session N``), so a file it writes is
+    one the reader reads: an infinity, a duplicate id or an empty render was written,
+    then refused."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
+    lines: list[str] = []
+    seen: dict[str, int] = {}
+    for n, s in enumerate(sessions):
+        w = _Where(f"session {n}")
+        obj = s.to_json()
+        try:
+            line = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise w.fail("line", f"not JSON ({exc})", "give the session JSON values only (finite numbers)") from None
+        _session_from_json(json.loads(line), w)
+        if s.id in seen:
+            raise w.fail("id", f"duplicate session id {s.id!r} (first: session {seen[s.id]})", "give every session its own id")
+        seen[s.id] = n
+        lines.append(line)
     with open(p, "w", encoding="utf-8", newline="\n") as fh:
-        for s in sessions:
-            fh.write(json.dumps(s.to_json(), ensure_ascii=False, separators=(",", ":")))
-            fh.write("\n")
-            n += 1
-    return n
+        fh.writelines(line + "\n" for line in lines)
+    return len(lines)
 
 
 # --------------------------------------------------------------------------- step labels
 
 
+def _rendered(msg: dict) -> tuple:
+    """What of a message the renderer renders, in one form: its role, content, name,
+    tool_call_id and calls (arguments as canonical JSON: ``'{"a":true}'``, ``{"a": True}``
+    and ``'{"a": true}'`` alike; ``""`` as ``{}``); other keys are ignored (README), as the
+    hook ignores them."""
+    calls = []
+    for c in msg.get("tool_calls") or ():
+        fn = (c.get("function") or {}) if isinstance(c, dict) else {}
+        args = fn.get("arguments")
+        try:
+            parsed = (json.loads(args) if args.strip() else {}) if isinstance(args, str) else args
+            args = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        except (ValueError, TypeError, RecursionError):
+            pass  # as written
+        calls.append((c.get("id") if isinstance(c, dict) else None, fn.get("name"), args))
+    return (msg.get("role"), msg.get("content"), msg.get("name"), msg.get("tool_call_id"), tuple(calls))
+
+
 def edit_depth(prev_render: list[dict] | None, render: list[dict]) -> int:
-    """Index of the first message of ``render`` that differs from ``prev_render``
-    (0 = the system message): ``len(prev_render)`` for a pure append, 0 for the first
-    step (``prev_render`` None or empty)."""
+    """Index of the first message of ``render`` that differs from ``prev_render`` in what
+    is rendered (:func:`_rendered`; 0 = the system message): ``len(prev_render)`` for a
+    pure append, 0 for the first step (``prev_render`` None or empty)."""
     if not prev_render:
         return 0
-    n = min(len(prev_render), len(render))
-    for i in range(n):
-        if prev_render[i] != render[i]:
-            return i
-    return n
+    return _first_change([_rendered(m) for m in prev_render], [_rendered(m) for m in render])
+
+
+def _first_change(prev: list[tuple], new: list[tuple]) -> int:
+    n = min(len(prev), len(new))
+    return next((i for i in range(n) if prev[i] != new[i]), n)
 
 
 def _text(msg: dict) -> str:
@@ -337,7 +389,7 @@ def classify_step(prev_render: list[dict] | None, render: list[dict]) -> str:
     ``first`` without a previous render; ``append`` when it is a prefix of ``render``.
     Otherwise, from the first changed message ``i``, the removed stretch ``prev[i:j]``
     and the inserted one ``render[i:k]`` run up to the first message of ``render`` that
-    reappears later in ``prev`` (messages compare as whole dicts); when none does, the
+    reappears later in ``prev`` (messages compare by what is rendered, :func:`_rendered`); when none does, the
     whole tail ``prev[i:]`` counts as removed and ``render[i:]`` as inserted (the edit
     was followed by new messages).  A tool output replaced by a shorter one (same
     ``tool_call_id``): ``truncate`` if it gained the ten-line rule's marker line,
@@ -348,13 +400,14 @@ def classify_step(prev_render: list[dict] | None, render: list[dict]) -> str:
     """
     if not prev_render:
         return "first"
-    i = edit_depth(prev_render, render)
+    prev_r, new_r = [_rendered(m) for m in prev_render], [_rendered(m) for m in render]
+    i = _first_change(prev_r, new_r)
     if i == len(prev_render):
         return "append"
     k = j = -1
     for kk in range(i, len(render)):
         try:
-            j = prev_render.index(render[kk], i)
+            j = prev_r.index(new_r[kk], i)
         except ValueError:
             continue
         k = kk
@@ -377,7 +430,10 @@ def classify_step(prev_render: list[dict] | None, render: list[dict]) -> str:
     if tail and all(m.get("role") == "tool" or m.get("tool_calls") and not _text(m) for m in removed):
         ids = {c.get("id") for m in removed for c in m.get("tool_calls") or ()}
         ids |= {m.get("tool_call_id") for m in removed if m.get("role") == "tool"}
-        if not ids & {m.get("tool_call_id") for m in render}:
+        ids.discard(None)  # (calls without ids: every message without one matched them)
+        gone = (not ids & {m.get("tool_call_id") for m in render} if ids
+                else not any(r in new_r for r in prev_r[i:]))
+        if gone:
             return "drop"  # call/output pairs dropped from the end, then new messages
     summary_like = new.get("role") != "tool" and not new.get("tool_calls")
     if summary_like and len(removed) >= 2 and (tail or len(inserted) == 1):

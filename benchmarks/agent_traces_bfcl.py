@@ -46,6 +46,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import re
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -178,6 +179,16 @@ def _format_result(result: Any, indent: int | None) -> str:
     return str(result)
 
 
+_SET_OF_STRS = re.compile(r"\{('(?:[^'\\]|\\.)*'(?:, '(?:[^'\\]|\\.)*')+)\}")
+
+
+def _sorted_sets(text: str) -> str:
+    """A printed set of strings in sorted order: BFCL's messages print sets (``Must be
+    one of {'economy', 'business'}``), whose order follows the hash seed, so the trace
+    differed between runs of one seed."""
+    return _SET_OF_STRS.sub(lambda m: "{" + ", ".join(sorted(re.findall(r"'(?:[^'\\]|\\.)*'", m.group(1)))) + "}", text)
+
+
 class _Env:
     """The task's simulated API instances, loaded as BFCL loads them."""
 
@@ -207,9 +218,9 @@ class _Env:
         if dry:
             inst = copy.deepcopy(inst)
         try:
-            return _format_result(getattr(inst, name)(**kwargs), indent)
+            return _sorted_sets(_format_result(getattr(inst, name)(**kwargs), indent))
         except Exception as exc:  # noqa: BLE001 - BFCL reports every API error as text
-            return f"Error during execution: {exc}"
+            return _sorted_sets(f"Error during execution: {exc}")
 
     def kwargs(self, call: str) -> tuple[str, dict]:
         """A ground-truth call string as (name, keyword arguments)."""

@@ -316,3 +316,75 @@ def test_committed_sample_is_valid_and_small() -> None:
     summary = trace_summary(sample)
     assert summary["edit_share"] >= 0.5
     assert all(summary["kinds"][k] > 0 for k in ("truncate", "drop", "mask", "summarize"))
+
+
+def test_steps_are_labelled_by_what_is_rendered_as_the_hook_sees_them():
+    """Messages compared as whole dicts: an earlier message that gained an ignored key,
+    or a call whose arguments changed from JSON text to the same object, made the
+    hook's append an "other" edit step (edit-step counts, TTFT and strata skewed); and
+    a dropped tail of calls without ids was never "drop" (None matched every message)."""
+    sys_, user = {"role": "system", "content": "s"}, {"role": "user", "content": "u"}
+
+    def call(cid, args):
+        c = {"type": "function", "function": {"name": "cd", "arguments": args}}
+        return {"role": "assistant", "content": None, "tool_calls": [c | ({"id": cid} if cid else {})]}
+
+    def out(cid, text):
+        return {"role": "tool", "content": text} | ({"tool_call_id": cid} if cid else {})
+
+    first = [sys_, user, call("c1", '{"a":true, "b": 1}'), out("c1", "ok")]
+    same = [{**sys_, "ts": 2}, user, call("c1", {"b": 1, "a": True}), out("c1", "ok"), {"role": "assistant", "content": "done"}]
+    assert classify_step(first, same) == "append" and edit_depth(first, same) == 4
+    empty = [sys_, user, call("c1", ""), out("c1", "ok")]
+    assert classify_step(empty, [sys_, user, call("c1", {}), out("c1", "ok")]) == "append"
+    for cid in ("c1", None):  # a failed call dropped from the tail, retried: with and without ids
+        failed = [sys_, user, call(cid, '{"f": "fo"}'), out(cid, "Error: no such folder: fo")]
+        retry = [sys_, user, call(cid and "c2", '{"f": "foo"}'), out(cid and "c2", "Moved into folder foo")]
+        assert classify_step(failed, retry) == "drop", cid
+
+
+def test_a_message_nested_deeper_than_the_hook_walks_is_refused_where_it_is_read(tmp_path):
+    """An ignored key nested ~500 levels deep was read, then failed the hook after the
+    engines had started (no file or line)."""
+    deep = "x"
+    for _ in range(150):
+        deep = {"k": deep}
+    line = {"id": "s", "tools": [], "renders": [[{"role": "system", "content": "s", "meta": deep}, {"role": "user", "content": "u"}]]}
+    path = tmp_path / "deep.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    with pytest.raises(TraceFormatError, match=r"deep.jsonl:1: .*renders\[0\]\[0\].*nested more than 100 levels"):
+        read_agent_trace(path)
+    line["renders"][0][0]["meta"] = {"k": {"k": "fine"}}
+    path.write_text(json.dumps(line) + "\n")
+    assert read_agent_trace(path)[0].renders[0][0]["meta"] == {"k": {"k": "fine"}}  # kept (ignored)
+
+
+def test_the_bfcl_generator_gives_one_trace_whatever_the_hash_seed():
+    """BFCL's error messages print sets (``Must be one of {...}``) in hash-seed order:
+    ``gen-agent-trace --seed 4`` wrote 3 different files over 4 hash seeds (the bench's
+    numbers changed with them).  Checked in processes of different hash seeds."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import hashlib, json; from promptsplice.benchmarks.agent_traces_bfcl import generate_agent_trace; "
+            "print(hashlib.sha256(json.dumps([s.to_json() for s in generate_agent_trace(24, seed=4)]).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(h)},
+                              capture_output=True, text=True, check=True).stdout for h in (1, 2, 4)}
+    assert len(digests) == 1, digests
+
+
+def test_the_writer_refuses_what_the_reader_would(tmp_path):
+    """``write_agent_trace`` wrote ``Infinity``, duplicate ids and empty renders, which
+    the reader then refused: it checks each session as the reader does now."""
+    ok = read_agent_trace(SAMPLE)[0]
+    path = tmp_path / "w.jsonl"
+    inf_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "maximum": float("inf")}}}]
+    for sessions, says in (
+        ([ok, ok], "session 1: id: duplicate session id"),
+        ([AgentSession("x", inf_tool, ok.renders)], "session 0: line: not JSON"),
+        ([AgentSession("x", ok.tools, [])], "session 0: renders"),
+    ):
+        with pytest.raises(TraceFormatError, match=says):
+            write_agent_trace(path, sessions)
+    assert write_agent_trace(path, [ok]) == 1 and read_agent_trace(path)[0] == ok
