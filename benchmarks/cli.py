@@ -10,6 +10,7 @@ one contract: what a user types and what one line of error they get back.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -31,7 +32,7 @@ once (a core install heard of httpx, then of each of the others, one run at a ti
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from promptsplice.assets import default_model_dir, is_complete, is_user_model
+    from promptsplice.assets import default_model_dir, ensure_default_tokenizer, is_complete, is_user_model
 
     folder = default_model_dir()
     if not (is_complete(folder) or is_user_model(folder)):  # else ready: nothing to import
@@ -47,6 +48,10 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
         from promptsplice.engine_adapters._model import ensure_default_model
 
         folder = ensure_default_model(folder)
+    # the default tokenizer too (built lazily, it failed a first assembly on a cache made
+    # read-only after setup): from the GGUF, or served by the model folder without it
+    with contextlib.suppress(ImportError):  # (the GGUF reader of an install without it: built later)
+        ensure_default_tokenizer()
     if not args.quiet:
         print(folder)
     return 0

@@ -125,10 +125,14 @@ def release(handle: Handle) -> None:
 
 
 def _is_default_model(folder: Path) -> bool:
-    from promptsplice.assets import default_model_dir
+    """Whether ``folder`` is the default model promptsplice converted from the GGUF (its
+    tokenizer is the default tokenizer).  A model of the user's own that
+    ``PROMPTSPLICE_MODEL_DIR`` names (no marker) is not: it was tokenized with SmolLM2's
+    tokenizer while vLLM ran it with its own."""
+    from promptsplice.assets import default_model_dir, is_complete
 
     try:
-        return folder.resolve() == default_model_dir().resolve()
+        return folder.resolve() == default_model_dir().resolve() and is_complete(folder)
     except OSError:
         return False
 

@@ -27,6 +27,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,22 @@ def _new_folder(parent: Path, prefix: str) -> Path:
     raise FileExistsError(f"no free name {prefix}* in {parent}")
 
 
+def _umask_modes(tmp: Path) -> None:
+    """Every file and folder a build wrote, at the mode the umask gives a new one:
+    safetensors' ``save_file`` writes 0600 whatever the umask, so a model one user
+    converted (a container image's build step) was unreadable to the user serving it."""
+    probe = tmp / ".mode-probe"
+    probe.touch()
+    file_mode = stat.S_IMODE(probe.stat().st_mode)  # 0o666 & ~umask
+    probe.unlink()
+    dir_mode = file_mode | ((file_mode & 0o444) >> 2)  # x wherever r
+    for root, dirs, files in os.walk(tmp):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), dir_mode)
+        for f in files:
+            os.chmod(os.path.join(root, f), file_mode)
+
+
 def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
     _check_target(folder)
     prefix = f".{folder.name}{_BUILD_TAG}"
@@ -196,6 +213,7 @@ def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None])
         raise AssetError(f"cannot create a folder in {folder.parent} to build {folder} ({exc}); make it writable") from exc
     try:
         build(source, tmp)
+        _umask_modes(tmp)
         (tmp / _MARKER).write_text(json.dumps({"source": str(source)}) + "\n")
         if is_complete(folder):  # only without flock (not POSIX) can another have built it
             shutil.rmtree(tmp, ignore_errors=True)

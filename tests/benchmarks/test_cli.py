@@ -504,3 +504,19 @@ def test_the_output_check_leaves_a_dangling_link_as_it_was(tmp_path):
     plain = tmp_path / "new.json"  # a file the check creates is removed
     _check_writable("--json", str(plain), "the report's", None)
     assert not plain.exists()
+
+
+def test_model_prepare_builds_the_default_tokenizer_too(tmp_path, monkeypatch, capsys):
+    """The default tokenizer was built lazily, at the first assembly: on a cache made
+    read-only after setup that failed (its lock file could not be opened)."""
+    from promptsplice.assets import default_tokenizer_dir, is_complete
+    from promptsplice.benchmarks import cli
+
+    monkeypatch.setenv("PROMPTSPLICE_HOME", str(tmp_path / "home"))
+    (tmp_path / "mine").mkdir()  # a converted model of the user's: no conversion here
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / "mine" / name).write_text("{}")
+    monkeypatch.setenv("PROMPTSPLICE_MODEL_DIR", str(tmp_path / "mine"))
+    assert not is_complete(default_tokenizer_dir())
+    assert cli.main(["model", "prepare"]) == 0
+    assert default_tokenizer_dir().parent.parent == tmp_path / "home" and is_complete(default_tokenizer_dir())

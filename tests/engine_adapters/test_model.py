@@ -45,3 +45,29 @@ def test_an_engine_tokenizer_knows_the_folder_its_chat_template_is_in(tmp_path, 
     assert _model_dir("org/chat-model") == snap
     assert _model_dir("org/not-downloaded") is None
     assert _model_dir("not a hub id at all!") is None  # refused by the hub client: no folder, no failure
+
+
+def test_a_model_of_the_users_own_named_by_the_env_gets_its_own_tokenizer(tmp_path, monkeypatch):
+    """``PROMPTSPLICE_MODEL_DIR`` naming a model of the user's own (no marker) made it
+    "the default model": its prompts were tokenized with SmolLM2's tokenizer while vLLM
+    ran it with its own.  Only the folder promptsplice converted is the default."""
+    import shutil
+
+    from promptsplice.assembler import default_tokenizer
+    from promptsplice.assets import ensure_default_tokenizer
+    from promptsplice.engine_adapters._lifecycle import load_tokenizer
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    shutil.copy(ensure_default_tokenizer() / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.setenv("PROMPTSPLICE_MODEL_DIR", str(folder))
+
+    def no_llm():
+        raise AssertionError("the folder's own tokenizer.json is read, vLLM's is not asked for")
+
+    tok = load_tokenizer(str(folder), no_llm)
+    assert tok is not default_tokenizer() and tok.name == f"hf:{(folder / 'tokenizer.json').resolve()}"
+    assert tok.model_dir == folder.absolute()  # and its chat template from there
+    (folder / ".complete").write_text("{}")  # converted by promptsplice: the default tokenizer
+    assert load_tokenizer(str(folder), no_llm) is default_tokenizer()

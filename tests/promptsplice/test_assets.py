@@ -203,12 +203,21 @@ def test_a_built_folder_is_readable_by_other_users(tmp_path, monkeypatch):
     import stat
     from pathlib import Path
 
+    def build(src, out):  # as safetensors' save_file writes: 0600 whatever the umask
+        (out / "t.json").write_text("{}")
+        (out / "sub").mkdir(mode=0o700)
+        (out / "sub" / "w.safetensors").write_bytes(b"w")
+        os.chmod(out / "sub" / "w.safetensors", 0o600)
+
     old = os.umask(0o022)
     try:
-        folder = assets.build_folder(tmp_path / "tok", tmp_path / "src", lambda src, out: (out / "t.json").write_text("{}"))
+        folder = assets.build_folder(tmp_path / "tok", tmp_path / "src", build)
     finally:
         os.umask(old)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert stat.S_IMODE((folder / "sub").stat().st_mode) == 0o755  # (0700 before)
+    assert stat.S_IMODE((folder / "sub" / "w.safetensors").stat().st_mode) == 0o644  # (0600: unreadable to others)
+    assert stat.S_IMODE((folder / "t.json").stat().st_mode) == 0o644
 
     def refused(self):
         raise PermissionError(13, "Permission denied", str(self))
