@@ -20,6 +20,10 @@
   ``gap closed <= 1`` by construction (tested as a property over random traces, chunks
   with separators included).  With ``capacity_tokens`` the seen segments live in an LRU
   of that many tokens (a like-for-like reference, per segment only).
+* :func:`prefix_bound`: what block-granular prefix caches that never evict leave to
+  prefill when requests go round robin to engines with caches of their own (``local``)
+  or one shared between them (``shared``; with one engine, the floor of any routing
+  over any number of servers).
 
 Only the unbounded figures are lower bounds for *every* cache: an LRU over N blocks is
 not the best N blocks can do (Belady's eviction keeps more), so the capacity-matched
@@ -31,16 +35,17 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from promptsplice.blocks import chain_hashes
 from promptsplice.errors import PromptspliceError
 
 __all__ = [
     "radix_prefill_tokens", "RadixPrefill", "OracleCounter", "floor_per_request", "bound_checks", "BoundError",
-    "BOUND_EXIT", "check_bounds",
+    "BOUND_EXIT", "check_bounds", "prefix_bound",
 ]
 
 
@@ -270,3 +275,48 @@ def check_bounds(checks: Mapping[str, Mapping[str, Any]], *, what: str = "bench"
             f"{what}: " + "; ".join(bad) + ": no mode can beat its lower bound, so the bound or the "
             "bench is wrong (a cache or store shared between modes, a bound that does not apply to the mode)"
         )
+
+
+def _leading_run(hashes: Sequence[bytes], known: set[bytes]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in known:
+            break
+        n += 1
+    return n
+
+
+def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int = 2,
+                 failed: Collection[int] = ()) -> dict[str, Any]:
+    """The least prefill the pair can reach, with caches that never evict: request ``i``
+    on engine ``i % engines`` computes every token after the longest leading run of
+    whole blocks (never the last token) already computed by that engine (``local``) or
+    by any engine (``shared``).  A prefix cache, and a connector that extends it, reuse
+    nothing else, so no mode may prefill less than its bound.
+
+    ``failed``: indices of requests that raised: they count no tokens, but every block of
+    their prompt counts as computed (a request may fail after its prefill), so the bound
+    of the requests that ran stays a lower bound."""
+    own: list[set[bytes]] = [set() for _ in range(engines)]
+    union: set[bytes] = set()
+    local = shared = total = 0
+    for i, tokens in enumerate(prompts):
+        # a request is served at most its blocks before the last token, and caches every
+        # full block it computed (a prompt of whole blocks is a later one's prefix whole)
+        full = chain_hashes(list(tokens), block_size)
+        hashes = full[: (len(tokens) - 1) // block_size]
+        if i in failed:
+            own[i % engines].update(full)
+            union.update(full)
+            continue
+        total += len(tokens)
+        local += len(tokens) - _leading_run(hashes, own[i % engines]) * block_size
+        shared += len(tokens) - _leading_run(hashes, union) * block_size
+        own[i % engines].update(full)
+        union.update(full)
+    return {
+        "prompt_tokens": total,
+        "local_prefill": local,
+        "shared_prefill": shared,
+        "shared_over_local": round(shared / local, 4) if local else None,
+    }

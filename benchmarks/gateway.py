@@ -63,6 +63,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, check_bounds, prefix_bound
 from promptsplice.benchmarks.routing import write_report
 from promptsplice.benchmarks.servers import (
     BLOCK_SIZE, START_ENV, LoopbackServer, _free_ports, answered_by, loopback_servers, spawn_logged,
@@ -281,10 +282,14 @@ def served_model(client: Any, url: str) -> str:
         raise EngineResponseError(f"{url}/v1/models answered no model: {resp.text[:300]!r}") from exc
 
 
-def _prompts(family: str, requests: int, seed: int) -> dict[str, list[tuple[str, int, str]]]:
+def _prompts(family: str, requests: int, seed: int,
+             bounds: dict[str, int] | None = None) -> dict[str, list[tuple[str, int, str]]]:
     """(text, token count, routing key) per request, naive and assembled, for one family:
     a name of the suite (``wiki``, ``support``, ...) or a wiki profile (``repeat-heavy``,
-    ``diverse``)."""
+    ``diverse``); ``bounds`` gets each kind's prefill floor (:func:`prefix_bound` over one
+    cache: no routing over any number of servers prefills less)."""
+    bounds = {} if bounds is None else bounds
+    ids: dict[str, list[list[int]]] = {"naive": [], "assembled": []}
     from promptsplice.assembler import Assembler, PromptFormat, default_tokenizer
     from promptsplice.benchmarks.traces import generate_family_trace
     from promptsplice.engine_adapters._router import prefix_route_key
@@ -315,6 +320,10 @@ def _prompts(family: str, requests: int, seed: int) -> dict[str, list[tuple[str,
         # The same key as the naive prompt's (the chain hash of the first blocks): the
         # coarser prefix_key (system prompt and tools only) pinned a family to one server.
         assembled.append((a.text, len(a.token_ids), prefix_route_key(a).hex()))
+        ids["assembled"].append(list(a.token_ids))
+        ids["naive"].append(list(n.token_ids))
+    # the floor of any routing: one prefix cache that never evicts, shared by every server
+    bounds.update({k: prefix_bound(v, BLOCK_SIZE, engines=1)["shared_prefill"] for k, v in ids.items()})
     return {"naive": naive, "assembled": assembled}
 
 
@@ -348,8 +357,9 @@ def run_gateway_bench(
         raise ConfigError(f"unknown trace families {unknown!r}; choose from {', '.join(SUITE + _WIKI_PROFILES)}")
     if urls is not None:  # distinct servers, checked before the prompts and the gateways
         urls = [u.rstrip("/") for u in RoundRobinRouter(urls).endpoints]
-    prompts = {p: _prompts(p, requests, seed) for p in profiles}
-    report: dict[str, Any] = {"families": {}}
+    floors: dict[str, dict[str, int]] = {p: {} for p in profiles}
+    prompts = {p: _prompts(p, requests, seed, floors[p]) for p in profiles}
+    report: dict[str, Any] = {"families": {}, "bound_checks": {}}
     run_id = uuid.uuid4().hex[:8]
     with contextlib.ExitStack() as stack:
         if urls is None:
@@ -393,7 +403,11 @@ def run_gateway_bench(
                         print(f"[gateway] {profile} {kind} {mode}: hit {out['cluster_hit_rate']:.1%} "
                               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
                     out.pop("served_by")
+                    out["bound_prefill_tokens"] = floors[profile][kind]
                     fam.setdefault(kind, {})[mode] = out
+                    report["bound_checks"][f"{profile}/{kind}/{mode}"] = {
+                        "bound": "prefix", "bound_prefill_tokens": floors[profile][kind],
+                        "prefill_tokens": out["prefill_tokens"], "holds": out["prefill_tokens"] >= floors[profile][kind]}
             if json_out:  # after each family: a long run interrupted keeps what it measured
                 write_report(dict(report, modes=list(modes), servers=len(urls), block_size=BLOCK_SIZE,
                                   requests=requests, max_tokens=max_tokens, seed=seed), json_out)
@@ -451,6 +465,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_gateway(report))
     if args.json:
         print(f"json: {write_report(report, args.json)}")
+    try:
+        check_bounds(report["bound_checks"], what="gateway")
+    except BoundError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        return BOUND_EXIT
     return 0
 
 

@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ from typing import Any
 
 from promptsplice.errors import ConfigError, EngineError
 from promptsplice._validate import check_int
+from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, check_bounds, prefix_bound
 from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
 from promptsplice.benchmarks.servers import BLOCK_SIZE, loopback_servers
 
@@ -185,12 +187,19 @@ def run_routing_bench(
             "round_robin": RoundRobinRouter(list(engines)),
         }
         run_id = uuid.uuid4().hex[:8]
-        report: dict[str, Any] = {"routers": {}}
+        report: dict[str, Any] = {"routers": {}, "bound_checks": {}}
+        # the floor of any routing: one prefix cache that never evicts, shared by every server
+        floor = prefix_bound([list(p.token_ids) for p in prompts], BLOCK_SIZE, engines=1)["shared_prefill"]
         for name, router in routers.items():
             out = route_trace(router, engines, prompts, salt=f"route-{name}-{run_id}",
                               max_tokens=max_tokens, concurrency=concurrency)
             out.pop("results")
+            out["prefill_tokens"] = out["prompt_tokens"] - out["cached_tokens"]
+            out["bound_prefill_tokens"] = floor
             report["routers"][name] = out
+            report["bound_checks"][name] = {"bound": "prefix", "bound_prefill_tokens": floor,
+                                            "prefill_tokens": out["prefill_tokens"],
+                                            "holds": out["prefill_tokens"] >= floor}
     report.update(endpoints=len(urls), block_size=BLOCK_SIZE, key_blocks=kb,
                   load_factor=load_factor, concurrency=concurrency)
     return report
@@ -241,6 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_routing(report))
     if args.json:
         print(f"json: {write_report(report, args.json)}")
+    try:
+        check_bounds(report["bound_checks"], what="routing")
+    except BoundError as exc:
+        print(f"promptsplice: error: {exc}", file=sys.stderr)
+        return BOUND_EXIT
     return 0
 
 

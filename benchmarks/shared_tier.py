@@ -50,11 +50,11 @@ import json
 import os
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, check_bounds
+from promptsplice.benchmarks.bounds import BOUND_EXIT, BoundError, _leading_run, check_bounds, prefix_bound
 from promptsplice.benchmarks.coverage import COVERAGE_EXIT, Coverage, CoverageError, check_coverage
 from promptsplice.errors import ConfigError
 from promptsplice.benchmarks.cli import _check_writable, count_arg, run_tool
@@ -77,53 +77,6 @@ def _prompts(engine: Any, requests: Sequence[Any]) -> list[list[int]]:
         prompt = asm.assemble(_chunks(req), query=req.query, system=req.system or None)
         out.append(list(prompt.token_ids))
     return out
-
-
-def _leading_run(hashes: Sequence[bytes], known: set[bytes]) -> int:
-    n = 0
-    for h in hashes:
-        if h not in known:
-            break
-        n += 1
-    return n
-
-
-def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int = 2,
-                 failed: Collection[int] = ()) -> dict[str, Any]:
-    """The least prefill the pair can reach, with caches that never evict: request ``i``
-    on engine ``i % engines`` computes every token after the longest leading run of
-    whole blocks (never the last token) already computed by that engine (``local``) or
-    by any engine (``shared``).  A prefix cache, and a connector that extends it, reuse
-    nothing else, so no mode may prefill less than its bound.
-
-    ``failed``: indices of requests that raised: they count no tokens, but every block of
-    their prompt counts as computed (a request may fail after its prefill), so the bound
-    of the requests that ran stays a lower bound."""
-    from promptsplice.blocks import chain_hashes
-
-    own: list[set[bytes]] = [set() for _ in range(engines)]
-    union: set[bytes] = set()
-    local = shared = total = 0
-    for i, tokens in enumerate(prompts):
-        # a request is served at most its blocks before the last token, and caches every
-        # full block it computed (a prompt of whole blocks is a later one's prefix whole)
-        full = chain_hashes(list(tokens), block_size)
-        hashes = full[: (len(tokens) - 1) // block_size]
-        if i in failed:
-            own[i % engines].update(full)
-            union.update(full)
-            continue
-        total += len(tokens)
-        local += len(tokens) - _leading_run(hashes, own[i % engines]) * block_size
-        shared += len(tokens) - _leading_run(hashes, union) * block_size
-        own[i % engines].update(full)
-        union.update(full)
-    return {
-        "prompt_tokens": total,
-        "local_prefill": local,
-        "shared_prefill": shared,
-        "shared_over_local": round(shared / local, 4) if local else None,
-    }
 
 
 def _family_requests(family: str | None, requests: int | None, seed: int, trace: str | Path | None) -> list[Any]:

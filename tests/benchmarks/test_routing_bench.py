@@ -29,6 +29,11 @@ def test_main_writes_the_report_of_a_real_run(tmp_path, capsys, live_servers):
         assert r["hit_rate"] == pytest.approx(r["cached_tokens"] / r["prompt_tokens"])
         assert r["metrics_cached_tokens"] == r["cached_tokens"]
     assert report["routers"]["affinity"]["prompt_tokens"] == report["routers"]["round_robin"]["prompt_tokens"]
+    # each router's floor (one prefix cache that never evicts: no routing prefills less)
+    for name, c in report["bound_checks"].items():
+        r = report["routers"][name]
+        assert c["holds"] and c["bound_prefill_tokens"] == r["bound_prefill_tokens"] <= r["prefill_tokens"]
+        assert 0 < c["bound_prefill_tokens"] < r["prompt_tokens"]
     printed = capsys.readouterr().out
     assert "affinity" in printed and "round_robin" in printed and str(out) in printed
 
@@ -180,3 +185,21 @@ def test_metrics_agreement_counts_a_connectors_hits_and_needs_the_counters():
     assert out["metrics_external_cached_tokens"] == 96
     out = _route(_FakeRemote(reported=32, counted=0, exposed=False))  # no counter: nothing to compare
     assert out["cached_tokens"] == 96 and out["metrics_external_cached_tokens"] is None
+
+
+def test_a_router_below_its_floor_fails_the_run(monkeypatch, tmp_path, capsys):
+    """The routing and gateway benches reported no bound, so a cache leaking between
+    runs (a salt reused) could not be caught: a run below the floor of one cache that
+    never evicts is exit 4 now (a fake run: no server)."""
+    import promptsplice.benchmarks.routing as routing
+
+    def fake(*a, **kw):
+        check = {"bound": "prefix", "bound_prefill_tokens": 500, "prefill_tokens": 400, "holds": False}
+        return {"routers": {"affinity": {"requests": 1, "prompt_tokens": 600, "cached_tokens": 200, "hit_rate": 0.33,
+                                         "per_endpoint_requests": {"a": 1}}},
+                "bound_checks": {"affinity": check}, "endpoints": 1, "block_size": 32, "key_blocks": 2,
+                "load_factor": 1.25, "concurrency": 1}
+
+    monkeypatch.setattr(routing, "run_routing_bench", fake)
+    assert routing.main(["--requests", "1"]) == 4
+    assert "routing: affinity prefilled 400 tokens, below its bound (prefix) of 500" in capsys.readouterr().err
