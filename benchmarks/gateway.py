@@ -408,11 +408,11 @@ def run_gateway_bench(
                     report["bound_checks"][f"{profile}/{kind}/{mode}"] = {
                         "bound": "prefix", "bound_prefill_tokens": floors[profile][kind],
                         "prefill_tokens": out["prefill_tokens"], "holds": out["prefill_tokens"] >= floors[profile][kind]}
-            if json_out:  # after each family: a long run interrupted keeps what it measured
+            if json_out:  # after each family: a long run interrupted keeps what it measured, and says so
                 write_report(dict(report, modes=list(modes), servers=len(urls), block_size=BLOCK_SIZE,
-                                  requests=requests, max_tokens=max_tokens, seed=seed), json_out)
+                                  requests=requests, max_tokens=max_tokens, seed=seed, complete=False), json_out)
     report.update(modes=list(modes), servers=len(urls), block_size=BLOCK_SIZE,
-                  requests=requests, max_tokens=max_tokens, seed=seed)
+                  requests=requests, max_tokens=max_tokens, seed=seed, complete=True)
     return report
 
 

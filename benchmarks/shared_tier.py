@@ -259,6 +259,10 @@ def run_shared_tier_bench(
                 )
             prompts = _prompts(engines[0], reqs)
             block_size = engines[0].block_size  # the bound's unit: the engines' own blocks
+            held = [e.num_blocks for e in engines]  # what each really holds (the ask assumes block 32, a dtype)
+            if held[0] != held[1]:
+                raise ConfigError(f"shared_tier: the two engines hold {held[0]} and {held[1]} KV blocks; "
+                                  "they must run at equal capacity")
             for mode in modes:
                 _empty(engines, server.url)
                 report["modes"][mode], outputs[mode] = _run_mode(
@@ -293,7 +297,8 @@ def run_shared_tier_bench(
             report["shared_over_local_prefill_reason"] = why
     source = str(trace) if trace else (f"family {family}" if family else "generated repeat-heavy")
     report["trace"] = {"requests": len(reqs), "source": source}
-    report["engines"] = {"kv_cache_blocks": kv_cache_blocks, "dram_blocks": dram_blocks, "block_size": block_size}
+    report["engines"] = {"kv_cache_blocks": kv_cache_blocks, "num_blocks": held[0], "dram_blocks": dram_blocks,
+                         "block_size": block_size}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report

@@ -123,7 +123,7 @@ def quiet_logs() -> None:
 
 def import_vllm() -> Any:
     """``import vllm`` with the adapter's environment defaults."""
-    with _import_lock:
+    with _import_lock, _naming_the_extra():
         _prepare_env()
         import vllm
 
@@ -132,11 +132,27 @@ def import_vllm() -> Any:
 
 def import_vllm_platform() -> Any:
     """vLLM's ``current_platform`` (imports torch and vllm.platforms, not the engine)."""
-    with _import_lock:
+    with _import_lock, _naming_the_extra():
         _prepare_env()
         from vllm.platforms import current_platform
 
     return current_platform
+
+
+@contextmanager
+def _naming_the_extra() -> Iterator[None]:
+    """A missing vLLM (the ``[engine]`` install: vLLM comes with ``[cpu]`` or ``[gpu]``)
+    is a ``ModuleNotFoundError`` that names the extra, as the integrations' are; it
+    escaped as ``No module named 'vllm'``."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("vllm", "torch"):
+            raise
+        raise ModuleNotFoundError(
+            f"the embedded engine needs vLLM, which this install lacks ({exc}): pip install "
+            "'promptsplice[cpu]' (or [gpu] on CUDA), or use RemoteEngine with a vllm serve", name=exc.name
+        ) from exc
 
 
 def device_type() -> str:

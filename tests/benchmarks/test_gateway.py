@@ -64,6 +64,7 @@ def test_main_writes_the_report_of_a_real_run(tmp_path, capsys, live_servers):
             assert sum(s["requests"] for s in r["per_server"].values()) == 3
             assert 0 < r["bound_prefill_tokens"] <= r["prefill_tokens"]  # one cache, never evicting: no routing does better
     assert all(c["holds"] for c in report["bound_checks"].values()) and len(report["bound_checks"]) == 4
+    assert report["complete"] is True  # (the JSON written after each family says false)
     assert "smg:prefix_hash" in capsys.readouterr().out
 
 

@@ -92,3 +92,20 @@ def test_a_bad_switch_names_the_choices(monkeypatch):
     assert _vllm.vllm_log_level() == "INFO"
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "debug")  # the user's own vLLM setting wins
     assert _vllm.vllm_log_level() == "DEBUG"
+
+
+def test_a_missing_vllm_names_the_extra_that_installs_it(monkeypatch):
+    """On the ``[engine]`` install (vLLM comes with ``[cpu]`` or ``[gpu]``) building an
+    engine ended in a bare ``No module named 'vllm'``."""
+    import sys
+
+    import pytest
+
+    from promptsplice.engine_adapters import _vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)
+    for load in (_vllm.import_vllm, _vllm.import_vllm_platform):
+        with pytest.raises(ModuleNotFoundError, match=r"needs vLLM.*pip install 'promptsplice\[cpu\]'") as info:
+            load()
+        assert info.value.name.split(".")[0] == "vllm"
