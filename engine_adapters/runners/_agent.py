@@ -94,7 +94,7 @@ from promptsplice.engine_adapters.runners._steps import (
 )
 from promptsplice.blocks import round_down
 from promptsplice._validate import (
-    DERIVED_SALT_MARK, check_bool, check_derived_salt_room, check_enum, check_int, check_tenant_salt, check_text,
+    DERIVED_SALT_MARK, EXACT_SALT_TAG, check_bool, check_derived_salt_room, check_enum, check_int, check_tenant_salt, check_text,
 )
 from promptsplice.errors import ConfigError, InputError, InvalidSaltError
 
@@ -327,7 +327,7 @@ class AgentRunner:
 
     def _exact_salt(self) -> str | None:
         """A salt whose cache holds exact blocks only (module doc)."""
-        return self.salt if self.scope == "session" else f"{self.salt or ''}{DERIVED_SALT_MARK}exact"
+        return self.salt if self.scope == "session" else f"{self.salt or ''}{DERIVED_SALT_MARK}{EXACT_SALT_TAG}"
 
     # -- sessions -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -422,7 +422,7 @@ class AgentRunner:
                 st.served = None
             new = list(prepared.token_ids)
             plain = [SplicePhase(len(new), None)]
-            fallback, level, recomputed = None, cfg.level, 0
+            fallback, level, recomputed, stricter = None, cfg.level, 0, False
             if prepared.kind is StepKind.NEW_SESSION:
                 # the hook starts the session afresh (a restarted harness, an evicted
                 # session): so does the runner, under the tenant's salt, out of any scope
@@ -433,11 +433,11 @@ class AgentRunner:
                 salt, phases, level = f"full:{uuid.uuid4().hex}", plain, FidelityLevel.EXACT
             elif self.mode is AgentMode.APC:
                 salt, phases, level = st.salt, plain, FidelityLevel.EXACT
-            elif not cfg.relocate or (st.scoped and not _covers(st.served, cfg)):
+            elif not cfg.relocate or (stricter := st.scoped and not _covers(st.served, cfg)):
                 # exact: what could be relocated is computed; so it is for a step stricter
                 # than its scope has relocated at (a bounded step after fast ones: the
                 # scope's cache holds their KV), which then leaves the scope
-                if cfg.relocate and fallback is None:
+                if stricter and fallback is None:
                     fallback = StepFallback.STRICTER_THAN_SCOPE
                 salt, phases = self._exact_salt(), plain
                 if prepared.kind in (StepKind.EDIT, StepKind.APPEND):
@@ -474,7 +474,7 @@ class AgentRunner:
                 level, result.planned_relocated_tokens, salt, salt_may_hold_relocated=shared
             )
             st.tokens = array("I", new)  # token ids are checked to fit 32 bits
-            if self.mode is AgentMode.SPLICE and (not cfg.relocate or fallback is StepFallback.STRICTER_THAN_SCOPE):
+            if self.mode is AgentMode.SPLICE and (not cfg.relocate or stricter):
                 # The exact salt's KV is the session's now; a scoped session rescopes from it.
                 st.salt, st.scoped, st.served = self.salt, False, None
             elif self.mode is not AgentMode.FULL:

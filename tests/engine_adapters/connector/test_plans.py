@@ -257,8 +257,11 @@ def test_spans_runs_and_token_ids_that_are_not_ints_are_input_errors():
     import numpy as np
 
     old, new = toks(96), toks(32) + toks(32, 64)
-    assert plan_deletion(np.array(old), new, (np.int64(32), 64), block_size=BS) == plan_deletion(
-        old, new, (32, 64), block_size=BS)
+    import torch
+
+    want = plan_deletion(old, new, (32, 64), block_size=BS)
+    assert plan_deletion(np.array(old), new, (np.int64(32), 64), block_size=BS) == want
+    assert plan_deletion(torch.tensor(old), torch.tensor(new), (torch.tensor(32), 64), block_size=BS) == want
     for span in ((32.0, 64), ("32", 64), (True, 64), (32,)):
         with pytest.raises(InputError, match="span must be .start, end. token positions .ints."):
             plan_deletion(old, new, span, block_size=BS)

@@ -217,6 +217,11 @@ def test_blocks_in_place_after_other_tokens_are_approximate_and_nothing_after_th
     assert in_place_blocks(from_scope, new, SALT) == set() and approximate_tokens(from_scope, new, SALT) == 2 * BS
     assert plan_load(store, new, 0, block_size=BS, salt=SALT, plan=from_scope).approx == (True, True)
     assert in_place_blocks(from_scope, new, scope) == {0, 1}
+    # an exact salt (an AgentRunner(scope="none")'s exact steps) holds exact KV only: its
+    # unchanged prefix loaded in place stays exact (counted relocated after the scope fix)
+    exact = f"{SALT}\x1fexact"
+    from_exact = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(exact)),), src_salt=exact)
+    assert in_place_blocks(from_exact, new, scope) == {0, 1} and approximate_tokens(from_exact, new, scope) == 0
 
     sched = SpliceScheduler(store, BS)
     n = sched.get_num_new_matched_tokens("r", new, SALT, 4 * BS, stale.to_params())

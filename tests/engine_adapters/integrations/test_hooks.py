@@ -476,6 +476,19 @@ def test_an_unsalted_model_whose_render_differs_from_its_salted_hooks_says_so(de
     assert salted._request(handed, None, {"session_id": "unsalted-mismatch-1", "tools": [tool]}, None)["salt"] == "tenant-A"
     # no hook entry at all: an unsalted model's own request, unsalted as before
     assert model._request(handed, None, {"session_id": "unsalted-mismatch-2"}, None)["salt"] is None
+    # a model with an unsalted hook of its own: the tenant hook's entry is taken under its
+    # salt, a mismatch is the same error (its own hook re-prepared the session and sent
+    # the tenant's prompt unsalted, for a day)
+    own = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1,
+                                hook=ContextHook(default_tok, block_size=16))
+    pre3 = PromptsplicePreModelHook(hook, default_session="unsalted-mismatch-3")
+    handed = pre3({"messages": msgs})["llm_input_messages"]
+    req = own._request(handed, None, {"session_id": "unsalted-mismatch-3"}, None)
+    assert req["prepared"] is pre3.history[-1] and req["salt"] == "tenant-A"
+    pre3({"messages": msgs})
+    with pytest.raises(InvalidSaltError, match="under cache_salt 'tenant-A', but the messages this model received"):
+        own._request(handed, None, {"session_id": "unsalted-mismatch-3", "tools": [tool]}, None)
+    assert own._request(handed, None, {"session_id": "unsalted-mismatch-4"}, None)["salt"] is None  # its own, unsalted
 
 
 def test_a_session_with_an_image_goes_through_unedited_instead_of_failing_every_call(default_tok, caplog):

@@ -180,3 +180,42 @@ def test_a_step_stricter_than_its_scope_has_relocated_at_runs_exact_then_rescope
                 assert (s.salt, s.planned_relocated_tokens, s.fidelity) == ("t", 0, FidelityLevel.EXACT)
         assert "".join("t" if s.salt == "t" else "S" for s in steps) == salts, levels
         assert len({s.salt for s in steps if s.salt != "t"}) == 1
+
+
+def test_a_stricter_step_the_hook_made_a_full_prefill_leaves_the_scope_too(default_tok, renders):
+    """The reset keyed on the reported fallback: a stricter step the hook had made a
+    FULL_PREFILL (reported as such) ran under the tenant's salt but left the session
+    "scoped" there, and the next relocating step sent its plans under the tenant's
+    own salt, which holds exact KV only."""
+    from promptsplice.assembler import StepKind
+    from promptsplice.engine_adapters import StepFallback
+
+    after = renders[2] + [{"role": "assistant", "content": "It is in config.py."}]
+    edit = [m for m in after if m.get("tool_call_id") != "c2" and not (
+        m.get("tool_calls") and m["tool_calls"][0]["id"] == "c2")] + [{"role": "user", "content": "And again?"}]
+    engine = _CacheEngine()
+    runner = AgentRunner(engine, mode="splice", salt="t")
+    hook = ContextHook(default_tok, block_size=BS, salt="t")
+    steps = []
+    for msgs, level, full in ((renders[0], "fast", 0), (renders[1], "fast", 0), (renders[2], "fast", 0),
+                              (after, "bounded", 1), (edit, "fast", 0)):
+        prepared = hook("s", msgs, TOOLS)
+        if full:  # as the hook's own fallback makes it (no overlap, an invalid diff)
+            prepared.kind, prepared.diff = StepKind.FULL_PREFILL, None
+        steps.append(runner.step(prepared, max_tokens=4, fidelity=level))
+    assert steps[3].fallback is StepFallback.HOOK_FULL_PREFILL and steps[3].salt == "t"
+    assert steps[4].planned_relocated_tokens > 0 and steps[4].salt not in ("t", steps[2].salt)  # a new scope
+    assert not any(ph.plan for phases, salt in engine.calls if salt == "t" for ph in phases)
+
+
+def test_scope_none_loads_its_exact_salts_prefix_as_exact(default_tok, renders):
+    """``scope="none"`` runs exact steps under ``tenant + "\\x1fexact"``, a derived salt
+    that holds exact KV only: the next relocating step's unchanged prefix, loaded from it
+    in place, counted as relocated (560 tokens, not the 272 moved) once in-place blocks
+    from derived salts were counted approximate."""
+    runner = AgentRunner(_CacheEngine(), mode="splice", salt="t", scope="none")
+    hook = ContextHook(default_tok, block_size=BS, salt="t")
+    steps = [runner.step(hook("s", msgs, TOOLS), max_tokens=4, fidelity=level)
+             for msgs, level in ((renders[0], "exact"), (renders[1], "exact"), (renders[2], "fast"))]
+    assert steps[0].salt == steps[1].salt == "t\x1fexact" and steps[2].salt == "t"
+    assert steps[2].planned_relocated_tokens == 272
