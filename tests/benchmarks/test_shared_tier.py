@@ -131,7 +131,7 @@ class _FailingEngine:
     calls = 0
 
     def __init__(self, **kw):
-        self.block_size = 32
+        self.block_size, self.num_blocks = 32, 160
         self.kv_store = _Store()
 
     def counters(self):
