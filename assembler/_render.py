@@ -2,7 +2,9 @@
 
 The template itself and the message helpers live in
 :mod:`promptsplice.assembler._chat_template`, the records in
-:mod:`promptsplice.assembler._render_types`.
+:mod:`promptsplice.assembler._render_types`.  Kept as one module (~620 lines): the piece
+renders, their memo, the preamble split and the tools cut (checked by encoding) all work
+on one renderer's state (its template, tokenizer, escaping and memo).
 
 An agent sends its whole context every step: OpenAI-style chat messages (``role``,
 ``content``, optional ``tool_calls``, ``tool_call_id``, ``name``) plus tool schemas.

@@ -369,14 +369,17 @@ class ServedEngineSurface:
         stop: str | Sequence[str] | None, splice: SplicePlan | None, logprobs: int | None, stream: bool,
     ) -> Request:
         check_logprobs(logprobs)
-        ack = self.splice_probe() if isinstance(splice, SplicePlan) else None
-        if ack is not None and ack.block_size and splice.block_size != ack.block_size:  # type: ignore[union-attr]
-            # the connector would drop it (the embedded engine refuses it): say so first;
-            # a server without the connector answers the plan with its EngineRequestError
-            raise ConfigError(
-                f"the splice plan was made for block_size {splice.block_size}, "  # type: ignore[union-attr]
-                f"the engine's is {ack.block_size}"
-            )
+        if isinstance(splice, SplicePlan):
+            # the connector would drop it (the embedded engine refuses it): say so first; the
+            # block size given to the engine, else the connector's (a server without it
+            # answers the plan with its EngineRequestError)
+            given = self._given_block_size
+            ack = self.splice_probe() if given is None else None
+            server_bs = given if given is not None else (ack.block_size if ack is not None else 0)
+            if server_bs and splice.block_size != server_bs:
+                raise ConfigError(
+                    f"the splice plan was made for block_size {splice.block_size}, the engine's is {server_bs}"
+                )
         req = self._completion_request(  # type: ignore[attr-defined]
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             prompt_cache_key=None, stream=stream, splice=splice,

@@ -55,6 +55,12 @@ own with ``scope="none"``), and a scoped session starts a new scope at its next 
 Every step says what it relocated (``relocated_tokens``, measured by the connector, and
 ``planned_relocated_tokens``, the plan's), what it computed that could have been
 relocated (``recomputed_tokens``) and at which level (``fidelity``).
+
+Kept as one module (~600 lines): a step's salt, scope and plan, and what its session
+keeps (last tokens, scope, the weakest settings the scope served), are decided under the
+session's lock on the session's state; the pure planning lives in
+:mod:`~promptsplice.engine_adapters.connector._plans` and
+:mod:`~promptsplice.engine_adapters.runners._steps`.
 """
 
 from __future__ import annotations
