@@ -34,7 +34,7 @@ exit status :data:`BOUND_EXIT`) when a mode prefilled less than its bound.
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -286,8 +286,19 @@ def _leading_run(hashes: Sequence[bytes], known: set[bytes]) -> int:
     return n
 
 
+def _held_run(hashes: Sequence[bytes], held: Mapping[bytes, int], mine: set[bytes]) -> int:
+    """The leading run of ``hashes`` some other request holds (``held``: per block, the
+    requests that hold it, ``mine`` among them)."""
+    n = 0
+    for h in hashes:
+        if held.get(h, 0) - (h in mine) <= 0:
+            break
+        n += 1
+    return n
+
+
 def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int = 2,
-                 failed: Collection[int] = ()) -> dict[str, Any]:
+                 failed: Collection[int] = (), *, any_order: bool = False) -> dict[str, Any]:
     """The least prefill the pair can reach, with caches that never evict: request ``i``
     on engine ``i % engines`` computes every token after the longest leading run of
     whole blocks (never the last token) already computed by that engine (``local``) or
@@ -296,20 +307,34 @@ def prefix_bound(prompts: Sequence[Sequence[int]], block_size: int, engines: int
 
     ``failed``: indices of requests that raised: they count no tokens, but every block of
     their prompt counts as computed (a request may fail after its prefill), so the bound
-    of the requests that ran stays a lower bound."""
+    of the requests that ran stays a lower bound.  ``any_order``: requests in flight
+    together may finish in any order, so a block counts as computed for a request when
+    any other request holds it, earlier or later (a weaker bound, for concurrent runs)."""
     own: list[set[bytes]] = [set() for _ in range(engines)]
     union: set[bytes] = set()
+    if any_order:  # every request's blocks, held before any request runs (less its own)
+        fulls = [chain_hashes(list(t), block_size) for t in prompts]
+        on_engine = [Counter() for _ in range(engines)]  # type: list[Counter[bytes]]
+        everywhere: Counter[bytes] = Counter()
+        for i, full in enumerate(fulls):
+            on_engine[i % engines].update(set(full))
+            everywhere.update(set(full))
     local = shared = total = 0
     for i, tokens in enumerate(prompts):
         # a request is served at most its blocks before the last token, and caches every
         # full block it computed (a prompt of whole blocks is a later one's prefix whole)
-        full = chain_hashes(list(tokens), block_size)
+        full = fulls[i] if any_order else chain_hashes(list(tokens), block_size)
         hashes = full[: (len(tokens) - 1) // block_size]
         if i in failed:
             own[i % engines].update(full)
             union.update(full)
             continue
         total += len(tokens)
+        if any_order:
+            mine = set(full)
+            local += len(tokens) - _held_run(hashes, on_engine[i % engines], mine) * block_size
+            shared += len(tokens) - _held_run(hashes, everywhere, mine) * block_size
+            continue
         local += len(tokens) - _leading_run(hashes, own[i % engines]) * block_size
         shared += len(tokens) - _leading_run(hashes, union) * block_size
         own[i % engines].update(full)

@@ -230,3 +230,22 @@ def test_one_failed_request_in_the_outage_mode_fails_the_bench_even_with_allow_s
     assert main(["--json", str(out), "--requests", "10", "--modes", "outage", "--allow-skips"]) == 3
     err = capsys.readouterr().err
     assert "shared_tier outage: 1 of 10 requests failed" in err and "survives a killed" in err
+
+
+def test_the_order_free_bound_holds_for_every_completion_order():
+    """Requests in flight together (the routing bench's --concurrency) may finish in any
+    order, and the trace-order bound holds for one order only: the order-free bound is
+    at most the ordered bound of every permutation (random prompts sharing prefixes)."""
+    import itertools
+    import random
+
+    rng = random.Random(7)
+    blocks = [list(range(100 * k, 100 * k + 8)) for k in range(4)]
+    for _ in range(40):
+        prompts = [sum(rng.sample(blocks, rng.randint(1, 3)), []) + ([rng.randint(1, 9)] * rng.randint(0, 2))
+                   for _ in range(4)]
+        free = prefix_bound(prompts, 8, engines=1, any_order=True)
+        worst = min(prefix_bound(list(p), 8, engines=1)["shared_prefill"] for p in itertools.permutations(prompts))
+        assert free["shared_prefill"] <= worst and free["prompt_tokens"] == sum(map(len, prompts))
+    a = list(range(0, 8))
+    assert prefix_bound([a + [1], list(range(200, 208)) + [2]], 8, engines=1, any_order=True)["shared_prefill"] == 18
