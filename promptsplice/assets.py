@@ -24,6 +24,7 @@ import contextlib
 import glob
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from promptsplice.errors import AssetError
+
+logger = logging.getLogger(__name__)
 
 try:
     import fcntl
@@ -127,7 +130,17 @@ def _build_lock(folder: Path) -> Iterator[None]:
         raise AssetError(f"cannot open {path} to build {folder} ({exc}); make its folder writable") from exc
     with fh:
         if fcntl is not None:
-            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another builder: say whom we wait for (a stopped one hung silently)
+                logger.warning("waiting for another process building %s (it holds %s; a build takes about "
+                               "a minute: if none runs, a stopped one holds it)", folder, path)
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX)
+                except OSError as exc:  # (ENOLCK on a network filesystem)
+                    raise AssetError(f"cannot lock {path} to build {folder} ({exc}); use a local folder") from exc
+            except OSError as exc:
+                raise AssetError(f"cannot lock {path} to build {folder} ({exc}); use a local folder") from exc
         try:
             yield
         finally:

@@ -225,3 +225,29 @@ def test_a_built_folder_is_readable_by_other_users(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "is_file", refused)
     with pytest.raises(AssetError, match="built by another user; make it readable"):
         assets.is_complete(folder)
+
+
+def test_a_build_waiting_for_another_says_so(tmp_path, caplog):
+    """A second builder waited on the lock without a word: a stopped ``make setup``
+    (Ctrl-Z) held it, and ``make test`` hung at ``model prepare`` with no output."""
+    import fcntl
+    import logging
+    import threading
+
+    folder = tmp_path / "tok"
+    with open(tmp_path / ".tok.lock", "a+b") as held:  # another builder, mid-build
+        fcntl.flock(held, fcntl.LOCK_EX)
+        done = []
+        with caplog.at_level(logging.WARNING, logger="promptsplice.assets"):
+            t = threading.Thread(target=lambda: done.append(assets.build_folder(
+                folder, tmp_path / "src", lambda src, out: (out / "t.json").write_text("{}"))))
+            t.start()
+            for _ in range(200):
+                if any("waiting for another process building" in r.getMessage() for r in caplog.records):
+                    break
+                t.join(0.01)
+            assert not done  # still waiting
+            fcntl.flock(held, fcntl.LOCK_UN)
+            t.join(10)
+    assert done == [folder] and assets.is_complete(folder)
+    assert any(str(tmp_path / ".tok.lock") in r.getMessage() for r in caplog.records)
