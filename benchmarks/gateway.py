@@ -254,7 +254,8 @@ def send_through(
         "requests": len(items),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
-        "prefill_tokens": prompt - cached,
+        # what a KV connector loaded (--url servers running one) was not prefilled either
+        "prefill_tokens": prompt - cached - external,
         "cluster_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "response_cached_tokens": response_cached,
         "external_cached_tokens": external,

@@ -177,5 +177,7 @@ def test_a_connectors_hits_count_on_the_metrics_side_of_the_agreement():
     out = _send(_FakeServers(reported=96, counted=64, external=32))  # 64 local + 32 loaded = the responses' 96
     assert out["response_cached_tokens"] == 3 * 96
     assert out["cached_tokens"] == 3 * 64 and out["external_cached_tokens"] == 3 * 32
+    # the loaded tokens were not prefilled either (counted as prefilled before)
+    assert out["prefill_tokens"] == out["prompt_tokens"] - 3 * 96
     out = _send(_FakeServers(reported=64, counted=64))  # no connector: no external counter
     assert out["cached_tokens"] == out["response_cached_tokens"] == 3 * 64 and out["external_cached_tokens"] == 0
