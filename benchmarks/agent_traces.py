@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from promptsplice.assembler._chat_template import canonical_json
 from promptsplice.benchmarks.traces import (  # one strict JSON reader
     _finite_float,
     bare_cr_hint,
@@ -357,7 +358,7 @@ def _rendered(msg: dict) -> tuple:
         args = fn.get("arguments")
         try:
             parsed = (json.loads(args) if args.strip() else {}) if isinstance(args, str) else args
-            args = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            args = canonical_json(parsed)  # the renderer's one form
         except (ValueError, TypeError, RecursionError):
             pass  # as written
         calls.append((c.get("id") if isinstance(c, dict) else None, fn.get("name"), args))
