@@ -35,7 +35,8 @@ chunks are precomputed exactly, then relocated too), when the runner predicts th
 this computes fewer tokens than one exact request (``exact_requests`` counts those sent
 exact instead, ``StepFallback.NO_GAIN``).  Its ``prefill_tokens`` count
 every token the engine computed for a request (the precompute included), ``cached =
-prompt - prefill``, ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
+max(prompt - prefill, 0)`` (a precompute larger than the prompt's hits would make it
+negative), ``wall_s`` and TTFTs cover all its engine requests.  Beside it::
 
     "pic": {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests",
             "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at", "run_max_deviation", "guard", "gap_closed", "kv_cache_blocks",
@@ -160,16 +161,29 @@ def _mode_metrics(completions: list[Any], wall: float) -> dict[str, Any]:
     return _metrics(len(completions), prompt, cached, [c.ttft_s * 1e3 for c in completions], wall)
 
 
+def _pic_metrics(steps: list[Any]) -> dict[str, Any]:
+    """PIC's mode metrics from its step records: ``prefill_tokens`` counts every token
+    its engine requests computed, the precompute included, so it can exceed the prompt;
+    ``cached_tokens`` is then 0, never negative."""
+    prompt = sum(st.prompt_tokens for st in steps)
+    prefill = sum(st.prefill_tokens for st in steps)
+    return _metrics(len(steps), prompt, max(prompt - prefill, 0), [st.ttft_s * 1e3 for st in steps],
+                    sum(st.wall_s for st in steps), prefill=prefill)
+
+
 TTFT_PERCENTILES = {"ttft_p50_ms": 0.5, "ttft_p99_ms": 0.99}
 """The nearest-rank percentiles of a mode's metrics: below 100 requests ``ttft_p99_ms``
 is their slowest (``small_sample``, ``percentile_min_n``)."""
 
 
-def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float) -> dict[str, Any]:
+def _metrics(n: int, prompt: int, cached: int, ttfts: list[float], wall: float, *,
+             prefill: int | None = None) -> dict[str, Any]:
+    """``prefill`` (default ``prompt - cached``): PIC's, which counts its precompute and
+    can exceed the prompt; ``cached`` is then never below 0."""
     return {
         "requests": n,
         "prompt_tokens": prompt,
-        "prefill_tokens": prompt - cached,
+        "prefill_tokens": prompt - cached if prefill is None else prefill,
         "cached_tokens": cached,
         "hit_rate": round(cached / prompt, 6) if prompt else 0.0,
         "wall_s": round(wall, 3),
@@ -501,11 +515,8 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
             probe_calls += 1
             probe_relocated_request(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"{PIC_MODE} request {i}",
                                     signals=_probe_signals(i, st))
-    prompt = sum(st.prompt_tokens for st in steps)
-    prefill = sum(st.prefill_tokens for st in steps)
-    report["modes"][PIC_MODE] = _metrics(
-        len(steps), prompt, prompt - prefill, [st.ttft_s * 1e3 for st in steps], sum(st.wall_s for st in steps)
-    )
+    report["modes"][PIC_MODE] = _pic_metrics(steps)
+    prefill = report["modes"][PIC_MODE]["prefill_tokens"]
     outs[PIC_MODE] = [st.completion for st in steps]
     store = kv_engine.kv_store
     report["pic"] = {

@@ -505,3 +505,18 @@ def test_a_run_that_raises_writes_its_error_as_the_json(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == {"trace": str(trace), "error": {
         "type": "FidelityError", "message": "request 3: the greedy probe was served 0 cached tokens of the 96"}}
     assert closed == [1]
+
+
+def test_pic_s_cached_tokens_never_go_below_zero_when_its_precompute_exceeds_the_prompt():
+    """A precompute of new chunks larger than the prompt's hits: prefill counts every
+    computed token (above the prompt), cached stays 0 and the hit rate 0, not negative."""
+    import types
+
+    from promptsplice.benchmarks.rag import _pic_metrics
+
+    step = lambda prompt, prefill: types.SimpleNamespace(prompt_tokens=prompt, prefill_tokens=prefill,  # noqa: E731
+                                                          ttft_s=0.01, wall_s=0.02)
+    m = _pic_metrics([step(100, 160), step(100, 90)])
+    assert (m["prompt_tokens"], m["prefill_tokens"], m["cached_tokens"], m["hit_rate"]) == (200, 250, 0, 0.0)
+    m = _pic_metrics([step(100, 40), step(100, 90)])
+    assert (m["prefill_tokens"], m["cached_tokens"], m["hit_rate"]) == (130, 70, 0.35)
