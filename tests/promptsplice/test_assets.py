@@ -147,9 +147,9 @@ def test_a_concurrent_build_that_finishes_first_wins(tmp_path):
         (out / "tokenizer.json").write_text("second")
         folder.mkdir()
         (folder / "tokenizer.json").write_text("first")
-        (folder / ".complete").write_text("{}")
+        (folder / ".complete").write_text(json.dumps({"stamp": "v1"}))  # the same converter's build
 
-    assert assets.build_folder(folder, tmp_path / "src", other_process_finishes_first) == folder
+    assert assets.build_folder(folder, tmp_path / "src", other_process_finishes_first, "v1") == folder
     assert (folder / "tokenizer.json").read_text() == "first"
     # our temporary copy is gone (the builders' lock file stays: removing it could let two build)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".shared.lock", "shared"]
@@ -251,3 +251,50 @@ def test_a_build_waiting_for_another_says_so(tmp_path, caplog):
             t.join(10)
     assert done == [folder] and assets.is_complete(folder)
     assert any(str(tmp_path / ".tok.lock") in r.getMessage() for r in caplog.records)
+
+
+def test_a_build_of_another_converter_or_gguf_is_rebuilt_and_kept_without_the_gguf(built, tmp_path, monkeypatch, caplog):
+    """The marker held no version: a converter fix or a new GGUF release never rebuilt
+    a cache built before it.  A build stamped otherwise (or not at all) is rebuilt; with
+    no GGUF package to rebuild from, it still serves."""
+    import logging
+    import shutil
+
+    source = assets.gguf_path()
+    stamp = assets.tokenizer_stamp(source)
+    assert assets.is_complete(built, stamp) and "tokenizer/" in stamp and f"{source.stat().st_size} bytes" in stamp
+    old = tmp_path / "old.tokenizer"
+    shutil.copytree(built, old)
+    (old / ".complete").write_text(json.dumps({"source": str(source)}) + "\n")  # an older build's marker
+    (old / "tokenizer.json").write_text("{}")  # and what it wrote
+    assert assets.is_complete(old) and not assets.is_complete(old, stamp)
+    with caplog.at_level(logging.WARNING, logger="promptsplice.assets"):
+        assert assets.ensure_default_tokenizer(old) == old
+    assert "rebuilding" in caplog.text and assets.is_complete(old, stamp)
+    assert json.loads((old / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".old")) == [".old.tokenizer.lock"]
+    # without the GGUF package an outdated build serves (nothing to rebuild it from)
+    (old / ".complete").write_text(json.dumps({"source": str(source), "stamp": "tokenizer/0"}) + "\n")
+    monkeypatch.setattr(assets, "gguf_path", lambda: (_ for _ in ()).throw(AssetError("no gguf package")))
+    assert assets.ensure_default_tokenizer(old) == old and not assets.is_complete(old, stamp)
+
+
+def test_the_model_is_ready_when_built_by_this_converter_or_the_users_own(tmp_path, monkeypatch):
+    """``model prepare`` and the engine rebuild a conversion another converter made;
+    a user's own folder (no marker) is never touched."""
+    source = assets.gguf_path()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    assert assets.model_ready(folder)  # the user's own
+    (folder / ".complete").write_text(json.dumps({"source": str(source), "stamp": "weights/1"}) + "\n")
+    assert not assets.model_ready(folder)
+    stamp = assets.weights_stamp(source)
+    assert "transformers " in stamp and stamp != assets.tokenizer_stamp(source)
+    (folder / ".complete").write_text(json.dumps({"source": str(source), "stamp": stamp}) + "\n")
+    assert assets.model_ready(folder)
+    (folder / ".complete").write_text("not json")
+    assert not assets.model_ready(folder)
+    monkeypatch.setattr(assets, "gguf_path", lambda: (_ for _ in ()).throw(AssetError("no gguf package")))
+    assert assets.model_ready(folder)
