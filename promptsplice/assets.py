@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -201,22 +202,57 @@ def _build_lock(folder: Path) -> Iterator[None]:
         raise AssetError(f"cannot open {path} to build {folder} ({exc}); make its folder writable") from exc
     with fh:
         if fcntl is not None:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # another builder: say whom we wait for (a stopped one hung silently)
-                logger.warning("waiting for another process building %s (it holds %s; a build takes about "
-                               "a minute: if none runs, a stopped one holds it)", folder, path)
-                try:
-                    fcntl.flock(fh, fcntl.LOCK_EX)
-                except OSError as exc:  # (ENOLCK on a network filesystem)
-                    raise AssetError(f"cannot lock {path} to build {folder} ({exc}); use a local folder") from exc
-            except OSError as exc:
-                raise AssetError(f"cannot lock {path} to build {folder} ({exc}); use a local folder") from exc
+            _lock_or_wait(fh, path, folder)
+            with contextlib.suppress(OSError):  # whom a waiter waits for (the message names it)
+                fh.seek(0)
+                fh.truncate()
+                fh.write(f"{os.getpid()}\n".encode())
+                fh.flush()
         try:
             yield
         finally:
             if fcntl is not None:
                 fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+BUILD_WAIT_S = 1800.0
+"""How long a builder waits for another's lock before an :class:`AssetError` (a build
+takes about a minute; a stopped ``make setup`` held the lock for good)."""
+
+
+def _lock_or_wait(fh: Any, path: Path, folder: Path) -> None:
+    """Take the exclusive lock; while another builder holds it, wait (saying whom for),
+    up to :data:`BUILD_WAIT_S`."""
+    deadline = None
+    while True:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # (ENOLCK on a network filesystem)
+            raise AssetError(f"cannot lock {path} to build {folder} ({exc}); use a local folder") from exc
+        now = time.monotonic()
+        if deadline is None:  # another builder: say whom we wait for (a stopped one hung silently)
+            deadline = now + BUILD_WAIT_S
+            logger.warning("waiting for process %s, which is building %s (it holds %s; a build takes about "
+                           "a minute: if none runs, a stopped one holds it)", _holder(fh), folder, path)
+        elif now >= deadline:
+            raise AssetError(
+                f"process {_holder(fh)} has held {path} for over {BUILD_WAIT_S:g} s while building {folder}: "
+                "if it is stopped (Ctrl-Z) resume or kill it, then run again"
+            )
+        time.sleep(0.05)
+
+
+def _holder(fh: Any) -> str:
+    """The pid the lock's holder wrote into the lock file (``?`` when unknown)."""
+    try:
+        fh.seek(0)
+        text = fh.read(32).decode("ascii", "replace").strip()
+    except OSError:
+        return "?"
+    return text if text.isdigit() else "?"
 
 
 def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None], stamp: str = "") -> Path:

@@ -4,6 +4,7 @@ tokenizes exactly like the tokenizer of the converted model."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -237,6 +238,8 @@ def test_a_build_waiting_for_another_says_so(tmp_path, caplog):
     folder = tmp_path / "tok"
     with open(tmp_path / ".tok.lock", "a+b") as held:  # another builder, mid-build
         fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(b"4242\n")  # its pid, as a builder writes it
+        held.flush()
         done = []
         with caplog.at_level(logging.WARNING, logger="promptsplice.assets"):
             t = threading.Thread(target=lambda: done.append(assets.build_folder(
@@ -250,7 +253,23 @@ def test_a_build_waiting_for_another_says_so(tmp_path, caplog):
             fcntl.flock(held, fcntl.LOCK_UN)
             t.join(10)
     assert done == [folder] and assets.is_complete(folder)
-    assert any(str(tmp_path / ".tok.lock") in r.getMessage() for r in caplog.records)
+    assert any(str(tmp_path / ".tok.lock") in r.getMessage() and "process 4242" in r.getMessage()
+               for r in caplog.records)
+    assert (tmp_path / ".tok.lock").read_text() == f"{os.getpid()}\n"  # the last builder's
+
+
+def test_a_builder_that_holds_the_lock_too_long_is_named_in_an_asset_error(tmp_path, monkeypatch):
+    """A stopped builder (Ctrl-Z) held the lock for good and every later build hung."""
+    import fcntl
+
+    monkeypatch.setattr(assets, "BUILD_WAIT_S", 0.2)
+    with open(tmp_path / ".tok.lock", "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(b"777\n")
+        held.flush()
+        with pytest.raises(AssetError, match=r"process 777 has held .*\.tok\.lock for over 0\.2 s.*resume or kill it"):
+            assets.build_folder(tmp_path / "tok", tmp_path / "src", lambda src, out: None)
+    assert not (tmp_path / "tok").exists()
 
 
 def test_a_build_of_another_converter_or_gguf_is_rebuilt_and_kept_without_the_gguf(built, tmp_path, monkeypatch, caplog):
