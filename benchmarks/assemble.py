@@ -216,9 +216,11 @@ def bench_policies(
         content_b.append(oracle_b.add(segs))
     per_mode.append(naive_radix)
     report["policies"]["naive"] = _metrics(len(requests), prompt, 0, 0, cached, times)
+    report["policies"]["naive"]["own_radix_prefill_tokens"] = sum(naive_radix)
 
     for name in policies:
         metrics, own_radix = _run_policy(tok, requests, block_size, name, alignment, capacity_blocks)
+        metrics["own_radix_prefill_tokens"] = sum(own_radix)  # its bound when above the oracle
         report["policies"][name] = metrics
         per_mode.append(own_radix)
     per_mode_b = [naive_radix_b]  # each mode's LRU radix on the prompts it sent under the bounded capacity
@@ -301,7 +303,9 @@ def policy_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     figures are references under an LRU cache, not bounds: LRU is not the best eviction,
     so a mode may prefill less; they are not checked.)"""
     return bound_checks({name: m["predicted_prefill_tokens"] for name, m in report["policies"].items()},
-                        radix=report["radix_prefill_tokens"], oracle=report["oracle_prefill_tokens"])
+                        radix=report["radix_prefill_tokens"], oracle=report["oracle_prefill_tokens"],
+                        own_radix={name: m["own_radix_prefill_tokens"] for name, m in report["policies"].items()
+                                   if "own_radix_prefill_tokens" in m})
 
 
 def bound_status(reports: dict[str, dict[str, Any]]) -> int:

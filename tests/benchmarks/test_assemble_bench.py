@@ -22,6 +22,7 @@ METRICS = {
     "assemble_p50_ms",
     "assemble_p99_ms",
     "predicted_prefill_tokens_bounded",  # the same mode under the engine's cache
+    "own_radix_prefill_tokens",  # the radix ideal of the mode's own prompts: a bound too
 }
 
 
@@ -46,6 +47,13 @@ def test_bench_assemble_writes_the_fixed_schema(tmp_path, capsys):
         assert set(m) == METRICS
         assert m["requests"] == 80
         assert m["predicted_prefill_tokens"] == m["prompt_tokens"] - m["predicted_cached_tokens"]
+        assert m["predicted_prefill_tokens"] >= m["own_radix_prefill_tokens"] >= report["oracle_prefill_tokens"]
+    for name, check in report["bound_checks"].items():  # each checked against the higher of its bounds
+        m = report["policies"][name]
+        want = report["radix_prefill_tokens"] if name == "naive" else max(
+            report["oracle_prefill_tokens"], m["own_radix_prefill_tokens"])
+        assert check["bound_prefill_tokens"] == want and check["holds"]
+    assert report["policies"]["naive"]["own_radix_prefill_tokens"] == report["radix_prefill_tokens"]
     naive = report["policies"]["naive"]
     assert naive["padding_tokens"] == 0 and naive["dedup_removed_bytes"] == 0
     oracle, radix = report["oracle_prefill_tokens"], report["radix_prefill_tokens"]

@@ -133,3 +133,19 @@ def test_a_mode_below_its_bound_fails_the_bench():
     with pytest.raises(BoundError, match=r"promptsplice_store prefilled 39 tokens, below its bound \(oracle\) of 40"):
         check_bounds(bad, what="bench rag")
     assert BOUND_EXIT not in (0, 1, 2, 3)  # distinct from usage errors and coverage
+
+
+def test_a_mode_that_over_counts_its_hits_fails_against_its_own_radix_ideal():
+    """The oracle is the least over every mode per request: a policy whose mirror
+    over-predicted 31K cached tokens on ``tools`` still passed it.  A prefix cache never
+    holds more than a radix tree fed the same prompts, so that ideal is the bound."""
+    from promptsplice.benchmarks.bounds import bound_checks
+
+    checks = bound_checks({"naive": 900, "stable": 500, "cache_aware": 300}, radix=800, oracle=200,
+                          own_radix={"naive": 800, "stable": 450, "cache_aware": 420})
+    assert checks["naive"] == {"bound": "radix", "bound_prefill_tokens": 800, "prefill_tokens": 900, "holds": True}
+    assert checks["stable"] == {"bound": "own_radix", "bound_prefill_tokens": 450, "prefill_tokens": 500, "holds": True}
+    assert checks["cache_aware"] == {"bound": "own_radix", "bound_prefill_tokens": 420, "prefill_tokens": 300,
+                                     "holds": False}  # above the oracle (200), below its own prompts' ideal
+    below = bound_checks({"stable": 250}, radix=800, oracle=300, own_radix={"stable": 260})
+    assert below["stable"]["bound"] == "oracle" and not below["stable"]["holds"]  # the higher bound binds
