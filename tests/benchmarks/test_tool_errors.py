@@ -116,10 +116,12 @@ def test_the_gpu_checks_refuse_a_json_named_as_a_folder(monkeypatch, tmp_path, c
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["inf"], "total_mb must be a finite number"),  # OverflowError
-    (["nan"], "total_mb must be a finite number"),
-    (["1e-9"], "total_mb must be a finite number of MB >= 0.001"),  # IndexError: no request
-    (["0"], "total_mb must be a finite number"),
+    (["inf"], "total_mb must be a number of MB from"),  # OverflowError
+    (["nan"], "total_mb must be a number of MB from"),
+    (["1e-9"], "total_mb must be a number of MB from 0.001 to 100000"),  # IndexError: no request
+    (["0"], "total_mb must be a number of MB from"),
+    (["1e303"], "total_mb must be a number of MB from 0.001 to 100000, got '1e303'"),  # OverflowError
+    (["1", "100000000"], "chunk_bytes must be <= 1048576, got 100000000"),  # ~480 GB of documents
     (["abc"], "got 'abc'"),
     (["1", "50"], "chunk_bytes must be >= 200, got 50"),  # never finished
     (["1", "x"], "chunk_bytes 'x' is not an int"),
@@ -127,6 +129,8 @@ def test_the_gpu_checks_refuse_a_json_named_as_a_folder(monkeypatch, tmp_path, c
     (["1", "1024", "0", "9"], "takes at most total_mb, chunk_bytes and seed"),
     (["--scaling", "5"], "--scaling takes two chunk counts"),
     (["--scaling", "0", "10"], "n_small must be >= 1, got 0"),
+    (["--scaling", "50", "50"], "needs n_small < n_large, got 50 50"),  # ValueError in the table
+    (["--scaling", "20000", "2000"], "needs n_small < n_large"),  # "met" the target backwards
 ])
 def test_dedup_bench_refuses_bad_numbers_in_one_line(argv, says, monkeypatch, capsys):
     from promptsplice.benchmarks import dedup_bench
