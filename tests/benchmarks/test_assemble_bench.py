@@ -207,6 +207,9 @@ def test_suite_reports_each_family_and_the_worst_and_survives_broken_ones(tmp_pa
             worst = min((e["blocks"][bs]["gap_closed"][p], f) for f, e in ok.items())
             assert (rep["worst"][bs][p]["gap_closed"], rep["worst"][bs][p]["family"]) == worst
         assert rep["worst"][bs]["cached_margin"]["tokens"] >= 0
+        margin = min((min(e["blocks"][bs]["policies"][p]["predicted_prefill_tokens"] for p in ("retrieval", "stable"))
+                      - e["blocks"][bs]["policies"]["cache_aware"]["predicted_prefill_tokens"], f) for f, e in ok.items())
+        assert (rep["worst"][bs]["prefill_margin"]["tokens"], rep["worst"][bs]["prefill_margin"]["family"]) == margin
     scores = {p: min(rep["worst"][bs][p]["gap_closed"] for bs in ("16", "32")) for p in POLICIES}
     assert scores[rep["default_policy"]] == max(scores.values())
 
