@@ -5,10 +5,18 @@ Replays an agent trace (BFCL-derived: ``promptsplice bench gen-agent-trace``) on
 engine with the splice connector, in several *configurations* of the splice runner,
 each under its own tenant salt (same engine, same capacity, same steps):
 
-* ``r1``: one recomputed block per relocated run, probed (``max_deviation`` above any
-  deviation: the connector measures each recomputed block, nothing more is recomputed);
-* ``r2``: two fixed recomputed blocks (today's knob, for the cost comparison);
+* ``r1``: one recomputed block per relocated run, probed (``max_deviation`` 1.0, the
+  largest accepted: the connector measures each recomputed block, and a block off by
+  more than its own size is the only one extended);
+* ``r2``: two fixed recomputed blocks, no guard (``fast`` with ``recompute_blocks=2``:
+  the fixed knob, for the cost comparison);
 * ``t=<x>``: ``recompute_blocks=1, max_deviation=x`` (adaptive).
+
+A probed step must have relocated what its plan did (the connector's count against the
+plan's); one that relocated less read computed KV in place of some planned relocated
+KV, so it is counted in ``unverified_probes`` and kept out of every statistic, like a
+probe that did not meet the config's KV.  A step that planned nothing of its own stays
+in (it reads its session's earlier spliced KV through the scope).
 
 Every edit step is probed (up to ``max_steps``): first-token ``KL(reference || config)``
 (:func:`promptsplice.benchmarks.fidelity.kl`) against a one-pass exact prefill of the
@@ -47,14 +55,14 @@ from promptsplice.benchmarks._stats import percentile
 from promptsplice.benchmarks.cli import UsageError, _check_writable, count_arg, run_tool
 
 __all__ = [
-    "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "RAG_THRESHOLDS", "rag_budget_sweep",
+    "AGGREGATES", "BUDGETS", "KL_BAR", "aggregate", "approximate_tokens", "budget_sweep", "config_kwargs", "RAG_THRESHOLDS", "rag_budget_sweep",
     "run_deviation_curve", "spearman",
 ]
 
 KL_BAR = 0.02
 """First-token KL p90 (nats) the chosen threshold must keep (issue #16's bar)."""
 AGGREGATES = ("mean_kv", "mean_v", "mean_k", "max_layer", "last_layer")
-_PROBE_ALL = 1e6  # above any relative deviation: probe, never extend
+_PROBE_ALL = 1.0  # the largest threshold runners accept: probe, extend only a block off by its own size
 
 
 def aggregate(dev: Any, how: str) -> float:
@@ -225,6 +233,17 @@ def rag_budget_sweep(report: dict[str, Any], *, budgets: Sequence[int] = BUDGETS
     return out
 
 
+def config_kwargs(config: str | float) -> dict[str, Any]:
+    """The :class:`~promptsplice.engine_adapters.AgentRunner` keywords of a configuration
+    (module doc): ``"r1"``, ``"r2"`` or a threshold.  Each names its recompute:
+    ``fidelity="bounded"`` alone runs 2 blocks and its 0.25 guard."""
+    if config == "r1":
+        return {"fidelity": "bounded", "recompute_blocks": 1, "max_deviation": _PROBE_ALL}
+    if config == "r2":
+        return {"fidelity": "fast", "recompute_blocks": 2}
+    return {"fidelity": "bounded", "recompute_blocks": 1, "max_deviation": float(config)}
+
+
 def run_deviation_curve(
     sessions: Sequence[Any], kv_engine: Any, *, thresholds: Sequence[float] | None = None,
     max_steps: int | None = None, log: Any = None, with_r2: bool = True, raw_out: str | None = None,
@@ -263,6 +282,11 @@ def run_deviation_curve(
                 if kind in ("first", "append") or (max_steps is not None and n >= max_steps):
                     continue
                 n += 1
+                if step.relocated_tokens != step.planned_relocated_tokens:
+                    # the store served less than the plan: part of what the config
+                    # would relocate was computed, so the probe would understate it
+                    unverified += 1
+                    continue
                 toks = list(prepared.token_ids)
                 key = (sess.id, i)
                 if key not in refs:
@@ -278,6 +302,7 @@ def run_deviation_curve(
                     "session": sess.id, "step": i, "kind": kind, "kl": kl(refs[key], out.logprobs[0]),
                     "runs": _run_signals(prepared),
                     "prefill_tokens": step.prefill_tokens, "relocated_tokens": step.relocated_tokens,
+                    "planned_relocated_tokens": step.planned_relocated_tokens,
                     "requests": step.requests, "extra_blocks": step.extra_recompute_blocks,
                     "dev": {a: max((aggregate(d, a) for d in devs), default=None) for a in AGGREGATES},
                 })
@@ -295,18 +320,18 @@ def run_deviation_curve(
             **_kl_stats([r["kl"] for r in rows]), "runner": kw, "unverified_probes": results["bounded"]["unverified"],
             "prefill_tokens": sum(r["prefill_tokens"] for r in rows),
             "relocated_tokens": sum(r["relocated_tokens"] for r in rows)}}, "block_size": bs}
-    results = {"r1": replay("r1", AgentRunner(kv_engine, salt="dev-r1", max_deviation=_PROBE_ALL, fidelity="bounded"))}
+    results = {"r1": replay("r1", AgentRunner(kv_engine, salt="dev-r1", **config_kwargs("r1")))}
     if raw_out is not None:
         Path(raw_out).write_text(json.dumps(results) + "\n")
     d1 = [r["dev"]["mean_kv"] for r in results["r1"]["rows"] if r["dev"]["mean_kv"] is not None]
     if thresholds is None:
         thresholds = sorted({round(_pct(d1, q), 4) for q in (0.5, 0.75, 0.9)}) if d1 else []
     for t in thresholds:
-        results[f"t={t:g}"] = replay(f"t={t:g}", AgentRunner(kv_engine, salt=f"dev-t{t:g}", max_deviation=t, fidelity="bounded"))
+        results[f"t={t:g}"] = replay(f"t={t:g}", AgentRunner(kv_engine, salt=f"dev-t{t:g}", **config_kwargs(t)))
         if raw_out is not None:
             Path(raw_out).write_text(json.dumps(results) + "\n")
     if with_r2:
-        results["r2"] = replay("r2", AgentRunner(kv_engine, salt="dev-r2", recompute_blocks=2, fidelity="bounded"))
+        results["r2"] = replay("r2", AgentRunner(kv_engine, salt="dev-r2", **config_kwargs("r2")))
     if raw_out is not None:
         Path(raw_out).write_text(json.dumps(results) + "\n")
     return curve_report(results, thresholds, bs)

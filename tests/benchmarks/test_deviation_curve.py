@@ -234,3 +234,20 @@ def test_a_rag_deviation_sweep_keeps_unprobed_requests_and_stops_at_the_guard_it
     assert by[0.2]["kept_share"] == round(2 / 3, 3) and by[0.2]["kl_max"] == 0.002  # the unprobed one kept
     guarded = rag_budget_sweep({"fidelity": {"steps": 3, "probes": probes}, "pic": {"run_max_deviation": 0.22}})
     assert max(x["max_deviation"] for x in guarded["trace"]["deviation_sweep"]) == 0.22
+
+
+def test_every_configuration_is_one_a_runner_accepts_and_runs_what_its_name_says():
+    """``r1`` asked for a 1e6 threshold, which runners refuse (the default run died
+    after the engine started); ``r1`` and ``t=x`` ran 2 recomputed blocks (``bounded``'s)
+    and ``r2`` carried the 0.25 guard."""
+    from promptsplice.benchmarks.deviation_curve import config_kwargs
+    from promptsplice.engine_adapters.runners._fidelity import RunnerFidelity
+
+    def settings(config):
+        kw = dict(config_kwargs(config))
+        return RunnerFidelity(kw.pop("fidelity"), **kw).settings()
+
+    r1, r2, t = settings("r1"), settings("r2"), settings(0.12)
+    assert (r1.recompute_blocks, r1.max_deviation) == (1, 1.0)  # probes every recomputed block
+    assert (r2.recompute_blocks, r2.max_deviation, r2.run_max_deviation) == (2, None, None)  # no guard
+    assert (t.recompute_blocks, t.max_deviation) == (1, 0.12)
