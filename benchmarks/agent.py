@@ -511,8 +511,11 @@ def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> bool:
         return False
     need = {m: full_blocks(engines[m], tokens) for m in ("apc", "splice")}
     sp = steps["splice"]
-    signals = {"session": sid, "step": sp.step, "changed_share": round(sp.changed_share, 4),
-               "relocated_tokens": sp.relocated_tokens, "deviation_max": max(sp.deviations, default=None)}
+    # the edit's signals for both; the splice step's own counts only on its records
+    # (the control's carried the splice step's relocated tokens and deviations)
+    edit = {"session": sid, "step": sp.step, "changed_share": round(sp.changed_share, 4)}
+    own = {"apc": {**edit, "relocated_tokens": 0, "deviation_max": None},
+           "splice": {**edit, "relocated_tokens": sp.relocated_tokens, "deviation_max": max(sp.deviations, default=None)}}
     for m in ("apc", "splice"):
         # the mode's own 32 greedy tokens from the step's KV (its completion holds only
         # --max-tokens of them, which capped greedy agreement at max_tokens / 32)
@@ -522,7 +525,7 @@ def _measure(engines, tokens, steps, runners, sid, fid, *, label=None) -> bool:
             raise FidelityError(f"agent step {sid}/{sp.step}: the {m} greedy probe was served "
                                 f"{greedy.num_cached_tokens} cached tokens of the {need[m]} the step's KV covers")
         fid[m].measure(engines[m], tokens, cont, p_ref, salt, greedy.token_ids,
-                       need_cached=need[m], label=label, signals=signals)
+                       need_cached=need[m], label=label, signals=own[m])
     return True
 
 

@@ -156,6 +156,11 @@ def test_fidelity_was_measured_on_the_real_model(report):
     # greedy agreement compares 32 greedy tokens of the mode's KV, whatever --max-tokens
     # (4 here): the step's own 4-token completion capped it at 4/32 for exact KV too
     assert fid["control"]["greedy_agreement"] > 4 / 32
+    # the per-probe records pair up by step; only the splice ones carry its relocated KV
+    pairs = zip(fid["probes"], fid["control"]["probes"], strict=True)
+    for sp, ctl in pairs:
+        assert (sp["session"], sp["step"], sp["changed_share"]) == (ctl["session"], ctl["step"], ctl["changed_share"])
+        assert sp["relocated_tokens"] > 0 and ctl["relocated_tokens"] == 0 and ctl["deviation_max"] is None
 
 
 def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
