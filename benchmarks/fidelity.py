@@ -264,7 +264,8 @@ class Fidelity:
         ``small_sample`` (some percentile rests on fewer probes than it needs, then it is
         the sample's min or max; ``percentile_min_n`` says how many each needs),
         ``ci_unit`` and ``ci_units`` (what the intervals resampled, how many of them) and
-        ``ci95_undefined`` (the interval fields of width 0 by construction: one unit)."""
+        ``ci95_undefined`` (the interval fields of width 0 by construction: one unit),
+        ``probe_floor_met`` (at least :data:`DEFAULT_PROBES` probes: enough to claim)."""
         mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
         q = lambda xs, p: round(percentile(xs, p), 4) if xs else None  # noqa: E731
         clusters = self._clusters()
@@ -278,6 +279,10 @@ class Fidelity:
                "tf_top1_min": round(min(self.tf), 4) if self.tf else None,
                "tf_top1_ci95": bootstrap_ci(self.tf, clusters=clusters),
                **sample_flags(len(self.tf), PERCENTILE_FIELDS),
+               # the issue's floor for a fidelity claim: figures on fewer probes are
+               # reported, never a claim (a trace with few relocating steps, a small
+               # --fidelity-requests)
+               "probe_floor": DEFAULT_PROBES, "probe_floor_met": len(self.tf) >= DEFAULT_PROBES,
                "ci_unit": self.ci_unit, "ci_units": units,
                "ci95_undefined": ["first_token_kl_ci95", "tf_top1_ci95"] if units == 1 else []}
         if self.labels:

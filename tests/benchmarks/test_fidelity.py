@@ -242,6 +242,11 @@ def test_small_samples_are_flagged_and_a_one_probe_interval_is_undefined():
     assert r11["small_sample"] is False and r11["tf_top1_p10"] > r11["tf_top1_min"]
     assert r11["first_token_kl_p90"] < r11["first_token_kl_max"]
     assert Fidelity().report()["small_sample"] is True
+    # the 32-probe floor of a claim: 11 probes are no claim, 32 are
+    assert (r11["probe_floor"], r11["probe_floor_met"]) == (32, False)
+    for i in range(21):
+        eleven.add(1.0, 0.0, 1.0)
+    assert eleven.report()["probe_floor_met"] is True
 
 
 def test_the_session_bootstrap_resamples_whole_sessions():
