@@ -10,22 +10,18 @@ questions that retrieve the same passages send the same prefix and hit the cache
 """
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 
-from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E402
-from langchain_core.documents import Document  # noqa: E402
-from langchain_core.output_parsers import StrOutputParser  # noqa: E402
-from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
-from langchain_core.retrievers import BaseRetriever  # noqa: E402
-from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
-
-from promptsplice.benchmarks.cli import count_arg  # noqa: E402
-from promptsplice.benchmarks.traces import load_wiki_leads  # noqa: E402
-from promptsplice.assembler import Assembler  # noqa: E402
-from promptsplice.engine_adapters import EmbeddedEngine, PromptspliceChatModel, PromptspliceRetriever  # noqa: E402
+from promptsplice.benchmarks.cli import count_arg
+from promptsplice.benchmarks.traces import load_wiki_leads
+from promptsplice.assembler import Assembler
+from promptsplice.engine_adapters import EmbeddedEngine, PromptspliceChatModel, PromptspliceRetriever
 
 
 class KeywordRetriever(BaseRetriever):
