@@ -51,8 +51,8 @@ def test_candidates_reach_every_chunk_holding_the_needle(datas, data):
     got = grid.candidates(needle)
     if len(needle) < MIN_NEEDLE:
         assert got is None
-    elif got is not None:  # None only when very many chunks qualify
-        assert holders <= got
+    else:  # None only when more than a few hundred chunks qualify: never with 12
+        assert got is not None and holders <= got
 
 
 def test_needle_held_nowhere_has_no_candidates():

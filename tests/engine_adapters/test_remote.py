@@ -718,14 +718,13 @@ def test_a_max_tokens_over_the_whole_context_is_a_request_error_not_a_long_promp
     assert not isinstance(info.value, ContextLengthError) and info.value.status_code == 400
 
 
-def test_a_long_prompt_with_max_tokens_of_exactly_the_context_stays_a_long_prompt():
+def test_a_long_prompt_with_max_tokens_of_exactly_the_context_stays_a_long_prompt(remote):
     """vLLM trims a max_tokens of exactly max_model_len: a prompt-too-long message that
-    names no output count, sent with max_tokens=2048 of 2048, is about the prompt."""
-    message = ("This model's maximum context length is 2048 tokens. However, your prompt contains 2100 "
-               "input tokens, which exceeds this limit even without any output tokens.")
-    eng = _mock(lambda r: httpx.Response(400, json={"error": {"message": message, "code": 400}}))
-    with pytest.raises(ContextLengthError):
-        eng.complete([1, 2, 3], max_tokens=2048)
+    names no output count, sent with max_tokens=2048 of 2048, is about the prompt (the
+    session's real 2048-token server)."""
+    with pytest.raises(ContextLengthError) as info:
+        remote.complete([100] * 2100, max_tokens=2048)
+    assert (info.value.prompt_tokens, info.value.max_tokens) == (2100, 2048)
 
 
 @pytest.mark.parametrize("reason", ["abort", "error"])

@@ -9,7 +9,6 @@ import errno
 import os
 import stat
 import threading
-import time
 
 import pytest
 import torch
@@ -103,18 +102,28 @@ def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
     close, so the parent could not reopen the folder while the child lived."""
     folder = tmp_path / "kv"
     store = BlockStore(config(folder))
-    store.put(make_refs(1)[0], kv(0), salt=SALT)
+    ref = make_refs(1)[0]
+    store.put(ref, kv(0), salt=SALT)
+    store.flush()
+    hold_r, hold_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
+    if pid == 0:  # pragma: no cover - the child: lives until the parent closes the pipe
         try:
-            time.sleep(3)
+            os.close(hold_w)
+            os.read(hold_r, 1)
         finally:
             os._exit(0)
+    os.close(hold_r)
     try:
         store.close()
-        BlockStore(config(folder)).close()  # ConfigError while the child held the lock
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # the child still lives (and holds its copy)
+        again = BlockStore(config(folder))  # ConfigError while the child held the lock
+        try:
+            assert again.stats().disk_blocks == 1  # the reopened folder serves what was saved
+        finally:
+            again.close()
     finally:
-        os.kill(pid, 9)
+        os.close(hold_w)
         os.waitpid(pid, 0)
 
 
