@@ -419,20 +419,23 @@ def test_a_json_output_is_failed_only_when_its_error_is_set():
 
 
 @pytest.mark.parametrize(
-    "build",
+    ("build", "says"),
     [
-        lambda: TruncateToolOutputs(marker="{n[0]}"),  # TypeError escaped
-        lambda: TruncateToolOutputs(marker="{n.x}"),  # AttributeError escaped
-        lambda: SummarizeTurns(lambda ms: "s", template="{summary:d}", max_messages=4, keep_recent=1),  # failed per step
-        lambda: TruncateToolOutputs(max_lines=True),  # a bool read as 1
-        lambda: TruncateToolOutputs(keep_recent=True),
-        lambda: TruncateToolOutputs(keep_lines=False),
-        lambda: SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=False),
-        lambda: SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=1, keep_head=True),
+        (lambda: TruncateToolOutputs(marker="{n[0]}"), r"marker '\{n\[0\]\}' is not a format string"),  # TypeError escaped
+        (lambda: TruncateToolOutputs(marker="{n.x}"), r"marker '\{n\.x\}' is not a format string"),  # AttributeError
+        (lambda: SummarizeTurns(lambda ms: "s", template="{summary:d}", max_messages=4, keep_recent=1),
+         r"template '\{summary:d\}' is not a format string"),  # failed per step
+        (lambda: TruncateToolOutputs(max_lines=True), "max_lines must be a positive int, got True"),  # a bool read as 1
+        (lambda: TruncateToolOutputs(keep_recent=True), "keep_recent must be a non-negative int, got True"),
+        (lambda: TruncateToolOutputs(keep_lines=False), r"keep_lines must be an int in \[0, .*got False"),
+        (lambda: SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=False),
+         "keep_recent must be a non-negative int, got False"),
+        (lambda: SummarizeTurns(lambda ms: "s", max_messages=4, keep_recent=1, keep_head=True),
+         "keep_head must be a non-negative int or None, got True"),
     ],
 )
-def test_policy_options_of_the_wrong_type_are_config_errors(build):
-    with pytest.raises(ConfigError):
+def test_policy_options_of_the_wrong_type_are_config_errors(build, says):
+    with pytest.raises(ConfigError, match=says):
         build()
 
 

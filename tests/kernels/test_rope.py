@@ -192,40 +192,40 @@ def test_per_layer_rope_bases_are_refused():
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    ("cfg", "says"),
     [
-        {"model_type": "llama", "head_dim": "abc"},
-        {"model_type": "llama", "head_dim": 64, "rope_theta": "x"},
-        {"model_type": "llama", "head_dim": 64, "rope_scaling": [1]},
-        dict(LLAMA31, rope_scaling=dict(LLAMA31["rope_scaling"], factor=None)),
-        {"model_type": "llama", "head_dim": 64.9},  # was truncated to 64
-        {"model_type": "llama", "head_dim": "64"},
-        {"model_type": "llama", "head_dim": 64, "rope_theta": float("inf")},
+        ({"model_type": "llama", "head_dim": "abc"}, "head_dim must be an int, got 'abc'"),
+        ({"model_type": "llama", "head_dim": 64, "rope_theta": "x"}, "malformed RoPE fields.*'x'"),
+        ({"model_type": "llama", "head_dim": 64, "rope_scaling": [1]}, "malformed RoPE fields"),
+        (dict(LLAMA31, rope_scaling=dict(LLAMA31["rope_scaling"], factor=None)), "malformed RoPE fields.*NoneType"),
+        ({"model_type": "llama", "head_dim": 64.9}, "head_dim must be an int, got 64.9"),  # was truncated to 64
+        ({"model_type": "llama", "head_dim": "64"}, "head_dim must be an int, got '64'"),
+        ({"model_type": "llama", "head_dim": 64, "rope_theta": float("inf")}, "theta must be a finite number > 0, got inf"),
     ],
 )
-def test_malformed_fields_are_config_errors(cfg):
+def test_malformed_fields_are_config_errors(cfg, says):
     """A field of the wrong type escaped as TypeError/ValueError, which the connector
     (catching ConfigError to run without relocation) let crash the engine's start."""
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=says):
         RopeConfig.from_hf_config(cfg)
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "says"),
     [
-        dict(head_size="64", rotary_dim=64),
-        dict(head_size=64, rotary_dim=64.0),
-        dict(head_size=True, rotary_dim=64),
-        dict(head_size=0, rotary_dim=0),
-        dict(head_size=64, rotary_dim=65),
-        dict(head_size=64, rotary_dim=63),
-        dict(head_size=64, rotary_dim=128),
-        dict(head_size=64, rotary_dim=64, theta=0.0),
-        dict(head_size=64, rotary_dim=64, linear_factor=0.0),
+        (dict(head_size="64", rotary_dim=64), "head_size must be an int, got str '64'"),
+        (dict(head_size=64, rotary_dim=64.0), "rotary_dim must be an int, got float 64.0"),
+        (dict(head_size=True, rotary_dim=64), "head_size must be an int, got bool True"),
+        (dict(head_size=0, rotary_dim=0), "head_size must be > 0, got 0"),
+        (dict(head_size=64, rotary_dim=65), r"rotary_dim must be even and in \(0, head_size\]; got rotary_dim=65"),
+        (dict(head_size=64, rotary_dim=63), "got rotary_dim=63, head_size=64"),
+        (dict(head_size=64, rotary_dim=128), "got rotary_dim=128, head_size=64"),
+        (dict(head_size=64, rotary_dim=64, theta=0.0), "theta must be a finite number > 0, got 0.0"),
+        (dict(head_size=64, rotary_dim=64, linear_factor=0.0), "linear_factor must be a finite number > 0, got 0.0"),
     ],
 )
-def test_invalid_configs_are_refused(kwargs):
-    with pytest.raises(ConfigError):
+def test_invalid_configs_are_refused(kwargs, says):
+    with pytest.raises(ConfigError, match=says):
         RopeConfig(**kwargs)
 
 
