@@ -1031,7 +1031,7 @@ def test_a_put_during_a_clears_scan_keeps_its_value(redis_url, monkeypatch):
             assert got.status is HIT_DISK and torch.equal(got.payload, kv(1))
 
 
-def test_an_outage_during_a_rescan_has_the_listener_scan_again(redis_url, monkeypatch):
+def test_an_outage_during_a_rescan_has_the_listener_scan_again(redis_server, redis_url, monkeypatch):
     """A write timed out (an outage: the index forgotten) while the listener was between
     two pages of its scan; the scan then finished and marked the index synced, so the
     listener never scanned again: the values of the pages before the outage stayed
@@ -1054,21 +1054,14 @@ def test_an_outage_during_a_rescan_has_the_listener_scan_again(redis_url, monkey
         return real_scan(self, cursor, **kwargs)
 
     monkeypatch.setattr(redis.Redis, "scan", scan)
-    with open_store(redis_url, remote_retry_s=0.3) as a:
+    with open_store(redis_url, remote_retry_s=0.3, remote_timeout_s=0.2) as a:
         tier = remote(a)
         assert entered.wait(3.0)
-        real_set = tier._client.set
-
-        real_ping = tier._client.ping
-
-        def timeout(*args, **kwargs):
-            raise redis.TimeoutError("Timeout reading from socket")
-
-        monkeypatch.setattr(tier._client, "set", timeout)
-        monkeypatch.setattr(tier._client, "ping", timeout)  # the server stopped answering: an outage
-        assert a.put(refs[20], kv(20), salt=SALT) is PutStatus.STORED  # DRAM; the SET times out
-        monkeypatch.setattr(tier._client, "set", real_set)
-        monkeypatch.setattr(tier._client, "ping", real_ping)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # the server stops answering: an outage
+        try:
+            assert a.put(refs[20], kv(20), salt=SALT) is PutStatus.STORED  # DRAM; the SET times out
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
         assert a.stats().remote_outages == 1 and not tier.wait_synced(0)
         gate.set()
         assert wait_for(lambda: a.stats().remote_blocks == 21, timeout=4.0), a.stats()
@@ -1162,28 +1155,27 @@ def test_a_value_slower_to_send_than_the_timeout_is_written_not_an_outage():
         admin.close()
 
 
-def test_a_write_that_times_out_while_the_server_answers_is_a_write_error_not_an_outage(redis_url, monkeypatch):
+def test_a_write_that_times_out_while_the_server_answers_is_a_write_error_not_an_outage(redis_url):
     """A SET that timed out opened the breaker and forgot the index even when the server
     answered everything else.  Now it is a write error; only a PING that fails after it
-    opens the breaker.  (The SET's timeout is mocked: a slow socket cannot be had from
-    a real server on demand; the PING goes to the real one.)"""
-    with open_store(redis_url, dram_blocks=8, remote_timeout_s=1.0) as store:
+    opens the breaker.  (The real server holds writes only: CLIENT PAUSE WRITE.)"""
+    with open_store(redis_url, dram_blocks=8, remote_timeout_s=0.3) as store:
         tier = remote(store)
         assert tier.wait_synced(5.0)
         a, b, c = make_refs(3)
         assert store.put(a, kv(0), salt=SALT) is PutStatus.STORED
-        real_set = tier._client.set
-
-        def timeout(*args, **kwargs):
-            raise redis.TimeoutError("Timeout writing to socket")
-
-        monkeypatch.setattr(tier._client, "set", timeout)
+        admin = client(redis_url)
+        admin.client_pause(1000, all=False)  # writes wait 1 s, past the 0.3 s timeout; PING answers
+        admin.close()
+        t0 = time.monotonic()
         assert store.put(b, kv(1), salt=SALT) is PutStatus.STORED  # DRAM keeps it
-        monkeypatch.setattr(tier._client, "set", real_set)
+        store.drain()
         st = store.stats()
         assert (st.remote_writes, st.remote_write_errors, st.remote_outages) == (1, 1, 0), st
         assert st.remote_available and st.remote_blocks == 1 and tier.wait_synced(0)  # index kept
+        time.sleep(max(0.0, 1.1 - (time.monotonic() - t0)))  # the pause is over
         assert store.put(c, kv(2), salt=SALT) is PutStatus.STORED
+        store.drain()
         assert store.stats().remote_writes == 2
 
 
