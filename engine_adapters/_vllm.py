@@ -21,6 +21,7 @@ level: ``debug``, ``info``, ``warning``, ``error``), still on stderr.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import sys
@@ -560,18 +561,22 @@ def request_identity(request: Any) -> str | None:
     """What besides its tokens and salt a scheduler ``Request``'s KV depends on, as vLLM's
     block hashes key it (``kv_cache_utils``' extra keys): its LoRA adapter (name and
     path), its multimodal inputs (their hashes and placeholder offsets), prompt
-    embeddings (the request id: never shared).  ``None`` for a plain text request."""
-    parts: list[str] = []
+    embeddings (the request id: never shared).  ``None`` for a plain text request.
+    Encoded as JSON, so no name holding a separator can spell another's fields (an
+    adapter ``x`` at ``y@/p`` and ``x@y`` at ``/p`` were one identity: one adapter's KV
+    served to the other), as vLLM keys them by tuples."""
+    parts: list[list[Any]] = []
     lora = getattr(request, "lora_request", None)
     if lora:
-        parts.append(f"lora={getattr(lora, 'lora_name', '')}@{getattr(lora, 'lora_path', '')}")
+        parts.append(["lora", str(getattr(lora, "lora_name", "")), str(getattr(lora, "lora_path", ""))])
     for f in getattr(request, "mm_features", None) or ():
         ident = getattr(f, "identifier", None)
         pos = getattr(getattr(f, "mm_position", None), "offset", None)
-        parts.append(f"mm={ident}@{pos}" if ident else f"mm-unnamed={request.request_id}")
+        parts.append(["mm", str(ident), pos if isinstance(pos, int) else str(pos)] if ident
+                     else ["mm-unnamed", str(request.request_id)])
     if getattr(request, "prompt_embeds", None) is not None:
-        parts.append(f"embeds={request.request_id}")
-    return ";".join(parts) if parts else None
+        parts.append(["embeds", str(request.request_id)])
+    return json.dumps(parts, separators=(",", ":"), ensure_ascii=True) if parts else None
 
 
 def allocated_block_ids(blocks: Any) -> list[int]:

@@ -109,3 +109,22 @@ def test_a_missing_vllm_names_the_extra_that_installs_it(monkeypatch):
         with pytest.raises(ModuleNotFoundError, match=r"needs vLLM.*pip install 'promptsplice\[cpu\]'") as info:
             load()
         assert info.value.name.split(".")[0] == "vllm"
+
+
+def test_request_identities_of_different_adapters_or_inputs_never_coincide():
+    """``lora=<name>@<path>`` joined by ``;``: an adapter ``x`` at ``y@/p`` and one
+    ``x@y`` at ``/p`` gave one identity, so one adapter's stored KV was served to the
+    other.  vLLM keys them by tuples; the identity is now JSON."""
+    import types
+
+    from vllm.lora.request import LoRARequest
+
+    def req(lora=None, mm=(), rid="r1"):
+        feats = [types.SimpleNamespace(identifier=i, mm_position=types.SimpleNamespace(offset=o)) for i, o in mm]
+        return types.SimpleNamespace(request_id=rid, lora_request=lora, mm_features=feats, prompt_embeds=None)
+
+    a = _vllm.request_identity(req(LoRARequest("x", 1, "y@/adapters/p")))
+    b = _vllm.request_identity(req(LoRARequest("x@y", 2, "/adapters/p")))
+    assert a != b and json.loads(a) == [["lora", "x", "y@/adapters/p"]]
+    assert _vllm.request_identity(req(mm=[("img;mm=b", 3)])) != _vllm.request_identity(req(mm=[("img", 3), ("b", 3)]))
+    assert _vllm.request_identity(req()) is None
