@@ -159,6 +159,7 @@ def run_phases(
     phases replacing ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``)."""
     if not phases:
         raise InputError("generate_phases needs at least one phase")
+    _check_phase_ends(phases, len(tokens))
     outs: list[Completion] = []
     devs: list[Any] = []
     pending, moved, i = list(phases), 0, 0
@@ -173,8 +174,20 @@ def run_phases(
         devs += res.deviations
         if adapt is not None and not last and (repl := adapt(_with_unmeasured(plan, res.deviations), pending[i + 1])):
             pending[i + 1 : i + 2] = repl
+            _check_phase_ends(pending, len(tokens))
         i += 1
     return PhasedRun(outs, t_last, moved, tuple(devs), tuple(pending))
+
+
+def _check_phase_ends(phases: Sequence[SplicePhase], n: int) -> None:
+    """Phase ends rise and the last is the whole prompt (else a phase past the prompt
+    sent fewer tokens than its plan covers, or the answer came from a prefix)."""
+    ends = [p.end for p in phases]
+    if any(b <= a for a, b in zip(ends, ends[1:])) or ends[-1] != n or ends[0] < 1:
+        raise InputError(
+            f"phase ends must rise and the last must be the prompt's {n} tokens, got {ends}: "
+            "build phases for these tokens with plan_phases / plan_segment_phases"
+        )
 
 
 def _with_unmeasured(plan: SplicePlan | None, deviations: Sequence[Any]) -> list[Any]:

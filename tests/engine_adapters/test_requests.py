@@ -213,3 +213,26 @@ def test_the_rag_guard_computes_every_later_run_of_a_request_once_one_deviates()
         object(), 0, deviations(plan) if plan is not None and plan.probes and plan.probes[0].dst_start == first else ()),
         {"max_tokens": 1}, late)
     assert late.deviated == rag.deviated and not late.unmeasured
+
+
+def test_phases_that_do_not_end_at_the_prompt_are_refused_before_any_request():
+    """Ends 64 then 40 on a 100-token prompt answered from the first 40 tokens; an end
+    of 500 sent 100 tokens for a plan built for 500."""
+    import pytest
+
+    from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
+    from promptsplice.errors import InputError
+
+    tokens, sent = list(range(100)), []
+    plan = SplicePlan(32, ())
+
+    def run_one(prompt, plan, gen):
+        sent.append(len(prompt))
+        return PhaseResult(object(), 0)
+
+    for ends in ((64, 40), (64, 500), (64, 64, 100), (100, 100), (50,), (0, 100)):
+        with pytest.raises(InputError, match=r"phase ends must rise and the last must be the prompt's 100 tokens"):
+            run_phases(tokens, [SplicePhase(e, plan) for e in ends], run_one, {"max_tokens": 1})
+    assert sent == []
+    run_phases(tokens, [SplicePhase(64, plan), SplicePhase(100, plan)], run_one, {"max_tokens": 1})
+    assert sent == [64, 100]
