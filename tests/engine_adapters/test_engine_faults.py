@@ -275,3 +275,25 @@ def test_dead_engine_error_is_an_engine_error():
     err = EngineDeadError("x", restarted=True)
     assert isinstance(err, EngineError) and not isinstance(err, EngineRequestError)
     assert err.restarted is True
+
+
+def test_a_shutdown_that_fails_is_logged_and_the_count_of_live_engines_still_drops(monkeypatch, caplog):
+    """A dead engine's shutdown that raised escaped ``release`` (so ``_die`` never ran the
+    restart ``max_restarts`` allowed).  The failure is injected: a real vLLM cannot be
+    made to fail its shutdown on demand."""
+    import logging
+
+    from promptsplice.engine_adapters import _lifecycle, _vllm
+
+    def broken(llm, *, last_engine):
+        raise RuntimeError("injected: the engine core is gone")
+
+    monkeypatch.setattr(_vllm, "shutdown_llm", broken)
+    with _lifecycle._live_lock:
+        _lifecycle._live_engines += 1
+        before = _lifecycle._live_engines
+    handle = _lifecycle.Handle(object(), _vllm.AgentBox())
+    with caplog.at_level(logging.ERROR, logger="promptsplice.engine_adapters._lifecycle"):
+        _lifecycle.release(handle)
+    assert handle.llm is None and _lifecycle._live_engines == before - 1
+    assert "shutting down a vLLM engine failed" in caplog.text and "injected" in caplog.text
