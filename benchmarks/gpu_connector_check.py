@@ -48,6 +48,7 @@ from promptsplice.engine_adapters.connector._scheduler import LoadItem, SaveItem
 from promptsplice.engine_adapters.connector._worker import SpliceWorker
 from promptsplice.engine_adapters.store._store import BlockStore
 from promptsplice.engine_adapters.store._types import StoreConfig, chain_refs
+from promptsplice.errors import ConfigError
 from promptsplice.kernels import (
     Llama3Scaling,
     RopeConfig,
@@ -383,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_connector_check: no CUDA device here (torch.cuda.is_available() is False); "
               "run with --device cpu --quick for a dry run. Nothing was checked.", file=sys.stderr)
         return 2
+    try:  # what runs: "auto" on CUDA without Triton ran torch, and the JSON said only "auto"
+        impl_ran = select_impl(device, args.impl)
+    except ConfigError as exc:
+        print(f"gpu_connector_check: {exc}; nothing was checked", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     checks = [
         check(g, layout, device, impl=args.impl, quick=args.quick, seed=args.seed + i)
@@ -400,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "module": os.path.abspath(__file__),  # which copy of the tree ran
         "impl": args.impl,
+        "impl_ran": impl_ran,
         "quick": args.quick,
         "correct": all(r["ok"] for r in checks),
         "checks": checks,
@@ -415,10 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     doc["wall_s"] = time.perf_counter() - t0
     print("\n" + readme_table(doc))
     text = json.dumps(doc, indent=2)
-    print("\n" + text)
-    if args.json:
+    if args.json:  # (printed only without a file: it pushed the tables out of a bounded log tail)
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(text + "\n")
+    else:
+        print("\n" + text)
     if not doc["correct"]:
         print("gpu_connector_check: CORRECTNESS FAILED (see above)", file=sys.stderr)
     return 0 if doc["correct"] else 1

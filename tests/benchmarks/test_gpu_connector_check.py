@@ -84,4 +84,8 @@ def test_the_device_script_installs_the_bare_tree_and_runs_the_check(tmp_path):
     doc = json.loads((tmp_path / "gpu_connector_check.json").read_text())
     _assert_doc(doc, "auto")
     assert doc["module"].startswith(str(tmp_path)), doc["module"]  # the scratch install ran
+    assert doc["impl_ran"] == "torch"  # what ran, not only what was asked ("auto")
+    log = (tmp_path / "gpu_connector_check.log").read_text()
+    assert "correctness" in log and log.rstrip().endswith("gpu_connector_check: exit 0")
+    assert '"checks"' not in proc.stdout  # the JSON went to its file, not into the bounded log tail
     assert not any(p.name.startswith("promptsplice-site.") for p in tmp_path.iterdir())
