@@ -116,7 +116,10 @@ def check_case(c: Case, layout_name: str, device, seed: int) -> dict:
     v_store.copy_(torch.randn(v_store.shape, generator=g).to(dtype))
     src_ids = torch.randperm(24, generator=g)[:16]
     dst_ids = torch.randperm(64, generator=g)[:16]
+    # per block: random deltas, the case's own delta among them (it was never used)
     delta = (torch.randint(-50000, 50000, (16,), generator=g) if c.per_block else c.delta)
+    if c.per_block and c.delta:
+        delta[0] = c.delta
     src = gather_blocks(layout, store, src_ids)
     _, dst = make_cache(layout_name, 64, c, dtype, device)
     dst.fill_(float("nan"))
