@@ -225,6 +225,8 @@ class EngineConfig:
                     f"model folder {model!r} does not exist (pass a Hugging Face model "
                     "folder, a hub id, or None for the default model)"
                 )
+            if os.path.isdir(model):  # a restart after os.chdir looked elsewhere (vLLM loads a folder first too)
+                model = os.path.abspath(model)
             object.__setattr__(self, "model", model)
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ConfigError(
@@ -265,7 +267,7 @@ class EngineConfig:
                     "kv_events_endpoint with enable_prefix_caching=False: vLLM publishes events of its prefix "
                     "cache only, so none would come; turn prefix caching on"
                 )
-            if "kv_events_config" in self.extra_kwargs:
+            if isinstance(self.extra_kwargs, Mapping) and "kv_events_config" in self.extra_kwargs:  # (type: below)
                 raise ConfigError(
                     "extra_kwargs sets 'kv_events_config', which kv_events_endpoint owns: pass one of them"
                 )

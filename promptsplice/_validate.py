@@ -28,7 +28,7 @@ import sys
 import operator
 import re
 import string
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, TypeVar
 
 from promptsplice.errors import (
@@ -447,7 +447,8 @@ def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
     """A non-empty sequence or iterable of token ids (ints from 0 to 2**32 - 1, numpy
     integers included, not bools) as a list of ints; else :class:`InputError` naming
     the first bad position.  The one rule of every engine and router."""
-    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Iterable):
+    if isinstance(ids, str | bytes | bytearray | Mapping | Set) or not isinstance(ids, Iterable):
+        # (a set has no order: {5, 3, 1} was sent as [1, 3, 5])
         raise InputError(f"{what} must be a list of token ids, got {type(ids).__name__}")
     out = list(ids)
     if not out:

@@ -26,6 +26,7 @@ from array import array
 from itertools import compress, count
 from operator import not_
 from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Set as AbcSet
 from typing import NewType
 
 import xxhash
@@ -140,8 +141,9 @@ def root_hash(salt: str | bytes | None = None) -> BlockHash:
 
 def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
     """Token ids as little-endian uint32 bytes (the hashed representation)."""
-    if isinstance(tokens, str | bytes | bytearray | memoryview):
-        # array("I", b"abcd") reads the bytes as machine ints: one wrong token, no error
+    if isinstance(tokens, str | bytes | bytearray | memoryview | AbcSet):
+        # array("I", b"abcd") reads the bytes as machine ints: one wrong token, no error;
+        # a set has no order
         raise InputError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
     try:
         arr = array("I", tokens)

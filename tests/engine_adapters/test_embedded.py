@@ -137,11 +137,22 @@ def test_config_gpu_defaults_without_a_gpu():
         # vLLM's set_random_seed refuses these at engine start (an EngineStartError)
         ({"seed": -1}, r"seed must be an int in \[0, 2\*\*32\)"),
         ({"seed": 2**32}, r"seed must be an int in \[0, 2\*\*32\)"),
+        # a TypeError before its type was checked
+        ({"extra_kwargs": None, "kv_events_endpoint": "tcp://*:5557"}, "extra_kwargs must be a mapping"),
     ],
 )
 def test_config_refuses_bad_options(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_a_relative_model_folder_is_kept_absolute(tmp_path, monkeypatch):
+    """A restart after ``os.chdir`` looked for ``models/mine`` in the new folder (or on
+    the hub)."""
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert EngineConfig(model="models/mine").model == str(tmp_path / "models" / "mine")
+    assert EngineConfig(model="HuggingFaceTB/SmolLM2-135M").model == "HuggingFaceTB/SmolLM2-135M"  # a hub id
 
 
 def test_an_embedded_engine_under_vllms_multiprocessing_is_refused(monkeypatch):

@@ -55,6 +55,8 @@ def test_hash_format_is_pinned():
     assert chain_hashes(block, 4) == [expected]
     assert len(expected) == HASH_BYTES
     assert token_bytes([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    with pytest.raises(InputError, match="sequence of ints, got set"):
+        token_bytes({3, 1, 2})  # no order: hashed as whatever order the set iterates
     assert content_digest(b"abc") == xxhash.xxh3_128_digest(b"abc")
 
 

@@ -212,7 +212,8 @@ def test_token_ids():
             v.check_token_ids(bad)
     for bad, match in (([], "empty"), ([1, -1], r"prompt\[1\] is not a token id"), ([True], r"prompt\[0\]"),
                        ([1.0], r"prompt\[0\]"), ("abc", "list of token ids"), (b"ab", "list of token ids"),
-                       ({1: 2}, "list of token ids")):
+                       ({1: 2}, "list of token ids"), ({5, 3, 1}, "got set"),  # no order: sent as [1, 3, 5]
+                       (frozenset({2}), "got frozenset"), ({1: 2}.keys(), "list of token ids")):
         with pytest.raises(InputError, match=match):
             v.check_token_ids(bad)
 
