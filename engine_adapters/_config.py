@@ -225,8 +225,6 @@ class EngineConfig:
                     f"model folder {model!r} does not exist (pass a Hugging Face model "
                     "folder, a hub id, or None for the default model)"
                 )
-            if os.path.isdir(model):  # a restart after os.chdir looked elsewhere (vLLM loads a folder first too)
-                model = os.path.abspath(model)
             object.__setattr__(self, "model", model)
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ConfigError(

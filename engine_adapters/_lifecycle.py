@@ -40,11 +40,6 @@ class Handle:
 
 _live_lock = threading.Lock()
 _live_engines = 0
-_state_lock = threading.RLock()
-"""Held across a vLLM start and across a shutdown: a last engine's full shutdown tore
-down the process-wide state another thread's engine was starting on (it decided "last"
-under ``_live_lock``, then shut down after letting go of it).  Re-entrant: a finalizer
-the garbage collector runs inside a start is a release on the same thread."""
 
 
 def start_llm(config: EngineConfig) -> Handle:
@@ -60,7 +55,7 @@ def start_llm(config: EngineConfig) -> Handle:
     with _live_lock:
         _live_engines += 1
     try:
-        with _state_lock, _vllm.agent_installed(kv, capture=True):  # a connector engine creates its agent here
+        with _vllm.agent_installed(kv, capture=True):  # a connector engine creates its agent here
             llm = vllm.LLM(**kwargs)
     except BaseException as exc:
         with _live_lock:
@@ -122,15 +117,17 @@ def release(handle: Handle) -> None:
     llm, handle.llm = handle.llm, None
     if llm is None:
         return
-    with _state_lock:
-        with _live_lock:
-            _live_engines -= 1
-            last = _live_engines == 0
-        try:
-            with _vllm.agent_installed(handle.kv, capture=True):  # vLLM shuts down the slot's connector
-                _vllm.shutdown_llm(llm, last_engine=last)
-        except Exception:  # noqa: BLE001 - a dead engine's shutdown may fail; a restart must still run
-            _log.exception("shutting down a vLLM engine failed (its resources may linger)")
+    try:
+        # "last" is decided under the agent lock a start holds around vllm.LLM(): decided
+        # before it, a last engine's full shutdown tore down the process-wide state another
+        # thread's engine was starting on (a start counts itself live before it waits)
+        with _vllm.agent_installed(handle.kv, capture=True):  # vLLM shuts down the slot's connector
+            with _live_lock:
+                _live_engines -= 1
+                last = _live_engines == 0
+            _vllm.shutdown_llm(llm, last_engine=last)
+    except Exception:  # noqa: BLE001 - a dead engine's shutdown may fail; a restart must still run
+        _log.exception("shutting down a vLLM engine failed (its resources may linger)")
 
 
 def _is_default_model(folder: Path) -> bool:

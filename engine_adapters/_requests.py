@@ -157,6 +157,7 @@ def run_phases(
     ``adapt(deviations, next_phase)``, called after each phase but the last with what
     its probes measured (a planned probe left unmeasured reads as infinite), may return
     phases replacing ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``)."""
+    phases = list(phases)  # (read twice: a generator was used up by the check)
     if not phases:
         raise InputError("generate_phases needs at least one phase")
     _check_phase_ends(phases, len(tokens))

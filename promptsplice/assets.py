@@ -17,9 +17,11 @@ things are derived from that file and cached *outside* the repository:
 Both folders are written to a temporary folder first and renamed into place, with a
 ``.complete`` marker, so an interrupted build is redone rather than half used.  The
 marker holds the build's *stamp* (the converter's version, the GGUF package's version
-and the file's size, and for the weights transformers' version): a folder built by
-another converter or from another GGUF is rebuilt, never served as current.  Without
-the GGUF package nothing can be rebuilt, and any complete build serves.
+and the file's size): a folder built by another converter or from another GGUF is
+rebuilt, never served as current.  Without the GGUF package nothing can be rebuilt, and
+any complete build serves; so does an outdated build that cannot be rebuilt (a
+read-only cache), with a warning.  (transformers' version is not in the stamp: two
+environments sharing one cache rebuilt each other's weights in turn.)
 """
 
 from __future__ import annotations
@@ -157,9 +159,8 @@ def tokenizer_stamp(source: Path) -> str:
 
 
 def weights_stamp(source: Path) -> str:
-    """The stamp of weights converted from ``source`` by this converter (transformers
-    dequantizes the GGUF: its version is part of the build)."""
-    return f"{_WEIGHTS_CONVERTER}; transformers {_package_version('transformers')}; {_source_id(source)}"
+    """The stamp of weights converted from ``source`` by this converter."""
+    return f"{_WEIGHTS_CONVERTER}; {_source_id(source)}"
 
 
 def _source_id(source: Path) -> str:
@@ -262,18 +263,26 @@ def build_folder(folder: Path, source: Path, build: Callable[[Path, Path], None]
     for another's build uses its folder.  A complete folder of another stamp (an older
     converter or GGUF) is replaced."""
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a read-only home, or a file where a folder should be
-        raise AssetError(
-            f"cannot create {folder.parent} to build {folder} ({exc}); point PROMPTSPLICE_HOME "
-            "(or the folder argument) at a writable folder"
-        ) from exc
-    with _build_lock(folder):
-        if is_complete(folder, stamp):  # built while this one waited
-            return folder
-        if is_complete(folder):
-            _remove_stale(folder, stamp)
-        return _build_into(folder, source, build, stamp)
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only home, or a file where a folder should be
+            raise AssetError(
+                f"cannot create {folder.parent} to build {folder} ({exc}); point PROMPTSPLICE_HOME "
+                "(or the folder argument) at a writable folder"
+            ) from exc
+        with _build_lock(folder):
+            if is_complete(folder, stamp):  # built while this one waited
+                return folder
+            if is_complete(folder):
+                _remove_stale(folder, stamp)
+            return _build_into(folder, source, build, stamp)
+    except AssetError as exc:
+        if not is_complete(folder):
+            raise
+        # an outdated build that cannot be replaced (a read-only cache) still serves
+        logger.warning("serving %s as it is: it was built by another converter or from another GGUF, and "
+                       "rebuilding it failed (%s)", folder, exc)
+        return folder
 
 
 def _remove_stale(folder: Path, stamp: str) -> None:

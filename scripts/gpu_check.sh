@@ -31,15 +31,18 @@ cd "$SITE"  # not the tree's root, whose promptsplice/ folder would shadow the i
 "$PYTHON" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__,
       "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
 TIMEOUT=${CHECK_TIMEOUT:-300}
-quick=() impl=()
+quick=() impl=() device=cuda prev=
 for a in "$@"; do
     [[ $a == --quick ]] && quick=(--quick)
-    [[ $a == --impl || $a == --impl=* ]] && impl=(none)
+    [[ $a == --impl || $a == --impl=* ]] && impl=(given)
+    [[ $prev == --device ]] && device=$a
+    [[ $a == --device=* ]] && device=${a#--device=}
+    prev=$a
 done
 cuda=0
 "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' && cuda=1
 # on CUDA, "auto" without a working Triton ran torch and passed without the kernel
-(( cuda )) && [[ ${#impl[@]} -eq 0 ]] && set -- --impl triton "$@"
+(( cuda )) && [[ $device == cuda* && ${#impl[@]} -eq 0 ]] && set -- --impl triton "$@"
 
 run() {  # run NAME ARGS...: the check's output to the terminal and $OUT/NAME.log; its exit status
     local name=$1; shift

@@ -146,15 +146,6 @@ def test_config_refuses_bad_options(kwargs, match):
         EngineConfig(**kwargs)
 
 
-def test_a_relative_model_folder_is_kept_absolute(tmp_path, monkeypatch):
-    """A restart after ``os.chdir`` looked for ``models/mine`` in the new folder (or on
-    the hub)."""
-    (tmp_path / "models" / "mine").mkdir(parents=True)
-    monkeypatch.chdir(tmp_path)
-    assert EngineConfig(model="models/mine").model == str(tmp_path / "models" / "mine")
-    assert EngineConfig(model="HuggingFaceTB/SmolLM2-135M").model == "HuggingFaceTB/SmolLM2-135M"  # a hub id
-
-
 def test_an_embedded_engine_under_vllms_multiprocessing_is_refused(monkeypatch):
     """``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the user's) ran vLLM's core in a child: the
     connector and its store were out of reach (0 relocated, silently) and close() leaked

@@ -126,5 +126,6 @@ def test_request_identities_of_different_adapters_or_inputs_never_coincide():
     a = _vllm.request_identity(req(LoRARequest("x", 1, "y@/adapters/p")))
     b = _vllm.request_identity(req(LoRARequest("x@y", 2, "/adapters/p")))
     assert a != b and json.loads(a) == [["lora", "x", "y@/adapters/p"]]
-    assert _vllm.request_identity(req(mm=[("img;mm=b", 3)])) != _vllm.request_identity(req(mm=[("img", 3), ("b", 3)]))
+    # "mm=img@3;mm=b@3" both ways under the old format
+    assert _vllm.request_identity(req(mm=[("img@3;mm=b", 3)])) != _vllm.request_identity(req(mm=[("img", 3), ("b", 3)]))
     assert _vllm.request_identity(req()) is None

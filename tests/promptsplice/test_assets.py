@@ -310,10 +310,35 @@ def test_the_model_is_ready_when_built_by_this_converter_or_the_users_own(tmp_pa
     (folder / ".complete").write_text(json.dumps({"source": str(source), "stamp": "weights/1"}) + "\n")
     assert not assets.model_ready(folder)
     stamp = assets.weights_stamp(source)
-    assert "transformers " in stamp and stamp != assets.tokenizer_stamp(source)
+    assert stamp.startswith("weights/") and stamp != assets.tokenizer_stamp(source)
+    assert "transformers" not in stamp  # two environments sharing a cache rebuilt each other's weights
     (folder / ".complete").write_text(json.dumps({"source": str(source), "stamp": stamp}) + "\n")
     assert assets.model_ready(folder)
     (folder / ".complete").write_text("not json")
     assert not assets.model_ready(folder)
     monkeypatch.setattr(assets, "gguf_path", lambda: (_ for _ in ()).throw(AssetError("no gguf package")))
     assert assets.model_ready(folder)
+
+
+def test_an_outdated_build_that_cannot_be_rebuilt_still_serves(built, tmp_path, monkeypatch, caplog):
+    """A read-only cache built before the stamps: every first assembly raised AssetError.
+    (The refusal is injected: this suite runs as root, which writes anywhere.)"""
+    import contextlib
+    import logging
+    import shutil
+
+    old = tmp_path / "old.tokenizer"
+    shutil.copytree(built, old)
+    (old / ".complete").write_text(json.dumps({"source": "x"}) + "\n")  # no stamp: outdated
+
+    @contextlib.contextmanager
+    def read_only(folder):
+        raise AssetError(f"cannot open the lock to build {folder}: read-only file system")
+        yield
+
+    monkeypatch.setattr(assets, "_build_lock", read_only)
+    with caplog.at_level(logging.WARNING, logger="promptsplice.assets"):
+        assert assets.ensure_default_tokenizer(old) == old
+    assert "serving" in caplog.text and "read-only" in caplog.text
+    with pytest.raises(AssetError, match="read-only"):  # nothing built there yet: no fallback
+        assets.ensure_default_tokenizer(tmp_path / "new.tokenizer")
