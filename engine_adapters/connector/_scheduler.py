@@ -38,7 +38,7 @@ from promptsplice.blocks import BlockHash, cacheable_blocks, cdiv, hash_block, r
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, in_place_blocks
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.errors import InputError
-from promptsplice._validate import check_block_size, is_derived_salt
+from promptsplice._validate import check_block_size, holds_exact_kv_only
 
 __all__ = [
     "LoadItem",
@@ -326,7 +326,7 @@ class SpliceScheduler:
             # (a hit of every cacheable block too, when anything is tainted: such a request
             # still computes and saves a whole last block, whose length is a block multiple)
             st.chain = chain_refs(prompt_tokens[: max(last, hit_blocks) * bs], bs, salt=salt)
-        if self._tainted and st.chain is not None and not st.no_save and not is_derived_salt(salt):
+        if self._tainted and st.chain is not None and not st.no_save and holds_exact_kv_only(salt):
             hit = min(hit_blocks, len(st.chain))
             tainted = [ref.key for ref in st.chain[:hit] if ref.key in self._tainted]
             if tainted:
@@ -379,7 +379,7 @@ class SpliceScheduler:
             # what it computes after approximate KV is approximate too: never filed under
             # the request's own (exact) chain keys
             st.no_save = True
-            if not is_derived_salt(st.salt) and st.chain is not None:
+            if holds_exact_kv_only(st.salt) and st.chain is not None:
                 for ref in st.chain[first:]:  # vLLM files them under those keys: taint them
                     self._tainted[ref.key] = None
                     self._tainted.move_to_end(ref.key)

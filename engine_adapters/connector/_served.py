@@ -59,7 +59,9 @@ from promptsplice.blocks import HASH_BYTES, BlockHash, content_digest, hash_bloc
 from promptsplice.engine_adapters.connector._plans import PLAN_KEY, SAME_SALT, BlockDeviation, SplicePlan
 from promptsplice.engine_adapters.store._store import BlockRef
 from promptsplice.errors import ConfigError, InputError, InvalidSaltError
-from promptsplice._validate import VLLM_MAX_CACHE_SALT_LENGTH, DERIVED_SALT_MARK, check_salt, is_derived_salt, salt_tenant
+from promptsplice._validate import (
+    VLLM_MAX_CACHE_SALT_LENGTH, DERIVED_SALT_MARK, check_salt, holds_exact_kv_only, salt_tenant,
+)
 
 __all__ = [
     "ACK_KEY", "CHECK_KEY", "IDENTITY_REASON", "MAX_QUERY_TOKENS", "PROBE_KEY", "PROBE_REASON", "QUERY_KEY", "QUERY_REASON",
@@ -198,10 +200,11 @@ def _mismatch(params: Mapping[str, Any], tokens: Sequence[int], block_size: int,
         # may name another salt of the same tenant (a scope, its relocation salt), never
         # another tenant's, whose KV it would load
         return "the plan's src_salt belongs to another tenant than the request's cache_salt"
-    if plan.scope and not is_derived_salt(salt):
+    if plan.scope and holds_exact_kv_only(salt):
         # a scope files what the request loads and computes after relocated KV under its
-        # salt: never under a tenant's own salt, which holds exact KV only
-        return "a scope plan needs a derived salt (a session scope), not the tenant's own cache_salt"
+        # salt: never under a salt that holds exact KV only (the tenant's own, or its
+        # derived "exact" salt, which exact steps read)
+        return "a scope plan needs a derived salt (a session scope), not a salt that holds exact KV only"
     full_blocks = len(tokens) // block_size
     if len(plan.probes) > full_blocks or any(p.dst_start + p.num_blocks * block_size > full_blocks * block_size
                                              for p in plan.probes):

@@ -260,3 +260,28 @@ def test_a_served_plans_probes_cost_a_decode_step_no_more_than_a_plain_request()
         return (time.perf_counter() - t0) / 20
 
     assert per_step(splice_params(plan, toks)) < 30 * per_step(None) + 2e-4
+
+
+def test_relocation_under_the_tenants_exact_salt_taints_it_as_the_tenants_own(store):
+    """The derived ``exact`` salt holds exact KV only (``AgentRunner`` runs exact steps
+    under it): the taint checks tested ``is_derived_salt``, so a relocation under it
+    tainted nothing and a later request over those blocks saved what it computed after
+    them under its exact keys."""
+    exact = f"{SALT}\x1fexact"
+    P, X, S = toks(2 * BS), toks(2 * BS, 5000), toks(3 * BS, 9000)
+    old, new = P + X + S + [1, 2], P + S + toks(BS + 7, 20000)
+    fill_store(store, old, salt=exact)
+    moved = SplicePlan(BS, (SpliceSegment(2 * BS, 3, -2 * BS, chain_hashes(old, BS, salt=exact)[3]),))
+    ids = list(range(100, 120))
+
+    def run(sched, rid, tokens, hit, params=None):
+        n = sched.get_num_new_matched_tokens(rid, tokens, exact, hit, params)
+        sched.update_state_after_alloc(rid, ids, n)
+        meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
+        sched.request_finished(rid)
+        return meta
+
+    sched = SpliceScheduler(store, BS)
+    meta = run(sched, "splice", new, 2 * BS, params=moved.to_params())
+    assert meta.loads[0].approximate() == 3 and meta.saves == []
+    assert run(sched, "plain", new + toks(2 * BS, 30000), 6 * BS).saves == []  # was: saved under exact keys

@@ -321,6 +321,8 @@ def test_a_plan_reads_only_its_own_tenants_salts_and_scopes_only_under_a_derived
     assert "LoRA, multimodal or embeddings" in plan_verdict(params(src_salt=lora), new, BS, "acme\x1fpic").reason
     assert "derived salt" in plan_verdict(params(src_salt="acme", scope=True), new, BS, "acme").reason
     assert plan_verdict(params(src_salt="acme", scope=True), new, BS, "acme\x1fsplice-scope:s:1").reason == ""
+    # the tenant's derived "exact" salt holds exact KV only (exact steps read it): no scope there
+    assert "holds exact KV only" in plan_verdict(params(src_salt="acme", scope=True), new, BS, "acme\x1fexact").reason
     probes = SplicePlan(BS, (), src_salt="acme", probes=(SpliceSegment(4 * BS, 3, 0, bytes(root_hash("acme"))),))
     assert "probes run past" in plan_verdict(splice_params(probes, new), new, BS, "acme").reason
 
