@@ -343,6 +343,7 @@ class SpliceConnector(KVConnectorBase_V1):
             salt = salt.decode("utf-8", "replace")
         check_salt(salt, vllm_rule=False)  # ("" would name the unsalted chains; refused: plain prefill)
         identity = _vllm.request_identity(request)
+        hit_salt = salt  # vLLM hashes a LoRA/multimodal request's text blocks as plain ones
         if identity is not None:
             # a LoRA, multimodal or embeddings request: its KV is not the plain tokens' KV,
             # so it keys the store under a salt of its own (offload hits only from the
@@ -372,7 +373,8 @@ class SpliceConnector(KVConnectorBase_V1):
         if ack is not None and ack[0]:
             params = None  # the plan does not match the request: plain prefill
         self._offered.pop(req_id, None)
-        n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params)
+        n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params,
+                                                      hit_salt=hit_salt)
         if n:
             self._offered[req_id] = num_computed_tokens
         return n, False  # synchronous: loaded in start_load_kv before this step's forward

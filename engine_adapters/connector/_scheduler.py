@@ -51,6 +51,8 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+_SAME = object()
+"""``hit_salt``'s default: the request's own salt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,10 +313,15 @@ class SpliceScheduler:
         salt: str | bytes | None,
         num_computed_tokens: int,
         kv_transfer_params: Mapping[str, Any] | None = None,
+        hit_salt: str | bytes | None | object = _SAME,
     ) -> int:
         """Tokens to load after the local hit ``num_computed_tokens`` (block multiple).
 
-        Idempotent: asking again replaces the earlier answer and its pins.
+        ``hit_salt``: the salt vLLM's own hashes of the local hit are under, when the
+        store keys the request under another (a LoRA or multimodal request's identity
+        salt: vLLM hashes its text blocks as plain ones, so its hit may be blocks a
+        relocation tainted).  Idempotent: asking again replaces the earlier answer and
+        its pins.
         """
         if not prompt_tokens:
             return 0
@@ -326,9 +333,11 @@ class SpliceScheduler:
             # (a hit of every cacheable block too, when anything is tainted: such a request
             # still computes and saves a whole last block, whose length is a block multiple)
             st.chain = chain_refs(prompt_tokens[: max(last, hit_blocks) * bs], bs, salt=salt)
-        if self._tainted and st.chain is not None and not st.no_save and holds_exact_kv_only(salt):
+        hsalt = salt if hit_salt is _SAME else hit_salt
+        if self._tainted and st.chain is not None and not st.no_save and holds_exact_kv_only(hsalt):
             hit = min(hit_blocks, len(st.chain))
-            tainted = [ref.key for ref in st.chain[:hit] if ref.key in self._tainted]
+            hit_chain = st.chain if hsalt == salt else chain_refs(prompt_tokens[: hit * bs], bs, salt=hsalt)
+            tainted = [ref.key for ref in hit_chain[:hit] if ref.key in self._tainted]
             if tainted:
                 st.no_save = True  # its local hit holds approximate KV: so is all it computes
                 for key in tainted:  # still in vLLM's cache: the last to leave the bound

@@ -285,3 +285,31 @@ def test_relocation_under_the_tenants_exact_salt_taints_it_as_the_tenants_own(st
     meta = run(sched, "splice", new, 2 * BS, params=moved.to_params())
     assert meta.loads[0].approximate() == 3 and meta.saves == []
     assert run(sched, "plain", new + toks(2 * BS, 30000), 6 * BS).saves == []  # was: saved under exact keys
+
+
+def test_a_multimodal_request_over_tainted_text_blocks_saves_nothing(store):
+    """A multimodal request's store keys are under its identity salt, but vLLM hashes
+    its text blocks before the image as plain ones: its local hit could be the blocks a
+    relocation left under the tenant's exact hashes, and it saved what it computed after
+    them (the taint check ran on the identity chain, and skipped derived salts)."""
+    from promptsplice.engine_adapters.connector._served import identity_salt
+
+    P, X, S = toks(2 * BS), toks(2 * BS, 5000), toks(3 * BS, 9000)
+    old, new = P + X + S + [1, 2], P + S + toks(BS + 7, 20000)
+    fill_store(store, old)
+    moved = SplicePlan(BS, (SpliceSegment(2 * BS, 3, -2 * BS, chain_hashes(old, BS, salt=SALT)[3]),))
+    ids = list(range(100, 120))
+    mm = identity_salt(SALT, '[["mm","img-1",200]]')
+
+    def run(sched, rid, tokens, hit, salt=SALT, params=None, **kw):
+        n = sched.get_num_new_matched_tokens(rid, tokens, salt, hit, params, **kw)
+        sched.update_state_after_alloc(rid, ids, n)
+        meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
+        sched.request_finished(rid)
+        return meta
+
+    sched = SpliceScheduler(store, BS)
+    assert run(sched, "splice", new, 2 * BS, params=moved.to_params()).loads[0].approximate() == 3
+    later = new + toks(2 * BS, 30000)
+    assert run(sched, "mm", later, 6 * BS, salt=mm, hit_salt=SALT).saves == []
+    assert run(sched, "mm-unchecked", later, 6 * BS, salt=mm).saves != []  # what it did before
