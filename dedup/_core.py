@@ -49,7 +49,7 @@ from operator import attrgetter
 from promptsplice import blocks as _blocks
 from promptsplice.errors import ConfigError
 
-from ._normalize import _normalize
+from ._normalize import _normalize, is_blank
 from ._overlap import shares_a_source
 from ._passes import Passes
 from ._types import (
@@ -155,7 +155,7 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     for index, cid, text, data, digest, metadata in inputs:
         size = len(data)
         bytes_in += size
-        if not size or text.isspace():
+        if not size or is_blank(text):
             dropped.append(DroppedChunk(index, cid, metadata, "empty"))
             removed["empty"] += 1
             removed_bytes["empty"] += size

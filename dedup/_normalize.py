@@ -28,6 +28,15 @@ from promptsplice.errors import (
 
 _DICT_KEYS = frozenset({"text", "id", "metadata"})
 
+_NOT_BLANK = re.compile("[^\\s]|[\x1c-\x1f]")
+
+
+def is_blank(text: str) -> bool:
+    """Whether ``text`` is only whitespace.  Not ``str.isspace``: it counts the ASCII
+    separators U+001C-U+001F as space, which are content (record separators of exported
+    tables), and a chunk of them was dropped as empty, their bytes in no record."""
+    return _NOT_BLANK.search(text) is None
+
 from ._types import INVALID_UTF8_POLICIES, InputChunk
 
 __all__ = ["normalize_chunks"]

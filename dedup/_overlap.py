@@ -34,10 +34,16 @@ def _pos(k: KeptChunk) -> int:
     return k.origins[0].index
 
 
+def _source_key(value: object) -> object:
+    """A source value as the merge groups it: ``True`` and ``1`` (``False`` and ``0``) are
+    equal in Python but name two documents."""
+    return ("bool", value) if isinstance(value, bool) else value
+
+
 def shares_a_source(kept: list[KeptChunk], key: str) -> bool:
     """Whether two chunks may share a source (the only chunks an overlap merge joins);
     ``True`` when a source value is unhashable (grouped by ``==`` in the merge)."""
-    sources = [k.metadata.get(key) for k in kept]
+    sources = [_source_key(k.metadata.get(key)) for k in kept]
     try:
         distinct = set(sources)
     except TypeError:  # an unhashable source value (a list)
@@ -56,7 +62,7 @@ def merge_overlaps(ctx, kept: list[KeptChunk], after_passages: bool = False) -> 
     key = ctx.cfg.source_key
     if not shares_a_source(kept, key):
         return kept
-    sources = [k.metadata.get(key) for k in kept]
+    sources = [_source_key(k.metadata.get(key)) for k in kept]
     groups: dict = {}
     unhashable: dict[object, list[tuple[object, list[KeptChunk]]]] = {}
     for k, source in zip(kept, sources):

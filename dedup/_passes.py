@@ -39,6 +39,7 @@ from operator import attrgetter, itemgetter
 from . import _native, _overlap
 from ._anchors import GridIndex
 from ._finder import Finder, find, search_budget
+from ._normalize import is_blank
 from ._offsets import CutMap as _CutMap, Unmap as _Unmap
 from ._types import DedupConfig, KeptChunk, Relation, RemovedPassage
 
@@ -372,7 +373,7 @@ class Passes:
         gone = {h[0] for h in hits}
         new = _PARA.join([p for i, p in enumerate(paras) if i not in gone])
         old = k.data
-        emptied = not new or new.decode("utf-8").isspace()
+        emptied = not new or is_blank(new.decode("utf-8"))
         cuts = None
         if not emptied:
             # Removed byte ranges in old coordinates: each paragraph with one adjacent

@@ -227,6 +227,17 @@ def test_overlap_is_not_merged(second_meta, overrides):
     assert result.stats.removed["overlap"] == 0
 
 
+def test_sources_true_and_1_are_two_documents():
+    """``True == 1`` in Python: windows of ``source=1`` and ``source=True`` merged into one."""
+    for a, b_ in ((1, True), (0, False)):
+        result = run_dedup([{"text": W0, "id": "a", "metadata": {"source": a}},
+                            {"text": W1, "id": "b", "metadata": {"source": b_}}])
+        assert [k.id for k in result.chunks] == ["a", "b"], (a, b_)
+    same = run_dedup([{"text": W0, "id": "a", "metadata": {"source": True}},
+                      {"text": W1, "id": "b", "metadata": {"source": True}}])
+    assert [k.id for k in same.chunks] == ["a"]
+
+
 def test_overlap_source_key_is_configurable():
     meta = {"doc": "treaties.txt"}
     result = run_dedup(
@@ -444,6 +455,19 @@ def test_empty_and_whitespace_chunks_are_dropped_and_reported():
     assert result.find("blank") is None
     assert "spaces" in result.input_ids()
     assert_accounting(result)
+
+
+def test_ascii_separators_are_content_not_whitespace():
+    """``str.isspace`` counts U+001C-U+001F as space: a chunk of record separators was
+    dropped as empty, and one a passage cut left with only them was rebuilt as ``\n``."""
+    result = run_dedup([{"text": "\x1c\x1d", "id": "seps"}, WESTPHALIA])
+    assert [k.id for k in result.chunks] == ["seps", result.chunks[1].id] and result.dropped == []
+    para = ("The harbour was rebuilt after the war with money from the northern league, and its "
+            "cranes stood until the flood of the next century swept the old quays away.")
+    cut = run_dedup([{"text": "Intro of the first document.\n\n" + para, "id": "x"},
+                     {"text": para + "\n\n\x1e\x1f\x1c", "id": "y"}], min_passage=32)
+    assert cut.stats.removed["passage"] == 1 and cut.chunks[1].data == b"\x1e\x1f\x1c"  # the rest of y, kept
+    assert_accounting(cut)
 
 
 def test_all_empty_input_gives_no_chunks():
