@@ -57,6 +57,7 @@ _FILTER = True
 _C_MAX_CHUNKS = 64
 _C_MAX_BYTES = 1 << 18
 _DATA = attrgetter("data")
+_UNBOUNDED = 1 << 62  # a budget no call within the C core's limits can spend
 _OFFSET = itemgetter(1)
 _KEPT = Relation.KEPT
 _CONTAINED = Relation.CONTAINED
@@ -109,7 +110,12 @@ class Passes:
         """Set the call's search budget from its bytes, at its first search pass (later
         passes see fewer bytes)."""
         if self.budget is None:
-            self.budget = search_budget(sum(map(len, map(_DATA, kept))))
+            size = sum(map(len, map(_DATA, kept)))
+            # within the C core's limits the Python passes search as it does, without a
+            # budget: a machine without the compiled core sent other prompts for the same
+            # request once the budget ran out (64 chunks of a few shared sentences)
+            within_core = len(kept) <= _C_MAX_CHUNKS and size <= _C_MAX_BYTES
+            self.budget = _UNBOUNDED if within_core else search_budget(size)
 
     def grid(self) -> tuple[GridIndex, dict[int, bytes]]:
         """The call's grid index of chunks by ``id``, and the bytes indexed for each."""

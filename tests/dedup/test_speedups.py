@@ -251,6 +251,31 @@ def test_the_bench_workload_gives_the_same_result_both_ways():
         assert _canon(dedup(request)) == _canon(_python(request))
 
 
+def test_a_request_of_a_few_shared_sentences_within_the_cores_limits_gives_the_same_result_both_ways():
+    """64 chunks of ~4 KB made of 30 sentences (254 KB): the Python passes' search budget
+    ran out and left 34 of 99 repeated passages in, while the C core (no budget) removed
+    them; within the core's limits the Python passes now search without a budget."""
+    import random
+
+    from promptsplice.dedup import DedupConfig
+
+    rng = random.Random(1)
+    sentences = [("word%02d " % i) * 2 + "sentence number %d." % i for i in range(30)]
+    chunks = []
+    for c in range(64):
+        paras, size = [], 0
+        while size < 3900:
+            p = " ".join(rng.choice(sentences) for _ in range(3))
+            paras.append(p)
+            size += len(p) + 2
+        chunks.append({"text": "\n\n".join(paras), "id": f"c{c}"})
+    assert sum(len(c["text"].encode()) for c in chunks) <= passes._C_MAX_BYTES
+    cfg = DedupConfig(min_passage=32)
+    fast, slow = dedup(chunks, cfg), _python(chunks, cfg)
+    assert fast.stats.removed["passage"] == slow.stats.removed["passage"] == 99
+    assert _canon(fast) == _canon(slow)
+
+
 def test_large_requests_fall_back_to_the_python_passes_and_agree(monkeypatch):
     chunks = scaling_workload(300, chunk_bytes=200, seed=1)
     calls = []
