@@ -586,7 +586,7 @@ class SpliceWorker:
                 break
             wait_for -= 1
             self._saves.popleft()
-            stored = 0
+            stored = refused = 0
             try:
                 for i, ref in enumerate(item.refs):
                     # Pinned host buffers are the store's own (no copy): its DRAM tier
@@ -594,9 +594,12 @@ class SpliceWorker:
                     status = self.store.put(ref, hosts[i], salt=item.salt, copy=not self.io.cuda)
                     if status in (PutStatus.STORED, PutStatus.EXISTS):
                         stored += 1
+                    else:  # refused (no room, or another block under the key): counted nowhere before
+                        refused += 1
             except Exception:  # noqa: BLE001 - a save is best effort
                 _log.exception("splice connector: saving blocks of %s failed", item.req_id)
-                self.stats.save_errors += len(item.refs) - stored
+                self.stats.save_errors += len(item.refs) - stored - refused
+            self.stats.save_errors += refused
             self.stats.saved_blocks += stored
             self.history.append(("save", item, stored))
             stored_all += stored

@@ -335,3 +335,17 @@ def test_blocks_computed_over_a_failed_load_are_never_saved_under_exact_keys():
     w.start_load(step_n2, per_layer=True)
     w.save(step_n2)
     assert store.contains(refs_a[2], salt=SALT) and w.stats.quarantined_saves == 6
+
+
+def test_a_save_the_store_refuses_is_a_save_error():
+    """A put the store refused (no room, or another block under the key) was counted
+    nowhere: a store refusing every put showed no save error."""
+    caches = random_caches()
+    tiny = BlockStore(StoreConfig(dram_bytes=PAYLOAD // 2))  # no tier holds one block
+    try:
+        w = worker(tiny, caches)
+        refs = chain_refs(toks(2 * BS), BS, salt=SALT)
+        assert w.save(SpliceMetadata(saves=[SaveItem("r", SALT, tuple(refs), (3, 4))])) == 0
+        assert (w.stats.saved_blocks, w.stats.save_errors) == (0, 2)
+    finally:
+        tiny.close()
