@@ -157,14 +157,8 @@ def test_a_later_request_over_relocated_blocks_of_the_tenant_saves_nothing(store
     old, new = P + X + S + [1, 2], P + S + toks(BS + 7, 20000)
     fill_store(store, old)
     moved = SplicePlan(BS, (SpliceSegment(2 * BS, 3, -2 * BS, chain_hashes(old, BS, salt=SALT)[3]),))
-    ids = list(range(100, 120))
 
-    def run(sched, rid, tokens, hit, salt=SALT, params=None):
-        n = sched.get_num_new_matched_tokens(rid, tokens, salt, hit, params)
-        sched.update_state_after_alloc(rid, ids, n)
-        meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
-        sched.request_finished(rid)
-        return meta
+    run = _one_request
 
     sched = SpliceScheduler(store, BS)
     meta = run(sched, "splice", new, 2 * BS, params=moved.to_params())
@@ -272,14 +266,9 @@ def test_relocation_under_the_tenants_exact_salt_taints_it_as_the_tenants_own(st
     old, new = P + X + S + [1, 2], P + S + toks(BS + 7, 20000)
     fill_store(store, old, salt=exact)
     moved = SplicePlan(BS, (SpliceSegment(2 * BS, 3, -2 * BS, chain_hashes(old, BS, salt=exact)[3]),))
-    ids = list(range(100, 120))
 
     def run(sched, rid, tokens, hit, params=None):
-        n = sched.get_num_new_matched_tokens(rid, tokens, exact, hit, params)
-        sched.update_state_after_alloc(rid, ids, n)
-        meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
-        sched.request_finished(rid)
-        return meta
+        return _one_request(sched, rid, tokens, hit, salt=exact, params=params)
 
     sched = SpliceScheduler(store, BS)
     meta = run(sched, "splice", new, 2 * BS, params=moved.to_params())
@@ -298,18 +287,23 @@ def test_a_multimodal_request_over_tainted_text_blocks_saves_nothing(store):
     old, new = P + X + S + [1, 2], P + S + toks(BS + 7, 20000)
     fill_store(store, old)
     moved = SplicePlan(BS, (SpliceSegment(2 * BS, 3, -2 * BS, chain_hashes(old, BS, salt=SALT)[3]),))
-    ids = list(range(100, 120))
     mm = identity_salt(SALT, '[["mm","img-1",200]]')
 
-    def run(sched, rid, tokens, hit, salt=SALT, params=None, **kw):
-        n = sched.get_num_new_matched_tokens(rid, tokens, salt, hit, params, **kw)
-        sched.update_state_after_alloc(rid, ids, n)
-        meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
-        sched.request_finished(rid)
-        return meta
+    run = _one_request
 
     sched = SpliceScheduler(store, BS)
     assert run(sched, "splice", new, 2 * BS, params=moved.to_params()).loads[0].approximate() == 3
     later = new + toks(2 * BS, 30000)
     assert run(sched, "mm", later, 6 * BS, salt=mm, hit_salt=SALT).saves == []
     assert run(sched, "mm-unchecked", later, 6 * BS, salt=mm).saves != []  # what it did before
+
+
+def _one_request(sched, rid, tokens, hit, salt=SALT, params=None, **kw):
+    """One request through the scheduler side, start to finish, on blocks 100-119: the
+    step's metadata (its loads and saves)."""
+    ids = list(range(100, 120))
+    n = sched.get_num_new_matched_tokens(rid, tokens, salt, hit, params, **kw)
+    sched.update_state_after_alloc(rid, ids, n)
+    meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
+    sched.request_finished(rid)
+    return meta
