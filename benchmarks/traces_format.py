@@ -384,14 +384,30 @@ def read_rag_trace(path: str | os.PathLike[str], *, limit: int | None = None) ->
 
 
 def dump_rag_trace(path: str | os.PathLike[str], requests: Iterable[RagRequest]) -> int:
-    """Write requests as a JSONL trace (UTF-8, one line each); return how many."""
+    """Write requests as a JSONL trace (UTF-8, one line each); return how many.  Each
+    request is checked as the reader checks it (:class:`TraceFormatError` naming
+    ``request N``), before anything is written, so a file it writes is one the reader
+    reads: a ``byte_span`` of ``None`` in a chunk's metadata was written, then refused."""
     p = Path(path)
+    lines: list[str] = []
+    seen: dict[str, int] = {}
+    sources = _SourceBytes()
+    for n, req in enumerate(requests):
+        where = f"request {n}"
+        try:
+            line = json.dumps(req.to_json(), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise TraceFormatError(f"{where}: not JSON ({exc}); give the request JSON values only "
+                                   "(finite numbers)") from None
+        RagRequest.from_json(json.loads(line), where=where)
+        if req.id in seen:
+            raise TraceFormatError(f"{where}: field 'id': duplicate request id {req.id!r} (first: request "
+                                   f"{seen[req.id]}); give every request its own id")
+        sources.check(req, where, n + 1)  # (the line it will be on)
+        seen[req.id] = n
+        lines.append(line)
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
     with open(p, "w", encoding="utf-8", newline="\n") as fh:
-        for req in requests:
-            fh.write(json.dumps(req.to_json(), ensure_ascii=False))
-            fh.write("\n")
-            n += 1
-    return n
+        fh.writelines(line + "\n" for line in lines)
+    return len(lines)

@@ -133,7 +133,9 @@ rag_requests = st.lists(
         id=ids,
         system=text,
         # one id names one text within a request (the reader's rule, dedup's)
-        chunks=st.lists(st.builds(RagChunk, id=ids, text=text, metadata=st.dictionaries(text, finite_json, max_size=3)),
+        # (``byte_span`` is reserved: a span of the chunk's bytes, checked on its own below)
+        chunks=st.lists(st.builds(RagChunk, id=ids, text=text, metadata=st.dictionaries(
+                            text.filter(lambda k: k != "byte_span"), finite_json, max_size=3)),
                         max_size=3).map(lambda cs: [dataclasses.replace(c, id=f"{c.id}#{i}") for i, c in enumerate(cs)]),
         query=text,
     ),
@@ -175,3 +177,19 @@ def test_valid_traces_of_arbitrary_unicode_round_trip(trace_path, measured, requ
     assert write_agent_trace(trace_path, sessions) == len(sessions)
     assert read_agent_trace(trace_path) == sessions
     note(measured, "round-tripped")
+
+
+def test_the_writer_refuses_what_the_reader_refuses(tmp_path):
+    """A chunk's ``byte_span`` of ``None`` (hypothesis found it) was written, then the
+    reader refused the file; a duplicate id likewise.  Nothing is written then."""
+    from promptsplice.benchmarks.traces_format import TraceFormatError
+
+    trace_path = tmp_path / "t.jsonl"
+    bad = RagRequest("r", "", [RagChunk("c", "text", metadata={"byte_span": None})], "q?")
+    with pytest.raises(TraceFormatError, match=r"request 0: field 'chunks\[0\]\.metadata\.byte_span'"):
+        dump_rag_trace(trace_path, [bad])
+    ok = RagRequest("r", "", [RagChunk("c", "text")], "q?")
+    with pytest.raises(TraceFormatError, match="request 1: field 'id': duplicate request id 'r'"):
+        dump_rag_trace(trace_path, [ok, ok])
+    assert not trace_path.exists()
+    assert dump_rag_trace(trace_path, [ok]) == 1 and read_rag_trace(trace_path) == [ok]
