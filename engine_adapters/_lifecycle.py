@@ -83,29 +83,32 @@ def _notice_fitted_length(config: EngineConfig, llm: Any) -> None:
     _, _, got = _vllm.engine_geometry(llm)
     own = _vllm.model_context_len(llm)
     if got < own:
+        if config.kv_cache_bytes is None:  # vLLM's share of the GPU's memory
+            size, fix = "vLLM's share of the GPU memory", "raise gpu_memory_utilization (extra_kwargs)"
+        else:
+            size, fix = f"kv_cache_bytes={config.kv_cache_bytes} ({config.kv_cache_bytes / 2**20:.1f} MiB)", \
+                "raise kv_cache_bytes"
         _log.warning(
-            "max_model_len=%d, not the model's own %d: kv_cache_bytes=%s (%.1f MiB) holds "
-            "at most %d tokens per request; raise kv_cache_bytes to get the full context, or "
-            "pass max_model_len to choose one (a cache too small for it then fails the start)",
-            got, own, config.kv_cache_bytes, (config.kv_cache_bytes or 0) / 2**20, got,
+            "max_model_len=%d, not the model's own %d: the KV cache (%s) holds at most %d tokens "
+            "per request; %s to get the full context, or pass max_model_len to choose one (a cache "
+            "too small for it then fails the start)", got, own, size, got, fix,
         )
 
 
 def _start_error(cfg: EngineConfig, exc: BaseException) -> EngineStartError:
     if _vllm.is_kv_cache_too_small(exc):
-        size = (
-            "vLLM's default size"
-            if cfg.kv_cache_bytes is None
-            else f"kv_cache_bytes={cfg.kv_cache_bytes} ({cfg.kv_cache_bytes / 2**20:.1f} MiB)"
-        )
+        if cfg.kv_cache_bytes is None:  # vLLM's share of the GPU's memory ("raise kv_cache_bytes" named None)
+            size, fix = "vLLM's share of the GPU memory", "raise gpu_memory_utilization (extra_kwargs) or set kv_cache_bytes"
+        else:
+            size, fix = f"kv_cache_bytes={cfg.kv_cache_bytes} ({cfg.kv_cache_bytes / 2**20:.1f} MiB)", "raise kv_cache_bytes"
         if cfg.max_model_len is None:
             return EngineStartError(
                 f"the KV cache ({size}) cannot hold a single block of a request, so no "
-                f"context length fits: raise kv_cache_bytes. vLLM said: {exc}"
+                f"context length fits: {fix}. vLLM said: {exc}"
             )
         return EngineStartError(
             f"the KV cache ({size}) cannot hold one request of max_model_len="
-            f"{cfg.max_model_len} tokens: raise kv_cache_bytes or lower max_model_len. "
+            f"{cfg.max_model_len} tokens: {fix} or lower max_model_len. "
             f"vLLM said: {exc}"
         )
     return EngineStartError(f"vLLM could not start {cfg.model!r}: {type(exc).__name__}: {exc}")

@@ -725,3 +725,14 @@ def test_an_interrupt_right_after_vllm_started_shuts_the_engine_down(monkeypatch
     with pytest.raises(KeyboardInterrupt):
         start_default_engine()  # no max_model_len: the fitted-length notice runs
     assert _lifecycle._live_engines == live
+
+
+def test_a_kv_cache_of_vllms_share_too_small_names_that_share_not_kv_cache_bytes():
+    """``kv_cache_bytes=None`` (vLLM's share of a GPU's memory) said "kv_cache_bytes=None
+    (0.0 MiB)" and "raise kv_cache_bytes"."""
+    from promptsplice.engine_adapters._lifecycle import _start_error
+
+    cfg = EngineConfig(platform="cuda", kv_cache_bytes=None)
+    err = _start_error(cfg, ValueError("No available memory for the cache blocks"))
+    assert "vLLM's share of the GPU memory" in str(err) and "gpu_memory_utilization" in str(err)
+    assert "0.0 MiB" not in str(err)
