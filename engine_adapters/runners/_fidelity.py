@@ -250,11 +250,7 @@ class RunnerFidelity:
 
     def settings(self, fidelity: Any = None, *, request: bool = True) -> FidelitySettings:
         """The settings of a request at ``fidelity`` (default: the runner's level);
-        ``request=False``: only named (a salt), so a mode that never relocates may ask.
-        The runner's ``recompute_blocks`` / ``max_deviation`` tune its own level; a
-        request at another level gets that level's table settings (a ``bounded``
-        request on a ``fast`` runner with ``recompute_blocks=0`` ran with no recompute
-        and no guard, reported ``bounded``)."""
+        ``request=False``: only named (a salt), so a mode that never relocates may ask."""
         level = self.level if fidelity is None else check_fidelity(fidelity)
         if request and self.relocating_mode is not None and level is not FidelityLevel.EXACT:
             # as at the constructor: a step or request of a mode that never relocates
@@ -264,6 +260,4 @@ class RunnerFidelity:
                 "relocates KV (every request runs exact): use the relocating mode (AgentRunner "
                 "mode='splice', RagRunner mode='position_independent'), or drop it"
             )
-        if level is not self.level:
-            return FIDELITY_TABLE[level]
         return fidelity_settings(level, recompute_blocks=self.recompute_blocks, max_deviation=self.max_deviation)

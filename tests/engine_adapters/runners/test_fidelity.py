@@ -327,19 +327,3 @@ def test_bad_sampling_options_fail_before_any_request_of_a_step(kv_engine):
     assert kv_engine.counters().since(before).prefix_cache_queries == 0
     assert pic.run(_chunks(req), query=req.query, max_tokens=1).precomputed_tokens > 0  # it would have run one
     assert steps and runner.step(edit, max_tokens=1).completion.token_ids  # and the step still runs after
-
-
-def test_a_request_at_another_level_gets_that_levels_settings_not_the_runners_knobs():
-    """The runner's knobs tune its own level: a ``bounded`` request on a ``fast`` runner
-    with ``recompute_blocks=0`` ran with no recompute and no guard, reported ``bounded``;
-    a ``fast`` request on a runner tuned to 4 blocks recomputed more than its ``bounded``."""
-    from promptsplice.engine_adapters.runners._fidelity import RunnerFidelity
-
-    fast0 = RunnerFidelity("fast", recompute_blocks=0)
-    assert fast0.settings().recompute_blocks == 0 and fast0.settings().level is FidelityLevel.FAST
-    assert fast0.settings("bounded") is FIDELITY_TABLE[FidelityLevel.BOUNDED]
-    assert fast0.settings("exact") is FIDELITY_TABLE[FidelityLevel.EXACT]
-    tuned = RunnerFidelity("bounded", recompute_blocks=4, max_deviation=0.3)
-    assert (tuned.settings().recompute_blocks, tuned.settings().max_deviation) == (4, 0.3)
-    assert tuned.settings("fast") is FIDELITY_TABLE[FidelityLevel.FAST]
-    assert tuned.settings(FidelityLevel.BOUNDED) == tuned.settings()  # its own level, by enum or name
