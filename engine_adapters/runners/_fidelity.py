@@ -250,7 +250,9 @@ class RunnerFidelity:
 
     def settings(self, fidelity: Any = None, *, request: bool = True) -> FidelitySettings:
         """The settings of a request at ``fidelity`` (default: the runner's level);
-        ``request=False``: only named (a salt), so a mode that never relocates may ask."""
+        ``request=False``: only named (a salt), so a mode that never relocates may ask.
+        The runner's ``recompute_blocks`` / ``max_deviation`` apply at every relocating
+        level (a caller's own settings: the level's KL claim then no longer applies)."""
         level = self.level if fidelity is None else check_fidelity(fidelity)
         if request and self.relocating_mode is not None and level is not FidelityLevel.EXACT:
             # as at the constructor: a step or request of a mode that never relocates
