@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from promptsplice.dedup import DedupConfig, Relation, RemovedPassage, dedup, normalize_chunks
 from promptsplice.blocks import content_digest
+from promptsplice.dedup._normalize import is_blank  # dedup's blank (not str.isspace)
 
 WORDS = [
     "treaty", "peace", "war", "signed", "the", "of", "and", "in", "1648", "state",
@@ -119,7 +120,7 @@ def check_result(chunks, cfg, result) -> None:
     assert sorted(seen) == list(range(len(inputs)))
     for c in inputs:
         kept = result.find(c.id)
-        if c.data.strip() and not c.text.isspace():
+        if c.data.strip() and not is_blank(c.text):
             assert kept is not None and c.id in {o.id for o in kept.origins}
         else:
             assert kept is None and c.index in {d.index for d in result.dropped}
@@ -135,7 +136,7 @@ def check_result(chunks, cfg, result) -> None:
     positions = []
     for k in result.chunks:
         # Valid UTF-8, consistent text/digest, never blank.
-        assert k.data.decode("utf-8") == k.text and not k.text.isspace() and k.data
+        assert k.data.decode("utf-8") == k.text and not is_blank(k.text) and k.data
         assert k.digest == content_digest(k.data)
         # The KEPT origin first, once, carrying the chunk's id and metadata.
         first = k.origins[0]

@@ -33,6 +33,7 @@ from promptsplice.errors import (
     PromptspliceError,
     TraceFormatError,
 )
+from promptsplice.dedup._normalize import is_blank  # dedup's blank (not str.isspace)
 
 
 def note(measured: dict, label: str) -> None:
@@ -196,7 +197,7 @@ def check_dedup_result(expected: DedupExpectation, cfg: DedupConfig, result: Ded
         assert d.index not in where, f"input {d.index} appears twice"
         assert d.reason == "empty"
         data = inputs[d.index][1]
-        assert not data or data.decode("utf-8").isspace(), f"non-blank input {d.index} dropped"
+        assert not data or is_blank(data.decode("utf-8")), f"non-blank input {d.index} dropped"
         where[d.index] = d.id
     assert sorted(where) == list(range(len(inputs))), "an input is missing from the output"
     assert all(where[i] == cid for i, (cid, _) in enumerate(inputs)), "an input lost its id"
@@ -212,7 +213,7 @@ def check_dedup_result(expected: DedupExpectation, cfg: DedupConfig, result: Ded
 
     positions = []
     for k in result.chunks:
-        assert k.data and k.data.decode("utf-8") == k.text and not k.text.isspace()
+        assert k.data and k.data.decode("utf-8") == k.text and not is_blank(k.text)
         assert k.digest == content_digest(k.data)
         first = k.origins[0]
         assert first.relation is Relation.KEPT and (first.id, first.metadata) == (k.id, k.metadata)
