@@ -431,7 +431,6 @@ def test_a_served_ack_counts_what_was_loaded_not_what_was_planned():
     assert ack.relocated_tokens == 0 and ack.loaded_tokens == 0
 
 
-@pytest.mark.reliability
 def test_a_failed_offload_load_taints_the_requests_keys_from_the_failed_block():
     """vLLM reports the blocks that failed to load (``invalid_block_ids``); the glue
     hands them to the scheduler side, which taints the request's exact keys from the
