@@ -409,20 +409,17 @@ class SpliceConnector(KVConnectorBase_V1):
             # a request resumed without a load: its last load's blocks went back to vLLM
             # (another request's failed load into them is not this request's)
             self._loads.pop(request.request_id, None)
-        else:
-            # every load is tracked (a failed one taints the request's keys, plan or not)
+        elif ack is not None:
+            # what this allocation loads (a request vLLM preempted and resumes loads
+            # again: the ack says what its context was served, not the sum of loads);
+            # update_connector_output takes back what then failed to load
+            ack[2] = len(item.refs) * self.settings.block_size
+            ack[3] = item.approximate() * self.settings.block_size
             self._loads[request.request_id] = item
-            if ack is not None:
-                # what this allocation loads (a request vLLM preempted and resumes loads
-                # again: the ack says what its context was served, not the sum of loads);
-                # update_connector_output takes back what then failed to load
-                ack[2] = len(item.refs) * self.settings.block_size
-                ack[3] = item.approximate() * self.settings.block_size
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load (vLLM recomputes them) leave the acks' loaded and
-        relocated counts: from a load's first failed block on, none of it was served;
-        and the request's exact keys from there on are tainted (``load_failed``)."""
+        relocated counts: from a load's first failed block on, none of it was served."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
@@ -430,8 +427,6 @@ class SpliceConnector(KVConnectorBase_V1):
         for req_id, item in list(self._loads.items()):
             ack = self._acks.get(req_id)
             failed = [i for i, b in enumerate(item.block_ids) if b in invalid]
-            if failed and self.scheduler is not None:
-                self.scheduler.load_failed(req_id, item.start // bs + min(failed))
             if ack is not None and failed:
                 served = min(failed)
                 ack[2] = min(ack[2], served * bs)

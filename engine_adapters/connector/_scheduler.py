@@ -474,27 +474,6 @@ class SpliceScheduler:
             tuple(int(ids[j]) for j in js), tuple(j * bs for j in js),
         )
 
-    def load_failed(self, req_id: str, first_block: int) -> None:
-        """A load of ``req_id`` failed from its block ``first_block`` on (vLLM recomputes
-        it).  vLLM's prefix cache holds those blocks under the request's exact hashes
-        from their allocation, unwritten, and keeps them hashed when the request is
-        aborted or preempted before recomputing them: a later request whose local hit
-        covers them computes on garbage.  Those keys are tainted, so such a request
-        saves nothing under its exact keys (it filled the disk and shared tiers with KV
-        computed after the unwritten blocks).  Only the tenant's own chains: derived
-        salts may hold approximate KV by design."""
-        st = self._reqs.get(req_id)
-        if st is None or not holds_exact_kv_only(st.salt):
-            return
-        bs = self.block_size
-        if st.chain is None:
-            st.chain = chain_refs(st.tokens[: cacheable_blocks(len(st.tokens), bs) * bs], bs, salt=st.salt)
-        for ref in st.chain[first_block:]:
-            self._tainted[ref.key] = None
-            self._tainted.move_to_end(ref.key)
-        while len(self._tainted) > _MAX_TAINTED:
-            self._tainted.popitem(last=False)
-
     def request_finished(self, req_id: str) -> None:
         """Forget the request and drop its pins."""
         self._reqs.pop(req_id, None)

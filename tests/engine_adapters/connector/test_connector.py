@@ -431,35 +431,6 @@ def test_a_served_ack_counts_what_was_loaded_not_what_was_planned():
     assert ack.relocated_tokens == 0 and ack.loaded_tokens == 0
 
 
-def test_a_failed_offload_load_taints_the_requests_keys_from_the_failed_block():
-    """vLLM reports the blocks that failed to load (``invalid_block_ids``); the glue
-    hands them to the scheduler side, which taints the request's exact keys from the
-    first failed block on (vLLM keeps those blocks hashed, unwritten)."""
-    from types import SimpleNamespace
-
-    from promptsplice.engine_adapters import BlockStore
-    from tests.engine_adapters.connector._kv import BS, HD, HEADS, LAYERS, PAYLOAD, SALT, fill_store, random_caches, toks, worker
-
-    store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
-    prompt = toks(6 * BS + 3)
-    fill_store(store, prompt)
-    chain = chain_refs(prompt, BS, salt=SALT)
-    store.discard(chain[4].key)  # block 4's record cannot be served (a damaged one in life)
-    store.put(chain[4], torch.randn(LAYERS, 1, HEADS, BS, 2 * HD), salt=SALT)
-    conn = scheduler_glue(store)
-    req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, cache_salt=SALT, kv_transfer_params=None)
-    ids = list(range(10, 20))
-    n, _ = conn.get_num_new_matched_tokens(req, 2 * BS)
-    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), n)
-    meta = conn.scheduler.build_connector_meta([("r", 2 * BS + n, len(prompt) - 2 * BS - n)], lambda _: ids)
-    w = worker(store, random_caches())
-    w.start_load(meta)
-    errors = w.take_load_errors()
-    assert errors and min(errors) == ids[4]
-    conn.update_connector_output(SimpleNamespace(invalid_block_ids=errors))
-    assert set(conn.scheduler._tainted) == {r.key for r in chain[4:6]}
-
-
 @pytest.mark.parametrize("how", ["resumed without a load", "preempted"])
 def test_another_requests_failed_load_into_freed_blocks_leaves_an_ack_alone(how):
     """A load's record stayed with its request until it finished: once vLLM preempted the

@@ -307,28 +307,3 @@ def _one_request(sched, rid, tokens, hit, salt=SALT, params=None, **kw):
     meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
     sched.request_finished(rid)
     return meta
-
-
-def test_blocks_of_a_failed_load_are_tainted_until_a_later_hit_saves_nothing_over_them(store):
-    """vLLM keeps a failed load's blocks hashed, unwritten, when their request is
-    aborted or preempted before recomputing them; a later request whose hit covered
-    them saved what it computed on that garbage under its exact keys (review of
-    2026-12-06).  The keys from the first failed block on are now tainted."""
-    prompt = toks(6 * BS + 3)
-    fill_store(store, prompt)
-    sched = SpliceScheduler(store, BS)
-    n = sched.get_num_new_matched_tokens("r", prompt, SALT, 2 * BS)
-    assert n == 4 * BS  # blocks 2-5 offered from the store
-    sched.update_state_after_alloc("r", list(range(100, 120)), n)
-    sched.load_failed("r", 4)  # blocks 4 and 5 never arrived
-    sched.request_finished("r")  # aborted before vLLM recomputed them
-    later = prompt[: 6 * BS] + toks(2 * BS, 70000)
-    assert _one_request(sched, "over", later, 6 * BS).saves == []  # its hit holds blocks 4-5
-    clean = prompt[: 4 * BS] + toks(4 * BS, 80000)
-    saved = [r.key for s in _one_request(sched, "before", clean, 4 * BS).saves for r in s.refs]
-    assert saved == [r.key for r in chain_refs(clean, BS, salt=SALT)[4:8]]  # blocks 0-3 were written
-    derived = SpliceScheduler(store, BS)
-    scoped = f"{SALT}\x1fsplice-scope:s"
-    derived.get_num_new_matched_tokens("s", prompt, scoped, 2 * BS)
-    derived.load_failed("s", 2)
-    assert not derived._tainted  # a derived salt's chains may hold approximate KV by design
