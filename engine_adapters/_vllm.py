@@ -506,6 +506,7 @@ __all__ += [
     "cpu_attn_isa",
     "request_fields",
     "request_identity",
+    "plain_prefix_tokens",
     "scheduled_steps",
     "is_quantized_cache",
     "preempted_ids",
@@ -577,6 +578,19 @@ def request_identity(request: Any) -> str | None:
     if getattr(request, "prompt_embeds", None) is not None:
         parts.append(["embeds", str(request.request_id)])
     return json.dumps(parts, separators=(",", ":"), ensure_ascii=True) if parts else None
+
+
+def plain_prefix_tokens(request: Any) -> int:
+    """How many leading tokens of a scheduler ``Request`` vLLM hashes as a plain
+    request's: up to its first multimodal input when that is all that sets it apart
+    (a LoRA adapter or prompt embeddings key every block); 0 for those, and for a plain
+    request its whole prompt is its own chain anyway."""
+    if getattr(request, "lora_request", None) or getattr(request, "prompt_embeds", None) is not None:
+        return 0
+    offsets = [getattr(getattr(f, "mm_position", None), "offset", None)
+               for f in getattr(request, "mm_features", None) or ()]
+    offsets = [o for o in offsets if isinstance(o, int)]
+    return max(0, min(offsets)) if offsets else 0
 
 
 def allocated_block_ids(blocks: Any) -> list[int]:

@@ -343,8 +343,11 @@ class SpliceConnector(KVConnectorBase_V1):
             salt = salt.decode("utf-8", "replace")
         check_salt(salt, vllm_rule=False)  # ("" would name the unsalted chains; refused: plain prefill)
         identity = _vllm.request_identity(request)
-        hit_salt = salt  # vLLM hashes a LoRA/multimodal request's text blocks as plain ones
+        taint: dict[str, Any] = {}
         if identity is not None:
+            # vLLM hashes a multimodal request's blocks before its first input as a plain
+            # request's: its hit there may be blocks a relocation tainted
+            taint = {"hit_salt": salt, "hit_limit": _vllm.plain_prefix_tokens(request)}
             # a LoRA, multimodal or embeddings request: its KV is not the plain tokens' KV,
             # so it keys the store under a salt of its own (offload hits only from the
             # same adapter and inputs), and plans naming the tenant's chains are refused
@@ -373,8 +376,7 @@ class SpliceConnector(KVConnectorBase_V1):
         if ack is not None and ack[0]:
             params = None  # the plan does not match the request: plain prefill
         self._offered.pop(req_id, None)
-        n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params,
-                                                      hit_salt=hit_salt)
+        n = self.scheduler.get_num_new_matched_tokens(req_id, tokens, salt, num_computed_tokens, params, **taint)
         if n:
             self._offered[req_id] = num_computed_tokens
         return n, False  # synchronous: loaded in start_load_kv before this step's forward

@@ -314,14 +314,15 @@ class SpliceScheduler:
         num_computed_tokens: int,
         kv_transfer_params: Mapping[str, Any] | None = None,
         hit_salt: str | bytes | None | object = _SAME,
+        hit_limit: int | None = None,
     ) -> int:
         """Tokens to load after the local hit ``num_computed_tokens`` (block multiple).
 
-        ``hit_salt``: the salt vLLM's own hashes of the local hit are under, when the
-        store keys the request under another (a LoRA or multimodal request's identity
-        salt: vLLM hashes its text blocks as plain ones, so its hit may be blocks a
-        relocation tainted).  Idempotent: asking again replaces the earlier answer and
-        its pins.
+        ``hit_salt`` / ``hit_limit``: when the store keys the request under another salt
+        than vLLM's hashes (a multimodal request's identity salt), the salt vLLM hashes
+        the first ``hit_limit`` tokens of its hit with (its blocks before the first
+        input are hashed as a plain request's, so they may be blocks a relocation
+        tainted).  Idempotent: asking again replaces the earlier answer and its pins.
         """
         if not prompt_tokens:
             return 0
@@ -336,7 +337,11 @@ class SpliceScheduler:
         hsalt = salt if hit_salt is _SAME else hit_salt
         if self._tainted and st.chain is not None and not st.no_save and holds_exact_kv_only(hsalt):
             hit = min(hit_blocks, len(st.chain))
-            hit_chain = st.chain if hsalt == salt else chain_refs(prompt_tokens[: hit * bs], bs, salt=hsalt)
+            if hit_salt is _SAME:
+                hit_chain = st.chain
+            else:  # only the blocks vLLM hashed as plain ones (before the first input)
+                hit = min(hit, (hit_limit or 0) // bs)
+                hit_chain = chain_refs(prompt_tokens[: hit * bs], bs, salt=hsalt) if hit else []
             tainted = [ref.key for ref in hit_chain[:hit] if ref.key in self._tainted]
             if tainted:
                 st.no_save = True  # its local hit holds approximate KV: so is all it computes

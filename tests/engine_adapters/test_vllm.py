@@ -129,3 +129,20 @@ def test_request_identities_of_different_adapters_or_inputs_never_coincide():
     # "mm=img@3;mm=b@3" both ways under the old format
     assert _vllm.request_identity(req(mm=[("img@3;mm=b", 3)])) != _vllm.request_identity(req(mm=[("img", 3), ("b", 3)]))
     assert _vllm.request_identity(req()) is None
+
+
+def test_only_a_multimodal_requests_blocks_before_its_first_input_are_hashed_as_plain_ones():
+    """The taint check of such requests runs over those blocks only: a LoRA adapter or
+    prompt embeddings key every block (checking them stopped a LoRA request's saves)."""
+    import types
+
+    from vllm.lora.request import LoRARequest
+
+    def req(lora=None, offsets=(), embeds=None):
+        feats = [types.SimpleNamespace(identifier=f"i{o}", mm_position=types.SimpleNamespace(offset=o)) for o in offsets]
+        return types.SimpleNamespace(request_id="r", lora_request=lora, mm_features=feats, prompt_embeds=embeds)
+
+    assert _vllm.plain_prefix_tokens(req(offsets=(300, 200))) == 200
+    assert _vllm.plain_prefix_tokens(req(LoRARequest("x", 1, "/p"), offsets=(200,))) == 0
+    assert _vllm.plain_prefix_tokens(req(offsets=(200,), embeds=object())) == 0
+    assert _vllm.plain_prefix_tokens(req()) == 0

@@ -294,8 +294,11 @@ def test_a_multimodal_request_over_tainted_text_blocks_saves_nothing(store):
     sched = SpliceScheduler(store, BS)
     assert run(sched, "splice", new, 2 * BS, params=moved.to_params()).loads[0].approximate() == 3
     later = new + toks(2 * BS, 30000)
-    assert run(sched, "mm", later, 6 * BS, salt=mm, hit_salt=SALT).saves == []
+    # its first input after the hit: every block of the hit hashed as plain, tainted ones among them
+    assert run(sched, "mm", later, 6 * BS, salt=mm, hit_salt=SALT, hit_limit=len(later)).saves == []
     assert run(sched, "mm-unchecked", later, 6 * BS, salt=mm).saves != []  # what it did before
+    # an input at block 2: the tainted blocks (2-4) were hashed with it, never plain ones
+    assert run(sched, "mm-early", later, 6 * BS, salt=mm, hit_salt=SALT, hit_limit=2 * BS).saves != []
 
 
 def _one_request(sched, rid, tokens, hit, salt=SALT, params=None, **kw):
