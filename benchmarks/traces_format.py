@@ -386,14 +386,15 @@ def read_rag_trace(path: str | os.PathLike[str], *, limit: int | None = None) ->
 def dump_rag_trace(path: str | os.PathLike[str], requests: Iterable[RagRequest]) -> int:
     """Write requests as a JSONL trace (UTF-8, one line each); return how many.  Each
     request is checked as the reader checks it (:class:`TraceFormatError` naming
-    ``request N``), before anything is written, so a file it writes is one the reader
-    reads: a ``byte_span`` of ``None`` in a chunk's metadata was written, then refused."""
+    ``request N (line N)``), before anything is written, so a file it writes is one the
+    reader reads: a ``byte_span`` of ``None`` in a chunk's metadata was written, then
+    refused; so was an empty trace."""
     p = Path(path)
     lines: list[str] = []
     seen: dict[str, int] = {}
     sources = _SourceBytes()
     for n, req in enumerate(requests):
-        where = f"request {n}"
+        where = f"request {n + 1} (line {n + 1})"  # one numbering: the line it would be on
         try:
             line = json.dumps(req.to_json(), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -401,11 +402,13 @@ def dump_rag_trace(path: str | os.PathLike[str], requests: Iterable[RagRequest])
                                    "(finite numbers)") from None
         RagRequest.from_json(json.loads(line), where=where)
         if req.id in seen:
-            raise TraceFormatError(f"{where}: field 'id': duplicate request id {req.id!r} (first: request "
+            raise TraceFormatError(f"{where}: field 'id': duplicate request id {req.id!r} (first on line "
                                    f"{seen[req.id]}); give every request its own id")
-        sources.check(req, where, n + 1)  # (the line it will be on)
-        seen[req.id] = n
+        sources.check(req, where, n + 1)
+        seen[req.id] = n + 1
         lines.append(line)
+    if not lines:  # the reader refuses an empty trace
+        raise TraceFormatError(f"{p}: no requests to write (a trace holds at least one)")
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
     with open(p, "w", encoding="utf-8", newline="\n") as fh:

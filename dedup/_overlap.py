@@ -36,8 +36,14 @@ def _pos(k: KeptChunk) -> int:
 
 def _source_key(value: object) -> object:
     """A source value as the merge groups it: ``True`` and ``1`` (``False`` and ``0``) are
-    equal in Python but name two documents."""
-    return ("bool", value) if isinstance(value, bool) else value
+    equal in Python but name two documents, also inside a tuple or a frozenset."""
+    if isinstance(value, bool):
+        return ("bool", value)
+    if type(value) is tuple:
+        return ("tuple", tuple(_source_key(v) for v in value))
+    if type(value) is frozenset:
+        return ("frozenset", frozenset(_source_key(v) for v in value))
+    return value
 
 
 def shares_a_source(kept: list[KeptChunk], key: str) -> bool:
@@ -228,8 +234,10 @@ def _bucket(value: object) -> object:
     """A hashable form that ``==``-equal source values share (lists and tuples alike,
     dicts by their items); values it cannot read share one bucket per type."""
     try:
+        if isinstance(value, bool):  # (True == 1: [True] and [1] name two documents)
+            return ("b", value)
         if isinstance(value, dict):
-            return ("d", frozenset((k, _bucket(v)) for k, v in value.items()))
+            return ("d", frozenset((_bucket(k), _bucket(v)) for k, v in value.items()))
         if isinstance(value, list | tuple):
             return ("l", tuple(_bucket(v) for v in value))
         if isinstance(value, set | frozenset):

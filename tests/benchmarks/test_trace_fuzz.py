@@ -186,10 +186,12 @@ def test_the_writer_refuses_what_the_reader_refuses(tmp_path):
 
     trace_path = tmp_path / "t.jsonl"
     bad = RagRequest("r", "", [RagChunk("c", "text", metadata={"byte_span": None})], "q?")
-    with pytest.raises(TraceFormatError, match=r"request 0: field 'chunks\[0\]\.metadata\.byte_span'"):
+    with pytest.raises(TraceFormatError, match=r"request 1 \(line 1\): field 'chunks\[0\]\.metadata\.byte_span'"):
         dump_rag_trace(trace_path, [bad])
     ok = RagRequest("r", "", [RagChunk("c", "text")], "q?")
-    with pytest.raises(TraceFormatError, match="request 1: field 'id': duplicate request id 'r'"):
+    with pytest.raises(TraceFormatError, match=r"request 2 \(line 2\): field 'id': duplicate request id 'r' \(first on line 1\)"):
         dump_rag_trace(trace_path, [ok, ok])
+    with pytest.raises(TraceFormatError, match="no requests to write"):
+        dump_rag_trace(trace_path, [])
     assert not trace_path.exists()
     assert dump_rag_trace(trace_path, [ok]) == 1 and read_rag_trace(trace_path) == [ok]

@@ -233,6 +233,10 @@ def test_sources_true_and_1_are_two_documents():
         result = run_dedup([{"text": W0, "id": "a", "metadata": {"source": a}},
                             {"text": W1, "id": "b", "metadata": {"source": b_}}])
         assert [k.id for k in result.chunks] == ["a", "b"], (a, b_)
+    for a, b_ in (([1], [True]), ((1,), (True,)), ({"d": 1}, {"d": True})):  # inside containers too
+        result = run_dedup([{"text": W0, "id": "a", "metadata": {"source": a}},
+                            {"text": W1, "id": "b", "metadata": {"source": b_}}])
+        assert [k.id for k in result.chunks] == ["a", "b"], (a, b_)
     same = run_dedup([{"text": W0, "id": "a", "metadata": {"source": True}},
                       {"text": W1, "id": "b", "metadata": {"source": True}}])
     assert [k.id for k in same.chunks] == ["a"]
