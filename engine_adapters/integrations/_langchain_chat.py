@@ -1,6 +1,6 @@
 """``PromptspliceChatModel``: a LangChain chat model over the embedded vLLM engine.
 
-Kept as one module (~760 lines): LangChain's sync, async, streamed and batched entry
+Kept as one module (~800 lines): LangChain's sync, async, streamed and batched entry
 points of one chat model share its engine calls and the cancellation of a stream, which
 only holds when they live next to each other (conversions are in ``_langchain_convert``).
 
@@ -18,8 +18,17 @@ the harness hooks in :mod:`~promptsplice.engine_adapters.integrations._handoff`)
 SmolLM2's ChatML template has no tool format, so the renderer
 puts the schemas into the system turn the Hermes/Qwen way and asks for
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; those blocks are
-parsed out of the output into ``tool_calls`` (a block that does not parse stays text:
-never an exception).  ``tool_choice`` ``"any"``/``"required"``/a tool name *forces* a
+parsed out of the output into ``tool_calls``, forced or not.  A block that is no valid
+call (JSON that does not parse, no name, arguments not an object, cut off at
+``max_tokens``; a name no bound tool has is a call, as with ``ChatOpenAI``: the tool node
+answers it) goes to ``invalid_tool_calls``, LangChain's place for a call the model
+got wrong (``ChatOpenAI`` puts arguments that do not parse there), never an exception:
+``name`` when it can be read, ``args`` the block as written, ``error`` why.  ``content``
+keeps only the text around the blocks, as with valid calls: the broken block is no
+answer (``create_agent`` ends the turn on it and answers it with an error
+``ToolMessage`` on the next).  Streamed, it is a ``tool_call_chunk`` of the last chunk,
+which LangChain's sum of the chunks parses back into the same invalid call, without its
+``error`` (chunks carry none).  ``tool_choice`` ``"any"``/``"required"``/a tool name *forces* a
 call by decoding after a fixed prefix (``<tool_call>\\n{"name": "`` or, for a named tool,
 ``... "f", "arguments": {"<first parameter>": ``, or the whole call for a tool without
 parameters): small models rarely call tools on their own, and given only the
@@ -574,10 +583,12 @@ class PromptspliceChatModel(BaseChatModel):
     def _message(self, req: dict[str, Any], completion: Any) -> AIMessage:
         text = req["prefix"] + completion.text
         calls: list[dict[str, Any]] = []
+        invalid: list[dict[str, Any]] = []
         if req["parse"]:
-            text, calls = parse_tool_calls(text)
+            text, calls, invalid = parse_tool_calls(text, truncated=completion.finish_reason == "length")
         meta, usage = self._metadata(req, completion)
-        return AIMessage(content=text, tool_calls=calls, response_metadata=meta, usage_metadata=usage)
+        return AIMessage(content=text, tool_calls=calls, invalid_tool_calls=invalid, response_metadata=meta,
+                         usage_metadata=usage)
 
     def _generate(
         self,
@@ -593,8 +604,8 @@ class PromptspliceChatModel(BaseChatModel):
                 full = full + c
             msg = full.message
             return ChatResult(generations=[ChatGeneration(message=AIMessage(
-                content=msg.content, tool_calls=msg.tool_calls, response_metadata=msg.response_metadata,
-                usage_metadata=msg.usage_metadata, id=msg.id,
+                content=msg.content, tool_calls=msg.tool_calls, invalid_tool_calls=msg.invalid_tool_calls,
+                response_metadata=msg.response_metadata, usage_metadata=msg.usage_metadata, id=msg.id,
             ))])
         req = self._request(messages, stop, kwargs, run_manager)
         completion = self._run(req)
@@ -647,7 +658,7 @@ class PromptspliceChatModel(BaseChatModel):
         if self.runner is not None:
             msg = self._message(req, self._run(req))
             yield ChatGenerationChunk(message=AIMessageChunk(
-                content=msg.content, tool_call_chunks=call_chunks(msg.tool_calls),
+                content=msg.content, tool_call_chunks=call_chunks(msg.tool_calls, msg.invalid_tool_calls),
                 response_metadata=msg.response_metadata, usage_metadata=msg.usage_metadata, chunk_position="last",
             ))
             return
@@ -677,12 +688,12 @@ class PromptspliceChatModel(BaseChatModel):
             stream.close()
         msg = self._message(req, completion)
         content = msg.content if isinstance(msg.content, str) else ""
-        if msg.tool_calls:
+        if msg.tool_calls or msg.invalid_tool_calls:
             rest = content[sent:] if content.startswith(seen[:sent]) else ""
         else:
             rest = (req["prefix"] + completion.text)[sent:]
         chunk = ChatGenerationChunk(message=AIMessageChunk(
-            content=rest, tool_call_chunks=call_chunks(msg.tool_calls),
+            content=rest, tool_call_chunks=call_chunks(msg.tool_calls, msg.invalid_tool_calls),
             response_metadata=msg.response_metadata, usage_metadata=msg.usage_metadata, chunk_position="last",
         ))
         if run_manager is not None and rest:

@@ -4,7 +4,7 @@ Hermes-style tool-call text format SmolLM2's ChatML template lacks.
 * :func:`lc_messages_to_openai`, :func:`format_tools`: LangChain messages and tools to
   OpenAI chat dicts and tool schemas (conversion errors become ``InputError``).
 * :func:`parse_tool_calls`: ``<tool_call>{...}</tool_call>`` blocks out of generated
-  text into LangChain tool calls (a block that does not parse stays text).
+  text into LangChain tool calls, and blocks that are no valid call into invalid ones.
 * :func:`forced_prefix`, :func:`check_tool_choice`, :func:`disables_parallel`: the
   decoding prefix that forces a call for a ``tool_choice``, the check of the choice
   itself, and Anthropic's ``disable_parallel_tool_use`` flag in it.
@@ -128,46 +128,89 @@ def format_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 _OPEN_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*")
+_NAME_RE = re.compile(r'\{\s*"name"\s*:\s*(?=")')
+"""What comes before the name at the head of a call (read when its JSON does not parse)."""
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def parse_tool_calls(
+    text: str, *, truncated: bool = False
+) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """Split ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks out of
-    ``text``: returns the remaining text and LangChain tool calls (``name``, ``args``,
-    ``id``, ``type``).  A block whose JSON does not parse, or has no string ``name`` or
-    non-object ``arguments``, stays in the text; a missing closing tag is tolerated."""
+    ``text``: returns the remaining text, LangChain tool calls (``name``, ``args``,
+    ``id``, ``type``) and invalid tool calls.  Every block is a call, forced or not: one
+    that is not a JSON object with a string ``name`` and object ``arguments`` (or their JSON text) is an invalid call with ``error`` saying
+    why, ``name`` when it can be read, and ``args`` the block as written, tags included
+    (LangChain re-parses streamed calls' args leniently: JSON would come back as a valid
+    call, a truncated one completed).  ``truncated``: the output hit its length limit
+    (an unclosed last block says so).  A missing closing tag is tolerated; a block that
+    does not parse ends at its closing tag, else at the next block or the text's end."""
     decoder = json.JSONDecoder()
     calls: list[dict[str, Any]] = []
+    invalid: list[dict[str, Any]] = []
     parts: list[str] = []
     pos = 0
-    while True:
-        m = _OPEN_RE.search(text, pos)
-        if m is None:
-            break
+    while (m := _OPEN_RE.search(text, pos)) is not None:
+        parts.append(text[pos : m.start()])
         try:
             obj, end = decoder.raw_decode(text, m.end())
-        except ValueError:
-            obj, end = None, m.end()
-        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                args = None
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict)):
-            parts.append(text[pos : m.end()])  # not a call: keep it as text
-            pos = m.end()
-            continue
-        parts.append(text[pos : m.start()])
-        rest = text[end:]
-        stripped = rest.lstrip()
-        end += len(rest) - len(stripped)
-        if stripped.startswith(TOOL_CALL_CLOSE):
-            end += len(TOOL_CALL_CLOSE)
-        calls.append({"name": obj["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "tool_call"})
+        except json.JSONDecodeError as exc:
+            close = text.find(TOOL_CALL_CLOSE, m.end())
+            nxt = _OPEN_RE.search(text, m.end())
+            end = min(close + len(TOOL_CALL_CLOSE) if close >= 0 else len(text), nxt.start() if nxt else len(text))
+            name = _read_name(decoder, text, m.end())
+            if truncated and close < 0 and nxt is None:
+                error = "the output ended at its length limit (max_tokens) before the call was complete"
+            else:
+                error = f"the call is not valid JSON: {exc.msg} at character {exc.pos - m.end()}"
+        else:
+            stripped = text[end:].lstrip()
+            end = len(text) - len(stripped)
+            if stripped.startswith(TOOL_CALL_CLOSE):
+                end += len(TOOL_CALL_CLOSE)
+            name, args, error = _read_call(obj)
+            if error is None:
+                calls.append({"name": name, "args": args, "id": _call_id(), "type": "tool_call"})
+        if error is not None:
+            invalid.append({"name": name, "args": text[m.start() : end], "id": _call_id(), "error": error,
+                            "type": "invalid_tool_call"})
         pos = end
     parts.append(text[pos:])
     content = "".join(parts)
-    return ("" if calls and not content.strip() else content), calls
+    return ("" if (calls or invalid) and not content.strip() else content), calls, invalid
+
+
+def _read_name(decoder: json.JSONDecoder, text: str, at: int) -> str | None:
+    """The name at the head of the call at ``at`` whose JSON does not parse, if whole."""
+    head = _NAME_RE.match(text, at)
+    try:
+        return decoder.raw_decode(text, head.end())[0] if head else None
+    except ValueError:  # cut off inside the name, or a bad escape in it
+        return None
+
+
+def _read_call(obj: Any) -> tuple[str | None, Any, str | None]:
+    """A parsed block's name, arguments and what makes it no valid call (``None``: valid).
+    The name is not checked against the bound tools: as with ``ChatOpenAI``, a call of a
+    tool that does not exist is a call, which a tool node answers with the tools it has
+    (the agent then retries; an invalid call ends a ``create_agent`` turn)."""
+    if not isinstance(obj, dict):
+        return None, None, "the call is not a JSON object"
+    name = obj.get("name")
+    if not isinstance(name, str):
+        return None, None, 'the call has no "name" string'
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as exc:
+            return name, None, f"arguments are not valid JSON: {exc}"
+    if not isinstance(args, dict):
+        return name, None, f"arguments must be a JSON object, got {type(args).__name__}"
+    return name, args, None
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def forced_prefix(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
@@ -262,8 +305,9 @@ def streamable(seen: str, parse: bool) -> int:
     return at if seen[:at].strip() else 0
 
 
-def call_chunks(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False), "id": c["id"], "index": i, "type": "tool_call_chunk"}
-        for i, c in enumerate(calls)
-    ]
+def call_chunks(calls: Sequence[Mapping[str, Any]], invalid: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Tool calls, then invalid ones, as stream chunks; LangChain parses chunks' args when
+    it adds chunks up: an invalid call's (its block, tags included) stays invalid."""
+    chunks = [{"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False), "id": c["id"]} for c in calls]
+    chunks += [{"name": c["name"], "args": c["args"], "id": c["id"]} for c in invalid]
+    return [{**c, "index": i, "type": "tool_call_chunk"} for i, c in enumerate(chunks)]

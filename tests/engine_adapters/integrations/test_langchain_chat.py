@@ -88,13 +88,65 @@ def test_stream_yields_engine_steps_and_matches_invoke(engine):
 
 
 def test_parse_tool_calls_and_plain_text():
-    text, calls = parse_tool_calls('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    text, calls, invalid = parse_tool_calls('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
     assert calls[0]["name"] == "f" and calls[0]["args"] == {"a": 1} and calls[0]["id"]
-    assert text == "Sure.\n"
-    text, calls = parse_tool_calls("<tool_call>{not json</tool_call>")
-    assert calls == [] and text == "<tool_call>{not json</tool_call>"
-    text, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}')  # no close tag
-    assert calls[0]["args"] == {"x": 2}
+    assert text == "Sure.\n" and invalid == []
+    text, calls, invalid = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}')  # no close tag
+    assert calls[0]["args"] == {"x": 2} and invalid == []
+    assert parse_tool_calls("No call here.") == ("No call here.", [], [])
+    # a tool that is not bound is still a call (ChatOpenAI's way: the tool node answers it)
+    assert parse_tool_calls('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>')[1][0]["name"] == "rm_rf"
+
+
+@pytest.mark.parametrize(
+    ("text", "kwargs", "name", "error"),
+    [
+        ("<tool_call>{not json</tool_call>", {}, None,
+         "the call is not valid JSON: Expecting property name enclosed in double quotes at character 1"),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1,}}\n</tool_call>', {}, "f",
+         "the call is not valid JSON: Expecting property name enclosed in double quotes at character 35"),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1', {"truncated": True}, "f",
+         "the output ended at its length limit (max_tokens) before the call was complete"),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1', {}, "f",  # ended by a stop string or EOS
+         "the call is not valid JSON: Expecting ',' delimiter at character 34"),
+        ('<tool_call>\n{"name": "long_na', {"truncated": True}, None,  # cut inside the name
+         "the output ended at its length limit (max_tokens) before the call was complete"),
+        ('<tool_call>{"name": "f", "arguments": "{bad"}</tool_call>', {}, "f",
+         "arguments are not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', {}, "f", "arguments must be a JSON object, got list"),
+        ('<tool_call>{"arguments": {}}</tool_call>', {}, None, 'the call has no "name" string'),
+        ("<tool_call>[1]</tool_call>", {}, None, "the call is not a JSON object"),
+    ],
+)
+def test_a_block_that_is_no_valid_call_is_an_invalid_tool_call(text, kwargs, name, error):
+    """A ``<tool_call>`` block that did not parse stayed in ``content`` (an agent loop took
+    it for the final answer): it is now one of ``invalid_tool_calls`` (the block as
+    written, why, an id)."""
+    content, calls, invalid = parse_tool_calls(text, **kwargs)
+    assert content == "" and calls == []
+    assert len(invalid) == 1 and invalid[0]["id"].startswith("call_") and len(invalid[0]["id"]) == 29
+    assert {k: v for k, v in invalid[0].items() if k != "id"} == {
+        "name": name, "args": text, "error": error, "type": "invalid_tool_call"}
+
+
+def test_invalid_calls_keep_the_text_and_the_valid_calls_around_them():
+    """A broken block ends at its closing tag, else at the next block: the text after it
+    and a valid call after it are kept."""
+    text = ('Checking.\n<tool_call>{"name": "f", "arguments": {oops}}</tool_call> then\n'
+            '<tool_call>{"name": "g", "arguments": \n<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>')
+    content, calls, invalid = parse_tool_calls(text, truncated=True)
+    assert content == "Checking.\n then\n"
+    assert [(c["name"], c["args"]) for c in calls] == [("f", {"a": 2})]
+    assert [(c["name"], c["args"]) for c in invalid] == [
+        ("f", '<tool_call>{"name": "f", "arguments": {oops}}</tool_call>'),
+        ("g", '<tool_call>{"name": "g", "arguments": \n'),
+    ]
+    # only an unclosed last block is cut off: the one before the valid call is bad JSON
+    assert [c["error"] for c in invalid] == [
+        "the call is not valid JSON: Expecting property name enclosed in double quotes at character 28",
+        "the call is not valid JSON: Expecting value at character 28",
+    ]
+    assert len({c["id"] for c in calls + invalid}) == 3
 
 
 def test_bound_tools_are_rendered_and_forced_call_parsed(engine):
@@ -116,6 +168,27 @@ def test_bound_tools_are_rendered_and_forced_call_parsed(engine):
     assert full.tool_calls[0]["args"] == msg.tool_calls[0]["args"]
     with pytest.raises(ConfigError):
         model.bind_tools([magic_function], tool_choice="no_such_tool")
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_an_invalid_tool_call(engine):
+    """The forced call's prefix and one token: its text stayed in ``content`` with no
+    call, which an agent loop took for the final answer."""
+    model = PromptspliceChatModel(engine=engine, max_tokens=1)
+    bound = model.bind_tools([magic_function], tool_choice="magic_function")
+    head = '<tool_call>\n{"name": "magic_function", "arguments": {"input": '
+    msg = bound.invoke("What is magic_function(3)? Use the tool.")
+    assert msg.response_metadata["finish_reason"] == "length"
+    assert msg.tool_calls == [] and msg.content == ""
+    [bad] = msg.invalid_tool_calls
+    assert bad["name"] == "magic_function" and bad["args"].startswith(head) and len(bad["args"]) > len(head)
+    assert bad["error"] == "the output ended at its length limit (max_tokens) before the call was complete"
+    full = None
+    for c in bound.stream("What is magic_function(3)? Use the tool."):
+        full = c if full is None else full + c
+    # LangChain parses the streamed call again (leniently: JSON args would be completed
+    # into a valid call); the block as written stays invalid, without the error
+    assert full.tool_calls == [] and full.content == ""
+    assert [(c["name"], c["args"], c["error"]) for c in full.invalid_tool_calls] == [("magic_function", bad["args"], None)]
 
 
 def test_parallel_tool_calls_false_ends_the_answer_at_the_first_call(engine):
@@ -595,6 +668,41 @@ class ScriptedEngine:
                 pass
 
         return Stream()
+
+
+def test_invoke_and_stream_report_the_same_invalid_calls(default_tok):
+    """Forced with ``"any"``, the model writes a list for the arguments: the block stayed
+    in the content; unforced, a block that does not parse stayed there too (and in the
+    stream's last chunk).  Both are invalid calls, in ``invoke`` and
+    in the sum of a stream's chunks alike (ids aside, and the error: chunks carry none)."""
+
+    @tool
+    def mul(a: int, b: int) -> int:
+        """Multiplies two ints."""
+        return a * b
+
+    eng = ScriptedEngine(default_tok)
+    model = PromptspliceChatModel(engine=eng, max_tokens=64)
+    broken = 'Let me see.\n<tool_call>\n{"name": "mul", "arguments": {"a": 3 "b": 4}}\n</tool_call>'
+    cases = [  # the forced prefix is '<tool_call>\n{"name": "': the engine writes the rest
+        (model.bind_tools([magic_function, mul], tool_choice="any"), 'mul", "arguments": [3, 4]}\n</tool_call>',
+         "", "mul", '<tool_call>\n{"name": "mul", "arguments": [3, 4]}\n</tool_call>',
+         "arguments must be a JSON object, got list"),
+        (model.bind_tools([magic_function, mul]), broken, "Let me see.\n", "mul", broken[len("Let me see.\n"):],
+         "the call is not valid JSON: Expecting ',' delimiter at character 37"),
+    ]
+    for bound, out, content, name, args, error in cases:
+        eng.out = out
+        msg = bound.invoke("magic 3")
+        assert msg.tool_calls == [] and msg.content == content
+        assert [(c["name"], c["args"], c["error"]) for c in msg.invalid_tool_calls] == [(name, args, error)]
+        chunks = list(bound.stream("magic 3"))
+        full = chunks[0]
+        for c in chunks[1:]:
+            full = full + c
+        assert full.tool_calls == [] and full.content == content
+        assert [(c["name"], c["args"], c["error"]) for c in full.invalid_tool_calls] == [(name, args, None)]
+        assert full.invalid_tool_calls[0]["id"].startswith("call_")
 
 
 def test_token_counts_are_the_models_own(default_tok, monkeypatch):
