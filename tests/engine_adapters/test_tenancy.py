@@ -341,3 +341,32 @@ def test_salt_tenant_refuses_an_empty_salt():
     assert salt_tenant(None) is None and salt_tenant("\x1fexact") is None and salt_tenant("t\x1fx") == "t"
     with pytest.raises(InvalidSaltError, match="empty str"):
         salt_tenant("")
+
+
+@pytest.mark.reliability
+def test_an_engine_started_with_require_salt_refuses_unsalted_requests_before_vllm_sees_them():
+    """``EngineConfig(require_salt=True)`` reaches the engine's guard (the test above swaps
+    the guard in): every entry point refuses a request without a tenant's salt, or with
+    only a salt derived from none, before it is sent (vLLM's counters do not move), and
+    serves salted ones."""
+    from tests.conftest import start_default_engine
+
+    eng = start_default_engine(require_salt=True, kv_cache_bytes=64 << 20, max_model_len=1024)
+    try:
+        assert eng.config.require_salt is True
+        prompt = list(range(100, 170))
+        before = eng.counters().prefix_cache_queries
+        for call in (lambda: eng.generate(prompt, max_tokens=1),
+                     lambda: eng.generate(prompt, max_tokens=1, cache_salt="\x1fexact"),  # an unsalted runner's
+                     lambda: eng.generate_many([prompt], max_tokens=1),
+                     lambda: list(eng.stream(prompt, max_tokens=1)),
+                     lambda: eng.generate(eng.make_assembler().assemble(["a chunk"], query="q"), max_tokens=1)):
+            with pytest.raises(MissingSaltError, match="require_salt=True.*pass cache_salt=<the tenant's salt>"):
+                call()
+        assert eng.counters().prefix_cache_queries == before  # nothing reached vLLM
+        done = eng.generate(prompt, max_tokens=1, cache_salt="tenant-r")
+        salted = eng.make_assembler().assemble(["a chunk"], query="q", salt="tenant-r")
+        assert done.prompt_tokens == 70 and eng.generate(salted, max_tokens=1).prompt_tokens == salted.num_tokens
+        assert eng.counters().prefix_cache_queries == before + 70 + salted.num_tokens
+    finally:
+        eng.close()
