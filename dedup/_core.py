@@ -95,12 +95,8 @@ def _resolve_config(config: DedupConfig | None, overrides: dict) -> DedupConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def _content_rank(t: tuple) -> tuple:
-    """An input tuple's place in content order: longest first (a longer chunk is the one
-    likelier to hold the paragraphs a shorter one repeats, so they are cut from the
-    shorter: on the trace suite retrieval order's removals are kept, digest or id first
-    lost some), then digest, id, and index (equal bytes under one id: retrieval order)."""
-    return -len(t[3]), t[4], t[1], t[0]
+def _content_rank(t: tuple) -> tuple:  # an input tuple's place in content order
+    return t[4], t[1], t[0]  # digest, id, index (equal bytes under one id: retrieval order)
 
 
 def _restore_positions(kept: list[KeptChunk], dropped: list[DroppedChunk], positions: list[int]) -> None:
@@ -168,7 +164,7 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     """
     cfg = _resolve_config(config, overrides)
     inputs, replaced = _normalize(chunks, cfg.on_invalid_utf8)
-    # In content order the passes run on the inputs sorted by content under new
+    # In content order the passes run on the inputs sorted by (digest, id) under new
     # indices; ``positions`` maps those back to the caller's at the finish.
     positions: list[int] | None = None
     if cfg.order == "content" and len(inputs) > 1:

@@ -83,16 +83,16 @@ class DedupConfig:
     """``"error"``: raise InvalidUTF8Error; ``"replace"``: decode with U+FFFD and count it."""
     order: str | None = None
     """The order the passes see the chunks in, which decides which copy of a repeat keeps
-    its bytes.  ``"retrieval"``: the first retrieved chunk keeps a repeated paragraph.
-    ``"content"``: longest first, then by content digest and id, so the same chunk set in
-    any order keeps the same bytes and a stable layout sends the same prompt (and hits the
-    same cache) whatever order the retriever returned.  ``None``: ``"retrieval"`` for
-    :func:`~promptsplice.dedup.dedup`; an :class:`~promptsplice.assembler.Assembler`
-    takes ``"content"`` under its ``stable`` and ``cache_aware`` policies (they set the
-    chunk order themselves) and ``"retrieval"`` under ``retrieval``.  Either way a merged
-    chunk, and an exact duplicate's kept copy, carry the id and metadata of their earliest
-    retrieved member, kept chunks are listed in the retrieval order of those members, and
-    every origin keeps its input's index."""
+    its bytes.  ``"retrieval"``: the first retrieved chunk keeps a repeated paragraph, and
+    the earliest retrieved member names a merged chunk (and an exact duplicate's kept copy).
+    ``"content"``: by content digest, then id (then retrieval order): the same chunk set in any order keeps the
+    same bytes under the same ids, so a stable layout sends the same prompt (and hits the
+    same cache) whatever order the retriever returned; the member first in that order
+    names a merged chunk.  ``None``: ``"retrieval"`` for :func:`~promptsplice.dedup.dedup`;
+    an :class:`~promptsplice.assembler.Assembler` takes ``"content"`` under its ``stable``
+    and ``cache_aware`` policies (they set the chunk order themselves) and ``"retrieval"``
+    under ``retrieval``.  Either way kept chunks are listed in the retrieval order of the
+    input that names them, and every origin keeps its input's index."""
 
     def __post_init__(self) -> None:
         for name in ("exact", "containment", "overlap", "passages"):
