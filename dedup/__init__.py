@@ -23,9 +23,7 @@ Kinds, in the order they run (all on by default; switch each off in
   with the byte span where it was found.
 * **passages**: a paragraph (split on ``b"\\n\\n"`` only: CRLF text, ``\\r\\n\\r\\n``, has
   no paragraphs for this pass; normalize line endings first) of >= ``min_passage`` (128) bytes
-  that already occurs in an earlier kept chunk (retrieval order, or content order with
-  ``DedupConfig(order="content")``: the same set in any order then keeps the same
-  bytes) is cut out of the later one, with one
+  that already occurs in an earlier kept chunk is cut out of the later one, with one
   separator (:class:`RemovedPassage`); a chunk left empty is attached to the chunk
   holding its first removed passage (:attr:`Relation.PASSAGES`).  A shortened chunk
   can now sit inside another one or, its head changed, overlap a same-source

@@ -95,52 +95,27 @@ def _resolve_config(config: DedupConfig | None, overrides: dict) -> DedupConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def _content_rank(t: tuple) -> tuple:  # an input tuple's place in content order
-    return t[4], t[1], t[0]  # digest, id, index (equal bytes under one id: retrieval order)
-
-
-def _restore_positions(kept: list[KeptChunk], dropped: list[DroppedChunk], positions: list[int]) -> None:
-    """Give every record its input's index in the caller's order (the passes ran on the
-    inputs in content order) and list kept chunks, and dropped ones, in that order."""
-    for k in kept:
-        for o in k.origins:
-            o.index = positions[o.index]
-    for d in dropped:
-        d.index = positions[d.index]
-    kept.sort(key=lambda k: k.origins[0].index)
-    dropped.sort(key=_BY_INDEX)
-
-
-def _relabel_owners(kept: list[KeptChunk], earliest: bool) -> None:
-    """Give a chunk the owner its records should name.
-
-    A merged chunk whose first (KEPT) member lost every byte to passage removal (its
+def _relabel_emptied_owners(kept: list[KeptChunk]) -> None:
+    """A merged chunk whose first (KEPT) member lost every byte to passage removal (its
     paragraphs found in other chunks) still carried that member's id and metadata: page
     2's text cited as page 1.  The earliest merged member that keeps bytes becomes the
     owner (its id names the chunk in every record), the old owner a merged member with
-    an empty span.  ``earliest`` (content order, where the first member *in content
-    order* became the owner): a merged member that keeps bytes, or an exact duplicate of
-    the owner, retrieved before it takes its place too, so ids and metadata name the
-    earliest retrieved member in either order.  The chunks stay in the retrieval order
-    of their owners."""
+    an empty span, and the chunks stay in the retrieval order of their owners."""
     renames: dict[str, str] = {}
     names: set[str] | None = None  # every chunk name in use: an heir's id must name no other
     for k in kept:
         first = k.origins[0]
-        emptied = first.span is not None and first.span[0] == first.span[1]
-        if not emptied and not earliest:
+        if first.span is None or first.span[0] != first.span[1]:
             continue
         if names is None:
             names = {c.id for c in kept} | {r.chunk_id for c in kept for r in c.removed_passages}
-        heirs = [o for o in k.origins[1:] if o.id not in names and (  # (inputs of one id: exact dedup off, equal texts)
-                 (o.relation is _MERGED and o.span is not None and o.span[1] > o.span[0])
-                 or (not emptied and o.relation is _DUPLICATE and o.span == first.span))
-                 and (emptied or o.index < first.index)]  # fmt: skip
+        heirs = [o for o in k.origins[1:] if o.relation is _MERGED and o.span is not None and o.span[1] > o.span[0]
+                 and o.id not in names]  # (inputs of one id: exact dedup off, equal texts)
         if not heirs:
             continue
         heir = min(heirs, key=_BY_INDEX)
         names.add(heir.id)
-        first.relation, heir.relation = (_DUPLICATE if heir.relation is _DUPLICATE else _MERGED), _KEPT
+        first.relation, heir.relation = _MERGED, _KEPT
         k.origins = [heir, *sorted((o for o in k.origins if o is not heir), key=_BY_INDEX)]
         renames[k.id] = heir.id
         k.id, k.metadata = heir.id, heir.metadata
@@ -158,19 +133,11 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
 
     ``chunks`` are str, UTF-8 bytes, dicts with ``"text"`` or LangChain-style documents
     (see :func:`normalize_chunks`).  ``overrides`` are :class:`DedupConfig` field names
-    applied on top of ``config``.  The result lists kept chunks in retrieval order and
-    records, for every input, which kept chunk stands for it and where; which copy of a
-    repeat keeps its bytes follows :attr:`DedupConfig.order`.
+    applied on top of ``config``.  The result keeps retrieval order and records, for
+    every input, which kept chunk stands for it and where.
     """
     cfg = _resolve_config(config, overrides)
     inputs, replaced = _normalize(chunks, cfg.on_invalid_utf8)
-    # In content order the passes run on the inputs sorted by (digest, id) under new
-    # indices; ``positions`` maps those back to the caller's at the finish.
-    positions: list[int] | None = None
-    if cfg.order == "content" and len(inputs) > 1:
-        ranked = sorted(inputs, key=_content_rank)
-        positions = [t[0] for t in ranked]
-        inputs = [(i, *t[1:]) for i, t in enumerate(ranked)]
 
     removed = dict.fromkeys(REMOVAL_KINDS, 0)
     removed_bytes = dict.fromkeys(REMOVAL_KINDS, 0)
@@ -263,9 +230,7 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
             kept = ctx.merge_identical(kept)
 
     # -- finish -----------------------------------------------------------------------
-    if positions is not None:
-        _restore_positions(kept, dropped, positions)
-    _relabel_owners(kept, earliest=positions is not None)
+    _relabel_emptied_owners(kept)
     digest_of = _blocks.content_digest
     bytes_out = 0
     for k in kept:

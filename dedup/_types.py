@@ -25,7 +25,6 @@ __all__ = [
     "DedupResult",
     "REMOVAL_KINDS",
     "INVALID_UTF8_POLICIES",
-    "DEDUP_ORDERS",
 ]
 
 #: Keys of :attr:`DedupStats.removed` / :attr:`DedupStats.removed_bytes`, always all present.
@@ -33,9 +32,6 @@ REMOVAL_KINDS: tuple[str, ...] = ("duplicate", "contained", "overlap", "passage"
 
 #: Accepted values of ``on_invalid_utf8``.
 INVALID_UTF8_POLICIES: tuple[str, ...] = ("error", "replace")
-
-#: Accepted values of ``order`` (besides ``None``).
-DEDUP_ORDERS: tuple[str, ...] = ("retrieval", "content")
 
 
 class Relation(enum.Enum):
@@ -81,18 +77,6 @@ class DedupConfig:
     (a missing or ``None`` value never merges)."""
     on_invalid_utf8: str = "error"
     """``"error"``: raise InvalidUTF8Error; ``"replace"``: decode with U+FFFD and count it."""
-    order: str | None = None
-    """The order the passes see the chunks in, which decides which copy of a repeat keeps
-    its bytes.  ``"retrieval"``: the first retrieved chunk keeps a repeated paragraph, and
-    the earliest retrieved member names a merged chunk (and an exact duplicate's kept copy).
-    ``"content"``: by content digest, then id (then retrieval order): the same chunk set in any order keeps the
-    same bytes under the same ids, so a stable layout sends the same prompt (and hits the
-    same cache) whatever order the retriever returned; the member first in that order
-    names a merged chunk.  ``None``: ``"retrieval"`` for :func:`~promptsplice.dedup.dedup`;
-    an :class:`~promptsplice.assembler.Assembler` takes ``"content"`` under its ``stable``
-    and ``cache_aware`` policies (they set the chunk order themselves) and ``"retrieval"``
-    under ``retrieval``.  Either way kept chunks are listed in the retrieval order of the
-    input that names them, and every origin keeps its input's index."""
 
     def __post_init__(self) -> None:
         for name in ("exact", "containment", "overlap", "passages"):
@@ -115,11 +99,6 @@ class DedupConfig:
             raise ConfigError(
                 f"DedupConfig.on_invalid_utf8 must be 'error' or 'replace', "
                 f"got {self.on_invalid_utf8!r}"
-            )
-        if self.order is not None and self.order not in DEDUP_ORDERS:
-            raise ConfigError(
-                f"DedupConfig.order must be 'retrieval', 'content' or None (the caller's default), "
-                f"got {self.order!r}"
             )
 
     @classmethod

@@ -5,14 +5,12 @@ does the same work as a ``BaseDocumentCompressor`` (for ``ContextualCompressionR
 pipelines).  Both run :func:`promptsplice.dedup.dedup` (byte-exact: duplicates, contained chunks,
 sliding-window overlap, repeated passages) and then let an :class:`promptsplice.assembler.Assembler`
 choose the order (``stable`` by default: the same document set in any retrieval order
-comes out in one canonical order and, deduplicated in content order, with the same
-texts, so the prompt built from it keeps one prefix and the engine's prefix cache hits).
+comes out in one canonical order, so the prompt built from it keeps one prefix and the
+engine's prefix cache hits).
 
 ``k`` limits the output *after* dedup: the ``k`` best-ranked kept documents (rank = the
 retriever's rank of their earliest member) are chosen first, then ordered canonically,
-so a cut never drops a better-ranked document for a cache-friendlier one.  With ``k``
-dedup runs in retrieval order, so a repeated paragraph stays in the better-ranked
-document, never in one the cut drops.
+so a cut never drops a better-ranked document for a cache-friendlier one.
 
 Provenance (nothing is silently lost): each output ``Document`` keeps the id and
 metadata of the input whose text it carries (a hit contained in a later, longer document
@@ -35,7 +33,6 @@ the caller's own code's errors.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -207,11 +204,7 @@ def splice_documents(
     if not docs:
         return []
     asm = assembler if assembler is not None else _default_assembler()
-    # With a cut at k a repeat stays in the better-ranked copy (retrieval order, whatever
-    # the config asks): in content order a kept document could lose a paragraph to one
-    # beyond the cut.
-    cfg = asm._dedup_config(asm.policy) if k is None else dataclasses.replace(asm.dedup_config, order="retrieval")
-    report: DedupResult = dedup(_dedup_inputs(docs), cfg)
+    report: DedupResult = dedup(_dedup_inputs(docs), asm.dedup_config)
     # rank = the retriever's rank of a chunk's earliest member: dedup lists a chunk that
     # contains an earlier hit at its own (later) position, so a cut there dropped the hit
     kept = sorted(report.chunks, key=_rank)

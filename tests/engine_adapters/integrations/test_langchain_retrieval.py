@@ -214,35 +214,6 @@ def test_order_is_canonical_across_permutations(default_tok):
     assert tuple(prompt.chunk_order) == orders.pop()
 
 
-SHARED = (
-    "The Treaty of Westphalia (1648) ended the Thirty Years' War and set out the principle "
-    "that each state is sovereign over its own territory and domestic affairs."
-)
-
-
-def _sharing_docs():
-    return [Document(page_content=f"{n} opens here.\n\n{SHARED}\n\n{n} closes.", id=n) for n in ("A", "B", "C")]
-
-
-def test_a_shared_paragraph_stays_in_one_document_whatever_the_retrieval_order(asm):
-    """Without ``k`` dedup runs in content order: every order of the same documents
-    returns the same texts (the assembler's prompt, and its cache hit, follow)."""
-    outs = set()
-    for perm in itertools.permutations(_sharing_docs()):
-        out = PromptspliceRetriever(retriever=FixedRetriever(docs=list(perm)), assembler=asm, learn=False).invoke("q")
-        outs.add(tuple((d.id, d.page_content) for d in out))
-        assert sum(SHARED in d.page_content for d in out) == 1
-    assert len(outs) == 1
-
-
-def test_with_k_a_shared_paragraph_stays_in_the_better_ranked_document(asm):
-    """With ``k`` dedup runs in retrieval order, so the paragraph is never left in a
-    document the cut drops (content order would keep it in whichever digest sorts first)."""
-    for perm in itertools.permutations(_sharing_docs()):
-        out = PromptspliceRetriever(retriever=FixedRetriever(docs=list(perm)), assembler=asm, learn=False).invoke("q", k=1)
-        assert [(d.id, SHARED in d.page_content) for d in out] == [(perm[0].id, True)]
-
-
 def test_k_keeps_best_ranked_then_orders_and_names_the_rest(asm):
     from promptsplice.benchmarks.traces import load_wiki_leads
 
