@@ -23,15 +23,18 @@ Kinds, in the order they run (all on by default; switch each off in
   with the byte span where it was found.
 * **passages**: a paragraph (split on ``b"\\n\\n"`` only: CRLF text, ``\\r\\n\\r\\n``, has
   no paragraphs for this pass; normalize line endings first) of >= ``min_passage`` (128) bytes
-  that already occurs in an earlier kept chunk is cut out of the later one, with one
+  that already occurs in an earlier kept chunk (retrieval order, or content order with
+  ``DedupConfig(order="content")``: the same set in any order then keeps the same
+  bytes) is cut out of the later one, with one
   separator (:class:`RemovedPassage`); a chunk left empty is attached to the chunk
   holding its first removed passage (:attr:`Relation.PASSAGES`).  A shortened chunk
   can now sit inside another one or, its head changed, overlap a same-source
   neighbour: containment and overlap run again over the shortened chunks, then
   passages, until nothing changes, so the output is a fixpoint: deduplicating the
-  output texts (with their metadata) again changes nothing.  Two exceptions keep the
-  :class:`RemovedPassage` records true, and a second call may merge or cut there: a
-  chain whose first-retrieved chunk lost passages of its own is not merged after the
+  output texts (with their metadata) again, in the same ``order``, changes nothing.  Two
+  exceptions keep the :class:`RemovedPassage` records true, and a second call may merge
+  or cut there: a chain whose keeper (its first-retrieved chunk; in content order the
+  first in that order) lost passages of its own is not merged after the
   passage pass (its records locate paragraphs in its bytes as they were), and a chunk
   holding a recorded passage is not cut in a later round when that passage would lose
   its bytes (one that ends in one newline of a separator the cut takes).  And past a

@@ -95,23 +95,58 @@ def _resolve_config(config: DedupConfig | None, overrides: dict) -> DedupConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def _relabel_emptied_owners(kept: list[KeptChunk]) -> None:
-    """A merged chunk whose first (KEPT) member lost every byte to passage removal (its
+def _content_rank(t: tuple, source_key: str) -> tuple:
+    """An input tuple's place in content order: longest first (a longer chunk is the one
+    likelier to hold the paragraphs a shorter one repeats, so they are cut from the
+    shorter: on the trace suite retrieval order's removals are kept, digest or id first
+    lost some), then digest; among equal bytes the copy that names a source first (the
+    one that can merge with its source's windows: the same chunk from a second index
+    without one must not stop the merge), then id, and index (one id: retrieval order)."""
+    return -len(t[3]), t[4], (t[5] or {}).get(source_key) is None, t[1], t[0]
+
+
+def _kept_rank(k: KeptChunk) -> tuple:
+    """A kept chunk's place in content order, from its bytes now (:func:`_content_rank`'s
+    key for an input of those bytes: a second call orders the output so)."""
+    return -len(k.data), k.digest if k.digest is not None else _blocks.content_digest(k.data), k.id
+
+
+def _restore_positions(kept: list[KeptChunk], dropped: list[DroppedChunk], positions: list[int]) -> None:
+    """Give every record its input's index in the caller's order (the passes ran on the
+    inputs in content order) and list kept chunks, and dropped ones, in that order."""
+    for k in kept:
+        for o in k.origins:
+            o.index = positions[o.index]
+    for d in dropped:
+        d.index = positions[d.index]
+    kept.sort(key=lambda k: k.origins[0].index)
+    dropped.sort(key=_BY_INDEX)
+
+
+def _relabel_owners(kept: list[KeptChunk], earliest: bool) -> None:
+    """Give a chunk the owner its records should name.
+
+    A merged chunk whose first (KEPT) member lost every byte to passage removal (its
     paragraphs found in other chunks) still carried that member's id and metadata: page
     2's text cited as page 1.  The earliest merged member that keeps bytes becomes the
     owner (its id names the chunk in every record), the old owner a merged member with
-    an empty span, and the chunks stay in the retrieval order of their owners."""
+    an empty span.  ``earliest`` (content order, where the member first *in that order*
+    kept the chain): a merged member that keeps bytes and was retrieved earlier takes
+    its place too, so a merged chunk is named by its earliest retrieved member in either
+    order.  (Not an exact duplicate's copy: the copy kept decided the overlap merges by
+    its own metadata's source.)  The chunks stay in the retrieval order of their owners."""
     renames: dict[str, str] = {}
     names: set[str] | None = None  # every chunk name in use: an heir's id must name no other
     for k in kept:
         first = k.origins[0]
-        if first.span is None or first.span[0] != first.span[1]:
+        emptied = first.span is not None and first.span[0] == first.span[1]
+        if not emptied and not earliest:
             continue
         if names is None:
             names = {c.id for c in kept} | {r.chunk_id for c in kept for r in c.removed_passages}
         heirs = [o for o in k.origins[1:] if o.relation is _MERGED and o.span is not None and o.span[1] > o.span[0]
-                 and o.id not in names]  # (inputs of one id: exact dedup off, equal texts)
-        if not heirs:
+                 and o.id not in names and (emptied or o.index < first.index)]  # fmt: skip
+        if not heirs:  # (o.id in names: inputs of one id, exact dedup off, equal texts)
             continue
         heir = min(heirs, key=_BY_INDEX)
         names.add(heir.id)
@@ -133,11 +168,20 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
 
     ``chunks`` are str, UTF-8 bytes, dicts with ``"text"`` or LangChain-style documents
     (see :func:`normalize_chunks`).  ``overrides`` are :class:`DedupConfig` field names
-    applied on top of ``config``.  The result keeps retrieval order and records, for
-    every input, which kept chunk stands for it and where.
+    applied on top of ``config``.  The result lists kept chunks in retrieval order and
+    records, for every input, which kept chunk stands for it and where; which copy of a
+    repeat keeps its bytes follows :attr:`DedupConfig.order`.
     """
     cfg = _resolve_config(config, overrides)
     inputs, replaced = _normalize(chunks, cfg.on_invalid_utf8)
+    # In content order the passes run on the inputs sorted by content under new
+    # indices; ``positions`` maps those back to the caller's at the finish.
+    positions: list[int] | None = None
+    if cfg.order == "content" and len(inputs) > 1:
+        key = cfg.source_key
+        ranked = sorted(inputs, key=lambda t: _content_rank(t, key))
+        positions = [t[0] for t in ranked]
+        inputs = [(i, *t[1:]) for i, t in enumerate(ranked)]
 
     removed = dict.fromkeys(REMOVAL_KINDS, 0)
     removed_bytes = dict.fromkeys(REMOVAL_KINDS, 0)
@@ -212,25 +256,36 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
             kept = ctx.merge_identical(kept)
     if cfg.containment and len(kept) >= 2 and not contained_done:
         kept = ctx.absorb_contained(kept)
+    content = positions is not None
     while cfg.passages and len(kept) >= 2:
+        if content:
+            # Each round in the content order of the chunks as they are now: the round
+            # that ends the loop cut nothing in the order a second call sees, so the
+            # output is a fixpoint in content order too.
+            kept = sorted(kept, key=_kept_rank)
         cut = removed["passage"]
         kept = ctx.remove_passages(kept)
-        if removed["passage"] == cut or not cfg.overlap or len(kept) < 2:
+        if removed["passage"] == cut or len(kept) < 2:
             break
-        # A cut chunk's new head can equal a same-source neighbour's tail: merge those
-        # too, then containment and passages again, so that the output is a fixpoint.
-        # Each round removes bytes, so the loop ends; it is rare past the first.
-        merged = removed["overlap"]
-        kept = ctx.merge_overlaps(kept, after_passages=True)
-        if removed["overlap"] == merged:
-            break
-        if cfg.containment and len(kept) >= 2:
-            kept = ctx.absorb_contained(kept)
-        elif cfg.exact:
-            kept = ctx.merge_identical(kept)
+        if cfg.overlap:
+            # A cut chunk's new head can equal a same-source neighbour's tail: merge those
+            # too, then containment and passages again, so that the output is a fixpoint.
+            # Each round removes bytes, so the loop ends; it is rare past the first.
+            merged = removed["overlap"]
+            kept = ctx.merge_overlaps(kept, after_passages=True)
+            if removed["overlap"] != merged:
+                if cfg.containment and len(kept) >= 2:
+                    kept = ctx.absorb_contained(kept)
+                elif cfg.exact:
+                    kept = ctx.merge_identical(kept)
+                continue
+        if not content or [id(k) for k in sorted(kept, key=_kept_rank)] == list(map(id, kept)):
+            break  # (content order: the cuts reordered the chunks, so another round)
 
     # -- finish -----------------------------------------------------------------------
-    _relabel_emptied_owners(kept)
+    if positions is not None:
+        _restore_positions(kept, dropped, positions)
+    _relabel_owners(kept, earliest=positions is not None)
     digest_of = _blocks.content_digest
     bytes_out = 0
     for k in kept:

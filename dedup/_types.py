@@ -25,6 +25,7 @@ __all__ = [
     "DedupResult",
     "REMOVAL_KINDS",
     "INVALID_UTF8_POLICIES",
+    "DEDUP_ORDERS",
 ]
 
 #: Keys of :attr:`DedupStats.removed` / :attr:`DedupStats.removed_bytes`, always all present.
@@ -32,6 +33,9 @@ REMOVAL_KINDS: tuple[str, ...] = ("duplicate", "contained", "overlap", "passage"
 
 #: Accepted values of ``on_invalid_utf8``.
 INVALID_UTF8_POLICIES: tuple[str, ...] = ("error", "replace")
+
+#: Accepted values of ``order`` (besides ``None``).
+DEDUP_ORDERS: tuple[str, ...] = ("retrieval", "content")
 
 
 class Relation(enum.Enum):
@@ -77,6 +81,21 @@ class DedupConfig:
     (a missing or ``None`` value never merges)."""
     on_invalid_utf8: str = "error"
     """``"error"``: raise InvalidUTF8Error; ``"replace"``: decode with U+FFFD and count it."""
+    order: str | None = None
+    """The order the passes see the chunks in, which decides which copy of a repeat keeps
+    its bytes.  ``"retrieval"``: the first retrieved chunk keeps a repeated paragraph.
+    ``"content"``: longest first, then by content digest (each round of the passage pass
+    in the order of the chunks as they are then, so the output is a fixpoint in this
+    order too), so the same chunk set in any order keeps the same bytes and a stable
+    layout sends the same prompt (and hits the same cache) whatever order the retriever
+    returned; of equal bytes the copy kept is the first that names a source
+    (``source_key``), then the one of the smallest id.  ``None``: ``"retrieval"`` for
+    :func:`~promptsplice.dedup.dedup`; an :class:`~promptsplice.assembler.Assembler`
+    takes ``"content"`` under its ``stable`` and ``cache_aware`` policies (they set the
+    chunk order themselves) and ``"retrieval"`` under ``retrieval``.  Either way a merged
+    chunk carries the id and metadata of its earliest retrieved member that keeps bytes
+    (unless that id names a record already), kept chunks are listed in the retrieval
+    order of the inputs that name them, and every origin keeps its input's index."""
 
     def __post_init__(self) -> None:
         for name in ("exact", "containment", "overlap", "passages"):
@@ -99,6 +118,11 @@ class DedupConfig:
             raise ConfigError(
                 f"DedupConfig.on_invalid_utf8 must be 'error' or 'replace', "
                 f"got {self.on_invalid_utf8!r}"
+            )
+        if self.order is not None and self.order not in DEDUP_ORDERS:
+            raise ConfigError(
+                f"DedupConfig.order must be 'retrieval', 'content' or None (the caller's default), "
+                f"got {self.order!r}"
             )
 
     @classmethod

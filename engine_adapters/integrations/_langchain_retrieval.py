@@ -5,12 +5,14 @@ does the same work as a ``BaseDocumentCompressor`` (for ``ContextualCompressionR
 pipelines).  Both run :func:`promptsplice.dedup.dedup` (byte-exact: duplicates, contained chunks,
 sliding-window overlap, repeated passages) and then let an :class:`promptsplice.assembler.Assembler`
 choose the order (``stable`` by default: the same document set in any retrieval order
-comes out in one canonical order, so the prompt built from it keeps one prefix and the
-engine's prefix cache hits).
+comes out in one canonical order and, deduplicated in content order, with the same
+texts, so the prompt built from it keeps one prefix and the engine's prefix cache hits).
 
 ``k`` limits the output *after* dedup: the ``k`` best-ranked kept documents (rank = the
 retriever's rank of their earliest member) are chosen first, then ordered canonically,
-so a cut never drops a better-ranked document for a cache-friendlier one.
+so a cut never drops a better-ranked document for a cache-friendlier one.  With ``k``
+dedup runs in retrieval order: the first retrieved copy of a repeated paragraph keeps
+it (in content order it could stay in a document the cut drops).
 
 Provenance (nothing is silently lost): each output ``Document`` keeps the id and
 metadata of the input whose text it carries (a hit contained in a later, longer document
@@ -33,6 +35,7 @@ the caller's own code's errors.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -204,7 +207,12 @@ def splice_documents(
     if not docs:
         return []
     asm = assembler if assembler is not None else _default_assembler()
-    report: DedupResult = dedup(_dedup_inputs(docs), asm.dedup_config)
+    # With a cut at k, retrieval order (whatever the config asks): the first retrieved
+    # copy of a repeated paragraph keeps it, where content order could leave it in a
+    # document beyond the cut.  The assembler then dedups with the same config: the
+    # output is a fixpoint of that config only.
+    cfg = asm._dedup_config(asm.policy) if k is None else dataclasses.replace(asm.dedup_config, order="retrieval")
+    report: DedupResult = dedup(_dedup_inputs(docs), cfg)
     # rank = the retriever's rank of a chunk's earliest member: dedup lists a chunk that
     # contains an earlier hit at its own (later) position, so a cut there dropped the hit
     kept = sorted(report.chunks, key=_rank)
@@ -217,9 +225,9 @@ def splice_documents(
         return []
     # The kept texts are a dedup fixpoint, so the assembler's own dedup keeps them as
     # they are; its chunk order is the canonical (or cache-aware) order of this set.
-    prompt = (asm.assemble if learn else asm.preview)(
+    prompt = asm._assemble(
         [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in chosen],
-        query=query,
+        query=query, commit=learn, dedup_config=cfg,
     )
     by_id = {c.id: c for c in chosen}
     order = prompt.chunk_order

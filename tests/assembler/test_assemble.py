@@ -16,7 +16,7 @@ from promptsplice.assembler import (
     SegmentKind,
     assemble_prompt,
 )
-from promptsplice.blocks import chain_hashes
+from promptsplice.blocks import chain_hashes, content_digest
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
@@ -125,6 +125,51 @@ def test_repeated_request_hits_and_prefix_key_is_shared(make_assembler):
     salted = asm.assemble(chunks("nice"), query="other", system=SYSTEM, salt="tenant-b")
     assert salted.prefix_key != first.prefix_key
     assert salted.predicted_cached_tokens == 0
+
+
+SHARED = (
+    "The Treaty of Westphalia (1648) ended the Thirty Years' War and set out the principle "
+    "that each state is sovereign over its own territory and domestic affairs."
+)  # a paragraph two retrieved chunks share (over min_passage's 128 bytes)
+
+
+def shared_paragraph_chunks(*names):
+    texts = {"a": f"Chunk A opens here.\n\n{SHARED}\n\nChunk A closes.",
+             "b": f"Chunk B opens here.\n\n{SHARED}\n\nChunk B closes."}  # fmt: skip
+    return [{"id": n, "text": texts[n]} for n in names]
+
+
+@pytest.mark.parametrize("policy", ["stable", "cache_aware"])
+def test_the_same_chunk_set_in_another_retrieval_order_keeps_the_same_prompt(make_assembler, policy):
+    """Dedup runs in content order under policies that set the chunk order: which of two
+    chunks keeps a shared paragraph no longer follows the retriever's order, so the
+    repeat is the same prompt and hits to its last full block (in retrieval order it
+    kept 16 of 96 tokens)."""
+    asm = make_assembler(policy=policy)
+    first = asm.assemble(shared_paragraph_chunks("a", "b"), query="q", system=SYSTEM)
+    again = asm.assemble(shared_paragraph_chunks("b", "a"), query="q", system=SYSTEM)
+    assert again.token_ids == first.token_ids
+    assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
+    keeper = min(shared_paragraph_chunks("a", "b"), key=lambda c: content_digest(c["text"].encode()))["id"]
+    assert keeper == "b"  # (so the first order above is the one retrieval order got wrong)
+    assert [(k.id, SHARED in k.text) for k in first.dedup.chunks] == [("a", False), ("b", True)]
+    assert [(k.id, SHARED in k.text) for k in again.dedup.chunks] == [("b", True), ("a", False)]
+    assert [o.index for k in again.dedup.chunks for o in k.origins] == [0, 1]  # the caller's indices
+
+
+def test_retrieval_order_keeps_a_shared_paragraph_in_the_first_retrieved_chunk(make_assembler):
+    asm = make_assembler(policy="retrieval")
+    for names in (("a", "b"), ("b", "a")):
+        res = asm.assemble(shared_paragraph_chunks(*names), query="q", system=SYSTEM)
+        assert [(k.id, SHARED in k.text) for k in res.dedup.chunks] == [(names[0], True), (names[1], False)]
+
+
+def test_an_explicit_dedup_order_wins_over_the_policy(make_assembler):
+    from promptsplice.dedup import DedupConfig
+
+    asm = make_assembler(policy="stable", dedup_config=DedupConfig(order="retrieval"))
+    res = asm.assemble(shared_paragraph_chunks("a", "b"), query="q", system=SYSTEM)
+    assert [(k.id, SHARED in k.text) for k in res.dedup.chunks] == [("a", True), ("b", False)]
 
 
 def test_a_standalone_assembler_admits_what_it_assembles_and_preview_changes_nothing(make_assembler):

@@ -64,6 +64,7 @@ def test_defaults():
         ({"on_invalid_utf8": "ignore"}, "must be 'error' or 'replace', got 'ignore'"),
         ({"exact": "yes"}, "DedupConfig.exact must be True or False, got 'yes'"),
         ({"source_key": ""}, "DedupConfig.source_key must be a non-empty str"),
+        ({"order": "canonical"}, "DedupConfig.order must be 'retrieval', 'content' or None"),
     ],
 )
 def test_bad_config_values_raise_config_error(kwargs, message):
@@ -78,7 +79,7 @@ def test_unknown_override_lists_the_valid_options():
         dedup.dedup(["text"], min_overlapp=10)
     assert str(err.value) == (
         "unknown dedup option(s) 'min_overlapp'; valid options: exact, containment, overlap, "
-        "passages, min_overlap, min_passage, source_key, on_invalid_utf8"
+        "passages, min_overlap, min_passage, source_key, on_invalid_utf8, order"
     )
 
 

@@ -30,6 +30,7 @@ configs = st.builds(
     DedupConfig,
     min_overlap=st.sampled_from([1, 4, 16, 64]),
     min_passage=st.sampled_from([1, 8, 32, 128]),
+    order=st.sampled_from([None, "content"]),
 )
 
 
@@ -201,7 +202,55 @@ def test_dedup_without_containment_is_idempotent_on_its_output(chunks, cfg):
     chains are matched again until nothing merges, and a chain equal to another chunk is
     a duplicate, so the output is a fixpoint here too (a second call merged more)."""
     check_idempotent(chunks, DedupConfig(containment=False, min_overlap=cfg.min_overlap,
-                                         min_passage=cfg.min_passage))  # fmt: skip
+                                         min_passage=cfg.min_passage, order=cfg.order))  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(retrievals(), configs, st.randoms(use_true_random=False))
+def test_in_content_order_any_retrieval_order_keeps_the_same_chunks(chunks, cfg, rnd):
+    """``order="content"``: the same chunk set, retrieved in another order, keeps the same
+    texts, each standing for the same inputs at the same spans and having lost the same
+    passages; each call's records are checked against its own inputs and listed in its
+    own retrieval order.  (Equal bytes under
+    one id with other metadata are told apart by retrieval order: the generated copies
+    get one metadata here.)"""
+    cfg = DedupConfig(min_overlap=cfg.min_overlap, min_passage=cfg.min_passage, order="content")
+    first_meta: dict = {}
+    chunks = [{"text": c.text, "id": c.id, "metadata": first_meta.setdefault((c.data, c.id), c.metadata)}
+              for c in normalize_chunks(chunks)]  # fmt: skip
+    perm = list(range(len(chunks)))
+    rnd.shuffle(perm)
+    shuffled = [chunks[i] for i in perm]
+    a, b = dedup(chunks, cfg), dedup(shuffled, cfg)
+    check_result(chunks, cfg, a)
+    check_result(shuffled, cfg, b)
+
+    def kept(result):
+        text_of = {k.id: k.text for k in result.chunks}
+        return sorted(
+            (k.text, sorted((o.id, o.span, o.emptied) for o in k.origins),
+             sorted((r.chunk_id if r.chunk_id != k.id else "", r.offset, r.length, text_of[r.found_in], r.found_at)
+                    for r in k.removed_passages))
+            for k in result.chunks
+        )  # fmt: skip
+
+    assert kept(b) == kept(a)
+    for result in (a, b):
+        names = {k.id for k in result.chunks} | {r.chunk_id for k in result.chunks for r in k.removed_passages}
+        for k in result.chunks:
+            first = k.origins[0]
+            # an exact duplicate's kept copy is the first that names a source, then of the
+            # smallest id (its source decided the merges); a merged chunk is named by its
+            # earliest retrieved member that keeps bytes (unless that id names a chunk or
+            # a record already)
+            def rank(o):
+                return o.metadata.get("source") is None, o.id
+
+            assert all(rank(first) <= rank(o) for o in k.origins
+                       if o.relation is Relation.DUPLICATE and o.span == first.span), k  # fmt: skip
+            assert not any(o.relation is Relation.MERGED and o.index < first.index and o.span[1] > o.span[0]
+                           and o.id not in names for o in k.origins), k  # fmt: skip
+    assert sorted(perm[d.index] for d in b.dropped) == [d.index for d in a.dropped]
 
 
 def check_idempotent(chunks, cfg):
@@ -221,11 +270,14 @@ def check_idempotent(chunks, cfg):
         assert {kind for kind, n in again.stats.removed.items() if n} <= {"overlap", "passage"}
         holders = {r.found_in for k in first.chunks for r in k.removed_passages}
         for k in again.chunks:
-            keeper = first.chunks[k.origins[0].index]
+            # in content order the member that kept a chain (the first in that order)
+            # need not be the one that names it (the earliest retrieved): any member
+            members = [first.chunks[o.index] for o in k.origins[: 1 if cfg.order is None else None]
+                       if o.relation in (Relation.KEPT, Relation.MERGED)]  # fmt: skip
             if any(o.relation is Relation.MERGED for o in k.origins):
-                assert any(r.chunk_id == keeper.id for r in keeper.removed_passages), k
+                assert any(r.chunk_id == m.id for m in members for r in m.removed_passages), k
             if any(r.chunk_id == k.id for r in k.removed_passages):
-                assert keeper.id in holders, k
+                assert any(m.id in holders for m in members), k
             for o in k.origins:
                 if o.relation is Relation.PASSAGES:
                     assert first.chunks[o.index].id in holders, k
@@ -491,3 +543,35 @@ def test_every_input_is_rebuilt_byte_exactly_when_chunks_are_emptied(chunks, mp,
     rebuilt.update((d.index, data_of[d.index]) for d in result.dropped)  # blank windows
     assert all(not data_of[d.index].strip() for d in result.dropped)
     assert rebuilt == data_of
+
+
+def test_content_order_is_a_fixpoint_after_cuts_reorder_the_chunks():
+    """A passage cut shortens ``a`` below ``b``: a second call, which orders the output by
+    its own lengths, cut ``b``'s copy of P once the rounds ran in the input order only
+    (found by review: the retriever then raised).  Each round now runs in the order of
+    the chunks as they are."""
+    x, p = ("Xylophone gamma delta " * 10).strip(), ("Pelican omega sigma " * 9).strip()
+    a = f"{x}\n\n{p}\n\nUnique tail."
+    b = f"{p} and then some extra words\n\nB closes."
+    c = f"{x}\n\nC's own closing paragraph." + " padding" * 40
+    chunks = [{"id": "a", "text": a}, {"id": "b", "text": b}, {"id": "c", "text": c}]
+    first = dedup(chunks, order="content")
+    assert [(k.id, len(k.data)) for k in first.chunks] == [("a", 12), ("b", 216), ("c", 567)]
+    again = dedup([{"id": k.id, "text": k.text} for k in first.chunks], order="content")
+    assert again.stats.removed_bytes_total == 0
+
+
+def test_content_order_keeps_the_copy_that_names_a_source_so_windows_still_merge():
+    """The same window from two indexes, one without ``source``: content order kept the
+    copy of the smaller id (no source), so the window no longer merged with its
+    neighbour; the copy that names a source is kept first, as retrieval order does here."""
+    doc = " ".join(f"word{i}" for i in range(80))
+    w1, w2 = doc[:200], doc[100:]
+    chunks = [{"id": "win-1", "text": w1, "metadata": {"source": "s"}},
+              {"id": "win-2", "text": w2, "metadata": {"source": "s"}},
+              {"id": "bm25-7", "text": w1}]  # fmt: skip
+    for order in (None, "content"):
+        res = dedup(chunks, order=order)
+        assert [(k.id, k.text) for k in res.chunks] == [("win-1", doc)]
+        assert [(o.id, o.relation) for o in res.chunks[0].origins] == [
+            ("win-1", Relation.KEPT), ("win-2", Relation.MERGED), ("bm25-7", Relation.DUPLICATE)]

@@ -214,6 +214,35 @@ def test_order_is_canonical_across_permutations(default_tok):
     assert tuple(prompt.chunk_order) == orders.pop()
 
 
+SHARED = (
+    "The Treaty of Westphalia (1648) ended the Thirty Years' War and set out the principle "
+    "that each state is sovereign over its own territory and domestic affairs."
+)
+
+
+def _sharing_docs():
+    return [Document(page_content=f"{n} opens here.\n\n{SHARED}\n\n{n} closes.", id=n) for n in ("A", "B", "C")]
+
+
+def test_a_shared_paragraph_stays_in_one_document_whatever_the_retrieval_order(asm):
+    """Without ``k`` dedup runs in content order: every order of the same documents
+    returns the same texts (the assembler's prompt, and its cache hit, follow)."""
+    outs = set()
+    for perm in itertools.permutations(_sharing_docs()):
+        out = PromptspliceRetriever(retriever=FixedRetriever(docs=list(perm)), assembler=asm, learn=False).invoke("q")
+        outs.add(tuple((d.id, d.page_content) for d in out))
+        assert sum(SHARED in d.page_content for d in out) == 1
+    assert len(outs) == 1
+
+
+def test_with_k_a_shared_paragraph_stays_in_the_better_ranked_document(asm):
+    """With ``k`` dedup runs in retrieval order, so the paragraph is never left in a
+    document the cut drops (content order would keep it in whichever digest sorts first)."""
+    for perm in itertools.permutations(_sharing_docs()):
+        out = PromptspliceRetriever(retriever=FixedRetriever(docs=list(perm)), assembler=asm, learn=False).invoke("q", k=1)
+        assert [(d.id, SHARED in d.page_content) for d in out] == [(perm[0].id, True)]
+
+
 def test_k_keeps_best_ranked_then_orders_and_names_the_rest(asm):
     from promptsplice.benchmarks.traces import load_wiki_leads
 
@@ -345,3 +374,19 @@ def test_chunks_of_one_source_sharing_its_metadata_id_are_spliced_not_refused(as
     with pytest.raises(ConflictingChunkIdError, match="'x'"):
         splice_documents([Document(page_content="one text", id="x"), Document(page_content="another", id="x")],
                          "q", assembler=asm)
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_the_assembler_dedups_the_kept_documents_as_the_retriever_did(asm, k):
+    """With ``k`` the retriever dedups in retrieval order and the stable assembler in
+    content order: re-deduplicated so, ``b`` absorbed ``a`` and ``splice_documents``
+    raised ``InvalidChunkError`` (found by review).  The assembler now takes the
+    retriever's config."""
+    q, r = ("Quantum alpha " * 12).strip(), ("Rivers beta " * 14).strip()
+    docs = [Document(page_content=f"{q}\n\n{r}", id="a"),
+            Document(page_content=f"{q} extra words here\n\n{r} more extra words", id="b")]  # fmt: skip
+    out = splice_documents(docs, "q", assembler=asm, k=k, learn=False)
+    # retrieval order (k): b loses both paragraphs a holds, and stays; content order: a,
+    # the shorter, lost them, and is contained in nothing, so it is attached to b
+    expected = {None: {"b"}, 2: {"a", "b"}}[k]
+    assert {d.id for d in out} == expected and _reachable_ids(out) == {"a", "b"}
