@@ -40,7 +40,8 @@ Kinds, in the order they run (all on by default; switch each off in
   its bytes (one that ends in one newline of a separator the cut takes).  And past a
   call's search budget (chunks made of the same few sentences, megabytes of them:
   ``dedup/_finder.py``) a needle not found cheaply counts as not found, so a second
-  call may find more to remove.
+  call may find more to remove; so may one after a content-order call that hit its
+  round limit (a chunk sinking one place per cut, ``dedup/_core.py``).
 
 Nothing is lost: every input appears exactly once, as an :class:`Origin` of a
 :class:`KeptChunk` or as a :class:`DroppedChunk`, and ``Origin.span`` slices the kept

@@ -30,7 +30,10 @@ m = min_overlap):
   few sentences are less deduplicated (a needle then scans at most 16 times its
   bytes + 16 KiB), never wrong.  If passages shortened a chunk, containment runs once more, and with
   overlap on, the overlap pass too; a merge then starts another round of containment
-  and passages (rare past the first: each round removes bytes).
+  and passages (rare past the first: each round removes bytes).  In content order a
+  round whose cuts reordered the chunks is followed by another, at most 8 more
+  (``_CONTENT_ROUNDS``): on typical text none or one; a chunk that sinks one place a
+  round, losing a paragraph to the next each time, takes all 8 (each a passage pass).
 
 The Python-level work is O(n + pieces + edges + paragraphs) per call, and it is what
 bounds the throughput (measured by ``python -m promptsplice.benchmarks.dedup_bench``;
@@ -70,6 +73,10 @@ _MERGED = Relation.MERGED
 _DUPLICATE = Relation.DUPLICATE
 
 _BY_INDEX = attrgetter("index")
+_CONTENT_ROUNDS = 8
+"""Passage rounds content order runs again after cuts reordered the chunks (each cuts
+bytes; past these a second call may cut more: a pathological input could otherwise ask
+for one round per paragraph, each re-indexing the call)."""
 _DEFAULT = DedupConfig()
 _FIELDS = DedupConfig.field_names()
 
@@ -257,11 +264,12 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     if cfg.containment and len(kept) >= 2 and not contained_done:
         kept = ctx.absorb_contained(kept)
     content = positions is not None
+    reorders = 0
     while cfg.passages and len(kept) >= 2:
         if content:
             # Each round in the content order of the chunks as they are now: the round
             # that ends the loop cut nothing in the order a second call sees, so the
-            # output is a fixpoint in content order too.
+            # output is a fixpoint in content order too (up to _CONTENT_ROUNDS rounds).
             kept = sorted(kept, key=_kept_rank)
         cut = removed["passage"]
         kept = ctx.remove_passages(kept)
@@ -281,6 +289,9 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
                 continue
         if not content or [id(k) for k in sorted(kept, key=_kept_rank)] == list(map(id, kept)):
             break  # (content order: the cuts reordered the chunks, so another round)
+        reorders += 1
+        if reorders > _CONTENT_ROUNDS:
+            break  # a chunk that sinks one place a round can ask for one round a paragraph
 
     # -- finish -----------------------------------------------------------------------
     if positions is not None:

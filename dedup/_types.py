@@ -93,7 +93,7 @@ class DedupConfig:
     :func:`~promptsplice.dedup.dedup`; an :class:`~promptsplice.assembler.Assembler`
     takes ``"content"`` under its ``stable`` and ``cache_aware`` policies (they set the
     chunk order themselves) and ``"retrieval"`` under ``retrieval``.  Either way a merged
-    chunk carries the id and metadata of its earliest retrieved member that keeps bytes
+    chunk carries the id and metadata of its earliest retrieved merged member that keeps bytes
     (unless that id names a record already), kept chunks are listed in the retrieval
     order of the inputs that name them, and every origin keeps its input's index."""
 

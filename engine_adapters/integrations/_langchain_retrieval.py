@@ -12,7 +12,7 @@ texts, so the prompt built from it keeps one prefix and the engine's prefix cach
 retriever's rank of their earliest member) are chosen first, then ordered canonically,
 so a cut never drops a better-ranked document for a cache-friendlier one.  With ``k``
 dedup runs in retrieval order: the first retrieved copy of a repeated paragraph keeps
-it (in content order it could stay in a document the cut drops).
+it, usually a document the cut keeps (content order keeps it in the longest copy).
 
 Provenance (nothing is silently lost): each output ``Document`` keeps the id and
 metadata of the input whose text it carries (a hit contained in a later, longer document
@@ -51,7 +51,7 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, ValidationError
 
 from promptsplice.assembler import Assembler
-from promptsplice.dedup import DedupResult, KeptChunk, Relation, dedup
+from promptsplice.dedup import DedupConfig, DedupResult, KeptChunk, Relation, dedup
 from promptsplice.errors import ConfigError, InvalidChunkError
 
 __all__ = [
@@ -185,6 +185,11 @@ def _dedup_inputs(docs: Sequence[Document]) -> list[Any]:
     return out
 
 
+_AS_THEY_ARE = DedupConfig(exact=False, containment=False, overlap=False, passages=False)
+"""What the assembler does to documents deduplicated already: keep them (nothing but
+empty chunks is dropped, and kept ones are never empty)."""
+
+
 def splice_documents(
     documents: Sequence[Document],
     query: str,
@@ -208,9 +213,8 @@ def splice_documents(
         return []
     asm = assembler if assembler is not None else _default_assembler()
     # With a cut at k, retrieval order (whatever the config asks): the first retrieved
-    # copy of a repeated paragraph keeps it, where content order could leave it in a
-    # document beyond the cut.  The assembler then dedups with the same config: the
-    # output is a fixpoint of that config only.
+    # copy of a repeated paragraph keeps it, usually a better-ranked document the cut
+    # keeps, where content order keeps it in the longest copy.
     cfg = asm._dedup_config(asm.policy) if k is None else dataclasses.replace(asm.dedup_config, order="retrieval")
     report: DedupResult = dedup(_dedup_inputs(docs), cfg)
     # rank = the retriever's rank of a chunk's earliest member: dedup lists a chunk that
@@ -223,16 +227,18 @@ def splice_documents(
             len(docs), [d.id for d in report.dropped],
         )
         return []
-    # The kept texts are a dedup fixpoint, so the assembler's own dedup keeps them as
-    # they are; its chunk order is the canonical (or cache-aware) order of this set.
+    # The assembler lays out the kept texts as they are, deduplicated no further: a
+    # second dedup is no fixpoint in every case (the documented exceptions, and the
+    # chunks come in rank order here), and a change there raised below.  Its chunk
+    # order is the canonical (or cache-aware) order of this set.
     prompt = asm._assemble(
         [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in chosen],
-        query=query, commit=learn, dedup_config=cfg,
+        query=query, commit=learn, dedup_config=_AS_THEY_ARE,
     )
     by_id = {c.id: c for c in chosen}
     order = prompt.chunk_order
     if sorted(order) != sorted(by_id):
-        raise InvalidChunkError(  # pragma: no cover - dedup is a fixpoint (tested in dedup)
+        raise InvalidChunkError(  # pragma: no cover - the assembler deduplicates nothing here
             f"the assembler re-deduplicated the kept documents ({sorted(by_id)} -> "
             f"{sorted(order)}); report this with the documents"
         )

@@ -390,3 +390,29 @@ def test_the_assembler_dedups_the_kept_documents_as_the_retriever_did(asm, k):
     # the shorter, lost them, and is contained in nothing, so it is attached to b
     expected = {None: {"b"}, 2: {"a", "b"}}[k]
     assert {d.id for d in out} == expected and _reachable_ids(out) == {"a", "b"}
+
+
+@pytest.mark.parametrize("policy", ["stable", "cache_aware", "retrieval"])
+@pytest.mark.parametrize("k", [None, 3])
+def test_kept_documents_are_laid_out_as_they_are_even_where_a_second_dedup_would_merge(default_tok, policy, k):
+    """A disclaimer P cut from window w2 (kept in the longer z) leaves w2's head
+    overlapping w1's tail; w2 kept the chain and lost a passage of its own, so dedup
+    leaves the two unmerged (a documented exception to its fixpoint).  The assembler
+    deduplicated the kept documents again, merged them and ``splice_documents`` raised
+    ``InvalidChunkError`` (found by review); it now lays them out as they are."""
+    from promptsplice.assembler import Assembler
+
+    p = ("This boilerplate disclaimer paragraph is repeated on every page of the site and says nothing "
+         "about the question asked by the user at all.")  # fmt: skip
+    y = ("The overlapping region of the sliding window chunker covers these exact words, at least "
+         "sixty-four bytes long. ")  # fmt: skip
+    w1 = "Page one begins with its own introduction about rivers and bridges. " + y
+    w2 = f"{p}\n\n{y}Then page two continues with details about the harbour, the tolls and the merchants."
+    z = f"{p}\n\nAn unrelated article that carries the disclaimer too, the longest chunk here. " + "Filler. " * 30
+    src = {"source": "site/page"}
+    docs = [Document(page_content=w1, id="w1", metadata=src), Document(page_content=w2, id="w2", metadata=src),
+            Document(page_content=z, id="z")]  # fmt: skip
+    asm = Assembler(default_tok, block_size=16, policy=policy)
+    out = splice_documents(docs, "q", assembler=asm, k=k, learn=False)
+    assert sorted(d.id for d in out) == ["w1", "w2", "z"] and _reachable_ids(out) == {"w1", "w2", "z"}
+    assert sum(p in d.page_content for d in out) == 1
