@@ -139,8 +139,8 @@ def _relabel_owners(kept: list[KeptChunk], earliest: bool) -> None:
     owner (its id names the chunk in every record), the old owner a merged member with
     an empty span.  ``earliest`` (content order, where the member first *in that order*
     kept the chain): a merged member that keeps bytes and was retrieved earlier takes
-    its place too, so a merged chunk is named by its earliest retrieved member in either
-    order.  (Not an exact duplicate's copy: the copy kept decided the overlap merges by
+    its place too, so a merged chunk is named by its earliest retrieved merged member in
+    either order.  (Not an exact duplicate's copy: the copy kept decided the overlap merges by
     its own metadata's source.)  The chunks stay in the retrieval order of their owners."""
     renames: dict[str, str] = {}
     names: set[str] | None = None  # every chunk name in use: an heir's id must name no other
