@@ -29,7 +29,6 @@ nothing, which holds only while they sit in one method.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -150,7 +149,6 @@ class Assembler:
         self.token_cache = token_cache if token_cache is not None else TokenCache()
         self.format = prompt_format or PromptFormat()
         self.dedup_config = dedup_config or DedupConfig()
-        self._dedup_configs: dict[tuple[DedupConfig, str], DedupConfig] = {}
         self.max_tokens = max_tokens
         self.popularity = PopularityTracker()
         self.branches = BranchMemory()
@@ -244,7 +242,7 @@ class Assembler:
         dedup_config: DedupConfig | None = None,
     ) -> AssembledPrompt:
         """``dedup_config``: the one a caller that deduplicated the chunks already used
-        (its output is a fixpoint of that config only; default: :meth:`_dedup_config`)."""
+        (its output is a fixpoint of that config only; default: ``self.dedup_config``)."""
         learn, admit = commit, commit and self._admits
         check_text(query, "query")
         check_text(system, "system", optional=True)
@@ -256,7 +254,7 @@ class Assembler:
         order_policy = self.policy if policy is None else parse_order(policy)
         align = self.alignment if alignment is None else parse_align(alignment)
         limit = self.max_tokens if max_tokens is None else _check_max_tokens(max_tokens)
-        report = dedup(chunks, dedup_config if dedup_config is not None else self._dedup_config(order_policy))
+        report = dedup(chunks, dedup_config if dedup_config is not None else self.dedup_config)
         kept = report.chunks
 
         fmt = self.format
@@ -413,20 +411,6 @@ class Assembler:
         return NaivePrompt(text=text, token_ids=bos + self.tokenizer.encode(text))
 
     # -- internals -----------------------------------------------------------------
-    def _dedup_config(self, policy: OrderPolicy) -> DedupConfig:
-        """``dedup_config`` with its ``order`` resolved for ``policy``: ``None`` takes
-        content order under the policies that set the chunk order themselves, so the
-        same chunk set keeps the same bytes (and prompt) in any retrieved order."""
-        cfg = self.dedup_config
-        if cfg.order is not None:
-            return cfg
-        order = "retrieval" if policy is OrderPolicy.RETRIEVAL else "content"
-        key = (cfg, order)
-        resolved = self._dedup_configs.get(key)
-        if resolved is None:
-            resolved = self._dedup_configs[key] = dataclasses.replace(cfg, order=order)
-        return resolved
-
     def _encode(self, marked: list[str]) -> list[list[int]]:
         return encode_marked_batch(self.tokenizer, marked)
 

@@ -89,10 +89,10 @@ class DedupConfig:
     order too), so the same chunk set in any order keeps the same bytes and a stable
     layout sends the same prompt (and hits the same cache) whatever order the retriever
     returned; of equal bytes the copy kept is the first that names a source
-    (``source_key``), then the one of the smallest id.  ``None``: ``"retrieval"`` for
-    :func:`~promptsplice.dedup.dedup`; an :class:`~promptsplice.assembler.Assembler`
-    takes ``"content"`` under its ``stable`` and ``cache_aware`` policies (they set the
-    chunk order themselves) and ``"retrieval"`` under ``retrieval``.  Either way a merged
+    (``source_key``), then the one of the smallest id.  Opt-in: early in a trace it cost
+    prefill (the README's "Dedup order"), since a popular chunk retrieved first keeps
+    its text in retrieval order but is cut wherever a longer chunk shares a paragraph.
+    ``None`` (default): ``"retrieval"``.  Either way a merged
     chunk carries the id and metadata of its earliest retrieved merged member that keeps bytes
     (unless that id names a record already), kept chunks are listed in the retrieval
     order of the inputs that name them, and every origin keeps its input's index."""

@@ -5,8 +5,9 @@ does the same work as a ``BaseDocumentCompressor`` (for ``ContextualCompressionR
 pipelines).  Both run :func:`promptsplice.dedup.dedup` (byte-exact: duplicates, contained chunks,
 sliding-window overlap, repeated passages) and then let an :class:`promptsplice.assembler.Assembler`
 choose the order (``stable`` by default: the same document set in any retrieval order
-comes out in one canonical order and, deduplicated in content order, with the same
-texts, so the prompt built from it keeps one prefix and the engine's prefix cache hits).
+comes out in one canonical order, so the prompt built from it keeps one prefix and the
+engine's prefix cache hits; with ``DedupConfig(order="content")`` on the assembler, with
+the same texts too, where documents share paragraphs).
 
 ``k`` limits the output *after* dedup: the ``k`` best-ranked kept documents (rank = the
 retriever's rank of their earliest member) are chosen first, then ordered canonically,
@@ -212,10 +213,10 @@ def splice_documents(
     if not docs:
         return []
     asm = assembler if assembler is not None else _default_assembler()
-    # With a cut at k, retrieval order (whatever the config asks): the first retrieved
-    # copy of a repeated paragraph keeps it, usually a better-ranked document the cut
-    # keeps, where content order keeps it in the longest copy.
-    cfg = asm._dedup_config(asm.policy) if k is None else dataclasses.replace(asm.dedup_config, order="retrieval")
+    # With a cut at k, retrieval order (also when the config asks for content order):
+    # the first retrieved copy of a repeated paragraph keeps it, usually a better-ranked
+    # document the cut keeps, where content order keeps it in the longest copy.
+    cfg = asm.dedup_config if k is None else dataclasses.replace(asm.dedup_config, order="retrieval")
     report: DedupResult = dedup(_dedup_inputs(docs), cfg)
     # rank = the retriever's rank of a chunk's earliest member: dedup lists a chunk that
     # contains an earlier hit at its own (later) position, so a cut there dropped the hit

@@ -140,36 +140,33 @@ def shared_paragraph_chunks(*names):
 
 
 @pytest.mark.parametrize("policy", ["stable", "cache_aware"])
-def test_the_same_chunk_set_in_another_retrieval_order_keeps_the_same_prompt(make_assembler, policy):
-    """Dedup runs in content order under policies that set the chunk order: which of two
-    chunks keeps a shared paragraph no longer follows the retriever's order, so the
-    repeat is the same prompt and hits to its last full block (in retrieval order it
-    kept 16 of 96 tokens)."""
-    asm = make_assembler(policy=policy)
-    first = asm.assemble(shared_paragraph_chunks("a", "b"), query="q", system=SYSTEM)
-    again = asm.assemble(shared_paragraph_chunks("b", "a"), query="q", system=SYSTEM)
-    assert again.token_ids == first.token_ids
-    assert again.predicted_cached_tokens == (again.num_tokens - 1) // 16 * 16
+def test_in_content_order_the_same_chunk_set_in_another_retrieval_order_keeps_the_same_prompt(make_assembler, policy):
+    """``DedupConfig(order="content")``: which of two chunks keeps a shared paragraph no
+    longer follows the retriever's order, so the repeat is the same prompt and hits to
+    its last full block; the default (retrieval order) keeps 16 of its 96 tokens."""
+    from promptsplice.dedup import DedupConfig
+
+    for order, cached in (("content", 80), (None, 16)):
+        asm = make_assembler(policy=policy, dedup_config=DedupConfig(order=order))
+        first = asm.assemble(shared_paragraph_chunks("a", "b"), query="q", system=SYSTEM)
+        again = asm.assemble(shared_paragraph_chunks("b", "a"), query="q", system=SYSTEM)
+        assert (again.token_ids == first.token_ids) is (order == "content")
+        assert again.num_tokens == 96 and again.predicted_cached_tokens == cached
     keeper = min(shared_paragraph_chunks("a", "b"), key=lambda c: content_digest(c["text"].encode()))["id"]
-    assert keeper == "b"  # (so the first order above is the one retrieval order got wrong)
-    assert [(k.id, SHARED in k.text) for k in first.dedup.chunks] == [("a", False), ("b", True)]
-    assert [(k.id, SHARED in k.text) for k in again.dedup.chunks] == [("b", True), ("a", False)]
-    assert [o.index for k in again.dedup.chunks for o in k.origins] == [0, 1]  # the caller's indices
+    assert keeper == "b"  # (equal lengths: the digest decides, so the first order is the one retrieval order differs in)
+    assert [(k.id, SHARED in k.text) for k in first.dedup.chunks] == [("a", True), ("b", False)]  # retrieval order
+    asm = make_assembler(policy=policy, dedup_config=DedupConfig(order="content"))
+    res = asm.assemble(shared_paragraph_chunks("b", "a"), query="q", system=SYSTEM)
+    assert [(k.id, SHARED in k.text) for k in res.dedup.chunks] == [("b", True), ("a", False)]
+    assert [o.index for k in res.dedup.chunks for o in k.origins] == [0, 1]  # the caller's indices
 
 
-def test_retrieval_order_keeps_a_shared_paragraph_in_the_first_retrieved_chunk(make_assembler):
-    asm = make_assembler(policy="retrieval")
+@pytest.mark.parametrize("policy", ["retrieval", "stable", "cache_aware"])
+def test_by_default_the_first_retrieved_chunk_keeps_a_shared_paragraph(make_assembler, policy):
+    asm = make_assembler(policy=policy)
     for names in (("a", "b"), ("b", "a")):
         res = asm.assemble(shared_paragraph_chunks(*names), query="q", system=SYSTEM)
         assert [(k.id, SHARED in k.text) for k in res.dedup.chunks] == [(names[0], True), (names[1], False)]
-
-
-def test_an_explicit_dedup_order_wins_over_the_policy(make_assembler):
-    from promptsplice.dedup import DedupConfig
-
-    asm = make_assembler(policy="stable", dedup_config=DedupConfig(order="retrieval"))
-    res = asm.assemble(shared_paragraph_chunks("a", "b"), query="q", system=SYSTEM)
-    assert [(k.id, SHARED in k.text) for k in res.dedup.chunks] == [("a", True), ("b", False)]
 
 
 def test_a_standalone_assembler_admits_what_it_assembles_and_preview_changes_nothing(make_assembler):

@@ -347,8 +347,7 @@ def test_mirror_is_exact_with_evictions_in_a_small_cache(engine, rag_requests, c
     per_block = engine.config.kv_cache_bytes // engine.num_blocks
     # ~41 blocks of 32 (1,312 tokens) for prompts of 535-978 tokens: requests evict.
     # Twenty requests, so that some find blocks evicted that an unbounded cache would
-    # serve (with retrieval-order dedup 14 did; dedup in content order sends other
-    # prompts, and then the first 14 lose no hit to evictions).
+    # serve (four do; 14 requests showed two, and none when the prompts changed once).
     # The default context (the model's 8,192) does not fit: the engine lowers it to what
     # the cache holds (its usable blocks) and says so.
     before = engine.counters()

@@ -224,9 +224,13 @@ def _sharing_docs():
     return [Document(page_content=f"{n} opens here.\n\n{SHARED}\n\n{n} closes.", id=n) for n in ("A", "B", "C")]
 
 
-def test_a_shared_paragraph_stays_in_one_document_whatever_the_retrieval_order(asm):
-    """Without ``k`` dedup runs in content order: every order of the same documents
-    returns the same texts (the assembler's prompt, and its cache hit, follow)."""
+def test_a_shared_paragraph_stays_in_one_document_whatever_the_retrieval_order(default_tok):
+    """With an assembler deduplicating in content order (and no ``k``), every order of
+    the same documents returns the same texts (the prompt, and its cache hit, follow)."""
+    from promptsplice.assembler import Assembler
+    from promptsplice.dedup import DedupConfig
+
+    asm = Assembler(default_tok, block_size=16, policy="stable", dedup_config=DedupConfig(order="content"))
     outs = set()
     for perm in itertools.permutations(_sharing_docs()):
         out = PromptspliceRetriever(retriever=FixedRetriever(docs=list(perm)), assembler=asm, learn=False).invoke("q")
@@ -377,11 +381,15 @@ def test_chunks_of_one_source_sharing_its_metadata_id_are_spliced_not_refused(as
 
 
 @pytest.mark.parametrize("k", [None, 2])
-def test_the_assembler_dedups_the_kept_documents_as_the_retriever_did(asm, k):
-    """With ``k`` the retriever dedups in retrieval order and the stable assembler in
-    content order: re-deduplicated so, ``b`` absorbed ``a`` and ``splice_documents``
-    raised ``InvalidChunkError`` (found by review).  The assembler now takes the
-    retriever's config."""
+def test_the_assembler_lays_out_the_kept_documents_as_the_retriever_deduplicated_them(default_tok, k):
+    """With ``k`` the retriever dedups in retrieval order and a content-order assembler
+    in content order: re-deduplicated so, ``b`` absorbed ``a`` and ``splice_documents``
+    raised ``InvalidChunkError`` (found by review).  The assembler now lays them out as
+    they are."""
+    from promptsplice.assembler import Assembler
+    from promptsplice.dedup import DedupConfig
+
+    asm = Assembler(default_tok, block_size=16, policy="stable", dedup_config=DedupConfig(order="content"))
     q, r = ("Quantum alpha " * 12).strip(), ("Rivers beta " * 14).strip()
     docs = [Document(page_content=f"{q}\n\n{r}", id="a"),
             Document(page_content=f"{q} extra words here\n\n{r} more extra words", id="b")]  # fmt: skip
@@ -401,6 +409,7 @@ def test_kept_documents_are_laid_out_as_they_are_even_where_a_second_dedup_would
     deduplicated the kept documents again, merged them and ``splice_documents`` raised
     ``InvalidChunkError`` (found by review); it now lays them out as they are."""
     from promptsplice.assembler import Assembler
+    from promptsplice.dedup import DedupConfig
 
     p = ("This boilerplate disclaimer paragraph is repeated on every page of the site and says nothing "
          "about the question asked by the user at all.")  # fmt: skip
@@ -412,7 +421,7 @@ def test_kept_documents_are_laid_out_as_they_are_even_where_a_second_dedup_would
     src = {"source": "site/page"}
     docs = [Document(page_content=w1, id="w1", metadata=src), Document(page_content=w2, id="w2", metadata=src),
             Document(page_content=z, id="z")]  # fmt: skip
-    asm = Assembler(default_tok, block_size=16, policy=policy)
+    asm = Assembler(default_tok, block_size=16, policy=policy, dedup_config=DedupConfig(order="content"))
     out = splice_documents(docs, "q", assembler=asm, k=k, learn=False)
     assert sorted(d.id for d in out) == ["w1", "w2", "z"] and _reachable_ids(out) == {"w1", "w2", "z"}
     assert sum(p in d.page_content for d in out) == 1
