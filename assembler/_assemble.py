@@ -241,8 +241,8 @@ class Assembler:
         max_tokens: int | None = None,
         dedup_config: DedupConfig | None = None,
     ) -> AssembledPrompt:
-        """``dedup_config``: the one a caller that deduplicated the chunks already used
-        (its output is a fixpoint of that config only; default: ``self.dedup_config``)."""
+        """``dedup_config``: in place of ``self.dedup_config`` for this call
+        (``splice_documents`` passes one that keeps its deduplicated documents as they are)."""
         learn, admit = commit, commit and self._admits
         check_text(query, "query")
         check_text(system, "system", optional=True)
