@@ -142,8 +142,10 @@ def parse_tool_calls(
     why, ``name`` when it can be read, and ``args`` the block as written, tags included
     (LangChain re-parses streamed calls' args leniently: JSON would come back as a valid
     call, a truncated one completed).  ``truncated``: the output hit its length limit
-    (an unclosed last block says so).  A missing closing tag is tolerated; a block that
-    does not parse ends at its closing tag, else at the next block or the text's end."""
+    (an unclosed last block says so).  A missing closing tag is tolerated (the call ends
+    with its JSON); a block that does not parse, or has text between its JSON and its
+    closing tag, ends at that tag, else at the next block or the text's end.  JSON nested
+    too deeply for Python's parser is an invalid call too, never a ``RecursionError``."""
     decoder = json.JSONDecoder()
     calls: list[dict[str, Any]] = []
     invalid: list[dict[str, Any]] = []
@@ -151,15 +153,20 @@ def parse_tool_calls(
     pos = 0
     while (m := _OPEN_RE.search(text, pos)) is not None:
         parts.append(text[pos : m.start()])
+        close = text.find(TOOL_CALL_CLOSE, m.end())
+        nxt = _OPEN_RE.search(text, m.end())
+        if nxt is not None and close > nxt.start():
+            close = -1  # that tag closes the next block
+        block_end = close + len(TOOL_CALL_CLOSE) if close >= 0 else (nxt.start() if nxt else len(text))
         try:
             obj, end = decoder.raw_decode(text, m.end())
-        except json.JSONDecodeError as exc:
-            close = text.find(TOOL_CALL_CLOSE, m.end())
-            nxt = _OPEN_RE.search(text, m.end())
-            end = min(close + len(TOOL_CALL_CLOSE) if close >= 0 else len(text), nxt.start() if nxt else len(text))
+        except (json.JSONDecodeError, RecursionError) as exc:
+            end = block_end
             name = _read_name(decoder, text, m.end())
             if truncated and close < 0 and nxt is None:
                 error = "the output ended at its length limit (max_tokens) before the call was complete"
+            elif isinstance(exc, RecursionError):
+                error = "the call's JSON is nested too deeply to parse"
             else:
                 error = f"the call is not valid JSON: {exc.msg} at character {exc.pos - m.end()}"
         else:
@@ -167,7 +174,13 @@ def parse_tool_calls(
             end = len(text) - len(stripped)
             if stripped.startswith(TOOL_CALL_CLOSE):
                 end += len(TOOL_CALL_CLOSE)
-            name, args, error = _read_call(obj)
+                name, args, error = _read_call(obj)
+            elif close >= 0:  # text between the JSON and the closing tag: no clean call
+                end = block_end
+                name = obj.get("name") if isinstance(obj, dict) and isinstance(obj.get("name"), str) else None
+                error = "text follows the call's JSON before its closing tag"
+            else:  # no closing tag: the call ends with its JSON, the text after it is content
+                name, args, error = _read_call(obj)
             if error is None:
                 calls.append({"name": name, "args": args, "id": _call_id(), "type": "tool_call"})
         if error is not None:
@@ -204,6 +217,8 @@ def _read_call(obj: Any) -> tuple[str | None, Any, str | None]:
             args = json.loads(args) if args.strip() else {}
         except ValueError as exc:
             return name, None, f"arguments are not valid JSON: {exc}"
+        except RecursionError:
+            return name, None, "arguments are nested too deeply to parse"
     if not isinstance(args, dict):
         return name, None, f"arguments must be a JSON object, got {type(args).__name__}"
     return name, args, None

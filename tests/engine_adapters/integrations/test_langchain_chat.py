@@ -116,6 +116,14 @@ def test_parse_tool_calls_and_plain_text():
         ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', {}, "f", "arguments must be a JSON object, got list"),
         ('<tool_call>{"arguments": {}}</tool_call>', {}, None, 'the call has no "name" string'),
         ("<tool_call>[1]</tool_call>", {}, None, "the call is not a JSON object"),
+        # text between the JSON and its closing tag stayed in content, the call counted valid
+        ('<tool_call>{"name": "f", "arguments": {}} I will now wait.</tool_call>', {}, "f",
+         "text follows the call's JSON before its closing tag"),
+        # raised RecursionError out of invoke
+        pytest.param("<tool_call>" + "[" * 100_000 + "</tool_call>", {}, None,
+                     "the call's JSON is nested too deeply to parse", id="deep-json"),
+        pytest.param('<tool_call>{"name": "f", "arguments": "' + "[" * 100_000 + '"}</tool_call>', {}, "f",
+                     "arguments are nested too deeply to parse", id="deep-arguments"),
     ],
 )
 def test_a_block_that_is_no_valid_call_is_an_invalid_tool_call(text, kwargs, name, error):
@@ -147,6 +155,19 @@ def test_invalid_calls_keep_the_text_and_the_valid_calls_around_them():
         "the call is not valid JSON: Expecting value at character 28",
     ]
     assert len({c["id"] for c in calls + invalid}) == 3
+
+
+def test_a_closing_tag_belongs_to_its_own_block():
+    """A valid call without its closing tag ends with its JSON: the text after it is
+    content, and the next block's closing tag does not pull that text into the call."""
+    text = ('<tool_call>{"name": "f", "arguments": {}} then\n'
+            '<tool_call>{"name": "g", "arguments": {"x": 1}} oops</tool_call> done')
+    content, calls, invalid = parse_tool_calls(text)
+    assert content == "then\n done"
+    assert [(c["name"], c["args"]) for c in calls] == [("f", {})]
+    assert [(c["name"], c["args"], c["error"]) for c in invalid] == [
+        ("g", '<tool_call>{"name": "g", "arguments": {"x": 1}} oops</tool_call>',
+         "text follows the call's JSON before its closing tag")]
 
 
 def test_bound_tools_are_rendered_and_forced_call_parsed(engine):
