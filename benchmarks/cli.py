@@ -181,7 +181,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             allow_skips=args.allow_skips, one_store_engine=args.one_store_engine,
             pic_exact_alignment=args.pic_exact_alignment, pic_recompute_at=args.pic_recompute_at,
             pic_max_deviation=args.pic_max_deviation,
-            kv_cache_bytes=_mib(args.kv_cache_mib), store_layout=args.store_layout,
+            kv_cache_bytes=_mib(args.kv_cache_mib), store_layout=args.store_layout, dtype=args.dtype,
         )
     if not args.trace:
         raise ConfigError("bench rag needs --trace FILE (or --suite for every trace family)")
@@ -200,6 +200,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         store_layout=args.store_layout,
         pic_recompute_at=args.pic_recompute_at,
         pic_max_deviation=args.pic_max_deviation,
+        dtype=args.dtype,
     )
 
 
@@ -357,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--one-store-engine", action="store_true",
                      help="--suite: one store engine for every family and both store modes (salts that cannot "
                           "meet; they share the store's budget) instead of a fresh one per mode and family")
+    rag.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                     help="dtype of every engine (default: the engine's auto, bfloat16 on a CPU with AVX-512 "
+                          "BF16 and no AMX, else float32): fidelity figures compare within one dtype",
+                     )
     rag.set_defaults(func=_cmd_bench_rag)
 
     ttft = bsub.add_parser("ttft", help="TTFT by prompt length, cached vs uncached")

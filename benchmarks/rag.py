@@ -613,25 +613,29 @@ STORE_DISK_BYTES = 4 << 30
 
 def start_rag_engines(store_root: str | Path, *, dram_bytes: int = STORE_DRAM_BYTES,
                       disk_bytes: int = STORE_DISK_BYTES,
-                      kv_cache_bytes: int | None = None) -> tuple[Any, Callable[[], Any]]:
-    """The plain engine (``kv_cache_bytes`` of KV cache; default: the engine's), and a
-    factory of fresh engines with the splice connector over a fresh tiered store
-    (``dram_bytes`` of DRAM over ``disk_bytes`` of disk, a new folder under
-    ``store_root`` each), with the plain engine's KV cache size."""
+                      kv_cache_bytes: int | None = None,
+                      dtype: str = "auto") -> tuple[Any, Callable[[], Any]]:
+    """The plain engine (``kv_cache_bytes`` of KV cache, default the engine's; ``dtype``,
+    default the engine's ``auto``), and a factory of fresh engines with the splice
+    connector over a fresh tiered store (``dram_bytes`` of DRAM over ``disk_bytes`` of
+    disk, a new folder under ``store_root`` each), with the plain engine's KV cache size
+    and resolved dtype."""
     import itertools
     import os
 
     from promptsplice.engine_adapters import EmbeddedEngine, StoreConfig
 
     extra = {"max_logprobs": -1}
-    engine = EmbeddedEngine(extra_kwargs=extra, **({} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}))
+    engine = EmbeddedEngine(extra_kwargs=extra, dtype=dtype,
+                            **({} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}))
     ids = itertools.count()
 
     def fresh_kv_engine() -> Any:
         folder = os.path.join(str(store_root), f"store-{next(ids)}")
         os.makedirs(folder, exist_ok=True)
         store = StoreConfig(dram_bytes=dram_bytes, disk_bytes=disk_bytes, disk_dir=folder, fsync=False)
-        return EmbeddedEngine(kv_store=store, kv_cache_bytes=engine.config.kv_cache_bytes, extra_kwargs=extra)
+        return EmbeddedEngine(kv_store=store, kv_cache_bytes=engine.config.kv_cache_bytes, dtype=engine.config.dtype,
+                              extra_kwargs=extra)
 
     return engine, fresh_kv_engine
 
@@ -677,6 +681,7 @@ def run_rag_bench(
     store_layout: str = "store_aware",
     pic_recompute_at: str | None = None,
     pic_max_deviation: float | None = None,
+    dtype: str = "auto",
 ) -> int:
     """The CLI's job: run the trace, print, write the JSON; exit status from
     :func:`bench_status`."""
@@ -692,7 +697,7 @@ def run_rag_bench(
     reqs = read_rag_trace(trace, limit=requests)
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
     try:
-        engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes)
+        engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes, dtype=dtype)
         try:
             report, _ = run_modes(
                 engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_factory,

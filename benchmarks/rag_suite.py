@@ -228,6 +228,7 @@ def run_rag_suite(
     store_layout: str = "store_aware",
     pic_recompute_at: str | None = None,
     pic_max_deviation: float | None = None,
+    dtype: str = "auto",
 ) -> int:
     """The CLI's job: start the plain engine once (and fresh store engines per family and
     mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""
@@ -244,7 +245,7 @@ def run_rag_suite(
     trace_dir = trace_dir if trace_dir is not None else out.with_name(out.stem + "-traces")
     suite_trace_dir(trace_dir, SUITE if families is None else families)  # a bad folder fails before the engines start
     root = tempfile.mkdtemp(prefix="promptsplice-rag-store-")
-    engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes)
+    engine, kv_factory = start_rag_engines(root, kv_cache_bytes=kv_cache_bytes, dtype=dtype)
     kv_engine = kv_factory() if one_store_engine else kv_factory
     partial = out.with_name(out.stem + ".partial.json")
     try:

@@ -181,6 +181,7 @@ def test_demo_without_the_engine_runs_the_assembly_side(capsys):
     (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--max-tokens", "0"], "--max-tokens: must be >= 1"),
     (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--kv-cache-mib", "0"], "--kv-cache-mib: must be >= 1"),
     (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--store-layout", "blind"], "invalid choice: 'blind'"),
+    (["bench", "rag", "--trace", "t.jsonl", "--json", "r.json", "--dtype", "float16"], "invalid choice: 'float16'"),
     (["bench", "agent", "--trace", "t.jsonl", "--json", "r.json", "--scope", "bogus"], "invalid choice: 'bogus'"),
     (["bench", "agent", "--trace", "t.jsonl", "--json", "r.json", "--recompute-blocks", "-1"], "must be >= 0"),
     (["bench", "assemble", "--suite", "--json", "r.json", "--block-sizes", "abc"], "'abc' is not an int"),
@@ -260,7 +261,10 @@ def test_bench_rag_passes_the_kv_cache_size_and_store_layout_on(suite, monkeypat
     assert (seen["kv_cache_bytes"], seen["store_layout"], seen["pic_max_deviation"]) == (None, "store_aware", None)
     seen.clear()
     assert main(argv[:4] + ["--pic-max-deviation", "0.3"] + (["--suite"] if suite else ["--trace", __file__])) == 0
-    assert seen["pic_max_deviation"] == 0.3
+    assert (seen["pic_max_deviation"], seen["dtype"]) == (0.3, "auto")
+    seen.clear()
+    assert main(argv[:4] + ["--dtype", "float32"] + (["--suite"] if suite else ["--trace", __file__])) == 0
+    assert seen["dtype"] == "float32"
 
 
 def test_the_report_may_not_replace_the_trace(tmp_path, capsys):
@@ -520,3 +524,25 @@ def test_model_prepare_builds_the_default_tokenizer_too(tmp_path, monkeypatch, c
     assert not is_complete(default_tokenizer_dir())
     assert cli.main(["model", "prepare"]) == 0
     assert default_tokenizer_dir().parent.parent == tmp_path / "home" and is_complete(default_tokenizer_dir())
+
+
+def test_bench_rag_starts_every_engine_in_the_dtype_asked(monkeypatch, tmp_path):
+    """``--dtype`` reaches the plain engine, and the store engines take its resolved dtype
+    and KV cache (a fidelity figure compares within one dtype)."""
+    import types
+
+    import promptsplice.engine_adapters as adapters
+    from promptsplice.benchmarks.rag import start_rag_engines
+
+    made = []
+
+    def engine(**kw):
+        made.append(kw)
+        resolved = "float32" if kw.get("dtype", "auto") == "auto" else kw["dtype"]
+        return types.SimpleNamespace(config=types.SimpleNamespace(kv_cache_bytes=kw.get("kv_cache_bytes", 7), dtype=resolved))
+
+    monkeypatch.setattr(adapters, "EmbeddedEngine", engine)
+    plain, fresh = start_rag_engines(tmp_path, kv_cache_bytes=64 << 20, dtype="bfloat16")
+    fresh()
+    assert [(m["dtype"], m["kv_cache_bytes"], "kv_store" in m) for m in made] == [
+        ("bfloat16", 64 << 20, False), ("bfloat16", 64 << 20, True)]
