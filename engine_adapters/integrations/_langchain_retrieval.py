@@ -12,8 +12,9 @@ the same texts too, where documents share paragraphs).
 ``k`` limits the output *after* dedup: the ``k`` best-ranked kept documents (rank = the
 retriever's rank of their earliest member) are chosen first, then ordered canonically,
 so a cut never drops a better-ranked document for a cache-friendlier one.  With ``k``
-dedup runs in retrieval order: the first retrieved copy of a repeated paragraph keeps
-it, usually a document the cut keeps (content order keeps it in the longest copy).
+dedup runs in retrieval order, and the documents the cut keeps are deduplicated again
+among themselves only: a paragraph is never cut from a kept document for a copy that
+only a dropped document holds.
 
 Provenance (nothing is silently lost): each output ``Document`` keeps the id and
 metadata of the input whose text it carries (a hit contained in a later, longer document
@@ -186,6 +187,65 @@ def _dedup_inputs(docs: Sequence[Document]) -> list[Any]:
     return out
 
 
+def _members(chunks: Sequence[KeptChunk]) -> set[int]:
+    """The input indices the chunks stand for."""
+    return {o.index for c in chunks for o in c.origins}
+
+
+def _dedup_some(inputs: list[Any], picked: set[int], cfg: DedupConfig) -> DedupResult:
+    """:func:`dedup` of ``inputs[i]`` for ``i`` in ``picked`` (in their order), its
+    records' indices mapped back to positions in ``inputs`` (ids are unchanged:
+    :func:`_dedup_inputs` made them over all the inputs, and an id-less text's id comes
+    from its content)."""
+    at = sorted(picked)
+    report = dedup([inputs[i] for i in at], cfg)
+    for c in report.chunks:
+        for o in c.origins:
+            o.index = at[o.index]
+    for d in report.dropped:
+        d.index = at[d.index]
+    return report
+
+
+def _cut_first(
+    inputs: list[Any], cfg: DedupConfig, ranked: list[KeptChunk], k: int
+) -> tuple[list[KeptChunk], list[KeptChunk]]:
+    """The chunks of the documents a cut at ``k`` keeps, deduplicated among themselves
+    only, and those of the documents it drops (each in rank order).
+
+    ``ranked``: the chunks of a dedup of all the inputs, best rank first (more than
+    ``k``).  Their cut removed text from a chunk it kept wherever the copy it was
+    removed for lay in a chunk beyond the cut (a passage, or the bytes that made a
+    shortened document contained in another), so the output lost it.  Here the members
+    of the first ``k`` chunks are deduplicated again on their own: every byte of theirs
+    is then in that dedup's chunks (dedup's own guarantee), and all of those are the
+    output.  Without the others a document can keep a paragraph and come out on its own
+    (one whose every paragraph was found elsewhere had been attached to a kept chunk as
+    ``passages``), or two kept ones can merge: past ``k`` chunks, the members of the
+    ``k`` best-ranked are deduplicated again; short of ``k``, the next-ranked chunk's
+    members join.  Each step drops inputs or takes the next chunk, so it ends; typically
+    the first dedup gives ``k`` chunks.
+    """
+    n = k
+    picked = _members(ranked[:n])
+    report = _dedup_some(inputs, picked, cfg)
+    while True:
+        if len(report.chunks) > k:
+            picked = _members(sorted(report.chunks, key=_rank)[:k])  # strictly fewer
+        elif len(report.chunks) < k and n < len(ranked):
+            more = _members(ranked[n : n + 1]) - picked
+            n += 1
+            if not more:
+                continue
+            picked |= more
+        else:
+            break
+        report = _dedup_some(inputs, picked, cfg)
+    rest = _members(ranked) - picked  # (no chunk stands for an empty input)
+    beyond = _dedup_some(inputs, rest, cfg).chunks if rest else []
+    return sorted(report.chunks, key=_rank), sorted(beyond, key=_rank)
+
+
 _AS_THEY_ARE = DedupConfig(exact=False, containment=False, overlap=False, passages=False)
 """What the assembler does to documents deduplicated already: keep them (nothing but
 empty chunks is dropped, and kept ones are never empty)."""
@@ -201,10 +261,18 @@ def splice_documents(
 ) -> list[Document]:
     """Dedup ``documents`` byte-exactly and return them in the assembler's order.
 
-    ``k``: keep the ``k`` best-ranked documents after dedup.  ``learn``: assemble as a
-    prompt to send (the assembler learns popularity and remembers the order of this
-    document set; a standalone assembler also admits it into its own mirror, an
-    engine's assembler only reads the engine's); ``False``: a preview, no state change.
+    ``k``: keep the ``k`` best-ranked documents after dedup.  The cut is decided on a
+    dedup of all the documents (which ranks a document containing an earlier hit at the
+    hit's rank), and the text comes from a second dedup of only the documents whose
+    content is kept (:func:`_cut_first`): a dedup of all of them could cut a paragraph
+    from a kept document because a copy sat in one beyond the cut, and the output then
+    lacked it.  At most ``k`` documents come out (fewer only where the kept ones,
+    deduplicated without the others, merge into fewer chunks and no next-ranked chunk is
+    left to add); ``request.beyond_k`` lists the rest, deduplicated among themselves.
+    ``learn``: assemble as a prompt to send (the assembler learns popularity and
+    remembers the order of this document set; a standalone assembler also admits it
+    into its own mirror, an engine's assembler only reads the engine's); ``False``: a
+    preview, no state change.
     """
     docs = _check_documents(documents)
     k = _check_k(k, "k")
@@ -217,11 +285,14 @@ def splice_documents(
     # the first retrieved copy of a repeated paragraph keeps it, usually a better-ranked
     # document the cut keeps, where content order keeps it in the longest copy.
     cfg = asm.dedup_config if k is None else dataclasses.replace(asm.dedup_config, order="retrieval")
-    report: DedupResult = dedup(_dedup_inputs(docs), cfg)
+    inputs = _dedup_inputs(docs)
+    report: DedupResult = dedup(inputs, cfg)
     # rank = the retriever's rank of a chunk's earliest member: dedup lists a chunk that
     # contains an earlier hit at its own (later) position, so a cut there dropped the hit
     kept = sorted(report.chunks, key=_rank)
     chosen, beyond = (kept, []) if k is None else (kept[:k], kept[k:])
+    if beyond:  # the kept documents' text, deduplicated without the ones cut
+        chosen, beyond = _cut_first(inputs, cfg, kept, len(chosen))
     if not chosen:
         _log.warning(
             "promptsplice: all %d documents were empty and dropped (ids: %s)",

@@ -16,6 +16,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from langchain_core.callbacks import (
     AsyncCallbackManagerForRetrieverRun,
     CallbackManagerForRetrieverRun,
@@ -425,3 +427,133 @@ def test_kept_documents_are_laid_out_as_they_are_even_where_a_second_dedup_would
     out = splice_documents(docs, "q", assembler=asm, k=k, learn=False)
     assert sorted(d.id for d in out) == ["w1", "w2", "z"] and _reachable_ids(out) == {"w1", "w2", "z"}
     assert sum(p in d.page_content for d in out) == 1
+
+
+# ------------------------------------------------------- a cut at k loses no kept text
+
+HARBOUR = ("The harbour toll was raised twice in the same decade, and the merchants who paid it "
+           "moved their warehouses upriver to the free port of the neighbouring town.")  # fmt: skip
+MILL = "The quick brown fox jumps over the lazy dog near the old mill."
+
+
+def test_k_keeps_a_paragraph_whose_other_copy_the_cut_drops(asm):
+    """The best hit lies inside the third document, whose chunk ranks first; the third
+    shares a paragraph with the second.  Dedup over all three cut the paragraph from
+    the third (the second was retrieved first), then ``k=1`` dropped the second: the
+    output lacked a paragraph of the document it returned (found by review)."""
+    docs = [Document(page_content=MILL, id="hit"),
+            Document(page_content="Rivers and bridges of the valley.\n\n" + HARBOUR, id="second"),
+            Document(page_content=f"{MILL}\n\n{HARBOUR}", id="third")]  # fmt: skip
+    out = splice_documents(docs, "q", assembler=asm, k=1, learn=False)
+    assert [(d.id, d.page_content) for d in out] == [("third", f"{MILL}\n\n{HARBOUR}")]
+    prov = _prov(out[0])
+    assert [(o["id"], o["relation"]) for o in prov["origins"]] == [("third", "kept"), ("hit", "contained")]
+    assert prov["removed_passages"] == []
+    assert [c["id"] for c in prov["request"]["beyond_k"]] == ["second"]
+    _check_spans(out, docs)
+    # with room for both, the second loses the paragraph to nothing: dedup as before
+    both = splice_documents(docs, "q", assembler=asm, k=2, learn=False)
+    assert sum(HARBOUR in d.page_content for d in both) == 1 and _reachable_ids(both) == {"hit", "second", "third"}
+
+
+def test_k_keeps_the_paragraphs_of_a_document_emptied_for_one_the_cut_drops(asm):
+    """``c``'s paragraphs were all found earlier (one in ``a``, one in ``b``), so dedup
+    attached ``c`` to ``a``'s chunk as ``passages``; ``k=1`` kept that chunk and dropped
+    ``b``: ``c``'s second paragraph was in no output document."""
+    first = ("Westphalia set out the principle that each state is sovereign over its own "
+             "territory and its domestic affairs, a rule that later treaties kept.")  # fmt: skip
+    docs = [Document(page_content=f"{first}\n\nA short closing line of a.", id="a"),
+            Document(page_content=f"Rivers of b.\n\n{HARBOUR}", id="b"),
+            Document(page_content=f"{first}\n\n{HARBOUR}", id="c")]  # fmt: skip
+    full = splice_documents(docs, "q", assembler=asm, learn=False)
+    a = next(d for d in full if d.id == "a")
+    assert ("c", "passages") in [(o["id"], o["relation"]) for o in _prov(a)["origins"]]  # the setting
+    out = splice_documents(docs, "q", assembler=asm, k=1, learn=False)
+    assert [d.id for d in out] == ["a"] and HARBOUR not in out[0].page_content
+    # c is no longer one of a's origins: cut by k with b, not passed off as kept
+    assert [o["id"] for o in _prov(out[0])["origins"]] == ["a"]
+    beyond = _prov(out[0])["request"]["beyond_k"]
+    assert sorted(o["id"] for c in beyond for o in c["origins"]) == ["b", "c"]
+
+
+_POOL = [
+    (f"Paragraph {n} of the shared pool: " + " ".join(f"{w}{n}" for w in (
+        "treaty", "harbour", "merchant", "river", "bridge", "toll", "valley", "state",
+        "mill", "port", "decade", "warehouse", "town", "rule", "page")) + ".").ljust(150, "~")
+    for n in range(8)
+]  # fmt: skip
+
+
+@st.composite
+def _retrievals(draw):
+    """Documents made of pool paragraphs (so they share passages), some a single one
+    or a window of another (contained), some with a unique short line, some blank."""
+    docs: list[Document] = []
+    for i in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["paras", "paras", "paras", "paras", "inside", "copy", "blank"]))
+        texts = [d.page_content for d in docs if d.page_content.strip()]
+        if kind == "inside" and texts:
+            src = draw(st.sampled_from(texts))
+            a = draw(st.integers(0, len(src) - 1))
+            text = src[a : draw(st.integers(a + 1, len(src)))]
+        elif kind == "copy" and texts:
+            text = draw(st.sampled_from(texts))
+        elif kind == "blank":
+            text = draw(st.sampled_from(["", " ", "\n\n"]))
+        else:
+            paras = draw(st.lists(st.sampled_from(_POOL), min_size=1, max_size=4))
+            if draw(st.booleans()):
+                paras.insert(draw(st.integers(0, len(paras))), f"Own line of document {i}.")
+            text = "\n\n".join(paras)
+        meta = {"source": "pool"} if draw(st.booleans()) else {}
+        docs.append(Document(page_content=text, id=f"d{i}", metadata=meta))
+    return docs, draw(st.integers(1, max(1, len(docs) // 2)) | st.integers(1, len(docs)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_retrievals())
+def test_property_a_cut_at_k_loses_no_text_of_the_documents_it_keeps(default_tok, case):
+    from promptsplice.assembler import Assembler
+
+    docs, k = case
+    asm = Assembler(default_tok, block_size=16, policy="stable")
+    out = splice_documents(docs, "q", assembler=asm, k=k, learn=False)
+    assert len(out) <= k
+    if not out:
+        assert all(not d.page_content.strip() for d in docs)
+        return
+    req = _prov(out[0])["request"]
+    origins = [o for d in out for o in _prov(d)["origins"]]
+    origins += [o for c in req["beyond_k"] for o in c["origins"]]
+    where = [o["index"] for o in origins] + [d["index"] for d in req["dropped"]]
+    assert sorted(where) == list(range(len(docs)))  # every input once, by its own index
+    assert all(o["id"] == docs[o["index"]].id for o in origins)
+    texts = [d.page_content for d in out]
+    for d in out:
+        for o in _prov(d)["origins"]:
+            for para in docs[o["index"]].page_content.split("\n\n"):
+                if len(para.encode()) >= 128:
+                    assert any(para in t for t in texts), (o["id"], para[:40], texts)
+    # the same documents without k lose nothing either, and k past the chunks changes nothing
+    full = splice_documents(docs, "q", assembler=asm, learn=False)
+    if len(full) <= k:
+        assert [(d.id, d.page_content, d.metadata) for d in out] == [
+            (d.id, d.page_content, d.metadata) for d in full]
+
+
+def test_cut_first_adds_the_next_ranked_chunk_when_the_kept_ones_merge():
+    """White box: the kept documents, deduplicated without the others, can make fewer
+    than ``k`` chunks; the next-ranked chunk's documents then join.  (Ranked here by a
+    dedup without exact matching, so that two of the first ``k`` chunks are one text.)"""
+    from promptsplice.dedup import DedupConfig, dedup
+    from promptsplice.engine_adapters.integrations import _langchain_retrieval as lr
+
+    docs = [Document(page_content=t, id=i) for i, t in
+            [("a", "Alpha text."), ("a2", "Alpha text."), ("b", "Beta text."), ("c", "Gamma text.")]]  # fmt: skip
+    inputs = lr._dedup_inputs(docs)
+    ranked = sorted(dedup(inputs, exact=False, containment=False).chunks, key=lr._rank)
+    assert [c.id for c in ranked] == ["a", "a2", "b", "c"]
+    chosen, beyond = lr._cut_first(inputs, DedupConfig(order="retrieval"), ranked, 2)
+    assert [(c.id, [(o.index, o.relation.value) for o in c.origins]) for c in chosen] == [
+        ("a", [(0, "kept"), (1, "duplicate")]), ("b", [(2, "kept")])]
+    assert [(c.id, [o.index for o in c.origins]) for c in beyond] == [("c", [3])]
