@@ -146,7 +146,7 @@ def parse_tool_calls(
     with its JSON); a block that does not parse, or has text between its JSON and its
     closing tag, ends at that tag, else at the next block or the text's end.  JSON nested
     too deeply for Python's parser is an invalid call too, never a ``RecursionError``."""
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(parse_constant=_no_constant)
     calls: list[dict[str, Any]] = []
     invalid: list[dict[str, Any]] = []
     parts: list[str] = []
@@ -160,20 +160,23 @@ def parse_tool_calls(
         block_end = close + len(TOOL_CALL_CLOSE) if close >= 0 else (nxt.start() if nxt else len(text))
         try:
             obj, end = decoder.raw_decode(text, m.end())
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, NaN or Infinity
             end = block_end
             name = _read_name(decoder, text, m.end())
             if truncated and close < 0 and nxt is None:
                 error = "the output ended at its length limit (max_tokens) before the call was complete"
             elif isinstance(exc, RecursionError):
                 error = "the call's JSON is nested too deeply to parse"
+            elif not isinstance(exc, json.JSONDecodeError):
+                error = f"the call is not valid JSON: {exc}"
             else:
                 error = f"the call is not valid JSON: {exc.msg} at character {exc.pos - m.end()}"
         else:
             stripped = text[end:].lstrip()
             end = len(text) - len(stripped)
-            if stripped.startswith(TOOL_CALL_CLOSE):
-                end += len(TOOL_CALL_CLOSE)
+            if stripped.startswith(TOOL_CALL_CLOSE) or (
+                    stripped and close < 0 and nxt is None and TOOL_CALL_CLOSE.startswith(stripped)):
+                end += min(len(stripped), len(TOOL_CALL_CLOSE))  # a closing tag cut off at the end is the tag
                 name, args, error = _read_call(obj)
             elif close >= 0:  # text between the JSON and the closing tag: no clean call
                 end = block_end
@@ -190,6 +193,11 @@ def parse_tool_calls(
     parts.append(text[pos:])
     content = "".join(parts)
     return ("" if (calls or invalid) and not content.strip() else content), calls, invalid
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are no JSON (Python's parser takes them)."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _read_name(decoder: json.JSONDecoder, text: str, at: int) -> str | None:
@@ -214,7 +222,7 @@ def _read_call(obj: Any) -> tuple[str | None, Any, str | None]:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = json.loads(args, parse_constant=_no_constant) if args.strip() else {}
         except ValueError as exc:
             return name, None, f"arguments are not valid JSON: {exc}"
         except RecursionError:

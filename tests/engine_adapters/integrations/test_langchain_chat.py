@@ -124,6 +124,11 @@ def test_parse_tool_calls_and_plain_text():
                      "the call's JSON is nested too deeply to parse", id="deep-json"),
         pytest.param('<tool_call>{"name": "f", "arguments": "' + "[" * 100_000 + '"}</tool_call>', {}, "f",
                      "arguments are nested too deeply to parse", id="deep-arguments"),
+        # NaN and Infinity are no JSON, but Python's parser took them: a valid call of nan
+        ('<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', {}, "f",
+         "the call is not valid JSON: NaN is not a JSON value"),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": -Infinity}"}</tool_call>', {}, "f",
+         "arguments are not valid JSON: -Infinity is not a JSON value"),
     ],
 )
 def test_a_block_that_is_no_valid_call_is_an_invalid_tool_call(text, kwargs, name, error):
@@ -155,6 +160,18 @@ def test_invalid_calls_keep_the_text_and_the_valid_calls_around_them():
         "the call is not valid JSON: Expecting value at character 28",
     ]
     assert len({c["id"] for c in calls + invalid}) == 3
+
+
+def test_a_closing_tag_cut_off_at_the_length_limit_is_not_content():
+    """A forced call at ``max_tokens=20`` ended inside its closing tag: the call parsed,
+    and ``</tool_call`` came back as the answer's content."""
+    for cut in range(1, len("</tool_call>") + 1):
+        text = '<tool_call>{"name": "f", "arguments": {}}\n' + "</tool_call>"[:cut]
+        for truncated in (True, False):  # a stop string may end it there too
+            content, calls, invalid = parse_tool_calls(text, truncated=truncated)
+            assert (content, [(c["name"], c["args"]) for c in calls], invalid) == ("", [("f", {})], [])
+        # not at the end: text, as before
+        assert parse_tool_calls(text + " ok")[0] == ("</tool_call>"[:cut] if cut < 12 else "") + " ok"
 
 
 def test_a_closing_tag_belongs_to_its_own_block():
