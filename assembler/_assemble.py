@@ -86,6 +86,13 @@ class _Unset(enum.Enum):
 _UNSET = _Unset.UNSET
 
 
+_TEXT_FORM_PADS = (
+    "Assembler.for_openai sends prompts as text, and block padding does not survive that "
+    "(OpenAI's tokenizer merges the filler spaces), so its predicted hits would be wrong: "
+    "alignment must be 'none', got {!r}"
+)
+
+
 class Assembler:
     """Stateful prompt assembler (token cache, popularity, prefix-cache mirror).
 
@@ -156,6 +163,7 @@ class Assembler:
         # Caller content (chunks, query, system, tools) is untrusted: control-token
         # markup in it is tokenized as text.  trust_markup=True reads it as controls.
         self.trust_markup = check_bool(trust_markup, "trust_markup")
+        self._text_form = False  # for_openai: prompts are sent as text, so padding is refused
         self._markup: Markup = markup_for(self.tokenizer)
         self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")
 
@@ -164,8 +172,13 @@ class Assembler:
         """An assembler for OpenAI's prompt caching: the model's tiktoken encoding,
         128-token blocks, and no hit predicted below 1,024 tokens (OpenAI caches
         prompts of 1,024 tokens or more, in 128-token increments).  Send the text form
-        with ``prefix_key`` as ``prompt_cache_key``."""
+        with ``prefix_key`` as ``prompt_cache_key``.  Alignment is ``"none"``, the only
+        one allowed: block padding is filler tokens, which the text form does not keep
+        (OpenAI's tokenizer merges a run of spaces into a few tokens), so a padded prompt
+        would be predicted hits OpenAI does not give."""
         kwargs.setdefault("block_size", 128)
+        if parse_align(kwargs.setdefault("alignment", "none")) is not AlignPolicy.NONE:
+            raise ConfigError(_TEXT_FORM_PADS.format(kwargs["alignment"]))
         if "mirror" not in kwargs:
             block_size = check_block_size(kwargs["block_size"])
             if 1024 % block_size:  # the mirror's min_hit_tokens, a field the caller never named
@@ -176,7 +189,9 @@ class Assembler:
             kwargs["mirror"] = PrefixCacheMirror(
                 kwargs["block_size"], kwargs.pop("capacity_blocks", None), min_hit_tokens=1024
             )
-        return cls(f"tiktoken:{encoding}", **kwargs)
+        asm = cls(f"tiktoken:{encoding}", **kwargs)
+        asm._text_form = True
+        return asm
 
     # -- public --------------------------------------------------------------------
     def assemble(
@@ -253,6 +268,8 @@ class Assembler:
         salt = check_salt(salt, "salt")  # a runner's derived salts come through here too
         order_policy = self.policy if policy is None else parse_order(policy)
         align = self.alignment if alignment is None else parse_align(alignment)
+        if self._text_form and align is not AlignPolicy.NONE:
+            raise ConfigError(_TEXT_FORM_PADS.format(alignment))
         limit = self.max_tokens if max_tokens is None else _check_max_tokens(max_tokens)
         report = dedup(chunks, dedup_config if dedup_config is not None else self.dedup_config)
         kept = report.chunks

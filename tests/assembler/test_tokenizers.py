@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from promptsplice.assembler import HFTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
-from promptsplice.errors import TokenizerError
+from promptsplice.errors import ConfigError, TokenizerError
 
 
 def test_default_tokenizer_is_smollm2(default_tok):
@@ -88,6 +88,40 @@ def test_openai_caching_rules_with_real_tiktoken_files(encoding):
     # but not the same ids at segment boundaries; the prefix is still byte-stable.
     assert asm.tokenizer.decode(long2.token_ids) == long2.text and not long2.text_is_exact
     assert long2.text.startswith(long1.text[: long1.text.index("Question:")])
+
+
+def test_for_openai_predicts_the_hits_of_the_text_it_sends():
+    """``for_openai`` kept the default ``auto`` alignment: its filler spaces collapse when
+    OpenAI tokenizes the text form, so 4 of these 25 requests were predicted hits OpenAI
+    does not give (1,024 against 0).  Its alignment is ``none`` and padding is refused."""
+    import random
+
+    from promptsplice.assembler import Assembler
+
+    rng = random.Random(2)
+    asm = Assembler.for_openai()
+    assert asm.alignment.value == "none"
+    facts = ["The tower was completed in 1889.", "It is 330 metres tall.", "Gustave Eiffel's company built it.",
+             "It was the tallest structure until 1930.", "Millions visit every year."]
+    pool = [" ".join(rng.choice(facts) for _ in range(40)) for _ in range(8)]
+    sent: list[list[int]] = []
+    hits = []
+    for i in range(25):
+        p = asm.assemble([{"id": f"d{j}", "text": pool[j]} for j in rng.sample(range(8), 4)],
+                         query=f"question {rng.randint(0, 2)}", system="Answer from the documents.")
+        ids = asm.tokenizer.encode(p.text)  # what OpenAI tokenizes
+        shared = max((next((n for n, (x, y) in enumerate(zip(s, ids)) if x != y), min(len(s), len(ids)))
+                      for s in sent), default=0)
+        hit = min(shared, len(ids) - 1) // 128 * 128  # OpenAI: 128-token steps, nothing below 1,024
+        assert p.padding_tokens == 0 and p.predicted_cached_tokens == (hit if hit >= 1024 else 0), i
+        sent.append(ids)
+        hits.append(p.predicted_cached_tokens)
+    assert sum(h >= 1024 for h in hits) >= 5  # the trace does hit
+    for bad in ("auto", "all"):
+        with pytest.raises(ConfigError, match=f"alignment must be 'none', got '{bad}'"):
+            Assembler.for_openai(alignment=bad)
+        with pytest.raises(ConfigError, match="for_openai sends prompts as text"):
+            asm.assemble([{"id": "a", "text": "x"}], query="q", alignment=bad)
 
 
 def test_assembling_with_the_default_tokenizer_never_imports_torch():
