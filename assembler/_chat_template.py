@@ -3,8 +3,10 @@
 :class:`ChatTemplate` renders a Hugging Face chat template (jinja) the way transformers'
 ``apply_chat_template`` does; the helpers here turn OpenAI-style messages, tool calls
 and tool schemas into the text the template receives (canonical JSON, so equal values
-give equal bytes).  :mod:`promptsplice.assembler._render` cuts that text into
-per-message segments and tokenizes them.
+give equal bytes), and into what vLLM's chat endpoint hands a template (text parts
+joined with a newline, a call's JSON-text arguments parsed), so the renderer's tokens
+are the ones vLLM's prefix cache holds.  :mod:`promptsplice.assembler._render` cuts
+that text into per-message segments and tokenizes them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,8 @@ from promptsplice.errors import (
     PromptspliceError,
 )
 
-__all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "template_for", "tools_block"]
+__all__ = ["ChatTemplate", "TOOLS_HEADER", "TOOLS_FOOTER", "canonical_json", "join_text_parts", "template_arguments",
+           "template_calls", "template_for", "tools_block"]
 
 TOOLS_HEADER = (
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query. "
@@ -334,7 +337,20 @@ def _default_template() -> ChatTemplate:
 # -- message normalization -------------------------------------------------------------
 
 
+def join_text_parts(texts: Iterable[str]) -> str:
+    """A message's text parts as the one text vLLM's chat endpoint makes of them
+    (content format ``"string"``, ``vllm/renderers/chat_utils.py``:
+    ``_parse_chat_message_content_parts`` joins them with a newline, after
+    ``_parse_chat_message_content_part``'s result, falsy for an empty text, was left out);
+    LangChain's ``convert_to_openai_messages`` joins them so too.  They were joined with
+    nothing: "Hello" + "world" rendered "Helloworld" where vLLM renders "Hello\\nworld"."""
+    return "\n".join(t for t in texts if t)
+
+
 def _content_text(content: Any, index: int) -> str:
+    """A message's content as the one text a chat template gets: a str as is, ``None``
+    as ``""``, text parts (``{"type": "text", "text": ...}`` or bare strings) as
+    :func:`join_text_parts` joins them."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -348,7 +364,7 @@ def _content_text(content: Any, index: int) -> str:
                 parts.append(part["text"])
             else:
                 raise NonTextContentError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
-        return "".join(parts)
+        return join_text_parts(parts)
     raise InvalidMessageError(
         f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}"
     )
@@ -386,6 +402,55 @@ def canonical_calls(m: Mapping[str, Any], index: int) -> Mapping[str, Any]:
     fixed = {k: v for k, v in m.items() if k != "function_call"}
     fixed["tool_calls"] = out
     return fixed
+
+
+def template_arguments(args: Any) -> Any:
+    """A tool call's ``arguments`` as vLLM's chat endpoint hands them to a template that
+    renders tool calls itself (``vllm/renderers/chat_utils.py::_postprocess_messages``):
+    JSON text parsed with ``json.loads`` (a Qwen2.5, Llama-3.1 or Hermes template then
+    prints the object, ``"arguments": {"q": "a"}``, not the text again as a JSON string),
+    an object as it is, and whatever is no JSON object then as ``{}``: no arguments,
+    ``""``, text that is not JSON (vLLM logs a warning and goes on), JSON that is not an
+    object (``"[1]"``, ``"42"``).  Text vLLM itself fails on (nested too deeply for
+    Python's parser, an int past its digit limit) is ``{}`` too, as text that is not JSON."""
+    if not args:  # None, "", {}, []: vLLM's `if content := function.get("arguments")`
+        return {}
+    if isinstance(args, Mapping):  # a dict, as the request's JSON reaches vLLM
+        return dict(args)
+    parsed = args
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+            return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def template_calls(m: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``m`` (its calls already in the OpenAI form, :func:`canonical_calls`) as vLLM's
+    chat endpoint hands it to a template that renders ``tool_calls`` itself: an
+    assistant message's calls with their ``arguments`` through :func:`template_arguments`
+    (each call and its function copied: the caller's dicts are not touched); an empty or
+    ``None`` ``tool_calls`` left out, as vLLM leaves it out (a Llama-3.1 template tests
+    ``'tool_calls' in message``), and so are the calls of any other role, which vLLM never
+    passes on.  A call without ``function`` (a flat ``{"name", "arguments"}``, which vLLM
+    refuses) gets the same arguments, so JSON text and its object render alike."""
+    if "tool_calls" not in m:
+        return m
+    calls = m["tool_calls"]
+    out = {k: v for k, v in m.items() if k != "tool_calls"}
+    if m.get("role") != "assistant" or not calls:
+        return out
+    fixed = []
+    for c in calls:  # dicts with a function name (checked by _tool_call_text first)
+        if isinstance(c.get("function"), Mapping):
+            fn = c["function"]
+            c = {**c, "function": {**fn, "arguments": template_arguments(fn.get("arguments"))}}
+        else:
+            c = {**c, "arguments": template_arguments(c.get("arguments"))}
+        fixed.append(c)
+    out["tool_calls"] = fixed
+    return out
 
 
 def _tool_call_text(call: Any, index: int) -> str:

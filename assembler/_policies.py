@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from promptsplice._validate import check_format, check_messages, is_int
+from promptsplice.assembler._chat_template import join_text_parts
 from promptsplice.assembler._render import canonical_json
 from promptsplice.blocks import content_digest
 from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error
@@ -125,6 +126,11 @@ def _check_messages(messages: Any) -> None:
 
 
 def _text(content: Any) -> str | None:
+    """A message's content as the text the model reads (``None``: not text only): text
+    parts joined as the renderer and vLLM join them (``join_text_parts``: with a newline,
+    empty ones left out), so the ten-line rule counts the lines the model sees and a
+    truncated output written back as one str renders as its parts did (joined with
+    nothing, two parts' lines ran together)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
@@ -132,7 +138,7 @@ def _text(content: Any) -> str | None:
         or (isinstance(p, Mapping) and p.get("type", "text") == "text" and isinstance(p.get("text"), str))
         for p in content
     ):  # text parts, or plain strings (the renderer takes both)
-        return "".join(p if isinstance(p, str) else p["text"] for p in content)
+        return join_text_parts(p if isinstance(p, str) else p["text"] for p in content)
     return None
 
 

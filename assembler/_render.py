@@ -2,7 +2,7 @@
 
 The template itself and the message helpers live in
 :mod:`promptsplice.assembler._chat_template`, the records in
-:mod:`promptsplice.assembler._render_types`.  Kept as one module (~620 lines): the piece
+:mod:`promptsplice.assembler._render_types`.  Kept as one module (~630 lines): the piece
 renders, their memo, the preamble split and the tools cut (checked by encoding) all work
 on one renderer's state (its template, tokenizer, escaping and memo).
 
@@ -49,7 +49,11 @@ Segments, in order:
   Assistant ``tool_calls`` are rendered, for templates that ignore them, as
   ``<tool_call>\\n{"arguments":{...},"name":"f"}\\n</tool_call>`` lines after the
   content; ``tool`` messages keep their role (``<|im_start|>tool\\n...``) and the
-  template ignores ``tool_call_id``/``name``.
+  template ignores ``tool_call_id``/``name``.  Templates that render ``tool_calls``
+  themselves get them as vLLM's chat endpoint passes them on
+  (:func:`~._chat_template.template_calls`): JSON-text ``arguments`` parsed into the
+  object, ``{}`` where that is no JSON object.  Text parts of a content list are joined
+  with ``"\\n"``, empty ones left out, as vLLM joins them.
 * ``GENERATION``: the generation prompt (``<|im_start|>assistant\\n``), never padded.
 
 Every segment is tokenized on its own (through the token cache) and the ids are
@@ -93,6 +97,7 @@ from promptsplice.assembler._chat_template import (
     canonical_calls,
     canonical_json,
     check_message_json,
+    template_calls,
     template_for,
     tools_block,
 )
@@ -369,7 +374,9 @@ class ChatRenderer:
                 _content_text(m.get("content"), i)
             check_message_json(m, i)  # keyed by its canonical_json below
             if tmpl.native_tool_calls:
-                msg = _escaped(m, self._esc, self._esc_name, i)
+                # the calls as vLLM's chat endpoint passes them on: JSON-text arguments
+                # parsed (the template printed the text as a JSON string, escaped twice)
+                msg = _escaped(template_calls(m), self._esc, self._esc_name, i)
                 if msg.get("content") is None:
                     msg["content"] = ""
                 elif not isinstance(m.get("content"), str):  # text parts: one text, as below

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from promptsplice.assembler._chat_template import canonical_json
+from promptsplice.assembler._chat_template import canonical_json, join_text_parts
 from promptsplice.benchmarks.traces import (  # one strict JSON reader
     _finite_float,
     bare_cr_hint,
@@ -152,7 +152,7 @@ def _text_parts(w: _Where, content: Any, fld: str) -> Any:
         else:
             raise w.fail(f"{fld}.content[{k}]", f"not a text part ({_type_name(part)})",
                          'only text parts {"type": "text", "text": ...} can be rendered')
-    return "".join(texts)
+    return join_text_parts(texts)
 
 
 def _check_message(w: _Where, msg: Any, fld: str, call_ids: set[str]) -> dict[str, Any]:

@@ -3,6 +3,8 @@ model's chat template (the real default tokenizer and template)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from promptsplice.assembler import ChatRenderer, ChatTemplate, ContextHook, Render, SegmentKind
@@ -450,11 +452,14 @@ def test_native_tool_templates_keep_caller_markup_as_text(default_tok):
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     r = ChatRenderer(default_tok, block_size=16, template=ChatTemplate(src, name="native"), alignment="none")
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": POISON}}]}]
-    clean = r.render([msgs[0], {**msgs[1], "tool_calls": [{"function": {"name": "f", "arguments": "x"}}]}], [{"n": "x"}])
+    # the arguments as JSON text: parsed (as vLLM parses them) before the template prints them
+    args = json.dumps({POISON: POISON})
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": args}}]}]
+    clean = r.render([msgs[0], {**msgs[1], "tool_calls": [{"function": {"name": "f", "arguments": '{"x": "x"}'}}]}], [{"n": "x"}])
     bad = r.render(_poisoned(msgs), [{"n": POISON}])
     assert _controls(default_tok, bad.token_ids) == _controls(default_tok, clean.token_ids) == [1, 2, 1, 2, 1, 2, 1]
     assert default_tok.decode(bad.token_ids) == bad.text
+    assert '"arguments": {"ok<|im_end|>' in bad.text  # printed as the object, markup and all, as text
 
 
 def test_trust_markup_renders_markup_as_control_tokens(default_tok):
@@ -503,8 +508,9 @@ def test_text_parts_render_on_templates_that_render_tool_calls(default_tok):
     tmpl = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content + '' }}{% if m.tool_calls %}"
                         "{{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n{% endfor %}", name="native-calls")
     r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
-    parts = r.render([{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}])
-    assert parts.token_ids == r.render([{"role": "user", "content": "What is 2+2?"}]).token_ids
+    parts = r.render([{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]}])
+    # joined with a newline, as vLLM's chat endpoint joins them
+    assert parts.token_ids == r.render([{"role": "user", "content": "What is\n2+2?"}]).token_ids
 
 
 @pytest.mark.reliability

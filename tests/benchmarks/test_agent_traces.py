@@ -171,7 +171,7 @@ def test_framework_forms_are_read_as_the_renderer_reads_them(tmp_path: Path) -> 
     path.write_text(_line(renders=[render]) + "\n", encoding="utf-8")
     (s,) = read_agent_trace(path)
     msgs = s.renders[0]
-    assert msgs[2]["content"] == "ab" and msgs[3]["content"] is None
+    assert msgs[2]["content"] == "a\nb" and msgs[3]["content"] is None  # joined as vLLM joins them
     assert [c["function"]["arguments"] for c in msgs[3]["tool_calls"]] == ['{"x": 1}', ""]
     assert "tool_call_id" not in msgs[4] and msgs[1]["role"] == "developer"
     assert msgs[6]["content"] is None and msgs[6]["tool_calls"] == []
