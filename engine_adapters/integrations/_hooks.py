@@ -33,17 +33,14 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import (
-    BaseMessage,
-    SystemMessage,
-    ToolMessage,
-    convert_to_messages,
-)
+from langchain_core.messages import SystemMessage, convert_to_messages
 
 from promptsplice._validate import check_text
 from promptsplice.assembler import ContextHook, PreparedContext
+from promptsplice.assembler._chat_template import join_text_parts
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_convert import format_tools, lc_messages_to_openai
+from promptsplice.engine_adapters.integrations._langchain_match import messages_from_openai
 from promptsplice.errors import ConfigError, InputError, InvalidMessageError, NonTextContentError
 
 logger = logging.getLogger(__name__)
@@ -51,7 +48,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "PromptsplicePreModelHook",
     "PromptspliceInputFilter",
-    "messages_from_openai",
     "items_to_chat",
     "chat_to_items",
 ]
@@ -107,70 +103,6 @@ def _config_session(session_key: str, default: str | None) -> str:
             "or give the hook adapter a default_session"
         )
     return str(sid)
-
-
-def messages_from_openai(
-    dicts: Sequence[Mapping[str, Any]],
-    originals: Sequence[BaseMessage],
-    original_dicts: Sequence[Mapping[str, Any]],
-    origins: Sequence[int] | None = None,
-) -> list[BaseMessage]:
-    """Policy-edited OpenAI dicts -> LangChain messages.  A dict equal to an original's
-    dict gives that original message back (ids, names, metadata kept), matched in order;
-    an edited tool output keeps its original message with the new content; anything
-    else (a summary) is converted with ``convert_to_messages``.  ``origins``: each
-    original dict's message index (:func:`lc_messages_to_openai`); a message that gave
-    several dicts comes back whole only while all of them come back unchanged, in a
-    row (else each dict is converted on its own).  Without it, one dict per message."""
-    if origins is None:
-        if len(original_dicts) != len(originals):
-            raise InputError(
-                f"{len(originals)} messages gave {len(original_dicts)} chat dicts: pass their origins "
-                "(lc_messages_to_openai(..., origins=[]))"
-            )
-        origins = range(len(originals))
-    sizes: dict[int, int] = {}
-    for o in origins:
-        sizes[o] = sizes.get(o, 0) + 1
-    out: list[BaseMessage] = []
-    j = 0
-    by_call = {
-        getattr(m, "tool_call_id", None): m for m in originals if isinstance(m, ToolMessage)
-    }
-    n = len(dicts)
-    i = 0
-    while i < n:
-        d = dicts[i]
-        k = j
-        while k < len(original_dicts) and original_dicts[k] != d:
-            k += 1
-        if k < len(original_dicts):
-            size = sizes[origins[k]]
-            whole = (
-                size == 1
-                or (
-                    k + size <= len(original_dicts)
-                    and all(origins[k + m] == origins[k] for m in range(size))
-                    and list(dicts[i : i + size]) == list(original_dicts[k : k + size])
-                )
-            )
-            if whole:
-                out.append(originals[origins[k]])
-                j, i = k + size, i + size
-                continue
-            j = k + 1  # part of a message that did not come back whole: convert it alone
-        tid = d.get("tool_call_id")
-        if d.get("role") == "tool" and tid in by_call:
-            out.append(by_call[tid].model_copy(update={"content": d.get("content", "")}))
-            i += 1
-            continue
-        clean = {k2: v for k2, v in d.items() if k2 != "status"}
-        try:
-            out.extend(convert_to_messages([clean]))
-        except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
-            raise InputError(f"cannot convert the edited message {d!r:.120} back to LangChain: {exc}") from exc
-        i += 1
-    return out
 
 
 # -- LangGraph pre_model_hook ----------------------------------------------------------
@@ -234,6 +166,11 @@ class PromptsplicePreModelHook:
 
 
 def _item_text(content: Any) -> str:
+    """An input item's content as the one text of its chat dict: its text parts
+    (``input_text``, ``output_text``...) joined with a newline, empty ones left out
+    (``join_text_parts``), as vLLM's chat and Responses endpoints join a message's text
+    parts (and as the renderer joins a chat dict's): joined with nothing, this hook rendered "Helloworld" where vLLM renders
+    "Hello\\nworld", and a LangChain-fed hook rendered the same turn otherwise."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -245,7 +182,7 @@ def _item_text(content: Any) -> str:
                 parts.append(p)
             else:
                 raise NonTextContentError(f"only text content can be rendered, got {p!r:.80}")
-        return "".join(parts)
+        return join_text_parts(parts)
     if content is None:
         return ""
     raise InputError(f"unsupported content {type(content).__name__}")

@@ -44,7 +44,10 @@ TOOL_CALL_CLOSE = "</tool_call>"
 
 def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int] | None = None) -> list[dict[str, Any]]:
     """LangChain messages -> OpenAI chat dicts (``convert_to_openai_messages``), keeping
-    a tool message's ``status="error"`` (which the failed-call policy reads).  A
+    a tool message's ``status="error"`` (which the failed-call policy reads) on that
+    message's own dict: servers that number calls per turn (``call_0`` every turn) repeat
+    a ``tool_call_id``, and marking every output of a failed call's id (as was done) made
+    the policy drop the successful ones.  A
     ``developer`` message becomes a ``system`` one, as OpenAI reads it (chat templates
     know no developer role: it rendered as an untrained turn after the template's
     default system prompt).
@@ -61,9 +64,12 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
                 _drop_call_blocks(one[-1])
                 if m.invalid_tool_calls:
                     _keep_invalid_calls(one[-1], m.invalid_tool_calls)
+            failed = isinstance(m, ToolMessage) and getattr(m, "status", None) == "error"
             for d in one:
                 if d.get("role") == "developer":
                     d["role"] = "system"
+                elif failed and d.get("role") == "tool":
+                    d["status"] = "error"
             out.extend(one)
             origins.extend([i] * len(one))
     except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
@@ -72,14 +78,7 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
             f"message {i} ({type(messages[i]).__name__}) cannot be converted to a chat message ({detail}): "
             "give its content as a str or a list of LangChain content blocks ({'type': 'text', 'text': ...}, "
             "each with its 'type')") from exc
-    # by tool_call_id, not by position: one message may convert to several dicts (a
-    # user message holding tool_result blocks), which shifts every later position
-    failed = {m.tool_call_id for m in messages if isinstance(m, ToolMessage) and getattr(m, "status", None) == "error"}
-    if failed:
-        for d in out:
-            if d.get("role") == "tool" and d.get("tool_call_id") in failed:
-                d["status"] = "error"
-    return list(out)
+    return out
 
 
 _CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call", "reasoning",

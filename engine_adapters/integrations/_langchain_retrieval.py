@@ -160,31 +160,67 @@ def _output_document(kept: KeptChunk, source: Document) -> Document:
 
 def _dedup_inputs(docs: Sequence[Document]) -> list[Any]:
     """``docs`` as dedup reads them (``doc.id``, else ``metadata["id"]``), except that a
-    ``metadata["id"]`` already naming another text gets ``#<index>`` (its position in
-    ``docs``): text splitters copy a loader's ``metadata["id"]`` onto every chunk of one
-    source, which dedup refuses as one id naming two texts, and the retriever's caller
-    cannot change the ids it retrieves.  Two texts under one ``Document.id`` stay a
+    ``metadata["id"]`` naming another text than the id's own gets ``#<index>`` (its
+    position in ``docs``): text splitters copy a loader's ``metadata["id"]`` onto every
+    chunk of one source, which dedup refuses as one id naming two texts, and the
+    retriever's caller cannot change the ids it retrieves.  An id's own text is that of
+    the document whose ``Document.id`` it is, wherever that document lies in ``docs``
+    (the retriever's own id wins in any retrieval order: after a ``metadata["id"]`` of
+    another text, it was refused as a conflict), else that of the first document
+    naming it in ``metadata["id"]``.  A made id is never an id any of ``docs`` carries
+    (as ``Document.id`` or ``metadata["id"]``) nor one made before (``#<index>.<n>``
+    then, the smallest ``n`` free): it was, when a later document carried it.  Two
+    texts under one ``Document.id`` stay a
     :class:`~promptsplice.errors.ConflictingChunkIdError`.  The output documents keep
     their own ``id`` and metadata."""
-    texts: dict[Any, str] = {}
-    taken: set[Any] = set()
+    carried: set[str] = set()  # every id a document carries, as dedup reads it
+    own_text: dict[str, str] = {}  # an id -> its own text
+    by_doc_id: set[str] = set()  # the ids some Document.id names
+    keys: list[str | None] = []
+    for d in docs:
+        meta_id = (d.metadata or {}).get("id")
+        for v in (d.id, meta_id):
+            k = _id_key(v)
+            if k is not None:
+                carried.add(k)
+        key = _id_key(d.id or meta_id)
+        keys.append(key)
+        if key is None:
+            continue
+        if d.id:
+            if key not in by_doc_id:
+                by_doc_id.add(key)
+                own_text[key] = d.page_content  # a Document.id's text comes first
+        else:
+            own_text.setdefault(key, d.page_content)
+    made: set[str] = set()
     out: list[Any] = []
-    for i, d in enumerate(docs):
-        cid = d.id or (d.metadata or {}).get("id")
-        if not isinstance(cid, str | int) or isinstance(cid, bool):
+    for i, (d, key) in enumerate(zip(docs, keys, strict=True)):
+        if key is None:
             out.append(d)  # none, or a type dedup refuses with its own message
             continue
-        # the id as dedup reads it (a str subclass by its characters)
-        key = str.__str__(cid) if isinstance(cid, str) else int.__repr__(cid)
-        if texts.setdefault(key, d.page_content) != d.page_content and not d.id:
-            n, key = 0, f"{cid}#{i}"
-            while key in taken or key in texts:
+        if not d.id and d.page_content != own_text[key]:
+            n, new = 0, f"{key}#{i}"
+            while new in carried or new in made:
                 n += 1
-                key = f"{cid}#{i}.{n}"
-            texts[key] = d.page_content
-        taken.add(key)
+                new = f"{key}#{i}.{n}"
+            made.add(new)
+            key = new
         out.append({"id": key, "text": d.page_content, "metadata": d.metadata})
     return out
+
+
+def _id_key(cid: Any) -> str | None:
+    """An id as dedup reads it (a str subclass by its characters, an int as its digits);
+    ``None`` for none, an empty str, or a type dedup refuses with its own message."""
+    if cid == "" or not isinstance(cid, str | int) or isinstance(cid, bool):
+        return None
+    if isinstance(cid, str):
+        return str.__str__(cid)
+    try:
+        return int.__repr__(cid)
+    except ValueError:  # over Python's int-to-str digit limit: dedup says so
+        return None
 
 
 def _members(chunks: Sequence[KeptChunk]) -> set[int]:
@@ -251,6 +287,27 @@ _AS_THEY_ARE = DedupConfig(exact=False, containment=False, overlap=False, passag
 empty chunks is dropped, and kept ones are never empty)."""
 
 
+def _unique_ids(chunks: Sequence[KeptChunk]) -> list[str]:
+    """The chunks' ids, each once: the second and later chunks of one id (dedup's exact
+    pass off: equal texts) get ``#<index>``, the index of the input whose text they are
+    (``#<index>.<n>`` where another chunk's id is that).  Only the assembler sees them:
+    the output documents and their provenance name the inputs' own ids."""
+    taken = {c.id for c in chunks}
+    seen: set[str] = set()
+    out: list[str] = []
+    for c in chunks:
+        cid = c.id
+        if cid in seen:
+            n, cid = 0, f"{c.id}#{_owner(c).index}"
+            while cid in taken:
+                n += 1
+                cid = f"{c.id}#{_owner(c).index}.{n}"
+            taken.add(cid)
+        seen.add(c.id)
+        out.append(cid)
+    return out
+
+
 def splice_documents(
     documents: Sequence[Document],
     query: str,
@@ -303,11 +360,13 @@ def splice_documents(
     # second dedup is no fixpoint in every case (the documented exceptions, and the
     # chunks come in rank order here), and a change there raised below.  Its chunk
     # order is the canonical (or cache-aware) order of this set.
+    # by ids unique among the kept chunks: without dedup's exact pass (DedupConfig(exact=
+    # False)) two kept chunks can carry one id, and a map by id kept one of them
+    by_id = dict(zip(_unique_ids(chosen), chosen, strict=True))
     prompt = asm._assemble(
-        [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in chosen],
+        [{"id": cid, "text": c.text, "metadata": c.metadata} for cid, c in by_id.items()],
         query=query, commit=learn, dedup_config=_AS_THEY_ARE,
     )
-    by_id = {c.id: c for c in chosen}
     order = prompt.chunk_order
     if sorted(order) != sorted(by_id):
         raise InvalidChunkError(  # pragma: no cover - the assembler deduplicates nothing here

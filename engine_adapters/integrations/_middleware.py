@@ -21,10 +21,10 @@ from promptsplice.engine_adapters.integrations._hooks import (
     _check_session_key,
     _config_session,
     _PassThrough,
-    messages_from_openai,
 )
 from promptsplice.engine_adapters.integrations._langchain_chat import PromptspliceChatModel
 from promptsplice.engine_adapters.integrations._langchain_convert import format_tools, lc_messages_to_openai
+from promptsplice.engine_adapters.integrations._langchain_match import messages_from_openai
 from promptsplice.errors import NonTextContentError
 
 __all__ = ["PromptspliceMiddleware"]

@@ -10,16 +10,18 @@ import logging
 from typing import Any
 
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from promptsplice.assembler import ContextHook, DropFailedCalls, StepKind, TruncateToolOutputs
+from promptsplice.assembler import ContextHook, DropFailedCalls, StepKind, SummarizeTurns, TruncateToolOutputs
 from promptsplice.engine_adapters.integrations._hooks import (
     PromptspliceInputFilter,
     PromptsplicePreModelHook,
     chat_to_items,
     items_to_chat,
-    messages_from_openai,
 )
+from promptsplice.engine_adapters.integrations._langchain_match import messages_from_openai
 from promptsplice.engine_adapters.integrations._middleware import PromptspliceMiddleware
 from promptsplice.engine_adapters.integrations._langchain_convert import lc_messages_to_openai
 from promptsplice.errors import InputError
@@ -305,6 +307,137 @@ def test_an_edited_assistant_turn_keeps_the_calls_whose_outputs_stay():
     out = chat_to_items(list(prepared.messages), chat, prov, items)
     assert out == [items[0], items[2], items[4], items[5], items[6]]
     assert out[1] is items[2]  # the original item objects come back
+
+
+def _search_turn(call_id: str, output: str, n: int, **tool_kwargs):
+    """One turn of an agent whose server numbers calls per turn: a ``search`` call and
+    its output, each message with an id of its own (and the output an artifact)."""
+    return [AIMessage("", tool_calls=[{"name": "search", "args": {}, "id": call_id, "type": "tool_call"}], id=f"a{n}"),
+            ToolMessage(output, tool_call_id=call_id, id=f"t{n}", artifact={"n": n}, **tool_kwargs)]
+
+
+def test_a_failed_output_under_a_repeated_call_id_drops_only_itself():
+    """Servers that number calls per turn repeat ``call_0``: one output with
+    ``status="error"`` marked every output of that id failed, and DropFailedCalls
+    dropped the successful ones ("found: 42 results" was lost)."""
+    msgs = [HumanMessage("go", id="h"), *_search_turn("call_0", "found: 42 results", 1),
+            *_search_turn("call_0", "timeout", 2, status="error"), *_search_turn("call_0", "found: 7 results", 3)]
+    assert [d.get("status") for d in lc_messages_to_openai(msgs)] == [None, None, None, None, "error", None, None]
+    hook = PromptsplicePreModelHook(ContextHook("default", block_size=32, policies=[DropFailedCalls()]),
+                                    default_session="repeated-ids")
+    out = hook({"messages": msgs})["llm_input_messages"]
+    assert [m.id for m in out] == ["h", "a1", "t1", "a3", "t3"]  # the failed turn dropped, its retry kept
+    assert all(m is msgs[i] for m, i in zip(out, [0, 1, 2, 5, 6], strict=True))  # the messages themselves
+
+
+def test_a_truncated_output_under_a_repeated_call_id_comes_back_as_its_own_message():
+    """The edited dicts were mapped back by ``tool_call_id`` (the last message of each
+    id won): a truncated output came back with another message's id, status and
+    artifact, and rendered again, with another status than the one the hook rendered."""
+    long = "\n".join(f"line {i}" for i in range(30))
+    msgs = [HumanMessage("go", id="h"), *_search_turn("call_0", long, 1), *_search_turn("call_0", "timeout", 2, status="error"),
+            *_search_turn("call_0", long + "\nmore", 3), HumanMessage("and now?", id="h2")]
+    origins: list[int] = []
+    dicts = lc_messages_to_openai(msgs, origins=origins)
+    edited = TruncateToolOutputs(keep_recent=0).apply(dicts).messages
+    out = messages_from_openai(edited, msgs, dicts, origins)
+    assert [(m.id, getattr(m, "status", None), getattr(m, "artifact", None)) for m in out if isinstance(m, ToolMessage)] == [
+        ("t1", "success", {"n": 1}), ("t2", "error", {"n": 2}), ("t3", "success", {"n": 3})]
+    assert MARKER in out[2].content and MARKER in out[6].content
+    assert all(out[i] is msgs[i] for i in (0, 1, 3, 4, 5, 7))  # equal assistant turns, each its own
+    assert lc_messages_to_openai(out) == edited  # what the model renders is what the hook rendered
+    # and with the failed turn dropped too (an assistant turn then equals a dropped one)
+    edited = DropFailedCalls().apply(edited).messages
+    out = messages_from_openai(edited, msgs, dicts, origins)
+    assert [m.id for m in out] == ["h", "a1", "t1", "a3", "t3", "h2"] and out[3] is msgs[5]
+    assert lc_messages_to_openai(out) == edited
+
+
+def test_the_middleware_gives_each_output_of_a_repeated_call_id_back_as_its_own(default_tok):
+    """The same through ``create_agent``'s middleware: behind a system message, the
+    truncated first output came back as the last one (its id, status and artifact), or
+    with the failure's status dropped altogether."""
+    from types import SimpleNamespace
+
+    long = "\n".join(f"line {i}" for i in range(30))
+    msgs = [HumanMessage("go", id="h"), *_search_turn("call_0", long, 1), *_search_turn("call_0", "timeout", 2, status="error"),
+            *_search_turn("call_0", "found: 7 results", 3)]
+    mw = PromptspliceMiddleware(ContextHook(default_tok, block_size=16, policies=[TruncateToolOutputs(), DropFailedCalls()]),
+                                default_session="mw-repeated-ids")
+    request = SimpleNamespace(messages=msgs, system_message=SystemMessage("Be brief."), tools=[], response_format=None,
+                              model=object(), override=lambda **kw: SimpleNamespace(**{**vars(request), **kw}))
+    new, prepared = mw._prepare(request)
+    assert [(m.id, getattr(m, "status", None), getattr(m, "artifact", None)) for m in new.messages] == [
+        ("h", None, None), ("a1", None, None), ("t1", "success", {"n": 1}), ("a3", None, None), ("t3", "success", {"n": 3})]
+    assert MARKER in new.messages[2].content and new.messages[3] is msgs[5] and new.messages[4] is msgs[6]
+    assert lc_messages_to_openai([new.system_message, *new.messages]) == prepared.messages
+
+
+def _sources(n: int, edits) -> list[int | None]:
+    """Which input message each output message of a policy is (``None``: a new one, or
+    one of several inputs an edit merged), from its edits."""
+    out: list[int | None] = []
+    at = 0
+    for e in sorted(edits, key=lambda e: e.old[0]):
+        out.extend(range(at, e.old[0]))
+        (a, b), (c, d) = e.old, e.new
+        out.extend(range(a, b) if b - a == d - c else [None] * (d - c))
+        at = b
+    return out + list(range(at, n))
+
+
+_OUTPUTS = ["found: 1", "found: 2", "timeout", "Error: boom",
+            "\n".join(f"line {i} of a long output" for i in range(15)),
+            "\n".join(f"line {i} of another long output" for i in range(15))]  # fmt: skip
+
+
+@st.composite
+def _agent_histories(draw):
+    """Agent histories whose call ids repeat (``call_0`` every turn, or twice in one
+    turn), with equal outputs, failures by ``status`` or by text, final answers and user
+    turns; every message has an id of its own."""
+    msgs = [HumanMessage("go", id="h0")]
+    for t in range(draw(st.integers(1, 7))):
+        ids = draw(st.lists(st.sampled_from(["call_0", "call_1", f"u{t}"]), min_size=1, max_size=3))
+        calls = [{"name": draw(st.sampled_from(["search", "fetch"])), "args": draw(st.sampled_from([{}, {"q": 1}])),
+                  "id": i, "type": "tool_call"} for i in ids]  # fmt: skip
+        msgs.append(AIMessage(draw(st.sampled_from(["", "Let me look."])), tool_calls=calls, id=f"a{t}"))
+        for k, i in enumerate(ids):
+            out = draw(st.sampled_from(_OUTPUTS))
+            status = "error" if out == "timeout" else "success"
+            msgs.append(ToolMessage(out, tool_call_id=i, status=status, id=f"t{t}.{k}", artifact=(t, k)))
+        if draw(st.booleans()):
+            msgs.append(draw(st.sampled_from([AIMessage("done", id=f"f{t}"), HumanMessage("again", id=f"h{t + 1}")])))
+    policies = draw(st.permutations([TruncateToolOutputs(keep_recent=draw(st.integers(0, 2))), DropFailedCalls(),
+                                     SummarizeTurns(lambda ms: f"{len(ms)} messages", max_messages=8, keep_recent=4)]))
+    return msgs, policies[: draw(st.integers(1, 3))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_agent_histories())
+def test_property_every_edited_message_comes_back_as_its_own_original(case):
+    """Whatever the policies drop, truncate or summarize in a history whose call ids and
+    outputs repeat, each message that comes back is its own original (an unchanged
+    one the very object, an edited output a copy with its own id, status and artifact),
+    and the model's render of them is the hook's."""
+    msgs, policies = case
+    origins: list[int] = []
+    dicts = lc_messages_to_openai(msgs, origins=origins)
+    edited, src = dicts, list(range(len(dicts)))
+    for p in policies:
+        res = p.apply(edited)
+        src = [None if s is None else src[s] for s in _sources(len(edited), res.edits)]
+        edited = res.messages
+    out = messages_from_openai(edited, msgs, dicts, origins)
+    assert lc_messages_to_openai(out) == edited
+    for m, d, s in zip(out, edited, src, strict=True):
+        if s is None:
+            continue
+        own = msgs[origins[s]]
+        if d == dicts[s]:
+            assert m is own, (m.id, own.id)
+        elif d["role"] == "tool":
+            assert (m.id, m.status, m.artifact, m.content) == (own.id, own.status, own.artifact, d["content"])
 
 
 def test_middleware_hands_off_under_a_session_key_of_another_name(engine):
@@ -656,7 +789,8 @@ def test_a_list_valued_tool_output_is_read_as_its_text_parts(default_tok, caplog
         ]
 
     text = read_log()
-    parts = [{"type": "input_text", "text": text[:50]}, {"type": "input_text", "text": text[50:]}]
+    cut = text.index("\n", 50)  # parts join with a newline, as vLLM joins them
+    parts = [{"type": "input_text", "text": text[:cut]}, {"type": "input_text", "text": text[cut + 1:]}]
     chat, _ = items_to_chat(items(parts), None)
     assert chat[2] == {"role": "tool", "tool_call_id": "c1", "content": text}
 
@@ -681,6 +815,27 @@ def test_a_list_valued_tool_output_is_read_as_its_text_parts(default_tok, caplog
     assert [r.getMessage().count("'list-out-image' holds content the hook cannot render") for r in caplog.records] == [1]
     # a list that is not content parts is still data, rendered as JSON
     assert items_to_chat(items([1, 2]), None)[0][2]["content"] == "[1, 2]"
+
+
+def test_text_parts_join_as_vllm_and_langchain_join_them(default_tok):
+    """An Agents SDK message of two ``input_text`` parts rendered "Helloworld" (parts
+    joined with nothing); vLLM's chat and Responses endpoints render "Hello\\nworld", and
+    so did the same turn fed through LangChain (``convert_to_openai_messages``): one
+    conversation, two renders, and neither hook's prefix matched the other's."""
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": ""},
+                                          {"type": "input_text", "text": "world"}]}]
+    chat, _ = items_to_chat(items, None)
+    assert chat == [{"role": "user", "content": "Hello\nworld"}]  # an empty part adds no line, as in vLLM
+    via_lc = lc_messages_to_openai([HumanMessage(content=[{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}])])
+    raw = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    hook = ContextHook(default_tok, block_size=16)
+    ids = {name: hook(name, msgs).token_ids for name, msgs in (("sdk", chat), ("lc", via_lc), ("raw", raw))}
+    assert ids["sdk"] == ids["lc"] == ids["raw"]
+    assert "Hello\nworld" in default_tok.decode(ids["raw"])
+    # a function_call_output's parts too
+    out = [{"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "a"},
+                                                                         {"type": "input_text", "text": "b"}]}]
+    assert items_to_chat(out, None)[0] == [{"role": "tool", "tool_call_id": "c1", "content": "a\nb"}]
 
 
 def test_middleware_and_langgraph_hook_options_are_checked(default_tok):

@@ -410,6 +410,25 @@ def test_a_failed_tool_call_keeps_its_status_when_messages_expand():
     assert all(d["role"] == "tool" for d in out if d.get("status") == "error")
 
 
+def test_a_failed_output_marks_only_itself_where_call_ids_repeat():
+    """The status went by ``tool_call_id``: where a server numbers calls per turn
+    (``call_0`` every turn) one failed output marked every output of that id failed,
+    and the failed-call policy dropped the successful ones."""
+    def turn(output, **kwargs):
+        return [AIMessage("", tool_calls=[{"name": "search", "args": {}, "id": "call_0", "type": "tool_call"}]),
+                ToolMessage(output, tool_call_id="call_0", **kwargs)]
+
+    msgs = [HumanMessage("go"), *turn("found: 42 results"), *turn("timeout", status="error"), *turn("found: 7")]
+    assert [d.get("status") for d in lc_messages_to_openai(msgs)] == [None, None, None, None, "error", None, None]
+    # a tool_result block of a user message with the failed output's id is not marked either
+    msgs = [AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "t1", "type": "tool_call"}]),
+            HumanMessage(content=[{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]),
+            AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "t1", "type": "tool_call"}]),
+            ToolMessage("boom", tool_call_id="t1", status="error")]
+    assert [(d["role"], d.get("status")) for d in lc_messages_to_openai(msgs)] == [
+        ("assistant", None), ("tool", None), ("assistant", None), ("tool", "error")]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [

@@ -382,6 +382,102 @@ def test_chunks_of_one_source_sharing_its_metadata_id_are_spliced_not_refused(as
                          "q", assembler=asm)
 
 
+def test_a_document_id_names_its_own_text_in_any_retrieval_order(asm):
+    """A ``metadata["id"]`` of another text was renamed only when it came after the
+    ``Document.id`` naming the same id: the other order raised ConflictingChunkIdError,
+    telling the caller to fix ids that were unique.  And a made ``doc1#1`` clashed with
+    a later document's own ``Document.id="doc1#1"``."""
+    loader = Document(page_content="A chunk the loader named.", metadata={"id": "x"})
+    own = Document(page_content="The retriever's own document.", id="x")
+    for docs in ([loader, own], [own, loader]):
+        out = splice_documents(docs, "q", assembler=asm, learn=False)
+        names = {o["id"]: docs[o["index"]] for d in out for o in _prov(d)["origins"]}
+        assert names == {"x": own, f"x#{docs.index(loader)}": loader}
+        assert sorted((d.page_content, d.id or "") for d in out) == sorted((d.page_content, d.id or "") for d in docs)
+    docs = [Document(page_content="A", id="doc1"), Document(page_content="B", metadata={"id": "doc1"}),
+            Document(page_content="C", id="doc1#1"), Document(page_content="D", metadata={"id": "doc1#1.1"})]
+    out = splice_documents(docs, "q", assembler=asm, learn=False)
+    assert {o["id"]: docs[o["index"]].page_content for d in out for o in _prov(d)["origins"]} == {
+        "doc1": "A", "doc1#1.2": "B", "doc1#1": "C", "doc1#1.1": "D"}
+
+
+_IDS = ["x", "x#0", "x#1", "x#1.1", "7", 7]
+_TEXTS = ["Alpha text.", "Beta text.", "Gamma text."]
+
+
+@st.composite
+def _id_cases(draw):
+    """Documents whose ids (``Document.id``, ``metadata["id"]``, both or neither) name
+    few texts, some of them what a renaming would make, and a retrieval order of them."""
+    docs = []
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["own", "meta", "both", "none"]))
+        own = draw(st.sampled_from([i for i in _IDS if isinstance(i, str)])) if kind in ("own", "both") else None
+        meta = {"id": draw(st.sampled_from(_IDS))} if kind in ("meta", "both") else {}
+        docs.append(Document(page_content=draw(st.sampled_from(_TEXTS)), id=own, metadata=meta))
+    return docs, draw(st.permutations(docs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_id_cases())
+def test_property_ids_of_repeated_metadata_ids_are_made_whatever_the_order(default_tok, case):
+    """Only two texts under one ``Document.id`` are refused, in every retrieval order;
+    otherwise each input is in the provenance once, each id names one text, a
+    ``Document.id`` is kept, and a made id is no id any document carries."""
+    from promptsplice.assembler import Assembler
+
+    asm = Assembler(default_tok, block_size=16, policy="stable")
+    given_docs, shuffled = case
+    texts: dict[str, set[str]] = {}
+    for d in given_docs:
+        if d.id:
+            texts.setdefault(d.id, set()).add(d.page_content)
+    conflict = any(len(t) > 1 for t in texts.values())
+    carried = {str(v) for d in given_docs for v in (d.id, d.metadata.get("id")) if v}
+    for docs in (given_docs, shuffled):
+        if conflict:
+            with pytest.raises(ConflictingChunkIdError):
+                splice_documents(docs, "q", assembler=asm, learn=False)
+            continue
+        out = splice_documents(docs, "q", assembler=asm, learn=False)
+        origins = [o for d in out for o in _prov(d)["origins"]]
+        assert sorted(o["index"] for o in origins) == list(range(len(docs)))
+        named: dict[str, set[str]] = {}
+        for o in origins:
+            doc = docs[o["index"]]
+            named.setdefault(o["id"], set()).add(doc.page_content)
+            mine = doc.id or doc.metadata.get("id")
+            if doc.id:
+                assert o["id"] == doc.id
+            elif mine is not None and o["id"] != str(mine):  # made: unique, never another's id
+                assert o["id"].startswith(f"{mine}#{o['index']}") and o["id"] not in carried
+        assert all(len(t) == 1 for t in named.values()), named
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_kept_equal_texts_without_exact_dedup_each_come_out_under_their_own_ids(default_tok, k):
+    """``DedupConfig(exact=False)`` keeps equal texts, under one id when their inputs
+    share one (or have none: the id comes from the content); the map from id to kept
+    chunk kept one of them and ``splice_documents`` raised its "report this"
+    InvalidChunkError."""
+    from promptsplice.assembler import Assembler
+    from promptsplice.dedup import DedupConfig
+
+    asm = Assembler(default_tok, block_size=16, dedup_config=DedupConfig(exact=False, containment=False))
+    for docs in ([Document(page_content="Same text."), Document(page_content="Same text.")],
+                 [Document(page_content="Same text.", id="a"), Document(page_content="Other text.", id="a#1"),
+                  Document(page_content="Same text.", id="a")]):  # fmt: skip
+        out = PromptspliceCompressor(assembler=asm, k=k, learn=False).compress_documents(docs, "q")
+        assert sorted(d.page_content for d in out) == sorted(d.page_content for d in docs)
+        origins = [o for d in out for o in _prov(d)["origins"]]
+        assert sorted(o["index"] for o in origins) == list(range(len(docs)))
+        for d in out:  # each output names the input whose text it is, by the input's own id
+            (o,) = _prov(d)["origins"]
+            own = docs[o["index"]].id
+            assert d.id == own and _prov(d)["chunk_id"] == o["id"] == (own or o["id"])
+            assert own is not None or o["id"].startswith("c:")
+
+
 @pytest.mark.parametrize("k", [None, 2])
 def test_the_assembler_lays_out_the_kept_documents_as_the_retriever_deduplicated_them(default_tok, k):
     """With ``k`` the retriever dedups in retrieval order and a content-order assembler
