@@ -17,7 +17,14 @@ Kinds, in the order they run (all on by default; switch each off in
   ``source_key``) whose tail equals the next one's head over >= ``min_overlap`` (64)
   bytes are merged into one chunk (:attr:`Relation.MERGED`), chains allowed.  The
   merged chunk stands where its earliest-retrieved member stood, under that member's
-  id and metadata (its KEPT origin).
+  id and metadata (its KEPT origin).  Only certain overlaps merge: two chunks that both
+  carry their offset in the source (``metadata["start_index"]``, see ``start_key``)
+  overlap where the offsets say, if their bytes agree there; others at their longest
+  match, unless the seam's text repeats (a shorter match of >= ``min_overlap`` bytes
+  fits too: log lines, table rows) or the matches among a source's chunks disagree on
+  where a chunk sits (A before B and B before A): those stay apart, nothing lost.  A
+  kept chunk's ``start_key`` value says where its text starts (a merged chunk's is
+  moved there; ``None`` once passages were cut from it).
 * **containment**: a chunk whose bytes occur inside another kept chunk (at least as
   long, so an identical one too) becomes a :attr:`Relation.CONTAINED` origin of it,
   with the byte span where it was found.

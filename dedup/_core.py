@@ -53,7 +53,7 @@ from promptsplice import blocks as _blocks
 from promptsplice.errors import ConfigError
 
 from ._normalize import _normalize, is_blank
-from ._overlap import shares_a_source
+from ._overlap import note_starts, publish_starts, shares_a_source
 from ._passes import Passes
 from ._types import (
     REMOVAL_KINDS,
@@ -246,6 +246,7 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     # ``text = None`` unless the pass rebuilt it); both are recomputed at the end.
     # ``origins[0]`` is always the KEPT origin.
     ctx = Passes(cfg, removed, removed_bytes)
+    note_starts(ctx, kept)  # where each chunk starts in its source (start_key), if known
     contained_done = False  # containment already ran over exactly these chunks
     if cfg.overlap and len(kept) >= 2:
         if cfg.containment and shares_a_source(kept, cfg.source_key):
@@ -297,6 +298,7 @@ def dedup(chunks: Iterable, config: DedupConfig | None = None, **overrides) -> D
     if positions is not None:
         _restore_positions(kept, dropped, positions)
     _relabel_owners(kept, earliest=positions is not None)
+    publish_starts(ctx, kept)
     digest_of = _blocks.content_digest
     bytes_out = 0
     for k in kept:

@@ -9,6 +9,14 @@ candidate, a pair whose comparisons pass a budget linear in its size is answered
 linear KMP search instead (the same edge), so a pair costs O(its bytes).  The other
 groups' pairs are tried by the optional C core where it was built (``overlap_edges``:
 the same edges), and its ``overlap_len`` answers each pair of the large groups.
+
+Only certain edges merge (:func:`_settle`): a pair that both know their offset in the
+source (``DedupConfig.start_key``) at the overlap those offsets give, if their bytes
+agree there; the others at their longest match, unless a shorter match of >= m bytes
+fits the seam too (repeating text: one more ``overlap_len`` of A with B's head, the
+same search) or the edges of the chunks they join disagree on where a chunk sits:
+those are left apart.  Offsets are tracked while a chunk is one slice of its source
+(``Passes.starts``) and written back to the output's metadata (:func:`publish_starts`).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from ._anchors import MIN_NEEDLE, GridIndex
 from ._finder import find
 from ._types import KeptChunk, Origin, Relation
 
-__all__ = ["merge_overlaps"]
+__all__ = ["merge_overlaps", "note_starts", "publish_starts"]
 
 _GROUP_GRID = 16  # same-source groups larger than this find overlap partners by index
 # Bytes the candidate comparisons of one pair may cost, per byte of the pair (and at
@@ -27,6 +35,53 @@ _BUDGET = 64
 _BUDGET_MIN = 1 << 16
 _KEPT = Relation.KEPT
 _MERGED = Relation.MERGED
+
+
+def _offset(value: object) -> int | None:
+    """A ``start_key`` value as an offset in the source: a non-negative int (not a bool:
+    LangChain's splitters wrote -1 for a chunk they could not find), else None."""
+    return value if type(value) is int and value >= 0 else None
+
+
+def note_starts(ctx, kept: list[KeptChunk]) -> None:
+    """Record where each chunk's text starts in its source (its input's ``start_key``
+    value), before any pass changes a chunk's bytes; nothing when no input has one."""
+    key = ctx.cfg.start_key
+    if key is None:
+        return
+    for k in kept:  # (most calls have none: one look-up a chunk)
+        if type(k.metadata.get(key)) is int:
+            break
+    else:
+        return
+    ctx.starts = {id(k): (k, k.data, _offset(k.metadata.get(key))) for k in kept}
+
+
+def _entry(starts: dict, k: KeptChunk) -> tuple | None:
+    """``k``'s record in ``starts`` if its bytes are still the ones recorded (a chunk cut
+    by the passage pass is no longer one slice of its source)."""
+    e = starts.get(id(k))
+    return e if e is not None and e[0] is k and e[1] is k.data else None
+
+
+def publish_starts(ctx, kept: list[KeptChunk]) -> None:
+    """Make each kept chunk's ``start_key`` value say where its text starts (or ``None``
+    where no offset does), in a copy of its metadata: a merged chunk carries its first
+    retrieved member's metadata, whose offset was that member's, and a second dedup of
+    the output places windows by these values."""
+    starts = ctx.starts
+    if starts is None:
+        return
+    key = ctx.cfg.start_key
+    for k in kept:
+        meta = k.metadata
+        value = meta.get(key)
+        if _offset(value) is None:
+            continue
+        e = _entry(starts, k)
+        start = None if e is None else e[2]
+        if start != value:
+            k.metadata = {**meta, key: start}
 
 
 def _pos(k: KeptChunk) -> int:
@@ -155,6 +210,9 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
             edges = _group_edges(datas, lens, m, ctx.apart(group)) if len(group) >= 2 else []
             if not edges:
                 return False
+    edges = _settle(ctx.starts, group, datas, edges, m)
+    if not edges:
+        return False
 
     # Greedy by overlap length: each chunk gets at most one successor and one
     # predecessor, and no cycles.
@@ -202,6 +260,8 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
         keeper = min((group[i] for i, _ in chain_), key=_pos)
         if after_passages and any(r.chunk_id == keeper.id for r in keeper.removed_passages):
             continue
+        starts = ctx.starts
+        placed = None if starts is None else _placed_members(starts, group, chain_)
         shifted: list[Origin] = []
         found_in_chain = []  # records of passages found in members, shifted once each
         for i, offset in chain_:
@@ -222,12 +282,147 @@ def _merge_group(ctx, group: list[KeptChunk], gone: set[int], after_passages: bo
         keeper.origins.extend(shifted)
         keeper.data = b"".join(parts)
         keeper.text = None if texts is None else "".join(texts)  # type: ignore[assignment]
+        if placed is not None:  # every member one slice of the source: so is the merge
+            start = _merged_start(placed, keeper, keeper.data)
+            starts[id(keeper)] = (keeper, keeper.data, start)  # type: ignore[index]
         keeper.digest = None  # type: ignore[assignment]
         ctx.counts = None
         ctx.removed["overlap"] += len(chain_) - 1
         ctx.removed_bytes["overlap"] += saved
         merged = True
     return merged
+
+
+def _settle(starts: dict | None, group: list[KeptChunk], datas: list[bytes], edges: list, m: int) -> list:
+    """The edges whose overlap is certain.
+
+    Two chunks that know where they start in their source (``start_key``) overlap where
+    those offsets say, if their bytes agree there (>= m bytes; else no edge).  The other
+    edges (the longest match L of A's tail and B's head) are kept only where their seams
+    tell one story.  Where a seam's text repeats (log lines, table rows) a shorter match
+    of >= m bytes is as likely as the longest (merging at the longest dropped the rows
+    between: 30 WARN lines of a log became 19); and where the matches of a set of
+    chunks joined by them disagree on where each chunk sits (A's tail matching B's head
+    and B's tail A's head, or A -> B -> C and a match A -> C that puts C elsewhere), one
+    of them is a repeat, not known which.  The chunks joined by such a seam (its
+    connected edges, the placed ones too) then merge only where offsets place them: left
+    apart, nothing is lost, some redundancy is kept.  None of this happens on text whose
+    seams do not repeat."""
+    placed = []
+    rest = edges
+    if starts is not None:
+        at = [_entry(starts, k) for k in group]
+        s = [None if e is None else e[2] for e in at]
+        rest = []
+        for L, a, b in edges:
+            if s[a] is not None and s[b] is not None:
+                L = _placed_overlap(group[a], group[b], s[a], s[b], datas[a], datas[b], m)
+                if L:
+                    placed.append((L, a, b))
+            else:
+                rest.append((L, a, b))
+        if not rest:
+            return placed
+    if len(edges) < 2:  # one edge cannot disagree with another
+        comp, bad = [0] * len(group), set()
+    else:
+        comp, bad = _layout(len(group), [len(d) for d in datas], placed + rest)
+    for L, a, b in rest:
+        if comp[a] not in bad and _ambiguous(datas[a], datas[b], L, m):
+            bad.add(comp[a])
+    if not bad:
+        return edges if not placed else placed + rest
+    return placed + [e for e in rest if comp[e[1]] not in bad]
+
+
+def _layout(n: int, lens: list[int], edges: list) -> tuple[list[int], set[int]]:
+    """The connected component of each of ``n`` chunks under ``edges`` (``(L, a, b)``:
+    b starts ``lens[a] - L`` bytes after a), and the components whose edges disagree on
+    where a chunk starts (a circle of edges always does: each one moves forward)."""
+    adj: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for L, a, b in edges:
+        d = lens[a] - L
+        adj[a].append((b, d))
+        adj[b].append((a, -d))
+    comp = [-1] * n
+    at = [0] * n
+    bad: set[int] = set()
+    for root in range(n):
+        if comp[root] >= 0 or not adj[root]:
+            continue
+        comp[root] = root
+        todo = [root]
+        while todo:
+            x = todo.pop()
+            for y, d in adj[x]:
+                if comp[y] < 0:
+                    comp[y] = root
+                    at[y] = at[x] + d
+                    todo.append(y)
+                elif at[y] != at[x] + d:
+                    bad.add(root)
+    return comp, bad
+
+
+def _chars(k: KeptChunk) -> str:
+    return k.text if k.text is not None else k.data.decode("utf-8")
+
+
+def _placed_overlap(ka: KeptChunk, kb: KeptChunk, sa: int, sb: int, A: bytes, B: bytes, m: int) -> int:
+    """The bytes B's head shares with A's tail where their offsets in the source put
+    them (``sa``, ``sb``, in characters), 0 if they do not overlap by >= m bytes there
+    (or one would lie inside the other) or their bytes differ there."""
+    ta, tb = _chars(ka), _chars(kb)
+    over = sa + len(ta) - sb  # characters
+    if not 0 < over < min(len(ta), len(tb)):
+        return 0
+    L = len(tb[:over].encode("utf-8"))
+    return L if L >= m and A.endswith(B[:L]) else 0
+
+
+def _ambiguous(A: bytes, B: bytes, L: int, m: int) -> bool:
+    """Whether A's tail and B's head, whose longest match is ``L`` (>= m) bytes, also
+    match over some shorter length >= m: the largest such is the longest overlap of A
+    with ``B[:L]`` (the same search, in C where it was built)."""
+    if L <= m:
+        return False
+    head = B[:L]
+    core = _native.core
+    if core is not None:
+        return core.overlap_len(A, head, m) > 0
+    la = len(A)
+    return _overlap_len(A, head, la, L, m, A[la - m :]) > 0
+
+
+def _placed_members(starts: dict, group: list[KeptChunk], chain_: list[tuple[int, int]]) -> list | None:
+    """``(offset in the merged bytes, start in the source or None)`` of each member of a
+    chain about to merge, read before their bytes change; None when one of them is no
+    longer one slice of its source."""
+    placed = []
+    for i, offset in chain_:
+        e = _entry(starts, group[i])
+        if e is None:
+            return None
+        placed.append((group[i], offset, e[2]))
+    return placed
+
+
+def _merged_start(placed: list, keeper: KeptChunk, data: bytes) -> int | None:
+    """Where the merged text starts in its source: the keeper's start less the
+    characters before it; None if the keeper has none, or another member's start
+    disagrees (a merge that cannot be placed)."""
+    start = None
+    for k, offset, s in placed:
+        if k is keeper:
+            if s is None:
+                return None
+            start = s - len(data[:offset].decode("utf-8"))
+    if start is None or start < 0:
+        return None
+    for k, offset, s in placed:
+        if s is not None and s != start + len(data[:offset].decode("utf-8")):
+            return None
+    return start
 
 
 def _bucket(value: object) -> object:

@@ -85,7 +85,10 @@ def _probe(pieces: list[bytes]) -> bytes | None:
 class Passes:
     """Overlap, containment and passage passes over the kept chunks of one call."""
 
-    __slots__ = ("cfg", "removed", "removed_bytes", "refs", "partial", "counts", "_grid", "budget", "_apart", "_pass")
+    __slots__ = (
+        "cfg", "removed", "removed_bytes", "refs", "partial", "counts", "_grid", "budget", "_apart", "_pass",
+        "starts",
+    )  # fmt: skip
 
     def __init__(self, cfg: DedupConfig, removed: dict, removed_bytes: dict) -> None:
         self.cfg = cfg
@@ -105,6 +108,11 @@ class Passes:
         # (by id: the chunk, its bytes then, the pass): none lies inside another of its pass.
         self._apart: dict[int, tuple[KeptChunk, bytes, int]] = {}
         self._pass = 0  # containment passes run
+        # Where each chunk's text starts in its source (DedupConfig.start_key), by id:
+        # (the chunk, its bytes then, the offset or None); a chunk whose bytes are not
+        # those any more (cut by the passage pass) is no slice of its source.  None: no
+        # input carries an offset (:mod:`promptsplice.dedup._overlap`).
+        self.starts: dict[int, tuple[KeptChunk, bytes, int | None]] | None = None
 
     def fund(self, kept: list[KeptChunk]) -> None:
         """Set the call's search budget from its bytes, at its first search pass (later

@@ -79,6 +79,20 @@ class DedupConfig:
     source_key: str = "source"
     """Metadata key naming the source document; overlap merges need the same source
     (a missing or ``None`` value never merges)."""
+    start_key: str | None = "start_index"
+    """Metadata key of a chunk's offset in its source document, in characters (a
+    non-negative int, as LangChain's text splitters set it with ``add_start_index=True``);
+    ``None``: positions are not read.  Two windows of one source that both carry one are
+    merged exactly where their offsets overlap, if their texts agree there (by at least
+    ``min_overlap`` bytes), and not at all otherwise.  Without them the overlap is the
+    longest match of one window's tail with the other's head, and a seam where the text
+    repeats (log lines, table rows), with a shorter match of ``min_overlap`` bytes too,
+    is left unmerged: the true overlap could be either (so are windows whose matches
+    disagree on their order).  In the output a chunk's value says where its text starts:
+    moved to the merged text's start for a merged chunk, ``None`` where no offset is
+    known any more (passages were cut from it, so it is no longer one slice of its
+    source, or it merged with such a chunk, or with one whose offset disagrees); the
+    origins keep their inputs' values."""
     on_invalid_utf8: str = "error"
     """``"error"``: raise InvalidUTF8Error; ``"replace"``: decode with U+FFFD and count it."""
     order: str | None = None
@@ -113,6 +127,11 @@ class DedupConfig:
             raise ConfigError(
                 f"DedupConfig.source_key must be a non-empty str (a metadata key such as "
                 f"'source'), got {self.source_key!r}"
+            )
+        if self.start_key is not None and (not isinstance(self.start_key, str) or not self.start_key):
+            raise ConfigError(
+                f"DedupConfig.start_key must be a non-empty str or None (a metadata key such as "
+                f"'start_index'), got {self.start_key!r}"
             )
         if self.on_invalid_utf8 not in INVALID_UTF8_POLICIES:
             raise ConfigError(
@@ -197,7 +216,9 @@ class RemovedPassage:
 
 @dataclass(slots=True)
 class KeptChunk:
-    """A chunk of the output.  ``id``/``metadata`` are those of its first (KEPT) input.
+    """A chunk of the output.  ``id``/``metadata`` are those of its first (KEPT) input
+    (except the value of :attr:`DedupConfig.start_key`, which says where this chunk's
+    text starts in its source, or ``None``).
 
     ``origins`` lists every input it stands for, the KEPT one first, then by input index.
     ``removed_passages`` lists passages removed from it, and from chunks that were

@@ -80,18 +80,24 @@ def _plain(chunks, **options):
         return dedup(chunks, **options)
 
 
+@pytest.mark.parametrize("placed", [True, False])
 @pytest.mark.parametrize(
     "options", [{}, {"exact": False}, {"containment": False}, {"min_passage": 40}]
 )
-def test_large_request_uses_the_index_and_matches_the_plain_search(options, monkeypatch):
+def test_large_request_uses_the_index_and_matches_the_plain_search(options, placed, monkeypatch):
     chunks = scaling_workload(1500, chunk_bytes=200, seed=3)
     # One long document seen through 60 overlapping windows: a same-source group above
-    # _GROUP_GRID, whose overlap partners are found through the index.
+    # _GROUP_GRID, whose overlap partners are found through the index.  The document
+    # joins the workload's chunks, duplicates and overlapping windows among them, so it
+    # repeats passages: window 4's tail matches window 0's head over 118 bytes, and
+    # without offsets the longest matches merged windows out of order (4 chunks that
+    # are not its text).  Those seams disagree, so only offsets (start_index) merge them.
     doc = " ".join(c["text"] for c in chunks[:100])
     chunks += [
-        {"text": doc[a : a + 300], "id": f"one/{a}", "metadata": {"source": "one"}}
+        {"text": doc[a : a + 300], "id": f"one/{a}",
+         "metadata": {"source": "one", "start_index": a} if placed else {"source": "one"}}
         for a in range(0, 200 * 60, 200)
-    ]
+    ]  # fmt: skip
     plain = _plain(chunks, **options)
     queries = []
     real = GridIndex.candidates
@@ -102,7 +108,13 @@ def test_large_request_uses_the_index_and_matches_the_plain_search(options, monk
     removed = indexed.stats.removed
     assert removed["contained"] > 0 or options.get("containment") is False
     merged = {o.id for k in indexed.chunks for o in k.origins if o.relation is Relation.MERGED}
-    assert len({m for m in merged if m.startswith("one/")}) > 10  # the long group merged
+    if placed:
+        assert len({m for m in merged if m.startswith("one/")}) > 10  # the long group merged
+    # The windows alone (no passage cut) merge only into the document's text: without
+    # offsets they stay apart (the longest matches made 6 chunks, none of them its text).
+    alone = dedup([c for c in chunks if c.get("id", "").startswith("one/")], **{**options, "passages": False})
+    assert all(k.text in doc for k in alone.chunks)
+    assert len(alone.chunks) == (1 if placed else 60)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

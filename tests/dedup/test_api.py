@@ -44,8 +44,8 @@ def test_public_names_are_pinned():
 def test_defaults():
     cfg = DedupConfig()
     assert (cfg.exact, cfg.containment, cfg.overlap, cfg.passages) == (True, True, True, True)
-    assert (cfg.min_overlap, cfg.min_passage, cfg.source_key, cfg.on_invalid_utf8) == (
-        64, 128, "source", "error",
+    assert (cfg.min_overlap, cfg.min_passage, cfg.source_key, cfg.start_key, cfg.on_invalid_utf8) == (
+        64, 128, "source", "start_index", "error",
     )  # fmt: skip
     with pytest.raises(AttributeError):
         cfg.exact = False  # type: ignore[misc]  # frozen
@@ -64,6 +64,8 @@ def test_defaults():
         ({"on_invalid_utf8": "ignore"}, "must be 'error' or 'replace', got 'ignore'"),
         ({"exact": "yes"}, "DedupConfig.exact must be True or False, got 'yes'"),
         ({"source_key": ""}, "DedupConfig.source_key must be a non-empty str"),
+        ({"start_key": ""}, "DedupConfig.start_key must be a non-empty str or None"),
+        ({"start_key": 0}, "DedupConfig.start_key must be a non-empty str or None"),
         ({"order": "canonical"}, "DedupConfig.order must be 'retrieval', 'content' or None"),
     ],
 )
@@ -79,7 +81,7 @@ def test_unknown_override_lists_the_valid_options():
         dedup.dedup(["text"], min_overlapp=10)
     assert str(err.value) == (
         "unknown dedup option(s) 'min_overlapp'; valid options: exact, containment, overlap, "
-        "passages, min_overlap, min_passage, source_key, on_invalid_utf8, order"
+        "passages, min_overlap, min_passage, source_key, start_key, on_invalid_utf8, order"
     )
 
 

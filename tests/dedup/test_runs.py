@@ -55,7 +55,10 @@ def test_runs_of_one_byte_take_linear_time(pad, source, top, bound):
             break
     assert best < bound, best
     check_result(chunks, DedupConfig(), result)
-    assert result.stats.removed["overlap" if source else "passage"] > 0
+    if source:  # every pair's seam is a run of pad bytes: any length could be the overlap
+        assert result.stats.removed["overlap"] == 0 and result.stats.removed["passage"] > 0
+    else:
+        assert result.stats.removed["passage"] > 0
 
 
 # -- every long needle takes CPython's linear search ------------------------------------
