@@ -86,6 +86,7 @@ from promptsplice.engine_adapters._requests import (
     logprob_dicts,
     normalize_prompt,
     run_phases,
+    sent_plan,
     stream_deltas,
 )
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan, latest_per_block
@@ -98,6 +99,7 @@ from promptsplice.errors import (
     InputError,
     TokenizerError,
 )
+from promptsplice._validate import check_salt, check_token_ids
 from promptsplice.tenancy import SaltGuard
 
 _log = logging.getLogger(__name__)
@@ -349,8 +351,7 @@ class EmbeddedEngine:
         req = self._normalize(prompt, cache_salt)
         sampling = check_sampling(max_tokens, temperature, stop, logprobs)
         kv_params = check_splice(splice, has_store=self._config.kv_store is not None, block_size=self.block_size)
-        check_context(len(req.ids), self.max_model_len)
-        check_request_limits(req.ids, logprobs, self._limits)
+        self._check_prompt(req.ids, logprobs)
         completion = None
         for _, completion in self._request(req, self._params(sampling, kv_params), logprobs is not None):
             pass
@@ -381,8 +382,7 @@ class EmbeddedEngine:
         """
         req = self._normalize(prompt, cache_salt)
         sampling = check_sampling(max_tokens, temperature, stop)
-        check_context(len(req.ids), self.max_model_len)
-        check_request_limits(req.ids, None, self._limits)
+        self._check_prompt(req.ids, None)
         return stream_deltas(self._request(req, self._params(sampling, None), False))
 
     def generate_phases(
@@ -399,9 +399,21 @@ class EmbeddedEngine:
         last only prefills (``max_tokens=1``), the last takes ``gen`` (``generate``'s
         keyword arguments).  ``adapt(deviations, next_phase)``, called after each phase
         but the last with what its probes measured, may return phases replacing
-        ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``)."""
+        ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``).
+
+        Everything :meth:`generate` refuses before submitting is refused here before the
+        first phase goes out, for the whole prompt and every phase's plan (a prompt over
+        ``max_model_len`` raised :class:`~promptsplice.errors.ContextLengthError` from its
+        last phase, after the earlier phases had run): nothing reaches vLLM."""
         check_phase_options(gen)  # a typo or a bad value fails before the first phase runs
-        check_request_limits((), gen.get("logprobs"), self._limits)
+        phases = list(phases)  # (read twice: by the checks and by run_phases)
+        check_salt(cache_salt, "cache_salt")
+        ids = check_token_ids(tokens, "tokens")
+        self._check_prompt(ids, gen.get("logprobs"))
+        has_store = self._config.kv_store is not None
+        for phase in phases:
+            if isinstance(phase, SplicePhase):  # (run_phases names anything else)
+                check_splice(sent_plan(phase), has_store=has_store, block_size=self.block_size)
         agent = self.kv_connector
         worker = agent.worker if agent is not None else None
 
@@ -416,7 +428,7 @@ class EmbeddedEngine:
                 moved = worker.stats.relocated_blocks - reloc
             return PhaseResult(out, moved * self.block_size, seen)
 
-        return run_phases(tokens, phases, run_one, gen, adapt)
+        return run_phases(ids, phases, run_one, gen, adapt)
 
     def generate_many(
         self,
@@ -431,6 +443,14 @@ class EmbeddedEngine:
         so the cache state each request meets is deterministic."""
         return [self.generate(p, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt, stop=stop)
                 for p in prompts]
+
+    def _check_prompt(self, ids: Sequence[int], logprobs: int | None) -> None:
+        """A request's prompt against the engine, before anything is submitted (every
+        request path: ``generate``, ``stream``, the whole prompt of ``generate_phases``):
+        :class:`~promptsplice.errors.ContextLengthError` over ``max_model_len``, then
+        vLLM's vocabulary and ``max_logprobs`` (``check_request_limits``)."""
+        check_context(len(ids), self.max_model_len)
+        check_request_limits(ids, logprobs, self._limits)
 
     def _normalize(self, prompt: Any, cache_salt: str | None) -> NormalizedPrompt:
         theirs = getattr(prompt, "tokenizer", None) if isinstance(prompt, AssembledPrompt) else None

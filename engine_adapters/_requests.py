@@ -29,6 +29,7 @@ __all__ = [
     "PhasedRun",
     "PhaseResult",
     "run_phases",
+    "sent_plan",
     "PromptLike",
     "StreamDelta",
     "check_context",
@@ -167,7 +168,7 @@ def run_phases(
     t_last = time.perf_counter()
     while i < len(pending):
         phase, last = pending[i], i == len(pending) - 1
-        plan = phase.plan if phase.plan is not None and (phase.plan or phase.plan.probes) else None
+        plan = sent_plan(phase)
         t_last = time.perf_counter()
         res = run_one(list(tokens[: phase.end]), plan, gen if last else {"max_tokens": 1})
         outs.append(res.completion)
@@ -178,6 +179,13 @@ def run_phases(
             _check_phase_ends(pending, len(tokens))
         i += 1
     return PhasedRun(outs, t_last, moved, tuple(devs), tuple(pending))
+
+
+def sent_plan(phase: SplicePhase) -> SplicePlan | None:
+    """The plan :func:`run_phases` sends with ``phase``'s request: ``None`` for a phase
+    that loads and probes nothing (a plain prefill)."""
+    plan = phase.plan
+    return plan if plan is not None and (plan or plan.probes) else None
 
 
 def _check_phase_ends(phases: Sequence[SplicePhase], n: int) -> None:

@@ -35,9 +35,11 @@ vLLM facts this relies on (0.32): ``get_num_new_matched_tokens`` is asked after 
 prefix-cache hit, with that hit rounded down to a block; a synchronous load (``(n,
 False)``) makes ``has_sync_kv_loads`` true, so ``start_load_kv`` runs before the step's
 forward pass; ``update_state_after_alloc`` gets *all* of the request's blocks, the local
-hit's first; ``wait_for_save`` runs once per step after the forward pass, with the
-metadata still bound; loaded tokens count in ``num_cached_tokens`` and in
-``vllm:external_prefix_cache_hits``; ``reset_prefix_cache()`` leaves the connector alone
+hit's first; ``bind_connector_metadata`` runs before each step's forward pass and
+``wait_for_save`` once per step after it, from a ``finally``, with the metadata still
+bound and no outcome passed (a failed pass is the exception in flight there, other than
+the one in flight at the bind: :meth:`SpliceConnector._forward_failed`); loaded tokens
+count in ``num_cached_tokens`` and in ``vllm:external_prefix_cache_hits``; ``reset_prefix_cache()`` leaves the connector alone
 (``reset_connector=True`` calls :meth:`SpliceConnector.reset_cache`, which empties the
 store, for every engine sharing it).  A request with ``prompt_logprobs`` gets
 ``skip_reading_prefix_cache=True`` from vLLM, which silently drops connector loads:
@@ -206,6 +208,9 @@ class SpliceConnector(KVConnectorBase_V1):
         self._reporter = CounterReporter()
         """Request id -> its probes' deviations: the worker-side instance writes, the
         scheduler-side one (same process, same store) reads them into the ack."""
+        self._exc_at_bind: BaseException | None = None
+        """The exception in flight when vLLM bound this step's metadata (before the forward
+        pass): the caller's, never the pass's (:meth:`_forward_failed`)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -261,16 +266,40 @@ class SpliceConnector(KVConnectorBase_V1):
     ) -> None:
         return  # saved whole (all layers of a block in one payload) in wait_for_save
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM binds the step's metadata before its forward pass, always (also before a
+        # step without one, and before start_load_kv, which for a step without
+        # synchronous loads only runs after the forward pass): what is in flight now is
+        # an exception the caller was handling, never the forward pass's (wait_for_save)
+        self._exc_at_bind = sys.exc_info()[1]
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._exc_at_bind = None  # (its traceback holds the caller's frames)
+
     def wait_for_save(self) -> None:
         if self.worker is None or not self.has_connector_metadata():
             return
-        # vLLM calls this from a ``finally`` around the forward pass: when that raised,
-        # the step's blocks hold partial KV (some layers, or none), which must never be
-        # stored under their chain keys.
-        if sys.exc_info()[1] is not None:
+        if self._forward_failed():
             self.worker.skip_saves(self._work())
             return
         self.worker.save(self._work())
+
+    def _forward_failed(self) -> bool:
+        """Whether this step's forward pass raised: its blocks then hold partial KV (some
+        layers, or none), which must never be stored under their chain keys.
+
+        vLLM passes no outcome: it calls :meth:`wait_for_save` from a ``finally`` around
+        the forward pass (``KVConnectorModelRunnerMixin._get_kv_connector_output``), where
+        the pass's exception is the one in flight (``sys.exc_info``).  But in the embedded
+        engine the forward pass runs in the caller's thread, so a request sent inside an
+        ``except`` block (a fallback, a retry, the engine's own health probe) has the
+        caller's exception in flight too, after a pass that succeeded: only an exception
+        other than the one in flight when the metadata was bound, before the pass, is the
+        pass's own (one raised while handling another is a new object)."""
+        exc = sys.exc_info()[1]
+        return exc is not None and exc is not self._exc_at_bind
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

@@ -423,8 +423,12 @@ class RagRunner:
         what = {"query": query, "system": system, "tools": tools}
         gate = self.relocate == "when_it_pays"
         try:
-            prompt = (asm.preview if gate else asm.assemble)(chunks, salt=salt, **what)
-        except ContextLengthError:  # whole-block chunks do not fit: one exact request
+            prompt: AssembledPrompt | None = (asm.preview if gate else asm.assemble)(chunks, salt=salt, **what)
+        except ContextLengthError:
+            prompt = None
+        if prompt is None:  # whole-block chunks do not fit: one exact request
+            # sent after the handler, never inside it: code below (the embedded engine's
+            # connector, a caller's hook) would see an exception in flight
             return self._run_exact(chunks, query, system, tools, gen)
         toks = prompt.token_ids
         hit = min(round_down(prompt.predicted_cached_tokens, bs), cacheable_blocks(len(toks), bs) * bs)

@@ -540,6 +540,31 @@ def test_generate_phases_refuses_an_unknown_option_before_any_phase_runs(engine)
     assert len(run.completions[1].token_ids) == 2
 
 
+def test_generate_phases_refuses_what_generate_would_before_any_phase_runs(engine):
+    """The phases' requests were checked one by one as each went out: a prompt over
+    ``max_model_len``, an id outside the vocabulary past the first phase, or a plan in a
+    later phase on an engine without a block store failed only after the earlier
+    phases had run (vLLM's counters moved).  Now the whole prompt and every phase's
+    plan are checked first, as ``generate`` checks one request."""
+    from promptsplice.engine_adapters import SplicePhase, SplicePlan, SpliceSegment
+    from promptsplice.blocks import root_hash
+
+    n = engine.max_model_len
+    over = [(7 * i) % 30000 + 50 for i in range(n + 8)]
+    before = engine.counters()
+    with pytest.raises(ContextLengthError, match=f"the prompt has {n + 8} tokens but the engine's max_model_len is {n}"):
+        engine.generate_phases(over, [SplicePhase(2 * BS, None), SplicePhase(len(over), None)], max_tokens=1)
+    bad_id = list(range(600, 600 + 3 * BS))
+    bad_id[-1] = 10**7
+    with pytest.raises(InputError, match=r"token id 10000000, outside the model's vocabulary"):
+        engine.generate_phases(bad_id, [SplicePhase(2 * BS, None), SplicePhase(3 * BS, None)], max_tokens=1)
+    plan = SplicePlan(BS, (SpliceSegment(BS, 1, 0, root_hash(None)),))
+    with pytest.raises(ConfigError, match="splice plans need the splice connector"):
+        engine.generate_phases(bad_id[:-1], [SplicePhase(BS, SplicePlan(BS)), SplicePhase(3 * BS - 1, plan)], max_tokens=1)
+    assert engine.counters() == before  # no phase was sent
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
 def test_a_stream_closed_after_a_step_leaves_the_mirror_equal_to_vllm(fresh_engine):
     """vLLM cached the prompt's 4 full blocks of a stream closed after its first delta; the
     mirror admitted nothing and predicted 0 where vLLM served 128 tokens."""

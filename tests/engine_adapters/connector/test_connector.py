@@ -646,3 +646,39 @@ def test_a_request_the_connector_failed_on_says_so_in_its_ack():
     assert (loaded, relocated) == (0, 0)
     load = conn.scheduler._loads[0]
     assert (load.req_id, load.block_ids, load.refs) == ("r", (10, 11, 12, 13, 14), ())  # recomputed by vLLM
+
+
+@pytest.mark.reliability
+def test_a_request_sent_while_an_exception_is_handled_is_saved(kv_engine, measured):
+    """The connector took any exception in flight at ``wait_for_save`` for a failed
+    forward pass; in this engine the pass runs in the caller's thread, so a request sent
+    inside an ``except`` block (a fallback: ``RagRunner``'s ``TOO_LONG`` request) was
+    never stored, although its pass succeeded.  A pass that fails there still saves
+    nothing."""
+    from promptsplice.errors import EngineRequestError
+    from tests.engine_adapters.test_engine_faults import layer_fault
+
+    s = salt("in-except")
+    worker, store = kv_engine.kv_connector.worker, kv_engine.kv_store
+    prompt = [(13 * i + 5) % 40000 + 60 for i in range(330)]  # 10 full blocks
+    failing = [(17 * i + 9) % 40000 + 60 for i in range(330)]
+    refs, failing_refs = chain_refs(prompt, BS, salt=s), chain_refs(failing, BS, salt=s)
+    assert len(refs) == len(failing_refs) == 10
+    skipped0 = worker.stats.skipped_saves
+    try:
+        raise KeyError("the caller's own error, being handled")
+    except KeyError:
+        first = kv_engine.generate(prompt, max_tokens=2, cache_salt=s)
+        with layer_fault(kv_engine), pytest.raises(EngineRequestError):
+            kv_engine.generate(failing, max_tokens=2, cache_salt=s)
+    store.drain()
+    assert worker.stats.skipped_saves - skipped0 == 10  # the failed pass's blocks only
+    assert store.match_prefix(refs, salt=s) == 10
+    assert store.match_prefix(failing_refs, salt=s) == 0
+    kv_engine.reset_prefix_cache()
+    before = kv_engine.counters()
+    again = kv_engine.generate(prompt, max_tokens=2, cache_salt=s)  # vLLM's cache is empty: the store
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == kv_engine.counters().since(before).external_hits == 320
+    measured.update(saved_blocks_sent_in_except=store.match_prefix(refs, salt=s), reloaded_tokens=320,
+                    failed_pass_blocks_skipped=10, failed_pass_blocks_stored=0)

@@ -676,3 +676,60 @@ def test_a_step_that_relocates_nothing_opens_no_scope(kv_engine):
     assert step.planned_relocated_tokens == 0 and step.relocated_tokens == 0
     assert step.salt == "t-noscope" and runner.session_salt("s") == "t-noscope"  # still the tenant's cache
     assert step.cached_tokens > 0  # its prefix served by the tenant's prefix cache
+
+
+@pytest.mark.reliability
+def test_a_splice_step_over_the_context_fails_before_any_phase_runs(text_tokens_text, measured):
+    """A multi-phase splice step checked the context only in its last phase's request:
+    on a 512-token engine, an edit growing a 452-token session to 548 tokens ran its
+    earlier phases (vLLM's counters moved: prefix-cache queries, external hits) before
+    ``ContextLengthError``.  Now nothing reaches vLLM, and the session is left as it was:
+    an edit that fits still splices from the last render."""
+    from promptsplice.engine_adapters import StoreConfig
+    from promptsplice.errors import ContextLengthError
+    from tests.conftest import start_default_engine
+    from tests.engine_adapters._engine import grep_call
+
+    lines = text_tokens_text
+    system = {"role": "system", "content": "You are a code agent. Answer briefly."}
+    user = {"role": "user", "content": "Where is the scheduler configured?"}
+
+    def render(first: int) -> list[dict]:  # the first tool output's lines: an edit of it relocates what follows
+        return [system, user, {"role": "assistant", "content": "", "tool_calls": [grep_call("c1", "sched")]},
+                {"role": "tool", "tool_call_id": "c1", "content": "\n".join(lines[:first])},
+                {"role": "assistant", "content": "", "tool_calls": [grep_call("c2", "config")]},
+                {"role": "tool", "tool_call_id": "c2", "content": "\n".join(lines[40:43])}]
+
+    mib = 1024 * 1024
+    eng = start_default_engine(kv_store=StoreConfig(dram_bytes=32 * mib, write_behind_bytes=0),
+                               kv_cache_bytes=64 * mib, max_model_len=512)
+    try:
+        runner = AgentRunner(eng, mode="splice", salt="t-long", fidelity="bounded")
+        hook = ContextHook(eng.tokenizer, block_size=eng.block_size, salt="t-long")
+        first = runner.step(hook("s", render(1), TOOLS), max_tokens=1)
+        assert first.prompt_tokens == 452
+        long = hook("s", render(5), TOOLS)
+        assert long.kind is StepKind.EDIT and len(long.token_ids) == 548
+        bs = eng.block_size
+        would = plan_phases(long.previous.token_ids, long.token_ids, long.diff.relocations, block_size=bs,
+                            recompute_blocks=runner.recompute_blocks, salt="scope", src_salt="t-long",
+                            load_prefix=long.first_changed_token // bs * bs, scope=True)
+        assert len(would) > 1 and any(ph.plan for ph in would[:-1])  # earlier phases that load
+        before, loaded = eng.counters(), eng.kv_connector.worker.stats.loaded_blocks
+        with pytest.raises(ContextLengthError, match="the prompt has 548 tokens but the engine's max_model_len is 512"):
+            runner.step(long, max_tokens=1)
+        assert eng.counters() == before  # no phase reached vLLM
+        assert eng.kv_connector.worker.stats.loaded_blocks == loaded
+        assert runner.session_salt("s") == "t-long"  # the step opened no scope
+        # the session is where the failed step found it: an edit of the last render that
+        # fits splices (a harness whose hook saw the failed render forgets the session)
+        again = ContextHook(eng.tokenizer, block_size=bs, salt="t-long")
+        again("s", render(1), TOOLS)
+        shorter = again("s", render(3), TOOLS)
+        assert shorter.kind is StepKind.EDIT and len(shorter.token_ids) < 512
+        fits = runner.step(shorter, max_tokens=1)
+        assert fits.fallback is None and fits.relocated_tokens > 0 and fits.requests > 1
+        measured.update(prompt_tokens=548, max_model_len=512, counters_moved=0,
+                        shorter_edit_relocated_tokens=fits.relocated_tokens)
+    finally:
+        eng.close()

@@ -775,10 +775,18 @@ def test_a_request_too_long_for_whole_block_chunks_goes_out_exact_in_the_auto_la
     n = next(n for n in range(10, 400, 2) if not fits(n, "all"))
     assert fits(n, "auto")
     tenant = f"long-{uuid.uuid4().hex[:8]}"  # one tenant: the exact run's prompt is served from the first run's blocks
+    stats = kv_engine.kv_connector.worker.stats
     for fidelity in ("bounded", "exact"):
         runner = RagRunner(kv_engine, mode="position_independent", fidelity=fidelity, salt=tenant)
+        skipped, saved = stats.skipped_saves, stats.saved_blocks
         step = runner.run(many[:n], query="Which?", system=SYSTEM, max_tokens=1)
         assert step.fallback is StepFallback.TOO_LONG and step.requests == 1 and step.relocated_tokens == 0
+        # its blocks are stored, as its indexed chunks promise: the request went out from
+        # inside the runner's ``except ContextLengthError``, and the connector took the
+        # exception in flight for a failed forward pass (every block skipped, none saved)
+        assert stats.skipped_saves == skipped
+        bs = kv_engine.block_size
+        assert stats.saved_blocks - saved == step.prompt_tokens // bs - step.cached_tokens // bs
         want = runner.assembler.preview(many[:n], query="Which?", system=SYSTEM, alignment="auto", salt=runner.salt)
         assert step.prompt.token_ids == want.token_ids
     exact = RagRunner(kv_engine, salt=f"long-{uuid.uuid4().hex[:8]}")  # the exact runner: no such fallback
