@@ -360,6 +360,7 @@ def run_modes(
         "kv_cache_blocks": engine.num_blocks,
     }
     report["block_size"] = engine.block_size
+    report["dtype"] = engine.config.dtype  # every mode's (equal capacity); fidelity compares within one
     report["policy"] = policy
     report["alignment"] = alignment
     report["max_tokens"] = max_tokens

@@ -45,7 +45,7 @@ def test_run_modes_reports_vllms_own_numbers(engine):
     # the mirror sized like the engine predicts vLLM exactly
     assert report["mirror"]["predicted_cached_tokens"] == report["mirror"]["measured_cached_tokens"]
     assert report["modes"]["promptsplice"]["prefill_tokens"] < report["modes"]["naive"]["prefill_tokens"]
-    assert report["block_size"] == engine.block_size == 32
+    assert report["block_size"] == engine.block_size == 32 and report["dtype"] == engine.config.dtype != "auto"
 
 
 def _cli(*args, timeout=600):
