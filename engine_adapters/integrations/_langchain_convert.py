@@ -15,6 +15,7 @@ Hermes-style tool-call text format SmolLM2's ChatML template lacks.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -145,7 +146,7 @@ def parse_tool_calls(
     with its JSON); a block that does not parse, or has text between its JSON and its
     closing tag, ends at that tag, else at the next block or the text's end.  JSON nested
     too deeply for Python's parser is an invalid call too, never a ``RecursionError``."""
-    decoder = json.JSONDecoder(parse_constant=_no_constant)
+    decoder = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
     calls: list[dict[str, Any]] = []
     invalid: list[dict[str, Any]] = []
     parts: list[str] = []
@@ -171,6 +172,12 @@ def parse_tool_calls(
             else:
                 error = f"the call is not valid JSON: {exc.msg} at character {exc.pos - m.end()}"
         else:
+            # the tags from the JSON's end on (one inside a string argument is no tag)
+            close = text.find(TOOL_CALL_CLOSE, end)
+            nxt = _OPEN_RE.search(text, end)
+            if nxt is not None and close > nxt.start():
+                close = -1
+            block_end = close + len(TOOL_CALL_CLOSE) if close >= 0 else len(text)
             stripped = text[end:].lstrip()
             end = len(text) - len(stripped)
             if stripped.startswith(TOOL_CALL_CLOSE) or (
@@ -192,6 +199,14 @@ def parse_tool_calls(
     parts.append(text[pos:])
     content = "".join(parts)
     return ("" if (calls or invalid) and not content.strip() else content), calls, invalid
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number that overflows a float (``1e999``) is no value JSON can carry back."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
 
 
 def _no_constant(name: str) -> Any:
@@ -221,7 +236,7 @@ def _read_call(obj: Any) -> tuple[str | None, Any, str | None]:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args, parse_constant=_no_constant) if args.strip() else {}
+            args = json.loads(args, parse_constant=_no_constant, parse_float=_finite_float) if args.strip() else {}
         except ValueError as exc:
             return name, None, f"arguments are not valid JSON: {exc}"
         except RecursionError:

@@ -174,6 +174,21 @@ def test_a_closing_tag_cut_off_at_the_length_limit_is_not_content():
         assert parse_tool_calls(text + " ok")[0] == ("</tool_call>"[:cut] if cut < 12 else "") + " ok"
 
 
+def test_tags_inside_a_calls_string_arguments_are_text():
+    """The closing tag was looked up from the block's opening, so one inside a string
+    argument ended the block in the middle of its JSON (review)."""
+    for tail, content in (("", ""), ("\nDone.", "Done."), ("</tool_call>", ""), ("\n</tool_", "")):
+        text = '<tool_call>{"name": "echo", "arguments": {"s": "</tool_call> or <tool_call>"}}' + tail
+        got, calls, invalid = parse_tool_calls(text, truncated=True)
+        assert (got, [(c["name"], c["args"]) for c in calls], invalid) == (
+            content, [("echo", {"s": "</tool_call> or <tool_call>"})], []), tail
+    got, calls, invalid = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"s": "<tool_call>"}} junk</tool_call>')
+    assert (got, calls, [c["error"] for c in invalid]) == ("", [], ["text follows the call's JSON before its closing tag"])
+    # a number past the float range came back as a valid call of inf
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1e999}}</tool_call>')[2][0]["error"] == (
+        "the call is not valid JSON: 1e999 is not a finite number")
+
+
 def test_a_closing_tag_belongs_to_its_own_block():
     """A valid call without its closing tag ends with its JSON: the text after it is
     content, and the next block's closing tag does not pull that text into the call."""
