@@ -304,10 +304,11 @@ def _settle(starts: dict | None, group: list[KeptChunk], datas: list[bytes], edg
     between: 30 WARN lines of a log became 19); and where the matches of a set of
     chunks joined by them disagree on where each chunk sits (A's tail matching B's head
     and B's tail A's head, or A -> B -> C and a match A -> C that puts C elsewhere), one
-    of them is a repeat, not known which.  The chunks joined by such a seam (its
-    connected edges, the placed ones too) then merge only where offsets place them: left
-    apart, nothing is lost, some redundancy is kept.  None of this happens on text whose
-    seams do not repeat."""
+    of them is a repeat, not known which.  The chunks of a set whose edges disagree merge
+    only where offsets place them; elsewhere a repeating seam's edge alone is dropped
+    (until 2026-12-06 it kept its whole connected set apart: 41 windows of a log with
+    one run of repeated lines came out as 41 chunks, not 2).  Left apart, nothing is lost, some
+    redundancy is kept.  None of this happens on text whose seams do not repeat."""
     placed = []
     rest = edges
     if starts is not None:
@@ -325,14 +326,12 @@ def _settle(starts: dict | None, group: list[KeptChunk], datas: list[bytes], edg
             return placed
     if len(edges) < 2:  # one edge cannot disagree with another
         comp, bad = [0] * len(group), set()
-    else:
+    else:  # over every edge: a repeating seam's edge still says where its chunks meet
         comp, bad = _layout(len(group), [len(d) for d in datas], placed + rest)
-    for L, a, b in rest:
-        if comp[a] not in bad and _ambiguous(datas[a], datas[b], L, m):
-            bad.add(comp[a])
-    if not bad:
-        return edges if not placed else placed + rest
-    return placed + [e for e in rest if comp[e[1]] not in bad]
+    sure = [e for e in rest if comp[e[1]] not in bad and not _ambiguous(datas[e[1]], datas[e[2]], e[0], m)]
+    if not placed and len(sure) == len(rest):
+        return edges
+    return placed + sure
 
 
 def _layout(n: int, lens: list[int], edges: list) -> tuple[list[int], set[int]]:
@@ -411,16 +410,22 @@ def _merged_start(placed: list, keeper: KeptChunk, data: bytes) -> int | None:
     """Where the merged text starts in its source: the keeper's start less the
     characters before it; None if the keeper has none, or another member's start
     disagrees (a merge that cannot be placed)."""
+    chars: dict[int, int] = {}  # byte offset -> characters before it, in one pass
+    done = count = 0
+    for off in sorted({offset for _, offset, _ in placed}):
+        count += len(data[done:off].decode("utf-8"))  # members start on character bounds
+        chars[off] = count
+        done = off
     start = None
     for k, offset, s in placed:
         if k is keeper:
             if s is None:
                 return None
-            start = s - len(data[:offset].decode("utf-8"))
+            start = s - chars[offset]
     if start is None or start < 0:
         return None
     for k, offset, s in placed:
-        if s is not None and s != start + len(data[:offset].decode("utf-8")):
+        if s is not None and s != start + chars[offset]:
             return None
     return start
 

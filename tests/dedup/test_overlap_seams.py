@@ -328,3 +328,22 @@ def test_equal_windows_at_two_offsets_are_still_exact_duplicates():
     assert sum(k.text.count("| db-7") for k in result.chunks) < TABLE.count("| db-7")
     for k in result.chunks:
         assert k.text in TABLE
+
+
+def test_one_repeating_seam_keeps_only_its_own_windows_apart():
+    """A repeating seam kept its whole connected set of windows apart: 41 windows of a
+    log with one run of repeated lines came out as 41 chunks (16,243 bytes for a
+    12,243-byte source).  Now only that seam's edge is dropped: two chunks, each text
+    of the source, together the whole of it (review)."""
+    from promptsplice.dedup import dedup
+
+    def uniq(a, b):
+        return "".join(f"line {i} value {i * 7919 % 10007}\n" for i in range(a, b))
+
+    src = uniq(0, 300) + "WARN disk latency high on /dev/sda\n" * 12 + uniq(300, 600)
+    wins = [{"id": f"w{i}", "text": src[i : i + 400], "metadata": {"source": "log"}} for i in range(0, len(src), 300)]
+    assert len(wins) == 41
+    texts = [c.text for c in dedup(wins).chunks]
+    assert len(texts) == 2 and all(t in src for t in texts)
+    assert src.startswith(texts[0]) and src.endswith(texts[1])
+    assert len(texts[0]) + len(texts[1]) - len(src) == 100  # the one seam left: its windows' overlap, kept twice
