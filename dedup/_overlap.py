@@ -408,8 +408,10 @@ def _placed_members(starts: dict, group: list[KeptChunk], chain_: list[tuple[int
 
 def _merged_start(placed: list, keeper: KeptChunk, data: bytes) -> int | None:
     """Where the merged text starts in its source: the keeper's start less the
-    characters before it; None if the keeper has none, or another member's start
-    disagrees (a merge that cannot be placed)."""
+    characters before it; None if the keeper or the first or last member has none (its
+    seam may be a coincidence: a published offset is taken as certain by the next
+    dedup; one between two placed members is placed by them) or a member disagrees (a
+    merge that cannot be placed)."""
     chars: dict[int, int] = {}  # byte offset -> characters before it, in one pass
     done = count = 0
     for off in sorted({offset for _, offset, _ in placed}):
@@ -423,6 +425,9 @@ def _merged_start(placed: list, keeper: KeptChunk, data: bytes) -> int | None:
                 return None
             start = s - chars[offset]
     if start is None or start < 0:
+        return None
+    ends = sorted(placed, key=lambda p: p[1])
+    if ends[0][2] is None or ends[-1][2] is None:  # an end without one may have met the rest by chance
         return None
     for k, offset, s in placed:
         if s is not None and s != start + chars[offset]:

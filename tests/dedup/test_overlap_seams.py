@@ -347,3 +347,22 @@ def test_one_repeating_seam_keeps_only_its_own_windows_apart():
     assert len(texts) == 2 and all(t in src for t in texts)
     assert src.startswith(texts[0]) and src.endswith(texts[1])
     assert len(texts[0]) + len(texts[1]) - len(src) == 100  # the one seam left: its windows' overlap, kept twice
+
+
+def test_a_merge_with_a_window_without_offset_publishes_no_offset():
+    """A window without ``start_index`` met a placed one by chance (a sentence repeated
+    in the source): the merged chunk published the placed window's offset moved back,
+    0, where the source does not hold its text, and a second dedup takes a published
+    offset as certain (review)."""
+    from promptsplice.dedup import dedup
+
+    rep = "The quick brown fox jumps over the lazy dog near the riverbank at dawn.\n"
+    src = ("intro text one two three four five six seven eight nine ten\n" + rep
+           + "first follow-up paragraph with unique words alpha beta gamma\n" + "middle filler " * 20
+           + "\nlate section lorem ipsum dolor sit amet consectetur\n" + rep + "tail words\n")
+    p0, p1 = src.index(rep), src.rindex(rep)
+    (chunk,) = dedup([
+        {"id": "P", "text": src[p0 : p0 + 150], "metadata": {"source": "d", "start_index": p0}},
+        {"id": "U", "text": src[p1 - 60 : p1 + len(rep)], "metadata": {"source": "d"}},
+    ]).chunks
+    assert chunk.metadata == {"source": "d", "start_index": None}
