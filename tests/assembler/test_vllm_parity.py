@@ -235,8 +235,8 @@ def vllm_render():
     """``messages -> text`` through vLLM's chat path: ``parse_chat_messages`` (content
     parsing, ``_postprocess_messages``) in the content format vLLM detects for the
     template, then ``safe_apply_chat_template``, with the default model's tokenizer."""
-    chat_utils = pytest.importorskip("vllm.renderers.chat_utils")
-    hf_renderer = pytest.importorskip("vllm.renderers.hf")
+    import vllm.renderers.chat_utils as chat_utils  # installed with the project: never a skip
+    import vllm.renderers.hf as hf_renderer
     from transformers import AutoTokenizer
     from vllm.config import ModelConfig
 
