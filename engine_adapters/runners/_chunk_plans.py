@@ -189,6 +189,9 @@ class PicChoice(NamedTuple):
     the deviation guard is expected to add included), the rest not relocated."""
     exact_tokens: int
     """One plain request under the tenant's salt (prefix cache and store hits only)."""
+    precompute: bool = True
+    """The plan precomputes the missing chunks (``False``: computes them where they
+    stand, behind relocated KV: cheaper now, but they are then not stored exact)."""
 
     @property
     def pays(self) -> bool:
@@ -460,6 +463,7 @@ def plan_chunk_phases(
     min_group_blocks: int = 1,
     probe: bool = False,
     continue_runs: bool = True,
+    scope: bool = False,
 ) -> list[SplicePhase]:
     """The requests of a position-independent prompt (pure; see the module doc).
 
@@ -470,7 +474,9 @@ def plan_chunk_phases(
     first ``recompute_blocks`` blocks, which are computed (``probe``: and compared with
     the chunk's stored KV by the connector, ``BlockDeviation``), unless the chunk
     continues its source run (:func:`continued_chunks`: all of it loaded;
-    ``continue_runs=False``: never).  Raises
+    ``continue_runs=False``: never).  ``scope``: the requests' salt is a reuse salt
+    whose store chains may hold approximate KV (the connector then saves what each
+    request loads and computes under it, :class:`SplicePlan.scope`).  Raises
     :class:`~promptsplice.errors.InputError` for chunks that are not sorted, not whole
     blocks, overlapping, or not followed by at least one token.
     """
@@ -507,7 +513,7 @@ def plan_chunk_phases(
         segs.append(SpliceSegment(a, (c.end - a) // bs, c.start - c.source.start, parent))
     return plan_segment_phases(
         segs, len(toks), block_size=bs, hit=hit, src_salt=src_salt, min_group_blocks=min_group_blocks,
-        probes=probes,
+        probes=probes, scope=scope,
     )
 
 

@@ -17,29 +17,32 @@ How a request runs (``position_independent``):
    index maps the key to where the chunk's exact KV lives in the store (the chain
    parent and position it was computed at); every lookup checks the store, so an
    evicted or damaged chunk answers :attr:`ChunkStatus.STALE`, never a load.
-3. Chunks the index lacks are *precomputed*: one exact request, under the tenant's
-   salt, holding the system/tool head and the missing chunks after it in prompt order
-   (``precompute="packed"``; the head hits the prefix cache).  The connector saves
-   their blocks like any exact prefill, and the index records them.  Why not compute
-   new chunks inline behind the relocated ones (one request fewer): their KV would
-   then have attended to relocated, approximate KV, so it could not be stored as exact
-   and the chunk could never be relocated later; precomputing costs the same prefill
-   plus one request and keeps the store exact.  ``precompute="standalone"`` (one
-   request per chunk, each right after the head, as CacheBlend and EPIC precompute
-   chunks) is not the default: a chunk that attended to other retrieved text carries
-   KV closer to its next use than one that saw only the system prompt (README, "Beyond
-   prefix caching", for the measured KL of both and of the orders tried).
+3. Chunks the index lacks are *precomputed* or *computed where they stand*.  A
+   precompute is one exact request, under the tenant's salt, holding the system/tool
+   head and the missing chunks after it in prompt order (``precompute="packed"``; the
+   head hits the prefix cache): the connector saves their blocks like any exact
+   prefill, and the index records them, so later requests relocate them.  Computed
+   where they stand (inline), they cost no request and no recomputed block of their
+   own, but attended to relocated KV, so they are neither stored as exact nor indexed.
+   ``precompute="standalone"`` (one request per chunk, each right after the head, as
+   CacheBlend and EPIC precompute chunks) is not the default: a chunk that attended
+   to other retrieved text carries KV closer to its next use than one that saw only
+   the system prompt (README, "Beyond prefix caching", for the measured KL of both and
+   of the orders tried).
    Before any precompute, :class:`GuardRates` (:func:`pic_choice`) predicts the prefill
-   of that plan (the precompute, each run's recomputed blocks, what the guard is
+   of both plans (the precompute, each run's recomputed blocks, what the guard is
    expected to add at the runner's measured trip rates) against one exact request of
    the same tokens under the tenant's salt (its prefix cache, the store's exact
-   blocks); unless the plan computes fewer, the request goes out exact
-   (``StepFallback.NO_GAIN``: new chunks, short chunks that start no run, exact
-   repeats).  Every exact request indexes its chunks that stand on whole blocks (exact
-   KV, saved by the connector), so a chunk first seen in one is later relocated from
-   there with no precompute at all: with ``exact_alignment="all"`` every chunk; under
-   the default ``"auto"`` only those its layout padded, usually none, so a runner whose
-   chunk sets are all new stays exact (README, "Results on vLLM: the trace suite").
+   blocks).  The cheapest wins, the precompute on a tie; unless a plan computes fewer
+   than the exact request, the request goes out exact (``StepFallback.NO_GAIN``: new
+   chunks, short chunks that start no run, exact repeats).  (The precompute was the
+   only way until 2026-12-07; it computes a chunk's first ``r`` blocks twice, and the
+   guard trips far more often at a just-precomputed chunk: 10 of 10 on wiki.)  Every
+   exact request indexes its chunks that stand on whole blocks (exact KV, saved by
+   the connector), so a chunk first seen in one is later relocated from there with no
+   precompute at all: with ``exact_alignment="all"`` every chunk; under the default
+   ``"auto"`` only those its layout padded, usually none, so a runner whose chunk sets
+   are all new stays exact (README, "Results on vLLM: the trace suite").
 4. The prompt is sent under the reuse salt with a splice plan: the head (loaded from
    the tenant's exact blocks on the salt's first use) and every chunk, each from its
    own source, re-rotated by its position delta.  Only the query is prefilled.  With
@@ -53,10 +56,15 @@ How a request runs (``position_independent``):
 Isolation: requests that reuse approximate KV run under a *reuse salt* derived from
 the tenant's salt and the fidelity settings (``RagRunner.reuse_salt_for``), so vLLM
 files the spliced blocks where only position-independent requests of the same tenant
-at the same settings meet them; exact requests of the tenant never do.  Under tenant salts the store keeps exact blocks only (the
-connector saves nothing a relocating request computes); a plain phase of a
-position-independent request may save blocks under the reuse salt, where again only
-the tenant's position-independent requests reach them.
+at the same settings meet them; exact requests of the tenant never do.  Under tenant
+salts the store keeps exact blocks only.  A position-independent request's plans are
+scoped to the reuse salt (:attr:`SplicePlan.scope`): the connector saves what they load
+and compute under it, where again only the tenant's position-independent requests at
+those settings reach them.  So a prompt asked again after vLLM's cache lost it loads
+whole from the store, as the exact request's re-ask does from the tenant's chain (the
+reuse salt's stored prefix counts as the request's hit); without that, PIC lost to its
+exact store control on wiki's re-asks (2026-12-07: 58,689 against 53,857 prefill tokens
+at 200 requests).
 
 **Over a server** (:class:`~promptsplice.engine_adapters.RemoteEngine` on a ``vllm
 serve`` that loads the splice connector): the same code path.  The chunk index lives
@@ -83,7 +91,7 @@ whole-block layout does not fit the context, where the exact layout (``auto``) d
 goes out in that layout (``StepFallback.TOO_LONG``); only its chunks that are whole
 blocks there are indexed.
 
-Kept as one module (~620 lines): one request's gate, precompute, plan, guard and
+Kept as one module (~660 lines): one request's gate, precompute, plan, guard and
 what it learns run under the runner's lock on the runner's state (its index, its
 learnt rates per setting); the pure parts live in
 :mod:`~promptsplice.engine_adapters.runners._chunk_plans`.
@@ -110,6 +118,7 @@ from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkSource,
     ChunkStatus,
     GuardRates,
+    PicChoice,
     chunk_list,
     computed_chunk_tokens,
     continued_chunks,
@@ -146,6 +155,8 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+_TENANT = object()
+"""``_exact_chain``'s default salt: the runner's tenant salt."""
 
 RELOCATE_CHOICES = ("when_it_pays", "always")
 """``RagRunner(relocate=...)``: relocate only when :func:`pic_choice` predicts fewer tokens computed than
@@ -228,7 +239,9 @@ class RagRunner:
     per request too; ``recompute_blocks`` (when given) overrides the level's.
     ``relocate``: ``"when_it_pays"`` (default: a request whose plan is predicted to
     compute no fewer tokens than one exact request is sent exact under the tenant's
-    salt, ``StepFallback.NO_GAIN``) or ``"always"``.  ``exact_alignment``: the layout
+    salt, ``StepFallback.NO_GAIN``; the gate also picks whether missing chunks are
+    precomputed or computed where they stand) or ``"always"`` (relocate, and precompute
+    every missing chunk).  ``exact_alignment``: the layout
     of those exact requests: ``"auto"`` (default: the exact runner's, so the gate never
     prefills more than exact assembly) or ``"all"`` (whole-block chunks, indexed where
     they stand: later relocations need no precompute; pays on long chunks, README).
@@ -436,17 +449,26 @@ class RagRunner:
         head_end = chunk_segs[0].start if chunk_segs else 0
         outs: list[Completion] = []
 
-        # Which chunks behind the hit are stored; precompute the others (exactly).  The
+        # Which chunks behind the hit are stored; precompute the others (exactly) or
+        # compute them where they stand, whichever the gate predicts cheaper.  The
         # exact alternative under the tenant's salt: the exact runner's layout ("auto":
         # no padding where reuse cannot pay) or whole-block chunks ("all": indexed where
         # they stand, relocatable later without a precompute).  One store query for all.
         # (chunks of at most r blocks move only where they continue a stored run: never precomputed)
-        todo = [s for s in chunk_segs if s.end > hit]
         # (it fits: whole-block chunks, as in ``prompt``, or fewer padded blocks)
         exact = asm.preview(chunks, salt=self.salt, alignment=self.exact_alignment, **what) if gate else None
-        also = [self._exact_chain(toks), self._exact_chain(exact.token_ids)] if exact is not None else []
-        looks, stored = self.index.lookup_many([toks[s.start : s.end] for s in todo], salt=self.salt, also=also)
-        found = {s.start: look for s, look in zip(todo, looks)}
+        # the store's blocks of this very prompt under the reuse salt (an earlier request
+        # of these tokens at these settings saved them: re-asks) load as offload hits
+        # behind vLLM's hit; the chunks they cover are not relocated
+        also = [self._exact_chain(toks, salt)]
+        if exact is not None:
+            also += [self._exact_chain(toks), self._exact_chain(exact.token_ids)]
+        cands = [s for s in chunk_segs if s.end > hit]
+        looks, stored = self.index.lookup_many([toks[s.start : s.end] for s in cands], salt=self.salt, also=also)
+        reuse_hit, stored = stored[0] * bs, stored[1:]
+        hit = max(hit, reuse_hit)
+        found = {s.start: look for s, look in zip(cands, looks)}
+        todo = [s for s in cands if s.end > hit]
         missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT and (s.end - s.start) // bs > r]
         groups = [[s] for s in missing] if self.precompute == "standalone" else [missing] if missing else []
         if exact is not None:
@@ -457,18 +479,35 @@ class RagRunner:
                 _, srcs = precompute_sources(toks, head_end, [(s.start, s.end) for s in group], block_size=bs, salt=self.salt)
                 will += [ChunkPlacement(s.start, s.end, src) for s, src in zip(group, srcs, strict=True)]
             will.sort(key=lambda c: c.start)
-            predict = functools.partial(
-                pic_choice, len(toks), hit, head_end, [(c.start, c.end) for c in will], [(s.start, s.end) for s in missing],
+            common = dict(
                 # the head loads from the store only: the tenant's vLLM cache is under
                 # another salt than the plan's (counting it predicted too little prefill)
                 head_hit=stored[0] * bs,
                 exact_tokens=n_exact - self._exact_hit(exact.token_ids, stored[1], exact),
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
-                continued=self._continued(toks, will, head_end, r, cfg.level),
             )
+            with_pre = functools.partial(
+                pic_choice, len(toks), hit, head_end, [(c.start, c.end) for c in will], [(s.start, s.end) for s in missing],
+                continued=self._continued(toks, will, head_end, r, cfg.level), **common,
+            )
+            known = [c for c in will if found[c.start].source is not None]
+            inline = functools.partial(
+                pic_choice, len(toks), hit, head_end, [(c.start, c.end) for c in known], [],
+                continued=self._continued(toks, known, head_end, r, cfg.level), **common,
+            )
+
+            def predict(extra_blocks: tuple[float, float] = (0.0, 0.0)) -> PicChoice:
+                a = with_pre(extra_blocks=extra_blocks)
+                if not missing:
+                    return a
+                b = inline(extra_blocks=extra_blocks)
+                return a if a.pic_tokens <= b.pic_tokens else b._replace(precompute=False)
+
             rates = self._guards.setdefault(cfg, GuardRates())
-            choice = rates.choose(lambda x: predict(extra_blocks=x)) if cfg.run_max_deviation else predict()
+            choice = rates.choose(predict) if cfg.run_max_deviation else predict()
             why = None if choice.pays else StepFallback.NO_GAIN  # one exact request computes no more
+            if why is None and not choice.precompute:
+                missing, groups = [], []
             if why is None:
                 prompt = asm.assemble(chunks, salt=salt, **what)  # what the preview showed ...
                 if prompt.token_ids != toks:
@@ -503,7 +542,8 @@ class RagRunner:
             found.update((s.start, look) for s, look in zip(missing, looks))
 
             # The precompute ran under the tenant's salt and may have evicted blocks.
-            hit = round_down(min(asm.mirror.predict(prompt.block_hashes, len(toks)).cached_tokens, hit), bs)
+            local = asm.mirror.predict(prompt.block_hashes, len(toks)).cached_tokens
+            hit = round_down(max(min(local, hit), min(reuse_hit, hit)), bs)
 
         placed = []
         for s in todo:
@@ -516,7 +556,7 @@ class RagRunner:
             phases = plan_chunk_phases(
                 toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
                 src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=cfg.run_max_deviation is not None,
-                continue_runs=self.recompute_at_for(cfg.level) == "run",
+                continue_runs=self.recompute_at_for(cfg.level) == "run", scope=True,
             )
         except InputError as exc:  # never splice a plan that does not fit the prompt
             _log.warning("rag runner: %s; plain request", exc)
@@ -571,11 +611,12 @@ class RagRunner:
         return continued_chunks(toks, chunks, block_size=self.engine.block_size, head_end=head_end, src_salt=self.salt,
                                 recompute_blocks=r)
 
-    def _exact_chain(self, toks: Sequence[int]) -> tuple[list[BlockRef], str | None]:
-        """The store chain a plain request of ``toks`` under the tenant's salt could load
-        (its full blocks but the last token's)."""
+    def _exact_chain(self, toks: Sequence[int], salt: Any = _TENANT) -> tuple[list[BlockRef], str | None]:
+        """The store chain a plain request of ``toks`` under ``salt`` (default the
+        tenant's) could load (its full blocks but the last token's)."""
         bs = self.engine.block_size
-        return chain_refs(list(toks[: cacheable_blocks(len(toks), bs) * bs]), bs, salt=self.salt), self.salt
+        salt = self.salt if salt is _TENANT else salt
+        return chain_refs(list(toks[: cacheable_blocks(len(toks), bs) * bs]), bs, salt=salt), salt
 
     def _exact_hit(self, toks: Sequence[int], stored_blocks: int, prompt: AssembledPrompt | None = None) -> int:
         """Tokens one plain request of ``toks`` under the tenant's salt would not compute:

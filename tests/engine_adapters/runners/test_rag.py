@@ -596,6 +596,30 @@ def test_exact_requests_of_the_tenant_never_meet_relocated_kv(kv_engine, pic):
     assert worker.stats.relocated_blocks == moved
 
 
+def test_a_relocating_request_leaves_its_kv_in_the_store_for_its_reask(kv_engine, pic):
+    """A relocating request saves what it loads and computes under the reuse salt, so
+    the same prompt asked again after vLLM's cache lost it loads it all in one request
+    (an exact request saves its whole chain too: PIC lost to its store control on wiki
+    re-asks, 2026-12-07, because its relocated prompts were recomputed at every re-ask)."""
+    pic.run(docs("amazon", "paris"), query="Where is the Louvre?", system=SYSTEM, max_tokens=1)
+    step = pic.run(docs("paris", "amazon"), query="Which country holds most of the Amazon?", system=SYSTEM,
+                   max_tokens=1)
+    assert step.relocated_chunks == 2 and step.relocated_tokens > 0 and step.requests == 1
+    kv_engine.reset_prefix_cache()  # vLLM's cache and its mirror forget; the store keeps
+    before = kv_engine.counters()
+    again = pic.run(docs("paris", "amazon"), query="Which country holds most of the Amazon?", system=SYSTEM,
+                    max_tokens=1)
+    n = again.prompt_tokens
+    assert again.prompt.token_ids == step.prompt.token_ids
+    loaded = (n - 1) // 32 * 32  # every block but the one holding the last token
+    assert (again.requests, again.precomputed_tokens, again.relocated_tokens) == (1, 0, 0)
+    assert again.prefill_tokens == n - loaded
+    assert kv_engine.counters().since(before).external_hits == loaded
+    # the KV it was served is the first ask's, relocated: it reports the asked level
+    assert again.salt == pic.reuse_salt and again.fidelity is FidelityLevel.BOUNDED
+    assert again.completion.token_ids == step.completion.token_ids
+
+
 def test_a_chunk_evicted_from_the_store_is_precomputed_again(kv_engine, pic):
     first = pic.run(docs("everest", "amazon"), query="q1", system=SYSTEM, max_tokens=1)
     seg = chunk_segments(first)["amazon"]
@@ -741,6 +765,16 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     assert again.fallback is StepFallback.NO_GAIN and again.prefill_tokens <= 32
     assert again.recomputed_tokens == 0  # every stored chunk came from the cache: none computed
     assert all(0 <= st.recomputed_tokens <= st.prefill_tokens for st in (step, first, second, again))
+    # stored chunks around a new one: the new chunk is computed where it stands (a
+    # precompute would compute it once more for its recomputed block, and the guard
+    # trips far more often at precomputed chunks: 10 of 10 on wiki, 2026-12-07); it
+    # then attended to relocated KV, so it is not indexed
+    third = runner.run(long_docs("nile", "amazon", "paris", "everest"), query="q3", system=SYSTEM, max_tokens=1)
+    assert third.fallback is None and third.precomputed_tokens == 0 and third.relocated_chunks == 3
+    segs3 = chunk_segments(third)
+    new = segs3["amazon"]
+    assert runner.index.lookup(third.prompt.token_ids[new.start : new.end], salt=runner.salt).status is ChunkStatus.MISS
+    assert third.prefill_tokens >= new.end - new.start
     with pytest.raises(ConfigError, match="relocate must be"):
         RagRunner(kv_engine, mode="position_independent", relocate="sometimes")
     with pytest.raises(ConfigError, match="exact_alignment must be"):
