@@ -70,7 +70,8 @@ at 200 requests).
 serve`` that loads the splice connector): the same code path.  The chunk index lives
 in the client, the store in the server, asked by one store query per lookup round
 (:meth:`~promptsplice.engine_adapters.RemoteEngine.match_chains`): one for every chunk
-behind the hit and both exact alternatives, one more after a precompute; at ``exact``
+behind the hit, the prompt's reuse-salt chain and both exact alternatives, one more
+after a precompute; at ``exact``
 fidelity one, only when the index holds one of the chunks.  Plans go out as
 ``kv_transfer_params``, probe deviations come back in the acks; the hit prediction is
 the client-side mirror's (exact while the runner's client is the server's only user).
@@ -521,7 +522,9 @@ class RagRunner:
                 out = eng.generate(exact, **gen)
                 self._index_chunks(exact.token_ids, [s for s in exact.segments if s.kind is SegmentKind.CHUNK])
                 step = self._step(exact, [out], out, t0, t_send, self.salt, 0, 0, 0, why)
-                stored = {s.chunk_ids for s in todo if found[s.start].status is ChunkStatus.HIT}
+                # (every chunk behind vLLM's hit: the exact request computes those the
+                # reuse salt's stored prefix covers too)
+                stored = {s.chunk_ids for s in cands if found[s.start].status is ChunkStatus.HIT}
                 step.recomputed_tokens = computed_chunk_tokens(exact, stored, step.cached_tokens)
                 return step
         precomputed = 0

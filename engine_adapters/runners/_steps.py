@@ -14,7 +14,8 @@ Token counts mean the same on :class:`~promptsplice.engine_adapters.RagStep` and
   another context: at another position than it was computed at (keys re-rotated), or
   in place after other tokens (a same-length edit or chunk before it); approximate
   deep layers either way (``_plans.in_place_blocks`` tells the exact ones apart),
-  counted by the connector;
+  counted by the connector (not what a derived salt's cache or store serves of the
+  step's own prompt: an earlier step's relocated KV there is reported by ``fidelity``);
 * ``planned_relocated_tokens``: what the step's plan asked the connector to relocate
   (:func:`planned_relocated_tokens`); below it, the store did not serve some blocks
   and vLLM computed them (exact);
