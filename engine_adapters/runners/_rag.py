@@ -37,18 +37,19 @@ How a request runs (``position_independent``):
    than the exact request, the request goes out exact (``StepFallback.NO_GAIN``: new
    chunks, short chunks that start no run, exact repeats).  (The precompute was the
    only way until 2026-12-07; it computes a chunk's first ``r`` blocks twice, and the
-   guard trips far more often at a just-precomputed chunk: 10 of 10 on wiki.)  Every
+   guard trips far more often at a just-precomputed chunk: 7 of 7 on wiki.)  Every
    exact request indexes its chunks that stand on whole blocks (exact KV, saved by
    the connector), so a chunk first seen in one is later relocated from there with no
    precompute at all: with ``exact_alignment="all"`` every chunk; under the default
    ``"auto"`` only those its layout padded, usually none, so a runner whose chunk sets
    are all new stays exact (README, "Results on vLLM: the trace suite").
 4. The prompt is sent under the reuse salt with a splice plan: the head (loaded from
-   the tenant's exact blocks on the salt's first use) and every chunk, each from its
-   own source, re-rotated by its position delta.  Only the query is prefilled.  With
-   ``recompute_blocks=r`` the first ``r`` blocks of each run are computed instead
-   (they then attend to their real neighbours: EPIC's attention-sink fix); a chunk
-   stored right behind the chunk now before it continues that run
+   the tenant's exact blocks on the salt's first use; with it every leading chunk the
+   tenant's store holds in this very order, where an exact request left them) and
+   every other chunk, each from its own source, re-rotated by its position delta.
+   Only the query is prefilled.  With ``recompute_blocks=r`` the first ``r`` blocks of
+   each run are computed instead (they then attend to their real neighbours: EPIC's
+   attention-sink fix); a chunk stored right behind the chunk now before it continues that run
    (:func:`~._chunk_plans.continued_chunks`).  vLLM only
    extends its prefix hit contiguously, so each run behind a recomputed block needs
    a request of its own (:func:`~promptsplice.engine_adapters.connector._plans.plan_segment_phases`).
@@ -92,7 +93,7 @@ whole-block layout does not fit the context, where the exact layout (``auto``) d
 goes out in that layout (``StepFallback.TOO_LONG``); only its chunks that are whole
 blocks there are indexed.
 
-Kept as one module (~660 lines): one request's gate, precompute, plan, guard and
+Kept as one module (~680 lines): one request's gate, precompute, plan, guard and
 what it learns run under the runner's lock on the runner's state (its index, its
 learnt rates per setting); the pure parts live in
 :mod:`~promptsplice.engine_adapters.runners._chunk_plans`.
@@ -461,15 +462,21 @@ class RagRunner:
         # the store's blocks of this very prompt under the reuse salt (an earlier request
         # of these tokens at these settings saved them: re-asks) load as offload hits
         # behind vLLM's hit; the chunks they cover are not relocated
-        also = [self._exact_chain(toks, salt)]
+        also = [self._exact_chain(toks, salt), self._exact_chain(toks)]
         if exact is not None:
-            also += [self._exact_chain(toks), self._exact_chain(exact.token_ids)]
+            also.append(self._exact_chain(exact.token_ids))
         cands = [s for s in chunk_segs if s.end > hit]
         looks, stored = self.index.lookup_many([toks[s.start : s.end] for s in cands], salt=self.salt, also=also)
         reuse_hit, stored = stored[0] * bs, stored[1:]
         hit = max(hit, reuse_hit)
+        # the tenant's store holds this prompt's leading blocks (an exact request of the
+        # same chunks in the same order saved them): the plan loads its chunks up to the
+        # last chunk boundary there exactly, as it loads the head, instead of relocating
+        # them (until 2026-12-07 only the head: a request whose first chunks an exact one
+        # had sent recomputed r blocks of each and risked the guard on exact KV)
+        lead = max([head_end] + [s.end for s in chunk_segs if s.end <= stored[0] * bs])
         found = {s.start: look for s, look in zip(cands, looks)}
-        todo = [s for s in cands if s.end > hit]
+        todo = [s for s in cands if s.end > max(hit, lead)]
         missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT and (s.end - s.start) // bs > r]
         groups = [[s] for s in missing] if self.precompute == "standalone" else [missing] if missing else []
         if exact is not None:
@@ -488,13 +495,13 @@ class RagRunner:
                 recompute_blocks=r, block_size=bs, min_group_blocks=self.min_group_blocks,
             )
             with_pre = functools.partial(
-                pic_choice, len(toks), hit, head_end, [(c.start, c.end) for c in will], [(s.start, s.end) for s in missing],
-                continued=self._continued(toks, will, head_end, r, cfg.level), **common,
+                pic_choice, len(toks), hit, lead, [(c.start, c.end) for c in will], [(s.start, s.end) for s in missing],
+                continued=self._continued(toks, will, lead, r, cfg.level), **common,
             )
             known = [c for c in will if found[c.start].source is not None]
             inline = functools.partial(
-                pic_choice, len(toks), hit, head_end, [(c.start, c.end) for c in known], [],
-                continued=self._continued(toks, known, head_end, r, cfg.level), **common,
+                pic_choice, len(toks), hit, lead, [(c.start, c.end) for c in known], [],
+                continued=self._continued(toks, known, lead, r, cfg.level), **common,
             )
 
             def predict(extra_blocks: tuple[float, float] = (0.0, 0.0)) -> PicChoice:
@@ -557,7 +564,7 @@ class RagRunner:
         fallback, recomputed = None, 0
         try:
             phases = plan_chunk_phases(
-                toks, placed, block_size=bs, hit=hit, head_end=head_end, recompute_blocks=r,
+                toks, placed, block_size=bs, hit=hit, head_end=lead, recompute_blocks=r,
                 src_salt=self.salt, min_group_blocks=self.min_group_blocks, probe=cfg.run_max_deviation is not None,
                 continue_runs=self.recompute_at_for(cfg.level) == "run", scope=True,
             )
@@ -567,7 +574,7 @@ class RagRunner:
         adapt = None if (dev := cfg.run_max_deviation) is None else AdaptiveRecompute(dev, toks, window=r, whole_run=True)
         if r and fallback is None:  # what r = 0 would have relocated, for the record
             try:
-                full = plan_chunk_phases(toks, placed, block_size=bs, hit=hit, head_end=head_end,
+                full = plan_chunk_phases(toks, placed, block_size=bs, hit=hit, head_end=lead,
                                          src_salt=self.salt, min_group_blocks=self.min_group_blocks)
                 recomputed = max(0, planned_relocated_tokens(full, toks, salt) - planned_relocated_tokens(phases, toks, salt))
             except InputError:
@@ -583,7 +590,7 @@ class RagRunner:
         # probed: past the hit, a run of its own (an unmeasured probe says nothing of it)
         if adapt is not None and fallback is None and r and not adapt.unmeasured:
             new, runs = {s.start for s in missing}, {g.dst_start for ph in phases if ph.plan for g in ph.plan.segments}
-            cont = self._continued(toks, placed, head_end, r, cfg.level)
+            cont = self._continued(toks, placed, lead, r, cfg.level)
             probed = [(c.start + r * bs, c.end, c.start in new) for c in placed
                       if hit <= c.start and c.start not in cont and c.start + r * bs in runs and c.end - c.start > r * bs]
             self._guards.setdefault(cfg, GuardRates()).observe(probed, adapt.deviated, bs)

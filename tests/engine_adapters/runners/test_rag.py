@@ -767,7 +767,7 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     assert all(0 <= st.recomputed_tokens <= st.prefill_tokens for st in (step, first, second, again))
     # stored chunks around a new one: the new chunk is computed where it stands (a
     # precompute would compute it once more for its recomputed block, and the guard
-    # trips far more often at precomputed chunks: 10 of 10 on wiki, 2026-12-07); it
+    # trips far more often at precomputed chunks: 7 of 7 on wiki, 2026-12-07); it
     # then attended to relocated KV, so it is not indexed
     third = runner.run(long_docs("nile", "amazon", "paris", "everest"), query="q3", system=SYSTEM, max_tokens=1)
     assert third.fallback is None and third.precomputed_tokens == 0 and third.relocated_chunks == 3
@@ -779,6 +779,33 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
         RagRunner(kv_engine, mode="position_independent", relocate="sometimes")
     with pytest.raises(ConfigError, match="exact_alignment must be"):
         RagRunner(kv_engine, mode="position_independent", exact_alignment="none")
+
+
+def test_chunks_the_tenant_stored_in_this_order_load_exactly_and_only_the_rest_relocates(kv_engine):
+    """The tenant's store holds the prompt's first chunks in this very order (an exact
+    request sent them): the plan loads them exactly, as it loads the head, and relocates
+    only what follows (until 2026-12-07 it relocated them too, each with its recomputed
+    blocks and the guard's risk, on pydocs 800 tokens more in 30 requests)."""
+    def long_docs(*names):
+        return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]} {DOCS[n]}"} for n in names]
+
+    runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
+                       policy="retrieval", recompute_blocks=1, exact_alignment="all", max_deviation=1.0)
+    first = runner.run(long_docs("paris", "nile"), query="q1", system=SYSTEM, max_tokens=1)
+    other = runner.run(long_docs("everest"), query="q2", system=SYSTEM, max_tokens=1)
+    assert first.fallback is other.fallback is StepFallback.NO_GAIN  # all new: exact, indexed
+    before = kv_engine.counters()
+    third = runner.run(long_docs("paris", "nile", "everest"), query="q3", system=SYSTEM, max_tokens=1)
+    segs = chunk_segments(third)
+    lead, ev = segs["nile"].end, segs["everest"]
+    assert third.prompt.token_ids[:lead] == first.prompt.token_ids[:lead]
+    assert third.fallback is None and third.salt == runner.reuse_salt
+    # the head, paris and nile from the tenant's exact blocks (delta 0, not relocated);
+    # everest from the other request, its first block recomputed
+    assert (third.relocated_chunks, third.precomputed_tokens, third.requests) == (1, 0, 2)
+    assert third.relocated_tokens == ev.end - ev.start - 32
+    assert third.prefill_tokens == 32 + query_tail(third)
+    assert kv_engine.counters().since(before).external_hits == lead + third.relocated_tokens
 
 
 def test_exact_mode_is_the_default_and_never_relocates(kv_engine):
