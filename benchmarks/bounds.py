@@ -20,6 +20,8 @@
   ``gap closed <= 1`` by construction (tested as a property over random traces, chunks
   with separators included).  With ``capacity_tokens`` the seen segments live in an LRU
   of that many tokens (a like-for-like reference, per segment only).
+* :func:`whole_block_segments`: a request's segments as a whole-block layout pads
+  them, for the oracle of such layouts (a reference: how much of a gap padding holds).
 * :func:`prefix_bound`: what block-granular prefix caches that never evict leave to
   prefill when requests go round robin to engines with caches of their own (``local``)
   or one shared between them (``shared``; with one engine, the floor of any routing
@@ -40,11 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from promptsplice.blocks import chain_hashes
+from promptsplice.blocks import chain_hashes, round_up
 from promptsplice.errors import PromptspliceError
 
 __all__ = [
-    "radix_prefill_tokens", "RadixPrefill", "OracleCounter", "floor_per_request", "bound_checks", "BoundError",
+    "radix_prefill_tokens", "RadixPrefill", "OracleCounter", "whole_block_segments", "floor_per_request",
+    "bound_checks", "BoundError",
     "BOUND_EXIT", "check_bounds", "prefix_bound",
 ]
 
@@ -221,6 +224,21 @@ class OracleCounter:
         total = max(total, 1)
         self.prefill_tokens += total
         return total
+
+
+def whole_block_segments(
+    segments: Sequence[tuple[bytes, Sequence[int] | int]], block_size: int
+) -> list[tuple[bytes, Sequence[int] | int]]:
+    """``segments`` (an :class:`OracleCounter` request) as a whole-block layout sends
+    them: every segment but the last (the query) padded to whole blocks, as a token count
+    (whole-segment reuse only).  Fed to an :class:`OracleCounter`, the exact-content
+    oracle of the layouts ``bench rag``'s store modes send with
+    ``--pic-exact-alignment all``: padding is prefill no reuse of whole-block chunks
+    avoids.  A reference, not a bound (a mode may send a chunk unpadded)."""
+    out: list[tuple[bytes, Sequence[int] | int]] = [
+        (digest, round_up(toks if isinstance(toks, int) else len(toks), block_size)) for digest, toks in segments[:-1]
+    ]
+    return out + list(segments[-1:])
 
 
 def floor_per_request(content: Sequence[int], *streams_prefill: Sequence[int]) -> int:

@@ -76,7 +76,8 @@ and share the store's budget.  Beside the modes::
 
     "store": {"predicted_cached_tokens", "measured_cached_tokens", "external_cached_tokens", "alignment",
               "kv_cache_blocks", "store_dram_bytes", "store_disk_bytes", "store_remote_bytes"}
-    "pic": {..., "gap_closed_vs_store"}   # share of the promptsplice_store -> oracle gap
+    "pic": {..., "gap_closed_vs_store",   # share of the promptsplice_store -> oracle gap
+            "gap_closed_vs_store_whole_block"}  # ... -> whole-block oracle gap (below)
 
 (the engine's mirror predicts its own prefix cache; the store adds the external hits).
 
@@ -97,6 +98,14 @@ one more reason they are checked against the unbounded bounds.  Per mode:
   trimmed segments anywhere is at least as good as a prefix hit);
 * ``promptsplice_pic``: the unbounded oracle (relocation reuses whole stored chunks at
   new positions, which the oracle already credits, and PIC counts its precompute).
+
+Beside them a reference that is no bound: ``oracle_whole_block_prefill_tokens``, the
+oracle with every segment but the query padded to whole blocks
+(:func:`~promptsplice.benchmarks.bounds.whole_block_segments`), as both store modes lay
+chunks out with ``--pic-exact-alignment all``.  The padding between it and the oracle
+is prefill that no reuse of whole-block chunks avoids, so
+``pic.gap_closed_vs_store_whole_block`` (PIC's share of the store -> whole-block oracle
+gap) says how much of what relocation could reach in that layout it reached.
 
 A mode that prefills fewer tokens than its bound is a bug in the bound or the bench:
 :func:`promptsplice.benchmarks.bounds.check_bounds` fails the bench (exit status
@@ -125,6 +134,7 @@ from promptsplice.benchmarks.bounds import (
     BoundError,
     OracleCounter,
     RadixPrefill,
+    whole_block_segments,
     bound_checks,
     check_bounds,
     floor_per_request,
@@ -337,7 +347,7 @@ def run_modes(
     }
 
     capacity = engine.usable_blocks * engine.block_size
-    radix, oracle = RadixPrefill(), OracleCounter()
+    radix, oracle, oracle_blocks = RadixPrefill(), OracleCounter(), OracleCounter()
     radix_cap, oracle_cap = RadixPrefill(capacity), OracleCounter(capacity)
     for comp in outs["naive"]:
         radix.add(comp.prompt_token_ids)
@@ -347,6 +357,7 @@ def run_modes(
         segs = _oracle_segments(asm, req)  # the trimmed segments (a preview: learns nothing)
         content.append(oracle.add(segs))
         oracle_cap.add(segs)
+        oracle_blocks.add(whole_block_segments(segs, engine.block_size))
     floor = _floor(content, outs)  # the prefix-caching modes so far; again once all ran
     report["radix_prefill_tokens"] = radix.prefill_tokens
     report["oracle_prefill_tokens"] = floor
@@ -356,6 +367,8 @@ def run_modes(
         "oracle_content_prefill_tokens": oracle.prefill_tokens,
         "radix_capacity_prefill_tokens": radix_cap.prefill_tokens,
         "oracle_capacity_prefill_tokens": oracle_cap.prefill_tokens,
+        # a reference: the oracle of whole-block layouts (padding no such reuse avoids)
+        "oracle_whole_block_prefill_tokens": oracle_blocks.prefill_tokens,
         "capacity_tokens": capacity,
         "kv_cache_blocks": engine.num_blocks,
     }
@@ -402,6 +415,8 @@ def run_modes(
             pic = report["modes"][PIC_MODE]["prefill_tokens"]
             report["pic"]["gap_closed"] = gap_closed(report["modes"]["naive"]["prefill_tokens"], pic, floor)
             report["pic"]["gap_closed_vs_store"] = gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], pic, floor)
+            report["pic"]["gap_closed_vs_store_whole_block"] = gap_closed(
+                report["modes"][STORE_MODE]["prefill_tokens"], pic, report["bounds"]["oracle_whole_block_prefill_tokens"])
     report["bounds"]["checks"] = mode_bounds(report)
     return report, outs
 
@@ -534,6 +549,9 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
         "gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill,
                                           report["oracle_prefill_tokens"]) if STORE_MODE in report["modes"] else None,
+        "gap_closed_vs_store_whole_block": gap_closed(
+            report["modes"][STORE_MODE]["prefill_tokens"], prefill, report["bounds"]["oracle_whole_block_prefill_tokens"]
+        ) if STORE_MODE in report["modes"] else None,
         "kv_cache_blocks": kv_engine.num_blocks,
         "store_dram_bytes": store.config.dram_bytes,
         # fidelity probes ran on this engine between its requests (traffic the store
@@ -588,11 +606,12 @@ def format_modes(report: dict[str, Any]) -> str:
     if PIC_MODE in report["modes"]:
         p, f = report["pic"], report["fidelity"]
         c = f["control"]
-        pg, ps = p["gap_closed"], p.get("gap_closed_vs_store")
+        pg, ps, pw = p["gap_closed"], p.get("gap_closed_vs_store"), p.get("gap_closed_vs_store_whole_block")
         lines.append(
             f"{PIC_MODE} (recompute_blocks={p['recompute_blocks']}): closes "
             f"{'n/a' if pg is None else f'{pg:.0%}'} of the naive->oracle gap and "
-            f"{'n/a' if ps is None else f'{ps:.0%}'} of the {STORE_MODE}->oracle gap; relocated "
+            f"{'n/a' if ps is None else f'{ps:.0%}'} of the {STORE_MODE}->oracle gap "
+            f"({'n/a' if pw is None else f'{pw:.0%}'} of the way to the whole-block oracle); relocated "
             f"{p['relocated_tokens']} tokens, precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests, "
             f"{p.get('exact_requests', 0)} requests sent exact (relocation would not pay)"
             + (f", {p['too_long_requests']} exact in the unpadded layout (whole-block chunks did not fit the context)"

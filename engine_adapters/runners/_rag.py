@@ -461,7 +461,8 @@ class RagRunner:
         exact = asm.preview(chunks, salt=self.salt, alignment=self.exact_alignment, **what) if gate else None
         # the store's blocks of this very prompt under the reuse salt (an earlier request
         # of these tokens at these settings saved them: re-asks) load as offload hits
-        # behind vLLM's hit; the chunks they cover are not relocated
+        # behind vLLM's hit; the chunks they cover are not relocated.  Then the tenant's
+        # chain of the prompt (its exact lead, below) and of the exact alternative.
         also = [self._exact_chain(toks, salt), self._exact_chain(toks)]
         if exact is not None:
             also.append(self._exact_chain(exact.token_ids))

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from promptsplice.benchmarks.assemble import bench_policies
-from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill, radix_prefill_tokens
+from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill, radix_prefill_tokens, whole_block_segments
 from promptsplice.benchmarks.traces import RagChunk, RagRequest
 
 
@@ -34,6 +34,18 @@ def test_oracle_credits_seen_segments_shared_prefixes_and_repeats():
     assert bounded.add([(b"a", [1, 2, 3]), (b"b", [4, 5, 6])]) == 6  # a is evicted (6 > 5)
     assert bounded.add([(b"a", [1, 2, 3])]) == 3
     assert bounded.add([(b"b", [4, 5, 6])]) == 3  # evicted by a's return
+
+
+def test_the_whole_block_oracle_pads_every_segment_but_the_query():
+    segs = [(b"s", [1, 2, 3]), (b"a", [4, 5, 6, 7, 8]), (b"q", [9, 10])]
+    assert whole_block_segments(segs, 4) == [(b"s", 4), (b"a", 8), (b"q", [9, 10])]
+    assert whole_block_segments([(b"q", [9])], 4) == [(b"q", [9])]
+    o, padded = OracleCounter(), OracleCounter()
+    assert padded.add(whole_block_segments(segs, 4)) == 4 + 8 + 2 > o.add(segs) == 10
+    # a seen segment is free in both; a new one that starts like a seen one pays in full
+    # once padded (whole-segment reuse only)
+    again = [(b"s", [1, 2, 3]), (b"b", [4, 5, 6, 0]), (b"q", [9, 10])]
+    assert padded.add(whole_block_segments(again, 4)) == 4 and o.add(again) == 1
 
 
 # -- the property ---------------------------------------------------------------------

@@ -82,7 +82,8 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at",
-                        "run_max_deviation", "guard", "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store", "probe_traffic"}
+                        "run_max_deviation", "guard", "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store",
+                        "gap_closed_vs_store_whole_block", "probe_traffic"}
     assert pic["run_max_deviation"] == 1.0  # the guard it ran with
     assert set(pic["guard"]) == {"stored", "precomputed", "refused_requests", "explored_requests"}
     assert all(set(pic["guard"][k]) == {"chunks", "trip_rate"} for k in ("stored", "precomputed"))
@@ -121,6 +122,11 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     else:  # the store at the oracle: no gap, unless PIC prefilled more (then its loss, negative)
         assert pic["gap_closed_vs_store"] == (round((store - pic_prefill) / max(store, 1), 4)
                                               if pic_prefill > store else None)
+    # the whole-block oracle: a reference between the oracle and the modes that pad chunks
+    whole = report["bounds"]["oracle_whole_block_prefill_tokens"]
+    assert report["bounds"]["oracle_content_prefill_tokens"] <= whole <= store
+    if store > whole:
+        assert pic["gap_closed_vs_store_whole_block"] == round((store - pic_prefill) / (store - whole), 4)
     assert "tokens prefilled" in proc.stdout
 
 

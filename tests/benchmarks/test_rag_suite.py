@@ -34,7 +34,9 @@ def _family_report(gap_vs_store, traffic):
                       "promptsplice_store": {"prefill_tokens": 400}, "promptsplice_pic": {"prefill_tokens": 300}},
             "bounds": {"radix_capacity_prefill_tokens": 600, "oracle_capacity_prefill_tokens": 200, "checks": checks},
             "mirror": {"predicted_cached_tokens": 1, "measured_cached_tokens": 1},
-            "pic": {"gap_closed": 0.7, "gap_closed_vs_store": gap_vs_store, "probe_traffic": traffic},
+            "pic": {"gap_closed": 0.7, "gap_closed_vs_store": gap_vs_store,
+                    "gap_closed_vs_store_whole_block": None if gap_vs_store is None else 2 * gap_vs_store,
+                    "probe_traffic": traffic},
             "fidelity": {"steps": 2 if traffic else 0}}
 
 
@@ -59,6 +61,10 @@ def test_a_family_whose_pic_ran_with_probe_traffic_is_left_out_of_pic_vs_store(m
     assert c["support"]["pic_gap_closed_vs_store"] is None and "probe traffic" in c["support"]["pic_gap_closed_vs_store_skipped"]
     assert c["tools"]["pic_gap_closed_vs_store"] == 0.4 and c["tools"]["pic_gap_closed_vs_store_skipped"] is None
     assert rep["worst"]["promptsplice_pic_vs_store"] == {"gap_closed": 0.4, "family": "tools"}
+    # the same share of the way to the whole-block oracle (a reference), skipped alike
+    assert c["support"]["pic_gap_closed_vs_store_whole_block"] is None
+    assert c["tools"]["pic_gap_closed_vs_store_whole_block"] == 0.8
+    assert rep["worst"]["promptsplice_pic_vs_store_whole_block"] == {"gap_closed": 0.8, "family": "tools"}
     assert rep["worst"]["promptsplice_pic"] == {"gap_closed": 0.7, "family": "support"}  # naive -> oracle: kept
     assert list(rep["pic_vs_store_skipped"]) == ["support"]
     text = rs.format_suite(rep)

@@ -803,8 +803,9 @@ def test_chunks_the_tenant_stored_in_this_order_load_exactly_and_only_the_rest_r
     # the head, paris and nile from the tenant's exact blocks (delta 0, not relocated);
     # everest from the other request, its first block recomputed
     assert (third.relocated_chunks, third.precomputed_tokens, third.requests) == (1, 0, 2)
-    assert third.relocated_tokens == ev.end - ev.start - 32
+    assert third.relocated_tokens == third.planned_relocated_tokens == ev.end - ev.start - 32
     assert third.prefill_tokens == 32 + query_tail(third)
+    assert third.recomputed_tokens == 32  # everest's first block; paris and nile were exact
     assert kv_engine.counters().since(before).external_hits == lead + third.relocated_tokens
 
 
