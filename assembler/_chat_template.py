@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from promptsplice.assembler._content_format import ContentFormat, detect_content_format
 from promptsplice.assembler._tokenizers import MARKUP_ESCAPE, Tokenizer
 from promptsplice.errors import (
     ConfigError,
@@ -184,9 +185,13 @@ class ChatTemplate:
         code = _jinja_code(source)
         self.native_tools = re.search(r"\btools\b", code) is not None
         self.native_tool_calls = re.search(r"\btool_calls\b", code) is not None
+        # vLLM's test (``_detect_developer_role_support``): a template that never quotes
+        # "developer" gets developer messages as system messages, merged into one first
+        self.knows_developer = '"developer"' in source or "'developer'" in source
         self._compiled: Any = None
         self._lock = threading.Lock()
         self._default_system: str | None | bool = False  # False: not derived yet
+        self._content_format: ContentFormat | None = None
 
     @classmethod
     def from_dir(cls, folder: str | Path) -> ChatTemplate:
@@ -283,6 +288,14 @@ class ChatTemplate:
                 f"chat template {self.name} cannot render these messages: {detail}; fix the template "
                 "or the messages"
             ) from exc
+
+    @property
+    def content_format(self) -> ContentFormat:
+        """``"openai"`` where the template loops over a message's content parts (it then
+        gets them as a list, as vLLM's chat endpoint hands them), else ``"string"``."""
+        if self._content_format is None:
+            self._content_format = detect_content_format(self._template().environment, self.source)
+        return self._content_format
 
     def default_system(self) -> str | None:
         """The system text the template inserts when the first message is not a system

@@ -32,8 +32,9 @@ Three policies, as real agents apply them:
   follow the assistant message.  An assistant message left with no call and no text is
   dropped too.
 * :class:`SummarizeTurns`: once the list is longer than ``max_messages``, the turns
-  after the leading system message and before the latest ``keep_recent`` messages are
-  replaced by one summary message from the user's ``summarize(messages) -> str``.  The
+  after the leading system (or developer) message and before the latest ``keep_recent``
+  messages are replaced by one summary message from the user's
+  ``summarize(messages) -> str``.  The
   stretch never ends on a tool output (a call and its output stay together).
   Summaries are memoized by the content of the stretch, so the next steps reuse the
   same summary (the same tokens) until the list outgrows ``max_messages`` again; then a
@@ -590,7 +591,7 @@ class SummarizeTurns:
             while 0 < head < len(messages) and messages[head].get("role") in self.tool_roles:
                 head += 1
             return head
-        return 1 if messages and messages[0].get("role") == "system" else 0
+        return 1 if messages and messages[0].get("role") in ("system", "developer") else 0
 
     def _can_end(self, messages: Sequence[Mapping[str, Any]], end: int) -> bool:
         """Whether a summary of ``messages[head:end]`` keeps the latest ``keep_recent``

@@ -2,7 +2,7 @@
 
 The template itself and the message helpers live in
 :mod:`promptsplice.assembler._chat_template`, the records in
-:mod:`promptsplice.assembler._render_types`.  Kept as one module (~630 lines): the piece
+:mod:`promptsplice.assembler._render_types`.  Kept as one module (~700 lines): the piece
 renders, their memo, the preamble split and the tools cut (checked by encoding) all work
 on one renderer's state (its template, tokenizer, escaping and memo).
 
@@ -52,8 +52,13 @@ Segments, in order:
   template ignores ``tool_call_id``/``name``.  Templates that render ``tool_calls``
   themselves get them as vLLM's chat endpoint passes them on
   (:func:`~._chat_template.template_calls`): JSON-text ``arguments`` parsed into the
-  object, ``{}`` where that is no JSON object.  Text parts of a content list are joined
-  with ``"\\n"``, empty ones left out, as vLLM joins them.
+  object, ``{}`` where that is no JSON object.  Content reaches the template in the form
+  vLLM's chat endpoint detects for it (:mod:`promptsplice.assembler._content_format`):
+  one text, the parts joined with ``"\\n"`` and empty ones left out, or, for a template
+  that loops over content parts (Gemma 3), the list of text parts.  Developer messages
+  follow vLLM's rule too: where the template never quotes ``"developer"``, they are system
+  messages and every system message merges into one in front (the others keep empty
+  segments); a system message's Claude Code billing-header line is left out.
 * ``GENERATION``: the generation prompt (``<|im_start|>assistant\\n``), never padded.
 
 Every segment is tokenized on its own (through the token cache) and the ids are
@@ -101,6 +106,7 @@ from promptsplice.assembler._chat_template import (
     template_for,
     tools_block,
 )
+from promptsplice.assembler._content_format import content_parts, strip_billing_header
 from promptsplice.assembler._directives import Diff, diff_renders
 from promptsplice.assembler._layout import LayoutBuilder, SegmentKind
 from promptsplice.assembler._ordering import AlignPolicy, parse_align
@@ -323,7 +329,7 @@ class ChatRenderer:
     ) -> list[_Piece]:
         """:meth:`pieces` as marked text (caller markup escaped, the template's raw)."""
         tmpl = self.template
-        norm, norm_plain = self._normalize(messages, tools)
+        norm, norm_plain, merged = self._normalize(messages, tools)
         native_tools = [_escaped(t, self._esc, self._esc_name) for t in tools] if (tools and tmpl.native_tools) else None
         msgs = [m for _, m in norm]
         try:
@@ -331,6 +337,11 @@ class ChatRenderer:
         except UnicodeEncodeError:
             raise _lone_surrogate(norm, tools) from None
         body = tmpl.render(msgs, tools=native_tools, add_generation_prompt=False)
+        if norm_plain is not None and TOOLS_HEADER not in body:
+            raise ConfigError(
+                f"chat template {tmpl.name} has no tools support and leaves out the system text promptsplice "
+                "puts the tools in; pass tools=None, or a template that renders tools or the system message"
+            )
         if "".join(texts) != body:
             texts = self._prefix_texts(msgs, native_tools, body)
         preamble, texts[0] = self._split_preamble(msgs[0], texts[0], native_tools)
@@ -342,6 +353,9 @@ class ChatRenderer:
             pieces.append((kind, idx, m["role"], text))
         if tools:
             pieces = self._cut_tools(pieces, norm, norm_plain, native_tools)
+        for i in merged:  # an empty segment where the caller put the message
+            at = next((k for k, p in enumerate(pieces) if p[1] is not None and p[1] > i), len(pieces))
+            pieces.insert(at, (SegmentKind.MESSAGE, i, "system", ""))
         if add_generation_prompt:
             full = tmpl.render(msgs, tools=native_tools, add_generation_prompt=True)
             if not full.startswith(body):
@@ -352,16 +366,30 @@ class ChatRenderer:
 
     def _normalize(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
-    ) -> tuple[list[tuple[int | None, dict[str, Any]]], dict[str, Any] | None]:
+    ) -> tuple[list[tuple[int | None, dict[str, Any]]], dict[str, Any] | None, list[int]]:
         """Validated messages in the form the template gets, each with its index in the
-        caller's list (``None`` for an added system message), and the first message
-        without the injected tools (``None`` when nothing was injected)."""
+        caller's list (``None`` for an added system message), the first message without
+        the injected tools (``None`` when nothing was injected), and the indices of the
+        system messages merged into the first one (their segments are empty)."""
         # the shared rules (InvalidMessageError, InvalidToolsError: InputErrors), as the hook's
         check_messages(messages, allow_empty=False)
         check_tools(tools)
         tmpl = self.template
+        # vLLM's chat endpoint renders a developer message as a system message where the
+        # template does not know the role, and then merges every system message into one
+        # in front ("\n\n" between the non-empty texts; the others keep no text)
+        convert = not tmpl.knows_developer and any(m["role"] == "developer" for m in messages)
+        openai = tmpl.content_format == "openai"
         out: list[tuple[int | None, dict[str, Any]]] = []
+        system_texts: list[str] = []
         for i, m in enumerate(messages):
+            if m["role"] == "system" and m.get("content") is not None:
+                m = {**m, "content": strip_billing_header(m["content"])}
+            elif convert and m["role"] == "developer":
+                m = {**{k: v for k, v in m.items() if k != "tools"}, "role": "system"}
+            if convert and m["role"] == "system":  # as vLLM joins them, in either format
+                system_texts.append(_content_text(m.get("content"), i) if not openai else "\n".join(
+                    p["text"] for p in content_parts(m.get("content"), i)))
             m = canonical_calls(m, i)
             calls = m.get("tool_calls")
             if calls:
@@ -377,32 +405,66 @@ class ChatRenderer:
                 # the calls as vLLM's chat endpoint passes them on: JSON-text arguments
                 # parsed (the template printed the text as a JSON string, escaped twice)
                 msg = _escaped(template_calls(m), self._esc, self._esc_name, i)
-                if msg.get("content") is None:
-                    msg["content"] = ""
-                elif not isinstance(m.get("content"), str):  # text parts: one text, as below
-                    msg["content"] = self._esc(_content_text(m.get("content"), i))
+                msg["content"] = self._content(m, i, None)
             else:
-                text = _content_text(m.get("content"), i)
-                if calls:
-                    lines = "\n".join(call_texts)
-                    text = f"{text}\n{lines}" if text else lines
                 # Every other key (name, tool_call_id, ...) is kept, as the template's own
                 # rendering sees it; only tool_calls, folded into the content, is dropped.
                 msg = _escaped({k: v for k, v in m.items() if k != "tool_calls"}, self._esc, self._esc_name, i)
-                msg["content"] = self._esc(text)
+                msg["content"] = self._content(m, i, "\n".join(call_texts) if calls else None)
             out.append((i, msg))
+        merged: list[int] = []
+        if convert:
+            at = [k for k, (i, _) in enumerate(out) if messages[i]["role"] in ("system", "developer")]
+            if at[-1] > 0:  # a system message after the first: one, in front
+                first = out[at[0]][0]
+                merged = [out[k][0] for k in at[1:]]  # type: ignore[misc]
+                text = "\n\n".join(t for t in system_texts if t)
+                one = (first, {"role": self._esc_name("system"), "content": self._esc(text)})
+                out = [one, *(e for k, e in enumerate(out) if k not in at)]
         plain: dict[str, Any] | None = None
         if tools and not tmpl.native_tools:
             block = tools_block(tools, self._esc)
             if out[0][1]["role"] == "system":
                 idx, first = out[0]
                 plain = first
-                out[0] = (idx, {**first, "content": _content_text(first.get("content"), 0) + block})
+                out[0] = (idx, {**first, "content": self._with_text(first["content"], block)})
             else:
                 default = Markup.trusted(tmpl.default_system() or "")
                 plain = {"role": "system", "content": default}
                 out.insert(0, (None, {"role": "system", "content": default + block}))
-        return out, plain
+        return out, plain, merged
+
+    def _content(self, m: Mapping[str, Any], i: int, calls: str | None) -> Any:
+        """Message ``i``'s content (marked) in the form the template gets it: one text
+        in vLLM's ``"string"`` format, a list of text parts in its ``"openai"`` format
+        (a tool output's text parts one text, as vLLM joins them).  ``calls``: the
+        calls' lines, on a line of their own after the content."""
+        content = m.get("content")
+        if self.template.content_format == "string":
+            text = _content_text(content, i)
+            return self._esc(f"{text}\n{calls}" if text and calls else text or calls or "")
+        parts = content_parts(content, i)
+        if m["role"] == "tool":
+            text = "\n".join(p["text"] for p in parts)
+            return self._esc(f"{text}\n{calls}" if text and calls else text or calls or "")
+        if calls:
+            if parts and parts[-1]["text"]:
+                parts[-1] = {**parts[-1], "text": f"{parts[-1]['text']}\n{calls}"}
+            else:
+                parts.append({"type": "text", "text": calls})
+        return _escaped(parts, self._esc, self._esc_name, i)
+
+    def _with_text(self, content: Any, marked: str) -> Any:
+        """``content`` (marked, in the template's form) with ``marked`` text after it: in
+        a part list, after the first part's text (the part every template prints: Gemma
+        3 prints only the first of a system message's)."""
+        if isinstance(content, str):
+            return content + marked
+        if not content:
+            return [{self._esc_name("type"): self._esc_name("text"), self._esc_name("text"): marked}]
+        first = content[0]
+        key = self._esc_name("text")
+        return [{**first, key: first[key] + marked}, *content[1:]]
 
     def _memo_get(self, key: tuple[bytes, ...], make: Callable[[], str]) -> str:
         with self._memo_lock:
@@ -596,7 +658,9 @@ def _insertion_point(with_text: str, without: str, prefer: str | None = None) ->
 #: the standard names (any other role is caller text: ``"start|>system"`` must not
 #: finish the ``<|im_`` a template starts).
 _NAME_VALUES = frozenset({"role", "type"})
-_STANDARD_NAMES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython", "tool_call"})
+_STANDARD_NAMES = frozenset({
+    "system", "developer", "user", "assistant", "tool", "function", "ipython", "tool_call", "text",
+})  # fmt: skip
 #: The keys templates look up (messages, calls, tool schemas, JSON Schema): fixed words,
 #: so their edges stay as they are; any other key (an argument's or a property's name,
 #: which a template may print raw: ``'<parameter=' + name + '>'``) is caller text.

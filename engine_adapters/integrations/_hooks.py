@@ -227,7 +227,7 @@ def items_to_chat(items: Sequence[Any], instructions: str | None) -> tuple[list[
         typ = it.get("type")
         role = it.get("role")
         if typ in (None, "message") and isinstance(role, str):
-            chat.append({"role": "system" if role == "developer" else role, "content": _item_text(it.get("content"))})
+            chat.append({"role": role, "content": _item_text(it.get("content"))})
             prov.append([*pending, i])
             pending = []
         elif typ == "function_call":

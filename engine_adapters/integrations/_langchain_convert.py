@@ -49,9 +49,8 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
     message's own dict: servers that number calls per turn (``call_0`` every turn) repeat
     a ``tool_call_id``, and marking every output of a failed call's id (as was done) made
     the policy drop the successful ones.  A
-    ``developer`` message becomes a ``system`` one, as OpenAI reads it (chat templates
-    know no developer role: it rendered as an untrained turn after the template's
-    default system prompt).
+    ``developer`` message stays one: the renderer gives it to the template as vLLM's
+    chat endpoint does (a ``system`` message where the template knows no developer role).
     ``origins``: a list to fill with each dict's message index (one message may give
     several dicts: a user message holding tool_result blocks)."""
     out: list[dict[str, Any]] = []
@@ -66,10 +65,8 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
                 if m.invalid_tool_calls:
                     _keep_invalid_calls(one[-1], m.invalid_tool_calls)
             failed = isinstance(m, ToolMessage) and getattr(m, "status", None) == "error"
-            for d in one:
-                if d.get("role") == "developer":
-                    d["role"] = "system"
-                elif failed and d.get("role") == "tool":
+            for d in one:  # a developer message stays one: the renderer applies vLLM's rule
+                if failed and d.get("role") == "tool":
                     d["status"] = "error"
             out.extend(one)
             origins.extend([i] * len(one))

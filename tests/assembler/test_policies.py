@@ -605,3 +605,14 @@ def test_the_summary_function_checks_its_options_like_the_policy():
         summarize_turns(msgs, 0, 2, "not callable")
     with pytest.raises(InputError, match="is_error_output takes a tool message"):
         is_error_output("Error: x")
+
+
+def test_a_summary_keeps_a_leading_developer_message_as_it_keeps_a_system_one():
+    """OpenAI's ``developer`` role is the instructions' role too: a summary swallowed it
+    (only a leading ``system`` message counted as the head)."""
+    for role in ("system", "developer"):
+        msgs = [{"role": role, "content": "Be terse."}] + [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(8)]
+        res = SummarizeTurns(lambda ms: "s", max_messages=5, keep_recent=2).apply(msgs)
+        assert res.messages[0] == {"role": role, "content": "Be terse."}
+        assert res.edits[0].old == (1, 7) and len(res.messages) == 4

@@ -14,6 +14,50 @@ import pytest
 
 from promptsplice.assembler import ChatRenderer, ChatTemplate, ContextHook, TruncateToolOutputs
 
+# Gemma-3-it's chat template: it loops over a message's content parts (vLLM's "openai"
+# format), trims each and joins them with nothing, and enforces user/model alternation.
+GEMMA3_SRC = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
 # Qwen2.5-Instruct's chat template (tokenizer_config.json), which renders tools and
 # tool calls itself: ``tool_call.arguments | tojson``.
 QWEN25_SRC = """{%- if tools %}
@@ -117,6 +161,12 @@ def qwen(default_tok):
 @pytest.fixture(scope="module")
 def llama(default_tok):
     tmpl = ChatTemplate(LLAMA31_SRC, name="llama3.1", special_tokens={"bos_token": "<|begin_of_text|>"})
+    return ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+
+
+@pytest.fixture(scope="module")
+def gemma(default_tok):
+    tmpl = ChatTemplate(GEMMA3_SRC, name="gemma3", special_tokens={"bos_token": "<bos>"})
     return ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
 
 
@@ -227,6 +277,105 @@ def test_the_ten_line_rule_counts_the_lines_of_text_parts(default_tok):
     assert "row 3\n[... 4 lines truncated ...]\nrow 8" in hook("t", msgs).render.text
 
 
+# a macro that gets a message's content and loops over it; a loop over a top-level
+# ``content``; one that loops over the messages only; a tuple target vLLM's walk refuses
+MACRO_SRC = ("{% macro body(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+             "{% for m in messages %}{{ m.role }}: {{ body(m.content) }}\n{% endfor %}")
+TOP_CONTENT_SRC = ("{% for m in messages %}{% set content = m.content %}{{ m.role }}:"
+                   "{% if content is string %}{{ content }}{% else %}{% for p in content %}[{{ p.text }}]{% endfor %}"
+                   "{% endif %}\n{% endfor %}")
+PLAIN_SRC = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+TUPLE_SRC = "{% for i, m in messages %}{{ m }}{% endfor %}{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}"
+FORMATS = [(GEMMA3_SRC, "openai"), (MACRO_SRC, "openai"), (TOP_CONTENT_SRC, "openai"), (PLAIN_SRC, "string"),
+           (QWEN25_SRC, "string"), (LLAMA31_SRC, "string"), (TUPLE_SRC, "string")]
+
+
+@pytest.mark.parametrize(("src", "fmt"), FORMATS)
+def test_the_content_format_is_read_off_the_template(src, fmt):
+    assert ChatTemplate(src).content_format == fmt
+
+
+def test_a_template_that_loops_over_content_parts_gets_them_as_a_list(gemma):
+    """Gemma 3 trims each part and joins them with nothing: vLLM hands it the parts, so
+    ``["Hello", "world"]`` is "Helloworld" there; promptsplice joined them with a
+    newline first ("Hello\nworld") and missed the cache from that message on."""
+    msgs = [{"role": "system", "content": parts("Be terse.", "Always.")},
+            {"role": "user", "content": parts("Hello ", " world")},
+            {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "bye"}]
+    text = text_of(gemma, msgs)
+    assert text.startswith("<bos><start_of_turn>user\nBe terse.\n\nHelloworld<end_of_turn>\n<start_of_turn>model\nHi.")
+    # a tool output's parts reach the template as one text, as vLLM joins them (in this
+    # format, an empty part too)
+    text = text_of(gemma, [{"role": "user", "content": "go"}, {"role": "tool", "content": parts("a", "", "b")}])
+    assert "<start_of_turn>tool\na\n\nb<end_of_turn>\n" in text
+
+
+def test_tools_go_into_the_first_part_of_a_system_message_in_the_openai_format(gemma, default_tok):
+    """Templates without tools support get the tools block in the system text; in the
+    part-list form it goes after the first part's text, which Gemma 3 prints alone (after
+    the last part it vanished from the prompt)."""
+    from promptsplice.assembler._render import TOOLS_HEADER
+    from promptsplice.errors import ConfigError
+
+    msgs = [{"role": "system", "content": parts("Be terse.", "Always.")}, {"role": "user", "content": "hi"}]
+    res = gemma.render(msgs, TOOLS)
+    assert res.text.startswith("<bos><start_of_turn>user\nBe terse." + TOOLS_HEADER)
+    # Gemma folds the system text into the first user turn: the tools stay in its segment
+    assert [(s.kind.name, s.message_index) for s in res.segments] == [("MESSAGE", 0), ("MESSAGE", 1), ("GENERATION", None)]
+    assert TOOLS_HEADER in res.segments[1].text and "Always.\n\nhi" not in res.text
+    # a template that leaves the system message out: the tools cannot be dropped silently
+    drops = ChatRenderer(default_tok, block_size=16, alignment="none", template=ChatTemplate(
+        "{% for m in messages %}{% if m.role != 'system' %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"))
+    with pytest.raises(ConfigError, match="leaves out the system text promptsplice puts the tools in"):
+        drops.render(msgs, TOOLS)
+    assert drops.render(msgs).text == "user: hi\n"
+
+
+def test_developer_messages_render_as_one_system_message_in_front(chatml, default_tok):
+    """vLLM's rule for a template that never quotes "developer" (ChatML): developer
+    messages become system messages and every system message merges into one in front
+    ("\n\n" between the texts).  promptsplice rendered an untrained ``developer`` turn
+    after the template's default system prompt."""
+    system = text_of(chatml, [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}])
+    assert text_of(chatml, [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}]) == system
+    msgs = [{"role": "system", "content": "S."}, {"role": "user", "content": "hi"},
+            {"role": "developer", "content": parts("Be", "terse.")}, {"role": "user", "content": "ok"}]
+    res = chatml.render(msgs)
+    assert res.text.startswith("<|im_start|>system\nS.\n\nBe\nterse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n")
+    assert "developer" not in res.text
+    # the merged message keeps a segment, empty, where the caller put it
+    assert [(s.message_index, s.end - s.start) for s in res.segments if s.message_index == 2] == [(2, 0)]
+    assert res.message_span(2)[0] == res.message_span(2)[1] == res.message_span(3)[0]
+    assert [s.message_index for s in res.segments] == [0, 1, 2, 3, None]
+    # a developer message after the first user turn moves in front, the system slot empty
+    late = chatml.render([{"role": "user", "content": "hi"}, {"role": "developer", "content": "D"}])
+    assert late.text.startswith("<|im_start|>system\nD<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n")
+    assert [s.message_index for s in late.segments] == [1, 0, None]
+    # without a developer message, a later system message stays where it is (vLLM too)
+    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>system\nD<|im_end|>" in text_of(
+        chatml, [{"role": "user", "content": "hi"}, {"role": "system", "content": "D"}])
+
+
+def test_a_template_that_knows_the_developer_role_gets_it(default_tok):
+    src = ("{% for m in messages %}{% if m.role == 'developer' %}[dev]{% else %}[{{ m.role }}]{% endif %}"
+           "{{ m.content }}\n{% endfor %}")
+    r = ChatRenderer(default_tok, block_size=16, template=ChatTemplate(src, name="dev"), alignment="none")
+    assert text_of(r, [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}]) == "[system]s\n[dev]d\n"
+
+
+def test_claude_codes_billing_header_line_is_left_out_of_the_system_prompt(chatml):
+    """Its ``cch`` changes every request; vLLM's chat endpoint drops the line (and a
+    part that holds nothing else), so the rest of the prompt can hit the cache."""
+    head = "x-anthropic-billing-header: cc_version=2.1.3; cch=8f2a;"
+    want = text_of(chatml, [{"role": "system", "content": "You are Claude Code."}, {"role": "user", "content": "hi"}])
+    for content in (f"{head}\nYou are Claude Code.", [head, "You are Claude Code."],
+                    parts(head, "You are Claude Code."), parts(f"{head}\nYou are Claude Code.")):
+        assert text_of(chatml, [{"role": "system", "content": content}, {"role": "user", "content": "hi"}]) == want
+    # only a system message's, only at the start of a part
+    assert head in text_of(chatml, [{"role": "user", "content": f"{head}\nhi"}])
+    assert head in text_of(chatml, [{"role": "system", "content": f"see {head}"}])
+
+
 # -- against vLLM's own rendering -------------------------------------------------------
 
 
@@ -249,7 +398,7 @@ def vllm_render():
     def render(messages, tools=None, template=None):
         src = (template or ChatTemplate.default()).source
         fmt = hf_renderer._detect_content_format(src, default="string")
-        assert fmt == "string"  # the format these tests are about
+        assert fmt == (template or ChatTemplate.default()).content_format  # vLLM's and ours agree
         conversation, _, _ = chat_utils.parse_chat_messages(copy.deepcopy(messages), config, content_format=fmt)
         kwargs = dict(tools=tools, chat_template=src, tokenize=False, add_generation_prompt=True)
         if template is not None:
@@ -303,3 +452,48 @@ def test_llama_style_calls_render_as_vllm_renders_them(llama, vllm_render):
                 {"role": "assistant", "content": "found", "tool_calls": []},
                 {"role": "user", "content": "ok", "tool_calls": [call("{}")]}]
         assert text_of(llama, msgs) == vllm_render(msgs, None, tmpl)
+
+
+DEVELOPER = [
+    [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "S."}, {"role": "developer", "content": parts("Be", "terse.")},
+     {"role": "user", "content": "hi"}],
+    [{"role": "user", "content": "hi"}, {"role": "developer", "content": "D"}, {"role": "assistant", "content": "ok"},
+     {"role": "system", "content": ""}, {"role": "developer", "content": "E"}, {"role": "user", "content": "go"}],
+    [{"role": "system", "content": "x-anthropic-billing-header: cch=1;\nYou are Claude Code."},
+     {"role": "developer", "content": "D"}, {"role": "user", "content": "hi"}],
+    [{"role": "system", "content": parts("x-anthropic-billing-header: cch=1;", "Rules.")}, {"role": "user", "content": "hi"}],
+]
+
+
+@pytest.mark.parametrize("msgs", DEVELOPER)
+def test_developer_and_system_messages_render_as_vllm_renders_them(chatml, qwen, vllm_render, msgs):
+    assert text_of(chatml, msgs) == vllm_render(msgs)
+    assert text_of(qwen, msgs) == vllm_render(msgs, None, qwen.template)
+    assert text_of(qwen, msgs, TOOLS) == vllm_render(msgs, TOOLS, qwen.template)
+
+
+@pytest.mark.parametrize(("src", "fmt"), FORMATS)
+def test_the_content_format_is_the_one_vllm_detects(src, fmt):
+    import vllm.renderers.hf as hf_renderer
+
+    assert hf_renderer._detect_content_format(src, default="string") == fmt == ChatTemplate(src).content_format
+
+
+OPENAI_FORMAT = [
+    [{"role": "user", "content": parts("Hello ", " world", "")}, {"role": "assistant", "content": parts("Hi", "there")},
+     {"role": "user", "content": ["a", {"type": "text", "text": "b"}]}],
+    [{"role": "system", "content": parts("Be terse.", "Always.")}, {"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "S."}, {"role": "user", "content": parts("x", "y")},
+     {"role": "developer", "content": parts("D1", "", "D2")}, {"role": "assistant", "content": None},
+     {"role": "user", "content": "z"}],
+    [{"role": "system", "content": parts("x-anthropic-billing-header: cch=2;", "Rules.")}, {"role": "user", "content": "hi"}],
+]
+
+
+@pytest.mark.parametrize("msgs", OPENAI_FORMAT)
+@pytest.mark.parametrize("src", [GEMMA3_SRC, TOP_CONTENT_SRC, MACRO_SRC])
+def test_a_template_in_the_openai_format_renders_as_vllm_renders_it(default_tok, vllm_render, src, msgs):
+    tmpl = ChatTemplate(src, name="openai-format", special_tokens={"bos_token": "<bos>"})
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    assert text_of(r, msgs) == vllm_render(msgs, None, tmpl)

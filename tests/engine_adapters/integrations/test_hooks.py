@@ -877,3 +877,17 @@ def test_the_langgraph_and_agents_sdk_hooks_import_without_the_langchain_package
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "PromptspliceMiddleware needs the 'langchain' package" in out.stdout and "langchain>=1.0" in out.stdout
+
+
+def test_a_developer_item_stays_a_developer_message_and_renders_as_vllm_renders_it():
+    """The input filter turned ``developer`` items into ``system`` messages in place: a
+    developer item after the first user turn rendered as a system turn there, where
+    vLLM's chat endpoint (for a template without the role) merges it into the system
+    message in front; and a template that knows the role never got it."""
+    items = [{"role": "system", "content": "S."}, {"role": "user", "content": "hi"},
+             {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "ok"}]
+    chat, prov = items_to_chat(items, None)
+    assert [m["role"] for m in chat] == ["system", "user", "developer", "user"] and prov == [[0], [1], [2], [3]]
+    prepared = ContextHook("default", block_size=32)("s", chat, None)
+    assert prepared.render.text.startswith("<|im_start|>system\nS.\n\nAnswer in French.<|im_end|>\n")
+    assert "<|im_start|>developer" not in prepared.render.text

@@ -858,11 +858,12 @@ def test_a_session_in_the_configs_metadata_holds_for_every_entry_point(default_t
 def test_a_developer_message_is_a_system_message(default_tok):
     """``developer`` (OpenAI's new name for system) was kept as a role no template knows:
     it rendered as an untrained ``developer`` turn after the template's default system
-    prompt ("You are a helpful AI assistant named SmolLM...")."""
+    prompt ("You are a helpful AI assistant named SmolLM...").  The conversion keeps the
+    role; the renderer applies vLLM's rule (a system message for ChatML)."""
     from langchain_core.messages import ChatMessage, SystemMessage
 
     assert lc_messages_to_openai([ChatMessage(role="developer", content="Answer in French.")]) == [
-        {"role": "system", "content": "Answer in French."}]
+        {"role": "developer", "content": "Answer in French."}]
     eng = ScriptedEngine(default_tok)
     model = PromptspliceChatModel(engine=eng)
     for first in (SystemMessage("Answer in French."), ChatMessage(role="developer", content="Answer in French."),

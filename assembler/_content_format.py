@@ -1,0 +1,207 @@
+"""Which form a chat template gets message content in: vLLM's ``"string"`` or ``"openai"``.
+
+vLLM's chat endpoint reads the template's jinja AST (``vllm/renderers/hf.py``:
+``_detect_content_format``): a template that loops over a message's ``content`` (or
+over a macro parameter a message's content is passed in, or over a top-level
+``content`` variable) gets every message's content as a list of parts
+(``{"type": "text", "text": ...}``); any other template gets one str, the text parts
+joined with a newline.  Such templates (Gemma 3, Llama 4, Mistral Small) usually join
+the parts with nothing, so the two forms render differently, and the renderer must
+hand the template what vLLM hands it for the prefix cache to hit.  This module is that
+detection, ported node for node so that the two agree on every template, and the
+content as vLLM passes it on: the part list of the ``"openai"`` format
+(:func:`content_parts`) and a system message without Claude Code's per-request
+billing-header line (:func:`strip_billing_header`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from promptsplice.errors import InvalidMessageError, NonTextContentError
+
+__all__ = ["BILLING_HEADER", "ContentFormat", "content_parts", "detect_content_format", "strip_billing_header"]
+
+ContentFormat = Literal["string", "openai"]
+
+
+def _is_var(node: Any, name: str) -> bool:
+    from jinja2 import nodes
+
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _is_attr(node: Any, name: str, key: str) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Getitem):
+        return _is_var(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+    if isinstance(node, nodes.Getattr):
+        return _is_var(node.node, name) and node.attr == key
+    return False
+
+
+def _is_var_or_elems(node: Any, name: str, key: str | None = None) -> bool:
+    """``name`` (or ``name[key]`` / ``name.key``), through filters, tests and slices."""
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Filter):
+        return node.node is not None and _is_var_or_elems(node.node, name, key)
+    if isinstance(node, nodes.Test):
+        return _is_var_or_elems(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _is_var_or_elems(node.node, name, key)
+    return _is_attr(node, name, key) if key else _is_var(node, name)
+
+
+def _names_bound_to(root: Any, name: str) -> Iterator[str]:
+    """``name`` and every variable assigned from it (``{% set ms = messages %}``)."""
+    from jinja2 import nodes
+
+    yield name
+    pending = deque([name])
+    while pending:
+        current = pending.popleft()
+        for assign in root.find_all(nodes.Assign):
+            if _is_var_or_elems(assign.node, current):
+                _name_target(assign.target)
+                yield assign.target.name
+                if assign.target.name != current:
+                    pending.append(assign.target.name)
+
+
+def _message_loop_targets(root: Any) -> list[str]:
+    """The loop variables of ``{% for message in messages %}`` (or an alias of it)."""
+    from jinja2 import nodes
+
+    names = list(_names_bound_to(root, "messages"))
+    out: list[str] = []
+    for loop in root.find_all(nodes.For):
+        if any(_is_var_or_elems(loop.iter, n) for n in names):
+            out.append(_name_target(loop.target))
+    return out
+
+
+def _loops_over_content(root: Any) -> bool:
+    from jinja2 import nodes
+
+    messages = _message_loop_targets(root)
+    # macro parameters that get a message's content as an argument
+    params_by_loop: dict[int, set[str]] = {}
+    in_macros: set[int] = set()
+    for macro in root.find_all(nodes.Macro):
+        names = [a.name for a in macro.args]
+        params: set[str] = set()
+        for call in root.find_all(nodes.Call):
+            if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(names) and any(_is_var_or_elems(arg, m, "content") for m in messages):
+                    params.add(names[i])
+            for kw in call.kwargs:
+                if kw.key in names and any(_is_var_or_elems(kw.value, m, "content") for m in messages):
+                    params.add(kw.key)
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if params:
+                params_by_loop[id(loop)] = params
+    for loop in root.find_all(nodes.For):
+        it = loop.iter
+        params = params_by_loop.get(id(loop))
+        if (
+            any(_is_var_or_elems(it, m, "content") for m in messages)
+            or (isinstance(it, nodes.Name) and params is not None and it.name in params)
+            or (isinstance(it, nodes.Name) and id(loop) not in in_macros and it.name == "content")
+        ):
+            _name_target(loop.target)
+            return True
+    return False
+
+
+def _name_target(node: Any) -> str:
+    """The variable a matched loop or assignment binds; vLLM asserts it is one name (a
+    tuple there makes its detection fail, and the template read as ``"string"``)."""
+    from jinja2 import nodes
+
+    if not isinstance(node, nodes.Name):
+        raise ValueError("not one name")
+    return node.name
+
+
+def detect_content_format(env: Any, source: str) -> ContentFormat:
+    """``"openai"`` if the template (parsed by ``env``) loops over message content, else
+    ``"string"``; a template that does not parse is ``"string"``, vLLM's default."""
+    try:
+        ast = env.parse(source)
+    except Exception:  # vLLM: "Error when compiling Jinja template" -> the default
+        return "string"
+    try:
+        return "openai" if _loops_over_content(ast) else "string"
+    except Exception:  # vLLM: "Error when parsing AST" -> the default
+        return "string"
+
+
+_KNOWN_PART_FIELDS = frozenset({
+    "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url", "input_audio",
+    "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid", "video_embeds", "video_url",
+})  # fmt: skip
+"""The content-part fields vLLM reads (``_KNOWN_CONTENT_PART_FIELDS``); any other field of
+a text part reaches an ``"openai"``-format template with it."""
+
+
+def content_parts(content: Any, index: int) -> list[dict[str, Any]]:
+    """A message's content as the part list an ``"openai"``-format template gets from
+    vLLM's chat endpoint: a str as one text part, ``None`` as no part, each text part
+    (bare strings too) as ``{"type": "text", "text": ...}`` with its other fields, empty
+    ones kept.  Non-text parts raise :class:`NonTextContentError`, as for
+    :func:`_content_text`."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        out: list[dict[str, Any]] = []
+        for part in content:
+            if isinstance(part, str):
+                out.append({"type": "text", "text": part})
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                out.append({"type": "text", "text": part["text"], **{k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}})
+            else:
+                raise NonTextContentError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
+        return out
+    raise InvalidMessageError(
+        f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}"
+    )
+
+
+BILLING_HEADER = "x-anthropic-billing-header"
+"""The first line of Claude Code's system prompt: its ``cch`` value changes with every
+request, so vLLM's chat endpoint drops it (``_strip_claude_code_billing_header``)."""
+
+
+def strip_billing_header(content: Any) -> Any:
+    """A system message's content as vLLM's chat endpoint keeps it: a text part (or the
+    str) that starts with :data:`BILLING_HEADER` loses its first line, and is left out
+    when nothing follows it.  Other content is returned as is."""
+    if isinstance(content, str):
+        if not content.startswith(BILLING_HEADER):
+            return content
+        rest = content.partition("\n")[2]
+        return rest if rest else []
+    if not isinstance(content, Sequence) or isinstance(content, (bytes, bytearray)):
+        return content
+    out: list[Any] = []
+    changed = False
+    for part in content:
+        text = part if isinstance(part, str) else part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            out.append(part)
+            continue
+        changed = True
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out if changed else content
