@@ -439,6 +439,31 @@ def template_arguments(args: Any) -> Any:
     return parsed if isinstance(parsed, dict) else {}
 
 
+def template_fields(m: Mapping[str, Any]) -> dict[str, Any]:
+    """``m`` with only the fields vLLM's chat endpoint passes on to a template
+    (``_parse_chat_message_content``): ``role`` and ``content``; ``tool_calls`` (which
+    :func:`template_calls` keeps for an assistant only); an assistant's ``reasoning``, also
+    as ``reasoning_content`` (Qwen3's templates read that one); a tool output's
+    ``tool_call_id``; a str ``name`` or ``task``; a developer message's ``tools``.  Any
+    other key (an id, a status, a caller's own ``reasoning_content``) never reaches the
+    template there: it reached it here, and a template that reads it rendered another
+    prompt than vLLM's."""
+    role = m["role"]
+    out: dict[str, Any] = {"role": role, "content": m.get("content")}
+    if "tool_calls" in m:
+        out["tool_calls"] = m["tool_calls"]
+    if role == "assistant" and m.get("reasoning") is not None:
+        out["reasoning"] = out["reasoning_content"] = m["reasoning"]
+    if role == "tool" and "tool_call_id" in m:
+        out["tool_call_id"] = m["tool_call_id"]
+    for key in ("name", "task"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    if role == "developer":
+        out["tools"] = m.get("tools")
+    return out
+
+
 def template_calls(m: Mapping[str, Any]) -> Mapping[str, Any]:
     """``m`` (its calls already in the OpenAI form, :func:`canonical_calls`) as vLLM's
     chat endpoint hands it to a template that renders ``tool_calls`` itself: an

@@ -20,7 +20,8 @@ Three policies, as real agents apply them:
   turn's arrives, which is the edit that makes splicing pay.  Lines are ``"\\n"``-separated; a trailing newline is
   kept.
 * :class:`DropFailedCalls`: a tool call whose output is an error, once the agent
-  retried, is dropped with its output.  *Failed*: the tool message has
+  retried, is dropped with its output (an assistant's legacy ``function_call`` and its
+  ``function`` output too).  *Failed*: the tool message has
   ``status == "error"`` / ``"failed"`` or ``is_error: true``, or its text starts with an
   error word (``Error``, ``error:``, ``TypeError: ...``, ``Exception``, ``Traceback (most
   recent call last)``; case-insensitive, the word not running on into a hyphen or a
@@ -316,6 +317,19 @@ def is_error_output(message: Mapping[str, Any]) -> bool:
     return False
 
 
+def _calls_of(m: Mapping[str, Any]) -> list[Any]:
+    """An assistant message's calls: its ``tool_calls`` (a list or a tuple), or its
+    legacy ``function_call`` as the one call (it was never paired with its ``function``
+    output, so a failed legacy call stayed in the context for good)."""
+    if m.get("role") != "assistant":
+        return []
+    calls = m.get("tool_calls")
+    if calls and isinstance(calls, Sequence) and not isinstance(calls, (str, bytes)):
+        return list(calls)
+    legacy = m.get("function_call")
+    return [legacy] if not calls and isinstance(legacy, Mapping) else []
+
+
 def _call_name(call: Any) -> str | None:
     if not isinstance(call, Mapping):
         return None
@@ -345,8 +359,8 @@ class DropFailedCalls:
         answered call."""
         pairs: list[tuple[int, int, int, str]] = []
         for a, m in enumerate(messages):
-            calls = m.get("tool_calls") if m.get("role") == "assistant" else None
-            if not calls or isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+            calls = _calls_of(m)
+            if not calls:
                 continue
             outs: list[int] = []
             j = a + 1
@@ -377,12 +391,10 @@ class DropFailedCalls:
         # the first call of each function name per assistant message index, for "later"
         calls_after: list[tuple[int, str]] = []
         for a, m in enumerate(messages):
-            calls = m.get("tool_calls") if m.get("role") == "assistant" else None
-            if calls and isinstance(calls, Sequence) and not isinstance(calls, (str, bytes)):
-                for call in calls:  # a list or a tuple, as _pairs and the renderer take them
-                    name = _call_name(call)
-                    if name is not None:
-                        calls_after.append((a, name))
+            for call in _calls_of(m):  # a list or a tuple, as _pairs and the renderer take them
+                name = _call_name(call)
+                if name is not None:
+                    calls_after.append((a, name))
         drop_calls: dict[int, set[int]] = {}
         drop_msgs: set[int] = set()
         for a, k, t, name in self._pairs(messages):
@@ -403,7 +415,7 @@ class DropFailedCalls:
                 edits.append(MessageEdit(EditKind.DROP, (i, i + 1), (len(out), len(out))))
                 continue
             if i in drop_calls:
-                remaining = [c for k, c in enumerate(m["tool_calls"]) if k not in drop_calls[i]]
+                remaining = [c for k, c in enumerate(_calls_of(m)) if k not in drop_calls[i]]
                 if not remaining and not _has_content(m.get("content")):
                     edits.append(MessageEdit(EditKind.DROP, (i, i + 1), (len(out), len(out))))
                     continue
@@ -412,6 +424,7 @@ class DropFailedCalls:
                     msg["tool_calls"] = remaining
                 else:
                     msg.pop("tool_calls", None)
+                    msg.pop("function_call", None)
                 edits.append(MessageEdit(EditKind.DROP, (i, i + 1), (len(out), len(out) + 1)))
                 out.append(msg)
                 continue

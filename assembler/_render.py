@@ -103,6 +103,7 @@ from promptsplice.assembler._chat_template import (
     canonical_json,
     check_message_json,
     template_calls,
+    template_fields,
     template_for,
     tools_block,
 )
@@ -401,16 +402,18 @@ class ChatRenderer:
                 # through unrendered (an image's bytes were an InvalidMessageError)
                 _content_text(m.get("content"), i)
             check_message_json(m, i)  # keyed by its canonical_json below
+            fields = template_fields(m)  # only what vLLM passes on (name, tool_call_id, ...)
             if tmpl.native_tool_calls:
                 # the calls as vLLM's chat endpoint passes them on: JSON-text arguments
                 # parsed (the template printed the text as a JSON string, escaped twice)
-                msg = _escaped(template_calls(m), self._esc, self._esc_name, i)
+                msg = _escaped(template_calls(fields), self._esc, self._esc_name, i)
                 msg["content"] = self._content(m, i, None)
             else:
-                # Every other key (name, tool_call_id, ...) is kept, as the template's own
-                # rendering sees it; only tool_calls, folded into the content, is dropped.
-                msg = _escaped({k: v for k, v in m.items() if k != "tool_calls"}, self._esc, self._esc_name, i)
-                msg["content"] = self._content(m, i, "\n".join(call_texts) if calls else None)
+                # an assistant's tool_calls, folded into the content, is dropped (another
+                # role's calls too: vLLM never passes them on)
+                msg = _escaped({k: v for k, v in fields.items() if k != "tool_calls"}, self._esc, self._esc_name, i)
+                folded = "\n".join(call_texts) if calls and m["role"] == "assistant" else None
+                msg["content"] = self._content(m, i, folded)
             out.append((i, msg))
         merged: list[int] = []
         if convert:
@@ -668,7 +671,8 @@ _STRUCTURAL_KEYS = frozenset({
     "role", "content", "name", "tool_calls", "tool_call_id", "function", "arguments", "type", "id",
     "text", "parameters", "properties", "required", "description", "enum", "items", "default", "title",
     "format", "strict", "additionalProperties", "anyOf", "oneOf", "allOf", "$ref", "$defs", "nullable",
-    "minimum", "maximum", "pattern", "examples", "const", "reasoning_content", "tools", "response",
+    "minimum", "maximum", "pattern", "examples", "const", "reasoning_content", "tools", "response", "reasoning",
+    "task",
 })  # fmt: skip
 
 

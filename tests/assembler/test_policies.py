@@ -616,3 +616,24 @@ def test_a_summary_keeps_a_leading_developer_message_as_it_keeps_a_system_one():
         res = SummarizeTurns(lambda ms: "s", max_messages=5, keep_recent=2).apply(msgs)
         assert res.messages[0] == {"role": role, "content": "Be terse."}
         assert res.edits[0].old == (1, 7) and len(res.messages) == 4
+
+
+def test_a_failed_legacy_function_call_is_dropped_once_retried():
+    """An assistant's legacy ``function_call`` (and its ``function`` output) was never
+    paired: its failure stayed in the context for good."""
+    call = {"name": "weather", "arguments": '{"city": "Paris"}'}
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "function_call": call},
+            {"role": "function", "name": "weather", "content": "Error: timeout"},
+            {"role": "assistant", "content": "Retrying.", "function_call": call},
+            {"role": "function", "name": "weather", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."}]
+    res = DropFailedCalls().apply(msgs)
+    assert res.messages == [msgs[0], msgs[3], msgs[4], msgs[5]]
+    assert res.edits == (MessageEdit(EditKind.DROP, (1, 3), (1, 1)),)
+    # a call with text of its own keeps the text
+    said = [msgs[0], {**msgs[1], "content": "Checking."}, *msgs[2:]]
+    res = DropFailedCalls().apply(said)
+    assert res.messages[1] == {"role": "assistant", "content": "Checking."} and len(res.messages) == 5
+    # the retried call succeeded: nothing to drop
+    assert DropFailedCalls().apply(msgs[:2] + [{**msgs[2], "content": "rain"}] + msgs[3:]).edits == ()

@@ -788,9 +788,8 @@ def _cycle():
         (10**5000, "is not a JSON value .*ValueError"),  # past str()'s digit limit
         (_cycle(), "is not a JSON value .*Circular reference"),
         (_nested(10**4), "is not a JSON value .*RecursionError"),
-        (_nested(700), "is nested too deeply to render"),  # JSON, but not escaped
     ],
-    ids=["mixed-keys", "huge-int", "cycle", "deep", "deep-escape"],
+    ids=["mixed-keys", "huge-int", "cycle", "deep"],
 )
 def test_an_extra_message_field_that_is_not_json_is_an_invalid_message(default_tok, extra, match):
     """The renderer keys messages by their canonical JSON: a raw TypeError, ValueError
@@ -804,6 +803,21 @@ def test_an_extra_message_field_that_is_not_json_is_an_invalid_message(default_t
             r.render(msgs)
         with pytest.raises(InvalidMessageError, match="message 1 " + match):
             ContextHook(r)("s", msgs)
+
+
+def test_a_value_too_deep_to_escape_is_an_invalid_message_where_it_reaches_the_template(default_tok):
+    """JSON nested too deeply for the escaping walk: an InvalidMessageError in a call's
+    arguments, which a template that renders calls gets; an extra field never reaches
+    the template (vLLM passes on only the fields it knows), so it renders."""
+    from promptsplice.errors import InvalidMessageError
+
+    native = ChatTemplate("{% for m in messages %}{{ m.role }}{{ m.tool_calls }}: {{ m.content }}\n{% endfor %}")
+    r = ChatRenderer(default_tok, block_size=16, template=native)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": _nested(700)}}}
+    with pytest.raises(InvalidMessageError, match="message 1 is nested too deeply to render"):
+        r.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}])
+    plain = r.render([{"role": "user", "content": "x"}])
+    assert r.render([{"role": "user", "content": "x", "metadata": _nested(700)}]).token_ids == plain.token_ids
 
 
 def test_json_extra_fields_still_render(default_tok):
@@ -823,7 +837,9 @@ def test_a_name_or_tool_call_id_that_is_not_a_str_is_refused(default_tok, field,
     r = ChatRenderer(default_tok, block_size=16, template=named, alignment="none")
     with pytest.raises(InvalidMessageError, match=rf"messages\[0\]\['{field}'\] must be a str or None"):
         r.render([{"role": "user", "content": "hi", field: value}])
-    assert r.render([{"role": "user", "content": "hi", field: "bob"}]).text == "user(bob): hi\n"
+    role = "tool" if field == "tool_call_id" else "user"  # vLLM passes on a tool's id only
+    assert r.render([{"role": role, "content": "hi", field: "bob"}]).text == f"{role}(bob): hi\n"
+    assert r.render([{"role": "user", "content": "hi", "tool_call_id": "bob"}]).text == "user(): hi\n"
     r.render([{"role": "user", "content": "hi", field: None}])  # None: absent
 
 

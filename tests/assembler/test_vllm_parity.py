@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from promptsplice.assembler import ChatRenderer, ChatTemplate, ContextHook, TruncateToolOutputs
 
@@ -497,3 +499,65 @@ def test_a_template_in_the_openai_format_renders_as_vllm_renders_it(default_tok,
     tmpl = ChatTemplate(src, name="openai-format", special_tokens={"bos_token": "<bos>"})
     r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
     assert text_of(r, msgs) == vllm_render(msgs, None, tmpl)
+
+
+# reads every field a message may carry: vLLM passes on only the ones it knows
+FIELDS_SRC = ("{% for m in messages %}{{ m.role }}|{{ m.name }}|{{ m.tool_call_id }}|{{ m.task }}|{{ m.status }}|"
+              "{{ m.id }}|{{ m.reasoning_content }}|{{ m.reasoning }}: {{ m.content }}\n{% endfor %}")
+
+
+def test_only_the_fields_vllm_passes_on_reach_the_template(default_tok, vllm_render):
+    """A caller's ``reasoning`` reached a Qwen3-style template as ``reasoning`` only
+    (vLLM also sets ``reasoning_content``, which those templates print), and a caller's
+    own ``reasoning_content``, ``id`` or ``status`` reached it where vLLM drops them."""
+    msgs = [{"role": "user", "content": "hi", "name": "ann", "id": "m1", "tool_call_id": "x", "task": "t"},
+            {"role": "assistant", "content": "ok", "reasoning": "think", "id": "m2"},
+            {"role": "assistant", "content": "ok", "reasoning_content": "mine", "status": "done"},
+            {"role": "tool", "content": "out", "tool_call_id": "c1", "status": "error", "name": "f"}]
+    tmpl = ChatTemplate(FIELDS_SRC, name="fields")
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    text = text_of(r, msgs)
+    assert text == vllm_render(msgs, None, tmpl)
+    assert text == ("user|ann||t||||: hi\nassistant||||||think|think: ok\nassistant|||||||: ok\n"
+                    "tool|f|c1|||||: out\n")
+
+
+_TEXTS = st.sampled_from(["", "a", "b c", " x ", "l1\nl2", "\n", "x-anthropic-billing-header: cch=1;",
+                          "x-anthropic-billing-header: c;\nrest"])
+_CONTENT = st.one_of(st.none(), _TEXTS, st.lists(st.one_of(_TEXTS, _TEXTS.map(lambda t: {"type": "text", "text": t})),
+                                                 max_size=3))
+_CALLS = st.lists(st.builds(lambda a, i: call(a, f"c{i}", "f"), st.sampled_from(['{"q": 1}', {"q": "x"}, "", "bad", None]),
+                            st.integers(0, 3)), max_size=2)
+_EXTRA = st.fixed_dictionaries({}, optional={
+    "name": st.sampled_from(["n", ""]), "reasoning": st.sampled_from(["r", None]), "reasoning_content": st.just("rc"),
+    "tool_call_id": st.just("t1"), "id": st.just("i"), "task": st.just("tk"), "tool_calls": _CALLS})
+_MESSAGE = st.builds(lambda r, c, e: {"role": r, "content": c, **e},
+                     st.sampled_from(["system", "developer", "user", "assistant", "tool"]), _CONTENT, _EXTRA)
+_TEMPLATES = {"qwen": QWEN25_SRC, "llama": LLAMA31_SRC, "gemma": GEMMA3_SRC, "top": TOP_CONTENT_SRC, "macro": MACRO_SRC,
+              "plain": PLAIN_SRC, "fields": FIELDS_SRC}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(msgs=st.lists(_MESSAGE, min_size=1, max_size=5), name=st.sampled_from(["chatml", *_TEMPLATES]))
+def test_any_conversation_renders_as_vllm_renders_it_or_both_refuse_it(default_tok, vllm_render, msgs, name):
+    """Roles, content forms, extra fields and calls at random, on templates of both
+    content formats (1,500 examples ran clean before this was pinned at 150).  The one
+    difference on purpose: a template that ignores ``tool_calls`` gets an assistant's
+    calls as ``<tool_call>`` lines, where vLLM drops them."""
+    from promptsplice.errors import InputError
+
+    tmpl = ChatTemplate.default() if name == "chatml" else ChatTemplate(
+        _TEMPLATES[name], name=name, special_tokens={"bos_token": "<bos>"})
+    if not tmpl.native_tool_calls and any(m["role"] == "assistant" and m.get("tool_calls") for m in msgs):
+        msgs = [{k: v for k, v in m.items() if k != "tool_calls"} for m in msgs]
+    r = _renderers.setdefault(name, ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none"))
+    try:
+        want = vllm_render(msgs, None, None if name == "chatml" else tmpl)
+    except Exception:  # vLLM refuses it (the template raised, or its checks)
+        with pytest.raises(InputError):
+            r.render(msgs)
+        return
+    assert text_of(r, msgs) == want
+
+
+_renderers: dict[str, ChatRenderer] = {}
