@@ -161,7 +161,14 @@ class ChatTemplate:
     passed as template variables.  jinja2 is imported on first use.
     """
 
-    def __init__(self, source: str, *, special_tokens: Mapping[str, str] | None = None, name: str = "template") -> None:
+    def __init__(
+        self,
+        source: str,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        name: str = "template",
+        content_format: str = "auto",
+    ) -> None:
         if not isinstance(source, str) or not source.strip():
             raise ConfigError("a chat template must be a non-empty jinja string")
         if MARKUP_ESCAPE in source:
@@ -186,15 +193,21 @@ class ChatTemplate:
         self.native_tools = re.search(r"\btools\b", code) is not None
         self.native_tool_calls = re.search(r"\btool_calls\b", code) is not None
         # vLLM's test (``_detect_developer_role_support``): a template that never quotes
-        # "developer" gets developer messages as system messages, merged into one first
+        # "developer" gets developer messages as system messages (merged into one in front
+        # where a system message then follows the first message)
         self.knows_developer = '"developer"' in source or "'developer'" in source
         self._compiled: Any = None
         self._lock = threading.Lock()
         self._default_system: str | None | bool = False  # False: not derived yet
-        self._content_format: ContentFormat | None = None
+        if content_format not in ("auto", "string", "openai"):
+            raise ConfigError(
+                f"content_format must be 'auto', 'string' or 'openai' (vLLM's --chat-template-content-format), "
+                f"got {content_format!r}"
+            )
+        self._content_format: ContentFormat | None = None if content_format == "auto" else content_format  # type: ignore[assignment]
 
     @classmethod
-    def from_dir(cls, folder: str | Path) -> ChatTemplate:
+    def from_dir(cls, folder: str | Path, *, content_format: str = "auto") -> ChatTemplate:
         """``chat_template.jinja`` in ``folder``, else ``tokenizer_config.json``'s
         ``chat_template``; special tokens from ``tokenizer_config.json``, then those only
         ``special_tokens_map.json`` names (as transformers reads them: an older
@@ -235,7 +248,7 @@ class ChatTemplate:
                 v = v.get("content")
             if k.endswith("_token") and isinstance(v, str):
                 special.setdefault(k, v)  # tokenizer_config.json's first, as transformers
-        return cls(source, special_tokens=special, name=str(folder))
+        return cls(source, special_tokens=special, name=str(folder), content_format=content_format)
 
     @classmethod
     def default(cls) -> ChatTemplate:
@@ -292,7 +305,8 @@ class ChatTemplate:
     @property
     def content_format(self) -> ContentFormat:
         """``"openai"`` where the template loops over a message's content parts (it then
-        gets them as a list, as vLLM's chat endpoint hands them), else ``"string"``."""
+        gets them as a list, as vLLM's chat endpoint hands them), else ``"string"``;
+        ``content_format=`` sets it, as ``vllm serve --chat-template-content-format``."""
         if self._content_format is None:
             self._content_format = detect_content_format(self._template().environment, self.source)
         return self._content_format
@@ -476,9 +490,8 @@ def template_calls(m: Mapping[str, Any]) -> Mapping[str, Any]:
     if "tool_calls" not in m:
         return m
     calls = m["tool_calls"]
-    out = {k: v for k, v in m.items() if k != "tool_calls"}
     if m.get("role") != "assistant" or not calls:
-        return out
+        return {k: v for k, v in m.items() if k != "tool_calls"}
     fixed = []
     for c in calls:  # dicts with a function name (checked by _tool_call_text first)
         if isinstance(c.get("function"), Mapping):
@@ -487,8 +500,7 @@ def template_calls(m: Mapping[str, Any]) -> Mapping[str, Any]:
         else:
             c = {**c, "arguments": template_arguments(c.get("arguments"))}
         fixed.append(c)
-    out["tool_calls"] = fixed
-    return out
+    return {k: (fixed if k == "tool_calls" else v) for k, v in m.items()}  # in its place: vLLM's key order
 
 
 def _tool_call_text(call: Any, index: int) -> str:
@@ -526,10 +538,11 @@ def tools_block(tools: Sequence[Mapping[str, Any]], escape: Callable[[str], str]
 
 
 def _lone_surrogate(norm: list[tuple[int | None, dict[str, Any]]], tools: Any) -> InvalidUTF8Error:
-    """InvalidUTF8Error naming the tools (``index=-1``) or else the first normalized
-    message (``index``: its position in the caller's list) holding a lone surrogate,
-    which has no UTF-8 encoding; ``offset`` is its UTF-8 byte offset in that value's
-    :func:`canonical_json`."""
+    """InvalidUTF8Error naming the tools (``index=-1``) or else the first message
+    (``index``: its position in the caller's list, in ``norm`` as ``(index, message)``:
+    the caller's messages, since a normalized one may hold another's text) holding a
+    lone surrogate, which has no UTF-8 encoding; ``offset`` is its UTF-8 byte offset in
+    that value's :func:`canonical_json`."""
     for index, value in [(None, tools), *norm]:
         text = canonical_json(value)
         try:

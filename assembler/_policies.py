@@ -129,8 +129,10 @@ def _check_messages(messages: Any) -> None:
 
 def _text(content: Any) -> str | None:
     """A message's content as the text the model reads (``None``: not text only): text
-    parts joined as the renderer and vLLM join them (``join_text_parts``: with a newline,
-    empty ones left out), so the ten-line rule counts the lines the model sees and a
+    parts joined as the renderer and vLLM join them for a template of the ``"string"``
+    content format (``join_text_parts``: with a newline, empty ones left out; a tool
+    output of the ``"openai"`` format keeps its empty parts as empty lines, which this
+    count leaves out), so the ten-line rule counts the lines the model sees and a
     truncated output written back as one str renders as its parts did (joined with
     nothing, two parts' lines ran together)."""
     if isinstance(content, str):

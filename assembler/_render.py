@@ -336,7 +336,7 @@ class ChatRenderer:
         try:
             texts = self._piece_texts(msgs, native_tools)  # encodes every message first
         except UnicodeEncodeError:
-            raise _lone_surrogate(norm, tools) from None
+            raise _lone_surrogate([(i, template_fields(m)) for i, m in enumerate(messages)], tools) from None
         body = tmpl.render(msgs, tools=native_tools, add_generation_prompt=False)
         if norm_plain is not None and TOOLS_HEADER not in body:
             raise ConfigError(
@@ -401,7 +401,7 @@ class ChatRenderer:
                 # a non-text part first: NonTextContentError, which the integrations pass
                 # through unrendered (an image's bytes were an InvalidMessageError)
                 _content_text(m.get("content"), i)
-            check_message_json(m, i)  # keyed by its canonical_json below
+            check_message_json(m, i)  # every field: the hook and the policies key whole messages
             fields = template_fields(m)  # only what vLLM passes on (name, tool_call_id, ...)
             if tmpl.native_tool_calls:
                 # the calls as vLLM's chat endpoint passes them on: JSON-text arguments

@@ -22,7 +22,9 @@ class MessageSegment:
 
     ``message_index`` is the index in the caller's message list for ``MESSAGE``
     segments and ``None`` for the template's preamble (``SYSTEM``), the tools and the
-    generation prompt.  ``key`` is the content digest of ``text`` (the template's text
+    generation prompt.  Segments follow the tokens, not always the caller's order: where
+    vLLM's developer rule merges system messages into one in front, that one carries
+    the first one's index and the others keep empty segments where the caller put them.  ``key`` is the content digest of ``text`` (the template's text
     for the segment, without padding): equal keys and equal padding mean equal tokens.
     """
 
@@ -52,7 +54,7 @@ class Render:
     ``token_ids`` go to the engine as ``prompt_token_ids``.  ``segments`` cover them
     without gaps, in order; the last one is the generation prompt when there is one.
     ``message_keys[i]`` is the content digest of message ``i``'s rendered text (what
-    the diff compares).  ``block_hashes`` are the chain hashes of the full blocks
+    the diff compares; a merged-away message's is the digest of ``""``).  ``block_hashes`` are the chain hashes of the full blocks
     (:mod:`promptsplice.blocks`, rooted at ``salt``).
     """
 

@@ -169,8 +169,11 @@ def _item_text(content: Any) -> str:
     """An input item's content as the one text of its chat dict: its text parts
     (``input_text``, ``output_text``...) joined with a newline, empty ones left out
     (``join_text_parts``), as vLLM's chat and Responses endpoints join a message's text
-    parts (and as the renderer joins a chat dict's): joined with nothing, this hook rendered "Helloworld" where vLLM renders
-    "Hello\\nworld", and a LangChain-fed hook rendered the same turn otherwise."""
+    parts for a template of its ``"string"`` content format (and as the renderer joins a
+    chat dict's): joined with nothing, this hook rendered "Helloworld" where vLLM renders
+    "Hello\\nworld", and a LangChain-fed hook rendered the same turn otherwise.  (A
+    template of the ``"openai"`` format gets the one joined part here, where vLLM's
+    Responses endpoint hands it a user item's parts.)"""
     if isinstance(content, str):
         return content
     if isinstance(content, list):

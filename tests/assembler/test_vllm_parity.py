@@ -561,3 +561,38 @@ def test_any_conversation_renders_as_vllm_renders_it_or_both_refuse_it(default_t
 
 
 _renderers: dict[str, ChatRenderer] = {}
+
+
+def test_the_content_format_can_be_set_as_vllm_serve_sets_it(default_tok):
+    from promptsplice.errors import ConfigError
+
+    msgs = [{"role": "user", "content": parts("Hello", "world")}]
+    forced = ChatTemplate(GEMMA3_SRC, name="gemma3", special_tokens={"bos_token": "<bos>"}, content_format="string")
+    assert forced.content_format == "string"
+    r = ChatRenderer(default_tok, block_size=16, template=forced, alignment="none")
+    assert "<start_of_turn>user\nHello\nworld<end_of_turn>" in text_of(r, msgs)
+    assert ChatTemplate(PLAIN_SRC, content_format="openai").content_format == "openai"
+    for bad in ("auto ", "OpenAI", None, 1):
+        with pytest.raises(ConfigError, match="content_format must be 'auto', 'string' or 'openai'"):
+            ChatTemplate(PLAIN_SRC, content_format=bad)
+
+
+def test_a_message_reaches_the_template_with_vllms_key_order(default_tok, vllm_render):
+    """``template_calls`` moved ``tool_calls`` to the end: a template that prints the
+    message (``tojson``, ``items()``) printed other text than vLLM's."""
+    tmpl = ChatTemplate("{% for m in messages %}{{ m | tojson }}{% if m.tool_calls %}!{% endif %}\n{% endfor %}",
+                        name="tojson")
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    msgs = [{"role": "user", "content": "u", "name": "ann"},
+            {"tool_calls": [call('{"q": 1}')], "reasoning": "r", "content": None, "role": "assistant", "id": "x"},
+            {"role": "tool", "content": "out", "tool_call_id": "c0", "name": "search"}]
+    assert text_of(r, msgs) == vllm_render(msgs, None, tmpl)
+
+
+def test_a_lone_surrogate_in_a_merged_developer_message_is_named_by_its_own_index(chatml):
+    from promptsplice.errors import InvalidUTF8Error
+
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}, {"role": "developer", "content": "x\ud800"}]
+    with pytest.raises(InvalidUTF8Error) as err:
+        chatml.render(msgs)
+    assert err.value.index == 2
