@@ -19,14 +19,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice.assembler._content_format import ContentFormat, detect_content_format
+from promptsplice.assembler._content_format import ContentFormat, detect_content_format, part_text
 from promptsplice.assembler._tokenizers import MARKUP_ESCAPE, Tokenizer
 from promptsplice.errors import (
     ConfigError,
     InputError,
     InvalidMessageError,
     InvalidUTF8Error,
-    NonTextContentError,
     PromptspliceError,
 )
 
@@ -377,21 +376,13 @@ def join_text_parts(texts: Iterable[str]) -> str:
 def _content_text(content: Any, index: int) -> str:
     """A message's content as the one text a chat template gets: a str as is, ``None``
     as ``""``, text parts (``{"type": "text", "text": ...}`` or bare strings) as
-    :func:`join_text_parts` joins them."""
+    :func:`join_text_parts` joins them (what counts as text: :func:`part_text`)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-        parts: list[str] = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                raise NonTextContentError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
-        return join_text_parts(parts)
+        return join_text_parts(t for t in (part_text(p, index) for p in content) if t is not None)
     raise InvalidMessageError(
         f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}"
     )

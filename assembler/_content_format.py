@@ -23,7 +23,15 @@ from typing import Any, Literal
 
 from promptsplice.errors import InvalidMessageError, NonTextContentError
 
-__all__ = ["BILLING_HEADER", "ContentFormat", "content_parts", "detect_content_format", "strip_billing_header"]
+__all__ = [
+    "BILLING_HEADER",
+    "TEXT_PART_FIELDS",
+    "ContentFormat",
+    "content_parts",
+    "detect_content_format",
+    "part_text",
+    "strip_billing_header",
+]
 
 ContentFormat = Literal["string", "openai"]
 
@@ -152,12 +160,36 @@ _KNOWN_PART_FIELDS = frozenset({
 a text part reaches an ``"openai"``-format template with it."""
 
 
+TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                    "thinking": "thinking"}
+"""Content-part types vLLM's chat endpoint reads as text (``TEXT_PART_TYPES``), each with
+the field its text is in; a part with no ``type`` is read as ``text`` here."""
+
+
+def part_text(part: Any, index: int) -> str | None:
+    """A content part's text as vLLM's chat endpoint reads it: a bare str, or a part of
+    a :data:`TEXT_PART_FIELDS` type; ``None`` for a text or refusal part whose text is
+    ``None`` (vLLM leaves it out).  Any other part raises :class:`NonTextContentError`."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping):
+        kind = part.get("type", "text")
+        field = TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
+        if field is not None:
+            text = part.get(field)
+            if isinstance(text, str):
+                return text
+            if text is None and kind in ("text", "refusal"):
+                return None
+    raise NonTextContentError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
+
+
 def content_parts(content: Any, index: int) -> list[dict[str, Any]]:
     """A message's content as the part list an ``"openai"``-format template gets from
     vLLM's chat endpoint: a str as one text part, ``None`` as no part, each text part
-    (bare strings too) as ``{"type": "text", "text": ...}`` with its other fields, empty
-    ones kept.  Non-text parts raise :class:`NonTextContentError`, as for
-    :func:`_content_text`."""
+    (bare strings, ``input_text``, ``refusal``... too: :func:`part_text`) as ``{"type":
+    "text", "text": ...}`` with its other fields, empty ones kept.  Non-text parts raise
+    :class:`NonTextContentError`."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -165,12 +197,11 @@ def content_parts(content: Any, index: int) -> list[dict[str, Any]]:
     if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
         out: list[dict[str, Any]] = []
         for part in content:
-            if isinstance(part, str):
-                out.append({"type": "text", "text": part})
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                out.append({"type": "text", "text": part["text"], **{k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}})
-            else:
-                raise NonTextContentError(f"message {index}: only text content parts can be rendered, got {part!r:.80}")
+            text = part_text(part, index)
+            if text is None:
+                continue
+            extra = {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS} if isinstance(part, Mapping) else {}
+            out.append({"type": "text", "text": text, **extra})
         return out
     raise InvalidMessageError(
         f"message {index}: content must be a str, a list of text parts or None, got {type(content).__name__}"

@@ -61,9 +61,10 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from promptsplice._validate import check_format, check_messages, is_int
 from promptsplice.assembler._chat_template import join_text_parts
+from promptsplice.assembler._content_format import part_text
 from promptsplice.assembler._render import canonical_json
 from promptsplice.blocks import content_digest
-from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error
+from promptsplice.errors import ConfigError, InputError, InvalidMessageError, InvalidUTF8Error, NonTextContentError
 
 __all__ = [
     "EditKind",
@@ -137,12 +138,12 @@ def _text(content: Any) -> str | None:
     nothing, two parts' lines ran together)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(
-        isinstance(p, str)
-        or (isinstance(p, Mapping) and p.get("type", "text") == "text" and isinstance(p.get("text"), str))
-        for p in content
-    ):  # text parts, or plain strings (the renderer takes both)
-        return join_text_parts(p if isinstance(p, str) else p["text"] for p in content)
+    if isinstance(content, list):  # text parts, or plain strings (the renderer takes both)
+        try:
+            texts = [part_text(p, -1) for p in content]
+        except NonTextContentError:
+            return None
+        return join_text_parts(t for t in texts if t is not None)
     return None
 
 

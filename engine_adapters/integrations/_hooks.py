@@ -38,6 +38,7 @@ from langchain_core.messages import SystemMessage, convert_to_messages
 from promptsplice._validate import check_text
 from promptsplice.assembler import ContextHook, PreparedContext
 from promptsplice.assembler._chat_template import join_text_parts
+from promptsplice.assembler._content_format import part_text
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_convert import format_tools, lc_messages_to_openai
 from promptsplice.engine_adapters.integrations._langchain_match import messages_from_openai
@@ -176,16 +177,12 @@ def _item_text(content: Any) -> str:
     Responses endpoint hands it a user item's parts.)"""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, Mapping) and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            elif isinstance(p, str):
-                parts.append(p)
-            else:
-                raise NonTextContentError(f"only text content can be rendered, got {p!r:.80}")
-        return join_text_parts(parts)
+    if isinstance(content, list):  # text parts as the renderer reads them (a refusal's too)
+        try:
+            texts = [part_text(p, -1) for p in content]
+        except NonTextContentError:
+            raise NonTextContentError(f"only text content can be rendered, got {content!r:.80}") from None
+        return join_text_parts(t for t in texts if t is not None)
     if content is None:
         return ""
     raise InputError(f"unsupported content {type(content).__name__}")

@@ -596,3 +596,25 @@ def test_a_lone_surrogate_in_a_merged_developer_message_is_named_by_its_own_inde
     with pytest.raises(InvalidUTF8Error) as err:
         chatml.render(msgs)
     assert err.value.index == 2
+
+
+TEXT_TYPES = [{"role": "user", "content": [{"type": "input_text", "text": "in"}, {"type": "text", "text": None},
+                                           {"type": "refusal", "refusal": None}, "bare"]},
+              {"role": "assistant", "content": [{"type": "output_text", "text": "out"}, {"type": "refusal", "refusal": "no"},
+                                                {"type": "thinking", "thinking": "hm"}]},
+              {"role": "tool", "content": [{"type": "input_text", "text": "t1"}, {"type": "output_text", "text": "t2"}]},
+              {"role": "user", "content": "ok"}]
+
+
+@pytest.mark.parametrize("src", [None, GEMMA3_SRC, TOP_CONTENT_SRC])
+def test_every_part_type_vllm_reads_as_text_renders_as_vllm_renders_it(default_tok, vllm_render, src):
+    """``input_text``/``output_text`` (Responses API), ``refusal`` and ``thinking`` parts
+    were a NonTextContentError (the integrations then passed the turn through
+    unrendered); vLLM reads them as text, and leaves out a text part without text."""
+    tmpl = ChatTemplate.default() if src is None else ChatTemplate(src, special_tokens={"bos_token": "<bos>"})
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    msgs = TEXT_TYPES if src != GEMMA3_SRC else [m for m in TEXT_TYPES if m["role"] != "tool"]
+    text = text_of(r, msgs)
+    assert text == vllm_render(msgs, None, None if src is None else tmpl)
+    if src is None:
+        assert "user\nin\nbare<|im_end|>\n<|im_start|>assistant\nout\nno\nhm<|im_end|>\n<|im_start|>tool\nt1\nt2" in text
