@@ -48,7 +48,8 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
     a tool message's ``status="error"`` (which the failed-call policy reads) on that
     message's own dict: servers that number calls per turn (``call_0`` every turn) repeat
     a ``tool_call_id``, and marking every output of a failed call's id (as was done) made
-    the policy drop the successful ones.  A
+    the policy drop the successful ones; an Anthropic ``tool_result`` block's
+    ``is_error: true`` marks its output so too.  A
     ``developer`` message stays one: the renderer gives it to the template as vLLM's
     chat endpoint does (a ``system`` message where the template knows no developer role).
     ``origins``: a list to fill with each dict's message index (one message may give
@@ -65,8 +66,12 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
                 if m.invalid_tool_calls:
                     _keep_invalid_calls(one[-1], m.invalid_tool_calls)
             failed = isinstance(m, ToolMessage) and getattr(m, "status", None) == "error"
+            # Anthropic's tool_result blocks flag a failure with is_error, which the
+            # conversion drops: their outputs are marked as a failed ToolMessage's are
+            errored = {b.get("tool_use_id") for b in (m.content if isinstance(m.content, list) else ())
+                       if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("is_error") is True}
             for d in one:  # a developer message stays one: the renderer applies vLLM's rule
-                if failed and d.get("role") == "tool":
+                if d.get("role") == "tool" and (failed or d.get("tool_call_id") in errored):
                     d["status"] = "error"
             out.extend(one)
             origins.extend([i] * len(one))

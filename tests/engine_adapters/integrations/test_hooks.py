@@ -891,3 +891,18 @@ def test_a_developer_item_stays_a_developer_message_and_renders_as_vllm_renders_
     prepared = ContextHook("default", block_size=32)("s", chat, None)
     assert prepared.render.text.startswith("<|im_start|>system\nS.\n\nAnswer in French.<|im_end|>\n")
     assert "<|im_start|>developer" not in prepared.render.text
+
+
+def test_an_anthropic_tool_result_flagged_is_error_counts_as_failed():
+    """Anthropic's ``tool_result`` blocks say a failure with ``is_error: true``, which
+    LangChain's conversion drops: an output such as "Timed out after 30 s" (no error
+    word) was a success to DropFailedCalls and stayed in the context for good."""
+    use = lambda cid: AIMessage("", tool_calls=[{"name": "search", "args": {}, "id": cid, "type": "tool_call"}])  # noqa: E731
+    result = lambda cid, text, **kw: HumanMessage(content=[  # noqa: E731
+        {"type": "tool_result", "tool_use_id": cid, "content": text, **kw}])
+    msgs = [HumanMessage("go"), use("t1"), result("t1", "Timed out after 30 s", is_error=True),
+            use("t2"), result("t2", "found: 42 results", is_error=False)]
+    dicts = lc_messages_to_openai(msgs)
+    assert [d.get("status") for d in dicts] == [None, None, "error", None, None]
+    out = DropFailedCalls().apply(dicts)
+    assert [d.get("content") for d in out.messages] == ["go", "", "found: 42 results"]
