@@ -21,7 +21,7 @@ engine (``EmbeddedEngine.make_assembler()``) holds a read-only
 :class:`~promptsplice.assembler.MirrorView` of the engine's mirror, asks it for
 predictions and never admits: the engine admits what really ran.
 
-Kept as one module (~650 lines): one assembly takes the assembler's lock once, and
+Kept as one module (~710 lines): one assembly takes the assembler's lock once, and
 ordering, layout, the size checks and what the call learns (orders, branch points,
 popularity) must happen in that order under it: a prompt refused for its size learns
 nothing, which holds only while they sit in one method.

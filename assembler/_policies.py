@@ -42,7 +42,7 @@ Three policies, as real agents apply them:
   longer stretch is summarized (the callable gets the raw messages).
   :func:`summarize_turns` replaces a given stretch ``messages[start:end]`` once.
 
-Kept as one module (~620 lines): the three policies share one reading of a message
+Kept as one module (~650 lines): the three policies share one reading of a message
 list (which outputs answer which calls, which roles are tool outputs, the checks of
 both), and a summary that split a call from its output would break the pairing
 :class:`DropFailedCalls` relies on.

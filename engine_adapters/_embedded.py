@@ -47,7 +47,7 @@ Facts of vLLM's block pool that the adapter relies on (vllm 0.32.0,
 taken at start as the *null block* and never holds KV, so ``num_gpu_blocks - 1`` blocks
 can cache prefixes (:attr:`EmbeddedEngine.usable_blocks`, the mirror's capacity).
 
-Kept as one module (~700 lines): the request loop, its failure handling and the mirror
+Kept as one module (~740 lines): the request loop, its failure handling and the mirror
 share one lock and one order of events (what ran is what the mirror admits).
 """
 

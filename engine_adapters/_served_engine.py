@@ -61,7 +61,7 @@ engine (vLLM floors them at -9999).  ``ttft_s`` of a
 non-streamed completion is its whole time (the server does not report its first-token
 time); :meth:`stream` measures it.
 
-Kept as one module (~630 lines): the surface is one contract with the embedded engine's,
+Kept as one module (~660 lines): the surface is one contract with the embedded engine's,
 and its parts (the mirror a client keeps, the probes, the phased runs and the stream
 with its abort) share the engine's locks and the rules of what is replayed.
 """

@@ -18,7 +18,7 @@ each other or the prompt (:func:`_splice_ack`), a stream that is not UTF-8, a st
 ``stream=True``), a redirect (not followed) or a 204.  Whatever follows ``data: [DONE]``
 is ignored.
 
-Kept as one module (~700 lines): every rule of what a response means sits in one place,
+Kept as one module (~780 lines): every rule of what a response means sits in one place,
 read by both halves of ``RemoteEngine`` and by the served engine's stream, so a rule
 cannot hold for one path and not another (the streamed and the whole reply disagreed
 on choices and UTF-8 before they shared it).

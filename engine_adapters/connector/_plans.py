@@ -38,7 +38,7 @@ vLLM's contiguity rule shapes the phases: the loaded tokens start exactly at the
 prefix-cache hit and at least one prompt token is left to compute, so one request loads
 one contiguous run of blocks (:func:`plan_phases`, :func:`plan_segment_phases`).
 
-Kept as one module (~640 lines): the wire format, the phases built from it and the probes that
+Kept as one module (~700 lines): the wire format, the phases built from it and the probes that
 extend them (:func:`extend_recompute`) share the segment record and its checks.
 """
 
