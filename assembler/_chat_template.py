@@ -119,6 +119,30 @@ def _check_special_tokens(special_tokens: Any) -> dict[str, str]:
     return dict(special_tokens)
 
 
+_RESERVED_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+})  # fmt: skip
+
+
+def _check_variables(variables: Any) -> dict[str, Any]:
+    """Extra template variables (vLLM's ``chat_template_kwargs``: ``enable_thinking``,
+    ``reasoning_effort``...): a mapping of identifiers, none of the names the renderer
+    passes itself."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, Mapping):
+        raise ConfigError(f"variables must be a dict of template variables, got {type(variables).__name__}")
+    for key in variables:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ConfigError(f"a template variable's name must be an identifier, got {key!r}")
+        if key in _RESERVED_VARIABLES:
+            raise ConfigError(
+                f"template variable {key!r} is set by the renderer itself; pass messages, tools and "
+                "add_generation_prompt to render(), not as variables"
+            )
+    return dict(variables)
+
+
 def _raise_exception(message: str) -> None:
     raise InputError(f"the chat template refused the messages: {message}")
 
@@ -157,7 +181,10 @@ class ChatTemplate:
     The environment matches transformers' (sandboxed, ``trim_blocks``,
     ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception`` and
     ``strftime_now``), and ``special_tokens`` (``bos_token``, ``eos_token``, ...) are
-    passed as template variables.  jinja2 is imported on first use.
+    passed as template variables, then ``variables`` (what vLLM takes as
+    ``chat_template_kwargs``: ``{"enable_thinking": False}`` for Qwen3).
+    ``content_format`` is vLLM's ``--chat-template-content-format`` (``"auto"``: read off
+    the template).  jinja2 is imported on first use.
     """
 
     def __init__(
@@ -167,6 +194,7 @@ class ChatTemplate:
         special_tokens: Mapping[str, str] | None = None,
         name: str = "template",
         content_format: str = "auto",
+        variables: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(source, str) or not source.strip():
             raise ConfigError("a chat template must be a non-empty jinja string")
@@ -204,9 +232,12 @@ class ChatTemplate:
                 f"got {content_format!r}"
             )
         self._content_format: ContentFormat | None = None if content_format == "auto" else content_format  # type: ignore[assignment]
+        self.variables = _check_variables(variables)
 
     @classmethod
-    def from_dir(cls, folder: str | Path, *, content_format: str = "auto") -> ChatTemplate:
+    def from_dir(
+        cls, folder: str | Path, *, content_format: str = "auto", variables: Mapping[str, Any] | None = None
+    ) -> ChatTemplate:
         """``chat_template.jinja`` in ``folder``, else ``tokenizer_config.json``'s
         ``chat_template``; special tokens from ``tokenizer_config.json``, then those only
         ``special_tokens_map.json`` names (as transformers reads them: an older
@@ -247,7 +278,7 @@ class ChatTemplate:
                 v = v.get("content")
             if k.endswith("_token") and isinstance(v, str):
                 special.setdefault(k, v)  # tokenizer_config.json's first, as transformers
-        return cls(source, special_tokens=special, name=str(folder), content_format=content_format)
+        return cls(source, special_tokens=special, name=str(folder), content_format=content_format, variables=variables)
 
     @classmethod
     def default(cls) -> ChatTemplate:
@@ -290,7 +321,7 @@ class ChatTemplate:
                 tools=list(tools) if tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                **{**self.special_tokens, **self.variables},
             )
         except (PromptspliceError, MemoryError):
             raise

@@ -405,6 +405,7 @@ def vllm_render():
         kwargs = dict(tools=tools, chat_template=src, tokenize=False, add_generation_prompt=True)
         if template is not None:
             kwargs.update(template.special_tokens)
+            kwargs.update(template.variables)  # as chat_template_kwargs
         return hf_renderer.safe_apply_chat_template(config, hf, conversation, **kwargs)
 
     return render
@@ -618,3 +619,27 @@ def test_every_part_type_vllm_reads_as_text_renders_as_vllm_renders_it(default_t
     assert text == vllm_render(msgs, None, None if src is None else tmpl)
     if src is None:
         assert "user\nin\nbare<|im_end|>\n<|im_start|>assistant\nout\nno\nhm<|im_end|>\n<|im_start|>tool\nt1\nt2" in text
+
+
+# a Qwen3-style switch: the generation prompt closes an empty think block when thinking is off
+THINK_SRC = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n"
+             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_template_variables_render_as_vllms_chat_template_kwargs(default_tok, vllm_render):
+    """``enable_thinking=False`` (vLLM's ``chat_template_kwargs``) had no way in: a Qwen3
+    user's prompts lacked the empty think block vLLM's carry."""
+    from promptsplice.errors import ConfigError
+
+    msgs = [{"role": "user", "content": "hi"}]
+    off = ChatTemplate(THINK_SRC, name="think", variables={"enable_thinking": False})
+    r = ChatRenderer(default_tok, block_size=16, template=off, alignment="none")
+    assert text_of(r, msgs).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert text_of(r, msgs) == vllm_render(msgs, None, off)
+    on = ChatRenderer(default_tok, block_size=16, template=ChatTemplate(THINK_SRC), alignment="none")
+    assert text_of(on, msgs).endswith("<|im_start|>assistant\n")
+    for bad, match in (({"messages": []}, "set by the renderer itself"), ({"not-a-name": 1}, "must be an identifier"),
+                       ([("enable_thinking", False)], "must be a dict")):
+        with pytest.raises(ConfigError, match=match):
+            ChatTemplate(THINK_SRC, variables=bad)
