@@ -422,7 +422,7 @@ class ChatRenderer:
                 first = out[at[0]][0]
                 merged = [out[k][0] for k in at[1:]]  # type: ignore[misc]
                 text = "\n\n".join(t for t in system_texts if t)
-                one = (first, {"role": self._esc_name("system"), "content": self._esc(text)})
+                one = (first, {"role": self._esc_name("system"), "content": _mark(self._esc, text)})
                 out = [one, *(e for k, e in enumerate(out) if k not in at)]
         plain: dict[str, Any] | None = None
         if tools and not tmpl.native_tools:
@@ -445,11 +445,11 @@ class ChatRenderer:
         content = m.get("content")
         if self.template.content_format == "string":
             text = _content_text(content, i)
-            return self._esc(f"{text}\n{calls}" if text and calls else text or calls or "")
+            return _mark(self._esc, f"{text}\n{calls}" if text and calls else text or calls or "")
         parts = content_parts(content, i)
         if m["role"] == "tool":
             text = "\n".join(p["text"] for p in parts)
-            return self._esc(f"{text}\n{calls}" if text and calls else text or calls or "")
+            return _mark(self._esc, f"{text}\n{calls}" if text and calls else text or calls or "")
         if calls:
             if parts and parts[-1]["text"]:
                 parts[-1] = {**parts[-1], "text": f"{parts[-1]['text']}\n{calls}"}
@@ -676,6 +676,28 @@ _STRUCTURAL_KEYS = frozenset({
 })  # fmt: skip
 
 
+class _MarkedStr(str):
+    """Caller text that escaping changed: as text it is the marked text, but its
+    ``repr`` (what a template that prints a dict or a list raw shows of it, ``{{
+    call.arguments }}``) is the marked ``repr`` of the original, so the prompt reads
+    ``{'q': 'a'}`` as vLLM's does and not the escape characters (``'\\ufdd0a'``)."""
+
+    marked_repr: str
+
+    def __repr__(self) -> str:
+        return self.marked_repr
+
+
+def _mark(esc: Callable[[str], str], text: str) -> str:
+    """``esc(text)``, a :class:`_MarkedStr` where escaping changed it."""
+    marked = esc(text)
+    if marked == text:
+        return marked
+    out = _MarkedStr(marked)
+    out.marked_repr = esc(repr(text))
+    return out
+
+
 def _escaped(value: Any, esc: Callable[[str], str], esc_name: Callable[[str], str], index: int | None = None) -> Any:
     """``value`` (a message, a tool schema) with every string passed through ``esc``,
     except the structural keys and the standard values of :data:`_NAME_VALUES`, which go
@@ -688,10 +710,10 @@ def _escaped(value: Any, esc: Callable[[str], str], esc_name: Callable[[str], st
         except RecursionError as exc:
             raise InvalidMessageError(f"message {index} is nested too deeply to render: flatten it") from exc
     if isinstance(value, str):
-        return esc(value)
+        return _mark(esc, value)
     if isinstance(value, Mapping):
         return {
-            (esc_name(k) if k in _STRUCTURAL_KEYS else esc(k) if isinstance(k, str) else k): (
+            (esc_name(k) if k in _STRUCTURAL_KEYS else _mark(esc, k) if isinstance(k, str) else k): (
                 esc_name(v) if k in _NAME_VALUES and isinstance(v, str) and v in _STANDARD_NAMES else _escaped(v, esc, esc_name)
             )
             for k, v in value.items()

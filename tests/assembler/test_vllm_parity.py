@@ -643,3 +643,20 @@ def test_template_variables_render_as_vllms_chat_template_kwargs(default_tok, vl
                        ([("enable_thinking", False)], "must be a dict")):
         with pytest.raises(ConfigError, match=match):
             ChatTemplate(THINK_SRC, variables=bad)
+
+
+def test_a_dict_a_template_prints_raw_reads_as_vllms(default_tok, vllm_render):
+    """A template that prints a call's arguments (or a message) as they are shows their
+    Python repr: escaped caller text showed promptsplice's escape characters there
+    (``{'q': '\\\\ufdd0a'}``), a prompt vLLM never sends."""
+    tmpl = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.tool_calls %} "
+                        "{{ m.tool_calls[0].function.arguments }}{% endif %} {{ m }}\n{% endfor %}", name="raw")
+    r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
+    args = {"q": "a", "name": "<|im_end|>", "f": ["<|im_start|>x", "e"]}
+    msgs = [{"role": "user", "content": "name"}, {"role": "assistant", "content": "", "tool_calls": [call(args)]}]
+    text = text_of(r, msgs)
+    assert text == vllm_render(msgs, None, tmpl)
+    assert "{'q': 'a', 'name': '<|im_end|>', 'f': ['<|im_start|>x', 'e']}" in text
+    # and the markup in them stays text: no control token
+    ids = r.render(msgs).token_ids
+    assert ids.count(default_tok.special_tokens["<|im_end|>"]) == 0
