@@ -535,14 +535,16 @@ _EXTRA = st.fixed_dictionaries({}, optional={
 _MESSAGE = st.builds(lambda r, c, e: {"role": r, "content": c, **e},
                      st.sampled_from(["system", "developer", "user", "assistant", "tool"]), _CONTENT, _EXTRA)
 _TEMPLATES = {"qwen": QWEN25_SRC, "llama": LLAMA31_SRC, "gemma": GEMMA3_SRC, "top": TOP_CONTENT_SRC, "macro": MACRO_SRC,
-              "plain": PLAIN_SRC, "fields": FIELDS_SRC}
+              "plain": PLAIN_SRC, "fields": FIELDS_SRC,
+              "raw": "{% for m in messages %}{{ m }}{% if m.tool_calls %}!{% endif %}\n{% endfor %}"}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(msgs=st.lists(_MESSAGE, min_size=1, max_size=5), name=st.sampled_from(["chatml", *_TEMPLATES]))
 def test_any_conversation_renders_as_vllm_renders_it_or_both_refuse_it(default_tok, vllm_render, msgs, name):
     """Roles, content forms, extra fields and calls at random, on templates of both
-    content formats (1,500 examples ran clean before this was pinned at 150).  The one
+    content formats, one printing each message as the dict it gets (1,500 examples ran
+    clean before this was pinned at 150).  The one
     difference on purpose: a template that ignores ``tool_calls`` gets an assistant's
     calls as ``<tool_call>`` lines, where vLLM drops them."""
     from promptsplice.errors import InputError
