@@ -17,6 +17,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from promptsplice.assembler._content_format import ContentFormat, detect_content_format, part_text
@@ -121,6 +122,9 @@ def _check_special_tokens(special_tokens: Any) -> dict[str, str]:
 
 _RESERVED_VARIABLES = frozenset({
     "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+    # apply_chat_template's own parameters, which never reach the template there
+    "conversation", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
 })  # fmt: skip
 
 
@@ -137,8 +141,13 @@ def _check_variables(variables: Any) -> dict[str, Any]:
             raise ConfigError(f"a template variable's name must be an identifier, got {key!r}")
         if key in _RESERVED_VARIABLES:
             raise ConfigError(
-                f"template variable {key!r} is set by the renderer itself; pass messages, tools and "
-                "add_generation_prompt to render(), not as variables"
+                f"template variable {key!r} is set by the renderer itself or never reaches a template; pass "
+                "messages, tools and add_generation_prompt to render(), not as variables"
+            )
+        if MARKUP_ESCAPE in json.dumps(variables[key], ensure_ascii=False, default=str):
+            raise ConfigError(
+                f"template variable {key!r} contains U+FDD0, the noncharacter promptsplice uses to mark "
+                "caller content; remove it"
             )
     return dict(variables)
 
@@ -232,7 +241,7 @@ class ChatTemplate:
                 f"got {content_format!r}"
             )
         self._content_format: ContentFormat | None = None if content_format == "auto" else content_format  # type: ignore[assignment]
-        self.variables = _check_variables(variables)
+        self.variables: Mapping[str, Any] = MappingProxyType(_check_variables(variables))  # read-only: memoized renders
 
     @classmethod
     def from_dir(
@@ -478,18 +487,22 @@ def template_arguments(args: Any) -> Any:
 def template_fields(m: Mapping[str, Any]) -> dict[str, Any]:
     """``m`` with only the fields vLLM's chat endpoint passes on to a template
     (``_parse_chat_message_content``): ``role`` and ``content``; ``tool_calls`` (which
-    :func:`template_calls` keeps for an assistant only); an assistant's ``reasoning``, also
-    as ``reasoning_content`` (Qwen3's templates read that one); a tool output's
-    ``tool_call_id``; a str ``name`` or ``task``; a developer message's ``tools``.  Any
-    other key (an id, a status, a caller's own ``reasoning_content``) never reaches the
-    template there: it reached it here, and a template that reads it rendered another
-    prompt than vLLM's."""
+    :func:`template_calls` keeps for an assistant only); an assistant's ``reasoning`` (or
+    its deprecated name ``reasoning_content``, which vLLM's request model renames), as
+    both ``reasoning`` and ``reasoning_content`` (Qwen3's templates read that one); a
+    tool output's ``tool_call_id``; a str ``name`` or ``task``; a developer message's
+    ``tools``.  Any other key (an id, a status) never reaches the template there: it
+    reached it here, and a template that reads it rendered another prompt than vLLM's.
+    (A legacy ``function_call``, which vLLM drops, is rendered as the call it is:
+    :func:`canonical_calls`.)"""
     role = m["role"]
     out: dict[str, Any] = {"role": role, "content": m.get("content")}
     if "tool_calls" in m:
         out["tool_calls"] = m["tool_calls"]
-    if role == "assistant" and m.get("reasoning") is not None:
-        out["reasoning"] = out["reasoning_content"] = m["reasoning"]
+    # vLLM's request model renames a deprecated reasoning_content to reasoning first
+    reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+    if role == "assistant" and reasoning is not None:
+        out["reasoning"] = out["reasoning_content"] = reasoning
     if role == "tool" and "tool_call_id" in m:
         out["tool_call_id"] = m["tool_call_id"]
     for key in ("name", "task"):
@@ -517,12 +530,20 @@ def template_calls(m: Mapping[str, Any]) -> Mapping[str, Any]:
     fixed = []
     for c in calls:  # dicts with a function name (checked by _tool_call_text first)
         if isinstance(c.get("function"), Mapping):
-            fn = c["function"]
-            c = {**c, "function": {**fn, "arguments": template_arguments(fn.get("arguments"))}}
+            fn = _fields_first({**c["function"], "arguments": template_arguments(c["function"].get("arguments"))},
+                               ("arguments", "name"))
+            c = _fields_first({**c, "function": fn}, ("id", "function", "type"))
         else:
             c = {**c, "arguments": template_arguments(c.get("arguments"))}
         fixed.append(c)
     return {k: (fixed if k == "tool_calls" else v) for k, v in m.items()}  # in its place: vLLM's key order
+
+
+def _fields_first(d: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """``d`` with ``fields`` first, in that order, as vLLM's request model rebuilds a
+    call (``{"id", "function": {"arguments", "name"}, "type"}``, any other key after):
+    a template that prints a call as it is prints what vLLM's does."""
+    return {**{k: d[k] for k in fields if k in d}, **{k: v for k, v in d.items() if k not in fields}}
 
 
 def _tool_call_text(call: Any, index: int) -> str:

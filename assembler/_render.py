@@ -91,7 +91,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from promptsplice.assembler._chat_template import (
     TOOLS_HEADER,
@@ -136,6 +136,20 @@ __all__ = [
 # -- renderer ----------------------------------------------------------------------------
 
 _Piece = tuple[SegmentKind, "int | None", "str | None", str]  # kind, message index, role, text
+
+
+class _Normalized(NamedTuple):
+    """The messages as a template gets them: ``messages`` each with its index in the
+    caller's list (``None`` for an added system message); ``plain`` the first message
+    without the injected tools (``None`` when nothing was injected); ``merged`` the
+    indices of the system messages merged into the first one (their segments are
+    empty); ``each`` every caller message as normalized before that merge (what a
+    lone surrogate is searched in, so the error names the message that holds it)."""
+
+    messages: list[tuple[int | None, dict[str, Any]]]
+    plain: dict[str, Any] | None
+    merged: list[int]
+    each: list[tuple[int | None, dict[str, Any]]]
 
 
 _NO_TEXT = "\x00"
@@ -330,13 +344,13 @@ class ChatRenderer:
     ) -> list[_Piece]:
         """:meth:`pieces` as marked text (caller markup escaped, the template's raw)."""
         tmpl = self.template
-        norm, norm_plain, merged = self._normalize(messages, tools)
+        norm, norm_plain, merged, each = self._normalize(messages, tools)
         native_tools = [_escaped(t, self._esc, self._esc_name) for t in tools] if (tools and tmpl.native_tools) else None
         msgs = [m for _, m in norm]
         try:
             texts = self._piece_texts(msgs, native_tools)  # encodes every message first
         except UnicodeEncodeError:
-            raise _lone_surrogate([(i, template_fields(m)) for i, m in enumerate(messages)], tools) from None
+            raise _lone_surrogate(each, tools) from None
         body = tmpl.render(msgs, tools=native_tools, add_generation_prompt=False)
         if norm_plain is not None and TOOLS_HEADER not in body:
             raise ConfigError(
@@ -367,11 +381,8 @@ class ChatRenderer:
 
     def _normalize(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
-    ) -> tuple[list[tuple[int | None, dict[str, Any]]], dict[str, Any] | None, list[int]]:
-        """Validated messages in the form the template gets, each with its index in the
-        caller's list (``None`` for an added system message), the first message without
-        the injected tools (``None`` when nothing was injected), and the indices of the
-        system messages merged into the first one (their segments are empty)."""
+    ) -> _Normalized:
+        """The caller's messages in the form the template gets them (:class:`_Normalized`)."""
         # the shared rules (InvalidMessageError, InvalidToolsError: InputErrors), as the hook's
         check_messages(messages, allow_empty=False)
         check_tools(tools)
@@ -415,6 +426,7 @@ class ChatRenderer:
                 folded = "\n".join(call_texts) if calls and m["role"] == "assistant" else None
                 msg["content"] = self._content(m, i, folded)
             out.append((i, msg))
+        each = list(out)
         merged: list[int] = []
         if convert:
             at = [k for k, (i, _) in enumerate(out) if messages[i]["role"] in ("system", "developer")]
@@ -435,7 +447,7 @@ class ChatRenderer:
                 default = Markup.trusted(tmpl.default_system() or "")
                 plain = {"role": "system", "content": default}
                 out.insert(0, (None, {"role": "system", "content": default + block}))
-        return out, plain, merged
+        return _Normalized(out, plain, merged, each)
 
     def _content(self, m: Mapping[str, Any], i: int, calls: str | None) -> Any:
         """Message ``i``'s content (marked) in the form the template gets it: one text

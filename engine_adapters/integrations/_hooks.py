@@ -178,10 +178,12 @@ def _item_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # text parts as the renderer reads them (a refusal's too)
-        try:
-            texts = [part_text(p, -1) for p in content]
-        except NonTextContentError:
-            raise NonTextContentError(f"only text content can be rendered, got {content!r:.80}") from None
+        texts = []
+        for p in content:
+            try:
+                texts.append(part_text(p, -1))
+            except NonTextContentError:
+                raise NonTextContentError(f"only text content can be rendered, got {p!r:.80}") from None
         return join_text_parts(t for t in texts if t is not None)
     if content is None:
         return ""

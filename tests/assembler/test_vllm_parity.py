@@ -9,6 +9,7 @@ vLLM is installed; the pinned strings below hold without it."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -397,11 +398,21 @@ def vllm_render():
     config = ModelConfig(model=folder, tokenizer=folder)
     hf = AutoTokenizer.from_pretrained(folder)
 
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
     def render(messages, tools=None, template=None):
         src = (template or ChatTemplate.default()).source
         fmt = hf_renderer._detect_content_format(src, default="string")
         assert fmt == (template or ChatTemplate.default()).content_format  # vLLM's and ours agree
-        conversation, _, _ = chat_utils.parse_chat_messages(copy.deepcopy(messages), config, content_format=fmt)
+        try:  # through the chat endpoint's request model where it takes them (it renames, reorders)
+            messages = [
+                m if isinstance(m.get("content"), (str, list, type(None))) else {**m, "content": list(m["content"])}
+                for m in ChatCompletionRequest(model="m", messages=copy.deepcopy(messages)).messages
+            ]  # its parts are validated as they are read
+        except ValidationError:  # refused there (arguments as an object...): LLM.chat's path
+            messages = copy.deepcopy(messages)
+        conversation, _, _ = chat_utils.parse_chat_messages(messages, config, content_format=fmt)
         kwargs = dict(tools=tools, chat_template=src, tokenize=False, add_generation_prompt=True)
         if template is not None:
             kwargs.update(template.special_tokens)
@@ -509,8 +520,9 @@ FIELDS_SRC = ("{% for m in messages %}{{ m.role }}|{{ m.name }}|{{ m.tool_call_i
 
 def test_only_the_fields_vllm_passes_on_reach_the_template(default_tok, vllm_render):
     """A caller's ``reasoning`` reached a Qwen3-style template as ``reasoning`` only
-    (vLLM also sets ``reasoning_content``, which those templates print), and a caller's
-    own ``reasoning_content``, ``id`` or ``status`` reached it where vLLM drops them."""
+    (vLLM also sets ``reasoning_content``, which those templates print; its request model
+    renames a deprecated ``reasoning_content`` to ``reasoning`` first), and an ``id`` or a
+    ``status`` reached it where vLLM drops them."""
     msgs = [{"role": "user", "content": "hi", "name": "ann", "id": "m1", "tool_call_id": "x", "task": "t"},
             {"role": "assistant", "content": "ok", "reasoning": "think", "id": "m2"},
             {"role": "assistant", "content": "ok", "reasoning_content": "mine", "status": "done"},
@@ -519,7 +531,7 @@ def test_only_the_fields_vllm_passes_on_reach_the_template(default_tok, vllm_ren
     r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
     text = text_of(r, msgs)
     assert text == vllm_render(msgs, None, tmpl)
-    assert text == ("user|ann||t||||: hi\nassistant||||||think|think: ok\nassistant|||||||: ok\n"
+    assert text == ("user|ann||t||||: hi\nassistant||||||think|think: ok\nassistant||||||mine|mine: ok\n"
                     "tool|f|c1|||||: out\n")
 
 
@@ -527,8 +539,10 @@ _TEXTS = st.sampled_from(["", "a", "b c", " x ", "l1\nl2", "\n", "x-anthropic-bi
                           "x-anthropic-billing-header: c;\nrest"])
 _CONTENT = st.one_of(st.none(), _TEXTS, st.lists(st.one_of(_TEXTS, _TEXTS.map(lambda t: {"type": "text", "text": t})),
                                                  max_size=3))
-_CALLS = st.lists(st.builds(lambda a, i: call(a, f"c{i}", "f"), st.sampled_from(['{"q": 1}', {"q": "x"}, "", "bad", None]),
-                            st.integers(0, 3)), max_size=2)
+# calls in the key order of vLLM's request model: a request it refuses (arguments as an
+# object, content None) takes LLM.chat's path, which keeps the caller's order
+_CALLS = st.lists(st.builds(lambda a, i: {"id": f"c{i}", "function": {"arguments": a, "name": "f"}, "type": "function"},
+                            st.sampled_from(['{"q": 1}', {"q": "x"}, "", "bad", None]), st.integers(0, 3)), max_size=2)
 _EXTRA = st.fixed_dictionaries({}, optional={
     "name": st.sampled_from(["n", ""]), "reasoning": st.sampled_from(["r", None]), "reasoning_content": st.just("rc"),
     "tool_call_id": st.just("t1"), "id": st.just("i"), "task": st.just("tk"), "tool_calls": _CALLS})
@@ -546,13 +560,19 @@ def test_any_conversation_renders_as_vllm_renders_it_or_both_refuse_it(default_t
     content formats, one printing each message as the dict it gets (1,500 examples ran
     clean before this was pinned at 150).  The one
     difference on purpose: a template that ignores ``tool_calls`` gets an assistant's
-    calls as ``<tool_call>`` lines, where vLLM drops them."""
+    calls as ``<tool_call>`` lines, where vLLM drops them.  promptsplice follows the chat
+    endpoint where vLLM's two paths differ (its request model renames
+    ``reasoning_content`` and orders a call's keys; LLM.chat does neither), so the
+    strategy's calls come in that order and the rename is made before both."""
     from promptsplice.errors import InputError
 
     tmpl = ChatTemplate.default() if name == "chatml" else ChatTemplate(
         _TEMPLATES[name], name=name, special_tokens={"bos_token": "<bos>"})
     if not tmpl.native_tool_calls and any(m["role"] == "assistant" and m.get("tool_calls") for m in msgs):
         msgs = [{k: v for k, v in m.items() if k != "tool_calls"} for m in msgs]
+    # the request model's rename (LLM.chat's path drops a reasoning_content instead)
+    msgs = [m if m.get("reasoning") is not None or "reasoning_content" not in m else
+            {**{k: v for k, v in m.items() if k != "reasoning_content"}, "reasoning": m["reasoning_content"]} for m in msgs]
     r = _renderers.setdefault(name, ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none"))
     try:
         want = vllm_render(msgs, None, None if name == "chatml" else tmpl)
@@ -599,6 +619,14 @@ def test_a_lone_surrogate_in_a_merged_developer_message_is_named_by_its_own_inde
     with pytest.raises(InvalidUTF8Error) as err:
         chatml.render(msgs)
     assert err.value.index == 2
+    # in a legacy call (rendered, though not a field vLLM passes on), and behind a field
+    # that never reaches the template
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"q": "\ud800"}'}}
+    unrendered = {"role": "user", "content": "a", "id": "\ud801"}
+    for msgs, index in (([{"role": "user", "content": "u"}, legacy], 1), ([unrendered, {"role": "user", "content": "\ud800"}], 1)):
+        with pytest.raises(InvalidUTF8Error) as err:
+            chatml.render(msgs)
+        assert err.value.index == index
 
 
 TEXT_TYPES = [{"role": "user", "content": [{"type": "input_text", "text": "in"}, {"type": "text", "text": None},
@@ -642,9 +670,12 @@ def test_template_variables_render_as_vllms_chat_template_kwargs(default_tok, vl
     on = ChatRenderer(default_tok, block_size=16, template=ChatTemplate(THINK_SRC), alignment="none")
     assert text_of(on, msgs).endswith("<|im_start|>assistant\n")
     for bad, match in (({"messages": []}, "set by the renderer itself"), ({"not-a-name": 1}, "must be an identifier"),
-                       ([("enable_thinking", False)], "must be a dict")):
+                       ([("enable_thinking", False)], "must be a dict"), ({"padding": True}, "never reaches a template"),
+                       ({"x": ["\ufdd0"]}, "contains U\\+FDD0")):
         with pytest.raises(ConfigError, match=match):
             ChatTemplate(THINK_SRC, variables=bad)
+    with pytest.raises(TypeError):  # read-only: renders are memoized per template
+        off.variables["enable_thinking"] = True
 
 
 def test_a_dict_a_template_prints_raw_reads_as_vllms(default_tok, vllm_render):
@@ -655,7 +686,7 @@ def test_a_dict_a_template_prints_raw_reads_as_vllms(default_tok, vllm_render):
                         "{{ m.tool_calls[0].function.arguments }}{% endif %} {{ m }}\n{% endfor %}", name="raw")
     r = ChatRenderer(default_tok, block_size=16, template=tmpl, alignment="none")
     args = {"q": "a", "name": "<|im_end|>", "f": ["<|im_start|>x", "e"]}
-    msgs = [{"role": "user", "content": "name"}, {"role": "assistant", "content": "", "tool_calls": [call(args)]}]
+    msgs = [{"role": "user", "content": "name"}, {"role": "assistant", "content": "", "tool_calls": [call(json.dumps(args))]}]
     text = text_of(r, msgs)
     assert text == vllm_render(msgs, None, tmpl)
     assert "{'q': 'a', 'name': '<|im_end|>', 'f': ['<|im_start|>x', 'e']}" in text
