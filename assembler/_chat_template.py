@@ -20,7 +20,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from promptsplice.assembler._content_format import ContentFormat, detect_content_format, part_text
+from promptsplice.assembler._content_format import (
+    ContentFormat,
+    detect_content_format,
+    part_text,
+    template_arguments,
+    template_calls,
+)
 from promptsplice.assembler._tokenizers import MARKUP_ESCAPE, Tokenizer
 from promptsplice.errors import (
     ConfigError,
@@ -460,90 +466,6 @@ def canonical_calls(m: Mapping[str, Any], index: int) -> Mapping[str, Any]:
     fixed = {k: v for k, v in m.items() if k != "function_call"}
     fixed["tool_calls"] = out
     return fixed
-
-
-def template_arguments(args: Any) -> Any:
-    """A tool call's ``arguments`` as vLLM's chat endpoint hands them to a template that
-    renders tool calls itself (``vllm/renderers/chat_utils.py::_postprocess_messages``):
-    JSON text parsed with ``json.loads`` (a Qwen2.5, Llama-3.1 or Hermes template then
-    prints the object, ``"arguments": {"q": "a"}``, not the text again as a JSON string),
-    an object as it is, and whatever is no JSON object then as ``{}``: no arguments,
-    ``""``, text that is not JSON (vLLM logs a warning and goes on), JSON that is not an
-    object (``"[1]"``, ``"42"``).  Text vLLM itself fails on (nested too deeply for
-    Python's parser, an int past its digit limit) is ``{}`` too, as text that is not JSON."""
-    if not args:  # None, "", {}, []: vLLM's `if content := function.get("arguments")`
-        return {}
-    if isinstance(args, Mapping):  # a dict, as the request's JSON reaches vLLM
-        return dict(args)
-    parsed = args
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
-            return {}
-    return parsed if isinstance(parsed, dict) else {}
-
-
-def template_fields(m: Mapping[str, Any]) -> dict[str, Any]:
-    """``m`` with only the fields vLLM's chat endpoint passes on to a template
-    (``_parse_chat_message_content``): ``role`` and ``content``; ``tool_calls`` (which
-    :func:`template_calls` keeps for an assistant only); an assistant's ``reasoning`` (or
-    its deprecated name ``reasoning_content``, which vLLM's request model renames), as
-    both ``reasoning`` and ``reasoning_content`` (Qwen3's templates read that one); a
-    tool output's ``tool_call_id``; a str ``name`` or ``task``; a developer message's
-    ``tools``.  Any other key (an id, a status) never reaches the template there: it
-    reached it here, and a template that reads it rendered another prompt than vLLM's.
-    (A legacy ``function_call``, which vLLM drops, is rendered as the call it is:
-    :func:`canonical_calls`.)"""
-    role = m["role"]
-    out: dict[str, Any] = {"role": role, "content": m.get("content")}
-    if "tool_calls" in m:
-        out["tool_calls"] = m["tool_calls"]
-    # vLLM's request model renames a deprecated reasoning_content to reasoning first
-    reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
-    if role == "assistant" and reasoning is not None:
-        out["reasoning"] = out["reasoning_content"] = reasoning
-    if role == "tool" and "tool_call_id" in m:
-        out["tool_call_id"] = m["tool_call_id"]
-    for key in ("name", "task"):
-        if isinstance(m.get(key), str):
-            out[key] = m[key]
-    if role == "developer":
-        out["tools"] = m.get("tools")
-    return out
-
-
-def template_calls(m: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``m`` (its calls already in the OpenAI form, :func:`canonical_calls`) as vLLM's
-    chat endpoint hands it to a template that renders ``tool_calls`` itself: an
-    assistant message's calls with their ``arguments`` through :func:`template_arguments`
-    (each call and its function copied: the caller's dicts are not touched); an empty or
-    ``None`` ``tool_calls`` left out, as vLLM leaves it out (a Llama-3.1 template tests
-    ``'tool_calls' in message``), and so are the calls of any other role, which vLLM never
-    passes on.  A call without ``function`` (a flat ``{"name", "arguments"}``, which vLLM
-    refuses) gets the same arguments, so JSON text and its object render alike."""
-    if "tool_calls" not in m:
-        return m
-    calls = m["tool_calls"]
-    if m.get("role") != "assistant" or not calls:
-        return {k: v for k, v in m.items() if k != "tool_calls"}
-    fixed = []
-    for c in calls:  # dicts with a function name (checked by _tool_call_text first)
-        if isinstance(c.get("function"), Mapping):
-            fn = _fields_first({**c["function"], "arguments": template_arguments(c["function"].get("arguments"))},
-                               ("arguments", "name"))
-            c = _fields_first({**c, "function": fn}, ("id", "function", "type"))
-        else:
-            c = {**c, "arguments": template_arguments(c.get("arguments"))}
-        fixed.append(c)
-    return {k: (fixed if k == "tool_calls" else v) for k, v in m.items()}  # in its place: vLLM's key order
-
-
-def _fields_first(d: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
-    """``d`` with ``fields`` first, in that order, as vLLM's request model rebuilds a
-    call (``{"id", "function": {"arguments", "name"}, "type"}``, any other key after):
-    a template that prints a call as it is prints what vLLM's does."""
-    return {**{k: d[k] for k in fields if k in d}, **{k: v for k, v in d.items() if k not in fields}}
 
 
 def _tool_call_text(call: Any, index: int) -> str:

@@ -35,7 +35,8 @@ Three policies, as real agents apply them:
 * :class:`SummarizeTurns`: once the list is longer than ``max_messages``, the turns
   after the leading system (or developer) message and before the latest ``keep_recent``
   messages are replaced by one summary message from the user's
-  ``summarize(messages) -> str``.  The
+  ``summarize(messages) -> str``; a system or developer message among them stays, as
+  it is, right after the summary.  The
   stretch never ends on a tool output (a call and its output stay together).
   Summaries are memoized by the content of the stretch, so the next steps reuse the
   same summary (the same tokens) until the list outgrows ``max_messages`` again; then a
@@ -499,6 +500,10 @@ def _message_digest(message: Mapping[str, Any], index: int) -> bytes:
         raise InvalidUTF8Error.lone_surrogate(f"message {index} (as JSON)", text, exc, index=index) from None
 
 
+_INSTRUCTION_ROLES = ("system", "developer")
+"""Roles whose messages a summary keeps as they are (a leading one heads the list)."""
+
+
 @dataclass(slots=True)
 class _Making:
     """A summary being made: by which thread, set when done, its text (None: it failed)."""
@@ -607,7 +612,7 @@ class SummarizeTurns:
             while 0 < head < len(messages) and messages[head].get("role") in self.tool_roles:
                 head += 1
             return head
-        return 1 if messages and messages[0].get("role") in ("system", "developer") else 0
+        return 1 if messages and messages[0].get("role") in _INSTRUCTION_ROLES else 0
 
     def _can_end(self, messages: Sequence[Mapping[str, Any]], end: int) -> bool:
         """Whether a summary of ``messages[head:end]`` keeps the latest ``keep_recent``
@@ -640,13 +645,18 @@ class SummarizeTurns:
             end = n - self.keep_recent
             while head < end < n and messages[end].get("role") in self.tool_roles:
                 end -= 1
-            if end > found_end and end - head >= 2:
-                found_end, found = end, self._summary(chain[end], messages[head:end])
+            said = [m for m in messages[head:end] if m.get("role") not in _INSTRUCTION_ROLES]
+            if end > found_end and end - head >= 2 and said:
+                found_end, found = end, self._summary(chain[end], said)
         if found is None:
             return PolicyResult([dict(m) for m in messages], ())
         msg = _summary_message(found, self.role, self.template)
-        out = [dict(m) for m in messages[:head]] + [msg] + [dict(m) for m in messages[found_end:]]
-        return PolicyResult(out, (MessageEdit(EditKind.SUMMARIZE, (head, found_end), (head, head + 1)),))
+        # instructions given mid-session stay, verbatim, right after the summary: a
+        # summary swallowed them (and, where vLLM merges them into the system message
+        # in front, edited the front)
+        kept = [dict(m) for m in messages[head:found_end] if m.get("role") in _INSTRUCTION_ROLES]
+        out = [dict(m) for m in messages[:head]] + [msg] + kept + [dict(m) for m in messages[found_end:]]
+        return PolicyResult(out, (MessageEdit(EditKind.SUMMARIZE, (head, found_end), (head, head + 1 + len(kept))),))
 
     __call__ = apply
 

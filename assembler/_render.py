@@ -51,7 +51,7 @@ Segments, in order:
   content; ``tool`` messages keep their role (``<|im_start|>tool\\n...``) and the
   template ignores ``tool_call_id``/``name``.  Templates that render ``tool_calls``
   themselves get them as vLLM's chat endpoint passes them on
-  (:func:`~._chat_template.template_calls`): JSON-text ``arguments`` parsed into the
+  (:func:`~._content_format.template_calls`): JSON-text ``arguments`` parsed into the
   object, ``{}`` where that is no JSON object.  Content reaches the template in the form
   vLLM's chat endpoint detects for it (:mod:`promptsplice.assembler._content_format`):
   one text, the parts joined with ``"\\n"`` and empty ones left out, or, for a template
@@ -102,12 +102,10 @@ from promptsplice.assembler._chat_template import (
     canonical_calls,
     canonical_json,
     check_message_json,
-    template_calls,
-    template_fields,
     template_for,
     tools_block,
 )
-from promptsplice.assembler._content_format import content_parts, strip_billing_header
+from promptsplice.assembler._content_format import content_parts, strip_billing_header, template_calls, template_fields
 from promptsplice.assembler._directives import Diff, diff_renders
 from promptsplice.assembler._layout import LayoutBuilder, SegmentKind
 from promptsplice.assembler._ordering import AlignPolicy, parse_align

@@ -637,3 +637,26 @@ def test_a_failed_legacy_function_call_is_dropped_once_retried():
     assert res.messages[1] == {"role": "assistant", "content": "Checking."} and len(res.messages) == 5
     # the retried call succeeded: nothing to drop
     assert DropFailedCalls().apply(msgs[:2] + [{**msgs[2], "content": "rain"}] + msgs[3:]).edits == ()
+
+
+def test_a_summary_keeps_a_mid_session_instruction_as_it_is(default_tok):
+    """A developer (or system) message given mid-session was summarized away with the
+    turns around it: its instruction was lost to the summarizer's wording, and where
+    vLLM merges it into the system message in front, the summary edited the front."""
+    from promptsplice.assembler import ChatRenderer
+
+    seen = []
+    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "q0"},
+            {"role": "assistant", "content": "a0"}, {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    res = SummarizeTurns(lambda ms: seen.append(ms) or "s", max_messages=5, keep_recent=2).apply(msgs)
+    assert [m["role"] for m in seen[0]] == ["user", "assistant", "user", "assistant"]  # no instruction
+    assert res.messages[2] == msgs[3] and res.messages[3:] == msgs[6:]
+    assert res.edits == (MessageEdit(EditKind.SUMMARIZE, (1, 6), (1, 3)),)
+    r = ChatRenderer(default_tok, block_size=16)
+    before, after = r.render(msgs), r.render(res.messages)
+    assert before.segments[0].text == after.segments[0].text  # the merged front is untouched
+    # a stretch of instructions alone is not summarized
+    only = [msgs[0], {"role": "developer", "content": "x"}, {"role": "system", "content": "y"}, *msgs[4:]]
+    assert SummarizeTurns(lambda ms: "s", max_messages=6, keep_recent=4).apply(only).edits == ()
