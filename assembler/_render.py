@@ -2,7 +2,7 @@
 
 The template itself and the message helpers live in
 :mod:`promptsplice.assembler._chat_template`, the records in
-:mod:`promptsplice.assembler._render_types`.  Kept as one module (~700 lines): the piece
+:mod:`promptsplice.assembler._render_types`.  Kept as one module (~730 lines): the piece
 renders, their memo, the preamble split and the tools cut (checked by encoding) all work
 on one renderer's state (its template, tokenizer, escaping and memo).
 
