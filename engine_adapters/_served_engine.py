@@ -30,6 +30,9 @@ Where a served engine's facts come from:
   once against the server's ``/tokenize`` on a probe text; a tokenizer that splits it
   differently is a :class:`ConfigError` (a splice plan or an assembled prompt made with
   other token ids than the server's would never hit its cache).
+* **max_model_len**: the server's ``/v1/models`` entry for the model (asked once, by a
+  multi-phase splice, which checks the whole prompt against it before its first phase);
+  ``None`` from a server that does not list it.
 * **can_splice**: the probe got an ack (the server runs the splice connector);
   **can_relocate**: the ack says the connector can relocate.
 * **mirror**: the client keeps the mirror of the server's prefix cache, as the embedded
@@ -61,7 +64,7 @@ engine (vLLM floors them at -9999).  ``ttft_s`` of a
 non-streamed completion is its whole time (the server does not report its first-token
 time); :meth:`stream` measures it.
 
-Kept as one module (~660 lines): the surface is one contract with the embedded engine's,
+Kept as one module (~700 lines): the surface is one contract with the embedded engine's,
 and its parts (the mirror a client keeps, the probes, the phased runs and the stream
 with its abort) share the engine's locks and the rules of what is replayed.
 """
@@ -77,7 +80,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from promptsplice._validate import check_int, check_stop, salt_tenant
+from promptsplice._validate import check_int, check_salt, check_stop, check_token_ids, salt_tenant
 from promptsplice.assembler import (
     DEFAULT_CAPACITY_BLOCKS,
     Assembler,
@@ -94,10 +97,12 @@ from promptsplice.engine_adapters._requests import (
     PhaseResult,
     StreamDelta,
     admit_run,
+    check_context,
     check_logprobs,
     check_phase_options,
     check_tokenizer,
     run_phases,
+    sent_plan,
 )
 from promptsplice.engine_adapters._wire import (
     Accumulator,
@@ -107,6 +112,7 @@ from promptsplice.engine_adapters._wire import (
     Request,
     SSELines,
     completion_from_json,
+    context_len_from_list,
     model_from_list,
     wants_usage,
     parse_json,
@@ -137,6 +143,7 @@ class ServedEngineSurface:
         self._given_block_size = block_size
         self._given_tokenizer = tokenizer
         self._probe: Any = _UNSET  # SpliceAck | None once asked
+        self._context_len: Any = _UNSET  # int | None once asked
         self._tok: Tokenizer | None = None
         self._mirror: PrefixCacheMirror | None = None
         # one lock per fact asked once: threads' first uses at once ask the server once
@@ -145,6 +152,7 @@ class ServedEngineSurface:
         self._probe_lock = threading.Lock()
         self._tok_lock = threading.Lock()
         self._mirror_lock = threading.Lock()
+        self._context_lock = threading.Lock()
 
     # -- facts from the server -------------------------------------------------------
     def _model_id(self) -> str:
@@ -152,6 +160,19 @@ class ServedEngineSurface:
             url = self._url("/v1/models")  # type: ignore[attr-defined]
             self.model = model_from_list(self._run(self._get("/v1/models")), url)  # type: ignore[attr-defined]
         return self.model  # type: ignore[attr-defined]
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The server's context length for its model, as its ``/v1/models`` lists it
+        (vLLM's ``max_model_len``; asked once), ``None`` from a server that does not say
+        (a prompt may hold at most ``max_model_len - 1`` tokens, as embedded)."""
+        if self._context_len is _UNSET:
+            with self._context_lock:
+                if self._context_len is _UNSET:
+                    model = self._model_id()
+                    url = self._url("/v1/models")  # type: ignore[attr-defined]
+                    self._context_len = context_len_from_list(self._run(self._get("/v1/models")), url, model)  # type: ignore[attr-defined]
+        return self._context_len  # type: ignore[return-value]
 
     def splice_probe(self) -> SpliceAck | None:
         """The splice connector's ack to a probe request (once; module doc), ``None``
@@ -370,16 +391,7 @@ class ServedEngineSurface:
     ) -> Request:
         check_logprobs(logprobs)
         if isinstance(splice, SplicePlan):
-            # the connector would drop it (the embedded engine refuses it): say so first; the
-            # block size given to the engine, else the connector's (a server without it
-            # answers the plan with its EngineRequestError)
-            given = self._given_block_size
-            ack = self.splice_probe() if given is None else None
-            server_bs = given if given is not None else (ack.block_size if ack is not None else 0)
-            if server_bs and splice.block_size != server_bs:
-                raise ConfigError(
-                    f"the splice plan was made for block_size {splice.block_size}, the engine's is {server_bs}"
-                )
+            self._check_plan_block_size(splice)
         req = self._completion_request(  # type: ignore[attr-defined]
             prompt, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt,
             prompt_cache_key=None, stream=stream, splice=splice,
@@ -393,6 +405,16 @@ class ServedEngineSurface:
             req.body["logprobs"] = logprobs
             req.body["return_tokens_as_token_ids"] = True
         return req
+
+    def _check_plan_block_size(self, plan: SplicePlan) -> None:
+        """The connector would drop a plan of another block size (the embedded engine
+        refuses it): say so first.  The block size given to the engine, else the
+        connector's (a server without it answers the plan with its EngineRequestError)."""
+        given = self._given_block_size
+        ack = self.splice_probe() if given is None else None
+        server_bs = given if given is not None else (ack.block_size if ack is not None else 0)
+        if server_bs and plan.block_size != server_bs:
+            raise ConfigError(f"the splice plan was made for block_size {plan.block_size}, the engine's is {server_bs}")
 
     def _completion_record(self, rc: RemoteCompletion, req: Request) -> Completion:
         if rc.cached_tokens is None:
@@ -567,8 +589,23 @@ class ServedEngineSurface:
         <promptsplice.engine_adapters.EmbeddedEngine.generate_phases>` over the server
         (the same loop, :func:`~promptsplice.engine_adapters._requests.run_phases`):
         relocated tokens are the connector's acks summed, and ``adapt`` reads the
-        deviations the acks carry (the server's probes), as on the embedded engine."""
+        deviations the acks carry (the server's probes), as on the embedded engine.
+
+        What the server would refuse of a later phase is refused before the first one
+        goes out, as embedded: the whole prompt over the server's ``max_model_len``
+        (:class:`~promptsplice.errors.ContextLengthError`; the earlier phases' prefill
+        ran before the server answered the last one's 400), ids that are not token ids,
+        a bad salt, a plan of another block size."""
         check_phase_options(gen)  # a typo or a bad value fails before the first phase runs
+        phases = list(phases)  # (read twice: by the checks and by run_phases)
+        check_salt(cache_salt, "cache_salt")
+        tokens = check_token_ids(tokens, "tokens")
+        if len(phases) > 1 and (limit := self.max_model_len) is not None:  # one phase: the server says it
+            check_context(len(tokens), limit)
+        for phase in phases:
+            plan = sent_plan(phase) if isinstance(phase, SplicePhase) else None  # (run_phases names anything else)
+            if plan is not None:
+                self._check_plan_block_size(plan)
 
         def run_one(prompt: list[int], plan: SplicePlan | None, kwargs: dict[str, Any]) -> PhaseResult:
             out, rc = self._generate_served(prompt, cache_salt=cache_salt, splice=plan, **kwargs)  # probes-only plans too

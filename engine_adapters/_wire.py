@@ -765,6 +765,17 @@ def model_from_list(response: httpx.Response, url: str) -> str:
     return model
 
 
+def context_len_from_list(response: httpx.Response, url: str, model: str) -> int | None:
+    """``model``'s context length as a ``/v1/models`` answer lists it (vLLM's
+    ``max_model_len``; the first entry where no id matches), ``None`` where the server
+    does not say (OpenAI, a proxy): a limit is never guessed."""
+    data = parse_json(response, url)
+    models = [m for m in data.get("data") or () if isinstance(m, Mapping)] if isinstance(data.get("data"), list) else []
+    card = next((m for m in models if m.get("id") == model), models[0] if models else None)
+    n = card.get("max_model_len") if card is not None else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 2 else None
+
+
 def counters_from(response: httpx.Response) -> ServerCounters:
     """The prefix-cache counters of a ``/metrics`` answer."""
     names = (

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from promptsplice.engine_adapters._wire import counters_from
+from promptsplice.engine_adapters._wire import context_len_from_list, counters_from
 from promptsplice.engine_adapters._remote import (
     RemoteCompletion,
     RemoteEngine,
@@ -1147,3 +1147,22 @@ def test_a_served_plan_of_another_block_size_is_refused_and_a_dropped_one_is_log
     assert out.num_cached_tokens == 0 and sent[-1]["kv_transfer_params"]["splice"]["src_salt"] == "bob"
     warned = [r.getMessage() for r in caplog.records if "ran as plain prefill" in r.getMessage()]
     assert len(warned) == 1 and "salt" in warned[0], warned
+
+
+@pytest.mark.parametrize(
+    ("data", "want"),
+    [
+        ([{"id": "a", "max_model_len": 4096}, {"id": "m", "max_model_len": 2048}], 2048),  # the model's own entry
+        ([{"id": "a", "max_model_len": 4096}], 4096),                                     # no id matches: the first
+        ([{"id": "m"}], None),                                                            # OpenAI: no limit said
+        ([{"id": "m", "max_model_len": True}], None),
+        ([{"id": "m", "max_model_len": "2048"}], None),
+        ([{"id": "m", "max_model_len": 1}], None),
+        ([], None),
+        ("nonsense", None),
+    ],
+)
+def test_the_context_length_is_what_v1_models_says_for_the_model_or_none(data, want):
+    """A served engine's ``max_model_len`` (checked before a multi-phase splice sends
+    its first phase) is read from ``/v1/models``, never guessed."""
+    assert context_len_from_list(httpx.Response(200, json={"data": data}), "http://x/v1/models", "m") == want

@@ -269,3 +269,32 @@ def plan_phase(tokens, plan):
     from promptsplice.engine_adapters import SplicePhase
 
     return SplicePhase(len(tokens), plan)
+
+
+@pytest.mark.reliability
+def test_generate_phases_refuses_what_the_server_would_before_any_phase_runs(remote):
+    """Over the served engine the phases went out one by one: a prompt over the server's
+    ``max_model_len`` (2,048 here) failed with the last phase's 400, after the earlier
+    phases had prefilled on the server; a bad id or a plan of another block size in a
+    later phase likewise.  Now each is refused before the first phase goes out, as on
+    the embedded engine: the first phase's blocks are not in the server's cache after."""
+    from promptsplice.blocks import root_hash
+    from promptsplice.engine_adapters import SplicePhase, SplicePlan, SpliceSegment
+    from promptsplice.errors import ContextLengthError, InputError
+
+    assert remote.max_model_len == 2048  # loopback_servers' --max-model-len, from /v1/models
+    s = salt("phase-checks")
+    over = [(7 * i) % 30000 + 50 for i in range(2048 + 8)]
+    with pytest.raises(ContextLengthError, match="the prompt has 2056 tokens but the engine's max_model_len is 2048"):
+        remote.generate_phases(over, [SplicePhase(2 * BS, None), SplicePhase(len(over), None)], cache_salt=s, max_tokens=1)
+    bad = [(11 * i) % 30000 + 60 for i in range(3 * BS)]
+    with pytest.raises(InputError, match=r"tokens\[95\]"):
+        remote.generate_phases(bad[:-1] + [-1], [SplicePhase(2 * BS, None), SplicePhase(3 * BS, None)], cache_salt=s, max_tokens=1)
+    other_bs = SplicePlan(2 * BS, (SpliceSegment(0, 1, 0, root_hash(None)),))
+    with pytest.raises(ConfigError, match="made for block_size 64, the engine's is 32"):
+        remote.generate_phases(bad, [SplicePhase(2 * BS, None), SplicePhase(3 * BS, other_bs)], cache_salt=s, max_tokens=1)
+    for toks in (over, bad):  # no phase ran: the first phase's two blocks were never cached
+        assert remote.generate(toks[: 2 * BS + 1], max_tokens=1, cache_salt=s).num_cached_tokens == 0
+    run = remote.generate_phases(bad, [SplicePhase(2 * BS, None), SplicePhase(3 * BS, None)], cache_salt=s, max_tokens=2)
+    assert [c.prompt_tokens for c in run.completions] == [2 * BS, 3 * BS]
+    assert run.completions[1].num_cached_tokens == 2 * BS  # the blocks the check above cached
