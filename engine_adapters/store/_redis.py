@@ -31,7 +31,9 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
   never waits.
 * Announced once stored.  A value is announced after its SET succeeded (a refused one,
   out of memory, never is) and only while the write is still wanted; a write that a
-  ``clear`` or a removal overtook is deleted again.  A removed value's name (clear,
+  ``clear`` or a removal overtook is deleted again.  A clear overtakes a rescan too: what
+  the scan read before it is never indexed, and the listener scans again once the
+  clear's wipe of the server is over.  A removed value's name (clear,
   removal, damage) is never indexed or served until its delete reached the server;
   deletes that cannot reach it wait for it.  Calls on one name never overlap (two
   connections may land them in either order): a put whose name has a SET or DEL on its
@@ -292,6 +294,7 @@ class RedisTier(IndexedTier):
         self._listen_refused = False  # the listener's subscribe or scan was refused (counted, logged)
         self._lost_index = False  # an outage forgot the index: the next rescan re-shares
         self._outage_epoch = 0  # outages so far: a rescan that one overtook scans again
+        self._clears = 0  # clears so far: a rescan that one overtook scans again, after its wipe
         self._writer: threading.Thread | None = None
         self._down_until: float | None = None
         self._up = True
@@ -347,6 +350,7 @@ class RedisTier(IndexedTier):
         self._lru.clear()
         self._writing.clear()
         self._delete_later(*names)
+        self._clears += 1  # a rescan under way read values this clear removes: it starts again
         if not self._closed:
             self._wipe = True
             self._since_clear = set()
@@ -863,6 +867,7 @@ class RedisTier(IndexedTier):
                     with self._cond:
                         if not self._wipe:  # no later clear waits for its own scan
                             self._since_clear = None
+                            self._cond.notify_all()  # a listener waits for it to rescan
                     return
         except self._errors as exc:
             with self._cond:
@@ -871,6 +876,10 @@ class RedisTier(IndexedTier):
                     self._wipe = True
         except Exception as exc:  # noqa: BLE001 - refused, or a client bug
             _log.warning("KV block store: Redis refused the scan or delete of a clear (%s)", exc)
+            with self._cond:
+                if not self._wipe:  # the wipe is over (as far as it got): the listener may rescan
+                    self._since_clear = None
+                    self._cond.notify_all()
 
     def _retry_deletes(self, names: list[str], marks: dict[str, tuple[int, str, int]] | None = None) -> None:
         """Under the lock: have the writer delete ``names`` again later (those in
@@ -925,9 +934,10 @@ class RedisTier(IndexedTier):
         announcements; on an outage wait for the back-off and start again."""
         while True:
             with self._cond:
-                while not self._closed and not self._reachable():
-                    assert self._down_until is not None
-                    self._cond.wait(max(0.01, self._down_until - time.monotonic()))
+                # a clear's wipe first: a scan while it runs would index what it deletes
+                while not self._closed and (not self._reachable() or self._since_clear is not None):
+                    left = self._down_until - time.monotonic() if self._down_until is not None else 0.0
+                    self._cond.wait(max(0.01, left) if not self._reachable() else 0.25)
                 if self._closed:
                     return
             pubsub = None
@@ -936,7 +946,7 @@ class RedisTier(IndexedTier):
                 pubsub.subscribe(self._channel)
                 recovered = self._rescan()  # after subscribing: nothing announced meanwhile is missed
                 if recovered is None:
-                    continue  # an outage came during the scan: wait out its back-off, scan again
+                    continue  # an outage or a clear came during the scan: wait out its back-off or wipe, scan again
                 if recovered and self._on_back is not None:
                     self._on_back()  # the server may have come back empty
                 # An outage seen by any call (a slow read, a failed write) forgot the
@@ -998,11 +1008,14 @@ class RedisTier(IndexedTier):
         """Index every value of this fingerprint on the server (headers only), delete
         damaged ones (counted), then mark the index synced.  True when this ends an
         outage; ``None`` when an outage (seen by any call) came meanwhile: it forgot the
-        index, so this scan's result is partial and the listener scans again."""
+        index, so this scan's result is partial and the listener scans again; also when a
+        ``clear`` came meanwhile (its pages read before the clear hold values the clear
+        removes: indexed after it, they were served; the listener scans again once the
+        clear's wipe of the server is over)."""
         with self._cond:
             recovered, self._lost_index = self._lost_index, False
             self._back()
-            epoch = self._outage_epoch
+            epoch, clears = self._outage_epoch, self._clears
         cursor = 0
         while not self._closed:
             cursor, names = self._client.scan(cursor, match=self._prefix + "*", count=500)
@@ -1052,7 +1065,8 @@ class RedisTier(IndexedTier):
                     else:
                         bad.append((name, problem, _read_mark(bytes(head), size)))
                 with self._cond:
-                    if self._outage_epoch != epoch:
+                    if self._outage_epoch != epoch or self._clears != clears:
+                        self._lost_index = self._lost_index or recovered  # the next scan re-shares
                         return None
                     for header in found:
                         self._index(header.meta, header.total_size)
@@ -1072,7 +1086,8 @@ class RedisTier(IndexedTier):
             if cursor == 0:
                 break
         with self._cond:  # with the outage check: one right after it cleared ``_synced`` again
-            if self._outage_epoch != epoch:
+            if self._outage_epoch != epoch or self._clears != clears:
+                self._lost_index = self._lost_index or recovered
                 return None
             self._synced.set()
             self._listen_refused = False  # a later refusal is news again

@@ -468,8 +468,11 @@ class BlockStore:
         ref, overriding ``salt`` (a run that continues an old prompt stored under another
         salt: the splice connector's scoped requests).
         """
-        if owner is not None and not isinstance(owner, Hashable):
-            raise InputError(f"owner must be hashable (a request id), got {type(owner).__name__}")
+        if owner is not None:
+            try:  # (a tuple holding a list passes isinstance(.., Hashable), and hash() raises)
+                hash(owner)
+            except TypeError:
+                raise InputError(f"owner must be hashable (a request id), got {owner!r:.80}") from None
         if salts is not None:
             refs = _ref_list(refs)
             if isinstance(salts, str | bytes) or not hasattr(salts, "__iter__"):

@@ -303,6 +303,8 @@ def _as_hash(value: object, what: str) -> bytes:
 
 
 def _namespace(namespace: object) -> int:
+    if type(namespace) is not Namespace and type(namespace) is not int:  # True, 1.0: never a namespace
+        raise InputError(f"namespace must be a Namespace, got {namespace!r}")
     try:
         return int(Namespace(namespace))
     except ValueError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -672,6 +673,88 @@ def test_a_clear_removes_values_its_index_never_held(redis_url):
     with open_store(redis_url) as c:  # a restart's rescan finds nothing to serve
         assert remote(c).wait_synced(5.0)
         assert c.match_prefix(refs, salt=SALT) == 0 and c.stats().remote_blocks == 0
+
+
+@pytest.mark.reliability
+def test_a_clear_during_a_rescan_never_lets_the_scan_index_what_it_removed(redis_url, monkeypatch):
+    """A rescan (at start-up, after every outage) is not stopped by a clear: the page it
+    had read before the clear was indexed after it, so cleared blocks stayed in the
+    index (``match_prefix`` counted and pinned them; their loads missed) and, when the
+    clear's wipe took its snapshot of the index after that, stayed on the server and
+    were served.  Now a clear overtakes the scan: nothing it read is indexed, and the
+    listener scans again once the wipe is over."""
+    refs = make_refs(6)
+    with open_store(redis_url, dram_blocks=8) as a:
+        put_all(a, refs)
+        a.drain()
+    assert len(_psk_keys(redis_url)) == 6
+    with open_store(redis_url) as b:
+        tier = remote(b)
+        assert tier.wait_synced(5.0) and b.stats().remote_blocks == 6
+        me = threading.current_thread()
+        real_pipeline = tier._client.pipeline
+
+        def pipeline(*args, **kw):  # the rescan's page: its headers read, then the clear lands
+            pipe = real_pipeline(*args, **kw)
+            if threading.current_thread() is me:
+                real_execute = pipe.execute
+
+                def execute(*a2, **k2):
+                    replies = real_execute(*a2, **k2)
+                    b.clear()
+                    assert wait_for(lambda: _writer_idle(b) and _psk_keys(redis_url) == [])
+                    return replies
+
+                pipe.execute = execute
+            return pipe
+
+        monkeypatch.setattr(tier._client, "pipeline", pipeline)
+        assert tier._rescan() is None  # overtaken: the listener scans again after the wipe
+        monkeypatch.undo()
+        assert b.stats().remote_blocks == 0 and b.match_prefix(refs, salt=SALT) == 0
+        assert [b.get(r, salt=SALT).status for r in refs] == [MISS] * 6
+        assert tier.wait_synced(5.0)
+        with open_store(redis_url, dram_blocks=8) as c:  # the listener still indexes what comes after
+            put_all(c, refs[:2])
+            c.drain()
+        assert wait_for(lambda: b.stats().remote_blocks == 2)
+        assert b.match_prefix(refs, salt=SALT) == 2
+
+
+def test_the_listener_rescans_only_once_a_clears_wipe_is_over(redis_url, monkeypatch):
+    """A rescan while a clear's wipe of the server runs would index the values the wipe
+    is about to delete; the listener now waits for the wipe before it scans again.  Here
+    the wipe is held at its first scan and an outage makes the listener rescan."""
+    refs = make_refs(6)
+    with open_store(redis_url, dram_blocks=8) as a:
+        put_all(a, refs)
+        a.drain()
+    with open_store(redis_url, remote_retry_s=0.2) as b:
+        tier = remote(b)
+        assert tier.wait_synced(5.0) and b.stats().remote_blocks == 6
+        hold, held = threading.Event(), threading.Event()
+        real_scan = tier._client.scan
+
+        def scan(*args, **kw):  # the writer's wipe waits here; the listener's scans go on
+            if threading.current_thread().name == "promptsplice-kv-redis-writer":
+                held.set()
+                assert hold.wait(10.0)
+            return real_scan(*args, **kw)
+
+        monkeypatch.setattr(tier._client, "scan", scan)
+        with tier._cond:  # the indexed values are not deleted, so the wipe is what removes them
+            tier._lru.clear()
+        b.clear()
+        assert held.wait(5.0)
+        with tier._cond:
+            tier._outage(ConnectionError("test: the listener reconnects and rescans"))
+        assert not tier.wait_synced(1.5)  # no scan while the wipe is held (the back-off is 0.2 s)
+        assert b.stats().remote_blocks == 0
+        hold.set()
+        assert wait_for(lambda: _writer_idle(b) and _psk_keys(redis_url) == [])
+        assert tier.wait_synced(5.0)
+        assert b.stats().remote_blocks == 0 and b.match_prefix(refs, salt=SALT) == 0
+        assert all(b.get(r, salt=SALT).status == MISS for r in refs)
 
 
 def test_the_write_behind_bound_holds_for_a_batch_planned_at_once(redis_server, redis_url):

@@ -232,6 +232,13 @@ def test_put_refuses_a_chain_key_that_is_not_the_chain_hash_and_bad_payloads():
     assert store.put(BlockRef(b.key, b.parent, iter(b.tokens)), kv(1), salt=SALT) is PutStatus.STORED
     with pytest.raises(InputError, match="owner must be hashable"):
         store.match_prefix([a], salt=SALT, owner=[1])
+    # a tuple holding a list passes isinstance(.., Hashable): a raw TypeError came later
+    with pytest.raises(InputError, match=r"owner must be hashable \(a request id\), got \(1, \[2\]\)"):
+        store.match_prefix([a], salt=SALT, owner=(1, [2]))
+    # True == 1 and 1.0 == 1: both were taken for Namespace.CONTENT, silently
+    for bad in (True, 1.0):
+        with pytest.raises(InputError, match=f"namespace must be a Namespace, got {bad!r}"):
+            store.put(b, kv(1), salt=SALT, namespace=bad)
     assert store.stats().dram_blocks == 2
 
 
