@@ -62,7 +62,7 @@ record format (``_format``: header, token ids, payload, xxh3-128 digests):
 
 A forked child never uses an inherited tier (the store keeps its DRAM tier only there:
 ``_store``).  The ``redis`` client is imported when a tier is built, never at import time.  Kept as
-one module (~1,080 lines): the index, the writer and the listener share one lock and one
+one module (~1,120 lines): the index, the writer and the listener share one lock and one
 set of rules (what is announced, what is doomed, when the breaker opens, what a clear's
 scan of the server keeps), and each race between them is settled in this file.
 """
