@@ -146,8 +146,9 @@ _RETRY_STATUS_POST = frozenset({429, 503})
 """Statuses a completion is retried on: those saying it was not run (rate limited,
 overloaded or not ready).  A 500 may come after the server ran it, a gateway's 502 or
 504 while the server still runs it: sending it again would prefill it again."""
-_BROKEN = (httpx.RemoteProtocolError, httpx.ReadError)
-"""A connection that broke before the response ended (the server died or dropped it)."""
+_BROKEN = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""A connection that broke before the response ended (the server died or dropped it, also
+while the request was being written)."""
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 """Transport errors before the request went out: nothing reached the server."""
 _NO_RESPONSE = "Server disconnected without sending a response"

@@ -77,8 +77,18 @@ DEFAULT_VNODES = 160
 
 
 def _is_assembled(prompt: Any) -> bool:
-    """An ``AssembledPrompt`` (or alike): it carries its own block hashes and salt."""
-    return hasattr(prompt, "block_hashes") and hasattr(prompt, "token_ids")
+    """An ``AssembledPrompt`` (or alike): it carries its own block hashes and salt (a
+    ``NaivePrompt`` has no salt and no block hashes of its own: it routes by its ids)."""
+    return hasattr(prompt, "block_hashes") and hasattr(prompt, "token_ids") and hasattr(prompt, "salt")
+
+
+def _ids_of(prompt: Any) -> Any:
+    """A prompt object that is not assembled but carries token ids (``NaivePrompt``,
+    what ``Assembler.naive`` returns, which ``RemoteEngine`` sends as its ids) routes as
+    those ids; anything else as it is."""
+    if not _is_assembled(prompt) and not isinstance(prompt, str | bytes | bytearray | Sequence) and hasattr(prompt, "token_ids"):
+        return prompt.token_ids
+    return prompt
 
 
 def prefix_route_key(
@@ -96,6 +106,7 @@ def prefix_route_key(
     """
     check_int(key_blocks, "key_blocks")
     check_block_size(block_size)
+    prompt = _ids_of(prompt)
     salt = _prompt_salt(prompt, salt)
     if _is_assembled(prompt):
         hashes = list(prompt.block_hashes[:key_blocks])
@@ -116,7 +127,8 @@ def prefix_route_key(
         raise InputError(
             f"cannot route a {type(prompt).__name__}: pass an AssembledPrompt, token ids or a str"
         )
-    ids = check_token_ids(prompt[: key_blocks * block_size], "prompt")
+    # every id checked (not the key's only): a prompt the engine refuses is never routed
+    ids = check_token_ids(prompt, "prompt")[: key_blocks * block_size]
     hashes = chain_hashes(ids, block_size, salt=salt)
     return bytes(hashes[-1]) if hashes else content_digest(root_hash(salt) + token_bytes(ids))
 
@@ -156,12 +168,13 @@ narrow it at a larger ring."""
 
 def _same_server(endpoint: str) -> str:
     """The form two spellings of one URL share: scheme and host lower-cased, no trailing
-    ``/`` (names that are not URLs are compared as they are)."""
+    ``/`` nor ``/v1`` (a server's root and its ``/v1`` are one server, as
+    ``RemoteEngine`` reads them; names that are not URLs are compared as they are)."""
     if "://" not in endpoint:
         return endpoint
     scheme, _, rest = endpoint.partition("://")
     host, slash, path = rest.partition("/")
-    return f"{scheme.lower()}://{host.lower()}{slash}{path}".rstrip("/")
+    return f"{scheme.lower()}://{host.lower()}{slash}{path}".rstrip("/").removesuffix("/v1")
 
 
 @dataclass(slots=True)
@@ -233,6 +246,17 @@ def _request_key(key: Any) -> bytes:
     return bytes(key)
 
 
+def _salted_key(key: Any, salt: Any, prompt: Any) -> bytes:
+    """An explicit request key under the request's ``salt`` (checked by the salt rule, as
+    a prompt's is): the tenant's key.  A ``prompt`` given with it is refused: which of the
+    two routes would be a guess."""
+    if prompt is not None:
+        raise InputError("acquire got both a prompt and a key: pass one (the key routes, the prompt would be ignored)")
+    key = _request_key(key)
+    salt = check_salt(salt, "salt")
+    return key if salt is None else content_digest(root_hash(salt) + key)
+
+
 class _Base:
     """Endpoint set, in-flight loads and per-endpoint request counts, under one lock."""
 
@@ -266,6 +290,16 @@ class _Base:
             endpoint = lease.endpoint
             if self._generations.get(endpoint, 0) == lease._generation and self._load.get(endpoint, 0) > 0:
                 self._load[endpoint] -= 1
+
+    def _explicit_key(self, key: Any, salt: Any, prompt: Any) -> bytes:
+        """``acquire(key=...)``: the tenant's key (:func:`_salted_key`), its salt under the
+        router's salt rule as a prompt's would be."""
+        out = _salted_key(key, salt, prompt)
+        self._check_tenant(salt)
+        return out
+
+    def _check_tenant(self, salt: str | None) -> None:
+        """The router's salt rule for a request that routes (none here)."""
 
     def _take(self, endpoint: str, key: bytes | None) -> Lease:
         self._load[endpoint] += 1
@@ -350,14 +384,23 @@ class PrefixRouter(_Base):
         """The routing key of ``prompt`` (see :func:`prefix_route_key`).  An assembled
         prompt must have the router's block size: its key is then the key of its token
         ids (else one prompt, sent as both, would have two keys and two servers)."""
-        self._salts.check(_prompt_salt(prompt, salt))
+        return self._key(prompt, salt)
+
+    def _key(self, prompt: Any, salt: str | None) -> bytes:
+        """:meth:`key`, one frame under the caller of ``key`` or ``acquire`` (the salt
+        rule's warning names that caller's line)."""
         if _is_assembled(prompt) and getattr(prompt, "block_size", self.block_size) != self.block_size:
             raise ConfigError(
                 f"the assembled prompt has block_size={prompt.block_size}, this router "
                 f"block_size={self.block_size}: give PrefixRouter(block_size={prompt.block_size}) "
                 "(the engines' block size), so that the prompt and its token ids route alike"
             )
-        return prefix_route_key(prompt, key_blocks=self.key_blocks, block_size=self.block_size, salt=salt)
+        key = prefix_route_key(prompt, key_blocks=self.key_blocks, block_size=self.block_size, salt=salt)
+        self._check_tenant(_prompt_salt(_ids_of(prompt), salt))  # a request that routes: a refused one is no tenant's
+        return key
+
+    def _check_tenant(self, salt: str | None) -> None:
+        self._salts.check(salt, stacklevel=5)  # check <- here <- _key/_explicit_key <- key/acquire <- the caller
 
     def capacity(self) -> int:
         """The most requests an endpoint may hold in flight when one more arrives."""
@@ -387,9 +430,10 @@ class PrefixRouter(_Base):
         """Route one request and count it in flight until the lease is released.
 
         Pass the ``prompt`` (keyed by :meth:`key`) or an explicit ``key`` (bytes, e.g. a
-        session id's digest).  Use as ``with router.acquire(prompt) as lease: ...``.
+        session id's digest; with a ``salt``, the tenant's key: one session id of two
+        tenants is two keys).  Use as ``with router.acquire(prompt) as lease: ...``.
         """
-        key = _request_key(key) if key is not None else self.key(_request_prompt(prompt), salt=salt)
+        key = self._explicit_key(key, salt, prompt) if key is not None else self._key(_request_prompt(prompt), salt)
         with self._lock:
             return self._take(self._walk(key, self._capacity()), key)
 
@@ -405,7 +449,7 @@ class RoundRobinRouter(_Base):
         """Route one request to the next endpoint in turn (``prompt``/``key`` unused, but
         checked as :meth:`PrefixRouter.acquire` checks them: the same calls fail on both)."""
         if key is not None:
-            key = _request_key(key)
+            key = self._explicit_key(key, salt, prompt)
         else:  # the prompt's types and salt, as a PrefixRouter reads them (one rule)
             prefix_route_key(_request_prompt(prompt), key_blocks=1, salt=salt)
         with self._lock:

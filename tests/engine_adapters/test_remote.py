@@ -1166,3 +1166,25 @@ def test_the_context_length_is_what_v1_models_says_for_the_model_or_none(data, w
     """A served engine's ``max_model_len`` (checked before a multi-phase splice sends
     its first phase) is read from ``/v1/models``, never guessed."""
     assert context_len_from_list(httpx.Response(200, json={"data": data}), "http://x/v1/models", "m") == want
+
+
+def test_a_connection_broken_while_the_request_is_written_is_unavailable_not_retried_for_a_completion():
+    """``httpx.WriteError`` (a broken pipe mid-upload) was a plain ``EngineError``: never
+    retried, even for a GET, and without the hint an unavailable server gets.  A
+    completion is still not sent again (the server may have read it whole)."""
+    from promptsplice.errors import EngineUnavailableError
+
+    calls = []
+
+    def handler(request):
+        calls.append(request.method)
+        raise httpx.WriteError("[Errno 32] Broken pipe", request=request)
+
+    eng = _mock(handler, max_retries=2)
+    with pytest.raises(EngineUnavailableError):
+        eng.complete([1, 2, 3], max_tokens=1)
+    assert calls == ["POST"]
+    calls.clear()
+    with pytest.raises(EngineUnavailableError):
+        eng.server_counters()
+    assert calls == ["GET"] * 3

@@ -19,7 +19,7 @@ from promptsplice.engine_adapters._router import (
     RoundRobinRouter,
     prefix_route_key,
 )
-from promptsplice.blocks import chain_hashes, content_digest
+from promptsplice.blocks import chain_hashes, content_digest, root_hash
 from promptsplice.errors import ConfigError, InputError
 
 BS = 32
@@ -345,3 +345,85 @@ def test_an_assembled_prompt_of_another_block_size_is_refused(make_assembler):
         PrefixRouter(["a", "b"]).acquire(prompt)
     router = PrefixRouter(["a", "b"], block_size=BS)
     assert router.key(prompt) == router.key(list(prompt.token_ids), salt=prompt.salt)
+
+
+@pytest.mark.reliability
+def test_a_naive_prompt_routes_as_its_token_ids(make_assembler):
+    """``Assembler.naive()``'s prompt has ``token_ids`` and an empty ``block_hashes`` but
+    no salt: it was taken for an assembled prompt and raised a raw AttributeError on
+    both routers (``RemoteEngine`` sends it as its ids)."""
+    naive = make_assembler(block_size=16).naive(["doc one " * 20, "doc two " * 20], query="Q?", system="S.")
+    ids = list(naive.token_ids)
+    assert len(ids) > DEFAULT_KEY_BLOCKS * 16
+    assert prefix_route_key(naive) == prefix_route_key(ids) == bytes(chain_hashes(ids[: DEFAULT_KEY_BLOCKS * 16], 16)[-1])
+    router = PrefixRouter(["a", "b"])
+    assert router.key(naive, salt="t") == router.key(ids, salt="t") != prefix_route_key(ids)
+    with router.acquire(naive, salt="t") as lease:
+        assert lease.endpoint == router.owner(router.key(ids, salt="t"))
+    with RoundRobinRouter(["a", "b"]).acquire(naive) as lease:
+        assert lease.endpoint == "a"
+
+
+def test_every_id_is_checked_and_a_refused_request_is_no_tenant():
+    """Ids were checked in the routing key's span only (64 on PrefixRouter, 16 on
+    RoundRobinRouter): a prompt the engine refuses was routed and counted; and the salt
+    rule saw a request before its prompt was refused (its warning used up)."""
+    import warnings
+
+    from promptsplice.errors import MissingSaltError, UnsaltedTenantWarning
+
+    for router in (PrefixRouter(["a", "b"]), RoundRobinRouter(["a", "b"])):
+        for bad, where in (([1] * 20 + [-1], 20), ([1] * 64 + [2**40], 64)):
+            with pytest.raises(InputError, match=rf"prompt\[{where}\] is not a token id"):
+                router.acquire(bad)
+        assert router.requests() == {"a": 0, "b": 0}
+    guarded = PrefixRouter(["a", "b"])
+    guarded.acquire("tenant text", salt="t1").release()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsaltedTenantWarning)
+        with pytest.raises(InputError, match="cannot route a bytes"):
+            guarded.acquire(b"bytes")  # refused: no warning, none used up
+    with pytest.warns(UnsaltedTenantWarning):
+        guarded.acquire("unsalted text").release()
+    with pytest.raises(InputError, match="cannot route a bytes"):
+        PrefixRouter(["a"], require_salt=True).acquire(b"bytes")  # the prompt's error, not the salt's
+    with pytest.raises(MissingSaltError):
+        PrefixRouter(["a"], require_salt=True).acquire("text")
+
+
+def test_an_explicit_key_is_the_tenants_and_takes_no_prompt():
+    """``acquire(key=...)`` dropped ``salt`` and ``prompt`` unread: an empty salt every
+    other door refuses was taken, a require_salt router routed an unsalted key, one
+    session id of two tenants was one key, and a prompt beside the key was ignored."""
+    import warnings
+
+    from promptsplice.errors import InvalidSaltError, MissingSaltError, UnsaltedTenantWarning
+
+    key = b"session-7"
+    for cls in (PrefixRouter, RoundRobinRouter):
+        router = cls(["a", "b"])
+        with pytest.raises(InvalidSaltError):
+            router.acquire(key=key, salt="")
+        with pytest.raises(InputError, match="both a prompt and a key"):
+            router.acquire([1, 2, 3], key=key)
+        assert router.acquire(key=key, salt="t1").key == content_digest(root_hash("t1") + key)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert router.acquire(key=key).key == key  # (a salted and an unsalted request: warned once, here)
+        if cls is PrefixRouter:  # (RoundRobinRouter keeps no salt rule)
+            assert [(w.category, w.filename) for w in seen] == [(UnsaltedTenantWarning, __file__)]
+    with pytest.raises(MissingSaltError):
+        PrefixRouter(["a", "b"], require_salt=True).acquire(key=key)
+    router = PrefixRouter(["a", "b"], require_salt=True)
+    tenants = {router.owner(router.acquire(key=key, salt=f"tenant-{i}").key) for i in range(16)}
+    assert tenants == {"a", "b"}  # one session id of 16 tenants: spread, not one server
+
+
+def test_a_servers_root_and_its_v1_are_one_server():
+    """``RemoteEngine`` reads ``http://h:8000`` and ``http://h:8000/v1`` as one server;
+    the router took them for two (two ring shares, two load counts)."""
+    with pytest.raises(ConfigError, match="name the same one"):
+        PrefixRouter(["http://h:8000", "http://h:8000/v1/"])
+    router = PrefixRouter(["http://h:8000/v1", "http://g:8000"])
+    router.remove_endpoint("http://h:8000")
+    assert router.endpoints == ["http://g:8000"]
