@@ -297,8 +297,8 @@ def probe_relocated_request(engine: Any, kv_engine: Any, step: Any, salt: str, f
                             what: str = "request", signals: dict[str, Any] | None = None) -> None:
     """Fidelity of one request's relocated KV (reached through ``salt`` on ``kv_engine``)
     and of the control (exact, half of it from the prefix cache) on ``engine``.  The
-    request must have relocated what its plan did and every probe must be served its
-    KV (else :class:`FidelityError`).  ``what`` names the request in errors; ``signals``
+    request must have relocated what its plan did and every probe, the control's too,
+    must be served its KV (else :class:`FidelityError`).  ``what`` names the request in errors; ``signals``
     (the request's own counts) go into ``fid``'s per-probe records."""
     verify_step(step, what)
     tokens = list(step.prompt.token_ids)
@@ -314,5 +314,11 @@ def probe_relocated_request(engine: Any, kv_engine: Any, step: Any, salt: str, f
     c_salt = f"control:{uuid.uuid4().hex}"
     half = max(engine.block_size, (len(tokens) // 2) // engine.block_size * engine.block_size)
     engine.generate(tokens[:half], max_tokens=1, cache_salt=c_salt)
-    greedy = engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=c_salt).token_ids
-    ctl.measure(engine, tokens, cont, p_ref, c_salt, greedy)
+    greedy = engine.generate(tokens, max_tokens=PROBE_TOKENS, cache_salt=c_salt)
+    # the control is checked as the probe is: a recomputed "half from cache" would be the
+    # reference's own computation again, a perfect noise floor that says nothing
+    need_c = min(half, full_blocks(engine, tokens))
+    if greedy.num_cached_tokens < need_c:
+        raise FidelityError(f"{what}: the control was served {greedy.num_cached_tokens} cached tokens "
+                            f"of the {need_c} its first half holds")
+    ctl.measure(engine, tokens, cont, p_ref, c_salt, greedy.token_ids, need_cached=need_c)

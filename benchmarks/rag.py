@@ -95,7 +95,11 @@ one more reason they are checked against the unbounded bounds.  Per mode:
 * ``naive``: the unbounded radix ideal over naive's own prompts (vLLM reuses a prompt
   only up to a block-aligned prefix it shares with an earlier one, never its last token);
 * ``promptsplice``, ``promptsplice_store``: the unbounded oracle (exact reuse of the
-  trimmed segments anywhere is at least as good as a prefix hit);
+  trimmed segments anywhere is at least as good as a prefix hit), or the unbounded radix
+  ideal of the mode's own prompts where that is higher (``own_radix_prefill_tokens``:
+  mode -> tokens; whatever vLLM's cache or the store serves came from the mode's own
+  earlier prompts, so an over-count of its hits fails here, where the oracle, the least
+  over every mode, let it pass; until 2026-12-07 ``bench rag`` checked the oracle only);
 * ``promptsplice_pic``: the unbounded oracle (relocation reuses whole stored chunks at
   new positions, which the oracle already credits, and PIC counts its precompute).
 
@@ -400,7 +404,7 @@ def run_modes(
                         progress=progress, prompt_format=fmt_obj, recompute_blocks=recompute_blocks,
                         fidelity_requests=fidelity_requests, salt=f"bench-rag-pic-{run_id}",
                         exact_alignment=pic_exact_alignment, recompute_at=pic_recompute_at,
-                        max_deviation=pic_max_deviation,
+                        max_deviation=pic_max_deviation, trace_index=keep,
                     )
             finally:
                 if factory:
@@ -415,6 +419,7 @@ def run_modes(
             pic = report["modes"][PIC_MODE]["prefill_tokens"]
             report["pic"]["gap_closed"] = gap_closed(report["modes"]["naive"]["prefill_tokens"], pic, floor)
             report["pic"]["gap_closed_vs_store"] = gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], pic, floor)
+    report["bounds"]["own_radix_prefill_tokens"] = _own_radix(outs)
     report["bounds"]["checks"] = mode_bounds(report)
     return report, outs
 
@@ -430,11 +435,27 @@ def _floor(content: list[int], outs: dict[str, list[Any]]) -> int:
     return floor_per_request(content, *streams)
 
 
+def _own_radix(outs: dict[str, list[Any]]) -> dict[str, int]:
+    """The radix ideal of each exact assembly mode's own prompts (``promptsplice``,
+    ``promptsplice_store``): everything it can be served, by vLLM's cache or the store,
+    came from its own earlier prompts, so it never prefills less; the oracle alone (the
+    least over every mode per request) let an over-count of its hits pass."""
+    out = {}
+    for mode in ("promptsplice", STORE_MODE):
+        if mode in outs:
+            radix = RadixPrefill()
+            for c in outs[mode]:
+                radix.add(c.prompt_token_ids)
+            out[mode] = radix.prefill_tokens
+    return out
+
+
 def mode_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each mode's lower bound on prefill (module doc) and whether it holds."""
     b = report["bounds"]
     return bound_checks({mode: m["prefill_tokens"] for mode, m in report["modes"].items()},
-                        radix=b["radix_prefill_tokens"], oracle=b["oracle_prefill_tokens"])
+                        radix=b["radix_prefill_tokens"], oracle=b["oracle_prefill_tokens"],
+                        own_radix=b.get("own_radix_prefill_tokens"))
 
 
 def _run_store(report, outs, kv, requests, *, policy, alignment, max_tokens, progress, prompt_format,
@@ -500,8 +521,10 @@ def _probe_signals(i: int, st: Any) -> dict[str, Any]:
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
              salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays",
-             recompute_at=None, max_deviation=None) -> None:
-    """The ``promptsplice_pic`` mode and its fidelity (module doc)."""
+             recompute_at=None, max_deviation=None, trace_index=None) -> None:
+    """The ``promptsplice_pic`` mode and its fidelity (module doc).  ``trace_index``: each
+    request's line in the trace (requests that do not fit were left out before), which
+    the probes' records and errors name."""
     from promptsplice.engine_adapters import RagRunner, StepFallback
     from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
 
@@ -527,8 +550,9 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         eligible += bool(st.planned_relocated_tokens)
         if st.planned_relocated_tokens and len(fid.tf) < fidelity_requests:
             probe_calls += 1
-            probe_relocated_request(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"{PIC_MODE} request {i}",
-                                    signals=_probe_signals(i, st))
+            line = trace_index[i] if trace_index is not None else i  # as skipped_requests names them
+            probe_relocated_request(engine, kv_engine, st, runner.reuse_salt, fid, ctl, f"{PIC_MODE} request {line}",
+                                    signals=_probe_signals(line, st))
     report["modes"][PIC_MODE] = _pic_metrics(steps)
     prefill = report["modes"][PIC_MODE]["prefill_tokens"]
     outs[PIC_MODE] = [st.completion for st in steps]

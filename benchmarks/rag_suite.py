@@ -263,6 +263,9 @@ def run_rag_suite(
             pic_exact_alignment=pic_exact_alignment, store_layout=store_layout, pic_recompute_at=pic_recompute_at,
             pic_max_deviation=pic_max_deviation,
         )
+        # one store engine for every family and mode: PIC then runs on a store the store
+        # mode (and earlier families) filled, which the report must say
+        report["suite"]["one_store_engine"] = one_store_engine
     finally:
         if one_store_engine:
             kv_engine.close()

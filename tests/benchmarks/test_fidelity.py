@@ -290,3 +290,32 @@ def test_a_probe_given_back_goes_to_the_next_relocating_step():
     assert t.take((0, 3), True) is None  # one requested, one made
     with pytest.raises(ValueError, match="no probe was taken"):
         ProbeTurns(ranks, 1).give_back()
+
+
+def test_a_control_not_served_its_first_half_from_cache_fails_loudly(monkeypatch):
+    """The RAG control (an exact prefill whose first half comes from the prefix cache)
+    was never checked: a control that recomputed everything is the reference's own
+    computation again, a perfect noise floor (top-1 1.000, KL 0.000) that says nothing.
+    It is now verified as the probe is (fake engines: the plain one caches nothing)."""
+    import types
+
+    import promptsplice.benchmarks.fidelity as fidelity
+
+    tokens = list(range(100, 100 + 5 * 32 + 7))
+    step = types.SimpleNamespace(prompt=types.SimpleNamespace(token_ids=tokens), planned_relocated_tokens=64,
+                                 relocated_tokens=64)
+    measured = []
+    monkeypatch.setattr(fidelity, "reference", lambda engine, toks: ([1, 2], {1: 0.0}))
+    monkeypatch.setattr(fidelity.Fidelity, "measure", lambda self, *a, need_cached=None, **k: measured.append(need_cached))
+
+    def engine(cached):
+        return types.SimpleNamespace(block_size=32, generate=lambda toks, **kw: types.SimpleNamespace(
+            num_cached_tokens=min(cached, len(toks)), token_ids=[1, 2]))
+
+    kv = engine(5 * 32)
+    with pytest.raises(FidelityError, match="request 7: the control was served 0 cached tokens of the 64 its first half holds"):
+        fidelity.probe_relocated_request(engine(0), kv, step, "s", Fidelity(), Fidelity(), "request 7")
+    assert measured == [160]  # the relocated probe's own check ran; the control's did not pass
+    measured.clear()
+    fidelity.probe_relocated_request(engine(64), kv, step, "s", Fidelity(), Fidelity(), "request 7")
+    assert measured == [160, 64]  # the control's teacher-forced probe is checked too

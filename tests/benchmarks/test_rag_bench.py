@@ -183,6 +183,7 @@ def small_plain(kv_engine):
 def test_store_mode_runs_at_equal_capacity_and_every_mode_holds_its_bound(small_plain, kv_engine):
     """``promptsplice_store``: the promptsplice assembly on an engine with PIC's store, at
     the KV cache size of the plain engine; every mode at or above its bound."""
+    from promptsplice.benchmarks.bounds import RadixPrefill
     from promptsplice.benchmarks.rag import PIC_MODE, STORE_MODE, bench_status
 
     reqs = sample_rag_requests(4, seed=3)
@@ -199,8 +200,18 @@ def test_store_mode_runs_at_equal_capacity_and_every_mode_holds_its_bound(small_
     # same cache size, same prompts, its own salt: the store can only add hits
     assert m["prefill_tokens"] <= report["modes"]["promptsplice"]["prefill_tokens"]
     assert 0 <= st["external_cached_tokens"] <= st["measured_cached_tokens"] == m["cached_tokens"]
-    checks = report["bounds"]["checks"]
-    assert checks["naive"]["bound"] == "radix" and {c["bound"] for m_, c in checks.items() if m_ != "naive"} == {"oracle"}
+    checks, bounds = report["bounds"]["checks"], report["bounds"]
+    own = {}
+    for mode in ("promptsplice", STORE_MODE):  # each exact mode: the radix ideal of its own prompts too
+        radix = RadixPrefill()
+        for c in outs[mode]:
+            radix.add(c.prompt_token_ids)
+        own[mode] = radix.prefill_tokens
+    assert bounds["own_radix_prefill_tokens"] == own
+    assert checks["naive"]["bound"] == "radix" and checks[PIC_MODE]["bound"] == "oracle"
+    for mode, tokens in own.items():
+        want = ("own_radix", tokens) if tokens > bounds["oracle_prefill_tokens"] else ("oracle", bounds["oracle_prefill_tokens"])
+        assert (checks[mode]["bound"], checks[mode]["bound_prefill_tokens"]) == want
     assert all(c["holds"] for c in checks.values()), checks
     assert report["coverage"] == 1.0 and report["skipped_requests"] == []
     assert bench_status(report) == 0
@@ -448,6 +459,7 @@ def _fake_pic(monkeypatch, relocates=lambda i: True):
 
     def probe(engine, kv, st, salt, fid, ctl, what, signals=None):
         probed.append(what)
+        fid.records.append(signals)
         fid.add(1.0, 0.01, 1.0)
         ctl.add(1.0, 0.0, 1.0)
 
@@ -456,11 +468,11 @@ def _fake_pic(monkeypatch, relocates=lambda i: True):
     kv = types.SimpleNamespace(reset_prefix_cache=lambda: None, num_blocks=182,
                                kv_store=types.SimpleNamespace(config=types.SimpleNamespace(dram_bytes=1 << 30)))
 
-    def run(n: int, k: int) -> dict:
+    def run(n: int, k: int, trace_index=None) -> dict:
         reqs = [RagRequest(f"r{i}", "sys", [RagChunk("c", "text")], "q") for i in range(n)]
         report = {"modes": {"naive": {"prefill_tokens": 1000}}, "oracle_prefill_tokens": 100}
         rag._run_pic(report, {}, None, kv, reqs, policy="cache_aware", max_tokens=1, progress=None,
-                     prompt_format=None, recompute_blocks=1, fidelity_requests=k)
+                     prompt_format=None, recompute_blocks=1, fidelity_requests=k, trace_index=trace_index)
         return report
 
     return run, probed
@@ -529,3 +541,35 @@ def test_pic_s_cached_tokens_never_go_below_zero_when_its_precompute_exceeds_the
     assert (m["prompt_tokens"], m["prefill_tokens"], m["cached_tokens"], m["hit_rate"]) == (200, 250, 0, 0.0)
     m = _pic_metrics([step(100, 40), step(100, 90)])
     assert (m["prefill_tokens"], m["cached_tokens"], m["hit_rate"]) == (130, 70, 0.35)
+
+
+def test_an_exact_mode_below_the_radix_ideal_of_its_own_prompts_fails_its_bound():
+    """``bench rag`` checked ``promptsplice`` and ``promptsplice_store`` against the oracle
+    only (the least over every mode per request): an over-count of their hits by up to
+    (own radix - oracle) passed.  ``bench assemble`` had this check; now ``bench rag``
+    has it too."""
+    from promptsplice.benchmarks.bounds import BoundError, check_bounds
+    from promptsplice.benchmarks.rag import STORE_MODE, mode_bounds
+
+    report = {
+        "modes": {"naive": {"prefill_tokens": 300}, "promptsplice": {"prefill_tokens": 120},
+                  STORE_MODE: {"prefill_tokens": 250}},
+        "bounds": {"radix_prefill_tokens": 300, "oracle_prefill_tokens": 110,
+                   "own_radix_prefill_tokens": {"promptsplice": 200, STORE_MODE: 90}},
+    }
+    checks = mode_bounds(report)
+    assert checks["promptsplice"] == {"bound": "own_radix", "bound_prefill_tokens": 200, "prefill_tokens": 120, "holds": False}
+    assert checks[STORE_MODE] == {"bound": "oracle", "bound_prefill_tokens": 110, "prefill_tokens": 250, "holds": True}
+    with pytest.raises(BoundError, match=r"promptsplice prefilled 120 tokens, below its bound \(own_radix\) of 200"):
+        check_bounds(checks)
+
+
+def test_a_probe_names_its_trace_line_when_requests_were_skipped(monkeypatch):
+    """Requests that do not fit the engine are left out before the modes run; the probes
+    then named their place among the kept requests, while ``skipped_requests`` names
+    trace lines: with a skip, ``fidelity.probes[].request`` and a failed probe's message
+    pointed at other requests of the trace."""
+    run, probed = _fake_pic(monkeypatch, relocates=lambda i: i >= 1)
+    report = run(3, 2, trace_index=[0, 2, 5])  # trace lines 1, 3 and 4 were skipped
+    assert probed == ["promptsplice_pic request 2", "promptsplice_pic request 5"]
+    assert [p["request"] for p in report["fidelity"]["probes"]] == [2, 5]
