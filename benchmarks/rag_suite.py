@@ -115,7 +115,10 @@ def rag_suite(
     ``on_family(report)`` is called after each family (the CLI writes a partial JSON)."""
     out_dir = suite_trace_dir(trace_dir, families)
     report: dict[str, Any] = {
-        "suite": {"families": list(families), "requests": requests, "seed": seed, **modes},
+        "suite": {"families": list(families), "requests": requests, "seed": seed, **modes,
+                  # one store engine for every family and mode (not a factory): PIC then
+                  # runs on a store the store mode (and earlier families) filled
+                  "one_store_engine": kv_engine is not None and hasattr(kv_engine, "generate")},
         "families": {},
         "failed": {},
     }
@@ -263,9 +266,6 @@ def run_rag_suite(
             pic_exact_alignment=pic_exact_alignment, store_layout=store_layout, pic_recompute_at=pic_recompute_at,
             pic_max_deviation=pic_max_deviation,
         )
-        # one store engine for every family and mode: PIC then runs on a store the store
-        # mode (and earlier families) filled, which the report must say
-        report["suite"]["one_store_engine"] = one_store_engine
     finally:
         if one_store_engine:
             kv_engine.close()

@@ -411,9 +411,10 @@ class PrefixRouter(_Base):
         total = sum(self._load.values()) + 1
         return math.ceil(self.load_factor * total / len(self._load))
 
-    def owner(self, key: bytes) -> str:
-        """The endpoint that owns ``key`` on the ring, ignoring load."""
-        key = _request_key(key)
+    def owner(self, key: bytes, *, salt: str | None = None) -> str:
+        """The endpoint that owns ``key`` on the ring, ignoring load; with a ``salt``,
+        the tenant's key (``acquire(key=key, salt=salt)`` routes by it)."""
+        key = _salted_key(key, salt, None)
         with self._lock:
             return self._walk(key, None)
 

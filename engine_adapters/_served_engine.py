@@ -121,7 +121,7 @@ from promptsplice.engine_adapters._wire import (
 from promptsplice.engine_adapters.connector._plans import SplicePhase, SplicePlan
 from promptsplice.engine_adapters.connector._served import MAX_QUERY_TOKENS, PROBE_KEY, QUERY_REASON, SpliceAck, query_params
 from promptsplice.engine_adapters.store._store import BlockRef
-from promptsplice.errors import ConfigError, EngineError, EngineResponseError, TokenizerError
+from promptsplice.errors import ConfigError, EngineError, EngineRequestError, EngineResponseError, TokenizerError
 
 __all__ = ["ServedEngineSurface", "TOKENIZER_PROBE_TEXT"]
 
@@ -164,14 +164,23 @@ class ServedEngineSurface:
     @property
     def max_model_len(self) -> int | None:
         """The server's context length for its model, as its ``/v1/models`` lists it
-        (vLLM's ``max_model_len``; asked once), ``None`` from a server that does not say
-        (a prompt may hold at most ``max_model_len - 1`` tokens, as embedded)."""
+        (vLLM's ``max_model_len``; asked once), ``None`` from a server that does not say,
+        or that has no ``/v1/models`` (a proxy's 404 or 405: the prompt then meets the
+        server's own check; a prompt may hold at most ``max_model_len - 1`` tokens, as
+        embedded)."""
         if self._context_len is _UNSET:
             with self._context_lock:
                 if self._context_len is _UNSET:
                     model = self._model_id()
                     url = self._url("/v1/models")  # type: ignore[attr-defined]
-                    self._context_len = context_len_from_list(self._run(self._get("/v1/models")), url, model)  # type: ignore[attr-defined]
+                    try:
+                        listed = self._run(self._get("/v1/models"))  # type: ignore[attr-defined]
+                    except EngineRequestError as exc:
+                        if exc.status_code not in (404, 405):
+                            raise
+                        self._context_len = None
+                    else:
+                        self._context_len = context_len_from_list(listed, url, model)
         return self._context_len  # type: ignore[return-value]
 
     def splice_probe(self) -> SpliceAck | None:

@@ -767,11 +767,11 @@ def model_from_list(response: httpx.Response, url: str) -> str:
 
 def context_len_from_list(response: httpx.Response, url: str, model: str) -> int | None:
     """``model``'s context length as a ``/v1/models`` answer lists it (vLLM's
-    ``max_model_len``; the first entry where no id matches), ``None`` where the server
-    does not say (OpenAI, a proxy): a limit is never guessed."""
+    ``max_model_len`` in the model's own entry), ``None`` where the server does not say
+    (OpenAI, a proxy, a gateway listing other models): a limit is never guessed."""
     data = parse_json(response, url)
     models = [m for m in data.get("data") or () if isinstance(m, Mapping)] if isinstance(data.get("data"), list) else []
-    card = next((m for m in models if m.get("id") == model), models[0] if models else None)
+    card = next((m for m in models if m.get("id") == model), None)
     n = card.get("max_model_len") if card is not None else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 2 else None
 

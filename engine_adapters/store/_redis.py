@@ -1013,6 +1013,8 @@ class RedisTier(IndexedTier):
         removes: indexed after it, they were served; the listener scans again once the
         clear's wipe of the server is over)."""
         with self._cond:
+            if self._since_clear is not None:  # a clear came while the listener subscribed:
+                return None  # its wipe first (the listener waits for it), then the scan
             recovered, self._lost_index = self._lost_index, False
             self._back()
             epoch, clears = self._outage_epoch, self._clears

@@ -7,6 +7,7 @@ module holds only the policy.
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from collections.abc import Sequence
@@ -303,10 +304,10 @@ def _as_hash(value: object, what: str) -> bytes:
 
 
 def _namespace(namespace: object) -> int:
-    if type(namespace) is not Namespace and type(namespace) is not int:  # True, 1.0: never a namespace
+    if isinstance(namespace, bool) or not hasattr(type(namespace), "__index__"):  # True, 1.0: never a namespace
         raise InputError(f"namespace must be a Namespace, got {namespace!r}")
     try:
-        return int(Namespace(namespace))
+        return int(Namespace(operator.index(namespace)))  # (a numpy int is one)
     except ValueError:
         raise InputError(f"namespace must be a Namespace, got {namespace!r}") from None
 

@@ -56,7 +56,14 @@ def test_a_family_whose_pic_ran_with_probe_traffic_is_left_out_of_pic_vs_store(m
 
     monkeypatch.setattr(rs, "run_modes", fake_run_modes)
     rep = rs.rag_suite(None, families=["support", "tools"], requests=2, trace_dir=tmp_path)
-    assert seen == ["support", "tools"]
+    assert seen == ["support", "tools"] and rep["suite"]["one_store_engine"] is False
+    import types  # an engine instance for the store modes: one store for every family and mode
+
+    seen.clear()
+    shared = types.SimpleNamespace(generate=None)
+    assert rs.rag_suite(None, kv_engine=shared, families=["support", "tools"], requests=2,
+                        trace_dir=tmp_path)["suite"]["one_store_engine"] is True
+    seen.clear()
     c = rep["checks"]
     assert c["support"]["pic_gap_closed_vs_store"] is None and "probe traffic" in c["support"]["pic_gap_closed_vs_store_skipped"]
     assert c["tools"]["pic_gap_closed_vs_store"] == 0.4 and c["tools"]["pic_gap_closed_vs_store_skipped"] is None

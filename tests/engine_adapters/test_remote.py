@@ -1153,7 +1153,7 @@ def test_a_served_plan_of_another_block_size_is_refused_and_a_dropped_one_is_log
     ("data", "want"),
     [
         ([{"id": "a", "max_model_len": 4096}, {"id": "m", "max_model_len": 2048}], 2048),  # the model's own entry
-        ([{"id": "a", "max_model_len": 4096}], 4096),                                     # no id matches: the first
+        ([{"id": "a", "max_model_len": 4096}], None),                                     # another model's: no guess
         ([{"id": "m"}], None),                                                            # OpenAI: no limit said
         ([{"id": "m", "max_model_len": True}], None),
         ([{"id": "m", "max_model_len": "2048"}], None),
@@ -1188,3 +1188,26 @@ def test_a_connection_broken_while_the_request_is_written_is_unavailable_not_ret
     with pytest.raises(EngineUnavailableError):
         eng.server_counters()
     assert calls == ["GET"] * 3
+
+
+def test_a_server_without_v1_models_has_no_context_length_and_phases_still_run():
+    """A proxy that serves completions but not ``/v1/models`` (404) failed every
+    multi-phase splice once the engine read its context length there; it now has none
+    (the server's own check answers), and the phases go out."""
+    from promptsplice.engine_adapters import SplicePhase
+
+    paths = []
+
+    def handler(request):
+        paths.append(request.url.path)
+        if request.url.path == "/v1/models":
+            return httpx.Response(404, json={"error": {"message": "not found"}})
+        n = len(json.loads(request.content)["prompt"])
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "x", "token_ids": [7], "finish_reason": "length"}],
+                                         "usage": {"prompt_tokens": n, "completion_tokens": 1,
+                                                   "prompt_tokens_details": {"cached_tokens": 0}}})
+
+    eng = _mock(handler)
+    assert eng.max_model_len is None
+    run = eng.generate_phases(list(range(1, 49)), [SplicePhase(32, None), SplicePhase(48, None)], max_tokens=1)
+    assert [c.prompt_tokens for c in run.completions] == [32, 48] and paths.count("/v1/models") == 1

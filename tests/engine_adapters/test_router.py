@@ -415,8 +415,11 @@ def test_an_explicit_key_is_the_tenants_and_takes_no_prompt():
     with pytest.raises(MissingSaltError):
         PrefixRouter(["a", "b"], require_salt=True).acquire(key=key)
     router = PrefixRouter(["a", "b"], require_salt=True)
-    tenants = {router.owner(router.acquire(key=key, salt=f"tenant-{i}").key) for i in range(16)}
+    tenants = {router.owner(key, salt=f"tenant-{i}") for i in range(16)}
     assert tenants == {"a", "b"}  # one session id of 16 tenants: spread, not one server
+    for i in range(16):  # owner(key, salt=) names where acquire(key=, salt=) routes
+        with router.acquire(key=key, salt=f"tenant-{i}") as lease:
+            assert lease.endpoint == router.owner(key, salt=f"tenant-{i}") == router.owner(lease.key)
 
 
 def test_a_servers_root_and_its_v1_are_one_server():

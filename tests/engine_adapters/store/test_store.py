@@ -240,6 +240,9 @@ def test_put_refuses_a_chain_key_that_is_not_the_chain_hash_and_bad_payloads():
         with pytest.raises(InputError, match=f"namespace must be a Namespace, got {bad!r}"):
             store.put(b, kv(1), salt=SALT, namespace=bad)
     assert store.stats().dram_blocks == 2
+    import numpy as np  # a numpy int is an integer: still a namespace
+
+    assert store.contains(b, salt=SALT, namespace=np.int64(0)) and not store.contains(b, salt=SALT, namespace=np.int64(1))
 
 
 def test_disk_round_trip_after_dram_eviction(tmp_path):
