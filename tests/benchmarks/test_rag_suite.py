@@ -72,10 +72,14 @@ def test_a_family_whose_pic_ran_with_probe_traffic_is_left_out_of_pic_vs_store(m
     assert c["support"]["pic_gap_closed_vs_store_whole_block"] is None
     assert c["tools"]["pic_gap_closed_vs_store_whole_block"] == 0.8
     assert rep["worst"]["promptsplice_pic_vs_store_whole_block"] == {"gap_closed": 0.8, "family": "tools"}
-    assert rep["worst"]["promptsplice_pic"] == {"gap_closed": 0.7, "family": "support"}  # naive -> oracle: kept
+    # naive -> oracle: kept, and said to carry the probes' traffic (it did not say so)
+    assert rep["worst"]["promptsplice_pic"] == {"gap_closed": 0.7, "family": "support", "probe_traffic": True}
     assert list(rep["pic_vs_store_skipped"]) == ["support"]
     text = rs.format_suite(rep)
     assert "pic vs store: skipped support" in text and "--fidelity-requests 0" in text
+    assert "worst promptsplice_pic: gap 0.70 (support) (PIC ran with fidelity probe traffic)" in text
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    assert rows["support"][9] == "0.70*" and not rows["tools"][9].endswith("*")  # gap pic, marked where probed
     # a report from before the flag: probes made means traffic
     old = _family_report(0.1, True)
     del old["pic"]["probe_traffic"]
