@@ -862,7 +862,14 @@ class RedisTier(IndexedTier):
                         gone = [t for n in names if (t := n.decode()) not in keep and t not in since
                                 and t not in writing and t not in self._busy]
                         self._claim(gone)  # a put of one of them from now on waits for this delete
-                    self._delete_claimed(gone)
+                    # doomed until deleted: a refused DEL (an ACL, a read-only replica) is
+                    # retried after the back-off, and no rescan indexes them meanwhile (a
+                    # refusal ended the wipe, and the next rescan served them again)
+                    self._delete_now(gone)
+                    with self._cond:
+                        if not self._reachable():  # an outage met by the delete: the wipe runs again
+                            self._wipe = not self._closed
+                            return
                 if cursor == 0:
                     with self._cond:
                         if not self._wipe:  # no later clear waits for its own scan

@@ -855,6 +855,34 @@ def test_a_server_that_refuses_deletes_is_retried_after_the_back_off(redis_url, 
         admin.close()
 
 
+def test_a_clear_on_a_server_that_refuses_deletes_never_serves_what_it_cleared(redis_url):
+    """A clear's wipe of values its (bounded) index never held stopped at the first DEL
+    the server refused (an ACL here; a read-only replica alike), and the next rescan
+    indexed those values and served them.  They now stay doomed (never indexed or
+    served) and their delete is retried after the back-off until the server takes it."""
+    refs = make_refs(6)
+    with open_store(redis_url, dram_blocks=8) as a:
+        put_all(a, refs)
+        a.drain()
+    admin = client(redis_url)
+    try:
+        with open_store(redis_url, remote_bytes=2 * max(map(rec_file_size, refs)) + 8, remote_retry_s=0.3) as b:
+            tier = remote(b)
+            assert tier.wait_synced(5.0) and b.stats().remote_blocks == 2  # its index holds 2 of the 6
+            admin.execute_command("ACL", "SETUSER", "default", "-del")
+            b.clear()
+            assert wait_for(lambda: tier._since_clear is None)  # the wipe went through the server
+            assert len(_psk_keys(redis_url)) == 6  # every delete refused
+            assert tier._rescan() is not None  # a rescan now (after an outage, say) indexes none of them
+            assert b.stats().remote_blocks == 0 and b.match_prefix(refs, salt=SALT) == 0
+            assert all(b.get(r, salt=SALT).status is MISS for r in refs)
+            admin.execute_command("ACL", "SETUSER", "default", "+del")
+            assert wait_for(lambda: _psk_keys(redis_url) == [], timeout=5.0)
+    finally:
+        admin.execute_command("ACL", "SETUSER", "default", "+del")
+        admin.close()
+
+
 # ---------------------------------------------------------------------------- review of 2026-12-03
 
 
