@@ -427,12 +427,13 @@ def run_modes(
 def _floor(content: list[int], outs: dict[str, list[Any]]) -> int:
     """The oracle (:func:`~promptsplice.benchmarks.bounds.floor_per_request`): per request
     the content bound or a prefix-caching mode's radix ideal on its own prompts, the least."""
-    streams = []
-    for mode in ("naive", "promptsplice", STORE_MODE):
-        if mode in outs:
-            radix = RadixPrefill()
-            streams.append([radix.add(c.prompt_token_ids) for c in outs[mode]])
-    return floor_per_request(content, *streams)
+    return floor_per_request(content, *(_radix_stream(outs[m]) for m in ("naive", "promptsplice", STORE_MODE) if m in outs))
+
+
+def _radix_stream(completions: list[Any]) -> list[int]:
+    """Per request, what an unbounded radix tree fed the mode's own prompts prefills."""
+    radix = RadixPrefill()
+    return [radix.add(c.prompt_token_ids) for c in completions]
 
 
 def _own_radix(outs: dict[str, list[Any]]) -> dict[str, int]:
@@ -440,14 +441,7 @@ def _own_radix(outs: dict[str, list[Any]]) -> dict[str, int]:
     ``promptsplice_store``): everything it can be served, by vLLM's cache or the store,
     came from its own earlier prompts, so it never prefills less; the oracle alone (the
     least over every mode per request) let an over-count of its hits pass."""
-    out = {}
-    for mode in ("promptsplice", STORE_MODE):
-        if mode in outs:
-            radix = RadixPrefill()
-            for c in outs[mode]:
-                radix.add(c.prompt_token_ids)
-            out[mode] = radix.prefill_tokens
-    return out
+    return {m: sum(_radix_stream(outs[m])) for m in ("promptsplice", STORE_MODE) if m in outs}
 
 
 def mode_bounds(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
