@@ -220,6 +220,33 @@ def test_store_mode_runs_at_equal_capacity_and_every_mode_holds_its_bound(small_
     assert st["store_remote_bytes"] == 0
 
 
+def test_every_mode_s_ttft_counts_its_assembly_as_pic_s_counts_its_planning(small_plain, kv_engine, monkeypatch):
+    """A request's TTFT runs from the call: the naive text's formatting and the exact
+    modes' assembly count, as PIC's planning does (until 2026-12-07 they were left out
+    of ``naive``, ``promptsplice`` and ``promptsplice_store``: a bias against PIC)."""
+    import time
+
+    from promptsplice.assembler import Assembler, PromptFormat
+    from promptsplice.benchmarks.rag import PIC_MODE, STORE_MODE
+
+    slow = 0.4
+
+    def slowed(fn):
+        def run(*a, **k):
+            time.sleep(slow)
+            return fn(*a, **k)
+        return run
+
+    for cls, name in ((Assembler, "assemble"), (Assembler, "preview"), (PromptFormat, "naive_text")):
+        monkeypatch.setattr(cls, name, slowed(getattr(cls, name)))
+    reqs = sample_rag_requests(4, seed=3)[:1]  # one request: its TTFT is the p50
+    report, outs = run_modes(small_plain, reqs, kv_engine=kv_engine, max_tokens=1, fidelity_requests=0)
+    for mode in (*MODES, STORE_MODE):
+        engine_ms = outs[mode][0].ttft_s * 1e3
+        assert report["modes"][mode]["ttft_p50_ms"] >= engine_ms + slow * 1e3 - 0.01, mode
+    assert report["modes"][PIC_MODE]["ttft_p50_ms"] >= slow * 1e3
+
+
 def test_the_store_control_takes_pic_s_exact_layout(small_plain, kv_engine):
     """With whole-block chunks for PIC's exact requests (``pic_exact_alignment="all"``),
     the store control is laid out the same way, so PIC's gap over it is relocation
