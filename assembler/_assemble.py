@@ -53,6 +53,7 @@ from promptsplice.assembler._tokenizers import (
     encode_marked_batch,
     load_tokenizer,
     markup_for,
+    tokenizer_key,
 )
 from promptsplice.dedup import DedupConfig, KeptChunk, dedup, normalize_chunks
 from promptsplice.blocks import cacheable_blocks, content_digest, root_hash, token_bytes
@@ -165,7 +166,7 @@ class Assembler:
         self.trust_markup = check_bool(trust_markup, "trust_markup")
         self._text_form = False  # for_openai: prompts are sent as text, so padding is refused
         self._markup: Markup = markup_for(self.tokenizer)
-        self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")
+        self._cache_name = tokenizer_key(self.tokenizer) + ("\x00markup" if self.trust_markup else "")
 
     @classmethod
     def for_openai(cls, encoding: str = "o200k_base", **kwargs: Any) -> Assembler:
@@ -666,8 +667,9 @@ _TOKEN_BYTES: dict[str, int] = {}
 def _max_token_bytes(tokenizer: Tokenizer) -> int:
     """The most UTF-8 bytes one token of ``tokenizer`` decodes to (plus a margin of 4
     for decoders that drop a leading space), 0 when the vocabulary cannot be listed.
-    Computed once per tokenizer name (about 30 ms for a 49K vocabulary)."""
-    cached = _TOKEN_BYTES.get(tokenizer.name)
+    Computed once per :func:`tokenizer_key` (about 30 ms for a 49K vocabulary)."""
+    key = tokenizer_key(tokenizer)
+    cached = _TOKEN_BYTES.get(key)
     if cached is not None:
         return cached
     size = getattr(tokenizer, "vocab_size", None)
@@ -679,7 +681,7 @@ def _max_token_bytes(tokenizer: Tokenizer) -> int:
             except Exception:  # noqa: BLE001 - an id without a token (gaps in tiktoken's ranks)
                 continue
     value = longest + 4 if longest else 0
-    _TOKEN_BYTES[tokenizer.name] = value
+    _TOKEN_BYTES[key] = value
     return value
 
 

@@ -117,6 +117,7 @@ from promptsplice.assembler._tokenizers import (
     encode_marked_batch,
     load_tokenizer,
     markup_for,
+    tokenizer_key,
 )
 from promptsplice.blocks import content_digest
 from promptsplice._validate import check_block_size, check_bool, check_int, check_messages, check_salt, check_tools
@@ -259,7 +260,7 @@ class ChatRenderer:
         self._markup = markup_for(self.tokenizer)
         self._esc = Markup.trusted if self.trust_markup else self._markup.escape
         self._esc_name = Markup.trusted if self.trust_markup else self._markup.escape_name
-        self._cache_name = self.tokenizer.name + ("\x00markup" if self.trust_markup else "")
+        self._cache_name = tokenizer_key(self.tokenizer) + ("\x00markup" if self.trust_markup else "")
 
     # -- public --------------------------------------------------------------------
     def render(

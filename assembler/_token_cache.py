@@ -1,7 +1,8 @@
 """Bounded, thread-safe per-segment token cache keyed by content digest.
 
 A retrieved chunk that comes back in many requests is tokenized once: the cache maps
-``(tokenizer name, segment prefix, content digest)`` to its token ids.  The digest comes
+``(tokenizer key, segment prefix, content digest)`` to its token ids (the key:
+:func:`~promptsplice.assembler._tokenizers.tokenizer_key`, never the name alone).  The digest comes
 from :mod:`promptsplice.blocks` (the one content hash, which is not collision-resistant),
 and a hit is confirmed against the stored text itself, so a crafted collision can never
 hand one document (one tenant's) the tokens of another: the text confirmed a hit by its

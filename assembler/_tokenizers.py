@@ -31,6 +31,7 @@ one of them without the others let caller text produce control tokens.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
 import json
@@ -53,6 +54,7 @@ __all__ = [
     "tiktoken_cache_dir",
     "Markup",
     "markup_for",
+    "tokenizer_key",
     "encode_marked_batch",
     "MARKUP_ESCAPE",
 ]
@@ -63,7 +65,8 @@ class Tokenizer(Protocol):
     """What the assembler needs from a tokenizer."""
 
     name: str
-    """Identity used in cache keys: two tokenizers with one name must encode alike."""
+    """A name for messages and cache keys (which add what the tokenizer makes of a probe
+    text and its control tokens, :func:`tokenizer_key`)."""
     filler_token_id: int
     """A single token that decodes to whitespace (block padding)."""
 
@@ -662,15 +665,28 @@ _MARKUPS: dict[str, Markup] = {}
 _MARKUPS_LOCK = threading.Lock()
 
 
+def tokenizer_key(tokenizer: Tokenizer) -> str:
+    """The key of what is cached per tokenizer (its markup escaper, segment tokens, the
+    longest token's bytes): its name, the ids it makes of a probe text and its control
+    tokens.  Two tokenizers of one name that split text or mark control tokens
+    differently never share an entry (until 2026-12-07 the name alone was the key: a
+    second tokenizer of a cached name, with one more control token, had caller text
+    holding that token encoded as the control token, unescaped)."""
+    specials = getattr(tokenizer, "special_tokens", None) or {}
+    what = repr((_identity(tokenizer), sorted(specials.items())))
+    return f"{tokenizer.name}\x00{hashlib.blake2b(what.encode('utf-8', 'surrogatepass'), digest_size=8).hexdigest()}"
+
+
 def markup_for(tokenizer: Tokenizer) -> Markup:
     """The :class:`Markup` of ``tokenizer``'s control tokens (none for a tokenizer
-    without ``special_tokens``), one per tokenizer name."""
-    hit = _MARKUPS.get(tokenizer.name)
+    without ``special_tokens``), one per :func:`tokenizer_key`."""
+    key = tokenizer_key(tokenizer)
+    hit = _MARKUPS.get(key)
     if hit is None:
         specials = getattr(tokenizer, "special_tokens", None) or {}
         hit = Markup(specials)
         with _MARKUPS_LOCK:
-            hit = _MARKUPS.setdefault(tokenizer.name, hit)
+            hit = _MARKUPS.setdefault(key, hit)
     return hit
 
 

@@ -443,3 +443,34 @@ def test_encode_batch_refuses_one_str(spec, method):
     with pytest.raises(InputError, match=r"takes a list of str, got one str: pass \[text\]"):
         getattr(tok, method)("hi!")
     assert getattr(tok, method)(["hi!"]) == [tok.encode("hi!")]
+
+
+@pytest.mark.reliability
+def test_a_second_tokenizer_of_a_cached_name_escapes_its_own_control_tokens(tmp_path):
+    """Two tokenizers of one name, the second with one more control token: caller text
+    holding that token stays text under both, in chunks and in chat messages (until
+    2026-12-07 the escaper, the token cache and the token-bytes bound were cached by
+    name, so the second tokenizer's control token came out of a retrieved document)."""
+    import json
+
+    from promptsplice.assembler import Assembler, ChatRenderer, ChatTemplate, HFTokenizer
+    from promptsplice.assembler._tokenizers import tokenizer_key
+    from promptsplice.assets import default_model_dir
+
+    spec = json.loads((default_model_dir() / "tokenizer.json").read_text())
+    (tmp_path / "a.json").write_text(json.dumps(spec))
+    evil = len(spec["model"]["vocab"])
+    spec["added_tokens"].append({"id": evil, "content": "<|evil|>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (tmp_path / "b.json").write_text(json.dumps(spec))
+    a = HFTokenizer.from_file(tmp_path / "a.json", name="one-name")
+    b = HFTokenizer.from_file(tmp_path / "b.json", name="one-name")
+    assert tokenizer_key(a) != tokenizer_key(b) and tokenizer_key(a) == tokenizer_key(a)
+    doc = "hello <|evil|> world"
+    asm_a = Assembler(a, block_size=32)
+    first = asm_a.assemble([doc], query="q")  # caches everything for "one-name"
+    assert first.markup_as_text is False  # "<|evil|>" is no control token of a
+    prompt = Assembler(b, block_size=32, token_cache=asm_a.token_cache).assemble([doc], query="q")
+    assert evil not in prompt.token_ids and prompt.markup_as_text
+    render = ChatRenderer(b, template=ChatTemplate.default()).render([{"role": "user", "content": doc}])
+    assert evil not in render.token_ids and "<|evil|>" in render.text
