@@ -197,7 +197,8 @@ class SpliceConnector(KVConnectorBase_V1):
         self.worker: SpliceWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SpliceScheduler(
-                self.store, self.settings.block_size, relocation=self.settings.relocation
+                self.store, self.settings.block_size, relocation=self.settings.relocation,
+                num_blocks=_vllm.connector_num_blocks(self),
             )
         self._acks: dict[str, list] = {}
         """Requests that carry a plan, a probe or a store query: [reason, planned, loaded,

@@ -252,7 +252,17 @@ class _ReqState:
     """``probe_refs``' block indexes, sorted once."""
 
 
-_MAX_TAINTED = 1 << 16
+_MIN_TAINTED = 1 << 16
+
+
+def tainted_bound(num_blocks: int) -> int:
+    """How many tainted keys a scheduler remembers for a KV cache of ``num_blocks``
+    blocks: twice the cache (a key leaves only after twice as many newer taints and
+    hits as vLLM can hold blocks), never fewer than 65,536.  Until 2026-12-07 it was
+    65,536 whatever the cache: on a cache larger than that (a small model on a large
+    GPU) an idle tenant's approximate blocks outlived their taint in vLLM's cache, and
+    a later hit over them saved what it computed after them under exact keys."""
+    return max(2 * max(int(num_blocks), 0), _MIN_TAINTED)
 
 
 class SpliceScheduler:
@@ -265,11 +275,15 @@ class SpliceScheduler:
     :meth:`request_finished`.
     """
 
-    def __init__(self, store: BlockStore, block_size: int, *, relocation: bool = True) -> None:
+    def __init__(self, store: BlockStore, block_size: int, *, relocation: bool = True, num_blocks: int = 0) -> None:
         check_block_size(block_size)
         self.store = store
         self.block_size = int(block_size)
         self.relocation = bool(relocation)
+        self.max_tainted = tainted_bound(num_blocks)
+        """The taint list's bound (:func:`tainted_bound` of vLLM's ``num_blocks``)."""
+        self.tainted_dropped = 0
+        """Tainted keys dropped at the bound (a warning is logged at the first)."""
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadItem] = []
         self._warned_plan = False
@@ -394,13 +408,32 @@ class SpliceScheduler:
             # the request's own (exact) chain keys
             st.no_save = True
             if holds_exact_kv_only(st.salt) and st.chain is not None:
-                for ref in st.chain[first:]:  # vLLM files them under those keys: taint them
+                # vLLM files them under those keys: taint them, from the first block that
+                # is approximate or of another salt (the exact offload hits before it, a
+                # system prompt, stay clean: until 2026-12-07 they were tainted too, and
+                # every later request over them saved nothing)
+                approx = item.approx or tuple(bool(d) for d in item.deltas)
+                k = next((i for i in range(len(item.refs)) if approx[i] or item.salt_of(i) != st.salt),
+                         len(item.refs))
+                for ref in st.chain[first + k:]:
                     self._tainted[ref.key] = None
                     self._tainted.move_to_end(ref.key)
-                while len(self._tainted) > _MAX_TAINTED:
-                    self._tainted.popitem(last=False)
+                self._bound_taints()
         self._loads.append(item)
         return item
+
+    def _bound_taints(self) -> None:
+        over = len(self._tainted) - self.max_tainted
+        if over <= 0:
+            return
+        for _ in range(over):
+            self._tainted.popitem(last=False)
+        if not self.tainted_dropped:
+            _log.warning(
+                "splice connector: dropped the oldest of %d tainted keys (more approximate blocks than "
+                "twice the KV cache); a later exact request over one vLLM still holds would save what "
+                "it computes after approximate KV", self.max_tainted)
+        self.tainted_dropped += over
 
     def build_connector_meta(
         self,
@@ -469,7 +502,10 @@ class SpliceScheduler:
         planned, order = st.probe_refs, st.probe_order
         # blocks j with j * bs >= computed and (j + 1) * bs <= end, by bisection: every
         # decode step of a request asks (a scan of 2,048 probes was 10 ms per step for 64)
-        js = order[bisect.bisect_left(order, -(-computed // bs)) : bisect.bisect_right(order, end // bs - 1)]
+        # (a block whose first tokens the step before computed counts: loads are whole
+        # blocks, so it is this request's own; until 2026-12-07 such a block, split by a
+        # chunked-prefill boundary, was never measured, and the guard paid a request for it)
+        js = order[bisect.bisect_left(order, computed // bs) : bisect.bisect_right(order, end // bs - 1)]
         if not js or (any(planned[j][1] for j in js) and not self.relocation):
             return None
         ids = block_ids(req_id)

@@ -310,3 +310,63 @@ def _one_request(sched, rid, tokens, hit, salt=SALT, params=None, **kw):
     meta = sched.build_connector_meta([(rid, hit + n, len(tokens) - hit - n)], lambda r: ids)
     sched.request_finished(rid)
     return meta
+
+
+@pytest.mark.reliability
+def test_exact_offload_hits_before_a_relocated_run_stay_untainted(store):
+    """A relocation whose local hit lost the system prompt loads it as exact offload
+    hits, then the relocated run: only the run and what follows are tainted, so a
+    later exact request over the system prompt still saves (until 2026-12-07 every
+    loaded block was tainted, and every such request saved nothing)."""
+    SYS, X, S = toks(4 * BS, 100), toks(2 * BS, 5000), toks(3 * BS, 9000)
+    old, new = SYS + X + S + [1, 2], SYS + S + toks(10, 20000)
+    fill_store(store, old)
+    moved = SplicePlan(BS, (SpliceSegment(4 * BS, 3, -2 * BS, chain_hashes(old, BS, salt=SALT)[5]),))
+    sched = SpliceScheduler(store, BS)
+    meta = _one_request(sched, "splice", new, 0, params=moved.to_params())
+    assert meta.loads[0].approx == (False,) * 4 + (True,) * 3
+    chain = chain_hashes(new, BS, salt=SALT)
+    assert [k in sched._tainted for k in chain] == [False] * 4 + [True] * 3
+    other = SYS + toks(6 * BS, 40000)
+    saved = _one_request(sched, "exact", other, 4 * BS).saves
+    assert [r.key for s in saved for r in s.refs] == chain_hashes(other, BS, salt=SALT)[4:10]
+    # and a request over the relocated run still saves nothing
+    assert _one_request(sched, "over", new + toks(2 * BS, 30000), 7 * BS).saves == []
+
+
+@pytest.mark.reliability
+def test_the_taint_list_is_sized_from_the_kv_cache_and_warns_when_it_drops(store, caplog):
+    """A KV cache of more than 32,768 blocks keeps more taints than 65,536: an idle
+    tenant's approximate blocks must outlive their taint in vLLM's cache no longer
+    (a reviewer's repro: 33 relocations of 2,048-block prompts dropped an earlier
+    request's taints, and a hit over its blocks then saved under exact keys)."""
+    from promptsplice.engine_adapters.connector._scheduler import tainted_bound
+
+    assert tainted_bound(0) == tainted_bound(1000) == 65536 and tainted_bound(300_000) == 600_000
+    assert SpliceScheduler(store, BS, num_blocks=300_000).max_tainted == 600_000
+    old, new, plan, _ = deletion_case(store)
+    sched = SpliceScheduler(store, BS)
+    sched.max_tainted = 2  # the bound, made small: the oldest taints go, with one warning
+    with caplog.at_level("WARNING"):
+        _one_request(sched, "splice", new, 2 * BS, params=plan.to_params())
+    assert len(sched._tainted) == 2 and sched.tainted_dropped == 1
+    assert [m for m in caplog.messages if "tainted keys" in m]
+
+
+def test_a_probe_block_split_by_a_chunked_prefill_boundary_is_measured(store):
+    """A probe block whose first tokens one step computes and whose rest the next does
+    is measured in the step that completes it (until 2026-12-07 in neither: the guard
+    read it as unmeasured and paid one more request)."""
+    old = toks(8 * BS, 100)
+    fill_store(store, old)
+    new = toks(2 * BS, 7000) + old[2 * BS :] + [5]
+    parent = chain_hashes(old[: 2 * BS], BS, salt=SALT)[-1]
+    plan = SplicePlan(BS, (), probes=(SpliceSegment(2 * BS, 1, 0, parent),))
+    sched = SpliceScheduler(store, BS)
+    n = sched.get_num_new_matched_tokens("r", new, SALT, 0, plan.to_params())
+    sched.update_state_after_alloc("r", list(range(10)), n)
+    ids = lambda r: list(range(10))  # noqa: E731
+    first = sched.build_connector_meta([("r", 0, 80)], ids)
+    second = sched.build_connector_meta([("r", 80, len(new) - 80)], ids)
+    assert first.probes == [] and [p.starts for p in second.probes] == [(2 * BS,)]
+    assert [s.block_ids for s in second.saves] == [(2, 3, 4, 5, 6, 7)]
