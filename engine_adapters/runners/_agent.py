@@ -157,7 +157,9 @@ class AgentStep:
     ``prefill_tokens`` computed, ``cached_tokens = prompt_tokens - prefill_tokens`` not
     computed (vLLM's ``num_cached_tokens``: its prefix cache plus connector loads), of
     which ``relocated_tokens`` were loaded with re-rotated keys.  ``ttft_s`` runs from
-    the step's first request to the final request's first token.
+    the step's start (its planning included, as a RAG step's; the plans made only for
+    the record excluded) to the final request's first token (until 2026-12-07 from its
+    first request: splice's planning, which apc and full do not do, was left out).
     """
 
     session_id: str
@@ -423,6 +425,9 @@ class AgentRunner:
             )
         gen = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop, "logprobs": logprobs}
         with self._held(prepared.session_id) as st, st.lock:
+            # the step's TTFT runs from here: its planning counts, as a RAG request's does;
+            # the plans made for the record only (``recomputed_tokens``) do not
+            t0, record_s = time.perf_counter(), 0.0
             if st.forgotten:  # forget() ran while another step used the session
                 st.tokens, st.salt, st.scoped, st.kv_salt, st.forgotten = None, self.salt, False, self.salt, False
                 st.served = None
@@ -447,8 +452,10 @@ class AgentRunner:
                     fallback = StepFallback.STRICTER_THAN_SCOPE
                 salt, phases = self._exact_salt(), plain
                 if prepared.kind in (StepKind.EDIT, StepKind.APPEND):
+                    t_dry = time.perf_counter()
                     dry_salt, dry, why = self._plan(st, prepared, new, 0, dry=True)
                     recomputed = planned_relocated_tokens(dry, new, dry_salt)
+                    record_s += time.perf_counter() - t_dry
                     if why in (StepFallback.FOREIGN_RENDER, StepFallback.INVALID_PLAN) and fallback is None:
                         fallback = why  # reported and logged at every level (silent here before)
                         _log.warning("agent runner: session %s: %s; full prefill", prepared.session_id, why.value)
@@ -459,10 +466,12 @@ class AgentRunner:
                     st, prepared, new, cfg.recompute_blocks, probe=cfg.max_deviation is not None
                 )
                 if (cfg.recompute_blocks or self.recompute_tail_blocks) and fallback is None:
+                    t_dry = time.perf_counter()
                     dry_salt, dry, _ = self._plan(st, prepared, new, 0, dry=True)
                     every = planned_relocated_tokens(dry, new, dry_salt)
                     recomputed = max(0, every - planned_relocated_tokens(phases, new, salt))
-            result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation)
+                    record_s += time.perf_counter() - t_dry
+            result = self._run(prepared, new, salt, phases, gen, cfg.max_deviation, t0=t0 + record_s)
             result.fallback = fallback
             if prepared.diff is not None:  # a property of the edit, in every mode
                 diff = prepared.diff
@@ -575,8 +584,11 @@ class AgentRunner:
         phases: list[SplicePhase],
         gen: dict[str, Any],
         max_deviation: float | None = None,
+        *,
+        t0: float | None = None,
     ) -> AgentStep:
-        t0 = time.perf_counter()
+        """Send the step's phases; its TTFT and wall time run from ``t0`` (default: now)."""
+        t0 = time.perf_counter() if t0 is None else t0
         adapt = None
         if max_deviation is not None and len(phases) > 1:
             adapt = AdaptiveRecompute(max_deviation, new)

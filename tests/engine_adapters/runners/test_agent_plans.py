@@ -219,3 +219,32 @@ def test_scope_none_loads_its_exact_salts_prefix_as_exact(default_tok, renders):
              for msgs, level in ((renders[0], "exact"), (renders[1], "exact"), (renders[2], "fast"))]
     assert steps[0].salt == steps[1].salt == "t\x1fexact" and steps[2].salt == "t"
     assert steps[2].planned_relocated_tokens == 272
+
+
+def test_a_splice_step_s_ttft_counts_its_planning_and_not_the_plans_made_for_the_record(
+    default_tok, renders, monkeypatch,
+):
+    """Splice plans before its first request, which apc and full never do: that time
+    counts in the step's TTFT and wall time, as a RAG step's planning does (until
+    2026-12-07 its clock started at the first request); the dry plan made only for
+    ``recomputed_tokens`` does not count."""
+    import time
+
+    from promptsplice.engine_adapters.runners import _agent
+
+    slow, real = 0.3, _agent.plan_phases
+
+    def slowed(*a, **k):
+        time.sleep(slow)
+        return real(*a, **k)
+
+    monkeypatch.setattr(_agent, "plan_phases", slowed)
+    seq = [renders[0], renders[1], renders[1][:2] + renders[1][4:]]
+    for kwargs, plans in (({"fidelity": "bounded"}, 2), ({}, 1)):  # bounded: the plan and the dry plan
+        runner = AgentRunner(_CacheEngine(), mode="splice", salt="t", **kwargs)
+        t = time.perf_counter()
+        prepared, step = _session(runner, default_tok, seq)[-1]
+        took = time.perf_counter() - t
+        assert prepared.kind is StepKind.EDIT and took >= plans * slow
+        counted = slow if kwargs else 0.0  # exact: the dry plan only, for the record
+        assert counted <= step.ttft_s < counted + slow and counted <= step.wall_s < counted + slow, kwargs
