@@ -91,6 +91,7 @@ from promptsplice.benchmarks.fidelity import (
     reference,
     verify_step,
 )
+from promptsplice._validate import check_int, check_optional_int
 from promptsplice.errors import ConfigError
 
 __all__ = [
@@ -280,12 +281,48 @@ def _check_capacity(shapes: dict[str, Any], has_store: bool) -> None:
         )
 
 
-def _check_block_size(full: int, mode: str, other: int) -> None:
-    """``full``'s block size must be every mode's: the one hook pads renders, and the
-    ideal counts blocks, in it."""
+def _check_counts(max_tokens: Any, fidelity_steps: Any) -> None:
+    """:class:`ConfigError` for a ``max_tokens`` below 1 or a ``fidelity_steps`` below 0
+    (-1 or 2.5 gave a probe coverage of -0.0 or 1.2), or either not an int."""
+    check_int(max_tokens, "max_tokens")
+    check_int(fidelity_steps, "fidelity_steps", minimum=0)
+
+
+def _full_shape(eng: Any) -> dict[str, Any]:
+    """What ``full``'s engine must share with the others: the block size (the one hook
+    pads renders, and the ideal counts blocks, in it) and the dtype (the probes compare
+    logits across them; until 2026-12-07 not compared).  Its KV blocks and store may
+    differ (``full`` runs every step under a fresh salt), and so may its context length:
+    interleaved, a step over any engine's is skipped in every mode; one mode at a time,
+    the modes must have skipped the same steps (:func:`_merge_replays`)."""
+    return {"block_size": eng.block_size, "dtype": eng.config.dtype}
+
+
+def _check_full(full: dict[str, Any], mode: str, other: dict[str, Any]) -> None:
+    """:class:`ConfigError` unless ``full``'s :func:`_full_shape` is ``mode``'s."""
+    if other["block_size"] != full["block_size"]:
+        raise ConfigError(f"engines: full's block size {full['block_size']} differs from {mode}'s "
+                          f"{other['block_size']}; start every mode with one block size")
     if other != full:
-        raise ConfigError(f"engines: full's block size {full} differs from {mode}'s {other}; "
-                          "start every mode with one block size")
+        raise ConfigError(f"engines: full's dtype {full['dtype']!r} differs from {mode}'s {other['dtype']!r}; "
+                          "start every mode with one dtype (start_engines() does)")
+
+
+def _merge_replays(recs: list[Any] | None, one: list[Any], mode: str, lens: list[int]) -> list[Any]:
+    """One more mode's replay (``--sequential``) merged into the records so far: a step
+    counts when every mode ran it.  The modes must have skipped the same steps: a step
+    over one engine's context but not another's ran in some modes only (traffic the
+    report counts as skipped, and the next step then pairs a fresh start with an edit),
+    so differing skips are a :class:`ConfigError` (until 2026-12-07 they were merged)."""
+    if recs is None:
+        return one
+    mine = [i for i, x in enumerate(one) if x is None]
+    theirs = [i for i, x in enumerate(recs) if x is None]
+    if mine != theirs:
+        raise ConfigError(
+            f"bench agent --sequential: {mode} skipped steps {mine[:8]} and the modes before it {theirs[:8]} "
+            f"(engine contexts {lens}): start every mode with one max_model_len")
+    return [None if a is None else (a[0], a[1], a[2], {**a[3], **b[3]}) for a, b in zip(recs, one)]
 
 
 def _replay(sessions, runners, tokenizer, block_size, max_tokens, on_step=None, log=None) -> list[Any]:
@@ -357,6 +394,7 @@ def run_agent_modes(
     from promptsplice.engine_adapters import AgentRunner
     from promptsplice.engine_adapters.runners._agent import DEFAULT_RECOMPUTE_BLOCKS
 
+    _check_counts(max_tokens, fidelity_steps)
     if (engines is None) == (start_engine is None):
         raise ConfigError("pass engines (interleaved modes) or start_engine (one mode at a time), not both")
     if start_engine is not None and fidelity_steps:
@@ -375,7 +413,7 @@ def run_agent_modes(
                               "equal StoreConfigs do); make the two StoreConfigs differ (each its own disk_dir)")
         _check_capacity({m: _store_shape(engines[m]) for m in ("apc", "splice")},
                         engines["apc"].config.kv_store is not None)
-        _check_block_size(engines["full"].block_size, "apc", engines["apc"].block_size)  # (= splice's)
+        _check_full(_full_shape(engines["full"]), "apc", _full_shape(engines["apc"]))  # (= splice's)
     r = DEFAULT_RECOMPUTE_BLOCKS if recompute_blocks is None else recompute_blocks
     # Salts of this run only: an engine that served an earlier run (a library caller's,
     # a test's) keeps its blocks, which a fixed salt let this run hit (found by the
@@ -415,8 +453,10 @@ def run_agent_modes(
         for m in MODES:
             eng = start_engine(m)
             try:
-                if m != "full":  # full ran first, in its block size
-                    _check_block_size(block_size, m, eng.block_size)
+                if m == "full":  # full runs first: the others must match it
+                    full_shape = _full_shape(eng)
+                else:
+                    _check_full(full_shape, m, _full_shape(eng))
                 if m in ("apc", "splice"):
                     shapes[m] = _store_shape(eng)
                     has_store = has_store and eng.config.kv_store is not None
@@ -427,11 +467,7 @@ def run_agent_modes(
                 one = _replay(sessions, {m: runner(m, eng)}, eng.tokenizer, eng.block_size, max_tokens, log=log)
             finally:
                 eng.close()
-            if recs is None:
-                recs = one
-            else:  # merge: a step counts when every mode ran it
-                recs = [None if a is None or b is None else (a[0], a[1], a[2], {**a[3], **b[3]})
-                        for a, b in zip(recs, one)]
+            recs = _merge_replays(recs, one, m, lens)
         max_len = min(lens)
 
     totals = {m: _Totals() for m in MODES}
@@ -610,6 +646,8 @@ def run_agent_bench(
     ``BOUND_EXIT`` (4, printed), and coverage below ``MIN_COVERAGE`` returns
     ``COVERAGE_EXIT`` (3) unless ``allow_skips``."""
 
+    check_optional_int(sessions, "sessions")  # (-1 sliced off the last session, and the run read 1.0 coverage)
+    _check_counts(max_tokens, fidelity_steps)  # before the engines start
     data = read_agent_trace(trace)
     if sessions is not None:
         data = data[:sessions]

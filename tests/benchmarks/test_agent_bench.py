@@ -222,6 +222,63 @@ def test_a_full_engine_of_another_block_size_is_refused():
         run_agent_modes([read_agent_trace(SAMPLE)[0]], engines=engines)
 
 
+def test_a_full_engine_of_another_dtype_or_modes_that_skipped_other_steps_are_refused(monkeypatch):
+    """``full``'s dtype was never compared with the other engines'; and in sequential
+    mode a step over full's shorter context was skipped there only while apc and splice
+    ran it (traffic the report counted as skipped; the merged records then paired
+    full's fresh step with the others' edit)."""
+    import types
+
+    from promptsplice.benchmarks import agent
+
+    def eng(mml=4096, dtype="float32", blocks=182):
+        store = types.SimpleNamespace(dram_bytes=1 << 30, disk_bytes=4 << 30, remote_bytes=0)
+        cfg = types.SimpleNamespace(kv_store=store, dtype=dtype, enable_prefix_caching=True, max_model_len=mml)
+        return types.SimpleNamespace(num_blocks=blocks, block_size=32, config=cfg, max_model_len=mml,
+                                     kv_store=object(), close=lambda: None, tokenizer=None)
+
+    sess = [read_agent_trace(SAMPLE)[0]]
+    n = len(sess[0].renders)
+    with pytest.raises(ConfigError, match="full's dtype 'bfloat16' differs from apc's 'float32'"):
+        run_agent_modes(sess, engines={"full": eng(dtype="bfloat16"), "apc": eng(), "splice": eng()},
+                        fidelity_steps=0)
+    monkeypatch.setattr("promptsplice.engine_adapters.AgentRunner", lambda *a, **k: None)
+    ran = {"full": [None] * n, "apc": [("first", None, None, {})] * n}  # full skipped every step
+
+    def replay(sessions, runners, *a, **k):
+        (mode,) = runners
+        return ran[mode]
+
+    monkeypatch.setattr(agent, "_replay", replay)
+    fleet, started = {"full": eng(mml=1200), "apc": eng(), "splice": eng()}, []
+    with pytest.raises(ConfigError, match=r"apc skipped steps \[\] and the modes before it \[0, 1"):
+        run_agent_modes(sess, start_engine=lambda m: started.append(m) or fleet[m], fidelity_steps=0)
+    assert started == ["full", "apc"]  # refused before splice started
+    # full's own KV blocks and context may differ (fresh salts; interleaved skips are shared)
+    agent._check_full(agent._full_shape(eng(blocks=99, mml=1200)), "apc", agent._full_shape(eng()))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"sessions": -1}, "sessions must be an int >= 1"),
+    ({"sessions": 0}, "sessions must be an int >= 1"),
+    ({"fidelity_steps": -1}, "fidelity_steps must be an int >= 0"),
+    ({"fidelity_steps": 2.5}, "fidelity_steps must be an int >= 0"),
+    ({"max_tokens": 0}, "max_tokens must be an int >= 1"),
+])
+def test_bad_bench_agent_arguments_are_refused_before_any_engine_starts(tmp_path, monkeypatch, kwargs, match):
+    """The library entry points took ``sessions=-1`` (the last session dropped, coverage
+    still 1.0), ``sessions=0`` (blamed on max_model_len) and a negative or fractional
+    ``fidelity_steps`` (probe coverage -0.0 or 1.2); the CLI guarded them, they did not."""
+    from promptsplice.benchmarks import agent as bench
+
+    def no_engines(**_):
+        raise AssertionError("an engine started")
+
+    monkeypatch.setattr(bench, "start_engines", no_engines)
+    with pytest.raises(ConfigError, match=match):
+        bench.run_agent_bench(SAMPLE, tmp_path / "r.json", verbose=False, **kwargs)
+
+
 def test_a_trace_without_edit_steps_reports_no_edit_ttft_not_0_ms():
     from promptsplice.benchmarks.agent import _fmt_ms, _Totals
 
