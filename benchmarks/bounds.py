@@ -22,6 +22,9 @@
   of that many tokens (a like-for-like reference, per segment only).
 * :func:`whole_block_segments`: a request's segments as a whole-block layout pads
   them, for the oracle of such layouts (a reference: how much of a gap padding holds).
+* :class:`RelocationCeiling`: the least position-independent reuse of such segments can
+  prefill when it recomputes the first ``r`` blocks of each relocated chunk (or run): a
+  reference for what a recompute setting leaves reachable, not a bound.
 * :func:`prefix_bound`: what block-granular prefix caches that never evict leave to
   prefill when requests go round robin to engines with caches of their own (``local``)
   or one shared between them (``shared``; with one engine, the floor of any routing
@@ -46,7 +49,8 @@ from promptsplice.blocks import chain_hashes, round_up
 from promptsplice.errors import PromptspliceError
 
 __all__ = [
-    "radix_prefill_tokens", "RadixPrefill", "OracleCounter", "whole_block_segments", "floor_per_request",
+    "radix_prefill_tokens", "RadixPrefill", "OracleCounter", "whole_block_segments", "RelocationCeiling",
+    "floor_per_request",
     "bound_checks", "BoundError",
     "BOUND_EXIT", "check_bounds", "prefix_bound",
 ]
@@ -239,6 +243,51 @@ def whole_block_segments(
         (digest, round_up(toks if isinstance(toks, int) else len(toks), block_size)) for digest, toks in segments[:-1]
     ]
     return out + list(segments[-1:])
+
+
+class RelocationCeiling:
+    """What position-independent reuse of whole-block segments can prefill at best when
+    it recomputes ``recompute_blocks`` blocks at the start of each relocated chunk
+    (``per_chunk``, ``recompute_at="chunk"``) or only where a chunk does not stand
+    behind the segment it followed before (``recompute_at="run"``).
+
+    Fed :func:`whole_block_segments` requests: a segment of a leading run some earlier
+    request began with is free (prefix cache, the exact lead, a re-ask's stored
+    blocks); any other segment seen before costs ``min(r blocks, its size)``, free at
+    ``"run"`` when it follows the segment it followed before; a new one costs its size;
+    the query is always computed, and at least one token per request.  It assumes
+    every chunk seen before is stored and relocated and no guard ever computes a run,
+    so it is a ceiling for the settings, not a bound a mode must respect (``bench rag``
+    reports it as ``pic_ceiling_prefill_tokens``)."""
+
+    def __init__(self, block_size: int, recompute_blocks: int, *, per_chunk: bool = True) -> None:
+        self.recompute_tokens = recompute_blocks * block_size
+        self.per_chunk = per_chunk
+        self._seen: set[bytes] = set()
+        self._pairs: set[tuple[bytes | None, bytes]] = set()
+        self._prefixes: set[tuple[bytes, ...]] = set()
+        self.prefill_tokens = 0
+
+    def add(self, segments: Sequence[tuple[bytes, Sequence[int] | int]]) -> int:
+        """Tokens this request leaves to prefill (the last segment is the query)."""
+        def size(toks: Sequence[int] | int) -> int:
+            return toks if isinstance(toks, int) else len(toks)
+
+        digests = [d for d, _ in segments[:-1]]
+        total, lead = sum(size(t) for _, t in segments[-1:]), True
+        for i, (digest, toks) in enumerate(segments[:-1]):
+            lead = lead and tuple(digests[: i + 1]) in self._prefixes
+            prev = digests[i - 1] if i else None
+            if lead or (digest in self._seen and not self.per_chunk and (prev, digest) in self._pairs):
+                continue
+            total += min(self.recompute_tokens, size(toks)) if digest in self._seen else size(toks)
+        for i, digest in enumerate(digests):
+            self._seen.add(digest)
+            self._pairs.add((digests[i - 1] if i else None, digest))
+            self._prefixes.add(tuple(digests[: i + 1]))
+        total = max(total, 1)
+        self.prefill_tokens += total
+        return total
 
 
 def floor_per_request(content: Sequence[int], *streams_prefill: Sequence[int]) -> int:

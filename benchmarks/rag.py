@@ -79,7 +79,9 @@ and share the store's budget.  Beside the modes::
     "store": {"predicted_cached_tokens", "measured_cached_tokens", "external_cached_tokens", "alignment",
               "kv_cache_blocks", "store_dram_bytes", "store_disk_bytes", "store_remote_bytes"}
     "pic": {..., "gap_closed_vs_store",   # share of the promptsplice_store -> oracle gap
-            "gap_closed_vs_store_whole_block"}  # ... -> whole-block oracle gap (below)
+            "gap_closed_vs_store_whole_block",  # ... -> whole-block oracle gap (below)
+            "gap_closed_vs_store_ceiling",      # ... -> PIC's ceiling (below)
+            "ceiling_gap_closed_vs_store"}      # the ceiling's share of the store -> oracle gap
 
 (the engine's mirror predicts its own prefix cache; the store adds the external hits).
 
@@ -112,6 +114,12 @@ chunks out with ``--pic-exact-alignment all``.  The padding between it and the o
 is prefill that no reuse of whole-block chunks avoids, so
 ``pic.gap_closed_vs_store_whole_block`` (PIC's share of the store -> whole-block oracle
 gap) says how much of what relocation could reach in that layout it reached.
+``pic_ceiling_prefill_tokens`` (:class:`~promptsplice.benchmarks.bounds.RelocationCeiling`,
+a reference too) narrows it to PIC's recompute settings: every chunk seen before
+relocated, none computed by the guard, but the first ``recompute_blocks`` blocks of each
+(``recompute_at="chunk"``; of each run at ``"run"``) computed.  So
+``pic.ceiling_gap_closed_vs_store`` is the most ``gap_closed_vs_store`` can be at those
+settings on the trace, and ``pic.gap_closed_vs_store_ceiling`` PIC's share of that.
 
 A mode that prefills fewer tokens than its bound is a bug in the bound or the bench:
 :func:`promptsplice.benchmarks.bounds.check_bounds` fails the bench (exit status
@@ -140,6 +148,7 @@ from promptsplice.benchmarks.bounds import (
     BoundError,
     OracleCounter,
     RadixPrefill,
+    RelocationCeiling,
     whole_block_segments,
     bound_checks,
     check_bounds,
@@ -366,12 +375,13 @@ def run_modes(
     for comp in outs["naive"]:
         radix.add(comp.prompt_token_ids)
         radix_cap.add(comp.prompt_token_ids)
-    content = []
+    content, block_segs = [], []
     for req in requests:
         segs = _oracle_segments(asm, req)  # the trimmed segments (a preview: learns nothing)
         content.append(oracle.add(segs))
         oracle_cap.add(segs)
-        oracle_blocks.add(whole_block_segments(segs, engine.block_size))
+        block_segs.append(whole_block_segments(segs, engine.block_size))
+        oracle_blocks.add(block_segs[-1])
     floor = _floor(content, outs)  # the prefix-caching modes so far; again once all ran
     report["radix_prefill_tokens"] = radix.prefill_tokens
     report["oracle_prefill_tokens"] = floor
@@ -414,7 +424,7 @@ def run_modes(
                         progress=progress, prompt_format=fmt_obj, recompute_blocks=recompute_blocks,
                         fidelity_requests=fidelity_requests, salt=f"bench-rag-pic-{run_id}",
                         exact_alignment=pic_exact_alignment, recompute_at=pic_recompute_at,
-                        max_deviation=pic_max_deviation, trace_index=keep,
+                        max_deviation=pic_max_deviation, trace_index=keep, block_segments=block_segs,
                     )
             finally:
                 if factory:
@@ -429,6 +439,9 @@ def run_modes(
             pic = report["modes"][PIC_MODE]["prefill_tokens"]
             report["pic"]["gap_closed"] = gap_closed(report["modes"]["naive"]["prefill_tokens"], pic, floor)
             report["pic"]["gap_closed_vs_store"] = gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], pic, floor)
+            if "pic_ceiling_prefill_tokens" in report["bounds"]:  # the most of that gap PIC's settings reach
+                report["pic"]["ceiling_gap_closed_vs_store"] = gap_closed(
+                    report["modes"][STORE_MODE]["prefill_tokens"], report["bounds"]["pic_ceiling_prefill_tokens"], floor)
     report["bounds"]["own_radix_prefill_tokens"] = _own_radix(outs)
     report["bounds"]["checks"] = mode_bounds(report)
     return report, outs
@@ -527,10 +540,11 @@ def _probe_signals(i: int, st: Any) -> dict[str, Any]:
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
              salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays",
-             recompute_at=None, max_deviation=None, trace_index=None) -> None:
+             recompute_at=None, max_deviation=None, trace_index=None, block_segments=None) -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc).  ``trace_index``: each
     request's line in the trace (requests that do not fit were left out before), which
-    the probes' records and errors name."""
+    the probes' records and errors name.  ``block_segments``: each request's
+    :func:`~promptsplice.benchmarks.bounds.whole_block_segments`, for PIC's ceiling."""
     from promptsplice.engine_adapters import RagRunner, StepFallback
     from promptsplice.engine_adapters.runners._rag import DEFAULT_PIC_RECOMPUTE_BLOCKS
 
@@ -561,6 +575,12 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
                                     signals=_probe_signals(line, st))
     report["modes"][PIC_MODE] = _pic_metrics(steps)
     prefill = report["modes"][PIC_MODE]["prefill_tokens"]
+    ceiling = None
+    if block_segments is not None:  # what relocation at these settings could reach (a reference)
+        counter = RelocationCeiling(kv_engine.block_size, r, per_chunk=runner.recompute_at_for() == "chunk")
+        for segs in block_segments:
+            counter.add(segs)
+        ceiling = report["bounds"]["pic_ceiling_prefill_tokens"] = counter.prefill_tokens
     outs[PIC_MODE] = [st.completion for st in steps]
     store = kv_engine.kv_store
     report["pic"] = {
@@ -581,6 +601,14 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "gap_closed_vs_store_whole_block": gap_closed(
             report["modes"][STORE_MODE]["prefill_tokens"], prefill, report["bounds"]["oracle_whole_block_prefill_tokens"]
         ) if STORE_MODE in report["modes"] else None,
+        # PIC's share of the store -> ceiling gap (what it reached of what its settings
+        # leave reachable); ceiling_gap_closed_vs_store: the ceiling's share of the
+        # store -> oracle gap, the most gap_closed_vs_store can be at these settings
+        "gap_closed_vs_store_ceiling": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], prefill, ceiling)
+        if STORE_MODE in report["modes"] and ceiling is not None else None,
+        "ceiling_gap_closed_vs_store": gap_closed(report["modes"][STORE_MODE]["prefill_tokens"], ceiling,
+                                                  report["oracle_prefill_tokens"])
+        if STORE_MODE in report["modes"] and ceiling is not None else None,
         "kv_cache_blocks": kv_engine.num_blocks,
         "store_dram_bytes": store.config.dram_bytes,
         # fidelity probes ran on this engine between its requests (traffic the store
@@ -640,7 +668,10 @@ def format_modes(report: dict[str, Any]) -> str:
             f"{PIC_MODE} (recompute_blocks={p['recompute_blocks']}): closes "
             f"{'n/a' if pg is None else f'{pg:.0%}'} of the naive->oracle gap and "
             f"{'n/a' if ps is None else f'{ps:.0%}'} of the {STORE_MODE}->oracle gap "
-            f"({'n/a' if pw is None else f'{pw:.0%}'} of the way to the whole-block oracle); relocated "
+            f"({'n/a' if pw is None else f'{pw:.0%}'} of the way to the whole-block oracle"
+            + (f"; at most {p['ceiling_gap_closed_vs_store']:.0%} at these recompute settings"
+               if p.get("ceiling_gap_closed_vs_store") is not None else "")
+            + "); relocated "
             f"{p['relocated_tokens']} tokens, precomputed {p['precomputed_tokens']}, {p['engine_requests']} engine requests, "
             f"{p.get('exact_requests', 0)} requests sent exact (relocation would not pay)"
             + (f", {p['too_long_requests']} exact in the unpadded layout (whole-block chunks did not fit the context)"

@@ -28,7 +28,7 @@ JSON::
                "coverage": {"coverage", "family"}},
      "checks": {FAMILY: {"coverage", "le_radix_capacity", "mirror_equal", "bounds_hold",
                          "pic_gap_closed_vs_store", "pic_gap_closed_vs_store_whole_block",
-                         "pic_gap_closed_vs_store_skipped"}},
+                         "pic_gap_closed_vs_store_skipped", "pic_ceiling_gap_closed_vs_store"}},
      "pic_vs_store_skipped": {FAMILY: str},
      "failed": {FAMILY: str}, "fidelity_failed": [FAMILY, ...] (only when one failed so)}
 
@@ -96,6 +96,9 @@ def family_checks(r: dict[str, Any]) -> dict[str, Any]:
         "pic_gap_closed_vs_store_whole_block": _gap(r, "promptsplice_pic_vs_store_whole_block"),
         # why pic_gap_closed_vs_store is None though PIC ran (else None)
         "pic_gap_closed_vs_store_skipped": PROBE_TRAFFIC_SKIP if probe_traffic(r) else None,
+        # the most pic_gap_closed_vs_store can be at PIC's recompute settings (from the
+        # trace, probes or not: bench rag's pic.ceiling_gap_closed_vs_store)
+        "pic_ceiling_gap_closed_vs_store": (r.get("pic") or {}).get("ceiling_gap_closed_vs_store"),
     }
 
 

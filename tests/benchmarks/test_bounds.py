@@ -7,7 +7,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from promptsplice.benchmarks.assemble import bench_policies
-from promptsplice.benchmarks.bounds import OracleCounter, RadixPrefill, radix_prefill_tokens, whole_block_segments
+from promptsplice.benchmarks.bounds import (
+    OracleCounter,
+    RadixPrefill,
+    RelocationCeiling,
+    radix_prefill_tokens,
+    whole_block_segments,
+)
 from promptsplice.benchmarks.traces import RagChunk, RagRequest
 
 
@@ -46,6 +52,50 @@ def test_the_whole_block_oracle_pads_every_segment_but_the_query():
     # once padded (whole-segment reuse only)
     again = [(b"s", [1, 2, 3]), (b"b", [4, 5, 6, 0]), (b"q", [9, 10])]
     assert padded.add(whole_block_segments(again, 4)) == 4 and o.add(again) == 1
+
+
+def test_the_relocation_ceiling_charges_the_recompute_of_each_relocated_chunk():
+    """Block 4, r=1: a leading run seen before is free, a chunk seen elsewhere costs one
+    block (its size when smaller), a new one its size, the query always; at
+    ``recompute_at="run"`` a chunk behind the segment it followed before is free too."""
+    q = (b"q", [9, 9])
+    first = [(b"s", 4), (b"a", 8), (b"b", 12), q]
+    moved = [(b"s", 4), (b"b", 12), (b"a", 8), (b"c", 4), q]  # b and a moved, c new
+    pair = [(b"s", 4), (b"x", 4), (b"a", 8), (b"b", 12), q]  # a, b together again, behind new x
+    chunk, run = RelocationCeiling(4, 1), RelocationCeiling(4, 1, per_chunk=False)
+    assert chunk.add(first) == run.add(first) == 4 + 8 + 12 + 2
+    assert chunk.add(moved) == run.add(moved) == 4 + 4 + 4 + 2  # s: the lead; b, a: a block each; c new
+    assert chunk.add(pair) == 4 + 4 + 4 + 2 and run.add(pair) == 4 + 4 + 0 + 2  # a, then b after a
+    assert chunk.add(first) == run.add(first) == 2  # a re-ask: the whole lead
+    assert (chunk.prefill_tokens, run.prefill_tokens) == (26 + 14 + 14 + 2, 26 + 14 + 10 + 2)
+    big = RelocationCeiling(4, 3)  # r blocks past a chunk's size: its size
+    big.add(first)
+    assert big.add(moved) == 12 + 8 + 4 + 2  # b and a computed whole (s: the lead)
+
+
+@given(st.lists(st.lists(st.tuples(st.sampled_from([b"s", b"a", b"b", b"c", b"d"]), st.integers(1, 4)),
+                         min_size=1, max_size=5, unique_by=lambda t: t[0]), min_size=1, max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_the_ceiling_rises_with_r_and_never_beats_the_whole_block_oracle(reqs):
+    """More recompute never prefills less; recomputing at every chunk never less than at
+    run starts; r=0 never below the whole-block oracle (which also credits repeated
+    queries)."""
+    bs, q = 4, (b"q", [7])
+    reqs = [[(d, n * bs) for d, n in segs] + [q] for segs in reqs]
+    oracle = OracleCounter()
+    totals = {}
+    for r in (0, 1, 2):
+        for per_chunk in (True, False):
+            c = RelocationCeiling(bs, r, per_chunk=per_chunk)
+            for segs in reqs:
+                c.add(segs)
+            totals[r, per_chunk] = c.prefill_tokens
+    for segs in reqs:
+        oracle.add(segs)
+    for per_chunk in (True, False):
+        assert oracle.prefill_tokens <= totals[0, per_chunk] <= totals[1, per_chunk] <= totals[2, per_chunk]
+    for r in (0, 1, 2):
+        assert totals[r, False] <= totals[r, True]
 
 
 # -- the property ---------------------------------------------------------------------

@@ -83,7 +83,8 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     pic = report["pic"]
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at",
                         "run_max_deviation", "guard", "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store",
-                        "gap_closed_vs_store_whole_block", "probe_traffic"}
+                        "gap_closed_vs_store_whole_block", "gap_closed_vs_store_ceiling", "ceiling_gap_closed_vs_store",
+                        "probe_traffic"}
     assert pic["run_max_deviation"] == 1.0  # the guard it ran with
     assert set(pic["guard"]) == {"stored", "precomputed", "refused_requests", "explored_requests"}
     assert all(set(pic["guard"][k]) == {"chunks", "trip_rate"} for k in ("stored", "precomputed"))
@@ -127,6 +128,14 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     assert report["bounds"]["oracle_content_prefill_tokens"] <= whole <= store
     if store > whole:
         assert pic["gap_closed_vs_store_whole_block"] == round((store - pic_prefill) / (store - whole), 4)
+    # PIC's ceiling at its settings (r blocks computed at every relocated chunk): above the
+    # whole-block oracle (it always computes the query), and the most of the gap PIC can close
+    ceiling = report["bounds"]["pic_ceiling_prefill_tokens"]
+    assert whole <= ceiling and pic["recompute_at"] == "chunk"
+    if store > ceiling:
+        assert pic["gap_closed_vs_store_ceiling"] == round((store - pic_prefill) / (store - ceiling), 4)
+    if store > oracle:
+        assert pic["ceiling_gap_closed_vs_store"] == round((store - ceiling) / (store - oracle), 4) <= 1
     assert "tokens prefilled" in proc.stdout
 
 

@@ -36,7 +36,7 @@ def _family_report(gap_vs_store, traffic):
             "mirror": {"predicted_cached_tokens": 1, "measured_cached_tokens": 1},
             "pic": {"gap_closed": 0.7, "gap_closed_vs_store": gap_vs_store,
                     "gap_closed_vs_store_whole_block": None if gap_vs_store is None else 2 * gap_vs_store,
-                    "probe_traffic": traffic},
+                    "ceiling_gap_closed_vs_store": 0.45, "probe_traffic": traffic},
             "fidelity": {"steps": 2 if traffic else 0}}
 
 
@@ -71,6 +71,8 @@ def test_a_family_whose_pic_ran_with_probe_traffic_is_left_out_of_pic_vs_store(m
     # the same share of the way to the whole-block oracle (a reference), skipped alike
     assert c["support"]["pic_gap_closed_vs_store_whole_block"] is None
     assert c["tools"]["pic_gap_closed_vs_store_whole_block"] == 0.8
+    # the ceiling comes from the trace: kept with probe traffic too
+    assert c["support"]["pic_ceiling_gap_closed_vs_store"] == c["tools"]["pic_ceiling_gap_closed_vs_store"] == 0.45
     assert rep["worst"]["promptsplice_pic_vs_store_whole_block"] == {"gap_closed": 0.8, "family": "tools"}
     # naive -> oracle: kept, and said to carry the probes' traffic (it did not say so)
     assert rep["worst"]["promptsplice_pic"] == {"gap_closed": 0.7, "family": "support", "probe_traffic": True}
