@@ -34,6 +34,10 @@ class _Handoff:
 
     def __init__(self, max_sessions: int = 1024) -> None:
         self._items: OrderedDict[tuple[str, str | None], PreparedContext] = OrderedDict()
+        self._taken: OrderedDict[str, PreparedContext] = OrderedDict()
+        """Per session, the context a model took last, until a hook prepares the session
+        again: a retry of that call (``with_retry``, a node's retry policy) finds it and
+        its salt (until 2026-12-07 the retry found nothing and went out unsalted)."""
         self._lock = threading.Lock()
         self._max = max_sessions
 
@@ -42,6 +46,7 @@ class _Handoff:
             key = (prepared.session_id, prepared.render.salt)
             self._items[key] = prepared
             self._items.move_to_end(key)
+            self._taken.pop(prepared.session_id, None)  # a new step of the session: no retry of the last
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
@@ -53,6 +58,9 @@ class _Handoff:
         :class:`InvalidSaltError`, as in :meth:`take`."""
         with self._lock:
             salts = {k[1] for k in self._items if k[0] == session_id}
+            last = self._taken.get(session_id)
+            if not salts and last is not None:  # the session's last call, retried
+                salts = {last.render.salt}
         if len(salts) > 1:
             raise InvalidSaltError(
                 f"hooks of {len(salts)} salts prepared session {session_id!r} for a model "
@@ -74,7 +82,15 @@ class _Handoff:
         with self._lock:
             p = self._items.pop(key, None)
             if p is None:
+                last = self._taken.get(session_id)
+                # a retry of the call that took it: the same salt and tokens
+                if last is not None and last.render.salt == render.salt and list(last.token_ids) == list(render.token_ids):
+                    return last
                 return None
+            self._taken[session_id] = p
+            self._taken.move_to_end(session_id)
+            while len(self._taken) > self._max:
+                self._taken.popitem(last=False)
         if p.render.block_size != render.block_size:  # never matches: say why, and how to fix it
             logger.warning(
                 "the hook prepared session %r in blocks of %d tokens, the model's engine caches blocks of "
@@ -97,6 +113,8 @@ class _Handoff:
             key = (prepared.session_id, prepared.render.salt)
             if self._items.get(key) is prepared:
                 del self._items[key]
+            if self._taken.get(prepared.session_id) is prepared:
+                del self._taken[prepared.session_id]
 
 
 handoff = _Handoff()

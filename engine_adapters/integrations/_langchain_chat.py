@@ -289,6 +289,11 @@ class PromptspliceChatModel(BaseChatModel):
             salt = self.hook.salt
         if salt is None and self.runner is not None:
             salt = getattr(self.runner, "salt", None)
+        if salt is None:  # a tenant's hook in front (a LangGraph pre-model hook): its salt
+            # (until 2026-12-07 left out: two tenants' hooks in front of one unsalted model
+            # were served each other's cached answers)
+            session = self._session(kwargs, None)
+            salt = handoff.salt_of(session) if session is not None else None
         key = f"---salt={salt!r}"
         if self.hook is not None:
             r = self.hook.renderer

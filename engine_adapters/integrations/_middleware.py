@@ -15,6 +15,7 @@ from langchain_core.messages import BaseMessage, SystemMessage
 
 from promptsplice._validate import check_int
 from promptsplice.assembler import ContextHook, PreparedContext
+from promptsplice.errors import InvalidSaltError
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._hooks import (
     _check_hook,
@@ -122,6 +123,13 @@ class PromptspliceMiddleware(AgentMiddleware):  # type: ignore[misc]
         ``session_key`` of another name never met its hand-off)."""
         if prepared is None or not isinstance(new.model, PromptspliceChatModel):
             return new, False
+        model_salt = new.model.cache_salt
+        if model_salt is not None and model_salt != prepared.render.salt:
+            # the model would render the session anew under its own salt: another tenant's
+            # (until 2026-12-07 accepted, the hook's policy edits silently lost)
+            raise InvalidSaltError(
+                f"the middleware's hook prepared session {prepared.session_id!r} under salt "
+                f"{prepared.render.salt!r}, the model's cache_salt is {model_salt!r}: give both one tenant's salt")
         handoff.put(prepared)
         settings = {**(new.model_settings or {}), "session_id": prepared.session_id}
         if new.model.cache_salt is None and prepared.render.salt is not None:

@@ -537,7 +537,9 @@ def test_the_hand_off_never_serves_a_context_of_another_salt(default_tok):
         assert handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt=salt)) is None
     taken = handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-A"))
     assert taken is pre_a.history[-1] and taken.render.salt == "tenant-A"
-    assert handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-A")) is None  # taken once
+    # taken again only by a retry of that call (its salt, its tokens), never under another salt
+    assert handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-A")) is taken
+    assert handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-C")) is None
     taken_b = handoff.take("handoff-salt-1", hook_a.renderer.render(dicts, salt="tenant-B"))
     assert taken_b is pre_b.history[-1] and taken_b.render.salt == "tenant-B"
 
@@ -906,3 +908,79 @@ def test_an_anthropic_tool_result_flagged_is_error_counts_as_failed():
     assert [d.get("status") for d in dicts] == [None, None, "error", None, None]
     out = DropFailedCalls().apply(dicts)
     assert [d.get("content") for d in out.messages] == ["go", "", "found: 42 results"]
+
+
+@pytest.mark.reliability
+def test_a_retried_call_keeps_its_hooks_tenant_salt_and_cache_key(default_tok):
+    """An unsalted model learns the tenant from the pre-model hook's hand-off, which the
+    first attempt took: a retry of the same call (``with_retry``, a node's retry policy)
+    found nothing and went out unsalted, into the cache every unsalted caller shares; and
+    the LLM-cache key of such a model never named the hook's tenant, so tenant B was
+    served tenant A's cached answer.  (A transient engine error cannot be produced on
+    demand by vLLM: the engine here fails its first request.)"""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.outputs import ChatGeneration
+
+    from promptsplice.errors import EngineUnavailableError
+
+    sent: list[Any] = []
+
+    class _Flaky(_SendlessEngine):
+        def generate(self, prompt, **kwargs):
+            sent.append(kwargs.get("cache_salt"))
+            if len(sent) == 1:
+                raise EngineUnavailableError("a transient failure")
+            raise AssertionError("the answer comes from the second attempt's record")
+
+    msgs = [HumanMessage("a tenant's private question " * 5)]
+    model = PromptspliceChatModel(engine=_Flaky(default_tok), max_tokens=1)
+    pre = PromptsplicePreModelHook(ContextHook(default_tok, block_size=16, salt="tenant-A"), default_session="retry-1")
+    handed = pre({"messages": msgs})["llm_input_messages"]
+    with pytest.raises(EngineUnavailableError):
+        model._generate(handed, session_id="retry-1")
+    with pytest.raises(AssertionError, match="second attempt"):
+        model._generate(handed, session_id="retry-1")  # the retry: the same context, the same salt
+    assert sent == ["tenant-A", "tenant-A"]
+    # the next step of the session replaces it; another call of the session is refused, never unsalted
+    other = [HumanMessage("something else")]
+    req = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1)
+    from promptsplice.errors import InvalidSaltError
+
+    with pytest.raises(InvalidSaltError):
+        req._request(other, None, {"session_id": "retry-1"}, None)
+
+    # LangChain's LLM cache: each hook's tenant keys its own entries
+    cache = InMemoryCache()
+    keys = {}
+    for tenant in ("tenant-A", "tenant-B"):
+        PromptsplicePreModelHook(ContextHook(default_tok, block_size=16, salt=tenant), default_session="cache-1")(
+            {"messages": msgs})
+        keys[tenant] = req._get_llm_string(session_id="cache-1")
+        req._request(handed, None, {"session_id": "cache-1"}, None)  # the hook's hand-off taken
+    assert "salt='tenant-A'" in keys["tenant-A"] and "salt='tenant-B'" in keys["tenant-B"]
+    cache.update("prompt", keys["tenant-A"], [ChatGeneration(message=AIMessage("for A"))])
+    assert cache.lookup("prompt", keys["tenant-B"]) is None
+
+
+@pytest.mark.reliability
+def test_a_middleware_whose_model_has_another_tenants_salt_is_refused(default_tok):
+    """The middleware's hook prepared the session under tenant A's salt; a model salted
+    for tenant B rendered the messages anew under B's salt, the hook's policy edits lost,
+    with no error (its comment promised an InvalidSaltError)."""
+    from types import SimpleNamespace
+
+    from promptsplice.errors import InvalidSaltError
+
+    mw = PromptspliceMiddleware(ContextHook(default_tok, block_size=16, salt="tenant-A"), default_session="mw-salt")
+    model = PromptspliceChatModel(engine=_SendlessEngine(default_tok), max_tokens=1, cache_salt="tenant-B")
+    request = SimpleNamespace(messages=[HumanMessage("hello " * 20)], system_message=None, tools=[],
+                              response_format=None, model=model, model_settings={},
+                              override=lambda **kw: SimpleNamespace(**{**vars(request), **kw}))
+    new, prepared = mw._prepare(request)
+    with pytest.raises(InvalidSaltError, match="under salt 'tenant-A', the model's cache_salt is 'tenant-B'"):
+        mw._give(new, prepared)
+    same = SimpleNamespace(**{**vars(new), "model": PromptspliceChatModel(
+        engine=_SendlessEngine(default_tok), max_tokens=1, cache_salt="tenant-A")})
+    given, give = mw._give(same, prepared)
+    assert give and given.model_settings == {"session_id": "mw-salt"}
+    handoff_discard(prepared)
