@@ -496,57 +496,62 @@ class EmbeddedEngine:
                     f"a stream of this engine is still open in this thread (request {self._open_request}): exhaust "
                     "or close it first; the embedded engine runs one request at a time (a served one runs many)"
                 )
-            with _vllm.agent_installed(self._handle.kv):  # vLLM's worker sees this engine's connector
+            # vLLM's worker sees this engine's connector for each vLLM call, under the
+            # process-wide agent lock, never across a yield: held while a stream was paused
+            # (until 2026-12-07), it let two engines' streams, resumed in two threads, each
+            # adopt it and step at once, and it blocked every other engine meanwhile
+            kv = self._handle.kv
+            with _vllm.agent_installed(kv):
                 if engine.has_unfinished_requests():  # a leftover from an interrupted call
                     _vllm.abort_all(engine)
-                t0 = time.perf_counter()
-                final = None
-                stepped = False  # a step ran and returned: vLLM cached blocks the mirror lacks
-                ttft: float | None = None
-                self._open_request = rid
+            t0 = time.perf_counter()
+            final = None
+            stepped = False  # a step ran and returned: vLLM cached blocks the mirror lacks
+            ttft: float | None = None
+            self._open_request = rid
+            try:
                 try:
-                    try:
+                    with _vllm.agent_installed(kv):
                         engine.add_request(rid, inputs, params)
+                except Exception as exc:
+                    raise self._refused(exc) from exc
+                while final is None:
+                    if self._closed_by_user:  # close() ran while the stream was paused (re-entrant lock)
+                        raise EngineError(f"the engine was closed (close()) while request {rid} ran: start a "
+                                          "new EmbeddedEngine to send it again")
+                    if not engine.has_unfinished_requests():
+                        raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
+                    try:
+                        with _vllm.agent_installed(kv):
+                            outputs = engine.step()
                     except Exception as exc:
-                        raise self._refused(exc) from exc
-                    while final is None:
-                        if self._closed_by_user:  # close() ran while the stream was paused (re-entrant lock)
-                            raise EngineError(f"the engine was closed (close()) while request {rid} ran: start a "
-                                              "new EmbeddedEngine to send it again")
-                        if not engine.has_unfinished_requests():
-                            raise EngineRequestError(f"vLLM dropped request {rid} without a final output")
-                        try:
-                            # this engine's connector for each step: a stream of another engine,
-                            # advanced in this thread while this one was paused, installed its own
-                            with _vllm.agent_installed(self._handle.kv):
-                                outputs = engine.step()
-                        except Exception as exc:
-                            stepped = False  # handled there: the cache is emptied (or the engine died)
-                            raise self._step_failed(engine, rid, exc) from exc
-                        except BaseException:  # Ctrl-C, SystemExit: the same unwritten blocks
-                            stepped = False
+                        stepped = False  # handled there: the cache is emptied (or the engine died)
+                        with _vllm.agent_installed(kv):
+                            failure = self._step_failed(engine, rid, exc)
+                        raise failure from exc
+                    except BaseException:  # Ctrl-C, SystemExit: the same unwritten blocks
+                        stepped = False
+                        with _vllm.agent_installed(kv):
                             self._step_interrupted(engine)
-                            raise
-                        stepped = True
-                        now = time.perf_counter()
-                        for out in outputs:
-                            if ttft is None and out.outputs and len(out.outputs[0].token_ids) >= 1:
-                                ttft = now - t0
-                            if out.finished:
-                                final = out
-                                break
-                            yield out, None
-                            self._lock.adopt()  # resumed, perhaps in another thread: it holds both
-                            _vllm.adopt_agent_lock()
-                finally:
-                    self._open_request = None
-                    if final is None and not self._closed_by_user:  # an error, or the stream closed early
-                        # closed perhaps in another thread than the one it last ran in (the
-                        # lines after the yield did not run): that thread holds both now
-                        self._lock.adopt()
-                        _vllm.adopt_agent_lock()
-                        with _vllm.agent_installed(self._handle.kv):
-                            _vllm.abort_all(engine)
+                        raise
+                    stepped = True
+                    now = time.perf_counter()
+                    for out in outputs:
+                        if ttft is None and out.outputs and len(out.outputs[0].token_ids) >= 1:
+                            ttft = now - t0
+                        if out.finished:
+                            final = out
+                            break
+                        yield out, None
+                        self._lock.adopt()  # resumed, perhaps in another thread: it holds the lock
+            finally:
+                self._open_request = None
+                if final is None and not self._closed_by_user:  # an error, or the stream closed early
+                    # closed perhaps in another thread than the one it last ran in (the
+                    # lines after the yield did not run): that thread holds the lock now
+                    self._lock.adopt()
+                    with _vllm.agent_installed(self._handle.kv):  # (a restart put in a new one)
+                        _vllm.abort_all(engine)
                         if stepped:
                             self._forget_cut_request()
             total = time.perf_counter() - t0

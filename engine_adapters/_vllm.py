@@ -286,9 +286,11 @@ def abort_all(engine: Any) -> None:
 # connector and asserts on its missing metadata); and a second engine with a connector
 # would reuse the first one's worker connector, whose registered KV caches are the
 # first engine's.  So each engine owns an agent (``None`` without a connector), captured
-# right after its start, and installs it in the slot for as long as it starts, steps or
-# shuts down, under one process-wide lock (in-process engines also share vLLM's global
-# forward context, so they never ran concurrently anyway).
+# right after its start, and installs it in the slot for each vLLM call of its start,
+# requests and shutdown, under one process-wide lock (in-process engines also share
+# vLLM's global forward context, so they never run concurrently), never across a paused
+# stream's yield (until 2026-12-07 it was: two engines' streams resumed in two threads
+# each adopted it and stepped at once, each reading the other's connector).
 class PassingRLock:
     """A re-entrant lock whose holder may move to another thread: a stream's generator,
     paused in one thread and advanced or closed in another (Starlette's
@@ -341,11 +343,6 @@ class PassingRLock:
 
 
 _agent_lock = PassingRLock()
-
-
-def adopt_agent_lock() -> None:
-    """A stream resumed in this thread holds the agent lock now (see :class:`PassingRLock`)."""
-    _agent_lock.adopt()
 
 
 class AgentBox:

@@ -703,6 +703,69 @@ def test_a_stream_advanced_in_another_thread_releases_the_engine(engine):
         assert done["out"].token_ids == want.token_ids[:2]
 
 
+@pytest.mark.reliability
+@pytest.mark.timeout(180)
+def test_a_paused_stream_holds_no_other_engine_and_two_streams_never_step_at_once(engine, kv_engine):
+    """A paused stream held vLLM's process-wide connector lock: another thread's request
+    on another engine waited for it (or deadlocked, taking the locks in the other
+    order), and two engines' streams opened in one thread and read on in two others each
+    adopted the lock and stepped at once, each reading the other's connector."""
+    import threading
+
+    from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+    a, b = list(range(700, 760)), list(range(800, 860))
+    want_b = kv_engine.generate(b, max_tokens=2, cache_salt="paused-b").token_ids
+    paused = engine.stream(a, max_tokens=6, cache_salt="paused-a")
+    next(paused)
+    done = {}
+    other = threading.Thread(target=lambda: done.__setitem__(
+        "b", kv_engine.generate(b, max_tokens=2, cache_salt="paused-b")), daemon=True)
+    other.start()
+    other.join(60)
+    alive = other.is_alive()
+    paused.close()  # (on the old code: frees the other thread)
+    other.join(60)
+    assert not alive, "a request on another engine waited for a paused stream"
+    assert done["b"].token_ids == want_b
+
+    # two streams opened in one thread, each read on in a thread of its own
+    active, seen, guard = {"now": 0, "max": 0}, {"plain": set(), "kv": set()}, threading.Lock()
+    originals = {}
+    for name, eng in (("plain", engine), ("kv", kv_engine)):
+        core = eng.llm.llm_engine.engine_core.engine_core
+        step = originals[name] = core.step_fn
+
+        def spy(*args, _step=step, _name=name, **kw):
+            with guard:
+                active["now"] += 1
+                active["max"] = max(active["max"], active["now"])
+            try:
+                seen[_name].add(id(state._KV_CONNECTOR_AGENT))
+                return _step(*args, **kw)
+            finally:
+                with guard:
+                    active["now"] -= 1
+
+        core.step_fn = spy
+    try:
+        streams = {"plain": engine.stream(a, max_tokens=6, cache_salt="two-a"),
+                   "kv": kv_engine.stream(b, max_tokens=6, cache_salt="two-b")}
+        for s in streams.values():
+            next(s)
+        readers = [threading.Thread(target=lambda s=s: list(s)) for s in streams.values()]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(60)
+        assert not any(t.is_alive() for t in readers)
+        assert active["max"] == 1
+        assert seen["plain"] == {id(None)} and seen["kv"] == {id(kv_engine._handle.kv.agent)}
+    finally:
+        for name, eng in (("plain", engine), ("kv", kv_engine)):
+            eng.llm.llm_engine.engine_core.engine_core.step_fn = originals[name]
+
+
 def test_a_kv_cache_too_small_to_start_names_the_knob(engine):
     # An explicit max_model_len is kept: a cache too small for it fails the start.
     with pytest.raises(EngineStartError, match="kv_cache_bytes") as info:
