@@ -440,7 +440,12 @@ class EmbeddedEngine:
         stop: str | Sequence[str] | None = None,
     ) -> list[Completion]:
         """:meth:`generate` each prompt in order, one after the other (never batched),
-        so the cache state each request meets is deterministic."""
+        so the cache state each request meets is deterministic.  One prompt (a str, an
+        :class:`AssembledPrompt`) is an :class:`InputError`: a str ran as one request per
+        character until 2026-12-07."""
+        if isinstance(prompts, (str, bytes, bytearray, AssembledPrompt)) or not isinstance(prompts, Iterable):
+            raise InputError(f"generate_many takes an iterable of prompts, got one {type(prompts).__name__}: "
+                             "wrap it in a list, or call generate")
         return [self.generate(p, max_tokens=max_tokens, temperature=temperature, cache_salt=cache_salt, stop=stop)
                 for p in prompts]
 
@@ -462,8 +467,9 @@ class EmbeddedEngine:
 
     def _encode_like_vllm(self, text: str) -> list[int]:
         # vLLM's plain-prompt path: its tokenizer with add_special_tokens=True.
+        llm = self.llm  # a closed or dead engine: its EngineError, not a TokenizerError
         try:
-            return list(self.llm.get_tokenizer().encode(text, add_special_tokens=True))
+            return list(llm.get_tokenizer().encode(text, add_special_tokens=True))
         except Exception as exc:
             raise TokenizerError(f"vLLM's tokenizer could not encode the prompt: {exc}") from exc
 

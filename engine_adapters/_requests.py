@@ -265,8 +265,12 @@ def normalize_prompt(
                 "assemble the prompt with the tenant's salt and leave cache_salt unset"
             )
         salt = prompt.salt if cache_salt is None else cache_salt
-        if prompt.block_size == block_size and salt == prompt.salt:
-            known = prompt.block_hashes  # the assembler hashed the prompt already
+        if (prompt.block_size == block_size and salt == prompt.salt
+                and len(prompt.block_hashes) == len(ids) // block_size):
+            # the assembler hashed the prompt already (a prompt whose ids were replaced
+            # since, with hashes of another length, is hashed anew: its mirror raised after
+            # vLLM had run it, until 2026-12-07)
+            known = prompt.block_hashes
     elif isinstance(prompt, str):
         if not prompt:
             raise InputError("the prompt is empty: pass at least one token of text")
@@ -304,12 +308,20 @@ def check_logprobs(logprobs: Any) -> None:
         raise ConfigError(f"logprobs must be None, -1 (all) or an int >= 0, got {logprobs!r}")
 
 
+MAX_TEMPERATURE = 2.0
+"""vLLM's highest ``temperature`` (``SamplingParams``; a server refuses more too).  Until
+2026-12-07 only vLLM checked it, so ``generate_phases`` ran every phase but the last
+before the refusal."""
+
+
 def check_sampling(
     max_tokens: Any, temperature: Any, stop: Any, logprobs: Any = None
 ) -> dict[str, Any]:
     """The sampling options, checked: keyword arguments for ``_vllm.make_sampling_params``."""
     check_int(max_tokens, "max_tokens")
     check_number(temperature, "temperature")
+    if temperature > MAX_TEMPERATURE:  # vLLM's bound: refused before any phase of generate_phases ran
+        raise ConfigError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (vLLM's range), got {temperature!r}")
     stops = check_stop(stop)
     check_logprobs(logprobs)
     return {"max_tokens": max_tokens, "temperature": float(temperature), "stop": stops, "logprobs": logprobs}

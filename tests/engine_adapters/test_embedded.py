@@ -25,6 +25,7 @@ from promptsplice.blocks import chain_hashes
 from promptsplice.errors import (
     ConfigError,
     ContextLengthError,
+    EngineError,
     EngineRequestError,
     EngineStartError,
     InputError,
@@ -273,6 +274,12 @@ def test_generate_many_runs_in_order(fresh_engine):
     assert [c.prompt_token_ids for c in done] == [a, b, a]
     assert [c.num_cached_tokens for c in done] == [0, 0, 96]
     assert len({c.request_id for c in done}) == 3
+    # one prompt is no list of prompts: a str ran one request per character
+    before = eng.counters()
+    for one in ("Paris", eng.make_assembler().assemble(["x"], query="q"), 5):
+        with pytest.raises(InputError, match="generate_many takes an iterable of prompts"):
+            eng.generate_many(one, max_tokens=1)
+    assert eng.counters() == before  # nothing reached vLLM
 
 
 def test_reset_clears_the_cache_and_the_engine_mirrors(engine, rag_requests):
@@ -375,6 +382,10 @@ def test_mirror_is_exact_with_evictions_in_a_small_cache(engine, rag_requests, c
     finally:
         small.close()
     assert small.closed
+    # a closed engine says so for a text prompt too (its tokenizer wrapped the error as a
+    # TokenizerError, which a caller restarting on EngineError missed)
+    with pytest.raises(EngineError, match="the engine is closed"):
+        small.generate("hello", max_tokens=1)
     # The session engine's counters are its own (vLLM's process-wide registry would
     # have shown the small engine's), and it keeps serving after the other one closed.
     assert engine.counters() == before

@@ -76,6 +76,20 @@ def test_an_assembled_prompt_sent_under_another_tenants_salt_is_refused(make_ass
     assert normalize_prompt(unsalted, "b", block_size=32, encode=lambda t: []).salt == "b"  # salting an unsalted prompt
 
 
+def test_a_prompt_whose_ids_were_replaced_is_hashed_anew(make_assembler):
+    """``dataclasses.replace(prompt, token_ids=...)`` kept the assembler's block hashes:
+    the engine's mirror raised on them after vLLM had run the request."""
+    import dataclasses
+
+    from promptsplice.engine_adapters._requests import normalize_prompt
+
+    prompt = make_assembler(block_size=32).assemble([{"id": "c", "text": "A chunk of text. " * 12}], query="What?")
+    assert len(prompt.block_hashes) >= 2
+    longer = dataclasses.replace(prompt, token_ids=list(prompt.token_ids) * 2)
+    norm = normalize_prompt(longer, None, block_size=32, encode=lambda t: [])
+    assert norm.ids == list(prompt.token_ids) * 2 and norm.known_hashes is None
+
+
 def test_a_completion_names_its_cached_tokens_as_every_other_record_does():
     from promptsplice.engine_adapters import Completion
 
@@ -102,6 +116,7 @@ def test_generate_phases_options_are_checked_before_any_phase_on_both_engines():
         ({"splice": None}, r"splice=None, which is set by generate_phases itself"),
         ({"max_tokens": 0}, r"max_tokens must be an int >= 1, got 0"),
         ({"temperature": -1.0}, r"temperature must be a number >= 0, got -1.0"),
+        ({"temperature": 3.0}, r"temperature must be in \[0, 2\] \(vLLM's range\), got 3.0"),  # was: after the early phases
         ({"logprobs": -2}, r"logprobs must be None, -1 \(all\) or an int >= 0, got -2"),
     ):
         with pytest.raises(ConfigError, match=match):
@@ -109,6 +124,7 @@ def test_generate_phases_options_are_checked_before_any_phase_on_both_engines():
         with pytest.raises(ConfigError, match=match):  # before the served engine sends anything
             served.generate_phases([1, 2, 3], [(2, None), (3, None)], **gen)
     check_phase_options({"max_tokens": 4, "temperature": 0.5, "stop": ["\n"], "logprobs": -1})
+    check_phase_options({"temperature": 2})  # vLLM's top
 
 
 def test_request_limits_refuse_out_of_vocabulary_ids_and_too_many_logprobs():
