@@ -41,7 +41,7 @@ from promptsplice.assembler._chat_template import join_text_parts
 from promptsplice.assembler._content_format import part_text
 from promptsplice.engine_adapters.integrations._handoff import handoff
 from promptsplice.engine_adapters.integrations._langchain_convert import format_tools, lc_messages_to_openai
-from promptsplice.engine_adapters.integrations._langchain_match import messages_from_openai
+from promptsplice.engine_adapters.integrations._langchain_match import _align, messages_from_openai
 from promptsplice.errors import ConfigError, InputError, InvalidMessageError, NonTextContentError
 
 logger = logging.getLogger(__name__)
@@ -264,65 +264,64 @@ def chat_to_items(
     """Rebuild the input items from the policy-edited chat dicts: an unchanged message
     gives its original items back (the same objects), an edited tool output its item
     with the new ``output``, a message the policy dropped drops its items, and a new
-    message (a summary) becomes ``{"role": ..., "content": ...}``."""
+    message (a summary) becomes ``{"role": ..., "content": ...}``.  Which original each
+    edited dict came from is the LangChain side's order-keeping alignment
+    (:func:`~promptsplice.engine_adapters.integrations._langchain_match._align`): until
+    2026-12-07 the first later original of the same ``call_id`` was taken, and where a
+    server repeats ids (``call_0`` every turn) an output was paired with a dropped call."""
+    src, same = _align(edited, chat)
     out: list[Any] = []
-    j = 0
-    for d in edited:
-        k = j
-        while k < len(chat) and chat[k] != d:
-            k += 1
-        if k < len(chat):
+    for x, d in enumerate(edited):
+        k = src[x]
+        if k is not None and same[x]:
             out.extend(items[i] for i in prov[k])
-            j = k + 1
             continue
-        if d.get("role") == "tool":
-            k = next((n for n in range(j, len(chat)) if chat[n].get("role") == "tool" and chat[n].get("tool_call_id") == d.get("tool_call_id")), None)
-            if k is not None:
-                for i in prov[k]:
-                    it = _as_dict(items[i])
-                    if it.get("type") == "function_call_output":
-                        new = copy.deepcopy(it)
-                        new["output"] = d.get("content", "")
-                        out.append(new)
-                    else:
-                        out.append(items[i])
-                j = k + 1
-                continue
+        if k is not None and d.get("role") == "tool" and chat[k].get("role") == "tool":
+            for i in prov[k]:
+                it = _as_dict(items[i])
+                if it.get("type") == "function_call_output":
+                    new = copy.deepcopy(it)
+                    new["output"] = d.get("content", "")
+                    out.append(new)
+                else:
+                    out.append(items[i])
+            continue
         if d.get("role") == "assistant" and d.get("tool_calls"):
-            j = _assistant_items(d, chat, prov, items, j, out)
+            mine = k if k is not None and chat[k].get("role") == "assistant" else None
+            _assistant_items(d, chat, prov, items, mine, out)
             continue
         out.append({"role": d.get("role", "user"), "content": d.get("content") or ""})
     return out
 
 
 def _assistant_items(
-    d: Mapping[str, Any], chat: Sequence[Mapping[str, Any]], prov: Sequence[Sequence[int]], items: Sequence[Any], j: int, out: list[Any]
-) -> int:
-    """An edited assistant turn with tool calls (a policy dropped some of its calls):
-    its original items, less the ``function_call`` items of the dropped calls (their
-    outputs went with them), and its text as a new message if that changed.  A turn
-    with no original gets new ``function_call`` items.  Returns the next position."""
-    keep = [c.get("id") for c in d["tool_calls"]]
-    k = next(
-        (
-            n
-            for n in range(j, len(chat))
-            if chat[n].get("role") == "assistant"
-            and set(keep) <= {c.get("id") for c in chat[n].get("tool_calls") or ()}
-        ),
-        None,
-    )
+    d: Mapping[str, Any], chat: Sequence[Mapping[str, Any]], prov: Sequence[Sequence[int]], items: Sequence[Any],
+    k: int | None, out: list[Any],
+) -> None:
+    """An edited assistant turn with tool calls (a policy dropped some of its calls),
+    ``k`` its original: its original items, less the ``function_call`` items of the
+    dropped calls (their outputs went with them), and its text as a new message if that
+    changed.  A turn with no original gets new ``function_call`` items."""
     if k is None:
         if d.get("content"):
             out.append({"role": "assistant", "content": d["content"]})
         for c in d["tool_calls"]:
             fn = c.get("function") or {}
             out.append({"type": "function_call", "call_id": c.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments", "{}")})
-        return j
+        return
+    # the kept calls, matched to the original's function_call items in order (an id may repeat in a turn)
+    left = list(chat[k].get("tool_calls") or ())
+    kept = []
+    for c in d["tool_calls"]:
+        at = next((n for n, o in enumerate(left) if o == c), None)
+        if at is not None:
+            kept.append(left.pop(at))
+    calls = iter(chat[k].get("tool_calls") or ())
     for i in prov[k]:
         it = _as_dict(items[i])
         if it.get("type") == "function_call":
-            if it.get("call_id") in keep:
+            call = next(calls, None)
+            if call is not None and any(call is c for c in kept):
                 out.append(items[i])
         elif it.get("type") in (None, "message") and isinstance(it.get("role"), str):
             if d.get("content") == chat[k].get("content"):
@@ -331,7 +330,6 @@ def _assistant_items(
                 out.append({"role": "assistant", "content": d["content"]})
         else:  # reasoning and other items that rode with the turn
             out.append(items[i])
-    return k + 1
 
 
 class PromptspliceInputFilter:

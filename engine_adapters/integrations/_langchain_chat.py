@@ -269,6 +269,9 @@ class PromptspliceChatModel(BaseChatModel):
                 eng = _default_engine
         url = getattr(eng, "base_url", None)
         where = f"---server={url}" if isinstance(url, str) else ""
+        # LangChain caches the model's dumpd once per object: a setting changed after a
+        # call (m.temperature = 0.5, a model_copy) kept the old key and its answers
+        self.__dict__.pop("_serialized", None)
         return (super()._get_llm_string(stop=stop, **kwargs) + self._prompt_key(kwargs)
                 + "---model=" + self._model_id(resolve=True) + where)
 

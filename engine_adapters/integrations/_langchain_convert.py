@@ -73,6 +73,11 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
             for d in one:  # a developer message stays one: the renderer applies vLLM's rule
                 if d.get("role") == "tool" and (failed or d.get("tool_call_id") in errored):
                     d["status"] = "error"
+            if len(one) > 1:
+                # a user message of tool_result blocks and text: the conversion puts its
+                # text first, between the calls and their results (Anthropic refuses that
+                # order once a policy edit rebuilds the messages); the results come first
+                one = [d for d in one if d.get("role") == "tool"] + [d for d in one if d.get("role") != "tool"]
             out.extend(one)
             origins.extend([i] * len(one))
     except (ValueError, TypeError, KeyError, NotImplementedError) as exc:

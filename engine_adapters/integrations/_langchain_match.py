@@ -77,9 +77,13 @@ def messages_from_openai(
                 continue
         clean = {k2: v for k2, v in d.items() if k2 != "status"}
         try:
-            out.extend(convert_to_messages([clean]))
+            converted = convert_to_messages([clean])
         except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
             raise InputError(f"cannot convert the edited message {d!r:.120} back to LangChain: {exc}") from exc
+        if d.get("status") == "error":  # a failed tool result stays one (it came back "success" until 2026-12-07)
+            converted = [m.model_copy(update={"status": "error"}) if isinstance(m, ToolMessage) else m
+                         for m in converted]
+        out.extend(converted)
         i += 1
     return out
 

@@ -288,6 +288,59 @@ def test_a_message_that_converts_to_several_dicts_comes_back_whole_and_in_place(
         messages_from_openai(dicts, msgs, dicts)
 
 
+def test_tool_results_with_text_keep_anthropics_order_and_their_error_status_through_an_edit():
+    """A user message of two ``tool_result`` blocks and a text: the conversion put the
+    text first, between the calls and their results, and a policy edit of one result
+    rebuilt the messages in that order (Anthropic refuses it); and the other result's
+    ``is_error`` came back as ``status="success"``."""
+    msgs = [
+        HumanMessage("find it"),
+        AIMessage("", tool_calls=[{"name": "read", "args": {}, "id": "t1", "type": "tool_call"},
+                                  {"name": "read", "args": {}, "id": "t2", "type": "tool_call"}]),
+        HumanMessage(content=[{"type": "tool_result", "tool_use_id": "t1", "content": "x" * 3000},
+                              {"type": "tool_result", "tool_use_id": "t2", "content": "Error: boom", "is_error": True},
+                              {"type": "text", "text": "Now summarise."}]),
+    ]
+    origins: list[int] = []
+    dicts = lc_messages_to_openai(msgs, origins=origins)
+    assert [(d["role"], d.get("tool_call_id"), d.get("status")) for d in dicts] == [
+        ("user", None, None), ("assistant", None, None), ("tool", "t1", None), ("tool", "t2", "error"), ("user", None, None)]
+    assert origins == [0, 1, 2, 2, 2]
+    edited = [dict(d) for d in dicts]
+    edited[2]["content"] = "x" * 100  # one result truncated: the message is rebuilt dict by dict
+    out = messages_from_openai(edited, msgs, dicts, origins)
+    assert [type(m).__name__ for m in out] == ["HumanMessage", "AIMessage", "ToolMessage", "ToolMessage", "HumanMessage"]
+    assert [(m.tool_call_id, m.status) for m in out[2:4]] == [("t1", "success"), ("t2", "error")]
+    assert out[4].content == "Now summarise."
+
+
+@pytest.mark.reliability
+def test_agents_sdk_items_rebuilt_after_an_edit_keep_each_output_with_its_own_call_where_ids_repeat():
+    """A server that numbers calls per turn (``call_0`` every turn): after the failed-call
+    policy dropped a turn, the rebuilt items paired the kept ``fetch`` call's output with
+    the dropped, failed ``search(q=a)`` call (the first earlier turn whose ids included
+    the kept one), and the ``fetch`` call was lost: the model was told a failed search
+    returned the fetched page."""
+    def fc(cid, name, args):
+        return {"type": "function_call", "call_id": cid, "name": name, "arguments": args}
+
+    def fo(cid, output):
+        return {"type": "function_call_output", "call_id": cid, "output": output}
+
+    items = [
+        {"role": "user", "content": "go"},
+        fc("call_0", "search", '{"q":"a"}'), fo("call_0", "Error: timeout"),
+        fc("call_0", "fetch", '{"u":"x"}'), fc("call_1", "search", '{"q":"b"}'),
+        fo("call_0", "page text"), fo("call_1", "Error: timeout"),
+        fc("call_0", "search", '{"q":"c"}'), fo("call_0", "results c"),
+    ]
+    chat, prov = items_to_chat(items, None)
+    edited = DropFailedCalls().apply(chat).messages
+    out = chat_to_items(edited, chat, prov, items)
+    assert out == [items[0], items[3], items[5], items[7], items[8]]
+    assert out[1] is items[3] and out[2] is items[5]  # the originals, not copies
+
+
 def test_an_edited_assistant_turn_keeps_the_calls_whose_outputs_stay():
     """DropFailedCalls removing one of a turn's two calls rebuilt the turn as a plain
     message: the surviving call's function_call item was lost and its output orphaned
@@ -958,6 +1011,11 @@ def test_a_retried_call_keeps_its_hooks_tenant_salt_and_cache_key(default_tok):
         keys[tenant] = req._get_llm_string(session_id="cache-1")
         req._request(handed, None, {"session_id": "cache-1"}, None)  # the hook's hand-off taken
     assert "salt='tenant-A'" in keys["tenant-A"] and "salt='tenant-B'" in keys["tenant-B"]
+    # a setting changed after a call changes the key (LangChain cached the model's dumpd)
+    before = req._get_llm_string()
+    req.temperature = 0.5
+    assert req._get_llm_string() != before and '"temperature": 0.5' in req._get_llm_string()
+    assert req.model_copy(update={"max_tokens": 200})._get_llm_string() != req._get_llm_string()
     cache.update("prompt", keys["tenant-A"], [ChatGeneration(message=AIMessage("for A"))])
     assert cache.lookup("prompt", keys["tenant-B"]) is None
 
