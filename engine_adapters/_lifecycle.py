@@ -19,8 +19,8 @@ from typing import Any
 
 from promptsplice.assembler import HFTokenizer, Tokenizer
 from promptsplice.engine_adapters import _vllm
-from promptsplice.engine_adapters._config import EngineConfig
-from promptsplice.errors import EngineStartError, TokenizerError
+from promptsplice.engine_adapters._config import EngineConfig, detect_platform
+from promptsplice.errors import ConfigError, EngineStartError, TokenizerError
 
 _log = logging.getLogger(__name__)
 
@@ -47,6 +47,12 @@ def start_llm(config: EngineConfig) -> Handle:
     when vLLM cannot start (a KV cache too small names ``kv_cache_bytes``)."""
     global _live_engines
     vllm = _vllm.import_vllm()
+    here = detect_platform()
+    if config.platform != here:  # its defaults (block size, eager, KV bound) are another machine's
+        raise ConfigError(
+            f"EngineConfig(platform={config.platform!r}) describes another machine: vLLM here runs on {here!r}; "
+            "leave platform=None to detect it (until 2026-12-07 such a config started, with a GPU's compiled "
+            "mode and unbounded KV cache on CPU)")
     _vllm.check_in_process(config.platform)
     kwargs = config.llm_kwargs(config.model)  # type: ignore[arg-type]
     kv = _vllm.AgentBox()

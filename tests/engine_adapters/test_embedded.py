@@ -115,6 +115,10 @@ def test_config_gpu_defaults_without_a_gpu():
     default = EngineConfig(platform="cuda")
     assert default.dtype == "auto" and default.llm_kwargs("/m")["dtype"] == "auto"
     assert default.kv_cache_bytes == DEFAULT_KV_CACHE_BYTES
+    # such a config describes a GPU machine: an engine started from it here is refused
+    # (it started, with a GPU's compiled mode, block size and unbounded cache on CPU)
+    with pytest.raises(ConfigError, match=r"EngineConfig\(platform='cuda'\) describes another machine: vLLM here runs on 'cpu'"):
+        EmbeddedEngine(cfg)
 
 
 @pytest.mark.parametrize(
