@@ -1,7 +1,7 @@
 """``promptsplice bench agent``: agent sessions in three engine modes, with bounds and
 measured fidelity.
 
-This is one module (~650 lines): the three modes share one replay loop, one ideal and
+This is one module (~690 lines): the three modes share one replay loop, one ideal and
 its per-mode floors, and one report, which the CLI job and the tests call as a unit;
 the probes (``agent_probes``) and the traces live apart.
 

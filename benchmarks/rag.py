@@ -1,6 +1,6 @@
 """``promptsplice bench rag``: a RAG trace through the embedded vLLM engine, judged by vLLM.
 
-This is one module (~760 lines): the modes share one run loop, one set of bounds and one report
+This is one module (~800 lines): the modes share one run loop, one set of bounds and one report
 format, which the suite (``rag_suite``) and the CLI job call as a unit; split, each
 piece would import the others.
 
