@@ -5,7 +5,11 @@ with its own store of the bench's sizes (equal capacity): ``promptsplice_store``
 assembly, whole-block chunks) and ``promptsplice_pic`` at ``bounded`` (r=2, per-chunk
 recompute, the runner's gate), then sums both modes' prefill over the PIC requests of
 each outcome: sent exact (the gate's ``NO_GAIN``), run under the reuse salt without
-relocating anything, relocating.  A developer's diagnostic (no naive mode, no oracle:
+relocating anything, relocating.  Per outcome it also splits the tokens of the chunks
+behind each PIC request's hit by what the chunk index answered (``hit``, ``miss``,
+``stale``) and whether an earlier request of the trace held the chunk (``seen``) or
+not (``new``): ``miss_seen`` is reuse the index never learnt (a chunk computed inside a
+PIC request is not indexed).  A developer's diagnostic (no naive mode, no oracle:
 ``bench rag`` is the benchmark); this is how PIC's loss on wiki's re-asks was found:
 
     python scripts/pic_requests.py TRACE.jsonl --requests 200 --json out/pic-requests.json
@@ -18,7 +22,7 @@ import json
 import shutil
 import tempfile
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 
 def main() -> None:
@@ -60,9 +64,27 @@ def main() -> None:
             runner = RagRunner(kv, mode="position_independent", salt=f"pic-{run_id}", recompute_blocks=2,
                                fidelity="bounded", policy="cache_aware", prompt_format=fmt, exact_alignment="all",
                                recompute_at="chunk")
+            looked: list[tuple[list[tuple[int, ...]], list[str]]] = []
+            real = runner.index.lookup_many
+
+            def spy(chunks, *, salt, also=()):  # the request's own lookup (the one with chains)
+                looks, stored = real(chunks, salt=salt, also=also)
+                if also:
+                    looked.append(([tuple(c) for c in chunks], [look.status.value for look in looks]))
+                return looks, stored
+
+            runner.index.lookup_many = spy
+            seen: set[tuple[int, ...]] = set()
             for req in reqs:
+                looked.clear()
                 st = runner.run(_chunks(req), query=req.query, system=req.system or None, max_tokens=1)
+                chunks = Counter()
+                for toks, status in zip(*looked[0]) if looked else ():
+                    chunks[f"{status}_{'seen' if toks in seen else 'new'}"] += len(toks)
+                ids = st.prompt.token_ids
+                seen.update(tuple(ids[s.start : s.end]) for s in st.prompt.segments if s.kind.name == "CHUNK")
                 out["pic"].append({
+                    "chunks": dict(chunks),
                     "prompt": st.prompt_tokens, "prefill": st.prefill_tokens,
                     "fallback": st.fallback.value if st.fallback else None,
                     "precomputed": st.precomputed_tokens, "planned_relocated": st.planned_relocated_tokens,
@@ -76,19 +98,17 @@ def main() -> None:
         engine.close()
         shutil.rmtree(root, ignore_errors=True)
 
-    by: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    by: dict[str, Counter] = defaultdict(Counter)
+    chunk_tokens: dict[str, Counter] = defaultdict(Counter)
     for s, p in zip(out["store"], out["pic"], strict=True):
         kind = p["fallback"] or ("relocating" if p["planned_relocated"] else "reuse salt, nothing relocated")
-        row = by[kind]
-        row[0] += 1
-        row[1] += s["prefill"]
-        row[2] += p["prefill"]
-        row[3] += p["precomputed"]
+        by[kind].update({"requests": 1, "store_prefill_tokens": s["prefill"], "pic_prefill_tokens": p["prefill"],
+                         "precomputed_tokens": p["precomputed"], "extra_recompute_blocks": p["extra_recompute_blocks"]})
+        chunk_tokens[kind].update(p["chunks"])
     summary = {
         "store_prefill_tokens": sum(s["prefill"] for s in out["store"]),
         "pic_prefill_tokens": sum(p["prefill"] for p in out["pic"]),
-        "by_outcome": {k: {"requests": v[0], "store_prefill_tokens": v[1], "pic_prefill_tokens": v[2],
-                           "precomputed_tokens": v[3]} for k, v in by.items()},
+        "by_outcome": {k: {**v, "chunk_tokens_behind_the_hit": dict(chunk_tokens[k])} for k, v in by.items()},
         "guard": guard,
     }
     print(json.dumps(summary, indent=2))
