@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 from promptsplice.assembler import PreparedContext, Render
 from promptsplice.errors import InvalidSaltError
 
-__all__ = ["handoff"]
+__all__ = ["handoff", "RETRY_WINDOW_S"]
+
+RETRY_WINDOW_S = 300.0
+"""How long a taken context waits for a retry of its call (LangChain's retries back off
+for seconds, not minutes); after it, its salt no longer names the session."""
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +39,14 @@ class _Handoff:
 
     def __init__(self, max_sessions: int = 1024) -> None:
         self._items: OrderedDict[tuple[str, str | None], PreparedContext] = OrderedDict()
-        self._taken: OrderedDict[str, PreparedContext] = OrderedDict()
-        """Per session, the context a model took last, until a hook prepares the session
-        again: a retry of that call (``with_retry``, a node's retry policy) finds it and
-        its salt (until 2026-12-07 the retry found nothing and went out unsalted)."""
+        self._taken: OrderedDict[tuple[str, str | None], tuple[PreparedContext, float]] = OrderedDict()
+        """Per (session, salt), the context a model took and has not yet answered (with
+        when): a retry of that call (``with_retry``, a node's retry policy) finds it and
+        its salt (until 2026-12-07 the retry found nothing and went out unsalted).  A
+        taken salt counts as a pending one in :meth:`salt_of`, so two tenants' calls on
+        one session id stay an :class:`InvalidSaltError`, never one sent under the
+        other's salt; the model :meth:`settle`\ s it once answered, and it lapses after
+        :data:`RETRY_WINDOW_S`."""
         self._lock = threading.Lock()
         self._max = max_sessions
 
@@ -46,7 +55,7 @@ class _Handoff:
             key = (prepared.session_id, prepared.render.salt)
             self._items[key] = prepared
             self._items.move_to_end(key)
-            self._taken.pop(prepared.session_id, None)  # a new step of the session: no retry of the last
+            self._taken.pop(key, None)  # a new step of the session: no retry of the last
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
@@ -57,10 +66,9 @@ class _Handoff:
         mismatch sent the hook's tenant unsalted).  Two or more salts are an
         :class:`InvalidSaltError`, as in :meth:`take`."""
         with self._lock:
+            self._expire()
             salts = {k[1] for k in self._items if k[0] == session_id}
-            last = self._taken.get(session_id)
-            if not salts and last is not None:  # the session's last call, retried
-                salts = {last.render.salt}
+            salts |= {k[1] for k in self._taken if k[0] == session_id}  # a call not answered yet
         if len(salts) > 1:
             raise InvalidSaltError(
                 f"hooks of {len(salts)} salts prepared session {session_id!r} for a model "
@@ -80,17 +88,14 @@ class _Handoff:
         hook in front of another model, so it is no error)."""
         key = (session_id, render.salt)
         with self._lock:
+            self._expire()
             p = self._items.pop(key, None)
             if p is None:
-                last = self._taken.get(session_id)
+                last = self._taken.get(key)
                 # a retry of the call that took it: the same salt and tokens
-                if last is not None and last.render.salt == render.salt and list(last.token_ids) == list(render.token_ids):
-                    return last
+                if last is not None and list(last[0].token_ids) == list(render.token_ids):
+                    return last[0]
                 return None
-            self._taken[session_id] = p
-            self._taken.move_to_end(session_id)
-            while len(self._taken) > self._max:
-                self._taken.popitem(last=False)
         if p.render.block_size != render.block_size:  # never matches: say why, and how to fix it
             logger.warning(
                 "the hook prepared session %r in blocks of %d tokens, the model's engine caches blocks of "
@@ -106,15 +111,34 @@ class _Handoff:
                 session_id, p.step, len(p.token_ids), len(token_ids),
             )
             return None
+        with self._lock:  # taken (the checks passed): a retry of this call finds it
+            self._taken[key] = (p, time.monotonic())
+            self._taken.move_to_end(key)
+            while len(self._taken) > self._max:
+                self._taken.popitem(last=False)
         return p
+
+    def settle(self, prepared: PreparedContext) -> None:
+        """The model answered the call that took ``prepared``: no retry will come."""
+        with self._lock:
+            key = (prepared.session_id, prepared.render.salt)
+            if (self._taken.get(key) or (None,))[0] is prepared:
+                del self._taken[key]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._taken:
+            key, (_, at) = next(iter(self._taken.items()))
+            if now - at <= RETRY_WINDOW_S:
+                break
+            del self._taken[key]
 
     def discard(self, prepared: PreparedContext) -> None:
         with self._lock:
             key = (prepared.session_id, prepared.render.salt)
             if self._items.get(key) is prepared:
                 del self._items[key]
-            if self._taken.get(prepared.session_id) is prepared:
-                del self._taken[prepared.session_id]
+        self.settle(prepared)
 
 
 handoff = _Handoff()

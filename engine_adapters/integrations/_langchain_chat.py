@@ -589,6 +589,7 @@ class PromptspliceChatModel(BaseChatModel):
         return meta, usage
 
     def _message(self, req: dict[str, Any], completion: Any) -> AIMessage:
+        handoff.settle(req["prepared"])  # answered: its hand-off waits for no retry
         text = req["prefix"] + completion.text
         calls: list[dict[str, Any]] = []
         invalid: list[dict[str, Any]] = []

@@ -123,10 +123,11 @@ class PromptspliceMiddleware(AgentMiddleware):  # type: ignore[misc]
         ``session_key`` of another name never met its hand-off)."""
         if prepared is None or not isinstance(new.model, PromptspliceChatModel):
             return new, False
-        model_salt = new.model.cache_salt
-        if model_salt is not None and model_salt != prepared.render.salt:
-            # the model would render the session anew under its own salt: another tenant's
-            # (until 2026-12-07 accepted, the hook's policy edits silently lost)
+        model_salt = (new.model_settings or {}).get("cache_salt") or new.model.cache_salt
+        if model_salt is not None and prepared.render.salt is not None and model_salt != prepared.render.salt:
+            # two tenants' salts: the model would render the session anew under its own,
+            # another tenant's than the hook's (until 2026-12-07 accepted, the hand-off
+            # lost); an unsalted hook before a salted model stays allowed
             raise InvalidSaltError(
                 f"the middleware's hook prepared session {prepared.session_id!r} under salt "
                 f"{prepared.render.salt!r}, the model's cache_salt is {model_salt!r}: give both one tenant's salt")

@@ -763,6 +763,12 @@ def test_the_llm_cache_key_names_the_tenant_and_the_hooks_prompt(default_tok):
     handoff_discard(prepared)
 
 
+def handoff_settle(prepared):
+    from promptsplice.engine_adapters.integrations._handoff import handoff
+
+    handoff.settle(prepared)
+
+
 def handoff_discard(prepared):
     from promptsplice.engine_adapters.integrations._handoff import handoff
 
@@ -1002,14 +1008,24 @@ def test_a_retried_call_keeps_its_hooks_tenant_salt_and_cache_key(default_tok):
     with pytest.raises(InvalidSaltError):
         req._request(other, None, {"session_id": "retry-1"}, None)
 
-    # LangChain's LLM cache: each hook's tenant keys its own entries
+    # two tenants on one session id: while A's call waits for its retry, B's call (and
+    # A's retry) cannot tell whose it is: refused, never sent under the other's salt
+    pre_b = PromptsplicePreModelHook(ContextHook(default_tok, block_size=16, salt="tenant-B"), default_session="retry-1")
+    handed_b = pre_b({"messages": msgs})["llm_input_messages"]
+    for call in (handed_b, handed):
+        with pytest.raises(InvalidSaltError, match="hooks of 2 salts prepared session 'retry-1'"):
+            req._request(call, None, {"session_id": "retry-1"}, None)
+    assert sent == ["tenant-A", "tenant-A"]
+
+    # LangChain's LLM cache: each hook's tenant keys its own entries (each call answered)
     cache = InMemoryCache()
     keys = {}
     for tenant in ("tenant-A", "tenant-B"):
         PromptsplicePreModelHook(ContextHook(default_tok, block_size=16, salt=tenant), default_session="cache-1")(
             {"messages": msgs})
         keys[tenant] = req._get_llm_string(session_id="cache-1")
-        req._request(handed, None, {"session_id": "cache-1"}, None)  # the hook's hand-off taken
+        call = req._request(handed, None, {"session_id": "cache-1"}, None)  # the hook's hand-off taken
+        handoff_settle(call["prepared"])  # ... and answered
     assert "salt='tenant-A'" in keys["tenant-A"] and "salt='tenant-B'" in keys["tenant-B"]
     # a setting changed after a call changes the key (LangChain cached the model's dumpd)
     before = req._get_llm_string()
@@ -1042,3 +1058,15 @@ def test_a_middleware_whose_model_has_another_tenants_salt_is_refused(default_to
     given, give = mw._give(same, prepared)
     assert give and given.model_settings == {"session_id": "mw-salt"}
     handoff_discard(prepared)
+    # a call-time cache_salt of another tenant counts as the model's
+    unsalted = SimpleNamespace(**{**vars(new), "model": PromptspliceChatModel(engine=_SendlessEngine(default_tok),
+                                                                               max_tokens=1),
+                                  "model_settings": {"cache_salt": "tenant-B"}})
+    with pytest.raises(InvalidSaltError, match="the model's cache_salt is 'tenant-B'"):
+        mw._give(unsalted, prepared)
+    # an unsalted hook before a salted model stays allowed (the model's salt decides)
+    open_mw = PromptspliceMiddleware(ContextHook(default_tok, block_size=16), default_session="mw-open")
+    req = SimpleNamespace(**{**vars(request), "model": model})
+    new_open, prepared_open = open_mw._prepare(req)
+    assert open_mw._give(new_open, prepared_open)[1] is True
+    handoff_discard(prepared_open)
