@@ -22,9 +22,9 @@
   of that many tokens (a like-for-like reference, per segment only).
 * :func:`whole_block_segments`: a request's segments as a whole-block layout pads
   them, for the oracle of such layouts (a reference: how much of a gap padding holds).
-* :class:`RelocationCeiling`: the least position-independent reuse of such segments can
-  prefill when it recomputes the first ``r`` blocks of each relocated chunk (or run): a
-  reference for what a recompute setting leaves reachable, not a bound.
+* :class:`RelocationCeiling`: about the least position-independent reuse of such
+  segments can prefill when it recomputes the first ``r`` blocks of each relocated chunk
+  (or run): a reference for what a recompute setting leaves reachable, not a bound.
 * :func:`prefix_bound`: what block-granular prefix caches that never evict leave to
   prefill when requests go round robin to engines with caches of their own (``local``)
   or one shared between them (``shared``; with one engine, the floor of any routing
@@ -256,9 +256,12 @@ class RelocationCeiling:
     blocks); any other segment seen before costs ``min(r blocks, its size)``, free at
     ``"run"`` when it follows the segment it followed before; a new one costs its size;
     the query is always computed, and at least one token per request.  It assumes
-    every chunk seen before is stored and relocated and no guard ever computes a run,
-    so it is a ceiling for the settings, not a bound a mode must respect (``bench rag``
-    reports it as ``pic_ceiling_prefill_tokens``)."""
+    every chunk seen before is stored and relocated and no guard ever computes a run.
+    A reference, not a bound (``bench rag`` reports it as ``pic_ceiling_prefill_tokens``):
+    a mode may still prefill a little less, where a re-ask's prefix hit covers its query's
+    whole blocks (charged here in full), where its own layout orders the segments
+    otherwise than the requests fed here, or where two trimmed versions of a chunk share
+    leading blocks (different digests here)."""
 
     def __init__(self, block_size: int, recompute_blocks: int, *, per_chunk: bool = True) -> None:
         self.recompute_tokens = recompute_blocks * block_size

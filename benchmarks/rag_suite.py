@@ -96,8 +96,8 @@ def family_checks(r: dict[str, Any]) -> dict[str, Any]:
         "pic_gap_closed_vs_store_whole_block": _gap(r, "promptsplice_pic_vs_store_whole_block"),
         # why pic_gap_closed_vs_store is None though PIC ran (else None)
         "pic_gap_closed_vs_store_skipped": PROBE_TRAFFIC_SKIP if probe_traffic(r) else None,
-        # the most pic_gap_closed_vs_store can be at PIC's recompute settings (from the
-        # trace, probes or not: bench rag's pic.ceiling_gap_closed_vs_store)
+        # about the most pic_gap_closed_vs_store can be at PIC's recompute settings (from
+        # the trace, probes or not: bench rag's pic.ceiling_gap_closed_vs_store)
         "pic_ceiling_gap_closed_vs_store": (r.get("pic") or {}).get("ceiling_gap_closed_vs_store"),
     }
 

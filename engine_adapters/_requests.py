@@ -190,7 +190,15 @@ def sent_plan(phase: SplicePhase) -> SplicePlan | None:
 
 def _check_phase_ends(phases: Sequence[SplicePhase], n: int) -> None:
     """Phase ends rise and the last is the whole prompt (else a phase past the prompt
-    sent fewer tokens than its plan covers, or the answer came from a prefix)."""
+    sent fewer tokens than its plan covers, or the answer came from a prefix).  Each
+    phase must be a :class:`SplicePhase` with an int end and a plan or ``None`` (a
+    tuple, a float end or a dict plan raised a raw AttributeError or TypeError)."""
+    for p in phases:
+        if (not isinstance(p, SplicePhase) or isinstance(p.end, bool) or not isinstance(p.end, int)
+                or not (p.plan is None or isinstance(p.plan, SplicePlan))):
+            raise InputError(
+                f"each phase must be a SplicePhase(end: int, plan: SplicePlan | None), got {p!r:.120}: "
+                "build phases with plan_phases / plan_segment_phases")
     ends = [p.end for p in phases]
     if any(b <= a for a, b in zip(ends, ends[1:])) or ends[-1] != n or ends[0] < 1:
         raise InputError(

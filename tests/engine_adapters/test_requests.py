@@ -90,6 +90,28 @@ def test_a_prompt_whose_ids_were_replaced_is_hashed_anew(make_assembler):
     assert norm.ids == list(prompt.token_ids) * 2 and norm.known_hashes is None
 
 
+def test_malformed_phases_are_an_input_error_before_any_request():
+    """Plain tuples, a float or bool end, a dict plan: raw AttributeError or TypeError
+    from the phase loop (a bool end even ran), now an InputError naming the fix."""
+    import pytest
+
+    from promptsplice.engine_adapters import SplicePhase
+    from promptsplice.engine_adapters._requests import run_phases
+    from promptsplice.errors import InputError
+
+    sent = []
+
+    def run_one(prompt, plan, gen):
+        sent.append(len(prompt))
+        raise AssertionError("no phase may run")
+
+    for phases in ([(2, None), (3, None)], [SplicePhase(2.0, None), SplicePhase(3, None)],
+                   [SplicePhase(True, None), SplicePhase(3, None)], [SplicePhase(3, {})]):
+        with pytest.raises(InputError, match="each phase must be a SplicePhase"):
+            run_phases([1, 2, 3], phases, run_one, {})
+    assert sent == []
+
+
 def test_a_completion_names_its_cached_tokens_as_every_other_record_does():
     from promptsplice.engine_adapters import Completion
 
