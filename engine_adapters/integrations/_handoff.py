@@ -45,8 +45,8 @@ class _Handoff:
         its salt (until 2026-12-07 the retry found nothing and went out unsalted).  A
         taken salt counts as a pending one in :meth:`salt_of`, so two tenants' calls on
         one session id stay an :class:`InvalidSaltError`, never one sent under the
-        other's salt; the model :meth:`settle`\ s it once answered, and it lapses after
-        :data:`RETRY_WINDOW_S`."""
+        other's salt; :meth:`settle` drops it once the model answered, and it lapses
+        after :data:`RETRY_WINDOW_S`."""
         self._lock = threading.Lock()
         self._max = max_sessions
 
@@ -122,7 +122,8 @@ class _Handoff:
         """The model answered the call that took ``prepared``: no retry will come."""
         with self._lock:
             key = (prepared.session_id, prepared.render.salt)
-            if (self._taken.get(key) or (None,))[0] is prepared:
+            taken = self._taken.get(key)
+            if taken is not None and taken[0] is prepared:
                 del self._taken[key]
 
     def _expire(self) -> None:
