@@ -21,7 +21,7 @@ engine (``EmbeddedEngine.make_assembler()``) holds a read-only
 :class:`~promptsplice.assembler.MirrorView` of the engine's mirror, asks it for
 predictions and never admits: the engine admits what really ran.
 
-Kept as one module (~710 lines): one assembly takes the assembler's lock once, and
+Kept as one module (~750 lines): one assembly takes the assembler's lock once, and
 ordering, layout, the size checks and what the call learns (orders, branch points,
 popularity) must happen in that order under it: a prompt refused for its size learns
 nothing, which holds only while they sit in one method.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from promptsplice.assembler._layout import BranchMemory, LayoutBuilder, Segment, SegmentKind
@@ -206,6 +206,7 @@ class Assembler:
         policy: str | OrderPolicy | None = None,
         alignment: str | AlignPolicy | None = None,
         max_tokens: int | None = None,
+        defer: Collection[str] = (),
     ) -> AssembledPrompt:
         """Assemble one prompt that will be sent.
 
@@ -218,10 +219,15 @@ class Assembler:
         positive int (else :class:`ConfigError`); a longer prompt raises
         :class:`ContextLengthError`.  A lone surrogate in the query, system prompt or
         tools raises :class:`InvalidUTF8Error` (in a chunk: see :func:`promptsplice.dedup.dedup`).
+
+        ``defer``: ids of chunks (:attr:`KeptChunk.id`) laid after every other chunk the
+        predicted prefix-cache hit does not cover, each part in its order.  A
+        position-independent runner defers the chunks it will relocate, so the chunks it
+        computes attend to exact KV only (and are stored exact, found later by content).
         """
         return self._assemble(
             chunks, query=query, system=system, tools=tools, salt=salt, policy=policy, alignment=alignment,
-            max_tokens=max_tokens, commit=True
+            max_tokens=max_tokens, defer=defer, commit=True
         )
 
     def preview(
@@ -235,12 +241,13 @@ class Assembler:
         policy: str | OrderPolicy | None = None,
         alignment: str | AlignPolicy | None = None,
         max_tokens: int | None = None,
+        defer: Collection[str] = (),
     ) -> AssembledPrompt:
         """The prompt :meth:`assemble` would build now, changing no state (nothing
         learned, nothing admitted): for a prompt that will not be sent as such."""
         return self._assemble(
             chunks, query=query, system=system, tools=tools, salt=salt, policy=policy, alignment=alignment,
-            max_tokens=max_tokens, commit=False
+            max_tokens=max_tokens, defer=defer, commit=False
         )
 
     def _assemble(
@@ -256,6 +263,7 @@ class Assembler:
         alignment: str | AlignPolicy | None = None,
         max_tokens: int | None = None,
         dedup_config: DedupConfig | None = None,
+        defer: Collection[str] = (),
     ) -> AssembledPrompt:
         """``dedup_config``: in place of ``self.dedup_config`` for this call
         (``splice_documents`` passes one that keeps its deduplicated documents as they are)."""
@@ -272,6 +280,7 @@ class Assembler:
         if self._text_form and align is not AlignPolicy.NONE:
             raise ConfigError(_TEXT_FORM_PADS.format(alignment))
         limit = self.max_tokens if max_tokens is None else _check_max_tokens(max_tokens)
+        deferred = _check_defer(defer)
         report = dedup(chunks, dedup_config if dedup_config is not None else self.dedup_config)
         kept = report.chunks
 
@@ -335,10 +344,21 @@ class Assembler:
         # counted) until the prompt is known to fit: one refused with ContextLengthError
         # is never sent, and it kept its chunk set's order for the later prompts.
         def lay(branches: Any, align: AlignPolicy) -> tuple[LayoutBuilder, list[int]]:
+            trial = PeekBranches(branches) if deferred else branches
             if order_policy is OrderPolicy.CACHE_AWARE:
-                return self._cache_aware(branches, salt, align, head, head_toks, kept, chunk_toks, query_toks, False)
-            order = self._order(kept, order_policy, False, salt)
-            return self._layout(branches, salt, align, head, head_toks, kept, chunk_toks, order, query_toks), order
+                builder, order = self._cache_aware(trial, salt, align, head, head_toks, kept, chunk_toks, query_toks, False)
+            else:
+                order = self._order(kept, order_policy, False, salt)
+                builder = self._layout(trial, salt, align, head, head_toks, kept, chunk_toks, order, query_toks)
+            if deferred:
+                later = self._deferred_order(builder, kept, order, deferred)
+                if later is None:
+                    trial.replay()
+                else:  # laid again in the new order (its branch queries, not the first layout's)
+                    order, peek = later, PeekBranches(branches)
+                    builder = self._layout(peek, salt, align, head, head_toks, kept, chunk_toks, order, query_toks)
+                    peek.replay()
+            return builder, order
 
         with self._lock:
             room = self._capacity_tokens()
@@ -508,6 +528,20 @@ class Assembler:
             builder.append(SegmentKind.QUERY, (), query_toks, paddable=False, following=())
         return builder
 
+    def _deferred_order(
+        self, builder: LayoutBuilder, kept: list[KeptChunk], order: list[int], deferred: frozenset[str]
+    ) -> list[int] | None:
+        """``order`` with the deferred chunks past the cached prefix moved behind the
+        others (each part keeping its order), or ``None`` when nothing moves."""
+        hit = self._cached_tokens(builder, len(builder.tokens))
+        segs = [seg for seg in builder.segments if seg.kind is SegmentKind.CHUNK]
+        lead = 0
+        while lead < len(segs) and segs[lead].end <= hit:
+            lead += 1
+        rest = order[lead:]
+        later = order[:lead] + [i for i in rest if kept[i].id not in deferred] + [i for i in rest if kept[i].id in deferred]
+        return None if later == order else later
+
     def _cached_tokens(self, builder: LayoutBuilder, num_tokens: int) -> int:
         """Cached tokens the mirror predicts for a layout of ``num_tokens`` tokens whose
         first blocks are in ``builder`` (unfinished)."""
@@ -644,6 +678,18 @@ class Assembler:
         texts.extend(fmt.separator + kept[idx].text for idx in order)
         texts.append(q_text)
         return "".join(t + filler * seg.padding for t, seg in zip(texts, segments))
+
+
+def _check_defer(defer: Any) -> frozenset[str]:
+    """``defer``: chunk ids, a collection of str (a bare str would defer its letters)."""
+    if isinstance(defer, (str, bytes)) or not isinstance(defer, Iterable):
+        raise ConfigError(f"defer must be a collection of chunk ids (str), got {type(defer).__name__}: "
+                          "pass defer=[chunk_id, ...]")
+    out = frozenset(defer)
+    bad = next((d for d in out if not isinstance(d, str)), None)
+    if bad is not None:
+        raise ConfigError(f"defer holds chunk ids (str), got {bad!r}")
+    return out
 
 
 def _check_max_tokens(max_tokens: Any) -> Any:

@@ -22,6 +22,16 @@ vLLM's contiguity rule: the loaded tokens start exactly at the local hit and at 
 one prompt token is left to compute, so one request loads one contiguous run of blocks;
 each block of the run is either an offload hit (delta 0) or a relocated block of a plan
 segment (delta ``d``).
+
+What vLLM's cache holds, as far as the connector can tell: under a tenant's (exact)
+salt the keys a relocation *tainted*; under a salt that may hold approximate KV (a
+scope, a reuse salt) the keys known *clean*, computed or loaded exact with nothing
+approximate before them.  A scoped request's clean blocks are saved under the tenant's
+salt too (:attr:`SpliceScheduler.exact_saved_blocks`), where the tenant's requests and
+a chunk index find them.
+
+Kept as one module (~610 lines): the loads, saves, taints and clean keys of one request
+are decided together, from one state per request, in vLLM's call order.
 """
 
 from __future__ import annotations
@@ -250,6 +260,14 @@ class _ReqState:
     """The plan's probe blocks, hashed once (not on every step the request runs)."""
     probe_order: list[int] = field(default_factory=list)
     """``probe_refs``' block indexes, sorted once."""
+    exact_blocks: int | None = None
+    """Requests under a salt that may hold approximate KV: how many leading blocks are
+    known exact (``None``: all it loads and computes, as far as known so far)."""
+    exact_target: str | bytes | None | object = _SAME
+    """Scoped requests whose plan takes blocks from an exact-only salt (a tenant's): that
+    salt, under which its exact blocks are saved too (``_SAME``: none)."""
+    target_chain: list[BlockRef] | None = None
+    """The prompt's chain under ``exact_target``, hashed once."""
 
 
 _MIN_TAINTED = 1 << 16
@@ -294,6 +312,17 @@ class SpliceScheduler:
         # keys, and every tier then served them as exact offload hits).  Bounded; a key
         # vLLM evicted and computed again exactly only costs that request its saves.
         self._tainted: OrderedDict[bytes, None] = OrderedDict()
+        # The converse, for salts that may hold approximate KV (a scope, a reuse salt):
+        # chain keys whose KV in vLLM's cache was computed (or loaded) exact, with nothing
+        # approximate before it.  A scoped request whose local hit is all clean, and that
+        # loads nothing approximate, computes exact blocks: saved under the tenant's salt
+        # too (``exact_target``), where every later request of the tenant, and a chunk
+        # index, finds them.  A block computed after anything else leaves the set (vLLM
+        # may have evicted the clean one); bounded like the taints, and a dropped key only
+        # costs a later request its tenant saves.
+        self._clean: OrderedDict[bytes, None] = OrderedDict()
+        self.exact_saved_blocks = 0
+        """Blocks of scoped requests also saved under the tenant's salt (known exact)."""
 
     def _state(self, req_id: str, tokens: Sequence[int], salt, params) -> _ReqState:
         st = self._reqs.get(req_id)
@@ -361,6 +390,8 @@ class SpliceScheduler:
                 st.no_save = True  # its local hit holds approximate KV: so is all it computes
                 for key in tainted:  # still in vLLM's cache: the last to leave the bound
                     self._tainted.move_to_end(key)
+        if not holds_exact_kv_only(salt):
+            self._track_hit(st, prompt_tokens, hit_blocks, last, exact_hit=hit_salt is _SAME)
         lp = plan_load(
             self.store,
             prompt_tokens,
@@ -374,6 +405,55 @@ class SpliceScheduler:
         )
         st.pending = lp if lp.num_blocks else None
         return lp.num_tokens
+
+    def _track_hit(self, st: _ReqState, tokens: Sequence[int], hit_blocks: int, last: int, *, exact_hit: bool) -> None:
+        """A request under a salt that may hold approximate KV: how much of its local hit
+        is known exact (:attr:`_ReqState.exact_blocks`), and where its exact blocks are
+        saved too (:attr:`_ReqState.exact_target`)."""
+        bs = self.block_size
+        if st.chain is None or len(st.chain) < hit_blocks:
+            st.chain = chain_refs(tokens[: max(last, hit_blocks) * bs], bs, salt=st.salt)
+        clean = 0
+        if exact_hit:  # (a multimodal request's hit is hashed under another salt: unknown)
+            while clean < hit_blocks and st.chain[clean].key in self._clean:
+                self._clean.move_to_end(st.chain[clean].key)
+                clean += 1
+        st.exact_blocks = None if clean == hit_blocks else clean
+        plan = st.plan
+        if plan is not None and plan.scope and plan.src_salt is not SAME_SALT and holds_exact_kv_only(plan.src_salt):
+            st.exact_target = plan.src_salt
+
+    def _track_computed(
+        self, st: _ReqState, req_id: str, first: int, stop: int, block_ids: Callable[[str], Sequence[int]]
+    ) -> SaveItem | None:
+        """Blocks ``[first, stop)`` of a request under a salt that may hold approximate KV
+        reach vLLM's cache this step: the known-exact ones join :attr:`_clean` (and are
+        saved under :attr:`_ReqState.exact_target`, when it has one), the others leave it."""
+        limit = stop if st.exact_blocks is None else max(first, min(stop, st.exact_blocks))
+        assert st.chain is not None
+        for j in range(first, stop):
+            key = st.chain[j].key
+            if j < limit:
+                self._clean[key] = None
+                self._clean.move_to_end(key)
+            else:
+                self._clean.pop(key, None)
+        over = len(self._clean) - self.max_tainted
+        for _ in range(max(over, 0)):
+            self._clean.popitem(last=False)
+        target = st.exact_target
+        if target is _SAME or limit <= first:
+            return None
+        bs = self.block_size
+        if st.target_chain is None or len(st.target_chain) < limit:
+            st.target_chain = chain_refs(st.tokens[: round_down(len(st.tokens), bs)], bs, salt=target)
+        refs = [(j, st.target_chain[j]) for j in range(first, limit)]
+        refs = [(j, ref) for j, ref in refs if not self.store.contains(ref, salt=target)]
+        if not refs:
+            return None
+        ids = block_ids(req_id)
+        self.exact_saved_blocks += len(refs)
+        return SaveItem(req_id, target, tuple(ref for _, ref in refs), tuple(int(ids[j]) for j, _ in refs))
 
     def update_state_after_alloc(
         self, req_id: str, block_ids: Sequence[int], num_external_tokens: int
@@ -401,6 +481,14 @@ class SpliceScheduler:
         dst = tuple(int(b) for b in block_ids[first : first + n])
         salts = None if lp.salts is None else lp.salts[:n]
         item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start, salts, lp.approx[:n])
+        if st.exact_blocks is None and not holds_exact_kv_only(st.salt):
+            # exact so far: up to the first block loaded approximate, or from a salt that
+            # may hold approximate KV (the scope's own offload hits, conservatively)
+            approx = item.approx or tuple(bool(d) for d in item.deltas)
+            k = next((i for i in range(len(item.refs))
+                      if approx[i] or not holds_exact_kv_only(item.salt_of(i))), len(item.refs))
+            if k < len(item.refs) or len(item.refs) < n:
+                st.exact_blocks = first + k
         if st.plan is not None and st.plan.scope:
             st.save_from = first  # approximate or not, the scope keeps what it loaded
         elif item.approximate() or salts is not None:
@@ -457,7 +545,7 @@ class SpliceScheduler:
                 item = self._probe_item(req_id, st, computed, scheduled, block_ids)
                 if item is not None:
                     probes.append(item)
-            if st is None or st.no_save:
+            if st is None:
                 continue
             prompt_len = len(st.tokens)
             end = min(computed + scheduled, prompt_len)
@@ -470,6 +558,14 @@ class SpliceScheduler:
             if st.chain is None or len(st.chain) < stop:
                 st.chain = chain_refs(st.tokens[: round_down(prompt_len, bs)], bs, salt=st.salt)
             ids = None
+            if not holds_exact_kv_only(st.salt):
+                # (before ``no_save``: a request under such a salt that saves nothing still
+                # files what it computes in vLLM's cache)
+                exact = self._track_computed(st, req_id, first, stop, block_ids)
+                if exact is not None:
+                    saves.append(exact)
+            if st.no_save:
+                continue
             refs, dst = [], []
             for j in range(first, stop):
                 ref = st.chain[j]

@@ -23,7 +23,9 @@ How a request runs (``position_independent``):
    head hits the prefix cache): the connector saves their blocks like any exact
    prefill, and the index records them, so later requests relocate them.  Computed
    where they stand (inline), they cost no request and no recomputed block of their
-   own, but attended to relocated KV, so they are neither stored as exact nor indexed.
+   own; the assembler lays them before the chunks that will be relocated (``defer``),
+   so they attend to exact KV only, and the connector stores them under the tenant's
+   salt too (its known-exact blocks): the index records them after the request.
    ``precompute="standalone"`` (one request per chunk, each right after the head, as
    CacheBlend and EPIC precompute chunks) is not the default: a chunk that attended
    to other retrieved text carries KV closer to its next use than one that saw only
@@ -93,7 +95,7 @@ whole-block layout does not fit the context, where the exact layout (``auto``) d
 goes out in that layout (``StepFallback.TOO_LONG``); only its chunks that are whole
 blocks there are indexed.
 
-Kept as one module (~680 lines): one request's gate, precompute, plan, guard and
+Kept as one module (~700 lines): one request's gate, precompute, plan, guard and
 what it learns run under the runner's lock on the runner's state (its index, its
 learnt rates per setting); the pure parts live in
 :mod:`~promptsplice.engine_adapters.runners._chunk_plans`.
@@ -445,12 +447,7 @@ class RagRunner:
             # sent after the handler, never inside it: code below (the embedded engine's
             # connector, a caller's hook) would see an exception in flight
             return self._run_exact(chunks, query, system, tools, gen)
-        toks = prompt.token_ids
-        hit = min(round_down(prompt.predicted_cached_tokens, bs), cacheable_blocks(len(toks), bs) * bs)
-        chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
-        head_end = chunk_segs[0].start if chunk_segs else 0
         outs: list[Completion] = []
-
         # Which chunks behind the hit are stored; precompute the others (exactly) or
         # compute them where they stand, whichever the gate predicts cheaper.  The
         # exact alternative under the tenant's salt: the exact runner's layout ("auto":
@@ -459,25 +456,43 @@ class RagRunner:
         # (chunks of at most r blocks move only where they continue a stored run: never precomputed)
         # (it fits: whole-block chunks, as in ``prompt``, or fewer padded blocks)
         exact = asm.preview(chunks, salt=self.salt, alignment=self.exact_alignment, **what) if gate else None
-        # the store's blocks of this very prompt under the reuse salt (an earlier request
-        # of these tokens at these settings saved them: re-asks) load as offload hits
-        # behind vLLM's hit; the chunks they cover are not relocated.  Then the tenant's
-        # chain of the prompt (its exact lead, below) and of the exact alternative.
-        also = [self._exact_chain(toks, salt), self._exact_chain(toks)]
-        if exact is not None:
-            also.append(self._exact_chain(exact.token_ids))
-        cands = [s for s in chunk_segs if s.end > hit]
-        looks, stored = self.index.lookup_many([toks[s.start : s.end] for s in cands], salt=self.salt, also=also)
-        reuse_hit, stored = stored[0] * bs, stored[1:]
-        hit = max(hit, reuse_hit)
-        # the tenant's store holds this prompt's leading blocks (an exact request of the
-        # same chunks in the same order saved them): the plan loads its chunks up to the
-        # last chunk boundary there exactly, as it loads the head, instead of relocating
-        # them (until 2026-12-07 only the head: a request whose first chunks an exact one
-        # had sent recomputed r blocks of each and risked the guard on exact KV)
-        lead = max([head_end] + [s.end for s in chunk_segs if s.end <= stored[0] * bs])
-        found = {s.start: look for s, look in zip(cands, looks)}
-        todo = [s for s in cands if s.end > max(hit, lead)]
+        defer: tuple[str, ...] = ()
+        while True:
+            toks = prompt.token_ids
+            hit = min(round_down(prompt.predicted_cached_tokens, bs), cacheable_blocks(len(toks), bs) * bs)
+            chunk_segs = [s for s in prompt.segments if s.kind is SegmentKind.CHUNK]
+            head_end = chunk_segs[0].start if chunk_segs else 0
+            # the store's blocks of this very prompt under the reuse salt (an earlier request
+            # of these tokens at these settings saved them: re-asks) load as offload hits
+            # behind vLLM's hit; the chunks they cover are not relocated.  Then the tenant's
+            # chain of the prompt (its exact lead, below) and of the exact alternative.
+            also = [self._exact_chain(toks, salt), self._exact_chain(toks)]
+            if exact is not None:
+                also.append(self._exact_chain(exact.token_ids))
+            cands = [s for s in chunk_segs if s.end > hit]
+            looks, stored = self.index.lookup_many([toks[s.start : s.end] for s in cands], salt=self.salt, also=also)
+            reuse_hit, stored = stored[0] * bs, stored[1:]
+            hit = max(hit, reuse_hit)
+            # the tenant's store holds this prompt's leading blocks (an exact request of the
+            # same chunks in the same order saved them): the plan loads its chunks up to the
+            # last chunk boundary there exactly, as it loads the head, instead of relocating
+            # them (until 2026-12-07 only the head: a request whose first chunks an exact one
+            # had sent recomputed r blocks of each and risked the guard on exact KV)
+            lead = max([head_end] + [s.end for s in chunk_segs if s.end <= stored[0] * bs])
+            found = {s.start: look for s, look in zip(cands, looks)}
+            todo = [s for s in cands if s.end > max(hit, lead)]
+            # The chunks it will compute go before those it relocates (the assembler's
+            # ``defer``): computed right behind exact KV they are exact, stored under the
+            # tenant's salt by the connector and indexed below, so the next request that
+            # holds one relocates it (until 2026-12-07 a new chunk behind a relocated one
+            # attended to approximate KV, and was computed again whenever it came back).
+            # One more survey of the reordered prompt (one more store query), at most.
+            stored_first = [s for s in todo if found[s.start].status is ChunkStatus.HIT]
+            if defer or not gate or not stored_first or len(stored_first) == len(todo) or all(
+                    found[s.start].status is ChunkStatus.HIT for s in todo[len(todo) - len(stored_first):]):
+                break
+            defer = tuple(i for s in stored_first for i in s.chunk_ids)
+            prompt = asm.preview(chunks, salt=salt, defer=defer, **what)  # (the same blocks: it fits)
         missing = [s for s in todo if found[s.start].status is not ChunkStatus.HIT and (s.end - s.start) // bs > r]
         groups = [[s] for s in missing] if self.precompute == "standalone" else [missing] if missing else []
         if exact is not None:
@@ -518,7 +533,7 @@ class RagRunner:
             if why is None and not choice.precompute:
                 missing, groups = [], []
             if why is None:
-                prompt = asm.assemble(chunks, salt=salt, **what)  # what the preview showed ...
+                prompt = asm.assemble(chunks, salt=salt, defer=defer, **what)  # what the preview showed ...
                 if prompt.token_ids != toks:
                     # ... unless another runner on the engine's mirror changed the order
                     # in between: the plan was made for other tokens, never splice it
@@ -582,6 +597,15 @@ class RagRunner:
                 recomputed = 0
         run = eng.generate_phases(toks, phases, cache_salt=salt, adapt=adapt, **gen)
         outs.extend(run.completions)
+        if fallback is None:
+            # the chunks it computed before its first relocated block attended to exact KV
+            # only: the connector saved them under the tenant's salt too (its known-exact
+            # blocks), so they are indexed like a plain request's; the store check of
+            # every lookup drops any it did not save (until 2026-12-07 none was indexed:
+            # a chunk first computed in a PIC request was computed again when it came back)
+            moved = min((g.dst_start for ph in run.phases if ph.plan for g in ph.plan.segments if g.delta),
+                        default=len(toks))
+            self._index_chunks(toks, [s for s in todo if s.end <= moved and found[s.start].status is not ChunkStatus.HIT])
         step = self._step(
             prompt, outs, outs[-1], t0, run.t_last, salt, run.relocated_tokens, precomputed,
             0 if fallback is not None else len(placed), fallback,

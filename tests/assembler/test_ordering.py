@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from promptsplice.assembler import Assembler, PopularityTracker
 from promptsplice.assembler._ordering import OrderSource, pick_best
 from promptsplice.blocks import content_digest
+from promptsplice.errors import ConfigError
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
          "sigma tau upsilon phi chi psi omega river mountain city harbor bridge castle forest").split()
@@ -238,3 +239,33 @@ def test_popularity_tracker_bounds_are_checked_when_built(field, bad):
 
     with pytest.raises(ConfigError, match=f"PopularityTracker {field} must be an int >= 1"):
         PopularityTracker(**{field: bad})
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "retrieval"])
+def test_deferred_chunks_go_behind_the_others_past_the_cached_prefix(default_tok, policy):
+    """``defer``: the chunks a position-independent runner will relocate go behind those
+    it computes (each part in its order); chunks inside the cached prefix stay put, a
+    preview shows what the send lays, and the sent order is the one a repeat keeps."""
+    asm = Assembler(default_tok, block_size=16, policy=policy, alignment="all", capacity_blocks=None)
+    kw = {"query": "q?", "system": "You answer from the passages."}
+    asm.assemble([POOL[0], POOL[1]], **kw)  # c0, c1 cached behind the system prompt
+    chunks = [POOL[i] for i in (0, 1, 2, 3, 4, 5)]
+
+    def ids(prompt):
+        return [s.chunk_ids[0] for s in prompt.segments if s.chunk_ids]
+
+    plain = asm.preview(chunks, **kw)
+    assert ids(plain)[:2] == ["c0", "c1"] and plain.predicted_cached_tokens >= plain.segments[2].end
+    moved = asm.preview(chunks, defer=["c0", "c2", "c4"], **kw)
+    rest = ids(plain)[2:]
+    assert ids(moved) == ["c0", "c1"] + [i for i in rest if i not in ("c2", "c4")] + [i for i in rest if i in ("c2", "c4")]
+    assert moved.predicted_cached_tokens == plain.predicted_cached_tokens
+    assert sorted(moved.token_ids) == sorted(plain.token_ids) and len(moved.block_hashes) == len(plain.block_hashes)
+    assert asm.preview(chunks, defer=[ids(plain)[-1], "c1"], **kw).token_ids == plain.token_ids  # nothing moves
+    sent = asm.assemble(chunks, defer=["c2", "c4"], **kw)
+    assert sent.token_ids == moved.token_ids
+    if policy == "cache_aware":  # the sent order is remembered: a repeat keeps it
+        assert ids(asm.preview(chunks, **kw)) == ids(sent)
+    for bad in ("c2", [2], None):
+        with pytest.raises(ConfigError, match="defer"):
+            asm.preview(chunks, defer=bad, **kw)

@@ -370,3 +370,92 @@ def test_a_probe_block_split_by_a_chunked_prefill_boundary_is_measured(store):
     second = sched.build_connector_meta([("r", 80, len(new) - 80)], ids)
     assert first.probes == [] and [p.starts for p in second.probes] == [(2 * BS,)]
     assert [s.block_ids for s in second.saves] == [(2, 3, 4, 5, 6, 7)]
+
+
+REUSE = f"{SALT}\x1fpic:bounded:abc"  # a reuse salt: its chains may hold approximate KV
+
+
+def _saved(meta, salt):
+    return [(r.key, b) for s in meta.saves if s.salt == salt for r, b in zip(s.refs, s.block_ids)]
+
+
+@pytest.mark.reliability
+def test_a_scoped_request_saves_what_it_computes_exactly_under_the_tenants_salt_too(store):
+    """A position-independent request (scoped to a reuse salt, its head loaded in place
+    from the tenant's exact blocks) computes a new chunk before its first relocated
+    run: that chunk is exact, so it is saved under the tenant's chain as well, where a
+    chunk index finds it later (before, only under the reuse salt: 21,024 chunk tokens
+    on wiki-diverse were computed again).  What follows a relocated run is not."""
+    HEAD, NEW, X = toks(2 * BS, 100), toks(2 * BS, 5000), toks(2 * BS, 9000)
+    old = HEAD + X + [1]
+    fill_store(store, old)  # the tenant's exact head and X (computed after it)
+    tenant = chain_hashes(old, BS, salt=SALT)
+    head = SpliceSegment(0, 2, 0, root_hash(SALT))
+    sched = SpliceScheduler(store, BS)
+    first = HEAD + NEW + [7]  # phase 1: the head loaded, the new chunk computed
+    meta = _one_request(sched, "p1", first, 0, salt=REUSE, params=SplicePlan(BS, (head,), SALT, True).to_params())
+    assert meta.loads[0].approx == (False, False)
+    reuse, new_tenant = chain_hashes(first, BS, salt=REUSE), chain_hashes(first, BS, salt=SALT)
+    assert _saved(meta, REUSE) == [(reuse[j], 100 + j) for j in range(4)]
+    # the head's tenant blocks exist: only the new chunk's are saved there
+    assert _saved(meta, SALT) == [(new_tenant[2], 102), (new_tenant[3], 103)]
+    assert sched.exact_saved_blocks == 2
+    # a later request whose local hit is those (known exact) blocks extends them exactly
+    more = first[: 4 * BS] + toks(2 * BS + 1, 40000)
+    meta = _one_request(sched, "more", more, 4 * BS, salt=REUSE, params=SplicePlan(BS, (), SALT, True).to_params())
+    assert _saved(meta, SALT) == [(k, 100 + j) for j, k in enumerate(chain_hashes(more, BS, salt=SALT)) if j >= 4]
+    # phase 2: its local hit is phase 1's (clean) blocks; X relocated behind them
+    second = HEAD + NEW + X + toks(BS + 3, 20000)
+    moved = SplicePlan(BS, (SpliceSegment(4 * BS, 2, 2 * BS, tenant[1]),), SALT, True)
+    meta = _one_request(sched, "p2", second, 4 * BS, salt=REUSE, params=moved.to_params())
+    assert meta.loads[0].approx == (True, True)
+    assert _saved(meta, SALT) == []  # X and what follows it attended to relocated KV
+    assert [k in sched._clean for k in chain_hashes(second, BS, salt=REUSE)] == [True] * 4 + [False] * 3
+    # a later request over the relocated run computes nothing exact either
+    third = second[: 7 * BS] + toks(BS + 1, 30000)
+    assert _saved(_one_request(sched, "p3", third, 7 * BS, salt=REUSE,
+                               params=SplicePlan(BS, (), SALT, True).to_params()), SALT) == []
+
+
+@pytest.mark.reliability
+def test_a_block_computed_after_approximate_kv_is_no_longer_known_exact(store):
+    """The same reuse-salt key can hold exact or approximate KV, depending on which
+    request computed it last (vLLM evicted the other): a request that computes it after
+    relocated KV takes it out of the known-exact set, and a later hit over it saves
+    nothing under the tenant's salt; a scheduler that never saw a hit's blocks (a new
+    engine, a dropped key) knows nothing exact either."""
+    HEAD, A = toks(2 * BS, 100), toks(2 * BS, 5000)
+    elsewhere = toks(BS, 777) + HEAD + [1]  # the head's tokens, computed one block later
+    fill_store(store, HEAD + [1])
+    fill_store(store, elsewhere)
+    head = SpliceSegment(0, 2, 0, root_hash(SALT))
+    plan = SplicePlan(BS, (head,), SALT, True).to_params()
+    sched = SpliceScheduler(store, BS)
+    prompt = HEAD + A + [7]
+    _one_request(sched, "exact", prompt, 0, salt=REUSE, params=plan)
+    keys = chain_hashes(prompt, BS, salt=REUSE)
+    assert [k in sched._clean for k in keys] == [True] * 4
+    # vLLM evicted those blocks; the same tokens come again, the head relocated from
+    # where it stood one block later: every block of the prompt is approximate now
+    moved = SpliceSegment(0, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0])
+    meta = _one_request(sched, "approx", prompt, 0, salt=REUSE, params=SplicePlan(BS, (moved,), SALT, True).to_params())
+    assert meta.loads[0].approx == (True, True) and _saved(meta, SALT) == []
+    assert [k in sched._clean for k in keys] == [False] * 4
+    later = prompt[: 4 * BS] + toks(2 * BS + 1, 30000)
+    meta = _one_request(sched, "later", later, 4 * BS, salt=REUSE, params=plan)
+    assert _saved(meta, SALT) == [] and len(_saved(meta, REUSE)) == 2
+    fresh = SpliceScheduler(store, BS)
+    meta = _one_request(fresh, "new-engine", later, 4 * BS, salt=REUSE, params=plan)
+    assert _saved(meta, SALT) == []
+
+
+def test_requests_under_a_reuse_salt_without_a_scope_save_nothing_under_the_tenants(store):
+    """A plain request under the reuse salt (a plan that did not fit) is tracked, and
+    its exact blocks are known exact, but only a scoped plan names the tenant's salt."""
+    sched = SpliceScheduler(store, BS)
+    prompt = toks(4 * BS + 1, 100)
+    meta = _one_request(sched, "plain", prompt, 0, salt=REUSE)
+    assert _saved(meta, SALT) == [] and len(_saved(meta, REUSE)) == 4
+    assert all(k in sched._clean for k in chain_hashes(prompt, BS, salt=REUSE))
+    assert _one_request(sched, "tenant", prompt, 0).saves  # the tenant's own: untracked
+    assert len(sched._clean) == 4

@@ -765,16 +765,26 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     assert again.fallback is StepFallback.NO_GAIN and again.prefill_tokens <= 32
     assert again.recomputed_tokens == 0  # every stored chunk came from the cache: none computed
     assert all(0 <= st.recomputed_tokens <= st.prefill_tokens for st in (step, first, second, again))
-    # stored chunks around a new one: the new chunk is computed where it stands (a
+    # stored chunks around a new one: the new chunk is computed, not precomputed (a
     # precompute would compute it once more for its recomputed block, and the guard
-    # trips far more often at precomputed chunks: 7 of 7 on wiki, 2026-12-07); it
-    # then attended to relocated KV, so it is not indexed
+    # trips far more often at precomputed chunks: 7 of 7 on wiki, 2026-12-07), laid
+    # before the stored ones (``defer``): it attends to exact KV only, so the connector
+    # stores it under the tenant's salt too and the index finds it where it stood
     third = runner.run(long_docs("nile", "amazon", "paris", "everest"), query="q3", system=SYSTEM, max_tokens=1)
     assert third.fallback is None and third.precomputed_tokens == 0 and third.relocated_chunks == 3
     segs3 = chunk_segments(third)
+    assert sorted(segs3, key=lambda i: segs3[i].start) == ["amazon", "nile", "paris", "everest"]
     new = segs3["amazon"]
-    assert runner.index.lookup(third.prompt.token_ids[new.start : new.end], salt=runner.salt).status is ChunkStatus.MISS
+    look = runner.index.lookup(third.prompt.token_ids[new.start : new.end], salt=runner.salt)
+    assert look.status is ChunkStatus.HIT and (look.source.start, look.source.salt) == (new.start, runner.salt)
     assert third.prefill_tokens >= new.end - new.start
+    # the next request that holds it relocates it from there: no precompute, nothing of it computed
+    fourth = runner.run(long_docs("paris", "amazon"), query="q4", system=SYSTEM, max_tokens=1)
+    # (the head and paris load exactly from the first request's blocks; amazon moves, its
+    # first block recomputed)
+    assert fourth.fallback is None and (fourth.precomputed_tokens, fourth.relocated_chunks) == (0, 1)
+    assert fourth.relocated_tokens == new.end - new.start - 32
+    assert fourth.prefill_tokens == 32 + query_tail(fourth)
     with pytest.raises(ConfigError, match="relocate must be"):
         RagRunner(kv_engine, mode="position_independent", relocate="sometimes")
     with pytest.raises(ConfigError, match="exact_alignment must be"):
