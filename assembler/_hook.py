@@ -52,7 +52,7 @@ from promptsplice.assembler._ordering import AlignPolicy
 from promptsplice.assembler._policies import MessageEdit, PolicyResult
 from promptsplice.assembler._render import ChatRenderer, ChatTemplate, MessageSegment, Render
 from promptsplice._validate import check_block_size, check_int, check_messages, check_tenant_salt, check_text, check_tools
-from promptsplice.errors import ConfigError, InputError
+from promptsplice.errors import ConfigError, InputError, InvalidTextError
 
 __all__ = ["StepKind", "FallbackReason", "PreparedContext", "ContextHook"]
 
@@ -214,6 +214,10 @@ class ContextHook:
     ) -> PreparedContext:
         """Prepare one step of ``session_id`` (see the module docstring)."""
         check_text(session_id, "session_id")
+        if not session_id:
+            # (an empty id is what a harness sends when it has none: every conversation
+            # would share one session, each one's render diffed against another's)
+            raise InvalidTextError("session_id must be a non-empty str: pass each conversation's own id")
         salt = self.salt if check_tenant_salt(salt, "salt") is None else salt
         check_messages(messages, allow_empty=False)
         tools = check_tools(tools)

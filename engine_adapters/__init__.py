@@ -78,7 +78,9 @@ from promptsplice.engine_adapters.store import (
     shared_store,
 )
 
-# Framework integrations import their framework (LangChain ...) on first use only.
+# Framework integrations import their framework (LangChain ...) on first use only, and
+# are not in ``__all__``: a star import would load every framework, and fail without
+# the optional ones (``promptsplice.engine_adapters.integrations`` lists them).
 _INTEGRATIONS = frozenset(
     {
         "PromptspliceRetriever",
@@ -128,12 +130,6 @@ __all__ = [
     "PrefixRouter",
     "PhasedRun",
     "PromptLike",
-    "PromptspliceChatModel",
-    "PromptspliceCompressor",
-    "PromptspliceInputFilter",
-    "PromptspliceMiddleware",
-    "PromptsplicePreModelHook",
-    "PromptspliceRetriever",
     "PutStatus",
     "RagRunner",
     "RagStep",

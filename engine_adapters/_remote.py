@@ -625,7 +625,20 @@ class RemoteEngine(ServedEngineSurface):
         try:
             yield used
         except RuntimeError as exc:  # httpx: "Cannot send a request, as the client has been closed"
-            if isinstance(exc, PromptspliceError) or not (self._closed or "has been closed" in str(exc)):
+            if isinstance(exc, PromptspliceError):
+                raise
+            if "Event loop is closed" in str(exc) and not self._closed:
+                # A transport passed in is shared by every loop's client, and its pool kept
+                # a connection opened on a loop that has ended (an earlier asyncio.run):
+                # nothing was sent on it, the pool drops it, a retry takes a new one.
+                # (Until 2026-12-07 the raw RuntimeError reached the caller.)
+                error = EngineUnavailableError(
+                    f"a pooled connection to {url} belongs to an event loop that has closed (the "
+                    "transport passed to RemoteEngine serves every loop); pass a transport per "
+                    "event loop, or none")
+                error.__cause__ = exc
+                raise _Retry(error) from exc
+            if not (self._closed or "has been closed" in str(exc)):
                 raise
             raise self._closed_under(url, "started") from exc
         except httpx.HTTPError as exc:

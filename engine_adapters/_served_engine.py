@@ -131,6 +131,8 @@ TOKENIZER_PROBE_TEXT = "Hello, world! Prompt assembly: 12345 tokens, ünïcode �
 """The text a served engine's tokenizer is checked on (words, digits, unicode, spaces)."""
 
 _UNSET = object()
+_PROBE_REFUSED = (400, 404, 415, 422)
+"""HTTP statuses of a server that refuses the splice probe's shape: it has no connector."""
 
 
 class ServedEngineSurface:
@@ -189,7 +191,18 @@ class ServedEngineSurface:
         if self._probe is _UNSET:
             with self._probe_lock:  # a thread that waited here reads the first one's answer
                 if self._probe is _UNSET:
-                    self._probe = self._ack_request({PROBE_KEY: True})  # kept: asked once, also when refused below
+                    try:
+                        probe = self._ack_request({PROBE_KEY: True})
+                    except EngineRequestError as exc:
+                        # a server that refuses the probe itself (a text-only gateway: no
+                        # token-id prompts, no kv_transfer_params) runs no connector; until
+                        # 2026-12-07 its refusal failed block_size even when it was given
+                        if exc.status_code not in _PROBE_REFUSED:
+                            raise
+                        _log.info("%s refused the splice probe (HTTP %s): no splice connector",
+                                  self.base_url, exc.status_code)  # type: ignore[attr-defined]
+                        probe = None
+                    self._probe = probe  # kept: asked once, also when refused below
         ack = self._probe
         if ack is not None and self._given_block_size not in (None, ack.block_size) and ack.block_size:
             raise ConfigError(

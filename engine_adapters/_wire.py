@@ -616,6 +616,14 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
         m = _PROMPT_LEN_RE.search(message)
         prompt_len = (int(next(g for g in m.groups() if g is not None)) if m
                       else (req.prompt_len if req and req.prompt_len else -1))
+        if 0 < prompt_len < limit and asked is not None and prompt_len + asked > limit:
+            # the prompt fits; the output asked for does not fit behind it (until
+            # 2026-12-07 a ContextLengthError: a caller shortened a 10-token prompt for it)
+            return EngineRequestError(
+                f"{url} refused max_tokens={asked}: the prompt's {prompt_len} tokens leave "
+                f"{limit - prompt_len} of the context's {limit}; request at most that ({message})",
+                status_code=400,
+            )
         return ContextLengthError(
             f"{url} refused the prompt as too long: {message}",
             prompt_tokens=prompt_len,

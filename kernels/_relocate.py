@@ -323,11 +323,7 @@ class PreparedRelocation:
                 for t in (self._ids, self._cos, self._sin):
                     t.record_stream(current)  # not reused while this stream may read them
                 self._used_on.add(current)
-        if (
-            src_blocks.numel()
-            and dst_cache.numel()
-            and src_blocks.untyped_storage().data_ptr() == dst_cache.untyped_storage().data_ptr()
-        ):
+        if src_blocks.numel() and dst_cache.numel() and _memory_overlaps(src_blocks, dst_cache):
             src_blocks = src_blocks.clone()  # source and destination blocks could overlap
         layout = self._layout
         if self._packed:
@@ -378,3 +374,12 @@ def kv_deviation(
         return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
 
     return rel(kf, ko), rel(vf, vo)
+
+
+def _memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory behind ``a`` and ``b`` overlaps: the same storage, or two
+    storages over one buffer (numpy slices, ``frombuffer``, DLPack).  Until 2026-12-07
+    only the same storage counted, and V was scattered from a source it overwrote."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    a0, b0 = sa.data_ptr(), sb.data_ptr()
+    return a0 < b0 + sb.nbytes() and b0 < a0 + sa.nbytes()

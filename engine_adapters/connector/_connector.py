@@ -87,7 +87,7 @@ from promptsplice.engine_adapters.connector._settings import connector_settings
 from promptsplice.engine_adapters.connector._worker import SpliceWorker
 from promptsplice.engine_adapters.store._store import BlockStore, shared_store
 from promptsplice._validate import check_salt
-from promptsplice.errors import ConfigError
+from promptsplice.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
     import torch
@@ -327,8 +327,13 @@ class SpliceConnector(KVConnectorBase_V1):
         return SplicePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        """vLLM is shutting down: the store's DRAM blocks go down to its disk (and shared)
+        tier, so the next engine on the folder serves them."""
         if not self.store.closed:
-            self.store.drain()
+            try:
+                self.store.flush()
+            except InputError:  # closed meanwhile (the store is shared): nothing left to write
+                pass
 
     def _work(self) -> SpliceMetadata:
         meta = self._get_connector_metadata()

@@ -26,11 +26,13 @@ segment (delta ``d``).
 What vLLM's cache holds, as far as the connector can tell: under a tenant's (exact)
 salt the keys a relocation *tainted*; under a salt that may hold approximate KV (a
 scope, a reuse salt) the keys known *clean*, computed or loaded exact with nothing
-approximate before them.  A scoped request's clean blocks are saved under the tenant's
+approximate before them, and never *dirty* (filed anything else, from the moment
+vLLM schedules it: vLLM caches a block as it allocates it, and a hit takes the first
+of several blocks under one key).  A scoped request's clean blocks are saved under the tenant's
 salt too (:attr:`SpliceScheduler.exact_saved_blocks`), where the tenant's requests and
 a chunk index find them.
 
-Kept as one module (~610 lines): the loads, saves, taints and clean keys of one request
+Kept as one module (~700 lines): the loads, saves, taints and clean and dirty keys of one request
 are decided together, from one state per request, in vLLM's call order.
 """
 
@@ -260,14 +262,22 @@ class _ReqState:
     """The plan's probe blocks, hashed once (not on every step the request runs)."""
     probe_order: list[int] = field(default_factory=list)
     """``probe_refs``' block indexes, sorted once."""
+    hit_exact: int | None = None
+    """Requests under a salt that may hold approximate KV: the leading blocks of its
+    local hit known exact (``None``: all of them)."""
     exact_blocks: int | None = None
-    """Requests under a salt that may hold approximate KV: how many leading blocks are
-    known exact (``None``: all it loads and computes, as far as known so far)."""
+    """... and of all it holds, the hit, its loads and what it computes (``None``: all)."""
     exact_target: str | bytes | None | object = _SAME
     """Scoped requests whose plan takes blocks from an exact-only salt (a tenant's): that
     salt, under which its exact blocks are saved too (``_SAME``: none)."""
     target_chain: list[BlockRef] | None = None
     """The prompt's chain under ``exact_target``, hashed once."""
+
+
+def _first_inexact(refs: Sequence[BlockRef], approx: Sequence[bool], salts: Sequence[Any]) -> int:
+    """The first loaded block that is approximate, or comes from a salt that may hold
+    approximate KV (``len(refs)``: none)."""
+    return next((i for i in range(len(refs)) if approx[i] or not holds_exact_kv_only(salts[i])), len(refs))
 
 
 _MIN_TAINTED = 1 << 16
@@ -313,14 +323,20 @@ class SpliceScheduler:
         # vLLM evicted and computed again exactly only costs that request its saves.
         self._tainted: OrderedDict[bytes, None] = OrderedDict()
         # The converse, for salts that may hold approximate KV (a scope, a reuse salt):
-        # chain keys whose KV in vLLM's cache was computed (or loaded) exact, with nothing
-        # approximate before it.  A scoped request whose local hit is all clean, and that
-        # loads nothing approximate, computes exact blocks: saved under the tenant's salt
-        # too (``exact_target``), where every later request of the tenant, and a chunk
-        # index, finds them.  A block computed after anything else leaves the set (vLLM
-        # may have evicted the clean one); bounded like the taints, and a dropped key only
-        # costs a later request its tenant saves.
+        # ``_clean`` holds chain keys a request filed exact KV under (computed or loaded
+        # exact, nothing approximate before it), ``_dirty`` those a request filed (or
+        # will file) anything else under, from the moment vLLM schedules it (vLLM caches
+        # a block when it allocates it, and keeps several blocks under one key, a hit
+        # taking the first).  A key is known exact while it is clean and not dirty: a
+        # dirty key stays so until the bound drops it (twice the cache, as the taints;
+        # a hit keeps it young).  A scoped request whose local hit is known exact and
+        # that loads nothing approximate computes exact blocks: those it holds are saved
+        # under the tenant's salt too (``exact_target``), where the tenant's requests,
+        # and a chunk index, find them.
         self._clean: OrderedDict[bytes, None] = OrderedDict()
+        self._dirty: OrderedDict[bytes, None] = OrderedDict()
+        self.dirty_dropped = 0
+        """Dirty keys dropped at the bound (a warning is logged at the first)."""
         self.exact_saved_blocks = 0
         """Blocks of scoped requests also saved under the tenant's salt (known exact)."""
 
@@ -390,8 +406,9 @@ class SpliceScheduler:
                 st.no_save = True  # its local hit holds approximate KV: so is all it computes
                 for key in tainted:  # still in vLLM's cache: the last to leave the bound
                     self._tainted.move_to_end(key)
-        if not holds_exact_kv_only(salt):
-            self._track_hit(st, prompt_tokens, hit_blocks, last, exact_hit=hit_salt is _SAME)
+        tracked = not holds_exact_kv_only(salt)
+        if tracked:
+            self._track_hit(st, prompt_tokens, hit_blocks, hit_salt, hit_limit)
         lp = plan_load(
             self.store,
             prompt_tokens,
@@ -404,40 +421,93 @@ class SpliceScheduler:
             chain=st.chain,
         )
         st.pending = lp if lp.num_blocks else None
+        if tracked:
+            # what it would hold were the offer taken: dirty from there on now (a
+            # request vLLM schedules after it in this step may hit its blocks)
+            st.exact_blocks = st.hit_exact
+            if st.exact_blocks is None and lp.num_blocks:
+                k = _first_inexact(lp.refs, lp.approx, lp.salts or (salt,) * lp.num_blocks)
+                if k < lp.num_blocks:
+                    st.exact_blocks = hit_blocks + k
+            self._file_dirty(st)
         return lp.num_tokens
 
-    def _track_hit(self, st: _ReqState, tokens: Sequence[int], hit_blocks: int, last: int, *, exact_hit: bool) -> None:
+    def _track_hit(self, st: _ReqState, tokens: Sequence[int], hit_blocks: int, hit_salt: Any, hit_limit: int | None) -> None:
         """A request under a salt that may hold approximate KV: how much of its local hit
-        is known exact (:attr:`_ReqState.exact_blocks`), and where its exact blocks are
+        is known exact (:attr:`_ReqState.hit_exact`), and where its exact blocks are
         saved too (:attr:`_ReqState.exact_target`)."""
         bs = self.block_size
-        if st.chain is None or len(st.chain) < hit_blocks:
-            st.chain = chain_refs(tokens[: max(last, hit_blocks) * bs], bs, salt=st.salt)
-        clean = 0
-        if exact_hit:  # (a multimodal request's hit is hashed under another salt: unknown)
-            while clean < hit_blocks and st.chain[clean].key in self._clean:
-                self._clean.move_to_end(st.chain[clean].key)
-                clean += 1
-        st.exact_blocks = None if clean == hit_blocks else clean
+        full = max(len(tokens) // bs, hit_blocks)
+        if st.chain is None or len(st.chain) < full:
+            st.chain = chain_refs(tokens[: full * bs], bs, salt=st.salt)
+        if hit_salt is _SAME:
+            clean = self._known_exact(st.chain, hit_blocks)
+        else:
+            # a multimodal request: its hit was hashed under another salt, up to its first
+            # input as plain blocks, which it also files there; unknown under its own
+            clean = 0
+            if not holds_exact_kv_only(hit_salt):
+                limit = (hit_limit or 0) // bs
+                plain = chain_refs(tokens[: limit * bs], bs, salt=hit_salt) if limit else []
+                ok = self._known_exact(plain, min(hit_blocks, limit))
+                if ok < min(hit_blocks, limit):
+                    self._mark_dirty(plain[ok:])
+        st.hit_exact = None if clean == hit_blocks else clean
         plan = st.plan
         if plan is not None and plan.scope and plan.src_salt is not SAME_SALT and holds_exact_kv_only(plan.src_salt):
             st.exact_target = plan.src_salt
+
+    def _known_exact(self, chain: Sequence[BlockRef], n: int) -> int:
+        """How many of the first ``n`` keys of ``chain`` are known exact (clean, never
+        dirty); the keys walked stay young in their sets."""
+        for j in range(n):
+            key = chain[j].key
+            if key in self._dirty:
+                self._dirty.move_to_end(key)  # still in vLLM's cache: the last to leave the bound
+                return j
+            if key not in self._clean:
+                return j
+            self._clean.move_to_end(key)
+        return n
+
+    def _file_dirty(self, st: _ReqState) -> None:
+        """Mark dirty every full prompt block the request holds from its first block
+        not known exact on: vLLM caches them as it schedules them."""
+        if st.exact_blocks is None:
+            return
+        assert st.chain is not None
+        self._mark_dirty(st.chain[st.exact_blocks : len(st.tokens) // self.block_size])
+
+    def _mark_dirty(self, refs: Iterable[BlockRef]) -> None:
+        for ref in refs:
+            self._dirty[ref.key] = None
+            self._dirty.move_to_end(ref.key)
+            self._clean.pop(ref.key, None)
+        over = len(self._dirty) - self.max_tainted
+        if over <= 0:
+            return
+        for _ in range(over):
+            self._dirty.popitem(last=False)
+        if not self.dirty_dropped:
+            _log.warning(
+                "splice connector: dropped the oldest of %d dirty keys (more approximate blocks than twice "
+                "the KV cache); a key vLLM still holds approximate KV under may count as exact again",
+                self.max_tainted)
+        self.dirty_dropped += over
 
     def _track_computed(
         self, st: _ReqState, req_id: str, first: int, stop: int, block_ids: Callable[[str], Sequence[int]]
     ) -> SaveItem | None:
         """Blocks ``[first, stop)`` of a request under a salt that may hold approximate KV
-        reach vLLM's cache this step: the known-exact ones join :attr:`_clean` (and are
-        saved under :attr:`_ReqState.exact_target`, when it has one), the others leave it."""
+        are complete this step: the known-exact ones join :attr:`_clean`, and those the
+        request holds are saved under :attr:`_ReqState.exact_target` (its own blocks:
+        exact whatever another request filed under the same keys)."""
         limit = stop if st.exact_blocks is None else max(first, min(stop, st.exact_blocks))
         assert st.chain is not None
-        for j in range(first, stop):
+        for j in range(first, limit):
             key = st.chain[j].key
-            if j < limit:
-                self._clean[key] = None
-                self._clean.move_to_end(key)
-            else:
-                self._clean.pop(key, None)
+            self._clean[key] = None
+            self._clean.move_to_end(key)
         over = len(self._clean) - self.max_tainted
         for _ in range(max(over, 0)):
             self._clean.popitem(last=False)
@@ -466,8 +536,11 @@ class SpliceScheduler:
         lp, st.pending = st.pending, None
         bs = self.block_size
         n = num_external_tokens // bs if num_external_tokens > 0 else 0
+        tracked = not holds_exact_kv_only(st.salt)
         if lp is None or n == 0:
             self.store.release(req_id)
+            if tracked:  # it loads nothing: it holds its hit, then computes
+                st.exact_blocks = st.hit_exact
             return None
         if num_external_tokens % bs or n > lp.num_blocks:
             # Not what was offered (vLLM trims only to 0 or to whole blocks): the blocks
@@ -481,14 +554,17 @@ class SpliceScheduler:
         dst = tuple(int(b) for b in block_ids[first : first + n])
         salts = None if lp.salts is None else lp.salts[:n]
         item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start, salts, lp.approx[:n])
-        if st.exact_blocks is None and not holds_exact_kv_only(st.salt):
-            # exact so far: up to the first block loaded approximate, or from a salt that
-            # may hold approximate KV (the scope's own offload hits, conservatively)
-            approx = item.approx or tuple(bool(d) for d in item.deltas)
-            k = next((i for i in range(len(item.refs))
-                      if approx[i] or not holds_exact_kv_only(item.salt_of(i))), len(item.refs))
-            if k < len(item.refs) or len(item.refs) < n:
-                st.exact_blocks = first + k
+        if tracked:
+            # exact up to the first block loaded approximate, or from a salt that may hold
+            # approximate KV (the scope's own offload hits, conservatively), or not loaded
+            # at all (vLLM took fewer blocks than offered: load errors, recomputed)
+            st.exact_blocks = st.hit_exact
+            if st.exact_blocks is None:
+                k = _first_inexact(item.refs, item.approx or tuple(bool(d) for d in item.deltas),
+                                   [item.salt_of(i) for i in range(len(item.refs))])
+                if k < len(item.refs) or len(item.refs) < n:
+                    st.exact_blocks = first + k
+            self._file_dirty(st)
         if st.plan is not None and st.plan.scope:
             st.save_from = first  # approximate or not, the scope keeps what it loaded
         elif item.approximate() or salts is not None:

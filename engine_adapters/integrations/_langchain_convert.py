@@ -153,7 +153,7 @@ def parse_tool_calls(
     with its JSON); a block that does not parse, or has text between its JSON and its
     closing tag, ends at that tag, else at the next block or the text's end.  JSON nested
     too deeply for Python's parser is an invalid call too, never a ``RecursionError``."""
-    decoder = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+    decoder = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
     calls: list[dict[str, Any]] = []
     invalid: list[dict[str, Any]] = []
     parts: list[str] = []
@@ -221,6 +221,17 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (Python's parser keeps the last of
+    two: ``{"arguments": {"path": "a", "path": "b"}}`` ran with ``b`` unseen)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
 def _read_name(decoder: json.JSONDecoder, text: str, at: int) -> str | None:
     """The name at the head of the call at ``at`` whose JSON does not parse, if whole."""
     head = _NAME_RE.match(text, at)
@@ -243,7 +254,7 @@ def _read_call(obj: Any) -> tuple[str | None, Any, str | None]:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args, parse_constant=_no_constant, parse_float=_finite_float) if args.strip() else {}
+            args = json.loads(args, parse_constant=_no_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys) if args.strip() else {}
         except ValueError as exc:
             return name, None, f"arguments are not valid JSON: {exc}"
         except RecursionError:

@@ -115,7 +115,7 @@ from typing import TYPE_CHECKING, Any
 
 from promptsplice.assembler import AssembledPrompt, SegmentKind
 from promptsplice.engine_adapters._requests import check_sampling
-from promptsplice.engine_adapters.connector._plans import SplicePhase
+from promptsplice.engine_adapters.connector._plans import SplicePhase, in_place_blocks
 from promptsplice.engine_adapters.runners._chunk_plans import (
     ChunkIndex,
     ChunkPlacement,
@@ -603,8 +603,8 @@ class RagRunner:
             # blocks), so they are indexed like a plain request's; the store check of
             # every lookup drops any it did not save (until 2026-12-07 none was indexed:
             # a chunk first computed in a PIC request was computed again when it came back)
-            moved = min((g.dst_start for ph in run.phases if ph.plan for g in ph.plan.segments if g.delta),
-                        default=len(toks))
+            moved = min((g.dst_start for ph in run.phases if ph.plan
+                         for g in ph.plan.segments if not _in_place(ph.plan, g, toks, salt)), default=len(toks))
             self._index_chunks(toks, [s for s in todo if s.end <= moved and found[s.start].status is not ChunkStatus.HIT])
         step = self._step(
             prompt, outs, outs[-1], t0, run.t_last, salt, run.relocated_tokens, precomputed,
@@ -701,3 +701,10 @@ class RagRunner:
             f"RagRunner(mode={self.mode.value!r}, fidelity={self.fidelity.value!r}, "
             f"recompute_blocks={self.recompute_blocks})"
         )
+
+
+def _in_place(plan: Any, segment: Any, toks: Sequence[int], salt: str) -> bool:
+    """Whether every block ``segment`` loads is exact where it lands (an offload hit by
+    another name: :func:`~promptsplice.engine_adapters.connector._plans.in_place_blocks`)."""
+    first = segment.dst_start // plan.block_size
+    return set(range(first, first + segment.num_blocks)) <= in_place_blocks(plan, toks, salt)

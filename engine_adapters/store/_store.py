@@ -387,7 +387,7 @@ class BlockStore:
             if mem is not None:  # in DRAM, or in memory on its way down
                 if mem.meta.matches(salt_b, parent, tok):
                     if held is not None:
-                        self._dram.touch(k)
+                        self._touch(k)
                     self._hits[0] += 1
                     return Lookup(LookupStatus.HIT_DRAM, mem.payload)
                 self._misses[0] += 1
@@ -741,11 +741,12 @@ class BlockStore:
         return None
 
     def _touch(self, k: Key) -> None:
-        """Count a use: the first tier that holds the block moves it to its MRU end."""
-        if not self._dram.touch(k):
-            for tier in self._lower:
-                if tier.touch(k):
-                    return
+        """Count a use: every tier that holds the block moves it to its MRU end (until
+        2026-12-07 only the first: a block hit in DRAM aged on disk, and the hottest
+        block's disk copy, the one a restart serves, was the first to go)."""
+        self._dram.touch(k)
+        for tier in self._lower:
+            tier.touch(k)
 
     def _unpin(self, keys: Iterable[Key]) -> None:
         for k in keys:
@@ -855,13 +856,17 @@ def _ref_list(refs: Any) -> list:
 
 
 def _close_shared_stores() -> None:
-    """At interpreter exit: finish the shared stores' pending write-downs (the writer is
-    a daemon thread, so they would be dropped) and release their folders."""
+    """At interpreter exit: write the shared stores' DRAM blocks down, finish the
+    pending write-downs (the writer is a daemon thread, so they would be dropped) and
+    release their folders.  (Until 2026-12-07 DRAM was dropped: a restart served only
+    the blocks evicted before it, not the most recent ones.)"""
     with _SHARED_LOCK:
         stores = list(_SHARED.values())
         _SHARED.clear()
     for store in stores:
         try:
+            if not store.closed:
+                store.flush()  # DRAM's blocks down to the disk (shared) tier: a restart serves them
             store.close()
         except Exception:  # noqa: BLE001 - exiting anyway; say what was lost
             _log.exception("block store: closing %s at exit failed", store.config.disk_dir)

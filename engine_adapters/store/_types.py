@@ -357,11 +357,15 @@ def own_payload(payload: object, copy: bool) -> tuple[torch.Tensor, str]:
     name = dtype_name(payload.dtype)
     if name is None:
         raise InputError(f"payload dtype {payload.dtype} cannot be stored; use one of {supported_dtypes()}")
+    if payload.numel() == 0:
+        # (no KV block is empty: each one took DRAM for its record and none of the budget,
+        # so 100,000 of them fit a 1 KiB tier, a review found on 2026-12-07)
+        raise InputError(f"payload of shape {tuple(payload.shape)} is empty: a block's KV has at least one element")
+    if payload.is_neg() or payload.is_conj():
+        payload = payload.resolve_neg().resolve_conj()  # (a lazy view: no raw bytes to copy)
     tensor = payload.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    elif tensor.numel() == 0:
-        tensor = tensor.clone() if copy else tensor  # (numpy's empty view has no dtype view)
     elif copy:
         # A plain memcpy in this thread: torch's clone() goes through its intra-op
         # thread pool, which the model's forward pass is using (measured 5-20 ms for

@@ -190,6 +190,9 @@ def test_bad_calls(renderer):
     hook = ContextHook(renderer)
     with pytest.raises(InputError, match="session_id"):
         hook(3, [{"role": "user", "content": "x"}])  # type: ignore[arg-type]
+    # an empty id (a harness that has none) put every conversation in one session
+    with pytest.raises(InputError, match="session_id must be a non-empty str"):
+        hook("", [{"role": "user", "content": "x"}])
     with pytest.raises(InputError, match="empty"):
         hook("s", [])
     assert "s" not in hook  # a refused render leaves no session behind

@@ -718,6 +718,27 @@ def test_a_max_tokens_over_the_whole_context_is_a_request_error_not_a_long_promp
     assert not isinstance(info.value, ContextLengthError) and info.value.status_code == 400
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        # vLLM <= 0.11
+        "'max_tokens' or 'max_completion_tokens' is too large: 2048. This model's maximum context length "
+        "is 2048 tokens and your request has 10 input tokens (2048 > 2048 - 10).",
+        # OpenAI
+        "This model's maximum context length is 2048 tokens. However, you requested 2058 tokens "
+        "(10 in the messages, 2048 in the completion).",
+    ],
+)
+def test_a_max_tokens_that_fits_the_context_but_not_behind_the_prompt_is_a_request_error(message):
+    """A 10-token prompt with max_tokens of the whole context: the prompt fits, the
+    output does not fit behind it.  It was a ContextLengthError (prompt_tokens=10), on
+    which a caller shortens a prompt that was never too long."""
+    eng = _mock(lambda r: httpx.Response(400, json={"error": {"message": message, "code": 400}}))
+    with pytest.raises(EngineRequestError, match=r"refused max_tokens=2048: the prompt's 10 tokens leave 2038") as info:
+        eng.complete(list(range(10)), max_tokens=2048)
+    assert not isinstance(info.value, ContextLengthError) and info.value.status_code == 400
+
+
 def test_a_long_prompt_with_max_tokens_of_exactly_the_context_stays_a_long_prompt(remote):
     """vLLM trims a max_tokens of exactly max_model_len: a prompt-too-long message that
     names no output count, sent with max_tokens=2048 of 2048, is about the prompt (the
@@ -1211,3 +1232,28 @@ def test_a_server_without_v1_models_has_no_context_length_and_phases_still_run()
     assert eng.max_model_len is None
     run = eng.generate_phases(list(range(1, 49)), [SplicePhase(32, None), SplicePhase(48, None)], max_tokens=1)
     assert [c.prompt_tokens for c in run.completions] == [32, 48] and paths.count("/v1/models") == 1
+
+
+def test_a_server_that_refuses_the_splice_probe_has_no_connector_and_a_given_block_size_holds():
+    """A text-only gateway answers the probe (token ids, kv_transfer_params) with a 400:
+    that is a server without the connector, asked once; ``block_size=`` given holds (it
+    raised EngineRequestError on every read, each one another probe).  A server error
+    (500) is still an error."""
+    sent = []
+
+    def gateway(request):
+        body = json.loads(request.content)
+        sent.append(body)
+        if not isinstance(body.get("prompt"), str):
+            return httpx.Response(400, json={"error": {"message": "prompt must be a string"}})
+        return httpx.Response(200, json=_ok_body())
+
+    eng = _mock(gateway, block_size=16, send_token_ids=False)
+    assert (eng.block_size, eng.block_size, eng.can_splice) == (16, 16, False)
+    assert len(sent) == 1 and sent[0]["kv_transfer_params"] == {"splice_probe": True}
+    no_size = _mock(gateway, send_token_ids=False)
+    with pytest.raises(ConfigError, match=r"pass RemoteEngine\(block_size=...\)"):
+        no_size.block_size
+    broken = _mock(lambda r: httpx.Response(500, json={"error": {"message": "boom"}}), block_size=16, max_retries=0)
+    with pytest.raises(EngineRequestError, match="500"):
+        broken.block_size

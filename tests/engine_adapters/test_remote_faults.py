@@ -802,3 +802,46 @@ def test_abort_ends_a_streams_retry_backoff_at_once():
         next(stream)
     assert time.monotonic() - start < 2.0 and len(posts) == 1
     timer.join()
+
+
+def test_a_transport_passed_in_serves_a_second_event_loop():
+    """One ``AsyncHTTPTransport`` serves every loop's client, and its pool kept a
+    keep-alive connection of the first ``asyncio.run``: the second run failed with a raw
+    ``RuntimeError: Event loop is closed``.  Nothing was sent on it: retried on a new
+    connection (with ``max_retries=0``, an :class:`EngineUnavailableError` that says why)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # the connection stays open between requests
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            n = len(json.loads(self.rfile.read(int(self.headers["content-length"])))["prompt"])
+            data = json.dumps({"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                               "usage": {**USAGE, "prompt_tokens": n}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    srv.handle_error = lambda request, address: None  # a client dropping its dead-loop connection
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        eng = RemoteEngine(url, model="m", transport=httpx.AsyncHTTPTransport(), backoff=0)
+        assert [asyncio.run(eng.acomplete([1, 2, 3], max_tokens=1)).text for _ in range(4)] == ["ok"] * 4
+        once = RemoteEngine(url, model="m", transport=httpx.AsyncHTTPTransport(), max_retries=0)
+        outcomes = []
+        for _ in range(2):
+            try:
+                outcomes.append(asyncio.run(once.acomplete([1, 2, 3], max_tokens=1)).text)
+            except EngineUnavailableError as exc:
+                outcomes.append("closed loop" if "event loop that has closed" in str(exc) else str(exc))
+        assert outcomes == ["ok", "closed loop"]
+    finally:
+        srv.shutdown()
+        srv.server_close()

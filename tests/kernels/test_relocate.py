@@ -257,6 +257,23 @@ def test_source_may_alias_the_destination_cache():
         assert_matches_ref(k_new[t], ref_rotate(k_old[s], 10, case.rope()), k_old[s], "alias")
 
 
+def test_a_source_over_the_caches_memory_in_another_storage_is_read_before_it_is_written():
+    """A source made from the same buffer as the cache but as a storage of its own (a
+    numpy slice, ``frombuffer``, DLPack): only the same storage counted as aliasing
+    until 2026-12-07, and V was scattered from blocks it was overwriting (max abs
+    error 5.2 in a review's repro)."""
+    import numpy as np
+
+    rope = RopeConfig(head_size=64, rotary_dim=64)
+    buf = np.random.default_rng(0).standard_normal((6, 2, 16, 128)).astype(np.float32)
+    expected = torch.from_numpy(buf.copy())
+    relocate_blocks(expected, torch.from_numpy(buf[1:4].copy()), [2, 3, 4], 7, rope, ConcatKVLayout())
+    cache, src = torch.from_numpy(buf), torch.from_numpy(buf[1:4])
+    assert src.untyped_storage().data_ptr() != cache.untyped_storage().data_ptr()
+    relocate_blocks(cache, src, [2, 3, 4], 7, rope, ConcatKVLayout())
+    assert torch.equal(cache, expected)
+
+
 def test_packed_layout_reads_an_aliased_source_and_stays_off_triton(monkeypatch):
     case = CASES[0]
     kv = torch.randn(2, 4, case.heads, case.block_size, case.head_size, generator=gen(4))

@@ -459,3 +459,104 @@ def test_requests_under_a_reuse_salt_without_a_scope_save_nothing_under_the_tena
     assert all(k in sched._clean for k in chain_hashes(prompt, BS, salt=REUSE))
     assert _one_request(sched, "tenant", prompt, 0).saves  # the tenant's own: untracked
     assert len(sched._clean) == 4
+
+
+def _head_plan(scope=True):
+    """The RAG runner's head: loaded in place from the tenant's exact chain."""
+    return SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)),), SALT, scope).to_params()
+
+
+_SCOPED = SplicePlan(BS, (), SALT, True).to_params()  # no segment: what a phase past its loads sends
+
+
+@pytest.mark.reliability
+def test_a_key_once_approximate_stays_unknown_when_an_exact_copy_comes_after(store):
+    """vLLM keeps several blocks under one key and a hit takes the first: R2 loads
+    relocated KV under K2, K3 while R1 (chunked prefill) has yet to compute them; R1's
+    exact copies come second.  The key once filed approximate stays dirty, so R3 over
+    them saves nothing under the tenant's salt (a review's repro of the first version:
+    R3's 2 blocks were saved there).  R1's own blocks are exact: saved."""
+    HEAD, A = toks(2 * BS, 100), toks(2 * BS, 5000)
+    elsewhere = toks(BS, 777) + A + [1]
+    fill_store(store, HEAD + A + [1])
+    fill_store(store, elsewhere, seed=2)
+    sched = SpliceScheduler(store, BS)
+    ids1, ids2, ids3 = list(range(100, 120)), list(range(200, 220)), list(range(300, 320))
+    r1 = HEAD + A + toks(2 * BS + 1, 20000)
+    n = sched.get_num_new_matched_tokens("R1", r1, REUSE, 0, _head_plan())
+    sched.update_state_after_alloc("R1", ids1, n)
+    sched.build_connector_meta([("R1", n, 16)], lambda r: ids1)  # half of block 2
+    r2 = HEAD + A + toks(BS + 3, 30000)
+    moved = SplicePlan(BS, (SpliceSegment(2 * BS, 2, BS, chain_hashes(elsewhere, BS, salt=SALT)[0]),), SALT, True)
+    n2 = sched.get_num_new_matched_tokens("R2", r2, REUSE, 2 * BS, moved.to_params())
+    assert sched.update_state_after_alloc("R2", ids2, n2).approx == (True, True)
+    sched.build_connector_meta([("R2", 2 * BS + n2, len(r2) - 2 * BS - n2)], lambda r: ids2)
+    meta = sched.build_connector_meta([("R1", n + 16, len(r1) - n - 16)], lambda r: ids1)
+    tenant1 = chain_hashes(r1, BS, salt=SALT)
+    # R1's own blocks are exact: saved (blocks 2, 3, A after the head, were stored already)
+    assert _saved(meta, SALT) == [(tenant1[j], 100 + j) for j in (4, 5)]
+    keys = chain_hashes(r1, BS, salt=REUSE)
+    # (R1's last two are exact too, and only R1 filed them: a hit reaches them through K2, K3)
+    assert [k in sched._clean and k not in sched._dirty for k in keys] == [True, True, False, False, True, True]
+    r3 = HEAD + A + toks(2 * BS, 40000) + [9]
+    n3 = sched.get_num_new_matched_tokens("R3", r3, REUSE, 4 * BS, _SCOPED)
+    sched.update_state_after_alloc("R3", ids3, n3)
+    meta = sched.build_connector_meta([("R3", 4 * BS + n3, len(r3) - 4 * BS - n3)], lambda r: ids3)
+    assert _saved(meta, SALT) == [] and len(_saved(meta, REUSE)) == 2
+
+
+@pytest.mark.reliability
+def test_a_request_scheduled_in_the_same_step_never_trusts_blocks_filed_before_the_step_is_built(store):
+    """vLLM caches a request's blocks when it schedules it: RB, scheduled after RA in one
+    step, hits RA's relocated head before any metadata is built.  RA's blocks are dirty
+    from its scheduling on (the first version marked them at the step's build: RB's 2
+    blocks were saved under the tenant's salt)."""
+    HEAD = toks(2 * BS, 100)
+    elsewhere = toks(BS, 777) + HEAD + [1]
+    fill_store(store, HEAD + [1])
+    fill_store(store, elsewhere, seed=2)
+    sched = SpliceScheduler(store, BS)
+    prompt = HEAD + toks(2 * BS, 5000) + [7]
+    _one_request(sched, "R1", prompt, 0, salt=REUSE, params=_head_plan())
+    assert all(k in sched._clean for k in chain_hashes(prompt, BS, salt=REUSE))
+    ida, idb = list(range(200, 220)), list(range(300, 320))
+    ra = HEAD + toks(BS + 5, 60000)
+    mv = SplicePlan(BS, (SpliceSegment(0, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0]),), SALT, True)
+    na = sched.get_num_new_matched_tokens("RA", ra, REUSE, 0, mv.to_params())
+    assert sched.update_state_after_alloc("RA", ida, na).approx == (True, True)
+    rb = HEAD + toks(2 * BS, 40000) + [9]
+    nb = sched.get_num_new_matched_tokens("RB", rb, REUSE, 2 * BS, _SCOPED)
+    sched.update_state_after_alloc("RB", idb, nb)
+    meta = sched.build_connector_meta([("RA", na, len(ra) - na), ("RB", 2 * BS + nb, len(rb) - 2 * BS - nb)],
+                                      lambda r: ida if r == "RA" else idb)
+    assert _saved(meta, SALT) == []
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("variant", ["offload hits of the reuse salt", "a relocation without a scope"])
+def test_blocks_loaded_without_a_scoped_plan_are_never_known_exact(store, variant):
+    """A request under the reuse salt without a scoped plan (a plan that did not fit,
+    sent plain: offload hits of the reuse salt's store, which scopes fill with
+    approximate KV; or a plan without a scope) loaded approximate KV under keys the first
+    version still held clean (it tracked what a request computed, not what it loaded):
+    a later scoped request over them saved under the tenant's salt."""
+    HEAD, A = toks(2 * BS, 100), toks(2 * BS, 5000)
+    elsewhere = toks(BS, 777) + HEAD + [1]
+    fill_store(store, HEAD + [1])
+    fill_store(store, elsewhere, seed=2)
+    sched = SpliceScheduler(store, BS)
+    keys = chain_hashes(HEAD + A, BS, salt=REUSE)
+    _one_request(sched, "R1", HEAD + A + [7], 0, salt=REUSE, params=_head_plan())
+    if variant == "offload hits of the reuse salt":
+        fill_store(store, HEAD + A + [7], salt=REUSE, seed=9)  # (the harness has no worker: R1 saved nothing)
+        params, hit = None, 4 * BS
+    else:
+        params = SplicePlan(BS, (SpliceSegment(0, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0]),), SALT,
+                            False).to_params()
+        hit = 2 * BS
+    r2 = HEAD + A + toks(BS + 1, 50000)
+    meta = _one_request(sched, "R2", r2, 0, salt=REUSE, params=params)
+    assert len(meta.loads[0].refs) == hit // BS
+    assert not any(k in sched._clean for k in keys) and all(k in sched._dirty for k in keys)
+    r3 = r2[:hit] + toks(2 * BS, 40000) + [9]
+    assert _saved(_one_request(sched, "R3", r3, hit, salt=REUSE, params=_SCOPED), SALT) == []

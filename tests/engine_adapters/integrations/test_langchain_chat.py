@@ -129,6 +129,11 @@ def test_parse_tool_calls_and_plain_text():
          "the call is not valid JSON: NaN is not a JSON value"),
         ('<tool_call>{"name": "f", "arguments": "{\\"a\\": -Infinity}"}</tool_call>', {}, "f",
          "arguments are not valid JSON: -Infinity is not a JSON value"),
+        # a key twice: Python's parser kept the last, the call ran with the first unseen
+        ('<tool_call>{"name": "rm", "arguments": {"path": "/tmp/x", "path": "/"}}</tool_call>', {}, "rm",
+         "the call is not valid JSON: the key 'path' appears twice in one object"),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1, \\"a\\": 2}"}</tool_call>', {}, "f",
+         "arguments are not valid JSON: the key 'a' appears twice in one object"),
     ],
 )
 def test_a_block_that_is_no_valid_call_is_an_invalid_tool_call(text, kwargs, name, error):

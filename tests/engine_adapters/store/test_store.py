@@ -437,19 +437,54 @@ def wait_until(check, timeout: float = 5.0) -> bool:
     return True
 
 
-def test_an_empty_payload_is_stored_like_any_other(tmp_path):
-    """A zero-element payload (the record format takes zero bytes) raised a raw torch
-    RuntimeError from the copy."""
+def test_an_empty_payload_is_refused_and_a_lazy_negative_view_is_stored_resolved(tmp_path):
+    """A zero-element payload raised a raw torch RuntimeError from the copy; then it was
+    stored, outside every budget (it took no bytes): 100,000 of them fit a 1 KiB DRAM
+    tier, a review found (2026-12-07).  No KV block is empty: an InputError.  A lazy
+    negative view (no raw bytes of its own) raised a raw RuntimeError: stored resolved."""
     store = open_store(tmp_path, dram_blocks=2, disk_bytes=4 * REC)
-    a = make_refs(1)[0]
-    empty = torch.zeros((2, 0, BS, 4), dtype=torch.float16)
-    assert store.put(a, empty, salt=SALT) is PutStatus.STORED
-    assert store.put(a, empty, salt=SALT, copy=False) is PutStatus.EXISTS
-    assert store.get(a, salt=SALT).payload.shape == empty.shape
-    assert store.flush() == 1
-    store.close()
-    got = open_store(tmp_path, dram_blocks=2, disk_bytes=4 * REC).get(a, salt=SALT)  # from its record
-    assert got.status is HIT_DISK and got.payload.shape == empty.shape and got.payload.dtype == torch.float16
+    a, b = make_refs(2)
+    for empty in (torch.zeros((2, 0, BS, 4), dtype=torch.float16), torch.empty(0)):
+        with pytest.raises(InputError, match="is empty: a block's KV has at least one element"):
+            store.put(a, empty, salt=SALT)
+    assert store.stats().dram_blocks == 0
+    assert store.put(b, torch._neg_view(kv(1)), salt=SALT) is PutStatus.STORED
+    assert torch.equal(store.get(b, salt=SALT).payload, -kv(1))
+
+
+def test_a_block_hit_in_dram_stays_young_on_disk(tmp_path):
+    """Its disk copy aged while DRAM served it: the hottest block's record was the first
+    the disk evicted, and a restart lost exactly it (a review, 2026-12-07)."""
+    store = open_store(tmp_path, dram_blocks=4, disk_bytes=3 * REC)
+    hot, x1, x2, x3 = make_refs(4)
+    put_all(store, [hot, x1])
+    assert store.flush() == 2  # disk [hot, x1]
+    for _ in range(3):
+        assert status(store, hot) is HIT_DRAM
+    put_all(store, [x2, x3], first=2)
+    store.flush()  # one record too many: the disk's least recently used goes
+    assert record_files(tmp_path / "kv") == names(hot, x2, x3)
+
+
+def test_the_shared_stores_write_their_dram_blocks_down_at_exit(tmp_path):
+    """At interpreter exit (and when vLLM shuts the connector down) DRAM's blocks go to
+    the disk tier: a restart serves the most recent blocks, not only those evicted
+    before (until 2026-12-07 they were dropped)."""
+    from promptsplice.engine_adapters.store._store import _close_shared_stores
+
+    cfg = StoreConfig(dram_bytes=8 * P, disk_bytes=8 * REC, disk_dir=str(tmp_path / "kv"),
+                      write_behind_bytes=0, fingerprint="test-model/float32/16")
+    store = shared_store(cfg)
+    refs = make_refs(3)
+    put_all(store, refs)
+    assert record_files(tmp_path / "kv") == []
+    _close_shared_stores()
+    assert store.closed
+    again = BlockStore(cfg)
+    try:
+        assert [status(again, r) for r in refs] == [HIT_DISK] * 3
+    finally:
+        again.close()
 
 
 def test_a_block_too_large_for_dram_goes_to_disk_or_is_rejected(tmp_path):

@@ -659,7 +659,8 @@ def test_records_replaced_behind_the_store_are_never_served_as_another_block(tmp
 @pytest.mark.reliability
 def test_write_downs_in_flight_finish_at_interpreter_exit(tmp_path, measured):
     """The background writer is a daemon thread: without closing the shared stores at
-    exit, the evicted blocks still queued for the disk were dropped."""
+    exit, the evicted blocks still queued for the disk were dropped.  DRAM's own blocks
+    are written down at exit too (since 2026-12-07): the restart serves every block."""
     folder = tmp_path / "store"
     proc = _spawn("exit", folder, 400)
     out, _ = proc.communicate(timeout=120)
@@ -669,9 +670,9 @@ def test_write_downs_in_flight_finish_at_interpreter_exit(tmp_path, measured):
     assert seen["disk_writes"] < evicted  # writes were still queued when the child exited
     store = BlockStore(writer_config(str(folder), 0))
     try:
-        assert store.stats().disk_blocks == evicted
+        assert store.stats().disk_blocks == seen["puts"] > evicted
         served = [b for b in _round_blocks(0, seen["puts"]) if _served(store, b)]
-        assert len(served) == evicted
+        assert len(served) == seen["puts"]
     finally:
         store.close()
     measured.update(puts=seen["puts"], evicted=evicted, pending_at_exit=evicted - seen["disk_writes"], lost=0)
