@@ -267,6 +267,9 @@ class _ReqState:
     local hit known exact (``None``: all of them)."""
     exact_blocks: int | None = None
     """... and of all it holds, the hit, its loads and what it computes (``None``: all)."""
+    asked: bool = False
+    """vLLM asked for its hit since its last allocation (else an allocation continues a
+    request, a streaming input's next chunk: what it holds is never more exact)."""
     exact_target: str | bytes | None | object = _SAME
     """Scoped requests whose plan takes blocks from an exact-only salt (a tenant's): that
     salt, under which its exact blocks are saved too (``_SAME``: none)."""
@@ -321,7 +324,11 @@ class SpliceScheduler:
         # them saves nothing (it filed blocks computed after approximate KV under exact
         # keys, and every tier then served them as exact offload hits).  Bounded; a key
         # vLLM evicted and computed again exactly only costs that request its saves.
-        self._tainted: OrderedDict[bytes, None] = OrderedDict()
+        self._tainted: OrderedDict[bytes, str | bytes | None] = OrderedDict()  # key -> its salt
+        # Salts one of whose taints the bound dropped (vLLM may still hold the block: a
+        # running request holds its blocks however long it decodes): a request under
+        # them with any local hit saves nothing.
+        self._taint_lost: set[str | bytes | None] = set()
         # The converse, for salts that may hold approximate KV (a scope, a reuse salt):
         # ``_clean`` holds chain keys a request filed exact KV under (computed or loaded
         # exact, nothing approximate before it), ``_dirty`` those a request filed (or
@@ -334,9 +341,14 @@ class SpliceScheduler:
         # under the tenant's salt too (``exact_target``), where the tenant's requests,
         # and a chunk index, find them.
         self._clean: OrderedDict[bytes, None] = OrderedDict()
-        self._dirty: OrderedDict[bytes, None] = OrderedDict()
+        self._dirty: OrderedDict[bytes, str | bytes | None] = OrderedDict()  # key -> its salt
         self.dirty_dropped = 0
         """Dirty keys dropped at the bound (a warning is logged at the first)."""
+        # Salts one of whose dirty keys the bound dropped: vLLM may still hold that key's
+        # approximate copy (a running request holds its blocks however long it decodes,
+        # and a later exact copy comes second), so nothing under them is known exact any
+        # more: a request under them saves nothing under the tenant's salt.
+        self._distrusted: set[str | bytes | None] = set()
         self.exact_saved_blocks = 0
         """Blocks of scoped requests also saved under the tenant's salt (known exact)."""
 
@@ -389,12 +401,12 @@ class SpliceScheduler:
         bs = self.block_size
         last = cacheable_blocks(len(prompt_tokens), bs)
         hit_blocks = num_computed_tokens // bs
-        if st.chain is None and (hit_blocks < last or (self._tainted and hit_blocks)):
+        if st.chain is None and (hit_blocks < last or ((self._tainted or self._taint_lost) and hit_blocks)):
             # (a hit of every cacheable block too, when anything is tainted: such a request
             # still computes and saves a whole last block, whose length is a block multiple)
             st.chain = chain_refs(prompt_tokens[: max(last, hit_blocks) * bs], bs, salt=salt)
         hsalt = salt if hit_salt is _SAME else hit_salt
-        if self._tainted and st.chain is not None and not st.no_save and holds_exact_kv_only(hsalt):
+        if (self._tainted or self._taint_lost) and st.chain is not None and not st.no_save and holds_exact_kv_only(hsalt):
             hit = min(hit_blocks, len(st.chain))
             if hit_salt is _SAME:
                 hit_chain = st.chain
@@ -402,12 +414,15 @@ class SpliceScheduler:
                 hit = min(hit, (hit_limit or 0) // bs)
                 hit_chain = chain_refs(prompt_tokens[: hit * bs], bs, salt=hsalt) if hit else []
             tainted = [ref.key for ref in hit_chain[:hit] if ref.key in self._tainted]
+            if hit and hsalt in self._taint_lost:
+                st.no_save = True
             if tainted:
                 st.no_save = True  # its local hit holds approximate KV: so is all it computes
                 for key in tainted:  # still in vLLM's cache: the last to leave the bound
                     self._tainted.move_to_end(key)
         tracked = not holds_exact_kv_only(salt)
         if tracked:
+            st.asked = True
             self._track_hit(st, prompt_tokens, hit_blocks, hit_salt, hit_limit)
         lp = plan_load(
             self.store,
@@ -437,21 +452,24 @@ class SpliceScheduler:
         is known exact (:attr:`_ReqState.hit_exact`), and where its exact blocks are
         saved too (:attr:`_ReqState.exact_target`)."""
         bs = self.block_size
-        full = max(len(tokens) // bs, hit_blocks)
+        full = len(tokens) // bs
         if st.chain is None or len(st.chain) < full:
             st.chain = chain_refs(tokens[: full * bs], bs, salt=st.salt)
-        if hit_salt is _SAME:
-            clean = self._known_exact(st.chain, hit_blocks)
+        if st.salt in self._distrusted:
+            clean = 0
+        elif hit_salt is _SAME:
+            # (a resumed request's hit may reach its own generated blocks: not known)
+            clean = self._known_exact(st.chain, min(hit_blocks, full))
         else:
             # a multimodal request: its hit was hashed under another salt, up to its first
             # input as plain blocks, which it also files there; unknown under its own
             clean = 0
-            if not holds_exact_kv_only(hit_salt):
+            if not holds_exact_kv_only(hit_salt) and hit_salt not in self._distrusted:
                 limit = (hit_limit or 0) // bs
                 plain = chain_refs(tokens[: limit * bs], bs, salt=hit_salt) if limit else []
                 ok = self._known_exact(plain, min(hit_blocks, limit))
                 if ok < min(hit_blocks, limit):
-                    self._mark_dirty(plain[ok:])
+                    self._mark_dirty(plain[ok:], hit_salt)
         st.hit_exact = None if clean == hit_blocks else clean
         plan = st.plan
         if plan is not None and plan.scope and plan.src_salt is not SAME_SALT and holds_exact_kv_only(plan.src_salt):
@@ -475,24 +493,27 @@ class SpliceScheduler:
         not known exact on: vLLM caches them as it schedules them."""
         if st.exact_blocks is None:
             return
-        assert st.chain is not None
-        self._mark_dirty(st.chain[st.exact_blocks : len(st.tokens) // self.block_size])
+        bs = self.block_size
+        full = len(st.tokens) // bs
+        if st.chain is None or len(st.chain) < full:  # (a streaming input's prompt grows)
+            st.chain = chain_refs(st.tokens[: full * bs], bs, salt=st.salt)
+        self._mark_dirty(st.chain[st.exact_blocks : full], st.salt)
 
-    def _mark_dirty(self, refs: Iterable[BlockRef]) -> None:
+    def _mark_dirty(self, refs: Iterable[BlockRef], salt: str | bytes | None) -> None:
         for ref in refs:
-            self._dirty[ref.key] = None
+            self._dirty[ref.key] = salt
             self._dirty.move_to_end(ref.key)
             self._clean.pop(ref.key, None)
         over = len(self._dirty) - self.max_tainted
         if over <= 0:
             return
         for _ in range(over):
-            self._dirty.popitem(last=False)
+            self._distrusted.add(self._dirty.popitem(last=False)[1])
         if not self.dirty_dropped:
             _log.warning(
-                "splice connector: dropped the oldest of %d dirty keys (more approximate blocks than twice "
-                "the KV cache); a key vLLM still holds approximate KV under may count as exact again",
-                self.max_tainted)
+                "splice connector: dropped the oldest of %d dirty keys (more blocks filed after approximate KV "
+                "than twice the KV cache): nothing under their salts counts as exact any more, and chunks "
+                "computed in their requests are not saved under the tenant's salt", self.max_tainted)
         self.dirty_dropped += over
 
     def _track_computed(
@@ -537,10 +558,17 @@ class SpliceScheduler:
         bs = self.block_size
         n = num_external_tokens // bs if num_external_tokens > 0 else 0
         tracked = not holds_exact_kv_only(st.salt)
+        asked, st.asked = st.asked, False
+        if tracked and not asked:
+            # a continuation (a streaming input's next chunk): nothing asked, nothing
+            # loaded; it computes behind all it held (until 2026-12-07 its frontier went
+            # back to its first hit's, and blocks after its relocated KV were saved exact)
+            self._file_dirty(st)
         if lp is None or n == 0:
             self.store.release(req_id)
-            if tracked:  # it loads nothing: it holds its hit, then computes
+            if tracked and asked:  # it loads nothing: it holds its hit, then computes
                 st.exact_blocks = st.hit_exact
+                self._file_dirty(st)
             return None
         if num_external_tokens % bs or n > lp.num_blocks:
             # Not what was offered (vLLM trims only to 0 or to whole blocks): the blocks
@@ -554,7 +582,7 @@ class SpliceScheduler:
         dst = tuple(int(b) for b in block_ids[first : first + n])
         salts = None if lp.salts is None else lp.salts[:n]
         item = LoadItem(req_id, st.salt, lp.refs[:n], lp.deltas[:n], dst, lp.start, salts, lp.approx[:n])
-        if tracked:
+        if tracked and asked:
             # exact up to the first block loaded approximate, or from a salt that may hold
             # approximate KV (the scope's own offload hits, conservatively), or not loaded
             # at all (vLLM took fewer blocks than offered: load errors, recomputed)
@@ -580,7 +608,7 @@ class SpliceScheduler:
                 k = next((i for i in range(len(item.refs)) if approx[i] or item.salt_of(i) != st.salt),
                          len(item.refs))
                 for ref in st.chain[first + k:]:
-                    self._tainted[ref.key] = None
+                    self._tainted[ref.key] = st.salt
                     self._tainted.move_to_end(ref.key)
                 self._bound_taints()
         self._loads.append(item)
@@ -591,12 +619,12 @@ class SpliceScheduler:
         if over <= 0:
             return
         for _ in range(over):
-            self._tainted.popitem(last=False)
+            self._taint_lost.add(self._tainted.popitem(last=False)[1])
         if not self.tainted_dropped:
             _log.warning(
                 "splice connector: dropped the oldest of %d tainted keys (more approximate blocks than "
-                "twice the KV cache); a later exact request over one vLLM still holds would save what "
-                "it computes after approximate KV", self.max_tainted)
+                "twice the KV cache); a request under their salts with a local hit saves nothing from now on",
+                self.max_tainted)
         self.tainted_dropped += over
 
     def build_connector_meta(

@@ -560,3 +560,85 @@ def test_blocks_loaded_without_a_scoped_plan_are_never_known_exact(store, varian
     assert not any(k in sched._clean for k in keys) and all(k in sched._dirty for k in keys)
     r3 = r2[:hit] + toks(2 * BS, 40000) + [9]
     assert _saved(_one_request(sched, "R3", r3, hit, salt=REUSE, params=_SCOPED), SALT) == []
+
+
+@pytest.mark.reliability
+def test_a_streaming_inputs_next_chunk_is_never_more_exact_than_what_it_held(store):
+    """A resumable request's next input chunk extends its prompt in place and is
+    allocated with no hit asked: its frontier went back to its first hit's (all exact),
+    and 3 blocks computed after its relocated chunk were saved under the tenant's salt
+    (a review's repro).  It keeps the frontier its loads set."""
+    HEAD, A = toks(2 * BS, 100), toks(2 * BS, 5000)
+    elsewhere = toks(BS, 777) + A + [1]
+    fill_store(store, HEAD + [1])
+    fill_store(store, elsewhere, seed=2)
+    sched = SpliceScheduler(store, BS)
+    prompt = HEAD + A + toks(5, 60000)  # vLLM's request.prompt_token_ids: extended in place
+    plan = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)),
+                           SpliceSegment(2 * BS, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0])), SALT, True)
+    ids = list(range(100, 120))
+    n = sched.get_num_new_matched_tokens("S", prompt, REUSE, 0, plan.to_params())
+    assert sched.update_state_after_alloc("S", ids, n).approx == (False, False, True, True)
+    assert _saved(sched.build_connector_meta([("S", n, len(prompt) - n)], lambda r: ids), SALT) == []
+    computed = len(prompt) + 2
+    prompt.extend([7, 8] + toks(3 * BS, 90000))
+    sched.update_state_after_alloc("S", (), 0)  # the next chunk: no hit asked
+    meta = sched.build_connector_meta([("S", computed, len(prompt) - computed)], lambda r: ids)
+    assert _saved(meta, SALT) == [] and sched._reqs["S"].exact_blocks == 2
+    keys = chain_hashes(prompt, BS, salt=REUSE)
+    assert all(k in sched._dirty for k in keys[2:])
+
+
+@pytest.mark.reliability
+def test_a_dropped_dirty_or_tainted_key_ends_what_its_salt_trusts(store, caplog):
+    """The bounds assumed a block nobody hits leaves vLLM's cache after twice the cache of
+    newer keys; a running request holds its blocks however long it decodes, and another
+    tenant's traffic fills the bound (a review's repro: a relocated key dropped, an exact
+    second copy made it clean, and a request over vLLM's first, approximate copy saved 3
+    blocks under the tenant's salt).  A drop now ends trust in the dropped key's salt:
+    known-exact under a reuse salt, saves after a hit under a tenant's."""
+    HEAD, C = toks(2 * BS, 100), toks(2 * BS, 5000)
+    elsewhere = toks(BS, 777) + C + [1]
+    fill_store(store, HEAD + [1])
+    fill_store(store, elsewhere, seed=2)
+    relocate_c = SpliceSegment(2 * BS, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0])
+    sched = SpliceScheduler(store, BS)
+    sched.max_tainted = 8  # the bound, made small
+    a = HEAD + C + toks(5, 60000)
+    ids = list(range(100, 120))
+    plan = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)), relocate_c), SALT, True)
+    n = sched.get_num_new_matched_tokens("A", a, REUSE, 0, plan.to_params())
+    sched.update_state_after_alloc("A", ids, n)
+    sched.build_connector_meta([("A", n, len(a) - n)], lambda r: ids)  # A decodes on, holding its blocks
+    other = f"tenant-b\x1fpic:bounded:xyz"
+    with caplog.at_level("WARNING"):
+        _one_request(sched, "traffic", toks(12 * BS, 700_000), BS, salt=other)  # its tail: 11 dirty keys
+    assert sched.dirty_dropped > 0 and REUSE in sched._distrusted and [m for m in caplog.messages if "dirty keys" in m]
+    r = HEAD + C[:BS]  # the first 3 blocks again: a second, exact copy of K2
+    _one_request(sched, "R", r, 2 * BS, salt=REUSE)
+    s = HEAD + C[:BS] + toks(3 * BS, 40000) + [9]
+    assert _saved(_one_request(sched, "S", s, 3 * BS, salt=REUSE, params=_SCOPED), SALT) == []
+    # under the tenant's own salt: a relocation without a scope, its taints pushed out
+    taint = SpliceScheduler(store, BS)
+    taint.max_tainted = 4
+    n = taint.get_num_new_matched_tokens("A", a, SALT, 2 * BS, SplicePlan(BS, (relocate_c,)).to_params())
+    taint.update_state_after_alloc("A", ids, n)
+    other_src = toks(2 * BS, 3000)
+    fill_store(store, other_src + [1], salt="tenant-b", seed=3)
+    moved = SplicePlan(BS, (SpliceSegment(0, 1, -BS, chain_hashes(other_src, BS, salt="tenant-b")[0]),))
+    _one_request(taint, "traffic", other_src[BS:] + toks(8 * BS, 800_000), 0, salt="tenant-b",
+                 params=moved.to_params())
+    assert taint.tainted_dropped > 0 and SALT in taint._taint_lost
+    p = HEAD + C + toks(3 * BS, 40000) + [9]
+    assert _one_request(taint, "P", p, 4 * BS).saves == []
+
+
+def test_a_resumed_request_whose_hit_reaches_its_own_output_is_not_an_error(store):
+    """Preempted, then resumed: vLLM's local hit covers its generated blocks too.  The
+    known-exact walk indexed past the prompt's chain (IndexError: the connector dropped
+    the request's state); those blocks are simply not known."""
+    sched = SpliceScheduler(store, BS)
+    p = toks(3 * BS + 5, 100)
+    _one_request(sched, "P", p, 0, salt=REUSE)
+    assert sched.get_num_new_matched_tokens("P2", p, REUSE, 4 * BS) == 0
+    assert sched._reqs["P2"].hit_exact == 3
