@@ -32,7 +32,7 @@ of several blocks under one key).  A scoped request's clean blocks are saved und
 salt too (:attr:`SpliceScheduler.exact_saved_blocks`), where the tenant's requests and
 a chunk index find them.
 
-Kept as one module (~700 lines): the loads, saves, taints and clean and dirty keys of one request
+Kept as one module (~720 lines): the loads, saves, taints and clean and dirty keys of one request
 are decided together, from one state per request, in vLLM's call order.
 """
 

@@ -610,7 +610,7 @@ def test_a_dropped_dirty_or_tainted_key_ends_what_its_salt_trusts(store, caplog)
     n = sched.get_num_new_matched_tokens("A", a, REUSE, 0, plan.to_params())
     sched.update_state_after_alloc("A", ids, n)
     sched.build_connector_meta([("A", n, len(a) - n)], lambda r: ids)  # A decodes on, holding its blocks
-    other = f"tenant-b\x1fpic:bounded:xyz"
+    other = "tenant-b\x1fpic:bounded:xyz"
     with caplog.at_level("WARNING"):
         _one_request(sched, "traffic", toks(12 * BS, 700_000), BS, salt=other)  # its tail: 11 dirty keys
     assert sched.dirty_dropped > 0 and REUSE in sched._distrusted and [m for m in caplog.messages if "dirty keys" in m]
