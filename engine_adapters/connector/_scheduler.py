@@ -283,6 +283,15 @@ def _first_inexact(refs: Sequence[BlockRef], approx: Sequence[bool], salts: Sequ
     return next((i for i in range(len(refs)) if approx[i] or not holds_exact_kv_only(salts[i])), len(refs))
 
 
+def _drop_oldest(keys: OrderedDict[bytes, Any], bound: int, salts: set[Any]) -> int:
+    """Drop the oldest of ``keys`` (key -> salt) beyond ``bound``, their salts into
+    ``salts`` (trusted no more); returns how many."""
+    over = max(len(keys) - bound, 0)
+    for _ in range(over):
+        salts.add(keys.popitem(last=False)[1])
+    return over
+
+
 _MIN_TAINTED = 1 << 16
 
 
@@ -504,11 +513,9 @@ class SpliceScheduler:
             self._dirty[ref.key] = salt
             self._dirty.move_to_end(ref.key)
             self._clean.pop(ref.key, None)
-        over = len(self._dirty) - self.max_tainted
-        if over <= 0:
+        over = _drop_oldest(self._dirty, self.max_tainted, self._distrusted)
+        if not over:
             return
-        for _ in range(over):
-            self._distrusted.add(self._dirty.popitem(last=False)[1])
         if not self.dirty_dropped:
             _log.warning(
                 "splice connector: dropped the oldest of %d dirty keys (more blocks filed after approximate KV "
@@ -615,11 +622,9 @@ class SpliceScheduler:
         return item
 
     def _bound_taints(self) -> None:
-        over = len(self._tainted) - self.max_tainted
-        if over <= 0:
+        over = _drop_oldest(self._tainted, self.max_tainted, self._taint_lost)
+        if not over:
             return
-        for _ in range(over):
-            self._taint_lost.add(self._tainted.popitem(last=False)[1])
         if not self.tainted_dropped:
             _log.warning(
                 "splice connector: dropped the oldest of %d tainted keys (more approximate blocks than "
