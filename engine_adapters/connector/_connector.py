@@ -458,6 +458,11 @@ class SpliceConnector(KVConnectorBase_V1):
         """Blocks that failed to load (vLLM recomputes them) leave the acks' loaded and
         relocated counts: from a load's first failed block on, none of it was served."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
+        if self.scheduler is not None:
+            try:  # (every step: the loads of earlier steps are forgotten)
+                self.scheduler.loads_failed(invalid or ())
+            except Exception as exc:  # noqa: BLE001 - never fatal for the engine (see above)
+                _log_failure("update_connector_output", "a step", exc)
         if not invalid:
             return
         bs = self.settings.block_size
@@ -495,9 +500,7 @@ class SpliceConnector(KVConnectorBase_V1):
             except Exception as exc:  # noqa: BLE001
                 _log_failure("build_connector_meta", step[0], exc)
                 self._fail_ack(step[0], exc, loaded=True)
-                st = self.scheduler._reqs.get(step[0])
-                if st is not None:
-                    st.no_save, st.plan = True, None
+                self.scheduler.stop_saving(step[0])
                 continue
             loads += work.loads
             saves += work.saves

@@ -32,7 +32,7 @@ of several blocks under one key).  A scoped request's clean blocks are saved und
 salt too (:attr:`SpliceScheduler.exact_saved_blocks`), where the tenant's requests and
 a chunk index find them.
 
-Kept as one module (~720 lines): the loads, saves, taints and clean and dirty keys of one request
+Kept as one module (~780 lines): the loads, saves, taints and clean and dirty keys of one request
 are decided together, from one state per request, in vLLM's call order.
 """
 
@@ -42,7 +42,7 @@ import bisect
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,6 +360,10 @@ class SpliceScheduler:
         self._distrusted: set[str | bytes | None] = set()
         self.exact_saved_blocks = 0
         """Blocks of scoped requests also saved under the tenant's salt (known exact)."""
+        # Loads issued this step, then those of the last two steps, until vLLM reports
+        # which of their blocks failed (:meth:`loads_failed`): (item, tokens, salt).
+        self._issued: list[tuple[LoadItem, Sequence[int], str | bytes | None]] = []
+        self._awaiting: list[list[tuple[LoadItem, Sequence[int], str | bytes | None]]] = []
 
     def _state(self, req_id: str, tokens: Sequence[int], salt, params) -> _ReqState:
         st = self._reqs.get(req_id)
@@ -619,7 +623,42 @@ class SpliceScheduler:
                     self._tainted.move_to_end(ref.key)
                 self._bound_taints()
         self._loads.append(item)
+        self._issued.append((item, st.tokens, st.salt))
         return item
+
+    def loads_failed(self, invalid: Collection[int]) -> int:
+        """vLLM's report of a step's output: ``invalid`` vLLM block ids whose load failed.
+
+        vLLM may keep such a block in its prefix cache, stale, until the request
+        recomputes it (a request aborted or preempted first never does): from a load's
+        first failed block on, its request's keys are tainted (an exact-only salt) or
+        dirty (any other).  Until 2026-12-07 only the next two steps' saves were skipped,
+        and a later hit over a stale block saved what it computed after it.  Returns the
+        keys marked."""
+        records = [rec for step in self._awaiting for rec in step]
+        self._awaiting = self._awaiting[-1:]
+        if not invalid:
+            return 0
+        bs, marked = self.block_size, 0
+        for item, tokens, salt in records:
+            failed = [i for i, b in enumerate(item.block_ids) if b in invalid]
+            if not failed:
+                continue
+            keys = chain_refs(tokens[: len(tokens) // bs * bs], bs, salt=salt)[item.start // bs + min(failed):]
+            marked += len(keys)
+            if holds_exact_kv_only(salt):
+                for ref in keys:
+                    self._tainted[ref.key] = salt
+                    self._tainted.move_to_end(ref.key)
+                self._bound_taints()
+            else:
+                self._mark_dirty(keys, salt)
+            # a request scheduled before the report (async scheduling) may hit them already
+            failed_keys = {ref.key for ref in keys}
+            for rid, st in list(self._reqs.items()):
+                if st.chain and any(ref.key in failed_keys for ref in st.chain):
+                    self.stop_saving(rid)
+        return marked
 
     def _bound_taints(self) -> None:
         over = _drop_oldest(self._tainted, self.max_tainted, self._taint_lost)
@@ -691,6 +730,8 @@ class SpliceScheduler:
         for st in saved_from:
             st.save_from = None
         loads, self._loads = self._loads, []
+        self._awaiting = [*self._awaiting[-1:], self._issued]
+        self._issued = []
         return SpliceMetadata(loads, saves, probes)
 
     def _probe_item(
@@ -719,6 +760,14 @@ class SpliceScheduler:
             req_id, salt, tuple(planned[j][0] for j in js), tuple(planned[j][1] for j in js),
             tuple(int(ids[j]) for j in js), tuple(j * bs for j in js),
         )
+
+    def stop_saving(self, req_id: str) -> None:
+        """The request saves (and probes) nothing more, under its salt or the tenant's
+        (a step the connector could not build for it; until 2026-12-07 its dual saves
+        went on)."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.no_save, st.plan, st.save_from, st.exact_target = True, None, None, _SAME
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request and drop its pins."""

@@ -642,3 +642,61 @@ def test_a_resumed_request_whose_hit_reaches_its_own_output_is_not_an_error(stor
     _one_request(sched, "P", p, 0, salt=REUSE)
     assert sched.get_num_new_matched_tokens("P2", p, REUSE, 4 * BS) == 0
     assert sched._reqs["P2"].hit_exact == 3
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("salt", [SALT, REUSE])
+def test_a_failed_load_leaves_its_keys_untrusted_after_the_quarantine(store, salt):
+    """vLLM may keep a block whose load failed in its prefix cache, stale, until the
+    request recomputes it; a request aborted first never does.  The worker skips two
+    steps' saves, and then a hit over the stale block saved what it computed after it
+    (under the tenant's salt: a normal save; under a reuse salt: a dual save of blocks
+    whose hit was "known exact").  The report of failed blocks now taints (or dirties)
+    the request's keys from its first failed block on (a review's repro, 2026-12-07)."""
+    import torch
+
+    from tests.engine_adapters.connector._kv import HD, HEADS, LAYERS, random_caches, worker
+
+    HEAD = toks(4 * BS, 100)
+    fill_store(store, HEAD + [1], blocks={0, 1, 3})
+    bad = torch.randn(LAYERS, 1, HEADS, BS, 2 * HD)  # float32: the engine's bf16 load refuses it
+    store.put(chain_refs(HEAD, BS, salt=SALT)[2], bad, salt=SALT)
+    sched = SpliceScheduler(store, BS)
+    w = worker(store, random_caches())
+    params = SplicePlan(BS, (SpliceSegment(0, 4, 0, root_hash(SALT)),), SALT, True).to_params() if salt == REUSE else None
+    r = HEAD + toks(3 * BS, 5000) + [7]
+    ids = list(range(0, 8))
+    n = sched.get_num_new_matched_tokens("R", r, salt, 0, params)
+    sched.update_state_after_alloc("R", ids, n)
+    meta = sched.build_connector_meta([("R", n, BS)], lambda q: ids)
+    w.start_load(meta, per_layer=True)
+    for name in w.names:
+        w.wait_for_layer(name)
+    w.save(meta)
+    errors = w.take_load_errors()
+    assert sorted(errors) == [2, 3]
+    assert sched.loads_failed(errors) == 7 - 2  # the request's keys from block 2 on
+    sched.request_finished("R")  # aborted before it recomputed them
+    for _ in range(2):
+        assert sched.loads_failed(()) == 0
+        sched.build_connector_meta([], lambda q: [])
+    x = HEAD + toks(2 * BS, 9000) + [3]
+    meta = _one_request(sched, "X", x, 4 * BS, salt=salt, params=_SCOPED if salt == REUSE else None)
+    assert _saved(meta, SALT) == []
+
+
+def test_a_request_told_to_stop_saving_saves_under_no_salt(store):
+    """The connector builds each request alone after a step it could not build, and a
+    request that fails there saves nothing more: its dual saves under the tenant's
+    salt went on (a review, 2026-12-07)."""
+    HEAD = toks(2 * BS, 100)
+    fill_store(store, HEAD + [1])
+    sched = SpliceScheduler(store, BS)
+    prompt = HEAD + toks(4 * BS, 5000) + [7]
+    ids = list(range(100, 120))
+    n = sched.get_num_new_matched_tokens("R", prompt, REUSE, 0, _head_plan())
+    sched.update_state_after_alloc("R", ids, n)
+    first = sched.build_connector_meta([("R", n, BS)], lambda r: ids)
+    assert _saved(first, SALT) and _saved(first, REUSE)
+    sched.stop_saving("R")
+    assert sched.build_connector_meta([("R", n + BS, len(prompt) - n - BS)], lambda r: ids).saves == []
