@@ -180,7 +180,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
             recompute_blocks=args.recompute_blocks, fidelity_requests=args.fidelity_requests,
             allow_skips=args.allow_skips, one_store_engine=args.one_store_engine,
             pic_exact_alignment=args.pic_exact_alignment, pic_recompute_at=args.pic_recompute_at,
-            pic_max_deviation=args.pic_max_deviation,
+            pic_max_deviation=args.pic_max_deviation, pic_index_computed=args.pic_index_computed,
             kv_cache_bytes=_mib(args.kv_cache_mib), store_layout=args.store_layout, dtype=args.dtype,
         )
     if not args.trace:
@@ -201,6 +201,7 @@ def _cmd_bench_rag(args: argparse.Namespace) -> int:
         pic_recompute_at=args.pic_recompute_at,
         pic_max_deviation=args.pic_max_deviation,
         dtype=args.dtype,
+        pic_index_computed=args.pic_index_computed,
     )
 
 
@@ -345,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("--pic-max-deviation", type=float, default=None,
                      help="promptsplice_pic: the run-start guard's threshold (default: the fidelity level's, "
                           "0.20 at bounded); a larger one trips less and relocates more")
+    rag.add_argument("--pic-index-computed", action="store_true",
+                     help="promptsplice_pic: lay the chunks it computes before those it relocates and index "
+                          "them (stored exact under the tenant's salt); off by default (README: on pydocs it "
+                          "prefilled more)")
     rag.add_argument("--fidelity-requests", type=count_arg(0), default=32,
                      help="promptsplice_pic requests that relocate chunks probed for fidelity (default: 32)")
     rag.add_argument("--allow-skips", action="store_true",

@@ -308,6 +308,7 @@ def run_modes(
     store_layout: str = "store_aware",
     pic_recompute_at: str | None = None,
     pic_max_deviation: float | None = None,
+    pic_index_computed: bool = False,
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Run naive then promptsplice on ``engine`` (then ``promptsplice_store`` and
     ``promptsplice_pic`` when ``kv_engine`` is given: an engine with the splice connector,
@@ -427,6 +428,7 @@ def run_modes(
                         fidelity_requests=fidelity_requests, salt=f"bench-rag-pic-{run_id}",
                         exact_alignment=pic_exact_alignment, recompute_at=pic_recompute_at,
                         max_deviation=pic_max_deviation, trace_index=keep, block_segments=block_segs,
+                        index_computed=pic_index_computed,
                     )
             finally:
                 if factory:
@@ -542,7 +544,8 @@ def _probe_signals(i: int, st: Any) -> dict[str, Any]:
 def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, progress,
              prompt_format, recompute_blocks, fidelity_requests, precompute="packed",
              salt="bench-rag-pic", exact_alignment="auto", relocate="when_it_pays",
-             recompute_at=None, max_deviation=None, trace_index=None, block_segments=None) -> None:
+             recompute_at=None, max_deviation=None, trace_index=None, block_segments=None,
+             index_computed=False) -> None:
     """The ``promptsplice_pic`` mode and its fidelity (module doc).  ``trace_index``: each
     request's line in the trace (requests that do not fit were left out before), which
     the probes' records and errors name.  ``block_segments``: each request's
@@ -555,7 +558,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
     runner = RagRunner(
         kv_engine, mode="position_independent", salt=salt, recompute_blocks=r, fidelity="bounded",
         policy=policy, prompt_format=prompt_format, precompute=precompute, exact_alignment=exact_alignment,
-        relocate=relocate, recompute_at=recompute_at, max_deviation=max_deviation,
+        relocate=relocate, recompute_at=recompute_at, max_deviation=max_deviation, index_computed=index_computed,
     )
     fid, ctl = Fidelity(), Fidelity()
     steps = []
@@ -594,6 +597,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "recompute_blocks": r,
         "exact_alignment": exact_alignment,
         "recompute_at": runner.recompute_at_for(),
+        "index_computed": runner.index_computed,
         "run_max_deviation": runner.max_deviation,  # the run-start guard's threshold (None: no guard)
         "guard": runner.guard_rates().observed(),  # what its gate learnt: trip rates, requests explored
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),
@@ -764,6 +768,7 @@ def run_rag_bench(
     pic_recompute_at: str | None = None,
     pic_max_deviation: float | None = None,
     dtype: str = "auto",
+    pic_index_computed: bool = False,
 ) -> int:
     """The CLI's job: run the trace, print, write the JSON; exit status from
     :func:`bench_status`."""
@@ -785,7 +790,7 @@ def run_rag_bench(
                 engine, reqs, policy=policy, alignment=alignment, max_tokens=max_tokens, kv_engine=kv_factory,
                 recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
                 pic_exact_alignment=pic_exact_alignment, store_layout=store_layout, pic_recompute_at=pic_recompute_at,
-                pic_max_deviation=pic_max_deviation,
+                pic_max_deviation=pic_max_deviation, pic_index_computed=pic_index_computed,
             )
         finally:
             engine.close()

@@ -247,6 +247,7 @@ def run_rag_suite(
     pic_recompute_at: str | None = None,
     pic_max_deviation: float | None = None,
     dtype: str = "auto",
+    pic_index_computed: bool = False,
 ) -> int:
     """The CLI's job: start the plain engine once (and fresh store engines per family and
     mode), run the suite, print, write the JSON; exit status from :func:`suite_status`."""
@@ -274,7 +275,7 @@ def run_rag_suite(
             policy=policy, alignment=alignment, max_tokens=max_tokens,
             recompute_blocks=recompute_blocks, fidelity_requests=fidelity_requests,
             pic_exact_alignment=pic_exact_alignment, store_layout=store_layout, pic_recompute_at=pic_recompute_at,
-            pic_max_deviation=pic_max_deviation,
+            pic_max_deviation=pic_max_deviation, pic_index_computed=pic_index_computed,
         )
     finally:
         if one_store_engine:

@@ -32,7 +32,9 @@ approximate, and only requests with the scope's salt can reach them), so later e
 the session can relocate them again.  Without a scope nothing approximate is saved: not
 by the request that loads it, nor by a later request of its salt whose prefix-cache hit
 covers it (vLLM files relocated blocks under the new prompt's exact hashes; the
-scheduler remembers those keys).
+scheduler remembers those keys).  ``"save_exact": true`` (a scoped request whose
+``src_salt`` holds exact KV only) asks the connector to save the blocks it holds that
+are known exact under ``src_salt`` too.
 
 vLLM's contiguity rule shapes the phases: the loaded tokens start exactly at the local
 prefix-cache hit and at least one prompt token is left to compute, so one request loads
@@ -151,6 +153,10 @@ class SplicePlan:
     probes: tuple[SpliceSegment, ...] = ()
     """Blocks this request computes whose old KV is in the store: the connector measures
     how far the fresh KV is from the relocated old KV (:class:`BlockDeviation`)."""
+    save_exact: bool = False
+    """A scoped request whose ``src_salt`` holds exact KV only: the connector also saves
+    the blocks it holds that are known exact under ``src_salt`` (the tenant's), where a
+    chunk index finds them (``RagRunner(index_computed=True)``)."""
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -158,6 +164,8 @@ class SplicePlan:
             raise InputError(f"splice plan src_salt must be a str, bytes or None, got {self.src_salt!r:.80}")
         if not isinstance(self.scope, bool):
             raise InputError(f"splice plan scope must be a bool, got {self.scope!r}")
+        if not isinstance(self.save_exact, bool):
+            raise InputError(f"splice plan save_exact must be a bool, got {self.save_exact!r}")
         if not _is_int(bs) or bs <= 0:
             raise InputError(f"splice plan block_size must be a positive int, got {bs!r}")
         segs = tuple(self.segments)
@@ -213,6 +221,8 @@ class SplicePlan:
             body["src_salt"] = {"hex": salt.hex()} if isinstance(salt, bytes) else salt
         if self.scope:
             body["scope"] = True
+        if self.save_exact:
+            body["save_exact"] = True
         return {PLAN_KEY: body}
 
     @classmethod
@@ -242,7 +252,7 @@ class SplicePlan:
                     src_salt = bytes.fromhex(src_salt["hex"])
                 except (KeyError, TypeError, ValueError):
                     raise InputError("splice plan 'src_salt' must be a str, null or {'hex': ...}") from None
-        return cls(raw.get("block_size"), segs, src_salt, raw.get("scope", False), probes)
+        return cls(raw.get("block_size"), segs, src_salt, raw.get("scope", False), probes, raw.get("save_exact", False))
 
 
 def _seg_params(s: SpliceSegment) -> dict[str, Any]:

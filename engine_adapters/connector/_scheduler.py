@@ -271,8 +271,9 @@ class _ReqState:
     """vLLM asked for its hit since its last allocation (else an allocation continues a
     request, a streaming input's next chunk: what it holds is never more exact)."""
     exact_target: str | bytes | None | object = _SAME
-    """Scoped requests whose plan takes blocks from an exact-only salt (a tenant's): that
-    salt, under which its exact blocks are saved too (``_SAME``: none)."""
+    """Scoped requests whose plan takes blocks from an exact-only salt (a tenant's) and
+    asks for it (``save_exact``): that salt, under which its exact blocks are saved too
+    (``_SAME``: none)."""
     target_chain: list[BlockRef] | None = None
     """The prompt's chain under ``exact_target``, hashed once."""
 
@@ -485,7 +486,8 @@ class SpliceScheduler:
                     self._mark_dirty(plain[ok:], hit_salt)
         st.hit_exact = None if clean == hit_blocks else clean
         plan = st.plan
-        if plan is not None and plan.scope and plan.src_salt is not SAME_SALT and holds_exact_kv_only(plan.src_salt):
+        if (plan is not None and plan.scope and plan.save_exact and plan.src_salt is not SAME_SALT
+                and holds_exact_kv_only(plan.src_salt)):
             st.exact_target = plan.src_salt
 
     def _known_exact(self, chain: Sequence[BlockRef], n: int) -> int:

@@ -103,6 +103,7 @@ learnt rates per setting); the pure parts live in
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -256,6 +257,10 @@ class RagRunner:
     ``max_deviation`` (``None``: the level's, needs ``recompute_blocks >= 1``): a run whose
     recomputed blocks deviate beyond it is computed whole, and so is every later run of
     the request (``AdaptiveRecompute(whole_run=True)``).
+    ``index_computed`` (default ``False``): the chunks a request computes go before those
+    it relocates (the assembler's ``defer``), the connector stores them exact under the
+    tenant's salt too, and the index records them (module doc; README: on pydocs it
+    prefilled more than without, so it is opt-in).
     """
 
     def __init__(
@@ -275,7 +280,10 @@ class RagRunner:
         relocate: str = "when_it_pays",
         exact_alignment: str = "auto",
         recompute_at: str | None = None,
+        index_computed: bool = False,
     ) -> None:
+        if not isinstance(index_computed, bool):
+            raise ConfigError(f"index_computed must be a bool, got {index_computed!r}")
         if precompute not in ("standalone", "packed"):
             raise ConfigError(f"precompute must be 'standalone' or 'packed', got {precompute!r}")
         if relocate not in RELOCATE_CHOICES:
@@ -291,6 +299,7 @@ class RagRunner:
         self.relocate = relocate
         self.exact_alignment = exact_alignment
         self.recompute_at = recompute_at
+        self.index_computed = index_computed
         self.mode = check_enum(mode, ReuseMode, "mode")
         pic = self.mode is ReuseMode.POSITION_INDEPENDENT
         if pic and not engine.can_splice:
@@ -488,7 +497,7 @@ class RagRunner:
             # attended to approximate KV, and was computed again whenever it came back).
             # One more survey of the reordered prompt (one more store query), at most.
             stored_first = [s for s in todo if found[s.start].status is ChunkStatus.HIT]
-            if defer or not gate or not stored_first or len(stored_first) == len(todo) or all(
+            if defer or not gate or not self.index_computed or not stored_first or len(stored_first) == len(todo) or all(
                     found[s.start].status is ChunkStatus.HIT for s in todo[len(todo) - len(stored_first):]):
                 break
             defer = tuple(i for s in stored_first for i in s.chunk_ids)
@@ -595,9 +604,12 @@ class RagRunner:
                 recomputed = max(0, planned_relocated_tokens(full, toks, salt) - planned_relocated_tokens(phases, toks, salt))
             except InputError:
                 recomputed = 0
+        if self.index_computed:  # the connector saves its exact blocks under the tenant's salt too
+            phases = [ph if ph.plan is None else ph._replace(plan=dataclasses.replace(ph.plan, save_exact=True))
+                      for ph in phases]
         run = eng.generate_phases(toks, phases, cache_salt=salt, adapt=adapt, **gen)
         outs.extend(run.completions)
-        if fallback is None:
+        if fallback is None and self.index_computed:
             # the chunks it computed before its first relocated block attended to exact KV
             # only: the connector saved them under the tenant's salt too (its known-exact
             # blocks), so they are indexed like a plain request's; the store check of

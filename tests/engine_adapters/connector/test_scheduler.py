@@ -11,6 +11,7 @@ from promptsplice.blocks import chain_hashes, root_hash
 from promptsplice.engine_adapters import SplicePlan, SpliceSegment, chain_refs
 from promptsplice.engine_adapters.connector._plans import approximate_tokens, in_place_blocks
 from promptsplice.engine_adapters.connector._scheduler import SaveItem, SpliceScheduler, plan_load
+from promptsplice.errors import InputError
 from tests._imports import modules_after
 from tests.engine_adapters.connector._kv import BS, SALT, deletion_case, fill_store, toks
 
@@ -393,7 +394,7 @@ def test_a_scoped_request_saves_what_it_computes_exactly_under_the_tenants_salt_
     head = SpliceSegment(0, 2, 0, root_hash(SALT))
     sched = SpliceScheduler(store, BS)
     first = HEAD + NEW + [7]  # phase 1: the head loaded, the new chunk computed
-    meta = _one_request(sched, "p1", first, 0, salt=REUSE, params=SplicePlan(BS, (head,), SALT, True).to_params())
+    meta = _one_request(sched, "p1", first, 0, salt=REUSE, params=SplicePlan(BS, (head,), SALT, True, save_exact=True).to_params())
     assert meta.loads[0].approx == (False, False)
     reuse, new_tenant = chain_hashes(first, BS, salt=REUSE), chain_hashes(first, BS, salt=SALT)
     assert _saved(meta, REUSE) == [(reuse[j], 100 + j) for j in range(4)]
@@ -402,11 +403,11 @@ def test_a_scoped_request_saves_what_it_computes_exactly_under_the_tenants_salt_
     assert sched.exact_saved_blocks == 2
     # a later request whose local hit is those (known exact) blocks extends them exactly
     more = first[: 4 * BS] + toks(2 * BS + 1, 40000)
-    meta = _one_request(sched, "more", more, 4 * BS, salt=REUSE, params=SplicePlan(BS, (), SALT, True).to_params())
+    meta = _one_request(sched, "more", more, 4 * BS, salt=REUSE, params=SplicePlan(BS, (), SALT, True, save_exact=True).to_params())
     assert _saved(meta, SALT) == [(k, 100 + j) for j, k in enumerate(chain_hashes(more, BS, salt=SALT)) if j >= 4]
     # phase 2: its local hit is phase 1's (clean) blocks; X relocated behind them
     second = HEAD + NEW + X + toks(BS + 3, 20000)
-    moved = SplicePlan(BS, (SpliceSegment(4 * BS, 2, 2 * BS, tenant[1]),), SALT, True)
+    moved = SplicePlan(BS, (SpliceSegment(4 * BS, 2, 2 * BS, tenant[1]),), SALT, True, save_exact=True)
     meta = _one_request(sched, "p2", second, 4 * BS, salt=REUSE, params=moved.to_params())
     assert meta.loads[0].approx == (True, True)
     assert _saved(meta, SALT) == []  # X and what follows it attended to relocated KV
@@ -414,7 +415,7 @@ def test_a_scoped_request_saves_what_it_computes_exactly_under_the_tenants_salt_
     # a later request over the relocated run computes nothing exact either
     third = second[: 7 * BS] + toks(BS + 1, 30000)
     assert _saved(_one_request(sched, "p3", third, 7 * BS, salt=REUSE,
-                               params=SplicePlan(BS, (), SALT, True).to_params()), SALT) == []
+                               params=SplicePlan(BS, (), SALT, True, save_exact=True).to_params()), SALT) == []
 
 
 @pytest.mark.reliability
@@ -429,7 +430,7 @@ def test_a_block_computed_after_approximate_kv_is_no_longer_known_exact(store):
     fill_store(store, HEAD + [1])
     fill_store(store, elsewhere)
     head = SpliceSegment(0, 2, 0, root_hash(SALT))
-    plan = SplicePlan(BS, (head,), SALT, True).to_params()
+    plan = SplicePlan(BS, (head,), SALT, True, save_exact=True).to_params()
     sched = SpliceScheduler(store, BS)
     prompt = HEAD + A + [7]
     _one_request(sched, "exact", prompt, 0, salt=REUSE, params=plan)
@@ -438,7 +439,7 @@ def test_a_block_computed_after_approximate_kv_is_no_longer_known_exact(store):
     # vLLM evicted those blocks; the same tokens come again, the head relocated from
     # where it stood one block later: every block of the prompt is approximate now
     moved = SpliceSegment(0, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0])
-    meta = _one_request(sched, "approx", prompt, 0, salt=REUSE, params=SplicePlan(BS, (moved,), SALT, True).to_params())
+    meta = _one_request(sched, "approx", prompt, 0, salt=REUSE, params=SplicePlan(BS, (moved,), SALT, True, save_exact=True).to_params())
     assert meta.loads[0].approx == (True, True) and _saved(meta, SALT) == []
     assert [k in sched._clean for k in keys] == [False] * 4
     later = prompt[: 4 * BS] + toks(2 * BS + 1, 30000)
@@ -463,10 +464,10 @@ def test_requests_under_a_reuse_salt_without_a_scope_save_nothing_under_the_tena
 
 def _head_plan(scope=True):
     """The RAG runner's head: loaded in place from the tenant's exact chain."""
-    return SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)),), SALT, scope).to_params()
+    return SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)),), SALT, scope, save_exact=True).to_params()
 
 
-_SCOPED = SplicePlan(BS, (), SALT, True).to_params()  # no segment: what a phase past its loads sends
+_SCOPED = SplicePlan(BS, (), SALT, True, save_exact=True).to_params()  # no segment: what a phase past its loads sends
 
 
 @pytest.mark.reliability
@@ -487,7 +488,7 @@ def test_a_key_once_approximate_stays_unknown_when_an_exact_copy_comes_after(sto
     sched.update_state_after_alloc("R1", ids1, n)
     sched.build_connector_meta([("R1", n, 16)], lambda r: ids1)  # half of block 2
     r2 = HEAD + A + toks(BS + 3, 30000)
-    moved = SplicePlan(BS, (SpliceSegment(2 * BS, 2, BS, chain_hashes(elsewhere, BS, salt=SALT)[0]),), SALT, True)
+    moved = SplicePlan(BS, (SpliceSegment(2 * BS, 2, BS, chain_hashes(elsewhere, BS, salt=SALT)[0]),), SALT, True, save_exact=True)
     n2 = sched.get_num_new_matched_tokens("R2", r2, REUSE, 2 * BS, moved.to_params())
     assert sched.update_state_after_alloc("R2", ids2, n2).approx == (True, True)
     sched.build_connector_meta([("R2", 2 * BS + n2, len(r2) - 2 * BS - n2)], lambda r: ids2)
@@ -521,7 +522,7 @@ def test_a_request_scheduled_in_the_same_step_never_trusts_blocks_filed_before_t
     assert all(k in sched._clean for k in chain_hashes(prompt, BS, salt=REUSE))
     ida, idb = list(range(200, 220)), list(range(300, 320))
     ra = HEAD + toks(BS + 5, 60000)
-    mv = SplicePlan(BS, (SpliceSegment(0, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0]),), SALT, True)
+    mv = SplicePlan(BS, (SpliceSegment(0, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0]),), SALT, True, save_exact=True)
     na = sched.get_num_new_matched_tokens("RA", ra, REUSE, 0, mv.to_params())
     assert sched.update_state_after_alloc("RA", ida, na).approx == (True, True)
     rb = HEAD + toks(2 * BS, 40000) + [9]
@@ -575,7 +576,7 @@ def test_a_streaming_inputs_next_chunk_is_never_more_exact_than_what_it_held(sto
     sched = SpliceScheduler(store, BS)
     prompt = HEAD + A + toks(5, 60000)  # vLLM's request.prompt_token_ids: extended in place
     plan = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)),
-                           SpliceSegment(2 * BS, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0])), SALT, True)
+                           SpliceSegment(2 * BS, 2, -BS, chain_hashes(elsewhere, BS, salt=SALT)[0])), SALT, True, save_exact=True)
     ids = list(range(100, 120))
     n = sched.get_num_new_matched_tokens("S", prompt, REUSE, 0, plan.to_params())
     assert sched.update_state_after_alloc("S", ids, n).approx == (False, False, True, True)
@@ -606,7 +607,7 @@ def test_a_dropped_dirty_or_tainted_key_ends_what_its_salt_trusts(store, caplog)
     sched.max_tainted = 8  # the bound, made small
     a = HEAD + C + toks(5, 60000)
     ids = list(range(100, 120))
-    plan = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)), relocate_c), SALT, True)
+    plan = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)), relocate_c), SALT, True, save_exact=True)
     n = sched.get_num_new_matched_tokens("A", a, REUSE, 0, plan.to_params())
     sched.update_state_after_alloc("A", ids, n)
     sched.build_connector_meta([("A", n, len(a) - n)], lambda r: ids)  # A decodes on, holding its blocks
@@ -663,7 +664,7 @@ def test_a_failed_load_leaves_its_keys_untrusted_after_the_quarantine(store, sal
     store.put(chain_refs(HEAD, BS, salt=SALT)[2], bad, salt=SALT)
     sched = SpliceScheduler(store, BS)
     w = worker(store, random_caches())
-    params = SplicePlan(BS, (SpliceSegment(0, 4, 0, root_hash(SALT)),), SALT, True).to_params() if salt == REUSE else None
+    params = SplicePlan(BS, (SpliceSegment(0, 4, 0, root_hash(SALT)),), SALT, True, save_exact=True).to_params() if salt == REUSE else None
     r = HEAD + toks(3 * BS, 5000) + [7]
     ids = list(range(0, 8))
     n = sched.get_num_new_matched_tokens("R", r, salt, 0, params)
@@ -700,3 +701,21 @@ def test_a_request_told_to_stop_saving_saves_under_no_salt(store):
     assert _saved(first, SALT) and _saved(first, REUSE)
     sched.stop_saving("R")
     assert sched.build_connector_meta([("R", n + BS, len(prompt) - n - BS)], lambda r: ids).saves == []
+
+
+def test_only_a_plan_that_asks_saves_exact_blocks_under_the_tenants_salt(store):
+    """``save_exact`` is opt-in (``RagRunner(index_computed=True)``): a scoped plan
+    without it (the agent runner's, the RAG runner's default) saves under its scope
+    only, and the flag survives the wire."""
+    HEAD = toks(2 * BS, 100)
+    fill_store(store, HEAD + [1])
+    prompt = HEAD + toks(2 * BS, 5000) + [7]
+    plain = SplicePlan(BS, (SpliceSegment(0, 2, 0, root_hash(SALT)),), SALT, True)
+    meta = _one_request(SpliceScheduler(store, BS), "R", prompt, 0, salt=REUSE, params=plain.to_params())
+    assert _saved(meta, SALT) == [] and len(_saved(meta, REUSE)) == 4
+    asks = SplicePlan(BS, plain.segments, SALT, True, save_exact=True)
+    assert SplicePlan.from_params(asks.to_params()) == asks and "save_exact" not in str(plain.to_params())
+    meta = _one_request(SpliceScheduler(store, BS), "R", prompt, 0, salt=REUSE, params=asks.to_params())
+    assert len(_saved(meta, SALT)) == 2
+    with pytest.raises(InputError, match="save_exact must be a bool"):
+        SplicePlan(BS, (), SALT, True, save_exact=1)

@@ -728,7 +728,8 @@ def test_max_deviation_recomputes_chunk_blocks_only_while_above_it(kv_engine):
     assert lo.prefill_tokens == hi.prefill_tokens + loaded * 32 and len(lo.deviations) == 3
 
 
-def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_index_their_chunks(kv_engine):
+@pytest.mark.parametrize("index_computed", [False, True])
+def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_index_their_chunks(kv_engine, index_computed):
     def long_docs(*names):
         return [{"id": n, "text": f"{DOCS[n]} {DOCS[n]} {DOCS[n]}"} for n in names]
 
@@ -746,7 +747,8 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     # (by a guard that never trips: these chunks deviate beyond bounded's own threshold
     # in their new order, and the guard would compute every run)
     runner = RagRunner(kv_engine, mode="position_independent", fidelity="bounded", salt=f"pic-{uuid.uuid4().hex[:8]}",
-                       policy="retrieval", recompute_blocks=1, exact_alignment="all", max_deviation=1.0)
+                       policy="retrieval", recompute_blocks=1, exact_alignment="all", max_deviation=1.0,
+                       index_computed=index_computed)
     # all new: a precompute plus recomputed blocks would cost more than computing them once
     first = runner.run(long_docs("paris", "nile", "everest"), query="q1", system=SYSTEM, max_tokens=1)
     assert first.fallback is StepFallback.NO_GAIN and first.salt == runner.salt
@@ -767,24 +769,28 @@ def test_by_default_a_request_relocates_only_when_it_pays_and_exact_requests_ind
     assert all(0 <= st.recomputed_tokens <= st.prefill_tokens for st in (step, first, second, again))
     # stored chunks around a new one: the new chunk is computed, not precomputed (a
     # precompute would compute it once more for its recomputed block, and the guard
-    # trips far more often at precomputed chunks: 7 of 7 on wiki, 2026-12-07), laid
-    # before the stored ones (``defer``): it attends to exact KV only, so the connector
-    # stores it under the tenant's salt too and the index finds it where it stood
+    # trips far more often at precomputed chunks: 7 of 7 on wiki, 2026-12-07)
     third = runner.run(long_docs("nile", "amazon", "paris", "everest"), query="q3", system=SYSTEM, max_tokens=1)
     assert third.fallback is None and third.precomputed_tokens == 0 and third.relocated_chunks == 3
     segs3 = chunk_segments(third)
-    assert sorted(segs3, key=lambda i: segs3[i].start) == ["amazon", "nile", "paris", "everest"]
     new = segs3["amazon"]
     look = runner.index.lookup(third.prompt.token_ids[new.start : new.end], salt=runner.salt)
-    assert look.status is ChunkStatus.HIT and (look.source.start, look.source.salt) == (new.start, runner.salt)
     assert third.prefill_tokens >= new.end - new.start
-    # the next request that holds it relocates it from there: no precompute, nothing of it computed
-    fourth = runner.run(long_docs("paris", "amazon"), query="q4", system=SYSTEM, max_tokens=1)
-    # (the head and paris load exactly from the first request's blocks; amazon moves, its
-    # first block recomputed)
-    assert fourth.fallback is None and (fourth.precomputed_tokens, fourth.relocated_chunks) == (0, 1)
-    assert fourth.relocated_tokens == new.end - new.start - 32
-    assert fourth.prefill_tokens == 32 + query_tail(fourth)
+    if not index_computed:  # where it stands, after relocated KV: not indexed
+        assert sorted(segs3, key=lambda i: segs3[i].start) == ["nile", "amazon", "paris", "everest"]
+        assert look.status is ChunkStatus.MISS
+    else:
+        # laid before the stored ones (``defer``): it attends to exact KV only, so the
+        # connector stores it under the tenant's salt too and the index finds it there
+        assert sorted(segs3, key=lambda i: segs3[i].start) == ["amazon", "nile", "paris", "everest"]
+        assert look.status is ChunkStatus.HIT and (look.source.start, look.source.salt) == (new.start, runner.salt)
+        # the next request that holds it relocates it from there: no precompute; the head
+        # and paris load exactly from the first request's blocks, amazon moves (its first
+        # block recomputed)
+        fourth = runner.run(long_docs("paris", "amazon"), query="q4", system=SYSTEM, max_tokens=1)
+        assert fourth.fallback is None and (fourth.precomputed_tokens, fourth.relocated_chunks) == (0, 1)
+        assert fourth.relocated_tokens == new.end - new.start - 32
+        assert fourth.prefill_tokens == 32 + query_tail(fourth)
     with pytest.raises(ConfigError, match="relocate must be"):
         RagRunner(kv_engine, mode="position_independent", relocate="sometimes")
     with pytest.raises(ConfigError, match="exact_alignment must be"):
