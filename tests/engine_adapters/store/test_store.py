@@ -466,19 +466,22 @@ def test_a_block_hit_in_dram_stays_young_on_disk(tmp_path):
     assert record_files(tmp_path / "kv") == names(hot, x2, x3)
 
 
-def test_the_shared_stores_write_their_dram_blocks_down_at_exit(tmp_path):
+def test_the_shared_stores_write_their_dram_blocks_down_at_exit(tmp_path, monkeypatch):
     """At interpreter exit (and when vLLM shuts the connector down) DRAM's blocks go to
     the disk tier: a restart serves the most recent blocks, not only those evicted
     before (until 2026-12-07 they were dropped)."""
-    from promptsplice.engine_adapters.store._store import _close_shared_stores
+    from promptsplice.engine_adapters.store import _store as store_module
 
+    # the exit hook closes every shared store of the process: only this test's here (the
+    # session's engines share theirs)
+    monkeypatch.setattr(store_module, "_SHARED", {})
     cfg = StoreConfig(dram_bytes=8 * P, disk_bytes=8 * REC, disk_dir=str(tmp_path / "kv"),
                       write_behind_bytes=0, fingerprint="test-model/float32/16")
     store = shared_store(cfg)
     refs = make_refs(3)
     put_all(store, refs)
     assert record_files(tmp_path / "kv") == []
-    _close_shared_stores()
+    store_module._close_shared_stores()
     assert store.closed
     again = BlockStore(cfg)
     try:
