@@ -597,7 +597,7 @@ def _run_pic(report, outs, engine, kv_engine, requests, *, policy, max_tokens, p
         "recompute_blocks": r,
         "exact_alignment": exact_alignment,
         "recompute_at": runner.recompute_at_for(),
-        "index_computed": runner.index_computed,
+        "index_computed": index_computed,
         "run_max_deviation": runner.max_deviation,  # the run-start guard's threshold (None: no guard)
         "guard": runner.guard_rates().observed(),  # what its gate learnt: trip rates, requests explored
         "gap_closed": gap_closed(report["modes"]["naive"]["prefill_tokens"], prefill, report["oracle_prefill_tokens"]),

@@ -81,7 +81,7 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
         assert set(m) == MODE_FIELDS and m["requests"] == 6
         assert m["prefill_tokens"] == m["prompt_tokens"] - m["cached_tokens"]
     pic = report["pic"]
-    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at",
+    assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at", "index_computed",
                         "run_max_deviation", "guard", "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store",
                         "gap_closed_vs_store_whole_block", "gap_closed_vs_store_ceiling", "ceiling_gap_closed_vs_store",
                         "probe_traffic"}
