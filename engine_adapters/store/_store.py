@@ -99,7 +99,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -222,7 +224,9 @@ class BlockStore:
         self._cond = new_condition()
         self._pin_count: dict[Key, int] = {}
         self._pins: dict[Hashable, tuple[Key, ...]] = {}
-        self._dram = DramTier(config.dram_bytes, pinned=self._pinned)
+        # The tiers call back through weak references: a store dropped without close() is
+        # freed (and its folder released, ``__del__``) at once, not at a later GC cycle.
+        self._dram = DramTier(config.dram_bytes, pinned=_weakly(self._pinned, False))
         self._lower: list[StorageTier] = []
         self._hits = [0, 0]  # per tier: DRAM, then the storage tiers' total
         self._misses = [0, 0]
@@ -269,8 +273,8 @@ class BlockStore:
                 retry_s=config.disk_retry_s,
                 write_behind_bytes=config.write_behind_bytes,
                 cond=self._cond,
-                pinned=self._pinned,
-                on_lost=self._lost,
+                pinned=_weakly(self._pinned, False),
+                on_lost=_weakly(self._lost, None),
             )
             if disk is not None:
                 self._lower.append(disk)
@@ -293,9 +297,9 @@ class BlockStore:
                     retry_s=config.remote_retry_s,
                     write_behind_bytes=config.write_behind_bytes,
                     cond=self._cond,
-                    pinned=self._pinned,
-                    on_lost=self._lost,
-                    on_back=self._reshare,
+                    pinned=_weakly(self._pinned, False),
+                    on_lost=_weakly(self._lost, None),
+                    on_back=_weakly(self._reshare, None),
                 )
             )
 
@@ -678,6 +682,20 @@ class BlockStore:
             while self._closed and not self._shut:
                 self._cond.wait()
 
+    def __del__(self) -> None:
+        """A store dropped without :meth:`close` closes as a file does: pending writes
+        finish and the folder is released (until 2026-12-08 its lock stayed held until a
+        garbage-collector cycle, and reopening the folder raised ``ConfigError``)."""
+        if getattr(self, "_closed", True) or sys.is_finalizing():
+            return  # (at interpreter teardown the writer threads are gone: the OS releases)
+        name = repr(self)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise; say what failed
+            _log.debug("block store: closing a dropped store failed", exc_info=True)
+        warnings.warn(f"unclosed {name}: call close() or use it as a context manager",
+                      ResourceWarning, stacklevel=2, source=self)
+
     def __enter__(self) -> BlockStore:
         return self
 
@@ -847,6 +865,18 @@ def _check_iterable(refs: Any) -> None:
     """``None`` or a number as the refs of a query is :class:`InputError`."""
     if isinstance(refs, str | bytes) or not hasattr(refs, "__iter__"):
         raise InputError(f"refs must be a sequence of block refs (chain_refs(...)), got {type(refs).__name__}")
+
+
+def _weakly(method: Any, default: Any) -> Any:
+    """``method`` called through a weak reference (``default`` once its store is gone),
+    so a tier holding the callback does not keep its store alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return default if bound is None else bound(*args)
+
+    return call
 
 
 def _ref_list(refs: Any) -> list:

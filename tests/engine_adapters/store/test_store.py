@@ -9,6 +9,7 @@ multiples of blocks (DRAM) and of record files (disk).
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import math
 import os
@@ -385,6 +386,24 @@ def test_one_store_per_folder_and_shared_store(tmp_path):
     two = shared_store(cfg)
     assert two is not one and not two.closed
     two.close()
+
+
+def test_a_store_dropped_without_close_releases_its_folder_at_once(tmp_path):
+    """Its tiers called back through bound methods, a cycle: the folder's lock stayed
+    held until a garbage-collector cycle, and reopening the folder raised ConfigError.
+    Dropped, it now closes as a file does (pending write-behinds finish) and warns."""
+    refs = make_refs(3)
+    gc.disable()  # the release must come from the drop itself, not from a collection
+    try:
+        store = open_store(tmp_path, dram_blocks=1, disk_bytes=4 * REC, write_behind_bytes=8 * REC)
+        put_all(store, refs)  # two write-downs queued behind
+        with pytest.warns(ResourceWarning, match="unclosed BlockStore"):
+            del store
+        again = open_store(tmp_path, dram_blocks=1, disk_bytes=4 * REC)
+    finally:
+        gc.enable()
+    assert [status(again, r) for r in refs] == [HIT_DISK, HIT_DISK, MISS]  # DRAM's block forgotten, as close()
+    again.close()
 
 
 def test_discard_and_clear_remove_records(tmp_path):
