@@ -70,7 +70,7 @@ from promptsplice.engine_adapters.connector._metrics import (
     SplicePromMetrics,
 )
 from promptsplice.engine_adapters.connector._plans import BlockDeviation, latest_per_block
-from promptsplice.engine_adapters.connector._scheduler import LoadItem, SpliceMetadata, SpliceScheduler
+from promptsplice.engine_adapters.connector._scheduler import SpliceMetadata, SpliceScheduler
 from promptsplice.engine_adapters.connector._served import (
     IDENTITY_REASON,
     identity_salt,
@@ -424,7 +424,6 @@ class SpliceConnector(KVConnectorBase_V1):
             self._after_alloc(request, blocks, num_external_tokens)
         except Exception as exc:  # noqa: BLE001 - never fatal for the engine (see above)
             _log_failure("update_state_after_alloc", req_id, exc)
-            self.scheduler.request_finished(req_id)
             self._fail_ack(req_id, exc)
             self._loads.pop(req_id, None)
             if num_external_tokens > 0 and start is not None:
@@ -432,9 +431,11 @@ class SpliceConnector(KVConnectorBase_V1):
                 # worker report their blocks as load errors, so vLLM recomputes them
                 bs = self.settings.block_size
                 first = start // bs
-                dst = tuple(_vllm.allocated_block_ids(blocks)[first : first + -(-num_external_tokens // bs)])
-                self.scheduler._loads.append(LoadItem(req_id, None, (), (), dst, start))
-            elif num_external_tokens > 0:
+                dst = _vllm.allocated_block_ids(blocks)[first : first + -(-num_external_tokens // bs)]
+                self.scheduler.load_without_source(req_id, dst, start)
+                return
+            self.scheduler.request_finished(req_id)
+            if num_external_tokens > 0:
                 raise  # no offer on record: the blocks cannot be named (never expected)
 
     def _after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -496,7 +497,7 @@ class SpliceConnector(KVConnectorBase_V1):
         probes: list[Any] = []
         for step in steps:
             try:
-                work = self.scheduler.build_connector_meta([step], block_ids)
+                work = self.scheduler.build_connector_meta([step], block_ids, end_step=False)
             except Exception as exc:  # noqa: BLE001
                 _log_failure("build_connector_meta", step[0], exc)
                 self._fail_ack(step[0], exc, loaded=True)
@@ -507,6 +508,7 @@ class SpliceConnector(KVConnectorBase_V1):
             probes += work.probes
         loads += self.scheduler._loads
         self.scheduler._loads = []
+        self.scheduler.end_step()
         return SpliceConnectorMetadata(SpliceMetadata(loads, saves, probes))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

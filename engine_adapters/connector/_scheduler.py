@@ -677,13 +677,17 @@ class SpliceScheduler:
         self,
         steps: Iterable[tuple[str, int, int]],
         block_ids: Callable[[str], Sequence[int]],
+        *,
+        end_step: bool = True,
     ) -> SpliceMetadata:
         """This step's work: the pending loads, and a save of every full prompt block
         the step completes that the store lacks.
 
         ``steps``: ``(req_id, num_computed_tokens, num_scheduled_tokens)`` of each
         scheduled request (computed tokens *before* this step, loaded ones included);
-        ``block_ids(req_id)``: all of the request's vLLM block ids.
+        ``block_ids(req_id)``: all of the request's vLLM block ids.  ``end_step=False``
+        builds part of a step (the connector's one-request-at-a-time fallback), which
+        then ends with :meth:`end_step`.
         """
         bs = self.block_size
         saves: list[SaveItem] = []
@@ -732,9 +736,31 @@ class SpliceScheduler:
         for st in saved_from:
             st.save_from = None
         loads, self._loads = self._loads, []
+        if end_step:
+            self.end_step()
+        return SpliceMetadata(loads, saves, probes)
+
+    def end_step(self) -> None:
+        """The step's loads are out: :meth:`loads_failed` reads them in the next two
+        reports (until 2026-12-08 the fallback's per-request builds each ended a step,
+        and from the third on a step's earlier loads were forgotten before vLLM's report
+        of their failed blocks)."""
         self._awaiting = [*self._awaiting[-1:], self._issued]
         self._issued = []
-        return SpliceMetadata(loads, saves, probes)
+
+    def load_without_source(self, req_id: str, block_ids: Sequence[int], start: int) -> LoadItem:
+        """A load vLLM counts on that the connector could not build (its allocation
+        bookkeeping failed): the worker reports the blocks as load errors and vLLM
+        recomputes them.  Recorded like any load, so that report marks the request's keys
+        (until 2026-12-08 it went out unrecorded: a request aborted before recomputing
+        left vLLM's stale blocks under clean keys).  Then the request is forgotten."""
+        item = LoadItem(req_id, None, (), (), tuple(int(b) for b in block_ids), start)
+        self._loads.append(item)
+        st = self._reqs.get(req_id)
+        if st is not None:
+            self._issued.append((item, st.tokens, st.salt))
+        self.request_finished(req_id)
+        return item
 
     def _probe_item(
         self, req_id: str, st: _ReqState, computed: int, scheduled: int, block_ids: Callable[[str], Sequence[int]]

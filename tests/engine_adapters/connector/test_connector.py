@@ -648,6 +648,83 @@ def test_a_request_the_connector_failed_on_says_so_in_its_ack():
     assert (load.req_id, load.block_ids, load.refs) == ("r", (10, 11, 12, 13, 14), ())  # recomputed by vLLM
 
 
+def _step_output(steps, ids_of):
+    """A ``SchedulerOutput`` of new requests: ``steps`` ``(req_id, computed, scheduled)``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        num_scheduled_tokens={r: n for r, _, n in steps},
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(ids_of[r],)) for r, c, _ in steps],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+    )
+
+
+@pytest.mark.reliability
+def test_a_load_the_connector_could_not_build_marks_its_keys_when_it_fails():
+    """When the allocation bookkeeping failed, the connector sent a load without a source
+    (vLLM recomputes its blocks) but recorded nothing: the worker's report of those
+    blocks marked no key, and a request aborted before recomputing them left vLLM's
+    stale blocks under clean tenant keys, which later requests saved behind."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters import BlockStore
+    from promptsplice.engine_adapters.connector._served import splice_params
+    from tests.engine_adapters.connector._kv import BS, PAYLOAD, SALT, deletion_case
+
+    store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
+    _, new, plan, _ = deletion_case(store)
+    conn = scheduler_glue(store)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=new, cache_salt=SALT, kv_transfer_params=splice_params(plan, new))
+    assert conn.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
+    ids = list(range(10, 17))
+
+    def broken(*args):
+        raise RuntimeError("a bug in the allocation bookkeeping")
+
+    conn._after_alloc = broken  # (no real part fails here on demand)
+    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 5 * BS)
+    meta = conn.build_connector_meta(_step_output([("r", 5 * BS, 2 * BS)], {"r": ids}))
+    assert [(item.req_id, item.block_ids, item.refs) for item in meta.work.loads] == [("r", (10, 11, 12, 13, 14), ())]
+    conn.update_connector_output(SimpleNamespace(invalid_block_ids={10, 11, 12, 13, 14}))
+    keys = [ref.key for ref in chain_refs(new[: len(new) // BS * BS], BS, salt=SALT)]
+    assert list(conn.scheduler._tainted) == keys  # every key from the first failed block
+
+
+@pytest.mark.reliability
+def test_the_one_request_fallback_keeps_every_load_for_the_failure_report():
+    """After a step it could not build, the connector builds each request alone; each of
+    those builds ended a step, so from the third on the step's loads were forgotten
+    before vLLM reported which of them failed, and their keys stayed clean."""
+    from types import SimpleNamespace
+
+    from promptsplice.engine_adapters import BlockStore
+    from tests.engine_adapters.connector._kv import BS, PAYLOAD, SALT
+
+    store = BlockStore(StoreConfig(dram_bytes=64 * PAYLOAD, write_behind_bytes=0))
+    prompts = {f"g{i}": list(range(1000 * i, 1000 * i + 4 * BS + 3)) for i in (1, 2, 3)}
+    for toks in prompts.values():
+        for ref in chain_refs(toks, BS, salt=SALT):
+            store.put(ref, torch.zeros(4), salt=SALT)
+    conn = scheduler_glue(store)
+    conn.max_query_tokens = 1 << 18
+    ids_of = {r: list(range(10 * i, 10 * i + 5)) for i, r in enumerate(prompts, 1)}
+    for rid, toks in prompts.items():
+        req = SimpleNamespace(request_id=rid, prompt_token_ids=toks, cache_salt=SALT, kv_transfer_params=None)
+        assert conn.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
+        conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda rid=rid: (ids_of[rid],)), 4 * BS)
+    # a request whose state holds a salt that cannot be hashed: the whole step fails
+    odd = list(range(9000, 9000 + 2 * BS + 1))
+    conn.scheduler.get_num_new_matched_tokens("odd", odd, "", len(odd), None)
+    ids_of["odd"] = [90, 91, 92]
+    steps = [(r, 4 * BS, 3) for r in prompts] + [("odd", 0, 2 * BS)]
+    meta = conn.build_connector_meta(_step_output(steps, ids_of))
+    assert [item.req_id for item in meta.work.loads] == ["g1", "g2", "g3"]
+    conn.update_connector_output(SimpleNamespace(invalid_block_ids={10, 20, 30}))
+    marked = set(conn.scheduler._tainted)
+    for toks in prompts.values():
+        assert {ref.key for ref in chain_refs(toks, BS, salt=SALT)} <= marked
+
+
 @pytest.mark.reliability
 def test_a_request_sent_while_an_exception_is_handled_is_saved(kv_engine, measured):
     """The connector took any exception in flight at ``wait_for_save`` for a failed
