@@ -338,6 +338,8 @@ def diff_renders(
     for name, r in (("old", old), ("new", new)):
         if not isinstance(r, Render):
             raise InputError(f"{name} must be a Render (ChatRenderer.render(...)), got {type(r).__name__}")
+    if decode is not None and not callable(decode):
+        raise InputError(f"decode must be a callable (the tokenizer's decode) or None, got {type(decode).__name__}")
     ob, nb = old.body_segments, new.body_segments
     o_end, n_end = old.body_end, new.body_end
     ot, nt = old.token_ids, new.token_ids

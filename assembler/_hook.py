@@ -314,7 +314,7 @@ class ContextHook:
             if not all(isinstance(e, MessageEdit) for e in res.edits):
                 raise ConfigError(f"policy {p!r} returned edits that are not MessageEdit records: {res.edits!r:.80}")
             if res.edits:
-                edits.append((getattr(p, "name", type(p).__name__), res.edits))
+                edits.append((_policy_name(p), res.edits))
             cur = res.messages
         return list(cur), tuple(edits)
 
@@ -349,3 +349,11 @@ class ContextHook:
     def __repr__(self) -> str:
         return f"ContextHook(block_size={self.block_size}, sessions={len(self)}/{self.max_sessions})"
 
+
+def _policy_name(policy: Any) -> str:
+    """How a step's ``policy_edits`` name ``policy``: its ``name``, a function's own
+    name, else its class's (until 2026-12-08 every plain function read ``"function"``)."""
+    name = getattr(policy, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    return getattr(policy, "__name__", None) or type(policy).__name__

@@ -139,7 +139,7 @@ def _text(content: Any) -> str | None:
     nothing, two parts' lines ran together)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # text parts, or plain strings (the renderer takes both)
+    if isinstance(content, (list, tuple)):  # text parts, or plain strings (the renderer takes both)
         try:
             texts = [part_text(p, -1) for p in content]
         except NonTextContentError:
@@ -259,6 +259,8 @@ _MARKER_RE = re.compile(r"\s*(?:\[(?:error|errno)\b|fatal:|traceback \(most rece
 _HEAD_RE = re.compile(r"\s*([A-Za-z_][\w.]*)")
 _NO_RE = re.compile(r"(?:^|_)non?_?$", re.IGNORECASE)
 _NO_CAMEL_RE = re.compile(r"(?:^|[a-z0-9])Non?$")
+_ERROR_FIRST_RE = re.compile(r'\{\s*"error"\s*:\s*(?!null\b|false\b|""|0\b|\{\s*\}|\[\s*\])\S')
+"""A JSON object's head whose first key is ``"error"`` with a value that is not empty."""
 _NULL_VALUE_RE = re.compile(r"[:=]\s*(?:null|none|false|0)\s*(?:[,;\n]|$)", re.IGNORECASE)
 
 
@@ -316,7 +318,9 @@ def is_error_output(message: Mapping[str, Any]) -> bool:
         try:
             obj = json.loads(stripped)
         except ValueError:
-            return False
+            # not whole JSON (a body TruncateToolOutputs cut in the middle, when it runs
+            # before DropFailedCalls): an object whose first key is a non-empty "error"
+            return _ERROR_FIRST_RE.match(stripped) is not None
         return isinstance(obj, dict) and bool(obj.get("error"))  # {"error": null, ...} is a success
     return False
 
@@ -446,10 +450,21 @@ class DropFailedCalls:
 SUMMARY_TEMPLATE = "Summary of the earlier conversation:\n{summary}"
 
 
-def _summary_message(summary: Any, role: str, template: str) -> Message:
+def _check_summary(summary: Any) -> str:
+    """What ``summarize()`` returned, as the summary text: a str of valid Unicode (a
+    lone surrogate was cached, and every later step of the session failed on it)."""
     if not isinstance(summary, str):
         raise InputError(f"summarize() must return a str, got {type(summary).__name__}")
-    return {"role": role, "content": template.format(summary=summary)}
+    try:
+        summary.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidUTF8Error.lone_surrogate("the text summarize() returned", summary, exc, index=-1,
+                                              fix="return valid Unicode from summarize()") from None
+    return summary
+
+
+def _summary_message(summary: Any, role: str, template: str) -> Message:
+    return {"role": role, "content": template.format(summary=_check_summary(summary))}
 
 
 def summarize_turns(
@@ -590,9 +605,7 @@ class SummarizeTurns:
                 return making.text
             # its maker failed: make it here
         try:
-            summary = self.summarize([dict(m) for m in stretch])
-            if not isinstance(summary, str):
-                raise InputError(f"summarize() must return a str, got {type(summary).__name__}")
+            summary = _check_summary(self.summarize([dict(m) for m in stretch]))
             mine.text = summary
             with self._lock:
                 self._memo[key] = summary
@@ -635,8 +648,10 @@ class SummarizeTurns:
                 chain[e] = h
                 hit = self._memo.get(h)
                 # a stretch summarized for a longer list (another session's, or before an
-                # edit) is reused only where it leaves this list's recent turns whole
-                if hit is not None and self._can_end(messages, e):
+                # edit) is reused only where it leaves this list's recent turns whole, and
+                # only in a list over max_messages (until 2026-12-08 a list that fit lost
+                # turns to a summary made for another session's longer list)
+                if hit is not None and n > self.max_messages and self._can_end(messages, e):
                     found_end, found = e, hit
             if found is not None:
                 self._memo.move_to_end(chain[found_end])

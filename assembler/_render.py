@@ -325,9 +325,10 @@ class ChatRenderer:
     ) -> list[_Piece]:
         """The segment texts (kind, message index, role, text) before tokenization."""
         unescape = self._markup.unescape
+        gen = check_bool(add_generation_prompt, "add_generation_prompt")  # as render() ("no" was true)
         return [
             (kind, idx, role, unescape(text))
-            for kind, idx, role, text in self._marked_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+            for kind, idx, role, text in self._marked_pieces(messages, tools, add_generation_prompt=gen)
         ]
 
     # -- internals -----------------------------------------------------------------

@@ -312,3 +312,11 @@ def test_apply_diff_refuses_appended_tokens_that_are_not_ids(renderer, appended)
     assert apply_diff(old.token_ids, diff) == renderer.render(BASE).token_ids
     with pytest.raises(DirectiveError, match="appended tokens must be a list or tuple of token ids"):
         apply_diff(old.token_ids, dataclasses.replace(diff, appended=appended))
+
+
+def test_a_decode_that_is_not_callable_is_an_input_error(renderer):
+    """``diff_renders(decode=5)`` raised a bare TypeError from inside the diff."""
+    old = renderer.render([{"role": "user", "content": "hi"}])
+    new = renderer.render([{"role": "user", "content": "hi there"}])
+    with pytest.raises(InputError, match="decode must be a callable"):
+        diff_renders(old, new, decode=5)

@@ -318,3 +318,17 @@ def test_a_policy_class_instead_of_an_instance_is_refused_when_built(default_tok
             return DropFailedCalls().apply(messages)
 
     assert ContextHook(default_tok, policies=[Static]).policies == [Static]
+
+
+def test_a_function_policy_is_named_by_its_function(default_tok):
+    """Every plain-function policy's edits were filed as ``"function"``."""
+    from promptsplice.assembler import ContextHook, MessageEdit, PolicyResult
+    from promptsplice.assembler import EditKind
+
+    def shorten_notes(messages):
+        out = [dict(m) for m in messages]
+        out[-1]["content"] = "short"
+        return PolicyResult(out, (MessageEdit(EditKind.TRUNCATE, (len(out) - 1, len(out)), (len(out) - 1, len(out))),))
+
+    ctx = ContextHook(default_tok, 16, policies=[shorten_notes])("s", [{"role": "user", "content": "a long note"}])
+    assert [name for name, _ in ctx.policy_edits] == ["shorten_notes"]

@@ -660,3 +660,104 @@ def test_a_summary_keeps_a_mid_session_instruction_as_it_is(default_tok):
     # a stretch of instructions alone is not summarized
     only = [msgs[0], {"role": "developer", "content": "x"}, {"role": "system", "content": "y"}, *msgs[4:]]
     assert SummarizeTurns(lambda ms: "s", max_messages=6, keep_recent=4).apply(only).edits == ()
+
+
+# -- a review's findings (2026-12-08) ---------------------------------------------------
+
+GOOGLE_ERROR = (
+    '{\n  "error": {\n    "code": 404,\n    "message": "File not found: 1AbC",\n    "errors": [\n'
+    '      {\n        "message": "File not found: 1AbC",\n        "domain": "global",\n'
+    '        "reason": "notFound",\n        "location": "fileId",\n        "locationType": "parameter"\n'
+    '      }\n    ],\n    "status": "NOT_FOUND"\n  }\n}'
+)
+
+
+@pytest.mark.parametrize("order", ["truncate_first", "drop_first"])
+def test_a_long_json_error_is_dropped_whichever_policy_runs_first(default_tok, order):
+    """The README ran TruncateToolOutputs before DropFailedCalls: a 16-line JSON error
+    body came out cut in the middle, no longer JSON, and read as a success, so the
+    failed call stayed in the context for good."""
+    from promptsplice.assembler import ContextHook
+
+    assert GOOGLE_ERROR.count("\n") + 1 == 16 and is_error_output({"role": "tool", "content": GOOGLE_ERROR})
+    cut = TruncateToolOutputs().truncate(GOOGLE_ERROR)
+    assert "lines truncated" in cut and is_error_output({"role": "tool", "content": cut})
+    msgs = [
+        {"role": "user", "content": "Open the design doc."},
+        {"role": "assistant", "tool_calls": [call("a", "drive_get")]},
+        {"role": "tool", "tool_call_id": "a", "content": GOOGLE_ERROR},
+        {"role": "assistant", "tool_calls": [call("b", "drive_get")]},
+        {"role": "tool", "tool_call_id": "b", "content": "Design doc v2"},
+    ]
+    policies = [TruncateToolOutputs(), DropFailedCalls()]
+    ctx = ContextHook(default_tok, block_size=16, policies=policies if order == "truncate_first" else policies[::-1])("s", msgs)
+    assert ctx.messages == [msgs[0], msgs[3], msgs[4]]
+
+
+@pytest.mark.parametrize("head, failed", [
+    ('{"error": {"code": 4', True), ('{ "error" : "bad', True), ('{"error": null, "x', False),
+    ('{"error": false, "x', False), ('{"error": {}, "x', False), ('{"result": 1, "error": {"a', False),
+])
+def test_a_json_body_cut_short_is_failed_by_its_first_key(head, failed):
+    assert is_error_output({"role": "tool", "content": head + "\n[... 9 lines truncated ...]\n}"}) is failed
+
+
+def test_a_summary_made_for_a_longer_list_is_not_applied_to_one_that_fits():
+    """A shared SummarizeTurns applied a remembered stretch to a list of max_messages or
+    fewer (another session's shorter list): its turns went into a summary it never
+    needed, a summary made for someone else's conversation."""
+    seen = []
+
+    def summarize(ms):
+        seen.append(len(ms))
+        return "SUMMARY"
+
+    p = SummarizeTurns(summarize, max_messages=12, keep_recent=4)
+    base = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "List the repo."}]
+    for k in range(1, 6):
+        base += [{"role": "assistant", "tool_calls": [call(f"c{k}", "ls")]},
+                 {"role": "tool", "tool_call_id": f"c{k}", "content": f"out {k}"}]
+    longer = base + [{"role": "assistant", "content": "Done."}]  # 13 > 12
+    assert [e.old for e in p.apply(longer).edits] == [(1, 8)] and seen == [7]
+    fits = p.apply(base)  # 12: nothing to summarize
+    assert fits.messages == base and fits.edits == ()
+    assert [e.old for e in p.apply(longer + [{"role": "user", "content": "more"}]).edits] == [(1, 8)]
+    assert seen == [7]  # the same session grown: its summary is reused, not made again
+
+
+def test_tool_outputs_in_a_tuple_of_parts_are_read_like_a_list():
+    """Content as a tuple of text parts rendered as text, but the policies read it as
+    non-text: never truncated, and an error in it never seen."""
+    long = tuple({"type": "text", "text": line} for line in lines(40).split("\n"))
+    msgs = [{"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [call("a", "ls")]},
+            {"role": "tool", "tool_call_id": "a", "content": long},
+            {"role": "assistant", "tool_calls": [call("b", "ls")]},
+            {"role": "tool", "tool_call_id": "b", "content": "ok"}]
+    res = TruncateToolOutputs().apply(msgs)
+    assert [e.old for e in res.edits] == [(2, 3)] and "32 lines truncated" in res.messages[2]["content"]
+    failed = ({"type": "text", "text": "Error: no such file"},)
+    assert is_error_output({"role": "tool", "content": failed})
+    msgs[2] = {"role": "tool", "tool_call_id": "a", "content": failed}
+    assert DropFailedCalls().apply(msgs).messages == [msgs[0], msgs[3], msgs[4]]
+
+
+def test_a_summary_that_is_not_valid_unicode_is_refused_and_asked_again():
+    """A summary with a lone surrogate was remembered: every later step failed on it in
+    the renderer (naming "message 0", the policy's own message) and summarize() was
+    never asked again."""
+    from promptsplice.errors import InvalidUTF8Error
+
+    calls = []
+
+    def summarize(ms):
+        calls.append(1)
+        return "partial \ud83d" if len(calls) == 1 else "a good summary"
+
+    p = SummarizeTurns(summarize, max_messages=4, keep_recent=2)
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(6)]
+    with pytest.raises(InvalidUTF8Error, match="the text summarize\\(\\) returned contains a lone surrogate"):
+        p.apply(msgs)
+    assert "a good summary" in p.apply(msgs).messages[0]["content"] and len(calls) == 2
+    with pytest.raises(InvalidUTF8Error, match="summarize\\(\\) returned"):
+        summarize_turns(msgs, 0, 4, lambda ms: "\udc80")

@@ -851,3 +851,13 @@ def test_the_memo_bound_counts_each_entry_not_only_its_text(default_tok):
     for i in range(200):
         r.render([{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}])
     assert 0 < r._memo_chars <= 4096 and len(r._memo) <= 4096 // 256
+
+
+def test_pieces_checks_add_generation_prompt_as_render_does(renderer):
+    """``pieces(add_generation_prompt="no")`` took the string as true and added a
+    generation piece; ``render`` refused it."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for call in (renderer.render, renderer.pieces):
+        with pytest.raises(ConfigError, match="add_generation_prompt"):
+            call(msgs, add_generation_prompt="no")
+    assert len(renderer.pieces(msgs, add_generation_prompt=True)) == len(renderer.pieces(msgs, add_generation_prompt=False)) + 1
