@@ -146,7 +146,8 @@ def default_engine() -> Any:
 
 
 _KNOWN_CALL_KWARGS = frozenset(
-    {"tools", "tool_choice", "session_id", "max_tokens", "temperature", "model", "parallel_tool_calls", "cache_salt"}
+    {"tools", "tool_choice", "session_id", "max_tokens", "temperature", "model", "parallel_tool_calls", "cache_salt",
+     "stream"}  # langchain_core's per-call opt-in/out of streaming: it routed the call already
 )
 
 

@@ -89,8 +89,9 @@ def lc_messages_to_openai(messages: Sequence[BaseMessage], *, origins: list[int]
     return out
 
 
-_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call", "reasoning",
-                          "thinking", "redacted_thinking"})
+_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call",
+                          "server_tool_call_chunk", "server_tool_result", "reasoning", "thinking",
+                          "redacted_thinking"})
 """LangChain v1 content blocks of an assistant turn that are not its text: the calls
 (already in ``tool_calls``) and reasoning (which chat templates leave out of history;
 Anthropic's ``thinking``/``redacted_thinking`` too, which made the session's hooks pass
@@ -128,9 +129,19 @@ def format_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for t in tools:
         try:
-            out.append(convert_to_openai_tool(t))
+            tool = convert_to_openai_tool(t)
         except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
             raise InputError(f"cannot convert tool {t!r:.80} to an OpenAI tool schema: {exc}") from exc
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not (tool.get("type") == "function" and isinstance(fn, Mapping) and isinstance(fn.get("name"), str)
+                and fn["name"]):
+            # a provider's built-in tool ({"type": "web_search_preview"}) passes the
+            # conversion as it is; a local model cannot run it (until 2026-12-08 it was
+            # rendered as a nameless function, and a forced choice made up a call)
+            raise InputError(
+                f"tool {t!r:.80} is not a function tool (converted: {tool!r:.80}): a provider's built-in "
+                "tool runs on that provider's servers only; pass a function, a BaseTool or a JSON schema")
+        out.append(tool)
     return out
 
 

@@ -18,7 +18,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import BaseMessage, ToolMessage, convert_to_messages
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, convert_to_messages
+from langchain_core.messages.tool import invalid_tool_call
 
 from promptsplice.assembler._chat_template import join_text_parts
 from promptsplice.errors import InputError
@@ -76,16 +77,56 @@ def messages_from_openai(
                 i += 1
                 continue
         clean = {k2: v for k2, v in d.items() if k2 != "status"}
+        clean, invalid = _split_invalid_calls(clean)
         try:
             converted = convert_to_messages([clean])
         except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
             raise InputError(f"cannot convert the edited message {d!r:.120} back to LangChain: {exc}") from exc
+        if invalid and k is not None and isinstance(own := originals[origins[k]], AIMessage):
+            by_id = {c.get("id"): c for c in own.invalid_tool_calls if c.get("id")}
+            invalid = [by_id.get(c["id"], c) for c in invalid]  # the original's (its error) where it has it
+        if invalid:
+            converted = [m.model_copy(update={"invalid_tool_calls": [*m.invalid_tool_calls, *invalid]})
+                         if isinstance(m, AIMessage) else m for m in converted]
         if d.get("status") == "error":  # a failed tool result stays one (it came back "success" until 2026-12-07)
             converted = [m.model_copy(update={"status": "error"}) if isinstance(m, ToolMessage) else m
                          for m in converted]
         out.extend(converted)
         i += 1
     return out
+
+
+def _split_invalid_calls(d: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """An assistant dict's calls whose ``arguments`` are not a JSON object (LangChain's
+    ``invalid_tool_calls``, kept in the history as the model wrote them) taken out, as
+    LangChain invalid calls: ``convert_to_messages`` raised on them, so a policy that
+    edited such a turn (a failed call dropped beside it) failed every later step."""
+    calls = d.get("tool_calls")
+    if d.get("role") != "assistant" or not isinstance(calls, (list, tuple)):
+        return d, []
+    valid, invalid = [], []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        args = fn.get("arguments") if isinstance(fn, Mapping) else None
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                name = fn.get("name")
+                invalid.append(invalid_tool_call(name=name if isinstance(name, str) else None, args=args,
+                                                 id=(c.get("id") or None), error=None))
+                continue
+        valid.append(c)
+    if not invalid:
+        return d, []
+    out = dict(d)
+    if valid:
+        out["tool_calls"] = valid
+    else:
+        out.pop("tool_calls")
+    return out, invalid
 
 
 _GAP_CELLS = 4096

@@ -1070,3 +1070,31 @@ def test_a_middleware_whose_model_has_another_tenants_salt_is_refused(default_to
     new_open, prepared_open = open_mw._prepare(req)
     assert open_mw._give(new_open, prepared_open)[1] is True
     handoff_discard(prepared_open)
+
+
+def test_an_edited_turn_that_holds_an_invalid_call_comes_back_with_it(default_tok):
+    """A turn with a failed call and a call whose arguments did not parse: dropping the
+    failed call edited the turn, and converting it back raised InputError (LangChain's
+    converter refuses arguments that are not JSON) on this step and every later one."""
+    hook = ContextHook(default_tok, block_size=16, policies=[DropFailedCalls()])
+    pre = PromptsplicePreModelHook(hook, default_session="inv-1")
+    bad = {"name": "lookup", "args": "{bad", "id": "c2", "error": "bad json", "type": "invalid_tool_call"}
+    msgs = [
+        HumanMessage("find x"),
+        AIMessage("", tool_calls=[{"name": "search", "args": {"q": "x"}, "id": "c1"}], invalid_tool_calls=[bad]),
+        ToolMessage("Error: timeout", tool_call_id="c1", status="error"),
+        ToolMessage("Error: invalid arguments", tool_call_id="c2", status="error"),
+        AIMessage("", tool_calls=[{"name": "search", "args": {"q": "x"}, "id": "c3"}]),  # the retry
+        ToolMessage("x found", tool_call_id="c3"),
+    ]
+    out = pre({"messages": msgs})["llm_input_messages"]
+    assert [type(m).__name__ for m in out] == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage", "ToolMessage"]
+    assert out[1].tool_calls == [] and out[1].invalid_tool_calls == [bad]  # the model's own record, its error too
+    assert (out[2].tool_call_id, out[2].status) == ("c2", "error") and out[3:] == msgs[4:]
+    # a new dict (no original) with arguments that are not a JSON object: an invalid call
+    again = messages_from_openai(
+        [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "n1", "type": "function", "function": {"name": "f", "arguments": "[3, 4]"}},
+            {"id": "n2", "type": "function", "function": {"name": "g", "arguments": '{"a": 1}'}}]}], [], [], [])
+    assert [c["id"] for c in again[0].tool_calls] == ["n2"]
+    assert [(c["id"], c["args"]) for c in again[0].invalid_tool_calls] == [("n1", "[3, 4]")]

@@ -910,3 +910,39 @@ def test_a_model_of_a_hook_and_a_runner_runs_on_the_runners_engine_in_every_entr
         return seen
 
     assert asyncio.run(agen()) == ["sync"]
+
+
+def test_langchains_per_call_stream_option_is_taken(engine):
+    """``invoke(x, stream=False)`` (langchain_core's documented per-call opt-out, as
+    ``stream=True`` is its opt-in) raised ConfigError: it routes the call, then passes
+    the option on."""
+    model = PromptspliceChatModel(engine=engine, max_tokens=4)
+    plain = model.invoke("Say hi.").content
+    assert model.invoke("Say hi.", stream=False).content == plain
+    assert "".join(c.content for c in model.stream("Say hi.", stream=True)) == plain
+    assert asyncio.run(model.ainvoke("Say hi.", stream=False)).content == plain
+    assert PromptspliceChatModel(engine=engine, max_tokens=4, streaming=True).invoke("Say hi.", stream=False).content == plain
+
+
+def test_a_providers_built_in_tool_is_refused_at_bind_time(engine):
+    """``bind_tools([{"type": "web_search_preview"}])`` rendered the built-in as a
+    nameless function, and a forced choice made up a call to it."""
+    from promptsplice.errors import InputError
+
+    model = PromptspliceChatModel(engine=engine, max_tokens=4)
+    with pytest.raises(InputError, match="is not a function tool"):
+        model.bind_tools([{"type": "web_search_preview"}], tool_choice="any")
+    assert model.bind_tools([magic_function]) is not None
+
+
+def test_a_v1_server_tool_result_block_is_left_out_with_its_call():
+    """A v1 history turn with a provider's server tool call, its result and text: the
+    call block was left out but its result kept, and the next step raised
+    NonTextContentError (through the hooks, the session passed through unedited)."""
+    ai = AIMessage(content=[
+        {"type": "server_tool_call", "id": "s1", "name": "web_search", "args": {"query": "capital of France"}},
+        {"type": "server_tool_result", "tool_call_id": "s1", "status": "success", "output": "Paris"},
+        {"type": "text", "text": "The capital is Paris."}], response_metadata={"output_version": "v1"})
+    dicts = lc_messages_to_openai([HumanMessage("Capital of France?"), ai])
+    assert dicts[1]["role"] == "assistant"
+    assert [p.get("type") for p in dicts[1]["content"]] == ["text"]

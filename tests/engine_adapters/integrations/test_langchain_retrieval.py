@@ -653,3 +653,44 @@ def test_cut_first_adds_the_next_ranked_chunk_when_the_kept_ones_merge():
     assert [(c.id, [(o.index, o.relation.value) for o in c.origins]) for c in chosen] == [
         ("a", [(0, "kept"), (1, "duplicate")]), ("b", [(2, "kept")])]
     assert [(c.id, [o.index for o in c.origins]) for c in beyond] == [("c", [3])]
+
+
+def test_a_metadata_id_of_any_type_keeps_the_retrieval(asm):
+    """LangChain does not reserve ``metadata["id"]`` (a vector store's UUID): a UUID or a
+    float there made dedup refuse the whole retrieval.  Such documents are named by their
+    content, and their metadata comes back as it was."""
+    import uuid
+
+    docs = [Document("alpha text", metadata={"id": uuid.UUID(int=1), "source": "a"}),
+            Document("beta text", metadata={"id": 2.5, "source": "b"}),
+            Document("alpha text", metadata={"id": uuid.UUID(int=3), "source": "c"})]  # a duplicate
+    out = PromptspliceRetriever(retriever=FixedRetriever(docs=docs), assembler=asm, learn=False).invoke("q")
+    assert sorted(d.page_content for d in out) == ["alpha text", "beta text"]
+    alpha = next(d for d in out if d.page_content == "alpha text")
+    assert sorted(o["index"] for o in _prov(alpha)["origins"]) == [0, 2]
+    assert {o["metadata"]["source"] for o in _prov(alpha)["origins"]} == {"a", "c"}
+
+
+def test_the_async_retriever_and_compressor_leave_the_event_loop_free(asm, monkeypatch):
+    """``ainvoke`` and ``acompress_documents`` ran dedup, tokenizing and ordering on the
+    event loop (0.3 s stalls for 20 documents); now in a worker thread."""
+    import threading
+
+    loop_threads: list[bool] = []
+    real = PromptspliceRetriever._splice
+
+    def recording(self, *args, **kwargs):
+        loop_threads.append(threading.current_thread() is threading.main_thread())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PromptspliceRetriever, "_splice", recording)
+    monkeypatch.setattr(PromptspliceCompressor, "_splice", recording)
+    docs = _corpus()[:6]
+    retriever = PromptspliceRetriever(retriever=FixedRetriever(docs=docs), assembler=asm, learn=False)
+    compressor = PromptspliceCompressor(assembler=asm, learn=False)
+    async def both():
+        return await retriever.ainvoke(QUERY), await compressor.acompress_documents(docs, QUERY)
+    got, compressed = asyncio.run(both())
+    assert loop_threads == [False, False]  # neither ran on the loop's (main) thread
+    assert [d.page_content for d in got] == [d.page_content for d in retriever.invoke(QUERY)]
+    assert [d.page_content for d in compressed] == [d.page_content for d in compressor.compress_documents(docs, QUERY)]
