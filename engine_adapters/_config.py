@@ -156,6 +156,11 @@ def _check_events_endpoint(ep: object) -> None:
             raise ConfigError(f"kv_events_endpoint {ep!r} names no path: ipc:///tmp/kv-events, say")
         return
     host, sep, port = ep[len("tcp://"):].rpartition(":")
+    if host in ("0.0.0.0", "[::]"):
+        # vLLM binds only tcp://*:PORT; any other host it connects to, and a connect to
+        # 0.0.0.0 never fails (until 2026-12-08 accepted: no subscriber heard an event)
+        raise ConfigError(f"kv_events_endpoint {ep!r}: vLLM connects to any host but '*', so {host} publishes "
+                          f"to nobody; to bind on every interface use tcp://*:{port or 'PORT'}")
     if ":" in host:
         raise ConfigError(f"kv_events_endpoint {ep!r}: vLLM's publisher binds an address with '::' without "
                           "turning IPv6 on in ZMQ (its start fails); use an IPv4 address or host name, or ipc://")
@@ -284,6 +289,15 @@ class EngineConfig:
                     f"extra_kwargs sets {key!r}, which EngineConfig owns: use the "
                     f"field {_OWNED_KWARGS[key]} instead"
                 )
+        sizing = sorted(k for k in self.extra_kwargs if k in ("gpu_memory_utilization", "num_gpu_blocks_override"))
+        if sizing and self.kv_cache_bytes is not None:
+            # vLLM sizes the KV cache by kv_cache_memory_bytes when it is set and ignores
+            # these (until 2026-12-08 accepted: the engine kept kv_cache_bytes' cache)
+            raise ConfigError(
+                f"extra_kwargs sets {', '.join(map(repr, sizing))}, which vLLM ignores while kv_cache_bytes="
+                f"{self.kv_cache_bytes} sizes the KV cache: pass kv_cache_bytes=None to size it by vLLM's "
+                "share (GPUs only), or set the size in kv_cache_bytes"
+            )
         object.__setattr__(self, "extra_kwargs", dict(self.extra_kwargs))
         if self.kv_store is not None:
             if not isinstance(self.kv_store, StoreConfig):

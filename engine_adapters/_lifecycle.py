@@ -123,15 +123,21 @@ def _start_error(cfg: EngineConfig, exc: BaseException) -> EngineStartError:
 def release(handle: Handle) -> None:
     """Shut the engine's vLLM down; the process-wide state goes with the last one."""
     global _live_engines
-    llm, handle.llm = handle.llm, None
+    llm = handle.llm
     if llm is None:
         return
     try:
         # "last" is decided under the agent lock a start holds around vllm.LLM(): decided
         # before it, a last engine's full shutdown tore down the process-wide state another
-        # thread's engine was starting on (a start counts itself live before it waits)
+        # thread's engine was starting on (a start counts itself live before it waits).
+        # The handle lets go of its engine only under that lock: an interrupt while
+        # waiting for it (another engine's start takes minutes) left the engine unreleased
+        # for good and the live count too high (until 2026-12-08)
         with _vllm.agent_installed(handle.kv, capture=True):  # vLLM shuts down the slot's connector
             with _live_lock:
+                if handle.llm is None:  # another thread released it meanwhile
+                    return
+                handle.llm = None
                 _live_engines -= 1
                 last = _live_engines == 0
             _vllm.shutdown_llm(llm, last_engine=last)

@@ -108,6 +108,8 @@ def prefix_route_key(
     check_block_size(block_size)
     prompt = _ids_of(prompt)
     salt = _prompt_salt(prompt, salt)
+    if _is_assembled(prompt) and prompt.salt is None and salt is not None:
+        prompt = list(prompt.token_ids)  # sent under the request's salt: its ids chained under it
     if _is_assembled(prompt):
         hashes = list(prompt.block_hashes[:key_blocks])
         if hashes:
@@ -140,6 +142,10 @@ def _prompt_salt(prompt: Any, salt: Any) -> str | None:
     if not _is_assembled(prompt):
         return salt
     own = check_salt(prompt.salt, "the prompt's salt")
+    if own is None:
+        # an unsalted prompt goes under the request's salt, as both engines send it
+        # (until 2026-12-08 refused here, so require_salt could not route it at all)
+        return salt
     if salt is not None and salt != own:
         raise InvalidSaltError(
             f"salt={salt!r} differs from the assembled prompt's salt {own!r}: assemble the "

@@ -136,6 +136,9 @@ def test_config_gpu_defaults_without_a_gpu():
         ({"enforce_eager": "yes"}, "enforce_eager"),
         ({"extra_kwargs": {"block_size": 32}}, "field block_size"),
         ({"extra_kwargs": {"kv_cache_memory_bytes": 1}}, "field kv_cache_bytes"),
+        # vLLM ignores these while kv_cache_memory_bytes sizes the cache (were accepted)
+        ({"extra_kwargs": {"gpu_memory_utilization": 0.95}}, "'gpu_memory_utilization', which vLLM ignores"),
+        ({"extra_kwargs": {"num_gpu_blocks_override": 64}}, "pass kv_cache_bytes=None"),
         # another tokenizer in vLLM than engine.tokenizer (the model folder's): unchecked
         ({"extra_kwargs": {"tokenizer": "gpt2"}}, "'tokenizer', which EngineConfig owns"),
         ({"model": "/no/such/model/folder"}, "does not exist"),
@@ -839,3 +842,50 @@ def test_a_kv_cache_of_vllms_share_too_small_names_that_share_not_kv_cache_bytes
     err = _start_error(cfg, ValueError("No available memory for the cache blocks"))
     assert "vLLM's share of the GPU memory" in str(err) and "gpu_memory_utilization" in str(err)
     assert "0.0 MiB" not in str(err)
+
+
+def test_an_interrupt_while_release_waits_for_the_agent_lock_leaves_the_engine_to_release(monkeypatch):
+    """``release()`` let go of the engine before it waited for the agent lock (another
+    engine's start holds it for minutes): Ctrl-C there left the engine never shut down
+    and counted live for good, so the real last engine skipped the full shutdown.  The
+    lock is vLLM-slot's real one, held by another thread; the interrupt is a real signal.
+    (The engine is a stand-in: its shutdown is recorded, no vLLM is started.)"""
+    import signal
+    import threading
+
+    from promptsplice.engine_adapters import _lifecycle, _vllm
+
+    shut = []
+    monkeypatch.setattr(_vllm, "shutdown_llm", lambda llm, last_engine: shut.append((llm, last_engine)))
+    monkeypatch.setattr(_lifecycle, "_live_engines", 2)
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with _vllm._agent_lock:  # another engine's start
+            held.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    a = _lifecycle.Handle("llm-A", _vllm.AgentBox())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            _lifecycle.release(a)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        done.set()
+        holder.join(10)
+    assert (a.llm, _lifecycle._live_engines, shut) == ("llm-A", 2, [])  # nothing half done
+    _lifecycle.release(a)  # close() again, or the finalizer
+    _lifecycle.release(a)
+    b = _lifecycle.Handle("llm-B", _vllm.AgentBox())
+    _lifecycle.release(b)
+    assert shut == [("llm-A", False), ("llm-B", True)] and _lifecycle._live_engines == 0

@@ -31,7 +31,9 @@ def test_the_endpoint_sets_vllms_kv_events_config():
     # at start), or that publish nothing (inproc://, a topic alone, prefix caching off)
     for bad, why in (("tcp://", "needs a host and a port"), ("tcp://*", "needs a host and a port"),
                      ("tcp://gpu-router", "needs a host and a port"), ("tcp://h:0", "needs a host and a port"),
-                     ("inproc://events", "only inside vLLM's engine process"), ("ipc://", "names no path")):
+                     ("inproc://events", "only inside vLLM's engine process"), ("ipc://", "names no path"),
+                     # vLLM connects to 0.0.0.0 (it binds '*' only): no subscriber heard anything
+                     ("tcp://0.0.0.0:5557", r"use tcp://\*:5557"), ("tcp://[::]:5557", "publishes to nobody")):
         with pytest.raises(ConfigError, match=why):
             EngineConfig(kv_events_endpoint=bad)
     with pytest.raises(ConfigError, match="without kv_events_endpoint publishes nothing"):

@@ -430,3 +430,23 @@ def test_a_servers_root_and_its_v1_are_one_server():
     router = PrefixRouter(["http://h:8000/v1", "http://g:8000"])
     router.remove_endpoint("http://h:8000")
     assert router.endpoints == ["http://g:8000"]
+
+
+def test_an_unsalted_assembled_prompt_routes_under_the_requests_salt(default_tok):
+    """Both engines send an unsalted assembled prompt with ``cache_salt=`` under that
+    salt; the router refused the pair (InvalidSaltError), so under ``require_salt`` it
+    could not route the prompt at all.  It now keys the prompt's ids under the salt, the
+    same key as the ids themselves."""
+    from promptsplice.assembler import Assembler
+    from promptsplice.engine_adapters import PrefixRouter
+    from promptsplice.errors import MissingSaltError
+
+    p = Assembler(default_tok, block_size=16).assemble(
+        system="You are a helpful assistant. " * 10, chunks=["chunk one " * 20], query="q?")
+    assert p.salt is None
+    r = PrefixRouter([f"http://h{i}" for i in range(8)], block_size=16, require_salt=True)
+    assert r.key(p, salt="tenantA") == r.key(list(p.token_ids), salt="tenantA") != r.key(p, salt="tenantB")
+    with r.acquire(p, salt="tenantA") as lease:
+        assert lease.endpoint == r.owner(r.key(list(p.token_ids), salt="tenantA"))
+    with pytest.raises(MissingSaltError):
+        r.acquire(p)
