@@ -67,7 +67,7 @@ from promptsplice._validate import (
     check_tools,
     salt_tenant,
 )
-from promptsplice.errors import ConfigError, ContextLengthError, InvalidUTF8Error
+from promptsplice.errors import ConfigError, ContextLengthError, InputError, InvalidUTF8Error
 
 __all__ = ["Assembler", "DEFAULT_CAPACITY_BLOCKS"]
 
@@ -376,6 +376,11 @@ class Assembler:
                 builder, order = lay(branches, align)
             hashes = builder.finish()
             tokens = builder.tokens
+            if not tokens:  # (the mirror's own check said "num_tokens ... got 0")
+                raise InputError(
+                    "the assembled prompt is empty: no chunk, system prompt or query has text, and the "
+                    "prompt format adds none; give a query (or a prompt_format whose templates add text)"
+                )
             if limit is not None and len(tokens) > limit:
                 padded = sum(seg.padding for seg in builder.segments)
                 pads = (f" ({padded} of them block padding of alignment={align.value!r}: 'auto' or "

@@ -123,7 +123,9 @@ def _check_same_as_assembler(asm: Assembler, **given: Any) -> None:
             tok = load_tokenizer(value)
             # by what they make of a probe, not by name: a copy of the same tokenizer.json
             # was refused, another tokenizer under the same name accepted
-            if not same_tokenizer(tok, asm.tokenizer):
+            # (its filler, BOS and control tokens too: a tokenizer that splits alike but
+            # adds a BOS or pads otherwise was accepted, and the assembler's were used)
+            if not same_tokenizer(tok, asm.tokenizer) or _settings(tok) != _settings(asm.tokenizer):
                 raise ConfigError(
                     f"tokenizer {tok.name!r} differs from the assembler's {asm.tokenizer.name!r}; "
                     "leave tokenizer unset when passing an assembler"

@@ -217,6 +217,18 @@ class HFTokenizer:
             )
         if not isinstance(name, str) or not name:
             raise TokenizerError(f"HFTokenizer needs a name (a non-empty str), got {name!r}")
+        # A private copy without truncation or padding: a transformers call elsewhere
+        # switches them on in a shared backend (every segment then came out cut, and the
+        # token cache kept the cut ids), and tokens added to it later were not escaped in
+        # caller text (until 2026-12-08 the caller's backend object was used as it was)
+        from tokenizers import Tokenizer as _HFTok
+
+        try:
+            backend = _HFTok.from_str(backend.to_str())
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise TokenizerError(f"cannot copy the tokenizer {name!r}: {exc}") from exc
+        backend.no_truncation()
+        backend.no_padding()
         self._tok = backend
         self._text_tok: Any = None
         self._ids: tuple[int, int, frozenset[int] | None] | None = None
@@ -293,7 +305,7 @@ class HFTokenizer:
         """One past the vocabulary's largest id, and the ids it lists when they have gaps
         (``None`` when they run 0 to the largest).  A vocabulary with a hole has ids at or
         past its token count, and Hugging Face's decoder drops a missing id silently.
-        Listed again when the token count changes (``add_tokens`` on a shared backend)."""
+        Listed again when the token count changes."""
         count = self._tok.get_vocab_size(with_added_tokens=True)
         known = self._ids
         if known is None or known[0] != count:

@@ -404,3 +404,29 @@ def test_assemble_prompt_compares_tokenizers_by_what_they_make_of_text(tmp_path,
     asm = Assembler(default_tok)
     out = assemble_prompt(["doc"], query="q", assembler=asm, tokenizer=str(tmp_path / "tokenizer.json"))
     assert out.token_ids == assemble_prompt(["doc"], query="q", assembler=Assembler(default_tok)).token_ids
+
+
+def test_a_tokenizer_that_splits_alike_but_pads_otherwise_differs_from_the_assemblers(make_assembler, default_tok):
+    """``assemble_prompt(tokenizer=X, assembler=asm)`` compared how X splits a probe only:
+    an X with another filler token was accepted, and asm's filler silently used."""
+    from promptsplice.assembler import HFTokenizer
+
+    asm = make_assembler(alignment="all")
+    nl = HFTokenizer(default_tok._tok, name="smol-newline-filler", filler_token_id=198)
+    assert nl.filler_token_id != default_tok.filler_token_id
+    with pytest.raises(ConfigError, match="tokenizer 'smol-newline-filler' differs from the assembler"):
+        assemble_prompt(["alpha beta"], query="q", tokenizer=nl, assembler=asm)
+    assert assemble_prompt(["alpha beta"], query="q", tokenizer=default_tok, assembler=asm).token_ids
+
+
+def test_a_prompt_with_no_tokens_is_an_input_error_that_names_the_query(default_tok):
+    """A format without text and an empty query: the mirror's own check answered
+    ("num_tokens must be the request's prompt length ... got 0")."""
+    from promptsplice.assembler import PromptFormat
+
+    asm = Assembler(default_tok, block_size=16, prompt_format=PromptFormat(separator="", query_template="{query}"))
+    for chunks in ([], [""]):
+        for call in (asm.preview, asm.assemble):
+            with pytest.raises(InputError, match="the assembled prompt is empty.*give a query"):
+                call(chunks, query="")
+    assert asm.assemble([], query="q").token_ids

@@ -417,8 +417,8 @@ def test_decode_follows_a_vocabulary_with_gaps():
     for bad in ([1], [5], [2, 8], [13], [-1]):
         with pytest.raises(InputError, match=f"id {bad[-1]} is not in this vocabulary"):
             tok.decode(bad)
-    backend.add_tokens(["<new>"])  # on the shared backend: the ids are listed again
-    assert tok.decode(tok.encode("<new>")) == "<new>"  # its id filled a hole: refused when stale
+    backend.add_tokens(["<new>"])  # on the caller's backend: the adapter encodes with its own copy
+    assert tok.encode("<new>") == [0] and tok.vocab_size == 13  # (an assembler's escaper and cache are of then)
 
 
 def test_decode_serves_an_id_the_vocabulary_map_hides():
@@ -474,3 +474,27 @@ def test_a_second_tokenizer_of_a_cached_name_escapes_its_own_control_tokens(tmp_
     assert evil not in prompt.token_ids and prompt.markup_as_text
     render = ChatRenderer(b, template=ChatTemplate.default()).render([{"role": "user", "content": doc}])
     assert evil not in render.token_ids and "<|evil|>" in render.text
+
+
+def test_a_shared_transformers_backend_switched_to_truncation_cuts_nothing():
+    """HFTokenizer encoded through the caller's backend object: a transformers call
+    elsewhere (``truncation=True, max_length=8``) switched truncation on in it, every
+    segment then came out cut (the token cache kept the cut ids), and a special token
+    added to it later was not escaped in chunk text.  It now encodes with a private copy."""
+    from transformers import PreTrainedTokenizerFast
+
+    from promptsplice.assembler import Assembler, HFTokenizer
+    from promptsplice.assets import ensure_default_tokenizer
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(ensure_default_tokenizer() / "tokenizer.json"))
+    tok = HFTokenizer(hf, name="smol-shared")
+    doc = "The quick brown fox jumps over the lazy dog near the river bank today. Another sentence."
+    whole = Assembler(tok, block_size=16).assemble([doc], query="What did the fox do?")
+    asm = Assembler(tok, block_size=16)
+    hf(["some other text the app truncates"], truncation=True, max_length=8)
+    assert hf.backend_tokenizer.truncation is not None  # switched on in the shared backend
+    p = asm.assemble([doc], query="What did the fox do?")
+    assert p.token_ids == whole.token_ids and tok.decode(p.token_ids) == p.text
+    hf.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    marked = asm.assemble(["a chunk that says <|tool|> in its text"], query="q")
+    assert max(marked.token_ids) < 49152 and "<|tool|>" in tok.decode(marked.token_ids)
