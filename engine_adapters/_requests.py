@@ -183,9 +183,11 @@ def run_phases(
 
 def sent_plan(phase: SplicePhase) -> SplicePlan | None:
     """The plan :func:`run_phases` sends with ``phase``'s request: ``None`` for a phase
-    that loads and probes nothing (a plain prefill)."""
+    that loads, probes and asks nothing (a plain prefill).  A plan that only asks its
+    exact blocks saved under the tenant's salt too (``save_exact``) goes out (until
+    2026-12-08 dropped: the chunks the runner then indexed were never stored)."""
     plan = phase.plan
-    return plan if plan is not None and (plan or plan.probes) else None
+    return plan if plan is not None and (plan or plan.probes or plan.save_exact) else None
 
 
 def _check_phase_ends(phases: Sequence[SplicePhase], n: int) -> None:

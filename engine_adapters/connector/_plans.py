@@ -49,7 +49,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from promptsplice.blocks import HASH_BYTES, BlockHash, cacheable_blocks, chain_hashes, hash_block, root_hash, round_down, round_up
@@ -664,7 +664,7 @@ def _attach_probes(
     for i, ph in enumerate(phases):
         if i in extra:
             pl = ph.plan
-            ph = SplicePhase(ph.end, SplicePlan(pl.block_size, pl.segments, pl.src_salt, pl.scope, pl.probes + tuple(extra[i])))
+            ph = SplicePhase(ph.end, replace(pl, probes=pl.probes + tuple(extra[i])))
         out.append(ph)
     return out
 
@@ -694,10 +694,10 @@ def extend_recompute(phase: SplicePhase, tokens: Sequence[int]) -> list[SplicePh
         moved = hash_block(BlockHash(seg.src_parent), blk)
         rest = (SpliceSegment(a + bs, seg.num_blocks - 1, seg.delta, bytes(moved)),) + rest
     if not rest:
-        return [SplicePhase(phase.end, SplicePlan(bs, (), plan.src_salt, plan.scope, (probe,) + plan.probes))]
+        return [SplicePhase(phase.end, replace(plan, segments=(), probes=(probe,) + plan.probes))]
     return [
-        SplicePhase(a + bs, SplicePlan(bs, (), plan.src_salt, plan.scope, (probe,))),
-        SplicePhase(phase.end, SplicePlan(bs, rest, plan.src_salt, plan.scope, plan.probes)),
+        SplicePhase(a + bs, replace(plan, segments=(), probes=(probe,))),
+        SplicePhase(phase.end, replace(plan, segments=rest)),
     ]
 
 
@@ -712,4 +712,4 @@ def compute_run(phase: SplicePhase) -> list[SplicePhase] | None:
     plan = phase.plan
     if plan is None or not plan.segments:
         return None
-    return [SplicePhase(phase.end, SplicePlan(plan.block_size, (), plan.src_salt, plan.scope, plan.probes))]
+    return [SplicePhase(phase.end, replace(plan, segments=()))]

@@ -50,7 +50,7 @@ from promptsplice.blocks import BlockHash, cacheable_blocks, cdiv, hash_block, r
 from promptsplice.engine_adapters.connector._plans import SAME_SALT, SplicePlan, in_place_blocks
 from promptsplice.engine_adapters.store._store import BlockRef, BlockStore, chain_refs
 from promptsplice.errors import InputError
-from promptsplice._validate import check_block_size, holds_exact_kv_only
+from promptsplice._validate import DERIVED_SALT_MARK, check_block_size, holds_exact_kv_only
 
 __all__ = [
     "LoadItem",
@@ -295,6 +295,16 @@ def _drop_oldest(keys: OrderedDict[bytes, Any], bound: int, salts: set[Any]) -> 
 
 _MIN_TAINTED = 1 << 16
 
+_MAX_DISTRUSTED = 4096
+"""Distrusted salts kept one by one before they fold into their tenants."""
+
+
+def _tenant_part(salt: str | bytes) -> str | bytes:
+    """A salt's tenant part (a derived salt's part before the mark; a tenant's own
+    salt is its own), as the same type."""
+    mark = DERIVED_SALT_MARK.encode() if isinstance(salt, bytes) else DERIVED_SALT_MARK
+    return salt.split(mark, 1)[0]  # type: ignore[arg-type]
+
 
 def tainted_bound(num_blocks: int) -> int:
     """How many tainted keys a scheduler remembers for a KV cache of ``num_blocks``
@@ -359,6 +369,11 @@ class SpliceScheduler:
         # and a later exact copy comes second), so nothing under them is known exact any
         # more: a request under them saves nothing under the tenant's salt.
         self._distrusted: set[str | bytes | None] = set()
+        # Beyond max_distrusted salts (a scope per agent session: one more per session,
+        # never forgotten) the set folds into their tenants: every derived salt of a
+        # tenant there is distrusted (sound, coarser; until 2026-12-08 it grew for good)
+        self._distrusted_tenants: set[str | bytes] = set()
+        self.max_distrusted = _MAX_DISTRUSTED
         self.exact_saved_blocks = 0
         """Blocks of scoped requests also saved under the tenant's salt (known exact)."""
         # Loads issued this step, then those of the last two steps, until vLLM reports
@@ -469,7 +484,7 @@ class SpliceScheduler:
         full = len(tokens) // bs
         if st.chain is None or len(st.chain) < full:
             st.chain = chain_refs(tokens[: full * bs], bs, salt=st.salt)
-        if st.salt in self._distrusted:
+        if self._is_distrusted(st.salt):
             clean = 0
         elif hit_salt is _SAME:
             # (a resumed request's hit may reach its own generated blocks: not known)
@@ -478,7 +493,7 @@ class SpliceScheduler:
             # a multimodal request: its hit was hashed under another salt, up to its first
             # input as plain blocks, which it also files there; unknown under its own
             clean = 0
-            if not holds_exact_kv_only(hit_salt) and hit_salt not in self._distrusted:
+            if not holds_exact_kv_only(hit_salt) and not self._is_distrusted(hit_salt):
                 limit = (hit_limit or 0) // bs
                 plain = chain_refs(tokens[: limit * bs], bs, salt=hit_salt) if limit else []
                 ok = self._known_exact(plain, min(hit_blocks, limit))
@@ -514,6 +529,11 @@ class SpliceScheduler:
             st.chain = chain_refs(st.tokens[: full * bs], bs, salt=st.salt)
         self._mark_dirty(st.chain[st.exact_blocks : full], st.salt)
 
+    def _is_distrusted(self, salt: str | bytes | None) -> bool:
+        """Whether nothing under ``salt`` counts as known exact (a dirty key of its, or
+        of its tenant's once the set folded, was dropped at the bound)."""
+        return salt in self._distrusted or (salt is not None and _tenant_part(salt) in self._distrusted_tenants)
+
     def _mark_dirty(self, refs: Iterable[BlockRef], salt: str | bytes | None) -> None:
         for ref in refs:
             self._dirty[ref.key] = salt
@@ -522,6 +542,9 @@ class SpliceScheduler:
         over = _drop_oldest(self._dirty, self.max_tainted, self._distrusted)
         if not over:
             return
+        if len(self._distrusted) > self.max_distrusted:
+            self._distrusted_tenants.update(_tenant_part(x) for x in self._distrusted if x is not None)
+            self._distrusted = {None} & self._distrusted
         if not self.dirty_dropped:
             _log.warning(
                 "splice connector: dropped the oldest of %d dirty keys (more blocks filed after approximate KV "

@@ -318,7 +318,7 @@ class RagRunner:
             given = [name for name, value, default in (
                 ("index", index, None), ("min_group_blocks", min_group_blocks, 1), ("precompute", precompute, "packed"),
                 ("relocate", relocate, "when_it_pays"), ("exact_alignment", exact_alignment, "auto"),
-                ("recompute_at", recompute_at, None)) if value != default]
+                ("recompute_at", recompute_at, None), ("index_computed", index_computed, False)) if value != default]
             if given:
                 raise ConfigError(
                     f"RagRunner(mode={self.mode.value!r}) takes no {', '.join(given)}: they shape "

@@ -271,3 +271,25 @@ def test_spans_runs_and_token_ids_that_are_not_ints_are_input_errors():
         plan_deletion(old, 5, (32, 64), block_size=BS)
     with pytest.raises(InputError, match=r"relocation 0 must be \(old_start, old_end, delta\) ints"):
         plan_phases(old, new, [(64.5, 96, -32)], block_size=BS)
+
+
+def test_a_plans_save_exact_survives_every_rewrite_and_is_sent():
+    """``save_exact`` (the opt-in lever that indexes chunks PIC requests compute) was lost
+    where plans are rebuilt: the guard's ``extend_recompute`` and ``compute_run``, and
+    probes attached to a phase; and a plan with no segments or probes (a phase that
+    computes the deferred chunks) was not sent at all.  The runner then indexed chunks the
+    connector never stored under the tenant's salt."""
+    from promptsplice.engine_adapters._requests import sent_plan
+    from promptsplice.engine_adapters.connector._plans import compute_run, extend_recompute
+
+    prompt = toks(6 * BS, 100)
+    plan = SplicePlan(BS, (SpliceSegment(2 * BS, 3, BS, root_hash(SALT)),), SALT, True,
+                      (SpliceSegment(BS, 1, BS, root_hash(SALT)),), save_exact=True)
+    phase = SplicePhase(len(prompt), plan)
+    for rewritten in (extend_recompute(phase, prompt), compute_run(phase)):
+        assert rewritten and all(ph.plan.save_exact and ph.plan.scope for ph in rewritten)
+    assert [ph.plan.segments for ph in extend_recompute(phase, prompt)] == [
+        (), (SpliceSegment(3 * BS, 2, BS, bytes(hash_block(root_hash(SALT), prompt[2 * BS : 3 * BS]))),)]
+    bare = SplicePhase(len(prompt), SplicePlan(BS, (), SALT, True, save_exact=True))
+    assert sent_plan(bare) is bare.plan
+    assert sent_plan(SplicePhase(len(prompt), SplicePlan(BS, (), SALT, True))) is None  # a plain prefill

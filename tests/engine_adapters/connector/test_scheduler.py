@@ -719,3 +719,20 @@ def test_only_a_plan_that_asks_saves_exact_blocks_under_the_tenants_salt(store):
     assert len(_saved(meta, SALT)) == 2
     with pytest.raises(InputError, match="save_exact must be a bool"):
         SplicePlan(BS, (), SALT, True, save_exact=1)
+
+
+def test_distrusted_salts_fold_into_their_tenants_beyond_a_bound(store):
+    """A salt whose dirty key the bound dropped stays distrusted; with a scope salt per
+    agent session the set grew by one per session for good (a review: 173 -> 1,673 over
+    2,000 sessions).  Beyond ``max_distrusted`` it folds into the salts' tenants: every
+    derived salt of those tenants is distrusted (sound: coarser, never less), others not."""
+    sched = SpliceScheduler(store, BS)
+    sched.max_tainted, sched.max_distrusted = 4, 8
+    for s in range(40):
+        salt = f"tenant-a\x1fsplice-scope:{s:04x}"
+        sched._mark_dirty(chain_refs(toks(3 * BS, 1000 * s), BS, salt=salt), salt)
+        assert len(sched._distrusted) <= sched.max_distrusted + 1
+    assert sched._distrusted_tenants == {"tenant-a"}
+    assert sched._is_distrusted("tenant-a\x1fsplice-scope:0000") and sched._is_distrusted("tenant-a\x1fsplice-scope:new")
+    assert not sched._is_distrusted("tenant-b\x1fsplice-scope:0000")
+    assert not sched._is_distrusted(None)

@@ -901,7 +901,7 @@ def test_bad_configurations_are_refused(engine, kv_engine):
     # options of position-independent reuse on an exact runner: refused, not ignored
     # (exact_alignment="all" was taken and the prompt went out unpadded)
     for kwargs in ({"exact_alignment": "all"}, {"recompute_at": "chunk"}, {"precompute": "standalone"},
-                   {"relocate": "always"}, {"min_group_blocks": 5}, {"index": other}):
+                   {"relocate": "always"}, {"min_group_blocks": 5}, {"index": other}, {"index_computed": True}):
         with pytest.raises(ConfigError, match=rf"RagRunner\(mode='exact'\) takes no {next(iter(kwargs))}: "):
             RagRunner(kv_engine, mode="exact", **kwargs)
 
