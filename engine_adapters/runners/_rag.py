@@ -187,7 +187,10 @@ class RagStep:
     token the engine computed for it (the precompute of new chunks included);
     ``cached_tokens = prompt_tokens - prefill_tokens`` (at least 0): not computed
     (vLLM's ``num_cached_tokens``: its prefix cache plus connector loads), of which
-    ``relocated_tokens`` were loaded at another position than they were computed at.
+    ``relocated_tokens`` were loaded at another position than they were computed at;
+    after a precompute (``precomputed_tokens`` > 0, counted in ``prefill_tokens``) the
+    final request loads chunks the precompute computed, so ``relocated_tokens`` may then
+    exceed ``cached_tokens``.
     """
 
     mode: ReuseMode
