@@ -75,7 +75,7 @@ import time
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httpx
 
@@ -205,6 +205,17 @@ def _accumulator(call: _Call, response: httpx.Response) -> Accumulator:
                        content_type=response.headers.get("content-type"))
 
 
+def _without_userinfo(url: str) -> str:
+    """``url`` without the ``user:password@`` of its authority (string work only, so a URL
+    that does not parse is shown without it too): what messages, logs and repr name."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority = rest[:cut]
+    return f"{scheme}://{authority.rpartition('@')[2]}{rest[cut:]}" if "@" in authority else url
+
+
 def _check_json(body: dict[str, Any]) -> None:
     """The body must be sendable as JSON (httpx's encoder raised raw TypeError, ValueError
     or UnicodeEncodeError on a NaN, an object, a set or a lone surrogate)."""
@@ -223,7 +234,8 @@ class RemoteEngine(ServedEngineSurface):
     """A client for one OpenAI-compatible server.
 
     ``base_url``: the server root or its ``/v1`` (``http://127.0.0.1:8000``,
-    ``https://api.openai.com/v1``).  ``model``: the model name; ``None`` asks the
+    ``https://api.openai.com/v1``); a ``user:password@`` in it is sent as Basic auth and
+    left out of ``base_url``, error messages, logs and ``repr``.  ``model``: the model name; ``None`` asks the
     server's ``/v1/models`` once and takes the first.  ``send_token_ids``: ``"auto"``
     sends token ids to ``/v1/completions`` except to OpenAI (api.openai.com), which gets
     the prompt's text; ``True``/``False`` force it.  ``prompt_cache_key``: an
@@ -263,20 +275,26 @@ class RemoteEngine(ServedEngineSurface):
             parts = urlsplit(base_url.strip())
             parts.port  # noqa: B018 - raises ValueError on a bad port
         except ValueError as exc:
-            raise ConfigError(f"base_url {base_url!r} is not a valid URL ({exc})") from exc
+            shown = _without_userinfo(base_url.strip())
+            raise ConfigError(f"base_url {shown!r} is not a valid URL ({exc})") from exc
+        shown = _without_userinfo(base_url.strip())
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"base_url must be an http(s) URL, got {base_url!r}")
+            raise ConfigError(f"base_url must be an http(s) URL, got {shown!r}")
         if parts.query or parts.fragment or base_url.strip().endswith(("?", "#")):
             # the request path is appended to the URL: it went after the query
-            raise ConfigError(f"base_url {base_url!r} has a query or fragment, which every request path would "
+            raise ConfigError(f"base_url {shown!r} has a query or fragment, which every request path would "
                               "follow; pass the server's URL without it")
         if any(c.isspace() for c in base_url.strip()):  # httpx quotes it and then cannot connect
-            raise ConfigError(f"base_url {base_url!r} holds whitespace: pass the server's URL without it")
-        root = base_url.strip().rstrip("/")
+            raise ConfigError(f"base_url {shown!r} holds whitespace: pass the server's URL without it")
+        # user:password@ in the URL is Basic auth (as httpx reads it); kept out of base_url,
+        # which every error message, log line and repr names
+        self._auth = (httpx.BasicAuth(unquote(parts.username or ""), unquote(parts.password or ""))
+                      if parts.username is not None or parts.password is not None else None)
+        root = shown.rstrip("/")
         for endpoint in ("/chat/completions", "/completions", "/models", "/tokenize", "/metrics"):
             if root.endswith(endpoint):  # every call would go to .../v1/completions/v1/completions
                 raise ConfigError(
-                    f"base_url {base_url!r} names an endpoint ({endpoint}): pass the server's root, "
+                    f"base_url {shown!r} names an endpoint ({endpoint}): pass the server's root, "
                     f"{root[: -len(endpoint)].removesuffix('/v1')!r} (or with /v1)"
                 )
         if root.endswith("/v1"):
@@ -284,7 +302,7 @@ class RemoteEngine(ServedEngineSurface):
         try:  # what httpx refuses at the first request (control characters, a bad host name)
             httpx.URL(root + "/v1/models").host.encode("idna")
         except (httpx.InvalidURL, UnicodeError, ValueError) as exc:
-            raise ConfigError(f"base_url {base_url!r} is not a URL httpx can send to ({exc})") from None
+            raise ConfigError(f"base_url {shown!r} is not a URL httpx can send to ({exc})") from None
         self.base_url = root
         self._host = (parts.hostname or "").lower()
         check_int(max_retries, "max_retries", minimum=0)
@@ -358,7 +376,7 @@ class RemoteEngine(ServedEngineSurface):
                 if self._closed:
                     raise self._closed_error()
                 if self._client is None:
-                    kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
+                    kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout, "auth": self._auth}
                     if self._transport is not None:
                         kwargs["transport"] = self._kind_of_transport(httpx.BaseTransport, "sync")
                     self._client = httpx.Client(**kwargs)
@@ -382,7 +400,7 @@ class RemoteEngine(ServedEngineSurface):
                 del self._aclients[done]
             client = self._aclients.get(loop)
             if client is None:
-                kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout}
+                kwargs: dict[str, Any] = {"headers": self._headers, "timeout": self.timeout, "auth": self._auth}
                 if self._transport is not None:
                     kwargs["transport"] = self._kind_of_transport(httpx.AsyncBaseTransport, "async")
                 client = self._aclients[loop] = httpx.AsyncClient(**kwargs)
@@ -766,6 +784,8 @@ class RemoteEngine(ServedEngineSurface):
                 for chunk in response.iter_bytes():
                     for line in lines.feed(chunk):
                         acc.feed(line, call.url)
+                    if acc.done:  # [DONE] ends the answer: a proxy may hold the body open after it
+                        return acc.result(call.req, call.url)
                     if acc.events != events:  # a data event is progress (a keep-alive comment is not)
                         events, deadline = acc.events, self._progress_deadline()
                     self._check_deadline(deadline, call.url)
@@ -821,6 +841,8 @@ class RemoteEngine(ServedEngineSurface):
                 async for chunk in response.aiter_bytes():
                     for line in lines.feed(chunk):
                         acc.feed(line, call.url)
+                    if acc.done:  # [DONE] ends the answer: a proxy may hold the body open after it
+                        return acc.result(call.req, call.url)
                     if acc.events != events and self.total_timeout != math.inf:  # progress
                         events = acc.events
                         deadline.reschedule(asyncio.get_running_loop().time() + self.total_timeout)

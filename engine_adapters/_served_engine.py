@@ -575,6 +575,8 @@ class ServedEngineSurface:
                                 if text or ids:
                                     started = True
                                     yield StreamDelta(text, ids, None)
+                            if acc.done:  # [DONE] ends the answer: a proxy may hold the body open after it
+                                break
                             if acc.events != events:  # a data event is progress (a keep-alive comment is not)
                                 events, deadline = acc.events, self._progress_deadline()  # type: ignore[attr-defined]
                             self._check_deadline(deadline, call.url)  # type: ignore[attr-defined]

@@ -632,6 +632,9 @@ def status_error(response: httpx.Response, url: str, req: Request | None) -> Exc
     hint = ""
     if response.status_code == 404 and req is not None and "model" in message.lower():
         hint = " (the model name is not one the server serves: pass RemoteEngine(model=...) as its /v1/models lists it)"
+    elif response.status_code in (401, 403):  # vLLM's --api-key middleware answers 401 "Unauthorized"
+        hint = (" (the server wants a key: pass RemoteEngine(api_key=...) with the key it was started with, "
+                "vllm serve --api-key or VLLM_API_KEY)")
     return EngineRequestError(f"{url} answered HTTP {response.status_code}: {message}{hint}",
                               status_code=response.status_code)
 

@@ -11,6 +11,7 @@ a 503 then success, a 429, a malformed body, a timeout, a server without
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import socket
@@ -993,6 +994,38 @@ def test_a_base_url_that_names_an_endpoint_is_refused_with_the_root(url):
         RemoteEngine(url)
     with pytest.raises(ConfigError, match="model is empty"):
         RemoteEngine("http://127.0.0.1:9", model=" ")
+
+
+def test_credentials_in_base_url_are_sent_as_basic_auth_and_never_shown():
+    """``http://user:pass@host`` is Basic auth to httpx, and the secret was in every error
+    message, log line and ``repr`` that named ``base_url``."""
+    seen = []
+
+    def handler(request):
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, json=_ok_body({"prompt_tokens": 3, "completion_tokens": 1,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}))
+
+    eng = RemoteEngine("http://bob:s3cr%40t@mock.invalid/v1", model="m", transport=httpx.MockTransport(handler))
+    assert eng.complete([1, 2, 3], max_tokens=1).text == "ok"
+    assert seen == ["Basic " + base64.b64encode(b"bob:s3cr@t").decode()]
+    assert eng.base_url == "http://mock.invalid" and "s3cr" not in repr(eng)
+    down = RemoteEngine("http://bob:s3cret@127.0.0.1:9", model="m", max_retries=0)
+    with pytest.raises(EngineUnavailableError, match=r"http://127\.0\.0\.1:9/v1/completions") as err:
+        down.complete([1, 2, 3], max_tokens=1)
+    assert "s3cret" not in str(err.value)
+    with pytest.raises(ConfigError, match="query or fragment") as err:
+        RemoteEngine("http://bob:s3cret@127.0.0.1:9/?x=1")
+    assert "s3cret" not in str(err.value)
+
+
+def test_a_401_names_the_api_key_to_pass():
+    """vLLM's ``--api-key`` middleware answers 401 ``{"error": "Unauthorized"}``; the error
+    said only that."""
+    eng = _mock(lambda r: httpx.Response(401, json={"error": "Unauthorized"}), max_retries=0)
+    with pytest.raises(EngineRequestError, match=r"401: Unauthorized .*RemoteEngine\(api_key=\.\.\.\).*--api-key") as err:
+        eng.complete([1, 2, 3], max_tokens=1)
+    assert err.value.status_code == 401
 
 
 def _connector_server(bodies, *, ack_edit=None):

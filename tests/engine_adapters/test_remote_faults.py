@@ -626,6 +626,32 @@ def test_a_stream_that_keeps_sending_data_is_not_cut_by_the_total_timeout(fake_s
 
 
 @pytest.mark.timeout(15)
+def test_a_stream_held_open_after_done_is_complete_at_done(fake_server):
+    """A proxy that keeps the body open after ``data: [DONE]`` (keep-alive pings, no end of
+    the chunked body) turned a whole answer into ``EngineTimeoutError``: the client read
+    on until the server closed.  ``[DONE]`` ends the answer, on all three paths."""
+    def handle(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        conn.sendall(_sse_chunk("Hi", "length") + _SSE_END)
+        for _ in range(40):  # 4 s of pings against a 0.5 s total timeout
+            conn.sendall(b": ping\n\n")
+            time.sleep(0.1)
+
+    srv = fake_server(handle)
+    eng = RemoteEngine(srv.url, model="m", timeout=5, total_timeout=0.5, max_retries=0, block_size=16)
+    for call in (lambda: eng.complete([1, 2, 3], max_tokens=1, stream=True),
+                 lambda: asyncio.run(eng.acomplete([1, 2, 3], max_tokens=1, stream=True))):
+        t0 = time.monotonic()
+        done = call()
+        assert (done.text, done.token_ids, done.finish_reason) == ("Hi", [7], "length")
+        assert time.monotonic() - t0 < 0.5
+    t0 = time.monotonic()
+    deltas = list(eng.stream([1, 2, 3], max_tokens=1))
+    assert "".join(d.text for d in deltas) == "Hi" and deltas[-1].completion.finish_reason == "length"
+    assert time.monotonic() - t0 < 0.5
+
+
+@pytest.mark.timeout(15)
 def test_aborting_a_finished_stream_leaves_its_pooled_connection_alone():
     """``abort()`` after the stream ended (what ``astream`` does when its consumer left
     before reading the end) shut the socket that had gone back to the pool: the next,
