@@ -85,6 +85,10 @@ def _families(args: argparse.Namespace) -> list[str] | None:
             f"--families {args.families!r}: {'unknown family ' + repr(unknown[0]) if unknown else 'no family'}; "
             f"pick from {','.join(suite)}"
         )
+    # a family named twice ran twice, the second report replacing the first
+    repeated = next((f for i, f in enumerate(names) if f in names[:i]), None)
+    if repeated is not None:
+        raise UsageError(f"--families {args.families!r}: family {repeated!r} is named twice; name each family once")
     return names
 
 

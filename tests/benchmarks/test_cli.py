@@ -227,6 +227,25 @@ def test_suite_options_are_checked_before_any_engine(tmp_path, capsys, argv, say
     assert says in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "module", "job"),
+    [
+        (["bench", "rag", "--suite", "--families", "support,wiki,support"], "rag_suite", "run_rag_suite"),
+        (["bench", "assemble", "--suite", "--families", "tools, tools"], "assemble", "run_suite_bench"),
+    ],
+)
+def test_a_family_named_twice_is_a_usage_error(tmp_path, capsys, monkeypatch, argv, module, job):
+    """``--families support,support`` ran the family twice, the second report replacing
+    the first (the suites never start here: the job is replaced)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(f"promptsplice.benchmarks.{module}"), job,
+                        lambda **kw: pytest.fail("the suite ran"))
+    assert main([*argv, "--json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is named twice" in err and repr(argv[-1].split(",")[-1].strip()) in err and err.count("\n") == 1
+
+
 def test_a_failed_probe_has_its_own_exit_status(tmp_path, monkeypatch, capsys):
     """A FidelityError comes after the engines ran: not bad input's exit 2."""
     import promptsplice.benchmarks.cli as cli
