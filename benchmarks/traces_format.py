@@ -361,10 +361,14 @@ def iter_rag_trace(path: str | os.PathLike[str]) -> Iterator[RagRequest]:
 
 
 def read_rag_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> list[RagRequest]:
-    """Read and validate a whole JSONL trace (at most ``limit`` requests).
+    """Read and validate a whole JSONL trace; return its first ``limit`` requests (all
+    with ``None``).
 
-    See :func:`iter_rag_trace` for the errors.  ``limit=0`` returns ``[]`` without
-    opening the file; a negative limit is a :class:`ConfigError`.
+    See :func:`iter_rag_trace` for the errors.  The whole file is validated whatever
+    ``limit`` is (until 2026-12-08 reading stopped at the limit, so a duplicate id or a
+    bad line after it passed, though the commands promise the whole trace is checked
+    before any engine starts).  ``limit=0`` returns ``[]`` without opening the file; a
+    negative limit is a :class:`ConfigError`.
     """
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
@@ -375,9 +379,8 @@ def read_rag_trace(path: str | os.PathLike[str], *, limit: int | None = None) ->
     it = iter_rag_trace(path)
     try:
         for req in it:
-            out.append(req)
-            if limit is not None and len(out) >= limit:
-                break
+            if limit is None or len(out) < limit:
+                out.append(req)
     finally:
         it.close()
     return out

@@ -343,6 +343,22 @@ def test_from_json_names_where_and_expectation():
         RagRequest.from_json({k: v for k, v in _GOOD.items() if k != "system"})
 
 
+@pytest.mark.parametrize(
+    ("third", "says"),
+    [({"id": "r1"}, "duplicate request id 'r1'"), ({"oops": 1}, ":3: ")],
+)
+def test_a_limit_keeps_the_first_requests_but_checks_the_whole_file(tmp_path, third, says):
+    """``limit=N`` stopped reading at line N: a duplicate id or a bad line after it
+    passed, though the benches promise the whole trace is checked before any engine."""
+    ok = {"id": "r1", "system": "s", "chunks": [{"id": "c1", "text": "t"}], "query": "q"}
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in (ok, {**ok, "id": "r2"}, {**ok, **third})))
+    with pytest.raises(TraceFormatError, match=says):
+        read_rag_trace(path, limit=2)
+    path.write_text("".join(json.dumps(o) + "\n" for o in (ok, {**ok, "id": "r2"}, {**ok, "id": "r3"})))
+    assert [r.id for r in read_rag_trace(path, limit=2)] == ["r1", "r2"]
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(UnknownPolicyError) as info:
         generate_rag_trace(requests=10, profile="zipfy")
