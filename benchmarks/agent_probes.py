@@ -107,6 +107,10 @@ are no more than the probes still needed.  A probe must
     probe coverage then says so; the greedy alternative, the first relocating steps,
     probed 4 of 24 sessions and 5 of 8 strata on a BFCL trace).  ``passed`` counts the
     ranked steps that relocated nothing in their turn (``passed_without_relocation``).
+    ``eligible`` counts every step that relocated, ranked or not: a step the prediction
+    (:func:`relocating_edits`) missed is never probed but is owed, so probe coverage
+    falls when the prediction misses (until 2026-12-08 only ranked steps counted: a
+    prediction that missed every relocating step reported coverage 1.0 with no probe).
     """
 
     def __init__(self, ranks: dict[tuple[int, int], tuple[int, str]], requested: int) -> None:
@@ -115,6 +119,7 @@ are no more than the probes still needed.  A probe must
         self.requested = requested
         self.limit = requested
         self.passed = self.eligible = self.probed = 0
+        self._ranked_eligible = 0  # ranked steps replayed that relocated (the share below)
         self.owed_turns = 0
         self.replayed: set[tuple[int, int]] = set()
         self._left = len(ranks)  # ranked steps not replayed yet
@@ -129,11 +134,12 @@ are no more than the probes still needed.  A probe must
         if key in self.replayed:  # a step is replayed (and counted) once
             return None
         self.replayed.add(key)
+        self.eligible += relocates  # owed a probe, ranked or not
         if key not in self.ranks:
             return None
         self._left -= 1
         rank, label = self.ranks[key]
-        self.eligible += relocates
+        self._ranked_eligible += relocates
         if self.probed >= self.requested:
             return None
         if not relocates:
@@ -147,7 +153,7 @@ are no more than the probes still needed.  A probe must
             pass
         elif self.owed_turns:
             self.owed_turns -= 1
-        elif self._left * self.eligible > _MARGIN * (self.requested - self.probed) * (len(self.ranks) - self._left):
+        elif self._left * self._ranked_eligible > _MARGIN * (self.requested - self.probed) * (len(self.ranks) - self._left):
             # the ranked steps to come, at the share of them that relocated so far, are
             # more than the probes still needed: leave the probe to its turn
             return None

@@ -179,10 +179,11 @@ def test_probe_turns_probe_ranked_relocating_steps_and_all_owed_when_every_step_
             if label is not None:
                 assert k in ranks and relocations[k] and label == ranks[k][1]
                 probed.append(k)
-        eligible = sum(relocations[k] for k in ranks)
-        assert turns.eligible == eligible and len(probed) == len(set(probed)) <= min(requested, eligible)
+        ranked = sum(relocations[k] for k in ranks)
+        eligible = sum(relocations[k] for k in keys)  # every step that relocated, ranked or not
+        assert turns.eligible == eligible and len(probed) == len(set(probed)) <= min(requested, ranked)
         if all(relocations[k] for k in ranks):
-            assert len(probed) == min(requested, eligible)
+            assert len(probed) == min(requested, ranked)
 
 
 def test_probes_spread_over_sessions_and_strata():
@@ -213,6 +214,24 @@ def test_the_reviewers_replay_probes_three_of_four_eligible():
     cov = probe_coverage(3, t.eligible, len(made))
     assert cov["probe_coverage"] == 1.0
     check_probes({**cov, "steps": len(made), "requested": 3})
+
+
+def test_a_relocating_step_the_prediction_missed_is_owed_and_fails_coverage():
+    """``take`` returned before counting a step outside the ranks: when the prediction
+    (``relocating_edits``) missed every step that relocated, the run reported probe
+    coverage 1.0 with no probe made.  Every relocating step is owed now."""
+    from promptsplice.benchmarks.agent_probes import ProbeTurns
+    from promptsplice.benchmarks.coverage import CoverageError
+    from promptsplice.benchmarks.fidelity import check_probes, probe_coverage
+
+    ranks = {(0, 1): (0, "mask/1"), (0, 2): (1, "mask/1")}  # predicted; they relocate nothing
+    t = ProbeTurns(ranks, 4)
+    made = [k for k in [(0, i) for i in range(1, 7)] if t.take(k, k not in ranks) is not None]
+    assert made == [] and t.eligible == 4
+    cov = probe_coverage(4, t.eligible, len(made))
+    assert cov == {"eligible": 4, "probe_coverage": 0.0}
+    with pytest.raises(CoverageError, match="probed 0 steps for fidelity of the 4 it owed"):
+        check_probes({**cov, "steps": 0, "requested": 4}, what="bench agent")
 
 
 def test_small_samples_are_flagged_and_a_one_probe_interval_is_undefined():
