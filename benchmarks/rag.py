@@ -7,7 +7,8 @@ piece would import the others.
 Two modes run the same requests on the same engine, each from an empty prefix cache:
 
 * ``naive``: what user code does today: the retrieved chunks in retrieval order, no
-  dedup, joined as plain text and sent as text (vLLM tokenizes it);
+  dedup, joined as plain text and tokenized whole by vLLM's tokenizer (the ids
+  ``generate(text)`` would send, tokenized inside the timed preparation);
 * ``promptsplice``: :class:`promptsplice.assembler.Assembler` with the engine's block size and a
   mirror as large as the engine's KV cache, sent as token ids.
 
@@ -26,8 +27,13 @@ JSON (names fixed)::
 
 (``small_sample``: a TTFT percentile rests on fewer requests than it needs, so it is
 their slowest or fastest; ``percentile_min_n`` says how many each needs: 100 for p99.)
-A request's TTFT runs from the call: its preparation (the naive text, the assembly)
-and then the engine's time to first token, as PIC's counts its planning.
+A request's TTFT runs from the call: its preparation (the naive text and its
+tokenization, the assembly) and then the engine's time to first token, as PIC's counts
+its planning.  Tokenizing counts in every mode: ``naive`` tokenizes its whole text with
+vLLM's own tokenizer (``EmbeddedEngine.encode_text``, what ``generate(text)`` does before
+its clock starts) and sends the ids; each exact mode's assembler starts with an empty
+token cache (the fit check below runs on an assembler of its own; until 2026-12-08 it
+ran on ``promptsplice``'s, whose chunks were then all tokenized before its timed loop).
 
 With a second engine that runs the splice connector (``kv_engine``; the CLI always
 starts one), a third mode ``promptsplice_pic`` runs the same requests through
@@ -184,7 +190,7 @@ FIT_MARGIN = 8
 
 def _mode_metrics(completions: list[Any], wall: float, prep_s: Sequence[float]) -> dict[str, Any]:
     """A mode's metrics from its completions; each TTFT counts the request's preparation
-    (``prep_s``: formatting or assembly) before the engine's own time to first token, as
+    (``prep_s``: formatting and tokenizing, or assembly) before the engine's own time to first token, as
     PIC's step TTFT counts its planning (until 2026-12-07 these left it out: against PIC)."""
     prompt = sum(c.prompt_tokens for c in completions)
     cached = sum(c.num_cached_tokens for c in completions)
@@ -333,7 +339,10 @@ def run_modes(
     report: dict[str, Any] = {"modes": {}}
     outs: dict[str, list[Any]] = {}
 
-    keep = _fitting(engine, asm, fmt, requests)
+    # the fit check on an assembler of its own: on the timed one it left every chunk in its
+    # token cache, so promptsplice's assembly tokenized nothing while the store modes paid
+    fit_asm = engine.make_assembler(policy=policy, alignment=alignment, prompt_format=fmt_obj)
+    keep = _fitting(engine, fit_asm, fmt, requests)
     report.update(Coverage(len(keep), len(requests)).report())
     kept = set(keep)
     report["skipped_requests"] = [i for i in range(len(requests)) if i not in kept]
@@ -345,8 +354,11 @@ def run_modes(
     for req in requests:
         t_req = time.perf_counter()
         text = fmt.naive_text([c.text for c in req.chunks], query=req.query, system=req.system or None)
+        # vLLM's tokenization of the whole text, which generate(text) runs before its TTFT
+        # clock starts: timed here, as the exact modes' assembly tokenizes their chunks
+        ids = engine.encode_text(text)
         preps.append(time.perf_counter() - t_req)
-        completions.append(engine.generate(text, max_tokens=max_tokens))
+        completions.append(engine.generate(ids, max_tokens=max_tokens))
         if progress:
             progress("naive", 1)
     report["modes"]["naive"] = _mode_metrics(completions, time.perf_counter() - t0, preps)

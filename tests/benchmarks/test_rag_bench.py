@@ -609,3 +609,72 @@ def test_a_probe_names_its_trace_line_when_requests_were_skipped(monkeypatch):
     report = run(3, 2, trace_index=[0, 2, 5])  # trace lines 1, 3 and 4 were skipped
     assert probed == ["promptsplice_pic request 2", "promptsplice_pic request 5"]
     assert [p["request"] for p in report["fidelity"]["probes"]] == [2, 5]
+
+
+class _PlainEngine:
+    """A plain engine without vLLM for ``run_modes``'s two first modes: the real default
+    tokenizer, an assembler per ``make_assembler`` call, nothing cached.  ``generate``
+    tokenizes a ``str`` prompt untimed, as ``EmbeddedEngine`` does before its TTFT clock
+    starts; ``encode_text`` (the ids it would send) costs ``encode_s``."""
+
+    def __init__(self, tok, *, block_size=16, blocks=64, encode_s=0.0):
+        import types
+
+        self.tokenizer, self.block_size, self.num_blocks = tok, block_size, blocks
+        self.usable_blocks, self.max_model_len, self.encode_s = blocks - 1, 4096, encode_s
+        self.config = types.SimpleNamespace(dtype="float32")
+        self.sent = []
+
+    def make_assembler(self, **kw):
+        from promptsplice.assembler import Assembler
+
+        return Assembler(self.tokenizer, block_size=self.block_size, max_tokens=self.max_model_len - 1, **kw)
+
+    def reset_prefix_cache(self):
+        pass
+
+    def encode_text(self, text):
+        import time
+
+        time.sleep(self.encode_s)
+        return self.tokenizer.encode(text)
+
+    def generate(self, prompt, max_tokens):
+        import types
+
+        self.sent.append(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(getattr(prompt, "token_ids", prompt))
+        return types.SimpleNamespace(prompt_token_ids=ids, prompt_tokens=len(ids), num_cached_tokens=0, ttft_s=0.001)
+
+
+def test_naive_s_ttft_counts_tokenizing_its_text(default_tok):
+    """``naive`` sent its text, which the engine tokenized before its TTFT clock started,
+    while the exact modes' timed assembly tokenizes their chunks: its preparation now
+    tokenizes the text as vLLM does (``encode_text``) and sends the ids."""
+    from promptsplice.assembler import PromptFormat
+
+    slow = 0.3
+    eng = _PlainEngine(default_tok, encode_s=slow)
+    req = sample_rag_requests(2, seed=3)[0]
+    report, _ = run_modes(eng, [req], max_tokens=1)
+    assert report["modes"]["naive"]["ttft_p50_ms"] >= slow * 1e3
+    text = PromptFormat.chatml().naive_text([c.text for c in req.chunks], query=req.query, system=req.system or None)
+    assert eng.sent[0] == default_tok.encode(text)  # the ids encode_text gave: the same request
+
+
+def test_promptsplice_s_timed_assembly_starts_from_a_cold_token_cache(default_tok, monkeypatch):
+    """The fit check previewed every request on the assembler ``promptsplice``'s timed
+    loop then used: its token cache held every chunk, so its TTFT left tokenizing out,
+    while the store and PIC modes (fresh assemblers) paid it."""
+    from promptsplice.assembler import Assembler
+
+    seen = []
+    assemble = Assembler.assemble
+
+    def spy(self, *a, **kw):
+        seen.append(self.token_cache.stats().entries)
+        return assemble(self, *a, **kw)
+
+    monkeypatch.setattr(Assembler, "assemble", spy)
+    run_modes(_PlainEngine(default_tok), sample_rag_requests(4, seed=3), max_tokens=1)
+    assert seen and seen[0] == 0, seen
