@@ -93,7 +93,10 @@ and share the store's budget.  Beside the modes::
 
 **Bounds.**  ``"bounds"`` holds the radix ideal and the oracle of
 :mod:`promptsplice.benchmarks.bounds`, unbounded and *capacity-matched* (LRU over the
-engine's usable KV blocks, in tokens: ``capacity_tokens``), and per mode the bound it is
+engine's usable KV blocks, in tokens: ``capacity_tokens``; both oracles floored per
+request by the prefix-caching modes' radix ideals, the capacity-matched one by their
+LRUs of that capacity, as ``bench assemble`` floors its bounded oracle: until 2026-12-08
+it was not, and could exceed the capacity-matched radix ideal), and per mode the bound it is
 checked against (``"checks"``).  A bound a mode may not beat must hold for every cache
 of every size, so it is the unbounded one: an LRU over N blocks is not the best a cache
 of N blocks can do (Belady's eviction keeps more), and vLLM's block pool does not evict
@@ -390,11 +393,11 @@ def run_modes(
     for comp in outs["naive"]:
         radix.add(comp.prompt_token_ids)
         radix_cap.add(comp.prompt_token_ids)
-    content, block_segs = [], []
+    content, content_cap, block_segs = [], [], []
     for req in requests:
         segs = _oracle_segments(asm, req)  # the trimmed segments (a preview: learns nothing)
         content.append(oracle.add(segs))
-        oracle_cap.add(segs)
+        content_cap.append(oracle_cap.add(segs))
         block_segs.append(whole_block_segments(segs, engine.block_size))
         oracle_blocks.add(block_segs[-1])
     floor = _floor(content, outs)  # the prefix-caching modes so far; again once all ran
@@ -405,7 +408,11 @@ def run_modes(
         "oracle_prefill_tokens": floor,
         "oracle_content_prefill_tokens": oracle.prefill_tokens,
         "radix_capacity_prefill_tokens": radix_cap.prefill_tokens,
-        "oracle_capacity_prefill_tokens": oracle_cap.prefill_tokens,
+        # floored per request like the oracle, by each mode's radix under the same LRU
+        # capacity (bench assemble's oracle_prefill_tokens_bounded): a chunk's last token
+        # can merge with the next segment's first in a prompt, one token under the
+        # segment-wise content bound, which then exceeded the capacity-matched radix
+        "oracle_capacity_prefill_tokens": _floor(content_cap, outs, capacity),
         # a reference: the oracle of whole-block layouts (padding no such reuse avoids)
         "oracle_whole_block_prefill_tokens": oracle_blocks.prefill_tokens,
         "capacity_tokens": capacity,
@@ -448,6 +455,7 @@ def run_modes(
     if STORE_MODE in outs:  # one more prefix-caching mode: its radix joins the floor
         floor = _floor(content, outs)
         report["oracle_prefill_tokens"] = report["bounds"]["oracle_prefill_tokens"] = floor
+        report["bounds"]["oracle_capacity_prefill_tokens"] = _floor(content_cap, outs, capacity)
         report["gap_closed"] = gap_closed(
             report["modes"]["naive"]["prefill_tokens"], report["modes"]["promptsplice"]["prefill_tokens"], floor
         )
@@ -463,15 +471,19 @@ def run_modes(
     return report, outs
 
 
-def _floor(content: list[int], outs: dict[str, list[Any]]) -> int:
+def _floor(content: list[int], outs: dict[str, list[Any]], capacity: int | None = None) -> int:
     """The oracle (:func:`~promptsplice.benchmarks.bounds.floor_per_request`): per request
-    the content bound or a prefix-caching mode's radix ideal on its own prompts, the least."""
-    return floor_per_request(content, *(_radix_stream(outs[m]) for m in ("naive", "promptsplice", STORE_MODE) if m in outs))
+    the content bound or a prefix-caching mode's radix ideal on its own prompts, the least
+    (``capacity``: the capacity-matched oracle, its content bound and each radix an LRU of
+    that many tokens)."""
+    return floor_per_request(content, *(_radix_stream(outs[m], capacity)
+                                        for m in ("naive", "promptsplice", STORE_MODE) if m in outs))
 
 
-def _radix_stream(completions: list[Any]) -> list[int]:
-    """Per request, what an unbounded radix tree fed the mode's own prompts prefills."""
-    radix = RadixPrefill()
+def _radix_stream(completions: list[Any], capacity: int | None = None) -> list[int]:
+    """Per request, what a radix tree fed the mode's own prompts prefills (unbounded, or
+    an LRU of ``capacity`` tokens)."""
+    radix = RadixPrefill(capacity)
     return [radix.add(c.prompt_token_ids) for c in completions]
 
 

@@ -678,3 +678,19 @@ def test_promptsplice_s_timed_assembly_starts_from_a_cold_token_cache(default_to
     monkeypatch.setattr(Assembler, "assemble", spy)
     run_modes(_PlainEngine(default_tok), sample_rag_requests(4, seed=3), max_tokens=1)
     assert seen and seen[0] == 0, seen
+
+
+def test_the_capacity_matched_oracle_is_floored_as_the_oracle_is(default_tok):
+    """``oracle_capacity_prefill_tokens`` was the segment-wise content bound alone, where
+    ``bench assemble`` floors its bounded oracle per request by each mode's radix under
+    the same capacity: a chunk ending in a space merges with the next segment's first
+    token in the prompt, so the "oracle (cache)" figure exceeded the capacity-matched
+    radix ideal (40 against 39 tokens)."""
+    from promptsplice.benchmarks.traces import RagChunk, RagRequest
+
+    req = RagRequest("r", "", [RagChunk("a", "The capital of France is Paris. ")], "What is it?")
+    report, outs = run_modes(_PlainEngine(default_tok), [req], max_tokens=1)
+    b = report["bounds"]
+    assert b["oracle_capacity_prefill_tokens"] <= b["radix_capacity_prefill_tokens"]
+    assert b["oracle_capacity_prefill_tokens"] == b["oracle_prefill_tokens"] == min(
+        len(outs[m][0].prompt_token_ids) for m in MODES)  # one request: nothing to reuse
