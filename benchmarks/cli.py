@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "cache alone (an ablation)")
     rag.add_argument("--one-store-engine", action="store_true",
                      help="--suite: one store engine for every family and both store modes (salts that cannot "
-                          "meet; they share the store's budget) instead of a fresh one per mode and family")
+                          "meet; they share the store's budget) instead of a fresh one per mode and family; "
+                          "PIC's gap over promptsplice_store is then skipped (not like for like)")
     rag.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                      help="dtype of every engine (default: the engine's auto, bfloat16 on a CPU with AVX-512 "
                           "BF16 and no AMX, else float32): fidelity figures compare within one dtype",

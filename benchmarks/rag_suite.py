@@ -10,7 +10,9 @@ With a ``kv_engine`` factory (the CLI) every family's two store modes get fresh
 engines and stores (:mod:`promptsplice.benchmarks.rag`: equal capacity, no shared traffic);
 ``--one-store-engine`` starts one store engine for the whole suite instead (each mode
 of each family under salts no other used; they share the store's budget), which saves
-two engine starts per family.
+two engine starts per family; PIC then starts on a store the store control (and earlier
+families) filled, so PIC's gap over the control is skipped as with probe traffic
+(below).
 
 Per family the report carries ``coverage`` and the bound checks of ``bench rag``; the
 suite's ``checks`` say, per family, whether promptsplice prefilled no more than the
@@ -33,10 +35,12 @@ JSON::
      "failed": {FAMILY: str}, "fidelity_failed": [FAMILY, ...] (only when one failed so)}
 
 A family whose PIC engine served fidelity probes between its requests
-(``pic.probe_traffic``) has no like-for-like gap over ``promptsplice_store``: its
-``pic_gap_closed_vs_store`` is ``None``, ``pic_gap_closed_vs_store_skipped`` says why, the
-worst line ``promptsplice_pic_vs_store`` leaves it out and ``pic_vs_store_skipped`` lists
-it (run the suite with ``--fidelity-requests 0`` for that figure).
+(``pic.probe_traffic``), or whose PIC ran on the store engine the control filled
+(``pic.shared_store``: ``--one-store-engine``), has no like-for-like gap over
+``promptsplice_store``: its ``pic_gap_closed_vs_store`` (and ``..._whole_block``) is
+``None``, ``pic_gap_closed_vs_store_skipped`` says why, the worst lines
+``promptsplice_pic_vs_store*`` leave it out and ``pic_vs_store_skipped`` lists it (run the
+suite with ``--fidelity-requests 0`` and without ``--one-store-engine`` for that figure).
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ __all__ = ["rag_suite", "run_rag_suite", "format_suite", "family_checks", "suite
 
 PROBE_TRAFFIC_SKIP = ("PIC ran with fidelity probe traffic (pic.probe_traffic): its gap over "
                       "promptsplice_store is no like-for-like figure; rerun with --fidelity-requests 0")
+SHARED_STORE_SKIP = ("PIC ran on the store engine the store control filled (pic.shared_store, "
+                     "--one-store-engine): its gap over promptsplice_store is no like-for-like figure; "
+                     "rerun without --one-store-engine")
 
 
 def probe_traffic(report: dict[str, Any]) -> bool:
@@ -72,11 +79,19 @@ def probe_traffic(report: dict[str, Any]) -> bool:
     return bool(pic) and (report.get("fidelity") or {}).get("steps", 0) > 0
 
 
+def pic_vs_store_skip(report: dict[str, Any]) -> str | None:
+    """Why the family's PIC-vs-store figures are skipped (:data:`PROBE_TRAFFIC_SKIP`,
+    :data:`SHARED_STORE_SKIP`, both joined by ``"; "``), or None: they are like for like."""
+    shared = bool((report.get("pic") or {}).get("shared_store"))
+    why = [msg for hit, msg in ((probe_traffic(report), PROBE_TRAFFIC_SKIP), (shared, SHARED_STORE_SKIP)) if hit]
+    return "; ".join(why) or None
+
+
 def _gap(report: dict[str, Any], mode: str) -> float | None:
     if mode == "promptsplice":
         return report.get("gap_closed")
     if mode in ("promptsplice_pic_vs_store", "promptsplice_pic_vs_store_whole_block"):
-        if probe_traffic(report):  # skipped: see PROBE_TRAFFIC_SKIP
+        if pic_vs_store_skip(report) is not None:  # skipped, and why
             return None
         key = "gap_closed_vs_store" + mode.removeprefix("promptsplice_pic_vs_store")
         return (report.get("pic") or {}).get(key)
@@ -95,7 +110,7 @@ def family_checks(r: dict[str, Any]) -> dict[str, Any]:
         # the same to the whole-block oracle (a reference: bench rag's module doc)
         "pic_gap_closed_vs_store_whole_block": _gap(r, "promptsplice_pic_vs_store_whole_block"),
         # why pic_gap_closed_vs_store is None though PIC ran (else None)
-        "pic_gap_closed_vs_store_skipped": PROBE_TRAFFIC_SKIP if probe_traffic(r) else None,
+        "pic_gap_closed_vs_store_skipped": pic_vs_store_skip(r),
         # about the most pic_gap_closed_vs_store can be at PIC's recompute settings (from
         # the trace, probes or not: bench rag's pic.ceiling_gap_closed_vs_store)
         "pic_ceiling_gap_closed_vs_store": (r.get("pic") or {}).get("ceiling_gap_closed_vs_store"),
@@ -153,8 +168,8 @@ def rag_suite(
             if mode == "promptsplice_pic":  # naive -> oracle: kept, but its PIC figure may carry probes
                 worst[mode]["probe_traffic"] = probe_traffic(report["families"][f]["report"])
     # families left out of the pic-vs-store check and worst line, and why
-    report["pic_vs_store_skipped"] = {f: PROBE_TRAFFIC_SKIP for f, e in report["families"].items()
-                                      if "report" in e and probe_traffic(e["report"])}
+    report["pic_vs_store_skipped"] = {f: why for f, e in report["families"].items()
+                                      if "report" in e and (why := pic_vs_store_skip(e["report"])) is not None}
     covs = [(c["coverage"], f) for f, c in report["checks"].items()]
     if covs:
         c, f = min(covs)
@@ -215,8 +230,9 @@ def format_suite(report: dict[str, Any]) -> str:
             traffic = " (PIC ran with fidelity probe traffic)" if w.get("probe_traffic") else ""
             lines.append(f"worst {mode}: gap {w['gap_closed']:.2f} ({w['family']}){traffic}")
     skipped = report.get("pic_vs_store_skipped") or {}
-    if skipped:
-        lines.append(f"pic vs store: skipped {', '.join(skipped)}: {PROBE_TRAFFIC_SKIP}")
+    for why in dict.fromkeys(skipped.values()):  # one line per reason, its families
+        lines.append(f"pic vs store: skipped {', '.join(f for f, w in skipped.items() if w == why)}: {why}")
+    if any(PROBE_TRAFFIC_SKIP in why for why in skipped.values()):
         lines.append("*: promptsplice_pic's prefill and gap include the fidelity probes' traffic on its "
                      "engine (no like-for-like figure; take it from a run with --fidelity-requests 0)")
     for fam, c in report["checks"].items():

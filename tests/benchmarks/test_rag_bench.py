@@ -694,3 +694,29 @@ def test_the_capacity_matched_oracle_is_floored_as_the_oracle_is(default_tok):
     assert b["oracle_capacity_prefill_tokens"] <= b["radix_capacity_prefill_tokens"]
     assert b["oracle_capacity_prefill_tokens"] == b["oracle_prefill_tokens"] == min(
         len(outs[m][0].prompt_token_ids) for m in MODES)  # one request: nothing to reuse
+
+
+def test_pic_says_when_it_ran_on_the_store_engine_of_the_control(monkeypatch, default_tok):
+    """``run_modes`` with one store engine instance (what ``--one-store-engine`` passes)
+    sets ``pic.shared_store``; a factory (a fresh engine and store per mode) does not
+    (no engine: the store modes' runs are replaced)."""
+    import types
+
+    import promptsplice.benchmarks.rag as rag
+
+    def store(report, outs, kv, requests, **kw):
+        report["modes"][rag.STORE_MODE] = {"prefill_tokens": 10}
+        outs[rag.STORE_MODE] = outs["promptsplice"]
+
+    def pic(report, outs, engine, kv, requests, **kw):
+        report["modes"][rag.PIC_MODE] = {"prefill_tokens": 5}
+        report["pic"] = {}
+
+    monkeypatch.setattr(rag, "_check_capacity", lambda engine, kv, shape=None: {})
+    monkeypatch.setattr(rag, "_run_store", store)
+    monkeypatch.setattr(rag, "_run_pic", pic)
+    eng, reqs = _PlainEngine(default_tok), sample_rag_requests(2, seed=3)
+    one = types.SimpleNamespace(generate=None)
+    assert rag.run_modes(eng, reqs, kv_engine=one, max_tokens=1)[0]["pic"]["shared_store"] is True
+    fresh = lambda: types.SimpleNamespace(close=lambda: None)  # noqa: E731
+    assert rag.run_modes(eng, reqs, kv_engine=fresh, max_tokens=1)[0]["pic"]["shared_store"] is False

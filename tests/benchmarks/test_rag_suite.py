@@ -105,3 +105,31 @@ def test_an_unexpected_error_in_one_family_fails_that_family_only(monkeypatch, t
     rep = rs.rag_suite(None, families=["support", "tools"], requests=2, trace_dir=tmp_path)
     assert seen == [0, 1] and rep["failed"] == {"support": "KeyError: 'modes'"}
     assert "report" in rep["families"]["tools"] and rep["families"]["support"] == {"error": "KeyError: 'modes'"}
+
+
+def test_a_family_whose_pic_ran_on_the_store_the_control_filled_is_left_out_of_pic_vs_store(monkeypatch, tmp_path):
+    """``--one-store-engine``: one store engine serves the store control and then PIC
+    (``reset_prefix_cache`` empties vLLM's cache, not the store), so PIC starts on a
+    store the control filled; its gap over the control was reported as like for like."""
+    from promptsplice.benchmarks import rag_suite as rs
+
+    def report(shared, traffic=False):
+        r = _family_report(0.1 if shared else 0.4, traffic)
+        r["pic"]["shared_store"] = shared
+        return r
+
+    reports = iter([report(True), report(False), report(True, traffic=True)])
+    monkeypatch.setattr(rs, "run_modes", lambda engine, reqs, **kw: (next(reports), {}))
+    rep = rs.rag_suite(None, families=["support", "tools", "wiki"], requests=2, trace_dir=tmp_path)
+    c = rep["checks"]
+    assert c["support"]["pic_gap_closed_vs_store"] is None and c["support"]["pic_gap_closed_vs_store_whole_block"] is None
+    assert c["support"]["pic_gap_closed_vs_store_skipped"] == rs.SHARED_STORE_SKIP
+    assert c["wiki"]["pic_gap_closed_vs_store_skipped"] == f"{rs.PROBE_TRAFFIC_SKIP}; {rs.SHARED_STORE_SKIP}"
+    assert c["tools"]["pic_gap_closed_vs_store"] == 0.4 and c["tools"]["pic_gap_closed_vs_store_skipped"] is None
+    assert rep["worst"]["promptsplice_pic_vs_store"] == {"gap_closed": 0.4, "family": "tools"}
+    assert rep["worst"]["promptsplice_pic_vs_store_whole_block"] == {"gap_closed": 0.8, "family": "tools"}
+    assert rep["pic_vs_store_skipped"] == {"support": rs.SHARED_STORE_SKIP,
+                                           "wiki": f"{rs.PROBE_TRAFFIC_SKIP}; {rs.SHARED_STORE_SKIP}"}
+    text = rs.format_suite(rep)
+    assert f"pic vs store: skipped support: {rs.SHARED_STORE_SKIP}" in text and "without --one-store-engine" in text
+
