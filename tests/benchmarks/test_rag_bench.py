@@ -84,7 +84,8 @@ def test_bench_rag_command_writes_the_fixed_schema(tmp_path):
     assert set(pic) == {"relocated_tokens", "precomputed_tokens", "engine_requests", "exact_requests", "too_long_requests", "recompute_blocks", "exact_alignment", "recompute_at", "index_computed",
                         "run_max_deviation", "guard", "gap_closed", "kv_cache_blocks", "store_dram_bytes", "gap_closed_vs_store",
                         "gap_closed_vs_store_whole_block", "gap_closed_vs_store_ceiling", "ceiling_gap_closed_vs_store",
-                        "probe_traffic"}
+                        "probe_traffic", "shared_store"}
+    assert pic["shared_store"] is False  # the CLI: a fresh store engine per mode
     assert pic["run_max_deviation"] == 1.0  # the guard it ran with
     assert set(pic["guard"]) == {"stored", "precomputed", "refused_requests", "explored_requests"}
     assert all(set(pic["guard"][k]) == {"chunks", "trip_rate"} for k in ("stored", "precomputed"))
@@ -225,7 +226,8 @@ def test_store_mode_runs_at_equal_capacity_and_every_mode_holds_its_bound(small_
     assert report["coverage"] == 1.0 and report["skipped_requests"] == []
     assert bench_status(report) == 0
     assert report["pic"]["gap_closed_vs_store"] is None or report["pic"]["gap_closed_vs_store"] <= 1
-    assert report["pic"]["probe_traffic"] is False  # fidelity_requests=0: a like-for-like gap
+    assert report["pic"]["probe_traffic"] is False  # fidelity_requests=0: no probe traffic
+    assert report["pic"]["shared_store"] is True  # one kv_engine instance: PIC on the store the control filled
     assert st["store_remote_bytes"] == 0
 
 
