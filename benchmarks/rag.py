@@ -30,7 +30,7 @@ their slowest or fastest; ``percentile_min_n`` says how many each needs: 100 for
 A request's TTFT runs from the call: its preparation (the naive text and its
 tokenization, the assembly) and then the engine's time to first token, as PIC's counts
 its planning.  Tokenizing counts in every mode: ``naive`` tokenizes its whole text with
-vLLM's own tokenizer (``EmbeddedEngine.encode_text``, what ``generate(text)`` does before
+vLLM's own tokenizer (``EmbeddedEngine.encode_prompt``, what ``generate(text)`` does before
 its clock starts) and sends the ids; each exact mode's assembler starts with an empty
 token cache (the fit check below runs on an assembler of its own; until 2026-12-08 it
 ran on ``promptsplice``'s, whose chunks were then all tokenized before its timed loop).
@@ -361,7 +361,7 @@ def run_modes(
         text = fmt.naive_text([c.text for c in req.chunks], query=req.query, system=req.system or None)
         # vLLM's tokenization of the whole text, which generate(text) runs before its TTFT
         # clock starts: timed here, as the exact modes' assembly tokenizes their chunks
-        ids = engine.encode_text(text)
+        ids = engine.encode_prompt(text)
         preps.append(time.perf_counter() - t_req)
         completions.append(engine.generate(ids, max_tokens=max_tokens))
         if progress:

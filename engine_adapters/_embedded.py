@@ -461,11 +461,11 @@ class EmbeddedEngine:
         theirs = getattr(prompt, "tokenizer", None) if isinstance(prompt, AssembledPrompt) else None
         if theirs is not None:  # its ids are tokens of the tokenizer it was assembled with
             check_tokenizer(self.tokenizer, theirs, "the prompt", PROMPT_TOKENIZER_FIX)
-        req = normalize_prompt(prompt, cache_salt, block_size=self.block_size, encode=self.encode_text)
+        req = normalize_prompt(prompt, cache_salt, block_size=self.block_size, encode=self.encode_prompt)
         self._salts.check(req.salt, stacklevel=4)  # warns at the caller of generate/stream
         return req
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str) -> list[int]:
         """The token ids :meth:`generate` sends for a ``str`` prompt: vLLM's plain-prompt
         path, its own tokenizer with ``add_special_tokens=True``.  Sending them is the same
         request; a caller that times its own preparation (``bench rag``'s ``naive`` mode)

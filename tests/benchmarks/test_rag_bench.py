@@ -617,7 +617,7 @@ class _PlainEngine:
     """A plain engine without vLLM for ``run_modes``'s two first modes: the real default
     tokenizer, an assembler per ``make_assembler`` call, nothing cached.  ``generate``
     tokenizes a ``str`` prompt untimed, as ``EmbeddedEngine`` does before its TTFT clock
-    starts; ``encode_text`` (the ids it would send) costs ``encode_s``."""
+    starts; ``encode_prompt`` (the ids it would send) costs ``encode_s``."""
 
     def __init__(self, tok, *, block_size=16, blocks=64, encode_s=0.0):
         import types
@@ -635,7 +635,7 @@ class _PlainEngine:
     def reset_prefix_cache(self):
         pass
 
-    def encode_text(self, text):
+    def encode_prompt(self, text):
         import time
 
         time.sleep(self.encode_s)
@@ -652,7 +652,7 @@ class _PlainEngine:
 def test_naive_s_ttft_counts_tokenizing_its_text(default_tok):
     """``naive`` sent its text, which the engine tokenized before its TTFT clock started,
     while the exact modes' timed assembly tokenizes their chunks: its preparation now
-    tokenizes the text as vLLM does (``encode_text``) and sends the ids."""
+    tokenizes the text as vLLM does (``encode_prompt``) and sends the ids."""
     from promptsplice.assembler import PromptFormat
 
     slow = 0.3
@@ -661,7 +661,7 @@ def test_naive_s_ttft_counts_tokenizing_its_text(default_tok):
     report, _ = run_modes(eng, [req], max_tokens=1)
     assert report["modes"]["naive"]["ttft_p50_ms"] >= slow * 1e3
     text = PromptFormat.chatml().naive_text([c.text for c in req.chunks], query=req.query, system=req.system or None)
-    assert eng.sent[0] == default_tok.encode(text)  # the ids encode_text gave: the same request
+    assert eng.sent[0] == default_tok.encode(text)  # the ids encode_prompt gave: the same request
 
 
 def test_promptsplice_s_timed_assembly_starts_from_a_cold_token_cache(default_tok, monkeypatch):
