@@ -40,7 +40,10 @@ the splice connector likewise skips the step's saves) and runs a one-token healt
 probe.  A healthy engine keeps serving (the request raises
 :class:`~promptsplice.errors.EngineRequestError`); a dead one raises
 :class:`~promptsplice.errors.EngineDeadError`, after restarting vLLM if
-``EngineConfig.max_restarts`` allows.
+``EngineConfig.max_restarts`` allows.  A request vLLM finishes with ``finish_reason``
+``"error"`` (its retryable internal error, e.g. a failed KV load) or ``"abort"`` is one
+cut short: never admitted, cache and mirror emptied, ``EngineRequestError`` (a served
+engine answers HTTP 500).
 
 Facts of vLLM's block pool that the adapter relies on (vllm 0.32.0,
 ``v1/core/block_pool.py``): the pool holds ``num_gpu_blocks`` blocks, but block 0 is
@@ -108,6 +111,14 @@ __all__ = ["EmbeddedEngine", "Completion", "EngineCounters", "PromptLike", "Stre
 
 _PROBE_STEPS = 8
 """Steps a one-token health probe may take (it needs one prefill step)."""
+
+_CUT_FINISHES = {
+    "error": "failed it with a retryable internal error (vLLM's FinishReason.ERROR, e.g. a KV load that failed)",
+    "abort": "aborted it (a pause or shutdown of vLLM while it ran)",
+}
+"""vLLM's finish reasons of a request that did not run to its end: no answer, and
+what it computed is unknown (a served engine answers HTTP 500 or a partial answer,
+both ``EngineRequestError``)."""
 
 
 class EmbeddedEngine:
@@ -342,7 +353,8 @@ class EmbeddedEngine:
         when the prompt has ``max_model_len`` tokens or more, ``InputError`` for an
         empty or malformed prompt, ``ConfigError`` for bad options, and
         :class:`~promptsplice.errors.EngineRequestError` when vLLM fails the request
-        (the engine keeps serving, with an empty prefix cache: see the module doc; a
+        (a step raised, or it finished with ``finish_reason`` ``"error"`` or
+        ``"abort"``; the engine keeps serving, with an empty prefix cache: see the module doc; a
         failure of the text's detokenization after the run keeps cache and mirror), and
         :class:`~promptsplice.errors.EngineDeadError` when the engine died (restarted
         if ``max_restarts`` allows).  A generation cut by ``max_model_len`` is not an
@@ -549,6 +561,12 @@ class EmbeddedEngine:
                         if ttft is None and out.outputs and len(out.outputs[0].token_ids) >= 1:
                             ttft = now - t0
                         if out.finished:
+                            reason = out.outputs[0].finish_reason if out.outputs else None
+                            if reason in _CUT_FINISHES:  # cut: the finally empties cache and mirror
+                                raise EngineRequestError(
+                                    f"vLLM {_CUT_FINISHES[reason]}: request {rid} finished with "
+                                    f"finish_reason {reason!r}, no answer; the engine keeps serving, with "
+                                    "an empty prefix cache: send the request again")
                             final = out
                             break
                         yield out, None

@@ -137,6 +137,47 @@ def test_a_failed_stream_raises_after_its_first_deltas(fresh_engine):
     assert done[-1].completion is not None and done[-1].completion.finish_reason == "length"
 
 
+@contextlib.contextmanager
+def finish_with_error(eng):
+    """vLLM's own scheduler finishes the next request with ``FinishReason.ERROR`` after
+    its prefill ran (the path of a failed KV load under ``kv_load_failure_policy="fail"``:
+    ``Scheduler.update_from_output`` finishing its error set), marked once at its arrival."""
+    sched = eng.llm.llm_engine.engine_core.engine_core.scheduler
+    orig = sched.add_request
+    marked = []
+
+    def add_request(request):
+        orig(request)
+        if not marked:
+            marked.append(request.request_id)
+            sched.encoder_cache_mismatch_reqs.add(request.request_id)
+
+    sched.add_request = add_request
+    try:
+        yield marked
+    finally:
+        sched.__dict__.pop("add_request", None)
+
+
+@pytest.mark.reliability
+def test_a_request_vllm_finishes_with_an_error_raises_and_is_never_admitted(fresh_engine):
+    """vLLM finished a request with ``finish_reason="error"`` (its retryable internal
+    error; a server answers HTTP 500): the engine returned an empty Completion as an
+    answer and admitted the prompt's blocks into its mirror.  Now it raises, and cache and
+    mirror are emptied as for a request cut short."""
+    eng = fresh_engine
+    prompt = _prompt(31)
+    ref = eng.generate(prompt, max_tokens=6)
+    eng.reset_prefix_cache()
+    with finish_with_error(eng) as marked:
+        with pytest.raises(EngineRequestError, match="finish_reason 'error'.*send the request again"):
+            eng.generate(prompt, max_tokens=6)
+    assert marked and len(eng.mirror) == 0
+    again = eng.generate(prompt, max_tokens=6)
+    assert again.num_cached_tokens == again.predicted_cached_tokens == 0
+    assert again.token_ids == ref.token_ids
+
+
 @pytest.mark.reliability
 def test_a_dead_engine_restarts_once_then_stays_down(engine, tmp_path, measured):
     """One extra engine (with the splice connector: its store outlives vLLM) dies
