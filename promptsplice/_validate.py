@@ -28,6 +28,7 @@ import sys
 import operator
 import re
 import string
+from array import array
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, TypeVar
 
@@ -441,6 +442,7 @@ def check_messages(
 MAX_TOKEN_ID = 2**32 - 1
 """Token ids are hashed as unsigned 32-bit ints (vLLM's block hashes take any int, the
 chain hash here packs them): no vocabulary comes near."""
+_UINT32 = array("I").itemsize == 4  # array("I") then takes exactly 0..MAX_TOKEN_ID
 
 
 def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
@@ -453,6 +455,12 @@ def check_token_ids(ids: Any, what: str = "prompt") -> list[int]:
     out = list(ids)
     if not out:
         raise InputError(f"{what} is empty: pass at least one token id")
+    if _UINT32 and set(map(type, out)) == {int}:  # plain ints, range-checked at C speed (8K ids: ~0.3-0.5 ms, not ~2)
+        try:
+            array("I", out)
+            return out
+        except OverflowError:
+            pass  # the loop names the position
     for i, t in enumerate(out):
         if not is_int(t):
             try:
