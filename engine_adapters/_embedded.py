@@ -65,7 +65,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from promptsplice.assembler import AssembledPrompt, Assembler, MirrorView, PrefixCacheMirror, Tokenizer
-from promptsplice.blocks import BlockHash
 from promptsplice.engine_adapters import _vllm
 from promptsplice.engine_adapters._config import EngineConfig
 from promptsplice.engine_adapters._lifecycle import load_tokenizer, release, start_llm
@@ -584,7 +583,7 @@ class EmbeddedEngine:
             total = time.perf_counter() - t0
             gen = final.outputs[0] if final.outputs else None
             token_ids = list(gen.token_ids) if gen is not None else []
-            predicted = self._admit(req.ids, token_ids, req.salt, req.known_hashes)  # what ran, whatever follows
+            predicted = self._admit(req.ids, token_ids, req.salt)  # what ran, whatever follows
             try:
                 text = "" if gen is None else _vllm.completion_text(engine, rid, req.ids, params, gen)
             except Exception as exc:  # vLLM's detokenizer, run here for a logprob request
@@ -604,14 +603,13 @@ class EmbeddedEngine:
             )
         yield final, completion
 
-    def _admit(self, ids: list[int], gen: list[int], salt: str | None, known: Sequence[BlockHash] | None) -> int | None:
-        """Replay what ran into the engine's mirror; the mirror's prediction for it.
-        ``known``: the prompt's full-block hashes when the assembler made them (the
-        chain then continues over the generated tokens).  ``None`` without prefix caching."""
+    def _admit(self, ids: list[int], gen: list[int], salt: str | None) -> int | None:
+        """Replay what ran into the engine's mirror; the mirror's prediction for it
+        (``None`` without prefix caching)."""
         if not self._config.enable_prefix_caching:
             return None
         assert self._mirror is not None
-        return admit_run(self._mirror, ids, gen, salt, known)
+        return admit_run(self._mirror, ids, gen, salt)
 
     # -- failures ------------------------------------------------------------------------
     @staticmethod

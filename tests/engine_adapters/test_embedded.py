@@ -262,6 +262,28 @@ def test_assembled_salt_reaches_the_engine(fresh_engine, rag_requests):
     assert runs[2].num_cached_tokens == 0
 
 
+def test_a_prompt_edited_in_place_is_admitted_as_sent(fresh_engine, rag_requests):
+    """An assembled prompt is a mutable record: with one id edited in place (same
+    length) or its salt changed, the engine reused its block hashes and the mirror
+    filed blocks of tokens never sent; predictions then differed from vLLM's hits."""
+    eng = fresh_engine
+    asm = eng.make_assembler()
+    req = rag_requests[3]
+    for edit in ("token", "salt"):
+        eng.reset_prefix_cache()
+        prompt = asm.assemble(chunk_dicts(req), query=req.query, system=req.system, salt="t1")
+        original, n = list(prompt.token_ids), len(prompt.block_hashes)
+        assert n >= 4
+        if edit == "token":
+            prompt.token_ids[BS + 3] = (prompt.token_ids[BS + 3] + 1) % 1000
+        else:
+            prompt.salt = "t2"
+        eng.generate(prompt, max_tokens=1)
+        assert len(eng.mirror) == n
+        after = eng.generate(original, cache_salt="t1", max_tokens=1)  # what the stale hashes named
+        assert after.predicted_cached_tokens == after.num_cached_tokens == (BS if edit == "token" else 0)
+
+
 def test_ttft_is_measured_per_request(fresh_engine):
     eng = fresh_engine
     ids = list(range(3000, 4500))  # 1500 tokens: a cold prefill is ~1 s, a hit ~40 ms

@@ -68,7 +68,7 @@ def test_an_assembled_prompt_sent_under_another_tenants_salt_is_refused(make_ass
     asm = make_assembler(block_size=32)
     prompt = asm.assemble([{"id": "c", "text": "A chunk of text."}], query="What?", salt="a")
     norm = normalize_prompt(prompt, None, block_size=32, encode=lambda t: [])
-    assert norm.salt == "a" and norm.known_hashes == prompt.block_hashes
+    assert norm.salt == "a" and norm.ids == prompt.token_ids
     assert normalize_prompt(prompt, "a", block_size=32, encode=lambda t: []).salt == "a"
     with pytest.raises(InvalidSaltError, match="differs from the prompt's salt 'a'"):
         normalize_prompt(prompt, "b", block_size=32, encode=lambda t: [])
@@ -76,7 +76,7 @@ def test_an_assembled_prompt_sent_under_another_tenants_salt_is_refused(make_ass
     assert normalize_prompt(unsalted, "b", block_size=32, encode=lambda t: []).salt == "b"  # salting an unsalted prompt
 
 
-def test_a_prompt_whose_ids_were_replaced_is_hashed_anew(make_assembler):
+def test_a_prompt_whose_ids_were_replaced_is_sent_as_replaced(make_assembler):
     """``dataclasses.replace(prompt, token_ids=...)`` kept the assembler's block hashes:
     the engine's mirror raised on them after vLLM had run the request."""
     import dataclasses
@@ -87,7 +87,24 @@ def test_a_prompt_whose_ids_were_replaced_is_hashed_anew(make_assembler):
     assert len(prompt.block_hashes) >= 2
     longer = dataclasses.replace(prompt, token_ids=list(prompt.token_ids) * 2)
     norm = normalize_prompt(longer, None, block_size=32, encode=lambda t: [])
-    assert norm.ids == list(prompt.token_ids) * 2 and norm.known_hashes is None
+    assert norm.ids == list(prompt.token_ids) * 2
+
+
+def test_an_assembled_prompt_s_ids_take_the_one_token_id_rule(make_assembler):
+    """An assembled prompt's ids were copied unchecked (plain lists and the router take
+    ``check_token_ids``): a float or a bool put in place reached vLLM."""
+    import pytest
+
+    from promptsplice.engine_adapters._requests import normalize_prompt
+    from promptsplice.errors import InputError
+
+    prompt = make_assembler(block_size=32).assemble([{"id": "c", "text": "A chunk of text."}], query="What?")
+    for bad in (2.7, True, -1):
+        edited = list(prompt.token_ids)
+        edited[3] = bad
+        prompt.token_ids = edited
+        with pytest.raises(InputError, match=r"prompt.token_ids\[3\] is not a token id"):
+            normalize_prompt(prompt, None, block_size=32, encode=lambda t: [])
 
 
 def test_malformed_phases_are_an_input_error_before_any_request():
