@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 from promptsplice.assembler import AssembledPrompt, PrefixCacheMirror, Tokenizer, load_tokenizer, same_tokenizer
 from promptsplice.blocks import chain_hashes
 from promptsplice.engine_adapters.connector._plans import BlockDeviation, SplicePhase, SplicePlan
-from promptsplice._validate import check_int, check_number, check_salt, check_stop, check_token_ids
-from promptsplice.errors import ConfigError, ContextLengthError, InputError, InvalidSaltError
+from promptsplice._validate import check_int, check_number, check_salt, check_stop, check_token_ids, encodable
+from promptsplice.errors import ConfigError, ContextLengthError, InputError, InvalidSaltError, InvalidUTF8Error
 
 __all__ = [
     "Adapt",
@@ -281,6 +281,11 @@ def normalize_prompt(
     elif isinstance(prompt, str):
         if not prompt:
             raise InputError("the prompt is empty: pass at least one token of text")
+        if not encodable(prompt):  # as the router (vLLM's tokenizer raised a TokenizerError without a fix)
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidUTF8Error.lone_surrogate("the prompt", prompt, exc, index=0, fix="pass valid text") from None
         ids = encode(prompt)
         text = prompt
         salt = cache_salt

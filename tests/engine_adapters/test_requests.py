@@ -291,3 +291,23 @@ def test_phases_that_do_not_end_at_the_prompt_are_refused_before_any_request():
     assert sent == []
     run_phases(tokens, [SplicePhase(64, plan), SplicePhase(100, plan)], run_one, {"max_tokens": 1})
     assert sent == [64, 100]
+
+
+def test_a_text_prompt_with_a_lone_surrogate_is_refused_as_the_router_refuses_it():
+    """vLLM's tokenizer raised on it, a ``TokenizerError`` (a RuntimeError, no fix in its
+    message); the router raises ``InvalidUTF8Error`` naming the character."""
+    import pytest
+
+    from promptsplice.engine_adapters._requests import normalize_prompt
+    from promptsplice.engine_adapters._router import prefix_route_key
+    from promptsplice.errors import InvalidUTF8Error
+
+    text = "hi \ud800 there"
+    with pytest.raises(InvalidUTF8Error) as routed:
+        prefix_route_key(text, block_size=32)
+    encoded = []
+    with pytest.raises(InvalidUTF8Error) as sent:
+        normalize_prompt(text, None, block_size=32, encode=lambda t: encoded.append(t) or [1])
+    assert str(sent.value) == str(routed.value) and "pass valid text" in str(sent.value)
+    assert (sent.value.index, sent.value.offset) == (routed.value.index, routed.value.offset) == (0, 3)
+    assert encoded == []  # refused before vLLM's tokenizer saw it
