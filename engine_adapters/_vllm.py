@@ -96,7 +96,12 @@ def check_in_process(platform: str | None = None) -> None:
         raise ConfigError(f"VLLM_CPU_KVCACHE_SPACE={space!r} replaces EngineConfig.kv_cache_bytes on CPU "
                           "(vLLM's legacy setting): unset it for EmbeddedEngine and set kv_cache_bytes")
     value = os.environ.get(_MULTIPROC_ENV, "0")
-    if value.strip() not in ("0", "false", "False", ""):
+    try:  # vLLM reads it as bool(int(value)) (envs.py): "", "false" failed its start, unnamed
+        in_process = int(value) == 0
+    except ValueError:
+        raise ConfigError(f"{_MULTIPROC_ENV}={value!r} is not an int, which vLLM reads it as; set it to 0 "
+                          "or unset it for EmbeddedEngine") from None
+    if not in_process:
         raise ConfigError(f"{_MULTIPROC_ENV}={value!r}: the embedded engine runs vLLM in this process; "
                           f"unset it (or set it to 0) for EmbeddedEngine (vllm serve runs its own processes)")
 

@@ -146,3 +146,18 @@ def test_only_a_multimodal_requests_blocks_before_its_first_input_are_hashed_as_
     assert _vllm.plain_prefix_tokens(req(LoRARequest("x", 1, "/p"), offsets=(200,))) == 0
     assert _vllm.plain_prefix_tokens(req(offsets=(200,), embeds=object())) == 0
     assert _vllm.plain_prefix_tokens(req()) == 0
+
+
+@pytest.mark.parametrize("value", ["", "false", "False", "no"])
+def test_a_multiprocessing_switch_vllm_cannot_read_is_refused_naming_it(monkeypatch, value):
+    """vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` as ``bool(int(...))``: "", "false"
+    were taken as in-process here and then failed vLLM's start with a generic error."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
+    with pytest.raises(ConfigError, match=f"VLLM_ENABLE_V1_MULTIPROCESSING={value!r} is not an int.*set it to 0 or unset it"):
+        _vllm.check_in_process("cpu")
+    for fine in ("0", " 0 ", "00"):  # what int() reads as 0: in process
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", fine)
+        _vllm.check_in_process("cpu")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "2")
+    with pytest.raises(ConfigError, match="runs vLLM in this process"):
+        _vllm.check_in_process("cpu")
