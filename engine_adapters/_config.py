@@ -199,7 +199,8 @@ class EngineConfig:
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
     extra_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """More keyword arguments for ``vllm.LLM`` (not the ones the fields above own)."""
+    """More keyword arguments for ``vllm.LLM`` (not the ones the fields above own); at
+    the start a key vLLM does not take is a ``ConfigError`` naming the closest ones."""
     platform: str | None = None
     """vLLM's device type (``"cpu"``, ``"cuda"``, ...); ``None``: detected."""
     kv_store: StoreConfig | None = None

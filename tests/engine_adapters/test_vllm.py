@@ -161,3 +161,13 @@ def test_a_multiprocessing_switch_vllm_cannot_read_is_refused_naming_it(monkeypa
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "2")
     with pytest.raises(ConfigError, match="runs vLLM in this process"):
         _vllm.check_in_process("cpu")
+
+
+def test_engine_kwargs_are_checked_against_vllms_own_arguments():
+    """``vllm.LLM``'s own arguments (``chat_template``) and ``EngineArgs`` fields pass;
+    anything else, or a key that is not a str, is a ConfigError before vLLM starts."""
+    _vllm.check_engine_kwargs({"max_logprobs": -1, "chat_template": None, "enable_chunked_prefill": True})
+    with pytest.raises(ConfigError, match="'gpu_mem_util', which vllm.LLM does not take"):
+        _vllm.check_engine_kwargs({"gpu_mem_util": 0.5})
+    with pytest.raises(ConfigError, match="extra_kwargs keys must be str"):
+        _vllm.check_engine_kwargs({1: 2})
