@@ -87,6 +87,7 @@ from promptsplice.engine_adapters._requests import (
     check_tokenizer,
     logprob_dicts,
     normalize_prompt,
+    phase_list,
     run_phases,
     sent_plan,
     stream_deltas,
@@ -417,7 +418,7 @@ class EmbeddedEngine:
         ``max_model_len`` raised :class:`~promptsplice.errors.ContextLengthError` from its
         last phase, after the earlier phases had run): nothing reaches vLLM."""
         check_phase_options(gen)  # a typo or a bad value fails before the first phase runs
-        phases = list(phases)  # (read twice: by the checks and by run_phases)
+        phases = phase_list(phases)  # (read twice: by the checks and by run_phases)
         check_salt(cache_salt, "cache_salt")
         ids = check_token_ids(tokens, "tokens")
         self._check_prompt(ids, gen.get("logprobs"))

@@ -10,7 +10,7 @@ and raises the documented error with the fix in its message.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,6 +28,7 @@ __all__ = [
     "NormalizedPrompt",
     "PhasedRun",
     "PhaseResult",
+    "phase_list",
     "run_phases",
     "sent_plan",
     "PromptLike",
@@ -158,9 +159,7 @@ def run_phases(
     ``adapt(deviations, next_phase)``, called after each phase but the last with what
     its probes measured (a planned probe left unmeasured reads as infinite), may return
     phases replacing ``next_phase`` (adaptive recompute: ``_plans.extend_recompute``)."""
-    phases = list(phases)  # (read twice: a generator was used up by the check)
-    if not phases:
-        raise InputError("generate_phases needs at least one phase")
+    phases = phase_list(phases)  # (read twice: a generator was used up by the check)
     _check_phase_ends(phases, len(tokens))
     outs: list[Completion] = []
     devs: list[Any] = []
@@ -179,6 +178,20 @@ def run_phases(
             _check_phase_ends(pending, len(tokens))
         i += 1
     return PhasedRun(outs, t_last, moved, tuple(devs), tuple(pending))
+
+
+def phase_list(phases: Any) -> list[Any]:
+    """``generate_phases``' ``phases`` as a list (read twice: by the checks and by the
+    loop); :class:`InputError` for one that is no iterable of phases or is empty
+    (``None`` or an int raised a bare ``TypeError``)."""
+    if isinstance(phases, (str, bytes, bytearray, Mapping, SplicePhase)) or not isinstance(phases, Iterable):
+        raise InputError(f"phases must be a list of SplicePhase, got {type(phases).__name__}: "
+                         "build them with plan_phases / plan_segment_phases")
+    out = list(phases)
+    if not out:
+        raise InputError("generate_phases needs at least one phase: build them with plan_phases / "
+                         "plan_segment_phases")
+    return out
 
 
 def sent_plan(phase: SplicePhase) -> SplicePlan | None:

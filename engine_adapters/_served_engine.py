@@ -101,6 +101,7 @@ from promptsplice.engine_adapters._requests import (
     check_logprobs,
     check_phase_options,
     check_tokenizer,
+    phase_list,
     run_phases,
     sent_plan,
 )
@@ -621,7 +622,7 @@ class ServedEngineSurface:
         ran before the server answered the last one's 400), ids that are not token ids,
         a bad salt, a plan of another block size."""
         check_phase_options(gen)  # a typo or a bad value fails before the first phase runs
-        phases = list(phases)  # (read twice: by the checks and by run_phases)
+        phases = phase_list(phases)  # (read twice: by the checks and by run_phases)
         check_salt(cache_salt, "cache_salt")
         tokens = check_token_ids(tokens, "tokens")
         if len(phases) > 1 and (limit := self.max_model_len) is not None:  # one phase: the server says it

@@ -302,6 +302,15 @@ def test_a_prompt_edited_in_place_is_admitted_as_sent(fresh_engine, rag_requests
         assert after.predicted_cached_tokens == after.num_cached_tokens == (BS if edit == "token" else 0)
 
 
+def test_phases_that_are_no_list_of_phases_are_an_input_error(engine):
+    """``list(phases)`` on ``None`` raised a bare ``TypeError``."""
+    before = engine.counters()
+    for phases in (None, 3):
+        with pytest.raises(InputError, match="phases must be a list of SplicePhase"):
+            engine.generate_phases([1, 2, 3], phases)
+    assert engine.counters() == before
+
+
 def test_ttft_is_measured_per_request(fresh_engine):
     eng = fresh_engine
     ids = list(range(3000, 4500))  # 1500 tokens: a cold prefill is ~1 s, a hit ~40 ms

@@ -311,3 +311,24 @@ def test_a_text_prompt_with_a_lone_surrogate_is_refused_as_the_router_refuses_it
     assert str(sent.value) == str(routed.value) and "pass valid text" in str(sent.value)
     assert (sent.value.index, sent.value.offset) == (routed.value.index, routed.value.offset) == (0, 3)
     assert encoded == []  # refused before vLLM's tokenizer saw it
+
+
+def test_phases_that_are_no_list_of_phases_are_an_input_error_on_both_engines():
+    """``generate_phases(tokens, None)`` (or an int) raised a bare ``TypeError`` from
+    ``list(phases)``; an empty list is refused by the same check."""
+    import pytest
+
+    from promptsplice.engine_adapters import RemoteEngine, SplicePhase
+    from promptsplice.engine_adapters._requests import run_phases
+    from promptsplice.errors import InputError
+
+    served = RemoteEngine("http://127.0.0.1:9", model="m", tokenizer="tiktoken:cl100k_base", block_size=BS,
+                          max_retries=0)
+    for phases, match in ((None, "phases must be a list of SplicePhase, got NoneType"),
+                          (3, "phases must be a list of SplicePhase, got int"),
+                          (SplicePhase(3, None), "phases must be a list of SplicePhase, got SplicePhase"),
+                          ([], "needs at least one phase")):
+        with pytest.raises(InputError, match=match):
+            served.generate_phases([1, 2, 3], phases)
+        with pytest.raises(InputError, match=match):
+            run_phases([1, 2, 3], phases, lambda *a: None, {})
