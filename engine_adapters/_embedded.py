@@ -98,7 +98,6 @@ from promptsplice.errors import (
     EngineDeadError,
     EngineError,
     EngineRequestError,
-    EngineStartError,
     InputError,
     TokenizerError,
 )
@@ -716,12 +715,11 @@ class EmbeddedEngine:
             self._restarts += 1
             try:
                 self._start()
-            except EngineStartError as exc:
-                self._dead = f"{cause}; the restart failed: {exc}"
+            except Exception as exc:  # noqa: BLE001 - a ConfigError too (start_llm's checks): down, never "closed"
+                self._dead = f"{cause}; the restart failed: {type(exc).__name__}: {exc}"
                 return EngineDeadError(
-                    f"the engine died ({cause}) and could not be restarted ({exc}): start a new EmbeddedEngine",
-                    restarted=False,
-                )
+                    f"the engine died ({cause}) and could not be restarted ({type(exc).__name__}: {exc}): start "
+                    "a new EmbeddedEngine", restarted=False)
             return EngineDeadError(
                 f"the engine died ({cause}); restarted it (restart {self._restarts} of "
                 f"max_restarts={limit}) with an empty prefix cache: send the request again",

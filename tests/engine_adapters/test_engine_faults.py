@@ -223,6 +223,24 @@ def test_a_dead_engine_restarts_once_then_stays_down(engine, tmp_path, measured)
     assert engine.generate(_prompt(5, 40), max_tokens=2).token_ids  # the others live on
 
 
+def test_a_restart_refused_by_a_config_check_leaves_the_engine_dead_not_closed(monkeypatch):
+    """The restart's ``start_llm`` raised a ``ConfigError`` (here vLLM's multiprocessing
+    switch set meanwhile): it escaped from the failed step instead of EngineDeadError,
+    and every later call said the engine was closed.  (An engine of its own.)"""
+    eng = start_default_engine(kv_cache_bytes=64 << 20, max_model_len=1024, max_restarts=1)
+    try:
+        with layer_fault(eng, times=None):  # dies: the probe fails too
+            monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+            with pytest.raises(EngineDeadError, match="could not be restarted \\(ConfigError: "
+                                                      "VLLM_ENABLE_V1_MULTIPROCESSING='1'") as info:
+                eng.generate(_prompt(23), max_tokens=4)
+        assert info.value.restarted is False and eng.restarts == 1 and eng.closed
+        with pytest.raises(EngineDeadError, match="the engine is down .*the restart failed: ConfigError"):
+            eng.generate(_prompt(23), max_tokens=4)
+    finally:
+        eng.close()
+
+
 @pytest.mark.reliability
 def test_an_engine_without_a_store_restarts_with_a_consistent_cache_and_mirror(engine, measured):
     """The plain engine (no connector, no store) dies mid-decode and comes back: vLLM's
