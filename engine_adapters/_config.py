@@ -290,15 +290,20 @@ class EngineConfig:
                     f"extra_kwargs sets {key!r}, which EngineConfig owns: use the "
                     f"field {_OWNED_KWARGS[key]} instead"
                 )
-        sizing = sorted(k for k in self.extra_kwargs if k in ("gpu_memory_utilization", "num_gpu_blocks_override"))
-        if sizing and self.kv_cache_bytes is not None:
-            # vLLM sizes the KV cache by kv_cache_memory_bytes when it is set and ignores
-            # these (until 2026-12-08 accepted: the engine kept kv_cache_bytes' cache)
-            raise ConfigError(
-                f"extra_kwargs sets {', '.join(map(repr, sizing))}, which vLLM ignores while kv_cache_bytes="
-                f"{self.kv_cache_bytes} sizes the KV cache: pass kv_cache_bytes=None to size it by vLLM's "
-                "share (GPUs only), or set the size in kv_cache_bytes"
-            )
+        if self.kv_cache_bytes is not None:
+            # vLLM 0.32 ignores gpu_memory_utilization for the KV cache while
+            # kv_cache_memory_bytes is set, and num_gpu_blocks_override replaces the block
+            # count kv_cache_memory_bytes gives (kv_cache_utils.get_kv_cache_configs): the
+            # cache would not be kv_cache_bytes either way (until 2026-12-08 accepted)
+            for key, why in (("gpu_memory_utilization", "which vLLM ignores while kv_cache_bytes sizes the KV cache"),
+                             ("num_gpu_blocks_override", "which overrides kv_cache_bytes (vLLM allocates that many "
+                                                         "blocks, whatever kv_cache_bytes says)")):
+                if key in self.extra_kwargs:
+                    raise ConfigError(
+                        f"extra_kwargs sets {key!r}, {why}; kv_cache_bytes={self.kv_cache_bytes} bounds the "
+                        "KV cache: set the size in kv_cache_bytes, or pass kv_cache_bytes=None to size it by "
+                        "vLLM's share (GPUs only)"
+                    )
         object.__setattr__(self, "extra_kwargs", dict(self.extra_kwargs))
         if self.kv_store is not None:
             if not isinstance(self.kv_store, StoreConfig):

@@ -136,9 +136,11 @@ def test_config_gpu_defaults_without_a_gpu():
         ({"enforce_eager": "yes"}, "enforce_eager"),
         ({"extra_kwargs": {"block_size": 32}}, "field block_size"),
         ({"extra_kwargs": {"kv_cache_memory_bytes": 1}}, "field kv_cache_bytes"),
-        # vLLM ignores these while kv_cache_memory_bytes sizes the cache (were accepted)
+        # vLLM ignores the first while kv_cache_memory_bytes sizes the cache, and the
+        # second overrides it (were accepted; the second was said to be ignored)
         ({"extra_kwargs": {"gpu_memory_utilization": 0.95}}, "'gpu_memory_utilization', which vLLM ignores"),
-        ({"extra_kwargs": {"num_gpu_blocks_override": 64}}, "pass kv_cache_bytes=None"),
+        ({"extra_kwargs": {"num_gpu_blocks_override": 64}},
+         "'num_gpu_blocks_override', which overrides kv_cache_bytes .*pass kv_cache_bytes=None"),
         # another tokenizer in vLLM than engine.tokenizer (the model folder's): unchecked
         ({"extra_kwargs": {"tokenizer": "gpt2"}}, "'tokenizer', which EngineConfig owns"),
         ({"model": "/no/such/model/folder"}, "does not exist"),
