@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,13 +330,41 @@ def _start(
     return spawn_logged(cmd, log, f"http://127.0.0.1:{port}", env)
 
 
-def _wait_healthy(servers: Sequence[LoopbackServer], deadline_s: float) -> None:
+def _lost_its_port(srv: LoopbackServer) -> bool:
+    """The server exited because another process bound its port first (the port was
+    free when chosen, then taken before the server's bind)."""
+    try:
+        return "Address already in use" in srv.log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _wait_healthy(
+    servers: list[LoopbackServer], deadline_s: float,
+    restart: Callable[[LoopbackServer], LoopbackServer | None] | None = None,
+) -> None:
+    """Wait until every server answers ``/health`` from its own process group.  A server
+    that lost its port to another process is started once more on a new port by
+    ``restart`` (it replaces the old one in ``servers``; ``None``: no new port); any
+    other exit is an error."""
     import httpx
 
     deadline = time.monotonic() + deadline_s
     pending = list(servers)
+    restarted: set[int] = set()
     while pending:
         for srv in list(pending):
+            again = None
+            if srv.proc.poll() is not None and restart is not None and id(srv) not in restarted \
+                    and _lost_its_port(srv):
+                again = restart(srv)
+            if again is not None:
+                srv.keep_log = False  # the cause is known: no log to keep
+                srv.stop()
+                restarted.add(id(again))
+                servers[servers.index(srv)] = again
+                pending[pending.index(srv)] = again
+                continue
             if srv.proc.poll() is not None:
                 srv.keep_log = True
                 raise EngineStartError(
@@ -382,12 +410,25 @@ def loopback_servers(
 
     model = ensure_default_model()
     servers: list[LoopbackServer] = []
+
+    def start(port: int) -> LoopbackServer:
+        return _start(model, port=port, block_size=block_size, kv_cache_gib=kv_cache_gib,
+                      max_model_len=max_model_len, extra_args=extra_args, extra_env=extra_env)
+
+    def restart(lost: LoopbackServer) -> LoopbackServer | None:
+        taken = {int(s.base_url.rsplit(":", 1)[1]) for s in servers}
+        fresh = [p for p in _free_ports(len(taken) + 1) if p not in taken]
+        if not fresh:
+            return None
+        port = fresh[0]
+        print(f"{lost.base_url}: another process took the port before vllm serve bound it; "
+              f"starting it again on {port}", file=sys.stderr)
+        return start(port)
+
     try:
         for port in _free_ports(n):
-            servers.append(_start(model, port=port, block_size=block_size, kv_cache_gib=kv_cache_gib,
-                                  max_model_len=max_model_len, extra_args=extra_args,
-                                  extra_env=extra_env))
-        _wait_healthy(servers, deadline_s)
+            servers.append(start(port))
+        _wait_healthy(servers, deadline_s, restart)
         yield servers
     finally:
         stop_servers(servers)

@@ -296,6 +296,32 @@ def test_an_answer_from_another_process_on_the_port_is_not_readiness(fake, tmp_p
         other.server_close()
 
 
+def test_a_server_that_lost_its_port_to_another_process_starts_again_on_a_new_one(fake, monkeypatch, capsys):
+    """The port is free when chosen and bound seconds later; another process taking it in
+    between made vllm serve exit ("Address already in use") and failed the whole start."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = holder.getsockname()[1]
+    real = srv_mod._free_ports
+    calls = []
+
+    def first_taken(n):
+        calls.append(n)
+        return [taken] if len(calls) == 1 else real(n)
+
+    monkeypatch.setattr(srv_mod, "_free_ports", first_taken)
+    try:
+        with srv_mod.loopback_servers(1, extra_env=fake, deadline_s=DEADLINE_S) as (srv,):
+            port = int(srv.base_url.rsplit(":", 1)[1])
+            assert port != taken and len(calls) == 2
+            assert httpx.get(srv.base_url + "/health", trust_env=False).status_code == 200
+            assert srv_mod.answered_by(srv.proc, port)
+    finally:
+        holder.close()
+    assert f"127.0.0.1:{taken}: another process took the port" in capsys.readouterr().err
+
+
 def test_the_ports_of_one_start_are_distinct():
     ports = srv_mod._free_ports(64)
     assert len(set(ports)) == 64
